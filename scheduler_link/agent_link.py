@@ -1,0 +1,241 @@
+"""The agent's side of the scheduler link: register, heartbeat, report events at once.
+
+Theory of operation
+-------------------
+One task (``run``) owns the link. It keeps a ``(boot_id, seq)`` pair: ``boot_id`` is
+fresh for every AgentLink (one per agent process start), ``seq`` grows by one per
+report sent. The first report, and every report after anything went wrong, is a
+*full* report built by ``hooks.full_report()`` (topology, GPU snapshot, every
+workload, manifests held); otherwise the link sends *heartbeats* that carry only
+what changed: the workload events queued by :meth:`AgentLink.notify` since the last
+report, the GPU snapshot when its health picture changed, the manifest list when it
+changed.
+
+Invariants:
+- ``notify`` never blocks and never raises; events are delivered in order.
+- Any doubt about what the placer has seen (a transport error, a 409, a reply with
+  ``need_full``) is answered with a full report, which supersedes every event lost
+  in between: the placer never needs a lost delta back.
+- Reconnects back off exponentially (jittered) up to ``backoff_max_s``.
+- ``ReportReply.stop`` (fencing: the placer placed those gangs elsewhere) is handed to
+  ``hooks.stop_workloads`` at once, in a task of the link's nursery, so a slow stop
+  never delays a heartbeat.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+import time
+import uuid
+from typing import Any, Protocol
+
+import httpx
+import msgspec
+import trio
+
+from .auth import auth_header
+from .messages import GpuSnapshot, NodeReport, ReportReply, Victim, WorkloadEvent
+
+log = logging.getLogger("herd.link.agent")
+
+_reply_decoder = msgspec.json.Decoder(ReportReply)
+
+
+class LinkHooks(Protocol):
+    """What the agent daemon offers the link."""
+
+    def full_report(self) -> NodeReport: ...
+
+    async def stop_workloads(self, victims: list[Victim]) -> None: ...
+
+    def gpu_snapshot(self) -> GpuSnapshot: ...
+
+
+def health_signature(snap: GpuSnapshot | None) -> Any:
+    """What, in a snapshot, is worth a report when it changes: inventory and health
+    (telemetry values move all the time and are not)."""
+    if snap is None:
+        return None
+    return (
+        tuple((g.index, g.uuid, g.health, tuple(r.code for r in g.reasons)) for g in snap.gpus),
+        snap.host.state, tuple(r.code for r in snap.host.reasons), snap.nvlink_domain,
+    )
+
+
+class AgentLink:
+    """Keeps one agent registered with the placer (see the module docstring)."""
+
+    def __init__(self, placer_url: str, token: str | None, node_id: str, hooks: Any, *,
+                 heartbeat_s: float = 5.0, backoff_min_s: float = 0.05, backoff_max_s: float = 5.0,
+                 request_timeout_s: float = 10.0, full_every: int = 12) -> None:
+        self.placer_url = placer_url.rstrip("/")
+        self.token = token
+        self.node_id = node_id
+        self.hooks = hooks
+        self.heartbeat_s = heartbeat_s
+        self.backoff_min_s = backoff_min_s
+        self.backoff_max_s = backoff_max_s
+        self.request_timeout_s = request_timeout_s
+        self.full_every = full_every  # a periodic full report heals any drift (manifests held, ...)
+        self._since_full = 0
+        self.boot_id = uuid.uuid4().hex
+        self.seq = 0
+        self._events_send, self._events_recv = trio.open_memory_channel[WorkloadEvent](math.inf)
+        self._wake = trio.Event()
+        self._need_full = True
+        self._last_health: Any = None
+        self._last_manifests: list[str] | None = None
+        self._pending_stops: list[list[Victim]] = []
+        # statistics
+        self.reports_sent = 0
+        self.full_reports_sent = 0
+        self.failures = 0
+        self.conflicts = 0
+        self.stops_received = 0
+        self.registered = False
+        self.last_ok_at: float | None = None
+        self.last_error: str | None = None
+
+    # ------------------------------------------------------------ daemon-facing API
+
+    def notify(self, event: WorkloadEvent) -> None:
+        """Queue a workload state change for the next report (sent at once). Never blocks, never raises."""
+        try:
+            self._events_send.send_nowait(event)
+            self._wake.set()
+        except Exception:  # a closed link drops events; a later full report carries the truth
+            log.debug("event dropped node=%s workload=%s", self.node_id, getattr(event, "workload_id", "?"))
+
+    def request_full_report(self) -> None:
+        """Ask for a full report on the next round (e.g. after a local recovery)."""
+        self._need_full = True
+        self._wake.set()
+
+    def statistics(self) -> dict[str, Any]:
+        return {
+            "placer_url": self.placer_url, "registered": self.registered, "boot_id": self.boot_id,
+            "seq": self.seq, "reports_sent": self.reports_sent, "full_reports_sent": self.full_reports_sent,
+            "failures": self.failures, "conflicts": self.conflicts, "stops_received": self.stops_received,
+            "last_ok_at": self.last_ok_at, "last_error": self.last_error, "heartbeat_s": self.heartbeat_s,
+        }
+
+    # ------------------------------------------------------------ the loop
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        headers = {"content-type": "application/json", **auth_header(self.token)}
+        limits = httpx.Limits(max_connections=2, max_keepalive_connections=2)
+        url = f"{self.placer_url}/v1/nodes/{self.node_id}/report"
+        async with httpx.AsyncClient(headers=headers, limits=limits,
+                                     timeout=self.request_timeout_s) as client, trio.open_nursery() as nursery:
+            task_status.started()
+            backoff = self.backoff_min_s
+            next_beat = trio.current_time()
+            while True:
+                if not self._need_full:
+                    with trio.move_on_at(next_beat):
+                        await self._wait_for_events()
+                report = self._build_report()
+                try:
+                    reply = await self._post(client, url, report)
+                except _Conflict:
+                    self.conflicts += 1
+                    self._need_full = True
+                    if report.full:  # a placer that refuses even a full report: back off
+                        await trio.sleep(backoff)
+                        backoff = min(self.backoff_max_s, backoff * 2)
+                    continue
+                except (httpx.HTTPError, OSError, _PlacerError, msgspec.DecodeError) as e:
+                    self.failures += 1
+                    self.registered = False
+                    self.last_error = f"{type(e).__name__}: {e}"
+                    self._need_full = True
+                    log.warning("report failed node=%s err=%s backoff=%.2fs", self.node_id, self.last_error, backoff)
+                    await trio.sleep(backoff * random.uniform(0.5, 1.0))
+                    backoff = min(self.backoff_max_s, backoff * 2)
+                    continue
+                backoff = self.backoff_min_s
+                self.registered = True
+                self.last_ok_at = time.time()
+                if report.full:
+                    log.info("registered node=%s boot=%s seq=%d", self.node_id, self.boot_id, report.seq)
+                if reply.heartbeat_interval_s:
+                    self.heartbeat_s = max(0.01, reply.heartbeat_interval_s)
+                if reply.need_full:
+                    self._need_full = True
+                if reply.stop:
+                    self.stops_received += len(reply.stop)
+                    nursery.start_soon(self._stop, reply.stop)
+                next_beat = trio.current_time() + self.heartbeat_s * random.uniform(0.8, 1.0)
+
+    async def _wait_for_events(self) -> None:
+        # Anything already queued goes out now; otherwise sleep until notify() or the deadline.
+        while True:
+            if self._events_recv.statistics().current_buffer_used or self._need_full:
+                return
+            self._wake = trio.Event()
+            await self._wake.wait()
+
+    def _drain_events(self) -> list[WorkloadEvent]:
+        out: list[WorkloadEvent] = []
+        while True:
+            try:
+                out.append(self._events_recv.receive_nowait())
+            except trio.WouldBlock:
+                return out
+
+    def _build_report(self) -> NodeReport:
+        self.seq += 1
+        now = time.time()
+        self._since_full += 1
+        if self.full_every and self._since_full >= self.full_every:
+            self._need_full = True
+        if self._need_full:
+            self._since_full = 0
+            events = self._drain_events()  # superseded by the full workload list
+            base: NodeReport = self.hooks.full_report()
+            self._last_health = health_signature(base.snapshot)
+            self._last_manifests = list(base.manifests) if base.manifests is not None else None
+            self._need_full = False
+            del events
+            return msgspec.structs.replace(base, node_id=self.node_id, boot_id=self.boot_id, seq=self.seq,
+                                           full=True, sent_at=now)
+        events = self._drain_events()
+        snap: GpuSnapshot | None = None
+        try:
+            cur = self.hooks.gpu_snapshot()
+            sig = health_signature(cur)
+            if sig != self._last_health:
+                snap, self._last_health = cur, sig
+        except Exception:
+            log.exception("gpu_snapshot hook failed node=%s", self.node_id)
+        return NodeReport(node_id=self.node_id, boot_id=self.boot_id, seq=self.seq, full=False,
+                          snapshot=snap, events=events, sent_at=now)
+
+    async def _post(self, client: httpx.AsyncClient, url: str, report: NodeReport) -> ReportReply:
+        r = await client.post(url, content=msgspec.json.encode(report))
+        if report.full:
+            self.full_reports_sent += 1
+        self.reports_sent += 1
+        if r.status_code == 409:
+            raise _Conflict()
+        if r.status_code != 200:
+            raise _PlacerError(f"placer answered {r.status_code}: {r.text[:200]}")
+        return _reply_decoder.decode(r.content)
+
+    async def _stop(self, victims: list[Victim]) -> None:
+        try:
+            log.info("placer asked to stop node=%s workloads=%s", self.node_id,
+                     ",".join(v.workload_id for v in victims))
+            await self.hooks.stop_workloads(list(victims))
+        except Exception:
+            log.exception("stop_workloads hook failed node=%s", self.node_id)
+
+
+class _Conflict(Exception):
+    pass
+
+
+class _PlacerError(Exception):
+    pass
