@@ -266,6 +266,85 @@ class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
     version: int = WIRE_VERSION
 
 
+# ---------------------------------------------------------------- placer API (jobs, nodes, cluster)
+
+JobState = Literal["pending", "placing", "starting", "running", "succeeded", "failed", "cancelled", "preempted"]
+
+
+class JobSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """Operator -> placer ``POST /v1/jobs``: a gang of ``pods x gpus_per_pod``."""
+    job_id: str = ""                         # empty: the placer names it
+    pods: int = 1
+    gpus_per_pod: int = 1
+    within: Within = "any"
+    priority: int = 0
+    preemptible: bool = True
+    whole_nodes: bool = False
+    manifest_id: str | None = None
+    origin: str | None = None
+    argv: list[str] = []
+    env: dict[str, str] = {}
+    grace_s: float = 30.0
+    restart: RestartPolicy = RestartPolicy()
+    version: int = WIRE_VERSION
+
+
+class PodView(msgspec.Struct, frozen=True, kw_only=True):
+    rank: int
+    node_id: str
+    workload_id: str
+    gpus: list[str] = []
+    gpu_indices: list[int] = []
+    state: str = "placing"
+    exit_code: int | None = None
+    reason: str | None = None
+
+
+class JobView(msgspec.Struct, frozen=True, kw_only=True):
+    """Placer -> operator: a job, its pods and its timings (unix seconds by event name:
+    submitted, decided, pushed, acked, running, ended)."""
+    job_id: str
+    spec: JobSpec
+    state: str
+    attempt: int = 0
+    restarts: int = 0
+    reason: str | None = None
+    pods: list[PodView] = []
+    timings: dict[str, float] = {}
+    version: int = WIRE_VERSION
+
+
+class NodeView(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    state: str                               # up | lost | fenced
+    control_url: str = ""
+    data_url: str = ""
+    topology: TopologyPath = TopologyPath()
+    nvlink_domain: str | None = None
+    gpus: int = 0
+    free_gpus: int = 0
+    unhealthy_gpus: list[int] = []
+    workloads: int = 0
+    simulated: bool = False
+    last_seen: float = 0.0
+
+
+class DefragRequest(msgspec.Struct, frozen=True, kw_only=True):
+    max_moves: int = 8
+    apply: bool = False
+
+
+class PrefetchFanout(msgspec.Struct, frozen=True, kw_only=True):
+    """Operator -> placer ``POST /v1/prefetch``: preheat a manifest on some nodes, named
+    directly or by a topology domain (``level`` in zone|block|rack, ``domain`` its name)."""
+    manifest_id: str
+    origin: str
+    nodes: list[str] = []
+    level: str | None = None
+    domain: str | None = None
+    version: int = WIRE_VERSION
+
+
 class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
     error: str
     detail: str | None = None
