@@ -19,8 +19,8 @@ Invariants
 ----------
 - A node's waiting sources are always strictly above it in the global order, so the
   "who waits on whom" graph is acyclic: no deadlock, however homes fail.
-- The home's list has no waiting peer source: it goes to the origin (after peers
-  below it, asked without waiting, in case one already holds the chunk).
+- The home's list has no waiting peer source: it goes to the origin (after any peer
+  known to hold the chunk already, asked without waiting).
 - The origin is always last.
 - Penalised nodes: banned ones (sent bad bytes) are dropped; ones cooling down (errors,
   stalls) are moved behind the healthy peers, before the origin.
@@ -32,7 +32,7 @@ is passed in. ``bench/herd_sim.py`` reuses the vectorised form for 10,000 nodes.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -120,12 +120,14 @@ ORIGIN = Source(kind="origin")
 
 def plan_sources(chunk_id: str, self_id: str, peers: Sequence[Peer], *,
                  penalties: Mapping[str, float] | None = None, now: float = 0.0,
-                 rack_aware: bool = True) -> list[Source]:
+                 rack_aware: bool = True, holders: Collection[str] = ()) -> list[Source]:
     """Ranked sources for one chunk as seen from ``self_id`` (see the module doc).
 
     ``penalties`` maps node id -> penalised-until time (``math.inf`` = banned for good);
     entries with until <= ``now`` are ignored. ``peers`` may or may not include this
-    node; its rack is taken from its own entry when present.
+    node; its rack is taken from its own entry when present. ``holders`` are nodes known
+    to hold the chunk already (their have-bitmaps): they go first, asked without
+    waiting; nodes ranked below us are asked only when they are holders.
     """
     by_id: dict[str, Peer] = {}
     for p in peers:
@@ -137,7 +139,7 @@ def plan_sources(chunk_id: str, self_id: str, peers: Sequence[Peer], *,
     ranked = order(chunk_id, ids)
     pos = ranked.index(self_id)
     above = [n for n in ranked[:pos]]
-    below = [n for n in ranked[pos + 1:]]
+    below = [n for n in ranked[pos + 1:] if n in holders]
 
     topo = rack_aware and me is not None and any(p.rack for p in by_id.values())
     if topo and me is not None:
@@ -149,7 +151,9 @@ def plan_sources(chunk_id: str, self_id: str, peers: Sequence[Peer], *,
     pen = penalties or {}
     good: list[Source] = []
     cooling: list[Source] = []
-    for n, wait in [(n, True) for n in above] + [(n, False) for n in below]:
+    hold = [n for n in above if n in holders] + below
+    cands = [(n, False) for n in hold] + [(n, True) for n in above if n not in holders]
+    for n, wait in cands:
         until = pen.get(n, 0.0)
         if until == math.inf:
             continue

@@ -1,0 +1,356 @@
+"""The herd fetcher: a manifest's missing chunks from peers and the origin, with about
+one copy of origin egress however many nodes fetch at once (DESIGN.md, the herd protocol).
+
+Shape (decide, then act): for each chunk, :func:`p2p.rendezvous.plan_sources` — a pure
+function of (chunk, this node, the peer list, the penalty book, now) — returns the
+ranked sources; this module only carries the plan out:
+
+- the chunk's home (plan = origin only) fetches it from the origin, with bounded
+  concurrency and retries with jittered backoff while the origin is down;
+- everyone else asks the peers ranked above it with ``?wait_ms=`` so a request lands on
+  the home's in-flight download (or waits for the home to start it);
+- a source that fails (refused, 404 after the wait, timeout, stall, bad bytes) is
+  penalised in :class:`p2p.peers.PeerHealth` and the next-ranked source is tried, the
+  origin last. Bad bytes ban the peer for the rest of the fetch;
+- racing follows trio's happy-eyeballs pattern: attempts start one after another in one
+  nursery, the next when the previous failed — or, in the *endgame* (the last few
+  outstanding chunks), at once on a second peer; the first verified answer wins and
+  the losers are cancelled;
+- one download per chunk per node (single flight across every fetch run by this Herd);
+- every chunk is verified (BLAKE3 == id) before it is stored.
+
+State has one owner: the Herd's tasks all run in one trio thread, and the counters and
+the penalty book are only touched from it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import blake3
+import msgspec
+import trio
+
+from scheduler_link.messages import Peer
+
+from .errors import IntegrityError, NotFoundError, OriginError, PeerError
+from .peers import PeerClient, PeerClientConfig, PeerHealth, PeerMissing
+from .ratelimit import AsyncBucket
+from .rendezvous import Source, plan_sources
+
+log = logging.getLogger("herd.p2p.herd")
+
+
+@dataclass(frozen=True, slots=True)
+class HerdConfig:
+    workers: int = 16                  # chunks in flight on this node
+    per_peer: int = 8                  # concurrent requests to one peer
+    origin_concurrency: int = 8        # concurrent origin requests from this node
+    wait_ms: int = 60_000              # how long we let a peer ranked above us make us wait
+    head_grace_s: float = 5.0
+    stall_s: float = 10.0
+    penalty_s: float = 30.0
+    endgame: int = 4                   # duplicate the last N outstanding chunks to a 2nd peer
+    origin_retry_s: float = 120.0      # keep retrying an unreachable origin this long
+    backoff_min_s: float = 0.1
+    backoff_max_s: float = 5.0
+    peer_rate_bps: float | None = None    # optional caps (bits/s) on what we receive
+    origin_rate_bps: float | None = None
+    rack_aware: bool = True
+    max_rounds: int = 4                # replans of one chunk after every source failed
+
+
+class HerdCounters(msgspec.Struct, kw_only=True):
+    bytes_from_origin: int = 0
+    bytes_from_peers: int = 0
+    bytes_local: int = 0
+    chunks_from_origin: int = 0
+    chunks_from_peers: int = 0
+    chunks_local: int = 0
+    origin_retries: int = 0
+    origin_errors: int = 0
+    integrity_failures: int = 0
+    endgame_duplicates: int = 0
+    wasted_bytes: int = 0             # received from a loser of a race, or bad bytes
+    chunks_in_flight: int = 0
+
+
+class HerdError(PeerError):
+    """Every source of a chunk failed, repeatedly."""
+
+
+class Herd:
+    """A node's herd fetcher. Long-lived (the agent keeps one) or per fetch."""
+
+    def __init__(self, store: Any, *, node_id: str, token: str | None,
+                 config: HerdConfig | None = None) -> None:
+        self.store = store
+        self.node_id = node_id
+        self.config = cfg = config or HerdConfig()
+        self.client = PeerClient(token=token, config=PeerClientConfig(
+            head_grace_s=cfg.head_grace_s, stall_s=cfg.stall_s, rate_bps=cfg.peer_rate_bps))
+        self.health = PeerHealth(penalty_s=cfg.penalty_s)
+        self.counters = HerdCounters()
+        self._origin_limit = trio.CapacityLimiter(cfg.origin_concurrency)
+        self._origin_bucket = AsyncBucket(cfg.origin_rate_bps)
+        self._peer_limits: dict[str, trio.CapacityLimiter] = {}
+        self._inflight: dict[str, trio.Event] = {}
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+    def statistics(self) -> dict[str, Any]:
+        s = msgspec.structs.asdict(self.counters)
+        s["peers"] = self.health.snapshot()
+        s["penalised"] = sorted(self.health.penalties(trio.current_time()) if _in_trio() else self.health.until)
+        return s
+
+    # ------------------------------------------------------------------ manifests
+
+    async def fetch_manifest_bytes(self, manifest_id: str, origin: Any, peers: Sequence[Peer]) -> bytes:
+        """The manifest's bytes from the first peer that has them (verified by id), else the
+        origin (the caller verifies origin bytes on decode)."""
+        for p in peers:
+            if p.node_id == self.node_id:
+                continue
+            try:
+                with trio.move_on_after(self.config.head_grace_s + self.config.stall_s):
+                    data = await self.client.get_manifest(p.data_url, manifest_id)
+                    if blake3.blake3(data).hexdigest() == manifest_id:
+                        return data
+                    self.health.bad_bytes(p.node_id, "manifest does not match its id")
+            except PeerError:
+                continue
+        return await self._origin_call(origin.get_manifest, manifest_id)
+
+    async def _holders(self, manifest_id: str, peers: Sequence[Peer]) -> dict[str, list[str]]:
+        """chunk id -> peers whose have-bitmap says they hold it (asked once, briefly, in
+        parallel; a peer that does not answer simply holds nothing as far as we know)."""
+        out: dict[str, list[str]] = {}
+        try:
+            ids = [c.id for c in self.store.get_manifest(manifest_id).chunks]
+        except Exception:
+            return out
+
+        async def ask(p: Peer) -> None:
+            with trio.move_on_after(self.config.head_grace_s):
+                try:
+                    bits = await self.client.get_have(p.data_url, manifest_id, len(ids))
+                except PeerError:
+                    return
+                for i, cid in enumerate(ids):
+                    if bits[i >> 3] & (0x80 >> (i & 7)):
+                        out.setdefault(cid, []).append(p.node_id)
+
+        async with trio.open_nursery() as nursery:
+            for p in peers:
+                if p.node_id != self.node_id:
+                    nursery.start_soon(ask, p)
+        return out
+
+    # ------------------------------------------------------------------ chunks
+
+    async def fetch_chunks(self, chunks: Sequence[tuple[str, int]], origin: Any,
+                           peers: Sequence[Peer], *, manifest_id: str | None = None,
+                           progress: Callable[[int], None] | None = None) -> HerdCounters:
+        """Get every (id, size) in ``chunks`` into the store. Returns this call's counters
+        (the Herd's running totals are in :meth:`statistics`). Raises StoreFullError,
+        IntegrityError / NotFoundError from the origin, or HerdError."""
+        run = HerdCounters()
+        peers = list(peers)
+        todo: list[tuple[str, int]] = []
+        for cid, size in chunks:
+            if self.store.has_chunk(cid):
+                run.bytes_local += size
+                run.chunks_local += 1
+            else:
+                todo.append((cid, size))
+        self.counters.bytes_local += run.bytes_local
+        self.counters.chunks_local += run.chunks_local
+        if not todo:
+            return run
+        holders = await self._holders(manifest_id, peers) if manifest_id else {}
+        endgame = trio.Event()
+        state = {"next": 0, "outstanding": 0}
+
+        async def worker() -> None:
+            while state["next"] < len(todo):
+                cid, size = todo[state["next"]]
+                state["next"] += 1
+                state["outstanding"] += 1
+                try:
+                    await self.get_chunk(cid, size, origin, peers, endgame=endgame, run=run,
+                                         holders=holders.get(cid, ()))
+                finally:
+                    state["outstanding"] -= 1
+                if progress is not None:
+                    progress(size)
+                if state["next"] >= len(todo) and state["outstanding"] <= self.config.endgame:
+                    endgame.set()
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(min(self.config.workers, len(todo))):
+                nursery.start_soon(worker)
+        return run
+
+    async def get_chunk(self, cid: str, size: int, origin: Any, peers: Sequence[Peer], *,
+                        endgame: trio.Event | None = None, run: HerdCounters | None = None,
+                        holders: Sequence[str] = ()) -> None:
+        """One chunk into the store, single-flight: concurrent callers share one download."""
+        while True:
+            if self.store.has_chunk(cid):
+                return
+            ev = self._inflight.get(cid)
+            if ev is None:
+                break
+            await ev.wait()
+        ev = self._inflight[cid] = trio.Event()
+        self.counters.chunks_in_flight += 1
+        try:
+            await self._acquire(cid, size, origin, peers, endgame or trio.Event(), run or HerdCounters(),
+                                holders)
+        finally:
+            self.counters.chunks_in_flight -= 1
+            del self._inflight[cid]
+            ev.set()
+
+    async def _acquire(self, cid: str, size: int, origin: Any, peers: Sequence[Peer],
+                       endgame: trio.Event, run: HerdCounters, holders: Sequence[str]) -> None:
+        last: Exception | None = None
+        for _ in range(self.config.max_rounds):
+            plan = plan_sources(cid, self.node_id, peers, penalties=self.health.penalties(trio.current_time()),
+                                now=trio.current_time(), rack_aware=self.config.rack_aware,
+                                holders=holders)
+            won = await self._race(cid, size, plan, origin, endgame)
+            if won is not None:
+                data, src = won
+                await trio.to_thread.run_sync(self.store.put_chunk, cid, data)
+                for c in (self.counters, run):
+                    if src.kind == "origin":
+                        c.bytes_from_origin += size
+                        c.chunks_from_origin += 1
+                    else:
+                        c.bytes_from_peers += size
+                        c.chunks_from_peers += 1
+                return
+            last = HerdError(f"chunk {cid[:16]}: every source failed")
+        raise last or HerdError(f"chunk {cid[:16]}: no source")
+
+    async def _race(self, cid: str, size: int, plan: list[Source], origin: Any,
+                    endgame: trio.Event) -> tuple[bytes, Source] | None:
+        """Happy eyeballs over ``plan``: start the next attempt when the previous failed,
+        or (once, in the endgame) when the next source is a waiting peer. First verified
+        answer wins; the others are cancelled."""
+        winner: list[tuple[bytes, Source]] = []
+        fatal: list[BaseException] = []
+        duplicated = False
+
+        async def attempt(src: Source, failed: trio.Event) -> None:
+            try:
+                data = await self._try(src, cid, size, origin)
+            except (PeerError, OriginError) as e:
+                if isinstance(e, NotFoundError | IntegrityError) and src.kind == "origin":
+                    fatal.append(e)
+                    nursery.cancel_scope.cancel()
+                failed.set()
+                return
+            if not winner:
+                winner.append((data, src))
+                nursery.cancel_scope.cancel()
+            else:
+                self.counters.wasted_bytes += len(data)
+
+        async with trio.open_nursery() as nursery:
+            for i, src in enumerate(plan):
+                failed = trio.Event()
+                nursery.start_soon(attempt, src, failed)
+                nxt = plan[i + 1] if i + 1 < len(plan) else None
+                may_dup = (not duplicated and nxt is not None and nxt.kind == "peer" and nxt.wait
+                           and src.kind == "peer")
+                if may_dup:
+                    which = await _first(failed.wait, endgame.wait)
+                    if which == 1 and not failed.is_set():
+                        duplicated = True
+                        self.counters.endgame_duplicates += 1
+                else:
+                    await failed.wait()
+        if fatal:
+            raise fatal[0]
+        return winner[0] if winner else None
+
+    async def _try(self, src: Source, cid: str, size: int, origin: Any) -> bytes:
+        if src.kind == "origin":
+            data = await self._origin_call(origin.get_chunk, cid)
+            if len(data) != size or blake3.blake3(data).hexdigest() != cid:
+                self.counters.integrity_failures += 1
+                raise IntegrityError(f"origin chunk {cid[:16]} does not match its hash")
+            return data
+        limiter = self._peer_limits.get(src.node_id)
+        if limiter is None:
+            limiter = self._peer_limits[src.node_id] = trio.CapacityLimiter(self.config.per_peer)
+        try:
+            async with limiter:
+                data = await self.client.get_chunk(src.url, cid, size,
+                                                   wait_ms=self.config.wait_ms if src.wait else 0)
+        except PeerMissing:
+            self.health.missing(src.node_id)
+            raise
+        except PeerError as e:
+            self.health.failed(src.node_id, e, trio.current_time())
+            raise
+        if blake3.blake3(data).hexdigest() != cid:
+            self.counters.integrity_failures += 1
+            self.counters.wasted_bytes += len(data)
+            self.health.bad_bytes(src.node_id, f"chunk {cid[:16]} does not match its hash")
+            raise PeerError(f"peer {src.node_id} sent bad bytes for {cid[:16]}")
+        self.health.ok(src.node_id, len(data))
+        return data
+
+    async def _origin_call(self, fn: Callable[[str], Any], ident: str) -> bytes:
+        """Call the origin with bounded concurrency; retry OriginError (not NotFoundError)
+        with jittered exponential backoff for up to ``origin_retry_s``."""
+        cfg = self.config
+        delay = cfg.backoff_min_s
+        deadline = trio.current_time() + cfg.origin_retry_s
+        while True:
+            try:
+                async with self._origin_limit:
+                    data = await fn(ident)
+                await self._origin_bucket.consume(len(data))
+                return bytes(data)
+            except NotFoundError:
+                raise
+            except OriginError as e:
+                self.counters.origin_errors += 1
+                if trio.current_time() + delay > deadline:
+                    raise OriginError(f"origin kept failing for {cfg.origin_retry_s:.0f}s: {e}") from None
+                self.counters.origin_retries += 1
+                log.info("origin failed; retrying in %.2fs id=%s err=%s", delay, ident[:16], e)
+                await trio.sleep(delay * random.uniform(0.5, 1.0))
+                delay = min(delay * 2, cfg.backoff_max_s)
+
+
+async def _first(*waits: Callable[[], Any]) -> int:
+    """Run the waits concurrently; return the index of the first to finish, cancel the rest."""
+    done: list[int] = []
+    async with trio.open_nursery() as nursery:
+        for i, w in enumerate(waits):
+            async def one(i: int = i, w: Callable[[], Any] = w) -> None:
+                await w()
+                if not done:
+                    done.append(i)
+                nursery.cancel_scope.cancel()
+            nursery.start_soon(one)
+    return done[0]
+
+
+def _in_trio() -> bool:
+    try:
+        trio.lowlevel.current_task()
+        return True
+    except RuntimeError:
+        return False
