@@ -1,0 +1,70 @@
+"""Deciding whether a placement can be honoured: a pure function over plain data.
+
+Invariants it enforces (DESIGN.md, Contracts; issue 4 §1):
+- every GPU a pod names is in this node's inventory and not fatal-unhealthy;
+- no GPU is given to two live workloads: a GPU held by a non-terminal workload is
+  free only when that workload is one of this same placement's victims;
+- no two pods of the placement share a GPU, and workload ids are new and well formed;
+- a placement that starts pods has an argv.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+from scheduler_link.messages import WIRE_VERSION, Placement
+
+from .state import WorkloadRecord
+
+WORKLOAD_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def gpus_in_use(records: Iterable[WorkloadRecord]) -> dict[str, str]:
+    """GPU UUID -> id of the live (non-terminal) workload holding it."""
+    return {g: r.workload_id for r in records if not r.terminal for g in r.gpus}
+
+
+def check_placement(p: Placement, records: Mapping[str, WorkloadRecord],
+                    gpu_health: Mapping[str, str] | None) -> str | None:
+    """None when ``p`` may be accepted, else the reason it is refused.
+
+    ``gpu_health`` maps every GPU UUID of this node to healthy|degraded|fatal
+    (None: the inventory is not known yet, so any GPU is refused).
+    """
+    if p.version != WIRE_VERSION:
+        return f"unsupported placement version {p.version} (this agent speaks {WIRE_VERSION})"
+    if not p.placement_id or not p.job_id:
+        return "placement_id and job_id are required"
+    if p.pods and not p.argv:
+        return "a placement that starts pods needs argv"
+    if p.grace_s < 0 or any(v.grace_s < 0 for v in p.victims):
+        return "grace periods must be >= 0"
+    victim_ids = {v.workload_id for v in p.victims}
+    busy = gpus_in_use(records.values())
+    seen_gpus: dict[str, str] = {}
+    seen_ids: set[str] = set()
+    for pod in p.pods:
+        wid = pod.workload_id
+        if not WORKLOAD_ID_RE.match(wid):
+            return f"bad workload id {wid!r} (letters, digits, . _ -; at most 128)"
+        if wid in records or wid in seen_ids:
+            return f"workload {wid} already exists on this node"
+        seen_ids.add(wid)
+        if len(set(pod.gpus)) != len(pod.gpus):
+            return f"workload {wid} names a GPU twice"
+        for g in pod.gpus:
+            if gpu_health is None:
+                return "GPU inventory not discovered yet"
+            health = gpu_health.get(g)
+            if health is None:
+                return f"unknown GPU {g} (not on this node)"
+            if health == "fatal":
+                return f"GPU {g} is fatal-unhealthy"
+            if g in seen_gpus:
+                return f"GPU {g} given to both {seen_gpus[g]} and {wid}"
+            seen_gpus[g] = wid
+            holder = busy.get(g)
+            if holder is not None and holder not in victim_ids:
+                return f"GPU {g} is in use by workload {holder}"
+    return None

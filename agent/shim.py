@@ -1,0 +1,209 @@
+"""The per-workload shim: a tiny stdlib-only program that owns one workload.
+
+Why a shim (and not ``systemd-run`` transient units)
+----------------------------------------------------
+A restarted agent is not the parent of the workloads it started, so it cannot
+``waitpid`` them, and ``pidfd`` tells *that* a process exited, never *how*. Someone
+that outlives the agent must collect the exit status and put it on disk. systemd can
+be that someone (``systemd-run --unit`` keeps ``ExecMainStatus``), but:
+
+* it needs systemd as PID 1 and a D-Bus round trip per start (``systemd-run`` costs
+  20-60 ms of forks, D-Bus and unit setup), so the 10 ms placement->start target is
+  out of reach, and containers/CI/dev laptops have no systemd at all;
+* exit statuses and logs would live in systemd's namespace (journal, unit GC), not
+  in our state dir next to the rest of the workload's record.
+
+So each workload runs under this shim (the pattern of containerd's shim and Nomad's
+executor). The shim lives in its own session, survives ``KillMode=process`` and an
+agent SIGKILL, puts the workload in a *new* session/process group (so the agent can
+signal the whole group), copies its stdout/stderr into size-capped rotated log
+files, and writes ``exit.json`` atomically when the workload ends.
+
+A Python interpreter takes ~20-30 ms to start, so the agent keeps a small pool of
+shims started ahead of time (:mod:`agent.launcher`); each waits on its stdin for one
+command. The hot path is then one pipe write, one fork+exec and one pipe read.
+
+Protocol (one JSON object per line)
+-----------------------------------
+shim -> agent on stdout: ``{"ready": true, "shim_pid": P}`` once imported.
+agent -> shim on stdin: ``{"dir", "argv", "env", "cwd", "log_max_bytes", "log_keep"}``.
+shim -> agent: ``{"ok": true, "pid", "start_time", "boot_id"}`` or
+``{"ok": false, "error"}``; then the shim detaches from both pipes.
+Files in ``dir``: ``run.json`` (identity of the workload process, written before the
+reply), ``exit.json``
+(``code``: exit status, 128+N for signal N; ``signal``; ``at``), ``stdout.log``,
+``stderr.log`` (+ ``.1`` .. ``.keep`` rotations), ``shim.log``.
+
+This file imports only the standard library: it is run as a script with
+``python -I -S`` for a fast start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import time
+
+
+def _atomic_write(path: str, obj: dict) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, json.dumps(obj).encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, path)
+    dfd = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _start_time(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+        return int(data[data.rfind(b")") + 2:].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return "unknown-boot"
+
+
+class RotatingLog:
+    """Append-only log capped at ``max_bytes`` per file, keeping ``keep`` old files."""
+
+    def __init__(self, path: str, max_bytes: int, keep: int) -> None:
+        self.path, self.max_bytes, self.keep = path, max(1024, max_bytes), max(0, keep)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.size = os.fstat(self.fd).st_size
+
+    def write(self, data: bytes) -> None:
+        while data:
+            room = self.max_bytes - self.size
+            if room <= 0:
+                self._rotate()
+                continue
+            part, data = data[:room], data[room:]
+            os.write(self.fd, part)
+            self.size += len(part)
+
+    def _rotate(self) -> None:
+        os.close(self.fd)
+        if self.keep == 0:
+            os.unlink(self.path)
+        else:
+            for i in range(self.keep - 1, 0, -1):
+                src = f"{self.path}.{i}"
+                if os.path.exists(src):
+                    os.replace(src, f"{self.path}.{i + 1}")
+            os.replace(self.path, f"{self.path}.1")
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        self.size = 0
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _reply(obj: dict) -> None:
+    try:
+        os.write(1, (json.dumps(obj) + "\n").encode())
+    except OSError:  # the agent is gone; the workload goes on regardless
+        pass
+
+
+def _detach_stdio(log_path: str | None) -> None:
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)
+    os.dup2(null, 1)
+    if log_path:
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(fd, 2)
+        os.close(fd)
+    else:
+        os.dup2(null, 2)
+    os.close(null)
+
+
+def _pump(proc: subprocess.Popen, logs: dict[int, RotatingLog]) -> int:
+    sel = selectors.DefaultSelector()
+    for fd in logs:
+        sel.register(fd, selectors.EVENT_READ)
+    rc: int | None = None
+    while sel.get_map():
+        events = sel.select(timeout=0.5 if rc is None else 0.05)
+        for key, _ in events:
+            try:
+                data = os.read(key.fd, 1 << 16)
+            except OSError:
+                data = b""
+            if data:
+                logs[key.fd].write(data)
+            else:
+                sel.unregister(key.fd)
+        if rc is None:
+            rc = proc.poll()
+        elif not events:
+            break  # exited, and a leftover grandchild may hold the pipe: stop copying
+    sel.close()
+    return proc.wait() if rc is None else rc
+
+
+def main() -> int:
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _reply({"ready": True, "shim_pid": os.getpid()})
+    line = sys.stdin.buffer.readline()
+    if not line:
+        return 0  # the agent went away before giving us work
+    try:
+        cmd = json.loads(line)
+        wdir = cmd["dir"]
+        max_bytes = int(cmd.get("log_max_bytes", 16 << 20))
+        keep = int(cmd.get("log_keep", 2))
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        proc = subprocess.Popen(
+            cmd["argv"], env=cmd["env"], cwd=cmd.get("cwd") or wdir,
+            stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
+            start_new_session=True, close_fds=True,
+        )
+        os.close(out_w)
+        os.close(err_w)
+    except Exception as e:  # bad command or exec failure: tell the agent, run nothing
+        _reply({"ok": False, "error": f"{type(e).__name__}: {e}"})
+        return 1
+    pid = proc.pid
+    ident = {"pid": pid, "start_time": _start_time(pid), "boot_id": _boot_id(),
+             "shim_pid": os.getpid(), "shim_start_time": _start_time(os.getpid()),
+             "started_at": time.time()}
+    # run.json before the reply: once the agent has heard "ok", a restarted agent finds it.
+    _atomic_write(os.path.join(wdir, "run.json"), ident)
+    _reply({"ok": True, **ident})
+    _detach_stdio(os.path.join(wdir, "shim.log"))
+    logs = {out_r: RotatingLog(os.path.join(wdir, "stdout.log"), max_bytes, keep),
+            err_r: RotatingLog(os.path.join(wdir, "stderr.log"), max_bytes, keep)}
+    rc = _pump(proc, logs)
+    for fd, lg in logs.items():
+        lg.close()
+        os.close(fd)
+    sig = -rc if rc < 0 else None
+    _atomic_write(os.path.join(wdir, "exit.json"),
+                  {"code": 128 + sig if sig else rc, "signal": sig, "at": time.time(), "pid": pid})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+"""The agent's persisted state: every workload record and the acks of accepted placements.
+
+One file, ``<state-dir>/state.json``, rewritten atomically (temp file, fsync, rename,
+fsync of the directory) by the supervisor's owner task after each batch of events.
+Small by construction: terminal records beyond ``keep_terminal`` are pruned oldest
+first. A file that does not decode is moved aside (``state.json.bad-<time>``) and
+the agent starts empty rather than trusting half of it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import msgspec
+
+from scheduler_link.messages import TERMINAL_STATES, Peer, PlacementAck, RestartPolicy, WorkloadStatus
+
+log = logging.getLogger("herd.agent.state")
+
+STATE_VERSION = 1
+
+
+class WorkloadRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """Everything the agent must remember about one workload across restarts."""
+    workload_id: str
+    job_id: str
+    placement_id: str = ""
+    rank: int = 0
+    world_size: int = 1
+    gpus: list[str] = []
+    gpu_indices: list[int] = []
+    argv: list[str] = []
+    env: dict[str, str] = {}
+    manifest_id: str | None = None
+    origin: str | None = None
+    peers: list[Peer] = []
+    grace_s: float = 30.0
+    restart: RestartPolicy = RestartPolicy()
+    direct: bool = False
+    wait_for: list[str] = []             # victims that must be gone before this starts
+    state: str = "accepted"
+    exit_code: int | None = None
+    reason: str | None = None
+    created_at: float = 0.0
+    started_at: float | None = None
+    updated_at: float = 0.0
+    # identity of the running process (see agent.procs)
+    pid: int | None = None
+    start_time: int | None = None
+    boot_id: str | None = None
+    shim_pid: int | None = None
+    shim_start_time: int | None = None
+    restarts: int = 0
+    # graceful stop, persisted so a restarted agent resumes the countdown
+    stop_reason: str | None = None
+    stop_deadline: float | None = None
+    term_sent: bool = False
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    def status(self) -> WorkloadStatus:
+        return WorkloadStatus(
+            workload_id=self.workload_id, job_id=self.job_id, placement_id=self.placement_id,
+            rank=self.rank, world_size=self.world_size, gpus=list(self.gpus), state=self.state,  # type: ignore[arg-type]
+            exit_code=self.exit_code, reason=self.reason, manifest_id=self.manifest_id,
+            pid=self.pid if not self.terminal else None, created_at=self.created_at,
+            started_at=self.started_at, updated_at=self.updated_at)
+
+
+class AgentState(msgspec.Struct, frozen=True, kw_only=True):
+    version: int = STATE_VERSION
+    node_id: str = ""
+    records: list[WorkloadRecord] = []
+    acks: list[PlacementAck] = []
+
+
+_decoder = msgspec.json.Decoder(AgentState)
+
+
+class StateFile:
+    def __init__(self, state_dir: str | os.PathLike[str], *, keep_terminal: int = 200, keep_acks: int = 1000):
+        self.dir = Path(state_dir)
+        self.path = self.dir / "state.json"
+        self.keep_terminal = keep_terminal
+        self.keep_acks = keep_acks
+        self.writes = 0
+
+    def load(self) -> AgentState:
+        try:
+            data = self.path.read_bytes()
+        except FileNotFoundError:
+            return AgentState()
+        try:
+            st = _decoder.decode(data)
+            if st.version != STATE_VERSION:
+                raise msgspec.ValidationError(f"state version {st.version} != {STATE_VERSION}")
+            return st
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            aside = self.path.with_name(f"state.json.bad-{int(time.time())}")
+            os.replace(self.path, aside)
+            log.error("state file unreadable, set aside path=%s err=%s", aside, e)
+            return AgentState()
+
+    def prune(self, st: AgentState) -> AgentState:
+        terminal = [r for r in st.records if r.terminal]
+        if len(terminal) <= self.keep_terminal and len(st.acks) <= self.keep_acks:
+            return st
+        drop = {r.workload_id for r in sorted(terminal, key=lambda r: r.updated_at)[: len(terminal) - self.keep_terminal]}
+        return msgspec.structs.replace(
+            st, records=[r for r in st.records if r.workload_id not in drop], acks=st.acks[-self.keep_acks:])
+
+    def save(self, st: AgentState) -> None:
+        atomic_write(self.path, msgspec.json.encode(self.prune(st)))
+        self.writes += 1
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """temp + fsync + rename + fsync(dir): the file is either old or new, never torn."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)

@@ -1,0 +1,547 @@
+"""The workload supervisor: accepts placements, runs workloads under shims, stops them.
+
+Theory of operation
+-------------------
+One owner task (:meth:`Supervisor.run`) holds every :class:`WorkloadRecord`. Everyone
+else -- HTTP handlers, the scheduler link, the per-workload tasks -- sends it frozen
+events over a memory channel; the owner applies a batch, persists the state file
+once (atomically), and only then answers, sets events and starts tasks. So a reply
+or a started process is never ahead of what is on disk.
+
+Per workload, one life-cycle task (in the owner's nursery) walks
+accepted -> fetching -> starting -> running, then waits for the shim to exit and
+reads the exit status it recorded. A stop (operator, victim, fencing) persists
+``terminating`` with an absolute deadline first, then a killer task writes the
+notice file, SIGTERMs the process group and SIGKILLs it at the deadline. A
+restarted agent re-adopts a live workload only when (pid, start time, boot id) of
+the workload or of its shim match what was recorded, and resumes a countdown from
+the recorded deadline (no new SIGTERM if one was sent, no fresh grace period).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from scheduler_link.messages import Placement, PlacementAck, WorkloadEvent, WorkloadStatus
+
+from . import procs
+from .errors import AgentError, ShimError, UnknownWorkload
+from .launcher import LaunchCommand, ShimPool, wait_exit
+from .placement import check_placement
+from .state import AgentState, StateFile, WorkloadRecord, atomic_write
+
+log = logging.getLogger("herd.agent.supervisor")
+
+_SCRUB_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
+              "LISTEN_FDNAMES", "INVOCATION_ID", "HERD_TOKEN_DIR")
+
+# (manifest_id, origin, peers) -> (materialised tree, fetch figures by source)
+ArtifactFetcher = Callable[[str, str | None, list[Any]], Awaitable[tuple[Path, dict[str, int]]]]
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorConfig:
+    shim_pool: int = 2
+    log_max_bytes: int = 16 << 20
+    log_keep: int = 2
+    keep_terminal: int = 200
+    default_grace_s: float = 30.0
+
+
+# ---------------------------------------------------------------- events to the owner
+
+@dataclass(frozen=True, slots=True)
+class _Place:
+    placement: Placement
+    direct: bool
+    reply: trio.MemorySendChannel[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class _Stop:
+    workload_id: str
+    reason: str
+    grace_s: float | None
+    reply: trio.MemorySendChannel[Any] | None
+
+
+@dataclass(frozen=True, slots=True)
+class _Change:
+    """A life-cycle task reports a change of one record (fields to replace)."""
+    workload_id: str
+    fields: Mapping[str, Any]
+    done: trio.Event | None = None
+    fetch: Mapping[str, int] | None = None
+
+
+@dataclass(slots=True)
+class _Runtime:
+    """Owner-side, in-memory companions of a record (never persisted)."""
+    gone: trio.Event = field(default_factory=trio.Event)       # record reached a terminal state
+    stop: trio.Event = field(default_factory=trio.Event)       # a stop was requested
+    pre_start: trio.CancelScope = field(default_factory=trio.CancelScope)
+    killer_started: bool = False
+
+
+def _final_state(stop_reason: str | None) -> str:
+    return "preempted" if stop_reason and stop_reason.startswith("preempt") else "exited"
+
+
+class Supervisor:
+    def __init__(self, state_dir: str | os.PathLike[str], *, node_id: str,
+                 gpu_health: Callable[[], Mapping[str, str] | None],
+                 config: SupervisorConfig = SupervisorConfig(),
+                 fetcher: ArtifactFetcher | None = None,
+                 base_env: Mapping[str, str] | None = None,
+                 clock: Callable[[], float] = time.time,
+                 pool: ShimPool | None = None) -> None:
+        self.state_dir = Path(state_dir)
+        self.wl_dir = self.state_dir / "workloads"
+        self.node_id = node_id
+        self.config = config
+        self._gpu_health = gpu_health
+        self._fetcher = fetcher
+        self._clock = clock
+        self._base_env = {k: v for k, v in (base_env if base_env is not None else os.environ).items()
+                          if k not in _SCRUB_ENV}
+        self.pool = pool or ShimPool(config.shim_pool)
+        self._file = StateFile(self.state_dir, keep_terminal=config.keep_terminal)
+        self._send, self._recv = trio.open_memory_channel[Any](10_000)
+        self._records: dict[str, WorkloadRecord] = {}
+        self._acks: dict[str, PlacementAck] = {}
+        self._rt: dict[str, _Runtime] = {}
+        self._listeners: list[Callable[[WorkloadEvent], None]] = []
+        self._nursery: trio.Nursery | None = None
+        self.ready = False
+        self.counters: Counter[str] = Counter()
+        self.fetch_bytes: Counter[str] = Counter()
+
+    # ------------------------------------------------------------ public API (any task)
+
+    def add_listener(self, fn: Callable[[WorkloadEvent], None]) -> None:
+        """``fn(event)`` is called (synchronously, must not block) on every state change."""
+        self._listeners.append(fn)
+
+    async def place(self, placement: Placement, *, direct: bool = False) -> PlacementAck:
+        """Accept or refuse ``placement`` (idempotent by placement id); returns at once."""
+        send, recv = trio.open_memory_channel[Any](1)
+        await self._send.send(_Place(placement, direct, send))
+        return await recv.receive()
+
+    async def stop(self, workload_id: str, *, reason: str = "stopped", grace_s: float | None = None) -> WorkloadStatus:
+        """Begin a graceful stop; returns the workload's status right after (terminating)."""
+        send, recv = trio.open_memory_channel[Any](1)
+        await self._send.send(_Stop(workload_id, reason, grace_s, send))
+        res = await recv.receive()
+        if isinstance(res, Exception):
+            raise res
+        return res
+
+    async def wait_terminal(self, workload_id: str) -> WorkloadStatus:
+        rt = self._rt.get(workload_id)
+        if rt is None:
+            raise UnknownWorkload(workload_id)
+        await rt.gone.wait()
+        return self._records[workload_id].status()
+
+    def workloads(self) -> list[WorkloadStatus]:
+        return [r.status() for r in self._records.values()]
+
+    def record(self, workload_id: str) -> WorkloadRecord:
+        try:
+            return self._records[workload_id]
+        except KeyError:
+            raise UnknownWorkload(f"no workload {workload_id!r} on this node") from None
+
+    def workload_dir(self, workload_id: str) -> Path:
+        return self.wl_dir / self.record(workload_id).workload_id
+
+    def statistics(self) -> dict[str, Any]:
+        by_state = Counter(r.state for r in self._records.values())
+        return {"workloads_by_state": dict(by_state), "starts": self.counters["starts"],
+                "restarts": self.counters["restarts"], "preemptions": self.counters["preemptions"],
+                "refused": self.counters["refused"], "state_writes": self._file.writes,
+                "fetch_bytes": dict(self.fetch_bytes), "shim_pool": self.pool.statistics()}
+
+    # ------------------------------------------------------------ the owner task
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.wl_dir.mkdir(parents=True, exist_ok=True)
+        st = await trio.to_thread.run_sync(self._file.load)
+        self._records = {r.workload_id: r for r in st.records}
+        self._acks = {a.placement_id: a for a in st.acks}
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            await nursery.start(self.pool.run)
+            after: list[Callable[[], None]] = []
+            self._recover(after)
+            await self._persist()
+            for fn in after:
+                fn()
+            self.ready = True
+            task_status.started()
+            async for msg in self._recv:
+                after = []
+                self._handle(msg, after)
+                while True:
+                    try:
+                        msg = self._recv.receive_nowait()
+                    except trio.WouldBlock:
+                        break
+                    self._handle(msg, after)
+                await self._persist()
+                for fn in after:
+                    fn()
+
+    async def _persist(self) -> None:
+        st = AgentState(node_id=self.node_id, records=list(self._records.values()), acks=list(self._acks.values()))
+        await trio.to_thread.run_sync(self._file.save, st)
+
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> Callable[[], None]:
+        def go() -> None:
+            assert self._nursery is not None
+            self._nursery.start_soon(fn, *args)
+        return go
+
+    # ------------------------------------------------------------ applying events (owner only)
+
+    def _handle(self, msg: Any, after: list[Callable[[], None]]) -> None:
+        if isinstance(msg, _Place):
+            self._on_place(msg, after)
+        elif isinstance(msg, _Stop):
+            self._on_stop(msg, after)
+        elif isinstance(msg, _Change):
+            self._on_change(msg, after)
+
+    def _update(self, wid: str, after: list[Callable[[], None]], *, fetch: Mapping[str, int] | None = None,
+                **fields: Any) -> WorkloadRecord:
+        old = self._records[wid]
+        now = self._clock()
+        new = msgspec.structs.replace(old, updated_at=now, **fields)
+        self._records[wid] = new
+        if new.state != old.state:
+            self._on_state(old, new, now, fetch)
+            if new.terminal:
+                rt = self._rt.setdefault(wid, _Runtime())
+                after.append(rt.gone.set)
+        return new
+
+    def _on_state(self, old: WorkloadRecord | None, new: WorkloadRecord, now: float,
+                  fetch: Mapping[str, int] | None) -> None:
+        if new.state == "running":
+            self.counters["starts"] += 1
+        if new.state == "preempted":
+            self.counters["preemptions"] += 1
+        log.info("workload state id=%s job=%s state=%s exit_code=%s reason=%s", new.workload_id, new.job_id,
+                 new.state, new.exit_code, new.reason)
+        fetch = fetch or {}
+        ev = WorkloadEvent(workload_id=new.workload_id, job_id=new.job_id, state=new.state,  # type: ignore[arg-type]
+                           at=now, exit_code=new.exit_code, reason=new.reason, gpus=list(new.gpus),
+                           placement_id=new.placement_id, bytes_from_origin=fetch.get("bytes_from_origin"),
+                           bytes_from_peers=fetch.get("bytes_from_peers"), bytes_local=fetch.get("bytes_local"))
+        for fn in self._listeners:
+            try:
+                fn(ev)
+            except Exception:
+                log.exception("event listener failed")
+
+    def _on_place(self, msg: _Place, after: list[Callable[[], None]]) -> None:
+        p = msg.placement
+        known = self._acks.get(p.placement_id)
+        if known is not None:
+            after.append(lambda: msg.reply.send_nowait(known))
+            return
+        reason = check_placement(p, self._records, self._gpu_health())
+        if reason is not None:
+            self.counters["refused"] += 1
+            log.warning("placement refused placement=%s job=%s reason=%s", p.placement_id, p.job_id, reason)
+            ack = PlacementAck(placement_id=p.placement_id, node_id=self.node_id, accepted=False, reason=reason)
+            after.append(lambda: msg.reply.send_nowait(ack))
+            return
+        now = self._clock()
+        live_victims = [v for v in p.victims if v.workload_id in self._records
+                        and not self._records[v.workload_id].terminal]
+        wait_for = [v.workload_id for v in live_victims]
+        for pod in p.pods:
+            rec = WorkloadRecord(
+                workload_id=pod.workload_id, job_id=p.job_id, placement_id=p.placement_id, rank=pod.rank,
+                world_size=p.world_size, gpus=list(pod.gpus), gpu_indices=list(pod.gpu_indices),
+                argv=list(p.argv), env=dict(p.env), manifest_id=p.manifest_id, origin=p.origin,
+                peers=list(p.peers), grace_s=p.grace_s, restart=p.restart, direct=msg.direct,
+                wait_for=wait_for, created_at=now, updated_at=now)
+            self._records[rec.workload_id] = rec
+            self._rt[rec.workload_id] = _Runtime()
+            self._on_state(None, rec, now, None)
+            after.append(self._spawn(self._lifecycle, rec.workload_id))
+        ack = PlacementAck(placement_id=p.placement_id, node_id=self.node_id, accepted=True,
+                           workloads=[pod.workload_id for pod in p.pods])
+        self._acks[p.placement_id] = ack
+        for v in live_victims:
+            self._begin_stop(v.workload_id, v.reason, v.grace_s, after)
+        after.append(lambda: msg.reply.send_nowait(ack))
+
+    def _on_stop(self, msg: _Stop, after: list[Callable[[], None]]) -> None:
+        if msg.workload_id not in self._records:
+            err = UnknownWorkload(f"no workload {msg.workload_id!r} on this node")
+            if msg.reply is not None:
+                after.append(lambda: msg.reply.send_nowait(err))  # type: ignore[union-attr]
+            return
+        self._begin_stop(msg.workload_id, msg.reason, msg.grace_s, after)
+        if msg.reply is not None:
+            status = self._records[msg.workload_id].status()
+            after.append(lambda: msg.reply.send_nowait(status))  # type: ignore[union-attr]
+
+    def _begin_stop(self, wid: str, reason: str, grace_s: float | None, after: list[Callable[[], None]]) -> None:
+        rec = self._records[wid]
+        rt = self._rt.setdefault(wid, _Runtime())
+        if rec.terminal or rec.state == "terminating":
+            return  # already going: keep the first deadline
+        grace = rec.grace_s if grace_s is None else grace_s
+        rt.stop.set()
+        if rec.pid is None:
+            # not started (or a launch is in flight): the life-cycle task finishes it
+            self._update(wid, after, stop_reason=reason, stop_deadline=self._clock() + grace)
+            rt.pre_start.cancel()
+            return
+        self._update(wid, after, state="terminating", stop_reason=reason,
+                     stop_deadline=self._clock() + grace, reason=reason)
+        self._start_killer(wid, after)
+
+    def _start_killer(self, wid: str, after: list[Callable[[], None]]) -> None:
+        rt = self._rt[wid]
+        if not rt.killer_started:
+            rt.killer_started = True
+            after.append(self._spawn(self._killer, wid))
+
+    def _on_change(self, msg: _Change, after: list[Callable[[], None]]) -> None:
+        if msg.workload_id in self._records:
+            rec = self._update(msg.workload_id, after, fetch=msg.fetch, **msg.fields)
+            if rec.state == "running" and rec.stop_reason is not None:
+                # a stop arrived while the launch was in flight: now there is a process to stop
+                self._update(rec.workload_id, after, state="terminating", reason=rec.stop_reason,
+                             stop_deadline=max(rec.stop_deadline or 0.0, self._clock()))
+                self._start_killer(rec.workload_id, after)
+        if msg.done is not None:
+            after.append(msg.done.set)
+
+    async def _change(self, wid: str, fetch: Mapping[str, int] | None = None, **fields: Any) -> WorkloadRecord:
+        done = trio.Event()
+        await self._send.send(_Change(wid, fields, done, fetch))
+        await done.wait()
+        return self._records[wid]
+
+    # ------------------------------------------------------------ recovery (owner, before ready)
+
+    def _recover(self, after: list[Callable[[], None]]) -> None:
+        for wid, rec in list(self._records.items()):
+            rt = self._rt.setdefault(wid, _Runtime())
+            if rec.terminal:
+                rt.gone.set()
+                continue
+            wdir = self.wl_dir / wid
+            if rec.pid is None:
+                ident = _read_json(wdir / "run.json")
+                if ident is not None and ident.get("boot_id") == procs.boot_id():
+                    rec = self._update(wid, after, pid=ident["pid"], start_time=ident.get("start_time"),
+                                       boot_id=ident.get("boot_id"), shim_pid=ident.get("shim_pid"),
+                                       shim_start_time=ident.get("shim_start_time"),
+                                       started_at=ident.get("started_at"))
+                elif rec.state == "starting":
+                    self._update(wid, after, state="lost", reason="agent restarted while the workload was starting")
+                    continue
+                else:
+                    if rec.stop_reason is not None:
+                        self._update(wid, after, state=_final_state(rec.stop_reason), reason=rec.stop_reason)
+                    else:
+                        log.info("resuming workload id=%s from state=%s", wid, rec.state)
+                        after.append(self._spawn(self._lifecycle, wid))
+                    continue
+            shim_alive = procs.same_process(rec.shim_pid, rec.shim_start_time, rec.boot_id)
+            wl_alive = procs.same_process(rec.pid, rec.start_time, rec.boot_id)
+            if shim_alive or wl_alive:
+                log.info("re-adopted workload id=%s pid=%s shim=%s", wid, rec.pid, rec.shim_pid)
+                if rec.state not in ("running", "terminating"):
+                    rec = self._update(wid, after, state="running")
+                if rec.state == "terminating" or rec.stop_reason is not None:
+                    if rec.state != "terminating":
+                        self._update(wid, after, state="terminating")
+                    rt.stop.set()
+                    self._start_killer(wid, after)
+                after.append(self._spawn(self._watch, wid))
+                continue
+            ex = _read_json(wdir / "exit.json")
+            if ex is not None and ex.get("pid") == rec.pid:
+                state = _final_state(rec.stop_reason) if rec.stop_reason else "exited"
+                self._update(wid, after, state=state, exit_code=ex.get("code"),
+                             reason=rec.stop_reason or _exit_reason(ex))
+            else:
+                self._update(wid, after, state="lost",
+                             reason="process gone (or PID reused) and no exit status recorded")
+
+    # ------------------------------------------------------------ per-workload tasks
+
+    async def _lifecycle(self, wid: str) -> None:
+        rt = self._rt[wid]
+        rec = self._records[wid]
+        wdir = self.wl_dir / wid
+        fetch: dict[str, int] | None = None
+        cwd: Path | None = None
+        try:
+            with rt.pre_start:
+                await trio.to_thread.run_sync(lambda: (wdir / "scratch").mkdir(parents=True, exist_ok=True))
+                if rec.manifest_id:
+                    await self._change(wid, state="fetching")
+                    if self._fetcher is None:
+                        raise AgentError("this agent has no artifact store to fetch into")
+                    cwd, fetch = await self._fetcher(rec.manifest_id, rec.origin, list(rec.peers))
+                    for k, n in fetch.items():
+                        self.fetch_bytes[k] += n
+                for victim in rec.wait_for:
+                    vrt = self._rt.get(victim)
+                    if vrt is not None:
+                        await vrt.gone.wait()
+        except Exception as e:
+            log.warning("workload preparation failed id=%s err=%s", wid, e)
+            await self._change(wid, state="failed", reason=f"{type(e).__name__}: {e}")
+            return
+        attempt = 0
+        while True:
+            rec = self._records[wid]
+            if rec.stop_reason is not None:
+                await self._change(wid, state=_final_state(rec.stop_reason), reason=f"{rec.stop_reason} before start")
+                return
+            await self._change(wid, fetch=fetch, state="starting", pid=None, exit_code=None)
+            fetch = None
+            for name in ("run.json", "exit.json"):
+                with contextlib.suppress(FileNotFoundError):
+                    (wdir / name).rename(wdir / f"{name}.prev")
+            cmd = LaunchCommand(dir=str(wdir), argv=list(rec.argv), env=self._env(rec, wdir),
+                                cwd=str(cwd or wdir / "scratch"), log_max_bytes=self.config.log_max_bytes,
+                                log_keep=self.config.log_keep)
+            try:
+                ln = await self.pool.launch(cmd)
+            except ShimError as e:
+                await self._change(wid, state="failed", reason=f"launch failed: {e}")
+                return
+            rec = await self._change(wid, state="running", pid=ln.pid, start_time=ln.start_time,
+                                     boot_id=ln.boot_id, shim_pid=ln.shim_pid,
+                                     shim_start_time=ln.shim_start_time, started_at=ln.started_at)
+            code, reason = await self._wait_exit(wid)
+            rec = self._records[wid]
+            pol = rec.restart
+            if (rec.stop_reason is None and rec.direct and pol.kind == "on-failure" and code != 0
+                    and attempt < pol.limit):
+                attempt += 1
+                self.counters["restarts"] += 1
+                await self._change(wid, restarts=rec.restarts + 1, exit_code=code, reason=f"restarting: {reason}")
+                with trio.move_on_after(pol.backoff_s * (2 ** (attempt - 1))):
+                    await rt.stop.wait()
+                continue
+            await self._finish(wid, code, reason)
+            return
+
+    async def _watch(self, wid: str) -> None:
+        """An adopted workload: wait for its exit, then record the final state."""
+        code, reason = await self._wait_exit(wid)
+        await self._finish(wid, code, reason)
+
+    async def _finish(self, wid: str, code: int | None, reason: str | None) -> None:
+        rec = self._records[wid]
+        if rec.stop_reason is not None:
+            await self._change(wid, state=_final_state(rec.stop_reason), exit_code=code, reason=rec.stop_reason)
+        else:
+            await self._change(wid, state="exited", exit_code=code, reason=reason)
+
+    async def _wait_exit(self, wid: str) -> tuple[int | None, str | None]:
+        rec = self._records[wid]
+        wdir = self.wl_dir / wid
+        if procs.same_process(rec.shim_pid, rec.shim_start_time, rec.boot_id):
+            await wait_exit(rec.shim_pid)  # type: ignore[arg-type]
+        elif procs.same_process(rec.pid, rec.start_time, rec.boot_id):
+            await wait_exit(rec.pid)  # type: ignore[arg-type]
+        ex = await trio.to_thread.run_sync(_read_json, wdir / "exit.json")
+        if ex is None or ex.get("pid") != rec.pid:
+            return None, "exit status unknown (the shim is gone)"
+        return ex.get("code"), _exit_reason(ex)
+
+    async def _killer(self, wid: str) -> None:
+        rec = self._records[wid]
+        rt = self._rt[wid]
+        wdir = self.wl_dir / wid
+        deadline = rec.stop_deadline if rec.stop_deadline is not None else self._clock()
+        pgid = rec.pid
+
+        def ours() -> bool:
+            return (procs.same_process(rec.pid, rec.start_time, rec.boot_id)
+                    or procs.same_process(rec.shim_pid, rec.shim_start_time, rec.boot_id))
+
+        if not rec.term_sent and pgid and ours():
+            notice = {"reason": rec.stop_reason, "deadline": deadline, "grace_s": max(0.0, deadline - self._clock()),
+                      "workload_id": wid}
+            await trio.to_thread.run_sync(atomic_write, wdir / "preempt-notice.json", json.dumps(notice).encode())
+            procs.signal_group(pgid, procs.SIGTERM)
+            log.info("SIGTERM sent id=%s pgid=%s deadline_in=%.1fs", wid, pgid, deadline - self._clock())
+            await self._change(wid, term_sent=True)
+        with trio.move_on_after(max(0.0, deadline - self._clock())):
+            await rt.gone.wait()
+        if not rt.gone.is_set() and pgid and ours():
+            log.warning("grace period over, SIGKILL id=%s pgid=%s", wid, pgid)
+            procs.signal_group(pgid, procs.SIGKILL)
+
+    def _env(self, rec: WorkloadRecord, wdir: Path) -> dict[str, str]:
+        env = dict(self._base_env)
+        env.update({k: v for k, v in rec.env.items() if k not in _SCRUB_ENV})
+        gpus = ",".join(rec.gpus)
+        env.update({
+            "CUDA_VISIBLE_DEVICES": gpus,
+            "NVIDIA_VISIBLE_DEVICES": gpus or "void",
+            "HERD_JOB_ID": rec.job_id,
+            "HERD_WORKLOAD_ID": rec.workload_id,
+            "HERD_RANK": str(rec.rank),
+            "HERD_WORLD_SIZE": str(rec.world_size),
+            "HERD_SCRATCH": str(wdir / "scratch"),
+            "HERD_PREEMPT_NOTICE": str(wdir / "preempt-notice.json"),
+        })
+        if rec.peers:
+            env["HERD_PEERS"] = ",".join(f"{p.node_id}={p.data_url}" for p in rec.peers)
+        return env
+
+    def read_log(self, workload_id: str, *, stream: str = "stdout", tail: int = 100) -> str:
+        """The last ``tail`` lines of a workload's stdout or stderr (current file + rotations)."""
+        if stream not in ("stdout", "stderr"):
+            raise AgentError("stream must be stdout or stderr")
+        wdir = self.wl_dir / self.record(workload_id).workload_id
+        lines: list[bytes] = []
+        for i in range(self.config.log_keep, -1, -1):
+            p = wdir / (f"{stream}.log" if i == 0 else f"{stream}.log.{i}")
+            with contextlib.suppress(FileNotFoundError):
+                lines = (lines + p.read_bytes().splitlines(keepends=True))[-max(0, tail):] if tail else []
+        return b"".join(lines).decode(errors="replace")
+
+    def remove_dir(self, workload_id: str) -> None:
+        shutil.rmtree(self.wl_dir / workload_id, ignore_errors=True)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return None
+
+
+def _exit_reason(ex: Mapping[str, Any]) -> str | None:
+    sig = ex.get("signal")
+    return f"killed by signal {sig}" if sig else None

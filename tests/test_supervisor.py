@@ -1,0 +1,277 @@
+"""Workload supervisor with real subprocess workloads under real shims."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import trio
+
+from agent import procs
+from agent.state import AgentState, WorkloadRecord
+from agent.supervisor import Supervisor, SupervisorConfig
+from scheduler_link.messages import Placement, PodAssignment, RestartPolicy, Victim
+
+GPUS = {f"GPU-{i:04d}": "healthy" for i in range(4)}
+
+# Traps SIGTERM: counts the TERMs it got, writes a checkpoint, exits 0 (or ignores TERM when IGNORE=1).
+TRAP = r"""
+trap 'echo term >> "$HERD_SCRATCH/terms"; if [ "$IGNORE" != 1 ]; then echo ckpt > "$HERD_SCRATCH/checkpoint"; exit 0; fi' TERM
+echo started > "$HERD_SCRATCH/started"
+while [ ! -e "$HERD_SCRATCH/go" ]; do sleep 0.05; done
+exit "${CODE:-0}"
+"""
+
+
+def placement(pid: str, *, wid: str, gpus: list[str], argv: list[str] | None = None, env=None,
+              victims=(), grace: float = 5.0, restart=RestartPolicy()) -> Placement:
+    return Placement(placement_id=pid, job_id=f"job-{pid}", pods=[PodAssignment(workload_id=wid, rank=0, gpus=gpus)],
+                     victims=list(victims), argv=argv or ["sh", "-c", TRAP], env=env or {}, grace_s=grace,
+                     restart=restart)
+
+
+def make(tmp: Path, health=GPUS, base_env=None) -> Supervisor:
+    env = dict(base_env if base_env is not None else {"PATH": os.environ["PATH"]})
+    return Supervisor(tmp / "state", node_id="n1", gpu_health=lambda: health,
+                      config=SupervisorConfig(shim_pool=1), base_env=env)
+
+
+async def wait_state(sup: Supervisor, wid: str, *states: str, timeout: float = 10):
+    with trio.fail_after(timeout):
+        while sup.record(wid).state not in states:
+            await trio.sleep(0.02)
+    return sup.record(wid)
+
+
+async def wait_file(p: Path, timeout: float = 10) -> None:
+    with trio.fail_after(timeout):
+        while not p.exists():
+            await trio.sleep(0.02)
+
+
+def scratch(sup: Supervisor, wid: str) -> Path:
+    return sup.wl_dir / wid / "scratch"
+
+
+async def test_env_logs_and_exit_code(tmp_path):
+    sup = make(tmp_path, base_env={"PATH": os.environ["PATH"], "NOTIFY_SOCKET": "@x", "WATCHDOG_USEC": "1"})
+    events = []
+    sup.add_listener(events.append)
+    argv = ["sh", "-c", "env | sort; pwd; echo oops >&2; exit 3"]
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            ack = await sup.place(placement("p1", wid="w1", gpus=["GPU-0001", "GPU-0002"], argv=argv,
+                                            env={"FOO": "bar", "NOTIFY_SOCKET": "@leak"}))
+            assert ack.accepted and ack.workloads == ["w1"]
+            st = await sup.wait_terminal("w1")
+            n.cancel_scope.cancel()
+    assert (st.state, st.exit_code) == ("exited", 3)
+    out = sup.read_log("w1", tail=1000)
+    env = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    assert env["CUDA_VISIBLE_DEVICES"] == env["NVIDIA_VISIBLE_DEVICES"] == "GPU-0001,GPU-0002"
+    assert (env["HERD_JOB_ID"], env["HERD_RANK"], env["HERD_WORLD_SIZE"], env["FOO"]) == ("job-p1", "0", "1", "bar")
+    assert env["HERD_SCRATCH"] == str(scratch(sup, "w1"))
+    assert env["HERD_PREEMPT_NOTICE"].endswith("preempt-notice.json")
+    assert "NOTIFY_SOCKET" not in env and "WATCHDOG_USEC" not in env
+    assert out.splitlines()[-1] == str(scratch(sup, "w1"))  # cwd is scratch when there is no artifact
+    assert sup.read_log("w1", stream="stderr") == "oops\n"
+    assert [e.state for e in events] == ["accepted", "starting", "running", "exited"]
+    assert sup.statistics()["starts"] == 1
+
+
+async def test_graceful_stop_writes_notice_and_checkpoint(tmp_path):
+    sup = make(tmp_path)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            await sup.place(placement("p1", wid="w1", gpus=["GPU-0000"]))
+            await wait_file(scratch(sup, "w1") / "started")
+            st = await sup.stop("w1", reason="stopped", grace_s=5)
+            assert st.state == "terminating"
+            st = await sup.wait_terminal("w1")
+            n.cancel_scope.cancel()
+    assert (st.state, st.exit_code, st.reason) == ("exited", 0, "stopped")
+    assert (scratch(sup, "w1") / "checkpoint").read_text() == "ckpt\n"
+    notice = json.loads((sup.wl_dir / "w1" / "preempt-notice.json").read_text())
+    assert notice["reason"] == "stopped" and notice["deadline"] > 0
+
+
+async def test_sigkill_after_grace_and_victims_free_gpus(tmp_path):
+    sup = make(tmp_path)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            await sup.place(placement("p1", wid="old", gpus=["GPU-0000"], env={"IGNORE": "1"}, grace=0.3))
+            await wait_file(scratch(sup, "old") / "started")
+            # double booking: refused with a clear reason, nothing started
+            ack = await sup.place(placement("p2", wid="new", gpus=["GPU-0000"]))
+            assert not ack.accepted and "in use by workload old" in (ack.reason or "")
+            # the same GPU freed by this placement's victim: accepted; starts after the victim is gone
+            ack = await sup.place(placement("p3", wid="new", gpus=["GPU-0000"],
+                                            victims=[Victim(workload_id="old", grace_s=0.3)]))
+            assert ack.accepted
+            old = await sup.wait_terminal("old")
+            assert sup.record("new").state in ("accepted", "starting", "running")
+            await wait_state(sup, "new", "running")
+            assert sup.record("new").started_at >= sup.record("old").updated_at - 0.01
+            await sup.stop("new", grace_s=5)
+            await sup.wait_terminal("new")
+            n.cancel_scope.cancel()
+    assert (old.state, old.exit_code) == ("preempted", 128 + signal.SIGKILL)
+    assert (scratch(sup, "old") / "terms").read_text() == "term\n"
+    assert sup.statistics()["preemptions"] == 1
+
+
+async def test_refusals(tmp_path):
+    health = dict(GPUS, **{"GPU-0003": "fatal"})
+    sup = make(tmp_path, health=health)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            cases = {
+                "unknown GPU GPU-9999": placement("a", wid="a", gpus=["GPU-9999"]),
+                "fatal-unhealthy": placement("b", wid="b", gpus=["GPU-0003"]),
+                "names a GPU twice": placement("c", wid="c", gpus=["GPU-0000", "GPU-0000"]),
+                "bad workload id": placement("d", wid="../etc", gpus=["GPU-0000"]),
+                "needs argv": Placement(placement_id="e", job_id="j", pods=[
+                    PodAssignment(workload_id="e", rank=0, gpus=[])]),
+                "given to both": Placement(placement_id="f", job_id="j", argv=["true"], pods=[
+                    PodAssignment(workload_id="f1", rank=0, gpus=["GPU-0001"]),
+                    PodAssignment(workload_id="f2", rank=1, gpus=["GPU-0001"])]),
+            }
+            for want, p in cases.items():
+                ack = await sup.place(p)
+                assert not ack.accepted and want in (ack.reason or ""), (want, ack)
+            assert sup.workloads() == []
+            # idempotent by placement id
+            p = placement("g", wid="g", gpus=["GPU-0000"], argv=["true"])
+            a1, a2 = await sup.place(p), await sup.place(p)
+            assert a1 == a2 and a1.accepted
+            await sup.wait_terminal("g")
+            assert [w.workload_id for w in sup.workloads()] == ["g"]
+            n.cancel_scope.cancel()
+
+
+async def test_restart_policy_on_failure(tmp_path):
+    sup = make(tmp_path)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            p = placement("p", wid="w", gpus=[], argv=["sh", "-c", "echo run >> $HERD_SCRATCH/runs; exit 1"],
+                          restart=RestartPolicy(kind="on-failure", limit=2, backoff_s=0.05))
+            await sup.place(p, direct=True)
+            st = await sup.wait_terminal("w")
+            # the placer's placements never restart on the agent
+            await sup.place(placement("q", wid="q", gpus=[], argv=["false"],
+                                      restart=RestartPolicy(kind="on-failure", limit=2, backoff_s=0.05)))
+            q = await sup.wait_terminal("q")
+            n.cancel_scope.cancel()
+    assert (st.state, st.exit_code, sup.record("w").restarts) == ("exited", 1, 2)
+    assert (scratch(sup, "w") / "runs").read_text() == "run\n" * 3
+    assert (q.state, q.exit_code, sup.record("q").restarts) == ("exited", 1, 0)
+
+
+async def test_readopt_after_restart_and_later_exit_code(tmp_path):
+    sup = make(tmp_path)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            await sup.place(placement("p", wid="w", gpus=["GPU-0000"], env={"CODE": "7"}))
+            await wait_file(scratch(sup, "w") / "started")
+            pid = (await wait_state(sup, "w", "running")).pid
+            n.cancel_scope.cancel()  # the agent goes away; the shim and workload stay
+        assert procs.same_process(pid, procs.start_time(pid), procs.boot_id())
+        sup2 = make(tmp_path)
+        async with trio.open_nursery() as n:
+            await n.start(sup2.run)
+            rec = sup2.record("w")
+            assert (rec.state, rec.pid) == ("running", pid)
+            # GPU still booked after the restart
+            ack = await sup2.place(placement("p2", wid="w2", gpus=["GPU-0000"]))
+            assert not ack.accepted
+            (scratch(sup2, "w") / "go").touch()
+            st = await sup2.wait_terminal("w")
+            n.cancel_scope.cancel()
+    assert (st.state, st.exit_code) == ("exited", 7)
+
+
+async def test_countdown_resumes_after_restart(tmp_path):
+    sup = make(tmp_path)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            await sup.place(placement("p", wid="w", gpus=[], env={"IGNORE": "1"}))
+            await wait_state(sup, "w", "running")
+            await wait_file(scratch(sup, "w") / "started")
+            await sup.stop("w", reason="preempted", grace_s=1.5)
+            await wait_file(scratch(sup, "w") / "terms")
+            await wait_state(sup, "w", "terminating")
+            with trio.fail_after(5):
+                while not sup.record("w").term_sent:
+                    await trio.sleep(0.02)
+            deadline = sup.record("w").stop_deadline
+            n.cancel_scope.cancel()
+        await trio.sleep(0.3)
+        sup2 = make(tmp_path)
+        async with trio.open_nursery() as n:
+            await n.start(sup2.run)
+            assert sup2.record("w").state == "terminating"
+            assert sup2.record("w").stop_deadline == deadline
+            await trio.sleep(0.3)
+            assert sup2.record("w").state == "terminating"  # not killed at once
+            st = await sup2.wait_terminal("w")
+            ended = sup2.record("w").updated_at
+            n.cancel_scope.cancel()
+    assert (st.state, st.exit_code) == ("preempted", 128 + signal.SIGKILL)
+    assert deadline - 0.05 <= ended <= deadline + 1.5  # the original deadline, not a fresh grace period
+    assert (scratch(sup2, "w") / "terms").read_text() == "term\n"  # SIGTERM not sent twice
+
+
+async def test_recycled_pid_never_adopted(tmp_path):
+    # A live process that is not ours, named by a state file with a wrong start time.
+    other = subprocess.Popen(["sleep", "30"])
+    try:
+        st = procs.start_time(other.pid)
+        rec = WorkloadRecord(workload_id="w", job_id="j", state="running", gpus=["GPU-0000"], pid=other.pid,
+                             start_time=(st or 0) + 12345, boot_id=procs.boot_id(), shim_pid=other.pid,
+                             shim_start_time=(st or 0) + 1)
+        (tmp_path / "state").mkdir()
+        (tmp_path / "state" / "state.json").write_bytes(msgspec.json.encode(AgentState(records=[rec])))
+        sup = make(tmp_path)
+        with trio.fail_after(10):
+            async with trio.open_nursery() as n:
+                await n.start(sup.run)
+                assert sup.record("w").state == "lost"
+                ack = await sup.place(placement("p", wid="w2", gpus=["GPU-0000"], argv=["true"]))
+                assert ack.accepted  # a lost workload holds no GPU
+                await sup.wait_terminal("w2")
+                n.cancel_scope.cancel()
+        assert other.poll() is None  # never signalled
+    finally:
+        other.kill()
+        other.wait()
+
+
+async def test_corrupt_state_file_set_aside(tmp_path):
+    (tmp_path / "state").mkdir()
+    (tmp_path / "state" / "state.json").write_text("{not json")
+    sup = make(tmp_path)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            assert sup.workloads() == []
+            n.cancel_scope.cancel()
+    assert list((tmp_path / "state").glob("state.json.bad-*"))
+
+
+def test_shim_runs_without_the_package():
+    # the shim is started with -I -S: it must import only the standard library
+    src = Path(__file__).resolve().parent.parent / "agent" / "shim.py"
+    r = subprocess.run([sys.executable, "-I", "-S", str(src)], input=b"", capture_output=True, timeout=10)
+    assert r.returncode == 0 and json.loads(r.stdout)["ready"] is True
