@@ -1,0 +1,175 @@
+"""The origin interface every backend implements, and what they share.
+
+Bucket layout (the same for every backend)::
+
+    chunks/<id>      chunk bytes, id = BLAKE3-256 hex of the bytes
+    manifests/<id>   canonical manifest bytes, id = BLAKE3-256 hex of the bytes
+    refs/<name>      the text of a manifest id (``name:tag`` allowed)
+
+Nothing read from an origin is trusted: callers verify chunks and manifests by
+their ids. Backends implement four primitives (``_get``, ``_put``, ``_exists_many``
+and ``aclose``); naming, validation and counters live here.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+
+import msgspec
+
+from ..errors import NotFoundError, OriginError, RefError
+
+HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# Path-like ref names: components start with an alphanumeric (so no "." / ".." parts),
+# then a sane charset; ':' separates a tag, '@' and '+' are common in versions.
+_REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]*(/[A-Za-z0-9][A-Za-z0-9._:@+=-]*)*$")
+MAX_REF_LEN = 200
+
+
+def check_hex_id(value: str, what: str = "chunk id") -> str:
+    if not isinstance(value, str) or not HEX64.match(value):
+        raise RefError(f"invalid {what}: {value!r:.80} (want 64 lower-case hex digits)")
+    return value
+
+
+def check_ref_name(name: str) -> str:
+    """Validate a ref name (``trainer:v42``, ``team/trainer:v42``); RefError if unacceptable."""
+    if not isinstance(name, str) or not name:
+        raise RefError("empty ref name")
+    if len(name) > MAX_REF_LEN:
+        raise RefError(f"ref name longer than {MAX_REF_LEN} characters")
+    if not _REF.match(name):
+        raise RefError(f"invalid ref name {name!r:.80}: use letters, digits and ._:@+=- "
+                       "in '/'-separated parts, each starting with a letter or digit")
+    return name
+
+
+def is_manifest_id(ref: str) -> bool:
+    return bool(HEX64.match(ref))
+
+
+class OriginStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    url: str
+    gets: int
+    bytes_got: int
+    puts: int
+    bytes_put: int
+    exists_checks: int
+    retries: int
+
+
+class Origin(ABC):
+    """An artifact origin. Async; safe to share between tasks of one trio run."""
+
+    url: str
+    read_only: bool = False
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.gets = 0
+        self.bytes_got = 0
+        self.puts = 0
+        self.bytes_put = 0
+        self.exists_checks = 0
+        self.retries = 0
+
+    # --------------------------------------------------------- primitives
+
+    @abstractmethod
+    async def _get(self, key: str) -> bytes:
+        """The object's bytes; NotFoundError if absent, OriginError if unreachable."""
+
+    @abstractmethod
+    async def _put(self, key: str, data: bytes) -> None:
+        """Store an object (replacing it); atomic where the backend allows."""
+
+    @abstractmethod
+    async def _exists_many(self, prefix: str, names: set[str]) -> set[str]:
+        """Which of ``names`` exist under ``prefix`` (e.g. 'chunks/')."""
+
+    async def _flush(self) -> None:
+        """Make earlier chunk puts durable before a manifest or ref refers to them."""
+        return None
+
+    async def aclose(self) -> None:
+        """Release connections."""
+        return None
+
+    async def __aenter__(self) -> Origin:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------ reads
+
+    async def _get_counted(self, key: str) -> bytes:
+        data = await self._get(key)
+        self.gets += 1
+        self.bytes_got += len(data)
+        return data
+
+    async def get_chunk(self, chunk_id: str) -> bytes:
+        check_hex_id(chunk_id)
+        try:
+            return await self._get_counted(f"chunks/{chunk_id}")
+        except NotFoundError:
+            raise NotFoundError(f"chunk {chunk_id} not found at origin {self.url}") from None
+
+    async def get_manifest(self, manifest_id: str) -> bytes:
+        check_hex_id(manifest_id, "manifest id")
+        try:
+            return await self._get_counted(f"manifests/{manifest_id}")
+        except NotFoundError:
+            raise NotFoundError(f"manifest {manifest_id} not found at origin {self.url}") from None
+
+    async def resolve(self, ref: str) -> str:
+        """A 64-hex manifest id passes through; a name is looked up under refs/."""
+        if is_manifest_id(ref):
+            return ref
+        check_ref_name(ref)
+        try:
+            data = await self._get_counted(f"refs/{ref}")
+        except NotFoundError:
+            raise NotFoundError(f"unknown ref {ref!r} at origin {self.url}") from None
+        value = data.decode("ascii", "replace").strip()
+        if not is_manifest_id(value):
+            raise OriginError(f"ref {ref!r} at origin {self.url} does not hold a manifest id")
+        return value
+
+    async def missing(self, ids: Iterable[str]) -> set[str]:
+        """The chunk ids among ``ids`` the origin does not hold (checked in bulk)."""
+        want = {check_hex_id(i) for i in ids}
+        if not want:
+            return set()
+        self.exists_checks += len(want)
+        return want - await self._exists_many("chunks/", want)
+
+    # ----------------------------------------------------------- writes
+
+    async def put_chunk(self, chunk_id: str, data: bytes) -> None:
+        check_hex_id(chunk_id)
+        await self._put(f"chunks/{chunk_id}", data)
+        self.puts += 1
+        self.bytes_put += len(data)
+
+    async def put_manifest(self, manifest_id: str, data: bytes) -> None:
+        check_hex_id(manifest_id, "manifest id")
+        await self._flush()
+        await self._put(f"manifests/{manifest_id}", data)
+        self.puts += 1
+        self.bytes_put += len(data)
+
+    async def set_ref(self, name: str, manifest_id: str) -> None:
+        check_ref_name(name)
+        check_hex_id(manifest_id, "manifest id")
+        await self._flush()
+        await self._put(f"refs/{name}", manifest_id.encode() + b"\n")
+        self.puts += 1
+
+    def statistics(self) -> OriginStatistics:
+        return OriginStatistics(url=self.url, gets=self.gets, bytes_got=self.bytes_got, puts=self.puts,
+                                bytes_put=self.bytes_put, exists_checks=self.exists_checks,
+                                retries=self.retries)

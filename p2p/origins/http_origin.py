@@ -1,0 +1,49 @@
+"""``http(s)://`` origin: a read-only static mirror or CDN of the bucket layout."""
+
+from __future__ import annotations
+
+import trio
+
+from ..errors import NotFoundError, OriginError, ReadOnlyOriginError
+from .base import Origin
+from .transport import RetryingClient, describe_status
+
+
+class HttpOrigin(Origin):
+    read_only = True
+
+    def __init__(self, url: str, *, max_concurrency: int = 32, retries: int = 5) -> None:
+        super().__init__(url)
+        self.base = url.rstrip("/")
+        self.http = RetryingClient(what=f"origin {url}", max_concurrency=max_concurrency, retries=retries)
+
+    async def _get(self, key: str) -> bytes:
+        resp = await self.http.request("GET", f"{self.base}/{key}")
+        self.retries = self.http.retried
+        if resp.status_code == 404:
+            raise NotFoundError(f"{key} not found at origin {self.url}")
+        if resp.status_code != 200:
+            raise OriginError(f"origin {self.url}: GET {key}: {describe_status(resp)}")
+        return resp.content
+
+    async def _put(self, key: str, data: bytes) -> None:
+        raise ReadOnlyOriginError(f"origin {self.url} is read-only (http/https); publish to file:// or gs://")
+
+    async def _exists_many(self, prefix: str, names: set[str]) -> set[str]:
+        found: set[str] = set()
+
+        async def head(name: str) -> None:
+            resp = await self.http.request("HEAD", f"{self.base}/{prefix}{name}")
+            if resp.status_code == 200:
+                found.add(name)
+            elif resp.status_code != 404:
+                raise OriginError(f"origin {self.url}: HEAD {prefix}{name}: HTTP {resp.status_code}")
+
+        async with trio.open_nursery() as nursery:  # the client's limiter bounds concurrency
+            for n in names:
+                nursery.start_soon(head, n)
+        self.retries = self.http.retried
+        return found
+
+    async def aclose(self) -> None:
+        await self.http.aclose()

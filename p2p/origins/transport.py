@@ -1,0 +1,94 @@
+"""HTTP with bounded concurrency and jittered exponential backoff, shared by the
+GCS and http(s) origins.
+
+Retried: 429, 5xx, timeouts and transport errors (connection refused/reset).
+Everything else is answered at once. httpx exceptions never leave this module:
+after the last attempt they become ``OriginError`` with one readable line.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import httpx
+import trio
+
+from ..errors import OriginError
+
+log = logging.getLogger("herd.p2p.origin")
+
+RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+
+
+class RetryingClient:
+    def __init__(self, *, what: str, max_concurrency: int = 32, retries: int = 5,
+                 backoff_base: float = 0.2, backoff_cap: float = 8.0,
+                 timeout: float = 60.0, connect_timeout: float = 10.0,
+                 auth_headers: Callable[[bool], Awaitable[dict[str, str]]] | None = None) -> None:
+        self.what = what
+        self.retries = max(0, retries)
+        self.backoff_base = backoff_base
+        self.backoff_cap = backoff_cap
+        self.limiter = trio.CapacityLimiter(max(1, max_concurrency))
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            limits=httpx.Limits(max_connections=max(1, max_concurrency),
+                                max_keepalive_connections=max(1, max_concurrency)),
+            follow_redirects=True)
+        self._auth_headers = auth_headers
+        self.retried = 0
+
+    def backoff(self, attempt: int) -> float:
+        """Full-jitter-ish backoff: a random share (50-100 %) of min(cap, base * 2**attempt)."""
+        return min(self.backoff_cap, self.backoff_base * (2 ** attempt)) * random.uniform(0.5, 1.0)
+
+    async def request(self, method: str, url: str, *, ok_statuses: tuple[int, ...] = (),
+                      **kwargs: Any) -> httpx.Response:
+        """Send with retries. Returns the response for any status that is not retryable
+        (callers interpret 404 etc.). Raises OriginError when attempts run out."""
+        last = ""
+        refreshed = False
+        attempt = 0
+        base_headers = dict(kwargs.pop("headers", None) or {})
+        while True:
+            try:
+                async with self.limiter:
+                    headers = dict(base_headers)
+                    if self._auth_headers is not None:
+                        headers.update(await self._auth_headers(False))
+                    resp = await self.client.request(method, url, headers=headers, **kwargs)
+            except httpx.TimeoutException as e:
+                last = f"timed out ({type(e).__name__})"
+            except httpx.TransportError as e:
+                last = f"unreachable ({type(e).__name__}: {e})"
+            else:
+                if resp.status_code == 401 and self._auth_headers is not None and not refreshed:
+                    refreshed = True
+                    await self._auth_headers(True)
+                    continue
+                if resp.status_code not in RETRY_STATUSES:
+                    return resp
+                last = f"HTTP {resp.status_code}"
+            if attempt >= self.retries:
+                raise OriginError(f"{self.what}: {method} {_short(url)} failed after {attempt + 1} attempts: {last}")
+            delay = self.backoff(attempt)
+            attempt += 1
+            self.retried += 1
+            log.info("origin retry what=%s method=%s attempt=%d delay=%.2f reason=%s",
+                     self.what, method, attempt, delay, last)
+            await trio.sleep(delay)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+def _short(url: str) -> str:
+    return url.split("?", 1)[0][:160]
+
+
+def describe_status(resp: httpx.Response) -> str:
+    text = resp.text[:200].replace("\n", " ") if resp.content else ""
+    return f"HTTP {resp.status_code}{': ' + text if text else ''}"
