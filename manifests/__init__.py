@@ -7,12 +7,15 @@ Pure library (no trio, no network). Public API:
   ``validate_manifest``, limits (``MAX_*``), ``MANIFEST_VERSION``
 - codec: ``encode_manifest``, ``decode_manifest``, ``manifest_id``, ``to_json_view``
 - scan: ``scan_tree`` -> ``ScanResult(.manifest, .sources)``, ``ChunkSource``
+- plan: ``plan`` -> ``Plan``, ``LinkOp``; ``diff`` -> ``Diff``
+- materialise: ``materialise``, ``MaterialiseStats``, ``remove_partials``, ``is_partial``
 - errors: ``ManifestError``, ``IntegrityError``, ``ChunkerUnavailable``, ``ChunkMissing``
 """
 
 from .chunking import ChunkRef, check_chunker, chunk_buffer, chunk_file
 from .codec import decode_manifest, encode_manifest, manifest_id, to_json_view
 from .errors import ChunkerUnavailable, ChunkMissing, IntegrityError, ManifestError
+from .materialise import MaterialiseStats, is_partial, materialise, remove_partials
 from .model import (
     MANIFEST_VERSION,
     MAX_CHUNKS,
@@ -26,6 +29,7 @@ from .model import (
     ManifestBuilder,
     validate_manifest,
 )
+from .plan import Diff, LinkOp, Plan, diff, plan
 from .scan import ChunkSource, ScanResult, scan_tree
 
 __all__ = [
@@ -35,6 +39,10 @@ __all__ = [
     "MAX_MANIFEST_BYTES",
     "MAX_PATH_BYTES",
     "Chunk",
+    "Diff",
+    "LinkOp",
+    "MaterialiseStats",
+    "Plan",
     "ChunkMissing",
     "ChunkRef",
     "ChunkSource",
@@ -50,6 +58,11 @@ __all__ = [
     "chunk_buffer",
     "chunk_file",
     "decode_manifest",
+    "diff",
+    "is_partial",
+    "materialise",
+    "plan",
+    "remove_partials",
     "encode_manifest",
     "manifest_id",
     "scan_tree",
