@@ -1,0 +1,614 @@
+"""The cluster model: every node and GPU of the fleet in a handful of numpy arrays.
+
+Theory of operation
+-------------------
+Nodes are sorted by their topology path ``(zone, block, rack, nvlink domain, node)``, so
+every domain at every level is a contiguous slice of node indices. For each level we keep
+the start index of each domain (``starts[level]``, ready for ``np.add.reduceat``), the
+domain of each node, and, for each domain, the range of its children one level finer.
+Levels, coarse to fine, are ``zone > block > rack > nvlink > node``; the ``nvlink`` domain
+is the NVLink clique (the rack of an NVL72 tray, whose spec carries ``nvlink_domain``)
+or the node itself (an 8-GPU HGX node, ``nvlink_domain=None``).
+
+Per (node, slot) we hold the owner (int32 job index, -1 free) and a ``usable`` mask
+(slot exists, GPU healthy, node healthy and not draining). ``free[node]`` counts usable
+free slots. Jobs live in a table (``jobs``: id -> :class:`JobRecord`) and in small
+parallel arrays indexed by job index (priority, preemptible, GPU count) that the
+vectorised preemption path reads.
+
+Invariants (checked by :meth:`ClusterModel.check_invariants`, used by the tests):
+
+- ``owner[n, s] >= 0`` only for existing slots; each owned slot is listed exactly once,
+  in its job's record; ``free == ((owner == -1) & usable).sum(1)``.
+- domain slices are contiguous, nested and cover all nodes.
+
+Mutations
+---------
+Incremental (O(touched GPUs)): :meth:`allocate`, :meth:`release`, :meth:`assign`,
+:meth:`set_node_state`, :meth:`set_gpu_health`, and :meth:`upsert_node` of a known
+node whose topology and GPU count are unchanged.
+Rebuild (O(nodes log nodes), deferred): :meth:`upsert_node` of a new node or one that
+moved or changed GPU count, :meth:`remove_node`. Those only mark the model dirty; the
+rebuild runs once, at the next read, so registering 100,000 nodes one by one costs one
+rebuild. Allocations, health and drain marks survive a rebuild.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import Conflict, InvalidSpec, UnknownJob, UnknownNode
+
+log = logging.getLogger("herd.placer.model")
+
+LEVELS: tuple[str, ...] = ("zone", "block", "rack", "nvlink", "node")
+"""Topology levels, coarse to fine (indices 0..4)."""
+WITHIN: tuple[str, ...] = ("any", *LEVELS)
+NODE_LEVEL = LEVELS.index("node")
+MAX_GPUS_PER_NODE = 64
+
+
+def level_index(within: str) -> int:
+    """-1 for ``any``, else the index in :data:`LEVELS`."""
+    if within == "any":
+        return -1
+    try:
+        return LEVELS.index(within)
+    except ValueError:
+        raise InvalidSpec(f"unknown topology level {within!r}; expected one of {', '.join(WITHIN)}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    """One node as the placer sees it. ``nvlink_domain`` is set on NVL72-class trays
+    (GPUs reporting a fabric clique); None on 8-GPU HGX nodes."""
+
+    node_id: str
+    zone: str
+    block: str
+    rack: str
+    n_gpus: int
+    nvlink_domain: str | None = None
+
+    def validate(self) -> None:
+        for name in ("node_id", "zone", "block", "rack"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                raise InvalidSpec(f"node spec: {name} must be a non-empty string, got {v!r}")
+        if self.nvlink_domain is not None and (not isinstance(self.nvlink_domain, str) or not self.nvlink_domain):
+            raise InvalidSpec(f"node {self.node_id}: nvlink_domain must be a non-empty string or None")
+        if not isinstance(self.n_gpus, int) or isinstance(self.n_gpus, bool) or not (
+                0 <= self.n_gpus <= MAX_GPUS_PER_NODE):
+            raise InvalidSpec(f"node {self.node_id}: n_gpus must be an int in 0..{MAX_GPUS_PER_NODE}, "
+                              f"got {self.n_gpus!r}")
+
+    def sort_key(self) -> tuple[str, str, str, str, str]:
+        return (self.zone, self.block, self.rack, self.nvlink_domain or "", self.node_id)
+
+
+@dataclass(slots=True, eq=False)
+class JobRecord:
+    """A job holding GPUs. ``nodes``/``slots`` are parallel arrays of node index and slot
+    (node indices are those of the model's current order; a rebuild remaps them)."""
+
+    job_id: str
+    index: int
+    priority: int
+    preemptible: bool
+    nodes: np.ndarray
+    slots: np.ndarray
+    node_ids: list[str] = field(repr=False, default_factory=list)
+
+    @property
+    def n_gpus(self) -> int:
+        return int(self.nodes.size)
+
+    @property
+    def gpus_by_node(self) -> dict[str, tuple[int, ...]]:
+        out: dict[str, list[int]] = {}
+        for n, s in zip(self.nodes.tolist(), self.slots.tolist(), strict=True):
+            out.setdefault(self.node_ids[n], []).append(s)
+        return {k: tuple(sorted(v)) for k, v in out.items()}
+
+
+class ClusterModel:
+    """The fleet in numpy arrays. Build with :meth:`build`; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._specs: dict[str, NodeSpec] = {}
+        self._dirty = True
+        self.epoch = 0
+        # node state that survives rebuilds, by id
+        self._node_healthy: dict[str, bool] = {}
+        self._node_draining: dict[str, bool] = {}
+        self._gpu_bad: dict[str, set[int]] = {}
+        # arrays (filled by _rebuild)
+        self._node_ids: list[str] = []
+        self._index: dict[str, int] = {}
+        self.G = 1
+        self.n_gpus = np.zeros(0, np.int32)
+        self.owner = np.full((0, 1), -1, np.int32)
+        self.slot_exists = np.zeros((0, 1), bool)
+        self.gpu_healthy = np.zeros((0, 1), bool)
+        self.node_healthy = np.zeros(0, bool)
+        self.node_draining = np.zeros(0, bool)
+        self.usable = np.zeros((0, 1), bool)
+        self.free = np.zeros(0, np.int32)
+        self.starts: list[np.ndarray] = []
+        self.ends: list[np.ndarray] = []
+        self.dom_of_node: list[np.ndarray] = []
+        self.child_lo: list[np.ndarray] = []
+        self.child_hi: list[np.ndarray] = []
+        self.dom_names: list[list[str]] = []
+        # jobs
+        self._jobs: dict[str, JobRecord] = {}
+        self._job_cap = 0
+        self.job_priority = np.zeros(0, np.int64)
+        self.job_preemptible = np.zeros(0, bool)
+        self.job_gpus = np.zeros(0, np.int64)
+        self.job_active = np.zeros(0, bool)
+        self._job_ids: list[str | None] = []
+        self._free_job_idx: list[int] = []
+        self._grow_jobs(64)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def build(cls, nodes: Iterable[NodeSpec]) -> ClusterModel:
+        """A model of ``nodes`` (any order; duplicates are an error), all healthy and free."""
+        m = cls()
+        for spec in nodes:
+            spec.validate()
+            if spec.node_id in m._specs:
+                raise InvalidSpec(f"duplicate node id {spec.node_id!r}")
+            m._specs[spec.node_id] = spec
+        m._dirty = True
+        m._ensure()
+        return m
+
+    def _ensure(self) -> None:
+        if self._dirty:
+            self._rebuild()
+
+    def _rebuild(self) -> None:
+        specs = sorted(self._specs.values(), key=NodeSpec.sort_key)
+        N = len(specs)
+        G = max([s.n_gpus for s in specs], default=1) or 1
+        old_ids, old_owner = self._node_ids, self.owner
+        old_index = self._index
+        node_ids = [s.node_id for s in specs]
+        index = {nid: i for i, nid in enumerate(node_ids)}
+        n_gpus = np.fromiter((s.n_gpus for s in specs), np.int32, N)
+        slot_exists = np.arange(G)[None, :] < n_gpus[:, None]
+        owner = np.full((N, G), -1, np.int32)
+        # carry allocations over by node id
+        if old_ids:
+            new_rows = np.fromiter((old_index.get(nid, -1) for nid in node_ids), np.int64, N)
+            keep = new_rows >= 0
+            w = min(G, old_owner.shape[1])
+            owner[keep, :w] = old_owner[new_rows[keep], :w]
+            owner[~slot_exists] = -1
+        gpu_healthy = slot_exists.copy()
+        for nid, bad in self._gpu_bad.items():
+            i = index.get(nid)
+            if i is not None:
+                for s in bad:
+                    if s < G:
+                        gpu_healthy[i, s] = False
+        node_healthy = np.fromiter((self._node_healthy.get(n, True) for n in node_ids), bool, N)
+        node_draining = np.fromiter((self._node_draining.get(n, False) for n in node_ids), bool, N)
+
+        # domains per level, from the sorted keys
+        keys = [s.sort_key() for s in specs]
+        starts: list[np.ndarray] = []
+        names: list[list[str]] = []
+        for li in range(len(LEVELS)):
+            st: list[int] = []
+            nm: list[str] = []
+            prev: Any = None
+            for i, (k, sp) in enumerate(zip(keys, specs, strict=True)):
+                if li == 0:
+                    kk: Any = k[0]
+                elif li == 1:
+                    kk = k[:2]
+                elif li == 2:
+                    kk = k[:3]
+                elif li == 3:
+                    kk = k[:4] if sp.nvlink_domain is not None else k
+                else:
+                    kk = k
+                if kk != prev:
+                    st.append(i)
+                    prev = kk
+                    if li == 0:
+                        nm.append(sp.zone)
+                    elif li == 1:
+                        nm.append(f"{sp.zone}/{sp.block}")
+                    elif li == 2:
+                        nm.append(f"{sp.zone}/{sp.block}/{sp.rack}")
+                    elif li == 3:
+                        nm.append(sp.nvlink_domain if sp.nvlink_domain is not None else sp.node_id)
+                    else:
+                        nm.append(sp.node_id)
+            starts.append(np.asarray(st, np.int64))
+            names.append(nm)
+        ends = [np.append(a[1:], N).astype(np.int64) for a in starts]
+        dom_of_node = []
+        for a in starts:
+            d = np.zeros(N, np.int32)
+            if N:
+                d[a[1:]] = 1
+                d = np.cumsum(d, dtype=np.int32)
+            dom_of_node.append(d)
+        child_lo, child_hi = [], []
+        for li in range(len(LEVELS) - 1):
+            # children of domain d at level li are the level li+1 domains whose start lies in it
+            cst = starts[li + 1]
+            child_lo.append(np.searchsorted(cst, starts[li], side="left").astype(np.int64))
+            child_hi.append(np.searchsorted(cst, ends[li], side="left").astype(np.int64))
+        self._node_ids, self._index, self.G = node_ids, index, G
+        self.n_gpus, self.slot_exists, self.owner = n_gpus, slot_exists, owner
+        self.gpu_healthy, self.node_healthy, self.node_draining = gpu_healthy, node_healthy, node_draining
+        self.starts, self.ends, self.dom_of_node, self.dom_names = starts, ends, dom_of_node, names
+        self.child_lo, self.child_hi = child_lo, child_hi
+        self._recompute_usable()
+        self._rebuild_job_positions()
+        self._dirty = False
+        self.epoch += 1
+        log.debug("rebuilt nodes=%d gpus=%d jobs=%d", N, int(n_gpus.sum()), len(self._jobs))
+
+    def _recompute_usable(self, rows: np.ndarray | slice | None = None) -> None:
+        if rows is None:
+            self.usable = (self.slot_exists & self.gpu_healthy
+                           & (self.node_healthy & ~self.node_draining)[:, None])
+            self.free = ((self.owner == -1) & self.usable).sum(1, dtype=np.int32)
+        else:
+            self.usable[rows] = (self.slot_exists[rows] & self.gpu_healthy[rows]
+                                 & (self.node_healthy[rows] & ~self.node_draining[rows])[..., None])
+            self.free[rows] = ((self.owner[rows] == -1) & self.usable[rows]).sum(-1)
+
+    def _rebuild_job_positions(self) -> None:
+        """Re-derive every job's (nodes, slots) from the owner array (after a rebuild)."""
+        nodes, slots = np.nonzero(self.owner >= 0)
+        owners = self.owner[nodes, slots]
+        order = np.argsort(owners, kind="stable")
+        owners, nodes, slots = owners[order], nodes[order], slots[order]
+        bounds = np.searchsorted(owners, np.arange(self._job_cap + 1))
+        self.job_gpus[:] = 0
+        for rec in self._jobs.values():
+            a, b = bounds[rec.index], bounds[rec.index + 1]
+            rec.nodes = nodes[a:b].astype(np.int64)
+            rec.slots = slots[a:b].astype(np.int64)
+            rec.node_ids = self._node_ids
+            self.job_gpus[rec.index] = b - a
+
+    # ------------------------------------------------------------------ node mutations
+
+    def upsert_node(self, spec: NodeSpec) -> None:
+        """Add a node or update one. Incremental when the node is known and its topology and
+        GPU count are unchanged; otherwise a (deferred) rebuild."""
+        spec.validate()
+        old = self._specs.get(spec.node_id)
+        self._specs[spec.node_id] = spec
+        if old != spec:
+            self._dirty = True
+
+    def upsert_nodes(self, specs: Iterable[NodeSpec]) -> None:
+        for s in specs:
+            self.upsert_node(s)
+
+    def remove_node(self, node_id: str) -> list[str]:
+        """Remove a node (deferred rebuild). Jobs holding GPUs there lose those GPUs (they
+        stay in the table with what is left). Returns the ids of those jobs."""
+        self._ensure()
+        i = self._idx(node_id)
+        owners = np.unique(self.owner[i][self.owner[i] >= 0])
+        del self._specs[node_id]
+        self._node_healthy.pop(node_id, None)
+        self._node_draining.pop(node_id, None)
+        self._gpu_bad.pop(node_id, None)
+        self._dirty = True
+        return [self._job_ids[j] for j in owners.tolist() if self._job_ids[j] is not None]  # type: ignore[misc]
+
+    def set_node_state(self, node_id: str, healthy: bool, draining: bool = False) -> None:
+        """Mark a node healthy/unhealthy and draining or not (incremental). Allocations stay;
+        an unhealthy or draining node is never used for new placements."""
+        self._ensure()
+        i = self._idx(node_id)
+        self._node_healthy[node_id] = bool(healthy)
+        self._node_draining[node_id] = bool(draining)
+        self.node_healthy[i] = bool(healthy)
+        self.node_draining[i] = bool(draining)
+        self._recompute_usable(np.array([i]))
+
+    def set_gpu_health(self, node_id: str, slot: int, healthy: bool) -> None:
+        """Mark one GPU healthy or not (incremental). Its owner, if any, keeps it."""
+        self._ensure()
+        i = self._idx(node_id)
+        if not isinstance(slot, int) or not (0 <= slot < int(self.n_gpus[i])):
+            raise InvalidSpec(f"node {node_id} has no GPU slot {slot!r} (it has {int(self.n_gpus[i])})")
+        bad = self._gpu_bad.setdefault(node_id, set())
+        if healthy:
+            bad.discard(slot)
+        else:
+            bad.add(slot)
+        self.gpu_healthy[i, slot] = bool(healthy)
+        self._recompute_usable(np.array([i]))
+
+    # ------------------------------------------------------------------ queries
+
+    def _idx(self, node_id: str) -> int:
+        try:
+            return self._index[node_id]
+        except KeyError:
+            raise UnknownNode(f"unknown node {node_id!r}") from None
+
+    def node_index(self, node_id: str) -> int:
+        self._ensure()
+        return self._idx(node_id)
+
+    @property
+    def node_ids(self) -> list[str]:
+        """Node ids in topology order (do not mutate)."""
+        self._ensure()
+        return self._node_ids
+
+    @property
+    def gpus_per_node(self) -> np.ndarray:
+        self._ensure()
+        return self.n_gpus
+
+    @property
+    def n_nodes(self) -> int:
+        self._ensure()
+        return len(self._node_ids)
+
+    def spec(self, node_id: str) -> NodeSpec:
+        try:
+            return self._specs[node_id]
+        except KeyError:
+            raise UnknownNode(f"unknown node {node_id!r}") from None
+
+    def has_node(self, node_id: str) -> bool:
+        return node_id in self._specs
+
+    def free_gpus(self, node_id: str) -> list[int]:
+        """Usable free slots of a node."""
+        self._ensure()
+        i = self._idx(node_id)
+        return np.flatnonzero((self.owner[i] == -1) & self.usable[i]).tolist()
+
+    def domain_of(self, node_id: str, level: str) -> str:
+        self._ensure()
+        li = level_index(level)
+        if li < 0:
+            return "any"
+        return self.dom_names[li][int(self.dom_of_node[li][self._idx(node_id)])]
+
+    @property
+    def jobs(self) -> dict[str, JobRecord]:
+        """Job id -> record (read only; mutate through allocate/assign/release)."""
+        self._ensure()
+        return self._jobs
+
+    def job(self, job_id: str) -> JobRecord:
+        self._ensure()
+        try:
+            return self._jobs[job_id]
+        except KeyError:
+            raise UnknownJob(f"unknown job {job_id!r}") from None
+
+    def owner_of(self, node_id: str, slot: int) -> str | None:
+        self._ensure()
+        j = int(self.owner[self._idx(node_id), slot])
+        return None if j < 0 else self._job_ids[j]
+
+    def job_id_of(self, index: int) -> str | None:
+        return self._job_ids[index] if 0 <= index < len(self._job_ids) else None
+
+    # ------------------------------------------------------------------ jobs
+
+    def _grow_jobs(self, cap: int) -> None:
+        old = self._job_cap
+        if cap <= old:
+            return
+
+        def grow(a: np.ndarray, fill: Any) -> np.ndarray:
+            b = np.full(cap, fill, a.dtype)
+            b[:old] = a[:old]
+            return b
+        self.job_priority = grow(self.job_priority, 0)
+        self.job_preemptible = grow(self.job_preemptible, False)
+        self.job_gpus = grow(self.job_gpus, 0)
+        self.job_active = grow(self.job_active, False)
+        self._job_ids.extend([None] * (cap - old))
+        self._free_job_idx.extend(range(cap - 1, old - 1, -1))
+        self._job_cap = cap
+
+    def _new_job(self, job_id: str, priority: int, preemptible: bool) -> JobRecord:
+        if not isinstance(job_id, str) or not job_id:
+            raise InvalidSpec(f"job id must be a non-empty string, got {job_id!r}")
+        if not self._free_job_idx:
+            self._grow_jobs(self._job_cap * 2)
+        j = self._free_job_idx.pop()
+        self._job_ids[j] = job_id
+        self.job_priority[j] = int(priority)
+        self.job_preemptible[j] = bool(preemptible)
+        self.job_gpus[j] = 0
+        self.job_active[j] = True
+        rec = JobRecord(job_id, j, int(priority), bool(preemptible),
+                        np.zeros(0, np.int64), np.zeros(0, np.int64), self._node_ids)
+        self._jobs[job_id] = rec
+        return rec
+
+    def allocate(self, decision: Any) -> None:
+        """Apply a :class:`placer.place.Decision`: release its victims, then give its pods'
+        GPUs to the job. Checked first: the job id must be new, every target GPU usable
+        and free (or held by a victim). On any failure nothing changes (:class:`Conflict`)."""
+        self._ensure()
+        if decision.job_id in self._jobs:
+            raise Conflict(f"job {decision.job_id!r} already holds GPUs")
+        nodes, slots = decision.gpu_arrays(self)
+        victims = [v for v in decision.victims if v in self._jobs]
+        if nodes.size:
+            own = self.owner[nodes, slots]
+            ok = own == -1
+            if victims:
+                vmask = np.zeros(self._job_cap + 1, bool)
+                vmask[[self._jobs[v].index for v in victims]] = True
+                ok |= vmask[own]
+            if not ok.all():
+                raise Conflict(f"decision for {decision.job_id!r} is stale: some GPUs are no longer free")
+            if not self.usable[nodes, slots].all():
+                raise Conflict(f"decision for {decision.job_id!r} is stale: some GPUs are no longer usable")
+            flat = nodes * self.G + slots
+            if np.unique(flat).size != flat.size:
+                raise Conflict(f"decision for {decision.job_id!r} names a GPU twice")
+        for v in victims:
+            self.release(v)
+        rec = self._new_job(decision.job_id, decision.priority, decision.preemptible)
+        self._give(rec, nodes, slots)
+
+    def _give(self, rec: JobRecord, nodes: np.ndarray, slots: np.ndarray) -> None:
+        self.owner[nodes, slots] = rec.index
+        rec.nodes = np.concatenate([rec.nodes, nodes.astype(np.int64)])
+        rec.slots = np.concatenate([rec.slots, slots.astype(np.int64)])
+        self.job_gpus[rec.index] = rec.nodes.size
+        np.subtract.at(self.free, nodes, self.usable[nodes, slots].astype(np.int32))
+
+    def assign(self, job_id: str, node_id: str, slots: Sequence[int], priority: int,
+               preemptible: bool) -> None:
+        """Record that ``job_id`` holds ``slots`` on ``node_id`` (rebuilding allocations from
+        agents' reports). Creates the job if new; idempotent for slots it already holds;
+        a slot held by another job is a :class:`Conflict`. Unhealthy GPUs may be assigned
+        (the report is the truth); missing slots may not."""
+        self._ensure()
+        i = self._idx(node_id)
+        sl = np.asarray(list(slots), np.int64)
+        if sl.size and (sl.min() < 0 or sl.max() >= int(self.n_gpus[i])):
+            raise InvalidSpec(f"node {node_id} has no GPU slot among {list(slots)}")
+        if np.unique(sl).size != sl.size:
+            raise InvalidSpec(f"slots for job {job_id!r} on {node_id} repeat: {list(slots)}")
+        rec = self._jobs.get(job_id)
+        own = self.owner[i, sl]
+        mine = rec.index if rec is not None else -2
+        if ((own != -1) & (own != mine)).any():
+            holders = {self._job_ids[j] for j in own.tolist() if j not in (-1, mine)}
+            raise Conflict(f"GPUs {list(slots)} of {node_id} are held by {sorted(h for h in holders if h)}")
+        if rec is None:
+            rec = self._new_job(job_id, priority, preemptible)
+        else:
+            rec.priority, rec.preemptible = int(priority), bool(preemptible)
+            self.job_priority[rec.index] = int(priority)
+            self.job_preemptible[rec.index] = bool(preemptible)
+        new = sl[own == -1]
+        if new.size:
+            self._give(rec, np.full(new.size, i, np.int64), new)
+
+    def release(self, job_id: str) -> int:
+        """Free every GPU of a job and forget it (incremental). Returns the GPUs freed."""
+        self._ensure()
+        rec = self._jobs.pop(job_id, None)
+        if rec is None:
+            raise UnknownJob(f"unknown job {job_id!r}")
+        n = rec.nodes.size
+        if n:
+            self.owner[rec.nodes, rec.slots] = -1
+            np.add.at(self.free, rec.nodes, self.usable[rec.nodes, rec.slots].astype(np.int32))
+        j = rec.index
+        self._job_ids[j] = None
+        self.job_active[j] = False
+        self.job_gpus[j] = 0
+        self.job_preemptible[j] = False
+        self._free_job_idx.append(j)
+        return int(n)
+
+    # ------------------------------------------------------------------ copies, stats, checks
+
+    def copy(self) -> ClusterModel:
+        """An independent copy (arrays copied; used by planners that try moves)."""
+        self._ensure()
+        m = ClusterModel.__new__(ClusterModel)
+        for k, v in self.__dict__.items():
+            if isinstance(v, np.ndarray):
+                setattr(m, k, v.copy())
+            elif k in ("_node_healthy", "_node_draining", "_specs"):
+                setattr(m, k, dict(v))
+            elif k == "_gpu_bad":
+                setattr(m, k, {a: set(b) for a, b in v.items()})
+            elif k in ("_job_ids", "_free_job_idx"):
+                setattr(m, k, list(v))
+            elif k == "_jobs":
+                setattr(m, k, {jid: JobRecord(r.job_id, r.index, r.priority, r.preemptible,
+                                              r.nodes, r.slots, r.node_ids) for jid, r in v.items()})
+            else:
+                setattr(m, k, v)
+        return m
+
+    def statistics(self) -> dict[str, Any]:
+        """Capacity, usable, free and allocated GPUs, and per level: domains, wholly free
+        domains, the largest free count in one domain."""
+        self._ensure()
+        cap = int(self.n_gpus.sum())
+        usable = int(self.usable.sum())
+        free = int(self.free.sum())
+        usable_per_node = self.usable.sum(1, dtype=np.int64)
+        levels: dict[str, Any] = {}
+        for li, lv in enumerate(LEVELS):
+            st = self.starts[li]
+            if len(self._node_ids):
+                fd = np.add.reduceat(self.free.astype(np.int64), st)
+                cd = np.add.reduceat(self.n_gpus.astype(np.int64), st)
+                ud = np.add.reduceat(usable_per_node, st)
+                whole = int(((fd == cd) & (cd > 0) & (ud == cd)).sum())
+                largest = int(fd.max())
+            else:
+                whole = largest = 0
+            levels[lv] = {"domains": int(st.size), "wholly_free": whole, "largest_free": largest}
+        return {
+            "nodes": len(self._node_ids),
+            "gpus": cap,
+            "usable": usable,
+            "free": free,
+            "allocated": int((self.owner >= 0).sum()),
+            "unhealthy_gpus": int((self.slot_exists & ~self.gpu_healthy).sum()),
+            "unhealthy_nodes": int((~self.node_healthy).sum()),
+            "draining_nodes": int(self.node_draining.sum()),
+            "jobs": len(self._jobs),
+            "levels": levels,
+        }
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if an invariant is broken (O(cluster); tests and debugging)."""
+        self._ensure()
+        N = len(self._node_ids)
+        assert self.owner.shape == (N, self.G)
+        assert not ((self.owner >= 0) & ~self.slot_exists).any(), "owned slot that does not exist"
+        exp_free = ((self.owner == -1) & self.usable).sum(1)
+        assert np.array_equal(exp_free, self.free), "free counts out of date"
+        exp_usable = self.slot_exists & self.gpu_healthy & (self.node_healthy & ~self.node_draining)[:, None]
+        assert np.array_equal(exp_usable, self.usable), "usable mask out of date"
+        seen = np.zeros((N, self.G), np.int64)
+        for rec in self._jobs.values():
+            assert self._job_ids[rec.index] == rec.job_id
+            assert np.all(self.owner[rec.nodes, rec.slots] == rec.index), f"job {rec.job_id} lost a GPU"
+            np.add.at(seen, (rec.nodes, rec.slots), 1)
+            assert self.job_gpus[rec.index] == rec.nodes.size
+        assert np.array_equal(seen > 0, self.owner >= 0), "owner array and job table disagree"
+        assert seen.max(initial=0) <= 1, "a GPU is listed twice"
+        for li in range(len(LEVELS)):
+            st, en = self.starts[li], self.ends[li]
+            if N:
+                assert st[0] == 0 and en[-1] == N and np.all(st[1:] == en[:-1]) and np.all(en > st)
+            if li + 1 < len(LEVELS):
+                cst = self.starts[li + 1]
+                assert np.all(cst[self.child_lo[li]] == st), "child ranges misaligned"
+                # every child domain lies inside exactly one parent
+                parent_of_child = self.dom_of_node[li][cst]
+                parent_of_child_end = self.dom_of_node[li][self.ends[li + 1] - 1]
+                assert np.array_equal(parent_of_child, parent_of_child_end), "domains not nested"

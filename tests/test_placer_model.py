@@ -1,0 +1,137 @@
+"""Cluster model: construction, domains, mutations, invariants, bad input."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from placer import ClusterModel, Conflict, InvalidSpec, JobRequest, NodeSpec, UnknownJob, UnknownNode, place
+
+
+def hgx(zones: int = 1, blocks: int = 2, racks: int = 2, nodes: int = 3, g: int = 8) -> list[NodeSpec]:
+    return [NodeSpec(f"z{z}b{b}r{r}n{n}", f"z{z}", f"b{b}", f"r{r}", g)
+            for z in range(zones) for b in range(blocks) for r in range(racks) for n in range(nodes)]
+
+
+def test_domains_are_contiguous_slices_in_topology_order() -> None:
+    specs = hgx(zones=2)
+    m = ClusterModel.build(reversed(specs))
+    assert m.node_ids == sorted(s.node_id for s in specs)
+    m.check_invariants()
+    st = m.statistics()
+    assert st["gpus"] == 2 * 2 * 2 * 3 * 8 == st["free"]
+    assert [st["levels"][lv]["domains"] for lv in ("zone", "block", "rack", "nvlink", "node")] == [2, 4, 8, 24, 24]
+    assert m.domain_of("z1b0r1n2", "rack") == "z1/b0/r1"
+
+
+def test_nvl72_trays_share_an_nvlink_domain_per_rack() -> None:
+    specs = [NodeSpec(f"t{r}-{i}", "z", "b", f"r{r}", 4, nvlink_domain=f"clique-{r}")
+             for r in range(2) for i in range(18)]
+    m = ClusterModel.build(specs)
+    assert m.statistics()["levels"]["nvlink"]["domains"] == 2
+    d = place(m, JobRequest("j", 18, 4, "nvlink"))
+    assert d is not None and d.domain in ("clique-0", "clique-1")
+    assert len({m.domain_of(p.node_id, "nvlink") for p in d.pods}) == 1
+
+
+def test_bad_specs_are_refused_and_lose_nothing() -> None:
+    with pytest.raises(InvalidSpec):
+        ClusterModel.build([NodeSpec("a", "z", "b", "r", -1)])
+    with pytest.raises(InvalidSpec):
+        ClusterModel.build([NodeSpec("", "z", "b", "r", 8)])
+    with pytest.raises(InvalidSpec):
+        ClusterModel.build([NodeSpec("a", "z", "b", "r", 8), NodeSpec("a", "z", "b", "r", 8)])
+    m = ClusterModel.build(hgx())
+    with pytest.raises(UnknownNode):
+        m.set_node_state("nope", healthy=False)
+    with pytest.raises(InvalidSpec):
+        m.set_gpu_health("z0b0r0n0", 8, healthy=False)
+    with pytest.raises(UnknownJob):
+        m.release("nope")
+    with pytest.raises(InvalidSpec):
+        m.upsert_node(NodeSpec("x", "z", "b", "r", 999))
+    assert m.n_nodes == 12
+    m.check_invariants()
+
+
+def test_allocate_release_and_stale_decisions() -> None:
+    m = ClusterModel.build(hgx())
+    d = place(m, JobRequest("a", 2, 8, "rack"))
+    assert d is not None
+    m.allocate(d)
+    with pytest.raises(Conflict):
+        m.allocate(d)               # same job id again
+    d2 = place(m, JobRequest("b", 1, 8, "node"))
+    assert d2 is not None
+    m.assign("other", d2.pods[0].node_id, [0], priority=0, preemptible=True)
+    with pytest.raises(Conflict):
+        m.allocate(d2)              # stale: slot 0 is taken now
+    assert "b" not in m.jobs
+    m.check_invariants()
+    assert m.release("a") == 16
+    assert m.release("other") == 1
+    assert int(m.free.sum()) == 96
+    m.check_invariants()
+
+
+def test_assign_rebuilds_allocations_and_refuses_conflicts() -> None:
+    m = ClusterModel.build(hgx())
+    m.assign("j", "z0b0r0n0", [0, 1], priority=3, preemptible=False)
+    m.assign("j", "z0b0r0n0", [1, 2], priority=3, preemptible=False)   # idempotent for 1
+    m.assign("j", "z0b1r1n2", [7], priority=3, preemptible=False)
+    assert m.jobs["j"].gpus_by_node == {"z0b0r0n0": (0, 1, 2), "z0b1r1n2": (7,)}
+    with pytest.raises(Conflict):
+        m.assign("k", "z0b0r0n0", [2, 3], priority=0, preemptible=True)
+    with pytest.raises(InvalidSpec):
+        m.assign("k", "z0b0r0n0", [8], priority=0, preemptible=True)
+    with pytest.raises(InvalidSpec):
+        m.assign("k", "z0b0r0n0", [4, 4], priority=0, preemptible=True)
+    assert "k" not in m.jobs
+    m.check_invariants()
+
+
+def test_health_and_drain_exclude_gpus_but_keep_owners() -> None:
+    m = ClusterModel.build(hgx(blocks=1, racks=1, nodes=2))
+    m.assign("j", "z0b0r0n0", [0, 1], priority=0, preemptible=True)
+    m.set_gpu_health("z0b0r0n0", 0, healthy=False)
+    m.set_gpu_health("z0b0r0n0", 5, healthy=False)
+    assert m.free_gpus("z0b0r0n0") == [2, 3, 4, 6, 7]
+    assert m.owner_of("z0b0r0n0", 0) == "j"
+    m.set_node_state("z0b0r0n1", healthy=True, draining=True)
+    assert m.free_gpus("z0b0r0n1") == []
+    assert place(m, JobRequest("x", 1, 6, "node"), allow_preemption=False) is None
+    m.set_gpu_health("z0b0r0n0", 5, healthy=True)
+    d = place(m, JobRequest("x", 1, 6, "node"), allow_preemption=False)
+    assert d is not None and d.pods[0].slots == (2, 3, 4, 5, 6, 7)
+    m.check_invariants()
+
+
+def test_upsert_and_remove_rebuild_and_keep_allocations_and_health() -> None:
+    specs = hgx(blocks=1, racks=2, nodes=2)
+    m = ClusterModel.build(specs)
+    m.assign("j", "z0b0r1n1", [3, 4], priority=1, preemptible=True)
+    m.assign("k", "z0b0r0n0", [0], priority=1, preemptible=True)
+    m.set_gpu_health("z0b0r1n1", 7, healthy=False)
+    m.set_node_state("z0b0r0n1", healthy=False)
+    m.upsert_node(NodeSpec("a-first", "z0", "a", "r0", 4))
+    m.upsert_node(NodeSpec("z0b0r1n1", "z0", "b0", "r1", 8))      # unchanged: no rebuild needed
+    assert m.node_ids[0] == "a-first"
+    assert m.jobs["j"].gpus_by_node == {"z0b0r1n1": (3, 4)}
+    assert m.free_gpus("z0b0r1n1") == [0, 1, 2, 5, 6]
+    assert m.free_gpus("z0b0r0n1") == []
+    assert m.remove_node("z0b0r0n0") == ["k"]
+    assert m.jobs["k"].n_gpus == 0 and not m.has_node("z0b0r0n0")
+    m.upsert_node(NodeSpec("z0b0r1n1", "z0", "b0", "r1", 4))       # shrinks: slot 4 vanishes
+    assert m.jobs["j"].gpus_by_node == {"z0b0r1n1": (3,)}
+    m.check_invariants()
+    assert int(m.gpus_per_node.sum()) == 4 + 8 + 8 + 4
+
+
+def test_copy_is_independent() -> None:
+    m = ClusterModel.build(hgx())
+    c = m.copy()
+    c.assign("j", "z0b0r0n0", [0], priority=0, preemptible=True)
+    assert "j" not in m.jobs and m.free_gpus("z0b0r0n0") == list(range(8))
+    c.check_invariants()
+    m.check_invariants()
+    assert np.array_equal(m.owner >= 0, np.zeros_like(m.owner, bool))
