@@ -1,0 +1,59 @@
+"""The placer service's configuration: one frozen struct, defaults in the type,
+loaded from TOML (every key optional) with CLI flags on top."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+
+class PlacerConfigError(Exception):
+    """A config file or flag the placer cannot use."""
+
+
+class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    listen: str = "127.0.0.1:7470"
+    token_dir: str | None = None
+    state_dir: str = "/var/lib/herd-placer"
+    heartbeat_s: float = 5.0          # told to agents in every report reply
+    lost_after_missed: int = 3        # a node is lost after this many missed heartbeats
+    fence_after_s: float = 60.0       # then its gangs are rescheduled after this much more
+    recover_s: float | None = None    # after a restart, wait this long for reports before placing
+                                      # recovered jobs again (default: lost threshold)
+    ack_timeout_s: float = 2.0        # one push attempt's deadline
+    push_retries: int = 2
+    push_concurrency: int = 256
+    max_peers: int = 64               # peers in a placement beyond the gang's own nodes
+    tick_s: float = 0.25              # how often lost nodes and pending jobs are looked at
+
+    @property
+    def lost_after_s(self) -> float:
+        return self.heartbeat_s * self.lost_after_missed
+
+    @property
+    def recover_window_s(self) -> float:
+        return self.lost_after_s if self.recover_s is None else self.recover_s
+
+
+def load_config(path: str | Path | None, **overrides: Any) -> PlacerConfig:
+    """TOML file (``[placer]`` table or top level) plus flag overrides that are not None."""
+    data: dict[str, Any] = {}
+    if path:
+        try:
+            raw = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise PlacerConfigError(f"config file not found: {path}") from None
+        except tomllib.TOMLDecodeError as e:
+            raise PlacerConfigError(f"config file {path} is not valid TOML: {e}") from None
+        data = dict(raw.get("placer", raw))
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        cfg = msgspec.convert(data, PlacerConfig)
+    except msgspec.ValidationError as e:
+        raise PlacerConfigError(f"bad placer config: {e}") from None
+    if cfg.heartbeat_s <= 0 or cfg.lost_after_missed < 1 or cfg.fence_after_s < 0 or cfg.ack_timeout_s <= 0:
+        raise PlacerConfigError("heartbeat_s and ack_timeout_s must be > 0, lost_after_missed >= 1, fence_after_s >= 0")
+    return cfg

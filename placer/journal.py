@@ -1,0 +1,132 @@
+"""The placer's job journal: an append-only, fsynced file of job submissions and ends.
+
+It holds jobs (spec, priority, restart policy), never allocations: after a restart
+the allocations come back only from the agents' reports (see ``placer.state``).
+
+Format: one JSON object per line, ``{"v": 1, "op": "submit", "at": T, "spec": {...}}``
+or ``{"v": 1, "op": "end", "at": T, "job_id": ..., "state": ...}``. A torn last line
+(a crash mid-append) is ignored on load; a corrupt line elsewhere is an error, since it
+means the file was edited or damaged and silently dropping jobs would lose work.
+On open, a journal whose ended jobs dominate is compacted (temp file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+from scheduler_link.messages import JobSpec
+
+log = logging.getLogger("herd.placer.journal")
+
+JOURNAL_VERSION = 1
+
+
+class JournalError(Exception):
+    """The journal cannot be read or written."""
+
+
+class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    v: int = JOURNAL_VERSION
+    op: Literal["submit", "end"]
+    at: float
+    spec: JobSpec | None = None
+    job_id: str = ""
+    state: str = ""
+
+
+_dec = msgspec.json.Decoder(Record)
+
+
+class Journal:
+    """Open with :meth:`open`; :meth:`jobs` gives the live jobs in submission order."""
+
+    def __init__(self, path: Path, live: dict[str, JobSpec], fd: int) -> None:
+        self.path = path
+        self._live = live
+        self._fd = fd
+        self.appends = 0
+
+    @classmethod
+    def open(cls, state_dir: str | os.PathLike[str]) -> Journal:
+        d = Path(state_dir)
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise JournalError(f"cannot create state dir {d}: {e.strerror}") from None
+        path = d / "jobs.journal"
+        live: dict[str, JobSpec] = {}
+        total = 0
+        if path.exists():
+            lines = path.read_bytes().split(b"\n")
+            for i, line in enumerate(lines):
+                if not line.strip():
+                    continue
+                try:
+                    rec = _dec.decode(line)
+                except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                    if i == len(lines) - 1:
+                        log.warning("journal: ignoring a torn last line path=%s", path)
+                        continue
+                    raise JournalError(f"journal {path} line {i + 1} is corrupt: {e}") from None
+                if rec.v != JOURNAL_VERSION:
+                    raise JournalError(f"journal {path} line {i + 1}: unknown version {rec.v}")
+                total += 1
+                if rec.op == "submit" and rec.spec is not None:
+                    live[rec.spec.job_id] = rec.spec
+                elif rec.op == "end":
+                    live.pop(rec.job_id, None)
+            if total > 64 and total > 4 * len(live):
+                cls._compact(path, live)
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        except OSError as e:
+            raise JournalError(f"cannot open journal {path}: {e.strerror}") from None
+        return cls(path, live, fd)
+
+    @staticmethod
+    def _compact(path: Path, live: dict[str, JobSpec]) -> None:
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            for spec in live.values():
+                f.write(msgspec.json.encode(Record(op="submit", at=0.0, spec=spec)) + b"\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        log.info("journal compacted path=%s live=%d", path, len(live))
+
+    def jobs(self) -> list[JobSpec]:
+        return list(self._live.values())
+
+    def _append(self, rec: Record) -> None:
+        data = msgspec.json.encode(rec) + b"\n"
+        try:
+            os.write(self._fd, data)
+            os.fsync(self._fd)
+        except OSError as e:
+            raise JournalError(f"cannot append to journal {self.path}: {e.strerror}") from None
+        self.appends += 1
+
+    def submitted(self, spec: JobSpec, at: float) -> None:
+        self._append(Record(op="submit", at=at, spec=spec))
+        self._live[spec.job_id] = spec
+
+    def ended(self, job_id: str, state: str, at: float) -> None:
+        if job_id not in self._live:
+            return
+        self._append(Record(op="end", at=at, job_id=job_id, state=state))
+        self._live.pop(job_id, None)
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -1,0 +1,398 @@
+"""The placer service: HTTP API, report ingest, the decide-and-push loop.
+
+Shape: :class:`placer.state.PlacerState` decides (synchronously, ``now`` passed in);
+this module carries out what it returns. Every state call happens between awaits, so
+the state has one owner: the trio task running at that moment (trio never preempts
+inside synchronous code). Pushes run in the service's nursery through one
+:class:`scheduler_link.fanout.PushPool` (kept-alive connections, bounded concurrency,
+per-attempt deadlines, retries).
+
+A decided job's start placements go out together; when every ack is in, the state
+decides what follows (all accepted: starting; a refusal: roll back and place again).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from scheduler_link.auth import TokenSet
+from scheduler_link.fanout import PushPool
+from scheduler_link.http import (
+    App,
+    HTTPError,
+    Request,
+    Response,
+    json_response,
+    require_role,
+    serve,
+    text_response,
+)
+from scheduler_link.messages import (
+    DefragRequest,
+    JobSpec,
+    NodeReport,
+    PlacementAck,
+    PrefetchFanout,
+    PrefetchRequest,
+)
+
+from .config import PlacerConfig
+from .journal import Journal
+from .state import TERMINAL_JOB_STATES, JobError, JobRec, PlacerState, Push
+
+log = logging.getLogger("herd.placer.service")
+
+_report_dec = msgspec.json.Decoder(NodeReport)
+_ack_dec = msgspec.json.Decoder(PlacementAck)
+
+
+def load_core() -> Any:
+    """The placer core (helper E's modules) as one namespace."""
+    import importlib
+    _errors = importlib.import_module("placer.errors")
+    _model = importlib.import_module("placer.model")
+    _place = importlib.import_module("placer.place")
+    ns = types.SimpleNamespace(NodeSpec=_model.NodeSpec, ClusterModel=_model.ClusterModel,
+                               JobRequest=_place.JobRequest, place=_place.place, Conflict=_errors.Conflict)
+    for mod_name, names in (("placer.fragmentation", ("fragmentation", "largest_placeable")),
+                            ("placer.defrag", ("plan_defrag",))):
+        try:
+            mod = importlib.import_module(mod_name)
+        except ImportError:
+            mod = None
+        for n in names:
+            setattr(ns, n, getattr(mod, n, None) or getattr(_place, n, None))
+    return ns
+
+
+class PlacerService:
+    """``await nursery.start(service.run)`` -> the bound base URL."""
+
+    def __init__(self, config: PlacerConfig, tokens: TokenSet | None = None, *, core: Any = None,
+                 clock: Any = time.time) -> None:
+        self.cfg = config
+        self.tokens = tokens if tokens is not None else TokenSet.load(config.token_dir)
+        self.core = core or load_core()
+        self.clock = clock
+        self.state = PlacerState(config, self.core, started_at=clock())
+        self.pool = PushPool(concurrency=config.push_concurrency, attempt_timeout_s=config.ack_timeout_s,
+                             retries=config.push_retries)
+        self.journal: Journal | None = None
+        self.url: str | None = None
+        self._nursery: trio.Nursery | None = None
+        self._kick = trio.Event()
+        self._changed = trio.Event()
+        self.app = self._build_app()
+        self.push_counts = {"start": 0, "stop": 0, "failed": 0, "refused": 0}
+
+    # ------------------------------------------------------------ life cycle
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.journal = Journal.open(self.cfg.state_dir)
+        now = self.clock()
+        recovered = self.journal.jobs()
+        for spec in recovered:
+            self.state.submit(spec, now, recovering=True)
+        self.state.recover_until = now + self.cfg.recover_window_s
+        if recovered:
+            log.info("recovered jobs from the journal count=%d; waiting %.1fs for reports",
+                     len(recovered), self.cfg.recover_window_s)
+        try:
+            async with trio.open_nursery() as n:
+                self._nursery = n
+                self.url = await n.start(serve, self.app, self.cfg.listen)
+                self._write_endpoints()
+                n.start_soon(self._loop)
+                log.info("placer serving url=%s", self.url)
+                task_status.started(self.url)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self.pool.aclose()
+            self.journal.close()
+
+    def _write_endpoints(self) -> None:
+        d = Path(self.cfg.state_dir)
+        tmp = d / "endpoints.json.tmp"
+        tmp.write_text(json.dumps({"control_url": self.url, "placer_url": self.url, "pid": os.getpid()}))
+        os.replace(tmp, d / "endpoints.json")
+
+    def kick(self) -> None:
+        self._kick.set()
+
+    def _changed_now(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def _loop(self) -> None:
+        while True:
+            with trio.move_on_after(self.cfg.tick_s):
+                await self._kick.wait()
+            self._kick = trio.Event()
+            now = self.clock()
+            self._carry_out(self.state.tick(now))
+            for job, pushes in self.state.schedule(now, clock=time.perf_counter):
+                job.timings["pushed"] = self.clock()
+                assert self._nursery is not None
+                self._nursery.start_soon(self._dispatch, job.job_id, job.attempt, pushes)
+            self._after_change()
+
+    def _after_change(self) -> None:
+        if self.journal is not None:
+            for job_id, st, at in self.state.drain_ended():
+                self.journal.ended(job_id, st, at)
+        self._changed_now()
+
+    def _carry_out(self, pushes: list[Push]) -> None:
+        if pushes and self._nursery is not None:
+            for p in pushes:
+                self._nursery.start_soon(self._push_one, p)
+        if pushes:
+            self.kick()
+
+    async def _push_one(self, p: Push) -> tuple[bool, str | None]:
+        self.push_counts[p.kind] += 1
+        res = await self.pool.post(p.control_url, "/v1/placements", msgspec.json.encode(p.placement),
+                                   token=self.tokens.placer, key=p.node_id)
+        if res.status is None:
+            self.push_counts["failed"] += 1
+            log.warning("push failed node=%s placement=%s err=%s", p.node_id, p.placement.placement_id, res.error)
+            if p.kind == "stop":
+                self.state.stop_failed(p.node_id, p.placement.victims)
+            return False, f"node unreachable: {res.error}"
+        ack = _ack_dec.decode(res.body) if res.ok else None
+        if ack is not None and ack.accepted:
+            return True, None
+        try:
+            why = ack.reason if ack is not None else json.loads(res.body).get("detail") or res.body.decode()[:200]
+        except (ValueError, AttributeError):
+            why = res.body.decode(errors="replace")[:200]
+        self.push_counts["refused"] += 1
+        log.warning("placement refused node=%s placement=%s status=%s reason=%s",
+                    p.node_id, p.placement.placement_id, res.status, why)
+        return False, f"refused ({res.status}): {why}"
+
+    async def _dispatch(self, job_id: str, attempt: int, pushes: list[Push]) -> None:
+        acks: dict[str, tuple[bool, str | None]] = {}
+
+        async def one(p: Push) -> None:
+            ok, why = await self._push_one(p)
+            if p.kind == "start":
+                acks[p.node_id] = (ok, why)
+
+        async with trio.open_nursery() as n:
+            for p in pushes:
+                n.start_soon(one, p)
+        self._carry_out(self.state.on_acks(job_id, attempt, acks, self.clock()))
+        self._after_change()
+
+    # ------------------------------------------------------------ HTTP
+
+    def _build_app(self) -> App:
+        app = App(name="herd-placer", max_body=8 << 20)
+        cluster = require_role(self.tokens, "cluster")
+        operator = require_role(self.tokens, "operator")
+        app.add("GET", "/healthz", self.h_healthz)
+        app.add("GET", "/metrics", self.h_metrics)
+        app.add("GET", "/openapi.json", self.h_openapi)
+        app.add("POST", "/v1/nodes/{node_id}/report", self.h_report, auth=cluster)
+        app.add("GET", "/v1/nodes", self.h_nodes)
+        app.add("GET", "/v1/cluster", self.h_cluster)
+        app.add("POST", "/v1/jobs", self.h_submit, auth=operator, max_body=1 << 20)
+        app.add("GET", "/v1/jobs", self.h_jobs)
+        app.add("GET", "/v1/jobs/{job_id}", self.h_job)
+        app.add("DELETE", "/v1/jobs/{job_id}", self.h_cancel, auth=operator)
+        app.add("POST", "/v1/defrag", self.h_defrag, auth=operator)
+        app.add("POST", "/v1/prefetch", self.h_prefetch, auth=operator)
+        return app
+
+    async def h_healthz(self, req: Request) -> Response:
+        """Liveness: 200 while the service runs."""
+        return json_response({"ok": True, "recovering": self.clock() < self.state.recover_until})
+
+    async def h_openapi(self, req: Request) -> Response:
+        """This API's OpenAPI description, generated from the route table."""
+        return json_response(self.app.openapi("herd-placer"))
+
+    async def h_report(self, req: Request) -> Response:
+        """An agent's report (full at registration, then heartbeats with events)."""
+        try:
+            rep = _report_dec.decode(req.body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise HTTPError(400, "malformed report", str(e)) from None
+        status, reply, pushes = self.state.ingest(req.params["node_id"], rep, self.clock())
+        if status == 400:
+            raise HTTPError(400, "node id in the path and the report differ")
+        self._carry_out(pushes)
+        if rep.full or rep.events or rep.snapshot is not None:
+            self.kick()
+            self._after_change()
+        return json_response(reply, status=status)
+
+    async def h_submit(self, req: Request) -> Response:
+        """Submit a job (JobSpec); 201 with the job's view."""
+        spec = req.decode(JobSpec)
+        if not spec.job_id:
+            spec = msgspec.structs.replace(spec, job_id=f"job-{int(time.time() * 1000):x}-{os.urandom(3).hex()}")
+        now = self.clock()
+        try:
+            self.state.validate(spec)
+        except JobError as e:
+            raise HTTPError(e.status, "job refused", str(e)) from None
+        assert self.journal is not None
+        self.journal.submitted(spec, now)  # durable before it is acknowledged
+        job = self.state.submit(spec, now)
+        self.kick()
+        self._changed_now()
+        return json_response(job.view(), status=201)
+
+    def _job(self, job_id: str) -> JobRec:
+        job = self.state.jobs.get(job_id)
+        if job is None:
+            raise HTTPError(404, "no such job", job_id)
+        return job
+
+    async def h_jobs(self, req: Request) -> Response:
+        """Every job the placer knows (``?state=`` filters)."""
+        want = req.query.get("state")
+        jobs = [j.view() for j in sorted(self.state.jobs.values(), key=lambda j: j.order)
+                if not want or j.state == want]
+        return json_response({"jobs": jobs})
+
+    async def h_job(self, req: Request) -> Response:
+        """One job with pods, nodes, GPUs, states and timings. ``?wait=STATE&timeout_ms=N``
+        waits (bounded) until the job reaches STATE or a terminal state."""
+        job = self._job(req.params["job_id"])
+        want = req.query.get("wait")
+        if want:
+            try:
+                timeout = min(60.0, float(req.query.get("timeout_ms", "10000")) / 1000)
+            except ValueError:
+                raise HTTPError(400, "timeout_ms must be a number") from None
+            with trio.move_on_after(timeout):
+                while not (job.state == want or job.state in TERMINAL_JOB_STATES):
+                    await self._changed.wait()
+                    job = self._job(req.params["job_id"])
+        return json_response(job.view())
+
+    async def h_cancel(self, req: Request) -> Response:
+        """Cancel a job: its workloads are stopped gracefully."""
+        try:
+            pushes = self.state.cancel(req.params["job_id"], self.clock())
+        except JobError as e:
+            raise HTTPError(e.status, "cannot cancel", str(e)) from None
+        self._carry_out(pushes)
+        self._after_change()
+        return json_response(self.state.jobs[req.params["job_id"]].view())
+
+    async def h_nodes(self, req: Request) -> Response:
+        """Every node: state, addresses, topology, GPUs free and unhealthy."""
+        return json_response({"nodes": [self.state.node_view(n) for n in sorted(
+            self.state.nodes.values(), key=lambda n: n.node_id)]})
+
+    async def h_cluster(self, req: Request) -> Response:
+        """Capacity, free GPUs and fragmentation per topology level."""
+        out: dict[str, Any] = {"model": self.state.model.statistics()}
+        if getattr(self.core, "fragmentation", None):
+            out["fragmentation"] = {k: float(v) for k, v in self.core.fragmentation(self.state.model).items()}
+        if getattr(self.core, "largest_placeable", None):
+            out["largest_placeable"] = {k: int(v) for k, v in self.core.largest_placeable(self.state.model).items()}
+        nodes = list(self.state.nodes.values())
+        out["nodes"] = {"up": sum(n.state == "up" for n in nodes), "lost": sum(n.state == "lost" for n in nodes),
+                        "simulated": sum(n.simulated for n in nodes)}
+        out["jobs"] = self._job_counts()
+        return json_response(out)
+
+    def _job_counts(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for j in self.state.jobs.values():
+            counts[j.state] = counts.get(j.state, 0) + 1
+        return counts
+
+    async def h_defrag(self, req: Request) -> Response:
+        """Plan defragmentation moves; with ``apply`` the moved jobs are requeued so the core
+        places them again (best fit packs them into partly used domains)."""
+        body = req.decode(DefragRequest) if req.body else DefragRequest()
+        if not getattr(self.core, "plan_defrag", None):
+            raise HTTPError(501, "defragmentation planner not available")
+        if body.max_moves < 0 or body.max_moves > 10_000:
+            raise HTTPError(400, "max_moves must be within 0..10000")
+        moves = self.core.plan_defrag(self.state.model, body.max_moves)
+        out = [{"job_id": m.job_id, "from_nodes": sorted(getattr(m, "from_nodes", []) or []),
+                "to_nodes": sorted({p.node_id for p in getattr(getattr(m, "to_decision", None), "pods", [])})}
+               for m in moves]
+        applied: list[str] = []
+        if body.apply:
+            now = self.clock()
+            for m in moves:
+                pushes = self.state.requeue(m.job_id, now, reason="moved by defragmentation")
+                if pushes is not None:
+                    applied.append(m.job_id)
+                    self._carry_out(pushes)
+            self._after_change()
+        return json_response({"moves": out, "applied": applied})
+
+    async def h_prefetch(self, req: Request) -> Response:
+        """Fan a preheat (manifest id, origin) out to nodes named or in a topology domain."""
+        body = req.decode(PrefetchFanout)
+        nodes = [n for n in self.state.nodes.values() if n.state == "up"]
+        if body.nodes:
+            unknown = sorted(set(body.nodes) - {n.node_id for n in nodes})
+            if unknown:
+                raise HTTPError(404, "unknown or lost nodes", ",".join(unknown))
+            nodes = [n for n in nodes if n.node_id in set(body.nodes)]
+        elif body.level:
+            if body.level not in ("zone", "block", "rack") or not body.domain:
+                raise HTTPError(400, "level must be zone|block|rack, with a domain name")
+            nodes = [n for n in nodes if getattr(n.topology, body.level) == body.domain]
+        if not nodes:
+            raise HTTPError(404, "no node matches")
+        peers = [n.peer() for n in nodes][: max(self.cfg.max_peers, len(nodes))]
+        pr = msgspec.json.encode(PrefetchRequest(manifest_id=body.manifest_id, origin=body.origin, peers=peers))
+        res = await self.pool.post_many([(n.node_id, n.control_url, "/v1/prefetch", pr) for n in nodes],
+                                        token=self.tokens.placer)
+        return json_response({"nodes": {k: {"ok": r.ok, "status": r.status, "error": r.error}
+                                        for k, r in sorted(res.items())}})
+
+    async def h_metrics(self, req: Request) -> Response:
+        """Prometheus text: nodes, jobs, GPUs, counters, decision latency."""
+        lines: list[str] = []
+
+        def g(name: str, val: float, labels: str = "", kind: str = "gauge") -> None:
+            if not any(line.startswith(f"# TYPE {name} ") for line in lines):
+                lines.append(f"# TYPE {name} {kind}")
+            lines.append(f"{name}{labels} {val}")
+        nodes = list(self.state.nodes.values())
+        for st in ("up", "lost"):
+            g("herd_placer_nodes", sum(n.state == st for n in nodes), f'{{state="{st}"}}')
+        for st, c in sorted(self._job_counts().items()):
+            g("herd_placer_jobs", c, f'{{state="{st}"}}')
+        stats = self.state.model.statistics()
+        for k in ("gpus", "usable", "free", "allocated", "unhealthy_gpus"):
+            g(f"herd_placer_gpus_{k}", stats.get(k, 0))
+        for k, v in sorted(self.state.counters.items()):
+            g(f"herd_placer_{k}_total", v, kind="counter")
+        for k, v in sorted(self.push_counts.items()):
+            g("herd_placer_pushes_total", v, f'{{kind="{k}"}}', kind="counter")
+        ds = sorted(self.state.decision_s)
+        if ds:
+            for q in (0.5, 0.99):
+                g("herd_placer_decision_seconds", ds[min(len(ds) - 1, math.floor(q * len(ds)))],
+                  f'{{quantile="{q}"}}')
+        return text_response("\n".join(lines) + "\n", content_type="text/plain; version=0.0.4")
+
+
+async def run_placer(config: PlacerConfig) -> None:
+    """Run a placer until cancelled (the CLI's entry point)."""
+    svc = PlacerService(config)
+    async with trio.open_nursery() as n:
+        await n.start(svc.run)

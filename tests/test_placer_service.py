@@ -1,0 +1,418 @@
+"""The placer service with in-process fake agents (small honest HTTP servers that keep
+a workload table, check GPUs against their inventory, and report through the real
+AgentLink). Real loopback sockets; no processes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import trio
+
+from placer.config import PlacerConfig, PlacerConfigError, load_config
+from placer.journal import Journal, JournalError
+from placer.service import PlacerService
+from scheduler_link.agent_link import AgentLink
+from scheduler_link.auth import TokenSet, auth_header
+from scheduler_link.http import App, HTTPError, json_response, require_role, serve
+from scheduler_link.messages import (
+    TERMINAL_STATES,
+    GpuInfo,
+    GpuSnapshot,
+    JobSpec,
+    NodeReport,
+    Placement,
+    PlacementAck,
+    TopologyPath,
+    Victim,
+    WorkloadEvent,
+    WorkloadStatus,
+)
+
+
+class FakeAgent:
+    """An agent without processes: a placement's pods go accepted -> running at once."""
+
+    def __init__(self, node_id: str, tokens: TokenSet, *, n_gpus: int = 8, rack: str = "rack-a") -> None:
+        self.node_id = node_id
+        self.tokens = tokens
+        self.uuids = [f"GPU-{node_id}-{i}" for i in range(n_gpus)]
+        self.fatal: set[str] = set()
+        self.topology = TopologyPath(zone="z1", block="b1", rack=rack)
+        self.workloads: dict[str, WorkloadStatus] = {}
+        self.placements: list[Placement] = []
+        self.url = ""
+        self.link: AgentLink | None = None
+        self.cancel = trio.CancelScope()
+
+    def gpu_snapshot(self) -> GpuSnapshot:
+        return GpuSnapshot(backend="simulated:test", simulated=True, gpus=[
+            GpuInfo(index=i, uuid=u, name="sim", memory_total_mib=1, pci_bus_id=f"0:{i}", simulated=True,
+                    health="fatal" if u in self.fatal else "healthy") for i, u in enumerate(self.uuids)])
+
+    def full_report(self) -> NodeReport:
+        return NodeReport(node_id=self.node_id, boot_id="", seq=0, control_url=self.url, data_url=self.url,
+                          topology=self.topology, snapshot=self.gpu_snapshot(),
+                          workloads=list(self.workloads.values()), manifests=[])
+
+    def _set(self, wid: str, state: str, **kw) -> None:
+        w = msgspec.structs.replace(self.workloads[wid], state=state, **kw)
+        self.workloads[wid] = w
+        assert self.link is not None
+        self.link.notify(WorkloadEvent(workload_id=wid, job_id=w.job_id, state=state, at=time.time(),
+                                       exit_code=w.exit_code, gpus=w.gpus))
+
+    async def stop_workloads(self, victims: list[Victim]) -> None:
+        for v in victims:
+            w = self.workloads.get(v.workload_id)
+            if w is not None and w.state not in TERMINAL_STATES:
+                self._set(v.workload_id, "preempted")
+
+    def in_use(self) -> set[str]:
+        return {g for w in self.workloads.values() if w.state not in TERMINAL_STATES for g in w.gpus}
+
+    def exit(self, wid: str, code: int) -> None:
+        self._set(wid, "exited", exit_code=code)
+
+    def app(self) -> App:
+        app = App()
+
+        @app.route("POST", "/v1/placements", auth=require_role(self.tokens, "placer"))
+        async def place(req):
+            pl = req.decode(Placement)
+            self.placements.append(pl)
+            freed = {g for v in pl.victims for g in self.workloads.get(v.workload_id, WorkloadStatus(
+                workload_id="", job_id="")).gpus}
+            busy = self.in_use() - freed
+            for pod in pl.pods:
+                for g in pod.gpus:
+                    if g not in self.uuids:
+                        return json_response(PlacementAck(placement_id=pl.placement_id, node_id=self.node_id,
+                                                          accepted=False, reason=f"unknown GPU {g}"))
+                    if g in self.fatal or g in busy:
+                        why = "fatal" if g in self.fatal else "in use"
+                        return json_response(PlacementAck(placement_id=pl.placement_id, node_id=self.node_id,
+                                                          accepted=False, reason=f"GPU {g} is {why}"))
+            await self.stop_workloads(list(pl.victims))
+            for pod in pl.pods:
+                if pod.workload_id in self.workloads:
+                    continue
+                self.workloads[pod.workload_id] = WorkloadStatus(
+                    workload_id=pod.workload_id, job_id=pl.job_id, placement_id=pl.placement_id, rank=pod.rank,
+                    world_size=pl.world_size, gpus=list(pod.gpus), state="accepted")
+                self._set(pod.workload_id, "running")
+            return json_response(PlacementAck(placement_id=pl.placement_id, node_id=self.node_id, accepted=True,
+                                              workloads=[p.workload_id for p in pl.pods]))
+
+        @app.route("POST", "/v1/prefetch", auth=require_role(self.tokens, "placer"))
+        async def prefetch(req):
+            raise HTTPError(404, "no such manifest")
+        return app
+
+    async def run(self, placer_url: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        with self.cancel:
+            async with trio.open_nursery() as n:
+                self.url = await n.start(serve, self.app(), "127.0.0.1:0")
+                self.link = AgentLink(placer_url, self.tokens.cluster, self.node_id, self, heartbeat_s=0.1)
+                await n.start(self.link.run)
+                task_status.started()
+
+
+def cfg(tmp: Path, **kw) -> PlacerConfig:
+    base = dict(listen="127.0.0.1:0", state_dir=str(tmp / "placer"), heartbeat_s=0.1, lost_after_missed=3,
+                fence_after_s=0.5, recover_s=0.4, ack_timeout_s=1.0, tick_s=0.05)
+    base.update(kw)
+    return PlacerConfig(**base)
+
+
+async def wait_for(pred, timeout: float = 5.0, step: float = 0.02):
+    with trio.fail_after(timeout):
+        while True:
+            v = await pred() if callable(pred) else pred
+            if v:
+                return v
+            await trio.sleep(step)
+
+
+class Cluster:
+    def __init__(self, tokens: TokenSet, url: str, agents: list[FakeAgent]) -> None:
+        self.tokens = tokens
+        self.url = url
+        self.agents = {a.node_id: a for a in agents}
+        self.c = httpx.AsyncClient(base_url=url, headers=auth_header(tokens.operator), timeout=10)
+
+    async def submit(self, **kw) -> dict:
+        kw.setdefault("argv", ["sleep", "100"])
+        r = await self.c.post("/v1/jobs", content=msgspec.json.encode(JobSpec(**kw)))
+        assert r.status_code == 201, r.text
+        return r.json()
+
+    async def job(self, job_id: str, wait: str | None = None) -> dict:
+        q = f"?wait={wait}&timeout_ms=5000" if wait else ""
+        r = await self.c.get(f"/v1/jobs/{job_id}{q}")
+        assert r.status_code == 200
+        return r.json()
+
+    async def nodes_up(self, n: int) -> bool:
+        r = await self.c.get("/v1/nodes")
+        return sum(x["state"] == "up" for x in r.json()["nodes"]) == n
+
+
+async def start_cluster(nursery, tmp: Path, tokens: TokenSet, n_agents: int = 4, **kw):
+    svc = PlacerService(cfg(tmp, **kw), tokens)
+    url = await nursery.start(svc.run)
+    agents = [FakeAgent(f"n{i}", tokens, rack=f"r{i // 2}") for i in range(n_agents)]
+    for a in agents:
+        await nursery.start(a.run, url)
+    cl = Cluster(tokens, url, agents)
+    await wait_for(lambda: cl.nodes_up(n_agents))
+    return svc, cl
+
+
+async def test_submit_runs_on_the_chosen_gpus_then_preempt_and_cancel(tmp_path, token_dir):
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            svc, cl = await start_cluster(n, tmp_path, tokens)
+            j = await cl.submit(job_id="low", pods=2, gpus_per_pod=8, priority=1, preemptible=True,
+                                restart={"kind": "on-preemption"}, within="rack", grace_s=1.0)
+            assert j["state"] == "pending"
+            v = await cl.job("low", wait="running")
+            assert v["state"] == "running"
+            assert {k for k in ("submitted", "decided", "pushed", "acked", "running")} <= set(v["timings"])
+            # every pod runs on the node and GPUs the placer chose
+            for pod in v["pods"]:
+                w = cl.agents[pod["node_id"]].workloads[pod["workload_id"]]
+                assert w.state == "running" and w.gpus == pod["gpus"]
+            racks = {cl.agents[p["node_id"]].topology.rack for p in v["pods"]}
+            assert len(racks) == 1
+            # a high-priority job that needs every GPU preempts it
+            await cl.submit(job_id="high", pods=4, gpus_per_pod=8, priority=10, preemptible=False)
+            h = await cl.job("high", wait="running")
+            assert h["state"] == "running"
+            low = await cl.job("low")
+            assert low["state"] == "pending" and low["restarts"] == 1  # requeued by its policy
+            old = [p["workload_id"] for p in v["pods"]]
+            for pod in v["pods"]:
+                assert cl.agents[pod["node_id"]].workloads[pod["workload_id"]].state == "preempted"
+            # victims and new pods went out together, one placement per node
+            together = [p for a in cl.agents.values() for p in a.placements if p.job_id == "high"]
+            assert {v.workload_id for p in together for v in p.victims} == set(old)
+            assert all(p.pods for p in together)
+            # no GPU is used twice on any agent
+            for a in cl.agents.values():
+                live = [g for w in a.workloads.values() if w.state not in TERMINAL_STATES for g in w.gpus]
+                assert len(live) == len(set(live))
+            # cancel: stopped gracefully, its GPUs free again, the low job runs again
+            r = await cl.c.delete("/v1/jobs/high")
+            assert r.status_code == 200 and r.json()["state"] == "cancelled"
+            low = await cl.job("low", wait="running")
+            assert low["state"] == "running" and low["attempt"] == 2
+            assert (await cl.c.delete("/v1/jobs/nope")).status_code == 404
+            n.cancel_scope.cancel()
+
+
+async def test_refused_gang_rolls_back_and_places_elsewhere(tmp_path, token_dir):
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            svc, cl = await start_cluster(n, tmp_path, tokens)
+            # n0 will refuse GPU 0 before the placer hears it is fatal
+            cl.agents["n0"].fatal.add("GPU-n0-0")
+            await cl.submit(job_id="g", pods=4, gpus_per_pod=4, within="any")
+            v = await cl.job("g", wait="running")
+            assert v["state"] == "running"
+            used = {(p["node_id"], g) for p in v["pods"] for g in p["gpus"]}
+            assert ("n0", "GPU-n0-0") not in used
+            # whatever was started by a rolled-back attempt was stopped
+            for a in cl.agents.values():
+                for w in a.workloads.values():
+                    if w.job_id == "g" and not w.workload_id.startswith(f"g.{v['attempt']}."):
+                        assert w.state in TERMINAL_STATES
+            n.cancel_scope.cancel()
+
+
+async def test_wrong_tokens_change_nothing(tmp_path, token_dir):
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(15):
+        async with trio.open_nursery() as n:
+            svc, cl = await start_cluster(n, tmp_path, tokens, n_agents=1)
+            body = msgspec.json.encode(JobSpec(job_id="x", argv=["true"]))
+            async with httpx.AsyncClient(base_url=cl.url) as c:
+                for hdr in ({}, auth_header("wrong"), auth_header(tokens.cluster), auth_header(tokens.placer)):
+                    assert (await c.post("/v1/jobs", content=body, headers=hdr)).status_code == 401
+                    assert (await c.delete("/v1/jobs/x", headers=hdr)).status_code == 401
+                rep = msgspec.json.encode(NodeReport(node_id="evil", boot_id="b", seq=1))
+                for hdr in ({}, auth_header("wrong"), auth_header(tokens.operator)):
+                    r = await c.post("/v1/nodes/evil/report", content=rep, headers=hdr)
+                    assert r.status_code == 401
+                assert (await c.get("/v1/jobs")).json()["jobs"] == []
+                assert [x["node_id"] for x in (await c.get("/v1/nodes")).json()["nodes"]] == ["n0"]
+                # bad input: clear errors, nothing stored
+                hdr = auth_header(tokens.operator)
+                for bad in (b"{", msgspec.json.encode({"job_id": "x", "pods": 0, "argv": ["a"]}),
+                            msgspec.json.encode({"job_id": "../x", "argv": ["a"]}),
+                            msgspec.json.encode({"job_id": "x", "argv": []}),
+                            msgspec.json.encode({"job_id": "x", "within": "galaxy", "argv": ["a"]})):
+                    r = await c.post("/v1/jobs", content=bad, headers=hdr)
+                    assert r.status_code == 400 and r.json()["error"], r.text
+                assert (await c.get("/v1/jobs")).json()["jobs"] == []
+                r = await c.post("/v1/nodes/n0/report", headers=auth_header(tokens.cluster),
+                                 content=msgspec.json.encode(NodeReport(node_id="n0", boot_id="zz", seq=5,
+                                                                        full=False)))
+                assert r.status_code == 409  # unknown boot: the agent must send a full report
+                spec = (await c.get("/openapi.json")).json()
+                assert "/v1/jobs/{job_id}" in spec["paths"] and "/v1/nodes/{node_id}/report" in spec["paths"]
+                m = (await c.get("/metrics")).text
+                assert 'herd_placer_nodes{state="up"} 1' in m
+            n.cancel_scope.cancel()
+
+
+async def test_restart_rebuilds_from_reports_and_nothing_doubles(tmp_path, token_dir):
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(25):
+        async with trio.open_nursery() as outer:
+            agents = [FakeAgent(f"n{i}", tokens, rack=f"r{i // 2}") for i in range(4)]
+            # the placer listens on a fixed port so agents find it again after the restart
+            svc = PlacerService(cfg(tmp_path), tokens)
+            scope = trio.CancelScope()
+
+            async def run_svc(s, *, task_status=trio.TASK_STATUS_IGNORED):
+                with scope:
+                    await s.run(task_status=task_status)
+            url = await outer.start(run_svc, svc)
+            for a in agents:
+                await outer.start(a.run, url)
+            cl = Cluster(tokens, url, agents)
+            await wait_for(lambda: cl.nodes_up(4))
+            await cl.submit(job_id="a", pods=2, gpus_per_pod=8, within="rack")
+            await cl.submit(job_id="b", pods=1, gpus_per_pod=4)
+            await cl.submit(job_id="big", pods=8, gpus_per_pod=8)  # cannot fit: stays pending
+            va = await cl.job("a", wait="running")
+            vb = await cl.job("b", wait="running")
+            scope.cancel()
+            await trio.sleep(0.3)  # agents fail a few reports and back off
+            port = url.rsplit(":", 1)[1]
+            svc2 = PlacerService(cfg(tmp_path, listen=f"127.0.0.1:{port}"), tokens)
+            await outer.start(svc2.run)
+            await wait_for(lambda: cl.nodes_up(4))
+            a2 = await cl.job("a", wait="running")
+            b2 = await cl.job("b", wait="running")
+            assert a2["attempt"] == va["attempt"] and b2["attempt"] == vb["attempt"]
+            assert sorted((p["node_id"], p["gpus"]) for p in a2["pods"]) == sorted(
+                (p["node_id"], p["gpus"]) for p in va["pods"])
+            assert (await cl.job("big"))["state"] == "pending"
+            await trio.sleep(0.5)
+            # nothing placed twice: each agent ran exactly the workloads of the first placements
+            all_w = [w for ag in agents for w in ag.workloads.values()]
+            assert sorted(w.workload_id for w in all_w) == sorted(
+                [p["workload_id"] for p in va["pods"]] + [p["workload_id"] for p in vb["pods"]])
+            assert svc2.state.model.statistics()["allocated"] == 20
+            outer.cancel_scope.cancel()
+
+
+async def test_lost_node_is_fenced_then_rescheduled_and_told_to_stop(tmp_path, token_dir):
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            svc, cl = await start_cluster(n, tmp_path, tokens)
+            await cl.submit(job_id="r", pods=1, gpus_per_pod=8, restart={"kind": "on-failure", "limit": 2})
+            v = await cl.job("r", wait="running")
+            victim_node = v["pods"][0]["node_id"]
+            agent = cl.agents[victim_node]
+            link = agent.link
+            assert link is not None
+            # partition: the agent stops reporting (its workloads keep running)
+            agent.cancel.cancel()
+            await wait_for(lambda: _node_state(cl, victim_node, "lost"))
+            t_lost = time.monotonic()
+            v2 = await wait_for(lambda: _job_elsewhere(cl, "r", victim_node))
+            assert time.monotonic() - t_lost >= 0.4  # only after the fence delay
+            assert v2["attempt"] == v["attempt"] + 1 and v2["restarts"] == 1
+            # the partitioned agent comes back (same workloads, new link): told to stop the old pod
+            old = v["pods"][0]["workload_id"]
+            assert agent.workloads[old].state == "running"
+            agent.cancel = trio.CancelScope()
+            await n.start(agent.run, cl.url)
+            await wait_for(lambda: _true(agent.workloads[old].state == "preempted"))
+            await wait_for(lambda: cl.nodes_up(4))
+            assert (await cl.job("r"))["state"] == "running"
+            n.cancel_scope.cancel()
+
+
+async def _true(v):
+    return v
+
+
+async def _node_state(cl: Cluster, node: str, state: str) -> bool:
+    r = await cl.c.get("/v1/nodes")
+    return any(x["node_id"] == node and x["state"] == state for x in r.json()["nodes"])
+
+
+async def _job_elsewhere(cl: Cluster, job: str, not_on: str):
+    v = await cl.job(job)
+    if v["state"] == "running" and all(p["node_id"] != not_on for p in v["pods"]):
+        return v
+    return None
+
+
+async def test_failed_pod_restarts_by_policy_then_fails(tmp_path, token_dir):
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(15):
+        async with trio.open_nursery() as n:
+            svc, cl = await start_cluster(n, tmp_path, tokens, n_agents=2)
+            await cl.submit(job_id="f", pods=1, gpus_per_pod=2, restart={"kind": "on-failure", "limit": 1})
+            for attempt in (1, 2):
+                v = await cl.job("f", wait="running")
+                assert v["attempt"] == attempt
+                p = v["pods"][0]
+                cl.agents[p["node_id"]].exit(p["workload_id"], 3)
+                await wait_for(lambda a=attempt: _attempt_done(cl, "f", a))
+            v = await cl.job("f", wait="failed")
+            assert v["state"] == "failed" and "code 3" in v["reason"]
+            await cl.submit(job_id="ok", pods=2, gpus_per_pod=1)
+            v = await cl.job("ok", wait="running")
+            for p in v["pods"]:
+                cl.agents[p["node_id"]].exit(p["workload_id"], 0)
+            assert (await cl.job("ok", wait="succeeded"))["state"] == "succeeded"
+            assert sorted(s.job_id for s in svc.journal.jobs()) == []  # both ended in the journal
+            n.cancel_scope.cancel()
+
+
+async def _attempt_done(cl: Cluster, job: str, attempt: int) -> bool:
+    v = await cl.job(job)
+    return v["attempt"] > attempt or v["state"] in ("failed", "pending")
+
+
+def test_journal_survives_torn_line_and_refuses_corruption(tmp_path):
+    j = Journal.open(tmp_path)
+    j.submitted(JobSpec(job_id="a", argv=["x"]), 1.0)
+    j.submitted(JobSpec(job_id="b", argv=["x"]), 2.0)
+    j.ended("a", "succeeded", 3.0)
+    j.close()
+    with open(tmp_path / "jobs.journal", "ab") as f:
+        f.write(b'{"v":1,"op":"sub')  # a crash mid-append
+    assert [s.job_id for s in Journal.open(tmp_path).jobs()] == ["b"]
+    (tmp_path / "jobs.journal").write_bytes(b"garbage\n" + (tmp_path / "jobs.journal").read_bytes())
+    with pytest.raises(JournalError, match="line 1 is corrupt"):
+        Journal.open(tmp_path)
+
+
+def test_config_errors_are_clear(tmp_path):
+    p = tmp_path / "p.toml"
+    p.write_text("[placer]\nheartbeat_s = 1.5\nfence_after_s = 3\n")
+    c = load_config(p, listen="127.0.0.1:0")
+    assert c.heartbeat_s == 1.5 and c.fence_after_s == 3 and c.lost_after_s == 4.5
+    p.write_text("[placer]\nheartbeat = 1\n")
+    with pytest.raises(PlacerConfigError, match="bad placer config"):
+        load_config(p)
+    p.write_text("[placer\n")
+    with pytest.raises(PlacerConfigError, match="not valid TOML"):
+        load_config(p)
+    with pytest.raises(PlacerConfigError, match="not found"):
+        load_config(tmp_path / "none.toml")
+    with pytest.raises(PlacerConfigError):
+        load_config(None, heartbeat_s=0)
