@@ -1,0 +1,64 @@
+"""`herd placer run|defrag`."""
+
+from __future__ import annotations
+
+import argparse
+
+import trio
+
+from cli.main import CliError
+from cli.output import emit_json, table
+from scheduler_link.auth import TokenSet
+from scheduler_link.client import PlacerClient, placer_url_from_env
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("placer", help="run the placer service, or ask it to defragment")
+    ps = p.add_subparsers(dest="placer_cmd", metavar="CMD")
+    ps.required = True
+    r = ps.add_parser("run", help="run the placer (HTTP API for agents and operators)")
+    r.add_argument("--listen", default=None, help="HOST:PORT (port 0 allowed; default 127.0.0.1:7470)")
+    r.add_argument("--token-dir", default=None, help="token dir (default $HERD_TOKEN_DIR or /etc/herd/tokens)")
+    r.add_argument("--config", default=None, help="TOML config file ([placer] table)")
+    r.add_argument("--state-dir", default=None, help="journal and endpoints.json (default /var/lib/herd-placer)")
+    r.add_argument("--heartbeat", type=float, default=None, help="heartbeat interval told to agents (s)")
+    r.add_argument("--fence-after", type=float, default=None, help="delay before a lost node's gangs move (s)")
+    r.set_defaults(func=cmd_run)
+    d = ps.add_parser("defrag", help="plan defragmentation moves (and apply them with --apply)")
+    d.add_argument("--placer", default=None, help="placer URL (default $HERD_PLACER)")
+    d.add_argument("--token-dir", default=None)
+    d.add_argument("--max-moves", type=int, default=8)
+    d.add_argument("--apply", action="store_true", help="requeue the moved jobs so they are placed again")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_defrag)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from placer.config import PlacerConfigError, load_config
+    from placer.service import run_placer
+    try:
+        cfg = load_config(args.config, listen=args.listen, token_dir=args.token_dir, state_dir=args.state_dir,
+                          heartbeat_s=args.heartbeat, fence_after_s=args.fence_after)
+    except PlacerConfigError as e:
+        raise CliError(str(e)) from None
+    try:
+        trio.run(run_placer, cfg)
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+def cmd_defrag(args: argparse.Namespace) -> int:
+    if args.max_moves < 0:
+        raise CliError("--max-moves must be >= 0")
+    tokens = TokenSet.load(args.token_dir)
+    with PlacerClient(placer_url_from_env(args.placer), tokens.operator) as c:
+        out = c.defrag(args.max_moves, args.apply)
+    if args.json:
+        emit_json(out)
+        return 0
+    rows = [(m["job_id"], ",".join(m["from_nodes"]), ",".join(m["to_nodes"])) for m in out["moves"]]
+    print(table(["JOB", "FROM", "TO"], rows) if rows else "no moves proposed")
+    if args.apply:
+        print(f"applied: {len(out['applied'])} job(s) requeued")
+    return 0
