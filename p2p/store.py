@@ -44,8 +44,8 @@ from typing import Any
 import msgspec
 from blake3 import blake3
 
-from manifests.codec import decode_manifest
-from manifests.model import Manifest
+from manifests import Manifest, decode_manifest
+from manifests.materialise import materialise as materialise_tree
 
 from .errors import IntegrityError, ManifestError, StoreError, StoreFullError
 
@@ -106,7 +106,7 @@ def _full(e: OSError, what: str) -> StoreFullError:
 
 def _rmtree_force(path: Path) -> None:
     """Remove a tree even if it was made read-only (materialised trees are)."""
-    def onerror(func: Callable[..., Any], p: str, exc: BaseException) -> None:
+    def onerror(func: Callable[..., Any], p: str, exc: Any) -> None:
         parent = os.path.dirname(p)
         try:
             os.chmod(parent, 0o700)
@@ -514,12 +514,14 @@ class ChunkStore:
     def is_materialised(self, manifest_id: str) -> bool:
         return manifest_id in self._materialised
 
-    def materialise(self, manifest_id: str) -> Path:
+    def materialise(self, manifest_id: str, *, sync: bool = True) -> Path:
         """Build (once) the read-only tree of a complete manifest under ``artifacts/<id>``.
 
         Files whose chunk lists match a file in another materialised tree are
-        linked from it. The tree's chunks are then protected from eviction
-        until ``remove_artifact``.
+        hard-linked from it. The tree's chunks are then protected from eviction
+        until ``remove_artifact``. With ``sync`` (default) the tree is fsynced
+        before it is renamed into place, so a visible tree is a whole tree even
+        after a crash.
         """
         dest = self.artifact_path(manifest_id)
         if manifest_id in self._materialised and dest.is_dir():
@@ -528,16 +530,14 @@ class ChunkStore:
         missing = self.missing_chunks(m)
         if missing:
             raise StoreError(f"cannot materialise {manifest_id}: {len(missing)} chunks missing")
-        link_from = []
+        link_from: dict[str, tuple[Path, Manifest]] = {}
         for other in sorted(self._materialised):
             try:
-                link_from.append((self.get_manifest(other), self.artifact_path(other)))
+                link_from[other] = (self.artifact_path(other), self.get_manifest(other))
             except StoreError:
                 continue
-        from manifests import materialise as materialise_tree
-
         try:
-            materialise_tree(m, chunk_path=self.chunk_path, dest=dest, link_from=link_from)
+            materialise_tree(m, chunk_path=self.chunk_path, dest=dest, link_from=link_from, sync=sync)
         except OSError as e:
             if e.errno in _FULL_ERRNOS:
                 raise _full(e, f"the tree of {manifest_id[:16]}") from None
