@@ -28,6 +28,7 @@ class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     push_concurrency: int = 256
     max_peers: int = 64               # peers in a placement beyond the gang's own nodes
     tick_s: float = 0.25              # how often lost nodes and pending jobs are looked at
+    wire_listen: str | None = None    # HOST:PORT for framed heartbeat connections (off when None)
 
     @property
     def lost_after_s(self) -> float:

@@ -27,6 +27,7 @@ import trio
 
 from scheduler_link.auth import TokenSet
 from scheduler_link.fanout import PushPool
+from scheduler_link.heartbeat_wire import HeartbeatServer
 from scheduler_link.http import (
     App,
     HTTPError,
@@ -44,6 +45,7 @@ from scheduler_link.messages import (
     PlacementAck,
     PrefetchFanout,
     PrefetchRequest,
+    ReportReply,
 )
 
 from .config import PlacerConfig
@@ -89,6 +91,8 @@ class PlacerService:
                              retries=config.push_retries)
         self.journal: Journal | None = None
         self.url: str | None = None
+        self.wire: HeartbeatServer | None = None
+        self.wire_url: str | None = None
         self._nursery: trio.Nursery | None = None
         self._kick = trio.Event()
         self._changed = trio.Event()
@@ -111,6 +115,9 @@ class PlacerService:
             async with trio.open_nursery() as n:
                 self._nursery = n
                 self.url = await n.start(serve, self.app, self.cfg.listen)
+                if self.cfg.wire_listen:
+                    self.wire = HeartbeatServer(self.tokens, self._ingest)
+                    self.wire_url = await n.start(self.wire.run, self.cfg.wire_listen)
                 self._write_endpoints()
                 n.start_soon(self._loop)
                 log.info("placer serving url=%s", self.url)
@@ -123,7 +130,8 @@ class PlacerService:
     def _write_endpoints(self) -> None:
         d = Path(self.cfg.state_dir)
         tmp = d / "endpoints.json.tmp"
-        tmp.write_text(json.dumps({"control_url": self.url, "placer_url": self.url, "pid": os.getpid()}))
+        tmp.write_text(json.dumps({"control_url": self.url, "placer_url": self.url, "wire_url": self.wire_url,
+                                   "pid": os.getpid()}))
         os.replace(tmp, d / "endpoints.json")
 
     def kick(self) -> None:
@@ -229,14 +237,19 @@ class PlacerService:
             rep = _report_dec.decode(req.body)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise HTTPError(400, "malformed report", str(e)) from None
-        status, reply, pushes = self.state.ingest(req.params["node_id"], rep, self.clock())
+        status, reply = self._ingest(req.params["node_id"], rep)
         if status == 400:
             raise HTTPError(400, "node id in the path and the report differ")
+        return json_response(reply, status=status)
+
+    def _ingest(self, node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:
+        """One report, from HTTP or the framed channel (synchronous: one owner of state)."""
+        status, reply, pushes = self.state.ingest(node_id, rep, self.clock())
         self._carry_out(pushes)
         if rep.full or rep.events or rep.snapshot is not None:
             self.kick()
             self._after_change()
-        return json_response(reply, status=status)
+        return status, reply
 
     async def h_submit(self, req: Request) -> Response:
         """Submit a job (JobSpec); 201 with the job's view."""
