@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.util
 import mmap
 import os
+import stat
 from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -168,7 +169,7 @@ def chunk_file(path: str | os.PathLike[str], params: ChunkerParams | None = None
     params = params if params is not None else ChunkerParams()
     check_chunker(params)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise ManifestError(f"cannot open {os.fspath(path)!r}: {exc.strerror}") from None
     try:
@@ -179,8 +180,6 @@ def chunk_file(path: str | os.PathLike[str], params: ChunkerParams | None = None
 
 def chunk_open_file(fd: int, path: Path, params: ChunkerParams) -> list[ChunkRef]:
     """Chunk an open file, checking that it is regular and unchanged across the read."""
-    import stat
-
     try:
         before = os.fstat(fd)
         if not stat.S_ISREG(before.st_mode):

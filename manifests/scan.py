@@ -133,7 +133,7 @@ def scan_tree(root: Path, params: ChunkerParams | None = None) -> ScanResult:
 
 def _chunk_path(path: str, st: os.stat_result, params: ChunkerParams) -> list[ChunkRef]:
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except OSError as exc:
         raise ManifestError(f"cannot open {path!r}: {exc.strerror}") from None
     try:

@@ -1,0 +1,151 @@
+"""Chunking: determinism, bounds, windowed mmap == one pass, shift resistance, refusing slow paths."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import blake3
+import pytest
+
+import manifests.chunking as chunking
+from manifests import ChunkerParams, ChunkRef, ManifestError, chunk_buffer, chunk_file
+from manifests.errors import ChunkerUnavailable
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ChunkerParams(4096, 16384, 65536)
+
+
+def _data(n: int, seed: int = 1) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def _check_cover(refs: list[ChunkRef], data: bytes, params: ChunkerParams) -> None:
+    pos = 0
+    for i, r in enumerate(refs):
+        assert r.offset == pos
+        assert r.size <= params.max_size
+        if i < len(refs) - 1:
+            assert r.size >= params.min_size
+        assert r.id == blake3.blake3(data[r.offset:r.offset + r.size]).hexdigest()
+        pos += r.size
+    assert pos == len(data)
+
+
+def test_defaults_are_the_documented_ones() -> None:
+    p = ChunkerParams()
+    assert (p.min_size, p.avg_size, p.max_size) == (256 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+    assert p.name == "fastcdc" and p.version
+
+
+def test_chunk_buffer_is_deterministic_and_covers_the_data() -> None:
+    data = _data(3 << 20)
+    a = chunk_buffer(data, SMALL)
+    b = chunk_buffer(bytearray(data), SMALL)
+    assert a == b
+    assert len(a) > 20
+    _check_cover(a, data, SMALL)
+
+
+def test_empty_and_tiny_inputs(tmp_path: Path) -> None:
+    assert chunk_buffer(b"", SMALL) == []
+    one = chunk_buffer(b"x", SMALL)
+    assert one == [ChunkRef(blake3.blake3(b"x").hexdigest(), 0, 1)]
+    (tmp_path / "empty").write_bytes(b"")
+    assert chunk_file(tmp_path / "empty", SMALL) == []
+
+
+def test_chunk_file_equals_chunk_buffer_across_mmap_windows(tmp_path: Path, monkeypatch) -> None:
+    data = _data(5 << 20, seed=2)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    whole = chunk_buffer(data, SMALL)
+    # Windows of 4 * max_size = 256 KiB: the file is mapped ~20 times; cut points must not move.
+    monkeypatch.setattr(chunking, "WINDOW", 1)
+    assert chunk_file(path, SMALL) == whole
+    monkeypatch.setattr(chunking, "WINDOW", 256 * 1024 * 1024)
+    assert chunk_file(path, SMALL) == whole
+
+
+def test_large_file_default_params(tmp_path: Path) -> None:
+    data = _data(12 << 20, seed=3)
+    path = tmp_path / "big"
+    path.write_bytes(data)
+    refs = chunk_file(path)
+    _check_cover(refs, data, ChunkerParams())
+    assert 3 <= len(refs) <= 48
+
+
+def test_insert_near_start_keeps_most_chunks() -> None:
+    data = _data(4 << 20, seed=4)
+    shifted = data[:1000] + b"inserted bytes!" * 7 + data[1000:]
+    a = {r.id for r in chunk_buffer(data, SMALL)}
+    b = {r.id for r in chunk_buffer(shifted, SMALL)}
+    assert len(a & b) >= 0.9 * len(a)
+
+
+def test_in_place_change_touches_few_chunks() -> None:
+    data = bytearray(_data(4 << 20, seed=5))
+    before = {r.id for r in chunk_buffer(data, SMALL)}
+    data[2_000_000:2_000_100] = b"\0" * 100
+    after = {r.id for r in chunk_buffer(data, SMALL)}
+    assert len(before - after) <= 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"min_size": 10}, "min_size"),
+        ({"min_size": 2 << 20, "avg_size": 1 << 20}, "min <= avg <= max"),
+        ({"max_size": 2 << 30}, "max_size"),
+        ({"name": "rabin"}, "unknown chunker"),
+        ({"version": "1 2"}, "bad chunker version"),
+    ],
+)
+def test_bad_params_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(ManifestError, match=message):
+        ChunkerParams(**kwargs)
+
+
+def test_params_of_another_kernel_version_refused() -> None:
+    with pytest.raises(ChunkerUnavailable, match="installed"):
+        chunk_buffer(b"abc", ChunkerParams(version="0.0.1"))
+
+
+def test_chunk_file_refuses_non_regular_and_missing(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match="cannot open"):
+        chunk_file(tmp_path / "nope", SMALL)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(ManifestError, match="not a regular file"):
+        chunk_file(fifo, SMALL)
+    with pytest.raises(ManifestError, match="not a regular file"):
+        chunk_file(tmp_path, SMALL)
+
+
+def test_pure_python_fallback_is_refused_with_one_line(tmp_path: Path) -> None:
+    """A fastcdc without its compiled kernel: a clear ChunkerUnavailable, no slow run, no stdout noise."""
+    fake = tmp_path / "fastcdc"
+    fake.mkdir()
+    (fake / "__init__.py").write_text("print('imported the package __init__')\n__version__ = '1.7.0'\n")
+    (fake / "fastcdc_py.py").write_text("def fastcdc_py(*a, **k):\n    raise SystemExit('slow path ran')\n")
+    script = textwrap.dedent(
+        """
+        from manifests import chunk_buffer, ChunkerUnavailable
+        try:
+            chunk_buffer(b"x" * 100000)
+        except ChunkerUnavailable as exc:
+            print("REFUSED:", exc)
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{ROOT}")
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60, check=True
+    )
+    lines = out.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("REFUSED:"), out.stdout
+    assert "compiled kernel" in lines[0]
