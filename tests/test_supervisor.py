@@ -50,7 +50,7 @@ async def wait_state(sup: Supervisor, wid: str, *states: str, timeout: float = 1
 
 async def wait_file(p: Path, timeout: float = 10) -> None:
     with trio.fail_after(timeout):
-        while not p.exists():
+        while not await trio.Path(p).exists():
             await trio.sleep(0.02)
 
 
@@ -235,7 +235,7 @@ async def test_countdown_resumes_after_restart(tmp_path):
 
 async def test_recycled_pid_never_adopted(tmp_path):
     # A live process that is not ours, named by a state file with a wrong start time.
-    other = subprocess.Popen(["sleep", "30"])
+    other = await trio.lowlevel.open_process(["sleep", "30"])
     try:
         st = procs.start_time(other.pid)
         rec = WorkloadRecord(workload_id="w", job_id="j", state="running", gpus=["GPU-0000"], pid=other.pid,
@@ -255,7 +255,7 @@ async def test_recycled_pid_never_adopted(tmp_path):
         assert other.poll() is None  # never signalled
     finally:
         other.kill()
-        other.wait()
+        await other.wait()
 
 
 async def test_corrupt_state_file_set_aside(tmp_path):

@@ -1,0 +1,169 @@
+"""The agent's operator/control HTTP API (scheduler_link.http.App served by hypercorn).
+
+Auth (DESIGN.md, Contracts): ``POST /v1/placements`` and ``/v1/prefetch`` take the
+placer or the operator token (an operator's placement is a *direct* one: the agent's
+own restart policy applies to it only); stopping workloads and fault injection take
+the operator token; reads are open to loopback clients and need the operator token
+from anywhere else unless ``open_reads`` is configured.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from scheduler_link.auth import TokenSet, bearer
+from scheduler_link.http import (
+    App,
+    AuthPolicy,
+    HTTPError,
+    Request,
+    Response,
+    json_response,
+    require_role,
+    text_response,
+)
+from scheduler_link.messages import Placement, PrefetchRequest
+
+from .errors import AgentError, UnknownWorkload
+
+if TYPE_CHECKING:
+    from .daemon import Agent
+
+
+def read_policy(tokens: TokenSet, open_reads: bool) -> AuthPolicy:
+    def check(req: Request) -> None:
+        if open_reads or req.is_loopback:
+            return
+        if not tokens.check("operator", bearer(req.headers)):
+            raise HTTPError(401, "unauthorized", "reads from outside loopback need the operator token")
+    return check
+
+
+class _StopBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    reason: str = "stopped"
+    grace_s: float | None = None
+
+
+def build_app(agent: Agent) -> App:
+    cfg = agent.config
+    tokens = agent.tokens
+    app = App(max_body=cfg.max_body_bytes, name="herd-agent")
+    reads = read_policy(tokens, cfg.open_reads)
+    operator = require_role(tokens, "operator")
+    placer_or_operator = require_role(tokens, "placer", "operator")
+
+    async def healthz(req: Request) -> Response:
+        """Liveness: the process answers."""
+        return json_response({"ok": True})
+
+    async def readyz(req: Request) -> Response:
+        """Readiness: GPUs discovered, state recovered, API listening."""
+        return json_response({"ready": agent.ready}, status=200 if agent.ready else 503)
+
+    async def status(req: Request) -> Response:
+        """Node, GPUs (topology, health, holder), workloads, store and data-plane figures."""
+        return Response(body=agent.status_json())
+
+    async def gpus(req: Request) -> Response:
+        """The GPU snapshot: inventory, topology matrix, health."""
+        return json_response(agent.gpu_snapshot())
+
+    async def workloads(req: Request) -> Response:
+        """Every workload this agent knows (live and recent)."""
+        return json_response(agent.supervisor.workloads())
+
+    async def workload(req: Request) -> Response:
+        """One workload's status."""
+        try:
+            return json_response(agent.supervisor.record(req.params["wid"]).status())
+        except UnknownWorkload as e:
+            raise HTTPError(404, "no such workload", str(e)) from None
+
+    async def logs(req: Request) -> Response:
+        """The last ``tail`` lines (default 100) of ``stream`` (stdout|stderr) as text."""
+        try:
+            tail = int(req.query.get("tail", "100"))
+            if not 0 <= tail <= 100_000:
+                raise ValueError
+        except ValueError:
+            raise HTTPError(400, "bad tail", "tail must be an integer within 0..100000") from None
+        stream = req.query.get("stream", "stdout")
+        if stream not in ("stdout", "stderr"):
+            raise HTTPError(400, "bad stream", "stream must be stdout or stderr")
+        try:
+            return text_response(agent.supervisor.read_log(req.params["wid"], stream=stream, tail=tail))
+        except UnknownWorkload as e:
+            raise HTTPError(404, "no such workload", str(e)) from None
+
+    async def stop(req: Request) -> Response:
+        """Stop a workload gracefully (notice file, SIGTERM, grace, SIGKILL). Body optional: {reason, grace_s}."""
+        body = req.decode(_StopBody) if req.body.strip() else _StopBody()
+        if body.grace_s is not None and body.grace_s < 0:
+            raise HTTPError(400, "bad grace_s", "grace_s must be >= 0")
+        try:
+            st = await agent.supervisor.stop(req.params["wid"], reason=body.reason, grace_s=body.grace_s)
+        except UnknownWorkload as e:
+            raise HTTPError(404, "no such workload", str(e)) from None
+        return json_response(st)
+
+    async def inject(req: Request) -> Response:
+        """Feed a raw fault signal (XID, counters, lost GPU) into a simulated GPU's data path."""
+        try:
+            from agent.gpus import decode_fault  # helper C's module
+        except ImportError:
+            raise HTTPError(503, "fault injection unavailable", "the GPU module is not installed") from None
+        try:
+            fault = decode_fault(req.body)
+        except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise HTTPError(400, "malformed fault", str(e)) from None
+        uuid = req.params["uuid"]
+        if uuid not in {g.uuid for g in agent.gpu_snapshot().gpus}:
+            raise HTTPError(404, "no such GPU", uuid)
+        try:
+            agent.inject(uuid, fault)
+        except AgentError as e:
+            raise HTTPError(409, "fault injection refused", str(e)) from None
+        return json_response({"injected": True, "gpu": uuid})
+
+    async def place(req: Request) -> Response:
+        """Start pods and/or stop victims; idempotent by placement_id. Returns a PlacementAck."""
+        p = req.decode(Placement)
+        direct = tokens.check("operator", bearer(req.headers)) and not tokens.check("placer", bearer(req.headers))
+        ack = await agent.supervisor.place(p, direct=direct)
+        return json_response(ack, status=200 if ack.accepted else 409)
+
+    async def prefetch(req: Request) -> Response:
+        """Fetch an artifact into the store without starting anything (answers at once, 202)."""
+        pr = req.decode(PrefetchRequest)
+        try:
+            agent.prefetch(pr)
+        except AgentError as e:
+            raise HTTPError(503, "prefetch unavailable", str(e)) from None
+        return json_response({"accepted": True, "manifest_id": pr.manifest_id}, status=202)
+
+    async def metrics(req: Request) -> Response:
+        """Prometheus text: GPU series (dcgm-exporter names) and herd_* agent series."""
+        return text_response(agent.metrics_text(), content_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def openapi(req: Request) -> Response:
+        """This API's OpenAPI description, generated from the route table."""
+        return json_response(app.openapi("herd-agent"))
+
+    app.add("GET", "/healthz", healthz)
+    app.add("GET", "/readyz", readyz)
+    app.add("GET", "/v1/status", status, auth=reads)
+    app.add("GET", "/v1/gpus", gpus, auth=reads)
+    app.add("GET", "/v1/workloads", workloads, auth=reads)
+    app.add("GET", "/v1/workloads/{wid}", workload, auth=reads)
+    app.add("GET", "/v1/workloads/{wid}/logs", logs, auth=reads)
+    app.add("POST", "/v1/workloads/{wid}/stop", stop, auth=operator, max_body=4096)
+    app.add("POST", "/v1/gpus/{uuid}/inject", inject, auth=operator, max_body=16 << 10)
+    app.add("POST", "/v1/placements", place, auth=placer_or_operator)
+    app.add("POST", "/v1/prefetch", prefetch, auth=placer_or_operator, max_body=256 << 10)
+    app.add("GET", "/metrics", metrics, auth=reads)
+    app.add("GET", "/openapi.json", openapi)
+    return app
+
+

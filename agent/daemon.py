@@ -1,0 +1,277 @@
+"""The node agent daemon: one place builds it, one nursery tree runs it.
+
+::
+
+    Agent.run
+    ├── signal watcher        SIGTERM/SIGINT -> STOPPING=1, cancel the tree (workloads live on)
+    ├── GpuMonitor.run        discovery, polling, events, health           (agent.gpus)
+    ├── Supervisor.run        state owner; per-workload life-cycle and killer tasks
+    │   └── ShimPool.run      pre-started workload shims
+    ├── DataPlane.run         peers fetch chunks from our store            (p2p.dataplane; --data-listen)
+    ├── serve(app)            the operator/control HTTP API                (agent.api)
+    ├── AgentLink.run         reports to the placer                        (scheduler_link; --placer)
+    ├── Notifier.watchdog     WATCHDOG=1 at WATCHDOG_USEC/2 from this loop
+    ├── status loop           STATUS= one-line summary
+    └── prefetch tasks        POST /v1/prefetch
+
+READY=1 goes out once the GPUs are discovered, the supervisor has recovered its
+state and the API is bound; ``endpoints.json`` (control_url, data_url) is written
+just before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from scheduler_link.auth import TokenSet
+from scheduler_link.http import serve
+from scheduler_link.messages import GpuSnapshot, NodeReport, PrefetchRequest, Victim
+
+from . import procs
+from .api import build_app
+from .config import AgentConfig
+from .errors import AgentError, ConfigError, UnknownWorkload
+from .metrics import render_agent_metrics
+from .placement import gpus_in_use
+from .sdnotify import Notifier
+from .state import atomic_write
+from .supervisor import Supervisor
+
+log = logging.getLogger("herd.agent")
+
+
+class Agent:
+    """The daemon. Also the ``hooks`` object the scheduler link calls."""
+
+    def __init__(self, config: AgentConfig, *, env: Mapping[str, str] | None = None,
+                 handle_signals: bool = True) -> None:
+        self.config = config
+        self.node_id = config.node_id
+        self.state_dir = Path(config.state_dir)
+        self.tokens = TokenSet.load(config.token_dir)
+        self.notifier = Notifier(env)
+        self.handle_signals = handle_signals
+        self.ready = False
+        self.control_url = ""
+        self.data_url = ""
+        self.monitor: Any = None
+        self.store: Any = None
+        self.dataplane: Any = None
+        self.link: Any = None
+        self._render_gpu_metrics: Any = None
+        self._nursery: trio.Nursery | None = None
+        self._prefetching: set[str] = set()
+        self.supervisor = Supervisor(self.state_dir, node_id=self.node_id, gpu_health=self._gpu_health,
+                                     config=config.workloads, fetcher=self._fetch, base_env=env)
+
+    # ------------------------------------------------------------ wiring
+
+    def _open_gpus(self) -> None:
+        try:
+            from agent.gpus import GpuMonitor, open_backend, render_metrics
+        except ImportError as e:
+            raise ConfigError(f"the GPU module is unavailable: {e}") from None
+        backend = open_backend(self.config.gpus, hostname=self.node_id)
+        self.monitor = GpuMonitor(backend, poll_interval_s=self.config.gpu_poll_interval_s,
+                                  state_dir=self.state_dir)
+        self._render_gpu_metrics = render_metrics
+
+    def _open_store(self) -> None:
+        try:
+            from p2p.store import ChunkStore
+        except ImportError:
+            log.warning("p2p store unavailable: artifacts cannot be fetched on this agent")
+            return
+        self.store = ChunkStore(self.config.store_dir, quota_bytes=self.config.store.quota_bytes)
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        """Run until cancelled (or SIGTERM/SIGINT); ``started(control_url)`` once READY."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._open_gpus()
+        self._open_store()
+        try:
+            async with trio.open_nursery() as n:
+                self._nursery = n
+                if self.handle_signals:
+                    await n.start(self._signals, n.cancel_scope)
+                await n.start(self.monitor.run)
+                await n.start(self.supervisor.run)
+                if self.store is not None and self.config.data_listen:
+                    from p2p.dataplane import DataPlane
+                    self.dataplane = DataPlane(self.store, token=self.tokens.cluster, listen=self.config.data_listen)
+                    self.data_url = await n.start(self.dataplane.run)
+                self.control_url = await n.start(serve, build_app(self), self.config.listen)
+                self._write_endpoints()
+                if self.config.placer:
+                    self._start_link(n)
+                    await n.start(self.link.run)
+                self.ready = True
+                self.notifier.ready(self.summary())
+                log.info("agent ready node=%s control=%s data=%s gpus=%s", self.node_id, self.control_url,
+                         self.data_url or "-", self.config.gpus)
+                await n.start(self.notifier.watchdog)
+                n.start_soon(self._status_loop)
+                task_status.started(self.control_url)
+        finally:
+            self.ready = False  # the monitor closes its backend itself
+
+    def _start_link(self, n: trio.Nursery) -> None:
+        try:
+            from scheduler_link.agent_link import AgentLink
+        except ImportError as e:
+            raise ConfigError(f"--placer given but the scheduler link is unavailable: {e}") from None
+        self.link = AgentLink(self.config.placer, self.tokens.cluster, self.node_id, self,  # type: ignore[arg-type]
+                              heartbeat_s=self.config.heartbeat_s)
+        self.supervisor.add_listener(self.link.notify)
+
+    async def _signals(self, scope: trio.CancelScope, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
+            task_status.started()
+            async for sig in sigs:
+                log.info("signal %s: stopping the agent (workloads keep running)", signal.Signals(sig).name)
+                self.notifier.stopping()
+                scope.cancel()
+                return
+
+    async def _status_loop(self) -> None:
+        last = ""
+        while True:
+            s = self.summary()
+            if s != last:
+                self.notifier.status(s)
+                last = s
+            await trio.sleep(5)
+
+    def _write_endpoints(self) -> None:
+        doc = {"node_id": self.node_id, "control_url": self.control_url, "data_url": self.data_url or None,
+               "pid": os.getpid(), "boot_id": procs.boot_id(), "written_at": time.time()}
+        atomic_write(self.state_dir / "endpoints.json", msgspec.json.encode(doc))
+
+    # ------------------------------------------------------------ views
+
+    def gpu_snapshot(self) -> GpuSnapshot:
+        return self.monitor.snapshot() if self.monitor is not None else GpuSnapshot()
+
+    def _gpu_health(self) -> dict[str, str] | None:
+        snap = self.gpu_snapshot()
+        if not snap.gpus and self.monitor is None:
+            return None
+        return {g.uuid: g.health for g in snap.gpus}
+
+    def summary(self) -> str:
+        snap = self.gpu_snapshot()
+        healthy = sum(1 for g in snap.gpus if g.health == "healthy")
+        by = self.supervisor.statistics()["workloads_by_state"]
+        sim = " simulated" if snap.simulated else ""
+        return (f"{len(snap.gpus)}{sim} GPUs ({healthy} healthy), {by.get('running', 0)} workloads running, "
+                f"{by.get('terminating', 0)} terminating")
+
+    def store_statistics(self) -> dict[str, Any] | None:
+        if self.store is None:
+            return None
+        st = self.store.statistics()
+        return msgspec.structs.asdict(st) if isinstance(st, msgspec.Struct) else dict(st)
+
+    def status_json(self) -> bytes:
+        snap = self.gpu_snapshot()
+        doc = {
+            "node_id": self.node_id, "ready": self.ready, "control_url": self.control_url,
+            "data_url": self.data_url or None, "topology": self.config.topology,
+            "nvlink_domain": snap.nvlink_domain, "backend": snap.backend, "simulated": snap.simulated,
+            "gpus": snap, "gpu_holders": gpus_in_use(self.supervisor._records.values()),
+            "workloads": self.supervisor.workloads(), "supervisor": self.supervisor.statistics(),
+            "store": self.store_statistics(),
+            "data_plane": self.dataplane.statistics() if self.dataplane is not None else None,
+            "link": self.link.statistics() if self.link is not None else None,
+            "gpu_monitor": self.monitor.statistics() if self.monitor is not None else None,
+        }
+        return msgspec.json.encode(doc)
+
+    def metrics_text(self) -> str:
+        gpu = self._render_gpu_metrics(self.gpu_snapshot(), self.node_id) if self._render_gpu_metrics else ""
+        own = render_agent_metrics(self.node_id, self.supervisor.statistics(), self.store_statistics(), self.ready)
+        return (gpu if not gpu or gpu.endswith("\n") else gpu + "\n") + own
+
+    def inject(self, uuid: str, fault: Any) -> None:
+        if self.monitor is None:
+            raise AgentError("no GPU monitor")
+        self.monitor.inject(uuid, fault)
+
+    # ------------------------------------------------------------ link hooks
+
+    def full_report(self) -> NodeReport:
+        snap = self.gpu_snapshot()
+        return NodeReport(node_id=self.node_id, boot_id="", seq=0, full=True, control_url=self.control_url,
+                          data_url=self.data_url, topology=self.config.topology,
+                          nvlink_domain=snap.nvlink_domain, snapshot=snap,
+                          workloads=self.supervisor.workloads(),
+                          manifests=self.store.complete_manifests() if self.store is not None else [],
+                          sent_at=time.time())
+
+    async def stop_workloads(self, victims: list[Victim]) -> None:
+        for v in victims:
+            try:
+                await self.supervisor.stop(v.workload_id, reason=v.reason, grace_s=v.grace_s)
+            except UnknownWorkload:
+                log.info("asked to stop unknown workload id=%s (already gone)", v.workload_id)
+
+    # ------------------------------------------------------------ artifacts
+
+    async def _fetch_into_store(self, manifest_id: str, origin_url: str | None, peers: list[Any]) -> dict[str, int]:
+        if self.store is None:
+            raise AgentError("this agent has no artifact store")
+        if not origin_url:
+            raise AgentError(f"manifest {manifest_id} needs an origin URL")
+        try:
+            from p2p.fetch import fetch_artifact
+            from p2p.origins import open_origin
+        except ImportError as e:
+            raise AgentError(f"artifact fetching unavailable: {e}") from None
+        origin = open_origin(origin_url)
+        try:
+            stats = await fetch_artifact(self.store, manifest_id, origin, peers=list(peers), node_id=self.node_id,
+                                         token=self.tokens.cluster)
+        finally:
+            closer = getattr(origin, "aclose", None)
+            if closer is not None:
+                with trio.CancelScope(shield=True):
+                    await closer()
+        return {k: int(getattr(stats, k, 0) or 0) for k in ("bytes_from_origin", "bytes_from_peers", "bytes_local")}
+
+    async def _fetch(self, manifest_id: str, origin_url: str | None, peers: list[Any]) -> tuple[Path, dict[str, int]]:
+        figures = await self._fetch_into_store(manifest_id, origin_url, peers)
+        path = await trio.to_thread.run_sync(self.store.materialise, manifest_id)
+        return Path(path), figures
+
+    def prefetch(self, req: PrefetchRequest) -> None:
+        if self.store is None or self._nursery is None:
+            raise AgentError("this agent has no artifact store")
+        if req.manifest_id in self._prefetching:
+            return
+        self._prefetching.add(req.manifest_id)
+
+        async def go() -> None:
+            try:
+                figures = await self._fetch_into_store(req.manifest_id, req.origin, list(req.peers))
+                for k, v in figures.items():
+                    self.supervisor.fetch_bytes[k] += v
+                log.info("prefetched manifest=%s %s", req.manifest_id, figures)
+            except Exception as e:
+                log.warning("prefetch failed manifest=%s err=%s", req.manifest_id, e)
+            finally:
+                self._prefetching.discard(req.manifest_id)
+        self._nursery.start_soon(go)
+
+
+def run_agent(config: AgentConfig) -> None:
+    """Blocking entry point for ``herd agent run``."""
+    trio.run(Agent(config).run)

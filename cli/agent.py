@@ -1,0 +1,273 @@
+"""`herd agent run|place|stop` and `herd status`: the node agent's command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+from typing import Any
+
+import httpx
+import msgspec
+
+from cli.main import CliError
+from cli.output import emit_json, human_bytes, table
+from scheduler_link.auth import TokenSet, auth_header
+from scheduler_link.messages import Placement, PlacementAck, PodAssignment, RestartPolicy, WorkloadStatus
+
+
+def _agent_url(args: argparse.Namespace) -> str:
+    url = args.agent or os.environ.get("HERD_AGENT")
+    if not url:
+        raise CliError("no agent given: pass --agent URL or set HERD_AGENT")
+    return url.rstrip("/")
+
+
+def _tokens(args: argparse.Namespace) -> TokenSet:
+    return TokenSet.load(args.token_dir)
+
+
+def _client(args: argparse.Namespace) -> httpx.Client:
+    return httpx.Client(base_url=_agent_url(args), timeout=args.timeout)
+
+
+def _check(r: httpx.Response, what: str) -> Any:
+    if r.status_code >= 400:
+        try:
+            body = r.json()
+            msg = body.get("error", "") + (f": {body['detail']}" if body.get("detail") else "")
+            if "reason" in body and body.get("accepted") is False:
+                msg = f"refused: {body['reason']}"
+        except ValueError:
+            msg = r.text[:200]
+        raise CliError(f"{what} failed ({r.status_code}): {msg}")
+    return r.json()
+
+
+def _request(args: argparse.Namespace, method: str, path: str, what: str, **kw: Any) -> Any:
+    try:
+        with _client(args) as c:
+            return _check(c.request(method, path, **kw), what)
+    except httpx.TransportError as e:
+        raise CliError(f"cannot reach agent {_agent_url(args)}: {e}") from None
+
+
+# ------------------------------------------------------------------ run
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from agent.config import load_config
+    from agent.daemon import run_agent
+
+    cfg = load_config(args.config, {
+        "node_id": args.node_id, "gpus": args.gpus, "state_dir": args.state_dir, "listen": args.listen,
+        "data_listen": args.data_listen, "placer": args.placer, "token_dir": args.token_dir,
+        "zone": args.zone, "block": args.block, "rack": args.rack, "heartbeat_s": args.heartbeat_s,
+        "gpu_poll_interval_s": args.gpu_poll_interval_s,
+    })
+    if args.no_data_plane:
+        from agent.config import replace
+        cfg = replace(cfg, data_listen=None)
+    run_agent(cfg)
+    return 0
+
+
+# ------------------------------------------------------------------ place
+
+def _parse_restart(text: str) -> RestartPolicy:
+    if text == "never":
+        return RestartPolicy()
+    kind, _, n = text.partition(":")
+    if kind == "on-failure" and (n == "" or n.isdigit()):
+        return RestartPolicy(kind="on-failure", limit=int(n or 3))
+    raise CliError(f"--restart must be never or on-failure:N, not {text!r}")
+
+
+def _pick_gpus(status: dict[str, Any], n: int | None, ids: str | None) -> list[dict[str, Any]]:
+    gpus = status["gpus"]["gpus"]
+    holders = status.get("gpu_holders", {})
+    by_index = {g["index"]: g for g in gpus}
+    if ids is not None:
+        out = []
+        for part in filter(None, (p.strip() for p in ids.split(","))):
+            if part.isdigit():
+                g = by_index.get(int(part))
+            else:
+                g = next((x for x in gpus if x["uuid"] == part), None)
+            if g is None:
+                raise CliError(f"no GPU {part} on this agent (has {len(gpus)})")
+            out.append(g)
+        return out
+    free = [g for g in sorted(gpus, key=lambda g: g["index"])
+            if g["health"] != "fatal" and g["uuid"] not in holders]
+    healthy = [g for g in free if g["health"] == "healthy"] + [g for g in free if g["health"] != "healthy"]
+    if n is None or n < 0:
+        raise CliError("--gpus must be >= 0")
+    if len(healthy) < n:
+        raise CliError(f"only {len(healthy)} free usable GPUs on this agent, {n} asked")
+    return healthy[:n]
+
+
+def cmd_place(args: argparse.Namespace) -> int:
+    argv = list(args.argv)
+    if argv and argv[0] == "--":
+        argv = argv[1:]
+    if not argv:
+        raise CliError("nothing to run: give the workload's command after --")
+    if (args.artifact is None) != (args.origin is None):
+        raise CliError("--artifact and --origin go together")
+    env: dict[str, str] = {}
+    for kv in args.env or []:
+        k, sep, v = kv.partition("=")
+        if not sep or not k:
+            raise CliError(f"--env takes KEY=VALUE, not {kv!r}")
+        env[k] = v
+    restart = _parse_restart(args.restart)
+    manifest_id = None
+    if args.artifact is not None:
+        manifest_id = _resolve(args.artifact, args.origin)
+    status = _request(args, "GET", "/v1/status", "reading agent status", headers=auth_header(_tokens(args).operator))
+    gpus = _pick_gpus(status, args.gpus, args.gpu_ids)
+    wid = args.workload_id or f"w-{uuid.uuid4().hex[:12]}"
+    p = Placement(placement_id=f"direct-{uuid.uuid4().hex}", job_id=args.job_id or wid,
+                  pods=[PodAssignment(workload_id=wid, rank=0, gpus=[g["uuid"] for g in gpus],
+                                      gpu_indices=[g["index"] for g in gpus])],
+                  argv=argv, env=env, manifest_id=manifest_id, origin=args.origin, grace_s=args.grace,
+                  restart=restart)
+    tok = _tokens(args).operator
+    if not tok:
+        raise CliError("no operator token found (use --token-dir or HERD_TOKEN_DIR)")
+    body = _request(args, "POST", "/v1/placements", "placement", content=msgspec.json.encode(p),
+                    headers={**auth_header(tok), "content-type": "application/json"})
+    ack = msgspec.convert(body, PlacementAck)
+    if not ack.accepted:
+        raise CliError(f"placement refused: {ack.reason}")
+    st = _request(args, "GET", f"/v1/workloads/{wid}", "reading the workload", headers=auth_header(tok))
+    if args.json:
+        emit_json({"workload": wid, "gpus": [g["uuid"] for g in gpus], "state": st["state"],
+                   "gpu_indices": [g["index"] for g in gpus], "manifest_id": manifest_id})
+    else:
+        print(wid)
+    return 0
+
+
+def _resolve(ref: str, origin_url: str) -> str:
+    import trio
+
+    try:
+        from p2p.origins import open_origin
+        from p2p.origins.base import is_manifest_id
+    except ImportError as e:
+        raise CliError(f"artifact support unavailable: {e}") from None
+    if is_manifest_id(ref):
+        return ref
+
+    async def go() -> str:
+        async with open_origin(origin_url) as o:
+            return await o.resolve(ref)
+    return trio.run(go)
+
+
+# ------------------------------------------------------------------ stop / status
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    tok = _tokens(args).operator
+    if not tok:
+        raise CliError("no operator token found (use --token-dir or HERD_TOKEN_DIR)")
+    body: dict[str, Any] = {"reason": args.reason}
+    if args.grace is not None:
+        body["grace_s"] = args.grace
+    st = _request(args, "POST", f"/v1/workloads/{args.workload}/stop", "stop",
+                  content=msgspec.json.encode(body), headers=auth_header(tok))
+    if args.json:
+        emit_json(st)
+    else:
+        print(f"{st['workload_id']} {st['state']}")
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    st = _request(args, "GET", "/v1/status", "status", headers=auth_header(_tokens(args).operator))
+    if args.json:
+        emit_json(st)
+        return 0
+    snap = st["gpus"]
+    holders = st.get("gpu_holders", {})
+    sim = " (SIMULATED GPUs)" if snap.get("simulated") else ""
+    topo = st.get("topology", {})
+    print(f"node {st['node_id']}  ready={st['ready']}  backend={snap.get('backend')}{sim}  "
+          f"zone={topo.get('zone')} block={topo.get('block')} rack={topo.get('rack')}")
+    print(f"control {st['control_url']}  data {st.get('data_url') or '-'}  "
+          f"nvlink_domain {st.get('nvlink_domain') or '-'}")
+    print()
+    rows = [[g["index"], g["uuid"], g["name"], g["health"],
+             ",".join(r["code"] for r in g.get("reasons", [])) or "-", holders.get(g["uuid"], "-")]
+            for g in snap.get("gpus", [])]
+    print(table(["GPU", "UUID", "NAME", "HEALTH", "REASONS", "WORKLOAD"], rows))
+    print()
+    wls = [msgspec.convert(w, WorkloadStatus) for w in st.get("workloads", [])]
+    rows = [[w.workload_id, w.job_id, w.state, "" if w.exit_code is None else w.exit_code, len(w.gpus),
+             w.pid or "-", w.reason or ""] for w in wls]
+    print(table(["WORKLOAD", "JOB", "STATE", "EXIT", "GPUS", "PID", "REASON"], rows) if rows else "no workloads")
+    store = st.get("store")
+    if store:
+        print(f"\nstore: {human_bytes(store.get('bytes', 0))} in {store.get('chunks', 0)} chunks, "
+              f"{store.get('complete_manifests', 0)} complete manifests")
+    return 0
+
+
+# ------------------------------------------------------------------ registration
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--agent", help="agent control URL (default $HERD_AGENT)")
+    p.add_argument("--token-dir", help="token dir (default $HERD_TOKEN_DIR or /etc/herd/tokens)")
+    p.add_argument("--timeout", type=float, default=10.0, help="HTTP timeout in seconds (default 10)")
+    p.add_argument("--json", action="store_true", help="print exactly one JSON object")
+
+
+def register(sub: Any) -> None:
+    ag = sub.add_parser("agent", help="the node agent: run it, place and stop workloads")
+    asub = ag.add_subparsers(dest="agent_command", metavar="ACTION")
+    asub.required = True
+
+    r = asub.add_parser("run", help="run the node agent daemon")
+    r.add_argument("--config", help="TOML config file (see systemd/agent.toml)")
+    r.add_argument("--node-id", help="node id (default: hostname)")
+    r.add_argument("--gpus", help="nvml | simulated:PROFILE (default nvml)")
+    r.add_argument("--state-dir", help="state directory (default /var/lib/herd)")
+    r.add_argument("--listen", help="control API HOST:PORT (port 0 allowed; default 127.0.0.1:8470)")
+    r.add_argument("--data-listen", help="data plane HOST:PORT (default 127.0.0.1:0)")
+    r.add_argument("--no-data-plane", action="store_true", help="serve no data plane")
+    r.add_argument("--placer", help="placer URL to register with")
+    r.add_argument("--token-dir", help="token dir (default $HERD_TOKEN_DIR or /etc/herd/tokens)")
+    r.add_argument("--zone")
+    r.add_argument("--block")
+    r.add_argument("--rack")
+    r.add_argument("--heartbeat-s", type=float, help="heartbeat interval to the placer")
+    r.add_argument("--gpu-poll-interval-s", type=float, help="GPU polling interval")
+    r.set_defaults(func=cmd_run)
+
+    p = asub.add_parser("place", help="place a workload directly on one agent")
+    _common(p)
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--gpus", type=int, help="number of free healthy GPUs to use")
+    g.add_argument("--gpu-ids", help="GPU indices or UUIDs, comma-separated")
+    p.add_argument("--artifact", help="artifact ref name:tag or manifest id (needs --origin)")
+    p.add_argument("--origin", help="origin URL the artifact lives in")
+    p.add_argument("--grace", type=float, default=30.0, help="grace period in seconds (default 30)")
+    p.add_argument("--restart", default="never", help="never | on-failure:N (default never)")
+    p.add_argument("--env", action="append", metavar="KEY=VALUE", help="extra environment (repeatable)")
+    p.add_argument("--workload-id", help="workload id (default: generated)")
+    p.add_argument("--job-id", help="job id (default: the workload id)")
+    p.add_argument("argv", nargs=argparse.REMAINDER, help="-- COMMAND ARGS...")
+    p.set_defaults(func=cmd_place)
+
+    s = asub.add_parser("stop", help="stop a workload gracefully")
+    _common(s)
+    s.add_argument("workload", help="workload id")
+    s.add_argument("--grace", type=float, help="grace period in seconds (default: the workload's)")
+    s.add_argument("--reason", default="stopped", help="reason recorded (default 'stopped')")
+    s.set_defaults(func=cmd_stop)
+
+    st = sub.add_parser("status", help="an agent's GPUs and workloads")
+    _common(st)
+    st.set_defaults(func=cmd_status)

@@ -1,0 +1,187 @@
+"""The agent's HTTP API, in process: auth (401), bounds (413), malformed bodies (400),
+placements, stops, logs, status, metrics, fault injection and the OpenAPI check."""
+
+from __future__ import annotations
+
+import os
+
+import httpx
+import msgspec
+import pytest
+import trio
+
+from agent.api import read_policy
+from agent.config import AgentConfig
+from agent.daemon import Agent
+from agent.supervisor import SupervisorConfig
+from scheduler_link.auth import TokenSet, auth_header
+from scheduler_link.http import HTTPError, Request
+from scheduler_link.messages import Placement, PlacementAck, PodAssignment, Victim
+
+
+def make_agent(tmp_path, token_dir) -> Agent:
+    cfg = AgentConfig(node_id="n1", gpus="simulated:dgx-h100", state_dir=str(tmp_path / "state"),
+                      listen="127.0.0.1:0", data_listen=None, token_dir=str(token_dir), gpu_poll_interval_s=0.2,
+                      workloads=SupervisorConfig(shim_pool=1))
+    return Agent(cfg, env={"PATH": os.environ["PATH"], "NOTIFY_SOCKET": "@nope"}, handle_signals=False)
+
+
+async def wait_state(c: httpx.AsyncClient, wid: str, *states: str) -> dict:
+    with trio.fail_after(10):
+        while True:
+            r = await c.get(f"/v1/workloads/{wid}")
+            if r.status_code == 200 and r.json()["state"] in states:
+                return r.json()
+            await trio.sleep(0.03)
+
+
+async def test_api_end_to_end(tmp_path, token_dir):
+    tokens = TokenSet.load(token_dir)
+    op, pl = auth_header(tokens.operator), auth_header(tokens.placer)
+    agent = make_agent(tmp_path, token_dir)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            url = await n.start(agent.run)
+            endpoints = msgspec.json.decode((tmp_path / "state" / "endpoints.json").read_bytes())
+            assert endpoints["control_url"] == url and endpoints["data_url"] is None
+            async with httpx.AsyncClient(base_url=url) as c:
+                assert (await c.get("/healthz")).json() == {"ok": True}
+                assert (await c.get("/readyz")).status_code == 200
+                st = (await c.get("/v1/status")).json()
+                assert st["simulated"] is True and len(st["gpus"]["gpus"]) == 8
+                assert st["gpus"]["topology_matrix"][0][0] == "X"
+                uuids = [g["uuid"] for g in st["gpus"]["gpus"]]
+
+                p = Placement(placement_id="p1", job_id="j1", argv=["sh", "-c", "echo out; echo err >&2; sleep 30"],
+                              pods=[PodAssignment(workload_id="w1", rank=0, gpus=uuids[:2])], grace_s=5)
+                body = msgspec.json.encode(p)
+                # 401: no token, wrong token, the cluster token; nothing happens
+                for h in ({}, auth_header("wrong"), auth_header(tokens.cluster)):
+                    r = await c.post("/v1/placements", content=body, headers=h)
+                    assert r.status_code == 401
+                assert (await c.get("/v1/workloads")).json() == []
+                # 400: malformed and invalid bodies
+                r = await c.post("/v1/placements", content=b"{nope", headers=pl)
+                assert r.status_code == 400 and r.json()["error"] == "malformed request body"
+                r = await c.post("/v1/placements", content=b'{"placement_id": 1, "job_id": "j"}', headers=pl)
+                assert r.status_code == 400 and "placement_id" in r.json()["detail"]
+                # 413: body over the bound
+                r = await c.post("/v1/placements", content=b"x" * (2 << 20), headers=pl)
+                assert r.status_code == 413
+                assert (await c.get("/v1/workloads")).json() == []
+
+                r = await c.post("/v1/placements", content=body, headers=pl)
+                assert r.status_code == 200
+                ack = msgspec.convert(r.json(), PlacementAck)
+                assert ack.accepted and ack.workloads == ["w1"] and ack.node_id == "n1"
+                # idempotent
+                assert (await c.post("/v1/placements", content=body, headers=pl)).json() == r.json()
+                await wait_state(c, "w1", "running")
+                # double booking refused (409 with the ack and its reason)
+                p2 = Placement(placement_id="p2", job_id="j2", argv=["true"],
+                               pods=[PodAssignment(workload_id="w2", rank=0, gpus=[uuids[1]])])
+                r = await c.post("/v1/placements", content=msgspec.json.encode(p2), headers=op)
+                assert r.status_code == 409 and "in use by workload w1" in r.json()["reason"]
+                with trio.fail_after(5):
+                    while "out" not in (await c.get("/v1/workloads/w1/logs")).text:
+                        await trio.sleep(0.03)
+                r = await c.get("/v1/workloads/w1/logs", params={"tail": "1", "stream": "stderr"})
+                assert r.text == "err\n"
+                assert (await c.get("/v1/workloads/w1/logs", params={"tail": "x"})).status_code == 400
+                assert (await c.get("/v1/workloads/nope")).status_code == 404
+                st = (await c.get("/v1/status")).json()
+                assert st["gpu_holders"] == {uuids[0]: "w1", uuids[1]: "w1"}
+
+                m = (await c.get("/metrics")).text
+                assert 'herd_workloads{node="n1",state="running"} 1' in m
+                assert "herd_workload_starts_total" in m and "DCGM_FI_DEV_GPU_TEMP" in m
+
+                # fault injection: operator only, then health follows through the GPU monitor
+                inj = f"/v1/gpus/{uuids[3]}/inject"
+                assert (await c.post(inj, content=b'{"xid": 79}', headers=pl)).status_code == 401
+                assert (await c.post(inj, content=b'{"bogus": 1}', headers=op)).status_code == 400
+                assert (await c.post("/v1/gpus/GPU-nope/inject", content=b'{"xid": 79}', headers=op)).status_code == 404
+                assert (await c.post(inj, content=b'{"xid": 79}', headers=op)).status_code == 200
+                with trio.fail_after(5):
+                    while (await c.get("/v1/gpus")).json()["gpus"][3]["health"] != "fatal":
+                        await trio.sleep(0.05)
+                p3 = Placement(placement_id="p3", job_id="j3", argv=["true"],
+                               pods=[PodAssignment(workload_id="w3", rank=0, gpus=[uuids[3]])])
+                r = await c.post("/v1/placements", content=msgspec.json.encode(p3), headers=pl)
+                assert r.status_code == 409 and "fatal" in r.json()["reason"]
+
+                # stop: operator token only; bad body 400; unknown 404
+                assert (await c.post("/v1/workloads/w1/stop", headers=pl)).status_code == 401
+                r = await c.post("/v1/workloads/w1/stop", content=b'{"grace_s": -1}', headers=op)
+                assert r.status_code == 400
+                assert (await c.post("/v1/workloads/zz/stop", headers=op)).status_code == 404
+                r = await c.post("/v1/workloads/w1/stop", content=b'{"grace_s": 0.2}', headers=op)
+                assert r.status_code == 200 and r.json()["state"] == "terminating"
+                w = await wait_state(c, "w1", "exited", "preempted")
+                assert w["state"] == "exited" and w["reason"] == "stopped"
+
+                # a placer placement that preempts a victim and starts a pod on its GPU
+                p4 = Placement(placement_id="p4", job_id="j4", argv=["sleep", "30"], grace_s=1,
+                               pods=[PodAssignment(workload_id="w4", rank=0, gpus=[uuids[0]])])
+                assert (await c.post("/v1/placements", content=msgspec.json.encode(p4), headers=pl)).status_code == 200
+                await wait_state(c, "w4", "running")
+                p5 = Placement(placement_id="p5", job_id="j5", argv=["sleep", "30"],
+                               victims=[Victim(workload_id="w4", grace_s=0.5)],
+                               pods=[PodAssignment(workload_id="w5", rank=0, gpus=[uuids[0]])])
+                r = await c.post("/v1/placements", content=msgspec.json.encode(p5), headers=pl)
+                assert r.status_code == 200 and r.json()["accepted"]
+                assert (await wait_state(c, "w4", "preempted", "exited"))["state"] == "preempted"
+                await wait_state(c, "w5", "running")
+                await c.post("/v1/workloads/w5/stop", content=b'{"grace_s": 0.5}', headers=op)
+                await wait_state(c, "w5", "preempted", "exited")
+                m = (await c.get("/metrics")).text
+                assert 'herd_workload_preemptions_total{node="n1"} 1' in m
+
+                # prefetch without a store-backed origin: clear error, nothing started
+                r = await c.post("/v1/prefetch", content=b'{"manifest_id": 5}', headers=pl)
+                assert r.status_code == 400
+            n.cancel_scope.cancel()
+
+
+async def test_openapi_lists_every_route(tmp_path, token_dir):
+    agent = make_agent(tmp_path, token_dir)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            url = await n.start(agent.run)
+            async with httpx.AsyncClient(base_url=url) as c:
+                spec = (await c.get("/openapi.json")).json()
+                served = {(r.method.lower(), r.template) for r in _app_routes(agent)}
+                listed = {(m, p) for p, ops in spec["paths"].items() for m in ops}
+                assert served == listed
+                want = {"/healthz", "/readyz", "/v1/status", "/v1/gpus", "/v1/workloads", "/v1/workloads/{wid}",
+                        "/v1/workloads/{wid}/logs", "/v1/workloads/{wid}/stop", "/v1/gpus/{uuid}/inject",
+                        "/v1/placements", "/v1/prefetch", "/metrics", "/openapi.json"}
+                assert set(spec["paths"]) == want
+                assert spec["paths"]["/v1/placements"]["post"]["security"] == [{"bearer": []}]
+                # every listed GET without path parameters really answers 200 from loopback
+                for path, ops in spec["paths"].items():
+                    if "get" in ops and "{" not in path:
+                        assert (await c.get(path)).status_code == 200, path
+            n.cancel_scope.cancel()
+
+
+def _app_routes(agent: Agent):
+    from agent.api import build_app
+    return build_app(agent).routes
+
+
+def test_reads_need_operator_token_off_loopback(token_dir):
+    tokens = TokenSet.load(token_dir)
+
+    def req(client: str, tok: str | None) -> Request:
+        return Request(method="GET", path="/v1/status", query={}, headers=auth_header(tok), body=b"", client=client)
+
+    check = read_policy(tokens, open_reads=False)
+    check(req("127.0.0.1", None))
+    check(req("10.1.2.3", tokens.operator))
+    with pytest.raises(HTTPError) as e:
+        check(req("10.1.2.3", None))
+    assert e.value.status == 401
+    with pytest.raises(HTTPError):
+        check(req("10.1.2.3", tokens.placer))
+    read_policy(tokens, open_reads=True)(req("10.1.2.3", None))
