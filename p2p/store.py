@@ -584,7 +584,7 @@ class ChunkStore:
             if blake3(data).hexdigest() != cid:
                 bad.append(cid)
         if bad:
-            log.warning("verify dropped bad chunks=%d", len(bad))
+            log.info("verify dropped bad chunks=%d", len(bad))
             with self._lock:
                 self._drop_chunks_locked(bad, evicted=False)
         bad_manifests: list[str] = []

@@ -176,7 +176,8 @@ async def _append(out: list, coro) -> None:  # type: ignore[no-untyped-def]
     out.append(await coro)
 
 
-async def test_fetch_into_full_disk(tmp_path: Path) -> None:
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path):  # type: ignore[no-untyped-def]
     if not is_root():
         pytest.skip("needs root for mount -t tmpfs")
     mnt = tmp_path / "tiny"
@@ -185,15 +186,19 @@ async def test_fetch_into_full_disk(tmp_path: Path) -> None:
                       capture_output=True, timeout=10).returncode != 0:
         pytest.skip("mount -t tmpfs refused")
     try:
-        src = make_tree(tmp_path / "src", seed=5)
-        origin = FileOrigin(tmp_path / "origin")
-        with trio.fail_after(20):
-            pub = await publish(src, origin, "app:v1", SMALL)
-            store = ChunkStore(mnt / "store")
-            with pytest.raises(StoreFullError, match="disk full"):
-                await fetch_artifact(store, pub.manifest, origin)
-        assert os.listdir(mnt / "store" / "tmp") == []
-        assert store.complete_manifests() == []
-        assert ChunkStore(mnt / "store").verify().ok
+        yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10)
+
+
+async def test_fetch_into_full_disk(tmp_path: Path, tiny_tmpfs: Path) -> None:
+    src = make_tree(tmp_path / "src", seed=5)
+    origin = FileOrigin(tmp_path / "origin")
+    with trio.fail_after(20):
+        pub = await publish(src, origin, "app:v1", SMALL)
+        store = ChunkStore(tiny_tmpfs / "store")
+        with pytest.raises(StoreFullError, match="disk full"):
+            await fetch_artifact(store, pub.manifest, origin)
+    assert os.listdir(tiny_tmpfs / "store" / "tmp") == []
+    assert store.complete_manifests() == []
+    assert ChunkStore(tiny_tmpfs / "store").verify().ok

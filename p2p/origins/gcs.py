@@ -22,6 +22,7 @@ from urllib.parse import quote
 import trio
 
 from ..errors import NotFoundError, OriginError
+from ..pool import run_pool
 from .base import HEX64, Origin
 from .transport import RetryingClient, describe_status
 
@@ -182,9 +183,7 @@ class GCSOrigin(Origin):
                 if await self._exists_one(prefix + n):
                     found.add(n)
 
-            async with trio.open_nursery() as nursery:
-                for n in names:
-                    nursery.start_soon(one, n)
+            await run_pool(sorted(names), one, int(self.http.limiter.total_tokens))
         self._sync_retries()
         return found
 

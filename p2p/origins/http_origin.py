@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import trio
-
 from ..errors import NotFoundError, OriginError, ReadOnlyOriginError
+from ..pool import run_pool
 from .base import Origin
 from .transport import RetryingClient, describe_status
 
@@ -39,9 +38,7 @@ class HttpOrigin(Origin):
             elif resp.status_code != 404:
                 raise OriginError(f"origin {self.url}: HEAD {prefix}{name}: HTTP {resp.status_code}")
 
-        async with trio.open_nursery() as nursery:  # the client's limiter bounds concurrency
-            for n in names:
-                nursery.start_soon(head, n)
+        await run_pool(sorted(names), head, int(self.http.limiter.total_tokens))
         self.retries = self.http.retried
         return found
 

@@ -1,0 +1,290 @@
+"""`herd artifact publish|fetch|show|diff|verify`.
+
+Human output by default (progress on a TTY, on stderr); ``--json`` prints exactly one
+JSON object on stdout. Failures are one line on stderr and a non-zero exit (cli.main).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+from cli.main import CliError
+from cli.output import emit_json, human_bytes, parse_size, table
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("artifact", help="publish, fetch, inspect and verify content-addressed artifacts")
+    a = p.add_subparsers(dest="artifact_cmd", metavar="CMD")
+    a.required = True
+
+    s = a.add_parser("publish", help="chunk DIR, upload what the origin lacks, move ref NAME to it")
+    s.add_argument("dir")
+    _origin_arg(s)
+    s.add_argument("--name", required=True, help="ref to move, e.g. trainer:v42")
+    s.add_argument("--avg-chunk", default=None, metavar="SIZE",
+                   help="average chunk size (e.g. 1MiB; min = avg/4, max = avg*4)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_publish)
+
+    f = a.add_parser("fetch", help="fetch REF into a local store and make DIR hold its tree")
+    f.add_argument("ref", help="a ref name (name:tag) or a 64-hex manifest id")
+    _origin_arg(f)
+    f.add_argument("--store", required=True, help="chunk store directory")
+    f.add_argument("--into", required=True,
+                   help="path that ends up holding the tree (a symlink to the store's read-only tree)")
+    f.add_argument("--quota", default=None, metavar="SIZE", help="store quota (LRU eviction), e.g. 50GiB")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=cmd_fetch)
+
+    sh = a.add_parser("show", help="describe the manifest REF names")
+    sh.add_argument("ref")
+    _origin_arg(sh)
+    sh.add_argument("--json", action="store_true")
+    sh.set_defaults(func=cmd_show)
+
+    d = a.add_parser("diff", help="files added, removed and changed from REF_A to REF_B; bytes new")
+    d.add_argument("ref_a")
+    d.add_argument("ref_b")
+    _origin_arg(d)
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(func=cmd_diff)
+
+    v = a.add_parser("verify", help="re-hash every chunk and manifest of a store; drop bad ones")
+    v.add_argument("--store", required=True)
+    v.add_argument("--json", action="store_true")
+    v.set_defaults(func=cmd_verify)
+
+
+def _origin_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--origin", default=os.environ.get("HERD_ORIGIN"),
+                   help="origin URL: file:///dir, gs://bucket/prefix, https://mirror (env HERD_ORIGIN)")
+    p.add_argument("--retries", type=int, default=5, help="retries of a failing origin request (default 5)")
+
+
+def _open(args: argparse.Namespace) -> Any:
+    from p2p.origins import open_origin
+
+    if not args.origin:
+        raise CliError("--origin URL is required (or set HERD_ORIGIN)")
+    if args.retries < 0:
+        raise CliError("--retries must be >= 0")
+    return open_origin(args.origin, retries=args.retries)
+
+
+class Progress:
+    """A one-line progress bar on stderr, drawn only when stderr is a terminal."""
+
+    def __init__(self, label: str, enabled: bool) -> None:
+        self.label = label
+        self.enabled = enabled and sys.stderr.isatty()
+        self._last = 0.0
+        self._t0 = time.monotonic()
+        self._drawn = False
+
+    def __call__(self, done: int, total: int) -> None:
+        if not self.enabled:
+            return
+        now = time.monotonic()
+        if now - self._last < 0.1 and done < total:
+            return
+        self._last = now
+        frac = done / total if total else 1.0
+        width = 30
+        bar = "#" * int(frac * width) + "-" * (width - int(frac * width))
+        rate = done / max(now - self._t0, 1e-6)
+        sys.stderr.write(f"\r{self.label} [{bar}] {frac * 100:5.1f}% {human_bytes(done)}/{human_bytes(total)}"
+                         f" {human_bytes(rate)}/s ")
+        sys.stderr.flush()
+        self._drawn = True
+
+    def close(self) -> None:
+        if self._drawn:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def _params(avg: str | None) -> Any:
+    from manifests import ChunkerParams
+
+    if avg is None:
+        return ChunkerParams()
+    try:
+        size = parse_size(avg)
+    except ValueError:
+        raise CliError(f"--avg-chunk: not a size: {avg!r}") from None
+    return ChunkerParams(min_size=max(64, size // 4), avg_size=size, max_size=size * 4)
+
+
+# ------------------------------------------------------------------------------------ publish
+
+def cmd_publish(args: argparse.Namespace) -> int:
+    from p2p.publish import publish
+
+    params = _params(args.avg_chunk)
+    if not Path(args.dir).is_dir():
+        raise CliError(f"not a directory: {args.dir}")
+    progress = Progress("upload", not args.json)
+
+    async def main() -> Any:
+        async with _open(args) as origin:
+            return await publish(args.dir, origin, args.name, params, progress=progress)
+
+    try:
+        stats = trio.run(main)
+    finally:
+        progress.close()
+    if args.json:
+        emit_json(stats)
+    else:
+        print(f"published {stats.name} -> {stats.manifest}")
+        print(f"  {stats.files} files, {human_bytes(stats.bytes)}, {stats.chunks} chunks; uploaded "
+              f"{stats.chunks_uploaded} chunks ({human_bytes(stats.bytes_uploaded)}) in {stats.seconds:.2f}s")
+    return 0
+
+
+# -------------------------------------------------------------------------------------- fetch
+
+def _point_into(into: Path, tree: Path) -> None:
+    """Make ``into`` a symlink to ``tree``, atomically replacing an earlier symlink (or an
+    empty directory). Anything else at ``into`` is left alone and refused."""
+    if into.is_symlink():
+        pass
+    elif into.is_dir():
+        if any(into.iterdir()):
+            raise CliError(f"--into {into} is a non-empty directory; give a new path or an earlier --into symlink")
+        into.rmdir()
+    elif into.exists():
+        raise CliError(f"--into {into} exists and is not a directory or symlink")
+    into.parent.mkdir(parents=True, exist_ok=True)
+    tmp = into.parent / f".{into.name}.{uuid.uuid4().hex[:8]}"
+    os.symlink(tree.resolve(), tmp)
+    try:
+        os.replace(tmp, into)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from p2p.fetch import fetch_artifact
+    from p2p.store import ChunkStore
+
+    quota = None
+    if args.quota:
+        try:
+            quota = parse_size(args.quota)
+        except ValueError:
+            raise CliError(f"--quota: not a size: {args.quota!r}") from None
+    into = Path(args.into)
+    if into.exists() and not into.is_symlink() and not into.is_dir():
+        raise CliError(f"--into {into} exists and is not a directory or symlink")
+    if into.is_dir() and not into.is_symlink() and any(into.iterdir()):
+        raise CliError(f"--into {into} is a non-empty directory; give a new path or an earlier --into symlink")
+    store = ChunkStore(args.store, quota_bytes=quota)
+    progress = Progress("fetch", not args.json)
+
+    async def main() -> Any:
+        async with _open(args) as origin:
+            mid = await origin.resolve(args.ref)
+            stats = await fetch_artifact(store, mid, origin, progress=progress)
+            tree = await trio.to_thread.run_sync(store.materialise, mid)
+            return stats, tree
+
+    try:
+        stats, tree = trio.run(main)
+    finally:
+        progress.close()
+    _point_into(into, tree)
+    if args.json:
+        emit_json(stats)
+    else:
+        print(f"fetched {stats.manifest} into {into} -> {tree}")
+        print(f"  {human_bytes(stats.bytes)}: {human_bytes(stats.bytes_from_origin)} from origin, "
+              f"{human_bytes(stats.bytes_from_peers)} from peers, {human_bytes(stats.bytes_local)} already local; "
+              f"{stats.chunks_fetched} chunks in {stats.seconds:.2f}s")
+    return 0
+
+
+# ---------------------------------------------------------------------------------- show/diff
+
+async def _manifest(origin: Any, ref: str) -> Any:
+    from manifests import decode_manifest
+
+    mid = await origin.resolve(ref)
+    return decode_manifest(await origin.get_manifest(mid), mid)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from manifests import to_json_view
+
+    async def main() -> Any:
+        async with _open(args) as origin:
+            return await _manifest(origin, args.ref)
+
+    m = trio.run(main)
+    view = to_json_view(m)
+    if args.json:
+        emit_json({"manifest": m.id, "ref": args.ref, **{k: v for k, v in view.items() if k != "id"}})
+        return 0
+    c = m.chunker
+    print(f"manifest {m.id}  ({args.ref})")
+    print(f"  {view['files']} files, {human_bytes(view['bytes'])}, {view['unique_chunks']} unique chunks "
+          f"({human_bytes(view['unique_bytes'])}); chunker {c.name} {c.version} "
+          f"{human_bytes(c.min_size)}/{human_bytes(c.avg_size)}/{human_bytes(c.max_size)}")
+    rows = []
+    for e in view["entries"]:
+        extra = f"-> {e['target']}" if e["kind"] == "symlink" else ""
+        size = human_bytes(e["size"]) if e["kind"] == "file" else ""
+        rows.append((e["mode"], e["kind"], size, e["path"] + (" " + extra if extra else "")))
+    print(table(["MODE", "KIND", "SIZE", "PATH"], rows))
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from manifests.plan import diff
+
+    async def main() -> Any:
+        async with _open(args) as origin:
+            return await _manifest(origin, args.ref_a), await _manifest(origin, args.ref_b)
+
+    a, b = trio.run(main)
+    d = diff(a, b)
+    if args.json:
+        emit_json({"a": a.id, "b": b.id, **msgspec.structs.asdict(d)})
+        return 0
+    print(f"{args.ref_a} ({a.id[:12]}) -> {args.ref_b} ({b.id[:12]})")
+    for mark, paths in (("+", d.added), ("-", d.removed), ("~", d.changed)):
+        for p in paths:
+            print(f"  {mark} {p}")
+    print(f"{len(d.added)} added, {len(d.removed)} removed, {len(d.changed)} changed; "
+          f"{human_bytes(d.bytes_new)} in {d.chunks_new} new chunks")
+    return 0
+
+
+# ------------------------------------------------------------------------------------- verify
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from p2p.store import ChunkStore
+
+    if not Path(args.store).is_dir():
+        raise CliError(f"no store at {args.store}")
+    report = ChunkStore(args.store).verify()
+    if args.json:
+        emit_json({**msgspec.structs.asdict(report), "ok": report.ok})
+    else:
+        print(f"checked {report.chunks_checked} chunks ({human_bytes(report.bytes_checked)}) and "
+              f"{report.manifests_checked} manifests in {report.seconds:.2f}s")
+    if not report.ok:
+        print(f"herd: error: store {args.store} had {len(report.bad_chunks)} bad chunks and "
+              f"{len(report.bad_manifests)} bad manifests (dropped; fetch again to repair)", file=sys.stderr)
+        return 1
+    return 0
