@@ -91,6 +91,7 @@ async def test_graceful_stop_writes_notice_and_checkpoint(tmp_path):
         async with trio.open_nursery() as n:
             await n.start(sup.run)
             await sup.place(placement("p1", wid="w1", gpus=["GPU-0000"]))
+            await wait_state(sup, "w1", "running")
             await wait_file(scratch(sup, "w1") / "started")
             st = await sup.stop("w1", reason="stopped", grace_s=5)
             assert st.state == "terminating"
@@ -108,6 +109,7 @@ async def test_sigkill_after_grace_and_victims_free_gpus(tmp_path):
         async with trio.open_nursery() as n:
             await n.start(sup.run)
             await sup.place(placement("p1", wid="old", gpus=["GPU-0000"], env={"IGNORE": "1"}, grace=0.3))
+            await wait_state(sup, "old", "running")
             await wait_file(scratch(sup, "old") / "started")
             # double booking: refused with a clear reason, nothing started
             ack = await sup.place(placement("p2", wid="new", gpus=["GPU-0000"]))
@@ -126,6 +128,25 @@ async def test_sigkill_after_grace_and_victims_free_gpus(tmp_path):
     assert (old.state, old.exit_code) == ("preempted", 128 + signal.SIGKILL)
     assert (scratch(sup, "old") / "terms").read_text() == "term\n"
     assert sup.statistics()["preemptions"] == 1
+
+
+async def test_stop_before_start_runs_nothing(tmp_path):
+    sup = make(tmp_path)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            await sup.place(placement("p1", wid="old", gpus=["GPU-0000"], env={"IGNORE": "1"}))
+            await wait_state(sup, "old", "running")
+            await sup.place(placement("p2", wid="new", gpus=["GPU-0000"], argv=["sh", "-c", "touch ran"],
+                                      victims=[Victim(workload_id="old", grace_s=0.5)]))
+            st = await sup.stop("new", reason="cancelled")
+            assert st.state == "accepted"  # waiting for its victim; it never starts now
+            new = await sup.wait_terminal("new")
+            old = await sup.wait_terminal("old")
+            n.cancel_scope.cancel()
+    assert (new.state, new.reason, new.pid) == ("exited", "cancelled before start", None)
+    assert not (scratch(sup, "new") / "ran").exists()
+    assert old.state == "preempted"
 
 
 async def test_refusals(tmp_path):
