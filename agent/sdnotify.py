@@ -38,7 +38,7 @@ class Notifier:
         """Send ``KEY=value`` lines (``ready=1`` -> ``READY=1``); False when not under systemd."""
         if self.address is None:
             return False
-        msg = "\n".join(f"{k.upper()}={v}" for k, v in fields.items()).encode()
+        msg = "\n".join(f"{k.upper()}={str(v).replace(chr(10), ' ')}" for k, v in fields.items()).encode()
         addr = "\0" + self.address[1:] if self.address.startswith("@") else self.address
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as s:
