@@ -58,14 +58,17 @@ def decode_manifest(data: bytes, expected_id: str | None = None) -> Manifest:
     if expected_id is not None and digest != expected_id:
         raise IntegrityError(f"manifest bytes hash to {digest}, expected {expected_id:.80}")
     try:
-        head = _head_decoder.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise ManifestError(f"not a herd manifest: {exc}") from None
-    if head.version != MANIFEST_VERSION:
-        raise ManifestError(f"unknown manifest version {head.version} (this herd reads {MANIFEST_VERSION})")
-    try:
         m = _decoder.decode(data)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        # Say "unknown version" rather than a type error when a later format is what we got.
+        try:
+            head = _head_decoder.decode(data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            raise ManifestError(f"not a herd manifest: {exc}") from None
+        if head.version != MANIFEST_VERSION:
+            raise ManifestError(
+                f"unknown manifest version {head.version} (this herd reads {MANIFEST_VERSION})"
+            ) from None
         raise ManifestError(f"malformed manifest: {exc}") from None
     validate_manifest(m)
     if _encoder.encode(m) != data:

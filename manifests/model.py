@@ -52,6 +52,7 @@ MAX_FILE_SIZE = 1 << 50
 FILE_MODES = frozenset({0o644, 0o755})
 DIR_MODE = 0o755
 SYMLINK_MODE = 0o755
+_ALLOWED_MODES = frozenset({("file", 0o644), ("file", 0o755), ("dir", DIR_MODE), ("symlink", SYMLINK_MODE)})
 
 CHUNKER_NAME = "fastcdc"
 """The cut-point algorithm of the ``fastcdc`` PyPI package (its own FastCDC variant)."""
@@ -72,6 +73,9 @@ def _installed_chunker_version() -> str:
 CHUNKER_VERSION = _installed_chunker_version()
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEXSTAR = re.compile(r"[0-9a-f]*")
+# ASCII fast path for paths: components of 1..255 chars, no NUL ("." and ".." checked separately).
+_PATH_FAST = re.compile(r"(?:[^/\x00]{1,255}/)*[^/\x00]{1,255}")
 _VERSION_RE = re.compile(r"[0-9A-Za-z.+_-]{1,64}")
 
 Kind = Literal["file", "dir", "symlink"]
@@ -252,6 +256,8 @@ def _check_path(path: object, what: str = "path") -> str:
 
 
 def _check_mode(e: Entry) -> None:
+    if e.kind not in ("file", "dir", "symlink"):
+        raise ManifestError(f"entry {e.path!r:.200}: unknown kind {e.kind!r:.40}")
     mode = e.mode
     if type(mode) is not int or mode < 0:
         raise ManifestError(f"entry {e.path!r:.200}: bad mode {mode!r:.40}")
@@ -301,6 +307,34 @@ def _check_symlink_inside(path: str, symlinks: dict[str, str]) -> None:
             pending.extend(reversed(target.split("/")))
 
 
+def _check_chunk_table(table: tuple[Chunk, ...], max_chunk: int) -> None:
+    seen: set[str] = set()
+    for i, c in enumerate(table):
+        if type(c.id) is not str or not _HEX64.fullmatch(c.id):
+            raise ManifestError(f"chunk #{i}: id {c.id!r:.80} is not 64 lowercase hex digits")
+        if c.id in seen:
+            raise ManifestError(f"chunk #{i}: id {c.id} appears twice in the chunk table")
+        seen.add(c.id)
+        if type(c.size) is not int or not 0 < c.size <= max_chunk:
+            raise ManifestError(f"chunk {c.id}: size {c.size!r:.40} outside 1..{max_chunk}")
+
+
+def _check_target(e: Entry) -> None:
+    path, target = e.path, e.target
+    if type(target) is not str or not target:
+        raise ManifestError(f"entry {path!r:.200}: symlink with an empty target")
+    if "\x00" in target:
+        raise ManifestError(f"entry {path!r:.200}: NUL byte in symlink target")
+    try:
+        tbytes = len(target.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ManifestError(f"entry {path!r:.200}: symlink target is not valid UTF-8") from None
+    if tbytes > MAX_TARGET_BYTES:
+        raise ManifestError(f"entry {path!r:.200}: symlink target longer than {MAX_TARGET_BYTES} bytes")
+    if target.startswith("/"):
+        raise ManifestError(f"entry {path!r:.200}: absolute symlink target {target!r:.200}")
+
+
 def validate_manifest(m: Manifest) -> None:
     """Raise ManifestError (naming the entry) unless ``m`` obeys every rule of the module docstring."""
     if type(m.version) is not int or m.version != MANIFEST_VERSION:
@@ -313,23 +347,36 @@ def validate_manifest(m: Manifest) -> None:
     if nchunks > MAX_CHUNKS:
         raise ManifestError(f"manifest has {nchunks} chunks, more than the limit {MAX_CHUNKS}")
     max_chunk = m.chunker.max_size
-    seen: set[str] = set()
-    hex64 = _HEX64.fullmatch
-    for i, c in enumerate(table):
-        if type(c.id) is not str or not hex64(c.id):
-            raise ManifestError(f"chunk #{i}: id {c.id!r:.80} is not 64 lowercase hex digits")
-        if c.id in seen:
-            raise ManifestError(f"chunk #{i}: id {c.id} appears twice in the chunk table")
-        seen.add(c.id)
-        if type(c.size) is not int or not 0 < c.size <= max_chunk:
-            raise ManifestError(f"chunk {c.id}: size {c.size!r:.40} outside 1..{max_chunk}")
+    ids = [c.id for c in table]
+    sizes = [c.size for c in table]
+    # Fast whole-table checks in C; on any doubt the slow loop finds and names the culprit.
+    fast_ok = (
+        set(map(type, ids)) <= {str}
+        and set(map(len, ids)) <= {64}
+        and _HEXSTAR.fullmatch("".join(ids)) is not None
+        and len(set(ids)) == nchunks
+        and set(map(type, sizes)) <= {int}
+        and (not sizes or (min(sizes) > 0 and max(sizes) <= max_chunk))
+    )
+    if not fast_ok:
+        _check_chunk_table(table, max_chunk)
 
     dirs: set[str] = set()
     symlinks: dict[str, str] = {}
     next_new = 0  # canonical layout: chunk indices appear for the first time in increasing order
     prev = ""
+    path_ok = _PATH_FAST.fullmatch
     for e in m.entries:
-        path = _check_path(e.path)
+        path = e.path
+        if not (
+            type(path) is str
+            and path.isascii()
+            and len(path) <= MAX_PATH_BYTES
+            and path_ok(path)
+            and "/./" not in (slashed := f"/{path}/")
+            and "/../" not in slashed
+        ):
+            _check_path(path)
         if prev:
             if path == prev:
                 raise ManifestError(f"entry {path!r:.200}: duplicate path")
@@ -341,27 +388,33 @@ def validate_manifest(m: Manifest) -> None:
             raise ManifestError(
                 f"entry {path!r:.200}: parent {parent!r:.200} is not a directory entry of the manifest"
             )
-        _check_mode(e)
         kind = e.kind
+        if type(e.mode) is not int or (kind, e.mode) not in _ALLOWED_MODES:
+            _check_mode(e)
         if kind == "file":
             if e.target != "":
                 raise ManifestError(f"entry {path!r:.200}: a file has a symlink target")
-            total = 0
-            for idx in e.chunks:
-                if type(idx) is not int or not 0 <= idx < nchunks:
-                    raise ManifestError(f"entry {path!r:.200}: chunk index {idx!r:.40} out of range 0..{nchunks - 1}")
-                if idx >= next_new:
-                    if idx != next_new:
-                        raise ManifestError(
-                            f"entry {path!r:.200}: chunk table is not in first-use order (index {idx})"
-                        )
-                    next_new += 1
-                total += table[idx].size
+            idxs = e.chunks
+            if idxs:
+                if not (set(map(type, idxs)) <= {int} and min(idxs) >= 0 and max(idxs) < nchunks):
+                    bad = next(i for i in idxs if type(i) is not int or not 0 <= i < nchunks)
+                    raise ManifestError(f"entry {path!r:.200}: chunk index {bad!r:.40} out of range 0..{nchunks - 1}")
+                if max(idxs) >= next_new:
+                    for idx in idxs:
+                        if idx >= next_new:
+                            if idx != next_new:
+                                raise ManifestError(
+                                    f"entry {path!r:.200}: chunk table is not in first-use order (index {idx})"
+                                )
+                            next_new += 1
+                total = sum(map(sizes.__getitem__, idxs))
+            else:
+                total = 0
             if type(e.size) is not int or e.size != total:
                 raise ManifestError(f"entry {path!r:.200}: size {e.size!r:.40} but its chunks add up to {total}")
             if total > MAX_FILE_SIZE:
                 raise ManifestError(f"entry {path!r:.200}: file larger than {MAX_FILE_SIZE} bytes")
-        elif kind == "dir" or kind == "symlink":
+        else:
             if e.size != 0 or e.chunks:
                 raise ManifestError(f"entry {path!r:.200}: a {kind} has a size or chunks")
             if kind == "dir":
@@ -369,22 +422,8 @@ def validate_manifest(m: Manifest) -> None:
                     raise ManifestError(f"entry {path!r:.200}: a directory has a symlink target")
                 dirs.add(path)
             else:
-                target = e.target
-                if type(target) is not str or not target:
-                    raise ManifestError(f"entry {path!r:.200}: symlink with an empty target")
-                if "\x00" in target:
-                    raise ManifestError(f"entry {path!r:.200}: NUL byte in symlink target")
-                try:
-                    tbytes = len(target.encode("utf-8"))
-                except UnicodeEncodeError:
-                    raise ManifestError(f"entry {path!r:.200}: symlink target is not valid UTF-8") from None
-                if tbytes > MAX_TARGET_BYTES:
-                    raise ManifestError(f"entry {path!r:.200}: symlink target longer than {MAX_TARGET_BYTES} bytes")
-                if target.startswith("/"):
-                    raise ManifestError(f"entry {path!r:.200}: absolute symlink target {target!r:.200}")
-                symlinks[path] = target
-        else:
-            raise ManifestError(f"entry {path!r:.200}: unknown kind {kind!r:.40}")
+                _check_target(e)
+                symlinks[path] = e.target
     if next_new != nchunks:
         raise ManifestError(f"chunk table holds {nchunks - next_new} chunk(s) no file uses")
     for path in symlinks:
