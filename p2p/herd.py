@@ -211,8 +211,8 @@ class Herd:
         ev = self._inflight[cid] = trio.Event()
         self.counters.chunks_in_flight += 1
         try:
-            await self._acquire(cid, size, origin, peers, endgame or trio.Event(), run or HerdCounters(),
-                                holders)
+            await self._acquire(cid, size, origin, peers, endgame if endgame is not None else trio.Event(),
+                                run if run is not None else HerdCounters(), holders)
         finally:
             self.counters.chunks_in_flight -= 1
             del self._inflight[cid]
@@ -354,3 +354,20 @@ def _in_trio() -> bool:
         return True
     except RuntimeError:
         return False
+
+
+async def herd_fetch(herd: Herd, manifest_id: str, origin: Any, peers: Sequence[Peer], *,
+                     progress: Callable[[int], None] | None = None) -> tuple[Any, HerdCounters]:
+    """The whole fetch through the herd: the manifest (store, peers, origin — verified by
+    id), every missing chunk, then a batched sync and the completion mark. Returns
+    (manifest, this fetch's counters)."""
+    store = herd.store
+    if store.has_manifest(manifest_id):
+        manifest = store.get_manifest(manifest_id)
+    else:
+        data = await herd.fetch_manifest_bytes(manifest_id, origin, peers)
+        manifest = await trio.to_thread.run_sync(store.put_manifest, manifest_id, data)
+    chunks = [(c.id, c.size) for c in manifest.chunks]
+    run = await herd.fetch_chunks(chunks, origin, peers, manifest_id=manifest_id, progress=progress)
+    await trio.to_thread.run_sync(store.mark_complete, manifest_id)
+    return manifest, run

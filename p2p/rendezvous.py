@@ -144,15 +144,22 @@ def plan_sources(chunk_id: str, self_id: str, peers: Sequence[Peer], *,
     topo = rack_aware and me is not None and any(p.rack for p in by_id.values())
     if topo and me is not None:
         my_rack = rack_label(me)
-        mates = [n for n in above if rack_label(by_id[n]) == my_rack]
-        rest = [n for n in above if rack_label(by_id[n]) != my_rack]
-        above = mates + rest
 
+        def local(n: str) -> bool:
+            return rack_label(by_id[n]) == my_rack
+    else:
+        def local(n: str) -> bool:
+            return True
+
+    # Same-rack holders, same-rack nodes above (waiting), then the other racks' holders
+    # and nodes above: a chunk only leaves its rack when the rack cannot supply it.
+    cands: list[tuple[str, bool]] = []
+    for is_local in (True, False):
+        cands += [(n, False) for n in above + below if local(n) == is_local and n in holders]
+        cands += [(n, True) for n in above if local(n) == is_local and n not in holders]
     pen = penalties or {}
     good: list[Source] = []
     cooling: list[Source] = []
-    hold = [n for n in above if n in holders] + below
-    cands = [(n, False) for n in hold] + [(n, True) for n in above if n not in holders]
     for n, wait in cands:
         until = pen.get(n, 0.0)
         if until == math.inf:

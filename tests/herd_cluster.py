@@ -1,0 +1,141 @@
+"""A herd in one process, kraken-style: N real chunk stores, each served by a real data
+plane on loopback, fetching from a real file:// origin. Shared by the herd tests.
+
+``WrappedOrigin`` is a fake of an external thing (the bucket): it forwards to the real
+file origin and can count reads, be "down" for a while, or serve corrupted bytes.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import blake3
+import trio
+
+from manifests import encode_manifest
+from manifests.model import ManifestBuilder
+from p2p.dataplane import DataPlane, DataPlaneConfig
+from p2p.errors import OriginError
+from p2p.herd import Herd, HerdConfig
+from p2p.origins import open_origin
+from p2p.store import ChunkStore
+from scheduler_link.messages import Peer
+
+FAST = HerdConfig(wait_ms=3000, head_grace_s=1.0, stall_s=1.0, penalty_s=30.0,
+                  origin_retry_s=20.0, backoff_min_s=0.05, backoff_max_s=0.4, workers=8)
+
+
+@dataclass
+class Artifact:
+    manifest_id: str
+    manifest_bytes: bytes
+    chunks: dict[str, bytes]
+    origin_dir: Path
+    size: int
+
+
+def make_artifact(tmp: Path, nbytes: int, chunk_size: int = 256 * 1024, seed: int = 1) -> Artifact:
+    """A one-file artifact of random bytes cut into fixed-size chunks, published to a
+    file:// origin directory laid out as the origins expect."""
+    rnd = os.urandom if seed < 0 else None
+    data = rnd(nbytes) if rnd else _det_bytes(nbytes, seed)
+    chunks: dict[str, bytes] = {}
+    refs: list[tuple[str, int]] = []
+    for off in range(0, nbytes, chunk_size):
+        piece = data[off:off + chunk_size]
+        cid = blake3.blake3(piece).hexdigest()
+        chunks[cid] = piece
+        refs.append((cid, len(piece)))
+    b = ManifestBuilder()
+    b.add_file("blob.bin", 0o644, refs)
+    m = b.build()
+    raw = encode_manifest(m)
+    mid = m.id
+    origin = tmp / "origin"
+    (origin / "chunks").mkdir(parents=True, exist_ok=True)
+    (origin / "manifests").mkdir(parents=True, exist_ok=True)
+    for cid, piece in chunks.items():
+        (origin / "chunks" / cid).write_bytes(piece)
+    (origin / "manifests" / mid).write_bytes(raw)
+    return Artifact(mid, raw, chunks, origin, nbytes)
+
+
+def _det_bytes(n: int, seed: int) -> bytes:
+    out = bytearray()
+    h = blake3.blake3(seed.to_bytes(8, "big"))
+    out += h.digest(n)
+    return bytes(out)
+
+
+class WrappedOrigin:
+    """Forwards to a real origin; counts reads per chunk; can be down or corrupt."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.chunk_reads: Counter[str] = Counter()
+        self.bytes_out = 0
+        self.down_until = 0.0            # trio.current_time() before which every call fails
+        self.failures = 0
+        self.corrupt: set[str] = set()
+
+    def _check(self) -> None:
+        if trio.current_time() < self.down_until:
+            self.failures += 1
+            raise OriginError("origin unreachable (simulated outage)")
+
+    async def get_chunk(self, cid: str) -> bytes:
+        self._check()
+        data = await self.inner.get_chunk(cid)
+        self.chunk_reads[cid] += 1
+        self.bytes_out += len(data)
+        if cid in self.corrupt:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        return data
+
+    async def get_manifest(self, mid: str) -> bytes:
+        self._check()
+        return await self.inner.get_manifest(mid)
+
+
+@dataclass
+class Node:
+    node_id: str
+    store: ChunkStore
+    plane: DataPlane
+    url: str
+    herd: Herd
+    rack: str = ""
+    peer: Peer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.peer = Peer(node_id=self.node_id, data_url=self.url, rack=self.rack)
+
+
+async def start_nodes(nursery: trio.Nursery, root: Path, n: int, token: str, *,
+                      racks: int = 0, config: HerdConfig = FAST,
+                      plane_config: DataPlaneConfig | None = None,
+                      store_roots: dict[int, Path] | None = None) -> list[Node]:
+    nodes = []
+    for i in range(n):
+        sroot = (store_roots or {}).get(i, root / f"node{i}")
+        store = ChunkStore(sroot)
+        plane = DataPlane(store, token=token, listen="127.0.0.1:0", config=plane_config)
+        url = await nursery.start(plane.run)
+        nid = f"node{i}"
+        nodes.append(Node(nid, store, plane, url, Herd(store, node_id=nid, token=token, config=config),
+                          rack=f"rack{i % racks}" if racks else ""))
+    return nodes
+
+
+def open_file_origin(art: Artifact) -> WrappedOrigin:
+    return WrappedOrigin(open_origin(f"file://{art.origin_dir}"))
+
+
+def assert_bit_exact(node: Node, art: Artifact) -> None:
+    assert node.store.is_complete(art.manifest_id)
+    for cid, piece in art.chunks.items():
+        assert node.store.read_chunk(cid) == piece
