@@ -1,0 +1,336 @@
+"""Scheduler-link benchmarks: end to end, fan-out, ingest.
+
+    python -m bench.link [--json] [--jobs 100] [--fleet 1000] [--skip-e2e]
+
+- e2e: a local cluster (placer + 4 agent processes, simulated GPUs, no artifact); per job
+  the time from submit to every pod's process running, measured by the placer's own
+  timings (submitted -> running, one clock); p50/p99 over ``--jobs`` jobs (each cancelled
+  after). Baseline: the same submit's HTTP round trip alone (``submit_rtt``).
+- fanout: one decision pushed to ``--fleet`` real HTTP endpoints (bench.fleet_helper in a
+  separate process) -> the last ack, with kept-alive connections (median of 5; the first,
+  cold push with connects is reported too). Baseline: the same pushes through httpx.
+- ingest_core_per_s: heartbeat reports decoded and applied to the placer state (1,000
+  registered nodes) per second; baseline: decode only.
+- heartbeats_per_s: heartbeats absorbed over real sockets from a separate load process,
+  on the framed channel (one persistent connection per agent); baseline: the same load
+  as HTTP requests to the report endpoint.
+Every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))] if s else float("nan")
+
+
+# ------------------------------------------------------------------ e2e
+
+def bench_e2e(n_jobs: int) -> dict[str, Any]:
+    import httpx
+
+    sys.path.insert(0, str(ROOT))
+    from scheduler_link.auth import TokenSet, generate_token_dir
+    from tests.cluster import LocalCluster
+
+    with tempfile.TemporaryDirectory() as tmp:
+        td = generate_token_dir(Path(tmp) / "tokens")
+        tok = TokenSet.load(td)
+        with LocalCluster(Path(tmp), td, n_agents=4, heartbeat_s=1.0, fence_after_s=30) as c:
+            assert c.placer is not None
+            h = {"authorization": f"Bearer {tok.operator}"}
+            lat, rtt = [], []
+            with httpx.Client(base_url=c.placer.url, headers=h, timeout=30) as cl:
+                deadline = time.monotonic() + 20
+                while time.monotonic() < deadline:
+                    nodes = cl.get("/v1/nodes").json()["nodes"]
+                    if sum(n["state"] == "up" for n in nodes) == 4 and cl.get("/healthz").json()["recovering"] is False:
+                        break
+                    time.sleep(0.1)
+                t_end = time.monotonic() + 120
+                for i in range(n_jobs):
+                    if time.monotonic() > t_end:
+                        break
+                    jid = f"e2e-{i}"
+                    t0 = time.perf_counter()
+                    r = cl.post("/v1/jobs", json={"job_id": jid, "pods": 4, "gpus_per_pod": 2, "within": "any",
+                                                   "argv": ["sleep", "60"], "grace_s": 1.0})
+                    rtt.append(time.perf_counter() - t0)
+                    r.raise_for_status()
+                    v = cl.get(f"/v1/jobs/{jid}", params={"wait": "running", "timeout_ms": "10000"}).json()
+                    if v["state"] == "running":
+                        lat.append(v["timings"]["running"] - v["timings"]["submitted"])
+                    cl.delete(f"/v1/jobs/{jid}")
+                    # wait until its GPUs are free again so each job sees an idle cluster
+                    w_end = time.monotonic() + 10
+                    while time.monotonic() < w_end:
+                        nodes = cl.get("/v1/nodes").json()["nodes"]
+                        if sum(n["free_gpus"] for n in nodes) == 32:
+                            break
+                        time.sleep(0.01)
+    return {"e2e_jobs": len(lat), "e2e_p50_ms": pct(lat, 0.5) * 1000, "e2e_p99_ms": pct(lat, 0.99) * 1000,
+            "submit_rtt_p50_ms": pct(rtt, 0.5) * 1000,
+            "e2e_ratio_to_submit_rtt": pct(lat, 0.5) / pct(rtt, 0.5) if rtt and lat else None}
+
+
+# ------------------------------------------------------------------ fan-out
+
+async def bench_fanout(n: int) -> dict[str, Any]:
+    import httpx
+
+    from scheduler_link.fanout import PushPool
+    from scheduler_link.messages import Placement, PodAssignment
+
+    proc = await trio.lowlevel.open_process(
+        [sys.executable, "-m", "bench.fleet_helper", "--n", str(n), "--seconds", "300"],
+        stdout=subprocess.PIPE, stdin=subprocess.PIPE, cwd=str(ROOT))
+    try:
+        buf = b""
+        assert proc.stdout is not None
+        with trio.fail_after(60):
+            while b"\n" not in buf:
+                chunk = await proc.stdout.receive_some(1 << 20)
+                if not chunk:
+                    raise RuntimeError("fleet helper died")
+                buf += chunk
+        urls = json.loads(buf.split(b"\n", 1)[0])["urls"]
+
+        def items(tag: str) -> list[tuple[str, str, str, bytes]]:
+            return [(f"n{i}", u, "/v1/placements", msgspec.json.encode(Placement(
+                placement_id=f"{tag}:{i}", job_id=tag, world_size=n, argv=["train"],
+                pods=[PodAssignment(workload_id=f"{tag}.1.{i}", rank=i, gpus=[f"GPU-{i}-{g}" for g in range(8)])])))
+                for i, u in enumerate(urls)]
+        pool = PushPool(concurrency=1024, attempt_timeout_s=10, retries=1)
+        t0 = time.perf_counter()
+        res = await pool.post_many(items("cold"))
+        cold = time.perf_counter() - t0
+        assert all(r.ok for r in res.values()), [r.error for r in res.values() if not r.ok][:3]
+        warm = []
+        for k in range(5):
+            t0 = time.perf_counter()
+            res = await pool.post_many(items(f"warm{k}"))
+            warm.append(time.perf_counter() - t0)
+            assert all(r.ok for r in res.values())
+        await pool.aclose()
+        # baseline: httpx, same pushes, kept-alive client
+        base = []
+        hx_errors = [0]
+        limits = httpx.Limits(max_connections=2 * n, max_keepalive_connections=2 * n)
+        async with httpx.AsyncClient(limits=limits, timeout=30) as c:
+            async def hx_post(url: str, body: bytes) -> None:
+                try:
+                    (await c.post(url, content=body)).raise_for_status()
+                except httpx.HTTPError:
+                    hx_errors[0] += 1
+            for k in range(3):
+                its = items(f"hx{k}")
+                t0 = time.perf_counter()
+                async with trio.open_nursery() as nur:
+                    for _, u, path, body in its:
+                        nur.start_soon(hx_post, u + path, body)
+                base.append(time.perf_counter() - t0)
+        return {"fanout_1000_ms": statistics.median(warm) * 1000, "fanout_cold_ms": cold * 1000,
+                "fanout_endpoints": n, "fanout_httpx_ms": statistics.median(base[1:] or base) * 1000,
+                "fanout_ratio_vs_httpx": statistics.median(warm) / statistics.median(base[1:] or base),
+                "fanout_httpx_errors": hx_errors[0]}
+    finally:
+        assert proc.stdin is not None
+        await proc.stdin.aclose()
+        with trio.move_on_after(5):
+            await proc.wait()
+        if proc.returncode is None:
+            proc.kill()
+
+
+# ------------------------------------------------------------------ ingest core
+
+def _fleet_reports(n_nodes: int, start: int = 0) -> list[Any]:
+    from scheduler_link.messages import GpuInfo, GpuSnapshot, NodeReport, TopologyPath
+    out = []
+    for i in range(start, start + n_nodes):
+        snap = GpuSnapshot(simulated=True, gpus=[GpuInfo(index=g, uuid=f"GPU-{i}-{g}", name="sim", memory_total_mib=1,
+                                                         pci_bus_id=f"0:{g}", simulated=True) for g in range(8)])
+        out.append(NodeReport(node_id=f"n{i:06d}", boot_id=f"b{i}", seq=1, full=True, control_url="http://127.0.0.1:9",
+                              topology=TopologyPath(zone="z", block=f"b{i // 512}", rack=f"r{i // 32}"),
+                              snapshot=snap))
+    return out
+
+
+def bench_ingest_core(n_nodes: int = 1000, seconds: float = 2.0, max_reports: int = 400_000) -> dict[str, Any]:
+    from placer.config import PlacerConfig
+    from placer.service import load_core
+    from placer.state import PlacerState
+    from scheduler_link.messages import NodeReport, WorkloadEvent
+
+    st = PlacerState(PlacerConfig(), load_core(), started_at=0.0)
+    for rep in _fleet_reports(n_nodes):
+        st.ingest(rep.node_id, rep, 1.0)
+    ev = [WorkloadEvent(workload_id="x.1.0", job_id="x", state="running", at=1.0)]
+    # pre-encoded heartbeats (1 in 4 carries an event of an unknown job)
+    blobs = [msgspec.json.encode(NodeReport(node_id=f"n{i % n_nodes:06d}", boot_id=f"b{i % n_nodes}",
+                                            seq=2 + i // n_nodes, full=False, events=ev if i % 4 == 0 else []))
+             for i in range(min(max_reports, 200_000))]
+    dec = msgspec.json.Decoder(NodeReport)
+    # baseline: decode only
+    t0 = time.perf_counter()
+    k = 0
+    for b in blobs:
+        dec.decode(b)
+        k += 1
+        if k % 4096 == 0 and time.perf_counter() - t0 > seconds:
+            break
+    base = k / (time.perf_counter() - t0)
+    t0 = time.perf_counter()
+    k = ok = 0
+    for b in blobs:
+        r = dec.decode(b)
+        status, _, _ = st.ingest(r.node_id, r, 2.0)
+        ok += status == 200
+        k += 1
+        if k % 4096 == 0 and time.perf_counter() - t0 > seconds:
+            break
+    rate = k / (time.perf_counter() - t0)
+    return {"ingest_core_per_s": rate, "ingest_decode_only_per_s": base, "ingest_ratio_vs_decode": rate / base,
+            "ingest_ok_fraction": ok / max(1, k)}
+
+
+# ------------------------------------------------------------------ heartbeats over sockets
+
+async def _load_main(mode: str, url: str, token: str, n_conn: int, seconds: float, start_node: int) -> None:
+    """The separate load process: registers ``n_conn`` nodes and heartbeats as fast as the
+    placer answers (window of 32 per connection), for ``seconds``; prints the count."""
+    from scheduler_link.heartbeat_wire import HeartbeatClient
+    from scheduler_link.messages import NodeReport
+
+    reps = _fleet_reports(n_conn, start_node)
+    counts = [0] * n_conn
+    registered = [0]
+    go = trio.Event()
+    stop_at = [0.0]
+
+    async def ready() -> None:
+        registered[0] += 1
+        if registered[0] == n_conn:
+            stop_at[0] = trio.current_time() + seconds
+            go.set()
+        await go.wait()
+
+    async def wire_one(i: int) -> None:
+        rep = reps[i]
+        c = await HeartbeatClient.connect(url, token, rep.node_id)
+        await c.send([rep])
+        await c.receive(1)
+        await ready()
+        seq = rep.seq
+        while trio.current_time() < stop_at[0]:
+            batch = []
+            for _ in range(32):
+                seq += 1
+                batch.append(NodeReport(node_id=rep.node_id, boot_id=rep.boot_id, seq=seq, full=False))
+            await c.send(batch)
+            got = await c.receive(32)
+            counts[i] += sum(r.status == 200 for r in got)
+        await c.aclose()
+
+    async def http_one(i: int) -> None:
+        import httpx
+        rep = reps[i]
+        async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {token}"}, timeout=30) as c:
+            await c.post(f"/v1/nodes/{rep.node_id}/report", content=msgspec.json.encode(rep))
+            await ready()
+            seq = rep.seq
+            while trio.current_time() < stop_at[0]:
+                seq += 1
+                r = await c.post(f"/v1/nodes/{rep.node_id}/report", content=msgspec.json.encode(
+                    NodeReport(node_id=rep.node_id, boot_id=rep.boot_id, seq=seq, full=False)))
+                counts[i] += r.status_code == 200
+
+    async with trio.open_nursery() as n:
+        for i in range(n_conn):
+            n.start_soon(wire_one if mode == "wire" else http_one, i)
+        await go.wait()
+        t0 = time.perf_counter()
+    sys.stdout.write(json.dumps({"count": sum(counts), "seconds": time.perf_counter() - t0}) + "\n")
+
+
+async def bench_heartbeats(seconds: float = 3.0, n_conn: int = 64) -> dict[str, Any]:
+    from placer.config import PlacerConfig
+    from placer.service import PlacerService
+    from scheduler_link.auth import TokenSet, generate_token_dir
+
+    with tempfile.TemporaryDirectory() as tmp:
+        td = generate_token_dir(Path(tmp) / "tokens")
+        tokens = TokenSet.load(td)
+        cfg = PlacerConfig(listen="127.0.0.1:0", wire_listen="127.0.0.1:0", state_dir=str(Path(tmp) / "p"),
+                           heartbeat_s=60.0, tick_s=1.0)
+        svc = PlacerService(cfg, tokens)
+        out: dict[str, Any] = {}
+        async with trio.open_nursery() as n:
+            await n.start(svc.run)
+            for mode, url, start in (("wire", svc.wire_url, 0), ("http", svc.url, 10_000)):
+                with trio.fail_after(seconds + 60):
+                    r = await trio.run_process(
+                        [sys.executable, "-m", "bench.link", "--load", mode, "--url", str(url),
+                         "--token", str(tokens.cluster), "--conns", str(n_conn), "--seconds", str(seconds),
+                         "--start-node", str(start)], capture_stdout=True, cwd=str(ROOT))
+                res = json.loads(r.stdout.decode().strip().splitlines()[-1])
+                out[mode] = res["count"] / res["seconds"]
+            n.cancel_scope.cancel()
+    return {"heartbeats_per_s": out["wire"], "heartbeats_http_per_s": out["http"],
+            "heartbeats_ratio_vs_http": out["wire"] / out["http"], "heartbeat_connections": n_conn}
+
+
+# ------------------------------------------------------------------ main
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.link")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--jobs", type=int, default=100)
+    ap.add_argument("--fleet", type=int, default=1000)
+    ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--load", choices=["wire", "http"], help=argparse.SUPPRESS)
+    ap.add_argument("--url", help=argparse.SUPPRESS)
+    ap.add_argument("--token", help=argparse.SUPPRESS)
+    ap.add_argument("--conns", type=int, default=64, help=argparse.SUPPRESS)
+    ap.add_argument("--seconds", type=float, default=3.0, help=argparse.SUPPRESS)
+    ap.add_argument("--start-node", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.load:
+        trio.run(_load_main, a.load, a.url, a.token, a.conns, a.seconds, a.start_node)
+        return
+    import logging
+    logging.disable(logging.WARNING)
+    res: dict[str, Any] = {}
+    res.update(bench_ingest_core())
+    res.update(trio.run(bench_heartbeats))
+    res.update(trio.run(bench_fanout, a.fleet))
+    if not a.skip_e2e:
+        res.update(bench_e2e(a.jobs))
+    res["targets"] = {"e2e_p50_ms": 20, "fanout_1000_ms": 500, "ingest_core_per_s": 100_000,
+                      "heartbeats_per_s": 10_000}
+    if a.json:
+        print(json.dumps(res))
+        return
+    for k, v in res.items():
+        if k != "targets":
+            print(f"{k:32s} {v:12.2f}" if isinstance(v, float) else f"{k:32s} {v}")
+
+
+if __name__ == "__main__":
+    main()
