@@ -264,3 +264,33 @@ def test_copy_methods_are_equivalent(tmp_path: Path, method: int) -> None:
         os.close(sfd)
         os.close(dfd)
     assert (tmp_path / "dst").read_bytes()[:2_001_000] == data[1000:2_001_000] + data[:1000]
+
+
+@pytest.fixture
+def tiny_tmpfs(tmp_path: Path):
+    """A 256 KiB tmpfs mounted for the test (root only; skipped where mounting is not allowed)."""
+    import subprocess
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mnt)], capture_output=True, timeout=30)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=30)
+
+
+def test_full_disk_is_an_oserror_and_leaves_nothing(tmp_path: Path, tiny_tmpfs: Path) -> None:
+    import errno
+
+    _, m, chunks = build(tmp_path)  # ~700 KB of files: does not fit in 256 KiB
+    (tiny_tmpfs / "art").mkdir()
+    with pytest.raises(OSError) as info:
+        materialise(m, chunk_path=lambda c: chunks / c, dest=tiny_tmpfs / "art" / m.id)
+    assert info.value.errno == errno.ENOSPC
+    assert os.listdir(tiny_tmpfs / "art") == []
+    assert os.statvfs(tiny_tmpfs).f_bfree == os.statvfs(tiny_tmpfs).f_blocks  # every byte given back
