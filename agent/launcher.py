@@ -42,6 +42,7 @@ class LaunchCommand(msgspec.Struct, frozen=True, kw_only=True):
     cwd: str
     log_max_bytes: int = 16 << 20
     log_keep: int = 2
+    record: dict[str, Any] = {}      # the agent's record of this workload, kept in run.json
 
 
 class Launched(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,8 +79,9 @@ class _Shim:
 
 
 class ShimPool:
-    def __init__(self, size: int = 2, *, python: str | None = None) -> None:
+    def __init__(self, size: int = 2, *, python: str | None = None, refill_delay_s: float = 0.05) -> None:
         self.size = max(0, size)
+        self.refill_delay_s = refill_delay_s
         self.python = python or sys.executable
         self._idle: list[_Shim] = []
         self._want = trio.Event()
@@ -127,6 +129,9 @@ class ShimPool:
             while True:
                 await self._want.wait()
                 self._want = trio.Event()
+                # A new interpreter costs ~30 ms of CPU: let the workload just launched get
+                # its own start first (a burst that empties the pool spawns on the spot).
+                await trio.sleep(self.refill_delay_s)
                 while len(self._idle) < self.size:
                     try:
                         self._idle.append(await self._spawn_ready())

@@ -26,11 +26,11 @@ command. The hot path is then one pipe write, one fork+exec and one pipe read.
 Protocol (one JSON object per line)
 -----------------------------------
 shim -> agent on stdout: ``{"ready": true, "shim_pid": P}`` once imported.
-agent -> shim on stdin: ``{"dir", "argv", "env", "cwd", "log_max_bytes", "log_keep"}``.
+agent -> shim on stdin: ``{"dir", "argv", "env", "cwd", "log_max_bytes", "log_keep", "record"}``.
 shim -> agent: ``{"ok": true, "pid", "start_time", "boot_id"}`` or
 ``{"ok": false, "error"}``; then the shim detaches from both pipes.
-Files in ``dir``: ``run.json`` (identity of the workload process, written before the
-reply), ``exit.json``
+Files in ``dir``: ``run.json`` (identity of the workload process and a copy of the agent's
+``record``, written before the reply), ``exit.json``
 (``code``: exit status, 128+N for signal N; ``signal``; ``at``), ``stdout.log``,
 ``stderr.log`` (+ ``.1`` .. ``.keep`` rotations), ``shim.log``.
 
@@ -190,7 +190,7 @@ def main() -> int:
              "shim_pid": os.getpid(), "shim_start_time": _start_time(os.getpid()),
              "started_at": time.time()}
     # run.json before the reply: once the agent has heard "ok", a restarted agent finds it.
-    _atomic_write(os.path.join(wdir, "run.json"), ident)
+    _atomic_write(os.path.join(wdir, "run.json"), {**ident, "record": cmd.get("record") or {}})
     _reply({"ok": True, **ident})
     _detach_stdio(os.path.join(wdir, "shim.log"))
     logs = {out_r: RotatingLog(os.path.join(wdir, "stdout.log"), max_bytes, keep),

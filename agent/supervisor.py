@@ -85,6 +85,15 @@ class _Change:
     fields: Mapping[str, Any]
     done: trio.Event | None = None
     fetch: Mapping[str, int] | None = None
+    durable: bool = False        # set ``done`` only once the change is on disk
+
+
+@dataclass(slots=True)
+class _Batch:
+    """What applying a batch of events asks for: ``now`` runs as soon as the batch is
+    applied; ``durable`` runs once the state that includes the batch is on disk."""
+    now: list[Callable[[], None]] = field(default_factory=list)
+    durable: list[Callable[[], None]] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -125,6 +134,12 @@ class Supervisor:
         self._rt: dict[str, _Runtime] = {}
         self._listeners: list[Callable[[WorkloadEvent], None]] = []
         self._nursery: trio.Nursery | None = None
+        self._dirty = False
+        self._gen = 0
+        self._saved_gen = 0
+        self._latest: AgentState | None = None
+        self._waiters: list[tuple[int, list[Callable[[], None]]]] = []
+        self._wake_writer = trio.Event()
         self.ready = False
         self.counters: Counter[str] = Counter()
         self.fetch_bytes: Counter[str] = Counter()
@@ -186,29 +201,71 @@ class Supervisor:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.pool.run)
-            after: list[Callable[[], None]] = []
-            self._recover(after)
-            await self._persist()
-            for fn in after:
+            batch = _Batch()
+            self._recover(batch)
+            await trio.to_thread.run_sync(self._file.save, self._snapshot())
+            self._dirty = False
+            for fn in batch.now + batch.durable:
                 fn()
+            nursery.start_soon(self._writer)
             self.ready = True
             task_status.started()
             async for msg in self._recv:
-                after = []
-                self._handle(msg, after)
+                batch = _Batch()
+                self._handle(msg, batch)
                 while True:
                     try:
                         msg = self._recv.receive_nowait()
                     except trio.WouldBlock:
                         break
-                    self._handle(msg, after)
-                await self._persist()
-                for fn in after:
+                    self._handle(msg, batch)
+                self._commit(batch.durable)
+                for fn in batch.now:
                     fn()
 
-    async def _persist(self) -> None:
-        st = AgentState(node_id=self.node_id, records=list(self._records.values()), acks=list(self._acks.values()))
-        await trio.to_thread.run_sync(self._file.save, st)
+    # Group commit: the owner never waits for the disk. Each applied batch bumps a
+    # generation and hands an immutable snapshot to the writer task; callbacks that
+    # need durability (acks, the start of a kill countdown) run once a write that
+    # includes their generation has completed. Starting a process does not wait: the
+    # shim writes the workload's record into run.json (fsynced) before it answers, so
+    # a restarted agent finds a started workload even if state.json lagged behind.
+
+    def _snapshot(self) -> AgentState:
+        return AgentState(node_id=self.node_id, records=list(self._records.values()),
+                          acks=list(self._acks.values()))
+
+    def _commit(self, durable: list[Callable[[], None]]) -> None:
+        if self._dirty:
+            self._dirty = False
+            self._gen += 1
+            self._latest = self._snapshot()
+            self._wake_writer.set()
+        if durable:
+            if self._saved_gen >= self._gen:
+                for fn in durable:
+                    fn()
+            else:
+                self._waiters.append((self._gen, durable))
+
+    async def _writer(self) -> None:
+        while True:
+            await self._wake_writer.wait()
+            self._wake_writer = trio.Event()
+            gen, st = self._gen, self._latest
+            if st is not None and gen > self._saved_gen:
+                try:
+                    await trio.to_thread.run_sync(self._file.save, st)
+                except OSError as e:  # disk full or gone: keep running, retry on the next change
+                    log.error("state write failed err=%s", e)
+                    await trio.sleep(1)
+                    self._wake_writer.set()
+                    continue
+                self._saved_gen = gen
+            ready = [fns for g, fns in self._waiters if g <= self._saved_gen]
+            self._waiters = [(g, fns) for g, fns in self._waiters if g > self._saved_gen]
+            for fns in ready:
+                for fn in fns:
+                    fn()
 
     def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> Callable[[], None]:
         def go() -> None:
@@ -218,7 +275,7 @@ class Supervisor:
 
     # ------------------------------------------------------------ applying events (owner only)
 
-    def _handle(self, msg: Any, after: list[Callable[[], None]]) -> None:
+    def _handle(self, msg: Any, after: _Batch) -> None:
         if isinstance(msg, _Place):
             self._on_place(msg, after)
         elif isinstance(msg, _Stop):
@@ -226,17 +283,18 @@ class Supervisor:
         elif isinstance(msg, _Change):
             self._on_change(msg, after)
 
-    def _update(self, wid: str, after: list[Callable[[], None]], *, fetch: Mapping[str, int] | None = None,
+    def _update(self, wid: str, after: _Batch, *, fetch: Mapping[str, int] | None = None,
                 **fields: Any) -> WorkloadRecord:
         old = self._records[wid]
         now = self._clock()
         new = msgspec.structs.replace(old, updated_at=now, **fields)
         self._records[wid] = new
+        self._dirty = True
         if new.state != old.state:
             self._on_state(old, new, now, fetch)
             if new.terminal:
                 rt = self._rt.setdefault(wid, _Runtime())
-                after.append(rt.gone.set)
+                after.now.append(rt.gone.set)
         return new
 
     def _on_state(self, old: WorkloadRecord | None, new: WorkloadRecord, now: float,
@@ -258,18 +316,18 @@ class Supervisor:
             except Exception:
                 log.exception("event listener failed")
 
-    def _on_place(self, msg: _Place, after: list[Callable[[], None]]) -> None:
+    def _on_place(self, msg: _Place, after: _Batch) -> None:
         p = msg.placement
         known = self._acks.get(p.placement_id)
         if known is not None:
-            after.append(lambda: msg.reply.send_nowait(known))
+            after.durable.append(lambda: msg.reply.send_nowait(known))
             return
         reason = check_placement(p, self._records, self._gpu_health())
         if reason is not None:
             self.counters["refused"] += 1
             log.warning("placement refused placement=%s job=%s reason=%s", p.placement_id, p.job_id, reason)
             ack = PlacementAck(placement_id=p.placement_id, node_id=self.node_id, accepted=False, reason=reason)
-            after.append(lambda: msg.reply.send_nowait(ack))
+            after.now.append(lambda: msg.reply.send_nowait(ack))
             return
         now = self._clock()
         live_victims = [v for v in p.victims if v.workload_id in self._records
@@ -283,28 +341,30 @@ class Supervisor:
                 peers=list(p.peers), grace_s=p.grace_s, restart=p.restart, direct=msg.direct,
                 wait_for=wait_for, created_at=now, updated_at=now)
             self._records[rec.workload_id] = rec
+            self._dirty = True
             self._rt[rec.workload_id] = _Runtime()
             self._on_state(None, rec, now, None)
-            after.append(self._spawn(self._lifecycle, rec.workload_id))
+            after.now.append(self._spawn(self._lifecycle, rec.workload_id))
         ack = PlacementAck(placement_id=p.placement_id, node_id=self.node_id, accepted=True,
                            workloads=[pod.workload_id for pod in p.pods])
         self._acks[p.placement_id] = ack
+        self._dirty = True
         for v in live_victims:
             self._begin_stop(v.workload_id, v.reason, v.grace_s, after)
-        after.append(lambda: msg.reply.send_nowait(ack))
+        after.durable.append(lambda: msg.reply.send_nowait(ack))
 
-    def _on_stop(self, msg: _Stop, after: list[Callable[[], None]]) -> None:
+    def _on_stop(self, msg: _Stop, after: _Batch) -> None:
         if msg.workload_id not in self._records:
             err = UnknownWorkload(f"no workload {msg.workload_id!r} on this node")
             if msg.reply is not None:
-                after.append(lambda: msg.reply.send_nowait(err))  # type: ignore[union-attr]
+                after.now.append(lambda: msg.reply.send_nowait(err))  # type: ignore[union-attr]
             return
         self._begin_stop(msg.workload_id, msg.reason, msg.grace_s, after)
         if msg.reply is not None:
             status = self._records[msg.workload_id].status()
-            after.append(lambda: msg.reply.send_nowait(status))  # type: ignore[union-attr]
+            after.durable.append(lambda: msg.reply.send_nowait(status))  # type: ignore[union-attr]
 
-    def _begin_stop(self, wid: str, reason: str, grace_s: float | None, after: list[Callable[[], None]]) -> None:
+    def _begin_stop(self, wid: str, reason: str, grace_s: float | None, after: _Batch) -> None:
         rec = self._records[wid]
         rt = self._rt.setdefault(wid, _Runtime())
         if rec.terminal or rec.state == "terminating":
@@ -320,13 +380,13 @@ class Supervisor:
                      stop_deadline=self._clock() + grace, reason=reason)
         self._start_killer(wid, after)
 
-    def _start_killer(self, wid: str, after: list[Callable[[], None]]) -> None:
+    def _start_killer(self, wid: str, after: _Batch) -> None:
         rt = self._rt[wid]
         if not rt.killer_started:
             rt.killer_started = True
-            after.append(self._spawn(self._killer, wid))
+            after.durable.append(self._spawn(self._killer, wid))
 
-    def _on_change(self, msg: _Change, after: list[Callable[[], None]]) -> None:
+    def _on_change(self, msg: _Change, after: _Batch) -> None:
         if msg.workload_id in self._records:
             rec = self._update(msg.workload_id, after, fetch=msg.fetch, **msg.fields)
             if rec.state == "running" and rec.stop_reason is not None:
@@ -335,17 +395,47 @@ class Supervisor:
                              stop_deadline=max(rec.stop_deadline or 0.0, self._clock()))
                 self._start_killer(rec.workload_id, after)
         if msg.done is not None:
-            after.append(msg.done.set)
+            (after.durable if msg.durable else after.now).append(msg.done.set)
 
-    async def _change(self, wid: str, fetch: Mapping[str, int] | None = None, **fields: Any) -> WorkloadRecord:
+    async def _change(self, wid: str, fetch: Mapping[str, int] | None = None, durable: bool = False,
+                      **fields: Any) -> WorkloadRecord:
         done = trio.Event()
-        await self._send.send(_Change(wid, fields, done, fetch))
+        await self._send.send(_Change(wid, fields, done, fetch, durable))
         await done.wait()
         return self._records[wid]
 
     # ------------------------------------------------------------ recovery (owner, before ready)
 
-    def _recover(self, after: list[Callable[[], None]]) -> None:
+    def _adopt_orphans(self) -> None:
+        """Workloads whose shim wrote run.json while state.json had not caught up yet (the
+        agent died right after a launch): rebuild their records from the copy in run.json."""
+        try:
+            dirs = list(self.wl_dir.iterdir())
+        except FileNotFoundError:
+            return
+        for d in dirs:
+            if d.name in self._records:
+                continue
+            ident = _read_json(d / "run.json")
+            if not ident or not isinstance(ident.get("record"), dict):
+                continue
+            try:
+                rec = msgspec.convert(ident["record"], WorkloadRecord)
+            except msgspec.ValidationError as e:
+                log.error("unreadable record in run.json dir=%s err=%s", d, e)
+                continue
+            if rec.workload_id != d.name:
+                continue
+            log.warning("recovered workload from its shim's run.json id=%s", rec.workload_id)
+            self._records[rec.workload_id] = msgspec.structs.replace(rec, state="starting", pid=None)
+            self._dirty = True
+            if rec.placement_id and rec.placement_id not in self._acks:
+                self._acks[rec.placement_id] = PlacementAck(
+                    placement_id=rec.placement_id, node_id=self.node_id, accepted=True,
+                    workloads=[r.workload_id for r in self._records.values() if r.placement_id == rec.placement_id])
+
+    def _recover(self, after: _Batch) -> None:
+        self._adopt_orphans()
         for wid, rec in list(self._records.items()):
             rt = self._rt.setdefault(wid, _Runtime())
             if rec.terminal:
@@ -367,7 +457,7 @@ class Supervisor:
                         self._update(wid, after, state=_final_state(rec.stop_reason), reason=rec.stop_reason)
                     else:
                         log.info("resuming workload id=%s from state=%s", wid, rec.state)
-                        after.append(self._spawn(self._lifecycle, wid))
+                        after.now.append(self._spawn(self._lifecycle, wid))
                     continue
             shim_alive = procs.same_process(rec.shim_pid, rec.shim_start_time, rec.boot_id)
             wl_alive = procs.same_process(rec.pid, rec.start_time, rec.boot_id)
@@ -380,7 +470,7 @@ class Supervisor:
                         self._update(wid, after, state="terminating")
                     rt.stop.set()
                     self._start_killer(wid, after)
-                after.append(self._spawn(self._watch, wid))
+                after.now.append(self._spawn(self._watch, wid))
                 continue
             ex = _read_json(wdir / "exit.json")
             if ex is not None and ex.get("pid") == rec.pid:
@@ -401,7 +491,7 @@ class Supervisor:
         cwd: Path | None = None
         try:
             with rt.pre_start:
-                await trio.to_thread.run_sync(lambda: (wdir / "scratch").mkdir(parents=True, exist_ok=True))
+                (wdir / "scratch").mkdir(parents=True, exist_ok=True)  # a few µs: not worth a thread
                 if rec.manifest_id:
                     await self._change(wid, state="fetching")
                     if self._fetcher is None:
@@ -423,14 +513,14 @@ class Supervisor:
             if rec.stop_reason is not None:
                 await self._change(wid, state=_final_state(rec.stop_reason), reason=f"{rec.stop_reason} before start")
                 return
-            await self._change(wid, fetch=fetch, state="starting", pid=None, exit_code=None)
+            rec = await self._change(wid, fetch=fetch, state="starting", pid=None, exit_code=None)
             fetch = None
             for name in ("run.json", "exit.json"):
                 with contextlib.suppress(FileNotFoundError):
                     (wdir / name).rename(wdir / f"{name}.prev")
             cmd = LaunchCommand(dir=str(wdir), argv=list(rec.argv), env=self._env(rec, wdir),
                                 cwd=str(cwd or wdir / "scratch"), log_max_bytes=self.config.log_max_bytes,
-                                log_keep=self.config.log_keep)
+                                log_keep=self.config.log_keep, record=msgspec.to_builtins(rec))
             try:
                 ln = await self.pool.launch(cmd)
             except ShimError as e:

@@ -296,3 +296,29 @@ def test_shim_runs_without_the_package():
     src = Path(__file__).resolve().parent.parent / "agent" / "shim.py"
     r = subprocess.run([sys.executable, "-I", "-S", str(src)], input=b"", capture_output=True, timeout=10)
     assert r.returncode == 0 and json.loads(r.stdout)["ready"] is True
+
+
+async def test_workload_recovered_from_run_json_when_state_lagged(tmp_path):
+    # The agent died right after a launch, before state.json had the record: the shim's
+    # run.json (written before it answered) carries it, so nothing is lost or doubled.
+    sup = make(tmp_path)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            p = placement("p", wid="w", gpus=["GPU-0002"], env={"CODE": "4"})
+            await sup.place(p)
+            pid = (await wait_state(sup, "w", "running")).pid
+            n.cancel_scope.cancel()
+        (tmp_path / "state" / "state.json").write_bytes(msgspec.json.encode(AgentState(node_id="n1")))
+        sup2 = make(tmp_path)
+        async with trio.open_nursery() as n:
+            await n.start(sup2.run)
+            rec = sup2.record("w")
+            assert (rec.state, rec.pid, rec.job_id, rec.gpus) == ("running", pid, "job-p", ["GPU-0002"])
+            assert (await sup2.place(p)).accepted  # a retried placement is the same one, not a second start
+            assert [w.workload_id for w in sup2.workloads()] == ["w"]
+            assert not (await sup2.place(placement("q", wid="q", gpus=["GPU-0002"]))).accepted
+            (scratch(sup2, "w") / "go").touch()
+            st = await sup2.wait_terminal("w")
+            n.cancel_scope.cancel()
+    assert (st.state, st.exit_code) == ("exited", 4)
