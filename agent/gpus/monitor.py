@@ -40,6 +40,7 @@ from .kmsg import boot_time, read_kernel_log, xids_from_lines
 log = logging.getLogger("herd.agent.gpus")
 
 _HISTORY_MAX = 4096
+_HISTORY_BUCKETS = 120          # entries per shortest window
 _RECENT_XIDS_MAX = 1024
 
 
@@ -240,13 +241,24 @@ class GpuMonitor:
 
     def _apply_poll(self, samples: list[GpuSample], host: HostReadings, now: float) -> None:
         keep = max(self.cfg.throttle_window_s, self.cfg.counter_window_s)
+        # History is bucketed so classification stays cheap at any poll rate: one entry per
+        # `step`, holding the bucket's latest counters and the OR of its throttle reasons.
+        step = min(self.cfg.throttle_window_s, self.cfg.counter_window_s) / _HISTORY_BUCKETS
         for s in samples:
             g = self._gpus.get(s.uuid)
             if g is None:
                 continue
             g.sample = s
             if not (s.lost or s.reset_required):
-                g.history.append((now, s.telemetry))
+                tel = s.telemetry
+                if g.history and now - g.history[-1][0] < step:
+                    t0, prev = g.history.pop()
+                    if prev.throttle_reasons and tel.throttle_reasons is not None:
+                        tel = msgspec.structs.replace(tel, throttle_reasons=tel.throttle_reasons
+                                                      | prev.throttle_reasons)
+                    g.history.append((t0, tel))
+                else:
+                    g.history.append((now, tel))
             while g.history and now - g.history[0][0] > keep:
                 g.history.popleft()
         self._host = classify_host(host, self.cfg.host, now)
