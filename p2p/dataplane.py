@@ -252,6 +252,10 @@ class DataPlane:
                 timeout = self.config.head_timeout_s
                 continue
             if isinstance(ev, h11.Request):
+                # h11 bounds only a head still incomplete; one that came whole is measured here
+                head = len(ev.target) + sum(len(k) + len(v) + 4 for k, v in ev.headers)
+                if head > self.config.max_head_bytes:
+                    raise h11.RemoteProtocolError("request head too large", error_status_hint=431)
                 req = ev
                 continue
             if isinstance(ev, h11.Data):
