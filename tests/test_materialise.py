@@ -8,6 +8,8 @@ from pathlib import Path
 
 import blake3
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from manifests import (
     ChunkerParams,
@@ -294,3 +296,50 @@ def test_full_disk_is_an_oserror_and_leaves_nothing(tmp_path: Path, tiny_tmpfs: 
     assert info.value.errno == errno.ENOSPC
     assert os.listdir(tiny_tmpfs / "art") == []
     assert os.statvfs(tiny_tmpfs).f_bfree == os.statvfs(tiny_tmpfs).f_blocks  # every byte given back
+
+
+@st.composite
+def disk_trees(draw) -> list[tuple[str, str, object]]:
+    """(path, kind, payload) in creation order: dirs before their children."""
+    items: list[tuple[str, str, object]] = []
+    dirs = [""]
+    used: set[str] = set()
+    for _ in range(draw(st.integers(0, 12))):
+        parent = draw(st.sampled_from(dirs))
+        name = draw(st.text(alphabet="abç✓-_ .", min_size=1, max_size=5).filter(lambda s: s not in (".", "..")))
+        path = f"{parent}/{name}" if parent else name
+        if path in used:
+            continue
+        used.add(path)
+        kind = draw(st.sampled_from(["file", "file", "file", "dir", "symlink"]))
+        if kind == "dir":
+            dirs.append(path)
+            items.append((path, "dir", None))
+        elif kind == "symlink":
+            items.append((path, "symlink", draw(st.sampled_from(["x", "../" * path.count("/") + "x", "."]))))
+        else:
+            size = draw(st.sampled_from([0, 1, 100, 5000, 70_000, 200_000]))
+            items.append((path, "file", (size, draw(st.integers(0, 3)), draw(st.booleans()))))
+    return items
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(disk_trees())
+def test_random_trees_round_trip(tmp_path_factory, items) -> None:
+    base = tmp_path_factory.mktemp("rt")
+    src = base / "src"
+    src.mkdir()
+    for path, kind, payload in items:
+        p = src / path
+        if kind == "dir":
+            p.mkdir()
+        elif kind == "symlink":
+            os.symlink(payload, p)
+        else:
+            size, seed, exe = payload  # type: ignore[misc]
+            p.write_bytes(blake3.blake3(bytes([seed])).digest(length=size) if size else b"")
+            os.chmod(p, 0o755 if exe else 0o644)
+    res = scan_tree(src, SMALL)
+    store_chunks(res, base / "chunks")
+    dest = materialise(res.manifest, chunk_path=lambda c: base / "chunks" / c, dest=base / "out")
+    assert walk(dest) == walk(src)
