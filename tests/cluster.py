@@ -66,7 +66,7 @@ class LocalCluster:
 
     def __init__(self, root: Path, token_dir: Path, *, n_agents: int = 4, heartbeat_s: float = 0.2,
                  fence_after_s: float = 1.0, profile: str = "simulated:dgx-h100", racks: int = 2,
-                 placer_port: int = 0, extra_placer_config: str = "") -> None:
+                 placer_port: int = 0, extra_placer_config: str = "", recover_s: float | None = None) -> None:
         self.root = Path(root)
         self.token_dir = Path(token_dir)
         self.n_agents = n_agents
@@ -76,6 +76,7 @@ class LocalCluster:
         self.racks = racks
         self.placer_port = placer_port
         self.extra = extra_placer_config
+        self.recover_s = max(3 * heartbeat_s, 0.5) if recover_s is None else recover_s
         self.placer: Proc | None = None
         self.agents: dict[str, Proc] = {}
 
@@ -100,7 +101,7 @@ class LocalCluster:
         conf.write_text(
             "[placer]\n"
             f"heartbeat_s = {self.heartbeat_s}\nfence_after_s = {self.fence_after_s}\n"
-            f"recover_s = {max(3 * self.heartbeat_s, 0.5)}\nack_timeout_s = 2.0\ntick_s = 0.05\n" + self.extra)
+            f"recover_s = {self.recover_s}\nack_timeout_s = 2.0\ntick_s = 0.05\n" + self.extra)
         p = self._spawn("placer", ["placer", "run", "--listen", f"127.0.0.1:{self.placer_port}",
                                    "--token-dir", str(self.token_dir), "--state-dir", str(sd),
                                    "--config", str(conf)], sd)
