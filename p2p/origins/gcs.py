@@ -1,12 +1,10 @@
 """``gs://bucket/prefix`` origin over the GCS JSON API (httpx).
 
 ``STORAGE_EMULATOR_HOST`` (``host:port`` or a URL) points it at an emulator and
-switches authentication off. Otherwise credentials come from google-auth's
-application-default chain (a service-account key file named by
-GOOGLE_APPLICATION_CREDENTIALS, or the GCE metadata server), obtained lazily on
-the first request that really talks to GCS, and refreshed when they expire or
-a 401 says so. google-auth is synchronous: its token exchange runs in a thread
-through a small httpx-backed transport.
+switches authentication off. Otherwise credentials come from a service-account
+key file named by GOOGLE_APPLICATION_CREDENTIALS (google-auth signs the JWT), or
+from the GCE metadata server, obtained lazily on the first request that really
+talks to GCS, and refreshed before they expire or when a 401 says so.
 
 GCS has no bulk "exists": ``missing`` lists the ``chunks/`` prefix (paged) when
 asked about many ids, or sends bounded concurrent metadata GETs for a few.
@@ -16,9 +14,11 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 from urllib.parse import quote
 
+import httpx
 import trio
 
 from ..errors import NotFoundError, OriginError
@@ -30,6 +30,7 @@ log = logging.getLogger("herd.p2p.origin.gcs")
 
 GCS_BASE = "https://storage.googleapis.com"
 SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
+METADATA_HOST = "metadata.google.internal"
 LIST_THRESHOLD = 64  # above this many ids, list the prefix instead of one GET each
 
 
@@ -41,17 +42,25 @@ def emulator_base() -> str | None:
 
 
 class _GoogleAuth:
-    """Lazily obtained, refreshed-on-demand application-default credentials."""
+    """Lazily obtained, refreshed-on-demand credentials.
+
+    - ``GOOGLE_APPLICATION_CREDENTIALS`` names a service-account key file: google-auth signs
+      the JWT and exchanges it at the key's ``token_uri`` (through an httpx transport, in a
+      thread: google-auth is synchronous).
+    - Otherwise the GCE metadata server (``GCE_METADATA_HOST`` overrides its address) hands out
+      the instance's service-account token; asked directly over httpx.
+    """
 
     def __init__(self) -> None:
-        self._creds: Any = None
+        self._token: str | None = None
+        self._expires = 0.0
+        self._sa_creds: Any = None
         self._lock = trio.Lock()
 
     @staticmethod
     def _transport() -> Any:
         import google.auth.exceptions
         import google.auth.transport
-        import httpx
 
         class _Response(google.auth.transport.Response):
             def __init__(self, r: httpx.Response) -> None:
@@ -80,30 +89,59 @@ class _GoogleAuth:
 
         return _Request()
 
-    def _refresh_sync(self) -> Any:
-        import google.auth
+    def _service_account_sync(self, path: str) -> tuple[str, float]:
         import google.auth.exceptions
+        from google.oauth2 import service_account
 
         try:
-            request = self._transport()
-            creds = self._creds
-            if creds is None:
-                creds, _ = google.auth.default(scopes=[SCOPE], request=request)
-            creds.refresh(request)
-            return creds
+            if self._sa_creds is None:
+                self._sa_creds = service_account.Credentials.from_service_account_file(path, scopes=[SCOPE])
+            self._sa_creds.refresh(self._transport())
+        except (OSError, ValueError) as e:
+            raise OriginError(f"cannot use service-account key {path}: {e}") from None
         except google.auth.exceptions.GoogleAuthError as e:
-            raise OriginError(f"no usable GCS credentials (metadata server or service-account key): {e}") from None
+            raise OriginError(f"service-account token exchange failed ({path}): {e}") from None
+        exp = self._sa_creds.expiry
+        ttl = (exp.timestamp() - time.time()) if exp is not None else 3000.0
+        return str(self._sa_creds.token), ttl
+
+    async def _metadata_token(self) -> tuple[str, float]:
+        host = os.environ.get("GCE_METADATA_HOST") or os.environ.get("GCE_METADATA_ROOT") or METADATA_HOST
+        url = f"http://{host}/computeMetadata/v1/instance/service-accounts/default/token"
+        try:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(10, connect=3)) as c:
+                r = await c.get(url, params={"scopes": SCOPE}, headers={"Metadata-Flavor": "Google"})
+        except httpx.HTTPError as e:
+            raise OriginError("no GCS credentials: GOOGLE_APPLICATION_CREDENTIALS is not set and the GCE "
+                              f"metadata server at {host} is unreachable ({type(e).__name__})") from None
+        if r.status_code != 200:
+            raise OriginError(f"GCE metadata server refused a token: HTTP {r.status_code}")
+        try:
+            body = r.json()
+            return str(body["access_token"]), float(body.get("expires_in", 300))
+        except (ValueError, KeyError, TypeError):
+            raise OriginError("GCE metadata server sent a malformed token answer") from None
 
     async def headers(self, force: bool) -> dict[str, str]:
         async with self._lock:
-            if force or self._creds is None or not self._creds.valid:
-                self._creds = await trio.to_thread.run_sync(self._refresh_sync)
-            return {"authorization": f"Bearer {self._creds.token}"}
+            if force or self._token is None or trio.current_time() >= self._expires:
+                keyfile = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
+                if keyfile:
+                    token, ttl = await trio.to_thread.run_sync(self._service_account_sync, keyfile)
+                else:
+                    token, ttl = await self._metadata_token()
+                self._token = token
+                self._expires = trio.current_time() + max(0.0, ttl - 60.0)  # refresh a minute early
+                log.info("gcs credentials obtained source=%s ttl_s=%.0f",
+                         "service-account" if keyfile else "metadata", ttl)
+            return {"authorization": f"Bearer {self._token}"}
 
 
 class GCSOrigin(Origin):
     def __init__(self, bucket: str, prefix: str = "", *, base_url: str | None = None,
-                 max_concurrency: int = 32, retries: int = 5) -> None:
+                 max_concurrency: int = 32, retries: int = 5, authenticate: bool | None = None) -> None:
+        """``authenticate``: None = only when talking to real GCS (not an emulator or an
+        explicit ``base_url``); True/False forces it."""
         if not bucket:
             raise OriginError("gs:// URL needs a bucket name")
         prefix = prefix.strip("/")
@@ -112,7 +150,9 @@ class GCSOrigin(Origin):
         self.prefix = f"{prefix}/" if prefix else ""
         emu = emulator_base()
         self.base = (base_url or emu or GCS_BASE).rstrip("/")
-        self.auth = None if (emu or base_url) else _GoogleAuth()
+        if authenticate is None:
+            authenticate = not (emu or base_url)
+        self.auth = _GoogleAuth() if authenticate else None
         self.http = RetryingClient(what=f"origin {self.url}", max_concurrency=max_concurrency, retries=retries,
                                    auth_headers=self.auth.headers if self.auth else None)
 
