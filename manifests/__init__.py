@@ -4,8 +4,9 @@ Pure library (no trio, no network). Public API:
 
 - chunking: ``ChunkerParams``, ``ChunkRef``, ``chunk_file``, ``chunk_buffer``
 - model: ``Manifest`` (``.id``, ``.entries``, ``.chunks``), ``Entry``, ``Chunk``, ``ManifestBuilder``,
-  ``validate_manifest``, limits (``MAX_*``), ``MANIFEST_VERSION``
+  limits (``MAX_*``), ``MANIFEST_VERSION``
 - codec: ``encode_manifest``, ``decode_manifest``, ``manifest_id``, ``to_json_view``
+- validate: ``validate_manifest``
 - scan: ``scan_tree`` -> ``ScanResult(.manifest, .sources)``, ``ChunkSource``
 - plan: ``plan`` -> ``Plan``, ``LinkOp``; ``diff`` -> ``Diff``
 - materialise: ``materialise``, ``MaterialiseStats``, ``remove_partials``, ``is_partial``
@@ -27,10 +28,10 @@ from .model import (
     Entry,
     Manifest,
     ManifestBuilder,
-    validate_manifest,
 )
 from .plan import Diff, LinkOp, Plan, diff, plan
 from .scan import ChunkSource, ScanResult, scan_tree
+from .validate import validate_manifest
 
 __all__ = [
     "MANIFEST_VERSION",

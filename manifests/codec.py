@@ -21,7 +21,8 @@ import blake3
 import msgspec
 
 from .errors import IntegrityError, ManifestError
-from .model import MANIFEST_VERSION, MAX_MANIFEST_BYTES, Manifest, validate_manifest
+from .model import MANIFEST_VERSION, MAX_MANIFEST_BYTES, Manifest
+from .validate import validate_manifest
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Manifest)

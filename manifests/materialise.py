@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ChunkMissing, IntegrityError, ManifestError
-from .model import Entry, Manifest, validate_manifest
+from .model import Entry, Manifest
 from .plan import file_key, link_index
+from .validate import validate_manifest
 
 log = logging.getLogger("herd.manifests.materialise")
 
