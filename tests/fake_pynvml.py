@@ -190,6 +190,11 @@ class FakeNvml:
         assert g is not None
         return g.numa
 
+    def nvmlDeviceGetMemoryAffinity(self, h: FakeHandle, words: int, scope: int) -> list[int]:
+        g = self._check("nvmlDeviceGetMemoryAffinity", h)
+        assert g is not None
+        return [1 << g.numa] + [0] * (words - 1)
+
     def nvmlDeviceGetCpuAffinity(self, h: FakeHandle, words: int) -> list[int]:
         g = self._check("nvmlDeviceGetCpuAffinity", h)
         assert g is not None

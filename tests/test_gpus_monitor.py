@@ -148,3 +148,34 @@ async def test_slow_discovery_is_bounded():
     with trio.fail_after(5):
         with pytest.raises(GpuBackendError, match="discovery .* took longer than 0.1s"):
             await mon.run()
+
+
+async def test_kernel_log_back_fill_reaches_the_first_snapshot(monkeypatch):
+    """The kernel log is an external source: a fake reader hands the monitor two lines."""
+    import agent.gpus.monitor as m
+
+    lines = ["4,10,5000000,-;NVRM: Xid (PCI:0000:2a:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off",
+             "[   7.000000] NVRM: Xid (PCI:0000:18:00): 13, pid=1, name=python, Graphics Exception"]
+    monkeypatch.setattr(m, "read_kernel_log", lambda: lines)
+    import time
+    booted = time.time() - 60.0
+    monkeypatch.setattr(m, "boot_time", lambda: booted)
+    mon = GpuMonitor(open_backend("simulated:dgx-h100", hostname="k"), poll_interval_s=0.05, event_wait_ms=50)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            snap = await n.start(mon.run)
+            assert snap.gpus[1].health == "fatal" and snap.gpus[1].reasons[0].code == "xid:79"
+            assert snap.gpus[1].reasons[0].since == booted + 5.0
+            assert snap.gpus[0].health == "healthy" and snap.gpus[0].reasons[0].severity == "application"
+            assert mon.statistics()["kmsg_xids"] == 2
+            n.cancel_scope.cancel()
+
+
+def test_the_real_kernel_log_reader_is_bounded_and_best_effort():
+    import time
+
+    from agent.gpus.kmsg import read_kernel_log
+    t0 = time.monotonic()
+    lines = read_kernel_log(max_records=1000, timeout_s=1.0)
+    assert time.monotonic() - t0 < 5.0
+    assert isinstance(lines, list) and all("NVRM" in ln for ln in lines)

@@ -145,6 +145,22 @@ def test_event_wait_times_out_empty_then_delivers_xids():
     assert [e.kind for e in b.wait_events(50)] == ["gpu_unavailable"]
 
 
+def test_old_driver_numa_from_memory_affinity_and_event_wait_errors_are_contained():
+    f = h100_node(8)
+    for g in f.gpus:
+        g.missing.add("nvmlDeviceGetNumaNodeId")
+    b = nvml(f)
+    d = b.discover()
+    assert [g.numa_node for g in d.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+    def broken(es, ms):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+
+    f.nvmlEventSetWait = broken  # type: ignore[method-assign]
+    assert b.wait_events(10) == [] and b.wait_events(10) == []
+    assert b.event_wait_errors == 2
+
+
 def test_no_event_set_means_polls_only():
     f = h100_node(1)
     f.no_events = True

@@ -95,8 +95,10 @@ def _read_kmsg(max_records: int, deadline: float) -> list[str] | None:
         log.info("kernel log: /dev/kmsg not readable (%s)", e.strerror)
         return None
     out: list[str] = []
+    scanned = 0
     try:
-        while len(out) < max_records and time.monotonic() < deadline:
+        while len(out) < max_records and scanned < 4 * max_records and time.monotonic() < deadline:
+            scanned += 1
             try:
                 rec = os.read(fd, 8192)
             except BlockingIOError:

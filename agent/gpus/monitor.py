@@ -94,7 +94,8 @@ class GpuMonitor:
         self._poll_ms: deque[float] = deque(maxlen=512)
         self._stats: dict[str, int] = {"polls": 0, "poll_timeouts": 0, "poll_errors": 0, "events": 0,
                                        "xids": 0, "kmsg_xids": 0, "unattributed_events": 0, "injected": 0,
-                                       "health_changes": 0, "published": 0, "dropped": 0}
+                                       "health_changes": 0, "published": 0, "dropped": 0,
+                                       "event_errors": 0, "signal_errors": 0}
 
     # ------------------------------------------------------------ public API
 
@@ -127,6 +128,8 @@ class GpuMonitor:
             "poll_ms_p50": round(stats.median(ms), 3) if ms else None,
             "poll_ms_max": round(max(ms), 3) if ms else None,
             "subscribers": len(self._subscribers),
+            "signals_failing": {u: g.sample.failed_signals for u, g in self._gpus.items()
+                                if g.sample is not None and g.sample.failed_signals},
             "health": {s: sum(1 for g in self._gpus.values() if g.health == s)
                        for s in ("healthy", "degraded", "fatal")},
         }
@@ -218,8 +221,14 @@ class GpuMonitor:
         while True:
             # Not abandoned on cancel: the wait is short, and the backend must not be
             # closed under a thread still waiting on its event set.
-            evs = await trio.to_thread.run_sync(self.backend.wait_events, self.event_wait_ms,
-                                                limiter=self._event_limiter)
+            try:
+                evs = await trio.to_thread.run_sync(self.backend.wait_events, self.event_wait_ms,
+                                                    limiter=self._event_limiter)
+            except Exception:  # a backend bug must not take the agent down: polls still run
+                self._stats["event_errors"] += 1
+                log.exception("gpu event wait failed backend=%s", self.backend.spec)
+                await trio.sleep(max(0.1, self.event_wait_ms / 1000.0))
+                continue
             if evs:
                 await self._obs_send.send(("events", evs, None, self._clock()))
 
@@ -249,6 +258,8 @@ class GpuMonitor:
             if g is None:
                 continue
             g.sample = s
+            if s.failed_signals:
+                self._stats["signal_errors"] += len(s.failed_signals)
             if not (s.lost or s.reset_required):
                 tel = s.telemetry
                 if g.history and now - g.history[-1][0] < step:

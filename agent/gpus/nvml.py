@@ -108,6 +108,8 @@ class NvmlBackend(GpuBackend):
         self._gpus: list[_Gpu] = []
         self._by_handle: dict[int, str] = {}
         self._event_set: Any = None
+        self._last_wait_error: int | None = None
+        self.event_wait_errors = 0
         self._closed = False
         try:
             self._nvml.nvmlInit()
@@ -193,6 +195,11 @@ class NvmlBackend(GpuBackend):
         minor = s(None, "minor", n.nvmlDeviceGetMinorNumber, h)
         numa = s(None, "numa", n.nvmlDeviceGetNumaNodeId, h) if hasattr(n, "nvmlDeviceGetNumaNodeId") else None
         words = max(16, ((os.cpu_count() or 64) + 63) // 64)   # >= 1024 CPUs; more words are harmless
+        if numa is None and hasattr(n, "nvmlDeviceGetMemoryAffinity"):
+            # Older drivers: the NUMA node(s) nearest the GPU as a node bitmask (scope 0 = NUMA node).
+            nodes = s(None, "memory_affinity", n.nvmlDeviceGetMemoryAffinity, h, 4, 0)
+            bits = [w * 64 + b for w, word in enumerate(nodes or []) for b in range(64) if (int(word) >> b) & 1]
+            numa = bits[0] if bits else None
         aff = s(None, "cpu_affinity", n.nvmlDeviceGetCpuAffinity, h, words)
         mig = s(None, "mig", n.nvmlDeviceGetMigMode, h)
         slow = s(None, "temp_slowdown", n.nvmlDeviceGetTemperatureThreshold, h, 1)
@@ -312,9 +319,13 @@ class NvmlBackend(GpuBackend):
                 data = n.nvmlEventSetWait(self._event_set, wait)
             except pynvml.NVMLError as e:
                 if _code(e) != E_TIMEOUT and not out:
-                    log.warning("nvml event wait failed: %s", type(e).__name__)
+                    if _code(e) != self._last_wait_error:    # log each new failure once, not every wait
+                        log.warning("nvml event wait failed: %s", type(e).__name__)
+                    self._last_wait_error = _code(e)
+                    self.event_wait_errors += 1
                     time.sleep(max(0, timeout_ms) / 1000.0)
                 break
+            self._last_wait_error = None
             ev = self._event(data)
             if ev is not None:
                 out.append(ev)
