@@ -126,4 +126,63 @@ async def test_artifact_placement_runs_in_read_only_tree(tmp_path, token_dir):
                 st = (await c.get("/v1/status")).json()
                 assert st["store"]["complete_manifests"] == 1 and st["data_url"].startswith("http://127.0.0.1:")
                 assert 'herd_fetch_bytes_total{node="n1",source="origin"}' in (await c.get("/metrics")).text
+            # the CLI resolves a ref against the origin before it places
+            env = {**os.environ, "HERD_AGENT": url, "HERD_TOKEN_DIR": str(token_dir)}
+            rc, out, err = await herd("agent", "place", "--gpus", "1", "--artifact", "demo:v1", "--origin", origin_url,
+                                      "--json", "--", "./bin/run.sh", env=env)
+            assert rc == 0, err
+            placed = json.loads(out)
+            assert placed["manifest_id"] == pub.manifest
+            st = await agent.supervisor.wait_terminal(placed["workload"])
+            assert (st.state, st.exit_code) == ("exited", 0)
+            rc, out, err = await herd("agent", "place", "--gpus", "1", "--artifact", "nope:v9", "--origin", origin_url,
+                                      "--", "true", env=env)
+            assert rc == 1 and len(err.strip().splitlines()) == 1, err
+            n.cancel_scope.cancel()
+
+
+async def test_scheduler_link_reports_and_fencing_stops(tmp_path, token_dir):
+    """With --placer the agent registers (full report), reports events at once, and
+    stops the workloads a placer reply names (fencing)."""
+    from scheduler_link.http import App, json_response, serve
+    from scheduler_link.messages import NodeReport, ReportReply, TopologyPath, Victim
+
+    reports: list[NodeReport] = []
+    stop_next: list[Victim] = []
+    placer = App()
+
+    @placer.route("POST", "/v1/nodes/{node}/report")
+    async def report(req):
+        reports.append(req.decode(NodeReport))
+        stops, stop_next[:] = list(stop_next), []
+        return json_response(ReportReply(stop=stops))
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as n:
+            placer_url = await n.start(serve, placer, "127.0.0.1:0")
+            cfg = AgentConfig(node_id="n9", gpus="simulated:dgx-h100", state_dir=str(tmp_path / "state"),
+                              listen="127.0.0.1:0", data_listen="127.0.0.1:0", token_dir=str(token_dir),
+                              placer=placer_url, heartbeat_s=0.2,
+                              topology=TopologyPath(zone="z1", block="b1", rack="r1"),
+                              workloads=SupervisorConfig(shim_pool=1))
+            agent = Agent(cfg, env={"PATH": os.environ["PATH"]}, handle_signals=False)
+            url = await n.start(agent.run)
+            with trio.fail_after(10):
+                while not reports:
+                    await trio.sleep(0.02)
+            first = reports[0]
+            assert first.full and first.node_id == "n9" and first.control_url == url
+            assert first.data_url == agent.data_url and first.data_url.startswith("http://")
+            assert (first.topology.zone, first.topology.rack) == ("z1", "r1")
+            assert first.snapshot is not None and len(first.snapshot.gpus) == 8 and first.snapshot.simulated
+            gpu = first.snapshot.gpus[0].uuid
+            p = Placement(placement_id="p1", job_id="j", argv=["sleep", "30"], grace_s=5,
+                          pods=[PodAssignment(workload_id="w", rank=0, gpus=[gpu])])
+            assert (await agent.supervisor.place(p)).accepted
+            with trio.fail_after(10):
+                while not any(e.workload_id == "w" and e.state == "running" for r in reports for e in r.events):
+                    await trio.sleep(0.02)
+            stop_next.append(Victim(workload_id="w", grace_s=1, reason="fenced"))
+            st = await agent.supervisor.wait_terminal("w")
+            assert (st.state, st.reason) == ("exited", "fenced")
             n.cancel_scope.cancel()
