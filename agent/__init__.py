@@ -1,0 +1,15 @@
+"""The herd node agent.
+
+What others may use (import from the modules; this package init stays import-free so
+``agent.gpus`` and the shim load fast)::
+
+    agent.config.load_config(path, overrides) -> AgentConfig      # TOML + flags, frozen
+    agent.daemon.Agent(config).run(task_status)                   # the daemon; started(control_url)
+    agent.daemon.run_agent(config)                                # blocking entry point
+    agent.supervisor.Supervisor(state_dir, node_id=, gpu_health=) # workloads: place/stop/workloads()
+    agent.placement.check_placement(placement, records, gpu_health) -> reason | None   # pure
+    agent.api.build_app(agent) -> scheduler_link.http.App
+    agent.sdnotify.Notifier                                        # sd_notify socket protocol
+    agent.errors: AgentError, ConfigError, PlacementRefused, UnknownWorkload, ShimError, StateError
+    agent.gpus: GPU discovery and health (see its own __init__)
+"""
