@@ -231,3 +231,51 @@ def test_real_full_disk(tiny_tmpfs: Path) -> None:
     assert s2.verify().ok
     for cid, data in stored:
         assert s2.read_chunk(cid) == data
+
+
+def _tree_manifest(store: ChunkStore, files: dict[str, list[tuple[str, bytes]]]) -> str:
+    b = ManifestBuilder()
+    b.add_dir("d")
+    for name, chunks in files.items():
+        b.add_file(name, 0o644, [(cid, len(d)) for cid, d in chunks])
+        for c in chunks:
+            store.put_chunk(*c)
+    m = b.build()
+    store.put_manifest(m.id, encode_manifest(m))
+    store.mark_complete(m.id)
+    return m.id
+
+
+def test_materialise_links_upgrade_and_remove(tmp_path: Path) -> None:
+    s = ChunkStore(tmp_path / "s", quota_bytes=100_000, high_watermark=0.5, low_watermark=0.1)
+    shared = [chunk(1, 5000), chunk(2, 5000)]
+    v1 = _tree_manifest(s, {"d/a": shared, "d/b": [chunk(3, 5000)]})
+    t1 = s.materialise(v1)
+    assert (t1 / "d" / "a").read_bytes() == shared[0][1] + shared[1][1]
+    assert s.materialise(v1) == t1  # once
+    v2 = _tree_manifest(s, {"d/renamed": shared, "d/c": [chunk(4, 5000)]})
+    t2 = s.materialise(v2)
+    assert os.stat(t2 / "d" / "renamed").st_ino == os.stat(t1 / "d" / "a").st_ino  # linked, not copied
+    assert s.pinned() == sorted([v1, v2])
+    # Materialised trees protect their chunks; after removal they are evictable.
+    s.pin(v1)
+    with pytest.raises(StoreError, match="pinned"):
+        s.remove_artifact(v1)
+    s.unpin(v1)
+    assert s.remove_artifact(v1) and not t1.exists()
+    assert (t2 / "d" / "renamed").read_bytes() == shared[0][1] + shared[1][1]
+    assert s.evict(0) == 5000  # only d/b's chunk was unprotected
+    assert not s.has_chunk(chunk(3)[0]) and s.has_chunk(shared[0][0])
+    assert os.listdir(tmp_path / "s" / "tmp") == []
+
+
+def test_materialise_on_full_disk(tiny_tmpfs: Path) -> None:
+    s = ChunkStore(tiny_tmpfs / "s")
+    big = [chunk(i, 100_000) for i in range(2)]
+    mid = _tree_manifest(s, {f"d/f{i}": big for i in range(4)})  # 200 KB of chunks, 800 KB of tree
+    with pytest.raises(StoreFullError, match="disk full"):
+        s.materialise(mid)
+    assert os.listdir(tiny_tmpfs / "s" / "artifacts") == []
+    assert os.listdir(tiny_tmpfs / "s" / "tmp") == []
+    assert not s.is_materialised(mid)
+    assert s.verify().ok
