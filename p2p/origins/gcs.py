@@ -138,6 +138,9 @@ class _GoogleAuth:
 
 
 class GCSOrigin(Origin):
+    list_page = 1000  # objects per list page (the API's maximum)
+    list_budget_factor = 2  # pages listed per page's worth of ids asked about (plus two)
+
     def __init__(self, bucket: str, prefix: str = "", *, base_url: str | None = None,
                  max_concurrency: int = 32, retries: int = 5, authenticate: bool | None = None) -> None:
         """``authenticate``: None = only when talking to real GCS (not an emulator or an
@@ -187,13 +190,16 @@ class GCSOrigin(Origin):
             return False
         raise OriginError(f"origin {self.url}: metadata {key}: {describe_status(resp)}")
 
-    async def _list(self, prefix: str) -> set[str]:
+    async def _list(self, prefix: str, max_pages: int) -> tuple[set[str], str | None]:
+        """Names under ``prefix`` in lexicographic order, at most ``max_pages`` pages.
+        Returns (names, None) when the listing is complete, else (names, last name listed)."""
         url = f"{self.base}/storage/v1/b/{quote(self.bucket, safe='')}/o"
         full = self.prefix + prefix
         names: set[str] = set()
         token: str | None = None
-        while True:
-            params = {"prefix": full, "maxResults": "1000"}
+        last = ""
+        for _ in range(max_pages):
+            params = {"prefix": full, "maxResults": str(self.list_page), "fields": "items(name),nextPageToken"}
             if token:
                 params["pageToken"] = token
             resp = await self.http.request("GET", url, params=params)
@@ -207,23 +213,31 @@ class GCSOrigin(Origin):
                 raise OriginError(f"origin {self.url}: list {prefix}: not JSON") from None
             for item in body.get("items", []) or []:
                 name = str(item.get("name", ""))[len(full):]
+                last = max(last, name)
                 if HEX64.match(name):
                     names.add(name)
             token = body.get("nextPageToken")
             if not token:
-                return names
+                return names, None
+        return names, last
 
     async def _exists_many(self, prefix: str, names: set[str]) -> set[str]:
+        """List the prefix when asked about many ids, but only for about two pages per
+        thousand ids asked: a bucket far larger than the question is not listed whole;
+        ids beyond what was listed are checked one by one (bounded concurrency)."""
+        found: set[str] = set()
+        unknown = names
         if len(names) > LIST_THRESHOLD:
-            found = await self._list(prefix) & names
-        else:
-            found = set()
+            budget = 2 + self.list_budget_factor * len(names) // self.list_page
+            listed, last = await self._list(prefix, max_pages=budget)
+            found = listed & names
+            unknown = set() if last is None else {n for n in names if n > last}
 
-            async def one(n: str) -> None:
-                if await self._exists_one(prefix + n):
-                    found.add(n)
+        async def one(n: str) -> None:
+            if await self._exists_one(prefix + n):
+                found.add(n)
 
-            await run_pool(sorted(names), one, int(self.http.limiter.total_tokens))
+        await run_pool(sorted(unknown), one, int(self.http.limiter.total_tokens))
         self._sync_retries()
         return found
 
