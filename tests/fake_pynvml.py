@@ -309,6 +309,12 @@ class FakeNvml:
         assert g is not None
         return g.throttle
 
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h: FakeHandle) -> int:
+        """The pre-535 spelling of the same call."""
+        g = self._check("nvmlDeviceGetCurrentClocksThrottleReasons", h)
+        assert g is not None
+        return g.throttle
+
     def nvmlDeviceGetViolationStatus(self, h: FakeHandle, policy: int) -> SimpleNamespace:
         self._check("nvmlDeviceGetViolationStatus", h)
         return SimpleNamespace(referenceTime=0, violationTime=0)

@@ -123,7 +123,7 @@ def test_lost_gpus_at_discovery_are_skipped_and_all_lost_is_an_error():
     f = h100_node(3)
     f.gpus[1].lost = True
     d = nvml(f).discover()
-    assert [g.index for g in d.gpus] == [0, 2]
+    assert [g.index for g in d.gpus] == [0, 2] and d.unanswered == ["index 1: lost"]
     f2 = h100_node(1)
     f2.gpus[0].lost = True
     with pytest.raises(GpuBackendError, match="none of the 1 GPUs"):
@@ -227,3 +227,30 @@ async def test_monitor_over_nvml_xid_event_lost_gpu_and_recovery():
             assert snap.gpus[1].health == "fatal"     # XID 79 is still there
             n.cancel_scope.cancel()
     assert f.event_sets == [] and not f.initialized      # closed after the event thread stopped
+
+
+async def test_a_gpu_missing_at_start_shows_in_host_health():
+    f = h100_node(4)
+    f.gpus[3].reset_required = True
+    mon = GpuMonitor(nvml(f), poll_interval_s=0.05, health_config=HealthConfig(expected_gpus=4),
+                     kernel_log=False, event_wait_ms=20)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            snap = await n.start(mon.run)
+            assert len(snap.gpus) == 3 and snap.host.state == "fatal"
+            assert {(r.code, r.severity) for r in snap.host.reasons} >= {
+                ("gpu_unanswered", "degraded"), ("gpu_count_mismatch", "fatal")}
+            n.cancel_scope.cancel()
+
+
+def test_old_driver_spellings_fall_back():
+    f = h100_node(1)
+    f.gpus[0].missing.add("nvmlDeviceGetCurrentClocksEventReasons")   # driver < 535
+    f.gpus[0].throttle = 0x40
+    b = nvml(f)
+    b.discover()
+    s = b.poll()[0]
+    assert s.telemetry.throttle_reasons == 0x40 and s.failed_signals == []
+    f.gpus[0].missing.add("nvmlDeviceGetCurrentClocksThrottleReasons")
+    s = b.poll()[0]
+    assert s.telemetry.throttle_reasons is None and s.failed_signals == []

@@ -42,6 +42,7 @@ class Discovery(msgspec.Struct, frozen=True, kw_only=True):
     gpus: list[GpuInfo] = []                 # static fields only; health is filled by the monitor
     topology_matrix: list[list[str]] = []
     nvlink_domain: str | None = None
+    unanswered: list[str] = []               # GPUs counted but not usable at discovery ("index 3: lost")
 
 
 class GpuSample(msgspec.Struct, frozen=True, kw_only=True):

@@ -101,6 +101,7 @@ class HealthConfig(msgspec.Struct, frozen=True, kw_only=True):
     pcie_replay_growth_max: int = 100
     temp_slowdown_c: float | None = None     # override the GPU's own thresholds
     temp_shutdown_c: float | None = None
+    expected_gpus: int | None = None         # fewer GPUs discovered than this -> host fatal (fallen off the bus)
     host: HostHealthConfig = HostHealthConfig()
 
     def __post_init__(self) -> None:
@@ -250,6 +251,17 @@ def classify_gpu(obs: GpuObservation, cfg: HealthConfig, now: float,
             f"driver recommends recovery action {name}")
 
     return finish(out, prev)
+
+
+def classify_inventory(found: int, unanswered: Sequence[str], expected: int | None,
+                       now: float) -> list[HealthReason]:
+    """Host-level reasons about the GPU inventory itself (pure)."""
+    out = [HealthReason(code="gpu_unanswered", severity="degraded", gpu=None, since=now,
+                        detail=f"GPU {u} at discovery") for u in unanswered]
+    if expected is not None and found < expected:
+        out.append(HealthReason(code="gpu_count_mismatch", severity="fatal", gpu=None, since=now,
+                                detail=f"{found} GPUs usable, {expected} expected"))
+    return out
 
 
 def finish(reasons: list[HealthReason], prev: Iterable[HealthReason] = ()) -> tuple[HealthState, list[HealthReason]]:

@@ -31,7 +31,17 @@ import trio
 from scheduler_link.messages import GpuInfo, GpuSnapshot, HostHealth
 
 from .backend import Discovery, GpuBackend, GpuSample, RawEvent
-from .classify import GpuObservation, HealthConfig, XidEvent, classify_gpu, reasons_key, xid_class
+from .classify import (
+    SEVERITY_RANK,
+    STATE_OF_RANK,
+    GpuObservation,
+    HealthConfig,
+    XidEvent,
+    classify_gpu,
+    classify_inventory,
+    reasons_key,
+    xid_class,
+)
 from .errors import FaultError, GpuBackendError
 from .faults import Fault
 from .host import HostReadings, classify_host, read_host
@@ -273,6 +283,12 @@ class GpuMonitor:
             while g.history and now - g.history[0][0] > keep:
                 g.history.popleft()
         self._host = classify_host(host, self.cfg.host, now)
+        if self._discovery is not None:
+            inv = classify_inventory(len(self._gpus), self._discovery.unanswered, self.cfg.expected_gpus, now)
+            if inv:
+                reasons = [*self._host.reasons, *inv]
+                state = STATE_OF_RANK[max(SEVERITY_RANK[r.severity] for r in reasons)]
+                self._host = msgspec.structs.replace(self._host, reasons=reasons, state=state)
         prev = {(r.code, r.severity): r.since for r in self._snapshot.host.reasons}
         if prev:
             self._host = msgspec.structs.replace(self._host, reasons=[

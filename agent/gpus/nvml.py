@@ -133,6 +133,25 @@ class NvmlBackend(GpuBackend):
                 failed.append(f"{name}:{type(e).__name__}")
             return None
 
+    def _first(self, failed: list[str] | None, name: str, fns: tuple[str, ...], *args: Any) -> Any:
+        """The first of several spellings the driver has (newer first); FunctionNotFound -> next."""
+        for fn_name in fns:
+            fn = getattr(self._nvml, fn_name, None)
+            if fn is None:
+                continue
+            try:
+                return fn(*args)
+            except pynvml.NVMLError as e:
+                c = _code(e)
+                if c in (E_GPU_IS_LOST, E_RESET_REQUIRED):
+                    raise _GpuGone(c) from None
+                if c == E_FUNCTION_NOT_FOUND:
+                    continue
+                if c != E_NOT_SUPPORTED and failed is not None:
+                    failed.append(f"{name}:{type(e).__name__}")
+                return None
+        return None
+
     def _fn(self, *names: str) -> Callable[..., Any] | None:
         for n in names:
             f = getattr(self._nvml, n, None)
@@ -155,14 +174,20 @@ class NvmlBackend(GpuBackend):
             raise GpuBackendError(unavailable_message("NVML sees no GPUs on this host"))
         infos: list[GpuInfo] = []
         gpus: list[_Gpu] = []
+        unanswered: list[str] = []
         for i in range(count):
             try:
                 info, g = self._discover_one(i)
             except _GpuGone as e:
-                log.warning("gpu index=%d skipped at discovery: %s", i, "lost" if e.lost else "reset required")
+                why = "lost" if e.lost else "reset required"
+                log.warning("gpu index=%d skipped at discovery: %s", i, why)
+                unanswered.append(f"index {i}: {why}")
                 continue
             except pynvml.NVMLError as e:
-                log.warning("gpu index=%d skipped at discovery: %s", i, type(e).__name__)
+                why = {E_GPU_IS_LOST: "lost", E_RESET_REQUIRED: "reset required"}.get(_code(e) or 0,
+                                                                                   type(e).__name__)
+                log.warning("gpu index=%d skipped at discovery: %s", i, why)
+                unanswered.append(f"index {i}: {why}")
                 continue
             infos.append(info)
             gpus.append(g)
@@ -180,7 +205,7 @@ class NvmlBackend(GpuBackend):
                 log.warning("gpus report %d NVLink fabric domains; reporting %s", len(domains), domain)
         self._open_events()
         return Discovery(backend=self.spec, simulated=False, driver_version=driver, cuda_version=cuda,
-                         gpus=infos, topology_matrix=matrix, nvlink_domain=domain)
+                         gpus=infos, topology_matrix=matrix, nvlink_domain=domain, unanswered=unanswered)
 
     def _discover_one(self, i: int) -> tuple[GpuInfo, _Gpu]:
         n = self._nvml
@@ -364,7 +389,7 @@ class NvmlBackend(GpuBackend):
         n = self._nvml
         h = g.handle
         s = self._soft
-        temp = s(failed, "temperature", n.nvmlDeviceGetTemperature, h, 0)
+        temp = self._first(failed, "temperature", ("nvmlDeviceGetTemperature", "nvmlDeviceGetTemperatureV"), h, 0)
         power = s(failed, "power", n.nvmlDeviceGetPowerUsage, h)
         mem = s(failed, "memory", n.nvmlDeviceGetMemoryInfo, h)
         util = s(failed, "utilization", n.nvmlDeviceGetUtilizationRates, h)
@@ -375,8 +400,8 @@ class NvmlBackend(GpuBackend):
         ret_sbe = s(failed, "retired_pages", n.nvmlDeviceGetRetiredPages, h, 0)
         ret_dbe = s(failed, "retired_pages", n.nvmlDeviceGetRetiredPages, h, 1) if ret_sbe is not None else None
         ret_pend = s(failed, "retired_pages_pending", n.nvmlDeviceGetRetiredPagesPendingStatus, h)
-        reasons_fn = self._fn("nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetCurrentClocksThrottleReasons")
-        throttle = s(failed, "throttle", reasons_fn, h) if reasons_fn is not None else None
+        throttle = self._first(failed, "throttle", ("nvmlDeviceGetCurrentClocksEventReasons",
+                                                    "nvmlDeviceGetCurrentClocksThrottleReasons"), h)
         v_pow = s(failed, "power_violation", n.nvmlDeviceGetViolationStatus, h, 0)
         v_th = s(failed, "thermal_violation", n.nvmlDeviceGetViolationStatus, h, 1)
         pcie = s(failed, "pcie_replay", n.nvmlDeviceGetPcieReplayCounter, h)
