@@ -11,6 +11,9 @@ Pure library (no trio, no network). Public API:
 - plan: ``plan`` -> ``Plan``, ``LinkOp``; ``diff`` -> ``Diff``
 - materialise: ``materialise``, ``MaterialiseStats``, ``remove_partials``, ``is_partial``
 - errors: ``ManifestError``, ``IntegrityError``, ``ChunkerUnavailable``, ``ChunkMissing``
+
+The functions ``plan`` and ``materialise`` shadow their submodules as package attributes:
+``import manifests.plan as m`` gives the function; use ``from manifests.plan import diff`` style.
 """
 
 from .chunking import ChunkRef, check_chunker, chunk_buffer, chunk_file
