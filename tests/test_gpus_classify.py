@@ -288,3 +288,31 @@ def test_render_metrics_uses_dcgm_names_and_marks_simulated():
     for ln in text.splitlines():
         if not ln.startswith("#"):
             float(ln.rsplit(" ", 1)[1])
+
+
+_tel = st.builds(
+    GpuTelemetry,
+    temperature_c=st.none() | st.floats(0, 120), temp_slowdown_c=st.none() | st.floats(60, 95),
+    temp_shutdown_c=st.none() | st.floats(90, 110), ecc_dbe_volatile=st.none() | st.integers(0, 5),
+    remap_pending=st.none() | st.booleans(), remap_failure=st.none() | st.booleans(),
+    retired_pages_pending=st.none() | st.booleans(), throttle_reasons=st.none() | st.integers(0, 0x1FF),
+    recovery_action=st.none() | st.sampled_from([0, 1, 2, 3, 4, 6, 7]),
+    nvlink_crc_errors=st.none() | st.integers(0, 10), pcie_replay=st.none() | st.integers(0, 1000))
+
+
+@settings(max_examples=150, deadline=None)
+@given(tel=_tel, lost=st.booleans(), fabric=st.sampled_from([None, "healthy", "unhealthy", "limited_capacity"]),
+       hist=st.lists(_tel, max_size=6))
+def test_classification_invariants(tel, lost, fabric, hist):
+    o = GpuObservation(uuid=U, sample=GpuSample(uuid=U, telemetry=tel, lost=lost, fabric_health=fabric),
+                       history=[(NOW - 60 + 10 * k, h) for k, h in enumerate(hist)])
+    state, reasons = classify_gpu(o, CFG, NOW)
+    codes = [r.code for r in reasons]
+    assert len(codes) == len(set(codes))
+    worst = max(({"fatal": 2, "degraded": 1}.get(r.severity, 0) for r in reasons), default=0)
+    assert state == ("healthy", "degraded", "fatal")[worst]
+    if lost or fabric == "unhealthy" or tel.remap_failure or (tel.ecc_dbe_volatile or 0) > 0:
+        assert state == "fatal"
+    # a fatal XID on top never makes things better
+    worse = msgspec.structs.replace(o, xids=[XidEvent(xid=79, at=NOW)])
+    assert classify_gpu(worse, CFG, NOW)[0] == "fatal"
