@@ -51,8 +51,9 @@ class HerdConfig:
     per_peer: int = 8                  # concurrent requests to one peer
     origin_concurrency: int = 8        # concurrent origin requests from this node
     wait_ms: int = 60_000              # how long we let a peer ranked above us make us wait
-    head_grace_s: float = 5.0
-    stall_s: float = 10.0
+    head_grace_s: float = 5.0          # on top of wait_ms, for an answer's head
+    connect_s: float = 3.0
+    stall_s: float = 10.0              # no body bytes for this long: a stalled peer
     penalty_s: float = 30.0
     endgame: int = 4                   # duplicate the last N outstanding chunks to a 2nd peer
     origin_retry_s: float = 120.0      # keep retrying an unreachable origin this long
@@ -92,7 +93,8 @@ class Herd:
         self.node_id = node_id
         self.config = cfg = config or HerdConfig()
         self.client = PeerClient(token=token, config=PeerClientConfig(
-            head_grace_s=cfg.head_grace_s, stall_s=cfg.stall_s, rate_bps=cfg.peer_rate_bps))
+            head_grace_s=cfg.head_grace_s, stall_s=cfg.stall_s, connect_s=cfg.connect_s,
+            rate_bps=cfg.peer_rate_bps))
         self.health = PeerHealth(penalty_s=cfg.penalty_s)
         self.counters = HerdCounters()
         self._origin_limit = trio.CapacityLimiter(cfg.origin_concurrency)
@@ -177,6 +179,8 @@ class Herd:
         endgame = trio.Event()
         state = {"next": 0, "outstanding": 0}
 
+        failure: list[Exception] = []
+
         async def worker() -> None:
             while state["next"] < len(todo):
                 cid, size = todo[state["next"]]
@@ -185,6 +189,11 @@ class Herd:
                 try:
                     await self.get_chunk(cid, size, origin, peers, endgame=endgame, run=run,
                                          holders=holders.get(cid, ()))
+                except Exception as e:  # the first failure ends the fetch, as one clear error
+                    if not failure:
+                        failure.append(e)
+                    nursery.cancel_scope.cancel()
+                    return
                 finally:
                     state["outstanding"] -= 1
                 if progress is not None:
@@ -195,6 +204,8 @@ class Herd:
         async with trio.open_nursery() as nursery:
             for _ in range(min(self.config.workers, len(todo))):
                 nursery.start_soon(worker)
+        if failure:
+            raise failure[0]
         return run
 
     async def get_chunk(self, cid: str, size: int, origin: Any, peers: Sequence[Peer], *,

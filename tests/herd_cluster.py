@@ -25,7 +25,7 @@ from p2p.origins import open_origin
 from p2p.store import ChunkStore
 from scheduler_link.messages import Peer
 
-FAST = HerdConfig(wait_ms=3000, head_grace_s=1.0, stall_s=1.0, penalty_s=30.0,
+FAST = HerdConfig(wait_ms=3000, head_grace_s=1.0, stall_s=1.0, connect_s=0.5, penalty_s=30.0,
                   origin_retry_s=20.0, backoff_min_s=0.05, backoff_max_s=0.4, workers=8)
 
 
