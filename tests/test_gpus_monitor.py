@@ -179,3 +179,35 @@ def test_the_real_kernel_log_reader_is_bounded_and_best_effort():
     lines = read_kernel_log(max_records=1000, timeout_s=1.0)
     assert time.monotonic() - t0 < 5.0
     assert isinstance(lines, list) and all("NVRM" in ln for ln in lines)
+
+
+async def test_a_hung_poll_is_abandoned_and_the_monitor_keeps_going():
+    import threading
+    import time
+
+    b = open_backend("simulated:l40s-pcie")
+    orig = b.poll
+    hang = threading.Event()
+    closed: list[bool] = []
+
+    def poll():
+        if hang.is_set():
+            hang.clear()
+            time.sleep(0.4)            # a driver call stuck for a while
+        return orig()
+
+    b.poll = poll  # type: ignore[method-assign]
+    b.close = lambda: closed.append(not hang.is_set())  # type: ignore[method-assign]
+    mon = GpuMonitor(b, poll_interval_s=0.02, poll_timeout_s=0.1, kernel_log=False, event_wait_ms=20)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            await n.start(mon.run)
+            hang.set()
+            while mon.statistics()["poll_timeouts"] == 0:
+                await trio.sleep(0.02)
+            before = mon.statistics()["polls"]
+            while mon.statistics()["polls"] < before + 3:     # polls resume after the stuck one returns
+                await trio.sleep(0.02)
+            assert mon.snapshot().gpus[0].health == "healthy"
+            n.cancel_scope.cancel()
+    assert closed == [True]

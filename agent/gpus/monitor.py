@@ -171,7 +171,16 @@ class GpuMonitor:
                 s.close()
             self._subscribers.clear()
             if discovered:   # never close under an abandoned discovery thread
+                await self._close_backend()
+
+    async def _close_backend(self) -> None:
+        # An abandoned poll thread keeps its limiter token until its C call returns: wait a
+        # little for it so the library is not shut down under a running call.
+        with trio.CancelScope(shield=True), trio.move_on_after(2.0) as cs:
+            async with self._poll_limiter:
                 self.backend.close()
+        if cs.cancelled_caught:
+            log.warning("gpu backend not closed: a poll is still stuck in the driver")
 
     async def _discover(self) -> Discovery:
         try:
