@@ -66,8 +66,7 @@ def load_core() -> Any:
     _place = importlib.import_module("placer.place")
     ns = types.SimpleNamespace(NodeSpec=_model.NodeSpec, ClusterModel=_model.ClusterModel,
                                JobRequest=_place.JobRequest, place=_place.place, Conflict=_errors.Conflict)
-    for mod_name, names in (("placer.fragmentation", ("fragmentation", "largest_placeable")),
-                            ("placer.defrag", ("plan_defrag",))):
+    for mod_name, names in (("placer.frag", ("fragmentation", "largest_placeable", "plan_defrag")),):
         try:
             mod = importlib.import_module(mod_name)
         except ImportError:
@@ -240,6 +239,8 @@ class PlacerService:
         status, reply = self._ingest(req.params["node_id"], rep)
         if status == 400:
             raise HTTPError(400, "node id in the path and the report differ")
+        if self.wire_url and status == 200:
+            reply = msgspec.structs.replace(reply, wire_url=self.wire_url)
         return json_response(reply, status=status)
 
     def _ingest(self, node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:

@@ -599,12 +599,13 @@ class PlacerState:
                 now: float) -> list[Push]:
         """Results of a job's start pushes: node -> (accepted, reason). All-or-nothing."""
         job = self.jobs.get(job_id)
-        if job is None or job.attempt != attempt or job.state != "placing":
+        if job is None or job.attempt != attempt or job.state not in ("placing", "starting", "running"):
             return []
-        job.timings.setdefault("acked", now)
+        job.timings.setdefault("acked", now)  # (events may have raced ahead of the acks)
         refused = {n: r for n, (ok, r) in acks.items() if not ok}
         if not refused:
-            job.state = "starting"
+            if job.state == "placing":
+                job.state = "starting"
             for p in job.pods:
                 if p.state == "placing":
                     p.state = "accepted"

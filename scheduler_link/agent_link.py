@@ -36,6 +36,7 @@ import msgspec
 import trio
 
 from .auth import auth_header
+from .heartbeat_wire import HeartbeatClient, WireError
 from .messages import GpuSnapshot, NodeReport, ReportReply, Victim, WorkloadEvent
 
 log = logging.getLogger("herd.link.agent")
@@ -69,7 +70,7 @@ class AgentLink:
 
     def __init__(self, placer_url: str, token: str | None, node_id: str, hooks: Any, *,
                  heartbeat_s: float = 5.0, backoff_min_s: float = 0.05, backoff_max_s: float = 5.0,
-                 request_timeout_s: float = 10.0, full_every: int = 12) -> None:
+                 request_timeout_s: float = 10.0, full_every: int = 12, use_wire: bool = True) -> None:
         self.placer_url = placer_url.rstrip("/")
         self.token = token
         self.node_id = node_id
@@ -87,7 +88,9 @@ class AgentLink:
         self._need_full = True
         self._last_health: Any = None
         self._last_manifests: list[str] | None = None
-        self._pending_stops: list[list[Victim]] = []
+        self.use_wire = use_wire
+        self._wire: HeartbeatClient | None = None
+        self.wire_reports = 0
         # statistics
         self.reports_sent = 0
         self.full_reports_sent = 0
@@ -119,6 +122,7 @@ class AgentLink:
             "seq": self.seq, "reports_sent": self.reports_sent, "full_reports_sent": self.full_reports_sent,
             "failures": self.failures, "conflicts": self.conflicts, "stops_received": self.stops_received,
             "last_ok_at": self.last_ok_at, "last_error": self.last_error, "heartbeat_s": self.heartbeat_s,
+            "framed_channel": self._wire is not None, "wire_reports": self.wire_reports,
         }
 
     # ------------------------------------------------------------ the loop
@@ -127,6 +131,12 @@ class AgentLink:
         headers = {"content-type": "application/json", **auth_header(self.token)}
         limits = httpx.Limits(max_connections=2, max_keepalive_connections=2)
         url = f"{self.placer_url}/v1/nodes/{self.node_id}/report"
+        try:
+            await self._run(url, headers, limits, task_status)
+        finally:
+            await self._close_wire()
+
+    async def _run(self, url: str, headers: dict[str, str], limits: httpx.Limits, task_status: Any) -> None:
         async with httpx.AsyncClient(headers=headers, limits=limits,
                                      timeout=self.request_timeout_s) as client, trio.open_nursery() as nursery:
             task_status.started()
@@ -146,7 +156,9 @@ class AgentLink:
                         await trio.sleep(backoff)
                         backoff = min(self.backoff_max_s, backoff * 2)
                     continue
-                except (httpx.HTTPError, OSError, _PlacerError, msgspec.DecodeError) as e:
+                except (httpx.HTTPError, OSError, _PlacerError, msgspec.DecodeError, WireError,
+                        trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                    await self._close_wire()
                     self.failures += 1
                     self.registered = False
                     self.last_error = f"{type(e).__name__}: {e}"
@@ -164,6 +176,8 @@ class AgentLink:
                     self.heartbeat_s = max(0.01, reply.heartbeat_interval_s)
                 if reply.need_full:
                     self._need_full = True
+                if report.full and reply.wire_url and self.use_wire:
+                    await self._open_wire(reply.wire_url)
                 if reply.stop:
                     self.stops_received += len(reply.stop)
                     nursery.start_soon(self._stop, reply.stop)
@@ -213,7 +227,34 @@ class AgentLink:
         return NodeReport(node_id=self.node_id, boot_id=self.boot_id, seq=self.seq, full=False,
                           snapshot=snap, events=events, sent_at=now)
 
+    async def _open_wire(self, wire_url: str) -> None:
+        await self._close_wire()
+        try:
+            with trio.fail_after(self.request_timeout_s):
+                self._wire = await HeartbeatClient.connect(wire_url, self.token or "", self.node_id)
+            log.info("heartbeats on the framed channel node=%s url=%s", self.node_id, wire_url)
+        except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError) as e:
+            log.warning("framed channel unavailable, staying on HTTP node=%s err=%s", self.node_id, e)
+            self._wire = None
+
+    async def _close_wire(self) -> None:
+        w, self._wire = self._wire, None
+        if w is not None:
+            with trio.CancelScope(shield=True):
+                await w.aclose()
+
     async def _post(self, client: httpx.AsyncClient, url: str, report: NodeReport) -> ReportReply:
+        if self._wire is not None and not report.full:
+            with trio.fail_after(self.request_timeout_s):
+                await self._wire.send([report])
+                (wr,) = await self._wire.receive(1)
+            self.reports_sent += 1
+            self.wire_reports += 1
+            if wr.status == 409:
+                raise _Conflict()
+            if wr.status != 200:
+                raise _PlacerError(f"placer answered {wr.status} on the framed channel: {wr.error}")
+            return wr.reply
         r = await client.post(url, content=msgspec.json.encode(report))
         if report.full:
             self.full_reports_sent += 1

@@ -264,6 +264,8 @@ class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
     stop: list[Victim] = []
     heartbeat_interval_s: float | None = None
     version: int = WIRE_VERSION
+    # tcp://host:port of the placer's framed heartbeat channel, when it serves one
+    wire_url: str | None = None
 
 
 # ---------------------------------------------------------------- placer API (jobs, nodes, cluster)

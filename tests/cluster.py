@@ -101,7 +101,8 @@ class LocalCluster:
         conf.write_text(
             "[placer]\n"
             f"heartbeat_s = {self.heartbeat_s}\nfence_after_s = {self.fence_after_s}\n"
-            f"recover_s = {self.recover_s}\nack_timeout_s = 2.0\ntick_s = 0.05\n" + self.extra)
+            f"recover_s = {self.recover_s}\nack_timeout_s = 2.0\ntick_s = 0.05\n"
+            'wire_listen = "127.0.0.1:0"\n' + self.extra)
         p = self._spawn("placer", ["placer", "run", "--listen", f"127.0.0.1:{self.placer_port}",
                                    "--token-dir", str(self.token_dir), "--state-dir", str(sd),
                                    "--config", str(conf)], sd)
