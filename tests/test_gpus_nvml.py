@@ -254,3 +254,11 @@ def test_old_driver_spellings_fall_back():
     f.gpus[0].missing.add("nvmlDeviceGetCurrentClocksThrottleReasons")
     s = b.poll()[0]
     assert s.telemetry.throttle_reasons is None and s.failed_signals == []
+
+
+async def test_no_gpus_is_a_clear_error_and_the_library_is_released():
+    f = FakeNvml([])
+    mon = GpuMonitor(nvml(f), kernel_log=False)
+    with trio.fail_after(5), pytest.raises(GpuBackendError, match="NVML sees no GPUs.*simulated:PROFILE"):
+        await mon.run()
+    assert not f.initialized

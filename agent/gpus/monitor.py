@@ -92,6 +92,7 @@ class GpuMonitor:
         self._clock = clock
         self._hostname = backend.hostname or socket.gethostname()
         self._discovery: Discovery | None = None
+        self._discovery_abandoned = False
         self._gpus: dict[str, _GpuState] = {}
         self._host = HostHealth()
         self._snapshot = GpuSnapshot(hostname=self._hostname, backend=backend.spec, simulated=backend.simulated)
@@ -147,10 +148,9 @@ class GpuMonitor:
     # ------------------------------------------------------------ service
 
     async def run(self, *, task_status: trio.TaskStatus[GpuSnapshot] = trio.TASK_STATUS_IGNORED) -> None:
-        discovered = False
+        self._discovery_abandoned = False
         try:
             disc = await self._discover()
-            discovered = True
             self._discovery = disc
             self._gpus = {g.uuid: _GpuState(info=g) for g in disc.gpus}
             if self.kernel_log:
@@ -170,7 +170,7 @@ class GpuMonitor:
             for s in self._subscribers:
                 s.close()
             self._subscribers.clear()
-            if discovered:   # never close under an abandoned discovery thread
+            if not self._discovery_abandoned:   # never close under a discovery thread still in the driver
                 await self._close_backend()
 
     async def _close_backend(self) -> None:
@@ -186,7 +186,11 @@ class GpuMonitor:
         try:
             with trio.fail_after(self.discovery_timeout_s):
                 return await trio.to_thread.run_sync(self.backend.discover, abandon_on_cancel=True)
+        except trio.Cancelled:
+            self._discovery_abandoned = True
+            raise
         except trio.TooSlowError:
+            self._discovery_abandoned = True
             raise GpuBackendError(f"GPU discovery ({self.backend.spec}) took longer than "
                                   f"{self.discovery_timeout_s:g}s; the driver may be hung") from None
 
