@@ -41,7 +41,6 @@ from .api import build_app
 from .config import AgentConfig
 from .errors import AgentError, ConfigError, UnknownWorkload
 from .metrics import render_agent_metrics
-from .placement import gpus_in_use
 from .sdnotify import Notifier
 from .state import atomic_write
 from .supervisor import Supervisor
@@ -187,7 +186,7 @@ class Agent:
             "node_id": self.node_id, "ready": self.ready, "control_url": self.control_url,
             "data_url": self.data_url or None, "topology": self.config.topology,
             "nvlink_domain": snap.nvlink_domain, "backend": snap.backend, "simulated": snap.simulated,
-            "gpus": snap, "gpu_holders": gpus_in_use(self.supervisor._records.values()),
+            "gpus": snap, "gpu_holders": self.supervisor.gpu_holders(),
             "workloads": self.supervisor.workloads(), "supervisor": self.supervisor.statistics(),
             "store": self.store_statistics(),
             "data_plane": self.dataplane.statistics() if self.dataplane is not None else None,

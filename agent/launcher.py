@@ -186,3 +186,24 @@ async def wait_exit(pid: int, *, timeout: float | None = None) -> bool:
         return False
     procs.reap(pid)
     return True
+
+
+async def wait_identity(pid: int | None, start_time: int | None, boot: str | None) -> bool:
+    """Wait for the process recorded as (pid, start time, boot id) to exit.
+
+    The pidfd is opened first and the identity checked after, so a PID recycled in
+    between is never waited on (or later signalled) by mistake. False when that
+    process was already gone (or is a zombie).
+    """
+    if not pid:
+        return False
+    fd = procs.open_pidfd(pid)
+    if fd is None:
+        return False
+    try:
+        if not procs.same_process(pid, start_time, boot):
+            return False
+        await trio.lowlevel.wait_readable(fd)
+        return True
+    finally:
+        os.close(fd)

@@ -83,11 +83,9 @@ _decoder = msgspec.json.Decoder(AgentState)
 
 
 class StateFile:
-    def __init__(self, state_dir: str | os.PathLike[str], *, keep_terminal: int = 200, keep_acks: int = 1000):
+    def __init__(self, state_dir: str | os.PathLike[str]):
         self.dir = Path(state_dir)
         self.path = self.dir / "state.json"
-        self.keep_terminal = keep_terminal
-        self.keep_acks = keep_acks
         self.writes = 0
 
     def load(self) -> AgentState:
@@ -106,16 +104,8 @@ class StateFile:
             log.error("state file unreadable, set aside path=%s err=%s", aside, e)
             return AgentState()
 
-    def prune(self, st: AgentState) -> AgentState:
-        terminal = [r for r in st.records if r.terminal]
-        if len(terminal) <= self.keep_terminal and len(st.acks) <= self.keep_acks:
-            return st
-        drop = {r.workload_id for r in sorted(terminal, key=lambda r: r.updated_at)[: len(terminal) - self.keep_terminal]}
-        return msgspec.structs.replace(
-            st, records=[r for r in st.records if r.workload_id not in drop], acks=st.acks[-self.keep_acks:])
-
     def save(self, st: AgentState) -> None:
-        atomic_write(self.path, msgspec.json.encode(self.prune(st)))
+        atomic_write(self.path, msgspec.json.encode(st))
         self.writes += 1
 
 

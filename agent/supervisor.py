@@ -21,6 +21,7 @@ the recorded deadline (no new SIGTERM if one was sent, no fresh grace period).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -39,12 +40,14 @@ from scheduler_link.messages import Placement, PlacementAck, WorkloadEvent, Work
 
 from . import procs
 from .errors import AgentError, ShimError, UnknownWorkload
-from .launcher import LaunchCommand, ShimPool, wait_exit
-from .placement import check_placement
+from .launcher import LaunchCommand, ShimPool, wait_identity
+from .placement import check_placement, gpus_in_use
 from .state import AgentState, StateFile, WorkloadRecord, atomic_write
 
 log = logging.getLogger("herd.agent.supervisor")
 
+_KEEP_ACKS = 2000
+_GC_MIN_AGE_S = 60.0
 _SCRUB_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
               "LISTEN_FDNAMES", "INVOCATION_ID", "HERD_TOKEN_DIR")
 
@@ -127,7 +130,7 @@ class Supervisor:
         self._base_env = {k: v for k, v in (base_env if base_env is not None else os.environ).items()
                           if k not in _SCRUB_ENV}
         self.pool = pool or ShimPool(config.shim_pool)
-        self._file = StateFile(self.state_dir, keep_terminal=config.keep_terminal)
+        self._file = StateFile(self.state_dir)
         self._send, self._recv = trio.open_memory_channel[Any](10_000)
         self._records: dict[str, WorkloadRecord] = {}
         self._acks: dict[str, PlacementAck] = {}
@@ -234,8 +237,38 @@ class Supervisor:
         return AgentState(node_id=self.node_id, records=list(self._records.values()),
                           acks=list(self._acks.values()))
 
+    def _gc(self, after: list[Callable[[], None]]) -> None:
+        """Forget the oldest terminal workloads beyond ``keep_terminal`` (and their dirs,
+        once the state without them is on disk); keep the newest acks."""
+        terminal = [r for r in self._records.values() if r.terminal]
+        excess = len(terminal) - self.config.keep_terminal
+        # never the just-finished: their tasks and waiters still read them
+        terminal = [r for r in terminal if r.updated_at < self._clock() - _GC_MIN_AGE_S]
+        excess = min(excess, len(terminal))
+        if excess > 0:
+            for r in sorted(terminal, key=lambda r: r.updated_at)[:excess]:
+                del self._records[r.workload_id]
+                self._rt.pop(r.workload_id, None)
+                after.append(functools.partial(self._spawn_thread, shutil.rmtree, self.wl_dir / r.workload_id, True))
+            self._dirty = True
+        if len(self._acks) > _KEEP_ACKS:
+            for k in list(self._acks)[: len(self._acks) - _KEEP_ACKS]:
+                del self._acks[k]
+            self._dirty = True
+
+    def _spawn_thread(self, fn: Callable[..., Any], *args: Any) -> None:
+        async def go() -> None:
+            await trio.to_thread.run_sync(fn, *args)
+        assert self._nursery is not None
+        self._nursery.start_soon(go)
+
+    def gpu_holders(self) -> dict[str, str]:
+        """GPU UUID -> the live workload holding it."""
+        return gpus_in_use(self._records.values())
+
     def _commit(self, durable: list[Callable[[], None]]) -> None:
         if self._dirty:
+            self._gc(durable)
             self._dirty = False
             self._gen += 1
             self._latest = self._snapshot()
@@ -558,14 +591,16 @@ class Supervisor:
     async def _wait_exit(self, wid: str) -> tuple[int | None, str | None]:
         rec = self._records[wid]
         wdir = self.wl_dir / wid
-        if procs.same_process(rec.shim_pid, rec.shim_start_time, rec.boot_id):
-            await wait_exit(rec.shim_pid)  # type: ignore[arg-type]
-        elif procs.same_process(rec.pid, rec.start_time, rec.boot_id):
-            await wait_exit(rec.pid)  # type: ignore[arg-type]
+        await wait_identity(rec.shim_pid, rec.shim_start_time, rec.boot_id)
+        procs.reap(rec.shim_pid or 0)  # our child when we launched it: no zombie left behind
         ex = await trio.to_thread.run_sync(_read_json, wdir / "exit.json")
-        if ex is None or ex.get("pid") != rec.pid:
-            return None, "exit status unknown (the shim is gone)"
-        return ex.get("code"), _exit_reason(ex)
+        if ex is not None and ex.get("pid") == rec.pid:
+            return ex.get("code"), _exit_reason(ex)
+        # The shim died without recording an exit (killed): the workload may still run and
+        # hold its GPUs, so wait for it too before calling it gone.
+        if await wait_identity(rec.pid, rec.start_time, rec.boot_id):
+            log.warning("shim gone, waited for the workload itself id=%s pid=%s", wid, rec.pid)
+        return None, "exit status unknown (the shim is gone)"
 
     async def _killer(self, wid: str) -> None:
         rec = self._records[wid]
@@ -610,19 +645,40 @@ class Supervisor:
         return env
 
     def read_log(self, workload_id: str, *, stream: str = "stdout", tail: int = 100) -> str:
-        """The last ``tail`` lines of a workload's stdout or stderr (current file + rotations)."""
+        """The last ``tail`` lines of a workload's stdout or stderr (current file, then rotations).
+
+        Reads backwards from the end in blocks, so a tail of a large log costs what it returns."""
         if stream not in ("stdout", "stderr"):
             raise AgentError("stream must be stdout or stderr")
         wdir = self.wl_dir / self.record(workload_id).workload_id
-        lines: list[bytes] = []
-        for i in range(self.config.log_keep, -1, -1):
-            p = wdir / (f"{stream}.log" if i == 0 else f"{stream}.log.{i}")
-            with contextlib.suppress(FileNotFoundError):
-                lines = (lines + p.read_bytes().splitlines(keepends=True))[-max(0, tail):] if tail else []
-        return b"".join(lines).decode(errors="replace")
+        if tail <= 0:
+            return ""
+        files = [wdir / (f"{stream}.log" if i == 0 else f"{stream}.log.{i}") for i in range(self.config.log_keep + 1)]
+        data, complete = _tail_bytes([f for f in files if f.exists()], tail)
+        lines = data.splitlines(keepends=True)
+        if not complete and lines:
+            lines = lines[1:]  # the first line may be cut
+        return b"".join(lines[-tail:]).decode(errors="replace")
 
     def remove_dir(self, workload_id: str) -> None:
         shutil.rmtree(self.wl_dir / workload_id, ignore_errors=True)
+
+
+def _tail_bytes(files: list[Path], n: int, block: int = 64 << 10) -> tuple[bytes, bool]:
+    """Enough bytes from the end of the stream ``files`` (newest first; rotation may cut
+    a line in two files) to hold its last ``n`` lines; True when it is the whole stream."""
+    data = b""
+    for path in files:
+        with open(path, "rb") as f:
+            pos = f.seek(0, os.SEEK_END)
+            while pos > 0:
+                if data.count(b"\n") > n:
+                    return data, False
+                step = min(block, pos)
+                pos -= step
+                f.seek(pos)
+                data = f.read(step) + data
+    return data, True
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -322,3 +322,64 @@ async def test_workload_recovered_from_run_json_when_state_lagged(tmp_path):
             st = await sup2.wait_terminal("w")
             n.cancel_scope.cancel()
     assert (st.state, st.exit_code) == ("exited", 4)
+
+
+async def test_log_rotation_and_tail(tmp_path):
+    sup = Supervisor(tmp_path / "state", node_id="n1", gpu_health=lambda: GPUS, base_env={"PATH": os.environ["PATH"]},
+                     config=SupervisorConfig(shim_pool=1, log_max_bytes=1024, log_keep=1))
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            argv = ["sh", "-c", "i=0; while [ $i -lt 400 ]; do echo line-$i; i=$((i+1)); done"]
+            await sup.place(placement("p", wid="w", gpus=[], argv=argv))
+            await sup.wait_terminal("w")
+            n.cancel_scope.cancel()
+    wdir = sup.wl_dir / "w"
+    assert (wdir / "stdout.log").stat().st_size <= 1024 and (wdir / "stdout.log.1").stat().st_size == 1024
+    assert not (wdir / "stdout.log.2").exists()  # only log_keep rotations are kept
+    assert sup.read_log("w", tail=3) == "line-397\nline-398\nline-399\n"
+    tail = sup.read_log("w", tail=150).splitlines()
+    assert len(tail) == 150 and tail[-1] == "line-399"
+    assert all(int(a[5:]) + 1 == int(b[5:]) for a, b in zip(tail[1:], tail[2:], strict=False))
+    assert sup.read_log("w", tail=0) == ""
+
+
+async def test_killed_shim_workload_still_holds_its_gpu(tmp_path):
+    sup = make(tmp_path)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            await sup.place(placement("p", wid="w", gpus=["GPU-0000"]))
+            rec = await wait_state(sup, "w", "running")
+            os.kill(rec.shim_pid, signal.SIGKILL)
+            await trio.sleep(0.3)
+            assert sup.record("w").state == "running"  # its process still runs: GPU still booked
+            assert not (await sup.place(placement("q", wid="q", gpus=["GPU-0000"]))).accepted
+            (scratch(sup, "w") / "go").touch()
+            st = await sup.wait_terminal("w")
+            n.cancel_scope.cancel()
+    assert (st.state, st.exit_code) == ("exited", None) and "unknown" in (st.reason or "")
+
+
+async def test_old_terminal_workloads_are_forgotten(tmp_path):
+    now = [1000.0]
+    sup = Supervisor(tmp_path / "state", node_id="n1", gpu_health=lambda: GPUS, base_env={"PATH": os.environ["PATH"]},
+                     config=SupervisorConfig(shim_pool=1, keep_terminal=1), clock=lambda: now[0])
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            for i in range(3):
+                await sup.place(placement(f"p{i}", wid=f"w{i}", gpus=[], argv=["true"]))
+                await sup.wait_terminal(f"w{i}")
+                now[0] += 10
+            assert {w.workload_id for w in sup.workloads()} == {"w0", "w1", "w2"}  # all too young to forget
+            now[0] += 100
+            await sup.place(placement("p3", wid="w3", gpus=[], argv=["true"]))
+            await sup.wait_terminal("w3")
+            with trio.fail_after(5):
+                while any((sup.wl_dir / f"w{i}").exists() for i in range(3)):
+                    await trio.sleep(0.02)
+            n.cancel_scope.cancel()
+    assert {w.workload_id for w in sup.workloads()} == {"w3"}
+    saved = msgspec.json.decode((tmp_path / "state" / "state.json").read_bytes(), type=AgentState)
+    assert {r.workload_id for r in saved.records} == {"w3"}
