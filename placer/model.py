@@ -103,6 +103,11 @@ class JobRecord:
     nodes: np.ndarray
     slots: np.ndarray
     node_ids: list[str] = field(repr=False, default_factory=list)
+    # gang shape, when known (placed by this placer, or told by set_job_shape); defrag needs it
+    pods: int = 0
+    gpus_per_pod: int = 0
+    within: str = "any"
+    whole_nodes: bool = False
 
     @property
     def n_gpus(self) -> int:
@@ -472,7 +477,18 @@ class ClusterModel:
         for v in victims:
             self.release(v)
         rec = self._new_job(decision.job_id, decision.priority, decision.preemptible)
+        rec.pods = len(decision.pod_nodes)
+        rec.gpus_per_pod = int(getattr(decision, "gpus_per_pod", 0))
+        rec.within = decision.level
+        rec.whole_nodes = bool(getattr(decision, "whole_nodes", False))
         self._give(rec, nodes, slots)
+
+    def set_job_shape(self, job_id: str, pods: int, gpus_per_pod: int, within: str = "any",
+                      whole_nodes: bool = False) -> None:
+        """Record a job's gang shape (after a restart, when allocations came from reports)."""
+        rec = self.job(job_id)
+        level_index(within)
+        rec.pods, rec.gpus_per_pod, rec.within, rec.whole_nodes = int(pods), int(gpus_per_pod), within, bool(whole_nodes)
 
     def _give(self, rec: JobRecord, nodes: np.ndarray, slots: np.ndarray) -> None:
         self.owner[nodes, slots] = rec.index
@@ -510,6 +526,28 @@ class ClusterModel:
         if new.size:
             self._give(rec, np.full(new.size, i, np.int64), new)
 
+    def assign_arrays(self, job_id: str, nodes: np.ndarray, slots: np.ndarray, priority: int,
+                      preemptible: bool) -> None:
+        """Give a new job the GPUs at (node index, slot) pairs in one vectorised step (simulators
+        and bulk loads). Every GPU must exist and be free, none named twice (else :class:`Conflict`)."""
+        self._ensure()
+        if job_id in self._jobs:
+            raise Conflict(f"job {job_id!r} already holds GPUs")
+        nodes = np.asarray(nodes, np.int64)
+        slots = np.asarray(slots, np.int64)
+        if nodes.shape != slots.shape or nodes.ndim != 1:
+            raise InvalidSpec("nodes and slots must be 1-d arrays of one length")
+        if nodes.size:
+            if nodes.min() < 0 or nodes.max() >= len(self._node_ids) or slots.min() < 0 or \
+                    (slots >= self.n_gpus[nodes]).any():
+                raise InvalidSpec(f"job {job_id!r}: GPU out of range")
+            if (self.owner[nodes, slots] != -1).any():
+                raise Conflict(f"job {job_id!r}: some GPUs are not free")
+            if np.unique(nodes * self.G + slots).size != nodes.size:
+                raise Conflict(f"job {job_id!r}: a GPU is named twice")
+        rec = self._new_job(job_id, priority, preemptible)
+        self._give(rec, nodes, slots)
+
     def release(self, job_id: str) -> int:
         """Free every GPU of a job and forget it (incremental). Returns the GPUs freed."""
         self._ensure()
@@ -545,7 +583,8 @@ class ClusterModel:
                 setattr(m, k, list(v))
             elif k == "_jobs":
                 setattr(m, k, {jid: JobRecord(r.job_id, r.index, r.priority, r.preemptible,
-                                              r.nodes, r.slots, r.node_ids) for jid, r in v.items()})
+                                              r.nodes, r.slots, r.node_ids, r.pods, r.gpus_per_pod,
+                                              r.within, r.whole_nodes) for jid, r in v.items()})
             else:
                 setattr(m, k, v)
         return m

@@ -94,11 +94,13 @@ class Decision:
     """
 
     __slots__ = ("job_id", "priority", "preemptible", "victims", "domain", "level",
-                 "pod_nodes", "pod_slots", "epoch", "_node_ids", "_pods")
+                 "pod_nodes", "pod_slots", "epoch", "_node_ids", "_pods", "gpus_per_pod", "whole_nodes")
 
     def __init__(self, job_id: str, priority: int, preemptible: bool, victims: list[str],
                  domain: str | None, level: str, pod_nodes: np.ndarray, pod_slots: np.ndarray,
-                 epoch: int, node_ids: list[str]) -> None:
+                 epoch: int, node_ids: list[str], gpus_per_pod: int = 0, whole_nodes: bool = False) -> None:
+        self.gpus_per_pod = gpus_per_pod
+        self.whole_nodes = whole_nodes
         self.job_id = job_id
         self.priority = priority
         self.preemptible = preemptible
@@ -175,15 +177,19 @@ def choose_domain(model: ClusterModel, fits: np.ndarray, li: int, pods: int,
     if li < 0:
         return 0 if int(fits.sum()) >= pods else None
     st = model.starts[li]
-    cap = np.add.reduceat(fits, st)
+    per_node = st.size == fits.size          # this level's domains are single nodes
+    cap = fits if per_node else np.add.reduceat(fits, st)
     cand = np.flatnonzero(cap >= pods)
     if cand.size == 0:
         return None
     if cand.size == 1:
         return int(cand[0])
+    if per_node:
+        # a node's leftover is its free GPUs minus what the pods take: the fewest free wins
+        fc = free[cand]
+        return int(cand[int(np.argmin(fc))])
     fd = np.add.reduceat(free.astype(np.int64), st)[cand]
-    left = fd - int(fd.min())
-    best = cand[left == 0]
+    best = cand[fd == fd.min()]
     if best.size == 1:
         return int(best[0])
     # tie: fewest partly used nodes left behind
@@ -305,4 +311,13 @@ def make_decision(model: ClusterModel, job: JobRequest, li: int, dom: int, pod_n
     level = "any" if li < 0 else LEVELS[li]
     domain = None if li < 0 else model.dom_names[li][dom]
     return Decision(job.job_id, job.priority, job.preemptible, victims, domain, level,
-                    pod_nodes, pod_slots, model.epoch, model.node_ids)
+                    pod_nodes, pod_slots, model.epoch, model.node_ids, job.gpus_per_pod, job.whole_nodes)
+
+
+def __getattr__(name: str) -> Any:
+    # The fragmentation score and the defragmentation planner live in placer.frag (which
+    # imports this module); reachable from here too for callers that look them up by name.
+    if name in ("fragmentation", "largest_placeable", "plan_defrag", "DEFAULT_SHAPES"):
+        from . import frag
+        return getattr(frag, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -22,7 +22,7 @@ A slot is *reclaimable* when it is usable and either free or held by an eligible
    is the shortest prefix of victims that makes room (one ``partition``, no search).
    Then victims are dropped again, most expensive first, while the gang still fits
    (at most ``PRUNE_CHECKS`` tries), so no victim is preempted that is not needed.
-4. The domain of least (cost, victim count, leftover) wins; the gang is placed inside it
+4. The domain of least (cost, victim count, GPUs lost, leftover) wins; the gang is placed inside it
    by the same descent as without preemption, on the slots that are free or held by
    victims.
 
@@ -78,14 +78,14 @@ def place_with_preemption(model: ClusterModel, job: JobRequest, *,
         if cands.size > CANDIDATES:
             cands = _cheapest_estimates(model, li, cands, owned_elig, rank, need_gpus)
 
-    best: tuple[tuple[int, int, int], int, np.ndarray] | None = None
+    best: tuple[tuple[int, int, int, int], int, np.ndarray] | None = None
     for dom in cands.tolist():
         lo, hi = _bounds(model, li, dom)
         res = _exact_victims(model, job, lo, hi, elig, elig_ext, job_cost, exclude)
         if res is None:
             continue
         victims, cost = res
-        key = (cost, int(victims.size), int(reclaim_per_node[lo:hi].sum()))
+        key = (cost, int(victims.size), int(model.job_gpus[victims].sum()), int(reclaim_per_node[lo:hi].sum()))
         if best is None or key < best[0]:
             best = (key, dom, victims)
     if best is None:
