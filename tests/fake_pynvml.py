@@ -257,13 +257,17 @@ class FakeNvml:
         if g.fabric is None:
             raise NVMLError(NOT_SUPPORTED)
         info = ref._obj          # pynvml hands the byref() straight to C; we fill the struct
-        assert isinstance(info, c_nvmlGpuFabricInfo_v3_t), "pass ctypes.byref(c_nvmlGpuFabricInfo_v3_t())"
+        assert isinstance(info, c_nvmlGpuFabricInfo_v3_t | pynvml.c_nvmlGpuFabricInfo_v2_t), \
+            "pass ctypes.byref(c_nvmlGpuFabricInfo_v3_t())"
+        if isinstance(info, c_nvmlGpuFabricInfo_v3_t) and g.fabric.get("v2_only"):
+            raise NVMLError(pynvml.NVML_ERROR_ARGUMENT_VERSION_MISMATCH)
         raw = uuidlib.UUID(g.fabric["cluster"]).bytes
         ctypes.memmove(ctypes.addressof(info.clusterUuid), raw, 16)
         info.cliqueId = g.fabric["clique"]
         info.state = g.fabric.get("state", 3)
         info.status = g.fabric.get("status", 0)
-        info.healthSummary = g.fabric.get("health", 1)
+        if isinstance(info, c_nvmlGpuFabricInfo_v3_t):
+            info.healthSummary = g.fabric.get("health", 1)
         return 0
 
     # ------------------------------------------------------------ health

@@ -118,6 +118,7 @@ def test_state_is_the_worst_severity_of_the_reasons(events):
     ({}, msgspec.structs.replace(BASE, temperature_c=95), ("fatal", "temperature_shutdown")),
     ({"fabric_health": "unhealthy"}, BASE, ("fatal", "fabric_unhealthy")),
     ({"fabric_health": "limited_capacity"}, BASE, ("degraded", "fabric_limited")),
+    ({"fabric_health": "not_ready"}, BASE, ("degraded", "fabric_not_ready")),
     ({}, msgspec.structs.replace(BASE, recovery_action=2), ("fatal", "recovery_action:2")),
     ({}, msgspec.structs.replace(BASE, recovery_action=3), ("degraded", "recovery_action:3")),
     ({"nvlinks_active": [0, 2]}, BASE, ("degraded", "nvlink_down:1")),
@@ -301,7 +302,7 @@ _tel = st.builds(
 
 
 @settings(max_examples=150, deadline=None)
-@given(tel=_tel, lost=st.booleans(), fabric=st.sampled_from([None, "healthy", "unhealthy", "limited_capacity"]),
+@given(tel=_tel, lost=st.booleans(), fabric=st.sampled_from([None, "healthy", "unhealthy", "limited_capacity", "not_ready"]),
        hist=st.lists(_tel, max_size=6))
 def test_classification_invariants(tel, lost, fabric, hist):
     o = GpuObservation(uuid=U, sample=GpuSample(uuid=U, telemetry=tel, lost=lost, fabric_health=fabric),

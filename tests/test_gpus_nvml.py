@@ -99,6 +99,18 @@ def test_old_driver_without_fabric_info_and_a_new_one_with_it():
     assert new.nvlink_domain == "5b1c3a3e-0c7e-4f0e-9a53-3d2f4c8a9e11/4242"
     assert {(g.fabric_clique_id, g.fabric_health) for g in new.gpus} == {(4242, "healthy")}
     assert new.gpus[2].pci_bus_id == "00000018:01:00.0"
+    # a driver knowing only the v2 struct; a GPU still registering; one whose registration failed
+    f = gb200_tray()
+    f.gpus[0].fabric["v2_only"] = True          # type: ignore[index]
+    f.gpus[1].fabric["state"] = 2               # type: ignore[index]
+    f.gpus[2].fabric["status"] = pynvml.NVML_ERROR_UNKNOWN  # type: ignore[index]
+    f.gpus[3].fabric["health"] = 3              # type: ignore[index]
+    b = nvml(f)
+    d = b.discover()
+    assert [(g.fabric_clique_id, g.fabric_health) for g in d.gpus] == [
+        (4242, "healthy"), (None, "not_ready"), (None, "unhealthy"), (4242, "limited_capacity")]
+    f.gpus[1].fabric["state"] = 3               # type: ignore[index]
+    assert [s.fabric_health for s in b.poll()] == ["healthy", "healthy", "unhealthy", "limited_capacity"]
 
 
 def test_other_errors_are_noted_per_signal_never_fatal():

@@ -21,7 +21,8 @@ XID in FATAL_XIDS (46 48 61 62 64 74 79 95 119 120     fatal       xid:N        
 row-remap failure                                      fatal       row_remap_failure  when the counter clears
 volatile uncorrectable ECC > ecc_dbe_volatile_max      fatal       ecc_dbe_volatile   at driver reload / clear
 temperature >= shutdown threshold                      fatal       temperature_shutdown  when it cools
-NVL72 fabric health "unhealthy"                        fatal       fabric_unhealthy   when the fabric reports ok
+NVL72 fabric health "unhealthy" (or registration       fatal       fabric_unhealthy   when the fabric reports ok
+  completed with an error status)
 recovery action 1/2/4/6/7 (reset, reboot, ...)         fatal       recovery_action:N  when NVML clears it
 XID in DEGRADED_XIDS (63, 92)                          degraded    xid:N         after degraded_xid_window_s
 unknown XID                                            degraded    xid:N         after degraded_xid_window_s
@@ -38,6 +39,7 @@ NVLink CRC/replay/recovery counters grew by more than  degraded    nvlink_errors
 NVLink link active at discovery now down               degraded    nvlink_down:L      when the link is back
 PCIe replays grew by more than pcie_replay_growth_max  degraded    pcie_replay        when the window is clean
 NVL72 fabric "limited_capacity"                        degraded    fabric_limited     when the fabric reports ok
+NVL72 fabric registration not complete (state 1/2)     degraded    fabric_not_ready   when it completes
 recovery action 3 (drain P2P)                          degraded    recovery_action:3  when NVML clears it
 XID in APPLICATION_XIDS (8 13 31 43 45 68 69 94 109    application xid:N        after app_xid_window_s
   137), fewer than the recurrence bound
@@ -244,6 +246,8 @@ def classify_gpu(obs: GpuObservation, cfg: HealthConfig, now: float,
         add("fabric_unhealthy", "fatal", "NVLink fabric reports unhealthy")
     elif s is not None and s.fabric_health == "limited_capacity":
         add("fabric_limited", "degraded", "NVLink fabric reports limited capacity")
+    elif s is not None and s.fabric_health == "not_ready":
+        add("fabric_not_ready", "degraded", "NVLink fabric registration not complete")
     ra = tel.recovery_action
     if ra:
         name = RECOVERY_ACTIONS.get(ra, "unknown")

@@ -256,26 +256,40 @@ class NvmlBackend(GpuBackend):
             nvlinks=links, fabric_cluster_uuid=cluster, fabric_clique_id=clique, fabric_health=fhealth,
             telemetry=GpuTelemetry(temp_slowdown_c=float(slow) if slow is not None else None,
                                    temp_shutdown_c=float(shut) if shut is not None else None))
-        return info, _Gpu(index=i, uuid=uuid, handle=h, links=[x.link for x in links], fabric=cluster is not None)
+        return info, _Gpu(index=i, uuid=uuid, handle=h, links=[x.link for x in links],
+                          fabric=cluster is not None or fhealth is not None)
 
     def _fabric(self, h: Any) -> tuple[str | None, int | None, str | None]:
         """(clusterUuid, cliqueId, health) of an NVL72-class GPU; Nones elsewhere / on old drivers."""
         fn = self._fn("nvmlDeviceGetGpuFabricInfoV")
         if fn is None:
             return None, None, None
-        info = pynvml.c_nvmlGpuFabricInfo_v3_t()
-        try:
-            fn(h, ctypes.byref(info))
-        except pynvml.NVMLError as e:
-            if _code(e) in (E_GPU_IS_LOST, E_RESET_REQUIRED):
-                raise _GpuGone(_code(e) or 0) from None
-            return None, None, None    # FunctionNotFound (driver < 550), NotSupported (no fabric)
-        if int(info.state) != FABRIC_COMPLETED or int(info.status) != 0:
-            return None, None, "not_ready" if int(info.state) in (1, 2) else None
+        info: Any = None
+        for struct in (pynvml.c_nvmlGpuFabricInfo_v3_t, pynvml.c_nvmlGpuFabricInfo_v2_t):
+            info = struct()
+            try:
+                fn(h, ctypes.byref(info))   # pynvml hands the pointer straight to C
+                break
+            except pynvml.NVMLError as e:
+                if _code(e) in (E_GPU_IS_LOST, E_RESET_REQUIRED):
+                    raise _GpuGone(_code(e) or 0) from None
+                if _code(e) == E_ARGUMENT_VERSION_MISMATCH:
+                    continue            # a driver that knows v2 only
+                return None, None, None    # FunctionNotFound (driver < 550), NotSupported (no fabric)
+        else:
+            return None, None, None
+        state = int(info.state)
+        if state in (1, 2):                # not started / in progress: NVLink not usable yet
+            return None, None, "not_ready"
+        if state != FABRIC_COMPLETED:      # 0: this GPU has no fabric (not an NVL72-class system)
+            return None, None, None
+        if int(info.status) != 0:          # registration with the fabric manager failed
+            return None, None, "unhealthy"
         raw = bytes(info.clusterUuid)
         if not any(raw):
             return None, None, None
-        return str(uuidlib.UUID(bytes=raw)), int(info.cliqueId), FABRIC_HEALTH.get(int(info.healthSummary))
+        health = FABRIC_HEALTH.get(int(getattr(info, "healthSummary", 1) or 1))
+        return str(uuidlib.UUID(bytes=raw)), int(info.cliqueId), health
 
     def _matrix(self, infos: list[GpuInfo]) -> list[list[str]]:
         n = self._nvml
