@@ -43,7 +43,22 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="path that ends up holding the tree (a symlink to the store's read-only tree)")
     f.add_argument("--quota", default=None, metavar="SIZE", help="store quota (LRU eviction), e.g. 50GiB")
     f.add_argument("--json", action="store_true")
+    f.add_argument("--peer", action="append", default=[], metavar="URL",
+                   help="a peer's data-plane URL to fetch from (repeatable; herd protocol, origin last)")
+    f.add_argument("--node-id", default=None, help="this node's id in the herd (default the hostname)")
+    f.add_argument("--token-dir", default=None, help="token dir holding cluster.token (env HERD_TOKEN_DIR)")
     f.set_defaults(func=cmd_fetch)
+
+    pf = a.add_parser("prefetch", help="preheat REF on nodes through the placer (fetch, start nothing)")
+    pf.add_argument("ref", help="a ref name (name:tag) or a 64-hex manifest id")
+    _origin_arg(pf)
+    pf.add_argument("--placer", default=os.environ.get("HERD_PLACER"), help="placer URL (env HERD_PLACER)")
+    g = pf.add_mutually_exclusive_group(required=True)
+    g.add_argument("--nodes", help="comma-separated node ids")
+    g.add_argument("--within", metavar="LEVEL:NAME", help="a topology domain, e.g. rack:r12 (zone|block|rack)")
+    pf.add_argument("--token-dir", default=None, help="token dir holding operator.token (env HERD_TOKEN_DIR)")
+    pf.add_argument("--json", action="store_true")
+    pf.set_defaults(func=cmd_prefetch)
 
     sh = a.add_parser("show", help="describe the manifest REF names")
     sh.add_argument("ref")
@@ -195,7 +210,8 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     async def main() -> Any:
         async with _open(args) as origin:
             mid = await origin.resolve(args.ref)
-            stats = await fetch_artifact(store, mid, origin, progress=progress)
+            stats = await fetch_artifact(store, mid, origin, progress=progress, peers=args.peer,
+                                         node_id=args.node_id, token=_cluster_token(args))
             tree = await trio.to_thread.run_sync(store.materialise, mid)
             return stats, tree
 
@@ -212,6 +228,54 @@ def cmd_fetch(args: argparse.Namespace) -> int:
               f"{human_bytes(stats.bytes_from_peers)} from peers, {human_bytes(stats.bytes_local)} already local; "
               f"{stats.chunks_fetched} chunks in {stats.seconds:.2f}s")
     return 0
+
+
+def _cluster_token(args: argparse.Namespace) -> str | None:
+    if not args.peer:
+        return None
+    from scheduler_link.auth import TokenSet, token_dir_from_env
+
+    tok = TokenSet.load(args.token_dir).cluster
+    if tok is None:
+        raise CliError(f"--peer needs the cluster token: no cluster.token in {token_dir_from_env(args.token_dir)}")
+    return tok
+
+
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    from scheduler_link.auth import TokenSet
+    from scheduler_link.client import PlacerClient
+    from scheduler_link.messages import PrefetchFanout
+
+    if not args.placer:
+        raise CliError("--placer URL is required (or set HERD_PLACER)")
+    level = domain = None
+    nodes: list[str] = []
+    if args.within:
+        level, sep, domain = args.within.partition(":")
+        if not sep or level not in ("zone", "block", "rack") or not domain:
+            raise CliError(f"--within: want LEVEL:NAME with LEVEL zone|block|rack, got {args.within!r}")
+    else:
+        nodes = [n.strip() for n in args.nodes.split(",") if n.strip()]
+        if not nodes:
+            raise CliError("--nodes: give at least one node id")
+
+    async def resolve() -> str:
+        async with _open(args) as origin:
+            return await origin.resolve(args.ref)
+
+    mid = trio.run(resolve)
+    req = PrefetchFanout(manifest_id=mid, origin=args.origin, nodes=nodes, level=level, domain=domain)
+    with PlacerClient(args.placer, TokenSet.load(args.token_dir).operator) as c:
+        res = c.prefetch(req)
+    if args.json:
+        emit_json({"manifest": mid, **res})
+        return 0
+    per = res.get("nodes", {})
+    print(f"prefetch {mid} on {len(per)} nodes")
+    rows = [[k, "ok" if v.get("ok") else "failed", v.get("error") or ""] for k, v in sorted(per.items())]
+    if rows:
+        print(table(["node", "result", "error"], rows))
+    return 0 if all(v.get("ok") for v in per.values()) else 1
 
 
 # ---------------------------------------------------------------------------------- show/diff

@@ -64,13 +64,19 @@ async def load_manifest(store: ChunkStore, manifest_id: str, origin: Origin) -> 
 async def fetch_artifact(store: ChunkStore, manifest_id: str, origin: Origin, *,
                          peers: Sequence[Any] = (), node_id: str | None = None, token: str | None = None,
                          progress: Callable[[int, int], None] | None = None,
-                         concurrency: int = 16) -> FetchStats:
+                         concurrency: int = 16, herd: Any = None) -> FetchStats:
     """Make ``manifest_id`` complete in ``store``. ``progress(bytes_done, bytes_total)``.
 
-    ``peers``/``node_id``/``token`` are for the herd protocol; this version fetches
-    from the origin only. Raises IntegrityError (bad bytes: nothing is marked complete),
+    With ``peers`` (Peer structs or data-plane URLs) or a ``herd``, the herd protocol
+    fetches (p2p.herd); without, the origin only. Raises IntegrityError (bad bytes: nothing is marked complete),
     NotFoundError/OriginError, StoreFullError, ManifestError (hostile manifest).
     """
+    if peers or herd is not None:
+        # The herd protocol (p2p.herd): homes fetch from the origin, the others from peers.
+        # ``herd``: a long-lived p2p.herd.Herd (the agent's), else one made for this call.
+        from .herd import fetch_with_peers
+        return await fetch_with_peers(store, manifest_id, origin, peers=peers, node_id=node_id,
+                                      token=token, progress=progress, herd=herd)
     t0 = time.perf_counter()
     manifest = await load_manifest(store, manifest_id, origin)
     store.pin(manifest_id)

@@ -100,7 +100,10 @@ class Herd:
         self._origin_limit = trio.CapacityLimiter(cfg.origin_concurrency)
         self._origin_bucket = AsyncBucket(cfg.origin_rate_bps)
         self._peer_limits: dict[str, trio.CapacityLimiter] = {}
-        self._inflight: dict[str, trio.Event] = {}
+        # Single flight: share the store's in-flight table (p2p.fetch uses it too) so
+        # one download per chunk per node, whichever path asked for it.
+        shared = getattr(store, "inflight", None)
+        self._inflight: dict[str, trio.Event] = shared if isinstance(shared, dict) else {}
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -368,17 +371,70 @@ def _in_trio() -> bool:
 
 
 async def herd_fetch(herd: Herd, manifest_id: str, origin: Any, peers: Sequence[Peer], *,
-                     progress: Callable[[int], None] | None = None) -> tuple[Any, HerdCounters]:
+                     progress: Callable[[int, int], None] | None = None) -> tuple[Any, HerdCounters]:
     """The whole fetch through the herd: the manifest (store, peers, origin — verified by
     id), every missing chunk, then a batched sync and the completion mark. Returns
-    (manifest, this fetch's counters)."""
+    (manifest, this fetch's counters). The manifest is pinned while it runs."""
     store = herd.store
     if store.has_manifest(manifest_id):
         manifest = store.get_manifest(manifest_id)
     else:
         data = await herd.fetch_manifest_bytes(manifest_id, origin, peers)
         manifest = await trio.to_thread.run_sync(store.put_manifest, manifest_id, data)
-    chunks = [(c.id, c.size) for c in manifest.chunks]
-    run = await herd.fetch_chunks(chunks, origin, peers, manifest_id=manifest_id, progress=progress)
-    await trio.to_thread.run_sync(store.mark_complete, manifest_id)
+    pin = getattr(store, "pin", None)
+    if pin is not None:
+        pin(manifest_id)
+    try:
+        chunks = [(c.id, c.size) for c in manifest.chunks]
+        total = manifest.unique_size
+        done = [total - sum(sz for cid, sz in chunks if not store.has_chunk(cid))]
+
+        def prog(n: int) -> None:
+            done[0] += n
+            if progress is not None:
+                progress(done[0], total)
+
+        if progress is not None:
+            progress(done[0], total)
+        run = await herd.fetch_chunks(chunks, origin, peers, manifest_id=manifest_id, progress=prog)
+        await trio.to_thread.run_sync(store.mark_complete, manifest_id)
+    finally:
+        if pin is not None:
+            store.unpin(manifest_id)
     return manifest, run
+
+
+async def fetch_with_peers(store: Any, manifest_id: str, origin: Any, *, peers: Sequence[Any],
+                           node_id: str | None = None, token: str | None = None,
+                           progress: Callable[[int, int], None] | None = None,
+                           herd: Herd | None = None, config: HerdConfig | None = None) -> Any:
+    """:func:`p2p.fetch.fetch_artifact` when peers are given: the same FetchStats.
+
+    ``peers`` are :class:`Peer` structs or bare data-plane URLs (``herd artifact fetch
+    --peer URL``; their node id is the URL). ``herd``: a long-lived Herd (the agent's)
+    to share single flight, penalties and counters; else one is made for this call."""
+    import socket
+    import time
+
+    from .fetch import FetchStats
+
+    t0 = time.perf_counter()
+    plist = [p if isinstance(p, Peer) else Peer(node_id=str(p), data_url=str(p)) for p in peers]
+    own = herd is None
+    if herd is None:
+        herd = Herd(store, node_id=node_id or socket.gethostname(), token=token, config=config)
+    try:
+        manifest, run = await herd_fetch(herd, manifest_id, origin, plist, progress=progress)
+        size = manifest.unique_size
+    finally:
+        if own:
+            await herd.aclose()
+    stats = FetchStats(manifest=manifest_id, bytes=size, bytes_from_origin=run.bytes_from_origin,
+                       bytes_from_peers=run.bytes_from_peers,
+                       bytes_local=size - run.bytes_from_origin - run.bytes_from_peers,
+                       chunks_fetched=run.chunks_from_origin + run.chunks_from_peers,
+                       seconds=round(time.perf_counter() - t0, 6))
+    log.info("herd fetched manifest=%s bytes=%d from_origin=%d from_peers=%d local=%d seconds=%.3f",
+             manifest_id, size, stats.bytes_from_origin, stats.bytes_from_peers, stats.bytes_local,
+             stats.seconds)
+    return stats
