@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     js = p.add_subparsers(dest="job_cmd", metavar="CMD")
     js.required = True
     s = js.add_parser("submit", help="submit a gang job: herd job submit [FILE.toml] [flags] -- ARGV")
-    s.add_argument("file", nargs="?", help="job TOML (flags override its keys)")
+    s.add_argument("rest", nargs=argparse.REMAINDER, metavar="[FILE.toml] [flags] -- ARGV",
+                   help="job TOML (flags override its keys), then the command after --")
     s.add_argument("--job-id", default=None)
     s.add_argument("--pods", type=int, default=None)
     s.add_argument("--gpus-per-pod", type=int, default=None)
@@ -36,9 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--grace", type=float, default=None, help="grace period in seconds")
     s.add_argument("--env", action="append", default=[], metavar="K=V")
     s.add_argument("--wait", default=None, help="wait until the job reaches this state (e.g. running)")
-    s.add_argument("argv", nargs=argparse.REMAINDER, help="-- the command to run")
     _common(s)
-    s.set_defaults(func=cmd_submit)
+    s.set_defaults(func=cmd_submit, parser=s, file=None, argv=[])
     ls = js.add_parser("list", help="list jobs")
     ls.add_argument("--state", default=None)
     _common(ls)
@@ -141,8 +141,6 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
         env[k] = v
     data["env"] = env
     argv = list(args.argv)
-    if argv and argv[0] == "--":
-        argv = argv[1:]
     if argv:
         data["argv"] = argv
     if not data.get("argv"):
@@ -175,7 +173,25 @@ def _print_job(v: JobView) -> None:
                       + (f"({p.exit_code})" if p.exit_code is not None else ""), p.workload_id) for p in v.pods]))
 
 
+def split_submit_args(args: argparse.Namespace) -> None:
+    """argparse stops at the first positional (FILE or the command); split the rest at
+    ``--`` into FILE + flags (parsed again with the same parser) and the command."""
+    rest = list(args.rest or [])
+    if "--" in rest:
+        i = rest.index("--")
+        pre, args.argv = rest[:i], rest[i + 1:]
+    else:
+        pre, args.argv = [], rest  # no "--": everything from the first positional on is the command
+        if rest and rest[0].endswith(".toml"):
+            pre, args.argv = rest[:1], rest[1:]
+    if pre and not pre[0].startswith("-"):
+        args.file, pre = pre[0], pre[1:]
+    if pre:
+        args.parser.parse_args(pre, namespace=args)
+
+
 def cmd_submit(args: argparse.Namespace) -> int:
+    split_submit_args(args)
     spec = build_spec(args)
     with _client(args) as c:
         v = c.submit(spec)
