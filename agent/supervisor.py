@@ -569,7 +569,8 @@ class Supervisor:
                     and attempt < pol.limit):
                 attempt += 1
                 self.counters["restarts"] += 1
-                await self._change(wid, restarts=rec.restarts + 1, exit_code=code, reason=f"restarting: {reason}")
+                await self._change(wid, state="starting", pid=None, restarts=rec.restarts + 1, exit_code=code,
+                                   reason=f"restarting after exit code {code}" + (f" ({reason})" if reason else ""))
                 with trio.move_on_after(pol.backoff_s * (2 ** (attempt - 1))):
                     await rt.stop.wait()
                 continue

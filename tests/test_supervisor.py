@@ -181,6 +181,8 @@ async def test_refusals(tmp_path):
 
 async def test_restart_policy_on_failure(tmp_path):
     sup = make(tmp_path)
+    events = []
+    sup.add_listener(lambda e: events.append((e.workload_id, e.state)))
     with trio.fail_after(20):
         async with trio.open_nursery() as n:
             await n.start(sup.run)
@@ -188,6 +190,15 @@ async def test_restart_policy_on_failure(tmp_path):
                           restart=RestartPolicy(kind="on-failure", limit=2, backoff_s=0.05))
             await sup.place(p, direct=True)
             st = await sup.wait_terminal("w")
+            # a stop during the back-off ends the workload without another run
+            await sup.place(placement("b", wid="b", gpus=[], argv=["sh", "-c", "echo run >> $HERD_SCRATCH/runs; exit 2"],
+                                      restart=RestartPolicy(kind="on-failure", limit=5, backoff_s=30)), direct=True)
+            with trio.fail_after(10):
+                while sup.record("b").restarts < 1:
+                    await trio.sleep(0.02)
+            assert sup.record("b").state == "starting" and sup.record("b").pid is None
+            await sup.stop("b", reason="stopped")
+            b = await sup.wait_terminal("b")
             # the placer's placements never restart on the agent
             await sup.place(placement("q", wid="q", gpus=[], argv=["false"],
                                       restart=RestartPolicy(kind="on-failure", limit=2, backoff_s=0.05)))
@@ -195,6 +206,10 @@ async def test_restart_policy_on_failure(tmp_path):
             n.cancel_scope.cancel()
     assert (st.state, st.exit_code, sup.record("w").restarts) == ("exited", 1, 2)
     assert (scratch(sup, "w") / "runs").read_text() == "run\n" * 3
+    assert [s for w, s in events if w == "w"] == ["accepted", "starting", "running"] * 1 + [
+        "starting", "running"] * 2 + ["exited"]
+    assert (b.state, b.exit_code, b.reason) == ("exited", 2, "stopped before start")
+    assert (scratch(sup, "b") / "runs").read_text() == "run\n"
     assert (q.state, q.exit_code, sup.record("q").restarts) == ("exited", 1, 0)
 
 
