@@ -21,6 +21,7 @@ just before.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -271,6 +272,24 @@ class Agent:
         self._nursery.start_soon(go)
 
 
+def _leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
 def run_agent(config: AgentConfig) -> None:
-    """Blocking entry point for ``herd agent run``."""
-    trio.run(Agent(config).run)
+    """Blocking entry point for ``herd agent run``. A start-up failure (a port in use, a
+    state dir that cannot be written) is one :class:`AgentError` line, not a traceback."""
+    try:
+        trio.run(Agent(config).run)
+    except BaseExceptionGroup as eg:
+        leaf = _leaf(eg)
+        if isinstance(leaf, OSError):
+            where = f" ({leaf.filename})" if leaf.filename else (
+                f" (listen {config.listen}, data_listen {config.data_listen or '-'})"
+                if leaf.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES) else "")
+            raise AgentError(f"agent failed: {leaf.strerror or leaf}{where}") from eg
+        if isinstance(leaf, AgentError):
+            raise leaf from eg
+        raise

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 import trio
@@ -10,6 +12,8 @@ import trio
 from agent.config import load_config
 from agent.errors import ConfigError
 from agent.sdnotify import Notifier
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_defaults_file_and_overrides(tmp_path):
@@ -63,3 +67,23 @@ async def test_sd_notify_outside_and_inside_systemd(tmp_path):
         assert n.ready("3 GPUs\nok") and n.status("a\nb")
         assert s.recv(100) == b"READY=1\nSTATUS=3 GPUs ok"  # one line per field
         assert s.recv(100) == b"STATUS=a b"
+
+
+async def test_agent_start_failures_are_one_line(tmp_path):
+    busy = trio.socket.socket()
+    await busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    try:
+        with trio.fail_after(60):
+            for extra, msg in ((["--listen", f"127.0.0.1:{port}"], f"Address already in use (listen 127.0.0.1:{port}"),
+                               (["--gpus", "simulated:nope"], "unknown simulated profile"),
+                               (["--listen", "nowhere"], "listen must be HOST:PORT")):
+                r = await trio.run_process(
+                    [sys.executable, "-m", "cli.main", "agent", "run", "--gpus", "simulated:dgx-h100", "--state-dir",
+                     str(tmp_path / "s"), "--listen", "127.0.0.1:0", "--no-data-plane", *extra],
+                    cwd=str(ROOT), capture_stdout=True, capture_stderr=True, check=False)
+                err = r.stderr.decode()
+                assert r.returncode == 1 and msg in err and len(err.strip().splitlines()) == 1, err
+    finally:
+        busy.close()
