@@ -35,6 +35,13 @@ log = logging.getLogger("herd.agent.launcher")
 SHIM_PATH = str(Path(__file__).with_name("shim.py"))
 
 
+def _shim_env() -> dict[str, str]:
+    """The shim's own environment: the agent's, minus what must not leak (the workload's
+    environment is built separately and passed in the command)."""
+    drop = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID", "LISTEN_FDNAMES")
+    return {k: v for k, v in os.environ.items() if k not in drop}
+
+
 class LaunchCommand(msgspec.Struct, frozen=True, kw_only=True):
     dir: str
     argv: list[str]
@@ -93,7 +100,7 @@ class ShimPool:
         out_r, out_w = os.pipe()
         try:
             pid = os.posix_spawn(
-                self.python, [self.python, "-I", "-S", SHIM_PATH], dict(os.environ),
+                self.python, [self.python, "-I", "-S", SHIM_PATH], _shim_env(),
                 file_actions=[(os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1),
                               (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)],
                 setsid=True,

@@ -15,7 +15,8 @@ Runs a real agent process (simulated dgx-h100 GPUs, loopback, a temp state dir) 
 * /v1/status latency with 8 running workloads (one per GPU); baseline GET /healthz
   (the HTTP floor: hypercorn + httpx on loopback).
 * agent RSS (VmRSS of the agent process, shims not included) idle and with 8 workloads;
-  ``shim_rss_mb`` is one shim's RSS.
+  ``shim_rss_mb``/``shim_pss_mb`` is one shim's RSS/PSS (median over every shim, the 8
+  busy ones and the idle pool).
 
 Prints a table, or exactly one JSON object with ``--json``. Every loop is bounded in
 count and time.
@@ -91,6 +92,17 @@ def rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def pss_mb(pid: int) -> float:
+    """Proportional set size: shared pages (libpython, the interpreter) split among sharers."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return float("nan")
 
 
@@ -199,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
                 c.get("/healthz")
                 healthz_ms.append((time.perf_counter() - t) * 1e3)
             rss_busy = rss_mb(proc.pid)
-            shim_pids = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit() and _is_idle_shim(p)]
+            shim_pids = [int(p.name) for p in Path("/proc").iterdir()
+                         if p.name.isdigit() and _is_shim_of(p, proc.pid)]
             shim_rss = statistics.median([rss_mb(p) for p in shim_pids]) if shim_pids else float("nan")
+            shim_pss = statistics.median([pss_mb(p) for p in shim_pids]) if shim_pids else float("nan")
             for wid in busy:
                 c.post(f"/v1/workloads/{wid}/stop", content=b'{"grace_s": 2}', headers=op)
             for wid in busy:
@@ -219,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             "healthz_p99_ms": round(pct(healthz_ms, 99), 3),
             "status_ratio_p99": round(pct(status_ms, 99) / pct(healthz_ms, 99), 2),
             "rss_idle_mb": round(rss_idle, 1), "rss_busy_mb": round(rss_busy, 1),
-            "shim_rss_mb": round(shim_rss, 1),
+            "shim_rss_mb": round(shim_rss, 1), "shim_pss_mb": round(shim_pss, 1), "shims": len(shim_pids),
             "targets": {"start_p99_ms": 10, "status_p99_ms": 5, "rss_busy_mb": 100},
         }
     finally:
@@ -245,16 +259,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"start ratio p50 {res['start_ratio_p50']}x baseline (+{res['start_overhead_p50_ms']} ms); "
               f"status p99 {res['status_ratio_p99']}x /healthz")
         print(f"agent RSS idle {res['rss_idle_mb']} MB, with 8 workloads {res['rss_busy_mb']} MB; "
-              f"one shim {res['shim_rss_mb']} MB")
+              f"one shim {res['shim_rss_mb']} MB RSS / {res['shim_pss_mb']} MB PSS ({res['shims']} shims)")
     return 0
 
 
-def _is_idle_shim(p: Path) -> bool:
+def _is_shim_of(p: Path, agent_pid: int) -> bool:
     try:
         cmd = (p / "cmdline").read_bytes().split(b"\0")
+        stat = (p / "stat").read_bytes()
     except OSError:
         return False
-    return any(a.endswith(b"agent/shim.py") for a in cmd)
+    ppid = int(stat[stat.rfind(b")") + 2:].split()[1])
+    return ppid == agent_pid and any(a.endswith(b"agent/shim.py") for a in cmd)
 
 
 if __name__ == "__main__":
