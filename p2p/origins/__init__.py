@@ -12,7 +12,7 @@ from urllib.parse import unquote, urlsplit
 from ..errors import OriginError
 from .base import Origin, OriginStatistics, check_hex_id, check_ref_name, is_manifest_id
 from .file import FileOrigin
-from .gcs import GCSOrigin
+from .gcs import GCSOrigin, emulator_base
 from .http_origin import HttpOrigin
 
 __all__ = ["FileOrigin", "GCSOrigin", "HttpOrigin", "Origin", "OriginStatistics", "check_hex_id",
@@ -22,7 +22,8 @@ __all__ = ["FileOrigin", "GCSOrigin", "HttpOrigin", "Origin", "OriginStatistics"
 def open_origin(url: str, *, max_concurrency: int | None = None, retries: int = 5) -> Origin:
     """An origin for ``url``. Opening never does I/O; errors surface on first use.
 
-    ``max_concurrency`` bounds concurrent requests (default 32 for GCS/http);
+    ``max_concurrency`` bounds concurrent requests (default 32 for GCS/http, 4 for a
+    single-threaded GCS emulator named by STORAGE_EMULATOR_HOST);
     ``retries`` is how many times a 429/5xx/timeout is retried with backoff.
     """
     if not isinstance(url, str) or not url:
@@ -37,7 +38,8 @@ def open_origin(url: str, *, max_concurrency: int | None = None, retries: int = 
             raise OriginError(f"file:// origin needs an absolute path: {url}")
         return FileOrigin(path, url=url)
     if scheme == "gs":
-        return GCSOrigin(parts.netloc, unquote(parts.path), max_concurrency=max_concurrency or 32,
+        default = 4 if emulator_base() else 32
+        return GCSOrigin(parts.netloc, unquote(parts.path), max_concurrency=max_concurrency or default,
                          retries=retries)
     if scheme in ("http", "https"):
         return HttpOrigin(url, max_concurrency=max_concurrency or 32, retries=retries)
