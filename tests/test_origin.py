@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import trio
 from blake3 import blake3
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from p2p.errors import NotFoundError, OriginError, ReadOnlyOriginError, RefError
 from p2p.origins import FileOrigin, GCSOrigin, HttpOrigin, check_ref_name, open_origin
@@ -134,3 +136,18 @@ async def test_http_origin_unreachable_after_retries() -> None:
         with pytest.raises(OriginError, match="failed after 3 attempts: unreachable"):
             await o.get_chunk(chunk(1)[0])
     await o.aclose()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(alphabet=st.sampled_from(list("ab.:/-_@+=\x00 \\~")), min_size=0, max_size=24))
+def test_ref_names_property(name: str) -> None:
+    """Whatever is accepted stays inside refs/: no empty/dot components, no NUL, not absolute."""
+    try:
+        check_ref_name(name)
+    except RefError:
+        return
+    parts = name.split("/")
+    assert all(p and p not in (".", "..") and p[0].isalnum() for p in parts)
+    assert "\x00" not in name and not name.startswith("/")
+    root = Path("/origin/refs")
+    assert (root / name).resolve().is_relative_to(root)
