@@ -26,7 +26,8 @@ def test_open_origin_schemes(tmp_path: Path) -> None:
     assert isinstance(open_origin(f"file://{tmp_path}"), FileOrigin)
     assert isinstance(open_origin("gs://bucket/some/prefix"), GCSOrigin)
     assert isinstance(open_origin("https://mirror.example/herd"), HttpOrigin)
-    for bad in ("", "ftp://x/y", "file://host/dir", "relative/dir"):
+    for bad in ("", "ftp://x/y", "file://host/dir", "relative/dir", "http://", "http://[::1", "http://h:99999/x",
+                "gs://", "file://"):
         with pytest.raises(OriginError):
             open_origin(bad)
 

@@ -28,7 +28,11 @@ def open_origin(url: str, *, max_concurrency: int | None = None, retries: int = 
     """
     if not isinstance(url, str) or not url:
         raise OriginError("empty origin URL")
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - validates the port
+    except ValueError as e:
+        raise OriginError(f"invalid origin URL {url!r}: {e}") from None
     scheme = parts.scheme.lower()
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
@@ -42,6 +46,8 @@ def open_origin(url: str, *, max_concurrency: int | None = None, retries: int = 
         return GCSOrigin(parts.netloc, unquote(parts.path), max_concurrency=max_concurrency or default,
                          retries=retries)
     if scheme in ("http", "https"):
+        if not parts.hostname:
+            raise OriginError(f"{scheme}:// origin URL needs a host: {url!r}")
         return HttpOrigin(url, max_concurrency=max_concurrency or 32, retries=retries)
     if scheme == "" and url.startswith("/"):
         return FileOrigin(url, url=f"file://{url}")

@@ -62,6 +62,8 @@ class RetryingClient:
                     resp = await self.client.request(method, url, headers=headers, **kwargs)
             except httpx.TimeoutException as e:
                 last = f"timed out ({type(e).__name__})"
+            except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
+                raise OriginError(f"{self.what}: bad URL {_short(url)}: {e}") from None
             except httpx.TransportError as e:
                 last = f"unreachable ({type(e).__name__}: {e})"
             else:
