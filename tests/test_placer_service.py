@@ -44,6 +44,8 @@ class FakeAgent:
         self.topology = TopologyPath(zone="z1", block="b1", rack=rack)
         self.workloads: dict[str, WorkloadStatus] = {}
         self.placements: list[Placement] = []
+        self.manifests: list[str] = []
+        self.prefetches: list[dict] = []
         self.url = ""
         self.link: AgentLink | None = None
         self.cancel = trio.CancelScope()
@@ -56,7 +58,7 @@ class FakeAgent:
     def full_report(self) -> NodeReport:
         return NodeReport(node_id=self.node_id, boot_id="", seq=0, control_url=self.url, data_url=self.url,
                           topology=self.topology, snapshot=self.gpu_snapshot(),
-                          workloads=list(self.workloads.values()), manifests=[])
+                          workloads=list(self.workloads.values()), manifests=list(self.manifests))
 
     def _set(self, wid: str, state: str, **kw) -> None:
         w = msgspec.structs.replace(self.workloads[wid], state=state, **kw)
@@ -109,7 +111,11 @@ class FakeAgent:
 
         @app.route("POST", "/v1/prefetch", auth=require_role(self.tokens, "placer"))
         async def prefetch(req):
-            raise HTTPError(404, "no such manifest")
+            body = msgspec.json.decode(req.body)
+            if body["origin"] == "file:///missing":
+                raise HTTPError(404, "no such origin")
+            self.prefetches.append(body)
+            return json_response({"ok": True})
         return app
 
     async def run(self, placer_url: str, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -425,3 +431,50 @@ def test_config_errors_are_clear(tmp_path):
         load_config(tmp_path / "none.toml")
     with pytest.raises(PlacerConfigError):
         load_config(None, heartbeat_s=0)
+
+
+async def test_peers_prefetch_and_fatal_gpu_reports(tmp_path, token_dir):
+    tokens = TokenSet.load(token_dir)
+    mid = "ab" * 32
+    with trio.fail_after(15):
+        async with trio.open_nursery() as n:
+            svc, cl = await start_cluster(n, tmp_path, tokens)
+            holder = cl.agents["n3"]
+            holder.manifests = [mid]
+            holder.link.request_full_report()
+            await wait_for(lambda: _true(mid in svc.state.nodes["n3"].manifests))
+            await cl.submit(job_id="p", pods=1, gpus_per_pod=8, manifest_id=mid, origin="file:///o",
+                            within="node")
+            v = await cl.job("p", wait="running")
+            node = v["pods"][0]["node_id"]
+            pl = next(p for p in cl.agents[node].placements if p.job_id == "p")
+            assert pl.manifest_id == mid and pl.origin == "file:///o"
+            assert {p.node_id for p in pl.peers} == {node, "n3"}  # the gang + a holder
+            # prefetch fan-out: by node list, by domain; clear errors
+            r = await cl.c.post("/v1/prefetch", json={"manifest_id": mid, "origin": "file:///o",
+                                                      "level": "rack", "domain": "r0"})
+            assert r.status_code == 200 and set(r.json()["nodes"]) == {"n0", "n1"}
+            assert all(x["ok"] for x in r.json()["nodes"].values())
+            assert cl.agents["n0"].prefetches[0]["manifest_id"] == mid
+            r = await cl.c.post("/v1/prefetch", json={"manifest_id": mid, "origin": "file:///missing",
+                                                      "nodes": ["n2"]})
+            assert r.status_code == 200 and r.json()["nodes"]["n2"]["status"] == 404
+            r = await cl.c.post("/v1/prefetch", json={"manifest_id": mid, "origin": "x", "nodes": ["zz"]})
+            assert r.status_code == 404 and "zz" in r.json()["detail"]
+            r = await cl.c.post("/v1/prefetch", json={"manifest_id": mid, "origin": "x", "level": "rack"})
+            assert r.status_code == 400
+            async with httpx.AsyncClient() as anon:
+                r = await anon.post(cl.url + "/v1/prefetch", json={"manifest_id": mid, "origin": "x"})
+                assert r.status_code == 401
+            # a GPU the agent reports fatal: nothing more is placed on it
+            cl.agents["n0"].fatal.add("GPU-n0-3")
+            await wait_for(lambda: _true(3 in svc.state.nodes["n0"].fatal))
+            nodes = (await cl.c.get("/v1/nodes")).json()["nodes"]
+            assert next(x for x in nodes if x["node_id"] == "n0")["unhealthy_gpus"] == [3]
+            await cl.submit(job_id="many", pods=8, gpus_per_pod=2)
+            v = await cl.job("many", wait="running")
+            assert all("GPU-n0-3" not in p["gpus"] for p in v["pods"])
+            c = (await cl.c.get("/v1/cluster")).json()
+            assert c["model"]["unhealthy_gpus"] == 1 and "fragmentation" in c
+            n.cancel_scope.cancel()
+
