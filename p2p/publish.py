@@ -15,7 +15,7 @@ from blake3 import blake3
 
 from manifests import Chunk, ChunkerParams, ChunkSource, encode_manifest, scan_tree
 
-from .errors import IntegrityError, P2PError
+from .errors import IntegrityError, P2PError, ReadOnlyOriginError
 from .origins import Origin, check_ref_name
 from .pool import run_pool
 
@@ -51,6 +51,8 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
     Raises ManifestError for a tree that cannot be represented, OriginError/RefError.
     """
     check_ref_name(name)
+    if origin.read_only:
+        raise ReadOnlyOriginError(f"origin {origin.url} is read-only; publish to file:// or gs://")
     root = Path(root)
     if not root.is_dir():
         raise P2PError(f"not a directory: {root}")

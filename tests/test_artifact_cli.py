@@ -106,6 +106,19 @@ def test_one_line_errors(published: tuple[Path, str, dict, dict]) -> None:
     one_line_error(herd("artifact", "publish", str(tmp_path / "nodir"), "--origin", origin, "--name", "a",
                         ok=False), "not a directory")
     one_line_error(herd("artifact", "show", "app:v1", ok=False), "--origin")
+    one_line_error(herd("artifact", "show", "app:v1", "--origin", "http://[::1", ok=False), "invalid origin URL")
+    one_line_error(herd("artifact", "publish", str(tmp_path / "src"), "--origin", "http://127.0.0.1:9/x",
+                        "--name", "a", ok=False), "read-only")
+    one_line_error(herd("artifact", "publish", str(tmp_path / "src"), "--origin", origin, "--name", "a",
+                        "--avg-chunk", "0", ok=False), "avg_size")
+    (tmp_path / "afile").write_text("")
+    one_line_error(herd("artifact", "fetch", "app:v1", "--origin", origin, "--store", str(tmp_path / "afile"),
+                        "--into", str(tmp_path / "x"), ok=False), "cannot open store")
+    one_line_error(herd("artifact", "fetch", "app:v1", "--origin", origin, "--store", store, "--quota", "lots",
+                        "--into", str(tmp_path / "x"), ok=False), "--quota")
+    one_line_error(herd("artifact", "fetch", "app:v1", "--origin", origin, "--store", str(tmp_path / "small"),
+                        "--quota", "100k", "--into", str(tmp_path / "x"), ok=False), "quota")
+    assert not (tmp_path / "x").exists()
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "f").write_text("x")
     one_line_error(herd("artifact", "fetch", "app:v1", "--origin", origin, "--store", store,
