@@ -105,10 +105,10 @@ async def test_sigkill_restart_readopts_and_learns_exit_codes(tmp_path, token_di
                         assert r.status_code == 200, r.text
                     w = await wait_wl(c, "w", "running")
                     await wait_wl(c, "t", "running")
-                    # t: a stop with a 2.5 s grace period; the agent dies during it
-                    r = await c.post("/v1/workloads/t/stop", content=b'{"grace_s": 2.5, "reason": "preempted"}',
+                    # t: a stop with a 4 s grace period; the agent dies during it
+                    r = await c.post("/v1/workloads/t/stop", content=b'{"grace_s": 4, "reason": "preempted"}',
                                      headers=op)
-                    deadline = trio.current_time() + 2.5
+                    deadline = trio.current_time() + 4
                     scr_t = agent.state / "workloads" / "t" / "scratch"
                     with trio.fail_after(5):
                         while not await trio.Path(scr_t / "terms").exists():
@@ -120,17 +120,18 @@ async def test_sigkill_restart_readopts_and_learns_exit_codes(tmp_path, token_di
                 assert procs.start_time(pid) is not None  # the workload outlived its agent
 
                 url = await agent.start()
+                back = trio.current_time()
                 async with httpx.AsyncClient(base_url=url) as c:
                     w2 = await get_wl(c, "w")
                     assert (w2["state"], w2["pid"]) == ("running", pid)
                     t = await get_wl(c, "t")
-                    assert t["state"] == "terminating"
-                    # countdown resumed: not killed at once, killed at the original deadline
-                    assert trio.current_time() < deadline - 0.3
+                    if back < deadline - 0.5:  # (a very slow restart may come back after the deadline)
+                        assert t["state"] == "terminating"  # not killed at once
                     t = await wait_wl(c, "t", "preempted", "exited", "lost")
                     ended = trio.current_time()
                     assert (t["state"], t["exit_code"]) == ("preempted", 128 + signal.SIGKILL)
-                    assert deadline - 0.2 <= ended <= deadline + 2.0
+                    # killed at the recorded deadline, not after a fresh grace period
+                    assert deadline - 0.2 <= ended <= max(deadline, back) + 1.5
                     assert (scr_t / "terms").read_text() == "term\n"   # one SIGTERM, not two
                     # GPU still booked by the adopted workload
                     p = Placement(placement_id="p-x", job_id="j", argv=["true"],

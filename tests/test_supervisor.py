@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgspec
@@ -245,7 +246,7 @@ async def test_countdown_resumes_after_restart(tmp_path):
             await sup.place(placement("p", wid="w", gpus=[], env={"IGNORE": "1"}))
             await wait_state(sup, "w", "running")
             await wait_file(scratch(sup, "w") / "started")
-            await sup.stop("w", reason="preempted", grace_s=1.5)
+            await sup.stop("w", reason="preempted", grace_s=2.5)
             await wait_file(scratch(sup, "w") / "terms")
             await wait_state(sup, "w", "terminating")
             with trio.fail_after(5):
@@ -260,12 +261,13 @@ async def test_countdown_resumes_after_restart(tmp_path):
             assert sup2.record("w").state == "terminating"
             assert sup2.record("w").stop_deadline == deadline
             await trio.sleep(0.3)
-            assert sup2.record("w").state == "terminating"  # not killed at once
+            if time.time() < deadline - 0.1:
+                assert sup2.record("w").state == "terminating"  # not killed at once
             st = await sup2.wait_terminal("w")
             ended = sup2.record("w").updated_at
             n.cancel_scope.cancel()
     assert (st.state, st.exit_code) == ("preempted", 128 + signal.SIGKILL)
-    assert deadline - 0.05 <= ended <= deadline + 1.5  # the original deadline, not a fresh grace period
+    assert deadline - 0.05 <= ended <= deadline + 1.0  # the original deadline, not a fresh 2.5 s grace period
     assert (scratch(sup2, "w") / "terms").read_text() == "term\n"  # SIGTERM not sent twice
 
 
