@@ -101,6 +101,32 @@ class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
         return not self.bad_chunks and not self.bad_manifests
 
 
+_PID_IN_NAME = re.compile(r"\.p(\d+)\.|\.partial-(\d+)-")
+
+
+def _temp_name(prefix: str) -> str:
+    """A unique temp name that records the writing process: ``<prefix>.p<pid>.<random>``."""
+    return f"{prefix}.p{os.getpid()}.{uuid.uuid4().hex[:12]}"
+
+
+def _writer_alive(name: str) -> bool:
+    """True if ``name`` is a temp name of a process that still runs (so not a leftover).
+    Our own pid counts as alive: another ChunkStore of this process may be writing."""
+    m = _PID_IN_NAME.search(name)
+    if m is None:
+        return False
+    pid = int(m.group(1) or m.group(2))
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _full(e: OSError, what: str) -> StoreFullError:
     return StoreFullError(f"store disk full while writing {what}: {os.strerror(e.errno or errno.ENOSPC)}")
 
@@ -198,17 +224,19 @@ class ChunkStore:
             if e.errno in _FULL_ERRNOS:
                 raise _full(e, "the store layout") from None
             raise StoreError(f"cannot open store at {self.root}: {e.strerror or e}") from None
-        # Leftovers of interrupted writes.
+        # Leftovers of interrupted writes. Temp names carry the writer's pid: another live
+        # process using this store (an agent while `herd artifact verify` runs) keeps its own.
         removed = 0
         for entry in os.scandir(self.tmp_dir):
-            _rmtree_force(Path(entry.path))
-            removed += 1
-        for entry in os.scandir(self.artifacts_dir):
-            if not _HEX64.match(entry.name):  # a materialisation that never got renamed into place
+            if not _writer_alive(entry.name):
                 _rmtree_force(Path(entry.path))
                 removed += 1
-            else:
+        for entry in os.scandir(self.artifacts_dir):
+            if _HEX64.match(entry.name):
                 self._materialised.add(entry.name)
+            elif not _writer_alive(entry.name):  # a materialisation that never got renamed into place
+                _rmtree_force(Path(entry.path))
+                removed += 1
         for entry in os.scandir(self.manifests_dir):
             if not _HEX64.match(entry.name):
                 os.unlink(entry.path)
@@ -281,7 +309,7 @@ class ChunkStore:
         size = len(data)
         self._reserve(size)
         final = self.chunks_dir / chunk_id[:2] / chunk_id
-        tmp = self.tmp_dir / f"{chunk_id}.{uuid.uuid4().hex[:12]}"
+        tmp = self.tmp_dir / _temp_name(chunk_id)
         try:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
             try:
@@ -539,7 +567,7 @@ class ChunkStore:
                 # Build under tmp/ (same filesystem, so links work and leftovers are
                 # swept at open), fsync the whole tree concurrently, then rename it
                 # into place: a visible tree is a whole tree, even after a crash.
-                private = self.tmp_dir / f"mat-{manifest_id[:16]}-{uuid.uuid4().hex[:8]}"
+                private = self.tmp_dir / _temp_name(f"mat-{manifest_id[:16]}")
                 try:
                     materialise_tree(m, chunk_path=self.chunk_path, dest=private / "tree", link_from=link_from)
                     fsync_tree(private / "tree")
@@ -570,7 +598,7 @@ class ChunkStore:
             self._materialised.discard(manifest_id)
         if not dest.exists():
             return False
-        doomed = self.tmp_dir / f"rm-{manifest_id[:16]}-{uuid.uuid4().hex[:8]}"
+        doomed = self.tmp_dir / _temp_name(f"rm-{manifest_id[:16]}")
         os.rename(dest, doomed)
         _rmtree_force(doomed)
         return True
@@ -690,7 +718,7 @@ def fsync_tree(root: Path) -> None:
 
 def _atomic_write(path: Path, data: bytes, tmp_dir: Path, *, what: str) -> None:
     """Write ``data`` to ``path`` via a temp file, fsync file and directory."""
-    tmp = tmp_dir / f"{path.name[:40]}.{uuid.uuid4().hex[:12]}"
+    tmp = tmp_dir / _temp_name(path.name[:40])
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
         try:

@@ -110,6 +110,24 @@ def test_leftovers_removed_at_open(tmp_path: Path) -> None:
     assert s2.has_chunk(cid)
 
 
+def test_open_keeps_temp_files_of_live_writers(tmp_path: Path) -> None:
+    ChunkStore(tmp_path / "s")
+    live = subprocess.Popen(["sleep", "30"])
+    dead = subprocess.Popen(["true"])
+    dead.wait(timeout=10)
+    try:
+        tmp = tmp_path / "s" / "tmp"
+        (tmp / f"abc.p{live.pid}.0123").write_bytes(b"being written")
+        (tmp / f"abc.p{dead.pid}.0123").write_bytes(b"leftover")
+        (tmp_path / "s" / "artifacts" / f".{'0' * 64}.partial-{dead.pid}-ab").mkdir()
+        ChunkStore(tmp_path / "s")
+        assert os.listdir(tmp) == [f"abc.p{live.pid}.0123"]
+        assert os.listdir(tmp_path / "s" / "artifacts") == []
+    finally:
+        live.kill()
+        live.wait(timeout=10)
+
+
 def test_lru_eviction_watermarks_and_pins(tmp_path: Path) -> None:
     # quota 10 000 bytes, chunks of 1000: filling past 9000 evicts down to 8000 - incoming.
     s = ChunkStore(tmp_path / "s", quota_bytes=10_000, high_watermark=0.9, low_watermark=0.5)
