@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 from blake3 import blake3
@@ -93,13 +94,16 @@ async def test_http_origin_reads_retries_and_is_read_only(tmp_path: Path) -> Non
         await fo.put_chunk(cid, data)
     mid = chunk(77)[0]
     await fo.set_ref("app:v1", mid)
-    flaky = {"left": 2}
+    flaky = {"left": 2, "slow": 1}
     app = App()
 
     async def get(req: Request) -> Response:
         if flaky["left"] > 0 and req.params["kind"] == "chunks":
             flaky["left"] -= 1
-            return Response(status=503, body=b"busy")
+            return Response(status=429 if flaky["left"] else 503, body=b"busy")
+        if flaky["slow"] > 0 and req.params["name"] == chunks[1][0]:
+            flaky["slow"] -= 1
+            await trio.sleep(5)  # longer than the client's timeout: a retried timeout
         p = root / req.params["kind"] / req.params["name"]
         if not p.is_file():
             return Response(status=404, body=b"")
@@ -112,8 +116,11 @@ async def test_http_origin_reads_retries_and_is_read_only(tmp_path: Path) -> Non
             url = await nursery.start(serve, app, "127.0.0.1:0")
             o = open_origin(f"{url}/herd", retries=3)
             o.http.backoff_base = 0.01  # type: ignore[attr-defined]
-            assert await o.get_chunk(chunks[0][0]) == chunks[0][1]  # after two 503s
+            assert await o.get_chunk(chunks[0][0]) == chunks[0][1]  # after a 429 and a 503
             assert o.statistics().retries == 2
+            o.http.client.timeout = httpx.Timeout(0.5)  # type: ignore[attr-defined]
+            assert await o.get_chunk(chunks[1][0]) == chunks[1][1]  # after a timeout
+            assert o.statistics().retries == 3
             assert await o.resolve("app:v1") == mid
             ids = [c for c, _ in chunks] + [chunk(50)[0]]
             assert await o.missing(ids) == {chunk(50)[0]}
