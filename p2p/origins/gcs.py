@@ -176,9 +176,17 @@ class GCSOrigin(Origin):
 
     async def _put(self, key: str, data: bytes) -> None:
         url = f"{self.base}/upload/storage/v1/b/{quote(self.bucket, safe='')}/o"
-        resp = await self.http.request("POST", url, params={"uploadType": "media", "name": self.prefix + key},
-                                       content=data, headers={"content-type": "application/octet-stream"})
+        params = {"uploadType": "media", "name": self.prefix + key}
+        immutable = not key.startswith("refs/")
+        if immutable:
+            # Content-addressed objects never change: create-only, so a concurrent publisher's
+            # copy is not rewritten (412 = it is already there, which is success).
+            params["ifGenerationMatch"] = "0"
+        resp = await self.http.request("POST", url, params=params, content=data,
+                                       headers={"content-type": "application/octet-stream"})
         self._sync_retries()
+        if resp.status_code == 412 and immutable:
+            return
         if resp.status_code not in (200, 201):
             raise OriginError(f"origin {self.url}: upload {key}: {describe_status(resp)}")
 
