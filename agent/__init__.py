@@ -10,6 +10,6 @@ What others may use (import from the modules; this package init stays import-fre
     agent.placement.check_placement(placement, records, gpu_health) -> reason | None   # pure
     agent.api.build_app(agent) -> scheduler_link.http.App
     agent.sdnotify.Notifier                                        # sd_notify socket protocol
-    agent.errors: AgentError, ConfigError, PlacementRefused, UnknownWorkload, ShimError, StateError
+    agent.errors: AgentError, ConfigError, UnknownWorkload, ShimError (refusals are PlacementAck.reason)
     agent.gpus: GPU discovery and health (see its own __init__)
 """

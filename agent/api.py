@@ -5,6 +5,10 @@ placer or the operator token (an operator's placement is a *direct* one: the age
 own restart policy applies to it only); stopping workloads and fault injection take
 the operator token; reads are open to loopback clients and need the operator token
 from anywhere else unless ``open_reads`` is configured.
+
+``POST /v1/placements`` answers 200 with the PlacementAck when accepted (or already
+accepted: idempotent by placement id) and 409 with the PlacementAck (``accepted:
+false``, ``reason``) when refused.
 """
 
 from __future__ import annotations
