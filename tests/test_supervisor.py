@@ -400,3 +400,17 @@ async def test_old_terminal_workloads_are_forgotten(tmp_path):
     assert {w.workload_id for w in sup.workloads()} == {"w3"}
     saved = msgspec.json.decode((tmp_path / "state" / "state.json").read_bytes(), type=AgentState)
     assert {r.workload_id for r in saved.records} == {"w3"}
+
+
+async def test_missing_program_fails_with_a_clear_reason(tmp_path):
+    sup = make(tmp_path)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            await sup.place(placement("p", wid="w", gpus=["GPU-0000"], argv=["/no/such/program", "x"]))
+            st = await sup.wait_terminal("w")
+            # the GPU is free again at once
+            assert (await sup.place(placement("q", wid="q", gpus=["GPU-0000"], argv=["true"]))).accepted
+            await sup.wait_terminal("q")
+            n.cancel_scope.cancel()
+    assert st.state == "failed" and "launch failed" in st.reason and "/no/such/program" in st.reason
