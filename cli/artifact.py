@@ -148,6 +148,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
     if not Path(args.dir).is_dir():
         raise CliError(f"not a directory: {args.dir}")
     progress = Progress("upload", not args.json)
+    if progress.enabled:
+        sys.stderr.write(f"scanning {args.dir} ...\n")
+        sys.stderr.flush()
 
     async def main() -> Any:
         async with _open(args) as origin:

@@ -32,6 +32,7 @@ def herd(*args: str, ok: bool = True) -> subprocess.CompletedProcess[str]:
 
 def herd_json(*args: str) -> dict:
     r = herd(*args, "--json")
+    assert r.stderr == ""  # no progress bars when stderr is not a terminal
     lines = r.stdout.strip().splitlines()
     assert len(lines) == 1, r.stdout
     return json.loads(lines[0])
