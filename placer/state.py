@@ -178,6 +178,8 @@ class PlacerState:
         }
         self.decision_s: list[float] = []
         self._ended: list[tuple[str, str, float]] = []
+        self.node_jobs: dict[str, set[str]] = {}   # node -> jobs that placed pods there (pruned lazily)
+        self.dirty = True                           # capacity or the queue changed since schedule()
 
     def drain_ended(self) -> list[tuple[str, str, float]]:
         """Jobs that reached a terminal state since the last call (for the journal)."""
@@ -219,6 +221,7 @@ class PlacerState:
         job = JobRec(spec=spec, order=self._order, recovering=recovering,
                      state="pending", timings={"submitted": now})
         self.jobs[spec.job_id] = job
+        self.dirty = True
         return job
 
     def cancel(self, job_id: str, now: float) -> list[Push]:
@@ -317,8 +320,10 @@ class PlacerState:
                     self._assign(f"stale:{w.workload_id}", rep.node_id, slots, STALE_PRIORITY, False)
         # Pods we placed on this node that the agent does not know (lost with its state,
         # or a push that never landed): the gang is broken.
-        for job in self.live_jobs():
-            if job.recovering:
+        self.dirty = True
+        for job_id in sorted(self.node_jobs.get(rep.node_id, ())):
+            job = self.jobs.get(job_id)
+            if job is None or job.recovering or job.state in TERMINAL_JOB_STATES:
                 continue
             for p in job.pods:
                 if (p.node_id == rep.node_id and p.workload_id not in reported and p.state not in TERMINAL_STATES
@@ -361,6 +366,7 @@ class PlacerState:
                 return False
             job.pods.append(PodRec(rank=rank, node_id=node.node_id, slots=slots, uuids=list(uuids),
                                    workload_id=wid, state=state))
+            self.node_jobs.setdefault(node.node_id, set()).add(job_id)
             job.pods.sort(key=lambda p: p.rank)
             return True
         if attempt != job.attempt:
@@ -383,6 +389,7 @@ class PlacerState:
         gpus = sorted(snap.gpus, key=lambda g: g.index)
         if [g.uuid for g in gpus] != node.uuids:
             return  # inventory changed: the next full report rebuilds the node
+        self.dirty = True
         node.refused.clear()  # the agent has spoken about every GPU again
         node.fatal = {i for i, g in enumerate(gpus) if g.health == "fatal"}
         node.host_fatal = snap.host.state == "fatal"
@@ -392,6 +399,7 @@ class PlacerState:
 
     def _node_back(self, node: NodeRec, now: float) -> list[Push]:
         if node.state == "lost":
+            self.dirty = True
             log.info("node back node=%s after=%.1fs", node.node_id, now - (node.lost_since or now))
             node.state, node.lost_since = "up", None
             self.model.set_node_state(node.node_id, healthy=not node.host_fatal)
@@ -402,6 +410,7 @@ class PlacerState:
         if ev.state in TERMINAL_STATES and ev.workload_id in node.stale:
             node.stale.pop(ev.workload_id)
             self._release_quiet(f"stale:{ev.workload_id}")
+            self.dirty = True
             return []
         parsed = parse_workload_id(ev.workload_id)
         job = self.jobs.get(ev.job_id)
@@ -440,6 +449,7 @@ class PlacerState:
         cause and restart policy: requeue (new attempt) or a terminal state. With ``hold``
         the stopped pods keep their GPUs (as stale holders) until their node reports them
         gone, so nothing new is pushed onto a GPU still in its grace period."""
+        self.dirty = True
         live = [p for p in job.pods if p.state not in TERMINAL_STATES]
         pushes = self._stop_pods(job, live, reason=cause if cause != "lost" else "gang broken: node lost")
         self._release_quiet(job.job_id)
@@ -508,8 +518,9 @@ class PlacerState:
         """Try every pending job (strict priority, FIFO within one; a job that does not fit
         does not block smaller ones). Returns, per decided job, its pushes (victim stops
         folded into the same per-node placement as the new pods)."""
-        if now < self.recover_until:
+        if now < self.recover_until or not self.dirty:
             return []
+        self.dirty = False
         self._finish_recovery(now)
         pending = sorted((j for j in self.jobs.values() if j.state == "pending"),
                          key=lambda j: (-j.spec.priority, j.order))
@@ -556,6 +567,7 @@ class PlacerState:
         for pp in decision.pods:
             node = self.nodes[pp.node_id]
             slots = tuple(int(s) for s in pp.slots)
+            self.node_jobs.setdefault(pp.node_id, set()).add(job.job_id)
             job.pods.append(PodRec(rank=int(pp.rank), node_id=pp.node_id, slots=slots,
                                    uuids=[node.uuids[s] for s in slots],
                                    workload_id=workload_id(job.job_id, job.attempt, int(pp.rank))))
@@ -612,6 +624,7 @@ class PlacerState:
             self._maybe_running(job, now)
             return []
         self.counters["rollbacks"] += 1
+        self.dirty = True
         for node_id, why in refused.items():
             node = self.nodes.get(node_id)
             if node is None:
@@ -645,6 +658,7 @@ class PlacerState:
         for node in self.nodes.values():
             if node.state == "up" and now - node.last_seen > self.cfg.lost_after_s:
                 node.state, node.lost_since = "lost", now
+                self.dirty = True
                 self.counters["nodes_lost"] += 1
                 self.model.set_node_state(node.node_id, healthy=False)
                 log.warning("node lost node=%s silent=%.1fs", node.node_id, now - node.last_seen)
