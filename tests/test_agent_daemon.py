@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAP = r"""
 trap 'echo term >> "$HERD_SCRATCH/terms"; [ "$IGNORE" = 1 ] || { echo ckpt > "$HERD_SCRATCH/checkpoint"; exit 0; }' TERM
 echo $$ > "$HERD_SCRATCH/started"
-while [ ! -e "$HERD_SCRATCH/go" ]; do sleep 0.05; done
+n=0; while [ ! -e "$HERD_SCRATCH/go" ] && [ $n -lt 600 ]; do sleep 0.05; n=$((n+1)); done  # bounded: 30 s
 exit 5
 """
 

@@ -24,7 +24,7 @@ GPUS = {f"GPU-{i:04d}": "healthy" for i in range(4)}
 TRAP = r"""
 trap 'echo term >> "$HERD_SCRATCH/terms"; if [ "$IGNORE" != 1 ]; then echo ckpt > "$HERD_SCRATCH/checkpoint"; exit 0; fi' TERM
 echo started > "$HERD_SCRATCH/started"
-while [ ! -e "$HERD_SCRATCH/go" ]; do sleep 0.05; done
+n=0; while [ ! -e "$HERD_SCRATCH/go" ] && [ $n -lt 600 ]; do sleep 0.05; n=$((n+1)); done  # bounded: 30 s
 exit "${CODE:-0}"
 """
 
