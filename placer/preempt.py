@@ -8,10 +8,12 @@ A slot is *reclaimable* when it is usable and either free or held by an eligible
 1. Per node, reclaimable slots -> pods that would fit -> capacity per domain at the
    ``within`` level. Domains that cannot hold the gang even then are out; if none is
    left, the job cannot be placed (None).
-2. *Estimate* each remaining domain's cost without choosing victims: per domain, the
-   eligible GPUs by priority rank (``bincount`` over slots + ``reduceat``), and the GPUs
-   still needed (gang size minus free GPUs) filled from the lowest rank up. The
-   ``CANDIDATES`` cheapest domains go to the exact step.
+2. *Estimate* each remaining domain's cost without choosing victims: every eligible
+   slot carries a share of its job's cost (cost / min(job GPUs, GPUs needed)), bucketed
+   on a log scale and counted per domain (one ``bincount``); the GPUs still needed (gang
+   size minus free GPUs) are filled from the cheapest bucket up. The ``CANDIDATES``
+   cheapest domains go to the exact step (fewer when domains are big: at most
+   ``EXACT_SLOT_BUDGET`` slots are examined exactly, but always at least one domain).
 3. *Exact victims* in a domain: the eligible jobs with GPUs there, ordered by cost per
    GPU they free in the domain, where a job's cost is ``(1 + priority rank) x all its
    GPUs`` (a victim gang counts whole, wherever its pods are; the rank is that of its
@@ -20,8 +22,10 @@ A slot is *reclaimable* when it is usable and either free or held by an eligible
    that order (free slots 0); per node, sorting those positions gives, for the m-th pod,
    the prefix length that makes it fit; the ``pods``-th smallest of those over the domain
    is the shortest prefix of victims that makes room (one ``partition``, no search).
-   Then victims are dropped again, most expensive first, while the gang still fits
-   (at most ``PRUNE_CHECKS`` tries), so no victim is preempted that is not needed.
+   Then victims are dropped again, most expensive first, while the gang still fits: for
+   every victim at once, the pods lost on the nodes it holds if it stayed; those whose
+   loss leaves enough are dropped one by one (at most ``PRUNE_CHECKS``), so no victim is
+   preempted that is not needed.
 4. The domain of least (cost, victim count, GPUs lost, leftover) wins; the gang is placed inside it
    by the same descent as without preemption, on the slots that are free or held by
    victims.
@@ -34,11 +38,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .model import NODE_LEVEL, ClusterModel, level_index
+from .model import NODE_LEVEL, ClusterModel, level_index, row_count
 from .place import Decision, JobRequest, assign_slots, choose_domain, descend, make_decision, pods_that_fit
 
 CANDIDATES = 4
-PRUNE_CHECKS = 16
+PRUNE_CHECKS = 64
+EXACT_SLOT_BUDGET = 1 << 18
+_BUCKETS = 12
 _BIG = np.int64(1) << 40
 
 
@@ -55,11 +61,7 @@ def place_with_preemption(model: ClusterModel, job: JobRequest, *,
     li = level_index(job.within)
     elig_ext = np.append(elig, False)          # owner -1 indexes the extra False
     owner = model.owner
-    owned_elig = elig_ext[owner] & model.usable
-    reclaim_per_node = model.free + owned_elig.sum(1, dtype=np.int32)
-    fits = pods_that_fit(model, job, free=reclaim_per_node, exclude=exclude)
-    if choose_domain(model, fits, li, job.pods, reclaim_per_node) is None:
-        return None
+    N = model.n_nodes
 
     # priority ranks and per-job costs
     prios = model.job_priority
@@ -67,16 +69,42 @@ def place_with_preemption(model: ClusterModel, job: JobRequest, *,
     rank = np.zeros(prios.size, np.int64)
     rank[elig] = np.searchsorted(uprio, prios[elig])
     job_cost = (1 + rank) * model.job_gpus          # priority-weighted GPUs lost
-
     need_gpus = job.pods * max(job.gpus_per_pod, 1)
+
+    # One pass over the slots: each slot's cost bucket, counted per node in one bincount.
+    # Buckets (base-4 log of the cost share) are renumbered to the few in use: column 0
+    # free, 1..U eligible by increasing share, U+1 not reclaimable.
+    share = job_cost / np.maximum(np.minimum(model.job_gpus, need_gpus), 1)
+    bucket = np.clip((np.log2(np.maximum(share, 1.0)) * 0.5).astype(np.int64), 0, _BUCKETS - 1)
+    holding = elig & (model.job_gpus > 0)
+    used = np.unique(bucket[holding])
+    U = used.size
+    compact = np.full(elig.size + 1, U + 1, np.int16)
+    compact[:-1][holding] = 1 + np.searchsorted(used, bucket[holding])
+    compact[-1] = 0                                  # owner -1: free
+    sb = compact[owner]
+    if model.unusable_slots():
+        sb = np.where(model.usable, sb, np.int16(U + 1))
+    width = U + 2
+    counts = np.bincount((_node_base(N, model.G, width) + sb).ravel(),
+                         minlength=N * width).reshape(N, width)
+    reclaim_per_node = (model.G - counts[:, U + 1]).astype(np.int32)
+    fits = pods_that_fit(model, job, free=reclaim_per_node, exclude=exclude)
+    if choose_domain(model, fits, li, job.pods, reclaim_per_node) is None:
+        return None
+
     if li < 0:
         cands = np.array([0])
     else:
         st = model.starts[li]
-        cap = np.add.reduceat(fits, st)
+        cap = fits if st.size == N else np.add.reduceat(fits, st)
         cands = np.flatnonzero(cap >= job.pods)
-        if cands.size > CANDIDATES:
-            cands = _cheapest_estimates(model, li, cands, owned_elig, rank, need_gpus)
+        # exact victim choice costs a few passes over a domain's slots: bound the total
+        span = int((model.ends[li][cands] - st[cands]).max()) * model.G
+        n_exact = max(1, min(CANDIDATES, EXACT_SLOT_BUDGET // max(span, 1)))
+        if cands.size > n_exact:
+            weights = 2.0 * np.power(4.0, used.astype(np.float64))
+            cands = _cheapest_estimates(model, li, cands, counts, weights, need_gpus)[:n_exact]
 
     best: tuple[tuple[int, int, int, int], int, np.ndarray] | None = None
     for dom in cands.tolist():
@@ -100,7 +128,7 @@ def place_with_preemption(model: ClusterModel, job: JobRequest, *,
         sub = ((avail | ~model.slot_exists[lo:hi]).all(1) & (n >= max(job.gpus_per_pod, 1))
                & (n > 0)).astype(np.int64)
     else:
-        sub = avail.sum(1, dtype=np.int64) // job.gpus_per_pod
+        sub = row_count(avail) // job.gpus_per_pod
     if exclude is not None:
         sub = np.where(exclude[lo:hi], 0, sub)
     fits_v = np.zeros(model.n_nodes, np.int64)
@@ -117,21 +145,48 @@ def _bounds(model: ClusterModel, li: int, dom: int) -> tuple[int, int]:
     return int(model.starts[li][dom]), int(model.ends[li][dom])
 
 
-def _cheapest_estimates(model: ClusterModel, li: int, cands: np.ndarray, owned_elig: np.ndarray,
-                        rank: np.ndarray, need_gpus: int) -> np.ndarray:
-    """The CANDIDATES domains of least estimated victim cost (see module docstring)."""
-    R = int(rank.max()) + 1
-    nodes, slots = np.nonzero(owned_elig)
-    r = rank[model.owner[nodes, slots]]
-    per_node = np.bincount(nodes * R + r, minlength=model.n_nodes * R).reshape(model.n_nodes, R)
-    per_dom = np.add.reduceat(per_node, model.starts[li], axis=0)[cands]        # (C, R)
-    free_dom = np.add.reduceat(model.free.astype(np.int64), model.starts[li])[cands]
-    need = np.maximum(need_gpus - free_dom, 0)
-    cum = np.cumsum(per_dom, axis=1)
-    before = cum - per_dom
-    take = np.clip(need[:, None] - before, 0, per_dom)
-    est = take @ (1 + np.arange(R))
-    order = np.lexsort((free_dom, est))
+def _node_base(N: int, G: int, width: int) -> np.ndarray:
+    """``node * width`` per slot, cached for the last few shapes."""
+    key = (N, G, width)
+    got = _BASE_CACHE.get(key)
+    if got is None:
+        got = np.repeat((np.arange(N, dtype=np.int64) * width)[:, None], G, axis=1)
+        if len(_BASE_CACHE) >= 4:
+            _BASE_CACHE.pop(next(iter(_BASE_CACHE)))
+        _BASE_CACHE[key] = got
+    return got
+
+
+_BASE_CACHE: dict[tuple[int, int, int], np.ndarray] = {}
+
+
+def _cheapest_estimates(model: ClusterModel, li: int, cands: np.ndarray, counts: np.ndarray,
+                        weights: np.ndarray, need_gpus: int) -> np.ndarray:
+    """The CANDIDATES domains of least estimated victim cost.
+
+    Each eligible slot carries a share of its job's cost: ``cost / min(job GPUs, GPUs
+    needed)`` -- exact when the whole job lies in the domain and is needed whole, and
+    when only ``need`` of a bigger gang's GPUs would be taken. Shares are bucketed on a
+    base-4 log scale (``counts``: per node, column 0 free, 1..U the buckets in use, whose
+    representative shares are ``weights``); per domain the GPUs needed are filled from the
+    free GPUs and then the cheapest buckets up."""
+    st = model.starts[li]
+    U = weights.size
+    per_dom = counts[:, : U + 1]
+    if st.size != counts.shape[0]:
+        per_dom = np.add.reduceat(per_dom, st, axis=0)
+    if cands.size < per_dom.shape[0]:
+        per_dom = per_dom[cands]
+    free_dom = per_dom[:, 0]
+    remaining = np.maximum(need_gpus - free_dom, 0)
+    est = np.zeros(remaining.size)
+    for k in range(1, U + 1):
+        t = np.minimum(remaining, per_dom[:, k])
+        est += t * weights[k - 1]
+        remaining -= t
+        if not remaining.any():
+            break
+    order = np.lexsort((-free_dom, est))
     return cands[order[:CANDIDATES]]
 
 
@@ -151,6 +206,13 @@ def _pod_thresholds(job: JobRequest, slot_pos: np.ndarray, n_gpus: np.ndarray,
     return s[:, g - 1::g][:, : G // g].reshape(-1)
 
 
+def _node_pods(job: JobRequest, avail: np.ndarray, n_gpus: np.ndarray) -> np.ndarray:
+    """Pods per node given ``avail`` usable free-or-reclaimed GPUs per node."""
+    if job.whole_nodes:
+        return ((avail == n_gpus) & (n_gpus >= max(job.gpus_per_pod, 1)) & (n_gpus > 0)).astype(np.int64)
+    return avail // job.gpus_per_pod
+
+
 def _exact_victims(model: ClusterModel, job: JobRequest, lo: int, hi: int, elig: np.ndarray,
                    elig_ext: np.ndarray, job_cost: np.ndarray,
                    exclude: np.ndarray | None) -> tuple[np.ndarray, int] | None:
@@ -168,35 +230,61 @@ def _exact_victims(model: ClusterModel, job: JobRequest, lo: int, hi: int, elig:
     order = cand[np.lexsort((model.job_gpus[cand], key))]
     pos = np.full(J + 1, _BIG, np.int64)
     pos[order] = np.arange(1, order.size + 1)
-    pos[J] = _BIG  # owner -1 maps here; replaced below
     slot_pos = np.where(owner == -1, 0, pos[owner])
     slot_pos = np.where(usable, slot_pos, _BIG)
-    n_gpus = model.n_gpus[lo:hi]
-    exists = model.slot_exists[lo:hi]
-    thr = _pod_thresholds(job, slot_pos, n_gpus, exists)
+    n_gpus = model.n_gpus[lo:hi].astype(np.int64)
+    thr = _pod_thresholds(job, slot_pos, n_gpus, model.slot_exists[lo:hi])
     P = job.pods
     if thr.size < P:
         return None
     k = int(np.partition(thr, P - 1)[P - 1])
     if k >= _BIG:
         return None
-    chosen = list(order[:k].tolist())
-    # prune: drop the most expensive victims that turn out not to be needed
-    checks = 0
-    for v in sorted(chosen, key=lambda j: -int(job_cost[j])):
-        if checks >= PRUNE_CHECKS:
-            break
-        checks += 1
-        trial = [c for c in chosen if c != v]
-        pos2 = np.full(J + 1, _BIG, np.int64)
-        pos2[trial] = 1
-        sp = np.where(owner == -1, 0, pos2[owner])
-        sp = np.where(usable, sp, _BIG)
-        t2 = _pod_thresholds(job, sp, n_gpus, exists)
-        if int((t2 <= 1).sum()) >= P:
-            chosen = trial
-    victims = np.asarray(sorted(chosen), np.int64)
+    chosen = order[:k]
+    chosen = _prune(job, owner, usable, slot_pos, n_gpus, chosen, k, job_cost, J)
+    victims = np.sort(chosen)
     return victims, int(job_cost[victims].sum())
+
+
+def _prune(job: JobRequest, owner: np.ndarray, usable: np.ndarray, slot_pos: np.ndarray,
+           n_gpus: np.ndarray, chosen: np.ndarray, k: int, job_cost: np.ndarray, J: int) -> np.ndarray:
+    """Drop victims the gang does not need, most expensive first (bounded).
+
+    With the chosen set, per node: GPUs available and pods that fit. Removing victim v
+    loses, on each node where it holds c GPUs, ``pods(avail) - pods(avail - c)`` pods; v
+    can go if the total stays >= pods. Computed for every victim at once, then applied one
+    by one (each removal changes the nodes it touched)."""
+    P = job.pods
+    sel = usable & (slot_pos <= k)                        # free or held by a chosen victim
+    avail = row_count(sel)
+    fits = _node_pods(job, avail, n_gpus)
+    total = int(fits.sum())
+    vs = sel & (owner >= 0)
+    rn, rc = np.nonzero(vs)
+    if rn.size == 0:
+        return chosen
+    keys, cnt = np.unique(rn * (J + 1) + owner[rn, rc], return_counts=True)
+    pn, pj = keys // (J + 1), keys % (J + 1)
+    lost = fits[pn] - _node_pods(job, avail[pn] - cnt, n_gpus[pn])
+    delta = np.bincount(pj, weights=lost, minlength=J + 1)
+    maybe = chosen[total - delta[chosen] >= P]
+    if maybe.size == 0:
+        return chosen
+    maybe = maybe[np.argsort(-job_cost[maybe], kind="stable")][:PRUNE_CHECKS]
+    drop: list[int] = []
+    for v in maybe.tolist():
+        m = pj == v
+        n_v, c_v = pn[m], cnt[m]
+        new_fit = _node_pods(job, avail[n_v] - c_v, n_gpus[n_v])
+        d = int((fits[n_v] - new_fit).sum())
+        if total - d >= P:
+            avail[n_v] -= c_v
+            fits[n_v] = new_fit
+            total -= d
+            drop.append(v)
+    if not drop:
+        return chosen
+    return chosen[~np.isin(chosen, drop)]
 
 
 __all__ = ["place_with_preemption", "eligible_jobs", "NODE_LEVEL"]

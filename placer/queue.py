@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from .errors import Conflict, UnknownJob
-from .model import ClusterModel, level_index
+from .model import ClusterModel, level_index, row_count
 from .place import Decision, JobRequest, place, pods_that_fit
 from .preempt import eligible_jobs
 
@@ -168,7 +168,7 @@ def reservation_mask(model: ClusterModel, job: JobRequest) -> np.ndarray:
         return mask
     g = max(job.gpus_per_pod, 1)
     st = model.starts[li]
-    empty_cap = np.add.reduceat(model.usable.sum(1, dtype=np.int64) // g, st)
+    empty_cap = np.add.reduceat(row_count(model.usable) // g, st)
     cap = np.add.reduceat(fits, st)
     big = empty_cap >= job.pods
     if not big.any():
