@@ -50,6 +50,9 @@ _KEEP_ACKS = 2000
 _GC_MIN_AGE_S = 60.0
 _SCRUB_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
               "LISTEN_FDNAMES", "INVOCATION_ID", "HERD_TOKEN_DIR")
+# What a workload inherits from the agent's environment (an allow-list: the agent's own
+# settings and credentials never leak into workloads); the placement's env adds the rest.
+_KEEP_ENV = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL"})
 
 # (manifest_id, origin, peers) -> (materialised tree, fetch figures by source)
 ArtifactFetcher = Callable[[str, str | None, list[Any]], Awaitable[tuple[Path, dict[str, int]]]]
@@ -128,7 +131,7 @@ class Supervisor:
         self._fetcher = fetcher
         self._clock = clock
         self._base_env = {k: v for k, v in (base_env if base_env is not None else os.environ).items()
-                          if k not in _SCRUB_ENV}
+                          if (k in _KEEP_ENV or k.startswith("LC_")) and k not in _SCRUB_ENV}
         self.pool = pool or ShimPool(config.shim_pool)
         self._file = StateFile(self.state_dir)
         self._send, self._recv = trio.open_memory_channel[Any](10_000)

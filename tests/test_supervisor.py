@@ -60,7 +60,8 @@ def scratch(sup: Supervisor, wid: str) -> Path:
 
 
 async def test_env_logs_and_exit_code(tmp_path):
-    sup = make(tmp_path, base_env={"PATH": os.environ["PATH"], "NOTIFY_SOCKET": "@x", "WATCHDOG_USEC": "1"})
+    sup = make(tmp_path, base_env={"PATH": os.environ["PATH"], "NOTIFY_SOCKET": "@x", "WATCHDOG_USEC": "1",
+                                   "GOOGLE_APPLICATION_CREDENTIALS": "/secret.json", "LC_ALL": "C.UTF-8"})
     events = []
     sup.add_listener(events.append)
     argv = ["sh", "-c", "env | sort; pwd; echo oops >&2; exit 3"]
@@ -80,6 +81,7 @@ async def test_env_logs_and_exit_code(tmp_path):
     assert env["HERD_SCRATCH"] == str(scratch(sup, "w1"))
     assert env["HERD_PREEMPT_NOTICE"].endswith("preempt-notice.json")
     assert "NOTIFY_SOCKET" not in env and "WATCHDOG_USEC" not in env
+    assert "GOOGLE_APPLICATION_CREDENTIALS" not in env and env["LC_ALL"] == "C.UTF-8"  # an allow-list
     assert out.splitlines()[-1] == str(scratch(sup, "w1"))  # cwd is scratch when there is no artifact
     assert sup.read_log("w1", stream="stderr") == "oops\n"
     assert [e.state for e in events] == ["accepted", "starting", "running", "exited"]
