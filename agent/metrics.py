@@ -49,6 +49,11 @@ def render_agent_metrics(node_id: str, sup: Mapping[str, Any], store: Mapping[st
     metric("herd_fetch_bytes_total", "counter", "Artifact bytes fetched for workloads, by source",
            [(f'source="{src}"', fb.get(f"bytes_from_{src}", fb.get(f"bytes_{src}", 0)))
             for src in ("origin", "peers", "local")])
+    qs = sup.get("start_seconds", {})
+    if qs:
+        metric("herd_workload_start_seconds", "gauge",
+               "Accepted -> running (process started and recorded by its shim), last 1024 starts without fetch or victims",
+               [(f'quantile="{q}"', v) for q, v in sorted(qs.items())])
     pool = sup.get("shim_pool", {})
     metric("herd_shim_pool_idle", "gauge", "Pre-started idle workload shims", [("", pool.get("idle", 0))])
     if store:

@@ -27,7 +27,7 @@ import logging
 import os
 import shutil
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,6 +148,7 @@ class Supervisor:
         self._wake_writer = trio.Event()
         self.ready = False
         self.counters: Counter[str] = Counter()
+        self._start_s: deque[float] = deque(maxlen=1024)
         self.fetch_bytes: Counter[str] = Counter()
 
     # ------------------------------------------------------------ public API (any task)
@@ -195,6 +196,7 @@ class Supervisor:
         return {"workloads_by_state": dict(by_state), "starts": self.counters["starts"],
                 "restarts": self.counters["restarts"], "preemptions": self.counters["preemptions"],
                 "refused": self.counters["refused"], "state_writes": self._file.writes,
+                "start_seconds": _quantiles(self._start_s),
                 "fetch_bytes": dict(self.fetch_bytes), "shim_pool": self.pool.statistics()}
 
     # ------------------------------------------------------------ the owner task
@@ -337,6 +339,8 @@ class Supervisor:
                   fetch: Mapping[str, int] | None) -> None:
         if new.state == "running":
             self.counters["starts"] += 1
+            if old is not None and old.restarts == new.restarts and not new.manifest_id and not new.wait_for:
+                self._start_s.append(max(0.0, now - new.created_at))  # accepted -> running, no fetch/victims
         if new.state == "preempted":
             self.counters["preemptions"] += 1
         log.info("workload state id=%s job=%s state=%s exit_code=%s reason=%s", new.workload_id, new.job_id,
@@ -683,6 +687,13 @@ def _tail_bytes(files: list[Path], n: int, block: int = 64 << 10) -> tuple[bytes
                 f.seek(pos)
                 data = f.read(step) + data
     return data, True
+
+
+def _quantiles(xs: deque[float]) -> dict[str, float]:
+    if not xs:
+        return {}
+    v = sorted(xs)
+    return {q: v[min(len(v) - 1, round(f * (len(v) - 1)))] for q, f in (("0.5", 0.5), ("0.9", 0.9), ("0.99", 0.99))}
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

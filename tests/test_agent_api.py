@@ -95,6 +95,7 @@ async def test_api_end_to_end(tmp_path, token_dir):
                 m = (await c.get("/metrics")).text
                 assert 'herd_workloads{node="n1",state="running"} 1' in m
                 assert "herd_workload_starts_total" in m and "DCGM_FI_DEV_GPU_TEMP" in m
+                assert 'herd_workload_start_seconds{node="n1",quantile="0.99"}' in m
 
                 # fault injection: operator only, then health follows through the GPU monitor
                 inj = f"/v1/gpus/{uuids[3]}/inject"
