@@ -1,12 +1,15 @@
 """Placer-side push: one JSON POST to many agents, kept-alive, bounded, with deadlines.
 
 Why not httpx here: a decision for a large gang goes to hundreds or thousands of
-agents at once, and httpx's per-request cost under trio (~0.5 ms of CPU) would alone
-eat the fan-out budget. This is a lean HTTP/1.1 client over trio streams with h11
-doing the protocol: one pool of idle connections per ``host:port``, reused across
-pushes (keep-alive), a global concurrency bound, a per-attempt deadline and a
-bounded number of retries for transport failures (placements are idempotent by
-``placement_id``, so a retry after a lost answer is safe).
+agents at once, and httpx's per-request cost under trio (~0.5 ms of CPU, far more
+with a thousand connections open) would alone eat the fan-out budget. This is a lean
+HTTP/1.1 client over trio streams: the request head is formatted directly and the
+answer parsed by a small strict parser (status line, headers, ``content-length``
+body; anything else, e.g. chunked bodies, is a protocol error). One pool of idle
+connections per ``host:port``, reused across pushes (keep-alive), a global
+concurrency bound, a per-attempt deadline and a bounded number of retries for
+transport failures (placements are idempotent by ``placement_id``, so a retry after a
+lost answer is safe).
 
 An HTTP answer is never retried: 2xx with a body is an ack, anything else is the
 agent's word (e.g. 401, 409) and is returned as such.
@@ -21,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-import h11
 import msgspec
 import trio
 
@@ -48,12 +50,67 @@ class PushResult:
         return self.status is not None and 200 <= self.status < 300
 
 
+MAX_HEAD = 64 << 10
+MAX_BODY = 8 << 20
+
+
 class _Conn:
-    __slots__ = ("stream", "h11")
+    __slots__ = ("stream", "buf", "reusable")
 
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
-        self.h11 = h11.Connection(h11.CLIENT, max_incomplete_event_size=1 << 20)
+        self.buf = bytearray()
+        self.reusable = True
+
+    async def read_response(self) -> tuple[int, bytes]:
+        """One HTTP/1.1 response with a content-length body."""
+        while True:
+            end = self.buf.find(b"\r\n\r\n")
+            if end >= 0:
+                break
+            if len(self.buf) > MAX_HEAD:
+                raise PushError("response head too large")
+            await self._fill()
+        head = bytes(self.buf[:end]).decode("latin-1")
+        del self.buf[:end + 4]
+        lines = head.split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+            raise PushError(f"bad status line {lines[0][:80]!r}")
+        status = int(parts[1])
+        length: int | None = None
+        for line in lines[1:]:
+            name, sep, value = line.partition(":")
+            if not sep:
+                raise PushError("bad header line")
+            name = name.strip().lower()
+            if name == "content-length":
+                if not value.strip().isdigit():
+                    raise PushError("bad content-length")
+                length = int(value)
+            elif name == "transfer-encoding":
+                raise PushError("chunked responses are not supported")
+            elif name == "connection" and value.strip().lower() == "close":
+                self.reusable = False
+        if parts[0] == "HTTP/1.0":
+            self.reusable = False
+        if length is None:
+            length = 0 if status in (204, 304) or 100 <= status < 200 else -1
+        if length < 0:
+            raise PushError("response without content-length")
+        if length > MAX_BODY:
+            raise PushError("response body too large")
+        while len(self.buf) < length:
+            await self._fill()
+        body = bytes(self.buf[:length])
+        del self.buf[:length]
+        return status, body
+
+    async def _fill(self) -> None:
+        data = await self.stream.receive_some(65536)
+        if not data:
+            raise PushError("connection closed by peer")
+        self.buf += data
 
 
 class PushPool:
@@ -95,19 +152,22 @@ class PushPool:
             res.error = f"unsupported url {base_url!r} (http://host:port only)"
             return res
         host, port = u.hostname, u.port or 80
-        headers = [("host", f"{host}:{port}"), ("content-type", "application/json"),
-                   ("content-length", str(len(body)))]
-        headers += list(auth_header(token).items())
+        extra = "".join(f"{k}: {v}\r\n" for k, v in auth_header(token).items())
+        if any(c in path for c in " \r\n") or any(c in extra[:-2] for c in "\r\n"):
+            res.error = "bad path or token"
+            return res
+        head = (f"POST {path} HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
+                f"content-length: {len(body)}\r\n{extra}\r\n").encode("latin-1")
         for attempt in range(self.retries + 1):
             res.attempts = attempt + 1
             try:
                 async with self._limiter:
                     with trio.fail_after(self.attempt_timeout_s):
-                        res.status, res.body = await self._request(host, port, path, headers, body)
+                        res.status, res.body = await self._request(host, port, head, body)
                 res.error = None
                 break
             except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
-                    h11.ProtocolError, PushError) as e:
+                    PushError) as e:
                 self.failures += 1
                 res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 if attempt < self.retries:
@@ -115,14 +175,13 @@ class PushPool:
         res.elapsed_s = time.perf_counter() - t0
         return res
 
-    async def _request(self, host: str, port: int, path: str, headers: list[tuple[str, str]],
-                       body: bytes) -> tuple[int, bytes]:
+    async def _request(self, host: str, port: int, head: bytes, body: bytes) -> tuple[int, bytes]:
         pool = self._idle[(host, port)]
         fresh = not pool
         conn = pool.pop() if pool else await self._connect(host, port)
         try:
-            status, data = await self._exchange(conn, path, headers, body)
-        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError, PushError):
+            status, data = await self._exchange(conn, head, body)
+        except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, PushError):
             with trio.CancelScope(shield=True):
                 await conn.stream.aclose()
             if fresh:
@@ -130,7 +189,7 @@ class PushPool:
             # a stale kept-alive connection (the agent closed it): once more on a new one
             conn = await self._connect(host, port)
             try:
-                status, data = await self._exchange(conn, path, headers, body)
+                status, data = await self._exchange(conn, head, body)
             except BaseException:
                 with trio.CancelScope(shield=True):
                     await conn.stream.aclose()
@@ -139,8 +198,7 @@ class PushPool:
             with trio.CancelScope(shield=True):
                 await conn.stream.aclose()
             raise
-        if conn.h11.our_state is h11.DONE and conn.h11.their_state is h11.DONE and len(pool) < self.max_idle_per_host:
-            conn.h11.start_next_cycle()
+        if conn.reusable and not conn.buf and len(pool) < self.max_idle_per_host:
             pool.append(conn)
         else:
             with trio.CancelScope(shield=True):
@@ -152,31 +210,10 @@ class PushPool:
         stream = await trio.open_tcp_stream(host, port)
         return _Conn(stream)
 
-    async def _exchange(self, conn: _Conn, path: str, headers: list[tuple[str, str]],
-                        body: bytes) -> tuple[int, bytes]:
+    async def _exchange(self, conn: _Conn, head: bytes, body: bytes) -> tuple[int, bytes]:
         self.requests += 1
-        c = conn.h11
-        out = c.send(h11.Request(method="POST", target=path, headers=headers))
-        out += c.send(h11.Data(data=body)) + c.send(h11.EndOfMessage())
-        await conn.stream.send_all(out)
-        status = 0
-        chunks: list[bytes] = []
-        while True:
-            ev = c.next_event()
-            if ev is h11.NEED_DATA:
-                data = await conn.stream.receive_some(65536)
-                if not data:
-                    raise PushError("connection closed by peer")
-                c.receive_data(data)
-                continue
-            if isinstance(ev, h11.Response):
-                status = ev.status_code
-            elif isinstance(ev, h11.Data):
-                chunks.append(bytes(ev.data))
-            elif isinstance(ev, h11.EndOfMessage):
-                return status, b"".join(chunks)
-            elif isinstance(ev, h11.ConnectionClosed):
-                raise PushError("connection closed by peer")
+        await conn.stream.send_all(head + body)
+        return await conn.read_response()
 
     async def post_many(self, items: list[tuple[str, str, str, bytes]], *,
                         token: str | None = None) -> dict[str, PushResult]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -153,4 +154,66 @@ async def test_cli_submit_list_show_cancel_nodes_cluster(tmp_path, token_dir):
             assert [j["job_id"] for j in json.loads(out)["jobs"]] == ["cli1"]
             rc, out, err = await _herd(["job", "submit", "--token-dir", str(tmp_path / "nowhere"), "--", "x"], env)
             assert rc == 1 and "401" in err
+            n.cancel_scope.cancel()
+
+
+async def _raw_server(nursery, responses: list[bytes], *, close_after: bool = False):
+    """A raw TCP server answering each request (head + content-length body) with the next
+    canned response; ``close_after`` closes the connection after each answer."""
+    async def handle(stream):
+        buf = b""
+        async with stream:
+            while responses:
+                while b"\r\n\r\n" not in buf:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                n = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0].split(b":")[1])
+                while len(buf) < n:
+                    buf += await stream.receive_some(65536)
+                buf = buf[n:]
+                resp = responses.pop(0)
+                if resp:
+                    await stream.send_all(resp)
+                if close_after or not resp:
+                    return
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, handle, 0, host="127.0.0.1"))
+    return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+
+
+async def test_push_pool_keepalive_and_bad_answers():
+    from scheduler_link.fanout import PushPool
+
+    ok = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}'
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            pool = PushPool(attempt_timeout_s=2, retries=1, retry_backoff_s=0.01)
+            url = await _raw_server(n, [ok, ok, ok])
+            for _ in range(3):
+                r = await pool.post(url, "/v1/placements", b"{}", token="t")
+                assert r.ok and r.body == b"{}"
+            assert pool.connects == 1  # kept alive
+            # the agent closes idle connections: the next push reconnects transparently
+            url = await _raw_server(n, [ok, ok], close_after=True)
+            assert (await pool.post(url, "/x", b"{}")).ok
+            assert (await pool.post(url, "/x", b"{}")).ok
+            # protocol errors and silence: no status, a clear error, retried once
+            for bad, msg in ((b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n0\r\n\r\n", "chunked"),
+                             (b"garbage\r\n\r\n", "bad status line"),
+                             (b"HTTP/1.1 200 OK\r\n\r\n", "without content-length"),
+                             (b"", "closed by peer")):
+                url = await _raw_server(n, [bad, bad])
+                r = await pool.post(url, "/x", b"{}")
+                assert r.status is None and msg in (r.error or "") and r.attempts == 2, (bad, r)
+            r = await pool.post("https://example.invalid", "/x", b"{}")
+            assert r.status is None and "http://host:port only" in (r.error or "")
+            r = await pool.post("http://127.0.0.1:1", "/x", b"{}")
+            assert r.status is None and r.error
+            # an HTTP error answer is the agent's word: returned, not retried
+            url = await _raw_server(n, [b"HTTP/1.1 401 Unauthorized\r\ncontent-length: 0\r\n\r\n"])
+            r = await pool.post(url, "/x", b"{}")
+            assert r.status == 401 and r.attempts == 1
+            await pool.aclose()
             n.cancel_scope.cancel()
