@@ -27,6 +27,7 @@ import json
 import resource
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,7 @@ from placer.sim import build_fleet, fill, fleet_shape, saturate, shape_job
 SIZES = (8, 64, 512, 1024, 4096, 32768, 200_000)
 
 
-def _pct(xs: list[float], q: float) -> float:
+def _pct(xs: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(xs), q)) if xs else float("nan")
 
 

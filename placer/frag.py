@@ -15,8 +15,9 @@ every shape. Shapes no empty domain of the cluster could host are left out (that
 of capacity, not fragmentation).
 
 The planner proposes at most ``max_moves`` moves of small preemptible jobs out of partly
-used domains (``level``, default rack) so those domains become wholly free. Domains are
-tried fewest-used-GPUs first; a domain's moves are kept only if every job in it found a
+used domains (``level``, default rack) so those domains become wholly free. Jobs move
+only into other partly used domains (never into wholly free ones, which would just swap
+which domain is free). Domains are tried fewest-used-GPUs first; a domain's moves are kept only if every job in it found a
 place elsewhere (in a scratch copy of the model, so the moves are valid applied in order:
 ``release(job_id)`` then ``allocate(move.to_decision)``). It never changes the model.
 """
@@ -155,7 +156,9 @@ def plan_defrag(model: ClusterModel, max_moves: int, *, level: str = "rack",
     cand = cand[np.argsort(used[cand], kind="stable")][:max_domains]
 
     scratch = model.copy()
-    frozen = np.zeros(model.n_nodes, bool)          # domains being emptied: nothing moves in
+    # nothing moves into a wholly free domain (that would only swap which one is free) nor
+    # into one being emptied
+    frozen = np.repeat((used == 0) & all_usable, model.ends[li] - st)
     moves: list[Move] = []
     for dom in cand.tolist():
         lo, hi = int(st[dom]), int(model.ends[li][dom])

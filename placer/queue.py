@@ -157,8 +157,8 @@ class JobQueue:
 
 def reservation_mask(model: ClusterModel, job: JobRequest) -> np.ndarray:
     """Nodes to hold for ``job``: the domain at its ``within`` level closest to holding it
-    (most pods placeable now, among domains big enough when empty); for ``any``, every node
-    with room for one of its pods. Bool per node."""
+    (most pods placeable now, then most free GPUs, among domains big enough when empty);
+    for ``any``, every node with room for one of its pods. Bool per node."""
     N = model.n_nodes
     mask = np.zeros(N, bool)
     fits = pods_that_fit(model, job)
@@ -170,9 +170,11 @@ def reservation_mask(model: ClusterModel, job: JobRequest) -> np.ndarray:
     st = model.starts[li]
     empty_cap = np.add.reduceat(row_count(model.usable) // g, st)
     cap = np.add.reduceat(fits, st)
-    big = empty_cap >= job.pods
-    if not big.any():
+    free = np.add.reduceat(model.free.astype(np.int64), st)
+    big = np.flatnonzero(empty_cap >= job.pods)
+    if big.size == 0:
         return mask
-    dom = int(np.argmax(np.where(big, cap, -1)))
+    # most pods placeable now, then most free GPUs (the domain that drains soonest)
+    dom = int(big[np.lexsort((-free[big], -cap[big]))[0]])
     mask[model.starts[li][dom]:model.ends[li][dom]] = True
     return mask
