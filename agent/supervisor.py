@@ -29,7 +29,7 @@ import shutil
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +38,11 @@ import trio
 
 from scheduler_link.messages import Placement, PlacementAck, WorkloadEvent, WorkloadStatus
 
-from . import procs
+from . import environment, procs
 from .errors import AgentError, ShimError, UnknownWorkload
+from .events import Batch, Change, Place, Runtime, Stop
 from .launcher import LaunchCommand, ShimPool, wait_identity
+from .logs import read_tail
 from .placement import check_placement, gpus_in_use
 from .state import AgentState, StateFile, WorkloadRecord, atomic_write
 
@@ -48,12 +50,6 @@ log = logging.getLogger("herd.agent.supervisor")
 
 _KEEP_ACKS = 2000
 _GC_MIN_AGE_S = 60.0
-_SCRUB_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
-              "LISTEN_FDNAMES", "INVOCATION_ID", "HERD_TOKEN_DIR")
-# What a workload inherits from the agent's environment (an allow-list: the agent's own
-# settings and credentials never leak into workloads); the placement's env adds the rest.
-_KEEP_ENV = frozenset({"PATH", "HOME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "USER", "LOGNAME", "SHELL"})
-
 # (manifest_id, origin, peers) -> (materialised tree, fetch figures by source)
 ArtifactFetcher = Callable[[str, str | None, list[Any]], Awaitable[tuple[Path, dict[str, int]]]]
 
@@ -65,50 +61,6 @@ class SupervisorConfig:
     log_keep: int = 2
     keep_terminal: int = 200
     default_grace_s: float = 30.0
-
-
-# ---------------------------------------------------------------- events to the owner
-
-@dataclass(frozen=True, slots=True)
-class _Place:
-    placement: Placement
-    direct: bool
-    reply: trio.MemorySendChannel[Any]
-
-
-@dataclass(frozen=True, slots=True)
-class _Stop:
-    workload_id: str
-    reason: str
-    grace_s: float | None
-    reply: trio.MemorySendChannel[Any] | None
-
-
-@dataclass(frozen=True, slots=True)
-class _Change:
-    """A life-cycle task reports a change of one record (fields to replace)."""
-    workload_id: str
-    fields: Mapping[str, Any]
-    done: trio.Event | None = None
-    fetch: Mapping[str, int] | None = None
-    durable: bool = False        # set ``done`` only once the change is on disk
-
-
-@dataclass(slots=True)
-class _Batch:
-    """What applying a batch of events asks for: ``now`` runs as soon as the batch is
-    applied; ``durable`` runs once the state that includes the batch is on disk."""
-    now: list[Callable[[], None]] = field(default_factory=list)
-    durable: list[Callable[[], None]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class _Runtime:
-    """Owner-side, in-memory companions of a record (never persisted)."""
-    gone: trio.Event = field(default_factory=trio.Event)       # record reached a terminal state
-    stop: trio.Event = field(default_factory=trio.Event)       # a stop was requested
-    pre_start: trio.CancelScope = field(default_factory=trio.CancelScope)
-    killer_started: bool = False
 
 
 def _final_state(stop_reason: str | None) -> str:
@@ -130,14 +82,13 @@ class Supervisor:
         self._gpu_health = gpu_health
         self._fetcher = fetcher
         self._clock = clock
-        self._base_env = {k: v for k, v in (base_env if base_env is not None else os.environ).items()
-                          if (k in _KEEP_ENV or k.startswith("LC_")) and k not in _SCRUB_ENV}
+        self._base_env = environment.base_env(base_env if base_env is not None else os.environ)
         self.pool = pool or ShimPool(config.shim_pool)
         self._file = StateFile(self.state_dir)
         self._send, self._recv = trio.open_memory_channel[Any](10_000)
         self._records: dict[str, WorkloadRecord] = {}
         self._acks: dict[str, PlacementAck] = {}
-        self._rt: dict[str, _Runtime] = {}
+        self._rt: dict[str, Runtime] = {}
         self._listeners: list[Callable[[WorkloadEvent], None]] = []
         self._nursery: trio.Nursery | None = None
         self._dirty = False
@@ -160,13 +111,13 @@ class Supervisor:
     async def place(self, placement: Placement, *, direct: bool = False) -> PlacementAck:
         """Accept or refuse ``placement`` (idempotent by placement id); returns at once."""
         send, recv = trio.open_memory_channel[Any](1)
-        await self._send.send(_Place(placement, direct, send))
+        await self._send.send(Place(placement, direct, send))
         return await recv.receive()
 
     async def stop(self, workload_id: str, *, reason: str = "stopped", grace_s: float | None = None) -> WorkloadStatus:
         """Begin a graceful stop; returns the workload's status right after (terminating)."""
         send, recv = trio.open_memory_channel[Any](1)
-        await self._send.send(_Stop(workload_id, reason, grace_s, send))
+        await self._send.send(Stop(workload_id, reason, grace_s, send))
         res = await recv.receive()
         if isinstance(res, Exception):
             raise res
@@ -209,7 +160,7 @@ class Supervisor:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.pool.run)
-            batch = _Batch()
+            batch = Batch()
             self._recover(batch)
             await trio.to_thread.run_sync(self._file.save, self._snapshot())
             self._dirty = False
@@ -219,7 +170,7 @@ class Supervisor:
             self.ready = True
             task_status.started()
             async for msg in self._recv:
-                batch = _Batch()
+                batch = Batch()
                 self._handle(msg, batch)
                 while True:
                     try:
@@ -313,15 +264,15 @@ class Supervisor:
 
     # ------------------------------------------------------------ applying events (owner only)
 
-    def _handle(self, msg: Any, after: _Batch) -> None:
-        if isinstance(msg, _Place):
+    def _handle(self, msg: Any, after: Batch) -> None:
+        if isinstance(msg, Place):
             self._on_place(msg, after)
-        elif isinstance(msg, _Stop):
+        elif isinstance(msg, Stop):
             self._on_stop(msg, after)
-        elif isinstance(msg, _Change):
+        elif isinstance(msg, Change):
             self._on_change(msg, after)
 
-    def _update(self, wid: str, after: _Batch, *, fetch: Mapping[str, int] | None = None,
+    def _update(self, wid: str, after: Batch, *, fetch: Mapping[str, int] | None = None,
                 **fields: Any) -> WorkloadRecord:
         old = self._records[wid]
         now = self._clock()
@@ -331,7 +282,7 @@ class Supervisor:
         if new.state != old.state:
             self._on_state(old, new, now, fetch)
             if new.terminal:
-                rt = self._rt.setdefault(wid, _Runtime())
+                rt = self._rt.setdefault(wid, Runtime())
                 after.now.append(rt.gone.set)
         return new
 
@@ -356,7 +307,7 @@ class Supervisor:
             except Exception:
                 log.exception("event listener failed")
 
-    def _on_place(self, msg: _Place, after: _Batch) -> None:
+    def _on_place(self, msg: Place, after: Batch) -> None:
         p = msg.placement
         known = self._acks.get(p.placement_id)
         if known is not None:
@@ -382,7 +333,7 @@ class Supervisor:
                 wait_for=wait_for, created_at=now, updated_at=now)
             self._records[rec.workload_id] = rec
             self._dirty = True
-            self._rt[rec.workload_id] = _Runtime()
+            self._rt[rec.workload_id] = Runtime()
             self._on_state(None, rec, now, None)
             after.now.append(self._spawn(self._lifecycle, rec.workload_id))
         ack = PlacementAck(placement_id=p.placement_id, node_id=self.node_id, accepted=True,
@@ -393,7 +344,7 @@ class Supervisor:
             self._begin_stop(v.workload_id, v.reason, v.grace_s, after)
         after.durable.append(lambda: msg.reply.send_nowait(ack))
 
-    def _on_stop(self, msg: _Stop, after: _Batch) -> None:
+    def _on_stop(self, msg: Stop, after: Batch) -> None:
         if msg.workload_id not in self._records:
             err = UnknownWorkload(f"no workload {msg.workload_id!r} on this node")
             if msg.reply is not None:
@@ -404,9 +355,9 @@ class Supervisor:
             status = self._records[msg.workload_id].status()
             after.durable.append(lambda: msg.reply.send_nowait(status))  # type: ignore[union-attr]
 
-    def _begin_stop(self, wid: str, reason: str, grace_s: float | None, after: _Batch) -> None:
+    def _begin_stop(self, wid: str, reason: str, grace_s: float | None, after: Batch) -> None:
         rec = self._records[wid]
-        rt = self._rt.setdefault(wid, _Runtime())
+        rt = self._rt.setdefault(wid, Runtime())
         if rec.terminal or rec.state == "terminating":
             return  # already going: keep the first deadline
         grace = rec.grace_s if grace_s is None else grace_s
@@ -420,13 +371,13 @@ class Supervisor:
                      stop_deadline=self._clock() + grace, reason=reason)
         self._start_killer(wid, after)
 
-    def _start_killer(self, wid: str, after: _Batch) -> None:
+    def _start_killer(self, wid: str, after: Batch) -> None:
         rt = self._rt[wid]
         if not rt.killer_started:
             rt.killer_started = True
             after.durable.append(self._spawn(self._killer, wid))
 
-    def _on_change(self, msg: _Change, after: _Batch) -> None:
+    def _on_change(self, msg: Change, after: Batch) -> None:
         if msg.workload_id in self._records:
             rec = self._update(msg.workload_id, after, fetch=msg.fetch, **msg.fields)
             if rec.state == "running" and rec.stop_reason is not None:
@@ -440,7 +391,7 @@ class Supervisor:
     async def _change(self, wid: str, fetch: Mapping[str, int] | None = None, durable: bool = False,
                       **fields: Any) -> WorkloadRecord:
         done = trio.Event()
-        await self._send.send(_Change(wid, fields, done, fetch, durable))
+        await self._send.send(Change(wid, fields, done, fetch, durable))
         await done.wait()
         return self._records[wid]
 
@@ -474,10 +425,10 @@ class Supervisor:
                     placement_id=rec.placement_id, node_id=self.node_id, accepted=True,
                     workloads=[r.workload_id for r in self._records.values() if r.placement_id == rec.placement_id])
 
-    def _recover(self, after: _Batch) -> None:
+    def _recover(self, after: Batch) -> None:
         self._adopt_orphans()
         for wid, rec in list(self._records.items()):
-            rt = self._rt.setdefault(wid, _Runtime())
+            rt = self._rt.setdefault(wid, Runtime())
             if rec.terminal:
                 rt.gone.set()
                 continue
@@ -558,7 +509,7 @@ class Supervisor:
             for name in ("run.json", "exit.json"):
                 with contextlib.suppress(FileNotFoundError):
                     (wdir / name).rename(wdir / f"{name}.prev")
-            cmd = LaunchCommand(dir=str(wdir), argv=list(rec.argv), env=self._env(rec, wdir),
+            cmd = LaunchCommand(dir=str(wdir), argv=list(rec.argv), env=environment.workload_env(self._base_env, rec, wdir),
                                 cwd=str(cwd or wdir / "scratch"), log_max_bytes=self.config.log_max_bytes,
                                 log_keep=self.config.log_keep, record=msgspec.to_builtins(rec))
             try:
@@ -634,59 +585,12 @@ class Supervisor:
             log.warning("grace period over, SIGKILL id=%s pgid=%s", wid, pgid)
             procs.signal_group(pgid, procs.SIGKILL)
 
-    def _env(self, rec: WorkloadRecord, wdir: Path) -> dict[str, str]:
-        env = dict(self._base_env)
-        env.update({k: v for k, v in rec.env.items() if k not in _SCRUB_ENV})
-        gpus = ",".join(rec.gpus)
-        env.update({
-            "CUDA_VISIBLE_DEVICES": gpus,
-            "NVIDIA_VISIBLE_DEVICES": gpus or "void",
-            "HERD_JOB_ID": rec.job_id,
-            "HERD_WORKLOAD_ID": rec.workload_id,
-            "HERD_RANK": str(rec.rank),
-            "HERD_WORLD_SIZE": str(rec.world_size),
-            "HERD_SCRATCH": str(wdir / "scratch"),
-            "HERD_PREEMPT_NOTICE": str(wdir / "preempt-notice.json"),
-        })
-        if rec.peers:
-            env["HERD_PEERS"] = ",".join(f"{p.node_id}={p.data_url}" for p in rec.peers)
-        return env
-
     def read_log(self, workload_id: str, *, stream: str = "stdout", tail: int = 100) -> str:
-        """The last ``tail`` lines of a workload's stdout or stderr (current file, then rotations).
-
-        Reads backwards from the end in blocks, so a tail of a large log costs what it returns."""
+        """The last ``tail`` lines of a workload's stdout or stderr (current file, then rotations)."""
         if stream not in ("stdout", "stderr"):
             raise AgentError("stream must be stdout or stderr")
         wdir = self.wl_dir / self.record(workload_id).workload_id
-        if tail <= 0:
-            return ""
-        files = [wdir / (f"{stream}.log" if i == 0 else f"{stream}.log.{i}") for i in range(self.config.log_keep + 1)]
-        data, complete = _tail_bytes([f for f in files if f.exists()], tail)
-        lines = data.splitlines(keepends=True)
-        if not complete and lines:
-            lines = lines[1:]  # the first line may be cut
-        return b"".join(lines[-tail:]).decode(errors="replace")
-
-    def remove_dir(self, workload_id: str) -> None:
-        shutil.rmtree(self.wl_dir / workload_id, ignore_errors=True)
-
-
-def _tail_bytes(files: list[Path], n: int, block: int = 64 << 10) -> tuple[bytes, bool]:
-    """Enough bytes from the end of the stream ``files`` (newest first; rotation may cut
-    a line in two files) to hold its last ``n`` lines; True when it is the whole stream."""
-    data = b""
-    for path in files:
-        with open(path, "rb") as f:
-            pos = f.seek(0, os.SEEK_END)
-            while pos > 0:
-                if data.count(b"\n") > n:
-                    return data, False
-                step = min(block, pos)
-                pos -= step
-                f.seek(pos)
-                data = f.read(step) + data
-    return data, True
+        return read_tail(wdir, stream, tail, self.config.log_keep)
 
 
 def _quantiles(xs: deque[float]) -> dict[str, float]:
