@@ -80,7 +80,7 @@ class Agent:
             from agent.gpus import GpuMonitor, open_backend, render_metrics
         except ImportError as e:
             raise ConfigError(f"the GPU module is unavailable: {e}") from None
-        backend = open_backend(self.config.gpus, hostname=self.node_id)
+        backend = open_backend(self.config.gpus, hostname=self.node_id, rack=self.config.topology.rack)
         self.monitor = GpuMonitor(backend, poll_interval_s=self.config.gpu_poll_interval_s,
                                   state_dir=self.state_dir)
         self._render_gpu_metrics = render_metrics
