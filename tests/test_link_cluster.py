@@ -194,8 +194,7 @@ async def test_partition_host_failure_and_placer_restart(tmp_path, token_dir):
         pids = c.workload_pids(n2)
         assert pids, "the agent lists the workload's pid"
         c.kill_host(n2)
-        for pid in pids:
-            assert not _alive(pid)
+        await api.until(lambda: _true(not any(_alive(p) for p in pids)), timeout=5)
         v3 = await api.until(lambda: _moved(api, "r", v2["attempt"]), timeout=20)
         assert v3["pods"][0]["node_id"] not in (n2,)
         assert v3["restarts"] == 2
@@ -215,6 +214,10 @@ async def test_partition_host_failure_and_placer_restart(tmp_path, token_dir):
         assert after == before
         cluster = await api.get("/v1/cluster")
         assert cluster["model"]["allocated"] == 8
+
+
+async def _true(v: Any) -> Any:
+    return v
 
 
 async def _alive_nodes_up(api: Api, c: LocalCluster) -> bool:
