@@ -304,8 +304,15 @@ class PlacerState:
         self.model.upsert_node(spec)
         self.nodes[rep.node_id] = node
         if snap is not None:
-            self._apply_snapshot(node, snap)
-        self.model.set_node_state(rep.node_id, healthy=not node.host_fatal)
+            if old is not None and old.uuids == uuids:
+                prev_bad, prev_fatal = old.fatal | old.refused, old.host_fatal
+            else:  # a new node: all healthy in the model
+                prev_bad, prev_fatal = set(), False
+            self._apply_snapshot(node, snap, prev_bad=prev_bad, prev_host_fatal=prev_fatal)
+            if old is not None and old.uuids != uuids:  # a changed inventory: say everything
+                for i in range(len(uuids)):
+                    self.model.set_gpu_health(rep.node_id, i, i not in node.fatal)
+                self.model.set_node_state(rep.node_id, healthy=not node.host_fatal)
         reported: set[str] = set()
         for w in rep.workloads:
             node.workloads[w.workload_id] = w.state
@@ -385,17 +392,25 @@ class PlacerState:
         if n is not None and p.state not in TERMINAL_STATES:
             n.stale[p.workload_id] = p.slots
 
-    def _apply_snapshot(self, node: NodeRec, snap: Any) -> None:
+    def _apply_snapshot(self, node: NodeRec, snap: Any, *, prev_bad: set[int] | None = None,
+                        prev_host_fatal: bool | None = None) -> None:
+        """Health from a snapshot. Only what changed is pushed into the model, so a node
+        registering healthy costs no model call (its rebuild stays deferred: registering
+        a whole fleet after a restart costs one rebuild, not one per node)."""
         gpus = sorted(snap.gpus, key=lambda g: g.index)
         if [g.uuid for g in gpus] != node.uuids:
             return  # inventory changed: the next full report rebuilds the node
         self.dirty = True
+        before = (node.fatal | node.refused) if prev_bad is None else prev_bad
+        was_fatal = node.host_fatal if prev_host_fatal is None else prev_host_fatal
         node.refused.clear()  # the agent has spoken about every GPU again
         node.fatal = {i for i, g in enumerate(gpus) if g.health == "fatal"}
         node.host_fatal = snap.host.state == "fatal"
-        for i in range(len(gpus)):
-            self.model.set_gpu_health(node.node_id, i, i not in node.fatal)
-        self.model.set_node_state(node.node_id, healthy=node.state == "up" and not node.host_fatal)
+        for i in sorted(before ^ node.fatal):
+            if i < len(gpus):
+                self.model.set_gpu_health(node.node_id, i, i not in node.fatal)
+        if node.host_fatal != was_fatal:
+            self.model.set_node_state(node.node_id, healthy=node.state == "up" and not node.host_fatal)
 
     def _node_back(self, node: NodeRec, now: float) -> list[Push]:
         if node.state == "lost":
