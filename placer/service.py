@@ -105,7 +105,11 @@ class PlacerService:
         now = self.clock()
         recovered = self.journal.jobs()
         for spec in recovered:
-            self.state.submit(spec, now, recovering=True)
+            try:
+                self.state.submit(spec, now, recovering=True)
+            except JobError as e:  # a journal from an older placer with rules this one refuses
+                log.warning("journal job dropped job=%s reason=%s", spec.job_id, e)
+                self.journal.ended(spec.job_id, "failed", now)
         self.state.recover_until = now + self.cfg.recover_window_s
         if recovered:
             log.info("recovered jobs from the journal count=%d; waiting %.1fs for reports",

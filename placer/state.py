@@ -212,6 +212,12 @@ class PlacerState:
         for k in spec.env:
             if not k or "=" in k or "\0" in k:
                 raise JobError(f"bad environment variable name {k!r}")
+        if not -STALE_PRIORITY < spec.priority < STALE_PRIORITY:
+            raise JobError(f"priority must be within +-{STALE_PRIORITY - 1}")
+        try:
+            self._request_of(spec).validate()
+        except ValueError as e:  # the core's InvalidSpec
+            raise JobError(str(e)) from None
         if spec.job_id in self.jobs:
             raise JobError(f"job {spec.job_id} already exists", status=409)
 
@@ -547,13 +553,22 @@ class PlacerState:
         return out
 
     def _request(self, job: JobRec) -> Any:
-        s = job.spec
+        return self._request_of(job.spec)
+
+    def _request_of(self, s: JobSpec) -> Any:
         return self.core.JobRequest(job_id=s.job_id, pods=s.pods, gpus_per_pod=s.gpus_per_pod, within=s.within,
                                     priority=s.priority, preemptible=s.preemptible, whole_nodes=s.whole_nodes)
 
     def _decide(self, job: JobRec, now: float, clock: Any) -> list[Push] | None:
         t0 = clock() if clock else 0.0
-        decision = self.core.place(self.model, self._request(job), allow_preemption=True)
+        try:
+            decision = self.core.place(self.model, self._request(job), allow_preemption=True)
+        except Exception as e:  # a core bug or a spec it refuses: fail this job, keep serving
+            log.exception("placement failed job=%s", job.job_id)
+            job.state, job.reason = "failed", f"placer could not place it: {e}"
+            job.timings["ended"] = now
+            self._ended.append((job.job_id, job.state, now))
+            return None
         if clock:
             self.decision_s.append(clock() - t0)
             del self.decision_s[:-1000]

@@ -271,7 +271,10 @@ async def test_wrong_tokens_change_nothing(tmp_path, token_dir):
                 for bad in (b"{", msgspec.json.encode({"job_id": "x", "pods": 0, "argv": ["a"]}),
                             msgspec.json.encode({"job_id": "../x", "argv": ["a"]}),
                             msgspec.json.encode({"job_id": "x", "argv": []}),
-                            msgspec.json.encode({"job_id": "x", "within": "galaxy", "argv": ["a"]})):
+                            msgspec.json.encode({"job_id": "x", "within": "galaxy", "argv": ["a"]}),
+                            msgspec.json.encode({"job_id": "x", "gpus_per_pod": 65, "argv": ["a"]}),
+                            msgspec.json.encode({"job_id": "x", "priority": 1 << 40, "argv": ["a"]}),
+                            msgspec.json.encode({"job_id": "x", "env": {"A=B": "c"}, "argv": ["a"]})):
                     r = await c.post("/v1/jobs", content=bad, headers=hdr)
                     assert r.status_code == 400 and r.json()["error"], r.text
                 assert (await c.get("/v1/jobs")).json()["jobs"] == []
