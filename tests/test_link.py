@@ -136,6 +136,19 @@ async def test_cli_submit_list_show_cancel_nodes_cluster(tmp_path, token_dir):
             assert rc == 0 and "GPUs: 16 total" in out and "LEVEL" in out
             rc, out, err = await _herd(["placer", "defrag", "--json"], env)
             assert rc == 0 and "moves" in json.loads(out)
+            # an artifact ref resolved against the origin before submitting
+            origin = tmp_path / "origin"
+            (origin / "refs").mkdir(parents=True)
+            (origin / "refs" / "trainer:v1").write_text("cd" * 32 + "\n")
+            rc, out, err = await _herd(["job", "submit", "--job-id", "art", "--artifact", "trainer:v1",
+                                        "--origin", f"file://{origin}", "--json", "--", "true"], env)
+            assert rc == 0, err
+            assert json.loads(out)["spec"]["manifest_id"] == "cd" * 32
+            rc, out, err = await _herd(["job", "submit", "--artifact", "trainer:v2", "--origin", f"file://{origin}",
+                                        "--", "true"], env)
+            assert rc == 1 and "unknown ref" in err
+            rc, out, err = await _herd(["job", "cancel", "art"], env)
+            assert rc == 0
             rc, out, err = await _herd(["job", "cancel", "cli1", "--json"], env)
             assert rc == 0 and json.loads(out)["state"] == "cancelled"
             # bad input: one clear line, nothing submitted
@@ -151,7 +164,8 @@ async def test_cli_submit_list_show_cancel_nodes_cluster(tmp_path, token_dir):
             rc, out, err = await _herd(["job", "list"], {"HERD_PLACER": ""})
             assert rc == 1 and "no placer URL" in err
             rc, out, err = await _herd(["job", "list", "--json"], env)
-            assert [j["job_id"] for j in json.loads(out)["jobs"]] == ["cli1"]
+            assert [(j["job_id"], j["state"]) for j in json.loads(out)["jobs"]] == [("cli1", "cancelled"),
+                                                                                   ("art", "cancelled")]
             rc, out, err = await _herd(["job", "submit", "--token-dir", str(tmp_path / "nowhere"), "--", "x"], env)
             assert rc == 1 and "401" in err
             n.cancel_scope.cancel()
