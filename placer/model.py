@@ -56,17 +56,24 @@ MAX_GPUS_PER_NODE = 64
 _ROW_VIEW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 
-def row_count(mask: np.ndarray) -> np.ndarray:
-    """True values per row of a 2-d bool array, as int64 -- a popcount over each row's
-    bytes, ~50x faster than ``mask.sum(1)`` for the narrow rows (4 or 8 GPUs) we have."""
+def row_count(mask: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """True values per row of a 2-d bool array (int64, or into ``out``) -- a popcount over
+    each row's bytes, ~50x faster than ``mask.sum(1)`` for our narrow rows (4 or 8 GPUs)."""
     n, g = mask.shape
     m = np.ascontiguousarray(mask)
     dt = _ROW_VIEW.get(g)
     if dt is not None:
+        if out is not None:
+            return np.bitwise_count(m.view(dt).reshape(n), out=out, casting="unsafe")
         return np.bitwise_count(m.view(dt).reshape(n)).astype(np.int64)
     if g % 8 == 0:
-        return np.bitwise_count(m.view(np.uint64)).sum(1, dtype=np.int64)
-    return m.sum(1, dtype=np.int64)
+        r = np.bitwise_count(m.view(np.uint64)).sum(1, dtype=np.int64)
+    else:
+        r = m.sum(1, dtype=np.int64)
+    if out is not None:
+        out[...] = r
+        return out
+    return r
 
 
 def level_index(within: str) -> int:
@@ -161,11 +168,14 @@ class ClusterModel:
         self.usable = np.zeros((0, 1), bool)
         self.free = np.zeros(0, np.int32)
         self._unusable: int | None = None
+        # reusable work arrays of the hot paths (never state: contents are scratch)
+        self._scratch: dict[tuple[str, tuple[int, ...], str], np.ndarray] = {}
         self.starts: list[np.ndarray] = []
         self.ends: list[np.ndarray] = []
         self.dom_of_node: list[np.ndarray] = []
         self.child_lo: list[np.ndarray] = []
         self.child_hi: list[np.ndarray] = []
+        self.max_span: list[int] = []            # most nodes in one domain, per level
         self.dom_names: list[list[str]] = []
         # jobs
         self._jobs: dict[str, JobRecord] = {}
@@ -278,11 +288,23 @@ class ClusterModel:
         self.gpu_healthy, self.node_healthy, self.node_draining = gpu_healthy, node_healthy, node_draining
         self.starts, self.ends, self.dom_of_node, self.dom_names = starts, ends, dom_of_node, names
         self.child_lo, self.child_hi = child_lo, child_hi
+        self.max_span = [int((e - b).max()) if b.size else 0 for b, e in zip(starts, ends, strict=True)]
         self._recompute_usable()
         self._rebuild_job_positions()
         self._dirty = False
         self.epoch += 1
         log.debug("rebuilt nodes=%d gpus=%d jobs=%d", N, int(n_gpus.sum()), len(self._jobs))
+
+    def scratch(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+        """A reusable uninitialised work array (fresh large allocations page-fault on every
+        call; reusing one does not). Callers own it only until their call returns."""
+        key = (name, shape, np.dtype(dtype).str)
+        buf = self._scratch.get(key)
+        if buf is None:
+            for k in [k for k in self._scratch if k[0] == name]:
+                del self._scratch[k]
+            buf = self._scratch[key] = np.empty(shape, dtype)
+        return buf
 
     def unusable_slots(self) -> int:
         """Existing-or-not slots that are not usable (cached until a health/drain change)."""
@@ -603,6 +625,8 @@ class ClusterModel:
                 setattr(m, k, dict(v))
             elif k == "_gpu_bad":
                 setattr(m, k, {a: set(b) for a, b in v.items()})
+            elif k == "_scratch":
+                setattr(m, k, {})
             elif k in ("_job_ids", "_free_job_idx"):
                 setattr(m, k, list(v))
             elif k == "_jobs":

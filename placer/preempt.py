@@ -61,7 +61,6 @@ def place_with_preemption(model: ClusterModel, job: JobRequest, *,
     li = level_index(job.within)
     elig_ext = np.append(elig, False)          # owner -1 indexes the extra False
     owner = model.owner
-    N = model.n_nodes
 
     # priority ranks and per-job costs
     prios = model.job_priority
@@ -71,7 +70,7 @@ def place_with_preemption(model: ClusterModel, job: JobRequest, *,
     job_cost = (1 + rank) * model.job_gpus          # priority-weighted GPUs lost
     need_gpus = job.pods * max(job.gpus_per_pod, 1)
 
-    # One pass over the slots: each slot's cost bucket, counted per node in one bincount.
+    # One pass over the slots: each slot's cost bucket (int8), then per-node counts by popcount.
     # Buckets (base-4 log of the cost share) are renumbered to the few in use: column 0
     # free, 1..U eligible by increasing share, U+1 not reclaimable.
     share = job_cost / np.maximum(np.minimum(model.job_gpus, need_gpus), 1)
@@ -79,16 +78,17 @@ def place_with_preemption(model: ClusterModel, job: JobRequest, *,
     holding = elig & (model.job_gpus > 0)
     used = np.unique(bucket[holding])
     U = used.size
-    compact = np.full(elig.size + 1, U + 1, np.int16)
+    compact = np.full(elig.size + 1, U + 1, np.int8)
     compact[:-1][holding] = 1 + np.searchsorted(used, bucket[holding])
     compact[-1] = 0                                  # owner -1: free
-    sb = compact[owner]
+    N, G = owner.shape
+    sb = np.take(compact, owner, out=model.scratch("preempt.sb", (N, G), np.int8))
     if model.unusable_slots():
-        sb = np.where(model.usable, sb, np.int16(U + 1))
-    width = U + 2
-    counts = np.bincount((_node_base(N, model.G, width) + sb).ravel(),
-                         minlength=N * width).reshape(N, width)
-    reclaim_per_node = (model.G - counts[:, U + 1]).astype(np.int32)
+        np.copyto(sb, np.int8(U + 1), where=~model.usable)
+    eq = model.scratch("preempt.eq", (N, G), np.bool_)
+    counts = model.scratch("preempt.counts", (U + 2, N), np.uint8)
+    row_count(np.equal(sb, U + 1, out=eq), out=counts[U + 1])
+    reclaim_per_node = G - counts[U + 1].astype(np.int32)
     fits = pods_that_fit(model, job, free=reclaim_per_node, exclude=exclude)
     if choose_domain(model, fits, li, job.pods, reclaim_per_node) is None:
         return None
@@ -97,13 +97,15 @@ def place_with_preemption(model: ClusterModel, job: JobRequest, *,
         cands = np.array([0])
     else:
         st = model.starts[li]
-        cap = fits if st.size == N else np.add.reduceat(fits, st)
+        cap = fits if st.size == model.n_nodes else np.add.reduceat(fits, st)
         cands = np.flatnonzero(cap >= job.pods)
         # exact victim choice costs a few passes over a domain's slots: bound the total
-        span = int((model.ends[li][cands] - st[cands]).max()) * model.G
+        span = model.max_span[li] * model.G
         n_exact = max(1, min(CANDIDATES, EXACT_SLOT_BUDGET // max(span, 1)))
         if cands.size > n_exact:
-            weights = 2.0 * np.power(4.0, used.astype(np.float64))
+            weights = 2 * np.power(4, used.astype(np.int64))
+            for k in range(U + 1):
+                row_count(np.equal(sb, k, out=eq), out=counts[k])
             cands = _cheapest_estimates(model, li, cands, counts, weights, need_gpus)[:n_exact]
 
     best: tuple[tuple[int, int, int, int], int, np.ndarray] | None = None
@@ -145,21 +147,6 @@ def _bounds(model: ClusterModel, li: int, dom: int) -> tuple[int, int]:
     return int(model.starts[li][dom]), int(model.ends[li][dom])
 
 
-def _node_base(N: int, G: int, width: int) -> np.ndarray:
-    """``node * width`` per slot, cached for the last few shapes."""
-    key = (N, G, width)
-    got = _BASE_CACHE.get(key)
-    if got is None:
-        got = np.repeat((np.arange(N, dtype=np.int64) * width)[:, None], G, axis=1)
-        if len(_BASE_CACHE) >= 4:
-            _BASE_CACHE.pop(next(iter(_BASE_CACHE)))
-        _BASE_CACHE[key] = got
-    return got
-
-
-_BASE_CACHE: dict[tuple[int, int, int], np.ndarray] = {}
-
-
 def _cheapest_estimates(model: ClusterModel, li: int, cands: np.ndarray, counts: np.ndarray,
                         weights: np.ndarray, need_gpus: int) -> np.ndarray:
     """The CANDIDATES domains of least estimated victim cost.
@@ -167,27 +154,34 @@ def _cheapest_estimates(model: ClusterModel, li: int, cands: np.ndarray, counts:
     Each eligible slot carries a share of its job's cost: ``cost / min(job GPUs, GPUs
     needed)`` -- exact when the whole job lies in the domain and is needed whole, and
     when only ``need`` of a bigger gang's GPUs would be taken. Shares are bucketed on a
-    base-4 log scale (``counts``: per node, column 0 free, 1..U the buckets in use, whose
+    base-4 log scale (``counts[k]``: per node, row 0 free, 1..U the buckets in use, whose
     representative shares are ``weights``); per domain the GPUs needed are filled from the
     free GPUs and then the cheapest buckets up."""
     st = model.starts[li]
     U = weights.size
-    per_dom = counts[:, : U + 1]
-    if st.size != counts.shape[0]:
-        per_dom = np.add.reduceat(per_dom, st, axis=0)
-    if cands.size < per_dom.shape[0]:
-        per_dom = per_dom[cands]
-    free_dom = per_dom[:, 0]
-    remaining = np.maximum(need_gpus - free_dom, 0)
-    est = np.zeros(remaining.size)
+    per_node = st.size == counts.shape[1]
+    if per_node:
+        rows = [counts[k] for k in range(U + 1)]
+    else:
+        agg = np.add.reduceat(counts[: U + 1], st, axis=1, dtype=np.int32)
+        rows = [agg[k] for k in range(U + 1)]
+    D = rows[0].size
+    remaining = np.subtract(need_gpus, rows[0], dtype=np.int32)
+    np.maximum(remaining, 0, out=remaining)
+    est = np.zeros(D, np.int64)
+    t = np.empty(D, np.int32)
     for k in range(1, U + 1):
-        t = np.minimum(remaining, per_dom[:, k])
-        est += t * weights[k - 1]
+        np.minimum(remaining, rows[k], out=t)
         remaining -= t
+        est += t.astype(np.int64) * int(weights[k - 1])
         if not remaining.any():
             break
-    order = np.lexsort((-free_dom, est))
-    return cands[order[:CANDIDATES]]
+    if cands.size < D:
+        keep = np.zeros(D, bool)
+        keep[cands] = True
+        est[~keep] = np.iinfo(np.int64).max
+    order = np.lexsort((-rows[0].astype(np.int64), est))[:CANDIDATES]
+    return order[np.isin(order, cands)] if cands.size < D else order
 
 
 def _pod_thresholds(job: JobRequest, slot_pos: np.ndarray, n_gpus: np.ndarray,
@@ -202,6 +196,12 @@ def _pod_thresholds(job: JobRequest, slot_pos: np.ndarray, n_gpus: np.ndarray,
     G = slot_pos.shape[1]
     if g > G:
         return np.zeros(0, np.int64)
+    if g == 1:
+        return slot_pos.reshape(-1)
+    if 2 * g > G:                                   # one pod per node at most: g-th smallest
+        if g == G:
+            return slot_pos.max(1)
+        return np.partition(slot_pos, g - 1, axis=1)[:, g - 1]
     s = np.sort(slot_pos, axis=1)
     return s[:, g - 1::g][:, : G // g].reshape(-1)
 
@@ -221,17 +221,25 @@ def _exact_victims(model: ClusterModel, job: JobRequest, lo: int, hi: int, elig:
     if exclude is not None:
         usable = usable & ~exclude[lo:hi, None]
     e = usable & elig_ext[owner]
-    J = elig.size
-    indom = np.bincount(owner[e], minlength=J)
-    cand = np.flatnonzero(indom)
-    if cand.size == 0:
+    ids = owner[e]
+    if ids.size == 0:
         return None
-    key = job_cost[cand] / indom[cand]
-    order = cand[np.lexsort((model.job_gpus[cand], key))]
-    pos = np.full(J + 1, _BIG, np.int64)
-    pos[order] = np.arange(1, order.size + 1)
-    slot_pos = np.where(owner == -1, 0, pos[owner])
-    slot_pos = np.where(usable, slot_pos, _BIG)
+    # victims are numbered locally (0..C-1, the sorted candidate ids); a big domain counts
+    # by bincount over the job table, a small one by sorting its few owners
+    if ids.size * 8 > elig.size:
+        per_job = np.bincount(ids, minlength=elig.size)
+        cand = np.flatnonzero(per_job)
+        indom = per_job[cand]
+    else:
+        cand, indom = np.unique(ids, return_counts=True)
+    C = cand.size
+    key = job_cost[cand] / indom
+    rank_order = np.lexsort((model.job_gpus[cand], key))     # local ids, cheapest first
+    posc = np.empty(C, np.int64)
+    posc[rank_order] = np.arange(1, C + 1)
+    loc = np.minimum(np.searchsorted(cand, owner), C - 1)
+    slot_pos = np.where((owner == -1) & usable, 0, _BIG)
+    slot_pos = np.where(e, posc[loc], slot_pos)
     n_gpus = model.n_gpus[lo:hi].astype(np.int64)
     thr = _pod_thresholds(job, slot_pos, n_gpus, model.slot_exists[lo:hi])
     P = job.pods
@@ -240,15 +248,24 @@ def _exact_victims(model: ClusterModel, job: JobRequest, lo: int, hi: int, elig:
     k = int(np.partition(thr, P - 1)[P - 1])
     if k >= _BIG:
         return None
-    chosen = order[:k]
-    chosen = _prune(job, owner, usable, slot_pos, n_gpus, chosen, k, job_cost, J)
-    victims = np.sort(chosen)
+    chosen = _prune(job, loc, e, usable, slot_pos, n_gpus, rank_order[:k], k, job_cost[cand], C)
+    victims = np.sort(cand[chosen])
     return victims, int(job_cost[victims].sum())
 
 
-def _prune(job: JobRequest, owner: np.ndarray, usable: np.ndarray, slot_pos: np.ndarray,
-           n_gpus: np.ndarray, chosen: np.ndarray, k: int, job_cost: np.ndarray, J: int) -> np.ndarray:
-    """Drop victims the gang does not need, most expensive first (bounded).
+def _run_counts(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_counts=True)`` for keys already sorted but for short runs
+    (node-major, a node's few slots in any order): timsort is linear on such input."""
+    k = np.sort(keys, kind="stable")
+    starts = np.flatnonzero(np.concatenate(([True], k[1:] != k[:-1])))
+    cnt = np.diff(np.append(starts, k.size))
+    return k[starts], cnt
+
+
+def _prune(job: JobRequest, loc: np.ndarray, e: np.ndarray, usable: np.ndarray, slot_pos: np.ndarray,
+           n_gpus: np.ndarray, chosen: np.ndarray, k: int, cost: np.ndarray, C: int) -> np.ndarray:
+    """Drop victims the gang does not need, most expensive first (bounded). ``chosen``,
+    ``loc`` and ``cost`` use local victim ids.
 
     With the chosen set, per node: GPUs available and pods that fit. Removing victim v
     loses, on each node where it holds c GPUs, ``pods(avail) - pods(avail - c)`` pods; v
@@ -259,18 +276,17 @@ def _prune(job: JobRequest, owner: np.ndarray, usable: np.ndarray, slot_pos: np.
     avail = row_count(sel)
     fits = _node_pods(job, avail, n_gpus)
     total = int(fits.sum())
-    vs = sel & (owner >= 0)
-    rn, rc = np.nonzero(vs)
+    rn, rc = np.nonzero(sel & e)
     if rn.size == 0:
         return chosen
-    keys, cnt = np.unique(rn * (J + 1) + owner[rn, rc], return_counts=True)
-    pn, pj = keys // (J + 1), keys % (J + 1)
+    keys, cnt = _run_counts(rn * C + loc[rn, rc])
+    pn, pj = keys // C, keys % C
     lost = fits[pn] - _node_pods(job, avail[pn] - cnt, n_gpus[pn])
-    delta = np.bincount(pj, weights=lost, minlength=J + 1)
+    delta = np.bincount(pj, weights=lost, minlength=C)
     maybe = chosen[total - delta[chosen] >= P]
     if maybe.size == 0:
         return chosen
-    maybe = maybe[np.argsort(-job_cost[maybe], kind="stable")][:PRUNE_CHECKS]
+    maybe = maybe[np.argsort(-cost[maybe], kind="stable")][:PRUNE_CHECKS]
     drop: list[int] = []
     for v in maybe.tolist():
         m = pj == v
