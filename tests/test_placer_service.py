@@ -481,3 +481,42 @@ async def test_peers_prefetch_and_fatal_gpu_reports(tmp_path, token_dir):
             assert c["model"]["unhealthy_gpus"] == 1 and "fragmentation" in c
             n.cancel_scope.cancel()
 
+
+
+async def test_defrag_plan_and_apply(tmp_path, token_dir):
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            svc, cl = await start_cluster(n, tmp_path, tokens)
+            for j in ("j1", "j2", "j3", "j4", "j5"):
+                await cl.submit(job_id=j, pods=1, gpus_per_pod=4, grace_s=0.5)
+                await cl.job(j, wait="running")
+            for j in ("j2", "j3"):
+                await cl.c.delete(f"/v1/jobs/{j}")
+            await wait_for(lambda: _free_is(cl, 20))
+            where = {j: (await cl.job(j))["pods"][0]["node_id"] for j in ("j1", "j4", "j5")}
+            rack = {a.node_id: a.topology.rack for a in cl.agents.values()}
+            assert rack[where["j1"]] == rack[where["j4"]] != rack[where["j5"]]  # one half-used rack each
+            r = await cl.c.post("/v1/defrag", json={"max_moves": 4})
+            assert r.status_code == 200
+            moves = r.json()["moves"]
+            assert [m["job_id"] for m in moves] == ["j5"] and r.json()["applied"] == []
+            assert (await cl.job("j5"))["attempt"] == 1  # a plan changes nothing
+            r = await cl.c.post("/v1/defrag", json={"max_moves": 4, "apply": True})
+            assert r.json()["applied"] == ["j5"]
+            v = await wait_for(lambda: _attempt_running(cl, "j5", 2))
+            assert rack[v["pods"][0]["node_id"]] == rack[where["j1"]]
+            assert (await cl.c.post("/v1/defrag", json={"max_moves": -1})).status_code == 400
+            async with httpx.AsyncClient() as anon:
+                assert (await anon.post(cl.url + "/v1/defrag", json={})).status_code == 401
+            n.cancel_scope.cancel()
+
+
+async def _free_is(cl: Cluster, n: int) -> bool:
+    nodes = (await cl.c.get("/v1/nodes")).json()["nodes"]
+    return sum(x["free_gpus"] for x in nodes) == n
+
+
+async def _attempt_running(cl: Cluster, job: str, attempt: int):
+    v = await cl.job(job)
+    return v if v["attempt"] == attempt and v["state"] == "running" else None
