@@ -64,9 +64,7 @@ def place_with_preemption(model: ClusterModel, job: JobRequest, *,
 
     # priority ranks and per-job costs
     prios = model.job_priority
-    uprio = np.unique(prios[elig])
-    rank = np.zeros(prios.size, np.int64)
-    rank[elig] = np.searchsorted(uprio, prios[elig])
+    rank = _priority_ranks(prios, elig)
     job_cost = (1 + rank) * model.job_gpus          # priority-weighted GPUs lost
     need_gpus = job.pods * max(job.gpus_per_pod, 1)
 
@@ -86,7 +84,7 @@ def place_with_preemption(model: ClusterModel, job: JobRequest, *,
     if model.unusable_slots():
         np.copyto(sb, np.int8(U + 1), where=~model.usable)
     eq = model.scratch("preempt.eq", (N, G), np.bool_)
-    counts = model.scratch("preempt.counts", (U + 2, N), np.uint8)
+    counts = model.scratch("preempt.counts", (_BUCKETS + 2, N), np.uint8)[: U + 2]
     row_count(np.equal(sb, U + 1, out=eq), out=counts[U + 1])
     reclaim_per_node = G - counts[U + 1].astype(np.int32)
     fits = pods_that_fit(model, job, free=reclaim_per_node, exclude=exclude)
@@ -139,6 +137,21 @@ def place_with_preemption(model: ClusterModel, job: JobRequest, *,
     pod_nodes, pod_slots = assign_slots(model, job, nodes, counts, avail=avail[nodes - lo])
     names = [model.job_id_of(int(j)) or "" for j in victims.tolist()]
     return make_decision(model, job, li, dom, pod_nodes, pod_slots, names)
+
+
+def _priority_ranks(prios: np.ndarray, elig: np.ndarray) -> np.ndarray:
+    """Rank of each eligible job's priority among the distinct eligible priorities (0 =
+    lowest); 0 elsewhere. Linear when the priorities span a small range."""
+    p = prios[elig]
+    rank = np.zeros(prios.size, np.int64)
+    lo, hi = int(p.min()), int(p.max())
+    if hi - lo < 4096:
+        present = np.zeros(hi - lo + 1, np.int64)
+        present[p - lo] = 1
+        rank[elig] = (np.cumsum(present) - 1)[p - lo]
+    else:
+        rank[elig] = np.searchsorted(np.unique(p), p)
+    return rank
 
 
 def _bounds(model: ClusterModel, li: int, dom: int) -> tuple[int, int]:

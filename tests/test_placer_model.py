@@ -135,3 +135,32 @@ def test_copy_is_independent() -> None:
     c.check_invariants()
     m.check_invariants()
     assert np.array_equal(m.owner >= 0, np.zeros_like(m.owner, bool))
+
+
+def test_prefer_packs_softly_and_falls_back() -> None:
+    m = ClusterModel.build(hgx(blocks=1, racks=2, nodes=2))
+    m.assign("x", "z0b0r0n0", [0], priority=0, preemptible=False)
+    d = place(m, JobRequest("p", 2, 8, "any", prefer="rack"), allow_preemption=False)
+    assert d is not None and d.level == "rack" and d.domain == "z0/b0/r1"
+    m.allocate(d)
+    # no rack can hold 2 whole nodes now: falls back to `within=any`
+    m.release("x")
+    m.assign("y", "z0b0r0n1", [0], priority=0, preemptible=False)
+    d = place(m, JobRequest("q", 2, 4, "any", prefer="node"), allow_preemption=False)
+    assert d is not None and d.level == "node" and len({p.node_id for p in d.pods}) == 1
+    d = place(m, JobRequest("r", 3, 4, "any", prefer="node"), allow_preemption=False)
+    assert d is not None and d.level == "any" and len({p.node_id for p in d.pods}) == 2
+
+
+def test_whole_nodes_take_every_gpu_of_free_nodes_only() -> None:
+    specs = [NodeSpec("a4", "z", "b", "r", 4), NodeSpec("b8", "z", "b", "r", 8), NodeSpec("c8", "z", "b", "r", 8)]
+    m = ClusterModel.build(specs)
+    m.assign("x", "c8", [7], priority=0, preemptible=True)
+    d = place(m, JobRequest("w", 2, 0, "rack", whole_nodes=True), allow_preemption=False)
+    assert d is not None
+    assert sorted((p.node_id, p.slots) for p in d.pods) == [("a4", (0, 1, 2, 3)), ("b8", tuple(range(8)))]
+    assert place(m, JobRequest("w8", 2, 8, "rack", whole_nodes=True), allow_preemption=False) is None
+    d = place(m, JobRequest("w8", 2, 8, "rack", whole_nodes=True, priority=1))
+    assert d is not None and d.victims == ["x"] and {p.node_id for p in d.pods} == {"b8", "c8"}
+    m.allocate(d)
+    m.check_invariants()
