@@ -40,7 +40,7 @@ from scheduler_link.messages import Peer
 from .errors import IntegrityError, NotFoundError, OriginError, PeerError
 from .peers import PeerClient, PeerClientConfig, PeerHealth, PeerMissing
 from .ratelimit import AsyncBucket
-from .rendezvous import Source, plan_sources
+from .rendezvous import Source, assign_homes, plan_sources
 
 log = logging.getLogger("herd.p2p.herd")
 
@@ -50,6 +50,11 @@ class HerdConfig:
     workers: int = 16                  # chunks in flight on this node
     per_peer: int = 8                  # concurrent requests to one peer
     origin_concurrency: int = 8        # concurrent origin requests from this node
+    # Chunks this node is home for, fetched from the origin at once. Low on purpose: the
+    # origin's link is shared by every home, and few streams make it deliver chunks in
+    # (about) manifest order, so peers can start forwarding early (a pipeline); many
+    # streams would all finish at the end together. Alone (no peers) origin_concurrency.
+    home_concurrency: int = 2
     wait_ms: int = 60_000              # how long we let a peer ranked above us make us wait
     head_grace_s: float = 5.0          # on top of wait_ms, for an answer's head
     connect_s: float = 3.0
@@ -62,6 +67,8 @@ class HerdConfig:
     peer_rate_bps: float | None = None    # optional caps (bits/s) on what we receive
     origin_rate_bps: float | None = None
     rack_aware: bool = True
+    sync_every_bytes: int = 64 << 20   # fsync stored chunks in batches of this much while fetching
+    balance_homes: bool = True         # rendezvous with two choices over the manifest (assign_homes)
     max_rounds: int = 4                # replans of one chunk after every source failed
 
 
@@ -179,19 +186,49 @@ class Herd:
         if not todo:
             return run
         holders = await self._holders(manifest_id, peers) if manifest_id else {}
+        # Balanced homes over the manifest (the same map on every node: same inputs).
+        ids = [p.node_id for p in peers]
+        if self.node_id not in ids:
+            ids.append(self.node_id)
+        homes = assign_homes(chunks, ids) if self.config.balance_homes else {}
         endgame = trio.Event()
-        state = {"next": 0, "outstanding": 0}
-
+        # Homes run ahead: the chunks this node is home for go through their own pool
+        # (they go to the origin anyway), so the origin link stays busy while the other
+        # pool waits on peers' in-flight downloads. One pool would stall on both stages.
+        own: list[tuple[str, int]] = []
+        rest: list[tuple[str, int]] = []
+        for cid, size in todo:
+            first = plan_sources(cid, self.node_id, peers, rack_aware=self.config.rack_aware,
+                                 holders=holders.get(cid, ()), home=homes.get(cid))[0]
+            (own if first.kind == "origin" else rest).append((cid, size))
+        queues = [own, rest]
+        nexts = [0, 0]
+        state = {"outstanding": 0}
         failure: list[Exception] = []
+        unsynced = [0]
+        syncing = [False]
 
-        async def worker() -> None:
-            while state["next"] < len(todo):
-                cid, size = todo[state["next"]]
-                state["next"] += 1
+        async def background_sync() -> None:
+            try:
+                sync = getattr(self.store, "sync", None)
+                if sync is not None:
+                    await trio.to_thread.run_sync(sync)
+            except Exception as e:
+                if not failure:
+                    failure.append(e)
+                nursery.cancel_scope.cancel()
+            finally:
+                syncing[0] = False
+
+        async def worker(q: int) -> None:
+            queue = queues[q]
+            while nexts[q] < len(queue):
+                cid, size = queue[nexts[q]]
+                nexts[q] += 1
                 state["outstanding"] += 1
                 try:
                     await self.get_chunk(cid, size, origin, peers, endgame=endgame, run=run,
-                                         holders=holders.get(cid, ()))
+                                         holders=holders.get(cid, ()), home=homes.get(cid))
                 except Exception as e:  # the first failure ends the fetch, as one clear error
                     if not failure:
                         failure.append(e)
@@ -201,19 +238,31 @@ class Herd:
                     state["outstanding"] -= 1
                 if progress is not None:
                     progress(size)
-                if state["next"] >= len(todo) and state["outstanding"] <= self.config.endgame:
+                unsynced[0] += size
+                if unsynced[0] >= self.config.sync_every_bytes and not syncing[0]:
+                    # fsync in batches while fetching, so little is left for the final
+                    # sync before mark_complete (never one fsync per chunk)
+                    unsynced[0] = 0
+                    syncing[0] = True
+                    nursery.start_soon(background_sync)
+                if (nexts[0] >= len(own) and nexts[1] >= len(rest)
+                        and state["outstanding"] <= self.config.endgame):
                     endgame.set()
 
         async with trio.open_nursery() as nursery:
-            for _ in range(min(self.config.workers, len(todo))):
-                nursery.start_soon(worker)
+            alone = not any(p.node_id != self.node_id for p in peers)
+            n_own = self.config.origin_concurrency if alone else self.config.home_concurrency
+            for _ in range(min(n_own, len(own))):
+                nursery.start_soon(worker, 0)
+            for _ in range(min(self.config.workers, len(rest))):
+                nursery.start_soon(worker, 1)
         if failure:
             raise failure[0]
         return run
 
     async def get_chunk(self, cid: str, size: int, origin: Any, peers: Sequence[Peer], *,
                         endgame: trio.Event | None = None, run: HerdCounters | None = None,
-                        holders: Sequence[str] = ()) -> None:
+                        holders: Sequence[str] = (), home: str | None = None) -> None:
         """One chunk into the store, single-flight: concurrent callers share one download."""
         while True:
             if self.store.has_chunk(cid):
@@ -226,19 +275,20 @@ class Herd:
         self.counters.chunks_in_flight += 1
         try:
             await self._acquire(cid, size, origin, peers, endgame if endgame is not None else trio.Event(),
-                                run if run is not None else HerdCounters(), holders)
+                                run if run is not None else HerdCounters(), holders, home)
         finally:
             self.counters.chunks_in_flight -= 1
             del self._inflight[cid]
             ev.set()
 
     async def _acquire(self, cid: str, size: int, origin: Any, peers: Sequence[Peer],
-                       endgame: trio.Event, run: HerdCounters, holders: Sequence[str]) -> None:
+                       endgame: trio.Event, run: HerdCounters, holders: Sequence[str],
+                       home: str | None) -> None:
         last: Exception | None = None
         for _ in range(self.config.max_rounds):
             plan = plan_sources(cid, self.node_id, peers, penalties=self.health.penalties(trio.current_time()),
                                 now=trio.current_time(), rack_aware=self.config.rack_aware,
-                                holders=holders)
+                                holders=holders, home=home)
             won = await self._race(cid, size, plan, origin, endgame)
             if won is not None:
                 data, src = won

@@ -20,12 +20,10 @@ import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx
 import msgspec
 import trio
-
-from scheduler_link.auth import auth_header
 
 from .errors import PeerError
 from .ratelimit import AsyncBucket
@@ -53,82 +51,194 @@ class PeerClientConfig:
     rate_bps: float | None = None  # optional cap on bytes/s received from all peers
 
 
+class _Conn:
+    __slots__ = ("stream", "sock", "buf", "used")
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self.stream = stream
+        self.sock = stream.socket  # raw trio socket: recv_into without extra copies
+        self.buf = bytearray()     # bytes received past the last response
+        self.used = False
+
+
 class PeerClient:
+    """A lean HTTP/1.1 GET client for peers' data planes: keep-alive connections per
+    peer, the head parsed by hand (our own server's answers: Content-Length framing),
+    the body received with ``recv_into`` straight into one buffer of the announced size.
+    httpx costs several times more CPU per byte here, and the herd moves every byte
+    of the artifact through this path on every node."""
+
+    MAX_HEAD = 16 * 1024
+    MAX_IDLE_PER_PEER = 32
+
     def __init__(self, *, token: str | None, config: PeerClientConfig | None = None) -> None:
         self.config = config or PeerClientConfig()
-        self._client = httpx.AsyncClient(
-            headers=auth_header(token), timeout=None, http2=False,
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            transport=httpx.AsyncHTTPTransport(retries=0))
+        self._auth = f"Authorization: Bearer {token}\r\n".encode() if token else b""
+        self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._bucket = AsyncBucket(self.config.rate_bps)
 
     async def aclose(self) -> None:
-        with trio.CancelScope(shield=True):
-            await self._client.aclose()
+        for conns in self._idle.values():
+            for c in conns:
+                c.sock.close()
+        self._idle.clear()
 
     async def get_chunk(self, base_url: str, chunk_id: str, size: int, *, wait_ms: int = 0) -> bytes:
-        """The chunk's bytes as the peer sent them (unverified), at most ``size`` bytes."""
-        url = f"{base_url.rstrip('/')}/v1/chunks/{chunk_id}"
-        if wait_ms > 0:
-            url += f"?wait_ms={int(wait_ms)}"
-        return await self._get(url, limit=size, head_s=wait_ms / 1000 + self.config.head_grace_s,
+        """The chunk's bytes as the peer sent them (unverified), exactly ``size`` bytes."""
+        path = f"/v1/chunks/{chunk_id}" + (f"?wait_ms={int(wait_ms)}" if wait_ms > 0 else "")
+        return await self._get(base_url, path, limit=size, head_s=wait_ms / 1000 + self.config.head_grace_s,
                                exact=True)
 
     async def get_manifest(self, base_url: str, manifest_id: str, *, limit: int = 64 << 20) -> bytes:
-        url = f"{base_url.rstrip('/')}/v1/manifests/{manifest_id}"
-        return await self._get(url, limit=limit, head_s=self.config.head_grace_s, exact=False)
+        return await self._get(base_url, f"/v1/manifests/{manifest_id}", limit=limit,
+                               head_s=self.config.head_grace_s, exact=False)
 
     async def get_have(self, base_url: str, manifest_id: str, nchunks: int) -> bytes:
         """The peer's have-bitmap over the manifest's chunk table (``nchunks`` bits)."""
-        url = f"{base_url.rstrip('/')}/v1/have/{manifest_id}"
-        n = (nchunks + 7) // 8
-        return await self._get(url, limit=n, head_s=0.0, exact=True)
+        return await self._get(base_url, f"/v1/have/{manifest_id}", limit=(nchunks + 7) // 8,
+                               head_s=self.config.head_grace_s, exact=True)
 
-    async def _get(self, url: str, *, limit: int, head_s: float, exact: bool) -> bytes:
-        cfg = self.config
-        try:
-            with trio.move_on_after(head_s + cfg.connect_s) as cs:
-                resp_cm = self._client.stream("GET", url)
-                resp = await resp_cm.__aenter__()
-            if cs.cancelled_caught:
-                raise PeerTimeout(f"no answer from {url} within {head_s + cfg.connect_s:.1f}s")
+    # ------------------------------------------------------------------ transport
+
+    @staticmethod
+    def _hostport(base_url: str) -> tuple[str, int]:
+        u = urlsplit(base_url)
+        if u.scheme != "http" or not u.hostname:
+            raise PeerError(f"peer URL {base_url!r}: want http://host:port")
+        return u.hostname, u.port or 80
+
+    async def _connect(self, key: tuple[str, int]) -> _Conn:
+        idle = self._idle.get(key)
+        if idle:
+            return idle.pop()
+        host, port = key
+        with trio.move_on_after(self.config.connect_s) as cs:
             try:
-                if resp.status_code == 404:
-                    raise PeerMissing(f"{url}: not there")
-                if resp.status_code == 503:
-                    raise PeerUnavailable(f"{url}: busy")
-                if resp.status_code != 200:
-                    raise PeerError(f"{url}: HTTP {resp.status_code}")
-                declared = resp.headers.get("content-length")
-                if declared is not None and (not declared.isdigit() or int(declared) > limit
-                                             or (exact and int(declared) != limit)):
-                    raise PeerError(f"{url}: announces {declared} bytes, expected {limit}")
-                buf = bytearray()
-                it = resp.aiter_raw().__aiter__()
-                while True:
-                    with trio.move_on_after(cfg.stall_s) as cs:
-                        try:
-                            piece = await it.__anext__()
-                        except StopAsyncIteration:
-                            break
-                    if cs.cancelled_caught:
-                        raise PeerTimeout(f"{url}: stalled after {len(buf)} bytes")
-                    buf += piece
-                    if len(buf) > limit:
-                        raise PeerError(f"{url}: sent more than {limit} bytes")
-                    await self._bucket.consume(len(piece))
-                if exact and len(buf) != limit:
-                    raise PeerError(f"{url}: sent {len(buf)} bytes, expected {limit}")
-                return bytes(buf)
+                stream = await trio.open_tcp_stream(host, port)
+            except OSError as e:
+                raise PeerUnavailable(f"{host}:{port}: {e.strerror or e}") from None
+        if cs.cancelled_caught:
+            raise PeerTimeout(f"{host}:{port}: connect timed out after {self.config.connect_s:.1f}s")
+        return _Conn(stream)
+
+    def _release(self, key: tuple[str, int], conn: _Conn) -> None:
+        idle = self._idle.setdefault(key, [])
+        if len(idle) < self.MAX_IDLE_PER_PEER:
+            conn.used = True
+            idle.append(conn)
+        else:
+            conn.sock.close()
+
+    async def _get(self, base_url: str, path: str, *, limit: int, head_s: float, exact: bool) -> bytes:
+        key = self._hostport(base_url)
+        for attempt in (0, 1):
+            conn = await self._connect(key)
+            reused = conn.used
+            ok = False
+            try:
+                data, keep = await self._exchange(conn, key, path, limit=limit, head_s=head_s, exact=exact)
+                ok = keep
+                return data
+            except _StaleConnection:
+                if reused and attempt == 0:  # the peer closed an idle keep-alive: once more, fresh
+                    continue
+                raise PeerUnavailable(f"{base_url}{path}: connection closed before an answer") from None
             finally:
-                with trio.CancelScope(shield=True), trio.move_on_after(1):
-                    await resp_cm.__aexit__(None, None, None)
-        except httpx.TimeoutException as e:
-            raise PeerTimeout(f"{url}: {e!r}") from None
-        except (httpx.TransportError, OSError) as e:
-            raise PeerUnavailable(f"{url}: {type(e).__name__}: {e}") from None
-        except httpx.HTTPError as e:
-            raise PeerError(f"{url}: {type(e).__name__}: {e}") from None
+                if ok:
+                    self._release(key, conn)
+                else:
+                    conn.sock.close()
+        raise PeerUnavailable(f"{base_url}{path}: no connection")  # pragma: no cover
+
+    async def _exchange(self, conn: _Conn, key: tuple[str, int], path: str, *, limit: int,
+                        head_s: float, exact: bool) -> tuple[bytes, bool]:
+        cfg = self.config
+        sock = conn.sock
+        where = f"http://{key[0]}:{key[1]}{path}"
+        req = (f"GET {path} HTTP/1.1\r\nHost: {key[0]}:{key[1]}\r\n").encode() + self._auth + b"\r\n"
+        try:
+            with trio.move_on_after(cfg.stall_s) as cs:
+                sent = 0
+                while sent < len(req):
+                    sent += await sock.send(req[sent:])
+            if cs.cancelled_caught:
+                raise PeerTimeout(f"{where}: could not send the request")
+            buf = conn.buf
+            with trio.move_on_after(head_s + cfg.connect_s) as cs:
+                while b"\r\n\r\n" not in buf:
+                    if len(buf) > self.MAX_HEAD:
+                        raise PeerError(f"{where}: answer head over {self.MAX_HEAD} bytes")
+                    piece = await sock.recv(65536)
+                    if not piece:
+                        if not buf:
+                            raise _StaleConnection()
+                        raise PeerUnavailable(f"{where}: closed mid-head")
+                    buf += piece
+            if cs.cancelled_caught:
+                raise PeerTimeout(f"no answer from {where} within {head_s + cfg.connect_s:.1f}s")
+            head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+            conn.buf = bytearray()
+            status, length, keep = _parse_head(head, where)
+            if length is None:
+                raise PeerError(f"{where}: answer without Content-Length")
+            if status == 200 and (length > limit or (exact and length != limit)):
+                raise PeerError(f"{where}: announces {length} bytes, expected {limit}")
+            if status != 200 and length > 64 * 1024:
+                raise PeerError(f"{where}: HTTP {status} with a {length}-byte body")
+            body = bytearray(length)
+            view = memoryview(body)
+            got = min(len(rest), length)
+            view[:got] = rest[:got]
+            if len(rest) > length:  # pipelined leftovers cannot happen with one request in flight
+                raise PeerError(f"{where}: sent more than announced")
+            while got < length:
+                with trio.move_on_after(cfg.stall_s) as cs:
+                    n = await sock.recv_into(view[got:], length - got)
+                if cs.cancelled_caught:
+                    raise PeerTimeout(f"{where}: stalled after {got} of {length} bytes")
+                if n == 0:
+                    raise PeerUnavailable(f"{where}: closed after {got} of {length} bytes")
+                got += n
+                await self._bucket.consume(n)
+            view.release()
+        except OSError as e:
+            raise PeerUnavailable(f"{where}: {e.strerror or e}") from None
+        if status == 404:
+            raise PeerMissing(f"{where}: not there")
+        if status == 503:
+            raise PeerUnavailable(f"{where}: busy")
+        if status != 200:
+            raise PeerError(f"{where}: HTTP {status}")
+        return body, keep  # type: ignore[return-value]  # a bytearray: no copy; hashed and stored as is
+
+
+class _StaleConnection(Exception):
+    pass
+
+
+def _parse_head(head: bytes, where: str) -> tuple[int, int | None, bool]:
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
+        raise PeerError(f"{where}: not an HTTP/1.x answer: {lines[0][:60]!r}")
+    status = int(parts[1])
+    length: int | None = None
+    keep = parts[0] == b"HTTP/1.1"
+    for line in lines[1:]:
+        name, sep, value = line.partition(b":")
+        if not sep:
+            raise PeerError(f"{where}: malformed header line")
+        name = name.strip().lower()
+        value = value.strip()
+        if name == b"content-length":
+            if not value.isdigit():
+                raise PeerError(f"{where}: bad Content-Length {value[:20]!r}")
+            length = int(value)
+        elif name == b"connection":
+            keep = value.lower() == b"keep-alive" or (keep and value.lower() != b"close")
+        elif name == b"transfer-encoding":
+            raise PeerError(f"{where}: unexpected Transfer-Encoding")
+    return status, length, keep
 
 
 class PeerStats(msgspec.Struct, kw_only=True):

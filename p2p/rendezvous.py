@@ -31,6 +31,7 @@ is passed in. ``bench/herd_sim.py`` reuses the vectorised form for 10,000 nodes.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +45,7 @@ from scheduler_link.messages import Peer
 _MASK = (1 << 64) - 1
 
 
+@functools.lru_cache(maxsize=65536)
 def node_key(node_id: str) -> int:
     """A node's 64-bit rendezvous key (BLAKE3 of its id)."""
     return int.from_bytes(blake3.blake3(node_id.encode()).digest(8), "big")
@@ -87,6 +89,32 @@ def order(chunk_id: str, node_ids: Sequence[str]) -> list[str]:
     return sorted(uniq, key=lambda n: (-score(ck, node_key(n)), n))
 
 
+def assign_homes(chunks: Sequence[tuple[str, int]], node_ids: Sequence[str], *,
+                 choices: int = 2) -> dict[str, str]:
+    """Balanced homes for a whole manifest: each chunk, in manifest order, goes to the
+    least-loaded (in bytes) of its top ``choices`` rendezvous nodes (ties: the higher
+    ranked). Plain rendezvous leaves some homes with ~1.5x the average bytes to pull from
+    the origin at small chunk counts, and the last home done is everyone's tail; two
+    choices bring the worst home to about the average plus one chunk. Deterministic:
+    every node computes the same map from the same manifest and peer set."""
+    ids = list(dict.fromkeys(node_ids))
+    if not ids:
+        return {}
+    keys = np.array([node_key(n) for n in ids], dtype=np.uint64)
+    load = np.zeros(len(ids), dtype=np.int64)
+    out: dict[str, str] = {}
+    k = max(1, min(choices, len(ids)))
+    for cid, size in chunks:
+        if cid in out:
+            continue
+        sc = scores_np(chunk_key(cid), keys)
+        top = np.argsort(sc)[::-1][:k]
+        best = min(top.tolist(), key=lambda i: (int(load[i]), -int(sc[i])))
+        out[cid] = ids[best]
+        load[best] += size
+    return out
+
+
 def home(chunk_id: str, node_ids: Sequence[str]) -> str:
     return order(chunk_id, node_ids)[0]
 
@@ -120,14 +148,16 @@ ORIGIN = Source(kind="origin")
 
 def plan_sources(chunk_id: str, self_id: str, peers: Sequence[Peer], *,
                  penalties: Mapping[str, float] | None = None, now: float = 0.0,
-                 rack_aware: bool = True, holders: Collection[str] = ()) -> list[Source]:
+                 rack_aware: bool = True, holders: Collection[str] = (),
+                 home: str | None = None) -> list[Source]:
     """Ranked sources for one chunk as seen from ``self_id`` (see the module doc).
 
     ``penalties`` maps node id -> penalised-until time (``math.inf`` = banned for good);
     entries with until <= ``now`` are ignored. ``peers`` may or may not include this
     node; its rack is taken from its own entry when present. ``holders`` are nodes known
     to hold the chunk already (their have-bitmaps): they go first, asked without
-    waiting; nodes ranked below us are asked only when they are holders.
+    waiting; nodes ranked below us are asked only when they are holders. ``home``
+    (from :func:`assign_homes`) moves that node to the front of the order.
     """
     by_id: dict[str, Peer] = {}
     for p in peers:
@@ -137,6 +167,9 @@ def plan_sources(chunk_id: str, self_id: str, peers: Sequence[Peer], *,
     if self_id not in by_id:
         ids.append(self_id)
     ranked = order(chunk_id, ids)
+    if home is not None and home in ranked:
+        ranked.remove(home)
+        ranked.insert(0, home)
     pos = ranked.index(self_id)
     above = [n for n in ranked[:pos]]
     below = [n for n in ranked[pos + 1:] if n in holders]

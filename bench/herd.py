@@ -1,0 +1,372 @@
+"""Herd benchmark on rate-limited links in network namespaces.
+
+    python -m bench.herd [--nodes N] [--size-mb S] [--rate 100mbit] [--json]
+
+Builds N host namespaces plus an origin namespace on a private bridge (bench/netns.py:
+made here, removed at the end, even on error or Ctrl-C), every host link shaped with
+``tc ... tbf`` in both directions. The origin serves a published artifact over plain
+HTTP (``python -m http.server``, read-only, the bucket layout) from its namespace; each
+host runs one data plane + fetcher process (``ip netns exec``). All nodes fetch the
+same artifact at once, twice, on cold stores:
+
+(a) origin only — no peers: every node pulls the whole artifact from the origin;
+(b) herd — every node gets the full peer list.
+
+Reported per mode: time until the last node completes / ideal (S / link rate), the
+per-node completion p50/p99, and origin egress / S — app-level (bytes the nodes got
+from the origin) and on the wire (the origin eth0's tx bytes, L2 headers included).
+Mode (a) is the same-run baseline: ``herd_speedup`` = (a) / (b).
+
+Needs root, iproute2 and a working tbf; says why and exits 0 without results where any
+is missing. Bounded: each mode has a deadline derived from the ideal time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import selectors
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+ORIGIN_PORT = 8080
+DATA_PORT = 7070
+TOKEN = "bench-cluster-token"
+
+
+# ---------------------------------------------------------------------------------- worker
+
+def worker_main(argv: list[str]) -> int:
+    """One node, inside its namespace: serve the data plane, fetch on "go", report, and
+    keep serving until stdin closes (others may still need our chunks)."""
+    import trio
+
+    from p2p.dataplane import DataPlane
+    from p2p.fetch import fetch_artifact
+    from p2p.herd import Herd, HerdConfig
+    from p2p.origins import open_origin
+    from p2p.store import ChunkStore
+    from scheduler_link.messages import Peer
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--node-id", required=True)
+    p.add_argument("--listen", required=True)
+    p.add_argument("--store", required=True)
+    p.add_argument("--origin", required=True)
+    p.add_argument("--manifest", required=True)
+    a = p.parse_args(argv)
+
+    def say(obj: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    async def main() -> None:
+        store = ChunkStore(a.store)
+        plane = DataPlane(store, token=TOKEN, listen=a.listen)
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(plane.run)
+            say({"ready": url})
+            line = await trio.to_thread.run_sync(sys.stdin.readline)
+            go = json.loads(line)
+            peers = [Peer(node_id=x["node_id"], data_url=x["data_url"]) for x in go["peers"]]
+            origin = open_origin(a.origin, max_concurrency=16)
+            herd = None
+            if go["mode"] == "herd":
+                herd = Herd(store, node_id=a.node_id, token=TOKEN,
+                            config=HerdConfig(wait_ms=120_000, workers=go["workers"], per_peer=8,
+                                              origin_concurrency=8, home_concurrency=go["home"]))
+            t0 = time.time()
+            curve: list[tuple[float, int, int]] = []
+
+            def progress(done: int, total: int) -> None:
+                if not curve or done - curve[-1][1] >= total // 20 or done == total:
+                    fo = herd.counters.bytes_from_origin if herd is not None else 0
+                    curve.append((round(time.time() - t0, 2), done, fo))
+
+            try:
+                st = await fetch_artifact(store, a.manifest, origin, peers=peers, node_id=a.node_id,
+                                          token=TOKEN, herd=herd, progress=progress)
+                res: dict[str, Any] = {"node": a.node_id, "t_start": t0, "t_end": time.time(),
+                                       "bytes_from_origin": st.bytes_from_origin,
+                                       "bytes_from_peers": st.bytes_from_peers, "bytes": st.bytes,
+                                       "curve": curve}
+                if herd is not None:
+                    hs = herd.statistics()
+                    res["endgame_duplicates"] = hs["endgame_duplicates"]
+                    res["peer_errors"] = sum(v["errors"] for v in hs["peers"].values())
+            except Exception as e:
+                res = {"node": a.node_id, "error": f"{type(e).__name__}: {e}"}
+            say(res)
+            await trio.to_thread.run_sync(sys.stdin.read)   # until the coordinator closes it
+            if herd is not None:
+                await herd.aclose()
+            await origin.aclose()
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    return 0
+
+
+# ---------------------------------------------------------------------------------- coordinator
+
+def _read_lines(procs: list[subprocess.Popen[str]], deadline: float, what: str) -> list[dict[str, Any]]:
+    """One JSON line from each process's stdout, by ``deadline`` (monotonic)."""
+    sel = selectors.DefaultSelector()
+    out: dict[int, dict[str, Any]] = {}
+    bufs: dict[int, str] = {}
+    for i, p in enumerate(procs):
+        assert p.stdout is not None
+        os.set_blocking(p.stdout.fileno(), False)
+        sel.register(p.stdout, selectors.EVENT_READ, i)
+        bufs[i] = ""
+    try:
+        while len(out) < len(procs):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"{what}: {len(procs) - len(out)} of {len(procs)} nodes did not answer in time")
+            for key, _ in sel.select(timeout=min(left, 1.0)):
+                i = key.data
+                chunk = os.read(key.fd, 65536).decode()
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    if i not in out:
+                        raise RuntimeError(f"{what}: node {i} exited: {procs[i].stderr.read() if procs[i].stderr else ''}")
+                    continue
+                bufs[i] += chunk
+                if "\n" in bufs[i] and i not in out:
+                    line, _, rest = bufs[i].partition("\n")
+                    out[i] = json.loads(line)
+                    bufs[i] = rest
+    finally:
+        sel.close()
+    return [out[i] for i in range(len(procs))]
+
+
+class _Sampler:
+    """Debug aid (HERD_BENCH_CURVES=1): the origin's tx rate every 0.5 s."""
+
+    def __init__(self, host: Any) -> None:
+        import threading
+
+        self.host = host
+        self.rates: list[float] = []
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self) -> None:
+        last = self.host.tx_bytes()
+        while not self._stop.wait(0.5):
+            now = self.host.tx_bytes()
+            self.rates.append(round((now - last) / 0.5 / 1e6, 1))
+            last = now
+
+    def stop(self) -> list[float]:
+        self._stop.set()
+        self._t.join()
+        return self.rates
+
+
+def _pctl(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))
+    return xs[k]
+
+
+def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_id: str,
+             size: int, work: Path, ideal: float, tuning: dict[str, int]) -> dict[str, Any]:
+    procs: list[subprocess.Popen[str]] = []
+    env = dict(os.environ, PYTHONPATH=str(ROOT), HERD_LOG_LEVEL="WARNING")
+    budget = ideal * (len(hosts) if mode == "origin" else 1) * 3 + 60
+    try:
+        for h in hosts:
+            store = work / f"{mode}-{h.index}"
+            argv = h.exec_argv([sys.executable, "-m", "bench.herd", "--worker", "--node-id", f"n{h.index}",
+                                "--listen", f"{h.ip}:{DATA_PORT}", "--store", str(store),
+                                "--origin", f"http://{origin_host.ip}:{ORIGIN_PORT}", "--manifest", manifest_id])
+            procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env))
+        ready = _read_lines(procs, time.monotonic() + 60, "start")
+        peers = [{"node_id": f"n{h.index}", "data_url": r["ready"]} for h, r in zip(hosts, ready, strict=True)]
+        tx0 = origin_host.tx_bytes()
+        go = json.dumps({"mode": mode, "peers": peers if mode == "herd" else [],
+                         "workers": tuning["workers"], "home": tuning["home"]}) + "\n"
+        t_go = time.time()
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write(go)
+            p.stdin.flush()
+        sampler = _Sampler(origin_host) if os.environ.get("HERD_BENCH_CURVES") else None
+        results = _read_lines(procs, time.monotonic() + budget, f"{mode} fetch")
+        tx1 = origin_host.tx_bytes()
+        if sampler is not None:
+            print("origin MB/s per 0.5s:", sampler.stop(), file=sys.stderr)
+    finally:
+        for p in procs:
+            try:
+                if p.stdin:
+                    p.stdin.close()
+            except OSError:
+                pass
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for h in hosts:
+            shutil.rmtree(work / f"{mode}-{h.index}", ignore_errors=True)
+    if os.environ.get("HERD_BENCH_CURVES"):
+        for r in results:
+            print(r["node"], " ".join(f"{c[0]}:{c[1] >> 20}/{c[2] >> 20}" for c in r.get("curve", [])),
+                  file=sys.stderr)
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise RuntimeError(f"{mode}: {len(errors)} nodes failed: {errors[0]}")
+    ends = [r["t_end"] - t_go for r in results]
+    completion = max(ends)
+    return {
+        "completion_s": round(completion, 3),
+        "completion_over_ideal": round(completion / ideal, 3),
+        "node_p50_s": round(_pctl(ends, 0.5), 3),
+        "node_p99_s": round(_pctl(ends, 0.99), 3),
+        "origin_egress_over_size": round(sum(r["bytes_from_origin"] for r in results) / size, 4),
+        "origin_wire_egress_over_size": round((tx1 - tx0) / size, 4),
+        "bytes_from_peers": sum(r["bytes_from_peers"] for r in results),
+        "endgame_duplicates": sum(r.get("endgame_duplicates", 0) for r in results),
+        "peer_errors": sum(r.get("peer_errors", 0) for r in results),
+    }
+
+
+def publish_artifact(src_dir: Path, origin_dir: Path, size_mb: float) -> tuple[str, int]:
+    import trio
+
+    from p2p.origins import open_origin
+    from p2p.publish import publish
+
+    src_dir.mkdir(parents=True)
+    n = int(size_mb * 1024 * 1024)
+    with open(src_dir / "weights.bin", "wb") as f:
+        left = n
+        while left:
+            k = min(left, 8 << 20)
+            f.write(os.urandom(k))
+            left -= k
+
+    async def go() -> Any:
+        async with open_origin(f"file://{origin_dir}") as origin:
+            return await publish(src_dir, origin, "bench:herd")
+
+    st = trio.run(go)
+    return st.manifest, st.bytes
+
+
+def run(nodes: int, size_mb: float, rate: str, modes: list[str],
+        tuning: dict[str, int] | None = None, burst: str = "64kb", latency: str = "400ms") -> dict[str, Any]:
+    from bench.netns import NetLab, check, rate_bits
+
+    check()
+    work = Path(tempfile.mkdtemp(prefix="herd-bench-"))
+    origin_proc: subprocess.Popen[bytes] | None = None
+    try:
+        mid, size = publish_artifact(work / "src", work / "origin", size_mb)
+        shutil.rmtree(work / "src")
+        ideal = size * 8 / rate_bits(rate)
+        out: dict[str, Any] = {"nodes": nodes, "size_mb": size_mb, "rate": rate, "ideal_s": round(ideal, 3),
+                               "bytes": size}
+        with NetLab(rate=rate, burst=burst, latency=latency) as lab:
+            origin_host = lab.add_host(octet=2)
+            hosts = [lab.add_host(octet=10 + i) for i in range(nodes)]
+            origin_proc = subprocess.Popen(
+                origin_host.exec_argv([sys.executable, "-m", "http.server", str(ORIGIN_PORT), "--bind",
+                                       origin_host.ip, "--directory", str(work / "origin")]),
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            _wait_port(origin_host, ORIGIN_PORT)
+            for mode in modes:
+                res = run_mode(lab, hosts, origin_host, mode, mid, size, work, ideal,
+                               tuning or {"workers": 16, "home": 2})
+                key = "origin_only" if mode == "origin" else "herd"
+                for k, v in res.items():
+                    out[f"{key}_{k}"] = v
+        if "origin_only_completion_s" in out and "herd_completion_s" in out:
+            out["herd_speedup"] = round(out["origin_only_completion_s"] / out["herd_completion_s"], 2)
+        return out
+    finally:
+        if origin_proc is not None:
+            origin_proc.terminate()
+            try:
+                origin_proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                origin_proc.kill()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _wait_port(host: Any, port: int) -> None:
+    probe = f"import socket,sys; socket.create_connection(('{host.ip}', {port}), timeout=1)"
+    for _ in range(100):
+        if subprocess.run(host.exec_argv([sys.executable, "-c", probe]), capture_output=True).returncode == 0:
+            return
+        time.sleep(0.1)
+    raise RuntimeError("origin HTTP server did not start")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--worker":
+        return worker_main(argv[1:])
+    p = argparse.ArgumentParser(prog="python -m bench.herd", description=__doc__.split("\n\n")[0])
+    p.add_argument("--nodes", type=int, default=8)
+    p.add_argument("--size-mb", type=float, default=64.0)
+    p.add_argument("--rate", default="100mbit")
+    p.add_argument("--modes", default="origin,herd", help="comma list of origin,herd")
+    p.add_argument("--workers", type=int, default=16, help="herd: chunks in flight per node")
+    p.add_argument("--home-concurrency", type=int, default=2, help="herd: origin streams per home")
+    p.add_argument("--tbf-burst", default="64kb", help="tbf burst (default 64kb)")
+    p.add_argument("--tbf-latency", default="400ms", help="tbf queue as latency (default 400ms)")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if not 1 <= a.nodes <= 64:
+        p.error("--nodes must be 1..64")
+    if not 0 < a.size_mb <= 4096:
+        p.error("--size-mb must be in (0, 4096]")
+    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+    if not modes or any(m not in ("origin", "herd") for m in modes):
+        p.error("--modes: origin and/or herd")
+    from bench.netns import NetnsUnavailable
+
+    try:
+        out = run(a.nodes, a.size_mb, a.rate, modes, {"workers": a.workers, "home": a.home_concurrency},
+                  burst=a.tbf_burst, latency=a.tbf_latency)
+    except NetnsUnavailable as e:
+        msg = f"bench.herd skipped: {e}"
+        if a.json:
+            print(json.dumps({"skipped": msg}))
+        else:
+            print(msg, file=sys.stderr)
+        return 0
+    if a.json:
+        print(json.dumps(out))
+        return 0
+    print(f"herd bench: {a.nodes} nodes, {a.size_mb:g} MiB, {a.rate} links; ideal {out['ideal_s']:.2f}s")
+    print(f"{'mode':<12} {'last done':>10} {'/ideal':>8} {'p50':>8} {'p99':>8} {'origin/S':>9} {'wire/S':>8}")
+    for key, name in (("origin_only", "origin only"), ("herd", "herd")):
+        if f"{key}_completion_s" in out:
+            print(f"{name:<12} {out[f'{key}_completion_s']:>9.2f}s {out[f'{key}_completion_over_ideal']:>8.2f} "
+                  f"{out[f'{key}_node_p50_s']:>7.2f}s {out[f'{key}_node_p99_s']:>7.2f}s "
+                  f"{out[f'{key}_origin_egress_over_size']:>9.3f} {out[f'{key}_origin_wire_egress_over_size']:>8.3f}")
+    if "herd_speedup" in out:
+        print(f"herd speedup over origin-only (same run): {out['herd_speedup']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
