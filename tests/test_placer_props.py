@@ -38,9 +38,16 @@ jobs_st = st.builds(
     lambda pods, g, within, prio, pre, whole: (pods, g, within, prio, pre, whole),
     st.integers(1, 6), st.integers(1, 8), st.sampled_from(["any", *LEVELS]), st.integers(0, 3),
     st.booleans(), st.integers(0, 9).map(lambda x: x == 0))
+# a soft `prefer` level finer than `within`, or none
+prefer_st = st.sampled_from([None, *LEVELS])
+
+
+def _prefer(within: str, prefer: str | None) -> str | None:
+    order = ["any", *LEVELS]
+    return prefer if prefer is not None and order.index(prefer) > order.index(within) else None
 
 ops_st = st.lists(st.one_of(
-    st.tuples(st.just("place"), jobs_st, st.booleans()),
+    st.tuples(st.just("place"), jobs_st, st.booleans(), prefer_st),
     st.tuples(st.just("release"), st.integers(0, 1000)),
     st.tuples(st.just("gpu_health"), st.integers(0, 1000), st.integers(0, 7), st.booleans()),
     st.tuples(st.just("node_state"), st.integers(0, 1000), st.booleans(), st.booleans()),
@@ -70,6 +77,10 @@ def check_decision(model: ClusterModel, job: JobRequest, d: Decision, allow_pree
     if job.within != "any":
         doms = {model.domain_of(p.node_id, job.within) for p in pods}
         assert len(doms) == 1, f"within={job.within} broken: {doms}"
+    if d.level != "any":
+        assert {model.domain_of(p.node_id, d.level) for p in pods} == {d.domain}
+    if job.prefer is not None and d.level != job.prefer:
+        assert d.level == job.within and (d.victims or not _fits_anywhere(model, job, job.prefer))
     if not allow_preemption:
         assert d.victims == []
     for v in d.victims:
@@ -80,6 +91,14 @@ def check_decision(model: ClusterModel, job: JobRequest, d: Decision, allow_pree
         for v in d.victims:
             rest = victims - {v}
             assert not _fits_in_domain(model, job, d, rest), f"victim {v} was not needed"
+
+
+def _fits_anywhere(model: ClusterModel, job: JobRequest, level: str) -> bool:
+    """Could ``job`` fit (free GPUs only) inside one domain of ``level``?"""
+    from placer.reference import ReferenceCluster as RC
+    probe = JobRequest(job.job_id, job.pods, job.gpus_per_pod, level, job.priority, job.preemptible,
+                       whole_nodes=job.whole_nodes)
+    return RC.from_model(model).place(probe) is not None
 
 
 def _fits_in_domain(model: ClusterModel, job: JobRequest, d: Decision, victims: set[str]) -> bool:
@@ -114,7 +133,8 @@ def test_random_streams_keep_every_invariant(specs: list[NodeSpec], ops: list) -
         if kind == "place":
             (pods, g, within, prio, pre, whole), allow = op[1], op[2]
             n_jobs += 1
-            job = JobRequest(f"j{n_jobs}", pods, g, within, prio, pre, whole_nodes=whole)
+            job = JobRequest(f"j{n_jobs}", pods, g, within, prio, pre, prefer=_prefer(within, op[3]),
+                             whole_nodes=whole)
             ref = ReferenceCluster.from_model(model).place(job, allow_preemption=allow)
             d = place(model, job, allow_preemption=allow)
             assert (d is None) == (ref is None), f"reference disagrees on feasibility of {job}"
