@@ -142,3 +142,23 @@ def test_plan_is_well_formed(n: int, racks: int, raw: bytes) -> None:
         assert len({s.node_id for s in plan}) == len(plan)
         homes += plan == [ORIGIN]
     assert homes == 1
+
+
+def test_assign_homes_balances_bytes_and_agrees() -> None:
+    from p2p.rendezvous import assign_homes
+
+    peers = _peers(8)
+    ids = [p.node_id for p in peers]
+    chunks = [(_cid(i), 1 << 20) for i in range(64)]
+    a = assign_homes(chunks, ids)
+    assert a == assign_homes(chunks, list(reversed(ids)))          # same map on every node
+    loads = Counter(a.values())
+    assert set(loads) == set(ids) and max(loads.values()) <= 64 // 8 + 2
+    plain = Counter(home(c, ids) for c, _ in chunks)
+    assert max(loads.values()) <= max(plain.values())
+    # the assigned home goes first in everyone's plan
+    cid = chunks[0][0]
+    h = a[cid]
+    assert plan_sources(cid, h, peers, home=h) == [ORIGIN]
+    other = next(n for n in ids if n != h)
+    assert plan_sources(cid, other, peers, home=h)[0].node_id == h

@@ -1,0 +1,50 @@
+"""bench.herd, small and fast (3 nodes, 8 MiB), on real tbf-shaped namespace links.
+Skips unless root, iproute2 and tbf are there. Checks what the bench reports and that
+it leaves nothing behind; it asserts no timing (performance lives in bench/)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _namespaces() -> set[str]:
+    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return {line.split()[0] for line in r.stdout.splitlines() if line.strip()}
+
+
+@pytest.mark.slow
+@pytest.mark.root
+def test_small_herd_bench_in_namespaces() -> None:
+    from bench.netns import NetnsUnavailable, check
+
+    try:
+        check()
+    except NetnsUnavailable as e:
+        pytest.skip(str(e))
+    before = _namespaces()
+    r = subprocess.run([sys.executable, "-m", "bench.herd", "--nodes", "3", "--size-mb", "8", "--json"],
+                       capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout)
+    for key in ("nodes", "size_mb", "herd_completion_over_ideal", "herd_origin_egress_over_size",
+                "origin_only_completion_over_ideal", "origin_only_origin_egress_over_size", "herd_speedup"):
+        assert key in out
+    assert out["nodes"] == 3 and out["size_mb"] == 8
+    # bytes, not speed: the herd pulls one copy from the origin, origin-only pulls N
+    assert out["herd_origin_egress_over_size"] == 1.0
+    assert out["origin_only_origin_egress_over_size"] == 3.0
+    assert out["herd_bytes_from_peers"] == 2 * out["bytes"]
+    assert _namespaces() <= before          # everything it made is gone
+
+
+def test_bench_refuses_bad_arguments() -> None:
+    r = subprocess.run([sys.executable, "-m", "bench.herd", "--nodes", "0"], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode == 2 and "--nodes" in r.stderr
