@@ -4,7 +4,10 @@ It holds jobs (spec, priority, restart policy), never allocations: after a resta
 the allocations come back only from the agents' reports (see ``placer.state``).
 
 Format: one JSON object per line, ``{"v": 1, "op": "submit", "at": T, "spec": {...}}``
-or ``{"v": 1, "op": "end", "at": T, "job_id": ..., "state": ...}``. A torn last line
+or ``{"v": 1, "op": "end", "at": T, "job_id": ..., "state": ...}``, or
+``{"v": 1, "op": "attempt", "job_id": ..., "attempt": N}`` — the attempt counter only
+(never where it runs), written without fsync: after a crash it keeps a re-placed job
+from reusing the workload ids of an attempt that may still be running somewhere. A torn last line
 (a crash mid-append) is ignored on load; a corrupt line elsewhere is an error, since it
 means the file was edited or damaged and silently dropping jobs would lose work.
 On open, a journal whose ended jobs dominate is compacted (temp file, fsync, rename).
@@ -32,11 +35,12 @@ class JournalError(Exception):
 
 class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     v: int = JOURNAL_VERSION
-    op: Literal["submit", "end"]
+    op: Literal["submit", "end", "attempt"]
     at: float
     spec: JobSpec | None = None
     job_id: str = ""
     state: str = ""
+    attempt: int = 0
 
 
 _dec = msgspec.json.Decoder(Record)
@@ -45,9 +49,11 @@ _dec = msgspec.json.Decoder(Record)
 class Journal:
     """Open with :meth:`open`; :meth:`jobs` gives the live jobs in submission order."""
 
-    def __init__(self, path: Path, live: dict[str, JobSpec], fd: int) -> None:
+    def __init__(self, path: Path, live: dict[str, JobSpec], fd: int,
+                 attempts: dict[str, int] | None = None) -> None:
         self.path = path
         self._live = live
+        self.attempts = attempts or {}
         self._fd = fd
         self.appends = 0
 
@@ -60,9 +66,12 @@ class Journal:
             raise JournalError(f"cannot create state dir {d}: {e.strerror}") from None
         path = d / "jobs.journal"
         live: dict[str, JobSpec] = {}
+        attempts: dict[str, int] = {}
         total = 0
+        torn_at: int | None = None
         if path.exists():
-            lines = path.read_bytes().split(b"\n")
+            raw = path.read_bytes()
+            lines = raw.split(b"\n")
             for i, line in enumerate(lines):
                 if not line.strip():
                     continue
@@ -70,7 +79,8 @@ class Journal:
                     rec = _dec.decode(line)
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
                     if i == len(lines) - 1:
-                        log.warning("journal: ignoring a torn last line path=%s", path)
+                        log.warning("journal: dropping a torn last line path=%s", path)
+                        torn_at = len(raw) - len(line)
                         continue
                     raise JournalError(f"journal {path} line {i + 1} is corrupt: {e}") from None
                 if rec.v != JOURNAL_VERSION:
@@ -80,20 +90,34 @@ class Journal:
                     live[rec.spec.job_id] = rec.spec
                 elif rec.op == "end":
                     live.pop(rec.job_id, None)
+                    attempts.pop(rec.job_id, None)
+                elif rec.op == "attempt":
+                    attempts[rec.job_id] = max(attempts.get(rec.job_id, 0), rec.attempt)
+            attempts = {k: v for k, v in attempts.items() if k in live}
             if total > 64 and total > 4 * len(live):
-                cls._compact(path, live)
+                cls._compact(path, live, attempts)  # rewrites the file whole: nothing torn is left
+                torn_at, raw = None, b"\n"
+
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            if torn_at is not None:  # later appends must not glue onto the torn bytes
+                os.ftruncate(fd, torn_at)
+                os.fsync(fd)
+            elif path.stat().st_size and not raw.endswith(b"\n"):
+                os.write(fd, b"\n")  # a complete last record that lost only its newline
         except OSError as e:
             raise JournalError(f"cannot open journal {path}: {e.strerror}") from None
-        return cls(path, live, fd)
+        return cls(path, live, fd, attempts)
 
     @staticmethod
-    def _compact(path: Path, live: dict[str, JobSpec]) -> None:
+    def _compact(path: Path, live: dict[str, JobSpec], attempts: dict[str, int]) -> None:
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
             for spec in live.values():
                 f.write(msgspec.json.encode(Record(op="submit", at=0.0, spec=spec)) + b"\n")
+                if attempts.get(spec.job_id):
+                    f.write(msgspec.json.encode(Record(op="attempt", at=0.0, job_id=spec.job_id,
+                                                       attempt=attempts[spec.job_id])) + b"\n")
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -107,11 +131,12 @@ class Journal:
     def jobs(self) -> list[JobSpec]:
         return list(self._live.values())
 
-    def _append(self, rec: Record) -> None:
+    def _append(self, rec: Record, *, sync: bool = True) -> None:
         data = msgspec.json.encode(rec) + b"\n"
         try:
             os.write(self._fd, data)
-            os.fsync(self._fd)
+            if sync:
+                os.fsync(self._fd)
         except OSError as e:
             raise JournalError(f"cannot append to journal {self.path}: {e.strerror}") from None
         self.appends += 1
@@ -119,6 +144,12 @@ class Journal:
     def submitted(self, spec: JobSpec, at: float) -> None:
         self._append(Record(op="submit", at=at, spec=spec))
         self._live[spec.job_id] = spec
+
+    def attempt(self, job_id: str, attempt: int, at: float) -> None:
+        """Record a job's attempt counter (not fsynced; see the module docstring)."""
+        if job_id in self._live and attempt > self.attempts.get(job_id, 0):
+            self._append(Record(op="attempt", at=at, job_id=job_id, attempt=attempt), sync=False)
+            self.attempts[job_id] = attempt
 
     def ended(self, job_id: str, state: str, at: float) -> None:
         if job_id not in self._live:

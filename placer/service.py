@@ -106,7 +106,8 @@ class PlacerService:
         recovered = self.journal.jobs()
         for spec in recovered:
             try:
-                self.state.submit(spec, now, recovering=True)
+                job = self.state.submit(spec, now, recovering=True)
+                job.attempt = self.journal.attempts.get(spec.job_id, 0)
             except JobError as e:  # a journal from an older placer with rules this one refuses
                 log.warning("journal job dropped job=%s reason=%s", spec.job_id, e)
                 self.journal.ended(spec.job_id, "failed", now)
@@ -152,6 +153,8 @@ class PlacerService:
             now = self.clock()
             self._carry_out(self.state.tick(now))
             for job, pushes in self.state.schedule(now, clock=time.perf_counter):
+                if self.journal is not None:
+                    self.journal.attempt(job.job_id, job.attempt, now)
                 job.timings["pushed"] = self.clock()
                 assert self._nursery is not None
                 self._nursery.start_soon(self._dispatch, job.job_id, job.attempt, pushes)

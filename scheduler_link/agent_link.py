@@ -16,7 +16,9 @@ Invariants:
 - Any doubt about what the placer has seen (a transport error, a 409, a reply with
   ``need_full``) is answered with a full report, which supersedes every event lost
   in between: the placer never needs a lost delta back.
-- Reconnects back off exponentially (jittered) up to ``backoff_max_s``.
+- Reconnects back off exponentially (jittered) up to ``backoff_max_s`` and never beyond
+  one heartbeat interval: a restarted placer waits a few intervals for every agent's
+  full report before it places recovered jobs again, so no agent may be slower than that.
 - ``ReportReply.stop`` (fencing: the placer placed those gangs elsewhere) is handed to
   ``hooks.stop_workloads`` at once, in a task of the link's nursery, so a slow stop
   never delays a heartbeat.
@@ -154,7 +156,7 @@ class AgentLink:
                     self._need_full = True
                     if report.full:  # a placer that refuses even a full report: back off
                         await trio.sleep(backoff)
-                        backoff = min(self.backoff_max_s, backoff * 2)
+                        backoff = min(self._backoff_cap(), backoff * 2)
                     continue
                 except (httpx.HTTPError, OSError, _PlacerError, msgspec.DecodeError, WireError,
                         trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
@@ -165,7 +167,7 @@ class AgentLink:
                     self._need_full = True
                     log.warning("report failed node=%s err=%s backoff=%.2fs", self.node_id, self.last_error, backoff)
                     await trio.sleep(backoff * random.uniform(0.5, 1.0))
-                    backoff = min(self.backoff_max_s, backoff * 2)
+                    backoff = min(self._backoff_cap(), backoff * 2)
                     continue
                 backoff = self.backoff_min_s
                 self.registered = True
@@ -182,6 +184,9 @@ class AgentLink:
                     self.stops_received += len(reply.stop)
                     nursery.start_soon(self._stop, reply.stop)
                 next_beat = trio.current_time() + self.heartbeat_s * random.uniform(0.8, 1.0)
+
+    def _backoff_cap(self) -> float:
+        return max(self.backoff_min_s, min(self.backoff_max_s, self.heartbeat_s))
 
     async def _wait_for_events(self) -> None:
         # Anything already queued goes out now; otherwise sleep until notify() or the deadline.

@@ -413,10 +413,33 @@ def test_journal_survives_torn_line_and_refuses_corruption(tmp_path):
     j.close()
     with open(tmp_path / "jobs.journal", "ab") as f:
         f.write(b'{"v":1,"op":"sub')  # a crash mid-append
-    assert [s.job_id for s in Journal.open(tmp_path).jobs()] == ["b"]
+    j2 = Journal.open(tmp_path)
+    assert [s.job_id for s in j2.jobs()] == ["b"]
+    j2.attempt("b", 3, 4.0)
+    j2.attempt("b", 2, 5.0)  # never goes back
+    j2.close()
+    assert Journal.open(tmp_path).attempts == {"b": 3}
     (tmp_path / "jobs.journal").write_bytes(b"garbage\n" + (tmp_path / "jobs.journal").read_bytes())
     with pytest.raises(JournalError, match="line 1 is corrupt"):
         Journal.open(tmp_path)
+
+
+def test_journal_compacts_and_keeps_live_jobs_and_attempts(tmp_path):
+    j = Journal.open(tmp_path)
+    for i in range(100):
+        j.submitted(JobSpec(job_id=f"j{i}", argv=["x"]), float(i))
+        if i != 7:
+            j.ended(f"j{i}", "succeeded", float(i))
+    j.attempt("j7", 5, 1.0)
+    j.close()
+    with open(tmp_path / "jobs.journal", "ab") as f:
+        f.write(b'{"v":1,"op":"end","job_id":"j7"')  # torn, then compacted away
+    size = (tmp_path / "jobs.journal").stat().st_size
+    j = Journal.open(tmp_path)  # compacted on open
+    assert [s.job_id for s in j.jobs()] == ["j7"] and j.attempts == {"j7": 5}
+    assert (tmp_path / "jobs.journal").stat().st_size < size / 10
+    j.close()
+    assert Journal.open(tmp_path).attempts == {"j7": 5}
 
 
 def test_config_errors_are_clear(tmp_path):
