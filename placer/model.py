@@ -51,6 +51,7 @@ LEVELS: tuple[str, ...] = ("zone", "block", "rack", "nvlink", "node")
 WITHIN: tuple[str, ...] = ("any", *LEVELS)
 NODE_LEVEL = LEVELS.index("node")
 MAX_GPUS_PER_NODE = 64
+PREEMPT_BUCKETS = 12          # cost-share buckets of the preemption estimate (placer.preempt)
 
 
 _ROW_VIEW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -293,6 +294,8 @@ class ClusterModel:
         self._rebuild_job_positions()
         self._dirty = False
         self.epoch += 1
+        self._scratch = {}
+        self._warm_scratch()
         log.debug("rebuilt nodes=%d gpus=%d jobs=%d", N, int(n_gpus.sum()), len(self._jobs))
 
     def scratch(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -305,6 +308,15 @@ class ClusterModel:
                 del self._scratch[k]
             buf = self._scratch[key] = np.empty(shape, dtype)
         return buf
+
+    def _warm_scratch(self) -> None:
+        """Allocate and touch the preemption path's work arrays now (after a rebuild or a
+        copy) rather than in the first decision: fresh pages fault, and on some VMs that
+        alone costs tens of milliseconds."""
+        N, G = self.owner.shape
+        for name, shape, dt in (("preempt.sb", (N, G), np.int8), ("preempt.eq", (N, G), np.bool_),
+                                ("preempt.counts", (PREEMPT_BUCKETS + 2, N), np.uint8)):
+            self.scratch(name, shape, dt).fill(0)
 
     def unusable_slots(self) -> int:
         """Existing-or-not slots that are not usable (cached until a health/drain change)."""
@@ -635,6 +647,7 @@ class ClusterModel:
                                               r.within, r.whole_nodes) for jid, r in v.items()})
             else:
                 setattr(m, k, v)
+        m._warm_scratch()
         return m
 
     def statistics(self) -> dict[str, Any]:

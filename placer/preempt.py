@@ -38,13 +38,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from .model import NODE_LEVEL, ClusterModel, level_index, row_count
+from .model import NODE_LEVEL, PREEMPT_BUCKETS, ClusterModel, level_index, row_count
 from .place import Decision, JobRequest, assign_slots, choose_domain, descend, make_decision, pods_that_fit
 
 CANDIDATES = 4
 PRUNE_CHECKS = 64
 EXACT_SLOT_BUDGET = 1 << 18
-_BUCKETS = 12
+_BUCKETS = PREEMPT_BUCKETS
 _BIG = np.int64(1) << 40
 
 
