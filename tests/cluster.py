@@ -145,6 +145,13 @@ class LocalCluster:
             p.signal_group(signal.SIGKILL)
             p.proc.wait(5)
 
+    def pause(self, node: str) -> None:
+        """A partition: the agent process freezes (SIGSTOP); its workloads keep running."""
+        self.agents[node].proc.send_signal(signal.SIGSTOP)
+
+    def resume(self, node: str) -> None:
+        self.agents[node].proc.send_signal(signal.SIGCONT)
+
     def kill_host(self, node: str) -> None:
         """A whole-host failure: the agent and every workload it started die together."""
         p = self.agents[node]

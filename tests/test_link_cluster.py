@@ -177,7 +177,7 @@ async def test_partition_host_failure_and_placer_restart(tmp_path, token_dir):
         v1 = await api.job("r", wait="running")
         n1 = v1["pods"][0]["node_id"]
         # partition: the agent freezes (its workloads keep running)
-        c.agents[n1].proc.send_signal(signal.SIGSTOP)
+        c.pause(n1)
         t0 = time.monotonic()
         v2 = await api.until(lambda: _moved(api, "r", v1["attempt"]), timeout=20)
         assert time.monotonic() - t0 >= 1.0  # lost (3 missed beats) then fenced (1 s)
@@ -247,7 +247,7 @@ async def _moved(api: Api, job: str, attempt: int) -> dict[str, Any] | None:
 
 async def _wl_state(api: Api, node: str, wid: str, *, resume: bool = False) -> str | None:
     if resume:
-        api.c.agents[node].proc.send_signal(signal.SIGCONT)
+        api.c.resume(node)
     return (await api.agent_workloads(node)).get(wid, {}).get("state")
 
 
