@@ -12,7 +12,8 @@ Public API of the core (pure: numpy arrays in, decisions out; no sockets, clocks
   ``copy()``, ``statistics()``, ``check_invariants()``.
 - :class:`JobRequest` ``(job_id, pods, gpus_per_pod, within="any", priority=0,
   preemptible=True, prefer=None, whole_nodes=False)``
-- :func:`place` ``(model, job, *, allow_preemption=True, exclude=None) -> Decision | None``
+- :func:`place` ``(model, job, *, allow_preemption=True, exclude=None) -> Decision | None``;
+  :func:`fits_when_empty` ``(model, job) -> bool`` (False: the job can never be placed here)
 - :class:`Decision` (``job_id, pods: list[PodPlacement], victims, domain, level``, plus
   array forms ``pod_nodes``/``pod_slots``), :class:`PodPlacement` ``(rank, node_id, slots)``
 - :data:`LEVELS` (coarse to fine), :data:`WITHIN`
@@ -37,11 +38,12 @@ import the module with ``importlib.import_module("placer.place")`` or ``from pla
 from .errors import Conflict, InvalidSpec, PlacerError, UnknownJob, UnknownNode
 from .frag import DEFAULT_SHAPES, Move, Shape, fragmentation, largest_placeable, plan_defrag
 from .model import LEVELS, WITHIN, ClusterModel, JobRecord, NodeSpec
-from .place import Decision, JobRequest, PodPlacement, place
+from .place import Decision, JobRequest, PodPlacement, fits_when_empty, place
 from .queue import JobQueue
 
 __all__ = [
     "DEFAULT_SHAPES", "LEVELS", "WITHIN", "ClusterModel", "Conflict", "Decision", "InvalidSpec",
     "JobQueue", "JobRecord", "JobRequest", "Move", "NodeSpec", "PlacerError", "PodPlacement", "Shape",
-    "UnknownJob", "UnknownNode", "fragmentation", "largest_placeable", "place", "plan_defrag",
+    "UnknownJob", "UnknownNode", "fits_when_empty", "fragmentation", "largest_placeable", "place",
+    "plan_defrag",
 ]

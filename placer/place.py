@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .errors import Conflict, InvalidSpec
-from .model import LEVELS, MAX_GPUS_PER_NODE, NODE_LEVEL, ClusterModel, level_index
+from .model import LEVELS, MAX_GPUS_PER_NODE, NODE_LEVEL, ClusterModel, level_index, row_count
 
 if TYPE_CHECKING:
     pass
@@ -294,6 +294,18 @@ def place(model: ClusterModel, job: JobRequest, *, allow_preemption: bool = True
         return d
     from .preempt import place_with_preemption
     return place_with_preemption(model, job, exclude=exclude)
+
+
+def fits_when_empty(model: ClusterModel, job: JobRequest) -> bool:
+    """Could ``job`` ever be placed on this cluster as it stands (every usable GPU free)?
+    False means it waits forever: a caller may refuse it at submission."""
+    job.validate()
+    model._ensure()
+    if model.n_nodes == 0:
+        return False
+    cap = row_count(model.usable).astype(np.int32)
+    fits = pods_that_fit(model, job, free=cap)
+    return choose_domain(model, fits, level_index(job.within), job.pods, cap) is not None
 
 
 def _place_free(model: ClusterModel, job: JobRequest, li: int, exclude: np.ndarray | None) -> Decision | None:

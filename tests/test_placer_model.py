@@ -164,3 +164,16 @@ def test_whole_nodes_take_every_gpu_of_free_nodes_only() -> None:
     assert d is not None and d.victims == ["x"] and {p.node_id for p in d.pods} == {"b8", "c8"}
     m.allocate(d)
     m.check_invariants()
+
+
+def test_fits_when_empty_tells_jobs_that_can_never_run() -> None:
+    from placer import fits_when_empty
+    m = ClusterModel.build(hgx(blocks=1, racks=2, nodes=2))
+    m.assign("x", "z0b0r0n0", range(8), priority=9, preemptible=False)
+    assert fits_when_empty(m, JobRequest("a", 2, 8, "rack"))
+    assert not fits_when_empty(m, JobRequest("b", 3, 8, "rack"))     # a rack has 2 nodes
+    assert not fits_when_empty(m, JobRequest("c", 1, 16, "node"))    # no node has 16 GPUs
+    m.set_node_state("z0b0r1n0", healthy=False)
+    assert not fits_when_empty(m, JobRequest("d", 4, 8, "any"))
+    with pytest.raises(InvalidSpec):
+        fits_when_empty(m, JobRequest("e", 1, 8, "rack", prefer="block"))
