@@ -45,7 +45,7 @@ CANDIDATES = 4
 PRUNE_CHECKS = 64
 EXACT_SLOT_BUDGET = 1 << 18
 _BUCKETS = PREEMPT_BUCKETS
-_BIG = np.int64(1) << 40
+_BIG32 = np.int32(np.iinfo(np.int32).max)     # "never": a slot no victim set frees
 
 
 def eligible_jobs(model: ClusterModel, priority: int) -> np.ndarray:
@@ -200,11 +200,11 @@ def _cheapest_estimates(model: ClusterModel, li: int, cands: np.ndarray, counts:
 def _pod_thresholds(job: JobRequest, slot_pos: np.ndarray, n_gpus: np.ndarray,
                     exists: np.ndarray) -> np.ndarray:
     """For each node row of ``slot_pos`` (position of the slot's owner in the victim order,
-    0 when free, _BIG when unusable) the prefix length at which each pod fits (flat)."""
+    0 when free, _BIG32 when unusable) the prefix length at which each pod fits (flat)."""
     if job.whole_nodes:
         t = np.where(exists, slot_pos, 0).max(1)
         ok = (n_gpus >= max(job.gpus_per_pod, 1)) & (n_gpus > 0)
-        return np.where(ok, t, _BIG)
+        return np.where(ok, t, _BIG32)
     g = job.gpus_per_pod
     G = slot_pos.shape[1]
     if g > G:
@@ -239,7 +239,8 @@ def _exact_victims(model: ClusterModel, job: JobRequest, lo: int, hi: int, elig:
         return None
     # victims are numbered locally (0..C-1, the sorted candidate ids); a big domain counts
     # by bincount over the job table, a small one by sorting its few owners
-    if ids.size * 8 > elig.size:
+    big = ids.size * 8 > elig.size
+    if big:
         per_job = np.bincount(ids, minlength=elig.size)
         cand = np.flatnonzero(per_job)
         indom = per_job[cand]
@@ -248,18 +249,24 @@ def _exact_victims(model: ClusterModel, job: JobRequest, lo: int, hi: int, elig:
     C = cand.size
     key = job_cost[cand] / indom
     rank_order = np.lexsort((model.job_gpus[cand], key))     # local ids, cheapest first
-    posc = np.empty(C, np.int64)
-    posc[rank_order] = np.arange(1, C + 1)
-    loc = np.minimum(np.searchsorted(cand, owner), C - 1)
-    slot_pos = np.where((owner == -1) & usable, 0, _BIG)
-    slot_pos = np.where(e, posc[loc], slot_pos)
+    posc = np.empty(C, np.int32)
+    posc[rank_order] = np.arange(1, C + 1, dtype=np.int32)
+    if big:
+        # gathers through job-table-sized maps beat a binary search per slot
+        table = np.full(elig.size + 1, C - 1, np.int32)
+        table[cand] = np.arange(C, dtype=np.int32)
+        loc = table[owner]
+    else:
+        loc = np.minimum(np.searchsorted(cand, owner), C - 1).astype(np.int32)
+    slot_pos = np.where((owner == -1) & usable, np.int32(0), _BIG32)
+    np.copyto(slot_pos, posc[loc], where=e)
     n_gpus = model.n_gpus[lo:hi].astype(np.int64)
     thr = _pod_thresholds(job, slot_pos, n_gpus, model.slot_exists[lo:hi])
     P = job.pods
     if thr.size < P:
         return None
     k = int(np.partition(thr, P - 1)[P - 1])
-    if k >= _BIG:
+    if k >= _BIG32:
         return None
     chosen = _prune(job, loc, e, usable, slot_pos, n_gpus, rank_order[:k], k, job_cost[cand], C)
     victims = np.sort(cand[chosen])
