@@ -40,7 +40,7 @@ from scheduler_link.messages import Peer
 from .errors import IntegrityError, NotFoundError, OriginError, PeerError
 from .peers import PeerClient, PeerClientConfig, PeerHealth, PeerMissing
 from .ratelimit import AsyncBucket
-from .rendezvous import Source, assign_homes, plan_sources
+from .rendezvous import Source, assign_homes, assign_rack_homes, plan_sources, rack_label
 
 log = logging.getLogger("herd.p2p.herd")
 
@@ -191,6 +191,12 @@ class Herd:
         if self.node_id not in ids:
             ids.append(self.node_id)
         homes = assign_homes(chunks, ids) if self.config.balance_homes else {}
+        rhomes: dict[str, str] = {}
+        me = next((p for p in peers if p.node_id == self.node_id), None)
+        if homes and self.config.rack_aware and me is not None and any(p.rack for p in peers):
+            mates = [p.node_id for p in peers if rack_label(p) == rack_label(me)]
+            n_racks = len({rack_label(p) for p in peers})
+            rhomes = assign_rack_homes(chunks, mates, homes, n_racks=n_racks)
         endgame = trio.Event()
         # Homes run ahead: the chunks this node is home for go through their own pool
         # (they go to the origin anyway), so the origin link stays busy while the other
@@ -199,7 +205,8 @@ class Herd:
         rest: list[tuple[str, int]] = []
         for cid, size in todo:
             first = plan_sources(cid, self.node_id, peers, rack_aware=self.config.rack_aware,
-                                 holders=holders.get(cid, ()), home=homes.get(cid))[0]
+                                 holders=holders.get(cid, ()), home=homes.get(cid),
+                                 rack_home=rhomes.get(cid))[0]
             (own if first.kind == "origin" else rest).append((cid, size))
         queues = [own, rest]
         nexts = [0, 0]
@@ -228,7 +235,8 @@ class Herd:
                 state["outstanding"] += 1
                 try:
                     await self.get_chunk(cid, size, origin, peers, endgame=endgame, run=run,
-                                         holders=holders.get(cid, ()), home=homes.get(cid))
+                                         holders=holders.get(cid, ()), home=homes.get(cid),
+                                         rack_home=rhomes.get(cid))
                 except Exception as e:  # the first failure ends the fetch, as one clear error
                     if not failure:
                         failure.append(e)
@@ -262,7 +270,8 @@ class Herd:
 
     async def get_chunk(self, cid: str, size: int, origin: Any, peers: Sequence[Peer], *,
                         endgame: trio.Event | None = None, run: HerdCounters | None = None,
-                        holders: Sequence[str] = (), home: str | None = None) -> None:
+                        holders: Sequence[str] = (), home: str | None = None,
+                        rack_home: str | None = None) -> None:
         """One chunk into the store, single-flight: concurrent callers share one download."""
         while True:
             if self.store.has_chunk(cid):
@@ -275,7 +284,7 @@ class Herd:
         self.counters.chunks_in_flight += 1
         try:
             await self._acquire(cid, size, origin, peers, endgame if endgame is not None else trio.Event(),
-                                run if run is not None else HerdCounters(), holders, home)
+                                run if run is not None else HerdCounters(), holders, home, rack_home)
         finally:
             self.counters.chunks_in_flight -= 1
             del self._inflight[cid]
@@ -283,12 +292,12 @@ class Herd:
 
     async def _acquire(self, cid: str, size: int, origin: Any, peers: Sequence[Peer],
                        endgame: trio.Event, run: HerdCounters, holders: Sequence[str],
-                       home: str | None) -> None:
+                       home: str | None, rack_home: str | None) -> None:
         last: Exception | None = None
         for _ in range(self.config.max_rounds):
             plan = plan_sources(cid, self.node_id, peers, penalties=self.health.penalties(trio.current_time()),
                                 now=trio.current_time(), rack_aware=self.config.rack_aware,
-                                holders=holders, home=home)
+                                holders=holders, home=home, rack_home=rack_home)
             won = await self._race(cid, size, plan, origin, endgame)
             if won is not None:
                 data, src = won

@@ -115,6 +115,43 @@ def assign_homes(chunks: Sequence[tuple[str, int]], node_ids: Sequence[str], *,
     return out
 
 
+def assign_rack_homes(chunks: Sequence[tuple[str, int]], members: Sequence[str],
+                      global_homes: Mapping[str, str], *, n_racks: int = 1,
+                      choices: int = 2) -> dict[str, str]:
+    """Balanced rack homes for one rack's ``members``, the same way as
+    :func:`assign_homes`: a chunk whose global home is in this rack has it as rack home;
+    any other goes to the member with the least upload work among its top ``choices``.
+    Upload work counts both roles: a global home sends each of its chunks to the other
+    ``n_racks - 1`` racks, a rack home to its ``len(members) - 1`` rack-mates. The rack
+    home feeds every rack-mate, so an overloaded one is the rack's bottleneck."""
+    ids = list(dict.fromkeys(members))
+    if not ids:
+        return {}
+    pos = {n: i for i, n in enumerate(ids)}
+    keys = np.array([node_key(n) for n in ids], dtype=np.uint64)
+    load = np.zeros(len(ids), dtype=np.int64)
+    fan = max(len(ids) - 1, 0)
+    for cid, size in dict(chunks).items():
+        g = global_homes.get(cid)
+        if g is not None and g in pos:
+            load[pos[g]] += size * max(n_racks - 1, 0)
+    out: dict[str, str] = {}
+    k = max(1, min(choices, len(ids)))
+    for cid, size in chunks:
+        if cid in out:
+            continue
+        g = global_homes.get(cid)
+        if g is not None and g in pos:
+            best = pos[g]
+        else:
+            sc = scores_np(chunk_key(cid), keys)
+            top = np.argsort(sc)[::-1][:k]
+            best = min(top.tolist(), key=lambda i: (int(load[i]), -int(sc[i])))
+        out[cid] = ids[best]
+        load[best] += size * fan
+    return out
+
+
 def home(chunk_id: str, node_ids: Sequence[str]) -> str:
     return order(chunk_id, node_ids)[0]
 
@@ -149,7 +186,7 @@ ORIGIN = Source(kind="origin")
 def plan_sources(chunk_id: str, self_id: str, peers: Sequence[Peer], *,
                  penalties: Mapping[str, float] | None = None, now: float = 0.0,
                  rack_aware: bool = True, holders: Collection[str] = (),
-                 home: str | None = None) -> list[Source]:
+                 home: str | None = None, rack_home: str | None = None) -> list[Source]:
     """Ranked sources for one chunk as seen from ``self_id`` (see the module doc).
 
     ``penalties`` maps node id -> penalised-until time (``math.inf`` = banned for good);
@@ -157,7 +194,8 @@ def plan_sources(chunk_id: str, self_id: str, peers: Sequence[Peer], *,
     node; its rack is taken from its own entry when present. ``holders`` are nodes known
     to hold the chunk already (their have-bitmaps): they go first, asked without
     waiting; nodes ranked below us are asked only when they are holders. ``home``
-    (from :func:`assign_homes`) moves that node to the front of the order.
+    (from :func:`assign_homes`) moves that node to the front of the order, and
+    ``rack_home`` (from :func:`assign_rack_homes`, for this node's rack) right after it.
     """
     by_id: dict[str, Peer] = {}
     for p in peers:
@@ -167,9 +205,10 @@ def plan_sources(chunk_id: str, self_id: str, peers: Sequence[Peer], *,
     if self_id not in by_id:
         ids.append(self_id)
     ranked = order(chunk_id, ids)
-    if home is not None and home in ranked:
-        ranked.remove(home)
-        ranked.insert(0, home)
+    for i, h in enumerate((home, rack_home if rack_home != home else None)):
+        if h is not None and h in ranked:
+            ranked.remove(h)
+            ranked.insert(i, h)
     pos = ranked.index(self_id)
     above = [n for n in ranked[:pos]]
     below = [n for n in ranked[pos + 1:] if n in holders]

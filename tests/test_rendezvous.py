@@ -162,3 +162,44 @@ def test_assign_homes_balances_bytes_and_agrees() -> None:
     assert plan_sources(cid, h, peers, home=h) == [ORIGIN]
     other = next(n for n in ids if n != h)
     assert plan_sources(cid, other, peers, home=h)[0].node_id == h
+
+
+def test_balanced_rack_homes_keep_the_wait_graph_acyclic() -> None:
+    from p2p.rendezvous import assign_homes, assign_rack_homes, rack_label
+
+    peers = _peers(24, racks=4)
+    ids = [p.node_id for p in peers]
+    chunks = [(_cid(i), 1000 + i) for i in range(60)]
+    g = assign_homes(chunks, ids)
+    by_rack: dict[str, list[str]] = {}
+    for p in peers:
+        by_rack.setdefault(rack_label(p), []).append(p.node_id)
+    rh = {r: assign_rack_homes(chunks, m, g) for r, m in by_rack.items()}
+    rack_of = {p.node_id: rack_label(p) for p in peers}
+    for r, m in by_rack.items():      # loads inside a rack are balanced too
+        loads = Counter(rh[r].values())
+        assert max(loads.values()) <= 60 // len(m) + 3
+    for cid, _ in chunks:
+        edges = {}
+        for me in ids:
+            plan = plan_sources(cid, me, peers, home=g[cid], rack_home=rh[rack_of[me]][cid])
+            edges[me] = [s.node_id for s in plan if s.kind == "peer" and s.wait]
+            if me == g[cid]:
+                assert plan == [ORIGIN]
+            elif me == rh[rack_of[me]][cid]:
+                assert edges[me][0] == g[cid]                       # rack home <- global home
+            else:
+                assert edges[me][0] == rh[rack_of[me]][cid]         # mates <- their rack home
+        state: dict[str, int] = {}
+
+        def visit(n: str) -> None:
+            assert state.get(n) != 1, f"wait cycle through {n}"
+            if state.get(n) == 2:
+                return
+            state[n] = 1
+            for m in edges[n]:
+                visit(m)
+            state[n] = 2
+
+        for n in ids:
+            visit(n)
