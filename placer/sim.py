@@ -14,8 +14,10 @@ seeded ``numpy.random.Generator``, so a seed gives the same stream and the same 
 ``replay`` is a discrete-event simulation over virtual time (no sleeping): arrivals go to
 a :class:`~placer.queue.JobQueue`, completions release GPUs, and the queue is scheduled
 after every batch of simultaneous events. Preempted jobs go back to the queue with the
-time they had left. It reports utilisation, queueing delay, fragmentation and decision
-latencies (the only wall-clock figure: how long each ``place`` call took).
+time they had left. It reports utilisation (over the whole replay, and in the steady
+state between the first fifth of the arrivals and the last one), queueing delay,
+fragmentation and decision latencies (the only wall-clock figure: how long each
+``place`` call took).
 
 ``python -m placer.sim --help``.
 """
@@ -234,12 +236,19 @@ def replay(model: ClusterModel, jobs: list[SimJob], *, queue: JobQueue | None = 
     util_area = 0.0
     t_start = jobs[0].arrival if jobs else 0.0
     last_t = t_start
+    # steady state: from the arrival of the first 20 % of the stream to the last arrival
+    # (leaves out the ramp-up of an empty fleet and the drain after the stream ends)
+    t_w0 = jobs[len(jobs) // 5].arrival if jobs else 0.0
+    t_w1 = jobs[-1].arrival if jobs else 0.0
+    steady_area = 0.0
     completed = preempted = 0
     frags: list[float] = []
     n_events = 0
     while events and n_events < max_events:
         t = events[0][0]
-        util_area += (usable - int(model.free.sum())) / usable * (t - last_t)
+        u = (usable - int(model.free.sum())) / usable
+        util_area += u * (t - last_t)
+        steady_area += u * max(0.0, min(t, t_w1) - max(last_t, t_w0))
         last_t = now = t
         while events and events[0][0] == t:
             _, kind, _, jid, g = heapq.heappop(events)
@@ -273,6 +282,7 @@ def replay(model: ClusterModel, jobs: list[SimJob], *, queue: JobQueue | None = 
         "jobs": len(jobs), "events": n_events, "placed": q.placed, "completed": completed,
         "preempted": preempted, "pending_at_end": len(q),
         "utilisation_mean": util_area / span,
+        "utilisation_steady": steady_area / (t_w1 - t_w0) if t_w1 > t_w0 else util_area / span,
         "queue_delay_s": {"p50": _pct(delays, 50), "p99": _pct(delays, 99), "max": max(delays, default=0.0)},
         "fragmentation_mean": float(np.mean(frags)) if frags else fragmentation(model)["overall"],
         "decision_ms": {"n": len(latencies), "p50": _pct(latencies, 50) * 1e3, "p99": _pct(latencies, 99) * 1e3,
@@ -315,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"fleet {a.fleet}: {rep['gpus']:,} GPUs on {rep['nodes']:,} nodes (built in {build_s:.2f} s), seed {a.seed}")
     print(f"jobs {rep['jobs']:,}  placed {rep['placed']:,}  completed {rep['completed']:,}  "
           f"preempted {rep['preempted']:,}  pending at end {rep['pending_at_end']:,}")
-    print(f"utilisation mean {rep['utilisation_mean']:.1%}   fragmentation mean {rep['fragmentation_mean']:.3f}")
+    print(f"utilisation mean {rep['utilisation_mean']:.1%} (steady state {rep['utilisation_steady']:.1%})   "
+          f"fragmentation mean {rep['fragmentation_mean']:.3f}")
     qd = rep["queue_delay_s"]
     print(f"queue delay s   p50 {qd['p50']:.1f}  p99 {qd['p99']:.1f}  max {qd['max']:.1f}")
     dm = rep["decision_ms"]

@@ -63,7 +63,8 @@ def test_replay_is_deterministic_and_leaves_a_clean_model() -> None:
         return rep, m
     r1, m1 = run()
     r2, _ = run()
-    keys = ("placed", "completed", "preempted", "pending_at_end", "utilisation_mean", "queue_delay_s")
+    keys = ("placed", "completed", "preempted", "pending_at_end", "utilisation_mean", "utilisation_steady",
+            "queue_delay_s")
     assert {k: r1[k] for k in keys} == {k: r2[k] for k in keys}
     assert r1["completed"] == r1["jobs"] == 150 and r1["pending_at_end"] == 0
     assert r1["placed"] == 150 + r1["preempted"]
