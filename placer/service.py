@@ -65,7 +65,8 @@ def load_core() -> Any:
     _model = importlib.import_module("placer.model")
     _place = importlib.import_module("placer.place")
     ns = types.SimpleNamespace(NodeSpec=_model.NodeSpec, ClusterModel=_model.ClusterModel,
-                               JobRequest=_place.JobRequest, place=_place.place, Conflict=_errors.Conflict)
+                               JobRequest=_place.JobRequest, place=_place.place, Conflict=_errors.Conflict,
+                               JobQueue=importlib.import_module("placer.queue").JobQueue)
     for mod_name, names in (("placer.frag", ("fragmentation", "largest_placeable", "plan_defrag")),):
         try:
             mod = importlib.import_module(mod_name)

@@ -70,6 +70,8 @@ class PlacerState:
         self.cfg = config
         self.core = core
         self.model = core.ClusterModel.build([])
+        self._clock: Any = None
+        self.queue = core.JobQueue(place_fn=self._timed_place)
         self.nodes: dict[str, NodeRec] = {}
         self.jobs: dict[str, JobRec] = {}
         self._order = 0
@@ -131,7 +133,20 @@ class PlacerState:
                      state="pending", timings={"submitted": now})
         self.jobs[spec.job_id] = job
         self.dirty = True
+        self._enqueue(job, now)
         return job
+
+    def _enqueue(self, job: JobRec, now: float) -> None:
+        """A pending job waits in the core's queue (priority, FIFO, backfill, reservations);
+        recovering jobs join it only when the recovery window ends."""
+        job.state = "pending"
+        if not job.recovering and job.job_id not in self.queue:
+            self.queue.submit(self._request(job), now)
+        self.dirty = True
+
+    def _dequeue(self, job: JobRec) -> None:
+        if job.job_id in self.queue:
+            self.queue.cancel(job.job_id)
 
     def cancel(self, job_id: str, now: float) -> list[Push]:
         job = self.jobs.get(job_id)
@@ -149,7 +164,8 @@ class PlacerState:
         pushes = self._end_attempt(job, "preempted", now, reason=reason)
         if job.state != "pending":  # its policy would end it: a move never ends a job
             self._ended = [e for e in self._ended if e[0] != job_id]
-            job.state, job.reason = "pending", reason
+            job.reason = reason
+            self._enqueue(job, now)
             job.timings.pop("ended", None)
         return pushes
 
@@ -374,6 +390,7 @@ class PlacerState:
         the stopped pods keep their GPUs (as stale holders) until their node reports them
         gone, so nothing new is pushed onto a GPU still in its grace period."""
         self.dirty = True
+        self._dequeue(job)
         live = [p for p in job.pods if p.state not in TERMINAL_STATES]
         pushes = self._stop_pods(job, live, reason=cause if cause != "lost" else "gang broken: node lost")
         self._release_quiet(job.job_id)
@@ -391,7 +408,7 @@ class PlacerState:
         if requeue:
             self.counters["requeues"] += 1
             job.restarts += 1
-            job.state = "pending"
+            self._enqueue(job, now)
             job.timings["requeued"] = now
             for k in ("decided", "pushed", "acked", "running"):
                 job.timings.pop(k, None)
@@ -446,14 +463,29 @@ class PlacerState:
             return []
         self.dirty = False
         self._finish_recovery(now)
-        pending = sorted((j for j in self.jobs.values() if j.state == "pending"),
-                         key=lambda j: (-j.spec.priority, j.order))
+        self._clock = clock
+        try:
+            decisions = self.queue.schedule(self.model, now)
+        except Exception:  # a core bug: keep serving; the next change tries again
+            log.exception("scheduling round failed")
+            return []
         out = []
-        for job in pending:
-            pushes = self._decide(job, now, clock)
-            if pushes is not None:
-                out.append((job, pushes))
+        for decision in decisions:
+            job = self.jobs.get(decision.job_id)
+            if job is None or job.state != "pending":  # cannot happen; never leak GPUs if it does
+                self._release_quiet(decision.job_id)
+                continue
+            out.append((job, self._apply_decision(job, decision, now)))
         return out
+
+    def _timed_place(self, model: Any, req: Any, **kw: Any) -> Any:
+        t0 = self._clock() if self._clock else 0.0
+        try:
+            return self.core.place(model, req, **kw)
+        finally:
+            if self._clock:
+                self.decision_s.append(self._clock() - t0)
+                del self.decision_s[:-1000]
 
     def _request(self, job: JobRec) -> Any:
         return self._request_of(job.spec)
@@ -462,21 +494,8 @@ class PlacerState:
         return self.core.JobRequest(job_id=s.job_id, pods=s.pods, gpus_per_pod=s.gpus_per_pod, within=s.within,
                                     priority=s.priority, preemptible=s.preemptible, whole_nodes=s.whole_nodes)
 
-    def _decide(self, job: JobRec, now: float, clock: Any) -> list[Push] | None:
-        t0 = clock() if clock else 0.0
-        try:
-            decision = self.core.place(self.model, self._request(job), allow_preemption=True)
-        except Exception as e:  # a core bug or a spec it refuses: fail this job, keep serving
-            log.exception("placement failed job=%s", job.job_id)
-            job.state, job.reason = "failed", f"placer could not place it: {e}"
-            job.timings["ended"] = now
-            self._ended.append((job.job_id, job.state, now))
-            return None
-        if clock:
-            self.decision_s.append(clock() - t0)
-            del self.decision_s[:-1000]
-        if decision is None:
-            return None
+    def _apply_decision(self, job: JobRec, decision: Any, now: float) -> list[Push]:
+        """A decision the queue already applied to the model (victims released, GPUs given)."""
         self.counters["decisions"] += 1
         # Victims first: their attempts end (never resurrected), their stops ride along.
         victim_stops: dict[str, list[Victim]] = {}
@@ -490,7 +509,6 @@ class PlacerState:
             for push in self._end_attempt(vjob, "preempted", now, reason=f"preempted by {job.job_id}",
                                           hold=False):
                 victim_stops.setdefault(push.node_id, []).extend(push.placement.victims)
-        self.model.allocate(decision)
         self._hold(victim_pods)  # victims' GPUs the new gang does not take stay held until gone
         job.attempt += 1
         job.state = "placing"
@@ -576,7 +594,8 @@ class PlacerState:
         accepted = [p for p in job.pods if p.node_id not in refused]
         pushes = self._stop_pods(job, accepted, reason="gang rolled back: a node refused its part")
         self._release_quiet(job_id)
-        job.state = "pending"
+        self._hold(accepted)  # their GPUs stay taken until those pods are gone
+        self._enqueue(job, now)
         job.reason = "; ".join(f"{n}: {r}" for n, r in refused.items())
         for k in ("decided", "pushed", "acked"):
             job.timings.pop(k, None)
@@ -623,8 +642,10 @@ class PlacerState:
                     self._mark_stale(p)
                 self._release_quiet(job.job_id)
                 job.pods = []
-                job.state = "pending"
                 job.reason = "partial gang after placer restart"
+                self._enqueue(job, now)
+            else:
+                self._enqueue(job, now)
 
     # ------------------------------------------------------------ views
 
