@@ -332,6 +332,7 @@ class PlacerService:
         out["nodes"] = {"up": sum(n.state == "up" for n in nodes), "lost": sum(n.state == "lost" for n in nodes),
                         "simulated": sum(n.simulated for n in nodes)}
         out["jobs"] = self._job_counts()
+        out["queue"] = self.state.queue.statistics()
         return json_response(out)
 
     def _job_counts(self) -> dict[str, int]:
