@@ -56,6 +56,7 @@ def bench_e2e(n_jobs: int) -> dict[str, Any]:
             assert c.placer is not None
             h = {"authorization": f"Bearer {tok.operator}"}
             lat, rtt = [], []
+            to_pushed, to_acked = [], []
             with httpx.Client(base_url=c.placer.url, headers=h, timeout=30) as cl:
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline:
@@ -75,7 +76,11 @@ def bench_e2e(n_jobs: int) -> dict[str, Any]:
                     r.raise_for_status()
                     v = cl.get(f"/v1/jobs/{jid}", params={"wait": "running", "timeout_ms": "10000"}).json()
                     if v["state"] == "running":
-                        lat.append(v["timings"]["running"] - v["timings"]["submitted"])
+                        t = v["timings"]
+                        lat.append(t["running"] - t["submitted"])
+                        to_pushed.append(t["pushed"] - t["submitted"])
+                        if "acked" in t:
+                            to_acked.append(t["acked"] - t["pushed"])
                     cl.delete(f"/v1/jobs/{jid}")
                     # wait until its GPUs are free again so each job sees an idle cluster
                     w_end = time.monotonic() + 10
@@ -86,6 +91,9 @@ def bench_e2e(n_jobs: int) -> dict[str, Any]:
                         time.sleep(0.01)
     return {"e2e_jobs": len(lat), "e2e_p50_ms": pct(lat, 0.5) * 1000, "e2e_p99_ms": pct(lat, 0.99) * 1000,
             "submit_rtt_p50_ms": pct(rtt, 0.5) * 1000,
+            # where the time goes: the placer's part (submit -> pushed: journal fsync, decision,
+            # placement encoded) and the agent's answer (pushed -> acked)
+            "e2e_placer_part_p50_ms": pct(to_pushed, 0.5) * 1000, "e2e_agent_ack_p50_ms": pct(to_acked, 0.5) * 1000,
             "e2e_ratio_to_submit_rtt": pct(lat, 0.5) / pct(rtt, 0.5) if rtt and lat else None}
 
 
