@@ -32,6 +32,9 @@ Rebuild (O(nodes log nodes), deferred): :meth:`upsert_node` of a new node or one
 moved or changed GPU count, :meth:`remove_node`. Those only mark the model dirty; the
 rebuild runs once, at the next read, so registering 100,000 nodes one by one costs one
 rebuild. Allocations, health and drain marks survive a rebuild.
+
+One owner at a time: the model keeps reusable scratch arrays for the preemption path, so
+two threads must not run ``place`` on the same model at once (copies are independent).
 """
 
 from __future__ import annotations

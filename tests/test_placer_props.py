@@ -56,7 +56,8 @@ ops_st = st.lists(st.one_of(
 ), min_size=1, max_size=25)
 
 
-def check_decision(model: ClusterModel, job: JobRequest, d: Decision, allow_preemption: bool) -> None:
+def check_decision(model: ClusterModel, job: JobRequest, d: Decision, allow_preemption: bool,
+                   exclude: np.ndarray | None = None) -> None:
     pods = d.pods
     assert len(pods) == job.pods, "all or nothing"
     assert [p.rank for p in pods] == list(range(job.pods))
@@ -90,7 +91,7 @@ def check_decision(model: ClusterModel, job: JobRequest, d: Decision, allow_pree
     if d.victims and len(d.victims) <= 8:
         for v in d.victims:
             rest = victims - {v}
-            assert not _fits_in_domain(model, job, d, rest), f"victim {v} was not needed"
+            assert not _fits_in_domain(model, job, d, rest, exclude), f"victim {v} was not needed"
 
 
 def _fits_anywhere(model: ClusterModel, job: JobRequest, level: str) -> bool:
@@ -101,7 +102,8 @@ def _fits_anywhere(model: ClusterModel, job: JobRequest, level: str) -> bool:
     return RC.from_model(model).place(probe) is not None
 
 
-def _fits_in_domain(model: ClusterModel, job: JobRequest, d: Decision, victims: set[str]) -> bool:
+def _fits_in_domain(model: ClusterModel, job: JobRequest, d: Decision, victims: set[str],
+                    exclude: np.ndarray | None = None) -> bool:
     ids = model.node_ids
     if d.level == "any":
         nodes = range(len(ids))
@@ -109,6 +111,8 @@ def _fits_in_domain(model: ClusterModel, job: JobRequest, d: Decision, victims: 
         nodes = [i for i, nid in enumerate(ids) if model.domain_of(nid, d.level) == d.domain]
     total = 0
     for i in nodes:
+        if exclude is not None and exclude[i]:
+            continue
         n = int(model.n_gpus[i])
         ok = 0
         for s in range(n):
@@ -207,3 +211,21 @@ def test_preemption_prefers_cheapest_victims() -> None:
     assert place(model, JobRequest("z", 1, 8, "node", priority=0)) is None      # equal priority: never
     model.assign("np", "n2", [], priority=0, preemptible=False)
     assert np.array_equal(model.free, np.zeros(4))
+
+
+@SETTINGS
+@given(clusters(), st.lists(jobs_st, min_size=1, max_size=8), st.data())
+def test_excluded_nodes_are_never_used(specs: list[NodeSpec], jobs: list, data: st.DataObject) -> None:
+    """The queue's reservations: ``exclude`` holds nodes back, with or without preemption."""
+    model = ClusterModel.build(specs)
+    for k, (pods, g, within, prio, pre, whole) in enumerate(jobs):
+        ex = np.array(data.draw(st.lists(st.booleans(), min_size=model.n_nodes, max_size=model.n_nodes)))
+        allow = data.draw(st.booleans())
+        job = JobRequest(f"j{k}", pods, g, within, prio, pre, whole_nodes=whole)
+        d = place(model, job, allow_preemption=allow, exclude=ex)
+        if d is None:
+            continue
+        check_decision(model, job, d, allow, ex)
+        assert not ex[d.pod_nodes].any(), "an excluded node was used"
+        model.allocate(d)
+    model.check_invariants()
