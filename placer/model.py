@@ -432,8 +432,7 @@ class ClusterModel:
                 raise Conflict(f"decision for {decision.job_id!r} is stale: some GPUs are no longer free")
             if not self.usable[nodes, slots].all():
                 raise Conflict(f"decision for {decision.job_id!r} is stale: some GPUs are no longer usable")
-            flat = nodes * self.G + slots
-            if np.unique(flat).size != flat.size:
+            if self._named_twice(nodes, slots):
                 raise Conflict(f"decision for {decision.job_id!r} names a GPU twice")
         for v in victims:
             self.release(v)
@@ -450,6 +449,15 @@ class ClusterModel:
         rec = self.job(job_id)
         level_index(within)
         rec.pods, rec.gpus_per_pod, rec.within, rec.whole_nodes = int(pods), int(gpus_per_pod), within, bool(whole_nodes)
+
+    def _named_twice(self, nodes: np.ndarray, slots: np.ndarray) -> bool:
+        """Does (nodes, slots) name a GPU more than once? O(n), via a scratch mask."""
+        # write each pair's position; with a repeat the later write wins, so some pair
+        # reads back a position that is not its own (only the cells just written are read)
+        stamp = self.scratch("model.stamp", self.owner.shape, np.int32)
+        pos = np.arange(nodes.size, dtype=np.int32)
+        stamp[nodes, slots] = pos
+        return bool((stamp[nodes, slots] != pos).any())
 
     def _give(self, rec: JobRecord, nodes: np.ndarray, slots: np.ndarray) -> None:
         self.owner[nodes, slots] = rec.index
@@ -504,7 +512,7 @@ class ClusterModel:
                 raise InvalidSpec(f"job {job_id!r}: GPU out of range")
             if (self.owner[nodes, slots] != -1).any():
                 raise Conflict(f"job {job_id!r}: some GPUs are not free")
-            if np.unique(nodes * self.G + slots).size != nodes.size:
+            if self._named_twice(nodes, slots):
                 raise Conflict(f"job {job_id!r}: a GPU is named twice")
         rec = self._new_job(job_id, priority, preemptible)
         self._give(rec, nodes, slots)

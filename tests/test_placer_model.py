@@ -177,3 +177,21 @@ def test_fits_when_empty_tells_jobs_that_can_never_run() -> None:
     assert not fits_when_empty(m, JobRequest("d", 4, 8, "any"))
     with pytest.raises(InvalidSpec):
         fits_when_empty(m, JobRequest("e", 1, 8, "rack", prefer="block"))
+
+
+def test_a_decision_naming_a_gpu_twice_is_refused() -> None:
+    from placer.place import Decision
+    m = ClusterModel.build(hgx())
+    i = m.node_index("z0b0r0n0")
+    bad = Decision("dup", 0, True, [], None, "any", np.array([i, i]), np.array([[0, 1], [1, 2]]),
+                   m.epoch, m.node_ids, 2)
+    with pytest.raises(Conflict):
+        m.allocate(bad)
+    with pytest.raises(Conflict):
+        m.assign_arrays("dup2", np.array([i, i]), np.array([3, 3]), priority=0, preemptible=True)
+    assert not m.jobs and m.free_gpus("z0b0r0n0") == list(range(8))
+    ok = Decision("ok", 0, True, [], None, "any", np.array([i, i]), np.array([[0, 1], [2, 3]]),
+                  m.epoch, m.node_ids, 2)
+    m.allocate(ok)
+    assert m.jobs["ok"].gpus_by_node == {"z0b0r0n0": (0, 1, 2, 3)}
+    m.check_invariants()
