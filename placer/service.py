@@ -207,7 +207,7 @@ class PlacerService:
         async with trio.open_nursery() as n:
             for p in pushes:
                 n.start_soon(one, p)
-        self._carry_out(self.state.on_acks(job_id, attempt, acks, self.clock()))
+        self._carry_out(self.state.on_acks(job_id, attempt, acks, self.clock(), pushes))
         self._after_change()
 
     # ------------------------------------------------------------ HTTP

@@ -559,11 +559,29 @@ class PlacerState:
         return out
 
     def on_acks(self, job_id: str, attempt: int, acks: dict[str, tuple[bool, str | None]],
-                now: float) -> list[Push]:
-        """Results of a job's start pushes: node -> (accepted, reason). All-or-nothing."""
+                now: float, starts: Iterable[Push] = ()) -> list[Push]:
+        """Results of a job's start pushes: node -> (accepted, reason). All-or-nothing.
+        If the attempt ended while its pushes were in flight (cancelled, preempted), the
+        nodes that accepted are told again to stop it: a stop that overtook its start
+        found nothing to stop."""
         job = self.jobs.get(job_id)
         if job is None or job.attempt != attempt or job.state not in ("placing", "starting", "running"):
-            return []
+            late = []
+            for push in starts:
+                if push.kind != "start" or not acks.get(push.node_id, (False, None))[0]:
+                    continue
+                node = self.nodes.get(push.node_id)
+                if node is None or node.state != "up":
+                    continue
+                for pod in push.placement.pods:
+                    node.stale.setdefault(pod.workload_id, tuple(pod.gpu_indices))
+                self._pid += 1
+                pl = Placement(placement_id=f"stop:{job_id}:{attempt}:{push.node_id}:{self._pid}", job_id=job_id,
+                               victims=[Victim(workload_id=pod.workload_id, grace_s=push.placement.grace_s,
+                                               reason="attempt ended while it was being placed")
+                                        for pod in push.placement.pods])
+                late.append(Push(push.node_id, node.control_url, pl, job_id, attempt, "stop"))
+            return late
         job.timings.setdefault("acked", now)  # (events may have raced ahead of the acks)
         refused = {n: r for n, (ok, r) in acks.items() if not ok}
         if not refused:

@@ -46,6 +46,7 @@ class FakeAgent:
         self.placements: list[Placement] = []
         self.manifests: list[str] = []
         self.prefetches: list[dict] = []
+        self.ack_delay = 0.0
         self.url = ""
         self.link: AgentLink | None = None
         self.cancel = trio.CancelScope()
@@ -85,6 +86,8 @@ class FakeAgent:
         @app.route("POST", "/v1/placements", auth=require_role(self.tokens, "placer"))
         async def place(req):
             pl = req.decode(Placement)
+            if pl.pods and self.ack_delay:
+                await trio.sleep(self.ack_delay)
             self.placements.append(pl)
             freed = {g for v in pl.victims for g in self.workloads.get(v.workload_id, WorkloadStatus(
                 workload_id="", job_id="")).gpus}
@@ -543,3 +546,30 @@ async def _free_is(cl: Cluster, n: int) -> bool:
 async def _attempt_running(cl: Cluster, job: str, attempt: int):
     v = await cl.job(job)
     return v if v["attempt"] == attempt and v["state"] == "running" else None
+
+
+async def test_cancel_while_placing_stops_what_lands_late(tmp_path, token_dir):
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(15):
+        async with trio.open_nursery() as n:
+            svc, cl = await start_cluster(n, tmp_path, tokens, n_agents=1)
+            agent = cl.agents["n0"]
+            agent.ack_delay = 0.5
+            agent.link.full_every = 0  # no periodic full report to heal it: the late stop must
+            await cl.submit(job_id="late", pods=1, gpus_per_pod=2)
+            await wait_for(lambda: _state_is(cl, "late", "placing"))
+            r = await cl.c.delete("/v1/jobs/late")
+            assert r.json()["state"] == "cancelled"
+            # the start lands after the stop; the placer tells the agent again once it acks
+            await wait_for(lambda: _wl_is(agent, "late.1.0", "preempted"), timeout=3)
+            await wait_for(lambda: _free_is(cl, 8))
+            n.cancel_scope.cancel()
+
+
+async def _state_is(cl: Cluster, job: str, state: str) -> bool:
+    return (await cl.job(job))["state"] == state
+
+
+async def _wl_is(agent: FakeAgent, wid: str, state: str) -> bool:
+    w = agent.workloads.get(wid)
+    return w is not None and w.state == state
