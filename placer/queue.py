@@ -104,7 +104,9 @@ class JobQueue:
         return self.reserve_after_s is not None and now - p.submitted_at >= self.reserve_after_s
 
     def schedule(self, model: ClusterModel, now: float) -> list[Decision]:
-        """Try pending jobs in order; apply and return the decisions made this round."""
+        """Try pending jobs in order; apply and return the decisions made this round.
+        Victims of a decision are released from the model here; requeueing them (restart
+        policy) is the caller's business."""
         self.rounds += 1
         out: list[Decision] = []
         exclude: np.ndarray | None = None
