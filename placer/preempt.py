@@ -74,10 +74,12 @@ def place_with_preemption(model: ClusterModel, job: JobRequest, *,
     share = job_cost / np.maximum(np.minimum(model.job_gpus, need_gpus), 1)
     bucket = np.clip((np.log2(np.maximum(share, 1.0)) * 0.5).astype(np.int64), 0, _BUCKETS - 1)
     holding = elig & (model.job_gpus > 0)
-    used = np.unique(bucket[holding])
+    hb = bucket[holding]
+    present = np.bincount(hb, minlength=_BUCKETS) > 0
+    used = np.flatnonzero(present)
     U = used.size
     compact = np.full(elig.size + 1, U + 1, np.int8)
-    compact[:-1][holding] = 1 + np.searchsorted(used, bucket[holding])
+    compact[:-1][holding] = np.cumsum(present, dtype=np.int8)[hb]       # 1..U
     compact[-1] = 0                                  # owner -1: free
     N, G = owner.shape
     sb = np.take(compact, owner, out=model.scratch("preempt.sb", (N, G), np.int8))
