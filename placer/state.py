@@ -656,9 +656,15 @@ class PlacerState:
                 self._maybe_running(job, now)
                 log.info("job recovered from reports job=%s attempt=%d", job.job_id, job.attempt)
             elif job.pods:
-                for p in job.pods:
+                # a partial gang cannot run: its survivors are told to stop in their node's
+                # next reply and keep their GPUs until they are gone
+                survivors = list(job.pods)
+                for p in survivors:
                     self._mark_stale(p)
+                    if p.node_id in self.nodes:
+                        self.nodes[p.node_id].tell.add(p.workload_id)
                 self._release_quiet(job.job_id)
+                self._hold(survivors)
                 job.pods = []
                 job.reason = "partial gang after placer restart"
                 self._enqueue(job, now)

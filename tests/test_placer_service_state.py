@@ -1,0 +1,112 @@
+"""PlacerState alone: pure bookkeeping over the real placer core, ``now`` passed in."""
+
+from __future__ import annotations
+
+from placer.config import PlacerConfig
+from placer.service import load_core
+from placer.state import PlacerState
+from scheduler_link.messages import (
+    GpuInfo,
+    GpuSnapshot,
+    JobSpec,
+    NodeReport,
+    RestartPolicy,
+    TopologyPath,
+    WorkloadEvent,
+    WorkloadStatus,
+)
+
+
+def snap(node: str, n: int = 8, fatal: tuple[int, ...] = ()) -> GpuSnapshot:
+    return GpuSnapshot(simulated=True, gpus=[GpuInfo(index=i, uuid=f"{node}-g{i}", name="sim", memory_total_mib=1,
+                                                     pci_bus_id=str(i), simulated=True,
+                                                     health="fatal" if i in fatal else "healthy")
+                                             for i in range(n)])
+
+
+def full(node: str, seq: int = 1, workloads: list[WorkloadStatus] = (), **kw) -> NodeReport:  # type: ignore[assignment]
+    return NodeReport(node_id=node, boot_id=f"boot-{node}", seq=seq, full=True, control_url=f"http://{node}",
+                      topology=TopologyPath(zone="z", block="b", rack="r"), snapshot=kw.get("snapshot", snap(node)),
+                      workloads=list(workloads))
+
+
+def wl(wid: str, job: str, node: str, slots: list[int], state: str = "running") -> WorkloadStatus:
+    return WorkloadStatus(workload_id=wid, job_id=job, gpus=[f"{node}-g{s}" for s in slots], state=state)
+
+
+def new_state(**kw) -> PlacerState:
+    return PlacerState(PlacerConfig(heartbeat_s=1.0, fence_after_s=5.0, recover_s=2.0, **kw), load_core(),
+                       started_at=0.0)
+
+
+def test_partial_gang_after_restart_is_stopped_and_placed_again():
+    st = new_state()
+    st.recover_until = 2.0
+    st.submit(JobSpec(job_id="g", pods=2, gpus_per_pod=4, argv=["x"], grace_s=7), 0.0, recovering=True)
+    st.jobs["g"].attempt = 3  # from the journal
+    # only rank 0 of attempt 3 comes back; an attempt-2 leftover and an unknown job too
+    code, reply, _ = st.ingest("a", full("a", workloads=[wl("g.3.0", "g", "a", [0, 1, 2, 3]),
+                                                        wl("g.2.1", "g", "a", [4, 5]),
+                                                        wl("zz.1.0", "zz", "a", [6])]), 0.5)
+    assert code == 200
+    assert sorted(v.workload_id for v in reply.stop) == ["g.2.1", "zz.1.0"]  # stale: told at once
+    st.ingest("b", full("b"), 0.6)
+    assert st.schedule(1.0) == []  # still inside the recovery window: nothing placed
+    out = st.schedule(2.5)
+    assert [j.job_id for j, _ in out] == ["g"]
+    job, pushes = out[0]
+    assert job.attempt == 4 and job.state == "placing"
+    starts = [p for p in pushes if p.kind == "start"]
+    used = {(p.node_id, g) for p in starts for pod in p.placement.pods for g in pod.gpus}
+    # the stale leftovers' GPUs (a: 0-3 of the partial gang, 4-5, 6) are still held: not reused
+    assert not used & {("a", f"a-g{i}") for i in range(7)}
+    assert set(st.model.free_gpus("a")) <= {7}
+    assert all(pod.workload_id.startswith("g.4.") for p in starts for pod in p.placement.pods)
+    # the partial gang's survivor is named in a's next reply; its GPUs come back when it is gone
+    code, reply, _ = st.ingest("a", NodeReport(node_id="a", boot_id="boot-a", seq=2, full=False), 2.6)
+    assert [v.workload_id for v in reply.stop] == ["g.3.0"] and reply.stop[0].grace_s == 7
+    free0 = len(st.model.free_gpus("a"))
+    st.ingest("a", NodeReport(node_id="a", boot_id="boot-a", seq=3, full=False, events=[
+        WorkloadEvent(workload_id="g.3.0", job_id="g", state="preempted", at=2.7),
+        WorkloadEvent(workload_id="zz.1.0", job_id="zz", state="exited", exit_code=0, at=2.7)]), 2.7)
+    assert len(st.model.free_gpus("a")) == free0 + 5
+    st.model.check_invariants()
+
+
+def test_heartbeat_gaps_unknown_boots_and_mismatched_ids():
+    st = new_state()
+    assert st.ingest("a", NodeReport(node_id="a", boot_id="x", seq=1, full=False), 0.0)[0] == 409
+    assert st.ingest("a", full("a"), 0.0)[0] == 200
+    assert st.ingest("a", NodeReport(node_id="a", boot_id="boot-a", seq=2, full=False), 0.1)[0] == 200
+    assert st.ingest("a", NodeReport(node_id="a", boot_id="boot-a", seq=4, full=False), 0.2)[0] == 409  # gap
+    assert st.ingest("a", NodeReport(node_id="a", boot_id="other", seq=3, full=False), 0.2)[0] == 409
+    assert st.ingest("b", full("a"), 0.3)[0] == 400
+    assert st.counters["conflicts"] == 3
+
+
+def test_lost_then_fenced_then_back_with_a_new_boot():
+    st = new_state(lost_after_missed=3)
+    st.recover_until = 0.0
+    st.ingest("a", full("a"), 0.0)
+    st.ingest("b", full("b"), 0.0)
+    st.submit(JobSpec(job_id="j", pods=1, gpus_per_pod=8, argv=["x"], restart=RestartPolicy(kind="on-preemption")), 0.0)
+    (job, pushes), = st.schedule(0.1)
+    node = pushes[0].node_id
+    other = "b" if node == "a" else "a"
+    st.on_acks("j", 1, {node: (True, None)}, 0.2)
+    beat = 1
+    for t in (1.0, 2.0, 3.0, 4.0):  # only the other node keeps beating
+        beat += 1
+        st.ingest(other, NodeReport(node_id=other, boot_id=f"boot-{other}", seq=beat, full=False), t)
+        st.tick(t)
+    assert st.nodes[node].state == "lost" and job.attempt == 1  # lost, not yet fenced
+    for t in (5.0, 6.0, 7.0, 8.0, 9.0):
+        beat += 1
+        st.ingest(other, NodeReport(node_id=other, boot_id=f"boot-{other}", seq=beat, full=False), t)
+        st.tick(t)
+    assert job.state == "pending" and job.restarts == 1  # fenced after fence_after_s: requeued
+    (job2, pushes2), = st.schedule(9.1)
+    assert pushes2[0].node_id == other and job2.attempt == 2
+    # the host rebooted (new boot, no workloads): it is simply healthy again
+    st.ingest(node, full(node, workloads=[]), 9.5)
+    assert st.nodes[node].state == "up" and len(st.model.free_gpus(node)) == 8
