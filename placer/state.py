@@ -287,10 +287,14 @@ class PlacerState:
         _, attempt, rank = parsed
         if job.recovering and attempt >= job.attempt:
             if attempt > job.attempt:
-                for p in job.pods:  # an older attempt adopted first: it is stale now
+                old = list(job.pods)  # an older attempt adopted first: it is stale now
+                for p in old:
                     self._mark_stale(p)
+                    if p.node_id in self.nodes:
+                        self.nodes[p.node_id].tell.add(p.workload_id)
                 job.pods = []
                 self._release_quiet(job_id)
+                self._hold(old)
                 job.attempt = attempt
             if any(p.rank == rank for p in job.pods) or rank >= job.spec.pods:
                 return False

@@ -110,3 +110,16 @@ def test_lost_then_fenced_then_back_with_a_new_boot():
     # the host rebooted (new boot, no workloads): it is simply healthy again
     st.ingest(node, full(node, workloads=[]), 9.5)
     assert st.nodes[node].state == "up" and len(st.model.free_gpus(node)) == 8
+
+
+def test_a_newer_attempt_reported_later_supersedes_the_adopted_one():
+    st = new_state()
+    st.recover_until = 2.0
+    st.submit(JobSpec(job_id="g", pods=1, gpus_per_pod=2, argv=["x"]), 0.0, recovering=True)
+    st.ingest("a", full("a", workloads=[wl("g.1.0", "g", "a", [0, 1])]), 0.1)
+    _, reply, _ = st.ingest("b", full("b", workloads=[wl("g.2.0", "g", "b", [2, 3])]), 0.2)
+    assert st.jobs["g"].attempt == 2 and [p.node_id for p in st.jobs["g"].pods] == ["b"]
+    _, reply, _ = st.ingest("a", NodeReport(node_id="a", boot_id="boot-a", seq=2, full=False), 0.3)
+    assert [v.workload_id for v in reply.stop] == ["g.1.0"]
+    assert set(st.model.free_gpus("a")) == set(range(2, 8))  # still held until it is gone
+    assert st.schedule(2.5) == [] and st.jobs["g"].state in ("starting", "running")
