@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import selectors
 import shutil
 import subprocess
@@ -97,6 +98,9 @@ def worker_main(argv: list[str]) -> int:
                                        "bytes_from_origin": st.bytes_from_origin,
                                        "bytes_from_peers": st.bytes_from_peers, "bytes": st.bytes,
                                        "curve": curve}
+                ru = resource.getrusage(resource.RUSAGE_SELF)
+                res["cpu_s"] = round(ru.ru_utime + ru.ru_stime, 3)
+                res["cpu_user_s"] = round(ru.ru_utime, 3)
                 if herd is not None:
                     hs = herd.statistics()
                     res["endgame_duplicates"] = hs["endgame_duplicates"]
@@ -244,6 +248,8 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
         "bytes_from_peers": sum(r["bytes_from_peers"] for r in results),
         "endgame_duplicates": sum(r.get("endgame_duplicates", 0) for r in results),
         "peer_errors": sum(r.get("peer_errors", 0) for r in results),
+        "node_cpu_s_p50": round(_pctl([r.get("cpu_s", 0.0) for r in results], 0.5), 3),
+        "node_cpu_user_s_p50": round(_pctl([r.get("cpu_user_s", 0.0) for r in results], 0.5), 3),
     }
 
 

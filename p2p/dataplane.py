@@ -218,8 +218,15 @@ class DataPlane:
                 req = await self._read_request(stream, conn)
                 if req is None:
                     return
-                reply = await self._dispatch(req, client)
-                ok = await self._send_reply(stream, conn, req, reply)
+                # the request's slot (503 when over the limits) is held until its
+                # answer has been sent: a sendfile in progress counts as busy
+                admitted = False
+                try:
+                    reply, admitted = await self._dispatch(req, client)
+                    ok = await self._send_reply(stream, conn, req, reply)
+                finally:
+                    if admitted:
+                        self._leave(client)
                 if not ok or conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                     return
                 try:
@@ -295,36 +302,41 @@ class DataPlane:
                     return hmac.compare_digest(tok.strip(), self._token)
         return False
 
-    async def _dispatch(self, req: h11.Request, client: str) -> _Reply:
+    async def _dispatch(self, req: h11.Request, client: str) -> tuple[_Reply, bool]:
+        """The answer, and whether a concurrency slot was taken (the caller leaves it)."""
         self._stats.requests += 1
         method = req.method.decode("ascii", "replace").upper()
         target = urlsplit(req.target.decode("latin-1"))
         path = target.path
         if not self._authorised(req):
             self._stats.unauthorized += 1
-            return _json(401, "unauthorized", "needs the cluster token as a bearer token")
+            return _json(401, "unauthorized", "needs the cluster token as a bearer token"), False
         for k, v in req.headers:
             if k == b"content-length" and v.strip() not in (b"0", b""):
                 self._stats.bad_requests += 1
-                return _json(413, "request bodies are not accepted")
+                return _json(413, "request bodies are not accepted"), False
         cfg = self.config
         if self._stats.active >= cfg.max_concurrent or self._per_client.get(client, 0) >= cfg.max_per_client:
             self._stats.rejected_busy += 1
-            return _json(503, "busy", "too many concurrent requests", headers=[(b"retry-after", b"1")])
+            return _json(503, "busy", "too many concurrent requests", headers=[(b"retry-after", b"1")]), False
         self._stats.active += 1
         self._per_client[client] = self._per_client.get(client, 0) + 1
         try:
-            return await self._route(method, path, target.query)
+            return await self._route(method, path, target.query), True
         except Exception:  # a bug or a broken store: answer 500, keep serving
             log.exception("data plane request failed path=%s", path)
-            return _json(500, "internal error")
-        finally:
-            self._stats.active -= 1
-            n = self._per_client[client] - 1
-            if n:
-                self._per_client[client] = n
-            else:
-                del self._per_client[client]
+            return _json(500, "internal error"), True
+        except BaseException:
+            self._leave(client)
+            raise
+
+    def _leave(self, client: str) -> None:
+        self._stats.active -= 1
+        n = self._per_client[client] - 1
+        if n:
+            self._per_client[client] = n
+        else:
+            del self._per_client[client]
 
     async def _route(self, method: str, path: str, query: str) -> _Reply:
         parts = path.strip("/").split("/")

@@ -38,7 +38,7 @@ import trio
 from scheduler_link.messages import Peer
 
 from .errors import IntegrityError, NotFoundError, OriginError, PeerError
-from .peers import PeerClient, PeerClientConfig, PeerHealth, PeerMissing
+from .peers import PeerBusy, PeerClient, PeerClientConfig, PeerHealth, PeerMissing
 from .ratelimit import AsyncBucket
 from .rendezvous import Source, assign_homes, assign_rack_homes, plan_sources, rack_label
 
@@ -67,6 +67,8 @@ class HerdConfig:
     peer_rate_bps: float | None = None    # optional caps (bits/s) on what we receive
     origin_rate_bps: float | None = None
     rack_aware: bool = True
+    peer_transfers_while_home: int = 4  # see Herd._gate
+    have_probe_max: int = 256         # peers asked for their have-bitmap at the start of a fetch
     sync_every_bytes: int = 64 << 20   # fsync stored chunks in batches of this much while fetching
     balance_homes: bool = True         # rendezvous with two choices over the manifest (assign_homes)
     max_rounds: int = 4                # replans of one chunk after every source failed
@@ -107,6 +109,10 @@ class Herd:
         self._origin_limit = trio.CapacityLimiter(cfg.origin_concurrency)
         self._origin_bucket = AsyncBucket(cfg.origin_rate_bps)
         self._peer_limits: dict[str, trio.CapacityLimiter] = {}
+        # Peer bodies flowing in at once. While this node still has chunks to pull from
+        # the origin as their home, fewer (peer_transfers_while_home): its origin streams
+        # are everyone's critical path and must not starve on its own downlink.
+        self._gate = trio.CapacityLimiter(max(cfg.workers, 1))
         # Single flight: share the store's in-flight table (p2p.fetch uses it too) so
         # one download per chunk per node, whichever path asked for it.
         shared = getattr(store, "inflight", None)
@@ -158,10 +164,16 @@ class Herd:
                     if bits[i >> 3] & (0x80 >> (i & 7)):
                         out.setdefault(cid, []).append(p.node_id)
 
+        limit = trio.CapacityLimiter(32)
+
+        async def ask_limited(p: Peer) -> None:
+            async with limit:
+                await ask(p)
+
         async with trio.open_nursery() as nursery:
-            for p in peers:
+            for p in peers[: self.config.have_probe_max]:
                 if p.node_id != self.node_id:
-                    nursery.start_soon(ask, p)
+                    nursery.start_soon(ask_limited, p)
         return out
 
     # ------------------------------------------------------------------ chunks
@@ -214,6 +226,7 @@ class Herd:
         failure: list[Exception] = []
         unsynced = [0]
         syncing = [False]
+        own_active = [0]
 
         async def background_sync() -> None:
             try:
@@ -233,6 +246,8 @@ class Herd:
                 cid, size = queue[nexts[q]]
                 nexts[q] += 1
                 state["outstanding"] += 1
+                if q == 0:
+                    own_active[0] += 1
                 try:
                     await self.get_chunk(cid, size, origin, peers, endgame=endgame, run=run,
                                          holders=holders.get(cid, ()), home=homes.get(cid),
@@ -244,6 +259,9 @@ class Herd:
                     return
                 finally:
                     state["outstanding"] -= 1
+                    if q == 0:
+                        own_active[0] -= 1
+                        set_gate()
                 if progress is not None:
                     progress(size)
                 unsynced[0] += size
@@ -257,7 +275,13 @@ class Herd:
                         and state["outstanding"] <= self.config.endgame):
                     endgame.set()
 
+        def set_gate() -> None:
+            busy_home = nexts[0] < len(own) or own_active[0] > 0
+            want = self.config.peer_transfers_while_home if busy_home else self.config.workers
+            self._gate.total_tokens = max(1, want)
+
         async with trio.open_nursery() as nursery:
+            set_gate()
             alone = not any(p.node_id != self.node_id for p in peers)
             n_own = self.config.origin_concurrency if alone else self.config.home_concurrency
             for _ in range(min(n_own, len(own))):
@@ -368,8 +392,9 @@ class Herd:
         try:
             async with limiter:
                 data = await self.client.get_chunk(src.url, cid, size,
-                                                   wait_ms=self.config.wait_ms if src.wait else 0)
-        except PeerMissing:
+                                                   wait_ms=self.config.wait_ms if src.wait else 0,
+                                                   gate=self._gate)
+        except (PeerMissing, PeerBusy):
             self.health.missing(src.node_id)
             raise
         except PeerError as e:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -37,6 +38,10 @@ class PeerTimeout(PeerError):
 
 class PeerUnavailable(PeerError):
     """The peer could not be reached, refused, or is busy (503)."""
+
+
+class PeerBusy(PeerUnavailable):
+    """The peer answered 503: over its request limits. Not a fault: try the next source."""
 
 
 class PeerMissing(PeerError):
@@ -70,6 +75,7 @@ class PeerClient:
 
     MAX_HEAD = 16 * 1024
     MAX_IDLE_PER_PEER = 32
+    RCVLOWAT = 128 * 1024
 
     def __init__(self, *, token: str | None, config: PeerClientConfig | None = None) -> None:
         self.config = config or PeerClientConfig()
@@ -83,11 +89,14 @@ class PeerClient:
                 c.sock.close()
         self._idle.clear()
 
-    async def get_chunk(self, base_url: str, chunk_id: str, size: int, *, wait_ms: int = 0) -> bytes:
-        """The chunk's bytes as the peer sent them (unverified), exactly ``size`` bytes."""
+    async def get_chunk(self, base_url: str, chunk_id: str, size: int, *, wait_ms: int = 0,
+                        gate: trio.CapacityLimiter | None = None) -> bytes:
+        """The chunk's bytes as the peer sent them (unverified), exactly ``size`` bytes.
+        ``gate``: held while the body is received (after the answer's head came), to bound
+        how many peer bodies flow in at once; a waiting request holds nothing."""
         path = f"/v1/chunks/{chunk_id}" + (f"?wait_ms={int(wait_ms)}" if wait_ms > 0 else "")
         return await self._get(base_url, path, limit=size, head_s=wait_ms / 1000 + self.config.head_grace_s,
-                               exact=True)
+                               exact=True, gate=gate)
 
     async def get_manifest(self, base_url: str, manifest_id: str, *, limit: int = 64 << 20) -> bytes:
         return await self._get(base_url, f"/v1/manifests/{manifest_id}", limit=limit,
@@ -129,14 +138,16 @@ class PeerClient:
         else:
             conn.sock.close()
 
-    async def _get(self, base_url: str, path: str, *, limit: int, head_s: float, exact: bool) -> bytes:
+    async def _get(self, base_url: str, path: str, *, limit: int, head_s: float, exact: bool,
+                   gate: trio.CapacityLimiter | None = None) -> bytes:
         key = self._hostport(base_url)
         for attempt in (0, 1):
             conn = await self._connect(key)
             reused = conn.used
             ok = False
             try:
-                data, keep = await self._exchange(conn, key, path, limit=limit, head_s=head_s, exact=exact)
+                data, keep = await self._exchange(conn, key, path, limit=limit, head_s=head_s, exact=exact,
+                                                  gate=gate)
                 ok = keep
                 return data
             except _StaleConnection:
@@ -151,7 +162,8 @@ class PeerClient:
         raise PeerUnavailable(f"{base_url}{path}: no connection")  # pragma: no cover
 
     async def _exchange(self, conn: _Conn, key: tuple[str, int], path: str, *, limit: int,
-                        head_s: float, exact: bool) -> tuple[bytes, bool]:
+                        head_s: float, exact: bool,
+                        gate: trio.CapacityLimiter | None = None) -> tuple[bytes, bool]:
         cfg = self.config
         sock = conn.sock
         where = f"http://{key[0]}:{key[1]}{path}"
@@ -191,22 +203,40 @@ class PeerClient:
             view[:got] = rest[:got]
             if len(rest) > length:  # pipelined leftovers cannot happen with one request in flight
                 raise PeerError(f"{where}: sent more than announced")
-            while got < length:
-                with trio.move_on_after(cfg.stall_s) as cs:
-                    n = await sock.recv_into(view[got:], length - got)
-                if cs.cancelled_caught:
-                    raise PeerTimeout(f"{where}: stalled after {got} of {length} bytes")
-                if n == 0:
-                    raise PeerUnavailable(f"{where}: closed after {got} of {length} bytes")
-                got += n
-                await self._bucket.consume(n)
+            held = False
+            if gate is not None and status == 200 and got < length:
+                await gate.acquire()
+                held = True
+            # SO_RCVLOWAT: be woken when a good piece has arrived, not per packet. On a
+            # paced link packets trickle in, and a wakeup per 1.4 kB costs more CPU than
+            # everything else on this path together.
+            lowat = 1
+            try:
+                while got < length:
+                    want = min(length - got, self.RCVLOWAT)
+                    if want != lowat:
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                        lowat = want
+                    with trio.move_on_after(cfg.stall_s) as cs:
+                        n = await sock.recv_into(view[got:], length - got)
+                    if cs.cancelled_caught:
+                        raise PeerTimeout(f"{where}: stalled after {got} of {length} bytes")
+                    if n == 0:
+                        raise PeerUnavailable(f"{where}: closed after {got} of {length} bytes")
+                    got += n
+                    await self._bucket.consume(n)
+            finally:
+                if lowat != 1:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+                if held and gate is not None:
+                    gate.release()
             view.release()
         except OSError as e:
             raise PeerUnavailable(f"{where}: {e.strerror or e}") from None
         if status == 404:
             raise PeerMissing(f"{where}: not there")
         if status == 503:
-            raise PeerUnavailable(f"{where}: busy")
+            raise PeerBusy(f"{where}: busy")
         if status != 200:
             raise PeerError(f"{where}: HTTP {status}")
         return body, keep  # type: ignore[return-value]  # a bytearray: no copy; hashed and stored as is
@@ -272,7 +302,8 @@ class PeerHealth:
         self.strikes.pop(node_id, None)
 
     def missing(self, node_id: str) -> None:
-        """404 after waiting: not a fault (it may not be fetching this artifact)."""
+        """404 after waiting, or 503 busy: not a fault (it may not be fetching this
+        artifact, or it is serving many); no penalty, the next source is tried."""
         self._s(node_id).misses += 1
 
     def bad_bytes(self, node_id: str, detail: str) -> None:

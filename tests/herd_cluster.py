@@ -123,7 +123,9 @@ async def start_nodes(nursery: trio.Nursery, root: Path, n: int, token: str, *,
     for i in range(n):
         sroot = (store_roots or {}).get(i, root / f"node{i}")
         store = ChunkStore(sroot)
-        plane = DataPlane(store, token=token, listen="127.0.0.1:0", config=plane_config)
+        # every in-process node is 127.0.0.1: the per-client limit must cover them all
+        plane = DataPlane(store, token=token, listen="127.0.0.1:0",
+                          config=plane_config or DataPlaneConfig(max_per_client=1024, max_concurrent=2048))
         url = await nursery.start(plane.run)
         nid = f"node{i}"
         nodes.append(Node(nid, store, plane, url, Herd(store, node_id=nid, token=token, config=config),

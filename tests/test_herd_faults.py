@@ -214,3 +214,25 @@ async def test_full_disk_on_one_node(tmp_path: Path, tiny_tmpfs: Path) -> None:
             for n in nodes:
                 await n.herd.aclose()
             nursery.cancel_scope.cancel()
+
+
+async def test_busy_peer_is_not_penalised_and_fetch_completes(tmp_path: Path) -> None:
+    from p2p.dataplane import DataPlaneConfig
+
+    art = make_artifact(tmp_path, 2 * 1024 * 1024, chunk_size=64 * 1024, seed=16)
+    origin = open_file_origin(art)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_nodes(nursery, tmp_path, 2, TOKEN,
+                                      plane_config=DataPlaneConfig(max_per_client=1))
+            warm, cold = nodes
+            await herd_fetch(warm.herd, art.manifest_id, origin, [])
+            await herd_fetch(cold.herd, art.manifest_id, origin, [n.peer for n in nodes])
+            assert_bit_exact(cold, art)
+            assert warm.plane.statistics()["rejected_busy"] > 0
+            st = cold.herd.health.stats[warm.node_id]
+            assert st.misses > 0 and st.errors == 0          # busy is not a fault
+            assert warm.node_id not in cold.herd.health.until
+            for n in nodes:
+                await n.herd.aclose()
+            nursery.cancel_scope.cancel()

@@ -190,16 +190,21 @@ def test_balanced_rack_homes_keep_the_wait_graph_acyclic() -> None:
                 assert edges[me][0] == g[cid]                       # rack home <- global home
             else:
                 assert edges[me][0] == rh[rack_of[me]][cid]         # mates <- their rack home
-        state: dict[str, int] = {}
+        assert _acyclic(edges)
 
-        def visit(n: str) -> None:
-            assert state.get(n) != 1, f"wait cycle through {n}"
-            if state.get(n) == 2:
-                return
-            state[n] = 1
-            for m in edges[n]:
-                visit(m)
-            state[n] = 2
 
-        for n in ids:
-            visit(n)
+def _acyclic(edges: dict[str, list[str]]) -> bool:
+    state: dict[str, int] = {}
+
+    def visit(n: str) -> None:
+        assert state.get(n) != 1, f"wait cycle through {n}"
+        if state.get(n) == 2:
+            return
+        state[n] = 1
+        for m in edges[n]:
+            visit(m)
+        state[n] = 2
+
+    for n in edges:
+        visit(n)
+    return True
