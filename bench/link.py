@@ -46,8 +46,8 @@ def bench_e2e(n_jobs: int) -> dict[str, Any]:
     import httpx
 
     sys.path.insert(0, str(ROOT))
+    from cli.localcluster import LocalCluster
     from scheduler_link.auth import TokenSet, generate_token_dir
-    from tests.cluster import LocalCluster
 
     with tempfile.TemporaryDirectory() as tmp:
         td = generate_token_dir(Path(tmp) / "tokens")

@@ -58,6 +58,8 @@ class PodRec:
     state: str = "placing"
     exit_code: int | None = None
     reason: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    fetch: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -82,7 +84,8 @@ class JobRec:
                        restarts=self.restarts, reason=self.reason, timings=dict(self.timings),
                        pods=[PodView(rank=p.rank, node_id=p.node_id, workload_id=p.workload_id,
                                      gpus=list(p.uuids), gpu_indices=list(p.slots), state=p.state,
-                                     exit_code=p.exit_code, reason=p.reason) for p in self.pods])
+                                     exit_code=p.exit_code, reason=p.reason, timings=dict(p.timings),
+                                     fetch=dict(p.fetch)) for p in self.pods])
 
 
 @dataclass(slots=True)

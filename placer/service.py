@@ -39,6 +39,7 @@ from scheduler_link.http import (
     text_response,
 )
 from scheduler_link.messages import (
+    ArtifactUpdate,
     DefragRequest,
     JobSpec,
     NodeReport,
@@ -59,22 +60,14 @@ _ack_dec = msgspec.json.Decoder(PlacementAck)
 
 
 def load_core() -> Any:
-    """The placer core (helper E's modules) as one namespace."""
-    import importlib
-    _errors = importlib.import_module("placer.errors")
-    _model = importlib.import_module("placer.model")
-    _place = importlib.import_module("placer.place")
-    ns = types.SimpleNamespace(NodeSpec=_model.NodeSpec, ClusterModel=_model.ClusterModel,
-                               JobRequest=_place.JobRequest, place=_place.place, Conflict=_errors.Conflict,
-                               JobQueue=importlib.import_module("placer.queue").JobQueue)
-    for mod_name, names in (("placer.frag", ("fragmentation", "largest_placeable", "plan_defrag")),):
-        try:
-            mod = importlib.import_module(mod_name)
-        except ImportError:
-            mod = None
-        for n in names:
-            setattr(ns, n, getattr(mod, n, None) or getattr(_place, n, None))
-    return ns
+    """The placer core as one namespace (the service's only view of it)."""
+    from . import errors, frag, model, queue
+    from .place import JobRequest, place
+
+    return types.SimpleNamespace(NodeSpec=model.NodeSpec, ClusterModel=model.ClusterModel, JobRequest=JobRequest,
+                                 place=place, Conflict=errors.Conflict, JobQueue=queue.JobQueue,
+                                 fragmentation=frag.fragmentation, largest_placeable=frag.largest_placeable,
+                                 plan_defrag=frag.plan_defrag)
 
 
 class PlacerService:
@@ -226,6 +219,7 @@ class PlacerService:
         app.add("GET", "/v1/jobs", self.h_jobs)
         app.add("GET", "/v1/jobs/{job_id}", self.h_job)
         app.add("DELETE", "/v1/jobs/{job_id}", self.h_cancel, auth=operator)
+        app.add("POST", "/v1/jobs/{job_id}/artifact", self.h_update_artifact, auth=operator)
         app.add("POST", "/v1/defrag", self.h_defrag, auth=operator)
         app.add("POST", "/v1/prefetch", self.h_prefetch, auth=operator)
         return app
@@ -315,6 +309,18 @@ class PlacerService:
         self._carry_out(pushes)
         self._after_change()
         return json_response(self.state.jobs[req.params["job_id"]].view())
+
+    async def h_update_artifact(self, req: Request) -> Response:
+        """Run the job's next attempt on another manifest (body ArtifactUpdate)."""
+        upd = req.decode(ArtifactUpdate)
+        try:
+            job = self.state.update_artifact(req.params["job_id"], upd.manifest_id, upd.origin)
+        except JobError as e:
+            raise HTTPError(e.status, "cannot update the artifact", str(e)) from None
+        assert self.journal is not None
+        self.journal.submitted(job.spec, self.clock())  # the newer spec wins on replay
+        self._after_change()
+        return json_response(job.view())
 
     async def h_nodes(self, req: Request) -> Response:
         """Every node: state, addresses, topology, GPUs free and unhealthy."""

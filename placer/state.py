@@ -30,8 +30,11 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 from typing import Any
+
+import msgspec
 
 from scheduler_link.messages import (
     TERMINAL_STATES,
@@ -155,6 +158,20 @@ class PlacerState:
         if job.state in TERMINAL_JOB_STATES:
             return []
         return self._end_attempt(job, "cancelled", now, reason="cancelled by operator")
+
+    def update_artifact(self, job_id: str, manifest_id: str, origin: str | None) -> JobRec:
+        """Point a live job at another manifest. Pods already placed keep theirs; the next
+        attempt (a requeue after preemption, a restart) runs the new one."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise JobError(f"no such job {job_id}", status=404)
+        if job.state in TERMINAL_JOB_STATES:
+            raise JobError(f"job {job_id} has ended ({job.state})", status=409)
+        if not re.fullmatch(r"[0-9a-f]{64}", manifest_id):
+            raise JobError("manifest_id must be 64 lowercase hex characters (a manifest id, not a ref)")
+        job.spec = msgspec.structs.replace(job.spec, manifest_id=manifest_id,
+                                           origin=origin if origin is not None else job.spec.origin)
+        return job
 
     def requeue(self, job_id: str, now: float, *, reason: str) -> list[Push] | None:
         """Stop a placed job and put it back in the queue whatever its policy (defrag moves)."""
@@ -363,11 +380,20 @@ class PlacerState:
         pod = next((p for p in job.pods if p.workload_id == ev.workload_id and p.node_id == node.node_id), None)
         if pod is None or pod.state in TERMINAL_STATES:
             return []
+        told_to_stop = pod.state in ("terminating", "cancelled") or job.state in ("pending", "preempted")
         pod.state, pod.exit_code, pod.reason = ev.state, ev.exit_code, ev.reason
+        pod.timings.setdefault(ev.state, ev.at)
+        if ev.bytes_from_origin is not None or ev.bytes_from_peers is not None:
+            pod.fetch = {"bytes_from_origin": ev.bytes_from_origin or 0,
+                         "bytes_from_peers": ev.bytes_from_peers or 0, "bytes_local": ev.bytes_local or 0}
         if ev.state == "running":
             self._maybe_running(job, now)
             return []
         if ev.state not in TERMINAL_STATES:
+            return []
+        if told_to_stop:
+            # the attempt already ended (preempted and requeued, cancelled): this pod's end is
+            # the stop we asked for, not a failure of the job's next attempt
             return []
         if ev.state == "exited" and ev.exit_code == 0:
             if all(p.state == "exited" and p.exit_code == 0 for p in job.pods):

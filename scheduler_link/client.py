@@ -13,7 +13,7 @@ import httpx
 import msgspec
 
 from .auth import auth_header
-from .messages import DefragRequest, JobSpec, JobView, NodeView, PrefetchFanout
+from .messages import ArtifactUpdate, DefragRequest, JobSpec, JobView, NodeView, PrefetchFanout
 
 _job = msgspec.json.Decoder(JobView)
 
@@ -74,6 +74,10 @@ class PlacerClient:
 
     def cancel(self, job_id: str) -> JobView:
         return _job.decode(self._req("DELETE", f"/v1/jobs/{job_id}"))
+
+    def update_artifact(self, job_id: str, manifest_id: str, origin: str | None = None) -> JobView:
+        body = msgspec.json.encode(ArtifactUpdate(manifest_id=manifest_id, origin=origin))
+        return _job.decode(self._req("POST", f"/v1/jobs/{job_id}/artifact", content=body))
 
     def nodes(self) -> list[NodeView]:
         return msgspec.json.decode(self._req("GET", "/v1/nodes"), type=dict[str, list[NodeView]])["nodes"]

@@ -300,6 +300,10 @@ class PodView(msgspec.Struct, frozen=True, kw_only=True):
     state: str = "placing"
     exit_code: int | None = None
     reason: str | None = None
+    # unix seconds by workload state as the agent reported it (accepted, fetching, running, ...)
+    timings: dict[str, float] = {}
+    # bytes of this pod's artifact fetch by source: bytes_from_origin, bytes_from_peers, bytes_local
+    fetch: dict[str, int] = {}
 
 
 class JobView(msgspec.Struct, frozen=True, kw_only=True):
@@ -313,6 +317,14 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     reason: str | None = None
     pods: list[PodView] = []
     timings: dict[str, float] = {}
+    version: int = WIRE_VERSION
+
+
+class ArtifactUpdate(msgspec.Struct, frozen=True, kw_only=True):
+    """Operator -> placer ``POST /v1/jobs/{id}/artifact``: run the job's next attempt on
+    another manifest (running pods keep theirs; a preempted or pending job comes back on it)."""
+    manifest_id: str
+    origin: str | None = None
     version: int = WIRE_VERSION
 
 

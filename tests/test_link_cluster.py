@@ -13,9 +13,8 @@ import httpx
 import pytest
 import trio
 
+from cli.localcluster import LocalCluster
 from scheduler_link.auth import TokenSet, auth_header
-
-from .cluster import LocalCluster
 
 pytestmark = pytest.mark.slow
 

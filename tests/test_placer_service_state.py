@@ -123,3 +123,58 @@ def test_a_newer_attempt_reported_later_supersedes_the_adopted_one():
     assert [v.workload_id for v in reply.stop] == ["g.1.0"]
     assert set(st.model.free_gpus("a")) == set(range(2, 8))  # still held until it is gone
     assert st.schedule(2.5) == [] and st.jobs["g"].state in ("starting", "running")
+
+
+def _ack_all(st: PlacerState, job, pushes, now: float) -> None:
+    starts = [p for p in pushes if p.kind == "start"]
+    st.on_acks(job.job_id, job.attempt, {p.node_id: (True, None) for p in starts}, now, starts)
+
+
+def _events(st: PlacerState, node: str, seq: int, evs: list[WorkloadEvent], now: float) -> None:
+    code, _, _ = st.ingest(node, NodeReport(node_id=node, boot_id=f"boot-{node}", seq=seq, full=False,
+                                            events=evs), now)
+    assert code == 200
+
+
+def test_preempted_victim_requeued_on_preemption_is_not_failed_by_its_own_exit():
+    """A victim whose policy is on-preemption goes back to the queue; the exit events of the
+    pods we told to stop (exit 0 after SIGTERM, or 'preempted') must not fail it."""
+    st = new_state()
+    st.ingest("a", full("a"), 0.0)
+    st.recover_until = 0.0
+    st.submit(JobSpec(job_id="low", pods=1, gpus_per_pod=8, priority=1, argv=["x"],
+                      restart=RestartPolicy(kind="on-preemption")), 0.1)
+    (job, pushes), = st.schedule(0.2)
+    _ack_all(st, job, pushes, 0.3)
+    wid = job.pods[0].workload_id
+    _events(st, "a", 2, [WorkloadEvent(workload_id=wid, job_id="low", state="running", at=0.4)], 0.4)
+    assert st.jobs["low"].state == "running"
+    st.submit(JobSpec(job_id="high", pods=1, gpus_per_pod=8, priority=9, preemptible=False, argv=["y"]), 1.0)
+    out = st.schedule(1.1)
+    assert [j.job_id for j, _ in out] == ["high"]
+    assert st.jobs["low"].state == "pending" and st.jobs["low"].restarts == 1
+    # the victim reports terminating, then preempted (it exited 0 on SIGTERM): the job stays queued
+    _events(st, "a", 3, [WorkloadEvent(workload_id=wid, job_id="low", state="terminating", at=1.4)], 1.4)
+    _events(st, "a", 4, [WorkloadEvent(workload_id=wid, job_id="low", state="preempted", exit_code=0, at=1.5)], 1.5)
+    assert st.jobs["low"].state == "pending"
+    assert st.jobs["low"].reason and "preempted by high" in st.jobs["low"].reason
+
+
+def test_update_artifact_applies_to_the_next_attempt_and_refuses_bad_input():
+    import pytest
+
+    from placer.state import JobError
+
+    st = new_state()
+    st.submit(JobSpec(job_id="j", pods=1, gpus_per_pod=1, argv=["x"], manifest_id="a" * 64, origin="file:///o"), 0.0)
+    job = st.update_artifact("j", "b" * 64, None)
+    assert job.spec.manifest_id == "b" * 64 and job.spec.origin == "file:///o"
+    with pytest.raises(JobError):
+        st.update_artifact("j", "trainer:v2", None)  # a ref, not a manifest id
+    with pytest.raises(JobError) as e:
+        st.update_artifact("nope", "b" * 64, None)
+    assert e.value.status == 404
+    st.ingest("a", full("a"), 0.1)
+    st.recover_until = 0.0
+    (j, pushes), = st.schedule(0.2)
+    assert {p.placement.manifest_id for p in pushes if p.kind == "start"} == {"b" * 64}

@@ -1,6 +1,6 @@
 """A local cluster of real processes on loopback: one placer and N agents with
-simulated GPUs (`herd placer run`, `herd agent run`). Used by the link integration
-tests, the end-to-end test and bench.link.
+simulated GPUs (`herd placer run`, `herd agent run`). Used by `herd demo`, the link
+integration tests, the end-to-end test and bench.link.
 
 Each process runs in its own session (process group), so a "host failure" kills an
 agent and its workloads together (``kill_host``); ``pause``/``resume`` (SIGSTOP/SIGCONT)
@@ -176,6 +176,9 @@ class LocalCluster:
             return []
         items = data.get("workloads", data) if isinstance(data, dict) else data
         return [int(w["pid"]) for w in items if isinstance(w, dict) and w.get("pid")]
+
+    def all_procs(self) -> list[Proc]:
+        return ([self.placer] if self.placer else []) + list(self.agents.values())
 
     def close(self) -> None:
         for p in list(self.agents.values()):
