@@ -182,6 +182,28 @@ class Demo:
                            f"within {timeout:.0f}s; logs under {self.cluster.root}")
         return view
 
+    def victims_gone(self, view: Any, timeout: float = 15.0) -> list[dict[str, Any]]:
+        """Each pod of a preempted attempt once its agent reports it ended (state, exit
+        code and when), read from the agents' own workload API."""
+        import httpx
+
+        from scheduler_link.messages import TERMINAL_STATES
+
+        out = []
+        deadline = time.monotonic() + timeout
+        for p in view.pods:
+            url = f"{self.cluster.agents[p.node_id].url}/v1/workloads/{p.workload_id}"
+            doc: dict[str, Any] = {}
+            while time.monotonic() < deadline:
+                doc = httpx.get(url, timeout=5).json()
+                doc = doc.get("workload", doc)
+                if doc.get("state") in TERMINAL_STATES:
+                    break
+                time.sleep(0.05)
+            out.append({"workload": p.workload_id, "node": p.node_id, "state": doc.get("state"),
+                        "exit_code": doc.get("exit_code"), "ended_at": doc.get("updated_at")})
+        return out
+
     def describe(self, view: Any, label: str) -> dict[str, Any]:
         """A job's measured timeline (ms after submission) and its pods' fetch figures."""
         t = view.timings
@@ -244,9 +266,10 @@ class Demo:
                     manifest_id=v1.manifest, argv=argv + ["--steps", "3"], grace_s=5.0)
         b = self.wait("train-b", "running")
         out["job_b"] = self.describe(b, "job B running (preempted A)")
+        victims = self.victims_gone(a1)
         a_after = self.placer.job("train-a")
         out["job_a_preempted"] = {"state": a_after.state, "restarts": a_after.restarts,
-                                  "final_checkpoints": self.checkpoints(a1)}
+                                  "final_checkpoints": self.checkpoints(a1), "pods": victims}
         for c in out["job_a_preempted"]["final_checkpoints"]:
             self.say(f"victim {c['workload']} saved its final checkpoint at step {c['step']} "
                      f"(reason {c['reason']}) before exiting")

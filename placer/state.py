@@ -47,6 +47,7 @@ from scheduler_link.messages import (
     ReportReply,
     Victim,
     WorkloadEvent,
+    WorkloadStatus,
 )
 
 from .config import PlacerConfig
@@ -256,9 +257,11 @@ class PlacerState:
                     self.model.set_gpu_health(rep.node_id, i, i not in node.fatal)
                 self.model.set_node_state(rep.node_id, healthy=not node.host_fatal)
         reported: set[str] = set()
+        ended: list[WorkloadStatus] = []
         for w in rep.workloads:
             node.workloads[w.workload_id] = w.state
             if w.state in TERMINAL_STATES:
+                ended.append(w)
                 continue
             reported.add(w.workload_id)
             slots = tuple(s for s in (node.slot_of(u) for u in w.gpus) if s is not None)
@@ -270,6 +273,12 @@ class PlacerState:
         # Pods we placed on this node that the agent does not know (lost with its state,
         # or a push that never landed): the gang is broken.
         self.dirty = True
+        # Workloads the report shows ended: their end is news if its event has not come yet
+        # (a full report can overtake the event); apply it as one, never call them vanished.
+        for w in ended:
+            pushes += self._apply_event(node, WorkloadEvent(
+                workload_id=w.workload_id, job_id=w.job_id, state=w.state, at=w.updated_at or now,
+                exit_code=w.exit_code, reason=w.reason, gpus=list(w.gpus), placement_id=w.placement_id), now)
         for job_id in sorted(self.node_jobs.get(rep.node_id, ())):
             job = self.jobs.get(job_id)
             if job is None or job.recovering or job.state in TERMINAL_JOB_STATES:

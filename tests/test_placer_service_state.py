@@ -178,3 +178,24 @@ def test_update_artifact_applies_to_the_next_attempt_and_refuses_bad_input():
     st.recover_until = 0.0
     (j, pushes), = st.schedule(0.2)
     assert {p.placement.manifest_id for p in pushes if p.kind == "start"} == {"b" * 64}
+
+
+def test_full_report_showing_an_ended_pod_overtakes_its_event():
+    """A full report (sent every few beats) can arrive before the event of a pod that just
+    exited: the pod ended (here successfully), it did not vanish."""
+    st = new_state()
+    st.ingest("a", full("a"), 0.0)
+    st.recover_until = 0.0
+    st.submit(JobSpec(job_id="done", pods=1, gpus_per_pod=8, argv=["x"]), 0.1)
+    (job, pushes), = st.schedule(0.2)
+    _ack_all(st, job, pushes, 0.3)
+    wid = job.pods[0].workload_id
+    _events(st, "a", 2, [WorkloadEvent(workload_id=wid, job_id="done", state="running", at=0.4)], 0.4)
+    exited = WorkloadStatus(workload_id=wid, job_id="done", gpus=[f"a-g{i}" for i in range(8)], state="exited",
+                            exit_code=0, updated_at=5.0)
+    code, _, _ = st.ingest("a", NodeReport(node_id="a", boot_id="boot-a", seq=3, full=True, control_url="http://a",
+                                           topology=TopologyPath(zone="z", block="b", rack="r"), snapshot=snap("a"),
+                                           workloads=[exited]), 5.1)
+    assert code == 200
+    assert st.jobs["done"].state == "succeeded", st.jobs["done"].reason
+    assert len(st.model.free_gpus("a")) == 8
