@@ -277,7 +277,8 @@ def publish_artifact(src_dir: Path, origin_dir: Path, size_mb: float) -> tuple[s
 
 
 def run(nodes: int, size_mb: float, rate: str, modes: list[str],
-        tuning: dict[str, int] | None = None, burst: str = "64kb", latency: str = "400ms") -> dict[str, Any]:
+        tuning: dict[str, int] | None = None, burst: str = "64kb", latency: str = "400ms",
+        mtu: int = 1500) -> dict[str, Any]:
     from bench.netns import NetLab, check, rate_bits
 
     check()
@@ -288,8 +289,8 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
         shutil.rmtree(work / "src")
         ideal = size * 8 / rate_bits(rate)
         out: dict[str, Any] = {"nodes": nodes, "size_mb": size_mb, "rate": rate, "ideal_s": round(ideal, 3),
-                               "bytes": size}
-        with NetLab(rate=rate, burst=burst, latency=latency) as lab:
+                               "bytes": size, "mtu": mtu}
+        with NetLab(rate=rate, burst=burst, latency=latency, mtu=mtu) as lab:
             origin_host = lab.add_host(octet=2)
             hosts = [lab.add_host(octet=10 + i) for i in range(nodes)]
             origin_proc = subprocess.Popen(
@@ -338,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--home-concurrency", type=int, default=2, help="herd: origin streams per home")
     p.add_argument("--tbf-burst", default="64kb", help="tbf burst (default 64kb)")
     p.add_argument("--tbf-latency", default="400ms", help="tbf queue as latency (default 400ms)")
+    p.add_argument("--mtu", type=int, default=1500, help="MTU of every host link (9000: jumbo frames)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if not 1 <= a.nodes <= 64:
@@ -351,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         out = run(a.nodes, a.size_mb, a.rate, modes, {"workers": a.workers, "home": a.home_concurrency},
-                  burst=a.tbf_burst, latency=a.tbf_latency)
+                  burst=a.tbf_burst, latency=a.tbf_latency, mtu=a.mtu)
     except NetnsUnavailable as e:
         msg = f"bench.herd skipped: {e}"
         if a.json:

@@ -88,6 +88,7 @@ class NetLab:
     prefix: str = field(default_factory=lambda: f"hb{os.getpid()}")
     burst: str = "128kb"
     latency: str = "50ms"
+    mtu: int = 1500
     hosts: list[Host] = field(default_factory=list)
     _namespaces: list[str] = field(default_factory=list)
     _old_handlers: dict[int, Any] = field(default_factory=dict)
@@ -128,9 +129,9 @@ class NetLab:
         _run(["ip", "-n", self.hub, "link", "add", hub_end, "type", "veth", "peer", "name", "eth0",
               "netns", name])
         _run(["ip", "-n", self.hub, "link", "set", hub_end, "master", "br0"])
-        _run(["ip", "-n", self.hub, "link", "set", hub_end, "up"])
+        _run(["ip", "-n", self.hub, "link", "set", hub_end, "mtu", str(self.mtu), "up"])
         _run(["ip", "-n", name, "addr", "add", f"{ip}/24", "dev", "eth0"])
-        _run(["ip", "-n", name, "link", "set", "eth0", "up"])
+        _run(["ip", "-n", name, "link", "set", "eth0", "mtu", str(self.mtu), "up"])
         _run(["ip", "-n", name, "link", "set", "lo", "up"])
         tbf = ["tbf", "rate", self.rate, "burst", self.burst, "latency", self.latency]
         _run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "eth0", "root", *tbf])

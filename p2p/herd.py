@@ -68,6 +68,7 @@ class HerdConfig:
     origin_rate_bps: float | None = None
     rack_aware: bool = True
     peer_transfers_while_home: int = 4  # see Herd._gate
+    have_probe_s: float = 1.0          # ... and how long the start of a fetch waits for them
     have_probe_max: int = 256         # peers asked for their have-bitmap at the start of a fetch
     sync_every_bytes: int = 64 << 20   # fsync stored chunks in batches of this much while fetching
     balance_homes: bool = True         # rendezvous with two choices over the manifest (assign_homes)
@@ -155,7 +156,7 @@ class Herd:
             return out
 
         async def ask(p: Peer) -> None:
-            with trio.move_on_after(self.config.head_grace_s):
+            with trio.move_on_after(self.config.have_probe_s):
                 try:
                     bits = await self.client.get_have(p.data_url, manifest_id, len(ids))
                 except PeerError:

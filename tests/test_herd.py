@@ -52,7 +52,9 @@ async def test_cold_herd_pulls_each_chunk_from_origin_once(tmp_path: Path) -> No
     assert total_origin == art.size
     assert total_peers == 4 * art.size
     served = sum(n.plane.statistics()["bytes_served"] for n in nodes)
-    assert served == total_peers
+    dups = sum(n.herd.counters.endgame_duplicates for n in nodes)
+    # the data planes served what the peers got, plus at most the endgame's duplicates
+    assert total_peers <= served <= total_peers + dups * 256 * 1024
 
 
 async def test_rack_aware_each_chunk_enters_each_rack_once(tmp_path: Path) -> None:
