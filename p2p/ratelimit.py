@@ -13,12 +13,12 @@ class TokenBucket:
     rate: float              # bytes per second
     burst: float             # bucket size in bytes
     tokens: float = 0.0
-    at: float = 0.0
+    at: float | None = None    # time of the last take; None = never (the burst is full)
 
     def take(self, n: int, now: float) -> float:
         """Account for ``n`` bytes at ``now``; returns how long to wait (s) to stay under rate.
         The debt is taken at once, so callers in parallel queue up fairly."""
-        if self.at == 0.0:
+        if self.at is None:
             self.at, self.tokens = now, self.burst
         self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
         self.at = now
