@@ -117,3 +117,24 @@ async def test_single_flight_one_download_for_many_callers(tmp_path: Path) -> No
             assert node.store.read_chunk(cid) == piece
             await node.herd.aclose()
             nursery.cancel_scope.cancel()
+
+
+async def test_statistics_and_metrics_text(tmp_path: Path) -> None:
+    from p2p.herd import render_metrics
+
+    art = make_artifact(tmp_path, 1024 * 1024, chunk_size=256 * 1024, seed=5)
+    origin = open_file_origin(art)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_nodes(nursery, tmp_path, 2, TOKEN)
+            await _fetch_all(nodes, art, origin)
+            st = nodes[1].herd.statistics()
+            assert st["bytes_from_origin"] + st["bytes_from_peers"] == art.size
+            text = render_metrics("node1", st, nodes[1].plane.statistics())
+            peer_bytes = st["peers"]["node0"]["bytes"]
+            assert f'herd_p2p_peer_bytes_total{{node="node1",peer="node0"}} {peer_bytes}' in text
+            assert f'herd_p2p_bytes_total{{node="node1",source="peers"}} {st["bytes_from_peers"]}' in text
+            assert "# TYPE herd_dataplane_bytes_served_total counter" in text
+            for n in nodes:
+                await n.herd.aclose()
+            nursery.cancel_scope.cancel()
