@@ -40,7 +40,7 @@ from scheduler_link.messages import Peer
 from .errors import IntegrityError, NotFoundError, OriginError, PeerError
 from .peers import PeerBusy, PeerClient, PeerClientConfig, PeerHealth, PeerMissing
 from .ratelimit import AsyncBucket
-from .rendezvous import Source, assign_homes, assign_rack_homes, plan_sources, rack_label
+from .rendezvous import Source, assign_homes, assign_rack_homes, order, plan_sources, rack_label
 
 log = logging.getLogger("herd.p2p.herd")
 
@@ -68,6 +68,7 @@ class HerdConfig:
     origin_rate_bps: float | None = None
     rack_aware: bool = True
     peer_transfers_while_home: int = 4  # see Herd._gate
+    manifest_peers: int = 3            # peers asked for the manifest before the origin
     have_probe_s: float = 1.0          # ... and how long the start of a fetch waits for them
     have_probe_max: int = 256         # peers asked for their have-bitmap at the start of a fetch
     sync_every_bytes: int = 64 << 20   # fsync stored chunks in batches of this much while fetching
@@ -131,13 +132,14 @@ class Herd:
     # ------------------------------------------------------------------ manifests
 
     async def fetch_manifest_bytes(self, manifest_id: str, origin: Any, peers: Sequence[Peer]) -> bytes:
-        """The manifest's bytes from the first peer that has them (verified by id), else the
-        origin (the caller verifies origin bytes on decode)."""
-        for p in peers:
-            if p.node_id == self.node_id:
-                continue
+        """The manifest's bytes from one of the few peers ranked first for it (verified by
+        id), else the origin (the caller verifies origin bytes on decode). Few and briefly:
+        in a cold herd nobody has it yet, and it is small next to the chunks."""
+        by_id = {p.node_id: p for p in peers if p.node_id != self.node_id}
+        for nid in order(manifest_id, list(by_id))[: self.config.manifest_peers]:
+            p = by_id[nid]
             try:
-                with trio.move_on_after(self.config.head_grace_s + self.config.stall_s):
+                with trio.move_on_after(self.config.head_grace_s):
                     data = await self.client.get_manifest(p.data_url, manifest_id)
                     if blake3.blake3(data).hexdigest() == manifest_id:
                         return data

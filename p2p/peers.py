@@ -171,8 +171,11 @@ class PeerClient:
         try:
             with trio.move_on_after(cfg.stall_s) as cs:
                 sent = 0
-                while sent < len(req):
-                    sent += await sock.send(req[sent:])
+                try:
+                    while sent < len(req):
+                        sent += await sock.send(req[sent:])
+                except OSError:  # e.g. EPIPE on a keep-alive connection the peer closed
+                    raise _StaleConnection() from None
             if cs.cancelled_caught:
                 raise PeerTimeout(f"{where}: could not send the request")
             buf = conn.buf
@@ -180,7 +183,12 @@ class PeerClient:
                 while b"\r\n\r\n" not in buf:
                     if len(buf) > self.MAX_HEAD:
                         raise PeerError(f"{where}: answer head over {self.MAX_HEAD} bytes")
-                    piece = await sock.recv(65536)
+                    try:
+                        piece = await sock.recv(65536)
+                    except ConnectionResetError:
+                        if not buf:
+                            raise _StaleConnection() from None
+                        raise
                     if not piece:
                         if not buf:
                             raise _StaleConnection()

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import blake3
 import httpx
+import pytest
 import trio
 
 from manifests import encode_manifest
@@ -207,4 +208,32 @@ async def test_idle_connection_is_closed(tmp_path: Path) -> None:
             # a client that sends half a request head and then nothing
             resp = await _raw(url, b"GET /v1/chunks/")
             assert resp == b""
+            nursery.cancel_scope.cancel()
+
+
+async def test_peer_client_survives_a_closed_keepalive_and_reports_errors(tmp_path: Path) -> None:
+    from p2p.errors import PeerError
+    from p2p.peers import PeerClient, PeerMissing, PeerUnavailable
+
+    store = ChunkStore(tmp_path / "s")
+    cid, data = _chunk(300_000)
+    store.put_chunk(cid, data)
+    with trio.fail_after(15):
+        async with trio.open_nursery() as nursery:
+            _, url = await _serve(nursery, store, config=DataPlaneConfig(idle_timeout_s=0.2))
+            client = PeerClient(token=TOKEN)
+            assert await client.get_chunk(url, cid, len(data)) == data
+            await trio.sleep(0.5)            # the server closes the idle keep-alive connection
+            assert await client.get_chunk(url, cid, len(data)) == data
+            with pytest.raises(PeerMissing):
+                await client.get_chunk(url, "ab" * 32, 10)
+            with pytest.raises(PeerError, match="announces"):   # the wrong size: refused
+                await client.get_chunk(url, cid, len(data) - 1)
+            bad = PeerClient(token="wrong")
+            with pytest.raises(PeerError, match="401"):
+                await bad.get_chunk(url, cid, len(data))
+            with pytest.raises(PeerUnavailable):
+                await client.get_chunk("http://127.0.0.1:9", cid, len(data))
+            await client.aclose()
+            await bad.aclose()
             nursery.cancel_scope.cancel()
