@@ -67,7 +67,7 @@ class HerdConfig:
     peer_rate_bps: float | None = None    # optional caps (bits/s) on what we receive
     origin_rate_bps: float | None = None
     rack_aware: bool = True
-    peer_transfers_while_home: int = 4  # see Herd._gate
+    peer_transfers_while_home: int = 4  # at least; see Herd._gate and fetch_chunks
     manifest_peers: int = 3            # peers asked for the manifest before the origin
     have_probe_s: float = 1.0          # ... and how long the start of a fetch waits for them
     have_probe_max: int = 256         # peers asked for their have-bitmap at the start of a fetch
@@ -112,7 +112,7 @@ class Herd:
         self._origin_bucket = AsyncBucket(cfg.origin_rate_bps)
         self._peer_limits: dict[str, trio.CapacityLimiter] = {}
         # Peer bodies flowing in at once. While this node still has chunks to pull from
-        # the origin as their home, fewer (peer_transfers_while_home): its origin streams
+        # the origin as their home, fewer (see fetch_chunks): its origin streams
         # are everyone's critical path and must not starve on its own downlink.
         self._gate = trio.CapacityLimiter(max(cfg.workers, 1))
         # Single flight: share the store's in-flight table (p2p.fetch uses it too) so
@@ -278,9 +278,15 @@ class Herd:
                         and state["outstanding"] <= self.config.endgame):
                     endgame.set()
 
+        # Enough peer bodies to fill the downlink (each peer's upload is split among all
+        # the nodes it feeds, so ~one flow per peer), few enough that this home's own
+        # origin streams keep at least their 1/N share of it.
+        others = len({p.node_id for p in peers if p.node_id != self.node_id})
+        home_gate = max(self.config.peer_transfers_while_home, others)
+
         def set_gate() -> None:
             busy_home = nexts[0] < len(own) or own_active[0] > 0
-            want = self.config.peer_transfers_while_home if busy_home else self.config.workers
+            want = home_gate if busy_home else self.config.workers
             self._gate.total_tokens = max(1, want)
 
         async with trio.open_nursery() as nursery:
