@@ -65,6 +65,7 @@ class Agent:
         self.data_url = ""
         self.monitor: Any = None
         self.store: Any = None
+        self.herd: Any = None
         self.dataplane: Any = None
         self.link: Any = None
         self._render_gpu_metrics: Any = None
@@ -92,6 +93,10 @@ class Agent:
             log.warning("p2p store unavailable: artifacts cannot be fetched on this agent")
             return
         self.store = ChunkStore(self.config.store_dir, quota_bytes=self.config.store.quota_bytes)
+        # One herd fetcher for the agent's life: single flight across concurrent fetches,
+        # peer penalties that outlive one fetch, counters for /metrics and /v1/status.
+        from p2p.herd import Herd
+        self.herd = Herd(self.store, node_id=self.node_id, token=self.tokens.cluster)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled (or SIGTERM/SIGINT); ``started(control_url)`` once READY."""
@@ -123,6 +128,9 @@ class Agent:
                 task_status.started(self.control_url)
         finally:
             self.ready = False  # the monitor closes its backend itself
+            if self.herd is not None:
+                with trio.CancelScope(shield=True):
+                    await self.herd.aclose()
 
     def _start_link(self, n: trio.Nursery) -> None:
         try:
@@ -191,6 +199,7 @@ class Agent:
             "workloads": self.supervisor.workloads(), "supervisor": self.supervisor.statistics(),
             "store": self.store_statistics(),
             "data_plane": self.dataplane.statistics() if self.dataplane is not None else None,
+            "herd": self.herd.statistics() if self.herd is not None else None,
             "link": self.link.statistics() if self.link is not None else None,
             "gpu_monitor": self.monitor.statistics() if self.monitor is not None else None,
         }
@@ -199,7 +208,13 @@ class Agent:
     def metrics_text(self) -> str:
         gpu = self._render_gpu_metrics(self.gpu_snapshot(), self.node_id) if self._render_gpu_metrics else ""
         own = render_agent_metrics(self.node_id, self.supervisor.statistics(), self.store_statistics(), self.ready)
-        return (gpu if not gpu or gpu.endswith("\n") else gpu + "\n") + own
+        p2p = ""
+        if self.herd is not None:
+            from p2p.herd import render_metrics as render_p2p_metrics
+            p2p = render_p2p_metrics(self.node_id, self.herd.statistics(),
+                                     self.dataplane.statistics() if self.dataplane is not None else None)
+        parts = [x if x.endswith("\n") else x + "\n" for x in (gpu, own, p2p) if x]
+        return "".join(parts)
 
     def inject(self, uuid: str, fault: Any) -> None:
         if self.monitor is None:
@@ -239,7 +254,7 @@ class Agent:
         origin = open_origin(origin_url)
         try:
             stats = await fetch_artifact(self.store, manifest_id, origin, peers=list(peers), node_id=self.node_id,
-                                         token=self.tokens.cluster)
+                                         token=self.tokens.cluster, herd=self.herd)
         finally:
             closer = getattr(origin, "aclose", None)
             if closer is not None:

@@ -96,6 +96,8 @@ async def test_api_end_to_end(tmp_path, token_dir):
                 assert 'herd_workloads{node="n1",state="running"} 1' in m
                 assert "herd_workload_starts_total" in m and "DCGM_FI_DEV_GPU_TEMP" in m
                 assert 'herd_workload_start_seconds{node="n1",quantile="0.99"}' in m
+                assert 'herd_p2p_bytes_total{node="n1",source="origin"} 0' in m  # the agent's one herd fetcher
+                assert st["herd"]["bytes_from_origin"] == 0
 
                 # fault injection: operator only, then health follows through the GPU monitor
                 inj = f"/v1/gpus/{uuids[3]}/inject"
