@@ -56,7 +56,7 @@ ArtifactFetcher = Callable[[str, str | None, list[Any]], Awaitable[tuple[Path, d
 
 @dataclass(frozen=True, slots=True)
 class SupervisorConfig:
-    shim_pool: int = 2
+    shim_pool: int = 8  # one per GPU of an 8-GPU node: a gang's pods there all start warm
     log_max_bytes: int = 16 << 20
     log_keep: int = 2
     keep_terminal: int = 200
