@@ -61,7 +61,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path, name):
 def test_reference_config_loads_and_documents_every_key():
     text = (SYSTEMD / "agent.toml").read_text()
     cfg = load_config(SYSTEMD / "agent.toml")
-    assert cfg.gpus == "nvml" and cfg.listen == "0.0.0.0:8470" and cfg.workloads.shim_pool == 2
+    assert cfg.gpus == "nvml" and cfg.listen == "0.0.0.0:8470" and cfg.workloads.shim_pool == 8
     for keys in (_AGENT_KEYS, _TOPO_KEYS, _STORE_KEYS, _WL_KEYS):
         for k in keys:
             assert re.search(rf"^#? ?{k} = ", text, flags=re.M), f"{k} is not documented in agent.toml"
