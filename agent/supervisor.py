@@ -186,7 +186,7 @@ class Supervisor:
     # generation and hands an immutable snapshot to the writer task; callbacks that
     # need durability (acks, the start of a kill countdown) run once a write that
     # includes their generation has completed. Starting a process does not wait: the
-    # shim writes the workload's record into run.json (fsynced) before it answers, so
+    # shim writes the workload's record into run.json (atomically) before it answers, so
     # a restarted agent finds a started workload even if state.json lagged behind.
 
     def _snapshot(self) -> AgentState:
