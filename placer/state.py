@@ -273,6 +273,10 @@ class PlacerState:
         # Pods we placed on this node that the agent does not know (lost with its state,
         # or a push that never landed): the gang is broken.
         self.dirty = True
+        # Events riding on a full report: the workload list above is the state; keep what only
+        # the events carry (when each state was reached, the fetch figures).
+        for ev in rep.events:
+            self._note_event(node, ev)
         # Workloads the report shows ended: their end is news if its event has not come yet
         # (a full report can overtake the event); apply it as one, never call them vanished.
         for w in ended:
@@ -391,10 +395,7 @@ class PlacerState:
             return []
         told_to_stop = pod.state in ("terminating", "cancelled") or job.state in ("pending", "preempted")
         pod.state, pod.exit_code, pod.reason = ev.state, ev.exit_code, ev.reason
-        pod.timings.setdefault(ev.state, ev.at)
-        if ev.bytes_from_origin is not None or ev.bytes_from_peers is not None:
-            pod.fetch = {"bytes_from_origin": ev.bytes_from_origin or 0,
-                         "bytes_from_peers": ev.bytes_from_peers or 0, "bytes_local": ev.bytes_local or 0}
+        self._note_event(node, ev)
         if ev.state == "running":
             self._maybe_running(job, now)
             return []
@@ -413,6 +414,18 @@ class PlacerState:
         why = f"pod {pod.rank} on {node.node_id} {ev.state}" + (
             f" (code {ev.exit_code})" if ev.exit_code is not None else "") + (f": {ev.reason}" if ev.reason else "")
         return self._end_attempt(job, "failed", now, reason=why)
+
+    def _note_event(self, node: NodeRec, ev: WorkloadEvent) -> None:
+        job = self.jobs.get(ev.job_id)
+        if job is None:
+            return
+        pod = next((p for p in job.pods if p.workload_id == ev.workload_id and p.node_id == node.node_id), None)
+        if pod is None:
+            return
+        pod.timings.setdefault(ev.state, ev.at)
+        if ev.bytes_from_origin is not None or ev.bytes_from_peers is not None:
+            pod.fetch = {"bytes_from_origin": ev.bytes_from_origin or 0,
+                         "bytes_from_peers": ev.bytes_from_peers or 0, "bytes_local": ev.bytes_local or 0}
 
     def _maybe_running(self, job: JobRec, now: float) -> None:
         if job.state != "running" and job.pods and len(job.pods) == job.spec.pods and all(

@@ -199,3 +199,25 @@ def test_full_report_showing_an_ended_pod_overtakes_its_event():
     assert code == 200
     assert st.jobs["done"].state == "succeeded", st.jobs["done"].reason
     assert len(st.model.free_gpus("a")) == 8
+
+
+def test_events_riding_on_a_full_report_keep_their_fetch_figures():
+    st = new_state()
+    st.ingest("a", full("a"), 0.0)
+    st.recover_until = 0.0
+    st.submit(JobSpec(job_id="f", pods=1, gpus_per_pod=8, argv=["x"], manifest_id="c" * 64, origin="file:///o"), 0.1)
+    (job, pushes), = st.schedule(0.2)
+    _ack_all(st, job, pushes, 0.3)
+    wid = job.pods[0].workload_id
+    gpus = [f"a-g{i}" for i in range(8)]
+    ev = WorkloadEvent(workload_id=wid, job_id="f", state="starting", at=0.5, bytes_from_origin=10,
+                       bytes_from_peers=20, bytes_local=30)
+    code, _, _ = st.ingest("a", NodeReport(node_id="a", boot_id="boot-a", seq=7, full=True, control_url="http://a",
+                                           topology=TopologyPath(zone="z", block="b", rack="r"), snapshot=snap("a"),
+                                           workloads=[WorkloadStatus(workload_id=wid, job_id="f", gpus=gpus,
+                                                                     state="running")], events=[ev]), 0.6)
+    assert code == 200
+    pod = st.jobs["f"].pods[0]
+    assert pod.state == "running"  # the list is the state: the older event does not roll it back
+    assert pod.fetch == {"bytes_from_origin": 10, "bytes_from_peers": 20, "bytes_local": 30}
+    assert pod.timings["starting"] == 0.5
