@@ -7,6 +7,11 @@ Public API (others may rely on these names):
 - ``open_origin(url)`` (p2p.origins): ``file://``, ``gs://``, ``http(s)://`` behind one async interface.
 - ``publish(root, origin, name, params) -> PublishStats`` (p2p.publish).
 - ``fetch_artifact(store, manifest_id, origin, ...) -> FetchStats`` (p2p.fetch).
+- ``DataPlane(store, token=..., listen=...)`` (p2p.dataplane): the peer-facing chunk server
+  (h11, ``os.sendfile``, ``wait_ms``), ``await nursery.start(dp.run)`` -> its URL.
+- ``Herd(store, node_id=..., token=...)`` (p2p.herd): a node's long-lived herd fetcher
+  (rendezvous homes, single flight, penalties, endgame); ``render_metrics`` for /metrics.
+- ``plan_sources`` / ``assign_homes`` (p2p.rendezvous): the pure source choice.
 - errors (p2p.errors): ``P2PError``, ``StoreError``, ``StoreFullError``, ``OriginError``,
   ``NotFoundError``, ``RefError``, ``PeerError``, ``IntegrityError``.
 
