@@ -233,6 +233,7 @@ class AgentLink:
                           snapshot=snap, events=events, sent_at=now)
 
     async def _open_wire(self, wire_url: str) -> None:
+        wire_url = wire_endpoint(wire_url, self.placer_url)
         await self._close_wire()
         try:
             with trio.fail_after(self.request_timeout_s):
@@ -285,3 +286,16 @@ class _Conflict(Exception):
 
 class _PlacerError(Exception):
     pass
+
+
+def wire_endpoint(wire_url: str, placer_url: str) -> str:
+    """The framed channel's address as this agent must dial it: a placer listening on all
+    addresses (0.0.0.0 / ::) announces that; the agent then uses the host it reached the
+    placer's HTTP API on."""
+    hostport = wire_url.removeprefix("tcp://")
+    host, _, port = hostport.rpartition(":")
+    if host.strip("[]") in ("0.0.0.0", "::", ""):
+        from urllib.parse import urlsplit
+        phost = urlsplit(placer_url).hostname or "127.0.0.1"
+        host = f"[{phost}]" if ":" in phost else phost
+    return f"tcp://{host}:{port}"

@@ -151,7 +151,7 @@ class HeartbeatClient:
     async def connect(cls, url: str, token: str, node_id: str) -> HeartbeatClient:
         hostport = url.removeprefix("tcp://")
         host, _, port = hostport.rpartition(":")
-        c = cls(await trio.open_tcp_stream(host, int(port)))
+        c = cls(await trio.open_tcp_stream(host.strip("[]"), int(port)))
         await c.stream.send_all(frame(Hello(token=token, node_id=node_id)))
         (r,) = await c.receive(1)
         if r.status != 200:

@@ -69,6 +69,9 @@ install -m 0644 "$SRC/systemd/herd-agent.service" "$UNIT_DIR/herd-agent.service"
 UNITS="herd-agent.service"
 if [ "$PLACER" = 1 ]; then
     install -m 0644 "$SRC/systemd/herd-placer.service" "$UNIT_DIR/herd-placer.service"
+    if [ ! -e "$ETC/placer.toml" ]; then
+        install -m 0644 "$SRC/systemd/placer.toml" "$ETC/placer.toml"
+    fi
     UNITS="$UNITS herd-placer.service"
 fi
 systemctl daemon-reload

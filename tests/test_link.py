@@ -231,3 +231,11 @@ async def test_push_pool_keepalive_and_bad_answers():
             assert r.status == 401 and r.attempts == 1
             await pool.aclose()
             n.cancel_scope.cancel()
+
+
+def test_wire_endpoint_uses_the_placer_host_when_the_placer_listens_everywhere():
+    from scheduler_link.agent_link import wire_endpoint
+
+    assert wire_endpoint("tcp://0.0.0.0:7471", "http://placer.example:7470") == "tcp://placer.example:7471"
+    assert wire_endpoint("tcp://[::]:7471", "http://[fd00::5]:7470") == "tcp://[fd00::5]:7471"
+    assert wire_endpoint("tcp://10.1.2.3:7471", "http://placer.example:7470") == "tcp://10.1.2.3:7471"

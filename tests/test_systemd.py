@@ -74,3 +74,16 @@ def test_install_script_syntax_and_options():
     assert r.returncode == 0 and "--no-start" in r.stdout and "--tokens" in r.stdout
     r = subprocess.run(["sh", sh, "--bogus"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2 and "unknown option --bogus" in r.stderr
+
+
+def test_placer_reference_config_loads_and_documents_every_key():
+    from placer.config import PlacerConfig
+    from placer.config import load_config as load_placer_config
+
+    text = (SYSTEMD / "placer.toml").read_text()
+    cfg = load_placer_config(SYSTEMD / "placer.toml")
+    assert cfg.listen == "0.0.0.0:7470" and cfg.wire_listen == "0.0.0.0:7471" and cfg.lost_after_missed == 3
+    for k in PlacerConfig.__struct_fields__:
+        assert re.search(rf"^#? ?{k} = ", text, flags=re.M), f"{k} is not documented in placer.toml"
+    unit = (SYSTEMD / "herd-placer.service").read_text()
+    assert "--config /etc/herd/placer.toml" in unit
