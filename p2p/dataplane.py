@@ -375,6 +375,8 @@ class DataPlane:
             self._stats.not_found += 1
             return _json(404, "chunk not here", chunk_id)
         # Opened (and sized) when sending; a chunk evicted in between becomes a 404 there.
+        # Serving it to a peer is a use: keep it warm in the store's LRU.
+        self.store.touch(chunk_id)
         path = Path(self.store.chunk_path(chunk_id))
         return _Reply(200, content_type="application/octet-stream", file=path)
 
