@@ -28,6 +28,7 @@ DEFAULT_LISTEN = "127.0.0.1:8470"
 class StoreConfig:
     dir: str | None = None               # default <state_dir>/store
     quota_bytes: int | None = None       # None: no quota (bounded by the disk)
+    keep_trees: int = 2                  # materialised trees kept beyond those in use
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +57,7 @@ _AGENT_KEYS = {"node_id": str, "gpus": str, "state_dir": str, "listen": str, "da
                "placer": (str, type(None)), "token_dir": (str, type(None)), "open_reads": bool,
                "heartbeat_s": (int, float), "gpu_poll_interval_s": (int, float), "max_body_bytes": int}
 _TOPO_KEYS = {"zone": str, "block": str, "rack": str}
-_STORE_KEYS = {"dir": str, "quota_bytes": int}
+_STORE_KEYS = {"dir": str, "quota_bytes": int, "keep_trees": int}
 _WL_KEYS = {"shim_pool": int, "log_max_bytes": int, "log_keep": int, "keep_terminal": int,
             "default_grace_s": (int, float)}
 
@@ -138,6 +139,8 @@ def validate(cfg: AgentConfig) -> None:
         raise ConfigError("workloads: log_max_bytes >= 1024, log_keep/keep_terminal/default_grace_s >= 0")
     if cfg.store.quota_bytes is not None and cfg.store.quota_bytes <= 0:
         raise ConfigError("store.quota_bytes must be > 0")
+    if cfg.store.keep_trees < 0:
+        raise ConfigError("store.keep_trees must be >= 0")
     if cfg.max_body_bytes < 1024:
         raise ConfigError("max_body_bytes must be >= 1024")
 

@@ -157,7 +157,23 @@ class Agent:
             if s != last:
                 self.notifier.status(s)
                 last = s
+            await self._collect_trees()
             await trio.sleep(5)
+
+    async def _collect_trees(self) -> None:
+        """Remove materialised trees no live workload uses, beyond ``store.keep_trees``
+        (their chunks become evictable under the quota)."""
+        if self.store is None:
+            return
+        from agent.supervisor import trees_to_remove
+        doomed = trees_to_remove(self.store.materialised(), self.supervisor.workloads(),
+                                 self.config.store.keep_trees)
+        for mid in doomed:
+            try:
+                await trio.to_thread.run_sync(self.store.remove_artifact, mid)
+                log.info("artifact tree removed manifest=%s", mid)
+            except Exception as e:  # pinned again meanwhile, or a disk error: try next round
+                log.warning("artifact tree not removed manifest=%s err=%s", mid, e)
 
     def _write_endpoints(self) -> None:
         doc = {"node_id": self.node_id, "control_url": self.control_url, "data_url": self.data_url or None,

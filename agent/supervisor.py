@@ -28,7 +28,7 @@ import os
 import shutil
 import time
 from collections import Counter, deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from typing import Any
 import msgspec
 import trio
 
-from scheduler_link.messages import Placement, PlacementAck, WorkloadEvent, WorkloadStatus
+from scheduler_link.messages import TERMINAL_STATES, Placement, PlacementAck, WorkloadEvent, WorkloadStatus
 
 from . import environment, procs
 from .errors import AgentError, ShimError, UnknownWorkload
@@ -610,3 +610,19 @@ def _read_json(path: Path) -> dict[str, Any] | None:
 def _exit_reason(ex: Mapping[str, Any]) -> str | None:
     sig = ex.get("signal")
     return f"killed by signal {sig}" if sig else None
+
+
+def trees_to_remove(materialised: Iterable[str], workloads: Iterable[WorkloadStatus], keep: int) -> list[str]:
+    """Which materialised trees to remove (pure). Trees of live workloads (accepted up to
+    terminating: their cwd, or about to be) stay; of the others, the ``keep`` most recently
+    used by any workload stay; the rest go, oldest first."""
+    live: set[str] = set()
+    last_use: dict[str, float] = {}
+    for w in workloads:
+        if not w.manifest_id:
+            continue
+        if w.state not in TERMINAL_STATES:
+            live.add(w.manifest_id)
+        last_use[w.manifest_id] = max(last_use.get(w.manifest_id, 0.0), w.updated_at)
+    idle = sorted((m for m in materialised if m not in live), key=lambda m: last_use.get(m, 0.0), reverse=True)
+    return list(reversed(idle[keep:]))

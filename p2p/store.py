@@ -589,6 +589,11 @@ class ChunkStore:
             self.touch(cid)
         return dest
 
+    def materialised(self) -> list[str]:
+        """Manifest ids whose trees are materialised here."""
+        with self._lock:
+            return sorted(self._materialised)
+
     def remove_artifact(self, manifest_id: str) -> bool:
         """Remove a materialised tree (its chunks become evictable unless pinned)."""
         dest = self.artifact_path(manifest_id)

@@ -21,10 +21,10 @@ from scheduler_link.messages import Placement, PodAssignment
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_agent(tmp_path: Path, token_dir: Path) -> Agent:
+def make_agent(tmp_path: Path, token_dir: Path, store: StoreConfig = StoreConfig()) -> Agent:
     cfg = AgentConfig(node_id="n1", gpus="simulated:dgx-h100", state_dir=str(tmp_path / "state"),
                       listen="127.0.0.1:0", data_listen="127.0.0.1:0", token_dir=str(token_dir),
-                      store=StoreConfig(), workloads=SupervisorConfig(shim_pool=1))
+                      store=store, workloads=SupervisorConfig(shim_pool=1))
     return Agent(cfg, env={"PATH": os.environ["PATH"]}, handle_signals=False)
 
 
@@ -185,4 +185,38 @@ async def test_scheduler_link_reports_and_fencing_stops(tmp_path, token_dir):
             stop_next.append(Victim(workload_id="w", grace_s=1, reason="fenced"))
             st = await agent.supervisor.wait_terminal("w")
             assert (st.state, st.reason) == ("exited", "fenced")
+            n.cancel_scope.cancel()
+
+
+async def test_unused_trees_are_collected_but_never_a_live_workloads(tmp_path, token_dir):
+    from p2p.origins import open_origin
+    from p2p.publish import publish
+
+    origin_url = f"file://{tmp_path / 'origin'}"
+    pubs = []
+    for v in ("v1", "v2"):
+        src = tmp_path / f"src-{v}"
+        src.mkdir()
+        (src / "data.txt").write_text(f"payload {v}\n")
+        async with open_origin(origin_url) as o:
+            pubs.append(await publish(src, o, f"t:{v}"))
+    agent = make_agent(tmp_path, token_dir, store=StoreConfig(keep_trees=0))
+    with trio.fail_after(60):
+        async with trio.open_nursery() as n:
+            await n.start(agent.run)
+            gpus = [g.uuid for g in agent.gpu_snapshot().gpus]
+            done = Placement(placement_id="p1", job_id="j1", argv=["true"], manifest_id=pubs[0].manifest,
+                             origin=origin_url, pods=[PodAssignment(workload_id="w1", rank=0, gpus=[gpus[0]])])
+            live = Placement(placement_id="p2", job_id="j2", argv=["sleep", "30"], manifest_id=pubs[1].manifest,
+                             origin=origin_url, pods=[PodAssignment(workload_id="w2", rank=0, gpus=[gpus[1]])])
+            assert (await agent.supervisor.place(done)).accepted and (await agent.supervisor.place(live)).accepted
+            assert (await agent.supervisor.wait_terminal("w1")).state == "exited"
+            while agent.supervisor.record("w2").state != "running":
+                await trio.sleep(0.02)
+            assert sorted(agent.store.materialised()) == sorted(p.manifest for p in pubs)
+            await agent._collect_trees()
+            assert agent.store.materialised() == [pubs[1].manifest]  # the live one stays
+            assert not agent.store.artifact_path(pubs[0].manifest).exists()
+            await agent.supervisor.stop("w2", grace_s=1)
+            await agent.supervisor.wait_terminal("w2")
             n.cancel_scope.cancel()

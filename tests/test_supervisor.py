@@ -416,3 +416,20 @@ async def test_missing_program_fails_with_a_clear_reason(tmp_path):
             await sup.wait_terminal("q")
             n.cancel_scope.cancel()
     assert st.state == "failed" and "launch failed" in st.reason and "/no/such/program" in st.reason
+
+
+def test_trees_to_remove_keeps_live_and_recent_trees():
+    from agent.supervisor import trees_to_remove
+    from scheduler_link.messages import WorkloadStatus
+
+    def w(wid: str, mid: str | None, state: str, at: float) -> WorkloadStatus:
+        return WorkloadStatus(workload_id=wid, job_id="j", manifest_id=mid, state=state, updated_at=at)  # type: ignore[arg-type]
+
+    trees = ["a" * 64, "b" * 64, "c" * 64, "d" * 64, "e" * 64]
+    ws = [w("1", "a" * 64, "running", 1.0), w("2", "b" * 64, "exited", 5.0), w("3", "c" * 64, "exited", 9.0),
+          w("4", "d" * 64, "preempted", 7.0), w("5", "a" * 64, "exited", 10.0), w("6", None, "running", 3.0)]
+    # a is live; of the idle ones c (9) and d (7) are the most recent; e was never used here
+    assert trees_to_remove(trees, ws, keep=2) == ["e" * 64, "b" * 64]
+    assert trees_to_remove(trees, ws, keep=0) == ["e" * 64, "b" * 64, "d" * 64, "c" * 64]
+    assert trees_to_remove(trees, ws, keep=10) == []
+    assert trees_to_remove(["a" * 64], ws, keep=0) == []  # a live workload's tree is never removed
