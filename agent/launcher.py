@@ -86,7 +86,8 @@ class _Shim:
 
 
 class ShimPool:
-    def __init__(self, size: int = 2, *, python: str | None = None, refill_delay_s: float = 0.05) -> None:
+    def __init__(self, size: int = 2, *, python: str | None = None, refill_delay_s: float = 0.05,
+                 use_zygote: bool = True) -> None:
         self.size = max(0, size)
         self.refill_delay_s = refill_delay_s
         self.python = python or sys.executable
@@ -94,6 +95,67 @@ class ShimPool:
         self._want = trio.Event()
         self._children: set[int] = set()
         self.spawned = 0
+        self.use_zygote = use_zygote
+        self._zygote: Any = None
+        self._zygote_pid: int | None = None
+        self._zlock = trio.Lock()
+        self._zbuf = bytearray()
+
+    def _start_zygote(self) -> None:
+        import socket
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            pid = os.posix_spawn(
+                self.python, [self.python, "-I", "-S", SHIM_PATH, "--zygote"], _shim_env(),
+                file_actions=[(os.POSIX_SPAWN_DUP2, theirs.fileno(), 0),
+                              (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+                              (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)],
+                setsid=True,
+            )
+        except OSError as e:
+            ours.close()
+            raise ShimError(f"cannot start the shim zygote: {e}") from e
+        finally:
+            theirs.close()
+        self._zygote_pid = pid
+        self._children.add(pid)
+        self._zygote = trio.socket.from_stdlib_socket(ours)
+        self._zbuf = bytearray()
+
+    async def _fork_shim(self) -> _Shim:
+        """A new shim forked from the zygote (started on first use, restarted if it died)."""
+        import array
+        import socket
+        async with self._zlock:
+            if self._zygote is None:
+                self._start_zygote()
+            assert self._zygote is not None
+            in_r, in_w = os.pipe()
+            out_r, out_w = os.pipe()
+            try:
+                await self._zygote.sendmsg([b"s"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
+                                                     array.array("i", [in_r, out_w]))])
+                while b"\n" not in self._zbuf:
+                    data = await self._zygote.recv(64)
+                    if not data:
+                        raise OSError("the shim zygote closed its socket")
+                    self._zbuf += data
+                line, _, rest = bytes(self._zbuf).partition(b"\n")
+                self._zbuf[:] = rest
+                pid = int(line)
+                if pid <= 0:
+                    raise OSError("the shim zygote refused the request")
+            except (OSError, ValueError) as e:
+                for fd in (in_w, out_r):
+                    os.close(fd)
+                self._zygote.close()
+                self._zygote = None
+                raise ShimError(f"shim zygote failed: {e}") from e
+            finally:
+                os.close(in_r)
+                os.close(out_w)
+        self.spawned += 1
+        return _Shim(pid, trio.lowlevel.FdStream(in_w), trio.lowlevel.FdStream(out_r), bytearray())
 
     def _spawn_raw(self) -> _Shim:
         in_r, in_w = os.pipe()
@@ -116,7 +178,14 @@ class ShimPool:
         return _Shim(pid, trio.lowlevel.FdStream(in_w), trio.lowlevel.FdStream(out_r), bytearray())
 
     async def _spawn_ready(self) -> _Shim:
-        shim = self._spawn_raw()
+        shim: _Shim | None = None
+        if self.use_zygote:
+            try:
+                shim = await self._fork_shim()
+            except ShimError as e:
+                log.warning("falling back to a fresh interpreter for a shim err=%s", e)
+        if shim is None:
+            shim = self._spawn_raw()
         try:
             with trio.fail_after(30):
                 hello = json.loads(await shim.read_line())
@@ -152,6 +221,12 @@ class ShimPool:
                     await s.close()
                     self._children.discard(s.pid)
                     await wait_exit(s.pid, timeout=2)
+                if self._zygote is not None:
+                    self._zygote.close()  # EOF: the zygote exits
+                    self._zygote = None
+                if self._zygote_pid is not None:
+                    await wait_exit(self._zygote_pid, timeout=2)
+                    self._children.discard(self._zygote_pid)
 
     async def launch(self, cmd: LaunchCommand) -> Launched:
         """Start ``cmd`` under an idle shim and return the workload's identity."""
