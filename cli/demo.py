@@ -306,6 +306,13 @@ class Demo:
               f" moved vs {human_bytes(a['fetch']['bytes_from_origin'] + a['fetch']['bytes_from_peers'])} for v1"
               f" (v2 is {human_bytes(out['publish_v2']['bytes'])})")
 
+    def pids(self) -> list[int]:
+        """Every process the demo started (for --keep's stop line)."""
+        out = [p.proc.pid for p in self.cluster.all_procs()] if self.cluster is not None else []
+        if self.emulator is not None:
+            out.append(self.emulator.proc.pid)
+        return out
+
     def close(self) -> None:
         if self.cluster is not None:
             self.cluster.close()
@@ -332,7 +339,7 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"\ncluster left running (state under {demo.root}):\n"
                   f"  export HERD_TOKEN_DIR={demo.root / 'tokens'} HERD_PLACER={demo.cluster.placer.url}\n"
                   f"  herd job list\n  herd nodes\n  herd status --agent {next(iter(demo.cluster.agents.values())).url}\n"
-                  f"stop it with: kill {' '.join(str(p.proc.pid) for p in demo.cluster.all_procs())}",
+                  f"stop it with: kill {' '.join(str(p) for p in demo.pids())}",
                   file=sys.stderr)
         return 0
     finally:
