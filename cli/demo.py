@@ -339,7 +339,8 @@ def run_demo(args: argparse.Namespace) -> int:
             print(f"\ncluster left running (state under {demo.root}):\n"
                   f"  export HERD_TOKEN_DIR={demo.root / 'tokens'} HERD_PLACER={demo.cluster.placer.url}\n"
                   f"  herd job list\n  herd nodes\n  herd status --agent {next(iter(demo.cluster.agents.values())).url}\n"
-                  f"stop it with: kill {' '.join(str(p) for p in demo.pids())}",
+                  f"stop it with (jobs first: agents leave workloads running by design):\n"
+                  f"  herd job cancel train-a; kill {' '.join(str(p) for p in demo.pids())}",
                   file=sys.stderr)
         return 0
     finally:
