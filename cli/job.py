@@ -255,9 +255,12 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     frag = out.get("fragmentation") or {}
     largest = out.get("largest_placeable") or {}
     rows = [(lv, d["domains"], d["wholly_free"], d["largest_free"],
-             f"{frag[lv]:.3f}" if lv in frag else "", largest.get(lv, ""))
+             f"{frag[lv]:.3f}" if lv in frag else "-", largest.get(lv, ""))
             for lv, d in m["levels"].items()]
     print(table(["LEVEL", "DOMAINS", "WHOLLY FREE", "LARGEST FREE", "FRAGMENTATION", "LARGEST PLACEABLE"], rows))
+    if "overall" in frag:
+        print(f"fragmentation overall {frag['overall']:.3f} (share of free GPUs that typical job shapes cannot use; "
+              "'-': no typical shape of that level fits this cluster)")
     print("jobs: " + (", ".join(f"{k} {v}" for k, v in sorted(out["jobs"].items())) or "none"))
     return 0
 
