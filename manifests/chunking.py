@@ -178,16 +178,24 @@ def chunk_file(path: str | os.PathLike[str], params: ChunkerParams | None = None
         os.close(fd)
 
 
-def chunk_open_file(fd: int, path: Path, params: ChunkerParams) -> list[ChunkRef]:
-    """Chunk an open file, checking that it is regular and unchanged across the read."""
+def chunk_open_file(fd: int, path: str | os.PathLike[str], params: ChunkerParams, *,
+                    scanned_ino: int | None = None) -> list[ChunkRef]:
+    """Chunk an open file, checking that it is regular and unchanged across the read.
+
+    ``scanned_ino``: the inode a tree scan saw at this path; opening something else (or a
+    non-regular file) then reads as the tree changing under the scan.
+    """
+    name = os.fspath(path)
     try:
         before = os.fstat(fd)
+        if scanned_ino is not None and (not stat.S_ISREG(before.st_mode) or before.st_ino != scanned_ino):
+            raise ManifestError(f"{name!r} changed while the tree was being scanned")
         if not stat.S_ISREG(before.st_mode):
-            raise ManifestError(f"{str(path)!r} is not a regular file")
+            raise ManifestError(f"{name!r} is not a regular file")
         refs = chunk_fd(fd, before.st_size, params)
         after = os.fstat(fd)
     except OSError as exc:
-        raise ManifestError(f"cannot read {str(path)!r}: {exc.strerror}") from None
+        raise ManifestError(f"cannot read {name!r}: {exc.strerror}") from None
     if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
-        raise ManifestError(f"{str(path)!r} changed while it was being chunked")
+        raise ManifestError(f"{name!r} changed while it was being chunked")
     return refs

@@ -14,7 +14,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from .chunking import ChunkRef, check_chunker, chunk_fd
+from .chunking import ChunkRef, check_chunker, chunk_open_file
 from .errors import ManifestError
 from .model import MAX_ENTRIES, ChunkerParams, Manifest, ManifestBuilder, normalise_file_mode
 
@@ -137,16 +137,6 @@ def _chunk_path(path: str, st: os.stat_result, params: ChunkerParams) -> list[Ch
     except OSError as exc:
         raise ManifestError(f"cannot open {path!r}: {exc.strerror}") from None
     try:
-        try:
-            before = os.fstat(fd)
-            if not stat.S_ISREG(before.st_mode) or before.st_ino != st.st_ino:
-                raise ManifestError(f"{path!r} changed while the tree was being scanned")
-            refs = chunk_fd(fd, before.st_size, params)
-            after = os.fstat(fd)
-        except OSError as exc:
-            raise ManifestError(f"cannot read {path!r}: {exc.strerror}") from None
-        if (after.st_size, after.st_mtime_ns) != (before.st_size, before.st_mtime_ns):
-            raise ManifestError(f"{path!r} changed while it was being chunked")
-        return refs
+        return chunk_open_file(fd, path, params, scanned_ino=st.st_ino)
     finally:
         os.close(fd)
