@@ -195,8 +195,7 @@ class Demo:
             url = f"{self.cluster.agents[p.node_id].url}/v1/workloads/{p.workload_id}"
             doc: dict[str, Any] = {}
             while time.monotonic() < deadline:
-                doc = httpx.get(url, timeout=5).json()
-                doc = doc.get("workload", doc)
+                doc = httpx.get(url, timeout=5).json()  # a WorkloadStatus
                 if doc.get("state") in TERMINAL_STATES:
                     break
                 time.sleep(0.05)
@@ -212,23 +211,18 @@ class Demo:
         fetch = {"bytes_from_origin": 0, "bytes_from_peers": 0, "bytes_local": 0}
         for p in view.pods:
             for k in fetch:
-                fetch[k] += int((getattr(p, "fetch", {}) or {}).get(k, 0))
+                fetch[k] += int(p.fetch.get(k, 0))
         nodes = sorted({p.node_id for p in view.pods})
+        rack = {n.node_id: n.topology.rack for n in self.placer.nodes()}  # one request, not one per node
         gpus = [g for p in view.pods for g in p.gpus]
         self.say(f"{label}: {view.job_id} {view.state} on {', '.join(nodes)} ({len(gpus)} GPUs); timeline ms "
                  + ", ".join(f"{k}={v:g}" for k, v in ms.items())
                  + f"; fetched {human_bytes(fetch['bytes_from_origin'])} from origin, "
                    f"{human_bytes(fetch['bytes_from_peers'])} from peers, {human_bytes(fetch['bytes_local'])} local")
         return {"job": view.job_id, "state": view.state, "nodes": nodes, "gpus": gpus, "timeline_ms": ms,
-                "fetch": fetch, "racks": sorted({self._rack(n) for n in nodes}),
+                "fetch": fetch, "racks": sorted({rack[n] for n in nodes}),
                 "pods": [{"rank": p.rank, "node": p.node_id, "workload": p.workload_id, "gpus": p.gpus,
                           "state": p.state} for p in view.pods]}
-
-    def _rack(self, node: str) -> str:
-        for n in self.placer.nodes():
-            if n.node_id == node:
-                return n.topology.rack
-        return "?"
 
     def checkpoints(self, view: Any) -> list[dict[str, Any]]:
         """Final checkpoints the pods of ``view`` wrote in their scratch dirs on the agents."""
