@@ -21,10 +21,10 @@ from urllib.parse import quote
 import httpx
 import trio
 
-from ..errors import NotFoundError, OriginError
+from ..errors import OriginError
 from ..pool import run_pool
 from .base import HEX64, Origin
-from .transport import RetryingClient, describe_status
+from .transport import RetryingClient, describe_status, get_body
 
 log = logging.getLogger("herd.p2p.origin.gcs")
 
@@ -168,11 +168,7 @@ class GCSOrigin(Origin):
     async def _get(self, key: str) -> bytes:
         resp = await self.http.request("GET", self._object_url(key), params={"alt": "media"})
         self._sync_retries()
-        if resp.status_code == 404:
-            raise NotFoundError(f"{key} not found at origin {self.url}")
-        if resp.status_code != 200:
-            raise OriginError(f"origin {self.url}: GET {key}: {describe_status(resp)}")
-        return resp.content
+        return get_body(resp, self.url, key)
 
     async def _put(self, key: str, data: bytes) -> None:
         url = f"{self.base}/upload/storage/v1/b/{quote(self.bucket, safe='')}/o"

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from ..errors import NotFoundError, OriginError, ReadOnlyOriginError
+from ..errors import OriginError, ReadOnlyOriginError
 from ..pool import run_pool
 from .base import Origin
-from .transport import RetryingClient, describe_status
+from .transport import RetryingClient, get_body
 
 
 class HttpOrigin(Origin):
@@ -19,11 +19,7 @@ class HttpOrigin(Origin):
     async def _get(self, key: str) -> bytes:
         resp = await self.http.request("GET", f"{self.base}/{key}")
         self.retries = self.http.retried
-        if resp.status_code == 404:
-            raise NotFoundError(f"{key} not found at origin {self.url}")
-        if resp.status_code != 200:
-            raise OriginError(f"origin {self.url}: GET {key}: {describe_status(resp)}")
-        return resp.content
+        return get_body(resp, self.url, key)
 
     async def _put(self, key: str, data: bytes) -> None:
         raise ReadOnlyOriginError(f"origin {self.url} is read-only (http/https); publish to file:// or gs://")

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import trio
 
-from ..errors import OriginError
+from ..errors import NotFoundError, OriginError
 
 log = logging.getLogger("herd.p2p.origin")
 
@@ -94,3 +94,12 @@ def _short(url: str) -> str:
 def describe_status(resp: httpx.Response) -> str:
     text = resp.text[:200].replace("\n", " ") if resp.content else ""
     return f"HTTP {resp.status_code}{': ' + text if text else ''}"
+
+
+def get_body(resp: httpx.Response, origin_url: str, key: str) -> bytes:
+    """The body of a GET of ``key``: NotFoundError on 404, OriginError on any other non-200."""
+    if resp.status_code == 404:
+        raise NotFoundError(f"{key} not found at origin {origin_url}")
+    if resp.status_code != 200:
+        raise OriginError(f"origin {origin_url}: GET {key}: {describe_status(resp)}")
+    return resp.content
