@@ -73,6 +73,13 @@ class _GpuGone(Exception):
         self.lost = code == E_GPU_IS_LOST
 
 
+def _raise_if_gone(e: BaseException) -> None:
+    """A lost GPU, or one that needs a reset, ends the read of that device: raise _GpuGone."""
+    c = _code(e)
+    if c in (E_GPU_IS_LOST, E_RESET_REQUIRED):
+        raise _GpuGone(c) from None
+
+
 @dataclass(slots=True)
 class _Gpu:
     index: int
@@ -126,9 +133,8 @@ class NvmlBackend(GpuBackend):
         try:
             return fn(*args)
         except pynvml.NVMLError as e:
+            _raise_if_gone(e)
             c = _code(e)
-            if c in (E_GPU_IS_LOST, E_RESET_REQUIRED):
-                raise _GpuGone(c) from None
             if c not in ABSENT and failed is not None:
                 failed.append(f"{name}:{type(e).__name__}")
             return None
@@ -142,9 +148,8 @@ class NvmlBackend(GpuBackend):
             try:
                 return fn(*args)
             except pynvml.NVMLError as e:
+                _raise_if_gone(e)
                 c = _code(e)
-                if c in (E_GPU_IS_LOST, E_RESET_REQUIRED):
-                    raise _GpuGone(c) from None
                 if c == E_FUNCTION_NOT_FOUND:
                     continue
                 if c != E_NOT_SUPPORTED and failed is not None:
@@ -234,8 +239,7 @@ class NvmlBackend(GpuBackend):
             try:
                 st = n.nvmlDeviceGetNvLinkState(h, link)
             except pynvml.NVMLError as e:
-                if _code(e) in (E_GPU_IS_LOST, E_RESET_REQUIRED):
-                    raise _GpuGone(_code(e) or 0) from None
+                _raise_if_gone(e)
                 break   # NotSupported / InvalidArgument: no more links (or no NVLink at all)
             rp = s(None, "nvlink_remote_pci", n.nvmlDeviceGetNvLinkRemotePciInfo, h, link)
             rt = s(None, "nvlink_remote_type", n.nvmlDeviceGetNvLinkRemoteDeviceType, h, link) \
@@ -271,8 +275,7 @@ class NvmlBackend(GpuBackend):
                 fn(h, ctypes.byref(info))   # pynvml hands the pointer straight to C
                 break
             except pynvml.NVMLError as e:
-                if _code(e) in (E_GPU_IS_LOST, E_RESET_REQUIRED):
-                    raise _GpuGone(_code(e) or 0) from None
+                _raise_if_gone(e)
                 if _code(e) == E_ARGUMENT_VERSION_MISMATCH:
                     continue            # a driver that knows v2 only
                 return None, None, None    # FunctionNotFound (driver < 550), NotSupported (no fabric)
