@@ -673,14 +673,10 @@ class ChunkStore:
 
 
 def _fsync_dir(path: str | os.PathLike[str]) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_one(path, directory=True, missing_ok=False)
 
 
-def _fsync_one(path: str, directory: bool, missing_ok: bool) -> None:
+def _fsync_one(path: str | os.PathLike[str], directory: bool, missing_ok: bool) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECTORY if directory else 0))
     except FileNotFoundError:
