@@ -395,7 +395,7 @@ class PlacerState:
             return []
         told_to_stop = pod.state in ("terminating", "cancelled") or job.state in ("pending", "preempted")
         pod.state, pod.exit_code, pod.reason = ev.state, ev.exit_code, ev.reason
-        self._note_event(node, ev)
+        self._note_pod(pod, ev)
         if ev.state == "running":
             self._maybe_running(job, now)
             return []
@@ -420,8 +420,11 @@ class PlacerState:
         if job is None:
             return
         pod = next((p for p in job.pods if p.workload_id == ev.workload_id and p.node_id == node.node_id), None)
-        if pod is None:
-            return
+        if pod is not None:
+            self._note_pod(pod, ev)
+
+    @staticmethod
+    def _note_pod(pod: PodRec, ev: WorkloadEvent) -> None:
         pod.timings.setdefault(ev.state, ev.at)
         if ev.bytes_from_origin is not None or ev.bytes_from_peers is not None:
             pod.fetch = {"bytes_from_origin": ev.bytes_from_origin or 0,

@@ -89,7 +89,6 @@ class AgentLink:
         self._wake = trio.Event()
         self._need_full = True
         self._last_health: Any = None
-        self._last_manifests: list[str] | None = None
         self.use_wire = use_wire
         self._wire: HeartbeatClient | None = None
         self.wire_reports = 0
@@ -212,12 +211,10 @@ class AgentLink:
             self._need_full = True
         if self._need_full:
             self._since_full = 0
-            events = self._drain_events()  # superseded by the full workload list
+            self._drain_events()  # superseded by the full workload list
             base: NodeReport = self.hooks.full_report()
             self._last_health = health_signature(base.snapshot)
-            self._last_manifests = list(base.manifests) if base.manifests is not None else None
             self._need_full = False
-            del events
             return msgspec.structs.replace(base, node_id=self.node_id, boot_id=self.boot_id, seq=self.seq,
                                            full=True, sent_at=now)
         events = self._drain_events()
