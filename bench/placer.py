@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from placer.model import ClusterModel
-from placer.place import JobRequest, place
+from placer.place import Decision, JobRequest, place
 from placer.reference import ReferenceCluster
 from placer.sim import build_fleet, fill, fleet_shape, saturate, shape_job
 
@@ -60,6 +60,28 @@ def _job(fleet: str, jid: str, size: int, priority: int) -> JobRequest:
     return r
 
 
+def _sizes(usable: int, reps: int) -> list[tuple[int, int]]:
+    """(gang size, repetitions) for the sizes this fleet can hold: big gangs get fewer reps."""
+    return [(size, max(3, reps // 4) if size >= 32768 else reps) for size in SIZES
+            if not (size > usable // 2 and size != 200_000)]
+
+
+def _timed_place(model: ClusterModel, job: JobRequest, allow_preemption: bool,
+                 lat: list[float], cpu: list[float]) -> Decision | None:
+    """One ``place`` call; its wall and CPU time are appended to ``lat`` and ``cpu``."""
+    c, t = time.process_time(), time.perf_counter()
+    d = place(model, job, allow_preemption=allow_preemption)
+    lat.append(time.perf_counter() - t)
+    cpu.append(time.process_time() - c)
+    return d
+
+
+def _latency_row(mode: str, size: int, n: int, placed: int, lat: list[float], cpu: list[float]) -> dict[str, Any]:
+    return {"mode": mode, "size": size, "n": n, "placed": placed,
+            "p50_ms": _pct(lat, 50) * 1e3, "p99_ms": _pct(lat, 99) * 1e3, "max_ms": max(lat) * 1e3,
+            "cpu_p50_ms": _pct(cpu, 50) * 1e3, "cpu_p99_ms": _pct(cpu, 99) * 1e3}
+
+
 def bench_fleet(fleet: str, gpus: int, reps: int, fill_target: float, seed: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     model = ClusterModel.build(build_fleet(fleet, gpus))
@@ -70,10 +92,7 @@ def bench_fleet(fleet: str, gpus: int, reps: int, fill_target: float, seed: int)
     usable = int(model.usable.sum())
     util = 1 - int(model.free.sum()) / usable
     rows: list[dict[str, Any]] = []
-    for size in SIZES:
-        if size > usable // 2 and size != 200_000:
-            continue
-        r = max(3, reps // 4) if size >= 32768 else reps
+    for size, r in _sizes(usable, reps):
         lat: list[float] = []
         cpu: list[float] = []
         apply: list[float] = []
@@ -81,10 +100,7 @@ def bench_fleet(fleet: str, gpus: int, reps: int, fill_target: float, seed: int)
         made: list[str] = []
         for i in range(r):
             job = _job(fleet, f"free-{size}-{i}", size, priority=1)
-            c, t = time.process_time(), time.perf_counter()
-            d = place(model, job, allow_preemption=False)
-            lat.append(time.perf_counter() - t)
-            cpu.append(time.process_time() - c)
+            d = _timed_place(model, job, False, lat, cpu)
             if d is not None:
                 placed += 1
                 t = time.perf_counter()
@@ -94,17 +110,12 @@ def bench_fleet(fleet: str, gpus: int, reps: int, fill_target: float, seed: int)
                 made.append(job.job_id)
         for jid in made:
             model.release(jid)
-        rows.append({"mode": "free", "size": size, "n": r, "placed": placed,
-                     "p50_ms": _pct(lat, 50) * 1e3, "p99_ms": _pct(lat, 99) * 1e3, "max_ms": max(lat) * 1e3,
-                     "cpu_p50_ms": _pct(cpu, 50) * 1e3, "cpu_p99_ms": _pct(cpu, 99) * 1e3,
+        rows.append({**_latency_row("free", size, r, placed, lat, cpu),
                      "apply_p50_ms": _pct(apply, 50) * 1e3 if apply else float("nan")})
     # preemption: a saturated copy, high-priority jobs
     sat = model.copy()
     saturate(sat, priority=0)
-    for size in SIZES:
-        if size > usable // 2 and size != 200_000:
-            continue
-        r = max(3, reps // 4) if size >= 32768 else reps
+    for size, r in _sizes(usable, reps):
         lat, cpu, victims = [], [], []
         placed = 0
         work = sat.copy()            # each size starts from the same saturated state
@@ -115,18 +126,13 @@ def bench_fleet(fleet: str, gpus: int, reps: int, fill_target: float, seed: int)
         cold = time.perf_counter() - c
         for i in range(r):
             job = _job(fleet, f"pre-{size}-{i}", size, priority=5)
-            c, t = time.process_time(), time.perf_counter()
-            d = place(work, job, allow_preemption=True)
-            lat.append(time.perf_counter() - t)
-            cpu.append(time.process_time() - c)
+            d = _timed_place(work, job, True, lat, cpu)
             if d is not None:
                 placed += 1
                 victims.append(len(d.victims))
                 work.allocate(d)
         del work
-        rows.append({"mode": "preempt", "size": size, "n": r, "placed": placed,
-                     "p50_ms": _pct(lat, 50) * 1e3, "p99_ms": _pct(lat, 99) * 1e3, "max_ms": max(lat) * 1e3,
-                     "cpu_p50_ms": _pct(cpu, 50) * 1e3, "cpu_p99_ms": _pct(cpu, 99) * 1e3,
+        rows.append({**_latency_row("preempt", size, r, placed, lat, cpu),
                      "cold_ms": cold * 1e3, "victims_p50": _pct(victims, 50) if victims else 0.0})
     out = {"fleet": fleet, "gpus": int(model.n_gpus.sum()), "nodes": model.n_nodes, "build_s": build_s,
            "fill_jobs": n_fill, "fill_s": fill_s, "utilisation": util, "rows": rows}
