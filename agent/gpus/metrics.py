@@ -85,12 +85,11 @@ def render_metrics(snapshot: GpuSnapshot, hostname: str) -> str:
         out.append(f"# TYPE {name} {typ}")
 
     for name, typ, help_, get in _GPU_SERIES:
-        rows = [(lb, get(g.telemetry)) for g, lb in labels]
-        rows = [(lb, v) for lb, v in rows if v is not None]
+        rows = [(lb, v) for g, lb in labels if (v := get(g.telemetry)) is not None]
         if not rows:
             continue
         family(name, typ, help_)
-        out.extend(f"{name}{_labels(lb)} {_num(v)}" for lb, v in rows if v is not None)
+        out.extend(f"{name}{_labels(lb)} {_num(v)}" for lb, v in rows)
 
     if labels:
         family("DCGM_EXP_XID_ERRORS_COUNT", "gauge", "XID errors seen since agent start (or last reset), by XID.")
