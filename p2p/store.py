@@ -294,17 +294,18 @@ class ChunkStore:
         self.touch(chunk_id)
         return data
 
-    def put_chunk(self, chunk_id: str, data: bytes | bytearray | memoryview) -> bool:
+    def put_chunk(self, chunk_id: str, data: bytes | bytearray | memoryview, *, verified: bool = False) -> bool:
         """Verify and store a chunk. Returns False if it was already present.
 
         Raises IntegrityError (nothing stored) when ``data`` does not hash to
-        ``chunk_id``, StoreFullError when the disk or quota is full.
+        ``chunk_id``, StoreFullError when the disk or quota is full. ``verified``:
+        the caller has just hashed ``data`` itself; skip hashing it again.
         """
         check_id(chunk_id)
         if chunk_id in self._lru:
             self.touch(chunk_id)
             return False
-        if blake3(data).hexdigest() != chunk_id:
+        if not verified and blake3(data).hexdigest() != chunk_id:
             raise IntegrityError(f"chunk {chunk_id} does not match its hash ({len(data)} bytes received)")
         size = len(data)
         self._reserve(size)
