@@ -51,6 +51,7 @@ class WireError(Exception):
 
 _hello = msgspec.json.Decoder(Hello)
 _report = msgspec.json.Decoder(NodeReport)
+_wire_reply = msgspec.json.Decoder(WireReply)
 _enc = msgspec.json.Encoder()
 
 
@@ -166,7 +167,7 @@ class HeartbeatClient:
         out: list[WireReply] = []
         while len(out) < n:
             frames = split_frames(self.buf)
-            out += [msgspec.json.decode(f, type=WireReply) for f in frames]
+            out += [_wire_reply.decode(f) for f in frames]
             if len(out) >= n:
                 break
             data = await self.stream.receive_some(1 << 18)
