@@ -198,9 +198,11 @@ class Supervisor:
         once the state without them is on disk); keep the newest acks."""
         terminal = [r for r in self._records.values() if r.terminal]
         excess = len(terminal) - self.config.keep_terminal
-        # never the just-finished: their tasks and waiters still read them
-        terminal = [r for r in terminal if r.updated_at < self._clock() - _GC_MIN_AGE_S]
-        excess = min(excess, len(terminal))
+        if excess > 0:
+            # never the just-finished: their tasks and waiters still read them
+            cutoff = self._clock() - _GC_MIN_AGE_S
+            terminal = [r for r in terminal if r.updated_at < cutoff]
+            excess = min(excess, len(terminal))
         if excess > 0:
             for r in sorted(terminal, key=lambda r: r.updated_at)[:excess]:
                 del self._records[r.workload_id]
