@@ -81,6 +81,7 @@ class PlacerState:
         self._order = 0
         self._pid = 0
         self.recover_until = started_at
+        self._recovering = False                    # some job still waits for _finish_recovery
         self.counters: dict[str, int] = {
             "reports": 0, "full_reports": 0, "conflicts": 0, "decisions": 0, "preemptions": 0,
             "rollbacks": 0, "requeues": 0, "nodes_lost": 0, "fenced_stops": 0,
@@ -135,6 +136,7 @@ class PlacerState:
         self._order += 1
         job = JobRec(spec=spec, order=self._order, recovering=recovering,
                      state="pending", timings={"submitted": now})
+        self._recovering |= recovering
         self.jobs[spec.job_id] = job
         self.dirty = True
         self._enqueue(job, now)
@@ -701,6 +703,9 @@ class PlacerState:
         return pushes
 
     def _finish_recovery(self, now: float) -> None:
+        # every schedule round comes here: scan the jobs only while some are still recovering
+        if not self._recovering:
+            return
         for job in self.jobs.values():
             if not job.recovering:
                 continue
@@ -725,6 +730,7 @@ class PlacerState:
                 self._enqueue(job, now)
             else:
                 self._enqueue(job, now)
+        self._recovering = False
 
     # ------------------------------------------------------------ views
 
