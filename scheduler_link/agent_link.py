@@ -8,8 +8,8 @@ report sent. The first report, and every report after anything went wrong, is a
 *full* report built by ``hooks.full_report()`` (topology, GPU snapshot, every
 workload, manifests held); otherwise the link sends *heartbeats* that carry only
 what changed: the workload events queued by :meth:`AgentLink.notify` since the last
-report, the GPU snapshot when its health picture changed, the manifest list when it
-changed.
+report and the GPU snapshot when its health picture changed. The manifests a node holds
+travel in full reports only (one every ``full_every`` beats).
 
 Invariants:
 - ``notify`` never blocks and never raises; events are delivered in order.
