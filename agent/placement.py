@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 
-from scheduler_link.messages import WIRE_VERSION, Placement
+from scheduler_link.messages import WIRE_VERSION, Placement, PlacementOutcome
 
 from .state import WorkloadRecord
 
@@ -25,21 +26,42 @@ def gpus_in_use(records: Iterable[WorkloadRecord]) -> dict[str, str]:
     return {g: r.workload_id for r in records if not r.terminal for g in r.gpus}
 
 
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a placement is refused, as the placer reads it: ``refused_gpus`` names the GPUs
+    at fault (the placer marks those unhealthy); ``refused_spec`` says the placement itself
+    is wrong and says nothing about any GPU. ``detail`` is for people."""
+    outcome: PlacementOutcome
+    detail: str
+    gpus: tuple[str, ...] = field(default=())
+
+    def __str__(self) -> str:
+        return self.detail
+
+
+def _spec(detail: str) -> Refusal:
+    return Refusal("refused_spec", detail)
+
+
+def _gpu(detail: str, *gpus: str) -> Refusal:
+    return Refusal("refused_gpus", detail, tuple(gpus))
+
+
 def check_placement(p: Placement, records: Mapping[str, WorkloadRecord],
-                    gpu_health: Mapping[str, str] | None) -> str | None:
-    """None when ``p`` may be accepted, else the reason it is refused.
+                    gpu_health: Mapping[str, str] | None) -> Refusal | None:
+    """None when ``p`` may be accepted, else why it is refused.
 
     ``gpu_health`` maps every GPU UUID of this node to healthy|degraded|fatal
     (None: the inventory is not known yet, so any GPU is refused).
     """
     if p.version != WIRE_VERSION:
-        return f"unsupported placement version {p.version} (this agent speaks {WIRE_VERSION})"
+        return _spec(f"unsupported placement version {p.version} (this agent speaks {WIRE_VERSION})")
     if not p.placement_id or not p.job_id:
-        return "placement_id and job_id are required"
+        return _spec("placement_id and job_id are required")
     if p.pods and not p.argv:
-        return "a placement that starts pods needs argv"
+        return _spec("a placement that starts pods needs argv")
     if p.grace_s < 0 or any(v.grace_s < 0 for v in p.victims):
-        return "grace periods must be >= 0"
+        return _spec("grace periods must be >= 0")
     victim_ids = {v.workload_id for v in p.victims}
     busy = gpus_in_use(records.values())
     seen_gpus: dict[str, str] = {}
@@ -47,24 +69,24 @@ def check_placement(p: Placement, records: Mapping[str, WorkloadRecord],
     for pod in p.pods:
         wid = pod.workload_id
         if not WORKLOAD_ID_RE.match(wid):
-            return f"bad workload id {wid!r} (letters, digits, . _ -; at most 128)"
+            return _spec(f"bad workload id {wid!r} (letters, digits, . _ -; at most 128)")
         if wid in records or wid in seen_ids:
-            return f"workload {wid} already exists on this node"
+            return _spec(f"workload {wid} already exists on this node")
         seen_ids.add(wid)
         if len(set(pod.gpus)) != len(pod.gpus):
-            return f"workload {wid} names a GPU twice"
+            return _spec(f"workload {wid} names a GPU twice")
         for g in pod.gpus:
             if gpu_health is None:
-                return "GPU inventory not discovered yet"
+                return _gpu("GPU inventory not discovered yet", *pod.gpus)
             health = gpu_health.get(g)
             if health is None:
-                return f"unknown GPU {g} (not on this node)"
+                return _spec(f"unknown GPU {g} (not on this node)")
             if health == "fatal":
-                return f"GPU {g} is fatal-unhealthy"
+                return _gpu(f"GPU {g} is fatal-unhealthy", g)
             if g in seen_gpus:
-                return f"GPU {g} given to both {seen_gpus[g]} and {wid}"
+                return _spec(f"GPU {g} given to both {seen_gpus[g]} and {wid}")
             seen_gpus[g] = wid
             holder = busy.get(g)
             if holder is not None and holder not in victim_ids:
-                return f"GPU {g} is in use by workload {holder}"
+                return _gpu(f"GPU {g} is in use by workload {holder}", g)
     return None

@@ -319,7 +319,8 @@ class Supervisor:
         if reason is not None:
             self.counters["refused"] += 1
             log.warning("placement refused placement=%s job=%s reason=%s", p.placement_id, p.job_id, reason)
-            ack = PlacementAck(placement_id=p.placement_id, node_id=self.node_id, accepted=False, reason=reason)
+            ack = PlacementAck(placement_id=p.placement_id, node_id=self.node_id, accepted=False,
+                               reason=reason.detail, outcome=reason.outcome, refused_gpus=list(reason.gpus))
             after.now.append(lambda: msg.reply.send_nowait(ack))
             return
         now = self._clock()
@@ -338,7 +339,7 @@ class Supervisor:
             self._rt[rec.workload_id] = Runtime()
             self._on_state(None, rec, now, None)
             after.now.append(self._spawn(self._lifecycle, rec.workload_id))
-        ack = PlacementAck(placement_id=p.placement_id, node_id=self.node_id, accepted=True,
+        ack = PlacementAck(placement_id=p.placement_id, node_id=self.node_id, accepted=True, outcome="accepted",
                            workloads=[pod.workload_id for pod in p.pods])
         self._acks[p.placement_id] = ack
         self._dirty = True
@@ -424,7 +425,7 @@ class Supervisor:
             self._dirty = True
             if rec.placement_id and rec.placement_id not in self._acks:
                 self._acks[rec.placement_id] = PlacementAck(
-                    placement_id=rec.placement_id, node_id=self.node_id, accepted=True,
+                    placement_id=rec.placement_id, node_id=self.node_id, accepted=True, outcome="accepted",
                     workloads=[r.workload_id for r in self._records.values() if r.placement_id == rec.placement_id])
 
     def _recover(self, after: Batch) -> None:

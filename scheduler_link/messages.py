@@ -9,6 +9,11 @@ Conventions:
 - Times are unix seconds (float) taken by the sender.
 - ``simulated`` is carried everywhere a GPU is shown: a simulated GPU is never
   passed off as a real one.
+- Fleet scale (the last section): gang blobs, node parts, rack bundles, ack bundles and
+  the framed channel's envelope; a placement's outcome is a ``PlacementOutcome``, never
+  words in a reason.
+
+This module imports nothing of ours (blake3 is loaded where a blob is hashed).
 """
 
 from __future__ import annotations
@@ -219,13 +224,30 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     issued_at: float = 0.0
 
 
+# What became of one node's part of a placement. The placer decides on this, never on the
+# words of ``reason``: only ``refused_gpus`` marks GPUs unhealthy (those named in
+# ``refused_gpus``); ``refused_spec`` (the placement itself is wrong: version, argv, ids)
+# and ``expired`` (it arrived after ``expires_at``) fail or requeue the job and never touch
+# health; ``unreachable`` (no answer; set by the sender, never by the agent) says nothing
+# about the GPUs either.
+PlacementOutcome = Literal["accepted", "refused_gpus", "refused_spec", "expired", "unreachable"]
+
+
 class PlacementAck(msgspec.Struct, frozen=True, kw_only=True):
     placement_id: str
     node_id: str
     accepted: bool
-    reason: str | None = None
+    reason: str | None = None                # for people; never parsed
     workloads: list[str] = []
     version: int = WIRE_VERSION
+    # structured outcome (None from agents older than the contract: read as accepted/refused_spec)
+    outcome: PlacementOutcome | None = None
+    refused_gpus: list[str] = []             # UUIDs, with outcome == "refused_gpus"
+
+    def effective_outcome(self) -> PlacementOutcome:
+        if self.outcome is not None:
+            return self.outcome
+        return "accepted" if self.accepted else "refused_spec"
 
 
 class PrefetchRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -362,6 +384,148 @@ class PrefetchFanout(msgspec.Struct, frozen=True, kw_only=True):
 class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
     error: str
     detail: str | None = None
+
+
+# ---------------------------------------------------------------- fleet-scale delivery (contracts)
+#
+# DESIGN.md, "Fleet scale": nothing a node receives grows with the gang, and delivery is a
+# tree (placer -> one relay per rack -> the rack's members). These types are that contract;
+# control plane II implements the relays on them, the data plane reads the peer table.
+#
+# - A gang's shared part is a GangBlob, encoded once in canonical msgpack (struct fields
+#   in declaration order, map keys sorted: ``encode_gang_blob``). Its id is the BLAKE3 of
+#   those bytes (hex), so any holder can serve it and any receiver verifies it like a chunk.
+# - Its peer table is columnar and in topology order (zone, block, rack, node): rack r's
+#   members are the contiguous rows ``rack_start[r] : rack_start[r+1]``; one row per node of
+#   the gang. Column storage keeps a 25,000-node table a few hundred kB and cheap to decode.
+# - A node gets a NodePart: its own pods and victims, the blob id, an expiry, its rack's
+#   members (bounded by the rack size) and a bounded list of contacts in other racks. A
+#   NodePart never grows with the gang.
+# - A relay receives a RackBundle (the rack's NodeParts, the blob itself or only its id
+#   when the relay holds it) and answers one AckBundle with every member's outcome; ``sig``
+#   is the placer's signature over the bundle (empty until the identity work fills it).
+# - On the framed channel every message travels in a Frame: ``type`` names the payload,
+#   ``term`` is the sender's leadership term (0 until the placer is HA: a receiver refuses a
+#   frame whose term is older than one it has seen), ``sig`` is empty until identities land.
+
+GANG_BLOB_VERSION = 1
+FRAME_VERSION = 1
+
+
+class PeerTable(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A gang's peers, column by column, in topology order; row i is one node."""
+    node_ids: list[str] = []
+    data_urls: list[str] = []
+    rack_of: list[int] = []                  # row -> index into ``racks``
+    racks: list[str] = []                    # "zone/block/rack" path of each rack, in order
+    rack_start: list[int] = []               # racks[r]'s rows are rack_start[r]:rack_start[r+1]
+
+    def __len__(self) -> int:
+        return len(self.node_ids)
+
+    def peer(self, row: int) -> Peer:
+        zone, block, rack = (self.racks[self.rack_of[row]].split("/", 2) + ["", "", ""])[:3]
+        return Peer(node_id=self.node_ids[row], data_url=self.data_urls[row], zone=zone, block=block, rack=rack)
+
+    def rack_rows(self, r: int) -> range:
+        end = self.rack_start[r + 1] if r + 1 < len(self.rack_start) else len(self.node_ids)
+        return range(self.rack_start[r], end)
+
+
+class GangBlob(msgspec.Struct, frozen=True, kw_only=True):
+    """The gang-wide part of a placement, shared by every node of the gang."""
+    job_id: str
+    attempt: int
+    version: int = GANG_BLOB_VERSION
+    argv: list[str] = []
+    env: dict[str, str] = {}
+    manifest_id: str | None = None
+    origin: str | None = None
+    grace_s: float = 30.0
+    restart: RestartPolicy = RestartPolicy()
+    world_size: int = 1
+    peers: PeerTable = PeerTable()
+
+
+class NodePart(msgspec.Struct, frozen=True, kw_only=True):
+    """What one node of a gang receives. Bounded whatever the gang's size."""
+    placement_id: str
+    node_id: str
+    job_id: str
+    attempt: int
+    blob_id: str                             # BLAKE3 hex of the GangBlob's canonical bytes
+    version: int = WIRE_VERSION
+    pods: list[PodAssignment] = []           # ranks and GPUs (UUIDs, slots alongside)
+    victims: list[Victim] = []
+    issued_at: float = 0.0
+    expires_at: float = 0.0                  # refused as "expired" after this (sender's clock)
+    rack_members: list[Peer] = []            # this node's rack in the gang (<= rack size)
+    contacts: list[Peer] = []                # bounded: a few nodes of other racks
+
+
+class RackBundle(msgspec.Struct, frozen=True, kw_only=True):
+    """Placer -> a rack's relay: the rack's parts of one placement round."""
+    rack: str                                # "zone/block/rack"
+    blob_id: str
+    version: int = WIRE_VERSION
+    blob: bytes | None = None                # the GangBlob's canonical bytes, unless the relay has it
+    parts: list[NodePart] = []
+    sig: bytes = b""                         # the placer's signature (identity issue)
+
+
+class NodeOutcome(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    placement_id: str
+    outcome: PlacementOutcome
+    refused_gpus: list[str] = []
+    detail: str | None = None                # for people; never parsed
+
+
+class AckBundle(msgspec.Struct, frozen=True, kw_only=True):
+    """A relay -> the placer: every member's outcome for one RackBundle."""
+    rack: str
+    blob_id: str
+    version: int = WIRE_VERSION
+    outcomes: list[NodeOutcome] = []
+
+
+FrameType = Literal["hello", "report", "reply", "bundle", "acks", "placement", "ack", "blob", "error"]
+
+
+class Frame(msgspec.Struct, frozen=True, kw_only=True):
+    """The framed channel's envelope (both directions)."""
+    type: FrameType
+    payload: msgspec.Raw = msgspec.Raw(b"null")
+    term: int = 0                            # placer leadership term (HA); 0 until then
+    sig: bytes = b""                         # empty until identities land
+    version: int = FRAME_VERSION
+
+
+_blob_encoder = msgspec.msgpack.Encoder(order="deterministic")
+_blob_decoder = msgspec.msgpack.Decoder(GangBlob)
+
+
+def encode_gang_blob(blob: GangBlob) -> tuple[str, bytes]:
+    """(id, canonical bytes): the id is the BLAKE3 hex of exactly these bytes."""
+    import blake3
+
+    raw = _blob_encoder.encode(blob)
+    return blake3.blake3(raw).hexdigest(), raw
+
+
+def decode_gang_blob(raw: bytes, blob_id: str | None = None) -> GangBlob:
+    """Decode a gang blob; with ``blob_id``, refuse bytes that do not hash to it and bytes
+    that are not canonical (re-encoding must give them back exactly)."""
+    import blake3
+
+    if blob_id is not None and blake3.blake3(raw).hexdigest() != blob_id:
+        raise ValueError(f"gang blob does not match its id {blob_id[:16]}")
+    blob = _blob_decoder.decode(raw)
+    if blob.version != GANG_BLOB_VERSION:
+        raise ValueError(f"unsupported gang blob version {blob.version}")
+    if _blob_encoder.encode(blob) != raw:
+        raise ValueError("gang blob is not in canonical form")
+    return blob
 
 
 def encode(msg: msgspec.Struct) -> bytes:
