@@ -19,6 +19,13 @@ Invariants:
 - Reconnects back off exponentially (jittered) up to ``backoff_max_s`` and never beyond
   one heartbeat interval: a restarted placer waits a few intervals for every agent's
   full report before it places recovered jobs again, so no agent may be slower than that.
+- Transports are pluggable (:class:`ReportChannel`): the framed channel is used for every
+  report once open — full reports too — and HTTP is the fallback. The link remembers the
+  last ``wire_url`` the placer announced (or the one it was built with), so after a placer
+  restart (every agent re-registering at once) the full reports go over framed channels.
+  ``wire_connect`` lets many links share a few multiplexed connections
+  (:class:`~scheduler_link.heartbeat_wire.SharedWire`: the fleet emulator, rack relays) and
+  ``http`` lets them share one HTTP client.
 - ``ReportReply.stop`` (fencing: the placer placed those gangs elsewhere) is handed to
   ``hooks.stop_workloads`` at once, in a task of the link's nursery, so a slow stop
   never delays a heartbeat.
@@ -31,6 +38,7 @@ import math
 import random
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import httpx
@@ -38,12 +46,29 @@ import msgspec
 import trio
 
 from .auth import auth_header
-from .heartbeat_wire import HeartbeatClient, WireError
+from .heartbeat_wire import HeartbeatClient, WireError, WireReply
 from .messages import GpuSnapshot, NodeReport, ReportReply, Victim, WorkloadEvent
 
 log = logging.getLogger("herd.link.agent")
 
 _reply_decoder = msgspec.json.Decoder(ReportReply)
+
+
+class ReportChannel(Protocol):
+    """One way to hand a report to the placer and get its answer (the framed channel)."""
+
+    async def exchange(self, report: NodeReport) -> WireReply: ...
+
+    async def aclose(self) -> None: ...
+
+
+# (wire_url, token, node_id) -> an open channel; raises OSError/WireError when it cannot.
+WireConnect = Callable[[str, str, str], Awaitable[ReportChannel]]
+
+
+async def direct_wire(wire_url: str, token: str, node_id: str) -> ReportChannel:
+    """The default: this node's own framed connection."""
+    return await HeartbeatClient.connect(wire_url, token, node_id)
 
 
 class LinkHooks(Protocol):
@@ -72,7 +97,9 @@ class AgentLink:
 
     def __init__(self, placer_url: str, token: str | None, node_id: str, hooks: Any, *,
                  heartbeat_s: float = 5.0, backoff_min_s: float = 0.05, backoff_max_s: float = 5.0,
-                 request_timeout_s: float = 10.0, full_every: int = 12, use_wire: bool = True) -> None:
+                 request_timeout_s: float = 10.0, full_every: int = 12, use_wire: bool = True,
+                 wire_url: str | None = None, wire_connect: WireConnect | None = None,
+                 http: httpx.AsyncClient | None = None) -> None:
         self.placer_url = placer_url.rstrip("/")
         self.token = token
         self.node_id = node_id
@@ -90,8 +117,13 @@ class AgentLink:
         self._need_full = True
         self._last_health: Any = None
         self.use_wire = use_wire
-        self._wire: HeartbeatClient | None = None
+        self._wire: ReportChannel | None = None
+        self._wire_url = wire_url            # the last framed channel the placer announced
+        self._wire_retry_at = 0.0            # trio time before which a failed channel is not retried
+        self._wire_connect: WireConnect = wire_connect or direct_wire
+        self._http = http                    # shared HTTP client (not closed here) or None
         self.wire_reports = 0
+        self.wire_full_reports = 0
         # statistics
         self.reports_sent = 0
         self.full_reports_sent = 0
@@ -124,6 +156,7 @@ class AgentLink:
             "failures": self.failures, "conflicts": self.conflicts, "stops_received": self.stops_received,
             "last_ok_at": self.last_ok_at, "last_error": self.last_error, "heartbeat_s": self.heartbeat_s,
             "framed_channel": self._wire is not None, "wire_reports": self.wire_reports,
+            "wire_full_reports": self.wire_full_reports, "wire_url": self._wire_url,
         }
 
     # ------------------------------------------------------------ the loop
@@ -138,51 +171,64 @@ class AgentLink:
             await self._close_wire()
 
     async def _run(self, url: str, headers: dict[str, str], limits: httpx.Limits, task_status: Any) -> None:
+        if self._http is not None:
+            async with trio.open_nursery() as nursery:
+                await self._loop(self._http, url, headers, nursery, task_status)
+            return
         async with httpx.AsyncClient(headers=headers, limits=limits,
                                      timeout=self.request_timeout_s) as client, trio.open_nursery() as nursery:
-            task_status.started()
-            backoff = self.backoff_min_s
-            next_beat = trio.current_time()
-            while True:
-                if not self._need_full:
-                    with trio.move_on_at(next_beat):
-                        await self._wait_for_events()
-                report = self._build_report()
-                try:
-                    reply = await self._post(client, url, report)
-                except _Conflict:
-                    self.conflicts += 1
-                    self._need_full = True
-                    if report.full:  # a placer that refuses even a full report: back off
-                        await trio.sleep(backoff)
-                        backoff = min(self._backoff_cap(), backoff * 2)
-                    continue
-                except (httpx.HTTPError, OSError, _PlacerError, msgspec.DecodeError, WireError,
-                        trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                    await self._close_wire()
-                    self.failures += 1
-                    self.registered = False
-                    self.last_error = f"{type(e).__name__}: {e}"
-                    self._need_full = True
-                    log.warning("report failed node=%s err=%s backoff=%.2fs", self.node_id, self.last_error, backoff)
-                    await trio.sleep(backoff * random.uniform(0.5, 1.0))
+            await self._loop(client, url, {}, nursery, task_status)
+
+    async def _loop(self, client: httpx.AsyncClient, url: str, headers: dict[str, str], nursery: trio.Nursery,
+                    task_status: Any) -> None:
+        task_status.started()
+        backoff = self.backoff_min_s
+        next_beat = trio.current_time()
+        while True:
+            if not self._need_full:
+                with trio.move_on_at(next_beat):
+                    await self._wait_for_events()
+            if self._wire is None and self._wire_url and self.use_wire \
+                    and trio.current_time() >= self._wire_retry_at:
+                await self._open_wire(self._wire_url)
+            report = self._build_report()
+            try:
+                reply = await self._post(client, url, report, headers)
+            except _Conflict:
+                self.conflicts += 1
+                self._need_full = True
+                if report.full:  # a placer that refuses even a full report: back off
+                    await trio.sleep(backoff)
                     backoff = min(self._backoff_cap(), backoff * 2)
-                    continue
-                backoff = self.backoff_min_s
-                self.registered = True
-                self.last_ok_at = time.time()
-                if report.full:
-                    log.info("registered node=%s boot=%s seq=%d", self.node_id, self.boot_id, report.seq)
-                if reply.heartbeat_interval_s:
-                    self.heartbeat_s = max(0.01, reply.heartbeat_interval_s)
-                if reply.need_full:
-                    self._need_full = True
-                if report.full and reply.wire_url and self.use_wire:
-                    await self._open_wire(reply.wire_url)
-                if reply.stop:
-                    self.stops_received += len(reply.stop)
-                    nursery.start_soon(self._stop, reply.stop)
-                next_beat = trio.current_time() + self.heartbeat_s * random.uniform(0.8, 1.0)
+                continue
+            except (httpx.HTTPError, OSError, _PlacerError, msgspec.DecodeError, WireError,
+                    trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                await self._close_wire()
+                self.failures += 1
+                self.registered = False
+                self.last_error = f"{type(e).__name__}: {e}"
+                self._need_full = True
+                log.warning("report failed node=%s err=%s backoff=%.2fs", self.node_id, self.last_error, backoff)
+                await trio.sleep(backoff * random.uniform(0.5, 1.0))
+                backoff = min(self._backoff_cap(), backoff * 2)
+                continue
+            backoff = self.backoff_min_s
+            self.registered = True
+            self.last_ok_at = time.time()
+            if report.full:
+                log.info("registered node=%s boot=%s seq=%d", self.node_id, self.boot_id, report.seq)
+            if reply.heartbeat_interval_s:
+                self.heartbeat_s = max(0.01, reply.heartbeat_interval_s)
+            if reply.need_full:
+                self._need_full = True
+            if reply.wire_url:
+                self._wire_url = reply.wire_url
+            if report.full and reply.wire_url and self.use_wire and self._wire is None:
+                await self._open_wire(reply.wire_url)
+            if reply.stop:
+                self.stops_received += len(reply.stop)
+                nursery.start_soon(self._stop, reply.stop)
+            next_beat = trio.current_time() + self.heartbeat_s * random.uniform(0.8, 1.0)
 
     def _backoff_cap(self) -> float:
         return max(self.backoff_min_s, min(self.backoff_max_s, self.heartbeat_s))
@@ -234,11 +280,12 @@ class AgentLink:
         await self._close_wire()
         try:
             with trio.fail_after(self.request_timeout_s):
-                self._wire = await HeartbeatClient.connect(wire_url, self.token or "", self.node_id)
-            log.info("heartbeats on the framed channel node=%s url=%s", self.node_id, wire_url)
+                self._wire = await self._wire_connect(wire_url, self.token or "", self.node_id)
+            log.debug("reports on the framed channel node=%s url=%s", self.node_id, wire_url)
         except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError) as e:
-            log.warning("framed channel unavailable, staying on HTTP node=%s err=%s", self.node_id, e)
+            log.warning("framed channel unavailable, using HTTP node=%s err=%s", self.node_id, e)
             self._wire = None
+            self._wire_retry_at = trio.current_time() + self.heartbeat_s
 
     async def _close_wire(self) -> None:
         w, self._wire = self._wire, None
@@ -246,19 +293,22 @@ class AgentLink:
             with trio.CancelScope(shield=True):
                 await w.aclose()
 
-    async def _post(self, client: httpx.AsyncClient, url: str, report: NodeReport) -> ReportReply:
-        if self._wire is not None and not report.full:
+    async def _post(self, client: httpx.AsyncClient, url: str, report: NodeReport,
+                    headers: dict[str, str]) -> ReportReply:
+        if self._wire is not None:
             with trio.fail_after(self.request_timeout_s):
-                await self._wire.send([report])
-                (wr,) = await self._wire.receive(1)
+                wr = await self._wire.exchange(report)
             self.reports_sent += 1
             self.wire_reports += 1
+            if report.full:
+                self.full_reports_sent += 1
+                self.wire_full_reports += 1
             if wr.status == 409:
                 raise _Conflict()
             if wr.status != 200:
                 raise _PlacerError(f"placer answered {wr.status} on the framed channel: {wr.error}")
             return wr.reply
-        r = await client.post(url, content=msgspec.json.encode(report))
+        r = await client.post(url, content=msgspec.json.encode(report), headers=headers or None)
         if report.full:
             self.full_reports_sent += 1
         self.reports_sent += 1

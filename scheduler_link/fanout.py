@@ -5,9 +5,13 @@ agents at once, and httpx's per-request cost under trio (~0.5 ms of CPU, far mor
 with a thousand connections open) would alone eat the fan-out budget. This is a lean
 HTTP/1.1 client over trio streams: the request head is formatted directly and the
 answer parsed by a small strict parser (status line, headers, ``content-length``
-body; anything else, e.g. chunked bodies, is a protocol error). One pool of idle
-connections per ``host:port``, reused across pushes (keep-alive), a global
-concurrency bound, a per-attempt deadline and a bounded number of retries for
+body; anything else, e.g. chunked bodies, is a protocol error). Connections belong to
+the *endpoint* (``host:port``), never to the node key: many nodes may sit behind one
+listener (the fleet emulator routes ``http://host:port/n/<node>``; a base URL's path is
+joined with the request path), and at most ``max_per_host`` connections to one endpoint
+are open at once — pushes beyond that wait for one — with up to that many kept idle for
+reuse (keep-alive). Also a global concurrency bound, a per-attempt deadline and a
+bounded number of retries for
 transport failures (placements are idempotent by ``placement_id``, so a retry after a
 lost answer is safe).
 
@@ -117,13 +121,18 @@ class PushPool:
     """Kept-alive HTTP/1.1 connections to many agents (one owner: the placer service)."""
 
     def __init__(self, *, concurrency: int = 256, attempt_timeout_s: float = 2.0,
-                 retries: int = 2, retry_backoff_s: float = 0.05, max_idle_per_host: int = 4) -> None:
+                 retries: int = 2, retry_backoff_s: float = 0.05,
+                 max_idle_per_host: int | None = None, max_per_host: int = 32) -> None:
         self.concurrency = concurrency
         self.attempt_timeout_s = attempt_timeout_s
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
-        self.max_idle_per_host = max_idle_per_host
+        self.max_per_host = max(1, max_per_host)
+        idle = self.max_per_host if max_idle_per_host is None else max(max_idle_per_host, 0)
+        self.max_idle_per_host = min(idle, self.max_per_host)
         self._idle: dict[tuple[str, int], list[_Conn]] = defaultdict(list)
+        self._per_host: dict[tuple[str, int], trio.Semaphore] = {}
+        self._busy: dict[tuple[str, int], int] = defaultdict(int)  # requests holding a slot
         self._limiter = trio.CapacityLimiter(concurrency)
         self.requests = 0
         self.connects = 0
@@ -140,11 +149,13 @@ class PushPool:
     def statistics(self) -> dict[str, Any]:
         return {"requests": self.requests, "connects": self.connects, "failures": self.failures,
                 "idle_connections": sum(len(v) for v in self._idle.values()),
-                "concurrency": self.concurrency}
+                "busy_connections": sum(self._busy.values()), "endpoints": len(self._idle),
+                "concurrency": self.concurrency, "max_per_host": self.max_per_host}
 
     async def post(self, base_url: str, path: str, body: bytes, *, token: str | None = None,
                    key: str = "") -> PushResult:
-        """POST ``body`` to ``base_url + path`` with retries on transport failure."""
+        """POST ``body`` to ``base_url``'s path joined with ``path`` (``http://h:p/n/x`` +
+        ``/v1/placements`` -> ``/n/x/v1/placements``), with retries on transport failure."""
         t0 = time.perf_counter()
         res = PushResult(key=key or base_url, status=None)
         u = urlsplit(base_url)
@@ -152,6 +163,7 @@ class PushPool:
             res.error = f"unsupported url {base_url!r} (http://host:port only)"
             return res
         host, port = u.hostname, u.port or 80
+        path = u.path.rstrip("/") + ("/" + path.lstrip("/") if path else "")
         extra = "".join(f"{k}: {v}\r\n" for k, v in auth_header(token).items())
         if any(c in path for c in " \r\n") or any(c in extra[:-2] for c in "\r\n"):
             res.error = "bad path or token"
@@ -161,7 +173,7 @@ class PushPool:
         for attempt in range(self.retries + 1):
             res.attempts = attempt + 1
             try:
-                async with self._limiter:
+                async with self._slot(host, port), self._limiter:
                     with trio.fail_after(self.attempt_timeout_s):
                         res.status, res.body = await self._request(host, port, head, body)
                 res.error = None
@@ -174,6 +186,13 @@ class PushPool:
                     await trio.sleep(self.retry_backoff_s * (2 ** attempt))
         res.elapsed_s = time.perf_counter() - t0
         return res
+
+    def _slot(self, host: str, port: int) -> _HostSlot:
+        ep = (host, port)
+        sem = self._per_host.get(ep)
+        if sem is None:
+            sem = self._per_host[ep] = trio.Semaphore(self.max_per_host)
+        return _HostSlot(self, ep, sem)
 
     async def _request(self, host: str, port: int, head: bytes, body: bytes) -> tuple[int, bytes]:
         pool = self._idle[(host, port)]
@@ -227,6 +246,23 @@ class PushPool:
             for key, url, path, body in items:
                 n.start_soon(one, key, url, path, body)
         return out
+
+
+class _HostSlot:
+    """Holds one of an endpoint's ``max_per_host`` connection slots for one attempt."""
+
+    __slots__ = ("pool", "ep", "sem")
+
+    def __init__(self, pool: PushPool, ep: tuple[str, int], sem: trio.Semaphore) -> None:
+        self.pool, self.ep, self.sem = pool, ep, sem
+
+    async def __aenter__(self) -> None:
+        await self.sem.acquire()
+        self.pool._busy[self.ep] += 1
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.pool._busy[self.ep] -= 1
+        self.sem.release()
 
 
 def decode_json(body: bytes, kind: type[Any]) -> Any:

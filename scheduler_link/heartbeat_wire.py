@@ -1,4 +1,4 @@
-"""Framed heartbeats over one persistent TCP connection per agent.
+"""Framed reports over persistent TCP connections (one per agent, or one per emulator/relay shard).
 
 Why: an HTTP request per heartbeat costs the placer ~0.3-0.5 ms of CPU in hypercorn;
 125,000 nodes at a 10 s interval need 12,500 reports/s. Here a connection carries
@@ -7,18 +7,34 @@ applies them in order and answers with one write, so the cost per heartbeat is a
 msgspec decode, the apply, and a share of one syscall.
 
 Protocol (all integers big-endian):
-- frame = u32 length + JSON body (at most ``MAX_FRAME`` bytes).
+- frame = u32 length + JSON body (at most ``MAX_FRAME`` bytes; before the hello at most
+  ``MAX_HELLO``).
 - the client's first frame is a :class:`Hello` (cluster token, node id); a wrong token
   gets one error reply and the connection is closed (nothing was applied).
-- then each client frame is a :class:`NodeReport` for that node, and each answer frame a
-  :class:`WireReply` (HTTP-like status + ReportReply), in order.
+- then each client frame is a :class:`NodeReport` — full (registration) or heartbeat —
+  and each answer frame a :class:`WireReply` (HTTP-like status + ReportReply), in order.
+- A hello with ``relay=True`` opens a *multi-node* connection: each report names its own
+  node (``NodeReport.node_id``) and is applied for that node. The cluster token already
+  lets its holder report for any node over HTTP, so this grants nothing new; it lets one
+  socket carry the reports of many nodes (the fleet emulator, later the rack relays).
+  On a single-node connection a report is applied for the hello's node, and a report
+  naming another node is the placer's 400.
+
+Bad input costs the sender, never the placer (DESIGN.md, Security model):
+- a connection must complete its hello within ``hello_timeout_s`` and may send at most
+  ``MAX_HELLO`` bytes before it;
+- at most ``max_connections`` connections are served at once; one more gets a 503 reply
+  and is closed;
+- an exception raised by ``ingest`` for one frame is logged and answered with a 500
+  :class:`WireReply` on that connection; it never escapes into the server's nursery.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import struct
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
@@ -30,6 +46,7 @@ from .messages import NodeReport, ReportReply
 log = logging.getLogger("herd.link.wire")
 
 MAX_FRAME = 4 << 20
+MAX_HELLO = 16 << 10
 _LEN = struct.Struct(">I")
 
 
@@ -37,6 +54,7 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
     token: str
     node_id: str
     version: int = 1
+    relay: bool = False              # one connection carrying reports of many nodes
 
 
 class WireReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -60,15 +78,16 @@ def frame(obj: Any) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def split_frames(buf: bytearray) -> list[bytes]:
-    """Pop every complete frame off the front of ``buf``."""
+def split_frames(buf: bytearray, limit: int = MAX_FRAME) -> list[bytes]:
+    """Pop every complete frame off the front of ``buf``; a frame announced over ``limit``
+    bytes is a :class:`WireError` at once (before its body arrives)."""
     out = []
     pos = 0
     n = len(buf)
     while n - pos >= 4:
         (ln,) = _LEN.unpack_from(buf, pos)
-        if ln > MAX_FRAME:
-            raise WireError(f"frame of {ln} bytes is over the {MAX_FRAME} limit")
+        if ln > limit:
+            raise WireError(f"frame of {ln} bytes is over the {limit} limit")
         if n - pos - 4 < ln:
             break
         out.append(bytes(buf[pos + 4:pos + 4 + ln]))
@@ -80,16 +99,31 @@ def split_frames(buf: bytearray) -> list[bytes]:
 # ingest(node_id, report) -> (status, reply); must be synchronous (one owner of state)
 Ingest = Callable[[str, NodeReport], tuple[int, ReportReply]]
 
+_INTERNAL = WireReply(status=500, error="internal error applying the report")
+
 
 class HeartbeatServer:
     """Accepts agents' framed report streams and feeds them to ``ingest``."""
 
-    def __init__(self, tokens: TokenSet, ingest: Ingest) -> None:
+    def __init__(self, tokens: TokenSet, ingest: Ingest, *, hello_timeout_s: float = 10.0,
+                 max_connections: int = 16384) -> None:
         self.tokens = tokens
         self.ingest = ingest
+        self.hello_timeout_s = hello_timeout_s
+        self.max_connections = max_connections
         self.frames = 0
-        self.connections = 0
-        self.refused = 0
+        self.connections = 0           # accepted since start
+        self.open_connections = 0
+        self.relay_connections = 0     # open multi-node connections
+        self.refused = 0               # bad tokens
+        self.over_cap = 0              # connections turned away by max_connections
+        self.hello_timeouts = 0
+        self.ingest_errors = 0
+
+    def statistics(self) -> dict[str, int]:
+        return {"frames": self.frames, "connections": self.connections, "open_connections": self.open_connections,
+                "relay_connections": self.relay_connections, "refused": self.refused, "over_cap": self.over_cap,
+                "hello_timeouts": self.hello_timeouts, "ingest_errors": self.ingest_errors}
 
     async def run(self, listen: str, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         host, _, port = listen.rpartition(":")
@@ -101,60 +135,127 @@ class HeartbeatServer:
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         self.connections += 1
-        buf = bytearray()
+        if self.open_connections >= self.max_connections:
+            self.over_cap += 1
+            with trio.move_on_after(1.0):
+                try:
+                    await stream.send_all(frame(WireReply(status=503, error="too many connections")))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass
+            await stream.aclose()
+            return
+        self.open_connections += 1
         node_id: str | None = None
         try:
             async with stream:
-                while True:
-                    data = await stream.receive_some(1 << 18)
-                    if not data:
-                        return
-                    buf += data
-                    frames = split_frames(buf)
-                    if not frames:
-                        continue
-                    out = bytearray()
-                    for f in frames:
-                        if node_id is None:
-                            try:
-                                hello = _hello.decode(f)
-                            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                                await stream.send_all(frame(WireReply(status=400, error=f"bad hello: {e}")))
-                                return
-                            if not self.tokens.check("cluster", hello.token):
-                                self.refused += 1
-                                await stream.send_all(frame(WireReply(status=401, error="unauthorized")))
-                                return
-                            node_id = hello.node_id
-                            out += frame(WireReply(status=200))
-                            continue
-                        self.frames += 1
-                        try:
-                            rep = _report.decode(f)
-                        except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                            out += frame(WireReply(status=400, error=f"malformed report: {e}"))
-                            continue
-                        status, reply = self.ingest(node_id, rep)
-                        out += frame(WireReply(status=status, reply=reply))
-                    await stream.send_all(bytes(out))
+                node_id = await self._serve(stream)
         except (trio.BrokenResourceError, trio.ClosedResourceError, WireError, OSError) as e:
             log.debug("heartbeat connection closed node=%s err=%s", node_id, e)
+        except Exception:  # contained to this connection: never take the placer down
+            log.exception("heartbeat connection failed node=%s", node_id)
+        finally:
+            self.open_connections -= 1
+
+    async def _read_hello(self, stream: trio.SocketStream, buf: bytearray) -> Hello | None:
+        """Read until the hello frame is complete (bounded in bytes and time); None when the
+        connection is to be dropped. Bytes after the hello stay in ``buf``."""
+        with trio.move_on_after(self.hello_timeout_s):
+            while True:
+                if len(buf) >= 4:
+                    (ln,) = _LEN.unpack_from(buf, 0)
+                    if ln > MAX_HELLO:
+                        raise WireError(f"hello frame of {ln} bytes is over the {MAX_HELLO} limit")
+                    if len(buf) - 4 >= ln:
+                        break
+                data = await stream.receive_some(MAX_HELLO)
+                if not data:
+                    return None
+                buf += data
+            body = bytes(buf[4:4 + ln])
+            del buf[:4 + ln]
+            try:
+                return _hello.decode(body)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                await stream.send_all(frame(WireReply(status=400, error=f"bad hello: {e}")))
+                return None
+        self.hello_timeouts += 1
+        log.info("heartbeat connection dropped: no hello within %.1fs", self.hello_timeout_s)
+        return None
+
+    async def _serve(self, stream: trio.SocketStream) -> str | None:
+        buf = bytearray()
+        hello = await self._read_hello(stream, buf)
+        if hello is None:
+            return None
+        if not self.tokens.check("cluster", hello.token):
+            self.refused += 1
+            await stream.send_all(frame(WireReply(status=401, error="unauthorized")))
+            return hello.node_id
+        relay = hello.relay
+        node_id = hello.node_id
+        if relay:
+            self.relay_connections += 1
+        try:
+            await stream.send_all(frame(WireReply(status=200)))
+            while True:
+                frames = split_frames(buf)
+                if frames:
+                    out = bytearray()
+                    for f in frames:
+                        out += self._apply(f, node_id, relay)
+                    await stream.send_all(bytes(out))
+                data = await stream.receive_some(1 << 18)
+                if not data:
+                    return node_id
+                buf += data
+        finally:
+            if relay:
+                self.relay_connections -= 1
+
+    def _apply(self, f: bytes, node_id: str, relay: bool) -> bytes:
+        self.frames += 1
+        try:
+            rep = _report.decode(f)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            return frame(WireReply(status=400, error=f"malformed report: {e}"))
+        target = rep.node_id if relay else node_id
+        try:
+            status, reply = self.ingest(target, rep)
+            return frame(WireReply(status=status, reply=reply))
+        except Exception:
+            self.ingest_errors += 1
+            log.exception("ingest failed node=%s seq=%d full=%s", target, rep.seq, rep.full)
+            return frame(_INTERNAL)
+
+
+def parse_wire_url(url: str) -> tuple[str, int]:
+    hostport = url.removeprefix("tcp://")
+    host, _, port = hostport.rpartition(":")
+    return host.strip("[]"), int(port)
 
 
 class HeartbeatClient:
-    """One agent's framed connection (used by the load generator and agents that opt in)."""
+    """One framed connection (an agent's own, or a relay-mode one carrying many nodes).
+
+    Not safe for concurrent use: :meth:`exchange` sends one report and reads its answer.
+    For many nodes sharing one connection concurrently, use :class:`SharedWire`."""
 
     def __init__(self, stream: trio.SocketStream) -> None:
         self.stream = stream
         self.buf = bytearray()
 
     @classmethod
-    async def connect(cls, url: str, token: str, node_id: str) -> HeartbeatClient:
-        hostport = url.removeprefix("tcp://")
-        host, _, port = hostport.rpartition(":")
-        c = cls(await trio.open_tcp_stream(host.strip("[]"), int(port)))
-        await c.stream.send_all(frame(Hello(token=token, node_id=node_id)))
-        (r,) = await c.receive(1)
+    async def connect(cls, url: str, token: str, node_id: str, *, relay: bool = False,
+                      local_address: str | None = None) -> HeartbeatClient:
+        host, port = parse_wire_url(url)
+        c = cls(await trio.open_tcp_stream(host, port, local_address=local_address))
+        try:
+            await c.stream.send_all(frame(Hello(token=token, node_id=node_id, relay=relay)))
+            (r,) = await c.receive(1)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await c.stream.aclose()
+            raise
         if r.status != 200:
             await c.stream.aclose()
             raise WireError(f"placer refused the heartbeat channel: {r.status} {r.error}")
@@ -164,17 +265,177 @@ class HeartbeatClient:
         await self.stream.send_all(b"".join(frame(r) for r in reports))
 
     async def receive(self, n: int) -> list[WireReply]:
+        """Exactly ``n`` answers (later ones stay buffered)."""
         out: list[WireReply] = []
-        while len(out) < n:
-            frames = split_frames(self.buf)
-            out += [_wire_reply.decode(f) for f in frames]
+        while True:
+            while len(out) < n and len(self.buf) >= 4:
+                (ln,) = _LEN.unpack_from(self.buf, 0)
+                if ln > MAX_FRAME:
+                    raise WireError(f"frame of {ln} bytes is over the {MAX_FRAME} limit")
+                if len(self.buf) - 4 < ln:
+                    break
+                out.append(_wire_reply.decode(bytes(self.buf[4:4 + ln])))
+                del self.buf[:4 + ln]
             if len(out) >= n:
-                break
+                return out
             data = await self.stream.receive_some(1 << 18)
             if not data:
                 raise WireError("placer closed the heartbeat channel")
             self.buf += data
-        return out
+
+    async def exchange(self, report: NodeReport) -> WireReply:
+        await self.send([report])
+        (r,) = await self.receive(1)
+        return r
 
     async def aclose(self) -> None:
         await self.stream.aclose()
+
+
+class _Waiter:
+    __slots__ = ("done", "reply", "error")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.reply: WireReply | None = None
+        self.error: str | None = None
+
+
+class SharedWire:
+    """One relay-mode framed connection carrying the reports of many nodes, used concurrently.
+
+    Reports are pipelined: :meth:`exchange` appends the frame to an outgoing buffer that
+    one writer task flushes (many frames per syscall), and registers a waiter; answers
+    come back in order, so one reader task pairs them with the waiters FIFO. When the
+    connection breaks every waiter gets a :class:`WireError` and ``run`` reconnects
+    (backing off); :meth:`exchange` while down waits for the next connection (callers
+    bound it with their own deadline).
+
+    ``await nursery.start(shared.run)`` returns once the first connection is up."""
+
+    def __init__(self, url: str, token: str, *, name: str = "relay", local_address: str | None = None,
+                 backoff_min_s: float = 0.05, backoff_max_s: float = 2.0) -> None:
+        self.url = url
+        self.token = token
+        self.name = name
+        self.local_address = local_address
+        self.backoff_min_s = backoff_min_s
+        self.backoff_max_s = backoff_max_s
+        self._out = bytearray()
+        self._waiters: collections.deque[_Waiter] = collections.deque()
+        self._wake = trio.Event()
+        self._up = trio.Event()
+        self._client: HeartbeatClient | None = None
+        self.connects = 0
+        self.breaks = 0
+        self.exchanges = 0
+
+    @property
+    def connected(self) -> bool:
+        return self._client is not None
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        backoff = self.backoff_min_s
+        started = False
+        while True:
+            try:
+                client = await HeartbeatClient.connect(self.url, self.token, self.name, relay=True,
+                                                       local_address=self.local_address)
+            except (OSError, WireError, trio.BrokenResourceError, msgspec.DecodeError) as e:
+                log.debug("shared wire connect failed name=%s err=%s", self.name, e)
+                await trio.sleep(backoff)
+                backoff = min(self.backoff_max_s, backoff * 2)
+                continue
+            backoff = self.backoff_min_s
+            self.connects += 1
+            self._client = client
+            self._up.set()
+            if not started:
+                started = True
+                task_status.started()
+            try:
+                async with trio.open_nursery() as n:
+                    n.start_soon(self._guard, self._writer, client, n.cancel_scope)
+                    n.start_soon(self._guard, self._reader, client, n.cancel_scope)
+            finally:
+                self.breaks += 1
+                self._client = None
+                self._up = trio.Event()
+                self._fail_all("framed connection lost")
+                with trio.CancelScope(shield=True):
+                    await client.aclose()
+
+    async def _guard(self, fn: Callable[[HeartbeatClient], Awaitable[None]], client: HeartbeatClient,
+                     scope: trio.CancelScope) -> None:
+        try:
+            await fn(client)
+        except (OSError, WireError, trio.BrokenResourceError, trio.ClosedResourceError,
+                msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.debug("shared wire broke name=%s err=%s", self.name, e)
+        finally:
+            scope.cancel()
+
+    def _fail_all(self, why: str) -> None:
+        self._out.clear()
+        while self._waiters:
+            w = self._waiters.popleft()
+            w.error = why
+            w.done.set()
+
+    async def _writer(self, client: HeartbeatClient) -> None:
+        while True:
+            if not self._out:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            data, self._out = bytes(self._out), bytearray()
+            await client.stream.send_all(data)
+
+    async def _reader(self, client: HeartbeatClient) -> None:
+        buf = client.buf
+        while True:
+            for f in split_frames(buf):
+                r = _wire_reply.decode(f)
+                if not self._waiters:
+                    raise WireError("an answer nobody asked for")
+                w = self._waiters.popleft()
+                w.reply = r
+                w.done.set()
+            data = await client.stream.receive_some(1 << 18)
+            if not data:
+                raise WireError("placer closed the heartbeat channel")
+            buf += data
+
+    async def wait_connected(self) -> None:
+        await self._up.wait()
+
+    async def exchange(self, report: NodeReport) -> WireReply:
+        while self._client is None:
+            await self._up.wait()
+        w = _Waiter()
+        self._out += frame(report)
+        self._waiters.append(w)
+        self._wake.set()
+        self.exchanges += 1
+        await w.done.wait()
+        if w.reply is None:
+            raise WireError(w.error or "framed connection lost")
+        return w.reply
+
+    def handle(self) -> SharedWireHandle:
+        return SharedWireHandle(self)
+
+
+class SharedWireHandle:
+    """One node's view of a :class:`SharedWire` (closing it leaves the connection open)."""
+
+    __slots__ = ("shared",)
+
+    def __init__(self, shared: SharedWire) -> None:
+        self.shared = shared
+
+    async def exchange(self, report: NodeReport) -> WireReply:
+        return await self.shared.exchange(report)
+
+    async def aclose(self) -> None:
+        return None

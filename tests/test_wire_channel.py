@@ -1,0 +1,294 @@
+"""The framed channel on its own (a fake ingest, real loopback sockets): relay-mode
+connections, full reports over the channel, the shared multiplexed client, hardening
+(hello deadline, pre-hello byte cap, connection cap, an ingest that raises), AgentLink's
+pluggable transport and remembered wire URL, and PushPool's per-endpoint connections."""
+
+from __future__ import annotations
+
+import struct
+
+import msgspec
+import pytest
+import trio
+
+from scheduler_link.agent_link import AgentLink
+from scheduler_link.auth import TokenSet
+from scheduler_link.fanout import PushPool
+from scheduler_link.heartbeat_wire import (
+    MAX_HELLO,
+    HeartbeatClient,
+    HeartbeatServer,
+    Hello,
+    SharedWire,
+    WireError,
+    WireReply,
+    frame,
+)
+from scheduler_link.messages import GpuSnapshot, NodeReport, ReportReply, Victim
+
+TOKENS = TokenSet(placer="p", cluster="c", operator="o")
+
+
+class FakePlacer:
+    """A synchronous ingest that records (node id, report) and can be told to raise."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, NodeReport]] = []
+        self.boom_for: set[str] = set()
+
+    def ingest(self, node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:
+        if node_id in self.boom_for:
+            raise RuntimeError("a bug in the placer")
+        if rep.node_id != node_id:
+            return 400, ReportReply(ok=False)
+        self.seen.append((node_id, rep))
+        # the answer names its node, so tests can check answers are paired with their reports
+        return 200, ReportReply(heartbeat_interval_s=0.05, stop=[Victim(workload_id=f"{node_id}/{rep.seq}")])
+
+
+async def _server(nursery: trio.Nursery, placer: FakePlacer, **kw) -> tuple[HeartbeatServer, str]:
+    srv = HeartbeatServer(TOKENS, placer.ingest, **kw)
+    url = await nursery.start(srv.run, "127.0.0.1:0")
+    return srv, url
+
+
+def _rep(node: str, seq: int = 1, full: bool = False) -> NodeReport:
+    return NodeReport(node_id=node, boot_id="b", seq=seq, full=full)
+
+
+async def test_relay_connection_carries_many_nodes_and_full_reports():
+    fp = FakePlacer()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            srv, url = await _server(n, fp)
+            c = await HeartbeatClient.connect(url, "c", "emu-0", relay=True)
+            await c.send([_rep("a", full=True), _rep("b", full=True), _rep("a", 2)])
+            replies = await c.receive(3)
+            assert [r.status for r in replies] == [200, 200, 200]
+            assert [(nid, r.node_id, r.full) for nid, r in fp.seen] == [
+                ("a", "a", True), ("b", "b", True), ("a", "a", False)]
+            assert srv.relay_connections == 1
+            # a single-node connection applies reports for its hello's node only
+            d = await HeartbeatClient.connect(url, "c", "a")
+            assert (await d.exchange(_rep("b", 3))).status == 400
+            assert (await d.exchange(_rep("a", 3, full=True))).status == 200
+            await c.aclose()
+            await d.aclose()
+            n.cancel_scope.cancel()
+
+
+async def test_an_ingest_that_raises_costs_one_frame_not_the_server():
+    fp = FakePlacer()
+    fp.boom_for.add("bad")
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            srv, url = await _server(n, fp)
+            c = await HeartbeatClient.connect(url, "c", "emu", relay=True)
+            await c.send([_rep("bad"), _rep("good")])
+            r1, r2 = await c.receive(2)
+            assert r1.status == 500 and r2.status == 200
+            assert srv.ingest_errors == 1
+            # the server still serves, on this connection and on new ones
+            assert (await c.exchange(_rep("good", 2))).status == 200
+            d = await HeartbeatClient.connect(url, "c", "good")
+            assert (await d.exchange(_rep("good", 3))).status == 200
+            await c.aclose()
+            await d.aclose()
+            n.cancel_scope.cancel()
+
+
+async def test_hello_deadline_and_pre_hello_byte_cap():
+    fp = FakePlacer()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            srv, url = await _server(n, fp, hello_timeout_s=0.2)
+            host, port = url.removeprefix("tcp://").rsplit(":", 1)
+            # silence: dropped after the hello deadline
+            s = await trio.open_tcp_stream(host, int(port))
+            assert await s.receive_some(100) == b""
+            assert srv.hello_timeouts == 1
+            await s.aclose()
+            # a hello announced bigger than MAX_HELLO: dropped at once, before its body
+            s = await trio.open_tcp_stream(host, int(port))
+            await s.send_all(struct.pack(">I", MAX_HELLO + 1) + b"x" * 100)
+            with trio.fail_after(0.15):  # well under the hello deadline
+                try:
+                    assert await s.receive_some(100) == b""
+                except trio.BrokenResourceError:
+                    pass
+            await s.aclose()
+            # a slow but honest hello still works (split across writes)
+            s = await trio.open_tcp_stream(host, int(port))
+            raw = frame(Hello(token="c", node_id="x"))
+            await s.send_all(raw[:3])
+            await trio.sleep(0.05)
+            await s.send_all(raw[3:])
+            c = HeartbeatClient(s)
+            (r,) = await c.receive(1)
+            assert r.status == 200
+            await c.aclose()
+            assert fp.seen == []
+            n.cancel_scope.cancel()
+
+
+async def test_connection_cap():
+    fp = FakePlacer()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            srv, url = await _server(n, fp, max_connections=2)
+            a = await HeartbeatClient.connect(url, "c", "a")
+            b = await HeartbeatClient.connect(url, "c", "b")
+            with pytest.raises(WireError, match="503"):
+                await HeartbeatClient.connect(url, "c", "c")
+            assert srv.over_cap == 1 and srv.open_connections == 2
+            await a.aclose()
+            with trio.fail_after(2):
+                while srv.open_connections > 1:
+                    await trio.sleep(0.01)
+            c = await HeartbeatClient.connect(url, "c", "c")
+            assert (await c.exchange(_rep("c"))).status == 200
+            await b.aclose()
+            await c.aclose()
+            n.cancel_scope.cancel()
+
+
+async def test_shared_wire_pipelines_many_nodes_and_survives_a_restart():
+    fp = FakePlacer()
+    with trio.fail_after(15):
+        async with trio.open_nursery() as n:
+            srv_scope = trio.CancelScope()
+            srv = HeartbeatServer(TOKENS, fp.ingest)
+            listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+            port = listeners[0].socket.getsockname()[1]
+            listeners[0].socket.close()
+
+            async def serve(task_status=trio.TASK_STATUS_IGNORED):
+                with srv_scope:
+                    await srv.run(f"127.0.0.1:{port}", task_status=task_status)
+
+            await n.start(serve)
+            shared = SharedWire(f"tcp://127.0.0.1:{port}", "c", name="emu", backoff_max_s=0.1)
+            await n.start(shared.run)
+            got: dict[str, int] = {}
+
+            async def one(i: int) -> None:
+                r = await shared.exchange(_rep(f"n{i}", full=True))
+                assert r.reply.stop[0].workload_id == f"n{i}/1"  # paired with its own report
+                got[f"n{i}"] = r.status
+
+            async with trio.open_nursery() as m:
+                for i in range(300):
+                    m.start_soon(one, i)
+            assert len(got) == 300 and set(got.values()) == {200}
+            assert sorted(nid for nid, _ in fp.seen) == sorted(f"n{i}" for i in range(300))
+            assert shared.connects == 1 and srv.connections == 1
+            # the placer goes away: waiters fail; it comes back: the same object reconnects
+            srv_scope.cancel()
+            with pytest.raises(WireError):
+                with trio.fail_after(2):
+                    while True:
+                        await shared.exchange(_rep("n0", 2))
+            srv_scope = trio.CancelScope()
+            await n.start(serve)
+            with trio.fail_after(5):
+                r = await shared.exchange(_rep("n1", 2))
+            assert r.status == 200 and shared.connects == 2
+            n.cancel_scope.cancel()
+
+
+class _Hooks:
+    """The least an agent offers its link."""
+
+    def __init__(self, node: str) -> None:
+        self.node = node
+
+    def full_report(self) -> NodeReport:
+        return NodeReport(node_id=self.node, boot_id="", seq=0, full=True, control_url="http://127.0.0.1:1")
+
+    def gpu_snapshot(self) -> GpuSnapshot:
+        return GpuSnapshot()
+
+    async def stop_workloads(self, victims: list[Victim]) -> None:
+        return None
+
+
+async def test_agent_link_registers_over_a_remembered_shared_wire_without_http():
+    """A link built with a known wire URL and a shared connection sends its full report over
+    the framed channel: no HTTP at all (the placer's HTTP URL here refuses connections)."""
+    fp = FakePlacer()
+    with trio.fail_after(15):
+        async with trio.open_nursery() as n:
+            srv, url = await _server(n, fp)
+            shared = SharedWire(url, "c", name="emu")
+            await n.start(shared.run)
+
+            async def connect(wire_url: str, token: str, node_id: str):
+                return shared.handle()
+
+            links = [AgentLink("http://127.0.0.1:1", "c", f"n{i}", _Hooks(f"n{i}"), heartbeat_s=0.05,
+                               wire_url=url, wire_connect=connect) for i in range(20)]
+            for link in links:
+                await n.start(link.run)
+            with trio.fail_after(5):
+                while not all(link.registered and link.reports_sent >= 3 for link in links):
+                    await trio.sleep(0.02)
+            assert all(link.wire_full_reports >= 1 and link.failures == 0 for link in links)
+            assert srv.connections == 1
+            full = {nid for nid, r in fp.seen if r.full}
+            assert full == {f"n{i}" for i in range(20)}
+            n.cancel_scope.cancel()
+
+
+async def test_push_pool_joins_base_paths_and_bounds_connections_per_endpoint():
+    seen: list[str] = []
+    open_now = 0
+    peak = 0
+    accepted = 0
+
+    async def handle(stream: trio.SocketStream) -> None:
+        nonlocal open_now, peak, accepted
+        accepted += 1
+        open_now += 1
+        peak = max(peak, open_now)
+        buf = b""
+        try:
+            while True:
+                while b"\r\n\r\n" not in buf:
+                    data = await stream.receive_some(65536)
+                    if not data:
+                        return
+                    buf += data
+                head, _, buf = buf.partition(b"\r\n\r\n")
+                line = head.split(b"\r\n")[0].decode()
+                length = int([h for h in head.split(b"\r\n") if h.lower().startswith(b"content-length")][0]
+                             .split(b":")[1])
+                while len(buf) < length:
+                    buf += await stream.receive_some(65536)
+                buf = buf[length:]
+                seen.append(line.split(" ")[1])
+                await trio.sleep(0.001)
+                await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}")
+        except trio.BrokenResourceError:
+            pass
+        finally:
+            open_now -= 1
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            listeners = await n.start(trio.serve_tcp, handle, 0)
+            port = listeners[0].socket.getsockname()[1]
+            pool = PushPool(concurrency=256, max_per_host=8)
+            items = [(f"n{i}", f"http://127.0.0.1:{port}/n/n{i}", "/v1/placements", b"{}") for i in range(400)]
+            out = await pool.post_many(items)
+            assert all(r.ok for r in out.values()) and len(out) == 400
+            assert sorted(seen) == sorted(f"/n/n{i}/v1/placements" for i in range(400))
+            assert accepted <= 8 and peak <= 8 and pool.connects <= 8
+            r = await pool.post(f"http://127.0.0.1:{port}", "/v1/placements", b"{}")
+            assert r.ok and seen[-1] == "/v1/placements"
+            await pool.aclose()
+            n.cancel_scope.cancel()
+
+
+def test_wire_reply_round_trip():
+    r = WireReply(status=200, reply=ReportReply(wire_url="tcp://x:1"))
+    assert msgspec.json.decode(frame(r)[4:], type=WireReply) == r
