@@ -19,10 +19,30 @@ server is a lean h11 loop on trio sockets: headers go through h11, the body goes
 the page cache to the socket with ``os.sendfile`` on the non-blocking socket
 (``wait_writable`` + ``sendfile`` until done), never through Python buffers.
 
-Limits: request head size (h11 ``max_incomplete_event_size``), no request bodies,
-concurrent requests per client address and overall (503 + Retry-After when over),
-an idle keep-alive timeout, a head-read timeout, a send-stall timeout, and a cap on
-``wait_ms``.
+Hostile input costs the sender, never this daemon. Bounds (``DataPlaneConfig``), in the
+order a request meets them:
+
+- **Connections**: at most ``max_connections`` (default 4 x ``max_concurrent`` = 1024)
+  open at once and ``max_connections_per_client`` (2 x ``max_per_client`` = 64) per
+  client address (a connection carries one request at a time, so these follow the
+  request caps); one over either gets a canned 503 and is closed without a byte read.
+- **Idle**: a kept-alive connection with no request for ``idle_timeout_s`` (75 s) is closed.
+- **Head**: once its first byte came, a request head must be complete within
+  ``head_timeout_s`` (10 s), an absolute deadline that trickled bytes do not reset; at
+  most ``max_head_bytes`` (16 KiB), whole or in pieces (431).
+- **Bodies**: no route takes one; a request announcing or sending a body is refused
+  (413) and its connection closed, nothing is buffered.
+- **Authentication** runs on the head, before any work.
+- **Serving slots**: ``max_concurrent`` (256) requests being answered at once and
+  ``max_per_client`` (32) per address (503 + Retry-After when over); a slot is held
+  until the answer has been sent, and ``send_stall_s`` (30 s) without send progress
+  drops the connection. ``/v1/stats`` takes no slot: it is always answered.
+- **Waits** (``?wait_ms=``) have their own budget: ``max_waiting`` (256) waiting at
+  once and ``max_waiting_per_client`` (64) per address (503 when over), and hold no
+  serving slot while they wait, so a wait flood cannot starve serving; ``wait_ms`` is
+  capped at ``max_wait_ms`` (120 s). A waiting request whose client goes away (EOF or
+  reset) stops waiting and frees its place at once.
+- Any error while handling one connection is logged and closes that connection only.
 """
 
 from __future__ import annotations
@@ -54,8 +74,12 @@ _SERVER = b"herd-dataplane/1"
 class DataPlaneConfig:
     max_concurrent: int = 256          # requests being served at once, all clients
     max_per_client: int = 32           # ... per client address
+    max_waiting: int = 256             # ?wait_ms= requests waiting at once, all clients
+    max_waiting_per_client: int = 64   # ... per client address
+    max_connections: int | None = None             # open connections; None: 4 x max_concurrent
+    max_connections_per_client: int | None = None  # ... per address; None: 2 x max_per_client
     max_wait_ms: int = 120_000         # cap on ?wait_ms=
-    head_timeout_s: float = 10.0       # to read a request head once bytes started coming
+    head_timeout_s: float = 10.0       # a request head, from its first byte (absolute)
     idle_timeout_s: float = 75.0       # keep-alive idle
     send_stall_s: float = 30.0         # no send progress for this long: drop the connection
     max_head_bytes: int = 16 * 1024
@@ -72,8 +96,14 @@ class _Stats(msgspec.Struct, kw_only=True):
     waits_satisfied: int = 0
     unauthorized: int = 0
     rejected_busy: int = 0
+    rejected_waits: int = 0
+    waits_abandoned: int = 0
     bad_requests: int = 0
     connections: int = 0
+    open_connections: int = 0
+    rejected_connections: int = 0
+    head_timeouts: int = 0
+    connection_errors: int = 0
     sendfile_fallbacks: int = 0
 
 
@@ -95,6 +125,39 @@ class _Len:
 
     def __len__(self) -> int:
         return self.n
+
+
+_GONE = object()   # _maybe_wait: the client left while its request waited
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+         b"retry-after: 1\r\nconnection: close\r\ncontent-length: 53\r\n\r\n"
+         b'{"error":"busy","detail":"too many open connections"}')
+
+
+class _Gate:
+    """Open connections overall and per client address (plain bookkeeping)."""
+    __slots__ = ("max_total", "max_per_client", "total", "per_client")
+
+    def __init__(self, max_total: int, max_per_client: int) -> None:
+        self.max_total = max_total
+        self.max_per_client = max_per_client
+        self.total = 0
+        self.per_client: dict[str, int] = {}
+
+    def enter(self, client: str) -> bool:
+        n = self.per_client.get(client, 0)
+        if self.total >= self.max_total or n >= self.max_per_client:
+            return False
+        self.total += 1
+        self.per_client[client] = n + 1
+        return True
+
+    def leave(self, client: str) -> None:
+        self.total -= 1
+        n = self.per_client[client] - 1
+        if n:
+            self.per_client[client] = n
+        else:
+            del self.per_client[client]
 
 
 def _json(status: int, error: str, detail: str | None = None,
@@ -120,6 +183,11 @@ class DataPlane:
         self.url: str | None = None
         self._stats = _Stats()
         self._per_client: dict[str, int] = {}
+        self._waiting = 0
+        self._waiting_per_client: dict[str, int] = {}
+        c = self.config
+        self._conns = _Gate(c.max_connections or 4 * c.max_concurrent,
+                            c.max_connections_per_client or 2 * c.max_per_client)
         self._waiters: dict[str, list[Any]] = {}  # chunk id -> [Event, waiter count]
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._hook: Callable[[str], None] | None = None
@@ -148,6 +216,7 @@ class DataPlane:
     def statistics(self) -> dict[str, Any]:
         s = msgspec.structs.asdict(self._stats)
         s["waiting"] = len(self._waiters)
+        s["waiting_requests"] = self._waiting
         s["url"] = self.url
         return s
 
@@ -212,6 +281,16 @@ class DataPlane:
             client = str(peer[0])
         except OSError:
             client = "?"
+        if not self._conns.enter(client):
+            self._stats.rejected_connections += 1
+            with trio.move_on_after(0.5):
+                try:
+                    await stream.send_all(_BUSY)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass
+            await trio.aclose_forcefully(stream)
+            return
+        self._stats.open_connections += 1
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.config.max_head_bytes)
         try:
             while True:
@@ -222,7 +301,9 @@ class DataPlane:
                 # answer has been sent: a sendfile in progress counts as busy
                 admitted = False
                 try:
-                    reply, admitted = await self._dispatch(req, client)
+                    reply, admitted = await self._dispatch(req, client, stream, conn)
+                    if reply is None:   # the client went away while its request waited
+                        return
                     ok = await self._send_reply(stream, conn, req, reply)
                 finally:
                     if admitted:
@@ -238,30 +319,46 @@ class DataPlane:
         except h11.RemoteProtocolError as e:
             self._stats.bad_requests += 1
             await self._try_send_error(stream, conn, e.error_status_hint, str(e))
+        except Exception:  # a bug of ours or a broken store: this connection only
+            self._stats.connection_errors += 1
+            log.exception("data plane connection failed client=%s", client)
         finally:
+            self._conns.leave(client)
+            self._stats.open_connections -= 1
             with trio.move_on_after(1) as cs:
                 cs.shield = True
                 await stream.aclose()
 
     async def _read_request(self, stream: trio.SocketStream, conn: h11.Connection) -> h11.Request | None:
-        timeout = self.config.idle_timeout_s
+        """The next request head (and its end), or None when the client is done or idle
+        too long. The head must be complete ``head_timeout_s`` after its first byte."""
+        cfg = self.config
         req: h11.Request | None = None
+        deadline = trio.current_time() + cfg.head_timeout_s if conn.trailing_data[0] else None
         while True:
             ev = conn.next_event()
             if ev is h11.NEED_DATA:
-                with trio.move_on_after(timeout) as cs:
-                    data = await stream.receive_some(65536)
-                if cs.cancelled_caught:
-                    return None
+                if deadline is None:
+                    with trio.move_on_after(cfg.idle_timeout_s) as cs:
+                        data = await stream.receive_some(65536)
+                    if cs.cancelled_caught:
+                        return None
+                    deadline = trio.current_time() + cfg.head_timeout_s
+                else:
+                    with trio.move_on_at(deadline) as cs:
+                        data = await stream.receive_some(65536)
+                    if cs.cancelled_caught:
+                        self._stats.head_timeouts += 1
+                        raise h11.RemoteProtocolError(
+                            f"request head not complete within {cfg.head_timeout_s:g} s", error_status_hint=408)
                 if not data and conn.their_state is h11.IDLE and req is None:
                     return None
                 conn.receive_data(data)
-                timeout = self.config.head_timeout_s
                 continue
             if isinstance(ev, h11.Request):
                 # h11 bounds only a head still incomplete; one that came whole is measured here
                 head = len(ev.target) + sum(len(k) + len(v) + 4 for k, v in ev.headers)
-                if head > self.config.max_head_bytes:
+                if head > cfg.max_head_bytes:
                     raise h11.RemoteProtocolError("request head too large", error_status_hint=431)
                 req = ev
                 continue
@@ -302,12 +399,15 @@ class DataPlane:
                     return hmac.compare_digest(tok.strip(), self._token)
         return False
 
-    async def _dispatch(self, req: h11.Request, client: str) -> tuple[_Reply, bool]:
-        """The answer, and whether a concurrency slot was taken (the caller leaves it)."""
+    async def _dispatch(self, req: h11.Request, client: str, stream: trio.SocketStream,
+                        conn: h11.Connection) -> tuple[_Reply | None, bool]:
+        """The answer (None: the client went away while waiting), and whether a serving
+        slot was taken (the caller leaves it)."""
         self._stats.requests += 1
         method = req.method.decode("ascii", "replace").upper()
         target = urlsplit(req.target.decode("latin-1"))
         path = target.path
+        query = target.query
         if not self._authorised(req):
             self._stats.unauthorized += 1
             return _json(401, "unauthorized", "needs the cluster token as a bearer token"), False
@@ -315,6 +415,18 @@ class DataPlane:
             if k == b"content-length" and v.strip() not in (b"0", b""):
                 self._stats.bad_requests += 1
                 return _json(413, "request bodies are not accepted"), False
+        if path == "/v1/stats" and method in ("GET", "HEAD"):   # never starved: takes no slot
+            return _Reply(200, msgspec.json.encode(self.statistics())), False
+        if query and method in ("GET", "HEAD") and path.startswith("/v1/chunks/"):
+            # a wait happens here, before (and without) a serving slot
+            ident = path[len("/v1/chunks/"):]
+            if _HEX64.match(ident):
+                waited = await self._maybe_wait(ident, query, client, stream, conn)
+                if waited is _GONE:
+                    return None, False
+                if isinstance(waited, _Reply):
+                    return waited, False
+                query = ""
         cfg = self.config
         if self._stats.active >= cfg.max_concurrent or self._per_client.get(client, 0) >= cfg.max_per_client:
             self._stats.rejected_busy += 1
@@ -322,13 +434,72 @@ class DataPlane:
         self._stats.active += 1
         self._per_client[client] = self._per_client.get(client, 0) + 1
         try:
-            return await self._route(method, path, target.query), True
+            return await self._route(method, path, query), True
         except Exception:  # a bug or a broken store: answer 500, keep serving
             log.exception("data plane request failed path=%s", path)
             return _json(500, "internal error"), True
         except BaseException:
             self._leave(client)
             raise
+
+    async def _maybe_wait(self, chunk_id: str, query: str, client: str, stream: trio.SocketStream,
+                          conn: h11.Connection) -> _Reply | object | None:
+        """Carry out ``?wait_ms=`` for an absent chunk under the wait budget. A reply to
+        send now (400, 503, 404 after the wait), ``_GONE`` when the client left while
+        waiting, or None: the chunk is here, serve it."""
+        qs = parse_qs(query, keep_blank_values=True)
+        if "wait_ms" not in qs:
+            return None
+        raw = qs["wait_ms"][-1]
+        if not raw.isdigit() or len(raw) > 12:
+            self._stats.bad_requests += 1
+            return _json(400, "bad wait_ms", "a non-negative integer of milliseconds")
+        wait_ms = min(int(raw), self.config.max_wait_ms)
+        if wait_ms <= 0 or self.store.has_chunk(chunk_id):
+            return None
+        cfg = self.config
+        if self._waiting >= cfg.max_waiting or self._waiting_per_client.get(client, 0) >= cfg.max_waiting_per_client:
+            self._stats.rejected_waits += 1
+            return _json(503, "busy", "too many waiting requests", headers=[(b"retry-after", b"1")])
+        self._waiting += 1
+        self._waiting_per_client[client] = self._waiting_per_client.get(client, 0) + 1
+        try:
+            with trio.CancelScope() as gone:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._watch_client, stream, conn, gone)
+                    present = await self._wait_for_chunk(chunk_id, wait_ms)
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._waiting -= 1
+            n = self._waiting_per_client[client] - 1
+            if n:
+                self._waiting_per_client[client] = n
+            else:
+                del self._waiting_per_client[client]
+        if gone.cancelled_caught:
+            self._stats.waits_abandoned += 1
+            return _GONE
+        if not present:
+            self._stats.not_found += 1
+            return _json(404, "chunk not here", chunk_id)
+        return None
+
+    async def _watch_client(self, stream: trio.SocketStream, conn: h11.Connection,
+                            gone: trio.CancelScope) -> None:
+        """While a request waits, notice its client leaving (EOF or reset) and cancel
+        ``gone``. Bytes it sends meanwhile (a pipelined request) are kept for h11, up to
+        one head's worth."""
+        kept = 0
+        while True:
+            try:
+                data = await stream.receive_some(4096)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                data = b""
+            kept += len(data)
+            if not data or kept > self.config.max_head_bytes:
+                gone.cancel()
+                return
+            conn.receive_data(data)
 
     def _leave(self, client: str) -> None:
         self._stats.active -= 1
@@ -359,19 +530,8 @@ class DataPlane:
         return self._have(ident)
 
     async def _chunk(self, chunk_id: str, query: str) -> _Reply:
-        wait_ms = 0
-        if query:
-            qs = parse_qs(query, keep_blank_values=True)
-            if "wait_ms" in qs:
-                raw = qs["wait_ms"][-1]
-                if not raw.isdigit():
-                    self._stats.bad_requests += 1
-                    return _json(400, "bad wait_ms", "a non-negative integer of milliseconds")
-                wait_ms = min(int(raw), self.config.max_wait_ms)
-        present = self.store.has_chunk(chunk_id)
-        if not present and wait_ms > 0:
-            present = await self._wait_for_chunk(chunk_id, wait_ms)
-        if not present:
+        # ?wait_ms= was carried out by _maybe_wait, before this request took a slot
+        if not self.store.has_chunk(chunk_id):
             self._stats.not_found += 1
             return _json(404, "chunk not here", chunk_id)
         # Opened (and sized) when sending; a chunk evicted in between becomes a 404 there.

@@ -1,15 +1,44 @@
 """A small ASGI routing layer and the hypercorn (trio worker) server both daemons use.
 
 Why hypercorn: it is a maintained, trio-native ASGI server (HTTP/1.1 keep-alive,
-h2, graceful shutdown, ``task_status`` with the bound addresses, so port 0 works);
-the control APIs are small JSON endpoints where its per-request cost (~0.3 ms) is
-far below our latency targets. The bulk data plane (p2p) does not use it: it
-needs ``os.sendfile`` and has its own lean h11 server.
+graceful shutdown); the control APIs are small JSON endpoints where its per-request
+cost (~0.3 ms) is far below our latency targets. The bulk data plane (p2p) does not use
+it: it needs ``os.sendfile`` and has its own lean h11 server. We drive hypercorn's
+per-connection ``TCPServer`` from our own accept loop so that connections can be
+counted and capped before hypercorn sees them.
 
 Handlers are ``async def handler(req: Request) -> Response``. Errors a client
 caused are raised as :class:`HTTPError` and become one JSON line
-``{"error": ..., "detail": ...}``; request bodies are bounded (413); msgspec
-decode/validation errors become 400 with the reason.
+``{"error": ..., "detail": ...}``; msgspec decode/validation errors become 400 with the
+reason; any other handler error is logged and answered 500; an error of the server
+itself while handling one connection closes that connection only.
+
+Hostile input costs the sender, never the daemon (DESIGN.md, Security model). Bounds,
+in the order a request meets them:
+
+- **Connections**: at most ``ServerLimits.max_connections`` (default 1024) at once and
+  ``max_per_client`` (64) per client address; one over either is answered a canned 503
+  and closed without reading anything.
+- **Idle and head deadline**: a connection that has not delivered a complete request
+  head within ``head_timeout_s`` (10 s) of opening, or of its previous response, is
+  closed. The clock is absolute: trickling bytes does not reset it (it is hypercorn's
+  keep-alive timer, which only a complete head stops). So this one figure is both the
+  idle keep-alive timeout and the head deadline.
+- **Head size**: 16 KiB (``max_head_bytes``), whether it arrives in pieces or whole: 431.
+- **Authentication before the body**: a route's auth policy runs on the head alone (the
+  ``Request`` it sees has ``body == b""``); a refused request is answered 401 with
+  ``connection: close`` and its body is never read.
+- **Body size per route** (``App.route(max_body=)``; default 1 MiB): a declared
+  Content-Length over it is refused at once (413), a chunked body as soon as it passes it.
+  Fleet-scale figures: a placement or a full node report is at most a few MB (4 MiB is
+  the ceiling we use for them), everything else is small (4-256 KiB).
+- **Body deadline**: the whole body must arrive within ``App.body_timeout_s`` (30 s) of
+  the head, absolute, not reset per byte: 408 and close.
+- **Send stall**: a client that stops reading its answer for ``send_stall_s`` (30 s) is
+  dropped.
+
+Every refusal before the handler ran carries ``connection: close``, so a refused
+sender's remaining bytes are never read.
 """
 
 from __future__ import annotations
@@ -18,6 +47,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from urllib.parse import parse_qs
 
@@ -28,7 +58,19 @@ from .auth import TokenSet, bearer
 
 log = logging.getLogger("herd.http")
 
-DEFAULT_MAX_BODY = 1 << 20  # 1 MiB
+DEFAULT_MAX_BODY = 1 << 20          # 1 MiB: any route that names no bound of its own
+LARGE_BODY = 4 << 20                # placements and full node reports at fleet scale
+DEFAULT_BODY_TIMEOUT_S = 30.0       # the whole body, absolute
+MAX_HEAD_BYTES = 16 << 10           # request line + headers
+MAX_HEADERS = 100
+
+
+def _has_body(raw_headers: list[tuple[bytes, bytes]]) -> bool:
+    for k, v in raw_headers:
+        k = k.lower()
+        if k == b"transfer-encoding" or (k == b"content-length" and v.strip() != b"0"):
+            return True
+    return False
 
 
 class HTTPError(Exception):
@@ -106,10 +148,13 @@ class _Route:
 class App:
     """A tiny ASGI app: exact-method routes with ``{name}`` path parameters."""
 
-    def __init__(self, *, max_body: int = DEFAULT_MAX_BODY, name: str = "herd") -> None:
+    def __init__(self, *, max_body: int = DEFAULT_MAX_BODY, name: str = "herd",
+                 body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S) -> None:
         self.routes: list[_Route] = []
         self.max_body = max_body
         self.name = name
+        self.body_timeout_s = body_timeout_s
+        self.gate: ConnectionGate | None = None   # set by serve(): open connection counts
 
     def route(self, method: str, template: str, *, auth: AuthPolicy | None = None,
               max_body: int | None = None) -> Callable[[Handler], Handler]:
@@ -146,57 +191,74 @@ class App:
                     return
         if scope["type"] != "http":
             return
-        resp = await self._handle(scope, receive)
+        resp, close = await self._handle(scope, receive)
         headers = [(b"content-type", resp.content_type.encode()),
                    (b"content-length", str(len(resp.body)).encode())]
         headers += [(k.encode(), v.encode()) for k, v in resp.headers]
+        if close:
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": resp.status, "headers": headers})
         body = b"" if scope["method"] == "HEAD" else resp.body
         await send({"type": "http.response.body", "body": body})
 
-    async def _handle(self, scope: dict[str, Any], receive: Any) -> Response:
-        method = scope["method"].upper()
-        path = scope["path"]
-        try:
-            route, params, known = self._match(method, path)
-            if route is None:
-                raise HTTPError(405 if known else 404, "method not allowed" if known else "not found", path)
-            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-            declared = headers.get("content-length")
-            if declared is not None:
-                try:
-                    if int(declared) > route.max_body:
-                        raise HTTPError(413, "request body too large", f"limit {route.max_body} bytes")
-                except ValueError:
-                    raise HTTPError(400, "bad content-length") from None
-            chunks: list[bytes] = []
-            size = 0
+    async def _read_body(self, receive: Any, limit: int) -> bytes:
+        """The whole body, at most ``limit`` bytes, within ``body_timeout_s`` (absolute)."""
+        chunks: list[bytes] = []
+        size = 0
+        with trio.move_on_after(self.body_timeout_s) as cs:
             while True:
                 msg = await receive()
                 if msg["type"] == "http.disconnect":
                     raise HTTPError(400, "client disconnected")
                 data = msg.get("body", b"")
                 size += len(data)
-                if size > route.max_body:
-                    raise HTTPError(413, "request body too large", f"limit {route.max_body} bytes")
+                if size > limit:
+                    raise HTTPError(413, "request body too large", f"limit {limit} bytes")
                 chunks.append(data)
                 if not msg.get("more_body", False):
-                    break
+                    return b"".join(chunks)
+        assert cs.cancelled_caught
+        raise HTTPError(408, "request body too slow", f"the body must arrive within {self.body_timeout_s:g} s")
+
+    async def _handle(self, scope: dict[str, Any], receive: Any) -> tuple[Response, bool]:
+        """The answer, and whether the connection must close after it (the request's body
+        was not read to its end, so the connection cannot carry another request)."""
+        method = scope["method"].upper()
+        path = scope["path"]
+        body_read = not _has_body(scope["headers"])
+        try:
+            route, params, known = self._match(method, path)
+            if route is None:
+                raise HTTPError(405 if known else 404, "method not allowed" if known else "not found", path)
+            raw_headers = scope["headers"]
+            head = len(scope.get("raw_path") or b"") + len(scope.get("query_string") or b"") + sum(
+                len(k) + len(v) + 4 for k, v in raw_headers)
+            if head > MAX_HEAD_BYTES or len(raw_headers) > MAX_HEADERS:
+                raise HTTPError(431, "request head too large", f"limit {MAX_HEAD_BYTES} bytes, {MAX_HEADERS} headers")
+            headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw_headers}
             qs = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
             client = scope.get("client")
             req = Request(method=method, path=path, query={k: v[-1] for k, v in qs.items()},
-                          headers=headers, body=b"".join(chunks),
-                          client=client[0] if client else None, params=params)
+                          headers=headers, body=b"", client=client[0] if client else None, params=params)
+            # Authentication sees the head only: a refused sender's body is never read.
             if route.auth is not None:
                 route.auth(req)
-            return await route.handler(req)
+            declared = headers.get("content-length")
+            if declared is not None:
+                if not declared.strip().isdigit():
+                    raise HTTPError(400, "bad content-length")
+                if int(declared) > route.max_body:
+                    raise HTTPError(413, "request body too large", f"limit {route.max_body} bytes")
+            req.body = await self._read_body(receive, route.max_body)
+            body_read = True
+            return await route.handler(req), False
         except HTTPError as e:
-            return json_response({"error": e.error, "detail": e.detail}, status=e.status)
+            return json_response({"error": e.error, "detail": e.detail}, status=e.status), not body_read
         except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            return json_response({"error": "malformed request body", "detail": str(e)}, status=400)
+            return json_response({"error": "malformed request body", "detail": str(e)}, status=400), not body_read
         except Exception:  # a bug of ours: log it, answer 500, keep serving
             log.exception("handler failed path=%s", path)
-            return json_response({"error": "internal error"}, status=500)
+            return json_response({"error": "internal error"}, status=500), not body_read
 
     def openapi(self, title: str, version: str = "1") -> dict[str, Any]:
         """A minimal OpenAPI 3.1 description generated from the route table, so it
@@ -233,27 +295,145 @@ def split_hostport(listen: str) -> tuple[str, int]:
     return host, int(port or 0)
 
 
-async def serve(app: App, listen: str, *, task_status: Any = trio.TASK_STATUS_IGNORED,
+@dataclass(frozen=True, slots=True)
+class ServerLimits:
+    """Connection-level bounds of :func:`serve` (the module docstring says why each)."""
+    max_connections: int = 1024        # open connections, all clients
+    max_per_client: int = 64           # ... per client address
+    head_timeout_s: float = 10.0       # idle keep-alive and head deadline in one (absolute)
+    send_stall_s: float = 30.0         # no progress sending an answer: drop the connection
+    graceful_timeout_s: float = 2.0
+
+
+class ConnectionGate:
+    """Counts open connections overall and per client address; pure bookkeeping."""
+
+    def __init__(self, max_connections: int, max_per_client: int) -> None:
+        self.max_connections = max_connections
+        self.max_per_client = max_per_client
+        self.open = 0
+        self.refused = 0
+        self._per_client: dict[str, int] = {}
+
+    def enter(self, client: str) -> bool:
+        n = self._per_client.get(client, 0)
+        if self.open >= self.max_connections or n >= self.max_per_client:
+            self.refused += 1
+            return False
+        self.open += 1
+        self._per_client[client] = n + 1
+        return True
+
+    def leave(self, client: str) -> None:
+        self.open -= 1
+        n = self._per_client[client] - 1
+        if n:
+            self._per_client[client] = n
+        else:
+            del self._per_client[client]
+
+
+_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+         b"retry-after: 1\r\nconnection: close\r\ncontent-length: 53\r\n\r\n"
+         b'{"error":"busy","detail":"too many open connections"}')
+
+
+class _GuardedStream(trio.abc.HalfCloseableStream):
+    """The accepted socket stream, with a stall bound on every send (hypercorn shields
+    its sends from cancellation, so a client that never reads would hold the
+    connection for ever)."""
+
+    def __init__(self, inner: trio.SocketStream, send_stall_s: float) -> None:
+        self._inner = inner
+        self._stall = send_stall_s
+        self.socket = inner.socket
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        with trio.move_on_after(self._stall) as cs:
+            await self._inner.send_all(data)
+        if cs.cancelled_caught:
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(self._inner)
+            raise trio.BrokenResourceError("client stopped reading its answer")
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self._inner.wait_send_all_might_not_block()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
+        return await self._inner.receive_some(max_bytes)
+
+    async def send_eof(self) -> None:
+        await self._inner.send_eof()
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+async def serve(app: App, listen: str, *, limits: ServerLimits | None = None,
+                task_status: Any = trio.TASK_STATUS_IGNORED,
                 shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> None:
-    """Serve ``app`` on ``listen`` ("host:port", port 0 allowed) until cancelled.
+    """Serve ``app`` on ``listen`` ("host:port", port 0 allowed) until cancelled (or until
+    ``shutdown_trigger`` returns: open connections then get ``graceful_timeout_s``).
 
     ``task_status.started(url)`` reports the bound base URL, e.g. ``http://127.0.0.1:41234``.
     """
     from hypercorn.config import Config
-    from hypercorn.trio import serve as hc_serve
+    from hypercorn.trio.tcp_server import TCPServer
+    from hypercorn.trio.worker_context import WorkerContext
+    from hypercorn.typing import ConnectionState
+    from hypercorn.utils import wrap_app
 
+    lim = limits or ServerLimits()
     host, port = split_hostport(listen)
     cfg = Config()
-    cfg.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     cfg.accesslog = None
     cfg.errorlog = logging.getLogger("herd.http.server")
-    cfg.keep_alive_timeout = 75
-    cfg.graceful_timeout = 2
-    cfg.h11_max_incomplete_size = 64 * 1024
+    # hypercorn's keep-alive timer runs from a connection's start (or its previous
+    # answer) until a request head is complete: bytes do not reset it.
+    cfg.keep_alive_timeout = lim.head_timeout_s
+    cfg.graceful_timeout = lim.graceful_timeout_s
+    cfg.h11_max_incomplete_size = MAX_HEAD_BYTES
+    cfg.max_app_queue_size = 4         # body pieces buffered ahead of the app, per connection
+    context = WorkerContext(None)
+    wrapped = wrap_app(app, cfg.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+    gate = ConnectionGate(lim.max_connections, lim.max_per_client)
+    app.gate = gate
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    bound = listeners[0].socket.getsockname()
+    shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
+    url = f"http://{shown}:{bound[1]}"
 
-    class _Started:
-        def started(self, binds: Any = None) -> None:
-            url = binds[0] if binds else f"http://{host}:{port}"
+    async def connection(stream: trio.SocketStream) -> None:
+        try:
+            client = str(stream.socket.getpeername()[0])
+        except OSError:
+            await trio.aclose_forcefully(stream)
+            return
+        if not gate.enter(client):
+            with trio.move_on_after(0.5):
+                try:
+                    await stream.send_all(_BUSY)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass
+            await trio.aclose_forcefully(stream)
+            return
+        try:
+            server = TCPServer(wrapped, cfg, context, ConnectionState({}),
+                               _GuardedStream(stream, lim.send_stall_s))  # type: ignore[arg-type]
+            await server.run()
+        except Exception:  # contained to this connection: log it, close it, keep serving
+            log.exception("connection failed client=%s", client)
+            await trio.aclose_forcefully(stream)
+        finally:
+            gate.leave(client)
+
+    async with trio.open_nursery() as conns:
+        async with trio.open_nursery() as accept:
+            await accept.start(partial(trio.serve_listeners, connection, listeners, handler_nursery=conns))
             task_status.started(url)
-
-    await hc_serve(app, cfg, shutdown_trigger=shutdown_trigger, task_status=_Started())  # type: ignore[arg-type]
+            if shutdown_trigger is None:
+                await trio.sleep_forever()
+            await shutdown_trigger()
+            accept.cancel_scope.cancel()
+        await context.terminated.set()
+        conns.cancel_scope.deadline = trio.current_time() + lim.graceful_timeout_s

@@ -180,8 +180,10 @@ async def test_manifest_and_have_bitmap(tmp_path: Path) -> None:
 
 
 async def test_busy_when_over_per_client_limit(tmp_path: Path) -> None:
+    """Waits have their own budget: a client over it gets 503 for another wait, while
+    plain requests still take serving slots (the parked waits hold none)."""
     store = ChunkStore(tmp_path / "s")
-    cfg = DataPlaneConfig(max_per_client=2, max_concurrent=100)
+    cfg = DataPlaneConfig(max_per_client=2, max_concurrent=100, max_waiting_per_client=2)
     with trio.fail_after(15):
         async with trio.open_nursery() as nursery:
             plane, url = await _serve(nursery, store, config=cfg)
@@ -189,13 +191,15 @@ async def test_busy_when_over_per_client_limit(tmp_path: Path) -> None:
                 async with trio.open_nursery() as waiters:
                     for i in range(2):  # two requests parked on chunks that will not come
                         waiters.start_soon(c.get, f"{url}/v1/chunks/{i:064x}?wait_ms=1500")
-                    while plane.statistics()["active"] < 2:
+                    while plane.statistics()["waiting_requests"] < 2:
                         await trio.sleep(0.01)
-                    r = await c.get(f"{url}/v1/chunks/{'ee' * 32}")
+                    r = await c.get(f"{url}/v1/chunks/{'ee' * 32}?wait_ms=1000")
                     assert r.status_code == 503 and r.headers["retry-after"] == "1"
-                # the slots are free again
-                assert (await c.get(f"{url}/v1/chunks/{'ee' * 32}")).status_code == 404
-            assert plane.statistics()["rejected_busy"] == 1
+                    assert plane.statistics()["active"] == 0
+                    assert (await c.get(f"{url}/v1/chunks/{'ee' * 32}")).status_code == 404
+                # the wait places are free again
+                assert (await c.get(f"{url}/v1/chunks/{'ee' * 32}?wait_ms=10")).status_code == 404
+            assert plane.statistics()["rejected_waits"] == 1
             nursery.cancel_scope.cancel()
 
 
@@ -207,7 +211,7 @@ async def test_idle_connection_is_closed(tmp_path: Path) -> None:
             _, url = await _serve(nursery, store, config=cfg)
             # a client that sends half a request head and then nothing
             resp = await _raw(url, b"GET /v1/chunks/")
-            assert resp == b""
+            assert resp.startswith(b"HTTP/1.1 408 ")   # the head deadline passed: answered and closed
             nursery.cancel_scope.cancel()
 
 
