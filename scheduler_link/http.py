@@ -341,11 +341,15 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\
 class _GuardedStream(trio.abc.HalfCloseableStream):
     """The accepted socket stream, with a stall bound on every send (hypercorn shields
     its sends from cancellation, so a client that never reads would hold the
-    connection for ever)."""
+    connection for ever), and an end: once hypercorn closes the stream, ``scope`` (around
+    its connection task) is cancelled. Without that, a connection answered with
+    ``connection: close`` before its body was read could stay parked for ever in
+    hypercorn, handing body pieces to an app that has already returned."""
 
-    def __init__(self, inner: trio.SocketStream, send_stall_s: float) -> None:
+    def __init__(self, inner: trio.SocketStream, send_stall_s: float, scope: trio.CancelScope) -> None:
         self._inner = inner
         self._stall = send_stall_s
+        self._scope = scope
         self.socket = inner.socket
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
@@ -366,7 +370,8 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         await self._inner.send_eof()
 
     async def aclose(self) -> None:
-        await self._inner.aclose()
+        self._scope.cancel()
+        await trio.aclose_forcefully(self._inner)
 
 
 async def serve(app: App, listen: str, *, limits: ServerLimits | None = None,
@@ -418,9 +423,10 @@ async def serve(app: App, listen: str, *, limits: ServerLimits | None = None,
             await trio.aclose_forcefully(stream)
             return
         try:
-            server = TCPServer(wrapped, cfg, context, ConnectionState({}),
-                               _GuardedStream(stream, lim.send_stall_s))  # type: ignore[arg-type]
-            await server.run()
+            with trio.CancelScope() as scope:
+                server = TCPServer(wrapped, cfg, context, ConnectionState({}),
+                                   _GuardedStream(stream, lim.send_stall_s, scope))  # type: ignore[arg-type]
+                await server.run()
         except Exception:  # contained to this connection: log it, close it, keep serving
             log.exception("connection failed client=%s", client)
             await trio.aclose_forcefully(stream)

@@ -1,0 +1,363 @@
+"""Hostile clients against the real servers on loopback (issue 16): slowloris heads and
+bodies, a body flood before authentication, idle-connection floods, wait floods and
+waiters that disconnect. Every attack is bounded in count and in time; small limits
+are configured so that each deadline is a fraction of a second."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import blake3
+import httpx
+import trio
+
+from p2p.dataplane import DataPlane, DataPlaneConfig
+from p2p.store import ChunkStore
+from scheduler_link.auth import TokenSet, auth_header
+from scheduler_link.http import App, Request, Response, ServerLimits, json_response, require_role, serve
+
+TOKEN = "cluster-secret"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+# ------------------------------------------------------------------ helpers
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+async def _connect(url: str) -> trio.SocketStream:
+    return await trio.open_tcp_stream("127.0.0.1", _port(url))
+
+
+async def _closed_within(stream: trio.SocketStream, seconds: float) -> tuple[bool, bytes]:
+    """Read until the server closes (True) or ``seconds`` pass (False); what it sent."""
+    out = b""
+    with trio.move_on_after(seconds):
+        while True:
+            try:
+                data = await stream.receive_some(65536)
+            except trio.BrokenResourceError:
+                return True, out
+            if not data:
+                return True, out
+            out += data
+    return False, out
+
+
+async def _trickle(stream: trio.SocketStream, head: bytes, *, every_s: float, for_s: float) -> tuple[bool, float]:
+    """Send ``head`` and then one more header byte every ``every_s`` (never finishing the
+    head) until the server closes or ``for_s`` passes. (closed?, seconds it took)."""
+    t0 = trio.current_time()
+    await stream.send_all(head)
+    while trio.current_time() - t0 < for_s:
+        with trio.move_on_after(every_s):
+            try:
+                data = await stream.receive_some(65536)
+            except trio.BrokenResourceError:
+                return True, trio.current_time() - t0
+            # the server either answered (408) and closes, or closed
+            closed, _ = await _closed_within(stream, 1.0) if data else (True, b"")
+            return closed, trio.current_time() - t0
+        try:
+            await stream.send_all(b"a")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            return True, trio.current_time() - t0
+    return False, trio.current_time() - t0
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _control_app(tokens: TokenSet, seen: list[int], *, body_timeout_s: float = 30.0) -> App:
+    app = App(max_body=1 << 20, body_timeout_s=body_timeout_s)
+
+    async def ok(req: Request) -> Response:
+        return json_response({"ok": True})
+
+    async def post(req: Request) -> Response:
+        seen.append(len(req.body))
+        return json_response({"got": len(req.body)})
+
+    app.add("GET", "/ok", ok)
+    app.add("POST", "/in", post, auth=require_role(tokens, "placer"))
+    return app
+
+
+# ------------------------------------------------------------------ control API (scheduler_link.http)
+
+async def test_http_slowloris_head_is_cut_at_an_absolute_deadline(token_dir: Path) -> None:
+    tokens = TokenSet.load(token_dir)
+    app = _control_app(tokens, [])
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            url = await n.start(lambda task_status: serve(app, "127.0.0.1:0", task_status=task_status,
+                                                          limits=ServerLimits(head_timeout_s=0.6)))
+            streams = [await _connect(url) for _ in range(3)]
+            async with trio.open_nursery() as attack:
+                results: list[tuple[bool, float]] = []
+
+                async def one(s: trio.SocketStream) -> None:
+                    results.append(await _trickle(s, b"GET /ok HTTP/1.1\r\nhost: a\r\nx-slow: ",
+                                                  every_s=0.1, for_s=4.0))
+                for s in streams:
+                    attack.start_soon(one, s)
+            for s in streams:
+                await s.aclose()
+            # a byte every 0.1 s never resets the 0.6 s head deadline
+            assert all(closed and took < 2.0 for closed, took in results), results
+            async with httpx.AsyncClient(base_url=url) as c:
+                assert (await c.get("/ok")).status_code == 200
+            n.cancel_scope.cancel()
+
+
+async def test_http_slow_body_is_cut_and_a_refused_body_is_never_read(token_dir: Path) -> None:
+    tokens = TokenSet.load(token_dir)
+    seen: list[int] = []
+    app = _control_app(tokens, seen, body_timeout_s=0.6)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            url = await n.start(serve, app, "127.0.0.1:0")
+            # authenticated, but the body trickles: 408 within the body deadline, then closed
+            s = await _connect(url)
+            tok = tokens.placer
+            await s.send_all(f"POST /in HTTP/1.1\r\nhost: a\r\nauthorization: Bearer {tok}\r\n"
+                             "content-length: 1000\r\n\r\n".encode())
+            t0 = trio.current_time()
+            answer = b""
+            for _ in range(40):
+                try:
+                    await s.send_all(b"x")
+                except trio.BrokenResourceError:
+                    break
+                with trio.move_on_after(0.1):
+                    data = await s.receive_some(65536)
+                    answer += data
+                    if not data or b"\r\n\r\n" in answer:
+                        break
+            assert answer.startswith(b"HTTP/1.1 408"), answer[:80]
+            assert trio.current_time() - t0 < 2.0
+            closed, _ = await _closed_within(s, 2.0)
+            assert closed
+            await s.aclose()
+            # no token: 401 at once after the head, the announced body is never awaited
+            s = await _connect(url)
+            await s.send_all(b"POST /in HTTP/1.1\r\nhost: a\r\ncontent-length: 900000\r\n\r\n")
+            closed, out = await _closed_within(s, 2.0)
+            assert closed and out.startswith(b"HTTP/1.1 401") and b"connection: close" in out.lower()
+            await s.aclose()
+            assert seen == []
+            n.cancel_scope.cancel()
+
+
+async def test_http_body_flood_before_auth_keeps_rss_bounded(token_dir: Path) -> None:
+    """64 unauthenticated senders push 900 KB each: the server answers 401 on the head
+    and never buffers their bodies (reading them first would hold ~57 MB)."""
+    tokens = TokenSet.load(token_dir)
+    seen: list[int] = []
+    app = _control_app(tokens, seen)
+    payload = b"x" * 899_000
+    peak = [0]
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            url = await n.start(serve, app, "127.0.0.1:0")
+            base = _rss()
+            answers: list[bytes] = []
+
+            async def sender() -> None:
+                s = await _connect(url)
+                try:
+                    await s.send_all(b"POST /in HTTP/1.1\r\nhost: a\r\ncontent-length: 900000\r\n\r\n")
+                    with trio.move_on_after(3):
+                        try:
+                            await s.send_all(payload)   # the rest is never sent: a held upload
+                        except (trio.BrokenResourceError, trio.ClosedResourceError):
+                            pass
+                    _, out = await _closed_within(s, 3.0)
+                    answers.append(out)
+                finally:
+                    await s.aclose()
+
+            async def sample() -> None:
+                while True:
+                    peak[0] = max(peak[0], _rss())
+                    await trio.sleep(0.01)
+
+            async with trio.open_nursery() as flood:
+                flood.start_soon(sample)
+                async with trio.open_nursery() as senders:
+                    for _ in range(64):
+                        senders.start_soon(sender)
+                flood.cancel_scope.cancel()
+            assert seen == []
+            assert peak[0] - base < 24 << 20, f"RSS grew {(peak[0] - base) >> 20} MiB"
+            # most see their 401 (some only a reset: the server closes with their bytes unread)
+            assert sum(a.startswith(b"HTTP/1.1 401") for a in answers) >= 32
+            async with httpx.AsyncClient(base_url=url) as c:
+                r = await c.post("/in", content=b"{}", headers=auth_header(tokens.placer))
+                assert r.status_code == 200 and seen == [2]
+            n.cancel_scope.cancel()
+
+
+async def test_http_idle_connection_flood_is_capped(token_dir: Path) -> None:
+    tokens = TokenSet.load(token_dir)
+    app = _control_app(tokens, [])
+    limits = ServerLimits(max_connections=12, max_per_client=8, head_timeout_s=1.0)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            url = await n.start(lambda task_status: serve(app, "127.0.0.1:0", limits=limits,
+                                                          task_status=task_status))
+            streams = [await _connect(url) for _ in range(20)]
+            refused = 0
+            for s in streams:
+                closed, out = await _closed_within(s, 0.05)
+                if closed:
+                    assert out.startswith(b"HTTP/1.1 503")
+                    refused += 1
+            assert refused == 12 and app.gate is not None and app.gate.open == 8
+            # the admitted ones are closed once idle past the head deadline
+            for s in streams:
+                closed, _ = await _closed_within(s, 2.0)
+                assert closed
+                await s.aclose()
+            await trio.sleep(0.05)
+            assert app.gate.open == 0
+            async with httpx.AsyncClient(base_url=url) as c:
+                assert (await c.get("/ok")).status_code == 200
+            n.cancel_scope.cancel()
+
+
+async def test_http_handler_crash_is_contained(token_dir: Path) -> None:
+    app = App()
+
+    async def boom(req: Request) -> Response:
+        raise RuntimeError("a bug")
+
+    async def ok(req: Request) -> Response:
+        return json_response({"ok": True})
+
+    app.add("GET", "/boom", boom)
+    app.add("GET", "/ok", ok)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            url = await n.start(serve, app, "127.0.0.1:0")
+            async with httpx.AsyncClient(base_url=url) as c:
+                for _ in range(3):
+                    assert (await c.get("/boom")).status_code == 500
+                assert (await c.get("/ok")).status_code == 200
+            n.cancel_scope.cancel()
+
+
+# ------------------------------------------------------------------ data plane
+
+async def _plane(nursery: trio.Nursery, store: ChunkStore, cfg: DataPlaneConfig) -> tuple[DataPlane, str]:
+    plane = DataPlane(store, token=TOKEN, listen="127.0.0.1:0", config=cfg)
+    return plane, await nursery.start(plane.run)
+
+
+async def test_dataplane_slowloris_head_is_cut_at_an_absolute_deadline(tmp_path: Path) -> None:
+    store = ChunkStore(tmp_path / "s")
+    cfg = DataPlaneConfig(head_timeout_s=0.6, idle_timeout_s=10.0)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            plane, url = await _plane(n, store, cfg)
+            streams = [await _connect(url) for _ in range(3)]
+            results: list[tuple[bool, float]] = []
+            async with trio.open_nursery() as attack:
+                async def one(s: trio.SocketStream) -> None:
+                    results.append(await _trickle(s, b"GET /v1/stats HTTP/1.1\r\nhost: a\r\nx-slow: ",
+                                                  every_s=0.1, for_s=4.0))
+                for s in streams:
+                    attack.start_soon(one, s)
+            for s in streams:
+                await s.aclose()
+            assert all(closed and took < 2.0 for closed, took in results), results
+            assert plane.statistics()["head_timeouts"] == 3
+            async with httpx.AsyncClient(headers=AUTH) as c:
+                assert (await c.get(f"{url}/v1/stats")).status_code == 200
+            n.cancel_scope.cancel()
+
+
+async def test_dataplane_idle_connection_flood_is_capped(tmp_path: Path) -> None:
+    store = ChunkStore(tmp_path / "s")
+    cfg = DataPlaneConfig(max_connections_per_client=8, max_connections=100, idle_timeout_s=1.0)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            plane, url = await _plane(n, store, cfg)
+            streams = [await _connect(url) for _ in range(20)]
+            refused = 0
+            for s in streams:
+                closed, out = await _closed_within(s, 0.05)
+                if closed:
+                    assert out.startswith(b"HTTP/1.1 503")
+                    refused += 1
+            assert refused == 12
+            assert plane.statistics()["open_connections"] == 8
+            for s in streams:
+                closed, _ = await _closed_within(s, 3.0)
+                assert closed
+                await s.aclose()
+            await trio.sleep(0.05)
+            assert plane.statistics()["open_connections"] == 0
+            n.cancel_scope.cancel()
+
+
+async def test_dataplane_wait_flood_does_not_starve_serving(tmp_path: Path) -> None:
+    """40 requests wait on a chunk that never comes; the wait budget (16) turns the rest
+    away, and a present chunk and /v1/stats are still served at once."""
+    store = ChunkStore(tmp_path / "s")
+    data = os.urandom(100_000)
+    cid = blake3.blake3(data).hexdigest()
+    store.put_chunk(cid, data)
+    cfg = DataPlaneConfig(max_concurrent=16, max_per_client=16, max_waiting=16, max_waiting_per_client=16,
+                          max_connections_per_client=100)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            plane, url = await _plane(n, store, cfg)
+            codes: list[int] = []
+            async with httpx.AsyncClient(headers=AUTH, limits=httpx.Limits(max_connections=100)) as c:
+                async with trio.open_nursery() as flood:
+                    async def waiter() -> None:
+                        r = await c.get(f"{url}/v1/chunks/{'ab' * 32}?wait_ms=3000", timeout=10)
+                        codes.append(r.status_code)
+                    for _ in range(40):
+                        flood.start_soon(waiter)
+                    while plane.statistics()["waiting_requests"] < 16 or len(codes) < 24:
+                        await trio.sleep(0.01)
+                    with trio.fail_after(1):
+                        r = await c.get(f"{url}/v1/chunks/{cid}")
+                        assert r.status_code == 200 and r.content == data
+                        assert (await c.get(f"{url}/v1/stats")).status_code == 200
+                    flood.cancel_scope.cancel()
+            assert codes.count(503) == 24
+            n.cancel_scope.cancel()
+
+
+async def test_dataplane_waiter_that_disconnects_frees_its_place(tmp_path: Path) -> None:
+    store = ChunkStore(tmp_path / "s")
+    cfg = DataPlaneConfig(max_waiting=8, max_waiting_per_client=8)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            plane, url = await _plane(n, store, cfg)
+            streams = []
+            for i in range(8):
+                s = await _connect(url)
+                await s.send_all(f"GET /v1/chunks/{i:064x}?wait_ms=60000 HTTP/1.1\r\nhost: a\r\n"
+                                 f"authorization: Bearer {TOKEN}\r\n\r\n".encode())
+                streams.append(s)
+            while plane.statistics()["waiting"] < 8:
+                await trio.sleep(0.01)
+            for s in streams:
+                await s.aclose()
+            with trio.fail_after(1):   # at once, not after wait_ms
+                while plane.statistics()["waiting"] > 0:
+                    await trio.sleep(0.01)
+            assert plane.statistics()["waits_abandoned"] == 8
+            # the budget is whole again: a new wait is admitted (and times out normally)
+            async with httpx.AsyncClient(headers=AUTH) as c:
+                r = await c.get(f"{url}/v1/chunks/{'cd' * 32}?wait_ms=50")
+                assert r.status_code == 404
+            n.cancel_scope.cancel()
