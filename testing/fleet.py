@@ -1,0 +1,544 @@
+"""The fleet emulator: thousands of emulated agents in one process, against the real placer.
+
+What is real and what is not: every emulated node runs the real
+:class:`scheduler_link.agent_link.AgentLink` (full reports, heartbeats with boot id and
+seq, 409 → full report, the framed channel, workload events at once) and answers real
+``POST /v1/placements`` requests with real :class:`PlacementAck` s. Only process spawning
+and GPUs are emulated: a fake supervisor acks a placement (``accepted``, or
+``refused_gpus`` / ``refused_spec`` for the nodes told to refuse), then reports each pod
+accepted → fetching → running after configurable delays, and stops victims
+(terminating → preempted|exited); GPU snapshots come from the simulated profiles of
+``agent/gpus/simulated.py`` (``dgx-h100`` for the h100 fleet, ``gb200-nvl72`` trays for
+gb200), with the node names and topology of ``placer/sim.py``'s fleet shapes. Nothing of
+the placer is emulated or imported beyond those shapes.
+
+Sockets, because one process holds up to 20,000 descriptors:
+- placements: one HTTP listener per emulator process; a node's ``control_url`` is
+  ``http://HOST:PORT/n/<node_id>`` and the listener routes by that prefix (the placer's
+  PushPool keeps a bounded set of connections per endpoint, not one per node);
+- reports: ``--mux K`` shares K relay-mode framed connections
+  (:class:`~scheduler_link.heartbeat_wire.SharedWire`) among all the process's nodes;
+  ``--mux 0`` gives each node its own framed connection (as real agents have), spread
+  over source addresses 127.0.0.2.. so no (source, destination) pair runs out of ports;
+- HTTP reports (registration without a known wire URL, and the fallback) share one
+  bounded HTTP client.
+
+Several processes can share one fleet: ``--offset K --nodes N`` emulates nodes K..K+N-1 of
+the fleet. The process prints one JSON line when it is ready (``{"ready": true,
+"control": ..., ...}``), waits for ``go`` on stdin (or starts at once with ``--go``),
+serves ``GET /stats`` on its listener, and exits when stdin closes or ``--seconds`` pass.
+
+    python -m testing.fleet --nodes 4096 --placer http://127.0.0.1:7470 \\
+        --wire-url tcp://127.0.0.1:7471 --token-dir /tmp/tokens --mux 8 --go
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import h11
+import httpx
+import msgspec
+import trio
+
+from agent.gpus.simulated import PROFILES, SimulatedBackend
+from scheduler_link.agent_link import AgentLink, ReportChannel
+from scheduler_link.auth import TokenSet, bearer
+from scheduler_link.heartbeat_wire import HeartbeatClient, SharedWire
+from scheduler_link.messages import (
+    GpuInfo,
+    GpuSnapshot,
+    NodeReport,
+    Placement,
+    PlacementAck,
+    TopologyPath,
+    Victim,
+    WorkloadEvent,
+    WorkloadStatus,
+)
+
+log = logging.getLogger("herd.testing.fleet")
+
+_placement_dec = msgspec.json.Decoder(Placement)
+_enc = msgspec.json.Encoder()
+
+
+# ---------------------------------------------------------------- fleet shape
+
+@dataclass(frozen=True, slots=True)
+class NodeSlot:
+    """One node of the fleet, by its global index (names as placer/sim.py's build_fleet)."""
+    node_id: str
+    zone: str
+    block: str
+    rack: str
+    nvlink_domain_rack: bool
+
+
+def fleet_nodes(fleet: str, offset: int, count: int) -> list[NodeSlot]:
+    from placer.sim import fleet_shape  # the fleet shapes' one definition
+
+    fs = fleet_shape(fleet)
+    racks_per_zone = fs.racks_per_block * fs.blocks_per_zone
+    out = []
+    p = fleet[0]
+    for i in range(offset, offset + count):
+        r, n = divmod(i, fs.nodes_per_rack)
+        z, rem = divmod(r, racks_per_zone)
+        b, rr = divmod(rem, fs.racks_per_block)
+        zone, block, rack = f"{p}z{z:02d}", f"b{b:03d}", f"r{rr:02d}"
+        out.append(NodeSlot(f"{zone}-{block}-{rack}-n{n:02d}", zone, block, rack, fs.nvlink_rack))
+    return out
+
+
+PROFILE_OF = {"h100": "dgx-h100", "gb200": "gb200-nvl72"}
+
+
+class SnapshotFactory:
+    """GPU snapshots as ``SimulatedBackend(profile, hostname=node, rack=rack)`` discovers them,
+    built from one discovery per rack (the per-node parts — UUIDs, serials — replaced), so
+    131,072 nodes do not cost 131,072 discoveries."""
+
+    def __init__(self, profile: str) -> None:
+        if profile not in PROFILES:
+            raise ValueError(f"unknown simulated profile {profile!r}")
+        self.profile = profile
+        self._by_rack: dict[str, tuple[Any, list[GpuInfo]]] = {}
+
+    def snapshot(self, node_id: str, rack_path: str) -> GpuSnapshot:
+        tpl = self._by_rack.get(rack_path)
+        if tpl is None:
+            d = SimulatedBackend(self.profile, hostname="template", rack=rack_path).discover()
+            tpl = self._by_rack[rack_path] = (d, list(d.gpus))
+        d, gpus = tpl
+        mine = []
+        for g in gpus:
+            h = hashlib.blake2b(f"{node_id}/{self.profile}/{g.index}".encode(), digest_size=16).hexdigest()
+            u = f"GPU-sim-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+            mine.append(msgspec.structs.replace(g, uuid=u, serial=f"sim-{u[8:16]}"))
+        return GpuSnapshot(hostname=node_id, backend=d.backend, simulated=True, driver_version=d.driver_version,
+                           cuda_version=d.cuda_version, gpus=mine, topology_matrix=d.topology_matrix,
+                           nvlink_domain=d.nvlink_domain, taken_at=time.time())
+
+
+# ---------------------------------------------------------------- one emulated node
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Delays of the fake supervisor (seconds)."""
+    fetch_s: float = 0.05        # accepted -> fetching
+    run_s: float = 0.1           # fetching -> running
+    stop_s: float = 0.05         # terminating -> preempted|exited
+
+
+class EmulatedNode:
+    """One node: the hooks its AgentLink calls, and a fake supervisor for placements."""
+
+    __slots__ = ("fleet", "slot", "control_url", "refuse", "workloads", "link", "_snap", "_uuids")
+
+    def __init__(self, fleet: Fleet, slot: NodeSlot, control_url: str, refuse: str | None) -> None:
+        self.fleet = fleet
+        self.slot = slot
+        self.control_url = control_url
+        self.refuse = refuse                      # None | "refused_gpus" | "refused_spec"
+        self.workloads: dict[str, WorkloadStatus] = {}
+        self.link: AgentLink | None = None
+        self._snap: GpuSnapshot | None = None
+        self._uuids: frozenset[str] = frozenset()
+
+    # ---- LinkHooks
+
+    def gpu_snapshot(self) -> GpuSnapshot:
+        if self._snap is None:
+            s = self.slot
+            self._snap = self.fleet.snapshots.snapshot(s.node_id, f"{s.zone}/{s.block}/{s.rack}")
+            self._uuids = frozenset(g.uuid for g in self._snap.gpus)
+        return self._snap
+
+    def full_report(self) -> NodeReport:
+        snap = self.gpu_snapshot()
+        s = self.slot
+        return NodeReport(node_id=s.node_id, boot_id="", seq=0, full=True, control_url=self.control_url,
+                          data_url=f"http://127.0.0.1:9/{s.node_id}",  # no data plane here
+                          topology=TopologyPath(zone=s.zone, block=s.block, rack=s.rack),
+                          nvlink_domain=snap.nvlink_domain, snapshot=snap,
+                          workloads=list(self.workloads.values()), manifests=[], sent_at=time.time())
+
+    async def stop_workloads(self, victims: list[Victim]) -> None:
+        for v in victims:
+            self.fleet.spawn(self._stop, v)
+
+    # ---- fake supervisor
+
+    def place(self, p: Placement) -> tuple[int, PlacementAck]:
+        nid = self.slot.node_id
+        self.gpu_snapshot()
+        if self.refuse == "refused_spec" or p.version != 1:
+            return 409, PlacementAck(placement_id=p.placement_id, node_id=nid, accepted=False,
+                                     outcome="refused_spec", reason="emulated: refusing the spec")
+        wanted = [u for pod in p.pods for u in pod.gpus]
+        unknown = [u for u in wanted if u not in self._uuids]
+        if self.refuse == "refused_gpus" or unknown:
+            bad = unknown or wanted[:1]
+            return 409, PlacementAck(placement_id=p.placement_id, node_id=nid, accepted=False,
+                                     outcome="refused_gpus", refused_gpus=bad,
+                                     reason="emulated: GPUs refused")
+        now = time.time()
+        fresh = []
+        for pod in p.pods:
+            if pod.workload_id in self.workloads:
+                continue  # idempotent by placement (and workload) id
+            self.workloads[pod.workload_id] = WorkloadStatus(
+                workload_id=pod.workload_id, job_id=p.job_id, placement_id=p.placement_id, rank=pod.rank,
+                world_size=p.world_size, gpus=list(pod.gpus), state="accepted", manifest_id=p.manifest_id,
+                created_at=now, updated_at=now)
+            fresh.append(pod.workload_id)
+        for v in p.victims:
+            self.fleet.spawn(self._stop, v)
+        for wid in fresh:
+            self._event(wid, "accepted")
+        if fresh:
+            self.fleet.spawn(self._start, fresh)
+        return 200, PlacementAck(placement_id=p.placement_id, node_id=nid, accepted=True, outcome="accepted",
+                                 workloads=[pod.workload_id for pod in p.pods])
+
+    def _event(self, wid: str, state: str, **kw: Any) -> None:
+        w = self.workloads.get(wid)
+        if w is None:
+            return
+        now = time.time()
+        self.workloads[wid] = msgspec.structs.replace(
+            w, state=state, updated_at=now, started_at=now if state == "running" else w.started_at, **kw)
+        ev = WorkloadEvent(workload_id=wid, job_id=w.job_id, state=state, at=now,  # type: ignore[arg-type]
+                           gpus=list(w.gpus), placement_id=w.placement_id, **kw)
+        self.fleet.stats.event(w.job_id, now)
+        if self.link is not None:
+            self.link.notify(ev)
+
+    async def _start(self, wids: list[str]) -> None:
+        t = self.fleet.timing
+        await trio.sleep(t.fetch_s)
+        live = [w for w in wids if self.workloads.get(w) is not None and self.workloads[w].state == "accepted"]
+        for wid in live:
+            self._event(wid, "fetching")
+        await trio.sleep(t.run_s)
+        for wid in live:
+            if self.workloads.get(wid) is not None and self.workloads[wid].state == "fetching":
+                self._event(wid, "running")
+
+    async def _stop(self, v: Victim) -> None:
+        w = self.workloads.get(v.workload_id)
+        if w is None or w.state in ("exited", "preempted", "failed", "lost", "terminating"):
+            return
+        self._event(v.workload_id, "terminating")
+        await trio.sleep(min(v.grace_s, self.fleet.timing.stop_s))
+        final = "preempted" if v.reason.startswith("preempt") else "exited"  # as agent/supervisor.py
+        self._event(v.workload_id, final, exit_code=None if final == "preempted" else 0, reason=v.reason)
+
+
+# ---------------------------------------------------------------- statistics
+
+@dataclass(slots=True)
+class JobEvents:
+    count: int = 0
+    first_at: float = 0.0
+    last_at: float = 0.0
+
+
+@dataclass(slots=True)
+class FleetStats:
+    placements: int = 0
+    acks: dict[str, int] = field(default_factory=dict)
+    events: int = 0
+    first_event_at: float = 0.0
+    last_event_at: float = 0.0
+    jobs: dict[str, JobEvents] = field(default_factory=dict)
+
+    def event(self, job_id: str, at: float) -> None:
+        self.events += 1
+        if not self.first_event_at:
+            self.first_event_at = at
+        self.last_event_at = at
+        j = self.jobs.get(job_id)
+        if j is None:
+            j = self.jobs[job_id] = JobEvents(first_at=at)
+        j.count += 1
+        j.last_at = at
+
+
+# ---------------------------------------------------------------- the fleet
+
+@dataclass(frozen=True, slots=True)
+class FleetConfig:
+    placer_url: str
+    nodes: int
+    offset: int = 0
+    fleet: str = "h100"
+    wire_url: str | None = None        # a known framed channel (as after a placer restart)
+    mux: int = 8                       # shared framed connections; 0 = one per node
+    sources: int = 16                  # source addresses 127.0.0.2.. for direct connections
+    use_wire: bool = True              # False: HTTP reports only (the baseline)
+    heartbeat_s: float = 5.0           # until the placer's first reply says otherwise
+    http_connections: int = 32
+    listen_host: str = "127.0.0.1"
+    refuse_gpus: frozenset[str] = frozenset()
+    refuse_spec: frozenset[str] = frozenset()
+    timing: Timing = Timing()
+    request_timeout_s: float = 30.0
+
+
+class Fleet:
+    """``await nursery.start(fleet.run)`` -> the control base URL once the listener is bound;
+    :meth:`go` starts every node's link at once."""
+
+    def __init__(self, cfg: FleetConfig, tokens: TokenSet) -> None:
+        self.cfg = cfg
+        self.tokens = tokens
+        self.timing = cfg.timing
+        self.snapshots = SnapshotFactory(PROFILE_OF.get(cfg.fleet, cfg.fleet))
+        self.stats = FleetStats()
+        self.nodes: dict[str, EmulatedNode] = {}
+        self.shared: list[SharedWire] = []
+        self.started_at: float | None = None
+        self.control: str | None = None
+        self._nursery: trio.Nursery | None = None
+        self._go = trio.Event()
+
+    def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(fn, *args)
+
+    def go(self) -> None:
+        self._go.set()
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        cfg = self.cfg
+        listeners = await trio.open_tcp_listeners(0, host=cfg.listen_host)
+        port = listeners[0].socket.getsockname()[1]
+        self.control = f"http://{cfg.listen_host}:{port}"
+        for slot in fleet_nodes(cfg.fleet, cfg.offset, cfg.nodes):
+            refuse = ("refused_gpus" if slot.node_id in cfg.refuse_gpus else
+                      "refused_spec" if slot.node_id in cfg.refuse_spec else None)
+            self.nodes[slot.node_id] = EmulatedNode(self, slot, f"{self.control}/n/{slot.node_id}", refuse)
+        limits = httpx.Limits(max_connections=cfg.http_connections, max_keepalive_connections=cfg.http_connections)
+        headers = {"content-type": "application/json", "authorization": f"Bearer {self.tokens.cluster or ''}"}
+        async with httpx.AsyncClient(limits=limits, headers=headers, timeout=cfg.request_timeout_s) as http, \
+                trio.open_nursery() as n:
+            self._nursery = n
+            n.start_soon(trio.serve_listeners, self._handle, listeners)
+            task_status.started(self.control)
+            await self._go.wait()
+            self.started_at = time.time()
+            connect = await self._connector(n)
+            for node in self.nodes.values():
+                link = AgentLink(cfg.placer_url, self.tokens.cluster, node.slot.node_id, node,
+                                 heartbeat_s=cfg.heartbeat_s, use_wire=cfg.use_wire, wire_url=cfg.wire_url,
+                                 wire_connect=connect, http=http, request_timeout_s=cfg.request_timeout_s,
+                                 backoff_max_s=max(cfg.heartbeat_s, 1.0))
+                node.link = link
+                n.start_soon(link.run)
+
+    async def _connector(self, n: trio.Nursery) -> Any:
+        cfg = self.cfg
+        token = self.tokens.cluster or ""
+        if cfg.mux > 0 and cfg.use_wire and cfg.wire_url:
+            for k in range(cfg.mux):
+                sw = SharedWire(cfg.wire_url, token, name=f"emu-{cfg.offset}-{k}",
+                                local_address=_source(k, cfg.sources))
+                self.shared.append(sw)
+                n.start_soon(sw.run)
+            shared = self.shared
+
+            async def via_shared(wire_url: str, tok: str, node_id: str) -> ReportChannel:
+                sw = shared[hash(node_id) % len(shared)]
+                await sw.wait_connected()
+                return sw.handle()
+            return via_shared
+        counter = 0
+
+        async def direct(wire_url: str, tok: str, node_id: str) -> ReportChannel:
+            nonlocal counter
+            counter += 1
+            return await HeartbeatClient.connect(wire_url, tok, node_id, local_address=_source(counter, cfg.sources))
+        return direct
+
+    # ---- statistics
+
+    def statistics(self, job: str | None = None) -> dict[str, Any]:
+        links = [n.link for n in self.nodes.values() if n.link is not None]
+        st = self.stats
+        out: dict[str, Any] = {
+            "nodes": len(self.nodes), "offset": self.cfg.offset, "started_at": self.started_at,
+            "registered": sum(lk.registered for lk in links),
+            "reports_sent": sum(lk.reports_sent for lk in links),
+            "full_reports": sum(lk.full_reports_sent for lk in links),
+            "wire_full_reports": sum(lk.wire_full_reports for lk in links),
+            "wire_reports": sum(lk.wire_reports for lk in links),
+            "failures": sum(lk.failures for lk in links), "conflicts": sum(lk.conflicts for lk in links),
+            "placements": st.placements, "acks": dict(st.acks), "events": st.events,
+            "first_event_at": st.first_event_at, "last_event_at": st.last_event_at,
+            "shared_wires": [{"connects": s.connects, "breaks": s.breaks, "exchanges": s.exchanges}
+                             for s in self.shared],
+            "open_fds": _open_fds(),
+        }
+        if job is not None:
+            j = st.jobs.get(job)
+            out["job"] = {"job_id": job, "events": j.count if j else 0, "first_at": j.first_at if j else 0.0,
+                          "last_at": j.last_at if j else 0.0}
+        return out
+
+    # ---- the placement listener
+
+    async def _handle(self, stream: trio.SocketStream) -> None:
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 << 10)
+        body = bytearray()
+        req: h11.Request | None = None
+        try:
+            async with stream:
+                while True:
+                    ev = conn.next_event()
+                    if ev is h11.NEED_DATA:
+                        data = await stream.receive_some(1 << 16)
+                        conn.receive_data(data)
+                        if not data:
+                            return
+                        continue
+                    if isinstance(ev, h11.Request):
+                        req, body = ev, bytearray()
+                    elif isinstance(ev, h11.Data):
+                        body += ev.data
+                        if len(body) > 16 << 20:
+                            return
+                    elif isinstance(ev, h11.EndOfMessage) and req is not None:
+                        status, payload = self._route(req, bytes(body))
+                        out = conn.send(h11.Response(status_code=status, headers=[
+                            ("content-type", "application/json"), ("content-length", str(len(payload)))]))
+                        out += conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage())
+                        await stream.send_all(out)
+                        if conn.our_state is h11.MUST_CLOSE:
+                            return
+                        conn.start_next_cycle()
+                        req = None
+                    elif isinstance(ev, h11.ConnectionClosed):
+                        return
+        except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError, OSError):
+            return
+
+    def _route(self, req: h11.Request, body: bytes) -> tuple[int, bytes]:
+        target = req.target.decode("latin-1")
+        u = urlsplit(target)
+        method = req.method.decode()
+        if method == "GET" and u.path == "/stats":
+            job = parse_qs(u.query).get("job", [None])[0]
+            return 200, json.dumps(self.statistics(job)).encode()
+        parts = u.path.split("/")  # "", "n", node, "v1", "placements"
+        if method != "POST" or len(parts) != 5 or parts[1] != "n" or parts[3:] != ["v1", "placements"]:
+            return 404, b'{"error": "not found"}'
+        headers = {k.decode().lower(): v.decode("latin-1") for k, v in req.headers}
+        if not self.tokens.check("placer", bearer(headers)):
+            return 401, b'{"error": "unauthorized"}'
+        node = self.nodes.get(parts[2])
+        if node is None:
+            return 404, b'{"error": "no such node"}'
+        try:
+            p = _placement_dec.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            return 400, _enc.encode({"error": "malformed placement", "detail": str(e)})
+        self.stats.placements += 1
+        status, ack = node.place(p)
+        self.stats.acks[ack.effective_outcome()] = self.stats.acks.get(ack.effective_outcome(), 0) + 1
+        return status, _enc.encode(ack)
+
+
+def _source(k: int, sources: int) -> str | None:
+    if sources <= 1:
+        return None
+    return f"127.0.0.{2 + k % min(sources, 250)}"
+
+
+def _open_fds() -> int:
+    import os
+    try:
+        return len(os.listdir("/proc/self/fd"))
+    except OSError:
+        return -1
+
+
+# ---------------------------------------------------------------- the process
+
+async def _main(cfg: FleetConfig, tokens: TokenSet, go_now: bool, seconds: float) -> None:
+    fleet = Fleet(cfg, tokens)
+    async with trio.open_nursery() as n:
+        control = await n.start(fleet.run)
+        sys.stdout.write(json.dumps({"ready": True, "control": control, "nodes": cfg.nodes,
+                                     "offset": cfg.offset, "pid": _pid()}) + "\n")
+        sys.stdout.flush()
+
+        async def stdin_lines() -> None:
+            while True:
+                line = await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True)
+                if not line:  # the parent went away: stop
+                    n.cancel_scope.cancel()
+                    return
+                if line.strip() == "go":
+                    fleet.go()
+
+        n.start_soon(stdin_lines)
+        if go_now:
+            fleet.go()
+        await trio.sleep(seconds)
+        n.cancel_scope.cancel()
+
+
+def _pid() -> int:
+    import os
+    return os.getpid()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m testing.fleet", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--placer", required=True, help="the placer's base URL (http://127.0.0.1:PORT)")
+    ap.add_argument("--wire-url", default=None, help="tcp://HOST:PORT of the placer's framed channel, if known")
+    ap.add_argument("--token-dir", required=True)
+    ap.add_argument("--nodes", type=int, required=True)
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--fleet", choices=sorted(PROFILE_OF), default="h100")
+    ap.add_argument("--mux", type=int, default=8, help="shared framed connections (0: one per node)")
+    ap.add_argument("--sources", type=int, default=16, help="source addresses 127.0.0.2.. to spread over")
+    ap.add_argument("--http-only", action="store_true", help="report over HTTP only (the baseline)")
+    ap.add_argument("--heartbeat", type=float, default=5.0)
+    ap.add_argument("--fetch-delay", type=float, default=0.05)
+    ap.add_argument("--run-delay", type=float, default=0.1)
+    ap.add_argument("--stop-delay", type=float, default=0.05)
+    ap.add_argument("--refuse-gpus", default="", help="comma-separated node ids that refuse with refused_gpus")
+    ap.add_argument("--refuse-spec", default="", help="comma-separated node ids that refuse with refused_spec")
+    ap.add_argument("--go", action="store_true", help="start at once instead of waiting for 'go' on stdin")
+    ap.add_argument("--seconds", type=float, default=3600.0, help="exit after this long (bound)")
+    a = ap.parse_args(argv)
+    logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    tokens = TokenSet.load(a.token_dir)
+    cfg = FleetConfig(
+        placer_url=a.placer, nodes=a.nodes, offset=a.offset, fleet=a.fleet, wire_url=a.wire_url, mux=a.mux,
+        sources=a.sources, use_wire=not a.http_only, heartbeat_s=a.heartbeat,
+        refuse_gpus=frozenset(x for x in a.refuse_gpus.split(",") if x),
+        refuse_spec=frozenset(x for x in a.refuse_spec.split(",") if x),
+        timing=Timing(fetch_s=a.fetch_delay, run_s=a.run_delay, stop_s=a.stop_delay))
+    try:
+        trio.run(_main, cfg, tokens, a.go, min(a.seconds, math.inf))
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
