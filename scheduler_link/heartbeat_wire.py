@@ -23,8 +23,8 @@ Protocol (all integers big-endian):
 Bad input costs the sender, never the placer (DESIGN.md, Security model):
 - a connection must complete its hello within ``hello_timeout_s`` and may send at most
   ``MAX_HELLO`` bytes before it;
-- at most ``max_connections`` connections are served at once; one more gets a 503 reply
-  and is closed;
+- at most ``max_connections`` connections are served at once (default: the descriptor
+  limit less a reserve); one more gets a 503 reply and is closed;
 - an exception raised by ``ingest`` for one frame is logged and answered with a 500
   :class:`WireReply` on that connection; it never escapes into the server's nursery.
 """
@@ -99,6 +99,16 @@ def split_frames(buf: bytearray, limit: int = MAX_FRAME) -> list[bytes]:
 # ingest(node_id, report) -> (status, reply); must be synchronous (one owner of state)
 Ingest = Callable[[str, NodeReport], tuple[int, ReportReply]]
 
+def default_max_connections(reserve: int = 2048) -> int:
+    """The process's descriptor limit less a reserve for HTTP, pushes and files."""
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 65536
+    return max(64, soft - reserve)
+
+
 _INTERNAL = WireReply(status=500, error="internal error applying the report")
 
 
@@ -106,11 +116,11 @@ class HeartbeatServer:
     """Accepts agents' framed report streams and feeds them to ``ingest``."""
 
     def __init__(self, tokens: TokenSet, ingest: Ingest, *, hello_timeout_s: float = 10.0,
-                 max_connections: int = 16384) -> None:
+                 max_connections: int | None = None) -> None:
         self.tokens = tokens
         self.ingest = ingest
         self.hello_timeout_s = hello_timeout_s
-        self.max_connections = max_connections
+        self.max_connections = default_max_connections() if max_connections is None else max_connections
         self.frames = 0
         self.connections = 0           # accepted since start
         self.open_connections = 0
