@@ -184,11 +184,10 @@ def _fleet_reports(n_nodes: int, start: int = 0) -> list[Any]:
 
 def bench_ingest_core(n_nodes: int = 10_000, seconds: float = 2.0, max_reports: int = 400_000) -> dict[str, Any]:
     from placer.config import PlacerConfig
-    from placer.service import load_core
     from placer.state import PlacerState
     from scheduler_link.messages import NodeReport, WorkloadEvent
 
-    st = PlacerState(PlacerConfig(), load_core(), started_at=0.0)
+    st = PlacerState(PlacerConfig(), started_at=0.0)
     fulls = _fleet_reports(n_nodes)
     t0 = time.perf_counter()
     for rep in fulls:

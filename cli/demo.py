@@ -89,6 +89,8 @@ class Demo:
         self.own_workdir = args.workdir is None
         self.root = Path(args.workdir or tempfile.mkdtemp(prefix="herd-demo-"))
         self.root.mkdir(parents=True, exist_ok=True)
+        if self.own_workdir:  # traversable (not listable): agents run as root run workloads as another user
+            os.chmod(self.root, 0o711)
         self.events: list[tuple[float, str]] = []
         self.cluster: Any = None
         self.emulator: Any = None
@@ -195,7 +197,7 @@ class Demo:
             url = f"{self.cluster.agents[p.node_id].url}/v1/workloads/{p.workload_id}"
             doc: dict[str, Any] = {}
             while time.monotonic() < deadline:
-                doc = httpx.get(url, timeout=5).json()  # a WorkloadStatus
+                doc = httpx.get(url, timeout=5, headers=self.cluster.read_headers()).json()  # a WorkloadStatus
                 if doc.get("state") in TERMINAL_STATES:
                     break
                 time.sleep(0.05)
@@ -283,7 +285,7 @@ class Demo:
         out["nodes"] = [{"node": n.node_id, "rack": n.topology.rack, "state": n.state, "gpus": n.gpus,
                          "free": n.free_gpus, "simulated": n.simulated} for n in self.placer.nodes()]
         out["jobs"] = [{"job": j.job_id, "state": j.state, "restarts": j.restarts,
-                        "gpus": sum(len(p.gpus) for p in j.pods)} for j in self.placer.jobs()]
+                        "gpus": j.gpus_total} for j in self.placer.jobs()]
         return out
 
     def final_table(self, out: dict[str, Any]) -> None:

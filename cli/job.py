@@ -45,6 +45,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     ls.set_defaults(func=cmd_list)
     sh = js.add_parser("show", help="one job: pods, nodes, GPUs, states, timings")
     sh.add_argument("job_id")
+    sh.add_argument("--pods", metavar="OFFSET:LIMIT", default=None,
+                    help="which page of the job's pods to show (default the first 100)")
     _common(sh)
     sh.set_defaults(func=cmd_show)
     ca = js.add_parser("cancel", help="cancel a job (its workloads stop gracefully)")
@@ -167,10 +169,16 @@ def _print_job(v: JobView) -> None:
           f"{'preemptible' if s.preemptible else 'not preemptible'}, restart {s.restart.kind}")
     if v.timings:
         print("  timings: " + ", ".join(f"{k} +{_timing(v, k)}" for k in v.timings if k != "submitted"))
+    if v.pod_counts:
+        print(f"  pods: {v.pods_total} on {v.nodes_total} node(s), {v.gpus_total} GPU(s) — "
+              + ", ".join(f"{k} {n}" for k, n in v.pod_counts.items()))
     if v.pods:
         print(table(["RANK", "NODE", "GPUS", "STATE", "WORKLOAD"],
                     [(p.rank, p.node_id, ",".join(map(str, p.gpu_indices)), p.state
                       + (f"({p.exit_code})" if p.exit_code is not None else ""), p.workload_id) for p in v.pods]))
+        rest = v.pods_total - v.pods_offset - len(v.pods)
+        if rest > 0:
+            print(f"  … {rest} more pod(s): --pods {v.pods_offset + len(v.pods)}:100 shows the next page")
 
 
 def split_submit_args(args: argparse.Namespace) -> None:
@@ -218,13 +226,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         return 0
     print(table(["JOB", "STATE", "PODS", "GPUS", "PRIO", "ATTEMPT", "NODES"],
                 [(j.job_id, j.state, j.spec.pods, j.spec.pods * j.spec.gpus_per_pod, j.spec.priority, j.attempt,
-                  ",".join(sorted({p.node_id for p in j.pods}))[:40]) for j in jobs]) if jobs else "no jobs")
+                  j.nodes_total) for j in jobs]) if jobs else "no jobs")
     return 0
 
 
 def cmd_show(args: argparse.Namespace) -> int:
     with _client(args) as c:
-        v = c.job(args.job_id)
+        v = c.job(args.job_id, pods=args.pods)
     if args.json:
         emit_json(v)
     else:

@@ -8,7 +8,7 @@ Public API of the core (pure: numpy arrays in, decisions out; no sockets, clocks
   (deferred rebuild), ``set_node_state``, ``set_gpu_health`` (incremental), ``node_index``,
   ``node_ids``, ``gpus_per_node``, ``free_gpus``, ``domain_of``, ``allocate(decision)``,
   ``release(job_id)``, ``assign(job_id, node_id, slots, priority, preemptible)``,
-  ``jobs`` (id -> :class:`JobRecord` with ``priority``, ``preemptible``, ``gpus_by_node``),
+  ``jobs`` (id -> :class:`Allocation` with ``priority``, ``preemptible``, ``gpus_by_node``),
   ``copy()``, ``statistics()``, ``check_invariants()``.
 - :class:`JobRequest` ``(job_id, pods, gpus_per_pod, within="any", priority=0,
   preemptible=True, prefer=None, whole_nodes=False)``
@@ -37,13 +37,13 @@ import the module with ``importlib.import_module("placer.place")`` or ``from pla
 
 from .errors import Conflict, InvalidSpec, PlacerError, UnknownJob, UnknownNode
 from .frag import DEFAULT_SHAPES, Move, Shape, fragmentation, largest_placeable, plan_defrag
-from .model import LEVELS, WITHIN, ClusterModel, JobRecord, NodeSpec
+from .model import LEVELS, WITHIN, Allocation, ClusterModel, NodeSpec
 from .place import Decision, JobRequest, PodPlacement, fits_when_empty, place
 from .queue import JobQueue
 
 __all__ = [
     "DEFAULT_SHAPES", "LEVELS", "WITHIN", "ClusterModel", "Conflict", "Decision", "InvalidSpec",
-    "JobQueue", "JobRecord", "JobRequest", "Move", "NodeSpec", "PlacerError", "PodPlacement", "Shape",
+    "JobQueue", "Allocation", "JobRequest", "Move", "NodeSpec", "PlacerError", "PodPlacement", "Shape",
     "UnknownJob", "UnknownNode", "fits_when_empty", "fragmentation", "largest_placeable", "place",
     "plan_defrag",
 ]

@@ -13,7 +13,7 @@ or the node itself (an 8-GPU HGX node, ``nvlink_domain=None``).
 
 Per (node, slot) we hold the owner (int32 job index, -1 free) and a ``usable`` mask
 (slot exists, GPU healthy, node healthy and not draining). ``free[node]`` counts usable
-free slots. Jobs live in a table (``jobs``: id -> :class:`JobRecord`) and in small
+free slots. Jobs live in a table (``jobs``: id -> :class:`Allocation`) and in small
 parallel arrays indexed by job index (priority, preemptible, GPU count) that the
 vectorised preemption path reads.
 
@@ -32,6 +32,13 @@ Rebuild (O(nodes log nodes), deferred): :meth:`upsert_node` of a new node or one
 moved or changed GPU count, :meth:`remove_node`. Those only mark the model dirty; the
 rebuild runs once, at the next read, so registering 100,000 nodes one by one costs one
 rebuild. Allocations, health and drain marks survive a rebuild.
+
+While a rebuild is pending, per-node mutations of nodes already in the arrays (whose spec
+did not change) apply to their current rows at once: allocations are carried over by node
+id, so they survive the rebuild. An ``assign`` to a node not yet in the arrays (a node
+registering with workloads, after a placer restart) is checked against the node's spec and
+the other pending assigns, and applied by the rebuild. So a fleet registering all at once,
+workloads and all, costs one rebuild, not one per node.
 
 One owner at a time: the model keeps reusable scratch arrays for the preemption path, so
 two threads must not run ``place`` on the same model at once (copies are independent).
@@ -60,14 +67,14 @@ from .topology import (
 )
 
 __all__ = [
-    "LEVELS", "MAX_GPUS_PER_NODE", "NODE_LEVEL", "PREEMPT_BUCKETS", "WITHIN", "ClusterModel", "JobRecord",
+    "LEVELS", "MAX_GPUS_PER_NODE", "NODE_LEVEL", "PREEMPT_BUCKETS", "WITHIN", "Allocation", "ClusterModel",
     "NodeSpec", "level_index", "row_count",
 ]
 
 log = logging.getLogger("herd.placer.model")
 
 @dataclass(slots=True, eq=False)
-class JobRecord:
+class Allocation:
     """A job holding GPUs. ``nodes``/``slots`` are parallel arrays of node index and slot
     (node indices are those of the model's current order; a rebuild remaps them)."""
 
@@ -103,6 +110,7 @@ class ClusterModel:
         self._specs: dict[str, NodeSpec] = {}
         self._dirty = True
         self.epoch = 0
+        self.rebuilds = 0
         # node state that survives rebuilds, by id
         self._node_healthy: dict[str, bool] = {}
         self._node_draining: dict[str, bool] = {}
@@ -130,7 +138,7 @@ class ClusterModel:
         self.max_span: list[int] = []            # most nodes in one domain, per level
         self.dom_names: list[list[str]] = []
         # jobs
-        self._jobs: dict[str, JobRecord] = {}
+        self._jobs: dict[str, Allocation] = {}
         self._job_cap = 0
         self.job_priority = np.zeros(0, np.int64)
         self.job_preemptible = np.zeros(0, bool)
@@ -139,6 +147,11 @@ class ClusterModel:
         self._job_ids: list[str | None] = []
         self._free_job_idx: list[int] = []
         self._grow_jobs(64)
+        self._built: list[NodeSpec] = []          # spec of each row, as of the last rebuild
+        # assigns to nodes not yet in the arrays: applied by the next rebuild
+        self._pending: list[tuple[str, str, tuple[int, ...], int, bool]] = []
+        self._pending_slots: dict[str, dict[int, str]] = {}
+        self._pending_jobs: set[str] = set()
 
     # ------------------------------------------------------------------ construction
 
@@ -193,12 +206,21 @@ class ClusterModel:
         self.gpu_healthy, self.node_healthy, self.node_draining = gpu_healthy, node_healthy, node_draining
         self.starts, self.ends, self.dom_of_node, self.dom_names = dom.starts, dom.ends, dom.dom_of_node, dom.names
         self.child_lo, self.child_hi, self.max_span = dom.child_lo, dom.child_hi, dom.max_span
+        self._built = specs
         self._recompute_usable()
         self._rebuild_job_positions()
         self._dirty = False
         self.epoch += 1
+        self.rebuilds += 1
         self._scratch = {}
         self._warm_scratch()
+        pending, self._pending = self._pending, []
+        self._pending_slots, self._pending_jobs = {}, set()
+        for job_id, node_id, slots, priority, preemptible in pending:
+            try:
+                self.assign(job_id, node_id, slots, priority, preemptible)
+            except (Conflict, InvalidSpec, UnknownNode) as e:  # checked when queued: cannot happen
+                log.error("pending assign dropped job=%s node=%s: %s", job_id, node_id, e)
         log.debug("rebuilt nodes=%d gpus=%d jobs=%d", N, int(n_gpus.sum()), len(self._jobs))
 
     def scratch(self, name: str, shape: tuple[int, ...], dtype: Any) -> np.ndarray:
@@ -284,8 +306,7 @@ class ClusterModel:
     def set_node_state(self, node_id: str, healthy: bool, draining: bool = False) -> None:
         """Mark a node healthy/unhealthy and draining or not (incremental). Allocations stay;
         an unhealthy or draining node is never used for new placements."""
-        self._ensure()
-        i = self._idx(node_id)
+        i = self._ensure_row(node_id)
         self._node_healthy[node_id] = bool(healthy)
         self._node_draining[node_id] = bool(draining)
         self.node_healthy[i] = bool(healthy)
@@ -294,8 +315,7 @@ class ClusterModel:
 
     def set_gpu_health(self, node_id: str, slot: int, healthy: bool) -> None:
         """Mark one GPU healthy or not (incremental). Its owner, if any, keeps it."""
-        self._ensure()
-        i = self._idx(node_id)
+        i = self._ensure_row(node_id)
         if not isinstance(slot, int) or not (0 <= slot < int(self.n_gpus[i])):
             raise InvalidSpec(f"node {node_id} has no GPU slot {slot!r} (it has {int(self.n_gpus[i])})")
         bad = self._gpu_bad.setdefault(node_id, set())
@@ -307,6 +327,24 @@ class ClusterModel:
         self._recompute_usable(np.array([i]))
 
     # ------------------------------------------------------------------ queries
+
+    def _row(self, node_id: str) -> int | None:
+        """The node's row if it is valid without a rebuild (present, spec unchanged)."""
+        i = self._index.get(node_id)
+        if i is not None and (not self._dirty or self._built[i] == self._specs.get(node_id)):
+            return i
+        return None
+
+    def _ensure_row(self, node_id: str) -> int:
+        i = self._row(node_id)
+        if i is None:
+            self._ensure()
+            i = self._idx(node_id)
+        return i
+
+    @property
+    def needs_rebuild(self) -> bool:
+        return self._dirty
 
     def _idx(self, node_id: str) -> int:
         try:
@@ -345,8 +383,7 @@ class ClusterModel:
 
     def free_gpus(self, node_id: str) -> list[int]:
         """Usable free slots of a node."""
-        self._ensure()
-        i = self._idx(node_id)
+        i = self._ensure_row(node_id)
         return np.flatnonzero((self.owner[i] == -1) & self.usable[i]).tolist()
 
     def domain_of(self, node_id: str, level: str) -> str:
@@ -357,12 +394,12 @@ class ClusterModel:
         return self.dom_names[li][int(self.dom_of_node[li][self._idx(node_id)])]
 
     @property
-    def jobs(self) -> dict[str, JobRecord]:
+    def jobs(self) -> dict[str, Allocation]:
         """Job id -> record (read only; mutate through allocate/assign/release)."""
         self._ensure()
         return self._jobs
 
-    def job(self, job_id: str) -> JobRecord:
+    def job(self, job_id: str) -> Allocation:
         self._ensure()
         try:
             return self._jobs[job_id]
@@ -396,7 +433,7 @@ class ClusterModel:
         self._free_job_idx.extend(range(cap - 1, old - 1, -1))
         self._job_cap = cap
 
-    def _new_job(self, job_id: str, priority: int, preemptible: bool) -> JobRecord:
+    def _new_job(self, job_id: str, priority: int, preemptible: bool) -> Allocation:
         if not isinstance(job_id, str) or not job_id:
             raise InvalidSpec(f"job id must be a non-empty string, got {job_id!r}")
         if not self._free_job_idx:
@@ -407,7 +444,7 @@ class ClusterModel:
         self.job_preemptible[j] = bool(preemptible)
         self.job_gpus[j] = 0
         self.job_active[j] = True
-        rec = JobRecord(job_id, j, int(priority), bool(preemptible),
+        rec = Allocation(job_id, j, int(priority), bool(preemptible),
                         np.zeros(0, np.int64), np.zeros(0, np.int64), self._node_ids)
         self._jobs[job_id] = rec
         return rec
@@ -459,7 +496,7 @@ class ClusterModel:
         stamp[nodes, slots] = pos
         return bool((stamp[nodes, slots] != pos).any())
 
-    def _give(self, rec: JobRecord, nodes: np.ndarray, slots: np.ndarray) -> None:
+    def _give(self, rec: Allocation, nodes: np.ndarray, slots: np.ndarray) -> None:
         self.owner[nodes, slots] = rec.index
         rec.nodes = np.concatenate([rec.nodes, nodes.astype(np.int64)])
         rec.slots = np.concatenate([rec.slots, slots.astype(np.int64)])
@@ -472,8 +509,13 @@ class ClusterModel:
         agents' reports). Creates the job if new; idempotent for slots it already holds;
         a slot held by another job is a :class:`Conflict`. Unhealthy GPUs may be assigned
         (the report is the truth); missing slots may not."""
-        self._ensure()
-        i = self._idx(node_id)
+        i = self._row(node_id)
+        if i is None and self._dirty and node_id not in self._index and node_id in self._specs:
+            self._queue_assign(job_id, node_id, tuple(int(s) for s in slots), priority, preemptible)
+            return
+        if i is None:
+            self._ensure()
+            i = self._idx(node_id)
         sl = np.asarray(list(slots), np.int64)
         if sl.size and (sl.min() < 0 or sl.max() >= int(self.n_gpus[i])):
             raise InvalidSpec(f"node {node_id} has no GPU slot among {list(slots)}")
@@ -494,6 +536,23 @@ class ClusterModel:
         new = sl[own == -1]
         if new.size:
             self._give(rec, np.full(new.size, i, np.int64), new)
+
+    def _queue_assign(self, job_id: str, node_id: str, slots: tuple[int, ...], priority: int,
+                      preemptible: bool) -> None:
+        """An assign to a node the next rebuild adds: checked now, applied then."""
+        n = self._specs[node_id].n_gpus
+        if any(s < 0 or s >= n for s in slots):
+            raise InvalidSpec(f"node {node_id} has no GPU slot among {list(slots)}")
+        if len(set(slots)) != len(slots):
+            raise InvalidSpec(f"slots for job {job_id!r} on {node_id} repeat: {list(slots)}")
+        held = self._pending_slots.setdefault(node_id, {})
+        others = {held[s] for s in slots if s in held and held[s] != job_id}
+        if others:
+            raise Conflict(f"GPUs {list(slots)} of {node_id} are held by {sorted(others)}")
+        for s in slots:
+            held[s] = job_id
+        self._pending.append((job_id, node_id, slots, priority, preemptible))
+        self._pending_jobs.add(job_id)
 
     def assign_arrays(self, job_id: str, nodes: np.ndarray, slots: np.ndarray, priority: int,
                       preemptible: bool) -> None:
@@ -519,7 +578,8 @@ class ClusterModel:
 
     def release(self, job_id: str) -> int:
         """Free every GPU of a job and forget it (incremental). Returns the GPUs freed."""
-        self._ensure()
+        if job_id in self._pending_jobs or job_id not in self._jobs:
+            self._ensure()
         rec = self._jobs.pop(job_id, None)
         if rec is None:
             raise UnknownJob(f"unknown job {job_id!r}")
@@ -553,7 +613,7 @@ class ClusterModel:
             elif k in ("_job_ids", "_free_job_idx"):
                 setattr(m, k, list(v))
             elif k == "_jobs":
-                setattr(m, k, {jid: JobRecord(r.job_id, r.index, r.priority, r.preemptible,
+                setattr(m, k, {jid: Allocation(r.job_id, r.index, r.priority, r.preemptible,
                                               r.nodes, r.slots, r.node_ids, r.pods, r.gpus_per_pod,
                                               r.within, r.whole_nodes) for jid, r in v.items()})
             else:

@@ -1,17 +1,23 @@
 """The placer service's records: jobs, pods, nodes, pushes, and workload naming.
 
 Plain mutable records owned by :class:`placer.state.PlacerState` (nothing else mutates
-them); views (``JobRec.view``) turn them into wire structs. Workload ids name
-``<job>.<attempt>.<rank>``, so any report can be traced back to the attempt it
-belongs to, after a placer restart too.
+them). Workload ids name ``<job>.<attempt>.<rank>``, so any report can be traced back to
+the attempt it belongs to, after a placer restart too.
+
+Indexes kept here so no input costs a scan of the fleet or the gang:
+- ``JobRec.counts``: pods of the current attempt by state, changed only through
+  :meth:`JobRec.set_pod_state` (so "all running" or "all exited 0" is one comparison);
+- ``NodeRec.pods``: the current-attempt pods placed on that node, by workload id (a full
+  report checks only those, fencing a lost node finds its gangs through them).
 """
 
 from __future__ import annotations
 
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
-from scheduler_link.messages import JobSpec, JobView, Peer, Placement, PodView, TopologyPath
+from scheduler_link.messages import TERMINAL_STATES, JobSpec, Peer, Placement, TopologyPath
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 TERMINAL_JOB_STATES = frozenset({"succeeded", "failed", "cancelled", "preempted"})
@@ -58,8 +64,12 @@ class PodRec:
     state: str = "placing"
     exit_code: int | None = None
     reason: str | None = None
-    timings: dict[str, float] = field(default_factory=dict)
-    fetch: dict[str, int] = field(default_factory=dict)
+    timings: dict[str, float] | None = None      # made on the first timed event (most pods: few)
+    fetch: dict[str, int] | None = None
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
 
 
 @dataclass(slots=True)
@@ -71,21 +81,51 @@ class JobRec:
     restarts: int = 0
     failures: int = 0
     reason: str | None = None
-    pods: list[PodRec] = field(default_factory=list)
+    pods: list[PodRec] = field(default_factory=list)        # by rank once placed
     timings: dict[str, float] = field(default_factory=dict)
     recovering: bool = False
+    counts: Counter[str] = field(default_factory=Counter)    # current pods by state
+    ok_exits: int = 0                                         # pods exited with code 0
+    blob_id: str | None = None                                # the current attempt's gang blob
 
     @property
     def job_id(self) -> str:
         return self.spec.job_id
 
-    def view(self) -> JobView:
-        return JobView(job_id=self.job_id, spec=self.spec, state=self.state, attempt=self.attempt,
-                       restarts=self.restarts, reason=self.reason, timings=dict(self.timings),
-                       pods=[PodView(rank=p.rank, node_id=p.node_id, workload_id=p.workload_id,
-                                     gpus=list(p.uuids), gpu_indices=list(p.slots), state=p.state,
-                                     exit_code=p.exit_code, reason=p.reason, timings=dict(p.timings),
-                                     fetch=dict(p.fetch)) for p in self.pods])
+    def set_pods(self, pods: list[PodRec]) -> None:
+        self.pods = pods
+        self.counts = Counter(p.state for p in pods)
+        self.ok_exits = sum(1 for p in pods if p.state == "exited" and p.exit_code == 0)
+
+    def add_pod(self, pod: PodRec) -> None:
+        self.pods.append(pod)
+        self.counts[pod.state] += 1
+        if pod.state == "exited" and pod.exit_code == 0:
+            self.ok_exits += 1
+
+    def set_pod_state(self, pod: PodRec, state: str, exit_code: int | None = None) -> None:
+        """The one way a current pod changes state (keeps ``counts`` and ``ok_exits`` true)."""
+        if pod.state == "exited" and pod.exit_code == 0:
+            self.ok_exits -= 1
+        self.counts[pod.state] -= 1
+        pod.state, pod.exit_code = state, exit_code
+        self.counts[state] += 1
+        if state == "exited" and exit_code == 0:
+            self.ok_exits += 1
+
+    @property
+    def all_running(self) -> bool:
+        return bool(self.pods) and len(self.pods) == self.spec.pods and self.counts["running"] == len(self.pods)
+
+    @property
+    def all_succeeded(self) -> bool:
+        return bool(self.pods) and self.ok_exits == len(self.pods)
+
+    def live_pods(self) -> list[PodRec]:
+        return [p for p in self.pods if p.state not in TERMINAL_STATES]
+
+    def pod_counts(self) -> dict[str, int]:
+        return {k: v for k, v in sorted(self.counts.items()) if v}
 
 
 @dataclass(slots=True)
@@ -106,9 +146,11 @@ class NodeRec:
     last_seen: float = 0.0
     lost_since: float | None = None
     manifests: set[str] = field(default_factory=set)
-    workloads: dict[str, str] = field(default_factory=dict)   # live workload id -> state
+    workloads: dict[str, str] = field(default_factory=dict)   # workload id -> last reported state
     stale: dict[str, tuple[int, ...]] = field(default_factory=dict)  # workload -> slots, to stop
     tell: set[str] = field(default_factory=set)       # stale workloads to name in the next reply
+    pods: dict[str, tuple[JobRec, PodRec]] = field(default_factory=dict)  # current pods placed here
+    _peer: Peer | None = None
 
     def slot_of(self, uuid: str) -> int | None:
         try:
@@ -117,5 +159,12 @@ class NodeRec:
             return None
 
     def peer(self) -> Peer:
+        if self._peer is None:
+            t = self.topology
+            self._peer = Peer(node_id=self.node_id, data_url=self.data_url, zone=t.zone, block=t.block, rack=t.rack)
+        return self._peer
+
+    @property
+    def rack_path(self) -> str:
         t = self.topology
-        return Peer(node_id=self.node_id, data_url=self.data_url, zone=t.zone, block=t.block, rack=t.rack)
+        return f"{t.zone}/{t.block}/{t.rack}"

@@ -13,17 +13,19 @@ decides what follows (all accepted: starting; a refusal: roll back and place aga
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
 import os
 import time
-import types
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import trio
+import trio.lowlevel
 
 from scheduler_link.auth import TokenSet
 from scheduler_link.fanout import PushPool
@@ -50,36 +52,32 @@ from scheduler_link.messages import (
 )
 
 from .config import PlacerConfig
+from .frag import fragmentation, largest_placeable, plan_defrag
 from .journal import Journal
-from .state import TERMINAL_JOB_STATES, JobError, JobRec, PlacerState, Push
+from .state import ACCEPTED, TERMINAL_JOB_STATES, JobError, JobRec, Outcome, PlacerState, Push
+from .views import DEFAULT_PODS, parse_page
 
 log = logging.getLogger("herd.placer.service")
 
 _report_dec = msgspec.json.Decoder(NodeReport)
 _ack_dec = msgspec.json.Decoder(PlacementAck)
 
-
-def load_core() -> Any:
-    """The placer core as one namespace (the service's only view of it)."""
-    from . import errors, frag, model, queue
-    from .place import JobRequest, place
-
-    return types.SimpleNamespace(NodeSpec=model.NodeSpec, ClusterModel=model.ClusterModel, JobRequest=JobRequest,
-                                 place=place, Conflict=errors.Conflict, JobQueue=queue.JobQueue,
-                                 fragmentation=frag.fragmentation, largest_placeable=frag.largest_placeable,
-                                 plan_defrag=frag.plan_defrag)
+DEFAULT_NODES_PAGE = 1000
+# The collector walks every tracked object on a full collection; after a burst that grew
+# the heap (a fleet registering, a big gang's records) the survivors are frozen so it
+# stops walking them (gc.freeze, as CPython's docs suggest for long-lived state).
+FREEZE_GROWTH = 50_000
 
 
 class PlacerService:
     """``await nursery.start(service.run)`` -> the bound base URL."""
 
-    def __init__(self, config: PlacerConfig, tokens: TokenSet | None = None, *, core: Any = None,
-                 clock: Any = time.time) -> None:
+    def __init__(self, config: PlacerConfig, tokens: TokenSet | None = None, *,
+                 clock: Callable[[], float] = time.time) -> None:
         self.cfg = config
         self.tokens = tokens if tokens is not None else TokenSet.load(config.token_dir)
-        self.core = core or load_core()
         self.clock = clock
-        self.state = PlacerState(config, self.core, started_at=clock())
+        self.state = PlacerState(config, started_at=clock())
         self.pool = PushPool(concurrency=config.push_concurrency, attempt_timeout_s=config.ack_timeout_s,
                              retries=config.push_retries)
         self.journal: Journal | None = None
@@ -91,6 +89,8 @@ class PlacerService:
         self._changed = trio.Event()
         self.app = self._build_app()
         self.push_counts = {"start": 0, "stop": 0, "failed": 0, "refused": 0}
+        self.freezes = 0
+        self._tracked_at_freeze = 0
 
     # ------------------------------------------------------------ life cycle
 
@@ -146,13 +146,25 @@ class PlacerService:
             self._kick = trio.Event()
             now = self.clock()
             self._carry_out(self.state.tick(now))
-            for job, pushes in self.state.schedule(now, clock=time.perf_counter):
+            rebuilds = self.state.counters["rebuilds"]
+            decided = self.state.schedule(now, clock=time.perf_counter)
+            for job, pushes in decided:
                 if self.journal is not None:
                     self.journal.attempt(job.job_id, job.attempt, now)
                 job.timings["pushed"] = self.clock()
                 assert self._nursery is not None
                 self._nursery.start_soon(self._dispatch, job.job_id, job.attempt, pushes)
+            if decided or rebuilds != self.state.counters["rebuilds"]:
+                self._maybe_freeze()
             self._after_change()
+            await trio.lowlevel.checkpoint()  # let reports in between passes
+
+    def _maybe_freeze(self) -> None:
+        tracked = len(gc.get_objects(generation=2)) if self._tracked_at_freeze else FREEZE_GROWTH + 1
+        if tracked > FREEZE_GROWTH:
+            gc.freeze()
+            self.freezes += 1
+            self._tracked_at_freeze = gc.get_freeze_count()
 
     def _after_change(self) -> None:
         if self.journal is not None:
@@ -167,7 +179,7 @@ class PlacerService:
         if pushes:
             self.kick()
 
-    async def _push_one(self, p: Push) -> tuple[bool, str | None]:
+    async def _push_one(self, p: Push) -> Outcome:
         self.push_counts[p.kind] += 1
         res = await self.pool.post(p.control_url, "/v1/placements", msgspec.json.encode(p.placement),
                                    token=self.tokens.placer, key=p.node_id)
@@ -176,26 +188,35 @@ class PlacerService:
             log.warning("push failed node=%s placement=%s err=%s", p.node_id, p.placement.placement_id, res.error)
             if p.kind == "stop":
                 self.state.stop_failed(p.node_id, p.placement.victims)
-            return False, f"node unreachable: {res.error}"
-        ack = _ack_dec.decode(res.body) if res.ok else None
-        if ack is not None and ack.accepted:
-            return True, None
-        try:
-            why = ack.reason if ack is not None else json.loads(res.body).get("detail") or res.body.decode()[:200]
-        except (ValueError, AttributeError):
-            why = res.body.decode(errors="replace")[:200]
+            return Outcome("unreachable", detail=str(res.error))
+        ack: PlacementAck | None = None
+        if res.ok:
+            try:
+                ack = _ack_dec.decode(res.body)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                ack = None
+        if ack is not None and ack.effective_outcome() == "accepted":
+            return ACCEPTED
         self.push_counts["refused"] += 1
-        log.warning("placement refused node=%s placement=%s status=%s reason=%s",
-                    p.node_id, p.placement.placement_id, res.status, why)
-        return False, f"refused ({res.status}): {why}"
+        if ack is not None:
+            out = Outcome(ack.effective_outcome(), tuple(ack.refused_gpus), ack.reason)
+        else:  # not an agent's answer (a 413, a proxy's page): says nothing about the GPUs
+            try:
+                why = json.loads(res.body).get("detail") or res.body.decode()[:200]
+            except (ValueError, AttributeError):
+                why = res.body.decode(errors="replace")[:200]
+            out = Outcome("unreachable", detail=f"HTTP {res.status}: {why}")
+        log.warning("placement refused node=%s placement=%s status=%s outcome=%s detail=%s",
+                    p.node_id, p.placement.placement_id, res.status, out.outcome, out.detail)
+        return out
 
     async def _dispatch(self, job_id: str, attempt: int, pushes: list[Push]) -> None:
-        acks: dict[str, tuple[bool, str | None]] = {}
+        acks: dict[str, Outcome] = {}
 
         async def one(p: Push) -> None:
-            ok, why = await self._push_one(p)
+            o = await self._push_one(p)
             if p.kind == "start":
-                acks[p.node_id] = (ok, why)
+                acks[p.node_id] = o
 
         async with trio.open_nursery() as n:
             for p in pushes:
@@ -215,6 +236,7 @@ class PlacerService:
         app.add("POST", "/v1/nodes/{node_id}/report", self.h_report, auth=cluster)
         app.add("GET", "/v1/nodes", self.h_nodes)
         app.add("GET", "/v1/cluster", self.h_cluster)
+        app.add("GET", "/v1/gangs/{blob_id}", self.h_gang_blob, auth=cluster)
         app.add("POST", "/v1/jobs", self.h_submit, auth=operator, max_body=1 << 20)
         app.add("GET", "/v1/jobs", self.h_jobs)
         app.add("GET", "/v1/jobs/{job_id}", self.h_job)
@@ -246,8 +268,14 @@ class PlacerService:
         return json_response(reply, status=status)
 
     def _ingest(self, node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:
-        """One report, from HTTP or the framed channel (synchronous: one owner of state)."""
-        status, reply, pushes = self.state.ingest(node_id, rep, self.clock())
+        """One report, from HTTP or the framed channel (synchronous: one owner of state).
+        A report the state cannot apply is that report's error, never the service's."""
+        try:
+            status, reply, pushes = self.state.ingest(node_id, rep, self.clock())
+        except Exception:
+            log.exception("report could not be applied node=%s full=%s", node_id, rep.full)
+            self.state.counters["refused_reports"] += 1
+            return 500, ReportReply(ok=False, need_full=True)
         self._carry_out(pushes)
         if rep.full or rep.events or rep.snapshot is not None:
             self.kick()
@@ -269,7 +297,7 @@ class PlacerService:
         job = self.state.submit(spec, now)
         self.kick()
         self._changed_now()
-        return json_response(job.view(), status=201)
+        return json_response(self.state.job_view(job), status=201)
 
     def _job(self, job_id: str) -> JobRec:
         job = self.state.jobs.get(job_id)
@@ -278,15 +306,25 @@ class PlacerService:
         return job
 
     async def h_jobs(self, req: Request) -> Response:
-        """Every job the placer knows (``?state=`` filters)."""
+        """Jobs in submission order, without pods (counts by pod state instead); ``?state=``
+        filters, ``?page=OFFSET:LIMIT`` pages (default the first 1000)."""
         want = req.query.get("state")
-        jobs = [j.view() for j in sorted(self.state.jobs.values(), key=lambda j: j.order)
-                if not want or j.state == want]
-        return json_response({"jobs": jobs})
+        try:
+            off, lim = parse_page(req.query.get("page"), DEFAULT_NODES_PAGE)
+        except ValueError as e:
+            raise HTTPError(400, "bad page", str(e)) from None
+        jobs = [j for j in self.state.jobs.values() if not want or j.state == want]  # dicts keep submission order
+        return json_response({"jobs": [self.state.job_view(j, limit=0) for j in jobs[off:off + lim]],
+                              "total": len(jobs), "offset": off})
 
     async def h_job(self, req: Request) -> Response:
-        """One job with pods, nodes, GPUs, states and timings. ``?wait=STATE&timeout_ms=N``
+        """One job: spec, state, timings, its pods' counts by state, and one page of pods
+        (``?pods=OFFSET:LIMIT``, default the first 100). ``?wait=STATE&timeout_ms=N``
         waits (bounded) until the job reaches STATE or a terminal state."""
+        try:
+            off, lim = parse_page(req.query.get("pods"), DEFAULT_PODS)
+        except ValueError as e:
+            raise HTTPError(400, "bad pods page", str(e)) from None
         job = self._job(req.params["job_id"])
         want = req.query.get("wait")
         if want:
@@ -298,7 +336,7 @@ class PlacerService:
                 while not (job.state == want or job.state in TERMINAL_JOB_STATES):
                     await self._changed.wait()
                     job = self._job(req.params["job_id"])
-        return json_response(job.view())
+        return json_response(self.state.job_view(job, offset=off, limit=lim))
 
     async def h_cancel(self, req: Request) -> Response:
         """Cancel a job: its workloads are stopped gracefully."""
@@ -308,7 +346,7 @@ class PlacerService:
             raise HTTPError(e.status, "cannot cancel", str(e)) from None
         self._carry_out(pushes)
         self._after_change()
-        return json_response(self.state.jobs[req.params["job_id"]].view())
+        return json_response(self.state.job_view(self.state.jobs[req.params["job_id"]]))
 
     async def h_update_artifact(self, req: Request) -> Response:
         """Run the job's next attempt on another manifest (body ArtifactUpdate)."""
@@ -320,45 +358,50 @@ class PlacerService:
         assert self.journal is not None
         self.journal.submitted(job.spec, self.clock())  # the newer spec wins on replay
         self._after_change()
-        return json_response(job.view())
+        return json_response(self.state.job_view(job))
 
     async def h_nodes(self, req: Request) -> Response:
-        """Every node: state, addresses, topology, GPUs free and unhealthy."""
-        return json_response({"nodes": [self.state.node_view(n) for n in sorted(
-            self.state.nodes.values(), key=lambda n: n.node_id)]})
+        """Nodes in id order: state, addresses, topology, GPUs free and unhealthy.
+        ``?page=OFFSET:LIMIT`` (default the first 1000), ``?state=up|lost``."""
+        try:
+            off, lim = parse_page(req.query.get("page"), DEFAULT_NODES_PAGE)
+        except ValueError as e:
+            raise HTTPError(400, "bad page", str(e)) from None
+        total, page = self.state.node_page(off, lim, state=req.query.get("state"))
+        return json_response({"nodes": page, "total": total, "offset": off})
 
     async def h_cluster(self, req: Request) -> Response:
-        """Capacity, free GPUs and fragmentation per topology level."""
-        out: dict[str, Any] = {"model": self.state.model.statistics()}
-        if getattr(self.core, "fragmentation", None):
-            out["fragmentation"] = {k: float(v) for k, v in self.core.fragmentation(self.state.model).items()}
-        if getattr(self.core, "largest_placeable", None):
-            out["largest_placeable"] = {k: int(v) for k, v in self.core.largest_placeable(self.state.model).items()}
-        nodes = list(self.state.nodes.values())
-        out["nodes"] = {"up": sum(n.state == "up" for n in nodes), "lost": sum(n.state == "lost" for n in nodes),
-                        "simulated": sum(n.simulated for n in nodes)}
-        out["jobs"] = self._job_counts()
-        out["queue"] = self.state.queue.statistics()
+        """Capacity, free GPUs and fragmentation per topology level (``?detail=0``: counts only,
+        without the fragmentation scores, which cost a pass over the model)."""
+        st = self.state
+        out: dict[str, Any] = {"model": st.model.statistics() if req.query.get("detail") != "0" else {}}
+        if req.query.get("detail") != "0":
+            out["fragmentation"] = {k: float(v) for k, v in fragmentation(st.model).items()}
+            out["largest_placeable"] = {k: int(v) for k, v in largest_placeable(st.model).items()}
+        out["nodes"] = {"up": st.node_states["up"], "lost": st.node_states["lost"], "total": len(st.nodes),
+                        "simulated": sum(n.simulated for n in st.nodes.values())}
+        out["jobs"] = st.job_counts()
+        out["queue"] = st.queue.statistics()
+        out["placer"] = {**{k: v for k, v in st.counters.items()}, "model_rebuilds": st.model.rebuilds,
+                         "gc_freezes": self.freezes, "blobs": len(st.blobs)}
         return json_response(out)
 
-    def _job_counts(self) -> dict[str, int]:
-        counts: dict[str, int] = {}
-        for j in self.state.jobs.values():
-            counts[j.state] = counts.get(j.state, 0) + 1
-        return counts
+    async def h_gang_blob(self, req: Request) -> Response:
+        """A live gang's blob (canonical msgpack; its BLAKE3 is the id in the URL)."""
+        raw = self.state.blobs.get(req.params["blob_id"])
+        if raw is None:
+            raise HTTPError(404, "no such gang blob", req.params["blob_id"][:64])
+        return Response(status=200, body=raw, content_type="application/msgpack")
 
     async def h_defrag(self, req: Request) -> Response:
         """Plan defragmentation moves; with ``apply`` the moved jobs are requeued so the core
         places them again (best fit packs them into partly used domains)."""
         body = req.decode(DefragRequest) if req.body else DefragRequest()
-        if not getattr(self.core, "plan_defrag", None):
-            raise HTTPError(501, "defragmentation planner not available")
         if body.max_moves < 0 or body.max_moves > 10_000:
             raise HTTPError(400, "max_moves must be within 0..10000")
-        moves = self.core.plan_defrag(self.state.model, body.max_moves)
-        out = [{"job_id": m.job_id, "from_nodes": sorted(getattr(m, "from_nodes", []) or []),
-                "to_nodes": sorted({p.node_id for p in getattr(getattr(m, "to_decision", None), "pods", [])})}
-               for m in moves]
+        moves = plan_defrag(self.state.model, body.max_moves)
+        out = [{"job_id": m.job_id, "from_nodes": sorted(m.from_nodes),
+                "to_nodes": sorted({p.node_id for p in m.to_decision.pods})} for m in moves]
         applied: list[str] = []
         if body.apply:
             now = self.clock()
@@ -400,10 +443,9 @@ class PlacerService:
             if not any(line.startswith(f"# TYPE {name} ") for line in lines):
                 lines.append(f"# TYPE {name} {kind}")
             lines.append(f"{name}{labels} {val}")
-        nodes = list(self.state.nodes.values())
         for st in ("up", "lost"):
-            g("herd_placer_nodes", sum(n.state == st for n in nodes), f'{{state="{st}"}}')
-        for st, c in sorted(self._job_counts().items()):
+            g("herd_placer_nodes", self.state.node_states[st], f'{{state="{st}"}}')
+        for st, c in sorted(self.state.job_counts().items()):
             g("herd_placer_jobs", c, f'{{state="{st}"}}')
         stats = self.state.model.statistics()
         for k in ("gpus", "usable", "free", "allocated", "unhealthy_gpus"):

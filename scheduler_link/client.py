@@ -15,7 +15,22 @@ import msgspec
 from .auth import auth_header
 from .messages import ArtifactUpdate, DefragRequest, JobSpec, JobView, NodeView, PrefetchFanout
 
+
+class JobPage(msgspec.Struct, frozen=True, kw_only=True):
+    jobs: list[JobView] = []
+    total: int = 0
+    offset: int = 0
+
+
+class NodePage(msgspec.Struct, frozen=True, kw_only=True):
+    nodes: list[NodeView] = []
+    total: int = 0
+    offset: int = 0
+
+
 _job = msgspec.json.Decoder(JobView)
+_jobs = msgspec.json.Decoder(JobPage)
+_nodes = msgspec.json.Decoder(NodePage)
 
 
 class ClientError(Exception):
@@ -64,13 +79,18 @@ class PlacerClient:
     def submit(self, spec: JobSpec) -> JobView:
         return _job.decode(self._req("POST", "/v1/jobs", content=msgspec.json.encode(spec)))
 
-    def jobs(self, state: str | None = None) -> list[JobView]:
-        data = self._req("GET", "/v1/jobs", params={"state": state} if state else None)
-        return msgspec.json.decode(data, type=dict[str, list[JobView]])["jobs"]
+    def jobs(self, state: str | None = None, page: str | None = None) -> list[JobView]:
+        """Jobs without pods (counts by pod state instead); one page (default the first 1000)."""
+        params = {k: v for k, v in (("state", state), ("page", page)) if v}
+        return _jobs.decode(self._req("GET", "/v1/jobs", params=params or None)).jobs
 
-    def job(self, job_id: str, *, wait: str | None = None, timeout_ms: int = 10000) -> JobView:
-        params = {"wait": wait, "timeout_ms": str(timeout_ms)} if wait else None
-        return _job.decode(self._req("GET", f"/v1/jobs/{job_id}", params=params))
+    def job(self, job_id: str, *, wait: str | None = None, timeout_ms: int = 10000,
+            pods: str | None = None) -> JobView:
+        """One job with one page of pods (``pods="OFFSET:LIMIT"``, default the first 100)."""
+        params = {"wait": wait, "timeout_ms": str(timeout_ms)} if wait else {}
+        if pods:
+            params["pods"] = pods
+        return _job.decode(self._req("GET", f"/v1/jobs/{job_id}", params=params or None))
 
     def cancel(self, job_id: str) -> JobView:
         return _job.decode(self._req("DELETE", f"/v1/jobs/{job_id}"))
@@ -79,8 +99,12 @@ class PlacerClient:
         body = msgspec.json.encode(ArtifactUpdate(manifest_id=manifest_id, origin=origin))
         return _job.decode(self._req("POST", f"/v1/jobs/{job_id}/artifact", content=body))
 
-    def nodes(self) -> list[NodeView]:
-        return msgspec.json.decode(self._req("GET", "/v1/nodes"), type=dict[str, list[NodeView]])["nodes"]
+    def nodes(self, page: str | None = None) -> list[NodeView]:
+        """One page of nodes in id order (default the first 1000); see :meth:`nodes_page`."""
+        return self.nodes_page(page).nodes
+
+    def nodes_page(self, page: str | None = None) -> NodePage:
+        return _nodes.decode(self._req("GET", "/v1/nodes", params={"page": page} if page else None))
 
     def cluster(self) -> dict[str, Any]:
         return msgspec.json.decode(self._req("GET", "/v1/cluster"))

@@ -222,6 +222,14 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     grace_s: float = 30.0
     restart: RestartPolicy = RestartPolicy()
     issued_at: float = 0.0
+    # the user the pods run as (None: the agent's workloads.user); an agent accepts only
+    # users in its workloads.allowed_users (refused_spec otherwise)
+    user: str | None = None
+    # Fleet scale: the gang's shared part as a GangBlob (id = BLAKE3 of its canonical bytes,
+    # served by the placer at GET /v1/gangs/{id}). ``peers`` then lists this node's rack
+    # and a few contacts; gangs of up to 64 nodes still list every member.
+    gang_blob_id: str | None = None
+    gang_nodes: int = 0                      # nodes in the gang (peers may list fewer)
 
 
 # What became of one node's part of a placement. The placer decides on this, never on the
@@ -309,6 +317,7 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True):
     argv: list[str] = []
     env: dict[str, str] = {}
     grace_s: float = 30.0
+    user: str | None = None                  # run as this user (agents must list it in allowed_users)
     restart: RestartPolicy = RestartPolicy()
     version: int = WIRE_VERSION
 
@@ -340,6 +349,12 @@ class JobView(msgspec.Struct, frozen=True, kw_only=True):
     pods: list[PodView] = []
     timings: dict[str, float] = {}
     version: int = WIRE_VERSION
+    # Bounded views: ``pods`` is one page (``?pods=offset:limit``); these say what the whole is.
+    pod_counts: dict[str, int] = {}          # current attempt's pods by state
+    pods_total: int = 0
+    pods_offset: int = 0
+    nodes_total: int = 0                     # nodes the current attempt's pods are on
+    gpus_total: int = 0
 
 
 class ArtifactUpdate(msgspec.Struct, frozen=True, kw_only=True):

@@ -96,11 +96,13 @@ class FakeAgent:
                 for g in pod.gpus:
                     if g not in self.uuids:
                         return json_response(PlacementAck(placement_id=pl.placement_id, node_id=self.node_id,
-                                                          accepted=False, reason=f"unknown GPU {g}"))
+                                                          accepted=False, reason=f"unknown GPU {g}",
+                                                          outcome="refused_spec"))
                     if g in self.fatal or g in busy:
                         why = "fatal" if g in self.fatal else "in use"
                         return json_response(PlacementAck(placement_id=pl.placement_id, node_id=self.node_id,
-                                                          accepted=False, reason=f"GPU {g} is {why}"))
+                                                          accepted=False, reason=f"GPU {g} is {why}",
+                                                          outcome="refused_gpus", refused_gpus=[g]))
             await self.stop_workloads(list(pl.victims))
             for pod in pl.pods:
                 if pod.workload_id in self.workloads:

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from placer.config import PlacerConfig
-from placer.service import load_core
-from placer.state import PlacerState
+from placer.state import ACCEPTED, PlacerState
 from scheduler_link.messages import (
     GpuInfo,
     GpuSnapshot,
@@ -35,8 +34,7 @@ def wl(wid: str, job: str, node: str, slots: list[int], state: str = "running") 
 
 
 def new_state(**kw) -> PlacerState:
-    return PlacerState(PlacerConfig(heartbeat_s=1.0, fence_after_s=5.0, recover_s=2.0, **kw), load_core(),
-                       started_at=0.0)
+    return PlacerState(PlacerConfig(heartbeat_s=1.0, fence_after_s=5.0, recover_s=2.0, **kw), started_at=0.0)
 
 
 def test_partial_gang_after_restart_is_stopped_and_placed_again():
@@ -93,7 +91,7 @@ def test_lost_then_fenced_then_back_with_a_new_boot():
     (job, pushes), = st.schedule(0.1)
     node = pushes[0].node_id
     other = "b" if node == "a" else "a"
-    st.on_acks("j", 1, {node: (True, None)}, 0.2)
+    st.on_acks("j", 1, {node: ACCEPTED}, 0.2)
     beat = 1
     for t in (1.0, 2.0, 3.0, 4.0):  # only the other node keeps beating
         beat += 1
@@ -127,7 +125,7 @@ def test_a_newer_attempt_reported_later_supersedes_the_adopted_one():
 
 def _ack_all(st: PlacerState, job, pushes, now: float) -> None:
     starts = [p for p in pushes if p.kind == "start"]
-    st.on_acks(job.job_id, job.attempt, {p.node_id: (True, None) for p in starts}, now, starts)
+    st.on_acks(job.job_id, job.attempt, {p.node_id: ACCEPTED for p in starts}, now, starts)
 
 
 def _events(st: PlacerState, node: str, seq: int, evs: list[WorkloadEvent], now: float) -> None:

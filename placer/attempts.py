@@ -1,0 +1,257 @@
+"""Attempts and outcomes: how a job's attempt ends, what the nodes' answers to its
+placement mean, and time (lost nodes, fencing).
+
+Outcomes are structured (``PlacementOutcome``), never read from words: only
+``refused_gpus`` marks GPUs unhealthy (the ones the node named); ``refused_spec`` fails
+the attempt (its restart policy may requeue it); ``expired`` and ``unreachable`` roll the
+gang back and place it again without touching health. Any refusal rolls the whole gang
+back: all-or-nothing.
+
+Time comes from two deadline heaps (:mod:`placer.timers`): a node's "lost" deadline moves
+with each heartbeat; a lost node's "fence" deadline fires ``fence_after_s`` later and ends
+the attempts of the gangs with pods on it (found through the node's pod index). A tick
+costs O(nodes that came due), not O(nodes).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from scheduler_link.messages import Placement, PlacementOutcome, Victim
+
+from .records import TERMINAL_JOB_STATES, JobError, JobRec, PodRec, Push
+from .statebase import StateBase
+
+log = logging.getLogger("herd.placer.state")
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One node's answer to its start placement."""
+    outcome: PlacementOutcome
+    refused_gpus: tuple[str, ...] = ()
+    detail: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "accepted"
+
+
+ACCEPTED = Outcome("accepted")
+
+
+class Attempts(StateBase):
+    def cancel(self, job_id: str, now: float) -> list[Push]:
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise JobError(f"no such job {job_id}", status=404)
+        if job.state in TERMINAL_JOB_STATES:
+            return []
+        return self._end_attempt(job, "cancelled", now, reason="cancelled by operator")
+
+    def requeue(self, job_id: str, now: float, *, reason: str) -> list[Push] | None:
+        """Stop a placed job and put it back in the queue whatever its policy (defrag moves)."""
+        job = self.jobs.get(job_id)
+        if job is None or job.state not in ("starting", "running"):
+            return None
+        pushes = self._end_attempt(job, "preempted", now, reason=reason)
+        if job.state != "pending":  # its policy would end it: a move never ends a job
+            self._ended = [e for e in self._ended if e[0] != job_id]
+            job.reason = reason
+            self._enqueue(job, now)
+            job.timings.pop("ended", None)
+        return pushes
+
+    def _end_attempt(self, job: JobRec, cause: str, now: float, *, reason: str | None,
+                     hold: bool = True) -> list[Push]:
+        """Stop every live pod of the job's current attempt, free its GPUs, then decide by
+        cause and restart policy: requeue (new attempt) or a terminal state. With ``hold``
+        the stopped pods keep their GPUs (as stale holders) until their node reports them
+        gone, so nothing new is pushed onto a GPU still in its grace period."""
+        self.dirty = True
+        self._dequeue(job)
+        live = job.live_pods()
+        pushes = self._stop_pods(job, live, reason=cause if cause != "lost" else "gang broken: node lost")
+        self._release_quiet(job.job_id)
+        if hold:
+            self._hold(live)
+        pol = job.spec.restart
+        requeue = False
+        if cause == "failed" or cause == "lost":
+            job.failures += 1
+            requeue = (pol.kind == "on-failure" and job.failures <= pol.limit) or (
+                cause == "lost" and pol.kind == "on-preemption")
+        elif cause == "preempted":
+            requeue = pol.kind == "on-preemption"
+        job.reason = reason
+        if job.blob_id is not None:
+            self.blobs.pop(job.blob_id, None)
+            job.blob_id = None
+        if requeue:
+            self.counters["requeues"] += 1
+            job.restarts += 1
+            self._enqueue(job, now)
+            job.timings["requeued"] = now
+            for k in ("decided", "pushed", "acked", "running"):
+                job.timings.pop(k, None)
+        else:
+            job.state = {"lost": "failed"}.get(cause, cause)
+            job.timings["ended"] = now
+            self._ended.append((job.job_id, job.state, now))
+        log.info("job attempt ended job=%s attempt=%d cause=%s next=%s reason=%s",
+                 job.job_id, job.attempt, cause, job.state, reason)
+        return pushes
+
+    def _dequeue(self, job: JobRec) -> None:
+        if job.job_id in self.queue:
+            self.queue.cancel(job.job_id)
+
+    def _stop_pods(self, job: JobRec, pods: Iterable[PodRec], *, reason: str) -> list[Push]:
+        by_node: dict[str, list[Victim]] = {}
+        for p in pods:
+            self._mark_stale(p)
+            job.set_pod_state(p, "terminating" if p.state != "placing" else "cancelled", p.exit_code)
+            by_node.setdefault(p.node_id, []).append(
+                Victim(workload_id=p.workload_id, grace_s=job.spec.grace_s, reason=reason))
+        out = []
+        for node_id, victims in by_node.items():
+            node = self.nodes.get(node_id)
+            if node is None:
+                continue
+            if node.state != "up":  # a lost node hears about it when it comes back
+                node.tell.update(v.workload_id for v in victims)
+                continue
+            self._pid += 1
+            pl = Placement(placement_id=f"stop:{job.job_id}:{job.attempt}:{node_id}:{self._pid}",
+                           job_id=job.job_id, victims=victims, grace_s=job.spec.grace_s)
+            out.append(Push(node_id, node.control_url, pl, job.job_id, job.attempt, "stop"))
+        return out
+
+    def stop_failed(self, node_id: str, victims: Iterable[Victim]) -> None:
+        """A stop push got no answer: name those workloads in the node's next reply."""
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.tell.update(v.workload_id for v in victims)
+
+    def on_acks(self, job_id: str, attempt: int, acks: dict[str, Outcome],
+                now: float, starts: Iterable[Push] = ()) -> list[Push]:
+        """Outcomes of a job's start pushes, by node. All-or-nothing.
+        If the attempt ended while its pushes were in flight (cancelled, preempted), the
+        nodes that accepted are told again to stop it: a stop that overtook its start
+        found nothing to stop."""
+        job = self.jobs.get(job_id)
+        if job is None or job.attempt != attempt or job.state not in ("placing", "starting", "running"):
+            return self._late_stops(job_id, attempt, acks, starts)
+        job.timings.setdefault("acked", now)  # (events may have raced ahead of the acks)
+        refused = {n: o for n, o in acks.items() if not o.ok}
+        if not refused:
+            if job.state == "placing":
+                job.state = "starting"
+            for p in job.pods:
+                if p.state == "placing":
+                    job.set_pod_state(p, "accepted")
+            self._maybe_running(job, now)
+            return []
+        self.counters["rollbacks"] += 1
+        self.dirty = True
+        by_node: dict[str, list[PodRec]] = {}
+        for p in job.pods:
+            if p.node_id in refused:
+                by_node.setdefault(p.node_id, []).append(p)
+        spec_refusal: str | None = None
+        for node_id, o in refused.items():
+            node = self.nodes.get(node_id)
+            if node is None:
+                continue
+            if o.outcome == "refused_gpus":
+                named = {s for s in (node.slot_of(u) for u in o.refused_gpus) if s is not None}
+                for s in sorted(named):
+                    node.refused.add(s)
+                    self.model.set_gpu_health(node_id, s, False)
+            elif o.outcome == "refused_spec" and spec_refusal is None:
+                spec_refusal = f"{node_id}: {o.detail or 'placement refused'}"
+            for p in by_node.get(node_id, ()):
+                job.set_pod_state(p, "failed")
+                p.reason = f"{o.outcome}: {o.detail}" if o.detail else o.outcome
+        log.warning("gang refused job=%s attempt=%d refusals=%s", job_id, attempt,
+                    {n: o.outcome for n, o in list(refused.items())[:8]})
+        summary = "; ".join(f"{n}: {o.outcome}" + (f" ({o.detail})" if o.detail else "")
+                            for n, o in list(refused.items())[:8])
+        if len(refused) > 8:
+            summary += f"; and {len(refused) - 8} more"
+        if spec_refusal is not None:
+            # the placement itself is wrong: placing it again would be refused again
+            return self._end_attempt(job, "failed", now, reason=f"placement refused: {spec_refusal}")
+        accepted = [p for p in job.pods if p.node_id not in refused]
+        pushes = self._stop_pods(job, accepted, reason="gang rolled back: a node refused its part")
+        self._release_quiet(job_id)
+        self._hold(accepted)  # their GPUs stay taken until those pods are gone
+        if job.blob_id is not None:
+            self.blobs.pop(job.blob_id, None)
+            job.blob_id = None
+        self._enqueue(job, now)
+        job.reason = summary
+        for k in ("decided", "pushed", "acked"):
+            job.timings.pop(k, None)
+        return pushes
+
+    def _late_stops(self, job_id: str, attempt: int, acks: dict[str, Outcome],
+                    starts: Iterable[Push]) -> list[Push]:
+        late = []
+        for push in starts:
+            o = acks.get(push.node_id)
+            if push.kind != "start" or o is None or not o.ok:
+                continue
+            node = self.nodes.get(push.node_id)
+            if node is None or node.state != "up":
+                continue
+            for pod in push.placement.pods:
+                node.stale.setdefault(pod.workload_id, tuple(pod.gpu_indices))
+            self._pid += 1
+            pl = Placement(placement_id=f"stop:{job_id}:{attempt}:{push.node_id}:{self._pid}", job_id=job_id,
+                           victims=[Victim(workload_id=pod.workload_id, grace_s=push.placement.grace_s,
+                                           reason="attempt ended while it was being placed")
+                                    for pod in push.placement.pods])
+            late.append(Push(push.node_id, node.control_url, pl, job_id, attempt, "stop"))
+        return late
+
+    # ------------------------------------------------------------ time
+
+    def tick(self, now: float) -> list[Push]:
+        """Lost nodes (missed heartbeats), then fencing: after ``fence_after_s`` more, the
+        gangs with pods on a lost node end their attempt (requeued by policy)."""
+        pushes: list[Push] = []
+        for nid in self.lost_timer.pop_due(now):
+            node = self.nodes.get(nid)
+            if node is None or node.state != "up":
+                continue
+            if now - node.last_seen < self.cfg.lost_after_s:  # (a clock step): file it again
+                self.lost_timer.set(nid, node.last_seen + self.cfg.lost_after_s)
+                continue
+            self._set_node_state(node, "lost")
+            node.lost_since = now
+            self.dirty = True
+            self.counters["nodes_lost"] += 1
+            self.model.set_node_state(nid, healthy=False)
+            self.fence_timer.set(nid, now + self.cfg.fence_after_s)
+            log.warning("node lost node=%s silent=%.1fs", nid, now - node.last_seen)
+        for nid in self.fence_timer.pop_due(now):
+            node = self.nodes.get(nid)
+            if node is None or node.state != "lost":
+                continue
+            by_job: dict[str, tuple[JobRec, list[PodRec]]] = {}
+            for job, p in node.pods.values():
+                if not p.terminal and job.state in ("placing", "starting", "running"):
+                    by_job.setdefault(job.job_id, (job, []))[1].append(p)
+            for job, bad in by_job.values():
+                if job.state not in ("placing", "starting", "running"):
+                    continue  # ended by an earlier node of this tick
+                for p in bad:
+                    self._mark_stale(p)
+                    job.set_pod_state(p, "lost")
+                    p.reason = "node lost (fenced)"
+                    self.counters["fenced_stops"] += 1
+                pushes += self._end_attempt(job, "lost", now, reason=f"node {nid} lost")
+        return pushes

@@ -1,0 +1,331 @@
+"""Reports and recovery: what agents tell the placer, applied in O(what the report says).
+
+A heartbeat costs a sequence check, a deadline move and its events; each event finds its
+pod through the workload-id index (never a scan of the job's pods) and bumps the job's
+per-state counters, so "every pod running" is one comparison. A full report costs
+O(GPUs + workloads of that node): the "vanished" check walks only the pods placed on
+that node. Registration adds the node to the model without rebuilding it: a new node
+only marks the model dirty, and the scheduling pass rebuilds once however many nodes
+arrived (see :mod:`placer.scheduling` for how often a pass may rebuild).
+
+After a placer restart, jobs come back from the journal (spec only) as *recovering*; for
+the recovery window reports adopt their pods (the highest attempt seen wins). Then a job
+whose gang is complete runs on, a job with a partial gang has its pods stopped and is
+requeued, a job with no pods is placed again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from scheduler_link.messages import (
+    TERMINAL_STATES,
+    GpuSnapshot,
+    NodeReport,
+    ReportReply,
+    Victim,
+    WorkloadEvent,
+)
+
+from .errors import InvalidSpec
+from .model import NodeSpec
+from .records import STALE_PRIORITY, TERMINAL_JOB_STATES, JobRec, NodeRec, PodRec, Push, parse_workload_id
+from .statebase import StateBase
+
+log = logging.getLogger("herd.placer.state")
+
+
+class Reports(StateBase):
+    def ingest(self, node_id: str, rep: NodeReport, now: float) -> tuple[int, ReportReply, list[Push]]:
+        """Apply one report. Returns (HTTP status, reply, pushes)."""
+        self.counters["reports"] += 1
+        if rep.node_id != node_id:
+            return 400, ReportReply(ok=False), []
+        node = self.nodes.get(node_id)
+        if not rep.full:
+            if node is None or node.boot_id != rep.boot_id or rep.seq != node.last_seq + 1:
+                self.counters["conflicts"] += 1
+                return 409, ReportReply(ok=False, need_full=True), []
+            if rep.snapshot is not None and [g.uuid for g in sorted(rep.snapshot.gpus, key=lambda g: g.index)] \
+                    != node.uuids:
+                # an inventory change rides only on a full report (the node is rebuilt then)
+                return 409, ReportReply(ok=False, need_full=True), []
+            node.last_seq = rep.seq
+            node.last_seen = now
+            self.lost_timer.set(node_id, now + self.cfg.lost_after_s)
+            pushes = self._node_back(node, now)
+            if rep.snapshot is not None:
+                self._apply_snapshot(node, rep.snapshot)
+            if rep.manifests is not None:
+                self._set_manifests(node, set(rep.manifests))
+            for ev in rep.events:
+                pushes += self._apply_event(node, ev, now)
+            return 200, self._reply(node), pushes
+        return self._register(rep, now)
+
+    def _reply(self, node: NodeRec, *, need_full: bool = False) -> ReportReply:
+        stop: list[Victim] = []
+        if node.tell:
+            stop = [Victim(workload_id=w, grace_s=self._grace_of(w), reason="fenced: gang placed elsewhere")
+                    for w in sorted(node.tell) if w in node.stale and node.workloads.get(w) not in TERMINAL_STATES]
+            node.tell.clear()
+        return ReportReply(ok=True, need_full=need_full or bool(node.refused), stop=stop,
+                           heartbeat_interval_s=self.cfg.heartbeat_s)
+
+    def _grace_of(self, wid: str) -> float:
+        parsed = parse_workload_id(wid)
+        job = self.jobs.get(parsed[0]) if parsed else None
+        return job.spec.grace_s if job else 10.0
+
+    def _set_manifests(self, node: NodeRec, held: set[str]) -> None:
+        for m in node.manifests - held:
+            holders = self.manifest_holders.get(m)
+            if holders is not None:
+                holders.discard(node.node_id)
+                if not holders:
+                    del self.manifest_holders[m]
+        for m in held - node.manifests:
+            self.manifest_holders.setdefault(m, set()).add(node.node_id)
+        node.manifests = held
+
+    def _register(self, rep: NodeReport, now: float) -> tuple[int, ReportReply, list[Push]]:
+        snap = rep.snapshot
+        gpus = sorted(snap.gpus, key=lambda g: g.index) if snap else []
+        uuids = [g.uuid for g in gpus]
+        nvd = rep.nvlink_domain or (snap.nvlink_domain if snap else None)
+        spec = NodeSpec(node_id=rep.node_id, zone=rep.topology.zone, block=rep.topology.block,
+                        rack=rep.topology.rack, n_gpus=len(uuids), nvlink_domain=nvd)
+        # Refuse what the model cannot hold before anything changes.
+        try:
+            spec.validate()
+        except InvalidSpec as e:
+            self.counters["refused_reports"] += 1
+            log.warning("report refused node=%s: %s", rep.node_id, e)
+            return 400, ReportReply(ok=False), []
+        if len(set(uuids)) != len(uuids):
+            self.counters["refused_reports"] += 1
+            return 400, ReportReply(ok=False), []
+        self.counters["full_reports"] += 1
+        old = self.nodes.get(rep.node_id)
+        node = NodeRec(node_id=rep.node_id, boot_id=rep.boot_id, last_seq=rep.seq,
+                       control_url=rep.control_url, data_url=rep.data_url, topology=rep.topology,
+                       nvlink_domain=nvd, uuids=uuids, simulated=bool(snap and snap.simulated), last_seen=now)
+        pushes: list[Push] = []
+        if old is not None:
+            pushes += self._node_back(old, now)
+            self._set_manifests(old, set())
+            node.pods = old.pods
+            self.node_states[old.state] -= 1
+            self.fence_timer.cancel(rep.node_id)
+            # Forget what we believed about this node's stale holders: the report is the truth.
+            for wid in old.stale:
+                self._release_quiet(f"stale:{wid}")
+        self.node_states[node.state] += 1
+        if old is None or self.model.spec(rep.node_id) != spec:
+            self.dirty = True   # new capacity (or moved): worth a scheduling pass
+        self.model.upsert_node(spec)
+        self.nodes[rep.node_id] = node
+        self.lost_timer.set(rep.node_id, now + self.cfg.lost_after_s)
+        self._set_manifests(node, set(rep.manifests or ()))
+        if snap is not None:
+            if old is not None and old.uuids == uuids:
+                prev_bad, prev_fatal = old.fatal | old.refused, old.host_fatal
+            else:  # a new node: all healthy in the model
+                prev_bad, prev_fatal = set(), False
+            self._apply_snapshot(node, snap, prev_bad=prev_bad, prev_host_fatal=prev_fatal)
+            if old is not None and old.uuids != uuids:  # a changed inventory: say everything
+                for i in range(len(uuids)):
+                    self.model.set_gpu_health(rep.node_id, i, i not in node.fatal)
+                self.model.set_node_state(rep.node_id, healthy=not node.host_fatal)
+        reported: set[str] = set()
+        ended = []
+        for w in rep.workloads:
+            node.workloads[w.workload_id] = w.state
+            if w.state in TERMINAL_STATES:
+                ended.append(w)
+                continue
+            reported.add(w.workload_id)
+            slots = tuple(s for s in (node.slot_of(u) for u in w.gpus) if s is not None)
+            if not self._adopt(node, w.workload_id, w.job_id, slots, w.gpus, w.state, now):
+                node.stale[w.workload_id] = slots
+                node.tell.add(w.workload_id)
+                if slots:
+                    self._assign(f"stale:{w.workload_id}", rep.node_id, slots, STALE_PRIORITY, False)
+        # Events riding on a full report: the workload list above is the state; keep what only
+        # the events carry (when each state was reached, the fetch figures).
+        for ev in rep.events:
+            self._note_event(node, ev)
+        # Workloads the report shows ended: their end is news if its event has not come yet
+        # (a full report can overtake the event); apply it as one, never call them vanished.
+        for w in ended:
+            pushes += self._apply_event(node, WorkloadEvent(
+                workload_id=w.workload_id, job_id=w.job_id, state=w.state, at=w.updated_at or now,
+                exit_code=w.exit_code, reason=w.reason, gpus=list(w.gpus), placement_id=w.placement_id), now)
+        # Pods we placed on this node that the agent does not know (lost with its state, or a
+        # push that never landed): the gang is broken. Only this node's pods are looked at.
+        for wid, (job, p) in list(node.pods.items()):
+            if (wid in reported or p.terminal or p.state == "placing" or job.recovering
+                    or job.state in TERMINAL_JOB_STATES or now - job.timings.get("acked", now) <= 1.0):
+                continue
+            if self.pods.get(wid, (None, None))[1] is not p:
+                continue
+            job.set_pod_state(p, "lost")
+            p.reason = "not reported by its node"
+            pushes += self._end_attempt(job, "lost", now, reason=f"pod {p.rank} vanished from {rep.node_id}")
+        return 200, self._reply(node), pushes
+
+    def _adopt(self, node: NodeRec, wid: str, job_id: str, slots: tuple[int, ...], uuids: list[str],
+               state: str, now: float) -> bool:
+        """A reported live workload: is it the current attempt of a live job (adopt it)?"""
+        parsed = parse_workload_id(wid)
+        job = self.jobs.get(job_id)
+        if parsed is None or job is None or parsed[0] != job_id or job.state in TERMINAL_JOB_STATES:
+            return False
+        _, attempt, rank = parsed
+        if job.recovering and attempt >= job.attempt:
+            if attempt > job.attempt:
+                old = list(job.pods)  # an older attempt adopted first: it is stale now
+                for p in old:
+                    self._mark_stale(p)
+                    if p.node_id in self.nodes:
+                        self.nodes[p.node_id].tell.add(p.workload_id)
+                self._replace_pods(job, [])
+                self._release_quiet(job_id)
+                self._hold(old)
+                job.attempt = attempt
+            if wid in self.pods or rank >= job.spec.pods:
+                return False
+            if not self._assign(job_id, node.node_id, slots, job.spec.priority, job.spec.preemptible):
+                return False
+            pod = PodRec(rank=rank, node_id=node.node_id, slots=slots, uuids=list(uuids), workload_id=wid,
+                         state=state)
+            job.add_pod(pod)
+            self._index_pod(job, pod)
+            return True
+        if attempt != job.attempt:
+            return False
+        hit = node.pods.get(wid)
+        if hit is None or hit[0] is not job:
+            return False
+        p = hit[1]
+        if not p.terminal:
+            job.set_pod_state(p, state, p.exit_code)
+            self._assign(job_id, node.node_id, p.slots, job.spec.priority, job.spec.preemptible)
+            self._maybe_running(job, now)
+        return True
+
+    def _apply_snapshot(self, node: NodeRec, snap: GpuSnapshot, *, prev_bad: set[int] | None = None,
+                        prev_host_fatal: bool | None = None) -> None:
+        """Health from a snapshot. Only what changed is pushed into the model, so a node
+        registering healthy costs no model call (its rebuild stays deferred)."""
+        gpus = sorted(snap.gpus, key=lambda g: g.index)
+        if [g.uuid for g in gpus] != node.uuids:
+            return  # inventory changed: the next full report rebuilds the node
+        before = (node.fatal | node.refused) if prev_bad is None else prev_bad
+        was_fatal = node.host_fatal if prev_host_fatal is None else prev_host_fatal
+        node.refused.clear()  # the agent has spoken about every GPU again
+        node.fatal = {i for i, g in enumerate(gpus) if g.health == "fatal"}
+        node.host_fatal = snap.host.state == "fatal"
+        changed = before ^ node.fatal
+        for i in sorted(changed):
+            if i < len(gpus):
+                self.model.set_gpu_health(node.node_id, i, i not in node.fatal)
+        if node.host_fatal != was_fatal:
+            self.model.set_node_state(node.node_id, healthy=node.state == "up" and not node.host_fatal)
+        if changed or node.host_fatal != was_fatal:
+            self.dirty = True
+
+    def _node_back(self, node: NodeRec, now: float) -> list[Push]:
+        if node.state == "lost":
+            self.dirty = True
+            log.info("node back node=%s after=%.1fs", node.node_id, now - (node.lost_since or now))
+            self._set_node_state(node, "up")
+            node.lost_since = None
+            self.fence_timer.cancel(node.node_id)
+            self.model.set_node_state(node.node_id, healthy=not node.host_fatal)
+        return []
+
+    def _apply_event(self, node: NodeRec, ev: WorkloadEvent, now: float) -> list[Push]:
+        node.workloads[ev.workload_id] = ev.state
+        if ev.state in TERMINAL_STATES and ev.workload_id in node.stale:
+            node.stale.pop(ev.workload_id)
+            self._release_quiet(f"stale:{ev.workload_id}")
+            return []
+        hit = node.pods.get(ev.workload_id)
+        if hit is None:
+            return []
+        job, pod = hit
+        if job.job_id != ev.job_id or job.state in TERMINAL_JOB_STATES or pod.terminal:
+            return []
+        told_to_stop = pod.state in ("terminating", "cancelled") or job.state in ("pending", "preempted")
+        job.set_pod_state(pod, ev.state, ev.exit_code)
+        pod.reason = ev.reason
+        self._note_pod(pod, ev)
+        if ev.state == "running":
+            self._maybe_running(job, now)
+            return []
+        if ev.state not in TERMINAL_STATES:
+            return []
+        self.dirty = True  # a pod ended: its GPUs may come free
+        if told_to_stop:
+            # the attempt already ended (preempted and requeued, cancelled): this pod's end is
+            # the stop we asked for, not a failure of the job's next attempt
+            return []
+        if ev.state == "exited" and ev.exit_code == 0:
+            if job.all_succeeded:
+                return self._end_attempt(job, "succeeded", now, reason=None)
+            return []
+        if ev.state == "preempted" and job.state in ("preempted",):
+            return []
+        why = f"pod {pod.rank} on {node.node_id} {ev.state}" + (
+            f" (code {ev.exit_code})" if ev.exit_code is not None else "") + (f": {ev.reason}" if ev.reason else "")
+        return self._end_attempt(job, "failed", now, reason=why)
+
+    def _note_event(self, node: NodeRec, ev: WorkloadEvent) -> None:
+        hit = node.pods.get(ev.workload_id)
+        if hit is not None:
+            self._note_pod(hit[1], ev)
+
+    @staticmethod
+    def _note_pod(pod: PodRec, ev: WorkloadEvent) -> None:
+        if pod.timings is None:
+            pod.timings = {}
+        pod.timings.setdefault(ev.state, ev.at)
+        if ev.bytes_from_origin is not None or ev.bytes_from_peers is not None:
+            pod.fetch = {"bytes_from_origin": ev.bytes_from_origin or 0,
+                         "bytes_from_peers": ev.bytes_from_peers or 0, "bytes_local": ev.bytes_local or 0}
+
+    def _maybe_running(self, job: JobRec, now: float) -> None:
+        if job.state != "running" and job.all_running:
+            job.state = "running"
+            job.timings.setdefault("running", now)
+
+    def _finish_recovery(self, now: float) -> None:
+        # every schedule round comes here: scan the jobs only while some are still recovering
+        if not self._recovering:
+            return
+        for job in self.jobs.values():
+            if not job.recovering:
+                continue
+            job.recovering = False
+            job.pods.sort(key=lambda p: p.rank)
+            if job.pods and len(job.pods) == job.spec.pods:  # ranks are unique (indexed by workload id)
+                job.state = "starting"
+                self._maybe_running(job, now)
+                log.info("job recovered from reports job=%s attempt=%d", job.job_id, job.attempt)
+            elif job.pods:
+                # a partial gang cannot run: its survivors are told to stop in their node's
+                # next reply and keep their GPUs until they are gone
+                survivors = list(job.pods)
+                for p in survivors:
+                    self._mark_stale(p)
+                    if p.node_id in self.nodes:
+                        self.nodes[p.node_id].tell.add(p.workload_id)
+                self._release_quiet(job.job_id)
+                self._hold(survivors)
+                self._replace_pods(job, [])
+                job.reason = "partial gang after placer restart"
+                self._enqueue(job, now)
+            else:
+                self._enqueue(job, now)
+        self._recovering = False

@@ -1,0 +1,297 @@
+"""Scheduling: submissions, the queue, one pass of decisions, and the placements they make.
+
+A pass (``schedule``) runs when something that could let a pending job fit has changed
+(``dirty``). It costs nothing while the queue is empty, and it rebuilds the model at most
+once (node arrivals only mark the model dirty). A pass that would rebuild waits until
+``rebuild_ok_at``: after each rebuild the next one may come no sooner than four times
+its cost, so a fleet registering all at once spends at most a fifth of the placer's time
+rebuilding and converges, whatever the arrival rate.
+
+A decided gang's placements are compact (DESIGN.md, Fleet scale): its shared part is a
+gang blob (:class:`scheduler_link.messages.GangBlob`, columnar peer table, id = BLAKE3 of
+its canonical bytes) encoded once and held here for the attempt; each node's Placement
+carries its pods and victims, the blob id, and peers bounded by its rack plus a few
+contacts in other racks (small gangs, up to ``FULL_PEERS_UP_TO`` nodes, still list
+every member). The post-decision bookkeeping is O(pods) with small constants: one
+record per pod, one Placement per node, per-rack peer lists shared.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import re
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+
+from scheduler_link.messages import (
+    GangBlob,
+    JobSpec,
+    Peer,
+    PeerTable,
+    Placement,
+    PodAssignment,
+    Victim,
+    encode_gang_blob,
+)
+
+from .place import Decision, JobRequest, place
+from .records import JOB_ID_RE, STALE_PRIORITY, TERMINAL_JOB_STATES, JobError, JobRec, NodeRec, PodRec, Push
+from .statebase import StateBase
+
+log = logging.getLogger("herd.placer.state")
+
+FULL_PEERS_UP_TO = 64      # gangs of at most this many nodes list every member to every node
+CONTACTS = 4               # bigger gangs: this many members of other racks per node
+REBUILD_SPACING = 4.0      # a rebuild waits this many times the previous one's cost
+
+
+class Scheduling(StateBase):
+    rebuild_ok_at: float = 0.0
+    last_rebuild_s: float = 0.0
+
+    # ------------------------------------------------------------ jobs
+
+    def validate(self, spec: JobSpec) -> None:
+        if not JOB_ID_RE.match(spec.job_id):
+            raise JobError("job id must be 1-63 characters of [A-Za-z0-9_-], starting alphanumeric")
+        if spec.pods < 1 or spec.gpus_per_pod < 1:
+            raise JobError("pods and gpus_per_pod must be >= 1")
+        if spec.pods * spec.gpus_per_pod > 1 << 22:
+            raise JobError("job asks for more GPUs than any cluster has")
+        if spec.grace_s < 0 or spec.grace_s > 86400:
+            raise JobError("grace_s must be within 0..86400")
+        if not spec.argv:
+            raise JobError("argv must not be empty")
+        if spec.restart.kind == "on-failure" and spec.restart.limit < 0:
+            raise JobError("restart limit must be >= 0")
+        for k in spec.env:
+            if not k or "=" in k or "\0" in k:
+                raise JobError(f"bad environment variable name {k!r}")
+        if not -STALE_PRIORITY < spec.priority < STALE_PRIORITY:
+            raise JobError(f"priority must be within +-{STALE_PRIORITY - 1}")
+        try:
+            self._request_of(spec).validate()
+        except ValueError as e:  # the core's InvalidSpec
+            raise JobError(str(e)) from None
+        if spec.job_id in self.jobs:
+            raise JobError(f"job {spec.job_id} already exists", status=409)
+
+    def submit(self, spec: JobSpec, now: float, *, recovering: bool = False) -> JobRec:
+        self.validate(spec)
+        self._order += 1
+        job = JobRec(spec=spec, order=self._order, recovering=recovering,
+                     state="pending", timings={"submitted": now})
+        self._recovering |= recovering
+        self.jobs[spec.job_id] = job
+        self.dirty = True
+        self._enqueue(job, now)
+        return job
+
+    def _enqueue(self, job: JobRec, now: float) -> None:
+        """A pending job waits in the core's queue (priority, FIFO, backfill, reservations);
+        recovering jobs join it only when the recovery window ends."""
+        job.state = "pending"
+        if not job.recovering and job.job_id not in self.queue:
+            self.queue.submit(self._request_of(job.spec), now)
+        self.dirty = True
+
+    def update_artifact(self, job_id: str, manifest_id: str, origin: str | None) -> JobRec:
+        """Point a live job at another manifest. Pods already placed keep theirs; the next
+        attempt (a requeue after preemption, a restart) runs the new one."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            raise JobError(f"no such job {job_id}", status=404)
+        if job.state in TERMINAL_JOB_STATES:
+            raise JobError(f"job {job_id} has ended ({job.state})", status=409)
+        if not re.fullmatch(r"[0-9a-f]{64}", manifest_id):
+            raise JobError("manifest_id must be 64 lowercase hex characters (a manifest id, not a ref)")
+        job.spec = msgspec.structs.replace(job.spec, manifest_id=manifest_id,
+                                           origin=origin if origin is not None else job.spec.origin)
+        return job
+
+    def live_jobs(self) -> list[JobRec]:
+        return [j for j in self.jobs.values() if j.state not in TERMINAL_JOB_STATES]
+
+    def _request_of(self, s: JobSpec) -> JobRequest:
+        return JobRequest(job_id=s.job_id, pods=s.pods, gpus_per_pod=s.gpus_per_pod, within=s.within,
+                          priority=s.priority, preemptible=s.preemptible, whole_nodes=s.whole_nodes)
+
+    # ------------------------------------------------------------ deciding
+
+    def schedule(self, now: float, *, clock: Callable[[], float] | None = None) -> list[tuple[JobRec, list[Push]]]:
+        """Try every pending job (strict priority, FIFO within one; a job that does not fit
+        does not block smaller ones). Returns, per decided job, its pushes (victim stops
+        folded into the same per-node placement as the new pods). ``clock`` (a monotonic
+        seconds clock) times decisions and rebuilds; ``now`` is the placer's time."""
+        if now < self.recover_until or not self.dirty:
+            return []
+        self._finish_recovery(now)
+        if not len(self.queue):
+            self.dirty = False
+            return []
+        if self.model.needs_rebuild and now < self.rebuild_ok_at:
+            self.counters["passes_deferred"] += 1
+            return []   # stays dirty: the service's next tick tries again
+        self.dirty = False
+        self.counters["passes"] += 1
+        self._clock = clock
+        if self.model.needs_rebuild:
+            t0 = clock() if clock else 0.0
+            _ = self.model.n_nodes  # rebuild now, timed
+            self.last_rebuild_s = (clock() - t0) if clock else 0.0
+            self.counters["rebuilds"] += 1
+            self.rebuild_ok_at = now + REBUILD_SPACING * self.last_rebuild_s
+        try:
+            decisions = self.queue.schedule(self.model, now)
+        except Exception:  # a core bug: keep serving; the next change tries again
+            log.exception("scheduling round failed")
+            return []
+        out = []
+        for decision in decisions:
+            job = self.jobs.get(decision.job_id)
+            if job is None or job.state != "pending":  # cannot happen; never leak GPUs if it does
+                self._release_quiet(decision.job_id)
+                continue
+            t0 = clock() if clock else 0.0
+            pushes = self._apply_decision(job, decision, now)
+            if clock:
+                self.bookkeeping_s.append(clock() - t0)
+                del self.bookkeeping_s[:-1000]
+            out.append((job, pushes))
+        return out
+
+    def _timed_place(self, model: Any, req: JobRequest, **kw: Any) -> Decision | None:
+        t0 = self._clock() if self._clock else 0.0
+        try:
+            return place(model, req, **kw)
+        finally:
+            if self._clock:
+                self.decision_s.append(self._clock() - t0)
+                del self.decision_s[:-1000]
+
+    def _apply_decision(self, job: JobRec, decision: Decision, now: float) -> list[Push]:
+        """A decision the queue already applied to the model (victims released, GPUs given)."""
+        self.counters["decisions"] += 1
+        # Victims first: their attempts end (never resurrected), their stops ride along.
+        victim_stops: dict[str, list[Victim]] = {}
+        victim_pods: list[PodRec] = []
+        for vid in decision.victims:
+            vjob = self.jobs.get(vid)
+            if vjob is None:
+                continue
+            self.counters["preemptions"] += 1
+            victim_pods += vjob.live_pods()
+            for push in self._end_attempt(vjob, "preempted", now, reason=f"preempted by {job.job_id}",
+                                          hold=False):
+                victim_stops.setdefault(push.node_id, []).extend(push.placement.victims)
+        self._hold(victim_pods)  # victims' GPUs the new gang does not take stay held until gone
+        self._unindex_pods(job)
+        job.attempt += 1
+        job.state = "placing"
+        job.reason = None
+        job.timings["decided"] = now
+        ids = decision._node_ids
+        node_names = [ids[n] for n in decision.pod_nodes.tolist()]
+        slot_rows = decision.pod_slots.tolist()
+        ragged = bool((decision.pod_slots < 0).any())
+        prefix = f"{job.job_id}.{job.attempt}."
+        pods: list[PodRec] = []
+        nodes = self.nodes
+        for rank, (nid, row) in enumerate(zip(node_names, slot_rows, strict=True)):
+            slots = tuple(s for s in row if s >= 0) if ragged else tuple(row)
+            uu = nodes[nid].uuids
+            pods.append(PodRec(rank, nid, slots, [uu[s] for s in slots], prefix + str(rank)))
+        self._replace_pods(job, pods)
+        return self._start_pushes(job, victim_stops, now)
+
+    def _start_pushes(self, job: JobRec, victim_stops: dict[str, list[Victim]], now: float) -> list[Push]:
+        s = job.spec
+        by_node: dict[str, list[PodAssignment]] = {}
+        for p in job.pods:
+            pa = PodAssignment(workload_id=p.workload_id, rank=p.rank, gpus=p.uuids, gpu_indices=list(p.slots))
+            lst = by_node.get(p.node_id)
+            if lst is None:
+                by_node[p.node_id] = [pa]
+            else:
+                lst.append(pa)
+        gang = [self.nodes[n] for n in by_node]
+        blob_id, peers_of = self._gang_blob(job, gang)
+        argv, env = list(s.argv), dict(s.env)
+        out = []
+        for node in gang:
+            node_id = node.node_id
+            pl = Placement(placement_id=f"start:{job.job_id}:{job.attempt}:{node_id}", job_id=job.job_id,
+                           pods=by_node[node_id], victims=victim_stops.pop(node_id, []), world_size=s.pods,
+                           argv=argv, env=env, manifest_id=s.manifest_id, origin=s.origin,
+                           peers=peers_of(node), grace_s=s.grace_s, restart=s.restart, issued_at=now,
+                           gang_blob_id=blob_id, gang_nodes=len(gang))
+            out.append(Push(node_id, node.control_url, pl, job.job_id, job.attempt, "start"))
+        for node_id, victims in victim_stops.items():  # victims on nodes that get no new pod
+            vnode = self.nodes[node_id]
+            self._pid += 1
+            pl = Placement(placement_id=f"stop:{job.job_id}:{job.attempt}:{node_id}:{self._pid}",
+                           job_id=job.job_id, victims=victims, issued_at=now)
+            out.append(Push(node_id, vnode.control_url, pl, job.job_id, job.attempt, "stop"))
+        return out
+
+    def _gang_blob(self, job: JobRec, gang: list[NodeRec]) -> tuple[str, Callable[[NodeRec], list[Peer]]]:
+        """Encode the gang's blob once; return its id and each node's bounded peer list."""
+        s = job.spec
+        order = sorted(gang, key=lambda n: (n.topology.zone, n.topology.block, n.topology.rack, n.node_id))
+        racks: list[str] = []
+        rack_start: list[int] = []
+        rack_of: list[int] = []
+        members: dict[str, list[Peer]] = {}
+        for i, n in enumerate(order):
+            path = n.rack_path
+            if not racks or racks[-1] != path:
+                racks.append(path)
+                rack_start.append(i)
+                members[path] = []
+            rack_of.append(len(racks) - 1)
+            members[path].append(n.peer())
+        table = PeerTable(node_ids=[n.node_id for n in order], data_urls=[n.data_url for n in order],
+                          rack_of=rack_of, racks=racks, rack_start=rack_start)
+        blob = GangBlob(job_id=job.job_id, attempt=job.attempt, argv=list(s.argv), env=dict(s.env),
+                        manifest_id=s.manifest_id, origin=s.origin, grace_s=s.grace_s, restart=s.restart,
+                        world_size=s.pods, peers=table)
+        blob_id, raw = encode_gang_blob(blob)
+        if job.blob_id is not None:
+            self.blobs.pop(job.blob_id, None)
+        job.blob_id = blob_id
+        self.blobs[blob_id] = raw
+        extra = self._holders(s.manifest_id, {n.node_id for n in gang} if s.manifest_id else set())
+        if len(gang) <= FULL_PEERS_UP_TO:
+            everyone = [n.peer() for n in order] + extra
+            return blob_id, lambda node: everyone
+        rack_names = racks
+        index_of = {p: r for r, p in enumerate(racks)}
+        R = len(racks)
+
+        def peers_of(node: NodeRec) -> list[Peer]:
+            r = index_of[node.rack_path]
+            own = members[rack_names[r]]
+            contacts = []
+            for k in range(1, CONTACTS + 1):  # racks at distance 1, 2, 4, 8 in rack order
+                other = members[rack_names[(r + (1 << (k - 1))) % R]]
+                if other is own:
+                    break
+                contacts.append(other[zlib.crc32(node.node_id.encode()) % len(other)])
+            return own + contacts + extra
+        return blob_id, peers_of
+
+    def _holders(self, manifest_id: str | None, gang: set[str]) -> list[Peer]:
+        """Up to ``max_peers`` up nodes outside the gang that hold the manifest already."""
+        if not manifest_id:
+            return []
+        holders = self.manifest_holders.get(manifest_id, set())
+        out = []
+        for nid in itertools.islice((h for h in holders if h not in gang), self.cfg.max_peers):
+            n = self.nodes.get(nid)
+            if n is not None and n.state == "up":
+                out.append(n.peer())
+        return out

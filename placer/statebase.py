@@ -1,0 +1,146 @@
+"""What every part of :class:`placer.state.PlacerState` shares: its data, its indexes, and
+the small helpers over the model. The parts (reports, attempts, scheduling, views) are
+mixins over this base; the cross-part methods are declared here so each module can be
+read, and type-checked, alone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from scheduler_link.messages import JobSpec, WorkloadEvent
+
+from .config import PlacerConfig
+from .errors import Conflict, InvalidSpec, UnknownJob, UnknownNode
+from .model import ClusterModel
+from .place import Decision, JobRequest
+from .queue import JobQueue
+from .records import STALE_PRIORITY, JobRec, NodeRec, PodRec, Push
+from .timers import Deadlines
+
+log = logging.getLogger("herd.placer.state")
+
+MODEL_ERRORS = (KeyError, ValueError, Conflict, InvalidSpec, UnknownJob, UnknownNode)
+
+
+class StateBase:
+    def __init__(self, config: PlacerConfig, *, started_at: float,
+                 place_fn: Callable[..., Decision | None] | None = None) -> None:
+        self.cfg = config
+        self.model = ClusterModel.build([])
+        self._clock: Callable[[], float] | None = None
+        self.queue = JobQueue(place_fn=place_fn or self._timed_place)
+        self.nodes: dict[str, NodeRec] = {}
+        self.jobs: dict[str, JobRec] = {}
+        self.pods: dict[str, tuple[JobRec, PodRec]] = {}   # current-attempt pods by workload id
+        self.node_states: Counter[str] = Counter()          # up / lost
+        self.manifest_holders: dict[str, set[str]] = {}     # manifest id -> up nodes holding it
+        self.blobs: dict[str, bytes] = {}                   # gang blob id -> canonical bytes
+        self.lost_timer: Deadlines[str] = Deadlines()
+        self.fence_timer: Deadlines[str] = Deadlines()
+        self._order = 0
+        self._pid = 0
+        self.recover_until = started_at
+        self._recovering = False                    # some job still waits for _finish_recovery
+        self.counters: dict[str, int] = {
+            "reports": 0, "full_reports": 0, "conflicts": 0, "decisions": 0, "preemptions": 0,
+            "rollbacks": 0, "requeues": 0, "nodes_lost": 0, "fenced_stops": 0, "refused_reports": 0,
+            "rebuilds": 0, "passes": 0, "passes_deferred": 0,
+        }
+        self.decision_s: list[float] = []
+        self.bookkeeping_s: list[float] = []
+        self._ended: list[tuple[str, str, float]] = []
+        self.dirty = True                           # capacity or the queue changed since schedule()
+
+    # ------------------------------------------------------------ declared by the parts
+
+    def _end_attempt(self, job: JobRec, cause: str, now: float, *, reason: str | None,
+                     hold: bool = True) -> list[Push]:
+        raise NotImplementedError
+
+    def _apply_event(self, node: NodeRec, ev: WorkloadEvent, now: float) -> list[Push]:
+        raise NotImplementedError
+
+    def _enqueue(self, job: JobRec, now: float) -> None:
+        raise NotImplementedError
+
+    def _request_of(self, s: JobSpec) -> JobRequest:
+        raise NotImplementedError
+
+    def _finish_recovery(self, now: float) -> None:
+        raise NotImplementedError
+
+    def _timed_place(self, model: ClusterModel, req: JobRequest, **kw: object) -> Decision | None:
+        raise NotImplementedError
+
+    def _maybe_running(self, job: JobRec, now: float) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ shared helpers
+
+    def drain_ended(self) -> list[tuple[str, str, float]]:
+        """Jobs that reached a terminal state since the last call (for the journal)."""
+        out, self._ended = self._ended, []
+        return out
+
+    def _assign(self, job_id: str, node_id: str, slots: Iterable[int], priority: int, preemptible: bool) -> bool:
+        try:
+            self.model.assign(job_id, node_id, list(slots), priority, preemptible)
+            return True
+        except MODEL_ERRORS as e:
+            log.warning("cannot record allocation job=%s node=%s slots=%s: %s", job_id, node_id, list(slots), e)
+            return False
+
+    def _release_quiet(self, job_id: str) -> None:
+        try:
+            if self.model.release(job_id):
+                self.dirty = True
+        except MODEL_ERRORS:
+            pass
+
+    def _index_pod(self, job: JobRec, pod: PodRec) -> None:
+        self.pods[pod.workload_id] = (job, pod)
+        node = self.nodes.get(pod.node_id)
+        if node is not None:
+            node.pods[pod.workload_id] = (job, pod)
+
+    def _unindex_pods(self, job: JobRec) -> None:
+        """The job's current pods stop being current (a new attempt, or recovery gave up)."""
+        for p in job.pods:
+            if self.pods.get(p.workload_id, (None, None))[1] is p:
+                del self.pods[p.workload_id]
+            node = self.nodes.get(p.node_id)
+            if node is not None and node.pods.get(p.workload_id, (None, None))[1] is p:
+                del node.pods[p.workload_id]
+
+    def _replace_pods(self, job: JobRec, pods: list[PodRec]) -> None:
+        self._unindex_pods(job)
+        job.set_pods(pods)
+        for p in pods:
+            self._index_pod(job, p)
+
+    def _mark_stale(self, p: PodRec) -> None:
+        n = self.nodes.get(p.node_id)
+        if n is not None and not p.terminal:
+            n.stale[p.workload_id] = p.slots
+
+    def _hold(self, pods: Iterable[PodRec]) -> None:
+        """Stopped pods keep their GPUs (as ``stale:`` holders) until their node reports them gone."""
+        for p in pods:
+            if p.node_id not in self.nodes or not p.slots:
+                continue
+            try:
+                free = set(self.model.free_gpus(p.node_id))
+            except MODEL_ERRORS:
+                continue
+            slots = [s for s in p.slots if s in free]
+            if slots:
+                self._assign(f"stale:{p.workload_id}", p.node_id, slots, STALE_PRIORITY, False)
+
+    def _set_node_state(self, node: NodeRec, state: str) -> None:
+        if node.state != state:
+            self.node_states[node.state] -= 1
+            self.node_states[state] += 1
+            node.state = state
