@@ -1,0 +1,114 @@
+"""scheduler_link.validate.validate_report: reports the model cannot take are refused
+with one line, real reports pass (issue 16)."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+import pytest
+
+from scheduler_link.messages import (
+    GpuInfo,
+    GpuSnapshot,
+    HealthReason,
+    NodeReport,
+    TopologyPath,
+    WorkloadEvent,
+    WorkloadStatus,
+)
+from scheduler_link.validate import MAX_GPUS_PER_NODE, validate_report
+
+
+def _snap(n: int = 8, node: str = "n1") -> GpuSnapshot:
+    return GpuSnapshot(simulated=True, gpus=[GpuInfo(index=i, uuid=f"GPU-{node}-{i}", name="sim", memory_total_mib=1,
+                                                     pci_bus_id=str(i), simulated=True) for i in range(n)])
+
+
+def _report(**kw) -> NodeReport:
+    base = dict(node_id="n1", boot_id="boot-1", seq=3, full=True, control_url="http://10.0.0.1:8470",
+                data_url="http://10.0.0.1:8471", topology=TopologyPath(zone="z", block="b", rack="r"),
+                snapshot=_snap(), sent_at=1.0,
+                workloads=[WorkloadStatus(workload_id="w1", job_id="j1", gpus=["GPU-n1-0", "GPU-n1-1"])],
+                events=[WorkloadEvent(workload_id="w1", job_id="j1", state="running", at=1.0)],
+                manifests=["ab" * 32])
+    base.update(kw)
+    return NodeReport(**base)
+
+
+def test_the_placer_and_the_validator_agree_on_gpus_per_node() -> None:
+    from placer.topology import MAX_GPUS_PER_NODE as placer_max
+    assert MAX_GPUS_PER_NODE == placer_max
+
+
+def test_good_reports_pass() -> None:
+    assert validate_report(_report()) is None
+    assert validate_report(_report(snapshot=_snap(MAX_GPUS_PER_NODE))) is None
+    assert validate_report(_report(snapshot=None, full=False, workloads=[], manifests=None)) is None
+    assert validate_report(_report(control_url="http://n1", data_url="")) is None   # no data plane
+
+
+def test_a_real_agent_snapshot_passes() -> None:
+    import trio
+
+    from agent.gpus import open_backend, snapshot_once
+    for profile in ("dgx-h100", "gb200-nvl72"):
+        snap = trio.run(snapshot_once, open_backend(f"simulated:{profile}", hostname="n1"))
+        assert validate_report(_report(snapshot=snap, workloads=[])) is None, profile
+
+
+def _gpu(i: int, uuid: str | None = None) -> GpuInfo:
+    return GpuInfo(index=i, uuid=f"GPU-{i}" if uuid is None else uuid, name="sim", memory_total_mib=1, pci_bus_id=str(i))
+
+
+@pytest.mark.parametrize("change, words", [
+    # the crash of issue 16: more GPUs than the model's owner array holds
+    (dict(snapshot=_snap(MAX_GPUS_PER_NODE + 1)), "at most 64"),
+    (dict(snapshot=GpuSnapshot(gpus=[_gpu(0, "GPU-a"), _gpu(1, "GPU-a")])), "appears twice"),
+    (dict(snapshot=GpuSnapshot(gpus=[_gpu(0, "GPU-a"), _gpu(0, "GPU-b")])), "index 0 appears twice"),
+    (dict(snapshot=GpuSnapshot(gpus=[_gpu(64)])), "outside 0..63"),
+    (dict(snapshot=GpuSnapshot(gpus=[_gpu(-1)])), "outside 0..63"),
+    (dict(snapshot=GpuSnapshot(gpus=[_gpu(0, "")])), "GPU uuid"),
+    (dict(snapshot=GpuSnapshot(gpus=[_gpu(0, "GPU a")])), "GPU uuid"),
+    (dict(snapshot=GpuSnapshot(gpus=[_gpu(0)], topology_matrix=[["X", "NV18"]])), "1 x 1"),
+    (dict(snapshot=GpuSnapshot(gpus=[msgspec.structs.replace(_gpu(0), reasons=[
+        HealthReason(code="x", severity="info")] * 65)])), "health reasons"),
+    (dict(snapshot=msgspec.structs.replace(_snap(), taken_at=math.nan)), "finite"),
+    (dict(node_id=""), "node_id"),
+    (dict(node_id="a/b"), "node_id"),
+    (dict(node_id="x" * 254), "node_id"),
+    (dict(node_id="bad id"), "node_id"),
+    (dict(boot_id="b" * 300), "boot_id"),
+    (dict(seq=-1), "seq"),
+    (dict(version=99), "version"),
+    (dict(control_url="file:///etc/passwd"), "control_url"),
+    (dict(control_url="http://user:pw@host:1"), "user info"),
+    (dict(data_url="http://h:99999"), "data_url"),
+    (dict(data_url="http://h:1/\n"), "data_url"),
+    (dict(data_url="http://" + "h" * 3000), "data_url"),
+    (dict(topology=TopologyPath(zone="", block="b", rack="r")), "zone"),
+    (dict(topology=TopologyPath(zone="z", block="b", rack="r" * 200)), "rack"),
+    (dict(sent_at=math.inf), "sent_at"),
+    (dict(sent_at=math.nan), "sent_at"),
+    (dict(workloads=[WorkloadStatus(workload_id="w", job_id="j")] * 2), "appears twice"),
+    (dict(workloads=[WorkloadStatus(workload_id=f"w{i}", job_id="j") for i in range(4097)]), "workloads"),
+    (dict(workloads=[WorkloadStatus(workload_id="w", job_id="j", gpus=["g", "g"])]), "distinct"),
+    (dict(workloads=[WorkloadStatus(workload_id="", job_id="j")]), "workload_id"),
+    (dict(workloads=[WorkloadStatus(workload_id="w", job_id="j", created_at=math.nan)]), "created_at"),
+    (dict(events=[WorkloadEvent(workload_id="w", job_id="j", state="running", at=math.nan)]), "at must"),
+    (dict(events=[WorkloadEvent(workload_id="w", job_id="j", state="running", at=1.0)] * 4097), "events"),
+    (dict(events=[WorkloadEvent(workload_id="w", job_id="j", state="exited", at=1.0,
+                                bytes_from_origin=-5)]), "bytes_from_origin"),
+    (dict(manifests=["../../etc"]), "manifest id"),
+    (dict(manifests=["ab" * 32] * 65_537), "manifests"),
+])
+def test_bad_reports_are_refused_with_a_reason(change: dict, words: str) -> None:
+    reason = validate_report(_report(**change))
+    assert reason is not None and words in reason, reason
+
+
+def test_a_decoded_hostile_report_is_refused_not_raised() -> None:
+    """What the placer does with the bytes of issue 16's crash frame: decode, validate."""
+    raw = msgspec.json.encode(_report(snapshot=_snap(65)))
+    rep = msgspec.json.decode(raw, type=NodeReport)
+    assert "65 GPUs" in (validate_report(rep) or "")
