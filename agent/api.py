@@ -1,10 +1,12 @@
 """The agent's operator/control HTTP API (scheduler_link.http.App served by hypercorn).
 
-Auth (DESIGN.md, Contracts): ``POST /v1/placements`` and ``/v1/prefetch`` take the
-placer or the operator token (an operator's placement is a *direct* one: the agent's
-own restart policy applies to it only); stopping workloads and fault injection take
-the operator token; reads are open to loopback clients and need the operator token
-from anywhere else unless ``open_reads`` is configured.
+Auth: every route and the role it needs are declared in :mod:`scheduler_link.authz`
+(``AGENT_ROUTES``) and installed from there. Reads need the viewer token (or the
+operator's) from anywhere, loopback included -- a workload on this host is a loopback
+client too; ``/healthz`` and ``/readyz`` are public, ``/metrics`` is public unless
+``open_metrics = false``. Placements and prefetch take the placer or the operator token
+(an operator's placement is a *direct* one: the agent's own restart policy applies to it
+only); stopping workloads and fault injection take the operator token.
 
 ``POST /v1/placements`` answers 200 with the PlacementAck when accepted (or already
 accepted: idempotent by placement id) and 409 with the PlacementAck (``accepted:
@@ -16,16 +18,16 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import msgspec
+import trio
 
-from scheduler_link.auth import TokenSet, bearer
+from scheduler_link import authz
+from scheduler_link.auth import bearer
 from scheduler_link.http import (
     App,
-    AuthPolicy,
     HTTPError,
     Request,
     Response,
     json_response,
-    require_role,
     text_response,
 )
 from scheduler_link.messages import Placement, PrefetchRequest
@@ -34,15 +36,6 @@ from .errors import AgentError, UnknownWorkload
 
 if TYPE_CHECKING:
     from .daemon import Agent
-
-
-def read_policy(tokens: TokenSet, open_reads: bool) -> AuthPolicy:
-    def check(req: Request) -> None:
-        if open_reads or req.is_loopback:
-            return
-        if not tokens.check("operator", bearer(req.headers)):
-            raise HTTPError(401, "unauthorized", "reads from outside loopback need the operator token")
-    return check
 
 
 class _StopBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -54,9 +47,6 @@ def build_app(agent: Agent) -> App:
     cfg = agent.config
     tokens = agent.tokens
     app = App(max_body=cfg.max_body_bytes, name="herd-agent")
-    reads = read_policy(tokens, cfg.open_reads)
-    operator = require_role(tokens, "operator")
-    placer_or_operator = require_role(tokens, "placer", "operator")
 
     async def healthz(req: Request) -> Response:
         """Liveness: the process answers."""
@@ -97,9 +87,14 @@ def build_app(agent: Agent) -> App:
         if stream not in ("stdout", "stderr"):
             raise HTTPError(400, "bad stream", "stream must be stdout or stderr")
         try:
-            return text_response(agent.supervisor.read_log(req.params["wid"], stream=stream, tail=tail))
+            # off the event loop: a tail reads from the end of files of any size
+            text = await trio.to_thread.run_sync(lambda: agent.supervisor.read_log(
+                req.params["wid"], stream=stream, tail=tail))
+            return text_response(text)
         except UnknownWorkload as e:
             raise HTTPError(404, "no such workload", str(e)) from None
+        except AgentError as e:  # a symlink or a non-file where the log belongs
+            raise HTTPError(409, "log refused", str(e)) from None
 
     async def stop(req: Request) -> Response:
         """Stop a workload gracefully (notice file, SIGTERM, grace, SIGKILL). Body optional: {reason, grace_s}."""
@@ -155,19 +150,18 @@ def build_app(agent: Agent) -> App:
         """This API's OpenAPI description, generated from the route table."""
         return json_response(app.openapi("herd-agent"))
 
-    app.add("GET", "/healthz", healthz)
-    app.add("GET", "/readyz", readyz)
-    app.add("GET", "/v1/status", status, auth=reads)
-    app.add("GET", "/v1/gpus", gpus, auth=reads)
-    app.add("GET", "/v1/workloads", workloads, auth=reads)
-    app.add("GET", "/v1/workloads/{wid}", workload, auth=reads)
-    app.add("GET", "/v1/workloads/{wid}/logs", logs, auth=reads)
-    app.add("POST", "/v1/workloads/{wid}/stop", stop, auth=operator, max_body=4096)
-    app.add("POST", "/v1/gpus/{uuid}/inject", inject, auth=operator, max_body=16 << 10)
-    app.add("POST", "/v1/placements", place, auth=placer_or_operator)
-    app.add("POST", "/v1/prefetch", prefetch, auth=placer_or_operator, max_body=256 << 10)
-    app.add("GET", "/metrics", metrics, auth=reads)
-    app.add("GET", "/openapi.json", openapi)
+    handlers = {
+        ("GET", "/healthz"): healthz, ("GET", "/readyz"): readyz, ("GET", "/metrics"): metrics,
+        ("GET", "/openapi.json"): openapi, ("GET", "/v1/status"): status, ("GET", "/v1/gpus"): gpus,
+        ("GET", "/v1/workloads"): workloads, ("GET", "/v1/workloads/{wid}"): workload,
+        ("GET", "/v1/workloads/{wid}/logs"): logs, ("POST", "/v1/workloads/{wid}/stop"): stop,
+        ("POST", "/v1/gpus/{uuid}/inject"): inject, ("POST", "/v1/placements"): place,
+        ("POST", "/v1/prefetch"): prefetch,
+    }
+    authz.install(app, authz.AGENT_ROUTES, handlers, tokens,
+                  flags={"open_reads": cfg.open_reads, "open_metrics": cfg.open_metrics},
+                  max_body={("POST", "/v1/workloads/{wid}/stop"): 4096, ("POST", "/v1/gpus/{uuid}/inject"): 16 << 10,
+                            ("POST", "/v1/prefetch"): 256 << 10})
     return app
 
 

@@ -40,7 +40,8 @@ class AgentConfig:
     data_listen: str | None = "127.0.0.1:0"   # None: no data plane
     placer: str | None = None
     token_dir: str | None = None         # default $HERD_TOKEN_DIR or /etc/herd/tokens
-    open_reads: bool = False             # GET endpoints open to non-loopback clients without a token
+    open_reads: bool = False             # viewer routes public (no token); a lab set-up only
+    open_metrics: bool = True            # /metrics public (else the metrics, viewer or operator token)
     heartbeat_s: float = 5.0
     gpu_poll_interval_s: float = 5.0
     max_body_bytes: int = 1 << 20
@@ -54,12 +55,13 @@ class AgentConfig:
 
 
 _AGENT_KEYS = {"node_id": str, "gpus": str, "state_dir": str, "listen": str, "data_listen": (str, type(None)),
-               "placer": (str, type(None)), "token_dir": (str, type(None)), "open_reads": bool,
+               "placer": (str, type(None)), "token_dir": (str, type(None)), "open_reads": bool, "open_metrics": bool,
                "heartbeat_s": (int, float), "gpu_poll_interval_s": (int, float), "max_body_bytes": int}
 _TOPO_KEYS = {"zone": str, "block": str, "rack": str}
 _STORE_KEYS = {"dir": str, "quota_bytes": int, "keep_trees": int}
 _WL_KEYS = {"shim_pool": int, "log_max_bytes": int, "log_keep": int, "keep_terminal": int,
-            "default_grace_s": (int, float)}
+            "default_grace_s": (int, float), "user": str, "allowed_users": list, "allow_root": bool,
+            "cgroup": str, "rlimit_core": int}
 
 
 def _check(section: str, table: Mapping[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
@@ -72,6 +74,10 @@ def _check(section: str, table: Mapping[str, Any], schema: Mapping[str, Any]) ->
             raise ConfigError(f"[{section}] {k} must be a number, not {v!r}")
         if not isinstance(v, want):
             raise ConfigError(f"[{section}] {k} has the wrong type: {v!r}")
+        if want is list:
+            if not all(isinstance(x, str) for x in v):
+                raise ConfigError(f"[{section}] {k} must be a list of strings: {v!r}")
+            v = tuple(v)
         out[k] = float(v) if want == (int, float) else v
     return out
 
@@ -137,6 +143,12 @@ def validate(cfg: AgentConfig) -> None:
         raise ConfigError("workloads.shim_pool must be within 0..64")
     if w.log_max_bytes < 1024 or w.log_keep < 0 or w.default_grace_s < 0 or w.keep_terminal < 0:
         raise ConfigError("workloads: log_max_bytes >= 1024, log_keep/keep_terminal/default_grace_s >= 0")
+    if not w.user:
+        raise ConfigError("workloads.user must name a user (or a numeric uid)")
+    if not (w.cgroup in ("auto", "off") or w.cgroup.startswith("/")):
+        raise ConfigError(f"workloads.cgroup must be auto, off or an absolute cgroup v2 path, not {w.cgroup!r}")
+    if w.rlimit_core < 0:
+        raise ConfigError("workloads.rlimit_core must be >= 0")
     if cfg.store.quota_bytes is not None and cfg.store.quota_bytes <= 0:
         raise ConfigError("store.quota_bytes must be > 0")
     if cfg.store.keep_trees < 0:

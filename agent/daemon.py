@@ -178,7 +178,7 @@ class Agent:
     def _write_endpoints(self) -> None:
         doc = {"node_id": self.node_id, "control_url": self.control_url, "data_url": self.data_url or None,
                "pid": os.getpid(), "boot_id": procs.boot_id(), "written_at": time.time()}
-        atomic_write(self.state_dir / "endpoints.json", msgspec.json.encode(doc))
+        atomic_write(self.state_dir / "endpoints.json", msgspec.json.encode(doc), mode=0o644)
 
     # ------------------------------------------------------------ views
 
@@ -211,6 +211,7 @@ class Agent:
             "node_id": self.node_id, "ready": self.ready, "control_url": self.control_url,
             "data_url": self.data_url or None, "topology": self.config.topology,
             "nvlink_domain": snap.nvlink_domain, "backend": snap.backend, "simulated": snap.simulated,
+            "isolation": self.supervisor.isolation.mode, "workload_user": self.supervisor.identities.default.name,
             "gpus": snap, "gpu_holders": self.supervisor.gpu_holders(),
             "workloads": self.supervisor.workloads(), "supervisor": self.supervisor.statistics(),
             "store": self.store_statistics(),

@@ -50,6 +50,13 @@ class LaunchCommand(msgspec.Struct, frozen=True, kw_only=True):
     log_max_bytes: int = 16 << 20
     log_keep: int = 2
     record: dict[str, Any] = {}      # the agent's record of this workload, kept in run.json
+    # isolation (agent.isolation, applied by the shim in the child before exec)
+    user: dict[str, Any] | None = None   # {"uid", "gid", "groups"}; None: the shim's own user
+    cgroup: str | None = None            # the workload's cgroup v2 dir (cgroup mode)
+    umask: int = 0o077
+    rlimit_core: int = 0
+    oom_score_adj: int | None = 0
+    grace_s: float = 10.0                # for what is left of the workload once its leader exits
 
 
 class Launched(msgspec.Struct, frozen=True, kw_only=True):

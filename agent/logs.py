@@ -1,37 +1,87 @@
-"""Reading a workload's size-capped, rotated logs (written by :mod:`agent.shim`)."""
+"""Reading a workload's size-capped, rotated logs (written by :mod:`agent.shim`).
+
+Every open is relative to the workload's directory, opened itself with ``O_NOFOLLOW``,
+and opens the log with ``O_NOFOLLOW`` too: a symlink put where a log belongs (by anyone
+who could write there) is refused, never followed to ``/etc/shadow``. Reads go
+backwards from the end in blocks, so a tail costs what it returns, whatever the file's
+size; callers run it in a worker thread (it is blocking file I/O).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 from pathlib import Path
+
+from .errors import AgentError
+
+_BLOCK = 64 << 10
 
 
 def read_tail(wdir: Path, stream: str, tail: int, keep: int) -> str:
     """The last ``tail`` lines of ``stream`` (stdout|stderr) across ``<stream>.log`` and its
-    ``keep`` rotations. Reads backwards from the end in blocks, so a tail of a large log
-    costs what it returns."""
+    ``keep`` rotations (newest first)."""
     if tail <= 0:
         return ""
-    files = [wdir / (f"{stream}.log" if i == 0 else f"{stream}.log.{i}") for i in range(keep + 1)]
-    data, complete = _tail_bytes([f for f in files if f.exists()], tail)
+    names = [f"{stream}.log" if i == 0 else f"{stream}.log.{i}" for i in range(keep + 1)]
+    try:
+        dfd = os.open(wdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return ""
+    except OSError as e:
+        raise AgentError(f"cannot open the workload's dir: {e.strerror}") from None
+    try:
+        data, complete = _tail_bytes(dfd, names, tail)
+    finally:
+        os.close(dfd)
     lines = data.splitlines(keepends=True)
     if not complete and lines:
         lines = lines[1:]  # the first line may be cut
     return b"".join(lines[-tail:]).decode(errors="replace")
 
 
-def _tail_bytes(files: list[Path], n: int, block: int = 64 << 10) -> tuple[bytes, bool]:
-    """Enough bytes from the end of the stream ``files`` (newest first; rotation may cut
-    a line in two files) to hold its last ``n`` lines; True when it is the whole stream."""
-    data = b""
-    for path in files:
-        with open(path, "rb") as f:
-            pos = f.seek(0, os.SEEK_END)
+def _open_log(dfd: int, name: str) -> int | None:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise AgentError(f"{name} is a symlink: refused") from None
+        raise AgentError(f"cannot open {name}: {e.strerror}") from None
+    if not _is_regular(fd):
+        os.close(fd)
+        raise AgentError(f"{name} is not a regular file: refused")
+    return fd
+
+
+def _is_regular(fd: int) -> bool:
+    import stat
+    return stat.S_ISREG(os.fstat(fd).st_mode)
+
+
+def _tail_bytes(dfd: int, names: list[str], n: int, block: int = _BLOCK) -> tuple[bytes, bool]:
+    """Enough bytes from the end of the stream (files newest first; rotation may cut a
+    line in two files) to hold its last ``n`` lines; True when it is the whole stream.
+    Each block is read once and its newlines counted once (linear in what is read)."""
+    parts: list[bytes] = []
+    newlines = 0
+    for name in names:
+        fd = _open_log(dfd, name)
+        if fd is None:
+            continue
+        try:
+            pos = os.lseek(fd, 0, os.SEEK_END)
             while pos > 0:
-                if data.count(b"\n") > n:
-                    return data, False
+                if newlines > n:
+                    return b"".join(reversed(parts)), False
                 step = min(block, pos)
                 pos -= step
-                f.seek(pos)
-                data = f.read(step) + data
-    return data, True
+                chunk = os.pread(fd, step, pos)
+                parts.append(chunk)
+                newlines += chunk.count(b"\n")
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    return b"".join(reversed(parts)), True

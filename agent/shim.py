@@ -26,7 +26,9 @@ command. The hot path is then one pipe write, one fork+exec and one pipe read.
 Protocol (one JSON object per line)
 -----------------------------------
 shim -> agent on stdout: ``{"ready": true, "shim_pid": P}`` once imported.
-agent -> shim on stdin: ``{"dir", "argv", "env", "cwd", "log_max_bytes", "log_keep", "record"}``.
+agent -> shim on stdin: ``{"dir", "argv", "env", "cwd", "log_max_bytes", "log_keep", "record",
+"user": {"uid", "gid", "groups"} | null, "cgroup": path | null, "umask", "rlimit_core",
+"oom_score_adj", "grace_s"}``.
 shim -> agent: ``{"ok": true, "pid", "start_time", "boot_id"}`` or
 ``{"ok": false, "error"}``; then the shim detaches from both pipes.
 Files in ``dir``: ``run.json`` (identity of the workload process and a copy of the agent's
@@ -34,25 +36,40 @@ Files in ``dir``: ``run.json`` (identity of the workload process and a copy of t
 (``code``: exit status, 128+N for signal N; ``signal``; ``at``), ``stdout.log``,
 ``stderr.log`` (+ ``.1`` .. ``.keep`` rotations), ``shim.log``.
 
+Isolation (see :mod:`agent.isolation`): the shim is a child subreaper, so every
+descendant of the workload stays below it; the workload's child joins its cgroup (when
+one is given), then drops to the workload's user (which clears every capability), sets
+``no_new_privs``, umask, ``RLIMIT_CORE`` and ``oom_score_adj``, and only then ``exec``s.
+When the leader exits, the shim SIGTERMs what is left of the workload, SIGKILLs it after
+``grace_s`` and writes ``exit.json`` (the leader's code) only once the workload is empty:
+the agent frees the GPUs when the shim is gone. Files the shim writes are 0600.
+
 This file imports only the standard library: it is run as a script with
 ``python -I -S`` for a fast start.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import resource
 import selectors
 import signal
 import subprocess
 import sys
 import time
 
+PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
+PR_CAPBSET_DROP = 24
+_libc = ctypes.CDLL(None, use_errno=True)
+
 
 def _atomic_write(path: str, obj: dict, *, sync: bool = True) -> None:
     """temp + rename (never torn); with ``sync`` also fsync the file and its directory."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
         os.write(fd, json.dumps(obj).encode())
         if sync:
@@ -90,7 +107,7 @@ class RotatingLog:
 
     def __init__(self, path: str, max_bytes: int, keep: int) -> None:
         self.path, self.max_bytes, self.keep = path, max(1024, max_bytes), max(0, keep)
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         self.size = os.fstat(self.fd).st_size
 
     def write(self, data: bytes) -> None:
@@ -113,7 +130,7 @@ class RotatingLog:
                 if os.path.exists(src):
                     os.replace(src, f"{self.path}.{i + 1}")
             os.replace(self.path, f"{self.path}.1")
-        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644)
+        self.fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         self.size = 0
 
     def close(self) -> None:
@@ -132,7 +149,7 @@ def _detach_stdio(log_path: str | None) -> None:
     os.dup2(null, 0)
     os.dup2(null, 1)
     if log_path:
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
         os.dup2(fd, 2)
         os.close(fd)
     else:
@@ -140,14 +157,130 @@ def _detach_stdio(log_path: str | None) -> None:
     os.close(null)
 
 
-def _pump(proc: subprocess.Popen, logs: dict[int, RotatingLog]) -> int:
+def _prctl(option: int, arg: int) -> None:
+    if _libc.prctl(option, arg, 0, 0, 0) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"prctl({option}): {os.strerror(e)}")
+
+
+def _drop_all_caps() -> None:
+    """A root workload (``allow_root``) still gets no capabilities: empty bounding set,
+    then capset(0, 0, 0) on this thread."""
+    cap = 0
+    while _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:
+        cap += 1
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = (ctypes.c_uint32 * 6)()
+    if _libc.capset(header, data) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"capset: {os.strerror(e)}")
+
+
+def _child_setup(cmd: dict):
+    """What the workload's child does after fork, before exec (runs as root when the
+    agent is): join the cgroup, reset oom_score_adj and limits, drop to the user."""
+    cgroup = cmd.get("cgroup")
+    user = cmd.get("user")
+    umask = int(cmd.get("umask", 0o077))
+    core = int(cmd.get("rlimit_core", 0))
+    adj = cmd.get("oom_score_adj", 0)
+
+    def setup() -> None:
+        if cgroup:
+            fd = os.open(os.path.join(cgroup, "cgroup.procs"), os.O_WRONLY)
+            try:
+                os.write(fd, b"0")
+            finally:
+                os.close(fd)
+        if adj is not None:
+            try:
+                fd = os.open("/proc/self/oom_score_adj", os.O_WRONLY)
+                try:
+                    os.write(fd, str(int(adj)).encode())
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass  # lowering needs privilege; raising the agent's -500 back to 0 never does
+        soft, hard = resource.getrlimit(resource.RLIMIT_CORE)
+        limit = core if hard == resource.RLIM_INFINITY else min(core, hard)
+        resource.setrlimit(resource.RLIMIT_CORE, (limit, limit))
+        os.umask(umask)
+        if user is not None and os.geteuid() == 0:
+            uid, gid = int(user["uid"]), int(user["gid"])
+            if uid == 0:
+                _drop_all_caps()
+            else:
+                os.setgroups([int(g) for g in user.get("groups") or [gid]])
+                os.setresgid(gid, gid, gid)
+                os.setresuid(uid, uid, uid)  # from root to non-root: every capability is gone
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    return setup
+
+
+class Members:
+    """The live processes of the workload: its cgroup's, else the shim's descendants
+    (the shim is a subreaper: nothing of the workload leaves its subtree)."""
+
+    def __init__(self, cgroup: str | None) -> None:
+        self.cgroup = cgroup
+
+    def pids(self) -> list[int]:
+        if self.cgroup:
+            try:
+                with open(os.path.join(self.cgroup, "cgroup.procs")) as f:
+                    return [int(x) for x in f.read().split()]
+            except OSError:
+                return []
+        me = os.getpid()
+        kids: dict[int, list[int]] = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            rest = data[data.rfind(b")") + 2:].split()
+            if len(rest) > 1 and rest[0] not in (b"Z", b"X"):
+                kids.setdefault(int(rest[1]), []).append(int(name))
+        out, todo = [], list(kids.get(me, []))
+        while todo:
+            p = todo.pop()
+            out.append(p)
+            todo.extend(kids.get(p, []))
+        return out
+
+    def signal(self, sig: int) -> None:
+        if sig == signal.SIGKILL and self.cgroup and os.path.exists(os.path.join(self.cgroup, "cgroup.kill")):
+            try:
+                with open(os.path.join(self.cgroup, "cgroup.kill"), "w") as f:
+                    f.write("1")
+                return
+            except OSError:
+                pass
+        for pid in self.pids():
+            try:
+                os.kill(pid, sig)
+            except OSError:
+                pass
+
+    def empty(self) -> bool:
+        return not self.pids()
+
+
+def _pump(pid: int, logs: dict[int, RotatingLog], members: Members, grace_s: float) -> int:
+    """Copy the workload's output into its logs, reap every child (the leader's status is
+    the result), and once the leader is gone end the rest: SIGTERM, ``grace_s``, SIGKILL.
+    Returns when the leader is reaped and the workload is empty."""
     sel = selectors.DefaultSelector()
     for fd in logs:
         sel.register(fd, selectors.EVENT_READ)
     rc: int | None = None
-    while sel.get_map():
-        events = sel.select(timeout=0.5 if rc is None else 0.05)
-        for key, _ in events:
+    term_at: float | None = None
+    killed = False
+    while True:
+        for key, _ in sel.select(timeout=0.5 if rc is None else 0.05) if sel.get_map() else ():
             try:
                 data = os.read(key.fd, 1 << 16)
             except OSError:
@@ -156,17 +289,52 @@ def _pump(proc: subprocess.Popen, logs: dict[int, RotatingLog]) -> int:
                 logs[key.fd].write(data)
             else:
                 sel.unregister(key.fd)
+        if not sel.get_map() and rc is None:
+            time.sleep(0.2)  # the workload closed its stdout and stderr: poll for its exit
+        children = True
+        while True:
+            try:
+                p, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                children = False
+                break
+            if p == 0:
+                break
+            if p == pid:
+                rc = os.waitstatus_to_exitcode(status)
         if rc is None:
-            rc = proc.poll()
-        elif not events:
-            break  # exited, and a leftover grandchild may hold the pipe: stop copying
+            continue
+        if not children and members.empty():
+            break
+        now = time.monotonic()
+        if term_at is None:
+            term_at = now
+            members.signal(signal.SIGTERM)
+        elif not killed and now - term_at >= grace_s:
+            killed = True
+            members.signal(signal.SIGKILL)
+        elif killed and now - term_at >= grace_s + 5 and not members.pids():
+            break  # only unreapable children of someone else's left (cannot happen as subreaper)
+    # what is still buffered in the pipes (every writer is gone)
+    for key in list(sel.get_map().values()):
+        fd = key.fd
+        os.set_blocking(fd, False)
+        while True:
+            try:
+                data = os.read(fd, 1 << 16)
+            except (OSError, BlockingIOError):
+                break
+            if not data:
+                break
+            logs[fd].write(data)
     sel.close()
-    return proc.wait() if rc is None else rc
+    return rc
 
 
 def main() -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.umask(0o077)
     _reply({"ready": True, "shim_pid": os.getpid()})
     line = sys.stdin.buffer.readline()
     if not line:
@@ -176,12 +344,13 @@ def main() -> int:
         wdir = cmd["dir"]
         max_bytes = int(cmd.get("log_max_bytes", 16 << 20))
         keep = int(cmd.get("log_keep", 2))
+        _prctl(PR_SET_CHILD_SUBREAPER, 1)
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         proc = subprocess.Popen(
             cmd["argv"], env=cmd["env"], cwd=cmd.get("cwd") or wdir,
             stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
-            start_new_session=True, close_fds=True,
+            start_new_session=True, close_fds=True, preexec_fn=_child_setup(cmd),
         )
         os.close(out_w)
         os.close(err_w)
@@ -202,7 +371,8 @@ def main() -> int:
     _detach_stdio(os.path.join(wdir, "shim.log"))
     logs = {out_r: RotatingLog(os.path.join(wdir, "stdout.log"), max_bytes, keep),
             err_r: RotatingLog(os.path.join(wdir, "stderr.log"), max_bytes, keep)}
-    rc = _pump(proc, logs)
+    rc = _pump(pid, logs, Members(cmd.get("cgroup")), float(cmd.get("grace_s", 10.0)))
+    proc.returncode = rc  # reaped by _pump's waitpid(-1)
     for fd, lg in logs.items():
         lg.close()
         os.close(fd)

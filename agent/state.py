@@ -1,6 +1,6 @@
 """The agent's persisted state: every workload record and the acks of accepted placements.
 
-One file, ``<state-dir>/state.json``, rewritten atomically (temp file, fsync, rename,
+One file, ``<state-dir>/state.json`` (0600: it holds every workload's env), rewritten atomically (temp file, fsync, rename,
 fsync of the directory) by the supervisor's owner task after each batch of events.
 Small by construction: terminal records beyond ``keep_terminal`` are pruned oldest
 first. A file that does not decode is moved aside (``state.json.bad-<time>``) and
@@ -58,6 +58,8 @@ class WorkloadRecord(msgspec.Struct, frozen=True, kw_only=True):
     stop_reason: str | None = None
     stop_deadline: float | None = None
     term_sent: bool = False
+    user: str | None = None              # the user the placement asked for (None: the default)
+    run_as: str | None = None            # the user it runs as (resolved at start)
 
     @property
     def terminal(self) -> bool:
@@ -109,7 +111,7 @@ class StateFile:
         self.writes += 1
 
 
-def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
     """temp + fsync + rename + fsync(dir): the file is either old or new, never torn."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")

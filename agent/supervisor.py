@@ -39,8 +39,9 @@ import trio
 from scheduler_link.messages import TERMINAL_STATES, Placement, PlacementAck, WorkloadEvent, WorkloadStatus
 
 from . import environment, procs
-from .errors import AgentError, ShimError, UnknownWorkload
+from .errors import AgentError, ConfigError, ShimError, UnknownWorkload
 from .events import Batch, Change, Place, Runtime, Stop
+from .isolation import Identities, Isolation, WorkloadUser, detect, reachable
 from .launcher import LaunchCommand, ShimPool, wait_identity
 from .logs import read_tail
 from .placement import check_placement, gpus_in_use
@@ -61,6 +62,12 @@ class SupervisorConfig:
     log_keep: int = 2
     keep_terminal: int = 200
     default_grace_s: float = 30.0
+    # isolation (agent.isolation): who workloads run as, and where their cgroups live
+    user: str = "herd-workload"          # name or numeric uid; ignored when the agent is unprivileged
+    allowed_users: tuple[str, ...] = ()  # users a placement may name (Placement.user)
+    allow_root: bool = False             # workloads as uid 0 are refused unless this is true
+    cgroup: str = "auto"                 # auto | off | an absolute cgroup v2 dir to hold workload cgroups
+    rlimit_core: int = 0                 # RLIMIT_CORE of workloads (bytes)
 
 
 def _final_state(stop_reason: str | None) -> str:
@@ -74,7 +81,9 @@ class Supervisor:
                  fetcher: ArtifactFetcher | None = None,
                  base_env: Mapping[str, str] | None = None,
                  clock: Callable[[], float] = time.time,
-                 pool: ShimPool | None = None) -> None:
+                 pool: ShimPool | None = None,
+                 isolation: Isolation | None = None,
+                 identities: Identities | None = None) -> None:
         self.state_dir = Path(state_dir)
         self.wl_dir = self.state_dir / "workloads"
         self.node_id = node_id
@@ -84,6 +93,9 @@ class Supervisor:
         self._clock = clock
         self._base_env = environment.base_env(base_env if base_env is not None else os.environ)
         self.pool = pool or ShimPool(config.shim_pool)
+        self.identities = identities or Identities(config.user, allowed=config.allowed_users,
+                                                   allow_root=config.allow_root)
+        self.isolation = isolation or Isolation(*detect(config.cgroup))
         self._file = StateFile(self.state_dir)
         self._send, self._recv = trio.open_memory_channel[Any](10_000)
         self._records: dict[str, WorkloadRecord] = {}
@@ -148,12 +160,27 @@ class Supervisor:
                 "restarts": self.counters["restarts"], "preemptions": self.counters["preemptions"],
                 "refused": self.counters["refused"], "state_writes": self._file.writes,
                 "start_seconds": _quantiles(self._start_s),
-                "fetch_bytes": dict(self.fetch_bytes), "shim_pool": self.pool.statistics()}
+                "fetch_bytes": dict(self.fetch_bytes), "shim_pool": self.pool.statistics(),
+                "isolation": self.isolation.mode, "isolation_reason": self.isolation.reason,
+                "workload_user": self.identities.default.name, "workload_user_notes": list(self.identities.notes)}
 
     # ------------------------------------------------------------ the owner task
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.wl_dir.mkdir(parents=True, exist_ok=True)
+        # root-owned, traverse-only: a workload reaches its own scratch by path, lists
+        # nothing, and every file here is 0600 (state.json, run.json, logs)
+        for d in (self.state_dir, self.wl_dir):
+            os.chmod(d, 0o711)
+        for note in self.identities.notes:  # said once (INFO: the unit runs at INFO; tests stay quiet)
+            log.info("%s", note)
+        log.info("workload isolation=%s (%s) user=%s", self.isolation.mode, self.isolation.reason,
+                 self.identities.default.name)
+        blocked = reachable(self.wl_dir, self.identities.default)
+        if blocked is not None:
+            log.error("workloads run as %s cannot reach %s: %s is not traversable for them; their "
+                      "scratch dirs and artifact trees will be out of reach", self.identities.default.name,
+                      self.wl_dir, blocked)
         st = await trio.to_thread.run_sync(self._file.load)
         self._records = {r.workload_id: r for r in st.records}
         self._acks = {a.placement_id: a for a in st.acks}
@@ -323,6 +350,15 @@ class Supervisor:
                                reason=reason.detail, outcome=reason.outcome, refused_gpus=list(reason.gpus))
             after.now.append(lambda: msg.reply.send_nowait(ack))
             return
+        if p.pods:
+            try:
+                user = self.identities.resolve(p.user)
+            except ConfigError as e:
+                self.counters["refused"] += 1
+                ack = PlacementAck(placement_id=p.placement_id, node_id=self.node_id, accepted=False,
+                                   reason=str(e), outcome="refused_spec")
+                after.now.append(lambda: msg.reply.send_nowait(ack))
+                return
         now = self._clock()
         live_victims = [v for v in p.victims if v.workload_id in self._records
                         and not self._records[v.workload_id].terminal]
@@ -333,7 +369,7 @@ class Supervisor:
                 world_size=p.world_size, gpus=list(pod.gpus), gpu_indices=list(pod.gpu_indices),
                 argv=list(p.argv), env=dict(p.env), manifest_id=p.manifest_id, origin=p.origin,
                 peers=list(p.peers), grace_s=p.grace_s, restart=p.restart, direct=msg.direct,
-                wait_for=wait_for, created_at=now, updated_at=now)
+                wait_for=wait_for, created_at=now, updated_at=now, user=p.user, run_as=user.name)
             self._records[rec.workload_id] = rec
             self._dirty = True
             self._rt[rec.workload_id] = Runtime()
@@ -485,7 +521,8 @@ class Supervisor:
         cwd: Path | None = None
         try:
             with rt.pre_start:
-                (wdir / "scratch").mkdir(parents=True, exist_ok=True)  # a few µs: not worth a thread
+                user = self.identities.resolve(rec.user)
+                _workload_dirs(wdir, user)  # a few µs: not worth a thread
                 if rec.manifest_id:
                     await self._change(wid, state="fetching")
                     if self._fetcher is None:
@@ -512,12 +549,23 @@ class Supervisor:
             for name in ("run.json", "exit.json"):
                 with contextlib.suppress(FileNotFoundError):
                     (wdir / name).rename(wdir / f"{name}.prev")
-            cmd = LaunchCommand(dir=str(wdir), argv=list(rec.argv), env=environment.workload_env(self._base_env, rec, wdir),
+            try:
+                cgroup = self.isolation.prepare(wid)
+            except (OSError, ValueError) as e:
+                await self._change(wid, state="failed", reason=f"cannot create the workload's cgroup: {e}")
+                return
+            env = environment.workload_env(self._base_env, rec, wdir)
+            if user.uid != os.geteuid():
+                env.update({"HOME": str(wdir / "scratch"), "USER": user.name, "LOGNAME": user.name})
+            cmd = LaunchCommand(dir=str(wdir), argv=list(rec.argv), env=env,
                                 cwd=str(cwd or wdir / "scratch"), log_max_bytes=self.config.log_max_bytes,
-                                log_keep=self.config.log_keep, record=msgspec.to_builtins(rec))
+                                log_keep=self.config.log_keep, record=msgspec.to_builtins(rec),
+                                user={"uid": user.uid, "gid": user.gid, "groups": list(user.groups)},
+                                cgroup=cgroup, rlimit_core=self.config.rlimit_core, grace_s=rec.grace_s)
             try:
                 ln = await self.pool.launch(cmd)
             except ShimError as e:
+                self.isolation.remove(wid)
                 await self._change(wid, state="failed", reason=f"launch failed: {e}")
                 return
             rec = await self._change(wid, state="running", pid=ln.pid, start_time=ln.start_time,
@@ -557,36 +605,55 @@ class Supervisor:
         procs.reap(rec.shim_pid or 0)  # our child when we launched it: no zombie left behind
         ex = await trio.to_thread.run_sync(_read_json, wdir / "exit.json")
         if ex is not None and ex.get("pid") == rec.pid:
+            await self._wait_empty(wid)
             return ex.get("code"), _exit_reason(ex)
         # The shim died without recording an exit (killed): the workload may still run and
         # hold its GPUs, so wait for it too before calling it gone.
         if await wait_identity(rec.pid, rec.start_time, rec.boot_id):
             log.warning("shim gone, waited for the workload itself id=%s pid=%s", wid, rec.pid)
+        await self._wait_empty(wid)
         return None, "exit status unknown (the shim is gone)"
+
+    def _members(self, wid: str) -> list[int]:
+        rec = self._records[wid]
+        return self.isolation.members(wid, (rec.shim_pid, rec.shim_start_time, rec.boot_id),
+                                      (rec.pid, rec.start_time, rec.boot_id))
+
+    async def _wait_empty(self, wid: str) -> None:
+        """GPUs are free only when no process of the workload is left: wait for its cgroup
+        (or, without one, its leader) to be empty, then remove the cgroup."""
+        n = 0
+        while self._members(wid):
+            if n % 50 == 0:
+                log.info("workload exited but processes remain id=%s", wid)
+            n += 1
+            await trio.sleep(0.1)
+        self.isolation.remove(wid)
 
     async def _killer(self, wid: str) -> None:
         rec = self._records[wid]
         rt = self._rt[wid]
         wdir = self.wl_dir / wid
         deadline = rec.stop_deadline if rec.stop_deadline is not None else self._clock()
-        pgid = rec.pid
+        shim = (rec.shim_pid, rec.shim_start_time, rec.boot_id)
+        leader = (rec.pid, rec.start_time, rec.boot_id)
 
-        def ours() -> bool:
-            return (procs.same_process(rec.pid, rec.start_time, rec.boot_id)
-                    or procs.same_process(rec.shim_pid, rec.shim_start_time, rec.boot_id))
-
-        if not rec.term_sent and pgid and ours():
+        if not rec.term_sent and rec.pid and self._members(wid):
             notice = {"reason": rec.stop_reason, "deadline": deadline, "grace_s": max(0.0, deadline - self._clock()),
                       "workload_id": wid}
-            await trio.to_thread.run_sync(atomic_write, wdir / "preempt-notice.json", json.dumps(notice).encode())
-            procs.signal_group(pgid, procs.SIGTERM)
-            log.info("SIGTERM sent id=%s pgid=%s deadline_in=%.1fs", wid, pgid, deadline - self._clock())
+            await trio.to_thread.run_sync(atomic_write, wdir / "preempt-notice.json", json.dumps(notice).encode(), 0o644)
+            n = self.isolation.signal_all(wid, procs.SIGTERM, shim, leader)
+            log.info("SIGTERM sent id=%s processes=%d deadline_in=%.1fs", wid, n, deadline - self._clock())
             await self._change(wid, term_sent=True)
         with trio.move_on_after(max(0.0, deadline - self._clock())):
             await rt.gone.wait()
-        if not rt.gone.is_set() and pgid and ours():
-            log.warning("grace period over, SIGKILL id=%s pgid=%s", wid, pgid)
-            procs.signal_group(pgid, procs.SIGKILL)
+        # every process still there, whether or not the leader has exited
+        while not rt.gone.is_set():
+            n = self.isolation.signal_all(wid, procs.SIGKILL, shim, leader)
+            if n:
+                log.warning("grace period over, SIGKILL id=%s processes=%d", wid, n)
+            with trio.move_on_after(1.0):
+                await rt.gone.wait()
 
     def read_log(self, workload_id: str, *, stream: str = "stdout", tail: int = 100) -> str:
         """The last ``tail`` lines of a workload's stdout or stderr (current file, then rotations)."""
@@ -594,6 +661,18 @@ class Supervisor:
             raise AgentError("stream must be stdout or stderr")
         wdir = self.wl_dir / self.record(workload_id).workload_id
         return read_tail(wdir, stream, tail, self.config.log_keep)
+
+
+def _workload_dirs(wdir: Path, user: WorkloadUser) -> None:
+    """``<wid>/`` root-owned 0711 (the shim's files in it are 0600); ``<wid>/scratch``
+    owned by the workload's user, 0700."""
+    wdir.mkdir(parents=True, exist_ok=True)
+    os.chmod(wdir, 0o711)
+    scratch = wdir / "scratch"
+    scratch.mkdir(exist_ok=True)
+    if user.uid != os.geteuid():
+        os.chown(scratch, user.uid, user.gid, follow_symlinks=False)
+    os.chmod(scratch, 0o700, follow_symlinks=False)
 
 
 def _quantiles(xs: deque[float]) -> dict[str, float]:

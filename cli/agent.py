@@ -27,6 +27,13 @@ def _tokens(args: argparse.Namespace) -> TokenSet:
     return TokenSet.load(args.token_dir)
 
 
+def _read_headers(args: argparse.Namespace) -> dict[str, str]:
+    """Reads on the agent need the viewer role (scheduler_link/authz.py); the operator's
+    token holds it too."""
+    t = _tokens(args)
+    return auth_header(t.viewer or t.operator)
+
+
 def _client(args: argparse.Namespace) -> httpx.Client:
     return httpx.Client(base_url=_agent_url(args), timeout=args.timeout)
 
@@ -125,7 +132,10 @@ def cmd_place(args: argparse.Namespace) -> int:
     manifest_id = None
     if args.artifact is not None:
         manifest_id = _resolve(args.artifact, args.origin)
-    status = _request(args, "GET", "/v1/status", "reading agent status", headers=auth_header(_tokens(args).operator))
+    tok = _tokens(args).operator
+    if not tok:
+        raise CliError("no operator token found (use --token-dir or HERD_TOKEN_DIR)")
+    status = _request(args, "GET", "/v1/status", "reading agent status", headers=auth_header(tok))
     gpus = _pick_gpus(status, args.gpus, args.gpu_ids)
     wid = args.workload_id or f"w-{uuid.uuid4().hex[:12]}"
     p = Placement(placement_id=f"direct-{uuid.uuid4().hex}", job_id=args.job_id or wid,
@@ -133,9 +143,6 @@ def cmd_place(args: argparse.Namespace) -> int:
                                       gpu_indices=[g["index"] for g in gpus])],
                   argv=argv, env=env, manifest_id=manifest_id, origin=args.origin, grace_s=args.grace,
                   restart=restart)
-    tok = _tokens(args).operator
-    if not tok:
-        raise CliError("no operator token found (use --token-dir or HERD_TOKEN_DIR)")
     body = _request(args, "POST", "/v1/placements", "placement", content=msgspec.json.encode(p),
                     headers={**auth_header(tok), "content-type": "application/json"})
     ack = msgspec.convert(body, PlacementAck)
@@ -186,7 +193,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    st = _request(args, "GET", "/v1/status", "status", headers=auth_header(_tokens(args).operator))
+    st = _request(args, "GET", "/v1/status", "status", headers=_read_headers(args))
     if args.json:
         emit_json(st)
         return 0

@@ -167,10 +167,16 @@ class LocalCluster:
                     pass
         p.proc.wait(5)
 
+    def read_headers(self) -> dict[str, str]:
+        """Reads on agents need the viewer role (scheduler_link/authz.py)."""
+        from scheduler_link.auth import TokenSet, auth_header
+        t = TokenSet.load(self.token_dir)
+        return auth_header(t.viewer or t.operator)
+
     def workload_pids(self, node: str) -> list[int]:
         import httpx
         try:
-            r = httpx.get(self.agents[node].url + "/v1/workloads", timeout=2)
+            r = httpx.get(self.agents[node].url + "/v1/workloads", timeout=2, headers=self.read_headers())
             data = r.json()
         except (httpx.HTTPError, ValueError):
             return []

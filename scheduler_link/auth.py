@@ -3,6 +3,8 @@
 ``placer.token``   placer -> agents' POST /v1/placements
 ``cluster.token``  agents -> placer reports, and the data plane between peers
 ``operator.token`` operator actions (stop, inject, submit/cancel jobs)
+``viewer.token``   reads (status, workloads, logs, jobs); see scheduler_link/authz.py
+``metrics.token``  Prometheus scrapes where /metrics is not left open
 
 Tokens are compared in constant time. A missing file means that role cannot be
 authenticated at all (every request for it gets 401), never that it is open.
@@ -16,7 +18,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-ROLES = ("placer", "cluster", "operator")
+ROLES = ("placer", "cluster", "operator", "viewer", "metrics")
 DEFAULT_TOKEN_DIR = "/etc/herd/tokens"
 
 
@@ -31,6 +33,8 @@ class TokenSet:
     placer: str | None = None
     cluster: str | None = None
     operator: str | None = None
+    viewer: str | None = None
+    metrics: str | None = None
 
     @classmethod
     def load(cls, token_dir: str | os.PathLike[str] | None) -> TokenSet:
@@ -71,7 +75,7 @@ def auth_header(token: str | None) -> dict[str, str]:
 
 
 def generate_token_dir(path: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
-    """Create ``placer``, ``cluster`` and ``operator`` tokens (mode 0600) once."""
+    """Create one token per role of :data:`ROLES` (mode 0600, dir 0700) once; existing ones are kept."""
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)

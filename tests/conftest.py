@@ -21,3 +21,15 @@ def token_dir(tmp_path: Path) -> Path:
 
 def is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+@pytest.fixture(autouse=True)
+def _workload_user_can_reach_tmp(request: pytest.FixtureRequest) -> None:
+    """As root, agents run workloads as an unprivileged user (agent.isolation): that user
+    must be able to traverse into the test's state dirs. pytest makes its temp dirs 0700;
+    open them to traversal (not listing) for the test."""
+    if not is_root() or "tmp_path" not in request.fixturenames:
+        return
+    tmp = request.getfixturevalue("tmp_path")
+    for d in (tmp.parent.parent, tmp.parent, tmp):
+        os.chmod(d, 0o711)

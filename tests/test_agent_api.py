@@ -7,15 +7,12 @@ import os
 
 import httpx
 import msgspec
-import pytest
 import trio
 
-from agent.api import read_policy
 from agent.config import AgentConfig
 from agent.daemon import Agent
 from agent.supervisor import SupervisorConfig
 from scheduler_link.auth import TokenSet, auth_header
-from scheduler_link.http import HTTPError, Request
 from scheduler_link.messages import Placement, PlacementAck, PodAssignment, Victim
 
 
@@ -38,13 +35,14 @@ async def wait_state(c: httpx.AsyncClient, wid: str, *states: str) -> dict:
 async def test_api_end_to_end(tmp_path, token_dir):
     tokens = TokenSet.load(token_dir)
     op, pl = auth_header(tokens.operator), auth_header(tokens.placer)
+    viewer = auth_header(tokens.viewer)
     agent = make_agent(tmp_path, token_dir)
     with trio.fail_after(30):
         async with trio.open_nursery() as n:
             url = await n.start(agent.run)
             endpoints = msgspec.json.decode((tmp_path / "state" / "endpoints.json").read_bytes())
             assert endpoints["control_url"] == url and endpoints["data_url"] is None
-            async with httpx.AsyncClient(base_url=url) as c:
+            async with httpx.AsyncClient(base_url=url, headers=viewer) as c:
                 assert (await c.get("/healthz")).json() == {"ok": True}
                 assert (await c.get("/readyz")).status_code == 200
                 st = (await c.get("/v1/status")).json()
@@ -55,10 +53,10 @@ async def test_api_end_to_end(tmp_path, token_dir):
                 p = Placement(placement_id="p1", job_id="j1", argv=["sh", "-c", "echo out; echo err >&2; sleep 30"],
                               pods=[PodAssignment(workload_id="w1", rank=0, gpus=uuids[:2])], grace_s=5)
                 body = msgspec.json.encode(p)
-                # 401: no token, wrong token, the cluster token; nothing happens
-                for h in ({}, auth_header("wrong"), auth_header(tokens.cluster)):
+                # 401: a wrong token; 403: the cluster or viewer token; nothing happens
+                for h, code in ((auth_header("wrong"), 401), (auth_header(tokens.cluster), 403), ({}, 403)):
                     r = await c.post("/v1/placements", content=body, headers=h)
-                    assert r.status_code == 401
+                    assert r.status_code == code
                 assert (await c.get("/v1/workloads")).json() == []
                 # 400: malformed and invalid bodies
                 r = await c.post("/v1/placements", content=b"{nope", headers=pl)
@@ -101,7 +99,7 @@ async def test_api_end_to_end(tmp_path, token_dir):
 
                 # fault injection: operator only, then health follows through the GPU monitor
                 inj = f"/v1/gpus/{uuids[3]}/inject"
-                assert (await c.post(inj, content=b'{"xid": 79}', headers=pl)).status_code == 401
+                assert (await c.post(inj, content=b'{"xid": 79}', headers=pl)).status_code == 403
                 assert (await c.post(inj, content=b'{"bogus": 1}', headers=op)).status_code == 400
                 assert (await c.post("/v1/gpus/GPU-nope/inject", content=b'{"xid": 79}', headers=op)).status_code == 404
                 assert (await c.post(inj, content=b'{"xid": 79}', headers=op)).status_code == 200
@@ -114,7 +112,7 @@ async def test_api_end_to_end(tmp_path, token_dir):
                 assert r.status_code == 409 and "fatal" in r.json()["reason"]
 
                 # stop: operator token only; bad body 400; unknown 404
-                assert (await c.post("/v1/workloads/w1/stop", headers=pl)).status_code == 401
+                assert (await c.post("/v1/workloads/w1/stop", headers=pl)).status_code == 403
                 r = await c.post("/v1/workloads/w1/stop", content=b'{"grace_s": -1}', headers=op)
                 assert r.status_code == 400
                 assert (await c.post("/v1/workloads/zz/stop", headers=op)).status_code == 404
@@ -151,7 +149,7 @@ async def test_openapi_lists_every_route(tmp_path, token_dir):
     with trio.fail_after(20):
         async with trio.open_nursery() as n:
             url = await n.start(agent.run)
-            async with httpx.AsyncClient(base_url=url) as c:
+            async with httpx.AsyncClient(base_url=url, headers=auth_header(TokenSet.load(token_dir).viewer)) as c:
                 spec = (await c.get("/openapi.json")).json()
                 served = {(r.method.lower(), r.template) for r in _app_routes(agent)}
                 listed = {(m, p) for p, ops in spec["paths"].items() for m in ops}
@@ -161,7 +159,7 @@ async def test_openapi_lists_every_route(tmp_path, token_dir):
                         "/v1/placements", "/v1/prefetch", "/metrics", "/openapi.json"}
                 assert set(spec["paths"]) == want
                 assert spec["paths"]["/v1/placements"]["post"]["security"] == [{"bearer": []}]
-                # every listed GET without path parameters really answers 200 from loopback
+                # every listed GET without path parameters really answers 200 to the viewer
                 for path, ops in spec["paths"].items():
                     if "get" in ops and "{" not in path:
                         assert (await c.get(path)).status_code == 200, path
@@ -171,20 +169,3 @@ async def test_openapi_lists_every_route(tmp_path, token_dir):
 def _app_routes(agent: Agent):
     from agent.api import build_app
     return build_app(agent).routes
-
-
-def test_reads_need_operator_token_off_loopback(token_dir):
-    tokens = TokenSet.load(token_dir)
-
-    def req(client: str, tok: str | None) -> Request:
-        return Request(method="GET", path="/v1/status", query={}, headers=auth_header(tok), body=b"", client=client)
-
-    check = read_policy(tokens, open_reads=False)
-    check(req("127.0.0.1", None))
-    check(req("10.1.2.3", tokens.operator))
-    with pytest.raises(HTTPError) as e:
-        check(req("10.1.2.3", None))
-    assert e.value.status == 401
-    with pytest.raises(HTTPError):
-        check(req("10.1.2.3", tokens.placer))
-    read_policy(tokens, open_reads=True)(req("10.1.2.3", None))

@@ -118,7 +118,7 @@ async def test_artifact_placement_runs_in_read_only_tree(tmp_path, token_dir):
             st2 = await agent.supervisor.wait_terminal("w2")
             assert st2.state == "failed" and st2.reason
             # prefetch: into the store, nothing started; bad bodies are 400
-            async with httpx.AsyncClient(base_url=url) as c:
+            async with httpx.AsyncClient(base_url=url, headers=auth_header(tokens.viewer)) as c:
                 h = auth_header(tokens.placer)
                 assert (await c.post("/v1/prefetch", content=b'{"manifest_id": 1}', headers=h)).status_code == 400
                 body = msgspec.json.encode({"manifest_id": pub.manifest, "origin": origin_url})

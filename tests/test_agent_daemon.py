@@ -92,7 +92,7 @@ async def test_sigkill_restart_readopts_and_learns_exit_codes(tmp_path, token_di
             async with trio.open_nursery() as n:
                 n.start_soon(collect)
                 url = await agent.start({"NOTIFY_SOCKET": "@" + name, "WATCHDOG_USEC": "200000"})
-                async with httpx.AsyncClient(base_url=url) as c:
+                async with httpx.AsyncClient(base_url=url, headers=auth_header(TokenSet.load(token_dir).viewer)) as c:
                     gpus = [g["uuid"] for g in (await c.get("/v1/gpus")).json()["gpus"]]
                     with trio.fail_after(10):
                         while "READY=1" not in got or got.count("WATCHDOG=1") < 2:
@@ -121,7 +121,7 @@ async def test_sigkill_restart_readopts_and_learns_exit_codes(tmp_path, token_di
 
                 url = await agent.start()
                 back = trio.current_time()
-                async with httpx.AsyncClient(base_url=url) as c:
+                async with httpx.AsyncClient(base_url=url, headers=auth_header(TokenSet.load(token_dir).viewer)) as c:
                     w2 = await get_wl(c, "w")
                     assert (w2["state"], w2["pid"]) == ("running", pid)
                     t = await get_wl(c, "t")
@@ -143,7 +143,7 @@ async def test_sigkill_restart_readopts_and_learns_exit_codes(tmp_path, token_di
                 assert await agent.signal(signal.SIGTERM) == 0
                 assert procs.start_time(pid) is not None
                 url = await agent.start({"NOTIFY_SOCKET": "@" + name})
-                async with httpx.AsyncClient(base_url=url) as c:
+                async with httpx.AsyncClient(base_url=url, headers=auth_header(TokenSet.load(token_dir).viewer)) as c:
                     assert (await get_wl(c, "w"))["state"] == "running"
                     (agent.state / "workloads" / "w" / "scratch" / "go").touch()
                     w3 = await wait_wl(c, "w", "exited", "lost")

@@ -68,7 +68,7 @@ class Api:
         return {n["node_id"]: n for n in (await self.get("/v1/nodes"))["nodes"]}
 
     async def agent_workloads(self, node: str) -> dict[str, dict[str, Any]]:
-        async with httpx.AsyncClient(timeout=10) as cl:
+        async with httpx.AsyncClient(timeout=10, headers=self.c.read_headers()) as cl:
             r = await cl.get(self.c.agents[node].url + "/v1/workloads")
             data = r.json()
         items = data.get("workloads", data) if isinstance(data, dict) else data
@@ -98,6 +98,7 @@ async def test_run_preempt_and_refused_fatal_gpu(tmp_path, token_dir):
     tokens = TokenSet.load(token_dir)
     marks = tmp_path / "marks"
     marks.mkdir()
+    marks.chmod(0o777)  # workloads run as an unprivileged user when the agent is root
     env = {"MARK": str(marks)}
     # long heartbeats: the placer learns of the injected fault only through the refusal
     with trio.fail_after(90), _cluster(tmp_path, token_dir, n_agents=4, heartbeat_s=5.0,
@@ -136,7 +137,7 @@ async def test_run_preempt_and_refused_fatal_gpu(tmp_path, token_dir):
         await api.submit(job_id="filler", pods=3, gpus_per_pod=8, argv=["sleep", "60"], grace_s=1.0)
         filler = await api.job("filler", wait="running")
         free_node = ({f"node{i}" for i in range(4)} - {p["node_id"] for p in filler["pods"]}).pop()
-        async with httpx.AsyncClient(timeout=10) as cl:
+        async with httpx.AsyncClient(timeout=10, headers=c.read_headers()) as cl:
             snap = (await cl.get(c.agents[free_node].url + "/v1/gpus")).json()
             bad = next(g["uuid"] for g in snap["gpus"] if g["index"] == 0)
             r = await cl.post(f"{c.agents[free_node].url}/v1/gpus/{bad}/inject", json={"xid": 79},
@@ -158,7 +159,7 @@ async def _free_total(api: Api, n: int) -> bool:
 
 
 async def _agent_gpu_fatal(c: LocalCluster, node: str, uuid: str) -> bool:
-    async with httpx.AsyncClient(timeout=10) as cl:
+    async with httpx.AsyncClient(timeout=10, headers=c.read_headers()) as cl:
         snap = (await cl.get(c.agents[node].url + "/v1/gpus")).json()
     return any(g["uuid"] == uuid and g["health"] == "fatal" for g in snap["gpus"])
 

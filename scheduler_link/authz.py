@@ -1,0 +1,165 @@
+"""Who may call what: every route of the agent's and the placer's HTTP APIs and the role it
+needs, declared once (DESIGN.md, Security model).
+
+Roles
+-----
+``placer``   the placer pushing placements to agents            (``placer.token``)
+``node``     an agent reporting to the placer; peers' data plane (``cluster.token``; the
+             identity issue narrows it to ``node:ID`` certificates)
+``operator`` operator actions: stop, inject, submit, cancel      (``operator.token``)
+``viewer``   reads: status, workloads, logs, jobs                 (``viewer.token``)
+``metrics``  Prometheus scrapes                                   (``metrics.token``)
+
+A credential of a stronger role also holds the weaker ones it implies: ``operator`` reads
+(``viewer``) and scrapes (``metrics``); ``viewer`` scrapes. Nothing implies ``placer`` or
+``node``. Loopback is not trusted by address: a workload on the host is a local client
+too. Three routes are public whatever the credential (``/healthz``, ``/readyz``) or public
+by configuration (``/metrics`` while ``open_metrics``; every viewer route while
+``open_reads``, for a lab set-up).
+
+Invariants
+----------
+* every route a daemon serves has exactly one :class:`Rule` in its table, and every rule
+  a handler: :func:`install` refuses an app that does not match its table, and the test
+  over the tables checks every route against every credential kind;
+* a missing or wrong token is 401, a valid token without the role 403; the check sees the
+  request head only (bodies of refused senders are never read).
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from .auth import TokenSet, bearer
+from .http import App, AuthPolicy, Handler, HTTPError, Request
+
+PUBLIC = "public"
+ROLES = ("placer", "node", "operator", "viewer", "metrics")
+# role -> the token file (TokenSet field) that proves it
+ROLE_TOKEN: Mapping[str, str] = {"placer": "placer", "node": "cluster", "operator": "operator",
+                                 "viewer": "viewer", "metrics": "metrics"}
+IMPLIES: Mapping[str, frozenset[str]] = {
+    "operator": frozenset({"viewer", "metrics"}),
+    "viewer": frozenset({"metrics"}),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """``method template`` needs one of ``roles`` (or nothing: ``(PUBLIC,)``); ``open_flag``
+    names a config flag that, when true, makes the route public."""
+    method: str
+    template: str
+    roles: tuple[str, ...]
+    open_flag: str | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.method, self.template)
+
+    @property
+    def public(self) -> bool:
+        return self.roles == (PUBLIC,)
+
+
+_VIEW = ("viewer",)
+_OPS = ("operator",)
+
+AGENT_ROUTES: tuple[Rule, ...] = (
+    Rule("GET", "/healthz", (PUBLIC,)),
+    Rule("GET", "/readyz", (PUBLIC,)),
+    Rule("GET", "/metrics", ("metrics",), open_flag="open_metrics"),
+    Rule("GET", "/openapi.json", _VIEW, open_flag="open_reads"),
+    Rule("GET", "/v1/status", _VIEW, open_flag="open_reads"),
+    Rule("GET", "/v1/gpus", _VIEW, open_flag="open_reads"),
+    Rule("GET", "/v1/workloads", _VIEW, open_flag="open_reads"),
+    Rule("GET", "/v1/workloads/{wid}", _VIEW, open_flag="open_reads"),
+    Rule("GET", "/v1/workloads/{wid}/logs", _VIEW, open_flag="open_reads"),
+    Rule("POST", "/v1/workloads/{wid}/stop", _OPS),
+    Rule("POST", "/v1/gpus/{uuid}/inject", _OPS),
+    Rule("POST", "/v1/placements", ("placer", "operator")),
+    Rule("POST", "/v1/prefetch", ("placer", "operator")),
+)
+
+# The placer's API (placer/service.py ``_build_app``). Its reads need the viewer role
+# like the agent's; the lead wires the placer to this table with :func:`install`.
+PLACER_ROUTES: tuple[Rule, ...] = (
+    Rule("GET", "/healthz", (PUBLIC,)),
+    Rule("GET", "/metrics", ("metrics",), open_flag="open_metrics"),
+    Rule("GET", "/openapi.json", _VIEW, open_flag="open_reads"),
+    Rule("POST", "/v1/nodes/{node_id}/report", ("node",)),
+    Rule("GET", "/v1/nodes", _VIEW, open_flag="open_reads"),
+    Rule("GET", "/v1/cluster", _VIEW, open_flag="open_reads"),
+    Rule("POST", "/v1/jobs", _OPS),
+    Rule("GET", "/v1/jobs", _VIEW, open_flag="open_reads"),
+    Rule("GET", "/v1/jobs/{job_id}", _VIEW, open_flag="open_reads"),
+    Rule("DELETE", "/v1/jobs/{job_id}", _OPS),
+    Rule("POST", "/v1/jobs/{job_id}/artifact", _OPS),
+    Rule("POST", "/v1/defrag", _OPS),
+    Rule("POST", "/v1/prefetch", _OPS),
+)
+
+TABLES: Mapping[str, tuple[Rule, ...]] = {"agent": AGENT_ROUTES, "placer": PLACER_ROUTES}
+
+
+def held_roles(tokens: TokenSet, presented: str | None) -> frozenset[str]:
+    """The roles a presented bearer token proves (with the ones they imply). Every role's
+    token is compared (constant time each), so timing does not tell which one matched."""
+    if not presented:
+        return frozenset()
+    held: set[str] = set()
+    p = presented.encode()
+    for role, field in ROLE_TOKEN.items():
+        expected = tokens.get(field)
+        if expected and hmac.compare_digest(expected.encode(), p):
+            held.add(role)
+    for role in list(held):
+        held |= IMPLIES.get(role, frozenset())
+    return frozenset(held)
+
+
+def allowed(rule: Rule, held: frozenset[str], flags: Mapping[str, bool]) -> bool:
+    """Pure: may a caller holding ``held`` call ``rule`` under config ``flags``?"""
+    if rule.public or (rule.open_flag is not None and flags.get(rule.open_flag, False)):
+        return True
+    return any(r in held for r in rule.roles)
+
+
+def policy(rule: Rule, tokens: TokenSet, flags: Mapping[str, bool]) -> AuthPolicy | None:
+    """The request check for ``rule`` (None: public under these flags)."""
+    if allowed(rule, frozenset(), flags):
+        return None
+    need = ", ".join(rule.roles)
+
+    def check(req: Request) -> None:
+        held = held_roles(tokens, bearer(req.headers))
+        if any(r in held for r in rule.roles):
+            return
+        if not held:
+            raise HTTPError(401, "unauthorized", f"needs a bearer token with the role: {need}")
+        raise HTTPError(403, "forbidden", f"this credential ({', '.join(sorted(held))}) lacks the role: {need}")
+    return check
+
+
+def install(app: App, table: tuple[Rule, ...], handlers: Mapping[tuple[str, str], Handler],
+            tokens: TokenSet, flags: Mapping[str, bool] | None = None,
+            max_body: Mapping[tuple[str, str], int] | None = None) -> None:
+    """Add every route of ``table`` to ``app`` with its policy. ``handlers`` maps
+    ``(method, template)`` to the handler; a handler without a rule, or a rule without a
+    handler, is a ``ValueError`` at build time (no route is ever served undeclared)."""
+    flags = flags or {}
+    max_body = max_body or {}
+    rules = {r.key: r for r in table}
+    if len(rules) != len(table):
+        raise ValueError("a route is declared twice in the authz table")
+    undeclared = sorted(set(handlers) - set(rules))
+    if undeclared:
+        raise ValueError(f"routes without a declared role: {undeclared}")
+    missing = sorted(set(rules) - set(handlers))
+    if missing:
+        raise ValueError(f"declared routes without a handler: {missing}")
+    for rule in table:
+        app.add(rule.method, rule.template, handlers[rule.key], auth=policy(rule, tokens, flags),
+                max_body=max_body.get(rule.key))
