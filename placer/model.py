@@ -676,7 +676,7 @@ class ClusterModel:
             st, en = self.starts[li], self.ends[li]
             if N:
                 assert st[0] == 0 and en[-1] == N and np.all(st[1:] == en[:-1]) and np.all(en > st)
-            if li + 1 < len(LEVELS):
+            if li + 1 < len(LEVELS) and N:
                 cst = self.starts[li + 1]
                 assert np.all(cst[self.child_lo[li]] == st), "child ranges misaligned"
                 # every child domain lies inside exactly one parent

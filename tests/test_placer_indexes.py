@@ -1,0 +1,281 @@
+"""The placer's fleet-scale bookkeeping: deadline heaps, indexed pods and counters,
+structured outcomes, bounded views, and a model that registers a fleet with one rebuild
+(pure state, ``now`` passed in; counts asserted, never times)."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from placer.config import PlacerConfig
+from placer.model import ClusterModel, NodeSpec
+from placer.state import ACCEPTED, Outcome, PlacerState
+from placer.timers import Deadlines
+from placer.views import parse_page
+from scheduler_link.messages import (
+    GpuInfo,
+    GpuSnapshot,
+    JobSpec,
+    NodeReport,
+    RestartPolicy,
+    TopologyPath,
+    WorkloadEvent,
+    WorkloadStatus,
+    decode_gang_blob,
+)
+
+
+def snap(node: str, n: int = 8) -> GpuSnapshot:
+    return GpuSnapshot(simulated=True, gpus=[GpuInfo(index=i, uuid=f"{node}-g{i}", name="sim", memory_total_mib=1,
+                                                     pci_bus_id=str(i), simulated=True) for i in range(n)])
+
+
+def full(node: str, rack: str = "r0", seq: int = 1, workloads=(), n: int = 8) -> NodeReport:
+    return NodeReport(node_id=node, boot_id=f"boot-{node}", seq=seq, full=True, control_url=f"http://{node}",
+                      data_url=f"http://{node}:1", topology=TopologyPath(zone="z", block="b", rack=rack),
+                      snapshot=snap(node, n), workloads=list(workloads))
+
+
+def beat(node: str, seq: int, events=()) -> NodeReport:
+    return NodeReport(node_id=node, boot_id=f"boot-{node}", seq=seq, full=False, events=list(events))
+
+
+def new_state(**kw) -> PlacerState:
+    st_ = PlacerState(PlacerConfig(heartbeat_s=1.0, fence_after_s=5.0, recover_s=0.0, **kw), started_at=0.0)
+    st_.recover_until = 0.0
+    return st_
+
+
+# ------------------------------------------------------------------ deadlines
+
+def test_deadlines_fire_once_move_later_and_cancel():
+    d: Deadlines[str] = Deadlines()
+    d.set("a", 5.0)
+    d.set("b", 3.0)
+    d.set("c", 4.0)
+    d.set("a", 9.0)          # moved later: no new heap entry, re-filed when the old one comes up
+    d.cancel("c")
+    assert d.pop_due(2.9) == []
+    assert d.pop_due(5.0) == ["b"]
+    assert "a" in d and "c" not in d
+    assert d.pop_due(8.9) == []
+    d.set("a", 1.0)          # moved earlier: fires at the earlier time, once
+    assert d.pop_due(1.0) == ["a"]
+    assert d.pop_due(100.0) == [] and len(d) == 0
+
+
+# ------------------------------------------------------------------ registration: one rebuild
+
+def test_a_fleet_registering_costs_one_rebuild_per_pass():
+    st_ = new_state()
+    for i in range(300):
+        code, _, _ = st_.ingest(f"n{i:03d}", full(f"n{i:03d}", rack=f"r{i // 30}"), 0.0)
+        assert code == 200
+    assert st_.model.rebuilds == 1  # only the empty build so far: registering rebuilt nothing
+    st_.submit(JobSpec(job_id="j", pods=4, gpus_per_pod=8, argv=["x"]), 0.1)
+    out = st_.schedule(0.1)
+    assert [j.job_id for j, _ in out] == ["j"]
+    assert st_.model.rebuilds == 2 and st_.model.n_nodes == 300
+    assert st_.node_states["up"] == 300
+
+
+def test_registrations_with_workloads_after_a_restart_do_not_rebuild_per_node():
+    st_ = new_state()
+    st_.recover_until = 10.0
+    st_.submit(JobSpec(job_id="g", pods=100, gpus_per_pod=8, argv=["x"]), 0.0, recovering=True)
+    st_.jobs["g"].attempt = 2
+    for i in range(100):
+        nid = f"n{i:03d}"
+        w = WorkloadStatus(workload_id=f"g.2.{i}", job_id="g", gpus=[f"{nid}-g{s}" for s in range(8)],
+                           state="running")
+        st_.ingest(nid, full(nid, rack=f"r{i // 10}", workloads=[w]), 0.1)
+    assert st_.model.rebuilds == 1
+    assert st_.schedule(11.0) == []
+    job = st_.jobs["g"]
+    assert job.state == "running" and job.counts["running"] == 100
+    assert st_.model.rebuilds == 1  # nothing pending: the pass did not even need the model
+    assert st_.model.statistics()["allocated"] == 800 and st_.model.rebuilds == 2
+    st_.model.check_invariants()
+
+
+_moves = st.lists(st.tuples(st.sampled_from(["add", "move", "remove", "assign", "health"]),
+                            st.integers(0, 5), st.integers(0, 3), st.integers(1, 8)), max_size=40)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=_moves)
+def test_any_interleaving_equals_a_model_built_from_scratch(ops):
+    """Registrations, moves, removals, health changes and assigns in any order, with the
+    rebuild deferred throughout, end in the same model as one built from scratch and
+    given the same holdings."""
+    m = ClusterModel.build([])
+    specs: dict[str, NodeSpec] = {}
+    held: dict[str, dict[int, str]] = {}
+    bad: dict[str, set[int]] = {}
+    for k, (op, i, rack, n) in enumerate(ops):
+        nid = f"n{i}"
+        if op == "add" and nid not in specs:
+            specs[nid] = NodeSpec(nid, "z", "b", f"r{rack}", n)
+            m.upsert_node(specs[nid])
+        elif op == "move" and nid in specs:
+            specs[nid] = NodeSpec(nid, "z", "b", f"r{rack}", specs[nid].n_gpus)
+            m.upsert_node(specs[nid])
+        elif op == "remove" and nid in specs:
+            m.remove_node(nid)
+            del specs[nid]
+            held.pop(nid, None)
+            bad.pop(nid, None)
+        elif op == "assign" and nid in specs:
+            slot = n % specs[nid].n_gpus
+            if slot not in held.get(nid, {}):
+                m.assign(f"job{k}", nid, [slot], 0, True)
+                held.setdefault(nid, {})[slot] = f"job{k}"
+        elif op == "health" and nid in specs:
+            slot = n % specs[nid].n_gpus
+            m.set_gpu_health(nid, slot, False)
+            bad.setdefault(nid, set()).add(slot)
+    fresh = ClusterModel.build(specs.values())
+    for nid, slots in held.items():
+        for slot, job in slots.items():
+            fresh.assign(job, nid, [slot], 0, True)
+    for nid, slots in bad.items():
+        for s in slots:
+            fresh.set_gpu_health(nid, s, False)
+    m.check_invariants()
+    assert m.node_ids == fresh.node_ids
+    assert np.array_equal(m.usable, fresh.usable) and np.array_equal(m.free, fresh.free)
+    own = {(n, s): j for j, rec in m.jobs.items() for n, ss in rec.gpus_by_node.items() for s in ss}
+    own_fresh = {(n, s): j for j, rec in fresh.jobs.items() for n, ss in rec.gpus_by_node.items() for s in ss}
+    assert own == own_fresh
+
+
+# ------------------------------------------------------------------ events: indexed, counted
+
+def _big_gang(n_nodes: int = 200):
+    st_ = new_state()
+    for i in range(n_nodes):
+        st_.ingest(f"n{i:04d}", full(f"n{i:04d}", rack=f"r{i // 32}"), 0.0)
+    st_.submit(JobSpec(job_id="big", pods=n_nodes, gpus_per_pod=8, argv=["x"], env={"K": "v"}), 0.1)
+    (job, pushes), = st_.schedule(0.1)
+    return st_, job, pushes
+
+
+def test_a_gang_start_is_counted_not_scanned():
+    st_, job, pushes = _big_gang(200)
+    assert job.counts["placing"] == 200
+    st_.on_acks("big", 1, {p.node_id: ACCEPTED for p in pushes}, 0.2, pushes)
+    assert job.state == "starting" and job.counts["accepted"] == 200
+    for k, state in enumerate(("fetching", "running")):
+        for p in job.pods:
+            st_.ingest(p.node_id, beat(p.node_id, 2 + k, [WorkloadEvent(workload_id=p.workload_id, job_id="big",
+                                                                        state=state, at=0.3)]), 0.3 + k)
+            if state == "running" and p.rank < 199:
+                assert job.state == "starting"
+    assert job.state == "running" and job.pod_counts() == {"running": 200}
+    v = st_.job_view(job, offset=10, limit=5)
+    assert [p.rank for p in v.pods] == [10, 11, 12, 13, 14]
+    assert v.pods_total == 200 and v.nodes_total == 200 and v.gpus_total == 1600 and v.pod_counts == {"running": 200}
+    # every pod exits 0: succeeded, through the counter
+    for p in job.pods:
+        st_.ingest(p.node_id, beat(p.node_id, 4, [WorkloadEvent(workload_id=p.workload_id, job_id="big",
+                                                                state="exited", exit_code=0, at=5.0)]), 5.0)
+    assert job.state == "succeeded" and st_.model.statistics()["allocated"] == 0
+
+
+def test_big_gang_placements_are_bounded_and_the_blob_holds_every_peer():
+    st_, job, pushes = _big_gang(200)
+    sizes = {len(p.placement.peers) for p in pushes}
+    assert max(sizes) <= 32 + 4  # its rack, and a few contacts: not the gang
+    pl = pushes[0].placement
+    assert pl.gang_nodes == 200 and pl.gang_blob_id == job.blob_id
+    blob = decode_gang_blob(st_.blobs[job.blob_id], job.blob_id)
+    assert len(blob.peers) == 200 and sorted(blob.peers.node_ids) == sorted(p.node_id for p in pushes)
+    assert blob.env == {"K": "v"} and blob.world_size == 200
+    rack = pushes[0].node_id
+    own = {p.node_id for p in pl.peers if p.rack == st_.nodes[rack].topology.rack}
+    assert rack in own and len(own) == 32
+
+
+def test_small_gangs_still_list_every_member():
+    st_, job, pushes = _big_gang(40)
+    assert all(len(p.placement.peers) == 40 for p in pushes)
+
+
+# ------------------------------------------------------------------ outcomes
+
+def _two_node_job(restart: str = "never"):
+    st_ = new_state()
+    st_.ingest("a", full("a"), 0.0)
+    st_.ingest("b", full("b"), 0.0)
+    st_.submit(JobSpec(job_id="j", pods=2, gpus_per_pod=8, argv=["x"], restart=RestartPolicy(kind=restart)), 0.1)
+    (job, pushes), = st_.schedule(0.1)
+    return st_, job, pushes
+
+
+def test_refused_gpus_marks_only_the_named_gpus_and_rolls_back():
+    st_, job, pushes = _two_node_job()
+    st_.on_acks("j", 1, {"a": ACCEPTED, "b": Outcome("refused_gpus", ("b-g3",), "GPU b-g3 is fatal")}, 0.2, pushes)
+    assert st_.nodes["b"].refused == {3}
+    assert job.state == "pending" and st_.nodes["a"].refused == set()
+    assert st_.model.statistics()["unhealthy_gpus"] == 1
+
+
+def test_refused_spec_fails_the_job_and_touches_no_gpu():
+    st_, job, pushes = _two_node_job()
+    st_.on_acks("j", 1, {"a": ACCEPTED, "b": Outcome("refused_spec", (), "unsupported placement version")},
+                0.2, pushes)
+    assert job.state == "failed" and "unsupported placement version" in (job.reason or "")
+    assert st_.nodes["b"].refused == set() and st_.model.statistics()["unhealthy_gpus"] == 0
+
+
+def test_expired_and_unreachable_requeue_without_marking():
+    for what in ("expired", "unreachable"):
+        st_, job, pushes = _two_node_job()
+        st_.on_acks("j", 1, {"a": Outcome(what), "b": ACCEPTED}, 0.2, pushes)
+        assert job.state == "pending", what
+        assert st_.model.statistics()["unhealthy_gpus"] == 0
+
+
+def test_a_report_the_model_cannot_hold_is_refused_before_any_change():
+    st_ = new_state()
+    st_.ingest("a", full("a"), 0.0)
+    code, _, _ = st_.ingest("a", full("a", seq=2, n=65), 0.1)   # more GPUs than a node may have
+    assert code == 400
+    assert len(st_.nodes["a"].uuids) == 8 and st_.model.spec("a").n_gpus == 8
+    dup = full("b")
+    dup = NodeReport(**{**{f: getattr(dup, f) for f in dup.__struct_fields__},
+                        "snapshot": GpuSnapshot(gpus=[GpuInfo(index=i, uuid="same", name="x", memory_total_mib=1,
+                                                              pci_bus_id=str(i)) for i in range(2)])})
+    assert st_.ingest("b", dup, 0.2)[0] == 400 and "b" not in st_.nodes
+
+
+def test_lost_and_fence_come_from_the_heaps():
+    st_, job, pushes = _two_node_job(restart="on-preemption")
+    st_.on_acks("j", 1, {p.node_id: ACCEPTED for p in pushes}, 0.2, pushes)
+    seq = 1
+    for t in (1.0, 2.0, 3.0, 3.5):
+        seq += 1
+        st_.ingest("a", beat("a", seq), t)
+        st_.tick(t)
+    assert st_.nodes["b"].state == "lost" and st_.node_states == {"up": 1, "lost": 1}
+    assert "b" in st_.fence_timer and len(st_.lost_timer) == 1
+    for t in (4.0, 5.0, 6.0, 7.0, 8.0, 9.0):
+        seq += 1
+        st_.ingest("a", beat("a", seq), t)
+        st_.tick(t)
+    assert job.state == "pending" and st_.counters["fenced_stops"] == 1
+
+
+def test_parse_page():
+    assert parse_page(None, 100) == (0, 100)
+    assert parse_page("20:5", 100) == (20, 5)
+    assert parse_page(":7", 100) == (0, 7)
+    assert parse_page("3:", 100) == (3, 100)
+    assert parse_page("0:999999", 100) == (0, 5000)
+    for bad in ("x:1", "-1:3", "1:-3"):
+        try:
+            parse_page(bad, 10)
+        except ValueError:
+            continue
+        raise AssertionError(bad)
