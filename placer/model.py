@@ -296,6 +296,8 @@ class ClusterModel:
         self._ensure()
         i = self._idx(node_id)
         owners = np.unique(self.owner[i][self.owner[i] >= 0])
+        # its GPUs leave with it: a node re-added before the rebuild must not inherit them
+        self.owner[i, :] = -1
         del self._specs[node_id]
         self._node_healthy.pop(node_id, None)
         self._node_draining.pop(node_id, None)

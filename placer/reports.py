@@ -26,6 +26,7 @@ from scheduler_link.messages import (
     Victim,
     WorkloadEvent,
 )
+from scheduler_link.validate import validate_report
 
 from .errors import InvalidSpec
 from .model import NodeSpec
@@ -40,7 +41,12 @@ class Reports(StateBase):
         """Apply one report. Returns (HTTP status, reply, pushes)."""
         self.counters["reports"] += 1
         if rep.node_id != node_id:
-            return 400, ReportReply(ok=False), []
+            return 400, ReportReply(ok=False, error="node id in the path and the report differ"), []
+        why = validate_report(rep)
+        if why is not None:
+            self.counters["refused_reports"] += 1
+            log.warning("report refused node=%s: %s", node_id, why)
+            return 400, ReportReply(ok=False, error=why), []
         node = self.nodes.get(node_id)
         if not rep.full:
             if node is None or node.boot_id != rep.boot_id or rep.seq != node.last_seq + 1:
@@ -101,10 +107,15 @@ class Reports(StateBase):
         except InvalidSpec as e:
             self.counters["refused_reports"] += 1
             log.warning("report refused node=%s: %s", rep.node_id, e)
-            return 400, ReportReply(ok=False), []
+            return 400, ReportReply(ok=False, error=str(e)), []
         if len(set(uuids)) != len(uuids):
             self.counters["refused_reports"] += 1
-            return 400, ReportReply(ok=False), []
+            return 400, ReportReply(ok=False, error="a GPU UUID appears twice"), []
+        taken = [u for u in uuids if self.uuid_owner.get(u, rep.node_id) != rep.node_id]
+        if taken:
+            self.counters["refused_reports"] += 1
+            return 400, ReportReply(ok=False, error=f"GPU {taken[0]} is already reported by node "
+                                                     f"{self.uuid_owner[taken[0]]}"), []
         self.counters["full_reports"] += 1
         old = self.nodes.get(rep.node_id)
         node = NodeRec(node_id=rep.node_id, boot_id=rep.boot_id, last_seq=rep.seq,
@@ -121,6 +132,11 @@ class Reports(StateBase):
             for wid in old.stale:
                 self._release_quiet(f"stale:{wid}")
         self.node_states[node.state] += 1
+        if old is not None:
+            for u in old.uuids:
+                self.uuid_owner.pop(u, None)
+        for u in uuids:
+            self.uuid_owner[u] = rep.node_id
         if old is None or self.model.spec(rep.node_id) != spec:
             self.dirty = True   # new capacity (or moved): worth a scheduling pass
         self.model.upsert_node(spec)

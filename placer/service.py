@@ -262,7 +262,7 @@ class PlacerService:
             raise HTTPError(400, "malformed report", str(e)) from None
         status, reply = self._ingest(req.params["node_id"], rep)
         if status == 400:
-            raise HTTPError(400, "node id in the path and the report differ")
+            raise HTTPError(400, "report refused", reply.error)
         if self.wire_url and status == 200:
             reply = msgspec.structs.replace(reply, wire_url=self.wire_url)
         return json_response(reply, status=status)

@@ -36,6 +36,7 @@ class StateBase:
         self.jobs: dict[str, JobRec] = {}
         self.pods: dict[str, tuple[JobRec, PodRec]] = {}   # current-attempt pods by workload id
         self.node_states: Counter[str] = Counter()          # up / lost
+        self.uuid_owner: dict[str, str] = {}                # GPU UUID -> the node reporting it
         self.manifest_holders: dict[str, set[str]] = {}     # manifest id -> up nodes holding it
         self.blobs: dict[str, bytes] = {}                   # gang blob id -> canonical bytes
         self.lost_timer: Deadlines[str] = Deadlines()

@@ -296,6 +296,7 @@ class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
     version: int = WIRE_VERSION
     # tcp://host:port of the placer's framed heartbeat channel, when it serves one
     wire_url: str | None = None
+    error: str | None = None                 # why a report was refused (with ok=False)
 
 
 # ---------------------------------------------------------------- placer API (jobs, nodes, cluster)
