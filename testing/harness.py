@@ -71,6 +71,7 @@ class PlacerOptions:
     tick_s: float = 0.25
     push_concurrency: int = 256
     ack_timeout_s: float = 10.0
+    recover_s: float | None = None    # the placer's post-restart wait before placing (None: its default)
 
 
 class PlacerProc:
@@ -99,7 +100,8 @@ class PlacerProc:
             f'state_dir = "{state}"\ntoken_dir = "{self.token_dir}"\n'
             f"heartbeat_s = {o.heartbeat_s}\nlost_after_missed = {o.lost_after_missed}\n"
             f"fence_after_s = {o.fence_after_s}\ntick_s = {o.tick_s}\n"
-            f"push_concurrency = {o.push_concurrency}\nack_timeout_s = {o.ack_timeout_s}\n")
+            f"push_concurrency = {o.push_concurrency}\nack_timeout_s = {o.ack_timeout_s}\n"
+            + (f"recover_s = {o.recover_s}\n" if o.recover_s is not None else ""))
         endpoints = state / "endpoints.json"
         endpoints.unlink(missing_ok=True)
         log = open(self.workdir / "placer.log", "ab")  # noqa: ASYNC230 (local file, once; the process owns it)
@@ -196,6 +198,16 @@ class EmulatorProc:
 
     def cpu_s(self) -> float:
         return proc_cpu_s(self.pid)
+
+
+async def wait_recovered(client: httpx.AsyncClient, placer_url: str, *, limit_s: float = 60.0) -> None:
+    """Until the placer's ``/healthz`` no longer says ``recovering`` (it places jobs again)."""
+    with trio.fail_after(limit_s):
+        while True:
+            r = await client.get(f"{placer_url}/healthz")
+            if r.status_code == 200 and not r.json().get("recovering"):
+                return
+            await trio.sleep(0.1)
 
 
 async def nodes_up(client: httpx.AsyncClient, placer_url: str) -> int:
