@@ -10,16 +10,23 @@ only); stopping workloads and fault injection take the operator token.
 
 ``POST /v1/placements`` answers 200 with the PlacementAck when accepted (or already
 accepted: idempotent by placement id) and 409 with the PlacementAck (``accepted:
-false``, ``reason``) when refused.
+false``, ``reason``) when refused -- also when its ``origin`` is not among
+``allowed_origins`` (``outcome: refused_spec``); a prefetch naming such an origin is 403.
+
+Body bounds per route: placements and prefetches ``max_body_bytes`` (default 4 MiB, a
+fleet-scale placement is a few MB at most), stop 4 KiB, fault injection 16 KiB, every
+other route (reads: no body) 4 KiB. Bodies are read only after authentication.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import msgspec
 import trio
 
+from p2p.origins.allow import origin_refusal
 from scheduler_link import authz
 from scheduler_link.auth import bearer
 from scheduler_link.http import (
@@ -30,12 +37,15 @@ from scheduler_link.http import (
     json_response,
     text_response,
 )
-from scheduler_link.messages import Placement, PrefetchRequest
+from scheduler_link.messages import Placement, PlacementAck, PrefetchRequest
 
 from .errors import AgentError, UnknownWorkload
 
 if TYPE_CHECKING:
     from .daemon import Agent
+
+log = logging.getLogger("herd.agent.api")
+SMALL_BODY = 4096      # every route without a bound of its own (reads carry no body)
 
 
 class _StopBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -43,10 +53,27 @@ class _StopBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     grace_s: float | None = None
 
 
+class _OriginPolicy:
+    """``agent.allowed_origins`` applied to placements and prefetches; with none
+    configured, warns once (at the first origin named) that any origin is read."""
+
+    def __init__(self, allowed: tuple[str, ...] | None) -> None:
+        self.allowed = allowed
+        self.warned = False
+
+    def refusal(self, url: str) -> str | None:
+        if self.allowed is None and not self.warned:
+            self.warned = True
+            log.warning("allowed_origins is not configured: placements may make this node read any origin; "
+                        "set agent.allowed_origins in production")
+        return origin_refusal(url, self.allowed)
+
+
 def build_app(agent: Agent) -> App:
     cfg = agent.config
     tokens = agent.tokens
-    app = App(max_body=cfg.max_body_bytes, name="herd-agent")
+    app = App(max_body=SMALL_BODY, name="herd-agent")
+    origins = _OriginPolicy(cfg.allowed_origins)
 
     async def healthz(req: Request) -> Response:
         """Liveness: the process answers."""
@@ -129,6 +156,10 @@ def build_app(agent: Agent) -> App:
     async def place(req: Request) -> Response:
         """Start pods and/or stop victims; idempotent by placement_id. Returns a PlacementAck."""
         p = req.decode(Placement)
+        if p.origin is not None and (why := origins.refusal(p.origin)):
+            log.warning("placement refused placement=%s job=%s reason=%s", p.placement_id, p.job_id, why)
+            return json_response(PlacementAck(placement_id=p.placement_id, node_id=agent.node_id, accepted=False,
+                                              reason=why, outcome="refused_spec"), status=409)
         direct = tokens.check("operator", bearer(req.headers)) and not tokens.check("placer", bearer(req.headers))
         ack = await agent.supervisor.place(p, direct=direct)
         return json_response(ack, status=200 if ack.accepted else 409)
@@ -136,6 +167,8 @@ def build_app(agent: Agent) -> App:
     async def prefetch(req: Request) -> Response:
         """Fetch an artifact into the store without starting anything (answers at once, 202)."""
         pr = req.decode(PrefetchRequest)
+        if why := origins.refusal(pr.origin):
+            raise HTTPError(403, "origin not allowed", why)
         try:
             agent.prefetch(pr)
         except AgentError as e:
@@ -161,7 +194,8 @@ def build_app(agent: Agent) -> App:
     authz.install(app, authz.AGENT_ROUTES, handlers, tokens,
                   flags={"open_reads": cfg.open_reads, "open_metrics": cfg.open_metrics},
                   max_body={("POST", "/v1/workloads/{wid}/stop"): 4096, ("POST", "/v1/gpus/{uuid}/inject"): 16 << 10,
-                            ("POST", "/v1/prefetch"): 256 << 10})
+                            ("POST", "/v1/placements"): cfg.max_body_bytes,
+                            ("POST", "/v1/prefetch"): cfg.max_body_bytes})
     return app
 
 

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from p2p.origins.allow import origin_refusal
 from scheduler_link.messages import TopologyPath
 
 from .errors import ConfigError
@@ -44,7 +45,10 @@ class AgentConfig:
     open_metrics: bool = True            # /metrics public (else the metrics, viewer or operator token)
     heartbeat_s: float = 5.0
     gpu_poll_interval_s: float = 5.0
-    max_body_bytes: int = 1 << 20
+    max_body_bytes: int = 4 << 20        # placements and prefetches (fleet scale: a few MB at most)
+    # Origins a placement or prefetch may name (URL prefixes: gs://bucket/prefix, https://host/path,
+    # file:///dir). None: not configured, any origin is read (the agent warns once).
+    allowed_origins: tuple[str, ...] | None = None
     topology: TopologyPath = TopologyPath()
     store: StoreConfig = StoreConfig()
     workloads: SupervisorConfig = SupervisorConfig()
@@ -56,7 +60,8 @@ class AgentConfig:
 
 _AGENT_KEYS = {"node_id": str, "gpus": str, "state_dir": str, "listen": str, "data_listen": (str, type(None)),
                "placer": (str, type(None)), "token_dir": (str, type(None)), "open_reads": bool, "open_metrics": bool,
-               "heartbeat_s": (int, float), "gpu_poll_interval_s": (int, float), "max_body_bytes": int}
+               "heartbeat_s": (int, float), "gpu_poll_interval_s": (int, float), "max_body_bytes": int,
+               "allowed_origins": list}
 _TOPO_KEYS = {"zone": str, "block": str, "rack": str}
 _STORE_KEYS = {"dir": str, "quota_bytes": int, "keep_trees": int}
 _WL_KEYS = {"shim_pool": int, "log_max_bytes": int, "log_keep": int, "keep_terminal": int,
@@ -155,6 +160,9 @@ def validate(cfg: AgentConfig) -> None:
         raise ConfigError("store.keep_trees must be >= 0")
     if cfg.max_body_bytes < 1024:
         raise ConfigError("max_body_bytes must be >= 1024")
+    for o in cfg.allowed_origins or ():
+        if why := origin_refusal(o, None):
+            raise ConfigError(f"allowed_origins: {why}")
 
 
 def replace(cfg: AgentConfig, **changes: Any) -> AgentConfig:

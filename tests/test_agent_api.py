@@ -64,7 +64,7 @@ async def test_api_end_to_end(tmp_path, token_dir):
                 r = await c.post("/v1/placements", content=b'{"placement_id": 1, "job_id": "j"}', headers=pl)
                 assert r.status_code == 400 and "placement_id" in r.json()["detail"]
                 # 413: body over the bound
-                r = await c.post("/v1/placements", content=b"x" * (2 << 20), headers=pl)
+                r = await c.post("/v1/placements", content=b"x" * (5 << 20), headers=pl)   # over 4 MiB
                 assert r.status_code == 413
                 assert (await c.get("/v1/workloads")).json() == []
 

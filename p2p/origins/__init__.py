@@ -10,13 +10,14 @@ from __future__ import annotations
 from urllib.parse import unquote, urlsplit
 
 from ..errors import OriginError
+from .allow import origin_refusal
 from .base import Origin, OriginStatistics, check_hex_id, check_ref_name, is_manifest_id
 from .file import FileOrigin
 from .gcs import GCSOrigin, emulator_base
 from .http_origin import HttpOrigin
 
 __all__ = ["FileOrigin", "GCSOrigin", "HttpOrigin", "Origin", "OriginStatistics", "check_hex_id",
-           "check_ref_name", "is_manifest_id", "open_origin"]
+           "check_ref_name", "is_manifest_id", "open_origin", "origin_refusal"]
 
 
 def open_origin(url: str, *, max_concurrency: int | None = None, retries: int = 5) -> Origin:
