@@ -72,10 +72,13 @@ def _time(value: float, what: str) -> str | None:
     return None
 
 
+_BAD_URL_CHAR = re.compile(r"[\s\x00-\x1f\x7f]")
+
+
 def _url(value: str, what: str) -> str | None:
     if not value:
         return None
-    if len(value) > MAX_URL_LEN or any(c.isspace() or ord(c) < 0x20 or ord(c) == 0x7f for c in value):
+    if len(value) > MAX_URL_LEN or _BAD_URL_CHAR.search(value):
         return f"{what} must be an http(s) URL of at most {MAX_URL_LEN} characters without spaces"
     try:
         u = urlsplit(value)
