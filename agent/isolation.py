@@ -163,7 +163,7 @@ def reachable(path: Path, user: WorkloadUser) -> Path | None:
 # ---------------------------------------------------------------- cgroup v2
 
 def _write(path: Path, text: str) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC)
     try:
         os.write(fd, text.encode())
     finally:

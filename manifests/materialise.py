@@ -187,7 +187,9 @@ def _link(src: str, dst: str, e: Entry, copier: _Copier, sync: bool) -> bool:
         return False
     if not stat.S_ISREG(st.st_mode) or st.st_size != e.size:
         return False
-    if stat.S_IMODE(st.st_mode) == want_mode:
+    # Only a file of ours, read-only as we sealed it, is shared by a hard link: a tree that
+    # anyone else could write is never linked into another one.
+    if stat.S_IMODE(st.st_mode) == want_mode and st.st_uid == os.geteuid():
         try:
             os.link(src, dst, follow_symlinks=False)
             return True

@@ -158,6 +158,12 @@ def _rmtree_force(path: Path) -> None:
     shutil.rmtree(path, onerror=onerror)
 
 
+def _chmod_if_owned(path: Path, mode: int) -> None:
+    st = os.stat(path)
+    if st.st_uid == os.geteuid() and (st.st_mode & 0o777) != mode:
+        os.chmod(path, mode)
+
+
 class ChunkStore:
     """Content-addressed chunks, manifests and materialised trees under one root."""
 
@@ -220,6 +226,13 @@ class ChunkStore:
                 d.mkdir(parents=True, exist_ok=True)
             for i in range(256):
                 (self.chunks_dir / f"{i:02x}").mkdir(exist_ok=True)
+            # Workloads reach their materialised tree by path (root and artifacts/ are
+            # traverse-only, the trees 0555/0444); chunks, manifests and temp files are
+            # the store owner's alone (0700), chunk files 0444.
+            _chmod_if_owned(self.root, 0o711)
+            _chmod_if_owned(self.artifacts_dir, 0o711)
+            for d in (self.chunks_dir, self.manifests_dir, self.tmp_dir, self.complete_dir):
+                _chmod_if_owned(d, 0o700)
         except OSError as e:
             if e.errno in _FULL_ERRNOS:
                 raise _full(e, "the store layout") from None
