@@ -92,6 +92,7 @@ PLACER_ROUTES: tuple[Rule, ...] = (
     Rule("POST", "/v1/nodes/{node_id}/report", ("node",)),
     Rule("GET", "/v1/nodes", _VIEW, open_flag="open_reads"),
     Rule("GET", "/v1/cluster", _VIEW, open_flag="open_reads"),
+    Rule("GET", "/v1/gangs/{blob_id}", ("node",)),
     Rule("POST", "/v1/jobs", _OPS),
     Rule("GET", "/v1/jobs", _VIEW, open_flag="open_reads"),
     Rule("GET", "/v1/jobs/{job_id}", _VIEW, open_flag="open_reads"),

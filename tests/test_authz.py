@@ -1,0 +1,155 @@
+"""Every route of the agent and the placer against every credential kind (issue 15 §2).
+
+The expectations below are written by hand, route by route: a route added to a daemon
+without a rule in ``scheduler_link/authz.py`` fails ``test_served_routes_match_the_table``,
+and a rule without an expectation here fails ``test_every_rule_has_an_expectation``."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from scheduler_link import authz
+from scheduler_link.auth import TokenSet, auth_header
+from scheduler_link.http import HTTPError, Request
+
+CREDS = ("none", "wrong", "placer", "node", "operator", "viewer", "metrics")
+EVERYONE = frozenset(CREDS)
+READERS = frozenset({"viewer", "operator"})
+SCRAPERS = frozenset({"metrics", "viewer", "operator"})
+OPS = frozenset({"operator"})
+
+AGENT = {
+    ("GET", "/healthz"): EVERYONE,
+    ("GET", "/readyz"): EVERYONE,
+    ("GET", "/metrics"): EVERYONE,              # open_metrics defaults to true
+    ("GET", "/openapi.json"): READERS,
+    ("GET", "/v1/status"): READERS,
+    ("GET", "/v1/gpus"): READERS,
+    ("GET", "/v1/workloads"): READERS,
+    ("GET", "/v1/workloads/{wid}"): READERS,
+    ("GET", "/v1/workloads/{wid}/logs"): READERS,
+    ("POST", "/v1/workloads/{wid}/stop"): OPS,
+    ("POST", "/v1/gpus/{uuid}/inject"): OPS,
+    ("POST", "/v1/placements"): frozenset({"placer", "operator"}),
+    ("POST", "/v1/prefetch"): frozenset({"placer", "operator"}),
+}
+PLACER = {
+    ("GET", "/healthz"): EVERYONE,
+    ("GET", "/metrics"): EVERYONE,
+    ("GET", "/openapi.json"): READERS,
+    ("POST", "/v1/nodes/{node_id}/report"): frozenset({"node"}),
+    ("GET", "/v1/nodes"): READERS,
+    ("GET", "/v1/cluster"): READERS,
+    ("GET", "/v1/gangs/{blob_id}"): frozenset({"node"}),
+    ("POST", "/v1/jobs"): OPS,
+    ("GET", "/v1/jobs"): READERS,
+    ("GET", "/v1/jobs/{job_id}"): READERS,
+    ("DELETE", "/v1/jobs/{job_id}"): OPS,
+    ("POST", "/v1/jobs/{job_id}/artifact"): OPS,
+    ("POST", "/v1/defrag"): OPS,
+    ("POST", "/v1/prefetch"): OPS,
+}
+EXPECT = {"agent": AGENT, "placer": PLACER}
+TOKENS = TokenSet(placer="tp", cluster="tn", operator="to", viewer="tv", metrics="tm")
+PRESENT = {"none": None, "wrong": "nope", "placer": "tp", "node": "tn", "operator": "to", "viewer": "tv",
+           "metrics": "tm"}
+
+
+def _req(method: str, cred: str) -> Request:
+    # loopback on purpose: the address earns nothing
+    return Request(method=method, path="/", query={}, headers=auth_header(PRESENT[cred]), body=b"",
+                   client="127.0.0.1")
+
+
+def _outcome(policy, method: str, cred: str) -> int:
+    if policy is None:
+        return 200
+    try:
+        policy(_req(method, cred))
+    except HTTPError as e:
+        return e.status
+    return 200
+
+
+@pytest.mark.parametrize("daemon", ["agent", "placer"])
+def test_every_rule_has_an_expectation(daemon):
+    assert {r.key for r in authz.TABLES[daemon]} == set(EXPECT[daemon])
+
+
+CASES = [(d, r, c) for d in ("agent", "placer") for r in authz.TABLES[d] for c in CREDS]
+
+
+@pytest.mark.parametrize(("daemon", "rule", "cred"), CASES,
+                         ids=[f"{d}-{r.method}-{r.template}-{c}" for d, r, c in CASES])
+def test_route_by_credential(daemon, rule, cred):
+    want = cred in EXPECT[daemon][rule.key]
+    got = _outcome(authz.policy(rule, TOKENS, {"open_metrics": True}), rule.method, cred)
+    if want:
+        assert got == 200
+    else:
+        # no credential or an unknown one: 401; a real one without the role: 403
+        assert got == (401 if cred in ("none", "wrong") else 403)
+    assert authz.allowed(rule, authz.held_roles(TOKENS, PRESENT[cred]), {"open_metrics": True}) == want
+
+
+def test_flags_open_reads_and_close_metrics():
+    rules = {r.key: r for r in authz.AGENT_ROUTES}
+    assert authz.policy(rules[("GET", "/v1/status")], TOKENS, {"open_reads": True}) is None
+    m = authz.policy(rules[("GET", "/metrics")], TOKENS, {"open_metrics": False})
+    assert _outcome(m, "GET", "none") == 401 and _outcome(m, "GET", "metrics") == 200
+    # open_reads never opens a write
+    assert authz.policy(rules[("POST", "/v1/placements")], TOKENS, {"open_reads": True}) is not None
+
+
+def test_a_missing_token_file_authenticates_nothing():
+    empty = TokenSet(operator="to")
+    rules = {r.key: r for r in authz.AGENT_ROUTES}
+    assert _outcome(authz.policy(rules[("POST", "/v1/placements")], empty, {}), "POST", "placer") == 401
+
+
+def test_install_refuses_undeclared_and_unserved_routes():
+    from scheduler_link.http import App
+
+    async def h(req):  # pragma: no cover - never called
+        raise AssertionError
+
+    table = (authz.Rule("GET", "/a", ("viewer",)),)
+    with pytest.raises(ValueError, match="without a declared role"):
+        authz.install(App(), table, {("GET", "/a"): h, ("GET", "/b"): h}, TOKENS)
+    with pytest.raises(ValueError, match="without a handler"):
+        authz.install(App(), table, {}, TOKENS)
+
+
+def test_served_routes_match_the_table(tmp_path, token_dir):
+    """What the daemons really serve is what the table declares: the agent through
+    authz.install; the placer (wired by the lead) must serve no route the table lacks."""
+    from agent.api import build_app
+    from agent.config import AgentConfig
+    from agent.daemon import Agent
+    from agent.supervisor import SupervisorConfig
+    from placer.config import PlacerConfig
+    from placer.service import PlacerService
+
+    agent = Agent(AgentConfig(node_id="n1", gpus="simulated:dgx-h100", state_dir=str(tmp_path / "a"),
+                              listen="127.0.0.1:0", data_listen=None, token_dir=str(token_dir),
+                              workloads=SupervisorConfig(shim_pool=0)),
+                  env={"PATH": os.environ["PATH"]}, handle_signals=False)
+    served = {(r.method, r.template) for r in build_app(agent).routes}
+    assert served == {r.key for r in authz.AGENT_ROUTES}
+    tokens = TokenSet.load(token_dir)
+    for r in build_app(agent).routes:                # the served policies, loopback, no token
+        rule = next(x for x in authz.AGENT_ROUTES if x.key == (r.method, r.template))
+        req = Request(method=r.method, path="/", query={}, headers={}, body=b"", client="127.0.0.1")
+        if r.auth is None:
+            assert rule.public or rule.open_flag == "open_metrics"
+        else:
+            with pytest.raises(HTTPError):
+                r.auth(req)
+            r.auth(Request(method=r.method, path="/", query={}, body=b"", client="127.0.0.1",
+                           headers=auth_header(tokens.operator if "operator" in rule.roles or "viewer" in rule.roles
+                                               else tokens.placer)))
+    svc = PlacerService(PlacerConfig(listen="127.0.0.1:0", state_dir=str(tmp_path / "p")), TokenSet())
+    placer_served = {(r.method, r.template) for r in svc.app.routes}
+    assert placer_served <= {r.key for r in authz.PLACER_ROUTES}, placer_served - {r.key for r in authz.PLACER_ROUTES}
