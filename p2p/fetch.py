@@ -97,7 +97,7 @@ async def fetch_artifact(store: ChunkStore, manifest_id: str, origin: Origin, *,
                     continue
                 ev = store.inflight[cid] = trio.Event()
                 try:
-                    data = await origin.get_chunk(cid)
+                    data = await origin.get_chunk(cid, size)   # read no more than the manifest promises
                     if len(data) != size:
                         raise IntegrityError(f"origin chunk {cid} is {len(data)} bytes, expected {size}")
                     await trio.to_thread.run_sync(store.put_chunk, cid, data)

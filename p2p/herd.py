@@ -392,7 +392,7 @@ class Herd:
 
     async def _try(self, src: Source, cid: str, size: int, origin: Any) -> bytes:
         if src.kind == "origin":
-            data = await self._origin_call(origin.get_chunk, cid)
+            data = await self._origin_call(partial(origin.get_chunk, size=size), cid)   # bounded by the manifest
             if len(data) != size or blake3.blake3(data).hexdigest() != cid:
                 self.counters.integrity_failures += 1
                 raise IntegrityError(f"origin chunk {cid[:16]} does not match its hash")

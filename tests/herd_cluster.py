@@ -87,9 +87,9 @@ class WrappedOrigin:
             self.failures += 1
             raise OriginError("origin unreachable (simulated outage)")
 
-    async def get_chunk(self, cid: str) -> bytes:
+    async def get_chunk(self, cid: str, size: int | None = None) -> bytes:
         self._check()
-        data = await self.inner.get_chunk(cid)
+        data = await self.inner.get_chunk(cid, size)
         self.chunk_reads[cid] += 1
         self.bytes_out += len(data)
         if cid in self.corrupt:

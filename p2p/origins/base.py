@@ -7,7 +7,9 @@ Bucket layout (the same for every backend)::
     refs/<name>      the text of a manifest id (``name:tag`` allowed)
 
 Nothing read from an origin is trusted: callers verify chunks and manifests by
-their ids. Backends implement four primitives (``_get``, ``_put``, ``_exists_many``
+their ids. Nor is its size: every read is bounded -- a chunk by the size the manifest
+promises (``get_chunk(id, size)``; without one, by the largest chunk a manifest may
+describe, ``MAX_CHUNK_BYTES``), a manifest by ``MAX_MANIFEST_BYTES``, a ref by 1 KiB. Backends implement four primitives (``_get``, ``_put``, ``_exists_many``
 and ``aclose``); naming, validation and counters live here.
 """
 
@@ -19,6 +21,8 @@ from collections.abc import Iterable
 
 import msgspec
 
+from manifests import MAX_MANIFEST_BYTES
+
 from ..errors import NotFoundError, OriginError, RefError
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
@@ -26,6 +30,8 @@ HEX64 = re.compile(r"^[0-9a-f]{64}$")
 # then a sane charset; ':' separates a tag, '@' and '+' are common in versions.
 _REF = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]*(/[A-Za-z0-9][A-Za-z0-9._:@+=-]*)*$")
 MAX_REF_LEN = 200
+MAX_REF_BYTES = 1024
+MAX_CHUNK_BYTES = 1 << 30          # the chunker's largest max_size (manifests.model)
 
 
 def check_hex_id(value: str, what: str = "chunk id") -> str:
@@ -78,8 +84,9 @@ class Origin(ABC):
     # --------------------------------------------------------- primitives
 
     @abstractmethod
-    async def _get(self, key: str) -> bytes:
-        """The object's bytes; NotFoundError if absent, OriginError if unreachable."""
+    async def _get(self, key: str, limit: int) -> bytes:
+        """The object's bytes; NotFoundError if absent, OriginError if unreachable or
+        if it holds more than ``limit`` bytes (never read past ``limit`` + 1)."""
 
     @abstractmethod
     async def _put(self, key: str, data: bytes) -> None:
@@ -105,23 +112,24 @@ class Origin(ABC):
 
     # ------------------------------------------------------------ reads
 
-    async def _get_counted(self, key: str) -> bytes:
-        data = await self._get(key)
+    async def _get_counted(self, key: str, limit: int) -> bytes:
+        data = await self._get(key, limit)
         self.gets += 1
         self.bytes_got += len(data)
         return data
 
-    async def get_chunk(self, chunk_id: str) -> bytes:
+    async def get_chunk(self, chunk_id: str, size: int | None = None) -> bytes:
+        """The chunk's bytes (unverified), at most ``size`` (what the manifest promises)."""
         check_hex_id(chunk_id)
         try:
-            return await self._get_counted(f"chunks/{chunk_id}")
+            return await self._get_counted(f"chunks/{chunk_id}", MAX_CHUNK_BYTES if size is None else size)
         except NotFoundError:
             raise NotFoundError(f"chunk {chunk_id} not found at origin {self.url}") from None
 
     async def get_manifest(self, manifest_id: str) -> bytes:
         check_hex_id(manifest_id, "manifest id")
         try:
-            return await self._get_counted(f"manifests/{manifest_id}")
+            return await self._get_counted(f"manifests/{manifest_id}", MAX_MANIFEST_BYTES)
         except NotFoundError:
             raise NotFoundError(f"manifest {manifest_id} not found at origin {self.url}") from None
 
@@ -131,7 +139,7 @@ class Origin(ABC):
             return ref
         check_ref_name(ref)
         try:
-            data = await self._get_counted(f"refs/{ref}")
+            data = await self._get_counted(f"refs/{ref}", MAX_REF_BYTES)
         except NotFoundError:
             raise NotFoundError(f"unknown ref {ref!r} at origin {self.url}") from None
         value = data.decode("ascii", "replace").strip()

@@ -43,10 +43,17 @@ class FileOrigin(Origin):
             return OriginError(f"origin {self.url} is full while writing {key}")
         return OriginError(f"origin {self.url}: cannot {action} {key}: {e.strerror or e}")
 
-    async def _get(self, key: str) -> bytes:
+    async def _get(self, key: str, limit: int) -> bytes:
         path = self._path(key)
+
+        def read() -> bytes:
+            with open(path, "rb") as f:
+                data = f.read(limit + 1)
+            if len(data) > limit:
+                raise OriginError(f"origin {self.url}: {key} holds more than the {limit} bytes expected")
+            return data
         try:
-            return await trio.to_thread.run_sync(path.read_bytes)
+            return await trio.to_thread.run_sync(read)
         except FileNotFoundError as e:
             if self.root.is_dir():
                 raise NotFoundError(f"{key} not found at origin {self.url}") from None

@@ -165,8 +165,8 @@ class GCSOrigin(Origin):
     def _sync_retries(self) -> None:
         self.retries = self.http.retried
 
-    async def _get(self, key: str) -> bytes:
-        resp = await self.http.request("GET", self._object_url(key), params={"alt": "media"})
+    async def _get(self, key: str, limit: int) -> bytes:
+        resp = await self.http.request("GET", self._object_url(key), params={"alt": "media"}, limit=limit)
         self._sync_retries()
         return get_body(resp, self.url, key)
 

@@ -16,8 +16,8 @@ class HttpOrigin(Origin):
         self.base = url.rstrip("/")
         self.http = RetryingClient(what=f"origin {url}", max_concurrency=max_concurrency, retries=retries)
 
-    async def _get(self, key: str) -> bytes:
-        resp = await self.http.request("GET", f"{self.base}/{key}")
+    async def _get(self, key: str, limit: int) -> bytes:
+        resp = await self.http.request("GET", f"{self.base}/{key}", limit=limit)
         self.retries = self.http.retried
         return get_body(resp, self.url, key)
 

@@ -4,6 +4,11 @@ GCS and http(s) origins.
 Retried: 429, 5xx, timeouts and transport errors (connection refused/reset).
 Everything else is answered at once. httpx exceptions never leave this module:
 after the last attempt they become ``OriginError`` with one readable line.
+
+Bodies are bounded: ``request(..., limit=N)`` streams the answer and refuses (OriginError,
+not retried: the origin misbehaves) one that announces or sends more than N bytes after
+decoding, or more than 64 KiB for a non-200 answer. The origins pass the size the
+manifest promises for a chunk, the manifest ceiling for a manifest, 1 KiB for a ref.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from ..errors import NotFoundError, OriginError
 log = logging.getLogger("herd.p2p.origin")
 
 RETRY_STATUSES = frozenset({408, 429, 500, 502, 503, 504})
+MAX_ERROR_BODY = 64 << 10     # a non-200 answer's body
+_FRAMING = frozenset({"content-encoding", "content-length", "transfer-encoding"})
 
 
 class RetryingClient:
@@ -46,9 +53,10 @@ class RetryingClient:
         return min(self.backoff_cap, self.backoff_base * (2 ** attempt)) * random.uniform(0.5, 1.0)
 
     async def request(self, method: str, url: str, *, ok_statuses: tuple[int, ...] = (),
-                      **kwargs: Any) -> httpx.Response:
+                      limit: int | None = None, **kwargs: Any) -> httpx.Response:
         """Send with retries. Returns the response for any status that is not retryable
-        (callers interpret 404 etc.). Raises OriginError when attempts run out."""
+        (callers interpret 404 etc.). Raises OriginError when attempts run out, or when
+        the body is over ``limit`` bytes (None: unbounded; for small control answers)."""
         last = ""
         refreshed = False
         attempt = 0
@@ -59,7 +67,10 @@ class RetryingClient:
                     headers = dict(base_headers)
                     if self._auth_headers is not None:
                         headers.update(await self._auth_headers(False))
-                    resp = await self.client.request(method, url, headers=headers, **kwargs)
+                    if limit is None:
+                        resp = await self.client.request(method, url, headers=headers, **kwargs)
+                    else:
+                        resp = await self._bounded(method, url, headers, limit, **kwargs)
             except httpx.TimeoutException as e:
                 last = f"timed out ({type(e).__name__})"
             except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
@@ -82,6 +93,27 @@ class RetryingClient:
             log.info("origin retry what=%s method=%s attempt=%d delay=%.2f reason=%s",
                      self.what, method, attempt, delay, last)
             await trio.sleep(delay)
+
+    async def _bounded(self, method: str, url: str, headers: dict[str, str], limit: int,
+                       **kwargs: Any) -> httpx.Response:
+        """One exchange whose body is read to at most ``limit`` bytes (decoded)."""
+        req = self.client.build_request(method, url, headers=headers, **kwargs)
+        resp = await self.client.send(req, stream=True)
+        try:
+            cap = limit if resp.status_code == 200 else MAX_ERROR_BODY
+            declared = resp.headers.get("content-length", "")
+            if declared.isdigit() and int(declared) > cap:
+                raise OriginError(f"{self.what}: {method} {_short(url)} announces {declared} bytes, "
+                                  f"more than the {cap} expected")
+            buf = bytearray()
+            async for piece in resp.aiter_bytes():
+                buf += piece
+                if len(buf) > cap:
+                    raise OriginError(f"{self.what}: {method} {_short(url)} sent more than the {cap} bytes expected")
+        finally:
+            await resp.aclose()
+        kept = [(k, v) for k, v in resp.headers.multi_items() if k.lower() not in _FRAMING]
+        return httpx.Response(resp.status_code, headers=kept, content=bytes(buf), request=req)
 
     async def aclose(self) -> None:
         await self.client.aclose()
