@@ -25,7 +25,8 @@ Invariants:
   restart (every agent re-registering at once) the full reports go over framed channels.
   ``wire_connect`` lets many links share a few multiplexed connections
   (:class:`~scheduler_link.heartbeat_wire.SharedWire`: the fleet emulator, rack relays) and
-  ``http`` lets them share one HTTP client.
+  ``http`` (an httpx client) or ``http_pool`` (the lean kept-alive client of
+  :mod:`scheduler_link.fanout`) lets them share one HTTP client.
 - ``ReportReply.stop`` (fencing: the placer placed those gangs elsewhere) is handed to
   ``hooks.stop_workloads`` at once, in a task of the link's nursery, so a slow stop
   never delays a heartbeat.
@@ -46,6 +47,7 @@ import msgspec
 import trio
 
 from .auth import auth_header
+from .fanout import PushPool
 from .heartbeat_wire import HeartbeatClient, WireError, WireReply
 from .messages import GpuSnapshot, NodeReport, ReportReply, Victim, WorkloadEvent
 
@@ -99,7 +101,7 @@ class AgentLink:
                  heartbeat_s: float = 5.0, backoff_min_s: float = 0.05, backoff_max_s: float = 5.0,
                  request_timeout_s: float = 10.0, full_every: int = 12, use_wire: bool = True,
                  wire_url: str | None = None, wire_connect: WireConnect | None = None,
-                 http: httpx.AsyncClient | None = None) -> None:
+                 http: httpx.AsyncClient | None = None, http_pool: PushPool | None = None) -> None:
         self.placer_url = placer_url.rstrip("/")
         self.token = token
         self.node_id = node_id
@@ -122,6 +124,7 @@ class AgentLink:
         self._wire_retry_at = 0.0            # trio time before which a failed channel is not retried
         self._wire_connect: WireConnect = wire_connect or direct_wire
         self._http = http                    # shared HTTP client (not closed here) or None
+        self._http_pool = http_pool          # or a shared PushPool (not closed here)
         self.wire_reports = 0
         self.wire_full_reports = 0
         # statistics
@@ -171,7 +174,7 @@ class AgentLink:
             await self._close_wire()
 
     async def _run(self, url: str, headers: dict[str, str], limits: httpx.Limits, task_status: Any) -> None:
-        if self._http is not None:
+        if self._http is not None or self._http_pool is not None:
             async with trio.open_nursery() as nursery:
                 await self._loop(self._http, url, headers, nursery, task_status)
             return
@@ -179,7 +182,7 @@ class AgentLink:
                                      timeout=self.request_timeout_s) as client, trio.open_nursery() as nursery:
             await self._loop(client, url, {}, nursery, task_status)
 
-    async def _loop(self, client: httpx.AsyncClient, url: str, headers: dict[str, str], nursery: trio.Nursery,
+    async def _loop(self, client: httpx.AsyncClient | None, url: str, headers: dict[str, str], nursery: trio.Nursery,
                     task_status: Any) -> None:
         task_status.started()
         backoff = self.backoff_min_s
@@ -293,7 +296,7 @@ class AgentLink:
             with trio.CancelScope(shield=True):
                 await w.aclose()
 
-    async def _post(self, client: httpx.AsyncClient, url: str, report: NodeReport,
+    async def _post(self, client: httpx.AsyncClient | None, url: str, report: NodeReport,
                     headers: dict[str, str]) -> ReportReply:
         if self._wire is not None:
             with trio.fail_after(self.request_timeout_s):
@@ -308,15 +311,26 @@ class AgentLink:
             if wr.status != 200:
                 raise _PlacerError(f"placer answered {wr.status} on the framed channel: {wr.error}")
             return wr.reply
-        r = await client.post(url, content=msgspec.json.encode(report), headers=headers or None)
+        body = msgspec.json.encode(report)
+        if client is None:
+            assert self._http_pool is not None
+            with trio.fail_after(self.request_timeout_s):
+                res = await self._http_pool.post(self.placer_url, f"/v1/nodes/{self.node_id}/report", body,
+                                                 token=self.token, key=self.node_id)
+            if res.status is None:
+                raise _PlacerError(f"placer unreachable: {res.error}")
+            status, content = res.status, res.body
+        else:
+            r = await client.post(url, content=body, headers=headers or None)
+            status, content = r.status_code, r.content
         if report.full:
             self.full_reports_sent += 1
         self.reports_sent += 1
-        if r.status_code == 409:
+        if status == 409:
             raise _Conflict()
-        if r.status_code != 200:
-            raise _PlacerError(f"placer answered {r.status_code}: {r.text[:200]}")
-        return _reply_decoder.decode(r.content)
+        if status != 200:
+            raise _PlacerError(f"placer answered {status}: {content[:200].decode(errors='replace')}")
+        return _reply_decoder.decode(content)
 
     async def _stop(self, victims: list[Victim]) -> None:
         try:

@@ -21,7 +21,7 @@ Sockets, because one process holds up to 20,000 descriptors:
   ``--mux 0`` gives each node its own framed connection (as real agents have), spread
   over source addresses 127.0.0.2.. so no (source, destination) pair runs out of ports;
 - HTTP reports (registration without a known wire URL, and the fallback) share one
-  bounded HTTP client.
+  bounded kept-alive client (``scheduler_link.fanout.PushPool``).
 
 Several processes can share one fleet: ``--offset K --nodes N`` emulates nodes K..K+N-1 of
 the fleet. The process prints one JSON line when it is ready (``{"ready": true,
@@ -47,13 +47,13 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import h11
-import httpx
 import msgspec
 import trio
 
 from agent.gpus.simulated import PROFILES, SimulatedBackend
 from scheduler_link.agent_link import AgentLink, ReportChannel
 from scheduler_link.auth import TokenSet, bearer
+from scheduler_link.fanout import PushPool
 from scheduler_link.heartbeat_wire import HeartbeatClient, SharedWire
 from scheduler_link.messages import (
     GpuInfo,
@@ -330,10 +330,11 @@ class Fleet:
             refuse = ("refused_gpus" if slot.node_id in cfg.refuse_gpus else
                       "refused_spec" if slot.node_id in cfg.refuse_spec else None)
             self.nodes[slot.node_id] = EmulatedNode(self, slot, f"{self.control}/n/{slot.node_id}", refuse)
-        limits = httpx.Limits(max_connections=cfg.http_connections, max_keepalive_connections=cfg.http_connections)
-        headers = {"content-type": "application/json", "authorization": f"Bearer {self.tokens.cluster or ''}"}
-        async with httpx.AsyncClient(limits=limits, headers=headers, timeout=cfg.request_timeout_s) as http, \
-                trio.open_nursery() as n:
+        # HTTP reports through the lean kept-alive client, bounded per endpoint: an httpx
+        # client with thousands of queued requests costs the emulator more than the placer
+        http = PushPool(concurrency=cfg.http_connections, max_per_host=cfg.http_connections,
+                        attempt_timeout_s=cfg.request_timeout_s, retries=0)
+        async with trio.open_nursery() as n:
             self._nursery = n
             n.start_soon(trio.serve_listeners, self._handle, listeners)
             task_status.started(self.control)
@@ -343,7 +344,7 @@ class Fleet:
             for node in self.nodes.values():
                 link = AgentLink(cfg.placer_url, self.tokens.cluster, node.slot.node_id, node,
                                  heartbeat_s=cfg.heartbeat_s, use_wire=cfg.use_wire, wire_url=cfg.wire_url,
-                                 wire_connect=connect, http=http, request_timeout_s=cfg.request_timeout_s,
+                                 wire_connect=connect, http_pool=http, request_timeout_s=cfg.request_timeout_s,
                                  backoff_max_s=max(cfg.heartbeat_s, 1.0))
                 node.link = link
                 n.start_soon(link.run)
