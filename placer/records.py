@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler_link.messages import TERMINAL_STATES, JobSpec, Peer, Placement, TopologyPath
@@ -43,15 +44,35 @@ def parse_workload_id(wid: str) -> tuple[str, int, int] | None:
     return parts[0], int(parts[1]), int(parts[2])
 
 
-@dataclass(frozen=True, slots=True)
 class Push:
-    """One placement for one node (new pods and/or victims)."""
-    node_id: str
-    control_url: str
-    placement: Placement
-    job_id: str
-    attempt: int
-    kind: str  # "start" (carries the gang's pods) or "stop"
+    """One placement for one node (new pods and/or victims). A start push may be given a
+    ``build`` function instead of the placement: the Placement is then made when it is
+    first read (by the sender, as it goes), so a decision's bookkeeping does not build
+    25,000 messages before the first one can leave."""
+
+    __slots__ = ("node_id", "control_url", "job_id", "attempt", "kind", "_placement", "_build")
+
+    def __init__(self, node_id: str, control_url: str, placement: Placement | None, job_id: str, attempt: int,
+                 kind: str, build: Callable[[], Placement] | None = None) -> None:
+        if placement is None and build is None:
+            raise ValueError("a push needs a placement or a way to build one")
+        self.node_id = node_id
+        self.control_url = control_url
+        self.job_id = job_id
+        self.attempt = attempt
+        self.kind = kind  # "start" (carries the gang's pods) or "stop"
+        self._placement = placement
+        self._build = build
+
+    @property
+    def placement(self) -> Placement:
+        if self._placement is None:
+            assert self._build is not None
+            self._placement, self._build = self._build(), None
+        return self._placement
+
+    def __repr__(self) -> str:
+        return f"Push({self.kind} {self.job_id}#{self.attempt} -> {self.node_id})"
 
 
 @dataclass(slots=True)
@@ -59,7 +80,7 @@ class PodRec:
     rank: int
     node_id: str
     slots: tuple[int, ...]
-    uuids: list[str]
+    uuids: list[str]            # never mutated: whole-node pods share their node's list
     workload_id: str
     state: str = "placing"
     exit_code: int | None = None
@@ -151,6 +172,12 @@ class NodeRec:
     tell: set[str] = field(default_factory=set)       # stale workloads to name in the next reply
     pods: dict[str, tuple[JobRec, PodRec]] = field(default_factory=dict)  # current pods placed here
     _peer: Peer | None = None
+    all_slots: tuple[int, ...] = ()                   # (0..n-1), shared by whole-node pods
+    all_slots_list: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_slots = tuple(range(len(self.uuids)))
+        self.all_slots_list = list(self.all_slots)
 
     def slot_of(self, uuid: str) -> int | None:
         try:
@@ -167,4 +194,4 @@ class NodeRec:
     @property
     def rack_path(self) -> str:
         t = self.topology
-        return f"{t.zone}/{t.block}/{t.rack}"
+        return t.zone + "/" + t.block + "/" + t.rack

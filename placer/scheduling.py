@@ -21,11 +21,11 @@ from __future__ import annotations
 import itertools
 import logging
 import re
-import zlib
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from scheduler_link.messages import (
     GangBlob,
@@ -202,46 +202,62 @@ class Scheduling(StateBase):
         pods: list[PodRec] = []
         nodes = self.nodes
         for rank, (nid, row) in enumerate(zip(node_names, slot_rows, strict=True)):
+            n = nodes[nid]
+            uu = n.uuids
+            if len(row) == len(uu) and (not ragged or row[-1] >= 0) and row == n.all_slots_list:
+                pods.append(PodRec(rank, nid, n.all_slots, uu, prefix + str(rank)))  # a whole node: shared
+                continue
             slots = tuple(s for s in row if s >= 0) if ragged else tuple(row)
-            uu = nodes[nid].uuids
             pods.append(PodRec(rank, nid, slots, [uu[s] for s in slots], prefix + str(rank)))
         self._replace_pods(job, pods)
-        return self._start_pushes(job, victim_stops, now)
+        # the model's node indices are in topology order: the gang's, sorted, are too
+        order = [nodes[ids[n]] for n in np.unique(decision.pod_nodes).tolist()]
+        return self._start_pushes(job, victim_stops, now, order)
 
-    def _start_pushes(self, job: JobRec, victim_stops: dict[str, list[Victim]], now: float) -> list[Push]:
+    def _start_pushes(self, job: JobRec, victim_stops: dict[str, list[Victim]], now: float,
+                      order: list[NodeRec] | None = None) -> list[Push]:
+        """``order``: the gang's nodes in topology order, when the caller knows it."""
         s = job.spec
-        by_node: dict[str, list[PodAssignment]] = {}
+        by_node: dict[str, list[PodRec]] = {}
         for p in job.pods:
-            pa = PodAssignment(workload_id=p.workload_id, rank=p.rank, gpus=p.uuids, gpu_indices=list(p.slots))
             lst = by_node.get(p.node_id)
             if lst is None:
-                by_node[p.node_id] = [pa]
+                by_node[p.node_id] = [p]
             else:
-                lst.append(pa)
-        gang = [self.nodes[n] for n in by_node]
-        blob_id, peers_of = self._gang_blob(job, gang)
+                lst.append(p)
+        nodes = self.nodes
+        gang = [nodes[n] for n in by_node]
+        blob_id, peers_of = self._gang_blob(job, gang, order)
         argv, env = list(s.argv), dict(s.env)
-        out = []
-        for node in gang:
-            node_id = node.node_id
-            pl = Placement(placement_id=f"start:{job.job_id}:{job.attempt}:{node_id}", job_id=job.job_id,
-                           pods=by_node[node_id], victims=victim_stops.pop(node_id, []), world_size=s.pods,
-                           argv=argv, env=env, manifest_id=s.manifest_id, origin=s.origin,
-                           peers=peers_of(node), grace_s=s.grace_s, restart=s.restart, issued_at=now,
-                           gang_blob_id=blob_id, gang_nodes=len(gang))
-            out.append(Push(node_id, node.control_url, pl, job.job_id, job.attempt, "start"))
+        n_gang = len(gang)
+        prefix = f"start:{job.job_id}:{job.attempt}:"
+
+        def build(node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> Callable[[], Placement]:
+            return lambda: Placement(
+                placement_id=prefix + node.node_id, job_id=s.job_id,
+                pods=[PodAssignment(workload_id=p.workload_id, rank=p.rank, gpus=p.uuids, gpu_indices=list(p.slots))
+                      for p in pods],
+                victims=victims, world_size=s.pods, argv=argv, env=env, manifest_id=s.manifest_id, origin=s.origin,
+                peers=peers_of(node), grace_s=s.grace_s, restart=s.restart, issued_at=now,
+                gang_blob_id=blob_id, gang_nodes=n_gang)
+
+        out = [Push(node.node_id, node.control_url, None, job.job_id, job.attempt, "start",
+                    build(node, by_node[node.node_id], victim_stops.pop(node.node_id, [])))
+               for node in gang]
         for node_id, victims in victim_stops.items():  # victims on nodes that get no new pod
-            vnode = self.nodes[node_id]
+            vnode = nodes[node_id]
             self._pid += 1
             pl = Placement(placement_id=f"stop:{job.job_id}:{job.attempt}:{node_id}:{self._pid}",
                            job_id=job.job_id, victims=victims, issued_at=now)
             out.append(Push(node_id, vnode.control_url, pl, job.job_id, job.attempt, "stop"))
         return out
 
-    def _gang_blob(self, job: JobRec, gang: list[NodeRec]) -> tuple[str, Callable[[NodeRec], list[Peer]]]:
+    def _gang_blob(self, job: JobRec, gang: list[NodeRec],
+                   order: list[NodeRec] | None = None) -> tuple[str, Callable[[NodeRec], list[Peer]]]:
         """Encode the gang's blob once; return its id and each node's bounded peer list."""
         s = job.spec
-        order = sorted(gang, key=lambda n: (n.topology.zone, n.topology.block, n.topology.rack, n.node_id))
+        if order is None:
+            order = sorted(gang, key=lambda n: (n.topology.zone, n.topology.block, n.topology.rack, n.node_id))
         racks: list[str] = []
         rack_start: list[int] = []
         rack_of: list[int] = []
@@ -268,20 +284,23 @@ class Scheduling(StateBase):
         if len(gang) <= FULL_PEERS_UP_TO:
             everyone = [n.peer() for n in order] + extra
             return blob_id, lambda node: everyone
-        rack_names = racks
-        index_of = {p: r for r, p in enumerate(racks)}
+        # each rack's list, computed once: its members, then one member of each of the racks
+        # at distance 1, 2, 4, 8 in rack order (so any two racks are a few hops apart)
         R = len(racks)
+        per_rack: dict[str, list[Peer]] = {}
+        for r, path in enumerate(racks):
+            own = members[path]
+            contacts = []
+            for k in range(CONTACTS):
+                r2 = (r + (1 << k)) % R
+                if r2 == r:
+                    break
+                other = members[racks[r2]]
+                contacts.append(other[r % len(other)])
+            per_rack[path] = own + contacts + extra
 
         def peers_of(node: NodeRec) -> list[Peer]:
-            r = index_of[node.rack_path]
-            own = members[rack_names[r]]
-            contacts = []
-            for k in range(1, CONTACTS + 1):  # racks at distance 1, 2, 4, 8 in rack order
-                other = members[rack_names[(r + (1 << (k - 1))) % R]]
-                if other is own:
-                    break
-                contacts.append(other[zlib.crc32(node.node_id.encode()) % len(other)])
-            return own + contacts + extra
+            return per_rack[node.rack_path]
         return blob_id, peers_of
 
     def _holders(self, manifest_id: str | None, gang: set[str]) -> list[Peer]:

@@ -66,7 +66,7 @@ DEFAULT_NODES_PAGE = 1000
 # The collector walks every tracked object on a full collection; after a burst that grew
 # the heap (a fleet registering, a big gang's records) the survivors are frozen so it
 # stops walking them (gc.freeze, as CPython's docs suggest for long-lived state).
-FREEZE_GROWTH = 50_000
+FREEZE_EVERY_S = 2.0
 
 
 class PlacerService:
@@ -90,7 +90,8 @@ class PlacerService:
         self.app = self._build_app()
         self.push_counts = {"start": 0, "stop": 0, "failed": 0, "refused": 0}
         self.freezes = 0
-        self._tracked_at_freeze = 0
+        self._frozen_at = -math.inf
+        self._nodes_at_freeze = 0
 
     # ------------------------------------------------------------ life cycle
 
@@ -147,24 +148,37 @@ class PlacerService:
             now = self.clock()
             self._carry_out(self.state.tick(now))
             rebuilds = self.state.counters["rebuilds"]
-            decided = self.state.schedule(now, clock=time.perf_counter)
+            # A pass makes long-lived records (a 25,000-pod gang's); collecting while it runs
+            # would walk them again and again for nothing: collect later, and freeze them.
+            gc.disable()
+            try:
+                decided = self.state.schedule(now, clock=time.perf_counter)
+            finally:
+                gc.enable()
             for job, pushes in decided:
                 if self.journal is not None:
                     self.journal.attempt(job.job_id, job.attempt, now)
                 job.timings["pushed"] = self.clock()
                 assert self._nursery is not None
                 self._nursery.start_soon(self._dispatch, job.job_id, job.attempt, pushes)
-            if decided or rebuilds != self.state.counters["rebuilds"]:
+            grown = len(self.state.nodes) > self._nodes_at_freeze * 1.1 + 100  # a registration burst
+            if decided or grown or rebuilds != self.state.counters["rebuilds"]:
                 self._maybe_freeze()
             self._after_change()
             await trio.lowlevel.checkpoint()  # let reports in between passes
 
     def _maybe_freeze(self) -> None:
-        tracked = len(gc.get_objects(generation=2)) if self._tracked_at_freeze else FREEZE_GROWTH + 1
-        if tracked > FREEZE_GROWTH:
-            gc.freeze()
-            self.freezes += 1
-            self._tracked_at_freeze = gc.get_freeze_count()
+        """After a pass that rebuilt the model or decided (the records it made live long),
+        at most every ``FREEZE_EVERY_S``: collect the young generations (bounded work) and
+        move every survivor out of the collector's sight (``gc.freeze``, O(1))."""
+        t = time.monotonic()
+        if t - self._frozen_at < FREEZE_EVERY_S:
+            return
+        self._frozen_at = t
+        gc.collect(1)
+        gc.freeze()
+        self.freezes += 1
+        self._nodes_at_freeze = len(self.state.nodes)
 
     def _after_change(self) -> None:
         if self.journal is not None:
