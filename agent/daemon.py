@@ -101,6 +101,7 @@ class Agent:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled (or SIGTERM/SIGINT); ``started(control_url)`` once READY."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
+        self._check_token_dir()
         self._open_gpus()
         self._open_store()
         try:
@@ -132,6 +133,18 @@ class Agent:
                 with trio.CancelScope(shield=True):
                     await self.herd.aclose()
 
+    def _check_token_dir(self) -> None:
+        """Tokens readable by anyone but their owner reach workloads: say so at start."""
+        from scheduler_link.auth import ROLES, token_dir_from_env
+        d = token_dir_from_env(self.config.token_dir)
+        for p in [d, *(d / f"{r}.token" for r in ROLES)]:
+            try:
+                mode = os.stat(p).st_mode & 0o777
+            except OSError:
+                continue
+            if mode & 0o077:
+                log.warning("token path readable or writable by others path=%s mode=%o (want 0700 dir, 0600 files)",
+                            p, mode)
     def _start_link(self, n: trio.Nursery) -> None:
         try:
             from scheduler_link.agent_link import AgentLink

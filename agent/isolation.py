@@ -280,6 +280,18 @@ class CgroupTree:
             return False
 
 
+def delegated(d: Path) -> bool:
+    """Was ``d`` delegated to us? systemd (>= 251) marks a ``Delegate=yes`` unit's cgroup
+    with the xattr ``trusted.delegate`` (``user.delegate`` for a user manager); a user
+    manager's delegation also chowns it. Root writing any cgroup it can is not delegation:
+    without the mark, a root agent stays out of a cgroup tree that is not its own."""
+    for name in ("trusted.delegate", "user.delegate"):
+        with contextlib.suppress(OSError):
+            if os.getxattr(d, name) == b"1":
+                return True
+    return os.geteuid() != 0 and d.stat().st_uid == os.geteuid()
+
+
 def detect(setting: str, *, proc_self_cgroup: str | None = None, mountinfo: str | None = None,
            privileged: bool | None = None) -> tuple[CgroupTree | None, str]:
     """Choose the mode for ``[workloads] cgroup`` (auto | off | a path): a tree for cgroup
@@ -312,18 +324,19 @@ def detect(setting: str, *, proc_self_cgroup: str | None = None, mountinfo: str 
     if rel == "/":
         return None, "the agent is in the root cgroup: no delegated subtree (run it under systemd with Delegate=yes)"
     base = own.parent if own.name == AGENT_LEAF else own
-    if not os.access(base, os.W_OK) or not os.access(base / "cgroup.procs", os.W_OK):
-        return None, f"cgroup {base} is not delegated to the agent (no write access)"
+    if not os.access(base, os.W_OK) or not os.access(base / "cgroup.procs", os.W_OK) or not delegated(base):
+        return None, f"cgroup {base} is not delegated to the agent (Delegate=yes in its unit)"
     try:
-        if own.name != AGENT_LEAF:
-            # "no internal processes": the agent leaves its cgroup for a leaf of its own so
-            # controllers can be enabled for the workloads' side
-            (base / AGENT_LEAF).mkdir(exist_ok=True)
-            _write(base / AGENT_LEAF / "cgroup.procs", "0")
-        with contextlib.suppress(OSError):
-            have = set((base / "cgroup.controllers").read_text().split()) & {"memory", "cpu", "pids"}
-            if have:
-                _write(base / "cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(have)))
+        if own.name == AGENT_LEAF:
+            # systemd >= 254 ``DelegateSubgroup=agent`` put the agent in a leaf of its own:
+            # the unit's cgroup has no processes, so controllers (memory, cpu, pids) can be
+            # enabled for the workloads' side. Otherwise the agent shares its cgroup with
+            # the workloads' parent and no controller is enabled ("no internal processes"):
+            # membership, freeze and cgroup.kill need none.
+            with contextlib.suppress(OSError):
+                have = set((base / "cgroup.controllers").read_text().split()) & {"memory", "cpu", "pids"}
+                if have:
+                    _write(base / "cgroup.subtree_control", " ".join(f"+{c}" for c in sorted(have)))
         tree = CgroupTree(base / CGROUP_LEAF)
         tree.setup()
     except OSError as e:

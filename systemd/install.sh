@@ -5,7 +5,7 @@
 #
 #   sudo systemd/install.sh [--tokens DIR] [--placer] [--no-start] [--prefix /opt/herd] [--source DIR]
 #
-#   --tokens DIR   copy placer.token, cluster.token, operator.token from DIR (the same set on
+#   --tokens DIR   copy placer/cluster/operator/viewer/metrics .token from DIR (the same set on
 #                  every host of a cluster); without it a set is generated once and kept.
 #   --placer       also install and enable herd-placer.service on this host.
 #   --no-start     install and enable, but do not start (for images).
@@ -50,12 +50,28 @@ else
     echo "herd: keeping existing $ETC/agent.toml"
 fi
 
+# The unprivileged user workloads run as ([workloads] user in agent.toml): no login, no home.
+if ! id herd-workload >/dev/null 2>&1; then
+    NOLOGIN=$(command -v nologin || echo /usr/sbin/nologin)
+    useradd --system --no-create-home --home-dir /nonexistent --shell "$NOLOGIN" \
+        --user-group herd-workload
+    echo "herd: created the system user herd-workload (workloads run as it)"
+fi
+
 mkdir -p "$ETC/tokens"
+chown root:root "$ETC/tokens"
 chmod 0700 "$ETC/tokens"
 if [ -n "$TOKENS_FROM" ]; then
     for role in placer cluster operator; do
         [ -s "$TOKENS_FROM/$role.token" ] || { echo "install.sh: missing $TOKENS_FROM/$role.token" >&2; exit 1; }
         install -m 0600 "$TOKENS_FROM/$role.token" "$ETC/tokens/$role.token"
+    done
+    for role in viewer metrics; do  # newer roles: copied when the set has them
+        if [ -s "$TOKENS_FROM/$role.token" ]; then
+            install -m 0600 "$TOKENS_FROM/$role.token" "$ETC/tokens/$role.token"
+        else
+            echo "herd: $TOKENS_FROM has no $role.token: reads need the operator token until you add one" >&2
+        fi
     done
     echo "herd: tokens copied from $TOKENS_FROM"
 else
@@ -63,6 +79,7 @@ else
     "$PREFIX/venv/bin/python" -c 'import sys; from scheduler_link.auth import generate_token_dir; generate_token_dir(sys.argv[1])' "$ETC/tokens"
     echo "herd: tokens in $ETC/tokens (copy this dir to every host of the cluster)"
 fi
+chown root:root "$ETC"/tokens/*.token
 chmod 0600 "$ETC"/tokens/*.token
 
 install -m 0644 "$SRC/systemd/herd-agent.service" "$UNIT_DIR/herd-agent.service"

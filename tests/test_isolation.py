@@ -78,6 +78,26 @@ def test_detect_falls_back_to_subreaper_without_delegation(tmp_path):
     assert Isolation(None).mode == "subreaper"
 
 
+def test_detect_auto_on_a_fake_cgroupfs_needs_the_delegation_mark(tmp_path):
+    mnt = tmp_path / "cgroupfs"
+    unit = mnt / "system.slice" / "herd-agent.service"
+    unit.mkdir(parents=True)
+    (unit / "cgroup.procs").write_text("")
+    (unit / "cgroup.controllers").write_text("memory pids\n")
+    mi = f"30 23 0:26 / {mnt} rw - cgroup2 cgroup2 rw\n"
+    pc = "0::/system.slice/herd-agent.service\n"
+    if os.geteuid() == 0:
+        tree, why = detect("auto", proc_self_cgroup=pc, mountinfo=mi)
+        assert tree is None and "not delegated" in why        # root may write it; not ours though
+    try:
+        os.setxattr(unit, "user.delegate", b"1")
+    except OSError:
+        pytest.skip("no user xattrs on this filesystem")
+    tree, why = detect("auto", proc_self_cgroup=pc, mountinfo=mi)
+    assert tree is not None and tree.parent == unit / "herd-workloads" and "delegated" in why
+    assert tree.controllers == frozenset()                   # the agent shares the unit's cgroup
+
+
 def _fake_cgroupfs(tmp: Path, *, with_kill: bool) -> Path:
     parent = tmp / "cg" / "herd-workloads"
     parent.mkdir(parents=True)
