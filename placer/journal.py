@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -56,6 +56,9 @@ class Journal:
         self.attempts = attempts or {}
         self._fd = fd
         self.appends = 0
+        self.synced = 0       # appends known durable (group commit)
+        self.fsyncs = 0
+        self._lock: Any = None
 
     @classmethod
     def open(cls, state_dir: str | os.PathLike[str]) -> Journal:
@@ -140,10 +143,34 @@ class Journal:
         except OSError as e:
             raise JournalError(f"cannot append to journal {self.path}: {e.strerror}") from None
         self.appends += 1
+        if sync:
+            self.synced = self.appends
+            self.fsyncs += 1
 
-    def submitted(self, spec: JobSpec, at: float) -> None:
-        self._append(Record(op="submit", at=at, spec=spec))
+    def submitted(self, spec: JobSpec, at: float, *, sync: bool = True) -> None:
+        """Append a submission (fsynced unless ``sync=False``: then :meth:`flush` makes it
+        durable, one fsync for every append before it)."""
+        self._append(Record(op="submit", at=at, spec=spec), sync=sync)
         self._live[spec.job_id] = spec
+
+    async def flush(self) -> None:
+        """Group commit: make every append so far durable. Concurrent callers share one
+        fsync, run in a worker thread so the event loop keeps serving."""
+        import trio
+
+        target = self.appends
+        if self._lock is None:
+            self._lock = trio.Lock()
+        async with self._lock:
+            if self.synced >= target:
+                return  # a flush that started after our append covered it
+            upto = self.appends
+            try:
+                await trio.to_thread.run_sync(os.fsync, self._fd)
+            except OSError as e:
+                raise JournalError(f"cannot sync journal {self.path}: {e.strerror}") from None
+            self.synced = max(self.synced, upto)
+            self.fsyncs += 1
 
     def attempt(self, job_id: str, attempt: int, at: float) -> None:
         """Record a job's attempt counter (not fsynced; see the module docstring)."""
@@ -152,10 +179,14 @@ class Journal:
             self.attempts[job_id] = attempt
 
     def ended(self, job_id: str, state: str, at: float) -> None:
-        if job_id not in self._live:
-            return
-        self._append(Record(op="end", at=at, job_id=job_id, state=state))
-        self._live.pop(job_id, None)
+        self.ended_many([(job_id, state, at)])
+
+    def ended_many(self, ends: list[tuple[str, str, float]]) -> None:
+        """Jobs that ended, appended together under one fsync."""
+        ends = [e for e in ends if e[0] in self._live]
+        for i, (job_id, state, at) in enumerate(ends):
+            self._append(Record(op="end", at=at, job_id=job_id, state=state), sync=i == len(ends) - 1)
+            self._live.pop(job_id, None)
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -92,6 +92,7 @@ class PlacerService:
         self.freezes = 0
         self._frozen_at = -math.inf
         self._nodes_at_freeze = 0
+        self._submitting: set[str] = set()
 
     # ------------------------------------------------------------ life cycle
 
@@ -182,8 +183,9 @@ class PlacerService:
 
     def _after_change(self) -> None:
         if self.journal is not None:
-            for job_id, st, at in self.state.drain_ended():
-                self.journal.ended(job_id, st, at)
+            ended = self.state.drain_ended()
+            if ended:
+                self.journal.ended_many(ended)
         self._changed_now()
 
     def _carry_out(self, pushes: list[Push]) -> None:
@@ -307,7 +309,14 @@ class PlacerService:
         except JobError as e:
             raise HTTPError(e.status, "job refused", str(e)) from None
         assert self.journal is not None
-        self.journal.submitted(spec, now)  # durable before it is acknowledged
+        if spec.job_id in self._submitting:
+            raise HTTPError(409, "job refused", f"job {spec.job_id} is being submitted")
+        self._submitting.add(spec.job_id)
+        try:
+            self.journal.submitted(spec, now, sync=False)
+            await self.journal.flush()  # durable before it is acknowledged (one fsync for a burst)
+        finally:
+            self._submitting.discard(spec.job_id)
         job = self.state.submit(spec, now)
         self.kick()
         self._changed_now()
