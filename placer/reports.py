@@ -224,9 +224,11 @@ class Reports(StateBase):
         if hit is None or hit[0] is not job:
             return False
         p = hit[1]
-        if not p.terminal:
+        if p.state in ("terminating", "cancelled") or job.state not in ("placing", "starting", "running"):
+            return False  # told to stop and still there: it is stale, and told again
+        if not p.terminal and p.state != state:
+            # the model has held its GPUs since the decision: only the state is news
             job.set_pod_state(p, state, p.exit_code)
-            self._assign(job_id, node.node_id, p.slots, job.spec.priority, job.spec.preemptible)
             self._maybe_running(job, now)
         return True
 
