@@ -23,6 +23,23 @@ def is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """As root, put this session's temp dirs outside /tmp/pytest-of-root: any pytest
+    session started meanwhile chmods that dir back to 0700, which would cut the workload
+    user (see below) off from every test's state dir."""
+    if is_root() and not config.option.basetemp:
+        config.option.basetemp = f"/tmp/herd-pytest-root-{os.getpid()}"
+        config._herd_basetemp = config.option.basetemp  # type: ignore[attr-defined]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    base = getattr(config, "_herd_basetemp", None)
+    if base:
+        import shutil
+        shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
 def _workload_user_can_reach_tmp(request: pytest.FixtureRequest) -> None:
     """As root, agents run workloads as an unprivileged user (agent.isolation): that user
@@ -31,5 +48,5 @@ def _workload_user_can_reach_tmp(request: pytest.FixtureRequest) -> None:
     if not is_root() or "tmp_path" not in request.fixturenames:
         return
     tmp = request.getfixturevalue("tmp_path")
-    for d in (tmp.parent.parent, tmp.parent, tmp):
+    for d in (tmp.parent, tmp):
         os.chmod(d, 0o711)
