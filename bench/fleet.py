@@ -180,6 +180,12 @@ async def _wait_job(c: httpx.AsyncClient, url: str, job_id: str, want: str, limi
     return job
 
 
+def _note(msg: str, **kw: Any) -> None:
+    """Progress on stderr (stdout carries only the result)."""
+    fields = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items())
+    print(f"[bench.fleet {time.strftime('%H:%M:%S')}] {msg} {fields}", file=sys.stderr, flush=True)
+
+
 def _ms(t: dict[str, float], a: str, b: str) -> float:
     return (t[b] - t[a]) * 1000 if a in t and b in t else float("nan")
 
@@ -206,6 +212,7 @@ async def bench_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
                 placer, td, nodes=hi - lo, offset=lo, fleet=a.fleet, mux=a.mux, root=a.placer_root,
                 log_path=tmp / f"emu{k}.log", extra=["--fetch-delay", str(a.fetch_delay_s), "--run-delay", str(a.run_delay_s)])))
         row["emulator_procs"] = procs
+        _note("fleet ready", nodes=n_nodes, emulators=procs)
 
         # -- registration, all at once
         cpu0 = placer.cpu_s()
@@ -217,6 +224,7 @@ async def bench_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
         stats = [await e.stats(c) for e in emus]
         row["wire_full_reports"] = sum(s["wire_full_reports"] for s in stats)
         row["http_full_reports"] = sum(s["full_reports"] - s["wire_full_reports"] for s in stats)
+        _note("registered", up=up, s=reg_s, placer_cpu_s=row["register_placer_cpu_s"])
         if up < n_nodes:
             row["placer_rss_mib"] = placer.rss_mib()
             return row
@@ -225,10 +233,14 @@ async def bench_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
         await wait_recovered(c, placer.url)
         specs = _jobs_mix(a.fleet, gpus, a.fill, a.seed, a.fill_max_jobs)
         t0 = trio.current_time()
+        _note("filling", jobs=len(specs))
         ok, bad = await _submit_all(c, placer.url, op, specs, a.fill_limit_s)
+        _note("fill submitted", ok=ok, refused=bad, s=trio.current_time() - t0)
         counts = await _wait_fill(c, placer.url, ok, max(1.0, a.fill_limit_s - (trio.current_time() - t0)))
         row.update(fill_jobs=ok, fill_refused=bad, fill_gpus_asked=sum(s["pods"] * s["gpus_per_pod"] for s in specs),
                    fill_running=counts.get("running", 0), fill_counts=counts, fill_s=trio.current_time() - t0)
+
+        _note("filled", counts=counts, s=row["fill_s"])
 
         # -- the big gang
         g = a.gang_gpus or min(200_000, gpus // 5)
@@ -242,7 +254,7 @@ async def bench_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
         job = await _wait_job(c, placer.url, "big", "running", a.gang_limit_s)
         row["gang_placer_cpu_s"] = placer.cpu_s() - cpu0
         t = job.get("timings", {})
-        row.update(gang_state=job.get("state"), decide_ms=_ms(t, "submitted", "decided"),
+        row.update(gang_state=job.get("state", f"no answer within {a.gang_limit_s:.0f} s"), decide_ms=_ms(t, "submitted", "decided"),
                    bookkeeping_ms=_ms(t, "decided", "pushed"), acked_ms=_ms(t, "pushed", "acked"),
                    submit_to_running_ms=_ms(t, "submitted", "running"))
         if "counts" in job:
@@ -256,6 +268,9 @@ async def bench_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
             row["running_after_last_event_ms"] = (t["running"] - last) * 1000
             row["events_per_s"] = events / max(1e-6, t["running"] - first)
 
+        _note("gang", state=row["gang_state"], decide_ms=row["decide_ms"], events=events,
+              submit_to_running_ms=row["submit_to_running_ms"])
+
         # -- steady heartbeats
         await trio.sleep(min(a.heartbeat_s, 5.0))
         cpu0, w0 = placer.cpu_s(), trio.current_time()
@@ -266,6 +281,7 @@ async def bench_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
                    steady_emulator_cpu_frac=(sum(e.cpu_s() for e in emus) - ecpu0) / dt,
                    steady_up=await nodes_up(c, placer.url), placer_rss_mib=placer.rss_mib(),
                    placer_fds=placer.fds(), load_after=os.getloadavg()[0])
+        _note("steady", placer_cpu_frac=row["steady_placer_cpu_frac"], rss_mib=row["placer_rss_mib"])
     return row
 
 
@@ -287,7 +303,9 @@ async def baseline_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
         cpu0 = placer.cpu_s()
         for e in emus:
             await e.go()
+        _note("baseline: registering over HTTP", nodes=n_nodes)
         up, s = await wait_nodes_up(c, placer.url, n_nodes, limit_s=a.baseline_limit_s, poll_s=1.0)
+        _note("baseline", up=up, s=s)
         row.update(registered=up, register_s=s, complete=up >= n_nodes, register_placer_cpu_s=placer.cpu_s() - cpu0,
                    nodes_per_s=up / s if s else float("nan"))
     return row

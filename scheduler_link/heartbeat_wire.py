@@ -400,6 +400,7 @@ class SharedWire:
                 continue
             data, self._out = bytes(self._out), bytearray()
             await client.stream.send_all(data)
+            del data  # not held while idle (a registration burst is megabytes)
 
     async def _reader(self, client: HeartbeatClient) -> None:
         buf = client.buf
