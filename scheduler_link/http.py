@@ -353,9 +353,14 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         self.socket = inner.socket
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
-        with trio.move_on_after(self._stall) as cs:
-            await self._inner.send_all(data)
-        if cs.cancelled_caught:
+        try:
+            with trio.move_on_after(self._stall) as cs:
+                await self._inner.send_all(data)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            self._scope.cancel()     # the client is gone: hypercorn may not notice, end the task
+            raise
+        if cs.cancelled_caught:   # the connection is done for: end its task too
+            self._scope.cancel()
             with trio.CancelScope(shield=True):
                 await trio.aclose_forcefully(self._inner)
             raise trio.BrokenResourceError("client stopped reading its answer")

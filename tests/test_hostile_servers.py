@@ -6,6 +6,8 @@ are configured so that each deadline is a fraction of a second."""
 from __future__ import annotations
 
 import os
+import socket
+import struct
 from pathlib import Path
 
 import blake3
@@ -227,6 +229,38 @@ async def test_http_idle_connection_flood_is_capped(token_dir: Path) -> None:
             assert app.gate.open == 0
             async with httpx.AsyncClient(base_url=url) as c:
                 assert (await c.get("/ok")).status_code == 200
+            n.cancel_scope.cancel()
+
+
+async def test_http_client_that_never_reads_its_answer_is_dropped(token_dir: Path) -> None:
+    app = App()
+    big = b"y" * (32 << 20)     # far over what the socket buffers hold
+
+    async def dump(req: Request) -> Response:
+        return Response(body=big, content_type="application/octet-stream")
+
+    app.add("GET", "/big", dump)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            url = await n.start(lambda task_status: serve(app, "127.0.0.1:0", task_status=task_status,
+                                                          limits=ServerLimits(send_stall_s=0.5)))
+            s = await _connect(url)
+            await s.send_all(b"GET /big HTTP/1.1\r\nhost: a\r\n\r\n")
+            await trio.sleep(0.2)
+            assert app.gate is not None and app.gate.open == 1
+            with trio.fail_after(3):       # never reading: dropped once sending stalls 0.5 s
+                while app.gate.open:
+                    await trio.sleep(0.05)
+            await s.aclose()
+            # one that goes away in the middle of its answer: its connection ends at once
+            s = await _connect(url)
+            await s.send_all(b"GET /big HTTP/1.1\r\nhost: a\r\n\r\n")
+            await s.receive_some(1000)
+            s.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            await s.aclose()                # a reset
+            with trio.fail_after(0.4):     # well before the send-stall bound
+                while app.gate.open:
+                    await trio.sleep(0.02)
             n.cancel_scope.cancel()
 
 
