@@ -142,7 +142,7 @@ async def _submit_all(c: httpx.AsyncClient, url: str, op: dict[str, str], specs:
 
 
 async def _job_counts(c: httpx.AsyncClient, url: str) -> dict[str, int]:
-    r = await c.get(f"{url}/v1/cluster")
+    r = await c.get(f"{url}/v1/cluster", params={"detail": "0"})
     r.raise_for_status()
     return {k: int(v) for k, v in r.json().get("jobs", {}).items()}
 
@@ -257,8 +257,8 @@ async def bench_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
         row.update(gang_state=job.get("state", f"no answer within {a.gang_limit_s:.0f} s"), decide_ms=_ms(t, "submitted", "decided"),
                    bookkeeping_ms=_ms(t, "decided", "pushed"), acked_ms=_ms(t, "pushed", "acked"),
                    submit_to_running_ms=_ms(t, "submitted", "running"))
-        if "counts" in job:
-            row["gang_pod_counts"] = job["counts"]
+        if "pod_counts" in job:
+            row["gang_pod_counts"] = job["pod_counts"]
         js = [(await e.stats(c, "big"))["job"] for e in emus]
         events = sum(j["events"] for j in js)
         first = min((j["first_at"] for j in js if j["events"]), default=0.0)

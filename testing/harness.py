@@ -211,7 +211,7 @@ async def wait_recovered(client: httpx.AsyncClient, placer_url: str, *, limit_s:
 
 
 async def nodes_up(client: httpx.AsyncClient, placer_url: str) -> int:
-    r = await client.get(f"{placer_url}/v1/cluster")
+    r = await client.get(f"{placer_url}/v1/cluster", params={"detail": "0"})  # counts only
     r.raise_for_status()
     return int(r.json()["nodes"]["up"])
 
