@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint pytest bench clean
+.PHONY: demo test lint pytest soak bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,10 @@ pytest: $(STAMP)
 	$(BIN)/python -m pytest -q
 
 test: lint pytest
+
+# ~10 minutes of jobs with faults (HERD_SOAK_SEED, HERD_SOAK_SECONDS); make test runs a 30 s version
+soak: $(STAMP)
+	$(BIN)/python -m pytest -q -s -m soak tests/test_soak.py
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.artifacts
