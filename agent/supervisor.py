@@ -623,7 +623,7 @@ class Supervisor:
         """GPUs are free only when no process of the workload is left: wait for its cgroup
         (or, without one, its leader) to be empty, then remove the cgroup."""
         n = 0
-        while self._members(wid):
+        while await trio.to_thread.run_sync(self._members, wid):
             if n % 50 == 0:
                 log.info("workload exited but processes remain id=%s", wid)
             n += 1
@@ -638,18 +638,19 @@ class Supervisor:
         shim = (rec.shim_pid, rec.shim_start_time, rec.boot_id)
         leader = (rec.pid, rec.start_time, rec.boot_id)
 
-        if not rec.term_sent and rec.pid and self._members(wid):
+        # members come from a /proc scan (subreaper mode) or cgroup files: off the event loop
+        if not rec.term_sent and rec.pid and await trio.to_thread.run_sync(self._members, wid):
             notice = {"reason": rec.stop_reason, "deadline": deadline, "grace_s": max(0.0, deadline - self._clock()),
                       "workload_id": wid}
             await trio.to_thread.run_sync(atomic_write, wdir / "preempt-notice.json", json.dumps(notice).encode(), 0o644)
-            n = self.isolation.signal_all(wid, procs.SIGTERM, shim, leader)
+            n = await trio.to_thread.run_sync(self.isolation.signal_all, wid, procs.SIGTERM, shim, leader)
             log.info("SIGTERM sent id=%s processes=%d deadline_in=%.1fs", wid, n, deadline - self._clock())
             await self._change(wid, term_sent=True)
         with trio.move_on_after(max(0.0, deadline - self._clock())):
             await rt.gone.wait()
         # every process still there, whether or not the leader has exited
         while not rt.gone.is_set():
-            n = self.isolation.signal_all(wid, procs.SIGKILL, shim, leader)
+            n = await trio.to_thread.run_sync(self.isolation.signal_all, wid, procs.SIGKILL, shim, leader)
             if n:
                 log.warning("grace period over, SIGKILL id=%s processes=%d", wid, n)
             with trio.move_on_after(1.0):

@@ -47,6 +47,7 @@ async def test_api_end_to_end(tmp_path, token_dir):
                 assert (await c.get("/readyz")).status_code == 200
                 st = (await c.get("/v1/status")).json()
                 assert st["simulated"] is True and len(st["gpus"]["gpus"]) == 8
+                assert st["isolation"] in ("cgroup", "subreaper") and st["workload_user"]
                 assert st["gpus"]["topology_matrix"][0][0] == "X"
                 uuids = [g["uuid"] for g in st["gpus"]["gpus"]]
 

@@ -292,6 +292,19 @@ async def test_leftovers_of_a_finished_leader_are_ended(tmp_path):
             n.cancel_scope.cancel()
 
 
+async def test_a_placement_naming_a_user_not_allowed_is_refused(tmp_path):
+    sup = _sup(tmp_path, Isolation(None, "test"))
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            p = Placement(placement_id="p1", job_id="j1", argv=["true"], user="root",
+                          pods=[PodAssignment(workload_id="w1", rank=0, gpus=["GPU-0001"])])
+            ack = await sup.place(p)
+            assert not ack.accepted and ack.outcome == "refused_spec" and "root" in (ack.reason or "")
+            assert sup.workloads() == []
+            n.cancel_scope.cancel()
+
+
 def test_descendants_follow_ppid_links():
     import subprocess
     import time
