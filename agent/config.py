@@ -66,7 +66,7 @@ _TOPO_KEYS = {"zone": str, "block": str, "rack": str}
 _STORE_KEYS = {"dir": str, "quota_bytes": int, "keep_trees": int}
 _WL_KEYS = {"shim_pool": int, "log_max_bytes": int, "log_keep": int, "keep_terminal": int,
             "default_grace_s": (int, float), "user": str, "allowed_users": list, "allow_root": bool,
-            "cgroup": str, "rlimit_core": int}
+            "cgroup": str, "rlimit_core": int, "memory_max": str, "cpu_max": str, "pids_max": str}
 
 
 def _check(section: str, table: Mapping[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:

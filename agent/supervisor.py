@@ -68,6 +68,10 @@ class SupervisorConfig:
     allow_root: bool = False             # workloads as uid 0 are refused unless this is true
     cgroup: str = "auto"                 # auto | off | an absolute cgroup v2 dir to hold workload cgroups
     rlimit_core: int = 0                 # RLIMIT_CORE of workloads (bytes)
+    # per-workload cgroup limits in cgroup v2 syntax ("" = none), cgroup mode only
+    memory_max: str = ""                 # memory.max, e.g. "64G"
+    cpu_max: str = ""                    # cpu.max, e.g. "800000 100000" (8 CPUs)
+    pids_max: str = ""                   # pids.max, e.g. "4096"
 
 
 def _final_state(stop_reason: str | None) -> str:
@@ -96,6 +100,7 @@ class Supervisor:
         self.identities = identities or Identities(config.user, allowed=config.allowed_users,
                                                    allow_root=config.allow_root)
         self.isolation = isolation or Isolation(*detect(config.cgroup))
+        self._limits, self._limit_notes = _limits(config, self.isolation)
         self._file = StateFile(self.state_dir)
         self._send, self._recv = trio.open_memory_channel[Any](10_000)
         self._records: dict[str, WorkloadRecord] = {}
@@ -176,6 +181,8 @@ class Supervisor:
             log.info("%s", note)
         log.info("workload isolation=%s (%s) user=%s", self.isolation.mode, self.isolation.reason,
                  self.identities.default.name)
+        for note in self._limit_notes:
+            log.warning("%s", note)
         blocked = reachable(self.wl_dir, self.identities.default)
         if blocked is not None:
             log.error("workloads run as %s cannot reach %s: %s is not traversable for them; their "
@@ -550,7 +557,7 @@ class Supervisor:
                 with contextlib.suppress(FileNotFoundError):
                     (wdir / name).rename(wdir / f"{name}.prev")
             try:
-                cgroup = self.isolation.prepare(wid)
+                cgroup = self.isolation.prepare(wid, self._limits)
             except (OSError, ValueError) as e:
                 await self._change(wid, state="failed", reason=f"cannot create the workload's cgroup: {e}")
                 return
@@ -639,7 +646,8 @@ class Supervisor:
         leader = (rec.pid, rec.start_time, rec.boot_id)
 
         # members come from a /proc scan (subreaper mode) or cgroup files: off the event loop
-        if not rec.term_sent and rec.pid and await trio.to_thread.run_sync(self._members, wid):
+        members: list[int] = await trio.to_thread.run_sync(self._members, wid) if rec.pid else []
+        if not rec.term_sent and members:
             notice = {"reason": rec.stop_reason, "deadline": deadline, "grace_s": max(0.0, deadline - self._clock()),
                       "workload_id": wid}
             await trio.to_thread.run_sync(atomic_write, wdir / "preempt-notice.json", json.dumps(notice).encode(), 0o644)
@@ -662,6 +670,20 @@ class Supervisor:
             raise AgentError("stream must be stdout or stderr")
         wdir = self.wl_dir / self.record(workload_id).workload_id
         return read_tail(wdir, stream, tail, self.config.log_keep)
+
+
+def _limits(config: SupervisorConfig, iso: Isolation) -> tuple[dict[str, str], list[str]]:
+    """The cgroup limits every workload gets, and what cannot be enforced here (pure)."""
+    want = {"memory.max": config.memory_max, "cpu.max": config.cpu_max, "pids.max": config.pids_max}
+    want = {k: v for k, v in want.items() if v}
+    if not want:
+        return {}, []
+    if iso.tree is None:
+        return {}, [f"workload limits {sorted(want)} not enforced: isolation is {iso.mode} (no cgroup)"]
+    have = {k: v for k, v in want.items() if k.split(".")[0] in iso.tree.controllers}
+    missing = sorted(set(want) - set(have))
+    return have, ([f"workload limits {missing} not enforced: controller not enabled for {iso.tree.parent}"]
+                  if missing else [])
 
 
 def _workload_dirs(wdir: Path, user: WorkloadUser) -> None:

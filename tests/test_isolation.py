@@ -142,6 +142,17 @@ def test_cgroup_tree_on_a_fake_cgroupfs(tmp_path):
     assert iso.statistics()["isolation"] == "cgroup"
 
 
+def test_configured_limits_go_where_a_controller_is(tmp_path):
+    from agent.supervisor import _limits
+    cfg = SupervisorConfig(memory_max="1G", pids_max="64", cpu_max="100000 100000")
+    assert _limits(cfg, Isolation(None))[0] == {} and "not enforced" in _limits(cfg, Isolation(None))[1][0]
+    tree = CgroupTree(tmp_path)
+    tree.controllers = frozenset({"memory", "pids"})
+    have, notes = _limits(cfg, Isolation(tree))
+    assert have == {"memory.max": "1G", "pids.max": "64"} and "cpu.max" in notes[0]
+    assert _limits(SupervisorConfig(), Isolation(tree)) == ({}, [])
+
+
 def test_cgroup_kill_fallback_freezes_kills_each_thaws(tmp_path):
     parent = _fake_cgroupfs(tmp_path, with_kill=False)
     order: list[str] = []
