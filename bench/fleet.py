@@ -212,7 +212,8 @@ async def bench_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
                 placer, td, nodes=hi - lo, offset=lo, fleet=a.fleet, mux=a.mux, root=a.placer_root,
                 log_path=tmp / f"emu{k}.log", extra=["--fetch-delay", str(a.fetch_delay_s), "--run-delay", str(a.run_delay_s)])))
         row["emulator_procs"] = procs
-        _note("fleet ready", nodes=n_nodes, emulators=procs)
+        _note("fleet ready", nodes=n_nodes, emulators=procs, placer_pid=placer.pid,
+              emulator_pids=",".join(str(e.pid) for e in emus))
 
         # -- registration, all at once
         cpu0 = placer.cpu_s()
@@ -246,20 +247,25 @@ async def bench_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
         g = a.gang_gpus or min(200_000, gpus // 5)
         spec = _gang_spec(a.fleet, g)
         row.update(gang_gpus=spec["pods"] * spec["gpus_per_pod"], gang_pods=spec["pods"], gang_within=spec["within"])
-        cpu0 = placer.cpu_s()
+        cpu0, ecpu0 = placer.cpu_s(), sum(e.cpu_s() for e in emus)
         r = await c.post(f"{placer.url}/v1/jobs", json=spec, headers=op)
         if r.status_code != 201:
             row["gang_error"] = r.text[:200]
             return row
         job = await _wait_job(c, placer.url, "big", "running", a.gang_limit_s)
         row["gang_placer_cpu_s"] = placer.cpu_s() - cpu0
+        row["gang_emulator_cpu_s"] = sum(e.cpu_s() for e in emus) - ecpu0
         t = job.get("timings", {})
         row.update(gang_state=job.get("state", f"no answer within {a.gang_limit_s:.0f} s"), decide_ms=_ms(t, "submitted", "decided"),
                    bookkeeping_ms=_ms(t, "decided", "pushed"), acked_ms=_ms(t, "pushed", "acked"),
                    submit_to_running_ms=_ms(t, "submitted", "running"))
         if "pod_counts" in job:
             row["gang_pod_counts"] = job["pod_counts"]
-        js = [(await e.stats(c, "big"))["job"] for e in emus]
+        es = [await e.stats(c, "big") for e in emus]
+        js = [s["job"] for s in es]
+        row["placements_received"] = sum(s["placements"] for s in es)
+        row["placement_mib_received"] = sum(s["placement_bytes"] for s in es) / (1 << 20)
+        row["placement_bytes_max"] = max(s["placement_bytes_max"] for s in es)
         events = sum(j["events"] for j in js)
         first = min((j["first_at"] for j in js if j["events"]), default=0.0)
         last = max((j["last_at"] for j in js if j["events"]), default=0.0)

@@ -35,6 +35,7 @@ serves ``GET /stats`` on its listener, and exits when stdin closes or ``--second
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import logging
@@ -258,6 +259,8 @@ class JobEvents:
 @dataclass(slots=True)
 class FleetStats:
     placements: int = 0
+    placement_bytes: int = 0
+    placement_bytes_max: int = 0
     acks: dict[str, int] = field(default_factory=dict)
     events: int = 0
     first_event_at: float = 0.0
@@ -329,7 +332,8 @@ class Fleet:
         for slot in fleet_nodes(cfg.fleet, cfg.offset, cfg.nodes):
             refuse = ("refused_gpus" if slot.node_id in cfg.refuse_gpus else
                       "refused_spec" if slot.node_id in cfg.refuse_spec else None)
-            self.nodes[slot.node_id] = EmulatedNode(self, slot, f"{self.control}/n/{slot.node_id}", refuse)
+            node = self.nodes[slot.node_id] = EmulatedNode(self, slot, f"{self.control}/n/{slot.node_id}", refuse)
+            node.gpu_snapshot()  # a real agent has discovered its GPUs before it registers
         # HTTP reports through the lean kept-alive client, bounded per endpoint: an httpx
         # client with thousands of queued requests costs the emulator more than the placer
         http = PushPool(concurrency=cfg.http_connections, max_per_host=cfg.http_connections,
@@ -386,7 +390,8 @@ class Fleet:
             "wire_full_reports": sum(lk.wire_full_reports for lk in links),
             "wire_reports": sum(lk.wire_reports for lk in links),
             "failures": sum(lk.failures for lk in links), "conflicts": sum(lk.conflicts for lk in links),
-            "placements": st.placements, "acks": dict(st.acks), "events": st.events,
+            "placements": st.placements, "placement_bytes": st.placement_bytes,
+            "placement_bytes_max": st.placement_bytes_max, "acks": dict(st.acks), "events": st.events,
             "first_event_at": st.first_event_at, "last_event_at": st.last_event_at,
             "shared_wires": [{"connects": s.connects, "breaks": s.breaks, "exchanges": s.exchanges}
                              for s in self.shared],
@@ -455,7 +460,10 @@ class Fleet:
             p = _placement_dec.decode(body)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return 400, _enc.encode({"error": "malformed placement", "detail": str(e)})
-        self.stats.placements += 1
+        st = self.stats
+        st.placements += 1
+        st.placement_bytes += len(body)
+        st.placement_bytes_max = max(st.placement_bytes_max, len(body))
         status, ack = node.place(p)
         self.stats.acks[ack.effective_outcome()] = self.stats.acks.get(ack.effective_outcome(), 0) + 1
         return status, _enc.encode(ack)
@@ -481,6 +489,11 @@ async def _main(cfg: FleetConfig, tokens: TokenSet, go_now: bool, seconds: float
     fleet = Fleet(cfg, tokens)
     async with trio.open_nursery() as n:
         control = await n.start(fleet.run)
+        # Thousands of nodes' snapshots are millions of long-lived objects: keep the cyclic
+        # collector from walking them on every burst (the emulator's cost is not the placer's).
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 100)
         sys.stdout.write(json.dumps({"ready": True, "control": control, "nodes": cfg.nodes,
                                      "offset": cfg.offset, "pid": _pid()}) + "\n")
         sys.stdout.flush()
