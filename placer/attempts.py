@@ -41,6 +41,14 @@ class Outcome:
 
 ACCEPTED = Outcome("accepted")
 
+ROLLBACK_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
+
+
+def rollback_delay(rollbacks: int) -> float:
+    """Seconds a gang waits before it is placed again after its ``rollbacks``-th refusal:
+    at once the first time (a refused GPU is marked, the next try avoids it), then longer."""
+    return ROLLBACK_BACKOFF_S[min(rollbacks, len(ROLLBACK_BACKOFF_S)) - 1]
+
 
 class Attempts(StateBase):
     def cancel(self, job_id: str, now: float) -> list[Push]:
@@ -49,6 +57,7 @@ class Attempts(StateBase):
             raise JobError(f"no such job {job_id}", status=404)
         if job.state in TERMINAL_JOB_STATES:
             return []
+        self.requeue_timer.cancel(job_id)
         return self._end_attempt(job, "cancelled", now, reason="cancelled by operator")
 
     def requeue(self, job_id: str, now: float, *, reason: str) -> list[Push] | None:
@@ -105,6 +114,7 @@ class Attempts(StateBase):
         return pushes
 
     def _dequeue(self, job: JobRec) -> None:
+        self.requeue_timer.cancel(job.job_id)
         if job.job_id in self.queue:
             self.queue.cancel(job.job_id)
 
@@ -191,7 +201,14 @@ class Attempts(StateBase):
         if job.blob_id is not None:
             self.blobs.pop(job.blob_id, None)
             job.blob_id = None
-        self._enqueue(job, now)
+        job.rollbacks += 1
+        delay = rollback_delay(job.rollbacks)
+        if delay <= 0:
+            self._enqueue(job, now)
+        else:  # refused again and again: back off, so a gang does not storm the fleet
+            job.state = "pending"
+            self.requeue_timer.set(job.job_id, now + delay)
+            job.timings["retry_at"] = now + delay
         job.reason = summary
         for k in ("decided", "pushed", "acked"):
             job.timings.pop(k, None)
@@ -221,8 +238,14 @@ class Attempts(StateBase):
 
     def tick(self, now: float) -> list[Push]:
         """Lost nodes (missed heartbeats), then fencing: after ``fence_after_s`` more, the
-        gangs with pods on a lost node end their attempt (requeued by policy)."""
+        gangs with pods on a lost node end their attempt (requeued by policy); rolled-back
+        gangs whose back-off ended go back to the queue."""
         pushes: list[Push] = []
+        for job_id in self.requeue_timer.pop_due(now):
+            job = self.jobs.get(job_id)
+            if job is not None and job.state == "pending":
+                job.timings.pop("retry_at", None)
+                self._enqueue(job, now)
         for nid in self.lost_timer.pop_due(now):
             node = self.nodes.get(nid)
             if node is None or node.state != "up":

@@ -108,6 +108,7 @@ class JobRec:
     counts: Counter[str] = field(default_factory=Counter)    # current pods by state
     ok_exits: int = 0                                         # pods exited with code 0
     blob_id: str | None = None                                # the current attempt's gang blob
+    rollbacks: int = 0                                        # refused placements so far
 
     @property
     def job_id(self) -> str:

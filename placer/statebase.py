@@ -41,6 +41,7 @@ class StateBase:
         self.blobs: dict[str, bytes] = {}                   # gang blob id -> canonical bytes
         self.lost_timer: Deadlines[str] = Deadlines()
         self.fence_timer: Deadlines[str] = Deadlines()
+        self.requeue_timer: Deadlines[str] = Deadlines()    # rolled-back gangs, backing off
         self._order = 0
         self._pid = 0
         self.recover_until = started_at

@@ -279,3 +279,31 @@ def test_parse_page():
         except ValueError:
             continue
         raise AssertionError(bad)
+
+
+def test_a_gang_refused_again_and_again_backs_off():
+    st_, job, pushes = _two_node_job()
+    refusal = {"a": ACCEPTED, "b": Outcome("refused_gpus", ("b-g0",), "in use")}
+    st_.on_acks("j", 1, refusal, 0.2, pushes)
+    assert job.state == "pending" and "j" in st_.queue            # first refusal: placed again at once
+    # a's pod (accepted, then told to stop) is gone; b's next full report clears the mark
+    wid = next(p.workload_id for p in job.pods if p.node_id == "a")
+    st_.ingest("a", beat("a", 2, [WorkloadEvent(workload_id=wid, job_id="j", state="preempted", at=0.25)]), 0.25)
+    st_.ingest("b", full("b", seq=2), 0.3)
+    (job, pushes), = st_.schedule(0.3)
+    assert job.attempt == 2
+    st_.on_acks("j", 2, refusal, 0.4, pushes)
+    wid = next(p.workload_id for p in job.pods if p.node_id == "a")
+    st_.ingest("a", beat("a", 3, [WorkloadEvent(workload_id=wid, job_id="j", state="preempted", at=0.45)]), 0.45)
+    assert job.state == "pending" and "j" not in st_.queue        # backing off
+    assert job.timings["retry_at"] == 0.4 + 0.5
+    st_.ingest("b", full("b", seq=3), 0.5)
+    st_.tick(0.8)
+    assert st_.schedule(0.8) == [] and "j" not in st_.queue
+    st_.tick(0.9)
+    assert "j" in st_.queue and "retry_at" not in job.timings
+    # cancelling a job that waits out its back-off ends it, and nothing requeues it later
+    st_.cancel("j", 0.95)
+    assert job.state == "cancelled"
+    st_.tick(100.0)
+    assert "j" not in st_.queue
