@@ -82,6 +82,7 @@ class Args:
     placer_root: Path
     fetch_delay_s: float = 0.2
     run_delay_s: float = 0.3
+    jobs: bool = True                # False: registration and steady heartbeats only
 
 
 def _jobs_mix(fleet: str, fleet_gpus: int, target: float, seed: int, max_jobs: int) -> list[dict[str, Any]]:
@@ -229,53 +230,8 @@ async def bench_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
         if up < n_nodes:
             row["placer_rss_mib"] = placer.rss_mib()
             return row
-
-        # -- fill to ~75 % with the sim job mix (once the placer's post-restart wait is over)
-        await wait_recovered(c, placer.url)
-        specs = _jobs_mix(a.fleet, gpus, a.fill, a.seed, a.fill_max_jobs)
-        t0 = trio.current_time()
-        _note("filling", jobs=len(specs))
-        ok, bad = await _submit_all(c, placer.url, op, specs, a.fill_limit_s)
-        _note("fill submitted", ok=ok, refused=bad, s=trio.current_time() - t0)
-        counts = await _wait_fill(c, placer.url, ok, max(1.0, a.fill_limit_s - (trio.current_time() - t0)))
-        row.update(fill_jobs=ok, fill_refused=bad, fill_gpus_asked=sum(s["pods"] * s["gpus_per_pod"] for s in specs),
-                   fill_running=counts.get("running", 0), fill_counts=counts, fill_s=trio.current_time() - t0)
-
-        _note("filled", counts=counts, s=row["fill_s"])
-
-        # -- the big gang
-        g = a.gang_gpus or min(200_000, gpus // 5)
-        spec = _gang_spec(a.fleet, g)
-        row.update(gang_gpus=spec["pods"] * spec["gpus_per_pod"], gang_pods=spec["pods"], gang_within=spec["within"])
-        cpu0, ecpu0 = placer.cpu_s(), sum(e.cpu_s() for e in emus)
-        r = await c.post(f"{placer.url}/v1/jobs", json=spec, headers=op)
-        if r.status_code != 201:
-            row["gang_error"] = r.text[:200]
-            return row
-        job = await _wait_job(c, placer.url, "big", "running", a.gang_limit_s)
-        row["gang_placer_cpu_s"] = placer.cpu_s() - cpu0
-        row["gang_emulator_cpu_s"] = sum(e.cpu_s() for e in emus) - ecpu0
-        t = job.get("timings", {})
-        row.update(gang_state=job.get("state", f"no answer within {a.gang_limit_s:.0f} s"), decide_ms=_ms(t, "submitted", "decided"),
-                   bookkeeping_ms=_ms(t, "decided", "pushed"), acked_ms=_ms(t, "pushed", "acked"),
-                   submit_to_running_ms=_ms(t, "submitted", "running"))
-        if "pod_counts" in job:
-            row["gang_pod_counts"] = job["pod_counts"]
-        es = [await e.stats(c, "big") for e in emus]
-        js = [s["job"] for s in es]
-        row["placements_received"] = sum(s["placements"] for s in es)
-        row["placement_mib_received"] = sum(s["placement_bytes"] for s in es) / (1 << 20)
-        row["placement_bytes_max"] = max(s["placement_bytes_max"] for s in es)
-        events = sum(j["events"] for j in js)
-        first = min((j["first_at"] for j in js if j["events"]), default=0.0)
-        last = max((j["last_at"] for j in js if j["events"]), default=0.0)
-        row["gang_events"] = events
-        if "running" in t and events:
-            row["running_after_last_event_ms"] = (t["running"] - last) * 1000
-            row["events_per_s"] = events / max(1e-6, t["running"] - first)
-
-        _note("gang", state=row["gang_state"], decide_ms=row["decide_ms"], events=events,
-              submit_to_running_ms=row["submit_to_running_ms"])
+        if a.jobs:
+            await _jobs_phase(row, a, c, placer, emus, op, gpus)
 
         # -- steady heartbeats
         await trio.sleep(min(a.heartbeat_s, 5.0))
@@ -287,8 +243,60 @@ async def bench_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
                    steady_emulator_cpu_frac=(sum(e.cpu_s() for e in emus) - ecpu0) / dt,
                    steady_up=await nodes_up(c, placer.url), placer_rss_mib=placer.rss_mib(),
                    placer_fds=placer.fds(), load_after=os.getloadavg()[0])
-        _note("steady", placer_cpu_frac=row["steady_placer_cpu_frac"], rss_mib=row["placer_rss_mib"])
+        _note("steady", placer_cpu_frac=row["steady_placer_cpu_frac"], rss_mib=row["placer_rss_mib"],
+              fds=row["placer_fds"])
     return row
+
+
+async def _jobs_phase(row: dict[str, Any], a: Args, c: httpx.AsyncClient, placer: PlacerProc,
+                      emus: list[EmulatorProc], op: dict[str, str], gpus: int) -> None:
+    """Fill with the sim mix, then the big gang; figures into ``row``."""
+    # -- fill to ~75 % with the sim job mix (once the placer's post-restart wait is over)
+    await wait_recovered(c, placer.url)
+    specs = _jobs_mix(a.fleet, gpus, a.fill, a.seed, a.fill_max_jobs)
+    t0 = trio.current_time()
+    _note("filling", jobs=len(specs))
+    ok, bad = await _submit_all(c, placer.url, op, specs, a.fill_limit_s)
+    _note("fill submitted", ok=ok, refused=bad, s=trio.current_time() - t0)
+    counts = await _wait_fill(c, placer.url, ok, max(1.0, a.fill_limit_s - (trio.current_time() - t0)))
+    row.update(fill_jobs=ok, fill_refused=bad, fill_gpus_asked=sum(s["pods"] * s["gpus_per_pod"] for s in specs),
+               fill_running=counts.get("running", 0), fill_counts=counts, fill_s=trio.current_time() - t0)
+
+    _note("filled", counts=counts, s=row["fill_s"])
+
+    # -- the big gang
+    g = a.gang_gpus or min(200_000, gpus // 5)
+    spec = _gang_spec(a.fleet, g)
+    row.update(gang_gpus=spec["pods"] * spec["gpus_per_pod"], gang_pods=spec["pods"], gang_within=spec["within"])
+    cpu0, ecpu0 = placer.cpu_s(), sum(e.cpu_s() for e in emus)
+    r = await c.post(f"{placer.url}/v1/jobs", json=spec, headers=op)
+    if r.status_code != 201:
+        row["gang_error"] = r.text[:200]
+        return
+    job = await _wait_job(c, placer.url, "big", "running", a.gang_limit_s)
+    row["gang_placer_cpu_s"] = placer.cpu_s() - cpu0
+    row["gang_emulator_cpu_s"] = sum(e.cpu_s() for e in emus) - ecpu0
+    t = job.get("timings", {})
+    row.update(gang_state=job.get("state", f"no answer within {a.gang_limit_s:.0f} s"),
+               decide_ms=_ms(t, "submitted", "decided"), bookkeeping_ms=_ms(t, "decided", "pushed"), acked_ms=_ms(t, "pushed", "acked"),
+               submit_to_running_ms=_ms(t, "submitted", "running"))
+    if "pod_counts" in job:
+        row["gang_pod_counts"] = job["pod_counts"]
+    es = [await e.stats(c, "big") for e in emus]
+    js = [s["job"] for s in es]
+    row["placements_received"] = sum(s["placements"] for s in es)
+    row["placement_mib_received"] = sum(s["placement_bytes"] for s in es) / (1 << 20)
+    row["placement_bytes_max"] = max(s["placement_bytes_max"] for s in es)
+    events = sum(j["events"] for j in js)
+    first = min((j["first_at"] for j in js if j["events"]), default=0.0)
+    last = max((j["last_at"] for j in js if j["events"]), default=0.0)
+    row["gang_events"] = events
+    if "running" in t and events:
+        row["running_after_last_event_ms"] = (t["running"] - last) * 1000
+        row["events_per_s"] = events / max(1e-6, t["running"] - first)
+
+    _note("gang", state=row["gang_state"], decide_ms=row["decide_ms"], events=events,
+          submit_to_running_ms=row["submit_to_running_ms"])
 
 
 async def baseline_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
@@ -362,7 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gang-gpus", type=int, default=None, help="the big gang (default: a fifth of the fleet)")
     ap.add_argument("--fill", type=float, default=0.75)
     ap.add_argument("--per-proc", type=int, default=16384, help="emulated nodes per emulator process")
-    ap.add_argument("--mux", type=int, default=8, help="shared framed connections per emulator process")
+    ap.add_argument("--mux", type=int, default=8,
+                    help="shared framed connections per emulator process (0: one per node, as real agents)")
     ap.add_argument("--heartbeat", type=float, default=5.0)
     ap.add_argument("--register-limit", type=float, default=180.0)
     ap.add_argument("--fill-max-jobs", type=int, default=5000)
@@ -370,6 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gang-limit", type=float, default=120.0)
     ap.add_argument("--steady-s", type=float, default=10.0)
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--no-jobs", action="store_true", help="registration and steady heartbeats only")
     ap.add_argument("--baseline-limit", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--fetch-delay", type=float, default=0.2, help="emulated accepted -> fetching (s)")
@@ -384,7 +394,8 @@ def main(argv: list[str] | None = None) -> int:
              heartbeat_s=ns.heartbeat, register_limit_s=ns.register_limit, fill_max_jobs=ns.fill_max_jobs,
              fill_limit_s=ns.fill_limit, gang_limit_s=ns.gang_limit, steady_s=ns.steady_s,
              baseline=not ns.no_baseline, baseline_limit_s=ns.baseline_limit, seed=ns.seed,
-             placer_root=Path(ns.placer_root), fetch_delay_s=ns.fetch_delay, run_delay_s=ns.run_delay)
+             placer_root=Path(ns.placer_root), fetch_delay_s=ns.fetch_delay, run_delay_s=ns.run_delay,
+             jobs=not ns.no_jobs)
     t0 = time.perf_counter()
     out = trio.run(run_all, nodes, a)
     out["wall_s"] = time.perf_counter() - t0
