@@ -45,7 +45,19 @@ def proc_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-async def _stop(proc: trio.Process, *, grace_s: float = 5.0) -> None:
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (a killed bench or test leaves
+    no placer or emulator behind). Linux only; elsewhere a no-op."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+async def _stop(proc: trio.Process, *, grace_s: float = 3.0) -> None:
     with trio.CancelScope(shield=True):
         if proc.stdin is not None:
             try:
@@ -108,7 +120,8 @@ class PlacerProc:
         env = {**os.environ, "PYTHONPATH": str(self.root)}
         self.proc = await trio.lowlevel.open_process(
             [self.python, "-m", "cli.main", "placer", "run", "--config", str(cfg)],
-            cwd=str(self.root), env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            cwd=str(self.root), env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+            preexec_fn=_die_with_parent)
         log.close()
         self.pid = self.proc.pid
         with trio.fail_after(60):
@@ -166,7 +179,7 @@ class EmulatorProc:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: ASYNC230
         env = {**os.environ, "PYTHONPATH": str(self.root)}
         self.proc = await trio.lowlevel.open_process(self.argv, cwd=str(self.root), env=env, stdin=subprocess.PIPE,
-                                                     stdout=subprocess.PIPE, stderr=log)
+                                                     stdout=subprocess.PIPE, stderr=log, preexec_fn=_die_with_parent)
         if log is not subprocess.DEVNULL:
             log.close()  # type: ignore[union-attr]
         self.pid = self.proc.pid
@@ -187,7 +200,7 @@ class EmulatorProc:
         await self.proc.stdin.send_all(b"go\n")
 
     async def stats(self, client: httpx.AsyncClient, job: str | None = None) -> dict[str, Any]:
-        r = await client.get(f"{self.control}/stats", params={"job": job} if job else None)
+        r = await client.get(f"{self.control}/stats", params={"job": job} if job else None, timeout=30)
         r.raise_for_status()
         return r.json()
 
@@ -211,7 +224,7 @@ async def wait_recovered(client: httpx.AsyncClient, placer_url: str, *, limit_s:
 
 
 async def nodes_up(client: httpx.AsyncClient, placer_url: str) -> int:
-    r = await client.get(f"{placer_url}/v1/cluster", params={"detail": "0"})  # counts only
+    r = await client.get(f"{placer_url}/v1/cluster", params={"detail": "0"}, timeout=30)  # counts only
     r.raise_for_status()
     return int(r.json()["nodes"]["up"])
 
