@@ -38,6 +38,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -396,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
              baseline=not ns.no_baseline, baseline_limit_s=ns.baseline_limit, seed=ns.seed,
              placer_root=Path(ns.placer_root), fetch_delay_s=ns.fetch_delay, run_delay_s=ns.run_delay,
              jobs=not ns.no_jobs)
+    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the placer and emulators are stopped
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     t0 = time.perf_counter()
     out = trio.run(run_all, nodes, a)
     out["wall_s"] = time.perf_counter() - t0

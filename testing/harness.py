@@ -45,18 +45,6 @@ def proc_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
-def _die_with_parent() -> None:
-    """In the child before exec: SIGTERM when the parent dies (a killed bench or test leaves
-    no placer or emulator behind). Linux only; elsewhere a no-op."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 async def _stop(proc: trio.Process, *, grace_s: float = 3.0) -> None:
     with trio.CancelScope(shield=True):
         if proc.stdin is not None:
@@ -120,8 +108,7 @@ class PlacerProc:
         env = {**os.environ, "PYTHONPATH": str(self.root)}
         self.proc = await trio.lowlevel.open_process(
             [self.python, "-m", "cli.main", "placer", "run", "--config", str(cfg)],
-            cwd=str(self.root), env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-            preexec_fn=_die_with_parent)
+            cwd=str(self.root), env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         log.close()
         self.pid = self.proc.pid
         with trio.fail_after(60):
@@ -179,7 +166,7 @@ class EmulatorProc:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: ASYNC230
         env = {**os.environ, "PYTHONPATH": str(self.root)}
         self.proc = await trio.lowlevel.open_process(self.argv, cwd=str(self.root), env=env, stdin=subprocess.PIPE,
-                                                     stdout=subprocess.PIPE, stderr=log, preexec_fn=_die_with_parent)
+                                                     stdout=subprocess.PIPE, stderr=log)
         if log is not subprocess.DEVNULL:
             log.close()  # type: ignore[union-attr]
         self.pid = self.proc.pid
