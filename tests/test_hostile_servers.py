@@ -264,6 +264,22 @@ async def test_http_client_that_never_reads_its_answer_is_dropped(token_dir: Pat
             n.cancel_scope.cancel()
 
 
+async def test_http_oversized_heads_are_refused(token_dir: Path) -> None:
+    app = _control_app(TokenSet.load(token_dir), [])
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            url = await n.start(serve, app, "127.0.0.1:0")
+            for head in (b"GET /ok HTTP/1.1\r\nhost: a\r\nx-big: " + b"a" * 40000 + b"\r\n\r\n",   # whole, 40 KB
+                         b"GET /ok HTTP/1.1\r\nhost: a\r\n" + b"".join(b"x-%d: 1\r\n" % i for i in range(200))
+                         + b"\r\n"):                                                           # 200 headers
+                s = await _connect(url)
+                await s.send_all(head)
+                closed, out = await _closed_within(s, 2.0)
+                assert out.startswith(b"HTTP/1.1 431"), out[:60]
+                await s.aclose()
+            n.cancel_scope.cancel()
+
+
 async def test_http_handler_crash_is_contained(token_dir: Path) -> None:
     app = App()
 
