@@ -7,6 +7,8 @@ import math
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from scheduler_link.messages import (
     GpuInfo,
@@ -112,3 +114,47 @@ def test_a_decoded_hostile_report_is_refused_not_raised() -> None:
     raw = msgspec.json.encode(_report(snapshot=_snap(65)))
     rep = msgspec.json.decode(raw, type=NodeReport)
     assert "65 GPUs" in (validate_report(rep) or "")
+
+
+_txt = st.text(max_size=30)
+_num = st.one_of(st.integers(-2**63, 2**63 - 1), st.floats(allow_nan=True, allow_infinity=True))
+_gpu = st.fixed_dictionaries({"index": st.integers(-3, 70), "uuid": _txt, "name": _txt,
+                              "memory_total_mib": st.integers(-5, 2**40), "pci_bus_id": _txt},
+                             optional={"nvlinks": st.lists(st.fixed_dictionaries({"link": st.integers(),
+                                                                                  "active": st.booleans()}), max_size=3),
+                                       "reasons": st.lists(st.fixed_dictionaries(
+                                           {"code": _txt, "severity": st.sampled_from(["fatal", "info"])}), max_size=3)})
+_report_dict = st.fixed_dictionaries(
+    {"node_id": _txt, "boot_id": _txt, "seq": st.integers(-5, 2**63 - 1)},
+    optional={"full": st.booleans(), "version": st.integers(-1, 3), "control_url": _txt, "data_url": _txt,
+              "topology": st.fixed_dictionaries({}, optional={"zone": _txt, "block": _txt, "rack": _txt}),
+              "nvlink_domain": st.none() | _txt, "sent_at": _num,
+              "snapshot": st.none() | st.fixed_dictionaries({"gpus": st.lists(_gpu, max_size=70)},
+                                                            optional={"topology_matrix": st.lists(
+                                                                st.lists(_txt, max_size=3), max_size=3),
+                                                                "taken_at": _num}),
+              "workloads": st.lists(st.fixed_dictionaries({"workload_id": _txt, "job_id": _txt},
+                                                          optional={"gpus": st.lists(_txt, max_size=4),
+                                                                    "created_at": _num}), max_size=4),
+              "events": st.lists(st.fixed_dictionaries({"workload_id": _txt, "job_id": _txt,
+                                                        "state": st.sampled_from(["running", "exited"]),
+                                                        "at": _num}), max_size=4),
+              "manifests": st.none() | st.lists(_txt, max_size=4)})
+
+
+@settings(max_examples=300, deadline=None)
+@given(d=_report_dict)
+def test_validate_report_never_raises_and_accepts_only_what_the_model_can_take(d: dict) -> None:
+    try:
+        rep = msgspec.convert(d, NodeReport)
+    except msgspec.ValidationError:
+        return
+    why = validate_report(rep)
+    assert why is None or (isinstance(why, str) and why and "\n" not in why)
+    if why is None and rep.snapshot is not None:
+        uuids = [g.uuid for g in rep.snapshot.gpus]
+        assert len(uuids) <= MAX_GPUS_PER_NODE and len(set(uuids)) == len(uuids)
+        assert len({g.index for g in rep.snapshot.gpus}) == len(uuids)
+        assert all(0 <= g.index < MAX_GPUS_PER_NODE for g in rep.snapshot.gpus)
+    if why is None:
+        assert math.isfinite(rep.sent_at) and rep.node_id and "/" not in rep.node_id
