@@ -84,6 +84,11 @@ class DataPlaneConfig:
     send_stall_s: float = 30.0         # no send progress for this long: drop the connection
     max_head_bytes: int = 16 * 1024
     poll_s: float = 0.25               # re-check the disk while waiting (another process may write)
+    # Copies of one chunk being sent at once (0: no cap). The herd's trees bound how many
+    # nodes ask a node for a chunk; this bounds how many it feeds at once: one over gets
+    # 503 with Retry-After (and x-herd-retry-ms, finer) and asks the next source in its tree.
+    max_serving_per_chunk: int = 0
+    busy_retry_ms: int = 200
 
 
 class _Stats(msgspec.Struct, kw_only=True):
@@ -105,6 +110,8 @@ class _Stats(msgspec.Struct, kw_only=True):
     head_timeouts: int = 0
     connection_errors: int = 0
     sendfile_fallbacks: int = 0
+    rejected_chunk_busy: int = 0       # 503: the chunk was being sent to max_serving_per_chunk peers
+    serving_per_chunk_max: int = 0     # the most copies of one chunk ever sent at once
 
 
 @dataclass(slots=True)
@@ -114,6 +121,7 @@ class _Reply:
     content_type: str = "application/json"
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     file: Path | None = None          # send this file's bytes with sendfile instead of body
+    serving: str = ""                 # chunk id whose per-chunk serving count this reply holds
 
 
 class _Len:
@@ -189,6 +197,7 @@ class DataPlane:
         self._conns = _Gate(c.max_connections or 4 * c.max_concurrent,
                             c.max_connections_per_client or 2 * c.max_per_client)
         self._waiters: dict[str, list[Any]] = {}  # chunk id -> [Event, waiter count]
+        self._serving: dict[str, int] = {}         # chunk id -> copies being sent now
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._hook: Callable[[str], None] | None = None
 
@@ -538,7 +547,17 @@ class DataPlane:
         # Serving it to a peer is a use: keep it warm in the store's LRU.
         self.store.touch(chunk_id)
         path = Path(self.store.chunk_path(chunk_id))
-        return _Reply(200, content_type="application/octet-stream", file=path)
+        cap = self.config.max_serving_per_chunk
+        now = self._serving.get(chunk_id, 0)
+        if cap > 0 and now >= cap:
+            self._stats.rejected_chunk_busy += 1
+            ms = self.config.busy_retry_ms
+            return _json(503, "busy", "this chunk is being sent to enough peers",
+                         headers=[(b"retry-after", str(max(1, -(-ms // 1000))).encode()),
+                                  (b"x-herd-retry-ms", str(ms).encode())])
+        self._serving[chunk_id] = now + 1
+        self._stats.serving_per_chunk_max = max(self._stats.serving_per_chunk_max, now + 1)
+        return _Reply(200, content_type="application/octet-stream", file=path, serving=chunk_id)
 
     def _manifest_bytes(self, manifest_id: str) -> bytes | None:
         try:
@@ -577,6 +596,7 @@ class DataPlane:
         head = req.method.upper() == b"HEAD"
         fd = -1
         size = len(reply.body)
+        serving = reply.serving
         if reply.file is not None:
             try:
                 fd = os.open(reply.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -612,6 +632,12 @@ class DataPlane:
         finally:
             if fd >= 0:
                 os.close(fd)
+            if serving:
+                left = self._serving.get(serving, 1) - 1
+                if left > 0:
+                    self._serving[serving] = left
+                else:
+                    self._serving.pop(serving, None)
 
     async def _send_all(self, stream: trio.SocketStream, data: bytes) -> None:
         with trio.fail_after(self.config.send_stall_s):

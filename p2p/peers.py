@@ -41,7 +41,12 @@ class PeerUnavailable(PeerError):
 
 
 class PeerBusy(PeerUnavailable):
-    """The peer answered 503: over its request limits. Not a fault: try the next source."""
+    """The peer answered 503: over its request limits. Not a fault: try the next source.
+    ``retry_after_s``: what the peer asked for (x-herd-retry-ms, else Retry-After), or 0."""
+
+    def __init__(self, msg: str, retry_after_s: float = 0.0) -> None:
+        super().__init__(msg)
+        self.retry_after_s = retry_after_s
 
 
 class PeerMissing(PeerError):
@@ -244,7 +249,7 @@ class PeerClient:
         if status == 404:
             raise PeerMissing(f"{where}: not there")
         if status == 503:
-            raise PeerBusy(f"{where}: busy")
+            raise PeerBusy(f"{where}: busy", _retry_after_s(head))
         if status != 200:
             raise PeerError(f"{where}: HTTP {status}")
         return body, keep  # type: ignore[return-value]  # a bytearray: no copy; hashed and stored as is
@@ -252,6 +257,20 @@ class PeerClient:
 
 class _StaleConnection(Exception):
     pass
+
+
+def _retry_after_s(head: bytes) -> float:
+    """A 503's wait hint, bounded to [0, 30] s; 0 when absent or malformed."""
+    ms = sec = None
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        name, value = name.strip().lower(), value.strip()
+        if name == b"x-herd-retry-ms" and value.isdigit() and len(value) < 9:
+            ms = int(value) / 1000
+        elif name == b"retry-after" and value.isdigit() and len(value) < 9:
+            sec = float(int(value))
+    got = ms if ms is not None else sec
+    return min(max(got or 0.0, 0.0), 30.0)
 
 
 def _parse_head(head: bytes, where: str) -> tuple[int, int | None, bool]:

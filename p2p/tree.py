@@ -1,0 +1,330 @@
+"""Bounded fan-in chunk trees, computed once per manifest, vectorised. Pure.
+
+Theory of operation
+-------------------
+Inputs are columnar (a :class:`PeerView`, built from the gang's ``PeerTable`` or from a
+list of ``Peer``): node ids, their rack index, 64-bit keys. Nothing here depends on the
+order of the rows, only on keys, so every node computes the same trees from the same
+membership.
+
+For one chunk (key ``ck``):
+
+- **Rack order**: racks ranked by ``score(ck, rack_key)`` (rendezvous over racks). The
+  rack at position ``q`` has parent rack at position ``(q - 1) // k``: a k-ary tree over
+  racks in the chunk's order. Position 0 is the root rack.
+- **Member order** inside a rack: members ranked by ``score(ck, node_key)``; rank 0 is
+  the rack home. Member rank ``j > 0`` has in-rack parent rank ``(j - 1) // m`` (``m`` =
+  ``rack_fanout``: with racks of at most ``m + 1`` nodes every member hangs off the rack
+  home; bigger racks get a second small tree).
+- The root rack's home is the chunk's **global home**: the only node that reads the
+  chunk from the origin. A rack home's parent is the home of its parent rack.
+- **Successors**: ranks 1.. ``successors`` of the root rack. When the global home is
+  dead, the first live successor reads the origin; every other node lists the
+  successors after its ancestors, so the herd re-roots on them.
+
+Invariants
+----------
+- The "waits on" relation is acyclic: a node waits (``?wait_ms=``) only on its
+  ancestors in the tree and on successors; successor ``s_j`` waits only on the global
+  home and ``s_1 .. s_{j-1}``; a successor's ancestors are the global home alone.
+- Fan-in per chunk is bounded: a node is asked (with wait) by at most ``k`` child-rack
+  homes plus ``m`` rack-mates, whatever the gang size; the data plane caps how many of
+  them it serves at once (503 + Retry-After beyond that).
+- Each chunk crosses into each rack once (to its rack home) when nobody fails.
+- Work per node: O(chunks x racks) numpy for the rack order (one argsort per block of
+  chunks, never a sort of the peer list per chunk), O(chunks x depth x rack size) for
+  the homes of its ancestor racks. No per-chunk Python loop over peers.
+
+``bench/herd_sim.py`` calls :func:`all_parents` (every node's parent for every chunk,
+built from the same primitives as :func:`plan_node`); a test checks they agree.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import blake3
+import numpy as np
+
+from scheduler_link.messages import Peer, PeerTable
+
+from .rendezvous import ORIGIN, Source, chunk_key, node_key, rack_label
+
+_U = np.uint64
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64 over a uint64 array (the same function as rendezvous.score)."""
+    with np.errstate(over="ignore"):
+        x = x + _U(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> _U(30))) * _U(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> _U(27))) * _U(0x94D049BB133111EB)
+        return x ^ (x >> _U(31))
+
+
+def rack_key(label: str) -> int:
+    return int.from_bytes(blake3.blake3(b"rack:" + label.encode()).digest(8), "big")
+
+
+@dataclass(frozen=True, slots=True)
+class PeerView:
+    """A gang's peers, column by column (rows in any order; racks need not be contiguous).
+
+    ``grid[r]`` holds rack r's rows, padded with -1 to the widest rack."""
+    node_ids: list[str]
+    urls: list[str]
+    rack_of: np.ndarray          # row -> rack index (int64)
+    racks: list[str]
+    nkeys: np.ndarray            # row -> uint64 node key
+    rkeys: np.ndarray            # rack -> uint64 rack key
+    grid: np.ndarray             # [R, W] rows, -1 padded
+    index: Mapping[str, int]
+
+    def __len__(self) -> int:
+        return len(self.node_ids)
+
+    @classmethod
+    def build(cls, node_ids: Sequence[str], urls: Sequence[str], rack_labels: Sequence[str]) -> PeerView:
+        seen: dict[str, int] = {}
+        ids: list[str] = []
+        us: list[str] = []
+        labels: list[str] = []
+        for n, u, r in zip(node_ids, urls, rack_labels, strict=True):
+            if n in seen:
+                continue
+            seen[n] = len(ids)
+            ids.append(n)
+            us.append(u)
+            labels.append(r)
+        racks = sorted(set(labels))
+        rpos = {r: i for i, r in enumerate(racks)}
+        rack_of = np.array([rpos[r] for r in labels], dtype=np.int64)
+        counts = np.bincount(rack_of, minlength=len(racks)) if ids else np.zeros(0, np.int64)
+        width = int(counts.max()) if len(counts) else 0
+        grid = np.full((len(racks), max(width, 1)), -1, dtype=np.int64)
+        order = np.argsort(rack_of, kind="stable")
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if len(counts) else counts
+        col = np.arange(len(ids)) - starts[rack_of[order]] if ids else np.zeros(0, np.int64)
+        grid[rack_of[order], col] = order
+        nkeys = np.array([node_key(n) for n in ids], dtype=np.uint64)
+        rkeys = np.array([rack_key(r) for r in racks], dtype=np.uint64)
+        return cls(ids, us, rack_of, racks, nkeys, rkeys, grid, seen)
+
+    @classmethod
+    def from_peers(cls, peers: Sequence[Peer], self_id: str | None = None,
+                   self_rack: str | None = None) -> PeerView:
+        ids = [p.node_id for p in peers]
+        urls = [p.data_url for p in peers]
+        labels = [rack_label(p) for p in peers]
+        if self_id is not None and self_id not in ids:
+            ids.append(self_id)
+            urls.append("")
+            labels.append(self_rack if self_rack is not None else "//")
+        return cls.build(ids, urls, labels)
+
+    @classmethod
+    def from_table(cls, table: PeerTable) -> PeerView:
+        return cls.build(table.node_ids, table.data_urls, [table.racks[r] for r in table.rack_of])
+
+
+def chunk_keys(chunk_ids: Sequence[str]) -> np.ndarray:
+    return np.array([chunk_key(c) for c in chunk_ids], dtype=np.uint64)
+
+
+# ---------------------------------------------------------------- primitives
+
+def rack_positions(view: PeerView, ckeys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(order [C, R]: the rack at each position, pos [C, R]: each rack's position)."""
+    sc = _mix(ckeys[:, None] ^ view.rkeys[None, :])
+    order = np.argsort(~sc, axis=1, kind="stable")          # descending score
+    pos = np.empty_like(order)
+    rows = np.arange(len(ckeys))[:, None]
+    pos[rows, order] = np.arange(order.shape[1])[None, :]
+    return order, pos
+
+
+def member_order(view: PeerView, ckeys: np.ndarray, racks: np.ndarray) -> np.ndarray:
+    """Rows of each rack in ``racks`` ([C, D] rack indexes) ranked for its chunk:
+    [C, D, W], -1 padded at the end. Column 0 is the rack home."""
+    rows = view.grid[racks]                                   # [C, D, W]
+    valid = rows >= 0
+    sc = _mix(ckeys[:, None, None] ^ view.nkeys[np.where(valid, rows, 0)])
+    sc = np.where(valid, sc, _U(0))
+    idx = np.argsort(~sc, axis=2, kind="stable")
+    return np.take_along_axis(rows, idx, axis=2)
+
+
+def rack_homes(view: PeerView, ckeys: np.ndarray, racks: np.ndarray) -> np.ndarray:
+    """The home row of each rack in ``racks`` ([C, D]) for its chunk: [C, D]."""
+    rows = view.grid[racks]
+    valid = rows >= 0
+    sc = _mix(ckeys[:, None, None] ^ view.nkeys[np.where(valid, rows, 0)])
+    sc = np.where(valid, sc, _U(0))
+    best = np.argmax(sc, axis=2)
+    return np.take_along_axis(rows, best[..., None], axis=2)[..., 0]
+
+
+def depth_bound(n_racks: int, k: int) -> int:
+    """Positions on the path from the deepest rack to the root, inclusive."""
+    d, reach, level = 1, 1, 1
+    while reach < n_racks:
+        level *= k
+        reach += level
+        d += 1
+    return d
+
+
+# ---------------------------------------------------------------- one node's plan
+
+@dataclass(frozen=True, slots=True)
+class NodePlan:
+    """One node's sources for every chunk of a manifest (rows into ``view``).
+
+    ``chain[c]``: rows to ask with wait, nearest first (in-rack ancestors, the rack
+    homes of the ancestor racks up to the global home, then successors); -1 padded.
+    ``siblings[c]``: rack-mates under the same parent, asked without waiting after a
+    busy or missing parent. ``origin_rank[c]``: 0 for the global home, j for successor
+    j, -1 for everyone else (the origin only once the tree above is exhausted)."""
+    view: PeerView
+    me: int
+    home: np.ndarray
+    parent: np.ndarray
+    chain: np.ndarray
+    siblings: np.ndarray
+    origin_rank: np.ndarray
+
+    def is_home(self, c: int) -> bool:
+        return bool(self.origin_rank[c] == 0)
+
+    def sources(self, c: int, penalties: Mapping[str, float] | None = None, now: float = 0.0, *,
+                last_round: bool = False) -> list[Source]:
+        """Ranked sources for chunk ``c``: the live tree above, then — for the home, a
+        successor whose predecessors are all dead, anyone whose every tree source is
+        dead, or in the last round — the origin."""
+        pen = penalties or {}
+        v = self.view
+        if self.origin_rank[c] == 0:
+            return [ORIGIN]
+        out: list[Source] = []
+        cooling: list[Source] = []
+        dead_above = 0
+        first = True
+        for row in self.chain[c]:
+            if row < 0:
+                break
+            n = v.node_ids[row]
+            until = pen.get(n, 0.0)
+            if until > now:
+                dead_above += 1
+                if until != math.inf:
+                    cooling.append(Source(kind="peer", node_id=n, url=v.urls[row], wait=True))
+                continue
+            out.append(Source(kind="peer", node_id=n, url=v.urls[row], wait=True))
+            if first:
+                first = False
+                for srow in self.siblings[c]:
+                    if srow < 0:
+                        break
+                    sn = v.node_ids[srow]
+                    if pen.get(sn, 0.0) <= now:
+                        out.append(Source(kind="peer", node_id=sn, url=v.urls[srow], wait=False))
+        tail = cooling + [ORIGIN] if (not out or last_round or self.origin_rank[c] > 0) else []
+        return out + tail
+
+
+def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
+              successors: int = 2, siblings: int = 2, block: int = 1024) -> NodePlan:
+    """Row ``me``'s plan for every chunk in ``ckeys`` (see the module doc)."""
+    C = len(ckeys)
+    R = len(view.racks)
+    D = depth_bound(R, k)
+    m = max(1, rack_fanout)
+    L = D + depth_bound(view.grid.shape[1], m) + successors
+    home = np.full(C, -1, np.int64)
+    parent = np.full(C, -1, np.int64)
+    chain = np.full((C, L), -1, np.int64)
+    sib = np.full((C, max(siblings, 1)), -1, np.int64)
+    orank = np.full(C, -1, np.int64)
+    my_rack = int(view.rack_of[me])
+    for lo in range(0, C, block):
+        ck = ckeys[lo:lo + block]
+        n = len(ck)
+        order, pos = rack_positions(view, ck)
+        # ancestor positions of my rack: p, (p-1)//k, ... 0 (padded with -1)
+        anc = np.full((n, D), -1, np.int64)
+        p = pos[:, my_rack].copy()
+        for d in range(D):
+            anc[:, d] = p
+            p = np.where(p > 0, (p - 1) // k, -1)
+        anc_racks = np.where(anc >= 0, np.take_along_axis(order, np.maximum(anc, 0), axis=1), 0)
+        homes = rack_homes(view, ck, anc_racks)              # [n, D]
+        homes = np.where(anc >= 0, homes, -1)
+        mine = member_order(view, ck, np.full((n, 1), my_rack))[:, 0, :]   # [n, W]
+        root = member_order(view, ck, order[:, :1])[:, 0, :]               # [n, W] root rack
+        jrank = np.argmax(mine == me, axis=1)
+        g = root[:, 0]
+        home[lo:lo + n] = g
+        for i in range(n):            # per chunk: a few small array reads, no peer scan
+            c = lo + i
+            row_chain: list[int] = []
+            j = int(jrank[i])
+            # in-rack ancestors
+            while j > 0:
+                j = (j - 1) // m
+                row_chain.append(int(mine[i, j]))
+            # rack homes of the ancestor racks (skip my own rack's home: listed above)
+            for d in range(1, D):
+                h = int(homes[i, d])
+                if h < 0:
+                    break
+                row_chain.append(h)
+            succ = [int(x) for x in root[i, 1:1 + successors] if x >= 0]
+            gi = int(g[i])
+            if me == gi:
+                orank[c] = 0
+            elif me in succ:
+                s = succ.index(me)
+                orank[c] = s + 1
+                row_chain = [gi] + succ[:s]
+            else:
+                row_chain += [x for x in succ if x not in row_chain]
+            chain[c, :min(len(row_chain), L)] = row_chain[:L]
+            parent[c] = row_chain[0] if row_chain else -1
+            jr = int(jrank[i])
+            if jr > 0 and siblings > 0:
+                par = (jr - 1) // m
+                cands = [jr - 1, jr + 1, jr - 2, jr + 2]
+                got = [int(mine[i, x]) for x in cands
+                       if 0 < x < mine.shape[1] and mine[i, x] >= 0 and (x - 1) // m == par]
+                sib[c, :min(len(got), siblings)] = got[:siblings]
+    return NodePlan(view, me, home, parent, chain, sib, orank)
+
+
+def all_parents(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32) -> tuple[np.ndarray, np.ndarray]:
+    """Every node's tree parent for every chunk, vectorised over chunks and nodes:
+    (parent [C, N] rows, -1 for the global home; home [C]). The same rules as
+    :func:`plan_node`'s ``parent`` (the simulator uses this; a test checks agreement)."""
+    C, N, R = len(ckeys), len(view), len(view.racks)
+    m = max(1, rack_fanout)
+    order, pos = rack_positions(view, ckeys)
+    members = member_order(view, ckeys, np.broadcast_to(np.arange(R), (C, R)))   # [C, R, W]
+    rhome = members[:, :, 0]                                                    # [C, R]
+    parent = np.full((C, N), -1, np.int64)
+    ci = np.arange(C)[:, None, None]
+    W = members.shape[2]
+    j = np.arange(W)[None, None, :]
+    inrack_par = np.take_along_axis(members, np.broadcast_to(np.maximum(j - 1, 0) // m, members.shape), axis=2)
+    valid = (members >= 0) & (j > 0)
+    cc = np.broadcast_to(ci, members.shape)
+    parent[cc[valid], members[valid]] = inrack_par[valid]
+    # rack homes: parent = home of the parent rack
+    ppos = np.where(pos > 0, (pos - 1) // k, 0)
+    prack = np.take_along_axis(order, ppos, axis=1)                               # [C, R]
+    phome = np.take_along_axis(rhome, prack, axis=1)
+    par_of_home = np.where(pos > 0, phome, -1)
+    c2 = np.broadcast_to(np.arange(C)[:, None], (C, R))
+    parent[c2, rhome] = par_of_home
+    home = rhome[np.arange(C), order[:, 0]]
+    return parent, home
