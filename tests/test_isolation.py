@@ -274,18 +274,36 @@ async def _escaper_is_killed_after_grace(tmp: Path, isolation: Isolation) -> Non
             n.cancel_scope.cancel()
 
 
-async def test_escaping_grandchild_killed_after_grace_subreaper(tmp_path):
+def _kill_leftovers(tmp: Path, name: str) -> None:
+    """A failing test (or a mutated agent) must not leave an escaped process behind."""
+    for f in tmp.glob(f"state/workloads/*/scratch/{name}"):
+        try:
+            pid = int(f.read_text())
+        except (OSError, ValueError):
+            continue
+        if _alive(pid) and f"HERD_SCRATCH={f.parent}".encode() in Path(f"/proc/{pid}/environ").read_bytes():
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def no_escapers(tmp_path):
+    yield
+    _kill_leftovers(tmp_path, "gc.pid")
+    _kill_leftovers(tmp_path, "d.pid")
+
+
+async def test_escaping_grandchild_killed_after_grace_subreaper(tmp_path, no_escapers):
     await _escaper_is_killed_after_grace(tmp_path, Isolation(None, "test"))
 
 
-async def test_escaping_grandchild_killed_after_grace_cgroup(tmp_path, real_cgroup):
+async def test_escaping_grandchild_killed_after_grace_cgroup(tmp_path, real_cgroup, no_escapers):
     tree, _ = detect(str(real_cgroup))
     assert tree is not None
     await _escaper_is_killed_after_grace(tmp_path, Isolation(tree, "test"))
     assert not (real_cgroup / "w1").exists()   # removed once empty
 
 
-async def test_leftovers_of_a_finished_leader_are_ended(tmp_path):
+async def test_leftovers_of_a_finished_leader_are_ended(tmp_path, no_escapers):
     """The leader exits 3 by itself, leaving a TERM-ignoring daemon: the workload is
     'exited 3' only once the daemon is gone (shim: SIGTERM, grace, SIGKILL)."""
     sup = _sup(tmp_path, Isolation(None, "test"))
