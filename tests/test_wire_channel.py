@@ -292,3 +292,52 @@ async def test_push_pool_joins_base_paths_and_bounds_connections_per_endpoint():
 def test_wire_reply_round_trip():
     r = WireReply(status=200, reply=ReportReply(wire_url="tcp://x:1"))
     assert msgspec.json.decode(frame(r)[4:], type=WireReply) == r
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def test_agent_link_re_registers_over_the_remembered_framed_channel_after_a_placer_restart(tmp_path, token_dir):
+    """First registration over HTTP (the reply names the framed channel); after the placer
+    restarts on the same addresses, the full report goes over the framed channel."""
+    from placer.service import PlacerService
+
+    from .test_placer_service import cfg
+
+    tokens = TokenSet.load(token_dir)
+    http_port, wire_port = _free_port(), _free_port()
+    conf = cfg(tmp_path, listen=f"127.0.0.1:{http_port}", wire_listen=f"127.0.0.1:{wire_port}")
+    hooks = _Hooks("solo")
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            svc_scope = trio.CancelScope()
+
+            async def placer(task_status=trio.TASK_STATUS_IGNORED):
+                with svc_scope:
+                    await PlacerService(conf, tokens).run(task_status=task_status)
+
+            await n.start(placer)
+            link = AgentLink(f"http://127.0.0.1:{http_port}", tokens.cluster, "solo", hooks, heartbeat_s=0.1,
+                             backoff_max_s=0.1)
+            await n.start(link.run)
+            with trio.fail_after(5):
+                while not (link.registered and link.statistics()["framed_channel"]):
+                    await trio.sleep(0.02)
+            assert link.full_reports_sent == 1 and link.wire_full_reports == 0  # over HTTP
+            assert link.statistics()["wire_url"] == f"tcp://127.0.0.1:{wire_port}"
+            svc_scope.cancel()
+            with trio.fail_after(5):
+                while link.failures == 0:
+                    await trio.sleep(0.02)
+            svc_scope = trio.CancelScope()
+            await n.start(placer)
+            with trio.fail_after(10):
+                while not (link.registered and link.wire_full_reports >= 1):
+                    await trio.sleep(0.02)
+            assert link.full_reports_sent - link.wire_full_reports == 1  # only the very first over HTTP
+            n.cancel_scope.cancel()
