@@ -398,9 +398,11 @@ class Isolation:
 
     def members(self, wid: str, shim: tuple[int | None, int | None, str | None],
                 leader: tuple[int | None, int | None, str | None]) -> list[int]:
-        """Live processes of the workload. Cgroup mode: its cgroup. Subreaper mode: the
-        shim's descendants (the shim verified first), else the leader if it is itself."""
-        if self.tree is not None:
+        """Live processes of the workload. Cgroup mode: its cgroup. Subreaper mode (and a
+        workload started before this agent had cgroups): the shim's descendants (the shim
+        verified first), else the leader if it is itself."""
+        if self._in_cgroup(wid):
+            assert self.tree is not None
             return self.tree.pids(wid)
         if procs.same_process(*shim):
             assert shim[0] is not None
@@ -412,7 +414,7 @@ class Isolation:
 
     def signal_all(self, wid: str, sig: int, shim: tuple[int | None, int | None, str | None],
                    leader: tuple[int | None, int | None, str | None]) -> int:
-        if self.tree is not None and sig == signal.SIGKILL:
+        if self.tree is not None and sig == signal.SIGKILL and self._in_cgroup(wid):
             n = len(self.tree.pids(wid))
             if n:
                 self.tree.kill(wid)
@@ -423,6 +425,9 @@ class Isolation:
                 os.kill(pid, sig)
                 n += 1
         return n
+
+    def _in_cgroup(self, wid: str) -> bool:
+        return self.tree is not None and self.tree.path(wid).is_dir()
 
     def remove(self, wid: str) -> None:
         if self.tree is not None and not self.tree.remove(wid):

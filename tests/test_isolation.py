@@ -140,6 +140,9 @@ def test_cgroup_tree_on_a_fake_cgroupfs(tmp_path):
     iso = Isolation(tree, "fake")
     assert iso.mode == "cgroup" and iso.members("w1", (None, None, None), (None, None, None)) == [101, 102]
     assert iso.statistics()["isolation"] == "cgroup"
+    # a workload started before the agent had cgroups (no dir): found by its identity
+    me = (os.getpid(), procs.start_time(os.getpid()), procs.boot_id())
+    assert iso.members("started-earlier", (None, None, None), me) == [os.getpid()]
 
 
 def test_configured_limits_go_where_a_controller_is(tmp_path):
