@@ -6,7 +6,9 @@ passed: systemd's NOTIFY_SOCKET/WATCHDOG_*/LISTEN_* (a workload must not be able
 notify or pet the agent's watchdog) and the token dir. Added: CUDA_VISIBLE_DEVICES and
 NVIDIA_VISIBLE_DEVICES (the assigned GPU UUIDs), HERD_JOB_ID, HERD_WORKLOAD_ID,
 HERD_RANK, HERD_WORLD_SIZE, HERD_SCRATCH, HERD_PREEMPT_NOTICE and HERD_PEERS
-(``node=url,...``, when the placement has peers).
+(``node=url,...``, when the placement has peers). A workload that runs as another user
+than the agent (agent.isolation) also gets HOME and TMPDIR = its scratch dir, USER and
+LOGNAME = that user.
 """
 
 from __future__ import annotations

@@ -563,7 +563,9 @@ class Supervisor:
                 return
             env = environment.workload_env(self._base_env, rec, wdir)
             if user.uid != os.geteuid():
-                env.update({"HOME": str(wdir / "scratch"), "USER": user.name, "LOGNAME": user.name})
+                # the agent's HOME and TMPDIR are not the workload user's to write
+                env.update({"HOME": str(wdir / "scratch"), "TMPDIR": str(wdir / "scratch"),
+                            "USER": user.name, "LOGNAME": user.name})
             cmd = LaunchCommand(dir=str(wdir), argv=list(rec.argv), env=env,
                                 cwd=str(cwd or wdir / "scratch"), log_max_bytes=self.config.log_max_bytes,
                                 log_keep=self.config.log_keep, record=msgspec.to_builtins(rec),
