@@ -9,6 +9,7 @@ What others may use (import from the modules; this package init stays import-fre
     agent.supervisor.Supervisor(state_dir, node_id=, gpu_health=) # workloads: place/stop/workloads()
     agent.placement.check_placement(placement, records, gpu_health) -> reason | None   # pure
     agent.api.build_app(agent) -> scheduler_link.http.App
+    agent.isolation: Identities (who workloads run as), Isolation / detect (cgroup | subreaper)
     agent.sdnotify.Notifier                                        # sd_notify socket protocol
     agent.errors: AgentError, ConfigError, UnknownWorkload, ShimError (refusals are PlacementAck.reason)
     agent.gpus: GPU discovery and health (see its own __init__)
