@@ -182,6 +182,11 @@ async def _wait_job(c: httpx.AsyncClient, url: str, job_id: str, want: str, limi
     return job
 
 
+def _viewer(td: Path) -> dict[str, str]:
+    """The placer's reads need the viewer role (scheduler_link.authz): the operator token holds it."""
+    return {"authorization": f"Bearer {TokenSet.load(td).operator}"}
+
+
 def _note(msg: str, **kw: Any) -> None:
     """Progress on stderr (stdout carries only the result)."""
     fields = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items())
@@ -205,7 +210,7 @@ async def bench_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
     procs = max(1, math.ceil(n_nodes / a.per_proc))
     async with AsyncExitStack() as stack:
         placer = await stack.enter_async_context(PlacerProc(tmp / "row", td, opts, root=a.placer_root))
-        c = await stack.enter_async_context(httpx.AsyncClient(timeout=120))
+        c = await stack.enter_async_context(httpx.AsyncClient(timeout=120, headers=_viewer(td)))
         emus: list[EmulatorProc] = []
         for k in range(procs):
             lo = k * n_nodes // procs
@@ -308,7 +313,7 @@ async def baseline_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
     row: dict[str, Any] = {"nodes": n_nodes, "limit_s": a.baseline_limit_s, "path": "HTTP POST per node"}
     async with AsyncExitStack() as stack:
         placer = await stack.enter_async_context(PlacerProc(tmp / "base", td, opts, root=a.placer_root))
-        c = await stack.enter_async_context(httpx.AsyncClient(timeout=120))
+        c = await stack.enter_async_context(httpx.AsyncClient(timeout=120, headers=_viewer(td)))
         emus = []
         for k in range(procs):
             lo, hi = k * n_nodes // procs, (k + 1) * n_nodes // procs

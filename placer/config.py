@@ -29,6 +29,8 @@ class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     max_peers: int = 64               # peers in a placement beyond the gang's own nodes
     tick_s: float = 0.25              # how often lost nodes and pending jobs are looked at
     wire_listen: str | None = None    # HOST:PORT for framed heartbeat connections (off when None)
+    open_reads: bool = False          # viewer routes (jobs, nodes, cluster) public: a lab set-up only
+    open_metrics: bool = True         # /metrics public (else the metrics, viewer or operator token)
 
     @property
     def lost_after_s(self) -> float:

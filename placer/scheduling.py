@@ -22,7 +22,6 @@ import itertools
 import logging
 import re
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 import numpy as np
@@ -38,6 +37,7 @@ from scheduler_link.messages import (
     encode_gang_blob,
 )
 
+from .model import ClusterModel
 from .place import Decision, JobRequest, place
 from .records import JOB_ID_RE, STALE_PRIORITY, TERMINAL_JOB_STATES, JobError, JobRec, NodeRec, PodRec, Push
 from .statebase import StateBase
@@ -164,10 +164,11 @@ class Scheduling(StateBase):
             out.append((job, pushes))
         return out
 
-    def _timed_place(self, model: Any, req: JobRequest, **kw: Any) -> Decision | None:
+    def _timed_place(self, model: ClusterModel, req: JobRequest, *, allow_preemption: bool = True,
+                     exclude: np.ndarray | None = None) -> Decision | None:
         t0 = self._clock() if self._clock else 0.0
         try:
-            return place(model, req, **kw)
+            return place(model, req, allow_preemption=allow_preemption, exclude=exclude)
         finally:
             if self._clock:
                 self.decision_s.append(self._clock() - t0)

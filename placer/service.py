@@ -27,16 +27,17 @@ import msgspec
 import trio
 import trio.lowlevel
 
+from scheduler_link import authz
 from scheduler_link.auth import TokenSet
 from scheduler_link.fanout import PushPool
 from scheduler_link.heartbeat_wire import HeartbeatServer
 from scheduler_link.http import (
+    LARGE_BODY,
     App,
     HTTPError,
     Request,
     Response,
     json_response,
-    require_role,
     serve,
     text_response,
 )
@@ -206,11 +207,12 @@ class PlacerService:
                 self.state.stop_failed(p.node_id, p.placement.victims)
             return Outcome("unreachable", detail=str(res.error))
         ack: PlacementAck | None = None
-        if res.ok:
-            try:
-                ack = _ack_dec.decode(res.body)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                ack = None
+        try:  # an agent refuses with a 4xx that still carries its PlacementAck
+            ack = _ack_dec.decode(res.body)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            ack = None
+        if ack is not None and ack.placement_id != p.placement.placement_id:
+            ack = None  # not an answer to this placement
         if ack is not None and ack.effective_outcome() == "accepted":
             return ACCEPTED
         self.push_counts["refused"] += 1
@@ -243,23 +245,24 @@ class PlacerService:
     # ------------------------------------------------------------ HTTP
 
     def _build_app(self) -> App:
-        app = App(name="herd-placer", max_body=8 << 20)
-        cluster = require_role(self.tokens, "cluster")
-        operator = require_role(self.tokens, "operator")
-        app.add("GET", "/healthz", self.h_healthz)
-        app.add("GET", "/metrics", self.h_metrics)
-        app.add("GET", "/openapi.json", self.h_openapi)
-        app.add("POST", "/v1/nodes/{node_id}/report", self.h_report, auth=cluster)
-        app.add("GET", "/v1/nodes", self.h_nodes)
-        app.add("GET", "/v1/cluster", self.h_cluster)
-        app.add("GET", "/v1/gangs/{blob_id}", self.h_gang_blob, auth=cluster)
-        app.add("POST", "/v1/jobs", self.h_submit, auth=operator, max_body=1 << 20)
-        app.add("GET", "/v1/jobs", self.h_jobs)
-        app.add("GET", "/v1/jobs/{job_id}", self.h_job)
-        app.add("DELETE", "/v1/jobs/{job_id}", self.h_cancel, auth=operator)
-        app.add("POST", "/v1/jobs/{job_id}/artifact", self.h_update_artifact, auth=operator)
-        app.add("POST", "/v1/defrag", self.h_defrag, auth=operator)
-        app.add("POST", "/v1/prefetch", self.h_prefetch, auth=operator)
+        """Routes, their roles (scheduler_link.authz, the one table) and their body bounds:
+        reports as large as a full report gets at fleet scale, everything else small."""
+        app = App(name="herd-placer", max_body=4096)
+        handlers = {
+            ("GET", "/healthz"): self.h_healthz, ("GET", "/metrics"): self.h_metrics,
+            ("GET", "/openapi.json"): self.h_openapi, ("POST", "/v1/nodes/{node_id}/report"): self.h_report,
+            ("GET", "/v1/nodes"): self.h_nodes, ("GET", "/v1/cluster"): self.h_cluster,
+            ("GET", "/v1/gangs/{blob_id}"): self.h_gang_blob, ("POST", "/v1/jobs"): self.h_submit,
+            ("GET", "/v1/jobs"): self.h_jobs, ("GET", "/v1/jobs/{job_id}"): self.h_job,
+            ("DELETE", "/v1/jobs/{job_id}"): self.h_cancel,
+            ("POST", "/v1/jobs/{job_id}/artifact"): self.h_update_artifact,
+            ("POST", "/v1/defrag"): self.h_defrag, ("POST", "/v1/prefetch"): self.h_prefetch,
+        }
+        authz.install(app, authz.PLACER_ROUTES, handlers, self.tokens,
+                      flags={"open_reads": self.cfg.open_reads, "open_metrics": self.cfg.open_metrics},
+                      max_body={("POST", "/v1/nodes/{node_id}/report"): LARGE_BODY,
+                                ("POST", "/v1/jobs"): 1 << 20, ("POST", "/v1/jobs/{job_id}/artifact"): 16 << 10,
+                                ("POST", "/v1/defrag"): 4096, ("POST", "/v1/prefetch"): 256 << 10})
         return app
 
     async def h_healthz(self, req: Request) -> Response:
@@ -448,7 +451,9 @@ class PlacerService:
         elif body.level:
             if body.level not in ("zone", "block", "rack") or not body.domain:
                 raise HTTPError(400, "level must be zone|block|rack, with a domain name")
-            nodes = [n for n in nodes if getattr(n.topology, body.level) == body.domain]
+            level = body.level
+            nodes = [n for n in nodes if (n.topology.zone if level == "zone" else n.topology.block
+                                          if level == "block" else n.topology.rack) == body.domain]
         if not nodes:
             raise HTTPError(404, "no node matches")
         peers = [n.peer() for n in nodes][: max(self.cfg.max_peers, len(nodes))]

@@ -10,6 +10,8 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterable
 
+import numpy as np
+
 from scheduler_link.messages import JobSpec, WorkloadEvent
 
 from .config import PlacerConfig
@@ -74,7 +76,8 @@ class StateBase:
     def _finish_recovery(self, now: float) -> None:
         raise NotImplementedError
 
-    def _timed_place(self, model: ClusterModel, req: JobRequest, **kw: object) -> Decision | None:
+    def _timed_place(self, model: ClusterModel, req: JobRequest, *, allow_preemption: bool = True,
+                     exclude: np.ndarray | None = None) -> Decision | None:
         raise NotImplementedError
 
     def _maybe_running(self, job: JobRec, now: float) -> None:

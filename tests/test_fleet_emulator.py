@@ -33,7 +33,7 @@ async def test_registration_of_an_emulated_fleet_through_the_real_placer(tmp_pat
                              extra=["--fetch-delay", "0.05", "--run-delay", "0.05"]) as e0, \
                 EmulatorProc(placer, td, nodes=N // 2, offset=N - N // 2, mux=MUX,
                              log_path=tmp_path / "emu1.log") as e1, \
-                httpx.AsyncClient(timeout=60) as c:
+                httpx.AsyncClient(timeout=60, headers=op) as c:
             fds_before = placer.fds()
             await e0.go()
             await e1.go()

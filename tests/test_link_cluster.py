@@ -36,7 +36,7 @@ class Api:
         return self.c.placer.url
 
     async def get(self, path: str, **kw: Any) -> Any:
-        async with httpx.AsyncClient(timeout=15) as cl:
+        async with httpx.AsyncClient(timeout=15, headers=self.h) as cl:
             r = await cl.get(self.url + path, **kw)
             r.raise_for_status()
             return r.json()

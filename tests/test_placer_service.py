@@ -262,15 +262,19 @@ async def test_wrong_tokens_change_nothing(tmp_path, token_dir):
             svc, cl = await start_cluster(n, tmp_path, tokens, n_agents=1)
             body = msgspec.json.encode(JobSpec(job_id="x", argv=["true"]))
             async with httpx.AsyncClient(base_url=cl.url) as c:
-                for hdr in ({}, auth_header("wrong"), auth_header(tokens.cluster), auth_header(tokens.placer)):
-                    assert (await c.post("/v1/jobs", content=body, headers=hdr)).status_code == 401
-                    assert (await c.delete("/v1/jobs/x", headers=hdr)).status_code == 401
+                # no token or a wrong one: 401; a real token of another role: 403
+                for hdr, code in (({}, 401), (auth_header("wrong"), 401), (auth_header(tokens.cluster), 403),
+                                  (auth_header(tokens.placer), 403)):
+                    assert (await c.post("/v1/jobs", content=body, headers=hdr)).status_code == code
+                    assert (await c.delete("/v1/jobs/x", headers=hdr)).status_code == code
                 rep = msgspec.json.encode(NodeReport(node_id="evil", boot_id="b", seq=1))
-                for hdr in ({}, auth_header("wrong"), auth_header(tokens.operator)):
+                for hdr, code in (({}, 401), (auth_header("wrong"), 401), (auth_header(tokens.operator), 403)):
                     r = await c.post("/v1/nodes/evil/report", content=rep, headers=hdr)
-                    assert r.status_code == 401
-                assert (await c.get("/v1/jobs")).json()["jobs"] == []
-                assert [x["node_id"] for x in (await c.get("/v1/nodes")).json()["nodes"]] == ["n0"]
+                    assert r.status_code == code
+                assert (await c.get("/v1/jobs")).status_code == 401  # reads need the viewer role
+                view = auth_header(tokens.operator)
+                assert (await c.get("/v1/jobs", headers=view)).json()["jobs"] == []
+                assert [x["node_id"] for x in (await c.get("/v1/nodes", headers=view)).json()["nodes"]] == ["n0"]
                 # bad input: clear errors, nothing stored
                 hdr = auth_header(tokens.operator)
                 for bad in (b"{", msgspec.json.encode({"job_id": "x", "pods": 0, "argv": ["a"]}),
@@ -282,12 +286,12 @@ async def test_wrong_tokens_change_nothing(tmp_path, token_dir):
                             msgspec.json.encode({"job_id": "x", "env": {"A=B": "c"}, "argv": ["a"]})):
                     r = await c.post("/v1/jobs", content=bad, headers=hdr)
                     assert r.status_code == 400 and r.json()["error"], r.text
-                assert (await c.get("/v1/jobs")).json()["jobs"] == []
+                assert (await c.get("/v1/jobs", headers=hdr)).json()["jobs"] == []
                 r = await c.post("/v1/nodes/n0/report", headers=auth_header(tokens.cluster),
                                  content=msgspec.json.encode(NodeReport(node_id="n0", boot_id="zz", seq=5,
                                                                         full=False)))
                 assert r.status_code == 409  # unknown boot: the agent must send a full report
-                spec = (await c.get("/openapi.json")).json()
+                spec = (await c.get("/openapi.json", headers=hdr)).json()
                 assert "/v1/jobs/{job_id}" in spec["paths"] and "/v1/nodes/{node_id}/report" in spec["paths"]
                 m = (await c.get("/metrics")).text
                 assert 'herd_placer_nodes{state="up"} 1' in m
