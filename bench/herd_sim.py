@@ -1,184 +1,511 @@
-"""Flow-level (fluid) model of the herd at fleet scale: up to 10,000 nodes in racks
-behind an oversubscribed spine.
+"""The herd at fleet scale, simulated with the real decision functions, every byte counted.
 
-    python -m bench.herd_sim [--nodes 8,64,1024,10000] [--size-mb 2048] [--chunk-mb 4]
-                             [--rack-size 32] [--link-gbit 100] [--origin-gbit 100]
-                             [--oversub 4] [--json]
+    python -m bench.herd_sim [--nodes 8,64,1024,10000,25000,50000] [--rack-size 18,32]
+                             [--size-mb 2048] [--chunk-mb 1] [--cases none,dead,home,slowrack]
+                             [--json]
 
-What is modelled. Every chunk of the artifact gets its homes from the real pure
-functions the fetcher uses (``p2p.rendezvous``: balanced global homes with
-``assign_homes``, rack homes = the top-ranked node of each rack in the same order).
-Walking every chunk gives the bytes each resource must carry:
+What runs. For each chunk, the tree every fetcher computes (``p2p.tree.all_parents``: the
+same primitives as ``plan_node``, which ``p2p.herd`` calls; a test checks they agree) and
+for today's design the homes the old fetcher computes (``p2p.rendezvous.assign_homes``
+global homes; rack homes = each rack's top rendezvous node). Then a chunk-level
+store-and-forward schedule, chunk by chunk in manifest order (the fetchers' order),
+level by level down each chunk's tree:
 
-- the origin's egress;
-- each node's uplink (a global home sends to the other racks' rack homes; a rack
-  home sends to its rack-mates) and downlink (every node receives every chunk once);
-- each rack's uplink to the spine, out and in (capacity = rack nodes x link / oversub).
+- every transfer occupies its sender's uplink and its receiver's downlink for one chunk
+  time at ``min(link, CPU-bound rate)``; each node's uplink, each rack's spine uplink (in
+  and out, ``rack nodes x link / oversub``) and the origin are FIFO servers (exact FIFO
+  recurrences, vectorised with a grouped cumulative max);
+- the data plane's per-chunk serving cap: askers beyond ``--serve-cap`` copies in flight
+  are answered 503 and come back after Retry-After (counted, their start delayed to the
+  next retry); today's design: a chunk's global home takes at most 256 waiting requests
+  (``max_waiting``), the rest are 503 and go to the origin, as its plan says;
+- failures, from the fetcher's own rules: a dead parent is skipped for the next live
+  source up the chain (1 ms to learn it: connection refused), a dead global home hands
+  the origin read to its first live successor; a transfer cut by a death is re-asked of
+  the fallback at the moment of death (its partial bytes counted as wasted);
+- the manifest travels like a chunk (its own tree; today: every cold node reads it from
+  the origin); have-probes counted (today: 256 peers each, tree: the rack);
+- CPU: receive and send CPU-s per GiB from the efficiency issue's loopback figures
+  (6 and 0.9 on one core) bound each node's rates; the planning CPU is measured in this
+  run on this machine (one ``plan_node`` for the whole manifest; today: ``plan_sources``
+  per chunk, timed on a few chunks) and delays each node's start.
 
-In a fluid model with the transfers pipelined chunk by chunk, completion is the most
-loaded resource's bytes / capacity, plus the pipeline fill (one chunk time per
-store-and-forward hop). The same is computed for (a) origin only (N copies through the
-origin) and (b) a flat herd that ignores racks (everyone pulls from the global home).
-It models bandwidth and real home placement (including its imbalance); it does not
-model TCP, latency, failures or CPU (bench/herd.py measures a real herd on shaped links).
+Origin egress, cross-rack bytes and 503s are sums over simulated transfers. Not modelled:
+TCP dynamics, latency other than chunk times, per-node worker windows (a node asks for
+every chunk as soon as its downlink is free), disk.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import blake3
 import numpy as np
 
-from p2p.rendezvous import assign_homes, assign_rack_homes, chunk_key, node_key, scores_np
+from p2p.rendezvous import assign_homes, plan_sources, scores_np
+from p2p.tree import PeerView, all_parents, chunk_keys, member_order, plan_node, rack_positions
+from scheduler_link.messages import Peer
+
+GIB = 1 << 30
 
 
-def simulate(nodes: int, size_mb: float, chunk_mb: float, rack_size: int, link_gbit: float,
-             origin_gbit: float, oversub: float, seed: int = 0, balanced: bool = True) -> dict[str, Any]:
-    rack_size = max(1, min(rack_size, nodes))
-    n_chunks = max(1, int(round(size_mb / chunk_mb)))
-    csize = size_mb * (1 << 20) / n_chunks
-    size = csize * n_chunks
-    ids = [f"node-{i:05d}" for i in range(nodes)]
-    rack = np.arange(nodes) // rack_size
+def tree_of(node_ids: Sequence[str], peers: Sequence[Peer], chunk_ids: Sequence[str], *, k: int,
+            rack_fanout: int) -> tuple[np.ndarray, np.ndarray, PeerView]:
+    """The simulator's trees for these inputs: (parent [C, N] rows, home [C], view)."""
+    view = PeerView.from_peers(peers)
+    parent, home = all_parents(view, chunk_keys(chunk_ids), k=k, rack_fanout=rack_fanout)
+    return parent, home, view
+
+
+@dataclass
+class Params:
+    nodes: int
+    rack_size: int
+    chunks: int
+    chunk_bytes: float
+    manifest_bytes: float
+    link: float             # bytes/s
+    origin: float
+    oversub: float
+    k: int
+    rack_fanout: int
+    serve_cap: int
+    retry_s: float
+    recv_cpu: float         # CPU-s per GiB received
+    send_cpu: float
+    cores: float
+
+
+def _grouped_fifo(group: np.ndarray, ready: np.ndarray, service: np.ndarray | float) -> np.ndarray:
+    """FIFO servers, one per group: jobs served in the given order (sorted by group);
+    returns each job's end time. e_i = max(r_i, e_{i-1}) + s, exact, as
+    e_i = (i+1) s + cummax(r_j - j s) within the group (s constant per group)."""
+    n = len(group)
+    if n == 0:
+        return ready
+    s = np.broadcast_to(np.asarray(service, dtype=np.float64), (n,))
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
+    gid = np.cumsum(np.r_[True, group[1:] != group[:-1]]) - 1
+    idx = np.arange(n) - starts[gid]
+    v = ready - idx * s
+    span = float(v.max() - v.min()) + 1.0
+    acc = np.maximum.accumulate(v + gid * span) - gid * span
+    return (idx + 1) * s + acc
+
+
+class Sim:
+    """One design, one scenario: the state of every resource and every node."""
+
+    def __init__(self, p: Params, rack: np.ndarray, die: np.ndarray, rack_cap: np.ndarray) -> None:
+        self.p = p
+        n = p.nodes
+        self.rack = rack
+        self.die = die
+        self.rack_cap = rack_cap
+        rate_down = min(p.link, p.cores * GIB / p.recv_cpu)
+        rate_up = min(p.link, p.cores * GIB / p.send_cpu)
+        self.rate = min(rate_down, rate_up)
+        self.t0 = np.zeros(n)              # when each node starts moving chunks
+        self.w_down = np.zeros(n)          # chunk-times of work each resource took so far
+        self.w_up = np.zeros(n)
+        self.w_rin = np.zeros(len(rack_cap))
+        self.w_rout = np.zeros(len(rack_cap))
+        self.w_origin = 0.0                # objects the origin sent so far
+        self.done = np.zeros(n)            # last chunk's arrival per node
+        self.origin_bytes = 0.0
+        self.cross_bytes = 0.0
+        self.peer_bytes = 0.0
+        self.wasted = 0.0
+        self.busy_503 = 0
+        self.dead_probes = 0
+
+    # ---------------------------------------------------------------- one object
+
+    def transfer(self, parent: np.ndarray, size: float, ready: np.ndarray, succ: Sequence[int],
+                 origin_fallback: np.ndarray | None = None, cap: int = 0) -> np.ndarray:
+        """Move one object down ``parent`` (-1 = reads the origin). Returns each node's
+        arrival time (inf: never, dead). ``succ``: the root's successors (re-rooting).
+        ``origin_fallback``: nodes told 503 that read the origin instead (today)."""
+        p = self.p
+        n = p.nodes
+        die = self.die
+        have = np.full(n, np.inf)
+        tau = size / self.rate
+        alive0 = die > 0
+        par = parent.copy()
+        if origin_fallback is not None:
+            par[origin_fallback] = -1
+        # levels (depth from the origin readers)
+        depth = np.zeros(n, np.int64)
+        cur = par.copy()
+        while True:
+            m = cur >= 0
+            if not m.any():
+                break
+            depth[m] += 1
+            cur[m] = par[cur[m]]
+        # level 0: origin reads, FIFO at the origin, in ready order; a dead root hands
+        # the read to its first live successor at the moment it is known dead
+        roots = np.flatnonzero((par < 0) & alive0)
+        order = roots[np.argsort(ready[roots], kind="stable")]
+        self._origin_reads(order, size, ready, have)
+        dead_roots = np.flatnonzero((par < 0) & ~alive0)
+        failed_root = [int(r) for r in np.flatnonzero(par < 0) if have[r] > die[r]]
+        if failed_root or len(dead_roots):
+            for s in succ:
+                if die[s] > 0 and not math.isfinite(have[s]):
+                    t = min((float(min(die[r], have[r])) for r in np.flatnonzero(par < 0)), default=0.0)
+                    self.dead_probes += 1
+                    self._origin_reads(np.array([s]), size, np.maximum(ready, t + 0.001), have)
+                    if have[s] <= die[s]:
+                        break
+        maxd = int(depth.max()) if n else 0
+        for lvl in range(1, maxd + 1):
+            xs = np.flatnonzero((depth == lvl) & alive0 & ~np.isfinite(have))
+            pending = xs
+            t_ask = ready[xs]
+            for _ in range(64):
+                if len(pending) == 0:
+                    break
+                src, t_known = self._sources(pending, par, have, succ, t_ask)
+                ok = src >= 0
+                # no live source above: read the origin (the tree above is dead)
+                if (~ok).any():
+                    r2 = ready.copy()
+                    r2[pending[~ok]] = np.maximum(ready[pending[~ok]], t_known[~ok])
+                    self._origin_reads(pending[~ok], size, r2, have)
+                pending, src, t_known, t_ask = pending[ok], src[ok], t_known[ok], t_ask[ok]
+                if len(pending) == 0:
+                    break
+                pending, t_ask = self._peer_round(pending, src, size, tau,
+                                                  np.maximum.reduce([ready[pending], t_known, t_ask]), have, cap)
+        # a node that died before it got the object never has it
+        have[have > die] = np.inf
+        return have
+
+    def _sources(self, xs: np.ndarray, par: np.ndarray, have: np.ndarray,
+                 succ: Sequence[int], t_ask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The first usable source up each node's chain (the fetcher's rule: skip dead
+        ancestors, then successors); -1 when none. Usable: has it before it dies, and
+        is not dead when asked."""
+        die = self.die
+        src = par[xs].copy()
+        t = np.zeros(len(xs))
+        for _ in range(64):
+            s0 = np.maximum(src, 0)
+            bad = (src >= 0) & (~(have[s0] < die[s0]) | (die[s0] <= np.maximum(t_ask, t)))
+            if not bad.any():
+                break
+            t[bad] = np.maximum(t[bad], np.minimum(die[src[bad]], 1e18)) + 0.001
+            self.dead_probes += int(bad.sum())
+            src[bad] = par[src[bad]]
+        top = src < 0
+        if top.any():
+            for s in succ:
+                cand = top & (xs != s) & bool(have[s] < die[s]) & (die[s] > np.maximum(t_ask, t))
+                src[cand] = s
+                top &= ~cand
+        return src, t
+
+    def _origin_reads(self, xs: np.ndarray, size: float, ready: np.ndarray, have: np.ndarray) -> None:
+        if len(xs) == 0:
+            return
+        tau = size / self.rate
+        xs = xs[np.argsort(ready[xs], kind="stable")]
+        r = ready[xs]
+        i = np.arange(len(xs))
+        ends = np.maximum.reduce([r + tau, self.w_origin + (i + 1) * size / self.p.origin,
+                                  self.t0[xs] + self.w_down[xs] + tau])
+        self.w_origin += len(xs) * size / self.p.origin
+        self.w_down[xs] += tau
+        cut = ends > self.die[xs]
+        self.origin_bytes += size * float((~cut).sum())
+        self.wasted += float(np.clip((self.die[xs][cut] - (ends[cut] - tau)) * self.rate, 0, size).sum())
+        have[xs] = np.where(cut, np.inf, ends)
+
+    def _peer_round(self, xs: np.ndarray, src: np.ndarray, size: float, tau: float, ready: np.ndarray,
+                    have: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray]:
+        """One round of peer transfers src -> xs; returns the nodes whose transfer was cut
+        (their sender died) to be re-asked, and when. Each resource is work-conserving: a transfer
+        ends no earlier than its sender's copies of this chunk before it (one chunk time
+        each), the sender's uplink work so far, the receiver's downlink work so far, and
+        the spine work of the racks it crosses."""
+        r = np.maximum(ready, have[src])
+        o = np.lexsort((r, src))
+        xs, src, r = xs[o], src[o], r[o]
+        grp_start = np.r_[True, src[1:] != src[:-1]]
+        ends = _grouped_fifo(src, r, tau)
+        starts = np.flatnonzero(grp_start)
+        gid = np.cumsum(grp_start) - 1
+        idx = np.arange(len(xs)) - starts[gid]
+        ends = np.maximum.reduce([ends, self.t0[src] + self.w_up[src] + (idx + 1) * tau,
+                                  self.t0[xs] + self.w_down[xs] + tau])
+        # the per-chunk serving cap: askers beyond it were told 503 and came back after
+        # Retry-After (their start moves to the retry that found a free slot)
+        if cap > 0:
+            waited = np.maximum(ends - tau - r, 0.0)
+            over = (idx >= cap) & (waited > 0)
+            tries = np.ceil(waited[over] / self.p.retry_s)
+            self.busy_503 += int(tries.sum())
+            ends[over] = r[over] + tries * self.p.retry_s + tau
+        gl = np.r_[src[1:] != src[:-1], True]
+        self.w_up[src[gl]] += (idx[gl] + 1) * tau
+        self.w_down[xs] += tau
+        # spine: cross-rack transfers add work to the sender rack's uplink out and the receiver's in
+        cross = self.rack[src] != self.rack[xs]
+        if cross.any():
+            ci = np.flatnonzero(cross)
+            for key, work in ((self.rack[src[ci]], self.w_rout), (self.rack[xs[ci]], self.w_rin)):
+                oo = np.lexsort((ends[ci], key))
+                kk, jj = key[oo], ci[oo]
+                first = np.r_[True, kk[1:] != kk[:-1]]
+                g2 = np.cumsum(first) - 1
+                k_idx = np.arange(len(kk)) - np.flatnonzero(first)[g2]
+                ends[jj] = np.maximum(ends[jj], work[kk] + (k_idx + 1) * size / self.rack_cap[kk])
+                last = np.r_[kk[1:] != kk[:-1], True]
+                work[kk[last]] += (k_idx[last] + 1) * size / self.rack_cap[kk[last]]
+        cut = ends > self.die[src]
+        good = ~cut
+        have[xs[good]] = ends[good]
+        self.peer_bytes += size * float(good.sum())
+        self.cross_bytes += size * float((good & cross).sum())
+        if cut.any():
+            self.wasted += float(np.clip((self.die[src[cut]] - (ends[cut] - tau)) * self.rate, 0, size).sum())
+        return xs[cut], self.die[src[cut]] + 0.001
+
+
+def _scenario(p: Params, case: str, seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    n = p.nodes
+    rack = np.arange(n) // p.rack_size
     n_racks = int(rack[-1]) + 1
     rack_nodes = np.bincount(rack, minlength=n_racks)
-    chunk_ids = [f"{seed:08x}{i:056x}" for i in range(n_chunks)]
-    # chunk ids are BLAKE3 hex in real life: hash the index so keys are uniform here too
-    chunk_ids = [format(node_key(c), "016x") * 4 for c in chunk_ids]
+    cap = rack_nodes * p.link / p.oversub
+    die = np.full(n, np.inf)
+    rng = np.random.default_rng(seed)
+    if case == "dead" and n > 1:
+        die[rng.choice(n, size=max(1, n // 100), replace=False)] = 0.0
+    if case == "slowrack" and n_racks > 1:
+        cap[int(rng.integers(n_racks))] /= 10
+    return rack, die, cap
 
-    link = link_gbit * 1e9 / 8                      # bytes/s
-    origin_rate = origin_gbit * 1e9 / 8
-    rack_cap = rack_nodes * link / oversub
 
-    homes = (assign_homes([(c, int(csize)) for c in chunk_ids], ids) if balanced else
-             {c: ids[int(np.argmax(scores_np(chunk_key(c), np.array([node_key(n) for n in ids],
-                                                                      dtype=np.uint64))))]
-              for c in chunk_ids})
-    index = {n: i for i, n in enumerate(ids)}
-    keys = np.array([node_key(n) for n in ids], dtype=np.uint64)
+def run_row(p: Params, case: str, seed: int = 0) -> dict[str, Any]:
+    t_wall = time.perf_counter()
+    n, C = p.nodes, p.chunks
+    ids = [f"node-{i:05d}" for i in range(n)]
+    rack, die, cap = _scenario(p, case, seed)
+    labels = [f"z/b/r{int(r):05d}" for r in rack]
+    view = PeerView.build(ids, ids, labels)
+    # view rows == ids order (build keeps first-seen order)
+    chunk_ids = [blake3.blake3(f"{seed}:{i}".encode()).hexdigest() for i in range(C)]
+    manifest_id = blake3.blake3(f"{seed}:manifest".encode()).hexdigest()
+    ck = chunk_keys(chunk_ids)
+    size = C * p.chunk_bytes
 
-    up_rack = np.zeros(nodes)       # node uplink bytes, rack-aware herd
-    up_flat = np.zeros(nodes)       # node uplink bytes, flat herd
-    rack_out = np.zeros(n_racks)
-    rack_in = np.zeros(n_racks)
-    rack_in_flat = np.zeros(n_racks)
-    rack_out_flat = np.zeros(n_racks)
-    pad = n_racks * rack_size - nodes
-    chunk_list = [(c, int(csize)) for c in chunk_ids]
-    if balanced:
-        # what the fetcher does: balanced rack homes per rack (assign_rack_homes)
-        per_rack = [assign_rack_homes(chunk_list, ids[r * rack_size:(r + 1) * rack_size], homes,
-                                      n_racks=n_racks)
-                    for r in range(n_racks)]
-    for c in chunk_ids:
-        g = index[homes[c]]
-        gr = rack[g]
-        if balanced:
-            rhome = np.array([index[per_rack[r][c]] for r in range(n_racks)])
-        else:  # plain rendezvous: the top-ranked node of each rack
-            sc = scores_np(chunk_key(c), keys).astype(np.float64)
-            sc[g] = np.inf
-            grid = np.concatenate([sc, np.full(pad, -np.inf)]).reshape(n_racks, rack_size)
-            rhome = grid.argmax(axis=1) + np.arange(n_racks) * rack_size
-        # rack-aware: G -> other racks' homes (cross the spine once per rack); rack homes -> mates
-        up_rack[g] += csize * (n_racks - 1)
-        np.add.at(up_rack, rhome, csize * (rack_nodes - 1))
-        rack_out[gr] += csize * (n_racks - 1)
-        rack_in += csize
-        rack_in[gr] -= csize
-        # flat: every node pulls from G
-        up_flat[g] += csize * (nodes - 1)
-        rack_out_flat[gr] += csize * (nodes - rack_nodes[gr])
-        rack_in_flat += csize * rack_nodes
-        rack_in_flat[gr] -= csize * rack_nodes[gr]
+    # ---- planning CPU, measured here (one node's whole-manifest plan; today: per chunk)
+    t = time.perf_counter()
+    plan_node(view, 0, ck, k=p.k, rack_fanout=p.rack_fanout)
+    cpu_tree = time.perf_counter() - t
+    peers = [Peer(node_id=i, data_url=i, zone="z", block="b", rack=lab.split("/")[2]) for i, lab in zip(ids, labels, strict=True)]
+    sample = chunk_ids[: 2 if n > 5000 else 8]
+    t = time.perf_counter()
+    for cid in sample:
+        plan_sources(cid, ids[0], peers)
+    cpu_today = (time.perf_counter() - t) / len(sample) * C
+    t = time.perf_counter()
+    homes_today = assign_homes([(c, int(p.chunk_bytes)) for c in chunk_ids], ids)
+    cpu_today += time.perf_counter() - t
 
-    down = size                                      # every node receives every byte once
-    ideal = size / link
-    hop = csize / link
+    # a global home dying mid-transfer: the node that is home for the most chunks
+    tree_par_m, tree_home_m = all_parents(view, chunk_keys([manifest_id]), k=p.k, rack_fanout=p.rack_fanout)
+    tree_par_probe, tree_home = all_parents(view, ck[: min(C, 256)], k=p.k, rack_fanout=p.rack_fanout)
+    victim = -1
+    if case == "home" and n > 1:
+        victim = int(np.argmax(np.bincount(tree_home, minlength=n)))
+    out: dict[str, Any] = {"nodes": n, "rack_size": p.rack_size, "racks": int(rack[-1]) + 1, "case": case,
+                           "chunks": C, "size_mib": round(size / (1 << 20), 1)}
+    for design in ("tree", "today"):
+        s_die = die.copy()
+        sim = Sim(p, rack, s_die, cap)
+        ideal = size / sim.rate
+        if victim >= 0:
+            s_die[victim] = 0.5 * ideal
+        t0 = np.zeros(n)
+        # ---- the manifest
+        if design == "tree":
+            succ = _succ(view, chunk_keys([manifest_id]), p, 0)[0]
+            have_m = sim.transfer(tree_par_m[0], p.manifest_bytes, t0, succ, cap=p.serve_cap)
+            probes = n * (p.rack_size - 1)
+            start = have_m + cpu_tree
+        else:
+            have_m = sim.transfer(np.full(n, -1), p.manifest_bytes, t0, [])
+            probes = n * min(256, n - 1)
+            start = have_m + cpu_today
+        manifest_origin = sim.origin_bytes
+        sim.t0 = np.where(np.isfinite(start), start, 0.0)
+        sim.w_down[:] = 0.0
+        sim.w_up[:] = 0.0
+        rack_of = rack
+        for lo in range(0, C, 256):
+            hi = min(C, lo + 256)
+            if design == "tree":
+                par, _ = all_parents(view, ck[lo:hi], k=p.k, rack_fanout=p.rack_fanout, first=lo)
+                succs = _succ(view, ck[lo:hi], p, lo)
+                for i in range(hi - lo):
+                    have = sim.transfer(par[i], p.chunk_bytes, start, succs[i], cap=p.serve_cap)
+                    sim.done = np.maximum(sim.done, have)
+            else:
+                for parent, fallback in _today_parents(view, ck[lo:hi], chunk_ids[lo:hi], homes_today, rack_of):
+                    have = sim.transfer(parent, p.chunk_bytes, start, [], origin_fallback=fallback)
+                    sim.busy_503 += len(fallback)
+                    sim.done = np.maximum(sim.done, have)
+        alive = s_die == np.inf
+        completion = float(sim.done[alive].max()) if alive.any() else 0.0
+        n_racks = int(rack[-1]) + 1
+        out[design] = {
+            "completion_over_ideal": round(completion / ideal, 3),
+            "origin_egress_over_size": round(sim.origin_bytes / size, 4),
+            "manifest_origin_copies": round(manifest_origin / p.manifest_bytes, 2),
+            "cross_rack_in_per_rack_over_size": round(sim.cross_bytes / max(n_racks, 1) / size, 3),
+            "wasted_over_size": round(sim.wasted / size, 4),
+            "busy_503": sim.busy_503,
+            "have_probes": probes,
+            "plan_cpu_s_per_node": round(cpu_tree if design == "tree" else cpu_today, 4),
+            "nodes_incomplete": int((~np.isfinite(sim.done[alive])).sum()),
+        }
+    out["ideal_s"] = round(size / min(p.link, p.cores * GIB / p.recv_cpu, p.cores * GIB / p.send_cpu), 3)
+    out["sim_s"] = round(time.perf_counter() - t_wall, 1)
+    return out
 
-    bottleneck: dict[str, str] = {}
 
-    def completion(name: str, origin_bytes: float, up: np.ndarray | None, r_in: np.ndarray | None,
-                   r_out: np.ndarray | None, hops: int) -> float:
-        t = {"origin egress": origin_bytes / origin_rate, "node downlink": down / link}
-        if up is not None:
-            t["node uplink"] = float(up.max()) / link
-        if r_in is not None and n_racks > 1:
-            t["rack uplink in"] = float((r_in / rack_cap).max())
-        if r_out is not None and n_racks > 1:
-            t["rack uplink out"] = float((r_out / rack_cap).max())
-        bottleneck[name] = max(t, key=lambda k: t[k])
-        return max(t.values()) + hops * hop
+def _succ(view: PeerView, ck: np.ndarray, p: Params, first: int) -> list[list[int]]:
+    order, _ = rack_positions(view, ck)
+    root = member_order(view, np.arange(first, first + len(ck)), order[:, :1])[:, 0, :]
+    return [[int(x) for x in root[i, 1:3] if x >= 0] for i in range(len(ck))]
 
-    # origin only: every node pulls everything from the origin, through its rack uplink
-    oo_rack_in = rack_nodes * size
-    t_origin = completion("origin", nodes * size, None, oo_rack_in if n_racks > 1 else None, None, 1)
-    t_herd = completion("herd", size, up_rack, rack_in, rack_out, 3 if n_racks > 1 else 2)
-    t_flat = completion("flat", size, up_flat, rack_in_flat, rack_out_flat, 2)
-    home_load = np.bincount([index[h] for h in homes.values()], minlength=nodes) * csize
-    return {
-        "nodes": nodes, "racks": n_racks, "rack_size": rack_size, "size_mb": size_mb, "chunks": n_chunks,
-        "ideal_s": round(ideal, 4),
-        "herd_completion_over_ideal": round(t_herd / ideal, 3),
-        "herd_origin_egress_over_size": 1.0,
-        "origin_only_completion_over_ideal": round(t_origin / ideal, 3),
-        "origin_only_origin_egress_over_size": float(nodes),
-        "flat_herd_completion_over_ideal": round(t_flat / ideal, 3),
-        "cross_rack_in_per_rack_over_size": round(float(rack_in.mean()) / size, 3) if n_racks > 1 else 0.0,
-        "cross_rack_in_per_rack_max_over_size": round(float(rack_in.max()) / size, 3) if n_racks > 1 else 0.0,
-        "flat_cross_rack_in_per_rack_over_size": round(float(rack_in_flat.mean()) / size, 3)
-        if n_racks > 1 else 0.0,
-        "max_home_bytes_over_mean": round(float(home_load.max() / max(home_load.mean(), 1e-9)), 3),
-        "max_uplink_over_size": round(float(up_rack.max()) / size, 3),
-        "herd_bottleneck": bottleneck["herd"], "flat_bottleneck": bottleneck["flat"],
-    }
+
+def _today_parents(view: PeerView, ck: np.ndarray, cids: Sequence[str], homes: dict[str, str],
+                   rack: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Today's design: global home (assign_homes) -> every other rack's top node (waits
+    on it; beyond 256 waiting the home answers 503 and the plan's next source is the
+    origin) -> that rack's members."""
+    n = len(view)
+    R = len(view.racks)
+    # today's rack homes: each rack's top node by rendezvous score (p2p.rendezvous.score)
+    rows_all = view.grid[np.broadcast_to(np.arange(R), (len(ck), R))]
+    valid_all = rows_all >= 0
+    sc = _mix_scores(ck, view.nkeys, rows_all, valid_all)
+    members = np.take_along_axis(rows_all, np.argsort(~sc, axis=2, kind="stable"), axis=2)
+    out = []
+    rng = np.random.default_rng(int(ck[0] & np.uint64(0xFFFF)) if len(ck) else 0)
+    for i, cid in enumerate(cids):
+        g = view.index[homes[cid]]
+        gr = int(rack[g])
+        rh = members[i, :, 0].copy()
+        par = np.full(n, -1, np.int64)
+        # members -> their rack's top node; the home's rack -> the home
+        rows = members[i]
+        valid = rows >= 0
+        par[rows[valid]] = np.repeat(rh, valid.sum(axis=1))
+        rh[gr] = g
+        rows_g = rows[gr][rows[gr] >= 0]
+        par[rows_g] = g
+        others = np.delete(rh, gr)
+        par[others] = g
+        par[g] = -1
+        # the home's wait budget: 256 waiters; the rest 503 -> origin
+        fallback = np.zeros(0, np.int64)
+        if len(others) > 256:
+            fallback = rng.permutation(others)[256:]
+        out.append((par, fallback))
+    return out
+
+
+def _mix_scores(ck: np.ndarray, nkeys: np.ndarray, rows: np.ndarray, valid: np.ndarray) -> np.ndarray:
+    out = np.zeros(rows.shape, np.uint64)
+    for i in range(len(ck)):
+        out[i] = np.where(valid[i], scores_np(int(ck[i]), nkeys[np.maximum(rows[i], 0)]), np.uint64(0))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.herd_sim", description=__doc__.split("\n\n")[0])
-    p.add_argument("--nodes", default="8,16,64,256,1024,4096,10000")
-    p.add_argument("--size-mb", type=float, default=2048)
-    p.add_argument("--chunk-mb", type=float, default=4)
-    p.add_argument("--rack-size", type=int, default=32)
-    p.add_argument("--link-gbit", type=float, default=100)
-    p.add_argument("--origin-gbit", type=float, default=100)
-    p.add_argument("--oversub", type=float, default=4, help="rack uplink oversubscription (N:1)")
-    p.add_argument("--json", action="store_true")
-    a = p.parse_args(argv)
+    ap = argparse.ArgumentParser(prog="python -m bench.herd_sim", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", default="8,64,1024,10000,25000,50000")
+    ap.add_argument("--rack-size", default="18,32", help="GB200 racks of 18, H100 racks of 32")
+    ap.add_argument("--cases", default="none,dead,home,slowrack")
+    ap.add_argument("--size-mb", type=float, default=2048)
+    ap.add_argument("--chunk-mb", type=float, default=1)
+    ap.add_argument("--max-cells", type=float, default=12e6,
+                    help="chunks x nodes per row at most (big rows get fewer chunks)")
+    ap.add_argument("--link-gbit", type=float, default=100)
+    ap.add_argument("--origin-gbit", type=float, default=100)
+    ap.add_argument("--oversub", type=float, default=2)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--rack-fanout", type=int, default=32)
+    ap.add_argument("--serve-cap", type=int, default=0,
+                    help="copies of one chunk a node sends at once (0: k + rack fan-out)")
+    ap.add_argument("--retry-ms", type=float, default=50)
+    ap.add_argument("--recv-cpu", type=float, default=6.0, help="CPU-s per GiB received (loopback figure)")
+    ap.add_argument("--send-cpu", type=float, default=0.9, help="CPU-s per GiB sent (loopback figure)")
+    ap.add_argument("--cores", type=float, default=1.0)
+    ap.add_argument("--manifest-bytes-per-chunk", type=float, default=75.0)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
     try:
         sweep = [int(x) for x in a.nodes.split(",") if x.strip()]
+        racks = [int(x) for x in a.rack_size.split(",") if x.strip()]
     except ValueError:
-        p.error("--nodes: comma-separated integers")
-    if not sweep or any(not 1 <= n <= 20000 for n in sweep):
-        p.error("--nodes: each between 1 and 20000")
-    if a.size_mb <= 0 or a.chunk_mb <= 0 or a.size_mb / a.chunk_mb > 20000:
-        p.error("--size-mb/--chunk-mb: positive, at most 20000 chunks")
-    if a.rack_size < 1 or a.link_gbit <= 0 or a.origin_gbit <= 0 or a.oversub <= 0:
-        p.error("--rack-size, --link-gbit, --origin-gbit, --oversub must be positive")
+        ap.error("--nodes/--rack-size: comma-separated integers")
+    if not sweep or any(not 1 <= n <= 50000 for n in sweep):
+        ap.error("--nodes: each between 1 and 50000")
+    if not racks or any(r < 1 for r in racks):
+        ap.error("--rack-size: positive integers")
+    cases = [c for c in a.cases.split(",") if c]
+    if any(c not in ("none", "dead", "home", "slowrack") for c in cases):
+        ap.error("--cases: none, dead, home, slowrack")
+    if a.size_mb <= 0 or a.chunk_mb <= 0 or a.k < 1 or a.rack_fanout < 1:
+        ap.error("--size-mb, --chunk-mb, --k, --rack-fanout must be positive")
     t0 = time.perf_counter()
-    rows = [simulate(n, a.size_mb, a.chunk_mb, a.rack_size, a.link_gbit, a.origin_gbit, a.oversub)
-            for n in sweep]
-    out = {"model": "fluid bottleneck + store-and-forward fill, real rendezvous homes",
-           "link_gbit": a.link_gbit, "origin_gbit": a.origin_gbit, "oversub": a.oversub,
-           "rows": rows, "seconds": round(time.perf_counter() - t0, 2)}
+    rows = []
+    for rs in racks:
+        for n in sweep:
+            chunks = max(1, min(int(round(a.size_mb / a.chunk_mb)), int(a.max_cells // n)))
+            p = Params(nodes=n, rack_size=min(rs, n), chunks=chunks, chunk_bytes=a.chunk_mb * (1 << 20),
+                       manifest_bytes=a.manifest_bytes_per_chunk * chunks, link=a.link_gbit * 1e9 / 8,
+                       origin=a.origin_gbit * 1e9 / 8, oversub=a.oversub, k=a.k, rack_fanout=a.rack_fanout,
+                       serve_cap=a.serve_cap or a.k + a.rack_fanout, retry_s=a.retry_ms / 1000, recv_cpu=a.recv_cpu,
+                       send_cpu=a.send_cpu, cores=a.cores)
+            for case in cases:
+                row = run_row(p, case)
+                rows.append(row)
+                print(f"  {n} nodes racks of {rs} {case}: {row['sim_s']}s", file=sys.stderr, flush=True)
+    out = {"model": "chunk-level store-and-forward, FIFO resources, real tree/home functions",
+           "link_gbit": a.link_gbit, "origin_gbit": a.origin_gbit, "oversub": a.oversub, "k": a.k,
+           "rack_fanout": a.rack_fanout, "serve_cap": a.serve_cap, "cpu_s_per_gib": [a.recv_cpu, a.send_cpu],
+           "cores": a.cores, "rows": rows, "seconds": round(time.perf_counter() - t0, 1)}
     if a.json:
         print(json.dumps(out))
         return 0
-    print(f"herd flow model: {a.size_mb:g} MiB in {a.chunk_mb:g} MiB chunks, {a.link_gbit:g} Gbit/s links, "
-          f"origin {a.origin_gbit:g} Gbit/s, racks of {a.rack_size} at {a.oversub:g}:1")
-    hdr = (f"{'nodes':>6} {'racks':>5} {'herd/ideal':>10} {'flat/ideal':>10} {'origin/ideal':>12} "
-           f"{'egress/S':>8} {'xrack in/S':>10} {'flat xrack/S':>12} {'max home/mean':>13}")
-    print(hdr)
+    print(f"herd sim: {a.size_mb:g} MiB in {a.chunk_mb:g} MiB chunks (big rows fewer), {a.link_gbit:g} Gbit/s "
+          f"links, origin {a.origin_gbit:g} Gbit/s, spine {a.oversub:g}:1, k={a.k}, cap {a.serve_cap}, "
+          f"CPU {a.recv_cpu:g}/{a.send_cpu:g} s/GiB on {a.cores:g} core(s)")
+    print(f"{'nodes':>6} {'rack':>4} {'case':>8} {'chunks':>6} | {'tree T/ideal':>12} {'egress/S':>8} "
+          f"{'xrack/S':>7} {'503s':>7} {'plan s':>7} | {'today T/ideal':>13} {'egress/S':>8} {'xrack/S':>7} "
+          f"{'503s':>7} {'plan s':>7}")
     for r in rows:
-        print(f"{r['nodes']:>6} {r['racks']:>5} {r['herd_completion_over_ideal']:>10.3f} "
-              f"{r['flat_herd_completion_over_ideal']:>10.3f} {r['origin_only_completion_over_ideal']:>12.2f} "
-              f"{r['herd_origin_egress_over_size']:>8.2f} {r['cross_rack_in_per_rack_over_size']:>10.3f} "
-              f"{r['flat_cross_rack_in_per_rack_over_size']:>12.2f} {r['max_home_bytes_over_mean']:>13.2f}  "
-              f"{r['herd_bottleneck']}")
+        t, b = r["tree"], r["today"]
+        print(f"{r['nodes']:>6} {r['rack_size']:>4} {r['case']:>8} {r['chunks']:>6} | "
+              f"{t['completion_over_ideal']:>12.3f} {t['origin_egress_over_size']:>8.3f} "
+              f"{t['cross_rack_in_per_rack_over_size']:>7.3f} {t['busy_503']:>7} {t['plan_cpu_s_per_node']:>7.3f} | "
+              f"{b['completion_over_ideal']:>13.3f} {b['origin_egress_over_size']:>8.3f} "
+              f"{b['cross_rack_in_per_rack_over_size']:>7.3f} {b['busy_503']:>7} {b['plan_cpu_s_per_node']:>7.3f}")
     print(f"({out['seconds']}s)")
     return 0
 

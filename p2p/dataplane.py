@@ -88,7 +88,7 @@ class DataPlaneConfig:
     # nodes ask a node for a chunk; this bounds how many it feeds at once: one over gets
     # 503 with Retry-After (and x-herd-retry-ms, finer) and asks the next source in its tree.
     max_serving_per_chunk: int = 0
-    busy_retry_ms: int = 200
+    busy_retry_ms: int = 50
 
 
 class _Stats(msgspec.Struct, kw_only=True):

@@ -304,7 +304,8 @@ class Herd:
         if not todo:
             return run
         view, me = self.view(peers)
-        ids = list(dict.fromkeys(cid for cid, _ in todo))
+        # the manifest's whole chunk table, in its order: the trees depend on it
+        ids = list(dict.fromkeys(cid for cid, _ in chunks))
         plan = await trio.to_thread.run_sync(partial(self.plan, view, me, ids))
         cindex = {cid: i for i, cid in enumerate(ids)}
         self.last_plan = (plan, cindex)

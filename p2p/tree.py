@@ -4,16 +4,21 @@ Theory of operation
 -------------------
 Inputs are columnar (a :class:`PeerView`, built from the gang's ``PeerTable`` or from a
 list of ``Peer``): node ids, their rack index, 64-bit keys. Nothing here depends on the
-order of the rows, only on keys, so every node computes the same trees from the same
-membership.
+order of the rows, only on keys and on the manifest's chunk order, so every node
+computes the same trees from the same membership and manifest.
 
-For one chunk (key ``ck``):
+For one chunk (key ``ck``, index ``i`` in the manifest's chunk table):
 
 - **Rack order**: racks ranked by ``score(ck, rack_key)`` (rendezvous over racks). The
   rack at position ``q`` has parent rack at position ``(q - 1) // k``: a k-ary tree over
   racks in the chunk's order. Position 0 is the root rack.
-- **Member order** inside a rack: members ranked by ``score(ck, node_key)``; rank 0 is
-  the rack home. Member rank ``j > 0`` has in-rack parent rank ``(j - 1) // m`` (``m`` =
+- **Member order** inside a rack: the rack's members sorted by node key, rotated by the
+  chunk's index in the manifest (plus a per-rack offset): rank ``j`` of chunk ``i`` is
+  member ``(off_r + i + j) mod size``. Rank 0 is the rack home. A rotation, not
+  rendezvous, on purpose: every member is rack home for the same number of chunks (+-1),
+  so no rack home's uplink is the herd's tail (rendezvous leaves the busiest of 25,000
+  nodes with ~1.7x the mean at 256 chunks). Member rank ``j > 0`` has in-rack parent
+  rank ``(j - 1) // m`` (``m`` =
   ``rack_fanout``: with racks of at most ``m + 1`` nodes every member hangs off the rack
   home; bigger racks get a second small tree).
 - The root rack's home is the chunk's **global home**: the only node that reads the
@@ -79,8 +84,10 @@ class PeerView:
     racks: list[str]
     nkeys: np.ndarray            # row -> uint64 node key
     rkeys: np.ndarray            # rack -> uint64 rack key
-    grid: np.ndarray             # [R, W] rows, -1 padded
+    grid: np.ndarray             # [R, W] rows by node key, -1 padded
     index: Mapping[str, int]
+    sizes: np.ndarray            # rack -> members
+    offsets: np.ndarray          # rack -> rotation offset (from its key)
 
     def __len__(self) -> int:
         return len(self.node_ids)
@@ -109,8 +116,12 @@ class PeerView:
         col = np.arange(len(ids)) - starts[rack_of[order]] if ids else np.zeros(0, np.int64)
         grid[rack_of[order], col] = order
         nkeys = np.array([node_key(n) for n in ids], dtype=np.uint64)
+        # each rack's members by node key (row order must not matter)
+        gk = np.where(grid >= 0, nkeys[np.maximum(grid, 0)], np.uint64(np.iinfo(np.uint64).max))
+        grid = np.take_along_axis(grid, np.argsort(gk, axis=1, kind="stable"), axis=1)
         rkeys = np.array([rack_key(r) for r in racks], dtype=np.uint64)
-        return cls(ids, us, rack_of, racks, nkeys, rkeys, grid, seen)
+        return cls(ids, us, rack_of, racks, nkeys, rkeys, grid, seen,
+                   counts.astype(np.int64), (rkeys % np.maximum(counts, 1).astype(np.uint64)).astype(np.int64))
 
     @classmethod
     def from_peers(cls, peers: Sequence[Peer], self_id: str | None = None,
@@ -145,25 +156,22 @@ def rack_positions(view: PeerView, ckeys: np.ndarray) -> tuple[np.ndarray, np.nd
     return order, pos
 
 
-def member_order(view: PeerView, ckeys: np.ndarray, racks: np.ndarray) -> np.ndarray:
-    """Rows of each rack in ``racks`` ([C, D] rack indexes) ranked for its chunk:
-    [C, D, W], -1 padded at the end. Column 0 is the rack home."""
+def member_order(view: PeerView, cidx: np.ndarray, racks: np.ndarray) -> np.ndarray:
+    """Rows of each rack in ``racks`` ([C, D] rack indexes) ranked for the chunk at
+    manifest index ``cidx[c]``: [C, D, W], -1 padded at the end. Column 0: rack home."""
     rows = view.grid[racks]                                   # [C, D, W]
-    valid = rows >= 0
-    sc = _mix(ckeys[:, None, None] ^ view.nkeys[np.where(valid, rows, 0)])
-    sc = np.where(valid, sc, _U(0))
-    idx = np.argsort(~sc, axis=2, kind="stable")
-    return np.take_along_axis(rows, idx, axis=2)
+    w = np.maximum(view.sizes[racks], 1)[..., None]
+    j = np.arange(rows.shape[2])[None, None, :]
+    cols = (view.offsets[racks][..., None] + cidx[:, None, None] + j) % w
+    out = np.take_along_axis(rows, cols, axis=2)
+    return np.where(j < view.sizes[racks][..., None], out, -1)
 
 
-def rack_homes(view: PeerView, ckeys: np.ndarray, racks: np.ndarray) -> np.ndarray:
-    """The home row of each rack in ``racks`` ([C, D]) for its chunk: [C, D]."""
+def rack_homes(view: PeerView, cidx: np.ndarray, racks: np.ndarray) -> np.ndarray:
+    """The home row of each rack in ``racks`` ([C, D]) for chunk ``cidx[c]``: [C, D]."""
     rows = view.grid[racks]
-    valid = rows >= 0
-    sc = _mix(ckeys[:, None, None] ^ view.nkeys[np.where(valid, rows, 0)])
-    sc = np.where(valid, sc, _U(0))
-    best = np.argmax(sc, axis=2)
-    return np.take_along_axis(rows, best[..., None], axis=2)[..., 0]
+    col = (view.offsets[racks] + cidx[:, None]) % np.maximum(view.sizes[racks], 1)
+    return np.take_along_axis(rows, col[..., None], axis=2)[..., 0]
 
 
 def depth_bound(n_racks: int, k: int) -> int:
@@ -230,13 +238,14 @@ class NodePlan:
                     sn = v.node_ids[srow]
                     if pen.get(sn, 0.0) <= now:
                         out.append(Source(kind="peer", node_id=sn, url=v.urls[srow], wait=False))
-        tail = cooling + [ORIGIN] if (not out or last_round or self.origin_rank[c] > 0) else []
+        tail = cooling + [ORIGIN] if (not out or last_round) else []
         return out + tail
 
 
 def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
               successors: int = 2, siblings: int = 2, block: int = 1024) -> NodePlan:
-    """Row ``me``'s plan for every chunk in ``ckeys`` (see the module doc)."""
+    """Row ``me``'s plan for every chunk in ``ckeys``: the manifest's whole chunk table,
+    in its order (the index is part of the tree; see the module doc)."""
     C = len(ckeys)
     R = len(view.racks)
     D = depth_bound(R, k)
@@ -259,10 +268,11 @@ def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fa
             anc[:, d] = p
             p = np.where(p > 0, (p - 1) // k, -1)
         anc_racks = np.where(anc >= 0, np.take_along_axis(order, np.maximum(anc, 0), axis=1), 0)
-        homes = rack_homes(view, ck, anc_racks)              # [n, D]
+        ci = np.arange(lo, lo + n)
+        homes = rack_homes(view, ci, anc_racks)              # [n, D]
         homes = np.where(anc >= 0, homes, -1)
-        mine = member_order(view, ck, np.full((n, 1), my_rack))[:, 0, :]   # [n, W]
-        root = member_order(view, ck, order[:, :1])[:, 0, :]               # [n, W] root rack
+        mine = member_order(view, ci, np.full((n, 1), my_rack))[:, 0, :]   # [n, W]
+        root = member_order(view, ci, order[:, :1])[:, 0, :]               # [n, W] root rack
         jrank = np.argmax(mine == me, axis=1)
         g = root[:, 0]
         home[lo:lo + n] = g
@@ -302,14 +312,17 @@ def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fa
     return NodePlan(view, me, home, parent, chain, sib, orank)
 
 
-def all_parents(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32) -> tuple[np.ndarray, np.ndarray]:
+def all_parents(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
+                first: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Every node's tree parent for every chunk, vectorised over chunks and nodes:
-    (parent [C, N] rows, -1 for the global home; home [C]). The same rules as
-    :func:`plan_node`'s ``parent`` (the simulator uses this; a test checks agreement)."""
+    (parent [C, N] rows, -1 for the global home; home [C]). ``ckeys`` are the manifest's
+    chunks ``first ..``. The same rules as :func:`plan_node`'s ``parent`` (the
+    simulator uses this; a test checks agreement)."""
     C, N, R = len(ckeys), len(view), len(view.racks)
     m = max(1, rack_fanout)
     order, pos = rack_positions(view, ckeys)
-    members = member_order(view, ckeys, np.broadcast_to(np.arange(R), (C, R)))   # [C, R, W]
+    ci = np.arange(first, first + C)
+    members = member_order(view, ci, np.broadcast_to(np.arange(R), (C, R)))   # [C, R, W]
     rhome = members[:, :, 0]                                                    # [C, R]
     parent = np.full((C, N), -1, np.int64)
     ci = np.arange(C)[:, None, None]

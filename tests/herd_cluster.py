@@ -81,6 +81,8 @@ class WrappedOrigin:
         self.down_until = 0.0            # trio.current_time() before which every call fails
         self.failures = 0
         self.corrupt: set[str] = set()
+        self.corrupt_once: set[str] = set()
+        self.manifest_reads = 0   # one bad answer each (in transit), then good
 
     def _check(self) -> None:
         if trio.current_time() < self.down_until:
@@ -92,12 +94,14 @@ class WrappedOrigin:
         data = await self.inner.get_chunk(cid, size)
         self.chunk_reads[cid] += 1
         self.bytes_out += len(data)
-        if cid in self.corrupt:
+        if cid in self.corrupt or cid in self.corrupt_once:
+            self.corrupt_once.discard(cid)
             data = bytes([data[0] ^ 0xFF]) + data[1:]
         return data
 
     async def get_manifest(self, mid: str) -> bytes:
         self._check()
+        self.manifest_reads += 1
         return await self.inner.get_manifest(mid)
 
 
@@ -109,6 +113,7 @@ class Node:
     url: str
     herd: Herd
     rack: str = ""
+    scope: trio.CancelScope | None = None    # its data plane's (killable nodes)
     peer: Peer = field(init=False)
 
     def __post_init__(self) -> None:
@@ -141,3 +146,28 @@ def assert_bit_exact(node: Node, art: Artifact) -> None:
     assert node.store.is_complete(art.manifest_id)
     for cid, piece in art.chunks.items():
         assert node.store.read_chunk(cid) == piece
+
+
+async def _hosted(plane: DataPlane, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """Run one data plane under its own cancel scope (so a test can kill that node)."""
+    with trio.CancelScope() as cs:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(plane.run)
+            task_status.started((url, cs))
+
+
+async def start_rack_nodes(nursery: trio.Nursery, root: Path, n: int, token: str, *, rack_size: int,
+                           config: HerdConfig, configs: dict[int, HerdConfig] | None = None,
+                           plane_config: DataPlaneConfig) -> list[Node]:
+    """``n`` killable nodes in racks of ``rack_size`` (node i in rack i // rack_size);
+    ``configs`` overrides the herd config of some nodes (a slow rack)."""
+    nodes = []
+    for i in range(n):
+        store = ChunkStore(root / f"node{i}")
+        plane = DataPlane(store, token=token, listen="127.0.0.1:0", config=plane_config)
+        url, cs = await nursery.start(_hosted, plane)
+        nid = f"node{i}"
+        cfg = (configs or {}).get(i, config)
+        nodes.append(Node(nid, store, plane, url, Herd(store, node_id=nid, token=token, config=cfg),
+                          rack=f"rack{i // rack_size}", scope=cs))
+    return nodes
