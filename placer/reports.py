@@ -70,6 +70,8 @@ class Reports(StateBase):
         return self._register(rep, now)
 
     def _reply(self, node: NodeRec, *, need_full: bool = False) -> ReportReply:
+        if not node.tell and not need_full and not node.refused:
+            return self._ok_reply  # the common answer: one shared object (the wire may cache its bytes)
         stop: list[Victim] = []
         if node.tell:
             stop = [Victim(workload_id=w, grace_s=self._grace_of(w), reason="fenced: gang placed elsewhere")
