@@ -50,7 +50,7 @@ import blake3
 import numpy as np
 
 from p2p.rendezvous import assign_homes, plan_sources, scores_np
-from p2p.tree import PeerView, all_parents, chunk_keys, member_order, plan_node, rack_positions
+from p2p.tree import PeerView, Rotations, all_parents, chunk_keys, plan_node
 from scheduler_link.messages import Peer
 
 GIB = 1 << 30
@@ -60,7 +60,7 @@ def tree_of(node_ids: Sequence[str], peers: Sequence[Peer], chunk_ids: Sequence[
             rack_fanout: int) -> tuple[np.ndarray, np.ndarray, PeerView]:
     """The simulator's trees for these inputs: (parent [C, N] rows, home [C], view)."""
     view = PeerView.from_peers(peers)
-    parent, home = all_parents(view, chunk_keys(chunk_ids), k=k, rack_fanout=rack_fanout)
+    parent, home, _ = all_parents(view, chunk_keys(chunk_ids), k=k, rack_fanout=rack_fanout)
     return parent, home, view
 
 
@@ -324,8 +324,8 @@ def run_row(p: Params, case: str, seed: int = 0) -> dict[str, Any]:
     cpu_today += time.perf_counter() - t
 
     # a global home dying mid-transfer: the node that is home for the most chunks
-    tree_par_m, tree_home_m = all_parents(view, chunk_keys([manifest_id]), k=p.k, rack_fanout=p.rack_fanout)
-    tree_par_probe, tree_home = all_parents(view, ck[: min(C, 256)], k=p.k, rack_fanout=p.rack_fanout)
+    tree_par_m, _, root_m = all_parents(view, chunk_keys([manifest_id]), k=p.k, rack_fanout=p.rack_fanout)
+    _, tree_home, _ = all_parents(view, ck[: min(C, 256)], k=p.k, rack_fanout=p.rack_fanout)
     victim = -1
     if case == "home" and n > 1:
         victim = int(np.argmax(np.bincount(tree_home, minlength=n)))
@@ -340,7 +340,7 @@ def run_row(p: Params, case: str, seed: int = 0) -> dict[str, Any]:
         t0 = np.zeros(n)
         # ---- the manifest
         if design == "tree":
-            succ = _succ(view, chunk_keys([manifest_id]), p, 0)[0]
+            succ = [int(x) for x in root_m[0, 1:3] if x >= 0]
             have_m = sim.transfer(tree_par_m[0], p.manifest_bytes, t0, succ, cap=p.serve_cap)
             probes = n * (p.rack_size - 1)
             start = have_m + cpu_tree
@@ -353,13 +353,14 @@ def run_row(p: Params, case: str, seed: int = 0) -> dict[str, Any]:
         sim.w_down[:] = 0.0
         sim.w_up[:] = 0.0
         rack_of = rack
+        rots = Rotations(view, p.k)
         for lo in range(0, C, 256):
             hi = min(C, lo + 256)
             if design == "tree":
-                par, _ = all_parents(view, ck[lo:hi], k=p.k, rack_fanout=p.rack_fanout, first=lo)
-                succs = _succ(view, ck[lo:hi], p, lo)
+                par, _, root = all_parents(view, ck[lo:hi], k=p.k, rack_fanout=p.rack_fanout, rotations=rots)
                 for i in range(hi - lo):
-                    have = sim.transfer(par[i], p.chunk_bytes, start, succs[i], cap=p.serve_cap)
+                    succ = [int(x) for x in root[i, 1:3] if x >= 0]
+                    have = sim.transfer(par[i], p.chunk_bytes, start, succ, cap=p.serve_cap)
                     sim.done = np.maximum(sim.done, have)
             else:
                 for parent, fallback in _today_parents(view, ck[lo:hi], chunk_ids[lo:hi], homes_today, rack_of):
@@ -383,12 +384,6 @@ def run_row(p: Params, case: str, seed: int = 0) -> dict[str, Any]:
     out["ideal_s"] = round(size / min(p.link, p.cores * GIB / p.recv_cpu, p.cores * GIB / p.send_cpu), 3)
     out["sim_s"] = round(time.perf_counter() - t_wall, 1)
     return out
-
-
-def _succ(view: PeerView, ck: np.ndarray, p: Params, first: int) -> list[list[int]]:
-    order, _ = rack_positions(view, ck)
-    root = member_order(view, np.arange(first, first + len(ck)), order[:, :1])[:, 0, :]
-    return [[int(x) for x in root[i, 1:3] if x >= 0] for i in range(len(ck))]
 
 
 def _today_parents(view: PeerView, ck: np.ndarray, cids: Sequence[str], homes: dict[str, str],

@@ -459,9 +459,10 @@ class Herd:
                             endgame: trio.Event, run: HerdCounters, holders: Sequence[str]) -> None:
         """One chunk through its tree: rack-mates known to hold it (no wait), the parent
         (wait), siblings (no wait), the ancestors and successors (wait). A round where
-        sources were only busy or not there yet backs off (their Retry-After, jittered)
-        and asks again; the origin only for the home, when everything above is dead, or
-        in the last round."""
+        sources were only busy (503) backs off (their Retry-After, jittered) and asks
+        again; rounds with a dead source or one that did not get the chunk within the
+        whole wait count toward ``max_rounds``. The origin only for the home, when
+        everything above is dead, or in the last round."""
         cfg = self.config
         v = plan.view
         hard = busy = 0
@@ -487,7 +488,9 @@ class Herd:
                 return
             if last:
                 raise HerdError(f"chunk {cid[:16]}: every source failed")
-            if notes.hard:
+            if notes.hard or notes.soft:
+                # a dead source, or one that did not get it within the whole wait: the
+                # tree above is not delivering; after max_rounds of that, the origin
                 hard += 1
                 continue
             busy += 1

@@ -156,21 +156,48 @@ def rack_positions(view: PeerView, ckeys: np.ndarray) -> tuple[np.ndarray, np.nd
     return order, pos
 
 
-def member_order(view: PeerView, cidx: np.ndarray, racks: np.ndarray) -> np.ndarray:
-    """Rows of each rack in ``racks`` ([C, D] rack indexes) ranked for the chunk at
-    manifest index ``cidx[c]``: [C, D, W], -1 padded at the end. Column 0: rack home."""
+class Rotations:
+    """Each rack's rotation index per chunk, over the manifest in order: a rack's chunks
+    are of two duties — *feeding* (the root, or an inner rack of the rack tree: its
+    home sends k copies across the spine) and *leaf* — and each duty's chunks are dealt
+    round-robin over the rack's members, so every member gets the same share of each
+    (+-1). Blocks must be fed in manifest order (the counts carry over)."""
+
+    def __init__(self, view: PeerView, k: int) -> None:
+        self.k = k
+        self.counts = np.zeros((2, len(view.racks)), np.int64)
+        self.half = view.sizes // 2
+        self.offsets = view.offsets
+
+    def block(self, pos: np.ndarray) -> np.ndarray:
+        """[C, R] rotation index for a block of chunks, given their rack positions."""
+        n_racks = pos.shape[1]
+        feeding = (pos * self.k + 1 < n_racks).astype(np.int64)
+        out = np.empty_like(pos)
+        for duty in (0, 1):
+            m = feeding == duty
+            c = np.cumsum(m, axis=0) - m + self.counts[duty][None, :]   # exclusive prefix count
+            out = np.where(m, c + self.offsets[None, :] + duty * self.half[None, :], out)
+            self.counts[duty] += m.sum(axis=0)
+        return out
+
+
+def member_order(view: PeerView, rot: np.ndarray, racks: np.ndarray) -> np.ndarray:
+    """Rows of each rack in ``racks`` ([C, D] rack indexes) ranked for its chunk, given
+    the rack's rotation index ``rot`` ([C, D]): [C, D, W], -1 padded at the end.
+    Column 0: the rack home."""
     rows = view.grid[racks]                                   # [C, D, W]
     w = np.maximum(view.sizes[racks], 1)[..., None]
     j = np.arange(rows.shape[2])[None, None, :]
-    cols = (view.offsets[racks][..., None] + cidx[:, None, None] + j) % w
+    cols = (rot[..., None] + j) % w
     out = np.take_along_axis(rows, cols, axis=2)
     return np.where(j < view.sizes[racks][..., None], out, -1)
 
 
-def rack_homes(view: PeerView, cidx: np.ndarray, racks: np.ndarray) -> np.ndarray:
-    """The home row of each rack in ``racks`` ([C, D]) for chunk ``cidx[c]``: [C, D]."""
+def rack_homes(view: PeerView, rot: np.ndarray, racks: np.ndarray) -> np.ndarray:
+    """The home row of each rack in ``racks`` ([C, D]) given their rotation ``rot``."""
     rows = view.grid[racks]
-    col = (view.offsets[racks] + cidx[:, None]) % np.maximum(view.sizes[racks], 1)
+    col = rot % np.maximum(view.sizes[racks], 1)
     return np.take_along_axis(rows, col[..., None], axis=2)[..., 0]
 
 
@@ -257,10 +284,12 @@ def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fa
     sib = np.full((C, max(siblings, 1)), -1, np.int64)
     orank = np.full(C, -1, np.int64)
     my_rack = int(view.rack_of[me])
+    rots = Rotations(view, k)
     for lo in range(0, C, block):
         ck = ckeys[lo:lo + block]
         n = len(ck)
         order, pos = rack_positions(view, ck)
+        rot = rots.block(pos)
         # ancestor positions of my rack: p, (p-1)//k, ... 0 (padded with -1)
         anc = np.full((n, D), -1, np.int64)
         p = pos[:, my_rack].copy()
@@ -268,11 +297,10 @@ def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fa
             anc[:, d] = p
             p = np.where(p > 0, (p - 1) // k, -1)
         anc_racks = np.where(anc >= 0, np.take_along_axis(order, np.maximum(anc, 0), axis=1), 0)
-        ci = np.arange(lo, lo + n)
-        homes = rack_homes(view, ci, anc_racks)              # [n, D]
+        homes = rack_homes(view, np.take_along_axis(rot, anc_racks, axis=1), anc_racks)   # [n, D]
         homes = np.where(anc >= 0, homes, -1)
-        mine = member_order(view, ci, np.full((n, 1), my_rack))[:, 0, :]   # [n, W]
-        root = member_order(view, ci, order[:, :1])[:, 0, :]               # [n, W] root rack
+        mine = member_order(view, rot[:, my_rack:my_rack + 1], np.full((n, 1), my_rack))[:, 0, :]   # [n, W]
+        root = member_order(view, np.take_along_axis(rot, order[:, :1], axis=1), order[:, :1])[:, 0, :]
         jrank = np.argmax(mine == me, axis=1)
         g = root[:, 0]
         home[lo:lo + n] = g
@@ -313,16 +341,17 @@ def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fa
 
 
 def all_parents(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
-                first: int = 0) -> tuple[np.ndarray, np.ndarray]:
+                rotations: Rotations | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Every node's tree parent for every chunk, vectorised over chunks and nodes:
-    (parent [C, N] rows, -1 for the global home; home [C]). ``ckeys`` are the manifest's
-    chunks ``first ..``. The same rules as :func:`plan_node`'s ``parent`` (the
-    simulator uses this; a test checks agreement)."""
+    (parent [C, N] rows, -1 for the global home; home [C]; the root rack's member order
+    [C, W] (successors = columns 1..)). ``ckeys``: the manifest's whole chunk table, or
+    successive blocks of it sharing one ``rotations``. The same rules as
+    :func:`plan_node`'s ``parent`` (the simulator uses this; a test checks agreement)."""
     C, N, R = len(ckeys), len(view), len(view.racks)
     m = max(1, rack_fanout)
     order, pos = rack_positions(view, ckeys)
-    ci = np.arange(first, first + C)
-    members = member_order(view, ci, np.broadcast_to(np.arange(R), (C, R)))   # [C, R, W]
+    rot = (rotations or Rotations(view, k)).block(pos)
+    members = member_order(view, rot, np.broadcast_to(np.arange(R), (C, R)))   # [C, R, W]
     rhome = members[:, :, 0]                                                    # [C, R]
     parent = np.full((C, N), -1, np.int64)
     ci = np.arange(C)[:, None, None]
@@ -340,4 +369,5 @@ def all_parents(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: i
     c2 = np.broadcast_to(np.arange(C)[:, None], (C, R))
     parent[c2, rhome] = par_of_home
     home = rhome[np.arange(C), order[:, 0]]
-    return parent, home
+    root = members[np.arange(C), order[:, 0]]
+    return parent, home, root
