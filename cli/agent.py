@@ -13,6 +13,7 @@ import msgspec
 from cli.main import CliError
 from cli.output import emit_json, human_bytes, table
 from scheduler_link.auth import TokenSet, auth_header
+from scheduler_link.client import not_herd_line
 from scheduler_link.messages import Placement, PlacementAck, PodAssignment, RestartPolicy, WorkloadStatus
 
 
@@ -42,21 +43,28 @@ def _check(r: httpx.Response, what: str) -> Any:
     if r.status_code >= 400:
         try:
             body = r.json()
-            msg = body.get("error", "") + (f": {body['detail']}" if body.get("detail") else "")
-            if "reason" in body and body.get("accepted") is False:
-                msg = f"refused: {body['reason']}"
         except ValueError:
-            msg = r.text[:200]
+            body = None
+        if not isinstance(body, dict) or not ("error" in body or "reason" in body):
+            raise CliError(f"{what} failed: {not_herd_line(r, 'agent')}")
+        msg = str(body.get("error", "")) + (f": {body['detail']}" if body.get("detail") else "")
+        if "reason" in body and body.get("accepted") is False:
+            msg = f"refused: {body['reason']}"
         raise CliError(f"{what} failed ({r.status_code}): {msg}")
-    return r.json()
+    try:
+        return r.json()
+    except ValueError:
+        raise CliError(f"{what} failed: {not_herd_line(r, 'agent')}") from None
 
 
 def _request(args: argparse.Namespace, method: str, path: str, what: str, **kw: Any) -> Any:
     try:
         with _client(args) as c:
             return _check(c.request(method, path, **kw), what)
+    except httpx.TimeoutException:
+        raise CliError(f"agent {_agent_url(args)} did not answer in time (--timeout S waits longer)") from None
     except httpx.TransportError as e:
-        raise CliError(f"cannot reach agent {_agent_url(args)}: {e}") from None
+        raise CliError(f"cannot reach agent {_agent_url(args)}: {e or type(e).__name__}") from None
 
 
 # ------------------------------------------------------------------ run
@@ -246,9 +254,9 @@ def register(sub: Any) -> None:
     r.add_argument("--no-data-plane", action="store_true", help="serve no data plane")
     r.add_argument("--placer", help="placer URL to register with")
     r.add_argument("--token-dir", help="token dir (default $HERD_TOKEN_DIR or /etc/herd/tokens)")
-    r.add_argument("--zone")
-    r.add_argument("--block")
-    r.add_argument("--rack")
+    r.add_argument("--zone", help="topology: this node's zone")
+    r.add_argument("--block", help="topology: this node's block (within the zone)")
+    r.add_argument("--rack", help="topology: this node's rack (within the block)")
     r.add_argument("--heartbeat-s", type=float, help="heartbeat interval to the placer")
     r.add_argument("--gpu-poll-interval-s", type=float, help="GPU polling interval")
     r.set_defaults(func=cmd_run)

@@ -27,12 +27,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     a.required = True
 
     s = a.add_parser("publish", help="chunk DIR, upload what the origin lacks, move ref NAME to it")
-    s.add_argument("dir")
+    s.add_argument("dir", help="directory to publish")
     _origin_arg(s)
     s.add_argument("--name", required=True, help="ref to move, e.g. trainer:v42")
     s.add_argument("--avg-chunk", default=None, metavar="SIZE",
                    help="average chunk size (e.g. 1MiB; min = avg/4, max = avg*4)")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_publish)
 
     f = a.add_parser("fetch", help="fetch REF into a local store and make DIR hold its tree")
@@ -42,7 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     f.add_argument("--into", required=True,
                    help="path that ends up holding the tree (a symlink to the store's read-only tree)")
     f.add_argument("--quota", default=None, metavar="SIZE", help="store quota (LRU eviction), e.g. 50GiB")
-    f.add_argument("--json", action="store_true")
+    f.add_argument("--json", action="store_true", help="print one JSON object")
     f.add_argument("--peer", action="append", default=[], metavar="URL",
                    help="a peer's data-plane URL to fetch from (repeatable; herd protocol, origin last)")
     f.add_argument("--node-id", default=None, help="this node's id in the herd (default the hostname)")
@@ -57,25 +57,27 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--nodes", help="comma-separated node ids")
     g.add_argument("--within", metavar="LEVEL:NAME", help="a topology domain, e.g. rack:r12 (zone|block|rack)")
     pf.add_argument("--token-dir", default=None, help="token dir holding operator.token (env HERD_TOKEN_DIR)")
-    pf.add_argument("--json", action="store_true")
+    pf.add_argument("--timeout", type=float, default=10.0, metavar="S",
+                    help="seconds to wait for the placer's answer (default 10)")
+    pf.add_argument("--json", action="store_true", help="print one JSON object")
     pf.set_defaults(func=cmd_prefetch)
 
     sh = a.add_parser("show", help="describe the manifest REF names")
-    sh.add_argument("ref")
+    sh.add_argument("ref", help="a ref name (name:tag) or a 64-hex manifest id")
     _origin_arg(sh)
-    sh.add_argument("--json", action="store_true")
+    sh.add_argument("--json", action="store_true", help="print one JSON object")
     sh.set_defaults(func=cmd_show)
 
     d = a.add_parser("diff", help="files added, removed and changed from REF_A to REF_B; bytes new")
-    d.add_argument("ref_a")
-    d.add_argument("ref_b")
+    d.add_argument("ref_a", help="the older ref or manifest id")
+    d.add_argument("ref_b", help="the newer ref or manifest id")
     _origin_arg(d)
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=cmd_diff)
 
     v = a.add_parser("verify", help="re-hash every chunk and manifest of a store; drop bad ones")
-    v.add_argument("--store", required=True)
-    v.add_argument("--json", action="store_true")
+    v.add_argument("--store", required=True, help="chunk store directory")
+    v.add_argument("--json", action="store_true", help="print one JSON object")
     v.set_defaults(func=cmd_verify)
 
 
@@ -246,7 +248,7 @@ def _cluster_token(args: argparse.Namespace) -> str | None:
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
     from scheduler_link.auth import TokenSet
-    from scheduler_link.client import PlacerClient
+    from scheduler_link.client import PlacerClient, placer_url_from_env
     from scheduler_link.messages import PrefetchFanout
 
     if not args.placer:
@@ -268,7 +270,10 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 
     mid = trio.run(resolve)
     req = PrefetchFanout(manifest_id=mid, origin=args.origin, nodes=nodes, level=level, domain=domain)
-    with PlacerClient(args.placer, TokenSet.load(args.token_dir).operator) as c:
+    if args.timeout <= 0:
+        raise CliError("--timeout must be > 0")
+    with PlacerClient(placer_url_from_env(args.placer), TokenSet.load(args.token_dir).operator,
+                      timeout=args.timeout) as c:
         res = c.prefetch(req)
     if args.json:
         emit_json({"manifest": mid, **res})

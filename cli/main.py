@@ -14,8 +14,9 @@ import importlib
 import logging
 import os
 import sys
+from typing import NoReturn
 
-_GROUPS = ("artifact", "gpus", "agent", "placer", "job", "demo")
+_GROUPS = ("artifact", "gpus", "agent", "placer", "job", "node", "logs", "demo", "version", "completion")
 _OUR_PACKAGES = ("manifests", "p2p", "scheduler_link", "agent", "placer", "cli")
 
 
@@ -27,10 +28,21 @@ class CliError(Exception):
         self.code = code
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with a usage error as one line on stderr (exit 2), naming the command and
+    where its help is; every sub-parser is one of these (add_subparsers copies the class)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="herd", description="GPU fleet node agent, p2p artifacts and placer")
+    from cli.version import VersionAction
+    p = Parser(prog="herd", description="GPU fleet node agent, p2p artifacts and placer")
     p.add_argument("--log-level", default=os.environ.get("HERD_LOG_LEVEL", "WARNING"),
                    help="logging level for daemons and commands (default WARNING)")
+    p.add_argument("--version", action=VersionAction,
+                   help="print herd's version, the wire version and Python's, and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     for name in _GROUPS:

@@ -26,10 +26,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=cmd_run)
     d = ps.add_parser("defrag", help="plan defragmentation moves (and apply them with --apply)")
     d.add_argument("--placer", default=None, help="placer URL (default $HERD_PLACER)")
-    d.add_argument("--token-dir", default=None)
-    d.add_argument("--max-moves", type=int, default=8)
+    d.add_argument("--token-dir", default=None, help="token dir (default $HERD_TOKEN_DIR or /etc/herd/tokens)")
+    d.add_argument("--max-moves", type=int, default=8, help="most jobs to move (default 8)")
     d.add_argument("--apply", action="store_true", help="requeue the moved jobs so they are placed again")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--timeout", type=float, default=10.0, metavar="S",
+                   help="seconds to wait for the placer's answer (default 10)")
+    d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=cmd_defrag)
 
 
@@ -52,7 +54,9 @@ def cmd_defrag(args: argparse.Namespace) -> int:
     if args.max_moves < 0:
         raise CliError("--max-moves must be >= 0")
     tokens = TokenSet.load(args.token_dir)
-    with PlacerClient(placer_url_from_env(args.placer), tokens.operator) as c:
+    if args.timeout <= 0:
+        raise CliError("--timeout must be > 0")
+    with PlacerClient(placer_url_from_env(args.placer), tokens.operator, timeout=args.timeout) as c:
         out = c.defrag(args.max_moves, args.apply)
     if args.json:
         emit_json(out)

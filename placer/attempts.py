@@ -257,7 +257,7 @@ class Attempts(StateBase):
             node.lost_since = now
             self.dirty = True
             self.counters["nodes_lost"] += 1
-            self.model.set_node_state(nid, healthy=False)
+            self.model.set_node_state(nid, healthy=False, draining=node.cordoned)
             self.fence_timer.set(nid, now + self.cfg.fence_after_s)
             log.warning("node lost node=%s silent=%.1fs", nid, now - node.last_seen)
         for nid in self.fence_timer.pop_due(now):

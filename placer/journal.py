@@ -5,6 +5,8 @@ the allocations come back only from the agents' reports (see ``placer.state``).
 
 Format: one JSON object per line, ``{"v": 1, "op": "submit", "at": T, "spec": {...}}``
 or ``{"v": 1, "op": "end", "at": T, "job_id": ..., "state": ...}``, or
+``{"v": 1, "op": "cordon", "node_id": ..., "on": true, "reason": ...}`` (an operator's
+cordon or uncordon, fsynced; the last one per node wins), or
 ``{"v": 1, "op": "attempt", "job_id": ..., "attempt": N}`` — the attempt counter only
 (never where it runs), written without fsync: after a crash it keeps a re-placed job
 from reusing the workload ids of an attempt that may still be running somewhere. A torn last line
@@ -35,12 +37,15 @@ class JournalError(Exception):
 
 class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     v: int = JOURNAL_VERSION
-    op: Literal["submit", "end", "attempt"]
+    op: Literal["submit", "end", "attempt", "cordon"]
     at: float
     spec: JobSpec | None = None
     job_id: str = ""
     state: str = ""
     attempt: int = 0
+    node_id: str = ""     # cordon: the node, whether the cordon is on, and why
+    on: bool = False
+    reason: str = ""
 
 
 _dec = msgspec.json.Decoder(Record)
@@ -50,10 +55,11 @@ class Journal:
     """Open with :meth:`open`; :meth:`jobs` gives the live jobs in submission order."""
 
     def __init__(self, path: Path, live: dict[str, JobSpec], fd: int,
-                 attempts: dict[str, int] | None = None) -> None:
+                 attempts: dict[str, int] | None = None, cordons: dict[str, str] | None = None) -> None:
         self.path = path
         self._live = live
         self.attempts = attempts or {}
+        self.cordons = cordons or {}   # node id -> reason, for the nodes cordoned now
         self._fd = fd
         self.appends = 0
         self.synced = 0       # appends known durable (group commit)
@@ -70,6 +76,7 @@ class Journal:
         path = d / "jobs.journal"
         live: dict[str, JobSpec] = {}
         attempts: dict[str, int] = {}
+        cordons: dict[str, str] = {}
         total = 0
         torn_at: int | None = None
         if path.exists():
@@ -96,9 +103,14 @@ class Journal:
                     attempts.pop(rec.job_id, None)
                 elif rec.op == "attempt":
                     attempts[rec.job_id] = max(attempts.get(rec.job_id, 0), rec.attempt)
+                elif rec.op == "cordon" and rec.node_id:
+                    if rec.on:
+                        cordons[rec.node_id] = rec.reason
+                    else:
+                        cordons.pop(rec.node_id, None)
             attempts = {k: v for k, v in attempts.items() if k in live}
-            if total > 64 and total > 4 * len(live):
-                cls._compact(path, live, attempts)  # rewrites the file whole: nothing torn is left
+            if total > 64 and total > 4 * (len(live) + len(cordons)):
+                cls._compact(path, live, attempts, cordons)  # rewrites the file whole: nothing torn is left
                 torn_at, raw = None, b"\n"
 
         try:
@@ -110,12 +122,16 @@ class Journal:
                 os.write(fd, b"\n")  # a complete last record that lost only its newline
         except OSError as e:
             raise JournalError(f"cannot open journal {path}: {e.strerror}") from None
-        return cls(path, live, fd, attempts)
+        return cls(path, live, fd, attempts, cordons)
 
     @staticmethod
-    def _compact(path: Path, live: dict[str, JobSpec], attempts: dict[str, int]) -> None:
+    def _compact(path: Path, live: dict[str, JobSpec], attempts: dict[str, int],
+                 cordons: dict[str, str] | None = None) -> None:
         tmp = path.with_suffix(".tmp")
         with open(tmp, "wb") as f:
+            for node_id, reason in sorted((cordons or {}).items()):
+                f.write(msgspec.json.encode(Record(op="cordon", at=0.0, node_id=node_id, on=True,
+                                                   reason=reason)) + b"\n")
             for spec in live.values():
                 f.write(msgspec.json.encode(Record(op="submit", at=0.0, spec=spec)) + b"\n")
                 if attempts.get(spec.job_id):
@@ -177,6 +193,14 @@ class Journal:
         if job_id in self._live and attempt > self.attempts.get(job_id, 0):
             self._append(Record(op="attempt", at=at, job_id=job_id, attempt=attempt), sync=False)
             self.attempts[job_id] = attempt
+
+    def cordon(self, node_id: str, on: bool, at: float, reason: str = "") -> None:
+        """Record a cordon (``on``) or an uncordon, fsynced: it must outlive a restart."""
+        self._append(Record(op="cordon", at=at, node_id=node_id, on=on, reason=reason))
+        if on:
+            self.cordons[node_id] = reason
+        else:
+            self.cordons.pop(node_id, None)
 
     def ended(self, job_id: str, state: str, at: float) -> None:
         self.ended_many([(job_id, state, at)])

@@ -165,6 +165,8 @@ class NodeRec:
     host_fatal: bool = False
     simulated: bool = False
     state: str = "up"                                 # up | lost
+    cordoned: bool = False                            # taken out of service (placer.nodeops)
+    draining: bool = False                            # cordoned by a drain
     last_seen: float = 0.0
     lost_since: float | None = None
     manifests: set[str] = field(default_factory=set)

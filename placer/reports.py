@@ -123,6 +123,8 @@ class Reports(StateBase):
         node = NodeRec(node_id=rep.node_id, boot_id=rep.boot_id, last_seq=rep.seq,
                        control_url=rep.control_url, data_url=rep.data_url, topology=rep.topology,
                        nvlink_domain=nvd, uuids=uuids, simulated=bool(snap and snap.simulated), last_seen=now)
+        node.cordoned = rep.node_id in self.cordons   # a cordon outlives the record (placer.nodeops)
+        node.draining = node.cordoned and old is not None and old.draining
         pushes: list[Push] = []
         if old is not None:
             pushes += self._node_back(old, now)
@@ -154,7 +156,9 @@ class Reports(StateBase):
             if old is not None and old.uuids != uuids:  # a changed inventory: say everything
                 for i in range(len(uuids)):
                     self.model.set_gpu_health(rep.node_id, i, i not in node.fatal)
-                self.model.set_node_state(rep.node_id, healthy=not node.host_fatal)
+                self.model.set_node_state(rep.node_id, healthy=not node.host_fatal, draining=node.cordoned)
+        if node.cordoned:
+            self.model.set_node_state(rep.node_id, healthy=not node.host_fatal, draining=True)
         reported: set[str] = set()
         ended = []
         for w in rep.workloads:
@@ -251,7 +255,8 @@ class Reports(StateBase):
             if i < len(gpus):
                 self.model.set_gpu_health(node.node_id, i, i not in node.fatal)
         if node.host_fatal != was_fatal:
-            self.model.set_node_state(node.node_id, healthy=node.state == "up" and not node.host_fatal)
+            self.model.set_node_state(node.node_id, healthy=node.state == "up" and not node.host_fatal,
+                                      draining=node.cordoned)
         if changed or node.host_fatal != was_fatal:
             self.dirty = True
 
@@ -262,7 +267,7 @@ class Reports(StateBase):
             self._set_node_state(node, "up")
             node.lost_since = None
             self.fence_timer.cancel(node.node_id)
-            self.model.set_node_state(node.node_id, healthy=not node.host_fatal)
+            self.model.set_node_state(node.node_id, healthy=not node.host_fatal, draining=node.cordoned)
         return []
 
     def _apply_event(self, node: NodeRec, ev: WorkloadEvent, now: float) -> list[Push]:

@@ -14,6 +14,7 @@ decides what follows (all accepted: starting; a refusal: roll back and place aga
 from __future__ import annotations
 
 import gc
+import importlib.metadata
 import json
 import logging
 import math
@@ -42,9 +43,11 @@ from scheduler_link.http import (
     text_response,
 )
 from scheduler_link.messages import (
+    WIRE_VERSION,
     ArtifactUpdate,
     DefragRequest,
     JobSpec,
+    NodeOp,
     NodeReport,
     PlacementAck,
     PrefetchFanout,
@@ -64,6 +67,10 @@ _report_dec = msgspec.json.Decoder(NodeReport)
 _ack_dec = msgspec.json.Decoder(PlacementAck)
 
 DEFAULT_NODES_PAGE = 1000
+try:
+    _VERSION = importlib.metadata.version("herd")
+except importlib.metadata.PackageNotFoundError:
+    _VERSION = "unknown"
 # The collector walks every tracked object on a full collection; after a burst that grew
 # the heap (a fleet registering, a big gang's records) the survivors are frozen so it
 # stops walking them (gc.freeze, as CPython's docs suggest for long-lived state).
@@ -108,6 +115,8 @@ class PlacerService:
             except JobError as e:  # a journal from an older placer with rules this one refuses
                 log.warning("journal job dropped job=%s reason=%s", spec.job_id, e)
                 self.journal.ended(spec.job_id, "failed", now)
+        for node_id, reason in self.journal.cordons.items():  # before any report can register it
+            self.state.cordon(node_id, now, reason=reason or None, known=False)
         self.state.recover_until = now + self.cfg.recover_window_s
         if recovered:
             log.info("recovered jobs from the journal count=%d; waiting %.1fs for reports",
@@ -257,17 +266,23 @@ class PlacerService:
             ("DELETE", "/v1/jobs/{job_id}"): self.h_cancel,
             ("POST", "/v1/jobs/{job_id}/artifact"): self.h_update_artifact,
             ("POST", "/v1/defrag"): self.h_defrag, ("POST", "/v1/prefetch"): self.h_prefetch,
+            ("POST", "/v1/nodes/{node_id}/cordon"): self.h_cordon,
+            ("POST", "/v1/nodes/{node_id}/uncordon"): self.h_uncordon,
+            ("POST", "/v1/nodes/{node_id}/drain"): self.h_drain,
         }
         authz.install(app, authz.PLACER_ROUTES, handlers, self.tokens,
                       flags={"open_reads": self.cfg.open_reads, "open_metrics": self.cfg.open_metrics},
                       max_body={("POST", "/v1/nodes/{node_id}/report"): LARGE_BODY,
                                 ("POST", "/v1/jobs"): 1 << 20, ("POST", "/v1/jobs/{job_id}/artifact"): 16 << 10,
-                                ("POST", "/v1/defrag"): 4096, ("POST", "/v1/prefetch"): 256 << 10})
+                                ("POST", "/v1/defrag"): 4096, ("POST", "/v1/prefetch"): 256 << 10,
+                                **{("POST", f"/v1/nodes/{{node_id}}/{op}"): 4096
+                                   for op in ("cordon", "uncordon", "drain")}})
         return app
 
     async def h_healthz(self, req: Request) -> Response:
-        """Liveness: 200 while the service runs."""
-        return json_response({"ok": True, "recovering": self.clock() < self.state.recover_until})
+        """Liveness: 200 while the service runs; the package and wire versions."""
+        return json_response({"ok": True, "recovering": self.clock() < self.state.recover_until,
+                              "service": "herd-placer", "version": _VERSION, "wire_version": WIRE_VERSION})
 
     async def h_openapi(self, req: Request) -> Response:
         """This API's OpenAPI description, generated from the route table."""
@@ -395,6 +410,56 @@ class PlacerService:
             raise HTTPError(400, "bad page", str(e)) from None
         total, page = self.state.node_page(off, lim, state=req.query.get("state"))
         return json_response({"nodes": page, "total": total, "offset": off})
+
+    def _node_op(self, req: Request) -> tuple[str, NodeOp]:
+        body = req.decode(NodeOp) if req.body.strip() else NodeOp()
+        node_id = req.params["node_id"]
+        if node_id not in self.state.nodes:
+            raise HTTPError(404, "no such node", node_id[:200])
+        return node_id, body
+
+    def _journal_cordon(self, node_id: str, on: bool, reason: str) -> None:
+        assert self.journal is not None
+        self.journal.cordon(node_id, on, self.clock(), reason)  # fsynced, as an artifact update is
+
+    def _node_answer(self, node_id: str, **extra: Any) -> Response:
+        return json_response({"node": self.state.node_view(self.state.nodes[node_id]), **extra})
+
+    async def h_cordon(self, req: Request) -> Response:
+        """Cordon a node: nothing new is placed there; what runs stays (journaled)."""
+        node_id, body = self._node_op(req)
+        reason = body.reason or "cordoned by operator"
+        self._journal_cordon(node_id, True, reason)  # durable before it is acknowledged
+        self.state.cordon(node_id, self.clock(), reason=reason)
+        self._after_change()
+        return self._node_answer(node_id)
+
+    async def h_uncordon(self, req: Request) -> Response:
+        """Put a cordoned (or drained) node back in service (journaled)."""
+        node_id, _ = self._node_op(req)
+        self._journal_cordon(node_id, False, "")
+        self.state.uncordon(node_id, self.clock())
+        self.kick()
+        self._after_change()
+        return self._node_answer(node_id)
+
+    async def h_drain(self, req: Request) -> Response:
+        """Cordon a node, then stop the preemptible gangs on it (their restart policy places
+        them elsewhere); the non-preemptible ones are listed and left unless ``force``."""
+        node_id, body = self._node_op(req)
+        reason = body.reason or f"node {node_id} drained by operator"
+        if body.grace_s is not None and not 0 <= body.grace_s <= 3600:
+            raise HTTPError(400, "bad grace_s", "grace_s must be within 0..3600")
+        self._journal_cordon(node_id, True, reason)
+        try:
+            out, pushes = self.state.drain(node_id, self.clock(), grace_s=body.grace_s, force=body.force,
+                                           reason=reason)
+        except JobError as e:
+            raise HTTPError(e.status, "cannot drain", str(e)) from None
+        self._carry_out(pushes)
+        self.kick()
+        self._after_change()
+        return self._node_answer(node_id, stopped=list(out.stopped), left=list(out.left))
 
     async def h_cluster(self, req: Request) -> Response:
         """Capacity, free GPUs and fragmentation per topology level (``?detail=0``: counts only,

@@ -39,6 +39,7 @@ Invariants:
 from __future__ import annotations
 
 from .attempts import ACCEPTED, Attempts, Outcome
+from .nodeops import DrainOutcome, NodeOps
 from .records import (
     JOB_ID_RE,
     STALE_PRIORITY,
@@ -56,10 +57,10 @@ from .scheduling import Scheduling
 from .views import Views
 
 __all__ = [
-    "ACCEPTED", "JOB_ID_RE", "STALE_PRIORITY", "TERMINAL_JOB_STATES", "JobError", "JobRec", "NodeRec", "Outcome",
+    "ACCEPTED", "DrainOutcome", "JOB_ID_RE", "STALE_PRIORITY", "TERMINAL_JOB_STATES", "JobError", "JobRec", "NodeRec", "Outcome",
     "PlacerState", "PodRec", "Push", "parse_workload_id", "workload_id",
 ]
 
 
-class PlacerState(Reports, Attempts, Scheduling, Views):
+class PlacerState(NodeOps, Reports, Attempts, Scheduling, Views):
     """See the module docstring."""

@@ -28,6 +28,8 @@ MODEL_ERRORS = (KeyError, ValueError, Conflict, InvalidSpec, UnknownJob, Unknown
 
 
 class StateBase:
+    cordons: dict[str, str]  # node id -> why it is cordoned (owned by placer.nodeops)
+
     def __init__(self, config: PlacerConfig, *, started_at: float,
                  place_fn: Callable[..., Decision | None] | None = None) -> None:
         self.cfg = config

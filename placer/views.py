@@ -57,7 +57,7 @@ class Views(StateBase):
         return NodeView(node_id=n.node_id, state=n.state, control_url=n.control_url, data_url=n.data_url,
                         topology=n.topology, nvlink_domain=n.nvlink_domain, gpus=len(n.uuids),
                         free_gpus=free, unhealthy_gpus=unhealthy, workloads=live, simulated=n.simulated,
-                        last_seen=n.last_seen)
+                        last_seen=n.last_seen, cordoned=n.cordoned, draining=n.draining and live > 0)
 
     def node_page(self, offset: int, limit: int, *, state: str | None = None) -> tuple[int, list[NodeView]]:
         """(total, one page of nodes in id order). Sorting the ids is O(N log N) but cheap

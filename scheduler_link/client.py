@@ -13,7 +13,7 @@ import httpx
 import msgspec
 
 from .auth import auth_header
-from .messages import ArtifactUpdate, DefragRequest, JobSpec, JobView, NodeView, PrefetchFanout
+from .messages import ArtifactUpdate, DefragRequest, JobSpec, JobView, NodeOp, NodeView, PrefetchFanout
 
 
 class JobPage(msgspec.Struct, frozen=True, kw_only=True):
@@ -34,7 +34,12 @@ _nodes = msgspec.json.Decoder(NodePage)
 
 
 class ClientError(Exception):
-    """A request to a herd service failed (unreachable, refused, or an error answer)."""
+    """A request to a herd service failed (unreachable, refused, or an error answer);
+    ``status`` is the HTTP status of an error answer (None: no answer)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def placer_url_from_env(explicit: str | None = None) -> str:
@@ -46,22 +51,48 @@ def placer_url_from_env(explicit: str | None = None) -> str:
     return url.rstrip("/")
 
 
-def _check(r: httpx.Response) -> bytes:
+def error_line(r: httpx.Response, who: str) -> str:
+    """One line for an error answer: a herd daemon's ``{"error", "detail"}``, or, when the
+    answer is not one (an HTML page, a proxy's text), that the server is not herd."""
+    try:
+        body = msgspec.json.decode(r.content)
+    except msgspec.DecodeError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        msg = body["error"] + (f": {body['detail']}" if body.get("detail") else "")
+        return f"{who} answered {r.status_code}: {msg}"
+    return not_herd_line(r, who)
+
+
+def not_herd_line(r: httpx.Response, who: str) -> str:
+    ctype = r.headers.get("content-type", "").split(";")[0].strip() or "no content type"
+    return (f"{who} at {r.request.url.copy_with(query=None)} answered HTTP {r.status_code} with "
+            f"{ctype} ({len(r.content)} bytes): not a herd server (wrong URL or port?)")
+
+
+def _check(r: httpx.Response, who: str = "placer") -> bytes:
     if r.status_code < 400:
         return r.content
+    raise ClientError(error_line(r, who), status=r.status_code)
+
+
+def decode_answer(dec: msgspec.json.Decoder[Any], r: httpx.Response, who: str) -> Any:
+    """Decode a 2xx answer; one that is not the JSON a herd daemon sends is 'not a herd server'."""
     try:
-        body = r.json()
-        msg = body.get("error", "") + (f": {body['detail']}" if body.get("detail") else "")
-    except ValueError:
-        msg = r.text[:200]
-    raise ClientError(f"placer answered {r.status_code}: {msg}")
+        return dec.decode(r.content)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        raise ClientError(not_herd_line(r, who)) from None
+
+
+_any = msgspec.json.Decoder()
 
 
 class PlacerClient:
-    """Synchronous client (the CLI is synchronous)."""
+    """Synchronous client (the CLI is synchronous). ``timeout`` bounds each request."""
 
     def __init__(self, url: str, token: str | None = None, *, timeout: float = 30.0) -> None:
         self.url = url.rstrip("/")
+        self.request_timeout = timeout
         self._c = httpx.Client(base_url=self.url, headers=auth_header(token), timeout=timeout)
 
     def __enter__(self) -> PlacerClient:
@@ -70,19 +101,39 @@ class PlacerClient:
     def __exit__(self, *exc: Any) -> None:
         self._c.close()
 
-    def _req(self, method: str, path: str, **kw: Any) -> bytes:
+    def _resp(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
-            return _check(self._c.request(method, path, **kw))
+            r = self._c.request(method, path, **kw)
+        except httpx.TimeoutException as e:
+            raise ClientError(f"the placer at {self.url} did not answer in time ({type(e).__name__}; "
+                              "--timeout S waits longer)") from None
         except httpx.HTTPError as e:
             raise ClientError(f"cannot reach the placer at {self.url}: {e or type(e).__name__}") from None
+        _check(r)
+        return r
+
+    def _get(self, dec: msgspec.json.Decoder[Any], method: str, path: str, **kw: Any) -> Any:
+        return decode_answer(dec, self._resp(method, path, **kw), "placer")
+
+    def _req(self, method: str, path: str, **kw: Any) -> bytes:
+        return self._resp(method, path, **kw).content
+
+    def healthz(self) -> dict[str, Any]:
+        out = self._get(_any, "GET", "/healthz")
+        if not isinstance(out, dict) or "ok" not in out:
+            raise ClientError(f"placer at {self.url} answered /healthz with something else: not a herd server")
+        return out
 
     def submit(self, spec: JobSpec) -> JobView:
-        return _job.decode(self._req("POST", "/v1/jobs", content=msgspec.json.encode(spec)))
+        return self._get(_job, "POST", "/v1/jobs", content=msgspec.json.encode(spec))  # type: ignore[no-any-return]
 
     def jobs(self, state: str | None = None, page: str | None = None) -> list[JobView]:
         """Jobs without pods (counts by pod state instead); one page (default the first 1000)."""
+        return self.jobs_page(state, page).jobs
+
+    def jobs_page(self, state: str | None = None, page: str | None = None) -> JobPage:
         params = {k: v for k, v in (("state", state), ("page", page)) if v}
-        return _jobs.decode(self._req("GET", "/v1/jobs", params=params or None)).jobs
+        return self._get(_jobs, "GET", "/v1/jobs", params=params or None)  # type: ignore[no-any-return]
 
     def job(self, job_id: str, *, wait: str | None = None, timeout_ms: int = 10000,
             pods: str | None = None) -> JobView:
@@ -90,28 +141,75 @@ class PlacerClient:
         params = {"wait": wait, "timeout_ms": str(timeout_ms)} if wait else {}
         if pods:
             params["pods"] = pods
-        return _job.decode(self._req("GET", f"/v1/jobs/{job_id}", params=params or None))
+        return self._get(_job, "GET", f"/v1/jobs/{job_id}", params=params or None)  # type: ignore[no-any-return]
+
+    def resolve_job(self, given: str, *, max_jobs: int = 100_000) -> str:
+        """A job id as given, or the one job whose id starts with it (ids as the CLI prints
+        them). Pages through the job list only when the id itself is unknown."""
+        try:
+            return self.job(given, pods="0:0").job_id
+        except ClientError as e:
+            if e.status != 404:
+                raise
+            unknown = e
+        found: list[str] = []
+        off = 0
+        while off < max_jobs:
+            page = self.jobs_page(page=f"{off}:1000")
+            found += [j.job_id for j in page.jobs if j.job_id.startswith(given)]
+            off += len(page.jobs)
+            if not page.jobs or off >= page.total or len(found) > 1:
+                break
+        if not found:
+            raise ClientError(f"{unknown} (nor a job whose id starts with it)", status=404)
+        if len(found) > 1:
+            raise ClientError(f"job id {given!r} is ambiguous: {', '.join(found[:5])}"
+                              + (" …" if len(found) > 5 else ""))
+        return found[0]
 
     def cancel(self, job_id: str) -> JobView:
-        return _job.decode(self._req("DELETE", f"/v1/jobs/{job_id}"))
+        return self._get(_job, "DELETE", f"/v1/jobs/{job_id}")  # type: ignore[no-any-return]
 
     def update_artifact(self, job_id: str, manifest_id: str, origin: str | None = None) -> JobView:
         body = msgspec.json.encode(ArtifactUpdate(manifest_id=manifest_id, origin=origin))
-        return _job.decode(self._req("POST", f"/v1/jobs/{job_id}/artifact", content=body))
+        return self._get(_job, "POST", f"/v1/jobs/{job_id}/artifact", content=body)  # type: ignore[no-any-return]
 
     def nodes(self, page: str | None = None) -> list[NodeView]:
         """One page of nodes in id order (default the first 1000); see :meth:`nodes_page`."""
         return self.nodes_page(page).nodes
 
-    def nodes_page(self, page: str | None = None) -> NodePage:
-        return _nodes.decode(self._req("GET", "/v1/nodes", params={"page": page} if page else None))
+    def nodes_page(self, page: str | None = None, state: str | None = None) -> NodePage:
+        params = {k: v for k, v in (("state", state), ("page", page)) if v}
+        return self._get(_nodes, "GET", "/v1/nodes", params=params or None)  # type: ignore[no-any-return]
+
+    def node(self, node_id: str) -> NodeView | None:
+        """One node's view, found by bisecting the id-ordered pages (one node a request,
+        O(log N) requests, whatever the fleet's size); None when the placer does not know it."""
+        lo, hi = 0, self.nodes_page("0:1").total
+        while lo < hi:
+            mid = (lo + hi) // 2
+            page = self.nodes_page(f"{mid}:1").nodes
+            if not page:
+                break
+            if page[0].node_id == node_id:
+                return page[0]
+            if page[0].node_id < node_id:
+                lo = mid + 1
+            else:
+                hi = mid
+        return None
+
+    def node_op(self, node_id: str, op: str, body: NodeOp | None = None) -> dict[str, Any]:
+        """``op`` in cordon | uncordon | drain: the node's view and, for a drain, what it did."""
+        enc = msgspec.json.encode(body or NodeOp())
+        return self._get(_any, "POST", f"/v1/nodes/{node_id}/{op}", content=enc)  # type: ignore[no-any-return]
 
     def cluster(self) -> dict[str, Any]:
-        return msgspec.json.decode(self._req("GET", "/v1/cluster"))
+        return self._get(_any, "GET", "/v1/cluster")  # type: ignore[no-any-return]
 
     def defrag(self, max_moves: int = 8, apply: bool = False) -> dict[str, Any]:
         body = msgspec.json.encode(DefragRequest(max_moves=max_moves, apply=apply))
-        return msgspec.json.decode(self._req("POST", "/v1/defrag", content=body))
+        return self._get(_any, "POST", "/v1/defrag", content=body)  # type: ignore[no-any-return]
 
     def prefetch(self, req: PrefetchFanout) -> dict[str, Any]:
-        return msgspec.json.decode(self._req("POST", "/v1/prefetch", content=msgspec.json.encode(req)))
+        return self._get(_any, "POST", "/v1/prefetch", content=msgspec.json.encode(req))  # type: ignore[no-any-return]

@@ -379,6 +379,16 @@ class NodeView(msgspec.Struct, frozen=True, kw_only=True):
     workloads: int = 0
     simulated: bool = False
     last_seen: float = 0.0
+    cordoned: bool = False                   # an operator took it out of service: nothing new lands here
+    draining: bool = False                   # cordoned by a drain whose workloads are not all gone yet
+
+
+class NodeOp(msgspec.Struct, frozen=True, kw_only=True):
+    """Operator -> placer ``POST /v1/nodes/{id}/cordon|uncordon|drain``."""
+    reason: str | None = None
+    grace_s: float | None = None             # drain: the stop grace (default each job's own)
+    force: bool = False                      # drain: stop workloads of non-preemptible jobs too
+    version: int = WIRE_VERSION
 
 
 class DefragRequest(msgspec.Struct, frozen=True, kw_only=True):

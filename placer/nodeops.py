@@ -1,0 +1,126 @@
+"""Node operations: cordon, uncordon, drain (operators taking a node out of service).
+
+Theory of operation
+-------------------
+A *cordoned* node stays up and keeps what runs on it, but the core places nothing new
+there: the model's ``node_draining`` bit is set (``set_node_state(..., draining=True)``),
+which takes every slot of the node out of ``usable``. ``cordons`` (node id -> reason) is
+the truth; ``NodeRec.cordoned`` mirrors it for a node the placer knows, and a full report
+(which rebuilds the record) carries it over. Cordons are journaled by the service, so
+after a restart they are applied again, also to nodes that have not reported yet.
+
+A *drain* is a cordon, then: the current attempts of the preemptible gangs with live pods
+on the node end as ``preempted`` (their restart policy decides: on-preemption requeues
+them, placed elsewhere since this node is cordoned); the non-preemptible ones are listed
+and left running unless ``force``. The stop pushes may carry the drain's own grace.
+
+Invariants: an uncordoned node's model bit is whatever health says; a cordon never frees
+or moves a GPU by itself; every method here is synchronous and takes ``now``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import msgspec
+
+from .records import JobError, JobRec, NodeRec, Push
+from .statebase import StateBase
+
+log = logging.getLogger("herd.placer.nodeops")
+
+
+@dataclass(frozen=True, slots=True)
+class DrainOutcome:
+    """What a drain did: the jobs whose attempts it ended (stopping), the jobs it left
+    because they are not preemptible (``left``), and the live workloads still on the node."""
+    node_id: str
+    stopped: tuple[str, ...] = ()
+    left: tuple[str, ...] = ()
+    workloads: int = 0
+
+
+class NodeOps(StateBase):
+    """Mixin of :class:`placer.state.PlacerState` (first in its bases: it owns ``cordons``)."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.cordons: dict[str, str] = {}
+
+    def _node(self, node_id: str) -> NodeRec:
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise JobError(f"no node {node_id!r}", status=404)
+        return node
+
+    def _apply_cordon(self, node: NodeRec) -> None:
+        """Make the model agree with ``cordons`` for this node (health kept as it is)."""
+        node.cordoned = node.node_id in self.cordons
+        if not node.cordoned:
+            node.draining = False
+        self.model.set_node_state(node.node_id, healthy=node.state == "up" and not node.host_fatal,
+                                  draining=node.cordoned)
+        self.dirty = True
+
+    def cordon(self, node_id: str, now: float, *, reason: str | None = None, known: bool = True) -> None:
+        """Nothing new is placed on the node. ``known=False`` (journal replay) accepts a node
+        not reported yet: the cordon applies when it registers."""
+        node = self.nodes.get(node_id)
+        if node is None and known:
+            raise JobError(f"no node {node_id!r}", status=404)
+        self.cordons[node_id] = reason or "cordoned"
+        if node is not None:
+            self._apply_cordon(node)
+        log.info("node cordoned node=%s reason=%s", node_id, reason)
+
+    def uncordon(self, node_id: str, now: float, *, known: bool = True) -> None:
+        node = self.nodes.get(node_id)
+        if node is None and known:
+            raise JobError(f"no node {node_id!r}", status=404)
+        self.cordons.pop(node_id, None)
+        if node is not None:
+            self._apply_cordon(node)
+        log.info("node uncordoned node=%s", node_id)
+
+    def node_workloads(self, node: NodeRec) -> int:
+        """Live workloads on the node: current pods not ended, and stale holders."""
+        return sum(1 for _, p in node.pods.values() if not p.terminal) + len(node.stale)
+
+    def drain(self, node_id: str, now: float, *, grace_s: float | None = None, force: bool = False,
+              reason: str | None = None) -> tuple[DrainOutcome, list[Push]]:
+        """Cordon, then end the attempts of the gangs with live pods here (preemptible ones,
+        or all with ``force``). Returns what it did and the stop pushes to carry out."""
+        node = self._node(node_id)
+        if grace_s is not None and not 0 <= grace_s <= 3600:
+            raise JobError("grace_s must be within 0..3600")
+        why = reason or f"node {node_id} drained"
+        self.cordon(node_id, now, reason=why)
+        node.draining = True
+        jobs: dict[str, JobRec] = {}
+        for job, p in node.pods.values():
+            if not p.terminal and job.state in ("placing", "starting", "running"):
+                jobs.setdefault(job.job_id, job)
+        stopped: list[str] = []
+        left: list[str] = []
+        pushes: list[Push] = []
+        for job in sorted(jobs.values(), key=lambda j: j.job_id):
+            if not (job.spec.preemptible or force):
+                left.append(job.job_id)
+                continue
+            stopped.append(job.job_id)
+            pushes += self._end_attempt(job, "preempted", now, reason=why)
+        if grace_s is not None:
+            pushes = [_with_grace(p, grace_s) for p in pushes]
+        log.info("node drained node=%s stopped=%d left=%d force=%s", node_id, len(stopped), len(left), force)
+        return DrainOutcome(node_id=node_id, stopped=tuple(stopped), left=tuple(left),
+                            workloads=self.node_workloads(node)), pushes
+
+
+def _with_grace(p: Push, grace_s: float) -> Push:
+    pl = p.placement
+    if not pl.victims:
+        return p
+    victims = [msgspec.structs.replace(v, grace_s=grace_s) for v in pl.victims]
+    return Push(p.node_id, p.control_url, msgspec.structs.replace(pl, victims=victims), p.job_id, p.attempt,
+                p.kind)
