@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -106,10 +106,14 @@ class Request:
 
 @dataclass(slots=True)
 class Response:
+    """An answer. With ``stream`` (a function returning an async generator of byte pieces)
+    the body is sent as it comes (chunked, no content-length) after ``body``, until the
+    generator ends or the client goes away (the generator is then closed)."""
     status: int = 200
     body: bytes = b""
     content_type: str = "application/json"
     headers: list[tuple[str, str]] = field(default_factory=list)
+    stream: Callable[[], AsyncGenerator[bytes, None]] | None = None
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -192,6 +196,9 @@ class App:
         if scope["type"] != "http":
             return
         resp, close = await self._handle(scope, receive)
+        if resp.stream is not None and scope["method"] != "HEAD" and not close:
+            await _send_stream(resp, receive, send)
+            return
         headers = [(b"content-type", resp.content_type.encode()),
                    (b"content-length", str(len(resp.body)).encode())]
         headers += [(k.encode(), v.encode()) for k, v in resp.headers]
@@ -331,6 +338,33 @@ class ConnectionGate:
             self._per_client[client] = n
         else:
             del self._per_client[client]
+
+
+async def _send_stream(resp: Response, receive: Any, send: Any) -> None:
+    """Send ``resp.body`` then every piece ``resp.stream()`` yields; a client that goes
+    away (``http.disconnect``) ends it, and the generator is closed either way."""
+    assert resp.stream is not None
+    headers = [(b"content-type", resp.content_type.encode())]
+    headers += [(k.encode(), v.encode()) for k, v in resp.headers]
+    await send({"type": "http.response.start", "status": resp.status, "headers": headers})
+    if resp.body:
+        await send({"type": "http.response.body", "body": resp.body, "more_body": True})
+    pieces = resp.stream()
+    try:
+        async with trio.open_nursery() as n:
+            async def watch() -> None:
+                while (await receive())["type"] != "http.disconnect":
+                    pass
+                n.cancel_scope.cancel()  # the client left: stop producing for it
+            n.start_soon(watch)
+            async for piece in pieces:
+                if piece:
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            n.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            await pieces.aclose()
 
 
 _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
