@@ -1,4 +1,4 @@
-"""`herd job submit|list|show|cancel`, `herd cluster`, `herd nodes`."""
+"""`herd job submit|list|show|cancel|logs`, `herd cluster`, `herd nodes`."""
 
 from __future__ import annotations
 
@@ -246,8 +246,9 @@ def _file_keys(path: str, raw: dict[str, Any]) -> dict[str, Any]:
 def _flags_parser() -> argparse.ArgumentParser:
     """The submit flags with FILE as an optional positional: parses what came before ``--``."""
     from cli.main import Parser
-    p = Parser(prog="herd job submit", add_help=False)
-    p.add_argument("file", nargs="?", default=None)
+    p = Parser(prog="herd job submit", usage="herd job submit [FILE.toml] [flags] [-- ARGV]",
+               description="Submit a gang job (FILE.toml and flags in any order before --).")
+    p.add_argument("file", nargs="?", default=None, metavar="FILE.toml", help="job file (keys as JobSpec's)")
     _submit_flags(p)
     return p
 
