@@ -1,5 +1,5 @@
-"""bench.herd_sim's model, small: the byte accounting it reports follows from the
-homes rendezvous.py assigns (no timing is asserted)."""
+"""bench.herd_sim: small rows of the simulator, its byte accounting, the baseline beside
+it, and the tree it simulates equal to what the fetchers plan (p2p.tree.plan_node)."""
 
 from __future__ import annotations
 
@@ -8,32 +8,85 @@ import subprocess
 import sys
 from pathlib import Path
 
+import blake3
+import numpy as np
 import pytest
 
-from bench.herd_sim import simulate
+from bench.herd_sim import Params, run_row, tree_of
+from p2p.tree import PeerView, chunk_keys, plan_node
+from scheduler_link.messages import Peer
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_rack_aware_herd_crosses_into_each_rack_about_once() -> None:
-    r = simulate(64, 64, 1, 8, 100, 100, 4)
-    assert r["racks"] == 8 and r["herd_origin_egress_over_size"] == 1.0
-    # each rack receives every chunk once, except those homed inside it
-    assert r["cross_rack_in_per_rack_over_size"] == pytest.approx(7 / 8, abs=1e-9)
-    assert r["cross_rack_in_per_rack_max_over_size"] <= 1.0
-    # a flat herd pulls each chunk into a rack once per node there
-    assert r["flat_cross_rack_in_per_rack_over_size"] > 6
-    assert r["origin_only_completion_over_ideal"] >= 64
-    assert r["herd_completion_over_ideal"] < r["flat_herd_completion_over_ideal"]
+def _params(n: int, rack: int, chunks: int = 64) -> Params:
+    return Params(nodes=n, rack_size=rack, chunks=chunks, chunk_bytes=1 << 20, manifest_bytes=75 * chunks,
+                  link=12.5e9, origin=12.5e9, oversub=2, k=2, rack_fanout=4, serve_cap=6, retry_s=0.05,
+                  recv_cpu=6.0, send_cpu=0.9, cores=1.0)
 
 
-def test_single_rack_and_cli_json() -> None:
-    r = simulate(4, 16, 1, 32, 10, 10, 1)
-    assert r["racks"] == 1 and r["cross_rack_in_per_rack_over_size"] == 0.0
-    out = subprocess.run([sys.executable, "-m", "bench.herd_sim", "--nodes", "8,32", "--size-mb", "32",
-                          "--chunk-mb", "1", "--json"], capture_output=True, text=True, timeout=120,
-                         cwd=Path(__file__).resolve().parent.parent)
+def test_tree_rows_count_bytes_and_beat_todays_fan_in() -> None:
+    r = run_row(_params(600, 4), "none")
+    t, b = r["tree"], r["today"]
+    assert r["racks"] == 150
+    assert t["nodes_incomplete"] == 0 and b["nodes_incomplete"] == 0
+    # counted, not set: one origin copy per chunk, the manifest once
+    # (egress counts the manifest's bytes too: 75 B a chunk)
+    assert t["origin_egress_over_size"] == pytest.approx(1.0, abs=2e-4) and t["manifest_origin_copies"] == 1.0
+    # each rack takes each chunk across the spine about once (the home's rack: never)
+    assert 0.98 <= t["cross_rack_in_per_rack_over_size"] <= 1.0
+    # today: 149 rack homes ask the global home; within its 256 waits, but every cold
+    # node reads the manifest from the origin and probes 256 peers
+    assert b["manifest_origin_copies"] == 600
+    assert b["have_probes"] == 600 * 256 and t["have_probes"] == 600 * 3
+    assert t["completion_over_ideal"] < 1.6          # 64 chunks, depth ~10 with k = 2: the fill shows
+
+
+def test_todays_503s_go_to_the_origin_past_256_waiters() -> None:
+    r = run_row(_params(1200, 4, chunks=16), "none")
+    b = r["today"]
+    # 300 racks: 299 rack homes wait on the home, 43 are told 503 and read the origin
+    assert b["busy_503"] == 16 * 43
+    manifests = 1200 * 75 * 16 / (16 << 20)           # every cold node read the manifest from the origin
+    assert b["origin_egress_over_size"] == pytest.approx(44.0 + manifests, abs=1e-3)
+    assert r["tree"]["origin_egress_over_size"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_failures_are_simulated_not_assumed() -> None:
+    dead = run_row(_params(200, 8), "dead")
+    home = run_row(_params(200, 8), "home")
+    assert dead["tree"]["nodes_incomplete"] == 0 and home["tree"]["nodes_incomplete"] == 0
+    assert dead["tree"]["origin_egress_over_size"] <= 1.1
+    # a global home dying mid-way: its successors re-read what it had not passed on
+    assert 1.0 <= home["tree"]["origin_egress_over_size"] <= 1.1
+
+
+def test_simulated_tree_equals_every_fetchers_plan() -> None:
+    ids = [f"n{i:03d}" for i in range(90)]
+    peers = [Peer(node_id=i, data_url=f"http://{i}", rack=f"r{j % 7}") for j, i in enumerate(ids)]
+    cids = [blake3.blake3(str(i).encode()).hexdigest() for i in range(40)]
+    parent, home, view = tree_of(ids, peers, cids, k=2, rack_fanout=3)
+    # the fetcher builds its view from the same peers in another order
+    view2 = PeerView.from_peers(list(reversed(peers)))
+    for nid in ids:
+        plan = plan_node(view2, view2.index[nid], chunk_keys(cids), k=2, rack_fanout=3)
+        me = view.index[nid]
+        got = [view2.node_ids[x] if x >= 0 else None for x in plan.parent]
+        want = [view.node_ids[x] if x >= 0 else None for x in parent[:, me]]
+        assert got == want
+        assert [view2.node_ids[x] for x in plan.home] == [view.node_ids[x] for x in home]
+    # bounded fan-in: nobody is asked by more than k child racks + rack_fanout mates
+    for c in range(len(cids)):
+        assert np.bincount(parent[c][parent[c] >= 0], minlength=len(ids)).max() <= 2 + 3
+
+
+def test_cli_json_and_refusals() -> None:
+    out = subprocess.run([sys.executable, "-m", "bench.herd_sim", "--nodes", "8,40", "--rack-size", "4",
+                          "--size-mb", "16", "--cases", "none,dead", "--json"], capture_output=True, text=True,
+                         timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["rows"]
-    assert [x["nodes"] for x in rows] == [8, 32]
+    assert [(x["nodes"], x["case"]) for x in rows] == [(8, "none"), (8, "dead"), (40, "none"), (40, "dead")]
     bad = subprocess.run([sys.executable, "-m", "bench.herd_sim", "--nodes", "0"], capture_output=True,
-                         text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
+                         text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "--nodes" in bad.stderr
