@@ -145,6 +145,7 @@ def cmd_inject(args: argparse.Namespace) -> int:
     import httpx
 
     from scheduler_link.auth import TokenSet, auth_header
+    from scheduler_link.client import not_herd_line
 
     if not args.agent:
         raise CliError("no agent URL: give --agent URL or set HERD_AGENT")
@@ -157,16 +158,21 @@ def cmd_inject(args: argparse.Namespace) -> int:
     try:
         r = httpx.post(url, content=msgspec.json.encode(fault), timeout=args.timeout,
                        headers={**auth_header(tokens.operator), "content-type": "application/json"})
+    except httpx.TimeoutException:
+        raise CliError(f"the agent at {args.agent} did not answer in time (--timeout S waits longer)") from None
     except httpx.HTTPError as e:
-        raise CliError(f"cannot reach the agent at {args.agent}: {e}") from None
+        raise CliError(f"cannot reach the agent at {args.agent}: {e or type(e).__name__}") from None
     try:
         body = r.json()
     except ValueError:
-        body = {"text": r.text[:500]}
+        body = None
+    if not isinstance(body, dict):
+        raise CliError(not_herd_line(r, "agent"))
     if r.status_code >= 400:
-        detail = body.get("detail") if isinstance(body, dict) else None
-        err = body.get("error") if isinstance(body, dict) else str(body)
-        raise CliError(f"agent refused the fault ({r.status_code}): {err}{': ' + str(detail) if detail else ''}")
+        if "error" not in body:
+            raise CliError(not_herd_line(r, "agent"))
+        detail = body.get("detail")
+        raise CliError(f"agent refused the fault ({r.status_code}): {body['error']}{': ' + str(detail) if detail else ''}")
     if args.json:
         emit_json(body)
     else:

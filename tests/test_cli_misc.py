@@ -79,7 +79,8 @@ async def test_timeouts_and_servers_that_are_not_herd(tmp_path, token_dir):
             # a daemon that never answers: --timeout bounds every command that asks one
             for args in (["job", "list", "--placer", hung], ["nodes", "--placer", hung],
                          ["node", "cordon", "x", "--placer", hung], ["status", "--agent", hung],
-                         ["logs", "w", "--agent", hung], ["placer", "defrag", "--placer", hung]):
+                         ["logs", "w", "--agent", hung], ["placer", "defrag", "--placer", hung],
+                         ["gpus", "inject", "--agent", hung, "--gpu", "G", "--xid", "79"]):
                 t0 = time.monotonic()
                 rc, out, err = await herd([*args, "--timeout", "0.5"], env)
                 assert rc == 1 and "did not answer in time" in one_line(err), (args, err)
@@ -87,6 +88,7 @@ async def test_timeouts_and_servers_that_are_not_herd(tmp_path, token_dir):
             # an HTML page: one line saying it is not herd, never the page
             for args in (["job", "list", "--placer", html], ["job", "show", "x", "--placer", html],
                          ["status", "--agent", html], ["logs", "w", "--agent", html],
+                         ["gpus", "inject", "--agent", html, "--gpu", "G", "--xid", "79"],
                          ["version", "--placer", html]):
                 rc, out, err = await herd(args, env)
                 assert rc == 1, (args, out, err)
