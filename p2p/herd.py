@@ -1,9 +1,19 @@
 """The herd fetcher: a manifest's missing chunks from peers and the origin, with about
 one copy of origin egress however many nodes fetch at once (DESIGN.md, the herd protocol).
 
-Shape (decide, then act): for each chunk, :func:`p2p.rendezvous.plan_sources` — a pure
-function of (chunk, this node, the peer list, the penalty book, now) — returns the
-ranked sources; this module only carries the plan out:
+Shape (decide, then act). Tree mode (the default, ``HerdConfig.tree``): once per
+manifest, :func:`p2p.tree.plan_node` — numpy over the gang's columnar peer view
+(a ``PeerTable`` or a ``Peer`` list) — gives this node, for every chunk, its place in
+that chunk's bounded fan-in tree (origin -> global home -> a k-ary tree over racks ->
+the rack's members); :meth:`p2p.tree.NodePlan.sources` turns one row of it and the
+penalty book into ranked sources (parent with wait, rack-mate siblings without,
+ancestors and successors with wait; the origin only for the home, a successor of a
+dead home, or when the tree above is dead or exhausted). A 503 sends the asker on to
+the next source; a round of only 503s backs off (Retry-After) and asks again. The
+manifest travels the same way; have-probes go to the rack only. Flat mode (``tree =
+False``, the design before, kept as the benchmarks' baseline):
+:func:`p2p.rendezvous.plan_sources` per chunk. Either way this module only carries
+the plan out:
 
 - the chunk's home (plan = origin only) fetches it from the origin, with bounded
   concurrency and retries with jittered backoff while the origin is down;
@@ -692,14 +702,14 @@ async def herd_fetch(herd: Herd, manifest_id: str, origin: Any, peers: PeersArg,
     return manifest, run
 
 
-async def fetch_with_peers(store: Any, manifest_id: str, origin: Any, *, peers: Sequence[Any],
+async def fetch_with_peers(store: Any, manifest_id: str, origin: Any, *, peers: Sequence[Any] | PeerTable,
                            node_id: str | None = None, token: str | None = None,
                            progress: Callable[[int, int], None] | None = None,
                            herd: Herd | None = None, config: HerdConfig | None = None) -> Any:
     """:func:`p2p.fetch.fetch_artifact` when peers are given: the same FetchStats.
 
-    ``peers`` are :class:`Peer` structs or bare data-plane URLs (``herd artifact fetch
-    --peer URL``; their node id is the URL). ``herd``: a long-lived Herd (the agent's)
+    ``peers`` are :class:`Peer` structs, bare data-plane URLs (``herd artifact fetch
+    --peer URL``; their node id is the URL), or the gang's :class:`PeerTable`. ``herd``: a long-lived Herd (the agent's)
     to share single flight, penalties and counters; else one is made for this call."""
     import socket
     import time
@@ -707,7 +717,10 @@ async def fetch_with_peers(store: Any, manifest_id: str, origin: Any, *, peers: 
     from .fetch import FetchStats
 
     t0 = time.perf_counter()
-    plist = [p if isinstance(p, Peer) else Peer(node_id=str(p), data_url=str(p)) for p in peers]
+    # A gang's PeerTable (from its blob) goes through as is: every member then plans the
+    # same trees. A partial Peer list (a big gang's rack + contacts) would not agree.
+    plist: PeersArg = peers if isinstance(peers, PeerTable) else [
+        p if isinstance(p, Peer) else Peer(node_id=str(p), data_url=str(p)) for p in peers]
     own = herd is None
     if herd is None:
         herd = Herd(store, node_id=node_id or socket.gethostname(), token=token, config=config)

@@ -26,7 +26,9 @@ Invariants
   stalls) are moved behind the healthy peers, before the origin.
 
 Everything here is plain data in, plain data out: no sockets, clocks or trio; ``now``
-is passed in. ``bench/herd_sim.py`` reuses the vectorised form for 10,000 nodes.
+is passed in. This is the flat design (``HerdConfig(tree=False)``); the herd's default is
+the bounded fan-in trees of ``p2p.tree``, which reuse ``chunk_key``/``node_key`` and
+the same score function, vectorised.
 """
 
 from __future__ import annotations
