@@ -191,7 +191,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
     body: dict[str, Any] = {"reason": args.reason}
     if args.grace is not None:
         body["grace_s"] = args.grace
-    st = _request(args, "POST", f"/v1/workloads/{args.workload}/stop", "stop",
+    from cli.logs import AgentViewer
+    viewer = AgentViewer(_agent_url(args), args.token_dir, args.timeout)
+    try:
+        wid = viewer.resolve(args.workload)  # ids as printed, or a unique prefix
+    finally:
+        viewer.close()
+    st = _request(args, "POST", f"/v1/workloads/{wid}/stop", "stop",
                   content=msgspec.json.encode(body), headers=auth_header(tok))
     if args.json:
         emit_json(st)
@@ -278,7 +284,7 @@ def register(sub: Any) -> None:
 
     s = asub.add_parser("stop", help="stop a workload gracefully")
     _common(s)
-    s.add_argument("workload", help="workload id")
+    s.add_argument("workload", help="workload id, or a unique prefix of one")
     s.add_argument("--grace", type=float, help="grace period in seconds (default: the workload's)")
     s.add_argument("--reason", default="stopped", help="reason recorded (default 'stopped')")
     s.set_defaults(func=cmd_stop)

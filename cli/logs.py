@@ -24,8 +24,8 @@ from scheduler_link.client import ClientError, PlacerClient, error_line, placer_
 _list_dec = msgspec.json.Decoder()
 
 
-class AgentLogs:
-    """A viewer of one agent's workload logs (the viewer token, or the operator's)."""
+class AgentViewer:
+    """Reads on one agent: its workloads and their logs (the viewer token, or the operator's)."""
 
     def __init__(self, url: str, token_dir: str | None, timeout: float) -> None:
         if timeout <= 0:
@@ -60,6 +60,7 @@ class AgentLogs:
         except ClientError as e:
             if e.status != 404:
                 raise
+            unknown = e
         r = self._send("GET", "/v1/workloads")
         try:
             body = _list_dec.decode(r.content)
@@ -71,7 +72,7 @@ class AgentLogs:
         ids = sorted({str(w.get("workload_id")) for w in body if isinstance(w, dict)})
         found = [w for w in ids if w.startswith(given)]
         if not found:
-            raise CliError(f"no workload {given!r} on the agent at {self.url} (nor one whose id starts with it)")
+            raise CliError(f"{unknown} (nor a workload whose id starts with it)")
         if len(found) > 1:
             raise CliError(f"workload id {given!r} is ambiguous: {', '.join(found[:5])}"
                            + (" …" if len(found) > 5 else ""))
@@ -108,7 +109,7 @@ def cmd_logs(args: argparse.Namespace) -> int:
     url = args.agent or os.environ.get("HERD_AGENT")
     if not url:
         raise CliError("no agent given: pass --agent URL or set HERD_AGENT")
-    a = AgentLogs(url, args.token_dir, args.timeout)
+    a = AgentViewer(url, args.token_dir, args.timeout)
     try:
         a.copy(a.resolve(args.workload), tail=_tail(args.tail), stderr=args.stderr, follow=args.follow,
                out=sys.stdout)
@@ -132,7 +133,7 @@ def cmd_job_logs(args: argparse.Namespace) -> int:
         if node is None or not node.control_url:
             raise CliError(f"rank {args.rank} of job {job_id} is on node {pod.node_id}, which the placer "
                            "no longer knows")
-    a = AgentLogs(node.control_url, args.token_dir, args.timeout)
+    a = AgentViewer(node.control_url, args.token_dir, args.timeout)
     try:
         a.copy(pod.workload_id, tail=_tail(args.tail), stderr=args.stderr, follow=args.follow, out=sys.stdout)
     finally:

@@ -80,7 +80,11 @@ async def test_logs_drain_and_cordon_across_a_placer_restart(tmp_path, token_dir
         assert rc == 0 and "schedulable" in out
         assert not (await nodes())[first]["cordoned"]
         rc, out, err = await herd(["job", "cancel", "lg", "--wait", "--wait-timeout", "30"], env)
-        assert rc == 0, err
+        assert rc == 0 and "job lg: cancelled" in out, err
+        # an agent's workload named by a prefix of its id (as `herd status` prints it)
+        wid = v["pods"][0]["workload_id"]
+        rc, out, err = await herd(["agent", "stop", wid[:6], "--agent", c.agents[other].url, "--json"], env)
+        assert rc == 0 and json.loads(out)["workload_id"] == wid, (out, err)
 
 
 async def _n_up(nodes, n: int) -> bool:
