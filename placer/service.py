@@ -538,6 +538,7 @@ class PlacerService:
             lines.append(f"{name}{labels} {val}")
         for st in ("up", "lost"):
             g("herd_placer_nodes", self.state.node_states[st], f'{{state="{st}"}}')
+        g("herd_placer_nodes_cordoned", len(self.state.cordons))
         for st, c in sorted(self.state.job_counts().items()):
             g("herd_placer_jobs", c, f'{{state="{st}"}}')
         stats = self.state.model.statistics()
