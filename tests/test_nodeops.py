@@ -4,6 +4,8 @@ journal record across a reopen."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from placer.journal import Journal
 from placer.state import JobError, PlacerState
@@ -134,3 +136,42 @@ def test_journal_keeps_the_last_cordon_per_node_and_compaction_keeps_it(tmp_path
     assert j.cordons == {"a": "disk"}
     j.close()
     assert Journal.open(tmp_path).cordons == {"a": "disk"}
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st_ops=st.lists(st.tuples(st.sampled_from(["cordon", "uncordon", "drain", "submit", "report", "tick"]),
+                                 st.integers(0, 3), st.integers(1, 8), st.booleans()), max_size=25))
+def test_nothing_new_is_ever_placed_on_a_cordoned_node(st_ops):
+    """Whatever the order of cordons, drains, submissions and full reports, a decision
+    never puts a pod on a node cordoned at that moment, and the model's invariants hold."""
+    s = new_state()
+    nodes = [f"n{i}" for i in range(4)]
+    seq = dict.fromkeys(nodes, 1)
+    for n in nodes:
+        s.ingest(n, full(n), 0.0)
+    s.recover_until = 0.0
+    now = 0.0
+    for k, (op, i, g, flag) in enumerate(st_ops):
+        now += 0.1
+        n = nodes[i]
+        if op == "cordon":
+            s.cordon(n, now)
+        elif op == "uncordon":
+            s.uncordon(n, now)
+        elif op == "drain":
+            s.drain(n, now, force=flag)
+        elif op == "submit":
+            s.submit(JobSpec(job_id=f"j{k}", pods=1 + (g % 2), gpus_per_pod=g, preemptible=flag, argv=["x"],
+                             restart=RestartPolicy(kind="on-preemption")), now)
+        elif op == "report":
+            seq[n] += 10
+            s.ingest(n, full(n, seq=seq[n]), now)  # a re-registration (no workloads: they are gone)
+        else:
+            s.tick(now)
+        for job, pushes in s.schedule(now):
+            _ack_all(s, job, pushes, now)
+            placed = {p.node_id for p in job.pods}
+            assert not placed & set(s.cordons), (job.job_id, placed, s.cordons)
+        assert s.model.statistics()["draining_nodes"] == sum(
+            1 for x in s.nodes.values() if x.cordoned) == len(set(s.cordons) & set(s.nodes))
+        s.model.check_invariants()
