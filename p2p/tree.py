@@ -171,14 +171,17 @@ class Rotations:
 
     def block(self, pos: np.ndarray) -> np.ndarray:
         """[C, R] rotation index for a block of chunks, given their rack positions."""
-        n_racks = pos.shape[1]
-        feeding = (pos * self.k + 1 < n_racks).astype(np.int64)
-        out = np.empty_like(pos)
-        for duty in (0, 1):
-            m = feeding == duty
-            c = np.cumsum(m, axis=0) - m + self.counts[duty][None, :]   # exclusive prefix count
-            out = np.where(m, c + self.offsets[None, :] + duty * self.half[None, :], out)
-            self.counts[duty] += m.sum(axis=0)
+        return self.block_feeding(pos * self.k + 1 < pos.shape[1])
+
+    def block_feeding(self, feeding: np.ndarray) -> np.ndarray:
+        """The same from the [C, R] feeding mask (position * k + 1 < racks)."""
+        f = feeding.astype(np.int64)
+        before = np.cumsum(f, axis=0) - f                       # feeding chunks before this one
+        i = np.arange(len(f), dtype=np.int64)[:, None]
+        out = np.where(feeding, before + self.counts[1] + self.half, i - before + self.counts[0]) + self.offsets
+        n_feed = f.sum(axis=0)
+        self.counts[1] += n_feed
+        self.counts[0] += len(f) - n_feed
         return out
 
 
@@ -288,15 +291,27 @@ def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fa
     for lo in range(0, C, block):
         ck = ckeys[lo:lo + block]
         n = len(ck)
-        order, pos = rack_positions(view, ck)
-        rot = rots.block(pos)
+        # Only the racks at the top of each chunk's order are needed in order (every
+        # ancestor position is < F, the feeding positions): a partition, not a sort.
+        nsc = ~_mix(ck[:, None] ^ view.rkeys[None, :])          # ascending = best first
+        feed_n = -(-(R - 1) // k) if R > 1 else 0
+        top_n = max(feed_n, 1)
+        top = (np.argpartition(nsc, top_n - 1, axis=1)[:, :top_n] if top_n < R
+               else np.broadcast_to(np.arange(R), (n, R)).copy())
+        order = np.take_along_axis(top, np.argsort(np.take_along_axis(nsc, top, axis=1), axis=1, kind="stable"),
+                                   axis=1)                     # [n, top_n]: racks at positions 0..
+        feeding = np.zeros((n, R), dtype=bool)
+        if feed_n:
+            np.put_along_axis(feeding, order[:, :feed_n], True, axis=1)
+        rot = rots.block_feeding(feeding)
         # ancestor positions of my rack: p, (p-1)//k, ... 0 (padded with -1)
         anc = np.full((n, D), -1, np.int64)
-        p = pos[:, my_rack].copy()
+        p = (nsc < nsc[:, my_rack:my_rack + 1]).sum(axis=1)
         for d in range(D):
             anc[:, d] = p
             p = np.where(p > 0, (p - 1) // k, -1)
-        anc_racks = np.where(anc >= 0, np.take_along_axis(order, np.maximum(anc, 0), axis=1), 0)
+        anc_racks = np.where(anc >= 0, np.take_along_axis(order, np.clip(anc, 0, top_n - 1), axis=1), 0)
+        anc_racks[:, 0] = my_rack
         homes = rack_homes(view, np.take_along_axis(rot, anc_racks, axis=1), anc_racks)   # [n, D]
         homes = np.where(anc >= 0, homes, -1)
         mine = member_order(view, rot[:, my_rack:my_rack + 1], np.full((n, 1), my_rack))[:, 0, :]   # [n, W]
