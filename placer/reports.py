@@ -272,15 +272,21 @@ class Reports(StateBase):
 
     def _apply_event(self, node: NodeRec, ev: WorkloadEvent, now: float) -> list[Push]:
         node.workloads[ev.workload_id] = ev.state
+        hit = node.pods.get(ev.workload_id)
         if ev.state in TERMINAL_STATES and ev.workload_id in node.stale:
             node.stale.pop(ev.workload_id)
             self._release_quiet(f"stale:{ev.workload_id}")
+            if hit is not None and not hit[1].terminal:  # a stopped pod of a live record: say it ended
+                self._record_end(hit[0], hit[1], ev)
             return []
-        hit = node.pods.get(ev.workload_id)
         if hit is None:
             return []
         job, pod = hit
-        if job.job_id != ev.job_id or job.state in TERMINAL_JOB_STATES or pod.terminal:
+        if job.job_id != ev.job_id or pod.terminal:
+            return []
+        if job.state in TERMINAL_JOB_STATES:
+            if ev.state in TERMINAL_STATES:
+                self._record_end(job, pod, ev)  # the job has ended; its pod's end is only news
             return []
         told_to_stop = pod.state in ("terminating", "cancelled") or job.state in ("pending", "preempted")
         job.set_pod_state(pod, ev.state, ev.exit_code)
@@ -305,6 +311,11 @@ class Reports(StateBase):
         why = f"pod {pod.rank} on {node.node_id} {ev.state}" + (
             f" (code {ev.exit_code})" if ev.exit_code is not None else "") + (f": {ev.reason}" if ev.reason else "")
         return self._end_attempt(job, "failed", now, reason=why)
+
+    def _record_end(self, job: JobRec, pod: PodRec, ev: WorkloadEvent) -> None:
+        job.set_pod_state(pod, ev.state, ev.exit_code)
+        pod.reason = ev.reason or pod.reason
+        self._note_pod(pod, ev)
 
     def _note_event(self, node: NodeRec, ev: WorkloadEvent) -> None:
         hit = node.pods.get(ev.workload_id)

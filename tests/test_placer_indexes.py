@@ -307,3 +307,16 @@ def test_a_gang_refused_again_and_again_backs_off():
     assert job.state == "cancelled"
     st_.tick(100.0)
     assert "j" not in st_.queue
+
+
+def test_pods_of_a_cancelled_job_show_their_end():
+    st_, job, pushes = _two_node_job()
+    st_.on_acks("j", 1, {p.node_id: ACCEPTED for p in pushes}, 0.2, pushes)
+    st_.cancel("j", 0.3)
+    assert job.state == "cancelled" and job.pod_counts() == {"terminating": 2}
+    free0 = st_.model.statistics()["free"]
+    for k, p in enumerate(job.pods):
+        st_.ingest(p.node_id, beat(p.node_id, 2, [WorkloadEvent(workload_id=p.workload_id, job_id="j",
+                                                                state="exited", exit_code=143, at=0.4)]), 0.4)
+    assert job.pod_counts() == {"exited": 2} and {p.exit_code for p in job.pods} == {143}
+    assert st_.model.statistics()["free"] == free0 + 16  # their GPUs came back with the end
