@@ -315,7 +315,7 @@ def test_pods_of_a_cancelled_job_show_their_end():
     st_.cancel("j", 0.3)
     assert job.state == "cancelled" and job.pod_counts() == {"terminating": 2}
     free0 = st_.model.statistics()["free"]
-    for k, p in enumerate(job.pods):
+    for p in job.pods:
         st_.ingest(p.node_id, beat(p.node_id, 2, [WorkloadEvent(workload_id=p.workload_id, job_id="j",
                                                                 state="exited", exit_code=143, at=0.4)]), 0.4)
     assert job.pod_counts() == {"exited": 2} and {p.exit_code for p in job.pods} == {143}
