@@ -13,6 +13,8 @@ a fake supervisor, simulated GPUs; see that module):
 - fill: jobs drawn from placer/sim.py's job mix (priority 0, preemptible), submitted with
   ``POST /v1/jobs`` until ~``--fill`` of the GPUs are asked for (bounded in jobs and
   time); ``fill_running`` is how many run when the fill wait ends.
+- ``decide_small_p50_ms`` / ``decide_small_p99_ms``: ``--probe`` gangs of 1-1,024 GPUs submitted
+  one at a time on the filled fleet, ``submitted`` -> ``decided`` (each cancelled once decided).
 - the big gang (``--gang-gpus``, priority 2, not preemptible, shaped as sim.py shapes it):
   ``decide_ms`` (the job's ``submitted`` -> ``decided`` timings), ``bookkeeping_ms``
   (``decided`` -> ``pushed``), ``acked_ms`` (``pushed`` -> ``acked``),
@@ -84,6 +86,7 @@ class Args:
     fetch_delay_s: float = 0.2
     run_delay_s: float = 0.3
     jobs: bool = True                # False: registration and steady heartbeats only
+    probe: int = 50                  # small gangs decided one at a time on the filled fleet
 
 
 def _jobs_mix(fleet: str, fleet_gpus: int, target: float, seed: int, max_jobs: int) -> list[dict[str, Any]]:
@@ -270,6 +273,9 @@ async def _jobs_phase(row: dict[str, Any], a: Args, c: httpx.AsyncClient, placer
 
     _note("filled", counts=counts, s=row["fill_s"])
 
+    # -- decisions through the service for gangs <= 1,024 GPUs, one at a time on the filled fleet
+    await _decide_probe(row, a, c, placer.url, op)
+
     # -- the big gang
     g = a.gang_gpus or min(200_000, gpus // 5)
     spec = _gang_spec(a.fleet, g)
@@ -303,6 +309,40 @@ async def _jobs_phase(row: dict[str, Any], a: Args, c: httpx.AsyncClient, placer
 
     _note("gang", state=row["gang_state"], decide_ms=row["decide_ms"], events=events,
           submit_to_running_ms=row["submit_to_running_ms"])
+
+
+PROBE_SHAPES = ((1, 8, "node"), (2, 8, "rack"), (8, 8, "rack"), (32, 8, "block"), (128, 8, "block"), (1, 1, "any"),
+                (4, 2, "any"))  # (pods, GPUs a pod, within): 1 .. 1,024 GPUs
+
+
+async def _decide_probe(row: dict[str, Any], a: Args, c: httpx.AsyncClient, url: str, op: dict[str, str]) -> None:
+    """``--probe`` small gangs submitted one after another through ``POST /v1/jobs`` on the
+    filled fleet: ``submitted`` -> ``decided`` (the placer's own two timings: its queue pass,
+    the model, the decision) as p50/p99; each is cancelled once decided. Bounded in count and
+    in time (``--fill-limit``)."""
+    if a.probe <= 0:
+        return
+    ms: list[float] = []
+    with trio.move_on_after(a.fill_limit_s):
+        for k in range(a.probe):
+            pods, gpp, within = PROBE_SHAPES[k % len(PROBE_SHAPES)]
+            jid = f"probe{k}"
+            spec: dict[str, Any] = {"job_id": jid, "pods": pods, "gpus_per_pod": gpp, "within": within, "priority": 1,
+                    "preemptible": True, "argv": ["probe"], "grace_s": 0}
+            r = await c.post(f"{url}/v1/jobs", json=spec, headers=op)
+            if r.status_code != 201:
+                continue
+            job = await _wait_job(c, url, jid, "running", 10.0)
+            t = job.get("timings", {})
+            if "decided" in t:
+                ms.append(_ms(t, "submitted", "decided"))
+            await c.delete(f"{url}/v1/jobs/{jid}", headers=op)
+    ms.sort()
+    if ms:
+        row.update(probe_jobs=len(ms), decide_small_p50_ms=ms[len(ms) // 2],
+                   decide_small_p99_ms=ms[min(len(ms) - 1, math.ceil(0.99 * len(ms)) - 1)],
+                   decide_small_max_ms=ms[-1])
+    _note("decide probe", jobs=len(ms), p50_ms=row.get("decide_small_p50_ms"), p99_ms=row.get("decide_small_p99_ms"))
 
 
 async def baseline_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
@@ -351,7 +391,8 @@ def print_table(out: dict[str, Any]) -> None:
     print(f"fleet {out['fleet']} — real placer process vs emulated agents on {out['cores']} cores "
           "(placer and emulators share them)")
     cols = [("nodes", "nodes", ","), ("register_s", "reg s", ".2f"), ("register_placer_cpu_s", "reg cpu s", ".2f"),
-            ("fill_running", "fill run", ","), ("gang_gpus", "gang gpus", ","), ("decide_ms", "decide ms", ".1f"),
+            ("fill_running", "fill run", ","), ("decide_small_p50_ms", "small p50", ".1f"),
+            ("decide_small_p99_ms", "small p99", ".1f"), ("gang_gpus", "gang gpus", ","), ("decide_ms", "decide ms", ".1f"),
             ("bookkeeping_ms", "bookkeep ms", ".1f"), ("acked_ms", "acked ms", ".0f"),
             ("running_after_last_event_ms", "run-after-last ms", ".0f"), ("events_per_s", "events/s", ",.0f"),
             ("steady_placer_cpu_frac", "steady cpu", ".3f"), ("placer_rss_mib", "rss MiB", ".0f"),
@@ -388,6 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-jobs", action="store_true", help="registration and steady heartbeats only")
     ap.add_argument("--baseline-limit", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--probe", type=int, default=50,
+                    help="small gangs (1-1,024 GPUs) submitted one at a time on the filled fleet for decide p50/p99")
     ap.add_argument("--fetch-delay", type=float, default=0.2, help="emulated accepted -> fetching (s)")
     ap.add_argument("--run-delay", type=float, default=0.3, help="emulated fetching -> running (s)")
     ap.add_argument("--placer-root", default=str(ROOT), help="the tree whose placer and emulator run (default: this)")
@@ -401,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
              fill_limit_s=ns.fill_limit, gang_limit_s=ns.gang_limit, steady_s=ns.steady_s,
              baseline=not ns.no_baseline, baseline_limit_s=ns.baseline_limit, seed=ns.seed,
              placer_root=Path(ns.placer_root), fetch_delay_s=ns.fetch_delay, run_delay_s=ns.run_delay,
-             jobs=not ns.no_jobs)
+             jobs=not ns.no_jobs, probe=ns.probe)
     # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the placer and emulators are stopped
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     t0 = time.perf_counter()
