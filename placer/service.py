@@ -57,7 +57,7 @@ from scheduler_link.messages import (
 
 from .config import PlacerConfig
 from .frag import fragmentation, largest_placeable, plan_defrag
-from .journal import Journal
+from .journal import Journal, JournalError
 from .state import ACCEPTED, TERMINAL_JOB_STATES, JobError, JobRec, Outcome, PlacerState, Push
 from .views import DEFAULT_PODS, parse_page
 
@@ -100,7 +100,6 @@ class PlacerService:
         self.freezes = 0
         self._frozen_at = -math.inf
         self._nodes_at_freeze = 0
-        self._submitting: set[str] = set()
 
     # ------------------------------------------------------------ life cycle
 
@@ -239,6 +238,16 @@ class PlacerService:
 
     async def _dispatch(self, job_id: str, attempt: int, pushes: list[Push]) -> None:
         acks: dict[str, Outcome] = {}
+        if self.journal is not None:
+            try:
+                await self.journal.flush()  # a job's placements leave only once the job is durable
+            except JournalError as e:
+                log.error("journal sync failed; not pushing job=%s: %s", job_id, e)
+                self._carry_out(self.state.on_acks(job_id, attempt, {
+                    p.node_id: Outcome("unreachable", detail="placer journal not durable")
+                    for p in pushes if p.kind == "start"}, self.clock(), pushes))
+                self._after_change()
+                return
 
         async def one(p: Push) -> None:
             o = await self._push_one(p)
@@ -327,17 +336,19 @@ class PlacerService:
         except JobError as e:
             raise HTTPError(e.status, "job refused", str(e)) from None
         assert self.journal is not None
-        if spec.job_id in self._submitting:
-            raise HTTPError(409, "job refused", f"job {spec.job_id} is being submitted")
-        self._submitting.add(spec.job_id)
-        try:
-            self.journal.submitted(spec, now, sync=False)
-            await self.journal.flush()  # durable before it is acknowledged (one fsync for a burst)
-        finally:
-            self._submitting.discard(spec.job_id)
+        # Decide while the journal syncs: the job is in the queue at once, but nothing of it is
+        # pushed (_dispatch waits on the same group commit) and the 201 waits until it is durable.
+        self.journal.submitted(spec, now, sync=False)
         job = self.state.submit(spec, now)
         self.kick()
         self._changed_now()
+        try:
+            await self.journal.flush()  # one fsync for a burst of submissions, in a worker thread
+        except JournalError as e:
+            log.error("job not durable, taking it back job=%s: %s", spec.job_id, e)
+            self._carry_out(self.state.cancel(spec.job_id, self.clock()))
+            raise HTTPError(503, "job not stored", str(e)) from None
+        job.timings["durable"] = self.clock()  # "submitted" -> "durable" is the journal's fsync
         return json_response(self.state.job_view(job), status=201)
 
     def _job(self, job_id: str) -> JobRec:

@@ -579,3 +579,51 @@ async def _state_is(cl: Cluster, job: str, state: str) -> bool:
 async def _wl_is(agent: FakeAgent, wid: str, state: str) -> bool:
     w = agent.workloads.get(wid)
     return w is not None and w.state == state
+
+
+async def test_a_job_is_decided_while_its_journal_syncs_but_pushed_only_once_durable(tmp_path, token_dir,
+                                                                                     monkeypatch):
+    """Deciding overlaps the journal's fsync; no placement leaves before the job is durable,
+    and the submission's 201 comes after the fsync too."""
+    import threading
+
+    import placer.journal as journal_mod
+
+    tokens = TokenSet.load(token_dir)
+    gate = threading.Event()
+    real_fsync = journal_mod.os.fsync
+    slow = {"on": False}
+
+    def fsync(fd: int) -> None:
+        if slow["on"]:
+            gate.wait(10)
+        real_fsync(fd)
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            svc, cl = await start_cluster(n, tmp_path, tokens, n_agents=2)
+            monkeypatch.setattr(journal_mod.os, "fsync", fsync)
+            slow["on"] = True
+            answered = trio.Event()
+
+            async def submit() -> None:
+                r = await cl.c.post("/v1/jobs", content=msgspec.json.encode(
+                    JobSpec(job_id="d", pods=1, gpus_per_pod=8, argv=["x"])))
+                assert r.status_code == 201
+                answered.set()
+
+            n.start_soon(submit)
+            await wait_for(lambda: _true("decided" in svc.state.jobs.get("d", _NoJob).timings))
+            await trio.sleep(0.3)
+            assert not answered.is_set()                                   # not acknowledged yet
+            assert not any(p.job_id == "d" for a in cl.agents.values() for p in a.placements)  # nor pushed
+            gate.set()
+            slow["on"] = False
+            await answered.wait()
+            v = await cl.job("d", wait="running")
+            assert v["state"] == "running" and v["timings"]["decided"] <= v["timings"]["durable"]
+            n.cancel_scope.cancel()
+
+
+class _NoJob:
+    timings: dict = {}
