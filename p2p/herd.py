@@ -95,6 +95,7 @@ class HerdConfig:
     busy_rounds: int = 600             # rounds where every source was only busy (503) or missing
     origin_verify_tries: int = 3       # origin answers that fail verification before OriginError
     manifest_poll_s: float = 0.1       # a tree source without the manifest yet: ask again after
+    probe_all_below: int = 64          # gangs up to this size probe every member's have-bitmap
 
 
 class HerdCounters(msgspec.Struct, kw_only=True):
@@ -319,8 +320,13 @@ class Herd:
         plan = await trio.to_thread.run_sync(partial(self.plan, view, me, ids))
         cindex = {cid: i for i, cid in enumerate(ids)}
         self.last_plan = (plan, cindex)
-        # have-probes only within the rack (bounded by the rack's size)
-        rack_rows = [int(r) for r in view.grid[int(view.rack_of[me])] if r >= 0 and r != me]
+        # have-probes only within the rack (bounded by the rack's size); a small gang
+        # (where every placement lists every member) probes everyone: a warm node in
+        # another rack then feeds the chunks its rack-less homes would read from the origin
+        if len(view) <= self.config.probe_all_below:
+            rack_rows = [r for r in range(len(view)) if r != me]
+        else:
+            rack_rows = [int(r) for r in view.grid[int(view.rack_of[me])] if r >= 0 and r != me]
         mates = [Peer(node_id=view.node_ids[r], data_url=view.urls[r]) for r in rack_rows if view.urls[r]]
         holders = await self._holders(manifest_id, mates) if manifest_id and mates else {}
         own = [(c, z) for c, z in todo if plan.is_home(cindex[c])]
