@@ -240,7 +240,7 @@ class Scheduling(StateBase):
                       for p in pods],
                 victims=victims, world_size=s.pods, argv=argv, env=env, manifest_id=s.manifest_id, origin=s.origin,
                 peers=peers_of(node), grace_s=s.grace_s, restart=s.restart, issued_at=now,
-                gang_blob_id=blob_id, gang_nodes=n_gang)
+                gang_blob_id=blob_id, gang_nodes=n_gang, user=s.user)
 
         out = [Push(node.node_id, node.control_url, None, job.job_id, job.attempt, "start",
                     build(node, by_node[node.node_id], victim_stops.pop(node.node_id, [])))
@@ -275,7 +275,7 @@ class Scheduling(StateBase):
                           rack_of=rack_of, racks=racks, rack_start=rack_start)
         blob = GangBlob(job_id=job.job_id, attempt=job.attempt, argv=list(s.argv), env=dict(s.env),
                         manifest_id=s.manifest_id, origin=s.origin, grace_s=s.grace_s, restart=s.restart,
-                        world_size=s.pods, peers=table)
+                        world_size=s.pods, peers=table, user=s.user)
         blob_id, raw = encode_gang_blob(blob)
         if job.blob_id is not None:
             self.blobs.pop(job.blob_id, None)

@@ -471,6 +471,7 @@ class GangBlob(msgspec.Struct, frozen=True, kw_only=True):
     restart: RestartPolicy = RestartPolicy()
     world_size: int = 1
     peers: PeerTable = PeerTable()
+    user: str | None = None                  # the pods' user (JobSpec.user), checked by each agent
 
 
 class NodePart(msgspec.Struct, frozen=True, kw_only=True):

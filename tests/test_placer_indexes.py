@@ -320,3 +320,12 @@ def test_pods_of_a_cancelled_job_show_their_end():
                                                                 state="exited", exit_code=143, at=0.4)]), 0.4)
     assert job.pod_counts() == {"exited": 2} and {p.exit_code for p in job.pods} == {143}
     assert st_.model.statistics()["free"] == free0 + 16  # their GPUs came back with the end
+
+
+def test_the_jobs_user_travels_in_every_placement_and_the_blob():
+    st_ = new_state()
+    st_.ingest("a", full("a"), 0.0)
+    st_.submit(JobSpec(job_id="u", pods=1, gpus_per_pod=8, argv=["x"], user="alice"), 0.1)
+    (job, pushes), = st_.schedule(0.1)
+    assert [p.placement.user for p in pushes] == ["alice"]
+    assert decode_gang_blob(st_.blobs[job.blob_id], job.blob_id).user == "alice"
