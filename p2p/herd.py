@@ -482,8 +482,16 @@ class Herd:
         cfg = self.config
         v = plan.view
         hard = busy = 0
+        # holders (have-bitmaps) asked without waiting: rack-mates first for everyone;
+        # other racks' only by the chunk's home, in place of the origin (a chunk crosses
+        # into a rack once, down its tree)
+        my_rack = v.rack_of[plan.me]
+        known = [n for n in holders if n in v.index]
         pre = [Source(kind="peer", node_id=n, url=v.urls[v.index[n]], wait=False)
-               for n in holders if n in v.index]
+               for n in known if v.rack_of[v.index[n]] == my_rack]
+        if plan.is_home(ci):
+            pre += [Source(kind="peer", node_id=n, url=v.urls[v.index[n]], wait=False)
+                    for n in known if v.rack_of[v.index[n]] != my_rack]
         while True:
             now = trio.current_time()
             pen = self.health.penalties(now)
