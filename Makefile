@@ -17,7 +17,7 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy manifests p2p scheduler_link agent placer cli
+	$(BIN)/mypy manifests p2p scheduler_link agent placer cli testing bench
 
 pytest: $(STAMP)
 	$(BIN)/python -m pytest -q

@@ -486,6 +486,8 @@ class PlacerService:
         out["queue"] = st.queue.statistics()
         out["placer"] = {**{k: v for k, v in st.counters.items()}, "model_rebuilds": st.model.rebuilds,
                          "gc_freezes": self.freezes, "blobs": len(st.blobs)}
+        if self.wire is not None:
+            out["framed_channel"] = self.wire.statistics()
         return json_response(out)
 
     async def h_gang_blob(self, req: Request) -> Response:
@@ -559,6 +561,11 @@ class PlacerService:
             g(f"herd_placer_{k}_total", v, kind="counter")
         for k, v in sorted(self.push_counts.items()):
             g("herd_placer_pushes_total", v, f'{{kind="{k}"}}', kind="counter")
+        if self.wire is not None:
+            ws = self.wire.statistics()
+            g("herd_placer_wire_frames_total", ws["frames"], kind="counter")
+            g("herd_placer_wire_connections", ws["open_connections"])
+            g("herd_placer_wire_ingest_errors_total", ws["ingest_errors"], kind="counter")
         ds = sorted(self.state.decision_s)
         if ds:
             for q in (0.5, 0.99):

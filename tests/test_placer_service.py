@@ -190,7 +190,7 @@ async def test_submit_runs_on_the_chosen_gpus_then_preempt_and_cancel(tmp_path, 
             svc, cl = await start_cluster(n, tmp_path, tokens)
             j = await cl.submit(job_id="low", pods=2, gpus_per_pod=8, priority=1, preemptible=True,
                                 restart={"kind": "on-preemption"}, within="rack", grace_s=1.0)
-            assert j["state"] == "pending"
+            assert j["state"] in ("pending", "placing", "starting")  # decided while its journal entry synced
             v = await cl.job("low", wait="running")
             assert v["state"] == "running"
             # (the running events may overtake the acks: both end up recorded)
