@@ -46,6 +46,8 @@ from .sdnotify import Notifier
 from .state import atomic_write
 from .supervisor import Supervisor
 
+MAX_BLOB_BYTES = 64 << 20   # a 200,000-node gang's peer table is ~10 MB
+
 log = logging.getLogger("herd.agent")
 
 
@@ -72,9 +74,28 @@ class Agent:
         self._nursery: trio.Nursery | None = None
         self._prefetching: set[str] = set()
         self.supervisor = Supervisor(self.state_dir, node_id=self.node_id, gpu_health=self._gpu_health,
-                                     config=config.workloads, fetcher=self._fetch, base_env=env)
+                                     config=config.workloads, fetcher=self._fetch, base_env=env,
+                                     blob_fetcher=self._fetch_blob if config.placer else None)
 
     # ------------------------------------------------------------ wiring
+
+    async def _fetch_blob(self, blob_id: str) -> bytes:
+        """A gang's blob from the placer (``GET /v1/gangs/{id}``, cluster token), bounded; the
+        caller checks it against its id. (Relays and peers will serve it too: control plane II.)"""
+        import httpx
+
+        assert self.config.placer is not None
+        url = f"{self.config.placer.rstrip('/')}/v1/gangs/{blob_id}"
+        out = bytearray()
+        async with httpx.AsyncClient(timeout=10.0) as c, c.stream(
+                "GET", url, headers={"authorization": f"Bearer {self.tokens.cluster}"}) as r:
+            if r.status_code != 200:
+                raise AgentError(f"placer answered {r.status_code} for gang blob {blob_id[:16]}")
+            async for piece in r.aiter_bytes():
+                out += piece
+                if len(out) > MAX_BLOB_BYTES:
+                    raise AgentError(f"gang blob {blob_id[:16]} is over {MAX_BLOB_BYTES} bytes")
+        return bytes(out)
 
     def _open_gpus(self) -> None:
         try:

@@ -5,8 +5,9 @@ names), so the agent's own settings and credentials never leak into workloads. N
 passed: systemd's NOTIFY_SOCKET/WATCHDOG_*/LISTEN_* (a workload must not be able to
 notify or pet the agent's watchdog) and the token dir. Added: CUDA_VISIBLE_DEVICES and
 NVIDIA_VISIBLE_DEVICES (the assigned GPU UUIDs), HERD_JOB_ID, HERD_WORKLOAD_ID,
-HERD_RANK, HERD_WORLD_SIZE, HERD_SCRATCH, HERD_PREEMPT_NOTICE and HERD_PEERS
-(``node=url,...``, when the placement has peers). A workload that runs as another user
+HERD_RANK, HERD_WORLD_SIZE, HERD_SCRATCH, HERD_PREEMPT_NOTICE, HERD_PEERS_FILE (one line
+per peer, see agent.peersfile) and, for gangs of at most 64 peers, HERD_PEERS
+(``node=url,...``). A workload that runs as another user
 than the agent (agent.isolation) also gets HOME and TMPDIR = its scratch dir, USER and
 LOGNAME = that user.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
+from .peersfile import ENV_PEERS_MAX, PEERS_FILE
 from .state import WorkloadRecord
 
 SCRUB_ENV = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
@@ -45,6 +47,8 @@ def workload_env(base: Mapping[str, str], rec: WorkloadRecord, wdir: Path) -> di
         "HERD_SCRATCH": str(wdir / "scratch"),
         "HERD_PREEMPT_NOTICE": str(wdir / "preempt-notice.json"),
     })
-    if rec.peers:
-        env["HERD_PEERS"] = ",".join(f"{p.node_id}={p.data_url}" for p in rec.peers)
+    if rec.peers or rec.gang_blob_id:
+        env["HERD_PEERS_FILE"] = str(wdir / PEERS_FILE)
+    if rec.peers and len(rec.peers) <= ENV_PEERS_MAX and rec.gang_nodes <= len(rec.peers):
+        env["HERD_PEERS"] = ",".join(f"{p.node_id}={p.data_url}" for p in rec.peers)  # small gangs only
     return env

@@ -37,6 +37,8 @@ class WorkloadRecord(msgspec.Struct, frozen=True, kw_only=True):
     manifest_id: str | None = None
     origin: str | None = None
     peers: list[Peer] = []
+    gang_blob_id: str | None = None      # the gang's blob (its whole peer table), when it has more peers
+    gang_nodes: int = 0
     grace_s: float = 30.0
     restart: RestartPolicy = RestartPolicy()
     direct: bool = False

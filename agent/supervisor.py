@@ -44,6 +44,8 @@ from .events import Batch, Change, Place, Runtime, Stop
 from .isolation import Identities, Isolation, WorkloadUser, detect, reachable
 from .launcher import LaunchCommand, ShimPool, wait_identity
 from .logs import read_tail
+from .peersfile import PEERS_FILE, BlobFetcher, lines_from_peers, peers_file_bytes
+from .peersfile import write_file as write_peers_file
 from .placement import check_placement, gpus_in_use
 from .state import AgentState, StateFile, WorkloadRecord, atomic_write
 
@@ -62,6 +64,7 @@ class SupervisorConfig:
     log_keep: int = 2
     keep_terminal: int = 200
     default_grace_s: float = 30.0
+    blob_timeout_s: float = 10.0         # fetching a gang's blob for its peers file (then: partial list)
     # isolation (agent.isolation): who workloads run as, and where their cgroups live
     user: str = "herd-workload"          # name or numeric uid; ignored when the agent is unprivileged
     allowed_users: tuple[str, ...] = ()  # users a placement may name (Placement.user)
@@ -87,13 +90,15 @@ class Supervisor:
                  clock: Callable[[], float] = time.time,
                  pool: ShimPool | None = None,
                  isolation: Isolation | None = None,
-                 identities: Identities | None = None) -> None:
+                 identities: Identities | None = None,
+                 blob_fetcher: BlobFetcher | None = None) -> None:
         self.state_dir = Path(state_dir)
         self.wl_dir = self.state_dir / "workloads"
         self.node_id = node_id
         self.config = config
         self._gpu_health = gpu_health
         self._fetcher = fetcher
+        self._blob_fetcher = blob_fetcher
         self._clock = clock
         self._base_env = environment.base_env(base_env if base_env is not None else os.environ)
         self.pool = pool or ShimPool(config.shim_pool)
@@ -375,7 +380,8 @@ class Supervisor:
                 workload_id=pod.workload_id, job_id=p.job_id, placement_id=p.placement_id, rank=pod.rank,
                 world_size=p.world_size, gpus=list(pod.gpus), gpu_indices=list(pod.gpu_indices),
                 argv=list(p.argv), env=dict(p.env), manifest_id=p.manifest_id, origin=p.origin,
-                peers=list(p.peers), grace_s=p.grace_s, restart=p.restart, direct=msg.direct,
+                peers=list(p.peers), gang_blob_id=p.gang_blob_id, gang_nodes=p.gang_nodes,
+                grace_s=p.grace_s, restart=p.restart, direct=msg.direct,
                 wait_for=wait_for, created_at=now, updated_at=now, user=p.user, run_as=user.name)
             self._records[rec.workload_id] = rec
             self._dirty = True
@@ -537,6 +543,14 @@ class Supervisor:
                     cwd, fetch = await self._fetcher(rec.manifest_id, rec.origin, list(rec.peers))
                     for k, n in fetch.items():
                         self.fetch_bytes[k] += n
+                if rec.peers or rec.gang_blob_id:
+                    with trio.move_on_after(self.config.blob_timeout_s) as cs:
+                        data, source = await peers_file_bytes(rec.gang_blob_id, rec.gang_nodes, rec.peers,
+                                                              self._blob_fetcher)
+                    if cs.cancelled_caught:
+                        data, source = lines_from_peers(rec.peers, partial=True), "partial"
+                    await trio.to_thread.run_sync(write_peers_file, wdir / PEERS_FILE, data)
+                    self.counters[f"peers_from_{source}"] += 1
                 for victim in rec.wait_for:
                     vrt = self._rt.get(victim)
                     if vrt is not None:
