@@ -82,7 +82,8 @@ def worker_main(argv: list[str]) -> int:
             if go["mode"] == "herd":
                 herd = Herd(store, node_id=a.node_id, token=TOKEN,
                             config=HerdConfig(wait_ms=120_000, workers=go["workers"], per_peer=8,
-                                              origin_concurrency=8, home_concurrency=go["home"]))
+                                              origin_concurrency=8, home_concurrency=go["home"],
+                                              tree=bool(go.get("tree", True))))
             t0 = time.time()
             curve: list[tuple[float, int, int]] = []
 
@@ -203,7 +204,8 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
         peers = [{"node_id": f"n{h.index}", "data_url": r["ready"]} for h, r in zip(hosts, ready, strict=True)]
         tx0 = origin_host.tx_bytes()
         go = json.dumps({"mode": mode, "peers": peers if mode == "herd" else [],
-                         "workers": tuning["workers"], "home": tuning["home"]}) + "\n"
+                         "workers": tuning["workers"], "home": tuning["home"],
+                         "tree": tuning.get("tree", True)}) + "\n"
         t_go = time.time()
         for p in procs:
             assert p.stdin is not None
@@ -336,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--modes", default="origin,herd", help="comma list of origin,herd")
     p.add_argument("--workers", type=int, default=16, help="herd: chunks in flight per node")
+    p.add_argument("--flat", action="store_true", help="herd: the flat design before the trees (HerdConfig.tree=False)")
     p.add_argument("--home-concurrency", type=int, default=2, help="herd: origin streams per home")
     p.add_argument("--tbf-burst", default="64kb", help="tbf burst (default 64kb)")
     p.add_argument("--tbf-latency", default="400ms", help="tbf queue as latency (default 400ms)")
@@ -352,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.netns import NetnsUnavailable
 
     try:
-        out = run(a.nodes, a.size_mb, a.rate, modes, {"workers": a.workers, "home": a.home_concurrency},
+        out = run(a.nodes, a.size_mb, a.rate, modes, {"workers": a.workers, "home": a.home_concurrency, "tree": not a.flat},
                   burst=a.tbf_burst, latency=a.tbf_latency, mtu=a.mtu)
     except NetnsUnavailable as e:
         msg = f"bench.herd skipped: {e}"
