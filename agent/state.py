@@ -60,6 +60,7 @@ class WorkloadRecord(msgspec.Struct, frozen=True, kw_only=True):
     stop_reason: str | None = None
     stop_deadline: float | None = None
     term_sent: bool = False
+    fetch: dict[str, int] = {}           # this workload's artifact fetch: bytes by source
     user: str | None = None              # the user the placement asked for (None: the default)
     run_as: str | None = None            # the user it runs as (resolved at start)
 
@@ -73,7 +74,7 @@ class WorkloadRecord(msgspec.Struct, frozen=True, kw_only=True):
             rank=self.rank, world_size=self.world_size, gpus=list(self.gpus), state=self.state,  # type: ignore[arg-type]
             exit_code=self.exit_code, reason=self.reason, manifest_id=self.manifest_id,
             pid=self.pid if not self.terminal else None, created_at=self.created_at,
-            started_at=self.started_at, updated_at=self.updated_at)
+            started_at=self.started_at, updated_at=self.updated_at, fetch=dict(self.fetch))
 
 
 class AgentState(msgspec.Struct, frozen=True, kw_only=True):

@@ -317,6 +317,8 @@ class Supervisor:
                 **fields: Any) -> WorkloadRecord:
         old = self._records[wid]
         now = self._clock()
+        if fetch:  # kept on the record too: a full report (which supersedes lost events) carries them
+            fields["fetch"] = {k: int(v) for k, v in fetch.items() if v is not None}
         new = msgspec.structs.replace(old, updated_at=now, **fields)
         self._records[wid] = new
         self._dirty = True

@@ -168,7 +168,13 @@ class Reports(StateBase):
                 continue
             reported.add(w.workload_id)
             slots = tuple(s for s in (node.slot_of(u) for u in w.gpus) if s is not None)
-            if not self._adopt(node, w.workload_id, w.job_id, slots, w.gpus, w.state, now):
+            if self._adopt(node, w.workload_id, w.job_id, slots, w.gpus, w.state, now):
+                if w.fetch:
+                    hit = node.pods.get(w.workload_id)
+                    if hit is not None and not hit[1].fetch:
+                        hit[1].fetch = {k: int(v) for k, v in w.fetch.items()
+                                        if k in ("bytes_from_origin", "bytes_from_peers", "bytes_local")}
+            else:
                 node.stale[w.workload_id] = slots
                 node.tell.add(w.workload_id)
                 if slots:

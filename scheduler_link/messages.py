@@ -164,6 +164,9 @@ class WorkloadStatus(msgspec.Struct, frozen=True, kw_only=True):
     created_at: float = 0.0
     started_at: float | None = None
     updated_at: float = 0.0
+    # its artifact fetch by source (bytes_from_origin, bytes_from_peers, bytes_local), once done:
+    # a full report supersedes the events it replaces, so it carries what they did
+    fetch: dict[str, int] = {}
 
 
 class WorkloadEvent(msgspec.Struct, frozen=True, kw_only=True):

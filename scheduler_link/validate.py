@@ -166,6 +166,8 @@ def validate_report(rep: NodeReport) -> str | None:
             return f"workload {w.workload_id!r}: GPUs must be at most {MAX_GPUS_PER_NODE} distinct UUIDs"
         if w.placement_id and (err := _id(w.placement_id, "placement_id")):
             return err
+        if len(w.fetch) > 8 or any(not 0 <= v < 1 << 62 for v in w.fetch.values()):
+            return f"workload {w.workload_id!r}: fetch figures must be at most 8 byte counts"
         for name in ("created_at", "updated_at"):
             if err := _time(getattr(w, name), f"workload {w.workload_id!r} {name}"):
                 return err

@@ -329,3 +329,14 @@ def test_the_jobs_user_travels_in_every_placement_and_the_blob():
     (job, pushes), = st_.schedule(0.1)
     assert [p.placement.user for p in pushes] == ["alice"]
     assert decode_gang_blob(st_.blobs[job.blob_id], job.blob_id).user == "alice"
+
+
+def test_fetch_figures_survive_a_full_report_that_superseded_their_event():
+    st_, job, pushes = _two_node_job()
+    st_.on_acks("j", 1, {p.node_id: ACCEPTED for p in pushes}, 0.2, pushes)
+    p0 = job.pods[0]
+    w = WorkloadStatus(workload_id=p0.workload_id, job_id="j", gpus=list(p0.uuids), state="running",
+                       fetch={"bytes_from_origin": 5, "bytes_from_peers": 7, "bytes_local": 0})
+    code, _, _ = st_.ingest(p0.node_id, full(p0.node_id, seq=2, workloads=[w]), 0.5)
+    assert code == 200
+    assert st_.job_view(job).pods[0].fetch == {"bytes_from_origin": 5, "bytes_from_peers": 7, "bytes_local": 0}
