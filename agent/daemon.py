@@ -35,7 +35,7 @@ import trio
 
 from scheduler_link.auth import TokenSet
 from scheduler_link.http import serve
-from scheduler_link.messages import GpuSnapshot, NodeReport, PrefetchRequest, Victim
+from scheduler_link.messages import GpuSnapshot, NodeReport, PeerTable, PrefetchRequest, Victim
 
 from . import procs
 from .api import build_app
@@ -133,8 +133,12 @@ class Agent:
                 await n.start(self.monitor.run)
                 await n.start(self.supervisor.run)
                 if self.store is not None and self.config.data_listen:
-                    from p2p.dataplane import DataPlane
-                    self.dataplane = DataPlane(self.store, token=self.tokens.cluster, listen=self.config.data_listen)
+                    from p2p.dataplane import DataPlane, DataPlaneConfig
+                    from p2p.herd import HerdConfig
+                    hc = HerdConfig()
+                    # no node serves one chunk to more than its tree children at once (k racks + its rack)
+                    self.dataplane = DataPlane(self.store, token=self.tokens.cluster, listen=self.config.data_listen,
+                                               config=DataPlaneConfig(max_serving_per_chunk=hc.tree_k + hc.rack_fanout))
                     self.data_url = await n.start(self.dataplane.run)
                 self.control_url = await n.start(serve, build_app(self), self.config.listen)
                 self._write_endpoints()
@@ -292,7 +296,8 @@ class Agent:
 
     # ------------------------------------------------------------ artifacts
 
-    async def _fetch_into_store(self, manifest_id: str, origin_url: str | None, peers: list[Any]) -> dict[str, int]:
+    async def _fetch_into_store(self, manifest_id: str, origin_url: str | None,
+                                peers: list[Any] | PeerTable) -> dict[str, int]:
         if self.store is None:
             raise AgentError("this agent has no artifact store")
         if not origin_url:
@@ -304,7 +309,9 @@ class Agent:
             raise AgentError(f"artifact fetching unavailable: {e}") from None
         origin = open_origin(origin_url)
         try:
-            stats = await fetch_artifact(self.store, manifest_id, origin, peers=list(peers), node_id=self.node_id,
+            # a PeerTable (the gang's blob) goes as it is: the herd plans its trees over it
+            peers = peers if isinstance(peers, PeerTable) else list(peers)
+            stats = await fetch_artifact(self.store, manifest_id, origin, peers=peers, node_id=self.node_id,
                                          token=self.tokens.cluster, herd=self.herd)
         finally:
             closer = getattr(origin, "aclose", None)
@@ -313,7 +320,8 @@ class Agent:
                     await closer()
         return {k: int(getattr(stats, k, 0) or 0) for k in ("bytes_from_origin", "bytes_from_peers", "bytes_local")}
 
-    async def _fetch(self, manifest_id: str, origin_url: str | None, peers: list[Any]) -> tuple[Path, dict[str, int]]:
+    async def _fetch(self, manifest_id: str, origin_url: str | None,
+                     peers: list[Any] | PeerTable) -> tuple[Path, dict[str, int]]:
         figures = await self._fetch_into_store(manifest_id, origin_url, peers)
         path = await trio.to_thread.run_sync(self.store.materialise, manifest_id)
         return Path(path), figures

@@ -20,7 +20,7 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from scheduler_link.messages import GangBlob, Peer, decode_gang_blob
+from scheduler_link.messages import GangBlob, Peer, PeerTable, decode_gang_blob
 
 log = logging.getLogger("herd.agent.peers")
 
@@ -55,17 +55,19 @@ def write_file(path: Path, data: bytes) -> None:
     os.replace(tmp, path)
 
 
-async def peers_file_bytes(blob_id: str | None, gang_nodes: int, peers: Sequence[Peer],
-                           fetch: BlobFetcher | None) -> tuple[bytes, str]:
-    """(file contents, where they came from: "placement" | "blob" | "partial")."""
+async def gang_peers(blob_id: str | None, gang_nodes: int, peers: Sequence[Peer],
+                     fetch: BlobFetcher | None) -> tuple[bytes, str, PeerTable | None]:
+    """(peers file contents, where they came from: "placement" | "blob" | "partial", and the
+    gang's whole peer table when the blob was had: the herd plans its trees over it, so every
+    node of a big gang computes the same trees)."""
     if not blob_id or gang_nodes <= len(peers):
-        return lines_from_peers(peers, partial=False), "placement"
+        return lines_from_peers(peers, partial=False), "placement", None
     if fetch is None:
-        return lines_from_peers(peers, partial=True), "partial"
+        return lines_from_peers(peers, partial=True), "partial", None
     try:
         raw = await fetch(blob_id)
         blob = decode_gang_blob(raw, blob_id)
     except Exception as e:  # no answer, a wrong id, a corrupt blob: never used, said once
         log.warning("gang blob refused or unavailable blob=%s err=%s", blob_id[:16], e)
-        return lines_from_peers(peers, partial=True), "partial"
-    return lines_from_blob(blob), "blob"
+        return lines_from_peers(peers, partial=True), "partial", None
+    return lines_from_blob(blob), "blob", blob.peers

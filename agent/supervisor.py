@@ -36,7 +36,14 @@ from typing import Any
 import msgspec
 import trio
 
-from scheduler_link.messages import TERMINAL_STATES, Placement, PlacementAck, WorkloadEvent, WorkloadStatus
+from scheduler_link.messages import (
+    TERMINAL_STATES,
+    PeerTable,
+    Placement,
+    PlacementAck,
+    WorkloadEvent,
+    WorkloadStatus,
+)
 
 from . import environment, procs
 from .errors import AgentError, ConfigError, ShimError, UnknownWorkload
@@ -44,7 +51,7 @@ from .events import Batch, Change, Place, Runtime, Stop
 from .isolation import Identities, Isolation, WorkloadUser, detect, reachable
 from .launcher import LaunchCommand, ShimPool, wait_identity
 from .logs import read_tail
-from .peersfile import PEERS_FILE, BlobFetcher, lines_from_peers, peers_file_bytes
+from .peersfile import PEERS_FILE, BlobFetcher, gang_peers, lines_from_peers
 from .peersfile import write_file as write_peers_file
 from .placement import check_placement, gpus_in_use
 from .state import AgentState, StateFile, WorkloadRecord, atomic_write
@@ -54,7 +61,7 @@ log = logging.getLogger("herd.agent.supervisor")
 _KEEP_ACKS = 2000
 _GC_MIN_AGE_S = 60.0
 # (manifest_id, origin, peers) -> (materialised tree, fetch figures by source)
-ArtifactFetcher = Callable[[str, str | None, list[Any]], Awaitable[tuple[Path, dict[str, int]]]]
+ArtifactFetcher = Callable[[str, str | None, Any], Awaitable[tuple[Path, dict[str, int]]]]  # peers: list or PeerTable
 
 
 @dataclass(frozen=True, slots=True)
@@ -538,21 +545,24 @@ class Supervisor:
             with rt.pre_start:
                 user = self.identities.resolve(rec.user)
                 _workload_dirs(wdir, user)  # a few µs: not worth a thread
+                table: PeerTable | None = None
+                if rec.peers or rec.gang_blob_id:
+                    with trio.move_on_after(self.config.blob_timeout_s) as cs:
+                        data, source, table = await gang_peers(rec.gang_blob_id, rec.gang_nodes, rec.peers,
+                                                               self._blob_fetcher)
+                    if cs.cancelled_caught:
+                        data, source, table = lines_from_peers(rec.peers, partial=True), "partial", None
+                    await trio.to_thread.run_sync(write_peers_file, wdir / PEERS_FILE, data)
+                    self.counters[f"peers_from_{source}"] += 1
                 if rec.manifest_id:
                     await self._change(wid, state="fetching")
                     if self._fetcher is None:
                         raise AgentError("this agent has no artifact store to fetch into")
-                    cwd, fetch = await self._fetcher(rec.manifest_id, rec.origin, list(rec.peers))
+                    # the gang's whole table when we have it (every node then plans the same trees)
+                    cwd, fetch = await self._fetcher(rec.manifest_id, rec.origin,
+                                                     table if table is not None else list(rec.peers))
                     for k, n in fetch.items():
                         self.fetch_bytes[k] += n
-                if rec.peers or rec.gang_blob_id:
-                    with trio.move_on_after(self.config.blob_timeout_s) as cs:
-                        data, source = await peers_file_bytes(rec.gang_blob_id, rec.gang_nodes, rec.peers,
-                                                              self._blob_fetcher)
-                    if cs.cancelled_caught:
-                        data, source = lines_from_peers(rec.peers, partial=True), "partial"
-                    await trio.to_thread.run_sync(write_peers_file, wdir / PEERS_FILE, data)
-                    self.counters[f"peers_from_{source}"] += 1
                 for victim in rec.wait_for:
                     vrt = self._rt.get(victim)
                     if vrt is not None:

@@ -22,6 +22,7 @@ import msgspec
 import trio
 
 from manifests import Manifest
+from scheduler_link.messages import PeerTable
 
 from .errors import IntegrityError
 from .origins import Origin, check_hex_id
@@ -62,7 +63,7 @@ async def load_manifest(store: ChunkStore, manifest_id: str, origin: Origin) -> 
 
 
 async def fetch_artifact(store: ChunkStore, manifest_id: str, origin: Origin, *,
-                         peers: Sequence[Any] = (), node_id: str | None = None, token: str | None = None,
+                         peers: Sequence[Any] | PeerTable = (), node_id: str | None = None, token: str | None = None,
                          progress: Callable[[int, int], None] | None = None,
                          concurrency: int = 16, herd: Any = None) -> FetchStats:
     """Make ``manifest_id`` complete in ``store``. ``progress(bytes_done, bytes_total)``.

@@ -96,3 +96,28 @@ async def test_small_gangs_keep_herd_peers_and_get_the_file_too(tmp_path):
     out = await _run(sup, pl)
     assert "PEERS=n0=http://127.0.0.1:9000,n1=http://127.0.0.1:9001,n2=http://127.0.0.1:9002" in out
     assert "n2 http://127.0.0.1:9002 z/b/r" in out and sup.counters["peers_from_placement"] == 1
+
+
+async def test_the_artifact_fetch_plans_over_the_gangs_whole_table(tmp_path):
+    """Every node of a big gang must plan the same trees: the fetch gets the blob's table,
+    not the placement's rack-and-contacts list."""
+    table = _table(500)
+    blob_id, raw = encode_gang_blob(GangBlob(job_id="big", attempt=1, world_size=500, peers=table))
+    seen: list[object] = []
+
+    async def fetch_blob(bid: str) -> bytes:
+        return raw
+
+    async def fetch_artifact(mid: str, origin: str | None, peers: object) -> tuple[Path, dict[str, int]]:
+        seen.append(peers)
+        tree = tmp_path / "tree"
+        await trio.Path(tree).mkdir(exist_ok=True)
+        return tree, {"bytes_from_origin": 0, "bytes_from_peers": 1, "bytes_local": 0}
+
+    sup = Supervisor(tmp_path / "state", node_id="n1", gpu_health=lambda: GPUS, config=SupervisorConfig(shim_pool=1),
+                     base_env={"PATH": os.environ["PATH"]}, blob_fetcher=fetch_blob, fetcher=fetch_artifact)
+    pl = _placement(blob_id, table)
+    pl = Placement(**{**{f: getattr(pl, f) for f in pl.__struct_fields__}, "manifest_id": "ab" * 32,
+                      "origin": "file:///nowhere", "argv": ["true"]})
+    await _run(sup, pl)
+    assert len(seen) == 1 and isinstance(seen[0], PeerTable) and seen[0] == table
