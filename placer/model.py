@@ -34,7 +34,8 @@ rebuild runs once, at the next read, so registering 100,000 nodes one by one cos
 rebuild. Allocations, health and drain marks survive a rebuild.
 
 While a rebuild is pending, per-node mutations of nodes already in the arrays (whose spec
-did not change) apply to their current rows at once: allocations are carried over by node
+did not change) apply to their current rows at once, and health or drain marks of nodes not
+in the arrays are only remembered (the rebuild reads them): allocations are carried over by node
 id, so they survive the rebuild. An ``assign`` to a node not yet in the arrays (a node
 registering with workloads, after a placer restart) is checked against the node's spec and
 the other pending assigns, and applied by the rebuild. So a fleet registering all at once,
@@ -308,6 +309,12 @@ class ClusterModel:
     def set_node_state(self, node_id: str, healthy: bool, draining: bool = False) -> None:
         """Mark a node healthy/unhealthy and draining or not (incremental). Allocations stay;
         an unhealthy or draining node is never used for new placements."""
+        i = self._row(node_id)
+        if i is None and self._dirty and node_id in self._specs:
+            # not in the arrays (yet, or as it is now): the next rebuild reads these marks
+            self._node_healthy[node_id] = bool(healthy)
+            self._node_draining[node_id] = bool(draining)
+            return
         i = self._ensure_row(node_id)
         self._node_healthy[node_id] = bool(healthy)
         self._node_draining[node_id] = bool(draining)
@@ -317,6 +324,17 @@ class ClusterModel:
 
     def set_gpu_health(self, node_id: str, slot: int, healthy: bool) -> None:
         """Mark one GPU healthy or not (incremental). Its owner, if any, keeps it."""
+        i = self._row(node_id)
+        if i is None and self._dirty and node_id in self._specs:
+            n = self._specs[node_id].n_gpus  # not in the arrays yet: the next rebuild reads the mark
+            if not isinstance(slot, int) or not (0 <= slot < n):
+                raise InvalidSpec(f"node {node_id} has no GPU slot {slot!r} (it has {n})")
+            bad = self._gpu_bad.setdefault(node_id, set())
+            if healthy:
+                bad.discard(slot)
+            else:
+                bad.add(slot)
+            return
         i = self._ensure_row(node_id)
         if not isinstance(slot, int) or not (0 <= slot < int(self.n_gpus[i])):
             raise InvalidSpec(f"node {node_id} has no GPU slot {slot!r} (it has {int(self.n_gpus[i])})")

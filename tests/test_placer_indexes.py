@@ -99,7 +99,7 @@ def test_registrations_with_workloads_after_a_restart_do_not_rebuild_per_node():
     st_.model.check_invariants()
 
 
-_moves = st.lists(st.tuples(st.sampled_from(["add", "move", "remove", "assign", "health"]),
+_moves = st.lists(st.tuples(st.sampled_from(["add", "move", "remove", "assign", "health", "down"]),
                             st.integers(0, 5), st.integers(0, 3), st.integers(1, 8)), max_size=40)
 
 
@@ -113,6 +113,7 @@ def test_any_interleaving_equals_a_model_built_from_scratch(ops):
     specs: dict[str, NodeSpec] = {}
     held: dict[str, dict[int, str]] = {}
     bad: dict[str, set[int]] = {}
+    down: dict[str, bool] = {}
     for k, (op, i, rack, n) in enumerate(ops):
         nid = f"n{i}"
         if op == "add" and nid not in specs:
@@ -126,6 +127,7 @@ def test_any_interleaving_equals_a_model_built_from_scratch(ops):
             del specs[nid]
             held.pop(nid, None)
             bad.pop(nid, None)
+            down.pop(nid, None)
         elif op == "assign" and nid in specs:
             slot = n % specs[nid].n_gpus
             if slot not in held.get(nid, {}):
@@ -135,6 +137,10 @@ def test_any_interleaving_equals_a_model_built_from_scratch(ops):
             slot = n % specs[nid].n_gpus
             m.set_gpu_health(nid, slot, False)
             bad.setdefault(nid, set()).add(slot)
+        elif op == "down" and nid in specs:
+            up = bool(n % 2)
+            m.set_node_state(nid, healthy=up)
+            down[nid] = not up
     fresh = ClusterModel.build(specs.values())
     for nid, slots in held.items():
         for slot, job in slots.items():
@@ -142,6 +148,8 @@ def test_any_interleaving_equals_a_model_built_from_scratch(ops):
     for nid, slots in bad.items():
         for s in slots:
             fresh.set_gpu_health(nid, s, False)
+    for nid, is_down in down.items():
+        fresh.set_node_state(nid, healthy=not is_down)
     m.check_invariants()
     assert m.node_ids == fresh.node_ids
     assert np.array_equal(m.usable, fresh.usable) and np.array_equal(m.free, fresh.free)
@@ -340,3 +348,12 @@ def test_fetch_figures_survive_a_full_report_that_superseded_their_event():
     code, _, _ = st_.ingest(p0.node_id, full(p0.node_id, seq=2, workloads=[w]), 0.5)
     assert code == 200
     assert st_.job_view(job).pods[0].fetch == {"bytes_from_origin": 5, "bytes_from_peers": 7, "bytes_local": 0}
+
+
+def test_nodes_lost_while_the_fleet_registers_cost_no_rebuild():
+    st_ = PlacerState(PlacerConfig(heartbeat_s=1.0, lost_after_missed=3), started_at=0.0)
+    for i in range(200):
+        st_.ingest(f"n{i:03d}", full(f"n{i:03d}", rack=f"r{i // 20}"), 0.0)
+    st_.tick(10.0)  # nobody heartbeat: every node lost, with the model still waiting for its rebuild
+    assert st_.node_states["lost"] == 200 and st_.model.rebuilds == 1
+    assert st_.model.statistics()["usable"] == 0 and st_.model.rebuilds == 2
