@@ -14,8 +14,8 @@ a fake supervisor, simulated GPUs; see that module):
   ``POST /v1/jobs`` until ~``--fill`` of the GPUs are asked for (bounded in jobs and
   time); ``fill_running`` is how many run when the fill wait ends.
 - ``decide_small_p50_ms`` / ``decide_small_p99_ms``: ``--probe`` gangs of 1-1,024 GPUs submitted
-  one at a time on the filled fleet, ``submitted`` -> ``decided`` (each cancelled once decided);
-  ``decide_small_after_fsync_*``: the same from ``durable`` (the journal's fsync done) on.
+  one at a time on the filled fleet, ``submitted`` -> ``decided`` (each cancelled once decided;
+  the decision overlaps the journal's fsync, and its placements wait for it).
 - the big gang (``--gang-gpus``, priority 2, not preemptible, shaped as sim.py shapes it):
   ``decide_ms`` (the job's ``submitted`` -> ``decided`` timings), ``bookkeeping_ms``
   (``decided`` -> ``pushed``), ``acked_ms`` (``pushed`` -> ``acked``),
@@ -324,7 +324,6 @@ async def _decide_probe(row: dict[str, Any], a: Args, c: httpx.AsyncClient, url:
     if a.probe <= 0:
         return
     ms: list[float] = []
-    after_fsync: list[float] = []
     with trio.move_on_after(a.fill_limit_s):
         for k in range(a.probe):
             pods, gpp, within = PROBE_SHAPES[k % len(PROBE_SHAPES)]
@@ -338,19 +337,12 @@ async def _decide_probe(row: dict[str, Any], a: Args, c: httpx.AsyncClient, url:
             t = job.get("timings", {})
             if "decided" in t:
                 ms.append(_ms(t, "submitted", "decided"))
-                if "durable" in t:
-                    after_fsync.append(_ms(t, "durable", "decided"))
             await c.delete(f"{url}/v1/jobs/{jid}", headers=op)
     ms.sort()
     if ms:
         row.update(probe_jobs=len(ms), decide_small_p50_ms=ms[len(ms) // 2],
                    decide_small_p99_ms=ms[min(len(ms) - 1, math.ceil(0.99 * len(ms)) - 1)],
                    decide_small_max_ms=ms[-1])
-    if after_fsync:  # the same, from the journal's fsync done (the placer's decision part alone)
-        after_fsync.sort()
-        row.update(decide_small_after_fsync_p50_ms=after_fsync[len(after_fsync) // 2],
-                   decide_small_after_fsync_p99_ms=after_fsync[min(len(after_fsync) - 1,
-                                                                    math.ceil(0.99 * len(after_fsync)) - 1)])
     _note("decide probe", jobs=len(ms), p50_ms=row.get("decide_small_p50_ms"), p99_ms=row.get("decide_small_p99_ms"))
 
 
