@@ -20,6 +20,7 @@ other route (reads: no body) 4 KiB. Bodies are read only after authentication.
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 from typing import TYPE_CHECKING
 
@@ -37,12 +38,18 @@ from scheduler_link.http import (
     json_response,
     text_response,
 )
-from scheduler_link.messages import Placement, PlacementAck, PrefetchRequest
+from scheduler_link.messages import TERMINAL_STATES, WIRE_VERSION, Placement, PlacementAck, PrefetchRequest
 
 from .errors import AgentError, UnknownWorkload
+from .logs import follow as follow_log
 
 if TYPE_CHECKING:
     from .daemon import Agent
+
+try:
+    _VERSION = importlib.metadata.version("herd")
+except importlib.metadata.PackageNotFoundError:
+    _VERSION = "unknown"
 
 log = logging.getLogger("herd.agent.api")
 SMALL_BODY = 4096      # every route without a bound of its own (reads carry no body)
@@ -76,8 +83,8 @@ def build_app(agent: Agent) -> App:
     origins = _OriginPolicy(cfg.allowed_origins)
 
     async def healthz(req: Request) -> Response:
-        """Liveness: the process answers."""
-        return json_response({"ok": True})
+        """Liveness: the process answers; the package and wire versions."""
+        return json_response({"ok": True, "service": "herd-agent", "version": _VERSION, "wire_version": WIRE_VERSION})
 
     async def readyz(req: Request) -> Response:
         """Readiness: GPUs discovered, state recovered, API listening."""
@@ -103,7 +110,8 @@ def build_app(agent: Agent) -> App:
             raise HTTPError(404, "no such workload", str(e)) from None
 
     async def logs(req: Request) -> Response:
-        """The last ``tail`` lines (default 100) of ``stream`` (stdout|stderr) as text."""
+        """The last ``tail`` lines (default 100) of ``stream`` (stdout|stderr) as text;
+        ``follow=1`` then streams what is appended until the workload ended (or the client left)."""
         try:
             tail = int(req.query.get("tail", "100"))
             if not 0 <= tail <= 100_000:
@@ -113,6 +121,8 @@ def build_app(agent: Agent) -> App:
         stream = req.query.get("stream", "stdout")
         if stream not in ("stdout", "stderr"):
             raise HTTPError(400, "bad stream", "stream must be stdout or stderr")
+        if req.query.get("follow") in ("1", "true"):
+            return _follow(req.params["wid"], stream, tail)
         try:
             # off the event loop: a tail reads from the end of files of any size
             text = await trio.to_thread.run_sync(lambda: agent.supervisor.read_log(
@@ -122,6 +132,21 @@ def build_app(agent: Agent) -> App:
             raise HTTPError(404, "no such workload", str(e)) from None
         except AgentError as e:  # a symlink or a non-file where the log belongs
             raise HTTPError(409, "log refused", str(e)) from None
+
+    def _follow(wid: str, stream: str, tail: int) -> Response:
+        sup = agent.supervisor
+        try:
+            wdir = sup.workload_dir(wid)
+        except UnknownWorkload as e:
+            raise HTTPError(404, "no such workload", str(e)) from None
+
+        def ended() -> bool:
+            try:
+                return sup.record(wid).state in TERMINAL_STATES
+            except UnknownWorkload:
+                return True
+        return Response(content_type="text/plain; charset=utf-8",
+                        stream=lambda: follow_log(wdir, stream, tail, sup.config.log_keep, ended))
 
     async def stop(req: Request) -> Response:
         """Stop a workload gracefully (notice file, SIGTERM, grace, SIGKILL). Body optional: {reason, grace_s}."""

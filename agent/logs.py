@@ -12,7 +12,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+from collections.abc import AsyncGenerator, Callable
 from pathlib import Path
+
+import trio
 
 from .errors import AgentError
 
@@ -85,3 +88,66 @@ def _tail_bytes(dfd: int, names: list[str], n: int, block: int = _BLOCK) -> tupl
             with contextlib.suppress(OSError):
                 os.close(fd)
     return b"".join(reversed(parts)), True
+
+
+async def follow(wdir: Path, stream: str, tail: int, keep: int, done: Callable[[], bool], *,
+                 poll_s: float = 0.2, block: int = _BLOCK) -> AsyncGenerator[bytes, None]:
+    """The last ``tail`` lines of ``stream``, then what is appended, piece by piece (each
+    at most ``block`` bytes: memory stays bounded whatever the workload writes), until
+    ``done()`` says the workload ended and everything it wrote was sent. A rotation is
+    followed (the old file is read to its end, then the new one from its start). The file
+    size is taken before the tail is read, so a line written meanwhile may come twice but
+    is never lost. Blocking file I/O runs in worker threads."""
+    name = f"{stream}.log"
+    fd: int | None = None
+    dfd: int | None = None
+    try:
+        try:
+            dfd = os.open(wdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            dfd = None
+        except OSError as e:
+            raise AgentError(f"cannot open the workload's dir: {e.strerror}") from None
+        offset = 0
+        if dfd is not None:
+            fd = _open_log(dfd, name)
+            if fd is not None:
+                offset = os.fstat(fd).st_size
+        text = await trio.to_thread.run_sync(read_tail, wdir, stream, tail, keep)
+        if text:
+            yield text.encode()
+        while True:
+            if dfd is None:
+                with contextlib.suppress(OSError):
+                    dfd = os.open(wdir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            if fd is None and dfd is not None:
+                fd, offset = _open_log(dfd, name), 0
+            ended = done()  # asked before reading: what it wrote before ending is read below
+            data = b""
+            if fd is not None:
+                data = await trio.to_thread.run_sync(os.pread, fd, block, offset)
+            if data:
+                offset += len(data)
+                yield data
+                continue
+            if fd is not None and dfd is not None and _rotated(dfd, name, fd):
+                os.close(fd)
+                fd, offset = _open_log(dfd, name), 0
+                continue
+            if ended:
+                return
+            await trio.sleep(poll_s)
+    finally:
+        for f in (fd, dfd):
+            if f is not None:
+                with contextlib.suppress(OSError):
+                    os.close(f)
+
+
+def _rotated(dfd: int, name: str, fd: int) -> bool:
+    """Is ``name`` now another file than the one ``fd`` reads (the shim rotated it)?"""
+    try:
+        st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return st.st_ino != os.fstat(fd).st_ino

@@ -43,7 +43,8 @@ async def test_api_end_to_end(tmp_path, token_dir):
             endpoints = msgspec.json.decode((tmp_path / "state" / "endpoints.json").read_bytes())
             assert endpoints["control_url"] == url and endpoints["data_url"] is None
             async with httpx.AsyncClient(base_url=url, headers=viewer) as c:
-                assert (await c.get("/healthz")).json() == {"ok": True}
+                h = (await c.get("/healthz")).json()
+                assert h["ok"] is True and h["service"] == "herd-agent" and h["version"]
                 assert (await c.get("/readyz")).status_code == 200
                 st = (await c.get("/v1/status")).json()
                 assert st["simulated"] is True and len(st["gpus"]["gpus"]) == 8

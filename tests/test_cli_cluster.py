@@ -1,5 +1,5 @@
 """The operator's CLI against real processes (a placer and two agents with simulated GPUs,
-cli/localcluster.py): `herd logs`, `herd job logs`, `herd node drain --wait` moving a gang
+cli/localcluster.py): `herd logs`, `herd job logs [--follow]`, `herd node drain --wait` moving a gang
 to the other node, and a cordon that outlives a placer restart."""
 
 from __future__ import annotations
@@ -59,6 +59,15 @@ async def test_logs_drain_and_cordon_across_a_placer_restart(tmp_path, token_dir
         assert rc == 0 and out == "hello from 0\n", (out, err)
         rc, out, err = await herd(["logs", "zzz", "--agent", agent], env)
         assert rc == 1 and "no workload 'zzz'" in one_line(err)
+
+        # --follow streams until the workload ends (then the command ends, exit 0)
+        rc, out, err = await herd(["job", "submit", "--job-id", "fl", "--gpus-per-pod", "8", "--wait", "running",
+                                   "--", "sh", "-c", "for i in 1 2 3; do echo line $i; sleep 0.4; done"], env)
+        assert rc == 0, err
+        rc, out, err = await herd(["job", "logs", "fl", "--follow"], env)
+        assert rc == 0 and out == "line 1\nline 2\nline 3\n", (out, err)
+        rc, out, err = await herd(["version", "--agent", agent, "--json"], env)
+        assert rc == 0 and json.loads(out)["agent"]["version"] == "0.1.0", (out, err)
 
         # drain: cordon, stop the preemptible gang (grace 1 s); it is placed on the other node
         rc, out, err = await herd(["node", "drain", first, "--grace", "1", "--wait", "--wait-timeout", "30"], env)

@@ -1,0 +1,69 @@
+"""agent.logs.follow: the tail, then what is appended, across a rotation, until the
+workload is done and everything it wrote was sent (real files, short polls)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import trio
+
+from agent.logs import follow
+
+
+def _append(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+async def test_follow_tail_appends_rotation_and_end(tmp_path: Path):
+    wdir = tmp_path / "w"
+    wdir.mkdir()
+    log = wdir / "stdout.log"
+    log.write_bytes(b"old 1\nold 2\nold 3\n")
+    done = False
+    got: list[bytes] = []
+
+    async def reader() -> None:
+        async for piece in follow(wdir, "stdout", 2, 1, lambda: done, poll_s=0.01, block=4):
+            assert len(piece) <= 4 or piece.startswith(b"old")  # appended bytes come in bounded pieces
+            got.append(piece)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            n.start_soon(reader)
+            while b"".join(got) != b"old 2\nold 3\n":
+                await trio.sleep(0.01)
+            _append(log, b"new 1\n")
+            while not b"".join(got).endswith(b"new 1\n"):
+                await trio.sleep(0.01)
+            # the shim rotates: stdout.log -> stdout.log.1, a fresh stdout.log
+            _append(log, b"last of the old file\n")
+            os.replace(log, wdir / "stdout.log.1")
+            log.write_bytes(b"first of the new file\n")
+            done = True  # the workload ended: the reader sends what is left, then stops
+    assert b"".join(got) == (b"old 2\nold 3\nnew 1\nlast of the old file\nfirst of the new file\n")
+
+
+async def test_follow_waits_for_a_log_that_does_not_exist_yet(tmp_path: Path):
+    wdir = tmp_path / "w"
+    done = False
+    got: list[bytes] = []
+
+    async def reader() -> None:
+        async for piece in follow(wdir, "stderr", 10, 1, lambda: done, poll_s=0.01):
+            got.append(piece)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            n.start_soon(reader)
+            await trio.sleep(0.05)
+            wdir.mkdir()
+            (wdir / "stderr.log").write_bytes(b"hello\n")
+            while b"".join(got) != b"hello\n":
+                await trio.sleep(0.01)
+            done = True
+    assert b"".join(got) == b"hello\n"
