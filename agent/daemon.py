@@ -313,6 +313,8 @@ class Agent:
             peers = peers if isinstance(peers, PeerTable) else list(peers)
             stats = await fetch_artifact(self.store, manifest_id, origin, peers=peers, node_id=self.node_id,
                                          token=self.tokens.cluster, herd=self.herd)
+            if self.link is not None:
+                self.link.request_full_report()  # the placer learns at once that we hold it
         finally:
             closer = getattr(origin, "aclose", None)
             if closer is not None:

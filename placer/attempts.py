@@ -273,6 +273,7 @@ class Attempts(StateBase):
                     continue  # ended by an earlier node of this tick
                 for p in bad:
                     self._mark_stale(p)
+                    node.tell.add(p.workload_id)  # told to stop at its first word, if it comes back
                     job.set_pod_state(p, "lost")
                     p.reason = "node lost (fenced)"
                     self.counters["fenced_stops"] += 1

@@ -9,7 +9,9 @@ report sent. The first report, and every report after anything went wrong, is a
 workload, manifests held); otherwise the link sends *heartbeats* that carry only
 what changed: the workload events queued by :meth:`AgentLink.notify` since the last
 report and the GPU snapshot when its health picture changed. The manifests a node holds
-travel in full reports only (one every ``full_every`` beats).
+travel in full reports only: one every ``full_every`` beats (60: five minutes at the default
+interval, to heal any drift), and one as soon as the agent asks (``request_full_report``: it
+does when a manifest becomes complete in its store, so the placer soon knows it as a source).
 
 Invariants:
 - ``notify`` never blocks and never raises; events are delivered in order.
@@ -99,7 +101,7 @@ class AgentLink:
 
     def __init__(self, placer_url: str, token: str | None, node_id: str, hooks: Any, *,
                  heartbeat_s: float = 5.0, backoff_min_s: float = 0.05, backoff_max_s: float = 5.0,
-                 request_timeout_s: float = 10.0, full_every: int = 12, use_wire: bool = True,
+                 request_timeout_s: float = 10.0, full_every: int = 60, use_wire: bool = True,
                  wire_url: str | None = None, wire_connect: WireConnect | None = None,
                  http: httpx.AsyncClient | None = None, http_pool: PushPool | None = None) -> None:
         self.placer_url = placer_url.rstrip("/")
