@@ -372,6 +372,9 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\
          b'{"error":"busy","detail":"too many open connections"}')
 
 
+EOF_GRACE_S = 1.0   # after a client's EOF, the connection task ends this much later at the latest
+
+
 class _GuardedStream(trio.abc.HalfCloseableStream):
     """The accepted socket stream, with a stall bound on every send (hypercorn shields
     its sends from cancellation, so a client that never reads would hold the
@@ -403,7 +406,13 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         await self._inner.wait_send_all_might_not_block()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes | bytearray:
-        return await self._inner.receive_some(max_bytes)
+        data = await self._inner.receive_some(max_bytes)
+        if not data:
+            # The client closed its side. hypercorn would keep the connection task (and its
+            # slot in the gate) until its keep-alive timer fires; end it shortly, once any
+            # answer still being written (hypercorn shields its sends) is out.
+            self._scope.deadline = min(self._scope.deadline, trio.current_time() + EOF_GRACE_S)
+        return data
 
     async def send_eof(self) -> None:
         await self._inner.send_eof()
