@@ -122,6 +122,7 @@ class Attempts(StateBase):
         by_node: dict[str, list[Victim]] = {}
         for p in pods:
             self._mark_stale(p)
+            p.stop_sent = True
             job.set_pod_state(p, "terminating" if p.state != "placing" else "cancelled", p.exit_code)
             by_node.setdefault(p.node_id, []).append(
                 Victim(workload_id=p.workload_id, grace_s=job.spec.grace_s, reason=reason))

@@ -87,6 +87,7 @@ class PodRec:
     reason: str | None = None
     timings: dict[str, float] | None = None      # made on the first timed event (most pods: few)
     fetch: dict[str, int] | None = None
+    stop_sent: bool = False                      # the placer told it to stop (its end is then no news)
 
     @property
     def terminal(self) -> bool:

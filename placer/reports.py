@@ -294,7 +294,9 @@ class Reports(StateBase):
             if ev.state in TERMINAL_STATES:
                 self._record_end(job, pod, ev)  # the job has ended; its pod's end is only news
             return []
-        told_to_stop = pod.state in ("terminating", "cancelled") or job.state in ("pending", "preempted")
+        # did *we* stop it (its attempt ended, it was rolled back)? A pod an operator stopped on
+        # the agent also passes through "terminating", but its end is the job's news.
+        told_to_stop = pod.stop_sent or job.state in ("pending", "preempted")
         job.set_pod_state(pod, ev.state, ev.exit_code)
         pod.reason = ev.reason
         self._note_pod(pod, ev)

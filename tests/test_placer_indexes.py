@@ -357,3 +357,16 @@ def test_nodes_lost_while_the_fleet_registers_cost_no_rebuild():
     st_.tick(10.0)  # nobody heartbeat: every node lost, with the model still waiting for its rebuild
     assert st_.node_states["lost"] == 200 and st_.model.rebuilds == 1
     assert st_.model.statistics()["usable"] == 0 and st_.model.rebuilds == 2
+
+
+def test_a_pod_stopped_on_its_agent_ends_its_job():
+    """An operator stopped the pod on the agent (not the placer): its terminating and exit
+    events are the job's news, not the end of a stop the placer asked for."""
+    st_, job, pushes = _two_node_job()
+    st_.on_acks("j", 1, {p.node_id: ACCEPTED for p in pushes}, 0.2, pushes)
+    p0 = job.pods[0]
+    for seq, (state, code) in enumerate((("running", None), ("terminating", None), ("exited", 143)), start=2):
+        st_.ingest(p0.node_id, beat(p0.node_id, seq, [WorkloadEvent(workload_id=p0.workload_id, job_id="j",
+                                                                    state=state, exit_code=code, at=0.3)]), 0.3)
+    assert job.state == "failed" and "code 143" in (job.reason or "")
+    assert st_.model.statistics()["allocated"] == 8  # the other pod's GPUs, held until it is gone
