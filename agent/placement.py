@@ -62,6 +62,8 @@ def check_placement(p: Placement, records: Mapping[str, WorkloadRecord],
         return _spec("a placement that starts pods needs argv")
     if p.grace_s < 0 or any(v.grace_s < 0 for v in p.victims):
         return _spec("grace periods must be >= 0")
+    if (why := p.limits.problem()) is not None:
+        return _spec(f"limits: {why}")
     victim_ids = {v.workload_id for v in p.victims}
     busy = gpus_in_use(records.values())
     seen_gpus: dict[str, str] = {}

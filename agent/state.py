@@ -61,6 +61,7 @@ class WorkloadRecord(msgspec.Struct, frozen=True, kw_only=True):
     stop_deadline: float | None = None
     term_sent: bool = False
     fetch: dict[str, int] = {}           # this workload's artifact fetch: bytes by source
+    limits: dict[str, str] = {}          # the job's cgroup limits (cgroup file -> value)
     user: str | None = None              # the user the placement asked for (None: the default)
     run_as: str | None = None            # the user it runs as (resolved at start)
 

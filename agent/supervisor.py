@@ -106,6 +106,7 @@ class Supervisor:
         self._gpu_health = gpu_health
         self._fetcher = fetcher
         self._blob_fetcher = blob_fetcher
+        self._said: set[str] = set()  # limits this host cannot enforce, said once each
         self._clock = clock
         self._base_env = environment.base_env(base_env if base_env is not None else os.environ)
         self.pool = pool or ShimPool(config.shim_pool)
@@ -390,6 +391,7 @@ class Supervisor:
                 world_size=p.world_size, gpus=list(pod.gpus), gpu_indices=list(pod.gpu_indices),
                 argv=list(p.argv), env=dict(p.env), manifest_id=p.manifest_id, origin=p.origin,
                 peers=list(p.peers), gang_blob_id=p.gang_blob_id, gang_nodes=p.gang_nodes,
+                limits=p.limits.as_files(),
                 grace_s=p.grace_s, restart=p.restart, direct=msg.direct,
                 wait_for=wait_for, created_at=now, updated_at=now, user=p.user, run_as=user.name)
             self._records[rec.workload_id] = rec
@@ -583,7 +585,11 @@ class Supervisor:
                 with contextlib.suppress(FileNotFoundError):
                     (wdir / name).rename(wdir / f"{name}.prev")
             try:
-                cgroup = self.isolation.prepare(wid, self._limits)
+                limits, unenforced = workload_limits(self._limits, rec.limits, self.isolation)
+                if unenforced and unenforced not in self._said:
+                    self._said.add(unenforced)
+                    log.warning("%s (job %s asked)", unenforced, rec.job_id)
+                cgroup = self.isolation.prepare(wid, limits)
             except (OSError, ValueError) as e:
                 await self._change(wid, state="failed", reason=f"cannot create the workload's cgroup: {e}")
                 return
@@ -698,6 +704,19 @@ class Supervisor:
             raise AgentError("stream must be stdout or stderr")
         wdir = self.wl_dir / self.record(workload_id).workload_id
         return read_tail(wdir, stream, tail, self.config.log_keep)
+
+
+def workload_limits(agent: dict[str, str], job: dict[str, str], iso: Isolation) -> tuple[dict[str, str], str | None]:
+    """One workload's cgroup limits: the agent's, with the job's on top where this host can
+    enforce them; and what it cannot enforce (said once per kind by the caller). Pure."""
+    if not job:
+        return agent, None
+    if iso.tree is None:
+        return agent, f"job limits {sorted(job)} not enforced: isolation is {iso.mode} (no cgroup)"
+    have = {k: v for k, v in job.items() if k.split(".")[0] in iso.tree.controllers}
+    missing = sorted(set(job) - set(have))
+    return {**agent, **have}, (f"job limits {missing} not enforced: controller not enabled for {iso.tree.parent}"
+                               if missing else None)
 
 
 def _limits(config: SupervisorConfig, iso: Isolation) -> tuple[dict[str, str], list[str]]:

@@ -66,6 +66,8 @@ class Scheduling(StateBase):
             raise JobError("grace_s must be within 0..86400")
         if not spec.argv:
             raise JobError("argv must not be empty")
+        if (why := spec.limits.problem()) is not None:
+            raise JobError(f"limits: {why}")
         if spec.restart.kind == "on-failure" and spec.restart.limit < 0:
             raise JobError("restart limit must be >= 0")
         for k in spec.env:
@@ -240,7 +242,7 @@ class Scheduling(StateBase):
                       for p in pods],
                 victims=victims, world_size=s.pods, argv=argv, env=env, manifest_id=s.manifest_id, origin=s.origin,
                 peers=peers_of(node), grace_s=s.grace_s, restart=s.restart, issued_at=now,
-                gang_blob_id=blob_id, gang_nodes=n_gang, user=s.user)
+                gang_blob_id=blob_id, gang_nodes=n_gang, user=s.user, limits=s.limits)
 
         out = [Push(node.node_id, node.control_url, None, job.job_id, job.attempt, "start",
                     build(node, by_node[node.node_id], victim_stops.pop(node.node_id, [])))

@@ -18,6 +18,7 @@ This module imports nothing of ours (blake3 is loaded where a blob is hashed).
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
 import msgspec
@@ -202,6 +203,34 @@ class Victim(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = "preempted"
 
 
+class ResourceLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """A job's per-workload cgroup v2 limits, in cgroup syntax ("" = the agent's default).
+    Enforced where the agent runs workloads in cgroups with the controller enabled; elsewhere
+    the agent says once that it cannot (DESIGN.md, Security model)."""
+    memory_max: str = ""                     # memory.max: bytes with an optional K/M/G/T suffix, or "max"
+    cpu_max: str = ""                        # cpu.max: "QUOTA PERIOD" or "max PERIOD" (microseconds)
+    pids_max: str = ""                       # pids.max: a count, or "max"
+
+    def problem(self) -> str | None:
+        """None when every value is well formed, else what is wrong (one line)."""
+        if self.memory_max and not _MEM.fullmatch(self.memory_max):
+            return f"memory_max {self.memory_max[:40]!r} is not bytes (e.g. 64G) or 'max'"
+        if self.cpu_max and not _CPU.fullmatch(self.cpu_max):
+            return f"cpu_max {self.cpu_max[:40]!r} is not 'QUOTA PERIOD' or 'max PERIOD' (microseconds)"
+        if self.pids_max and not _PIDS.fullmatch(self.pids_max):
+            return f"pids_max {self.pids_max[:40]!r} is not a count or 'max'"
+        return None
+
+    def as_files(self) -> dict[str, str]:
+        return {k: v for k, v in (("memory.max", self.memory_max), ("cpu.max", self.cpu_max),
+                                  ("pids.max", self.pids_max)) if v}
+
+
+_MEM = re.compile(r"max|[1-9][0-9]{0,18}[KMGT]?")
+_CPU = re.compile(r"(max|[1-9][0-9]{0,9}) [1-9][0-9]{0,9}")
+_PIDS = re.compile(r"max|[1-9][0-9]{0,9}")
+
+
 class RestartPolicy(msgspec.Struct, frozen=True, kw_only=True):
     """never | on-failure(limit) | on-preemption. The agent applies it only to direct placements."""
     kind: Literal["never", "on-failure", "on-preemption"] = "never"
@@ -233,6 +262,7 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     # and a few contacts; gangs of up to 64 nodes still list every member.
     gang_blob_id: str | None = None
     gang_nodes: int = 0                      # nodes in the gang (peers may list fewer)
+    limits: ResourceLimits = ResourceLimits()  # per-workload cgroup limits (the job's)
 
 
 # What became of one node's part of a placement. The placer decides on this, never on the
@@ -322,6 +352,7 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True):
     env: dict[str, str] = {}
     grace_s: float = 30.0
     user: str | None = None                  # run as this user (agents must list it in allowed_users)
+    limits: ResourceLimits = ResourceLimits()  # each pod's cgroup limits (memory.max, cpu.max, pids.max)
     restart: RestartPolicy = RestartPolicy()
     version: int = WIRE_VERSION
 
