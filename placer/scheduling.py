@@ -52,6 +52,7 @@ REBUILD_SPACING = 4.0      # a rebuild waits this many times the previous one's 
 class Scheduling(StateBase):
     rebuild_ok_at: float = 0.0
     last_rebuild_s: float = 0.0
+    _pass_t0: float = 0.0
 
     # ------------------------------------------------------------ jobs
 
@@ -141,6 +142,7 @@ class Scheduling(StateBase):
         self.dirty = False
         self.counters["passes"] += 1
         self._clock = clock
+        self._pass_t0 = clock() if clock else 0.0
         if self.model.needs_rebuild:
             t0 = clock() if clock else 0.0
             _ = self.model.n_nodes  # rebuild now, timed
@@ -196,7 +198,8 @@ class Scheduling(StateBase):
         job.attempt += 1
         job.state = "placing"
         job.reason = None
-        job.timings["decided"] = now
+        # when the decision was made: the pass's ``now`` plus the time the pass took so far
+        job.timings["decided"] = now + (self._clock() - self._pass_t0) if self._clock else now
         ids = decision._node_ids
         node_names = [ids[n] for n in decision.pod_nodes.tolist()]
         slot_rows = decision.pod_slots.tolist()
