@@ -62,6 +62,8 @@ import h11
 import msgspec
 import trio
 
+from scheduler_link.gate import ConnectionGate
+
 from .errors import StoreError
 
 log = logging.getLogger("herd.p2p.dataplane")
@@ -141,33 +143,6 @@ _BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\
          b'{"error":"busy","detail":"too many open connections"}')
 
 
-class _Gate:
-    """Open connections overall and per client address (plain bookkeeping)."""
-    __slots__ = ("max_total", "max_per_client", "total", "per_client")
-
-    def __init__(self, max_total: int, max_per_client: int) -> None:
-        self.max_total = max_total
-        self.max_per_client = max_per_client
-        self.total = 0
-        self.per_client: dict[str, int] = {}
-
-    def enter(self, client: str) -> bool:
-        n = self.per_client.get(client, 0)
-        if self.total >= self.max_total or n >= self.max_per_client:
-            return False
-        self.total += 1
-        self.per_client[client] = n + 1
-        return True
-
-    def leave(self, client: str) -> None:
-        self.total -= 1
-        n = self.per_client[client] - 1
-        if n:
-            self.per_client[client] = n
-        else:
-            del self.per_client[client]
-
-
 def _json(status: int, error: str, detail: str | None = None,
           headers: list[tuple[bytes, bytes]] | None = None) -> _Reply:
     return _Reply(status, msgspec.json.encode({"error": error, "detail": detail}), headers=headers or [])
@@ -194,7 +169,7 @@ class DataPlane:
         self._waiting = 0
         self._waiting_per_client: dict[str, int] = {}
         c = self.config
-        self._conns = _Gate(c.max_connections or 4 * c.max_concurrent,
+        self._conns = ConnectionGate(c.max_connections or 4 * c.max_concurrent,
                             c.max_connections_per_client or 2 * c.max_per_client)
         self._waiters: dict[str, list[Any]] = {}  # chunk id -> [Event, waiter count]
         self._serving: dict[str, int] = {}         # chunk id -> copies being sent now

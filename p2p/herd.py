@@ -285,24 +285,14 @@ class Herd:
             return await self._fetch_tree(chunks, origin, peers, manifest_id, progress, run)
         assert not isinstance(peers, PeerTable)
         peers = list(peers)
-        todo: list[tuple[str, int]] = []
-        for cid, size in chunks:
-            if self.store.has_chunk(cid):
-                run.bytes_local += size
-                run.chunks_local += 1
-            else:
-                todo.append((cid, size))
-        self.counters.bytes_local += run.bytes_local
-        self.counters.chunks_local += run.chunks_local
+        todo = self._missing(chunks, run)
         if not todo:
             return run
         holders = await self._holders(manifest_id, peers) if manifest_id else {}
         return await self._legacy_pool(chunks, todo, origin, peers, holders, progress, run)
 
-    async def _fetch_tree(self, chunks: Sequence[tuple[str, int]], origin: Any, peers: PeersArg,
-                          manifest_id: str | None, progress: Callable[[int], None] | None,
-                          run: HerdCounters) -> HerdCounters:
-        """Tree mode: one plan for the whole manifest, then the two pools."""
+    def _missing(self, chunks: Sequence[tuple[str, int]], run: HerdCounters) -> list[tuple[str, int]]:
+        """The chunks not in the store yet; those already there are counted as local."""
         todo: list[tuple[str, int]] = []
         for cid, size in chunks:
             if self.store.has_chunk(cid):
@@ -312,6 +302,13 @@ class Herd:
                 todo.append((cid, size))
         self.counters.bytes_local += run.bytes_local
         self.counters.chunks_local += run.chunks_local
+        return todo
+
+    async def _fetch_tree(self, chunks: Sequence[tuple[str, int]], origin: Any, peers: PeersArg,
+                          manifest_id: str | None, progress: Callable[[int], None] | None,
+                          run: HerdCounters) -> HerdCounters:
+        """Tree mode: one plan for the whole manifest, then the two pools."""
+        todo = self._missing(chunks, run)
         if not todo:
             return run
         view, me = self.view(peers)

@@ -55,6 +55,7 @@ import msgspec
 import trio
 
 from .auth import TokenSet, bearer
+from .gate import ConnectionGate
 
 log = logging.getLogger("herd.http")
 
@@ -310,34 +311,6 @@ class ServerLimits:
     head_timeout_s: float = 10.0       # idle keep-alive and head deadline in one (absolute)
     send_stall_s: float = 30.0         # no progress sending an answer: drop the connection
     graceful_timeout_s: float = 2.0
-
-
-class ConnectionGate:
-    """Counts open connections overall and per client address; pure bookkeeping."""
-
-    def __init__(self, max_connections: int, max_per_client: int) -> None:
-        self.max_connections = max_connections
-        self.max_per_client = max_per_client
-        self.open = 0
-        self.refused = 0
-        self._per_client: dict[str, int] = {}
-
-    def enter(self, client: str) -> bool:
-        n = self._per_client.get(client, 0)
-        if self.open >= self.max_connections or n >= self.max_per_client:
-            self.refused += 1
-            return False
-        self.open += 1
-        self._per_client[client] = n + 1
-        return True
-
-    def leave(self, client: str) -> None:
-        self.open -= 1
-        n = self._per_client[client] - 1
-        if n:
-            self._per_client[client] = n
-        else:
-            del self._per_client[client]
 
 
 async def _send_stream(resp: Response, receive: Any, send: Any) -> None:
