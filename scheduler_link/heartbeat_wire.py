@@ -35,12 +35,13 @@ import collections
 import logging
 import struct
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import trio
 
 from .auth import TokenSet
+from .frames import FrameChannel, Handler
 from .messages import NodeReport, ReportReply
 
 log = logging.getLogger("herd.link.wire")
@@ -55,6 +56,9 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str
     version: int = 1
     relay: bool = False              # one connection carrying reports of many nodes
+    frames: bool = False             # after the hello, msgpack Frames both ways (scheduler_link.frames)
+    racks: list[str] = []            # frames: the racks this node may relay for
+    listen_url: str | None = None    # frames: where the relay's members reach it
 
 
 class WireReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -99,6 +103,15 @@ def split_frames(buf: bytearray, limit: int = MAX_FRAME) -> list[bytes]:
 # ingest(node_id, report) -> (status, reply); must be synchronous (one owner of state)
 Ingest = Callable[[str, NodeReport], tuple[int, ReportReply]]
 
+
+class FramesHost(Protocol):
+    """Who serves frames connections (``Hello.frames``) on a heartbeat listener."""
+
+    def opened(self, hello: Hello, channel: FrameChannel) -> Handler: ...
+
+    def closed(self, channel: FrameChannel) -> None: ...
+
+
 def default_max_connections(reserve: int = 2048) -> int:
     """The process's descriptor limit less a reserve for HTTP, pushes and files."""
     import resource
@@ -116,9 +129,11 @@ class HeartbeatServer:
     """Accepts agents' framed report streams and feeds them to ``ingest``."""
 
     def __init__(self, tokens: TokenSet, ingest: Ingest, *, hello_timeout_s: float = 10.0,
-                 max_connections: int | None = None) -> None:
+                 max_connections: int | None = None, frames: FramesHost | None = None) -> None:
         self.tokens = tokens
         self.ingest = ingest
+        self.frames_host = frames
+        self.frames_connections = 0    # open frames connections (relays, and members of a relay)
         self.hello_timeout_s = hello_timeout_s
         self.max_connections = default_max_connections() if max_connections is None else max_connections
         self.frames = 0
@@ -135,7 +150,8 @@ class HeartbeatServer:
 
     def statistics(self) -> dict[str, int]:
         return {"frames": self.frames, "connections": self.connections, "open_connections": self.open_connections,
-                "relay_connections": self.relay_connections, "refused": self.refused, "over_cap": self.over_cap,
+                "relay_connections": self.relay_connections, "frames_connections": self.frames_connections,
+                "refused": self.refused, "over_cap": self.over_cap,
                 "hello_timeouts": self.hello_timeouts, "ingest_errors": self.ingest_errors}
 
     async def run(self, listen: str, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -203,6 +219,20 @@ class HeartbeatServer:
         if not self.tokens.check("cluster", hello.token):
             self.refused += 1
             await stream.send_all(frame(WireReply(status=401, error="unauthorized")))
+            return hello.node_id
+        if hello.frames:
+            if self.frames_host is None:
+                await stream.send_all(frame(WireReply(status=400, error="this listener serves no frames connections")))
+                return hello.node_id
+            await stream.send_all(frame(WireReply(status=200)))
+            ch = FrameChannel(stream, name=hello.node_id, buf=bytes(buf))
+            handler = self.frames_host.opened(hello, ch)
+            self.frames_connections += 1
+            try:
+                await ch.run(handler)
+            finally:
+                self.frames_connections -= 1
+                self.frames_host.closed(ch)
             return hello.node_id
         relay = hello.relay
         node_id = hello.node_id

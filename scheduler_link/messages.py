@@ -330,6 +330,9 @@ class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
     # tcp://host:port of the placer's framed heartbeat channel, when it serves one
     wire_url: str | None = None
     error: str | None = None                 # why a report was refused (with ok=False)
+    # tcp://host:port of this node's rack relay (its members' frames listener), in the answer
+    # to a full report, when the rack has one and this node is not it; None: report directly
+    relay_url: str | None = None
 
 
 # ---------------------------------------------------------------- placer API (jobs, nodes, cluster)
@@ -506,40 +509,69 @@ class GangBlob(msgspec.Struct, frozen=True, kw_only=True):
     world_size: int = 1
     peers: PeerTable = PeerTable()
     user: str | None = None                  # the pods' user (JobSpec.user), checked by each agent
+    limits: ResourceLimits = ResourceLimits()  # each pod's cgroup limits (JobSpec.limits)
 
 
-class NodePart(msgspec.Struct, frozen=True, kw_only=True):
-    """What one node of a gang receives. Bounded whatever the gang's size."""
+class NodePart(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """What one node of a gang receives. Bounded whatever the gang's size.
+
+    GPUs are named by *slot* (``PodAssignment.gpu_indices``: positions in the node's
+    inventory in GPU index order) plus ``inventory``, a hash of the UUIDs the node last
+    reported in that order (:func:`inventory_hash`); ``PodAssignment.gpus`` is then empty.
+    The agent refuses a part whose inventory hash is not its own (``expired``: the placer's
+    view of the node is stale, nothing about a GPU is implied), so a slot can never mean a
+    GPU the placer did not see. Slots keep a 25,000-node gang's parts under 6 MB where
+    UUIDs would take ~15 MB. A part with no pods and no blob (``blob_id`` empty) only stops
+    its victims.
+    """
     placement_id: str
     node_id: str
     job_id: str
     attempt: int
-    blob_id: str                             # BLAKE3 hex of the GangBlob's canonical bytes
+    blob_id: str = ""                        # BLAKE3 hex of the GangBlob's canonical bytes ("": stops only)
     version: int = WIRE_VERSION
-    pods: list[PodAssignment] = []           # ranks and GPUs (UUIDs, slots alongside)
+    pods: list[PodAssignment] = []           # ranks and GPU slots (UUIDs only when ``inventory`` is empty)
     victims: list[Victim] = []
     issued_at: float = 0.0
     expires_at: float = 0.0                  # refused as "expired" after this (sender's clock)
-    rack_members: list[Peer] = []            # this node's rack in the gang (<= rack size)
-    contacts: list[Peer] = []                # bounded: a few nodes of other racks
+    inventory: str = ""                      # inventory_hash of the node's UUIDs the slots index
+    gang_nodes: int = 0                      # nodes in the gang
+    rack_members: list[Peer] = []            # unused on the relay path: the blob's table has the rack
+    contacts: list[Peer] = []                # bounded: a few nodes of other racks (holders of the manifest)
+    mac: bytes = b""                         # per-node MAC (identity issue); empty until then
 
 
-class RackBundle(msgspec.Struct, frozen=True, kw_only=True):
-    """Placer -> a rack's relay: the rack's parts of one placement round."""
+def inventory_hash(uuids: list[str]) -> str:
+    """BLAKE3-128 (hex) of a node's GPU UUIDs in index order: what a NodePart's slots index."""
+    import blake3
+
+    return blake3.blake3("\n".join(uuids).encode()).hexdigest(length=16)
+
+
+class RackBundle(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Placer -> a rack's relay: the rack's parts of one placement round. The relay answers
+    with one AckBundle naming every member it reached before ``deliver_by`` (unix seconds,
+    the placer's clock); a member it did not name the placer reaches directly. The blob's
+    bytes ride only in the first few bundles of a gang; the others name ``blob_sources``
+    (frames listeners of relays that have or are getting it: ask them with ``blob_get``,
+    in order, the placer last)."""
     rack: str                                # "zone/block/rack"
-    blob_id: str
+    blob_id: str                             # "" when every part only stops victims
     version: int = WIRE_VERSION
     blob: bytes | None = None                # the GangBlob's canonical bytes, unless the relay has it
+    blob_sources: list[str] = []             # tcp://host:port of relays to fetch the blob from
     parts: list[NodePart] = []
+    deliver_by: float = 0.0
     sig: bytes = b""                         # the placer's signature (identity issue)
 
 
-class NodeOutcome(msgspec.Struct, frozen=True, kw_only=True):
+class NodeOutcome(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     node_id: str
     placement_id: str
     outcome: PlacementOutcome
     refused_gpus: list[str] = []
     detail: str | None = None                # for people; never parsed
+    mac: bytes = b""                         # the node's MAC over its outcome (identity issue)
 
 
 class AckBundle(msgspec.Struct, frozen=True, kw_only=True):
@@ -550,16 +582,65 @@ class AckBundle(msgspec.Struct, frozen=True, kw_only=True):
     outcomes: list[NodeOutcome] = []
 
 
-FrameType = Literal["hello", "report", "reply", "bundle", "acks", "placement", "ack", "blob", "error"]
+class RackBeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A relay -> the placer: its members' empty heartbeats of one interval, in one frame
+    (columns). An entry means "alive, nothing to say": a report with events, a snapshot or
+    manifests travels as its own ``report`` frame, after the relay has sent that node's
+    pending entry, so the placer sees each node's sequence in order. An entry's ``seq`` may
+    skip (the relay keeps a member's latest empty heartbeat only: skipped ones said nothing)."""
+    rack: str
+    node_ids: list[str] = []
+    boot_ids: list[str] = []
+    seqs: list[int] = []
+    sent_at: float = 0.0
 
 
-class Frame(msgspec.Struct, frozen=True, kw_only=True):
-    """The framed channel's envelope (both directions)."""
+class NodeStop(msgspec.Struct, frozen=True, kw_only=True):
+    node_id: str
+    stop: list[Victim] = []
+
+
+class RackBeatReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The placer's answer to a RackBeat: only the exceptions. ``need_full``: members whose
+    entry did not fit (unknown node, another boot, an old seq) and must send a full report;
+    ``stop``: fencing stops for members (what a ReportReply's ``stop`` would carry)."""
+    need_full: list[str] = []
+    stop: list[NodeStop] = []
+    heartbeat_interval_s: float | None = None
+
+
+class BlobRequest(msgspec.Struct, frozen=True, kw_only=True):
+    blob_id: str
+
+
+class BlobReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    blob_id: str
+    data: bytes | None = None                # canonical bytes (the receiver checks the id)
+    error: str | None = None
+
+
+class RelayHello(msgspec.Struct, frozen=True, kw_only=True):
+    """What a node says when it opens a frames connection (inside the framed channel's
+    hello): the racks it may relay for, and where its members reach it."""
+    racks: list[str] = []                    # "zone/block/rack" paths ([] : a plain member)
+    listen_url: str | None = None            # tcp://host:port of its members' frames listener
+
+
+FrameType = Literal["hello", "report", "reply", "bundle", "acks", "placement", "ack", "blob", "error",
+                    "beat", "beat_reply", "part", "blob_get", "ping"]
+
+
+class Frame(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The framed channel's envelope (both directions; msgpack on frames connections).
+    ``id`` numbers a request that wants an answer (0: none wanted); an answer carries the
+    request's number in ``re``. Either side may send requests."""
     type: FrameType
-    payload: msgspec.Raw = msgspec.Raw(b"null")
+    payload: msgspec.Raw = msgspec.Raw(b"\xc0")
     term: int = 0                            # placer leadership term (HA); 0 until then
     sig: bytes = b""                         # empty until identities land
     version: int = FRAME_VERSION
+    id: int = 0
+    re: int = 0
 
 
 _blob_encoder = msgspec.msgpack.Encoder(order="deterministic")

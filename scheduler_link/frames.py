@@ -1,0 +1,284 @@
+"""Frames connections: msgpack :class:`~scheduler_link.messages.Frame` envelopes both ways.
+
+The framed channel's second form (DESIGN.md, "Fleet scale"). The placer holds one of these
+to each rack relay, and a relay holds one to each member of its rack. Unlike a report
+stream (a request from the agent, an answer from the placer, in order), either side may
+send requests here: the placer sends a ``bundle`` to a relay and gets ``acks`` back, a
+relay sends ``part`` to a member and gets an ``ack``, a relay sends ``report`` and
+``beat`` frames up and gets ``reply`` / ``beat_reply``. A request carries ``id`` (> 0);
+its answer carries the same number in ``re``. A frame with ``id == 0`` wants no answer.
+
+Framing: u32 big-endian length + the msgpack of a Frame; a frame over ``max_frame`` is a
+protocol error and ends the connection. A handler's exception for one frame is logged and
+answered with an ``error`` frame; it never ends the connection or escapes.
+
+Opening one: the client sends the framed channel's JSON ``Hello`` (``frames=True``; see
+:mod:`scheduler_link.heartbeat_wire`), reads its JSON ``WireReply``, and from then on both
+sides speak frames. :func:`open_frames` does that; servers hand the stream to
+:class:`FrameChannel` after their hello checks.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import trio
+
+from .messages import Frame, RelayHello
+
+log = logging.getLogger("herd.link.frames")
+
+MAX_FRAME = 32 << 20          # a bundle with its blob (an 80,000-node table is ~8 MB)
+_LEN = struct.Struct(">I")
+_enc = msgspec.msgpack.Encoder()
+_frame_dec = msgspec.msgpack.Decoder(Frame)
+
+# handler(channel, frame) -> None | (type, payload struct) | an awaitable of either
+Answer = tuple[str, Any] | None
+Handler = Callable[["FrameChannel", Frame], Answer | Awaitable[Answer]]
+
+
+class FrameError(Exception):
+    """The other side broke the protocol, or the connection is gone."""
+
+
+class CallFailed(Exception):
+    """A request was answered with an ``error`` frame."""
+
+
+def encode_frame(type_: str, payload: Any, *, id: int = 0, re: int = 0, term: int = 0) -> bytes:
+    body = _enc.encode(Frame(type=type_, payload=msgspec.Raw(_enc.encode(payload)), id=id, re=re,  # type: ignore[arg-type]
+                             term=term))
+    return _LEN.pack(len(body)) + body
+
+
+def decode_payload(f: Frame, kind: type[Any]) -> Any:
+    return msgspec.msgpack.decode(f.payload, type=kind)
+
+
+class _Waiter:
+    __slots__ = ("done", "frame")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.frame: Frame | None = None
+
+
+class FrameChannel:
+    """One frames connection (either side). ``await channel.run(handler)`` serves it until
+    it closes; :meth:`call` and :meth:`send` may be used from any task meanwhile."""
+
+    def __init__(self, stream: trio.SocketStream, *, name: str = "", buf: bytes = b"",
+                 max_frame: int = MAX_FRAME) -> None:
+        self.stream = stream
+        self.name = name
+        self.max_frame = max_frame
+        self._in = bytearray(buf)
+        self._out = bytearray()
+        self._wake = trio.Event()
+        self._waiters: dict[int, _Waiter] = {}
+        self._next_id = 0
+        self.closed = trio.Event()
+        self.frames_in = 0
+        self.frames_out = 0
+        self.bytes_out = 0
+        self.handler_errors = 0
+        self.info: Any = None      # what the owner wants to keep with the connection
+
+    # ------------------------------------------------------------ sending
+
+    def send(self, type_: str, payload: Any, *, re: int = 0, id: int = 0) -> None:
+        """Queue a frame (never blocks; the writer task flushes many frames per syscall)."""
+        if self.closed.is_set():
+            raise FrameError(f"frames connection {self.name} is closed")
+        data = encode_frame(type_, payload, id=id, re=re)
+        self._out += data
+        self.frames_out += 1
+        self.bytes_out += len(data)
+        self._wake.set()
+
+    def send_raw(self, data: bytes) -> None:
+        """Queue frames already encoded (``encode_frame``)."""
+        if self.closed.is_set():
+            raise FrameError(f"frames connection {self.name} is closed")
+        self._out += data
+        self.bytes_out += len(data)
+        self.frames_out += 1
+        self._wake.set()
+
+    def new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    async def call(self, type_: str, payload: Any, *, timeout_s: float | None = None) -> Frame:
+        """Send a request and wait for its answer (an ``error`` answer raises CallFailed)."""
+        rid = self.new_id()
+        w = self._waiters[rid] = _Waiter()
+        try:
+            self.send(type_, payload, id=rid)
+            if timeout_s is None:
+                await w.done.wait()
+            else:
+                with trio.fail_after(timeout_s):
+                    await w.done.wait()
+        finally:
+            self._waiters.pop(rid, None)
+        if w.frame is None:
+            raise FrameError(f"frames connection {self.name} closed before the answer")
+        if w.frame.type == "error":
+            raise CallFailed(_error_text(w.frame))
+        return w.frame
+
+    # ------------------------------------------------------------ serving
+
+    async def run(self, handler: Handler) -> None:
+        """Read and write until the connection closes (then every pending call fails)."""
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(self._writer, n.cancel_scope)
+                await self._reader(handler, n)
+                n.cancel_scope.cancel()
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+            log.debug("frames connection %s broke: %s", self.name, e)
+        finally:
+            self.closed.set()
+            for w in list(self._waiters.values()):
+                w.done.set()
+            self._out.clear()
+            with trio.CancelScope(shield=True):
+                await self.stream.aclose()
+
+    async def aclose(self) -> None:
+        self.closed.set()
+        with trio.CancelScope(shield=True):
+            await self.stream.aclose()
+
+    async def _writer(self, scope: trio.CancelScope) -> None:
+        try:
+            while True:
+                if not self._out:
+                    self._wake = trio.Event()
+                    await self._wake.wait()
+                    continue
+                data, self._out = bytes(self._out), bytearray()
+                await self.stream.send_all(data)
+                del data
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+            log.debug("frames connection %s: write failed: %s", self.name, e)
+            scope.cancel()
+
+    async def _reader(self, handler: Handler, nursery: trio.Nursery) -> None:
+        buf = self._in
+        while True:
+            pos = 0
+            size = len(buf)
+            while size - pos >= 4:
+                (ln,) = _LEN.unpack_from(buf, pos)
+                if ln > self.max_frame:
+                    raise FrameError(f"frame of {ln} bytes is over the {self.max_frame} limit")
+                if size - pos - 4 < ln:
+                    break
+                body = bytes(buf[pos + 4:pos + 4 + ln])
+                pos += 4 + ln
+                self._dispatch(body, handler, nursery)
+            del buf[:pos]
+            try:
+                data = await self.stream.receive_some(1 << 18)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                return
+            if not data:
+                return
+            buf += data
+
+    def _dispatch(self, body: bytes, handler: Handler, nursery: trio.Nursery) -> None:
+        self.frames_in += 1
+        try:
+            f = _frame_dec.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.handler_errors += 1
+            self._answer_error(0, f"malformed frame: {e}")
+            return
+        if f.re:
+            w = self._waiters.get(f.re)
+            if w is not None:
+                w.frame = f
+                w.done.set()
+            return  # an answer nobody waits for any more (timed out): dropped
+        try:
+            out = handler(self, f)
+        except Exception as e:  # contained to this frame
+            self._handler_failed(f, e)
+            return
+        if inspect.isawaitable(out):
+            nursery.start_soon(self._finish, f, out)
+        elif out is not None and f.id:
+            self._answer(f, out)
+
+    async def _finish(self, f: Frame, aw: Awaitable[Answer]) -> None:
+        try:
+            out = await aw
+        except Exception as e:
+            self._handler_failed(f, e)
+            return
+        if out is not None and f.id and not self.closed.is_set():
+            self._answer(f, out)
+
+    def _answer(self, f: Frame, out: tuple[str, Any]) -> None:
+        try:
+            self.send(out[0], out[1], re=f.id)
+        except FrameError:
+            pass
+
+    def _handler_failed(self, f: Frame, e: Exception) -> None:
+        self.handler_errors += 1
+        log.exception("frame handler failed connection=%s type=%s", self.name, f.type, exc_info=e)
+        self._answer_error(f.id, f"internal error handling a {f.type} frame")
+
+    def _answer_error(self, rid: int, why: str) -> None:
+        if self.closed.is_set():
+            return
+        try:
+            self.send("error", {"error": why}, re=rid)
+        except FrameError:
+            pass
+
+
+def _error_text(f: Frame) -> str:
+    try:
+        d = msgspec.msgpack.decode(f.payload)
+        return str(d.get("error") if isinstance(d, dict) else d)
+    except msgspec.DecodeError:
+        return "error"
+
+
+async def open_frames(url: str, token: str, node_id: str, *, relay: RelayHello | None = None,
+                      local_address: str | None = None, timeout_s: float = 10.0,
+                      name: str | None = None) -> FrameChannel:
+    """Dial a frames listener (the placer's framed channel, or a relay's members listener),
+    say hello, and return the channel (not yet running: ``nursery.start_soon(ch.run, h)``)."""
+    from .heartbeat_wire import HeartbeatClient, Hello, WireError, frame, parse_wire_url
+
+    host, port = parse_wire_url(url)
+    with trio.fail_after(timeout_s):
+        stream = await trio.open_tcp_stream(host, port, local_address=local_address)
+        c = HeartbeatClient(stream)
+        try:
+            await stream.send_all(frame(Hello(token=token, node_id=node_id, frames=True,
+                                              relay=bool(relay and relay.racks),
+                                              racks=list(relay.racks) if relay else [],
+                                              listen_url=relay.listen_url if relay else None)))
+            (r,) = await c.receive(1)
+        except BaseException:
+            with trio.CancelScope(shield=True):
+                await stream.aclose()
+            raise
+    if r.status != 200:
+        with trio.CancelScope(shield=True):
+            await stream.aclose()
+        raise WireError(f"frames connection refused: {r.status} {r.error}")
+    return FrameChannel(stream, name=name or node_id, buf=bytes(c.buf))
