@@ -33,6 +33,14 @@ class StoreConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class RelayConfig:
+    """``[relay]``: this agent may relay for its rack (agent.relay)."""
+    enabled: bool = False
+    listen: str = "127.0.0.1:0"          # the members listener (frames connections)
+    advertise: str | None = None         # HOST:PORT members dial (default: the bound address)
+
+
+@dataclass(frozen=True, slots=True)
 class AgentConfig:
     node_id: str = field(default_factory=socket.gethostname)
     gpus: str = "nvml"                   # "nvml" or "simulated:PROFILE"
@@ -52,6 +60,7 @@ class AgentConfig:
     topology: TopologyPath = TopologyPath()
     store: StoreConfig = StoreConfig()
     workloads: SupervisorConfig = SupervisorConfig()
+    relay: RelayConfig = RelayConfig()
 
     @property
     def store_dir(self) -> Path:
@@ -64,6 +73,7 @@ _AGENT_KEYS = {"node_id": str, "gpus": str, "state_dir": str, "listen": str, "da
                "allowed_origins": list}
 _TOPO_KEYS = {"zone": str, "block": str, "rack": str}
 _STORE_KEYS = {"dir": str, "quota_bytes": int, "keep_trees": int}
+_RELAY_KEYS = {"enabled": bool, "listen": str, "advertise": str}
 _WL_KEYS = {"shim_pool": int, "log_max_bytes": int, "log_keep": int, "keep_terminal": int,
             "default_grace_s": (int, float), "user": str, "allowed_users": list, "allow_root": bool,
             "cgroup": str, "rlimit_core": int, "memory_max": str, "cpu_max": str, "pids_max": str}
@@ -90,7 +100,8 @@ def _check(section: str, table: Mapping[str, Any], schema: Mapping[str, Any]) ->
 def load_config(path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None) -> AgentConfig:
     """Read the TOML file (if any), then apply ``overrides`` (CLI flags; None values are ignored).
 
-    Override keys: the [agent] keys, plus ``zone``, ``block``, ``rack``.
+    Override keys: the [agent] keys, plus ``zone``, ``block``, ``rack``, ``relay_enabled``,
+    ``relay_listen``.
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -101,26 +112,29 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Mapping[s
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     for k in data:
-        if k not in ("agent", "topology", "store", "workloads"):
-            raise ConfigError(f"unknown section [{k}] (known: agent, topology, store, workloads)")
+        if k not in ("agent", "topology", "store", "workloads", "relay"):
+            raise ConfigError(f"unknown section [{k}] (known: agent, topology, store, workloads, relay)")
         if not isinstance(data[k], dict):
             raise ConfigError(f"[{k}] must be a table")
     agent = _check("agent", data.get("agent", {}), _AGENT_KEYS)
     topo = _check("topology", data.get("topology", {}), _TOPO_KEYS)
     store = _check("store", data.get("store", {}), _STORE_KEYS)
     wl = _check("workloads", data.get("workloads", {}), _WL_KEYS)
+    relay = _check("relay", data.get("relay", {}), _RELAY_KEYS)
     for k, v in (overrides or {}).items():
         if v is None:
             continue
         if k in _TOPO_KEYS:
             topo[k] = v
+        elif k in ("relay_enabled", "relay_listen"):
+            relay[k.removeprefix("relay_")] = v
         elif k in _AGENT_KEYS:
             agent[k] = v
         else:
             raise ConfigError(f"unknown override {k}")
     try:
         cfg = AgentConfig(**agent, topology=TopologyPath(**topo), store=StoreConfig(**store),
-                          workloads=SupervisorConfig(**wl))
+                          workloads=SupervisorConfig(**wl), relay=RelayConfig(**relay))
     except TypeError as e:
         raise ConfigError(str(e)) from None
     validate(cfg)
@@ -132,8 +146,8 @@ def validate(cfg: AgentConfig) -> None:
         raise ConfigError(f"node_id must be non-empty without '/': {cfg.node_id!r}")
     if not (cfg.gpus == "nvml" or cfg.gpus.startswith("simulated:")):
         raise ConfigError(f"gpus must be 'nvml' or 'simulated:PROFILE', not {cfg.gpus!r}")
-    for name in ("listen", "data_listen"):
-        v = getattr(cfg, name)
+    for name, v in (("listen", cfg.listen), ("data_listen", cfg.data_listen), ("relay.listen", cfg.relay.listen),
+                    ("relay.advertise", cfg.relay.advertise)):
         if v is None:
             continue
         host, sep, port = v.rpartition(":")

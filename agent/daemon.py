@@ -9,7 +9,9 @@
     │   └── ShimPool.run      pre-started workload shims
     ├── DataPlane.run         peers fetch chunks from our store            (p2p.dataplane; --data-listen)
     ├── serve(app)            the operator/control HTTP API                (agent.api)
-    ├── AgentLink.run         reports to the placer                        (scheduler_link; --placer)
+    ├── PartAcceptor.run      NodeParts from the rack relay: check, persist, ack, place  (agent.parts)
+    ├── Relay.run             [relay] enabled: members listener + frames connection up   (agent.relay)
+    ├── AgentLink.run         reports to the placer (or through the rack relay)  (scheduler_link; --placer)
     ├── Notifier.watchdog     WATCHDOG=1 at WATCHDOG_USEC/2 from this loop
     ├── status loop           STATUS= one-line summary
     └── prefetch tasks        POST /v1/prefetch
@@ -35,13 +37,25 @@ import trio
 
 from scheduler_link.auth import TokenSet
 from scheduler_link.http import serve
-from scheduler_link.messages import GpuSnapshot, NodeReport, PeerTable, PrefetchRequest, Victim
+from scheduler_link.messages import (
+    GangBlob,
+    GpuSnapshot,
+    NodeOutcome,
+    NodePart,
+    NodeReport,
+    PeerTable,
+    PrefetchRequest,
+    Victim,
+    WorkloadEvent,
+)
 
 from . import procs
 from .api import build_app
+from .blobs import BlobCache, BlobSource
 from .config import AgentConfig
 from .errors import AgentError, ConfigError, UnknownWorkload
 from .metrics import render_agent_metrics
+from .parts import PartAcceptor
 from .sdnotify import Notifier
 from .state import atomic_write
 from .supervisor import Supervisor
@@ -73,15 +87,52 @@ class Agent:
         self._render_gpu_metrics: Any = None
         self._nursery: trio.Nursery | None = None
         self._prefetching: set[str] = set()
+        self.relay: Any = None
+        self.blobs = BlobCache()
         self.supervisor = Supervisor(self.state_dir, node_id=self.node_id, gpu_health=self._gpu_health,
                                      config=config.workloads, fetcher=self._fetch, base_env=env,
-                                     blob_fetcher=self._fetch_blob if config.placer else None)
+                                     blob_fetcher=self._blob_bytes if config.placer else None)
+        self.parts = PartAcceptor(self.state_dir, node_id=self.node_id, supervisor=self.supervisor,
+                                  inventory=self._inventory, blob=self._gang_blob, notify=self._notify,
+                                  allowed_origins=config.allowed_origins,
+                                  blob_timeout_s=config.workloads.blob_timeout_s)
 
     # ------------------------------------------------------------ wiring
 
+    def _blob_sources(self, blob_id: str) -> list[BlobSource]:
+        """Where this node gets a gang blob, in order: as a relay, the relays its bundle named
+        and the placer's frames connection; as a member, its relay; last, the placer over HTTP."""
+        out: list[BlobSource] = []
+        if self.relay is not None:
+            out += self.relay.blob_sources(blob_id)
+        if self.link is not None:
+            out.append(self.link.relay_blob)
+        if self.config.placer:
+            out.append(self._fetch_blob)
+        return out
+
+    async def _gang_blob(self, blob_id: str) -> GangBlob:
+        return (await self.blobs.get(blob_id, self._blob_sources(blob_id)))[1]
+
+    async def _blob_bytes(self, blob_id: str) -> bytes:
+        """The supervisor's peers-file step: the cached blob (verified again there)."""
+        return (await self.blobs.get(blob_id, self._blob_sources(blob_id)))[0]
+
+    def _inventory(self) -> tuple[list[str], Mapping[str, str] | None]:
+        snap = self.gpu_snapshot()
+        return [g.uuid for g in sorted(snap.gpus, key=lambda g: g.index)], self._gpu_health()
+
+    def _notify(self, ev: WorkloadEvent) -> None:
+        if self.link is not None:
+            self.link.notify(ev)
+
+    async def handle_part(self, part: NodePart) -> NodeOutcome:
+        """A NodePart from the rack relay (or, as the relay, this node's own)."""
+        return await self.parts.handle(part)
+
     async def _fetch_blob(self, blob_id: str) -> bytes:
         """A gang's blob from the placer (``GET /v1/gangs/{id}``, cluster token), bounded; the
-        caller checks it against its id. (Relays and peers will serve it too: control plane II.)"""
+        caller checks it against its id."""
         import httpx
 
         assert self.config.placer is not None
@@ -144,6 +195,9 @@ class Agent:
                 self._write_endpoints()
                 if self.config.placer:
                     self._start_link(n)
+                    await n.start(self.parts.run)
+                    if self.config.relay.enabled:
+                        await self._start_relay(n)
                     await n.start(self.link.run)
                 self.ready = True
                 self.notifier.ready(self.summary())
@@ -176,8 +230,18 @@ class Agent:
         except ImportError as e:
             raise ConfigError(f"--placer given but the scheduler link is unavailable: {e}") from None
         self.link = AgentLink(self.config.placer, self.tokens.cluster, self.node_id, self,  # type: ignore[arg-type]
-                              heartbeat_s=self.config.heartbeat_s)
+                              heartbeat_s=self.config.heartbeat_s, on_part=self.handle_part)
         self.supervisor.add_listener(self.link.notify)
+
+    async def _start_relay(self, n: trio.Nursery) -> None:
+        from .relay import Relay
+        t = self.config.topology
+        link = self.link
+        self.relay = Relay(node_id=self.node_id, rack=f"{t.zone}/{t.block}/{t.rack}", tokens=self.tokens,
+                           listen=self.config.relay.listen, advertise=self.config.relay.advertise,
+                           wire_url=lambda: link.wire_url, own_part=self.handle_part, blobs=self.blobs,
+                           placer_blob=self._fetch_blob, heartbeat_s=self.config.heartbeat_s)
+        link.own_relay_url = await n.start(self.relay.run)
 
     async def _signals(self, scope: trio.CancelScope, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as sigs:
@@ -256,6 +320,8 @@ class Agent:
             "data_plane": self.dataplane.statistics() if self.dataplane is not None else None,
             "herd": self.herd.statistics() if self.herd is not None else None,
             "link": self.link.statistics() if self.link is not None else None,
+            "relay": self.relay.statistics() if self.relay is not None else None,
+            "parts": self.parts.statistics(), "blobs": self.blobs.statistics(),
             "gpu_monitor": self.monitor.statistics() if self.monitor is not None else None,
         }
         return msgspec.json.encode(doc)

@@ -44,6 +44,7 @@ from scheduler_link.messages import (
     WorkloadEvent,
     WorkloadStatus,
 )
+from scheduler_link.metrics import LatencyHistogram
 
 from . import environment, procs
 from .errors import AgentError, ConfigError, ShimError, UnknownWorkload
@@ -130,6 +131,10 @@ class Supervisor:
         self.ready = False
         self.counters: Counter[str] = Counter()
         self._start_s: deque[float] = deque(maxlen=1024)
+        # /metrics histograms (cumulative): accepted -> running of every first start, by
+        # whether it fetched an artifact first; and each artifact fetch's own duration
+        self.start_hist = {"false": LatencyHistogram(), "true": LatencyHistogram()}
+        self.fetch_hist = LatencyHistogram()
         self.fetch_bytes: Counter[str] = Counter()
 
     # ------------------------------------------------------------ public API (any task)
@@ -168,6 +173,14 @@ class Supervisor:
             return self._records[workload_id]
         except KeyError:
             raise UnknownWorkload(f"no workload {workload_id!r} on this node") from None
+
+    def records_view(self) -> Mapping[str, WorkloadRecord]:
+        """Every record, read-only (the parts acceptor checks a part against them)."""
+        return self._records
+
+    def known_ack(self, placement_id: str) -> PlacementAck | None:
+        """The ack of a placement already accepted (``place`` answers it again, once durable)."""
+        return self._acks.get(placement_id)
 
     def workload_dir(self, workload_id: str) -> Path:
         return self.wl_dir / self.record(workload_id).workload_id
@@ -341,8 +354,10 @@ class Supervisor:
                   fetch: Mapping[str, int] | None) -> None:
         if new.state == "running":
             self.counters["starts"] += 1
-            if old is not None and old.restarts == new.restarts and not new.manifest_id and not new.wait_for:
-                self._start_s.append(max(0.0, now - new.created_at))  # accepted -> running, no fetch/victims
+            if old is not None and old.restarts == new.restarts:
+                self.start_hist["true" if new.manifest_id else "false"].observe(max(0.0, now - new.created_at))
+                if not new.manifest_id and not new.wait_for:
+                    self._start_s.append(max(0.0, now - new.created_at))  # accepted -> running, no fetch/victims
         if new.state == "preempted":
             self.counters["preemptions"] += 1
         log.info("workload state id=%s job=%s state=%s exit_code=%s reason=%s", new.workload_id, new.job_id,
@@ -561,8 +576,10 @@ class Supervisor:
                     if self._fetcher is None:
                         raise AgentError("this agent has no artifact store to fetch into")
                     # the gang's whole table when we have it (every node then plans the same trees)
+                    t0 = time.monotonic()
                     cwd, fetch = await self._fetcher(rec.manifest_id, rec.origin,
                                                      table if table is not None else list(rec.peers))
+                    self.fetch_hist.observe(time.monotonic() - t0)
                     for k, n in fetch.items():
                         self.fetch_bytes[k] += n
                 for victim in rec.wait_for:

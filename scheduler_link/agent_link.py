@@ -32,6 +32,14 @@ Invariants:
 - ``ReportReply.stop`` (fencing: the placer placed those gangs elsewhere) is handed to
   ``hooks.stop_workloads`` at once, in a task of the link's nursery, so a slow stop
   never delays a heartbeat.
+- Rack relays (DESIGN.md, Fleet scale): when the answer to a full report names
+  ``relay_url`` (and it is not this agent's own members listener), the link opens a
+  frames connection to that relay and uses it as its report channel (closing its own
+  connection to the placer); the relay's ``part`` frames go to ``on_part``. The answer to
+  a later full report that names no relay (or another) moves the link back (or on). A
+  relay that breaks, refuses or does not answer in time is a transport error like any
+  other -- the channel is closed and a full report goes to the placer's framed channel
+  or HTTP -- and the same relay is not tried again for ``relay_retry_s``.
 """
 
 from __future__ import annotations
@@ -50,8 +58,20 @@ import trio
 
 from .auth import auth_header
 from .fanout import PushPool
+from .frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
 from .heartbeat_wire import HeartbeatClient, WireError, WireReply
-from .messages import GpuSnapshot, NodeReport, ReportReply, Victim, WorkloadEvent
+from .messages import (
+    BlobReply,
+    BlobRequest,
+    Frame,
+    GpuSnapshot,
+    NodeOutcome,
+    NodePart,
+    NodeReport,
+    ReportReply,
+    Victim,
+    WorkloadEvent,
+)
 
 log = logging.getLogger("herd.link.agent")
 
@@ -73,6 +93,60 @@ WireConnect = Callable[[str, str, str], Awaitable[ReportChannel]]
 async def direct_wire(wire_url: str, token: str, node_id: str) -> ReportChannel:
     """The default: this node's own framed connection."""
     return await HeartbeatClient.connect(wire_url, token, node_id)
+
+
+# A part delivered by the rack relay -> this node's outcome (the agent's parts acceptor).
+PartHandler = Callable[[NodePart], Awaitable[NodeOutcome]]
+
+
+class RelayChannel:
+    """A member's report channel through its rack relay: a frames connection whose
+    ``report`` calls answer a WireReply, and on which the relay sends ``part`` requests.
+    ``run`` must be running (in the link's nursery) for answers to arrive."""
+
+    def __init__(self, channel: FrameChannel, url: str, on_part: PartHandler | None) -> None:
+        self.channel = channel
+        self.url = url
+        self._on_part = on_part
+        self.parts = 0
+
+    async def run(self) -> None:
+        await self.channel.run(self._frame)
+
+    def _frame(self, ch: FrameChannel, f: Frame) -> Any:
+        if f.type == "part" and self._on_part is not None:
+            return self._part(decode_payload(f, NodePart))
+        if f.type == "ping":
+            return ("ping", {})
+        raise ValueError(f"a member does not take {f.type} frames")
+
+    async def _part(self, part: NodePart) -> tuple[str, NodeOutcome]:
+        assert self._on_part is not None
+        self.parts += 1
+        return "ack", await self._on_part(part)
+
+    async def exchange(self, report: NodeReport) -> WireReply:
+        try:
+            f = await self.channel.call("report", report)
+            return decode_payload(f, WireReply)  # type: ignore[no-any-return]
+        except (FrameError, CallFailed, msgspec.ValidationError) as e:
+            raise WireError(f"relay {self.url}: {e}") from None
+
+    async def blob(self, blob_id: str, timeout_s: float) -> bytes | None:
+        f = await self.channel.call("blob_get", BlobRequest(blob_id=blob_id), timeout_s=timeout_s)
+        r: BlobReply = decode_payload(f, BlobReply)
+        return r.data
+
+    async def aclose(self) -> None:
+        await self.channel.aclose()
+
+
+# (relay_url, token, node_id) -> an open frames connection (not yet running)
+RelayConnect = Callable[[str, str, str], Awaitable[FrameChannel]]
+
+
+async def direct_relay(url: str, token: str, node_id: str) -> FrameChannel:
+    return await open_frames(url, token, node_id)
 
 
 class LinkHooks(Protocol):
@@ -103,7 +177,9 @@ class AgentLink:
                  heartbeat_s: float = 5.0, backoff_min_s: float = 0.05, backoff_max_s: float = 5.0,
                  request_timeout_s: float = 10.0, full_every: int = 60, use_wire: bool = True,
                  wire_url: str | None = None, wire_connect: WireConnect | None = None,
-                 http: httpx.AsyncClient | None = None, http_pool: PushPool | None = None) -> None:
+                 http: httpx.AsyncClient | None = None, http_pool: PushPool | None = None,
+                 on_part: PartHandler | None = None, own_relay_url: str | None = None,
+                 relay_connect: RelayConnect | None = None, relay_retry_s: float | None = None) -> None:
         self.placer_url = placer_url.rstrip("/")
         self.token = token
         self.node_id = node_id
@@ -129,6 +205,16 @@ class AgentLink:
         self._http_pool = http_pool          # or a shared PushPool (not closed here)
         self.wire_reports = 0
         self.wire_full_reports = 0
+        # rack relay (member side)
+        self.on_part = on_part
+        self.own_relay_url = own_relay_url   # this agent's own members listener, when it is a relay
+        self._relay_connect: RelayConnect = relay_connect or direct_relay
+        self.relay_retry_s = relay_retry_s
+        self._relay: RelayChannel | None = None   # the report channel, when it goes through a relay
+        self._relay_failed: dict[str, float] = {}  # relay url -> trio time before which it is not retried
+        self._nursery: trio.Nursery | None = None
+        self.relay_switches = 0
+        self.relay_failures = 0
         # statistics
         self.reports_sent = 0
         self.full_reports_sent = 0
@@ -162,7 +248,26 @@ class AgentLink:
             "last_ok_at": self.last_ok_at, "last_error": self.last_error, "heartbeat_s": self.heartbeat_s,
             "framed_channel": self._wire is not None, "wire_reports": self.wire_reports,
             "wire_full_reports": self.wire_full_reports, "wire_url": self._wire_url,
+            "relay_url": self._relay.url if self._relay is not None else None,
+            "relay_switches": self.relay_switches, "relay_failures": self.relay_failures,
+            "relay_parts": self._relay.parts if self._relay is not None else 0,
         }
+
+    @property
+    def wire_url(self) -> str | None:
+        """The placer's framed channel as this agent dials it (None: not known yet)."""
+        return wire_endpoint(self._wire_url, self.placer_url) if self._wire_url else None
+
+    async def relay_blob(self, blob_id: str) -> bytes | None:
+        """A gang blob from this node's relay (None: no relay, or it has none)."""
+        r = self._relay
+        if r is None:
+            return None
+        try:
+            return await r.blob(blob_id, self.request_timeout_s)
+        except (FrameError, CallFailed, trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.info("relay did not give the gang blob node=%s blob=%s err=%s", self.node_id, blob_id[:16], e)
+            return None
 
     # ------------------------------------------------------------ the loop
 
@@ -186,6 +291,7 @@ class AgentLink:
 
     async def _loop(self, client: httpx.AsyncClient | None, url: str, headers: dict[str, str], nursery: trio.Nursery,
                     task_status: Any) -> None:
+        self._nursery = nursery
         task_status.started()
         backoff = self.backoff_min_s
         next_beat = trio.current_time()
@@ -208,6 +314,11 @@ class AgentLink:
                 continue
             except (httpx.HTTPError, OSError, _PlacerError, msgspec.DecodeError, WireError,
                     trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                if self._relay is not None:  # the relay failed us: the placer directly, for a while
+                    self.relay_failures += 1
+                    self._relay_failed[self._relay.url] = trio.current_time() + self._relay_retry()
+                    log.warning("relay failed, reporting to the placer node=%s relay=%s", self.node_id,
+                                self._relay.url)
                 await self._close_wire()
                 self.failures += 1
                 self.registered = False
@@ -228,6 +339,8 @@ class AgentLink:
                 self._need_full = True
             if reply.wire_url:
                 self._wire_url = reply.wire_url
+            if report.full:
+                await self._follow_relay(reply.relay_url)
             if report.full and reply.wire_url and self.use_wire and self._wire is None:
                 await self._open_wire(reply.wire_url)
             if reply.stop:
@@ -280,6 +393,39 @@ class AgentLink:
         return NodeReport(node_id=self.node_id, boot_id=self.boot_id, seq=self.seq, full=False,
                           snapshot=snap, events=events, sent_at=now)
 
+    def _relay_retry(self) -> float:
+        return self.relay_retry_s if self.relay_retry_s is not None else 3 * self.heartbeat_s
+
+    async def _follow_relay(self, url: str | None) -> None:
+        """After a full report: report through ``url`` (the rack's relay), or directly (None)."""
+        if url is not None and url == self.own_relay_url:
+            url = None
+        cur = self._relay.url if self._relay is not None else None
+        if url == cur:
+            return
+        if url is None:
+            log.info("reporting to the placer directly node=%s (was relay %s)", self.node_id, cur)
+            await self._close_wire()  # the loop reopens the placer's framed channel
+            return
+        if trio.current_time() < self._relay_failed.get(url, -math.inf) or self._nursery is None:
+            return
+        try:
+            with trio.fail_after(self.request_timeout_s):
+                ch = await self._relay_connect(url, self.token or "", self.node_id)
+        except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError) as e:
+            self.relay_failures += 1
+            self._relay_failed[url] = trio.current_time() + self._relay_retry()
+            log.warning("relay unreachable, reporting to the placer node=%s relay=%s err=%s", self.node_id, url, e)
+            return
+        await self._close_wire()
+        r = RelayChannel(ch, url, self.on_part)
+        self._nursery.start_soon(r.run)
+        self._relay = r
+        self._wire = r
+        self.relay_switches += 1
+        self._relay_failed.pop(url, None)
+        log.info("reporting through the rack relay node=%s relay=%s", self.node_id, url)
+
     async def _open_wire(self, wire_url: str) -> None:
         wire_url = wire_endpoint(wire_url, self.placer_url)
         await self._close_wire()
@@ -294,6 +440,7 @@ class AgentLink:
 
     async def _close_wire(self) -> None:
         w, self._wire = self._wire, None
+        self._relay = None
         if w is not None:
             with trio.CancelScope(shield=True):
                 await w.aclose()

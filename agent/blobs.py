@@ -1,0 +1,117 @@
+"""The agent's gang-blob cache: verified blobs by id, a bounded few, one fetch per id at once.
+
+A gang blob (DESIGN.md, Fleet scale) is fetched by every node of a gang once: a relay
+gets it from its bundle, another relay or the placer; a member from its relay, else the
+placer. Whoever fetched it keeps it here, so the supervisor's peers-file step, the parts
+acceptor and the relay's ``blob_get`` answers read the same bytes.
+
+Invariants:
+- only bytes that hash to their id and decode as a canonical blob are kept
+  (:func:`~scheduler_link.messages.decode_gang_blob`); a source that gives anything else
+  is passed over (counted in ``refused``) and the next source asked;
+- at most ``keep`` blobs (the most recently used);
+- one fetch per id at a time: concurrent callers wait for the one in flight, then read
+  the cache (and fetch themselves only if that one failed).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Sequence
+
+import trio
+
+from scheduler_link.messages import GangBlob, decode_gang_blob
+
+log = logging.getLogger("herd.agent.blobs")
+
+# blob_id -> the blob's bytes, or None when this source does not have it. May raise
+# (OSError, a protocol error, an AgentError): the cache then asks the next source.
+BlobSource = Callable[[str], Awaitable[bytes | None]]
+
+
+class BlobUnavailable(Exception):
+    """No source gave a blob that matches its id."""
+
+
+class BlobCache:
+    def __init__(self, keep: int = 8) -> None:
+        self.keep = keep
+        self._blobs: OrderedDict[str, tuple[bytes, GangBlob]] = OrderedDict()
+        self._inflight: dict[str, trio.Event] = {}
+        self.hits = 0
+        self.fetches = 0
+        self.refused = 0
+        self.failures = 0
+
+    def statistics(self) -> dict[str, int]:
+        return {"blobs": len(self._blobs), "hits": self.hits, "fetches": self.fetches, "refused": self.refused,
+                "failures": self.failures}
+
+    def put(self, blob_id: str, raw: bytes) -> GangBlob | None:
+        """Keep ``raw`` if it is the blob ``blob_id`` (else None: refused, not kept)."""
+        have = self._blobs.get(blob_id)
+        if have is not None:
+            self._blobs.move_to_end(blob_id)
+            return have[1]
+        try:
+            blob = decode_gang_blob(raw, blob_id)
+        except Exception as e:  # a wrong id, a corrupt or non-canonical blob
+            self.refused += 1
+            log.warning("gang blob refused blob=%s err=%s", blob_id[:16], e)
+            return None
+        self._blobs[blob_id] = (raw, blob)
+        while len(self._blobs) > self.keep:
+            self._blobs.popitem(last=False)
+        return blob
+
+    def cached(self, blob_id: str) -> tuple[bytes, GangBlob] | None:
+        got = self._blobs.get(blob_id)
+        if got is not None:
+            self._blobs.move_to_end(blob_id)
+        return got
+
+    async def wait_cached(self, blob_id: str) -> tuple[bytes, GangBlob] | None:
+        """What is cached, after the fetch in flight for it (if any) ended; never fetches."""
+        ev = self._inflight.get(blob_id)
+        if ev is not None:
+            await ev.wait()
+        return self.cached(blob_id)
+
+    async def get(self, blob_id: str, sources: Sequence[BlobSource]) -> tuple[bytes, GangBlob]:
+        """The blob (bytes, decoded), from the cache or the first source that has it."""
+        while True:
+            got = self.cached(blob_id)
+            if got is not None:
+                self.hits += 1
+                return got
+            ev = self._inflight.get(blob_id)
+            if ev is None:
+                break
+            await ev.wait()  # then the cache again; if that fetch failed, the first waiter tries itself
+        ev = self._inflight[blob_id] = trio.Event()
+        try:
+            return await self._fetch(blob_id, sources)
+        finally:
+            del self._inflight[blob_id]
+            ev.set()
+
+    async def _fetch(self, blob_id: str, sources: Sequence[BlobSource]) -> tuple[bytes, GangBlob]:
+        self.fetches += 1
+        why = "no source"
+        for src in sources:
+            try:
+                raw = await src(blob_id)
+            except Exception as e:  # one source's failure: the next one
+                why = f"{type(e).__name__}: {e}"
+                log.debug("gang blob source failed blob=%s err=%s", blob_id[:16], why)
+                continue
+            if raw is None:
+                continue
+            blob = self.put(blob_id, raw)
+            if blob is not None:
+                return raw, blob
+            why = "a source gave bytes that do not match the id"
+        self.failures += 1
+        raise BlobUnavailable(f"gang blob {blob_id[:16]} unavailable ({why})")

@@ -1,0 +1,450 @@
+"""Accepting NodeParts: a node's share of a gang, delivered through its rack relay.
+
+Theory of operation
+-------------------
+"Acked" (DESIGN.md, Fleet scale) means this agent checked the part's binding, version,
+expiry, its inventory hash and GPUs, and wrote it durably; the gang blob (argv, env,
+user, peers, ...) comes after. So acceptance is two steps:
+
+1. :func:`check_part` (pure) decides: bound to this node, a version we speak, not expired
+   (the sender's clock), ``inventory`` equal to the hash of our GPU UUIDs in index order
+   (else ``expired``: the placer's view of us is stale; it says nothing about a GPU),
+   slots that exist, then exactly what :func:`agent.placement.check_placement` says of a
+   provisional Placement made of the part's pods (UUIDs from the slots) and victims: GPU
+   health, GPUs free or held by the part's own victims, workload ids new and well formed.
+2. :class:`PartAcceptor` (one owner task) carries it out: an accepted part is written to
+   ``<state>/parts/`` (temp, fsync, rename, fsync dir) *before* the ``accepted`` outcome
+   goes back; its victims are told to stop at once; a task then gets the blob (bounded),
+   builds the full Placement and hands it to the supervisor. A refusal there (a user not
+   allowed, an origin not allowed) or no blob within the bound: each pod is reported
+   ``failed`` through ``notify`` (the placer then fails or requeues the gang as for any
+   failed pod).
+
+Invariants:
+- one placement id, one outcome: a part seen again (over a relay or directly, also after
+  the same placement arrived over HTTP) gets the outcome it got the first time; the
+  supervisor is idempotent by placement id, so nothing is placed twice;
+- an ``accepted`` outcome is on disk first; a restarted agent processes again every
+  accepted part it has not handed over yet;
+- GPUs of accepted parts not yet handed over count as held (two parts never get one GPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import blake3
+import msgspec
+import trio
+
+from p2p.origins.allow import origin_refusal
+from scheduler_link.messages import (
+    WIRE_VERSION,
+    GangBlob,
+    NodeOutcome,
+    NodePart,
+    Placement,
+    PlacementAck,
+    PodAssignment,
+    WorkloadEvent,
+    inventory_hash,
+)
+
+from .placement import Refusal, check_placement
+from .state import WorkloadRecord, atomic_write
+
+log = logging.getLogger("herd.agent.parts")
+
+PART_VERSION = 1
+KEEP_DONE = 512          # handed-over parts remembered on disk (idempotency across restarts)
+KEEP_REFUSED = 2048      # refusals remembered in memory
+
+
+# ---------------------------------------------------------------- deciding (pure)
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What to answer for a part; ``pods`` (GPU UUIDs filled in) when it is accepted now."""
+    outcome: NodeOutcome
+    pods: tuple[PodAssignment, ...] = ()
+    fresh: bool = False
+
+
+def _no(part: NodePart, node_id: str, r: Refusal) -> Verdict:
+    return Verdict(NodeOutcome(node_id=node_id, placement_id=part.placement_id, outcome=r.outcome,
+                               refused_gpus=list(r.gpus), detail=r.detail))
+
+
+def check_part(part: NodePart, *, node_id: str, now: float, inventory: Sequence[str],
+               gpu_health: Mapping[str, str] | None, records: Mapping[str, WorkloadRecord],
+               known: NodeOutcome | None = None) -> Verdict:
+    """Decide on ``part`` (see the module docstring). ``inventory``: this node's GPU UUIDs
+    in index order; ``records``: every live workload, those of accepted parts included;
+    ``known``: the outcome this placement id already got (answered again)."""
+    if part.node_id != node_id:
+        return _no(part, node_id, Refusal("refused_spec", f"part is bound to node {part.node_id!r}, not {node_id!r}"))
+    if known is not None:
+        return Verdict(known)
+    if part.version != WIRE_VERSION:
+        return _no(part, node_id, Refusal("refused_spec", f"unsupported part version {part.version} "
+                                                          f"(this agent speaks {WIRE_VERSION})"))
+    if part.expires_at and now > part.expires_at:
+        return _no(part, node_id, Refusal("expired", f"part expired {now - part.expires_at:.3f}s ago"))
+    if part.pods and not part.blob_id:
+        return _no(part, node_id, Refusal("refused_spec", "a part that starts pods needs a gang blob"))
+    pods: list[PodAssignment] = []
+    if part.inventory:
+        if inventory_hash(list(inventory)) != part.inventory:
+            return _no(part, node_id, Refusal("expired", "inventory changed"))
+        for pod in part.pods:
+            if any(s < 0 or s >= len(inventory) for s in pod.gpu_indices):
+                return _no(part, node_id, Refusal("refused_spec", f"workload {pod.workload_id} names a GPU slot "
+                                                                  f"this node does not have"))
+            pods.append(PodAssignment(workload_id=pod.workload_id, rank=pod.rank,
+                                      gpus=[inventory[s] for s in pod.gpu_indices],
+                                      gpu_indices=list(pod.gpu_indices)))
+    else:
+        pods = list(part.pods)  # GPUs named by UUID (checked below like any placement's)
+    provisional = Placement(placement_id=part.placement_id, job_id=part.job_id, pods=pods,
+                            victims=list(part.victims), argv=["(from the gang blob)"] if pods else [])
+    why = check_placement(provisional, records, gpu_health)
+    if why is not None:
+        return _no(part, node_id, why)
+    return Verdict(NodeOutcome(node_id=node_id, placement_id=part.placement_id, outcome="accepted"),
+                   pods=tuple(pods), fresh=True)
+
+
+def build_placement(part: NodePart, pods: Sequence[PodAssignment], blob: GangBlob) -> Placement:
+    """The full Placement a part and its gang's blob make (what a direct push carries)."""
+    return Placement(placement_id=part.placement_id, job_id=part.job_id, pods=list(pods),
+                     victims=list(part.victims), world_size=blob.world_size, argv=list(blob.argv),
+                     env=dict(blob.env), manifest_id=blob.manifest_id, origin=blob.origin,
+                     peers=[*part.rack_members, *part.contacts], grace_s=blob.grace_s, restart=blob.restart,
+                     issued_at=part.issued_at, user=blob.user, gang_blob_id=part.blob_id,
+                     gang_nodes=part.gang_nodes or len(blob.peers), limits=blob.limits)
+
+
+def blob_problem(part: NodePart, blob: GangBlob, allowed_origins: tuple[str, ...] | None) -> str | None:
+    """Why a verified blob cannot serve this part (None: it can)."""
+    if blob.job_id != part.job_id or blob.attempt != part.attempt:
+        return f"gang blob is for {blob.job_id} attempt {blob.attempt}, not {part.job_id} attempt {part.attempt}"
+    if blob.origin is not None and (why := origin_refusal(blob.origin, allowed_origins)):
+        return why
+    return None
+
+
+# ---------------------------------------------------------------- durable records
+
+PartState = Literal["accepted", "placed", "failed"]
+
+
+class PartRecord(msgspec.Struct, frozen=True, kw_only=True):
+    version: int = PART_VERSION
+    part: NodePart
+    pods: list[PodAssignment] = []       # with UUIDs
+    state: PartState = "accepted"
+    accepted_at: float = 0.0
+    detail: str | None = None
+
+
+_rec_dec = msgspec.msgpack.Decoder(PartRecord)
+_rec_enc = msgspec.msgpack.Encoder()
+
+
+class PartStore:
+    """One small file per accepted part under ``<state>/parts`` (named by a hash of the
+    placement id, so any id is a safe file name)."""
+
+    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+        self.dir = Path(state_dir) / "parts"
+        self.writes = 0
+
+    def _path(self, placement_id: str) -> Path:
+        return self.dir / (blake3.blake3(placement_id.encode()).hexdigest(length=16) + ".part")
+
+    def load(self) -> list[PartRecord]:
+        out: list[PartRecord] = []
+        if not self.dir.is_dir():
+            return out
+        for p in self.dir.glob("*.part"):
+            try:
+                r = _rec_dec.decode(p.read_bytes())
+                if r.version != PART_VERSION:
+                    raise msgspec.ValidationError(f"part record version {r.version}")
+                out.append(r)
+            except (OSError, msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.error("part record unreadable, ignored path=%s err=%s", p, e)
+        out.sort(key=lambda r: r.accepted_at)
+        return out
+
+    def save(self, recs: Sequence[PartRecord]) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for r in recs:
+            atomic_write(self._path(r.part.placement_id), _rec_enc.encode(r))
+            self.writes += 1
+
+    def remove(self, placement_ids: Sequence[str]) -> None:
+        for pid in placement_ids:
+            self._path(pid).unlink(missing_ok=True)
+
+
+# ---------------------------------------------------------------- carrying it out (trio)
+
+class PartSupervisor(Protocol):
+    async def place(self, placement: Placement, *, direct: bool = False) -> PlacementAck: ...
+
+    async def stop(self, workload_id: str, *, reason: str = ..., grace_s: float | None = ...) -> Any: ...
+
+    def records_view(self) -> Mapping[str, WorkloadRecord]: ...
+
+    def known_ack(self, placement_id: str) -> PlacementAck | None: ...
+
+
+# blob_id -> the verified blob (raises when it cannot be had)
+GangBlobGetter = Callable[[str], Awaitable[GangBlob]]
+# () -> (GPU UUIDs in index order, uuid -> health or None when not discovered yet)
+Inventory = Callable[[], tuple[list[str], Mapping[str, str] | None]]
+
+
+@dataclass(frozen=True, slots=True)
+class _Accept:
+    part: NodePart
+    reply: trio.MemorySendChannel[NodeOutcome]
+
+
+@dataclass(frozen=True, slots=True)
+class _Done:
+    placement_id: str
+    state: PartState
+    detail: str | None = None
+
+
+@dataclass
+class _Counters:
+    accepted: int = 0
+    refused: int = 0
+    repeated: int = 0
+    placed: int = 0
+    failed: int = 0
+    by_outcome: dict[str, int] = field(default_factory=dict)
+
+
+class PartAcceptor:
+    """The agent's part handler: ``await acceptor.handle(part) -> NodeOutcome``."""
+
+    def __init__(self, state_dir: str | os.PathLike[str], *, node_id: str, supervisor: PartSupervisor,
+                 inventory: Inventory, blob: GangBlobGetter, notify: Callable[[WorkloadEvent], None],
+                 allowed_origins: tuple[str, ...] | None = None, blob_timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.node_id = node_id
+        self.supervisor = supervisor
+        self._inventory = inventory
+        self._blob = blob
+        self._notify = notify
+        self.allowed_origins = allowed_origins
+        self.blob_timeout_s = blob_timeout_s
+        self._clock = clock
+        self._store = PartStore(state_dir)
+        self._send, self._recv = trio.open_memory_channel[_Accept | _Done](math.inf)
+        self._recs: dict[str, PartRecord] = {}            # accepted parts (pending and done), by placement id
+        self._refused: OrderedDict[str, NodeOutcome] = OrderedDict()
+        self._nursery: trio.Nursery | None = None
+        self.counters = _Counters()
+
+    def statistics(self) -> dict[str, Any]:
+        c = self.counters
+        return {"accepted": c.accepted, "refused": c.refused, "repeated": c.repeated, "placed": c.placed,
+                "failed": c.failed, "pending": sum(r.state == "accepted" for r in self._recs.values()),
+                "writes": self._store.writes}
+
+    async def handle(self, part: NodePart) -> NodeOutcome:
+        """Decide on a part and answer once the answer holds (an acceptance is on disk)."""
+        send, recv = trio.open_memory_channel[NodeOutcome](1)
+        await self._send.send(_Accept(part, send))
+        return await recv.receive()
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        recs = await trio.to_thread.run_sync(self._store.load)
+        self._recs = {r.part.placement_id: r for r in recs}
+        async with trio.open_nursery() as n:
+            self._nursery = n
+            for r in recs:
+                if r.state == "accepted":
+                    log.info("accepted part processed again placement=%s", r.part.placement_id)
+                    n.start_soon(self._hand_over, r)
+            task_status.started()
+            async for msg in self._recv:
+                batch = [msg]
+                while True:
+                    try:
+                        batch.append(self._recv.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                await self._apply(batch)
+
+    # ------------------------------------------------------------ the owner
+
+    def _held(self) -> dict[str, WorkloadRecord]:
+        """Supervisor records plus the pods of accepted parts not handed over yet."""
+        records = dict(self.supervisor.records_view())
+        for r in self._recs.values():
+            if r.state != "accepted":
+                continue
+            for pod in r.pods:
+                records.setdefault(pod.workload_id, WorkloadRecord(
+                    workload_id=pod.workload_id, job_id=r.part.job_id, placement_id=r.part.placement_id,
+                    gpus=list(pod.gpus), state="accepted"))
+        return records
+
+    def _known(self, pid: str) -> NodeOutcome | None:
+        if pid in self._recs:
+            return NodeOutcome(node_id=self.node_id, placement_id=pid, outcome="accepted")
+        return self._refused.get(pid)
+
+    async def _apply(self, batch: list[_Accept | _Done]) -> None:
+        now = self._clock()
+        fresh: list[tuple[PartRecord, _Accept]] = []
+        done: list[PartRecord] = []
+        answers: list[tuple[_Accept, NodeOutcome]] = []
+        records: dict[str, WorkloadRecord] | None = None
+        uuids, health = self._inventory()
+        for msg in batch:
+            if isinstance(msg, _Done):
+                r = self._recs.get(msg.placement_id)
+                if r is not None:
+                    r = msgspec.structs.replace(r, state=msg.state, detail=msg.detail)
+                    self._recs[msg.placement_id] = r
+                    done.append(r)
+                continue
+            part = msg.part
+            pid = part.placement_id
+            if part.node_id == self.node_id and self.supervisor.known_ack(pid) is not None \
+                    and pid not in self._recs:
+                # the same placement came first over HTTP: the supervisor's answer, once durable
+                assert self._nursery is not None
+                self._nursery.start_soon(self._answer_from_supervisor, msg)
+                continue
+            if not part.pods and part.node_id == self.node_id and self._known(pid) is None:
+                assert self._nursery is not None
+                self._nursery.start_soon(self._victims_only, msg)
+                continue
+            if records is None:
+                records = self._held()
+            v = check_part(part, node_id=self.node_id, now=now, inventory=uuids, gpu_health=health,
+                           records=records, known=self._known(pid))
+            if v.fresh:
+                rec = PartRecord(part=part, pods=list(v.pods), accepted_at=now)
+                self._recs[pid] = rec
+                for pod in v.pods:  # held from now on, for the rest of this batch too
+                    records[pod.workload_id] = WorkloadRecord(workload_id=pod.workload_id, job_id=part.job_id,
+                                                              placement_id=pid, gpus=list(pod.gpus))
+                fresh.append((rec, msg))
+                self.counters.accepted += 1
+            else:
+                if v.outcome.outcome == "accepted":
+                    self.counters.repeated += 1
+                elif part.node_id == self.node_id:
+                    self.counters.refused += 1
+                    self._refused[pid] = v.outcome
+                    while len(self._refused) > KEEP_REFUSED:
+                        self._refused.popitem(last=False)
+                    log.warning("part refused placement=%s outcome=%s detail=%s", pid, v.outcome.outcome,
+                                v.outcome.detail)
+                answers.append((msg, v.outcome))
+        for a, out in answers:
+            a.reply.send_nowait(out)
+        writes = [r for r, _ in fresh] + done
+        if writes:
+            try:
+                await trio.to_thread.run_sync(self._store.save, writes)
+            except OSError as e:
+                # not durable: an acceptance must not be answered; the placer will push directly
+                log.error("part records not written err=%s", e)
+                for r, a in fresh:
+                    del self._recs[r.part.placement_id]
+                    a.reply.send_nowait(NodeOutcome(node_id=self.node_id, placement_id=r.part.placement_id,
+                                                    outcome="unreachable", detail=f"state write failed: {e}"))
+                return
+        assert self._nursery is not None
+        for r, a in fresh:
+            a.reply.send_nowait(NodeOutcome(node_id=self.node_id, placement_id=r.part.placement_id,
+                                            outcome="accepted"))
+            self._nursery.start_soon(self._hand_over, r)
+        if done:
+            self._prune()
+
+    def _prune(self) -> None:
+        finished = [r for r in self._recs.values() if r.state != "accepted"]
+        excess = len(finished) - KEEP_DONE
+        if excess > 0:
+            gone = [r.part.placement_id for r in finished[:excess]]  # insertion order: oldest first
+            for pid in gone:
+                del self._recs[pid]
+            assert self._nursery is not None
+            self._nursery.start_soon(trio.to_thread.run_sync, self._store.remove, gone)
+
+    async def _answer_from_supervisor(self, msg: _Accept) -> None:
+        p = msg.part
+        ack = await self.supervisor.place(Placement(placement_id=p.placement_id, job_id=p.job_id))
+        self.counters.repeated += 1
+        msg.reply.send_nowait(_outcome_of(ack, self.node_id))
+
+    async def _victims_only(self, msg: _Accept) -> None:
+        p = msg.part
+        if p.expires_at and self._clock() > p.expires_at:
+            out = NodeOutcome(node_id=self.node_id, placement_id=p.placement_id, outcome="expired",
+                              detail="part expired")
+        else:
+            ack = await self.supervisor.place(Placement(placement_id=p.placement_id, job_id=p.job_id,
+                                                        victims=list(p.victims)))
+            out = _outcome_of(ack, self.node_id)
+        msg.reply.send_nowait(out)
+
+    # ------------------------------------------------------------ after the ack
+
+    async def _hand_over(self, r: PartRecord) -> None:
+        part = r.part
+        for v in part.victims:  # victims go now, not after the blob: the stops and the parts go out together
+            try:
+                await self.supervisor.stop(v.workload_id, reason=v.reason, grace_s=v.grace_s)
+            except Exception as e:  # already gone (UnknownWorkload): nothing to stop
+                log.debug("victim not stopped workload=%s err=%s", v.workload_id, e)
+        why: str | None = None
+        blob: GangBlob | None = None
+        with trio.move_on_after(self.blob_timeout_s) as cs:
+            try:
+                blob = await self._blob(part.blob_id)
+            except Exception as e:
+                why = f"gang blob unavailable: {e}"
+        if cs.cancelled_caught:
+            why = f"gang blob not had within {self.blob_timeout_s:g}s"
+        if blob is not None:
+            why = blob_problem(part, blob, self.allowed_origins)
+        if why is None and blob is not None:
+            ack = await self.supervisor.place(build_placement(part, r.pods, blob))
+            if not ack.accepted:
+                why = ack.reason or f"refused ({ack.effective_outcome()})"
+        if why is None:
+            self.counters.placed += 1
+            await self._send.send(_Done(part.placement_id, "placed"))
+            return
+        self.counters.failed += 1
+        log.warning("accepted part failed placement=%s job=%s reason=%s", part.placement_id, part.job_id, why)
+        now = self._clock()
+        for pod in r.pods:
+            self._notify(WorkloadEvent(workload_id=pod.workload_id, job_id=part.job_id, state="failed", at=now,
+                                       reason=why, gpus=list(pod.gpus), placement_id=part.placement_id))
+        await self._send.send(_Done(part.placement_id, "failed", why))
+
+
+def _outcome_of(ack: PlacementAck, node_id: str) -> NodeOutcome:
+    return NodeOutcome(node_id=node_id, placement_id=ack.placement_id, outcome=ack.effective_outcome(),
+                       refused_gpus=list(ack.refused_gpus), detail=ack.reason)

@@ -1,0 +1,439 @@
+"""The agent as its rack's relay: one framed connection up, its members' connections down.
+
+Theory of operation
+-------------------
+An agent with ``[relay] enabled`` serves a *members listener* (a
+:class:`~scheduler_link.heartbeat_wire.HeartbeatServer` taking frames connections only)
+and keeps one frames connection to the placer's framed channel, saying in its hello which
+rack it may relay for and where its members reach it. The placer decides whether it is
+the rack's active relay (and tells the members, ``ReportReply.relay_url``); this side
+serves whatever comes:
+
+- ``bundle`` from the placer: the blob is kept (other relays and members ``blob_get`` it
+  here); each part goes to its node, this node's own through the same acceptor a member
+  uses, a member's as a ``part`` call on its connection, all at once; the outcomes that
+  came back by ``min(deliver_by, now + 0.4 s)`` are the ``acks``. A member not reached is
+  left out: the placer pushes it directly (placements are idempotent by id).
+- ``report`` from a member: an *empty* heartbeat (not full, no events, no snapshot, no
+  manifests) is answered at once and kept as the member's pending entry (the latest only);
+  one ``beat`` frame per heartbeat interval carries every pending entry up. Any other
+  report goes up as a ``report`` frame and its answer comes back -- after a one-entry beat
+  for that member if it had a pending entry, so the placer sees each node's sequence in
+  order (frames on one connection are applied in order). What a ``beat_reply`` says of a
+  member (``need_full``, fencing ``stop``) rides on the next answer to that member.
+- ``blob_get`` from a member: from the cache, fetched first if needed (the bundle's
+  ``blob_sources`` in order, then the placer). From another relay: from the cache, or once
+  the fetch in flight here ended -- never a new fetch, so relays asking each other cannot
+  wait on one another in a cycle.
+
+Without a connection up, members' reports are answered 503: their links fall back to the
+placer directly (a relay that cannot reach the placer must not keep its rack looking alive).
+
+:class:`BeatBook` holds the aggregation (pure methods, no I/O); :class:`Relay` is the trio
+code around it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+import trio
+
+from scheduler_link.auth import TokenSet
+from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
+from scheduler_link.heartbeat_wire import HeartbeatServer, Hello, WireError, WireReply
+from scheduler_link.messages import (
+    AckBundle,
+    BlobReply,
+    BlobRequest,
+    Frame,
+    NodeOutcome,
+    NodePart,
+    NodeReport,
+    RackBeat,
+    RackBeatReply,
+    RackBundle,
+    RelayHello,
+    ReportReply,
+    Victim,
+)
+
+from .blobs import BlobCache, BlobSource
+
+log = logging.getLogger("herd.agent.relay")
+
+PartHandler = Callable[[NodePart], Awaitable[NodeOutcome]]
+ACK_WINDOW_S = 0.4           # a bundle's acks go back at most this long after it came
+KEEP_SOURCES = 16            # blob ids whose sources (from bundles) are remembered
+
+
+def is_empty(rep: NodeReport) -> bool:
+    """A heartbeat that says only "alive": it may wait for the rack's next beat."""
+    return not rep.full and not rep.events and rep.snapshot is None and rep.manifests is None
+
+
+class BeatBook:
+    """Members' pending empty heartbeats and what the placer said of them (no I/O)."""
+
+    def __init__(self, rack: str, heartbeat_s: float) -> None:
+        self.rack = rack
+        self.heartbeat_s = heartbeat_s
+        self._pending: dict[str, tuple[str, int]] = {}   # node -> (boot, seq), the latest empty one
+        self._need_full: set[str] = set()
+        self._stops: dict[str, list[Victim]] = {}
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def empty(self, rep: NodeReport) -> ReportReply:
+        """Keep an empty heartbeat as the member's pending entry; the answer to give it now."""
+        self._pending[rep.node_id] = (rep.boot_id, rep.seq)
+        need = rep.node_id in self._need_full
+        stop = self._stops.pop(rep.node_id, [])
+        return ReportReply(ok=True, need_full=need, stop=stop, heartbeat_interval_s=self.heartbeat_s)
+
+    def take_one(self, node_id: str, now: float) -> RackBeat | None:
+        """The member's pending entry as a one-entry beat (to go before its content report)."""
+        e = self._pending.pop(node_id, None)
+        if e is None:
+            return None
+        return RackBeat(rack=self.rack, node_ids=[node_id], boot_ids=[e[0]], seqs=[e[1]], sent_at=now)
+
+    def take_all(self, now: float) -> RackBeat | None:
+        if not self._pending:
+            return None
+        p, self._pending = self._pending, {}
+        return RackBeat(rack=self.rack, node_ids=list(p), boot_ids=[b for b, _ in p.values()],
+                        seqs=[s for _, s in p.values()], sent_at=now)
+
+    def forwarded(self, rep: NodeReport) -> None:
+        """A content report goes up: a full one answers any need_full."""
+        if rep.full:
+            self._need_full.discard(rep.node_id)
+
+    def answer(self, node_id: str, reply: ReportReply) -> ReportReply:
+        """The placer's answer to a member's content report, plus stops a beat_reply left for it."""
+        if reply.heartbeat_interval_s:
+            self.heartbeat_s = reply.heartbeat_interval_s
+        stop = self._stops.pop(node_id, None)
+        if not stop:
+            return reply
+        return msgspec.structs.replace(reply, stop=[*reply.stop, *stop])
+
+    def apply(self, r: RackBeatReply) -> None:
+        if r.heartbeat_interval_s:
+            self.heartbeat_s = r.heartbeat_interval_s
+        self._need_full.update(r.need_full)
+        for s in r.stop:
+            self._stops.setdefault(s.node_id, []).extend(s.stop)
+
+    def forget(self, node_id: str) -> None:
+        self._pending.pop(node_id, None)
+
+
+def _frames_only(node_id: str, report: NodeReport) -> tuple[int, ReportReply]:
+    return 400, ReportReply(ok=False, error="a relay's members listener takes frames connections only")
+
+
+class Relay:
+    """This agent's relay role (see the module docstring). ``await n.start(relay.run)``
+    returns the members listener's URL (tcp://host:port)."""
+
+    def __init__(self, *, node_id: str, rack: str, tokens: TokenSet, listen: str, wire_url: Callable[[], str | None],
+                 own_part: PartHandler, blobs: BlobCache, placer_blob: BlobSource | None = None,
+                 advertise: str | None = None, heartbeat_s: float = 5.0, backoff_min_s: float = 0.05,
+                 backoff_max_s: float = 2.0, request_timeout_s: float = 10.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.node_id = node_id
+        self.rack = rack
+        self.tokens = tokens
+        self.token = tokens.cluster or ""
+        self.listen = listen
+        self.advertise = advertise
+        self._wire_url = wire_url
+        self._own_part = own_part
+        self.blobs = blobs
+        self._placer_blob = placer_blob
+        self.backoff_min_s = backoff_min_s
+        self.backoff_max_s = backoff_max_s
+        self.request_timeout_s = request_timeout_s
+        self._clock = clock
+        self.book = BeatBook(rack, heartbeat_s)
+        self.server = HeartbeatServer(tokens, _frames_only, frames=self)
+        self.listen_url = ""
+        self._members: dict[str, FrameChannel] = {}
+        self._up: FrameChannel | None = None
+        self._sources: OrderedDict[str, list[str]] = OrderedDict()
+        self._nursery: trio.Nursery | None = None
+        # statistics
+        self.connects = 0
+        self.bundles = 0
+        self.parts_delivered = 0
+        self.parts_missed = 0
+        self.beats = 0
+        self.beat_entries = 0
+        self.reports_forwarded = 0
+        self.empty_answered = 0
+        self.blob_serves = 0
+
+    def statistics(self) -> dict[str, Any]:
+        return {"listen_url": self.listen_url, "rack": self.rack, "upstream": self._up is not None,
+                "members": len(self._members), "connects": self.connects, "bundles": self.bundles,
+                "parts_delivered": self.parts_delivered, "parts_missed": self.parts_missed, "beats": self.beats,
+                "beat_entries": self.beat_entries, "reports_forwarded": self.reports_forwarded,
+                "empty_answered": self.empty_answered, "blob_serves": self.blob_serves,
+                "pending_beats": self.book.pending, "blobs": self.blobs.statistics()}
+
+    def blob_sources(self, blob_id: str) -> list[BlobSource]:
+        """Where this relay gets a blob: the relays a bundle named, in order, then the placer
+        over the upstream connection (the daemon adds the placer's HTTP route after)."""
+        out: list[BlobSource] = [self._peer_source(u) for u in self._sources.get(blob_id, [])
+                                 if u != self.listen_url]
+        out.append(self._upstream_blob)
+        return out
+
+    # ------------------------------------------------------------ running
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as n:
+            self._nursery = n
+            url = await n.start(self.server.run, self.listen)
+            self.listen_url = _advertised(url, self.advertise)
+            log.info("relay members listener url=%s rack=%s", self.listen_url, self.rack)
+            task_status.started(self.listen_url)
+            await self._upstream_loop()
+
+    async def _upstream_loop(self) -> None:
+        backoff = self.backoff_min_s
+        while True:
+            url = self._wire_url()
+            if not url:
+                await trio.sleep(backoff)
+                backoff = min(self.backoff_max_s, backoff * 2)
+                continue
+            try:
+                ch = await open_frames(url, self.token, self.node_id, timeout_s=self.request_timeout_s,
+                                       relay=RelayHello(racks=[self.rack], listen_url=self.listen_url))
+            except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError) as e:
+                log.debug("relay upstream connect failed url=%s err=%s", url, e)
+                await trio.sleep(backoff * 2)
+                backoff = min(self.backoff_max_s, backoff * 2)
+                continue
+            backoff = self.backoff_min_s
+            self.connects += 1
+            log.info("relay connected to the placer url=%s rack=%s", url, self.rack)
+            self._up = ch
+            try:
+                async with trio.open_nursery() as n:
+                    n.start_soon(self._beats, ch)
+                    await ch.run(self._upstream_frame)
+                    n.cancel_scope.cancel()
+            finally:
+                if self._up is ch:
+                    self._up = None
+            log.warning("relay lost its placer connection rack=%s", self.rack)
+            await trio.sleep(backoff)
+
+    async def _beats(self, ch: FrameChannel) -> None:
+        while not ch.closed.is_set():
+            await trio.sleep(self.book.heartbeat_s)
+            b = self.book.take_all(self._clock())
+            if b is not None:
+                await self._send_beat(ch, b)
+
+    async def _send_beat(self, ch: FrameChannel, b: RackBeat) -> None:
+        self.beats += 1
+        self.beat_entries += len(b.node_ids)
+        try:
+            f = await ch.call("beat", b, timeout_s=self.request_timeout_s)
+            self.book.apply(decode_payload(f, RackBeatReply))
+        except (FrameError, CallFailed, trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.warning("rack beat failed rack=%s entries=%d err=%s", self.rack, len(b.node_ids), e)
+
+    # ------------------------------------------------------------ frames from the placer
+
+    def _upstream_frame(self, ch: FrameChannel, f: Frame) -> Any:
+        if f.type == "bundle":
+            return self._bundle(decode_payload(f, RackBundle))
+        if f.type == "part":
+            return self._own(decode_payload(f, NodePart))
+        if f.type == "ping":
+            return ("ping", {})
+        raise ValueError(f"a relay does not take {f.type} frames from the placer")
+
+    async def _own(self, part: NodePart) -> tuple[str, NodeOutcome]:
+        return "ack", await self._own_part(part)
+
+    async def _bundle(self, b: RackBundle) -> tuple[str, AckBundle]:
+        self.bundles += 1
+        if b.blob_id:
+            self._sources[b.blob_id] = list(b.blob_sources)
+            self._sources.move_to_end(b.blob_id)
+            while len(self._sources) > KEEP_SOURCES:
+                self._sources.popitem(last=False)
+            if b.blob is not None:
+                self.blobs.put(b.blob_id, b.blob)
+            elif self.blobs.cached(b.blob_id) is None and self._nursery is not None:
+                self._nursery.start_soon(self._prefetch, b.blob_id)  # members will ask for it soon
+        now_wall, now = self._clock(), trio.current_time()
+        until = now + ACK_WINDOW_S
+        if b.deliver_by:
+            until = min(until, now + max(0.0, b.deliver_by - now_wall))
+        outcomes: list[NodeOutcome] = []
+        with trio.move_on_at(until):
+            async with trio.open_nursery() as n:
+                for part in b.parts:
+                    n.start_soon(self._deliver, part, outcomes)
+        self.parts_delivered += len(outcomes)
+        self.parts_missed += len(b.parts) - len(outcomes)
+        return "acks", AckBundle(rack=b.rack, blob_id=b.blob_id, outcomes=outcomes)
+
+    async def _deliver(self, part: NodePart, outcomes: list[NodeOutcome]) -> None:
+        if part.node_id == self.node_id:
+            outcomes.append(await self._own_part(part))
+            return
+        ch = self._members.get(part.node_id)
+        if ch is None:
+            return  # not one of ours (yet): the placer reaches it directly
+        try:
+            f = await ch.call("part", part)
+            out = decode_payload(f, NodeOutcome)
+        except (FrameError, CallFailed, msgspec.DecodeError, msgspec.ValidationError) as e:
+            log.info("part not delivered node=%s placement=%s err=%s", part.node_id, part.placement_id, e)
+            return
+        if out.node_id == part.node_id and out.placement_id == part.placement_id:
+            outcomes.append(out)
+
+    async def _prefetch(self, blob_id: str) -> None:
+        try:
+            await self.blobs.get(blob_id, self._all_sources(blob_id))
+        except Exception as e:
+            log.warning("relay could not prefetch gang blob blob=%s err=%s", blob_id[:16], e)
+
+    def _all_sources(self, blob_id: str) -> list[BlobSource]:
+        out = self.blob_sources(blob_id)
+        if self._placer_blob is not None:
+            out.append(self._placer_blob)
+        return out
+
+    async def _upstream_blob(self, blob_id: str) -> bytes | None:
+        ch = self._up
+        if ch is None:
+            return None
+        f = await ch.call("blob_get", BlobRequest(blob_id=blob_id), timeout_s=self.request_timeout_s)
+        return _blob_data(decode_payload(f, BlobReply))
+
+    def _peer_source(self, url: str) -> BlobSource:
+        async def fetch(blob_id: str) -> bytes | None:
+            return await fetch_blob_from(url, self.token, self.node_id, blob_id, racks=[self.rack],
+                                         timeout_s=self.request_timeout_s)
+        return fetch
+
+    # ------------------------------------------------------------ the members listener (FramesHost)
+
+    def opened(self, hello: Hello, channel: FrameChannel) -> Any:
+        if hello.racks:  # another relay, come for a blob
+            return self._peer_frame
+        old = self._members.get(hello.node_id)
+        self._members[hello.node_id] = channel
+        if old is not None and old is not channel and self._nursery is not None:
+            self._nursery.start_soon(old.aclose)
+        return self._member_frame
+
+    def closed(self, channel: FrameChannel) -> None:
+        if self._members.get(channel.name) is channel:
+            del self._members[channel.name]
+            self.book.forget(channel.name)
+
+    def _member_frame(self, ch: FrameChannel, f: Frame) -> Any:
+        if f.type == "report":
+            return self._member_report(ch, decode_payload(f, NodeReport))
+        if f.type == "blob_get":
+            return self._serve_blob(decode_payload(f, BlobRequest), fetch=True)
+        if f.type == "ping":
+            return ("ping", {})
+        raise ValueError(f"a relay does not take {f.type} frames from a member")
+
+    def _peer_frame(self, ch: FrameChannel, f: Frame) -> Any:
+        if f.type == "blob_get":
+            return self._serve_blob(decode_payload(f, BlobRequest), fetch=False)
+        raise ValueError(f"a relay takes only blob_get frames from another relay, not {f.type}")
+
+    async def _member_report(self, ch: FrameChannel, rep: NodeReport) -> tuple[str, WireReply]:
+        if rep.node_id != ch.name:
+            return "reply", WireReply(status=403, error=f"this connection reports for {ch.name}, not {rep.node_id}")
+        up = self._up
+        if up is None:
+            return "reply", WireReply(status=503, error="the relay has no connection to the placer")
+        if is_empty(rep):
+            self.empty_answered += 1
+            return "reply", WireReply(status=200, reply=self.book.empty(rep))
+        one = self.book.take_one(rep.node_id, self._clock())
+        if one is not None:
+            await self._send_beat(up, one)
+        self.book.forwarded(rep)
+        self.reports_forwarded += 1
+        try:
+            f = await up.call("report", rep, timeout_s=self.request_timeout_s)
+            wr = decode_payload(f, WireReply)
+        except (FrameError, CallFailed, trio.TooSlowError) as e:
+            return "reply", WireReply(status=503, error=f"the relay could not forward the report: {e}")
+        if wr.status == 200:
+            wr = msgspec.structs.replace(wr, reply=self.book.answer(rep.node_id, wr.reply))
+        return "reply", wr
+
+    async def _serve_blob(self, req: BlobRequest, *, fetch: bool) -> tuple[str, BlobReply]:
+        got: tuple[bytes, Any] | None = None
+        with trio.move_on_after(self.request_timeout_s):
+            if fetch:
+                try:
+                    got = await self.blobs.get(req.blob_id, self._all_sources(req.blob_id))
+                except Exception as e:
+                    return "blob", BlobReply(blob_id=req.blob_id, error=str(e))
+            else:
+                got = await self.blobs.wait_cached(req.blob_id)
+        if got is None:
+            return "blob", BlobReply(blob_id=req.blob_id, error="not here")
+        self.blob_serves += 1
+        return "blob", BlobReply(blob_id=req.blob_id, data=got[0])
+
+
+def _blob_data(r: BlobReply) -> bytes | None:
+    if r.data is None:
+        if r.error:
+            log.debug("blob_get answered blob=%s err=%s", r.blob_id[:16], r.error)
+        return None
+    return r.data
+
+
+async def fetch_blob_from(url: str, token: str, node_id: str, blob_id: str, *, racks: list[str] | None = None,
+                          timeout_s: float = 10.0) -> bytes | None:
+    """One ``blob_get`` on a fresh frames connection to ``url`` (a relay's members listener)."""
+    ch = await open_frames(url, token, node_id, relay=RelayHello(racks=list(racks or [])), timeout_s=timeout_s)
+    try:
+        async with trio.open_nursery() as n:
+            n.start_soon(ch.run, _no_requests)
+            try:
+                f = await ch.call("blob_get", BlobRequest(blob_id=blob_id), timeout_s=timeout_s)
+            finally:
+                n.cancel_scope.cancel()
+    finally:
+        await ch.aclose()
+    return _blob_data(decode_payload(f, BlobReply))
+
+
+def _no_requests(ch: FrameChannel, f: Frame) -> None:
+    raise ValueError(f"no {f.type} frames expected here")
+
+
+def _advertised(url: str, advertise: str | None) -> str:
+    if advertise:
+        return advertise if advertise.startswith("tcp://") else f"tcp://{advertise}"
+    return url
+
