@@ -31,6 +31,10 @@ class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     wire_listen: str | None = None    # HOST:PORT for framed heartbeat connections (off when None)
     open_reads: bool = False          # viewer routes (jobs, nodes, cluster) public: a lab set-up only
     open_metrics: bool = True         # /metrics public (else the metrics, viewer or operator token)
+    relays: bool = True               # deliver through rack relays where a rack has one connected
+    relay_timeout_s: float = 0.5      # a relay that has not answered its bundle by then: push directly
+    blob_seeds: int = 4               # bundles of a gang that carry the blob's bytes (the rest fetch it)
+    placement_ttl_s: float = 30.0     # a NodePart is refused as expired this long after it was issued
 
     @property
     def lost_after_s(self) -> float:

@@ -18,7 +18,15 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from scheduler_link.messages import TERMINAL_STATES, JobSpec, Peer, Placement, TopologyPath
+from scheduler_link.messages import (
+    TERMINAL_STATES,
+    JobSpec,
+    NodePart,
+    Peer,
+    Placement,
+    TopologyPath,
+    inventory_hash,
+)
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 TERMINAL_JOB_STATES = frozenset({"succeeded", "failed", "cancelled", "preempted"})
@@ -50,10 +58,11 @@ class Push:
     first read (by the sender, as it goes), so a decision's bookkeeping does not build
     25,000 messages before the first one can leave."""
 
-    __slots__ = ("node_id", "control_url", "job_id", "attempt", "kind", "_placement", "_build")
+    __slots__ = ("node_id", "control_url", "job_id", "attempt", "kind", "_placement", "_build", "_part", "_pid")
 
     def __init__(self, node_id: str, control_url: str, placement: Placement | None, job_id: str, attempt: int,
-                 kind: str, build: Callable[[], Placement] | None = None) -> None:
+                 kind: str, build: Callable[[], Placement] | None = None,
+                 part: Callable[[], NodePart] | None = None, placement_id: str = "") -> None:
         if placement is None and build is None:
             raise ValueError("a push needs a placement or a way to build one")
         self.node_id = node_id
@@ -63,6 +72,21 @@ class Push:
         self.kind = kind  # "start" (carries the gang's pods) or "stop"
         self._placement = placement
         self._build = build
+        self._part = part
+        self._pid = placement_id
+
+    @property
+    def placement_id(self) -> str:
+        return self._pid or self.placement.placement_id
+
+    def part(self, expires_at: float) -> NodePart:
+        """This push as a rack relay carries it (a start push's builder names GPU slots and
+        the node's inventory hash; a stop push is its victims)."""
+        if self._part is not None:
+            return self._part()
+        pl = self.placement
+        return NodePart(placement_id=pl.placement_id, node_id=self.node_id, job_id=self.job_id,
+                        attempt=self.attempt, victims=pl.victims, issued_at=pl.issued_at, expires_at=expires_at)
 
     @property
     def placement(self) -> Placement:
@@ -176,6 +200,7 @@ class NodeRec:
     tell: set[str] = field(default_factory=set)       # stale workloads to name in the next reply
     pods: dict[str, tuple[JobRec, PodRec]] = field(default_factory=dict)  # current pods placed here
     _peer: Peer | None = None
+    _inventory: str = ""
     all_slots: tuple[int, ...] = ()                   # (0..n-1), shared by whole-node pods
     all_slots_list: list[int] = field(default_factory=list)
 
@@ -194,6 +219,13 @@ class NodeRec:
             t = self.topology
             self._peer = Peer(node_id=self.node_id, data_url=self.data_url, zone=t.zone, block=t.block, rack=t.rack)
         return self._peer
+
+    @property
+    def inventory(self) -> str:
+        """The hash a NodePart's GPU slots are checked against (``inventory_hash``)."""
+        if not self._inventory:
+            self._inventory = inventory_hash(self.uuids)
+        return self._inventory
 
     @property
     def rack_path(self) -> str:

@@ -22,6 +22,9 @@ from scheduler_link.messages import (
     TERMINAL_STATES,
     GpuSnapshot,
     NodeReport,
+    NodeStop,
+    RackBeat,
+    RackBeatReply,
     ReportReply,
     Victim,
     WorkloadEvent,
@@ -68,6 +71,40 @@ class Reports(StateBase):
                 pushes += self._apply_event(node, ev, now)
             return 200, self._reply(node), pushes
         return self._register(rep, now)
+
+    def beat(self, b: RackBeat, now: float) -> tuple[RackBeatReply, list[Push]]:
+        """A relay's aggregated empty heartbeats: per entry a boot check, a sequence that
+        moved forward, a deadline move. Only the exceptions are answered."""
+        need: list[str] = []
+        stops: list[NodeStop] = []
+        pushes: list[Push] = []
+        nodes = self.nodes
+        due = now + self.cfg.lost_after_s
+        timer = self.lost_timer
+        n = len(b.node_ids)
+        if len(b.boot_ids) != n or len(b.seqs) != n:
+            raise ValueError("a rack beat's columns differ in length")
+        self.counters["reports"] += n
+        for nid, boot, seq in zip(b.node_ids, b.boot_ids, b.seqs, strict=True):
+            node = nodes.get(nid)
+            if node is None or node.boot_id != boot or seq <= node.last_seq:
+                self.counters["conflicts"] += 1
+                need.append(nid)
+                continue
+            node.last_seq = seq
+            node.last_seen = now
+            timer.set(nid, due)
+            if node.state != "up":
+                pushes += self._node_back(node, now)
+            if node.tell or node.refused:
+                r = self._reply(node)
+                if r.stop:
+                    stops.append(NodeStop(node_id=nid, stop=r.stop))
+                if r.need_full:
+                    need.append(nid)
+        if not need and not stops:
+            return self._ok_beat, pushes
+        return RackBeatReply(need_full=need, stop=stops, heartbeat_interval_s=self.cfg.heartbeat_s), pushes
 
     def _reply(self, node: NodeRec, *, need_full: bool = False) -> ReportReply:
         if not node.tell and not need_full and not node.refused:

@@ -29,6 +29,7 @@ import numpy as np
 from scheduler_link.messages import (
     GangBlob,
     JobSpec,
+    NodePart,
     Peer,
     PeerTable,
     Placement,
@@ -247,9 +248,25 @@ class Scheduling(StateBase):
                 peers=peers_of(node), grace_s=s.grace_s, restart=s.restart, issued_at=now,
                 gang_blob_id=blob_id, gang_nodes=n_gang, user=s.user, limits=s.limits)
 
-        out = [Push(node.node_id, node.control_url, None, job.job_id, job.attempt, "start",
-                    build(node, by_node[node.node_id], victim_stops.pop(node.node_id, [])))
-               for node in gang]
+        expires = now + self.cfg.placement_ttl_s
+        contacts = self._holders(s.manifest_id, set(by_node) if s.manifest_id else set())
+        job_id, attempt = job.job_id, job.attempt
+
+        def part(node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> Callable[[], NodePart]:
+            return lambda: NodePart(
+                placement_id=prefix + node.node_id, node_id=node.node_id, job_id=job_id, attempt=attempt,
+                blob_id=blob_id, pods=[PodAssignment(workload_id=p.workload_id, rank=p.rank, gpus=[],
+                                                     gpu_indices=list(p.slots)) for p in pods],
+                victims=victims, issued_at=now, expires_at=expires, inventory=node.inventory,
+                gang_nodes=n_gang, contacts=contacts)
+
+        out = []
+        for node in gang:
+            pods_here = by_node[node.node_id]
+            victims_here = victim_stops.pop(node.node_id, [])
+            out.append(Push(node.node_id, node.control_url, None, job.job_id, job.attempt, "start",
+                            build(node, pods_here, victims_here), part(node, pods_here, victims_here),
+                            placement_id=prefix + node.node_id))
         for node_id, victims in victim_stops.items():  # victims on nodes that get no new pod
             vnode = nodes[node_id]
             self._pid += 1
@@ -280,7 +297,7 @@ class Scheduling(StateBase):
                           rack_of=rack_of, racks=racks, rack_start=rack_start)
         blob = GangBlob(job_id=job.job_id, attempt=job.attempt, argv=list(s.argv), env=dict(s.env),
                         manifest_id=s.manifest_id, origin=s.origin, grace_s=s.grace_s, restart=s.restart,
-                        world_size=s.pods, peers=table, user=s.user)
+                        world_size=s.pods, peers=table, user=s.user, limits=s.limits)
         blob_id, raw = encode_gang_blob(blob)
         if job.blob_id is not None:
             self.blobs.pop(job.blob_id, None)

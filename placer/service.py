@@ -40,7 +40,6 @@ from scheduler_link.http import (
     Response,
     json_response,
     serve,
-    text_response,
 )
 from scheduler_link.messages import (
     WIRE_VERSION,
@@ -58,6 +57,7 @@ from scheduler_link.messages import (
 from .config import PlacerConfig
 from .frag import fragmentation, largest_placeable, plan_defrag
 from .journal import Journal, JournalError
+from .relays import RelayHub
 from .state import ACCEPTED, TERMINAL_JOB_STATES, JobError, JobRec, Outcome, PlacerState, Push
 from .views import DEFAULT_PODS, parse_page
 
@@ -96,6 +96,7 @@ class PlacerService:
         self._kick = trio.Event()
         self._changed = trio.Event()
         self.app = self._build_app()
+        self.relays = RelayHub(self)
         self.push_counts = {"start": 0, "stop": 0, "failed": 0, "refused": 0}
         self.freezes = 0
         self._frozen_at = -math.inf
@@ -125,7 +126,7 @@ class PlacerService:
                 self._nursery = n
                 self.url = await n.start(serve, self.app, self.cfg.listen)
                 if self.cfg.wire_listen:
-                    self.wire = HeartbeatServer(self.tokens, self._ingest)
+                    self.wire = HeartbeatServer(self.tokens, self._ingest, frames=self.relays)
                     self.wire_url = await n.start(self.wire.run, self.cfg.wire_listen)
                 self._write_endpoints()
                 n.start_soon(self._loop)
@@ -249,14 +250,20 @@ class PlacerService:
                 self._after_change()
                 return
 
-        async def one(p: Push) -> None:
-            o = await self._push_one(p)
-            if p.kind == "start":
-                acks[p.node_id] = o
+        job = self.state.jobs.get(job_id)
+        if self.cfg.relays:
+            acks = await self.relays.deliver(job_id, job.blob_id if job else None, pushes, self._push_one)
+        else:
+            async def one(p: Push) -> None:
+                o = await self._push_one(p)
+                if p.kind == "start":
+                    acks[p.node_id] = o
 
-        async with trio.open_nursery() as n:
-            for p in pushes:
-                n.start_soon(one, p)
+            async with trio.open_nursery() as n:
+                for p in pushes:
+                    n.start_soon(one, p)
+        if job is not None and job.attempt == attempt:
+            job.timings.setdefault("delivered", self.clock())
         self._carry_out(self.state.on_acks(job_id, attempt, acks, self.clock(), pushes))
         self._after_change()
 
@@ -323,6 +330,11 @@ class PlacerService:
         if rep.full or rep.events or rep.snapshot is not None:
             self.kick()
             self._after_change()
+        if rep.full and status == 200:  # where its rack's relay is (the answer to a registration)
+            node = self.state.nodes.get(node_id)
+            url = self.relays.relay_url_for(node_id, node.rack_path) if node is not None else None
+            if url:
+                reply = msgspec.structs.replace(reply, relay_url=url)
         return status, reply
 
     async def h_submit(self, req: Request) -> Response:
@@ -486,6 +498,7 @@ class PlacerService:
         out["queue"] = st.queue.statistics()
         out["placer"] = {**{k: v for k, v in st.counters.items()}, "model_rebuilds": st.model.rebuilds,
                          "gc_freezes": self.freezes, "blobs": len(st.blobs)}
+        out["placer"]["relays"] = self.relays.statistics()
         if self.wire is not None:
             out["framed_channel"] = self.wire.statistics()
         return json_response(out)
@@ -495,6 +508,7 @@ class PlacerService:
         raw = self.state.blobs.get(req.params["blob_id"])
         if raw is None:
             raise HTTPError(404, "no such gang blob", req.params["blob_id"][:64])
+        self.relays.stats.blob_serves += 1
         return Response(status=200, body=raw, content_type="application/msgpack")
 
     async def h_defrag(self, req: Request) -> Response:
@@ -542,37 +556,9 @@ class PlacerService:
                                         for k, r in sorted(res.items())}})
 
     async def h_metrics(self, req: Request) -> Response:
-        """Prometheus text: nodes, jobs, GPUs, counters, decision latency."""
-        lines: list[str] = []
-
-        def g(name: str, val: float, labels: str = "", kind: str = "gauge") -> None:
-            if not any(line.startswith(f"# TYPE {name} ") for line in lines):
-                lines.append(f"# TYPE {name} {kind}")
-            lines.append(f"{name}{labels} {val}")
-        for st in ("up", "lost"):
-            g("herd_placer_nodes", self.state.node_states[st], f'{{state="{st}"}}')
-        g("herd_placer_nodes_cordoned", len(self.state.cordons))
-        for st, c in sorted(self.state.job_counts().items()):
-            g("herd_placer_jobs", c, f'{{state="{st}"}}')
-        stats = self.state.model.statistics()
-        for k in ("gpus", "usable", "free", "allocated", "unhealthy_gpus"):
-            g(f"herd_placer_gpus_{k}", stats.get(k, 0))
-        for k, v in sorted(self.state.counters.items()):
-            g(f"herd_placer_{k}_total", v, kind="counter")
-        for k, v in sorted(self.push_counts.items()):
-            g("herd_placer_pushes_total", v, f'{{kind="{k}"}}', kind="counter")
-        if self.wire is not None:
-            ws = self.wire.statistics()
-            g("herd_placer_wire_frames_total", ws["frames"], kind="counter")
-            g("herd_placer_wire_connections", ws["open_connections"])
-            g("herd_placer_wire_ingest_errors_total", ws["ingest_errors"], kind="counter")
-        ds = sorted(self.state.decision_s)
-        if ds:
-            for q in (0.5, 0.99):
-                g("herd_placer_decision_seconds", ds[min(len(ds) - 1, math.floor(q * len(ds)))],
-                  f'{{quantile="{q}"}}')
-        return text_response("\n".join(lines) + "\n", content_type="text/plain; version=0.0.4")
-
+        """Prometheus text: nodes, jobs, GPUs, counters, latency histograms, process (placer.metrics)."""
+        from .metrics import PlacerMetrics
+        return PlacerMetrics.of(self).response()
 
 async def run_placer(config: PlacerConfig) -> None:
     """Run a placer until cancelled (the CLI's entry point)."""

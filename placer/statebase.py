@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
-from scheduler_link.messages import JobSpec, ReportReply, WorkloadEvent
+from scheduler_link.messages import JobSpec, RackBeatReply, ReportReply, WorkloadEvent
 
 from .config import PlacerConfig
 from .errors import Conflict, InvalidSpec, UnknownJob, UnknownNode
@@ -61,6 +61,7 @@ class StateBase:
         self.dirty = True                           # capacity or the queue changed since schedule()
         # the answer to almost every heartbeat: one shared object, so the wire can reuse its bytes
         self._ok_reply = ReportReply(ok=True, heartbeat_interval_s=config.heartbeat_s)
+        self._ok_beat = RackBeatReply()
 
     # ------------------------------------------------------------ declared by the parts
 

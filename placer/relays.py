@@ -1,0 +1,284 @@
+"""Rack relays, the placer's side: which node relays for each rack, and delivery through them.
+
+Theory of operation (DESIGN.md, "Fleet scale"; issue 12):
+- A node that may relay opens a *frames* connection to the placer's framed channel naming
+  its rack(s) (``Hello.frames``, ``racks``, ``listen_url``). Each rack's *active* relay is
+  the connected candidate that ranks first by rendezvous hash of (rack, node): a stable
+  choice that moves only when that relay goes away, and then to the next in the same
+  order. The placer holds connections to relays (and to the few nodes whose rack has
+  none), not to every node.
+- A decision's pushes (start parts and victims' stops together) are grouped by rack; a
+  rack with an active relay gets one :class:`RackBundle` with its members' NodeParts and
+  answers one :class:`AckBundle`. A relay that has not answered within ``relay_timeout_s``,
+  whose connection broke, or that left members out: those members are pushed directly
+  (HTTP, the same placement ids, so a member that was reached after all acks the same
+  placement again and nothing is placed twice). Every node's first outcome is the one kept.
+- The gang blob's bytes ride in the first ``blob_seeds`` bundles only; every other bundle
+  names where to fetch it (``blob_sources``): its parent in a tree of fan-out 8 over the
+  bundles' order (a relay earlier in that order, itself seeded or fetching), then the
+  seeds. The placer serves ``blob_get`` as a last resort, and counts it.
+- Relays also carry their members' reports up: content reports as ``report`` frames,
+  empty heartbeats aggregated into one ``beat`` per interval (:meth:`Reports.beat`).
+
+This module does the I/O; what a beat or an outcome means is decided by the state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import trio
+
+from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload
+from scheduler_link.heartbeat_wire import Hello, WireReply
+from scheduler_link.messages import (
+    AckBundle,
+    BlobReply,
+    BlobRequest,
+    Frame,
+    NodeOutcome,
+    NodeReport,
+    RackBeat,
+    RackBundle,
+)
+
+from .attempts import Outcome
+from .records import Push
+
+if TYPE_CHECKING:
+    from .service import PlacerService
+
+log = logging.getLogger("herd.placer.relays")
+
+TREE_FANOUT = 8
+
+
+@dataclass(slots=True)
+class RelayConn:
+    node_id: str
+    racks: tuple[str, ...]
+    listen_url: str | None
+    channel: FrameChannel
+
+
+@dataclass(slots=True)
+class RelayStats:
+    bundles: int = 0
+    bundle_failures: int = 0       # no answer in time, or the connection broke
+    fallback_nodes: int = 0        # nodes pushed directly after their relay did not reach them
+    relayed_nodes: int = 0         # nodes whose outcome came through a relay
+    blob_seeds: int = 0            # bundles that carried the blob's bytes
+    blob_serves: int = 0           # blob_get answered by the placer
+    beats: int = 0
+    beat_entries: int = 0
+    reports: int = 0
+    bytes_out: int = 0             # bundle bytes written
+    last_delivery: dict[str, Any] = field(default_factory=dict)
+
+
+def _rank(rack: str, node_id: str) -> bytes:
+    return hashlib.blake2b(f"{rack}|{node_id}".encode(), digest_size=8).digest()
+
+
+class RelayHub:
+    """The placer's FramesHost: relay connections, the rack -> relay choice, delivery."""
+
+    def __init__(self, service: PlacerService) -> None:
+        self.svc = service
+        self._cands: dict[str, dict[str, RelayConn]] = {}   # rack -> node id -> connection
+        self._active: dict[str, RelayConn | None] = {}      # rack -> chosen (cache)
+        self.stats = RelayStats()
+
+    # ------------------------------------------------------------ connections
+
+    def opened(self, hello: Hello, channel: FrameChannel) -> Callable[[FrameChannel, Frame], Any]:
+        conn = RelayConn(hello.node_id, tuple(hello.racks), hello.listen_url, channel)
+        channel.info = conn
+        for rack in conn.racks:
+            self._cands.setdefault(rack, {})[conn.node_id] = conn
+            self._active.pop(rack, None)
+        if conn.racks:
+            log.info("relay connected node=%s racks=%s listen=%s", conn.node_id, ",".join(conn.racks[:4]),
+                     conn.listen_url)
+        return self._handle
+
+    def closed(self, channel: FrameChannel) -> None:
+        conn: RelayConn | None = channel.info
+        if conn is None:
+            return
+        for rack in conn.racks:
+            c = self._cands.get(rack)
+            if c is not None and c.get(conn.node_id) is conn:
+                del c[conn.node_id]
+                if not c:
+                    del self._cands[rack]
+            self._active.pop(rack, None)
+        if conn.racks:
+            log.warning("relay disconnected node=%s racks=%s", conn.node_id, ",".join(conn.racks[:4]))
+
+    def relay_for(self, rack: str) -> RelayConn | None:
+        if rack in self._active:
+            return self._active[rack]
+        best: RelayConn | None = None
+        best_rank = b""
+        nodes = self.svc.state.nodes
+        for nid, conn in self._cands.get(rack, {}).items():
+            n = nodes.get(nid)
+            if n is None or n.state != "up" or conn.channel.closed.is_set():
+                continue
+            r = _rank(rack, nid)
+            if best is None or r > best_rank:
+                best, best_rank = conn, r
+        self._active[rack] = best
+        return best
+
+    def forget_choice(self, rack: str) -> None:
+        self._active.pop(rack, None)
+
+    def relay_url_for(self, node_id: str, rack: str) -> str | None:
+        """Where ``node_id`` should send its reports: its rack's relay (not itself)."""
+        conn = self.relay_for(rack)
+        if conn is None or conn.node_id == node_id or not conn.listen_url:
+            return None
+        return conn.listen_url
+
+    def statistics(self) -> dict[str, Any]:
+        s = self.stats
+        return {"candidates": sum(len(c) for c in self._cands.values()), "racks": len(self._cands),
+                "bundles": s.bundles, "bundle_failures": s.bundle_failures, "fallback_nodes": s.fallback_nodes,
+                "relayed_nodes": s.relayed_nodes, "blob_seeds": s.blob_seeds, "blob_serves": s.blob_serves,
+                "beats": s.beats, "beat_entries": s.beat_entries, "reports": s.reports, "bytes_out": s.bytes_out,
+                "last_delivery": s.last_delivery}
+
+    # ------------------------------------------------------------ frames from relays
+
+    def _handle(self, ch: FrameChannel, f: Frame) -> tuple[str, Any] | None:
+        t = f.type
+        if t == "beat":
+            b = decode_payload(f, RackBeat)
+            self.stats.beats += 1
+            self.stats.beat_entries += len(b.node_ids)
+            beat_reply, pushes = self.svc.state.beat(b, self.svc.clock())
+            self.svc._carry_out(pushes)
+            return "beat_reply", beat_reply
+        if t == "report":
+            try:
+                rep = decode_payload(f, NodeReport)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                return "reply", WireReply(status=400, error=f"malformed report: {e}")
+            self.stats.reports += 1
+            status, reply = self.svc._ingest(rep.node_id, rep)
+            return "reply", WireReply(status=status, reply=reply)
+        if t == "blob_get":
+            req = decode_payload(f, BlobRequest)
+            raw = self.svc.state.blobs.get(req.blob_id)
+            if raw is None:
+                return "blob", BlobReply(blob_id=req.blob_id, error="no such gang blob")
+            self.stats.blob_serves += 1
+            return "blob", BlobReply(blob_id=req.blob_id, data=raw)
+        if t == "ping":
+            return "ping", None
+        return "error", {"error": f"unexpected frame type {t!r} from a relay"}
+
+    # ------------------------------------------------------------ delivery
+
+    def split(self, pushes: list[Push]) -> tuple[list[Push], dict[str, tuple[RelayConn, list[Push]]]]:
+        """(pushed directly, by rack: its relay and its pushes)."""
+        direct: list[Push] = []
+        by_rack: dict[str, tuple[RelayConn, list[Push]]] = {}
+        nodes = self.svc.state.nodes
+        for p in pushes:
+            node = nodes.get(p.node_id)
+            if node is None:
+                direct.append(p)
+                continue
+            rack = node.rack_path
+            hit = by_rack.get(rack)
+            if hit is None:
+                conn = self.relay_for(rack)
+                if conn is None:
+                    direct.append(p)
+                    continue
+                hit = by_rack[rack] = (conn, [])
+            hit[1].append(p)
+        return direct, by_rack
+
+    async def deliver(self, job_id: str, blob_id: str | None, pushes: list[Push],
+                      push_direct: Callable[[Push], Awaitable[Outcome]]) -> dict[str, Outcome]:
+        """Carry out a decision's pushes through the relays (directly where a rack has none or
+        its relay fails). Returns the start pushes' outcomes by node."""
+        cfg = self.svc.cfg
+        t0 = trio.current_time()
+        direct, by_rack = self.split(pushes)
+        acks: dict[str, Outcome] = {}
+        raw = self.svc.state.blobs.get(blob_id) if blob_id else None
+        now = self.svc.clock()
+        expires = now + cfg.placement_ttl_s
+        racks = list(by_rack.items())
+        urls = [conn.listen_url for _, (conn, _) in racks]
+        seeds = max(1, cfg.blob_seeds)
+        seed_urls = [u for u in urls[:seeds] if u]
+        bytes0 = self.stats.bytes_out
+        fallbacks0 = self.stats.fallback_nodes
+
+        async def one(p: Push) -> None:
+            o = await push_direct(p)
+            if p.kind == "start":
+                acks.setdefault(p.node_id, o)
+
+        async def rack(i: int, path: str, conn: RelayConn, ps: list[Push]) -> None:
+            carry = raw is not None and i < seeds
+            sources: list[str] = []
+            if raw is not None and not carry:
+                parent = urls[(i - seeds) // TREE_FANOUT] if i - seeds >= 0 else None
+                sources = [u for u in [parent, *seed_urls] if u and u != conn.listen_url]
+            starts = any(p.kind == "start" for p in ps)
+            rb = RackBundle(rack=path, blob_id=(blob_id or "") if starts else "", blob=raw if carry and starts else None,
+                            blob_sources=sources if starts else [], parts=[p.part(expires) for p in ps],
+                            deliver_by=now + cfg.relay_timeout_s * 0.8)
+            if carry and starts:
+                self.stats.blob_seeds += 1
+            self.stats.bundles += 1
+            before = conn.channel.bytes_out
+            got: dict[str, NodeOutcome] = {}
+            try:
+                f = await conn.channel.call("bundle", rb, timeout_s=cfg.relay_timeout_s)
+                self.stats.bytes_out += conn.channel.bytes_out - before
+                ab = decode_payload(f, AckBundle)
+                got = {o.node_id: o for o in ab.outcomes}
+            except (trio.TooSlowError, FrameError, CallFailed, msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.stats.bytes_out += conn.channel.bytes_out - before
+                self.stats.bundle_failures += 1
+                self.forget_choice(path)
+                log.warning("relay did not deliver rack=%s relay=%s parts=%d err=%s; pushing directly",
+                            path, conn.node_id, len(ps), type(e).__name__)
+            missing: list[Push] = []
+            for p in ps:
+                o = got.get(p.node_id)
+                if o is None or o.placement_id != p.placement_id:
+                    missing.append(p)
+                    continue
+                self.stats.relayed_nodes += 1
+                if p.kind == "start":
+                    acks.setdefault(p.node_id, Outcome(o.outcome, tuple(o.refused_gpus), o.detail))
+            if missing:
+                self.stats.fallback_nodes += len(missing)
+                async with trio.open_nursery() as n:
+                    for p in missing:
+                        n.start_soon(one, p)
+
+        async with trio.open_nursery() as n:
+            for i, (path, (conn, ps)) in enumerate(racks):
+                n.start_soon(rack, i, path, conn, ps)
+            for p in direct:
+                n.start_soon(one, p)
+        self.stats.last_delivery = {
+            "job_id": job_id, "nodes": len(pushes), "racks": len(racks), "direct": len(direct),
+            "fallback_nodes": self.stats.fallback_nodes - fallbacks0, "bundle_bytes": self.stats.bytes_out - bytes0,
+            "seconds": trio.current_time() - t0}
+        return acks
