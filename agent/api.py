@@ -39,9 +39,11 @@ from scheduler_link.http import (
     text_response,
 )
 from scheduler_link.messages import TERMINAL_STATES, WIRE_VERSION, Placement, PlacementAck, PrefetchRequest
+from scheduler_link.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 
 from .errors import AgentError, UnknownWorkload
 from .logs import follow as follow_log
+from .metrics import AgentMetrics
 
 if TYPE_CHECKING:
     from .daemon import Agent
@@ -81,6 +83,7 @@ def build_app(agent: Agent) -> App:
     tokens = agent.tokens
     app = App(max_body=SMALL_BODY, name="herd-agent")
     origins = _OriginPolicy(cfg.allowed_origins)
+    prom = AgentMetrics(agent)       # this agent's own registry, for the agent's life
 
     async def healthz(req: Request) -> Response:
         """Liveness: the process answers; the package and wire versions."""
@@ -201,8 +204,8 @@ def build_app(agent: Agent) -> App:
         return json_response({"accepted": True, "manifest_id": pr.manifest_id}, status=202)
 
     async def metrics(req: Request) -> Response:
-        """Prometheus text: GPU series (dcgm-exporter names) and herd_* agent series."""
-        return text_response(agent.metrics_text(), content_type="text/plain; version=0.0.4; charset=utf-8")
+        """Prometheus text: GPU series (dcgm-exporter names), herd_* agent series, process_*."""
+        return Response(body=prom.render(), content_type=METRICS_CONTENT_TYPE)
 
     async def openapi(req: Request) -> Response:
         """This API's OpenAPI description, generated from the route table."""

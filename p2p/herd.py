@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -45,8 +45,10 @@ from typing import Any
 import blake3
 import msgspec
 import trio
+from prometheus_client.metrics_core import Metric
 
 from scheduler_link.messages import Peer, PeerTable
+from scheduler_link.metrics import family, text_of
 
 from .errors import IntegrityError, NotFoundError, OriginError, PeerError
 from .peers import PeerBusy, PeerClient, PeerClientConfig, PeerHealth, PeerMissing
@@ -752,53 +754,50 @@ async def fetch_with_peers(store: Any, manifest_id: str, origin: Any, *, peers: 
     return stats
 
 
-def render_metrics(node_id: str, herd: Mapping[str, Any] | None,
-                   plane: Mapping[str, Any] | None = None) -> str:
-    """Prometheus text for the herd (``Herd.statistics()``) and the data plane
-    (``DataPlane.statistics()``), for the agent's ``/metrics``. Pure."""
-    def esc(v: str) -> str:
-        return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+def metric_families(node_id: str, herd: Mapping[str, Any] | None,
+                    plane: Mapping[str, Any] | None = None) -> Iterator[Metric]:
+    """Prometheus families (``scheduler_link.metrics``) for the herd (``Herd.statistics()``)
+    and the data plane (``DataPlane.statistics()``), for the agent's ``/metrics``. Pure."""
+    n = {"node": node_id}
 
-    n = f'node="{esc(node_id)}"'
-    out: list[str] = []
-
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float]]) -> None:
-        out.append(f"# HELP {name} {help_}")
-        out.append(f"# TYPE {name} {kind}")
-        for labels, value in samples:
-            v = int(value) if float(value).is_integer() else float(value)   # counters stay exact
-            out.append(f"{name}{{{n}{',' + labels if labels else ''}}} {v}")
+    def one(kind: str, name: str, help_: str, rows: list[tuple[dict[str, str], float]]) -> Metric:
+        return family(kind, name, help_, [({**n, **lb}, v) for lb, v in rows])
 
     if herd is not None:
-        metric("herd_p2p_bytes_total", "counter", "Chunk bytes this node got, by source",
-               [(f'source="{s}"', herd.get(f"bytes_from_{s}" if s != "local" else "bytes_local", 0))
-                for s in ("origin", "peers", "local")])
-        metric("herd_p2p_chunks_in_flight", "gauge", "Chunks being fetched now",
-               [("", herd.get("chunks_in_flight", 0))])
-        metric("herd_p2p_origin_retries_total", "counter", "Origin requests retried after an error",
-               [("", herd.get("origin_retries", 0))])
-        metric("herd_p2p_integrity_failures_total", "counter", "Chunks that failed BLAKE3 verification",
-               [("", herd.get("integrity_failures", 0))])
-        metric("herd_p2p_endgame_duplicates_total", "counter", "Endgame requests duplicated to a 2nd peer",
-               [("", herd.get("endgame_duplicates", 0))])
+        yield one("counter", "herd_p2p_bytes_total", "Chunk bytes this node got, by source",
+                  [({"source": s}, herd.get(f"bytes_from_{s}" if s != "local" else "bytes_local", 0))
+                   for s in ("origin", "peers", "local")])
+        yield one("gauge", "herd_p2p_chunks_in_flight", "Chunks being fetched now",
+                  [({}, herd.get("chunks_in_flight", 0))])
+        yield one("counter", "herd_p2p_origin_retries_total", "Origin requests retried after an error",
+                  [({}, herd.get("origin_retries", 0))])
+        yield one("counter", "herd_p2p_integrity_failures_total", "Chunks that failed BLAKE3 verification",
+                  [({}, herd.get("integrity_failures", 0))])
+        yield one("counter", "herd_p2p_endgame_duplicates_total", "Endgame requests duplicated to a 2nd peer",
+                  [({}, herd.get("endgame_duplicates", 0))])
         peers = herd.get("peers", {}) or {}
         for key, name, help_ in (("bytes", "herd_p2p_peer_bytes_total", "Bytes received from a peer"),
                                  ("errors", "herd_p2p_peer_errors_total", "Failed requests to a peer"),
                                  ("timeouts", "herd_p2p_peer_timeouts_total", "Requests to a peer that timed out"),
                                  ("integrity_errors", "herd_p2p_peer_bad_bytes_total",
                                   "Chunks from a peer that failed verification")):
-            metric(name, "counter", help_, [(f'peer="{esc(p)}"', v.get(key, 0)) for p, v in sorted(peers.items())])
-        metric("herd_p2p_peers_penalised", "gauge", "Peers ranked last or banned now",
-               [("", len(herd.get("penalised", [])))])
+            yield one("counter", name, help_, [({"peer": p}, v.get(key, 0)) for p, v in sorted(peers.items())])
+        yield one("gauge", "herd_p2p_peers_penalised", "Peers ranked last or banned now",
+                  [({}, len(herd.get("penalised", [])))])
     if plane is not None:
-        metric("herd_dataplane_bytes_served_total", "counter", "Chunk bytes served to peers (sendfile)",
-               [("", plane.get("bytes_served", 0))])
-        metric("herd_dataplane_requests_total", "counter", "Data-plane requests",
-               [("", plane.get("requests", 0))])
-        metric("herd_dataplane_rejected_total", "counter", "Requests refused, by reason",
-               [('reason="busy"', plane.get("rejected_busy", 0)),
-                ('reason="unauthorized"', plane.get("unauthorized", 0)),
-                ('reason="bad_request"', plane.get("bad_requests", 0))])
-        metric("herd_dataplane_waiting", "gauge", "Requests waiting for a chunk (?wait_ms)",
-               [("", plane.get("waiting", 0))])
-    return "\n".join(out) + "\n"
+        yield one("counter", "herd_dataplane_bytes_served_total", "Chunk bytes served to peers (sendfile)",
+                  [({}, plane.get("bytes_served", 0))])
+        yield one("counter", "herd_dataplane_requests_total", "Data-plane requests",
+                  [({}, plane.get("requests", 0))])
+        yield one("counter", "herd_dataplane_rejected_total", "Requests refused, by reason",
+                  [({"reason": "busy"}, plane.get("rejected_busy", 0)),
+                   ({"reason": "unauthorized"}, plane.get("unauthorized", 0)),
+                   ({"reason": "bad_request"}, plane.get("bad_requests", 0))])
+        yield one("gauge", "herd_dataplane_waiting", "Requests waiting for a chunk (?wait_ms)",
+                  [({}, plane.get("waiting", 0))])
+
+
+def render_metrics(node_id: str, herd: Mapping[str, Any] | None,
+                   plane: Mapping[str, Any] | None = None) -> str:
+    """Prometheus text of :func:`metric_families`."""
+    return text_of(metric_families(node_id, herd, plane))

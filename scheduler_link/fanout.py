@@ -32,6 +32,7 @@ import msgspec
 import trio
 
 from .auth import auth_header
+from .metrics import LatencyHistogram
 
 log = logging.getLogger("herd.link.fanout")
 
@@ -137,6 +138,8 @@ class PushPool:
         self.requests = 0
         self.connects = 0
         self.failures = 0
+        # send -> answer of each POST (retries included), by the caller's path (a few constants)
+        self.latency: dict[str, LatencyHistogram] = {}
 
     async def aclose(self) -> None:
         conns = [c for lst in self._idle.values() for c in lst]
@@ -157,6 +160,7 @@ class PushPool:
         """POST ``body`` to ``base_url``'s path joined with ``path`` (``http://h:p/n/x`` +
         ``/v1/placements`` -> ``/n/x/v1/placements``), with retries on transport failure."""
         t0 = time.perf_counter()
+        req_path = path
         res = PushResult(key=key or base_url, status=None)
         u = urlsplit(base_url)
         if u.scheme != "http" or not u.hostname:
@@ -185,6 +189,10 @@ class PushPool:
                 if attempt < self.retries:
                     await trio.sleep(self.retry_backoff_s * (2 ** attempt))
         res.elapsed_s = time.perf_counter() - t0
+        hist = self.latency.get(req_path)
+        if hist is None:
+            hist = self.latency[req_path] = LatencyHistogram()
+        hist.observe(res.elapsed_s)
         return res
 
     def _slot(self, host: str, port: int) -> _HostSlot:

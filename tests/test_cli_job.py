@@ -13,6 +13,7 @@ from pathlib import Path
 import trio
 
 from scheduler_link.auth import TokenSet
+from tests.prom import value
 
 from .test_placer_service import start_cluster, wait_for
 
@@ -162,7 +163,7 @@ async def test_node_cordon_drain_uncordon_and_nodes(tmp_path, token_dir):
             rc, out, err = await herd(["nodes", "--json"], env)
             views = {x["node_id"]: x for x in json.loads(out)["nodes"]}
             assert views[node]["cordoned"] and not views[node]["draining"] and views[other]["draining"]
-            assert "herd_placer_nodes_cordoned 2\n" in (await cl.c.get("/metrics")).text
+            assert value((await cl.c.get("/metrics")).text, "herd_placer_nodes_cordoned") == 2
             rc, out, err = await herd(["node", "uncordon", node], env)
             assert rc == 0 and f"node {node}: schedulable" in out
             v = await wait_for(lambda: _running(svc, "p"), timeout=30)

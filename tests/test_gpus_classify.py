@@ -29,6 +29,7 @@ from agent.gpus.backend import cpulist, normalize_pci, topo_name
 from agent.gpus.host import HostReadings
 from agent.gpus.kmsg import parse_xid_line, xids_from_lines
 from scheduler_link.messages import GpuInfo, GpuSnapshot, GpuTelemetry, HostHealth
+from tests.prom import samples, types
 
 U = "GPU-00000000-1111-2222-3333-444444444444"
 CFG = HealthConfig()
@@ -272,23 +273,29 @@ def test_render_metrics_uses_dcgm_names_and_marks_simulated():
     snap = GpuSnapshot(hostname="h1", backend="simulated:dgx-h100", simulated=True, gpus=[g],
                        host=HostHealth(mem_available_mib=1024, load1=0.5))
     text = render_metrics(snap, "h1")
-    lb = (f'gpu="0",UUID="{U}",pci_bus_id="00000000:18:00.0",device="nvidia0",'
-          f'modelName="NVIDIA \\"H100\\"",Hostname="h1",simulated="true"')
-    for line in [f"DCGM_FI_DEV_GPU_TEMP{{{lb}}} 40.0", f"DCGM_FI_DEV_POWER_USAGE{{{lb}}} 70.5",
-                 f"DCGM_FI_DEV_FB_USED{{{lb}}} 10", f"DCGM_FI_DEV_FB_FREE{{{lb}}} 20",
-                 f"DCGM_FI_DEV_XID_ERRORS{{{lb}}} 79", f"DCGM_FI_DEV_ECC_DBE_VOL_TOTAL{{{lb}}} 0",
-                 f"DCGM_FI_DEV_ROW_REMAP_FAILURE{{{lb}}} 0", f'DCGM_EXP_XID_ERRORS_COUNT{{{lb},xid="13"}} 1',
-                 f'herd_gpu_health{{{lb},state="fatal"}} 1', f'herd_gpu_health{{{lb},state="healthy"}} 0',
-                 f'herd_gpu_health_reason{{{lb},code="xid:79",severity="fatal"}} 1',
-                 f"herd_gpu_simulated{{{lb}}} 1", 'herd_host_health{Hostname="h1",state="healthy"} 1',
-                 'herd_host_mem_available_bytes{Hostname="h1"} 1073741824', 'herd_host_load1{Hostname="h1"} 0.5',
-                 "# TYPE DCGM_FI_DEV_ECC_DBE_VOL_TOTAL counter"]:
-        assert line in text.splitlines(), line
+    lb = {"gpu": "0", "UUID": U, "pci_bus_id": "00000000:18:00.0", "device": "nvidia0",
+          "modelName": 'NVIDIA "H100"', "Hostname": "h1", "node": "h1", "simulated": "true",
+          "workload": "", "job": ""}
+    full = frozenset(lb.items())
+    got = samples(text)
+    for name, extra, want in [
+            ("DCGM_FI_DEV_GPU_TEMP", {}, 40.0), ("DCGM_FI_DEV_POWER_USAGE", {}, 70.5),
+            ("DCGM_FI_DEV_FB_USED", {}, 10), ("DCGM_FI_DEV_FB_FREE", {}, 20), ("DCGM_FI_DEV_XID_ERRORS", {}, 79),
+            ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", {}, 0), ("DCGM_FI_DEV_ROW_REMAP_FAILURE", {}, 0),
+            ("DCGM_EXP_XID_ERRORS_COUNT", {"xid": "13"}, 1), ("herd_gpu_health", {"state": "fatal"}, 1),
+            ("herd_gpu_health", {"state": "healthy"}, 0),
+            ("herd_gpu_health_reason", {"code": "xid:79", "severity": "fatal"}, 1), ("herd_gpu_simulated", {}, 1)]:
+        assert got[(name, full | frozenset(extra.items()))] == want, name
+    host = frozenset({"Hostname": "h1", "node": "h1"}.items())
+    assert got[("herd_host_health", host | {("state", "healthy")})] == 1
+    assert got[("herd_host_mem_available_bytes", host)] == 1073741824
+    assert got[("herd_host_load1", host)] == 0.5
+    # dcgm-exporter's counter names are kept exactly (prometheus_client would rename a typed counter)
+    assert types(text)["DCGM_FI_DEV_ECC_DBE_VOL_TOTAL"] == "unknown"
     assert "DCGM_FI_DEV_PCIE_REPLAY_COUNTER" not in text      # not read -> no series, never a fake 0
-    # every sample line parses as name{labels} value
-    for ln in text.splitlines():
-        if not ln.startswith("#"):
-            float(ln.rsplit(" ", 1)[1])
+    # the holder of a GPU labels its series
+    held = samples(render_metrics(snap, "h1", holders={U: ("w1", "job-a")}))
+    assert held[("DCGM_FI_DEV_GPU_TEMP", frozenset({**lb, "workload": "w1", "job": "job-a"}.items()))] == 40.0
 
 
 _tel = st.builds(

@@ -121,6 +121,7 @@ async def test_single_flight_one_download_for_many_callers(tmp_path: Path) -> No
 
 async def test_statistics_and_metrics_text(tmp_path: Path) -> None:
     from p2p.herd import render_metrics
+    from tests.prom import value
 
     art = make_artifact(tmp_path, 1024 * 1024, chunk_size=256 * 1024, seed=5)
     origin = open_file_origin(art)
@@ -132,8 +133,8 @@ async def test_statistics_and_metrics_text(tmp_path: Path) -> None:
             assert st["bytes_from_origin"] + st["bytes_from_peers"] == art.size
             text = render_metrics("node1", st, nodes[1].plane.statistics())
             peer_bytes = st["peers"]["node0"]["bytes"]
-            assert f'herd_p2p_peer_bytes_total{{node="node1",peer="node0"}} {peer_bytes}' in text
-            assert f'herd_p2p_bytes_total{{node="node1",source="peers"}} {st["bytes_from_peers"]}' in text
+            assert value(text, "herd_p2p_peer_bytes_total", node="node1", peer="node0") == peer_bytes
+            assert value(text, "herd_p2p_bytes_total", node="node1", source="peers") == st["bytes_from_peers"]
             assert "# TYPE herd_dataplane_bytes_served_total counter" in text
             for n in nodes:
                 await n.herd.aclose()
