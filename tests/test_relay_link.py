@@ -1,0 +1,234 @@
+"""The relay (agent.relay) and a member's link through it (scheduler_link.agent_link), on
+loopback against a small fake placer: a HeartbeatServer whose FramesHost answers what the
+real placer's framed channel answers (reports, beats, blob_get) and sends bundles."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from agent.blobs import BlobCache
+from agent.relay import Relay
+from scheduler_link.agent_link import AgentLink
+from scheduler_link.auth import TokenSet
+from scheduler_link.frames import FrameChannel, decode_payload
+from scheduler_link.heartbeat_wire import HeartbeatServer, Hello, WireReply
+from scheduler_link.messages import (
+    AckBundle,
+    BlobReply,
+    BlobRequest,
+    Frame,
+    GangBlob,
+    GpuSnapshot,
+    NodeOutcome,
+    NodePart,
+    NodeReport,
+    RackBeat,
+    RackBeatReply,
+    RackBundle,
+    ReportReply,
+    Victim,
+    WorkloadEvent,
+    encode_gang_blob,
+)
+
+RACK = "z1/b1/r1"
+
+
+class FakePlacer:
+    """Records what reaches it, per node, in arrival order: ("report"|"beat"|"relayed", seq, full)."""
+
+    def __init__(self, tokens: TokenSet) -> None:
+        self.server = HeartbeatServer(tokens, self.ingest, frames=self)
+        self.url = ""
+        self.relay_url: str | None = None
+        self.seen: dict[str, list[tuple[str, int, bool]]] = {}
+        self.relays: dict[str, FrameChannel] = {}
+        self.blobs: dict[str, bytes] = {}
+        self.blob_gets = 0
+        self.changed = trio.Event()
+
+    def _log(self, node: str, kind: str, seq: int, full: bool) -> None:
+        self.seen.setdefault(node, []).append((kind, seq, full))
+        self.changed.set()
+        self.changed = trio.Event()
+
+    def ingest(self, node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:
+        self._log(node_id, "report", rep.seq, rep.full)
+        return 200, self._reply(rep)
+
+    def _reply(self, rep: NodeReport) -> ReportReply:
+        if rep.full:
+            return ReportReply(wire_url=self.url, relay_url=self.relay_url, heartbeat_interval_s=0.2)
+        return ReportReply(heartbeat_interval_s=0.2)
+
+    def opened(self, hello: Hello, channel: FrameChannel) -> Any:
+        if hello.racks:
+            self.relays[hello.node_id] = channel
+            self.changed.set()
+            self.changed = trio.Event()
+        return self._frame
+
+    def closed(self, channel: FrameChannel) -> None:
+        if self.relays.get(channel.name) is channel:
+            del self.relays[channel.name]
+
+    def _frame(self, ch: FrameChannel, f: Frame) -> Any:
+        if f.type == "report":
+            rep = decode_payload(f, NodeReport)
+            self._log(rep.node_id, "relayed", rep.seq, rep.full)
+            return "reply", WireReply(status=200, reply=self._reply(rep))
+        if f.type == "beat":
+            b = decode_payload(f, RackBeat)
+            for nid, seq in zip(b.node_ids, b.seqs, strict=True):
+                self._log(nid, "beat", seq, False)
+            return "beat_reply", RackBeatReply()
+        if f.type == "blob_get":
+            req = decode_payload(f, BlobRequest)
+            self.blob_gets += 1
+            return "blob", BlobReply(blob_id=req.blob_id, data=self.blobs.get(req.blob_id),
+                                     error=None if req.blob_id in self.blobs else "unknown blob")
+        raise ValueError(f.type)
+
+    async def until(self, pred: Any, what: str) -> None:
+        with trio.fail_after(10):
+            while not pred():
+                await self.changed.wait()
+
+
+class Hooks:
+    def full_report(self) -> NodeReport:
+        return NodeReport(node_id="", boot_id="", seq=0, full=True, snapshot=GpuSnapshot())
+
+    async def stop_workloads(self, victims: list[Victim]) -> None:
+        pass
+
+    def gpu_snapshot(self) -> GpuSnapshot:
+        return GpuSnapshot()
+
+
+def _accepting(node: str, got: list[NodePart]) -> Any:
+    async def handle(part: NodePart) -> NodeOutcome:
+        got.append(part)
+        return NodeOutcome(node_id=node, placement_id=part.placement_id, outcome="accepted")
+    return handle
+
+
+def _relay(tokens: TokenSet, node: str, placer: FakePlacer, got: list[NodePart], **kw: Any) -> Relay:
+    return Relay(node_id=node, rack=RACK, tokens=tokens, listen="127.0.0.1:0", wire_url=lambda: placer.url,
+                 own_part=_accepting(node, got), blobs=BlobCache(), heartbeat_s=0.2, request_timeout_s=2.0, **kw)
+
+
+def _blob() -> tuple[str, bytes]:
+    return encode_gang_blob(GangBlob(job_id="j", attempt=1, argv=["true"]))
+
+
+def _parts(pid: str, nodes: list[str], blob_id: str) -> list[NodePart]:
+    return [NodePart(placement_id=f"{pid}-{n}", node_id=n, job_id="j", attempt=1, blob_id=blob_id) for n in nodes]
+
+
+def _in_order(seen: list[tuple[str, int, bool]]) -> bool:
+    seqs = [s for _, s, _ in seen]
+    return all(a < b for a, b in zip(seqs, seqs[1:], strict=False))
+
+
+async def test_a_member_reports_through_the_relay_parts_and_blobs_come_down_and_it_falls_back(tmp_path: Path,
+                                                                                               token_dir: Path):
+    tokens = TokenSet.load(token_dir)
+    placer = FakePlacer(tokens)
+    relay_parts: list[NodePart] = []
+    member_parts: list[NodePart] = []
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            placer.url = await n.start(placer.server.run, "127.0.0.1:0")
+            relay = _relay(tokens, "r1", placer, relay_parts)
+            relay_scope = trio.CancelScope()
+
+            async def run_relay(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+                with relay_scope:
+                    await relay.run(task_status=task_status)
+
+            placer.relay_url = await n.start(run_relay)
+            await placer.until(lambda: "r1" in placer.relays, "relay up")
+            link = AgentLink("http://127.0.0.1:9", tokens.cluster, "m1", Hooks(), heartbeat_s=0.2,
+                             wire_url=placer.url, on_part=_accepting("m1", member_parts), request_timeout_s=2.0)
+            await n.start(link.run)
+
+            # registers directly, then moves to the relay; its empty beats come up in rack beats
+            await placer.until(lambda: any(k == "beat" for k, _, _ in placer.seen.get("m1", [])), "a beat")
+            assert placer.seen["m1"][0] == ("report", 1, True)
+            assert link.statistics()["relay_url"] == relay.listen_url
+
+            # events between empty beats: a pending empty entry goes up before the report that
+            # follows it, so the placer sees m1's sequence in order whatever the timing
+            for i in range(8):
+                await trio.sleep(0.03 * i)
+                k0 = len(placer.seen["m1"])
+                link.notify(WorkloadEvent(workload_id="w", job_id="j", state="running", at=time.time()))
+                await placer.until(lambda k0=k0: any(k == "relayed" for k, _, _ in placer.seen["m1"][k0:]), "relayed")
+            assert _in_order(placer.seen["m1"]), placer.seen["m1"]
+            assert sum(k == "relayed" for k, _, _ in placer.seen["m1"]) == 8
+
+            # a bundle: the relay's own part and the member's are acked; a node it does not hold is left out
+            bid, raw = _blob()
+            b = RackBundle(rack=RACK, blob_id=bid, blob=raw, parts=_parts("p", ["r1", "m1", "ghost"], bid),
+                           deliver_by=time.time() + 2)
+            f = await placer.relays["r1"].call("bundle", b, timeout_s=5)
+            acks = decode_payload(f, AckBundle)
+            assert sorted(o.node_id for o in acks.outcomes) == ["m1", "r1"]
+            assert all(o.outcome == "accepted" for o in acks.outcomes)
+            assert [p.node_id for p in relay_parts] == ["r1"] and [p.node_id for p in member_parts] == ["m1"]
+            # the member gets the blob from its relay (which had it from the bundle), not the placer
+            assert await link.relay_blob(bid) == raw and placer.blob_gets == 0
+            assert relay.statistics()["blob_serves"] == 1
+
+            # the relay dies: the member's next report fails and it registers with the placer directly
+            placer.relay_url = None
+            n_before = len(placer.seen["m1"])
+            relay_scope.cancel()
+            await placer.until(lambda: any(k == "report" and full for k, _, full in placer.seen["m1"][n_before:]),
+                               "fallback full report")
+            assert link.statistics()["relay_url"] is None and link.relay_failures >= 1
+            assert _in_order(placer.seen["m1"]), placer.seen["m1"]
+            n.cancel_scope.cancel()
+
+
+async def test_a_relay_gets_the_blob_from_the_relays_a_bundle_names_then_the_placer(tmp_path: Path,
+                                                                                   token_dir: Path):
+    tokens = TokenSet.load(token_dir)
+    placer = FakePlacer(tokens)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            placer.url = await n.start(placer.server.run, "127.0.0.1:0")
+            a = _relay(tokens, "ra", placer, [])
+            b = _relay(tokens, "rb", placer, [])
+            c = _relay(tokens, "rc", placer, [])
+            a_url = await n.start(a.run)
+            b_url = await n.start(b.run)
+            await n.start(c.run)
+            await placer.until(lambda: len(placer.relays) == 3, "relays up")
+            bid, raw = _blob()
+            # a has the blob from its bundle; b is told to ask a; c is told to ask b (which has
+            # it by then, or is getting it) -- the placer never serves it
+            await placer.relays["ra"].call("bundle", RackBundle(rack=RACK, blob_id=bid, blob=raw), timeout_s=5)
+            await placer.relays["rb"].call("bundle", RackBundle(rack=RACK, blob_id=bid, blob_sources=[a_url]),
+                                           timeout_s=5)
+            await placer.relays["rc"].call("bundle", RackBundle(rack=RACK, blob_id=bid, blob_sources=[b_url]),
+                                           timeout_s=5)
+            with trio.fail_after(5):
+                while b.blobs.cached(bid) is None or c.blobs.cached(bid) is None:
+                    await trio.sleep(0.01)
+            assert placer.blob_gets == 0
+            # a blob no listed relay has: the placer's blob_get, last
+            bid2, raw2 = encode_gang_blob(GangBlob(job_id="j2", attempt=1))
+            placer.blobs[bid2] = raw2
+            await placer.relays["rc"].call("bundle", RackBundle(rack=RACK, blob_id=bid2, blob_sources=[a_url]),
+                                           timeout_s=5)
+            with trio.fail_after(5):
+                while c.blobs.cached(bid2) is None:
+                    await trio.sleep(0.01)
+            assert placer.blob_gets == 1
+            n.cancel_scope.cancel()
