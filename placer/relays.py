@@ -91,7 +91,7 @@ class RelayHub:
     def __init__(self, service: PlacerService) -> None:
         self.svc = service
         self._cands: dict[str, dict[str, RelayConn]] = {}   # rack -> node id -> connection
-        self._active: dict[str, RelayConn | None] = {}      # rack -> chosen (cache)
+        self._active: dict[str, RelayConn] = {}             # rack -> chosen (cache)
         self.stats = RelayStats()
 
     # ------------------------------------------------------------ connections
@@ -122,8 +122,11 @@ class RelayHub:
             log.warning("relay disconnected node=%s racks=%s", conn.node_id, ",".join(conn.racks[:4]))
 
     def relay_for(self, rack: str) -> RelayConn | None:
-        if rack in self._active:
-            return self._active[rack]
+        hit = self._active.get(rack)
+        if hit is not None:
+            n = self.svc.state.nodes.get(hit.node_id)
+            if n is not None and n.state == "up" and not hit.channel.closed.is_set():
+                return hit
         best: RelayConn | None = None
         best_rank = b""
         nodes = self.svc.state.nodes
@@ -134,7 +137,10 @@ class RelayHub:
             r = _rank(rack, nid)
             if best is None or r > best_rank:
                 best, best_rank = conn, r
-        self._active[rack] = best
+        if best is not None:  # (no choice is not remembered: a candidate may register any moment)
+            self._active[rack] = best
+        else:
+            self._active.pop(rack, None)
         return best
 
     def forget_choice(self, rack: str) -> None:

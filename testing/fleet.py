@@ -46,6 +46,7 @@ import hashlib
 import json
 import logging
 import math
+import random
 import sys
 import time
 from collections.abc import Callable
@@ -61,23 +62,38 @@ from agent.gpus.simulated import PROFILES, SimulatedBackend
 from scheduler_link.agent_link import AgentLink, ReportChannel
 from scheduler_link.auth import TokenSet, bearer
 from scheduler_link.fanout import PushPool
-from scheduler_link.heartbeat_wire import HeartbeatClient, SharedWire
+from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
+from scheduler_link.heartbeat_wire import HeartbeatClient, HeartbeatServer, Hello, SharedWire, WireReply
 from scheduler_link.messages import (
+    AckBundle,
+    BlobReply,
+    BlobRequest,
+    Frame,
     GpuInfo,
     GpuSnapshot,
+    NodeOutcome,
+    NodePart,
     NodeReport,
     Placement,
     PlacementAck,
+    RackBeat,
+    RackBeatReply,
+    RackBundle,
+    RelayHello,
+    ReportReply,
     TopologyPath,
     Victim,
     WorkloadEvent,
     WorkloadStatus,
+    decode_gang_blob,
+    inventory_hash,
 )
 
 log = logging.getLogger("herd.testing.fleet")
 
 _placement_dec = msgspec.json.Decoder(Placement)
 _enc = msgspec.json.Encoder()
+_mp_enc = msgspec.msgpack.Encoder()
 
 
 # ---------------------------------------------------------------- fleet shape
@@ -151,7 +167,8 @@ class Timing:
 class EmulatedNode:
     """One node: the hooks its AgentLink calls, and a fake supervisor for placements."""
 
-    __slots__ = ("fleet", "slot", "control_url", "refuse", "workloads", "link", "_snap", "_uuids")
+    __slots__ = ("fleet", "slot", "control_url", "refuse", "workloads", "link", "relay", "boot_id", "seq", "registered",
+                 "_snap", "_uuids", "_uuid_list", "_inventory")
 
     def __init__(self, fleet: Fleet, slot: NodeSlot, control_url: str, refuse: str | None) -> None:
         self.fleet = fleet
@@ -160,8 +177,14 @@ class EmulatedNode:
         self.refuse = refuse                      # None | "refused_gpus" | "refused_spec"
         self.workloads: dict[str, WorkloadStatus] = {}
         self.link: AgentLink | None = None
+        self.relay: EmulatedRelay | None = None   # relay mode: reports go through the rack's relay
+        self.boot_id = ""
+        self.seq = 0
+        self.registered = False
         self._snap: GpuSnapshot | None = None
         self._uuids: frozenset[str] = frozenset()
+        self._uuid_list: list[str] = []
+        self._inventory = ""
 
     # ---- LinkHooks
 
@@ -169,7 +192,9 @@ class EmulatedNode:
         if self._snap is None:
             s = self.slot
             self._snap = self.fleet.snapshots.snapshot(s.node_id, f"{s.zone}/{s.block}/{s.rack}")
-            self._uuids = frozenset(g.uuid for g in self._snap.gpus)
+            self._uuid_list = [g.uuid for g in sorted(self._snap.gpus, key=lambda g: g.index)]
+            self._uuids = frozenset(self._uuid_list)
+            self._inventory = inventory_hash(self._uuid_list)
         return self._snap
 
     def full_report(self) -> NodeReport:
@@ -219,6 +244,47 @@ class EmulatedNode:
         return 200, PlacementAck(placement_id=p.placement_id, node_id=nid, accepted=True, outcome="accepted",
                                  workloads=[pod.workload_id for pod in p.pods])
 
+    def place_part(self, part: NodePart, now: float) -> NodeOutcome:
+        """A NodePart as the real agent checks it (binding, expiry, inventory hash, slots),
+        then the fake supervisor's acceptance."""
+        nid = self.slot.node_id
+        self.gpu_snapshot()
+
+        def out(o: str, detail: str | None = None, gpus: list[str] | None = None) -> NodeOutcome:
+            return NodeOutcome(node_id=nid, placement_id=part.placement_id, outcome=o,  # type: ignore[arg-type]
+                               refused_gpus=gpus or [], detail=detail)
+        if part.node_id != nid:
+            return out("refused_spec", "addressed to another node")
+        if part.expires_at and now > part.expires_at:
+            return out("expired", "arrived after its expiry")
+        if part.pods and part.inventory != self._inventory:
+            return out("expired", "inventory changed")
+        uu = self._uuid_list
+        pods = []
+        for pod in part.pods:
+            if any(not 0 <= s < len(uu) for s in pod.gpu_indices):
+                return out("refused_spec", f"GPU slot out of range for {pod.workload_id}")
+            pods.append(msgspec.structs.replace(pod, gpus=[uu[s] for s in pod.gpu_indices]))
+        if self.refuse == "refused_spec":
+            return out("refused_spec", "emulated: refusing the spec")
+        if self.refuse == "refused_gpus" and pods:
+            return out("refused_gpus", "emulated: GPUs refused", pods[0].gpus[:1])
+        fresh = []
+        for pod in pods:
+            if pod.workload_id in self.workloads:
+                continue  # idempotent (the same part again, or its HTTP fallback first)
+            self.workloads[pod.workload_id] = WorkloadStatus(
+                workload_id=pod.workload_id, job_id=part.job_id, placement_id=part.placement_id, rank=pod.rank,
+                gpus=list(pod.gpus), state="accepted", created_at=now, updated_at=now)
+            fresh.append(pod.workload_id)
+        for v in part.victims:
+            self.fleet.spawn(self._stop, v)
+        for wid in fresh:
+            self._event(wid, "accepted")
+        if fresh:
+            self.fleet.spawn(self._start, fresh, part.blob_id)
+        return out("accepted")
+
     def _event(self, wid: str, state: str, **kw: Any) -> None:
         w = self.workloads.get(wid)
         if w is None:
@@ -231,9 +297,13 @@ class EmulatedNode:
         self.fleet.stats.event(w.job_id, now)
         if self.link is not None:
             self.link.notify(ev)
+        elif self.relay is not None:
+            self.relay.event(self, ev)
 
-    async def _start(self, wids: list[str]) -> None:
+    async def _start(self, wids: list[str], blob_id: str = "") -> None:
         t = self.fleet.timing
+        if blob_id:  # a workload needs its gang's peers before it starts (relay mode)
+            await self.fleet.blob(blob_id)
         await trio.sleep(t.fetch_s)
         live = [w for w in wids if self.workloads.get(w) is not None and self.workloads[w].state == "accepted"]
         for wid in live:
@@ -253,6 +323,198 @@ class EmulatedNode:
         self._event(v.workload_id, final, exit_code=None if final == "preempted" else 0, reason=v.reason)
 
 
+# ---------------------------------------------------------------- one emulated rack relay
+
+class EmulatedRelay:
+    """A rack's relay in relay mode: one real frames connection to the placer (the real wire),
+    carrying its members' registrations, event reports and one aggregated beat per interval,
+    and answering the placer's bundles. The hop from the relay to its members is emulated
+    in-process (a method call per NodePart, labelled as such in the bench): the members are
+    this process's EmulatedNodes. ``hung``: the relay takes bundles and never answers (the
+    placer's relay_timeout_s and fallback are what is measured then)."""
+
+    def __init__(self, fleet: Fleet, rack: str, members: list[EmulatedNode], source: str | None,
+                 hung: bool = False) -> None:
+        self.fleet = fleet
+        self.rack = rack
+        self.members = members
+        self.by_id = {m.slot.node_id: m for m in members}
+        self.source = source
+        self.hung = hung
+        self.channel: FrameChannel | None = None
+        self.registered = 0
+        self.bundles = 0
+        self.part_bytes_max = 0
+        self.beats = 0
+        self.reports = 0
+        self.failures = 0
+        self._pending: dict[str, list[WorkloadEvent]] = {}
+        self._flush = trio.Event()
+
+    async def run(self) -> None:
+        f = self.fleet
+        backoff = 0.05
+        while True:
+            try:
+                ch = await open_frames(f.cfg.wire_url or "", f.tokens.cluster or "", self.members[0].slot.node_id,
+                                       relay=RelayHello(racks=[self.rack], listen_url=f.frames_url),
+                                       local_address=self.source, timeout_s=f.cfg.request_timeout_s)
+            except (OSError, trio.TooSlowError, msgspec.DecodeError) as e:
+                self.failures += 1
+                log.debug("relay connect failed rack=%s err=%s", self.rack, e)
+                await trio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+                continue
+            except Exception as e:  # WireError (refused): back off
+                self.failures += 1
+                log.debug("relay refused rack=%s err=%s", self.rack, e)
+                await trio.sleep(backoff)
+                backoff = min(2.0, backoff * 2)
+                continue
+            backoff = 0.05
+            self.channel = ch
+            try:
+                async with trio.open_nursery() as n:
+                    n.start_soon(self._serve, ch, n.cancel_scope)
+                    for m in self.members:
+                        n.start_soon(self._register, m)
+                    n.start_soon(self._beats)
+                    n.start_soon(self._events)
+            finally:
+                self.channel = None
+                for m in self.members:
+                    m.boot_id = ""
+                    m.registered = False
+
+    async def _serve(self, ch: FrameChannel, scope: trio.CancelScope) -> None:
+        await ch.run(self._handle)
+        scope.cancel()  # the connection is gone: everything of it restarts
+
+    def _handle(self, ch: FrameChannel, fr: Frame) -> tuple[str, Any] | None:
+        if fr.type != "bundle":
+            return "error", {"error": f"unexpected {fr.type}"}
+        rb = decode_payload(fr, RackBundle)
+        self.bundles += 1
+        if self.hung:
+            return None  # taken, never answered
+        if rb.blob is not None and rb.blob_id:
+            self.fleet.keep_blob(rb.blob_id, rb.blob)
+        elif rb.blob_id:
+            self.fleet.want_blob(rb.blob_id, rb.blob_sources)
+        now = time.time()
+        outcomes = []
+        enc = _mp_enc.encode
+        for part in rb.parts:
+            size = len(enc(part))  # what the member would receive (the in-process hop's frame)
+            if size > self.part_bytes_max:
+                self.part_bytes_max = size
+            m = self.by_id.get(part.node_id)
+            if m is None:
+                continue  # not ours: the placer pushes it directly
+            outcomes.append(m.place_part(part, now))
+        st = self.fleet.stats
+        for o in outcomes:
+            st.acks[o.outcome] = st.acks.get(o.outcome, 0) + 1
+        st.parts += len(outcomes)
+        return "acks", AckBundle(rack=rb.rack, blob_id=rb.blob_id, outcomes=outcomes)
+
+    def _report(self, m: EmulatedNode, *, full: bool, events: list[WorkloadEvent] | None = None) -> NodeReport:
+        m.seq += 1
+        if full:
+            base = m.full_report()
+            if not m.boot_id:
+                m.boot_id = f"emu-{time.monotonic_ns():x}-{m.slot.node_id}"
+            return msgspec.structs.replace(base, boot_id=m.boot_id, seq=m.seq)
+        return NodeReport(node_id=m.slot.node_id, boot_id=m.boot_id, seq=m.seq, full=False,
+                          events=events or [], sent_at=time.time())
+
+    async def _exchange(self, m: EmulatedNode, *, full: bool, events: list[WorkloadEvent] | None = None
+                        ) -> WireReply | None:
+        async with self.fleet.limiter:
+            ch = self.channel
+            if ch is None:
+                return None
+            rep = self._report(m, full=full, events=events)  # its seq taken as it is sent: in order
+            try:
+                f = await ch.call("report", rep, timeout_s=self.fleet.cfg.request_timeout_s)
+            except (FrameError, CallFailed, trio.TooSlowError):
+                self.failures += 1
+                return None
+        self.reports += 1
+        return decode_payload(f, WireReply)
+
+    async def _register(self, m: EmulatedNode) -> None:
+        m.registered = False
+        while self.channel is not None:
+            wr = await self._exchange(m, full=True)
+            if wr is not None and wr.status == 200:
+                self.registered += 1
+                m.registered = True
+                self._after(m, wr.reply)
+                return
+            await trio.sleep(0.5)
+
+    def _after(self, m: EmulatedNode, r: ReportReply) -> None:
+        if r.stop:
+            self.fleet.spawn(m.stop_workloads, list(r.stop))
+        if r.need_full:
+            self.fleet.spawn(self._register, m)
+
+    def event(self, m: EmulatedNode, ev: WorkloadEvent) -> None:
+        self._pending.setdefault(m.slot.node_id, []).append(ev)
+        self._flush.set()
+
+    async def _events(self) -> None:
+        """A member's events go up as that member's report at once (a few ms of batching)."""
+        while True:
+            await self._flush.wait()
+            self._flush = trio.Event()
+            await trio.sleep(0.005)
+            pending, self._pending = self._pending, {}
+            for nid, evs in pending.items():
+                m = self.by_id[nid]
+                if m.registered:
+                    self.fleet.spawn(self._send_events, m, evs)
+
+    async def _send_events(self, m: EmulatedNode, evs: list[WorkloadEvent]) -> None:
+        wr = await self._exchange(m, full=False, events=evs)
+        if wr is None:
+            return
+        if wr.status == 409:
+            await self._register(m)
+        elif wr.status == 200:
+            self._after(m, wr.reply)
+
+    async def _beats(self) -> None:
+        hb = self.fleet.cfg.heartbeat_s
+        await trio.sleep(random.uniform(0, hb))  # relays' beats spread over the interval
+        while self.channel is not None:
+            live = [m for m in self.members if m.registered]
+            if live:
+                for m in live:
+                    m.seq += 1
+                b = RackBeat(rack=self.rack, node_ids=[m.slot.node_id for m in live],
+                             boot_ids=[m.boot_id for m in live], seqs=[m.seq for m in live], sent_at=time.time())
+                ch = self.channel
+                try:
+                    f = await ch.call("beat", b, timeout_s=self.fleet.cfg.request_timeout_s)
+                    self.beats += 1
+                    r = decode_payload(f, RackBeatReply)
+                    for nid in r.need_full:
+                        again = self.by_id.get(nid)
+                        if again is not None:
+                            self.fleet.spawn(self._register, again)
+                    for ns in r.stop:
+                        told = self.by_id.get(ns.node_id)
+                        if told is not None:
+                            self.fleet.spawn(told.stop_workloads, list(ns.stop))
+                    if r.heartbeat_interval_s:
+                        hb = r.heartbeat_interval_s
+                except (FrameError, CallFailed, trio.TooSlowError):
+                    self.failures += 1
+            await trio.sleep(hb)
+
+
 # ---------------------------------------------------------------- statistics
 
 @dataclass(slots=True)
@@ -265,6 +527,7 @@ class JobEvents:
 @dataclass(slots=True)
 class FleetStats:
     placements: int = 0
+    parts: int = 0                      # NodeParts that came through this process's relays
     placement_bytes: int = 0
     placement_bytes_max: int = 0
     acks: dict[str, int] = field(default_factory=dict)
@@ -304,6 +567,8 @@ class FleetConfig:
     refuse_spec: frozenset[str] = frozenset()
     timing: Timing = Timing()
     request_timeout_s: float = 30.0
+    relays: bool = False               # one relay per rack: frames connections, aggregated beats
+    hung_relays: frozenset[str] = frozenset()   # racks whose relay takes bundles and never answers
 
 
 class Fleet:
@@ -322,6 +587,13 @@ class Fleet:
         self.control: str | None = None
         self._nursery: trio.Nursery | None = None
         self._go = trio.Event()
+        # relay mode
+        self.relays: list[EmulatedRelay] = []
+        self.frames_url: str | None = None            # this process's frames listener (blob_get)
+        self.blobs: dict[str, bytes] = {}              # gang blobs this process holds (shared in-process)
+        self._blob_ready: dict[str, trio.Event] = {}
+        self.blob_fetches = {"from_relays": 0, "from_placer": 0, "failed": 0, "served": 0}
+        self.limiter = trio.CapacityLimiter(512)       # reports in flight (bounds a registration storm)
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._nursery is not None
@@ -347,9 +619,25 @@ class Fleet:
         async with trio.open_nursery() as n:
             self._nursery = n
             n.start_soon(trio.serve_listeners, self._handle, listeners)
+            if cfg.relays:
+                server = HeartbeatServer(self.tokens, _no_reports, frames=_BlobHost(self))
+                self.frames_url = await n.start(server.run, f"{cfg.listen_host}:0")
+                by_rack: dict[str, list[EmulatedNode]] = {}
+                for node in self.nodes.values():
+                    sl = node.slot
+                    by_rack.setdefault(f"{sl.zone}/{sl.block}/{sl.rack}", []).append(node)
+                for k, (rack, members) in enumerate(by_rack.items()):
+                    r = EmulatedRelay(self, rack, members, _source(k, cfg.sources), hung=rack in cfg.hung_relays)
+                    for m in members:
+                        m.relay = r
+                    self.relays.append(r)
             task_status.started(self.control)
             await self._go.wait()
             self.started_at = time.time()
+            if cfg.relays:
+                for r in self.relays:
+                    n.start_soon(r.run)
+                return
             connect = await self._connector(n)
             for node in self.nodes.values():
                 link = AgentLink(cfg.placer_url, self.tokens.cluster, node.slot.node_id, node,
@@ -358,6 +646,77 @@ class Fleet:
                                  backoff_max_s=max(cfg.heartbeat_s, 1.0))
                 node.link = link
                 n.start_soon(link.run)
+
+    # ---- gang blobs (relay mode): one copy per process, fetched relay to relay
+
+    def keep_blob(self, blob_id: str, raw: bytes) -> None:
+        if blob_id in self.blobs:
+            return
+        try:
+            decode_gang_blob(raw, blob_id)
+        except ValueError as e:
+            log.warning("gang blob refused blob=%s err=%s", blob_id[:16], e)
+            return
+        self.blobs[blob_id] = raw
+        self._blob_ready.setdefault(blob_id, trio.Event()).set()
+
+    def want_blob(self, blob_id: str, sources: list[str]) -> None:
+        if blob_id in self.blobs or blob_id in self._blob_ready:
+            return
+        self._blob_ready[blob_id] = trio.Event()
+        self.spawn(self._fetch_blob, blob_id, list(sources))
+
+    async def blob(self, blob_id: str) -> bytes | None:
+        ev = self._blob_ready.setdefault(blob_id, trio.Event())
+        with trio.move_on_after(self.cfg.request_timeout_s):
+            await ev.wait()
+        return self.blobs.get(blob_id)
+
+    async def _fetch_blob(self, blob_id: str, sources: list[str]) -> None:
+        token = self.tokens.cluster or ""
+        if sources and all(src == self.frames_url for src in sources):
+            # the seeded bundles come to this process too: wait for them (bounded) before the placer
+            with trio.move_on_after(2.0):
+                await self._blob_ready[blob_id].wait()
+            if blob_id in self.blobs:
+                return
+        for src in sources:
+            if src == self.frames_url:
+                continue
+            try:
+                ch = await open_frames(src, token, f"emu-{self.cfg.offset}", timeout_s=5.0)
+            except Exception as e:
+                log.debug("blob source unreachable src=%s err=%s", src, e)
+                continue
+            try:
+                async with trio.open_nursery() as n:
+                    n.start_soon(ch.run, _refuse_frames)
+                    try:
+                        f = await ch.call("blob_get", BlobRequest(blob_id=blob_id), timeout_s=10.0)
+                        r = decode_payload(f, BlobReply)
+                        if r.data is not None:
+                            self.keep_blob(blob_id, r.data)
+                    except (FrameError, CallFailed, trio.TooSlowError):
+                        pass
+                    n.cancel_scope.cancel()
+            finally:
+                await ch.aclose()
+            if blob_id in self.blobs:
+                self.blob_fetches["from_relays"] += 1
+                return
+        for r in self.relays:  # last: the placer, over a relay's own connection
+            if r.channel is None:
+                continue
+            try:
+                f = await r.channel.call("blob_get", BlobRequest(blob_id=blob_id), timeout_s=10.0)
+                rep = decode_payload(f, BlobReply)
+                if rep.data is not None:
+                    self.keep_blob(blob_id, rep.data)
+                    self.blob_fetches["from_placer"] += 1
+                    return
+            except (FrameError, CallFailed, trio.TooSlowError):
+                continue
+        self.blob_fetches["failed"] += 1
 
     async def _connector(self, n: trio.Nursery) -> Any:
         cfg = self.cfg
@@ -403,6 +762,15 @@ class Fleet:
                              for s in self.shared],
             "open_fds": _open_fds(),
         }
+        if self.relays:
+            rs = self.relays
+            out.update({
+                "relays": len(rs), "registered": sum(r.registered for r in rs),
+                "reports_sent": sum(r.reports for r in rs), "beats": sum(r.beats for r in rs),
+                "bundles": sum(r.bundles for r in rs), "parts": st.parts,
+                "part_bytes_max": max((r.part_bytes_max for r in rs), default=0),
+                "relay_failures": sum(r.failures for r in rs), "blob_fetches": dict(self.blob_fetches),
+                "blobs": len(self.blobs)})
         if job is not None:
             j = st.jobs.get(job)
             out["job"] = {"job_id": job, "events": j.count if j else 0, "first_at": j.first_at if j else 0.0,
@@ -475,6 +843,41 @@ class Fleet:
         return status, _enc.encode(ack)
 
 
+def _no_reports(node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:
+    return 400, ReportReply(ok=False, error="an emulator's frames listener takes no reports")
+
+
+def _refuse_frames(ch: FrameChannel, f: Frame) -> tuple[str, Any] | None:
+    return "error", {"error": "nothing is served here"}
+
+
+class _BlobHost:
+    """This process's frames listener: other emulators' relays ``blob_get`` from it (it
+    answers once the blob is here, bounded)."""
+
+    def __init__(self, fleet: Fleet) -> None:
+        self.fleet = fleet
+
+    def opened(self, hello: Hello, channel: FrameChannel) -> Any:
+        return self._handle
+
+    def closed(self, channel: FrameChannel) -> None:
+        return None
+
+    def _handle(self, ch: FrameChannel, f: Frame) -> Any:
+        if f.type != "blob_get":
+            return "error", {"error": f"unexpected {f.type}"}
+        req = decode_payload(f, BlobRequest)
+        return self._serve(req.blob_id)
+
+    async def _serve(self, blob_id: str) -> tuple[str, Any]:
+        raw = await self.fleet.blob(blob_id) if blob_id in self.fleet._blob_ready else self.fleet.blobs.get(blob_id)
+        if raw is None:
+            return "blob", BlobReply(blob_id=blob_id, error="not held here")
+        self.fleet.blob_fetches["served"] += 1
+        return "blob", BlobReply(blob_id=blob_id, data=raw)
+
+
 def _source(k: int, sources: int) -> str | None:
     if sources <= 1:
         return None
@@ -542,6 +945,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-delay", type=float, default=0.05)
     ap.add_argument("--refuse-gpus", default="", help="comma-separated node ids that refuse with refused_gpus")
     ap.add_argument("--refuse-spec", default="", help="comma-separated node ids that refuse with refused_spec")
+    ap.add_argument("--relays", action="store_true",
+                    help="relay mode: one relay per rack (frames connection, aggregated beats, bundles)")
+    ap.add_argument("--hung-relays", default="", help="comma-separated racks whose relay never answers bundles")
     ap.add_argument("--go", action="store_true", help="start at once instead of waiting for 'go' on stdin")
     ap.add_argument("--seconds", type=float, default=3600.0, help="exit after this long (bound)")
     a = ap.parse_args(argv)
@@ -552,7 +958,8 @@ def main(argv: list[str] | None = None) -> int:
         sources=a.sources, use_wire=not a.http_only, heartbeat_s=a.heartbeat,
         refuse_gpus=frozenset(x for x in a.refuse_gpus.split(",") if x),
         refuse_spec=frozenset(x for x in a.refuse_spec.split(",") if x),
-        timing=Timing(fetch_s=a.fetch_delay, run_s=a.run_delay, stop_s=a.stop_delay))
+        timing=Timing(fetch_s=a.fetch_delay, run_s=a.run_delay, stop_s=a.stop_delay), relays=a.relays,
+        hung_relays=frozenset(x for x in a.hung_relays.split(",") if x))
     try:
         trio.run(_main, cfg, tokens, a.go, min(a.seconds, math.inf))
     except KeyboardInterrupt:

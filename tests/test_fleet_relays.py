@@ -1,0 +1,140 @@
+"""Rack relays through the real placer process (issue 12): an emulated fleet in relay mode
+(one real frames connection per rack, aggregated beats, bundles answered per rack; the
+relay -> member hop emulated in-process) registers, heartbeats through its relays, and a
+gang over every node is delivered as RackBundles with no direct push; a hung relay's rack
+is pushed directly after ``relay_timeout_s``, every node acked once; one node refusing
+rolls the gang back everywhere through the relays. Subprocesses and loopback only; counts
+asserted, never times."""
+
+from __future__ import annotations
+
+import os
+from contextlib import AsyncExitStack
+
+import httpx
+import pytest
+import trio
+
+from scheduler_link.auth import TokenSet, generate_token_dir
+from testing.fleet import fleet_nodes
+from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, wait_nodes_up
+
+pytestmark = pytest.mark.slow
+
+NODES = int(os.environ.get("HERD_TEST_RELAY_NODES", "2048"))   # 64 racks of 32
+TERMINAL = {"succeeded", "failed", "cancelled", "preempted"}
+
+
+async def _job(c: httpx.AsyncClient, url: str, job_id: str, want: str, limit_s: float = 120) -> dict:
+    job: dict = {}
+    with trio.move_on_after(limit_s):
+        while True:
+            r = await c.get(f"{url}/v1/jobs/{job_id}", params={"wait": want, "timeout_ms": "20000", "pods": "0:0"})
+            job = r.json()
+            if job["state"] == want or job["state"] in TERMINAL:
+                break
+    return job
+
+
+async def _relays(c: httpx.AsyncClient, url: str) -> dict:
+    return (await c.get(f"{url}/v1/cluster", params={"detail": "0"})).json()["placer"]["relays"]
+
+
+async def _freed(c: httpx.AsyncClient, url: str, gpus: int) -> None:
+    with trio.fail_after(120):
+        while (await c.get(f"{url}/v1/cluster")).json()["model"]["free"] < gpus:
+            await trio.sleep(0.25)
+
+
+async def test_a_fleet_wide_gang_through_rack_relays(tmp_path):
+    td = generate_token_dir(tmp_path / "tokens")
+    tok = TokenSet.load(td)
+    op = {"authorization": f"Bearer {tok.operator}"}
+    racks = NODES // 32
+    hung_rack = "/".join(_rack_of(5 * 32))          # the sixth rack's relay never answers
+    bad_node = fleet_nodes("h100", NODES, 1)[0].node_id
+    with trio.fail_after(600):
+        async with AsyncExitStack() as stack:
+            placer = await stack.enter_async_context(
+                PlacerProc(tmp_path, td, PlacerOptions(heartbeat_s=1.0, fence_after_s=120, ack_timeout_s=10.0)))
+            c = await stack.enter_async_context(httpx.AsyncClient(timeout=60, headers=op))
+            emu = await stack.enter_async_context(EmulatorProc(
+                placer, td, nodes=NODES, log_path=tmp_path / "emu.log", extra=["--relays"]))
+            await emu.go()
+            up, _ = await wait_nodes_up(c, placer.url, NODES, limit_s=180)
+            assert up == NODES
+            rel = await _relays(c, placer.url)
+            assert rel["racks"] == racks and rel["candidates"] == racks
+            # heartbeats come as one beat per rack and interval, and keep every node up
+            b0 = rel["beats"]
+            await trio.sleep(3.5)
+            rel = await _relays(c, placer.url)
+            assert rel["beats"] - b0 >= 2 * racks and rel["beat_entries"] >= 2 * NODES
+            cl = (await c.get(f"{placer.url}/v1/cluster", params={"detail": "0"})).json()
+            assert cl["nodes"]["up"] == NODES and cl["nodes"]["lost"] == 0
+            assert cl["framed_channel"]["frames_connections"] == racks
+
+            # -- 1: every node, through the relays; nothing pushed directly
+            spec = {"job_id": "r1", "pods": NODES, "gpus_per_pod": 8, "argv": ["/bin/sleep", "600"], "grace_s": 1}
+            assert (await c.post(f"{placer.url}/v1/jobs", json=spec)).status_code == 201
+            job = await _job(c, placer.url, "r1", "running")
+            assert job["state"] == "running" and job["pod_counts"] == {"running": NODES}, job
+            rel = await _relays(c, placer.url)
+            d = rel["last_delivery"]
+            assert d["job_id"] == "r1" and d["racks"] == racks, rel
+            assert d["job_id"] == "r1" and d["racks"] == racks and d["direct"] == 0 and d["fallback_nodes"] == 0
+            assert rel["relayed_nodes"] >= NODES and rel["blob_seeds"] >= 1
+            es = await emu.stats(c)
+            assert es["parts"] == NODES and es["placements"] == 0      # no HTTP push at all
+            assert es["acks"].get("accepted") == NODES
+            assert es["blobs"] == 1 and es["part_bytes_max"] < 64 << 10
+            assert (await c.delete(f"{placer.url}/v1/jobs/r1")).status_code == 200
+            assert (await _job(c, placer.url, "r1", "cancelled"))["state"] == "cancelled"
+            await _freed(c, placer.url, NODES * 8)
+        # (the hung relay and the refusal run on a fresh fleet below)
+
+    with trio.fail_after(600):
+        async with AsyncExitStack() as stack:
+            placer = await stack.enter_async_context(
+                PlacerProc(tmp_path / "b", td, PlacerOptions(heartbeat_s=1.0, fence_after_s=120, ack_timeout_s=10.0)))
+            c = await stack.enter_async_context(httpx.AsyncClient(timeout=60, headers=op))
+            emu = await stack.enter_async_context(EmulatorProc(
+                placer, td, nodes=NODES, log_path=tmp_path / "emu-b.log", extra=["--relays", "--hung-relays", hung_rack]))
+            await emu.go()
+            up, _ = await wait_nodes_up(c, placer.url, NODES, limit_s=180)
+            assert up == NODES
+
+            # -- 2: a hung relay: its 32 nodes are pushed directly after the relay timeout, each once
+            spec = {"job_id": "r2", "pods": NODES, "gpus_per_pod": 8, "argv": ["/bin/sleep", "600"], "grace_s": 1}
+            assert (await c.post(f"{placer.url}/v1/jobs", json=spec)).status_code == 201
+            job = await _job(c, placer.url, "r2", "running")
+            assert job["state"] == "running" and job["pod_counts"] == {"running": NODES}, job
+            rel = await _relays(c, placer.url)
+            assert rel["bundle_failures"] == 1 and rel["last_delivery"]["fallback_nodes"] == 32
+            es = await emu.stats(c)
+            assert es["placements"] == 32 and es["parts"] == NODES - 32
+            assert es["acks"] == {"accepted": NODES}
+            assert (await c.delete(f"{placer.url}/v1/jobs/r2")).status_code == 200
+            await _freed(c, placer.url, NODES * 8)
+
+            # -- 3: one more rack whose node refuses: the gang over every node rolls back everywhere
+            async with EmulatorProc(placer, td, nodes=1, offset=NODES, log_path=tmp_path / "emu-bad.log",
+                                    extra=["--relays", "--refuse-gpus", bad_node]) as bad:
+                await bad.go()
+                up, _ = await wait_nodes_up(c, placer.url, NODES + 1, limit_s=60)
+                assert up == NODES + 1
+                spec = {**spec, "job_id": "r3", "pods": NODES + 1}
+                assert (await c.post(f"{placer.url}/v1/jobs", json=spec)).status_code == 201
+                with trio.fail_after(120):
+                    while (await c.get(f"{placer.url}/v1/cluster")).json()["placer"]["rollbacks"] < 1:
+                        await trio.sleep(0.25)
+                job = (await c.get(f"{placer.url}/v1/jobs/r3", params={"pods": "0:0"})).json()
+                assert job["state"] in ("pending", "placing") and "refused_gpus" in (job["reason"] or ""), job
+                assert (await c.delete(f"{placer.url}/v1/jobs/r3")).status_code == 200
+                await _freed(c, placer.url, (NODES + 1) * 8)  # every accepted pod was told to stop, and stopped
+                assert (await bad.stats(c))["acks"].get("refused_gpus", 0) >= 1
+
+
+def _rack_of(i: int) -> tuple[str, str, str]:
+    s = fleet_nodes("h100", i, 1)[0]
+    return s.zone, s.block, s.rack
