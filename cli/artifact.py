@@ -1,4 +1,4 @@
-"""`herd artifact publish|fetch|show|diff|verify`.
+"""`herd artifact publish|fetch|prefetch|show|diff|refs|gc|verify` (refs and gc: cli/origin_gc.py).
 
 Human output by default (progress on a TTY, on stderr); ``--json`` prints exactly one
 JSON object on stdout. Failures are one line on stderr and a non-zero exit (cli.main).
@@ -74,6 +74,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     _origin_arg(d)
     d.add_argument("--json", action="store_true", help="print one JSON object")
     d.set_defaults(func=cmd_diff)
+
+    from cli import origin_gc
+    origin_gc.register(a, _origin_arg)
 
     v = a.add_parser("verify", help="re-hash every chunk and manifest of a store; drop bad ones")
     v.add_argument("--store", required=True, help="chunk store directory")

@@ -39,3 +39,26 @@ def parse_size(text: str) -> int:
             mult, t = m, t[: -len(suf)]
             break
     return int(float(t) * mult)
+
+
+_DURATION_UNITS = {"s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, "w": 7 * 86400.0}
+
+
+def parse_duration(text: str) -> float:
+    """'7d', '12h', '30m', '45s', '2w', '90' (seconds) -> seconds; ValueError otherwise."""
+    t = text.strip().lower()
+    mult = 1.0
+    if t and t[-1] in _DURATION_UNITS:
+        mult, t = _DURATION_UNITS[t[-1]], t[:-1]
+    value = float(t)
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(text)
+    return value * mult
+
+
+def human_age(seconds: float) -> str:
+    s = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.0f}{unit}"
+    return f"{s:.0f}s"

@@ -1,5 +1,10 @@
 """Publish a directory to an origin: scan, upload what the origin lacks, then the manifest,
-then move the ref. Readers never see a ref to a manifest whose chunks are not all there."""
+then move the ref. Readers never see a ref to a manifest whose chunks are not all there.
+
+After the ref, publish checks once more that its manifest and every chunk it names are at
+the origin and puts back any that are not: a ``herd artifact gc`` running meanwhile may have
+moved aside chunks this publish found present (p2p/gc.py says why that check, with gc's own
+second listing, leaves nothing missing)."""
 
 from __future__ import annotations
 
@@ -20,6 +25,11 @@ from .origins import Origin, check_ref_name
 from .pool import run_pool
 
 log = logging.getLogger("herd.p2p.publish")
+
+# Publish's dedup window: the chunks the last DEDUP_REFS refs of a name hold may be taken as
+# present at the origin without asking it (issue 14's incremental publish). gc keeps at least
+# that many refs of each name (p2p/gc.py refuses a smaller --keep-last).
+DEDUP_REFS = 4
 
 
 class PublishStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,8 +84,16 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
             progress(done["bytes"], total)
 
     await run_pool(todo, upload, concurrency)
-    await origin.put_manifest(m.id, encode_manifest(m))
+    raw = encode_manifest(m)
+    await origin.put_manifest(m.id, raw)
     await origin.set_ref(name, m.id)
+    # The check after the ref (see the module's header): a gc may have moved aside what we reused.
+    lost = [c for c in m.chunks if c.id in await origin.missing([c.id for c in m.chunks])]
+    if lost or not await origin.has_manifest(m.id):
+        log.warning("publish name=%s manifest=%s put back chunks=%d removed while it ran (a gc?)",
+                    name, m.id, len(lost))
+        await run_pool(lost, upload, concurrency)
+        await origin.put_manifest(m.id, raw)
     files = sum(1 for e in m.entries if e.kind == "file")
     return PublishStats(manifest=m.id, name=name, files=files, bytes=m.total_size, chunks=len(m.chunks),
                         chunks_uploaded=len(todo), bytes_uploaded=total,

@@ -11,12 +11,12 @@ from urllib.parse import unquote, urlsplit
 
 from ..errors import OriginError
 from .allow import origin_refusal
-from .base import Origin, OriginStatistics, check_hex_id, check_ref_name, is_manifest_id
+from .base import ObjectInfo, Origin, OriginStatistics, check_hex_id, check_ref_name, is_manifest_id
 from .file import FileOrigin
 from .gcs import GCSOrigin, emulator_base
 from .http_origin import HttpOrigin
 
-__all__ = ["FileOrigin", "GCSOrigin", "HttpOrigin", "Origin", "OriginStatistics", "check_hex_id",
+__all__ = ["FileOrigin", "GCSOrigin", "HttpOrigin", "ObjectInfo", "Origin", "OriginStatistics", "check_hex_id",
            "check_ref_name", "is_manifest_id", "open_origin", "origin_refusal"]
 
 

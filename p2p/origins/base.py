@@ -11,6 +11,11 @@ their ids. Nor is its size: every read is bounded -- a chunk by the size the man
 promises (``get_chunk(id, size)``; without one, by the largest chunk a manifest may
 describe, ``MAX_CHUNK_BYTES``), a manifest by ``MAX_MANIFEST_BYTES``, a ref by 1 KiB. Backends implement four primitives (``_get``, ``_put``, ``_exists_many``
 and ``aclose``); naming, validation and counters live here.
+
+Garbage collection (``p2p/gc.py``) needs three more, which writable backends implement:
+``_list_info`` (every object under a prefix, with its size and the backend's own time),
+``_move`` (no-clobber: an object already at the destination is kept) and
+``_delete_if_unchanged`` (gone only if it is still the version that was listed).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import msgspec
 
 from manifests import MAX_MANIFEST_BYTES
 
-from ..errors import NotFoundError, OriginError, RefError
+from ..errors import NotFoundError, OriginError, ReadOnlyOriginError, RefError
 
 HEX64 = re.compile(r"^[0-9a-f]{64}$")
 # Path-like ref names: components start with an alphanumeric (so no "." / ".." parts),
@@ -54,6 +59,28 @@ def check_ref_name(name: str) -> str:
 
 def is_manifest_id(ref: str) -> bool:
     return bool(HEX64.match(ref))
+
+
+class ObjectInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """One object as a listing saw it. ``key`` is relative to the origin's root
+    (``chunks/<id>``); ``updated`` is the backend's own clock (unix seconds: a file's
+    mtime, a GCS object's ``updated``); ``version`` tells two writes of one key apart
+    (a GCS generation; a file's inode and mtime in ns)."""
+    key: str
+    size: int
+    updated: float
+    version: str = ""
+
+
+_KEY_PREFIXES = ("chunks/", "manifests/", "refs/", "trash/")
+
+
+def _check_key(key: str) -> str:
+    """A key of the bucket layout (or a prefix of one): one of its four folders, no
+    '.'/'..' parts. Guards the listing and moving primitives against a confused caller."""
+    if not key.startswith(_KEY_PREFIXES) or any(p in (".", "..") for p in key.split("/")) or "\\" in key:
+        raise RefError(f"not a key of the origin layout: {key!r:.120}")
+    return key
 
 
 class OriginStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -99,6 +126,22 @@ class Origin(ABC):
     async def _flush(self) -> None:
         """Make earlier chunk puts durable before a manifest or ref refers to them."""
         return None
+
+    async def _list_info(self, prefix: str) -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (temp files excluded)."""
+        raise ReadOnlyOriginError(f"origin {self.url} cannot be listed (read-only); garbage-collect the "
+                                  "bucket it mirrors")
+
+    async def _move(self, src: str, dst: str) -> bool:
+        """Move ``src`` to ``dst`` without replacing an object already at ``dst`` (then
+        ``src`` is just removed: the keys are content-addressed or the caller said the
+        destination wins). False when ``src`` is absent."""
+        raise ReadOnlyOriginError(f"origin {self.url} is read-only")
+
+    async def _delete_if_unchanged(self, info: ObjectInfo) -> bool:
+        """Delete ``info.key`` only if it still is the version listed; False if it is
+        gone or was rewritten meanwhile."""
+        raise ReadOnlyOriginError(f"origin {self.url} is read-only")
 
     async def aclose(self) -> None:
         """Release connections."""
@@ -176,6 +219,28 @@ class Origin(ABC):
         await self._flush()
         await self._put(f"refs/{name}", manifest_id.encode() + b"\n")
         self.puts += 1
+
+    # ------------------------------------------------------ listing (gc)
+
+    async def list_objects(self, prefix: str) -> list[ObjectInfo]:
+        """Every object under ``prefix`` (``chunks/``, ``manifests/``, ``refs/``, ``trash/``)."""
+        return await self._list_info(_check_key(prefix))
+
+    async def get_object(self, key: str, limit: int) -> bytes:
+        """Any object of the layout, at most ``limit`` bytes (gc reads refs and moved-aside manifests)."""
+        return await self._get_counted(_check_key(key), limit)
+
+    async def has_manifest(self, manifest_id: str) -> bool:
+        check_hex_id(manifest_id, "manifest id")
+        self.exists_checks += 1
+        return bool(await self._exists_many("manifests/", {manifest_id}))
+
+    async def move(self, src: str, dst: str) -> bool:
+        return await self._move(_check_key(src), _check_key(dst))
+
+    async def delete_if_unchanged(self, info: ObjectInfo) -> bool:
+        _check_key(info.key)
+        return await self._delete_if_unchanged(info)
 
     def statistics(self) -> OriginStatistics:
         return OriginStatistics(url=self.url, gets=self.gets, bytes_got=self.bytes_got, puts=self.puts,

@@ -15,7 +15,15 @@ from pathlib import Path
 import trio
 
 from ..errors import NotFoundError, OriginError
-from .base import HEX64, Origin
+from .base import HEX64, ObjectInfo, Origin
+
+
+def _is_temp(name: str) -> bool:
+    return name.startswith(".") and (".tmp-" in name or ".gc-" in name)
+
+
+def _version(st: os.stat_result) -> str:
+    return f"{st.st_ino}:{st.st_mtime_ns}"
 
 
 def _fsync_path(path: str | os.PathLike[str], directory: bool = False) -> None:
@@ -123,3 +131,102 @@ class FileOrigin(Origin):
             return await trio.to_thread.run_sync(scan)
         except OSError as e:
             raise self._oserror(e, prefix, "list") from None
+
+    # ------------------------------------------------------------ gc primitives
+
+    async def _list_info(self, prefix: str) -> list[ObjectInfo]:
+        base = self._path(prefix.rstrip("/"))
+
+        def walk() -> list[ObjectInfo]:
+            out: list[ObjectInfo] = []
+            for dirpath, _dirs, files in os.walk(base):
+                for name in files:
+                    if _is_temp(name):
+                        continue
+                    full = os.path.join(dirpath, name)
+                    try:
+                        st = os.stat(full, follow_symlinks=False)
+                    except FileNotFoundError:  # removed while we listed
+                        continue
+                    key = os.path.relpath(full, self.root).replace(os.sep, "/")
+                    out.append(ObjectInfo(key=key, size=st.st_size, updated=st.st_mtime, version=_version(st)))
+            return out
+
+        try:
+            return await trio.to_thread.run_sync(walk)
+        except OSError as e:
+            raise self._oserror(e, prefix, "list") from None
+
+    def _move_sync(self, src: str, dst: str) -> bool:
+        s, d = self._path(src), self._path(dst)
+        d.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(s, d)  # no clobber: an object already at dst is kept
+        except FileNotFoundError:
+            return False
+        except FileExistsError:
+            pass
+        except OSError as e:
+            if e.errno not in (errno.EPERM, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+                raise
+            if d.exists():  # no hard links here: rename, unless dst already holds one
+                pass
+            else:
+                try:
+                    os.rename(s, d)
+                except FileNotFoundError:
+                    return False
+                _fsync_path(d.parent, directory=True)
+                return True
+        try:
+            os.unlink(s)
+        except FileNotFoundError:
+            return False
+        _fsync_path(d.parent, directory=True)
+        _fsync_path(s.parent, directory=True)
+        return True
+
+    async def _move(self, src: str, dst: str) -> bool:
+        try:
+            return await trio.to_thread.run_sync(self._move_sync, src, dst)
+        except OSError as e:
+            raise self._oserror(e, src, "move") from None
+
+    def _delete_sync(self, info: ObjectInfo) -> bool:
+        # Rename aside (atomic), then look at what was renamed: a writer that replaced the
+        # object after it was listed gets its version put back (no clobber of a newer one).
+        path = self._path(info.key)
+        aside = path.parent / f".{path.name[:64]}.gc-{uuid.uuid4().hex[:12]}"
+        try:
+            os.rename(path, aside)
+        except FileNotFoundError:
+            return False
+        try:
+            same = _version(os.stat(aside)) == info.version
+            if not same:
+                try:
+                    os.link(aside, path)
+                except FileExistsError:
+                    pass
+        finally:
+            aside.unlink(missing_ok=True)
+            _fsync_path(path.parent, directory=True)
+        if same and info.key.startswith("trash/"):
+            self._prune_empty(path.parent)
+        return same
+
+    def _prune_empty(self, d: Path) -> None:
+        """Remove the empty folders a gc run's trash leaves (up to, not including, trash/)."""
+        stop = self.root / "trash"
+        while d != stop and stop in d.parents:
+            try:
+                d.rmdir()
+            except OSError:
+                return
+            d = d.parent
+
+    async def _delete_if_unchanged(self, info: ObjectInfo) -> bool:
+        try:
+            return await trio.to_thread.run_sync(self._delete_sync, info)
+        except OSError as e:
+            raise self._oserror(e, info.key, "delete") from None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from datetime import datetime
 from typing import Any
 from urllib.parse import quote
 
@@ -23,7 +24,7 @@ import trio
 
 from ..errors import OriginError
 from ..pool import run_pool
-from .base import HEX64, Origin
+from .base import HEX64, ObjectInfo, Origin
 from .transport import RetryingClient, describe_status, get_body
 
 log = logging.getLogger("herd.p2p.origin.gcs")
@@ -245,5 +246,71 @@ class GCSOrigin(Origin):
         self._sync_retries()
         return found
 
+    # ------------------------------------------------------------ gc primitives
+
+    async def _list_info(self, prefix: str) -> list[ObjectInfo]:
+        url = f"{self.base}/storage/v1/b/{quote(self.bucket, safe='')}/o"
+        full = self.prefix + prefix
+        out: list[ObjectInfo] = []
+        token: str | None = None
+        while True:
+            params = {"prefix": full, "maxResults": str(self.list_page),
+                      "fields": "items(name,size,updated,generation),nextPageToken"}
+            if token:
+                params["pageToken"] = token
+            resp = await self.http.request("GET", url, params=params)
+            if resp.status_code == 404:
+                raise OriginError(f"origin {self.url}: bucket {self.bucket!r} does not exist")
+            if resp.status_code != 200:
+                raise OriginError(f"origin {self.url}: list {prefix}: {describe_status(resp)}")
+            try:
+                body = resp.json()
+                for item in body.get("items", []) or []:
+                    name = str(item["name"])
+                    if not name.startswith(full):
+                        continue
+                    out.append(ObjectInfo(key=name[len(self.prefix):], size=int(item.get("size", 0)),
+                                          updated=_rfc3339(str(item.get("updated", ""))),
+                                          version=str(item.get("generation", ""))))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                raise OriginError(f"origin {self.url}: list {prefix}: not a GCS listing") from None
+            self._sync_retries()
+            token = body.get("nextPageToken")
+            if not token:
+                return out
+
+    async def _move(self, src: str, dst: str) -> bool:
+        # GCS has no rename: a server-side copy (create-only at dst), then delete src.
+        b = quote(self.bucket, safe="")
+        url = (f"{self.base}/storage/v1/b/{b}/o/{quote(self.prefix + src, safe='')}"
+               f"/copyTo/b/{b}/o/{quote(self.prefix + dst, safe='')}")
+        resp = await self.http.request("POST", url, params={"ifGenerationMatch": "0"})
+        if resp.status_code == 404:
+            return False
+        if resp.status_code not in (200, 412):  # 412: dst already there (same content-addressed bytes)
+            raise OriginError(f"origin {self.url}: copy {src} -> {dst}: {describe_status(resp)}")
+        resp = await self.http.request("DELETE", self._object_url(src))
+        self._sync_retries()
+        if resp.status_code not in (200, 204, 404):
+            raise OriginError(f"origin {self.url}: delete {src}: {describe_status(resp)}")
+        return True
+
+    async def _delete_if_unchanged(self, info: ObjectInfo) -> bool:
+        params = {"ifGenerationMatch": info.version} if info.version else {}
+        resp = await self.http.request("DELETE", self._object_url(info.key), params=params)
+        self._sync_retries()
+        if resp.status_code in (404, 412):  # gone, or rewritten since it was listed
+            return False
+        if resp.status_code not in (200, 204):
+            raise OriginError(f"origin {self.url}: delete {info.key}: {describe_status(resp)}")
+        return True
+
     async def aclose(self) -> None:
         await self.http.aclose()
+
+
+def _rfc3339(text: str) -> float:
+    try:
+        return datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        raise OriginError(f"GCS listing with an unreadable time {text!r:.40}") from None
