@@ -282,11 +282,17 @@ def test_render_metrics_uses_dcgm_names_and_marks_simulated():
             ("DCGM_FI_DEV_GPU_TEMP", {}, 40.0), ("DCGM_FI_DEV_POWER_USAGE", {}, 70.5),
             ("DCGM_FI_DEV_FB_USED", {}, 10), ("DCGM_FI_DEV_FB_FREE", {}, 20), ("DCGM_FI_DEV_XID_ERRORS", {}, 79),
             ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", {}, 0), ("DCGM_FI_DEV_ROW_REMAP_FAILURE", {}, 0),
-            ("DCGM_EXP_XID_ERRORS_COUNT", {"xid": "13"}, 1), ("herd_gpu_health", {"state": "fatal"}, 1),
-            ("herd_gpu_health", {"state": "healthy"}, 0),
-            ("herd_gpu_health_reason", {"code": "xid:79", "severity": "fatal"}, 1), ("herd_gpu_simulated", {}, 1)]:
+            ("DCGM_EXP_XID_ERRORS_COUNT", {"xid": "13"}, 1),
+            ]:
         assert got[(name, full | frozenset(extra.items()))] == want, name
-    host = frozenset({"Hostname": "h1", "node": "h1"}.items())
+    ours = frozenset({"gpu": "0", "uuid": U, "pci_bus_id": "00000000:18:00.0", "device": "nvidia0",
+                      "model_name": 'NVIDIA "H100"', "node": "h1", "simulated": "true", "workload": "",
+                      "job": ""}.items())
+    for name, extra, want in [
+            ("herd_gpu_health", {"state": "fatal"}, 1), ("herd_gpu_health", {"state": "healthy"}, 0),
+            ("herd_gpu_health_reason", {"code": "xid:79", "severity": "fatal"}, 1), ("herd_gpu_simulated", {}, 1)]:
+        assert got[(name, ours | frozenset(extra.items()))] == want, name
+    host = frozenset({"node": "h1"}.items())
     assert got[("herd_host_health", host | {("state", "healthy")})] == 1
     assert got[("herd_host_mem_available_bytes", host)] == 1073741824
     assert got[("herd_host_load1", host)] == 0.5

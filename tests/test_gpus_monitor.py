@@ -110,7 +110,7 @@ async def test_injected_faults_walk_the_states_and_back(tmp_path):
             assert st["health"] == {"healthy": 6, "degraded": 2, "fatal": 0}
             text = render_metrics(mon.snapshot(), "sim-1")
             assert value(text, "herd_gpu_simulated", gpu="0", simulated="true", node="sim-1") == 1
-            assert value(text, "herd_gpu_health", gpu="7", UUID=u[7], state="healthy") is not None
+            assert value(text, "herd_gpu_health", gpu="7", uuid=u[7], state="healthy") is not None
             n.cancel_scope.cancel()
 
 

@@ -1,10 +1,13 @@
 """Prometheus families for GPU and host health (through ``prometheus_client``:
 :mod:`scheduler_link.metrics`).
 
-GPU series reuse dcgm-exporter's names and labels (``gpu``, ``UUID``, ``pci_bus_id``,
+``DCGM_*`` series reuse dcgm-exporter's names and labels (``gpu``, ``UUID``, ``pci_bus_id``,
 ``device``, ``modelName``, ``Hostname``) so existing dashboards work, plus ``node`` (as on
 every herd series), ``workload`` and ``job`` (the GPU's current holder, empty when free:
-dcgm-exporter's pod/namespace attribution) and ``simulated="true|false"``;
+dcgm-exporter's pod/namespace attribution) and ``simulated="true|false"``. Our ``herd_gpu_*``
+series carry the same facts in snake_case (``uuid``, ``model_name``; no ``Hostname``: ``node``
+says it), so ``promtool check metrics`` has nothing to say about them; the two join on
+``gpu`` and ``node``.
 ``herd_gpu_simulated`` says it once more, so a simulated GPU is never mistaken for a real
 one. A value the backend did not read is no series at all, never a made-up 0. dcgm-exporter's
 counters keep their exact names and are exposed untyped (the module docstring of
@@ -71,6 +74,7 @@ def _num(v: float | int | bool) -> float:
 
 
 def gpu_labels(g: GpuInfo, hostname: str, node: str, holders: Holders | None = None) -> dict[str, str]:
+    """dcgm-exporter's label names (for ``DCGM_*`` series) plus ours."""
     wl, job = (holders or {}).get(g.uuid, ("", ""))
     return {"gpu": str(g.index), "UUID": g.uuid, "pci_bus_id": g.pci_bus_id,
             "device": f"nvidia{g.minor_number if g.minor_number is not None else g.index}",
@@ -78,20 +82,30 @@ def gpu_labels(g: GpuInfo, hostname: str, node: str, holders: Holders | None = N
             "workload": wl, "job": job, "simulated": "true" if g.simulated else "false"}
 
 
+def herd_gpu_labels(dcgm: Mapping[str, str]) -> dict[str, str]:
+    """The same facts in Prometheus's snake_case, for our ``herd_gpu_*`` series (``gpu`` and
+    ``node`` are on both, so the two kinds join on them)."""
+    return {"gpu": dcgm["gpu"], "uuid": dcgm["UUID"], "pci_bus_id": dcgm["pci_bus_id"], "device": dcgm["device"],
+            "model_name": dcgm["modelName"], "node": dcgm["node"], "workload": dcgm["workload"],
+            "job": dcgm["job"], "simulated": dcgm["simulated"]}
+
+
 def gpu_families(snapshot: GpuSnapshot, node: str, *, hostname: str | None = None,
                  holders: Holders | None = None) -> Iterator[Metric]:
     """The GPU and host families of ``snapshot`` (``hostname`` defaults to ``node``)."""
     host = hostname if hostname is not None else node
-    labels = [(g, gpu_labels(g, host, node, holders)) for g in snapshot.gpus]
+    dcgm = [(g, gpu_labels(g, host, node, holders)) for g in snapshot.gpus]
+    labels = [(g, herd_gpu_labels(lb)) for g, lb in dcgm]
 
     for name, kind, help_, get in _GPU_SERIES:
-        rows = [(lb, _num(v)) for g, lb in labels if (v := get(g.telemetry)) is not None]
+        which = labels if name.startswith("herd_") else dcgm
+        rows = [(lb, _num(v)) for g, lb in which if (v := get(g.telemetry)) is not None]
         if not rows:
             continue
         yield dcgm_counter(name, help_, rows) if kind == "dcgm_counter" else family(kind, name, help_, rows)
 
     if labels:
-        xids = [({**lb, "xid": xid}, float(n)) for g, lb in labels
+        xids = [({**lb, "xid": xid}, float(n)) for g, lb in dcgm
                 for xid, n in sorted(g.telemetry.xid_counts.items(), key=lambda kv: int(kv[0]))]
         yield family("gauge", "DCGM_EXP_XID_ERRORS_COUNT",
                      "XID errors seen since agent start (or last reset), by XID.", xids)
@@ -109,7 +123,7 @@ def gpu_families(snapshot: GpuSnapshot, node: str, *, hostname: str | None = Non
                       for g, lb in labels])
 
     h = snapshot.host
-    hl = {"Hostname": host, "node": node}
+    hl = {"node": node}     # ours: no dcgm-exporter label to match
     yield family("gauge", "herd_host_health", "Host health state (1 for the current state).",
                  [({**hl, "state": st}, 1.0 if h.state == st else 0.0) for st in _STATES])
     for name, help_, v in (
