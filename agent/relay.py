@@ -148,7 +148,7 @@ class Relay:
     def __init__(self, *, node_id: str, rack: str, tokens: TokenSet, listen: str, wire_url: Callable[[], str | None],
                  own_part: PartHandler, blobs: BlobCache, placer_blob: BlobSource | None = None,
                  advertise: str | None = None, heartbeat_s: float = 5.0, backoff_min_s: float = 0.05,
-                 backoff_max_s: float = 2.0, request_timeout_s: float = 10.0,
+                 backoff_max_s: float = 2.0, request_timeout_s: float = 10.0, max_connections: int = 512,
                  clock: Callable[[], float] = time.time) -> None:
         self.node_id = node_id
         self.rack = rack
@@ -165,7 +165,9 @@ class Relay:
         self.request_timeout_s = request_timeout_s
         self._clock = clock
         self.book = BeatBook(rack, heartbeat_s)
-        self.server = HeartbeatServer(tokens, _frames_only, frames=self)
+        # a rack is small (<= 72 trays an NVL72) plus the few relays come for a blob: not the
+        # descriptor-derived default, which may be 64 under a low ulimit
+        self.server = HeartbeatServer(tokens, _frames_only, frames=self, max_connections=max_connections)
         self.listen_url = ""
         self._members: dict[str, FrameChannel] = {}
         self._up: FrameChannel | None = None

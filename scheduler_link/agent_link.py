@@ -448,7 +448,11 @@ class AgentLink:
     async def _post(self, client: httpx.AsyncClient | None, url: str, report: NodeReport,
                     headers: dict[str, str]) -> ReportReply:
         if self._wire is not None:
-            with trio.fail_after(self.request_timeout_s):
+            # through a relay: an empty heartbeat is answered by the relay at once, so a relay
+            # that is silent for two intervals is dead to us (before the placer thinks us lost)
+            limit = self.request_timeout_s if self._relay is None else \
+                min(self.request_timeout_s, max(2.0, 2 * self.heartbeat_s))
+            with trio.fail_after(limit):
                 wr = await self._wire.exchange(report)
             self.reports_sent += 1
             self.wire_reports += 1
