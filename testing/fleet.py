@@ -207,6 +207,7 @@ class EmulatedNode:
                           workloads=list(self.workloads.values()), manifests=[], sent_at=time.time())
 
     async def stop_workloads(self, victims: list[Victim]) -> None:
+        self.fleet.stats.told(len(victims), time.time())
         for v in victims:
             self.fleet.spawn(self._stop, v)
 
@@ -235,6 +236,7 @@ class EmulatedNode:
                 world_size=p.world_size, gpus=list(pod.gpus), state="accepted", manifest_id=p.manifest_id,
                 created_at=now, updated_at=now)
             fresh.append(pod.workload_id)
+        self.fleet.stats.told(len(p.victims), now)
         for v in p.victims:
             self.fleet.spawn(self._stop, v)
         for wid in fresh:
@@ -277,6 +279,7 @@ class EmulatedNode:
                 workload_id=pod.workload_id, job_id=part.job_id, placement_id=part.placement_id, rank=pod.rank,
                 gpus=list(pod.gpus), state="accepted", created_at=now, updated_at=now)
             fresh.append(pod.workload_id)
+        self.fleet.stats.told(len(part.victims), now)
         for v in part.victims:
             self.fleet.spawn(self._stop, v)
         for wid in fresh:
@@ -528,6 +531,17 @@ class JobEvents:
 class FleetStats:
     placements: int = 0
     parts: int = 0                      # NodeParts that came through this process's relays
+    victims_told: int = 0               # stop orders received (parts, placements, report replies)
+    first_victim_at: float = 0.0
+    last_victim_at: float = 0.0
+
+    def told(self, n: int, at: float) -> None:
+        if n <= 0:
+            return
+        self.victims_told += n
+        if not self.first_victim_at:
+            self.first_victim_at = at
+        self.last_victim_at = at
     placement_bytes: int = 0
     placement_bytes_max: int = 0
     acks: dict[str, int] = field(default_factory=dict)
@@ -757,6 +771,8 @@ class Fleet:
             "failures": sum(lk.failures for lk in links), "conflicts": sum(lk.conflicts for lk in links),
             "placements": st.placements, "placement_bytes": st.placement_bytes,
             "placement_bytes_max": st.placement_bytes_max, "acks": dict(st.acks), "events": st.events,
+            "victims_told": st.victims_told, "first_victim_at": st.first_victim_at,
+            "last_victim_at": st.last_victim_at,
             "first_event_at": st.first_event_at, "last_event_at": st.last_event_at,
             "shared_wires": [{"connects": s.connects, "breaks": s.breaks, "exchanges": s.exchanges}
                              for s in self.shared],
@@ -821,6 +837,12 @@ class Fleet:
         if method == "GET" and u.path == "/stats":
             job = parse_qs(u.query).get("job", [None])[0]
             return 200, json.dumps(self.statistics(job)).encode()
+        if method == "POST" and u.path == "/relays/hang":  # the bench's failure case (loopback only)
+            frac = float(parse_qs(u.query).get("fraction", ["0"])[0])
+            every = round(1 / frac) if frac > 0 else 0
+            for i, r in enumerate(self.relays):
+                r.hung = bool(every) and i % every == every // 2
+            return 200, json.dumps({"hung": sum(r.hung for r in self.relays)}).encode()
         parts = u.path.split("/")  # "", "n", node, "v1", "placements"
         if method != "POST" or len(parts) != 5 or parts[1] != "n" or parts[3:] != ["v1", "placements"]:
             return 404, b'{"error": "not found"}'

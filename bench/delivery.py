@@ -1,0 +1,367 @@
+"""A fleet-sized gang delivered through rack relays: the real placer process, the real wire.
+
+    python -m bench.delivery --nodes 4096,16384,131072 [--fleet h100|gb200] [--gang-gpus 200000] [--json]
+
+Per row (N nodes): a fresh ``herd placer run`` subprocess and ``ceil(N / --per-proc)``
+emulator processes in relay mode (``python -m testing.fleet --relays``): one real frames
+connection per rack from the emulator to the placer, carrying its members' registrations,
+event reports and one aggregated beat per heartbeat interval, and answering the placer's
+RackBundles. **The relay -> member hop is emulated in-process** (a method call per
+NodePart, with the real checks: binding, expiry, inventory hash, slots): what is measured
+is the placer and the real wire to the relays, with the emulators on the same 2 cores.
+
+Phases, in one run:
+1. ``empty``: the big gang (``--gang-gpus``, default min(200,000, 60 % of the fleet's GPUs),
+   whole nodes) on the empty fleet: submit -> decided -> pushed -> every node acked, from
+   the job's own timings (one clock: the placer's); the placer's and the emulators' CPU over
+   that window (``/proc``); bytes the placer wrote in bundles for the gang; the largest
+   NodePart a member would receive (``part_bytes_max``, re-encoded by the emulated relay);
+   racks, direct pushes, fallbacks; then running.
+2. ``hung``: 1 % of the relays take bundles and never answer (``POST /relays/hang``); the same
+   gang again: every node still acked (the hung racks pushed directly after
+   ``relay_timeout_s``); the added time against phase 1.
+3. ``steady``: the phase-2 gang running, heartbeats through the relays every
+   ``--heartbeat`` s: the placer's CPU fraction over ``--steady-s``, its open descriptors
+   and frames connections.
+4. ``preempt``: the fleet filled to ~``--fill`` with placer/sim.py's job mix (priority 0),
+   then the big gang at priority 2: submit -> acked, and submit -> the last victim told
+   (the emulators record when each stop arrives).
+
+Baseline in the same run, same N (``--no-baseline`` to skip): a fresh placer with
+``relays = false`` and emulators without relays (their nodes multiplexed on the framed
+channel for reports, placements one HTTP POST per node): a 2,000-node gang's
+submit -> acked, and the big gang bounded at ``--baseline-limit`` s (60), reported as how
+many nodes had acked by then.
+
+Every wait is bounded; every loop is bounded in count and time; traffic stays on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import tempfile
+import time
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.fleet import _jobs_mix, _ms, _note, _submit_all, _viewer, _wait_fill, _wait_job  # noqa: E402
+from scheduler_link.auth import TokenSet, generate_token_dir  # noqa: E402
+from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, wait_nodes_up, wait_recovered  # noqa: E402
+
+
+@dataclass(frozen=True, slots=True)
+class Args:
+    fleet: str
+    gang_gpus: int | None
+    per_proc: int
+    heartbeat_s: float
+    steady_s: float
+    fill: float
+    fill_max_jobs: int
+    limit_s: float
+    baseline: bool
+    baseline_limit_s: float
+    hung_fraction: float
+    preempt: bool
+    seed: int
+
+
+def _gang(fleet: str, gpus_total: int, want: int | None) -> dict[str, Any]:
+    from placer.sim import fleet_shape
+
+    gpn = fleet_shape(fleet).gpus_per_node
+    g = want or min(200_000, int(gpus_total * 0.6))
+    return {"pods": max(1, g // gpn), "gpus_per_pod": gpn, "whole_nodes": True, "priority": 2,
+            "preemptible": False, "argv": ["/bin/sleep", "3600"], "grace_s": 1}
+
+
+async def _fleet(stack: AsyncExitStack, tmp: Path, td: Path, a: Args, n: int, *, relays: bool
+                 ) -> tuple[PlacerProc, list[EmulatorProc], httpx.AsyncClient]:
+    opts = PlacerOptions(heartbeat_s=a.heartbeat_s, fence_after_s=600.0, ack_timeout_s=30.0, recover_s=2.0,
+                         relays=relays)
+    placer = await stack.enter_async_context(PlacerProc(tmp, td, opts))
+    c = await stack.enter_async_context(httpx.AsyncClient(timeout=120, headers=_viewer(td)))
+    procs = max(1, math.ceil(n / a.per_proc))
+    emus = []
+    for k in range(procs):
+        lo, hi = k * n // procs, (k + 1) * n // procs
+        extra = ["--fetch-delay", "0.2", "--run-delay", "0.3"] + (["--relays"] if relays else [])
+        emus.append(await stack.enter_async_context(EmulatorProc(
+            placer, td, nodes=hi - lo, offset=lo, fleet=a.fleet, mux=8, log_path=tmp / f"emu{k}.log", extra=extra)))
+    return placer, emus, c
+
+
+async def _register(row: dict[str, Any], key: str, placer: PlacerProc, emus: list[EmulatorProc],
+                    c: httpx.AsyncClient, n: int) -> bool:
+    cpu0 = placer.cpu_s()
+    for e in emus:
+        await e.go()
+    up, s = await wait_nodes_up(c, placer.url, n, limit_s=300)
+    row[key] = {"up": up, "s": s, "placer_cpu_s": placer.cpu_s() - cpu0}
+    _note(f"{key}", up=up, s=s)
+    if up < n:
+        return False
+    await wait_recovered(c, placer.url)
+    return True
+
+
+async def _stats(c: httpx.AsyncClient, emus: list[EmulatorProc]) -> dict[str, Any]:
+    ss = [await e.stats(c) for e in emus]
+    acks: dict[str, int] = {}
+    for s in ss:
+        for k, v in s["acks"].items():
+            acks[k] = acks.get(k, 0) + v
+    return {"acks": acks, "placements": sum(s["placements"] for s in ss), "parts": sum(s.get("parts", 0) for s in ss),
+            "part_bytes_max": max(s.get("part_bytes_max", 0) for s in ss),
+            "placement_bytes_max": max(s["placement_bytes_max"] for s in ss),
+            "victims_told": sum(s["victims_told"] for s in ss),
+            "last_victim_at": max(s["last_victim_at"] for s in ss),
+            "blob_fetches": [s.get("blob_fetches") for s in ss]}
+
+
+async def _relay_stats(c: httpx.AsyncClient, url: str) -> dict[str, Any]:
+    cl = (await c.get(f"{url}/v1/cluster", params={"detail": "0"})).json()
+    return {"relays": cl["placer"]["relays"], "framed": cl.get("framed_channel", {})}
+
+
+def _sub(a: dict[str, Any], b: dict[str, Any]) -> dict[str, int]:
+    return {k: a.get(k, 0) - b.get(k, 0) for k in a}
+
+
+async def _deliver(c: httpx.AsyncClient, placer: PlacerProc, emus: list[EmulatorProc], op: dict[str, str],
+                   spec: dict[str, Any], limit_s: float) -> dict[str, Any]:
+    """Submit ``spec``; wait until every node acked (then running), bounded; the figures."""
+    s0 = await _stats(c, emus)
+    r0 = await _relay_stats(c, placer.url)
+    cpu0, ecpu0 = placer.cpu_s(), sum(e.cpu_s() for e in emus)
+    r = await c.post(f"{placer.url}/v1/jobs", json=spec, headers=op)
+    if r.status_code != 201:
+        return {"error": r.text[:300]}
+    job = await _wait_job(c, placer.url, spec["job_id"], "starting", limit_s)
+    cpu_acked, ecpu_acked = placer.cpu_s() - cpu0, sum(e.cpu_s() for e in emus) - ecpu0
+    run = await _wait_job(c, placer.url, spec["job_id"], "running", limit_s)
+    t = run.get("timings", {}) or job.get("timings", {})
+    s1 = await _stats(c, emus)
+    r1 = await _relay_stats(c, placer.url)
+    rel0, rel1 = r0["relays"], r1["relays"]
+    out: dict[str, Any] = {
+        "state": run.get("state"), "pods": spec["pods"],
+        "submit_to_acked_ms": _ms(t, "submitted", "acked"), "decide_ms": _ms(t, "submitted", "decided"),
+        "bookkeeping_ms": _ms(t, "decided", "pushed"), "delivery_ms": _ms(t, "pushed", "acked"),
+        "submit_to_running_ms": _ms(t, "submitted", "running"),
+        "placer_cpu_to_acked_s": cpu_acked, "emulator_cpu_to_acked_s": ecpu_acked,
+        "bundle_bytes": rel1["bytes_out"] - rel0["bytes_out"], "bundles": rel1["bundles"] - rel0["bundles"],
+        "bundle_failures": rel1["bundle_failures"] - rel0["bundle_failures"],
+        "fallback_nodes": rel1["fallback_nodes"] - rel0["fallback_nodes"],
+        "blob_serves_by_placer": rel1["blob_serves"] - rel0["blob_serves"],
+        "last_delivery": rel1.get("last_delivery"),
+        "acks": _sub(s1["acks"], s0["acks"]), "http_placements": s1["placements"] - s0["placements"],
+        "parts": s1["parts"] - s0["parts"], "part_bytes_max": s1["part_bytes_max"],
+        "victims_told": s1["victims_told"] - s0["victims_told"],
+    }
+    if out["victims_told"] and "submitted" in t:
+        out["submit_to_last_victim_told_ms"] = (s1["last_victim_at"] - t["submitted"]) * 1000
+    return out
+
+
+async def _cancel(c: httpx.AsyncClient, url: str, op: dict[str, str], job_id: str, gpus: int) -> None:
+    await c.delete(f"{url}/v1/jobs/{job_id}", headers=op)
+    with trio.move_on_after(120):
+        while (await c.get(f"{url}/v1/cluster")).json()["model"]["free"] < gpus:
+            await trio.sleep(0.5)
+
+
+async def relay_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
+    from placer.sim import fleet_shape
+
+    gpus = n * fleet_shape(a.fleet).gpus_per_node
+    td = generate_token_dir(tmp / "tokens")
+    op = {"authorization": f"Bearer {TokenSet.load(td).operator}"}
+    row: dict[str, Any] = {"nodes": n, "gpus": gpus, "fleet": a.fleet, "path": "rack relays"}
+    gang = _gang(a.fleet, gpus, a.gang_gpus)
+    row["gang_gpus"] = gang["pods"] * gang["gpus_per_pod"]
+    async with AsyncExitStack() as stack:
+        placer, emus, c = await _fleet(stack, tmp, td, a, n, relays=True)
+        row["emulator_procs"] = len(emus)
+        if not await _register(row, "register", placer, emus, c, n):
+            return row
+        row["empty"] = await _deliver(c, placer, emus, op, {**gang, "job_id": "big1"}, a.limit_s)
+        _note("empty fleet", **{k: row["empty"].get(k) for k in ("state", "submit_to_acked_ms", "bundle_bytes")})
+        await _cancel(c, placer.url, op, "big1", gpus)
+
+        if a.hung_fraction > 0:
+            hung = 0
+            for e in emus:
+                hung += (await c.post(f"{e.control}/relays/hang", params={"fraction": a.hung_fraction})).json()["hung"]
+            row["hung_relays"] = hung
+            row["hung"] = await _deliver(c, placer, emus, op, {**gang, "job_id": "big2"}, a.limit_s)
+            _note("hung relays", hung=hung, **{k: row["hung"].get(k) for k in ("state", "submit_to_acked_ms")})
+            for e in emus:
+                await c.post(f"{e.control}/relays/hang", params={"fraction": 0})
+            held = "big2"
+        else:
+            row["again"] = await _deliver(c, placer, emus, op, {**gang, "job_id": "big2"}, a.limit_s)
+            held = "big2"
+
+        # steady state with the gang running
+        await trio.sleep(min(a.heartbeat_s, 5.0))
+        cpu0, ecpu0, w0 = placer.cpu_s(), sum(e.cpu_s() for e in emus), trio.current_time()
+        await trio.sleep(a.steady_s)
+        dt = trio.current_time() - w0
+        rs = await _relay_stats(c, placer.url)
+        row["steady"] = {"placer_cpu_frac": (placer.cpu_s() - cpu0) / dt,
+                         "emulator_cpu_frac": (sum(e.cpu_s() for e in emus) - ecpu0) / dt,
+                         "placer_fds": placer.fds(), "frames_connections": rs["framed"].get("frames_connections"),
+                         "placer_rss_mib": placer.rss_mib(),
+                         "nodes_up": (await c.get(f"{placer.url}/v1/cluster", params={"detail": "0"})).json()["nodes"]["up"]}
+        _note("steady", **row["steady"])
+        await _cancel(c, placer.url, op, held, gpus)
+
+        if a.preempt:
+            specs = _jobs_mix(a.fleet, gpus, a.fill, a.seed, a.fill_max_jobs)
+            ok, bad = await _submit_all(c, placer.url, op, specs, 120.0)
+            counts = await _wait_fill(c, placer.url, ok, 180.0)
+            row["fill"] = {"jobs": ok, "refused": bad, "running": counts.get("running", 0)}
+            _note("filled", **row["fill"])
+            row["preempt"] = await _deliver(c, placer, emus, op, {**gang, "job_id": "big3"}, a.limit_s)
+            _note("preempting gang", **{k: row["preempt"].get(k) for k in
+                                        ("state", "submit_to_acked_ms", "victims_told", "submit_to_last_victim_told_ms")})
+    return row
+
+
+async def baseline_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
+    from placer.sim import fleet_shape
+
+    gpus = n * fleet_shape(a.fleet).gpus_per_node
+    td = generate_token_dir(tmp / "tokens")
+    op = {"authorization": f"Bearer {TokenSet.load(td).operator}"}
+    row: dict[str, Any] = {"nodes": n, "fleet": a.fleet, "path": "one HTTP POST per node (relays = false)"}
+    gang = _gang(a.fleet, gpus, a.gang_gpus)
+    async with AsyncExitStack() as stack:
+        placer, emus, c = await _fleet(stack, tmp, td, a, n, relays=False)
+        if not await _register(row, "register", placer, emus, c, n):
+            return row
+        small = {**gang, "pods": min(2000, gang["pods"]), "job_id": "base-small"}
+        row["small"] = await _deliver(c, placer, emus, op, small, 120.0)
+        _note("baseline small gang", **{k: row["small"].get(k) for k in ("state", "submit_to_acked_ms")})
+        await _cancel(c, placer.url, op, "base-small", gpus)
+        # the big gang, bounded: how many nodes had acked when the limit came
+        s0 = await _stats(c, emus)
+        cpu0 = placer.cpu_s()
+        t0 = trio.current_time()
+        r = await c.post(f"{placer.url}/v1/jobs", json={**gang, "job_id": "base-big"}, headers=op)
+        job = await _wait_job(c, placer.url, "base-big", "starting", a.baseline_limit_s) if r.status_code == 201 else {}
+        s1 = await _stats(c, emus)
+        t = job.get("timings", {})
+        row["big"] = {"pods": gang["pods"], "state": job.get("state"), "limit_s": a.baseline_limit_s,
+                      "waited_s": trio.current_time() - t0,
+                      "acked_nodes": sum(_sub(s1["acks"], s0["acks"]).values()),
+                      "submit_to_acked_ms": _ms(t, "submitted", "acked"), "placer_cpu_s": placer.cpu_s() - cpu0,
+                      "placement_bytes_max": s1["placement_bytes_max"]}
+        _note("baseline big gang", **row["big"])
+    return row
+
+
+async def run_all(nodes: list[int], a: Args) -> dict[str, Any]:
+    rows, base = [], []
+    for n in nodes:
+        with tempfile.TemporaryDirectory(prefix="herd-bench-delivery-") as d:
+            if a.baseline:
+                base.append(await baseline_row(n, a, Path(d) / "b"))
+            rows.append(await relay_row(n, a, Path(d) / "r"))
+    return {"fleet": a.fleet, "rows": rows, "baseline": base, "cores": os.cpu_count(),
+            "note": "relay -> member hop emulated in-process; placer <-> relays over the real framed channel"}
+
+
+def _f(v: Any, spec: str = ".0f") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return format(v, spec)
+
+
+def print_table(out: dict[str, Any]) -> None:
+    print(f"fleet {out['fleet']} — a big gang through rack relays: real placer process, real wire to the relays, "
+          f"relay->member hop in-process; {out['cores']} cores shared with the emulators")
+    hdr = (f"  {'nodes':>7} {'gang gpus':>9} {'phase':>7} {'acked ms':>8} {'decide':>7} {'bookk.':>7} {'deliv.':>7} "
+           f"{'cpu s':>6} {'emu cpu':>7} {'MB out':>7} {'part B':>6} {'fallbk':>6} {'victims':>7} {'vict. ms':>8}")
+    print(hdr)
+    for r in out["rows"]:
+        for ph in ("empty", "hung", "again", "preempt"):
+            d = r.get(ph)
+            if not d:
+                continue
+            print(f"  {r['nodes']:>7,} {r['gang_gpus']:>9,} {ph:>7} {_f(d.get('submit_to_acked_ms')):>8} "
+                  f"{_f(d.get('decide_ms')):>7} {_f(d.get('bookkeeping_ms')):>7} {_f(d.get('delivery_ms')):>7} "
+                  f"{_f(d.get('placer_cpu_to_acked_s'), '.2f'):>6} {_f(d.get('emulator_cpu_to_acked_s'), '.2f'):>7} "
+                  f"{_f(d.get('bundle_bytes', 0) / 1e6, '.2f'):>7} {_f(d.get('part_bytes_max')):>6} "
+                  f"{_f(d.get('fallback_nodes')):>6} {_f(d.get('victims_told')):>7} "
+                  f"{_f(d.get('submit_to_last_victim_told_ms')):>8}")
+        st = r.get("steady")
+        if st:
+            print(f"  {r['nodes']:>7,} steady: placer {st['placer_cpu_frac']:.3f} of a core, emulators "
+                  f"{st['emulator_cpu_frac']:.2f}, {st['frames_connections']} frames connections, "
+                  f"{st['placer_fds']} fds, {st['placer_rss_mib']:.0f} MiB, {st['nodes_up']:,} up")
+    for b in out["baseline"]:
+        sm, bg = b.get("small", {}), b.get("big", {})
+        print(f"  baseline {b['nodes']:,} ({b['path']}): {sm.get('pods', 0):,}-node gang acked in "
+              f"{_f(sm.get('submit_to_acked_ms'))} ms; {bg.get('pods', 0):,}-node gang: {bg.get('acked_nodes', 0):,} "
+              f"nodes acked after {_f(bg.get('waited_s'), '.1f')} s (limit {_f(bg.get('limit_s'))} s, "
+              f"state {bg.get('state')}), placer CPU {_f(bg.get('placer_cpu_s'), '.1f')} s")
+    for r, b in zip(out["rows"], out["baseline"], strict=False):
+        e, bs = r.get("empty", {}), b.get("small", {})
+        if e.get("submit_to_acked_ms") and bs.get("submit_to_acked_ms"):
+            print(f"  {r['nodes']:,} nodes: relays {e['pods']:,} nodes in {e['submit_to_acked_ms']:.0f} ms vs "
+                  f"one POST per node {bs['pods']:,} nodes in {bs['submit_to_acked_ms']:.0f} ms")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.delivery", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", default="4096", help="comma-separated node counts, one row each")
+    ap.add_argument("--fleet", choices=["h100", "gb200"], default="h100")
+    ap.add_argument("--gang-gpus", type=int, default=None, help="default: min(200,000, 60%% of the fleet)")
+    ap.add_argument("--per-proc", type=int, default=16384, help="emulated nodes per emulator process")
+    ap.add_argument("--heartbeat", type=float, default=5.0)
+    ap.add_argument("--steady-s", type=float, default=15.0)
+    ap.add_argument("--fill", type=float, default=0.75, help="the preemption phase's fill")
+    ap.add_argument("--fill-max-jobs", type=int, default=4000)
+    ap.add_argument("--limit", type=float, default=120.0, help="bound on each phase's waits (s)")
+    ap.add_argument("--hung", type=float, default=0.01, help="fraction of relays hung in the failure phase")
+    ap.add_argument("--no-preempt", action="store_true")
+    ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--baseline-limit", type=float, default=60.0)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    ns = ap.parse_args(argv)
+    nodes = [int(x) for x in ns.nodes.split(",") if x.strip()]
+    if not nodes or min(nodes) < 64:
+        ap.error("need --nodes >= 64 each")
+    a = Args(fleet=ns.fleet, gang_gpus=ns.gang_gpus, per_proc=ns.per_proc, heartbeat_s=ns.heartbeat,
+             steady_s=ns.steady_s, fill=ns.fill, fill_max_jobs=ns.fill_max_jobs, limit_s=ns.limit,
+             baseline=not ns.no_baseline, baseline_limit_s=ns.baseline_limit, hung_fraction=ns.hung,
+             preempt=not ns.no_preempt, seed=ns.seed)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    t0 = time.perf_counter()
+    out = trio.run(run_all, nodes, a)
+    out["wall_s"] = time.perf_counter() - t0
+    if ns.json:
+        print(json.dumps(out))
+    else:
+        print_table(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
