@@ -8,6 +8,11 @@ What others may use (import from the modules; this package init stays import-fre
     agent.daemon.run_agent(config)                                # blocking entry point
     agent.supervisor.Supervisor(state_dir, node_id=, gpu_health=) # workloads: place/stop/workloads()
     agent.placement.check_placement(placement, records, gpu_health) -> reason | None   # pure
+    agent.parts.check_part(part, node_id=, now=, inventory=, ...) -> Verdict           # pure
+    agent.parts.PartAcceptor(...).handle(part) -> NodeOutcome      # NodeParts: check, persist, ack, place
+    agent.relay.Relay(...).run(task_status)                        # rack relay; started(members listener URL)
+    agent.relay.BeatBook                                           # members' heartbeats -> rack beats (pure)
+    agent.blobs.BlobCache                                          # verified gang blobs, bounded, single flight
     agent.api.build_app(agent) -> scheduler_link.http.App
     agent.isolation: Identities (who workloads run as), Isolation / detect (cgroup | subreaper)
     agent.sdnotify.Notifier                                        # sd_notify socket protocol

@@ -58,6 +58,7 @@ from scheduler_link.messages import (
     inventory_hash,
 )
 
+from .errors import AgentError
 from .placement import Refusal, check_placement
 from .state import WorkloadRecord, atomic_write
 
@@ -198,6 +199,10 @@ class PartStore:
 
 # ---------------------------------------------------------------- carrying it out (trio)
 
+class PartNotDurable(AgentError):
+    """An accepted part could not be written: it must not be acked."""
+
+
 class PartSupervisor(Protocol):
     async def place(self, placement: Placement, *, direct: bool = False) -> PlacementAck: ...
 
@@ -217,7 +222,7 @@ Inventory = Callable[[], tuple[list[str], Mapping[str, str] | None]]
 @dataclass(frozen=True, slots=True)
 class _Accept:
     part: NodePart
-    reply: trio.MemorySendChannel[NodeOutcome]
+    reply: trio.MemorySendChannel[NodeOutcome | None]     # None: no answer can be given (not durable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,10 +271,15 @@ class PartAcceptor:
                 "writes": self._store.writes}
 
     async def handle(self, part: NodePart) -> NodeOutcome:
-        """Decide on a part and answer once the answer holds (an acceptance is on disk)."""
-        send, recv = trio.open_memory_channel[NodeOutcome](1)
+        """Decide on a part and answer once the answer holds (an acceptance is on disk).
+        Raises :class:`PartNotDurable` when it cannot be written: the sender then says
+        nothing for this node and the placer pushes it directly."""
+        send, recv = trio.open_memory_channel[NodeOutcome | None](1)
         await self._send.send(_Accept(part, send))
-        return await recv.receive()
+        out = await recv.receive()
+        if out is None:
+            raise PartNotDurable(f"part {part.placement_id} could not be written to the state dir")
+        return out
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         recs = await trio.to_thread.run_sync(self._store.load)
@@ -359,20 +369,23 @@ class PartAcceptor:
                     log.warning("part refused placement=%s outcome=%s detail=%s", pid, v.outcome.outcome,
                                 v.outcome.detail)
                 answers.append((msg, v.outcome))
-        for a, out in answers:
-            a.reply.send_nowait(out)
         writes = [r for r, _ in fresh] + done
         if writes:
             try:
                 await trio.to_thread.run_sync(self._store.save, writes)
             except OSError as e:
-                # not durable: an acceptance must not be answered; the placer will push directly
+                # not durable: no acceptance may be answered (the placer pushes those nodes
+                # directly); a record's end state stays in memory
                 log.error("part records not written err=%s", e)
+                lost = {r.part.placement_id for r, _ in fresh}
                 for r, a in fresh:
                     del self._recs[r.part.placement_id]
-                    a.reply.send_nowait(NodeOutcome(node_id=self.node_id, placement_id=r.part.placement_id,
-                                                    outcome="unreachable", detail=f"state write failed: {e}"))
+                    a.reply.send_nowait(None)
+                for a, out in answers:
+                    a.reply.send_nowait(None if a.part.placement_id in lost else out)
                 return
+        for a, out in answers:  # after the write: a repeat of a part accepted in this batch too
+            a.reply.send_nowait(out)
         assert self._nursery is not None
         for r, a in fresh:
             a.reply.send_nowait(NodeOutcome(node_id=self.node_id, placement_id=r.part.placement_id,

@@ -298,7 +298,10 @@ class Relay:
 
     async def _deliver(self, part: NodePart, outcomes: list[NodeOutcome]) -> None:
         if part.node_id == self.node_id:
-            outcomes.append(await self._own_part(part))
+            try:
+                outcomes.append(await self._own_part(part))
+            except Exception as e:  # not accepted durably: left out, the placer pushes it directly
+                log.warning("own part not answered placement=%s err=%s", part.placement_id, e)
             return
         ch = self._members.get(part.node_id)
         if ch is None:

@@ -247,3 +247,38 @@ async def test_one_node_refusing_rolls_the_gang_back_everywhere(tmp_path, token_
         assert 0 in nodes["node2"]["unhealthy_gpus"], nodes["node2"]
         rs = await api.relays()
         assert rs["fallback_nodes"] == 0, rs
+
+
+async def test_parts_reached_acks_lost_nothing_placed_twice(tmp_path, token_dir):
+    """node1 is frozen so the relay waits for its ack; node2 has accepted its part through
+    the relay when the relay is SIGKILLed, so the placer never hears that ack and pushes
+    node2's placement directly as well: node2 answers it as the same placement (one pod),
+    and node1, once thawed, gets its pod once though its part may come both ways."""
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(120), RelayCluster(tmp_path, token_dir, relays={0}, profiles={0: "simulated:l40s-pcie"},
+                                            heartbeat_s=1.0, recover_s=0.5) as c:
+        api = Api(c, tokens)
+        await _start(c, api, 0, [1, 2])
+
+        async def node2_accepted() -> bool:
+            return (await api.agent("node2", "/v1/status"))["parts"]["accepted"] >= 1
+        c.agents["node1"].proc.send_signal(signal.SIGSTOP)
+        await api.submit(job_id="a", pods=2, gpus_per_pod=8, argv=["sleep", "60"], grace_s=1.0)
+        await api.until(node2_accepted, timeout=10)
+        relay = c.agents["node0"]
+        relay.signal_group(signal.SIGKILL)
+        await trio.to_thread.run_sync(relay.proc.wait, 10)
+        await trio.sleep(0.5)
+        c.agents["node1"].proc.send_signal(signal.SIGCONT)
+        job = await api.job("a", wait="running")
+        assert job["state"] == "running" and job["attempt"] == 1, job
+        assert sorted(p["node_id"] for p in job["pods"]) == ["node1", "node2"]
+        rs = await api.relays()
+        assert rs["fallback_nodes"] >= 1, rs
+        ws = await _jobs_workloads(api, "a")
+        for node in ("node1", "node2"):
+            assert len(ws[node]) == 1 and ws[node][0]["state"] == "running", (node, ws[node])
+        await trio.sleep(2.0)  # nothing more arrives later either
+        ws = await _jobs_workloads(api, "a")
+        assert all(len(ws[n]) == 1 and ws[n][0]["state"] == "running" for n in ("node1", "node2")), ws
+        assert (await api.job("a"))["attempt"] == 1

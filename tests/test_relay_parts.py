@@ -11,7 +11,7 @@ import msgspec
 import trio
 
 from agent.blobs import BlobCache, BlobUnavailable
-from agent.parts import PartAcceptor, PartRecord, PartStore, check_part
+from agent.parts import PartAcceptor, PartNotDurable, PartRecord, PartStore, check_part
 from agent.relay import BeatBook, is_empty
 from agent.state import WorkloadRecord
 from agent.supervisor import Supervisor, SupervisorConfig
@@ -365,3 +365,21 @@ async def _both(acc: PartAcceptor, p: NodePart, q: NodePart):
         n.start_soon(go, p)
         n.start_soon(go, q)
     return out[p.placement_id], out[q.placement_id]
+
+
+async def test_a_part_that_cannot_be_written_is_not_acked(tmp_path):
+    bid, raw = _gang(["true"])
+    sup, acc, _ = _setup(tmp_path, {bid: raw})
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            await n.start(acc.run)
+            (tmp_path / "state" / "parts").write_bytes(b"")  # a file where the parts dir goes
+            try:
+                await acc.handle(_part(blob_id=bid))
+                raise AssertionError("acked a part that is not on disk")
+            except PartNotDurable:
+                pass
+            await trio.sleep(0.1)
+            assert sup.records_view() == {}
+            n.cancel_scope.cancel()
