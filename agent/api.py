@@ -20,6 +20,7 @@ other route (reads: no body) 4 KiB. Bodies are read only after authentication.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import logging
 from typing import TYPE_CHECKING
@@ -29,12 +30,14 @@ import trio
 
 from p2p.origins.allow import origin_refusal
 from scheduler_link import authz
+from scheduler_link.apidocs import AGENT_DOCS
 from scheduler_link.auth import bearer
 from scheduler_link.http import (
     App,
     HTTPError,
     Request,
     Response,
+    RouteDoc,
     json_response,
     text_response,
 )
@@ -223,7 +226,23 @@ def build_app(agent: Agent) -> App:
                   flags={"open_reads": cfg.open_reads, "open_metrics": cfg.open_metrics},
                   max_body={("POST", "/v1/workloads/{wid}/stop"): 4096, ("POST", "/v1/gpus/{uuid}/inject"): 16 << 10,
                             ("POST", "/v1/placements"): cfg.max_body_bytes,
-                            ("POST", "/v1/prefetch"): cfg.max_body_bytes})
+                            ("POST", "/v1/prefetch"): cfg.max_body_bytes},
+                  docs=_route_docs())
     return app
+
+
+def _route_docs() -> dict[tuple[str, str], RouteDoc]:
+    """/openapi.json for the routes whose bodies are this package's types (the rest:
+    scheduler_link.apidocs)."""
+    docs = dict(AGENT_DOCS)
+    stop = ("POST", "/v1/workloads/{wid}/stop")
+    docs[stop] = dataclasses.replace(docs[stop], body=_StopBody, body_required=False)
+    try:
+        from agent.gpus.faults import Fault
+    except ImportError:   # without the GPU module the route answers 503
+        return docs
+    inject = ("POST", "/v1/gpus/{uuid}/inject")
+    docs[inject] = dataclasses.replace(docs[inject], body=Fault)
+    return docs
 
 

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .auth import TokenSet, bearer
-from .http import App, AuthPolicy, Handler, HTTPError, Request
+from .http import App, AuthPolicy, Handler, HTTPError, Request, RouteDoc
 
 PUBLIC = "public"
 ROLES = ("placer", "node", "operator", "viewer", "metrics")
@@ -149,12 +149,19 @@ def policy(rule: Rule, tokens: TokenSet, flags: Mapping[str, bool]) -> AuthPolic
 
 def install(app: App, table: tuple[Rule, ...], handlers: Mapping[tuple[str, str], Handler],
             tokens: TokenSet, flags: Mapping[str, bool] | None = None,
-            max_body: Mapping[tuple[str, str], int] | None = None) -> None:
+            max_body: Mapping[tuple[str, str], int] | None = None,
+            docs: Mapping[tuple[str, str], RouteDoc] | None = None) -> None:
     """Add every route of ``table`` to ``app`` with its policy. ``handlers`` maps
     ``(method, template)`` to the handler; a handler without a rule, or a rule without a
-    handler, is a ``ValueError`` at build time (no route is ever served undeclared)."""
+    handler, is a ``ValueError`` at build time (no route is ever served undeclared).
+    Each route's OpenAPI description is the table's in :mod:`scheduler_link.apidocs`,
+    or the one ``docs`` gives for it (types of the daemon's own package)."""
+    from .apidocs import DOCS
+
     flags = flags or {}
     max_body = max_body or {}
+    name = next((k for k, t in TABLES.items() if t is table), None)
+    route_docs = {**(DOCS.get(name, {}) if name else {}), **(docs or {})}
     rules = {r.key: r for r in table}
     if len(rules) != len(table):
         raise ValueError("a route is declared twice in the authz table")
@@ -166,4 +173,5 @@ def install(app: App, table: tuple[Rule, ...], handlers: Mapping[tuple[str, str]
         raise ValueError(f"declared routes without a handler: {missing}")
     for rule in table:
         app.add(rule.method, rule.template, handlers[rule.key], auth=policy(rule, tokens, flags),
-                max_body=max_body.get(rule.key))
+                max_body=max_body.get(rule.key), doc=route_docs.get(rule.key),
+                roles=() if rule.public else rule.roles)

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -126,6 +126,45 @@ def text_response(text: str, status: int = 200, content_type: str = "text/plain;
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+
+
+class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
+    """Every 4xx/5xx answer of both APIs: one JSON line."""
+    error: str
+    detail: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Text:
+    """A response (or request) body that is text, not JSON (logs, Prometheus)."""
+    content_type: str = "text/plain; charset=utf-8"
+
+
+@dataclass(frozen=True, slots=True)
+class Param:
+    """A query parameter: ``schema`` a type msgspec describes (str, int, Literal[...])."""
+    name: str
+    schema: Any = str
+    description: str = ""
+    required: bool = False
+
+
+# A body: a type msgspec can describe (a Struct, list[Struct], dict[str, Struct]), a JSON
+# Schema dict (answers built as dicts), a Text, or None (no body).
+Body = Any
+
+
+@dataclass(frozen=True, slots=True)
+class RouteDoc:
+    """What :meth:`App.openapi` says about a route beyond its path and policy: its request
+    body, its answers by status (errors other than the generic ones a route's policy and
+    body bound imply), its query parameters."""
+    summary: str = ""
+    body: Body = None
+    body_required: bool = True
+    responses: Mapping[int, Body] = field(default_factory=dict)
+    errors: Mapping[int, str] = field(default_factory=dict)      # status -> when
+    query: tuple[Param, ...] = ()
 # An auth policy: given the request, return None when allowed, else raise HTTPError(401).
 AuthPolicy = Callable[[Request], None]
 
@@ -148,6 +187,8 @@ class _Route:
     handler: Handler
     auth: AuthPolicy | None
     max_body: int
+    doc: RouteDoc | None = None
+    roles: tuple[str, ...] = ()
 
 
 class App:
@@ -162,18 +203,19 @@ class App:
         self.gate: ConnectionGate | None = None   # set by serve(): open connection counts
 
     def route(self, method: str, template: str, *, auth: AuthPolicy | None = None,
-              max_body: int | None = None) -> Callable[[Handler], Handler]:
+              max_body: int | None = None, doc: RouteDoc | None = None,
+              roles: tuple[str, ...] = ()) -> Callable[[Handler], Handler]:
         regex = "^" + re.sub(r"\{(\w+)\}", r"(?P<\1>[^/]+)", template) + "$"
 
         def deco(fn: Handler) -> Handler:
             self.routes.append(_Route(method.upper(), re.compile(regex), template, fn, auth,
-                                      self.max_body if max_body is None else max_body))
+                                      self.max_body if max_body is None else max_body, doc, roles))
             return fn
         return deco
 
     def add(self, method: str, template: str, fn: Handler, *, auth: AuthPolicy | None = None,
-            max_body: int | None = None) -> None:
-        self.route(method, template, auth=auth, max_body=max_body)(fn)
+            max_body: int | None = None, doc: RouteDoc | None = None, roles: tuple[str, ...] = ()) -> None:
+        self.route(method, template, auth=auth, max_body=max_body, doc=doc, roles=roles)(fn)
 
     def _match(self, method: str, path: str) -> tuple[_Route | None, dict[str, str], bool]:
         path_known = False
@@ -269,33 +311,11 @@ class App:
             return json_response({"error": "internal error"}, status=500), not body_read
 
     def openapi(self, title: str, version: str = "1") -> dict[str, Any]:
-        """A minimal OpenAPI 3.1 description generated from the route table, so it
+        """This API's OpenAPI 3.1 document, generated from the route table (paths, methods,
+        path parameters, policies) and each route's :class:`RouteDoc` (bodies, answers,
+        query parameters), with the msgspec Structs' JSON Schemas as components, so it
         cannot drift from what is served."""
-        paths: dict[str, Any] = {}
-        for r in self.routes:
-            op: dict[str, Any] = {
-                "operationId": f"{r.method.lower()}_{re.sub(r'[^a-zA-Z0-9]+', '_', r.template).strip('_')}",
-                "summary": (r.handler.__doc__ or "").strip().splitlines()[0] if r.handler.__doc__ else "",
-                "responses": {"200": {"description": "OK"}},
-            }
-            names = re.findall(r"\{(\w+)\}", r.template)
-            if names:
-                op["parameters"] = [{"name": n, "in": "path", "required": True,
-                                     "schema": {"type": "string"}} for n in names]
-            if r.auth is not None:
-                op["security"] = [{"bearer": []}]
-                op["responses"]["401"] = {"description": "missing or wrong bearer token"}
-            if r.method in ("POST", "PUT", "PATCH"):
-                op["responses"]["400"] = {"description": "malformed body"}
-                op["responses"]["413"] = {"description": f"body over {r.max_body} bytes"}
-            paths.setdefault(r.template, {})[r.method.lower()] = op
-        return {
-            "openapi": "3.1.0",
-            "info": {"title": title, "version": version},
-            "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
-            "paths": paths,
-        }
-
+        return openapi_document(self.routes, title, version)
 
 def split_hostport(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
@@ -464,3 +484,100 @@ async def serve(app: App, listen: str, *, limits: ServerLimits | None = None,
             accept.cancel_scope.cancel()
         await context.terminated.set()
         conns.cancel_scope.deadline = trio.current_time() + lim.graceful_timeout_s
+
+
+# ---------------------------------------------------------------- OpenAPI
+
+_REF = "#/components/schemas/{name}"
+_STATUS_TEXT = {200: "OK", 201: "Created", 202: "Accepted", 400: "Bad request", 401: "Unauthorized",
+                403: "Forbidden", 404: "Not found", 408: "Request body too slow", 409: "Conflict",
+                413: "Request body too large", 431: "Request head too large", 503: "Unavailable"}
+
+
+def _is_type(b: Body) -> bool:
+    return b is not None and not isinstance(b, dict | list | str | int | float | bool | Text)
+
+
+def _types_in(b: Body) -> list[Any]:
+    """The types in a body: itself, or those inside a JSON Schema dict's values."""
+    if isinstance(b, dict):
+        return [t for v in b.values() for t in _types_in(v)]
+    return [b] if _is_type(b) else []
+
+
+def openapi_document(routes: list[_Route], title: str, version: str) -> dict[str, Any]:
+    types: list[Any] = [ErrorBody]
+    for r in routes:
+        d = r.doc or RouteDoc()
+        for b in (d.body, *d.responses.values()):
+            types += _types_in(b)
+        types += [p.schema for p in d.query]
+    schemas, components = msgspec.json.schema_components(types, ref_template=_REF)
+    by_type = {id(t): sc for t, sc in zip(types, schemas, strict=True)}
+
+    def schema(b: Body) -> Any:
+        if isinstance(b, dict):
+            return {k: schema(v) for k, v in b.items()}
+        return by_type[id(b)] if _is_type(b) else b
+
+    def content(b: Body) -> dict[str, Any]:
+        if isinstance(b, Text):
+            return {b.content_type: {"schema": {"type": "string"}}}
+        return {"application/json": {"schema": schema(b)}}
+
+    error = {"description": "", "content": content(ErrorBody)}
+
+    def err(status: int, why: str) -> dict[str, Any]:
+        return {**error, "description": why or _STATUS_TEXT.get(status, "error")}
+
+    paths: dict[str, Any] = {}
+    for r in routes:
+        d = r.doc or RouteDoc()
+        summary = d.summary or ((r.handler.__doc__ or "").strip().splitlines() or [""])[0]
+        op: dict[str, Any] = {
+            "operationId": f"{r.method.lower()}_{re.sub(r'[^a-zA-Z0-9]+', '_', r.template).strip('_')}",
+            "summary": summary,
+        }
+        if r.handler.__doc__:
+            op["description"] = " ".join(r.handler.__doc__.split())
+        params: list[dict[str, Any]] = [{"name": n, "in": "path", "required": True, "schema": {"type": "string"}}
+                                        for n in re.findall(r"\{(\w+)\}", r.template)]
+        params += [{"name": p.name, "in": "query", "required": p.required, "description": p.description,
+                    "schema": by_type[id(p.schema)]} for p in d.query]
+        if params:
+            op["parameters"] = params
+        if d.body is not None:
+            op["requestBody"] = {"required": d.body_required, "content": content(d.body)}
+        responses: dict[str, Any] = {}
+        for status, b in sorted((d.responses or {200: None}).items()):
+            resp: dict[str, Any] = {"description": _STATUS_TEXT.get(status, "answer")}
+            if b is not None:
+                resp["content"] = content(b)
+            responses[str(status)] = resp
+        if d.body is not None or r.method in ("POST", "PUT", "PATCH"):
+            responses.setdefault("400", err(400, "malformed or invalid request body"))
+            responses.setdefault("408", err(408, "the body did not arrive in time"))
+            responses.setdefault("413", err(413, f"body over {r.max_body} bytes"))
+        elif d.query:
+            responses.setdefault("400", err(400, "a bad query parameter"))
+        for status, why in sorted(d.errors.items()):
+            responses.setdefault(str(status), err(status, why))
+        if r.auth is not None:
+            op["security"] = [{"bearer": []}]
+            responses.setdefault("401", err(401, "missing or wrong bearer token"))
+            responses.setdefault("403", err(403, "the credential lacks the role: " + ", ".join(r.roles)))
+        else:
+            op["security"] = []
+        if r.roles:
+            op["x-herd-roles"] = list(r.roles)
+        responses.setdefault("431", err(431, "request head too large"))
+        responses["default"] = err(500, "an error of the server")
+        op["responses"] = responses
+        paths.setdefault(r.template, {})[r.method.lower()] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": version},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+                       "schemas": components},
+        "paths": paths,
+    }
