@@ -40,6 +40,7 @@ class BlobCache:
         self.keep = keep
         self._blobs: OrderedDict[str, tuple[bytes, GangBlob]] = OrderedDict()
         self._inflight: dict[str, trio.Event] = {}
+        self._news = trio.Event()        # set whenever a blob is kept or a fetch begins
         self.hits = 0
         self.fetches = 0
         self.refused = 0
@@ -64,7 +65,12 @@ class BlobCache:
         self._blobs[blob_id] = (raw, blob)
         while len(self._blobs) > self.keep:
             self._blobs.popitem(last=False)
+        self._wake()
         return blob
+
+    def _wake(self) -> None:
+        self._news.set()
+        self._news = trio.Event()
 
     def cached(self, blob_id: str) -> tuple[bytes, GangBlob] | None:
         got = self._blobs.get(blob_id)
@@ -72,11 +78,22 @@ class BlobCache:
             self._blobs.move_to_end(blob_id)
         return got
 
-    async def wait_cached(self, blob_id: str) -> tuple[bytes, GangBlob] | None:
-        """What is cached, after the fetch in flight for it (if any) ended; never fetches."""
-        ev = self._inflight.get(blob_id)
-        if ev is not None:
-            await ev.wait()
+    async def wait_cached(self, blob_id: str, timeout_s: float = 0.0) -> tuple[bytes, GangBlob] | None:
+        """What is cached, after the fetch in flight for it (if any) ended; never fetches.
+        With ``timeout_s``, a blob neither here nor on its way yet is waited for that long
+        (the bundle that names it may still be on its way to this node)."""
+        with trio.move_on_after(timeout_s):
+            while True:
+                got = self.cached(blob_id)
+                if got is not None:
+                    return got
+                ev = self._inflight.get(blob_id)
+                if ev is not None:
+                    await ev.wait()
+                    return self.cached(blob_id)
+                if timeout_s <= 0:
+                    return None
+                await self._news.wait()
         return self.cached(blob_id)
 
     async def get(self, blob_id: str, sources: Sequence[BlobSource]) -> tuple[bytes, GangBlob]:
@@ -91,6 +108,7 @@ class BlobCache:
                 break
             await ev.wait()  # then the cache again; if that fetch failed, the first waiter tries itself
         ev = self._inflight[blob_id] = trio.Event()
+        self._wake()
         try:
             return await self._fetch(blob_id, sources)
         finally:

@@ -23,8 +23,9 @@ serves whatever comes:
   member (``need_full``, fencing ``stop``) rides on the next answer to that member.
 - ``blob_get`` from a member: from the cache, fetched first if needed (the bundle's
   ``blob_sources`` in order, then the placer). From another relay: from the cache, or once
-  the fetch in flight here ended -- never a new fetch, so relays asking each other cannot
-  wait on one another in a cycle.
+  the fetch in flight here ended (waiting a little for a bundle naming it that has not come
+  yet) -- never a new fetch, so relays asking each other cannot wait on one another in a
+  cycle.
 
 Without a connection up, members' reports are answered 503: their links fall back to the
 placer directly (a relay that cannot reach the placer must not keep its rack looking alive).
@@ -70,6 +71,7 @@ log = logging.getLogger("herd.agent.relay")
 PartHandler = Callable[[NodePart], Awaitable[NodeOutcome]]
 ACK_WINDOW_S = 0.4           # a bundle's acks go back at most this long after it came
 KEEP_SOURCES = 16            # blob ids whose sources (from bundles) are remembered
+PEER_BLOB_WAIT_S = 2.0       # a relay asking for a blob whose bundle has not reached us yet waits this long
 
 
 def is_empty(rep: NodeReport) -> bool:
@@ -402,7 +404,7 @@ class Relay:
                 except Exception as e:
                     return "blob", BlobReply(blob_id=req.blob_id, error=str(e))
             else:
-                got = await self.blobs.wait_cached(req.blob_id)
+                got = await self.blobs.wait_cached(req.blob_id, PEER_BLOB_WAIT_S)
         if got is None:
             return "blob", BlobReply(blob_id=req.blob_id, error="not here")
         self.blob_serves += 1

@@ -39,7 +39,8 @@ Invariants:
   a later full report that names no relay (or another) moves the link back (or on). A
   relay that breaks, refuses or does not answer in time is a transport error like any
   other -- the channel is closed and a full report goes to the placer's framed channel
-  or HTTP -- and the same relay is not tried again for ``relay_retry_s``.
+  or HTTP -- and the same relay is not tried again for ``relay_retry_s``; then a full
+  report asks the placer again where the rack's relay is.
 """
 
 from __future__ import annotations
@@ -212,6 +213,7 @@ class AgentLink:
         self.relay_retry_s = relay_retry_s
         self._relay: RelayChannel | None = None   # the report channel, when it goes through a relay
         self._relay_failed: dict[str, float] = {}  # relay url -> trio time before which it is not retried
+        self._relay_ask_at: float | None = None     # trio time of the full report that asks again
         self._nursery: trio.Nursery | None = None
         self.relay_switches = 0
         self.relay_failures = 0
@@ -299,6 +301,9 @@ class AgentLink:
             if not self._need_full:
                 with trio.move_on_at(next_beat):
                     await self._wait_for_events()
+            if self._relay_ask_at is not None and trio.current_time() >= self._relay_ask_at:
+                self._relay_ask_at = None
+                self._need_full = True  # where is the rack's relay now?
             if self._wire is None and self._wire_url and self.use_wire \
                     and trio.current_time() >= self._wire_retry_at:
                 await self._open_wire(self._wire_url)
@@ -317,6 +322,7 @@ class AgentLink:
                 if self._relay is not None:  # the relay failed us: the placer directly, for a while
                     self.relay_failures += 1
                     self._relay_failed[self._relay.url] = trio.current_time() + self._relay_retry()
+                    self._relay_ask_at = trio.current_time() + self._relay_retry()
                     log.warning("relay failed, reporting to the placer node=%s relay=%s", self.node_id,
                                 self._relay.url)
                 await self._close_wire()
@@ -415,6 +421,7 @@ class AgentLink:
         except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError) as e:
             self.relay_failures += 1
             self._relay_failed[url] = trio.current_time() + self._relay_retry()
+            self._relay_ask_at = trio.current_time() + self._relay_retry()
             log.warning("relay unreachable, reporting to the placer node=%s relay=%s err=%s", self.node_id, url, e)
             return
         await self._close_wire()

@@ -154,7 +154,8 @@ async def test_a_member_reports_through_the_relay_parts_and_blobs_come_down_and_
             placer.relay_url = await n.start(run_relay)
             await placer.until(lambda: "r1" in placer.relays, "relay up")
             link = AgentLink("http://127.0.0.1:9", tokens.cluster, "m1", Hooks(), heartbeat_s=0.2,
-                             wire_url=placer.url, on_part=_accepting("m1", member_parts), request_timeout_s=2.0)
+                             wire_url=placer.url, on_part=_accepting("m1", member_parts), request_timeout_s=2.0,
+                             relay_retry_s=0.5)
             await n.start(link.run)
 
             # registers directly, then moves to the relay; its empty beats come up in rack beats
@@ -192,6 +193,14 @@ async def test_a_member_reports_through_the_relay_parts_and_blobs_come_down_and_
             await placer.until(lambda: any(k == "report" and full for k, _, full in placer.seen["m1"][n_before:]),
                                "fallback full report")
             assert link.statistics()["relay_url"] is None and link.relay_failures >= 1
+            assert _in_order(placer.seen["m1"]), placer.seen["m1"]
+
+            # another relay comes up for the rack: after the retry window the member asks again
+            # (a full report) and moves to it
+            relay2 = _relay(tokens, "r2", placer, [])
+            placer.relay_url = await n.start(relay2.run)
+            await placer.until(lambda: link.statistics()["relay_url"] == relay2.listen_url, "moved to r2")
+            await placer.until(lambda: any(k == "beat" for k, _, _ in placer.seen["m1"][n_before:]), "r2 beats")
             assert _in_order(placer.seen["m1"]), placer.seen["m1"]
             n.cancel_scope.cancel()
 

@@ -383,3 +383,22 @@ async def test_a_part_that_cannot_be_written_is_not_acked(tmp_path):
             await trio.sleep(0.1)
             assert sup.records_view() == {}
             n.cancel_scope.cancel()
+
+
+async def test_a_peer_relay_waits_a_little_for_a_blob_on_its_way(autojump_clock):
+    bid, raw = _blob()
+    cache = BlobCache()
+    got: list[object] = []
+
+    async def ask() -> None:
+        got.append(await cache.wait_cached(bid, 2.0))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(ask)
+        await trio.sleep(0.5)
+        cache.put(bid, raw)  # its bundle came
+    assert got and got[0] is not None and trio.current_time() == 0.5
+    t0 = trio.current_time()
+    assert await cache.wait_cached(_blob("never")[0], 2.0) is None
+    assert trio.current_time() - t0 == 2.0
+    assert await cache.wait_cached(_blob("never")[0]) is None  # no wait asked: at once
