@@ -6,12 +6,14 @@ operator's) from anywhere, loopback included -- a workload on this host is a loo
 client too; ``/healthz`` and ``/readyz`` are public, ``/metrics`` is public unless
 ``open_metrics = false``. Placements and prefetch take the placer or the operator token
 (an operator's placement is a *direct* one: the agent's own restart policy applies to it
-only); stopping workloads and fault injection take the operator token.
+only); stopping workloads, fault injection and store eviction take the operator token;
+``GET /v1/store`` (the manifests held) is a read.
 
 ``POST /v1/placements`` answers 200 with the PlacementAck when accepted (or already
 accepted: idempotent by placement id) and 409 with the PlacementAck (``accepted:
 false``, ``reason``) when refused -- also when its ``origin`` is not among
-``allowed_origins`` (``outcome: refused_spec``); a prefetch naming such an origin is 403.
+``allowed_origins`` (``outcome: refused_spec``); a prefetch naming such an origin is 403. An
+agent configured with no origins (the default) refuses every one.
 
 Body bounds per route: placements and prefetches ``max_body_bytes`` (default 4 MiB, a
 fleet-scale placement is a few MB at most), stop 4 KiB, fault injection 16 KiB, every
@@ -28,13 +30,16 @@ from typing import TYPE_CHECKING
 import msgspec
 import trio
 
+from p2p.errors import StoreError
 from p2p.origins.allow import origin_refusal
+from p2p.store import ChunkStore, EvictReport, HeldManifest, check_id
 from scheduler_link import authz
 from scheduler_link.apidocs import AGENT_DOCS
 from scheduler_link.auth import bearer
 from scheduler_link.http import (
     App,
     HTTPError,
+    Param,
     Request,
     Response,
     RouteDoc,
@@ -65,27 +70,16 @@ class _StopBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     grace_s: float | None = None
 
 
-class _OriginPolicy:
-    """``agent.allowed_origins`` applied to placements and prefetches; with none
-    configured, warns once (at the first origin named) that any origin is read."""
-
-    def __init__(self, allowed: tuple[str, ...] | None) -> None:
-        self.allowed = allowed
-        self.warned = False
-
-    def refusal(self, url: str) -> str | None:
-        if self.allowed is None and not self.warned:
-            self.warned = True
-            log.warning("allowed_origins is not configured: placements may make this node read any origin; "
-                        "set agent.allowed_origins in production")
-        return origin_refusal(url, self.allowed)
+class _EvictBody(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    manifest_id: str | None = None
+    unused: bool = False
 
 
 def build_app(agent: Agent) -> App:
     cfg = agent.config
     tokens = agent.tokens
     app = App(max_body=SMALL_BODY, name="herd-agent")
-    origins = _OriginPolicy(cfg.allowed_origins)
+    allowed = cfg.allowed_origins
     prom = AgentMetrics(agent)       # this agent's own registry, for the agent's life
 
     async def healthz(req: Request) -> Response:
@@ -187,7 +181,7 @@ def build_app(agent: Agent) -> App:
     async def place(req: Request) -> Response:
         """Start pods and/or stop victims; idempotent by placement_id. Returns a PlacementAck."""
         p = req.decode(Placement)
-        if p.origin is not None and (why := origins.refusal(p.origin)):
+        if p.origin is not None and (why := origin_refusal(p.origin, allowed)):
             log.warning("placement refused placement=%s job=%s reason=%s", p.placement_id, p.job_id, why)
             return json_response(PlacementAck(placement_id=p.placement_id, node_id=agent.node_id, accepted=False,
                                               reason=why, outcome="refused_spec"), status=409)
@@ -198,13 +192,68 @@ def build_app(agent: Agent) -> App:
     async def prefetch(req: Request) -> Response:
         """Fetch an artifact into the store without starting anything (answers at once, 202)."""
         pr = req.decode(PrefetchRequest)
-        if why := origins.refusal(pr.origin):
+        if why := origin_refusal(pr.origin, allowed):
             raise HTTPError(403, "origin not allowed", why)
         try:
             agent.prefetch(pr)
         except AgentError as e:
             raise HTTPError(503, "prefetch unavailable", str(e)) from None
         return json_response({"accepted": True, "manifest_id": pr.manifest_id}, status=202)
+
+    def _in_use() -> set[str]:
+        return {w.manifest_id for w in agent.supervisor.workloads()
+                if w.manifest_id and w.state not in TERMINAL_STATES}
+
+    def _store() -> ChunkStore:
+        if agent.store is None:
+            raise HTTPError(503, "no store", "this agent has no artifact store")
+        return agent.store  # type: ignore[no-any-return]
+
+    async def store_ls(req: Request) -> Response:
+        """Manifests held: sizes, bytes present, complete, materialised, pinned, last used;
+        ``manifest=ID`` for one; ``fetching``: the prefetches in progress."""
+        store = _store()
+        one = req.query.get("manifest")
+        if one is not None:
+            try:
+                check_id(one, "manifest id")
+            except StoreError as e:
+                raise HTTPError(400, "bad manifest id", str(e)) from None
+        busy = _in_use()
+
+        def ls() -> list[HeldManifest]:
+            return [h for h in store.held(busy) if one is None or h.manifest_id == one]
+        held = await trio.to_thread.run_sync(ls)
+        last_use: dict[str, float] = {}
+        for w in agent.supervisor.workloads():
+            if w.manifest_id:
+                last_use[w.manifest_id] = max(last_use.get(w.manifest_id, 0.0), w.updated_at)
+        held = [msgspec.structs.replace(h, last_used=max(h.last_used, last_use.get(h.manifest_id, 0.0)))
+                for h in held]
+        fetching = sorted(agent._prefetching)  # the daemon's own record of prefetches in flight
+        return json_response({"node_id": agent.node_id, "manifests": held,
+                              "fetching": [m for m in fetching if one is None or m == one]})
+
+    async def store_evict(req: Request) -> Response:
+        """Evict one manifest (``manifest_id``) or every unused one (``unused: true``): its
+        tree, and the chunks no other manifest held here names. In use: 409."""
+        store = _store()
+        body = req.decode(_EvictBody)
+        if (body.manifest_id is None) == (not body.unused):
+            raise HTTPError(400, "bad evict request", "give manifest_id or unused: true (one of them)")
+        if body.manifest_id is not None:
+            try:
+                check_id(body.manifest_id, "manifest id")
+            except StoreError as e:
+                raise HTTPError(400, "bad manifest id", str(e)) from None
+        busy = _in_use()
+        ids = None if body.unused else [body.manifest_id or ""]
+        rep = await trio.to_thread.run_sync(lambda: store.evict_manifests(ids, busy))
+        if body.manifest_id is not None and body.manifest_id in rep.refused:
+            why = rep.refused[body.manifest_id]
+            raise HTTPError(404 if why == "not in this store" else 409, "not evicted", f"{body.manifest_id}: {why}")
+        log.info("store evict manifests=%d chunks=%d bytes=%d", len(rep.manifests), rep.chunks, rep.bytes_freed)
+        return json_response(rep)
 
     async def metrics(req: Request) -> Response:
         """Prometheus text: GPU series (dcgm-exporter names), herd_* agent series, process_*."""
@@ -221,6 +270,7 @@ def build_app(agent: Agent) -> App:
         ("GET", "/v1/workloads/{wid}/logs"): logs, ("POST", "/v1/workloads/{wid}/stop"): stop,
         ("POST", "/v1/gpus/{uuid}/inject"): inject, ("POST", "/v1/placements"): place,
         ("POST", "/v1/prefetch"): prefetch,
+        ("GET", "/v1/store"): store_ls, ("POST", "/v1/store/evict"): store_evict,
     }
     authz.install(app, authz.AGENT_ROUTES, handlers, tokens,
                   flags={"open_reads": cfg.open_reads, "open_metrics": cfg.open_metrics},
@@ -237,6 +287,14 @@ def _route_docs() -> dict[tuple[str, str], RouteDoc]:
     docs = dict(AGENT_DOCS)
     stop = ("POST", "/v1/workloads/{wid}/stop")
     docs[stop] = dataclasses.replace(docs[stop], body=_StopBody, body_required=False)
+    docs[("GET", "/v1/store")] = RouteDoc(
+        responses={200: {"type": "object", "description": "the manifests held and the prefetches in flight",
+                         "properties": {"node_id": {"type": "string"}, "manifests": list[HeldManifest],
+                                        "fetching": {"type": "array", "items": {"type": "string"}}}}},
+        errors={503: "no store"}, query=(Param("manifest", str, "only this manifest id"),))
+    docs[("POST", "/v1/store/evict")] = RouteDoc(
+        body=_EvictBody, responses={200: EvictReport},
+        errors={404: "not in this store", 409: "in use by a live workload", 503: "no store"})
     try:
         from agent.gpus.faults import Fault
     except ImportError:   # without the GPU module the route answers 503

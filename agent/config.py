@@ -55,8 +55,8 @@ class AgentConfig:
     gpu_poll_interval_s: float = 5.0
     max_body_bytes: int = 4 << 20        # placements and prefetches (fleet scale: a few MB at most)
     # Origins a placement or prefetch may name (URL prefixes: gs://bucket/prefix, https://host/path,
-    # file:///dir). None: not configured, any origin is read (the agent warns once).
-    allowed_origins: tuple[str, ...] | None = None
+    # file:///dir; `herd agent run --allowed-origin URL`). Default none: every origin is refused.
+    allowed_origins: tuple[str, ...] = ()
     topology: TopologyPath = TopologyPath()
     store: StoreConfig = StoreConfig()
     workloads: SupervisorConfig = SupervisorConfig()

@@ -78,6 +78,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         "data_listen": args.data_listen, "placer": args.placer, "token_dir": args.token_dir,
         "zone": args.zone, "block": args.block, "rack": args.rack, "heartbeat_s": args.heartbeat_s,
         "gpu_poll_interval_s": args.gpu_poll_interval_s,
+        "allowed_origins": tuple(args.allowed_origin) if args.allowed_origin else None,
     })
     if args.no_data_plane:
         from agent.config import replace
@@ -265,6 +266,9 @@ def register(sub: Any) -> None:
     r.add_argument("--rack", help="topology: this node's rack (within the block)")
     r.add_argument("--heartbeat-s", type=float, help="heartbeat interval to the placer")
     r.add_argument("--gpu-poll-interval-s", type=float, help="GPU polling interval")
+    r.add_argument("--allowed-origin", action="append", metavar="URL",
+                   help="an origin placements and prefetches may name (repeatable; a URL prefix: gs://bucket/prefix, "
+                        "file:///dir, https://host/path); replaces agent.allowed_origins; default: none allowed")
     r.set_defaults(func=cmd_run)
 
     p = asub.add_parser("place", help="place a workload directly on one agent")

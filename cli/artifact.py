@@ -59,6 +59,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     pf.add_argument("--token-dir", default=None, help="token dir holding operator.token (env HERD_TOKEN_DIR)")
     pf.add_argument("--timeout", type=float, default=10.0, metavar="S",
                     help="seconds to wait for the placer's answer (default 10)")
+    pf.add_argument("--wait", action="store_true",
+                    help="wait until every node holds the manifest complete (progress over the nodes); "
+                         "exit non-zero naming the nodes that failed")
+    pf.add_argument("--wait-timeout", type=float, default=1800.0, metavar="S",
+                    help="with --wait: seconds before nodes not done yet count as failed (default 1800)")
     pf.add_argument("--json", action="store_true", help="print one JSON object")
     pf.set_defaults(func=cmd_prefetch)
 
@@ -267,26 +272,93 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         if not nodes:
             raise CliError("--nodes: give at least one node id")
 
-    async def resolve() -> str:
-        async with _open(args) as origin:
-            return await origin.resolve(args.ref)
+    async def resolve_sized() -> tuple[str, int]:
+        from manifests import decode_manifest
 
-    mid = trio.run(resolve)
+        async with _open(args) as origin:
+            mid = await origin.resolve(args.ref)
+            if not args.wait:
+                return mid, 0
+            m = decode_manifest(await origin.get_manifest(mid), mid)
+            return mid, sum(c.size for c in m.chunks)
+
+    mid, unique_bytes = trio.run(resolve_sized)
     req = PrefetchFanout(manifest_id=mid, origin=args.origin, nodes=nodes, level=level, domain=domain)
     if args.timeout <= 0:
         raise CliError("--timeout must be > 0")
-    with PlacerClient(placer_url_from_env(args.placer), TokenSet.load(args.token_dir).operator,
-                      timeout=args.timeout) as c:
+    if args.wait and args.wait_timeout <= 0:
+        raise CliError("--wait-timeout must be > 0")
+    tokens = TokenSet.load(args.token_dir)
+    with PlacerClient(placer_url_from_env(args.placer), tokens.operator, timeout=args.timeout) as c:
         res = c.prefetch(req)
+        per = {k: _why(v) for k, v in res.get("nodes", {}).items()}
+        urls = _control_urls(c, [k for k, v in per.items() if v.get("ok")]) if args.wait else {}
+    if args.wait:
+        per = _wait(args, mid, unique_bytes, per, urls, tokens.viewer or tokens.operator)
+    failed = sorted(k for k, v in per.items() if not v.get("ok"))
     if args.json:
-        emit_json({"manifest": mid, **res})
-        return 0
-    per = res.get("nodes", {})
-    print(f"prefetch {mid} on {len(per)} nodes")
-    rows = [[k, "ok" if v.get("ok") else "failed", v.get("error") or ""] for k, v in sorted(per.items())]
-    if rows:
-        print(table(["node", "result", "error"], rows))
-    return 0 if all(v.get("ok") for v in per.values()) else 1
+        emit_json({"manifest": mid, **res, "nodes": per, "waited": bool(args.wait), "failed": failed})
+    else:
+        print(f"prefetch {mid} on {len(per)} nodes" + (" (complete on every node)" if args.wait and not failed else ""))
+        rows = [[k, "ok" if v.get("ok") else "failed", v.get("error") or ""] for k, v in sorted(per.items())]
+        if rows:
+            print(table(["node", "result", "error"], rows))
+    if failed:
+        print(f"herd: error: prefetch failed on {len(failed)} of {len(per)} nodes: {', '.join(failed[:20])}"
+              + (" …" if len(failed) > 20 else ""), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _why(v: dict[str, Any]) -> dict[str, Any]:
+    """The placer passes on an agent's status, not always its reason: a 403 from an agent's
+    ``POST /v1/prefetch`` means the origin is not among its allowed origins (agent/api.py)."""
+    if not v.get("ok") and not v.get("error") and v.get("status") == 403:
+        return {**v, "error": "the agent refused the origin: not among its allowed origins (herd agent run "
+                              "--allowed-origin URL)"}
+    return v
+
+
+def _control_urls(c: Any, want: list[str]) -> dict[str, str]:
+    """Each node's agent URL, from the placer's node pages (1000 a request)."""
+    need = set(want)
+    out: dict[str, str] = {}
+    off = 0
+    while need - set(out):
+        page = c.nodes_page(f"{off}:1000")
+        for n in page.nodes:
+            if n.node_id in need and n.control_url:
+                out[n.node_id] = n.control_url
+        off += len(page.nodes)
+        if not page.nodes or off >= page.total:
+            break
+    return out
+
+
+def _wait(args: argparse.Namespace, mid: str, unique_bytes: int, per: dict[str, Any], urls: dict[str, str],
+          token: str | None) -> dict[str, Any]:
+    from cli.prefetch_wait import NodeWait, wait_nodes
+
+    waits = [NodeWait(node=k, url=urls[k]) for k in sorted(per) if per[k].get("ok") and k in urls]
+    out = {k: dict(v) for k, v in per.items()}
+    for k, v in per.items():
+        if v.get("ok") and k not in urls:
+            out[k] = {"ok": False, "error": "the placer does not know this node's agent URL"}
+    bar = Progress("prefetch", not args.json)
+
+    def draw(nodes: list[NodeWait], total: int) -> None:
+        bar.label = f"prefetch {sum(n.complete for n in nodes)}/{len(nodes)} nodes"
+        bar(sum(total if n.complete else n.done for n in nodes), total * len(nodes))
+
+    try:
+        trio.run(lambda: wait_nodes(waits, mid, unique_bytes, token=token, request_timeout=args.timeout,
+                                    deadline_s=args.wait_timeout, progress=draw))
+    finally:
+        bar.close()
+    for w in waits:
+        out[w.node] = {"ok": w.complete, "error": w.error, "complete": w.complete,
+                       "bytes_done": unique_bytes if w.complete else w.done, "bytes_total": unique_bytes}
+    return out
 
 
 # ---------------------------------------------------------------------------------- show/diff

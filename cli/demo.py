@@ -133,7 +133,7 @@ class Demo:
         tokens = generate_token_dir(self.root / "tokens")
         os.environ["HERD_TOKEN_DIR"] = str(tokens)
         self.cluster = LocalCluster(self.root / "cluster", tokens, n_agents=self.args.agents, heartbeat_s=0.5,
-                                    fence_after_s=10.0, racks=2)
+                                    fence_after_s=10.0, racks=2, origins=(self.origin_url,))
         t = time.perf_counter()
         self.cluster.start()
         self.say(f"cluster up in {(time.perf_counter() - t) * 1e3:.0f} ms: placer {self.cluster.placer.url}, "

@@ -66,7 +66,10 @@ class LocalCluster:
 
     def __init__(self, root: Path, token_dir: Path, *, n_agents: int = 4, heartbeat_s: float = 0.2,
                  fence_after_s: float = 1.0, profile: str = "simulated:dgx-h100", racks: int = 2,
-                 placer_port: int = 0, extra_placer_config: str = "", recover_s: float | None = None) -> None:
+                 placer_port: int = 0, extra_placer_config: str = "", recover_s: float | None = None,
+                 origins: tuple[str, ...] | list[str] = ()) -> None:
+        """``origins``: what the agents may fetch from (``--allowed-origin``; an agent
+        allows none by default)."""
         self.root = Path(root)
         self.token_dir = Path(token_dir)
         self.n_agents = n_agents
@@ -77,6 +80,7 @@ class LocalCluster:
         self.placer_port = placer_port
         self.extra = extra_placer_config
         self.recover_s = max(3 * heartbeat_s, 0.5) if recover_s is None else recover_s
+        self.origins = tuple(origins)
         self.placer: Proc | None = None
         self.agents: dict[str, Proc] = {}
 
@@ -122,7 +126,8 @@ class LocalCluster:
                                "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
                                "--placer", self.placer.url, "--token-dir", str(self.token_dir),
                                "--zone", "z1", "--block", "b1", "--rack", f"rack{i % self.racks}",
-                               "--heartbeat-s", str(self.heartbeat_s)], sd)
+                               "--heartbeat-s", str(self.heartbeat_s),
+                               *[a for o in self.origins for a in ("--allowed-origin", o)]], sd)
         p.info = _wait_file(sd / "endpoints.json", p.proc, timeout, p.log)
         p.url = p.info["control_url"]
         self.agents[node] = p

@@ -16,7 +16,8 @@ import os
 import sys
 from typing import NoReturn
 
-_GROUPS = ("artifact", "gpus", "agent", "placer", "job", "node", "logs", "demo", "version", "completion")
+_GROUPS = ("artifact", "gpus", "agent", "store", "placer", "job", "node", "logs", "demo", "version",
+           "completion")
 _OUR_PACKAGES = ("manifests", "p2p", "scheduler_link", "agent", "placer", "cli")
 
 

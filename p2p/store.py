@@ -35,6 +35,7 @@ import os
 import re
 import shutil
 import threading
+import time
 import uuid
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
@@ -86,6 +87,25 @@ class StoreStatistics(msgspec.Struct, frozen=True, kw_only=True):
     high_watermark: float
     low_watermark: float
     pending_sync: int
+
+
+class HeldManifest(msgspec.Struct, frozen=True, kw_only=True):
+    """One manifest this store holds (``herd store ls``)."""
+    manifest_id: str
+    bytes: int                 # the artifact's size (its files)
+    chunk_bytes: int           # its unique chunks' bytes
+    present_bytes: int         # of those, held here
+    complete: bool
+    materialised: bool
+    pinned: bool               # a fetch or a workload holds it: not evictable
+    last_used: float           # unix seconds: last pinned, unpinned, materialised or completed
+
+
+class EvictReport(msgspec.Struct, frozen=True, kw_only=True):
+    manifests: list[str]
+    chunks: int
+    bytes_freed: int
+    refused: dict[str, str] = {}   # manifest id -> why it stayed
 
 
 class VerifyReport(msgspec.Struct, frozen=True, kw_only=True):
@@ -196,6 +216,7 @@ class ChunkStore:
         self._bytes_added = 0
         self._evictions = 0
         self._evicted_bytes = 0
+        self._used: dict[str, float] = {}   # manifest id -> last use (seeded from the manifest file's mtime)
         self._open()
 
     # ----------------------------------------------------------------- open
@@ -473,6 +494,7 @@ class ChunkStore:
         check_id(manifest_id, "manifest id")
         with self._lock:
             self._pins[manifest_id] += 1
+        self._mark_used(manifest_id)
 
     def unpin(self, manifest_id: str) -> None:
         with self._lock:
@@ -480,6 +502,16 @@ class ChunkStore:
                 self._pins.pop(manifest_id, None)
             else:
                 self._pins[manifest_id] -= 1
+        self._mark_used(manifest_id)
+
+    def _mark_used(self, manifest_id: str) -> None:
+        """Last use, in memory and (so it survives a restart) as the manifest file's mtime."""
+        now = time.time()
+        self._used[manifest_id] = now
+        try:
+            os.utime(self.manifests_dir / manifest_id, (now, now))
+        except OSError:  # not stored yet, or not ours to touch
+            pass
 
     def pinned(self) -> list[str]:
         return sorted(set(self._pins) | self._materialised)
@@ -534,6 +566,7 @@ class ChunkStore:
         _atomic_write(self.complete_dir / manifest_id, b"", self.tmp_dir, what="completion marker")
         with self._lock:
             self._complete.add(manifest_id)
+        self._mark_used(manifest_id)
 
     def is_complete(self, manifest_id: str) -> bool:
         return manifest_id in self._complete
@@ -601,6 +634,7 @@ class ChunkStore:
             self._materialised.add(manifest_id)
         for cid in manifest_chunks(m):
             self.touch(cid)
+        self._mark_used(manifest_id)
         return dest
 
     def materialised(self) -> list[str]:
@@ -622,11 +656,89 @@ class ChunkStore:
         _rmtree_force(doomed)
         return True
 
+    # ------------------------------------------------- listing and eviction
+
+    def manifest_progress(self, manifest_id: str) -> tuple[int, int] | None:
+        """(bytes of its unique chunks held here, their total), or None if the manifest is not here."""
+        try:
+            need = manifest_chunks(self.get_manifest(manifest_id))
+        except StoreError:
+            return None
+        held = self._lru
+        return sum(s for c, s in need.items() if c in held), sum(need.values())
+
+    def held(self, in_use: Iterable[str] = ()) -> list[HeldManifest]:
+        """Every manifest stored here. ``in_use``: manifests the caller's workloads use
+        (shown pinned, as the store's own pins are)."""
+        busy = set(in_use)
+        out: list[HeldManifest] = []
+        for mid in self.manifest_ids():
+            try:
+                m = self.get_manifest(mid)
+            except StoreError:
+                continue
+            need = manifest_chunks(m)
+            used = self._used.get(mid)
+            if used is None:
+                try:
+                    used = os.stat(self.manifests_dir / mid).st_mtime
+                except FileNotFoundError:
+                    continue
+            out.append(HeldManifest(
+                manifest_id=mid, bytes=m.total_size, chunk_bytes=sum(need.values()),
+                present_bytes=sum(s for c, s in need.items() if c in self._lru), complete=mid in self._complete,
+                materialised=mid in self._materialised, pinned=mid in self._pins or mid in busy, last_used=used))
+        return out
+
+    def evict_manifests(self, ids: Iterable[str] | None, in_use: Iterable[str] = ()) -> EvictReport:
+        """Remove manifests with their trees and every chunk no other manifest held here
+        names. ``ids`` None: every manifest not pinned nor in ``in_use``, and chunks no
+        manifest names. A pinned or in-use manifest stays (named in ``refused``)."""
+        busy = set(in_use)
+        with self._lock:
+            held = set(self.manifest_ids())
+            wanted = held if ids is None else set(ids)
+            refused: dict[str, str] = {}
+            doomed: list[str] = []
+            for mid in sorted(wanted):
+                if mid not in held:
+                    refused[mid] = "not in this store"
+                elif mid in self._pins or mid in busy:
+                    refused[mid] = "in use (a fetch or a workload holds it)"
+                else:
+                    doomed.append(mid)
+            keep_chunks: set[str] = set()
+            for mid in held - set(doomed):
+                try:
+                    keep_chunks.update(manifest_chunks(self.get_manifest(mid)))
+                except StoreError:
+                    continue
+            drop: set[str] = set()
+            for mid in doomed:
+                try:
+                    drop.update(c for c in manifest_chunks(self.get_manifest(mid)) if c not in keep_chunks)
+                except StoreError:
+                    pass
+            if ids is None:  # unused: chunks no manifest here names
+                drop.update(c for c in self._lru if c not in keep_chunks)
+            for mid in doomed:
+                if mid in self._materialised:
+                    self.remove_artifact(mid)
+                self._manifests.pop(mid, None)
+                self._complete.discard(mid)
+                self._used.pop(mid, None)
+                for path in (self.complete_dir / mid, self.manifests_dir / mid):
+                    path.unlink(missing_ok=True)
+            n = sum(1 for c in drop if c in self._lru)
+            freed = self._drop_chunks_locked(drop, evicted=True)
+            self._evictions += n
+        log.info("evicted manifests=%d chunks=%d bytes=%d refused=%d", len(doomed), n, freed, len(refused))
+        return EvictReport(manifests=doomed, chunks=n, bytes_freed=freed, refused=refused)
+
     # --------------------------------------------------------------- verify
 
     def verify(self) -> VerifyReport:
         """Re-hash every chunk and manifest; drop the bad ones and report them."""
-        import time
 
         t0 = time.perf_counter()
         bad: list[str] = []
@@ -752,4 +864,5 @@ def _atomic_write(path: Path, data: bytes, tmp_dir: Path, *, what: str) -> None:
         raise
 
 
-__all__ = ["ChunkStore", "StoreStatistics", "VerifyReport", "check_id", "manifest_chunks"]
+__all__ = ["ChunkStore", "EvictReport", "HeldManifest", "StoreStatistics", "VerifyReport", "check_id",
+           "manifest_chunks"]

@@ -81,6 +81,8 @@ AGENT_ROUTES: tuple[Rule, ...] = (
     Rule("POST", "/v1/gpus/{uuid}/inject", _OPS),
     Rule("POST", "/v1/placements", ("placer", "operator")),
     Rule("POST", "/v1/prefetch", ("placer", "operator")),
+    Rule("GET", "/v1/store", _VIEW, open_flag="open_reads"),
+    Rule("POST", "/v1/store/evict", _OPS),
 )
 
 # The placer's API (placer/service.py ``_build_app``). Its reads need the viewer role

@@ -161,7 +161,7 @@ async def test_openapi_lists_every_route(tmp_path, token_dir):
                 assert served == listed
                 want = {"/healthz", "/readyz", "/v1/status", "/v1/gpus", "/v1/workloads", "/v1/workloads/{wid}",
                         "/v1/workloads/{wid}/logs", "/v1/workloads/{wid}/stop", "/v1/gpus/{uuid}/inject",
-                        "/v1/placements", "/v1/prefetch", "/metrics", "/openapi.json"}
+                        "/v1/placements", "/v1/prefetch", "/v1/store", "/v1/store/evict", "/metrics", "/openapi.json"}
                 assert set(spec["paths"]) == want
                 assert spec["paths"]["/v1/placements"]["post"]["security"] == [{"bearer": []}]
                 # every listed GET without path parameters really answers 200 to the viewer

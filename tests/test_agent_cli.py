@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def make_agent(tmp_path: Path, token_dir: Path, store: StoreConfig = StoreConfig()) -> Agent:
     cfg = AgentConfig(node_id="n1", gpus="simulated:dgx-h100", state_dir=str(tmp_path / "state"),
                       listen="127.0.0.1:0", data_listen="127.0.0.1:0", token_dir=str(token_dir),
-                      store=store, workloads=SupervisorConfig(shim_pool=1))
+                      store=store, workloads=SupervisorConfig(shim_pool=1),
+                      allowed_origins=(f"file://{tmp_path / 'origin'}",))
     return Agent(cfg, env={"PATH": os.environ["PATH"]}, handle_signals=False)
 
 

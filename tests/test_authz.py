@@ -34,6 +34,8 @@ AGENT = {
     ("POST", "/v1/gpus/{uuid}/inject"): OPS,
     ("POST", "/v1/placements"): frozenset({"placer", "operator"}),
     ("POST", "/v1/prefetch"): frozenset({"placer", "operator"}),
+    ("GET", "/v1/store"): READERS,
+    ("POST", "/v1/store/evict"): OPS,
 }
 PLACER = {
     ("GET", "/healthz"): EVERYONE,

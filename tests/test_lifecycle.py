@@ -148,7 +148,7 @@ async def test_prefetch_really_fetches(tmp_path, token_dir):
     tokens = TokenSet.load(token_dir)
     agent = Agent(AgentConfig(node_id="n1", gpus="simulated:dgx-h100", state_dir=str(tmp_path / "state"),
                               listen="127.0.0.1:0", data_listen=None, token_dir=str(token_dir),
-                              workloads=SupervisorConfig(shim_pool=0)),
+                              workloads=SupervisorConfig(shim_pool=0), allowed_origins=(origin_url,)),
                   env={"PATH": os.environ["PATH"]}, handle_signals=False)
     with trio.fail_after(30):
         async with trio.open_nursery() as n:

@@ -58,7 +58,7 @@ def test_config_takes_and_checks_allowed_origins(tmp_path) -> None:
     f.write_text('[agent]\nallowed_origins = ["gs://b/../x"]\n')
     with pytest.raises(ConfigError, match="allowed_origins"):
         load_config(f)
-    assert load_config(None).allowed_origins is None
+    assert load_config(None).allowed_origins == ()  # the default: none allowed
 
 
 async def test_agent_refuses_a_placement_or_prefetch_from_a_disallowed_origin(tmp_path, token_dir) -> None:

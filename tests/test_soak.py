@@ -206,7 +206,8 @@ async def _run_soak(tmp: Path, token_dir: Path, monkeypatch: pytest.MonkeyPatch,
             pub = await publish(src, origin, "soak:v1")
             chunks = [ch.id for ch in decode_manifest(await origin.get_manifest(pub.manifest)).chunks]
             cluster_root = tmp / "cluster"
-            with LocalCluster(cluster_root, token_dir, n_agents=4, heartbeat_s=0.2, fence_after_s=1.0) as c:
+            with LocalCluster(cluster_root, token_dir, n_agents=4, heartbeat_s=0.2, fence_after_s=1.0,
+                              origins=(origin_url,)) as c:
                 soak = Soak(c, TokenSet.load(token_dir), rng, src, pub.manifest, origin_url, chunks, counts)
                 kinds = ["kill_agent", "kill_placer", "stop_agent", "corrupt_chunk"]
                 plan = rng.sample(kinds, len(kinds)) if one_of_each else []

@@ -54,8 +54,8 @@ def _parts(url: str) -> tuple[str, str, str] | str:
 def origin_refusal(url: str, allowed: Iterable[str] | None) -> str | None:
     """None when ``url`` may be read, else the reason (one line, names the URL).
 
-    ``allowed`` None means no allow-list is configured: any well-formed origin passes
-    (the agent warns about that at start)."""
+    ``allowed`` None: only check that the URL is well-formed (config validation); an agent
+    passes its list, empty by default, and an empty list refuses every origin."""
     cand = _parts(url)
     if isinstance(cand, str):
         return f"origin {url[:120]!r} refused: {cand}"
@@ -69,4 +69,9 @@ def origin_refusal(url: str, allowed: Iterable[str] | None) -> str | None:
         a_scheme, a_netloc, a_path = ok
         if scheme == a_scheme and netloc == a_netloc and (path == a_path or path.startswith(a_path + "/")):
             return None
-    return f"origin {url[:120]!r} is not among this agent's allowed origins (agent.allowed_origins)"
+    allowed = list(allowed)
+    if not allowed:
+        return (f"origin {url[:120]!r} refused: this agent allows no origins "
+                "(herd agent run --allowed-origin URL, or agent.allowed_origins)")
+    return (f"origin {url[:120]!r} is not among this agent's allowed origins "
+            "(herd agent run --allowed-origin URL, or agent.allowed_origins)")

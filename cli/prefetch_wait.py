@@ -1,0 +1,91 @@
+"""`herd artifact prefetch --wait`: poll each named node's agent (``GET /v1/store?manifest=``)
+until it holds the manifest complete, drawing progress over the nodes (bytes done / total).
+
+A node has failed when its agent no longer fetches the manifest and does not hold it
+complete (the agent's log says why), when it refused the prefetch, or when its agent did
+not answer before the deadline. Polls are concurrent (bounded) and each bounded by the
+request timeout; the whole wait by ``--wait-timeout``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import trio
+
+from cli.output import human_bytes
+
+POLL_S = 0.5
+CONCURRENCY = 64
+
+
+@dataclass
+class NodeWait:
+    node: str
+    url: str
+    done: int = 0
+    complete: bool = False
+    error: str | None = None
+    seen: bool = False           # the agent answered at least once
+    last_error: str | None = field(default=None, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return self.complete or self.error is not None
+
+
+def _verdict(n: NodeWait, doc: dict[str, Any], manifest: str) -> None:
+    """Apply one answer of the agent's store listing (plain: no I/O)."""
+    n.seen = True
+    held = [m for m in doc.get("manifests", []) or [] if isinstance(m, dict) and m.get("manifest_id") == manifest]
+    fetching = manifest in (doc.get("fetching") or [])
+    if held:
+        n.done = int(held[0].get("present_bytes", 0))
+        n.complete = bool(held[0].get("complete"))
+    if not n.complete and not fetching:
+        n.error = "its fetch ended without the manifest complete (see the agent's log)"
+
+
+async def wait_nodes(nodes: list[NodeWait], manifest: str, total_per_node: int, *, token: str | None,
+                     request_timeout: float, deadline_s: float,
+                     progress: Callable[[list[NodeWait], int], None] | None = None) -> None:
+    """Poll until every node finished or ``deadline_s`` passed (then the rest fail)."""
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    limiter = trio.CapacityLimiter(CONCURRENCY)
+    t_end = time.monotonic() + deadline_s
+    async with httpx.AsyncClient(timeout=request_timeout, headers=headers) as c:
+        async def poll(n: NodeWait) -> None:
+            async with limiter:
+                try:
+                    r = await c.get(f"{n.url.rstrip('/')}/v1/store", params={"manifest": manifest})
+                    if r.status_code != 200:
+                        n.last_error = f"agent answered HTTP {r.status_code}"
+                        if r.status_code in (401, 403, 404):
+                            n.error = n.last_error + " to GET /v1/store"
+                        return
+                    _verdict(n, r.json(), manifest)
+                except (httpx.HTTPError, ValueError) as e:
+                    n.last_error = f"agent unreachable ({type(e).__name__})"
+
+        while True:
+            todo = [n for n in nodes if not n.finished]
+            if todo:
+                async with trio.open_nursery() as nursery:
+                    for n in todo:
+                        nursery.start_soon(poll, n)
+            if progress is not None:
+                progress(nodes, total_per_node)
+            if all(n.finished for n in nodes):
+                return
+            if time.monotonic() >= t_end:
+                for n in nodes:
+                    if not n.finished:
+                        n.error = (f"not complete after {deadline_s:.0f}s"
+                                   f" ({human_bytes(n.done)} of {human_bytes(total_per_node)}"
+                                   f"{'; ' + n.last_error if n.last_error else ''})")
+                return
+            await trio.sleep(POLL_S)
