@@ -25,14 +25,17 @@ This module does the I/O; what a beat or an outcome means is decided by the stat
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
+import trio.lowlevel
 
 from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload
 from scheduler_link.heartbeat_wire import Hello, WireReply
@@ -45,6 +48,7 @@ from scheduler_link.messages import (
     NodeReport,
     RackBeat,
     RackBundle,
+    RackReports,
 )
 
 from .attempts import Outcome
@@ -93,6 +97,9 @@ class RelayHub:
         self._cands: dict[str, dict[str, RelayConn]] = {}   # rack -> node id -> connection
         self._active: dict[str, RelayConn] = {}             # rack -> chosen (cache)
         self.stats = RelayStats()
+        self._delivering = 0                                 # deliveries in flight
+        self._deferred: collections.deque[tuple[FrameChannel, Frame]] = collections.deque()
+        self._drained = 0
 
     # ------------------------------------------------------------ connections
 
@@ -164,6 +171,34 @@ class RelayHub:
     # ------------------------------------------------------------ frames from relays
 
     def _handle(self, ch: FrameChannel, f: Frame) -> tuple[str, Any] | None:
+        if self._delivering and f.type in ("beat", "report", "reports"):
+            # acks first: what relays report while a delivery is out waits until it is in, in
+            # arrival order (per connection too), then is applied and answered
+            self._deferred.append((ch, f))
+            return None
+        return self._apply(ch, f)
+
+    async def _drain_deferred(self) -> None:
+        """Apply the frames that waited for a delivery, in order, yielding now and then."""
+        while self._deferred and not self._delivering:
+            ch, f = self._deferred.popleft()
+            if ch.closed.is_set():
+                continue
+            try:
+                out = self._apply(ch, f)
+            except Exception:
+                log.exception("deferred frame failed type=%s", f.type)
+                out = ("error", {"error": f"internal error handling a {f.type} frame"})
+            if out is not None and f.id and not ch.closed.is_set():
+                try:
+                    ch.send(out[0], out[1], re=f.id)
+                except FrameError:
+                    pass
+            self._drained += 1
+            if self._drained % 64 == 0:
+                await trio.lowlevel.checkpoint()
+
+    def _apply(self, ch: FrameChannel, f: Frame) -> tuple[str, Any] | None:
         t = f.type
         if t == "beat":
             b = decode_payload(f, RackBeat)
@@ -180,6 +215,13 @@ class RelayHub:
             self.stats.reports += 1
             status, reply = self.svc._ingest(rep.node_id, rep)
             return "reply", WireReply(status=status, reply=reply)
+        if t == "reports":
+            try:
+                batch = decode_payload(f, RackReports)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                return "error", {"error": f"malformed reports: {e}"}
+            self.stats.reports += len(batch.reports)
+            return "replies", [WireReply(status=st, reply=r) for st, r in self.svc._ingest_many(batch.reports)]
         if t == "blob_get":
             req = decode_payload(f, BlobRequest)
             raw = self.svc.state.blobs.get(req.blob_id)
@@ -230,6 +272,7 @@ class RelayHub:
         seeds = max(1, cfg.blob_seeds)
         seed_urls = [u for u in urls[:seeds] if u]
         bytes0 = self.stats.bytes_out
+        marks = {"sent": 0.0, "first_ack": math.inf, "last_ack": 0.0}
         fallbacks0 = self.stats.fallback_nodes
 
         async def one(p: Push) -> None:
@@ -252,8 +295,12 @@ class RelayHub:
             self.stats.bundles += 1
             before = conn.channel.bytes_out
             got: dict[str, NodeOutcome] = {}
+            marks["sent"] = max(marks["sent"], trio.current_time() - t0)
             try:
                 f = await conn.channel.call("bundle", rb, timeout_s=cfg.relay_timeout_s)
+                a = trio.current_time() - t0
+                marks["first_ack"] = min(marks["first_ack"], a)
+                marks["last_ack"] = max(marks["last_ack"], a)
                 self.stats.bytes_out += conn.channel.bytes_out - before
                 ab = decode_payload(f, AckBundle)
                 got = {o.node_id: o for o in ab.outcomes}
@@ -278,13 +325,20 @@ class RelayHub:
                     for p in missing:
                         n.start_soon(one, p)
 
-        async with trio.open_nursery() as n:
-            for i, (path, (conn, ps)) in enumerate(racks):
-                n.start_soon(rack, i, path, conn, ps)
-            for p in direct:
-                n.start_soon(one, p)
+        self._delivering += 1
+        try:
+            async with trio.open_nursery() as n:
+                for i, (path, (conn, ps)) in enumerate(racks):
+                    n.start_soon(rack, i, path, conn, ps)
+                for p in direct:
+                    n.start_soon(one, p)
+        finally:
+            self._delivering -= 1
+            if not self._delivering and self._deferred and self.svc._nursery is not None:
+                self.svc._nursery.start_soon(self._drain_deferred)
         self.stats.last_delivery = {
             "job_id": job_id, "nodes": len(pushes), "racks": len(racks), "direct": len(direct),
             "fallback_nodes": self.stats.fallback_nodes - fallbacks0, "bundle_bytes": self.stats.bytes_out - bytes0,
-            "seconds": trio.current_time() - t0}
+            "seconds": trio.current_time() - t0, "last_bundle_sent_s": marks["sent"],
+            "first_ack_s": marks["first_ack"] if racks else 0.0, "last_ack_s": marks["last_ack"]}
         return acks

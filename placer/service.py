@@ -317,6 +317,34 @@ class PlacerService:
             reply = msgspec.structs.replace(reply, wire_url=self.wire_url)
         return json_response(reply, status=status)
 
+    def _ingest_many(self, reps: list[NodeReport]) -> list[tuple[int, ReportReply]]:
+        """Reports a relay sent together: each applied as :meth:`_ingest` does, the loop kicked
+        and waiters woken once for all of them."""
+        out = []
+        changed = False
+        for rep in reps:
+            try:
+                status, reply, pushes = self.state.ingest(rep.node_id, rep, self.clock())
+            except Exception:
+                log.exception("report could not be applied node=%s full=%s", rep.node_id, rep.full)
+                self.state.counters["refused_reports"] += 1
+                out.append((500, ReportReply(ok=False, need_full=True)))
+                continue
+            self._carry_out(pushes)
+            changed = changed or rep.full or bool(rep.events) or rep.snapshot is not None
+            if rep.full and status == 200:
+                reply = self._with_relay(rep.node_id, reply)
+            out.append((status, reply))
+        if changed:
+            self.kick()
+            self._after_change()
+        return out
+
+    def _with_relay(self, node_id: str, reply: ReportReply) -> ReportReply:
+        node = self.state.nodes.get(node_id)
+        url = self.relays.relay_url_for(node_id, node.rack_path) if node is not None else None
+        return msgspec.structs.replace(reply, relay_url=url) if url else reply
+
     def _ingest(self, node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:
         """One report, from HTTP or the framed channel (synchronous: one owner of state).
         A report the state cannot apply is that report's error, never the service's."""
@@ -331,10 +359,7 @@ class PlacerService:
             self.kick()
             self._after_change()
         if rep.full and status == 200:  # where its rack's relay is (the answer to a registration)
-            node = self.state.nodes.get(node_id)
-            url = self.relays.relay_url_for(node_id, node.rack_path) if node is not None else None
-            if url:
-                reply = msgspec.structs.replace(reply, relay_url=url)
+            reply = self._with_relay(node_id, reply)
         return status, reply
 
     async def h_submit(self, req: Request) -> Response:

@@ -595,6 +595,13 @@ class RackBeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     sent_at: float = 0.0
 
 
+class RackReports(msgspec.Struct, frozen=True, kw_only=True):
+    """A relay -> the placer: several members' content reports in one frame (applied in
+    order, answered by one ``replies`` frame: a list of WireReply in the same order)."""
+    rack: str
+    reports: list[NodeReport] = []
+
+
 class NodeStop(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str
     stop: list[Victim] = []
@@ -627,7 +634,7 @@ class RelayHello(msgspec.Struct, frozen=True, kw_only=True):
 
 
 FrameType = Literal["hello", "report", "reply", "bundle", "acks", "placement", "ack", "blob", "error",
-                    "beat", "beat_reply", "part", "blob_get", "ping"]
+                    "beat", "beat_reply", "part", "blob_get", "ping", "reports", "replies"]
 
 
 class Frame(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

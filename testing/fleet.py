@@ -57,6 +57,7 @@ from urllib.parse import parse_qs, urlsplit
 import h11
 import msgspec
 import trio
+import trio.lowlevel
 
 from agent.gpus.simulated import PROFILES, SimulatedBackend
 from scheduler_link.agent_link import AgentLink, ReportChannel
@@ -79,6 +80,7 @@ from scheduler_link.messages import (
     RackBeat,
     RackBeatReply,
     RackBundle,
+    RackReports,
     RelayHello,
     ReportReply,
     TopologyPath,
@@ -246,7 +248,7 @@ class EmulatedNode:
         return 200, PlacementAck(placement_id=p.placement_id, node_id=nid, accepted=True, outcome="accepted",
                                  workloads=[pod.workload_id for pod in p.pods])
 
-    def place_part(self, part: NodePart, now: float) -> NodeOutcome:
+    def place_part(self, part: NodePart, now: float, later: list[Any]) -> NodeOutcome:
         """A NodePart as the real agent checks it (binding, expiry, inventory hash, slots),
         then the fake supervisor's acceptance."""
         nid = self.slot.node_id
@@ -262,30 +264,26 @@ class EmulatedNode:
         if part.pods and part.inventory != self._inventory:
             return out("expired", "inventory changed")
         uu = self._uuid_list
-        pods = []
+        n = len(uu)
         for pod in part.pods:
-            if any(not 0 <= s < len(uu) for s in pod.gpu_indices):
-                return out("refused_spec", f"GPU slot out of range for {pod.workload_id}")
-            pods.append(msgspec.structs.replace(pod, gpus=[uu[s] for s in pod.gpu_indices]))
+            for s in pod.gpu_indices:
+                if not 0 <= s < n:
+                    return out("refused_spec", f"GPU slot out of range for {pod.workload_id}")
         if self.refuse == "refused_spec":
             return out("refused_spec", "emulated: refusing the spec")
-        if self.refuse == "refused_gpus" and pods:
-            return out("refused_gpus", "emulated: GPUs refused", pods[0].gpus[:1])
+        if self.refuse == "refused_gpus" and part.pods:
+            return out("refused_gpus", "emulated: GPUs refused", [uu[part.pods[0].gpu_indices[0]]])
         fresh = []
-        for pod in pods:
+        for pod in part.pods:
             if pod.workload_id in self.workloads:
                 continue  # idempotent (the same part again, or its HTTP fallback first)
             self.workloads[pod.workload_id] = WorkloadStatus(
                 workload_id=pod.workload_id, job_id=part.job_id, placement_id=part.placement_id, rank=pod.rank,
-                gpus=list(pod.gpus), state="accepted", created_at=now, updated_at=now)
+                gpus=[uu[s] for s in pod.gpu_indices], state="accepted", created_at=now, updated_at=now)
             fresh.append(pod.workload_id)
         self.fleet.stats.told(len(part.victims), now)
-        for v in part.victims:
-            self.fleet.spawn(self._stop, v)
-        for wid in fresh:
-            self._event(wid, "accepted")
-        if fresh:
-            self.fleet.spawn(self._start, fresh, part.blob_id)
+        if fresh or part.victims:
+            later.append((self, fresh, part))
         return out("accepted")
 
     def _event(self, wid: str, state: str, **kw: Any) -> None:
@@ -406,20 +404,53 @@ class EmulatedRelay:
             self.fleet.want_blob(rb.blob_id, rb.blob_sources)
         now = time.time()
         outcomes = []
-        enc = _mp_enc.encode
+        later: list[Any] = []
         for part in rb.parts:
-            size = len(enc(part))  # what the member would receive (the in-process hop's frame)
-            if size > self.part_bytes_max:
-                self.part_bytes_max = size
             m = self.by_id.get(part.node_id)
             if m is None:
                 continue  # not ours: the placer pushes it directly
-            outcomes.append(m.place_part(part, now))
+            outcomes.append(m.place_part(part, now, later))
         st = self.fleet.stats
         for o in outcomes:
             st.acks[o.outcome] = st.acks.get(o.outcome, 0) + 1
         st.parts += len(outcomes)
+        self.fleet.spawn(self._after_bundle, rb.parts, later)
         return "acks", AckBundle(rack=rb.rack, blob_id=rb.blob_id, outcomes=outcomes)
+
+    async def _after_bundle(self, parts: list[NodePart], later: list[Any]) -> None:
+        """After the acks went out: victims stopped, then the rack's new pods fetch and run
+        (one task per bundle, not per node; no "accepted" event: the ack said it)."""
+        await trio.lowlevel.checkpoint()  # the acks frame is queued first
+        enc = _mp_enc.encode
+        for part in parts:
+            size = len(enc(part))  # what the member would receive (the in-process hop's frame)
+            if size > self.part_bytes_max:
+                self.part_bytes_max = size
+        starts: list[tuple[EmulatedNode, list[str]]] = []
+        blob_id = ""
+        for m, fresh, part in later:
+            for v in part.victims:
+                self.fleet.spawn(m._stop, v)
+            if fresh:
+                starts.append((m, fresh))
+                blob_id = blob_id or part.blob_id
+        if not starts:
+            return
+        t = self.fleet.timing
+        if blob_id:  # a workload needs its gang's peers before it starts
+            await self.fleet.blob(blob_id)
+        await trio.sleep(t.fetch_s)
+        for m, fresh in starts:
+            for wid in fresh:
+                w = m.workloads.get(wid)
+                if w is not None and w.state == "accepted":
+                    m._event(wid, "fetching")
+        await trio.sleep(t.run_s)
+        for m, fresh in starts:
+            for wid in fresh:
+                w = m.workloads.get(wid)
+                if w is not None and w.state == "fetching":
+                    m._event(wid, "running")
 
     def _report(self, m: EmulatedNode, *, full: bool, events: list[WorkloadEvent] | None = None) -> NodeReport:
         m.seq += 1
@@ -468,25 +499,35 @@ class EmulatedRelay:
         self._flush.set()
 
     async def _events(self) -> None:
-        """A member's events go up as that member's report at once (a few ms of batching)."""
+        """Members' events go up within a few ms, the rack's together: one ``reports`` frame
+        (each member's report in it, in order)."""
         while True:
             await self._flush.wait()
             self._flush = trio.Event()
             await trio.sleep(0.005)
             pending, self._pending = self._pending, {}
-            for nid, evs in pending.items():
-                m = self.by_id[nid]
-                if m.registered:
-                    self.fleet.spawn(self._send_events, m, evs)
+            batch = [(self.by_id[nid], evs) for nid, evs in pending.items() if self.by_id[nid].registered]
+            if batch:
+                self.fleet.spawn(self._send_events, batch)
 
-    async def _send_events(self, m: EmulatedNode, evs: list[WorkloadEvent]) -> None:
-        wr = await self._exchange(m, full=False, events=evs)
-        if wr is None:
-            return
-        if wr.status == 409:
-            await self._register(m)
-        elif wr.status == 200:
-            self._after(m, wr.reply)
+    async def _send_events(self, batch: list[tuple[EmulatedNode, list[WorkloadEvent]]]) -> None:
+        async with self.fleet.limiter:
+            ch = self.channel
+            if ch is None:
+                return
+            reps = [self._report(m, full=False, events=evs) for m, evs in batch]  # seqs in send order
+            try:
+                f = await ch.call("reports", RackReports(rack=self.rack, reports=reps),
+                                  timeout_s=self.fleet.cfg.request_timeout_s)
+            except (FrameError, CallFailed, trio.TooSlowError):
+                self.failures += 1
+                return
+        self.reports += len(reps)
+        for (m, _), wr in zip(batch, decode_payload(f, list[WireReply]), strict=False):
+            if wr.status == 409:
+                self.fleet.spawn(self._register, m)
+            elif wr.status == 200:
+                self._after(m, wr.reply)
 
     async def _beats(self) -> None:
         hb = self.fleet.cfg.heartbeat_s

@@ -73,6 +73,7 @@ class PlacerOptions:
     ack_timeout_s: float = 10.0
     recover_s: float | None = None    # the placer's post-restart wait before placing (None: its default)
     relays: bool = True               # deliver through rack relays where racks have them
+    extra_toml: str = ""              # more [placer] lines, as they are
 
 
 class PlacerProc:
@@ -102,7 +103,7 @@ class PlacerProc:
             f"heartbeat_s = {o.heartbeat_s}\nlost_after_missed = {o.lost_after_missed}\n"
             f"fence_after_s = {o.fence_after_s}\ntick_s = {o.tick_s}\n"
             f"push_concurrency = {o.push_concurrency}\nack_timeout_s = {o.ack_timeout_s}\n"
-            f"relays = {'true' if o.relays else 'false'}\n"
+            f"relays = {'true' if o.relays else 'false'}\n" + o.extra_toml
             + (f"recover_s = {o.recover_s}\n" if o.recover_s is not None else ""))
         endpoints = state / "endpoints.json"
         endpoints.unlink(missing_ok=True)
