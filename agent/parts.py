@@ -342,14 +342,15 @@ class PartAcceptor:
                 assert self._nursery is not None
                 self._nursery.start_soon(self._answer_from_supervisor, msg)
                 continue
-            if not part.pods and part.node_id == self.node_id and self._known(pid) is None:
-                assert self._nursery is not None
-                self._nursery.start_soon(self._victims_only, msg)
-                continue
             if records is None:
                 records = self._held()
             v = check_part(part, node_id=self.node_id, now=now, inventory=uuids, gpu_health=health,
                            records=records, known=self._known(pid))
+            if v.fresh and not part.pods:
+                # only stops: the supervisor's placement of the victims is durable and idempotent itself
+                assert self._nursery is not None
+                self._nursery.start_soon(self._victims_only, msg)
+                continue
             if v.fresh:
                 rec = PartRecord(part=part, pods=list(v.pods), accepted_at=now)
                 self._recs[pid] = rec
@@ -412,14 +413,9 @@ class PartAcceptor:
 
     async def _victims_only(self, msg: _Accept) -> None:
         p = msg.part
-        if p.expires_at and self._clock() > p.expires_at:
-            out = NodeOutcome(node_id=self.node_id, placement_id=p.placement_id, outcome="expired",
-                              detail="part expired")
-        else:
-            ack = await self.supervisor.place(Placement(placement_id=p.placement_id, job_id=p.job_id,
-                                                        victims=list(p.victims)))
-            out = _outcome_of(ack, self.node_id)
-        msg.reply.send_nowait(out)
+        ack = await self.supervisor.place(Placement(placement_id=p.placement_id, job_id=p.job_id,
+                                                    victims=list(p.victims)))
+        msg.reply.send_nowait(_outcome_of(ack, self.node_id))
 
     # ------------------------------------------------------------ after the ack
 
