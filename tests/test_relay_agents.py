@@ -153,6 +153,11 @@ async def test_a_gang_is_delivered_through_the_relay_and_runs(tmp_path, token_di
             assert [w["state"] for w in ws[node]] == ["running"], (node, ws[node])
             st = await api.agent(node, "/v1/status")
             assert st["parts"]["accepted"] == 1 and st["parts"]["placed"] == 1, (node, st["parts"])
+        # every pod's peers file was written from the blob (had from the relay), the whole gang
+        for pod in job["pods"]:
+            lines = (c.agents[pod["node_id"]].state_dir / "workloads" / pod["workload_id"] / "peers").read_text()
+            assert not lines.startswith("#") and sorted(ln.split()[0] for ln in lines.splitlines()) == \
+                ["node0", "node1", "node2"], lines
         relay = (await api.agent("node0", "/v1/status"))["relay"]
         assert relay["members"] == 2 and relay["parts_delivered"] >= 3 and relay["blob_serves"] >= 2, relay
         # the members' heartbeats go up as rack beats
