@@ -85,7 +85,7 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
 
     await run_pool(todo, upload, concurrency)
     raw = encode_manifest(m)
-    await origin.put_manifest(m.id, raw)
+    await origin.put_manifest(m.id, raw, ref=name)
     await origin.set_ref(name, m.id)
     # The check after the ref (see the module's header): a gc may have moved aside what we reused.
     lost = [c for c in m.chunks if c.id in await origin.missing([c.id for c in m.chunks])]
@@ -93,7 +93,7 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
         log.warning("publish name=%s manifest=%s put back chunks=%d removed while it ran (a gc?)",
                     name, m.id, len(lost))
         await run_pool(lost, upload, concurrency)
-        await origin.put_manifest(m.id, raw)
+        await origin.put_manifest(m.id, raw, ref=name)
     files = sum(1 for e in m.entries if e.kind == "file")
     return PublishStats(manifest=m.id, name=name, files=files, bytes=m.total_size, chunks=len(m.chunks),
                         chunks_uploaded=len(todo), bytes_uploaded=total,

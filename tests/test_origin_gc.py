@@ -56,8 +56,8 @@ class Paused(FileOrigin):
         await self._hook("missing")
         return out
 
-    async def put_manifest(self, manifest_id: str, data: bytes) -> None:
-        await super().put_manifest(manifest_id, data)
+    async def put_manifest(self, manifest_id: str, data: bytes, *, ref: str | None = None) -> None:
+        await super().put_manifest(manifest_id, data, ref=ref)
         await self._hook("put_manifest")
 
     async def set_ref(self, name: str, manifest_id: str) -> None:

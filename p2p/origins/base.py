@@ -123,6 +123,11 @@ class Origin(ABC):
     async def _exists_many(self, prefix: str, names: set[str]) -> set[str]:
         """Which of ``names`` exist under ``prefix`` (e.g. 'chunks/')."""
 
+    async def _put_manifest(self, key: str, data: bytes, ref: str | None) -> None:
+        """Store a manifest. Backends that keep object metadata describe it there (GCS: the
+        ref it is published as, its size and counts); the others just ``_put`` it."""
+        await self._put(key, data)
+
     async def _flush(self) -> None:
         """Make earlier chunk puts durable before a manifest or ref refers to them."""
         return None
@@ -206,10 +211,14 @@ class Origin(ABC):
         self.puts += 1
         self.bytes_put += len(data)
 
-    async def put_manifest(self, manifest_id: str, data: bytes) -> None:
+    async def put_manifest(self, manifest_id: str, data: bytes, *, ref: str | None = None) -> None:
+        """``ref``: the name it is being published as (kept in the object's metadata where
+        the backend has any; a manifest already there keeps what it was first published as)."""
         check_hex_id(manifest_id, "manifest id")
+        if ref is not None:
+            check_ref_name(ref)
         await self._flush()
-        await self._put(f"manifests/{manifest_id}", data)
+        await self._put_manifest(f"manifests/{manifest_id}", data, ref)
         self.puts += 1
         self.bytes_put += len(data)
 

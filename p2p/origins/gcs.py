@@ -1,10 +1,14 @@
 """``gs://bucket/prefix`` origin over the GCS JSON API (httpx).
 
 ``STORAGE_EMULATOR_HOST`` (``host:port`` or a URL) points it at an emulator and
-switches authentication off. Otherwise credentials come from a service-account
-key file named by GOOGLE_APPLICATION_CREDENTIALS (google-auth signs the JWT), or
-from the GCE metadata server, obtained lazily on the first request that really
-talks to GCS, and refreshed before they expire or when a 401 says so.
+switches authentication off. Otherwise credentials come from ``google.auth.default()``
+(``gcs_auth.py``: key files, authorized-user and workload-identity configurations,
+gcloud's application-default file, the metadata server), obtained lazily on the first
+request that really talks to GCS, refreshed before they expire and when a 401 says so.
+
+Objects are uploaded with their content type, ``Cache-Control`` and ``herd-*`` metadata in
+one multipart request (``gcs_objects.py`` says what each kind carries); GCS's refusals
+become one line naming the missing bucket, the permission lacking or the quota hit.
 
 GCS has no bulk "exists": ``missing`` lists the ``chunks/`` prefix (paged) when
 asked about many ids, or sends bounded concurrent metadata GETs for a few.
@@ -14,24 +18,28 @@ from __future__ import annotations
 
 import logging
 import os
-import time
+import secrets
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import httpx
 import trio
 
-from ..errors import OriginError
+from manifests import IntegrityError, ManifestError, decode_manifest
+
+from ..errors import NotFoundError, OriginError
 from ..pool import run_pool
 from .base import HEX64, ObjectInfo, Origin
-from .transport import RetryingClient, describe_status, get_body
+from .gcs_objects import Failure, ManifestSummary, classify, multipart_body, object_resource
+from .transport import RetryingClient, describe_status
+
+if TYPE_CHECKING:
+    from .gcs_auth import GoogleCredentials
 
 log = logging.getLogger("herd.p2p.origin.gcs")
 
 GCS_BASE = "https://storage.googleapis.com"
-SCOPE = "https://www.googleapis.com/auth/devstorage.read_write"
-METADATA_HOST = "metadata.google.internal"
 LIST_THRESHOLD = 64  # above this many ids, list the prefix instead of one GET each
 
 
@@ -42,100 +50,14 @@ def emulator_base() -> str | None:
     return host.rstrip("/") if "://" in host else f"http://{host.rstrip('/')}"
 
 
-class _GoogleAuth:
-    """Lazily obtained, refreshed-on-demand credentials.
-
-    - ``GOOGLE_APPLICATION_CREDENTIALS`` names a service-account key file: google-auth signs
-      the JWT and exchanges it at the key's ``token_uri`` (through an httpx transport, in a
-      thread: google-auth is synchronous).
-    - Otherwise the GCE metadata server (``GCE_METADATA_HOST`` overrides its address) hands out
-      the instance's service-account token; asked directly over httpx.
-    """
-
-    def __init__(self) -> None:
-        self._token: str | None = None
-        self._expires = 0.0
-        self._sa_creds: Any = None
-        self._lock = trio.Lock()
-
-    @staticmethod
-    def _transport() -> Any:
-        import google.auth.exceptions
-        import google.auth.transport
-
-        class _Response(google.auth.transport.Response):
-            def __init__(self, r: httpx.Response) -> None:
-                self._r = r
-
-            @property
-            def status(self) -> int:
-                return self._r.status_code
-
-            @property
-            def headers(self) -> Any:
-                return self._r.headers
-
-            @property
-            def data(self) -> bytes:
-                return self._r.content
-
-        class _Request(google.auth.transport.Request):
-            def __call__(self, url: str, method: str = "GET", body: Any = None, headers: Any = None,
-                         timeout: Any = None, **kwargs: Any) -> Any:
-                try:
-                    r = httpx.request(method, url, content=body, headers=headers, timeout=timeout or 30)
-                except httpx.HTTPError as e:
-                    raise google.auth.exceptions.TransportError(str(e)) from e
-                return _Response(r)
-
-        return _Request()
-
-    def _service_account_sync(self, path: str) -> tuple[str, float]:
-        import google.auth.exceptions
-        from google.oauth2 import service_account
-
-        try:
-            if self._sa_creds is None:
-                self._sa_creds = service_account.Credentials.from_service_account_file(path, scopes=[SCOPE])
-            self._sa_creds.refresh(self._transport())
-        except (OSError, ValueError) as e:
-            raise OriginError(f"cannot use service-account key {path}: {e}") from None
-        except google.auth.exceptions.GoogleAuthError as e:
-            raise OriginError(f"service-account token exchange failed ({path}): {e}") from None
-        exp = self._sa_creds.expiry
-        ttl = (exp.timestamp() - time.time()) if exp is not None else 3000.0
-        return str(self._sa_creds.token), ttl
-
-    async def _metadata_token(self) -> tuple[str, float]:
-        host = os.environ.get("GCE_METADATA_HOST") or os.environ.get("GCE_METADATA_ROOT") or METADATA_HOST
-        url = f"http://{host}/computeMetadata/v1/instance/service-accounts/default/token"
-        try:
-            async with httpx.AsyncClient(timeout=httpx.Timeout(10, connect=3)) as c:
-                r = await c.get(url, params={"scopes": SCOPE}, headers={"Metadata-Flavor": "Google"})
-        except httpx.HTTPError as e:
-            raise OriginError("no GCS credentials: GOOGLE_APPLICATION_CREDENTIALS is not set and the GCE "
-                              f"metadata server at {host} is unreachable ({type(e).__name__})") from None
-        if r.status_code != 200:
-            raise OriginError(f"GCE metadata server refused a token: HTTP {r.status_code}")
-        try:
-            body = r.json()
-            return str(body["access_token"]), float(body.get("expires_in", 300))
-        except (ValueError, KeyError, TypeError):
-            raise OriginError("GCE metadata server sent a malformed token answer") from None
-
-    async def headers(self, force: bool) -> dict[str, str]:
-        async with self._lock:
-            if force or self._token is None or trio.current_time() >= self._expires:
-                keyfile = os.environ.get("GOOGLE_APPLICATION_CREDENTIALS")
-                if keyfile:
-                    token, ttl = await trio.to_thread.run_sync(self._service_account_sync, keyfile)
-                else:
-                    token, ttl = await self._metadata_token()
-                self._token = token
-                self._expires = trio.current_time() + max(0.0, ttl - 60.0)  # refresh a minute early
-                log.info("gcs credentials obtained source=%s ttl_s=%.0f",
-                         "service-account" if keyfile else "metadata", ttl)
-            return {"authorization": f"Bearer {self._token}"}
+def summarise_manifest(data: bytes, manifest_id: str) -> ManifestSummary | None:
+    """Size and counts for a manifest's metadata; None for bytes that are not one (blocking)."""
+    try:
+        m = decode_manifest(data, expected_id=manifest_id)
+    except (ManifestError, IntegrityError):
+        return None
+    return ManifestSummary(format=m.version, size=m.total_size, files=sum(1 for _ in m.files),
+                           chunks=len(m.chunks))
 
 
 class GCSOrigin(Origin):
@@ -156,9 +78,43 @@ class GCSOrigin(Origin):
         self.base = (base_url or emu or GCS_BASE).rstrip("/")
         if authenticate is None:
             authenticate = not (emu or base_url)
-        self.auth = _GoogleAuth() if authenticate else None
+        self.auth: GoogleCredentials | None = None
+        if authenticate:
+            from .gcs_auth import GoogleCredentials  # google-auth is imported only where it is used
+
+            self.auth = GoogleCredentials()
         self.http = RetryingClient(what=f"origin {self.url}", max_concurrency=max_concurrency, retries=retries,
-                                   auth_headers=self.auth.headers if self.auth else None)
+                                   auth_headers=self.auth.headers if self.auth else None,
+                                   describe=self._describe_retryable)
+        self._bucket_seen = False  # an answer showed that the bucket exists
+
+    def _describe_retryable(self, resp: httpx.Response) -> str:
+        refusal = classify(resp.status_code, resp.content, action="", bucket=self.bucket, key="")
+        return refusal.line if refusal.kind is Failure.QUOTA else describe_status(resp)
+
+    def _refused(self, resp: httpx.Response, action: str, key: str) -> OriginError:
+        """One line for a refusal of ``action`` on ``key`` (see gcs_objects.classify)."""
+        refusal = classify(resp.status_code, resp.content, action=action, bucket=self.bucket, key=key)
+        return OriginError(f"origin {self.url}: {refusal.line}")
+
+    async def _bucket_exists(self) -> bool:
+        """Tell a missing object from a missing bucket after a 404 (GCS and the emulator
+        answer both with 404). An answer other than 404 (e.g. 403 for credentials without
+        storage.buckets.get) counts as "exists": the object's 404 then stands."""
+        if self._bucket_seen:
+            return True
+        resp = await self.http.request("GET", f"{self.base}/storage/v1/b/{quote(self.bucket, safe='')}",
+                                       params={"fields": "name"}, limit=64 << 10)
+        self._bucket_seen = resp.status_code != 404
+        return self._bucket_seen
+
+    async def _not_found(self, resp: httpx.Response, action: str, key: str) -> bool:
+        """For a 404 on one object: True if the object is absent, raise if the bucket is."""
+        refusal = classify(resp.status_code, resp.content, action=action, bucket=self.bucket, key=key)
+        if refusal.kind is Failure.BUCKET_MISSING or not await self._bucket_exists():
+            raise OriginError(f"origin {self.url}: "
+                              + classify(404, b"", action="bucket", bucket=self.bucket, key="").line)
+        return True
 
     def _object_url(self, key: str) -> str:
         return f"{self.base}/storage/v1/b/{quote(self.bucket, safe='')}/o/{quote(self.prefix + key, safe='')}"
@@ -169,31 +125,49 @@ class GCSOrigin(Origin):
     async def _get(self, key: str, limit: int) -> bytes:
         resp = await self.http.request("GET", self._object_url(key), params={"alt": "media"}, limit=limit)
         self._sync_retries()
-        return get_body(resp, self.url, key)
+        if resp.status_code == 200:
+            self._bucket_seen = True
+            return resp.content
+        if resp.status_code == 404 and await self._not_found(resp, "get", key):
+            raise NotFoundError(f"{key} not found at origin {self.url}")
+        raise self._refused(resp, "get", key)
 
     async def _put(self, key: str, data: bytes) -> None:
+        mid = data.decode("ascii", "replace").strip() if key.startswith("refs/") else None
+        await self._upload(key, data, object_resource(key, manifest_id=mid))
+
+    async def _put_manifest(self, key: str, data: bytes, ref: str | None) -> None:
+        summary = await trio.to_thread.run_sync(summarise_manifest, data, key.removeprefix("manifests/"))
+        await self._upload(key, data, object_resource(key, ref=ref, summary=summary))
+
+    async def _upload(self, key: str, data: bytes, resource: dict[str, object]) -> None:
+        """One multipart upload: the object's metadata (content type, Cache-Control, herd-*)
+        and its bytes together, so no object is ever seen without its metadata."""
         url = f"{self.base}/upload/storage/v1/b/{quote(self.bucket, safe='')}/o"
-        params = {"uploadType": "media", "name": self.prefix + key}
+        params = {"uploadType": "multipart"}
         immutable = not key.startswith("refs/")
         if immutable:
             # Content-addressed objects never change: create-only, so a concurrent publisher's
             # copy is not rewritten (412 = it is already there, which is success).
             params["ifGenerationMatch"] = "0"
-        resp = await self.http.request("POST", url, params=params, content=data,
-                                       headers={"content-type": "application/octet-stream"})
+        body, ctype = multipart_body(self.prefix + key, resource, data, f"herd-{secrets.token_hex(12)}")
+        resp = await self.http.request("POST", url, params=params, content=body,
+                                       headers={"content-type": ctype})
         self._sync_retries()
         if resp.status_code == 412 and immutable:
             return
         if resp.status_code not in (200, 201):
-            raise OriginError(f"origin {self.url}: upload {key}: {describe_status(resp)}")
+            raise self._refused(resp, "upload", key)
+        self._bucket_seen = True
 
     async def _exists_one(self, key: str) -> bool:
-        resp = await self.http.request("GET", self._object_url(key))
+        resp = await self.http.request("GET", self._object_url(key), params={"fields": "name"}, limit=64 << 10)
         if resp.status_code == 200:
+            self._bucket_seen = True
             return True
         if resp.status_code == 404:
             return False
-        raise OriginError(f"origin {self.url}: metadata {key}: {describe_status(resp)}")
+        raise self._refused(resp, "metadata", key)
 
     async def _list(self, prefix: str, max_pages: int) -> tuple[set[str], str | None]:
         """Names under ``prefix`` in lexicographic order, at most ``max_pages`` pages.
@@ -208,10 +182,8 @@ class GCSOrigin(Origin):
             if token:
                 params["pageToken"] = token
             resp = await self.http.request("GET", url, params=params)
-            if resp.status_code == 404:
-                raise OriginError(f"origin {self.url}: bucket {self.bucket!r} does not exist")
             if resp.status_code != 200:
-                raise OriginError(f"origin {self.url}: list {prefix}: {describe_status(resp)}")
+                raise self._refused(resp, "list", full)
             try:
                 body = resp.json()
             except ValueError:
@@ -259,10 +231,8 @@ class GCSOrigin(Origin):
             if token:
                 params["pageToken"] = token
             resp = await self.http.request("GET", url, params=params)
-            if resp.status_code == 404:
-                raise OriginError(f"origin {self.url}: bucket {self.bucket!r} does not exist")
             if resp.status_code != 200:
-                raise OriginError(f"origin {self.url}: list {prefix}: {describe_status(resp)}")
+                raise self._refused(resp, "list", full)
             try:
                 body = resp.json()
                 for item in body.get("items", []) or []:
@@ -288,11 +258,11 @@ class GCSOrigin(Origin):
         if resp.status_code == 404:
             return False
         if resp.status_code not in (200, 412):  # 412: dst already there (same content-addressed bytes)
-            raise OriginError(f"origin {self.url}: copy {src} -> {dst}: {describe_status(resp)}")
+            raise self._refused(resp, "copy", f"{src} -> {dst}")
         resp = await self.http.request("DELETE", self._object_url(src))
         self._sync_retries()
         if resp.status_code not in (200, 204, 404):
-            raise OriginError(f"origin {self.url}: delete {src}: {describe_status(resp)}")
+            raise self._refused(resp, "delete", src)
         return True
 
     async def _delete_if_unchanged(self, info: ObjectInfo) -> bool:
@@ -302,7 +272,7 @@ class GCSOrigin(Origin):
         if resp.status_code in (404, 412):  # gone, or rewritten since it was listed
             return False
         if resp.status_code not in (200, 204):
-            raise OriginError(f"origin {self.url}: delete {info.key}: {describe_status(resp)}")
+            raise self._refused(resp, "delete", info.key)
         return True
 
     async def aclose(self) -> None:

@@ -34,7 +34,10 @@ class RetryingClient:
     def __init__(self, *, what: str, max_concurrency: int = 32, retries: int = 5,
                  backoff_base: float = 0.2, backoff_cap: float = 8.0,
                  timeout: float = 60.0, connect_timeout: float = 10.0,
-                 auth_headers: Callable[[bool], Awaitable[dict[str, str]]] | None = None) -> None:
+                 auth_headers: Callable[[bool], Awaitable[dict[str, str]]] | None = None,
+                 describe: Callable[[httpx.Response], str] | None = None) -> None:
+        """``describe``: one line for a retryable answer that was still failing after the
+        last attempt (GCS names a quota or rate limit there); default ``HTTP <status>``."""
         self.what = what
         self.retries = max(0, retries)
         self.backoff_base = backoff_base
@@ -46,6 +49,7 @@ class RetryingClient:
                                 max_keepalive_connections=max(1, max_concurrency)),
             follow_redirects=True)
         self._auth_headers = auth_headers
+        self._describe = describe
         self.retried = 0
 
     def backoff(self, attempt: int) -> float:
@@ -84,7 +88,7 @@ class RetryingClient:
                     continue
                 if resp.status_code not in RETRY_STATUSES:
                     return resp
-                last = f"HTTP {resp.status_code}"
+                last = self._describe(resp) if self._describe is not None else f"HTTP {resp.status_code}"
             if attempt >= self.retries:
                 raise OriginError(f"{self.what}: {method} {_short(url)} failed after {attempt + 1} attempts: {last}")
             delay = self.backoff(attempt)
