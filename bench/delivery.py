@@ -105,7 +105,7 @@ async def _fleet(stack: AsyncExitStack, tmp: Path, td: Path, a: Args, n: int, *,
 
 
 async def _register(row: dict[str, Any], key: str, placer: PlacerProc, emus: list[EmulatorProc],
-                    c: httpx.AsyncClient, n: int) -> bool:
+                    c: httpx.AsyncClient, n: int, op: dict[str, str]) -> bool:
     cpu0 = placer.cpu_s()
     for e in emus:
         await e.go()
@@ -115,6 +115,13 @@ async def _register(row: dict[str, Any], key: str, placer: PlacerProc, emus: lis
     if up < n:
         return False
     await wait_recovered(c, placer.url)
+    # One small job first, so the model's rebuild after the registration storm happens here
+    # and not inside the measured decision (a settled fleet's model is built already).
+    r = await c.post(f"{placer.url}/v1/jobs", json={"job_id": "warm", "pods": 1, "gpus_per_pod": 1,
+                                                     "argv": ["/bin/true"], "grace_s": 0}, headers=op)
+    if r.status_code == 201:
+        await _wait_job(c, placer.url, "warm", "running", 30.0)
+        await c.delete(f"{placer.url}/v1/jobs/warm", headers=op)
     return True
 
 
@@ -196,7 +203,7 @@ async def relay_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
     async with AsyncExitStack() as stack:
         placer, emus, c = await _fleet(stack, tmp, td, a, n, relays=True)
         row["emulator_procs"] = len(emus)
-        if not await _register(row, "register", placer, emus, c, n):
+        if not await _register(row, "register", placer, emus, c, n, op):
             return row
         row["empty"] = await _deliver(c, placer, emus, op, {**gang, "job_id": "big1"}, a.limit_s)
         _note("empty fleet", **{k: row["empty"].get(k) for k in ("state", "submit_to_acked_ms", "bundle_bytes")})
@@ -252,7 +259,7 @@ async def baseline_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
     gang = _gang(a.fleet, gpus, a.gang_gpus)
     async with AsyncExitStack() as stack:
         placer, emus, c = await _fleet(stack, tmp, td, a, n, relays=False)
-        if not await _register(row, "register", placer, emus, c, n):
+        if not await _register(row, "register", placer, emus, c, n, op):
             return row
         small = {**gang, "pods": min(2000, gang["pods"]), "job_id": "base-small"}
         row["small"] = await _deliver(c, placer, emus, op, small, 120.0)

@@ -330,6 +330,8 @@ class RelayHub:
             async with trio.open_nursery() as n:
                 for i, (path, (conn, ps)) in enumerate(racks):
                     n.start_soon(rack, i, path, conn, ps)
+                    if i % 16 == 15:  # let the first bundles leave (and their acks in) while the rest are built
+                        await trio.lowlevel.checkpoint()
                 for p in direct:
                     n.start_soon(one, p)
         finally:

@@ -30,6 +30,7 @@ from scheduler_link.messages import (
     GangBlob,
     JobSpec,
     NodePart,
+    PartPod,
     Peer,
     PeerTable,
     Placement,
@@ -253,10 +254,9 @@ class Scheduling(StateBase):
         job_id, attempt = job.job_id, job.attempt
 
         def part(node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> Callable[[], NodePart]:
-            return lambda: NodePart(
+            return lambda: NodePart(  # blob_id left empty: the bundle's (scheduler_link.messages.NodePart)
                 placement_id=prefix + node.node_id, node_id=node.node_id, job_id=job_id, attempt=attempt,
-                blob_id=blob_id, pods=[PodAssignment(workload_id=p.workload_id, rank=p.rank, gpus=[],
-                                                     gpu_indices=list(p.slots)) for p in pods],
+                pods=[PartPod(workload_id=p.workload_id, rank=p.rank, gpu_indices=list(p.slots)) for p in pods],
                 victims=victims, issued_at=now, expires_at=expires, inventory=node.inventory,
                 gang_nodes=n_gang, contacts=contacts)
 

@@ -18,6 +18,7 @@ This module imports nothing of ours (blake3 is loaded where a blob is hashed).
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Literal
 
@@ -512,25 +513,35 @@ class GangBlob(msgspec.Struct, frozen=True, kw_only=True):
     limits: ResourceLimits = ResourceLimits()  # each pod's cgroup limits (JobSpec.limits)
 
 
-class NodePart(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+class PartPod(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
+    """One pod of a NodePart: its rank and GPU slots (UUIDs only where a part has no
+    ``inventory``). Positional on the wire: a 25,000-node gang's parts are 25,000 of these."""
+    workload_id: str
+    rank: int
+    gpu_indices: list[int] = []              # slots: positions in the node's inventory, index order
+    gpus: list[str] = []                     # UUIDs (only without an inventory hash)
+
+
+class NodePart(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
     """What one node of a gang receives. Bounded whatever the gang's size.
 
-    GPUs are named by *slot* (``PodAssignment.gpu_indices``: positions in the node's
-    inventory in GPU index order) plus ``inventory``, a hash of the UUIDs the node last
-    reported in that order (:func:`inventory_hash`); ``PodAssignment.gpus`` is then empty.
+    GPUs are named by *slot* (``PartPod.gpu_indices``: positions in the node's inventory in
+    GPU index order) plus ``inventory``, a hash of the UUIDs the node last reported in that
+    order (:func:`inventory_hash`); ``PartPod.gpus`` is then empty.
     The agent refuses a part whose inventory hash is not its own (``expired``: the placer's
     view of the node is stale, nothing about a GPU is implied), so a slot can never mean a
     GPU the placer did not see. Slots keep a 25,000-node gang's parts under 6 MB where
-    UUIDs would take ~15 MB. A part with no pods and no blob (``blob_id`` empty) only stops
-    its victims.
+    UUIDs would take ~15 MB. A part with no pods only stops its victims. Inside a RackBundle a
+    part's ``blob_id`` is left empty: it is the bundle's (the relay fills it in for its members).
+    Positional on the wire (``array_like``): fields are only ever added at the end, with defaults.
     """
     placement_id: str
     node_id: str
     job_id: str
     attempt: int
-    blob_id: str = ""                        # BLAKE3 hex of the GangBlob's canonical bytes ("": stops only)
+    blob_id: str = ""                        # BLAKE3 hex of the GangBlob's canonical bytes
     version: int = WIRE_VERSION
-    pods: list[PodAssignment] = []           # ranks and GPU slots (UUIDs only when ``inventory`` is empty)
+    pods: list[PartPod] = []                 # ranks and GPU slots
     victims: list[Victim] = []
     issued_at: float = 0.0
     expires_at: float = 0.0                  # refused as "expired" after this (sender's clock)
@@ -542,10 +553,10 @@ class NodePart(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 
 def inventory_hash(uuids: list[str]) -> str:
-    """BLAKE3-128 (hex) of a node's GPU UUIDs in index order: what a NodePart's slots index."""
-    import blake3
-
-    return blake3.blake3("\n".join(uuids).encode()).hexdigest(length=16)
+    """BLAKE2b-64 (hex) of a node's GPU UUIDs in index order: what a NodePart's slots index.
+    A consistency check against a stale view (a GPU that fell off the bus, a swapped board),
+    not a security boundary: 64 bits are plenty and it costs ~1 us."""
+    return hashlib.blake2b("\n".join(uuids).encode(), digest_size=8).hexdigest()
 
 
 class RackBundle(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

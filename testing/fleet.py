@@ -409,6 +409,8 @@ class EmulatedRelay:
             m = self.by_id.get(part.node_id)
             if m is None:
                 continue  # not ours: the placer pushes it directly
+            if not part.blob_id and rb.blob_id and part.pods:  # the bundle's blob (as a relay fills it in)
+                part = msgspec.structs.replace(part, blob_id=rb.blob_id)
             outcomes.append(m.place_part(part, now, later))
         st = self.fleet.stats
         for o in outcomes:
