@@ -70,20 +70,24 @@ def _request(args: argparse.Namespace, method: str, path: str, what: str, **kw: 
 # ------------------------------------------------------------------ run
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from agent.config import load_config
+    from agent.config import load_config, replace
     from agent.daemon import run_agent
+    from agent.errors import ConfigError
 
-    cfg = load_config(args.config, {
-        "node_id": args.node_id, "gpus": args.gpus, "state_dir": args.state_dir, "listen": args.listen,
-        "data_listen": args.data_listen, "placer": args.placer, "token_dir": args.token_dir,
-        "zone": args.zone, "block": args.block, "rack": args.rack, "heartbeat_s": args.heartbeat_s,
-        "gpu_poll_interval_s": args.gpu_poll_interval_s,
-        "allowed_origins": tuple(args.allowed_origin) if args.allowed_origin else None,
-    })
-    if args.no_data_plane:
-        from agent.config import replace
-        cfg = replace(cfg, data_listen=None)
-    run_agent(cfg)
+    try:
+        cfg = load_config(args.config, {
+            "node_id": args.node_id, "gpus": args.gpus, "state_dir": args.state_dir, "listen": args.listen,
+            "data_listen": args.data_listen, "placer": args.placer, "token_dir": args.token_dir,
+            "zone": args.zone, "block": args.block, "rack": args.rack, "heartbeat_s": args.heartbeat_s,
+            "gpu_poll_interval_s": args.gpu_poll_interval_s,
+            "allowed_origins": tuple(args.allowed_origin) if args.allowed_origin else None,
+        })
+        if args.no_data_plane:
+            cfg = replace(cfg, data_listen=None)
+        run_agent(cfg)
+    except ConfigError as e:
+        # EX_CONFIG (78): herd-agent.service's RestartPreventExitStatus= stops a restart loop on it
+        raise CliError(str(e), code=os.EX_CONFIG) from None
     return 0
 
 

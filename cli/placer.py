@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import trio
 
@@ -42,7 +43,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, listen=args.listen, token_dir=args.token_dir, state_dir=args.state_dir,
                           heartbeat_s=args.heartbeat, fence_after_s=args.fence_after)
     except PlacerConfigError as e:
-        raise CliError(str(e)) from None
+        # EX_CONFIG (78): herd-placer.service's RestartPreventExitStatus= stops a restart loop
+        raise CliError(str(e), code=os.EX_CONFIG) from None
     try:
         trio.run(run_placer, cfg)
     except KeyboardInterrupt:

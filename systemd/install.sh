@@ -1,57 +1,139 @@
 #!/bin/sh
-# Install herd on this host: a venv under /opt/herd, /etc/herd/agent.toml from the
-# commented reference, tokens (0600) generated once or copied from a directory, and the
-# systemd units enabled and started.
+# Install, upgrade or remove herd on this host: a venv under PREFIX (/opt/herd), the commented
+# reference configs in /etc/herd, tokens (0600) generated once or copied from a directory, the
+# systemd units (paths rewritten to PREFIX) enabled and started.
 #
-#   sudo systemd/install.sh [--tokens DIR] [--placer] [--no-start] [--prefix /opt/herd] [--source DIR]
+#   sudo systemd/install.sh [--agent] [--placer] [--tokens DIR] [--no-start] [--prefix DIR] [--source DIR]
+#   sudo systemd/install.sh --uninstall [--agent] [--placer] [--purge] [--prefix DIR]
 #
+#   --agent        install herd-agent.service (a GPU host).
+#   --placer       install herd-placer.service (the placer host); with --agent too, both.
+#                  Neither: what is installed already (an upgrade), else the agent.
 #   --tokens DIR   copy placer/cluster/operator/viewer/metrics .token from DIR (the same set on
 #                  every host of a cluster); without it a set is generated once and kept.
-#   --placer       also install and enable herd-placer.service on this host.
-#   --no-start     install and enable, but do not start (for images).
+#   --no-start     install and enable, but do not start (for images). An upgrade still restarts
+#                  the units that were running.
+#   --prefix DIR   where the venv and the shared files go (default /opt/herd).
+#   --uninstall    stop, disable and remove the units and PREFIX; configs, tokens and state
+#                  stay unless --purge (which also removes the herd-workload user).
+# Re-running upgrades in place: the package is reinstalled, units rewritten, configs and tokens
+# kept, and the units that were running are restarted. Running it twice changes nothing more.
 set -eu
 
 PREFIX=/opt/herd
 ETC=/etc/herd
 TOKENS_FROM=""
+AGENT=0
 PLACER=0
 START=1
+UNINSTALL=0
+PURGE=0
 SRC=$(cd "$(dirname "$0")/.." && pwd)
 UNIT_DIR=/etc/systemd/system
+STATE_ROOT=/var/lib
 
 while [ $# -gt 0 ]; do
     case "$1" in
         --tokens) TOKENS_FROM=$2; shift 2 ;;
+        --agent) AGENT=1; shift ;;
         --placer) PLACER=1; shift ;;
         --no-start) START=0; shift ;;
         --prefix) PREFIX=$2; shift 2 ;;
         --source) SRC=$2; shift 2 ;;
-        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        --uninstall) UNINSTALL=1; shift ;;
+        --purge) PURGE=1; shift ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "install.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
 
+case "$PREFIX" in
+    /*) PREFIX=${PREFIX%/} ;;
+    *) echo "install.sh: --prefix must be an absolute path" >&2; exit 2 ;;
+esac
+[ "$PURGE" = 0 ] || [ "$UNINSTALL" = 1 ] || { echo "install.sh: --purge goes with --uninstall" >&2; exit 2; }
 [ "$(id -u)" = 0 ] || { echo "install.sh: run as root" >&2; exit 1; }
-command -v python3 >/dev/null || { echo "install.sh: python3 (>= 3.11) is required" >&2; exit 1; }
 
-echo "herd: installing from $SRC into $PREFIX"
+installed() { [ -e "$UNIT_DIR/herd-$1.service" ]; }
+active() { systemctl is-active --quiet "herd-$1.service" 2>/dev/null; }
+
+# Neither --agent nor --placer: the roles already installed here (an upgrade or an uninstall
+# of everything), else the agent.
+if [ "$AGENT" = 0 ] && [ "$PLACER" = 0 ]; then
+    installed agent && AGENT=1
+    installed placer && PLACER=1
+    if [ "$AGENT" = 0 ] && [ "$PLACER" = 0 ] && [ "$UNINSTALL" = 0 ]; then AGENT=1; fi
+fi
+ROLES=""
+[ "$AGENT" = 1 ] && ROLES="agent"
+[ "$PLACER" = 1 ] && ROLES="$ROLES placer"
+
+# ------------------------------------------------------------------------- uninstall
+if [ "$UNINSTALL" = 1 ]; then
+    for role in $ROLES; do
+        if installed "$role"; then
+            systemctl disable --now "herd-$role.service" || true
+            rm -f "$UNIT_DIR/herd-$role.service"
+            echo "herd: removed herd-$role.service"
+        fi
+        if [ "$PURGE" = 1 ]; then
+            rm -f "$ETC/$role.toml"
+            if [ "$role" = agent ]; then
+                rm -rf "$STATE_ROOT/herd"
+                if id herd-workload >/dev/null 2>&1; then userdel herd-workload || true; fi
+            else
+                rm -rf "$STATE_ROOT/herd-placer" "$STATE_ROOT/private/herd-placer"
+            fi
+            echo "herd: purged the $role's configuration and state"
+        fi
+    done
+    systemctl daemon-reload
+    if ! installed agent && ! installed placer; then
+        rm -rf "$PREFIX/venv" "$PREFIX/share"
+        rmdir "$PREFIX" 2>/dev/null || true
+        if [ "$PURGE" = 1 ]; then
+            rm -rf "$ETC"
+            echo "herd: removed $ETC (tokens included)"
+        else
+            echo "herd: kept $ETC (configuration and tokens) and the state; --purge removes them"
+        fi
+    fi
+    exit 0
+fi
+
+# --------------------------------------------------------------------------- install
+command -v python3 >/dev/null || { echo "install.sh: python3 (>= 3.11) is required" >&2; exit 1; }
+WAS_ACTIVE=""
+for role in $ROLES; do
+    if active "$role"; then WAS_ACTIVE="$WAS_ACTIVE $role"; fi
+done
+
+echo "herd: installing ($ROLES ) from $SRC into $PREFIX"
 mkdir -p "$PREFIX"
 [ -x "$PREFIX/venv/bin/python" ] || python3 -m venv "$PREFIX/venv"
 "$PREFIX/venv/bin/pip" install -q --upgrade pip
-"$PREFIX/venv/bin/pip" install -q "$SRC"
-mkdir -p "$PREFIX/share" && cp "$SRC/systemd/agent.toml" "$PREFIX/share/agent.toml.reference"
+# --force-reinstall --no-deps on top: the same version number from a newer checkout is
+# still an upgrade.
+"$PREFIX/venv/bin/pip" install -q --upgrade "$SRC"
+"$PREFIX/venv/bin/pip" install -q --force-reinstall --no-deps "$SRC"
+mkdir -p "$PREFIX/share/doc/herd"
+install -m 0644 "$SRC/README.md" "$PREFIX/share/doc/herd/README.md"
+install -m 0644 "$SRC/systemd/agent.toml" "$PREFIX/share/agent.toml.reference"
+install -m 0644 "$SRC/systemd/placer.toml" "$PREFIX/share/placer.toml.reference"
 
 mkdir -p "$ETC"
 chmod 0755 "$ETC"
-if [ ! -e "$ETC/agent.toml" ]; then
-    install -m 0644 "$SRC/systemd/agent.toml" "$ETC/agent.toml"
-    echo "herd: wrote $ETC/agent.toml (edit node topology and listen addresses)"
-else
-    echo "herd: keeping existing $ETC/agent.toml"
-fi
+for role in $ROLES; do
+    if [ ! -e "$ETC/$role.toml" ]; then
+        install -m 0644 "$SRC/systemd/$role.toml" "$ETC/$role.toml"
+        echo "herd: wrote $ETC/$role.toml (edit it: see $PREFIX/share/$role.toml.reference)"
+    else
+        echo "herd: keeping existing $ETC/$role.toml"
+    fi
+done
 
 # The unprivileged user workloads run as ([workloads] user in agent.toml): no login, no home.
-if ! id herd-workload >/dev/null 2>&1; then
+if [ "$AGENT" = 1 ] && ! id herd-workload >/dev/null 2>&1; then
     NOLOGIN=$(command -v nologin || echo /usr/sbin/nologin)
     useradd --system --no-create-home --home-dir /nonexistent --shell "$NOLOGIN" \
         --user-group herd-workload
@@ -82,20 +164,24 @@ fi
 chown root:root "$ETC"/tokens/*.token
 chmod 0600 "$ETC"/tokens/*.token
 
-install -m 0644 "$SRC/systemd/herd-agent.service" "$UNIT_DIR/herd-agent.service"
-UNITS="herd-agent.service"
-if [ "$PLACER" = 1 ]; then
-    install -m 0644 "$SRC/systemd/herd-placer.service" "$UNIT_DIR/herd-placer.service"
-    if [ ! -e "$ETC/placer.toml" ]; then
-        install -m 0644 "$SRC/systemd/placer.toml" "$ETC/placer.toml"
-    fi
-    UNITS="$UNITS herd-placer.service"
-fi
+# Units name /opt/herd; rewrite it to PREFIX (ExecStart=, Documentation=).
+for role in $ROLES; do
+    sed "s|/opt/herd/|$PREFIX/|g" "$SRC/systemd/herd-$role.service" > "$UNIT_DIR/.herd-$role.service.new"
+    chmod 0644 "$UNIT_DIR/.herd-$role.service.new"
+    mv -f "$UNIT_DIR/.herd-$role.service.new" "$UNIT_DIR/herd-$role.service"
+done
 systemctl daemon-reload
-if [ "$START" = 1 ]; then
-    systemctl enable --now $UNITS
-    echo "herd: enabled and started $UNITS"
-else
-    systemctl enable $UNITS
-    echo "herd: enabled $UNITS (not started: --no-start)"
-fi
+for role in $ROLES; do
+    unit="herd-$role.service"
+    systemctl enable "$unit"
+    # a unit stopped by its start limit or by RestartPreventExitStatus= gets a fresh start
+    systemctl reset-failed "$unit" 2>/dev/null || true
+    case " $WAS_ACTIVE " in
+        *" $role "*) systemctl restart "$unit"; echo "herd: upgraded and restarted $unit" ;;
+        *) if [ "$START" = 1 ]; then
+               systemctl start "$unit"; echo "herd: enabled and started $unit"
+           else
+               echo "herd: enabled $unit (not started: --no-start)"
+           fi ;;
+    esac
+done
