@@ -26,7 +26,12 @@ Invariants:
   supervisor is idempotent by placement id, so nothing is placed twice;
 - an ``accepted`` outcome is on disk first; a restarted agent processes again every
   accepted part it has not handed over yet;
-- GPUs of accepted parts not yet handed over count as held (two parts never get one GPU).
+- GPUs of accepted parts not yet handed over count as held (two parts never get one GPU);
+- a stop that names a pod of an accepted part not handed over yet (a rollback that came
+  before the blob) is written into that part's record before it is answered; that pod is
+  then never placed (its end is reported as the supervisor would: ``preempted``/``exited``
+  "before start"), also across a restart; a stop that comes during the hand-over is
+  applied right after it.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ from scheduler_link.messages import (
     Placement,
     PlacementAck,
     PodAssignment,
+    Victim,
     WorkloadEvent,
     inventory_hash,
 )
@@ -113,7 +119,9 @@ def check_part(part: NodePart, *, node_id: str, now: float, inventory: Sequence[
                                       gpus=[inventory[s] for s in pod.gpu_indices],
                                       gpu_indices=list(pod.gpu_indices)))
     else:
-        pods = list(part.pods)  # GPUs named by UUID (checked below like any placement's)
+        pods = [PodAssignment(workload_id=pod.workload_id, rank=pod.rank, gpus=list(pod.gpus),
+                              gpu_indices=list(pod.gpu_indices))
+                for pod in part.pods]  # GPUs named by UUID (checked below like any placement's)
     provisional = Placement(placement_id=part.placement_id, job_id=part.job_id, pods=pods,
                             victims=list(part.victims), argv=["(from the gang blob)"] if pods else [])
     why = check_placement(provisional, records, gpu_health)
@@ -154,6 +162,9 @@ class PartRecord(msgspec.Struct, frozen=True, kw_only=True):
     state: PartState = "accepted"
     accepted_at: float = 0.0
     detail: str | None = None
+    # stops that named this part's pods before they were handed over (a rollback that
+    # overtook the blob): applied right after the hand-over, so nothing starts again
+    stopped: list[Victim] = []
 
 
 _rec_dec = msgspec.msgpack.Decoder(PartRecord)
@@ -324,6 +335,8 @@ class PartAcceptor:
         fresh: list[tuple[PartRecord, _Accept]] = []
         done: list[PartRecord] = []
         answers: list[tuple[_Accept, NodeOutcome]] = []
+        stops_only: list[_Accept] = []
+        touched: dict[str, PartRecord] = {}       # pending records that got stops
         records: dict[str, WorkloadRecord] | None = None
         uuids, health = self._inventory()
         for msg in batch:
@@ -347,9 +360,11 @@ class PartAcceptor:
             v = check_part(part, node_id=self.node_id, now=now, inventory=uuids, gpu_health=health,
                            records=records, known=self._known(pid))
             if v.fresh and not part.pods:
-                # only stops: the supervisor's placement of the victims is durable and idempotent itself
-                assert self._nursery is not None
-                self._nursery.start_soon(self._victims_only, msg)
+                # only stops: the supervisor's placement of the victims is durable and idempotent
+                # itself; a victim that is a pod of a part not handed over yet is kept with that part
+                for r in self._pending_of(part.victims):
+                    touched[r.part.placement_id] = r
+                stops_only.append(msg)
                 continue
             if v.fresh:
                 rec = PartRecord(part=part, pods=list(v.pods), accepted_at=now)
@@ -370,7 +385,7 @@ class PartAcceptor:
                     log.warning("part refused placement=%s outcome=%s detail=%s", pid, v.outcome.outcome,
                                 v.outcome.detail)
                 answers.append((msg, v.outcome))
-        writes = [r for r, _ in fresh] + done
+        writes = [r for r, _ in fresh] + done + list(touched.values())
         if writes:
             try:
                 await trio.to_thread.run_sync(self._store.save, writes)
@@ -384,16 +399,36 @@ class PartAcceptor:
                     a.reply.send_nowait(None)
                 for a, out in answers:
                     a.reply.send_nowait(None if a.part.placement_id in lost else out)
+                for a in stops_only:
+                    a.reply.send_nowait(None)
                 return
         for a, out in answers:  # after the write: a repeat of a part accepted in this batch too
             a.reply.send_nowait(out)
         assert self._nursery is not None
+        for a in stops_only:
+            self._nursery.start_soon(self._victims_only, a)
         for r, a in fresh:
             a.reply.send_nowait(NodeOutcome(node_id=self.node_id, placement_id=r.part.placement_id,
                                             outcome="accepted"))
             self._nursery.start_soon(self._hand_over, r)
         if done:
             self._prune()
+
+    def _pending_of(self, victims: Sequence[Victim]) -> list[PartRecord]:
+        """Pending (accepted, not handed over) records naming any of ``victims`` as a pod,
+        updated (in ``_recs``) with those stops."""
+        want = {v.workload_id: v for v in victims}
+        out: list[PartRecord] = []
+        for pid, r in self._recs.items():
+            if r.state != "accepted":
+                continue
+            hit = [want[p.workload_id] for p in r.pods if p.workload_id in want
+                   and all(s.workload_id != p.workload_id for s in r.stopped)]
+            if hit:
+                r = msgspec.structs.replace(r, stopped=[*r.stopped, *hit])
+                self._recs[pid] = r
+                out.append(r)
+        return out
 
     def _prune(self) -> None:
         finished = [r for r in self._recs.values() if r.state != "accepted"]
@@ -419,6 +454,10 @@ class PartAcceptor:
 
     # ------------------------------------------------------------ after the ack
 
+    def _stopped(self, r: PartRecord) -> dict[str, Victim]:
+        """Stops that named this part's pods so far (the owner's latest record)."""
+        return {v.workload_id: v for v in self._recs.get(r.part.placement_id, r).stopped}
+
     async def _hand_over(self, r: PartRecord) -> None:
         part = r.part
         for v in part.victims:  # victims go now, not after the blob: the stops and the parts go out together
@@ -437,17 +476,31 @@ class PartAcceptor:
             why = f"gang blob not had within {self.blob_timeout_s:g}s"
         if blob is not None:
             why = blob_problem(part, blob, self.allowed_origins)
-        if why is None and blob is not None:
-            ack = await self.supervisor.place(build_placement(part, r.pods, blob))
+        early = self._stopped(r)
+        pods = [p for p in r.pods if p.workload_id not in early]  # stopped before start: never started
+        if why is None and blob is not None and pods:
+            ack = await self.supervisor.place(build_placement(part, pods, blob))
             if not ack.accepted:
                 why = ack.reason or f"refused ({ack.effective_outcome()})"
+        now = self._clock()
         if why is None:
+            for wid, v in self._stopped(r).items():
+                if wid in early:  # not placed: its end is ours to report (as the supervisor would)
+                    state = "preempted" if v.reason.startswith("preempt") else "exited"
+                    pod = next(p for p in r.pods if p.workload_id == wid)
+                    self._notify(WorkloadEvent(workload_id=wid, job_id=part.job_id, state=state, at=now,  # type: ignore[arg-type]
+                                               reason=f"{v.reason} before start", gpus=list(pod.gpus),
+                                               placement_id=part.placement_id))
+                    continue
+                try:  # came while the placement was being handed over
+                    await self.supervisor.stop(wid, reason=v.reason, grace_s=v.grace_s)
+                except Exception as e:
+                    log.debug("early stop not applied workload=%s err=%s", wid, e)
             self.counters.placed += 1
             await self._send.send(_Done(part.placement_id, "placed"))
             return
         self.counters.failed += 1
         log.warning("accepted part failed placement=%s job=%s reason=%s", part.placement_id, part.job_id, why)
-        now = self._clock()
         for pod in r.pods:
             self._notify(WorkloadEvent(workload_id=pod.workload_id, job_id=part.job_id, state="failed", at=now,
                                        reason=why, gpus=list(pod.gpus), placement_id=part.placement_id))

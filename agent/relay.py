@@ -293,6 +293,8 @@ class Relay:
         with trio.move_on_at(until):
             async with trio.open_nursery() as n:
                 for part in b.parts:
+                    if part.pods and not part.blob_id:  # inside a bundle a part's blob is the bundle's
+                        part = msgspec.structs.replace(part, blob_id=b.blob_id)
                     n.start_soon(self._deliver, part, outcomes)
         self.parts_delivered += len(outcomes)
         self.parts_missed += len(b.parts) - len(outcomes)

@@ -20,6 +20,7 @@ from scheduler_link.messages import (
     NodePart,
     NodeReport,
     NodeStop,
+    PartPod,
     PeerTable,
     Placement,
     PodAssignment,
@@ -40,8 +41,7 @@ def _part(pid: str = "p1", *, node: str = "n1", slots: tuple[int, ...] = (0, 1),
           expires_at: float = NOW + 10, victims: tuple[Victim, ...] = (), blob_id: str = "b" * 64,
           wid: str | None = None, job: str = "job") -> NodePart:
     return NodePart(placement_id=pid, node_id=node, job_id=job, attempt=1, blob_id=blob_id,
-                    pods=[PodAssignment(workload_id=wid or f"{job}.1.{pid}", rank=0, gpus=[],
-                                        gpu_indices=list(slots))],
+                    pods=[PartPod(workload_id=wid or f"{job}.1.{pid}", rank=0, gpu_indices=list(slots))],
                     victims=list(victims), inventory=inv, expires_at=expires_at, gang_nodes=1)
 
 
@@ -402,3 +402,42 @@ async def test_a_peer_relay_waits_a_little_for_a_blob_on_its_way(autojump_clock)
     assert await cache.wait_cached(_blob("never")[0], 2.0) is None
     assert trio.current_time() - t0 == 2.0
     assert await cache.wait_cached(_blob("never")[0]) is None  # no wait asked: at once
+
+
+async def test_a_rollback_that_overtakes_the_blob_never_lets_the_pod_start(tmp_path):
+    """A part accepted, its blob slow; the gang's rollback stop for its pod comes first:
+    the pod is handed over and stopped before it starts (the stop was kept with the part)."""
+    bid, raw = _gang(["sleep", "30"])
+    release = trio.Event()
+    sup = Supervisor(tmp_path / "state", node_id="n1", gpu_health=lambda: HEALTH,
+                     config=SupervisorConfig(shim_pool=1), base_env={"PATH": os.environ["PATH"]})
+    cache = BlobCache()
+
+    async def slow(b: str) -> bytes:
+        await release.wait()
+        return raw
+
+    async def gang_blob(b: str) -> GangBlob:
+        return (await cache.get(b, [slow]))[1]
+
+    ev = _Events()
+    acc = PartAcceptor(tmp_path / "state", node_id="n1", supervisor=sup, inventory=lambda: (UUIDS, HEALTH),
+                       blob=gang_blob, notify=ev, blob_timeout_s=20.0, clock=lambda: NOW)
+    part = _part(blob_id=bid)
+    wid = part.pods[0].workload_id
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            await n.start(acc.run)
+            assert (await acc.handle(part)).outcome == "accepted"
+            stop = NodePart(placement_id="stop:job:1:n1:1", node_id="n1", job_id="job", attempt=1,
+                            victims=[Victim(workload_id=wid, grace_s=1.0, reason="preempted: rollback")])
+            assert (await acc.handle(stop)).outcome == "accepted"
+            assert [v.workload_id for r in PartStore(tmp_path / "state").load() for v in r.stopped] == [wid]
+            release.set()
+            while not ev.events:
+                await trio.sleep(0.01)
+            await trio.sleep(0.2)
+            n.cancel_scope.cancel()
+    assert [(e.workload_id, e.state) for e in ev.events] == [(wid, "preempted")], ev.events
+    assert wid not in sup.records_view()  # never placed, never started
