@@ -17,10 +17,11 @@ serves whatever comes:
 - ``report`` from a member: an *empty* heartbeat (not full, no events, no snapshot, no
   manifests) is answered at once and kept as the member's pending entry (the latest only);
   one ``beat`` frame per heartbeat interval carries every pending entry up. Any other
-  report goes up as a ``report`` frame and its answer comes back -- after a one-entry beat
-  for that member if it had a pending entry, so the placer sees each node's sequence in
-  order (frames on one connection are applied in order). What a ``beat_reply`` says of a
-  member (``need_full``, fencing ``stop``) rides on the next answer to that member.
+  report is queued for one forwarder task, which sends what is queued as one ``reports``
+  frame (RackReports; while one is out the next ones gather: no added wait, batches under
+  load) and hands each answer back -- after a beat with those members' pending entries, so
+  the placer sees each node's sequence in order. What a ``beat_reply`` says of a member
+  (``need_full``, fencing ``stop``) rides on the next answer to that member.
 - ``blob_get`` from a member: from the cache, fetched first if needed (the bundle's
   ``blob_sources`` in order, then the placer). From another relay: from the cache, or once
   the fetch in flight here ended (waiting a little for a bundle naming it that has not come
@@ -59,6 +60,7 @@ from scheduler_link.messages import (
     RackBeat,
     RackBeatReply,
     RackBundle,
+    RackReports,
     RelayHello,
     ReportReply,
     Victim,
@@ -102,10 +104,22 @@ class BeatBook:
 
     def take_one(self, node_id: str, now: float) -> RackBeat | None:
         """The member's pending entry as a one-entry beat (to go before its content report)."""
-        e = self._pending.pop(node_id, None)
-        if e is None:
+        return self.take_some([node_id], now)
+
+    def take_some(self, node_ids: list[str], now: float) -> RackBeat | None:
+        """These members' pending entries as one beat (to go before their content reports)."""
+        ids: list[str] = []
+        boots: list[str] = []
+        seqs: list[int] = []
+        for nid in node_ids:
+            e = self._pending.pop(nid, None)
+            if e is not None:
+                ids.append(nid)
+                boots.append(e[0])
+                seqs.append(e[1])
+        if not ids:
             return None
-        return RackBeat(rack=self.rack, node_ids=[node_id], boot_ids=[e[0]], seqs=[e[1]], sent_at=now)
+        return RackBeat(rack=self.rack, node_ids=ids, boot_ids=boots, seqs=seqs, sent_at=now)
 
     def take_all(self, now: float) -> RackBeat | None:
         if not self._pending:
@@ -174,6 +188,10 @@ class Relay:
         self._members: dict[str, FrameChannel] = {}
         self._up: FrameChannel | None = None
         self._sources: OrderedDict[str, list[str]] = OrderedDict()
+        self._outq: list[tuple[NodeReport, trio.MemorySendChannel[WireReply]]] = []   # content reports to send up
+        self._sending: list[tuple[NodeReport, trio.MemorySendChannel[WireReply]]] = []   # the batch out now
+        self._out_wake = trio.Event()
+        self._batches = True          # the placer takes ``reports`` frames (else one ``report`` each)
         self._nursery: trio.Nursery | None = None
         # statistics
         self.connects = 0
@@ -183,6 +201,7 @@ class Relay:
         self.beats = 0
         self.beat_entries = 0
         self.reports_forwarded = 0
+        self.report_frames = 0
         self.empty_answered = 0
         self.blob_serves = 0
 
@@ -191,6 +210,7 @@ class Relay:
                 "members": len(self._members), "connects": self.connects, "bundles": self.bundles,
                 "parts_delivered": self.parts_delivered, "parts_missed": self.parts_missed, "beats": self.beats,
                 "beat_entries": self.beat_entries, "reports_forwarded": self.reports_forwarded,
+                "report_frames": self.report_frames,
                 "empty_answered": self.empty_answered, "blob_serves": self.blob_serves,
                 "pending_beats": self.book.pending, "blobs": self.blobs.statistics()}
 
@@ -236,11 +256,13 @@ class Relay:
             try:
                 async with trio.open_nursery() as n:
                     n.start_soon(self._beats, ch)
+                    n.start_soon(self._forwarder, ch)
                     await ch.run(self._upstream_frame)
                     n.cancel_scope.cancel()
             finally:
                 if self._up is ch:
                     self._up = None
+                self._fail_queued("the relay lost its connection to the placer")
             log.warning("relay lost its placer connection rack=%s", self.rack)
             await trio.sleep(backoff)
 
@@ -383,19 +405,63 @@ class Relay:
         if is_empty(rep):
             self.empty_answered += 1
             return "reply", WireReply(status=200, reply=self.book.empty(rep))
-        one = self.book.take_one(rep.node_id, self._clock())
-        if one is not None:
-            await self._send_beat(up, one)
-        self.book.forwarded(rep)
-        self.reports_forwarded += 1
+        send, recv = trio.open_memory_channel[WireReply](1)
+        self._outq.append((rep, send))
+        self._out_wake.set()
+        with trio.move_on_after(self.request_timeout_s * 2):
+            return "reply", await recv.receive()
+        return "reply", WireReply(status=503, error="the relay could not forward the report in time")
+
+    def _fail_queued(self, why: str) -> None:
+        q, self._outq, self._sending = self._sending + self._outq, [], []
+        for _, send in q:
+            send.send_nowait(WireReply(status=503, error=why))
+
+    async def _forwarder(self, ch: FrameChannel) -> None:
+        """The one task that sends members' content reports up, batched (see the docstring)."""
+        while True:
+            if not self._outq:
+                self._out_wake = trio.Event()
+                await self._out_wake.wait()
+                continue
+            batch, self._outq = self._outq, []
+            self._sending = batch  # answered by _fail_queued if the connection goes meanwhile
+            reps = [r for r, _ in batch]
+            beat = self.book.take_some([r.node_id for r in reps], self._clock())
+            if beat is not None:
+                await self._send_beat(ch, beat)
+            for r in reps:
+                self.book.forwarded(r)
+            self.reports_forwarded += len(reps)
+            answers = await self._send_reports(ch, reps)
+            self._sending = []
+            for (r, send), wr in zip(batch, answers, strict=True):
+                if wr.status == 200:
+                    wr = msgspec.structs.replace(wr, reply=self.book.answer(r.node_id, wr.reply))
+                send.send_nowait(wr)
+
+    async def _send_reports(self, ch: FrameChannel, reps: list[NodeReport]) -> list[WireReply]:
         try:
-            f = await up.call("report", rep, timeout_s=self.request_timeout_s)
-            wr = decode_payload(f, WireReply)
-        except (FrameError, CallFailed, trio.TooSlowError) as e:
-            return "reply", WireReply(status=503, error=f"the relay could not forward the report: {e}")
-        if wr.status == 200:
-            wr = msgspec.structs.replace(wr, reply=self.book.answer(rep.node_id, wr.reply))
-        return "reply", wr
+            if self._batches and len(reps) > 1:
+                self.report_frames += 1
+                try:
+                    f = await ch.call("reports", RackReports(rack=self.rack, reports=reps),
+                                      timeout_s=self.request_timeout_s)
+                    out: list[WireReply] = decode_payload(f, list[WireReply])
+                    if len(out) == len(reps):
+                        return out
+                    raise FrameError(f"{len(out)} answers to {len(reps)} reports")
+                except CallFailed:  # a placer without 'reports' frames: one frame each from now on
+                    log.info("the placer takes no 'reports' frames: forwarding one report per frame")
+                    self._batches = False
+            out = []
+            for r in reps:
+                self.report_frames += 1
+                out.append(decode_payload(await ch.call("report", r, timeout_s=self.request_timeout_s),
+                                          WireReply))
+            return out
+        except (FrameError, CallFailed, trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            return [WireReply(status=503, error=f"the relay could not forward the report: {e}")] * len(reps)
 
     async def _serve_blob(self, req: BlobRequest, *, fetch: bool) -> tuple[str, BlobReply]:
         got: tuple[bytes, Any] | None = None

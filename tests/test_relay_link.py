@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 
 from agent.blobs import BlobCache
@@ -29,6 +30,7 @@ from scheduler_link.messages import (
     RackBeat,
     RackBeatReply,
     RackBundle,
+    RackReports,
     ReportReply,
     Victim,
     WorkloadEvent,
@@ -49,6 +51,8 @@ class FakePlacer:
         self.relays: dict[str, FrameChannel] = {}
         self.blobs: dict[str, bytes] = {}
         self.blob_gets = 0
+        self.report_frames = 0
+        self.batches = True          # takes 'reports' frames (RackReports)
         self.changed = trio.Event()
 
     def _log(self, node: str, kind: str, seq: int, full: bool) -> None:
@@ -79,8 +83,17 @@ class FakePlacer:
     def _frame(self, ch: FrameChannel, f: Frame) -> Any:
         if f.type == "report":
             rep = decode_payload(f, NodeReport)
+            self.report_frames += 1
             self._log(rep.node_id, "relayed", rep.seq, rep.full)
             return "reply", WireReply(status=200, reply=self._reply(rep))
+        if f.type == "reports" and self.batches:
+            batch = decode_payload(f, RackReports)
+            self.report_frames += 1
+            out = []
+            for rep in batch.reports:
+                self._log(rep.node_id, "relayed", rep.seq, rep.full)
+                out.append(WireReply(status=200, reply=self._reply(rep)))
+            return "replies", out
         if f.type == "beat":
             b = decode_payload(f, RackBeat)
             for nid, seq in zip(b.node_ids, b.seqs, strict=True):
@@ -240,4 +253,37 @@ async def test_a_relay_gets_the_blob_from_the_relays_a_bundle_names_then_the_pla
                 while c.blobs.cached(bid2) is None:
                     await trio.sleep(0.01)
             assert placer.blob_gets == 1
+            n.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("batches", [True, False])
+async def test_members_content_reports_go_up_batched_and_in_order(tmp_path: Path, token_dir: Path, batches: bool):
+    """Eight members, each with an event at once: their reports reach the placer in fewer
+    frames than reports, each member's sequence in order; a placer without 'reports'
+    frames gets one frame per report."""
+    tokens = TokenSet.load(token_dir)
+    placer = FakePlacer(tokens)
+    placer.batches = batches
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            placer.url = await n.start(placer.server.run, "127.0.0.1:0")
+            relay = _relay(tokens, "r1", placer, [])
+            placer.relay_url = await n.start(relay.run)
+            await placer.until(lambda: "r1" in placer.relays, "relay up")
+            links = [AgentLink("http://127.0.0.1:9", tokens.cluster, f"m{i}", Hooks(), heartbeat_s=0.2,
+                               wire_url=placer.url, request_timeout_s=2.0) for i in range(8)]
+            for link in links:
+                await n.start(link.run)
+            await placer.until(lambda: all(lk.statistics()["relay_url"] for lk in links), "all through r1")
+            frames0 = placer.report_frames
+            for _round in range(3):
+                for link in links:
+                    link.notify(WorkloadEvent(workload_id="w", job_id="j", state="running", at=time.time()))
+                await trio.sleep(0.1)
+            await placer.until(lambda: sum(k == "relayed" for lk in links for k, _, _ in placer.seen[lk.node_id])
+                               >= 24, "24 relayed")
+            frames = placer.report_frames - frames0
+            assert frames < 24 if batches else frames >= 24, frames
+            for link in links:
+                assert _in_order(placer.seen[link.node_id]), placer.seen[link.node_id]
             n.cancel_scope.cancel()
