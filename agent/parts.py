@@ -237,6 +237,12 @@ class _Accept:
 
 
 @dataclass(frozen=True, slots=True)
+class _Stops:
+    victims: tuple[Victim, ...]
+    done: trio.Event
+
+
+@dataclass(frozen=True, slots=True)
 class _Done:
     placement_id: str
     state: PartState
@@ -269,7 +275,7 @@ class PartAcceptor:
         self.blob_timeout_s = blob_timeout_s
         self._clock = clock
         self._store = PartStore(state_dir)
-        self._send, self._recv = trio.open_memory_channel[_Accept | _Done](math.inf)
+        self._send, self._recv = trio.open_memory_channel[_Accept | _Done | _Stops](math.inf)
         self._recs: dict[str, PartRecord] = {}            # accepted parts (pending and done), by placement id
         self._refused: OrderedDict[str, NodeOutcome] = OrderedDict()
         self._nursery: trio.Nursery | None = None
@@ -291,6 +297,16 @@ class PartAcceptor:
         if out is None:
             raise PartNotDurable(f"part {part.placement_id} could not be written to the state dir")
         return out
+
+    async def hold_stops(self, victims: Sequence[Victim]) -> None:
+        """Stops that came another way (a victims-only placement over HTTP): those naming pods
+        of accepted parts not handed over yet are kept with them (durably) before this returns,
+        so such a pod never starts. Call before the supervisor applies the same stops."""
+        if not victims or not any(r.state == "accepted" for r in self._recs.values()):
+            return
+        done = trio.Event()
+        await self._send.send(_Stops(tuple(victims), done))
+        await done.wait()
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         recs = await trio.to_thread.run_sync(self._store.load)
@@ -330,16 +346,22 @@ class PartAcceptor:
             return NodeOutcome(node_id=self.node_id, placement_id=pid, outcome="accepted")
         return self._refused.get(pid)
 
-    async def _apply(self, batch: list[_Accept | _Done]) -> None:
+    async def _apply(self, batch: list[_Accept | _Done | _Stops]) -> None:
         now = self._clock()
         fresh: list[tuple[PartRecord, _Accept]] = []
         done: list[PartRecord] = []
         answers: list[tuple[_Accept, NodeOutcome]] = []
         stops_only: list[_Accept] = []
+        held: list[trio.Event] = []
         touched: dict[str, PartRecord] = {}       # pending records that got stops
         records: dict[str, WorkloadRecord] | None = None
         uuids, health = self._inventory()
         for msg in batch:
+            if isinstance(msg, _Stops):
+                for t in self._pending_of(msg.victims):
+                    touched[t.part.placement_id] = t
+                held.append(msg.done)
+                continue
             if isinstance(msg, _Done):
                 r = self._recs.get(msg.placement_id)
                 if r is not None:
@@ -385,7 +407,10 @@ class PartAcceptor:
                     log.warning("part refused placement=%s outcome=%s detail=%s", pid, v.outcome.outcome,
                                 v.outcome.detail)
                 answers.append((msg, v.outcome))
-        writes = [r for r, _ in fresh] + done + list(touched.values())
+        # each changed record once, as it stands now (a record may be touched and done in one batch)
+        changed = dict.fromkeys([r.part.placement_id for r, _ in fresh] + [r.part.placement_id for r in done]
+                                + list(touched))
+        writes = [self._recs[pid] for pid in changed if pid in self._recs]
         if writes:
             try:
                 await trio.to_thread.run_sync(self._store.save, writes)
@@ -401,12 +426,16 @@ class PartAcceptor:
                     a.reply.send_nowait(None if a.part.placement_id in lost else out)
                 for a in stops_only:
                     a.reply.send_nowait(None)
+                for ev in held:  # the stops then apply as they come (best we can do without a disk)
+                    ev.set()
                 return
         for a, out in answers:  # after the write: a repeat of a part accepted in this batch too
             a.reply.send_nowait(out)
         assert self._nursery is not None
         for a in stops_only:
             self._nursery.start_soon(self._victims_only, a)
+        for ev in held:
+            ev.set()
         for r, a in fresh:
             a.reply.send_nowait(NodeOutcome(node_id=self.node_id, placement_id=r.part.placement_id,
                                             outcome="accepted"))

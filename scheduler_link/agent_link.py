@@ -400,6 +400,9 @@ class AgentLink:
                           snapshot=snap, events=events, sent_at=now)
 
     def _relay_retry(self) -> float:
+        now = trio.current_time()
+        for u in [u for u, t in self._relay_failed.items() if t <= now]:  # bounded: only live marks stay
+            del self._relay_failed[u]
         return self.relay_retry_s if self.relay_retry_s is not None else 3 * self.heartbeat_s
 
     async def _follow_relay(self, url: str | None) -> None:

@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import msgspec
+import pytest
 import trio
 
 from agent.blobs import BlobCache, BlobUnavailable
@@ -404,9 +405,11 @@ async def test_a_peer_relay_waits_a_little_for_a_blob_on_its_way(autojump_clock)
     assert await cache.wait_cached(_blob("never")[0]) is None  # no wait asked: at once
 
 
-async def test_a_rollback_that_overtakes_the_blob_never_lets_the_pod_start(tmp_path):
-    """A part accepted, its blob slow; the gang's rollback stop for its pod comes first:
-    the pod is handed over and stopped before it starts (the stop was kept with the part)."""
+@pytest.mark.parametrize("via", ["part", "http"])
+async def test_a_rollback_that_overtakes_the_blob_never_lets_the_pod_start(tmp_path, via):
+    """A part accepted, its blob slow; the gang's rollback stop for its pod comes first (as
+    a victims-only part through the relay, or over HTTP: ``hold_stops`` then the supervisor):
+    the pod is never placed and its end is reported (the stop was kept with the part)."""
     bid, raw = _gang(["sleep", "30"])
     release = trio.Event()
     sup = Supervisor(tmp_path / "state", node_id="n1", gpu_health=lambda: HEALTH,
@@ -430,9 +433,15 @@ async def test_a_rollback_that_overtakes_the_blob_never_lets_the_pod_start(tmp_p
             await n.start(sup.run)
             await n.start(acc.run)
             assert (await acc.handle(part)).outcome == "accepted"
-            stop = NodePart(placement_id="stop:job:1:n1:1", node_id="n1", job_id="job", attempt=1,
-                            victims=[Victim(workload_id=wid, grace_s=1.0, reason="preempted: rollback")])
-            assert (await acc.handle(stop)).outcome == "accepted"
+            victim = Victim(workload_id=wid, grace_s=1.0, reason="preempted: rollback")
+            if via == "part":
+                stop = NodePart(placement_id="stop:job:1:n1:1", node_id="n1", job_id="job", attempt=1,
+                                victims=[victim])
+                assert (await acc.handle(stop)).outcome == "accepted"
+            else:
+                await acc.hold_stops([victim])
+                ack = await sup.place(Placement(placement_id="stop:job:1:n1:1", job_id="job", victims=[victim]))
+                assert ack.accepted
             assert [v.workload_id for r in PartStore(tmp_path / "state").load() for v in r.stopped] == [wid]
             release.set()
             while not ev.events:
