@@ -33,7 +33,7 @@ class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     open_metrics: bool = True         # /metrics public (else the metrics, viewer or operator token)
     relays: bool = True               # deliver through rack relays where a rack has one connected
     relay_timeout_s: float = 0.5      # a relay that has not answered its bundle by then: push directly
-    blob_seeds: int = 2               # bundles of a gang that carry the blob's bytes (the rest fetch it)
+    blob_seeds: int = 1               # bundles of a gang that carry the blob's bytes (the rest fetch it)
     placement_ttl_s: float = 30.0     # a NodePart is refused as expired this long after it was issued
 
     @property

@@ -100,6 +100,7 @@ class RelayHub:
         self._delivering = 0                                 # deliveries in flight
         self._deferred: collections.deque[tuple[FrameChannel, Frame]] = collections.deque()
         self._drained = 0
+        self._draining = False
 
     # ------------------------------------------------------------ connections
 
@@ -171,7 +172,7 @@ class RelayHub:
     # ------------------------------------------------------------ frames from relays
 
     def _handle(self, ch: FrameChannel, f: Frame) -> tuple[str, Any] | None:
-        if self._delivering and f.type in ("beat", "report", "reports"):
+        if (self._delivering or self._deferred) and f.type in ("beat", "report", "reports"):
             # acks first: what relays report while a delivery is out waits until it is in, in
             # arrival order (per connection too), then is applied and answered
             self._deferred.append((ch, f))
@@ -180,6 +181,15 @@ class RelayHub:
 
     async def _drain_deferred(self) -> None:
         """Apply the frames that waited for a delivery, in order, yielding now and then."""
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            await self._drain()
+        finally:
+            self._draining = False
+
+    async def _drain(self) -> None:
         while self._deferred and not self._delivering:
             ch, f = self._deferred.popleft()
             if ch.closed.is_set():
