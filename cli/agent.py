@@ -81,6 +81,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             "zone": args.zone, "block": args.block, "rack": args.rack, "heartbeat_s": args.heartbeat_s,
             "gpu_poll_interval_s": args.gpu_poll_interval_s,
             "allowed_origins": tuple(args.allowed_origin) if args.allowed_origin else None,
+            "relay_enabled": True if args.relay else None, "relay_listen": args.relay_listen,
         })
         if args.no_data_plane:
             cfg = replace(cfg, data_listen=None)
@@ -273,6 +274,10 @@ def register(sub: Any) -> None:
     r.add_argument("--allowed-origin", action="append", metavar="URL",
                    help="an origin placements and prefetches may name (repeatable; a URL prefix: gs://bucket/prefix, "
                         "file:///dir, https://host/path); replaces agent.allowed_origins; default: none allowed")
+    r.add_argument("--relay", action="store_true",
+                   help="offer to relay for this node's rack (relay.enabled): the placer picks one relay per rack")
+    r.add_argument("--relay-listen", metavar="HOST:PORT",
+                   help="where this rack's members reach the relay (relay.listen; port 0 allowed)")
     r.set_defaults(func=cmd_run)
 
     p = asub.add_parser("place", help="place a workload directly on one agent")
