@@ -348,9 +348,10 @@ class RelayHub:
             self._delivering -= 1
             if not self._delivering and self._deferred and self.svc._nursery is not None:
                 self.svc._nursery.start_soon(self._drain_deferred)
-        self.stats.last_delivery = {
-            "job_id": job_id, "nodes": len(pushes), "racks": len(racks), "direct": len(direct),
-            "fallback_nodes": self.stats.fallback_nodes - fallbacks0, "bundle_bytes": self.stats.bytes_out - bytes0,
-            "seconds": trio.current_time() - t0, "last_bundle_sent_s": marks["sent"],
-            "first_ack_s": marks["first_ack"] if racks else 0.0, "last_ack_s": marks["last_ack"]}
+        if job_id:  # (a round of stops only is not a delivery to report)
+            self.stats.last_delivery = {
+                "job_id": job_id, "nodes": len(pushes), "racks": len(racks), "direct": len(direct),
+                "fallback_nodes": self.stats.fallback_nodes - fallbacks0, "bundle_bytes": self.stats.bytes_out - bytes0,
+                "seconds": trio.current_time() - t0, "last_bundle_sent_s": marks["sent"],
+                "first_ack_s": marks["first_ack"] if racks else 0.0, "last_ack_s": marks["last_ack"]}
         return acks

@@ -91,6 +91,8 @@ async def test_a_fleet_wide_gang_through_rack_relays(tmp_path):
             assert (await c.delete(f"{placer.url}/v1/jobs/r1")).status_code == 200
             assert (await _job(c, placer.url, "r1", "cancelled"))["state"] == "cancelled"
             await _freed(c, placer.url, NODES * 8)
+            es = await emu.stats(c)   # the cancel's 2,048 stops went through the relays as well
+            assert es["placements"] == 0 and es["victims_told"] == NODES
         # (the hung relay and the refusal run on a fresh fleet below)
 
     with trio.fail_after(600):
