@@ -244,30 +244,50 @@ class PlacerService:
         return out
 
     async def _dispatch(self, job_id: str, attempt: int, pushes: list[Push]) -> None:
-        acks: dict[str, Outcome] = {}
-        if self.journal is not None:
-            try:
-                await self.journal.flush()  # a job's placements leave only once the job is durable
-            except JournalError as e:
-                log.error("journal sync failed; not pushing job=%s: %s", job_id, e)
-                self._carry_out(self.state.on_acks(job_id, attempt, {
-                    p.node_id: Outcome("unreachable", detail="placer journal not durable")
-                    for p in pushes if p.kind == "start"}, self.clock(), pushes))
-                self._after_change()
-                return
+        acks: dict[str, Outcome] | None = {}
+        # A job's placements leave only once the job (and this attempt) is durable; the relays'
+        # bundles are built while the journal syncs.
+        synced = trio.Event()
+        failed: list[JournalError] = []
 
+        async def sync() -> None:
+            try:
+                if self.journal is not None:
+                    await self.journal.flush()
+            except JournalError as e:
+                failed.append(e)
+            finally:
+                synced.set()
+
+        async def durable() -> bool:
+            await synced.wait()
+            return not failed
+
+        assert self._nursery is not None
+        self._nursery.start_soon(sync)
         job = self.state.jobs.get(job_id)
         if self.cfg.relays:
-            acks = await self.relays.deliver(job_id, job.blob_id if job else None, pushes, self._push_one)
-        else:
+            acks = await self.relays.deliver(job_id, job.blob_id if job else None, pushes, self._push_one,
+                                             ready=durable)
+        elif await durable():
+            direct: dict[str, Outcome] = {}
+            acks = direct
+
             async def one(p: Push) -> None:
                 o = await self._push_one(p)
                 if p.kind == "start":
-                    acks[p.node_id] = o
+                    direct[p.node_id] = o
 
             async with trio.open_nursery() as n:
                 for p in pushes:
                     n.start_soon(one, p)
+        if acks is None or failed:
+            log.error("journal sync failed; not pushing job=%s: %s", job_id, failed[0] if failed else "?")
+            self._carry_out(self.state.on_acks(job_id, attempt, {
+                p.node_id: Outcome("unreachable", detail="placer journal not durable")
+                for p in pushes if p.kind == "start"}, self.clock(), pushes))
+            self._after_change()
+            return
         if job is not None and job.attempt == attempt:
             job.timings.setdefault("delivered", self.clock())
         self._carry_out(self.state.on_acks(job_id, attempt, acks, self.clock(), pushes))

@@ -115,6 +115,25 @@ class FrameChannel:
         self._next_id += 1
         return self._next_id
 
+    def prepare(self, type_: str, payload: Any) -> tuple[int, bytes]:
+        """A request encoded now, sent later with :meth:`call_prepared` (its id is taken now)."""
+        rid = self.new_id()
+        return rid, encode_frame(type_, payload, id=rid)
+
+    async def call_prepared(self, rid: int, data: bytes) -> Frame:
+        """Send a :meth:`prepare` d request and wait for its answer (callers bound the wait)."""
+        w = self._waiters[rid] = _Waiter()
+        try:
+            self.send_raw(data)
+            await w.done.wait()
+        finally:
+            self._waiters.pop(rid, None)
+        if w.frame is None:
+            raise FrameError(f"frames connection {self.name} closed before the answer")
+        if w.frame.type == "error":
+            raise CallFailed(_error_text(w.frame))
+        return w.frame
+
     async def call(self, type_: str, payload: Any, *, timeout_s: float | None = None) -> Frame:
         """Send a request and wait for its answer (an ``error`` answer raises CallFailed)."""
         rid = self.new_id()
