@@ -1,19 +1,25 @@
 """Scheduler-link benchmarks: end to end, fan-out, ingest.
 
-    python -m bench.link [--json] [--jobs 100] [--fleet 1000] [--skip-e2e]
+    python -m bench.link [--json] [--jobs 100] [--fleet 1000] [--skip-e2e] [--quick]
 
 - e2e: a local cluster (placer + 4 agent processes, simulated GPUs, no artifact); per job
   the time from submit to every pod's process running, measured by the placer's own
   timings (submitted -> running, one clock); p50/p99 over ``--jobs`` jobs (each cancelled
   after). Baseline: the same submit's HTTP round trip alone (``submit_rtt``).
 - fanout: one decision pushed to ``--fleet`` real HTTP endpoints (bench.fleet_helper in a
-  separate process) -> the last ack, with kept-alive connections (median of 5; the first,
-  cold push with connects is reported too). Baseline: the same pushes through httpx.
-- ingest_core_per_s: heartbeat reports decoded and applied to the placer state (1,000
-  registered nodes) per second; baseline: decode only.
-- heartbeats_per_s: heartbeats absorbed over real sockets from a separate load process,
-  on the framed channel (one persistent connection per agent); baseline: the same load
-  as HTTP requests to the report endpoint.
+  separate process) -> the last answer. herd's PushPool and the httpx baseline run under the
+  same conditions: the placer's own concurrency bound (``PlacerConfig.push_concurrency``,
+  256), one cold round (every connection opened; ``*_cold_ms``) and then warm rounds on the
+  kept-alive connections (medians of 5; ``fanout_1000_ms`` / ``fanout_httpx_ms``).
+- ingest_core_per_s: empty heartbeats decoded and applied to the placer state (10,000
+  registered nodes) per second; they move a deadline and touch no model. Baseline: decode only.
+- ingest_model_*_per_s: reports that change the model (pod state events, one per heartbeat
+  as agents send them; full reports listing the node's workload; exits that give GPUs back
+  to the numpy model) decoded and applied; baseline: decoding the same reports.
+- heartbeats_per_s: heartbeats absorbed over real sockets from a separate load process, 64
+  nodes each sending one report and waiting for its answer as a real agent does, on the
+  framed channel (one persistent connection per node); baseline: the same load as HTTP
+  requests to the report endpoint, one kept-alive connection per node.
 Every loop is bounded in count and time.
 """
 
@@ -26,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -101,14 +108,20 @@ def bench_e2e(n_jobs: int, gap_s: float = 0.0) -> dict[str, Any]:
 
 # ------------------------------------------------------------------ fan-out
 
-async def bench_fanout(n: int) -> dict[str, Any]:
+async def bench_fanout(n: int, rounds: int = 5, limit_s: float = 120.0) -> dict[str, Any]:
+    """One decision pushed to ``n`` endpoints, herd's PushPool against httpx under the same
+    conditions: the placer's own concurrency (``PlacerConfig.push_concurrency``) for both, a
+    cold round (every connection opened) and then ``rounds`` warm rounds on the kept-alive
+    connections for both; medians of the warm rounds are compared, the cold rounds shown."""
     import httpx
 
+    from placer.config import PlacerConfig
     from scheduler_link.fanout import PushPool
     from scheduler_link.messages import Placement, PodAssignment
 
+    conc = PlacerConfig().push_concurrency
     proc = await trio.lowlevel.open_process(
-        [sys.executable, "-m", "bench.fleet_helper", "--n", str(n), "--seconds", "300"],
+        [sys.executable, "-m", "bench.fleet_helper", "--n", str(n), "--seconds", str(int(limit_s * 3))],
         stdout=subprocess.PIPE, stdin=subprocess.PIPE, cwd=str(ROOT))
     try:
         buf = b""
@@ -126,39 +139,50 @@ async def bench_fanout(n: int) -> dict[str, Any]:
                 placement_id=f"{tag}:{i}", job_id=tag, world_size=n, argv=["train"],
                 pods=[PodAssignment(workload_id=f"{tag}.1.{i}", rank=i, gpus=[f"GPU-{i}-{g}" for g in range(8)])])))
                 for i, u in enumerate(urls)]
-        pool = PushPool(concurrency=1024, attempt_timeout_s=10, retries=1)
-        t0 = time.perf_counter()
-        res = await pool.post_many(items("cold"))
-        cold = time.perf_counter() - t0
-        assert all(r.ok for r in res.values()), [r.error for r in res.values() if not r.ok][:3]
-        warm = []
-        for k in range(5):
+
+        pool = PushPool(concurrency=conc, attempt_timeout_s=10, retries=1)
+        herd_s: list[float] = []
+        for k in range(rounds + 1):   # round 0 is cold: it opens every connection
+            its = items(f"r{k}")
             t0 = time.perf_counter()
-            res = await pool.post_many(items(f"warm{k}"))
-            warm.append(time.perf_counter() - t0)
-            assert all(r.ok for r in res.values())
+            res = await pool.post_many(its)
+            herd_s.append(time.perf_counter() - t0)
+            assert all(r.ok for r in res.values()), [r.error for r in res.values() if not r.ok][:3]
         await pool.aclose()
-        # baseline: httpx, same pushes, kept-alive client
-        base = []
-        hx_errors = [0]
-        limits = httpx.Limits(max_connections=2 * n, max_keepalive_connections=2 * n)
+
+        # baseline: the same pushes through one httpx client, the same concurrency bound, the
+        # same cold round then warm rounds on kept-alive connections (bounded by ``limit_s``)
+        hx_s: list[float] = []
+        hx_errors = 0
+        limits = httpx.Limits(max_connections=conc, max_keepalive_connections=conc)
         async with httpx.AsyncClient(limits=limits, timeout=30) as c:
+            lim = trio.CapacityLimiter(conc)
+
             async def hx_post(url: str, body: bytes) -> None:
-                try:
-                    (await c.post(url, content=body)).raise_for_status()
-                except httpx.HTTPError:
-                    hx_errors[0] += 1
-            for k in range(1):  # slow (tens of seconds for 1,000): one round
+                nonlocal hx_errors
+                async with lim:
+                    try:
+                        (await c.post(url, content=body)).raise_for_status()
+                    except httpx.HTTPError:
+                        hx_errors += 1
+
+            t_end = time.monotonic() + limit_s
+            for k in range(rounds + 1):
+                if k >= 2 and time.monotonic() > t_end:
+                    break
                 its = items(f"hx{k}")
                 t0 = time.perf_counter()
                 async with trio.open_nursery() as nur:
                     for _, u, path, body in its:
                         nur.start_soon(hx_post, u + path, body)
-                base.append(time.perf_counter() - t0)
-        return {"fanout_1000_ms": statistics.median(warm) * 1000, "fanout_cold_ms": cold * 1000,
-                "fanout_endpoints": n, "fanout_httpx_ms": statistics.median(base[1:] or base) * 1000,
-                "fanout_ratio_vs_httpx": statistics.median(warm) / statistics.median(base[1:] or base),
-                "fanout_httpx_errors": hx_errors[0]}
+                hx_s.append(time.perf_counter() - t0)
+        warm, hx_warm = statistics.median(herd_s[1:]), statistics.median(hx_s[1:])
+        return {"fanout_1000_ms": warm * 1000, "fanout_cold_ms": herd_s[0] * 1000,
+                "fanout_endpoints": n, "fanout_concurrency": conc, "fanout_warm_rounds": len(herd_s) - 1,
+                "fanout_httpx_ms": hx_warm * 1000, "fanout_httpx_cold_ms": hx_s[0] * 1000,
+                "fanout_httpx_warm_rounds": len(hx_s) - 1,
+                "fanout_ratio_vs_httpx": warm / hx_warm, "fanout_cold_ratio_vs_httpx": herd_s[0] / hx_s[0],
+                "fanout_httpx_errors": hx_errors}
     finally:
         assert proc.stdin is not None
         await proc.stdin.aclose()
@@ -223,42 +247,130 @@ def bench_ingest_core(n_nodes: int = 10_000, seconds: float = 2.0, max_reports: 
             "ingest_ok_fraction": ok / max(1, k)}
 
 
+def _event(w: tuple[str, str, str, str, list[str]], state: str, at: float) -> Any:
+    """The event an agent sends for pod ``w`` (node, workload, job, placement, GPUs)."""
+    from scheduler_link.messages import WorkloadEvent
+    return WorkloadEvent(workload_id=w[1], job_id=w[2], state=state, at=at,  # type: ignore[arg-type]
+                         gpus=w[4], placement_id=w[3], exit_code=0 if state == "exited" else None)
+
+
+def bench_ingest_model(n_nodes: int = 2048, seconds: float = 2.0, max_rounds: int = 20) -> dict[str, Any]:
+    """Reports that change the model, decoded and applied, against decoding them alone.
+
+    Rounds over a registered fleet (8 GPUs a node): jobs of 8 pods x 8 GPUs fill it (placed
+    and acked, untimed), then every pod's ``fetching`` and ``running`` events arrive, one
+    heartbeat each as an agent sends them (pod state, job counters); then every node's full
+    report listing its running workload (the re-registration path: model row, GPU owners,
+    the node's pods); then every pod's ``exited`` event (the job ends, its GPUs go back to the
+    numpy model). Every report is pre-encoded; the timed loops decode and ingest. The round
+    checks the model: full after placing, empty after the exits."""
+    from placer.config import PlacerConfig
+    from placer.state import ACCEPTED, PlacerState
+    from scheduler_link.messages import JobSpec, NodeReport, WorkloadEvent, WorkloadStatus
+
+    st = PlacerState(PlacerConfig(), started_at=0.0)
+    fulls = {r.node_id: r for r in _fleet_reports(n_nodes)}
+    for rep in fulls.values():
+        st.ingest(rep.node_id, rep, 1.0)
+    seq = dict.fromkeys(fulls, 1)
+    dec = msgspec.json.Decoder(NodeReport)
+    enc = msgspec.json.Encoder()
+    timed = {"events": [0.0, 0.0, 0], "full": [0.0, 0.0, 0], "exits": [0.0, 0.0, 0]}  # apply s, decode s, count
+    now = 2.0
+    rounds = 0
+    t_all = time.perf_counter()
+    while rounds < max_rounds and (rounds == 0 or time.perf_counter() - t_all < seconds * 3):
+        for j in range(n_nodes // 8):
+            st.submit(JobSpec(job_id=f"m{rounds}-{j}", pods=8, gpus_per_pod=8, argv=["x"], within="any"), now)
+        placed: list[tuple[str, str, str, str, list[str]]] = []   # node, workload, job, placement, gpus
+        for job, pushes in st.schedule(now):
+            st.on_acks(job.job_id, job.attempt, {p.node_id: ACCEPTED for p in pushes}, now, pushes)
+            for p in pushes:
+                pl = p.placement
+                placed += [(p.node_id, pod.workload_id, job.job_id, pl.placement_id, pod.gpus) for pod in pl.pods]
+        assert len(placed) == n_nodes and int(st.model.free.sum()) == 0, "the fleet did not fill"
+
+        def beat(node: str, events: list[WorkloadEvent]) -> bytes:
+            seq[node] += 1
+            rep = fulls[node]
+            return enc.encode(NodeReport(node_id=node, boot_id=rep.boot_id, seq=seq[node], full=False, events=events))
+
+        events = [beat(w[0], [_event(w, s, now)]) for s in ("fetching", "running") for w in placed]
+        full = []
+        for w in placed:
+            seq[w[0]] += 1
+            rep = fulls[w[0]]
+            full.append(enc.encode(msgspec.structs.replace(rep, seq=seq[w[0]], workloads=[WorkloadStatus(
+                workload_id=w[1], job_id=w[2], placement_id=w[3], gpus=w[4], state="running")])))
+        exits = [beat(w[0], [_event(w, "exited", now)]) for w in placed]
+        for name, blobs in (("events", events), ("full", full), ("exits", exits)):
+            t0 = time.perf_counter()
+            for b in blobs:
+                dec.decode(b)
+            t1 = time.perf_counter()
+            for b in blobs:
+                r = dec.decode(b)
+                status, _, _ = st.ingest(r.node_id, r, now)
+                assert status == 200, status
+            t2 = time.perf_counter()
+            timed[name][0] += t2 - t1
+            timed[name][1] += t1 - t0
+            timed[name][2] += len(blobs)
+            if name == "full":
+                assert all(st.jobs[f"m{rounds}-{j}"].counts["running"] == 8 for j in range(n_nodes // 8))
+        assert int(st.model.free.sum()) == 8 * n_nodes, "the exits did not free the fleet"
+        now += 1.0
+        rounds += 1
+    out: dict[str, Any] = {"ingest_model_nodes": n_nodes, "ingest_model_rounds": rounds}
+    for name, (apply_s, decode_s, k) in timed.items():
+        out[f"ingest_model_{name}_per_s"] = k / apply_s
+        out[f"ingest_model_{name}_decode_only_per_s"] = k / decode_s
+    return out
+
+
 # ------------------------------------------------------------------ heartbeats over sockets
 
+class _Start:
+    """Every load connection registers, then all start together for the same ``seconds``."""
+
+    def __init__(self, n: int, seconds: float) -> None:
+        self.n, self.seconds = n, seconds
+        self.registered = 0
+        self.stop_at = 0.0
+        self.go = trio.Event()
+
+    async def ready(self) -> None:
+        self.registered += 1
+        if self.registered == self.n:
+            self.stop_at = trio.current_time() + self.seconds
+            self.go.set()
+        await self.go.wait()
+
+
 async def _load_main(mode: str, url: str, token: str, n_conn: int, seconds: float, start_node: int) -> None:
-    """The separate load process: registers ``n_conn`` nodes and heartbeats as fast as the
-    placer answers (window of 32 per connection), for ``seconds``; prints the count."""
+    """The separate load process: registers ``n_conn`` nodes, then each heartbeats as a real
+    agent does, one report at a time waiting for its answer (framed: one report per frame on
+    the node's own connection; HTTP: one request on a kept-alive connection), for
+    ``seconds``; prints the count."""
     from scheduler_link.heartbeat_wire import HeartbeatClient
     from scheduler_link.messages import NodeReport
 
     reps = _fleet_reports(n_conn, start_node)
     counts = [0] * n_conn
-    registered = [0]
-    go = trio.Event()
-    stop_at = [0.0]
-
-    async def ready() -> None:
-        registered[0] += 1
-        if registered[0] == n_conn:
-            stop_at[0] = trio.current_time() + seconds
-            go.set()
-        await go.wait()
+    start = _Start(n_conn, seconds)
 
     async def wire_one(i: int) -> None:
         rep = reps[i]
         c = await HeartbeatClient.connect(url, token, rep.node_id)
         await c.send([rep])
         await c.receive(1)
-        await ready()
+        await start.ready()
         seq = rep.seq
-        while trio.current_time() < stop_at[0]:
-            batch = []
-            for _ in range(32):
-                seq += 1
-                batch.append(NodeReport(node_id=rep.node_id, boot_id=rep.boot_id, seq=seq, full=False))
-            await c.send(batch)
-            got = await c.receive(32)
-            counts[i] += sum(r.status == 200 for r in got)
+        while trio.current_time() < start.stop_at:
+            seq += 1
+            await c.send([NodeReport(node_id=rep.node_id, boot_id=rep.boot_id, seq=seq, full=False)])
+            got = await c.receive(1)
+            counts[i] += got[0].status == 200
         await c.aclose()
 
     async def http_one(i: int) -> None:
@@ -266,9 +378,9 @@ async def _load_main(mode: str, url: str, token: str, n_conn: int, seconds: floa
         rep = reps[i]
         async with httpx.AsyncClient(base_url=url, headers={"authorization": f"Bearer {token}"}, timeout=30) as c:
             await c.post(f"/v1/nodes/{rep.node_id}/report", content=msgspec.json.encode(rep))
-            await ready()
+            await start.ready()
             seq = rep.seq
-            while trio.current_time() < stop_at[0]:
+            while trio.current_time() < start.stop_at:
                 seq += 1
                 r = await c.post(f"/v1/nodes/{rep.node_id}/report", content=msgspec.json.encode(
                     NodeReport(node_id=rep.node_id, boot_id=rep.boot_id, seq=seq, full=False)))
@@ -277,7 +389,7 @@ async def _load_main(mode: str, url: str, token: str, n_conn: int, seconds: floa
     async with trio.open_nursery() as n:
         for i in range(n_conn):
             n.start_soon(wire_one if mode == "wire" else http_one, i)
-        await go.wait()
+        await start.go.wait()
         t0 = time.perf_counter()
     sys.stdout.write(json.dumps({"count": sum(counts), "seconds": time.perf_counter() - t0}) + "\n")
 
@@ -317,6 +429,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=100)
     ap.add_argument("--fleet", type=int, default=1000)
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="small sizes (make bench-quick); pass --jobs/--fleet too")
     ap.add_argument("--load", choices=["wire", "http"], help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--token", help=argparse.SUPPRESS)
@@ -329,15 +442,17 @@ def main() -> None:
         return
     import logging
     logging.disable(logging.WARNING)
+    q = a.quick
     res: dict[str, Any] = {}
-    res.update(bench_ingest_core())
-    res.update(trio.run(bench_heartbeats))
-    res.update(trio.run(bench_fanout, a.fleet))
+    res.update(bench_ingest_core(n_nodes=1000 if q else 10_000, seconds=0.5 if q else 2.0))
+    res.update(bench_ingest_model(n_nodes=256 if q else 2048, seconds=0.5 if q else 2.0, max_rounds=2 if q else 20))
+    res.update(trio.run(partial(bench_heartbeats, seconds=1.0 if q else 3.0)))
+    res.update(trio.run(partial(bench_fanout, a.fleet, rounds=2 if q else 5, limit_s=20 if q else 120)))
     if not a.skip_e2e:
         res.update(bench_e2e(a.jobs))
         # the same with 300 ms of quiet between jobs: back to back, each job lands while the
         # previous one's teardown (exit files, state writes, reports) still runs on 2 cores
-        idle = bench_e2e(max(10, a.jobs // 2), gap_s=0.3)
+        idle = bench_e2e(max(2 if q else 10, a.jobs // 2), gap_s=0.3)
         res.update({"e2e_idle_gap_p50_ms": idle["e2e_p50_ms"], "e2e_idle_gap_p99_ms": idle["e2e_p99_ms"]})
     res["targets"] = {"e2e_p50_ms": 20, "fanout_1000_ms": 500, "ingest_core_per_s": 100_000,
                       "heartbeats_per_s": 10_000}
