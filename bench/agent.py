@@ -15,8 +15,11 @@ Runs a real agent process (simulated dgx-h100 GPUs, loopback, a temp state dir) 
 * /v1/status latency with 8 running workloads (one per GPU); baseline GET /healthz
   (the HTTP floor: hypercorn + httpx on loopback).
 * agent RSS (VmRSS of the agent process, shims not included) idle and with 8 workloads;
-  ``shim_rss_mb``/``shim_pss_mb`` is one shim's RSS/PSS (median over every shim, the 8
-  busy ones and the idle pool).
+  the shims are forked from a zygote (the agent's child), so they are found as the
+  zygote's children: ``shim_rss_mb``/``shim_pss_mb``/``shim_uss_mb`` is one shim's
+  RSS/PSS/USS (USS: the pages only it maps; median over every shim, the 8 busy ones and
+  the idle pool), ``zygote_*`` the zygote's own, ``agent_tree_pss_busy_mb`` the sum of the
+  agent's, the zygote's and every shim's PSS with 8 workloads.
 
 Prints a table, or exactly one JSON object with ``--json``. Every loop is bounded in
 count and time.
@@ -36,6 +39,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -126,9 +130,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--status-requests", type=int, default=300)
     ap.add_argument("--gap-ms", type=float, default=100.0,
                     help="pause between placements (default 100: the shim pool refills, ~30 ms of CPU)")
+    ap.add_argument("--quick", action="store_true", help="small sizes (make bench-quick)")
     ap.add_argument("--time-limit", type=float, default=240.0, help="stop measuring after this many seconds")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.placements, args.status_requests, args.time_limit = 20, 30, 30.0
     tmp = Path(tempfile.mkdtemp(prefix="herd-bench-agent-"))
+    # as root the agent runs workloads as nobody: they must reach the program and write
+    # their timestamps (a sticky world-writable dir)
+    tmp.chmod(0o755)
+    stamps = tmp / "stamps"
+    stamps.mkdir()
+    stamps.chmod(0o1777)
     proc = None
     try:
         from scheduler_link.auth import TokenSet, auth_header, generate_token_dir
@@ -148,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.05)
         url = json.loads((state / "endpoints.json").read_text())["control_url"]
         stop_at = time.monotonic() + args.time_limit
-        with httpx.Client(base_url=url, timeout=30) as c:
+        with httpx.Client(base_url=url, timeout=30, headers=auth_header(toks.viewer)) as c:
             gpus = [g["uuid"] for g in c.get("/v1/gpus").json()["gpus"]]
             time.sleep(1.0)
             rss_idle = rss_mb(proc.pid)
@@ -173,8 +186,12 @@ def main(argv: list[str] | None = None) -> int:
             # warm-up (not counted)
             for i in range(5):
                 wid = f"warm-{i}"
-                place(wid, gpus[i % 8], [*prog, str(tmp / wid)])
-                read_stamp(tmp / wid, time.monotonic() + 10)
+                place(wid, gpus[i % 8], [*prog, str(stamps / wid)])
+                try:
+                    read_stamp(stamps / wid, time.monotonic() + 10)
+                except TimeoutError:
+                    raise SystemExit(f"workload {wid} wrote no timestamp: {c.get(f'/v1/workloads/{wid}').text}"
+                                     f"\n{(tmp / 'agent.log').read_text()[-2000:]}") from None
                 wait_done(wid)
             starts: list[float] = []
             acks: list[float] = []
@@ -182,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
                 if time.monotonic() > stop_at:
                     break
                 wid = f"s-{i}-{uuid.uuid4().hex[:6]}"
-                f = tmp / wid
+                f = stamps / wid
                 t0 = time.time_ns()
                 acks.append(place(wid, gpus[i % 8], [*prog, str(f)]))
                 starts.append((read_stamp(f, time.monotonic() + 10) - t0) / 1e6)
@@ -211,10 +228,15 @@ def main(argv: list[str] | None = None) -> int:
                 c.get("/healthz")
                 healthz_ms.append((time.perf_counter() - t) * 1e3)
             rss_busy = rss_mb(proc.pid)
-            shim_pids = [int(p.name) for p in Path("/proc").iterdir()
-                         if p.name.isdigit() and _is_shim_of(p, proc.pid)]
-            shim_rss = statistics.median([rss_mb(p) for p in shim_pids]) if shim_pids else float("nan")
-            shim_pss = statistics.median([pss_mb(p) for p in shim_pids]) if shim_pids else float("nan")
+            zygote, shim_pids = shim_tree(proc.pid)
+            mem = {"zygote_rss_mb": rss_mb(zygote) if zygote else float("nan"),
+                   "zygote_pss_mb": pss_mb(zygote) if zygote else float("nan"),
+                   "zygote_uss_mb": uss_mb(zygote) if zygote else float("nan"),
+                   "shim_rss_mb": _median_of(rss_mb, shim_pids), "shim_pss_mb": _median_of(pss_mb, shim_pids),
+                   "shim_uss_mb": _median_of(uss_mb, shim_pids),
+                   # everything the agent holds: itself, the zygote and every shim, shared pages split
+                   "agent_tree_pss_busy_mb": pss_mb(proc.pid) + (pss_mb(zygote) if zygote else 0.0)
+                   + sum(pss_mb(p) for p in shim_pids)}
             for wid in busy:
                 c.post(f"/v1/workloads/{wid}/stop", content=b'{"grace_s": 2}', headers=op)
             for wid in busy:
@@ -233,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
             "healthz_p99_ms": round(pct(healthz_ms, 99), 3),
             "status_ratio_p99": round(pct(status_ms, 99) / pct(healthz_ms, 99), 2),
             "rss_idle_mb": round(rss_idle, 1), "rss_busy_mb": round(rss_busy, 1),
-            "shim_rss_mb": round(shim_rss, 1), "shim_pss_mb": round(shim_pss, 1), "shims": len(shim_pids),
+            **{k: round(v, 1) for k, v in mem.items()}, "shims": len(shim_pids),
             "targets": {"start_p99_ms": 10, "status_p99_ms": 5, "rss_busy_mb": 100},
         }
     finally:
@@ -259,18 +281,47 @@ def main(argv: list[str] | None = None) -> int:
         print(f"start ratio p50 {res['start_ratio_p50']}x baseline (+{res['start_overhead_p50_ms']} ms); "
               f"status p99 {res['status_ratio_p99']}x /healthz")
         print(f"agent RSS idle {res['rss_idle_mb']} MB, with 8 workloads {res['rss_busy_mb']} MB; "
-              f"one shim {res['shim_rss_mb']} MB RSS / {res['shim_pss_mb']} MB PSS ({res['shims']} shims)")
+              f"zygote {res['zygote_rss_mb']} MB RSS / {res['zygote_pss_mb']} PSS / {res['zygote_uss_mb']} USS; "
+              f"one shim {res['shim_rss_mb']} MB RSS / {res['shim_pss_mb']} PSS / {res['shim_uss_mb']} USS "
+              f"({res['shims']} shims); agent + zygote + shims {res['agent_tree_pss_busy_mb']} MB PSS")
     return 0
 
 
-def _is_shim_of(p: Path, agent_pid: int) -> bool:
+def _ppid_and_cmd(p: Path) -> tuple[int, list[bytes]] | None:
     try:
         cmd = (p / "cmdline").read_bytes().split(b"\0")
         stat = (p / "stat").read_bytes()
     except OSError:
-        return False
-    ppid = int(stat[stat.rfind(b")") + 2:].split()[1])
-    return ppid == agent_pid and any(a.endswith(b"agent/shim.py") for a in cmd)
+        return None
+    return int(stat[stat.rfind(b")") + 2:].split()[1]), cmd
+
+
+def shim_tree(agent_pid: int) -> tuple[int | None, list[int]]:
+    """(the agent's shim zygote, the shims): the zygote is the agent's child running
+    ``shim.py --zygote``; every shim is forked from it, so the shims are its children."""
+    procs = {}
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit() and (pc := _ppid_and_cmd(p)) is not None:
+            procs[int(p.name)] = pc
+    zygotes = [pid for pid, (ppid, cmd) in procs.items()
+               if ppid == agent_pid and b"--zygote" in cmd and any(a.endswith(b"agent/shim.py") for a in cmd)]
+    if not zygotes:
+        return None, []
+    return zygotes[0], sorted(pid for pid, (ppid, _) in procs.items() if ppid == zygotes[0])
+
+
+def uss_mb(pid: int) -> float:
+    """Unique set size: the pages only this process maps (its own memory; what exiting frees)."""
+    try:
+        kb = sum(int(line.split()[1]) for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()
+                 if line.startswith(("Private_Clean:", "Private_Dirty:")))
+        return kb / 1024
+    except OSError:
+        return float("nan")
+
+
+def _median_of(f: Any, pids: list[int]) -> float:
+    return statistics.median([f(p) for p in pids]) if pids else float("nan")
 
 
 if __name__ == "__main__":
