@@ -16,8 +16,10 @@ within a zone), ``place`` is timed ``--reps`` times:
   (``place`` is pure) warms the copy's scratch buffers, and its time is shown as "cold".
 
 The baseline: the naive reference placer (plain Python loops) and the fast one decide the
-same job stream on the same 16,384-GPU cluster in the same run; they must agree on
-feasibility, and the ratio of their median latencies is reported.
+same job stream on the same 16,384-GPU cluster in the same run, and the ratio of their
+median latencies is reported. They must agree on every job's feasibility: that is a check
+(the bench stops at the first disagreement), not a figure; ``naive.placed`` counts the
+jobs that fit.
 
 Prints a table, or exactly one JSON object with ``--json``. Figures are wall-clock medians
 and percentiles on whatever machine runs it; nothing here is asserted by the tests.
@@ -151,7 +153,7 @@ def bench_naive(n_jobs: int, seed: int) -> dict[str, Any]:
     sizes = np.array([1, 2, 4, 8, 16, 64, 256, 512, 1024, 4096])
     fast_t: list[float] = []
     naive_t: list[float] = []
-    agree = 0
+    placed = 0
     live: list[str] = []
     for i in range(n_jobs):
         job = shape_job(fleet_shape(fleet), f"n{i}", int(rng.choice(sizes)), priority=0)
@@ -163,8 +165,8 @@ def bench_naive(n_jobs: int, seed: int) -> dict[str, Any]:
         naive_t.append(time.perf_counter() - t)
         if (d is None) != (r is None):
             raise SystemExit(f"bench.placer: fast and naive placers disagree on {job}")
-        agree += 1
         if d is not None:
+            placed += 1
             model.allocate(d)
             ref.apply(d.job_id, d.priority, d.preemptible, d.victims,
                       [(p.node_id, p.slots) for p in d.pods])
@@ -173,7 +175,9 @@ def bench_naive(n_jobs: int, seed: int) -> dict[str, Any]:
             jid = live.pop(int(rng.integers(len(live))))
             model.release(jid)
             ref.release(jid)
-    return {"gpus": int(model.n_gpus.sum()), "jobs": n_jobs, "agree": agree,
+    # Agreement is a check, not a figure: the bench stops at the first disagreement. What
+    # the stream measured is how many of its jobs fit (``placed``) and the two latencies.
+    return {"gpus": int(model.n_gpus.sum()), "jobs": n_jobs, "placed": placed,
             "fast_p50_ms": _pct(fast_t, 50) * 1e3, "naive_p50_ms": _pct(naive_t, 50) * 1e3,
             "fast_p99_ms": _pct(fast_t, 99) * 1e3, "naive_p99_ms": _pct(naive_t, 99) * 1e3,
             "ratio": _pct(naive_t, 50) / max(_pct(fast_t, 50), 1e-12)}
@@ -231,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{x['p99_ms']:>8.2f} {x['max_ms']:>8.2f} {x['cpu_p50_ms']:>8.2f} {x['cpu_p99_ms']:>8.2f} "
                   f"{x.get('victims_p50', 0):>8.0f} {x.get('cold_ms', float('nan')):>8.2f} "
                   f"{x.get('apply_p50_ms', float('nan')):>8.2f}")
-    print(f"naive vs fast on {naive['gpus']:,} GPUs, {naive['jobs']} jobs (feasibility agreed on all): "
+    print(f"naive vs fast on {naive['gpus']:,} GPUs, {naive['jobs']} jobs, {naive['placed']} placed "
+          f"(a check: feasibility agrees on every job, else the bench stops): "
           f"naive p50 {naive['naive_p50_ms']:.2f} ms, fast p50 {naive['fast_p50_ms']:.3f} ms, "
           f"ratio {naive['ratio']:.0f}x")
     print(f"p99 gangs <= 1,024: {summary['p99_ms_le_1024']:.2f} ms (target 5)  "
