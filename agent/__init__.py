@@ -11,7 +11,7 @@ What others may use (import from the modules; this package init stays import-fre
     agent.parts.check_part(part, node_id=, now=, inventory=, ...) -> Verdict           # pure
     agent.parts.PartAcceptor(...).handle(part) -> NodeOutcome      # NodeParts: check, persist, ack, place
     agent.relay.Relay(...).run(task_status)                        # rack relay; started(members listener URL)
-    agent.relay.BeatBook                                           # members' heartbeats -> rack beats (pure)
+    agent.beats.BeatBook                                           # members' heartbeats -> rack beats (pure)
     agent.blobs.BlobCache                                          # verified gang blobs, bounded, single flight
     agent.api.build_app(agent) -> scheduler_link.http.App
     agent.isolation: Identities (who workloads run as), Isolation / detect (cgroup | subreaper)

@@ -31,8 +31,8 @@ serves whatever comes:
 Without a connection up, members' reports are answered 503: their links fall back to the
 placer directly (a relay that cannot reach the placer must not keep its rack looking alive).
 
-:class:`BeatBook` holds the aggregation (pure methods, no I/O); :class:`Relay` is the trio
-code around it.
+:class:`~agent.beats.BeatBook` holds the aggregation (pure methods, no I/O); :class:`Relay`
+is the trio code around it.
 """
 
 from __future__ import annotations
@@ -63,9 +63,9 @@ from scheduler_link.messages import (
     RackReports,
     RelayHello,
     ReportReply,
-    Victim,
 )
 
+from .beats import BeatBook, is_empty
 from .blobs import BlobCache, BlobSource
 
 log = logging.getLogger("herd.agent.relay")
@@ -74,83 +74,6 @@ PartHandler = Callable[[NodePart], Awaitable[NodeOutcome]]
 ACK_WINDOW_S = 0.4           # a bundle's acks go back at most this long after it came
 KEEP_SOURCES = 16            # blob ids whose sources (from bundles) are remembered
 PEER_BLOB_WAIT_S = 2.0       # a relay asking for a blob whose bundle has not reached us yet waits this long
-
-
-def is_empty(rep: NodeReport) -> bool:
-    """A heartbeat that says only "alive": it may wait for the rack's next beat."""
-    return not rep.full and not rep.events and rep.snapshot is None and rep.manifests is None
-
-
-class BeatBook:
-    """Members' pending empty heartbeats and what the placer said of them (no I/O)."""
-
-    def __init__(self, rack: str, heartbeat_s: float) -> None:
-        self.rack = rack
-        self.heartbeat_s = heartbeat_s
-        self._pending: dict[str, tuple[str, int]] = {}   # node -> (boot, seq), the latest empty one
-        self._need_full: set[str] = set()
-        self._stops: dict[str, list[Victim]] = {}
-
-    @property
-    def pending(self) -> int:
-        return len(self._pending)
-
-    def empty(self, rep: NodeReport) -> ReportReply:
-        """Keep an empty heartbeat as the member's pending entry; the answer to give it now."""
-        self._pending[rep.node_id] = (rep.boot_id, rep.seq)
-        need = rep.node_id in self._need_full
-        stop = self._stops.pop(rep.node_id, [])
-        return ReportReply(ok=True, need_full=need, stop=stop, heartbeat_interval_s=self.heartbeat_s)
-
-    def take_one(self, node_id: str, now: float) -> RackBeat | None:
-        """The member's pending entry as a one-entry beat (to go before its content report)."""
-        return self.take_some([node_id], now)
-
-    def take_some(self, node_ids: list[str], now: float) -> RackBeat | None:
-        """These members' pending entries as one beat (to go before their content reports)."""
-        ids: list[str] = []
-        boots: list[str] = []
-        seqs: list[int] = []
-        for nid in node_ids:
-            e = self._pending.pop(nid, None)
-            if e is not None:
-                ids.append(nid)
-                boots.append(e[0])
-                seqs.append(e[1])
-        if not ids:
-            return None
-        return RackBeat(rack=self.rack, node_ids=ids, boot_ids=boots, seqs=seqs, sent_at=now)
-
-    def take_all(self, now: float) -> RackBeat | None:
-        if not self._pending:
-            return None
-        p, self._pending = self._pending, {}
-        return RackBeat(rack=self.rack, node_ids=list(p), boot_ids=[b for b, _ in p.values()],
-                        seqs=[s for _, s in p.values()], sent_at=now)
-
-    def forwarded(self, rep: NodeReport) -> None:
-        """A content report goes up: a full one answers any need_full."""
-        if rep.full:
-            self._need_full.discard(rep.node_id)
-
-    def answer(self, node_id: str, reply: ReportReply) -> ReportReply:
-        """The placer's answer to a member's content report, plus stops a beat_reply left for it."""
-        if reply.heartbeat_interval_s:
-            self.heartbeat_s = reply.heartbeat_interval_s
-        stop = self._stops.pop(node_id, None)
-        if not stop:
-            return reply
-        return msgspec.structs.replace(reply, stop=[*reply.stop, *stop])
-
-    def apply(self, r: RackBeatReply) -> None:
-        if r.heartbeat_interval_s:
-            self.heartbeat_s = r.heartbeat_interval_s
-        self._need_full.update(r.need_full)
-        for s in r.stop:
-            self._stops.setdefault(s.node_id, []).extend(s.stop)
-
-    def forget(self, node_id: str) -> None:
-        self._pending.pop(node_id, None)
 
 
 def _frames_only(node_id: str, report: NodeReport) -> tuple[int, ReportReply]:

@@ -11,9 +11,10 @@ import msgspec
 import pytest
 import trio
 
+from agent.beats import BeatBook, is_empty
 from agent.blobs import BlobCache, BlobUnavailable
-from agent.parts import PartAcceptor, PartNotDurable, PartRecord, PartStore, check_part
-from agent.relay import BeatBook, is_empty
+from agent.parts import PartAcceptor, PartNotDurable, check_part
+from agent.partstore import PartRecord, PartStore
 from agent.state import WorkloadRecord
 from agent.supervisor import Supervisor, SupervisorConfig
 from scheduler_link.messages import (
