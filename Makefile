@@ -37,5 +37,11 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.herd
 	$(BIN)/python -m bench.herd_sim
 
+# every bench once at small sizes (< 5 min), checking the README's performance table names
+# only JSON keys the benches print; not part of make test
+.PHONY: bench-quick
+bench-quick: $(STAMP)
+	$(BIN)/python -m bench.quick
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,156 @@
+"""Every benchmark once at small sizes, and the README's performance table checked against them.
+
+    python -m bench.quick [--only bench.link,bench.agent] [--readme README.md]
+
+Runs each bench with ``--json`` at the sizes in ``QUICK`` (one after another, each bounded
+in time; the whole run targets under 5 minutes on 2 cores) and checks that every JSON key
+the README's Performance table names is in that bench's output. A row names its keys in
+its last cell: the first backticked text is the command (``python -m bench.x ...``; "same"
+means the row above's), every later backticked name is a key of that bench's JSON
+(``a.b``: key ``b`` of object ``a``; ``rows[].b``: key ``b`` in every element of list
+``rows``). The figures are not judged here (small sizes say nothing about targets): this
+catches a README row that names what no bench prints any more, and a bench that no
+longer runs. ``bench.herd`` needs root and network namespaces; where it prints
+``{"skipped": ...}`` its keys are reported unchecked. Exit status 1 on any failure.
+``make test`` does not run this; ``make bench-quick`` does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+QUICK: dict[str, list[str]] = {
+    "bench.artifacts": ["--size-mb", "16", "--repeat", "1"],
+    "bench.gpus": ["--polls", "30", "--seconds", "1"],
+    "bench.agent": ["--quick"],
+    "bench.placer": ["--gpus", "4096", "--reps", "3", "--naive-jobs", "10"],
+    "bench.link": ["--quick", "--jobs", "4", "--fleet", "100"],
+    "bench.fleet": ["--nodes", "256", "--steady-s", "2", "--no-baseline"],
+    "bench.delivery": ["--nodes", "256", "--steady-s", "2", "--no-baseline"],
+    "bench.herd": ["--nodes", "2", "--size-mb", "8"],
+    "bench.herd_sim": ["--nodes", "8,40", "--rack-size", "4", "--size-mb", "16", "--cases", "none,dead"],
+}
+TIMEOUT_S = 150.0
+_CMD = re.compile(r"python -m (bench\.\w+)")
+_TICKS = re.compile(r"`([^`]+)`")
+
+
+def table_keys(readme: str) -> dict[str, list[str]]:
+    """Module -> the JSON keys the Performance table's rows name for it (in order, once each)."""
+    lines = readme.splitlines()
+    try:
+        start = lines.index("## Performance")
+    except ValueError:
+        raise SystemExit("bench.quick: the README has no '## Performance' section") from None
+    out: dict[str, list[str]] = {}
+    module: str | None = None
+    in_table = False
+    for line in lines[start + 1:]:
+        if line.startswith("## "):
+            break
+        if not line.startswith("|"):
+            if in_table:
+                break
+            continue
+        in_table = True
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 2 or set(cells[0]) <= {"-", " "} or cells[0] == "what":
+            continue
+        last = cells[-1]
+        ticks = _TICKS.findall(last)
+        m = _CMD.search(ticks[0]) if ticks else None
+        if m is not None:
+            module, keys = m.group(1), ticks[1:]
+        elif last.startswith("same") and module is not None:
+            keys = ticks
+        else:
+            raise SystemExit(f"bench.quick: a Performance row names no bench: {cells[0]!r}")
+        names = out.setdefault(module, [])
+        names += [k for k in keys if k not in names]
+    return out
+
+
+def missing(obj: Any, key: str) -> str | None:
+    """Why ``key`` (``a.b``, ``rows[].b``) is not in ``obj``, or None."""
+    def walk(o: Any, parts: list[str], path: str) -> str | None:
+        if not parts:
+            return None
+        head, rest = parts[0], parts[1:]
+        each = head.endswith("[]")
+        name = head[:-2] if each else head
+        if not isinstance(o, dict) or name not in o:
+            return f"no {path + name!r}"
+        v = o[name]
+        if not each:
+            return walk(v, rest, f"{path}{name}.")
+        if not isinstance(v, list) or not v:
+            return f"{path + name!r} is not a non-empty list"
+        for i, x in enumerate(v):
+            why = walk(x, rest, f"{path}{name}[{i}].")
+            if why:
+                return why
+        return None
+    return walk(obj, key.split("."), "")
+
+
+def run_one(module: str) -> tuple[dict[str, Any] | None, str, float]:
+    t0 = time.monotonic()
+    try:
+        p = subprocess.run([sys.executable, "-m", module, *QUICK[module], "--json"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return None, f"ran past {TIMEOUT_S:.0f} s", time.monotonic() - t0
+    wall = time.monotonic() - t0
+    if p.returncode != 0:
+        return None, f"exit {p.returncode}: {p.stderr.strip()[-600:]}", wall
+    lines = p.stdout.strip().splitlines()
+    try:
+        return json.loads(lines[-1]), "", wall
+    except (IndexError, json.JSONDecodeError):
+        return None, f"no JSON object on stdout: {p.stdout[-300:]!r}", wall
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.quick", description=__doc__.splitlines()[0])
+    ap.add_argument("--only", default="", help="comma list of bench modules (default: all)")
+    ap.add_argument("--readme", default=str(ROOT / "README.md"))
+    a = ap.parse_args(argv)
+    named = table_keys(Path(a.readme).read_text())
+    unknown = sorted(set(named) - set(QUICK))
+    if unknown:
+        print(f"bench.quick: the README names benches QUICK does not run: {', '.join(unknown)}", file=sys.stderr)
+        return 1
+    modules = [m for m in QUICK if not a.only or m in a.only.split(",")]
+    failed = 0
+    t_all = time.monotonic()
+    for module in modules:
+        keys = named.get(module, [])
+        out, err, wall = run_one(module)
+        if out is None:
+            failed += 1
+            print(f"FAIL {module:16} {wall:6.1f} s  {err}")
+            continue
+        if "skipped" in out and len(out) == 1:
+            print(f"SKIP {module:16} {wall:6.1f} s  {out['skipped']} ({len(keys)} keys unchecked)")
+            continue
+        gone = [f"{k}: {why}" for k in keys if (why := missing(out, k))]
+        if gone:
+            failed += 1
+            print(f"FAIL {module:16} {wall:6.1f} s  the README names what it does not print: {'; '.join(gone)}")
+        else:
+            print(f"ok   {module:16} {wall:6.1f} s  {len(keys)} README keys present")
+    print(f"{len(modules) - failed}/{len(modules)} benches ok in {time.monotonic() - t_all:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
