@@ -16,10 +16,10 @@ that needs every peer can tell.
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
+from scheduler_link.durable import atomic_write
 from scheduler_link.messages import GangBlob, Peer, PeerTable, decode_gang_blob
 
 log = logging.getLogger("herd.agent.peers")
@@ -42,17 +42,10 @@ def lines_from_peers(peers: Sequence[Peer], *, partial: bool) -> bytes:
 
 
 def write_file(path: Path, data: bytes) -> None:
-    """temp + rename, world-readable (the workload's user reads it; it holds no secret)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-    finally:
-        os.close(fd)
-    os.chmod(tmp, 0o644)  # whatever the umask
-    os.replace(tmp, path)
+    """Replace the peers file atomically, world-readable (the workload's user reads it; it
+    holds no secret). Not fsynced: it is rewritten before every start, so a crash that
+    loses it loses nothing a restart does not write again."""
+    atomic_write(path, data, 0o644, sync=False)
 
 
 async def gang_peers(blob_id: str | None, gang_nodes: int, peers: Sequence[Peer],

@@ -67,11 +67,16 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 
 def _atomic_write(path: str, obj: dict, *, sync: bool = True) -> None:
-    """temp + rename (never torn); with ``sync`` also fsync the file and its directory."""
+    """temp + rename (never torn); with ``sync`` also fsync the file and its directory.
+
+    The steps of :func:`scheduler_link.durable.atomic_write`, kept here because the shim is
+    started with ``python -I -S`` and imports nothing of ours."""
     tmp = f"{path}.tmp.{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
-        os.write(fd, json.dumps(obj).encode())
+        view = memoryview(json.dumps(obj).encode())
+        while view:  # os.write may write less than asked
+            view = view[os.write(fd, view):]
         if sync:
             os.fsync(fd)
     finally:

@@ -1,7 +1,7 @@
 """The agent's persisted state: every workload record and the acks of accepted placements.
 
 One file, ``<state-dir>/state.json`` (0600: it holds every workload's env), rewritten atomically (temp file, fsync, rename,
-fsync of the directory) by the supervisor's owner task after each batch of events.
+fsync of the directory: :func:`scheduler_link.durable.atomic_write`) by the supervisor's owner task after each batch of events.
 Small by construction: terminal records beyond ``keep_terminal`` are pruned oldest
 first. A file that does not decode is moved aside (``state.json.bad-<time>``) and
 the agent starts empty rather than trusting half of it.
@@ -16,6 +16,8 @@ from pathlib import Path
 
 import msgspec
 
+# re-exported: the agent's callers import it from here
+from scheduler_link.durable import atomic_write as atomic_write
 from scheduler_link.messages import TERMINAL_STATES, Peer, PlacementAck, RestartPolicy, WorkloadStatus
 
 log = logging.getLogger("herd.agent.state")
@@ -113,21 +115,3 @@ class StateFile:
     def save(self, st: AgentState) -> None:
         atomic_write(self.path, msgspec.json.encode(st))
         self.writes += 1
-
-
-def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """temp + fsync + rename + fsync(dir): the file is either old or new, never torn."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
-    dfd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)

@@ -48,6 +48,7 @@ from blake3 import blake3
 
 from manifests import Manifest, decode_manifest
 from manifests.materialise import materialise as materialise_tree
+from scheduler_link.durable import atomic_write, fsync_dir
 
 from .errors import IntegrityError, ManifestError, StoreError, StoreFullError
 
@@ -344,24 +345,12 @@ class ChunkStore:
         size = len(data)
         self._reserve(size)
         final = self.chunks_dir / chunk_id[:2] / chunk_id
-        tmp = self.tmp_dir / _temp_name(chunk_id)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
-            try:
-                view = memoryview(data)
-                while view:
-                    n = os.write(fd, view)
-                    view = view[n:]
-            finally:
-                os.close(fd)
-            os.rename(tmp, final)
+            # no fsync here: chunks are synced in batches (sync()) before a manifest is marked complete
+            atomic_write(final, data, 0o444, tmp_dir=self.tmp_dir, sync=False)
         except OSError as e:
             with self._lock:
                 self._reserved -= size
-            try:
-                os.unlink(tmp)
-            except FileNotFoundError:
-                pass
             if e.errno in _FULL_ERRNOS:
                 raise _full(e, f"chunk {chunk_id[:16]}") from None
             raise
@@ -623,7 +612,7 @@ class ChunkStore:
                     except OSError as e:
                         if e.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not dest.is_dir():
                             raise  # else: a concurrent materialise won; same content
-                    _fsync_dir(self.artifacts_dir)
+                    fsync_dir(self.artifacts_dir)
                 finally:
                     _rmtree_force(private)
         except OSError as e:
@@ -798,10 +787,6 @@ class ChunkStore:
                 low_watermark=self.low_watermark, pending_sync=len(self._pending_files))
 
 
-def _fsync_dir(path: str | os.PathLike[str]) -> None:
-    _fsync_one(path, directory=True, missing_ok=False)
-
-
 def _fsync_one(path: str | os.PathLike[str], directory: bool, missing_ok: bool) -> None:
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | (os.O_DIRECTORY if directory else 0))
@@ -844,21 +829,11 @@ def fsync_tree(root: Path) -> None:
 
 
 def _atomic_write(path: Path, data: bytes, tmp_dir: Path, *, what: str) -> None:
-    """Write ``data`` to ``path`` via a temp file, fsync file and directory."""
-    tmp = tmp_dir / _temp_name(path.name[:40])
+    """:func:`scheduler_link.durable.atomic_write` (read-only, via the store's temp dir), a
+    full disk mapped to :class:`StoreFullError` naming ``what``."""
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o444)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-        _fsync_dir(path.parent)
+        atomic_write(path, data, 0o444, tmp_dir=tmp_dir)
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         if e.errno in _FULL_ERRNOS:
             raise _full(e, what) from None
         raise

@@ -24,6 +24,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from scheduler_link.durable import atomic_write
 from scheduler_link.messages import JobSpec
 
 log = logging.getLogger("herd.placer.journal")
@@ -127,24 +128,15 @@ class Journal:
     @staticmethod
     def _compact(path: Path, live: dict[str, JobSpec], attempts: dict[str, int],
                  cordons: dict[str, str] | None = None) -> None:
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
-            for node_id, reason in sorted((cordons or {}).items()):
-                f.write(msgspec.json.encode(Record(op="cordon", at=0.0, node_id=node_id, on=True,
-                                                   reason=reason)) + b"\n")
-            for spec in live.values():
-                f.write(msgspec.json.encode(Record(op="submit", at=0.0, spec=spec)) + b"\n")
-                if attempts.get(spec.job_id):
-                    f.write(msgspec.json.encode(Record(op="attempt", at=0.0, job_id=spec.job_id,
-                                                       attempt=attempts[spec.job_id])) + b"\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        out = bytearray()
+        for node_id, reason in sorted((cordons or {}).items()):
+            out += msgspec.json.encode(Record(op="cordon", at=0.0, node_id=node_id, on=True, reason=reason)) + b"\n"
+        for spec in live.values():
+            out += msgspec.json.encode(Record(op="submit", at=0.0, spec=spec)) + b"\n"
+            if attempts.get(spec.job_id):
+                out += msgspec.json.encode(Record(op="attempt", at=0.0, job_id=spec.job_id,
+                                                  attempt=attempts[spec.job_id])) + b"\n"
+        atomic_write(path, out)   # temp, fsync, rename, fsync of the directory
         log.info("journal compacted path=%s live=%d", path, len(live))
 
     def jobs(self) -> list[JobSpec]:

@@ -1,0 +1,85 @@
+"""Writing a small file so that a crash leaves it old or new, never torn: the one helper.
+
+Every whole-file rewrite of ours goes through :func:`atomic_write`: the agent's state,
+its part records, endpoints and peers files, the placer journal's compaction, the chunk
+store's manifests and completion marks. (Two exceptions, on purpose: the workload shim,
+a standalone script started with ``python -I -S`` that imports nothing of ours, keeps a
+few lines of its own; appends to the journal and chunk files are not rewrites.)
+
+It lives here because this is the package the agent, the placer and the p2p store may all
+import; it depends on nothing but the standard library.
+
+The steps, and why each: a unique temp name in the same directory (or ``tmp_dir``, on the
+same filesystem) opened ``O_EXCL | O_NOFOLLOW`` (no collision with another writer, no
+symlink followed); the mode set with ``fchmod`` (whatever the umask); writes looped until
+every byte is down (``os.write`` may write less than asked); ``fsync`` of the file before
+the rename (else the rename can land before the bytes and a crash shows an empty file);
+``os.replace`` (atomic over an existing file); ``fsync`` of the directory (else the rename
+itself can be lost). On any failure the temp file is removed and the ``OSError`` goes to
+the caller, which maps it to its own error (e.g. the store's ``StoreFullError``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+
+
+def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
+    """Write every byte of ``data`` to ``fd`` (looping over short writes)."""
+    with memoryview(data) as view:
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+
+
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """fsync a directory: makes the entries created, renamed or removed in it durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: str | os.PathLike[str], data: bytes | bytearray | memoryview, mode: int = 0o600, *,
+                 tmp_dir: str | os.PathLike[str] | None = None, sync: bool = True) -> None:
+    """Replace ``path`` with ``data`` atomically: readers see the old file or the new one.
+
+    ``mode``: the new file's permission bits (not subject to the umask). ``tmp_dir``: where
+    the temp file is made (the same filesystem as ``path``; default its directory, created
+    if missing). ``sync=False`` skips both fsyncs: still never torn for readers, but a
+    crash may keep the old file (for files rewritten on every start anyway).
+    """
+    path = Path(path)
+    where = Path(tmp_dir) if tmp_dir is not None else path.parent
+    tmp = where / f".{path.name[:48]}.p{os.getpid()}.{secrets.token_hex(6)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(tmp, flags, 0o600)
+    except FileNotFoundError:
+        if tmp_dir is not None:
+            raise
+        where.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, flags, 0o600)
+    try:
+        try:
+            os.fchmod(fd, mode)
+            write_all(fd, data)
+            if sync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    if sync:
+        fsync_dir(path.parent)
+
+
+__all__ = ["atomic_write", "fsync_dir", "write_all"]
