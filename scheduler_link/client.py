@@ -13,6 +13,7 @@ import httpx
 import msgspec
 
 from .auth import auth_header
+from .errors import ClientError as ClientError  # re-exported: callers import it from here
 from .messages import ArtifactUpdate, DefragRequest, JobSpec, JobView, NodeOp, NodeView, PrefetchFanout
 
 
@@ -31,15 +32,6 @@ class NodePage(msgspec.Struct, frozen=True, kw_only=True):
 _job = msgspec.json.Decoder(JobView)
 _jobs = msgspec.json.Decoder(JobPage)
 _nodes = msgspec.json.Decoder(NodePage)
-
-
-class ClientError(Exception):
-    """A request to a herd service failed (unreachable, refused, or an error answer);
-    ``status`` is the HTTP status of an error answer (None: no answer)."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def placer_url_from_env(explicit: str | None = None) -> str:

@@ -32,13 +32,10 @@ import msgspec
 import trio
 
 from .auth import auth_header
+from .errors import PushError as PushError  # re-exported: callers import it from here
 from .metrics import LatencyHistogram
 
 log = logging.getLogger("herd.link.fanout")
-
-
-class PushError(Exception):
-    """A push that got no HTTP answer (connect refused, reset, deadline)."""
 
 
 @dataclass(slots=True)

@@ -55,6 +55,7 @@ import msgspec
 import trio
 
 from .auth import TokenSet, bearer
+from .errors import HTTPError as HTTPError  # re-exported: callers import it from here
 from .gate import ConnectionGate
 
 log = logging.getLogger("herd.http")
@@ -72,14 +73,6 @@ def _has_body(raw_headers: list[tuple[bytes, bytes]]) -> bool:
         if k == b"transfer-encoding" or (k == b"content-length" and v.strip() != b"0"):
             return True
     return False
-
-
-class HTTPError(Exception):
-    def __init__(self, status: int, error: str, detail: str | None = None) -> None:
-        super().__init__(f"{status} {error}")
-        self.status = status
-        self.error = error
-        self.detail = detail
 
 
 @dataclass(slots=True)

@@ -1,0 +1,43 @@
+"""The scheduler link's errors, by who broke the rules; every one is a :class:`LinkError`.
+
+Third-party failures (httpx, OSError from sockets, msgspec decode errors) are mapped to
+these where they enter this package, so callers (the agent, the placer, the CLI) catch
+``LinkError`` or one of its kinds and show one line, never a library's traceback.
+"""
+
+from __future__ import annotations
+
+
+class LinkError(Exception):
+    """Base of every error the scheduler link raises."""
+
+
+class ProtocolError(LinkError):
+    """The other side broke the wire protocol (framing, HTTP, a body that does not decode),
+    or the connection went away mid-exchange."""
+
+
+class ClientError(LinkError):
+    """A request to a herd service failed (unreachable, refused, or an error answer);
+    ``status`` is the HTTP status of an error answer (None: no answer)."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class PushError(LinkError):
+    """A push that got no HTTP answer (connect refused, reset, deadline)."""
+
+
+class HTTPError(LinkError):
+    """Raised by a route handler: answer with ``status`` and the ``{error, detail}`` body."""
+
+    def __init__(self, status: int, error: str, detail: str | None = None) -> None:
+        super().__init__(f"{status} {error}")
+        self.status = status
+        self.error = error
+        self.detail = detail
+
+
+__all__ = ["ClientError", "HTTPError", "LinkError", "ProtocolError", "PushError"]
