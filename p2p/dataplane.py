@@ -65,6 +65,7 @@ import trio
 from scheduler_link.gate import ConnectionGate
 
 from .errors import StoreError
+from .store import ChunkStore
 
 log = logging.getLogger("herd.p2p.dataplane")
 
@@ -156,7 +157,7 @@ class DataPlane:
     explicitly (local benchmarks only).
     """
 
-    def __init__(self, store: Any, *, token: str | None, listen: str = "127.0.0.1:0",
+    def __init__(self, store: ChunkStore, *, token: str | None, listen: str = "127.0.0.1:0",
                  config: DataPlaneConfig | None = None, insecure_open: bool = False) -> None:
         self.store = store
         self._token = token.encode() if token else None
@@ -207,9 +208,7 @@ class DataPlane:
     # ------------------------------------------------------------------ waking waiters
 
     def _install_hook(self) -> None:
-        hooks = getattr(self.store, "on_chunk_added", None)
-        if hooks is None:
-            return
+        hooks = self.store.on_chunk_added
         token = self._trio_token
 
         def hook(chunk_id: str) -> None:
@@ -225,8 +224,8 @@ class DataPlane:
         hooks.append(hook)
 
     def _remove_hook(self) -> None:
-        hooks = getattr(self.store, "on_chunk_added", None)
-        if hooks is not None and self._hook in hooks:
+        hooks = self.store.on_chunk_added
+        if self._hook in hooks:
             hooks.remove(self._hook)
 
     def _wake(self, chunk_id: str) -> None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import trio
@@ -28,6 +28,9 @@ from .errors import IntegrityError
 from .origins import Origin, check_hex_id
 from .pool import run_pool
 from .store import ChunkStore, manifest_chunks
+
+if TYPE_CHECKING:   # p2p.herd imports this module
+    from .herd import Herd
 
 log = logging.getLogger("herd.p2p.fetch")
 
@@ -65,7 +68,7 @@ async def load_manifest(store: ChunkStore, manifest_id: str, origin: Origin) -> 
 async def fetch_artifact(store: ChunkStore, manifest_id: str, origin: Origin, *,
                          peers: Sequence[Any] | PeerTable = (), node_id: str | None = None, token: str | None = None,
                          progress: Callable[[int, int], None] | None = None,
-                         concurrency: int = 16, herd: Any = None) -> FetchStats:
+                         concurrency: int = 16, herd: Herd | None = None) -> FetchStats:
     """Make ``manifest_id`` complete in ``store``. ``progress(bytes_done, bytes_total)``.
 
     With ``peers`` (Peer structs or data-plane URLs) or a ``herd``, the herd protocol

@@ -51,9 +51,11 @@ from scheduler_link.messages import Peer, PeerTable
 from scheduler_link.metrics import family, text_of
 
 from .errors import IntegrityError, NotFoundError, OriginError, PeerError
+from .origins import Origin
 from .peers import PeerBusy, PeerClient, PeerClientConfig, PeerHealth, PeerMissing
 from .ratelimit import AsyncBucket
 from .rendezvous import Source, assign_homes, assign_rack_homes, order, plan_sources, rack_label
+from .store import ChunkStore
 from .tree import NodePlan, PeerView, chunk_keys, plan_node
 
 log = logging.getLogger("herd.p2p.herd")
@@ -143,7 +145,7 @@ PeersArg = Sequence[Peer] | PeerTable
 class Herd:
     """A node's herd fetcher. Long-lived (the agent keeps one) or per fetch."""
 
-    def __init__(self, store: Any, *, node_id: str, token: str | None,
+    def __init__(self, store: ChunkStore, *, node_id: str, token: str | None,
                  config: HerdConfig | None = None) -> None:
         self.store = store
         self.node_id = node_id
@@ -162,8 +164,7 @@ class Herd:
         self._gate = trio.CapacityLimiter(max(cfg.workers, 1))
         # Single flight: share the store's in-flight table (p2p.fetch uses it too) so
         # one download per chunk per node, whichever path asked for it.
-        shared = getattr(store, "inflight", None)
-        self._inflight: dict[str, trio.Event] = shared if isinstance(shared, dict) else {}
+        self._inflight: dict[str, trio.Event] = store.inflight
         self.last_plan: tuple[NodePlan, dict[str, int]] | None = None   # the last fetch's tree plan
 
     async def aclose(self) -> None:
@@ -196,7 +197,7 @@ class Herd:
 
     # ------------------------------------------------------------------ manifests
 
-    async def fetch_manifest_bytes(self, manifest_id: str, origin: Any, peers: PeersArg) -> bytes:
+    async def fetch_manifest_bytes(self, manifest_id: str, origin: Origin, peers: PeersArg) -> bytes:
         """The manifest's bytes. Tree mode: like a chunk, from its tree parent (asked
         again every ``manifest_poll_s`` until it has it, up to ``wait_ms``), the next
         live source when a parent is dead, the origin only at its global home (or when
@@ -218,7 +219,7 @@ class Herd:
                 continue
         return await self._origin_call(origin.get_manifest, manifest_id)
 
-    async def _tree_manifest(self, manifest_id: str, origin: Any, peers: PeersArg) -> bytes:
+    async def _tree_manifest(self, manifest_id: str, origin: Origin, peers: PeersArg) -> bytes:
         view, me = self.view(peers)
         plan = await trio.to_thread.run_sync(partial(self.plan, view, me, [manifest_id]))
         deadline = trio.current_time() + self.config.wait_ms / 1000
@@ -276,7 +277,7 @@ class Herd:
 
     # ------------------------------------------------------------------ chunks
 
-    async def fetch_chunks(self, chunks: Sequence[tuple[str, int]], origin: Any,
+    async def fetch_chunks(self, chunks: Sequence[tuple[str, int]], origin: Origin,
                            peers: PeersArg, *, manifest_id: str | None = None,
                            progress: Callable[[int], None] | None = None) -> HerdCounters:
         """Get every (id, size) in ``chunks`` into the store. Returns this call's counters
@@ -306,7 +307,7 @@ class Herd:
         self.counters.chunks_local += run.chunks_local
         return todo
 
-    async def _fetch_tree(self, chunks: Sequence[tuple[str, int]], origin: Any, peers: PeersArg,
+    async def _fetch_tree(self, chunks: Sequence[tuple[str, int]], origin: Origin, peers: PeersArg,
                           manifest_id: str | None, progress: Callable[[int], None] | None,
                           run: HerdCounters) -> HerdCounters:
         """Tree mode: one plan for the whole manifest, then the two pools."""
@@ -334,7 +335,7 @@ class Herd:
         return await self._pools(own, rest, origin, [], holders, {}, {}, progress, run,
                                  tplan=(plan, cindex), alone=alone, others=max(len(view) - 1, 0))
 
-    async def _legacy_pool(self, chunks: Sequence[tuple[str, int]], todo: list[tuple[str, int]], origin: Any,
+    async def _legacy_pool(self, chunks: Sequence[tuple[str, int]], todo: list[tuple[str, int]], origin: Origin,
                            peers: list[Peer], holders: dict[str, list[str]],
                            progress: Callable[[int], None] | None, run: HerdCounters) -> HerdCounters:
         # Balanced homes over the manifest (the same map on every node: same inputs).
@@ -362,7 +363,7 @@ class Herd:
                                  tplan=None, alone=not any(p.node_id != self.node_id for p in peers),
                                  others=len({p.node_id for p in peers if p.node_id != self.node_id}))
 
-    async def _pools(self, own: list[tuple[str, int]], rest: list[tuple[str, int]], origin: Any,
+    async def _pools(self, own: list[tuple[str, int]], rest: list[tuple[str, int]], origin: Origin,
                      peers: list[Peer], holders: dict[str, list[str]], homes: dict[str, str],
                      rhomes: dict[str, str], progress: Callable[[int], None] | None, run: HerdCounters, *,
                      tplan: tuple[NodePlan, dict[str, int]] | None, alone: bool, others: int) -> HerdCounters:
@@ -377,9 +378,7 @@ class Herd:
 
         async def background_sync() -> None:
             try:
-                sync = getattr(self.store, "sync", None)
-                if sync is not None:
-                    await trio.to_thread.run_sync(sync)
+                await trio.to_thread.run_sync(self.store.sync)
             except Exception as e:
                 if not failure:
                     failure.append(e)
@@ -443,7 +442,7 @@ class Herd:
             raise failure[0]
         return run
 
-    async def get_chunk(self, cid: str, size: int, origin: Any, peers: Sequence[Peer], *,
+    async def get_chunk(self, cid: str, size: int, origin: Origin, peers: Sequence[Peer], *,
                         endgame: trio.Event | None = None, run: HerdCounters | None = None,
                         holders: Sequence[str] = (), home: str | None = None,
                         rack_home: str | None = None,
@@ -470,7 +469,7 @@ class Herd:
             del self._inflight[cid]
             ev.set()
 
-    async def _acquire_tree(self, cid: str, size: int, origin: Any, plan: NodePlan, ci: int,
+    async def _acquire_tree(self, cid: str, size: int, origin: Origin, plan: NodePlan, ci: int,
                             endgame: trio.Event, run: HerdCounters, holders: Sequence[str]) -> None:
         """One chunk through its tree: rack-mates known to hold it (no wait), the parent
         (wait), siblings (no wait), the ancestors and successors (wait). A round where
@@ -521,7 +520,7 @@ class Herd:
             self.counters.busy_backoff_s += pause
             await trio.sleep(pause)
 
-    async def _acquire(self, cid: str, size: int, origin: Any, peers: Sequence[Peer],
+    async def _acquire(self, cid: str, size: int, origin: Origin, peers: Sequence[Peer],
                        endgame: trio.Event, run: HerdCounters, holders: Sequence[str],
                        home: str | None, rack_home: str | None) -> None:
         last: Exception | None = None
@@ -545,7 +544,7 @@ class Herd:
             last = HerdError(f"chunk {cid[:16]}: every source failed")
         raise last or HerdError(f"chunk {cid[:16]}: no source")
 
-    async def _race(self, cid: str, size: int, plan: list[Source], origin: Any,
+    async def _race(self, cid: str, size: int, plan: list[Source], origin: Origin,
                     endgame: trio.Event, notes: _Notes | None = None) -> tuple[bytes, Source] | None:
         """Happy eyeballs over ``plan``: start the next attempt when the previous failed,
         or (once, in the endgame) when the next source is a waiting peer. First verified
@@ -595,7 +594,7 @@ class Herd:
             raise fatal[0]
         return winner[0] if winner else None
 
-    async def _try(self, src: Source, cid: str, size: int, origin: Any) -> bytes:
+    async def _try(self, src: Source, cid: str, size: int, origin: Origin) -> bytes:
         if src.kind == "origin":
             # Origin bytes are verified like a peer's: a bad answer (in transit) is refused
             # and asked again; the same bad bytes N times means corrupt at rest.
@@ -681,7 +680,7 @@ def _in_trio() -> bool:
         return False
 
 
-async def herd_fetch(herd: Herd, manifest_id: str, origin: Any, peers: PeersArg, *,
+async def herd_fetch(herd: Herd, manifest_id: str, origin: Origin, peers: PeersArg, *,
                      progress: Callable[[int, int], None] | None = None) -> tuple[Any, HerdCounters]:
     """The whole fetch through the herd: the manifest (store, peers, origin — verified by
     id), every missing chunk, then a batched sync and the completion mark. Returns
@@ -692,9 +691,7 @@ async def herd_fetch(herd: Herd, manifest_id: str, origin: Any, peers: PeersArg,
     else:
         data = await herd.fetch_manifest_bytes(manifest_id, origin, peers)
         manifest = await trio.to_thread.run_sync(store.put_manifest, manifest_id, data)
-    pin = getattr(store, "pin", None)
-    if pin is not None:
-        pin(manifest_id)
+    store.pin(manifest_id)
     try:
         chunks = [(c.id, c.size) for c in manifest.chunks]
         total = manifest.unique_size
@@ -710,12 +707,11 @@ async def herd_fetch(herd: Herd, manifest_id: str, origin: Any, peers: PeersArg,
         run = await herd.fetch_chunks(chunks, origin, peers, manifest_id=manifest_id, progress=prog)
         await trio.to_thread.run_sync(store.mark_complete, manifest_id)
     finally:
-        if pin is not None:
-            store.unpin(manifest_id)
+        store.unpin(manifest_id)
     return manifest, run
 
 
-async def fetch_with_peers(store: Any, manifest_id: str, origin: Any, *, peers: Sequence[Any] | PeerTable,
+async def fetch_with_peers(store: ChunkStore, manifest_id: str, origin: Origin, *, peers: Sequence[Any] | PeerTable,
                            node_id: str | None = None, token: str | None = None,
                            progress: Callable[[int, int], None] | None = None,
                            herd: Herd | None = None, config: HerdConfig | None = None) -> Any:
