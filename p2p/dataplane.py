@@ -62,7 +62,7 @@ import h11
 import msgspec
 import trio
 
-from scheduler_link.gate import ConnectionGate
+from scheduler_link.gate import ConnectionGate, turn_away
 
 from .errors import StoreError
 from .store import ChunkStore
@@ -139,9 +139,6 @@ class _Len:
 
 
 _GONE = object()   # _maybe_wait: the client left while its request waited
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-         b"retry-after: 1\r\nconnection: close\r\ncontent-length: 53\r\n\r\n"
-         b'{"error":"busy","detail":"too many open connections"}')
 
 
 def _json(status: int, error: str, detail: str | None = None,
@@ -266,12 +263,7 @@ class DataPlane:
             client = "?"
         if not self._conns.enter(client):
             self._stats.rejected_connections += 1
-            with trio.move_on_after(0.5):
-                try:
-                    await stream.send_all(_BUSY)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    pass
-            await trio.aclose_forcefully(stream)
+            await turn_away(stream)
             return
         self._stats.open_connections += 1
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.config.max_head_bytes)

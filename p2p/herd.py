@@ -498,15 +498,7 @@ class Herd:
             notes = _Notes()
             won = await self._race(cid, size, srcs, origin, endgame, notes)
             if won is not None:
-                data, src = won
-                await trio.to_thread.run_sync(partial(self.store.put_chunk, cid, data, verified=True))
-                for c in (self.counters, run):
-                    if src.kind == "origin":
-                        c.bytes_from_origin += size
-                        c.chunks_from_origin += 1
-                    else:
-                        c.bytes_from_peers += size
-                        c.chunks_from_peers += 1
+                await self._keep(cid, size, *won, run)
                 return
             if last:
                 raise HerdError(f"chunk {cid[:16]}: every source failed")
@@ -520,6 +512,18 @@ class Herd:
             self.counters.busy_backoff_s += pause
             await trio.sleep(pause)
 
+    async def _keep(self, cid: str, size: int, data: bytes, src: Source, run: HerdCounters) -> None:
+        """Store a won chunk (``_try`` verified it against ``cid`` already) and count it by
+        source, in the herd's and this run's counters."""
+        await trio.to_thread.run_sync(partial(self.store.put_chunk, cid, data, verified=True))
+        for c in (self.counters, run):
+            if src.kind == "origin":
+                c.bytes_from_origin += size
+                c.chunks_from_origin += 1
+            else:
+                c.bytes_from_peers += size
+                c.chunks_from_peers += 1
+
     async def _acquire(self, cid: str, size: int, origin: Origin, peers: Sequence[Peer],
                        endgame: trio.Event, run: HerdCounters, holders: Sequence[str],
                        home: str | None, rack_home: str | None) -> None:
@@ -530,16 +534,7 @@ class Herd:
                                 holders=holders, home=home, rack_home=rack_home)
             won = await self._race(cid, size, plan, origin, endgame)
             if won is not None:
-                data, src = won
-                # _try verified the bytes against cid already
-                await trio.to_thread.run_sync(partial(self.store.put_chunk, cid, data, verified=True))
-                for c in (self.counters, run):
-                    if src.kind == "origin":
-                        c.bytes_from_origin += size
-                        c.chunks_from_origin += 1
-                    else:
-                        c.bytes_from_peers += size
-                        c.chunks_from_peers += 1
+                await self._keep(cid, size, *won, run)
                 return
             last = HerdError(f"chunk {cid[:16]}: every source failed")
         raise last or HerdError(f"chunk {cid[:16]}: no source")

@@ -1,9 +1,26 @@
 """Open connections counted overall and per client address (pure bookkeeping), shared by
-every server that caps connections: the HTTP layer and the data plane."""
+every server that caps connections: the HTTP layer and the data plane; and the one way
+both turn away a connection past the caps (:func:`turn_away`)."""
 
 from __future__ import annotations
 
-__all__ = ["ConnectionGate"]
+import trio
+
+__all__ = ["BUSY_ANSWER", "ConnectionGate", "turn_away"]
+
+BUSY_ANSWER = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
+               b"retry-after: 1\r\nconnection: close\r\ncontent-length: 53\r\n\r\n"
+               b'{"error":"busy","detail":"too many open connections"}')
+
+
+async def turn_away(stream: trio.abc.Stream) -> None:
+    """Answer 503 busy (at most half a second spent on it) and close the connection."""
+    with trio.move_on_after(0.5):
+        try:
+            await stream.send_all(BUSY_ANSWER)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass
+    await trio.aclose_forcefully(stream)
 
 
 class ConnectionGate:

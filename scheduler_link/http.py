@@ -56,7 +56,7 @@ import trio
 
 from .auth import TokenSet, bearer
 from .errors import HTTPError as HTTPError  # re-exported: callers import it from here
-from .gate import ConnectionGate
+from .gate import ConnectionGate, turn_away
 
 log = logging.getLogger("herd.http")
 
@@ -353,9 +353,6 @@ async def _send_stream(resp: Response, receive: Any, send: Any) -> None:
             await pieces.aclose()
 
 
-_BUSY = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
-         b"retry-after: 1\r\nconnection: close\r\ncontent-length: 53\r\n\r\n"
-         b'{"error":"busy","detail":"too many open connections"}')
 
 
 EOF_GRACE_S = 1.0   # after a client's EOF, the connection task ends this much later at the latest
@@ -449,12 +446,7 @@ async def serve(app: App, listen: str, *, limits: ServerLimits | None = None,
             await trio.aclose_forcefully(stream)
             return
         if not gate.enter(client):
-            with trio.move_on_after(0.5):
-                try:
-                    await stream.send_all(_BUSY)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    pass
-            await trio.aclose_forcefully(stream)
+            await turn_away(stream)
             return
         try:
             with trio.CancelScope() as scope:
