@@ -35,21 +35,27 @@ _HEXSTAR = re.compile(r"[0-9a-f]*")
 _PATH_FAST = re.compile(r"(?:[^/\x00]{1,255}/)*[^/\x00]{1,255}")
 
 
+def _check_text(path: str, value: str, what: str, max_bytes: int) -> None:
+    """The checks a path and a symlink target share: no NUL, valid UTF-8, at most
+    ``max_bytes``, relative. Errors name the entry (``path``) and ``what`` was wrong."""
+    if "\x00" in value:
+        raise ManifestError(f"entry {path!r:.200}: NUL byte in {what}")
+    try:
+        nbytes = len(value.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ManifestError(f"entry {path!r:.200}: {what} is not valid UTF-8") from None
+    if nbytes > max_bytes:
+        raise ManifestError(f"entry {path[:80]!r}...: {what} longer than {max_bytes} bytes")
+    if value.startswith("/"):
+        raise ManifestError(f"entry {path!r:.200}: absolute {what} {value!r:.200}")
+
+
 def _check_path(path: object, what: str = "path") -> str:
     if type(path) is not str:
         raise ManifestError(f"entry {path!r:.80}: {what} is not a string")
     if not path:
         raise ManifestError(f"entry with an empty {what}")
-    if "\x00" in path:
-        raise ManifestError(f"entry {path!r:.200}: NUL byte in {what}")
-    try:
-        nbytes = len(path.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise ManifestError(f"entry {path!r:.200}: {what} is not valid UTF-8") from None
-    if nbytes > MAX_PATH_BYTES:
-        raise ManifestError(f"entry {path[:80]!r}...: {what} longer than {MAX_PATH_BYTES} bytes")
-    if path.startswith("/"):
-        raise ManifestError(f"entry {path!r:.200}: absolute {what}")
+    _check_text(path, path, what, MAX_PATH_BYTES)
     for comp in path.split("/"):
         if comp == "":
             raise ManifestError(f"entry {path!r:.200}: empty component in {what}")
@@ -128,16 +134,7 @@ def _check_target(e: Entry) -> None:
     path, target = e.path, e.target
     if type(target) is not str or not target:
         raise ManifestError(f"entry {path!r:.200}: symlink with an empty target")
-    if "\x00" in target:
-        raise ManifestError(f"entry {path!r:.200}: NUL byte in symlink target")
-    try:
-        tbytes = len(target.encode("utf-8"))
-    except UnicodeEncodeError:
-        raise ManifestError(f"entry {path!r:.200}: symlink target is not valid UTF-8") from None
-    if tbytes > MAX_TARGET_BYTES:
-        raise ManifestError(f"entry {path!r:.200}: symlink target longer than {MAX_TARGET_BYTES} bytes")
-    if target.startswith("/"):
-        raise ManifestError(f"entry {path!r:.200}: absolute symlink target {target!r:.200}")
+    _check_text(path, target, "symlink target", MAX_TARGET_BYTES)
 
 
 def validate_manifest(m: Manifest) -> None:
