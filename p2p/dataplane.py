@@ -163,9 +163,10 @@ class DataPlane:
         self.config = config or DataPlaneConfig()
         self.url: str | None = None
         self._stats = _Stats()
-        self._per_client: dict[str, int] = {}
-        self._waiting = 0
-        self._waiting_per_client: dict[str, int] = {}
+        # requests being served, overall and per address (max_concurrent / max_per_client)
+        self._active = ConnectionGate(self.config.max_concurrent, self.config.max_per_client)
+        # ?wait_ms= requests waiting, counted like connections (overall and per address)
+        self._waits = ConnectionGate(self.config.max_waiting, self.config.max_waiting_per_client)
         c = self.config
         self._conns = ConnectionGate(c.max_connections or 4 * c.max_concurrent,
                             c.max_connections_per_client or 2 * c.max_per_client)
@@ -198,7 +199,7 @@ class DataPlane:
     def statistics(self) -> dict[str, Any]:
         s = msgspec.structs.asdict(self._stats)
         s["waiting"] = len(self._waiters)
-        s["waiting_requests"] = self._waiting
+        s["waiting_requests"] = self._waits.open
         s["url"] = self.url
         return s
 
@@ -402,12 +403,10 @@ class DataPlane:
                 if isinstance(waited, _Reply):
                     return waited, False
                 query = ""
-        cfg = self.config
-        if self._stats.active >= cfg.max_concurrent or self._per_client.get(client, 0) >= cfg.max_per_client:
+        if not self._active.enter(client):
             self._stats.rejected_busy += 1
             return _json(503, "busy", "too many concurrent requests", headers=[(b"retry-after", b"1")]), False
-        self._stats.active += 1
-        self._per_client[client] = self._per_client.get(client, 0) + 1
+        self._stats.active = self._active.open
         try:
             return await self._route(method, path, query), True
         except Exception:  # a bug or a broken store: answer 500, keep serving
@@ -432,12 +431,9 @@ class DataPlane:
         wait_ms = min(int(raw), self.config.max_wait_ms)
         if wait_ms <= 0 or self.store.has_chunk(chunk_id):
             return None
-        cfg = self.config
-        if self._waiting >= cfg.max_waiting or self._waiting_per_client.get(client, 0) >= cfg.max_waiting_per_client:
+        if not self._waits.enter(client):
             self._stats.rejected_waits += 1
             return _json(503, "busy", "too many waiting requests", headers=[(b"retry-after", b"1")])
-        self._waiting += 1
-        self._waiting_per_client[client] = self._waiting_per_client.get(client, 0) + 1
         try:
             with trio.CancelScope() as gone:
                 async with trio.open_nursery() as nursery:
@@ -445,12 +441,7 @@ class DataPlane:
                     present = await self._wait_for_chunk(chunk_id, wait_ms)
                     nursery.cancel_scope.cancel()
         finally:
-            self._waiting -= 1
-            n = self._waiting_per_client[client] - 1
-            if n:
-                self._waiting_per_client[client] = n
-            else:
-                del self._waiting_per_client[client]
+            self._waits.leave(client)
         if gone.cancelled_caught:
             self._stats.waits_abandoned += 1
             return _GONE
@@ -477,12 +468,8 @@ class DataPlane:
             conn.receive_data(data)
 
     def _leave(self, client: str) -> None:
-        self._stats.active -= 1
-        n = self._per_client[client] - 1
-        if n:
-            self._per_client[client] = n
-        else:
-            del self._per_client[client]
+        self._active.leave(client)
+        self._stats.active = self._active.open
 
     async def _route(self, method: str, path: str, query: str) -> _Reply:
         parts = path.strip("/").split("/")

@@ -1,5 +1,6 @@
-"""Open connections counted overall and per client address (pure bookkeeping), shared by
-every server that caps connections: the HTTP layer and the data plane; and the one way
+"""Open connections (or anything held open per client: the data plane's waiting requests)
+counted overall and per client address (pure bookkeeping), shared by every server that
+caps them: the HTTP layer and the data plane; and the one way
 both turn away a connection past the caps (:func:`turn_away`)."""
 
 from __future__ import annotations
