@@ -186,6 +186,8 @@ def build_app(agent: Agent) -> App:
             return json_response(PlacementAck(placement_id=p.placement_id, node_id=agent.node_id, accepted=False,
                                               reason=why, outcome="refused_spec"), status=409)
         direct = tokens.check("operator", bearer(req.headers)) and not tokens.check("placer", bearer(req.headers))
+        if p.victims:  # a rollback's stop may overtake a part not handed over yet
+            await agent.parts.hold_stops(p.victims)
         ack = await agent.supervisor.place(p, direct=direct)
         return json_response(ack, status=200 if ack.accepted else 409)
 

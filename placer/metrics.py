@@ -14,13 +14,8 @@ scrape's ``instance`` says which placer). Families:
   ``herd_placement_delivery_seconds`` (one placement push, send -> the agent's answer);
 - ``herd_build_info`` and ``process_*``.
 
-Decision latencies: the state keeps the last 1000 in ``decision_s`` (a bounded list it
-trims from the front); :class:`SampleTap` turns that list into cumulative histogram counts
-by remembering the last sample it saw (by identity: each one is a fresh float). It is exact
-while scrapes come at least every 1000 decisions; a scrape that finds the last sample it saw
-trimmed away counts one ``herd_placer_decision_tap_overruns_total`` (some may be missing)
-rather than guessing. (The state observing a :class:`LatencyHistogram` itself would make it
-exact always: a one-line change in ``placer/scheduling.py``.)
+Decision latencies: the state observes every decision into its own :class:`LatencyHistogram`
+(``decision_hist``), so the histogram is exact however seldom it is scraped.
 """
 
 from __future__ import annotations
@@ -74,39 +69,11 @@ COUNTER_HELP: dict[str, str] = {
 }
 
 
-class SampleTap:
-    """Cumulative histogram counts over an owner's bounded, front-trimmed sample list."""
-
-    __slots__ = ("hist", "overruns", "_last")
-
-    def __init__(self) -> None:
-        self.hist = LatencyHistogram()
-        self.overruns = 0
-        self._last: float | None = None
-
-    def take(self, samples: list[float]) -> None:
-        """Observe the samples appended since the last call (pure over ``samples``)."""
-        if not samples:
-            return
-        start = 0
-        if self._last is not None:
-            for i in range(len(samples) - 1, -1, -1):
-                if samples[i] is self._last:
-                    start = i + 1
-                    break
-            else:   # the last one seen was trimmed away: samples after it may have been too
-                self.overruns += 1
-        for v in samples[start:]:
-            self.hist.observe(v)
-        self._last = samples[-1]
-
-
 class PlacerMetrics:
     """One placer service's registry: :meth:`of` finds (or makes) the service's own."""
 
     def __init__(self, service: PlacerService) -> None:
         self.service = service
-        self.decisions = SampleTap()
         self.registry = new_registry(FamiliesCollector(self.families))
 
     @classmethod
@@ -153,12 +120,18 @@ class PlacerMetrics:
             yield counter("herd_placer_wire_ingest_errors_total", "Framed-channel frames that failed ingest", {},
                           ws["ingest_errors"])
         yield counter("herd_placer_gc_freezes_total", "Heap freezes after passes that grew it", {}, svc.freezes)
-        self.decisions.take(st.decision_s)
         yield histogram("herd_placer_decision_seconds", "One placement decision (place(), preemption included)",
-                        [({}, self.decisions.hist)])
-        yield counter("herd_placer_decision_tap_overruns_total",
-                      "Scrapes that found the decision latencies seen last trimmed away (some may be missing)",
-                      {}, self.decisions.overruns)
+                        [({}, st.decision_hist)])
+        rs = svc.relays.statistics()
+        yield gauge("herd_placer_relay_racks", "Racks with a relay candidate connected", {}, rs["racks"])
+        for key, what in (("bundles", "Rack bundles sent to relays"),
+                          ("bundle_failures", "Rack bundles a relay did not answer in time (their racks pushed directly)"),
+                          ("fallback_nodes", "Nodes pushed directly because their relay did not reach them"),
+                          ("relayed_nodes", "Nodes whose outcome came through a relay"),
+                          ("blob_serves", "Gang blobs served by the placer itself"),
+                          ("beats", "Aggregated rack heartbeats received"),
+                          ("beat_entries", "Node heartbeats inside rack beats")):
+            yield counter(f"herd_placer_relay_{key}_total", what, {}, rs[key])
         delivery = svc.pool.latency.get("/v1/placements") or LatencyHistogram()
         yield histogram("herd_placement_delivery_seconds",
                         "One placement push: send -> the agent's answer (retries included)", [({}, delivery)])

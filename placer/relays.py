@@ -313,16 +313,19 @@ class RelayHub:
             self.stats.bundles += 1
             self.stats.bytes_out += len(data)
             got: dict[str, NodeOutcome] = {}
-            # The relay's time runs from when the placer has sent every bundle of the round:
-            # until then the placer, not the relay, is what is slow.
-            cs = trio.CancelScope(deadline=deadline[0])
-            scopes.append(cs)
+            cs = trio.CancelScope(deadline=cap[0])   # the absolute bound, whatever the watchdog does
+            pending.add(cs)
             try:
-                with cs:
-                    f = await conn.channel.call_prepared(rid, data)
+                try:
+                    with cs:
+                        f = await conn.channel.call_prepared(rid, data)
+                finally:
+                    waited(cs)
                 if cs.cancelled_caught:
                     raise trio.TooSlowError
-                a = trio.current_time() - t0
+                now_t = trio.current_time()
+                deadline[0] = max(deadline[0], min(cap[0], now_t + cfg.relay_timeout_s))  # the round progresses
+                a = now_t - t0
                 marks["first_ack"] = min(marks["first_ack"], a)
                 marks["last_ack"] = max(marks["last_ack"], a)
                 ab = decode_payload(f, AckBundle)
@@ -347,8 +350,32 @@ class RelayHub:
                     for p in missing:
                         n.start_soon(one, p)
 
+        # A relay has failed when it has not answered relay_timeout_s after the round last made
+        # progress: after the last bundle left, or after the latest ack any relay of the round
+        # gave (so relays slowed by a busy host are not taken for dead while their peers answer),
+        # and never later than 4x relay_timeout_s after the last bundle left.
         deadline = [math.inf]
-        scopes: list[trio.CancelScope] = []
+        cap = [math.inf]
+        pending: set[trio.CancelScope] = set()
+
+        waits_left = [len(racks)]
+        idle = trio.Event()
+
+        def waited(cs: trio.CancelScope) -> None:
+            pending.discard(cs)
+            waits_left[0] -= 1
+            if waits_left[0] <= 0:
+                idle.set()
+
+        async def watchdog() -> None:
+            while True:
+                with trio.move_on_at(deadline[0]):
+                    await idle.wait()
+                    return
+                if trio.current_time() >= deadline[0]:
+                    for cs in list(pending):
+                        cs.cancel()
+                    return
         self._delivering += 1
         # The bundles are tens of thousands of young objects: a full collection while they are
         # built would walk the whole fleet's records for nothing (as during a pass).
@@ -373,10 +400,14 @@ class RelayHub:
                     n.start_soon(one, p)
                 del built
                 await trio.lowlevel.checkpoint()
-                deadline[0] = trio.current_time() + cfg.relay_timeout_s
-                marks["sent"] = deadline[0] - cfg.relay_timeout_s - t0
-                for cs in scopes:
-                    cs.deadline = deadline[0]
+                sent_at = trio.current_time()
+                deadline[0] = sent_at + cfg.relay_timeout_s
+                cap[0] = sent_at + 4 * cfg.relay_timeout_s
+                for cs in pending:
+                    cs.deadline = cap[0]
+                marks["sent"] = sent_at - t0
+                if racks:
+                    n.start_soon(watchdog)
         finally:
             if gc_was:
                 gc.enable()

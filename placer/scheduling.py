@@ -177,7 +177,9 @@ class Scheduling(StateBase):
             return place(model, req, allow_preemption=allow_preemption, exclude=exclude)
         finally:
             if self._clock:
-                self.decision_s.append(self._clock() - t0)
+                dt = self._clock() - t0
+                self.decision_hist.observe(dt)
+                self.decision_s.append(dt)
                 del self.decision_s[:-1000]
 
     def _apply_decision(self, job: JobRec, decision: Decision, now: float) -> list[Push]:

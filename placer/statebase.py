@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 import numpy as np
 
 from scheduler_link.messages import JobSpec, RackBeatReply, ReportReply, WorkloadEvent
+from scheduler_link.metrics import LatencyHistogram
 
 from .config import PlacerConfig
 from .errors import Conflict, InvalidSpec, UnknownJob, UnknownNode
@@ -56,6 +57,7 @@ class StateBase:
             "rebuilds": 0, "passes": 0, "passes_deferred": 0,
         }
         self.decision_s: list[float] = []
+        self.decision_hist = LatencyHistogram()             # every decision since start (metrics)
         self.bookkeeping_s: list[float] = []
         self._ended: list[tuple[str, str, float]] = []
         self.dirty = True                           # capacity or the queue changed since schedule()
