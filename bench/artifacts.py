@@ -7,8 +7,10 @@ Figures (medians of R runs where timed; every baseline is measured in the same r
 - ``ingest_ratio``: throughput of ``manifests.scan_tree`` (the very code ``herd artifact
   publish`` runs) over its bound: the fastest loop doing the same work, the fastcdc compiled
   kernel + BLAKE3 over the same files read the same way (pread for small files, populated
-  mmap for the rest), page cache warm for both, the two alternated. <= 1 but for noise.
-  Target >= 0.9.
+  mmap for the rest), page cache warm for both, the two alternated, each going first
+  in half the pairs (at least 6 pairs).
+  <= 1 but for noise; ``ingest_ratio_best`` is the ratio of the best run of each (the
+  least noise where other work shares the cores). Target >= 0.9.
 - ``fetch_mb_s``: the agents' fetch path (``p2p.herd.fetch_with_peers``, the herd with no
   peers) from a file:// origin into an empty store, copying every byte (read, verify, write,
   batched fsync, mark complete). Target >= 400. ``fetch_origin_only_mb_s``: the same through
@@ -198,14 +200,17 @@ def run(size_mb: int, repeat: int, avg_chunk: int | None, workdir: Path, log: An
     bare_s: list[float] = []
     scan_s: list[float] = []
     bare_chunk_hash(files, params)  # warm the page cache
-    for _ in range(repeat):
-        t = time.perf_counter()
-        bare_chunk_hash(files, params)
-        bare_s.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        scan_tree(v1, params)
-        scan_s.append(time.perf_counter() - t)
+    for i in range(max(6, repeat)):   # cheap (a second or so each): more pairs, less noise
+        for which in ((0, 1) if i % 2 == 0 else (1, 0)):   # which goes first alternates too
+            t = time.perf_counter()
+            if which == 0:
+                bare_chunk_hash(files, params)
+                bare_s.append(time.perf_counter() - t)
+            else:
+                scan_tree(v1, params)
+                scan_s.append(time.perf_counter() - t)
     ingest_ratio = _median(bare_s) / _median(scan_s)   # bound time / ours: <= 1 unless noise
+    ingest_ratio_best = min(bare_s) / min(scan_s)       # best of each: the least noise on a shared machine
 
     async def main() -> dict[str, Any]:
         origin = FileOrigin(workdir / "origin")
@@ -293,7 +298,8 @@ def run(size_mb: int, repeat: int, avg_chunk: int | None, workdir: Path, log: An
 
     out = trio.run(main)
     ingest = {
-        "ingest_ratio": round(ingest_ratio, 3),
+        "ingest_ratio": round(ingest_ratio, 3), "ingest_ratio_best": round(ingest_ratio_best, 3),
+        "ingest_pairs": len(scan_s),
         "ingest_scan_mb_s": round(nbytes / MiB / _median(scan_s), 1),
         "ingest_bare_mb_s": round(nbytes / MiB / _median(bare_s), 1),
     }
@@ -345,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = [
         ("ingest_ratio", result["ingest_ratio"],
-         f"scan_tree {result['ingest_scan_mb_s']} MB/s vs bare {result['ingest_bare_mb_s']} MB/s"),
+         f"scan_tree {result['ingest_scan_mb_s']} MB/s vs bound {result['ingest_bare_mb_s']} MB/s (medians of "
+         f"{result['ingest_pairs']}; best of each: {result['ingest_ratio_best']})"),
         ("fetch_mb_s", result["fetch_mb_s"],
          f"herd, no peers: p50 {result['fetch_s_p50']}s for {result['size_mb']} MiB; x{result['fetch_vs_baseline']} "
          f"of a bare read+hash+write loop ({result['fetch_baseline_mb_s']} MB/s, no fsync); origin-only path "
