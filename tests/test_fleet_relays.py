@@ -18,6 +18,7 @@ import trio
 from scheduler_link.auth import TokenSet, generate_token_dir
 from testing.fleet import fleet_nodes
 from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, wait_nodes_up
+from tests.test_fleet_gang import RealAgent
 
 pytestmark = pytest.mark.slow
 
@@ -140,3 +141,64 @@ async def test_a_fleet_wide_gang_through_rack_relays(tmp_path):
 def _rack_of(i: int) -> tuple[str, str, str]:
     s = fleet_nodes("h100", i, 1)[0]
     return s.zone, s.block, s.rack
+
+
+async def test_a_gang_over_real_agents_and_an_emulated_fleet_through_a_real_relay(tmp_path):
+    """Three real agent processes in one rack, the first started with ``--relay``, beside an
+    emulated fleet in relay mode: one gang over all of them is delivered as bundles (the real
+    rack's through the real relay agent) and runs; with the relay agent killed, its members
+    are pushed directly, each placed once."""
+    td = generate_token_dir(tmp_path / "tokens")
+    tok = TokenSet.load(td)
+    op = {"authorization": f"Bearer {tok.operator}"}
+    emulated = NODES - 32   # 63 emulated racks
+    total = emulated + 3
+    with trio.fail_after(600):
+        async with AsyncExitStack() as stack:
+            placer = await stack.enter_async_context(
+                PlacerProc(tmp_path, td, PlacerOptions(heartbeat_s=1.0, fence_after_s=120, ack_timeout_s=10.0)))
+            c = await stack.enter_async_context(httpx.AsyncClient(timeout=60, headers=op))
+            emu = await stack.enter_async_context(EmulatorProc(
+                placer, td, nodes=emulated, log_path=tmp_path / "emu.log", extra=["--relays"]))
+            await emu.go()
+            relay = RealAgent(tmp_path, "real0", placer, td)
+            relay.argv += ["--relay", "--relay-listen", "127.0.0.1:0"]
+            relay = await stack.enter_async_context(relay)
+            with trio.fail_after(30):   # members learn their relay when they register: the relay first
+                while (await _relays(c, placer.url))["racks"] < emulated // 32 + 1:
+                    await trio.sleep(0.2)
+            members = [await stack.enter_async_context(RealAgent(tmp_path, f"real{i}", placer, td)) for i in (1, 2)]
+            up, _ = await wait_nodes_up(c, placer.url, total, limit_s=180)
+            assert up == total
+
+            spec = {"job_id": "m1", "pods": total, "gpus_per_pod": 8, "argv": ["/bin/sleep", "600"], "grace_s": 1}
+            assert (await c.post(f"{placer.url}/v1/jobs", json=spec)).status_code == 201
+            job = await _job(c, placer.url, "m1", "running")
+            assert job["state"] == "running" and job["pod_counts"] == {"running": total}, job
+            rel = await _relays(c, placer.url)
+            d = rel["last_delivery"]
+            assert d["racks"] == emulated // 32 + 1 and d["direct"] == 0 and d["fallback_nodes"] == 0, rel
+            assert (await emu.stats(c))["placements"] == 0
+            viewer = {"authorization": f"Bearer {tok.viewer}"}
+            for a in (relay, *members):   # the real agents run the pod's process
+                ws = (await c.get(f"{a.url}/v1/workloads", headers=viewer)).json()
+                items = ws.get("workloads", ws) if isinstance(ws, dict) else ws
+                assert [w["state"] for w in items if w["job_id"] == "m1"] == ["running"], items
+            assert (await c.delete(f"{placer.url}/v1/jobs/m1")).status_code == 200
+            await _freed(c, placer.url, total * 8)
+
+            # the relay agent dies; a gang over everything else reaches its members directly, once
+            assert (await c.post(f"{placer.url}/v1/nodes/real0/cordon", json={})).status_code == 200
+            assert relay.proc is not None
+            os.killpg(relay.proc.pid, 9)
+            with trio.fail_after(30):
+                while (await _relays(c, placer.url))["racks"] > emulated // 32:
+                    await trio.sleep(0.2)
+            spec2 = {**spec, "job_id": "m2", "pods": total - 1}
+            assert (await c.post(f"{placer.url}/v1/jobs", json=spec2)).status_code == 201
+            job = await _job(c, placer.url, "m2", "running")
+            assert job["state"] == "running" and job["pod_counts"] == {"running": total - 1}, job
+            for a in members:
+                ws = (await c.get(f"{a.url}/v1/workloads", headers=viewer)).json()
+                items = ws.get("workloads", ws) if isinstance(ws, dict) else ws
+                assert [w["state"] for w in items if w["job_id"] == "m2"] == ["running"], items
