@@ -49,10 +49,16 @@ class FakeGpu:
     power_mw: int = 72000
     used_mib: int = 0
     util: int = 0
+    sm_clock: int = 345             # MHz
+    mem_clock: int = 2619           # MHz
+    memory_temp: int | None = 33    # the NVML_FI_DEV_MEMORY_TEMP field; None: NotSupported (GDDR boards)
+    energy_mj: int = 9_876_543_210_123   # above 2**32, as after weeks of uptime
+    enc_util: int = 0
+    dec_util: int = 0
     ecc_dbe_vol: int = 0
     ecc_dbe_agg: int = 0
     ecc_sbe_vol: int = 0
-    remapped: tuple[int, int, int, int] = (0, 0, 0, 0)
+    remapped: tuple[int, int, int, int] = (0, 0, 0, 0)   # correctable, uncorrectable, pending, failure
     retired_pending: int = 0
     throttle: int = 0
     pcie_replay: int = 0
@@ -287,6 +293,29 @@ class FakeNvml:
         assert g is not None
         return SimpleNamespace(gpu=g.util, memory=0)
 
+    def nvmlDeviceGetClockInfo(self, h: FakeHandle, clock_type: int) -> int:
+        g = self._check("nvmlDeviceGetClockInfo", h)
+        assert g is not None
+        clocks = {0: g.sm_clock, 1: g.sm_clock, 2: g.mem_clock}   # GRAPHICS, SM, MEM (VIDEO: not modelled)
+        if clock_type not in clocks:
+            raise NVMLError(INVALID_ARGUMENT)
+        return clocks[clock_type]
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, h: FakeHandle) -> int:
+        g = self._check("nvmlDeviceGetTotalEnergyConsumption", h)
+        assert g is not None
+        return g.energy_mj
+
+    def nvmlDeviceGetEncoderUtilization(self, h: FakeHandle) -> list[int]:
+        g = self._check("nvmlDeviceGetEncoderUtilization", h)
+        assert g is not None
+        return [g.enc_util, 167000]     # [utilization %, sampling period us], as pynvml returns
+
+    def nvmlDeviceGetDecoderUtilization(self, h: FakeHandle) -> list[int]:
+        g = self._check("nvmlDeviceGetDecoderUtilization", h)
+        assert g is not None
+        return [g.dec_util, 167000]
+
     def nvmlDeviceGetTotalEccErrors(self, h: FakeHandle, error_type: int, counter_type: int) -> int:
         g = self._check("nvmlDeviceGetTotalEccErrors", h)
         assert g is not None
@@ -331,11 +360,12 @@ class FakeNvml:
     def nvmlDeviceGetFieldValues(self, h: FakeHandle, ids: list[int]) -> list[SimpleNamespace]:
         g = self._check("nvmlDeviceGetFieldValues", h)
         assert g is not None
+        known = {230: g.recovery_action, 82: g.memory_temp}   # recovery action, memory temperature
         out = []
         for fid in ids:
-            if fid == 230:
+            if known.get(fid) is not None:
                 out.append(SimpleNamespace(fieldId=fid, nvmlReturn=0, valueType=1,
-                                           value=SimpleNamespace(uiVal=g.recovery_action)))
+                                           value=SimpleNamespace(uiVal=known[fid])))
             else:
                 out.append(SimpleNamespace(fieldId=fid, nvmlReturn=NOT_SUPPORTED, valueType=1,
                                            value=SimpleNamespace(uiVal=0)))
@@ -394,8 +424,9 @@ def h100_node(n: int = 8, links: int = 18) -> FakeNvml:
 def pcie_node(n: int = 2) -> FakeNvml:
     """GPUs without NVLink (NvLinkState answers NotSupported), no MIG, no fabric."""
     gpus = [FakeGpu(index=i, uuid=_uuid(i, "l40s"), name="NVIDIA L40S", memory_mib=46068,
-                    bus_id=f"00000000:{0x21 + 0x20 * i:02X}:00.0", numa=i % 2,
-                    unsupported={"nvmlDeviceGetMigMode", "nvmlDeviceGetRemappedRows"}) for i in range(n)]
+                    bus_id=f"00000000:{0x21 + 0x20 * i:02X}:00.0", numa=i % 2, sm_clock=210, mem_clock=9001,
+                    memory_temp=None, unsupported={"nvmlDeviceGetMigMode", "nvmlDeviceGetRemappedRows"})
+            for i in range(n)]
     return FakeNvml(gpus, topo=[[0 if i == j else 20 for j in range(n)] for i in range(n)])
 
 

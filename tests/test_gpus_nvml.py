@@ -11,9 +11,10 @@ import pynvml
 import pytest
 import trio
 
-from agent.gpus import Fault, GpuBackendError, GpuMonitor, HealthConfig, open_backend
+from agent.gpus import Fault, GpuBackendError, GpuMonitor, HealthConfig, open_backend, render_metrics
 from agent.gpus.nvml import NvmlBackend
 from tests.fake_pynvml import FakeNvml, gb200_tray, h100_node, pcie_node
+from tests.prom import types, value
 
 
 def nvml(fake: FakeNvml) -> NvmlBackend:
@@ -90,6 +91,8 @@ def test_gpu_without_nvlink_and_unsupported_signals_are_healthy_absences():
     assert s.failed_signals == [] and s.nvlinks_active is None
     t = s.telemetry
     assert t.nvlink_crc_errors is None and t.remap_pending is None and t.temperature_c == 35.0
+    assert t.memory_temp_c is None and t.remapped_rows_correctable is None       # GDDR6, no row remapper
+    assert (t.sm_clock_mhz, t.mem_clock_mhz) == (210, 9001)
 
 
 def test_old_driver_without_fabric_info_and_a_new_one_with_it():
@@ -274,3 +277,55 @@ async def test_no_gpus_is_a_clear_error_and_the_library_is_released():
     with trio.fail_after(5), pytest.raises(GpuBackendError, match="NVML sees no GPUs.*simulated:PROFILE"):
         await mon.run()
     assert not f.initialized
+
+
+# dcgm-exporter's default fields that GpuTelemetry carries beyond the health signals
+DCGM_DEFAULTS = ("DCGM_FI_DEV_SM_CLOCK", "DCGM_FI_DEV_MEM_CLOCK", "DCGM_FI_DEV_MEMORY_TEMP",
+                 "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "DCGM_FI_DEV_ENC_UTIL", "DCGM_FI_DEV_DEC_UTIL",
+                 "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS")
+
+
+async def test_dcgm_default_fields_are_served_and_absent_where_not_supported():
+    f = h100_node(2)
+    g0 = f.gpus[0]
+    g0.sm_clock, g0.mem_clock, g0.memory_temp, g0.enc_util, g0.dec_util = 1980, 2619, 41, 12, 34
+    g0.remapped = (5, 2, 0, 0)
+    g0.energy_mj = 2**53 - 1          # the largest count the parser round-trips exactly
+    f.gpus[1].memory_temp = None      # the field answers NotSupported (nvmlReturn 3)
+    f.gpus[1].unsupported |= {"nvmlDeviceGetClockInfo", "nvmlDeviceGetTotalEnergyConsumption",
+                              "nvmlDeviceGetEncoderUtilization", "nvmlDeviceGetDecoderUtilization",
+                              "nvmlDeviceGetRemappedRows"}
+    mon = GpuMonitor(nvml(f), poll_interval_s=0.05, kernel_log=False, event_wait_ms=50)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            snap = await n.start(mon.run)
+            n.cancel_scope.cancel()
+    t0, t1 = snap.gpus[0].telemetry, snap.gpus[1].telemetry
+    assert (t0.sm_clock_mhz, t0.mem_clock_mhz, t0.memory_temp_c, t0.energy_mj, t0.enc_util_pct,
+            t0.dec_util_pct, t0.remapped_rows_correctable, t0.remapped_rows_uncorrectable) == (
+        1980, 2619, 41.0, 2**53 - 1, 12.0, 34.0, 5, 2)
+    assert (t1.sm_clock_mhz, t1.mem_clock_mhz, t1.memory_temp_c, t1.energy_mj, t1.enc_util_pct,
+            t1.dec_util_pct, t1.remapped_rows_correctable, t1.remapped_rows_uncorrectable) == (None,) * 8
+    assert {g.health for g in snap.gpus} == {"healthy"}     # absent is healthy, never noted as a failure
+    text = render_metrics(snap, "fakehost")
+    got = {name: value(text, name, gpu="0", UUID=f.gpus[0].uuid, Hostname="fakehost", node="fakehost",
+                       modelName="NVIDIA H100 80GB HBM3", device="nvidia0", simulated="false")
+           for name in DCGM_DEFAULTS}
+    assert got == {"DCGM_FI_DEV_SM_CLOCK": 1980, "DCGM_FI_DEV_MEM_CLOCK": 2619, "DCGM_FI_DEV_MEMORY_TEMP": 41,
+                   "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION": 2**53 - 1, "DCGM_FI_DEV_ENC_UTIL": 12,
+                   "DCGM_FI_DEV_DEC_UTIL": 34, "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS": 5,
+                   "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS": 2}
+    assert all(value(text, name, gpu="1") is None for name in DCGM_DEFAULTS)   # no series, not a 0
+    assert value(text, "DCGM_FI_DEV_GPU_TEMP", gpu="1") == 35                   # the GPU itself is there
+    fams = types(text)
+    assert fams["DCGM_FI_DEV_SM_CLOCK"] == "gauge" and fams["DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION"] == "unknown"
+
+
+def test_field_values_failing_as_a_whole_loses_memory_temperature_and_recovery_action_only():
+    f = h100_node(1)
+    f.gpus[0].unsupported.add("nvmlDeviceGetFieldValues")
+    b = nvml(f)
+    b.discover()
+    s = b.poll()[0]
+    assert s.telemetry.memory_temp_c is None and s.telemetry.recovery_action is None
+    assert s.telemetry.sm_clock_mhz == 345 and s.failed_signals == []

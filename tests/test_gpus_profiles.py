@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import re
 
+import msgspec
 import pytest
 
-from agent.gpus import PROFILES, GpuBackendError, SimulatedBackend, open_backend
+from agent.gpus import PROFILES, Fault, GpuBackendError, SimulatedBackend, open_backend, render_metrics
 from agent.gpus.simulated import fabric_ids, sim_uuid
+from scheduler_link.messages import GpuSnapshot
+from tests.prom import value
 
 REAL_UUID = re.compile(r"^GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
@@ -89,3 +92,55 @@ def test_bad_backend_specs_are_one_clear_error(spec, msg):
     assert "\n" not in str(e.value)
     assert set(PROFILES) <= set(re.findall(r"[a-z0-9]+-[a-z0-9]+", str(e.value))) or "option" in msg or \
         "key=value" in msg
+
+
+class StepClock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_dcgm_default_fields_from_the_simulated_profiles():
+    clock = StepClock()
+    b = SimulatedBackend("dgx-h100", hostname="n1", clock=clock)
+    d = b.discover()
+    clock.now += 2.0
+    t = b.poll()[0].telemetry
+    assert (t.sm_clock_mhz, t.mem_clock_mhz, t.memory_temp_c, t.enc_util_pct, t.dec_util_pct) == (
+        345, 2619, 34.0, 0.0, 0.0)
+    assert (t.remapped_rows_correctable, t.remapped_rows_uncorrectable) == (0, 0)
+    assert t.energy_mj == 144_000                 # 72 W for 2 s
+    clock.now += 0.5
+    assert b.poll()[0].telemetry.energy_mj == 180_000    # a counter: it only grows
+    text = render_metrics(GpuSnapshot(gpus=[msgspec.structs.replace(d.gpus[0], telemetry=t)]), "n1")
+    lb = {"gpu": "0", "UUID": d.gpus[0].uuid, "Hostname": "n1", "simulated": "true"}
+    assert value(text, "DCGM_FI_DEV_SM_CLOCK", **lb) == 345
+    assert value(text, "DCGM_FI_DEV_MEM_CLOCK", **lb) == 2619
+    assert value(text, "DCGM_FI_DEV_MEMORY_TEMP", **lb) == 34
+    assert value(text, "DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", **lb) == 144_000
+    assert value(text, "DCGM_FI_DEV_ENC_UTIL", **lb) == 0 and value(text, "DCGM_FI_DEV_DEC_UTIL", **lb) == 0
+    assert value(text, "DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", **lb) == 0
+    assert value(text, "DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", **lb) == 0
+    # a GDDR6 board reads no memory temperature: no series at all
+    pcie = SimulatedBackend("l40s-pcie", hostname="n2")
+    pd = pcie.discover()
+    pt = pcie.poll()[0].telemetry
+    assert pt.memory_temp_c is None and (pt.sm_clock_mhz, pt.mem_clock_mhz) == (210, 9001)
+    text = render_metrics(GpuSnapshot(gpus=[msgspec.structs.replace(pd.gpus[0], telemetry=pt)]), "n2")
+    assert value(text, "DCGM_FI_DEV_MEMORY_TEMP") is None and value(text, "DCGM_FI_DEV_MEM_CLOCK", gpu="0") == 9001
+
+
+def test_a_cleared_fault_keeps_the_energy_counter():
+    clock = StepClock()
+    b = SimulatedBackend("l40s-pcie", hostname="n1", clock=clock)
+    b.discover()
+    clock.now += 1.0
+    before = b.poll()[0].telemetry.energy_mj
+    assert before == 35_000
+    b.inject(b.uuids[0], Fault(temperature_c=95.0))
+    b.inject(b.uuids[0], Fault(clear=True))
+    assert b.poll()[0].telemetry.energy_mj == before      # no time passed; not reset to 0

@@ -248,3 +248,34 @@ async def test_grafana_dashboard_names_only_served_metrics(scrapes):
     assert used, exprs
     assert used <= served, sorted(used - served)
     assert {"herd_placer_decision_seconds_bucket", "DCGM_FI_DEV_GPU_UTIL", "herd_workload_start_seconds_bucket"} <= used
+
+
+def readme_metric_names() -> set[str]:
+    """The metric names README.md's ``### Metrics`` section lists: `A`/`B` shares A's prefix
+    (`DCGM_FI_DEV_FB_USED`/`FB_FREE`), `X_{A,B}_Y` is X_A_Y and X_B_Y, `{labels}` are labels."""
+    sec = (REPO / "README.md").read_text().split("\n### Metrics\n", 1)[1].split("\n### ", 1)[0]
+    names: set[str] = set()
+    prev = ""
+    for m in re.finditer(r"(/?)`([^`]+)`", sec):
+        code = re.sub(r"\{[^}]*[a-z][^}]*\}", "", m.group(2))        # label lists
+        if m.group(1) and prev and re.fullmatch(r"[A-Z_]+", code):     # `A`/`B`
+            code = prev.rsplit("_", code.count("_") + 1)[0] + "_" + code
+        alts = re.fullmatch(r"(\w*)\{([A-Z_,]+)\}(\w*)", code)
+        expanded = [alts[1] + a + alts[3] for a in alts[2].split(",")] if alts else [code]
+        for name in expanded:
+            if re.fullmatch(r"(herd|DCGM)_\w+", name):
+                names.add(name)
+                prev = name
+    return names
+
+
+async def test_readme_lists_exactly_what_is_served(scrapes):
+    served: set[str] = set()
+    for text in (scrapes["agent"], scrapes["placer"]):
+        for fam in text_string_to_metric_families(text):
+            if not fam.name.startswith("process_"):       # the README says `process_*`
+                served.add(fam.name + ("_total" if fam.type == "counter" else ""))
+    listed = readme_metric_names()
+    assert "DCGM_FI_DEV_FB_FREE" in listed and "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL" in listed
+    assert served - listed == set(), "served, not in README: " + ", ".join(sorted(served - listed))
+    assert listed - served == set(), "in README, not served: " + ", ".join(sorted(listed - served))

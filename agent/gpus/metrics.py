@@ -29,11 +29,18 @@ Getter = Callable[[GpuTelemetry], float | int | bool | None]
 
 # (name, kind, help, getter); kind "gauge" or "dcgm_counter"
 _GPU_SERIES: list[tuple[str, str, str, Getter]] = [
+    ("DCGM_FI_DEV_SM_CLOCK", "gauge", "SM clock frequency (MHz).", lambda t: t.sm_clock_mhz),
+    ("DCGM_FI_DEV_MEM_CLOCK", "gauge", "Memory clock frequency (MHz).", lambda t: t.mem_clock_mhz),
+    ("DCGM_FI_DEV_MEMORY_TEMP", "gauge", "Memory temperature (C).", lambda t: t.memory_temp_c),
     ("DCGM_FI_DEV_GPU_TEMP", "gauge", "GPU temperature (C).", lambda t: t.temperature_c),
     ("DCGM_FI_DEV_POWER_USAGE", "gauge", "Power draw (W).", lambda t: t.power_w),
+    ("DCGM_FI_DEV_TOTAL_ENERGY_CONSUMPTION", "dcgm_counter", "Total energy consumption since the driver loaded (mJ).",
+     lambda t: t.energy_mj),
     ("DCGM_FI_DEV_FB_USED", "gauge", "Framebuffer memory used (MiB).", lambda t: t.fb_used_mib),
     ("DCGM_FI_DEV_FB_FREE", "gauge", "Framebuffer memory free (MiB).", lambda t: t.fb_free_mib),
     ("DCGM_FI_DEV_GPU_UTIL", "gauge", "GPU utilization (%).", lambda t: t.util_pct),
+    ("DCGM_FI_DEV_ENC_UTIL", "gauge", "Encoder utilization (%).", lambda t: t.enc_util_pct),
+    ("DCGM_FI_DEV_DEC_UTIL", "gauge", "Decoder utilization (%).", lambda t: t.dec_util_pct),
     ("DCGM_FI_DEV_XID_ERRORS", "gauge", "Value of the last XID error seen (0: none).",
      lambda t: t.last_xid if t.last_xid is not None else 0),
     ("DCGM_FI_DEV_ECC_DBE_VOL_TOTAL", "dcgm_counter", "Uncorrectable ECC errors since driver load.",
@@ -42,6 +49,8 @@ _GPU_SERIES: list[tuple[str, str, str, Getter]] = [
      lambda t: t.ecc_dbe_aggregate),
     ("DCGM_FI_DEV_ECC_SBE_VOL_TOTAL", "dcgm_counter", "Correctable ECC errors since driver load.",
      lambda t: t.ecc_sbe_volatile),
+    ("DCGM_FI_DEV_CORRECTABLE_REMAPPED_ROWS", "dcgm_counter", "Rows remapped for correctable errors.",
+     lambda t: t.remapped_rows_correctable),
     ("DCGM_FI_DEV_UNCORRECTABLE_REMAPPED_ROWS", "dcgm_counter", "Rows remapped for uncorrectable errors.",
      lambda t: t.remapped_rows_uncorrectable),
     ("DCGM_FI_DEV_ROW_REMAP_FAILURE", "gauge", "Row remapping failed (1) or not (0).", lambda t: t.remap_failure),

@@ -44,6 +44,11 @@ EV_SBE, EV_DBE, EV_XID, EV_GPU_UNAVAILABLE, EV_RECOVERY = 0x1, 0x2, 0x8, 0x4000,
 WANTED_EVENTS = EV_DBE | EV_XID | EV_GPU_UNAVAILABLE | EV_RECOVERY
 P2P_INDEX_NVLINK = 2            # NVML_P2P_CAPS_INDEX_NVLINK (READ is a tuple in pynvml: use literals)
 FI_RECOVERY_ACTION = 230
+# NVML has no memory sensor for nvmlDeviceGetTemperature (its sensor enum is GPU only); HBM
+# temperature is a field value, NVML_FI_DEV_MEMORY_TEMP, as DCGM reads it. Read in the same
+# nvmlDeviceGetFieldValues call as the recovery action (one C call, each field its own status).
+FI_MEMORY_TEMP = 82
+CLOCK_SM, CLOCK_MEM = 1, 2      # NVML_CLOCK_SM / NVML_CLOCK_MEM
 MAX_LINKS = 36
 FABRIC_COMPLETED = 3
 FABRIC_HEALTH = {1: "healthy", 2: "unhealthy", 3: "limited_capacity"}
@@ -410,6 +415,11 @@ class NvmlBackend(GpuBackend):
         power = s(failed, "power", n.nvmlDeviceGetPowerUsage, h)
         mem = s(failed, "memory", n.nvmlDeviceGetMemoryInfo, h)
         util = s(failed, "utilization", n.nvmlDeviceGetUtilizationRates, h)
+        sm_clock = s(failed, "sm_clock", n.nvmlDeviceGetClockInfo, h, CLOCK_SM)
+        mem_clock = s(failed, "mem_clock", n.nvmlDeviceGetClockInfo, h, CLOCK_MEM)
+        energy = s(failed, "energy", n.nvmlDeviceGetTotalEnergyConsumption, h)   # mJ, Volta and later
+        enc = s(failed, "encoder_utilization", n.nvmlDeviceGetEncoderUtilization, h)   # [util, period us]
+        dec = s(failed, "decoder_utilization", n.nvmlDeviceGetDecoderUtilization, h)
         dbe_v = s(failed, "ecc_dbe_volatile", n.nvmlDeviceGetTotalEccErrors, h, 1, 0)
         dbe_a = s(failed, "ecc_dbe_aggregate", n.nvmlDeviceGetTotalEccErrors, h, 1, 1)
         sbe_v = s(failed, "ecc_sbe_volatile", n.nvmlDeviceGetTotalEccErrors, h, 0, 0)
@@ -422,12 +432,14 @@ class NvmlBackend(GpuBackend):
         v_pow = s(failed, "power_violation", n.nvmlDeviceGetViolationStatus, h, 0)
         v_th = s(failed, "thermal_violation", n.nvmlDeviceGetViolationStatus, h, 1)
         pcie = s(failed, "pcie_replay", n.nvmlDeviceGetPcieReplayCounter, h)
-        fv = s(failed, "recovery_action", n.nvmlDeviceGetFieldValues, h, [FI_RECOVERY_ACTION])
+        fv = s(failed, "field_values", n.nvmlDeviceGetFieldValues, h, [FI_RECOVERY_ACTION, FI_MEMORY_TEMP])
+        recovery = _field_value(fv[0]) if fv is not None else None
+        mem_temp = _field_value(fv[1]) if fv is not None and len(fv) > 1 else None
         active: list[int] | None = None
-        crc = replay = recovery = None
+        crc = replay = link_recovery = None
         if g.links:
             active = []
-            crc = replay = recovery = 0
+            crc = replay = link_recovery = 0
             for link in g.links:
                 if s(failed, "nvlink_state", n.nvmlDeviceGetNvLinkState, h, link):
                     active.append(link)
@@ -436,7 +448,7 @@ class NvmlBackend(GpuBackend):
                 flit = s(None, "nvlink_errors", n.nvmlDeviceGetNvLinkErrorCounter, h, link, 2)
                 data = s(None, "nvlink_errors", n.nvmlDeviceGetNvLinkErrorCounter, h, link, 3)
                 replay += int(rep or 0)
-                recovery += int(rec or 0)
+                link_recovery += int(rec or 0)
                 crc += int(flit or 0) + int(data or 0)
         fabric_health = None
         if g.fabric:
@@ -447,9 +459,16 @@ class NvmlBackend(GpuBackend):
             fb_used_mib=int(mem.used // (1 << 20)) if mem is not None else None,
             fb_free_mib=int(mem.free // (1 << 20)) if mem is not None else None,
             util_pct=float(util.gpu) if util is not None else None,
+            sm_clock_mhz=int(sm_clock) if sm_clock is not None else None,
+            mem_clock_mhz=int(mem_clock) if mem_clock is not None else None,
+            memory_temp_c=float(mem_temp) if mem_temp is not None else None,
+            energy_mj=int(energy) if energy is not None else None,
+            enc_util_pct=float(enc[0]) if enc is not None else None,
+            dec_util_pct=float(dec[0]) if dec is not None else None,
             ecc_dbe_volatile=int(dbe_v) if dbe_v is not None else None,
             ecc_dbe_aggregate=int(dbe_a) if dbe_a is not None else None,
             ecc_sbe_volatile=int(sbe_v) if sbe_v is not None else None,
+            remapped_rows_correctable=int(rows[0]) if rows is not None else None,
             remapped_rows_uncorrectable=int(rows[1]) if rows is not None else None,
             remap_pending=bool(rows[2]) if rows is not None else None,
             remap_failure=bool(rows[3]) if rows is not None else None,
@@ -459,8 +478,8 @@ class NvmlBackend(GpuBackend):
             thermal_violation_ns=int(v_th.violationTime) if v_th is not None else None,
             power_violation_ns=int(v_pow.violationTime) if v_pow is not None else None,
             pcie_replay=int(pcie) if pcie is not None else None,
-            nvlink_crc_errors=crc, nvlink_replay_errors=replay, nvlink_recovery_errors=recovery,
-            recovery_action=_field_value(fv[0]) if fv is not None else None)
+            nvlink_crc_errors=crc, nvlink_replay_errors=replay, nvlink_recovery_errors=link_recovery,
+            recovery_action=recovery)
         return GpuSample(uuid=g.uuid, telemetry=tel, nvlinks_active=active, fabric_health=fabric_health,
                          failed_signals=failed)
 

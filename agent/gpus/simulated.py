@@ -9,7 +9,9 @@ a real GPU's UUID), deterministic per (hostname, profile, index).
 
 Raw signals start at a baseline and change only through :meth:`inject`, which
 mutates the raw counters/flags under a lock and queues events for
-:meth:`wait_events` — the same path the NVML backend's event thread takes.
+:meth:`wait_events` — the same path the NVML backend's event thread takes. The one
+exception is the energy counter, which (like NVML's) grows by itself: each poll adds
+the power drawn since the previous one.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
+import time
 import uuid as uuidlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from scheduler_link.messages import GpuInfo, GpuTelemetry, NvLink
@@ -41,6 +45,9 @@ class Profile:
     temp_slowdown_c: float
     temp_shutdown_c: float
     power_idle_w: float
+    sm_clock_idle_mhz: int
+    mem_clock_mhz: int
+    hbm: bool = True                          # memory temperature readable (GDDR boards: None)
     mig_supported: bool = True
     fabric: bool = False
     driver_version: str = "570.133.20"
@@ -61,7 +68,8 @@ PROFILES: dict[str, Profile] = {
                  "00000000:9A:00.0", "00000000:AB:00.0", "00000000:BA:00.0", "00000000:DB:00.0"),
         numa=(0, 0, 0, 0, 1, 1, 1, 1), cpu_affinity=("0-55,112-167", "56-111,168-223"),
         nvlinks=18, nvlink_remote="switch", pcie_matrix=None,
-        temp_slowdown_c=89.0, temp_shutdown_c=92.0, power_idle_w=72.0),
+        temp_slowdown_c=89.0, temp_shutdown_c=92.0, power_idle_w=72.0, sm_clock_idle_mhz=345,
+        mem_clock_mhz=2619),
     # HGX B200: 8x B200 180GB, 18 NVLink5 links each to the NVSwitch chips -> NV18.
     "hgx-b200": Profile(
         name="hgx-b200", model="NVIDIA B200", memory_mib=183359,
@@ -69,7 +77,8 @@ PROFILES: dict[str, Profile] = {
                  "00000000:9D:00.0", "00000000:C3:00.0", "00000000:D1:00.0", "00000000:DF:00.0"),
         numa=(0, 0, 0, 0, 1, 1, 1, 1), cpu_affinity=("0-55,112-167", "56-111,168-223"),
         nvlinks=18, nvlink_remote="switch", pcie_matrix=None,
-        temp_slowdown_c=87.0, temp_shutdown_c=92.0, power_idle_w=140.0),
+        temp_slowdown_c=87.0, temp_shutdown_c=92.0, power_idle_w=140.0, sm_clock_idle_mhz=345,
+        mem_clock_mhz=3996),
     # One GB200 NVL72 compute tray: 2 Grace CPUs x 2 B200-class GPUs, 18 links each into the
     # rack's NVLink switch trays; the rack is one NVLink domain (fabric clique).
     "gb200-nvl72": Profile(
@@ -77,7 +86,8 @@ PROFILES: dict[str, Profile] = {
         bus_ids=("00000008:01:00.0", "00000009:01:00.0", "00000018:01:00.0", "00000019:01:00.0"),
         numa=(0, 0, 1, 1), cpu_affinity=("0-71", "72-143"),
         nvlinks=18, nvlink_remote="switch", pcie_matrix=None,
-        temp_slowdown_c=87.0, temp_shutdown_c=92.0, power_idle_w=160.0, fabric=True),
+        temp_slowdown_c=87.0, temp_shutdown_c=92.0, power_idle_w=160.0, sm_clock_idle_mhz=345,
+        mem_clock_mhz=3996, fabric=True),
     # 4x L40S on PCIe, two per CPU socket behind a PCIe switch; no NVLink, no MIG.
     "l40s-pcie": Profile(
         name="l40s-pcie", model="NVIDIA L40S", memory_mib=46068,
@@ -86,7 +96,8 @@ PROFILES: dict[str, Profile] = {
         nvlinks=0, nvlink_remote="", pcie_matrix=(
             ("X", "PXB", "SYS", "SYS"), ("PXB", "X", "SYS", "SYS"),
             ("SYS", "SYS", "X", "PXB"), ("SYS", "SYS", "PXB", "X")),
-        temp_slowdown_c=88.0, temp_shutdown_c=93.0, power_idle_w=35.0, mig_supported=False),
+        temp_slowdown_c=88.0, temp_shutdown_c=93.0, power_idle_w=35.0, sm_clock_idle_mhz=210,
+        mem_clock_mhz=9001, hbm=False, mig_supported=False),
 }
 
 DEFAULT_RACK = "rack-a"
@@ -123,12 +134,14 @@ class _Raw:
     pcie_replay: int = 0
     recovery_action: int = 0
     fabric_health: str | None = None
+    energy_mj: int = 0                  # since this backend started ("driver load")
 
 
 class SimulatedBackend(GpuBackend):
     simulated = True
 
-    def __init__(self, profile: str, *, hostname: str = "localhost", rack: str | None = None) -> None:
+    def __init__(self, profile: str, *, hostname: str = "localhost", rack: str | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if profile not in PROFILES:
             raise GpuBackendError(f"unknown simulated profile {profile!r}; choose one of: "
                                   + ", ".join(sorted(PROFILES)))
@@ -142,6 +155,8 @@ class SimulatedBackend(GpuBackend):
         self._raw = {u: self._baseline(i) for i, u in enumerate(self.uuids)}
         self._events: queue.SimpleQueue[RawEvent] = queue.SimpleQueue()
         self._closed = False
+        self._clock = clock
+        self._last_poll = clock()
 
     def _baseline(self, i: int) -> _Raw:
         p = self.profile
@@ -181,17 +196,22 @@ class SimulatedBackend(GpuBackend):
         p = self.profile
         out = []
         with self._lock:
+            now = self._clock()
+            dt, self._last_poll = max(0.0, now - self._last_poll), now
             for u in self.uuids:
                 r = self._raw[u]
+                r.energy_mj += round(r.power_w * dt * 1000.0)
                 if r.lost or r.reset_required:
                     out.append(GpuSample(uuid=u, lost=r.lost, reset_required=r.reset_required))
                     continue
                 tel = GpuTelemetry(
                     temperature_c=r.temperature_c, temp_slowdown_c=p.temp_slowdown_c,
                     temp_shutdown_c=p.temp_shutdown_c, power_w=r.power_w, fb_used_mib=0,
-                    fb_free_mib=p.memory_mib, util_pct=0.0, ecc_dbe_volatile=r.ecc_dbe,
-                    ecc_dbe_aggregate=r.ecc_dbe_agg, ecc_sbe_volatile=r.ecc_sbe,
-                    remapped_rows_uncorrectable=r.ecc_dbe_agg, remap_pending=r.remap_pending,
+                    fb_free_mib=p.memory_mib, util_pct=0.0, sm_clock_mhz=p.sm_clock_idle_mhz,
+                    mem_clock_mhz=p.mem_clock_mhz, memory_temp_c=r.temperature_c + 3.0 if p.hbm else None,
+                    energy_mj=r.energy_mj, enc_util_pct=0.0, dec_util_pct=0.0,
+                    ecc_dbe_volatile=r.ecc_dbe, ecc_dbe_aggregate=r.ecc_dbe_agg, ecc_sbe_volatile=r.ecc_sbe,
+                    remapped_rows_correctable=0, remapped_rows_uncorrectable=r.ecc_dbe_agg, remap_pending=r.remap_pending,
                     remap_failure=r.remap_failure, retired_pages=0,
                     retired_pages_pending=r.retired_pages_pending, throttle_reasons=r.throttle,
                     thermal_violation_ns=0, power_violation_ns=0, pcie_replay=r.pcie_replay,
@@ -231,7 +251,9 @@ class SimulatedBackend(GpuBackend):
         with self._lock:
             if fault.clear:
                 i = self.uuids.index(uuid)
+                energy = self._raw[uuid].energy_mj      # a counter since "driver load": a clear keeps it
                 self._raw[uuid] = self._baseline(i)
+                self._raw[uuid].energy_mj = energy
                 events.append(RawEvent(uuid=uuid, kind="reset", source="inject", detail="clear"))
             r = self._raw[uuid]
             if fault.xid is not None:
