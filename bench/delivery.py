@@ -23,7 +23,8 @@ Phases, in one run:
 3. ``steady``: the phase-2 gang running, heartbeats through the relays every
    ``--heartbeat`` s: the placer's CPU fraction over ``--steady-s``, its open descriptors
    and frames connections.
-4. ``preempt``: the fleet filled to ~``--fill`` with placer/sim.py's job mix (priority 0),
+4. ``preempt``: the fleet filled to ~``--fill`` (at least so far that at most half the gang's
+   GPUs are free) with placer/sim.py's job mix (priority 0),
    then the big gang at priority 2: submit -> acked, and submit -> the last victim told
    (the emulators record when each stop arrives).
 
@@ -202,7 +203,8 @@ async def relay_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
     gpus = n * fleet_shape(a.fleet).gpus_per_node
     td = generate_token_dir(tmp / "tokens")
     op = {"authorization": f"Bearer {TokenSet.load(td).operator}"}
-    row: dict[str, Any] = {"nodes": n, "gpus": gpus, "fleet": a.fleet, "path": "rack relays"}
+    row: dict[str, Any] = {"nodes": n, "gpus": gpus, "fleet": a.fleet, "path": "rack relays",
+                           "load_before": os.getloadavg()[0]}
     gang = _gang(a.fleet, gpus, a.gang_gpus)
     row["gang_gpus"] = gang["pods"] * gang["gpus_per_pod"]
     async with AsyncExitStack() as stack:
@@ -240,13 +242,16 @@ async def relay_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
                          "placer_rss_mib": placer.rss_mib(),
                          "nodes_up": (await c.get(f"{placer.url}/v1/cluster", params={"detail": "0"})).json()["nodes"]["up"]}
         _note("steady", **row["steady"])
+        row["load_steady"] = os.getloadavg()[0]
         await _cancel(c, placer.url, op, held, gpus)
 
         if a.preempt:
-            specs = _jobs_mix(a.fleet, gpus, a.fill, a.seed, a.fill_max_jobs)
+            # full enough that the gang cannot fit without victims: at most half its GPUs free
+            fill = max(a.fill, 1 - 0.5 * row["gang_gpus"] / gpus)
+            specs = _jobs_mix(a.fleet, gpus, fill, a.seed, a.fill_max_jobs)
             ok, bad = await _submit_all(c, placer.url, op, specs, 120.0)
             counts = await _wait_fill(c, placer.url, ok, 180.0)
-            row["fill"] = {"jobs": ok, "refused": bad, "running": counts.get("running", 0)}
+            row["fill"] = {"jobs": ok, "refused": bad, "running": counts.get("running", 0), "target": fill}
             _note("filled", **row["fill"])
             row["preempt"] = await _deliver(c, placer, emus, op, {**gang, "job_id": "big3"}, a.limit_s)
             _note("preempting gang", **{k: row["preempt"].get(k) for k in

@@ -61,6 +61,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("herd.placer.relays")
 
 TREE_FANOUT = 8
+STOPS_CAP_S = 10.0        # a round of stops only: relays' time at most, and without progress
+STOPS_PATIENCE_S = 2.0
 
 
 @dataclass(slots=True)
@@ -324,7 +326,7 @@ class RelayHub:
                 if cs.cancelled_caught:
                     raise trio.TooSlowError
                 now_t = trio.current_time()
-                deadline[0] = max(deadline[0], min(cap[0], now_t + cfg.relay_timeout_s))  # the round progresses
+                deadline[0] = max(deadline[0], min(cap[0], now_t + patience))  # the round progresses
                 a = now_t - t0
                 marks["first_ack"] = min(marks["first_ack"], a)
                 marks["last_ack"] = max(marks["last_ack"], a)
@@ -353,7 +355,9 @@ class RelayHub:
         # A relay has failed when it has not answered relay_timeout_s after the round last made
         # progress: after the last bundle left, or after the latest ack any relay of the round
         # gave (so relays slowed by a busy host are not taken for dead while their peers answer),
-        # and never later than 4x relay_timeout_s after the last bundle left.
+        # and never later than 4x relay_timeout_s after the last bundle left (STOPS_CAP_S for a
+        # round of stops only).
+        patience = cfg.relay_timeout_s if job_id else max(cfg.relay_timeout_s, STOPS_PATIENCE_S)
         deadline = [math.inf]
         cap = [math.inf]
         pending: set[trio.CancelScope] = set()
@@ -401,8 +405,10 @@ class RelayHub:
                 del built
                 await trio.lowlevel.checkpoint()
                 sent_at = trio.current_time()
-                deadline[0] = sent_at + cfg.relay_timeout_s
-                cap[0] = sent_at + 4 * cfg.relay_timeout_s
+                deadline[0] = sent_at + patience
+                # a round of stops only is not waited on by anyone: slow relays get longer before
+                # their racks are pushed one by one (a storm of direct stops helps nobody)
+                cap[0] = sent_at + (4 * cfg.relay_timeout_s if job_id else max(4 * cfg.relay_timeout_s, STOPS_CAP_S))
                 for cs in pending:
                     cs.deadline = cap[0]
                 marks["sent"] = sent_at - t0
