@@ -136,22 +136,11 @@ class FrameChannel:
 
     async def call(self, type_: str, payload: Any, *, timeout_s: float | None = None) -> Frame:
         """Send a request and wait for its answer (an ``error`` answer raises CallFailed)."""
-        rid = self.new_id()
-        w = self._waiters[rid] = _Waiter()
-        try:
-            self.send(type_, payload, id=rid)
-            if timeout_s is None:
-                await w.done.wait()
-            else:
-                with trio.fail_after(timeout_s):
-                    await w.done.wait()
-        finally:
-            self._waiters.pop(rid, None)
-        if w.frame is None:
-            raise FrameError(f"frames connection {self.name} closed before the answer")
-        if w.frame.type == "error":
-            raise CallFailed(_error_text(w.frame))
-        return w.frame
+        rid, data = self.prepare(type_, payload)
+        if timeout_s is None:
+            return await self.call_prepared(rid, data)
+        with trio.fail_after(timeout_s):
+            return await self.call_prepared(rid, data)
 
     # ------------------------------------------------------------ serving
 

@@ -18,23 +18,11 @@ import trio
 from scheduler_link.auth import TokenSet, generate_token_dir
 from testing.fleet import fleet_nodes
 from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, wait_nodes_up
-from tests.test_fleet_gang import RealAgent
+from tests.test_fleet_gang import RealAgent, _job
 
 pytestmark = pytest.mark.slow
 
 NODES = int(os.environ.get("HERD_TEST_RELAY_NODES", "2048"))   # 64 racks of 32
-TERMINAL = {"succeeded", "failed", "cancelled", "preempted"}
-
-
-async def _job(c: httpx.AsyncClient, url: str, job_id: str, want: str, limit_s: float = 120) -> dict:
-    job: dict = {}
-    with trio.move_on_after(limit_s):
-        while True:
-            r = await c.get(f"{url}/v1/jobs/{job_id}", params={"wait": want, "timeout_ms": "20000", "pods": "0:0"})
-            job = r.json()
-            if job["state"] == want or job["state"] in TERMINAL:
-                break
-    return job
 
 
 async def _relays(c: httpx.AsyncClient, url: str) -> dict:
