@@ -26,6 +26,9 @@ from urllib.parse import urlsplit
 import msgspec
 import trio
 
+from scheduler_link.errors import ProtocolError
+from scheduler_link.h1 import parse_response_head
+
 from .errors import PeerError
 from .ratelimit import AsyncBucket
 
@@ -274,28 +277,10 @@ def _retry_after_s(head: bytes) -> float:
 
 
 def _parse_head(head: bytes, where: str) -> tuple[int, int | None, bool]:
-    lines = head.split(b"\r\n")
-    parts = lines[0].split(b" ", 2)
-    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit():
-        raise PeerError(f"{where}: not an HTTP/1.x answer: {lines[0][:60]!r}")
-    status = int(parts[1])
-    length: int | None = None
-    keep = parts[0] == b"HTTP/1.1"
-    for line in lines[1:]:
-        name, sep, value = line.partition(b":")
-        if not sep:
-            raise PeerError(f"{where}: malformed header line")
-        name = name.strip().lower()
-        value = value.strip()
-        if name == b"content-length":
-            if not value.isdigit():
-                raise PeerError(f"{where}: bad Content-Length {value[:20]!r}")
-            length = int(value)
-        elif name == b"connection":
-            keep = value.lower() == b"keep-alive" or (keep and value.lower() != b"close")
-        elif name == b"transfer-encoding":
-            raise PeerError(f"{where}: unexpected Transfer-Encoding")
-    return status, length, keep
+    try:
+        return parse_response_head(head)
+    except ProtocolError as e:
+        raise PeerError(f"{where}: {e}") from None
 
 
 class PeerStats(msgspec.Struct, kw_only=True):

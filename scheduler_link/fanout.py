@@ -4,8 +4,9 @@ Why not httpx here: a decision for a large gang goes to hundreds or thousands of
 agents at once, and httpx's per-request cost under trio (~0.5 ms of CPU, far more
 with a thousand connections open) would alone eat the fan-out budget. This is a lean
 HTTP/1.1 client over trio streams: the request head is formatted directly and the
-answer parsed by a small strict parser (status line, headers, ``content-length``
-body; anything else, e.g. chunked bodies, is a protocol error). Connections belong to
+answer parsed by the strict parser the peer client shares (:mod:`scheduler_link.h1`:
+status line, headers, ``content-length`` body; anything else, e.g. chunked bodies, is a
+protocol error). Connections belong to
 the *endpoint* (``host:port``), never to the node key: many nodes may sit behind one
 listener (the fleet emulator routes ``http://host:port/n/<node>``; a base URL's path is
 joined with the request path), and at most ``max_per_host`` connections to one endpoint
@@ -32,7 +33,9 @@ import msgspec
 import trio
 
 from .auth import auth_header
+from .errors import ProtocolError
 from .errors import PushError as PushError  # re-exported: callers import it from here
+from .h1 import parse_response_head
 from .metrics import LatencyHistogram
 
 log = logging.getLogger("herd.link.fanout")
@@ -73,28 +76,13 @@ class _Conn:
             if len(self.buf) > MAX_HEAD:
                 raise PushError("response head too large")
             await self._fill()
-        head = bytes(self.buf[:end]).decode("latin-1")
+        head = bytes(self.buf[:end])
         del self.buf[:end + 4]
-        lines = head.split("\r\n")
-        parts = lines[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
-            raise PushError(f"bad status line {lines[0][:80]!r}")
-        status = int(parts[1])
-        length: int | None = None
-        for line in lines[1:]:
-            name, sep, value = line.partition(":")
-            if not sep:
-                raise PushError("bad header line")
-            name = name.strip().lower()
-            if name == "content-length":
-                if not value.strip().isdigit():
-                    raise PushError("bad content-length")
-                length = int(value)
-            elif name == "transfer-encoding":
-                raise PushError("chunked responses are not supported")
-            elif name == "connection" and value.strip().lower() == "close":
-                self.reusable = False
-        if parts[0] == "HTTP/1.0":
+        try:
+            status, length, keep = parse_response_head(head)
+        except ProtocolError as e:
+            raise PushError(str(e)) from None
+        if not keep:
             self.reusable = False
         if length is None:
             length = 0 if status in (204, 304) or 100 <= status < 200 else -1
