@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from functools import partial
 
 import h11
 import msgspec
@@ -63,8 +64,8 @@ async def main(n: int, seconds: float) -> None:
             port = listeners[0].socket.getsockname()[1]
             urls.append(f"http://127.0.0.1:{port}")
 
-            async def serve_one(ls=listeners, node=f"fleet-{i}"):
-                await trio.serve_listeners(lambda s: handle(s, node), ls)
+            async def serve_one(ls: list[trio.SocketListener] = listeners, node: str = f"fleet-{i}") -> None:
+                await trio.serve_listeners(partial(handle, node_id=node), ls)
             nursery.start_soon(serve_one)
         sys.stdout.write(json.dumps({"urls": urls}) + "\n")
         sys.stdout.flush()
