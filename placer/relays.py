@@ -45,7 +45,6 @@ from scheduler_link.messages import (
     BlobReply,
     BlobRequest,
     Frame,
-    NodeOutcome,
     NodeReport,
     RackBeat,
     RackBundle,
@@ -79,6 +78,7 @@ class RelayStats:
     bundle_failures: int = 0       # no answer in time, or the connection broke
     fallback_nodes: int = 0        # nodes pushed directly after their relay did not reach them
     relayed_nodes: int = 0         # nodes whose outcome came through a relay
+    late_nodes: int = 0            # of those: answered after their relay's deadline (not pushed twice)
     blob_seeds: int = 0            # bundles that carried the blob's bytes
     blob_serves: int = 0           # blob_get answered by the placer
     beats: int = 0
@@ -168,7 +168,7 @@ class RelayHub:
         s = self.stats
         return {"candidates": sum(len(c) for c in self._cands.values()), "racks": len(self._cands),
                 "bundles": s.bundles, "bundle_failures": s.bundle_failures, "fallback_nodes": s.fallback_nodes,
-                "relayed_nodes": s.relayed_nodes, "blob_seeds": s.blob_seeds, "blob_serves": s.blob_serves,
+                "relayed_nodes": s.relayed_nodes, "late_nodes": s.late_nodes, "blob_seeds": s.blob_seeds, "blob_serves": s.blob_serves,
                 "beats": s.beats, "beat_entries": s.beat_entries, "reports": s.reports, "bytes_out": s.bytes_out,
                 "last_delivery": s.last_delivery}
 
@@ -312,45 +312,95 @@ class RelayHub:
             return conn.channel.prepare("bundle", rb)
 
         async def rack(path: str, conn: RelayConn, ps: list[Push], rid: int, data: bytes) -> None:
+            """One rack: its bundle to its relay; past the deadline its members are pushed directly,
+            while a late answer from the relay still counts (each node's first outcome is kept,
+            and a member answered by either way is not pushed again)."""
             self.stats.bundles += 1
             self.stats.bytes_out += len(data)
-            got: dict[str, NodeOutcome] = {}
-            cs = trio.CancelScope(deadline=cap[0])   # the absolute bound, whatever the watchdog does
-            pending.add(cs)
-            try:
-                try:
-                    with cs:
-                        f = await conn.channel.call_prepared(rid, data)
-                finally:
-                    waited(cs)
-                if cs.cancelled_caught:
-                    raise trio.TooSlowError
-                now_t = trio.current_time()
-                deadline[0] = max(deadline[0], min(cap[0], now_t + patience))  # the round progresses
-                a = now_t - t0
-                marks["first_ack"] = min(marks["first_ack"], a)
-                marks["last_ack"] = max(marks["last_ack"], a)
+            done: set[str] = set()
+            all_done = trio.Event()
+            answer: list[Frame | Exception] = []
+            answered = trio.Event()
+
+            def record(p: Push, o: Outcome) -> None:
+                if p.node_id in done:
+                    return
+                done.add(p.node_id)
+                if p.kind == "start":
+                    acks.setdefault(p.node_id, o)
+                if len(done) >= len(ps):
+                    all_done.set()
+
+            def from_relay(f: Frame) -> int:
                 ab = decode_payload(f, AckBundle)
                 got = {o.node_id: o for o in ab.outcomes}
-            except (trio.TooSlowError, FrameError, CallFailed, msgspec.DecodeError, msgspec.ValidationError) as e:
-                self.stats.bundle_failures += 1
-                self.forget_choice(path)
-                log.warning("relay did not deliver rack=%s relay=%s parts=%d err=%s; pushing directly",
-                            path, conn.node_id, len(ps), type(e).__name__)
-            missing: list[Push] = []
-            for p in ps:
-                o = got.get(p.node_id)
-                if o is None or o.placement_id != p.placement_id:
-                    missing.append(p)
-                    continue
-                self.stats.relayed_nodes += 1
-                if p.kind == "start":
-                    acks.setdefault(p.node_id, Outcome(o.outcome, tuple(o.refused_gpus), o.detail))
-            if missing:
-                self.stats.fallback_nodes += len(missing)
-                async with trio.open_nursery() as n:
-                    for p in missing:
-                        n.start_soon(one, p)
+                n_new = 0
+                for p in ps:
+                    o = got.get(p.node_id)
+                    if o is not None and o.placement_id == p.placement_id and p.node_id not in done:
+                        n_new += 1
+                        record(p, Outcome(o.outcome, tuple(o.refused_gpus), o.detail))
+                self.stats.relayed_nodes += n_new
+                return n_new
+
+            async def ask() -> None:
+                try:
+                    with trio.move_on_at(cap[0] + STOPS_CAP_S):  # a late answer is still worth having
+                        answer.append(await conn.channel.call_prepared(rid, data))
+                except (FrameError, CallFailed) as e:
+                    answer.append(e)
+                finally:
+                    answered.set()
+
+            async def direct(p: Push) -> None:
+                if p.node_id in done:
+                    return  # the relay's late answer came first
+                self.stats.fallback_nodes += 1
+                o = await push_direct(p)
+                record(p, o)
+
+            async with trio.open_nursery() as rn:
+                rn.start_soon(ask)
+                cs = trio.CancelScope(deadline=cap[0])   # the absolute bound, whatever the watchdog does
+                pending.add(cs)
+                try:
+                    with cs:
+                        await answered.wait()
+                finally:
+                    waited(cs)
+                f = answer[0] if answer else None
+                if isinstance(f, Frame):
+                    now_t = trio.current_time()
+                    deadline[0] = max(deadline[0], min(cap[0], now_t + patience))  # the round progresses
+                    a = now_t - t0
+                    marks["first_ack"] = min(marks["first_ack"], a)
+                    marks["last_ack"] = max(marks["last_ack"], a)
+                    try:
+                        from_relay(f)
+                    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                        log.warning("relay answered a malformed ack bundle rack=%s relay=%s err=%s", path,
+                                    conn.node_id, e)
+                else:
+                    self.stats.bundle_failures += 1
+                    self.forget_choice(path)
+                    log.warning("relay did not deliver rack=%s relay=%s parts=%d err=%s; pushing directly",
+                                path, conn.node_id, len(ps), type(f).__name__ if f else "TooSlowError")
+                if len(done) < len(ps):
+                    for p in ps:
+                        if p.node_id not in done:
+                            rn.start_soon(direct, p)
+                    if not answered.is_set():
+                        async def late() -> None:
+                            await answered.wait()
+                            g = answer[0] if answer else None
+                            if isinstance(g, Frame):
+                                try:
+                                    self.stats.late_nodes += from_relay(g)
+                                except (msgspec.DecodeError, msgspec.ValidationError):
+                                    pass
+                        rn.start_soon(late)
+                    await all_done.wait()
+                rn.cancel_scope.cancel()
 
         # A relay has failed when it has not answered relay_timeout_s after the round last made
         # progress: after the last bundle left, or after the latest ack any relay of the round
