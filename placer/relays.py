@@ -353,10 +353,11 @@ class RelayHub:
                     answered.set()
 
             async def direct(p: Push) -> None:
-                if p.node_id in done:
-                    return  # the relay's late answer came first
-                self.stats.fallback_nodes += 1
-                o = await push_direct(p)
+                async with fallback_slots:  # (queued here, not in the pool: a late answer can still save the push)
+                    if p.node_id in done:
+                        return  # the relay's late answer came first
+                    self.stats.fallback_nodes += 1
+                    o = await push_direct(p)
                 record(p, o)
 
             async with trio.open_nursery() as rn:
@@ -408,6 +409,7 @@ class RelayHub:
         # and never later than 4x relay_timeout_s after the last bundle left (STOPS_CAP_S for a
         # round of stops only).
         patience = cfg.relay_timeout_s if job_id else max(cfg.relay_timeout_s, STOPS_PATIENCE_S)
+        fallback_slots = trio.CapacityLimiter(max(1, cfg.push_concurrency))
         deadline = [math.inf]
         cap = [math.inf]
         pending: set[trio.CancelScope] = set()
