@@ -423,16 +423,35 @@ class RelayHub:
             if waits_left[0] <= 0:
                 idle.set()
 
+        # What relays report waits while a start round's acks are awaited (acks first), and no
+        # longer: once every relay answered or the deadline passed, the fallback pushes run
+        # while reports flow again (a long fallback must not starve heartbeats). Rounds of stops
+        # only never hold reports back.
+        deferring = [False]
+
+        def stop_deferring() -> None:
+            if deferring[0]:
+                deferring[0] = False
+                self._delivering -= 1
+                if not self._delivering and self._deferred and self.svc._nursery is not None:
+                    self.svc._nursery.start_soon(self._drain_deferred)
+
         async def watchdog() -> None:
-            while True:
-                with trio.move_on_at(deadline[0]):
-                    await idle.wait()
-                    return
-                if trio.current_time() >= deadline[0]:
-                    for cs in list(pending):
-                        cs.cancel()
-                    return
-        self._delivering += 1
+            try:
+                while True:
+                    with trio.move_on_at(deadline[0]):
+                        await idle.wait()
+                        return
+                    if trio.current_time() >= deadline[0]:
+                        for cs in list(pending):
+                            cs.cancel()
+                        return
+            finally:
+                stop_deferring()
+
+        if job_id:
+            self._delivering += 1
+            deferring[0] = True
         # The bundles are tens of thousands of young objects: a full collection while they are
         # built would walk the whole fleet's records for nothing (as during a pass).
         gc_was = gc.isenabled()
@@ -466,12 +485,12 @@ class RelayHub:
                 marks["sent"] = sent_at - t0
                 if racks:
                     n.start_soon(watchdog)
+                else:
+                    stop_deferring()
         finally:
             if gc_was:
                 gc.enable()
-            self._delivering -= 1
-            if not self._delivering and self._deferred and self.svc._nursery is not None:
-                self.svc._nursery.start_soon(self._drain_deferred)
+            stop_deferring()
         if job_id:  # (a round of stops only is not a delivery to report)
             self.stats.last_delivery = {
                 "job_id": job_id, "nodes": len(pushes), "racks": len(racks), "direct": len(direct),
