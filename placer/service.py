@@ -343,23 +343,29 @@ class PlacerService:
             reply = msgspec.structs.replace(reply, wire_url=self.wire_url)
         return json_response(reply, status=status)
 
+    def _apply_report(self, node_id: str, rep: NodeReport) -> tuple[int, ReportReply, bool]:
+        """One report applied to the state: (status, reply, whether it is news the loop and the
+        waiters must hear of). A report the state cannot apply is that report's error, never the
+        service's. The answer to a registration names the rack's relay."""
+        try:
+            status, reply, pushes = self.state.ingest(node_id, rep, self.clock())
+        except Exception:
+            log.exception("report could not be applied node=%s full=%s", node_id, rep.full)
+            self.state.counters["refused_reports"] += 1
+            return 500, ReportReply(ok=False, need_full=True), False
+        self._carry_out(pushes)
+        if rep.full and status == 200:
+            reply = self._with_relay(node_id, reply)
+        return status, reply, rep.full or bool(rep.events) or rep.snapshot is not None
+
     def _ingest_many(self, reps: list[NodeReport]) -> list[tuple[int, ReportReply]]:
         """Reports a relay sent together: each applied as :meth:`_ingest` does, the loop kicked
         and waiters woken once for all of them."""
         out = []
         changed = False
         for rep in reps:
-            try:
-                status, reply, pushes = self.state.ingest(rep.node_id, rep, self.clock())
-            except Exception:
-                log.exception("report could not be applied node=%s full=%s", rep.node_id, rep.full)
-                self.state.counters["refused_reports"] += 1
-                out.append((500, ReportReply(ok=False, need_full=True)))
-                continue
-            self._carry_out(pushes)
-            changed = changed or rep.full or bool(rep.events) or rep.snapshot is not None
-            if rep.full and status == 200:
-                reply = self._with_relay(rep.node_id, reply)
+            status, reply, news = self._apply_report(rep.node_id, rep)
+            changed = changed or news
             out.append((status, reply))
         if changed:
             self.kick()
@@ -372,20 +378,11 @@ class PlacerService:
         return msgspec.structs.replace(reply, relay_url=url) if url else reply
 
     def _ingest(self, node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:
-        """One report, from HTTP or the framed channel (synchronous: one owner of state).
-        A report the state cannot apply is that report's error, never the service's."""
-        try:
-            status, reply, pushes = self.state.ingest(node_id, rep, self.clock())
-        except Exception:
-            log.exception("report could not be applied node=%s full=%s", node_id, rep.full)
-            self.state.counters["refused_reports"] += 1
-            return 500, ReportReply(ok=False, need_full=True)
-        self._carry_out(pushes)
-        if rep.full or rep.events or rep.snapshot is not None:
+        """One report, from HTTP or the framed channel (synchronous: one owner of state)."""
+        status, reply, news = self._apply_report(node_id, rep)
+        if news:
             self.kick()
             self._after_change()
-        if rep.full and status == 200:  # where its rack's relay is (the answer to a registration)
-            reply = self._with_relay(node_id, reply)
         return status, reply
 
     async def h_submit(self, req: Request) -> Response:

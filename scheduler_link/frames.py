@@ -69,6 +69,36 @@ class _Waiter:
         self.frame: Frame | None = None
 
 
+class WriteQueue:
+    """Bytes queued by any task without blocking, written by one writer task: everything queued
+    since the last write goes in one ``send_all`` (many frames per syscall). Shared by frames
+    connections and the multiplexed report connection (``heartbeat_wire.SharedWire``)."""
+
+    __slots__ = ("_out", "_wake")
+
+    def __init__(self) -> None:
+        self._out = bytearray()
+        self._wake = trio.Event()
+
+    def put(self, data: bytes) -> None:
+        self._out += data
+        self._wake.set()
+
+    def clear(self) -> None:
+        self._out.clear()
+
+    async def write_to(self, stream: trio.abc.SendStream) -> None:
+        """Write what is queued as it comes, until cancelled or the stream fails."""
+        while True:
+            if not self._out:
+                self._wake = trio.Event()
+                await self._wake.wait()
+                continue
+            data, self._out = bytes(self._out), bytearray()
+            await stream.send_all(data)
+            del data  # not held while idle (a burst is megabytes)
+
+
 class FrameChannel:
     """One frames connection (either side). ``await channel.run(handler)`` serves it until
     it closes; :meth:`call` and :meth:`send` may be used from any task meanwhile."""
@@ -79,8 +109,7 @@ class FrameChannel:
         self.name = name
         self.max_frame = max_frame
         self._in = bytearray(buf)
-        self._out = bytearray()
-        self._wake = trio.Event()
+        self._q = WriteQueue()
         self._waiters: dict[int, _Waiter] = {}
         self._next_id = 0
         self.closed = trio.Event()
@@ -97,19 +126,17 @@ class FrameChannel:
         if self.closed.is_set():
             raise FrameError(f"frames connection {self.name} is closed")
         data = encode_frame(type_, payload, id=id, re=re)
-        self._out += data
+        self._q.put(data)
         self.frames_out += 1
         self.bytes_out += len(data)
-        self._wake.set()
 
     def send_raw(self, data: bytes) -> None:
         """Queue frames already encoded (``encode_frame``)."""
         if self.closed.is_set():
             raise FrameError(f"frames connection {self.name} is closed")
-        self._out += data
+        self._q.put(data)
         self.bytes_out += len(data)
         self.frames_out += 1
-        self._wake.set()
 
     def new_id(self) -> int:
         self._next_id += 1
@@ -157,7 +184,7 @@ class FrameChannel:
             self.closed.set()
             for w in list(self._waiters.values()):
                 w.done.set()
-            self._out.clear()
+            self._q.clear()
             with trio.CancelScope(shield=True):
                 await self.stream.aclose()
 
@@ -168,14 +195,7 @@ class FrameChannel:
 
     async def _writer(self, scope: trio.CancelScope) -> None:
         try:
-            while True:
-                if not self._out:
-                    self._wake = trio.Event()
-                    await self._wake.wait()
-                    continue
-                data, self._out = bytes(self._out), bytearray()
-                await self.stream.send_all(data)
-                del data
+            await self._q.write_to(self.stream)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             log.debug("frames connection %s: write failed: %s", self.name, e)
             scope.cancel()

@@ -41,7 +41,7 @@ import msgspec
 import trio
 
 from .auth import TokenSet
-from .frames import FrameChannel, Handler
+from .frames import FrameChannel, Handler, WriteQueue
 from .messages import NodeReport, ReportReply
 
 log = logging.getLogger("herd.link.wire")
@@ -369,9 +369,8 @@ class SharedWire:
         self.local_address = local_address
         self.backoff_min_s = backoff_min_s
         self.backoff_max_s = backoff_max_s
-        self._out = bytearray()
+        self._q = WriteQueue()
         self._waiters: collections.deque[_Waiter] = collections.deque()
-        self._wake = trio.Event()
         self._up = trio.Event()
         self._client: HeartbeatClient | None = None
         self.connects = 0
@@ -424,21 +423,14 @@ class SharedWire:
             scope.cancel()
 
     def _fail_all(self, why: str) -> None:
-        self._out.clear()
+        self._q.clear()
         while self._waiters:
             w = self._waiters.popleft()
             w.error = why
             w.done.set()
 
     async def _writer(self, client: HeartbeatClient) -> None:
-        while True:
-            if not self._out:
-                self._wake = trio.Event()
-                await self._wake.wait()
-                continue
-            data, self._out = bytes(self._out), bytearray()
-            await client.stream.send_all(data)
-            del data  # not held while idle (a registration burst is megabytes)
+        await self._q.write_to(client.stream)
 
     async def _reader(self, client: HeartbeatClient) -> None:
         buf = client.buf
@@ -462,9 +454,8 @@ class SharedWire:
         while self._client is None:
             await self._up.wait()
         w = _Waiter()
-        self._out += frame(report)
         self._waiters.append(w)
-        self._wake.set()
+        self._q.put(frame(report))
         self.exchanges += 1
         await w.done.wait()
         if w.reply is None:
