@@ -1,20 +1,24 @@
-"""The agent's configuration: frozen dataclasses, loaded from TOML, CLI flags on top.
+"""The agent's configuration: frozen msgspec Structs, loaded from TOML, CLI flags on top.
 
-Every key is documented in the commented reference file ``systemd/agent.toml``; an
-unknown key or a value of the wrong type is a :class:`ConfigError` naming it (a typo
-never silently falls back to a default).
+The types are the schema: ``[agent]`` holds :class:`AgentConfig`'s plain fields, and each
+field of AgentConfig that is itself a Struct is a section of its own (``[topology]``,
+``[store]``, ``[workloads]``, ``[relay]``, ...). Every Struct forbids unknown fields, so a
+key added to a type is accepted at once and a typo is a :class:`ConfigError` naming the
+key and its section (it never silently falls back to a default). Every key is documented
+in the commented reference file ``systemd/agent.toml`` (a test checks that).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
+import re
 import socket
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from p2p.origins.allow import origin_refusal
 from scheduler_link.messages import TopologyPath
@@ -25,24 +29,23 @@ from .supervisor import SupervisorConfig
 DEFAULT_LISTEN = "127.0.0.1:8470"
 
 
-@dataclass(frozen=True, slots=True)
-class StoreConfig:
+class StoreConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[store]``: the chunk store."""
     dir: str | None = None               # default <state_dir>/store
     quota_bytes: int | None = None       # None: no quota (bounded by the disk)
     keep_trees: int = 2                  # materialised trees kept beyond those in use
 
 
-@dataclass(frozen=True, slots=True)
-class RelayConfig:
+class RelayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``[relay]``: this agent may relay for its rack (agent.relay)."""
     enabled: bool = False
     listen: str = "127.0.0.1:0"          # the members listener (frames connections)
     advertise: str | None = None         # HOST:PORT members dial (default: the bound address)
 
 
-@dataclass(frozen=True, slots=True)
-class AgentConfig:
-    node_id: str = field(default_factory=socket.gethostname)
+class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[agent]``'s keys, and one field per section."""
+    node_id: str = msgspec.field(default_factory=socket.gethostname)
     gpus: str = "nvml"                   # "nvml" or "simulated:PROFILE"
     state_dir: str = "/var/lib/herd"
     listen: str = DEFAULT_LISTEN
@@ -67,41 +70,81 @@ class AgentConfig:
         return Path(self.store.dir) if self.store.dir else Path(self.state_dir) / "store"
 
 
-_AGENT_KEYS = {"node_id": str, "gpus": str, "state_dir": str, "listen": str, "data_listen": (str, type(None)),
-               "placer": (str, type(None)), "token_dir": (str, type(None)), "open_reads": bool, "open_metrics": bool,
-               "heartbeat_s": (int, float), "gpu_poll_interval_s": (int, float), "max_body_bytes": int,
-               "allowed_origins": list}
-_TOPO_KEYS = {"zone": str, "block": str, "rack": str}
-_STORE_KEYS = {"dir": str, "quota_bytes": int, "keep_trees": int}
-_RELAY_KEYS = {"enabled": bool, "listen": str, "advertise": str}
-_WL_KEYS = {"shim_pool": int, "log_max_bytes": int, "log_keep": int, "keep_terminal": int,
-            "default_grace_s": (int, float), "user": str, "allowed_users": list, "allow_root": bool,
-            "cgroup": str, "rlimit_core": int, "memory_max": str, "cpu_max": str, "pids_max": str}
+def sections() -> dict[str, type[msgspec.Struct]]:
+    """The TOML sections besides ``[agent]``: AgentConfig's Struct-typed fields, by name."""
+    return {f.name: f.type for f in msgspec.structs.fields(AgentConfig)
+            if isinstance(f.type, type) and issubclass(f.type, msgspec.Struct)}
 
 
-def _check(section: str, table: Mapping[str, Any], schema: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in table.items():
-        if k not in schema:
-            raise ConfigError(f"unknown key [{section}] {k} (known: {', '.join(sorted(schema))})")
-        want = schema[k]
-        if isinstance(v, bool) and want in (int, (int, float)):
-            raise ConfigError(f"[{section}] {k} must be a number, not {v!r}")
-        if not isinstance(v, want):
-            raise ConfigError(f"[{section}] {k} has the wrong type: {v!r}")
-        if want is list:
-            if not all(isinstance(x, str) for x in v):
-                raise ConfigError(f"[{section}] {k} must be a list of strings: {v!r}")
-            v = tuple(v)
-        out[k] = float(v) if want == (int, float) else v
+def keys(section: str = "agent") -> tuple[str, ...]:
+    """The keys a section takes (``agent``: AgentConfig's fields that are not sections)."""
+    if section == "agent":
+        return tuple(k for k in AgentConfig.__struct_fields__ if k not in sections())
+    return sections()[section].__struct_fields__
+
+
+_AT = re.compile(r" - at `\$(?P<path>[^`]*)`$")
+_UNKNOWN = re.compile(r"^Object contains unknown field `(?P<key>[^`]*)`")
+
+
+def _explain(e: msgspec.ValidationError) -> str:
+    """msgspec's "Expected `int`, got `str` - at `$.workloads.shim_pool`" as the file's words:
+    "[workloads] shim_pool: expected `int`, got `str`"."""
+    text = str(e)
+    m = _AT.search(text)
+    path = [p for p in (m.group("path") if m else "").split(".") if p]
+    what = _AT.sub("", text)
+    section = path[0] if path and path[0] in sections() else "agent"
+    rest = path[1:] if section != "agent" else path
+    if u := _UNKNOWN.match(what):
+        if rest:  # an unknown field inside a key's value (no key takes a table today)
+            return f"[{section}] {'.'.join(rest)}: unknown field {u['key']}"
+        return f"unknown key [{section}] {u['key']} (known: {', '.join(sorted(keys(section)))})"
+    if not rest:
+        return f"[{section}]: {what}"
+    return f"[{section}] {'.'.join(rest)} has the wrong type: {what[0].lower()}{what[1:]}"
+
+
+def _layout(data: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The file's tables and the flags as one mapping shaped like AgentConfig."""
+    secs = sections()
+    for k, v in data.items():
+        if k != "agent" and k not in secs:
+            raise ConfigError(f"unknown section [{k}] (known: {', '.join(['agent', *secs])})")
+        if not isinstance(v, dict):
+            raise ConfigError(f"[{k}] must be a table")
+    out: dict[str, Any] = dict(data.get("agent", {}))
+    for k in out:
+        if k in secs:  # `topology = {...}` inside [agent]: the section is a table of its own
+            raise ConfigError(f"unknown key [agent] {k} (known: {', '.join(sorted(keys()))}; [{k}] is a section)")
+    for name, t in secs.items():
+        if name not in data:
+            continue
+        # TopologyPath is a wire type that tolerates unknown fields (newer peers); a file may not
+        if not t.__struct_config__.forbid_unknown_fields and (extra := set(data[name]) - set(t.__struct_fields__)):
+            raise ConfigError(f"unknown key [{name}] {min(extra)} (known: {', '.join(sorted(keys(name)))})")
+        out[name] = dict(data[name])
+    topo = TopologyPath.__struct_fields__
+    for k, v in overrides.items():
+        if v is None:
+            continue
+        section, _, name = k.partition("_")
+        if k in topo:                          # zone, block, rack: the topology flags
+            out.setdefault("topology", {})[k] = v
+        elif k in keys():
+            out[k] = v
+        elif section in secs and name in keys(section):   # relay_listen -> [relay] listen
+            out.setdefault(section, {})[name] = v
+        else:
+            raise ConfigError(f"unknown override {k}")
     return out
 
 
 def load_config(path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None) -> AgentConfig:
     """Read the TOML file (if any), then apply ``overrides`` (CLI flags; None values are ignored).
 
-    Override keys: the [agent] keys, plus ``zone``, ``block``, ``rack``, ``relay_enabled``,
-    ``relay_listen``.
+    Override keys: the [agent] keys; ``zone``, ``block``, ``rack``; and ``SECTION_KEY`` for a
+    key of another section (``relay_enabled``, ``relay_listen``).
     """
     data: dict[str, Any] = {}
     if path is not None:
@@ -111,32 +154,10 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Mapping[s
             raise ConfigError(f"config file not found: {path}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
-    for k in data:
-        if k not in ("agent", "topology", "store", "workloads", "relay"):
-            raise ConfigError(f"unknown section [{k}] (known: agent, topology, store, workloads, relay)")
-        if not isinstance(data[k], dict):
-            raise ConfigError(f"[{k}] must be a table")
-    agent = _check("agent", data.get("agent", {}), _AGENT_KEYS)
-    topo = _check("topology", data.get("topology", {}), _TOPO_KEYS)
-    store = _check("store", data.get("store", {}), _STORE_KEYS)
-    wl = _check("workloads", data.get("workloads", {}), _WL_KEYS)
-    relay = _check("relay", data.get("relay", {}), _RELAY_KEYS)
-    for k, v in (overrides or {}).items():
-        if v is None:
-            continue
-        if k in _TOPO_KEYS:
-            topo[k] = v
-        elif k in ("relay_enabled", "relay_listen"):
-            relay[k.removeprefix("relay_")] = v
-        elif k in _AGENT_KEYS:
-            agent[k] = v
-        else:
-            raise ConfigError(f"unknown override {k}")
     try:
-        cfg = AgentConfig(**agent, topology=TopologyPath(**topo), store=StoreConfig(**store),
-                          workloads=SupervisorConfig(**wl), relay=RelayConfig(**relay))
-    except TypeError as e:
-        raise ConfigError(str(e)) from None
+        cfg = msgspec.convert(_layout(data, overrides or {}), AgentConfig)
+    except msgspec.ValidationError as e:
+        raise ConfigError(_explain(e)) from None
     validate(cfg)
     return cfg
 
@@ -180,4 +201,4 @@ def validate(cfg: AgentConfig) -> None:
 
 
 def replace(cfg: AgentConfig, **changes: Any) -> AgentConfig:
-    return dataclasses.replace(cfg, **changes)
+    return msgspec.structs.replace(cfg, **changes)

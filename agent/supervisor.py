@@ -29,7 +29,6 @@ import shutil
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +64,9 @@ _GC_MIN_AGE_S = 60.0
 ArtifactFetcher = Callable[[str, str | None, Any], Awaitable[tuple[Path, dict[str, int]]]]  # peers: list or PeerTable
 
 
-@dataclass(frozen=True, slots=True)
-class SupervisorConfig:
+class SupervisorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[workloads]`` of the agent config."""
+
     shim_pool: int = 8  # one per GPU of an 8-GPU node: a gang's pods there all start warm
     log_max_bytes: int = 16 << 20
     log_keep: int = 2

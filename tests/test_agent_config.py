@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent.config import load_config
+from agent.config import RelayConfig, keys, load_config, replace, sections
 from agent.errors import ConfigError
 from agent.sdnotify import Notifier
 
@@ -29,11 +29,17 @@ def test_defaults_file_and_overrides(tmp_path):
 
 
 @pytest.mark.parametrize("text,msg", [
-    ('[agent]\nnode_idd = "x"\n', "unknown key [agent] node_idd"),
-    ('[agnet]\n', "unknown section [agnet]"),
-    ('[agent]\nheartbeat_s = "5"\n', "wrong type"),
-    ('[agent]\nopen_reads = 1\n', "wrong type"),
-    ('[workloads]\nshim_pool = true\n', "must be a number"),
+    ('[agent]\nnode_idd = "x"\n', "unknown key [agent] node_idd (known: allowed_origins, data_listen,"),
+    ('[agnet]\n', "unknown section [agnet] (known: agent, topology, store, workloads, relay"),
+    ('[workloads]\nshim_poool = 2\n', "unknown key [workloads] shim_poool (known: allow_root,"),
+    ('[topology]\nzon = "z"\n', "unknown key [topology] zon (known: block, rack, zone)"),
+    ('[relay]\nenable = true\n', "unknown key [relay] enable (known: advertise, enabled, listen)"),
+    ('[agent]\ntopology = { zone = "z" }\n', "[topology] is a section"),
+    ('store = 1\n', "[store] must be a table"),
+    ('[agent]\nheartbeat_s = "5"\n', "[agent] heartbeat_s has the wrong type: expected `float`, got `str`"),
+    ('[agent]\nopen_reads = 1\n', "[agent] open_reads has the wrong type: expected `bool`, got `int`"),
+    ('[workloads]\nshim_pool = true\n', "[workloads] shim_pool has the wrong type: expected `int`, got `bool`"),
+    ('[agent]\nallowed_origins = ["gs://b", 3]\n', "[agent] allowed_origins[1] has the wrong type"),
     ('[agent]\ngpus = "cuda"\n', "gpus must be"),
     ('[agent]\nlisten = "localhost"\n', "listen must be HOST:PORT"),
     ('[agent]\nplacer = "placer:7470"\n', "http(s) URL"),
@@ -45,7 +51,25 @@ def test_bad_config_is_a_clear_error(tmp_path, text, msg):
     f.write_text(text)
     with pytest.raises(ConfigError) as e:
         load_config(f)
-    assert msg in str(e.value)
+    assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_typed_key_is_a_file_key_and_overrides_are_checked(tmp_path):
+    """The Structs are the schema: a field of a section type is a key of that section (no list to keep)."""
+    f = tmp_path / "a.toml"
+    f.write_text('[workloads]\nblob_timeout_s = 3\n[store]\nquota_bytes = 4096\n[relay]\nadvertise = "10.0.0.5:8472"\n')
+    cfg = load_config(f, {"relay_enabled": True, "relay_listen": "127.0.0.1:9", "zone": "z2"})
+    assert cfg.workloads.blob_timeout_s == 3.0 and isinstance(cfg.workloads.blob_timeout_s, float)
+    assert (cfg.store.quota_bytes, cfg.relay) == (4096, RelayConfig(enabled=True, listen="127.0.0.1:9",
+                                                                    advertise="10.0.0.5:8472"))
+    assert cfg.topology.zone == "z2"
+    assert set(sections()) == {"topology", "store", "workloads", "relay"} | set(sections())  # others may add more
+    assert "heartbeat_s" in keys() and "topology" not in keys()
+    with pytest.raises(ConfigError, match="unknown override relay_enable$"):
+        load_config(None, {"relay_enable": True})
+    with pytest.raises(ConfigError, match=r"\[agent\] heartbeat_s has the wrong type"):
+        load_config(None, {"heartbeat_s": "fast"})
+    assert replace(cfg, data_listen=None).data_listen is None and cfg.data_listen == "127.0.0.1:0"
 
 
 def test_missing_config_file(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import _AGENT_KEYS, _STORE_KEYS, _TOPO_KEYS, _WL_KEYS, load_config
+from agent.config import keys, load_config, sections
 
 SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
 
@@ -62,9 +62,10 @@ def test_reference_config_loads_and_documents_every_key():
     text = (SYSTEMD / "agent.toml").read_text()
     cfg = load_config(SYSTEMD / "agent.toml")
     assert cfg.gpus == "nvml" and cfg.listen == "0.0.0.0:8470" and cfg.workloads.shim_pool == 8
-    for keys in (_AGENT_KEYS, _TOPO_KEYS, _STORE_KEYS, _WL_KEYS):
-        for k in keys:
-            assert re.search(rf"^#? ?{k} = ", text, flags=re.M), f"{k} is not documented in agent.toml"
+    for section in ("agent", *sections()):
+        assert re.search(rf"^\[{section}\]$", text, flags=re.M), f"[{section}] is not in agent.toml"
+        for k in keys(section):
+            assert re.search(rf"^#? ?{k} = ", text, flags=re.M), f"[{section}] {k} is not documented in agent.toml"
 
 
 def test_install_script_syntax_and_options():
