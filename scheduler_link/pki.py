@@ -1,0 +1,434 @@
+"""The cluster's certificates: a CA, the placer's, the operator's and one per node (``cryptography``).
+
+Keys are ECDSA P-256: every TLS stack verifies it (browsers and curl do not accept Ed25519
+certificates, and operators reach the placer with both); OpenSSL's P-256 is constant-time and
+fast enough that the handshake's cost is the round trips and the certificate checks, not the
+signature (bench/fleet.py --tls measures it).
+
+Layout of a PKI dir (``herd pki init DIR``)::
+
+    DIR/ca.crt  ca.key          the cluster CA (10 years by default); ca.key never leaves this dir
+    DIR/placer.crt  placer.key  the placer (server + client: it dials agents and relays)
+    DIR/operator.crt  operator.key
+    DIR/nodes/<id>/{ca.crt,node.crt,node.key}   one node's (``herd pki issue --node ID DIR``),
+                                 the directory to copy to that host (its ``tls_dir``)
+    DIR/bootstrap-tokens.json   single-use bootstrap tokens (hashes only; see BootstrapTokens)
+
+Keys are written 0600 (dirs 0700), via a temp file renamed into place. A certificate's subject
+common name is its principal (``placer``, ``node:<id>``, ``operator``, ``viewer``, ``metrics``;
+:mod:`scheduler_link.tls`); a node's also has a SAN URI ``herd:node:<id>`` and SANs for its
+addresses.
+
+Bootstrap (kubelet TLS bootstrap): ``herd pki bootstrap-token`` stores the hash of a fresh
+random token with its expiry; a new agent posts a CSR with the token once; the placer checks and
+*consumes* it under a file lock (the store is rewritten and fsynced before the certificate is
+returned), so a token works once even across placer restarts.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import fcntl
+import hashlib
+import hmac
+import ipaddress
+import json
+import os
+import secrets
+import socket
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from .tls import TLSFiles, parse_principal
+
+NODE_DAYS = 365
+CA_DAYS = 3650
+TOKEN_TTL_S = 3600.0
+_ORG = "herd"
+
+
+class PKIError(Exception):
+    """A PKI operation that cannot be done: one line that says why."""
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def new_key() -> ec.EllipticCurvePrivateKey:
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, _ORG),
+                      x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def make_ca(*, days: int = CA_DAYS, name: str = "herd cluster CA",
+            not_before: dt.datetime | None = None) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+    key = new_key()
+    start = not_before or _now() - dt.timedelta(minutes=5)
+    cert = (x509.CertificateBuilder().subject_name(_name(name)).issuer_name(_name(name))
+            .public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(start).not_valid_after(start + dt.timedelta(days=days))
+            .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+            .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                         content_commitment=False, key_encipherment=False,
+                                         data_encipherment=False, key_agreement=False,
+                                         encipher_only=False, decipher_only=False), critical=True)
+            .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            .sign(key, hashes.SHA256()))
+    return key, cert
+
+
+def _sans(principal: str, names: Iterable[str]) -> list[x509.GeneralName]:
+    out: list[x509.GeneralName] = []
+    if principal.startswith("node:"):
+        out.append(x509.UniformResourceIdentifier(f"herd:{principal}"))
+    seen: set[str] = set()
+    for n in names:
+        if not n or n in seen:
+            continue
+        seen.add(n)
+        try:
+            out.append(x509.IPAddress(ipaddress.ip_address(n)))
+        except ValueError:
+            out.append(x509.DNSName(n))
+    return out
+
+
+def default_names() -> list[str]:
+    """SANs every certificate gets so loopback and this host's name verify."""
+    return ["localhost", "127.0.0.1", "::1", socket.gethostname()]
+
+
+def sign(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, public_key: ec.EllipticCurvePublicKey,
+         principal: str, *, days: int = NODE_DAYS, names: Iterable[str] = (),
+         not_before: dt.datetime | None = None) -> x509.Certificate:
+    """A certificate for ``principal`` (its subject CN), usable as TLS server and client."""
+    if parse_principal(principal) is None:
+        raise PKIError(f"not a herd principal: {principal!r} (placer, node:<id>, operator, viewer, metrics)")
+    if len(principal) > 64:
+        raise PKIError(f"principal {principal!r} is over 64 characters (a certificate CN's limit)")
+    start = not_before or _now() - dt.timedelta(minutes=5)
+    end = min(start + dt.timedelta(days=days), ca_cert.not_valid_after_utc)
+    b = (x509.CertificateBuilder().subject_name(_name(principal)).issuer_name(ca_cert.subject)
+         .public_key(public_key).serial_number(x509.random_serial_number())
+         .not_valid_before(start).not_valid_after(end)
+         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+         .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=False, crl_sign=False,
+                                      content_commitment=False, key_encipherment=False,
+                                      data_encipherment=False, key_agreement=False,
+                                      encipher_only=False, decipher_only=False), critical=True)
+         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
+                                               ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),  # type: ignore[arg-type]
+                        critical=False))
+    sans = _sans(principal, names)
+    if sans:
+        b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    return b.sign(ca_key, hashes.SHA256())
+
+
+# ---------------------------------------------------------------- files
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def cert_pem(cert: x509.Certificate) -> bytes:
+    return cert.public_bytes(serialization.Encoding.PEM)
+
+
+def write_pair(d: Path, name: str, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
+    _write(d / f"{name}.key", key_pem(key), 0o600)
+    _write(d / f"{name}.crt", cert_pem(cert), 0o644)
+
+
+def load_cert(path: str | os.PathLike[str]) -> x509.Certificate:
+    try:
+        return x509.load_pem_x509_certificate(Path(path).read_bytes())
+    except FileNotFoundError:
+        raise PKIError(f"certificate not found: {path}") from None
+    except ValueError as e:
+        raise PKIError(f"{path} is not a PEM certificate: {e}") from None
+
+
+def load_key(path: str | os.PathLike[str]) -> ec.EllipticCurvePrivateKey:
+    try:
+        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
+    except FileNotFoundError:
+        raise PKIError(f"key not found: {path}") from None
+    except (ValueError, TypeError) as e:
+        raise PKIError(f"{path} is not an unencrypted PEM key: {e}") from None
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise PKIError(f"{path}: herd keys are ECDSA P-256")
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class CA:
+    key: ec.EllipticCurvePrivateKey
+    cert: x509.Certificate
+
+    @classmethod
+    def load(cls, d: str | os.PathLike[str]) -> CA:
+        p = Path(d)
+        if not (p / "ca.key").exists():
+            raise PKIError(f"no CA in {p} (ca.key missing): run `herd pki init {p}` first")
+        return cls(load_key(p / "ca.key"), load_cert(p / "ca.crt"))
+
+    def issue(self, principal: str, *, days: int = NODE_DAYS, names: Iterable[str] = (),
+              not_before: dt.datetime | None = None) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+        key = new_key()
+        return key, sign(self.key, self.cert, key.public_key(), principal, days=days, names=names,
+                         not_before=not_before)
+
+
+def init(d: str | os.PathLike[str], *, ca_days: int = CA_DAYS, days: int = NODE_DAYS,
+         names: Iterable[str] = (), force: bool = False) -> CA:
+    """``herd pki init``: the CA, ``placer`` (server names: ``names`` + loopback + hostname)
+    and ``operator``. An existing CA is never overwritten unless ``force``."""
+    p = Path(d)
+    if (p / "ca.key").exists() and not force:
+        raise PKIError(f"{p} already holds a CA (ca.key); refusing to overwrite it (--force replaces it, "
+                       "and every certificate it signed stops verifying)")
+    p.mkdir(parents=True, exist_ok=True)
+    os.chmod(p, 0o700)
+    ca_key, ca_cert = make_ca(days=ca_days)
+    write_pair(p, "ca", ca_key, ca_cert)
+    ca = CA(ca_key, ca_cert)
+    all_names = [*names, *default_names()]
+    for principal in ("placer", "operator"):
+        k, c = ca.issue(principal, days=days, names=all_names if principal == "placer" else ())
+        write_pair(p, principal, k, c)
+    return ca
+
+
+def issue_node(d: str | os.PathLike[str], node_id: str, *, days: int = NODE_DAYS,
+               names: Iterable[str] = ()) -> Path:
+    """``herd pki issue --node ID``: ``DIR/nodes/<id>/`` with ca.crt, node.crt, node.key."""
+    ca = CA.load(d)
+    if not node_id or "/" in node_id:
+        raise PKIError(f"node id must be non-empty without '/': {node_id!r}")
+    out = Path(d) / "nodes" / node_id
+    out.mkdir(parents=True, exist_ok=True)
+    os.chmod(out, 0o700)
+    k, c = ca.issue(f"node:{node_id}", days=days, names=[*names, *default_names()])
+    write_pair(out, "node", k, c)
+    _write(out / "ca.crt", cert_pem(ca.cert), 0o644)
+    return out
+
+
+def issue_role(d: str | os.PathLike[str], principal: str, *, days: int = NODE_DAYS) -> Path:
+    """A client certificate for ``viewer`` / ``metrics`` / ``operator`` into ``DIR/<kind>.{crt,key}``."""
+    ca = CA.load(d)
+    k, c = ca.issue(principal, days=days)
+    name = principal.replace(":", "-")
+    write_pair(Path(d), name, k, c)
+    return Path(d) / f"{name}.crt"
+
+
+# ---------------------------------------------------------------- CSRs (bootstrap, renewal)
+
+def make_csr(node_id: str, key: ec.EllipticCurvePrivateKey | None = None) -> tuple[ec.EllipticCurvePrivateKey, bytes]:
+    key = key or new_key()
+    csr = (x509.CertificateSigningRequestBuilder().subject_name(_name(f"node:{node_id}"))
+           .sign(key, hashes.SHA256()))
+    return key, csr.public_bytes(serialization.Encoding.PEM)
+
+
+def sign_csr(ca: CA, csr_pem: bytes, node_id: str, *, days: int = NODE_DAYS,
+             names: Iterable[str] = ()) -> x509.Certificate:
+    """Sign a node's CSR; it must be self-signed correctly and name ``node:<node_id>`` (the CSR
+    asks, the caller decides which node it may be: the token's node or the renewing cert's)."""
+    try:
+        csr = x509.load_pem_x509_csr(csr_pem)
+    except ValueError as e:
+        raise PKIError(f"not a PEM certificate request: {e}") from None
+    try:
+        ok = csr.is_signature_valid
+    except InvalidSignature:
+        ok = False
+    if not ok:
+        raise PKIError("the certificate request's signature does not verify")
+    cns = csr.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    want = f"node:{node_id}"
+    if len(cns) != 1 or cns[0].value != want:
+        raise PKIError(f"the certificate request names {[c.value for c in cns]}, not {want}")
+    pub = csr.public_key()
+    if not isinstance(pub, ec.EllipticCurvePublicKey) or pub.curve.name != "secp256r1":
+        raise PKIError("herd node keys are ECDSA P-256")
+    return sign(ca.key, ca.cert, pub, want, days=days, names=names)
+
+
+# ---------------------------------------------------------------- bootstrap tokens
+
+def _digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+class BootstrapTokens:
+    """Single-use, short-lived tokens in one JSON file (hashes only), under an exclusive file
+    lock for every read-modify-write: the CLI adds while the placer consumes."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.lock_path = self.path.with_name(self.path.name + ".lock")
+
+    def _locked(self) -> int:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        return fd
+
+    def _read(self) -> dict[str, dict[str, object]]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except ValueError as e:
+            raise PKIError(f"bootstrap token store {self.path} is corrupt: {e}") from None
+        if not isinstance(data, dict) or data.get("version") != 1 or not isinstance(data.get("tokens"), dict):
+            raise PKIError(f"bootstrap token store {self.path} has an unknown format")
+        return data["tokens"]
+
+    def _save(self, tokens: dict[str, dict[str, object]]) -> None:
+        _write(self.path, json.dumps({"version": 1, "tokens": tokens}, sort_keys=True).encode(), 0o600)
+
+    def create(self, *, ttl_s: float = TOKEN_TTL_S, node_id: str | None = None, now: float) -> str:
+        """A fresh token valid ``ttl_s`` (for ``node_id`` only, when given)."""
+        token = "hb1." + secrets.token_urlsafe(24)
+        fd = self._locked()
+        try:
+            tokens = self._read()
+            # forget tokens long dead (used or expired more than a day ago)
+            tokens = {k: v for k, v in tokens.items() if float(v["expires"]) > now - 86400}  # type: ignore[arg-type]
+            tokens[_digest(token)] = {"expires": now + ttl_s, "node_id": node_id, "used_by": None,
+                                      "used_at": None, "created": now}
+            self._save(tokens)
+        finally:
+            os.close(fd)
+        return token
+
+    def consume(self, token: str, node_id: str, *, now: float) -> None:
+        """Use ``token`` for ``node_id`` (once); :class:`PKIError` when unknown, expired, used,
+        or bound to another node. The use is on disk before this returns."""
+        fd = self._locked()
+        try:
+            tokens = self._read()
+            d = _digest(token)
+            entry = next((v for k, v in tokens.items() if hmac.compare_digest(k, d)), None)
+            if entry is None:
+                raise PKIError("unknown bootstrap token")
+            if entry["used_by"] is not None:
+                raise PKIError(f"bootstrap token already used (by node {entry['used_by']})")
+            if float(entry["expires"]) <= now:  # type: ignore[arg-type]
+                raise PKIError("bootstrap token expired")
+            if entry["node_id"] is not None and entry["node_id"] != node_id:
+                raise PKIError(f"bootstrap token is for node {entry['node_id']}, not {node_id}")
+            entry["used_by"], entry["used_at"] = node_id, now
+            self._save(tokens)
+        finally:
+            os.close(fd)
+
+    def list(self) -> list[dict[str, object]]:
+        fd = self._locked()
+        try:
+            return [dict(v, id=k[:12]) for k, v in sorted(self._read().items())]
+        finally:
+            os.close(fd)
+
+
+# ---------------------------------------------------------------- status
+
+@dataclass(frozen=True, slots=True)
+class CertInfo:
+    path: str
+    subject: str
+    not_before: dt.datetime
+    not_after: dt.datetime
+
+    def days_left(self, now: dt.datetime | None = None) -> float:
+        return (self.not_after - (now or _now())).total_seconds() / 86400
+
+
+def cert_info(path: Path) -> CertInfo:
+    c = load_cert(path)
+    cns = c.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    return CertInfo(str(path), str(cns[0].value) if cns else c.subject.rfc4514_string(),
+                    c.not_valid_before_utc, c.not_valid_after_utc)
+
+
+def status(d: str | os.PathLike[str]) -> list[CertInfo]:
+    """Every certificate under a PKI dir, soonest expiry first."""
+    p = Path(d)
+    found = sorted(p.glob("*.crt")) + sorted(p.glob("nodes/*/node.crt"))
+    return sorted((cert_info(f) for f in found), key=lambda i: i.not_after)
+
+
+def needs_renewal(cert: x509.Certificate, *, fraction: float = 1 / 3, now: dt.datetime | None = None) -> bool:
+    """True once less than ``fraction`` of the certificate's lifetime is left."""
+    now = now or _now()
+    life = cert.not_valid_after_utc - cert.not_valid_before_utc
+    return cert.not_valid_after_utc - now < life * fraction
+
+
+# ---------------------------------------------------------------- a throwaway CA for tests and demos
+
+@dataclass(frozen=True, slots=True)
+class ThrowawayPKI:
+    """A PKI dir made by :func:`throwaway`: :meth:`files` for a principal's TLS material."""
+    dir: Path
+
+    @property
+    def ca(self) -> Path:
+        return self.dir / "ca.crt"
+
+    def files(self, principal: str) -> TLSFiles:
+        if principal.startswith("node:"):
+            node = principal.removeprefix("node:")
+            if not (self.dir / "nodes" / node / "node.crt").exists():
+                issue_node(self.dir, node, days=30)
+            return TLSFiles.in_dir(self.dir / "nodes" / node, "node")
+        name = principal.replace(":", "-")
+        if not (self.dir / f"{name}.crt").exists():
+            issue_role(self.dir, principal, days=30)
+        return TLSFiles.in_dir(self.dir, name)
+
+    def node_dir(self, node_id: str) -> Path:
+        self.files(f"node:{node_id}")
+        return self.dir / "nodes" / node_id
+
+
+def throwaway(d: str | os.PathLike[str], *, nodes: Iterable[str] = ()) -> ThrowawayPKI:
+    """A fresh CA with placer and operator certificates in ``d`` (30-day certs), plus nodes."""
+    init(d, ca_days=30, days=30, force=True)
+    t = ThrowawayPKI(Path(d))
+    for n in nodes:
+        t.files(f"node:{n}")
+    return t

@@ -1,0 +1,257 @@
+"""TLS for every control-plane connection: contexts, the handshake, and who the peer is.
+
+Why stdlib ``ssl`` (through ``trio.SSLStream``): it is OpenSSL, already in every Python;
+the certificates themselves are made by :mod:`scheduler_link.pki` (``cryptography``).
+
+Contexts
+--------
+* :func:`server_context` -- TLS 1.3 minimum, our certificate, the cluster CA to verify client
+  certificates. ``client_cert="required"`` (mutual TLS: the agent's control API, the framed
+  channel, relay listeners) or ``"optional"`` (the placer's HTTP API: operators and viewers may
+  present a bearer token instead; a certificate, when sent, must still verify).
+* :func:`client_context` -- TLS 1.3 minimum, the cluster CA as the only trust anchor, our
+  certificate when we have one. Inside the cluster peers are addressed by whatever address a
+  node reported, so the host name is not what is checked: the *principal* of the peer's
+  certificate is (:func:`expect_peer`: the placer must be ``placer``, a push to node X must reach
+  ``node:X``). ``check_hostname=True`` (the operator CLI over httpx) checks the name as well.
+
+Principals
+----------
+A certificate's subject common name names its holder: ``placer``, ``node:<id>``, ``operator``,
+``viewer`` or ``metrics`` (:func:`principal_of`); anything else, or a certificate the CA did not
+sign (refused in the handshake already), is no principal. The roles of the route table
+(:mod:`scheduler_link.authz`) come from the principal's kind.
+
+Handshakes run under the caller's deadline (:func:`handshake`): a peer that stalls the handshake
+holds its slot no longer than a peer that stalls its request head.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import trio
+
+log = logging.getLogger("herd.link.tls")
+
+KINDS = ("placer", "node", "operator", "viewer", "metrics")
+# kind -> the roles of scheduler_link.authz it holds (operator implies viewer and metrics, ...)
+ROLES_OF_KIND: dict[str, frozenset[str]] = {
+    "placer": frozenset({"placer"}),
+    "node": frozenset({"node"}),
+    "operator": frozenset({"operator", "viewer", "metrics"}),
+    "viewer": frozenset({"viewer", "metrics"}),
+    "metrics": frozenset({"metrics"}),
+}
+
+ClientCert = Literal["required", "optional", "none"]
+
+
+class TLSError(Exception):
+    """TLS material that cannot be used, or a peer that is not who it must be."""
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who is on the other end: ``kind`` one of :data:`KINDS`; ``node_id`` for ``node``;
+    ``via`` says what proved it (``cert``, ``token``, or ``none`` on an insecure set-up)."""
+    kind: str
+    node_id: str | None = None
+    via: str = "cert"
+
+    @property
+    def name(self) -> str:
+        return f"node:{self.node_id}" if self.kind == "node" else self.kind
+
+    @property
+    def roles(self) -> frozenset[str]:
+        return ROLES_OF_KIND.get(self.kind, frozenset())
+
+    def __str__(self) -> str:
+        return f"{self.name} ({self.via})"
+
+
+def parse_principal(common_name: str) -> Principal | None:
+    """``placer`` | ``node:<id>`` | ``operator`` | ``viewer`` | ``metrics`` -> a Principal."""
+    kind, sep, rest = common_name.partition(":")
+    if kind == "node":
+        if not sep or not rest or "/" in rest:
+            return None
+        return Principal("node", rest)
+    if sep or kind not in KINDS:
+        return None
+    return Principal(kind)
+
+
+def principal_of(peercert: dict[str, Any] | None) -> Principal | None:
+    """The principal of a *verified* peer certificate (``SSLObject.getpeercert()``'s dict);
+    None when there is none or its subject names no principal."""
+    if not peercert:
+        return None
+    cns = [v for rdn in peercert.get("subject", ()) for k, v in rdn if k == "commonName"]
+    if len(cns) != 1:
+        return None
+    return parse_principal(cns[0])
+
+
+def stream_principal(stream: Any) -> Principal | None:
+    """The principal of a handshaken :class:`trio.SSLStream` (None for a plain stream)."""
+    if not isinstance(stream, trio.SSLStream):
+        return None
+    try:
+        return principal_of(stream.getpeercert())
+    except (ValueError, ssl.SSLError):
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class TLSFiles:
+    """Where one daemon's TLS material is: the cluster CA, its certificate and key (PEM)."""
+    ca: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def in_dir(cls, d: str | os.PathLike[str], name: str) -> TLSFiles:
+        """The layout ``herd pki`` writes: ``DIR/ca.crt``, ``DIR/<name>.crt``, ``DIR/<name>.key``."""
+        p = Path(d)
+        return cls(p / "ca.crt", p / f"{name}.crt", p / f"{name}.key")
+
+    def check(self) -> None:
+        for what, p in (("CA certificate", self.ca), ("certificate", self.cert), ("key", self.key)):
+            if not p.is_file():
+                raise TLSError(f"TLS {what} not found: {p} (make one with `herd pki init` / `herd pki issue`)")
+
+
+def _base(purpose: ssl.Purpose, ca: Path | None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(purpose)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    if ca is not None:
+        ctx.load_verify_locations(cafile=str(ca))
+    return ctx
+
+
+def _load_chain(ctx: ssl.SSLContext, files: TLSFiles) -> None:
+    try:
+        ctx.load_cert_chain(str(files.cert), str(files.key))
+    except (ssl.SSLError, OSError) as e:
+        raise TLSError(f"cannot load the certificate {files.cert} with key {files.key}: {e}") from None
+
+
+def server_context(files: TLSFiles, *, client_cert: ClientCert = "required") -> ssl.SSLContext:
+    """A server's context: our certificate; client certificates verified against ``files.ca``."""
+    files.check()
+    try:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.load_verify_locations(cafile=str(files.ca))
+    except (ssl.SSLError, OSError) as e:
+        raise TLSError(f"cannot load the CA certificate {files.ca}: {e}") from None
+    _load_chain(ctx, files)
+    ctx.verify_mode = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
+                       "none": ssl.CERT_NONE}[client_cert]
+    # TLS 1.3 session tickets let a reconnecting client skip the certificate exchange
+    # (a placer restart: every agent reconnects at once).
+    ctx.num_tickets = 2
+    return ctx
+
+
+def client_context(ca: str | os.PathLike[str], files: TLSFiles | None = None, *,
+                   check_hostname: bool = False) -> ssl.SSLContext:
+    """A client's context: the cluster CA only; our certificate when ``files`` (mutual TLS)."""
+    try:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.load_verify_locations(cafile=str(ca))
+    except (ssl.SSLError, OSError) as e:
+        raise TLSError(f"cannot load the CA certificate {ca}: {e}") from None
+    ctx.check_hostname = check_hostname
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    if files is not None:
+        files.check()
+        _load_chain(ctx, files)
+    return ctx
+
+
+def reload(ctx: ssl.SSLContext, files: TLSFiles) -> None:
+    """Load a renewed certificate into a live context: new handshakes present it."""
+    _load_chain(ctx, files)
+
+
+def describe_ssl_error(e: BaseException) -> str:
+    """One line for a failed handshake, naming the likely cause."""
+    s = str(e)
+    if "CERTIFICATE_VERIFY_FAILED" in s or "certificate verify failed" in s:
+        if "expired" in s:
+            return f"the peer's certificate has expired ({s})"
+        return f"the peer's certificate is not signed by this cluster's CA ({s})"
+    if "WRONG_VERSION_NUMBER" in s or "wrong version number" in s or "http request" in s.lower():
+        return f"the peer does not speak TLS (a plain-HTTP/TCP peer or an insecure set-up?) ({s})"
+    if "certificate required" in s.lower() or "CERTIFICATE_REQUIRED" in s:
+        return f"the peer requires a client certificate ({s})"
+    return s or type(e).__name__
+
+
+async def handshake(stream: trio.SSLStream[Any]) -> None:
+    """Run the handshake (under the caller's deadline); a failure is a :class:`TLSError`."""
+    try:
+        await stream.do_handshake()
+    except trio.BrokenResourceError as e:
+        cause = e.__cause__ or e
+        raise TLSError(describe_ssl_error(cause)) from None
+
+
+def expect_peer(stream: Any, want: str) -> Principal:
+    """Check the peer of a handshaken stream is ``want`` (``placer``, ``node:X``, or a kind:
+    ``node`` for any node); :class:`TLSError` otherwise."""
+    p = stream_principal(stream)
+    if p is None:
+        raise TLSError(f"the peer's certificate names no herd principal (wanted {want})")
+    if p.name != want and not (want == p.kind and ":" not in want):
+        raise TLSError(f"the peer is {p.name}, not {want}")
+    return p
+
+
+async def connect(host: str, port: int, ctx: ssl.SSLContext | None, *, expect: str | None = None,
+                  local_address: str | None = None) -> trio.abc.Stream:
+    """A TCP connection, wrapped in TLS (handshaken, peer checked against ``expect``) when
+    ``ctx``; the caller bounds the whole with its deadline."""
+    tcp = await trio.open_tcp_stream(host, port, local_address=local_address)
+    if ctx is None:
+        return tcp
+    s = trio.SSLStream(tcp, ctx, server_hostname=host if ctx.check_hostname else None)
+    try:
+        await handshake(s)
+        if expect is not None:
+            expect_peer(s, expect)
+    except BaseException:
+        with trio.CancelScope(shield=True):
+            await trio.aclose_forcefully(tcp)
+        raise
+    return s
+
+
+async def accept(stream: trio.abc.Stream, ctx: ssl.SSLContext | None) -> trio.abc.Stream:
+    """Server side: wrap an accepted stream and handshake (caller's deadline); a plain
+    stream comes back as it is when ``ctx`` is None."""
+    if ctx is None:
+        return stream
+    s = trio.SSLStream(stream, ctx, server_side=True)
+    await handshake(s)
+    return s
+
+
+def peer_address(stream: Any) -> str | None:
+    """The peer's IP of a socket stream, or of the socket stream under a TLS one."""
+    inner = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+    if not isinstance(inner, trio.SocketStream):
+        return None
+    try:
+        return str(inner.socket.getpeername()[0])
+    except OSError:
+        return None
