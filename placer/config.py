@@ -9,9 +9,9 @@ from typing import Any
 
 import msgspec
 
+from .errors import PlacerConfigError
 
-class PlacerConfigError(Exception):
-    """A config file or flag the placer cannot use."""
+__all__ = ["PlacerConfig", "PlacerConfigError", "load_config"]
 
 
 class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

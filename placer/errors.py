@@ -1,6 +1,10 @@
-"""Errors of the placer core, by who broke the rules.
+"""Errors of the placer, by who broke the rules.
 
-``PlacerError`` is the base; every error here is one clear line for a user.
+``PlacerError`` is the base of every error the placer raises on purpose; each is one clear
+line for a user. Third-party failures are mapped to these where they enter: the journal's
+OSError and msgspec errors become :class:`JournalError`, TOML and msgspec errors of the
+config become :class:`PlacerConfigError`, a KeyError of a lookup becomes
+:class:`UnknownNode`/:class:`UnknownJob`.
 """
 
 from __future__ import annotations
@@ -31,3 +35,20 @@ class UnknownJob(PlacerError, KeyError):
 class Conflict(PlacerError):
     """A mutation that would break an invariant: a GPU given twice, a duplicate job id,
     a stale decision naming GPUs that are no longer free or usable. Nothing was changed."""
+
+
+class JobError(PlacerError):
+    """A job request the placer refuses (bad spec, unknown job, wrong state); ``status`` is the
+    HTTP status the service answers with."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class JournalError(PlacerError):
+    """The journal cannot be read or written."""
+
+
+class PlacerConfigError(PlacerError):
+    """A config file or flag the placer cannot use."""

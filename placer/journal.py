@@ -27,13 +27,11 @@ import msgspec
 from scheduler_link.durable import atomic_write
 from scheduler_link.messages import JobSpec
 
+from .errors import JournalError
+
 log = logging.getLogger("herd.placer.journal")
 
 JOURNAL_VERSION = 1
-
-
-class JournalError(Exception):
-    """The journal cannot be read or written."""
 
 
 class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -81,7 +79,10 @@ class Journal:
         total = 0
         torn_at: int | None = None
         if path.exists():
-            raw = path.read_bytes()
+            try:
+                raw = path.read_bytes()
+            except OSError as e:
+                raise JournalError(f"cannot read journal {path}: {e.strerror}") from None
             lines = raw.split(b"\n")
             for i, line in enumerate(lines):
                 if not line.strip():

@@ -28,17 +28,11 @@ from scheduler_link.messages import (
     inventory_hash,
 )
 
+from .errors import JobError as JobError  # re-exported (defined in errors.py)
+
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 TERMINAL_JOB_STATES = frozenset({"succeeded", "failed", "cancelled", "preempted"})
 STALE_PRIORITY = 1 << 30
-
-
-class JobError(Exception):
-    """A job request the placer refuses (bad spec, unknown job, wrong state)."""
-
-    def __init__(self, message: str, status: int = 400) -> None:
-        super().__init__(message)
-        self.status = status
 
 
 def workload_id(job_id: str, attempt: int, rank: int) -> str:

@@ -1,0 +1,55 @@
+"""The placer's errors sit under one base, in one module, and third-party failures arrive mapped."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import pytest
+
+import placer
+import placer.errors as errors
+from placer.config import PlacerConfigError, load_config
+from placer.errors import JobError, JournalError, PlacerError
+from placer.journal import Journal
+
+PLACER = Path(placer.__file__).parent
+
+
+def test_every_placer_exception_is_a_placer_error_defined_in_errors_py():
+    mine = [c for _, c in inspect.getmembers(errors, inspect.isclass)
+            if issubclass(c, BaseException) and c.__module__ == errors.__name__]
+    assert {c.__name__ for c in mine} >= {"PlacerError", "InvalidSpec", "UnknownNode", "UnknownJob", "Conflict",
+                                          "JobError", "JournalError", "PlacerConfigError"}
+    assert all(issubclass(c, PlacerError) for c in mine)
+    elsewhere = []
+    for f in PLACER.rglob("*.py"):
+        if f.name == "errors.py":
+            continue
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                    isinstance(b, ast.Name) and b.id.endswith(("Error", "Exception")) for b in node.bases):
+                elsewhere.append(f"{f.name}:{node.name}")
+    assert elsewhere == []
+
+
+def test_third_party_failures_are_mapped_where_they_enter(tmp_path):
+    (tmp_path / "bad.toml").write_text("[placer\n")
+    with pytest.raises(PlacerConfigError, match="not valid TOML") as e:
+        load_config(tmp_path / "bad.toml")
+    assert isinstance(e.value, PlacerError) and e.value.__cause__ is None
+    (tmp_path / "typo.toml").write_text("[placer]\nlistenn = 1\n")
+    with pytest.raises(PlacerError, match="unknown field `listenn`"):
+        load_config(tmp_path / "typo.toml")
+    d = tmp_path / "state"
+    d.mkdir()
+    (d / "jobs.journal").write_text('{"v": 1, "op": "end", "job_id": "a", "at": 1.0}\nnot json\n{"v": 1, "op": "end", "job_id": "b", "at": 2.0}\n')
+    with pytest.raises(JournalError) as j:
+        Journal.open(d)
+    assert isinstance(j.value, PlacerError) and "line 2 is corrupt" in str(j.value)
+    (d / "jobs.journal").unlink()
+    (d / "jobs.journal").mkdir()  # an OSError on read: mapped, one line
+    with pytest.raises(JournalError, match=r"cannot read journal .*jobs.journal: Is a directory$"):
+        Journal.open(d)
+    assert JobError("no such job x", status=404).status == 404 and isinstance(JobError("x"), PlacerError)
