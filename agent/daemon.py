@@ -35,7 +35,14 @@ from typing import Any
 import msgspec
 import trio
 
-from scheduler_link.auth import TokenSet
+from p2p.dataplane import DataPlane, DataPlaneConfig
+from p2p.fetch import fetch_artifact
+from p2p.herd import Herd, HerdConfig
+from p2p.herd import render_metrics as render_p2p_metrics
+from p2p.origins import open_origin
+from p2p.store import ChunkStore
+from scheduler_link.agent_link import AgentLink
+from scheduler_link.auth import ROLES, TokenSet, token_dir_from_env
 from scheduler_link.http import serve
 from scheduler_link.messages import (
     GangBlob,
@@ -53,12 +60,15 @@ from . import procs
 from .api import build_app
 from .blobs import BlobCache, BlobSource
 from .config import AgentConfig
-from .errors import AgentError, ConfigError, UnknownWorkload
+from .errors import AgentError, UnknownWorkload
+from .gpus import GpuMonitor, open_backend
+from .gpus import render_metrics as render_gpu_metrics
 from .metrics import render_agent_metrics
 from .parts import PartAcceptor
+from .relay import Relay
 from .sdnotify import Notifier
 from .state import atomic_write
-from .supervisor import Supervisor
+from .supervisor import Supervisor, trees_to_remove
 
 MAX_BLOB_BYTES = 64 << 20   # a 200,000-node gang's peer table is ~10 MB
 
@@ -79,15 +89,15 @@ class Agent:
         self.ready = False
         self.control_url = ""
         self.data_url = ""
-        self.monitor: Any = None
-        self.store: Any = None
-        self.herd: Any = None
-        self.dataplane: Any = None
-        self.link: Any = None
-        self._render_gpu_metrics: Any = None
+        # the parts run() opens (None before it, or when not configured: no placer, no data plane, no relay)
+        self.monitor: GpuMonitor | None = None
+        self.store: ChunkStore | None = None
+        self.herd: Herd | None = None
+        self.dataplane: DataPlane | None = None
+        self.link: AgentLink | None = None
         self._nursery: trio.Nursery | None = None
         self._prefetching: set[str] = set()
-        self.relay: Any = None
+        self.relay: Relay | None = None
         self.blobs = BlobCache()
         self.supervisor = Supervisor(self.state_dir, node_id=self.node_id, gpu_health=self._gpu_health,
                                      config=config.workloads, fetcher=self._fetch, base_env=env,
@@ -148,57 +158,46 @@ class Agent:
                     raise AgentError(f"gang blob {blob_id[:16]} is over {MAX_BLOB_BYTES} bytes")
         return bytes(out)
 
-    def _open_gpus(self) -> None:
-        try:
-            from agent.gpus import GpuMonitor, open_backend, render_metrics
-        except ImportError as e:
-            raise ConfigError(f"the GPU module is unavailable: {e}") from None
+    def _open_gpus(self) -> GpuMonitor:
         backend = open_backend(self.config.gpus, hostname=self.node_id, rack=self.config.topology.rack)
         self.monitor = GpuMonitor(backend, poll_interval_s=self.config.gpu_poll_interval_s,
                                   state_dir=self.state_dir)
-        self._render_gpu_metrics = render_metrics
+        return self.monitor
 
-    def _open_store(self) -> None:
-        try:
-            from p2p.store import ChunkStore
-        except ImportError:
-            log.warning("p2p store unavailable: artifacts cannot be fetched on this agent")
-            return
+    def _open_store(self) -> ChunkStore:
         self.store = ChunkStore(self.config.store_dir, quota_bytes=self.config.store.quota_bytes)
         # One herd fetcher for the agent's life: single flight across concurrent fetches,
         # peer penalties that outlive one fetch, counters for /metrics and /v1/status.
-        from p2p.herd import Herd
         self.herd = Herd(self.store, node_id=self.node_id, token=self.tokens.cluster)
+        return self.store
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Run until cancelled (or SIGTERM/SIGINT); ``started(control_url)`` once READY."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         self._check_token_dir()
-        self._open_gpus()
-        self._open_store()
+        monitor = self._open_gpus()
+        store = self._open_store()
         try:
             async with trio.open_nursery() as n:
                 self._nursery = n
                 if self.handle_signals:
                     await n.start(self._signals, n.cancel_scope)
-                await n.start(self.monitor.run)
+                await n.start(monitor.run)
                 await n.start(self.supervisor.run)
-                if self.store is not None and self.config.data_listen:
-                    from p2p.dataplane import DataPlane, DataPlaneConfig
-                    from p2p.herd import HerdConfig
+                if self.config.data_listen:
                     hc = HerdConfig()
                     # no node serves one chunk to more than its tree children at once (k racks + its rack)
-                    self.dataplane = DataPlane(self.store, token=self.tokens.cluster, listen=self.config.data_listen,
+                    self.dataplane = DataPlane(store, token=self.tokens.cluster, listen=self.config.data_listen,
                                                config=DataPlaneConfig(max_serving_per_chunk=hc.tree_k + hc.rack_fanout))
                     self.data_url = await n.start(self.dataplane.run)
                 self.control_url = await n.start(serve, build_app(self), self.config.listen)
                 self._write_endpoints()
                 if self.config.placer:
-                    self._start_link(n)
+                    link = self._start_link(self.config.placer)
                     await n.start(self.parts.run)
                     if self.config.relay.enabled:
-                        await self._start_relay(n)
-                    await n.start(self.link.run)
+                        await self._start_relay(n, link)
+                    await n.start(link.run)
                 self.ready = True
                 self.notifier.ready(self.summary())
                 log.info("agent ready node=%s control=%s data=%s gpus=%s", self.node_id, self.control_url,
@@ -214,7 +213,6 @@ class Agent:
 
     def _check_token_dir(self) -> None:
         """Tokens readable by anyone but their owner reach workloads: say so at start."""
-        from scheduler_link.auth import ROLES, token_dir_from_env
         d = token_dir_from_env(self.config.token_dir)
         for p in [d, *(d / f"{r}.token" for r in ROLES)]:
             try:
@@ -224,19 +222,14 @@ class Agent:
             if mode & 0o077:
                 log.warning("token path readable or writable by others path=%s mode=%o (want 0700 dir, 0600 files)",
                             p, mode)
-    def _start_link(self, n: trio.Nursery) -> None:
-        try:
-            from scheduler_link.agent_link import AgentLink
-        except ImportError as e:
-            raise ConfigError(f"--placer given but the scheduler link is unavailable: {e}") from None
-        self.link = AgentLink(self.config.placer, self.tokens.cluster, self.node_id, self,  # type: ignore[arg-type]
-                              heartbeat_s=self.config.heartbeat_s, on_part=self.handle_part)
-        self.supervisor.add_listener(self.link.notify)
+    def _start_link(self, placer: str) -> AgentLink:
+        self.link = link = AgentLink(placer, self.tokens.cluster, self.node_id, self,
+                                     heartbeat_s=self.config.heartbeat_s, on_part=self.handle_part)
+        self.supervisor.add_listener(link.notify)
+        return link
 
-    async def _start_relay(self, n: trio.Nursery) -> None:
-        from .relay import Relay
+    async def _start_relay(self, n: trio.Nursery, link: AgentLink) -> None:
         t = self.config.topology
-        link = self.link
         self.relay = Relay(node_id=self.node_id, rack=f"{t.zone}/{t.block}/{t.rack}", tokens=self.tokens,
                            listen=self.config.relay.listen, advertise=self.config.relay.advertise,
                            wire_url=lambda: link.wire_url, own_part=self.handle_part, blobs=self.blobs,
@@ -267,7 +260,6 @@ class Agent:
         (their chunks become evictable under the quota)."""
         if self.store is None:
             return
-        from agent.supervisor import trees_to_remove
         doomed = trees_to_remove(self.store.materialised(), self.supervisor.workloads(),
                                  self.config.store.keep_trees)
         for mid in doomed:
@@ -327,11 +319,10 @@ class Agent:
         return msgspec.json.encode(doc)
 
     def metrics_text(self) -> str:
-        gpu = self._render_gpu_metrics(self.gpu_snapshot(), self.node_id) if self._render_gpu_metrics else ""
+        gpu = render_gpu_metrics(self.gpu_snapshot(), self.node_id) if self.monitor is not None else ""
         own = render_agent_metrics(self.node_id, self.supervisor.statistics(), self.store_statistics(), self.ready)
         p2p = ""
         if self.herd is not None:
-            from p2p.herd import render_metrics as render_p2p_metrics
             p2p = render_p2p_metrics(self.node_id, self.herd.statistics(),
                                      self.dataplane.statistics() if self.dataplane is not None else None)
         parts = [x if x.endswith("\n") else x + "\n" for x in (gpu, own, p2p) if x]
@@ -368,11 +359,6 @@ class Agent:
             raise AgentError("this agent has no artifact store")
         if not origin_url:
             raise AgentError(f"manifest {manifest_id} needs an origin URL")
-        try:
-            from p2p.fetch import fetch_artifact
-            from p2p.origins import open_origin
-        except ImportError as e:
-            raise AgentError(f"artifact fetching unavailable: {e}") from None
         origin = open_origin(origin_url)
         try:
             # a PeerTable (the gang's blob) goes as it is: the herd plans its trees over it
@@ -382,15 +368,15 @@ class Agent:
             if self.link is not None:
                 self.link.request_full_report()  # the placer learns at once that we hold it
         finally:
-            closer = getattr(origin, "aclose", None)
-            if closer is not None:
-                with trio.CancelScope(shield=True):
-                    await closer()
-        return {k: int(getattr(stats, k, 0) or 0) for k in ("bytes_from_origin", "bytes_from_peers", "bytes_local")}
+            with trio.CancelScope(shield=True):
+                await origin.aclose()
+        return {"bytes_from_origin": stats.bytes_from_origin, "bytes_from_peers": stats.bytes_from_peers,
+                "bytes_local": stats.bytes_local}
 
     async def _fetch(self, manifest_id: str, origin_url: str | None,
                      peers: list[Any] | PeerTable) -> tuple[Path, dict[str, int]]:
         figures = await self._fetch_into_store(manifest_id, origin_url, peers)
+        assert self.store is not None  # _fetch_into_store refuses without one
         path = await trio.to_thread.run_sync(self.store.materialise, manifest_id)
         return Path(path), figures
 
