@@ -45,6 +45,7 @@ import json
 import math
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -154,18 +155,37 @@ def _sub(a: dict[str, Any], b: dict[str, Any]) -> dict[str, int]:
     return {k: a.get(k, 0) - b.get(k, 0) for k in a}
 
 
+def _pyspy(placer: PlacerProc, name: str) -> subprocess.Popen[bytes] | None:
+    """``HERD_BENCH_PYSPY=DIR``: sample the placer with py-spy (raw stacks, 250 Hz) for
+    ``HERD_BENCH_PYSPY_S`` (3) seconds from just before the submit, into ``DIR/<job>.txt``.
+    A profiling aid: rows measured this way carry py-spy's overhead and are not figures."""
+    d = os.environ.get("HERD_BENCH_PYSPY")
+    if not d:
+        return None
+    spy = Path(sys.executable).with_name("py-spy")
+    Path(d).mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        [str(spy), "record", "--pid", str(placer.pid), "-r", "250", "--idle", "--nonblocking",
+         "--format", os.environ.get("HERD_BENCH_PYSPY_FORMAT", "raw"),
+         "--duration", os.environ.get("HERD_BENCH_PYSPY_S", "3"), "-o", str(Path(d) / f"{name}.txt")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 async def _deliver(c: httpx.AsyncClient, placer: PlacerProc, emus: list[EmulatorProc], op: dict[str, str],
                    spec: dict[str, Any], limit_s: float) -> dict[str, Any]:
     """Submit ``spec``; wait until every node acked (then running), bounded; the figures."""
     s0 = await _stats(c, emus)
     r0 = await _relay_stats(c, placer.url)
     cpu0, ecpu0 = placer.cpu_s(), sum(e.cpu_s() for e in emus)
+    spy = _pyspy(placer, spec["job_id"])
     r = await c.post(f"{placer.url}/v1/jobs", json=spec, headers=op)
     if r.status_code != 201:
         return {"error": r.text[:300]}
     job = await _wait_job(c, placer.url, spec["job_id"], "starting", limit_s)
     cpu_acked, ecpu_acked = placer.cpu_s() - cpu0, sum(e.cpu_s() for e in emus) - ecpu0
     run = await _wait_job(c, placer.url, spec["job_id"], "running", limit_s)
+    if spy is not None:
+        await trio.to_thread.run_sync(spy.wait)
     t = run.get("timings", {}) or job.get("timings", {})
     s1 = await _stats(c, emus)
     r1 = await _relay_stats(c, placer.url)

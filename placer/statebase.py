@@ -21,7 +21,7 @@ from .model import ClusterModel
 from .place import Decision, JobRequest
 from .queue import JobQueue
 from .records import STALE_PRIORITY, JobRec, NodeRec, PodRec, Push
-from .timers import Deadlines
+from .timers import Deadlines, DenseDeadlines
 
 log = logging.getLogger("herd.placer.state")
 
@@ -44,7 +44,7 @@ class StateBase:
         self.uuid_owner: dict[str, str] = {}                # GPU UUID -> the node reporting it
         self.manifest_holders: dict[str, set[str]] = {}     # manifest id -> up nodes holding it
         self.blobs: dict[str, bytes] = {}                   # gang blob id -> canonical bytes
-        self.lost_timer: Deadlines[str] = Deadlines()
+        self.lost_timer: DenseDeadlines[str] = DenseDeadlines()  # every up node, moved by each beat
         self.fence_timer: Deadlines[str] = Deadlines()
         self.requeue_timer: Deadlines[str] = Deadlines()    # rolled-back gangs, backing off
         self._order = 0

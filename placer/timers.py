@@ -12,8 +12,11 @@ Pure: times are passed in.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Hashable
 from typing import Generic, TypeVar
+
+import numpy as np
 
 K = TypeVar("K", bound=Hashable)
 
@@ -60,3 +63,82 @@ class Deadlines(Generic[K]):
 
     def next_at(self) -> float | None:
         return self._heap[0][0] if self._heap else None
+
+
+class DenseDeadlines(Generic[K]):
+    """Deadlines by key in one numpy array: for a key set that is nearly always armed and
+    moved later again and again (every node's "lost" deadline, pushed out by each beat).
+
+    Why not the heap above: every armed key's heap entry comes up once per lost threshold and
+    is re-filed, and nodes that registered together come up together: at 131,072 nodes one
+    tick re-filed ~131k entries (~200 ms with the event loop held, measured in the real placer
+    with py-spy). Here :meth:`set` is a dict lookup and an array store, and :meth:`pop_due`
+    is one vectorised compare over the array when the earliest deadline may have passed
+    (~0.1 ms at 131,072 keys), then Python work only for the keys actually due.
+
+    Same interface and semantics as :class:`Deadlines` (at most one live deadline a key;
+    keys come out in deadline order, each once). Pure: times are passed in.
+    """
+
+    def __init__(self, capacity: int = 1024) -> None:
+        self._at = np.full(max(16, capacity), np.inf)
+        self._keys: list[K | None] = [None] * len(self._at)
+        self._slot: dict[K, int] = {}
+        self._free: list[int] = list(range(len(self._at) - 1, -1, -1))
+        self._low = math.inf           # a lower bound of every live deadline
+
+    def __len__(self) -> int:
+        return len(self._slot)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slot
+
+    def _grow(self) -> None:
+        n = len(self._at)
+        self._at = np.concatenate([self._at, np.full(n, np.inf)])
+        self._keys.extend([None] * n)
+        self._free.extend(range(2 * n - 1, n - 1, -1))
+
+    def set(self, key: K, at: float) -> None:
+        """Key ``key`` is due at ``at`` (replaces any earlier setting)."""
+        i = self._slot.get(key)
+        if i is None:
+            if not self._free:
+                self._grow()
+            i = self._free.pop()
+            self._slot[key] = i
+            self._keys[i] = key
+        self._at[i] = at
+        if at < self._low:
+            self._low = at
+
+    def cancel(self, key: K) -> None:
+        i = self._slot.pop(key, None)
+        if i is not None:
+            self._at[i] = np.inf
+            self._keys[i] = None
+            self._free.append(i)
+
+    def pop_due(self, now: float) -> list[K]:
+        """Keys whose deadline is <= ``now`` (each removed), earliest first."""
+        if now < self._low or not self._slot:
+            return []
+        at = self._at
+        idx = np.flatnonzero(at <= now)
+        if len(idx):
+            idx = idx[np.argsort(at[idx], kind="stable")]
+            at[idx] = np.inf
+        keys = self._keys
+        out: list[K] = []
+        for i in idx.tolist():
+            k = keys[i]
+            keys[i] = None
+            if k is not None:
+                del self._slot[k]
+                out.append(k)
+            self._free.append(i)
+        self._low = float(at.min()) if self._slot else math.inf
+        return out
+
+    def next_at(self) -> float | None:
+        return None if not self._slot else float(self._at.min())

@@ -4,14 +4,17 @@ structured outcomes, bounded views, and a model that registers a fleet with one 
 
 from __future__ import annotations
 
+import random
+
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from placer.config import PlacerConfig
 from placer.model import ClusterModel, NodeSpec
 from placer.state import ACCEPTED, Outcome, PlacerState
-from placer.timers import Deadlines
+from placer.timers import Deadlines, DenseDeadlines
 from placer.views import parse_page
 from scheduler_link.messages import (
     GpuInfo,
@@ -49,8 +52,9 @@ def new_state(**kw) -> PlacerState:
 
 # ------------------------------------------------------------------ deadlines
 
-def test_deadlines_fire_once_move_later_and_cancel():
-    d: Deadlines[str] = Deadlines()
+@pytest.mark.parametrize("kind", [Deadlines, DenseDeadlines])
+def test_deadlines_fire_once_move_later_and_cancel(kind):
+    d = kind()
     d.set("a", 5.0)
     d.set("b", 3.0)
     d.set("c", 4.0)
@@ -63,6 +67,32 @@ def test_deadlines_fire_once_move_later_and_cancel():
     d.set("a", 1.0)          # moved earlier: fires at the earlier time, once
     assert d.pop_due(1.0) == ["a"]
     assert d.pop_due(100.0) == [] and len(d) == 0
+
+
+def test_dense_deadlines_agree_with_the_heap_under_random_use():
+    """The array-backed deadlines (every node's "lost" timer) against the heap, op by op,
+    through growth past the initial capacity, cancels, moves both ways and partial pops."""
+    rng = random.Random(3)
+    heap: Deadlines[str] = Deadlines()
+    dense: DenseDeadlines[str] = DenseDeadlines(capacity=16)
+    now = 0.0
+    for _ in range(4000):
+        op = rng.random()
+        k = f"n{rng.randrange(300)}"
+        if op < 0.6:
+            at = now + rng.uniform(-1.0, 20.0)
+            heap.set(k, at)
+            dense.set(k, at)
+        elif op < 0.7:
+            heap.cancel(k)
+            dense.cancel(k)
+        else:
+            now += rng.uniform(0.0, 3.0)
+            a, b = heap.pop_due(now), dense.pop_due(now)
+            assert sorted(a) == sorted(b)
+        assert len(heap) == len(dense)
+        assert (k in heap) == (k in dense)
+    assert sorted(heap.pop_due(1e9)) == sorted(dense.pop_due(1e9)) and len(dense) == 0
 
 
 # ------------------------------------------------------------------ registration: one rebuild
