@@ -14,6 +14,7 @@ from cli.main import CliError
 from cli.output import emit_json, human_bytes, table
 from scheduler_link.auth import TokenSet, auth_header
 from scheduler_link.client import not_herd_line
+from scheduler_link.daemon_client import DaemonClient
 from scheduler_link.messages import Placement, PlacementAck, PodAssignment, RestartPolicy, WorkloadStatus
 
 
@@ -35,10 +36,6 @@ def _read_headers(args: argparse.Namespace) -> dict[str, str]:
     return auth_header(t.viewer or t.operator)
 
 
-def _client(args: argparse.Namespace) -> httpx.Client:
-    return httpx.Client(base_url=_agent_url(args), timeout=args.timeout)
-
-
 def _check(r: httpx.Response, what: str) -> Any:
     if r.status_code >= 400:
         try:
@@ -58,13 +55,8 @@ def _check(r: httpx.Response, what: str) -> Any:
 
 
 def _request(args: argparse.Namespace, method: str, path: str, what: str, **kw: Any) -> Any:
-    try:
-        with _client(args) as c:
-            return _check(c.request(method, path, **kw), what)
-    except httpx.TimeoutException:
-        raise CliError(f"agent {_agent_url(args)} did not answer in time (--timeout S waits longer)") from None
-    except httpx.TransportError as e:
-        raise CliError(f"cannot reach agent {_agent_url(args)}: {e or type(e).__name__}") from None
+    with DaemonClient(_agent_url(args), "agent", timeout=args.timeout) as c:
+        return _check(c.send(method, path, check=False, **kw), what)
 
 
 # ------------------------------------------------------------------ run

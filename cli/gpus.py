@@ -142,10 +142,8 @@ def fault_from_args(args: argparse.Namespace) -> msgspec.Struct:
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
-    import httpx
-
     from scheduler_link.auth import TokenSet, auth_header
-    from scheduler_link.client import not_herd_line
+    from scheduler_link.daemon_client import DaemonClient
 
     if not args.agent:
         raise CliError("no agent URL: give --agent URL or set HERD_AGENT")
@@ -154,25 +152,10 @@ def cmd_inject(args: argparse.Namespace) -> int:
     if not tokens.operator:
         raise CliError("no operator token: put operator.token in --token-dir or $HERD_TOKEN_DIR")
     from urllib.parse import quote
-    url = args.agent.rstrip("/") + f"/v1/gpus/{quote(args.gpu, safe='')}/inject"
-    try:
-        r = httpx.post(url, content=msgspec.json.encode(fault), timeout=args.timeout,
-                       headers={**auth_header(tokens.operator), "content-type": "application/json"})
-    except httpx.TimeoutException:
-        raise CliError(f"the agent at {args.agent} did not answer in time (--timeout S waits longer)") from None
-    except httpx.HTTPError as e:
-        raise CliError(f"cannot reach the agent at {args.agent}: {e or type(e).__name__}") from None
-    try:
-        body = r.json()
-    except ValueError:
-        body = None
-    if not isinstance(body, dict):
-        raise CliError(not_herd_line(r, "agent"))
-    if r.status_code >= 400:
-        if "error" not in body:
-            raise CliError(not_herd_line(r, "agent"))
-        detail = body.get("detail")
-        raise CliError(f"agent refused the fault ({r.status_code}): {body['error']}{': ' + str(detail) if detail else ''}")
+    with DaemonClient(args.agent, "agent", timeout=args.timeout,
+                      headers={**auth_header(tokens.operator), "content-type": "application/json"}) as c:
+        # an error answer is "agent answered 4xx: error: detail"; a page that is not herd's says so
+        body = c.json("POST", f"/v1/gpus/{quote(args.gpu, safe='')}/inject", content=msgspec.json.encode(fault))
     if args.json:
         emit_json(body)
     else:

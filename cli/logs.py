@@ -14,14 +14,10 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import httpx
-import msgspec
-
 from cli.main import CliError
 from scheduler_link.auth import TokenSet, auth_header
-from scheduler_link.client import ClientError, PlacerClient, error_line, placer_url_from_env
-
-_list_dec = msgspec.json.Decoder()
+from scheduler_link.client import ClientError, PlacerClient, placer_url_from_env
+from scheduler_link.daemon_client import DaemonClient
 
 
 class AgentViewer:
@@ -32,25 +28,11 @@ class AgentViewer:
             raise CliError("--timeout must be > 0")
         t = TokenSet.load(token_dir)
         self.url = url.rstrip("/")
-        self._c = httpx.Client(base_url=self.url, headers=auth_header(t.viewer or t.operator), timeout=timeout)
+        self._c = DaemonClient(self.url, "agent", headers=auth_header(t.viewer or t.operator), timeout=timeout)
+        self._send = self._c.send
 
     def close(self) -> None:
         self._c.close()
-
-    def _send(self, method: str, path: str, *, stream: bool = False, **kw: Any) -> httpx.Response:
-        try:
-            req = self._c.build_request(method, path, **kw)
-            r = self._c.send(req, stream=stream)
-        except httpx.TimeoutException:
-            raise CliError(f"the agent at {self.url} did not answer in time (--timeout S waits longer)") from None
-        except httpx.HTTPError as e:
-            raise CliError(f"cannot reach the agent at {self.url}: {e or type(e).__name__}") from None
-        if r.status_code >= 400:
-            if stream:
-                r.read()
-                r.close()
-            raise ClientError(error_line(r, "agent"), status=r.status_code)
-        return r
 
     def resolve(self, given: str) -> str:
         """The workload id as given, or the one the agent knows that starts with it."""
@@ -61,12 +43,7 @@ class AgentViewer:
             if e.status != 404:
                 raise
             unknown = e
-        r = self._send("GET", "/v1/workloads")
-        try:
-            body = _list_dec.decode(r.content)
-        except msgspec.DecodeError:
-            raise CliError(f"agent at {self.url} answered /v1/workloads with something else: "
-                           "not a herd server") from None
+        body = self._c.json("GET", "/v1/workloads")
         if not isinstance(body, list):
             raise CliError(f"agent at {self.url} answered /v1/workloads with something else: not a herd server")
         ids = sorted({str(w.get("workload_id")) for w in body if isinstance(w, dict)})
@@ -87,16 +64,10 @@ class AgentViewer:
         params["follow"] = "1"
         # a follow has no overall deadline; each wait for the next bytes is bounded by the
         # read timeout the agent's keep-alive lines stay under
-        r = self._send("GET", f"/v1/workloads/{wid}/logs", params=params, stream=True,
-                       timeout=httpx.Timeout(self._c.timeout.connect, read=None))
-        try:
-            for chunk in r.iter_bytes():
-                out.write(chunk.decode(errors="replace"))
-                out.flush()
-        except httpx.HTTPError as e:
-            raise CliError(f"the log stream from {self.url} broke: {e or type(e).__name__}") from None
-        finally:
-            r.close()
+        r = self._send("GET", f"/v1/workloads/{wid}/logs", params=params, stream=True, unbounded_read=True)
+        for chunk in self._c.iter_bytes(r):
+            out.write(chunk.decode(errors="replace"))
+            out.flush()
 
 
 def _tail(v: int) -> int:

@@ -18,6 +18,8 @@ import httpx
 import trio
 
 from cli.output import human_bytes
+from scheduler_link.daemon_client import get_json
+from scheduler_link.errors import ClientError
 
 POLL_S = 0.5
 CONCURRENCY = 64
@@ -61,15 +63,18 @@ async def wait_nodes(nodes: list[NodeWait], manifest: str, total_per_node: int, 
         async def poll(n: NodeWait) -> None:
             async with limiter:
                 try:
-                    r = await c.get(f"{n.url.rstrip('/')}/v1/store", params={"manifest": manifest})
-                    if r.status_code != 200:
-                        n.last_error = f"agent answered HTTP {r.status_code}"
-                        if r.status_code in (401, 403, 404):
-                            n.error = n.last_error + " to GET /v1/store"
-                        return
-                    _verdict(n, r.json(), manifest)
-                except (httpx.HTTPError, ValueError) as e:
-                    n.last_error = f"agent unreachable ({type(e).__name__})"
+                    status, doc = await get_json(c, f"{n.url.rstrip('/')}/v1/store", "agent",
+                                                 params={"manifest": manifest})
+                except ClientError as e:
+                    n.last_error = str(e)
+                    return
+                if status != 200 or not isinstance(doc, dict):
+                    n.last_error = (f"agent answered HTTP {status}" if status != 200 else
+                                    "agent answered /v1/store with something else: not a herd server")
+                    if status in (401, 403, 404):
+                        n.error = n.last_error + " to GET /v1/store"
+                    return
+                _verdict(n, doc, manifest)
 
         while True:
             todo = [n for n in nodes if not n.finished]

@@ -12,11 +12,9 @@ import platform
 import sys
 from typing import Any
 
-import httpx
-import msgspec
-
 from cli.output import emit_json
-from scheduler_link.client import ClientError, decode_answer, error_line
+from scheduler_link.client import ClientError
+from scheduler_link.daemon_client import DaemonClient
 from scheduler_link.messages import WIRE_VERSION
 
 
@@ -49,20 +47,12 @@ class VersionAction(argparse.Action):
         parser.exit(0)
 
 
-_any = msgspec.json.Decoder()
-
-
 def remote_version(url: str, who: str, timeout: float) -> dict[str, Any]:
     """``{"url", "version", "wire"}`` from a daemon's public ``/healthz``; ``{"url", "error"}``
     when it cannot say."""
     try:
-        r = httpx.get(url.rstrip("/") + "/healthz", timeout=timeout)
-    except httpx.HTTPError as e:
-        return {"url": url, "error": f"cannot reach the {who} at {url}: {e or type(e).__name__}"}
-    if r.status_code >= 400:
-        return {"url": url, "error": error_line(r, who)}
-    try:
-        body = decode_answer(_any, r, who)
+        with DaemonClient(url, who, timeout=timeout) as c:
+            body = c.json("GET", "/healthz")
     except ClientError as e:
         return {"url": url, "error": str(e)}
     if not isinstance(body, dict) or "ok" not in body:

@@ -70,7 +70,7 @@ async def test_cli_place_status_stop(tmp_path, token_dir):
             assert rc == 1 and "operator token" in err
             rc, out, err = await herd("agent", "place", "--gpus", "1", "--agent", "http://127.0.0.1:1", "--",
                                       "true", env=env)
-            assert rc == 1 and "cannot reach agent" in err
+            assert rc == 1 and "cannot reach the agent at http://127.0.0.1:1" in err
             rc, out, err = await herd("agent", "stop", wid, "--json", env=env)
             assert rc == 0 and json.loads(out)["state"] == "terminating", err
             st = await agent.supervisor.wait_terminal(wid)

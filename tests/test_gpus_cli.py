@@ -95,8 +95,8 @@ async def test_herd_gpus_inject_over_http(token_dir, capsys, monkeypatch):
             from scheduler_link.auth import generate_token_dir
             bad = generate_token_dir(token_dir.parent / "other")
             for argv, expect in [
-                (["--gpu", "GPU-sim-nope", "--lost", "--token-dir", str(token_dir)], "(404): bad fault: no GPU"),
-                (["--gpu", u, "--clear", "--token-dir", str(bad)], "(401): unauthorized"),
+                (["--gpu", "GPU-sim-nope", "--lost", "--token-dir", str(token_dir)], "agent answered 404: bad fault: no GPU"),
+                (["--gpu", u, "--clear", "--token-dir", str(bad)], "agent answered 401: unauthorized"),
                 (["--gpu", u, "--clear", "--token-dir", str(token_dir.parent / "missing")], "no operator token"),
                 (["--gpu", u, "--token-dir", str(token_dir)], "say which fault"),
                 (["--gpu", u, "--clear", "--xid", "3", "--token-dir", str(token_dir)], "cannot be combined"),
