@@ -113,12 +113,12 @@ def render_text(snap: msgspec.Struct) -> str:
                "PHB = PCIe host bridge, NODE = within a NUMA node, SYS = across NUMA nodes")
     out.append("")
     reasons = [(g.index, r) for g in snap.gpus for r in g.reasons]
+    if not reasons:  # said of the GPUs even when the host has reasons (a loaded machine)
+        out.append("health: all GPUs healthy" + ("" if snap.host.reasons else ", no reasons"))
     if reasons or snap.host.reasons:
         rrows = [[f"GPU{i}", r.severity, r.code, r.detail] for i, r in reasons]
         rrows += [["host", r.severity, r.code, r.detail] for r in snap.host.reasons]
         out.append(table(["WHERE", "SEVERITY", "CODE", "DETAIL"], rrows))
-    else:
-        out.append("health: all GPUs healthy, no reasons")
     h = snap.host
     out.append(f"host health {h.state}: mem available {h.mem_available_mib if h.mem_available_mib is not None else '-'}"
                f" MiB, state-dir disk free {h.disk_free_mib if h.disk_free_mib is not None else '-'} MiB, "
