@@ -29,6 +29,7 @@ import os
 import signal
 import time
 from collections.abc import Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +56,9 @@ from scheduler_link.messages import (
     Victim,
     WorkloadEvent,
 )
+from scheduler_link.tls import Security
 
-from . import procs
+from . import certs, procs
 from .api import build_app
 from .blobs import BlobCache, BlobSource
 from .config import AgentConfig
@@ -84,6 +86,8 @@ class Agent:
         self.node_id = config.node_id
         self.state_dir = Path(config.state_dir)
         self.tokens = TokenSet.load(config.token_dir)
+        # TLS (agent.certs): None while a bootstrap is pending (run() obtains the certificate)
+        self.security: Security | None = certs.security_for(config)
         self.notifier = Notifier(env)
         self.handle_signals = handle_signals
         self.ready = False
@@ -104,7 +108,7 @@ class Agent:
                                      blob_fetcher=self._blob_bytes if config.placer else None)
         self.parts = PartAcceptor(self.state_dir, node_id=self.node_id, supervisor=self.supervisor,
                                   inventory=self._inventory, blob=self._gang_blob, notify=self._notify,
-                                  allowed_origins=config.allowed_origins,
+                                  keys=self._msg_keys, allowed_origins=config.allowed_origins,
                                   blob_timeout_s=config.workloads.blob_timeout_s)
 
     # ------------------------------------------------------------ wiring
@@ -136,6 +140,11 @@ class Agent:
         if self.link is not None:
             self.link.notify(ev)
 
+    def _msg_keys(self) -> tuple[bytes | None, bytes | None]:
+        """(this node's MAC key, the placer's signing key): from the link's registration."""
+        link = self.link
+        return (link.mac_key, link.placer_key) if link is not None else (None, None)
+
     async def handle_part(self, part: NodePart) -> NodeOutcome:
         """A NodePart from the rack relay (or, as the relay, this node's own)."""
         return await self.parts.handle(part)
@@ -148,7 +157,8 @@ class Agent:
         assert self.config.placer is not None
         url = f"{self.config.placer.rstrip('/')}/v1/gangs/{blob_id}"
         out = bytearray()
-        async with httpx.AsyncClient(timeout=10.0) as c, c.stream(
+        verify = self.security.client if self.security is not None and self.security.client else True
+        async with httpx.AsyncClient(timeout=10.0, verify=verify) as c, c.stream(
                 "GET", url, headers={"authorization": f"Bearer {self.tokens.cluster}"}) as r:
             if r.status_code != 200:
                 raise AgentError(f"placer answered {r.status_code} for gang blob {blob_id[:16]}")
@@ -190,7 +200,11 @@ class Agent:
                     self.dataplane = DataPlane(store, token=self.tokens.cluster, listen=self.config.data_listen,
                                                config=DataPlaneConfig(max_serving_per_chunk=hc.tree_k + hc.rack_fanout))
                     self.data_url = await n.start(self.dataplane.run)
-                self.control_url = await n.start(serve, build_app(self), self.config.listen)
+                if self.security is None:
+                    self.security = await certs.bootstrap_security(self.config)
+                sec = self.security
+                self.control_url = await n.start(partial(serve, ssl_context=sec.api), build_app(self),
+                                                 self.config.listen)
                 self._write_endpoints()
                 if self.config.placer:
                     link = self._start_link(self.config.placer)
@@ -198,6 +212,8 @@ class Agent:
                     if self.config.relay.enabled:
                         await self._start_relay(n, link)
                     await n.start(link.run)
+                    if sec.files is not None:  # renew before expiry, over the current certificate
+                        n.start_soon(certs.renew_loop, sec, self.config.placer, self.node_id, self.state_dir)
                 self.ready = True
                 self.notifier.ready(self.summary())
                 log.info("agent ready node=%s control=%s data=%s gpus=%s", self.node_id, self.control_url,
@@ -224,7 +240,8 @@ class Agent:
                             p, mode)
     def _start_link(self, placer: str) -> AgentLink:
         self.link = link = AgentLink(placer, self.tokens.cluster, self.node_id, self,
-                                     heartbeat_s=self.config.heartbeat_s, on_part=self.handle_part)
+                                     heartbeat_s=self.config.heartbeat_s, on_part=self.handle_part,
+                                     ssl_context=self.security.client if self.security is not None else None)
         self.supervisor.add_listener(link.notify)
         return link
 
@@ -233,7 +250,7 @@ class Agent:
         self.relay = Relay(node_id=self.node_id, rack=f"{t.zone}/{t.block}/{t.rack}", tokens=self.tokens,
                            listen=self.config.relay.listen, advertise=self.config.relay.advertise,
                            wire_url=lambda: link.wire_url, own_part=self.handle_part, blobs=self.blobs,
-                           placer_blob=self._fetch_blob, heartbeat_s=self.config.heartbeat_s)
+                           placer_blob=self._fetch_blob, heartbeat_s=self.config.heartbeat_s, keys=self._msg_keys)
         link.own_relay_url = await n.start(self.relay.run)
 
     async def _signals(self, scope: trio.CancelScope, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -314,6 +331,7 @@ class Agent:
             "link": self.link.statistics() if self.link is not None else None,
             "relay": self.relay.statistics() if self.relay is not None else None,
             "parts": self.parts.statistics(), "blobs": self.blobs.statistics(),
+            "security": self.security.status() if self.security is not None else None,
             "gpu_monitor": self.monitor.statistics() if self.monitor is not None else None,
         }
         return msgspec.json.encode(doc)
@@ -359,7 +377,10 @@ class Agent:
             raise AgentError("this agent has no artifact store")
         if not origin_url:
             raise AgentError(f"manifest {manifest_id} needs an origin URL")
-        origin = open_origin(origin_url)
+        # retries=0: the herd's origin call (jittered backoff within origin_retry_s, counted in
+        # herd_p2p_origin_retries_total) is the one retry layer; the origin's transport retrying
+        # inside it would multiply the attempts and hide them from the counter
+        origin = open_origin(origin_url, retries=0)
         try:
             # a PeerTable (the gang's blob) goes as it is: the herd plans its trees over it
             peers = peers if isinstance(peers, PeerTable) else list(peers)
