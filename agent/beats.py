@@ -7,6 +7,9 @@ interval, and a member's pending entry goes up before any content report of that
 so the placer sees each node's sequence in order. What the placer's ``RackBeatReply``
 says of a member (``need_full``, fencing ``stop``) rides on the next answer to it; a stop
 is told once, a need_full until a full report of that member went up.
+
+Each pending entry keeps the member's own MAC of that heartbeat (``NodeReport.mac``: the
+relay cannot make one, scheduler_link.msgauth.beat_mac); the beat carries it up in ``macs``.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ class BeatBook:
     def __init__(self, rack: str, heartbeat_s: float) -> None:
         self.rack = rack
         self.heartbeat_s = heartbeat_s
-        self._pending: dict[str, tuple[str, int]] = {}   # node -> (boot, seq), the latest empty one
+        self._pending: dict[str, tuple[str, int, bytes]] = {}   # node -> (boot, seq, mac), the latest empty one
         self._need_full: set[str] = set()
         self._stops: dict[str, list[Victim]] = {}
 
@@ -37,7 +40,7 @@ class BeatBook:
 
     def empty(self, rep: NodeReport) -> ReportReply:
         """Keep an empty heartbeat as the member's pending entry; the answer to give it now."""
-        self._pending[rep.node_id] = (rep.boot_id, rep.seq)
+        self._pending[rep.node_id] = (rep.boot_id, rep.seq, rep.mac)
         need = rep.node_id in self._need_full
         stop = self._stops.pop(rep.node_id, [])
         return ReportReply(ok=True, need_full=need, stop=stop, heartbeat_interval_s=self.heartbeat_s)
@@ -51,22 +54,24 @@ class BeatBook:
         ids: list[str] = []
         boots: list[str] = []
         seqs: list[int] = []
+        macs: list[bytes] = []
         for nid in node_ids:
             e = self._pending.pop(nid, None)
             if e is not None:
                 ids.append(nid)
                 boots.append(e[0])
                 seqs.append(e[1])
+                macs.append(e[2])
         if not ids:
             return None
-        return RackBeat(rack=self.rack, node_ids=ids, boot_ids=boots, seqs=seqs, sent_at=now)
+        return RackBeat(rack=self.rack, node_ids=ids, boot_ids=boots, seqs=seqs, sent_at=now, macs=macs)
 
     def take_all(self, now: float) -> RackBeat | None:
         if not self._pending:
             return None
         p, self._pending = self._pending, {}
-        return RackBeat(rack=self.rack, node_ids=list(p), boot_ids=[b for b, _ in p.values()],
-                        seqs=[s for _, s in p.values()], sent_at=now)
+        return RackBeat(rack=self.rack, node_ids=list(p), boot_ids=[e[0] for e in p.values()],
+                        seqs=[e[1] for e in p.values()], sent_at=now, macs=[e[2] for e in p.values()])
 
     def forwarded(self, rep: NodeReport) -> None:
         """A content report goes up: a full one answers any need_full."""

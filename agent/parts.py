@@ -20,6 +20,12 @@ user, peers, ...) comes after. So acceptance is two steps:
    ``failed`` through ``notify`` (the placer then fails or requeues the gang as for any
    failed pod).
 
+Identity (scheduler_link.msgauth): a part is acted on only when its proof holds (its bytes
+are one of the parts the placer signed, and the signature verifies with the placer's key
+this node got at registration); one that does not is neither answered nor kept
+(:class:`PartNotAuthentic`: the relay gets an error, the placer reaches this node directly).
+Every outcome carries this node's MAC, so its relay cannot change it.
+
 Invariants:
 - one placement id, one outcome: a part seen again (over a relay or directly, also after
   the same placement arrived over HTTP) gets the outcome it got the first time; the
@@ -61,6 +67,7 @@ from scheduler_link.messages import (
     WorkloadEvent,
     inventory_hash,
 )
+from scheduler_link.msgauth import AuthError, BundleVerifier, with_outcome_mac
 
 from .errors import AgentError
 from .partstore import PartRecord, PartState, PartStore
@@ -154,6 +161,10 @@ class PartNotDurable(AgentError):
     """An accepted part could not be written: it must not be acked."""
 
 
+class PartNotAuthentic(AgentError):
+    """A part whose placer signature does not hold (or cannot be checked yet): never acted on."""
+
+
 class PartSupervisor(Protocol):
     async def place(self, placement: Placement, *, direct: bool = False) -> PlacementAck: ...
 
@@ -168,6 +179,8 @@ class PartSupervisor(Protocol):
 GangBlobGetter = Callable[[str], Awaitable[GangBlob]]
 # () -> (GPU UUIDs in index order, uuid -> health or None when not discovered yet)
 Inventory = Callable[[], tuple[list[str], Mapping[str, str] | None]]
+# () -> (this node's MAC key, the placer's signing key), None until registered directly
+Keys = Callable[[], tuple[bytes | None, bytes | None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +209,7 @@ class _Counters:
     repeated: int = 0
     placed: int = 0
     failed: int = 0
+    not_authentic: int = 0
     by_outcome: dict[str, int] = field(default_factory=dict)
 
 
@@ -204,7 +218,7 @@ class PartAcceptor:
 
     def __init__(self, state_dir: str | os.PathLike[str], *, node_id: str, supervisor: PartSupervisor,
                  inventory: Inventory, blob: GangBlobGetter, notify: Callable[[WorkloadEvent], None],
-                 allowed_origins: tuple[str, ...] | None = None, blob_timeout_s: float = 10.0,
+                 keys: Keys, allowed_origins: tuple[str, ...] | None = None, blob_timeout_s: float = 10.0,
                  clock: Callable[[], float] = time.time) -> None:
         self.node_id = node_id
         self.supervisor = supervisor
@@ -214,6 +228,9 @@ class PartAcceptor:
         self.allowed_origins = allowed_origins
         self.blob_timeout_s = blob_timeout_s
         self._clock = clock
+        self._keys = keys
+        self._verifier: BundleVerifier | None = None
+        self._seen_sigs: dict[bytes, bool] = {}
         self._store = PartStore(state_dir)
         self._send, self._recv = trio.open_memory_channel[_Accept | _Done | _Stops](math.inf)
         self._recs: dict[str, PartRecord] = {}            # accepted parts (pending and done), by placement id
@@ -224,19 +241,35 @@ class PartAcceptor:
     def statistics(self) -> dict[str, Any]:
         c = self.counters
         return {"accepted": c.accepted, "refused": c.refused, "repeated": c.repeated, "placed": c.placed,
-                "failed": c.failed, "pending": sum(r.state == "accepted" for r in self._recs.values()),
+                "failed": c.failed, "not_authentic": c.not_authentic, "pending": sum(r.state == "accepted" for r in self._recs.values()),
                 "writes": self._store.writes}
 
     async def handle(self, part: NodePart) -> NodeOutcome:
         """Decide on a part and answer once the answer holds (an acceptance is on disk).
-        Raises :class:`PartNotDurable` when it cannot be written: the sender then says
-        nothing for this node and the placer pushes it directly."""
+        Raises :class:`PartNotDurable` when it cannot be written, :class:`PartNotAuthentic` when
+        the placer's signature does not hold: the sender then says nothing for this node and the
+        placer pushes it directly."""
+        mac_key, pub = self._keys()
+        part = self._authentic(part, pub)
         send, recv = trio.open_memory_channel[NodeOutcome | None](1)
         await self._send.send(_Accept(part, send))
         out = await recv.receive()
         if out is None:
             raise PartNotDurable(f"part {part.placement_id} could not be written to the state dir")
-        return out
+        return with_outcome_mac(mac_key, out) if mac_key else out
+
+    def _authentic(self, part: NodePart, pub: bytes | None) -> NodePart:
+        """The signed part (its proof checked), or PartNotAuthentic."""
+        try:
+            if pub is None:
+                raise AuthError("no placer signing key yet (this node has not registered directly)")
+            if self._verifier is None or self._verifier.public != pub:
+                self._verifier = BundleVerifier(pub)
+            return self._verifier.part(part, seen=self._seen_sigs)
+        except (AuthError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.counters.not_authentic += 1
+            log.warning("part refused, not authentic placement=%s err=%s", part.placement_id, e)
+            raise PartNotAuthentic(f"part {part.placement_id}: {e}") from None
 
     async def hold_stops(self, victims: Sequence[Victim]) -> None:
         """Stops that came another way (a victims-only placement over HTTP): those naming pods

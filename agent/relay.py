@@ -28,6 +28,11 @@ serves whatever comes:
   yet) -- never a new fetch, so relays asking each other cannot wait on one another in a
   cycle.
 
+A relay can delay or drop, never forge (scheduler_link.msgauth): a bundle is acted on only
+once the placer's signature over it verifies (the key came with this node's registration);
+each member gets its part with the signed proof and checks it itself; a member's content
+report and heartbeat carry the member's MAC, which this relay passes on untouched.
+
 Without a connection up, members' reports are answered 503: their links fall back to the
 placer directly (a relay that cannot reach the placer must not keep its rack looking alive).
 
@@ -64,6 +69,7 @@ from scheduler_link.messages import (
     RelayHello,
     ReportReply,
 )
+from scheduler_link.msgauth import AuthError, BundleVerifier
 
 from .beats import BeatBook, is_empty
 from .blobs import BlobCache, BlobSource
@@ -71,6 +77,8 @@ from .blobs import BlobCache, BlobSource
 log = logging.getLogger("herd.agent.relay")
 
 PartHandler = Callable[[NodePart], Awaitable[NodeOutcome]]
+# () -> (this node's MAC key, the placer's signing key), None until registered
+Keys = Callable[[], tuple[bytes | None, bytes | None]]
 ACK_WINDOW_S = 0.4           # a bundle's acks go back at most this long after it came
 KEEP_SOURCES = 16            # blob ids whose sources (from bundles) are remembered
 PEER_BLOB_WAIT_S = 2.0       # a relay asking for a blob whose bundle has not reached us yet waits this long
@@ -88,8 +96,10 @@ class Relay:
                  own_part: PartHandler, blobs: BlobCache, placer_blob: BlobSource | None = None,
                  advertise: str | None = None, heartbeat_s: float = 5.0, backoff_min_s: float = 0.05,
                  backoff_max_s: float = 2.0, request_timeout_s: float = 10.0, max_connections: int = 512,
-                 clock: Callable[[], float] = time.time) -> None:
+                 keys: Keys, clock: Callable[[], float] = time.time) -> None:
         self.node_id = node_id
+        self._keys = keys
+        self._verifier: BundleVerifier | None = None
         self.rack = rack
         self.tokens = tokens
         self.token = tokens.cluster or ""
@@ -127,6 +137,7 @@ class Relay:
         self.report_frames = 0
         self.empty_answered = 0
         self.blob_serves = 0
+        self.bad_bundles = 0
 
     def statistics(self) -> dict[str, Any]:
         return {"listen_url": self.listen_url, "rack": self.rack, "upstream": self._up is not None,
@@ -135,6 +146,7 @@ class Relay:
                 "beat_entries": self.beat_entries, "reports_forwarded": self.reports_forwarded,
                 "report_frames": self.report_frames,
                 "empty_answered": self.empty_answered, "blob_serves": self.blob_serves,
+                "bad_bundles": self.bad_bundles,
                 "pending_beats": self.book.pending, "blobs": self.blobs.statistics()}
 
     def blob_sources(self, blob_id: str) -> list[BlobSource]:
@@ -209,7 +221,11 @@ class Relay:
 
     def _upstream_frame(self, ch: FrameChannel, f: Frame) -> Any:
         if f.type == "bundle":
-            return self._bundle(decode_payload(f, RackBundle))
+            try:
+                b, parts = self._verified(f)
+            except (AuthError, msgspec.DecodeError, msgspec.ValidationError) as e:
+                return "error", {"error": f"bundle refused: {e}"}
+            return self._bundle(b, parts)
         if f.type == "part":
             return self._own(decode_payload(f, NodePart))
         if f.type == "ping":
@@ -219,7 +235,27 @@ class Relay:
     async def _own(self, part: NodePart) -> tuple[str, NodeOutcome]:
         return "ack", await self._own_part(part)
 
-    async def _bundle(self, b: RackBundle) -> tuple[str, AckBundle]:
+    def _verified(self, f: Frame) -> tuple[RackBundle, list[NodePart]]:
+        """The bundle, checked against the placer's signature (raises: nothing of it is acted
+        on, the frame is answered with an error and the placer reaches the rack directly),
+        and its parts each with the proof its member checks."""
+        pub = self._keys()[1]
+        if pub is None:
+            self.bad_bundles += 1
+            raise AuthError("no placer signing key yet (this relay has not registered directly)")
+        if self._verifier is None or self._verifier.public != pub:
+            self._verifier = BundleVerifier(pub)
+        try:
+            view, parts, proofs = self._verifier.bundle(f.payload)
+        except (AuthError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.bad_bundles += 1
+            log.warning("bundle refused rack=%s: %s", self.rack, e)
+            raise
+        b = RackBundle(rack=view.rack, blob_id=view.blob_id, blob=view.blob, blob_sources=list(view.blob_sources),
+                       deliver_by=view.deliver_by, sig=view.sig)
+        return b, [msgspec.structs.replace(p, proof=pr) for p, pr in zip(parts, proofs, strict=True)]
+
+    async def _bundle(self, b: RackBundle, parts: list[NodePart]) -> tuple[str, AckBundle]:
         self.bundles += 1
         if b.blob_id:
             self._sources[b.blob_id] = list(b.blob_sources)
@@ -237,12 +273,12 @@ class Relay:
         outcomes: list[NodeOutcome] = []
         with trio.move_on_at(until):
             async with trio.open_nursery() as n:
-                for part in b.parts:
+                for part in parts:
                     if part.pods and not part.blob_id:  # inside a bundle a part's blob is the bundle's
                         part = msgspec.structs.replace(part, blob_id=b.blob_id)
                     n.start_soon(self._deliver, part, outcomes)
         self.parts_delivered += len(outcomes)
-        self.parts_missed += len(b.parts) - len(outcomes)
+        self.parts_missed += len(parts) - len(outcomes)
         return "acks", AckBundle(rack=b.rack, blob_id=b.blob_id, outcomes=outcomes)
 
     async def _deliver(self, part: NodePart, outcomes: list[NodeOutcome]) -> None:

@@ -19,6 +19,10 @@ Theory of operation (DESIGN.md, "Fleet scale"; issue 12):
   seeds. The placer serves ``blob_get`` as a last resort, and counts it.
 - Relays also carry their members' reports up: content reports as ``report`` frames,
   empty heartbeats aggregated into one ``beat`` per interval (:meth:`Reports.beat`).
+- A relay can delay or drop, never forge (scheduler_link.msgauth): every bundle is signed
+  (Ed25519, once per bundle, over its parts' exact bytes); every outcome, report and beat
+  entry a relay forwards for another node must carry that node's MAC, else it is dropped,
+  counted (``bad_macs``) and the node is reached directly as if the relay had left it out.
 
 This module does the I/O; what a beat or an outcome means is decided by the state.
 """
@@ -38,6 +42,7 @@ import msgspec
 import trio
 import trio.lowlevel
 
+from scheduler_link import msgauth
 from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload
 from scheduler_link.heartbeat_wire import Hello, WireReply
 from scheduler_link.messages import (
@@ -47,7 +52,6 @@ from scheduler_link.messages import (
     Frame,
     NodeReport,
     RackBeat,
-    RackBundle,
     RackReports,
 )
 
@@ -213,11 +217,13 @@ class RelayHub:
 
     def _apply(self, ch: FrameChannel, f: Frame) -> tuple[str, Any] | None:
         t = f.type
+        conn: RelayConn | None = ch.info
+        via = conn.node_id if conn is not None else ch.name
         if t == "beat":
             b = decode_payload(f, RackBeat)
             self.stats.beats += 1
             self.stats.beat_entries += len(b.node_ids)
-            beat_reply, pushes = self.svc.state.beat(b, self.svc.clock())
+            beat_reply, pushes = self.svc.state.beat(b, self.svc.clock(), via=via)
             self.svc._carry_out(pushes)
             return "beat_reply", beat_reply
         if t == "report":
@@ -226,7 +232,7 @@ class RelayHub:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 return "reply", WireReply(status=400, error=f"malformed report: {e}")
             self.stats.reports += 1
-            status, reply = self.svc._ingest(rep.node_id, rep)
+            status, reply = self.svc._ingest(rep.node_id, rep, via)
             return "reply", WireReply(status=status, reply=reply)
         if t == "reports":
             try:
@@ -234,7 +240,7 @@ class RelayHub:
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 return "error", {"error": f"malformed reports: {e}"}
             self.stats.reports += len(batch.reports)
-            return "replies", [WireReply(status=st, reply=r) for st, r in self.svc._ingest_many(batch.reports)]
+            return "replies", [WireReply(status=st, reply=r) for st, r in self.svc._ingest_many(batch.reports, via)]
         if t == "blob_get":
             req = decode_payload(f, BlobRequest)
             raw = self.svc.state.blobs.get(req.blob_id)
@@ -304,9 +310,11 @@ class RelayHub:
                 parent = urls[(i - seeds) // TREE_FANOUT] if i - seeds >= 0 else None
                 sources = [u for u in [parent, *seed_urls] if u and u != conn.listen_url]
             starts = any(p.kind == "start" for p in ps)
-            rb = RackBundle(rack=path, blob_id=(blob_id or "") if starts else "", blob=raw if carry and starts else None,
-                            blob_sources=sources if starts else [], parts=[p.part(expires) for p in ps],
-                            deliver_by=self.svc.clock() + cfg.relay_timeout_s * 0.8)
+            rb = self.svc.signer.bundle(rack=path, blob_id=(blob_id or "") if starts else "",
+                                        parts=[p.part(expires) for p in ps],
+                                        deliver_by=self.svc.clock() + cfg.relay_timeout_s * 0.8,
+                                        blob=raw if carry and starts else None,
+                                        blob_sources=sources if starts else [])
             if carry and starts:
                 self.stats.blob_seeds += 1
             return conn.channel.prepare("bundle", rb)
@@ -335,8 +343,17 @@ class RelayHub:
                 ab = decode_payload(f, AckBundle)
                 got = {o.node_id: o for o in ab.outcomes}
                 n_new = 0
+                nodes = self.svc.state.nodes
+                master = self.svc.mac_master
                 for p in ps:
                     o = got.get(p.node_id)
+                    if o is not None and p.node_id != conn.node_id:  # a member's: only with its MAC
+                        node = nodes.get(p.node_id)
+                        if node is None or not msgauth.outcome_ok(msgauth.node_key(master, p.node_id, node.boot_id), o):
+                            self.svc.state.counters["bad_macs"] += 1
+                            log.warning("relay's ack refused: MAC does not verify node=%s relay=%s rack=%s",
+                                        p.node_id, conn.node_id, path)
+                            o = None   # as if left out: pushed directly
                     if o is not None and o.placement_id == p.placement_id and p.node_id not in done:
                         n_new += 1
                         record(p, Outcome(o.outcome, tuple(o.refused_gpus), o.detail))

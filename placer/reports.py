@@ -16,6 +16,7 @@ requeued, a job with no pods is placed again.
 
 from __future__ import annotations
 
+import hmac
 import logging
 
 from scheduler_link.messages import (
@@ -29,6 +30,7 @@ from scheduler_link.messages import (
     Victim,
     WorkloadEvent,
 )
+from scheduler_link.msgauth import beat_mac, node_key
 from scheduler_link.validate import validate_report
 
 from .errors import InvalidSpec
@@ -40,6 +42,9 @@ log = logging.getLogger("herd.placer.state")
 
 
 class Reports(StateBase):
+    # the secret node MAC keys derive from (scheduler_link.msgauth); the service sets it
+    mac_master: bytes = b""
+
     def ingest(self, node_id: str, rep: NodeReport, now: float) -> tuple[int, ReportReply, list[Push]]:
         """Apply one report. Returns (HTTP status, reply, pushes)."""
         self.counters["reports"] += 1
@@ -72,9 +77,13 @@ class Reports(StateBase):
             return 200, self._reply(node), pushes
         return self._register(rep, now)
 
-    def beat(self, b: RackBeat, now: float) -> tuple[RackBeatReply, list[Push]]:
+    def beat(self, b: RackBeat, now: float, *, via: str | None = None) -> tuple[RackBeatReply, list[Push]]:
         """A relay's aggregated empty heartbeats: per entry a boot check, a sequence that
-        moved forward, a deadline move. Only the exceptions are answered."""
+        moved forward, a deadline move. Only the exceptions are answered.
+
+        ``via``: the relay node that sent it. Every entry for another node must carry that
+        node's MAC (``macs``, scheduler_link.msgauth.beat_mac); one that does not verify is
+        dropped and counted (``bad_macs``), never applied, and not answered either."""
         need: list[str] = []
         stops: list[NodeStop] = []
         pushes: list[Push] = []
@@ -82,10 +91,17 @@ class Reports(StateBase):
         due = now + self.cfg.lost_after_s
         timer = self.lost_timer
         n = len(b.node_ids)
-        if len(b.boot_ids) != n or len(b.seqs) != n:
+        if len(b.boot_ids) != n or len(b.seqs) != n or (via is not None and len(b.macs) != n):
             raise ValueError("a rack beat's columns differ in length")
         self.counters["reports"] += n
-        for nid, boot, seq in zip(b.node_ids, b.boot_ids, b.seqs, strict=True):
+        master = self.mac_master
+        macs = b.macs if via is not None else [b""] * n
+        for nid, boot, seq, mac in zip(b.node_ids, b.boot_ids, b.seqs, macs, strict=True):
+            if via is not None and nid != via and not (
+                    len(mac) == 16 and hmac.compare_digest(mac, beat_mac(node_key(master, nid, boot), nid, boot, seq))):
+                self.counters["bad_macs"] = self.counters.get("bad_macs", 0) + 1
+                log.warning("rack beat entry refused: MAC does not verify node=%s relay=%s", nid, via)
+                continue
             node = nodes.get(nid)
             if node is None or node.boot_id != boot or seq <= node.last_seq:
                 self.counters["conflicts"] += 1

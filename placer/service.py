@@ -28,7 +28,7 @@ import msgspec
 import trio
 import trio.lowlevel
 
-from scheduler_link import authz
+from scheduler_link import authz, msgauth
 from scheduler_link.auth import TokenSet
 from scheduler_link.fanout import PushPool
 from scheduler_link.heartbeat_wire import HeartbeatServer
@@ -98,6 +98,12 @@ class PlacerService:
         self._changed = trio.Event()
         self.app = self._build_app()
         self.relays = RelayHub(self)
+        # message-level identity (scheduler_link.msgauth): ephemeral until run() loads the state
+        # dir's (so a restarted placer keeps verifying what relays forward, and agents' pinned key holds)
+        self.mac_master = os.urandom(msgauth.KEY_LEN)
+        self.signer = msgauth.BundleSigner.generate()
+        self.state.mac_master = self.mac_master
+        self.state.counters["bad_macs"] = 0
         self.push_counts = {"start": 0, "stop": 0, "failed": 0, "refused": 0}
         self.freezes = 0
         self._frozen_at = -math.inf
@@ -107,6 +113,8 @@ class PlacerService:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.journal = Journal.open(self.cfg.state_dir)
+        self.mac_master, self.signer = msgauth.load_placer_keys(self.cfg.state_dir)
+        self.state.mac_master = self.mac_master
         now = self.clock()
         recovered = self.journal.jobs()
         for spec in recovered:
@@ -213,7 +221,11 @@ class PlacerService:
 
     async def _push_one(self, p: Push) -> Outcome:
         self.push_counts[p.kind] += 1
-        res = await self.pool.post(p.control_url, "/v1/placements", msgspec.json.encode(p.placement),
+        pl = p.placement
+        if not pl.node_id:  # bound to its node and attempt, with an expiry (the agent checks them)
+            pl = msgspec.structs.replace(pl, node_id=p.node_id, attempt=p.attempt,
+                                         expires_at=self.clock() + self.cfg.placement_ttl_s)
+        res = await self.pool.post(p.control_url, "/v1/placements", msgspec.json.encode(pl),
                                    token=self.tokens.placer, key=p.node_id)
         if res.status is None:
             self.push_counts["failed"] += 1
@@ -343,10 +355,21 @@ class PlacerService:
             reply = msgspec.structs.replace(reply, wire_url=self.wire_url)
         return json_response(reply, status=status)
 
-    def _apply_report(self, node_id: str, rep: NodeReport) -> tuple[int, ReportReply, bool]:
+    def _apply_report(self, node_id: str, rep: NodeReport, via: str | None = None) -> tuple[int, ReportReply, bool]:
         """One report applied to the state: (status, reply, whether it is news the loop and the
         waiters must hear of). A report the state cannot apply is that report's error, never the
-        service's. The answer to a registration names the rack's relay."""
+        service's. The answer to a registration names the rack's relay.
+
+        ``via``: the relay that forwarded it (None: the node's own connection). A report a relay
+        forwards for another node is applied only if it carries that node's MAC (401 otherwise,
+        counted in ``bad_macs``: the member then registers directly); the answer to a full report
+        over the node's own connection carries its MAC key and the placer's signing key."""
+        relayed = via is not None and via != rep.node_id
+        if relayed and not msgauth.report_ok(msgauth.node_key(self.mac_master, rep.node_id, rep.boot_id), rep):
+            self.state.counters["bad_macs"] += 1
+            log.warning("relayed report refused: MAC does not verify node=%s relay=%s", rep.node_id, via)
+            return 401, ReportReply(ok=False, need_full=True, error="the report's MAC does not verify: "
+                                    "register over this node's own connection for a key"), False
         try:
             status, reply, pushes = self.state.ingest(node_id, rep, self.clock())
         except Exception:
@@ -356,15 +379,19 @@ class PlacerService:
         self._carry_out(pushes)
         if rep.full and status == 200:
             reply = self._with_relay(node_id, reply)
+            if not relayed:
+                reply = msgspec.structs.replace(
+                    reply, mac_key=msgauth.node_key(self.mac_master, rep.node_id, rep.boot_id),
+                    placer_key=self.signer.public)
         return status, reply, rep.full or bool(rep.events) or rep.snapshot is not None
 
-    def _ingest_many(self, reps: list[NodeReport]) -> list[tuple[int, ReportReply]]:
+    def _ingest_many(self, reps: list[NodeReport], via: str | None = None) -> list[tuple[int, ReportReply]]:
         """Reports a relay sent together: each applied as :meth:`_ingest` does, the loop kicked
         and waiters woken once for all of them."""
         out = []
         changed = False
         for rep in reps:
-            status, reply, news = self._apply_report(rep.node_id, rep)
+            status, reply, news = self._apply_report(rep.node_id, rep, via)
             changed = changed or news
             out.append((status, reply))
         if changed:
@@ -377,9 +404,10 @@ class PlacerService:
         url = self.relays.relay_url_for(node_id, node.rack_path) if node is not None else None
         return msgspec.structs.replace(reply, relay_url=url) if url else reply
 
-    def _ingest(self, node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:
-        """One report, from HTTP or the framed channel (synchronous: one owner of state)."""
-        status, reply, news = self._apply_report(node_id, rep)
+    def _ingest(self, node_id: str, rep: NodeReport, via: str | None = None) -> tuple[int, ReportReply]:
+        """One report, from HTTP or the framed channel (synchronous: one owner of state);
+        ``via``: the relay that forwarded it."""
+        status, reply, news = self._apply_report(node_id, rep, via)
         if news:
             self.kick()
             self._after_change()

@@ -41,6 +41,9 @@ Invariants:
   other -- the channel is closed and a full report goes to the placer's framed channel
   or HTTP -- and the same relay is not tried again for ``relay_retry_s``; then a full
   report asks the placer again where the rack's relay is.
+- Identity through relays (scheduler_link.msgauth): the answer to a full report sent over this
+  node's own connection (never one through a relay) carries its MAC key and the placer's
+  signing key; every report sent through a relay carries this node's MAC.
 """
 
 from __future__ import annotations
@@ -73,6 +76,7 @@ from .messages import (
     Victim,
     WorkloadEvent,
 )
+from .msgauth import with_report_mac
 
 log = logging.getLogger("herd.link.agent")
 
@@ -217,6 +221,9 @@ class AgentLink:
         self._nursery: trio.Nursery | None = None
         self.relay_switches = 0
         self.relay_failures = 0
+        # identity: from the answer to a full report over this node's own connection only
+        self.mac_key: bytes | None = None
+        self.placer_key: bytes | None = None
         # statistics
         self.reports_sent = 0
         self.full_reports_sent = 0
@@ -308,6 +315,7 @@ class AgentLink:
                     and trio.current_time() >= self._wire_retry_at:
                 await self._open_wire(self._wire_url)
             report = self._build_report()
+            relayed = self._relay is not None
             try:
                 reply = await self._post(client, url, report, headers)
             except _Conflict:
@@ -339,6 +347,9 @@ class AgentLink:
             self.last_ok_at = time.time()
             if report.full:
                 log.info("registered node=%s boot=%s seq=%d", self.node_id, self.boot_id, report.seq)
+                if not relayed:  # keys only from our own connection: a relay's answer could be anything
+                    self.mac_key = reply.mac_key or self.mac_key
+                    self.placer_key = reply.placer_key or self.placer_key
             if reply.heartbeat_interval_s:
                 self.heartbeat_s = max(0.01, reply.heartbeat_interval_s)
             if reply.need_full:
@@ -457,6 +468,8 @@ class AgentLink:
 
     async def _post(self, client: httpx.AsyncClient | None, url: str, report: NodeReport,
                     headers: dict[str, str]) -> ReportReply:
+        if self._relay is not None and self.mac_key:
+            report = with_report_mac(self.mac_key, report)
         if self._wire is not None:
             # through a relay: an empty heartbeat is answered by the relay at once, so a relay
             # that is silent for two intervals is dead to us (before the placer thinks us lost)

@@ -271,6 +271,16 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     gang_blob_id: str | None = None
     gang_nodes: int = 0                      # nodes in the gang (peers may list fewer)
     limits: ResourceLimits = ResourceLimits()  # per-workload cgroup limits (the job's)
+    # Binding (identity issue): the node it is for, the job's attempt, and when it stops being
+    # valid (the sender's clock). An agent refuses one bound to another node (refused_spec), one
+    # past ``expires_at`` or one replaying an attempt it has seen superseded (expired). Empty /
+    # -1 / 0: unbound (an operator's direct placement, or an older placer).
+    node_id: str = ""
+    attempt: int = -1
+    expires_at: float = 0.0
+    # names of env variables whose values the agent reads at start from files on the host
+    # (JobSpec.env_from_files): {NAME: absolute path}; never sent back by any read API
+    env_from_files: dict[str, str] = {}
 
 
 # What became of one node's part of a placement. The placer decides on this, never on the
@@ -325,6 +335,9 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
     events: list[WorkloadEvent] = []         # state changes since the last report
     manifests: list[str] | None = None       # complete manifests held (None = unchanged)
     sent_at: float = 0.0
+    # the node's keyed-BLAKE3 MAC (scheduler_link.msgauth.report_mac) when a relay forwards it;
+    # empty on the node's own connection
+    mac: bytes = b""
 
 
 class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -341,6 +354,11 @@ class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
     # tcp://host:port of this node's rack relay (its members' frames listener), in the answer
     # to a full report, when the rack has one and this node is not it; None: report directly
     relay_url: str | None = None
+    # Identity (only in the answer to a full report that came over the node's own connection,
+    # never through a relay): the node's MAC key for what relays forward for it (32 bytes),
+    # and the placer's Ed25519 public key (32 raw bytes) that signs rack bundles
+    mac_key: bytes | None = None
+    placer_key: bytes | None = None
 
 
 # ---------------------------------------------------------------- placer API (jobs, nodes, cluster)
@@ -361,6 +379,10 @@ class JobSpec(msgspec.Struct, frozen=True, kw_only=True):
     origin: str | None = None
     argv: list[str] = []
     env: dict[str, str] = {}
+    # {NAME: absolute path on the host}: the agent reads each file at start into NAME (paths
+    # under its workloads.env_files_prefixes, bounded size); for secrets that must not sit in
+    # the job (read APIs show env names only, values redacted)
+    env_from_files: dict[str, str] = {}
     grace_s: float = 30.0
     user: str | None = None                  # run as this user (agents must list it in allowed_users)
     limits: ResourceLimits = ResourceLimits()  # each pod's cgroup limits (memory.max, cpu.max, pids.max)
@@ -474,7 +496,7 @@ class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
 #   NodePart never grows with the gang.
 # - A relay receives a RackBundle (the rack's NodeParts, the blob itself or only its id
 #   when the relay holds it) and answers one AckBundle with every member's outcome; ``sig``
-#   is the placer's signature over the bundle (empty until the identity work fills it).
+#   is the placer's Ed25519 signature over the bundle's header (scheduler_link.msgauth).
 # - On the framed channel every message travels in a Frame: ``type`` names the payload,
 #   ``term`` is the sender's leadership term (0 until the placer is HA: a receiver refuses a
 #   frame whose term is older than one it has seen), ``sig`` is empty until identities land.
@@ -518,6 +540,7 @@ class GangBlob(msgspec.Struct, frozen=True, kw_only=True):
     peers: PeerTable = PeerTable()
     user: str | None = None                  # the pods' user (JobSpec.user), checked by each agent
     limits: ResourceLimits = ResourceLimits()  # each pod's cgroup limits (JobSpec.limits)
+    env_from_files: dict[str, str] = {}      # JobSpec.env_from_files (names -> host paths)
 
 
 class PartPod(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
@@ -556,7 +579,23 @@ class NodePart(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_
     gang_nodes: int = 0                      # nodes in the gang
     rack_members: list[Peer] = []            # unused on the relay path: the blob's table has the rack
     contacts: list[Peer] = []                # bounded: a few nodes of other racks (holders of the manifest)
-    mac: bytes = b""                         # per-node MAC (identity issue); empty until then
+    mac: bytes = b""                         # unused (kept for position: parts are signed, not MACed)
+    # set by the relay when it hands the part to a member: what the member needs to check the
+    # placer's signature over the bundle the part came in (scheduler_link.msgauth)
+    proof: PartProof | None = None
+
+
+class PartProof(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """A rack bundle's signed header: the placer signs (Ed25519) the canonical bytes of
+    (rack, blob_id, deliver_by, digests), ``digests`` being the BLAKE3 of each part's canonical
+    bytes as it sits in the bundle. A member checks its part's digest is listed and the
+    signature holds: one verification per bundle, bytes bounded by the rack."""
+    rack: str
+    blob_id: str
+    deliver_by: float
+    digests: list[bytes]
+    sig: bytes
+    raw: bytes = b""                         # this part's bytes exactly as the bundle carried them
 
 
 def inventory_hash(uuids: list[str]) -> str:
@@ -580,7 +619,7 @@ class RackBundle(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     blob_sources: list[str] = []             # tcp://host:port of relays to fetch the blob from
     parts: list[NodePart] = []
     deliver_by: float = 0.0
-    sig: bytes = b""                         # the placer's signature (identity issue)
+    sig: bytes = b""                         # the placer's Ed25519 signature (scheduler_link.msgauth)
 
 
 class NodeOutcome(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -589,7 +628,7 @@ class NodeOutcome(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     outcome: PlacementOutcome
     refused_gpus: list[str] = []
     detail: str | None = None                # for people; never parsed
-    mac: bytes = b""                         # the node's MAC over its outcome (identity issue)
+    mac: bytes = b""                         # the node's MAC over its outcome (scheduler_link.msgauth)
 
 
 class AckBundle(msgspec.Struct, frozen=True, kw_only=True):
@@ -611,6 +650,7 @@ class RackBeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     boot_ids: list[str] = []
     seqs: list[int] = []
     sent_at: float = 0.0
+    macs: list[bytes] = []                   # each entry's node MAC (msgauth.beat_mac), same order
 
 
 class RackReports(msgspec.Struct, frozen=True, kw_only=True):

@@ -64,7 +64,14 @@ from scheduler_link.agent_link import AgentLink, ReportChannel
 from scheduler_link.auth import TokenSet, bearer
 from scheduler_link.fanout import PushPool
 from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
-from scheduler_link.heartbeat_wire import HeartbeatClient, HeartbeatServer, Hello, SharedWire, WireReply
+from scheduler_link.heartbeat_wire import (
+    HeartbeatClient,
+    HeartbeatServer,
+    Hello,
+    SharedWire,
+    WireError,
+    WireReply,
+)
 from scheduler_link.messages import (
     AckBundle,
     BlobReply,
@@ -79,7 +86,6 @@ from scheduler_link.messages import (
     PlacementAck,
     RackBeat,
     RackBeatReply,
-    RackBundle,
     RackReports,
     RelayHello,
     ReportReply,
@@ -90,6 +96,7 @@ from scheduler_link.messages import (
     decode_gang_blob,
     inventory_hash,
 )
+from scheduler_link.msgauth import AuthError, BundleVerifier, beat_mac, with_outcome_mac, with_report_mac
 
 log = logging.getLogger("herd.testing.fleet")
 
@@ -170,6 +177,7 @@ class EmulatedNode:
     """One node: the hooks its AgentLink calls, and a fake supervisor for placements."""
 
     __slots__ = ("fleet", "slot", "control_url", "refuse", "workloads", "link", "relay", "boot_id", "seq", "registered",
+                 "mac_key",
                  "_snap", "_uuids", "_uuid_list", "_inventory")
 
     def __init__(self, fleet: Fleet, slot: NodeSlot, control_url: str, refuse: str | None) -> None:
@@ -183,6 +191,7 @@ class EmulatedNode:
         self.boot_id = ""
         self.seq = 0
         self.registered = False
+        self.mac_key = b""                        # relay mode: from its direct registration (msgauth)
         self._snap: GpuSnapshot | None = None
         self._uuids: frozenset[str] = frozenset()
         self._uuid_list: list[str] = []
@@ -332,7 +341,14 @@ class EmulatedRelay:
     and answering the placer's bundles. The hop from the relay to its members is emulated
     in-process (a method call per NodePart, labelled as such in the bench): the members are
     this process's EmulatedNodes. ``hung``: the relay takes bundles and never answers (the
-    placer's relay_timeout_s and fallback are what is measured then)."""
+    placer's relay_timeout_s and fallback are what is measured then).
+
+    Identity (scheduler_link.msgauth) as the real relay and members do it: each member
+    registers over a direct connection (the fleet's shared framed connections: a relay may not
+    carry a registration) and gets its MAC key there; its event reports, beat entries and
+    outcomes carry its MAC; a bundle is acted on only once the placer's signature verifies --
+    checked once per bundle here (the relay's check; each real member checks its part's proof
+    too: that per-member cost is measured in bench/msgauth.py, not spent here)."""
 
     def __init__(self, fleet: Fleet, rack: str, members: list[EmulatedNode], source: str | None,
                  hung: bool = False) -> None:
@@ -351,6 +367,9 @@ class EmulatedRelay:
         self.failures = 0
         self._pending: dict[str, list[WorkloadEvent]] = {}
         self._flush = trio.Event()
+        self.placer_key: bytes | None = None     # from the relay node's own registration
+        self._verifier: BundleVerifier | None = None
+        self.bad_bundles = 0
 
     async def run(self) -> None:
         f = self.fleet
@@ -394,7 +413,15 @@ class EmulatedRelay:
     def _handle(self, ch: FrameChannel, fr: Frame) -> tuple[str, Any] | None:
         if fr.type != "bundle":
             return "error", {"error": f"unexpected {fr.type}"}
-        rb = decode_payload(fr, RackBundle)
+        if self.placer_key is None:
+            return "error", {"error": "bundle refused: no placer signing key yet"}
+        if self._verifier is None or self._verifier.public != self.placer_key:
+            self._verifier = BundleVerifier(self.placer_key)
+        try:
+            rb, parts, _ = self._verifier.bundle(fr.payload)
+        except AuthError as e:
+            self.bad_bundles += 1
+            return "error", {"error": f"bundle refused: {e}"}
         self.bundles += 1
         if self.hung:
             return None  # taken, never answered
@@ -405,18 +432,19 @@ class EmulatedRelay:
         now = time.time()
         outcomes = []
         later: list[Any] = []
-        for part in rb.parts:
+        for part in parts:
             m = self.by_id.get(part.node_id)
             if m is None:
                 continue  # not ours: the placer pushes it directly
             if not part.blob_id and rb.blob_id and part.pods:  # the bundle's blob (as a relay fills it in)
                 part = msgspec.structs.replace(part, blob_id=rb.blob_id)
-            outcomes.append(m.place_part(part, now, later))
+            o = m.place_part(part, now, later)
+            outcomes.append(with_outcome_mac(m.mac_key, o) if m.mac_key else o)
         st = self.fleet.stats
         for o in outcomes:
             st.acks[o.outcome] = st.acks.get(o.outcome, 0) + 1
         st.parts += len(outcomes)
-        self.fleet.spawn(self._after_bundle, rb.parts, later)
+        self.fleet.spawn(self._after_bundle, parts, later)
         return "acks", AckBundle(rack=rb.rack, blob_id=rb.blob_id, outcomes=outcomes)
 
     async def _after_bundle(self, parts: list[NodePart], later: list[Any]) -> None:
@@ -461,8 +489,9 @@ class EmulatedRelay:
             if not m.boot_id:
                 m.boot_id = f"emu-{time.monotonic_ns():x}-{m.slot.node_id}"
             return msgspec.structs.replace(base, boot_id=m.boot_id, seq=m.seq)
-        return NodeReport(node_id=m.slot.node_id, boot_id=m.boot_id, seq=m.seq, full=False,
-                          events=events or [], sent_at=time.time())
+        rep = NodeReport(node_id=m.slot.node_id, boot_id=m.boot_id, seq=m.seq, full=False,
+                         events=events or [], sent_at=time.time())
+        return with_report_mac(m.mac_key, rep) if m.mac_key else rep
 
     async def _exchange(self, m: EmulatedNode, *, full: bool, events: list[WorkloadEvent] | None = None
                         ) -> WireReply | None:
@@ -480,15 +509,38 @@ class EmulatedRelay:
         return decode_payload(f, WireReply)
 
     async def _register(self, m: EmulatedNode) -> None:
+        """The relay's own node registers over its frames connection (its own); a member over
+        the fleet's direct framed connections: its MAC key comes only that way."""
         m.registered = False
+        own = m is self.members[0]
         while self.channel is not None:
-            wr = await self._exchange(m, full=True)
+            wr = await self._exchange(m, full=True) if own else await self._register_direct(m)
             if wr is not None and wr.status == 200:
                 self.registered += 1
                 m.registered = True
+                m.mac_key = wr.reply.mac_key or m.mac_key
+                if own and wr.reply.placer_key:
+                    self.placer_key = wr.reply.placer_key
                 self._after(m, wr.reply)
                 return
             await trio.sleep(0.5)
+
+    async def _register_direct(self, m: EmulatedNode) -> WireReply | None:
+        async with self.fleet.limiter:
+            shared = self.fleet.shared
+            if not shared:
+                return None
+            sw = shared[hash(m.slot.node_id) % len(shared)]
+            rep = self._report(m, full=True)
+            try:
+                with trio.fail_after(self.fleet.cfg.request_timeout_s):
+                    await sw.wait_connected()
+                    wr = await sw.exchange(rep)
+            except (WireError, trio.TooSlowError):
+                self.failures += 1
+                return None
+        self.reports += 1
+        return wr
 
     def _after(self, m: EmulatedNode, r: ReportReply) -> None:
         if r.stop:
@@ -540,7 +592,9 @@ class EmulatedRelay:
                 for m in live:
                     m.seq += 1
                 b = RackBeat(rack=self.rack, node_ids=[m.slot.node_id for m in live],
-                             boot_ids=[m.boot_id for m in live], seqs=[m.seq for m in live], sent_at=time.time())
+                             boot_ids=[m.boot_id for m in live], seqs=[m.seq for m in live], sent_at=time.time(),
+                             macs=[beat_mac(m.mac_key, m.slot.node_id, m.boot_id, m.seq) if m.mac_key else b""
+                                   for m in live])
                 ch = self.channel
                 try:
                     f = await ch.call("beat", b, timeout_s=self.fleet.cfg.request_timeout_s)
@@ -692,6 +746,11 @@ class Fleet:
             await self._go.wait()
             self.started_at = time.time()
             if cfg.relays:
+                for k in range(max(1, cfg.mux)):  # members register directly (their MAC keys come only that way)
+                    sw = SharedWire(cfg.wire_url or "", self.tokens.cluster or "", name=f"emu-{cfg.offset}-{k}",
+                                    local_address=_source(k, cfg.sources))
+                    self.shared.append(sw)
+                    n.start_soon(sw.run)
                 for r in self.relays:
                     n.start_soon(r.run)
                 return

@@ -1,6 +1,7 @@
 """The relay (agent.relay) and a member's link through it (scheduler_link.agent_link), on
 loopback against a small fake placer: a HeartbeatServer whose FramesHost answers what the
-real placer's framed channel answers (reports, beats, blob_get) and sends bundles."""
+real placer's framed channel answers (reports, beats, blob_get) and sends bundles, signed
+with its own key; it checks every MAC a relay forwards as the real placer does."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from agent.blobs import BlobCache
 from agent.relay import Relay
 from scheduler_link.agent_link import AgentLink
 from scheduler_link.auth import TokenSet
-from scheduler_link.frames import FrameChannel, decode_payload
+from scheduler_link.frames import CallFailed, FrameChannel, decode_payload
 from scheduler_link.heartbeat_wire import HeartbeatServer, Hello, WireReply
 from scheduler_link.messages import (
     AckBundle,
@@ -36,6 +37,7 @@ from scheduler_link.messages import (
     WorkloadEvent,
     encode_gang_blob,
 )
+from scheduler_link.msgauth import BundleSigner, BundleVerifier, beat_mac, node_key, report_ok
 
 RACK = "z1/b1/r1"
 
@@ -54,6 +56,9 @@ class FakePlacer:
         self.report_frames = 0
         self.batches = True          # takes 'reports' frames (RackReports)
         self.changed = trio.Event()
+        self.signer = BundleSigner.generate()
+        self.master = b"k" * 32
+        self.bad_macs = 0
 
     def _log(self, node: str, kind: str, seq: int, full: bool) -> None:
         self.seen.setdefault(node, []).append((kind, seq, full))
@@ -62,12 +67,26 @@ class FakePlacer:
 
     def ingest(self, node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:
         self._log(node_id, "report", rep.seq, rep.full)
-        return 200, self._reply(rep)
+        r = self._reply(rep)
+        if rep.full:  # the node's own connection: its keys
+            r = ReportReply(wire_url=r.wire_url, relay_url=r.relay_url, heartbeat_interval_s=0.2,
+                            mac_key=node_key(self.master, rep.node_id, rep.boot_id), placer_key=self.signer.public)
+        return 200, r
 
     def _reply(self, rep: NodeReport) -> ReportReply:
         if rep.full:
             return ReportReply(wire_url=self.url, relay_url=self.relay_url, heartbeat_interval_s=0.2)
         return ReportReply(heartbeat_interval_s=0.2)
+
+    def _relayed(self, ch: FrameChannel, rep: NodeReport) -> WireReply:
+        if rep.node_id != ch.name and not report_ok(node_key(self.master, rep.node_id, rep.boot_id), rep):
+            self.bad_macs += 1
+            return WireReply(status=401, error="bad MAC")
+        self._log(rep.node_id, "relayed", rep.seq, rep.full)
+        return WireReply(status=200, reply=self._reply(rep))
+
+    def bundle(self, **kw: Any) -> Any:
+        return self.signer.bundle(**{"rack": RACK, "parts": [], "deliver_by": time.time() + 2, **kw})
 
     def opened(self, hello: Hello, channel: FrameChannel) -> Any:
         if hello.racks:
@@ -82,21 +101,18 @@ class FakePlacer:
 
     def _frame(self, ch: FrameChannel, f: Frame) -> Any:
         if f.type == "report":
-            rep = decode_payload(f, NodeReport)
             self.report_frames += 1
-            self._log(rep.node_id, "relayed", rep.seq, rep.full)
-            return "reply", WireReply(status=200, reply=self._reply(rep))
+            return "reply", self._relayed(ch, decode_payload(f, NodeReport))
         if f.type == "reports" and self.batches:
             batch = decode_payload(f, RackReports)
             self.report_frames += 1
-            out = []
-            for rep in batch.reports:
-                self._log(rep.node_id, "relayed", rep.seq, rep.full)
-                out.append(WireReply(status=200, reply=self._reply(rep)))
-            return "replies", out
+            return "replies", [self._relayed(ch, rep) for rep in batch.reports]
         if f.type == "beat":
             b = decode_payload(f, RackBeat)
-            for nid, seq in zip(b.node_ids, b.seqs, strict=True):
+            for nid, boot, seq, mac in zip(b.node_ids, b.boot_ids, b.seqs, b.macs, strict=True):
+                if mac != beat_mac(node_key(self.master, nid, boot), nid, boot, seq):
+                    self.bad_macs += 1
+                    continue
                 self._log(nid, "beat", seq, False)
             return "beat_reply", RackBeatReply()
         if f.type == "blob_get":
@@ -123,16 +139,20 @@ class Hooks:
         return GpuSnapshot()
 
 
-def _accepting(node: str, got: list[NodePart]) -> Any:
+def _accepting(node: str, got: list[NodePart], pub: bytes | None = None) -> Any:
     async def handle(part: NodePart) -> NodeOutcome:
+        if pub is not None:  # a member checks what its relay handed it (agent.parts does the same)
+            part = BundleVerifier(pub).part(part)
         got.append(part)
         return NodeOutcome(node_id=node, placement_id=part.placement_id, outcome="accepted")
     return handle
 
 
 def _relay(tokens: TokenSet, node: str, placer: FakePlacer, got: list[NodePart], **kw: Any) -> Relay:
+    pub = placer.signer.public
     return Relay(node_id=node, rack=RACK, tokens=tokens, listen="127.0.0.1:0", wire_url=lambda: placer.url,
-                 own_part=_accepting(node, got), blobs=BlobCache(), heartbeat_s=0.2, request_timeout_s=2.0, **kw)
+                 own_part=_accepting(node, got, pub), blobs=BlobCache(), heartbeat_s=0.2, request_timeout_s=2.0,
+                 keys=lambda: (None, pub), **kw)
 
 
 def _blob() -> tuple[str, bytes]:
@@ -140,7 +160,7 @@ def _blob() -> tuple[str, bytes]:
 
 
 def _parts(pid: str, nodes: list[str], blob_id: str) -> list[NodePart]:
-    return [NodePart(placement_id=f"{pid}-{n}", node_id=n, job_id="j", attempt=1, blob_id=blob_id) for n in nodes]
+    return [NodePart(placement_id=f"{pid}-{n}", node_id=n, job_id="j", attempt=1) for n in nodes]
 
 
 def _in_order(seen: list[tuple[str, int, bool]]) -> bool:
@@ -167,7 +187,8 @@ async def test_a_member_reports_through_the_relay_parts_and_blobs_come_down_and_
             placer.relay_url = await n.start(run_relay)
             await placer.until(lambda: "r1" in placer.relays, "relay up")
             link = AgentLink("http://127.0.0.1:9", tokens.cluster, "m1", Hooks(), heartbeat_s=0.2,
-                             wire_url=placer.url, on_part=_accepting("m1", member_parts), request_timeout_s=2.0,
+                             wire_url=placer.url, on_part=_accepting("m1", member_parts, placer.signer.public),
+                             request_timeout_s=2.0,
                              relay_retry_s=0.5)
             await n.start(link.run)
 
@@ -188,13 +209,23 @@ async def test_a_member_reports_through_the_relay_parts_and_blobs_come_down_and_
 
             # a bundle: the relay's own part and the member's are acked; a node it does not hold is left out
             bid, raw = _blob()
-            b = RackBundle(rack=RACK, blob_id=bid, blob=raw, parts=_parts("p", ["r1", "m1", "ghost"], bid),
-                           deliver_by=time.time() + 2)
+            b = placer.bundle(blob_id=bid, blob=raw, parts=_parts("p", ["r1", "m1", "ghost"], bid))
             f = await placer.relays["r1"].call("bundle", b, timeout_s=5)
             acks = decode_payload(f, AckBundle)
             assert sorted(o.node_id for o in acks.outcomes) == ["m1", "r1"]
             assert all(o.outcome == "accepted" for o in acks.outcomes)
             assert [p.node_id for p in relay_parts] == ["r1"] and [p.node_id for p in member_parts] == ["m1"]
+            assert placer.bad_macs == 0  # every relayed report and beat carried m1's own MAC
+
+            # a bundle not signed by the placer (a forger's, or one changed on the way): refused whole,
+            # nothing delivered to anyone
+            forged = RackBundle(rack=RACK, blob_id=bid, parts=_parts("q", ["r1", "m1"], bid), deliver_by=time.time() + 2)
+            other = BundleSigner.generate().bundle(rack=RACK, blob_id=bid, parts=_parts("q", ["r1", "m1"], bid),
+                                                   deliver_by=time.time() + 2)
+            for bad in (forged, other):
+                with pytest.raises(CallFailed, match="signature|not signed"):
+                    await placer.relays["r1"].call("bundle", bad, timeout_s=5)
+            assert len(relay_parts) == 1 and len(member_parts) == 1 and relay.statistics()["bad_bundles"] == 2
             # the member gets the blob from its relay (which had it from the bundle), not the placer
             assert await link.relay_blob(bid) == raw and placer.blob_gets == 0
             assert relay.statistics()["blob_serves"] == 1
@@ -235,10 +266,10 @@ async def test_a_relay_gets_the_blob_from_the_relays_a_bundle_names_then_the_pla
             bid, raw = _blob()
             # a has the blob from its bundle; b is told to ask a; c is told to ask b (which has
             # it by then, or is getting it) -- the placer never serves it
-            await placer.relays["ra"].call("bundle", RackBundle(rack=RACK, blob_id=bid, blob=raw), timeout_s=5)
-            await placer.relays["rb"].call("bundle", RackBundle(rack=RACK, blob_id=bid, blob_sources=[a_url]),
+            await placer.relays["ra"].call("bundle", placer.bundle(blob_id=bid, blob=raw), timeout_s=5)
+            await placer.relays["rb"].call("bundle", placer.bundle(blob_id=bid, blob_sources=[a_url]),
                                            timeout_s=5)
-            await placer.relays["rc"].call("bundle", RackBundle(rack=RACK, blob_id=bid, blob_sources=[b_url]),
+            await placer.relays["rc"].call("bundle", placer.bundle(blob_id=bid, blob_sources=[b_url]),
                                            timeout_s=5)
             with trio.fail_after(5):
                 while b.blobs.cached(bid) is None or c.blobs.cached(bid) is None:
@@ -247,7 +278,7 @@ async def test_a_relay_gets_the_blob_from_the_relays_a_bundle_names_then_the_pla
             # a blob no listed relay has: the placer's blob_get, last
             bid2, raw2 = encode_gang_blob(GangBlob(job_id="j2", attempt=1))
             placer.blobs[bid2] = raw2
-            await placer.relays["rc"].call("bundle", RackBundle(rack=RACK, blob_id=bid2, blob_sources=[a_url]),
+            await placer.relays["rc"].call("bundle", placer.bundle(blob_id=bid2, blob_sources=[a_url]),
                                            timeout_s=5)
             with trio.fail_after(5):
                 while c.blobs.cached(bid2) is None:

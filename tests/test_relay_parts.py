@@ -1,6 +1,7 @@
 """NodePart acceptance (agent.parts), the relay's beat aggregation (agent.relay.BeatBook) and
 the blob cache (agent.blobs): pure decisions over plain data, then the acceptor against a
-real supervisor (real workloads, real state dir)."""
+real supervisor (real workloads, real state dir). Parts reach the acceptor as a member gets
+them from its relay: with the placer's signed proof (scheduler_link.msgauth)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import trio
 
 from agent.beats import BeatBook, is_empty
 from agent.blobs import BlobCache, BlobUnavailable
-from agent.parts import PartAcceptor, PartNotDurable, check_part
+from agent.parts import PartAcceptor, PartNotAuthentic, PartNotDurable, check_part
 from agent.partstore import PartRecord, PartStore
 from agent.state import WorkloadRecord
 from agent.supervisor import Supervisor, SupervisorConfig
@@ -23,6 +24,7 @@ from scheduler_link.messages import (
     NodeReport,
     NodeStop,
     PartPod,
+    PartProof,
     PeerTable,
     Placement,
     PodAssignment,
@@ -32,11 +34,36 @@ from scheduler_link.messages import (
     encode_gang_blob,
     inventory_hash,
 )
+from scheduler_link.msgauth import BundleSigner, digest, node_key, outcome_ok, part_bytes
 
 UUIDS = [f"GPU-{i:04d}" for i in range(8)]
 HEALTH = dict.fromkeys(UUIDS, "healthy")
 INV = inventory_hash(UUIDS)
 NOW = 1_000_000.0
+SIGNER = BundleSigner.generate()
+MAC_KEY = node_key(b"m" * 32, "n1", "boot")
+
+
+def _signed(part: NodePart, signer: BundleSigner = SIGNER) -> NodePart:
+    """``part`` as its relay hands it over: with the proof of the bundle it came in."""
+    raw = part_bytes(part)
+    others = [digest(b"another member's part")]
+    sig = signer.sign_parts("z/b/r", part.blob_id, NOW + 5, [raw, b"another member's part"])
+    return msgspec.structs.replace(part, proof=PartProof(rack="z/b/r", blob_id=part.blob_id, deliver_by=NOW + 5,
+                                                         digests=[digest(raw), *others], sig=sig, raw=raw))
+
+
+class _Member:
+    """The acceptor as its relay's member: each part arrives signed (see :func:`_signed`)."""
+
+    def __init__(self, acc: PartAcceptor) -> None:
+        self.acc = acc
+
+    async def handle(self, part: NodePart) -> object:
+        return await self.acc.handle(_signed(part))
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.acc, name)
 
 
 def _part(pid: str = "p1", *, node: str = "n1", slots: tuple[int, ...] = (0, 1), inv: str = INV,
@@ -227,8 +254,9 @@ def _setup(tmp: Path, blobs: dict[str, bytes], *, allowed_users: tuple[str, ...]
 
     ev = _Events()
     acc = PartAcceptor(tmp / "state", node_id="n1", supervisor=sup, inventory=lambda: (UUIDS, HEALTH),
-                       blob=gang_blob, notify=ev, blob_timeout_s=2.0, clock=lambda: NOW)
-    return sup, acc, ev
+                       blob=gang_blob, notify=ev, blob_timeout_s=2.0, clock=lambda: NOW,
+                       keys=lambda: (MAC_KEY, SIGNER.public))
+    return sup, _Member(acc), ev
 
 
 def _gang(argv: list[str], *, user: str | None = None, bad_id: bool = False) -> tuple[str, bytes]:
@@ -425,8 +453,9 @@ async def test_a_rollback_that_overtakes_the_blob_never_lets_the_pod_start(tmp_p
         return (await cache.get(b, [slow]))[1]
 
     ev = _Events()
-    acc = PartAcceptor(tmp_path / "state", node_id="n1", supervisor=sup, inventory=lambda: (UUIDS, HEALTH),
-                       blob=gang_blob, notify=ev, blob_timeout_s=20.0, clock=lambda: NOW)
+    acc = _Member(PartAcceptor(tmp_path / "state", node_id="n1", supervisor=sup, inventory=lambda: (UUIDS, HEALTH),
+                               blob=gang_blob, notify=ev, blob_timeout_s=20.0, clock=lambda: NOW,
+                               keys=lambda: (MAC_KEY, SIGNER.public)))
     part = _part(blob_id=bid)
     wid = part.pods[0].workload_id
     with trio.fail_after(30):
@@ -451,3 +480,55 @@ async def test_a_rollback_that_overtakes_the_blob_never_lets_the_pod_start(tmp_p
             n.cancel_scope.cancel()
     assert [(e.workload_id, e.state) for e in ev.events] == [(wid, "preempted")], ev.events
     assert wid not in sup.records_view()  # never placed, never started
+
+
+async def test_only_parts_the_placer_signed_are_acted_on_and_outcomes_carry_the_nodes_mac(tmp_path):
+    """A relay can drop or delay a part, never forge one: a part without proof, one signed by
+    another key, one retargeted or with its blob changed after signing, and any part before the
+    placer's key is known are refused (PartNotAuthentic: not answered, not written, nothing
+    starts). An accepted part's outcome carries this node's MAC, which an altered outcome fails."""
+    bid, raw = _gang(["sleep", "30"])
+    sup, member, _ = _setup(tmp_path, {bid: raw})
+    acc: PartAcceptor = member.acc
+    good = _part(blob_id=bid)
+    retargeted = _signed(_part(node="n2", blob_id=bid))
+    reblobbed = _signed(good)
+    assert reblobbed.proof is not None
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            await n.start(acc.run)
+            forged = [
+                good,                                             # no proof
+                _signed(good, BundleSigner.generate()),           # another key signed it
+                msgspec.structs.replace(retargeted, node_id="n1", proof=msgspec.structs.replace(
+                    retargeted.proof, raw=part_bytes(msgspec.structs.replace(_part(node="n1", blob_id=bid))))),
+                msgspec.structs.replace(reblobbed, proof=msgspec.structs.replace(reblobbed.proof, blob_id="c" * 64)),
+            ]
+            for bad in forged:
+                with pytest.raises(PartNotAuthentic):
+                    await acc.handle(bad)
+            assert PartStore(tmp_path / "state").load() == [] and not sup.records_view()
+            assert acc.statistics()["not_authentic"] == len(forged)
+            out = await acc.handle(_signed(good))
+            assert out.outcome == "accepted" and outcome_ok(MAC_KEY, out)
+            assert not outcome_ok(MAC_KEY, msgspec.structs.replace(out, outcome="refused_spec"))
+            n.cancel_scope.cancel()
+
+
+async def test_no_part_is_taken_before_the_placer_key_is_known(tmp_path):
+    sup = Supervisor(tmp_path / "state", node_id="n1", gpu_health=lambda: HEALTH,
+                     config=SupervisorConfig(shim_pool=1), base_env={"PATH": os.environ["PATH"]})
+
+    async def no_blob(b: str) -> GangBlob:
+        raise BlobUnavailable("none")
+
+    acc = PartAcceptor(tmp_path / "state", node_id="n1", supervisor=sup, inventory=lambda: (UUIDS, HEALTH),
+                       blob=no_blob, notify=_Events(), keys=lambda: (None, None), clock=lambda: NOW)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            await n.start(acc.run)
+            with pytest.raises(PartNotAuthentic, match="no placer signing key"):
+                await acc.handle(_signed(_part()))
+            n.cancel_scope.cancel()

@@ -1,0 +1,272 @@
+"""Message-level authentication: what a rack relay carries it can delay or drop, never forge.
+
+Theory of operation (DESIGN.md, Security model; issue 17 §1)
+------------------------------------------------------------
+TLS (scheduler_link.tls) authenticates each *connection*; a relay sits between the placer
+and its rack's members, so what crosses it is authenticated here, per message:
+
+- **Up (member -> relay -> placer): keyed BLAKE3 MACs.** Node X holds a 32-byte key K_X it
+  received in the answer to a full report over its own connection (never through a relay).
+  Every report, heartbeat and placement outcome a relay forwards for X carries
+  ``MAC = BLAKE3(key=K_X, kind || canonical bytes)[:16]``; the placer recomputes and
+  compares in constant time, and drops (and counts) what does not verify.
+  K_X is *derived*, not stored: ``K_X = BLAKE3(key=master, "herd node mac v1" || X || boot)``
+  with ``master`` 32 random bytes in the placer's state dir (0600, made once). So the key is
+  fresh for every agent boot (a restarted agent registers directly and gets a new one), the
+  placer keeps no per-node secret and journals nothing, and a restarted placer still verifies
+  what relays forward for nodes that have not re-registered yet (their boot id is in the
+  report). Whoever holds the placer's state dir is the placer anyway (its signing key is there).
+- **Down (placer -> relay -> member): one Ed25519 signature per rack bundle.** The placer signs
+  the bundle's *header*: (rack, blob id, deliver_by, the BLAKE3 of each part's bytes exactly as
+  encoded in the bundle). The relay checks it before acting; it hands each member its part
+  with a :class:`~scheduler_link.messages.PartProof` (the header, the signature, the part's own
+  bytes), and the member checks its bytes' digest is listed and the signature holds before
+  acting. Signing what was sent and verifying what was received (never a re-encoding) keeps the
+  check exact whatever the encoder does with an int in a float field. The placer's public key
+  reaches agents in the same registration answer as their MAC key.
+
+Costs: a MAC is one BLAKE3 call over tens to hundreds of bytes (~2 us here); a bundle is one
+signature plus a BLAKE3 per part at the placer, one verification per relay and per member.
+Measured in ``bench/msgauth.py``.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from pathlib import Path
+
+import blake3
+import msgspec
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from .messages import NodeOutcome, NodePart, NodeReport, PartProof, RackBundle
+
+log = logging.getLogger("herd.link.msgauth")
+
+MAC_LEN = 16
+KEY_LEN = 32
+_KDF = b"herd node mac v1\0"
+_BUNDLE = b"herd rack bundle v1\0"
+MASTER_FILE = "node-mac.secret"
+SIGNING_FILE = "placer-signing.key"
+
+_canon = msgspec.msgpack.Encoder(order="deterministic")
+_report_dec = msgspec.msgpack.Decoder(NodeReport)
+_part_dec = msgspec.msgpack.Decoder(NodePart)
+_enc = msgspec.msgpack.Encoder()     # the frames encoder's settings: a part's bytes as the bundle carries them
+
+
+class AuthError(Exception):
+    """A message's MAC or signature does not verify (or cannot be checked)."""
+
+
+# ---------------------------------------------------------------- MACs (up)
+
+def node_key(master: bytes, node_id: str, boot_id: str) -> bytes:
+    """K_X for (node, boot): what the placer gives X at registration and checks X's MACs with."""
+    return blake3.blake3(_KDF + node_id.encode() + b"\0" + boot_id.encode(), key=master).digest(KEY_LEN)
+
+
+def _mac(key: bytes, data: bytes) -> bytes:
+    return blake3.blake3(data, key=key).digest(MAC_LEN)
+
+
+def beat_mac(key: bytes, node_id: str, boot_id: str, seq: int) -> bytes:
+    """An empty heartbeat's MAC: what a relay's RackBeat entry carries (node, boot, seq)."""
+    return _mac(key, b"beat\0%s\0%s\0%d" % (node_id.encode(), boot_id.encode(), seq))
+
+
+def _is_empty(rep: NodeReport) -> bool:
+    return not rep.full and not rep.events and rep.snapshot is None and rep.manifests is None
+
+
+def _report_bytes(rep: NodeReport) -> bytes:
+    return b"report\0" + _canon.encode(msgspec.structs.replace(rep, mac=b""))
+
+
+def report_mac(key: bytes, rep: NodeReport) -> bytes:
+    """The MAC of a report as the placer checks it: an empty heartbeat's is :func:`beat_mac`
+    (a relay folds those into a RackBeat), any other's covers its canonical bytes."""
+    if _is_empty(rep):
+        return beat_mac(key, rep.node_id, rep.boot_id, rep.seq)
+    return _mac(key, _report_bytes(rep))
+
+
+def with_report_mac(key: bytes, rep: NodeReport) -> NodeReport:
+    """``rep`` with its MAC, normalised first (one msgpack round trip: an int in a float field
+    becomes the float the placer will decode, so the placer's bytes are these bytes)."""
+    if not _is_empty(rep):
+        rep = _report_dec.decode(_canon.encode(msgspec.structs.replace(rep, mac=b"")))
+    return msgspec.structs.replace(rep, mac=report_mac(key, rep))
+
+
+def report_ok(key: bytes, rep: NodeReport) -> bool:
+    return bool(rep.mac) and hmac.compare_digest(rep.mac, report_mac(key, rep))
+
+
+def outcome_mac(key: bytes, o: NodeOutcome) -> bytes:
+    return _mac(key, b"ack\0" + _canon.encode(msgspec.structs.replace(o, mac=b"")))
+
+
+def with_outcome_mac(key: bytes, o: NodeOutcome) -> NodeOutcome:
+    return msgspec.structs.replace(o, mac=outcome_mac(key, o))
+
+
+def outcome_ok(key: bytes, o: NodeOutcome) -> bool:
+    return bool(o.mac) and hmac.compare_digest(o.mac, outcome_mac(key, o))
+
+
+# ---------------------------------------------------------------- signatures (down)
+
+def part_bytes(part: NodePart) -> bytes:
+    """A part's bytes as a bundle carries them (what its digest is over)."""
+    return _enc.encode(part)
+
+
+def header_bytes(rack: str, blob_id: str, deliver_by: float, digests: list[bytes]) -> bytes:
+    return _BUNDLE + _canon.encode([rack, blob_id, float(deliver_by), digests])
+
+
+def digest(raw: bytes) -> bytes:
+    return blake3.blake3(raw).digest()
+
+
+class BundleSigner:
+    """The placer's Ed25519 key: signs rack bundles."""
+
+    def __init__(self, key: Ed25519PrivateKey) -> None:
+        self._key = key
+        self.public = key.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        self.signed = 0
+
+    @classmethod
+    def generate(cls) -> BundleSigner:
+        return cls(Ed25519PrivateKey.generate())
+
+    def sign_parts(self, rack: str, blob_id: str, deliver_by: float, raws: list[bytes]) -> bytes:
+        """The signature over a bundle whose parts are encoded as ``raws``."""
+        self.signed += 1
+        return self._key.sign(header_bytes(rack, blob_id, deliver_by, [digest(r) for r in raws]))
+
+    def bundle(self, *, rack: str, blob_id: str, parts: list[NodePart], deliver_by: float,
+               **kw: object) -> RackBundle:
+        """A signed RackBundle (its parts carried as the exact bytes the signature covers)."""
+        raws = [part_bytes(p) for p in parts]
+        deliver_by = float(deliver_by)
+        sig = self.sign_parts(rack, blob_id, deliver_by, raws)
+        return RackBundle(rack=rack, blob_id=blob_id, parts=[msgspec.Raw(r) for r in raws],  # type: ignore[misc]
+                          deliver_by=deliver_by, sig=sig, **kw)  # type: ignore[arg-type]
+
+
+class BundleView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A RackBundle as a receiver checks it: its parts left as the bytes that were signed."""
+    rack: str
+    blob_id: str
+    version: int = 1
+    blob: bytes | None = None
+    blob_sources: list[str] = []
+    parts: list[msgspec.Raw] = []
+    deliver_by: float = 0.0
+    sig: bytes = b""
+
+
+class BundleVerifier:
+    """Checks the placer's signatures with its public key (32 raw bytes)."""
+
+    def __init__(self, public: bytes) -> None:
+        if len(public) != 32:
+            raise AuthError(f"a placer signing key is 32 bytes, not {len(public)}")
+        self.public = public
+        self._key = Ed25519PublicKey.from_public_bytes(public)
+        self.verified = 0
+        self.refused = 0
+
+    def _check(self, header: bytes, sig: bytes) -> None:
+        try:
+            self._key.verify(sig, header)
+        except InvalidSignature:
+            self.refused += 1
+            raise AuthError("the placer's signature does not verify") from None
+        self.verified += 1
+
+    def bundle(self, raw_payload: bytes) -> tuple[BundleView, list[NodePart], list[PartProof]]:
+        """Decode and verify a bundle frame's payload: (the bundle, its parts, each part's proof
+        for its member). Raises AuthError (nothing in it may be acted on) or msgspec errors."""
+        view = msgspec.msgpack.decode(raw_payload, type=BundleView)
+        if not view.sig:
+            self.refused += 1
+            raise AuthError("the bundle is not signed")
+        raws = [bytes(r) for r in view.parts]
+        digests = [digest(r) for r in raws]
+        self._check(header_bytes(view.rack, view.blob_id, view.deliver_by, digests), view.sig)
+        parts = [_part_dec.decode(r) for r in raws]
+        proofs = [PartProof(rack=view.rack, blob_id=view.blob_id, deliver_by=view.deliver_by, digests=digests,
+                            sig=view.sig, raw=r) for r in raws]
+        return view, parts, proofs
+
+    def part(self, part: NodePart, *, seen: dict[bytes, bool] | None = None) -> NodePart:
+        """The part a member may act on: the signed bytes its proof carries, checked (digest
+        listed, signature valid), with the bundle's blob id filled in. ``seen``: signatures this
+        member already verified (a header is checked once per bundle)."""
+        pr = part.proof
+        if pr is None:
+            self.refused += 1
+            raise AuthError("a part from a relay must carry the placer's signed proof")
+        d = digest(pr.raw)
+        if d not in pr.digests:
+            self.refused += 1
+            raise AuthError("the part is not one of the signed bundle's parts")
+        if seen is None or pr.sig not in seen:
+            self._check(header_bytes(pr.rack, pr.blob_id, pr.deliver_by, list(pr.digests)), pr.sig)
+            if seen is not None:
+                seen[pr.sig] = True
+                while len(seen) > 64:
+                    seen.pop(next(iter(seen)))
+        signed = _part_dec.decode(pr.raw)
+        if signed.blob_id and signed.blob_id != pr.blob_id:
+            self.refused += 1
+            raise AuthError("the part names another gang blob than its signed bundle")
+        if signed.pods and not signed.blob_id:
+            signed = msgspec.structs.replace(signed, blob_id=pr.blob_id)
+        return signed
+
+
+# ---------------------------------------------------------------- the placer's keys on disk
+
+def _read_or_make(path: Path, make: bytes) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.write(fd, make)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    log.info("placer key made path=%s", path)
+    return path.read_bytes()
+
+
+def load_placer_keys(state_dir: str | os.PathLike[str]) -> tuple[bytes, BundleSigner]:
+    """(MAC master secret, bundle signer) from the placer's state dir, made once (0600)."""
+    d = Path(state_dir)
+    master = _read_or_make(d / MASTER_FILE, os.urandom(KEY_LEN))
+    if len(master) != KEY_LEN:
+        raise AuthError(f"{d / MASTER_FILE} is {len(master)} bytes, not {KEY_LEN}")
+    pem = _read_or_make(d / SIGNING_FILE, Ed25519PrivateKey.generate().private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    try:
+        key = serialization.load_pem_private_key(pem, password=None)
+    except ValueError as e:
+        raise AuthError(f"{d / SIGNING_FILE} is not a PEM private key: {e}") from None
+    if not isinstance(key, Ed25519PrivateKey):
+        raise AuthError(f"{d / SIGNING_FILE} is not an Ed25519 key")
+    return master, BundleSigner(key)

@@ -1,0 +1,142 @@
+"""Message-level authentication (scheduler_link.msgauth): MACs up, signatures down."""
+
+from __future__ import annotations
+
+import os
+import stat
+
+import msgspec
+import pytest
+
+from scheduler_link.messages import (
+    GpuInfo,
+    GpuSnapshot,
+    GpuTelemetry,
+    NodeOutcome,
+    NodePart,
+    NodeReport,
+    PartPod,
+    RackBundle,
+    Victim,
+    WorkloadEvent,
+)
+from scheduler_link.msgauth import (
+    AuthError,
+    BundleSigner,
+    BundleVerifier,
+    beat_mac,
+    load_placer_keys,
+    node_key,
+    outcome_ok,
+    report_ok,
+    with_outcome_mac,
+    with_report_mac,
+)
+
+MASTER = b"m" * 32
+
+
+def test_node_keys_differ_by_node_and_boot_and_master() -> None:
+    k = node_key(MASTER, "n1", "b1")
+    assert len(k) == 32
+    assert k == node_key(MASTER, "n1", "b1")
+    assert len({k, node_key(MASTER, "n2", "b1"), node_key(MASTER, "n1", "b2"), node_key(b"x" * 32, "n1", "b1")}) == 4
+
+
+def test_report_mac_covers_every_field_and_survives_the_relays_round_trip() -> None:
+    key = node_key(MASTER, "n1", "b1")
+    snap = GpuSnapshot(gpus=[GpuInfo(index=0, uuid="GPU-1", name="x", memory_total_mib=1, pci_bus_id="0",
+                                     telemetry=GpuTelemetry(temperature_c=45))])  # an int in a float field
+    rep = NodeReport(node_id="n1", boot_id="b1", seq=3, full=False, snapshot=snap,
+                     events=[WorkloadEvent(workload_id="j.0.0", job_id="j", state="running", at=1)])
+    signed = with_report_mac(key, rep)
+    # what the placer sees: the relay decoded and re-encoded it (msgpack frames)
+    seen = msgspec.msgpack.decode(msgspec.msgpack.encode(signed), type=NodeReport)
+    assert report_ok(key, seen)
+    assert not report_ok(node_key(MASTER, "n2", "b1"), seen)     # another node's key
+    forged = msgspec.structs.replace(seen, events=[msgspec.structs.replace(seen.events[0], state="failed")])
+    assert not report_ok(key, forged)
+    assert not report_ok(key, msgspec.structs.replace(seen, mac=b""))
+
+
+def test_empty_heartbeat_mac_is_the_beat_entry_mac() -> None:
+    key = node_key(MASTER, "n1", "b1")
+    rep = with_report_mac(key, NodeReport(node_id="n1", boot_id="b1", seq=9, full=False, sent_at=5.0))
+    assert rep.mac == beat_mac(key, "n1", "b1", 9)
+    assert rep.mac != beat_mac(key, "n1", "b1", 10)   # a replayed seq does not carry over
+
+
+def test_outcome_mac() -> None:
+    key = node_key(MASTER, "n1", "b1")
+    o = with_outcome_mac(key, NodeOutcome(node_id="n1", placement_id="p", outcome="refused_gpus",
+                                          refused_gpus=["GPU-1"]))
+    assert outcome_ok(key, o)
+    assert not outcome_ok(key, msgspec.structs.replace(o, outcome="accepted", refused_gpus=[]))
+    assert not outcome_ok(key, msgspec.structs.replace(o, node_id="n2"))
+
+
+def _parts() -> list[NodePart]:
+    return [NodePart(placement_id=f"start:j:0:n{i}", node_id=f"n{i}", job_id="j", attempt=0,
+                     pods=[PartPod(workload_id=f"j.0.{i}", rank=i, gpu_indices=[0])], issued_at=1,
+                     expires_at=31, victims=[Victim(workload_id="old.0.0", grace_s=5)]) for i in range(3)]
+
+
+def test_signed_bundle_verifies_at_the_relay_and_at_each_member() -> None:
+    signer = BundleSigner.generate()
+    rb = signer.bundle(rack="z/b/r", blob_id="ab" * 32, parts=_parts(), deliver_by=100)
+    payload = msgspec.msgpack.encode(rb)
+    ver = BundleVerifier(signer.public)
+    view, parts, proofs = ver.bundle(payload)
+    assert [p.node_id for p in parts] == ["n0", "n1", "n2"]
+    assert parts[0].victims[0].grace_s == 5.0
+    seen: dict[bytes, bool] = {}
+    for p, pr in zip(parts, proofs, strict=True):
+        # the relay hands the member its part (blob id filled in) with the proof, over msgpack
+        sent = msgspec.structs.replace(p, blob_id=view.blob_id, proof=pr)
+        got = msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=NodePart)
+        ok = ver.part(got, seen=seen)
+        assert ok.node_id == p.node_id and ok.blob_id == view.blob_id and ok.proof is None
+    assert ver.verified == 2   # the relay once, the members once per bundle (seen)
+
+
+def test_a_relay_cannot_alter_a_bundle_or_a_part() -> None:
+    signer = BundleSigner.generate()
+    ver = BundleVerifier(signer.public)
+    rb = signer.bundle(rack="z/b/r", blob_id="ab" * 32, parts=_parts(), deliver_by=100)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(rb), type=RackBundle)
+    # a part for another node / changed argv-bearing blob / a later deadline: re-encoded by the relay
+    for bad in (msgspec.structs.replace(decoded, parts=[msgspec.structs.replace(decoded.parts[0], node_id="n9")]
+                                        + decoded.parts[1:]),
+                msgspec.structs.replace(decoded, blob_id="cd" * 32),
+                msgspec.structs.replace(decoded, deliver_by=1e12),
+                msgspec.structs.replace(decoded, sig=b""),
+                msgspec.structs.replace(decoded, sig=BundleSigner.generate().sign_parts("z/b/r", "ab" * 32, 100, []))):
+        with pytest.raises(AuthError):
+            ver.bundle(msgspec.msgpack.encode(bad))
+    _, parts, proofs = ver.bundle(msgspec.msgpack.encode(rb))
+    pr = proofs[0]
+    other = msgspec.structs.replace(parts[0], node_id="n1")
+    with pytest.raises(AuthError):  # a part's bytes changed (retargeted), digests kept
+        ver.part(msgspec.structs.replace(other, proof=msgspec.structs.replace(
+            pr, raw=msgspec.msgpack.encode(other))))
+    with pytest.raises(AuthError):  # the digest list changed to match: the signature fails
+        raw = msgspec.msgpack.encode(other)
+        from scheduler_link.msgauth import digest
+        ver.part(msgspec.structs.replace(other, proof=msgspec.structs.replace(
+            pr, raw=raw, digests=[digest(raw), *pr.digests[1:]])))
+    with pytest.raises(AuthError):
+        ver.part(parts[0])  # no proof at all
+    with pytest.raises(AuthError):
+        BundleVerifier(b"short")
+
+
+def test_placer_keys_made_once_0600(tmp_path: os.PathLike[str]) -> None:
+    m1, s1 = load_placer_keys(tmp_path)
+    m2, s2 = load_placer_keys(tmp_path)
+    assert m1 == m2 and s1.public == s2.public and len(m1) == 32
+    for name in ("node-mac.secret", "placer-signing.key"):
+        assert stat.S_IMODE(os.stat(os.path.join(tmp_path, name)).st_mode) == 0o600
+    with open(os.path.join(tmp_path, "node-mac.secret"), "wb") as f:
+        f.write(b"short")
+    with pytest.raises(AuthError, match="not 32"):
+        load_placer_keys(tmp_path)
