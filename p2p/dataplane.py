@@ -19,6 +19,11 @@ server is a lean h11 loop on trio sockets: headers go through h11, the body goes
 the page cache to the socket with ``os.sendfile`` on the non-blocking socket
 (``wait_writable`` + ``sendfile`` until done), never through Python buffers.
 
+TLS (``ssl_context``, a server context from :mod:`scheduler_link.tls`; the URL is then
+https://): each connection's handshake must finish within ``head_timeout_s``; bodies go
+through the TLS layer (pread + send: no sendfile without kernel TLS), so TLS costs CPU on
+both ends (``python -m bench.node`` measures how much).
+
 Hostile input costs the sender, never this daemon. Bounds (``DataPlaneConfig``), in the
 order a request meets them:
 
@@ -52,6 +57,7 @@ import hmac
 import logging
 import os
 import re
+import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -113,6 +119,7 @@ class _Stats(msgspec.Struct, kw_only=True):
     head_timeouts: int = 0
     connection_errors: int = 0
     sendfile_fallbacks: int = 0
+    tls_errors: int = 0                # TLS handshakes that failed or timed out
     rejected_chunk_busy: int = 0       # 503: the chunk was being sent to max_serving_per_chunk peers
     serving_per_chunk_max: int = 0     # the most copies of one chunk ever sent at once
 
@@ -155,8 +162,10 @@ class DataPlane:
     """
 
     def __init__(self, store: ChunkStore, *, token: str | None, listen: str = "127.0.0.1:0",
-                 config: DataPlaneConfig | None = None, insecure_open: bool = False) -> None:
+                 config: DataPlaneConfig | None = None, insecure_open: bool = False,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.store = store
+        self._ssl = ssl_context
         self._token = token.encode() if token else None
         self._open = insecure_open and token is None
         self.listen = listen
@@ -184,11 +193,12 @@ class DataPlane:
         sock = listeners[0].socket
         bound = sock.getsockname()
         shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-        self.url = f"http://{shown}:{bound[1]}"
+        self.url = f"{'https' if self._ssl else 'http'}://{shown}:{bound[1]}"
         self._trio_token = trio.lowlevel.current_trio_token()
         self._install_hook()
-        log.info("data plane listening url=%s auth=%s", self.url,
-                 "open" if self._open else ("token" if self._token else "none-configured"))
+        log.info("data plane listening url=%s auth=%s tls=%s", self.url,
+                 "open" if self._open else ("token" if self._token else "none-configured"),
+                 "on" if self._ssl else "off")
         try:
             async with trio.open_nursery() as nursery:
                 await nursery.start(trio.serve_listeners, self._connection, listeners)
@@ -255,20 +265,34 @@ class DataPlane:
 
     # ------------------------------------------------------------------ connections
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
+    async def _connection(self, raw: trio.SocketStream) -> None:
         self._stats.connections += 1
         try:
-            peer = stream.socket.getpeername()
+            peer = raw.socket.getpeername()
             client = str(peer[0])
         except OSError:
             client = "?"
         if not self._conns.enter(client):
             self._stats.rejected_connections += 1
-            await turn_away(stream)
+            await turn_away(raw)
             return
         self._stats.open_connections += 1
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=self.config.max_head_bytes)
+        stream: trio.abc.Stream = raw
         try:
+            if self._ssl is not None:
+                # TLS: the handshake is bounded like a request head; bodies then go through
+                # the TLS layer (pread + send), not sendfile.
+                tls = trio.SSLStream(raw, self._ssl, server_side=True, https_compatible=True)
+                stream = tls
+                try:
+                    with trio.fail_after(self.config.head_timeout_s):
+                        await tls.do_handshake()
+                except (trio.TooSlowError, trio.BrokenResourceError) as e:
+                    self._stats.tls_errors += 1
+                    log.info("data plane TLS handshake failed client=%s err=%s", client,
+                             e.__cause__ or e or "timed out")
+                    return
             while True:
                 req = await self._read_request(stream, conn)
                 if req is None:
@@ -305,7 +329,7 @@ class DataPlane:
                 cs.shield = True
                 await stream.aclose()
 
-    async def _read_request(self, stream: trio.SocketStream, conn: h11.Connection) -> h11.Request | None:
+    async def _read_request(self, stream: trio.abc.Stream, conn: h11.Connection) -> h11.Request | None:
         """The next request head (and its end), or None when the client is done or idle
         too long. The head must be complete ``head_timeout_s`` after its first byte."""
         cfg = self.config
@@ -329,7 +353,7 @@ class DataPlane:
                             f"request head not complete within {cfg.head_timeout_s:g} s", error_status_hint=408)
                 if not data and conn.their_state is h11.IDLE and req is None:
                     return None
-                conn.receive_data(data)
+                conn.receive_data(bytes(data))
                 continue
             if isinstance(ev, h11.Request):
                 # h11 bounds only a head still incomplete; one that came whole is measured here
@@ -346,7 +370,7 @@ class DataPlane:
             if isinstance(ev, h11.ConnectionClosed) or ev is h11.PAUSED:
                 return None
 
-    async def _try_send_error(self, stream: trio.SocketStream, conn: h11.Connection,
+    async def _try_send_error(self, stream: trio.abc.Stream, conn: h11.Connection,
                               status: int, detail: str) -> None:
         if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
             return
@@ -375,7 +399,7 @@ class DataPlane:
                     return hmac.compare_digest(tok.strip(), self._token)
         return False
 
-    async def _dispatch(self, req: h11.Request, client: str, stream: trio.SocketStream,
+    async def _dispatch(self, req: h11.Request, client: str, stream: trio.abc.Stream,
                         conn: h11.Connection) -> tuple[_Reply | None, bool]:
         """The answer (None: the client went away while waiting), and whether a serving
         slot was taken (the caller leaves it)."""
@@ -416,7 +440,7 @@ class DataPlane:
             self._leave(client)
             raise
 
-    async def _maybe_wait(self, chunk_id: str, query: str, client: str, stream: trio.SocketStream,
+    async def _maybe_wait(self, chunk_id: str, query: str, client: str, stream: trio.abc.Stream,
                           conn: h11.Connection) -> _Reply | object | None:
         """Carry out ``?wait_ms=`` for an absent chunk under the wait budget. A reply to
         send now (400, 503, 404 after the wait), ``_GONE`` when the client left while
@@ -450,7 +474,7 @@ class DataPlane:
             return _json(404, "chunk not here", chunk_id)
         return None
 
-    async def _watch_client(self, stream: trio.SocketStream, conn: h11.Connection,
+    async def _watch_client(self, stream: trio.abc.Stream, conn: h11.Connection,
                             gone: trio.CancelScope) -> None:
         """While a request waits, notice its client leaving (EOF or reset) and cancel
         ``gone``. Bytes it sends meanwhile (a pipelined request) are kept for h11, up to
@@ -465,7 +489,7 @@ class DataPlane:
             if not data or kept > self.config.max_head_bytes:
                 gone.cancel()
                 return
-            conn.receive_data(data)
+            conn.receive_data(bytes(data))
 
     def _leave(self, client: str) -> None:
         self._active.leave(client)
@@ -544,7 +568,7 @@ class DataPlane:
 
     # ------------------------------------------------------------------ sending
 
-    async def _send_reply(self, stream: trio.SocketStream, conn: h11.Connection,
+    async def _send_reply(self, stream: trio.abc.Stream, conn: h11.Connection,
                           req: h11.Request, reply: _Reply) -> bool:
         head = req.method.upper() == b"HEAD"
         fd = -1
@@ -575,7 +599,10 @@ class DataPlane:
             await self._send_all(stream, out)
             # h11 frames the body from len() only; the bytes go by sendfile.
             conn.send_with_data_passthrough(h11.Data(data=_Len(size)))  # type: ignore[arg-type]
-            await self._sendfile(stream, fd, size)
+            if isinstance(stream, trio.SocketStream):
+                await self._sendfile(stream, fd, size)
+            else:   # TLS: the bytes must pass through the TLS layer
+                await self._send_plain(stream, fd, 0, size, fallback=False)
             tail = conn.send(h11.EndOfMessage()) or b""
             if tail:
                 await self._send_all(stream, tail)
@@ -592,7 +619,7 @@ class DataPlane:
                 else:
                     self._serving.pop(serving, None)
 
-    async def _send_all(self, stream: trio.SocketStream, data: bytes) -> None:
+    async def _send_all(self, stream: trio.abc.Stream, data: bytes) -> None:
         with trio.fail_after(self.config.send_stall_s):
             await stream.send_all(data)
 
@@ -620,8 +647,10 @@ class DataPlane:
             offset += n
             await trio.lowlevel.checkpoint_if_cancelled()
 
-    async def _send_plain(self, stream: trio.SocketStream, fd: int, offset: int, size: int) -> None:
-        self._stats.sendfile_fallbacks += 1
+    async def _send_plain(self, stream: trio.abc.Stream, fd: int, offset: int, size: int, *,
+                          fallback: bool = True) -> None:
+        if fallback:
+            self._stats.sendfile_fallbacks += 1
         while offset < size:
             data = os.pread(fd, min(1 << 20, size - offset), offset)
             if not data:

@@ -1,9 +1,17 @@
 """Talking to peers' data planes, and keeping score of how they behave.
 
 :class:`PeerClient` is the one seam to other nodes: ``get_chunk`` (with ``wait_ms``),
-``get_manifest``. It maps every transport failure to a :class:`PeerError` subclass,
-bounds what a peer may send (never more than the chunk's size), and verifies nothing
-itself (the fetcher verifies BLAKE3 and tells :class:`PeerHealth`).
+``get_chunk_verified``, ``get_manifest``. It maps every transport failure to a
+:class:`PeerError` subclass and bounds what a peer may send (never more than the chunk's
+size). ``get_chunk`` verifies nothing (its caller hashes); ``get_chunk_verified`` checks
+BLAKE3 itself and raises :class:`PeerCorrupt`.
+
+Two receive paths, one behaviour (tests/test_peer_receive.py): a body of at least
+``THREAD_BODY_MIN`` on a plain connection is received by a worker thread (``readv`` into
+the preallocated buffer, woken per ``RCVLOWAT`` bytes, hashing each piece as it lands when
+asked), so receiving and hashing of many chunks run on several cores while the trio
+thread runs the protocol; smaller bodies, TLS and a rate cap use the trio thread. With TLS
+(``ssl_context``) peers are https:// and a plain URL is refused.
 
 Timeouts are cancel scopes here, at the call site: the answer's head must come within
 ``wait_ms + head_grace_s``; once the body started, no ``stall_s`` without bytes.
@@ -18,11 +26,19 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import select
 import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
+import blake3
 import msgspec
 import trio
 
@@ -52,6 +68,14 @@ class PeerBusy(PeerUnavailable):
         self.retry_after_s = retry_after_s
 
 
+class PeerCorrupt(PeerError):
+    """The peer's bytes do not hash to what was asked for. ``nbytes``: how many came."""
+
+    def __init__(self, msg: str, nbytes: int = 0) -> None:
+        super().__init__(msg)
+        self.nbytes = nbytes
+
+
 class PeerMissing(PeerError):
     """The peer answered 404: it does not have the object (after waiting, if asked to)."""
 
@@ -65,13 +89,46 @@ class PeerClientConfig:
 
 
 class _Conn:
-    __slots__ = ("stream", "sock", "buf", "used")
+    """One keep-alive connection. Plain: the raw trio socket (``recv_into`` straight into
+    the body's buffer, no copies). TLS: a ``trio.SSLStream`` (records decrypted into
+    Python bytes, then copied into the body's buffer)."""
+    __slots__ = ("stream", "sock", "tls", "buf", "used")
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.SocketStream, tls: trio.SSLStream[trio.SocketStream] | None = None) -> None:
         self.stream = stream
-        self.sock = stream.socket  # raw trio socket: recv_into without extra copies
+        self.sock = stream.socket
+        self.tls = tls
         self.buf = bytearray()     # bytes received past the last response
         self.used = False
+
+    def close(self) -> None:
+        self.sock.close()
+
+    async def send(self, data: bytes) -> None:
+        if self.tls is not None:
+            try:
+                await self.tls.send_all(data)
+            except trio.BrokenResourceError as e:
+                raise OSError(str(e.__cause__ or e)) from None
+            return
+        sent = 0
+        while sent < len(data):
+            sent += await self.sock.send(data[sent:])
+
+    async def recv(self, n: int) -> bytes:
+        if self.tls is not None:
+            try:
+                return bytes(await self.tls.receive_some(max(n, 1)))
+            except trio.BrokenResourceError as e:
+                raise ConnectionResetError(str(e.__cause__ or e)) from None
+        return await self.sock.recv(n)
+
+    async def recv_into(self, view: memoryview, n: int) -> int:
+        if self.tls is None:
+            return await self.sock.recv_into(view, n)
+        data = await self.recv(n)
+        view[:len(data)] = data
+        return len(data)
 
 
 class PeerClient:
@@ -84,17 +141,24 @@ class PeerClient:
     MAX_HEAD = 16 * 1024
     MAX_IDLE_PER_PEER = 32
     RCVLOWAT = 128 * 1024
+    THREAD_BODY_MIN = 256 * 1024   # bodies at least this large are received in a worker thread
+    MAX_THREADS = 16               # ... at most this many at once
 
-    def __init__(self, *, token: str | None, config: PeerClientConfig | None = None) -> None:
+    def __init__(self, *, token: str | None, config: PeerClientConfig | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        """``ssl_context``: speak TLS to peers (their data URLs must then be https://; a
+        plain http:// peer is refused rather than spoken to in the clear)."""
         self.config = config or PeerClientConfig()
+        self._ssl = ssl_context
         self._auth = f"Authorization: Bearer {token}\r\n".encode() if token else b""
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._bucket = AsyncBucket(self.config.rate_bps)
+        self._threads = trio.CapacityLimiter(self.MAX_THREADS)
 
     async def aclose(self) -> None:
         for conns in self._idle.values():
             for c in conns:
-                c.sock.close()
+                c.close()
         self._idle.clear()
 
     async def get_chunk(self, base_url: str, chunk_id: str, size: int, *, wait_ms: int = 0,
@@ -105,6 +169,19 @@ class PeerClient:
         path = f"/v1/chunks/{chunk_id}" + (f"?wait_ms={int(wait_ms)}" if wait_ms > 0 else "")
         return await self._get(base_url, path, limit=size, head_s=wait_ms / 1000 + self.config.head_grace_s,
                                exact=True, gate=gate)
+
+    async def get_chunk_verified(self, base_url: str, chunk_id: str, size: int, *, wait_ms: int = 0,
+                                 gate: trio.CapacityLimiter | None = None) -> bytes:
+        """:meth:`get_chunk`, verified: the bytes hash to ``chunk_id`` (BLAKE3, computed
+        as they arrive, in the receiving worker thread for large bodies), else
+        :class:`PeerCorrupt` (the peer sent bad bytes: ban it)."""
+        path = f"/v1/chunks/{chunk_id}" + (f"?wait_ms={int(wait_ms)}" if wait_ms > 0 else "")
+        data, digest = await self._get_hashed(base_url, path, limit=size,
+                                              head_s=wait_ms / 1000 + self.config.head_grace_s,
+                                              exact=True, gate=gate, hashed=True)
+        if digest != chunk_id:
+            raise PeerCorrupt(f"{base_url}: chunk {chunk_id[:16]} does not match its hash", len(data))
+        return data
 
     async def get_manifest(self, base_url: str, manifest_id: str, *, limit: int = 64 << 20) -> bytes:
         return await self._get(base_url, f"/v1/manifests/{manifest_id}", limit=limit,
@@ -117,26 +194,38 @@ class PeerClient:
 
     # ------------------------------------------------------------------ transport
 
-    @staticmethod
-    def _hostport(base_url: str) -> tuple[str, int]:
+    def _hostport(self, base_url: str) -> tuple[str, int]:
         u = urlsplit(base_url)
-        if u.scheme != "http" or not u.hostname:
-            raise PeerError(f"peer URL {base_url!r}: want http://host:port")
-        return u.hostname, u.port or 80
+        want = "https" if self._ssl is not None else "http"
+        if u.scheme != want or not u.hostname:
+            why = " (this node speaks TLS to peers)" if self._ssl is not None else ""
+            raise PeerError(f"peer URL {base_url!r}: want {want}://host:port{why}")
+        return u.hostname, u.port or (443 if self._ssl is not None else 80)
 
     async def _connect(self, key: tuple[str, int]) -> _Conn:
         idle = self._idle.get(key)
         if idle:
             return idle.pop()
         host, port = key
-        with trio.move_on_after(self.config.connect_s) as cs:
+        stream: trio.SocketStream | None = None
+        with trio.move_on_after(self.config.connect_s):
             try:
                 stream = await trio.open_tcp_stream(host, port)
             except OSError as e:
                 raise PeerUnavailable(f"{host}:{port}: {e.strerror or e}") from None
-        if cs.cancelled_caught:
-            raise PeerTimeout(f"{host}:{port}: connect timed out after {self.config.connect_s:.1f}s")
-        return _Conn(stream)
+            if self._ssl is None:
+                return _Conn(stream)
+            tls = trio.SSLStream(stream, self._ssl, server_hostname=host, https_compatible=True)
+            try:
+                await tls.do_handshake()
+            except trio.BrokenResourceError as e:
+                stream.socket.close()
+                raise PeerUnavailable(f"{host}:{port}: TLS handshake failed: {e.__cause__ or e}") from None
+            return _Conn(stream, tls)
+        if stream is not None:
+            stream.socket.close()
+        what = "TLS handshake" if stream is not None else "connect"
+        raise PeerTimeout(f"{host}:{port}: {what} timed out after {self.config.connect_s:.1f}s")
 
     def _release(self, key: tuple[str, int], conn: _Conn) -> None:
         idle = self._idle.setdefault(key, [])
@@ -144,20 +233,24 @@ class PeerClient:
             conn.used = True
             idle.append(conn)
         else:
-            conn.sock.close()
+            conn.close()
 
     async def _get(self, base_url: str, path: str, *, limit: int, head_s: float, exact: bool,
                    gate: trio.CapacityLimiter | None = None) -> bytes:
+        return (await self._get_hashed(base_url, path, limit=limit, head_s=head_s, exact=exact, gate=gate))[0]
+
+    async def _get_hashed(self, base_url: str, path: str, *, limit: int, head_s: float, exact: bool,
+                          gate: trio.CapacityLimiter | None = None, hashed: bool = False) -> tuple[bytes, str | None]:
         key = self._hostport(base_url)
         for attempt in (0, 1):
             conn = await self._connect(key)
             reused = conn.used
             ok = False
             try:
-                data, keep = await self._exchange(conn, key, path, limit=limit, head_s=head_s, exact=exact,
-                                                  gate=gate)
+                data, keep, digest = await self._exchange(conn, key, path, limit=limit, head_s=head_s,
+                                                          exact=exact, gate=gate, hashed=hashed)
                 ok = keep
-                return data
+                return data, digest
             except _StaleConnection:
                 if reused and attempt == 0:  # the peer closed an idle keep-alive: once more, fresh
                     continue
@@ -166,22 +259,22 @@ class PeerClient:
                 if ok:
                     self._release(key, conn)
                 else:
-                    conn.sock.close()
+                    conn.close()
         raise PeerUnavailable(f"{base_url}{path}: no connection")  # pragma: no cover
 
     async def _exchange(self, conn: _Conn, key: tuple[str, int], path: str, *, limit: int,
-                        head_s: float, exact: bool,
-                        gate: trio.CapacityLimiter | None = None) -> tuple[bytes, bool]:
+                        head_s: float, exact: bool, gate: trio.CapacityLimiter | None = None,
+                        hashed: bool = False) -> tuple[bytes, bool, str | None]:
+        """(body, keep-alive, BLAKE3 hex of the body when ``hashed`` or when it was
+        received by a worker thread, which hashes as it receives; else None)."""
         cfg = self.config
-        sock = conn.sock
+        digest: str | None = None
         where = f"http://{key[0]}:{key[1]}{path}"
         req = (f"GET {path} HTTP/1.1\r\nHost: {key[0]}:{key[1]}\r\n").encode() + self._auth + b"\r\n"
         try:
             with trio.move_on_after(cfg.stall_s) as cs:
-                sent = 0
                 try:
-                    while sent < len(req):
-                        sent += await sock.send(req[sent:])
+                    await conn.send(req)
                 except OSError:  # e.g. EPIPE on a keep-alive connection the peer closed
                     raise _StaleConnection() from None
             if cs.cancelled_caught:
@@ -192,7 +285,7 @@ class PeerClient:
                     if len(buf) > self.MAX_HEAD:
                         raise PeerError(f"{where}: answer head over {self.MAX_HEAD} bytes")
                     try:
-                        piece = await sock.recv(65536)
+                        piece = await conn.recv(65536)
                     except ConnectionResetError:
                         if not buf:
                             raise _StaleConnection() from None
@@ -223,27 +316,15 @@ class PeerClient:
             if gate is not None and status == 200 and got < length:
                 await gate.acquire()
                 held = True
-            # SO_RCVLOWAT: be woken when a good piece has arrived, not per packet. On a
-            # paced link packets trickle in, and a wakeup per 1.4 kB costs more CPU than
-            # everything else on this path together.
-            lowat = 1
             try:
-                while got < length:
-                    want = min(length - got, self.RCVLOWAT)
-                    if want != lowat:
-                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                        lowat = want
-                    with trio.move_on_after(cfg.stall_s) as cs:
-                        n = await sock.recv_into(view[got:], length - got)
-                    if cs.cancelled_caught:
-                        raise PeerTimeout(f"{where}: stalled after {got} of {length} bytes")
-                    if n == 0:
-                        raise PeerUnavailable(f"{where}: closed after {got} of {length} bytes")
-                    got += n
-                    await self._bucket.consume(n)
+                if (status == 200 and conn.tls is None and length - got >= self.THREAD_BODY_MIN
+                        and self.config.rate_bps is None):
+                    digest = await self._body_in_thread(conn, body, got, length, where, hashed)
+                else:
+                    await self._body_in_loop(conn, view, got, length, where)
+                    if hashed and status == 200:
+                        digest = blake3.blake3(body).hexdigest()
             finally:
-                if lowat != 1:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
                 if held and gate is not None:
                     gate.release()
             view.release()
@@ -255,11 +336,122 @@ class PeerClient:
             raise PeerBusy(f"{where}: busy", _retry_after_s(head))
         if status != 200:
             raise PeerError(f"{where}: HTTP {status}")
-        return body, keep  # type: ignore[return-value]  # a bytearray: no copy; hashed and stored as is
+        return body, keep, digest  # type: ignore[return-value]  # a bytearray: no copy; hashed and stored as is
+
+    async def _body_in_loop(self, conn: _Conn, view: memoryview, got: int, length: int, where: str) -> None:
+        """Receive the rest of a body in the trio thread (TLS, small bodies, a rate cap)."""
+        sock = conn.sock
+        # SO_RCVLOWAT: be woken when a good piece has arrived, not per packet. On a
+        # paced link packets trickle in, and a wakeup per 1.4 kB costs more CPU than
+        # everything else on this path together.
+        lowat = 1
+        try:
+            while got < length:
+                want = min(length - got, self.RCVLOWAT)
+                if want != lowat and conn.tls is None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                    lowat = want
+                with trio.move_on_after(self.config.stall_s) as cs:
+                    try:
+                        n = await conn.recv_into(view[got:], length - got)
+                    except OSError as e:
+                        raise PeerUnavailable(f"{where}: {e.strerror or e} after {got} of {length} bytes") from None
+                if cs.cancelled_caught:
+                    raise PeerTimeout(f"{where}: stalled after {got} of {length} bytes")
+                if n == 0:
+                    raise PeerUnavailable(f"{where}: closed after {got} of {length} bytes")
+                got += n
+                await self._bucket.consume(n)
+        finally:
+            if lowat != 1:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+
+    async def _body_in_thread(self, conn: _Conn, body: bytearray, got: int, length: int, where: str,
+                              hashed: bool) -> str | None:
+        """Receive the rest of a body in a worker thread, hashing it as it arrives when
+        ``hashed`` (its BLAKE3 hex; else None). The trio thread is free meanwhile (receives, hashes and writes of
+        other chunks run on other cores: all three release the GIL).
+
+        The thread works on its own duplicate of the socket's descriptor. If this task is
+        cancelled (a race lost), the thread is abandoned: it notices within ``_POLL_S``,
+        stops reading and closes its duplicate; the connection is closed here as usual."""
+        stop = threading.Event()
+        tfd = os.dup(conn.sock.fileno())
+        job = partial(_receive_and_hash, tfd, body, got, length, self.config.stall_s, stop,
+                      conn.sock.setsockopt, self.RCVLOWAT, hashed)
+        try:
+            outcome, n, digest = await trio.to_thread.run_sync(job, abandon_on_cancel=True, limiter=self._threads)
+        except BaseException:
+            stop.set()
+            raise
+        if outcome == "stall":
+            raise PeerTimeout(f"{where}: stalled after {n} of {length} bytes")
+        if outcome == "closed":
+            raise PeerUnavailable(f"{where}: closed after {n} of {length} bytes")
+        if outcome != "ok":
+            raise PeerUnavailable(f"{where}: {outcome} after {n} of {length} bytes")
+        return digest if hashed else None
 
 
 class _StaleConnection(Exception):
     pass
+
+
+_POLL_S = 0.05   # how often a receiving worker thread looks whether it was abandoned
+
+
+def _receive_and_hash(fd: int, body: bytearray, got: int, length: int, stall_s: float, stop: threading.Event,
+                      setsockopt: Callable[[int, int, int], None], lowat_max: int,
+                      hashed: bool) -> tuple[str, int, str]:
+    """Worker thread: receive ``body[got:length]`` from the non-blocking socket ``fd``
+    (a duplicate this function closes), hashing each piece as it lands (when ``hashed``;
+    else the digest is ""). ``SO_RCVLOWAT``
+    (through ``setsockopt``, up to ``lowat_max``) makes each wakeup carry a large piece.
+    Returns (outcome, bytes received, BLAKE3 hex): outcome "ok", "stall" (no byte for
+    ``stall_s``), "closed", "stopped" (``stop`` was set) or an error's text."""
+    view = memoryview(body)
+    hasher = blake3.blake3() if hashed else None
+    done = got
+    if got and hasher is not None:
+        hasher.update(view[:got])
+    poller = select.poll()
+    poller.register(fd, select.POLLIN | select.POLLPRI)
+    last = time.monotonic()
+    lowat = 1
+    try:
+        while got < length:
+            if stop.is_set():
+                return "stopped", got, ""
+            want = min(length - got, lowat_max)
+            if want != lowat:
+                setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                lowat = want
+            if not poller.poll(_POLL_S * 1000):
+                if time.monotonic() - last >= stall_s:
+                    return "stall", got, ""
+                continue
+            try:
+                n = os.readv(fd, [view[got:length]])
+            except BlockingIOError:
+                continue
+            if n == 0:
+                return "closed", got, ""
+            got += n
+            last = time.monotonic()
+            if hasher is not None:
+                hasher.update(view[done:got])
+                done = got
+        return "ok", got, hasher.hexdigest() if hasher is not None else ""
+    except OSError as e:   # a reset, or the socket closed under an abandoned thread
+        return e.strerror or str(e), got, ""
+    finally:
+        view.release()
+        os.close(fd)
+        if lowat != 1:
+            try:
+                setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            except OSError:
+                pass
 
 
 def _retry_after_s(head: bytes) -> float:
