@@ -40,6 +40,7 @@ from scheduler_link.messages import (
     PeerTable,
     Placement,
     PlacementAck,
+    RestartPolicy,
     WorkloadEvent,
     WorkloadStatus,
 )
@@ -83,6 +84,34 @@ class SupervisorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     memory_max: str = ""                 # memory.max, e.g. "64G"
     cpu_max: str = ""                    # cpu.max, e.g. "800000 100000" (8 CPUs)
     pids_max: str = ""                   # pids.max, e.g. "4096"
+
+
+KILL_EVERY_S = 1.0   # past the deadline, SIGKILL what is left this often until the workload is gone
+
+
+def on_trio_clock(wall_deadline: float, wall_now: float, trio_now: float) -> float:
+    """A recorded (wall-clock) deadline as a time on trio's clock; one already past is now. Pure."""
+    return trio_now + max(0.0, wall_deadline - wall_now)
+
+
+def restart_delay_s(policy: RestartPolicy, attempt: int) -> float:
+    """The wait before restart ``attempt`` (1, 2, ...) of an on-failure policy: doubling. Pure."""
+    return policy.backoff_s * (2 ** (attempt - 1))
+
+
+async def kill_after_deadline(deadline: float, gone: trio.Event, kill: Callable[[], Awaitable[None]], *,
+                              every_s: float = KILL_EVERY_S) -> int:
+    """A stop's countdown on trio's clock: wait until ``gone`` or ``deadline`` (trio time); past
+    it, ``kill()`` every ``every_s`` until ``gone``. Returns how many times it killed."""
+    with trio.move_on_at(deadline):
+        await gone.wait()
+    kills = 0
+    while not gone.is_set():
+        await kill()
+        kills += 1
+        with trio.move_on_after(every_s):
+            await gone.wait()
+    return kills
 
 
 def _final_state(stop_reason: str | None) -> str:
@@ -638,7 +667,7 @@ class Supervisor:
                 self.counters["restarts"] += 1
                 await self._change(wid, state="starting", pid=None, restarts=rec.restarts + 1, exit_code=code,
                                    reason=f"restarting after exit code {code}" + (f" ({reason})" if reason else ""))
-                with trio.move_on_after(pol.backoff_s * (2 ** (attempt - 1))):
+                with trio.move_on_after(restart_delay_s(pol, attempt)):
                     await rt.stop.wait()
                 continue
             await self._finish(wid, code, reason)
@@ -693,6 +722,8 @@ class Supervisor:
         rt = self._rt[wid]
         wdir = self.wl_dir / wid
         deadline = rec.stop_deadline if rec.stop_deadline is not None else self._clock()
+        # the recorded deadline is wall time (it outlives this process); wait for it on trio's clock
+        kill_at = on_trio_clock(deadline, self._clock(), trio.current_time())
         shim = (rec.shim_pid, rec.shim_start_time, rec.boot_id)
         leader = (rec.pid, rec.start_time, rec.boot_id)
 
@@ -705,15 +736,13 @@ class Supervisor:
             n = await trio.to_thread.run_sync(self.isolation.signal_all, wid, procs.SIGTERM, shim, leader)
             log.info("SIGTERM sent id=%s processes=%d deadline_in=%.1fs", wid, n, deadline - self._clock())
             await self._change(wid, term_sent=True)
-        with trio.move_on_after(max(0.0, deadline - self._clock())):
-            await rt.gone.wait()
-        # every process still there, whether or not the leader has exited
-        while not rt.gone.is_set():
+
+        async def kill() -> None:  # every process still there, whether or not the leader has exited
             n = await trio.to_thread.run_sync(self.isolation.signal_all, wid, procs.SIGKILL, shim, leader)
             if n:
                 log.warning("grace period over, SIGKILL id=%s processes=%d", wid, n)
-            with trio.move_on_after(1.0):
-                await rt.gone.wait()
+
+        await kill_after_deadline(kill_at, rt.gone, kill)
 
     def read_log(self, workload_id: str, *, stream: str = "stdout", tail: int = 100) -> str:
         """The last ``tail`` lines of a workload's stdout or stderr (current file, then rotations)."""
