@@ -8,7 +8,7 @@ interval costs under 5% of one core):
 - ``sim_poll``: the simulated backend's raw poll of a dgx-h100 (8 GPUs).
 - ``sim_full``: that poll + host readings + classification of every GPU + the
   snapshot rebuild (what the monitor's owner does per poll).
-- ``nvml_fake_poll``: the NVML backend's poll over tests/fake_pynvml.py (8 H100s,
+- ``nvml_fake_poll``: the NVML backend's poll over testing/fake_pynvml.py (8 H100s,
   18 NVLinks each: ~700 NVML calls, every one through the backend's error handling).
 - ``nvml_fake_full``: that + host readings + classification + snapshot.
 - ``monitor_poll``: the poll time the running GpuMonitor records (worker-thread hop
@@ -115,7 +115,7 @@ def real_nvml(polls: int, seconds: float) -> dict[str, Any] | None:
 
 def run(polls: int, seconds: float) -> dict[str, Any]:
     from agent.gpus import open_backend
-    from tests.fake_pynvml import h100_node
+    from testing.fake_pynvml import h100_node
 
     res: dict[str, Any] = {"gpus": 8}
     sim = open_backend("simulated:dgx-h100", hostname="bench")

@@ -1,4 +1,4 @@
-"""The NVML backend against tests/fake_pynvml.py, which raises the real pynvml
+"""The NVML backend against testing/fake_pynvml.py, which raises the real pynvml
 exception classes: init failures, a GPU without NVLink, an old driver without
 fabric info, a GPU lost mid-run, event-wait timeouts, XID events."""
 
@@ -13,7 +13,7 @@ import trio
 
 from agent.gpus import Fault, GpuBackendError, GpuMonitor, HealthConfig, open_backend, render_metrics
 from agent.gpus.nvml import NvmlBackend
-from tests.fake_pynvml import FakeNvml, gb200_tray, h100_node, pcie_node
+from testing.fake_pynvml import FakeNvml, gb200_tray, h100_node, pcie_node
 from tests.prom import types, value
 
 

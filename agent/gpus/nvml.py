@@ -9,7 +9,7 @@ poll; any other NVML error leaves the signal None and is listed in
 does is fatal to the others.
 
 The module is a constructor argument so tests and the benchmark can hand in a fake
-(``tests/fake_pynvml.py``) that raises the real pynvml exception classes.
+(``testing/fake_pynvml.py``) that raises the real pynvml exception classes.
 """
 
 from __future__ import annotations
