@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -52,6 +53,7 @@ from scheduler_link.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .errors import AgentError, UnknownWorkload
 from .logs import follow as follow_log
 from .metrics import AgentMetrics
+from .placement import check_binding
 
 if TYPE_CHECKING:
     from .daemon import Agent
@@ -181,6 +183,14 @@ def build_app(agent: Agent) -> App:
     async def place(req: Request) -> Response:
         """Start pods and/or stop victims; idempotent by placement_id. Returns a PlacementAck."""
         p = req.decode(Placement)
+        if agent.supervisor.known_ack(p.placement_id) is None or (p.node_id and p.node_id != agent.node_id):
+            # bound to this node, unexpired, not a replay (an accepted id is answered again instead)
+            bad = check_binding(p, node_id=agent.node_id, now=time.time(), records=agent.supervisor.records_view())
+            if bad is not None:
+                log.warning("placement refused placement=%s job=%s outcome=%s reason=%s", p.placement_id, p.job_id,
+                            bad.outcome, bad.detail)
+                return json_response(PlacementAck(placement_id=p.placement_id, node_id=agent.node_id, accepted=False,
+                                                  reason=bad.detail, outcome=bad.outcome), status=409)
         if p.origin is not None and (why := origin_refusal(p.origin, allowed)):
             log.warning("placement refused placement=%s job=%s reason=%s", p.placement_id, p.job_id, why)
             return json_response(PlacementAck(placement_id=p.placement_id, node_id=agent.node_id, accepted=False,

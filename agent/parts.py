@@ -71,7 +71,7 @@ from scheduler_link.msgauth import AuthError, BundleVerifier, with_outcome_mac
 
 from .errors import AgentError
 from .partstore import PartRecord, PartState, PartStore
-from .placement import Refusal, check_placement
+from .placement import Refusal, check_placement, replayed
 from .state import WorkloadRecord
 
 log = logging.getLogger("herd.agent.parts")
@@ -112,6 +112,8 @@ def check_part(part: NodePart, *, node_id: str, now: float, inventory: Sequence[
         return _no(part, node_id, Refusal("expired", f"part expired {now - part.expires_at:.3f}s ago"))
     if part.pods and not part.blob_id:
         return _no(part, node_id, Refusal("refused_spec", "a part that starts pods needs a gang blob"))
+    if part.pods and (why := replayed(part.job_id, part.attempt, part.placement_id, records)) is not None:
+        return _no(part, node_id, why)
     pods: list[PodAssignment] = []
     if part.inventory:
         if inventory_hash(list(inventory)) != part.inventory:

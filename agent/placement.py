@@ -6,6 +6,13 @@ Invariants it enforces (DESIGN.md, Contracts; issue 4 §1):
   free only when that workload is one of this same placement's victims;
 - no two pods of the placement share a GPU, and workload ids are new and well formed;
 - a placement that starts pods has an argv.
+
+:func:`check_binding` (identity issue): a placement bound to another node is refused
+(``refused_spec``); one past its ``expires_at`` or one that replays an attempt this node has
+seen superseded (``expired``: an older attempt of the job than one whose workloads are here,
+or the same attempt placed here under another placement id) is refused too. Neither says
+anything about a GPU. A placement id already accepted is answered again before these checks
+(idempotent), so a late duplicate of an accepted placement is never a refusal.
 """
 
 from __future__ import annotations
@@ -45,6 +52,49 @@ def _spec(detail: str) -> Refusal:
 
 def _gpu(detail: str, *gpus: str) -> Refusal:
     return Refusal("refused_gpus", detail, tuple(gpus))
+
+
+def attempt_of(workload_id: str, job_id: str) -> int | None:
+    """The attempt a placer-made workload id (``<job>.<attempt>.<rank>``) names, else None."""
+    if not workload_id.startswith(job_id + "."):
+        return None
+    rest = workload_id[len(job_id) + 1:].split(".")
+    if len(rest) != 2 or not rest[0].isdigit() or not rest[1].isdigit():
+        return None
+    return int(rest[0])
+
+
+def replayed(job_id: str, attempt: int | None, placement_id: str,
+             records: Mapping[str, WorkloadRecord]) -> Refusal | None:
+    """Why starting pods of ``job_id``'s ``attempt`` under ``placement_id`` is a replay (None: it is not)."""
+    if attempt is None or attempt < 0:
+        return None
+    for r in records.values():
+        if r.job_id != job_id:
+            continue
+        seen = attempt_of(r.workload_id, job_id)
+        if seen is None:
+            continue
+        if seen > attempt:
+            return Refusal("expired", f"attempt {attempt} of job {job_id} is older than attempt {seen} "
+                                      f"already placed on this node (a replay)")
+        if seen == attempt and r.placement_id and r.placement_id != placement_id:
+            return Refusal("expired", f"attempt {attempt} of job {job_id} was already placed on this node "
+                                      f"by {r.placement_id} (a replay)")
+    return None
+
+
+def check_binding(p: Placement, *, node_id: str, now: float,
+                  records: Mapping[str, WorkloadRecord]) -> Refusal | None:
+    """None when ``p`` is for this node, unexpired and not a replay (see the module docstring)."""
+    if p.node_id and p.node_id != node_id:
+        return _spec(f"placement is bound to node {p.node_id!r}, not {node_id!r}")
+    if p.expires_at and now > p.expires_at:
+        return Refusal("expired", f"placement expired {now - p.expires_at:.3f}s ago")
+    if not p.pods:
+        return None
+    attempt = p.attempt if p.attempt >= 0 else attempt_of(p.pods[0].workload_id, p.job_id)
+    return replayed(p.job_id, attempt, p.placement_id, records)
 
 
 def check_placement(p: Placement, records: Mapping[str, WorkloadRecord],

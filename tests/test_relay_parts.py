@@ -532,3 +532,12 @@ async def test_no_part_is_taken_before_the_placer_key_is_known(tmp_path):
             with pytest.raises(PartNotAuthentic, match="no placer signing key"):
                 await acc.handle(_signed(_part()))
             n.cancel_scope.cancel()
+
+
+def test_a_part_replaying_a_superseded_attempt_is_expired():
+    newer = {"job.2.0": WorkloadRecord(workload_id="job.2.0", job_id="job", placement_id="start:job:2:n1")}
+    v = _check(_part("start:job:1:n1", wid="job.1.0"), newer)     # attempt 1 < attempt 2 here
+    assert v.outcome.outcome == "expired" and "a replay" in (v.outcome.detail or "")
+    same = {"job.1.0": WorkloadRecord(workload_id="job.1.0", job_id="job", placement_id="start:job:1:n1")}
+    v = _check(_part("forged", wid="job.1.1"), same)               # attempt 1 under another placement id
+    assert v.outcome.outcome == "expired"
