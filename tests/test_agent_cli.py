@@ -17,6 +17,7 @@ from agent.daemon import Agent
 from agent.supervisor import SupervisorConfig
 from scheduler_link.auth import TokenSet, auth_header
 from scheduler_link.messages import Placement, PodAssignment
+from testing.waiting import Changes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -149,12 +150,14 @@ async def test_scheduler_link_reports_and_fencing_stops(tmp_path, token_dir):
     from scheduler_link.messages import NodeReport, ReportReply, TopologyPath, Victim
 
     reports: list[NodeReport] = []
+    reported = Changes()   # poked by every report the agent sends
     stop_next: list[Victim] = []
     placer = App()
 
     @placer.route("POST", "/v1/nodes/{node}/report")
     async def report(req):
         reports.append(req.decode(NodeReport))
+        reported.poke()
         stops, stop_next[:] = list(stop_next), []
         return json_response(ReportReply(stop=stops))
 
@@ -168,9 +171,7 @@ async def test_scheduler_link_reports_and_fencing_stops(tmp_path, token_dir):
                               workloads=SupervisorConfig(shim_pool=1))
             agent = Agent(cfg, env={"PATH": os.environ["PATH"]}, handle_signals=False)
             url = await n.start(agent.run)
-            with trio.fail_after(10):
-                while not reports:
-                    await trio.sleep(0.02)
+            await reported.until(lambda: reports)
             first = reports[0]
             assert first.full and first.node_id == "n9" and first.control_url == url
             assert first.data_url == agent.data_url and first.data_url.startswith("http://")
@@ -180,9 +181,8 @@ async def test_scheduler_link_reports_and_fencing_stops(tmp_path, token_dir):
             p = Placement(placement_id="p1", job_id="j", argv=["sleep", "30"], grace_s=5,
                           pods=[PodAssignment(workload_id="w", rank=0, gpus=[gpu])])
             assert (await agent.supervisor.place(p)).accepted
-            with trio.fail_after(10):
-                while not any(e.workload_id == "w" and e.state == "running" for r in reports for e in r.events):
-                    await trio.sleep(0.02)
+            await reported.until(lambda: any(e.workload_id == "w" and e.state == "running"
+                                             for r in reports for e in r.events))
             stop_next.append(Victim(workload_id="w", grace_s=1, reason="fenced"))
             st = await agent.supervisor.wait_terminal("w")
             assert (st.state, st.reason) == ("exited", "fenced")
@@ -212,8 +212,9 @@ async def test_unused_trees_are_collected_but_never_a_live_workloads(tmp_path, t
                              origin=origin_url, pods=[PodAssignment(workload_id="w2", rank=0, gpus=[gpus[1]])])
             assert (await agent.supervisor.place(done)).accepted and (await agent.supervisor.place(live)).accepted
             assert (await agent.supervisor.wait_terminal("w1")).state == "exited"
-            while agent.supervisor.record("w2").state != "running":
-                await trio.sleep(0.02)
+            changed = Changes()
+            agent.supervisor.add_listener(changed.poke)
+            await changed.until(lambda: agent.supervisor.record("w2").state == "running")
             assert sorted(agent.store.materialised()) == sorted(p.manifest for p in pubs)
             await agent._collect_trees()
             assert agent.store.materialised() == [pubs[1].manifest]  # the live one stays

@@ -17,6 +17,7 @@ import trio
 from agent import procs
 from scheduler_link.auth import TokenSet, auth_header
 from scheduler_link.messages import Placement, PodAssignment
+from testing.waiting import Changes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -82,10 +83,12 @@ async def test_sigkill_restart_readopts_and_learns_exit_codes(tmp_path, token_di
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
     await sock.bind("\0" + name)
     got: list[str] = []
+    notified = Changes()   # poked by every sd_notify datagram the agent sends
 
     async def collect() -> None:
         while True:
             got.extend((await sock.recv(4096)).decode().splitlines())
+            notified.poke()
 
     try:
         with trio.fail_after(80):
@@ -94,9 +97,7 @@ async def test_sigkill_restart_readopts_and_learns_exit_codes(tmp_path, token_di
                 url = await agent.start({"NOTIFY_SOCKET": "@" + name, "WATCHDOG_USEC": "200000"})
                 async with httpx.AsyncClient(base_url=url, headers=auth_header(TokenSet.load(token_dir).viewer)) as c:
                     gpus = [g["uuid"] for g in (await c.get("/v1/gpus")).json()["gpus"]]
-                    with trio.fail_after(10):
-                        while "READY=1" not in got or got.count("WATCHDOG=1") < 2:
-                            await trio.sleep(0.05)
+                    await notified.until(lambda: "READY=1" in got and got.count("WATCHDOG=1") >= 2)
                     assert any(s.startswith("STATUS=8 simulated GPUs") for s in got)
                     for wid, gpu, env, grace in (("w", gpus[0], {}, 30.0), ("t", gpus[1], {"IGNORE": "1"}, 30.0)):
                         p = Placement(placement_id=f"p-{wid}", job_id="j", argv=["sh", "-c", TRAP], env=env,
@@ -150,9 +151,7 @@ async def test_sigkill_restart_readopts_and_learns_exit_codes(tmp_path, token_di
                     assert (w3["state"], w3["exit_code"]) == ("exited", 5)
                 got.clear()
                 assert await agent.signal(signal.SIGTERM) == 0
-                with trio.fail_after(5):
-                    while "STOPPING=1" not in got:
-                        await trio.sleep(0.02)
+                await notified.until(lambda: "STOPPING=1" in got, timeout=5)
                 n.cancel_scope.cancel()
     finally:
         sock.close()

@@ -1,0 +1,29 @@
+"""testing.waiting.Changes in virtual time: a waiter wakes at the poke that makes its condition
+true (never on an interval), and its bound fails when none comes."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+
+from testing.waiting import Changes
+
+
+async def test_a_waiter_wakes_exactly_at_the_poke_that_satisfies_it(autojump_clock):
+    c, box = Changes(), []
+
+    async def emit() -> None:
+        for i in range(3):
+            await trio.sleep(1.0)
+            box.append(i)
+            c.poke()
+
+    t0 = trio.current_time()
+    async with trio.open_nursery() as n:
+        n.start_soon(emit)
+        assert await c.until(lambda: len(box) >= 2 and len(box)) == 2
+        assert trio.current_time() - t0 == 2.0
+    assert c.pokes == 3
+    with pytest.raises(trio.TooSlowError):
+        await c.until(lambda: len(box) > 3, timeout=5.0)
+    assert trio.current_time() - t0 == 3.0 + 5.0
