@@ -49,6 +49,7 @@ from typing import Literal
 
 from . import procs
 from .errors import ConfigError
+from .shim import descendants
 
 log = logging.getLogger("herd.agent.isolation")
 
@@ -346,33 +347,8 @@ def detect(setting: str, *, proc_self_cgroup: str | None = None, mountinfo: str 
 
 # ---------------------------------------------------------------- subreaper mode
 
-def _ppids(proc: Path = Path("/proc")) -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir(proc):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"{entry.path}/stat", "rb") as f:
-                data = f.read()
-        except OSError:
-            continue
-        rest = data[data.rfind(b")") + 2:].split()
-        if len(rest) < 2:
-            continue
-        children.setdefault(int(rest[1]), []).append(int(entry.name))
-    return children
-
-
-def descendants(pid: int, proc: Path = Path("/proc")) -> list[int]:
-    """Every live descendant of ``pid`` (one scan of /proc), zombies left out."""
-    tree = _ppids(proc)
-    out: list[int] = []
-    todo = list(tree.get(pid, []))
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(tree.get(p, []))
-    return [p for p in out if not procs.is_zombie(p)]
+# descendants(pid): the live descendants by one /proc scan, shared with the shim (which runs
+# on the standard library alone, so the function lives there)
 
 
 # ---------------------------------------------------------------- one interface

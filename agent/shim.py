@@ -222,6 +222,30 @@ def _child_setup(cmd: dict):
     return setup
 
 
+def descendants(pid: int, proc: str = "/proc") -> list[int]:
+    """Every live descendant of ``pid`` by one scan of /proc (zombies and dead left out). The
+    agent's subreaper mode uses this too (agent.isolation); it lives here because the shim
+    runs on the standard library alone."""
+    kids: dict[int, list[int]] = {}
+    for name in os.listdir(proc):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"{proc}/{name}/stat", "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        rest = data[data.rfind(b")") + 2:].split()
+        if len(rest) > 1 and rest[0] not in (b"Z", b"X"):
+            kids.setdefault(int(rest[1]), []).append(int(name))
+    out, todo = [], list(kids.get(pid, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
 class Members:
     """The live processes of the workload: its cgroup's, else the shim's descendants
     (the shim is a subreaper: nothing of the workload leaves its subtree)."""
@@ -236,25 +260,7 @@ class Members:
                     return [int(x) for x in f.read().split()]
             except OSError:
                 return []
-        me = os.getpid()
-        kids: dict[int, list[int]] = {}
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{name}/stat", "rb") as f:
-                    data = f.read()
-            except OSError:
-                continue
-            rest = data[data.rfind(b")") + 2:].split()
-            if len(rest) > 1 and rest[0] not in (b"Z", b"X"):
-                kids.setdefault(int(rest[1]), []).append(int(name))
-        out, todo = [], list(kids.get(me, []))
-        while todo:
-            p = todo.pop()
-            out.append(p)
-            todo.extend(kids.get(p, []))
-        return out
+        return descendants(os.getpid())
 
     def signal(self, sig: int) -> None:
         if sig == signal.SIGKILL and self.cgroup and os.path.exists(os.path.join(self.cgroup, "cgroup.kill")):
