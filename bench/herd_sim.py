@@ -2,7 +2,7 @@
 
     python -m bench.herd_sim [--nodes 8,64,1024,10000,25000,50000] [--rack-size 18,32]
                              [--size-mb 2048] [--chunk-mb 1] [--cases none,dead,home,slowrack]
-                             [--json]
+                             [--cores 1] [--designs tree,serial,today] [--json]
 
 What runs. For each chunk, the tree every fetcher computes (``p2p.tree.all_parents``: the
 same primitives as ``plan_node``, which ``p2p.herd`` calls; a test checks they agree) and
@@ -24,15 +24,23 @@ level by level down each chunk's tree:
   the origin read to its first live successor; a transfer cut by a death is re-asked of
   the fallback at the moment of death (its partial bytes counted as wasted);
 - the manifest travels like a chunk (its own tree; today: every cold node reads it from
-  the origin); have-probes counted (today: 256 peers each, tree: the rack);
+  the origin), except that a source without it yet answers 404 and is asked again on
+  the fetcher's schedule (``p2p.herd.manifest_polls``, without jitter); have-probes
+  counted (today: 256 peers each, tree: the rack, or everyone up to 64 nodes);
 - CPU: receive and send CPU-s per GiB from the efficiency issue's loopback figures
-  (6 and 0.9 on one core) bound each node's rates; the planning CPU is measured in this
-  run on this machine (one ``plan_node`` for the whole manifest; today: ``plan_sources``
-  per chunk, timed on a few chunks) and delays each node's start.
+  (6 and 0.9 on one core) bound each node's rates. Planning is measured in this run on
+  this machine, in CPU-s of the planning thread, the way the fetcher does it: the peer
+  view (node keys uncached), the manifest's tree, then ``p2p.tree.Planner`` stepped
+  with the fetcher's block sizes. Design ``tree``: a node asks for the manifest after
+  its view and the manifest's tree, and for chunk c once c's block is planned (with 2+
+  cores: the planner has a core of its own); ``serial``: the same trees, every chunk
+  after the whole plan (the design before); ``today``: ``plan_sources`` per chunk,
+  timed on a few chunks, before the first.
 
 Origin egress, cross-rack bytes and 503s are sums over simulated transfers. Not modelled:
-TCP dynamics, latency other than chunk times, per-node worker windows (a node asks for
-every chunk as soon as its downlink is free), disk.
+TCP dynamics, latency other than chunk times and manifest polls, the have-probes' round
+trip (the fetcher sends them while it plans the first block), per-node worker windows (a
+node asks for every chunk as soon as its downlink is free), disk.
 """
 
 from __future__ import annotations
@@ -49,8 +57,9 @@ from typing import Any
 import blake3
 import numpy as np
 
-from p2p.rendezvous import assign_homes, plan_sources, scores_np
-from p2p.tree import PeerView, Rotations, all_parents, chunk_keys, plan_node
+from p2p.herd import HerdConfig, manifest_polls
+from p2p.rendezvous import assign_homes, node_key, plan_sources, scores_np
+from p2p.tree import PeerView, Planner, Rotations, all_parents, chunk_keys, plan_node
 from scheduler_link.messages import Peer
 
 GIB = 1 << 30
@@ -129,10 +138,14 @@ class Sim:
     # ---------------------------------------------------------------- one object
 
     def transfer(self, parent: np.ndarray, size: float, ready: np.ndarray, succ: Sequence[int],
-                 origin_fallback: np.ndarray | None = None, cap: int = 0) -> np.ndarray:
+                 origin_fallback: np.ndarray | None = None, cap: int = 0,
+                 poll: np.ndarray | None = None) -> np.ndarray:
         """Move one object down ``parent`` (-1 = reads the origin). Returns each node's
         arrival time (inf: never, dead). ``succ``: the root's successors (re-rooting).
-        ``origin_fallback``: nodes told 503 that read the origin instead (today)."""
+        ``origin_fallback``: nodes told 503 that read the origin instead (today).
+        ``poll``: when a source without the object (404) is asked again, seconds after
+        the first ask, ascending (the manifest: ``p2p.herd.manifest_polls``; chunks are
+        waited for with ``?wait_ms=``)."""
         p = self.p
         n = p.nodes
         die = self.die
@@ -185,7 +198,8 @@ class Sim:
                 if len(pending) == 0:
                     break
                 pending, t_ask = self._peer_round(pending, src, size, tau,
-                                                  np.maximum.reduce([ready[pending], t_known, t_ask]), have, cap)
+                                                  np.maximum.reduce([ready[pending], t_known, t_ask]), have, cap,
+                                                  poll)
         # a node that died before it got the object never has it
         have[have > die] = np.inf
         return have
@@ -231,13 +245,17 @@ class Sim:
         have[xs] = np.where(cut, np.inf, ends)
 
     def _peer_round(self, xs: np.ndarray, src: np.ndarray, size: float, tau: float, ready: np.ndarray,
-                    have: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray]:
+                    have: np.ndarray, cap: int, poll: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """One round of peer transfers src -> xs; returns the nodes whose transfer was cut
         (their sender died) to be re-asked, and when. Each resource is work-conserving: a transfer
         ends no earlier than its sender's copies of this chunk before it (one chunk time
         each), the sender's uplink work so far, the receiver's downlink work so far, and
         the spine work of the racks it crosses."""
         r = np.maximum(ready, have[src])
+        if poll is not None:               # asked at ready + poll[i] until the source has it
+            late = np.maximum(have[src] - ready, 0.0)
+            i = np.minimum(np.searchsorted(poll, late), len(poll) - 1)
+            r = np.where(late > 0, ready + np.maximum(poll[i], late), ready)
         o = np.lexsort((r, src))
         xs, src, r = xs[o], src[o], r[o]
         grp_start = np.r_[True, src[1:] != src[:-1]]
@@ -296,7 +314,42 @@ def _scenario(p: Params, case: str, seed: int) -> tuple[np.ndarray, np.ndarray, 
     return rack, die, cap
 
 
-def run_row(p: Params, case: str, seed: int = 0) -> dict[str, Any]:
+PROBE_ALL_BELOW = HerdConfig().probe_all_below
+DESIGNS = ("tree", "serial", "today")
+
+
+def _poll_times() -> np.ndarray:
+    """When a node asks its manifest source again, seconds after its first ask (the
+    fetcher's schedule without jitter, up to its wait)."""
+    cfg = HerdConfig()
+    out, t = [0.0], 0.0
+    for d in manifest_polls(cfg):
+        t += d
+        out.append(t)
+        if t > cfg.wait_ms / 1000:
+            return np.array(out)
+    raise AssertionError("unreachable")
+
+
+def _plan_times(view: PeerView, ck: np.ndarray, p: Params) -> np.ndarray:
+    """[C] seconds after the manifest arrived at which each chunk's tree is planned, by
+    one node (row 0) stepping the real planner with the fetcher's block sizes."""
+    cfg = HerdConfig()
+    pl = Planner(view, 0, ck, k=p.k, rack_fanout=p.rack_fanout)
+    at = np.zeros(len(ck))
+    size = cfg.plan_first
+    t0 = time.thread_time()
+    lo = pl.step(size)
+    at[:lo] = time.thread_time() - t0
+    while pl.done < len(pl):
+        size = min(size * 4, cfg.plan_block)
+        hi = pl.step(size)
+        at[lo:hi] = time.thread_time() - t0
+        lo = hi
+    return at
+
+
+def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGNS) -> dict[str, Any]:
     t_wall = time.perf_counter()
     n, C = p.nodes, p.chunks
     ids = [f"node-{i:05d}" for i in range(n)]
@@ -309,19 +362,28 @@ def run_row(p: Params, case: str, seed: int = 0) -> dict[str, Any]:
     ck = chunk_keys(chunk_ids)
     size = C * p.chunk_bytes
 
-    # ---- planning CPU, measured here (one node's whole-manifest plan; today: per chunk)
-    t = time.perf_counter()
-    plan_node(view, 0, ck, k=p.k, rack_fanout=p.rack_fanout)
-    cpu_tree = time.perf_counter() - t
+    # ---- planning CPU, measured here, the way the fetcher plans: the view once, the
+    # manifest's tree, then the chunks' trees block by block (p2p.tree.Planner, the same
+    # block sizes as p2p.herd): plan_at[c] = when chunk c's tree is known, after the
+    # manifest arrived
+    node_key.cache_clear()                 # a node computes every key once (the first fetch)
+    t = time.thread_time()
+    PeerView.build(ids, ids, labels)
+    t_view = time.thread_time() - t
+    t = time.thread_time()
+    plan_node(view, 0, chunk_keys([manifest_id]), k=p.k, rack_fanout=p.rack_fanout)
+    t_mplan = time.thread_time() - t
+    plan_at = _plan_times(view, ck, p)
+    cpu_tree = float(plan_at[-1])
     peers = [Peer(node_id=i, data_url=i, zone="z", block="b", rack=lab.split("/")[2]) for i, lab in zip(ids, labels, strict=True)]
     sample = chunk_ids[: 2 if n > 5000 else 8]
-    t = time.perf_counter()
+    t = time.thread_time()
     for cid in sample:
         plan_sources(cid, ids[0], peers)
-    cpu_today = (time.perf_counter() - t) / len(sample) * C
-    t = time.perf_counter()
+    cpu_today = (time.thread_time() - t) / len(sample) * C
+    t = time.thread_time()
     homes_today = assign_homes([(c, int(p.chunk_bytes)) for c in chunk_ids], ids)
-    cpu_today += time.perf_counter() - t
+    cpu_today += time.thread_time() - t
 
     # a global home dying mid-transfer: the node that is home for the most chunks
     tree_par_m, _, root_m = all_parents(view, chunk_keys([manifest_id]), k=p.k, rack_fanout=p.rack_fanout)
@@ -331,7 +393,7 @@ def run_row(p: Params, case: str, seed: int = 0) -> dict[str, Any]:
         victim = int(np.argmax(np.bincount(tree_home, minlength=n)))
     out: dict[str, Any] = {"nodes": n, "rack_size": p.rack_size, "racks": int(rack[-1]) + 1, "case": case,
                            "chunks": C, "size_mib": round(size / (1 << 20), 1)}
-    for design in ("tree", "today"):
+    for design in designs:
         s_die = die.copy()
         sim = Sim(p, rack, s_die, cap)
         ideal = size / sim.rate
@@ -339,11 +401,19 @@ def run_row(p: Params, case: str, seed: int = 0) -> dict[str, Any]:
             s_die[victim] = 0.5 * ideal
         t0 = np.zeros(n)
         # ---- the manifest
-        if design == "tree":
+        ready_c: np.ndarray | None = None       # [C, N] when each node may ask for each chunk
+        if design in ("tree", "serial"):
             succ = [int(x) for x in root_m[0, 1:3] if x >= 0]
-            have_m = sim.transfer(tree_par_m[0], p.manifest_bytes, t0, succ, cap=p.serve_cap)
-            probes = n * (p.rack_size - 1)
-            start = have_m + cpu_tree
+            # every node builds its view and plans the manifest's tree before asking
+            have_m = sim.transfer(tree_par_m[0], p.manifest_bytes, t0 + t_view + t_mplan, succ, cap=p.serve_cap,
+                                  poll=_poll_times())
+            probes = n * (n - 1 if n <= PROBE_ALL_BELOW else p.rack_size - 1)
+            # overlapped: chunk c once its block is planned (the planner has a core of its
+            # own only with 2 or more); serial: every chunk after the whole plan
+            overlap = design == "tree" and p.cores >= 2
+            start = have_m + (plan_at[0] if overlap else cpu_tree)
+            if overlap:
+                ready_c = have_m[None, :] + plan_at[:, None]
         else:
             have_m = sim.transfer(np.full(n, -1), p.manifest_bytes, t0, [])
             probes = n * min(256, n - 1)
@@ -356,11 +426,12 @@ def run_row(p: Params, case: str, seed: int = 0) -> dict[str, Any]:
         rots = Rotations(view, p.k)
         for lo in range(0, C, 256):
             hi = min(C, lo + 256)
-            if design == "tree":
+            if design in ("tree", "serial"):
                 par, _, root = all_parents(view, ck[lo:hi], k=p.k, rack_fanout=p.rack_fanout, rotations=rots)
                 for i in range(hi - lo):
                     succ = [int(x) for x in root[i, 1:3] if x >= 0]
-                    have = sim.transfer(par[i], p.chunk_bytes, start, succ, cap=p.serve_cap)
+                    ready = start if ready_c is None else np.where(np.isfinite(start), ready_c[lo + i], start)
+                    have = sim.transfer(par[i], p.chunk_bytes, ready, succ, cap=p.serve_cap)
                     sim.done = np.maximum(sim.done, have)
             else:
                 for parent, fallback in _today_parents(view, ck[lo:hi], chunk_ids[lo:hi], homes_today, rack_of):
@@ -378,8 +449,12 @@ def run_row(p: Params, case: str, seed: int = 0) -> dict[str, Any]:
             "wasted_over_size": round(sim.wasted / size, 4),
             "busy_503": sim.busy_503,
             "have_probes": probes,
-            "plan_cpu_s_per_node": round(cpu_tree if design == "tree" else cpu_today, 4),
+            "plan_cpu_s_per_node": round(cpu_tree if design != "today" else cpu_today, 4),
+            "plan_before_first_chunk_s": round(t_view + t_mplan + float(plan_at[0]) if design == "tree" and
+                                               p.cores >= 2 else (t_view + t_mplan + cpu_tree
+                                                                  if design != "today" else cpu_today), 4),
             "nodes_incomplete": int((~np.isfinite(sim.done[alive])).sum()),
+            "manifest_last_s": round(float(have_m[alive & np.isfinite(have_m)].max()) if alive.any() else 0.0, 4),
         }
     out["ideal_s"] = round(size / min(p.link, p.cores * GIB / p.recv_cpu, p.cores * GIB / p.send_cpu), 3)
     out["sim_s"] = round(time.perf_counter() - t_wall, 1)
@@ -437,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cases", default="none,dead,home,slowrack")
     ap.add_argument("--size-mb", type=float, default=2048)
     ap.add_argument("--chunk-mb", type=float, default=1)
-    ap.add_argument("--max-cells", type=float, default=12e6,
+    ap.add_argument("--max-cells", type=float, default=52e6,
                     help="chunks x nodes per row at most (big rows get fewer chunks)")
     ap.add_argument("--link-gbit", type=float, default=100)
     ap.add_argument("--origin-gbit", type=float, default=100)
@@ -451,6 +526,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--send-cpu", type=float, default=0.9, help="CPU-s per GiB sent (loopback figure)")
     ap.add_argument("--cores", type=float, default=1.0)
     ap.add_argument("--manifest-bytes-per-chunk", type=float, default=75.0)
+    ap.add_argument("--designs", default=",".join(DESIGNS),
+                    help="tree (planning overlapped with the first transfers), serial (the same trees, "
+                         "planned before any chunk moves: the design before), today (flat rendezvous)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     try:
@@ -465,6 +543,9 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in a.cases.split(",") if c]
     if any(c not in ("none", "dead", "home", "slowrack") for c in cases):
         ap.error("--cases: none, dead, home, slowrack")
+    designs = [d for d in a.designs.split(",") if d]
+    if not designs or any(d not in DESIGNS for d in designs):
+        ap.error("--designs: tree, serial, today")
     if a.size_mb <= 0 or a.chunk_mb <= 0 or a.k < 1 or a.rack_fanout < 1:
         ap.error("--size-mb, --chunk-mb, --k, --rack-fanout must be positive")
     t0 = time.perf_counter()
@@ -478,10 +559,11 @@ def main(argv: list[str] | None = None) -> int:
                        serve_cap=a.serve_cap or a.k + a.rack_fanout, retry_s=a.retry_ms / 1000, recv_cpu=a.recv_cpu,
                        send_cpu=a.send_cpu, cores=a.cores)
             for case in cases:
-                row = run_row(p, case)
+                row = run_row(p, case, designs=designs)
                 rows.append(row)
                 print(f"  {n} nodes racks of {rs} {case}: {row['sim_s']}s", file=sys.stderr, flush=True)
     out = {"model": "chunk-level store-and-forward, FIFO resources, real tree/home functions",
+           "designs": designs,
            "link_gbit": a.link_gbit, "origin_gbit": a.origin_gbit, "oversub": a.oversub, "k": a.k,
            "rack_fanout": a.rack_fanout, "serve_cap": a.serve_cap, "cpu_s_per_gib": [a.recv_cpu, a.send_cpu],
            "cores": a.cores, "rows": rows, "seconds": round(time.perf_counter() - t0, 1)}
@@ -491,16 +573,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"herd sim: {a.size_mb:g} MiB in {a.chunk_mb:g} MiB chunks (big rows fewer), {a.link_gbit:g} Gbit/s "
           f"links, origin {a.origin_gbit:g} Gbit/s, spine {a.oversub:g}:1, k={a.k}, cap {a.serve_cap}, "
           f"CPU {a.recv_cpu:g}/{a.send_cpu:g} s/GiB on {a.cores:g} core(s)")
-    print(f"{'nodes':>6} {'rack':>4} {'case':>8} {'chunks':>6} | {'tree T/ideal':>12} {'egress/S':>8} "
-          f"{'xrack/S':>7} {'503s':>7} {'plan s':>7} | {'today T/ideal':>13} {'egress/S':>8} {'xrack/S':>7} "
-          f"{'503s':>7} {'plan s':>7}")
+    head = f"{'nodes':>6} {'rack':>4} {'case':>8} {'chunks':>6}"
+    cols = f" | {{:>{8}}} {'T/ideal':>7} {'egress/S':>8} {'xrack/S':>7} {'503s':>7} {'plan s':>7} {'wait s':>6} {'mfst s':>6}"
+    print(head + "".join(cols.format(d) for d in designs))
     for r in rows:
-        t, b = r["tree"], r["today"]
-        print(f"{r['nodes']:>6} {r['rack_size']:>4} {r['case']:>8} {r['chunks']:>6} | "
-              f"{t['completion_over_ideal']:>12.3f} {t['origin_egress_over_size']:>8.3f} "
-              f"{t['cross_rack_in_per_rack_over_size']:>7.3f} {t['busy_503']:>7} {t['plan_cpu_s_per_node']:>7.3f} | "
-              f"{b['completion_over_ideal']:>13.3f} {b['origin_egress_over_size']:>8.3f} "
-              f"{b['cross_rack_in_per_rack_over_size']:>7.3f} {b['busy_503']:>7} {b['plan_cpu_s_per_node']:>7.3f}")
+        line = f"{r['nodes']:>6} {r['rack_size']:>4} {r['case']:>8} {r['chunks']:>6}"
+        for d in designs:
+            t = r[d]
+            line += (f" | {'':>8} {t['completion_over_ideal']:>7.3f} {t['origin_egress_over_size']:>8.3f} "
+                     f"{t['cross_rack_in_per_rack_over_size']:>7.3f} {t['busy_503']:>7} "
+                     f"{t['plan_cpu_s_per_node']:>7.3f} {t['plan_before_first_chunk_s']:>6.3f} "
+                     f"{t['manifest_last_s']:>6.3f}")
+        print(line)
     print(f"({out['seconds']}s)")
     return 0
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -56,7 +56,7 @@ from .peers import PeerBusy, PeerClient, PeerClientConfig, PeerHealth, PeerMissi
 from .ratelimit import AsyncBucket
 from .rendezvous import Source, assign_homes, assign_rack_homes, order, plan_sources, rack_label
 from .store import ChunkStore
-from .tree import NodePlan, PeerView, chunk_keys, plan_node
+from .tree import NodePlan, PeerView, Planner, chunk_keys, plan_node
 
 log = logging.getLogger("herd.p2p.herd")
 
@@ -98,8 +98,17 @@ class HerdConfig:
     rack_fanout: int = 32
     busy_rounds: int = 600             # rounds where every source was only busy (503) or missing
     origin_verify_tries: int = 3       # origin answers that fail verification before OriginError
-    manifest_poll_s: float = 0.1       # a tree source without the manifest yet: ask again after
+    # A tree source without the manifest yet: ask it again after manifest_poll_s, each
+    # pause manifest_poll_growth times the last, at most manifest_poll_max_s (the data
+    # plane has no wait for manifests: each level of the tree costs about one pause)
+    manifest_poll_s: float = 0.002
+    manifest_poll_growth: float = 1.25
+    manifest_poll_max_s: float = 0.25
     probe_all_below: int = 64          # gangs up to this size probe every member's have-bitmap
+    # The tree plan is made block by block: the fetch starts once the first block is
+    # planned (and the have-probes answered); the rest is planned while chunks move.
+    plan_first: int = 32
+    plan_block: int = 1024
 
 
 class HerdCounters(msgspec.Struct, kw_only=True):
@@ -139,6 +148,40 @@ class _Notes:
         self.retry_s = 0.0     # the longest Retry-After a busy source asked for
 
 
+class _Feed:
+    """A fetch run's two queues — chunks this node is home for (to the origin) and the
+    rest — filled in manifest order as the plan's blocks are made. One owner: the
+    herd's trio thread."""
+    __slots__ = ("own", "rest", "closed", "_ptr", "_more")
+
+    def __init__(self, own: list[tuple[str, int]] | None = None, rest: list[tuple[str, int]] | None = None) -> None:
+        self.own: list[tuple[str, int]] = own if own is not None else []
+        self.rest: list[tuple[str, int]] = rest if rest is not None else []
+        self.closed = False
+        self._ptr = 0
+        self._more = trio.Event()
+
+    def add(self, planner: Planner, todo: Sequence[tuple[str, int]], cindex: Mapping[str, int]) -> None:
+        """Queue the chunks of ``todo`` (in manifest order) the planner has planned."""
+        plan = planner.plan
+        while self._ptr < len(todo) and cindex[todo[self._ptr][0]] < planner.done:
+            item = todo[self._ptr]
+            (self.own if plan.is_home(cindex[item[0]]) else self.rest).append(item)
+            self._ptr += 1
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._more.set()
+        self._more = trio.Event()
+
+    async def changed(self) -> None:
+        await self._more.wait()
+
+
 PeersArg = Sequence[Peer] | PeerTable
 
 
@@ -166,6 +209,7 @@ class Herd:
         # one download per chunk per node, whichever path asked for it.
         self._inflight: dict[str, trio.Event] = store.inflight
         self.last_plan: tuple[NodePlan, dict[str, int]] | None = None   # the last fetch's tree plan
+        self._view: tuple[PeersArg, PeerView, int] | None = None        # the last peers' view
 
     async def aclose(self) -> None:
         await self.client.aclose()
@@ -177,7 +221,15 @@ class Herd:
         return s
 
     def view(self, peers: PeersArg) -> tuple[PeerView, int]:
-        """The columnar peer view (this node included) and this node's row."""
+        """The columnar peer view (this node included) and this node's row. Built once
+        for the same peers object (the manifest and the chunks of one fetch share it)."""
+        if self._view is not None and self._view[0] is peers:
+            return self._view[1], self._view[2]
+        view, me = self._build_view(peers)
+        self._view = (peers, view, me)
+        return view, me
+
+    def _build_view(self, peers: PeersArg) -> tuple[PeerView, int]:
         if isinstance(peers, PeerTable):
             ids, urls = list(peers.node_ids), list(peers.data_urls)
             labels = [peers.racks[r] for r in peers.rack_of]
@@ -223,6 +275,7 @@ class Herd:
         view, me = self.view(peers)
         plan = await trio.to_thread.run_sync(partial(self.plan, view, me, [manifest_id]))
         deadline = trio.current_time() + self.config.wait_ms / 1000
+        polls = manifest_polls(self.config)
         while True:
             now = trio.current_time()
             srcs = plan.sources(0, self.health.penalties(now), now)
@@ -235,7 +288,7 @@ class Herd:
             except (PeerMissing, PeerBusy) as e:
                 self.health.missing(src.node_id)
                 pause = e.retry_after_s if isinstance(e, PeerBusy) and e.retry_after_s else 0.0
-                await trio.sleep(max(pause, self.config.manifest_poll_s) * random.uniform(0.75, 1.25))
+                await trio.sleep(max(pause, next(polls)) * random.uniform(0.75, 1.25))
                 continue
             except (PeerError, trio.TooSlowError) as e:
                 self.health.failed(src.node_id, e if isinstance(e, PeerError) else PeerError(str(e)), now)
@@ -310,30 +363,49 @@ class Herd:
     async def _fetch_tree(self, chunks: Sequence[tuple[str, int]], origin: Origin, peers: PeersArg,
                           manifest_id: str | None, progress: Callable[[int], None] | None,
                           run: HerdCounters) -> HerdCounters:
-        """Tree mode: one plan for the whole manifest, then the two pools."""
+        """Tree mode: the plan made block by block (the first block, and the have-probes,
+        before any chunk moves; the rest while chunks move), fed into the two pools."""
         todo = self._missing(chunks, run)
         if not todo:
             return run
         view, me = self.view(peers)
         # the manifest's whole chunk table, in its order: the trees depend on it
         ids = list(dict.fromkeys(cid for cid, _ in chunks))
-        plan = await trio.to_thread.run_sync(partial(self.plan, view, me, ids))
+        cfg = self.config
+        planner = Planner(view, me, chunk_keys(ids), k=cfg.tree_k, rack_fanout=cfg.rack_fanout)
         cindex = {cid: i for i, cid in enumerate(ids)}
-        self.last_plan = (plan, cindex)
+        self.last_plan = (planner.plan, cindex)
         # have-probes only within the rack (bounded by the rack's size); a small gang
         # (where every placement lists every member) probes everyone: a warm node in
         # another rack then feeds the chunks its rack-less homes would read from the origin
-        if len(view) <= self.config.probe_all_below:
+        if len(view) <= cfg.probe_all_below:
             rack_rows = [r for r in range(len(view)) if r != me]
         else:
             rack_rows = [int(r) for r in view.grid[int(view.rack_of[me])] if r >= 0 and r != me]
         mates = [Peer(node_id=view.node_ids[r], data_url=view.urls[r]) for r in rack_rows if view.urls[r]]
-        holders = await self._holders(manifest_id, mates) if manifest_id and mates else {}
-        own = [(c, z) for c, z in todo if plan.is_home(cindex[c])]
-        rest = [(c, z) for c, z in todo if not plan.is_home(cindex[c])]
-        alone = len(view) <= 1
-        return await self._pools(own, rest, origin, [], holders, {}, {}, progress, run,
-                                 tplan=(plan, cindex), alone=alone, others=max(len(view) - 1, 0))
+        holders: dict[str, list[str]] = {}
+
+        async def probe(manifest_id: str) -> None:
+            holders.update(await self._holders(manifest_id, mates))
+
+        async with trio.open_nursery() as nursery:
+            if manifest_id and mates:
+                nursery.start_soon(probe, manifest_id)
+            await trio.to_thread.run_sync(planner.step, cfg.plan_first)
+        feed = _Feed()
+        feed.add(planner, todo, cindex)
+
+        async def plan_rest() -> None:
+            size = cfg.plan_first
+            while planner.done < len(planner):
+                size = min(size * 4, max(cfg.plan_block, 1))
+                await trio.to_thread.run_sync(planner.step, size)
+                feed.add(planner, todo, cindex)
+            feed.close()
+
+        return await self._pools(feed, origin, [], holders, {}, {}, progress, run,
+                                 tplan=(planner.plan, cindex), alone=len(view) <= 1,
+                                 others=max(len(view) - 1, 0), background=plan_rest)
 
     async def _legacy_pool(self, chunks: Sequence[tuple[str, int]], todo: list[tuple[str, int]], origin: Origin,
                            peers: list[Peer], holders: dict[str, list[str]],
@@ -359,15 +431,19 @@ class Herd:
                                  holders=holders.get(cid, ()), home=homes.get(cid),
                                  rack_home=rhomes.get(cid))[0]
             (own if first.kind == "origin" else rest).append((cid, size))
-        return await self._pools(own, rest, origin, peers, holders, homes, rhomes, progress, run,
+        feed = _Feed(own, rest)
+        feed.close()
+        return await self._pools(feed, origin, peers, holders, homes, rhomes, progress, run,
                                  tplan=None, alone=not any(p.node_id != self.node_id for p in peers),
                                  others=len({p.node_id for p in peers if p.node_id != self.node_id}))
 
-    async def _pools(self, own: list[tuple[str, int]], rest: list[tuple[str, int]], origin: Origin,
+    async def _pools(self, feed: _Feed, origin: Origin,
                      peers: list[Peer], holders: dict[str, list[str]], homes: dict[str, str],
                      rhomes: dict[str, str], progress: Callable[[int], None] | None, run: HerdCounters, *,
-                     tplan: tuple[NodePlan, dict[str, int]] | None, alone: bool, others: int) -> HerdCounters:
+                     tplan: tuple[NodePlan, dict[str, int]] | None, alone: bool, others: int,
+                     background: Callable[[], Awaitable[None]] | None = None) -> HerdCounters:
         endgame = trio.Event()
+        own, rest = feed.own, feed.rest
         queues = [own, rest]
         nexts = [0, 0]
         state = {"outstanding": 0}
@@ -388,7 +464,12 @@ class Herd:
 
         async def worker(q: int) -> None:
             queue = queues[q]
-            while nexts[q] < len(queue):
+            while True:
+                if nexts[q] >= len(queue):
+                    if feed.closed:
+                        return
+                    await feed.changed()
+                    continue
                 cid, size = queue[nexts[q]]
                 nexts[q] += 1
                 state["outstanding"] += 1
@@ -417,7 +498,7 @@ class Herd:
                     unsynced[0] = 0
                     syncing[0] = True
                     nursery.start_soon(background_sync)
-                if (nexts[0] >= len(own) and nexts[1] >= len(rest)
+                if (feed.closed and nexts[0] >= len(own) and nexts[1] >= len(rest)
                         and state["outstanding"] <= self.config.endgame):
                     endgame.set()
 
@@ -427,17 +508,30 @@ class Herd:
         home_gate = max(self.config.peer_transfers_while_home, others)
 
         def set_gate() -> None:
-            busy_home = nexts[0] < len(own) or own_active[0] > 0
+            busy_home = not feed.closed or nexts[0] < len(own) or own_active[0] > 0
             want = home_gate if busy_home else self.config.workers
             self._gate.total_tokens = max(1, want)
+
+        async def plan_then_gate() -> None:
+            assert background is not None
+            try:
+                await background()
+            except Exception as e:
+                if not failure:
+                    failure.append(e)
+                nursery.cancel_scope.cancel()
+            set_gate()
 
         async with trio.open_nursery() as nursery:
             set_gate()
             n_own = self.config.origin_concurrency if alone else self.config.home_concurrency
-            for _ in range(min(n_own, len(own))):
+            # a queue still being filled gets its whole pool; a closed one no more workers than chunks
+            for _ in range(n_own if not feed.closed else min(n_own, len(own))):
                 nursery.start_soon(worker, 0)
-            for _ in range(min(self.config.workers, len(rest))):
+            for _ in range(self.config.workers if not feed.closed else min(self.config.workers, len(rest))):
                 nursery.start_soon(worker, 1)
+            if background is not None:
+                nursery.start_soon(plan_then_gate)
         if failure:
             raise failure[0]
         return run
@@ -665,6 +759,16 @@ async def _first(*waits: Callable[[], Any]) -> int:
                 nursery.cancel_scope.cancel()
             nursery.start_soon(one)
     return done[0]
+
+
+def manifest_polls(cfg: HerdConfig) -> Iterator[float]:
+    """The pauses between asks of a tree source that does not have the manifest yet
+    (before jitter): ``manifest_poll_s``, growing by ``manifest_poll_growth``, capped at
+    ``manifest_poll_max_s``. Pure; ``bench.herd_sim`` uses the same schedule."""
+    d = max(cfg.manifest_poll_s, 1e-4)
+    while True:
+        yield d
+        d = min(d * max(cfg.manifest_poll_growth, 1.0), max(cfg.manifest_poll_max_s, cfg.manifest_poll_s))
 
 
 def _in_trio() -> bool:

@@ -94,17 +94,20 @@ class PeerView:
 
     @classmethod
     def build(cls, node_ids: Sequence[str], urls: Sequence[str], rack_labels: Sequence[str]) -> PeerView:
-        seen: dict[str, int] = {}
-        ids: list[str] = []
-        us: list[str] = []
-        labels: list[str] = []
-        for n, u, r in zip(node_ids, urls, rack_labels, strict=True):
-            if n in seen:
-                continue
-            seen[n] = len(ids)
-            ids.append(n)
-            us.append(u)
-            labels.append(r)
+        if not len(node_ids) == len(urls) == len(rack_labels):
+            raise ValueError("PeerView.build: node_ids, urls and rack_labels differ in length")
+        seen: dict[str, int] = dict(zip(node_ids, range(len(node_ids)), strict=True))
+        ids, us, labels = list(node_ids), list(urls), list(rack_labels)
+        if len(seen) < len(ids):            # repeated ids: the first row of each counts
+            seen = {}
+            ids, us, labels = [], [], []
+            for n, u, r in zip(node_ids, urls, rack_labels, strict=True):
+                if n in seen:
+                    continue
+                seen[n] = len(ids)
+                ids.append(n)
+                us.append(u)
+                labels.append(r)
         racks = sorted(set(labels))
         rpos = {r: i for i, r in enumerate(racks)}
         rack_of = np.array([rpos[r] for r in labels], dtype=np.int64)
@@ -172,6 +175,25 @@ class Rotations:
     def block(self, pos: np.ndarray) -> np.ndarray:
         """[C, R] rotation index for a block of chunks, given their rack positions."""
         return self.block_feeding(pos * self.k + 1 < pos.shape[1])
+
+    def block_at(self, feeding: np.ndarray, racks: np.ndarray) -> np.ndarray:
+        """The rotation index of ``racks`` ([C, X] rack indexes) only, from the [C, R]
+        feeding mask: what :meth:`block_feeding` gives at those racks, without the
+        [C, R] arithmetic (one cumulative sum, then gathers)."""
+        fe = np.take_along_axis(feeding, racks, axis=1)
+        # feeding chunks of each needed rack before each chunk: a running count row by
+        # row (R-wide adds in int32: cheaper than a [C, R] cumulative sum down columns)
+        before = np.empty(racks.shape, np.int64)
+        acc = np.zeros(feeding.shape[1], np.int32)
+        for c in range(len(feeding)):
+            before[c] = acc[racks[c]]
+            acc += feeding[c]
+        i = np.arange(len(feeding), dtype=np.int64)[:, None]
+        out = np.where(fe, before + self.counts[1][racks] + self.half[racks],
+                       i - before + self.counts[0][racks]) + self.offsets[racks]
+        self.counts[1] += acc
+        self.counts[0] += len(feeding) - acc
+        return out
 
     def block_feeding(self, feeding: np.ndarray) -> np.ndarray:
         """The same from the [C, R] feeding mask (position * k + 1 < racks)."""
@@ -272,25 +294,50 @@ class NodePlan:
         return out + tail
 
 
-def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
-              successors: int = 2, siblings: int = 2, block: int = 1024) -> NodePlan:
-    """Row ``me``'s plan for every chunk in ``ckeys``: the manifest's whole chunk table,
-    in its order (the index is part of the tree; see the module doc)."""
-    C = len(ckeys)
-    R = len(view.racks)
-    D = depth_bound(R, k)
-    m = max(1, rack_fanout)
-    L = D + depth_bound(view.grid.shape[1], m) + successors
-    home = np.full(C, -1, np.int64)
-    parent = np.full(C, -1, np.int64)
-    chain = np.full((C, L), -1, np.int64)
-    sib = np.full((C, max(siblings, 1)), -1, np.int64)
-    orank = np.full(C, -1, np.int64)
-    my_rack = int(view.rack_of[me])
-    rots = Rotations(view, k)
-    for lo in range(0, C, block):
-        ck = ckeys[lo:lo + block]
+class Planner:
+    """One node's :class:`NodePlan`, filled block by block in manifest order, so a fetch
+    can start on the first chunks while the rest is planned (the rotation counts carry
+    from block to block, so the blocks' sizes do not change the result). ``done``:
+    chunks planned so far (rows ``< done`` of the plan are final)."""
+
+    def __init__(self, view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
+                 successors: int = 2, siblings: int = 2) -> None:
+        C = len(ckeys)
+        R = len(view.racks)
+        self.view, self.me, self.ckeys = view, me, ckeys
+        self.k, self.m, self.successors, self.siblings = k, max(1, rack_fanout), successors, siblings
+        self.D = depth_bound(R, k)
+        self.Din = depth_bound(view.grid.shape[1], self.m) - 1          # in-rack ancestors at most
+        self.L = self.D + self.Din + 1 + successors
+        self.plan = NodePlan(view, me, np.full(C, -1, np.int64), np.full(C, -1, np.int64),
+                             np.full((C, self.L), -1, np.int64), np.full((C, max(siblings, 1)), -1, np.int64),
+                             np.full(C, -1, np.int64))
+        self.rots = Rotations(view, k)
+        self.done = 0
+
+    def __len__(self) -> int:
+        return len(self.ckeys)
+
+    def step(self, n: int) -> int:
+        """Plan the next ``n`` chunks (fewer at the end); returns ``done``."""
+        lo = self.done
+        hi = min(len(self.ckeys), lo + max(1, n))
+        if lo < hi:
+            self._block(lo, hi)
+            self.done = hi
+        return self.done
+
+    def run(self, block: int = 1024) -> NodePlan:
+        while self.done < len(self.ckeys):
+            self.step(block)
+        return self.plan
+
+    def _block(self, lo: int, hi: int) -> None:
+        view, me, k, m, D = self.view, self.me, self.k, self.m, self.D
+        R = len(view.racks)
+        ck = self.ckeys[lo:hi]
         n = len(ck)
+        rows_n = np.arange(n)
         # Only the racks at the top of each chunk's order are needed in order (every
         # ancestor position is < F, the feeding positions): a partition, not a sort.
         nsc = ~_mix(ck[:, None] ^ view.rkeys[None, :])          # ascending = best first
@@ -303,7 +350,7 @@ def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fa
         feeding = np.zeros((n, R), dtype=bool)
         if feed_n:
             np.put_along_axis(feeding, order[:, :feed_n], True, axis=1)
-        rot = rots.block_feeding(feeding)
+        my_rack = int(view.rack_of[me])
         # ancestor positions of my rack: p, (p-1)//k, ... 0 (padded with -1)
         anc = np.full((n, D), -1, np.int64)
         p = (nsc < nsc[:, my_rack:my_rack + 1]).sum(axis=1)
@@ -312,47 +359,65 @@ def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fa
             p = np.where(p > 0, (p - 1) // k, -1)
         anc_racks = np.where(anc >= 0, np.take_along_axis(order, np.clip(anc, 0, top_n - 1), axis=1), 0)
         anc_racks[:, 0] = my_rack
-        homes = rack_homes(view, np.take_along_axis(rot, anc_racks, axis=1), anc_racks)   # [n, D]
+        # rotations of just the racks this node needs: its ancestors' and the root's
+        rot = self.rots.block_at(feeding, np.concatenate([anc_racks, order[:, :1]], axis=1))
+        homes = rack_homes(view, rot[:, :D], anc_racks)                               # [n, D]
         homes = np.where(anc >= 0, homes, -1)
-        mine = member_order(view, rot[:, my_rack:my_rack + 1], np.full((n, 1), my_rack))[:, 0, :]   # [n, W]
-        root = member_order(view, np.take_along_axis(rot, order[:, :1], axis=1), order[:, :1])[:, 0, :]
+        mine = member_order(view, rot[:, :1], anc_racks[:, :1])[:, 0, :]               # [n, W]
+        root = member_order(view, rot[:, D:], order[:, :1])[:, 0, :]
         jrank = np.argmax(mine == me, axis=1)
         g = root[:, 0]
-        home[lo:lo + n] = g
-        for i in range(n):            # per chunk: a few small array reads, no peer scan
-            c = lo + i
-            row_chain: list[int] = []
-            j = int(jrank[i])
-            # in-rack ancestors
-            while j > 0:
-                j = (j - 1) // m
-                row_chain.append(int(mine[i, j]))
-            # rack homes of the ancestor racks (skip my own rack's home: listed above)
-            for d in range(1, D):
-                h = int(homes[i, d])
-                if h < 0:
-                    break
-                row_chain.append(h)
-            succ = [int(x) for x in root[i, 1:1 + successors] if x >= 0]
-            gi = int(g[i])
-            if me == gi:
-                orank[c] = 0
-            elif me in succ:
-                s = succ.index(me)
-                orank[c] = s + 1
-                row_chain = [gi] + succ[:s]
-            else:
-                row_chain += [x for x in succ if x not in row_chain]
-            chain[c, :min(len(row_chain), L)] = row_chain[:L]
-            parent[c] = row_chain[0] if row_chain else -1
-            jr = int(jrank[i])
-            if jr > 0 and siblings > 0:
-                par = (jr - 1) // m
-                cands = [jr - 1, jr + 1, jr - 2, jr + 2]
-                got = [int(mine[i, x]) for x in cands
-                       if 0 < x < mine.shape[1] and mine[i, x] >= 0 and (x - 1) // m == par]
-                sib[c, :min(len(got), siblings)] = got[:siblings]
-    return NodePlan(view, me, home, parent, chain, sib, orank)
+        # in-rack ancestors: ranks (j-1)//m, ... up to the rack home (-1 once there)
+        inrack = np.full((n, self.Din), -1, np.int64)
+        j = jrank.copy()
+        for d in range(self.Din):
+            up = j > 0
+            j = np.where(up, (j - 1) // m, j)
+            inrack[:, d] = np.where(up, mine[rows_n, j], -1)
+        S = self.successors
+        succ = root[:, 1:1 + S]
+        if succ.shape[1] < S:
+            succ = np.concatenate([succ, np.full((n, S - succ.shape[1]), -1, np.int64)], axis=1)
+        above = np.concatenate([inrack, homes[:, 1:]], axis=1)   # in-rack, then ancestor racks' homes
+        dup = (succ[:, :, None] == above[:, None, :]).any(axis=2)
+        chain = np.concatenate([above, np.where(dup, -1, succ)], axis=1)
+        # a successor waits on the home and the successors before it, nothing else
+        is_succ = succ == me
+        srank = np.where(is_succ.any(axis=1), np.argmax(is_succ, axis=1), -1)
+        s_chain = np.concatenate([g[:, None], np.where(np.arange(S)[None, :] < srank[:, None], succ, -1)], axis=1)
+        s_chain = np.concatenate([s_chain, np.full((n, chain.shape[1] - s_chain.shape[1]), -1, np.int64)],
+                                 axis=1) if s_chain.shape[1] < chain.shape[1] else s_chain[:, :chain.shape[1]]
+        chain = np.where((srank >= 0)[:, None], s_chain, chain)
+        chain = np.where((g == me)[:, None], -1, chain)
+        chain = _compact(chain)[:, :self.L]
+        pl = self.plan
+        pl.home[lo:hi] = g
+        pl.chain[lo:hi, :chain.shape[1]] = chain
+        pl.parent[lo:hi] = chain[:, 0] if chain.shape[1] else -1
+        pl.origin_rank[lo:hi] = np.where(g == me, 0, np.where(srank >= 0, srank + 1, -1))
+        if self.siblings > 0:
+            W = mine.shape[1]
+            par = (jrank - 1) // m
+            cands = jrank[:, None] + np.array([-1, 1, -2, 2])[None, :]
+            cc = np.clip(cands, 0, W - 1)
+            vals = mine[rows_n[:, None], cc]
+            ok = (jrank[:, None] > 0) & (cands > 0) & (cands < W) & (vals >= 0) & ((cands - 1) // m == par[:, None])
+            sib = _compact(np.where(ok, vals, -1))[:, :self.siblings]
+            pl.siblings[lo:hi, :sib.shape[1]] = sib
+
+
+def _compact(x: np.ndarray) -> np.ndarray:
+    """Each row's non-negative entries moved to the front, in order; -1 after."""
+    return np.take_along_axis(x, np.argsort(x < 0, axis=1, kind="stable"), axis=1)
+
+
+def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
+              successors: int = 2, siblings: int = 2, block: int = 1024) -> NodePlan:
+    """Row ``me``'s plan for every chunk in ``ckeys``: the manifest's whole chunk table,
+    in its order (the index is part of the tree; see the module doc). The same as a
+    :class:`Planner` stepped in blocks of any size."""
+    return Planner(view, me, ckeys, k=k, rack_fanout=rack_fanout, successors=successors,
+                   siblings=siblings).run(block)
 
 
 def all_parents(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,

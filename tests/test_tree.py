@@ -9,7 +9,7 @@ import blake3
 import numpy as np
 
 from p2p.rendezvous import ORIGIN
-from p2p.tree import PeerView, all_parents, chunk_keys, plan_node
+from p2p.tree import PeerView, Planner, all_parents, chunk_keys, plan_node
 from scheduler_link.messages import Peer, PeerTable
 
 
@@ -99,3 +99,27 @@ def test_dead_home_successor_reads_origin_others_re_root() -> None:
     for r in range(len(v.racks)):
         c = counts[rack == r]
         assert c.max() - c.min() <= 2, c
+
+
+def test_planner_in_blocks_of_any_size_equals_the_whole_plan() -> None:
+    peers = _peers(150, 7)
+    v = PeerView.from_peers(peers)
+    many = chunk_keys([blake3.blake3(f"b{i}".encode()).hexdigest() for i in range(300)])
+    par, home, _ = all_parents(v, many, k=3, rack_fanout=2)
+    for me in (0, 77, 149):
+        whole = plan_node(v, me, many, k=3, rack_fanout=2, block=4096)
+        pl = Planner(v, me, many, k=3, rack_fanout=2)
+        sizes = iter([1, 2, 5, 31, 64, 7, 1000])
+        while pl.done < len(pl):
+            before = pl.done
+            assert pl.step(next(sizes)) > before
+            # rows planned so far are final: the parents agree with the simulator's trees
+            assert (pl.plan.parent[:pl.done] == par[:pl.done, me]).all()
+        for f in ("home", "parent", "chain", "siblings", "origin_rank"):
+            assert np.array_equal(getattr(pl.plan, f), getattr(whole, f)), f
+        assert np.array_equal(whole.home, home)
+        # each chain: no repeats, never this node, and it starts with the parent
+        for c in range(len(many)):
+            ch = [int(x) for x in whole.chain[c] if x >= 0]
+            assert len(set(ch)) == len(ch) and me not in ch
+            assert (ch[0] if ch else -1) == int(whole.parent[c])
