@@ -284,8 +284,10 @@ def build_app(agent: Agent) -> App:
         ("POST", "/v1/prefetch"): prefetch,
         ("GET", "/v1/store"): store_ls, ("POST", "/v1/store/evict"): store_evict,
     }
+    sec = agent.security   # None: a bootstrap is pending, and the certificate will be required
     authz.install(app, authz.AGENT_ROUTES, handlers, tokens,
-                  flags={"open_reads": cfg.open_reads, "open_metrics": cfg.open_metrics},
+                  flags={"open_reads": cfg.open_reads, "open_metrics": cfg.open_metrics,
+                         "require_certs": sec.require_certs if sec is not None else True},
                   max_body={("POST", "/v1/workloads/{wid}/stop"): 4096, ("POST", "/v1/gpus/{uuid}/inject"): 16 << 10,
                             ("POST", "/v1/placements"): cfg.max_body_bytes,
                             ("POST", "/v1/prefetch"): cfg.max_body_bytes},

@@ -64,6 +64,12 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     store: StoreConfig = StoreConfig()
     workloads: SupervisorConfig = SupervisorConfig()
     relay: RelayConfig = RelayConfig()
+    # TLS (agent.certs, docs/security.md): ca.crt + node.crt/node.key in tls_dir (default
+    # $HERD_TLS_DIR or /etc/herd/tls); insecure = true keeps plain HTTP/TCP (warned; unset:
+    # $HERD_INSECURE=1); tls_bootstrap_token: a file with a single-use token for the first certificate
+    tls_dir: str | None = None
+    insecure: bool | None = None
+    tls_bootstrap_token: str | None = None
 
     @property
     def store_dir(self) -> Path:

@@ -16,7 +16,7 @@ import os
 import sys
 from typing import NoReturn
 
-_GROUPS = ("artifact", "gpus", "agent", "store", "placer", "job", "node", "logs", "demo", "version",
+_GROUPS = ("artifact", "gpus", "agent", "store", "placer", "job", "node", "logs", "demo", "pki", "version",
            "completion")
 _OUR_PACKAGES = ("manifests", "p2p", "scheduler_link", "agent", "placer", "cli")
 

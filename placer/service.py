@@ -21,6 +21,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +54,8 @@ from scheduler_link.messages import (
     PrefetchRequest,
     ReportReply,
 )
+from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
+from scheduler_link.tls import Security, daemon_security
 
 from .config import PlacerConfig
 from .frag import fragmentation, largest_placeable, plan_defrag
@@ -82,13 +85,18 @@ class PlacerService:
     """``await nursery.start(service.run)`` -> the bound base URL."""
 
     def __init__(self, config: PlacerConfig, tokens: TokenSet | None = None, *,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, security: Security | None = None) -> None:
         self.cfg = config
         self.tokens = tokens if tokens is not None else TokenSet.load(config.token_dir)
         self.clock = clock
+        # TLS (scheduler_link.tls): the API, the framed channel and the pushes; or insecure
+        self.security = security or daemon_security(config.tls_dir, "placer", insecure=config.insecure,
+                                                    accept_tokens=config.accept_tokens, what="placer")
+        self.token_use = authz.TokenUse() if self.security.accept_tokens else None
+        self.pki = PKIRoutes(config.ca_dir, days=config.node_cert_days, clock=clock)
         self.state = PlacerState(config, started_at=clock())
         self.pool = PushPool(concurrency=config.push_concurrency, attempt_timeout_s=config.ack_timeout_s,
-                             retries=config.push_retries)
+                             retries=config.push_retries, ssl_context=self.security.client)
         self.journal: Journal | None = None
         self.url: str | None = None
         self.wire: HeartbeatServer | None = None
@@ -133,9 +141,11 @@ class PlacerService:
         try:
             async with trio.open_nursery() as n:
                 self._nursery = n
-                self.url = await n.start(serve, self.app, self.cfg.listen)
+                self.url = await n.start(partial(serve, ssl_context=self.security.api), self.app, self.cfg.listen)
                 if self.cfg.wire_listen:
-                    self.wire = HeartbeatServer(self.tokens, self._ingest, frames=self.relays)
+                    self.wire = HeartbeatServer(self.tokens, self._ingest, frames=self.relays,
+                                                ssl_context=self.security.channel,
+                                                require_certs=self.security.require_certs, token_use=self.token_use)
                     self.wire_url = await n.start(self.wire.run, self.cfg.wire_listen)
                 self._write_endpoints()
                 n.start_soon(self._loop)
@@ -226,7 +236,7 @@ class PlacerService:
             pl = msgspec.structs.replace(pl, node_id=p.node_id, attempt=p.attempt,
                                          expires_at=self.clock() + self.cfg.placement_ttl_s)
         res = await self.pool.post(p.control_url, "/v1/placements", msgspec.json.encode(pl),
-                                   token=self.tokens.placer, key=p.node_id)
+                                   token=self.tokens.placer, key=p.node_id, expect=f"node:{p.node_id}")
         if res.status is None:
             self.push_counts["failed"] += 1
             log.warning("push failed node=%s placement=%s err=%s", p.node_id, p.placement.placement_id, res.error)
@@ -323,12 +333,16 @@ class PlacerService:
             ("POST", "/v1/nodes/{node_id}/cordon"): self.h_cordon,
             ("POST", "/v1/nodes/{node_id}/uncordon"): self.h_uncordon,
             ("POST", "/v1/nodes/{node_id}/drain"): self.h_drain,
+            ("GET", "/v1/status"): self.h_status,
+            ("POST", "/v1/pki/bootstrap"): self.pki.h_bootstrap, ("POST", "/v1/pki/renew"): self.pki.h_renew,
         }
-        authz.install(app, authz.PLACER_ROUTES, handlers, self.tokens,
-                      flags={"open_reads": self.cfg.open_reads, "open_metrics": self.cfg.open_metrics},
+        authz.install(app, authz.PLACER_ROUTES, handlers, self.tokens, token_use=self.token_use, docs=PLACER_DOCS,
+                      flags={"open_reads": self.cfg.open_reads, "open_metrics": self.cfg.open_metrics,
+                             **self.security.flags()},
                       max_body={("POST", "/v1/nodes/{node_id}/report"): LARGE_BODY,
                                 ("POST", "/v1/jobs"): 1 << 20, ("POST", "/v1/jobs/{job_id}/artifact"): 16 << 10,
                                 ("POST", "/v1/defrag"): 4096, ("POST", "/v1/prefetch"): 256 << 10,
+                                ("POST", "/v1/pki/bootstrap"): 16 << 10, ("POST", "/v1/pki/renew"): 16 << 10,
                                 **{("POST", f"/v1/nodes/{{node_id}}/{op}"): 4096
                                    for op in ("cordon", "uncordon", "drain")}})
         return app
@@ -337,6 +351,16 @@ class PlacerService:
         """Liveness: 200 while the service runs; the package and wire versions."""
         return json_response({"ok": True, "recovering": self.clock() < self.state.recover_until,
                               "service": "herd-placer", "version": _VERSION, "wire_version": WIRE_VERSION})
+
+    async def h_status(self, req: Request) -> Response:
+        """Transport security (TLS or insecure, token-authenticated agents under accept_tokens),
+        certificates issued by bootstrap and renewal, the caller's principal."""
+        tu = self.token_use
+        return json_response({"service": "herd-placer", "version": _VERSION, **self.security.status(),
+                              "token_agents": dict(sorted(tu.nodes.items())[:1000]) if tu else {},
+                              "token_agents_total": len(tu.nodes) if tu else 0,
+                              "certificates_issued": self.pki.issued,
+                              "you": str(req.principal) if req.principal else None})
 
     async def h_openapi(self, req: Request) -> Response:
         """This API's OpenAPI description, generated from the route table."""
@@ -627,7 +651,7 @@ class PlacerService:
         peers = [n.peer() for n in nodes][: max(self.cfg.max_peers, len(nodes))]
         pr = msgspec.json.encode(PrefetchRequest(manifest_id=body.manifest_id, origin=body.origin, peers=peers))
         res = await self.pool.post_many([(n.node_id, n.control_url, "/v1/prefetch", pr) for n in nodes],
-                                        token=self.tokens.placer)
+                                        token=self.tokens.placer, expect_node=True)
         return json_response({"nodes": {k: {"ok": r.ok, "status": r.status, "error": r.error}
                                         for k, r in sorted(res.items())}})
 

@@ -51,16 +51,20 @@ from __future__ import annotations
 import logging
 import math
 import random
+import ssl
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Protocol
 
 import httpx
 import msgspec
 import trio
 
+from . import tls
 from .auth import auth_header
+from .client import ClientError, check_peer
 from .fanout import PushPool
 from .frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
 from .heartbeat_wire import HeartbeatClient, WireError, WireReply
@@ -95,9 +99,10 @@ class ReportChannel(Protocol):
 WireConnect = Callable[[str, str, str], Awaitable[ReportChannel]]
 
 
-async def direct_wire(wire_url: str, token: str, node_id: str) -> ReportChannel:
-    """The default: this node's own framed connection."""
-    return await HeartbeatClient.connect(wire_url, token, node_id)
+async def direct_wire(wire_url: str, token: str, node_id: str, *,
+                      ssl_context: ssl.SSLContext | None = None) -> ReportChannel:
+    """The default: this node's own framed connection (mutual TLS to the ``placer`` with a context)."""
+    return await HeartbeatClient.connect(wire_url, token, node_id, ssl_context=ssl_context)
 
 
 # A part delivered by the rack relay -> this node's outcome (the agent's parts acceptor).
@@ -150,8 +155,10 @@ class RelayChannel:
 RelayConnect = Callable[[str, str, str], Awaitable[FrameChannel]]
 
 
-async def direct_relay(url: str, token: str, node_id: str) -> FrameChannel:
-    return await open_frames(url, token, node_id)
+async def direct_relay(url: str, token: str, node_id: str, *,
+                       ssl_context: ssl.SSLContext | None = None) -> FrameChannel:
+    """A frames connection to the rack's relay (mutual TLS: the relay must hold a node certificate)."""
+    return await open_frames(url, token, node_id, ssl_context=ssl_context, expect="node")
 
 
 class LinkHooks(Protocol):
@@ -184,8 +191,10 @@ class AgentLink:
                  wire_url: str | None = None, wire_connect: WireConnect | None = None,
                  http: httpx.AsyncClient | None = None, http_pool: PushPool | None = None,
                  on_part: PartHandler | None = None, own_relay_url: str | None = None,
-                 relay_connect: RelayConnect | None = None, relay_retry_s: float | None = None) -> None:
+                 relay_connect: RelayConnect | None = None, relay_retry_s: float | None = None,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.placer_url = placer_url.rstrip("/")
+        self.ssl_context = ssl_context       # mutual TLS (this node's certificate) on every connection
         self.token = token
         self.node_id = node_id
         self.hooks = hooks
@@ -205,7 +214,7 @@ class AgentLink:
         self._wire: ReportChannel | None = None
         self._wire_url = wire_url            # the last framed channel the placer announced
         self._wire_retry_at = 0.0            # trio time before which a failed channel is not retried
-        self._wire_connect: WireConnect = wire_connect or direct_wire
+        self._wire_connect: WireConnect = wire_connect or partial(direct_wire, ssl_context=ssl_context)
         self._http = http                    # shared HTTP client (not closed here) or None
         self._http_pool = http_pool          # or a shared PushPool (not closed here)
         self.wire_reports = 0
@@ -213,7 +222,7 @@ class AgentLink:
         # rack relay (member side)
         self.on_part = on_part
         self.own_relay_url = own_relay_url   # this agent's own members listener, when it is a relay
-        self._relay_connect: RelayConnect = relay_connect or direct_relay
+        self._relay_connect: RelayConnect = relay_connect or partial(direct_relay, ssl_context=ssl_context)
         self.relay_retry_s = relay_retry_s
         self._relay: RelayChannel | None = None   # the report channel, when it goes through a relay
         self._relay_failed: dict[str, float] = {}  # relay url -> trio time before which it is not retried
@@ -294,7 +303,8 @@ class AgentLink:
             async with trio.open_nursery() as nursery:
                 await self._loop(self._http, url, headers, nursery, task_status)
             return
-        async with httpx.AsyncClient(headers=headers, limits=limits,
+        verify: ssl.SSLContext | bool = self.ssl_context if self.ssl_context is not None else True
+        async with httpx.AsyncClient(headers=headers, limits=limits, verify=verify,
                                      timeout=self.request_timeout_s) as client, trio.open_nursery() as nursery:
             await self._loop(client, url, {}, nursery, task_status)
 
@@ -432,7 +442,8 @@ class AgentLink:
         try:
             with trio.fail_after(self.request_timeout_s):
                 ch = await self._relay_connect(url, self.token or "", self.node_id)
-        except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError) as e:
+        except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
+                tls.TLSError) as e:
             self.relay_failures += 1
             self._relay_failed[url] = trio.current_time() + self._relay_retry()
             self._relay_ask_at = trio.current_time() + self._relay_retry()
@@ -454,7 +465,8 @@ class AgentLink:
             with trio.fail_after(self.request_timeout_s):
                 self._wire = await self._wire_connect(wire_url, self.token or "", self.node_id)
             log.debug("reports on the framed channel node=%s url=%s", self.node_id, wire_url)
-        except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError) as e:
+        except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
+                tls.TLSError) as e:
             log.warning("framed channel unavailable, using HTTP node=%s err=%s", self.node_id, e)
             self._wire = None
             self._wire_retry_at = trio.current_time() + self.heartbeat_s
@@ -492,12 +504,16 @@ class AgentLink:
             assert self._http_pool is not None
             with trio.fail_after(self.request_timeout_s):
                 res = await self._http_pool.post(self.placer_url, f"/v1/nodes/{self.node_id}/report", body,
-                                                 token=self.token, key=self.node_id)
+                                                 token=self.token, key=self.node_id, expect="placer")
             if res.status is None:
                 raise _PlacerError(f"placer unreachable: {res.error}")
             status, content = res.status, res.body
         else:
             r = await client.post(url, content=body, headers=headers or None)
+            try:
+                check_peer(r, "placer")   # over TLS the answer must be the placer's certificate's
+            except ClientError as e:
+                raise _PlacerError(str(e)) from None
             status, content = r.status_code, r.content
         if report.full:
             self.full_reports_sent += 1
@@ -529,10 +545,11 @@ def wire_endpoint(wire_url: str, placer_url: str) -> str:
     """The framed channel's address as this agent must dial it: a placer listening on all
     addresses (0.0.0.0 / ::) announces that; the agent then uses the host it reached the
     placer's HTTP API on."""
-    hostport = wire_url.removeprefix("tcp://")
+    scheme = "tls" if wire_url.startswith("tls://") else "tcp"
+    hostport = wire_url.removeprefix("tcp://").removeprefix("tls://")
     host, _, port = hostport.rpartition(":")
     if host.strip("[]") in ("0.0.0.0", "::", ""):
         from urllib.parse import urlsplit
         phost = urlsplit(placer_url).hostname or "127.0.0.1"
         host = f"[{phost}]" if ":" in phost else phost
-    return f"tcp://{host}:{port}"
+    return f"{scheme}://{host}:{port}"

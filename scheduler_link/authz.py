@@ -24,16 +24,37 @@ Invariants
   over the tables checks every route against every credential kind;
 * a missing or wrong token is 401, a valid token without the role 403; the check sees the
   request head only (bodies of refused senders are never read).
+
+Certificates (issue 17)
+-----------------------
+A request over TLS carries the verified client certificate's principal
+(``Request.principal``, :mod:`scheduler_link.tls`): ``placer``, ``node:ID``, ``operator``,
+``viewer``, ``metrics``, with the roles :data:`scheduler_link.tls.ROLES_OF_KIND` gives it. A
+certificate and a bearer token both count; the roles held are the union.
+
+* ``require_certs`` (flag; a TLS daemon sets it unless ``accept_tokens``): the ``placer`` and
+  ``node`` roles are proved only by a certificate -- the shared ``placer.token`` and
+  ``cluster.token`` prove nothing then. Operator, viewer and metrics tokens keep working
+  (scripts, the browser, the CLI over TLS).
+* **Node restriction**: a ``node:X`` certificate acts only for X: a route with a
+  ``{node_id}`` parameter naming another node is 403 whatever else the request holds.
+* Under ``accept_tokens`` a node role proved by ``cluster.token`` is recorded in
+  :class:`TokenUse` (logged the first time each node is seen; ``herd pki status`` lists them).
 """
 
 from __future__ import annotations
 
 import hmac
+import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .auth import TokenSet, bearer
 from .http import App, AuthPolicy, Handler, HTTPError, Request, RouteDoc
+from .tls import Principal
+
+log = logging.getLogger("herd.authz")
+CERT_ONLY = frozenset({"placer", "node"})   # under require_certs, only a certificate proves these
 
 PUBLIC = "public"
 ROLES = ("placer", "node", "operator", "viewer", "metrics")
@@ -105,6 +126,10 @@ PLACER_ROUTES: tuple[Rule, ...] = (
     Rule("POST", "/v1/jobs/{job_id}/artifact", _OPS),
     Rule("POST", "/v1/defrag", _OPS),
     Rule("POST", "/v1/prefetch", _OPS),
+    Rule("GET", "/v1/status", _VIEW, open_flag="open_reads"),
+    # the handler checks the single-use bootstrap token (scheduler_link.pki_api)
+    Rule("POST", "/v1/pki/bootstrap", (PUBLIC,)),
+    Rule("POST", "/v1/pki/renew", ("node",)),
 )
 
 TABLES: Mapping[str, tuple[Rule, ...]] = {"agent": AGENT_ROUTES, "placer": PLACER_ROUTES}
@@ -117,13 +142,51 @@ def held_roles(tokens: TokenSet, presented: str | None) -> frozenset[str]:
         return frozenset()
     held: set[str] = set()
     p = presented.encode()
-    for role, field in ROLE_TOKEN.items():
-        expected = tokens.get(field)
+    for role, token_file in ROLE_TOKEN.items():
+        expected = tokens.get(token_file)
         if expected and hmac.compare_digest(expected.encode(), p):
             held.add(role)
     for role in list(held):
         held |= IMPLIES.get(role, frozenset())
     return frozenset(held)
+
+
+@dataclass(slots=True)
+class TokenUse:
+    """Nodes that reported with ``cluster.token`` while ``accept_tokens`` (a migration):
+    node id -> requests; each node logged once, when first seen."""
+    nodes: dict[str, int] = field(default_factory=dict)
+    limit: int = 100_000
+
+    def record(self, node_id: str) -> None:
+        n = self.nodes.get(node_id)
+        if n is None:
+            if len(self.nodes) >= self.limit:
+                return
+            log.warning("token-authenticated agent node=%s (accept_tokens: issue it a certificate)", node_id)
+            n = 0
+        self.nodes[node_id] = n + 1
+
+
+def _token_principal(held: frozenset[str]) -> Principal | None:
+    for kind in ("operator", "placer", "node", "viewer", "metrics"):
+        if kind in held:
+            return Principal(kind, via="token")
+    return None
+
+
+def request_roles(req: Request, tokens: TokenSet, flags: Mapping[str, bool]) -> frozenset[str]:
+    """The roles a request holds: its certificate's and its bearer token's (less the
+    certificate-only roles under ``require_certs``). Sets ``req.principal`` from the token
+    when no certificate came."""
+    held = held_roles(tokens, bearer(req.headers))
+    if flags.get("require_certs", False):
+        held = held - CERT_ONLY
+    if req.principal is None:
+        req.principal = _token_principal(held)
+    elif req.principal.via == "cert":
+        held = held | req.principal.roles
+    return held
 
 
 def allowed(rule: Rule, held: frozenset[str], flags: Mapping[str, bool]) -> bool:
@@ -133,18 +196,30 @@ def allowed(rule: Rule, held: frozenset[str], flags: Mapping[str, bool]) -> bool
     return any(r in held for r in rule.roles)
 
 
-def policy(rule: Rule, tokens: TokenSet, flags: Mapping[str, bool]) -> AuthPolicy | None:
+def policy(rule: Rule, tokens: TokenSet, flags: Mapping[str, bool],
+           token_use: TokenUse | None = None) -> AuthPolicy | None:
     """The request check for ``rule`` (None: public under these flags)."""
     if allowed(rule, frozenset(), flags):
         return None
     need = ", ".join(rule.roles)
+    certs = flags.get("require_certs", False)
+    names_node = "{node_id}" in rule.template
 
     def check(req: Request) -> None:
-        held = held_roles(tokens, bearer(req.headers))
+        held = request_roles(req, tokens, flags)
+        p = req.principal
+        if names_node and p is not None and p.via == "cert" and p.kind == "node" \
+                and req.params.get("node_id") != p.node_id:
+            raise HTTPError(403, "forbidden", f"this certificate is node:{p.node_id}; it may not act for "
+                                              f"node {req.params.get('node_id', '')[:200]}")
         if any(r in held for r in rule.roles):
+            if token_use is not None and "node" in rule.roles and p is not None and p.via == "token" \
+                    and p.kind == "node" and names_node:
+                token_use.record(req.params.get("node_id", "")[:200])
             return
         if not held:
-            raise HTTPError(401, "unauthorized", f"needs a bearer token with the role: {need}")
+            what = "a client certificate" if certs and set(rule.roles) <= CERT_ONLY else "a bearer token"
+            raise HTTPError(401, "unauthorized", f"needs {what} with the role: {need}")
         raise HTTPError(403, "forbidden", f"this credential ({', '.join(sorted(held))}) lacks the role: {need}")
     return check
 
@@ -152,7 +227,8 @@ def policy(rule: Rule, tokens: TokenSet, flags: Mapping[str, bool]) -> AuthPolic
 def install(app: App, table: tuple[Rule, ...], handlers: Mapping[tuple[str, str], Handler],
             tokens: TokenSet, flags: Mapping[str, bool] | None = None,
             max_body: Mapping[tuple[str, str], int] | None = None,
-            docs: Mapping[tuple[str, str], RouteDoc] | None = None) -> None:
+            docs: Mapping[tuple[str, str], RouteDoc] | None = None,
+            token_use: TokenUse | None = None) -> None:
     """Add every route of ``table`` to ``app`` with its policy. ``handlers`` maps
     ``(method, template)`` to the handler; a handler without a rule, or a rule without a
     handler, is a ``ValueError`` at build time (no route is ever served undeclared).
@@ -174,6 +250,6 @@ def install(app: App, table: tuple[Rule, ...], handlers: Mapping[tuple[str, str]
     if missing:
         raise ValueError(f"declared routes without a handler: {missing}")
     for rule in table:
-        app.add(rule.method, rule.template, handlers[rule.key], auth=policy(rule, tokens, flags),
+        app.add(rule.method, rule.template, handlers[rule.key], auth=policy(rule, tokens, flags, token_use),
                 max_body=max_body.get(rule.key), doc=route_docs.get(rule.key),
                 roles=() if rule.public else rule.roles)

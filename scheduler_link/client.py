@@ -2,16 +2,26 @@
 
 Every failure becomes :class:`ClientError` with one clear line: the placer's own
 ``{"error", "detail"}`` when it answered, the transport's reason when it did not.
+
+TLS: an ``https://`` URL is verified against the cluster CA only (``verify=`` an
+:func:`scheduler_link.tls.client_context`), with the operator's (or viewer's) client
+certificate when the TLS dir holds one; the TLS dir is ``tls_dir=``, else ``$HERD_TLS_DIR``,
+else ``/etc/herd/tls``. The answer must come from a certificate whose principal is
+``placer`` (:func:`check_peer`): a node certificate that happens to carry the placer host's
+address is not the placer.
 """
 
 from __future__ import annotations
 
 import os
+import ssl
+from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
 
+from . import tls
 from .auth import auth_header
 from .errors import ClientError as ClientError  # re-exported: callers import it from here
 from .messages import ArtifactUpdate, DefragRequest, JobSpec, JobView, NodeOp, NodeView, PrefetchFanout
@@ -78,14 +88,66 @@ def decode_answer(dec: msgspec.json.Decoder[Any], r: httpx.Response, who: str) -
 
 _any = msgspec.json.Decoder()
 
+DEFAULT_TLS_DIR = "/etc/herd/tls"
+CLIENT_CERTS = ("operator", "viewer", "metrics")   # the first the TLS dir holds is presented
+
+
+def tls_dir_from_env(explicit: str | os.PathLike[str] | None = None) -> Path:
+    return Path(explicit or os.environ.get("HERD_TLS_DIR") or DEFAULT_TLS_DIR)
+
+
+def operator_context(tls_dir: str | os.PathLike[str] | None = None, *,
+                     cert: str | None = None) -> ssl.SSLContext:
+    """The CLI's TLS context: the cluster CA of the TLS dir, with ``cert`` (or the first of
+    :data:`CLIENT_CERTS` the dir holds) as the client certificate, none when it holds none."""
+    d = tls_dir_from_env(tls_dir)
+    ca = d / "ca.crt"
+    if not ca.is_file():
+        raise ClientError(f"no cluster CA at {ca}: pass --tls-dir DIR or set HERD_TLS_DIR "
+                          "(the dir `herd pki init` wrote), or use an http:// URL on an insecure set-up")
+    names = (cert,) if cert else CLIENT_CERTS
+    files = next((f for f in (tls.TLSFiles.in_dir(d, n) for n in names) if f.cert.is_file() and f.key.is_file()),
+                 None)
+    try:
+        return tls.client_context(ca, files)
+    except tls.TLSError as e:
+        raise ClientError(str(e)) from None
+
+
+def verify_for(url: str, tls_dir: str | os.PathLike[str] | None = None) -> ssl.SSLContext | bool:
+    """httpx's ``verify=`` for ``url``: the CLI's TLS context for https, True (unused) for http."""
+    return operator_context(tls_dir) if url.startswith("https://") else True
+
+
+def check_peer(r: httpx.Response, want: str) -> None:
+    """An https answer must come from a certificate of principal ``want``."""
+    if r.request.url.scheme != "https":
+        return
+    stream = r.extensions.get("network_stream")
+    obj = stream.get_extra_info("ssl_object") if stream is not None else None
+    p = tls.principal_of(obj.getpeercert()) if obj is not None else None
+    if p is None or p.name != want:
+        raise ClientError(f"{r.request.url.host} answered with the certificate of "
+                          f"{p.name if p else 'no herd principal'}, not of the {want}")
+
+
+def transport_line(e: httpx.HTTPError, who: str, url: str) -> str:
+    """One line for a request that got no answer; TLS failures named for what they are."""
+    text = str(e) or type(e).__name__
+    if "SSL" in text or "certificate" in text.lower():
+        return f"TLS to the {who} at {url} failed: {tls.describe_ssl_error(e)}"
+    return f"cannot reach the {who} at {url}: {text}"
+
 
 class PlacerClient:
     """Synchronous client (the CLI is synchronous). ``timeout`` bounds each request."""
 
-    def __init__(self, url: str, token: str | None = None, *, timeout: float = 30.0) -> None:
+    def __init__(self, url: str, token: str | None = None, *, timeout: float = 30.0,
+                 ssl_context: ssl.SSLContext | None = None, tls_dir: str | os.PathLike[str] | None = None) -> None:
         self.url = url.rstrip("/")
         self.request_timeout = timeout
-        self._c = httpx.Client(base_url=self.url, headers=auth_header(token), timeout=timeout)
+        verify = ssl_context if ssl_context is not None else verify_for(self.url, tls_dir)
+        self._c = httpx.Client(base_url=self.url, headers=auth_header(token), timeout=timeout, verify=verify)
 
     def __enter__(self) -> PlacerClient:
         return self
@@ -100,7 +162,8 @@ class PlacerClient:
             raise ClientError(f"the placer at {self.url} did not answer in time ({type(e).__name__}; "
                               "--timeout S waits longer)") from None
         except httpx.HTTPError as e:
-            raise ClientError(f"cannot reach the placer at {self.url}: {e or type(e).__name__}") from None
+            raise ClientError(transport_line(e, "placer", self.url)) from None
+        check_peer(r, "placer")
         _check(r)
         return r
 
@@ -195,6 +258,10 @@ class PlacerClient:
         """``op`` in cordon | uncordon | drain: the node's view and, for a drain, what it did."""
         enc = msgspec.json.encode(body or NodeOp())
         return self._get(_any, "POST", f"/v1/nodes/{node_id}/{op}", content=enc)  # type: ignore[no-any-return]
+
+    def status(self) -> dict[str, Any]:
+        """Transport security: TLS or insecure, accept_tokens, token-authenticated agents."""
+        return self._get(_any, "GET", "/v1/status")  # type: ignore[no-any-return]
 
     def cluster(self) -> dict[str, Any]:
         return self._get(_any, "GET", "/v1/cluster")  # type: ignore[no-any-return]

@@ -18,11 +18,18 @@ lost answer is safe).
 
 An HTTP answer is never retried: 2xx with a body is an ack, anything else is the
 agent's word (e.g. 401, 409) and is returned as such.
+
+TLS (``PushPool(ssl_context=)``, mutual: the placer's certificate is the client's): a
+connection is handshaken once and kept alive like a plain one; its peer's principal is kept
+with it, and a push that names ``expect`` (the placer names ``node:<id>`` of the node it
+pushes to) is refused, unsent and without retry, when the connection's certificate is
+another's: a placement and its env never reach a host that is not its node.
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -32,6 +39,7 @@ from urllib.parse import urlsplit
 import msgspec
 import trio
 
+from . import tls
 from .auth import auth_header
 from .errors import ProtocolError
 from .errors import PushError as PushError  # re-exported: callers import it from here
@@ -59,13 +67,18 @@ MAX_HEAD = 64 << 10
 MAX_BODY = 8 << 20
 
 
-class _Conn:
-    __slots__ = ("stream", "buf", "reusable")
+class WrongPeer(Exception):
+    """The connection's certificate is not the one the push must reach (never retried)."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+
+class _Conn:
+    __slots__ = ("stream", "buf", "reusable", "principal")
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.buf = bytearray()
         self.reusable = True
+        self.principal = tls.stream_principal(stream)
 
     async def read_response(self) -> tuple[int, bytes]:
         """One HTTP/1.1 response with a content-length body."""
@@ -108,7 +121,9 @@ class PushPool:
 
     def __init__(self, *, concurrency: int = 256, attempt_timeout_s: float = 2.0,
                  retries: int = 2, retry_backoff_s: float = 0.05,
-                 max_idle_per_host: int | None = None, max_per_host: int = 32) -> None:
+                 max_idle_per_host: int | None = None, max_per_host: int = 32,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        self.ssl_context = ssl_context
         self.concurrency = concurrency
         self.attempt_timeout_s = attempt_timeout_s
         self.retries = retries
@@ -141,17 +156,20 @@ class PushPool:
                 "concurrency": self.concurrency, "max_per_host": self.max_per_host}
 
     async def post(self, base_url: str, path: str, body: bytes, *, token: str | None = None,
-                   key: str = "") -> PushResult:
+                   key: str = "", expect: str | None = None) -> PushResult:
         """POST ``body`` to ``base_url``'s path joined with ``path`` (``http://h:p/n/x`` +
-        ``/v1/placements`` -> ``/n/x/v1/placements``), with retries on transport failure."""
+        ``/v1/placements`` -> ``/n/x/v1/placements``), with retries on transport failure.
+        Over TLS, ``expect`` names the principal the peer's certificate must be."""
         t0 = time.perf_counter()
         req_path = path
         res = PushResult(key=key or base_url, status=None)
         u = urlsplit(base_url)
-        if u.scheme != "http" or not u.hostname:
-            res.error = f"unsupported url {base_url!r} (http://host:port only)"
+        want = "https" if self.ssl_context is not None else "http"
+        if u.scheme != want or not u.hostname:
+            res.error = (f"unsupported url {base_url!r} ({want}://host:port only: this placer's pushes are "
+                         f"{'TLS' if want == 'https' else 'plain (insecure)'})")
             return res
-        host, port = u.hostname, u.port or 80
+        host, port = u.hostname, u.port or (443 if want == "https" else 80)
         path = u.path.rstrip("/") + ("/" + path.lstrip("/") if path else "")
         extra = "".join(f"{k}: {v}\r\n" for k, v in auth_header(token).items())
         if any(c in path for c in " \r\n") or any(c in extra[:-2] for c in "\r\n"):
@@ -164,11 +182,15 @@ class PushPool:
             try:
                 async with self._slot(host, port), self._limiter:
                     with trio.fail_after(self.attempt_timeout_s):
-                        res.status, res.body = await self._request(host, port, head, body)
+                        res.status, res.body = await self._request(host, port, head, body, expect)
                 res.error = None
                 break
+            except WrongPeer as e:
+                self.failures += 1
+                res.error = f"WrongPeer: {e}"
+                break
             except (OSError, trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError,
-                    PushError) as e:
+                    PushError, tls.TLSError) as e:
                 self.failures += 1
                 res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 if attempt < self.retries:
@@ -187,10 +209,20 @@ class PushPool:
             sem = self._per_host[ep] = trio.Semaphore(self.max_per_host)
         return _HostSlot(self, ep, sem)
 
-    async def _request(self, host: str, port: int, head: bytes, body: bytes) -> tuple[int, bytes]:
+    async def _request(self, host: str, port: int, head: bytes, body: bytes,
+                       expect: str | None = None) -> tuple[int, bytes]:
         pool = self._idle[(host, port)]
         fresh = not pool
         conn = pool.pop() if pool else await self._connect(host, port)
+        if expect is not None and self.ssl_context is not None and (
+                conn.principal is None or conn.principal.name != expect):
+            got = conn.principal.name if conn.principal else "no herd principal"
+            if len(pool) < self.max_idle_per_host:
+                pool.append(conn)   # a good connection to whoever it is; just not this push's node
+            else:
+                with trio.CancelScope(shield=True):
+                    await conn.stream.aclose()
+            raise WrongPeer(f"{host}:{port} presented the certificate of {got}, not {expect}")
         try:
             status, data = await self._exchange(conn, head, body)
         except (OSError, trio.BrokenResourceError, trio.ClosedResourceError, PushError):
@@ -219,7 +251,7 @@ class PushPool:
 
     async def _connect(self, host: str, port: int) -> _Conn:
         self.connects += 1
-        stream = await trio.open_tcp_stream(host, port)
+        stream = await tls.connect(host, port, self.ssl_context)
         return _Conn(stream)
 
     async def _exchange(self, conn: _Conn, head: bytes, body: bytes) -> tuple[int, bytes]:
@@ -228,12 +260,14 @@ class PushPool:
         return await conn.read_response()
 
     async def post_many(self, items: list[tuple[str, str, str, bytes]], *,
-                        token: str | None = None) -> dict[str, PushResult]:
-        """``items``: (key, base_url, path, body). All pushed concurrently (bounded); returns by key."""
+                        token: str | None = None, expect_node: bool = False) -> dict[str, PushResult]:
+        """``items``: (key, base_url, path, body). All pushed concurrently (bounded); returns by key.
+        ``expect_node``: over TLS each must reach the certificate ``node:<key>``."""
         out: dict[str, PushResult] = {}
 
         async def one(key: str, url: str, path: str, body: bytes) -> None:
-            out[key] = await self.post(url, path, body, token=token, key=key)
+            out[key] = await self.post(url, path, body, token=token, key=key,
+                                       expect=f"node:{key}" if expect_node else None)
 
         async with trio.open_nursery() as n:
             for key, url, path, body in items:

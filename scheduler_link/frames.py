@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import ssl
 import struct
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 import msgspec
 import trio
 
+from . import tls
 from .messages import Frame, RelayHello
 
 log = logging.getLogger("herd.link.frames")
@@ -103,9 +105,11 @@ class FrameChannel:
     """One frames connection (either side). ``await channel.run(handler)`` serves it until
     it closes; :meth:`call` and :meth:`send` may be used from any task meanwhile."""
 
-    def __init__(self, stream: trio.SocketStream, *, name: str = "", buf: bytes = b"",
+    def __init__(self, stream: trio.abc.Stream, *, name: str = "", buf: bytes = b"",
                  max_frame: int = MAX_FRAME) -> None:
         self.stream = stream
+        # the peer's verified certificate (scheduler_link.tls.Principal), None on a plain channel
+        self.principal: Any = tls.stream_principal(stream)
         self.name = name
         self.max_frame = max_frame
         self._in = bytearray(buf)
@@ -286,14 +290,17 @@ def _error_text(f: Frame) -> str:
 
 async def open_frames(url: str, token: str, node_id: str, *, relay: RelayHello | None = None,
                       local_address: str | None = None, timeout_s: float = 10.0,
-                      name: str | None = None) -> FrameChannel:
+                      name: str | None = None, ssl_context: ssl.SSLContext | None = None,
+                      expect: str | None = None) -> FrameChannel:
     """Dial a frames listener (the placer's framed channel, or a relay's members listener),
-    say hello, and return the channel (not yet running: ``nursery.start_soon(ch.run, h)``)."""
+    say hello, and return the channel (not yet running: ``nursery.start_soon(ch.run, h)``).
+    With ``ssl_context`` the connection is mutual TLS and the peer must be ``expect``
+    (``placer``, ``node:<relay>``, or ``node``: any node's certificate)."""
     from .heartbeat_wire import HeartbeatClient, Hello, WireError, frame, parse_wire_url
 
     host, port = parse_wire_url(url)
     with trio.fail_after(timeout_s):
-        stream = await trio.open_tcp_stream(host, port, local_address=local_address)
+        stream = await tls.connect(host, port, ssl_context, expect=expect, local_address=local_address)
         c = HeartbeatClient(stream)
         try:
             await stream.send_all(frame(Hello(token=token, node_id=node_id, frames=True,

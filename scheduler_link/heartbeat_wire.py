@@ -27,12 +27,21 @@ Bad input costs the sender, never the placer (DESIGN.md, Security model):
   limit less a reserve); one more gets a 503 reply and is closed;
 - an exception raised by ``ingest`` for one frame is logged and answered with a 500
   :class:`WireReply` on that connection; it never escapes into the server's nursery.
+
+TLS (``ssl_context=``, mutual; :mod:`scheduler_link.tls`): the handshake runs inside the hello
+deadline; a plain client gets one plain :class:`WireReply` 400 saying the listener speaks TLS.
+A client certificate then *is* the authentication: ``node:X`` may open a connection only for
+hello node X, and on a multi-node (``relay=True``) connection each report must still be X's
+(node restriction on direct connections; reports forwarded by relays are checked by their
+MACs). The hello's token counts only without a certificate, and not at all under
+``require_certs`` unless ``accept_tokens`` (recorded in ``token_use``).
 """
 
 from __future__ import annotations
 
 import collections
 import logging
+import ssl
 import struct
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -40,6 +49,7 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
+from . import tls
 from .auth import TokenSet
 from .frames import FrameChannel, Handler, WriteQueue
 from .messages import NodeReport, ReportReply
@@ -129,8 +139,15 @@ class HeartbeatServer:
     """Accepts agents' framed report streams and feeds them to ``ingest``."""
 
     def __init__(self, tokens: TokenSet, ingest: Ingest, *, hello_timeout_s: float = 10.0,
-                 max_connections: int | None = None, frames: FramesHost | None = None) -> None:
+                 max_connections: int | None = None, frames: FramesHost | None = None,
+                 ssl_context: ssl.SSLContext | None = None, require_certs: bool = False,
+                 token_use: Any = None) -> None:
         self.tokens = tokens
+        self.ssl_context = ssl_context
+        self.require_certs = require_certs
+        self.token_use = token_use      # scheduler_link.authz.TokenUse (accept_tokens), or None
+        self.tls_refused = 0            # failed or timed-out handshakes
+        self.wrong_node = 0             # a node certificate speaking for another node
         self.ingest = ingest
         self.frames_host = frames
         self.frames_connections = 0    # open frames connections (relays, and members of a relay)
@@ -152,14 +169,15 @@ class HeartbeatServer:
         return {"frames": self.frames, "connections": self.connections, "open_connections": self.open_connections,
                 "relay_connections": self.relay_connections, "frames_connections": self.frames_connections,
                 "refused": self.refused, "over_cap": self.over_cap,
-                "hello_timeouts": self.hello_timeouts, "ingest_errors": self.ingest_errors}
+                "hello_timeouts": self.hello_timeouts, "ingest_errors": self.ingest_errors,
+                "tls_refused": self.tls_refused, "wrong_node": self.wrong_node}
 
     async def run(self, listen: str, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         host, _, port = listen.rpartition(":")
         listeners = await trio.open_tcp_listeners(int(port or 0), host=host.strip("[]") or "127.0.0.1")
         sock = listeners[0].socket
         h, p = sock.getsockname()[:2]
-        task_status.started(f"tcp://{h}:{p}")
+        task_status.started(f"{'tls' if self.ssl_context else 'tcp'}://{h}:{p}")
         await trio.serve_listeners(self._handle, listeners)
 
     async def _handle(self, stream: trio.SocketStream) -> None:
@@ -176,8 +194,14 @@ class HeartbeatServer:
         self.open_connections += 1
         node_id: str | None = None
         try:
-            async with stream:
-                node_id = await self._serve(stream)
+            conn: trio.abc.Stream = stream
+            if self.ssl_context is not None:
+                accepted = await self._tls_accept(stream)
+                if accepted is None:
+                    return
+                conn = accepted
+            async with conn:
+                node_id = await self._serve(conn)
         except (trio.BrokenResourceError, trio.ClosedResourceError, WireError, OSError) as e:
             log.debug("heartbeat connection closed node=%s err=%s", node_id, e)
         except Exception:  # contained to this connection: never take the placer down
@@ -185,7 +209,45 @@ class HeartbeatServer:
         finally:
             self.open_connections -= 1
 
-    async def _read_hello(self, stream: trio.SocketStream, buf: bytearray) -> Hello | None:
+    async def _tls_accept(self, stream: trio.SocketStream) -> trio.SSLStream[trio.SocketStream] | None:
+        assert self.ssl_context is not None
+        s = trio.SSLStream(stream, self.ssl_context, server_side=True)
+        why = "handshake timed out"
+        with trio.move_on_after(self.hello_timeout_s):
+            try:
+                await tls.handshake(s)
+                return s
+            except tls.TLSError as e:
+                why = str(e)
+        self.tls_refused += 1
+        log.info("framed channel: TLS handshake refused client=%s: %s", tls.peer_address(stream), why)
+        if "does not speak TLS" in why:
+            with trio.move_on_after(0.5):
+                try:
+                    await stream.send_all(frame(WireReply(status=400, error="this listener speaks TLS only "
+                                                                         "(the placer is not insecure)")))
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                    pass
+        await trio.aclose_forcefully(stream)
+        return None
+
+    def _admit(self, hello: Hello, principal: tls.Principal | None) -> WireReply | None:
+        """None when ``hello`` may go on over this connection, else the refusal to send."""
+        if principal is not None:
+            if principal.kind == "node" and principal.node_id == hello.node_id:
+                return None
+            self.wrong_node += 1
+            return WireReply(status=403, error=f"this certificate is {principal.name}; it may not speak "
+                                               f"for node {hello.node_id[:200]}")
+        if self.require_certs:
+            return WireReply(status=401, error="this listener needs a node's client certificate")
+        if not self.tokens.check("cluster", hello.token):
+            return WireReply(status=401, error="unauthorized")
+        if self.token_use is not None:
+            self.token_use.record(hello.node_id[:200])
+        return None
+
+    async def _read_hello(self, stream: trio.abc.Stream, buf: bytearray) -> Hello | None:
         """Read until the hello frame is complete (bounded in bytes and time); None when the
         connection is to be dropped. Bytes after the hello stay in ``buf``."""
         with trio.move_on_after(self.hello_timeout_s):
@@ -211,14 +273,16 @@ class HeartbeatServer:
         log.info("heartbeat connection dropped: no hello within %.1fs", self.hello_timeout_s)
         return None
 
-    async def _serve(self, stream: trio.SocketStream) -> str | None:
+    async def _serve(self, stream: trio.abc.Stream) -> str | None:
         buf = bytearray()
         hello = await self._read_hello(stream, buf)
         if hello is None:
             return None
-        if not self.tokens.check("cluster", hello.token):
+        principal = tls.stream_principal(stream)
+        refusal = self._admit(hello, principal)
+        if refusal is not None:
             self.refused += 1
-            await stream.send_all(frame(WireReply(status=401, error="unauthorized")))
+            await stream.send_all(frame(refusal))
             return hello.node_id
         if hello.frames:
             if self.frames_host is None:
@@ -236,6 +300,7 @@ class HeartbeatServer:
             return hello.node_id
         relay = hello.relay
         node_id = hello.node_id
+        only = principal.node_id if principal is not None else None  # node restriction, per report
         if relay:
             self.relay_connections += 1
         try:
@@ -245,7 +310,7 @@ class HeartbeatServer:
                 if frames:
                     out = bytearray()
                     for f in frames:
-                        out += self._apply(f, node_id, relay)
+                        out += self._apply(f, node_id, relay, only)
                     await stream.send_all(bytes(out))
                 data = await stream.receive_some(1 << 18)
                 if not data:
@@ -255,13 +320,17 @@ class HeartbeatServer:
             if relay:
                 self.relay_connections -= 1
 
-    def _apply(self, f: bytes, node_id: str, relay: bool) -> bytes:
+    def _apply(self, f: bytes, node_id: str, relay: bool, only: str | None = None) -> bytes:
         self.frames += 1
         try:
             rep = _report.decode(f)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return frame(WireReply(status=400, error=f"malformed report: {e}"))
         target = rep.node_id if relay else node_id
+        if only is not None and target != only:
+            self.wrong_node += 1
+            return frame(WireReply(status=403, error=f"this certificate is node:{only}; it may not report "
+                                                     f"for node {target[:200]}"))
         try:
             status, reply = self.ingest(target, rep)
             if status == 200 and reply is self._last_reply:
@@ -277,7 +346,7 @@ class HeartbeatServer:
 
 
 def parse_wire_url(url: str) -> tuple[str, int]:
-    hostport = url.removeprefix("tcp://")
+    hostport = url.removeprefix("tcp://").removeprefix("tls://")
     host, _, port = hostport.rpartition(":")
     return host.strip("[]"), int(port)
 
@@ -288,18 +357,29 @@ class HeartbeatClient:
     Not safe for concurrent use: :meth:`exchange` sends one report and reads its answer.
     For many nodes sharing one connection concurrently, use :class:`SharedWire`."""
 
-    def __init__(self, stream: trio.SocketStream) -> None:
+    def __init__(self, stream: trio.abc.Stream) -> None:
         self.stream = stream
         self.buf = bytearray()
 
     @classmethod
     async def connect(cls, url: str, token: str, node_id: str, *, relay: bool = False,
-                      local_address: str | None = None) -> HeartbeatClient:
+                      local_address: str | None = None, ssl_context: ssl.SSLContext | None = None,
+                      expect: str | None = "placer") -> HeartbeatClient:
+        """Open the channel (TLS with ``ssl_context``: the peer must be ``expect``)."""
         host, port = parse_wire_url(url)
-        c = cls(await trio.open_tcp_stream(host, port, local_address=local_address))
+        c = cls(await tls.connect(host, port, ssl_context, expect=expect, local_address=local_address))
         try:
             await c.stream.send_all(frame(Hello(token=token, node_id=node_id, relay=relay)))
             (r,) = await c.receive(1)
+        except trio.BrokenResourceError as e:
+            with trio.CancelScope(shield=True):
+                await trio.aclose_forcefully(c.stream)
+            if ssl_context is None:
+                raise
+            # TLS 1.3: a server that refuses our certificate says so after our side finished
+            raise WireError(f"the framed channel closed during TLS set-up: "
+                            f"{tls.describe_ssl_error(e.__cause__ or e)} (is our certificate this "
+                            "cluster's, unexpired, and a node's?)") from None
         except BaseException:
             with trio.CancelScope(shield=True):
                 await c.stream.aclose()
@@ -362,8 +442,10 @@ class SharedWire:
     ``await nursery.start(shared.run)`` returns once the first connection is up."""
 
     def __init__(self, url: str, token: str, *, name: str = "relay", local_address: str | None = None,
-                 backoff_min_s: float = 0.05, backoff_max_s: float = 2.0) -> None:
+                 backoff_min_s: float = 0.05, backoff_max_s: float = 2.0,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         self.url = url
+        self.ssl_context = ssl_context
         self.token = token
         self.name = name
         self.local_address = local_address
@@ -387,8 +469,9 @@ class SharedWire:
         while True:
             try:
                 client = await HeartbeatClient.connect(self.url, self.token, self.name, relay=True,
-                                                       local_address=self.local_address)
-            except (OSError, WireError, trio.BrokenResourceError, msgspec.DecodeError) as e:
+                                                       local_address=self.local_address,
+                                                       ssl_context=self.ssl_context)
+            except (OSError, WireError, trio.BrokenResourceError, msgspec.DecodeError, tls.TLSError) as e:
                 log.debug("shared wire connect failed name=%s err=%s", self.name, e)
                 await trio.sleep(backoff)
                 backoff = min(self.backoff_max_s, backoff * 2)

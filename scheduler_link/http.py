@@ -39,12 +39,21 @@ in the order a request meets them:
 
 Every refusal before the handler ran carries ``connection: close``, so a refused
 sender's remaining bytes are never read.
+
+TLS (``serve(..., ssl_context=)``, :mod:`scheduler_link.tls`): the accepted stream is wrapped
+in ``trio.SSLStream`` and handshaken *before* hypercorn sees a byte, inside the same
+``head_timeout_s`` deadline (and after the connection gate: a slow handshake holds one slot
+no longer than a slow head). The verified client certificate's principal rides on the
+connection (ASGI ``scope["state"]["herd.principal"]``) into every request as
+``Request.principal``. A client that speaks plain HTTP to a TLS port gets one plain-text
+``400`` that says so, then the connection is closed.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import ssl
 from collections.abc import AsyncGenerator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -54,9 +63,11 @@ from urllib.parse import parse_qs
 import msgspec
 import trio
 
+from . import tls
 from .auth import TokenSet, bearer
 from .errors import HTTPError as HTTPError  # re-exported: callers import it from here
 from .gate import ConnectionGate, turn_away
+from .tls import Principal
 
 log = logging.getLogger("herd.http")
 
@@ -84,6 +95,9 @@ class Request:
     body: bytes
     client: str | None
     params: dict[str, str] = field(default_factory=dict)
+    # who proved what: the connection's verified client certificate, else (set by the
+    # route's policy, scheduler_link.authz) the bearer token's role; None when neither
+    principal: Principal | None = None
 
     def decode(self, kind: type[Any]) -> Any:
         """Decode the JSON body into ``kind``; a bad body is a 400 with the reason."""
@@ -194,6 +208,8 @@ class App:
         self.name = name
         self.body_timeout_s = body_timeout_s
         self.gate: ConnectionGate | None = None   # set by serve(): open connection counts
+        self.tls = False                            # set by serve(): the listener speaks TLS
+        self.tls_refused = 0                        # handshakes that failed or ran out of time
 
     def route(self, method: str, template: str, *, auth: AuthPolicy | None = None,
               max_body: int | None = None, doc: RouteDoc | None = None,
@@ -281,8 +297,10 @@ class App:
             headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in raw_headers}
             qs = parse_qs(scope.get("query_string", b"").decode("latin-1"), keep_blank_values=True)
             client = scope.get("client")
+            state = scope.get("state") or {}
             req = Request(method=method, path=path, query={k: v[-1] for k, v in qs.items()},
-                          headers=headers, body=b"", client=client[0] if client else None, params=params)
+                          headers=headers, body=b"", client=client[0] if client else None, params=params,
+                          principal=state.get("herd.principal"))
             # Authentication sees the head only: a refused sender's body is never read.
             if route.auth is not None:
                 route.auth(req)
@@ -366,11 +384,11 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
     ``connection: close`` before its body was read could stay parked for ever in
     hypercorn, handing body pieces to an app that has already returned."""
 
-    def __init__(self, inner: trio.SocketStream, send_stall_s: float, scope: trio.CancelScope) -> None:
+    def __init__(self, inner: trio.abc.Stream, sock: Any, send_stall_s: float, scope: trio.CancelScope) -> None:
         self._inner = inner
         self._stall = send_stall_s
         self._scope = scope
-        self.socket = inner.socket
+        self.socket = sock   # hypercorn reads the addresses from it
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         try:
@@ -398,20 +416,54 @@ class _GuardedStream(trio.abc.HalfCloseableStream):
         return data
 
     async def send_eof(self) -> None:
-        await self._inner.send_eof()
+        if isinstance(self._inner, trio.abc.HalfCloseableStream):
+            await self._inner.send_eof()
 
     async def aclose(self) -> None:
         self._scope.cancel()
         await trio.aclose_forcefully(self._inner)
 
 
+PLAIN_TO_TLS = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                b"content-length: 96\r\n\r\n"
+                b'{"error":"plain HTTP to a TLS port","detail":"this server speaks TLS only: use an https:// URL"}')
+assert len(PLAIN_TO_TLS.split(b"\r\n\r\n", 1)[1]) == 96
+
+
+async def _tls_accept(app: App, stream: trio.SocketStream, ctx: ssl.SSLContext,
+                      deadline_s: float) -> trio.SSLStream[trio.SocketStream] | None:
+    """The handshake of one accepted connection within ``deadline_s``; None (the connection
+    closed, a plain-HTTP client told so in plain text) when it fails."""
+    s = trio.SSLStream(stream, ctx, server_side=True)
+    why = "handshake timed out"
+    with trio.move_on_after(deadline_s):
+        try:
+            await tls.handshake(s)
+            return s
+        except tls.TLSError as e:
+            why = str(e)
+    app.tls_refused += 1
+    log.info("TLS handshake refused client=%s: %s", tls.peer_address(stream), why)
+    if "does not speak TLS" in why:
+        with trio.move_on_after(0.5):
+            try:
+                await stream.send_all(PLAIN_TO_TLS)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+    await trio.aclose_forcefully(stream)
+    return None
+
+
 async def serve(app: App, listen: str, *, limits: ServerLimits | None = None,
                 task_status: Any = trio.TASK_STATUS_IGNORED,
-                shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> None:
+                shutdown_trigger: Callable[[], Awaitable[None]] | None = None,
+                ssl_context: ssl.SSLContext | None = None) -> None:
     """Serve ``app`` on ``listen`` ("host:port", port 0 allowed) until cancelled (or until
     ``shutdown_trigger`` returns: open connections then get ``graceful_timeout_s``).
+    With ``ssl_context`` (:func:`scheduler_link.tls.server_context`) every connection is TLS.
 
-    ``task_status.started(url)`` reports the bound base URL, e.g. ``http://127.0.0.1:41234``.
+    ``task_status.started(url)`` reports the bound base URL, e.g. ``http://127.0.0.1:41234``
+    (``https://`` with TLS).
     """
     from hypercorn.config import Config
     from hypercorn.trio.tcp_server import TCPServer
@@ -437,7 +489,8 @@ async def serve(app: App, listen: str, *, limits: ServerLimits | None = None,
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()
     shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
-    url = f"http://{shown}:{bound[1]}"
+    url = f"{'https' if ssl_context else 'http'}://{shown}:{bound[1]}"
+    app.tls = ssl_context is not None
 
     async def connection(stream: trio.SocketStream) -> None:
         try:
@@ -449,9 +502,17 @@ async def serve(app: App, listen: str, *, limits: ServerLimits | None = None,
             await turn_away(stream)
             return
         try:
+            inner: trio.abc.Stream = stream
+            conn_state: dict[str, Any] = {}
+            if ssl_context is not None:
+                tls_stream = await _tls_accept(app, stream, ssl_context, lim.head_timeout_s)
+                if tls_stream is None:
+                    return
+                inner = tls_stream
+                conn_state["herd.principal"] = tls.stream_principal(tls_stream)
             with trio.CancelScope() as scope:
-                server = TCPServer(wrapped, cfg, context, ConnectionState({}),
-                                   _GuardedStream(stream, lim.send_stall_s, scope))  # type: ignore[arg-type]
+                server = TCPServer(wrapped, cfg, context, ConnectionState(conn_state),
+                                   _GuardedStream(inner, stream.socket, lim.send_stall_s, scope))  # type: ignore[arg-type]
                 await server.run()
         except Exception:  # contained to this connection: log it, close it, keep serving
             log.exception("connection failed client=%s", client)

@@ -194,6 +194,10 @@ def describe_ssl_error(e: BaseException) -> str:
         return f"the peer does not speak TLS (a plain-HTTP/TCP peer or an insecure set-up?) ({s})"
     if "certificate required" in s.lower() or "CERTIFICATE_REQUIRED" in s:
         return f"the peer requires a client certificate ({s})"
+    if "UNEXPECTED_EOF" in s or "unknown ca" in s.lower() or "UNKNOWN_CA" in s:
+        return f"the peer refused our certificate ({s})"
+    if "CERTIFICATE_EXPIRED" in s or "certificate expired" in s.lower():
+        return f"the peer found our certificate expired ({s})"
     return s or type(e).__name__
 
 
@@ -255,3 +259,89 @@ def peer_address(stream: Any) -> str | None:
         return str(inner.socket.getpeername()[0])
     except OSError:
         return None
+
+
+# ---------------------------------------------------------------- one daemon's TLS set-up
+
+DEFAULT_TLS_DIR = "/etc/herd/tls"
+
+
+def insecure_from_env(explicit: bool | None) -> bool:
+    """``insecure`` as configured; unset, ``HERD_INSECURE=1`` in the environment says it (the
+    same explicit switch for daemons started by scripts and test harnesses)."""
+    if explicit is not None:
+        return explicit
+    return os.environ.get("HERD_INSECURE", "") == "1"
+
+
+@dataclass(slots=True)
+class Security:
+    """What one daemon uses: its server contexts (HTTP API: client certificate optional;
+    framed listeners: required), its client context (mutual TLS to its peers), or none of
+    them when ``insecure``. One owner (the daemon) swaps ``files`` on renewal, then
+    :meth:`reload`."""
+    insecure: bool
+    files: TLSFiles | None = None
+    api: ssl.SSLContext | None = None
+    channel: ssl.SSLContext | None = None
+    client: ssl.SSLContext | None = None
+    accept_tokens: bool = False
+
+    @property
+    def require_certs(self) -> bool:
+        """The placer and node roles are proved by certificates only."""
+        return not self.insecure and not self.accept_tokens
+
+    def flags(self) -> dict[str, bool]:
+        return {"require_certs": self.require_certs}
+
+    def reload(self) -> None:
+        """Load the (renewed) certificate files into every live context."""
+        if self.files is not None:
+            for ctx in (self.api, self.channel, self.client):
+                if ctx is not None:
+                    reload(ctx, self.files)
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"insecure": self.insecure, "tls": not self.insecure,
+                               "accept_tokens": self.accept_tokens}
+        if self.files is not None:
+            out["certificate"] = str(self.files.cert)
+            try:
+                from cryptography import x509
+                c = x509.load_pem_x509_certificate(self.files.cert.read_bytes())
+                out["not_after"] = c.not_valid_after_utc.isoformat()
+            except (OSError, ValueError):
+                out["not_after"] = None
+        return out
+
+
+def daemon_security(tls_dir: str | os.PathLike[str] | None, name: str, *, insecure: bool | None,
+                    accept_tokens: bool = False, what: str = "daemon",
+                    files: TLSFiles | None = None) -> Security:
+    """The TLS set-up of a daemon whose certificate is ``<tls_dir>/<name>.crt`` (``files``
+    overrides the layout); insecure (a warning logged) only when asked explicitly."""
+    if insecure_from_env(insecure):
+        # A config's insecure = true is a warning; HERD_INSECURE=1 is what test and script
+        # harnesses set for every daemon they start, said at info (/v1/status shows it either way).
+        log.log(logging.WARNING if insecure else logging.INFO,
+                "%s is INSECURE: plain HTTP/TCP, bearer tokens only, no certificates (%s; run "
+                "`herd pki init` and set tls_dir for TLS)", what,
+                "insecure = true" if insecure else "HERD_INSECURE=1")
+        return Security(insecure=True, accept_tokens=accept_tokens)
+    if files is None:
+        d = Path(tls_dir or os.environ.get("HERD_TLS_DIR") or DEFAULT_TLS_DIR)
+        files = TLSFiles.in_dir(d, name)
+    try:
+        files.check()
+    except TLSError as e:
+        raise TLSError(f"{e}; or set insecure = true for plain HTTP (a lab set-up only)") from None
+    sec = Security(insecure=False, files=files, accept_tokens=accept_tokens,
+                   api=server_context(files, client_cert="optional"),
+                   # a migration's token-authenticated agents open framed channels without one
+                   channel=server_context(files, client_cert="optional" if accept_tokens else "required"),
+                   client=client_context(files.ca, files))
+    if accept_tokens:
+        log.warning("%s accepts token-authenticated agents (accept_tokens = true: a migration set-up); "
+                    "each is logged", what)
+    return sec

@@ -55,6 +55,9 @@ PLACER = {
     ("POST", "/v1/jobs/{job_id}/artifact"): OPS,
     ("POST", "/v1/defrag"): OPS,
     ("POST", "/v1/prefetch"): OPS,
+    ("GET", "/v1/status"): READERS,
+    ("POST", "/v1/pki/bootstrap"): EVERYONE,   # the handler checks the bootstrap token
+    ("POST", "/v1/pki/renew"): frozenset({"node"}),
 }
 EXPECT = {"agent": AGENT, "placer": PLACER}
 TOKENS = TokenSet(placer="tp", cluster="tn", operator="to", viewer="tv", metrics="tm")

@@ -1,0 +1,138 @@
+"""`herd pki init|issue|bootstrap-token|status`: the cluster's certificates (scheduler_link.pki)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import time
+from pathlib import Path
+
+from cli.main import CliError
+from cli.output import emit_json, table
+from scheduler_link import pki
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pki", help="the cluster CA and certificates (TLS between placer, agents, operators)")
+    ps = p.add_subparsers(dest="pki_cmd", metavar="CMD")
+    ps.required = True
+    i = ps.add_parser("init", help="make a cluster CA with the placer's and the operator's certificates")
+    i.add_argument("dir", help="the PKI dir (created 0700; keys 0600)")
+    i.add_argument("--ca-days", type=int, default=pki.CA_DAYS, help=f"CA validity (default {pki.CA_DAYS})")
+    i.add_argument("--days", type=int, default=pki.NODE_DAYS,
+                   help=f"placer/operator validity (default {pki.NODE_DAYS})")
+    i.add_argument("--san", action="append", default=[], metavar="NAME",
+                   help="another DNS name or IP the placer is reached at (repeatable)")
+    i.add_argument("--force", action="store_true", help="replace an existing CA (every old certificate stops verifying)")
+    i.set_defaults(func=cmd_init)
+    s = ps.add_parser("issue", help="issue a node's certificate (or a viewer/metrics/operator client certificate)")
+    s.add_argument("dir", help="the PKI dir (holding ca.key)")
+    who = s.add_mutually_exclusive_group(required=True)
+    who.add_argument("--node", metavar="NODE_ID", help="a node: writes DIR/nodes/NODE_ID/{ca.crt,node.crt,node.key}")
+    who.add_argument("--role", choices=("viewer", "metrics", "operator"), help="a client certificate: DIR/ROLE.crt")
+    s.add_argument("--san", action="append", default=[], metavar="NAME",
+                   help="the host's DNS names or IPs (repeatable)")
+    s.add_argument("--days", type=int, default=pki.NODE_DAYS, help=f"validity (default {pki.NODE_DAYS})")
+    s.set_defaults(func=cmd_issue)
+    b = ps.add_parser("bootstrap-token", help="a short-lived single-use token a new agent trades for its certificate")
+    b.add_argument("dir", help="the PKI dir the placer's ca_dir names")
+    b.add_argument("--ttl", type=float, default=pki.TOKEN_TTL_S, metavar="S",
+                   help=f"seconds the token is valid (default {pki.TOKEN_TTL_S:g})")
+    b.add_argument("--node", metavar="NODE_ID", default=None, help="only this node may use it")
+    b.set_defaults(func=cmd_token)
+    t = ps.add_parser("status", help="what expires when; bootstrap tokens; token-authenticated agents")
+    t.add_argument("dir", nargs="?", default=None, help="the PKI dir")
+    t.add_argument("--placer", default=None, help="also ask this placer (https://...) which agents still use tokens")
+    t.add_argument("--tls-dir", default=None, help="CA and client certificate for --placer (default $HERD_TLS_DIR)")
+    t.add_argument("--token-dir", default=None, help="token dir for --placer (default $HERD_TOKEN_DIR)")
+    t.add_argument("--json", action="store_true", help="print one JSON object")
+    t.set_defaults(func=cmd_status)
+
+
+def _positive(v: float, what: str) -> None:
+    if v <= 0:
+        raise CliError(f"{what} must be > 0")
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    _positive(args.ca_days, "--ca-days")
+    _positive(args.days, "--days")
+    ca = pki.init(args.dir, ca_days=args.ca_days, days=args.days, names=args.san, force=args.force)
+    print(f"CA {args.dir}/ca.crt (until {ca.cert.not_valid_after_utc:%Y-%m-%d}); placer.crt, operator.crt; "
+          f"keys 0600. Next: herd pki issue --node NODE_ID {args.dir}")
+    return 0
+
+
+def cmd_issue(args: argparse.Namespace) -> int:
+    _positive(args.days, "--days")
+    if args.node:
+        out = pki.issue_node(args.dir, args.node, days=args.days, names=args.san)
+        print(f"{out}/node.crt for node:{args.node} (copy {out}/ to the host's tls_dir, e.g. /etc/herd/tls)")
+    else:
+        crt = pki.issue_role(args.dir, args.role, days=args.days)
+        print(f"{crt} for {args.role}")
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    _positive(args.ttl, "--ttl")
+    if not (Path(args.dir) / "ca.key").exists():
+        raise CliError(f"no CA in {args.dir} (ca.key missing): run `herd pki init {args.dir}` first")
+    token = pki.BootstrapTokens(Path(args.dir) / "bootstrap-tokens.json").create(
+        ttl_s=args.ttl, node_id=args.node, now=time.time())
+    print(token)
+    return 0
+
+
+def _when(t: float | None) -> str:
+    return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%d %H:%M:%S") if t else "-"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if not args.dir and not args.placer:
+        raise CliError("give a PKI dir, --placer URL, or both")
+    out: dict[str, object] = {}
+    now = time.time()
+    if args.dir:
+        if not Path(args.dir).is_dir():
+            raise CliError(f"no such PKI dir: {args.dir}")
+        certs = pki.status(args.dir)
+        out["certificates"] = [{"subject": c.subject, "path": c.path, "not_after": c.not_after.isoformat(),
+                                "days_left": round(c.days_left(), 1)} for c in certs]
+        tokens = pki.BootstrapTokens(Path(args.dir) / "bootstrap-tokens.json").list()
+        out["bootstrap_tokens"] = [
+            {"id": t["id"], "node": t["node_id"], "expires": _when(float(t["expires"])),  # type: ignore[arg-type]
+             "state": "used" if t["used_by"] else "expired" if float(t["expires"]) <= now else "unused",  # type: ignore[arg-type]
+             "used_by": t["used_by"]} for t in tokens]
+    if args.placer:
+        from scheduler_link.auth import TokenSet
+        from scheduler_link.client import PlacerClient
+        toks = TokenSet.load(args.token_dir)
+        with PlacerClient(args.placer, toks.viewer or toks.operator, tls_dir=args.tls_dir) as c:
+            out["placer"] = c.status()
+    if args.json:
+        emit_json(out)
+        return 0
+    if "certificates" in out:
+        print(table(["SUBJECT", "EXPIRES", "DAYS LEFT", "PATH"],
+                    [[c["subject"], c["not_after"][:19], c["days_left"], c["path"]]  # type: ignore[index]
+                     for c in out["certificates"]]))  # type: ignore[attr-defined]
+        toks_out = out["bootstrap_tokens"]
+        if toks_out:
+            print()
+            print(table(["TOKEN", "STATE", "NODE", "EXPIRES", "USED BY"],
+                        [[t["id"], t["state"], t["node"] or "any", t["expires"], t["used_by"] or "-"]  # type: ignore[index]
+                         for t in toks_out]))  # type: ignore[attr-defined]
+    if "placer" in out:
+        st = out["placer"]
+        assert isinstance(st, dict)
+        print(f"\nplacer {args.placer}: {'INSECURE (plain HTTP)' if st.get('insecure') else 'TLS'}; "
+              f"accept_tokens={'on' if st.get('accept_tokens') else 'off'}; "
+              f"certificate until {st.get('not_after') or '-'}")
+        agents = st.get("token_agents") or {}
+        if agents:
+            print(f"token-authenticated agents ({st.get('token_agents_total', len(agents))}):")
+            print(table(["NODE", "REQUESTS"], [[k, v] for k, v in agents.items()]))
+        else:
+            print("no token-authenticated agents")
+    return 0
