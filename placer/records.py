@@ -22,9 +22,12 @@ from scheduler_link.messages import (
     TERMINAL_STATES,
     JobSpec,
     NodePart,
+    PartPod,
     Peer,
     Placement,
+    PodAssignment,
     TopologyPath,
+    Victim,
     inventory_hash,
 )
 
@@ -47,37 +50,52 @@ def parse_workload_id(wid: str) -> tuple[str, int, int] | None:
 
 
 class Push:
-    """One placement for one node (new pods and/or victims). A start push may be given a
-    ``build`` function instead of the placement: the Placement is then made when it is
-    first read (by the sender, as it goes), so a decision's bookkeeping does not build
-    25,000 messages before the first one can leave."""
+    """One placement for one node (new pods and/or victims). A decision's start pushes are
+    made with :meth:`start`: their Placement or NodePart is built from the decision's
+    :class:`GangStart` when first read (by the sender, as it goes), so a decision's
+    bookkeeping does not build 25,000 messages before the first one can leave."""
 
-    __slots__ = ("node_id", "control_url", "job_id", "attempt", "kind", "_placement", "_build", "_part", "_pid")
+    __slots__ = ("node_id", "control_url", "job_id", "attempt", "kind", "_placement", "_pid",
+                 "_gang", "_node", "_pods", "_victims")
 
-    def __init__(self, node_id: str, control_url: str, placement: Placement | None, job_id: str, attempt: int,
-                 kind: str, build: Callable[[], Placement] | None = None,
-                 part: Callable[[], NodePart] | None = None, placement_id: str = "") -> None:
-        if placement is None and build is None:
-            raise ValueError("a push needs a placement or a way to build one")
+    def __init__(self, node_id: str, control_url: str, placement: Placement, job_id: str, attempt: int,
+                 kind: str) -> None:
         self.node_id = node_id
         self.control_url = control_url
         self.job_id = job_id
         self.attempt = attempt
         self.kind = kind  # "start" (carries the gang's pods) or "stop"
-        self._placement = placement
-        self._build = build
-        self._part = part
-        self._pid = placement_id
+        self._placement: Placement | None = placement
+        self._pid = placement.placement_id
+        self._gang: GangStart | None = None
+        self._node: NodeRec | None = None
+        self._pods: list[PodRec] = []
+        self._victims: list[Victim] = []
+
+    @classmethod
+    def start(cls, gang: GangStart, node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> Push:
+        """One node's start push of a decision: nothing per node is built until it is read
+        (its NodePart by the relays, or its Placement by a direct push)."""
+        p = cls.__new__(cls)
+        p.node_id = node.node_id
+        p.control_url = node.control_url
+        p.job_id = gang.job_id
+        p.attempt = gang.attempt
+        p.kind = "start"
+        p._placement = None
+        p._pid = gang.prefix + node.node_id
+        p._gang, p._node, p._pods, p._victims = gang, node, pods, victims
+        return p
 
     @property
     def placement_id(self) -> str:
-        return self._pid or self.placement.placement_id
+        return self._pid
 
     def part(self, expires_at: float) -> NodePart:
-        """This push as a rack relay carries it (a start push's builder names GPU slots and
-        the node's inventory hash; a stop push is its victims)."""
-        if self._part is not None:
-            return self._part()
+        """This push as a rack relay carries it (a start push names GPU slots and the node's
+        inventory hash; a stop push is its victims)."""
+        if self._gang is not None and self._node is not None:
+            return self._gang.part(self._pid, self._node, self._pods, self._victims)
         pl = self.placement
         return NodePart(placement_id=pl.placement_id, node_id=self.node_id, job_id=self.job_id,
                         attempt=self.attempt, victims=pl.victims, issued_at=pl.issued_at, expires_at=expires_at)
@@ -85,12 +103,54 @@ class Push:
     @property
     def placement(self) -> Placement:
         if self._placement is None:
-            assert self._build is not None
-            self._placement, self._build = self._build(), None
+            assert self._gang is not None and self._node is not None
+            self._placement = self._gang.placement(self._pid, self._node, self._pods, self._victims)
         return self._placement
 
     def __repr__(self) -> str:
         return f"Push({self.kind} {self.job_id}#{self.attempt} -> {self.node_id})"
+
+
+class GangStart:
+    """What every start push of one decision shares (one object, not two closures a node):
+    a node's NodePart (rack relays) or Placement (direct push) is made from it on demand."""
+
+    __slots__ = ("spec", "job_id", "attempt", "prefix", "blob_id", "peers_of", "contacts", "n_gang", "now",
+                 "expires", "argv", "env")
+
+    def __init__(self, spec: JobSpec, attempt: int, *, blob_id: str, peers_of: Callable[[NodeRec], list[Peer]],
+                 contacts: list[Peer], n_gang: int, now: float, expires: float) -> None:
+        self.spec = spec
+        self.job_id = spec.job_id
+        self.attempt = attempt
+        self.prefix = f"start:{spec.job_id}:{attempt}:"
+        self.blob_id = blob_id
+        self.peers_of = peers_of
+        self.contacts = contacts
+        self.n_gang = n_gang
+        self.now = now
+        self.expires = expires
+        self.argv = list(spec.argv)
+        self.env = dict(spec.env)
+
+    def part(self, placement_id: str, node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> NodePart:
+        # blob_id left empty: the bundle's (scheduler_link.messages.NodePart)
+        return NodePart(placement_id=placement_id, node_id=node.node_id, job_id=self.job_id, attempt=self.attempt,
+                        pods=[PartPod(workload_id=p.workload_id, rank=p.rank, gpu_indices=list(p.slots))
+                              for p in pods],
+                        victims=victims, issued_at=self.now, expires_at=self.expires, inventory=node.inventory,
+                        gang_nodes=self.n_gang, contacts=self.contacts)
+
+    def placement(self, placement_id: str, node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> Placement:
+        s = self.spec
+        return Placement(
+            placement_id=placement_id, job_id=s.job_id,
+            pods=[PodAssignment(workload_id=p.workload_id, rank=p.rank, gpus=p.uuids, gpu_indices=list(p.slots))
+                  for p in pods],
+            victims=victims, world_size=s.pods, argv=self.argv, env=self.env, manifest_id=s.manifest_id,
+            origin=s.origin, peers=self.peers_of(node), grace_s=s.grace_s, restart=s.restart, issued_at=self.now,
+            gang_blob_id=self.blob_id, gang_nodes=self.n_gang, user=s.user, limits=s.limits,
+            env_from_files=s.env_from_files)
 
 
 @dataclass(slots=True)
@@ -198,9 +258,17 @@ class NodeRec:
     all_slots: tuple[int, ...] = ()                   # (0..n-1), shared by whole-node pods
     all_slots_list: list[int] = field(default_factory=list)
 
+    rack_path: str = ""                               # "zone/block/rack", the relays' key
+
     def __post_init__(self) -> None:
+        # Made once at registration (a node's topology and GPUs change only by registering
+        # again, which makes a new record), so a 25,000-node delivery computes none of them.
         self.all_slots = tuple(range(len(self.uuids)))
         self.all_slots_list = list(self.all_slots)
+        t = self.topology
+        self.rack_path = t.zone + "/" + t.block + "/" + t.rack
+        self._inventory = inventory_hash(self.uuids)
+        self._peer = Peer(node_id=self.node_id, data_url=self.data_url, zone=t.zone, block=t.block, rack=t.rack)
 
     def slot_of(self, uuid: str) -> int | None:
         try:
@@ -209,19 +277,10 @@ class NodeRec:
             return None
 
     def peer(self) -> Peer:
-        if self._peer is None:
-            t = self.topology
-            self._peer = Peer(node_id=self.node_id, data_url=self.data_url, zone=t.zone, block=t.block, rack=t.rack)
+        assert self._peer is not None
         return self._peer
 
     @property
     def inventory(self) -> str:
         """The hash a NodePart's GPU slots are checked against (``inventory_hash``)."""
-        if not self._inventory:
-            self._inventory = inventory_hash(self.uuids)
         return self._inventory
-
-    @property
-    def rack_path(self) -> str:
-        t = self.topology
-        return t.zone + "/" + t.block + "/" + t.rack

@@ -29,19 +29,26 @@ import numpy as np
 from scheduler_link.messages import (
     GangBlob,
     JobSpec,
-    NodePart,
-    PartPod,
     Peer,
     PeerTable,
     Placement,
-    PodAssignment,
     Victim,
     encode_gang_blob,
 )
 
 from .model import ClusterModel
 from .place import Decision, JobRequest, place
-from .records import JOB_ID_RE, STALE_PRIORITY, TERMINAL_JOB_STATES, JobError, JobRec, NodeRec, PodRec, Push
+from .records import (
+    JOB_ID_RE,
+    STALE_PRIORITY,
+    TERMINAL_JOB_STATES,
+    GangStart,
+    JobError,
+    JobRec,
+    NodeRec,
+    PodRec,
+    Push,
+)
 from .statebase import StateBase
 
 log = logging.getLogger("herd.placer.state")
@@ -76,6 +83,9 @@ class Scheduling(StateBase):
         for k in spec.env:
             if not k or "=" in k or "\0" in k:
                 raise JobError(f"bad environment variable name {k!r}")
+        if len(spec.env_from_files) > 256 or any(not k or "=" in k or "\0" in k or not p.startswith("/")
+                                                 for k, p in spec.env_from_files.items()):
+            raise JobError("env_from_files: at most 256 NAME -> absolute host path entries")
         if not -STALE_PRIORITY < spec.priority < STALE_PRIORITY:
             raise JobError(f"priority must be within +-{STALE_PRIORITY - 1}")
         try:
@@ -238,37 +248,11 @@ class Scheduling(StateBase):
         nodes = self.nodes
         gang = [nodes[n] for n in by_node]
         blob_id, peers_of = self._gang_blob(job, gang, order)
-        argv, env = list(s.argv), dict(s.env)
-        n_gang = len(gang)
-        prefix = f"start:{job.job_id}:{job.attempt}:"
-
-        def build(node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> Callable[[], Placement]:
-            return lambda: Placement(
-                placement_id=prefix + node.node_id, job_id=s.job_id,
-                pods=[PodAssignment(workload_id=p.workload_id, rank=p.rank, gpus=p.uuids, gpu_indices=list(p.slots))
-                      for p in pods],
-                victims=victims, world_size=s.pods, argv=argv, env=env, manifest_id=s.manifest_id, origin=s.origin,
-                peers=peers_of(node), grace_s=s.grace_s, restart=s.restart, issued_at=now,
-                gang_blob_id=blob_id, gang_nodes=n_gang, user=s.user, limits=s.limits)
-
-        expires = now + self.cfg.placement_ttl_s
         contacts = self._holders(s.manifest_id, set(by_node) if s.manifest_id else set())
-        job_id, attempt = job.job_id, job.attempt
-
-        def part(node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> Callable[[], NodePart]:
-            return lambda: NodePart(  # blob_id left empty: the bundle's (scheduler_link.messages.NodePart)
-                placement_id=prefix + node.node_id, node_id=node.node_id, job_id=job_id, attempt=attempt,
-                pods=[PartPod(workload_id=p.workload_id, rank=p.rank, gpu_indices=list(p.slots)) for p in pods],
-                victims=victims, issued_at=now, expires_at=expires, inventory=node.inventory,
-                gang_nodes=n_gang, contacts=contacts)
-
-        out = []
-        for node in gang:
-            pods_here = by_node[node.node_id]
-            victims_here = victim_stops.pop(node.node_id, [])
-            out.append(Push(node.node_id, node.control_url, None, job.job_id, job.attempt, "start",
-                            build(node, pods_here, victims_here), part(node, pods_here, victims_here),
-                            placement_id=prefix + node.node_id))
+        gs = GangStart(s, job.attempt, blob_id=blob_id, peers_of=peers_of, contacts=contacts, n_gang=len(gang),
+                       now=now, expires=now + self.cfg.placement_ttl_s)
+        start = Push.start
+        out = [start(gs, node, by_node[node.node_id], victim_stops.pop(node.node_id, [])) for node in gang]
         for node_id, victims in victim_stops.items():  # victims on nodes that get no new pod
             vnode = nodes[node_id]
             self._pid += 1
@@ -299,7 +283,8 @@ class Scheduling(StateBase):
                           rack_of=rack_of, racks=racks, rack_start=rack_start)
         blob = GangBlob(job_id=job.job_id, attempt=job.attempt, argv=list(s.argv), env=dict(s.env),
                         manifest_id=s.manifest_id, origin=s.origin, grace_s=s.grace_s, restart=s.restart,
-                        world_size=s.pods, peers=table, user=s.user, limits=s.limits)
+                        world_size=s.pods, peers=table, user=s.user, limits=s.limits,
+                        env_from_files=dict(s.env_from_files))
         blob_id, raw = encode_gang_blob(blob)
         if job.blob_id is not None:
             self.blobs.pop(job.blob_id, None)
