@@ -195,6 +195,10 @@ def validate(cfg: AgentConfig) -> None:
         raise ConfigError(f"workloads.cgroup must be auto, off or an absolute cgroup v2 path, not {w.cgroup!r}")
     if w.rlimit_core < 0:
         raise ConfigError("workloads.rlimit_core must be >= 0")
+    if any(not p.startswith("/") or p.rstrip("/") == "" for p in w.env_files_prefixes) \
+            or not 1 <= w.env_file_max_bytes <= 16 << 20:
+        raise ConfigError("workloads.env_files_prefixes must be absolute directories (not /), "
+                          "env_file_max_bytes within 1..16777216")
     if cfg.store.quota_bytes is not None and cfg.store.quota_bytes <= 0:
         raise ConfigError("store.quota_bytes must be > 0")
     if cfg.store.keep_trees < 0:

@@ -11,6 +11,12 @@ Shims are started with ``posix_spawn(setsid=True)``: their own session, so neith
 terminal's SIGINT nor systemd's ``KillMode=process`` stop (which signals only the
 agent) reaches them. Idle shims exit when their stdin reaches EOF, i.e. when the
 agent exits or dies.
+
+:func:`read_env_files` is the one place a job's ``env_from_files`` are read: by the agent
+(not the workload user), at each start, from paths under the agent's
+``workloads.env_files_prefixes`` only (checked on the resolved path, so a symlink cannot
+lead out), bounded in size; the values go into the launch command's environment and
+nowhere else (not the workload record, not run.json, not any API).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,11 +35,56 @@ import msgspec
 import trio
 
 from . import procs
-from .errors import ShimError
+from .errors import AgentError, ShimError
+from .placement import env_files_problem, under_prefix
 
 log = logging.getLogger("herd.agent.launcher")
 
 SHIM_PATH = str(Path(__file__).with_name("shim.py"))
+
+
+class EnvFileError(AgentError):
+    """A job's env_from_files entry that cannot be used (one line naming the file and why)."""
+
+
+def read_env_files(files: dict[str, str], prefixes: tuple[str, ...], max_bytes: int) -> dict[str, str]:
+    """NAME -> the file's text (one trailing newline dropped). Raises EnvFileError naming the
+    file: outside the prefixes (also once resolved), missing, not a regular file, over
+    ``max_bytes``, not UTF-8 or holding a NUL."""
+    why = env_files_problem(files, prefixes)
+    if why is not None:
+        raise EnvFileError(why)
+    out: dict[str, str] = {}
+    for name, path in files.items():
+        real = os.path.realpath(path)
+        if not under_prefix(real, prefixes):
+            raise EnvFileError(f"env_from_files: {name}: {path} resolves to {real}, outside the allowed prefixes")
+        try:
+            fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise EnvFileError(f"env_from_files: {name}: {path} does not exist on this host") from None
+        except OSError as e:
+            raise EnvFileError(f"env_from_files: {name}: {path}: {e.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise EnvFileError(f"env_from_files: {name}: {path} is not a regular file")
+            if st.st_size > max_bytes:
+                raise EnvFileError(f"env_from_files: {name}: {path} is {st.st_size} bytes, over the "
+                                   f"{max_bytes}-byte bound")
+            data = os.read(fd, max_bytes + 1)
+        finally:
+            os.close(fd)
+        if len(data) > max_bytes:
+            raise EnvFileError(f"env_from_files: {name}: {path} is over the {max_bytes}-byte bound")
+        try:
+            text = data.decode()
+        except UnicodeDecodeError:
+            raise EnvFileError(f"env_from_files: {name}: {path} is not UTF-8 text") from None
+        if "\0" in text:
+            raise EnvFileError(f"env_from_files: {name}: {path} holds a NUL byte")
+        out[name] = text[:-1] if text.endswith("\n") else text
+    return out
 
 
 def _shim_env() -> dict[str, str]:

@@ -145,7 +145,8 @@ def build_placement(part: NodePart, pods: Sequence[PodAssignment], blob: GangBlo
                      env=dict(blob.env), manifest_id=blob.manifest_id, origin=blob.origin,
                      peers=[*part.rack_members, *part.contacts], grace_s=blob.grace_s, restart=blob.restart,
                      issued_at=part.issued_at, user=blob.user, gang_blob_id=part.blob_id,
-                     gang_nodes=part.gang_nodes or len(blob.peers), limits=blob.limits)
+                     gang_nodes=part.gang_nodes or len(blob.peers), limits=blob.limits,
+                     env_from_files=dict(blob.env_from_files))
 
 
 def blob_problem(part: NodePart, blob: GangBlob, allowed_origins: tuple[str, ...] | None) -> str | None:

@@ -17,6 +17,7 @@ anything about a GPU. A placement id already accepted is answered again before t
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +27,28 @@ from scheduler_link.messages import WIRE_VERSION, Placement, PlacementOutcome
 from .state import WorkloadRecord
 
 WORKLOAD_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+ENV_NAME_MAX = 256
+
+
+def under_prefix(path: str, prefixes: tuple[str, ...]) -> bool:
+    return any(path == p.rstrip("/") or path.startswith(p.rstrip("/") + "/") for p in prefixes if p)
+
+
+def env_files_problem(files: dict[str, str], prefixes: tuple[str, ...]) -> str | None:
+    """Why ``files`` (NAME -> host path) cannot be honoured here (None: they can, as far as
+    names and paths go; the files are read at start). Pure."""
+    if not files:
+        return None
+    if not prefixes:
+        return "env_from_files: this agent allows none (workloads.env_files_prefixes is empty)"
+    for name, path in files.items():
+        if not name or len(name) > ENV_NAME_MAX or "=" in name or "\0" in name:
+            return f"env_from_files: bad variable name {name[:40]!r}"
+        if not os.path.isabs(path) or "\0" in path or os.path.normpath(path) != path:
+            return f"env_from_files: {name}: {path[:200]!r} is not an absolute, normal path"
+        if not under_prefix(path, prefixes):
+            return f"env_from_files: {name}: {path[:200]} is not under an allowed prefix ({', '.join(prefixes)})"
+    return None
 
 
 def gpus_in_use(records: Iterable[WorkloadRecord]) -> dict[str, str]:
@@ -98,7 +121,8 @@ def check_binding(p: Placement, *, node_id: str, now: float,
 
 
 def check_placement(p: Placement, records: Mapping[str, WorkloadRecord],
-                    gpu_health: Mapping[str, str] | None) -> Refusal | None:
+                    gpu_health: Mapping[str, str] | None, *,
+                    env_prefixes: tuple[str, ...] | None = None) -> Refusal | None:
     """None when ``p`` may be accepted, else why it is refused.
 
     ``gpu_health`` maps every GPU UUID of this node to healthy|degraded|fatal
@@ -114,6 +138,9 @@ def check_placement(p: Placement, records: Mapping[str, WorkloadRecord],
         return _spec("grace periods must be >= 0")
     if (why := p.limits.problem()) is not None:
         return _spec(f"limits: {why}")
+    if p.env_from_files and env_prefixes is not None and (why := env_files_problem(p.env_from_files,
+                                                                                     env_prefixes)) is not None:
+        return _spec(why)
     victim_ids = {v.workload_id for v in p.victims}
     busy = gpus_in_use(records.values())
     seen_gpus: dict[str, str] = {}

@@ -65,6 +65,7 @@ class WorkloadRecord(msgspec.Struct, frozen=True, kw_only=True):
     fetch: dict[str, int] = {}           # this workload's artifact fetch: bytes by source
     limits: dict[str, str] = {}          # the job's cgroup limits (cgroup file -> value)
     user: str | None = None              # the user the placement asked for (None: the default)
+    env_from_files: dict[str, str] = {}  # NAME -> host path, read at each start (values never stored)
     run_as: str | None = None            # the user it runs as (resolved at start)
 
     @property

@@ -50,7 +50,7 @@ from . import environment, procs
 from .errors import AgentError, ConfigError, ShimError, UnknownWorkload
 from .events import Batch, Change, Place, Runtime, Stop
 from .isolation import Identities, Isolation, WorkloadUser, detect, reachable
-from .launcher import LaunchCommand, ShimPool, wait_identity
+from .launcher import EnvFileError, LaunchCommand, ShimPool, read_env_files, wait_identity
 from .logs import read_tail
 from .peersfile import PEERS_FILE, BlobFetcher, gang_peers, lines_from_peers
 from .peersfile import write_file as write_peers_file
@@ -84,6 +84,10 @@ class SupervisorConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     memory_max: str = ""                 # memory.max, e.g. "64G"
     cpu_max: str = ""                    # cpu.max, e.g. "800000 100000" (8 CPUs)
     pids_max: str = ""                   # pids.max, e.g. "4096"
+    # JobSpec.env_from_files: host paths a job may name (absolute prefixes; empty: none), and
+    # the size bound of each file (agent.launcher.read_env_files)
+    env_files_prefixes: tuple[str, ...] = ()
+    env_file_max_bytes: int = 64 << 10
 
 
 KILL_EVERY_S = 1.0   # past the deadline, SIGKILL what is left this often until the workload is gone
@@ -408,7 +412,7 @@ class Supervisor:
         if known is not None:
             after.durable.append(lambda: msg.reply.send_nowait(known))
             return
-        reason = check_placement(p, self._records, self._gpu_health())
+        reason = check_placement(p, self._records, self._gpu_health(), env_prefixes=self.config.env_files_prefixes)
         if reason is not None:
             self.counters["refused"] += 1
             log.warning("placement refused placement=%s job=%s reason=%s", p.placement_id, p.job_id, reason)
@@ -435,7 +439,7 @@ class Supervisor:
                 world_size=p.world_size, gpus=list(pod.gpus), gpu_indices=list(pod.gpu_indices),
                 argv=list(p.argv), env=dict(p.env), manifest_id=p.manifest_id, origin=p.origin,
                 peers=list(p.peers), gang_blob_id=p.gang_blob_id, gang_nodes=p.gang_nodes,
-                limits=p.limits.as_files(),
+                limits=p.limits.as_files(), env_from_files=dict(p.env_from_files),
                 grace_s=p.grace_s, restart=p.restart, direct=msg.direct,
                 wait_for=wait_for, created_at=now, updated_at=now, user=p.user, run_as=user.name)
             self._records[rec.workload_id] = rec
@@ -640,6 +644,15 @@ class Supervisor:
                 await self._change(wid, state="failed", reason=f"cannot create the workload's cgroup: {e}")
                 return
             env = environment.workload_env(self._base_env, rec, wdir)
+            if rec.env_from_files:  # secrets from host files: read now, by the agent, into this start only
+                try:
+                    env.update(await trio.to_thread.run_sync(
+                        read_env_files, rec.env_from_files, self.config.env_files_prefixes,
+                        self.config.env_file_max_bytes))
+                except EnvFileError as e:
+                    self.isolation.remove(wid)
+                    await self._change(wid, state="failed", reason=str(e))
+                    return
             if user.uid != os.geteuid():
                 # the agent's HOME and TMPDIR are not the workload user's to write
                 env.update({"HOME": str(wdir / "scratch"), "TMPDIR": str(wdir / "scratch"),

@@ -43,7 +43,11 @@ def _submit_flags(s: argparse.ArgumentParser) -> None:
     s.add_argument("--artifact", default=None, help="ref name:tag (resolved against --origin) or a manifest id")
     s.add_argument("--origin", default=None, help="origin URL (file://, gs://, http://)")
     s.add_argument("--grace", type=float, default=None, help="seconds between SIGTERM and SIGKILL (default 30)")
-    s.add_argument("--env", action="append", default=[], metavar="K=V", help="environment for the pods (repeatable)")
+    s.add_argument("--env", action="append", default=[], metavar="K=V",
+                   help="environment for the pods (repeatable; read APIs show the names only)")
+    s.add_argument("--env-from-file", action="append", default=[], metavar="K=PATH",
+                   help="set K from the file PATH on each host, read by the agent at start (for secrets: "
+                        "the value never travels in the job; PATH under the agent's env_files_prefixes)")
     s.add_argument("--wait", default=None, choices=JOB_STATES, metavar="STATE",
                    help="wait until the job reaches STATE; exit 1 with its reason if it ends otherwise "
                         "or --wait-timeout passes (" + " | ".join(JOB_STATES) + ")")
@@ -184,6 +188,13 @@ def build_spec(args: argparse.Namespace) -> JobSpec:
             raise CliError(f"bad --env {kv!r}: expected K=V")
         env[k] = v
     data["env"] = env
+    files = dict(data.get("env_from_files", {}))
+    for kv in getattr(args, "env_from_file", []):
+        k, sep, v = kv.partition("=")
+        if not sep or not k or not v:
+            raise CliError(f"bad --env-from-file {kv!r}: expected K=PATH")
+        files[k] = v
+    data["env_from_files"] = files
     argv = list(args.argv)
     if argv:
         data["argv"] = argv  # -- ARGV wins over the file's argv
@@ -211,6 +222,10 @@ def _print_job(v: JobView) -> None:
           + (f" — {v.reason}" if v.reason else ""))
     print(f"  {s.pods} pod(s) x {s.gpus_per_pod} GPU(s) within {s.within}, priority {s.priority}, "
           f"{'preemptible' if s.preemptible else 'not preemptible'}, restart {s.restart.kind}")
+    if s.env:
+        print("  env: " + ", ".join(sorted(s.env)) + " (values not shown)")
+    if s.env_from_files:
+        print("  env from host files: " + ", ".join(f"{k}={p}" for k, p in sorted(s.env_from_files.items())))
     if v.timings:
         print("  timings: " + ", ".join(f"{k} +{_timing(v, k)}" for k in v.timings if k != "submitted"))
     if v.pod_counts:

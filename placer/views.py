@@ -4,17 +4,32 @@ A job view carries the job, its timings, its pods' counts by state, and one page
 (``offset``/``limit``, at most ``MAX_PAGE``); a node listing is paged the same way. Each
 view costs O(page) plus O(1) counters, never a walk of a 25,000-pod gang or a 131,072-node
 fleet per request.
+
+Job env values are never returned (issue 17 §2): every view shows the names of a job's
+``env`` with each value replaced by :data:`REDACTED`, for every role (operators too; the
+values live in the journal and in placements only). Secrets that must not sit in the job at
+all go in ``env_from_files`` (host paths the agent reads at start).
 """
 
 from __future__ import annotations
 
-from scheduler_link.messages import JobView, NodeView, PodView
+import msgspec
+
+from scheduler_link.messages import JobSpec, JobView, NodeView, PodView
 
 from .records import JobRec, NodeRec, PodRec
 from .statebase import MODEL_ERRORS, StateBase
 
 DEFAULT_PODS = 100
 MAX_PAGE = 5000
+REDACTED = "<redacted>"
+
+
+def redacted(spec: JobSpec) -> JobSpec:
+    """``spec`` as read APIs show it: env names, no values."""
+    if not spec.env:
+        return spec
+    return msgspec.structs.replace(spec, env=dict.fromkeys(spec.env, REDACTED))
 
 
 def parse_page(text: str | None, default: int) -> tuple[int, int]:
@@ -41,7 +56,7 @@ def pod_view(p: PodRec) -> PodView:
 class Views(StateBase):
     def job_view(self, job: JobRec, *, offset: int = 0, limit: int = DEFAULT_PODS) -> JobView:
         page = job.pods[offset:offset + limit] if limit else []
-        return JobView(job_id=job.job_id, spec=job.spec, state=job.state, attempt=job.attempt,
+        return JobView(job_id=job.job_id, spec=redacted(job.spec), state=job.state, attempt=job.attempt,
                        restarts=job.restarts, reason=job.reason, timings=dict(job.timings),
                        pods=[pod_view(p) for p in page], pod_counts=job.pod_counts(), pods_total=len(job.pods),
                        pods_offset=offset, nodes_total=len({p.node_id for p in job.pods}) if job.pods else 0,
