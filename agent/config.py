@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import socket
-import tomllib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import msgspec
 
 from p2p.origins.allow import origin_refusal
 from scheduler_link.messages import TopologyPath
+from scheduler_link.tomlconfig import read_toml
 
 from .errors import ConfigError
 from .supervisor import SupervisorConfig
@@ -152,14 +152,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Mapping[s
     Override keys: the [agent] keys; ``zone``, ``block``, ``rack``; and ``SECTION_KEY`` for a
     key of another section (``relay_enabled``, ``relay_listen``).
     """
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    data = read_toml(path, ConfigError) if path is not None else {}
     try:
         cfg = msgspec.convert(_layout(data, overrides or {}), AgentConfig)
     except msgspec.ValidationError as e:

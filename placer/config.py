@@ -3,11 +3,12 @@ loaded from TOML (every key optional) with CLI flags on top."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import msgspec
+
+from scheduler_link.tomlconfig import read_toml
 
 from .errors import PlacerConfigError
 
@@ -57,12 +58,7 @@ def load_config(path: str | Path | None, **overrides: Any) -> PlacerConfig:
     """TOML file (``[placer]`` table or top level) plus flag overrides that are not None."""
     data: dict[str, Any] = {}
     if path:
-        try:
-            raw = tomllib.loads(Path(path).read_text())
-        except FileNotFoundError:
-            raise PlacerConfigError(f"config file not found: {path}") from None
-        except tomllib.TOMLDecodeError as e:
-            raise PlacerConfigError(f"config file {path} is not valid TOML: {e}") from None
+        raw = read_toml(path, PlacerConfigError)
         data = dict(raw.get("placer", raw))
     data.update({k: v for k, v in overrides.items() if v is not None})
     try:

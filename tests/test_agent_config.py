@@ -75,6 +75,11 @@ def test_every_typed_key_is_a_file_key_and_overrides_are_checked(tmp_path):
 def test_missing_config_file(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match=r"^cannot read config file .*: Is a directory$"):
+        load_config(tmp_path)
+    (tmp_path / "bin.toml").write_bytes(b"\xff\xfe[agent]")
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(tmp_path / "bin.toml")
 
 
 async def test_sd_notify_outside_and_inside_systemd(tmp_path):
