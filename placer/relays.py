@@ -233,14 +233,15 @@ class RelayHub:
                 return "reply", WireReply(status=400, error=f"malformed report: {e}")
             self.stats.reports += 1
             status, reply = self.svc._ingest(rep.node_id, rep, via)
-            return "reply", WireReply(status=status, reply=reply)
+            return "reply", WireReply(status=status, reply=reply, error=reply.error if status != 200 else None)
         if t == "reports":
             try:
                 batch = decode_payload(f, RackReports)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 return "error", {"error": f"malformed reports: {e}"}
             self.stats.reports += len(batch.reports)
-            return "replies", [WireReply(status=st, reply=r) for st, r in self.svc._ingest_many(batch.reports, via)]
+            return "replies", [WireReply(status=st, reply=r, error=r.error if st != 200 else None)
+                               for st, r in self.svc._ingest_many(batch.reports, via)]
         if t == "blob_get":
             req = decode_payload(f, BlobRequest)
             raw = self.svc.state.blobs.get(req.blob_id)
