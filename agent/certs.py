@@ -47,6 +47,14 @@ def tls_dir(configured: str | None) -> Path:
     return Path(configured or os.environ.get("HERD_TLS_DIR") or DEFAULT_TLS_DIR)
 
 
+def _present(p: Path) -> bool:
+    """A file with content (systemd's SetCredential= default for an absent file is a newline)."""
+    try:
+        return p.is_file() and p.stat().st_size > 1
+    except OSError:
+        return False
+
+
 def node_files(configured: str | None, state_dir: str | os.PathLike[str]) -> TLSFiles:
     """The agent's TLS material: its own (bootstrapped/renewed) certificate in the state dir
     when there is one and it is the later one, else the configured dir's."""
@@ -54,9 +62,9 @@ def node_files(configured: str | None, state_dir: str | os.PathLike[str]) -> TLS
     given = TLSFiles.in_dir(d, "node")
     own_dir = Path(state_dir) / "tls"
     own = TLSFiles(given.ca, own_dir / "node.crt", own_dir / "node.key")
-    if not (own.cert.is_file() and own.key.is_file()):
+    if not (_present(own.cert) and _present(own.key)):
         return given
-    if not given.cert.is_file():
+    if not _present(given.cert):
         return own
     try:
         later = pki.load_cert(own.cert).not_valid_after_utc >= pki.load_cert(given.cert).not_valid_after_utc
@@ -98,7 +106,7 @@ async def bootstrap(placer: str, node_id: str, token: str, *, configured_dir: st
     """Post a CSR with the bootstrap token once; write the certificate to ``<state_dir>/tls``.
     The placer is verified against the configured dir's ``ca.crt`` (it must be there)."""
     ca = tls_dir(configured_dir) / "ca.crt"
-    if not ca.is_file():
+    if not _present(ca):
         raise AgentError(f"bootstrap needs the cluster CA certificate at {ca} (copy ca.crt from the PKI dir)")
     try:
         ctx = client_context(ca)
@@ -148,7 +156,7 @@ def security_for(config: AgentConfig) -> Security | None:
     if insecure_from_env(config.insecure):
         return daemon_security(None, "node", insecure=config.insecure, what=what)
     files = node_files(config.tls_dir, config.state_dir)
-    if config.tls_bootstrap_token and not files.cert.is_file():
+    if config.tls_bootstrap_token and not _present(files.cert):
         return None
     try:
         return daemon_security(None, "node", insecure=False, what=what, files=files)

@@ -47,6 +47,7 @@ import tempfile
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -436,8 +437,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--run-delay", type=float, default=0.3, help="emulated fetching -> running (s)")
     ap.add_argument("--placer-root", default=str(ROOT), help="the tree whose placer and emulator run (default: this)")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    ap.add_argument("--tls", action="store_true",
+                    help="registration only, over mutual TLS vs the same without TLS (bench/fleet_tls.py)")
+    ap.add_argument("--repeat", type=int, default=1, help="--tls: runs per mode (medians)")
     ns = ap.parse_args(argv)
     nodes = [int(x) for x in ns.nodes.split(",") if x.strip()]
+    if ns.tls:
+        from bench.fleet_tls import print_tls_table, run_tls_bench
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+        with tempfile.TemporaryDirectory(prefix="herd-bench-fleet-tls-") as d:
+            t0 = time.perf_counter()
+            out = trio.run(partial(run_tls_bench, nodes, per_proc=min(ns.per_proc, 4096), heartbeat_s=ns.heartbeat,
+                                   limit_s=ns.register_limit, repeat=max(1, ns.repeat),
+                                   root=Path(ns.placer_root), tmp=Path(d)))
+            out["wall_s"] = round(time.perf_counter() - t0, 1)
+            out["cores"] = os.cpu_count()
+        print(json.dumps(out)) if ns.json else print_tls_table(out)
+        return 0
     if not nodes or min(nodes) < 32 or not 0 < ns.fill < 1:
         ap.error("need --nodes >= 32 each and 0 < --fill < 1")
     a = Args(fleet=ns.fleet, gang_gpus=ns.gang_gpus, fill=ns.fill, per_proc=ns.per_proc, mux=ns.mux,

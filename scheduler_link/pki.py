@@ -36,6 +36,7 @@ import json
 import os
 import secrets
 import socket
+import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -432,3 +433,40 @@ def throwaway(d: str | os.PathLike[str], *, nodes: Iterable[str] = ()) -> Throwa
     for n in nodes:
         t.files(f"node:{n}")
     return t
+
+
+class NodeContexts:
+    """Client TLS contexts for many emulated nodes of one process (the fleet emulator): each
+    node's certificate issued in memory from the PKI dir's CA when first asked for, its key
+    and chain passed to OpenSSL through a private temp file removed at once."""
+
+    def __init__(self, d: str | os.PathLike[str], *, days: int = 30) -> None:
+        import tempfile
+
+        self.ca = CA.load(d)
+        self.days = days
+        self._ca_pem = cert_pem(self.ca.cert).decode()
+        self._tmp = Path(tempfile.mkdtemp(prefix="herd-node-ctx-", dir="/dev/shm" if os.path.isdir("/dev/shm")
+                                          else None))
+
+    def context(self, node_id: str) -> ssl.SSLContext:
+        key, cert = self.ca.issue(f"node:{node_id}", days=self.days)
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.check_hostname = False
+        ctx.load_verify_locations(cadata=self._ca_pem)
+        p = self._tmp / f"{os.getpid()}-{secrets.token_hex(4)}.pem"
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.write(fd, key_pem(key) + cert_pem(cert))
+        finally:
+            os.close(fd)
+        try:
+            ctx.load_cert_chain(str(p))
+        finally:
+            p.unlink(missing_ok=True)
+        return ctx
+
+    def close(self) -> None:
+        import shutil
+        shutil.rmtree(self._tmp, ignore_errors=True)

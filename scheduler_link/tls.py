@@ -126,6 +126,9 @@ class TLSFiles:
         for what, p in (("CA certificate", self.ca), ("certificate", self.cert), ("key", self.key)):
             if not p.is_file():
                 raise TLSError(f"TLS {what} not found: {p} (make one with `herd pki init` / `herd pki issue`)")
+            if p.stat().st_size <= 1:   # systemd's SetCredential= default for an absent file
+                raise TLSError(f"TLS {what} {p} is empty (no such file where the unit's LoadCredential= "
+                               "looks: /etc/herd/tls)")
 
 
 def _base(purpose: ssl.Purpose, ca: Path | None) -> ssl.SSLContext:

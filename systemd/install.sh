@@ -3,7 +3,7 @@
 # reference configs in /etc/herd, tokens (0600) generated once or copied from a directory, the
 # systemd units (paths rewritten to PREFIX) enabled and started.
 #
-#   sudo systemd/install.sh [--agent] [--placer] [--tokens DIR] [--no-start] [--prefix DIR] [--source DIR]
+#   sudo systemd/install.sh [--agent] [--placer] [--tokens DIR] [--tls DIR] [--no-start] [--prefix DIR] [--source DIR]
 #   sudo systemd/install.sh --uninstall [--agent] [--placer] [--purge] [--prefix DIR]
 #
 #   --agent        install herd-agent.service (a GPU host).
@@ -11,6 +11,13 @@
 #                  Neither: what is installed already (an upgrade), else the agent.
 #   --tokens DIR   copy placer/cluster/operator/viewer/metrics .token from DIR (the same set on
 #                  every host of a cluster); without it a set is generated once and kept.
+#   --tls DIR      copy this host's TLS material into /etc/herd/tls (0700; keys 0600): ca.crt and
+#                  node.crt/node.key (`herd pki issue --node ID` wrote DIR/nodes/ID/) for an
+#                  agent, placer.crt/placer.key (the `herd pki init` dir) for the placer. Without
+#                  it a placer install makes a cluster CA once in /etc/herd/pki (kept) and takes
+#                  its certificate from there (an agent on the same host gets one too); an
+#                  agent-only install says what to copy. The units pass the files to the
+#                  daemons as credentials (LoadCredential=; docs/security.md).
 #   --no-start     install and enable, but do not start (for images). An upgrade still restarts
 #                  the units that were running.
 #   --prefix DIR   where the venv and the shared files go (default /opt/herd).
@@ -23,6 +30,7 @@ set -eu
 PREFIX=/opt/herd
 ETC=/etc/herd
 TOKENS_FROM=""
+TLS_FROM=""
 AGENT=0
 PLACER=0
 START=1
@@ -35,6 +43,7 @@ STATE_ROOT=/var/lib
 while [ $# -gt 0 ]; do
     case "$1" in
         --tokens) TOKENS_FROM=$2; shift 2 ;;
+        --tls) TLS_FROM=$2; shift 2 ;;
         --agent) AGENT=1; shift ;;
         --placer) PLACER=1; shift ;;
         --no-start) START=0; shift ;;
@@ -42,7 +51,7 @@ while [ $# -gt 0 ]; do
         --source) SRC=$2; shift 2 ;;
         --uninstall) UNINSTALL=1; shift ;;
         --purge) PURGE=1; shift ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
         *) echo "install.sh: unknown option $1" >&2; exit 2 ;;
     esac
 done
@@ -163,6 +172,41 @@ else
 fi
 chown root:root "$ETC"/tokens/*.token
 chmod 0600 "$ETC"/tokens/*.token
+
+# TLS material (docs/security.md): /etc/herd/tls holds what this host's daemons present.
+mkdir -p "$ETC/tls"
+chown root:root "$ETC/tls"
+chmod 0700 "$ETC/tls"
+if [ -n "$TLS_FROM" ]; then
+    [ -s "$TLS_FROM/ca.crt" ] || { echo "install.sh: missing $TLS_FROM/ca.crt" >&2; exit 1; }
+    install -m 0644 "$TLS_FROM/ca.crt" "$ETC/tls/ca.crt"
+    for name in node placer; do
+        if [ -s "$TLS_FROM/$name.crt" ] && [ -s "$TLS_FROM/$name.key" ]; then
+            install -m 0644 "$TLS_FROM/$name.crt" "$ETC/tls/$name.crt"
+            install -m 0600 "$TLS_FROM/$name.key" "$ETC/tls/$name.key"
+        fi
+    done
+    echo "herd: TLS material copied from $TLS_FROM"
+elif [ "$PLACER" = 1 ]; then
+    # a cluster CA made once and kept (its key stays in /etc/herd/pki, root's, 0700)
+    if [ ! -e "$ETC/pki/ca.key" ]; then
+        "$PREFIX/venv/bin/python" -c 'import sys; from scheduler_link.pki import init; init(sys.argv[1])' "$ETC/pki"
+        echo "herd: made a cluster CA in $ETC/pki (issue node certificates: herd pki issue --node ID $ETC/pki)"
+    fi
+    install -m 0644 "$ETC/pki/ca.crt" "$ETC/tls/ca.crt"
+    [ -s "$ETC/tls/placer.crt" ] || { install -m 0644 "$ETC/pki/placer.crt" "$ETC/tls/placer.crt"
+                                      install -m 0600 "$ETC/pki/placer.key" "$ETC/tls/placer.key"; }
+    if [ "$AGENT" = 1 ] && [ ! -s "$ETC/tls/node.crt" ]; then
+        node=$(hostname)
+        "$PREFIX/venv/bin/python" -c 'import sys; from scheduler_link.pki import issue_node; issue_node(sys.argv[1], sys.argv[2])' "$ETC/pki" "$node"
+        install -m 0644 "$ETC/pki/nodes/$node/node.crt" "$ETC/tls/node.crt"
+        install -m 0600 "$ETC/pki/nodes/$node/node.key" "$ETC/tls/node.key"
+        echo "herd: issued node:$node a certificate for this host's agent"
+    fi
+elif [ ! -s "$ETC/tls/node.crt" ]; then
+    echo "herd: no TLS material yet: copy ca.crt, node.crt, node.key (herd pki issue --node ID on the CA's host)" \
+         "into $ETC/tls (or re-run with --tls DIR), or set tls_bootstrap_token / insecure = true in $ETC/agent.toml" >&2
+fi
 
 # Units name /opt/herd; rewrite it to PREFIX (ExecStart=, Documentation=).
 for role in $ROLES; do

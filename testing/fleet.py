@@ -47,6 +47,7 @@ import json
 import logging
 import math
 import random
+import ssl
 import sys
 import time
 from collections.abc import Callable
@@ -97,6 +98,7 @@ from scheduler_link.messages import (
     inventory_hash,
 )
 from scheduler_link.msgauth import AuthError, BundleVerifier, beat_mac, with_outcome_mac, with_report_mac
+from scheduler_link.pki import NodeContexts
 
 log = logging.getLogger("herd.testing.fleet")
 
@@ -680,6 +682,7 @@ class FleetConfig:
     request_timeout_s: float = 30.0
     relays: bool = False               # one relay per rack: frames connections, aggregated beats
     hung_relays: frozenset[str] = frozenset()   # racks whose relay takes bundles and never answers
+    tls_dir: str | None = None         # a PKI dir with ca.key: each node reports over its own mutual TLS
 
 
 class Fleet:
@@ -705,6 +708,9 @@ class Fleet:
         self._blob_ready: dict[str, trio.Event] = {}
         self.blob_fetches = {"from_relays": 0, "from_placer": 0, "failed": 0, "served": 0}
         self.limiter = trio.CapacityLimiter(512)       # reports in flight (bounds a registration storm)
+        # mutual TLS: one certificate and client context per emulated node, made before it registers
+        self.node_tls = NodeContexts(cfg.tls_dir) if cfg.tls_dir else None
+        self._node_ctx: dict[str, ssl.SSLContext] = {}
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._nursery is not None
@@ -723,6 +729,7 @@ class Fleet:
                       "refused_spec" if slot.node_id in cfg.refuse_spec else None)
             node = self.nodes[slot.node_id] = EmulatedNode(self, slot, f"{self.control}/n/{slot.node_id}", refuse)
             node.gpu_snapshot()  # a real agent has discovered its GPUs before it registers
+            self.node_context(slot.node_id)  # ... and holds its certificate (made here, not timed)
         # HTTP reports through the lean kept-alive client, bounded per endpoint: an httpx
         # client with thousands of queued requests costs the emulator more than the placer
         http = PushPool(concurrency=cfg.http_connections, max_per_host=cfg.http_connections,
@@ -834,10 +841,20 @@ class Fleet:
                 continue
         self.blob_fetches["failed"] += 1
 
+    def node_context(self, node_id: str) -> ssl.SSLContext | None:
+        if self.node_tls is None:
+            return None
+        ctx = self._node_ctx.get(node_id)
+        if ctx is None:
+            ctx = self._node_ctx[node_id] = self.node_tls.context(node_id)
+        return ctx
+
     async def _connector(self, n: trio.Nursery) -> Any:
         cfg = self.cfg
         token = self.tokens.cluster or ""
-        if cfg.mux > 0 and cfg.use_wire and cfg.wire_url:
+        # Over TLS a node certificate speaks only for its node: no shared connections, each
+        # emulated node registers over its own mutual-TLS connection (what is measured).
+        if cfg.mux > 0 and cfg.use_wire and cfg.wire_url and self.node_tls is None:
             for k in range(cfg.mux):
                 sw = SharedWire(cfg.wire_url, token, name=f"emu-{cfg.offset}-{k}",
                                 local_address=_source(k, cfg.sources))
@@ -855,7 +872,8 @@ class Fleet:
         async def direct(wire_url: str, tok: str, node_id: str) -> ReportChannel:
             nonlocal counter
             counter += 1
-            return await HeartbeatClient.connect(wire_url, tok, node_id, local_address=_source(counter, cfg.sources))
+            return await HeartbeatClient.connect(wire_url, tok, node_id, local_address=_source(counter, cfg.sources),
+                                                 ssl_context=self.node_context(node_id))
         return direct
 
     # ---- statistics
@@ -1074,6 +1092,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hung-relays", default="", help="comma-separated racks whose relay never answers bundles")
     ap.add_argument("--go", action="store_true", help="start at once instead of waiting for 'go' on stdin")
     ap.add_argument("--seconds", type=float, default=3600.0, help="exit after this long (bound)")
+    ap.add_argument("--tls-dir", default=None,
+                    help="a PKI dir with ca.key: every node reports over its own mutual-TLS connection")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tokens = TokenSet.load(a.token_dir)
@@ -1083,7 +1103,7 @@ def main(argv: list[str] | None = None) -> int:
         refuse_gpus=frozenset(x for x in a.refuse_gpus.split(",") if x),
         refuse_spec=frozenset(x for x in a.refuse_spec.split(",") if x),
         timing=Timing(fetch_s=a.fetch_delay, run_s=a.run_delay, stop_s=a.stop_delay), relays=a.relays,
-        hung_relays=frozenset(x for x in a.hung_relays.split(",") if x))
+        hung_relays=frozenset(x for x in a.hung_relays.split(",") if x), tls_dir=a.tls_dir)
     try:
         trio.run(_main, cfg, tokens, a.go, min(a.seconds, math.inf))
     except KeyboardInterrupt:

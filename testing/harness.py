@@ -6,12 +6,19 @@ descriptors from ``/proc/<pid>``. :class:`EmulatorProc` runs ``python -m testing
 for a slice of the fleet, reads its ready line and starts it with ``go``. Both are trio
 async context managers; leaving one stops its process (stdin closed, then SIGTERM, then
 SIGKILL, each bounded). Traffic stays on 127.0.0.0/8.
+
+TLS: ``PlacerOptions(tls_dir=DIR)`` (a PKI dir, e.g. :func:`scheduler_link.pki.throwaway`'s)
+runs the placer over TLS (``insecure = false``); without one the placer is started with
+``insecure = true`` written in its config. ``EmulatorProc(tls_dir=DIR)`` makes every emulated
+node report over its own mutual-TLS connection with a certificate of that CA.
+:func:`verify` is the ``verify=`` for an httpx client of either.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import ssl
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -74,6 +81,7 @@ class PlacerOptions:
     recover_s: float | None = None    # the placer's post-restart wait before placing (None: its default)
     relays: bool = True               # deliver through rack relays where racks have them
     extra_toml: str = ""              # more [placer] lines, as they are
+    tls_dir: str | None = None        # a PKI dir (ca.crt, placer.crt/key): TLS; None: insecure = true
 
 
 class PlacerProc:
@@ -103,7 +111,9 @@ class PlacerProc:
             f"heartbeat_s = {o.heartbeat_s}\nlost_after_missed = {o.lost_after_missed}\n"
             f"fence_after_s = {o.fence_after_s}\ntick_s = {o.tick_s}\n"
             f"push_concurrency = {o.push_concurrency}\nack_timeout_s = {o.ack_timeout_s}\n"
-            f"relays = {'true' if o.relays else 'false'}\n" + o.extra_toml
+            f"relays = {'true' if o.relays else 'false'}\n"
+            + (f'tls_dir = "{o.tls_dir}"\ninsecure = false\n' if o.tls_dir else "insecure = true\n")
+            + o.extra_toml
             + (f"recover_s = {o.recover_s}\n" if o.recover_s is not None else ""))
         endpoints = state / "endpoints.json"
         endpoints.unlink(missing_ok=True)
@@ -149,7 +159,7 @@ class EmulatorProc:
     def __init__(self, placer: PlacerProc, token_dir: Path, *, nodes: int, offset: int = 0, fleet: str = "h100",
                  mux: int = 8, known_wire: bool = True, http_only: bool = False, extra: list[str] | None = None,
                  seconds: float = 3600.0, root: Path = ROOT, python: str = sys.executable,
-                 log_path: Path | None = None) -> None:
+                 log_path: Path | None = None, tls_dir: str | os.PathLike[str] | None = None) -> None:
         self.argv = [python, "-m", "testing.fleet", "--placer", placer.url, "--token-dir", str(token_dir),
                      "--nodes", str(nodes), "--offset", str(offset), "--fleet", fleet, "--mux", str(mux),
                      "--seconds", str(seconds), "--heartbeat", str(placer.opts.heartbeat_s)]
@@ -157,6 +167,8 @@ class EmulatorProc:
             self.argv += ["--wire-url", placer.wire_url]
         if http_only:
             self.argv.append("--http-only")
+        if tls_dir is not None:
+            self.argv += ["--tls-dir", str(tls_dir)]
         self.argv += extra or []
         self.root = root
         self.log_path = log_path
@@ -201,6 +213,15 @@ class EmulatorProc:
 
     def cpu_s(self) -> float:
         return proc_cpu_s(self.pid)
+
+
+def verify(tls_dir: str | os.PathLike[str] | None) -> ssl.SSLContext | bool:
+    """httpx's ``verify=`` for a harness placer: the PKI dir's CA (no client certificate;
+    callers send a viewer or operator token), or True for an insecure one."""
+    if tls_dir is None:
+        return True
+    from scheduler_link.tls import client_context
+    return client_context(Path(tls_dir) / "ca.crt")
 
 
 async def wait_recovered(client: httpx.AsyncClient, placer_url: str, *, limit_s: float = 60.0) -> None:

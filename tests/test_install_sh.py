@@ -190,3 +190,33 @@ def test_default_is_the_agent_and_tokens_can_be_copied(host: Host, tmp_path: Pat
     assert r.returncode == 2 and "--purge goes with --uninstall" in r.stderr
     r = host.run("--prefix", "relative")
     assert r.returncode == 2 and "absolute" in r.stderr
+
+
+def test_tls_material_made_once_or_copied(host: Host, tmp_path: Path) -> None:
+    """A placer install makes the cluster CA once (kept on upgrade) and installs its certificate;
+    an agent install copies a node's `herd pki issue` dir; keys are 0600 in 0700 dirs."""
+    import stat
+
+    from scheduler_link import pki
+    host.fake_venv("/opt/herd")
+    _ok(host.run("--placer", "--no-start"))
+    ca_key = host.etc("herd/pki/ca.key")
+    assert stat.S_IMODE(ca_key.stat().st_mode) == 0o600
+    assert stat.S_IMODE(host.etc("herd/tls").stat().st_mode) == 0o700
+    assert stat.S_IMODE(host.etc("herd/tls/placer.key").stat().st_mode) == 0o600
+    assert host.etc("herd/tls/ca.crt").read_bytes() == host.etc("herd/pki/ca.crt").read_bytes()
+    first = ca_key.read_bytes()
+    _ok(host.run("--placer", "--no-start"))
+    assert ca_key.read_bytes() == first           # never a second CA
+    unit = host.etc("systemd/system/herd-placer.service").read_text()
+    assert "LoadCredential=placer.key:/etc/herd/tls/placer.key" in unit and "HERD_TLS_DIR=%d" in unit
+
+    d = tmp_path / "pki"
+    pki.init(d)
+    node_dir = pki.issue_node(d, "gpu-7")
+    r = host.run("--agent", "--no-start", "--tls", str(node_dir))
+    _ok(r)
+    assert host.etc("herd/tls/node.crt").read_bytes() == (node_dir / "node.crt").read_bytes()
+    assert stat.S_IMODE(host.etc("herd/tls/node.key").stat().st_mode) == 0o600
+    r = host.run("--agent", "--no-start", "--tls", str(tmp_path / "nothing"))
+    assert r.returncode == 1 and "missing" in r.stderr and "ca.crt" in r.stderr

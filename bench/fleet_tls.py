@@ -1,0 +1,119 @@
+"""Registration over mutual TLS against the same registration without TLS, same run.
+
+    python -m bench.fleet --tls --nodes 4096,16384 [--per-proc 4096] [--repeat 1] [--json]
+
+Per row (N nodes) and per mode, a fresh ``herd placer run`` subprocess (framed channel on) and
+``ceil(N / --per-proc)`` emulator processes (``python -m testing.fleet``). Every emulated node
+opens its **own** framed connection to the placer (``--mux 0``: over TLS a node certificate
+speaks only for its node, so connections cannot be shared), knowing the channel's URL as after
+a placer restart; ``go`` starts them all at once.
+
+- ``plain``: TCP, the cluster token in the hello (``insecure = true``): the baseline.
+- ``tls``: TLS 1.3, mutual: each node presents its own certificate (ECDSA P-256, issued by a
+  throwaway CA before ``go``, not timed), the placer its own; the placer checks the hello's
+  node against the certificate.
+
+Figures: ``register_s`` (``go`` -> the placer's ``GET /v1/cluster`` counts N nodes up),
+``placer_cpu_s`` (the placer's CPU time meanwhile, from ``/proc``), and per mode the medians
+over ``--repeat`` runs, with the ratio tls / plain. The machine's load average is recorded with
+every row (a shared machine: read the figures with it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from scheduler_link.auth import generate_token_dir
+from scheduler_link.pki import throwaway
+from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, verify, wait_nodes_up
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, heartbeat_s: float,
+                        limit_s: float, root: Path) -> dict[str, Any]:
+    td = generate_token_dir(tmp / "tokens")
+    pki_dir = None
+    if mode == "tls":
+        pki_dir = tmp / "pki"
+        if not (pki_dir / "ca.key").exists():
+            throwaway(pki_dir)
+    opts = PlacerOptions(heartbeat_s=heartbeat_s, lost_after_missed=1000, relays=False,
+                         tls_dir=str(pki_dir) if pki_dir else None)
+    viewer = {"authorization": f"Bearer {(td / 'viewer.token').read_text().strip()}"}
+    row: dict[str, Any] = {"nodes": n_nodes, "mode": mode, "load_before": _load()}
+    async with AsyncExitStack() as stack:
+        placer = await stack.enter_async_context(PlacerProc(tmp / f"run-{mode}", td, opts, root=root))
+        c = await stack.enter_async_context(httpx.AsyncClient(timeout=120, headers=viewer, verify=verify(pki_dir)))
+        emus = []
+        t_setup = time.perf_counter()
+        for k in range(math.ceil(n_nodes / per_proc)):
+            cnt = min(per_proc, n_nodes - k * per_proc)
+            emus.append(await stack.enter_async_context(EmulatorProc(
+                placer, td, nodes=cnt, offset=k * per_proc, mux=0, known_wire=True, root=root,
+                tls_dir=pki_dir, log_path=tmp / f"emu-{mode}-{k}.log")))
+        row["emulator_setup_s"] = round(time.perf_counter() - t_setup, 2)
+        cpu0 = placer.cpu_s()
+        for e in emus:
+            await e.go()
+        up, secs = await wait_nodes_up(c, placer.url, n_nodes, limit_s=limit_s)
+        row.update(register_s=round(secs, 2), nodes_up=up, complete=up >= n_nodes,
+                   placer_cpu_s=round(placer.cpu_s() - cpu0, 2), placer_rss_mib=round(placer.rss_mib(), 1),
+                   placer_fds=placer.fds(), load_after=_load())
+        r = await c.get(f"{placer.url}/v1/cluster", params={"detail": "0"})
+        fc = r.json().get("framed_channel", {})
+        row["framed_channel"] = {k: fc.get(k) for k in ("connections", "open_connections", "refused",
+                                                         "tls_refused", "wrong_node")}
+    return row
+
+
+async def run_tls_bench(nodes: list[int], *, per_proc: int, heartbeat_s: float, limit_s: float,
+                        repeat: int, root: Path, tmp: Path) -> dict[str, Any]:
+    out: dict[str, Any] = {"bench": "fleet_tls", "rows": [], "summary": []}
+    for n in nodes:
+        runs: dict[str, list[dict[str, Any]]] = {"plain": [], "tls": []}
+        for i in range(repeat):
+            # alternate which goes first, so drift in the machine's load hits both
+            order = ("plain", "tls") if i % 2 == 0 else ("tls", "plain")
+            for mode in order:
+                row = await register_once(n, mode, tmp / f"n{n}-{i}-{mode}", per_proc=per_proc,
+                                          heartbeat_s=heartbeat_s, limit_s=limit_s, root=root)
+                row["repeat"] = i
+                runs[mode].append(row)
+                out["rows"].append(row)
+        summ: dict[str, Any] = {"nodes": n, "repeat": repeat}
+        for mode, rows in runs.items():
+            summ[f"{mode}_register_s_median"] = statistics.median(r["register_s"] for r in rows)
+            summ[f"{mode}_placer_cpu_s_median"] = statistics.median(r["placer_cpu_s"] for r in rows)
+            summ[f"{mode}_complete"] = all(r["complete"] for r in rows)
+        p, t = summ["plain_register_s_median"], summ["tls_register_s_median"]
+        summ["register_ratio_tls_over_plain"] = round(t / p, 2) if p else None
+        pc, tc = summ["plain_placer_cpu_s_median"], summ["tls_placer_cpu_s_median"]
+        summ["placer_cpu_ratio_tls_over_plain"] = round(tc / pc, 2) if pc else None
+        summ["tls_placer_cpu_ms_per_node"] = round(1000 * tc / n, 3)
+        out["summary"].append(summ)
+    return out
+
+
+def print_tls_table(out: dict[str, Any]) -> None:
+    print(f"{'nodes':>7} {'mode':>5} {'rep':>3} {'register_s':>10} {'placer_cpu_s':>12} {'up':>7} "
+          f"{'emu_setup_s':>11} load(before->after)")
+    for r in out["rows"]:
+        print(f"{r['nodes']:>7} {r['mode']:>5} {r['repeat']:>3} {r['register_s']:>10} {r['placer_cpu_s']:>12} "
+              f"{r['nodes_up']:>7} {r['emulator_setup_s']:>11} {r['load_before']}->{r['load_after']}")
+    print()
+    for s in out["summary"]:
+        print(f"{s['nodes']:>7} nodes: register median plain {s['plain_register_s_median']} s, "
+              f"tls {s['tls_register_s_median']} s (x{s['register_ratio_tls_over_plain']}); placer CPU "
+              f"plain {s['plain_placer_cpu_s_median']} s, tls {s['tls_placer_cpu_s_median']} s "
+              f"(x{s['placer_cpu_ratio_tls_over_plain']}; {s['tls_placer_cpu_ms_per_node']} ms/node over TLS)")
