@@ -5,7 +5,6 @@ Grafana dashboard names only metrics herd serves."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import re
 import shutil
@@ -19,6 +18,7 @@ import pytest
 import trio
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.config import replace
 from p2p.herd import render_metrics as render_p2p
 from placer.service import PlacerService
 from scheduler_link.auth import TokenSet, auth_header
@@ -42,8 +42,7 @@ async def cluster_scrapes(tmp_path: Path, token_dir: Path) -> dict[str, str]:
         async with trio.open_nursery() as n:
             purl = await n.start(svc.run)
             agent = make_agent(tmp_path / "a", token_dir)
-            agent.config = dataclasses.replace(agent.config, data_listen="127.0.0.1:0", placer=purl,
-                                               heartbeat_s=0.1)
+            agent.config = replace(agent.config, data_listen="127.0.0.1:0", placer=purl, heartbeat_s=0.1)
             aurl = await n.start(agent.run)
             async with httpx.AsyncClient(base_url=purl, headers=auth_header(tokens.operator)) as pc, \
                     httpx.AsyncClient(base_url=aurl, headers=auth_header(tokens.viewer)) as ac:
