@@ -23,7 +23,6 @@ other route (reads: no body) 4 KiB. Bodies are read only after authentication.
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -49,6 +48,7 @@ from scheduler_link.http import (
 )
 from scheduler_link.messages import TERMINAL_STATES, WIRE_VERSION, Placement, PlacementAck, PrefetchRequest
 from scheduler_link.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from scheduler_link.version import PACKAGE_VERSION as _VERSION
 
 from .errors import AgentError, UnknownWorkload
 from .logs import follow as follow_log
@@ -58,10 +58,6 @@ from .placement import check_binding
 if TYPE_CHECKING:
     from .daemon import Agent
 
-try:
-    _VERSION = importlib.metadata.version("herd")
-except importlib.metadata.PackageNotFoundError:
-    _VERSION = "unknown"
 
 log = logging.getLogger("herd.agent.api")
 SMALL_BODY = 4096      # every route without a bound of its own (reads carry no body)

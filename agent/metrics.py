@@ -14,7 +14,6 @@ Families, all with ``node``:
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -31,6 +30,7 @@ from scheduler_link.metrics import (
     new_registry,
     text_of,
 )
+from scheduler_link.version import PACKAGE_VERSION as VERSION
 
 from .errors import UnknownWorkload
 
@@ -39,10 +39,6 @@ if TYPE_CHECKING:
 
 STATES: tuple[str, ...] = WorkloadState.__args__  # type: ignore[attr-defined]
 
-try:
-    VERSION = importlib.metadata.version("herd")
-except importlib.metadata.PackageNotFoundError:
-    VERSION = "unknown"
 
 Rows = list[tuple[dict[str, str], float]]
 

@@ -6,7 +6,6 @@ or a server that is not herd in one line, and the exit status is 1)."""
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
 import os
 import platform
 import sys
@@ -16,13 +15,11 @@ from cli.output import emit_json
 from scheduler_link.client import ClientError
 from scheduler_link.daemon_client import DaemonClient
 from scheduler_link.messages import WIRE_VERSION
+from scheduler_link.version import package_version as _package_version
 
 
 def package_version() -> str:
-    try:
-        return importlib.metadata.version("herd")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed)"
+    return _package_version("unknown (not installed)")
 
 
 def local_versions() -> dict[str, Any]:

@@ -20,7 +20,6 @@ Decision latencies: the state observes every decision into its own :class:`Laten
 
 from __future__ import annotations
 
-import importlib.metadata
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -40,14 +39,11 @@ from scheduler_link.metrics import (
     histogram,
     new_registry,
 )
+from scheduler_link.version import PACKAGE_VERSION as VERSION
 
 if TYPE_CHECKING:
     from .service import PlacerService
 
-try:
-    VERSION = importlib.metadata.version("herd")
-except importlib.metadata.PackageNotFoundError:
-    VERSION = "unknown"
 
 NODE_STATES = ("up", "lost")
 

@@ -14,7 +14,6 @@ decides what follows (all accepted: starting; a refusal: roll back and place aga
 from __future__ import annotations
 
 import gc
-import importlib.metadata
 import json
 import logging
 import math
@@ -56,6 +55,7 @@ from scheduler_link.messages import (
 )
 from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
 from scheduler_link.tls import Security, daemon_security
+from scheduler_link.version import PACKAGE_VERSION as _VERSION
 
 from .config import PlacerConfig
 from .frag import fragmentation, largest_placeable, plan_defrag
@@ -70,10 +70,6 @@ _report_dec = msgspec.json.Decoder(NodeReport)
 _ack_dec = msgspec.json.Decoder(PlacementAck)
 
 DEFAULT_NODES_PAGE = 1000
-try:
-    _VERSION = importlib.metadata.version("herd")
-except importlib.metadata.PackageNotFoundError:
-    _VERSION = "unknown"
 # The collector walks every tracked object on a full collection; after a burst that grew
 # the heap (a fleet registering, a big gang's records) the survivors are frozen so it
 # stops walking them (gc.freeze, as CPython's docs suggest for long-lived state).
