@@ -32,6 +32,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--name", required=True, help="ref to move, e.g. trainer:v42")
     s.add_argument("--avg-chunk", default=None, metavar="SIZE",
                    help="average chunk size (e.g. 1MiB; min = avg/4, max = avg*4)")
+    s.add_argument("--dedup-refs", type=int, default=None, metavar="N",
+                   help="take the chunks the manifests of the name's last N refs name as present "
+                        "(default 4; 0: ask the origin about every chunk)")
     s.add_argument("--json", action="store_true", help="print one JSON object")
     s.set_defaults(func=cmd_publish)
 
@@ -152,9 +155,12 @@ def _params(avg: str | None) -> Any:
 # ------------------------------------------------------------------------------------ publish
 
 def cmd_publish(args: argparse.Namespace) -> int:
-    from p2p.publish import publish
+    from p2p.publish import DEDUP_REFS, publish
 
     params = _params(args.avg_chunk)
+    dedup = DEDUP_REFS if args.dedup_refs is None else args.dedup_refs
+    if dedup < 0:
+        raise CliError(f"--dedup-refs must be >= 0 (got {dedup})")
     if not Path(args.dir).is_dir():
         raise CliError(f"not a directory: {args.dir}")
     progress = Progress("upload", not args.json)
@@ -164,7 +170,7 @@ def cmd_publish(args: argparse.Namespace) -> int:
 
     async def main() -> Any:
         async with _open(args) as origin:
-            return await publish(args.dir, origin, args.name, params, progress=progress)
+            return await publish(args.dir, origin, args.name, params, progress=progress, dedup_refs=dedup)
 
     try:
         stats = trio.run(main)
@@ -176,6 +182,9 @@ def cmd_publish(args: argparse.Namespace) -> int:
         print(f"published {stats.name} -> {stats.manifest}")
         print(f"  {stats.files} files, {human_bytes(stats.bytes)}, {stats.chunks} chunks; uploaded "
               f"{stats.chunks_uploaded} chunks ({human_bytes(stats.bytes_uploaded)}) in {stats.seconds:.2f}s")
+        if stats.dedup_refs:
+            print(f"  {stats.chunks_known} chunks known from {', '.join(stats.dedup_refs)}; "
+                  f"{stats.chunks_checked} checked at the origin")
     return 0
 
 

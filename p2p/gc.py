@@ -46,7 +46,7 @@ from manifests import MAX_MANIFEST_BYTES, decode_manifest
 
 from .errors import IntegrityError, ManifestError, NotFoundError, OriginError
 from .origins import ObjectInfo, Origin, is_manifest_id
-from .origins.base import MAX_REF_BYTES
+from .origins.base import MAX_REF_BYTES, ref_family
 from .pool import run_pool
 from .publish import DEDUP_REFS
 
@@ -67,11 +67,6 @@ class RefInfo(msgspec.Struct, frozen=True, kw_only=True):
     name: str
     manifest: str | None        # None: the ref does not hold a manifest id
     obj: ObjectInfo
-
-
-def ref_family(name: str) -> str:
-    """``trainer:v42`` -> ``trainer``; a ref without a tag is its own family."""
-    return name.rsplit(":", 1)[0] if ":" in name else name
 
 
 def check_policy(policy: GcPolicy) -> None:

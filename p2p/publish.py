@@ -1,10 +1,23 @@
 """Publish a directory to an origin: scan, upload what the origin lacks, then the manifest,
 then move the ref. Readers never see a ref to a manifest whose chunks are not all there.
 
-After the ref, publish checks once more that its manifest and every chunk it names are at
-the origin and puts back any that are not: a ``herd artifact gc`` running meanwhile may have
-moved aside chunks this publish found present (p2p/gc.py says why that check, with gc's own
-second listing, leaves nothing missing)."""
+What the origin holds is learnt first from the manifests of the last ``dedup_refs`` refs of
+the same name (``trainer:v41``, ``trainer:v40``, ... for ``trainer:v42``; newest by the ref
+object's time, as gc orders them): one listing of the name's refs, one GET per ref and one
+per manifest. Only the chunks none of them names are asked about (an existence check per
+chunk, in bulk where the backend allows). So an incremental release costs O(new chunks +
+N) origin requests however large the artifact (tests/test_publish_dedup.py counts them).
+
+After the ref, publish checks once more and puts back anything missing: a ``herd artifact
+gc`` running meanwhile may have moved aside chunks this publish found present (p2p/gc.py
+says why that check, with gc's own second listing, leaves nothing missing). The check is
+as cheap as the first: the chunks that were asked about (found, or uploaded: a gc with a
+short grace may move either) are checked again, and the refs the dedup relied on are read
+again. gc removes refs before it moves any chunk, so a
+relied-on ref that still names the same manifest means no gc run took that manifest's
+chunks; one that changed or vanished makes publish check every chunk, as without dedup.
+The dedup trusts that only gc prunes an origin (a chunk deleted by hand from under a kept
+manifest is not noticed here; ``herd artifact verify`` finds it)."""
 
 from __future__ import annotations
 
@@ -18,10 +31,12 @@ import msgspec
 import trio
 from blake3 import blake3
 
-from manifests import Chunk, ChunkerParams, ChunkSource, encode_manifest, scan_tree
+from manifests import Chunk, ChunkerParams, ChunkSource, decode_manifest, encode_manifest, scan_tree
+from manifests.scan import ScanResult
 
-from .errors import IntegrityError, P2PError, ReadOnlyOriginError
-from .origins import Origin, check_ref_name
+from .errors import IntegrityError, ManifestError, NotFoundError, P2PError, ReadOnlyOriginError
+from .origins import Origin, check_ref_name, is_manifest_id
+from .origins.base import MAX_REF_BYTES, ref_family
 from .pool import run_pool
 
 log = logging.getLogger("herd.p2p.publish")
@@ -41,6 +56,56 @@ class PublishStats(msgspec.Struct, frozen=True, kw_only=True):
     chunks_uploaded: int
     bytes_uploaded: int
     seconds: float
+    dedup_refs: list[str] = []     # the recent refs whose manifests were taken as present
+    chunks_known: int = 0          # chunks one of those manifests names: not asked about
+    chunks_checked: int = 0        # chunks asked about (an existence check each)
+
+
+class RecentRefs(msgspec.Struct, frozen=True, kw_only=True):
+    """What the last N refs of a name say the origin holds."""
+    refs: dict[str, str]           # ref name -> the manifest id it named when read
+    chunks: frozenset[str]         # every chunk id those manifests name
+
+
+READ_CONCURRENCY = 8
+
+
+async def recent_refs(origin: Origin, name: str, n: int) -> RecentRefs:
+    """The last ``n`` refs of ``name``'s family (``name`` itself included when it exists:
+    it still names the version being replaced) and the chunks their manifests name. A ref
+    that vanished meanwhile, names no manifest id, or whose manifest is missing or does not
+    decode against its id is left out (its chunks are then checked, not assumed)."""
+    if n <= 0:
+        return RecentRefs(refs={}, chunks=frozenset())
+    family = ref_family(name)
+    listed = [o for o in await origin.list_objects(f"refs/{family}")
+              if ref_family(o.key[len("refs/"):]) == family]
+    listed.sort(key=lambda o: (o.updated, o.key), reverse=True)
+    refs: dict[str, str] = {}
+
+    async def read_ref(key: str) -> None:
+        try:
+            text = (await origin.get_object(key, MAX_REF_BYTES)).decode("ascii", "replace").strip()
+        except NotFoundError:
+            return
+        if is_manifest_id(text):
+            refs[key[len("refs/"):]] = text
+
+    await run_pool([o.key for o in listed[:n]], read_ref, READ_CONCURRENCY)
+    chunks: set[str] = set()
+    bad: set[str] = set()
+
+    async def read_manifest(mid: str) -> None:
+        try:
+            m = decode_manifest(await origin.get_manifest(mid), mid)
+        except (NotFoundError, ManifestError, IntegrityError) as e:
+            log.warning("publish dedup: skipping manifest=%s (%s); its chunks are checked instead", mid, e)
+            bad.add(mid)
+            return
+        chunks.update(c.id for c in m.chunks)
+
+    await run_pool(sorted(set(refs.values())), read_manifest, READ_CONCURRENCY)
+    return RecentRefs(refs={r: m for r, m in refs.items() if m not in bad}, chunks=frozenset(chunks))
 
 
 def read_source(cid: str, src: ChunkSource) -> bytes:
@@ -54,27 +119,45 @@ def read_source(cid: str, src: ChunkSource) -> bytes:
 
 async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
                   params: ChunkerParams | None = None, *, concurrency: int = 16,
-                  progress: Callable[[int, int], None] | None = None) -> PublishStats:
+                  progress: Callable[[int, int], None] | None = None,
+                  dedup_refs: int = DEDUP_REFS) -> PublishStats:
     """Publish the tree at ``root`` as ``name`` (a ref like ``trainer:v42``).
 
-    ``progress(bytes_uploaded, bytes_to_upload)`` is called as uploads finish.
-    Raises ManifestError for a tree that cannot be represented, OriginError/RefError.
+    ``dedup_refs``: how many of the name's latest refs tell what the origin holds (0: ask
+    about every chunk). ``progress(bytes_uploaded, bytes_to_upload)`` is called as
+    uploads finish. Raises ManifestError for a tree that cannot be represented,
+    OriginError/RefError.
     """
     check_ref_name(name)
+    if dedup_refs < 0:
+        raise P2PError(f"--dedup-refs must be >= 0 (got {dedup_refs})")
     if origin.read_only:
         raise ReadOnlyOriginError(f"origin {origin.url} is read-only; publish to file:// or gs://")
     root = Path(root)
     if not root.is_dir():
         raise P2PError(f"not a directory: {root}")
     t0 = time.perf_counter()
-    scan = await trio.to_thread.run_sync(scan_tree, root, params)
+    found: list[RecentRefs] = []
+    scanned: list[ScanResult] = []
+
+    async def learn() -> None:
+        found.append(await recent_refs(origin, name, dedup_refs))
+
+    async def scan_it() -> None:
+        scanned.append(await trio.to_thread.run_sync(scan_tree, root, params))
+
+    # scan and learn from the recent refs at once; the first failure raised as itself
+    await run_pool([scan_it, learn], lambda job: job(), 2)
+    recent, scan = found[0], scanned[0]
     m = scan.manifest
-    missing = await origin.missing([c.id for c in m.chunks])
+    ids = [c.id for c in m.chunks]
+    unknown = [cid for cid in ids if cid not in recent.chunks]
+    missing = await origin.missing(unknown)
     todo = [c for c in m.chunks if c.id in missing]
     total = sum(c.size for c in todo)
     done = {"bytes": 0}
-    log.info("publish name=%s manifest=%s chunks=%d missing=%d bytes_to_upload=%d",
-             name, m.id, len(m.chunks), len(todo), total)
+    log.info("publish name=%s manifest=%s chunks=%d known_from_refs=%d checked=%d missing=%d bytes_to_upload=%d",
+             name, m.id, len(ids), len(ids) - len(unknown), len(unknown), len(todo), total)
 
     async def upload(c: Chunk) -> None:
         data = await trio.to_thread.run_sync(read_source, c.id, scan.sources[c.id])
@@ -88,7 +171,15 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
     await origin.put_manifest(m.id, raw, ref=name)
     await origin.set_ref(name, m.id)
     # The check after the ref (see the module's header): a gc may have moved aside what we reused.
-    lost = [c for c in m.chunks if c.id in await origin.missing([c.id for c in m.chunks])]
+    recheck = unknown   # found present or uploaded by us: as exposed to a gc as without dedup
+    if recent.refs:
+        # our own ref is now the newest of the family: read one more to see the N before it
+        again = await recent_refs(origin, name, dedup_refs + 1)
+        if any(again.refs.get(r) != mid for r, mid in recent.refs.items() if r != name):
+            log.info("publish name=%s: a ref the dedup relied on changed meanwhile; checking every chunk", name)
+            recheck = ids
+    by_id = {c.id: c for c in m.chunks}
+    lost = [by_id[cid] for cid in sorted(await origin.missing(recheck))] if recheck else []
     if lost or not await origin.has_manifest(m.id):
         log.warning("publish name=%s manifest=%s put back chunks=%d removed while it ran (a gc?)",
                     name, m.id, len(lost))
@@ -97,4 +188,5 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
     files = sum(1 for e in m.entries if e.kind == "file")
     return PublishStats(manifest=m.id, name=name, files=files, bytes=m.total_size, chunks=len(m.chunks),
                         chunks_uploaded=len(todo), bytes_uploaded=total,
-                        seconds=round(time.perf_counter() - t0, 6))
+                        seconds=round(time.perf_counter() - t0, 6), dedup_refs=sorted(recent.refs),
+                        chunks_known=len(ids) - len(unknown), chunks_checked=len(unknown))

@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parent.parent
 _SCRIPT = Path(sys.executable).parent / "herd"
 HERD = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "cli.main"]
 
-PUBLISH_KEYS = {"manifest", "name", "files", "bytes", "chunks", "chunks_uploaded", "bytes_uploaded", "seconds"}
+PUBLISH_KEYS = {"manifest", "name", "files", "bytes", "chunks", "chunks_uploaded", "bytes_uploaded", "seconds",
+                "dedup_refs", "chunks_known", "chunks_checked"}
 FETCH_KEYS = {"manifest", "bytes", "bytes_from_origin", "bytes_from_peers", "bytes_local", "chunks_fetched",
               "seconds"}
 

@@ -57,6 +57,12 @@ def check_ref_name(name: str) -> str:
     return name
 
 
+def ref_family(name: str) -> str:
+    """``trainer:v42`` -> ``trainer``; a ref without a tag is its own family (gc keeps the
+    last N of each family; publish dedups against them)."""
+    return name.rsplit(":", 1)[0] if ":" in name else name
+
+
 def is_manifest_id(ref: str) -> bool:
     return bool(HEX64.match(ref))
 
@@ -91,6 +97,7 @@ class OriginStatistics(msgspec.Struct, frozen=True, kw_only=True):
     bytes_put: int
     exists_checks: int
     retries: int
+    lists: int = 0
 
 
 class Origin(ABC):
@@ -107,6 +114,7 @@ class Origin(ABC):
         self.bytes_put = 0
         self.exists_checks = 0
         self.retries = 0
+        self.lists = 0
 
     # --------------------------------------------------------- primitives
 
@@ -232,7 +240,9 @@ class Origin(ABC):
     # ------------------------------------------------------ listing (gc)
 
     async def list_objects(self, prefix: str) -> list[ObjectInfo]:
-        """Every object under ``prefix`` (``chunks/``, ``manifests/``, ``refs/``, ``trash/``)."""
+        """Every object whose key starts with ``prefix`` (``chunks/``, ``manifests/``,
+        ``refs/``, ``trash/``, or a longer prefix such as ``refs/trainer``)."""
+        self.lists += 1
         return await self._list_info(_check_key(prefix))
 
     async def get_object(self, key: str, limit: int) -> bytes:
@@ -254,4 +264,4 @@ class Origin(ABC):
     def statistics(self) -> OriginStatistics:
         return OriginStatistics(url=self.url, gets=self.gets, bytes_got=self.bytes_got, puts=self.puts,
                                 bytes_put=self.bytes_put, exists_checks=self.exists_checks,
-                                retries=self.retries)
+                                retries=self.retries, lists=self.lists)

@@ -135,21 +135,41 @@ class FileOrigin(Origin):
     # ------------------------------------------------------------ gc primitives
 
     async def _list_info(self, prefix: str) -> list[ObjectInfo]:
+        """A folder's objects (``prefix`` ending in '/'), or, like a bucket listing, every
+        object whose key starts with ``prefix`` (``refs/trainer``: the files and folders
+        of ``refs/`` whose names start with ``trainer``)."""
         base = self._path(prefix.rstrip("/"))
+
+        def info(full: str, out: list[ObjectInfo]) -> None:
+            try:
+                st = os.stat(full, follow_symlinks=False)
+            except FileNotFoundError:  # removed while we listed
+                return
+            key = os.path.relpath(full, self.root).replace(os.sep, "/")
+            out.append(ObjectInfo(key=key, size=st.st_size, updated=st.st_mtime, version=_version(st)))
+
+        def walk_dir(d: str, out: list[ObjectInfo]) -> None:
+            for dirpath, _dirs, files in os.walk(d):
+                for name in files:
+                    if not _is_temp(name):
+                        info(os.path.join(dirpath, name), out)
 
         def walk() -> list[ObjectInfo]:
             out: list[ObjectInfo] = []
-            for dirpath, _dirs, files in os.walk(base):
-                for name in files:
-                    if _is_temp(name):
-                        continue
-                    full = os.path.join(dirpath, name)
-                    try:
-                        st = os.stat(full, follow_symlinks=False)
-                    except FileNotFoundError:  # removed while we listed
-                        continue
-                    key = os.path.relpath(full, self.root).replace(os.sep, "/")
-                    out.append(ObjectInfo(key=key, size=st.st_size, updated=st.st_mtime, version=_version(st)))
+            if prefix.endswith("/"):
+                walk_dir(str(base), out)
+                return out
+            try:
+                entries = list(os.scandir(base.parent))
+            except FileNotFoundError:
+                return out
+            for e in entries:
+                if not e.name.startswith(base.name) or _is_temp(e.name):
+                    continue
+                if e.is_dir(follow_symlinks=False):
+                    walk_dir(e.path, out)
+                else:
+                    info(e.path, out)
             return out
 
         try:

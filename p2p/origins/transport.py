@@ -51,6 +51,7 @@ class RetryingClient:
         self._auth_headers = auth_headers
         self._describe = describe
         self.retried = 0
+        self.requests = 0    # HTTP requests sent (retries included)
 
     def backoff(self, attempt: int) -> float:
         """Full-jitter-ish backoff: a random share (50-100 %) of min(cap, base * 2**attempt)."""
@@ -71,6 +72,7 @@ class RetryingClient:
                     headers = dict(base_headers)
                     if self._auth_headers is not None:
                         headers.update(await self._auth_headers(False))
+                    self.requests += 1
                     if limit is None:
                         resp = await self.client.request(method, url, headers=headers, **kwargs)
                     else:
