@@ -203,9 +203,10 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
         ready = _read_lines(procs, time.monotonic() + 60, "start")
         peers = [{"node_id": f"n{h.index}", "data_url": r["ready"]} for h, r in zip(hosts, ready, strict=True)]
         tx0 = origin_host.tx_bytes()
-        go = json.dumps({"mode": mode, "peers": peers if mode == "herd" else [],
+        herd = mode in ("herd", "flat")
+        go = json.dumps({"mode": "herd" if herd else "origin", "peers": peers if herd else [],
                          "workers": tuning["workers"], "home": tuning["home"],
-                         "tree": tuning.get("tree", True)}) + "\n"
+                         "tree": bool(tuning.get("tree", True)) and mode != "flat"}) + "\n"
         t_go = time.time()
         for p in procs:
             assert p.stdin is not None
@@ -251,6 +252,8 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
         "endgame_duplicates": sum(r.get("endgame_duplicates", 0) for r in results),
         "peer_errors": sum(r.get("peer_errors", 0) for r in results),
         "node_cpu_s_p50": round(_pctl([r.get("cpu_s", 0.0) for r in results], 0.5), 3),
+        "node_cpu_s_max": round(max(r.get("cpu_s", 0.0) for r in results), 3),
+        "node_cpu_s": {r["node"]: r.get("cpu_s", 0.0) for r in sorted(results, key=lambda r: int(r["node"][1:]))},
         "node_cpu_user_s_p50": round(_pctl([r.get("cpu_user_s", 0.0) for r in results], 0.5), 3),
     }
 
@@ -300,12 +303,14 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
                                        origin_host.ip, "--directory", str(work / "origin")]),
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             _wait_port(origin_host, ORIGIN_PORT)
+            out["loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
             for mode in modes:
                 res = run_mode(lab, hosts, origin_host, mode, mid, size, work, ideal,
                                tuning or {"workers": 16, "home": 2})
-                key = "origin_only" if mode == "origin" else "herd"
+                key = {"origin": "origin_only", "herd": "herd", "flat": "flat"}[mode]
                 for k, v in res.items():
                     out[f"{key}_{k}"] = v
+        out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
         if "origin_only_completion_s" in out and "herd_completion_s" in out:
             out["herd_speedup"] = round(out["origin_only_completion_s"] / out["herd_completion_s"], 2)
         return out
@@ -336,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--size-mb", type=float, default=64.0)
     p.add_argument("--rate", default="100mbit")
-    p.add_argument("--modes", default="origin,herd", help="comma list of origin,herd")
+    p.add_argument("--modes", default="origin,herd",
+                   help="comma list of origin (no peers), herd (trees), flat (the design before the trees)")
     p.add_argument("--workers", type=int, default=16, help="herd: chunks in flight per node")
     p.add_argument("--flat", action="store_true", help="herd: the flat design before the trees (HerdConfig.tree=False)")
     p.add_argument("--home-concurrency", type=int, default=2, help="herd: origin streams per home")
@@ -350,8 +356,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < a.size_mb <= 4096:
         p.error("--size-mb must be in (0, 4096]")
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("origin", "herd") for m in modes):
-        p.error("--modes: origin and/or herd")
+    if not modes or any(m not in ("origin", "herd", "flat") for m in modes):
+        p.error("--modes: origin, herd and/or flat")
     from bench.netns import NetnsUnavailable
 
     try:
@@ -369,13 +375,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"herd bench: {a.nodes} nodes, {a.size_mb:g} MiB, {a.rate} links; ideal {out['ideal_s']:.2f}s")
     print(f"{'mode':<12} {'last done':>10} {'/ideal':>8} {'p50':>8} {'p99':>8} {'origin/S':>9} {'wire/S':>8}")
-    for key, name in (("origin_only", "origin only"), ("herd", "herd")):
+    for key, name in (("origin_only", "origin only"), ("herd", "herd"), ("flat", "herd, flat")):
         if f"{key}_completion_s" in out:
             print(f"{name:<12} {out[f'{key}_completion_s']:>9.2f}s {out[f'{key}_completion_over_ideal']:>8.2f} "
                   f"{out[f'{key}_node_p50_s']:>7.2f}s {out[f'{key}_node_p99_s']:>7.2f}s "
-                  f"{out[f'{key}_origin_egress_over_size']:>9.3f} {out[f'{key}_origin_wire_egress_over_size']:>8.3f}")
+                  f"{out[f'{key}_origin_egress_over_size']:>9.3f} {out[f'{key}_origin_wire_egress_over_size']:>8.3f}"
+                  f"  CPU-s per node: {' '.join(f'{v:.1f}' for v in out[f'{key}_node_cpu_s'].values())}")
     if "herd_speedup" in out:
         print(f"herd speedup over origin-only (same run): {out['herd_speedup']:.2f}x")
+    print(f"load average before {out['loadavg_before']} after {out['loadavg_after']}")
     return 0
 
 

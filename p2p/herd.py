@@ -52,7 +52,7 @@ from scheduler_link.metrics import family, text_of
 
 from .errors import IntegrityError, NotFoundError, OriginError, PeerError
 from .origins import Origin
-from .peers import PeerBusy, PeerClient, PeerClientConfig, PeerHealth, PeerMissing
+from .peers import PeerBusy, PeerClient, PeerClientConfig, PeerCorrupt, PeerHealth, PeerMissing
 from .ratelimit import AsyncBucket
 from .rendezvous import Source, assign_homes, assign_rack_homes, order, plan_sources, rack_label
 from .store import ChunkStore
@@ -702,9 +702,11 @@ class Herd:
             limiter = self._peer_limits[src.node_id] = trio.CapacityLimiter(self.config.per_peer)
         try:
             async with limiter:
-                data = await self.client.get_chunk(src.url, cid, size,
-                                                   wait_ms=self.config.wait_ms if src.wait else 0,
-                                                   gate=self._gate)
+                # hashed as it arrives (in the receiving thread for big bodies): no second
+                # pass over the bytes on this thread
+                data = await self.client.get_chunk_verified(src.url, cid, size,
+                                                            wait_ms=self.config.wait_ms if src.wait else 0,
+                                                            gate=self._gate)
         except PeerBusy:
             self.counters.busy_answers += 1
             self.health.missing(src.node_id)
@@ -712,14 +714,14 @@ class Herd:
         except PeerMissing:
             self.health.missing(src.node_id)
             raise
+        except PeerCorrupt as e:
+            self.counters.integrity_failures += 1
+            self.counters.wasted_bytes += e.nbytes
+            self.health.bad_bytes(src.node_id, f"chunk {cid[:16]} does not match its hash")
+            raise PeerError(f"peer {src.node_id} sent bad bytes for {cid[:16]}") from None
         except PeerError as e:
             self.health.failed(src.node_id, e, trio.current_time())
             raise
-        if blake3.blake3(data).hexdigest() != cid:
-            self.counters.integrity_failures += 1
-            self.counters.wasted_bytes += len(data)
-            self.health.bad_bytes(src.node_id, f"chunk {cid[:16]} does not match its hash")
-            raise PeerError(f"peer {src.node_id} sent bad bytes for {cid[:16]}")
         self.health.ok(src.node_id, len(data))
         return data
 

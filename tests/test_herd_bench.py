@@ -46,6 +46,9 @@ def test_small_herd_bench_in_namespaces() -> None:
     assert out["herd_origin_egress_over_size"] == 1.0
     assert out["origin_only_origin_egress_over_size"] == 3.0
     assert out["herd_bytes_from_peers"] == 2 * out["bytes"]
+    # each node's CPU-s, and the machine's load beside the figures
+    assert len(out["herd_node_cpu_s"]) == 3 and all(v > 0 for v in out["herd_node_cpu_s"].values())
+    assert len(out["loadavg_before"]) == 3 and len(out["loadavg_after"]) == 3
     # everything it made (namespaces named hb<its pid>-...) is gone; others' are none of its business
     assert not {n for n in _namespaces() if n.startswith(f"hb{proc.pid}-")}
 
