@@ -345,12 +345,11 @@ class RelayHub:
                 got = {o.node_id: o for o in ab.outcomes}
                 n_new = 0
                 nodes = self.svc.state.nodes
-                master = self.svc.mac_master
                 for p in ps:
                     o = got.get(p.node_id)
                     if o is not None and p.node_id != conn.node_id:  # a member's: only with its MAC
                         node = nodes.get(p.node_id)
-                        if node is None or not msgauth.outcome_ok(msgauth.node_key(master, p.node_id, node.boot_id), o):
+                        if node is None or not msgauth.outcome_ok(self.svc.state.mac_key(p.node_id, node.boot_id), o):
                             self.svc.state.counters["bad_macs"] += 1
                             log.warning("relay's ack refused: MAC does not verify node=%s relay=%s rack=%s",
                                         p.node_id, conn.node_id, path)

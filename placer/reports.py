@@ -44,6 +44,25 @@ log = logging.getLogger("herd.placer.state")
 class Reports(StateBase):
     # the secret node MAC keys derive from (scheduler_link.msgauth); the service sets it
     mac_master: bytes = b""
+    _mac_keys: dict[str, tuple[str, bytes]] | None = None
+
+    def set_mac_master(self, master: bytes) -> None:
+        self.mac_master = master
+        self._mac_keys = None
+
+    def mac_key(self, node_id: str, boot_id: str) -> bytes:
+        """Node ``node_id``'s MAC key for ``boot_id``: derived once per (known node, boot) and
+        kept (one entry per registered node; an unknown id is derived each time, never kept)."""
+        keys = self._mac_keys
+        if keys is None:
+            keys = self._mac_keys = {}
+        hit = keys.get(node_id)
+        if hit is not None and hit[0] == boot_id:
+            return hit[1]
+        k = node_key(self.mac_master, node_id, boot_id)
+        if node_id in self.nodes:
+            keys[node_id] = (boot_id, k)
+        return k
 
     def ingest(self, node_id: str, rep: NodeReport, now: float) -> tuple[int, ReportReply, list[Push]]:
         """Apply one report. Returns (HTTP status, reply, pushes)."""
@@ -94,11 +113,10 @@ class Reports(StateBase):
         if len(b.boot_ids) != n or len(b.seqs) != n or (via is not None and len(b.macs) != n):
             raise ValueError("a rack beat's columns differ in length")
         self.counters["reports"] += n
-        master = self.mac_master
         macs = b.macs if via is not None else [b""] * n
         for nid, boot, seq, mac in zip(b.node_ids, b.boot_ids, b.seqs, macs, strict=True):
             if via is not None and nid != via and not (
-                    len(mac) == 16 and hmac.compare_digest(mac, beat_mac(node_key(master, nid, boot), nid, boot, seq))):
+                    len(mac) == 16 and hmac.compare_digest(mac, beat_mac(self.mac_key(nid, boot), nid, boot, seq))):
                 self.counters["bad_macs"] = self.counters.get("bad_macs", 0) + 1
                 log.warning("rack beat entry refused: MAC does not verify node=%s relay=%s", nid, via)
                 continue

@@ -106,7 +106,7 @@ class PlacerService:
         # dir's (so a restarted placer keeps verifying what relays forward, and agents' pinned key holds)
         self.mac_master = os.urandom(msgauth.KEY_LEN)
         self.signer = msgauth.BundleSigner.generate()
-        self.state.mac_master = self.mac_master
+        self.state.set_mac_master(self.mac_master)
         self.state.counters["bad_macs"] = 0
         self.push_counts = {"start": 0, "stop": 0, "failed": 0, "refused": 0}
         self.freezes = 0
@@ -118,7 +118,7 @@ class PlacerService:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.journal = Journal.open(self.cfg.state_dir)
         self.mac_master, self.signer = msgauth.load_placer_keys(self.cfg.state_dir)
-        self.state.mac_master = self.mac_master
+        self.state.set_mac_master(self.mac_master)
         now = self.clock()
         recovered = self.journal.jobs()
         for spec in recovered:
@@ -385,7 +385,7 @@ class PlacerService:
         counted in ``bad_macs``: the member then registers directly); the answer to a full report
         over the node's own connection carries its MAC key and the placer's signing key."""
         relayed = via is not None and via != rep.node_id
-        if relayed and not msgauth.report_ok(msgauth.node_key(self.mac_master, rep.node_id, rep.boot_id), rep):
+        if relayed and not msgauth.report_ok(self.state.mac_key(rep.node_id, rep.boot_id), rep):
             self.state.counters["bad_macs"] += 1
             log.warning("relayed report refused: MAC does not verify node=%s relay=%s", rep.node_id, via)
             return 401, ReportReply(ok=False, need_full=True, error="the report's MAC does not verify: "
@@ -401,7 +401,7 @@ class PlacerService:
             reply = self._with_relay(node_id, reply)
             if not relayed:
                 reply = msgspec.structs.replace(
-                    reply, mac_key=msgauth.node_key(self.mac_master, rep.node_id, rep.boot_id),
+                    reply, mac_key=self.state.mac_key(rep.node_id, rep.boot_id),
                     placer_key=self.signer.public)
         return status, reply, rep.full or bool(rep.events) or rep.snapshot is not None
 
