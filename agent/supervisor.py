@@ -160,6 +160,7 @@ class Supervisor:
         self._saved_gen = 0
         self._latest: AgentState | None = None
         self._waiters: list[tuple[int, list[Callable[[], None]]]] = []
+        self._applied = trio.Event()   # set, then replaced, after each applied batch (next_change)
         self._wake_writer = trio.Event()
         self.ready = False
         self.counters: Counter[str] = Counter()
@@ -190,6 +191,12 @@ class Supervisor:
         if isinstance(res, Exception):
             raise res
         return res
+
+    def next_change(self) -> trio.Event:
+        """Set once the owner has applied its next batch of changes (any field of any record,
+        not only a state change): wait on it, then look at the records again. Tests wait on
+        this instead of polling."""
+        return self._applied
 
     async def wait_terminal(self, workload_id: str) -> WorkloadStatus:
         rt = self._rt.get(workload_id)
@@ -274,6 +281,8 @@ class Supervisor:
                 self._commit(batch.durable)
                 for fn in batch.now:
                     fn()
+                self._applied.set()
+                self._applied = trio.Event()
 
     # Group commit: the owner never waits for the disk. Each applied batch bumps a
     # generation and hands an immutable snapshot to the writer task; callbacks that

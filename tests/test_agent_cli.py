@@ -17,7 +17,7 @@ from agent.daemon import Agent
 from agent.supervisor import SupervisorConfig
 from scheduler_link.auth import TokenSet, auth_header
 from scheduler_link.messages import Placement, PodAssignment
-from testing.waiting import Changes
+from testing.waiting import Changes, until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -212,9 +212,7 @@ async def test_unused_trees_are_collected_but_never_a_live_workloads(tmp_path, t
                              origin=origin_url, pods=[PodAssignment(workload_id="w2", rank=0, gpus=[gpus[1]])])
             assert (await agent.supervisor.place(done)).accepted and (await agent.supervisor.place(live)).accepted
             assert (await agent.supervisor.wait_terminal("w1")).state == "exited"
-            changed = Changes()
-            agent.supervisor.add_listener(changed.poke)
-            await changed.until(lambda: agent.supervisor.record("w2").state == "running")
+            await until(agent.supervisor.next_change, lambda: agent.supervisor.record("w2").state == "running")
             assert sorted(agent.store.materialised()) == sorted(p.manifest for p in pubs)
             await agent._collect_trees()
             assert agent.store.materialised() == [pubs[1].manifest]  # the live one stays

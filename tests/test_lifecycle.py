@@ -20,6 +20,7 @@ from agent.state import AgentState, WorkloadRecord
 from agent.supervisor import Supervisor, SupervisorConfig
 from scheduler_link.auth import TokenSet, auth_header
 from scheduler_link.messages import Placement, PodAssignment
+from testing.waiting import until as changed
 
 GPUS = {f"GPU-{i:04d}": "healthy" for i in range(4)}
 
@@ -115,7 +116,7 @@ async def test_restart_resumes_the_grace_countdown(tmp_path):
             scratch = sup.wl_dir / "w" / "scratch"
             await until(lambda: (scratch / "started").exists())
             await sup.stop("w", reason="preempted", grace_s=grace)
-            await until(lambda: sup.record("w").term_sent)
+            await changed(sup.next_change, lambda: sup.record("w").term_sent)
             deadline = sup.record("w").stop_deadline
             assert deadline is not None
             n.cancel_scope.cancel()

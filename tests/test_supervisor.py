@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import time
-import weakref
 from pathlib import Path
 
 import msgspec
@@ -18,7 +17,7 @@ from agent import procs
 from agent.state import AgentState, WorkloadRecord
 from agent.supervisor import Supervisor, SupervisorConfig
 from scheduler_link.messages import Placement, PodAssignment, RestartPolicy, Victim
-from testing.waiting import Changes
+from testing.waiting import until
 
 GPUS = {f"GPU-{i:04d}": "healthy" for i in range(4)}
 
@@ -44,19 +43,9 @@ def make(tmp: Path, health=GPUS, base_env=None) -> Supervisor:
                       config=SupervisorConfig(shim_pool=1), base_env=env)
 
 
-_changes: weakref.WeakKeyDictionary[Supervisor, Changes] = weakref.WeakKeyDictionary()
-
-
-def changes(sup: Supervisor) -> Changes:
-    """Woken by the supervisor's own state-change events (its listener hook)."""
-    if (c := _changes.get(sup)) is None:
-        c = _changes[sup] = Changes()
-        sup.add_listener(c.poke)
-    return c
-
-
 async def wait_state(sup: Supervisor, wid: str, *states: str, timeout: float = 10):
-    await changes(sup).until(lambda: sup.record(wid).state in states, timeout)
+    """Woken by the supervisor itself each time it applied changes (never a polling interval)."""
+    await until(sup.next_change, lambda: sup.record(wid).state in states, timeout)
     return sup.record(wid)
 
 
@@ -207,7 +196,7 @@ async def test_restart_policy_on_failure(tmp_path):
             # a stop during the back-off ends the workload without another run
             await sup.place(placement("b", wid="b", gpus=[], argv=["sh", "-c", "echo run >> $HERD_SCRATCH/runs; exit 2"],
                                       restart=RestartPolicy(kind="on-failure", limit=5, backoff_s=30)), direct=True)
-            await changes(sup).until(lambda: sup.record("b").restarts >= 1)  # it restarts into "starting"
+            await until(sup.next_change, lambda: sup.record("b").restarts >= 1)  # it restarts into "starting"
             assert sup.record("b").state == "starting" and sup.record("b").pid is None
             await sup.stop("b", reason="stopped")
             b = await sup.wait_terminal("b")
@@ -260,9 +249,7 @@ async def test_countdown_resumes_after_restart(tmp_path):
             await sup.stop("w", reason="preempted", grace_s=2.5)
             await wait_file(scratch(sup, "w") / "terms")
             await wait_state(sup, "w", "terminating")
-            with trio.fail_after(5):
-                while not sup.record("w").term_sent:
-                    await trio.sleep(0.02)
+            await until(sup.next_change, lambda: sup.record("w").term_sent, timeout=5)
             deadline = sup.record("w").stop_deadline
             n.cancel_scope.cancel()
         await trio.sleep(0.3)

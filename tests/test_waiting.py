@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from testing.waiting import Changes
+from testing.waiting import Changes, until
 
 
 async def test_a_waiter_wakes_exactly_at_the_poke_that_satisfies_it(autojump_clock):
@@ -27,3 +27,20 @@ async def test_a_waiter_wakes_exactly_at_the_poke_that_satisfies_it(autojump_clo
     with pytest.raises(trio.TooSlowError):
         await c.until(lambda: len(box) > 3, timeout=5.0)
     assert trio.current_time() - t0 == 3.0 + 5.0
+
+
+async def test_until_waits_on_the_event_the_code_sets(autojump_clock):
+    state = {"ev": trio.Event(), "n": 0}
+
+    async def owner() -> None:  # like Supervisor.run: apply, then set and replace the Event
+        for _ in range(4):
+            await trio.sleep(0.5)
+            state["n"] += 1
+            state["ev"].set()
+            state["ev"] = trio.Event()
+
+    t0 = trio.current_time()
+    async with trio.open_nursery() as n:
+        n.start_soon(owner)
+        assert await until(lambda: state["ev"], lambda: state["n"] >= 3) is True
+        assert trio.current_time() - t0 == 1.5
