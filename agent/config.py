@@ -94,8 +94,8 @@ _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<key>[^`]*)`")
 
 
 def _explain(e: msgspec.ValidationError) -> str:
-    """msgspec's "Expected `int`, got `str` - at `$.workloads.shim_pool`" as the file's words:
-    "[workloads] shim_pool: expected `int`, got `str`"."""
+    """msgspec's "Expected `int`, got `str` - at `$.workloads.shim_pool`" in the file's words:
+    "[workloads] shim_pool has the wrong type: expected `int`, got `str`"."""
     text = str(e)
     m = _AT.search(text)
     path = [p for p in (m.group("path") if m else "").split(".") if p]
