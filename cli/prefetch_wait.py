@@ -18,6 +18,7 @@ import httpx
 import trio
 
 from cli.output import human_bytes
+from scheduler_link.client import verify_for
 from scheduler_link.daemon_client import get_json
 from scheduler_link.errors import ClientError
 
@@ -59,7 +60,10 @@ async def wait_nodes(nodes: list[NodeWait], manifest: str, total_per_node: int, 
     headers = {"authorization": f"Bearer {token}"} if token else {}
     limiter = trio.CapacityLimiter(CONCURRENCY)
     t_end = time.monotonic() + deadline_s
-    async with httpx.AsyncClient(timeout=request_timeout, headers=headers) as c:
+    # https agents are verified against the cluster CA (the TLS dir), as every CLI request is
+    https = next((n.url for n in nodes if n.url.startswith("https://")), None)
+    verify = verify_for(https) if https else True
+    async with httpx.AsyncClient(timeout=request_timeout, headers=headers, verify=verify) as c:
         async def poll(n: NodeWait) -> None:
             async with limiter:
                 try:

@@ -139,6 +139,14 @@ def transport_line(e: httpx.HTTPError, who: str, url: str) -> str:
     return f"cannot reach the {who} at {url}: {text}"
 
 
+def transport_error(e: httpx.HTTPError, who: str, url: str) -> ClientError:
+    """httpx's failure of a request that got no (whole) answer, as one ClientError line."""
+    if isinstance(e, httpx.TimeoutException):
+        return ClientError(f"the {who} at {url} did not answer in time ({type(e).__name__}; "
+                           "--timeout S waits longer)")
+    return ClientError(transport_line(e, who, url))
+
+
 class PlacerClient:
     """Synchronous client (the CLI is synchronous). ``timeout`` bounds each request."""
 
@@ -158,11 +166,8 @@ class PlacerClient:
     def _resp(self, method: str, path: str, **kw: Any) -> httpx.Response:
         try:
             r = self._c.request(method, path, **kw)
-        except httpx.TimeoutException as e:
-            raise ClientError(f"the placer at {self.url} did not answer in time ({type(e).__name__}; "
-                              "--timeout S waits longer)") from None
         except httpx.HTTPError as e:
-            raise ClientError(transport_line(e, "placer", self.url)) from None
+            raise transport_error(e, "placer", self.url) from None
         check_peer(r, "placer")
         _check(r)
         return r

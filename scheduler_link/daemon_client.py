@@ -11,6 +11,7 @@ is the placer's typed client over the same rules.
 
 from __future__ import annotations
 
+import os
 import ssl
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -18,27 +19,24 @@ from typing import Any
 import httpx
 import msgspec
 
-from .client import error_line, not_herd_line
+from .client import error_line, not_herd_line, transport_error, verify_for
 from .errors import ClientError
 
 _any = msgspec.json.Decoder()
 
 
-def transport_error(e: httpx.HTTPError, who: str, url: str) -> ClientError:
-    """One line for a request that got no (whole) answer."""
-    if isinstance(e, httpx.TimeoutException):
-        return ClientError(f"the {who} at {url} did not answer in time ({type(e).__name__}; "
-                           "--timeout S waits longer)")
-    return ClientError(f"cannot reach the {who} at {url}: {e or type(e).__name__}")
-
-
 class DaemonClient:
-    """Requests to the daemon at ``url`` (``who`` names it in errors: "agent", "placer")."""
+    """Requests to the daemon at ``url`` (``who`` names it in errors: "agent", "placer"). An
+    https URL is verified against the cluster CA of the TLS dir (``verify_for``, as the placer's
+    client does) unless ``verify`` says otherwise."""
 
     def __init__(self, url: str, who: str, *, timeout: float, headers: Mapping[str, str] | None = None,
-                 verify: ssl.SSLContext | bool = True) -> None:
+                 verify: ssl.SSLContext | bool | None = None,
+                 tls_dir: str | os.PathLike[str] | None = None) -> None:
         self.url = url.rstrip("/")
         self.who = who
+        if verify is None:
+            verify = verify_for(self.url, tls_dir)
         self._c = httpx.Client(base_url=self.url, headers=dict(headers or {}), timeout=timeout, verify=verify)
 
     def __enter__(self) -> DaemonClient:

@@ -73,3 +73,11 @@ async def test_failures_are_one_line_client_errors():
                     await get_json(c, hung + "/v1/store", "agent")
                 assert await get_json(c, refused + "/v1/store", "agent") == (409, None)
             n.cancel_scope.cancel()
+
+
+def test_an_https_daemon_is_verified_against_the_cluster_ca(tmp_path):
+    """Like the placer's client: no CA in the TLS dir is one line, before any connection."""
+    with pytest.raises(ClientError, match=r"^no cluster CA at .*ca\.crt: pass --tls-dir") as e:
+        DaemonClient("https://127.0.0.1:1", "agent", timeout=1, tls_dir=tmp_path)
+    assert "\n" not in str(e.value)
+    DaemonClient("http://127.0.0.1:1", "agent", timeout=1, tls_dir=tmp_path).close()  # plain http: no CA needed
