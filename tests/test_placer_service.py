@@ -4,6 +4,7 @@ AgentLink). Real loopback sockets; no processes."""
 
 from __future__ import annotations
 
+import gc
 import time
 from pathlib import Path
 
@@ -50,6 +51,7 @@ class FakeAgent:
         self.url = ""
         self.link: AgentLink | None = None
         self.cancel = trio.CancelScope()
+        self.gc_enabled_at_arrival: list[bool] = []
 
     def gpu_snapshot(self) -> GpuSnapshot:
         return GpuSnapshot(backend="simulated:test", simulated=True, gpus=[
@@ -86,6 +88,7 @@ class FakeAgent:
         @app.route("POST", "/v1/placements", auth=require_role(self.tokens, "placer"))
         async def place(req):
             pl = req.decode(Placement)
+            self.gc_enabled_at_arrival.append(gc.isenabled())  # (same process as the placer)
             if pl.pods and self.ack_delay:
                 await trio.sleep(self.ack_delay)
             self.placements.append(pl)
@@ -627,3 +630,23 @@ async def test_a_job_is_decided_while_its_journal_syncs_but_pushed_only_once_dur
 
 class _NoJob:
     timings: dict = {}
+
+
+async def test_a_decision_is_delivered_with_the_collector_off_then_collected_and_frozen(tmp_path, token_dir):
+    """No garbage collection between a decision and its acks (the first collection after a big
+    pass walks every young record); once the round's acks are recorded the collector is on
+    again and the survivors were frozen."""
+    tokens = TokenSet.load(token_dir)
+    assert gc.isenabled()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            svc, cl = await start_cluster(n, tmp_path, tokens, n_agents=2)
+            freezes = svc.freezes
+            await cl.submit(job_id="g", pods=2, gpus_per_pod=8)
+            v = await cl.job("g", wait="running")
+            assert v["state"] == "running"
+            arrivals = [on for a in cl.agents.values() for on in a.gc_enabled_at_arrival]
+            assert arrivals == [False, False]      # both placements pushed with the collector off
+            await wait_for(lambda: _true(svc._gc_holds == 0))
+            assert gc.isenabled() and svc.freezes == freezes + 1
+            n.cancel_scope.cancel()
