@@ -30,7 +30,7 @@ from scheduler_link.messages import (
     Victim,
     WorkloadEvent,
 )
-from scheduler_link.msgauth import beat_mac, node_key
+from scheduler_link.msgauth import beat_mac, node_key, with_stop_macs
 from scheduler_link.validate import validate_report
 
 from .errors import InvalidSpec
@@ -132,8 +132,9 @@ class Reports(StateBase):
                 pushes += self._node_back(node, now)
             if node.tell or node.refused:
                 r = self._reply(node)
-                if r.stop:
-                    stops.append(NodeStop(node_id=nid, stop=r.stop))
+                if r.stop:  # through the relay: each stop with the placer's MAC in the member's key
+                    stop = with_stop_macs(self.mac_key(nid, boot), nid, boot, r.stop) if via is not None else r.stop
+                    stops.append(NodeStop(node_id=nid, stop=stop))
                 if r.need_full:
                     need.append(nid)
         if not need and not stops:

@@ -415,6 +415,16 @@ class PlacerService:
             log.warning("relayed report refused: MAC does not verify node=%s relay=%s", rep.node_id, via)
             return 401, ReportReply(ok=False, need_full=True, error="the report's MAC does not verify: "
                                     "register over this node's own connection for a key"), False
+        status, reply, news = self._apply_checked(node_id, rep)
+        if relayed and reply.stop:  # fencing stops through the relay: the member checks them
+            reply = msgspec.structs.replace(reply, stop=msgauth.with_stop_macs(
+                self.state.mac_key(rep.node_id, rep.boot_id), rep.node_id, rep.boot_id, reply.stop))
+        if rep.full and status == 200 and not relayed:
+            reply = msgspec.structs.replace(reply, mac_key=self.state.mac_key(rep.node_id, rep.boot_id),
+                                            placer_key=self.signer.public)
+        return status, reply, news
+
+    def _apply_checked(self, node_id: str, rep: NodeReport) -> tuple[int, ReportReply, bool]:
         try:
             status, reply, pushes = self.state.ingest(node_id, rep, self.clock())
         except Exception:
@@ -424,10 +434,6 @@ class PlacerService:
         self._carry_out(pushes)
         if rep.full and status == 200:
             reply = self._with_relay(node_id, reply)
-            if not relayed:
-                reply = msgspec.structs.replace(
-                    reply, mac_key=self.state.mac_key(rep.node_id, rep.boot_id),
-                    placer_key=self.signer.public)
         return status, reply, rep.full or bool(rep.events) or rep.snapshot is not None
 
     def _ingest_many(self, reps: list[NodeReport], via: str | None = None) -> list[tuple[int, ReportReply]]:

@@ -80,7 +80,7 @@ from .messages import (
     Victim,
     WorkloadEvent,
 )
-from .msgauth import with_report_mac
+from .msgauth import verified_stops, with_report_mac
 
 log = logging.getLogger("herd.link.agent")
 
@@ -239,6 +239,7 @@ class AgentLink:
         self.failures = 0
         self.conflicts = 0
         self.stops_received = 0
+        self.stops_refused = 0               # stops through a relay without the placer's valid MAC
         self.registered = False
         self.last_ok_at: float | None = None
         self.last_error: str | None = None
@@ -263,6 +264,7 @@ class AgentLink:
             "placer_url": self.placer_url, "registered": self.registered, "boot_id": self.boot_id,
             "seq": self.seq, "reports_sent": self.reports_sent, "full_reports_sent": self.full_reports_sent,
             "failures": self.failures, "conflicts": self.conflicts, "stops_received": self.stops_received,
+            "stops_refused": self.stops_refused,
             "last_ok_at": self.last_ok_at, "last_error": self.last_error, "heartbeat_s": self.heartbeat_s,
             "framed_channel": self._wire is not None, "wire_reports": self.wire_reports,
             "wire_full_reports": self.wire_full_reports, "wire_url": self._wire_url,
@@ -364,15 +366,22 @@ class AgentLink:
                 self.heartbeat_s = max(0.01, reply.heartbeat_interval_s)
             if reply.need_full:
                 self._need_full = True
-            if reply.wire_url:
+            if reply.wire_url and not relayed:  # (a relay's answer must not move our placer channel)
                 self._wire_url = reply.wire_url
             if report.full:
                 await self._follow_relay(reply.relay_url)
             if report.full and reply.wire_url and self.use_wire and self._wire is None:
                 await self._open_wire(reply.wire_url)
-            if reply.stop:
-                self.stops_received += len(reply.stop)
-                nursery.start_soon(self._stop, reply.stop)
+            stop = list(reply.stop)
+            if stop and relayed:  # through a relay: only stops the placer MACed with our key
+                stop, forged = verified_stops(self.mac_key, self.node_id, self.boot_id, stop)
+                if forged:
+                    self.stops_refused += forged
+                    log.warning("stops from the relay refused (no valid placer MAC) node=%s count=%d",
+                                self.node_id, forged)
+            if stop:
+                self.stops_received += len(stop)
+                nursery.start_soon(self._stop, stop)
             next_beat = trio.current_time() + self.heartbeat_s * random.uniform(0.8, 1.0)
 
     def _backoff_cap(self) -> float:

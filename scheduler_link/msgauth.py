@@ -24,6 +24,11 @@ and its rack's members, so what crosses it is authenticated here, per message:
   acting. Signing what was sent and verifying what was received (never a re-encoding) keeps the
   check exact whatever the encoder does with an int in a float field. The placer's public key
   reaches agents in the same registration answer as their MAC key.
+- **Stops a relay passes down** (fencing stops in answers to relayed reports and in beat
+  replies) carry the placer's MAC with the member's own key (the placer holds K_X too), one per
+  victim; the member acts only on those that verify. What else a relay could change in an
+  answer (need_full, the interval, relay_url) can only delay or reroute reports, as dropping
+  them could; a relayed answer's keys and ``wire_url`` are never taken.
 
 Costs: a MAC is one BLAKE3 call over tens to hundreds of bytes (~2 us here); a bundle is one
 signature plus a BLAKE3 per part at the placer, one verification per relay and per member.
@@ -43,7 +48,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from .messages import NodeOutcome, NodePart, NodeReport, PartProof, RackBundle
+from .messages import NodeOutcome, NodePart, NodeReport, PartProof, RackBundle, Victim
 
 log = logging.getLogger("herd.link.msgauth")
 
@@ -119,6 +124,22 @@ def with_outcome_mac(key: bytes, o: NodeOutcome) -> NodeOutcome:
 
 def outcome_ok(key: bytes, o: NodeOutcome) -> bool:
     return bool(o.mac) and hmac.compare_digest(o.mac, outcome_mac(key, o))
+
+
+def stop_mac(key: bytes, node_id: str, boot_id: str, v: Victim) -> bytes:
+    return _mac(key, b"stop\0" + _canon.encode((node_id, boot_id, v.workload_id, float(v.grace_s), v.reason)))
+
+
+def with_stop_macs(key: bytes, node_id: str, boot_id: str, victims: list[Victim]) -> list[Victim]:
+    return [msgspec.structs.replace(v, mac=stop_mac(key, node_id, boot_id, v)) for v in victims]
+
+
+def verified_stops(key: bytes | None, node_id: str, boot_id: str, victims: list[Victim]) -> tuple[list[Victim], int]:
+    """(the victims whose MAC verifies, how many did not): what a member acts on from its relay."""
+    if key is None:
+        return [], len(victims)
+    ok = [v for v in victims if v.mac and hmac.compare_digest(v.mac, stop_mac(key, node_id, boot_id, v))]
+    return ok, len(victims) - len(ok)
 
 
 # ---------------------------------------------------------------- signatures (down)

@@ -97,7 +97,14 @@ from scheduler_link.messages import (
     decode_gang_blob,
     inventory_hash,
 )
-from scheduler_link.msgauth import AuthError, BundleVerifier, beat_mac, with_outcome_mac, with_report_mac
+from scheduler_link.msgauth import (
+    AuthError,
+    BundleVerifier,
+    beat_mac,
+    verified_stops,
+    with_outcome_mac,
+    with_report_mac,
+)
 from scheduler_link.pki import NodeContexts
 
 log = logging.getLogger("herd.testing.fleet")
@@ -582,8 +589,9 @@ class EmulatedRelay:
         for (m, _), wr in zip(batch, decode_payload(f, list[WireReply]), strict=False):
             if wr.status == 409:
                 self.fleet.spawn(self._register, m)
-            elif wr.status == 200:
-                self._after(m, wr.reply)
+            elif wr.status == 200:  # relayed: its stops count only with the placer's MAC (as an agent checks)
+                stop, _ = verified_stops(m.mac_key or None, m.slot.node_id, m.boot_id, list(wr.reply.stop))
+                self._after(m, msgspec.structs.replace(wr.reply, stop=stop))
 
     async def _beats(self) -> None:
         hb = self.fleet.cfg.heartbeat_s
@@ -609,7 +617,9 @@ class EmulatedRelay:
                     for ns in r.stop:
                         told = self.by_id.get(ns.node_id)
                         if told is not None:
-                            self.fleet.spawn(told.stop_workloads, list(ns.stop))
+                            stop, _ = verified_stops(told.mac_key or None, told.slot.node_id, told.boot_id,
+                                                     list(ns.stop))
+                            self.fleet.spawn(told.stop_workloads, stop)
                     if r.heartbeat_interval_s:
                         hb = r.heartbeat_interval_s
                 except (FrameError, CallFailed, trio.TooSlowError):

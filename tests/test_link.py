@@ -125,7 +125,7 @@ async def test_cli_submit_list_show_cancel_nodes_cluster(tmp_path, token_dir):
             v = json.loads(out)
             assert v["state"] == "running" and v["spec"]["restart"] == {"kind": "on-failure", "limit": 2,
                                                                          "backoff_s": 1.0}
-            assert v["spec"]["grace_s"] == 2.5 and v["spec"]["env"] == {"A": "1"} and len(v["pods"]) == 2
+            assert v["spec"]["grace_s"] == 2.5 and v["spec"]["env"] == {"A": "<redacted>"} and len(v["pods"]) == 2
             rc, out, err = await _herd(["job", "list", "--json"], env)
             assert rc == 0 and [j["job_id"] for j in json.loads(out)["jobs"]] == ["cli1"]
             rc, out, err = await _herd(["job", "show", "cli1"], env)

@@ -140,3 +140,51 @@ def test_placer_keys_made_once_0600(tmp_path: os.PathLike[str]) -> None:
         f.write(b"short")
     with pytest.raises(AuthError, match="not 32"):
         load_placer_keys(tmp_path)
+
+
+def _full(node: str, boot: str, workloads: list[str]) -> NodeReport:
+    from scheduler_link.messages import TopologyPath, WorkloadStatus
+    snap = GpuSnapshot(gpus=[GpuInfo(index=i, uuid=f"GPU-{node}-{i}", name="x", memory_total_mib=1, pci_bus_id=str(i))
+                             for i in range(2)])
+    return NodeReport(node_id=node, boot_id=boot, seq=1, full=True, topology=TopologyPath(rack="r1"), snapshot=snap,
+                      workloads=[WorkloadStatus(workload_id=w, job_id="gone", state="running",
+                                                gpus=[f"GPU-{node}-0"]) for w in workloads])
+
+
+def test_the_placer_gives_keys_only_over_the_nodes_own_connection_and_macs_its_relayed_stops(tmp_path) -> None:
+    """A placer service (its ingest, no sockets): the answer to a direct full report carries the
+    node's key and the signing key; a relayed one is refused without the node's MAC and, with it,
+    gets no keys; fencing stops for a relayed node (in a report's answer and in a beat reply)
+    carry MACs in that node's key, which the member checks (msgauth.verified_stops)."""
+    from placer.config import PlacerConfig
+    from placer.service import PlacerService
+    from scheduler_link.auth import TokenSet
+    from scheduler_link.messages import RackBeat
+    from scheduler_link.msgauth import verified_stops
+
+    svc = PlacerService(PlacerConfig(state_dir=str(tmp_path)), TokenSet())
+    st, reply = svc._ingest("n1", _full("n1", "b1", ["gone.0.0"]))   # a workload of no job: told to stop
+    assert st == 200 and reply.mac_key and reply.placer_key == svc.signer.public
+    assert [v.workload_id for v in reply.stop] == ["gone.0.0"] and not reply.stop[0].mac  # its own connection
+    key = reply.mac_key
+    assert key == node_key(svc.mac_master, "n1", "b1")
+    # relayed: refused without n1's MAC (even a full report), no key in any relayed answer
+    st, r = svc._ingest("n1", msgspec.structs.replace(_full("n1", "b1", ["gone.0.0"]), seq=2), via="relay-x")
+    assert st == 401 and r.mac_key is None and svc.state.counters["bad_macs"] == 1
+    rep = with_report_mac(key, NodeReport(node_id="n1", boot_id="b1", seq=2, full=False,
+                                          events=[WorkloadEvent(workload_id="gone.0.0", job_id="gone",
+                                                                state="running", at=1.0)]))
+    svc.state.nodes["n1"].tell.add("gone.0.0")   # (the direct answer told it once; tell again)
+    st, r = svc._ingest("n1", rep, via="relay-x")
+    assert st == 200 and r.mac_key is None
+    ok, forged = verified_stops(key, "n1", "b1", list(r.stop))
+    assert [v.workload_id for v in ok] == ["gone.0.0"] and forged == 0
+    # the same stop in a beat reply, for a relayed entry
+    svc.state.nodes["n1"].tell.add("gone.0.0")
+    b = RackBeat(rack="zone-a/block-a/r1", node_ids=["n1"], boot_ids=["b1"], seqs=[3],
+                 macs=[beat_mac(key, "n1", "b1", 3)])
+    br, _ = svc.state.beat(b, 2.0, via="relay-x")
+    (ns,) = br.stop
+    ok, forged = verified_stops(key, "n1", "b1", list(ns.stop))
+    assert [v.workload_id for v in ok] == ["gone.0.0"] and forged == 0
+    assert verified_stops(node_key(svc.mac_master, "n2", "b1"), "n1", "b1", list(ns.stop))[0] == []

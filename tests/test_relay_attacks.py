@@ -1,11 +1,12 @@
 """Attacks at the message level (issue 17 §1, §3), against a real placer process and a real
 agent, through a relay: the attacker holds node A's identity (A's tokens and the MAC key A
-got at its direct registration) and is its rack's relay. Whatever it sends for node B --
-reports, heartbeats, acks -- is refused and counted (``bad_macs``); nothing changes in the
-placer's model for B; a forged ack only costs a direct push to B. Placements it replays to B
-are refused by B (bound to another node, expired). Bundles it relays are signed: it can read
-them, not change them (what members do with a changed one: tests/test_relay_parts.py,
-tests/test_relay_link.py). With TLS (scheduler_link.tls) it could not push B a placement at
+got at its direct registration) and is the rack's relay, so node B reports through it.
+Whatever it makes up for B -- reports, heartbeats, acks going up; parts and fencing stops
+going down -- is refused: by the placer (counted in ``bad_macs``; nothing changes in its model
+for B; a forged ack costs only a direct push to B) and by B (a part without the placer's
+signature is not acted on; a stop without the placer's MAC is not applied). B's own reports,
+which it forwards untouched, still count. Placements it replays to B are refused by B (bound
+to another node, expired). With TLS (scheduler_link.tls) it could not push B a placement at
 all: a node certificate is not the placer's role; here the cluster runs insecure (shared
 tokens), so the checks shown are the message-level ones."""
 
@@ -20,8 +21,8 @@ import pytest
 import trio
 
 from scheduler_link.auth import TokenSet, auth_header
-from scheduler_link.frames import FrameChannel, decode_payload, open_frames
-from scheduler_link.heartbeat_wire import HeartbeatClient, WireReply
+from scheduler_link.frames import CallFailed, FrameChannel, decode_payload, open_frames
+from scheduler_link.heartbeat_wire import HeartbeatClient, HeartbeatServer, Hello, WireReply
 from scheduler_link.messages import (
     AckBundle,
     Frame,
@@ -29,7 +30,9 @@ from scheduler_link.messages import (
     GpuSnapshot,
     HostHealth,
     NodeOutcome,
+    NodePart,
     NodeReport,
+    PartPod,
     Placement,
     PlacementAck,
     PodAssignment,
@@ -37,7 +40,9 @@ from scheduler_link.messages import (
     RackBeatReply,
     RackReports,
     RelayHello,
+    ReportReply,
     TopologyPath,
+    Victim,
     WorkloadEvent,
 )
 from scheduler_link.msgauth import BundleVerifier, beat_mac, with_outcome_mac, with_report_mac
@@ -55,9 +60,14 @@ def _snapshot(prefix: str, health: str = "healthy") -> GpuSnapshot:
                              for i in range(8)], host=HostHealth())
 
 
+def _no_reports(node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:
+    return 400, ReportReply(ok=False, error="frames only")
+
+
 class Attacker:
-    """Node A ("node0"): registered directly (so it holds A's MAC key), then a relay
-    candidate for the rack; it answers bundles, forging B's outcome with A's key."""
+    """Node A ("node0"): registered directly (so it holds A's MAC key), then the rack's relay:
+    a members listener B reports through (forwarded up untouched, the answers tampered with
+    when ``forge_stop`` names a workload), and bundles answered with B's outcome forged."""
 
     def __init__(self, wire_url: str, tokens: TokenSet) -> None:
         self.wire_url = wire_url
@@ -68,6 +78,11 @@ class Attacker:
         self.ch: FrameChannel | None = None
         self.victim = ""
         self.victim_gpu = ""
+        self.forge_stop: str | None = None
+        self.forged_stops = 0
+        self.members: dict[str, FrameChannel] = {}
+        self.forwarded = 0
+        self.listen_url = ""
 
     async def register(self) -> None:
         c = await HeartbeatClient.connect(self.wire_url, self.tokens.cluster or "", "node0")
@@ -84,10 +99,43 @@ class Attacker:
         self.seq += 1
         await self.client.exchange(NodeReport(node_id="node0", boot_id="attacker-boot", seq=self.seq, full=False))
 
+    async def beat_loop(self) -> None:
+        """Node A stays up (its own heartbeats, on its own connection)."""
+        while True:
+            await trio.sleep(0.2)
+            await self.beat()
+
     async def relay(self, n: trio.Nursery) -> None:
+        server = HeartbeatServer(self.tokens, _no_reports, frames=self)
+        self.listen_url = await n.start(server.run, "127.0.0.1:0")
         self.ch = await open_frames(self.wire_url, self.tokens.cluster or "", "node0",
-                                    relay=RelayHello(racks=[RACK], listen_url=None))
+                                    relay=RelayHello(racks=[RACK], listen_url=self.listen_url))
         n.start_soon(self.ch.run, self._frame)
+
+    # the members listener (FramesHost)
+    def opened(self, hello: Hello, channel: FrameChannel) -> Any:
+        self.members[hello.node_id] = channel
+        return self._member
+
+    def closed(self, channel: FrameChannel) -> None:
+        self.members.pop(channel.name, None)
+
+    def _member(self, ch: FrameChannel, f: Frame) -> Any:
+        if f.type == "report":
+            return self._forward(decode_payload(f, NodeReport))
+        return "error", {"error": "no"}
+
+    async def _forward(self, rep: NodeReport) -> tuple[str, WireReply]:
+        assert self.ch is not None
+        wr = decode_payload(await self.ch.call("report", rep, timeout_s=5), WireReply)
+        self.forwarded += 1
+        if self.forge_stop and wr.status == 200:  # "the placer says: stop it" (with A's MAC: all it has)
+            from scheduler_link.msgauth import with_stop_macs
+            fake = [Victim(workload_id=self.forge_stop, grace_s=0.5, reason="fenced: forged")]
+            fake = fake + with_stop_macs(self.mac_key, rep.node_id, rep.boot_id, fake)
+            wr = WireReply(status=200, reply=ReportReply(ok=True, stop=fake, heartbeat_interval_s=0.5))
+            self.forged_stops += 1
+        return "reply", wr
 
     def _frame(self, ch: FrameChannel, f: Frame) -> Any:
         if f.type != "bundle":
@@ -98,7 +146,7 @@ class Attacker:
         for p in parts:
             if p.node_id == "node0":
                 out.append(NodeOutcome(node_id="node0", placement_id=p.placement_id, outcome="accepted"))
-            else:  # B's outcome changed to "its GPU is broken", with A's MAC (A has no other)
+            else:  # B's part dropped, its outcome made up: "its GPU is broken", with A's MAC (A has no other)
                 self.victim = p.node_id
                 out.append(with_outcome_mac(self.mac_key, NodeOutcome(
                     node_id=p.node_id, placement_id=p.placement_id, outcome="refused_gpus",
@@ -111,17 +159,19 @@ async def test_a_node_with_another_nodes_identity_cannot_report_ack_or_place_for
     with trio.fail_after(120), RelayCluster(tmp_path, token_dir, relays=set(), heartbeat_s=0.5,
                                             recover_s=0.5) as c:
         api = Api(c, tokens)
-        b = await trio.to_thread.run_sync(c.start_agent, 1)        # node B: a real agent
         assert c.placer is not None
         atk = Attacker(c.placer.info["wire_url"], tokens)
         await atk.register()
         async with trio.open_nursery() as n:
+            n.start_soon(atk.beat_loop)
             await atk.relay(n)
+            await api.until(lambda: _candidates(api))
+            b = await trio.to_thread.run_sync(c.start_agent, 1)    # node B: a real agent, told A is its relay
 
             async def both_up() -> bool:
                 ns = await api.nodes()
                 return ns.get("node1", {}).get("state") == "up" and ns.get("node0", {}).get("state") == "up" \
-                    and (await api.relays())["candidates"] == 1
+                    and "node1" in atk.members and atk.forwarded > 2
 
             await api.until(both_up)
             before = (await api.nodes())["node1"]
@@ -156,23 +206,34 @@ async def test_a_node_with_another_nodes_identity_cannot_report_ack_or_place_for
             assert (await api.get("/v1/cluster"))["placer"]["bad_macs"] == bad0 + 4
 
             # nothing changed for B, and B's own reports still fit (no conflict from a jumped seq)
-            await atk.beat()
             after = (await api.nodes())["node1"]
             for k in ("state", "control_url", "data_url", "unhealthy_gpus", "free_gpus", "gpus"):
                 assert after[k] == before[k], (k, before[k], after[k])
-            await trio.sleep(1.5)  # three of B's heartbeats
+            await trio.sleep(1.5)  # three of B's heartbeats, forwarded by the attacker untouched
             st = await api.agent("node1", "/v1/status")
             assert st["link"]["conflicts"] == conflicts0 and st["link"]["registered"]
+            assert st["link"]["relay_url"] == atk.listen_url
+
+            # a part pushed to B by the relay that the placer never signed: B does not act on it
+            bch = atk.members["node1"]
+            uuids = [g["uuid"] for g in st["gpus"]["gpus"]]
+            fake = NodePart(placement_id="start:evil:1:node1", node_id="node1", job_id="evil", attempt=1,
+                            blob_id="ab" * 32, pods=[PartPod(workload_id="evil.1.0", rank=0, gpus=uuids[:1])],
+                            expires_at=time.time() + 30)
+            with pytest.raises(CallFailed):
+                await bch.call("part", fake, timeout_s=5)
+            st = await api.agent("node1", "/v1/status")
+            assert st["parts"]["not_authentic"] == 1 and st["parts"]["accepted"] == 0
 
             # 3. an ack for B changed on the way ("its GPU is broken", A's MAC): dropped; B is
             # pushed directly and runs its pod; B's GPUs stay healthy
-            await atk.beat()
             await api.submit(job_id="g", pods=2, gpus_per_pod=8, within="rack", argv=["sleep", "60"], grace_s=1.0)
 
             async def b_runs() -> bool:
                 ws = await api.workloads("node1")
                 return any(w["job_id"] == "g" and w["state"] == "running" for w in ws)
             await api.until(b_runs)
+            wid = next(w["workload_id"] for w in await api.workloads("node1") if w["job_id"] == "g")
             assert atk.bundles and atk.victim == "node1"
             rs = await api.relays()
             assert rs["fallback_nodes"] >= 1, rs
@@ -180,10 +241,18 @@ async def test_a_node_with_another_nodes_identity_cannot_report_ack_or_place_for
             node_b = (await api.nodes())["node1"]
             assert node_b["unhealthy_gpus"] == [] and node_b["state"] == "up"
 
-            # 4. placements to B that A could replay or make: bound to A, expired -- refused by B
+            # 4. a fencing stop made up by the relay in its answers to B (unMACed, and MACed with
+            # A's key): B does not stop its workload
+            atk.forge_stop = wid
+            await api.until(lambda: _forged(atk, 3))
+            st = await api.agent("node1", "/v1/status")
+            assert st["link"]["stops_refused"] >= 6 and st["link"]["stops_received"] == 0, st["link"]
+            assert [w["state"] for w in await api.workloads("node1") if w["workload_id"] == wid] == ["running"]
+            atk.forge_stop = None
+
+            # 5. placements to B that A could replay or make: bound to A, expired -- refused by B
             # (a real placer push to B carries node_id=node1 and an expiry; shown accepted above)
             async with httpx.AsyncClient(base_url=b.url, headers=auth_header(tokens.placer), timeout=10) as cl:
-                uuids = [g["uuid"] for g in st["gpus"]["gpus"]]
                 for p, outcome in (
                         (Placement(placement_id="start:x:1:node0", job_id="x", argv=["true"], node_id="node0",
                                    attempt=1, expires_at=time.time() + 30,
@@ -196,3 +265,11 @@ async def test_a_node_with_another_nodes_identity_cannot_report_ack_or_place_for
                     assert r.status_code == 409 and ack.outcome == outcome, ack
             assert not [w for w in await api.workloads("node1") if w["job_id"] == "x"]
             n.cancel_scope.cancel()
+
+
+async def _candidates(api: Api) -> bool:
+    return (await api.relays())["candidates"] == 1
+
+
+async def _forged(atk: Attacker, n: int) -> bool:
+    return atk.forged_stops >= n

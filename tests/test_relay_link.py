@@ -37,7 +37,7 @@ from scheduler_link.messages import (
     WorkloadEvent,
     encode_gang_blob,
 )
-from scheduler_link.msgauth import BundleSigner, BundleVerifier, beat_mac, node_key, report_ok
+from scheduler_link.msgauth import BundleSigner, BundleVerifier, beat_mac, node_key, report_ok, with_stop_macs
 
 RACK = "z1/b1/r1"
 
@@ -59,6 +59,7 @@ class FakePlacer:
         self.signer = BundleSigner.generate()
         self.master = b"k" * 32
         self.bad_macs = 0
+        self.stops: list[Victim] = []     # fencing stops for the next relayed answer (as given)
 
     def _log(self, node: str, kind: str, seq: int, full: bool) -> None:
         self.seen.setdefault(node, []).append((kind, seq, full))
@@ -83,7 +84,11 @@ class FakePlacer:
             self.bad_macs += 1
             return WireReply(status=401, error="bad MAC")
         self._log(rep.node_id, "relayed", rep.seq, rep.full)
-        return WireReply(status=200, reply=self._reply(rep))
+        r = self._reply(rep)
+        if self.stops:
+            r = ReportReply(heartbeat_interval_s=0.2, stop=self.stops)
+            self.stops = []
+        return WireReply(status=200, reply=r)
 
     def bundle(self, **kw: Any) -> Any:
         return self.signer.bundle(**{"rack": RACK, "parts": [], "deliver_by": time.time() + 2, **kw})
@@ -129,11 +134,14 @@ class FakePlacer:
 
 
 class Hooks:
+    def __init__(self) -> None:
+        self.stopped: list[str] = []
+
     def full_report(self) -> NodeReport:
         return NodeReport(node_id="", boot_id="", seq=0, full=True, snapshot=GpuSnapshot())
 
     async def stop_workloads(self, victims: list[Victim]) -> None:
-        pass
+        self.stopped += [v.workload_id for v in victims]
 
     def gpu_snapshot(self) -> GpuSnapshot:
         return GpuSnapshot()
@@ -317,4 +325,35 @@ async def test_members_content_reports_go_up_batched_and_in_order(tmp_path: Path
             assert frames < 24 if batches else frames >= 24, frames
             for link in links:
                 assert _in_order(placer.seen[link.node_id]), placer.seen[link.node_id]
+            n.cancel_scope.cancel()
+
+
+async def test_a_member_applies_only_the_stops_the_placer_macd_for_it(tmp_path: Path, token_dir: Path):
+    """Fencing stops in a relayed answer: one MACed by the placer with the member's key is
+    applied; one without a MAC, or MACed with another node's key, is refused and counted."""
+    tokens = TokenSet.load(token_dir)
+    placer = FakePlacer(tokens)
+    hooks = Hooks()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            placer.url = await n.start(placer.server.run, "127.0.0.1:0")
+            relay = _relay(tokens, "r1", placer, [])
+            placer.relay_url = await n.start(relay.run)
+            await placer.until(lambda: "r1" in placer.relays, "relay up")
+            link = AgentLink("http://127.0.0.1:9", tokens.cluster, "m1", hooks, heartbeat_s=0.2,
+                             wire_url=placer.url, request_timeout_s=2.0)
+            await n.start(link.run)
+            await placer.until(lambda: link.statistics()["relay_url"] == relay.listen_url, "through r1")
+            key = node_key(placer.master, "m1", link.boot_id)
+            other = node_key(placer.master, "m2", link.boot_id)
+            placer.stops = [Victim(workload_id="w-plain"), *with_stop_macs(other, "m1", link.boot_id,
+                                                                           [Victim(workload_id="w-other")]),
+                            *with_stop_macs(key, "m1", link.boot_id, [Victim(workload_id="w-real")])]
+            link.notify(WorkloadEvent(workload_id="w", job_id="j", state="running", at=time.time()))
+            await placer.until(lambda: not placer.stops, "answered")
+            with trio.fail_after(5):
+                while not hooks.stopped:
+                    await trio.sleep(0.01)
+            assert hooks.stopped == ["w-real"]
+            assert link.statistics()["stops_refused"] == 2
             n.cancel_scope.cancel()
