@@ -73,7 +73,7 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
         r = await c.get(f"{placer.url}/v1/cluster", params={"detail": "0"})
         fc = r.json().get("framed_channel", {})
         row["framed_channel"] = {k: fc.get(k) for k in ("connections", "open_connections", "refused",
-                                                         "tls_refused", "wrong_node")}
+                                                         "tls_refused", "tls_refusals", "wrong_node")}
     return row
 
 

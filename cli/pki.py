@@ -29,7 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("dir", help="the PKI dir (holding ca.key)")
     who = s.add_mutually_exclusive_group(required=True)
     who.add_argument("--node", metavar="NODE_ID", help="a node: writes DIR/nodes/NODE_ID/{ca.crt,node.crt,node.key}")
-    who.add_argument("--role", choices=("viewer", "metrics", "operator"), help="a client certificate: DIR/ROLE.crt")
+    who.add_argument("--role", choices=("viewer", "metrics", "operator", "placer"),
+                     help="a client certificate, or the placer's (a re-issue): DIR/ROLE.crt")
     s.add_argument("--san", action="append", default=[], metavar="NAME",
                    help="the host's DNS names or IPs (repeatable)")
     s.add_argument("--days", type=int, default=pki.NODE_DAYS, help=f"validity (default {pki.NODE_DAYS})")
@@ -69,7 +70,7 @@ def cmd_issue(args: argparse.Namespace) -> int:
         out = pki.issue_node(args.dir, args.node, days=args.days, names=args.san)
         print(f"{out}/node.crt for node:{args.node} (copy {out}/ to the host's tls_dir, e.g. /etc/herd/tls)")
     else:
-        crt = pki.issue_role(args.dir, args.role, days=args.days)
+        crt = pki.issue_role(args.dir, args.role, days=args.days, names=args.san)
         print(f"{crt} for {args.role}")
     return 0
 

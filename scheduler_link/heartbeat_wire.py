@@ -141,12 +141,20 @@ class HeartbeatServer:
     def __init__(self, tokens: TokenSet, ingest: Ingest, *, hello_timeout_s: float = 10.0,
                  max_connections: int | None = None, frames: FramesHost | None = None,
                  ssl_context: ssl.SSLContext | None = None, require_certs: bool = False,
-                 token_use: Any = None) -> None:
+                 token_use: Any = None, handshakes: int = 256, handshake_queue_s: float = 60.0) -> None:
         self.tokens = tokens
+        # Handshakes cost the placer's one thread ~1.5-3 ms of CPU each. A registration storm
+        # (every agent reconnecting at once) run all at once would finish them all late, past
+        # the deadline, and their retries would feed the storm: a few at a time, in arrival
+        # order, each within hello_timeout_s once it has a slot; a connection waits for a slot
+        # at most handshake_queue_s (it holds a socket meanwhile, bounded by max_connections).
+        self._handshakes = trio.CapacityLimiter(max(1, handshakes))
+        self.handshake_queue_s = handshake_queue_s
         self.ssl_context = ssl_context
         self.require_certs = require_certs
         self.token_use = token_use      # scheduler_link.authz.TokenUse (accept_tokens), or None
         self.tls_refused = 0            # failed or timed-out handshakes
+        self.tls_refusals: dict[str, int] = {}   # ... by cause (queue, timeout, peer, certificate, plain)
         self.wrong_node = 0             # a node certificate speaking for another node
         self.ingest = ingest
         self.frames_host = frames
@@ -170,7 +178,8 @@ class HeartbeatServer:
                 "relay_connections": self.relay_connections, "frames_connections": self.frames_connections,
                 "refused": self.refused, "over_cap": self.over_cap,
                 "hello_timeouts": self.hello_timeouts, "ingest_errors": self.ingest_errors,
-                "tls_refused": self.tls_refused, "wrong_node": self.wrong_node}
+                "tls_refused": self.tls_refused, "wrong_node": self.wrong_node,
+                "tls_refusals": dict(self.tls_refusals)}
 
     async def run(self, listen: str, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         host, _, port = listen.rpartition(":")
@@ -212,14 +221,20 @@ class HeartbeatServer:
     async def _tls_accept(self, stream: trio.SocketStream) -> trio.SSLStream[trio.SocketStream] | None:
         assert self.ssl_context is not None
         s = trio.SSLStream(stream, self.ssl_context, server_side=True)
-        why = "handshake timed out"
-        with trio.move_on_after(self.hello_timeout_s):
-            try:
-                await tls.handshake(s)
-                return s
-            except tls.TLSError as e:
-                why = str(e)
+        why = "no handshake slot in time"
+        with trio.move_on_after(self.handshake_queue_s):
+            async with self._handshakes:
+                why = "handshake timed out"
+                with trio.move_on_after(self.hello_timeout_s):
+                    try:
+                        await tls.handshake(s)
+                        return s
+                    except tls.TLSError as e:
+                        why = str(e)
         self.tls_refused += 1
+        cause = ("queue" if why.startswith("no handshake slot") else "timeout" if why.startswith("handshake timed")
+                 else "plain" if "does not speak TLS" in why else "certificate" if "certificate" in why else "peer")
+        self.tls_refusals[cause] = self.tls_refusals.get(cause, 0) + 1
         log.info("framed channel: TLS handshake refused client=%s: %s", tls.peer_address(stream), why)
         if "does not speak TLS" in why:
             with trio.move_on_after(0.5):

@@ -245,10 +245,12 @@ def issue_node(d: str | os.PathLike[str], node_id: str, *, days: int = NODE_DAYS
     return out
 
 
-def issue_role(d: str | os.PathLike[str], principal: str, *, days: int = NODE_DAYS) -> Path:
-    """A client certificate for ``viewer`` / ``metrics`` / ``operator`` into ``DIR/<kind>.{crt,key}``."""
+def issue_role(d: str | os.PathLike[str], principal: str, *, days: int = NODE_DAYS,
+               names: Iterable[str] = ()) -> Path:
+    """A certificate for ``viewer`` / ``metrics`` / ``operator`` (client) or ``placer`` (a
+    re-issue; server names ``names`` + loopback + hostname) into ``DIR/<kind>.{crt,key}``."""
     ca = CA.load(d)
-    k, c = ca.issue(principal, days=days)
+    k, c = ca.issue(principal, days=days, names=[*names, *default_names()] if principal == "placer" else ())
     name = principal.replace(":", "-")
     write_pair(Path(d), name, k, c)
     return Path(d) / f"{name}.crt"

@@ -333,3 +333,27 @@ def test_client_contexts_check_only_our_ca(tls_pki):
     assert ctx.minimum_version == ssl.TLSVersion.TLSv1_3 and ctx.verify_mode == ssl.CERT_REQUIRED
     sctx = tls.server_context(tls_pki.files("placer"), client_cert="optional")
     assert sctx.verify_mode == ssl.CERT_OPTIONAL
+
+
+async def test_the_cli_refuses_a_node_posing_as_the_placer(tls_pki):
+    """A node's certificate is signed by the same CA and may carry the placer host's address:
+    the CLI checks the principal, not only the chain and the name."""
+    from scheduler_link.http import App, json_response
+
+    async def jobs(req):
+        return json_response({"jobs": [], "total": 0, "offset": 0})
+    app = App()
+    app.add("GET", "/v1/jobs", jobs)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            url = await n.start(lambda **kw: serve(app, "127.0.0.1:0", **kw,
+                                                   ssl_context=tls.server_context(tls_pki.files("node:n0"),
+                                                                                  client_cert="optional")))
+
+            def ask() -> str:
+                with pytest.raises(ClientError) as e, PlacerClient(
+                        url, "tok", ssl_context=tls.client_context(tls_pki.ca)) as c:
+                    c.jobs()
+                return str(e.value)
+            assert "certificate of node:n0, not of the placer" in await trio.to_thread.run_sync(ask)
+            n.cancel_scope.cancel()
