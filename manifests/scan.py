@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,8 +50,13 @@ def _kind_name(mode: int) -> str:
     return "special file"
 
 
-def scan_tree(root: Path, params: ChunkerParams | None = None) -> ScanResult:
+def scan_tree(root: Path, params: ChunkerParams | None = None, *,
+              on_chunks: Callable[[list[tuple[str, ChunkSource]]], None] | None = None) -> ScanResult:
     """Chunk and describe every entry under ``root`` (which is not itself listed).
+
+    ``on_chunks``: called (in the scanning thread) after each file with the chunks first
+    seen in it, so a caller can start on them (publish uploads them) while the scan goes
+    on. The manifest itself exists only once the whole tree was scanned and validated.
 
     Raises ManifestError (ChunkerUnavailable if the kernel is missing) naming the offending path;
     nothing is returned for a tree that cannot be represented exactly.
@@ -99,9 +105,13 @@ def scan_tree(root: Path, params: ChunkerParams | None = None) -> ScanResult:
             if stat.S_ISREG(mode):
                 refs = _chunk_path(de.path, st, params)
                 files.append((rel, normalise_file_mode(mode), [(r.id, r.size) for r in refs]))
+                fresh: list[tuple[str, ChunkSource]] = []
                 for r in refs:
                     if r.id not in sources:
-                        sources[r.id] = ChunkSource(Path(de.path), r.offset, r.size)
+                        src = sources[r.id] = ChunkSource(Path(de.path), r.offset, r.size)
+                        fresh.append((r.id, src))
+                if on_chunks is not None and fresh:
+                    on_chunks(fresh)
             elif stat.S_ISDIR(mode):
                 others.append((rel, "dir", ""))
                 stack.append((de.path, rel))

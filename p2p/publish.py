@@ -22,9 +22,11 @@ manifest is not noticed here; ``herd artifact verify`` finds it)."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -137,36 +139,78 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
     if not root.is_dir():
         raise P2PError(f"not a directory: {root}")
     t0 = time.perf_counter()
+    # A pipeline, so the disk and the origin work while the tree is still being scanned:
+    # the scan (a worker thread) hands each file's new chunks over a channel; one task
+    # (once the recent refs are known) asks the origin about those no recent manifest
+    # names, in batches of whatever has queued up; uploaders put the missing ones.
     found: list[RecentRefs] = []
     scanned: list[ScanResult] = []
+    learned = trio.Event()
+    batches_in, batches_out = trio.open_memory_channel[list[tuple[str, ChunkSource]]](64)
+    uploads_in, uploads_out = trio.open_memory_channel[tuple[str, ChunkSource]](math.inf)
+    unknown: list[str] = []
+    uploaded: dict[str, int] = {}
+    done = {"bytes": 0, "total": 0}
+
+    def on_chunks(batch: list[tuple[str, ChunkSource]]) -> None:   # the scanning thread
+        trio.from_thread.run(batches_in.send, batch)
+
+    async def scan_it() -> None:
+        with batches_in:
+            scanned.append(await trio.to_thread.run_sync(partial(scan_tree, root, params, on_chunks=on_chunks)))
 
     async def learn() -> None:
         found.append(await recent_refs(origin, name, dedup_refs))
+        learned.set()
 
-    async def scan_it() -> None:
-        scanned.append(await trio.to_thread.run_sync(scan_tree, root, params))
+    async def check() -> None:
+        with batches_out, uploads_in:   # closing batches_out frees a scan blocked on a full channel
+            await learned.wait()
+            known = found[0].chunks
+            async for batch in batches_out:
+                items = list(batch)
+                while True:   # everything queued meanwhile: one existence check for all of it
+                    try:
+                        items.extend(batches_out.receive_nowait())
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                ask = [(cid, src) for cid, src in items if cid not in known]
+                if not ask:
+                    continue
+                unknown.extend(cid for cid, _ in ask)
+                missing = await origin.missing([cid for cid, _ in ask])
+                for cid, src in ask:
+                    if cid in missing:
+                        done["total"] += src.size
+                        uploads_in.send_nowait((cid, src))
 
-    # scan and learn from the recent refs at once; the first failure raised as itself
-    await run_pool([scan_it, learn], lambda job: job(), 2)
+    async def put(cid: str, src: ChunkSource, *, again: bool = False) -> None:
+        data = await trio.to_thread.run_sync(read_source, cid, src)
+        await origin.put_chunk(cid, data)
+        if again:   # put back after the ref (see the module's header): not counted as new
+            return
+        uploaded[cid] = src.size
+        done["bytes"] += src.size
+        if progress is not None:
+            progress(done["bytes"], done["total"])
+
+    async def uploader() -> None:
+        async for cid, src in uploads_out:
+            await put(cid, src)
+
+    # the first failure is raised as itself (and cancels the rest: a blocked scan is freed)
+    await run_pool([scan_it, learn, check] + [uploader] * max(1, concurrency), lambda job: job(),
+                   3 + max(1, concurrency))
     recent, scan = found[0], scanned[0]
     m = scan.manifest
     ids = [c.id for c in m.chunks]
-    unknown = [cid for cid in ids if cid not in recent.chunks]
-    missing = await origin.missing(unknown)
-    todo = [c for c in m.chunks if c.id in missing]
-    total = sum(c.size for c in todo)
-    done = {"bytes": 0}
-    log.info("publish name=%s manifest=%s chunks=%d known_from_refs=%d checked=%d missing=%d bytes_to_upload=%d",
-             name, m.id, len(ids), len(ids) - len(unknown), len(unknown), len(todo), total)
+    total = sum(uploaded.values())
+    log.info("publish name=%s manifest=%s chunks=%d known_from_refs=%d checked=%d uploaded=%d bytes_uploaded=%d",
+             name, m.id, len(ids), len(ids) - len(unknown), len(unknown), len(uploaded), total)
 
     async def upload(c: Chunk) -> None:
-        data = await trio.to_thread.run_sync(read_source, c.id, scan.sources[c.id])
-        await origin.put_chunk(c.id, data)
-        done["bytes"] += c.size
-        if progress is not None:
-            progress(done["bytes"], total)
+        await put(c.id, scan.sources[c.id], again=True)
 
-    await run_pool(todo, upload, concurrency)
     raw = encode_manifest(m)
     await origin.put_manifest(m.id, raw, ref=name)
     await origin.set_ref(name, m.id)
@@ -187,6 +231,6 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
         await origin.put_manifest(m.id, raw, ref=name)
     files = sum(1 for e in m.entries if e.kind == "file")
     return PublishStats(manifest=m.id, name=name, files=files, bytes=m.total_size, chunks=len(m.chunks),
-                        chunks_uploaded=len(todo), bytes_uploaded=total,
+                        chunks_uploaded=len(uploaded), bytes_uploaded=total,
                         seconds=round(time.perf_counter() - t0, 6), dedup_refs=sorted(recent.refs),
                         chunks_known=len(ids) - len(unknown), chunks_checked=len(unknown))

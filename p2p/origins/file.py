@@ -1,8 +1,9 @@
 """``file:///dir`` origin: the bucket layout in a local (or NFS) directory.
 
 Writes are atomic (temp file in the same directory + rename). Chunk files are
-fsynced in a batch (``_flush``) before a manifest or ref is written that refers
-to them; manifests and refs are fsynced with their directory at once.
+fsynced in a batch (``_flush``, concurrently) before a manifest or ref is written that
+refers to them, and every ``SYNC_EVERY_BYTES`` while uploading (so the disk works while
+publish does); manifests and refs are fsynced with their directory at once.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 import trio
 
 from ..errors import NotFoundError, OriginError
+from ..store import fsync_paths
 from .base import HEX64, ObjectInfo, Origin
 
 
@@ -36,10 +38,13 @@ def _fsync_path(path: str | os.PathLike[str], directory: bool = False) -> None:
 
 
 class FileOrigin(Origin):
+    SYNC_EVERY_BYTES = 64 << 20   # chunk bytes written between batched fsyncs
+
     def __init__(self, root: str | os.PathLike[str], url: str | None = None) -> None:
         self.root = Path(root)
         super().__init__(url or f"file://{self.root}")
         self._pending: list[Path] = []
+        self._pending_bytes = 0
 
     def _path(self, key: str) -> Path:
         return self.root / key
@@ -97,13 +102,23 @@ class FileOrigin(Origin):
             raise self._oserror(e, key, "write") from None
         if not durable:
             self._pending.append(path)
+            self._pending_bytes += len(data)
+            if self._pending_bytes >= self.SYNC_EVERY_BYTES:
+                # fsync in batches while uploading (this uploader waits, the others go
+                # on), so the disk works meanwhile and little is left for _flush
+                batch, self._pending, self._pending_bytes = self._pending, [], 0
+                try:
+                    await trio.to_thread.run_sync(fsync_paths, [str(p) for p in batch])
+                except OSError as e:
+                    self._pending = batch + self._pending
+                    raise self._oserror(e, "chunks", "sync") from None
 
     async def _flush(self) -> None:
-        pending, self._pending = self._pending, []
+        pending, self._pending, self._pending_bytes = self._pending, [], 0
 
         def sync() -> None:
-            for p in pending:
-                _fsync_path(p)
+            # concurrent fsyncs: the filesystem folds them into few journal commits
+            fsync_paths([str(p) for p in pending])
             if pending:
                 _fsync_path(self.root / "chunks", directory=True)
 

@@ -1,0 +1,201 @@
+"""Publish and fetch throughput against the disk's own speed, on the artifacts bench tree.
+
+    python -m bench.publish [--size-mb 1024] [--repeat 3] [--json]
+
+The tree is ``bench.artifacts.generate_v1`` (2 large files, 10 medium, 1 MiB files, 100
+small ones). Phases, alternated over ``--repeat`` rounds (each round reverses the order of
+the one before), each starting from a settled disk (what the phase before wrote is
+removed, then ``sync``):
+
+- ``publish``: :func:`p2p.publish.publish` of the tree to a new, empty file:// origin
+  (what ``herd artifact publish`` runs: scan, upload what is missing, batched fsyncs, then
+  the manifest and the ref). It must write the tree's bytes once.
+- ``fetch``: what ``herd artifact fetch`` runs, from that origin into an empty store:
+  :func:`p2p.fetch.fetch_artifact` (read, verify, store, batched fsync, mark complete),
+  then ``ChunkStore.materialise`` (the tree, fsynced before it is renamed into place). It
+  must write the bytes twice (store and tree).
+- ``write_1x`` / ``write_2x``: the baseline, a durable sequential write of those bytes in
+  8 MiB blocks to one new file, then one fsync (the disk's best case).
+- ``casync``: ``casync make`` of the same tree into a new chunk store, where casync is
+  installed (skipped, and said so, where not).
+
+Figures (medians): ``publish_mb_s`` (tree bytes / s), ``fetch_mb_s`` (tree bytes / s),
+``write_mb_s`` (bytes written / s), ``publish_vs_write`` = publish MB/s / write_1x MB/s
+and ``fetch_vs_write`` = fetch's written bytes (2x) per second / write_2x MB/s (targets
+>= 0.8), ``publish_vs_casync`` (goal >= 3).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import trio
+
+from bench.artifacts import _force_rm, generate_v1
+from p2p.fetch import fetch_artifact
+from p2p.origins import FileOrigin
+from p2p.publish import publish
+from p2p.store import ChunkStore
+
+MiB = 1 << 20
+TARGETS = {"publish_vs_write": (">=", 0.8), "fetch_vs_write": (">=", 0.8), "publish_vs_casync": (">=", 3.0)}
+
+
+def durable_write(path: Path, nbytes: int) -> float:
+    """Write ``nbytes`` sequentially (8 MiB blocks) to a new file and fsync it; seconds."""
+    block = os.urandom(8 * MiB)
+    view = memoryview(block)
+    t = time.perf_counter()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        left = nbytes
+        while left > 0:
+            left -= os.write(fd, view[:min(left, len(block))])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    os.fsync(dfd)
+    os.close(dfd)
+    return time.perf_counter() - t
+
+
+def _settle(*paths: Path) -> None:
+    for p in paths:
+        if p.is_file():
+            p.unlink()
+        else:
+            _force_rm(p)
+    os.sync()
+
+
+def run(size_mb: int, repeat: int, workdir: Path, log: Any) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="bench-publish-", dir=workdir))
+    try:
+        tree = work / "tree"
+        files = generate_v1(tree, size_mb * MiB, np.random.default_rng(14))
+        nbytes = sum(p.stat().st_size for p in files)
+        log(f"tree: {len(files)} files, {nbytes / MiB:.0f} MiB")
+        casync = shutil.which("casync")
+        times: dict[str, list[float]] = {"publish": [], "fetch": [], "write_1x": [], "write_2x": []}
+        if casync:
+            times["casync"] = []
+        origin_dir = work / "origin"
+        manifest = ""
+
+        async def do_publish() -> float:
+            nonlocal manifest
+            t = time.perf_counter()
+            st = await publish(tree, FileOrigin(origin_dir), "bench:v1")
+            manifest = st.manifest
+            return time.perf_counter() - t
+
+        async def do_fetch() -> float:
+            store = ChunkStore(work / "store")
+            t = time.perf_counter()
+            await fetch_artifact(store, manifest, FileOrigin(origin_dir))
+            await trio.to_thread.run_sync(store.materialise, manifest)
+            return time.perf_counter() - t
+
+        def phase(name: str) -> float:
+            if name == "publish":
+                _settle(origin_dir)
+                return trio.run(do_publish)
+            if name == "fetch":
+                if not manifest:
+                    _settle(origin_dir)
+                    trio.run(do_publish)
+                _settle(work / "store")
+                s = trio.run(do_fetch)
+                _settle(work / "store")
+                return s
+            if name.startswith("write_"):
+                n = nbytes * int(name[-2])
+                _settle(work / "w.bin")
+                s = durable_write(work / "w.bin", n)
+                _settle(work / "w.bin")
+                return s
+            _settle(work / "casync")
+            (work / "casync").mkdir()
+            t = time.perf_counter()
+            subprocess.run([str(casync), "make", f"--store={work / 'casync' / 'store'}",
+                            str(work / "casync" / "index.caidx"), str(tree)],
+                           check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            s = time.perf_counter() - t
+            _settle(work / "casync")
+            return s
+
+        # publish runs before fetch in each round (fetch reads the origin publish made)
+        order = [k for k in times]
+        for r in range(repeat):
+            seq = order if r % 2 == 0 else ["publish", "fetch"] + [k for k in order[::-1] if k not in
+                                                                   ("publish", "fetch")]
+            for name in seq:
+                times[name].append(phase(name))
+                log(f"round {r} {name:9s} {times[name][-1]:7.2f}s")
+        med = {k: statistics.median(v) for k, v in times.items()}
+        mb = nbytes / 1e6
+        out: dict[str, Any] = {
+            "size_mb": round(nbytes / MiB, 1), "files": len(files), "repeat": repeat,
+            "publish_mb_s": round(mb / med["publish"], 1), "fetch_mb_s": round(mb / med["fetch"], 1),
+            "write_1x_mb_s": round(mb / med["write_1x"], 1), "write_2x_mb_s": round(2 * mb / med["write_2x"], 1),
+            "publish_vs_write": round(med["write_1x"] / med["publish"], 3),
+            "fetch_vs_write": round(med["write_2x"] / med["fetch"], 3),
+            "seconds": {k: round(v, 3) for k, v in med.items()},
+        }
+        if casync:
+            out["casync_mb_s"] = round(mb / med["casync"], 1)
+            out["publish_vs_casync"] = round(med["casync"] / med["publish"], 3)
+        else:
+            out["casync_skipped"] = "casync is not installed (Debian package casync)"
+        out["targets_met"] = {k: (out[k] >= v if op == ">=" else out[k] <= v)
+                              for k, (op, v) in TARGETS.items() if k in out}
+        out["load_avg"] = [round(x, 2) for x in os.getloadavg()]
+        return out
+    finally:
+        _force_rm(work)
+
+
+def _table(r: dict[str, Any]) -> str:
+    lines = [f"publish / fetch of a {r['size_mb']} MiB tree ({r['files']} files), file:// origin, "
+             f"medians of {r['repeat']}; load {r['load_avg']}",
+             f"  publish  {r['publish_mb_s']:8.1f} MB/s  vs durable write 1x {r['write_1x_mb_s']:8.1f} MB/s"
+             f"  -> {r['publish_vs_write']:.2f} (target >= 0.8)",
+             f"  fetch    {r['fetch_mb_s']:8.1f} MB/s  (writes 2x) vs durable write 2x {r['write_2x_mb_s']:8.1f} MB/s"
+             f"  -> {r['fetch_vs_write']:.2f} (target >= 0.8)"]
+    if "casync_mb_s" in r:
+        lines.append(f"  casync make {r['casync_mb_s']:8.1f} MB/s -> publish is {r['publish_vs_casync']:.2f}x (goal >= 3)")
+    else:
+        lines.append(f"  casync: {r['casync_skipped']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.publish", description=__doc__.splitlines()[0])
+    ap.add_argument("--size-mb", type=int, default=1024)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+
+    def log(msg: str) -> None:
+        print(f"[bench.publish] {msg}", file=sys.stderr, flush=True)
+
+    r = run(a.size_mb, a.repeat, Path(a.workdir or tempfile.gettempdir()), log)
+    print(json.dumps(r, indent=2) if a.json else _table(r))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
