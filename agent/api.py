@@ -51,6 +51,7 @@ from scheduler_link.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from scheduler_link.version import PACKAGE_VERSION as _VERSION
 
 from .errors import AgentError, UnknownWorkload
+from .gpus.faults import Fault, decode_fault
 from .logs import follow as follow_log
 from .metrics import AgentMetrics
 from .placement import check_binding
@@ -159,10 +160,6 @@ def build_app(agent: Agent) -> App:
 
     async def inject(req: Request) -> Response:
         """Feed a raw fault signal (XID, counters, lost GPU) into a simulated GPU's data path."""
-        try:
-            from agent.gpus import decode_fault  # helper C's module
-        except ImportError:
-            raise HTTPError(503, "fault injection unavailable", "the GPU module is not installed") from None
         try:
             fault = decode_fault(req.body)
         except (ValueError, msgspec.ValidationError, msgspec.DecodeError) as e:
@@ -305,10 +302,6 @@ def _route_docs() -> dict[tuple[str, str], RouteDoc]:
     docs[("POST", "/v1/store/evict")] = RouteDoc(
         body=_EvictBody, responses={200: EvictReport},
         errors={404: "not in this store", 409: "in use by a live workload", 503: "no store"})
-    try:
-        from agent.gpus.faults import Fault
-    except ImportError:   # without the GPU module the route answers 503
-        return docs
     inject = ("POST", "/v1/gpus/{uuid}/inject")
     docs[inject] = dataclasses.replace(docs[inject], body=Fault)
     return docs

@@ -166,11 +166,9 @@ def cmd_place(args: argparse.Namespace) -> int:
 def _resolve(ref: str, origin_url: str) -> str:
     import trio
 
-    try:
-        from p2p.origins import open_origin
-        from p2p.origins.base import is_manifest_id
-    except ImportError as e:
-        raise CliError(f"artifact support unavailable: {e}") from None
+    from p2p.origins import open_origin
+    from p2p.origins.base import is_manifest_id
+
     if is_manifest_id(ref):
         return ref
 
