@@ -30,6 +30,8 @@ soak: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.artifacts
+	$(BIN)/python -m bench.node
+	$(BIN)/python -m bench.publish
 	$(BIN)/python -m bench.gpus
 	$(BIN)/python -m bench.agent
 	$(BIN)/python -m bench.placer

@@ -30,6 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 QUICK: dict[str, list[str]] = {
     "bench.artifacts": ["--size-mb", "16", "--repeat", "1"],
+    "bench.node": ["--mib", "32", "--repeat", "1"],
+    "bench.publish": ["--size-mb", "16", "--repeat", "1"],
     "bench.gpus": ["--polls", "30", "--seconds", "1"],
     "bench.agent": ["--quick"],
     "bench.placer": ["--gpus", "4096", "--reps", "3", "--naive-jobs", "10"],
