@@ -55,7 +55,7 @@ from scheduler_link.messages import (
     RackReports,
 )
 
-from .attempts import Outcome
+from .attempts import ACCEPTED, Outcome
 from .records import Push
 
 if TYPE_CHECKING:
@@ -356,7 +356,8 @@ class RelayHub:
                             o = None   # as if left out: pushed directly
                     if o is not None and o.placement_id == p.placement_id and p.node_id not in done:
                         n_new += 1
-                        record(p, Outcome(o.outcome, tuple(o.refused_gpus), o.detail))
+                        record(p, ACCEPTED if o.outcome == "accepted" and not o.refused_gpus and o.detail is None
+                               else Outcome(o.outcome, tuple(o.refused_gpus), o.detail))  # (one shared, mostly)
                 self.stats.relayed_nodes += n_new
                 return n_new
 
