@@ -7,8 +7,8 @@ interrupted fetch resumes where it stopped. Only when every chunk is present are
 the chunk files synced and the manifest marked complete. While the fetch runs the
 manifest is pinned, so quota eviction cannot undo its progress.
 
-Single-flight: concurrent fetches into one store share one download per chunk
-through ``store.inflight`` (touched only from the trio thread).
+Single-flight (:class:`p2p.flight.SingleFlight`, over ``store.inflight``): concurrent
+fetches into one store, origin-only or through the herd, share one download per chunk.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -25,6 +26,7 @@ from manifests import Manifest
 from scheduler_link.messages import PeerTable
 
 from .errors import IntegrityError
+from .flight import SingleFlight
 from .origins import Origin, check_hex_id
 from .pool import run_pool
 from .store import ChunkStore, manifest_chunks
@@ -49,20 +51,14 @@ async def load_manifest(store: ChunkStore, manifest_id: str, origin: Origin) -> 
     """The manifest from the store, else from the origin (verified by id, then stored;
     one download however many fetches want it at once)."""
     check_hex_id(manifest_id, "manifest id")
-    key = f"manifest:{manifest_id}"
-    while not store.has_manifest(manifest_id):
-        ev = store.inflight.get(key)
-        if ev is not None:
-            await ev.wait()
-            continue
-        ev = store.inflight[key] = trio.Event()
-        try:
-            data = await origin.get_manifest(manifest_id)
-            return await trio.to_thread.run_sync(store.put_manifest, manifest_id, data)
-        finally:
-            del store.inflight[key]
-            ev.set()
-    return await trio.to_thread.run_sync(store.get_manifest, manifest_id)
+
+    async def download() -> Manifest:
+        data = await origin.get_manifest(manifest_id)
+        return await trio.to_thread.run_sync(store.put_manifest, manifest_id, data)
+
+    got = await SingleFlight(store.inflight).run(f"manifest:{manifest_id}",
+                                                 partial(store.has_manifest, manifest_id), download)
+    return got if got is not None else await trio.to_thread.run_sync(store.get_manifest, manifest_id)
 
 
 async def fetch_artifact(store: ChunkStore, manifest_id: str, origin: Origin, *,
@@ -92,25 +88,21 @@ async def fetch_artifact(store: ChunkStore, manifest_id: str, origin: Origin, *,
         if progress is not None:
             progress(state["done"], total)
 
+        flight = SingleFlight(store.inflight)
+
+        async def download(cid: str, size: int) -> bool:
+            data = await origin.get_chunk(cid, size)   # read no more than the manifest promises
+            if len(data) != size:
+                raise IntegrityError(f"origin chunk {cid} is {len(data)} bytes, expected {size}")
+            await trio.to_thread.run_sync(store.put_chunk, cid, data)
+            return True
+
         async def one(cid: str) -> None:
             size = sizes[cid]
-            while not store.has_chunk(cid):
-                ev = store.inflight.get(cid)
-                if ev is not None:  # someone else is downloading it: wait for them
-                    await ev.wait()
-                    continue
-                ev = store.inflight[cid] = trio.Event()
-                try:
-                    data = await origin.get_chunk(cid, size)   # read no more than the manifest promises
-                    if len(data) != size:
-                        raise IntegrityError(f"origin chunk {cid} is {len(data)} bytes, expected {size}")
-                    await trio.to_thread.run_sync(store.put_chunk, cid, data)
-                finally:
-                    del store.inflight[cid]
-                    ev.set()
+            # someone else downloading it (or done already): wait for them
+            if await flight.run(cid, partial(store.has_chunk, cid), partial(download, cid, size)):
                 state["origin"] += size
                 state["chunks"] += 1
-                break
             else:
                 state["shared"] += size
             state["done"] += size

@@ -51,6 +51,8 @@ from scheduler_link.messages import Peer, PeerTable
 from scheduler_link.metrics import family, text_of
 
 from .errors import IntegrityError, NotFoundError, OriginError, PeerError
+from .fetchrun import OWN, REST, FetchRun
+from .flight import SingleFlight
 from .origins import Origin
 from .peers import PeerBusy, PeerClient, PeerClientConfig, PeerCorrupt, PeerHealth, PeerMissing
 from .ratelimit import AsyncBucket
@@ -148,40 +150,6 @@ class _Notes:
         self.retry_s = 0.0     # the longest Retry-After a busy source asked for
 
 
-class _Feed:
-    """A fetch run's two queues — chunks this node is home for (to the origin) and the
-    rest — filled in manifest order as the plan's blocks are made. One owner: the
-    herd's trio thread."""
-    __slots__ = ("own", "rest", "closed", "_ptr", "_more")
-
-    def __init__(self, own: list[tuple[str, int]] | None = None, rest: list[tuple[str, int]] | None = None) -> None:
-        self.own: list[tuple[str, int]] = own if own is not None else []
-        self.rest: list[tuple[str, int]] = rest if rest is not None else []
-        self.closed = False
-        self._ptr = 0
-        self._more = trio.Event()
-
-    def add(self, planner: Planner, todo: Sequence[tuple[str, int]], cindex: Mapping[str, int]) -> None:
-        """Queue the chunks of ``todo`` (in manifest order) the planner has planned."""
-        plan = planner.plan
-        while self._ptr < len(todo) and cindex[todo[self._ptr][0]] < planner.done:
-            item = todo[self._ptr]
-            (self.own if plan.is_home(cindex[item[0]]) else self.rest).append(item)
-            self._ptr += 1
-        self._wake()
-
-    def close(self) -> None:
-        self.closed = True
-        self._wake()
-
-    def _wake(self) -> None:
-        self._more.set()
-        self._more = trio.Event()
-
-    async def changed(self) -> None:
-        await self._more.wait()
-
-
 PeersArg = Sequence[Peer] | PeerTable
 
 
@@ -205,9 +173,9 @@ class Herd:
         # the origin as their home, fewer (see fetch_chunks): its origin streams
         # are everyone's critical path and must not starve on its own downlink.
         self._gate = trio.CapacityLimiter(max(cfg.workers, 1))
-        # Single flight: share the store's in-flight table (p2p.fetch uses it too) so
-        # one download per chunk per node, whichever path asked for it.
-        self._inflight: dict[str, trio.Event] = store.inflight
+        # Single flight over the store's in-flight table (p2p.fetch's too): one download
+        # per chunk per node, whichever path asked for it.
+        self.flight = SingleFlight(store.inflight)
         self.last_plan: tuple[NodePlan, dict[str, int]] | None = None   # the last fetch's tree plan
         self._view: tuple[PeersArg, PeerView, int] | None = None        # the last peers' view
 
@@ -392,20 +360,28 @@ class Herd:
             if manifest_id and mates:
                 nursery.start_soon(probe, manifest_id)
             await trio.to_thread.run_sync(planner.step, cfg.plan_first)
-        feed = _Feed()
-        feed.add(planner, todo, cindex)
+        fr = self._run_of(others=max(len(view) - 1, 0))
+        fr.add_planned(planner, todo, cindex)
 
         async def plan_rest() -> None:
             size = cfg.plan_first
             while planner.done < len(planner):
                 size = min(size * 4, max(cfg.plan_block, 1))
                 await trio.to_thread.run_sync(planner.step, size)
-                feed.add(planner, todo, cindex)
-            feed.close()
+                fr.add_planned(planner, todo, cindex)
+            fr.close()
 
-        return await self._pools(feed, origin, [], holders, {}, {}, progress, run,
-                                 tplan=(planner.plan, cindex), alone=len(view) <= 1,
-                                 others=max(len(view) - 1, 0), background=plan_rest)
+        return await self._pools(fr, origin, [], holders, {}, {}, progress, run,
+                                 tplan=(planner.plan, cindex), alone=len(view) <= 1, background=plan_rest)
+
+    def _run_of(self, *, others: int, own: list[tuple[str, int]] | None = None,
+                rest: list[tuple[str, int]] | None = None) -> FetchRun:
+        # Enough peer bodies to fill the downlink (each peer's upload is split among all
+        # the nodes it feeds, so ~one flow per peer), few enough that this home's own
+        # origin streams keep at least their 1/N share of it.
+        cfg = self.config
+        return FetchRun(workers=cfg.workers, endgame=cfg.endgame, sync_every_bytes=cfg.sync_every_bytes,
+                        home_gate=max(cfg.peer_transfers_while_home, others), own=own, rest=rest)
 
     async def _legacy_pool(self, chunks: Sequence[tuple[str, int]], todo: list[tuple[str, int]], origin: Origin,
                            peers: list[Peer], holders: dict[str, list[str]],
@@ -431,109 +407,85 @@ class Herd:
                                  holders=holders.get(cid, ()), home=homes.get(cid),
                                  rack_home=rhomes.get(cid))[0]
             (own if first.kind == "origin" else rest).append((cid, size))
-        feed = _Feed(own, rest)
-        feed.close()
-        return await self._pools(feed, origin, peers, holders, homes, rhomes, progress, run,
-                                 tplan=None, alone=not any(p.node_id != self.node_id for p in peers),
-                                 others=len({p.node_id for p in peers if p.node_id != self.node_id}))
+        fr = self._run_of(others=len({p.node_id for p in peers if p.node_id != self.node_id}), own=own, rest=rest)
+        fr.close()
+        return await self._pools(fr, origin, peers, holders, homes, rhomes, progress, run,
+                                 tplan=None, alone=not any(p.node_id != self.node_id for p in peers))
 
-    async def _pools(self, feed: _Feed, origin: Origin,
+    async def _pools(self, fr: FetchRun, origin: Origin,
                      peers: list[Peer], holders: dict[str, list[str]], homes: dict[str, str],
                      rhomes: dict[str, str], progress: Callable[[int], None] | None, run: HerdCounters, *,
-                     tplan: tuple[NodePlan, dict[str, int]] | None, alone: bool, others: int,
+                     tplan: tuple[NodePlan, dict[str, int]] | None, alone: bool,
                      background: Callable[[], Awaitable[None]] | None = None) -> HerdCounters:
+        """Carry out a :class:`FetchRun`: a pool of workers per queue, batched syncs in the
+        background, the planner's remaining blocks (``background``). The first failure
+        ends the run, raised as it came."""
         endgame = trio.Event()
-        own, rest = feed.own, feed.rest
-        queues = [own, rest]
-        nexts = [0, 0]
-        state = {"outstanding": 0}
-        failure: list[Exception] = []
-        unsynced = [0]
-        syncing = [False]
-        own_active = [0]
+
+        def set_gate() -> None:
+            self._gate.total_tokens = fr.gate_tokens()
+
+        def failed(e: Exception) -> None:
+            fr.fail(e)
+            nursery.cancel_scope.cancel()
 
         async def background_sync() -> None:
             try:
                 await trio.to_thread.run_sync(self.store.sync)
             except Exception as e:
-                if not failure:
-                    failure.append(e)
-                nursery.cancel_scope.cancel()
+                failed(e)
             finally:
-                syncing[0] = False
+                fr.synced()
 
         async def worker(q: int) -> None:
-            queue = queues[q]
             while True:
-                if nexts[q] >= len(queue):
-                    if feed.closed:
+                item = fr.take(q)
+                if item is None:
+                    if fr.exhausted(q):
                         return
-                    await feed.changed()
+                    await fr.changed()
                     continue
-                cid, size = queue[nexts[q]]
-                nexts[q] += 1
-                state["outstanding"] += 1
-                if q == 0:
-                    own_active[0] += 1
+                cid, size = item
                 try:
                     await self.get_chunk(cid, size, origin, peers, endgame=endgame, run=run,
                                          holders=holders.get(cid, ()), home=homes.get(cid),
                                          rack_home=rhomes.get(cid), tplan=tplan)
                 except Exception as e:  # the first failure ends the fetch, as one clear error
-                    if not failure:
-                        failure.append(e)
-                    nursery.cancel_scope.cancel()
+                    failed(e)
                     return
                 finally:
-                    state["outstanding"] -= 1
-                    if q == 0:
-                        own_active[0] -= 1
+                    fr.finished(q)
+                    if q == OWN:
                         set_gate()
                 if progress is not None:
                     progress(size)
-                unsynced[0] += size
-                if unsynced[0] >= self.config.sync_every_bytes and not syncing[0]:
+                if fr.stored(size):
                     # fsync in batches while fetching, so little is left for the final
                     # sync before mark_complete (never one fsync per chunk)
-                    unsynced[0] = 0
-                    syncing[0] = True
                     nursery.start_soon(background_sync)
-                if (feed.closed and nexts[0] >= len(own) and nexts[1] >= len(rest)
-                        and state["outstanding"] <= self.config.endgame):
+                if fr.in_endgame():
                     endgame.set()
-
-        # Enough peer bodies to fill the downlink (each peer's upload is split among all
-        # the nodes it feeds, so ~one flow per peer), few enough that this home's own
-        # origin streams keep at least their 1/N share of it.
-        home_gate = max(self.config.peer_transfers_while_home, others)
-
-        def set_gate() -> None:
-            busy_home = not feed.closed or nexts[0] < len(own) or own_active[0] > 0
-            want = home_gate if busy_home else self.config.workers
-            self._gate.total_tokens = max(1, want)
 
         async def plan_then_gate() -> None:
             assert background is not None
             try:
                 await background()
             except Exception as e:
-                if not failure:
-                    failure.append(e)
-                nursery.cancel_scope.cancel()
+                failed(e)
             set_gate()
 
         async with trio.open_nursery() as nursery:
             set_gate()
-            n_own = self.config.origin_concurrency if alone else self.config.home_concurrency
-            # a queue still being filled gets its whole pool; a closed one no more workers than chunks
-            for _ in range(n_own if not feed.closed else min(n_own, len(own))):
-                nursery.start_soon(worker, 0)
-            for _ in range(self.config.workers if not feed.closed else min(self.config.workers, len(rest))):
-                nursery.start_soon(worker, 1)
+            n_own, n_rest = fr.pool_sizes(own_workers=self.config.origin_concurrency if alone
+                                          else self.config.home_concurrency)
+            for _ in range(n_own):
+                nursery.start_soon(worker, OWN)
+            for _ in range(n_rest):
+                nursery.start_soon(worker, REST)
             if background is not None:
                 nursery.start_soon(plan_then_gate)
-        if failure:
-            raise failure[0]
+        if fr.failure is not None:
+            raise fr.failure
         return run
 
     async def get_chunk(self, cid: str, size: int, origin: Origin, peers: Sequence[Peer], *,
@@ -542,26 +494,20 @@ class Herd:
                         rack_home: str | None = None,
                         tplan: tuple[NodePlan, dict[str, int]] | None = None) -> None:
         """One chunk into the store, single-flight: concurrent callers share one download."""
-        while True:
-            if self.store.has_chunk(cid):
-                return
-            ev = self._inflight.get(cid)
-            if ev is None:
-                break
-            await ev.wait()
-        ev = self._inflight[cid] = trio.Event()
-        self.counters.chunks_in_flight += 1
-        try:
-            eg = endgame if endgame is not None else trio.Event()
-            r = run if run is not None else HerdCounters()
-            if tplan is not None and cid in tplan[1]:
-                await self._acquire_tree(cid, size, origin, tplan[0], tplan[1][cid], eg, r, holders)
-            else:
-                await self._acquire(cid, size, origin, peers, eg, r, holders, home, rack_home)
-        finally:
-            self.counters.chunks_in_flight -= 1
-            del self._inflight[cid]
-            ev.set()
+
+        async def acquire() -> None:
+            self.counters.chunks_in_flight += 1
+            try:
+                eg = endgame if endgame is not None else trio.Event()
+                r = run if run is not None else HerdCounters()
+                if tplan is not None and cid in tplan[1]:
+                    await self._acquire_tree(cid, size, origin, tplan[0], tplan[1][cid], eg, r, holders)
+                else:
+                    await self._acquire(cid, size, origin, peers, eg, r, holders, home, rack_home)
+            finally:
+                self.counters.chunks_in_flight -= 1
+
+        await self.flight.run(cid, partial(self.store.has_chunk, cid), acquire)
 
     async def _acquire_tree(self, cid: str, size: int, origin: Origin, plan: NodePlan, ci: int,
                             endgame: trio.Event, run: HerdCounters, holders: Sequence[str]) -> None:
@@ -787,11 +733,14 @@ async def herd_fetch(herd: Herd, manifest_id: str, origin: Origin, peers: PeersA
     id), every missing chunk, then a batched sync and the completion mark. Returns
     (manifest, this fetch's counters). The manifest is pinned while it runs."""
     store = herd.store
-    if store.has_manifest(manifest_id):
-        manifest = store.get_manifest(manifest_id)
-    else:
+
+    async def download() -> Any:
         data = await herd.fetch_manifest_bytes(manifest_id, origin, peers)
-        manifest = await trio.to_thread.run_sync(store.put_manifest, manifest_id, data)
+        return await trio.to_thread.run_sync(store.put_manifest, manifest_id, data)
+
+    # the same single flight (and key) as p2p.fetch.load_manifest
+    got = await herd.flight.run(f"manifest:{manifest_id}", partial(store.has_manifest, manifest_id), download)
+    manifest = got if got is not None else store.get_manifest(manifest_id)
     store.pin(manifest_id)
     try:
         chunks = [(c.id, c.size) for c in manifest.chunks]

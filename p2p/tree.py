@@ -318,6 +318,10 @@ class Planner:
     def __len__(self) -> int:
         return len(self.ckeys)
 
+    def is_home(self, c: int) -> bool:
+        """This node reads chunk ``c`` from the origin (``c`` planned already)."""
+        return self.plan.is_home(c)
+
     def step(self, n: int) -> int:
         """Plan the next ``n`` chunks (fewer at the end); returns ``done``."""
         lo = self.done

@@ -25,8 +25,12 @@ from p2p.origins import open_origin
 from p2p.store import ChunkStore
 from scheduler_link.messages import Peer
 
+# One process (one trio thread) serves every node of a test cluster: manifest polls start
+# at 20 ms, not the default 2 ms, so 40 nodes polling at once do not starve the loop
+# (a starved loop misses the 0.5 s connect deadline and sends nodes to the origin).
 FAST = HerdConfig(wait_ms=3000, head_grace_s=1.0, stall_s=1.0, connect_s=0.5, penalty_s=30.0,
-                  origin_retry_s=20.0, backoff_min_s=0.05, backoff_max_s=0.4, workers=8)
+                  origin_retry_s=20.0, backoff_min_s=0.05, backoff_max_s=0.4, workers=8,
+                  manifest_poll_s=0.02)
 
 
 @dataclass
