@@ -44,6 +44,7 @@ from p2p.origins import open_origin
 from p2p.store import ChunkStore
 from scheduler_link.agent_link import AgentLink
 from scheduler_link.auth import ROLES, TokenSet, token_dir_from_env
+from scheduler_link.errors import single_cause
 from scheduler_link.http import serve
 from scheduler_link.messages import (
     GangBlob,
@@ -421,19 +422,13 @@ class Agent:
         self._nursery.start_soon(go)
 
 
-def _leaf(exc: BaseException) -> BaseException:
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    return exc
-
-
 def run_agent(config: AgentConfig) -> None:
     """Blocking entry point for ``herd agent run``. A start-up failure (a port in use, a
     state dir that cannot be written) is one :class:`AgentError` line, not a traceback."""
     try:
         trio.run(Agent(config).run)
     except BaseExceptionGroup as eg:
-        leaf = _leaf(eg)
+        leaf = single_cause(eg)
         if isinstance(leaf, OSError):
             where = f" ({leaf.filename})" if leaf.filename else (
                 f" (listen {config.listen}, data_listen {config.data_listen or '-'})"

@@ -38,7 +38,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from placer.config import PlacerConfigError, load_config
+    from placer.errors import PlacerError
     from placer.service import run_placer
+    from scheduler_link.errors import LinkError, single_cause
+    from scheduler_link.tls import TLSError
     try:
         cfg = load_config(args.config, listen=args.listen, token_dir=args.token_dir, state_dir=args.state_dir,
                           heartbeat_s=args.heartbeat, fence_after_s=args.fence_after)
@@ -49,6 +52,17 @@ def cmd_run(args: argparse.Namespace) -> int:
         trio.run(run_placer, cfg)
     except KeyboardInterrupt:
         return 0
+    except BaseExceptionGroup as eg:
+        # a start-up failure (a corrupt journal, a port in use) is one line, not a traceback
+        leaf = single_cause(eg)
+        if isinstance(leaf, PlacerConfigError):
+            raise CliError(str(leaf), code=os.EX_CONFIG) from None
+        if isinstance(leaf, (PlacerError, LinkError, TLSError)):
+            raise CliError(str(leaf)) from None
+        if isinstance(leaf, OSError):
+            where = f" ({leaf.filename})" if leaf.filename else f" (listen {cfg.listen}, wire_listen {cfg.wire_listen or '-'})"
+            raise CliError(f"placer failed: {leaf.strerror or leaf}{where}") from None
+        raise
     return 0
 
 

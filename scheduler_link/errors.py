@@ -40,4 +40,12 @@ class HTTPError(LinkError):
         self.detail = detail
 
 
-__all__ = ["ClientError", "HTTPError", "LinkError", "ProtocolError", "PushError"]
+def single_cause(exc: BaseException) -> BaseException:
+    """The one exception inside nested one-member exception groups (a daemon's start-up
+    failure surfaces from trio's nurseries wrapped so); ``exc`` itself otherwise."""
+    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
+        exc = exc.exceptions[0]
+    return exc
+
+
+__all__ = ["ClientError", "HTTPError", "LinkError", "ProtocolError", "PushError", "single_cause"]

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import ast
 import inspect
+import sys
 from pathlib import Path
 
 import pytest
+import trio
 
 import placer
 import placer.errors as errors
@@ -15,6 +17,7 @@ from placer.errors import JobError, JournalError, PlacerError
 from placer.journal import Journal
 
 PLACER = Path(placer.__file__).parent
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_every_placer_exception_is_a_placer_error_defined_in_errors_py():
@@ -53,3 +56,31 @@ def test_third_party_failures_are_mapped_where_they_enter(tmp_path):
     with pytest.raises(JournalError, match=r"cannot read journal .*jobs.journal: Is a directory$"):
         Journal.open(d)
     assert JobError("no such job x", status=404).status == 404 and isinstance(JobError("x"), PlacerError)
+
+
+async def test_placer_start_failures_are_one_line(tmp_path):
+    """A corrupt journal or a port in use stops ``herd placer run`` with one line (it was a
+    traceback of trio's exception groups)."""
+    root = ROOT
+    state = tmp_path / "state"
+    state.mkdir()
+    busy = trio.socket.socket()
+    await busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    port = busy.getsockname()[1]
+    env = {"PATH": "/usr/bin:/bin", "HERD_INSECURE": "1", "PYTHONPATH": str(root)}
+    try:
+        with trio.fail_after(60):
+            for journal, listen, msg in (
+                    ('{"v": 1, "op": "end", "job_id": "a", "at": 1.0}\nnot json\n{"v": 1}\n', "127.0.0.1:0",
+                     "herd: error: journal " + str(state / "jobs.journal") + " line 2 is corrupt"),
+                    ("", f"127.0.0.1:{port}", f"herd: error: placer failed: Address already in use (listen 127.0.0.1:{port}")):
+                (state / "jobs.journal").write_text(journal)
+                r = await trio.run_process(
+                    [sys.executable, "-m", "cli.main", "placer", "run", "--state-dir", str(state), "--listen", listen,
+                     "--token-dir", str(tmp_path / "tokens")],
+                    cwd=str(root), env=env, capture_stdout=True, capture_stderr=True, check=False)
+                err = r.stderr.decode()
+                assert r.returncode == 1 and err.startswith(msg) and len(err.strip().splitlines()) == 1, err
+    finally:
+        busy.close()
