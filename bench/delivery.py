@@ -155,20 +155,23 @@ def _sub(a: dict[str, Any], b: dict[str, Any]) -> dict[str, int]:
     return {k: a.get(k, 0) - b.get(k, 0) for k in a}
 
 
-def _pyspy(placer: PlacerProc, name: str) -> subprocess.Popen[bytes] | None:
-    """``HERD_BENCH_PYSPY=DIR``: sample the placer with py-spy (raw stacks, 250 Hz) for
-    ``HERD_BENCH_PYSPY_S`` (3) seconds from just before the submit, into ``DIR/<job>.txt``.
-    A profiling aid: rows measured this way carry py-spy's overhead and are not figures."""
+def _pyspy(pids: dict[str, int], name: str) -> list[subprocess.Popen[bytes]]:
+    """``HERD_BENCH_PYSPY=DIR``: sample the placer (and, with ``HERD_BENCH_PYSPY_EMU=1``, the
+    first emulator) with py-spy, idle frames included, 250 Hz, for ``HERD_BENCH_PYSPY_S`` (3)
+    seconds from just before the submit, into ``DIR/<job>-<who>.txt`` (``HERD_BENCH_PYSPY_FORMAT``:
+    raw or speedscope). A profiling aid: rows measured so carry py-spy's cost, not figures."""
     d = os.environ.get("HERD_BENCH_PYSPY")
     if not d:
-        return None
+        return []
     spy = Path(sys.executable).with_name("py-spy")
     Path(d).mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(
-        [str(spy), "record", "--pid", str(placer.pid), "-r", "250", "--idle", "--nonblocking",
+    if not os.environ.get("HERD_BENCH_PYSPY_EMU"):
+        pids = {k: v for k, v in pids.items() if k == "placer"}
+    return [subprocess.Popen(
+        [str(spy), "record", "--pid", str(pid), "-r", "250", "--idle", "--nonblocking",
          "--format", os.environ.get("HERD_BENCH_PYSPY_FORMAT", "raw"),
-         "--duration", os.environ.get("HERD_BENCH_PYSPY_S", "3"), "-o", str(Path(d) / f"{name}.txt")],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+         "--duration", os.environ.get("HERD_BENCH_PYSPY_S", "3"), "-o", str(Path(d) / f"{name}-{who}.txt")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for who, pid in pids.items()]
 
 
 async def _deliver(c: httpx.AsyncClient, placer: PlacerProc, emus: list[EmulatorProc], op: dict[str, str],
@@ -177,14 +180,14 @@ async def _deliver(c: httpx.AsyncClient, placer: PlacerProc, emus: list[Emulator
     s0 = await _stats(c, emus)
     r0 = await _relay_stats(c, placer.url)
     cpu0, ecpu0 = placer.cpu_s(), sum(e.cpu_s() for e in emus)
-    spy = _pyspy(placer, spec["job_id"])
+    spies = _pyspy({"placer": placer.pid, "emu0": emus[0].pid}, spec["job_id"])
     r = await c.post(f"{placer.url}/v1/jobs", json=spec, headers=op)
     if r.status_code != 201:
         return {"error": r.text[:300]}
     job = await _wait_job(c, placer.url, spec["job_id"], "starting", limit_s)
     cpu_acked, ecpu_acked = placer.cpu_s() - cpu0, sum(e.cpu_s() for e in emus) - ecpu0
     run = await _wait_job(c, placer.url, spec["job_id"], "running", limit_s)
-    if spy is not None:
+    for spy in spies:
         await trio.to_thread.run_sync(spy.wait)
     t = run.get("timings", {}) or job.get("timings", {})
     s1 = await _stats(c, emus)
