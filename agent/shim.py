@@ -59,6 +59,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
@@ -181,7 +183,7 @@ def _drop_all_caps() -> None:
         raise OSError(e, f"capset: {os.strerror(e)}")
 
 
-def _child_setup(cmd: dict):
+def _child_setup(cmd: dict[str, Any]) -> Callable[[], None]:
     """What the workload's child does after fork, before exec (runs as root when the
     agent is): join the cgroup, reset oom_score_adj and limits, drop to the user."""
     cgroup = cmd.get("cgroup")
