@@ -179,7 +179,7 @@ class HeartbeatServer:
                 "refused": self.refused, "over_cap": self.over_cap,
                 "hello_timeouts": self.hello_timeouts, "ingest_errors": self.ingest_errors,
                 "tls_refused": self.tls_refused, "wrong_node": self.wrong_node,
-                "tls_refusals": dict(self.tls_refusals)}
+                **{f"tls_refused_{k}": v for k, v in sorted(self.tls_refusals.items())}}
 
     async def run(self, listen: str, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         host, _, port = listen.rpartition(":")
