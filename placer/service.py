@@ -415,7 +415,7 @@ class PlacerService:
             log.warning("relayed report refused: MAC does not verify node=%s relay=%s", rep.node_id, via)
             return 401, ReportReply(ok=False, need_full=True, error="the report's MAC does not verify: "
                                     "register over this node's own connection for a key"), False
-        status, reply, news = self._apply_checked(node_id, rep)
+        status, reply, news = self._apply_checked(node_id, rep, via)
         if relayed and reply.stop:  # fencing stops through the relay: the member checks them
             reply = msgspec.structs.replace(reply, stop=msgauth.with_stop_macs(
                 self.state.mac_key(rep.node_id, rep.boot_id), rep.node_id, rep.boot_id, reply.stop))
@@ -424,7 +424,8 @@ class PlacerService:
                                             placer_key=self.signer.public)
         return status, reply, news
 
-    def _apply_checked(self, node_id: str, rep: NodeReport) -> tuple[int, ReportReply, bool]:
+    def _apply_checked(self, node_id: str, rep: NodeReport, via: str | None = None
+                       ) -> tuple[int, ReportReply, bool]:
         try:
             status, reply, pushes = self.state.ingest(node_id, rep, self.clock())
         except Exception:
@@ -432,7 +433,7 @@ class PlacerService:
             self.state.counters["refused_reports"] += 1
             return 500, ReportReply(ok=False, need_full=True), False
         self._carry_out(pushes)
-        if rep.full and status == 200:
+        if status == 200 and (rep.full or via is None):   # (a node reporting directly hears of its relay)
             reply = self._with_relay(node_id, reply)
         return status, reply, rep.full or bool(rep.events) or rep.snapshot is not None
 

@@ -368,7 +368,9 @@ class AgentLink:
                 self._need_full = True
             if reply.wire_url and not relayed:  # (a relay's answer must not move our placer channel)
                 self._wire_url = reply.wire_url
-            if report.full:
+            if report.full or (reply.relay_url and not relayed and self._relay is None):
+                # (a node that registered before its rack had a relay hears of it in the
+                # answer to a direct heartbeat, and moves over at once)
                 await self._follow_relay(reply.relay_url)
             if report.full and reply.wire_url and self.use_wire and self._wire is None:
                 await self._open_wire(reply.wire_url)

@@ -287,3 +287,30 @@ async def test_parts_reached_acks_lost_nothing_placed_twice(tmp_path, token_dir)
         ws = await _jobs_workloads(api, "a")
         assert all(len(ws[n]) == 1 and ws[n][0]["state"] == "running" for n in ("node1", "node2")), ws
         assert (await api.job("a"))["attempt"] == 1
+
+
+async def test_a_node_that_registered_before_its_rack_had_a_relay_moves_to_it(tmp_path, token_dir):
+    """A member up before any relay of its rack reports directly; once the relay connects, the
+    answer to its next direct heartbeat names the relay and it moves over (not only at its
+    next periodic full report, 60 beats later): the placer ends holding the relay's
+    connection, not one per node."""
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(120), RelayCluster(tmp_path, token_dir, relays={0}, heartbeat_s=0.5,
+                                            recover_s=0.5) as c:
+        api = Api(c, tokens)
+        await trio.to_thread.run_sync(c.start_agent, 1)
+
+        async def up(node: str) -> bool:
+            return (await api.nodes()).get(node, {}).get("state") == "up"
+        await api.until(lambda: up("node1"))
+        assert (await api.agent("node1", "/v1/status"))["link"]["relay_url"] is None
+        await trio.to_thread.run_sync(c.start_agent, 0)
+        await api.until(lambda: up("node0"))
+        relay_url = (await api.agent("node0", "/v1/status"))["relay"]["listen_url"]
+
+        async def moved() -> bool:
+            link = (await api.agent("node1", "/v1/status"))["link"]
+            return link["relay_url"] == relay_url and link["registered"]
+        await api.until(moved, timeout=10.0)   # 10 s = 20 beats: well before the 60-beat full report
+        await api.until(lambda: _beats(api), timeout=10)
+        assert (await api.agent("node0", "/v1/status"))["relay"]["members"] == 1
