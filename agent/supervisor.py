@@ -161,6 +161,7 @@ class Supervisor:
         self._latest: AgentState | None = None
         self._waiters: list[tuple[int, list[Callable[[], None]]]] = []
         self._applied = trio.Event()   # set, then replaced, after each applied batch (next_change)
+        self._wrote = trio.Event()     # the writer's: set, then replaced, after each write (next_saved)
         self._wake_writer = trio.Event()
         self.ready = False
         self.counters: Counter[str] = Counter()
@@ -197,6 +198,14 @@ class Supervisor:
         not only a state change): wait on it, then look at the records again. Tests wait on
         this instead of polling."""
         return self._applied
+
+    def next_saved(self) -> trio.Event:
+        """Set once the writer has written the state file next."""
+        return self._wrote
+
+    def saved(self) -> bool:
+        """Everything applied so far is in the state file (a restart would find it)."""
+        return self._saved_gen >= self._gen
 
     async def wait_terminal(self, workload_id: str) -> WorkloadStatus:
         rt = self._rt.get(workload_id)
@@ -354,6 +363,8 @@ class Supervisor:
                     self._wake_writer.set()
                     continue
                 self._saved_gen = gen
+                self._wrote.set()
+                self._wrote = trio.Event()
             ready = [fns for g, fns in self._waiters if g <= self._saved_gen]
             self._waiters = [(g, fns) for g, fns in self._waiters if g > self._saved_gen]
             for fns in ready:

@@ -117,6 +117,7 @@ async def test_restart_resumes_the_grace_countdown(tmp_path):
             await until(lambda: (scratch / "started").exists())
             await sup.stop("w", reason="preempted", grace_s=grace)
             await changed(sup.next_change, lambda: sup.record("w").term_sent)
+            await changed(sup.next_saved, sup.saved)  # and on disk, where the next agent reads it
             deadline = sup.record("w").stop_deadline
             assert deadline is not None
             n.cancel_scope.cancel()

@@ -250,6 +250,7 @@ async def test_countdown_resumes_after_restart(tmp_path):
             await wait_file(scratch(sup, "w") / "terms")
             await wait_state(sup, "w", "terminating")
             await until(sup.next_change, lambda: sup.record("w").term_sent, timeout=5)
+            await until(sup.next_saved, sup.saved, timeout=5)  # and on disk, where sup2 reads it
             deadline = sup.record("w").stop_deadline
             n.cancel_scope.cancel()
         await trio.sleep(0.3)
