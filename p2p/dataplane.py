@@ -57,6 +57,7 @@ import hmac
 import logging
 import os
 import re
+import socket
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -596,7 +597,12 @@ class DataPlane:
                 out += conn.send(h11.EndOfMessage()) or b""
                 await self._send_all(stream, out)
                 return True
-            await self._send_all(stream, out)
+            if isinstance(stream, trio.SocketStream):
+                # MSG_MORE: the head waits for the body's first bytes (one segment, and one
+                # wakeup on the peer for head and body rather than two)
+                await self._send_head_more(stream, out)
+            else:
+                await self._send_all(stream, out)
             # h11 frames the body from len() only; the bytes go by sendfile.
             conn.send_with_data_passthrough(h11.Data(data=_Len(size)))  # type: ignore[arg-type]
             if isinstance(stream, trio.SocketStream):
@@ -622,6 +628,15 @@ class DataPlane:
     async def _send_all(self, stream: trio.abc.Stream, data: bytes) -> None:
         with trio.fail_after(self.config.send_stall_s):
             await stream.send_all(data)
+
+    async def _send_head_more(self, stream: trio.SocketStream, data: bytes) -> None:
+        with trio.fail_after(self.config.send_stall_s):
+            sent = 0
+            while sent < len(data):
+                try:
+                    sent += await stream.socket.send(data[sent:], socket.MSG_MORE)
+                except OSError as e:
+                    raise trio.BrokenResourceError(str(e)) from e
 
     async def _sendfile(self, stream: trio.SocketStream, fd: int, size: int) -> None:
         sock = stream.socket

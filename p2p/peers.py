@@ -115,10 +115,10 @@ class _Conn:
         while sent < len(data):
             sent += await self.sock.send(data[sent:])
 
-    async def recv(self, n: int) -> bytes:
+    async def recv(self, n: int) -> bytes | bytearray:
         if self.tls is not None:
             try:
-                return bytes(await self.tls.receive_some(max(n, 1)))
+                return await self.tls.receive_some(max(n, 1))
             except trio.BrokenResourceError as e:
                 raise ConnectionResetError(str(e.__cause__ or e)) from None
         return await self.sock.recv(n)
