@@ -359,12 +359,13 @@ class EmulatedRelay:
     registers over a direct connection (the fleet's shared framed connections: a relay may not
     carry a registration) and gets its MAC key there; its event reports, beat entries and
     outcomes carry its MAC. Bundles: one process here stands in for hundreds of relay hosts,
-    each of which checks one Ed25519 signature per bundle on its own CPU (~0.1-0.5 ms,
-    bench/msgauth.py); done serially here for all of them, that work alone pushed a 16,384-node
-    delivery past the placer's relay deadline on 2 shared cores (submit -> acked 4.8 s against
-    1.2 s without it). So the emulator checks the signature of its first bundle and then of
-    one in ``VERIFY_EVERY`` (a placer that does not sign, or signs wrongly, is caught at once),
-    decoding the rest as they came; the per-member proof check is measured, not spent here."""
+    each of which checks one Ed25519 signature per bundle on its own CPU (0.1-0.7 ms here,
+    bench/msgauth.py). Done serially for all of them it is 30-200 ms per round of a 16,384-node
+    fleet's 308 bundles: a large share of the placer's 0.5 s relay deadline on 2 shared cores,
+    spent where no real relay spends it. So the emulator checks the signature of its first
+    bundle and then of one in ``VERIFY_EVERY`` (a placer that does not sign, or signs wrongly,
+    is caught at once) and decodes the rest as they came (refusing any without a signature);
+    the per-member proof check is measured in bench/msgauth.py, not spent here."""
 
     def __init__(self, fleet: Fleet, rack: str, members: list[EmulatedNode], source: str | None,
                  hung: bool = False) -> None:
@@ -939,6 +940,7 @@ class Fleet:
                 "reports_sent": sum(r.reports for r in rs), "beats": sum(r.beats for r in rs),
                 "bundles": sum(r.bundles for r in rs), "parts": st.parts,
                 "part_bytes_max": max((r.part_bytes_max for r in rs), default=0),
+                "bundles_verified": sum(r.verified_bundles for r in rs), "bundles_refused": sum(r.bad_bundles for r in rs),
                 "relay_failures": sum(r.failures for r in rs), "blob_fetches": dict(self.blob_fetches),
                 "blobs": len(self.blobs)})
         if job is not None:
