@@ -53,7 +53,7 @@ from scheduler_link.metrics import family, text_of
 from .errors import IntegrityError, NotFoundError, OriginError, PeerError
 from .fetchrun import OWN, REST, FetchRun
 from .flight import SingleFlight
-from .origins import Origin
+from .origins import Origin, check_hex_id
 from .peers import PeerBusy, PeerClient, PeerClientConfig, PeerCorrupt, PeerHealth, PeerMissing
 from .ratelimit import AsyncBucket
 from .rendezvous import Source, assign_homes, assign_rack_homes, order, plan_sources, rack_label
@@ -135,8 +135,9 @@ class HerdError(PeerError):
     """Every source of a chunk failed, repeatedly."""
 
 
-class OriginCorruptError(OriginError):
-    """The origin kept answering bytes that do not match the chunk's id (corrupt at rest)."""
+class OriginCorruptError(OriginError, IntegrityError):
+    """The origin kept answering bytes that do not match the chunk's id (corrupt at rest):
+    an origin failure and an integrity failure both."""
 
 
 class _Notes:
@@ -641,8 +642,9 @@ class Herd:
                 self.counters.integrity_failures += 1
                 self.counters.origin_bad_answers += 1
                 self.counters.wasted_bytes += len(data)
-                log.warning("origin answered bytes that do not match chunk=%s", cid)
-            raise OriginCorruptError(f"origin chunk {cid} does not match its id after {tries} tries")
+                # counted (origin_bad_answers); the error after the last try is the one line
+                log.info("origin answered bytes that do not match chunk=%s", cid)
+            raise OriginCorruptError(f"origin chunk {cid} does not match its hash after {tries} tries")
         limiter = self._peer_limits.get(src.node_id)
         if limiter is None:
             limiter = self._peer_limits[src.node_id] = trio.CapacityLimiter(self.config.per_peer)
@@ -687,6 +689,8 @@ class Herd:
                 raise
             except OriginError as e:
                 self.counters.origin_errors += 1
+                if cfg.origin_retry_s <= 0:
+                    raise                  # no retry layer here: the origin's transport is it
                 if trio.current_time() + delay > deadline:
                     raise OriginError(f"origin kept failing for {cfg.origin_retry_s:.0f}s: {e}") from None
                 self.counters.origin_retries += 1
@@ -732,13 +736,14 @@ async def herd_fetch(herd: Herd, manifest_id: str, origin: Origin, peers: PeersA
     """The whole fetch through the herd: the manifest (store, peers, origin — verified by
     id), every missing chunk, then a batched sync and the completion mark. Returns
     (manifest, this fetch's counters). The manifest is pinned while it runs."""
+    check_hex_id(manifest_id, "manifest id")
     store = herd.store
 
     async def download() -> Any:
         data = await herd.fetch_manifest_bytes(manifest_id, origin, peers)
         return await trio.to_thread.run_sync(store.put_manifest, manifest_id, data)
 
-    # the same single flight (and key) as p2p.fetch.load_manifest
+    # one download of a manifest per store, however many fetches want it at once
     got = await herd.flight.run(f"manifest:{manifest_id}", partial(store.has_manifest, manifest_id), download)
     manifest = got if got is not None else store.get_manifest(manifest_id)
     store.pin(manifest_id)
