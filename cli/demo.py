@@ -38,6 +38,8 @@ def register(sub: Any) -> None:
     p.add_argument("--workdir", default=None, help="where state, logs and the origin live (default: a temp dir)")
     p.add_argument("--origin", choices=("auto", "gcs", "file"), default="auto",
                    help="auto: the GCS emulator when installed, else file://")
+    p.add_argument("--insecure", action="store_true",
+                   help="plain HTTP/TCP and tokens only (default: mutual TLS with a throwaway CA)")
     p.add_argument("--agents", type=int, default=4, help=argparse.SUPPRESS)
     p.set_defaults(func=run_demo)
 
@@ -133,11 +135,14 @@ class Demo:
         tokens = generate_token_dir(self.root / "tokens")
         os.environ["HERD_TOKEN_DIR"] = str(tokens)
         self.cluster = LocalCluster(self.root / "cluster", tokens, n_agents=self.args.agents, heartbeat_s=0.5,
-                                    fence_after_s=10.0, racks=2, origins=(self.origin_url,))
+                                    fence_after_s=10.0, racks=2, origins=(self.origin_url,),
+                                    tls=not self.args.insecure)
         t = time.perf_counter()
         self.cluster.start()
         self.say(f"cluster up in {(time.perf_counter() - t) * 1e3:.0f} ms: placer {self.cluster.placer.url}, "
                  f"{len(self.cluster.agents)} agents with SIMULATED dgx-h100 GPUs (8 each) in 2 racks of block b1")
+        self.say("transport: " + (f"mutual TLS, a throwaway cluster CA in {self.cluster.pki.dir}" if self.cluster.tls
+                                  else "INSECURE plain HTTP/TCP (--insecure)"))
         self.placer = self._client()
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -150,7 +155,8 @@ class Demo:
         from scheduler_link.auth import TokenSet
         from scheduler_link.client import PlacerClient
 
-        return PlacerClient(self.cluster.placer.url, TokenSet.load(self.cluster.token_dir).operator)
+        return PlacerClient(self.cluster.placer.url, TokenSet.load(self.cluster.token_dir).operator,
+                            ssl_context=self.cluster.verify if self.cluster.tls else None)
 
     # -- steps
 
@@ -197,7 +203,8 @@ class Demo:
             url = f"{self.cluster.agents[p.node_id].url}/v1/workloads/{p.workload_id}"
             doc: dict[str, Any] = {}
             while time.monotonic() < deadline:
-                doc = httpx.get(url, timeout=5, headers=self.cluster.read_headers()).json()  # a WorkloadStatus
+                doc = httpx.get(url, timeout=5, headers=self.cluster.read_headers(),
+                                verify=self.cluster.verify).json()  # a WorkloadStatus
                 if doc.get("state") in TERMINAL_STATES:
                     break
                 time.sleep(0.05)
@@ -337,6 +344,8 @@ def run_demo(args: argparse.Namespace) -> int:
             keep = True
             print(f"\ncluster left running (state under {demo.root}):\n"
                   f"  export HERD_TOKEN_DIR={demo.root / 'tokens'} HERD_PLACER={demo.cluster.placer.url}\n"
+                  + (f"  export HERD_TLS_DIR={demo.cluster.pki.dir} SSL_CERT_FILE={demo.cluster.pki.ca}\n"
+                     if demo.cluster.tls else "") +
                   f"  herd job list\n  herd nodes\n  herd status --agent {next(iter(demo.cluster.agents.values())).url}\n"
                   f"stop it with (jobs first: agents leave workloads running by design):\n"
                   f"  herd job cancel train-a; kill {' '.join(str(p) for p in demo.pids())}",

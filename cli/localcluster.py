@@ -5,6 +5,13 @@ integration tests, the end-to-end test and bench.link.
 Each process runs in its own session (process group), so a "host failure" kills an
 agent and its workloads together (``kill_host``); ``pause``/``resume`` (SIGSTOP/SIGCONT)
 make a partition. Endpoints come from each process's ``endpoints.json``.
+
+``tls=True`` (``herd demo``'s default): a throwaway cluster CA under ``root/pki``
+(:func:`scheduler_link.pki.throwaway`), the placer over TLS with its certificate, each agent
+with its own node certificate (``HERD_TLS_DIR`` per process); :attr:`LocalCluster.verify` is
+the ``verify=`` for httpx clients of the cluster. ``tls=False``: every process is started
+explicitly insecure (``insecure = true`` / ``HERD_INSECURE=1``), as the tests that use it were
+written for plain HTTP.
 """
 
 from __future__ import annotations
@@ -67,7 +74,7 @@ class LocalCluster:
     def __init__(self, root: Path, token_dir: Path, *, n_agents: int = 4, heartbeat_s: float = 0.2,
                  fence_after_s: float = 1.0, profile: str = "simulated:dgx-h100", racks: int = 2,
                  placer_port: int = 0, extra_placer_config: str = "", recover_s: float | None = None,
-                 origins: tuple[str, ...] | list[str] = ()) -> None:
+                 origins: tuple[str, ...] | list[str] = (), tls: bool = False) -> None:
         """``origins``: what the agents may fetch from (``--allowed-origin``; an agent
         allows none by default)."""
         self.root = Path(root)
@@ -81,16 +88,32 @@ class LocalCluster:
         self.extra = extra_placer_config
         self.recover_s = max(3 * heartbeat_s, 0.5) if recover_s is None else recover_s
         self.origins = tuple(origins)
+        self.tls = tls
+        self.pki: Any = None                 # scheduler_link.pki.ThrowawayPKI when tls
         self.placer: Proc | None = None
         self.agents: dict[str, Proc] = {}
 
     # ------------------------------------------------------------ processes
 
-    def _spawn(self, name: str, args: list[str], state_dir: Path) -> Proc:
+    @property
+    def verify(self) -> Any:
+        """httpx's ``verify=`` for this cluster's placer and agents (the CA, or True)."""
+        if self.pki is None:
+            return True
+        from scheduler_link.tls import client_context
+        return client_context(self.pki.ca)
+
+    def _spawn(self, name: str, args: list[str], state_dir: Path, tls_dir: Path | None = None) -> Proc:
         state_dir.mkdir(parents=True, exist_ok=True)
         log = self.root / f"{name}.log"
         env = {**os.environ, "PYTHONPATH": str(ROOT), "HERD_TOKEN_DIR": str(self.token_dir)}
         env.pop("HERD_PLACER", None)
+        env.pop("HERD_INSECURE", None)
+        env.pop("HERD_TLS_DIR", None)
+        if tls_dir is not None:
+            env["HERD_TLS_DIR"] = str(tls_dir)
+        else:
+            env["HERD_INSECURE"] = "1"
         f = open(log, "ab")
         p = subprocess.Popen(herd_cmd() + ["--log-level", "INFO"] + args, stdout=f, stderr=subprocess.STDOUT,
                              stdin=subprocess.DEVNULL, env=env, cwd=str(ROOT), start_new_session=True)
@@ -102,14 +125,18 @@ class LocalCluster:
         sd.mkdir(parents=True, exist_ok=True)
         (sd / "endpoints.json").unlink(missing_ok=True)
         conf = self.root / "placer.toml"
+        if self.tls and self.pki is None:
+            from scheduler_link.pki import throwaway
+            self.pki = throwaway(self.root / "pki")
         conf.write_text(
             "[placer]\n"
             f"heartbeat_s = {self.heartbeat_s}\nfence_after_s = {self.fence_after_s}\n"
             f"recover_s = {self.recover_s}\nack_timeout_s = 2.0\ntick_s = 0.05\n"
-            'wire_listen = "127.0.0.1:0"\n' + self.extra)
+            + (f'insecure = false\ntls_dir = "{self.pki.dir}"\n' if self.tls else "insecure = true\n")
+            + 'wire_listen = "127.0.0.1:0"\n' + self.extra)
         p = self._spawn("placer", ["placer", "run", "--listen", f"127.0.0.1:{self.placer_port}",
                                    "--token-dir", str(self.token_dir), "--state-dir", str(sd),
-                                   "--config", str(conf)], sd)
+                                   "--config", str(conf)], sd, tls_dir=self.pki.dir if self.tls else None)
         p.info = _wait_file(sd / "endpoints.json", p.proc, timeout, p.log)
         p.url = p.info["control_url"]
         self.placer_port = int(p.url.rsplit(":", 1)[1])  # a restart comes back on the same port
@@ -127,7 +154,8 @@ class LocalCluster:
                                "--placer", self.placer.url, "--token-dir", str(self.token_dir),
                                "--zone", "z1", "--block", "b1", "--rack", f"rack{i % self.racks}",
                                "--heartbeat-s", str(self.heartbeat_s),
-                               *[a for o in self.origins for a in ("--allowed-origin", o)]], sd)
+                               *[a for o in self.origins for a in ("--allowed-origin", o)]], sd,
+                        tls_dir=self.pki.node_dir(node) if self.tls else None)
         p.info = _wait_file(sd / "endpoints.json", p.proc, timeout, p.log)
         p.url = p.info["control_url"]
         self.agents[node] = p
@@ -181,7 +209,8 @@ class LocalCluster:
     def workload_pids(self, node: str) -> list[int]:
         import httpx
         try:
-            r = httpx.get(self.agents[node].url + "/v1/workloads", timeout=2, headers=self.read_headers())
+            r = httpx.get(self.agents[node].url + "/v1/workloads", timeout=2, headers=self.read_headers(),
+                          verify=self.verify)
             data = r.json()
         except (httpx.HTTPError, ValueError):
             return []

@@ -233,7 +233,8 @@ class HeartbeatServer:
                         why = str(e)
         self.tls_refused += 1
         cause = ("queue" if why.startswith("no handshake slot") else "timeout" if why.startswith("handshake timed")
-                 else "plain" if "does not speak TLS" in why else "certificate" if "certificate" in why else "peer")
+                 else "plain" if "does not speak TLS" in why else "peer" if "closed the connection" in why
+                 else "certificate" if "certificate" in why else "other")
         self.tls_refusals[cause] = self.tls_refusals.get(cause, 0) + 1
         log.info("framed channel: TLS handshake refused client=%s: %s", tls.peer_address(stream), why)
         if "does not speak TLS" in why:

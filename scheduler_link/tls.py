@@ -197,8 +197,10 @@ def describe_ssl_error(e: BaseException) -> str:
         return f"the peer does not speak TLS (a plain-HTTP/TCP peer or an insecure set-up?) ({s})"
     if "certificate required" in s.lower() or "CERTIFICATE_REQUIRED" in s:
         return f"the peer requires a client certificate ({s})"
-    if "UNEXPECTED_EOF" in s or "unknown ca" in s.lower() or "UNKNOWN_CA" in s:
-        return f"the peer refused our certificate ({s})"
+    if "UNEXPECTED_EOF" in s:
+        return f"the peer closed the connection during the handshake: it gave up, or refused our certificate ({s})"
+    if "unknown ca" in s.lower() or "UNKNOWN_CA" in s:
+        return f"the peer refused our certificate: another CA's? ({s})"
     if "CERTIFICATE_EXPIRED" in s or "certificate expired" in s.lower():
         return f"the peer found our certificate expired ({s})"
     return s or type(e).__name__
