@@ -114,6 +114,7 @@ class PlacerService:
         self.signer = msgauth.BundleSigner.generate()
         self.state.set_mac_master(self.mac_master)
         self.state.counters["bad_macs"] = 0
+        self.state.counters["replays"] = 0
         self.push_counts = {"start": 0, "stop": 0, "failed": 0, "refused": 0}
         self.freezes = 0
         self._frozen_at = -math.inf
@@ -415,6 +416,14 @@ class PlacerService:
             log.warning("relayed report refused: MAC does not verify node=%s relay=%s", rep.node_id, via)
             return 401, ReportReply(ok=False, need_full=True, error="the report's MAC does not verify: "
                                     "register over this node's own connection for a key"), False
+        known = self.state.nodes.get(rep.node_id) if relayed and rep.full else None
+        if known is not None and (rep.boot_id != known.boot_id or rep.seq <= known.last_seq):
+            # a relay replaying an older full report of the node (its MAC was valid once): the node
+            # registers a new boot over its own connection, and its sequence only moves forward
+            self.state.counters["replays"] = self.state.counters.get("replays", 0) + 1
+            log.warning("relayed full report refused as a replay node=%s relay=%s seq=%d", rep.node_id, via, rep.seq)
+            return 409, ReportReply(ok=False, need_full=True, error="a relayed report must continue the node's "
+                                    "current boot and sequence"), False
         status, reply, news = self._apply_checked(node_id, rep, via)
         if relayed and reply.stop:  # fencing stops through the relay: the member checks them
             reply = msgspec.structs.replace(reply, stop=msgauth.with_stop_macs(

@@ -174,6 +174,14 @@ def test_the_placer_gives_keys_only_over_the_nodes_own_connection_and_macs_its_r
     rep = with_report_mac(key, NodeReport(node_id="n1", boot_id="b1", seq=2, full=False,
                                           events=[WorkloadEvent(workload_id="gone.0.0", job_id="gone",
                                                                 state="running", at=1.0)]))
+    # a relay replaying an older full report of n1 (its MAC once valid), or one of an older boot
+    old_full = with_report_mac(key, msgspec.structs.replace(_full("n1", "b1", []), seq=1))
+    old_boot = with_report_mac(node_key(svc.mac_master, "n1", "b0"), msgspec.structs.replace(
+        _full("n1", "b0", []), seq=9))
+    for replay in (old_full, old_boot):
+        st, r = svc._ingest("n1", replay, via="relay-x")
+        assert st == 409 and "current boot and sequence" in (r.error or "")
+    assert svc.state.counters["replays"] == 2 and svc.state.nodes["n1"].boot_id == "b1"
     svc.state.nodes["n1"].tell.add("gone.0.0")   # (the direct answer told it once; tell again)
     st, r = svc._ingest("n1", rep, via="relay-x")
     assert st == 200 and r.mac_key is None
