@@ -160,3 +160,73 @@ def test_served_routes_match_the_table(tmp_path, token_dir):
     svc = PlacerService(PlacerConfig(listen="127.0.0.1:0", state_dir=str(tmp_path / "p")), TokenSet())
     placer_served = {(r.method, r.template) for r in svc.app.routes}
     assert placer_served == {r.key for r in authz.PLACER_ROUTES}, placer_served ^ {r.key for r in authz.PLACER_ROUTES}
+
+
+# ---------------------------------------------------------------- certificates (issue 17)
+# A TLS daemon sets require_certs: the placer and node roles are proved by certificates only,
+# operator/viewer/metrics by a certificate or their token. "wrong CA" and "expired" never reach
+# a route: the handshake refuses them (tests/test_tls.py, tests/test_tls_cluster.py), so a
+# request that got here without a verified certificate is "no certificate" -- covered by the
+# token and none kinds below.
+from scheduler_link.tls import Principal  # noqa: E402
+
+CERT_KINDS = ("cert:placer", "cert:node", "cert:node-other", "cert:operator", "cert:viewer", "cert:metrics",
+              "token:placer", "token:node", "token:operator", "token:viewer", "token:metrics", "none")
+TLS_FLAGS = {"open_metrics": True, "require_certs": True}
+
+
+def _tls_req(method: str, template: str, kind: str) -> Request:
+    params = {"node_id": "n1"} if "{node_id}" in template else {}
+    how, _, who = kind.partition(":")
+    if how == "cert":
+        p = Principal("node", "n1" if who == "node" else "n2") if who.startswith("node") else Principal(who)
+        return Request(method=method, path="/", query={}, headers={}, body=b"", client="10.0.0.9",
+                       params=params, principal=p)
+    return Request(method=method, path="/", query={}, headers=auth_header(PRESENT[who] if how == "token" else None),
+                   body=b"", client="10.0.0.9", params=params)
+
+
+def _tls_expect(daemon: str, rule: authz.Rule, kind: str) -> int:
+    allowed = EXPECT[daemon][rule.key]
+    how, _, who = kind.partition(":")
+    if allowed == EVERYONE:
+        return 200
+    if how == "cert":
+        if who == "node-other":
+            if "{node_id}" in rule.template:
+                return 403                      # node restriction, whatever the route's roles
+            who = "node"
+        return 200 if who in allowed else 403
+    if how == "token" and who not in authz.CERT_ONLY:
+        return 200 if who in allowed else 403
+    # no credential, or a placer/cluster token that proves nothing under TLS
+    return 401
+
+
+TLS_CASES = [(d, r, k) for d in ("agent", "placer") for r in authz.TABLES[d] for k in CERT_KINDS]
+
+
+@pytest.mark.parametrize(("daemon", "rule", "kind"), TLS_CASES,
+                         ids=[f"{d}-{r.method}-{r.template}-{k}" for d, r, k in TLS_CASES])
+def test_route_by_certificate_under_tls(daemon, rule, kind):
+    policy = authz.policy(rule, TOKENS, TLS_FLAGS)
+    req = _tls_req(rule.method, rule.template, kind)
+    try:
+        if policy is not None:
+            policy(req)
+        got = 200
+    except HTTPError as e:
+        got = e.status
+    assert got == _tls_expect(daemon, rule, kind), (got, req.principal)
+    if got == 200 and policy is not None:
+        assert req.principal is not None   # handlers see who it was
+
+
+def test_accept_tokens_records_each_token_node_once_per_node():
+    use = authz.TokenUse()
+    rule = next(r for r in authz.PLACER_ROUTES if r.key == ("POST", "/v1/nodes/{node_id}/report"))
+    policy = authz.policy(rule, TOKENS, {"require_certs": False}, use)
+    for node in ("a", "b", "a"):
+        policy(Request(method="POST", path="/", query={}, headers=auth_header("tn"), body=b"", client="x",
+                       params={"node_id": node}))
+    assert use.nodes == {"a": 2, "b": 1}
