@@ -108,7 +108,7 @@ def check_part(part: NodePart, *, node_id: str, now: float, inventory: Sequence[
     if part.version != WIRE_VERSION:
         return _no(part, node_id, Refusal("refused_spec", f"unsupported part version {part.version} "
                                                           f"(this agent speaks {WIRE_VERSION})"))
-    if part.expires_at and now > part.expires_at:
+    if part.expires_at and now > part.expires_at and part.pods:  # (stops only: late is still right)
         return _no(part, node_id, Refusal("expired", f"part expired {now - part.expires_at:.3f}s ago"))
     if part.pods and not part.blob_id:
         return _no(part, node_id, Refusal("refused_spec", "a part that starts pods needs a gang blob"))

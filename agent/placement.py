@@ -112,7 +112,7 @@ def check_binding(p: Placement, *, node_id: str, now: float,
     """None when ``p`` is for this node, unexpired and not a replay (see the module docstring)."""
     if p.node_id and p.node_id != node_id:
         return _spec(f"placement is bound to node {p.node_id!r}, not {node_id!r}")
-    if p.expires_at and now > p.expires_at:
+    if p.expires_at and now > p.expires_at and p.pods:  # (stops only: late is still right)
         return Refusal("expired", f"placement expired {now - p.expires_at:.3f}s ago")
     if not p.pods:
         return None

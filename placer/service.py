@@ -246,8 +246,10 @@ class PlacerService:
         self.push_counts[p.kind] += 1
         pl = p.placement
         if not pl.node_id:  # bound to its node and attempt, with an expiry (the agent checks them)
+            # (a stop has none: stopping a workload of a past attempt again is harmless, and a stop
+            # that waited out a long fallback queue must still land)
             pl = msgspec.structs.replace(pl, node_id=p.node_id, attempt=p.attempt,
-                                         expires_at=self.clock() + self.cfg.placement_ttl_s)
+                                         expires_at=self.clock() + self.cfg.placement_ttl_s if pl.pods else 0.0)
         res = await self.pool.post(p.control_url, "/v1/placements", msgspec.json.encode(pl),
                                    token=self.tokens.placer, key=p.node_id, expect=f"node:{p.node_id}")
         if res.status is None:

@@ -14,7 +14,7 @@ import trio
 from agent.placement import attempt_of, check_binding, replayed
 from agent.state import WorkloadRecord
 from scheduler_link.auth import TokenSet, auth_header
-from scheduler_link.messages import Placement, PlacementAck, PodAssignment
+from scheduler_link.messages import Placement, PlacementAck, PodAssignment, Victim
 from tests.test_agent_api import make_agent
 
 
@@ -83,3 +83,10 @@ async def test_an_agent_refuses_placements_for_another_node_expired_or_replayed(
                                                pods=[PodAssignment(workload_id="op-w", rank=0, gpus=uuids[3:4])]))
                 assert st == 200 and ack.accepted
             n.cancel_scope.cancel()
+
+
+def test_a_late_stop_placement_is_still_taken() -> None:
+    late = Placement(placement_id="stop:j:1:n1:1", job_id="j", node_id="n1", attempt=1, expires_at=1.0,
+                     victims=[Victim(workload_id="j.1.0")])
+    assert check_binding(late, node_id="n1", now=100.0, records={}) is None
+    assert check_binding(late, node_id="n2", now=100.0, records={}) is not None  # still bound to its node

@@ -541,3 +541,9 @@ def test_a_part_replaying_a_superseded_attempt_is_expired():
     same = {"job.1.0": WorkloadRecord(workload_id="job.1.0", job_id="job", placement_id="start:job:1:n1")}
     v = _check(_part("forged", wid="job.1.1"), same)               # attempt 1 under another placement id
     assert v.outcome.outcome == "expired"
+
+
+def test_a_late_stop_is_still_applied():
+    stop = NodePart(placement_id="stop:j:1:n1:1", node_id="n1", job_id="j", attempt=1, expires_at=NOW - 60,
+                    victims=[Victim(workload_id="j.1.0")])
+    assert _check(stop).outcome.outcome == "accepted"   # a stop is never too late (stopping twice is harmless)
