@@ -357,3 +357,39 @@ async def test_the_cli_refuses_a_node_posing_as_the_placer(tls_pki):
                 return str(e.value)
             assert "certificate of node:n0, not of the placer" in await trio.to_thread.run_sync(ask)
             n.cancel_scope.cancel()
+
+
+async def test_agent_bootstraps_then_renews_its_certificate(tmp_path, token_dir, tls_pki):
+    """agent.certs against a real placer: a bootstrap token buys the first certificate (kept in
+    the state dir, preferred over the configured dir's), renewal over it buys the next."""
+    from agent import certs
+    tokens = TokenSet.load(token_dir)
+    host_dir = tmp_path / "host-tls"
+    host_dir.mkdir()
+    (host_dir / "ca.crt").write_bytes(tls_pki.ca.read_bytes())   # all a new host gets: the CA
+    token_file = tmp_path / "bootstrap.token"
+    token_file.write_text(pki.BootstrapTokens(tls_pki.dir / "bootstrap-tokens.json").create(
+        ttl_s=600, node_id="fresh", now=__import__("time").time()) + "\n")
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            svc = PlacerService(_secure(tmp_path, tls_pki, ca_dir=str(tls_pki.dir)), tokens)
+            url = await n.start(svc.run)
+            acfg = AgentConfig(node_id="fresh", state_dir=str(tmp_path / "state"), placer=url, insecure=False,
+                               tls_dir=str(host_dir), tls_bootstrap_token=str(token_file))
+            assert certs.security_for(acfg) is None            # no certificate yet: bootstrap pending
+            sec = await certs.bootstrap_security(acfg)
+            assert sec.files is not None and sec.files.cert == tmp_path / "state/tls/node.crt"
+            assert certs.node_files(acfg.tls_dir, acfg.state_dir).cert == sec.files.cert
+            first = pki.load_cert(sec.files.cert)
+            assert "CN=node:fresh" in first.subject.rfc4514_string()
+            # the token is spent: a second bootstrap is refused with the reason
+            with pytest.raises(Exception, match="already used"):
+                await certs.bootstrap_security(acfg)
+            # renewal over the bootstrapped certificate (mutual TLS), loaded into the live contexts
+            assert await certs.renew(sec, url, "fresh", acfg.state_dir)
+            second = pki.load_cert(sec.files.cert)
+            assert second.serial_number != first.serial_number
+            hc = await HeartbeatClient.connect(svc.wire_url or "", "", "fresh", ssl_context=sec.client)
+            await hc.aclose()
+            assert svc.pki.issued == {"bootstrap": 1, "renew": 1, "refused": 1}
+            n.cancel_scope.cancel()
