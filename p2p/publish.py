@@ -70,6 +70,8 @@ class RecentRefs(msgspec.Struct, frozen=True, kw_only=True):
 
 
 READ_CONCURRENCY = 8
+CHECK_BATCH = 1024       # chunk ids per existence check while the scan runs ...
+CHECK_WAIT_S = 0.25      # ... or what came within this long (so uploads start early)
 
 
 async def recent_refs(origin: Origin, name: str, n: int) -> RecentRefs:
@@ -167,16 +169,22 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
         with batches_out, uploads_in:   # closing batches_out frees a scan blocked on a full channel
             await learned.wait()
             known = found[0].chunks
-            async for batch in batches_out:
-                items = list(batch)
-                while True:   # everything queued meanwhile: one existence check for all of it
-                    try:
-                        items.extend(batches_out.receive_nowait())
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
-                ask = [(cid, src) for cid, src in items if cid not in known]
-                if not ask:
+            pending: list[tuple[str, ChunkSource]] = []
+            closed = False
+            while not closed:
+                # gather CHECK_BATCH ids (or CHECK_WAIT_S' worth) per existence check: a
+                # backend that lists in bulk (gs://) then lists rather than asks one by one
+                with trio.move_on_after(CHECK_WAIT_S if pending else math.inf):
+                    while len(pending) < CHECK_BATCH:
+                        try:
+                            batch = await batches_out.receive()
+                        except trio.EndOfChannel:
+                            closed = True
+                            break
+                        pending.extend((cid, src) for cid, src in batch if cid not in known)
+                if not pending:
                     continue
+                ask, pending = pending, []
                 unknown.extend(cid for cid, _ in ask)
                 missing = await origin.missing([cid for cid, _ in ask])
                 for cid, src in ask:
