@@ -40,6 +40,11 @@ class HTTPError(LinkError):
         self.detail = detail
 
 
+class AuthError(LinkError):
+    """A message's MAC or signature does not verify, or cannot be checked yet
+    (scheduler_link.msgauth): nothing in it may be acted on."""
+
+
 def single_cause(exc: BaseException) -> BaseException:
     """The one exception inside nested one-member exception groups (a daemon's start-up
     failure surfaces from trio's nurseries wrapped so); ``exc`` itself otherwise."""
@@ -48,4 +53,4 @@ def single_cause(exc: BaseException) -> BaseException:
     return exc
 
 
-__all__ = ["ClientError", "HTTPError", "LinkError", "ProtocolError", "PushError", "single_cause"]
+__all__ = ["AuthError", "ClientError", "HTTPError", "LinkError", "ProtocolError", "PushError", "single_cause"]

@@ -48,6 +48,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from .errors import AuthError as AuthError  # (defined with the package's other errors)
 from .messages import NodeOutcome, NodePart, NodeReport, PartProof, RackBundle, Victim
 
 log = logging.getLogger("herd.link.msgauth")
@@ -63,10 +64,6 @@ _canon = msgspec.msgpack.Encoder(order="deterministic")
 _report_dec = msgspec.msgpack.Decoder(NodeReport)
 _part_dec = msgspec.msgpack.Decoder(NodePart)
 _enc = msgspec.msgpack.Encoder()     # the frames encoder's settings: a part's bytes as the bundle carries them
-
-
-class AuthError(Exception):
-    """A message's MAC or signature does not verify (or cannot be checked)."""
 
 
 # ---------------------------------------------------------------- MACs (up)
