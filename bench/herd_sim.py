@@ -366,7 +366,6 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
     # manifest's tree, then the chunks' trees block by block (p2p.tree.Planner, the same
     # block sizes as p2p.herd): plan_at[c] = when chunk c's tree is known, after the
     # manifest arrived
-    node_key.cache_clear()                 # a node computes every key once (the first fetch)
     t = time.thread_time()
     PeerView.build(ids, ids, labels)
     t_view = time.thread_time() - t
@@ -471,7 +470,9 @@ def _today_parents(view: PeerView, ck: np.ndarray, cids: Sequence[str], homes: d
     # today's rack homes: each rack's top node by rendezvous score (p2p.rendezvous.score)
     rows_all = view.grid[np.broadcast_to(np.arange(R), (len(ck), R))]
     valid_all = rows_all >= 0
-    sc = _mix_scores(ck, view.nkeys, rows_all, valid_all)
+    # rendezvous keys (BLAKE3 of the id), as p2p.rendezvous ranks; the tree's member keys differ
+    rkeys = np.array([node_key(nid) for nid in view.node_ids], dtype=np.uint64)
+    sc = _mix_scores(ck, rkeys, rows_all, valid_all)
     members = np.take_along_axis(rows_all, np.argsort(~sc, axis=2, kind="stable"), axis=2)
     out = []
     rng = np.random.default_rng(int(ck[0] & np.uint64(0xFFFF)) if len(ck) else 0)

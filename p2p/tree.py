@@ -55,7 +55,7 @@ import numpy as np
 
 from scheduler_link.messages import Peer, PeerTable
 
-from .rendezvous import ORIGIN, Source, chunk_key, node_key, rack_label
+from .rendezvous import ORIGIN, Source, chunk_key, rack_label
 
 _U = np.uint64
 
@@ -67,6 +67,26 @@ def _mix(x: np.ndarray) -> np.ndarray:
         x = (x ^ (x >> _U(30))) * _U(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> _U(27))) * _U(0x94D049BB133111EB)
         return x ^ (x >> _U(31))
+
+
+def id_keys(ids: Sequence[str]) -> np.ndarray:
+    """A 64-bit key per node id (splitmix64 folded over its UTF-8 bytes, 8 at a time,
+    and its length), vectorised: what orders a rack's members. Not the rendezvous key
+    (``rendezvous.node_key``, BLAKE3 per id: ~1 us an id, 60 ms at 50,000 peers, before
+    anything can be planned); any function every node computes alike will do here."""
+    if not ids:
+        return np.zeros(0, np.uint64)
+    raw = [s.encode() for s in ids]
+    lens = np.fromiter((len(b) for b in raw), np.uint64, len(raw))
+    arr = np.array(raw, dtype=bytes)
+    width = -(-max(arr.dtype.itemsize, 1) // 8) * 8
+    words = np.zeros((len(raw), width), np.uint8)
+    words[:, :arr.dtype.itemsize] = arr.view(np.uint8).reshape(len(raw), arr.dtype.itemsize)
+    w = words.view("<u8")
+    h = _mix(lens ^ _U(0x6E6F64652D6B6579))                   # "node-key"
+    for j in range(w.shape[1]):
+        h = _mix(h ^ w[:, j])
+    return h
 
 
 def rack_key(label: str) -> int:
@@ -118,7 +138,7 @@ class PeerView:
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if len(counts) else counts
         col = np.arange(len(ids)) - starts[rack_of[order]] if ids else np.zeros(0, np.int64)
         grid[rack_of[order], col] = order
-        nkeys = np.array([node_key(n) for n in ids], dtype=np.uint64)
+        nkeys = id_keys(ids)
         # each rack's members by node key (row order must not matter)
         gk = np.where(grid >= 0, nkeys[np.maximum(grid, 0)], np.uint64(np.iinfo(np.uint64).max))
         grid = np.take_along_axis(grid, np.argsort(gk, axis=1, kind="stable"), axis=1)
