@@ -43,7 +43,10 @@ Invariants:
   report asks the placer again where the rack's relay is.
 - Identity through relays (scheduler_link.msgauth): the answer to a full report sent over this
   node's own connection (never one through a relay) carries its MAC key and the placer's
-  signing key; every report sent through a relay carries this node's MAC.
+  signing key; every report sent through a relay carries this node's MAC. Stops in a relayed
+  answer are applied only with the placer's MAC; a part from the relay that the node does not
+  take (not signed with the key it holds: the placer may have a new one) sends its next full
+  report directly, and it returns to the relay after ``relay_retry_s``.
 """
 
 from __future__ import annotations
@@ -114,11 +117,14 @@ class RelayChannel:
     ``report`` calls answer a WireReply, and on which the relay sends ``part`` requests.
     ``run`` must be running (in the link's nursery) for answers to arrive."""
 
-    def __init__(self, channel: FrameChannel, url: str, on_part: PartHandler | None) -> None:
+    def __init__(self, channel: FrameChannel, url: str, on_part: PartHandler | None,
+                 on_refused: Callable[[RelayChannel], None] | None = None) -> None:
         self.channel = channel
         self.url = url
         self._on_part = on_part
+        self._on_refused = on_refused
         self.parts = 0
+        self.refused = 0
 
     async def run(self) -> None:
         await self.channel.run(self._frame)
@@ -133,7 +139,16 @@ class RelayChannel:
     async def _part(self, part: NodePart) -> tuple[str, NodeOutcome]:
         assert self._on_part is not None
         self.parts += 1
-        return "ack", await self._on_part(part)
+        try:
+            return "ack", await self._on_part(part)
+        except Exception:
+            # not taken (not signed by the placer we know, or not durable): the relay gets an error
+            # and the placer reaches us directly; we re-register directly (a placer with a new
+            # signing key gives it only there), and come back to the relay after relay_retry_s
+            self.refused += 1
+            if self._on_refused is not None:
+                self._on_refused(self)
+            raise
 
     async def exchange(self, report: NodeReport) -> WireReply:
         try:
@@ -233,6 +248,7 @@ class AgentLink:
         # identity: from the answer to a full report over this node's own connection only
         self.mac_key: bytes | None = None
         self.placer_key: bytes | None = None
+        self._leave_relay: RelayChannel | None = None   # a relay whose part we could not take
         # statistics
         self.reports_sent = 0
         self.full_reports_sent = 0
@@ -320,6 +336,8 @@ class AgentLink:
             if not self._need_full:
                 with trio.move_on_at(next_beat):
                     await self._wait_for_events()
+            if self._leave_relay is not None:
+                await self._leave(self._leave_relay)
             if self._relay_ask_at is not None and trio.current_time() >= self._relay_ask_at:
                 self._relay_ask_at = None
                 self._need_full = True  # where is the rack's relay now?
@@ -437,6 +455,24 @@ class AgentLink:
             del self._relay_failed[u]
         return self.relay_retry_s if self.relay_retry_s is not None else 3 * self.heartbeat_s
 
+    def _part_refused(self, r: RelayChannel) -> None:
+        if self._relay is r:
+            self._leave_relay = r
+            self._need_full = True
+            self._wake.set()
+
+    async def _leave(self, r: RelayChannel) -> None:
+        """Report directly for a while (a full report: fresh keys) after a part from ``r`` was not taken."""
+        self._leave_relay = None
+        if self._relay is not r:
+            return
+        self.relay_failures += 1
+        self._relay_failed[r.url] = trio.current_time() + self._relay_retry()
+        self._relay_ask_at = trio.current_time() + self._relay_retry()
+        log.warning("a part from the relay was not taken: registering directly node=%s relay=%s", self.node_id, r.url)
+        await self._close_wire()
+        self._need_full = True
+
     async def _follow_relay(self, url: str | None) -> None:
         """After a full report: report through ``url`` (the rack's relay), or directly (None)."""
         if url is not None and url == self.own_relay_url:
@@ -461,7 +497,7 @@ class AgentLink:
             log.warning("relay unreachable, reporting to the placer node=%s relay=%s err=%s", self.node_id, url, e)
             return
         await self._close_wire()
-        r = RelayChannel(ch, url, self.on_part)
+        r = RelayChannel(ch, url, self.on_part, self._part_refused)
         self._nursery.start_soon(r.run)
         self._relay = r
         self._wire = r

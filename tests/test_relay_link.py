@@ -357,3 +357,36 @@ async def test_a_member_applies_only_the_stops_the_placer_macd_for_it(tmp_path: 
             assert hooks.stopped == ["w-real"]
             assert link.statistics()["stops_refused"] == 2
             n.cancel_scope.cancel()
+
+
+async def test_a_member_that_cannot_take_a_relayed_part_registers_directly_then_comes_back(tmp_path: Path,
+                                                                                           token_dir: Path):
+    """The member holds an older placer key than the one its relay's bundle is signed with (the
+    placer came back with a new one): the part is refused (an error to the relay, which leaves
+    the member out), and the member reports a full report directly -- where the placer's keys
+    are given -- then returns to the relay after relay_retry_s."""
+    tokens = TokenSet.load(token_dir)
+    placer = FakePlacer(tokens)
+    stale = BundleSigner.generate().public
+    got: list[NodePart] = []
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            placer.url = await n.start(placer.server.run, "127.0.0.1:0")
+            relay = _relay(tokens, "r1", placer, [])
+            placer.relay_url = await n.start(relay.run)
+            await placer.until(lambda: "r1" in placer.relays, "relay up")
+            link = AgentLink("http://127.0.0.1:9", tokens.cluster, "m1", Hooks(), heartbeat_s=0.2,
+                             wire_url=placer.url, on_part=_accepting("m1", got, stale), request_timeout_s=2.0,
+                             relay_retry_s=0.5)
+            await n.start(link.run)
+            await placer.until(lambda: link.statistics()["relay_url"] == relay.listen_url, "through r1")
+            k0 = len(placer.seen["m1"])
+            bid, raw = _blob()
+            f = await placer.relays["r1"].call("bundle", placer.bundle(blob_id=bid, blob=raw,
+                                                                       parts=_parts("p", ["m1"], bid)), timeout_s=5)
+            assert decode_payload(f, AckBundle).outcomes == [] and got == []   # left out: pushed directly
+            await placer.until(lambda: any(k == "report" and full for k, _, full in placer.seen["m1"][k0:]),
+                               "a direct full report")
+            assert link.relay_failures >= 1
+            await placer.until(lambda: link.statistics()["relay_url"] == relay.listen_url, "back through r1")
+            n.cancel_scope.cancel()
