@@ -425,8 +425,16 @@ class EmulatedRelay:
                     m.registered = False
 
     async def _serve(self, ch: FrameChannel, scope: trio.CancelScope) -> None:
-        await ch.run(self._handle)
+        await ch.run(self._in_turn)
         scope.cancel()  # the connection is gone: everything of it restarts
+
+    async def _in_turn(self, ch: FrameChannel, fr: Frame) -> tuple[str, Any] | None:
+        """One process plays hundreds of relays that are separate hosts on a real fleet: each
+        answers as soon as its own bundle is handled, in arrival order, instead of every answer
+        waiting in its queue until the process has handled all the bundles that came with it
+        (which the placer rightly reads as relays making no progress)."""
+        async with self.fleet.bundle_turn:
+            return self._handle(ch, fr)
 
     def _handle(self, ch: FrameChannel, fr: Frame) -> tuple[str, Any] | None:
         if fr.type != "bundle":
@@ -734,6 +742,7 @@ class Fleet:
         self.blobs: dict[str, bytes] = {}              # gang blobs this process holds (shared in-process)
         self._blob_ready: dict[str, trio.Event] = {}
         self.blob_fetches = {"from_relays": 0, "from_placer": 0, "failed": 0, "served": 0}
+        self.bundle_turn = trio.Lock()   # the emulated relays take turns handling bundles (Relay._in_turn)
         self.bundles_seen = 0                          # relay mode: bundles this process took
         self.limiter = trio.CapacityLimiter(512)       # reports in flight (bounds a registration storm)
         # mutual TLS: one certificate and client context per emulated node, made before it registers
