@@ -805,7 +805,8 @@ class Fleet:
             for node in self.nodes.values():
                 link = AgentLink(cfg.placer_url, self.tokens.cluster, node.slot.node_id, node,
                                  heartbeat_s=cfg.heartbeat_s, use_wire=cfg.use_wire, wire_url=cfg.wire_url,
-                                 wire_connect=connect, http_pool=http, request_timeout_s=cfg.request_timeout_s,
+                                 wire_connect=connect, http_pool=self._http_for(node.slot.node_id, http),
+                                 request_timeout_s=cfg.request_timeout_s,
                                  backoff_max_s=max(cfg.heartbeat_s, 1.0))
                 node.link = link
                 n.start_soon(link.run)
@@ -880,6 +881,15 @@ class Fleet:
             except (FrameError, CallFailed, trio.TooSlowError):
                 continue
         self.blob_fetches["failed"] += 1
+
+    def _http_for(self, node_id: str, shared: PushPool) -> PushPool:
+        """The HTTP fallback for a node's reports: the shared pool, or over TLS the node's own
+        (one kept-alive connection, its certificate: a shared pool cannot be every node)."""
+        ctx = self.node_context(node_id)
+        if ctx is None:
+            return shared
+        return PushPool(concurrency=1, max_per_host=1, attempt_timeout_s=self.cfg.request_timeout_s, retries=0,
+                        ssl_context=ctx)
 
     def node_context(self, node_id: str) -> ssl.SSLContext | None:
         if self.node_tls is None:
