@@ -189,3 +189,81 @@ async def test_incremental_publish_over_http_to_the_gcs_emulator(tmp_path: Path,
     # 2 x (list refs + GET ref + GET manifest), 2 x 3 existence checks, 3 chunk + manifest
     # + ref uploads, has_manifest, and one auth-free extra at most
     assert sent <= 2 * 3 + 2 * 3 + 5 + 4, sent
+
+
+# ------------------------------------------------------------------ the pipeline's failures
+
+def _many_files(root: Path, n: int, size: int, seed: int) -> None:
+    rng = __import__("random").Random(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        (root / f"f{i:04d}.bin").write_bytes(rng.randbytes(size))
+
+
+async def test_a_tree_that_fails_mid_scan_publishes_nothing(tmp_path: Path) -> None:
+    """The scan refuses a FIFO found after uploads began: the ManifestError comes out as
+    itself, and the origin holds no manifest and no ref (uploaded chunks are harmless)."""
+    from p2p.errors import ManifestError
+
+    src = tmp_path / "src"
+    _many_files(src, 50, 3000, seed=20)          # the root's files are scanned (and uploaded) first
+    (src / "sub").mkdir()
+    os.mkfifo(src / "sub" / "pipe")
+    root = tmp_path / "origin"
+    with trio.fail_after(30):
+        with pytest.raises(ManifestError, match="pipe"):
+            await publish(src, FileOrigin(root), "app:v1", TINY)
+    assert not (root / "refs").exists() or not os.listdir(root / "refs")
+    assert not (root / "manifests").exists() or not os.listdir(root / "manifests")
+
+
+async def test_an_origin_failing_mid_upload_stops_the_scan_too(tmp_path: Path) -> None:
+    """An upload fails while the scan still has many files to go (its channel full): the
+    OriginError comes out as itself, promptly, and nothing names the partial upload."""
+    from p2p.errors import OriginError
+
+    src = tmp_path / "src"
+    _many_files(src, 400, 2000, seed=21)
+    root = tmp_path / "origin"
+
+    class Failing(FileOrigin):
+        """A real file:// origin whose disk 'fills' after 20 chunk writes."""
+        writes = 0
+
+        async def _put(self, key: str, data: bytes) -> None:
+            if key.startswith("chunks/"):
+                self.writes += 1
+                if self.writes > 20:
+                    raise OriginError(f"origin {self.url} is full while writing {key}")
+            await super()._put(key, data)
+
+    with trio.fail_after(30):
+        with pytest.raises(OriginError, match="is full"):
+            await publish(src, Failing(root), "app:v1", TINY, concurrency=2)
+    assert not (root / "refs").exists() or not os.listdir(root / "refs")
+
+
+async def test_a_file_changed_while_publishing_is_refused(tmp_path: Path) -> None:
+    """read_source re-hashes what it uploads: a file rewritten between the scan and its
+    upload stops the publish with the IntegrityError (as itself), no ref moved."""
+    from p2p.errors import IntegrityError
+
+    src = tmp_path / "src"
+    _many_files(src, 30, 3000, seed=22)
+    root = tmp_path / "origin"
+
+    class Rewriting(FileOrigin):
+        """Before the first chunk write, a file of the tree is rewritten (same size)."""
+        done = False
+
+        async def _put(self, key: str, data: bytes) -> None:
+            if not self.done:
+                self.done = True
+                for p in src.iterdir():
+                    p.write_bytes(b"\0" * p.stat().st_size)
+            await super()._put(key, data)
+
+    with trio.fail_after(30):
+        with pytest.raises(IntegrityError, match="changed while it was being published"):
+            await publish(src, Rewriting(root), "app:v1", TINY, concurrency=1)
+    assert not (root / "refs").exists() or not os.listdir(root / "refs")
