@@ -96,9 +96,11 @@ class Relay:
                  own_part: PartHandler, blobs: BlobCache, placer_blob: BlobSource | None = None,
                  advertise: str | None = None, heartbeat_s: float = 5.0, backoff_min_s: float = 0.05,
                  backoff_max_s: float = 2.0, request_timeout_s: float = 10.0, max_connections: int = 512,
-                 keys: Keys, clock: Callable[[], float] = time.time) -> None:
+                 keys: Keys, on_bad_bundle: Callable[[], None] | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
         self.node_id = node_id
         self._keys = keys
+        self._on_bad_bundle = on_bad_bundle   # e.g. the link's request_full_report: a new placer key
         self._verifier: BundleVerifier | None = None
         self.rack = rack
         self.tokens = tokens
@@ -250,6 +252,8 @@ class Relay:
         except (AuthError, msgspec.DecodeError, msgspec.ValidationError) as e:
             self.bad_bundles += 1
             log.warning("bundle refused rack=%s: %s", self.rack, e)
+            if self._on_bad_bundle is not None:  # (it came over our own connection to the placer:
+                self._on_bad_bundle()            # maybe the placer has a new key; our own answer has it)
             raise
         b = RackBundle(rack=view.rack, blob_id=view.blob_id, blob=view.blob, blob_sources=list(view.blob_sources),
                        deliver_by=view.deliver_by, sig=view.sig)

@@ -185,7 +185,8 @@ async def test_a_member_reports_through_the_relay_parts_and_blobs_come_down_and_
     with trio.fail_after(30):
         async with trio.open_nursery() as n:
             placer.url = await n.start(placer.server.run, "127.0.0.1:0")
-            relay = _relay(tokens, "r1", placer, relay_parts)
+            asked: list[int] = []   # the relay asks its own link for a full report (a placer's new key)
+            relay = _relay(tokens, "r1", placer, relay_parts, on_bad_bundle=lambda: asked.append(1))
             relay_scope = trio.CancelScope()
 
             async def run_relay(task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -234,6 +235,7 @@ async def test_a_member_reports_through_the_relay_parts_and_blobs_come_down_and_
                 with pytest.raises(CallFailed, match="signature|not signed"):
                     await placer.relays["r1"].call("bundle", bad, timeout_s=5)
             assert len(relay_parts) == 1 and len(member_parts) == 1 and relay.statistics()["bad_bundles"] == 2
+            assert len(asked) == 2
             # the member gets the blob from its relay (which had it from the bundle), not the placer
             assert await link.relay_blob(bid) == raw and placer.blob_gets == 0
             assert relay.statistics()["blob_serves"] == 1
