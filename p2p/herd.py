@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import random
+import ssl
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -158,13 +159,14 @@ class Herd:
     """A node's herd fetcher. Long-lived (the agent keeps one) or per fetch."""
 
     def __init__(self, store: ChunkStore, *, node_id: str, token: str | None,
-                 config: HerdConfig | None = None) -> None:
+                 config: HerdConfig | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
+        """``ssl_context``: mutual TLS to peers' data planes (their URLs are then https://)."""
         self.store = store
         self.node_id = node_id
         self.config = cfg = config or HerdConfig()
         self.client = PeerClient(token=token, config=PeerClientConfig(
             head_grace_s=cfg.head_grace_s, stall_s=cfg.stall_s, connect_s=cfg.connect_s,
-            rate_bps=cfg.peer_rate_bps))
+            rate_bps=cfg.peer_rate_bps), ssl_context=ssl_context)
         self.health = PeerHealth(penalty_s=cfg.penalty_s)
         self.counters = HerdCounters()
         self._origin_limit = trio.CapacityLimiter(cfg.origin_concurrency)

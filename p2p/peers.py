@@ -155,6 +155,16 @@ class PeerClient:
         self._bucket = AsyncBucket(self.config.rate_bps)
         self._threads = trio.CapacityLimiter(self.MAX_THREADS)
 
+    def use_tls(self, ssl_context: ssl.SSLContext | None) -> None:
+        """Speak TLS to peers from now on (an agent whose certificate came by bootstrap after
+        its herd was made); connections kept idle are dropped, never reused across the change."""
+        self._ssl = ssl_context
+        self._idle.clear()
+
+    @property
+    def tls(self) -> bool:
+        return self._ssl is not None
+
     async def aclose(self) -> None:
         for conns in self._idle.values():
             for c in conns:
