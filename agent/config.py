@@ -43,6 +43,14 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     advertise: str | None = None         # HOST:PORT members dial (default: the bound address)
 
 
+class DataPlaneSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[dataplane]``: how peers read this node's chunks (p2p.dataplane)."""
+    # Mutual TLS with node certificates (artifacts are often secret: model weights). None: on
+    # unless the agent is insecure; false: plain TCP for fleets that need the last cycle (the
+    # whole fleet alike: a TLS node refuses plain peers); true with insecure: an error.
+    tls: bool | None = None
+
+
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``[agent]``'s keys, and one field per section."""
     node_id: str = msgspec.field(default_factory=socket.gethostname)
@@ -64,6 +72,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     store: StoreConfig = StoreConfig()
     workloads: SupervisorConfig = SupervisorConfig()
     relay: RelayConfig = RelayConfig()
+    dataplane: DataPlaneSection = DataPlaneSection()
     # TLS (agent.certs, docs/security.md): ca.crt + node.crt/node.key in tls_dir (default
     # $HERD_TLS_DIR or /etc/herd/tls); insecure = true keeps plain HTTP/TCP (warned; unset:
     # $HERD_INSECURE=1); tls_bootstrap_token: a file with a single-use token for the first certificate

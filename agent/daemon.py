@@ -89,6 +89,8 @@ class Agent:
         self.tokens = TokenSet.load(config.token_dir)
         # TLS (agent.certs): None while a bootstrap is pending (run() obtains the certificate)
         self.security: Security | None = certs.security_for(config)
+        if config.dataplane.tls and self.security is not None and self.security.insecure:
+            raise AgentError("[dataplane] tls = true needs the agent's certificates, and the agent is insecure")
         self.notifier = Notifier(env)
         self.handle_signals = handle_signals
         self.ready = False
@@ -175,6 +177,18 @@ class Agent:
                                   state_dir=self.state_dir)
         return self.monitor
 
+    def _dataplane_tls(self, sec: Security) -> bool:
+        """``[dataplane] tls``: on with the agent's certificates unless set false; an insecure
+        agent has none to use (asking for TLS then is a configuration error)."""
+        want = self.config.dataplane.tls
+        if sec.insecure or sec.channel is None or sec.client is None:
+            if want:
+                raise AgentError("[dataplane] tls = true needs the agent's certificates, and the agent is insecure")
+            return False
+        if want is False:
+            log.warning("data plane is plain TCP ([dataplane] tls = false): chunks travel in the clear")
+        return want is not False
+
     def _open_store(self) -> ChunkStore:
         self.store = ChunkStore(self.config.store_dir, quota_bytes=self.config.store.quota_bytes)
         # One herd fetcher for the agent's life: single flight across concurrent fetches,
@@ -195,15 +209,19 @@ class Agent:
                     await n.start(self._signals, n.cancel_scope)
                 await n.start(monitor.run)
                 await n.start(self.supervisor.run)
+                if self.security is None:
+                    self.security = await certs.bootstrap_security(self.config)
+                sec = self.security
+                dp_tls = self._dataplane_tls(sec)
+                if dp_tls and self.herd is not None:  # peers' chunks over mutual TLS too (https:// data URLs)
+                    self.herd.client.use_tls(sec.client)
                 if self.config.data_listen:
                     hc = HerdConfig()
                     # no node serves one chunk to more than its tree children at once (k racks + its rack)
                     self.dataplane = DataPlane(store, token=self.tokens.cluster, listen=self.config.data_listen,
-                                               config=DataPlaneConfig(max_serving_per_chunk=hc.tree_k + hc.rack_fanout))
+                                               config=DataPlaneConfig(max_serving_per_chunk=hc.tree_k + hc.rack_fanout),
+                                               ssl_context=sec.channel if dp_tls else None)
                     self.data_url = await n.start(self.dataplane.run)
-                if self.security is None:
-                    self.security = await certs.bootstrap_security(self.config)
-                sec = self.security
                 self.control_url = await n.start(partial(serve, ssl_context=sec.api), build_app(self),
                                                  self.config.listen)
                 self._write_endpoints()
