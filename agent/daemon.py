@@ -270,7 +270,7 @@ class Agent:
                            listen=self.config.relay.listen, advertise=self.config.relay.advertise,
                            wire_url=lambda: link.wire_url, own_part=self.handle_part, blobs=self.blobs,
                            placer_blob=self._fetch_blob, heartbeat_s=self.config.heartbeat_s, keys=self._msg_keys,
-                           on_bad_bundle=link.request_full_report)
+                           on_bad_bundle=link.request_full_report, security=self.security)
         link.own_relay_url = await n.start(self.relay.run)
 
     async def _signals(self, scope: trio.CancelScope, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

@@ -43,6 +43,7 @@ is the trio code around it.
 from __future__ import annotations
 
 import logging
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -70,6 +71,7 @@ from scheduler_link.messages import (
     ReportReply,
 )
 from scheduler_link.msgauth import AuthError, BundleVerifier
+from scheduler_link.tls import Security
 
 from .beats import BeatBook, is_empty
 from .blobs import BlobCache, BlobSource
@@ -97,8 +99,13 @@ class Relay:
                  advertise: str | None = None, heartbeat_s: float = 5.0, backoff_min_s: float = 0.05,
                  backoff_max_s: float = 2.0, request_timeout_s: float = 10.0, max_connections: int = 512,
                  keys: Keys, on_bad_bundle: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, security: Security | None = None) -> None:
+        """``security``: the agent's TLS set-up (None or insecure: plain TCP). With it the members
+        listener takes mutual TLS only (a member's certificate names the member), the upstream
+        connection must reach the placer's certificate, and blobs come from other relays over
+        mutual TLS too."""
         self.node_id = node_id
+        self._client_ssl = security.client if security is not None and not security.insecure else None
         self._keys = keys
         self._on_bad_bundle = on_bad_bundle   # e.g. the link's request_full_report: a new placer key
         self._verifier: BundleVerifier | None = None
@@ -118,7 +125,10 @@ class Relay:
         self.book = BeatBook(rack, heartbeat_s)
         # a rack is small (<= 72 trays an NVL72) plus the few relays come for a blob: not the
         # descriptor-derived default, which may be 64 under a low ulimit
-        self.server = HeartbeatServer(tokens, _frames_only, frames=self, max_connections=max_connections)
+        self.server = HeartbeatServer(tokens, _frames_only, frames=self, max_connections=max_connections,
+                                      ssl_context=security.channel if security is not None and not security.insecure
+                                      else None,
+                                      require_certs=security.require_certs if security is not None else False)
         self.listen_url = ""
         self._members: dict[str, FrameChannel] = {}
         self._up: FrameChannel | None = None
@@ -180,7 +190,8 @@ class Relay:
                 continue
             try:
                 ch = await open_frames(url, self.token, self.node_id, timeout_s=self.request_timeout_s,
-                                       relay=RelayHello(racks=[self.rack], listen_url=self.listen_url))
+                                       relay=RelayHello(racks=[self.rack], listen_url=self.listen_url),
+                                       ssl_context=self._client_ssl, expect="placer" if self._client_ssl else None)
             except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError) as e:
                 log.debug("relay upstream connect failed url=%s err=%s", url, e)
                 await trio.sleep(backoff * 2)
@@ -326,7 +337,7 @@ class Relay:
     def _peer_source(self, url: str) -> BlobSource:
         async def fetch(blob_id: str) -> bytes | None:
             return await fetch_blob_from(url, self.token, self.node_id, blob_id, racks=[self.rack],
-                                         timeout_s=self.request_timeout_s)
+                                         timeout_s=self.request_timeout_s, ssl_context=self._client_ssl)
         return fetch
 
     # ------------------------------------------------------------ the members listener (FramesHost)
@@ -451,9 +462,11 @@ def _blob_data(r: BlobReply) -> bytes | None:
 
 
 async def fetch_blob_from(url: str, token: str, node_id: str, blob_id: str, *, racks: list[str] | None = None,
-                          timeout_s: float = 10.0) -> bytes | None:
-    """One ``blob_get`` on a fresh frames connection to ``url`` (a relay's members listener)."""
-    ch = await open_frames(url, token, node_id, relay=RelayHello(racks=list(racks or [])), timeout_s=timeout_s)
+                          timeout_s: float = 10.0, ssl_context: ssl.SSLContext | None = None) -> bytes | None:
+    """One ``blob_get`` on a fresh frames connection to ``url`` (a relay's members listener;
+    with ``ssl_context``, mutual TLS to any node's certificate)."""
+    ch = await open_frames(url, token, node_id, relay=RelayHello(racks=list(racks or [])), timeout_s=timeout_s,
+                           ssl_context=ssl_context, expect="node" if ssl_context else None)
     try:
         async with trio.open_nursery() as n:
             n.start_soon(ch.run, _no_requests)

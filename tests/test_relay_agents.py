@@ -44,7 +44,8 @@ class RelayCluster(LocalCluster):
                                "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
                                "--placer", self.placer.url, "--token-dir", str(self.token_dir),
                                "--zone", "z1", "--block", "b1", "--rack", "rack0",
-                               "--heartbeat-s", str(self.heartbeat_s)], sd)
+                               "--heartbeat-s", str(self.heartbeat_s)], sd,
+                        tls_dir=self.pki.node_dir(node) if self.tls else None)
         p.info = _wait_file(sd / "endpoints.json", p.proc, timeout, p.log)
         p.url = p.info["control_url"]
         self.agents[node] = p
@@ -59,13 +60,13 @@ class Api:
         self.h = auth_header(tokens.operator)
 
     async def get(self, path: str, **kw: Any) -> Any:
-        async with httpx.AsyncClient(timeout=15, headers=self.h) as cl:
+        async with httpx.AsyncClient(timeout=15, headers=self.h, verify=self.c.verify) as cl:
             r = await cl.get(self.url + path, **kw)
             r.raise_for_status()
             return r.json()
 
     async def submit(self, **spec: Any) -> dict[str, Any]:
-        async with httpx.AsyncClient(timeout=15) as cl:
+        async with httpx.AsyncClient(timeout=15, verify=self.c.verify) as cl:
             r = await cl.post(self.url + "/v1/jobs", json=spec, headers=self.h)
             assert r.status_code == 201, r.text
             return r.json()
@@ -81,7 +82,7 @@ class Api:
         return {n["node_id"]: n for n in (await self.get("/v1/nodes"))["nodes"]}
 
     async def agent(self, node: str, path: str) -> Any:
-        async with httpx.AsyncClient(timeout=10, headers=self.c.read_headers()) as cl:
+        async with httpx.AsyncClient(timeout=10, headers=self.c.read_headers(), verify=self.c.verify) as cl:
             r = await cl.get(self.c.agents[node].url + path)
             r.raise_for_status()
             return r.json()
@@ -134,10 +135,13 @@ async def _jobs_workloads(api: Api, job_id: str) -> dict[str, list[dict[str, Any
     return out
 
 
-async def test_a_gang_is_delivered_through_the_relay_and_runs(tmp_path, token_dir):
+@pytest.mark.parametrize("tls", [False, True], ids=["insecure", "mutual-tls"])
+async def test_a_gang_is_delivered_through_the_relay_and_runs(tmp_path, token_dir, tls):
+    """(With TLS, the product's default: the relay's upstream connection, its members'
+    connections to it and the relays' blob fetches are all mutual TLS.)"""
     tokens = TokenSet.load(token_dir)
     with trio.fail_after(120), RelayCluster(tmp_path, token_dir, relays={0}, heartbeat_s=0.5,
-                                            recover_s=0.5) as c:
+                                            recover_s=0.5, tls=tls) as c:
         api = Api(c, tokens)
         await _start(c, api, 0, [1, 2])
         await api.submit(job_id="g", pods=3, gpus_per_pod=8, argv=["sleep", "60"], grace_s=1.0)
