@@ -40,6 +40,8 @@ QUICK: dict[str, list[str]] = {
     "bench.delivery": ["--nodes", "256", "--steady-s", "2", "--baseline-limit", "20", "--limit", "30"],
     "bench.herd": ["--nodes", "2", "--size-mb", "8"],
     "bench.herd_sim": ["--nodes", "8,40", "--rack-size", "4", "--size-mb", "16", "--cases", "none,dead"],
+    "bench.msgauth": ["--nodes", "512", "--repeat", "1"],
+    "bench.tls_handshake": ["--n", "20", "--rounds", "1"],
 }
 TIMEOUT_S = 150.0
 _CMD = re.compile(r"python -m (bench\.\w+)")

@@ -46,4 +46,4 @@ def test_the_readme_names_only_benches_quick_runs() -> None:
     named = table_keys((ROOT / "README.md").read_text())
     assert named and set(named) <= set(QUICK)
     assert set(QUICK) == {f"bench.{p.stem}" for p in (ROOT / "bench").glob("*.py")
-                          if p.stem not in ("__init__", "quick", "fleet_helper", "netns")}
+                          if p.stem not in ("__init__", "quick", "fleet_helper", "fleet_tls", "netns")}
