@@ -18,6 +18,11 @@ class InvalidSpec(PlacerError, ValueError):
     """A node spec or a job request that cannot be valid (bad sizes, unknown level, empty ids)."""
 
 
+class BadRequest(PlacerError, ValueError):
+    """A request or message whose shape the placer cannot use (a page that is not OFFSET:LIMIT,
+    a rack beat whose columns differ in length); the sender's error, nothing was changed."""
+
+
 class UnknownNode(PlacerError, KeyError):
     """A node id the model does not hold."""
 

@@ -33,7 +33,7 @@ from scheduler_link.messages import (
 from scheduler_link.msgauth import beat_mac, node_key, with_stop_macs
 from scheduler_link.validate import validate_report
 
-from .errors import InvalidSpec
+from .errors import BadRequest, InvalidSpec
 from .model import NodeSpec
 from .records import STALE_PRIORITY, TERMINAL_JOB_STATES, JobRec, NodeRec, PodRec, Push, parse_workload_id
 from .statebase import StateBase
@@ -111,7 +111,7 @@ class Reports(StateBase):
         timer = self.lost_timer
         n = len(b.node_ids)
         if len(b.boot_ids) != n or len(b.seqs) != n or (via is not None and len(b.macs) != n):
-            raise ValueError("a rack beat's columns differ in length")
+            raise BadRequest("a rack beat's columns differ in length")
         self.counters["reports"] += n
         macs = b.macs if via is not None else [b""] * n
         for nid, boot, seq, mac in zip(b.node_ids, b.boot_ids, b.seqs, macs, strict=True):

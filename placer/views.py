@@ -17,6 +17,7 @@ import msgspec
 
 from scheduler_link.messages import JobSpec, JobView, NodeView, PodView
 
+from .errors import BadRequest
 from .records import JobRec, NodeRec, PodRec
 from .statebase import MODEL_ERRORS, StateBase
 
@@ -41,9 +42,9 @@ def parse_page(text: str | None, default: int) -> tuple[int, int]:
         off = int(off_s) if off_s else 0
         lim = int(lim_s) if lim_s else default
     except ValueError:
-        raise ValueError("a page is OFFSET:LIMIT, two integers") from None
+        raise BadRequest("a page is OFFSET:LIMIT, two integers") from None
     if off < 0 or lim < 0:
-        raise ValueError("offset and limit must be >= 0")
+        raise BadRequest("offset and limit must be >= 0")
     return off, min(lim, MAX_PAGE)
 
 

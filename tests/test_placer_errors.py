@@ -84,3 +84,23 @@ async def test_placer_start_failures_are_one_line(tmp_path):
                 assert r.returncode == 1 and err.startswith(msg) and len(err.strip().splitlines()) == 1, err
     finally:
         busy.close()
+
+
+def test_the_placer_raises_no_bare_builtin_errors():
+    """What the placer raises on purpose is a PlacerError (a BadRequest is still a ValueError for
+    callers that catch that): no ``raise ValueError(...)`` and the like, except the protocol ones
+    Python itself defines (NotImplementedError of an abstract method, AttributeError of
+    ``__getattr__``)."""
+    import builtins
+    allowed = {"NotImplementedError", "AttributeError"}
+    bare = []
+    for f in PLACER.rglob("*.py"):
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                e = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if isinstance(e, ast.Name) and isinstance(getattr(builtins, e.id, None), type) \
+                        and e.id not in allowed:
+                    bare.append(f"{f.name}:{node.lineno} {e.id}")
+    assert bare == []
+    assert issubclass(errors.BadRequest, PlacerError) and issubclass(errors.BadRequest, ValueError)
+
