@@ -19,8 +19,9 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+from collections.abc import AsyncIterator
 from datetime import datetime
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 import httpx
@@ -169,16 +170,17 @@ class GCSOrigin(Origin):
             return False
         raise self._refused(resp, "metadata", key)
 
-    async def _list(self, prefix: str, max_pages: int) -> tuple[set[str], str | None]:
-        """Names under ``prefix`` in lexicographic order, at most ``max_pages`` pages.
-        Returns (names, None) when the listing is complete, else (names, last name listed)."""
+    async def _pages(self, prefix: str, fields: str,
+                     max_pages: int | None = None) -> AsyncIterator[tuple[list[dict[str, Any]], bool]]:
+        """``objects.list`` of ``prefix`` page by page, in lexicographic order: each page's items
+        (with ``fields``) and whether more follow; at most ``max_pages`` pages (None: all)."""
         url = f"{self.base}/storage/v1/b/{quote(self.bucket, safe='')}/o"
         full = self.prefix + prefix
-        names: set[str] = set()
         token: str | None = None
-        last = ""
-        for _ in range(max_pages):
-            params = {"prefix": full, "maxResults": str(self.list_page), "fields": "items(name),nextPageToken"}
+        pages = 0
+        while max_pages is None or pages < max_pages:
+            pages += 1
+            params = {"prefix": full, "maxResults": str(self.list_page), "fields": f"items({fields}),nextPageToken"}
             if token:
                 params["pageToken"] = token
             resp = await self.http.request("GET", url, params=params)
@@ -186,17 +188,30 @@ class GCSOrigin(Origin):
                 raise self._refused(resp, "list", full)
             try:
                 body = resp.json()
-            except ValueError:
-                raise OriginError(f"origin {self.url}: list {prefix}: not JSON") from None
-            for item in body.get("items", []) or []:
+                items = list(body.get("items", []) or [])
+                token = body.get("nextPageToken")
+            except (ValueError, AttributeError, TypeError):
+                raise OriginError(f"origin {self.url}: list {prefix}: not a GCS listing") from None
+            self._sync_retries()
+            yield items, bool(token)
+            if not token:
+                return
+
+    async def _list(self, prefix: str, max_pages: int) -> tuple[set[str], str | None]:
+        """Names under ``prefix`` in lexicographic order, at most ``max_pages`` pages.
+        Returns (names, None) when the listing is complete, else (names, last name listed)."""
+        full = self.prefix + prefix
+        names: set[str] = set()
+        last = ""
+        more = False
+        async for items, more_pages in self._pages(prefix, "name", max_pages):
+            more = more_pages
+            for item in items:
                 name = str(item.get("name", ""))[len(full):]
                 last = max(last, name)
                 if HEX64.match(name):
                     names.add(name)
-            token = body.get("nextPageToken")
-            if not token:
-                return names, None
-        return names, last
+        return names, (last if more else None)
 
     async def _exists_many(self, prefix: str, names: set[str]) -> set[str]:
         """List the prefix when asked about many ids, but only for about two pages per
@@ -221,21 +236,11 @@ class GCSOrigin(Origin):
     # ------------------------------------------------------------ gc primitives
 
     async def _list_info(self, prefix: str) -> list[ObjectInfo]:
-        url = f"{self.base}/storage/v1/b/{quote(self.bucket, safe='')}/o"
         full = self.prefix + prefix
         out: list[ObjectInfo] = []
-        token: str | None = None
-        while True:
-            params = {"prefix": full, "maxResults": str(self.list_page),
-                      "fields": "items(name,size,updated,generation),nextPageToken"}
-            if token:
-                params["pageToken"] = token
-            resp = await self.http.request("GET", url, params=params)
-            if resp.status_code != 200:
-                raise self._refused(resp, "list", full)
+        async for items, _ in self._pages(prefix, "name,size,updated,generation"):
             try:
-                body = resp.json()
-                for item in body.get("items", []) or []:
+                for item in items:
                     name = str(item["name"])
                     if not name.startswith(full):
                         continue
@@ -244,10 +249,7 @@ class GCSOrigin(Origin):
                                           version=str(item.get("generation", ""))))
             except (ValueError, KeyError, TypeError, AttributeError):
                 raise OriginError(f"origin {self.url}: list {prefix}: not a GCS listing") from None
-            self._sync_retries()
-            token = body.get("nextPageToken")
-            if not token:
-                return out
+        return out
 
     async def _move(self, src: str, dst: str) -> bool:
         # GCS has no rename: a server-side copy (create-only at dst), then delete src.
