@@ -153,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
         proc = subprocess.Popen(
             [sys.executable, "-m", "cli.main", "agent", "run", "--node-id", "bench", "--gpus", "simulated:dgx-h100",
              "--state-dir", str(state), "--listen", "127.0.0.1:0", "--no-data-plane", "--token-dir",
-             str(tmp / "tokens"), "--gpu-poll-interval-s", "5"], cwd=ROOT, stdout=log, stderr=log)
+             str(tmp / "tokens"), "--gpu-poll-interval-s", "5"], cwd=ROOT, stdout=log, stderr=log,
+            env={**os.environ, "HERD_INSECURE": "1"})  # plain HTTP and tokens: the agent's own costs, not TLS's
         deadline = time.monotonic() + 60
         while not (state / "endpoints.json").exists():
             if proc.poll() is not None or time.monotonic() > deadline:

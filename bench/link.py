@@ -402,8 +402,9 @@ async def bench_heartbeats(seconds: float = 3.0, n_conn: int = 64) -> dict[str, 
     with tempfile.TemporaryDirectory() as tmp:
         td = generate_token_dir(Path(tmp) / "tokens")
         tokens = TokenSet.load(td)
+        # plain TCP and tokens (insecure = true): this row measures the channel, not TLS (bench.tls_handshake)
         cfg = PlacerConfig(listen="127.0.0.1:0", wire_listen="127.0.0.1:0", state_dir=str(Path(tmp) / "p"),
-                           heartbeat_s=60.0, tick_s=1.0)
+                           heartbeat_s=60.0, tick_s=1.0, insecure=True)
         svc = PlacerService(cfg, tokens)
         out: dict[str, Any] = {}
         async with trio.open_nursery() as n:

@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench.node] {msg}", file=sys.stderr, flush=True)
 
     r = run(a.mib, a.repeat, not a.no_tls, Path(a.workdir or tempfile.gettempdir()), log)
-    print(json.dumps(r, indent=2) if a.json else _table(r))
+    print(json.dumps(r) if a.json else _table(r))  # (one line: bench.quick reads the last line)
     return 0
 
 

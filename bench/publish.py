@@ -194,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench.publish] {msg}", file=sys.stderr, flush=True)
 
     r = run(a.size_mb, a.repeat, Path(a.workdir or tempfile.gettempdir()), log)
-    print(json.dumps(r, indent=2) if a.json else _table(r))
+    print(json.dumps(r) if a.json else _table(r))  # (one line: bench.quick reads the last line)
     return 0
 
 
