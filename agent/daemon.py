@@ -178,16 +178,14 @@ class Agent:
         return self.monitor
 
     def _dataplane_tls(self, sec: Security) -> bool:
-        """``[dataplane] tls``: on with the agent's certificates unless set false; an insecure
-        agent has none to use (asking for TLS then is a configuration error)."""
-        want = self.config.dataplane.tls
-        if sec.insecure or sec.channel is None or sec.client is None:
-            if want:
-                raise AgentError("[dataplane] tls = true needs the agent's certificates, and the agent is insecure")
+        """``[dataplane] tls``: on with the agent's certificates unless set false (asking for it
+        on an insecure agent was refused in ``__init__``)."""
+        if sec.insecure:
             return False
-        if want is False:
+        if self.config.dataplane.tls is False:
             log.warning("data plane is plain TCP ([dataplane] tls = false): chunks travel in the clear")
-        return want is not False
+            return False
+        return True
 
     def _open_store(self) -> ChunkStore:
         self.store = ChunkStore(self.config.store_dir, quota_bytes=self.config.store.quota_bytes)

@@ -105,7 +105,7 @@ class Relay:
         connection must reach the placer's certificate, and blobs come from other relays over
         mutual TLS too."""
         self.node_id = node_id
-        self._client_ssl = security.client if security is not None and not security.insecure else None
+        self._client_ssl = security.client if security is not None else None   # (insecure: none)
         self._keys = keys
         self._on_bad_bundle = on_bad_bundle   # e.g. the link's request_full_report: a new placer key
         self._verifier: BundleVerifier | None = None
@@ -126,8 +126,7 @@ class Relay:
         # a rack is small (<= 72 trays an NVL72) plus the few relays come for a blob: not the
         # descriptor-derived default, which may be 64 under a low ulimit
         self.server = HeartbeatServer(tokens, _frames_only, frames=self, max_connections=max_connections,
-                                      ssl_context=security.channel if security is not None and not security.insecure
-                                      else None,
+                                      ssl_context=security.channel if security is not None else None,
                                       require_certs=security.require_certs if security is not None else False)
         self.listen_url = ""
         self._members: dict[str, FrameChannel] = {}

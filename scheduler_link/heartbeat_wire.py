@@ -220,31 +220,21 @@ class HeartbeatServer:
 
     async def _tls_accept(self, stream: trio.SocketStream) -> trio.SSLStream[trio.SocketStream] | None:
         assert self.ssl_context is not None
-        s = trio.SSLStream(stream, self.ssl_context, server_side=True)
         why = "no handshake slot in time"
         with trio.move_on_after(self.handshake_queue_s):
             async with self._handshakes:
-                why = "handshake timed out"
-                with trio.move_on_after(self.hello_timeout_s):
-                    try:
-                        await tls.handshake(s)
-                        return s
-                    except tls.TLSError as e:
-                        why = str(e)
+                why = "handshake timed out"   # (also when the queue's bound ends the handshake)
+                s, why = await tls.server_handshake(stream, self.ssl_context, self.hello_timeout_s)
+                if s is not None:
+                    return s
         self.tls_refused += 1
         cause = ("queue" if why.startswith("no handshake slot") else "timeout" if why.startswith("handshake timed")
                  else "plain" if "does not speak TLS" in why else "peer" if "closed the connection" in why
                  else "certificate" if "certificate" in why else "other")
         self.tls_refusals[cause] = self.tls_refusals.get(cause, 0) + 1
         log.info("framed channel: TLS handshake refused client=%s: %s", tls.peer_address(stream), why)
-        if "does not speak TLS" in why:
-            with trio.move_on_after(0.5):
-                try:
-                    await stream.send_all(frame(WireReply(status=400, error="this listener speaks TLS only "
-                                                                         "(the placer is not insecure)")))
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                    pass
-        await trio.aclose_forcefully(stream)
+        await tls.refuse(stream, why, frame(WireReply(status=400, error="this listener speaks TLS only "
+                                                                       "(the placer is not insecure)")))
         return None
 
     def _admit(self, hello: Hello, principal: tls.Principal | None) -> WireReply | None:

@@ -434,23 +434,12 @@ async def _tls_accept(app: App, stream: trio.SocketStream, ctx: ssl.SSLContext,
                       deadline_s: float) -> trio.SSLStream[trio.SocketStream] | None:
     """The handshake of one accepted connection within ``deadline_s``; None (the connection
     closed, a plain-HTTP client told so in plain text) when it fails."""
-    s = trio.SSLStream(stream, ctx, server_side=True)
-    why = "handshake timed out"
-    with trio.move_on_after(deadline_s):
-        try:
-            await tls.handshake(s)
-            return s
-        except tls.TLSError as e:
-            why = str(e)
+    s, why = await tls.server_handshake(stream, ctx, deadline_s)
+    if s is not None:
+        return s
     app.tls_refused += 1
     log.info("TLS handshake refused client=%s: %s", tls.peer_address(stream), why)
-    if "does not speak TLS" in why:
-        with trio.move_on_after(0.5):
-            try:
-                await stream.send_all(PLAIN_TO_TLS)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                pass
-    await trio.aclose_forcefully(stream)
+    await tls.refuse(stream, why, PLAIN_TO_TLS)
     return None
 
 

@@ -215,6 +215,32 @@ async def handshake(stream: trio.SSLStream[Any]) -> None:
         raise TLSError(describe_ssl_error(cause)) from None
 
 
+async def server_handshake(stream: trio.SocketStream, ctx: ssl.SSLContext,
+                           deadline_s: float) -> tuple[trio.SSLStream[trio.SocketStream] | None, str]:
+    """An accepted connection's handshake within ``deadline_s``: (the TLS stream, "") or
+    (None, why it failed). Both listeners (the HTTP layer, the framed channel) use it."""
+    s = trio.SSLStream(stream, ctx, server_side=True)
+    with trio.move_on_after(deadline_s):
+        try:
+            await handshake(s)
+            return s, ""
+        except TLSError as e:
+            return None, str(e)
+    return None, "handshake timed out"
+
+
+async def refuse(stream: trio.SocketStream, why: str, plain_answer: bytes) -> None:
+    """Close a connection whose handshake failed; a client that spoke plain text (``why`` from
+    :func:`server_handshake`) is first told so in its own protocol (``plain_answer``)."""
+    if "does not speak TLS" in why:
+        with trio.move_on_after(0.5):
+            try:
+                await stream.send_all(plain_answer)
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                pass
+    await trio.aclose_forcefully(stream)
+
+
 def expect_peer(stream: Any, want: str) -> Principal:
     """Check the peer of a handshaken stream is ``want`` (``placer``, ``node:X``, or a kind:
     ``node`` for any node); :class:`TLSError` otherwise."""
