@@ -64,11 +64,13 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
                 tls_dir=pki_dir, log_path=tmp / f"emu-{mode}-{k}.log")))
         row["emulator_setup_s"] = round(time.perf_counter() - t_setup, 2)
         cpu0 = placer.cpu_s()
+        ecpu0 = sum(e.cpu_s() for e in emus)
         for e in emus:
             await e.go()
         up, secs = await wait_nodes_up(c, placer.url, n_nodes, limit_s=limit_s)
         row.update(register_s=round(secs, 2), nodes_up=up, complete=up >= n_nodes,
-                   placer_cpu_s=round(placer.cpu_s() - cpu0, 2), placer_rss_mib=round(placer.rss_mib(), 1),
+                   placer_cpu_s=round(placer.cpu_s() - cpu0, 2),
+                   emulator_cpu_s=round(sum(e.cpu_s() for e in emus) - ecpu0, 2), placer_rss_mib=round(placer.rss_mib(), 1),
                    placer_fds=placer.fds(), load_after=_load())
         r = await c.get(f"{placer.url}/v1/cluster", params={"detail": "0"})
         fc = r.json().get("framed_channel", {})

@@ -22,7 +22,12 @@ Invariants:
   one heartbeat interval: a restarted placer waits a few intervals for every agent's
   full report before it places recovered jobs again, so no agent may be slower than that.
 - Transports are pluggable (:class:`ReportChannel`): the framed channel is used for every
-  report once open — full reports too — and HTTP is the fallback. The link remembers the
+  report once open — full reports too — and HTTP is the fallback when the channel is refused
+  or unreachable. A channel that is merely slow to answer (a restarted placer handshakes a
+  storm of reconnecting agents a few hundred at a time, and queues the rest) is waited for up
+  to ``wire_connect_timeout_s`` and then tried again after a jittered back-off, up to
+  ``WIRE_BUSY_TRIES`` times in a row, before HTTP: a report over HTTP then would cost the busy
+  placer one more handshake, on a listener with no queue, and feed the storm. The link remembers the
   last ``wire_url`` the placer announced (or the one it was built with), so after a placer
   restart (every agent re-registering at once) the full reports go over framed channels.
   ``wire_connect`` lets many links share a few multiplexed connections
@@ -207,7 +212,8 @@ class AgentLink:
                  http: httpx.AsyncClient | None = None, http_pool: PushPool | None = None,
                  on_part: PartHandler | None = None, own_relay_url: str | None = None,
                  relay_connect: RelayConnect | None = None, relay_retry_s: float | None = None,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, wire_connect_timeout_s: float = 60.0,
+                 wire_busy_backoff_s: float = 1.0) -> None:
         self.placer_url = placer_url.rstrip("/")
         self.ssl_context = ssl_context       # mutual TLS (this node's certificate) on every connection
         self.token = token
@@ -229,6 +235,12 @@ class AgentLink:
         self._wire: ReportChannel | None = None
         self._wire_url = wire_url            # the last framed channel the placer announced
         self._wire_retry_at = 0.0            # trio time before which a failed channel is not retried
+        # longer than the placer's handshake queue bound (45 s) plus its hello deadline: a
+        # connection the placer still means to serve is not given up on
+        self.wire_connect_timeout_s = wire_connect_timeout_s
+        self.wire_busy_backoff_s = wire_busy_backoff_s   # the first busy back-off; it doubles
+        self._wire_busy = 0                  # framed-channel connects in a row that timed out
+        self.wire_busy = 0                   # ... all of them, and connects that found it busy
         self._wire_connect: WireConnect = wire_connect or partial(direct_wire, ssl_context=ssl_context)
         self._http = http                    # shared HTTP client (not closed here) or None
         self._http_pool = http_pool          # or a shared PushPool (not closed here)
@@ -283,7 +295,7 @@ class AgentLink:
             "stops_refused": self.stops_refused,
             "last_ok_at": self.last_ok_at, "last_error": self.last_error, "heartbeat_s": self.heartbeat_s,
             "framed_channel": self._wire is not None, "wire_reports": self.wire_reports,
-            "wire_full_reports": self.wire_full_reports, "wire_url": self._wire_url,
+            "wire_full_reports": self.wire_full_reports, "wire_url": self._wire_url, "wire_busy": self.wire_busy,
             "relay_url": self._relay.url if self._relay is not None else None,
             "relay_switches": self.relay_switches, "relay_failures": self.relay_failures,
             "relay_parts": self._relay.parts if self._relay is not None else 0,
@@ -344,6 +356,9 @@ class AgentLink:
             if self._wire is None and self._wire_url and self.use_wire \
                     and trio.current_time() >= self._wire_retry_at:
                 await self._open_wire(self._wire_url)
+                if self._wire is None and 0 < self._wire_busy < WIRE_BUSY_TRIES:
+                    await trio.sleep_until(self._wire_retry_at)  # the channel again, not HTTP
+                    continue
             report = self._build_report()
             relayed = self._relay is not None
             try:
@@ -509,13 +524,26 @@ class AgentLink:
         wire_url = wire_endpoint(wire_url, self.placer_url)
         await self._close_wire()
         try:
-            with trio.fail_after(self.request_timeout_s):
+            with trio.fail_after(self.wire_connect_timeout_s):
                 self._wire = await self._wire_connect(wire_url, self.token or "", self.node_id)
+            self._wire_busy = 0
             log.debug("reports on the framed channel node=%s url=%s", self.node_id, wire_url)
+            return
         except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
                 tls.TLSError) as e:
-            log.warning("framed channel unavailable, using HTTP node=%s err=%s", self.node_id, e)
             self._wire = None
+            if _busy(e) and self._wire_busy + 1 < WIRE_BUSY_TRIES:
+                self._wire_busy += 1
+                self.wire_busy += 1
+                # full jitter over a doubling window: a storm's retries spread out, not in waves
+                wait = random.uniform(0.5, 1.0) * min(WIRE_BUSY_BACKOFF_MAX_S,
+                                                      self.wire_busy_backoff_s * 2.0 ** (self._wire_busy - 1))
+                self._wire_retry_at = trio.current_time() + wait
+                log.warning("framed channel busy, trying it again in %.1fs node=%s tries=%d err=%s", wait,
+                            self.node_id, self._wire_busy, e or type(e).__name__)
+                return
+            self._wire_busy = 0
+            log.warning("framed channel unavailable, using HTTP node=%s err=%s", self.node_id, e or type(e).__name__)
             self._wire_retry_at = trio.current_time() + self.heartbeat_s
 
     async def _close_wire(self) -> None:
@@ -578,6 +606,21 @@ class AgentLink:
             await self.hooks.stop_workloads(list(victims))
         except Exception:
             log.exception("stop_workloads hook failed node=%s", self.node_id)
+
+
+WIRE_BUSY_TRIES = 4            # connects that find the framed channel busy before HTTP is tried
+WIRE_BUSY_BACKOFF_MAX_S = 30.0
+
+
+def _busy(e: BaseException) -> bool:
+    """A framed-channel connect that failed because the placer is busy, not because the
+    channel is refused: no answer in time, over its connection cap (503), or closed before
+    the TLS handshake answered (its handshake queue's bound)."""
+    if isinstance(e, trio.TooSlowError):
+        return True
+    if isinstance(e, WireError):
+        return e.status == 503
+    return isinstance(e, tls.TLSError) and "closed the connection during the handshake" in str(e)
 
 
 class _Conflict(Exception):

@@ -14,8 +14,15 @@ BUSY_ANSWER = (b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/j
                b'{"error":"busy","detail":"too many open connections"}')
 
 
-async def turn_away(stream: trio.abc.Stream) -> None:
-    """Answer 503 busy (at most half a second spent on it) and close the connection."""
+async def turn_away(stream: trio.abc.Stream, *, plain: bool = True) -> None:
+    """Answer 503 busy (at most half a second spent on it) and close the connection. On a
+    TLS listener (``plain=False``) the connection is only closed: a canned answer in plain
+    text would reach a TLS client as garbage ("wrong version number"), and a handshake to
+    say "busy" inside TLS is the work being refused; the client sees the connection closed
+    during its handshake and backs off."""
+    if not plain:
+        await trio.aclose_forcefully(stream)
+        return
     with trio.move_on_after(0.5):
         try:
             await stream.send_all(BUSY_ANSWER)

@@ -78,7 +78,11 @@ class WireReply(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class WireError(Exception):
-    """A peer broke the framing protocol."""
+    """A peer broke the framing protocol, or refused the channel (``status``: its answer)."""
+
+    def __init__(self, msg: str, *, status: int | None = None) -> None:
+        super().__init__(msg)
+        self.status = status
 
 
 _hello = msgspec.json.Decoder(Hello)
@@ -141,13 +145,16 @@ class HeartbeatServer:
     def __init__(self, tokens: TokenSet, ingest: Ingest, *, hello_timeout_s: float = 10.0,
                  max_connections: int | None = None, frames: FramesHost | None = None,
                  ssl_context: ssl.SSLContext | None = None, require_certs: bool = False,
-                 token_use: Any = None, handshakes: int = 256, handshake_queue_s: float = 60.0) -> None:
+                 token_use: Any = None, handshakes: int = 256, handshake_queue_s: float = 45.0) -> None:
         self.tokens = tokens
         # Handshakes cost the placer's one thread ~1.5-3 ms of CPU each. A registration storm
         # (every agent reconnecting at once) run all at once would finish them all late, past
         # the deadline, and their retries would feed the storm: a few at a time, in arrival
         # order, each within hello_timeout_s once it has a slot; a connection waits for a slot
-        # at most handshake_queue_s (it holds a socket meanwhile, bounded by max_connections).
+        # at most handshake_queue_s (it holds a socket meanwhile, bounded by max_connections),
+        # less than an agent waits for it (AgentLink.wire_connect_timeout_s, 60 s); one whose
+        # client hung up while it waited is dropped without a handshake (its ClientHello is
+        # still in the socket: the handshake's crypto would be spent on nobody).
         self._handshakes = trio.CapacityLimiter(max(1, handshakes))
         self.handshake_queue_s = handshake_queue_s
         self.ssl_context = ssl_context
@@ -223,6 +230,11 @@ class HeartbeatServer:
         why = "no handshake slot in time"
         with trio.move_on_after(self.handshake_queue_s):
             async with self._handshakes:
+                if tls.peer_hung_up(stream):
+                    self.tls_refusals["gone"] = self.tls_refusals.get("gone", 0) + 1
+                    self.tls_refused += 1
+                    await trio.aclose_forcefully(stream)
+                    return None
                 why = "handshake timed out"   # (also when the queue's bound ends the handshake)
                 s, why = await tls.server_handshake(stream, self.ssl_context, self.hello_timeout_s)
                 if s is not None:
@@ -392,7 +404,7 @@ class HeartbeatClient:
             raise
         if r.status != 200:
             await c.stream.aclose()
-            raise WireError(f"placer refused the heartbeat channel: {r.status} {r.error}")
+            raise WireError(f"placer refused the heartbeat channel: {r.status} {r.error}", status=r.status)
         return c
 
     async def send(self, reports: list[NodeReport]) -> None:

@@ -488,7 +488,7 @@ async def serve(app: App, listen: str, *, limits: ServerLimits | None = None,
             await trio.aclose_forcefully(stream)
             return
         if not gate.enter(client):
-            await turn_away(stream)
+            await turn_away(stream, plain=ssl_context is None)
             return
         try:
             inner: trio.abc.Stream = stream

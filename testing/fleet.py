@@ -46,6 +46,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 import ssl
 import sys
@@ -749,8 +750,11 @@ class Fleet:
         self.node_tls = NodeContexts(cfg.tls_dir) if cfg.tls_dir else None
         self._node_ctx: dict[str, ssl.SSLContext] = {}
         # Real agents each handshake on their own CPU; thousands at once in this one thread would
-        # each finish late (past their deadline, then retry): a few at a time, as separate hosts would.
-        self._tls_connects = trio.CapacityLimiter(32)
+        # each finish late (past their deadline, then retry): some at a time, as hosts starting a
+        # little apart would. The wait for a turn here is the emulator's, not the node's: a node's
+        # connect deadline (WIRE_CONNECT_S, as a real agent's wire_connect_timeout_s) starts
+        # with its turn.
+        self._tls_connects = trio.CapacityLimiter(128)
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._nursery is not None
@@ -807,6 +811,8 @@ class Fleet:
                                  heartbeat_s=cfg.heartbeat_s, use_wire=cfg.use_wire, wire_url=cfg.wire_url,
                                  wire_connect=connect, http_pool=self._http_for(node.slot.node_id, http),
                                  request_timeout_s=cfg.request_timeout_s,
+                                 # the node's own deadline is in `connect` (after the emulator's queue)
+                                 wire_connect_timeout_s=3600.0 if self.node_tls else WIRE_CONNECT_S,
                                  backoff_max_s=max(cfg.heartbeat_s, 1.0))
                 node.link = link
                 n.start_soon(link.run)
@@ -926,8 +932,9 @@ class Fleet:
             if ctx is None:
                 return await HeartbeatClient.connect(wire_url, tok, node_id, local_address=_source(counter, cfg.sources))
             async with self._tls_connects:
-                return await HeartbeatClient.connect(wire_url, tok, node_id, local_address=_source(counter, cfg.sources),
-                                                     ssl_context=ctx)
+                with trio.fail_after(WIRE_CONNECT_S):
+                    return await HeartbeatClient.connect(wire_url, tok, node_id,
+                                                         local_address=_source(counter, cfg.sources), ssl_context=ctx)
         return direct
 
     # ---- statistics
@@ -1075,6 +1082,9 @@ class _BlobHost:
         return "blob", BlobReply(blob_id=blob_id, data=raw)
 
 
+WIRE_CONNECT_S = 60.0   # an emulated node's framed-channel connect deadline (AgentLink's default)
+
+
 def _source(k: int, sources: int) -> str | None:
     if sources <= 1:
         return None
@@ -1149,8 +1159,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=3600.0, help="exit after this long (bound)")
     ap.add_argument("--tls-dir", default=None,
                     help="a PKI dir with ca.key: every node reports over its own mutual-TLS connection")
+    ap.add_argument("--log-level", default=os.environ.get("HERD_EMU_LOG", "ERROR"),
+                    help="the emulator's log level (default ERROR; env HERD_EMU_LOG)")
     a = ap.parse_args(argv)
-    logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tokens = TokenSet.load(a.token_dir)
     cfg = FleetConfig(
         placer_url=a.placer, nodes=a.nodes, offset=a.offset, fleet=a.fleet, wire_url=a.wire_url, mux=a.mux,

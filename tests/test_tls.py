@@ -174,3 +174,64 @@ def test_needs_renewal(ca: pki.ThrowawayPKI) -> None:
     cert = pki.load_cert(ca.files("node:n1").cert)
     assert not pki.needs_renewal(cert)
     assert pki.needs_renewal(cert, now=cert.not_valid_after_utc - dt.timedelta(days=1))
+
+
+async def test_framed_channel_skips_the_handshake_of_a_client_that_hung_up_while_queued(
+        ca: pki.ThrowawayPKI) -> None:
+    """One handshake slot: a client holding it without a ClientHello times out; a client that
+    sent its ClientHello and hung up while queued is dropped without the handshake's crypto
+    (``gone``); a client queued behind them is then served."""
+    import socket
+
+    from scheduler_link.auth import TokenSet
+    from scheduler_link.heartbeat_wire import HeartbeatClient, HeartbeatServer
+    from scheduler_link.messages import ReportReply
+
+    srv = HeartbeatServer(TokenSet(cluster="c"),
+                          lambda node_id, rep: (200, ReportReply()), hello_timeout_s=0.5, handshakes=1,
+                          ssl_context=tls.server_context(ca.files("placer")), require_certs=True)
+    node_ctx = tls.client_context(ca.ca, ca.files("node:n1"))
+    with trio.fail_after(15):
+        async with trio.open_nursery() as n:
+            url = await n.start(srv.run, "127.0.0.1:0")
+            port = int(url.rpartition(":")[2])
+            hold = await trio.open_tcp_stream("127.0.0.1", port)      # takes the slot, says nothing
+            await trio.sleep(0.05)
+            # a real ClientHello, then gone: its bytes wait in the socket behind the hung-up side
+            gone = socket.create_connection(("127.0.0.1", port))
+            obj = tls.client_context(ca.ca, ca.files("node:n2")).wrap_bio(ssl.MemoryBIO(), out := ssl.MemoryBIO())
+            with pytest.raises(ssl.SSLWantReadError):
+                obj.do_handshake()
+            gone.sendall(out.read())
+            gone.close()
+            await trio.sleep(0.05)
+            with trio.fail_after(5):
+                c = await HeartbeatClient.connect(url, "", "n1", ssl_context=node_ctx)
+            await c.aclose()
+            await hold.aclose()
+            assert srv.tls_refusals.get("gone") == 1, srv.tls_refusals
+            assert srv.tls_refusals.get("timeout") == 1, srv.tls_refusals
+            n.cancel_scope.cancel()
+
+
+async def test_https_over_its_connection_cap_closes_instead_of_answering_in_plain_text(
+        ca: pki.ThrowawayPKI) -> None:
+    """Past the cap a plain listener answers a canned 503; a TLS listener only closes (a
+    plain-text answer reached TLS clients as "the peer does not speak TLS"): the client
+    learns the server closed during its handshake, which agents treat as busy."""
+    from scheduler_link.http import App, ServerLimits, serve
+
+    app = App()
+    with trio.fail_after(15):
+        async with trio.open_nursery() as n:
+            url = await n.start(lambda task_status: serve(
+                app, "127.0.0.1:0", limits=ServerLimits(max_connections=2, max_per_client=2), task_status=task_status,
+                ssl_context=tls.server_context(ca.files("placer"), client_cert="optional")))
+            port = int(url.rpartition(":")[2])
+            held = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
+            await trio.sleep(0.05)
+            with pytest.raises(TLSError, match="closed the connection during the handshake"):
+                await tls.connect("127.0.0.1", port, tls.client_context(ca.ca, ca.files("node:n1")))
+            for s in held:
+                await s.aclose()
+            n.cancel_scope.cancel()

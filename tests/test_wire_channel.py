@@ -341,3 +341,70 @@ async def test_agent_link_re_registers_over_the_remembered_framed_channel_after_
                     await trio.sleep(0.02)
             assert link.full_reports_sent - link.wire_full_reports == 1  # only the very first over HTTP
             n.cancel_scope.cancel()
+
+
+class _StallThenForward:
+    """A loopback listener in front of a framed channel: the first ``stall`` connections are
+    accepted and never answered (a placer whose handshake queue is full), later ones are
+    forwarded byte for byte to ``target``."""
+
+    def __init__(self, target: str, stall: int) -> None:
+        self.host, _, port = target.removeprefix("tcp://").rpartition(":")
+        self.port = int(port)
+        self.stall = stall
+        self.accepted = 0
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        task_status.started(f"tcp://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        self.accepted += 1
+        if self.accepted <= self.stall:
+            await trio.sleep_forever()
+        async with client, await trio.open_tcp_stream(self.host, self.port) as up:
+            async def pump(a: trio.SocketStream, b: trio.SocketStream) -> None:
+                while data := await a.receive_some(1 << 16):
+                    await b.send_all(data)
+                await b.send_eof()
+
+            async with trio.open_nursery() as n:
+                n.start_soon(pump, client, up)
+                n.start_soon(pump, up, client)
+
+
+@pytest.mark.parametrize("stall", [2, 10])
+async def test_agent_link_waits_out_a_busy_framed_channel_before_falling_back_to_http(stall):
+    """A framed channel that takes no connection in time (a placer handshaking a storm) is
+    tried again after a back-off, not replaced by HTTP (which would cost the busy placer one
+    more handshake): two stalled connects, then the third registers over the channel with no
+    HTTP request at all; a channel that never answers falls back to HTTP after
+    WIRE_BUSY_TRIES connects (the placer's HTTP URL here refuses, which the link reports)."""
+    from scheduler_link.agent_link import WIRE_BUSY_TRIES
+
+    fp = FakePlacer()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            _, url = await _server(n, fp)
+            front = _StallThenForward(url, stall)
+            front_url = await n.start(front.run)
+            link = AgentLink("http://127.0.0.1:1", "c", "solo", _Hooks("solo"), heartbeat_s=0.05,
+                             wire_url=front_url, wire_connect_timeout_s=0.2, wire_busy_backoff_s=0.02,
+                             backoff_max_s=0.05)
+            await n.start(link.run)
+            if stall < WIRE_BUSY_TRIES:
+                with trio.fail_after(10):
+                    while not (link.registered and link.reports_sent >= 2):
+                        await trio.sleep(0.02)
+                assert link.wire_busy == stall and front.accepted == stall + 1
+                assert link.failures == 0 and link.full_reports_sent == link.wire_full_reports == 1
+                assert [r.full for nid, r in fp.seen][:1] == [True]
+            else:
+                with trio.fail_after(10):
+                    while link.failures == 0:
+                        await trio.sleep(0.02)
+                assert link.wire_busy == WIRE_BUSY_TRIES - 1 and front.accepted == WIRE_BUSY_TRIES
+                assert "127.0.0.1:1" in (link.last_error or "") or "onnect" in (link.last_error or "")
+                assert fp.seen == []
+            n.cancel_scope.cancel()
