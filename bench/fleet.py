@@ -440,6 +440,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tls", action="store_true",
                     help="registration only, over mutual TLS vs the same without TLS (bench/fleet_tls.py)")
     ap.add_argument("--repeat", type=int, default=1, help="--tls: runs per mode (medians)")
+    ap.add_argument("--relays", action="store_true", help="--tls: relay mode (members beat through their relay)")
     ns = ap.parse_args(argv)
     nodes = [int(x) for x in ns.nodes.split(",") if x.strip()]
     if ns.tls:
@@ -449,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             out = trio.run(partial(run_tls_bench, nodes, per_proc=min(ns.per_proc, 4096), heartbeat_s=ns.heartbeat,
                                    limit_s=ns.register_limit, repeat=max(1, ns.repeat),
-                                   root=Path(ns.placer_root), tmp=Path(d)))
+                                   root=Path(ns.placer_root), tmp=Path(d), relays=ns.relays))
             out["wall_s"] = round(time.perf_counter() - t0, 1)
             out["cores"] = os.cpu_count()
         print(json.dumps(out)) if ns.json else print_tls_table(out)

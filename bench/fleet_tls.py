@@ -1,6 +1,6 @@
 """Registration over mutual TLS against the same registration without TLS, same run.
 
-    python -m bench.fleet --tls --nodes 4096,16384 [--per-proc 4096] [--repeat 1] [--json]
+    python -m bench.fleet --tls --nodes 4096,16384 [--per-proc 4096] [--repeat 1] [--relays] [--json]
 
 Per row (N nodes) and per mode, a fresh ``herd placer run`` subprocess (framed channel on) and
 ``ceil(N / --per-proc)`` emulator processes (``python -m testing.fleet``). Every emulated node
@@ -13,8 +13,14 @@ a placer restart; ``go`` starts them all at once.
   throwaway CA before ``go``, not timed), the placer its own; the placer checks the hello's
   node against the certificate.
 
+``--relays``: the placer and the emulator in relay mode, as a fleet at this scale runs: each
+member registers over its own connection (a handshake, the full report, its MAC key), then
+beats through its rack's relay (emulated in-process, one frames connection per rack to the
+placer, over TLS with the relay node's certificate); without it every node keeps its own
+connection and beats on it, which costs the placer a TLS record and a report each beat.
+
 Figures: ``register_s`` (``go`` -> the placer's ``GET /v1/cluster`` counts N nodes up),
-``placer_cpu_s`` (the placer's CPU time meanwhile, from ``/proc``), and per mode the medians
+``placer_cpu_s`` and ``emulator_cpu_s`` (CPU time meanwhile, from ``/proc``), and per mode the medians
 over ``--repeat`` runs, with the ratio tls / plain. The machine's load average is recorded with
 every row (a shared machine: read the figures with it).
 """
@@ -41,17 +47,17 @@ def _load() -> list[float]:
 
 
 async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, heartbeat_s: float,
-                        limit_s: float, root: Path) -> dict[str, Any]:
+                        limit_s: float, root: Path, relays: bool = False) -> dict[str, Any]:
     td = generate_token_dir(tmp / "tokens")
     pki_dir = None
     if mode == "tls":
         pki_dir = tmp / "pki"
         if not (pki_dir / "ca.key").exists():
             throwaway(pki_dir)
-    opts = PlacerOptions(heartbeat_s=heartbeat_s, lost_after_missed=1000, relays=False,
+    opts = PlacerOptions(heartbeat_s=heartbeat_s, lost_after_missed=1000, relays=relays,
                          tls_dir=str(pki_dir) if pki_dir else None)
     viewer = {"authorization": f"Bearer {(td / 'viewer.token').read_text().strip()}"}
-    row: dict[str, Any] = {"nodes": n_nodes, "mode": mode, "load_before": _load()}
+    row: dict[str, Any] = {"nodes": n_nodes, "mode": mode, "relays": relays, "load_before": _load()}
     async with AsyncExitStack() as stack:
         placer = await stack.enter_async_context(PlacerProc(tmp / f"run-{mode}", td, opts, root=root))
         c = await stack.enter_async_context(httpx.AsyncClient(timeout=120, headers=viewer, verify=verify(pki_dir)))
@@ -60,8 +66,8 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
         for k in range(math.ceil(n_nodes / per_proc)):
             cnt = min(per_proc, n_nodes - k * per_proc)
             emus.append(await stack.enter_async_context(EmulatorProc(
-                placer, td, nodes=cnt, offset=k * per_proc, mux=0, known_wire=True, root=root,
-                tls_dir=pki_dir, log_path=tmp / f"emu-{mode}-{k}.log")))
+                placer, td, nodes=cnt, offset=k * per_proc, mux=8 if relays else 0, known_wire=True, root=root,
+                tls_dir=pki_dir, log_path=tmp / f"emu-{mode}-{k}.log", extra=["--relays"] if relays else None)))
         row["emulator_setup_s"] = round(time.perf_counter() - t_setup, 2)
         cpu0 = placer.cpu_s()
         ecpu0 = sum(e.cpu_s() for e in emus)
@@ -72,16 +78,22 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
                    placer_cpu_s=round(placer.cpu_s() - cpu0, 2),
                    emulator_cpu_s=round(sum(e.cpu_s() for e in emus) - ecpu0, 2), placer_rss_mib=round(placer.rss_mib(), 1),
                    placer_fds=placer.fds(), load_after=_load())
-        r = await c.get(f"{placer.url}/v1/cluster", params={"detail": "0"})
-        fc = r.json().get("framed_channel", {})
+        fc = {}
+        for _ in range(3):  # (a kept-alive connection the placer closed while idle: once more)
+            try:
+                r = await c.get(f"{placer.url}/v1/cluster", params={"detail": "0"})
+                fc = r.json().get("framed_channel", {})
+                break
+            except httpx.HTTPError:
+                continue
         row["framed_channel"] = {k: v for k, v in fc.items() if k.startswith("tls_refused") or k in (
             "connections", "open_connections", "refused", "wrong_node")}
     return row
 
 
 async def run_tls_bench(nodes: list[int], *, per_proc: int, heartbeat_s: float, limit_s: float,
-                        repeat: int, root: Path, tmp: Path) -> dict[str, Any]:
-    out: dict[str, Any] = {"bench": "fleet_tls", "rows": [], "summary": []}
+                        repeat: int, root: Path, tmp: Path, relays: bool = False) -> dict[str, Any]:
+    out: dict[str, Any] = {"bench": "fleet_tls", "relays": relays, "rows": [], "summary": []}
     for n in nodes:
         runs: dict[str, list[dict[str, Any]]] = {"plain": [], "tls": []}
         for i in range(repeat):
@@ -89,14 +101,15 @@ async def run_tls_bench(nodes: list[int], *, per_proc: int, heartbeat_s: float, 
             order = ("plain", "tls") if i % 2 == 0 else ("tls", "plain")
             for mode in order:
                 row = await register_once(n, mode, tmp / f"n{n}-{i}-{mode}", per_proc=per_proc,
-                                          heartbeat_s=heartbeat_s, limit_s=limit_s, root=root)
+                                          heartbeat_s=heartbeat_s, limit_s=limit_s, root=root, relays=relays)
                 row["repeat"] = i
                 runs[mode].append(row)
                 out["rows"].append(row)
-        summ: dict[str, Any] = {"nodes": n, "repeat": repeat}
+        summ: dict[str, Any] = {"nodes": n, "repeat": repeat, "relays": relays}
         for mode, rows in runs.items():
             summ[f"{mode}_register_s_median"] = statistics.median(r["register_s"] for r in rows)
             summ[f"{mode}_placer_cpu_s_median"] = statistics.median(r["placer_cpu_s"] for r in rows)
+            summ[f"{mode}_emulator_cpu_s_median"] = statistics.median(r["emulator_cpu_s"] for r in rows)
             summ[f"{mode}_complete"] = all(r["complete"] for r in rows)
         p, t = summ["plain_register_s_median"], summ["tls_register_s_median"]
         summ["register_ratio_tls_over_plain"] = round(t / p, 2) if p else None
@@ -108,14 +121,18 @@ async def run_tls_bench(nodes: list[int], *, per_proc: int, heartbeat_s: float, 
 
 
 def print_tls_table(out: dict[str, Any]) -> None:
-    print(f"{'nodes':>7} {'mode':>5} {'rep':>3} {'register_s':>10} {'placer_cpu_s':>12} {'up':>7} "
+    print("relays: " + ("on (members register over their own connection, then beat through their relay)"
+                        if out.get("relays") else "off (every node beats on its own connection)"))
+    print(f"{'nodes':>7} {'mode':>5} {'rep':>3} {'register_s':>10} {'placer_cpu_s':>12} {'emu_cpu_s':>9} {'up':>7} "
           f"{'emu_setup_s':>11} load(before->after)")
     for r in out["rows"]:
         print(f"{r['nodes']:>7} {r['mode']:>5} {r['repeat']:>3} {r['register_s']:>10} {r['placer_cpu_s']:>12} "
-              f"{r['nodes_up']:>7} {r['emulator_setup_s']:>11} {r['load_before']}->{r['load_after']}")
+              f"{r['emulator_cpu_s']:>9} {r['nodes_up']:>7} {r['emulator_setup_s']:>11} "
+              f"{r['load_before']}->{r['load_after']}")
     print()
     for s in out["summary"]:
         print(f"{s['nodes']:>7} nodes: register median plain {s['plain_register_s_median']} s, "
               f"tls {s['tls_register_s_median']} s (x{s['register_ratio_tls_over_plain']}); placer CPU "
-              f"plain {s['plain_placer_cpu_s_median']} s, tls {s['tls_placer_cpu_s_median']} s "
+              f"plain {s['plain_placer_cpu_s_median']} s, tls {s['tls_placer_cpu_s_median']} s; emulators "
+              f"plain {s['plain_emulator_cpu_s_median']} s, tls {s['tls_emulator_cpu_s_median']} s "
               f"(x{s['placer_cpu_ratio_tls_over_plain']}; {s['tls_placer_cpu_ms_per_node']} ms/node over TLS)")

@@ -524,7 +524,10 @@ class AgentLink:
         wire_url = wire_endpoint(wire_url, self.placer_url)
         await self._close_wire()
         try:
-            with trio.fail_after(self.wire_connect_timeout_s):
+            # registered (the placer answering), a channel that is slow is not a storm: the
+            # short deadline, so a firewalled channel port never holds up a heartbeat for long
+            limit = self.request_timeout_s if self.registered else self.wire_connect_timeout_s
+            with trio.fail_after(limit):
                 self._wire = await self._wire_connect(wire_url, self.token or "", self.node_id)
             self._wire_busy = 0
             log.debug("reports on the framed channel node=%s url=%s", self.node_id, wire_url)

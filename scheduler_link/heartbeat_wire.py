@@ -394,10 +394,12 @@ class HeartbeatClient:
                 await trio.aclose_forcefully(c.stream)
             if ssl_context is None:
                 raise
-            # TLS 1.3: a server that refuses our certificate says so after our side finished
-            raise WireError(f"the framed channel closed during TLS set-up: "
-                            f"{tls.describe_ssl_error(e.__cause__ or e)} (is our certificate this "
-                            "cluster's, unexpired, and a node's?)") from None
+            # TLS 1.3: a server that refuses our certificate says so after our side finished;
+            # one that closes without saying why is past its handshake deadline (busy: 503)
+            why = tls.describe_ssl_error(e.__cause__ or e)
+            raise WireError(f"the framed channel closed during TLS set-up: {why} (is our certificate this "
+                            "cluster's, unexpired, and a node's?)",
+                            status=503 if "closed the connection during the handshake" in why else None) from None
         except BaseException:
             with trio.CancelScope(shield=True):
                 await c.stream.aclose()

@@ -62,6 +62,7 @@ import trio
 import trio.lowlevel
 
 from agent.gpus.simulated import PROFILES, SimulatedBackend
+from scheduler_link import tls
 from scheduler_link.agent_link import AgentLink, ReportChannel
 from scheduler_link.auth import TokenSet, bearer
 from scheduler_link.fanout import PushPool
@@ -394,10 +395,12 @@ class EmulatedRelay:
         f = self.fleet
         backoff = 0.05
         while True:
+            own_ctx = f.node_context(self.members[0].slot.node_id)   # over TLS: the relay node's certificate
             try:
                 ch = await open_frames(f.cfg.wire_url or "", f.tokens.cluster or "", self.members[0].slot.node_id,
                                        relay=RelayHello(racks=[self.rack], listen_url=f.frames_url),
-                                       local_address=self.source, timeout_s=f.cfg.request_timeout_s)
+                                       local_address=self.source, timeout_s=f.cfg.request_timeout_s,
+                                       ssl_context=own_ctx, expect="placer" if own_ctx else None)
             except (OSError, trio.TooSlowError, msgspec.DecodeError) as e:
                 self.failures += 1
                 log.debug("relay connect failed rack=%s err=%s", self.rack, e)
@@ -561,6 +564,8 @@ class EmulatedRelay:
             await trio.sleep(0.5)
 
     async def _register_direct(self, m: EmulatedNode) -> WireReply | None:
+        if self.fleet.node_tls is not None:
+            return await self._register_own_tls(m)
         async with self.fleet.limiter:
             shared = self.fleet.shared
             if not shared:
@@ -573,6 +578,30 @@ class EmulatedRelay:
                     wr = await sw.exchange(rep)
             except (WireError, trio.TooSlowError):
                 self.failures += 1
+                return None
+        self.reports += 1
+        return wr
+
+    async def _register_own_tls(self, m: EmulatedNode) -> WireReply | None:
+        """Over mutual TLS a member registers as a real agent does: its own connection to the
+        placer's framed channel with its own certificate (a handshake, the full report, its
+        MAC key in the answer), closed once it moves to its relay (here, in-process)."""
+        f = self.fleet
+        ctx = f.node_context(m.slot.node_id)
+        rep = self._report(m, full=True)
+        async with f._tls_connects:   # (the emulator's queue: see Fleet; the node's deadline starts after it)
+            try:
+                with trio.fail_after(WIRE_CONNECT_S):
+                    c = await HeartbeatClient.connect(f.cfg.wire_url or "", "", m.slot.node_id, ssl_context=ctx,
+                                                      local_address=self.source)
+                    try:
+                        wr = await c.exchange(rep)
+                    finally:
+                        await c.aclose()
+            except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
+                    tls.TLSError) as e:
+                self.failures += 1
+                log.debug("member registration failed node=%s err=%s", m.slot.node_id, e)
                 return None
         self.reports += 1
         return wr
@@ -797,7 +826,9 @@ class Fleet:
             await self._go.wait()
             self.started_at = time.time()
             if cfg.relays:
-                for k in range(max(1, cfg.mux)):  # members register directly (their MAC keys come only that way)
+                # members register directly (their MAC keys come only that way): over shared
+                # framed connections, or over TLS each over its own (a certificate is one node)
+                for k in range(max(1, cfg.mux) if self.node_tls is None else 0):
                     sw = SharedWire(cfg.wire_url or "", self.tokens.cluster or "", name=f"emu-{cfg.offset}-{k}",
                                     local_address=_source(k, cfg.sources))
                     self.shared.append(sw)
