@@ -353,12 +353,11 @@ def daemon_security(tls_dir: str | os.PathLike[str] | None, name: str, *, insecu
     """The TLS set-up of a daemon whose certificate is ``<tls_dir>/<name>.crt`` (``files``
     overrides the layout); insecure (a warning logged) only when asked explicitly."""
     if insecure_from_env(insecure):
-        # A config's insecure = true is a warning; HERD_INSECURE=1 is what test and script
-        # harnesses set for every daemon they start, said at info (/v1/status shows it either way).
-        log.log(logging.WARNING if insecure else logging.INFO,
-                "%s is INSECURE: plain HTTP/TCP, bearer tokens only, no certificates (%s; run "
-                "`herd pki init` and set tls_dir for TLS)", what,
-                "insecure = true" if insecure else "HERD_INSECURE=1")
+        # A warning however it was asked (a config's insecure = true, or HERD_INSECURE=1, which
+        # an environment can carry into a daemon unnoticed), once per daemon; /v1/status shows it too.
+        log.warning("%s is INSECURE: plain HTTP/TCP, bearer tokens only, no certificates (%s; run "
+                    "`herd pki init` and set tls_dir for TLS)", what,
+                    "insecure = true" if insecure else "HERD_INSECURE=1 in the environment")
         return Security(insecure=True, accept_tokens=accept_tokens)
     if files is None:
         d = Path(tls_dir or os.environ.get("HERD_TLS_DIR") or DEFAULT_TLS_DIR)
