@@ -62,14 +62,15 @@ class _Unreachable(FakeAgent):
         return msgspec.structs.replace(super().full_report(), control_url=self.bad_url)
 
 
-async def test_an_unreachable_node_is_retried_by_re_placement_one_push_each(tmp_path: Path,
-                                                                            token_dir: Path) -> None:
+async def test_an_unreachable_node_is_retried_by_re_placement_one_push_each(tmp_path: Path, token_dir: Path,
+                                                                            autojump_clock: trio.abc.Clock) -> None:
+    """In virtual time (the rollback back-off's 0, 0.5, 1 s are the clock's), real sockets."""
     tokens = TokenSet.load(token_dir)
     seen: list[int] = []
     with trio.fail_after(30):
         async with trio.open_nursery() as n:
             bad = await _hang_up(n, seen)
-            svc = PlacerService(cfg(tmp_path), tokens)
+            svc = PlacerService(cfg(tmp_path), tokens, clock=trio.current_time)
             url = await n.start(svc.run)
             agent = _Unreachable("n0", tokens, control_url=bad)
             await n.start(agent.run, url)
