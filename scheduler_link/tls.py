@@ -215,14 +215,22 @@ async def handshake(stream: trio.SSLStream[Any]) -> None:
         raise TLSError(describe_ssl_error(cause)) from None
 
 
-async def server_handshake(stream: trio.SocketStream, ctx: ssl.SSLContext,
-                           deadline_s: float) -> tuple[trio.SSLStream[trio.SocketStream] | None, str]:
+async def server_handshake(stream: trio.SocketStream, ctx: ssl.SSLContext, deadline_s: float, *,
+                           slots: trio.CapacityLimiter | None = None
+                           ) -> tuple[trio.SSLStream[trio.SocketStream] | None, str]:
     """An accepted connection's handshake within ``deadline_s``: (the TLS stream, "") or
-    (None, why it failed). Both listeners (the HTTP layer, the framed channel) use it."""
+    (None, why it failed). Both listeners (the HTTP layer, the framed channel) use it.
+    ``slots`` bounds the handshakes in progress (their crypto); a connection takes one only
+    once its client has sent something, so idle connections (connected, silent) hold none."""
     s = trio.SSLStream(stream, ctx, server_side=True)
     with trio.move_on_after(deadline_s):
         try:
-            await handshake(s)
+            if slots is None:
+                await handshake(s)
+            else:
+                await trio.lowlevel.wait_readable(stream.socket)
+                async with slots:
+                    await handshake(s)
             return s, ""
         except TLSError as e:
             return None, str(e)
