@@ -231,3 +231,19 @@ async def test_cli_fetch_succeeds_after_503s_within_its_retries(tmp_path: Path, 
     assert json.loads(res.stdout)["bytes_from_origin"] == art.size
     assert sorted(_chunk_gets(seen).values()) == [3] * len(art.chunks)
     assert (tmp_path / "tree" / "blob.bin").read_bytes() == b"".join(art.chunks[c] for c in art.chunks)
+
+
+async def test_a_file_origin_says_which_failures_may_pass(tmp_path: Path) -> None:
+    """A directory that is not there (a network mount not up yet) or an I/O error is
+    OriginUnavailable, asked again by the herd; a refusal (permissions) is an answer."""
+    import errno
+
+    from p2p.origins import FileOrigin
+    missing = FileOrigin(tmp_path / "not-mounted")
+    with pytest.raises(OriginUnavailable, match="is unreachable: directory .* does not exist"):
+        await missing.get_chunk("0" * 64)
+    here = FileOrigin(tmp_path)
+    eio = here._oserror(OSError(errno.EIO, "Input/output error"), "chunks/x", "read")
+    eacces = here._oserror(OSError(errno.EACCES, "Permission denied"), "chunks/x", "read")
+    assert isinstance(eio, OriginUnavailable) and "cannot read chunks/x: Input/output error" in str(eio)
+    assert type(eacces) is OriginError and "Permission denied" in str(eacces)
