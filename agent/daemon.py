@@ -395,7 +395,7 @@ class Agent:
             raise AgentError("this agent has no artifact store")
         if not origin_url:
             raise AgentError(f"manifest {manifest_id} needs an origin URL")
-        # retries=0: the herd's origin call (jittered backoff within origin_retry_s, counted in
+        # retries=0: the herd's origin call (at most HerdConfig.origin_tries requests a chunk, counted in
         # herd_p2p_origin_retries_total) is the one retry layer; the origin's transport retrying
         # inside it would multiply the attempts and hide them from the counter
         origin = open_origin(origin_url, retries=0)

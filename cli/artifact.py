@@ -95,17 +95,20 @@ def register(sub: argparse._SubParsersAction) -> None:
 def _origin_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--origin", default=os.environ.get("HERD_ORIGIN"),
                    help="origin URL: file:///dir, gs://bucket/prefix, https://mirror (env HERD_ORIGIN)")
-    p.add_argument("--retries", type=int, default=5, help="retries of a failing origin request (default 5)")
+    p.add_argument("--retries", type=int, default=5,
+                   help="retries of a failing origin request (default 5; fetch: each chunk asked at most N+1 times)")
 
 
-def _open(args: argparse.Namespace) -> Any:
+def _open(args: argparse.Namespace, *, retries: int | None = None) -> Any:
+    """The origin ``--origin`` names, its transport retrying ``--retries`` times (or
+    ``retries``: 0 where the caller is the retry layer, as the herd is for a fetch)."""
     from p2p.origins import open_origin
 
     if not args.origin:
         raise CliError("--origin URL is required (or set HERD_ORIGIN)")
     if args.retries < 0:
         raise CliError("--retries must be >= 0")
-    return open_origin(args.origin, retries=args.retries)
+    return open_origin(args.origin, retries=args.retries if retries is None else retries)
 
 
 class Progress:
@@ -230,12 +233,16 @@ def cmd_fetch(args: argparse.Namespace) -> int:
     progress = Progress("fetch", not args.json)
 
     async def main() -> Any:
-        async with _open(args) as origin:
-            mid = await origin.resolve(args.ref)
+        async with _open(args) as control:
+            mid = await control.resolve(args.ref)
+        # One retry layer, with or without --peer: the herd's origin call asks a chunk at
+        # most --retries + 1 times; the origin it reads through does not retry (retries=0)
+        async with _open(args, retries=0) as origin:
             stats = await fetch_artifact(store, mid, origin, progress=progress, peers=args.peer,
-                                         node_id=args.node_id, token=_cluster_token(args))
-            tree = await trio.to_thread.run_sync(store.materialise, mid)
-            return stats, tree
+                                         node_id=args.node_id, token=_cluster_token(args),
+                                         origin_tries=args.retries + 1)
+        tree = await trio.to_thread.run_sync(store.materialise, mid)
+        return stats, tree
 
     try:
         stats, tree = trio.run(main)

@@ -14,6 +14,7 @@ __all__ = [
     "ManifestError",
     "NotFoundError",
     "OriginError",
+    "OriginUnavailable",
     "P2PError",
     "PeerError",
     "ReadOnlyOriginError",
@@ -37,6 +38,12 @@ class StoreFullError(StoreError):
 
 class OriginError(P2PError):
     """The origin is unreachable, misbehaved, or kept failing after retries."""
+
+
+class OriginUnavailable(OriginError):
+    """The origin did not answer, or answered "later" (408, 429, 5xx, a timeout, a refused
+    or reset connection): asking again may work. Any other ``OriginError`` is an answer
+    that will not change (401/403, a bad request, a body over its bound) and is not retried."""
 
 
 class NotFoundError(OriginError):

@@ -16,7 +16,11 @@ False``, the design before, kept as the benchmarks' baseline):
 the plan out:
 
 - the chunk's home (plan = origin only) fetches it from the origin, with bounded
-  concurrency and retries with jittered backoff while the origin is down;
+  concurrency and retries with jittered backoff while the origin is down -- the one
+  retry layer of a fetch's origin reads (:meth:`Herd._origin_call`; origins are opened
+  with ``retries=0``): ``origin_tries`` requests at most, an answer that will not change
+  (401/403, a bad request) fails at once, and an origin that failed its budget fails the
+  chunk (no re-plan asks it again);
 - everyone else asks the peers ranked above it with ``?wait_ms=`` so a request lands on
   the home's in-flight download (or waits for the home to start it);
 - a source that fails (refused, 404 after the wait, timeout, stall, bad bytes) is
@@ -51,7 +55,7 @@ from prometheus_client.metrics_core import Metric
 from scheduler_link.messages import Peer, PeerTable
 from scheduler_link.metrics import family, text_of
 
-from .errors import IntegrityError, NotFoundError, OriginError, PeerError
+from .errors import IntegrityError, NotFoundError, OriginError, OriginUnavailable, PeerError
 from .fetchrun import OWN, REST, FetchRun
 from .flight import SingleFlight
 from .origins import Origin, check_hex_id
@@ -80,7 +84,10 @@ class HerdConfig:
     stall_s: float = 10.0              # no body bytes for this long: a stalled peer
     penalty_s: float = 30.0
     endgame: int = 4                   # duplicate the last N outstanding chunks to a 2nd peer
-    origin_retry_s: float = 120.0      # keep retrying an unreachable origin this long
+    # Requests for one chunk (or manifest) to an origin that is down or says "later"
+    # (OriginUnavailable), the first included: with the backoff below, ~1.5-2 min of outage.
+    # The only retry layer of a fetch: origins are opened with retries=0.
+    origin_tries: int = 30
     backoff_min_s: float = 0.1
     backoff_max_s: float = 5.0
     peer_rate_bps: float | None = None    # optional caps (bits/s) on what we receive
@@ -100,7 +107,7 @@ class HerdConfig:
     tree_k: int = 8
     rack_fanout: int = 32
     busy_rounds: int = 600             # rounds where every source was only busy (503) or missing
-    origin_verify_tries: int = 3       # origin answers that fail verification before OriginError
+    origin_verify_tries: int = 3       # origin answers that fail verification before OriginCorruptError
     # A tree source without the manifest yet: ask it again after manifest_poll_s, each
     # pause manifest_poll_growth times the last, at most manifest_poll_max_s (the data
     # plane has no wait for manifests: each level of the tree costs about one pause)
@@ -240,7 +247,7 @@ class Herd:
                     self.health.bad_bytes(p.node_id, "manifest does not match its id")
             except PeerError:
                 continue
-        return await self._origin_call(origin.get_manifest, manifest_id)
+        return await self._origin_call(origin.get_manifest, manifest_id, what=f"manifest {manifest_id}")
 
     async def _tree_manifest(self, manifest_id: str, origin: Origin, peers: PeersArg) -> bytes:
         view, me = self.view(peers)
@@ -249,10 +256,12 @@ class Herd:
         polls = manifest_polls(self.config)
         while True:
             now = trio.current_time()
-            srcs = plan.sources(0, self.health.penalties(now), now)
-            src = srcs[0]
+            pen = self.health.penalties(now)
+            # the first live source: a penalised one (it just failed) is not asked again
+            # here -- with every source above penalised, the origin (the chunks' rule)
+            src = next(s for s in plan.sources(0, pen, now) if s.kind == "origin" or s.node_id not in pen)
             if src.kind == "origin" or now >= deadline:
-                return await self._origin_call(origin.get_manifest, manifest_id)
+                return await self._origin_call(origin.get_manifest, manifest_id, what=f"manifest {manifest_id}")
             try:
                 with trio.fail_after(self.config.head_grace_s + self.config.stall_s):
                     data = await self.client.get_manifest(src.url, manifest_id)
@@ -595,7 +604,9 @@ class Herd:
             try:
                 data = await self._try(src, cid, size, origin)
             except (PeerError, OriginError) as e:
-                if isinstance(e, NotFoundError | IntegrityError | OriginCorruptError) and src.kind == "origin":
+                if src.kind == "origin":
+                    # the origin's own retry budget (_origin_call) is spent, or its answer
+                    # will not change: the chunk fails, no re-plan asks the origin again
                     fatal.append(e)
                     nursery.cancel_scope.cancel()
                 if notes is not None:
@@ -634,19 +645,10 @@ class Herd:
 
     async def _try(self, src: Source, cid: str, size: int, origin: Origin) -> bytes:
         if src.kind == "origin":
-            # Origin bytes are verified like a peer's: a bad answer (in transit) is refused
-            # and asked again; the same bad bytes N times means corrupt at rest.
-            tries = max(1, self.config.origin_verify_tries)
-            for _ in range(tries):
-                data = await self._origin_call(partial(origin.get_chunk, size=size), cid)   # bounded by the manifest
-                if len(data) == size and blake3.blake3(data).hexdigest() == cid:
-                    return data
-                self.counters.integrity_failures += 1
-                self.counters.origin_bad_answers += 1
-                self.counters.wasted_bytes += len(data)
-                # counted (origin_bad_answers); the error after the last try is the one line
-                log.info("origin answered bytes that do not match chunk=%s", cid)
-            raise OriginCorruptError(f"origin chunk {cid} does not match its hash after {tries} tries")
+            # Origin bytes are verified like a peer's (bounded by the manifest's size)
+            return await self._origin_call(partial(origin.get_chunk, size=size), cid, what=f"chunk {cid}",
+                                           verify=lambda data: len(data) == size
+                                           and blake3.blake3(data).hexdigest() == cid)
         limiter = self._peer_limits.get(src.node_id)
         if limiter is None:
             limiter = self._peer_limits[src.node_id] = trio.CapacityLimiter(self.config.per_peer)
@@ -675,30 +677,54 @@ class Herd:
         self.health.ok(src.node_id, len(data))
         return data
 
-    async def _origin_call(self, fn: Callable[[str], Any], ident: str) -> bytes:
-        """Call the origin with bounded concurrency; retry OriginError (not NotFoundError)
-        with jittered exponential backoff for up to ``origin_retry_s``."""
+    async def _origin_call(self, fn: Callable[[str], Awaitable[bytes]], ident: str, *, what: str,
+                           verify: Callable[[bytes], bool] | None = None) -> bytes:
+        """``fn(ident)`` from the origin: the one retry layer of a fetch's origin reads (the
+        origins are opened with ``retries=0``), one budget of ``origin_tries`` requests with
+        bounded concurrency and jittered exponential backoff between them.
+
+        Asked again: ``OriginUnavailable`` (down, or 408/429/5xx), and an answer ``verify``
+        refuses (bad bytes in transit) up to ``origin_verify_tries`` times -- the same bad
+        bytes that often are corrupt at rest: ``OriginCorruptError``. Not asked again:
+        ``NotFoundError`` and every other ``OriginError`` (401/403, a bad request, a body
+        over its bound): the answer will not change, so it fails at once. Every error
+        names ``what`` (the chunk or manifest) and the origin's last answer."""
         cfg = self.config
+        tries = max(1, cfg.origin_tries)
+        bad = 0
         delay = cfg.backoff_min_s
-        deadline = trio.current_time() + cfg.origin_retry_s
-        while True:
+        for attempt in range(1, tries + 1):
             try:
                 async with self._origin_limit:
                     data = await fn(ident)
-                await self._origin_bucket.consume(len(data))
-                return bytes(data)
             except NotFoundError:
                 raise
-            except OriginError as e:
+            except OriginUnavailable as e:
                 self.counters.origin_errors += 1
-                if cfg.origin_retry_s <= 0:
-                    raise                  # no retry layer here: the origin's transport is it
-                if trio.current_time() + delay > deadline:
-                    raise OriginError(f"origin kept failing for {cfg.origin_retry_s:.0f}s: {e}") from None
+                if attempt >= tries:
+                    raise OriginUnavailable(f"{what}: origin still failing after {tries} "
+                                            f"request{'s' if tries > 1 else ''}: {e}") from None
                 self.counters.origin_retries += 1
                 log.info("origin failed; retrying in %.2fs id=%s err=%s", delay, ident[:16], e)
                 await trio.sleep(delay * random.uniform(0.5, 1.0))
                 delay = min(delay * 2, cfg.backoff_max_s)
+                continue
+            except OriginError as e:
+                self.counters.origin_errors += 1
+                raise OriginError(f"{what}: {e} (an answer that will not change: not retried)") from None
+            await self._origin_bucket.consume(len(data))
+            if verify is None or verify(data):
+                return bytes(data)
+            bad += 1
+            self.counters.integrity_failures += 1
+            self.counters.origin_bad_answers += 1
+            self.counters.wasted_bytes += len(data)
+            # counted (origin_bad_answers); the error after the last try is the one line
+            log.info("origin answered bytes that do not match %s", what)
+            if bad >= max(1, cfg.origin_verify_tries) or attempt >= tries:
+                raise OriginCorruptError(f"origin {what} does not match its hash after {bad} "
+                                         f"answer{'s' if bad > 1 else ''}")
+        raise AssertionError("unreachable")   # the loop returns or raises
 
 
 async def _first(*waits: Callable[[], Any]) -> int:

@@ -25,7 +25,9 @@ class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     recover_s: float | None = None    # after a restart, wait this long for reports before placing
                                       # recovered jobs again (default: lost threshold)
     ack_timeout_s: float = 2.0        # one push attempt's deadline
-    push_retries: int = 2
+    # more attempts of one push on a transport failure: 0, the placer's own re-placement
+    # back-off (starts) and the next reply's stop list (stops) are the one retry layer
+    push_retries: int = 0
     push_concurrency: int = 256
     max_peers: int = 64               # peers in a placement beyond the gang's own nodes
     tick_s: float = 0.25              # how often lost nodes and pending jobs are looked at

@@ -11,10 +11,17 @@ the *endpoint* (``host:port``), never to the node key: many nodes may sit behind
 listener (the fleet emulator routes ``http://host:port/n/<node>``; a base URL's path is
 joined with the request path), and at most ``max_per_host`` connections to one endpoint
 are open at once — pushes beyond that wait for one — with up to that many kept idle for
-reuse (keep-alive). Also a global concurrency bound, a per-attempt deadline and a
-bounded number of retries for
-transport failures (placements are idempotent by ``placement_id``, so a retry after a
-lost answer is safe).
+reuse (keep-alive). Also a global concurrency bound and a per-attempt deadline.
+
+One attempt per push by default (``retries=0``): the placer retries above this pool, on
+the outcome — an unreachable node's start rolls its gang back and places it again with
+the re-placement back-off (``placer.attempts.rollback_delay``), an unanswered stop is
+named in the node's next reply — so retries here would be a second layer under it,
+holding a gang's acks for up to ``(retries + 1) * attempt_timeout_s`` before the same
+outcome. ``retries=N`` (with backoff) is for callers with no layer above. Not a retry:
+a request that failed on a *kept-alive* connection (the agent had closed it) is sent
+once more on a fresh one; on a fresh connection a failure is the answer (placements
+are idempotent by ``placement_id``, so the re-send is safe).
 
 An HTTP answer is never retried: 2xx with a body is an ack, anything else is the
 agent's word (e.g. 401, 409) and is returned as such.
@@ -120,7 +127,7 @@ class PushPool:
     """Kept-alive HTTP/1.1 connections to many agents (one owner: the placer service)."""
 
     def __init__(self, *, concurrency: int = 256, attempt_timeout_s: float = 2.0,
-                 retries: int = 2, retry_backoff_s: float = 0.05,
+                 retries: int = 0, retry_backoff_s: float = 0.05,
                  max_idle_per_host: int | None = None, max_per_host: int = 32,
                  ssl_context: ssl.SSLContext | None = None) -> None:
         self.ssl_context = ssl_context
@@ -158,7 +165,8 @@ class PushPool:
     async def post(self, base_url: str, path: str, body: bytes, *, token: str | None = None,
                    key: str = "", expect: str | None = None) -> PushResult:
         """POST ``body`` to ``base_url``'s path joined with ``path`` (``http://h:p/n/x`` +
-        ``/v1/placements`` -> ``/n/x/v1/placements``), with retries on transport failure.
+        ``/v1/placements`` -> ``/n/x/v1/placements``), one attempt (``retries`` more on a
+        transport failure: none unless the pool was made with them).
         Over TLS, ``expect`` names the principal the peer's certificate must be."""
         t0 = time.perf_counter()
         req_path = path

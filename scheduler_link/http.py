@@ -43,7 +43,8 @@ sender's remaining bytes are never read.
 TLS (``serve(..., ssl_context=)``, :mod:`scheduler_link.tls`): the accepted stream is wrapped
 in ``trio.SSLStream`` and handshaken *before* hypercorn sees a byte, inside the same
 ``head_timeout_s`` deadline (and after the connection gate: a slow handshake holds one slot
-no longer than a slow head). The verified client certificate's principal rides on the
+no longer than a slow head; at most ``max_handshakes`` at once, taken once the client has
+sent its first bytes, so silent connections wait out their deadline holding none). The verified client certificate's principal rides on the
 connection (ASGI ``scope["state"]["herd.principal"]``) into every request as
 ``Request.principal``. A client that speaks plain HTTP to a TLS port gets one plain-text
 ``400`` that says so, then the connection is closed.
@@ -210,6 +211,7 @@ class App:
         self.gate: ConnectionGate | None = None   # set by serve(): open connection counts
         self.tls = False                            # set by serve(): the listener speaks TLS
         self.tls_refused = 0                        # handshakes that failed or ran out of time
+        self.handshakes: trio.CapacityLimiter | None = None   # set by serve(): handshakes in progress
 
     def route(self, method: str, template: str, *, auth: AuthPolicy | None = None,
               max_body: int | None = None, doc: RouteDoc | None = None,
@@ -342,6 +344,9 @@ class ServerLimits:
     head_timeout_s: float = 10.0       # idle keep-alive and head deadline in one (absolute)
     send_stall_s: float = 30.0         # no progress sending an answer: drop the connection
     graceful_timeout_s: float = 2.0
+    # TLS handshakes in progress at once (tls.server_handshake's slots; the framed channel has
+    # its own): a connection storm's crypto a few at a time; a silent connection holds none
+    max_handshakes: int = 64
 
 
 async def _send_stream(resp: Response, receive: Any, send: Any) -> None:
@@ -431,10 +436,10 @@ assert len(PLAIN_TO_TLS.split(b"\r\n\r\n", 1)[1]) == 96
 
 
 async def _tls_accept(app: App, stream: trio.SocketStream, ctx: ssl.SSLContext,
-                      deadline_s: float) -> trio.SSLStream[trio.SocketStream] | None:
-    """The handshake of one accepted connection within ``deadline_s``; None (the connection
-    closed, a plain-HTTP client told so in plain text) when it fails."""
-    s, why = await tls.server_handshake(stream, ctx, deadline_s)
+                      deadline_s: float, slots: trio.CapacityLimiter) -> trio.SSLStream[trio.SocketStream] | None:
+    """The handshake of one accepted connection within ``deadline_s`` (one of ``slots``);
+    None (the connection closed, a plain-HTTP client told so in plain text) when it fails."""
+    s, why = await tls.server_handshake(stream, ctx, deadline_s, slots=slots)
     if s is not None:
         return s
     app.tls_refused += 1
@@ -475,6 +480,7 @@ async def serve(app: App, listen: str, *, limits: ServerLimits | None = None,
     wrapped = wrap_app(app, cfg.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
     gate = ConnectionGate(lim.max_connections, lim.max_per_client)
     app.gate = gate
+    app.handshakes = handshakes = trio.CapacityLimiter(max(1, lim.max_handshakes))
     listeners = await trio.open_tcp_listeners(port, host=host)
     bound = listeners[0].socket.getsockname()
     shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
@@ -494,7 +500,7 @@ async def serve(app: App, listen: str, *, limits: ServerLimits | None = None,
             inner: trio.abc.Stream = stream
             conn_state: dict[str, Any] = {}
             if ssl_context is not None:
-                tls_stream = await _tls_accept(app, stream, ssl_context, lim.head_timeout_s)
+                tls_stream = await _tls_accept(app, stream, ssl_context, lim.head_timeout_s, handshakes)
                 if tls_stream is None:
                     return
                 inner = tls_stream

@@ -219,14 +219,22 @@ async def handshake(stream: trio.SSLStream[Any]) -> None:
         raise TLSError(describe_ssl_error(cause)) from None
 
 
-async def server_handshake(stream: trio.SocketStream, ctx: ssl.SSLContext,
-                           deadline_s: float) -> tuple[trio.SSLStream[trio.SocketStream] | None, str]:
+async def server_handshake(stream: trio.SocketStream, ctx: ssl.SSLContext, deadline_s: float, *,
+                           slots: trio.CapacityLimiter | None = None
+                           ) -> tuple[trio.SSLStream[trio.SocketStream] | None, str]:
     """An accepted connection's handshake within ``deadline_s``: (the TLS stream, "") or
-    (None, why it failed). Both listeners (the HTTP layer, the framed channel) use it."""
+    (None, why it failed). Both listeners (the HTTP layer, the framed channel) use it.
+    ``slots`` bounds the handshakes in progress (their crypto); a connection takes one only
+    once its client has sent something, so idle connections (connected, silent) hold none."""
     s = trio.SSLStream(stream, ctx, server_side=True)
     with trio.move_on_after(deadline_s):
         try:
-            await handshake(s)
+            if slots is None:
+                await handshake(s)
+            else:
+                await trio.lowlevel.wait_readable(stream.socket)
+                async with slots:
+                    await handshake(s)
             return s, ""
         except TLSError as e:
             return None, str(e)
@@ -370,12 +378,11 @@ def daemon_security(tls_dir: str | os.PathLike[str] | None, name: str, *, insecu
     """The TLS set-up of a daemon whose certificate is ``<tls_dir>/<name>.crt`` (``files``
     overrides the layout); insecure (a warning logged) only when asked explicitly."""
     if insecure_from_env(insecure):
-        # A config's insecure = true is a warning; HERD_INSECURE=1 is what test and script
-        # harnesses set for every daemon they start, said at info (/v1/status shows it either way).
-        log.log(logging.WARNING if insecure else logging.INFO,
-                "%s is INSECURE: plain HTTP/TCP, bearer tokens only, no certificates (%s; run "
-                "`herd pki init` and set tls_dir for TLS)", what,
-                "insecure = true" if insecure else "HERD_INSECURE=1")
+        # A warning however it was asked (a config's insecure = true, or HERD_INSECURE=1, which
+        # an environment can carry into a daemon unnoticed), once per daemon; /v1/status shows it too.
+        log.warning("%s is INSECURE: plain HTTP/TCP, bearer tokens only, no certificates (%s; run "
+                    "`herd pki init` and set tls_dir for TLS)", what,
+                    "insecure = true" if insecure else "HERD_INSECURE=1 in the environment")
         return Security(insecure=True, accept_tokens=accept_tokens)
     if files is None:
         d = Path(tls_dir or os.environ.get("HERD_TLS_DIR") or DEFAULT_TLS_DIR)

@@ -19,7 +19,7 @@ import trio
 from manifests import encode_manifest
 from manifests.model import ManifestBuilder
 from p2p.dataplane import DataPlane, DataPlaneConfig
-from p2p.errors import OriginError
+from p2p.errors import OriginUnavailable
 from p2p.herd import Herd, HerdConfig
 from p2p.origins import open_origin
 from p2p.store import ChunkStore
@@ -29,7 +29,7 @@ from scheduler_link.messages import Peer
 # at 20 ms, not the default 2 ms, so 40 nodes polling at once do not starve the loop
 # (a starved loop misses the 0.5 s connect deadline and sends nodes to the origin).
 FAST = HerdConfig(wait_ms=3000, head_grace_s=1.0, stall_s=1.0, connect_s=0.5, penalty_s=30.0,
-                  origin_retry_s=20.0, backoff_min_s=0.05, backoff_max_s=0.4, workers=8,
+                  origin_tries=60, backoff_min_s=0.05, backoff_max_s=0.4, workers=8,
                   manifest_poll_s=0.02)
 
 
@@ -91,7 +91,7 @@ class WrappedOrigin:
     def _check(self) -> None:
         if trio.current_time() < self.down_until:
             self.failures += 1
-            raise OriginError("origin unreachable (simulated outage)")
+            raise OriginUnavailable("origin unreachable (simulated outage)")
 
     async def get_chunk(self, cid: str, size: int | None = None) -> bytes:
         self._check()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import socket
 from pathlib import Path
 from urllib.parse import parse_qs
 
@@ -16,7 +17,7 @@ import trio
 from blake3 import blake3
 from google.auth.compute_engine import _metadata
 
-from p2p.errors import OriginError
+from p2p.errors import OriginError, OriginUnavailable
 from p2p.origins.gcs import GCSOrigin
 from scheduler_link.http import App, Request, Response, json_response, serve
 
@@ -289,5 +290,26 @@ async def test_refused_refresh_token_is_one_line(no_ambient_credentials: None, t
             await _resolve(url)
         assert str(e.value).startswith("GCS token refresh failed (authorized-user credentials): ")
         assert "invalid_grant" in str(e.value) and "\n" not in str(e.value)
+        assert not isinstance(e.value, OriginUnavailable)   # refused: an answer, not asked again
+
+    await _with_fake(fake, body)
+
+
+async def test_an_unreachable_token_endpoint_may_pass(no_ambient_credentials: None, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The token endpoint not answering is OriginUnavailable: the herd's retry layer asks again."""
+    fake = FakeGoogle()
+
+    async def body(url: str) -> None:
+        dead = socket.socket()
+        dead.bind(("127.0.0.1", 0))     # bound, never listening: connections refused
+        try:
+            (tmp_path / "user.json").write_text(
+                _authorized_user(f"http://127.0.0.1:{dead.getsockname()[1]}", monkeypatch))
+            monkeypatch.setenv("GOOGLE_APPLICATION_CREDENTIALS", str(tmp_path / "user.json"))
+            with pytest.raises(OriginUnavailable, match=r"^GCS token refresh failed \(authorized-user"):
+                await _resolve(url)
+        finally:
+            dead.close()
 
     await _with_fake(fake, body)

@@ -80,8 +80,11 @@ async def test_placer_start_failures_are_one_line(tmp_path):
                     [sys.executable, "-m", "cli.main", "placer", "run", "--state-dir", str(state), "--listen", listen,
                      "--token-dir", str(tmp_path / "tokens")],
                     cwd=str(root), env=env, capture_stdout=True, capture_stderr=True, check=False)
-                err = r.stderr.decode()
-                assert r.returncode == 1 and err.startswith(msg) and len(err.strip().splitlines()) == 1, err
+                # the insecure warning (HERD_INSECURE=1, once), then the error in one line
+                warned, *rest = r.stderr.decode().strip().splitlines()
+                assert "WARNING herd.link.tls placer is INSECURE" in warned, warned
+                err = "\n".join(rest)
+                assert r.returncode == 1 and err.startswith(msg) and len(rest) == 1, err
     finally:
         busy.close()
 

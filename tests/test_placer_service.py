@@ -1,6 +1,11 @@
 """The placer service with in-process fake agents (testing.fake_agent: small honest HTTP servers that keep
 a workload table, check GPUs against their inventory, and report through the real
-AgentLink). Real loopback sockets; no processes."""
+AgentLink). Real loopback sockets; no processes.
+
+The lost/fence/recovery tests run in virtual time (``autojump_clock``, the placer's clock
+``trio.current_time``) over the same real sockets: trio jumps the clock only when every
+task waits and no loopback byte is ready, so heartbeats, ticks and deadlines keep their
+order and the assertions are the deadlines' exact instants (to a tick)."""
 
 from __future__ import annotations
 
@@ -65,8 +70,8 @@ class Cluster:
         return sum(x["state"] == "up" for x in r.json()["nodes"]) == n
 
 
-async def start_cluster(nursery, tmp: Path, tokens: TokenSet, n_agents: int = 4, **kw):
-    svc = PlacerService(cfg(tmp, **kw), tokens)
+async def start_cluster(nursery, tmp: Path, tokens: TokenSet, n_agents: int = 4, *, clock=time.time, **kw):
+    svc = PlacerService(cfg(tmp, **kw), tokens, clock=clock)
     url = await nursery.start(svc.run)
     agents = [FakeAgent(f"n{i}", tokens, rack=f"r{i // 2}") for i in range(n_agents)]
     for a in agents:
@@ -128,11 +133,11 @@ async def _with_timing(cl: Cluster, job: str, key: str):
     return v if key in v["timings"] else None
 
 
-async def test_refused_gang_rolls_back_and_places_elsewhere(tmp_path, token_dir):
+async def test_refused_gang_rolls_back_and_places_elsewhere(tmp_path, token_dir, autojump_clock):
     tokens = TokenSet.load(token_dir)
     with trio.fail_after(20):
         async with trio.open_nursery() as n:
-            svc, cl = await start_cluster(n, tmp_path, tokens)
+            svc, cl = await start_cluster(n, tmp_path, tokens, clock=trio.current_time)
             # n0 will refuse GPU 0 before the placer hears it is fatal
             cl.agents["n0"].fatal.add("GPU-n0-0")
             await cl.submit(job_id="g", pods=4, gpus_per_pod=4, within="any")
@@ -191,13 +196,13 @@ async def test_wrong_tokens_change_nothing(tmp_path, token_dir):
             n.cancel_scope.cancel()
 
 
-async def test_restart_rebuilds_from_reports_and_nothing_doubles(tmp_path, token_dir):
+async def test_restart_rebuilds_from_reports_and_nothing_doubles(tmp_path, token_dir, autojump_clock):
     tokens = TokenSet.load(token_dir)
     with trio.fail_after(25):
         async with trio.open_nursery() as outer:
             agents = [FakeAgent(f"n{i}", tokens, rack=f"r{i // 2}") for i in range(4)]
             # the placer listens on a fixed port so agents find it again after the restart
-            svc = PlacerService(cfg(tmp_path), tokens)
+            svc = PlacerService(cfg(tmp_path), tokens, clock=trio.current_time)
             scope = trio.CancelScope()
 
             async def run_svc(s, *, task_status=trio.TASK_STATUS_IGNORED):
@@ -216,7 +221,8 @@ async def test_restart_rebuilds_from_reports_and_nothing_doubles(tmp_path, token
             scope.cancel()
             await trio.sleep(0.3)  # agents fail a few reports and back off
             port = url.rsplit(":", 1)[1]
-            svc2 = PlacerService(cfg(tmp_path, listen=f"127.0.0.1:{port}"), tokens)
+            svc2 = PlacerService(cfg(tmp_path, listen=f"127.0.0.1:{port}"), tokens, clock=trio.current_time)
+            t_start = trio.current_time()
             await outer.start(svc2.run)
             await wait_for(lambda: cl.nodes_up(4))
             a2 = await cl.job("a", wait="running")
@@ -225,7 +231,10 @@ async def test_restart_rebuilds_from_reports_and_nothing_doubles(tmp_path, token
             assert sorted((p["node_id"], p["gpus"]) for p in a2["pods"]) == sorted(
                 (p["node_id"], p["gpus"]) for p in va["pods"])
             assert (await cl.job("big"))["state"] == "pending"
-            await trio.sleep(0.5)
+            # the recovery window (recover_s) ends recover_s after the restart: nothing placed
+            # again before or after it
+            assert svc2.state.recover_until == pytest.approx(t_start + svc2.cfg.recover_window_s, abs=0.01)
+            await trio.sleep_until(svc2.state.recover_until + 0.5)
             # nothing placed twice: each agent ran exactly the workloads of the first placements
             all_w = [w for ag in agents for w in ag.workloads.values()]
             assert sorted(w.workload_id for w in all_w) == sorted(
@@ -234,11 +243,19 @@ async def test_restart_rebuilds_from_reports_and_nothing_doubles(tmp_path, token
             outer.cancel_scope.cancel()
 
 
-async def test_lost_node_is_fenced_then_rescheduled_and_told_to_stop(tmp_path, token_dir):
+async def _until(pred, step: float = 0.001) -> float:
+    """The virtual instant ``pred()`` (of the service's state) first holds, to ``step``."""
+    while not pred():
+        await trio.sleep(step)
+    return trio.current_time()
+
+
+async def test_lost_node_is_fenced_then_rescheduled_and_told_to_stop(tmp_path, token_dir, autojump_clock):
     tokens = TokenSet.load(token_dir)
     with trio.fail_after(20):
         async with trio.open_nursery() as n:
-            svc, cl = await start_cluster(n, tmp_path, tokens)
+            svc, cl = await start_cluster(n, tmp_path, tokens, clock=trio.current_time)
+            c = svc.cfg
             await cl.submit(job_id="r", pods=1, gpus_per_pod=8, restart={"kind": "on-failure", "limit": 2})
             v = await cl.job("r", wait="running")
             victim_node = v["pods"][0]["node_id"]
@@ -247,10 +264,17 @@ async def test_lost_node_is_fenced_then_rescheduled_and_told_to_stop(tmp_path, t
             assert link is not None
             # partition: the agent stops reporting (its workloads keep running)
             agent.cancel.cancel()
-            await wait_for(lambda: _node_state(cl, victim_node, "lost"))
-            t_lost = time.monotonic()
+            node = svc.state.nodes[victim_node]
+            job = svc.state.jobs["r"]
+            seen = await _until(lambda: node.state == "lost")
+            t_lost = node.lost_since
+            assert t_lost is not None and t_lost <= seen < t_lost + 0.0011
+            # lost at the first tick at or after lost_after_s of silence; fenced (the pod's
+            # attempt ended, requeued by its policy) at the first tick fence_after_s later
+            assert node.last_seen + c.lost_after_s <= t_lost < node.last_seen + c.lost_after_s + c.tick_s + 0.001
+            t_fenced = await _until(lambda: job.restarts == 1)
+            assert t_lost + c.fence_after_s <= t_fenced < t_lost + c.fence_after_s + c.tick_s + 0.001
             v2 = await wait_for(lambda: _job_elsewhere(cl, "r", victim_node))
-            assert time.monotonic() - t_lost >= 0.4  # only after the fence delay
             assert v2["attempt"] == v["attempt"] + 1 and v2["restarts"] == 1
             # the partitioned agent comes back (same workloads, new link): told to stop the old pod
             old = v["pods"][0]["workload_id"]
@@ -447,11 +471,11 @@ async def _attempt_running(cl: Cluster, job: str, attempt: int):
     return v if v["attempt"] == attempt and v["state"] == "running" else None
 
 
-async def test_cancel_while_placing_stops_what_lands_late(tmp_path, token_dir):
+async def test_cancel_while_placing_stops_what_lands_late(tmp_path, token_dir, autojump_clock):
     tokens = TokenSet.load(token_dir)
     with trio.fail_after(15):
         async with trio.open_nursery() as n:
-            svc, cl = await start_cluster(n, tmp_path, tokens, n_agents=1)
+            svc, cl = await start_cluster(n, tmp_path, tokens, n_agents=1, clock=trio.current_time)
             agent = cl.agents["n0"]
             agent.ack_delay = 0.5
             agent.link.full_every = 0  # no periodic full report to heal it: the late stop must

@@ -15,9 +15,13 @@ from pathlib import Path
 
 import trio
 
-from ..errors import NotFoundError, OriginError
+from ..errors import NotFoundError, OriginError, OriginUnavailable
 from ..store import fsync_paths
 from .base import HEX64, ObjectInfo, Origin
+
+# errors of a file origin (often a network mount) that asking again may cure
+_TRANSIENT = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EMFILE, errno.ENFILE, errno.EAGAIN,
+                        errno.EINTR, errno.EBUSY, errno.ENOTCONN, errno.EHOSTDOWN, errno.EHOSTUNREACH})
 
 
 def _is_temp(name: str) -> bool:
@@ -50,11 +54,15 @@ class FileOrigin(Origin):
         return self.root / key
 
     def _oserror(self, e: OSError, key: str, action: str) -> OriginError:
+        """Mapped by whether asking again may help: a directory that is not there (yet: a
+        network mount), an I/O error, a stale handle or no file descriptor left is
+        ``OriginUnavailable``; a refusal (permissions, a full disk) is an answer."""
         if not self.root.is_dir():
-            return OriginError(f"origin {self.url} is unreachable: directory {self.root} does not exist")
+            return OriginUnavailable(f"origin {self.url} is unreachable: directory {self.root} does not exist")
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             return OriginError(f"origin {self.url} is full while writing {key}")
-        return OriginError(f"origin {self.url}: cannot {action} {key}: {e.strerror or e}")
+        cls = OriginUnavailable if e.errno in _TRANSIENT else OriginError
+        return cls(f"origin {self.url}: cannot {action} {key}: {e.strerror or e}")
 
     async def _get(self, key: str, limit: int) -> bytes:
         path = self._path(key)

@@ -29,7 +29,7 @@ import google.auth.transport
 import httpx
 import trio
 
-from ..errors import OriginError
+from ..errors import OriginError, OriginUnavailable
 
 log = logging.getLogger("herd.p2p.origin.gcs")
 
@@ -137,7 +137,10 @@ class GoogleCredentials:
         try:
             creds.refresh(self._request)
         except google.auth.exceptions.GoogleAuthError as e:
-            raise OriginError(f"GCS token refresh failed ({self.source}): {_first_line(e)}") from None
+            # the token endpoint unreachable may pass (asked again by the caller's retry
+            # layer); refused credentials will not
+            cls = OriginUnavailable if isinstance(e, google.auth.exceptions.TransportError) else OriginError
+            raise cls(f"GCS token refresh failed ({self.source}): {_first_line(e)}") from None
 
     async def headers(self, force: bool) -> dict[str, str]:
         """The request headers that authenticate (``authorization``, and ``x-goog-user-project``

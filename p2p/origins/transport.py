@@ -3,7 +3,9 @@ GCS and http(s) origins.
 
 Retried: 429, 5xx, timeouts and transport errors (connection refused/reset).
 Everything else is answered at once. httpx exceptions never leave this module:
-after the last attempt they become ``OriginError`` with one readable line.
+after the last attempt they become ``OriginUnavailable`` (an ``OriginError`` worth
+asking again later) with one readable line. ``retries=0``: one attempt, for callers
+that retry themselves (the herd's origin call, the one retry layer of a fetch).
 
 Bodies are bounded: ``request(..., limit=N)`` streams the answer and refuses (OriginError,
 not retried: the origin misbehaves) one that announces or sends more than N bytes after
@@ -21,7 +23,7 @@ from typing import Any
 import httpx
 import trio
 
-from ..errors import NotFoundError, OriginError
+from ..errors import NotFoundError, OriginError, OriginUnavailable
 
 log = logging.getLogger("herd.p2p.origin")
 
@@ -61,7 +63,8 @@ class RetryingClient:
                       limit: int | None = None, **kwargs: Any) -> httpx.Response:
         """Send with retries. Returns the response for any status that is not retryable
         (callers interpret 404 etc.). Raises OriginError when attempts run out, or when
-        the body is over ``limit`` bytes (None: unbounded; for small control answers)."""
+        the body is over ``limit`` bytes (None: unbounded; for small control answers).
+        Attempts running out on a retryable failure raise ``OriginUnavailable``."""
         last = ""
         refreshed = False
         attempt = 0
@@ -92,7 +95,8 @@ class RetryingClient:
                     return resp
                 last = self._describe(resp) if self._describe is not None else f"HTTP {resp.status_code}"
             if attempt >= self.retries:
-                raise OriginError(f"{self.what}: {method} {_short(url)} failed after {attempt + 1} attempts: {last}")
+                raise OriginUnavailable(f"{self.what}: {method} {_short(url)} failed after {attempt + 1} "
+                                        f"attempt{'s' if attempt else ''}: {last}")
             delay = self.backoff(attempt)
             attempt += 1
             self.retried += 1
