@@ -24,13 +24,15 @@ level by level down each chunk's tree:
   the origin read to its first live successor; a transfer cut by a death is re-asked of
   the fallback at the moment of death (its partial bytes counted as wasted);
 - the manifest travels like a chunk (its own tree; today: every cold node reads it from
-  the origin), except that a source without it yet answers 404 and is asked again on
-  the fetcher's schedule (``p2p.herd.manifest_polls``, without jitter); have-probes
+  the origin), asked with the data plane's capped ``?wait_ms=`` (2 s): sent when the
+  source has it, and after each wait that ran out one pause of the fetcher's schedule
+  (``p2p.herd.manifest_polls``, without jitter); have-probes
   counted (today: 256 peers each, tree: the rack, or everyone up to 64 nodes);
 - CPU: receive and send CPU-s per GiB from the efficiency issue's loopback figures
   (6 and 0.9 on one core) bound each node's rates. Planning is measured in this run on
   this machine, in CPU-s of the planning thread, the way the fetcher does it: the peer
-  view (node keys uncached), the manifest's tree, then ``p2p.tree.Planner`` stepped
+  view from the gang's ``PeerTable`` (``p2p.herd.peer_view``, node keys uncached), the
+  manifest's tree, then ``p2p.tree.Planner`` stepped
   with the fetcher's block sizes. Design ``tree``: a node asks for the manifest after
   its view and the manifest's tree, and for chunk c once c's block is planned (with 2+
   cores: the planner has a core of its own); ``serial``: the same trees, every chunk
@@ -57,10 +59,10 @@ from typing import Any
 import blake3
 import numpy as np
 
-from p2p.herd import HerdConfig, manifest_polls
+from p2p.herd import HerdConfig, manifest_polls, peer_view
 from p2p.rendezvous import assign_homes, node_key, plan_sources, scores_np
 from p2p.tree import PeerView, Planner, Rotations, all_parents, chunk_keys, plan_node
-from scheduler_link.messages import Peer
+from scheduler_link.messages import Peer, PeerTable
 
 GIB = 1 << 30
 
@@ -139,13 +141,16 @@ class Sim:
 
     def transfer(self, parent: np.ndarray, size: float, ready: np.ndarray, succ: Sequence[int],
                  origin_fallback: np.ndarray | None = None, cap: int = 0,
-                 poll: np.ndarray | None = None) -> np.ndarray:
+                 poll: np.ndarray | None = None, wait_s: float = 0.0) -> np.ndarray:
         """Move one object down ``parent`` (-1 = reads the origin). Returns each node's
         arrival time (inf: never, dead). ``succ``: the root's successors (re-rooting).
         ``origin_fallback``: nodes told 503 that read the origin instead (today).
         ``poll``: when a source without the object (404) is asked again, seconds after
-        the first ask, ascending (the manifest: ``p2p.herd.manifest_polls``; chunks are
-        waited for with ``?wait_ms=``)."""
+        the first ask, ascending (the manifest: ``p2p.herd.manifest_polls``), and
+        ``wait_s``: how long one ask waits at the source first (the manifest: the data
+        plane's ``?wait_ms=`` cap, 2 s): an object that comes within the wait is sent when
+        it comes, a later one costs the wait and a poll pause per wait that ran out.
+        ``poll`` None: waited for without a cap (chunks, ``?wait_ms=`` of 60 s)."""
         p = self.p
         n = p.nodes
         die = self.die
@@ -199,7 +204,7 @@ class Sim:
                     break
                 pending, t_ask = self._peer_round(pending, src, size, tau,
                                                   np.maximum.reduce([ready[pending], t_known, t_ask]), have, cap,
-                                                  poll)
+                                                  poll, wait_s)
         # a node that died before it got the object never has it
         have[have > die] = np.inf
         return have
@@ -245,14 +250,18 @@ class Sim:
         have[xs] = np.where(cut, np.inf, ends)
 
     def _peer_round(self, xs: np.ndarray, src: np.ndarray, size: float, tau: float, ready: np.ndarray,
-                    have: np.ndarray, cap: int, poll: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                    have: np.ndarray, cap: int, poll: np.ndarray | None = None,
+                    wait_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """One round of peer transfers src -> xs; returns the nodes whose transfer was cut
         (their sender died) to be re-asked, and when. Each resource is work-conserving: a transfer
         ends no earlier than its sender's copies of this chunk before it (one chunk time
         each), the sender's uplink work so far, the receiver's downlink work so far, and
         the spine work of the racks it crosses."""
         r = np.maximum(ready, have[src])
-        if poll is not None:               # asked at ready + poll[i] until the source has it
+        if poll is not None and wait_s > 0:    # each ask waits up to wait_s, then a pause
+            late = np.maximum(have[src] - ready, 0.0)
+            r = ready + late + np.floor(late / wait_s) * poll[1]
+        elif poll is not None:             # asked at ready + poll[i] until the source has it
             late = np.maximum(have[src] - ready, 0.0)
             i = np.minimum(np.searchsorted(poll, late), len(poll) - 1)
             r = np.where(late > 0, ready + np.maximum(poll[i], late), ready)
@@ -366,8 +375,13 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
     # manifest's tree, then the chunks' trees block by block (p2p.tree.Planner, the same
     # block sizes as p2p.herd): plan_at[c] = when chunk c's tree is known, after the
     # manifest arrived
+    # the view from the gang's PeerTable (what a fetcher in a gang is given), by the
+    # fetcher's own function, node keys uncached
+    table = PeerTable(node_ids=ids, data_urls=ids, rack_of=rack.tolist(),
+                      racks=[f"z/b/r{r:05d}" for r in range(int(rack[-1]) + 1)],
+                      rack_start=np.searchsorted(rack, np.arange(int(rack[-1]) + 1)).tolist())
     t = time.thread_time()
-    PeerView.build(ids, ids, labels)
+    peer_view(table, ids[0])
     t_view = time.thread_time() - t
     t = time.thread_time()
     plan_node(view, 0, chunk_keys([manifest_id]), k=p.k, rack_fanout=p.rack_fanout)
@@ -405,7 +419,7 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
             succ = [int(x) for x in root_m[0, 1:3] if x >= 0]
             # every node builds its view and plans the manifest's tree before asking
             have_m = sim.transfer(tree_par_m[0], p.manifest_bytes, t0 + t_view + t_mplan, succ, cap=p.serve_cap,
-                                  poll=_poll_times())
+                                  poll=_poll_times(), wait_s=HerdConfig().manifest_wait_ms / 1000)
             probes = n * (n - 1 if n <= PROBE_ALL_BELOW else p.rack_size - 1)
             # overlapped: chunk c once its block is planned (the planner has a core of its
             # own only with 2 or more); serial: every chunk after the whole plan
