@@ -19,8 +19,9 @@ level by level down each chunk's tree:
   are answered 503 and come back after Retry-After (counted, their start delayed to the
   next retry); today's design: a chunk's global home takes at most 256 waiting requests
   (``max_waiting``), the rest are 503 and go to the origin, as its plan says;
-- failures, from the fetcher's own rules: a dead parent is skipped for the next live
-  source up the chain (1 ms to learn it: connection refused), a dead global home hands
+- failures, from the fetcher's own rules: a dead parent is skipped for its stand-in
+  (``p2p.tree``: the rack-mate ranked after it), then the next live source up the
+  chain (1 ms to learn it: connection refused), a dead global home hands
   the origin read to its first live successor; a transfer cut by a death is re-asked of
   the fallback at the moment of death (its partial bytes counted as wasted);
 - the manifest travels like a chunk (its own tree; today: every cold node reads it from
@@ -61,7 +62,7 @@ import numpy as np
 
 from p2p.herd import HerdConfig, manifest_polls, peer_view
 from p2p.rendezvous import assign_homes, node_key, plan_sources, scores_np
-from p2p.tree import PeerView, Planner, Rotations, all_parents, chunk_keys, plan_node
+from p2p.tree import PeerView, Planner, Rotations, all_parents, all_parents_standins, chunk_keys, plan_node
 from scheduler_link.messages import Peer, PeerTable
 
 GIB = 1 << 30
@@ -141,7 +142,8 @@ class Sim:
 
     def transfer(self, parent: np.ndarray, size: float, ready: np.ndarray, succ: Sequence[int],
                  origin_fallback: np.ndarray | None = None, cap: int = 0,
-                 poll: np.ndarray | None = None, wait_s: float = 0.0) -> np.ndarray:
+                 poll: np.ndarray | None = None, wait_s: float = 0.0,
+                 standin: np.ndarray | None = None) -> np.ndarray:
         """Move one object down ``parent`` (-1 = reads the origin). Returns each node's
         arrival time (inf: never, dead). ``succ``: the root's successors (re-rooting).
         ``origin_fallback``: nodes told 503 that read the origin instead (today).
@@ -150,7 +152,10 @@ class Sim:
         ``wait_s``: how long one ask waits at the source first (the manifest: the data
         plane's ``?wait_ms=`` cap, 2 s): an object that comes within the wait is sent when
         it comes, a later one costs the wait and a poll pause per wait that ran out.
-        ``poll`` None: waited for without a cap (chunks, ``?wait_ms=`` of 60 s)."""
+        ``poll`` None: waited for without a cap (chunks, ``?wait_ms=`` of 60 s).
+        ``standin``: each node's stand-in (``p2p.tree``: asked, 1 ms later, when the
+        parent is dead when the node asks; when it is dead too, the chain above as
+        usual)."""
         p = self.p
         n = p.nodes
         die = self.die
@@ -160,6 +165,14 @@ class Sim:
         par = parent.copy()
         if origin_fallback is not None:
             par[origin_fallback] = -1
+        if standin is not None:            # the parent known dead when asked: its stand-in
+            x = np.flatnonzero((par >= 0) & (standin >= 0))
+            x = x[(die[par[x]] <= ready[x]) & (die[standin[x]] > ready[x])]
+            if len(x):
+                par[x] = standin[x]
+                ready = ready.copy()
+                ready[x] += 0.001          # connection refused: the parent is gone
+                self.dead_probes += len(x)
         # levels (depth from the origin readers)
         depth = np.zeros(n, np.int64)
         cur = par.copy()
@@ -399,7 +412,8 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
     cpu_today += time.thread_time() - t
 
     # a global home dying mid-transfer: the node that is home for the most chunks
-    tree_par_m, _, root_m = all_parents(view, chunk_keys([manifest_id]), k=p.k, rack_fanout=p.rack_fanout)
+    tree_par_m, _, root_m, st_m = all_parents_standins(view, chunk_keys([manifest_id]), k=p.k,
+                                                       rack_fanout=p.rack_fanout)
     _, tree_home, _ = all_parents(view, ck[: min(C, 256)], k=p.k, rack_fanout=p.rack_fanout)
     victim = -1
     if case == "home" and n > 1:
@@ -419,7 +433,8 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
             succ = [int(x) for x in root_m[0, 1:3] if x >= 0]
             # every node builds its view and plans the manifest's tree before asking
             have_m = sim.transfer(tree_par_m[0], p.manifest_bytes, t0 + t_view + t_mplan, succ, cap=p.serve_cap,
-                                  poll=_poll_times(), wait_s=HerdConfig().manifest_wait_ms / 1000)
+                                  poll=_poll_times(), wait_s=HerdConfig().manifest_wait_ms / 1000,
+                                  standin=st_m[0])
             probes = n * (n - 1 if n <= PROBE_ALL_BELOW else p.rack_size - 1)
             # overlapped: chunk c once its block is planned (the planner has a core of its
             # own only with 2 or more); serial: every chunk after the whole plan
@@ -440,11 +455,12 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
         for lo in range(0, C, 256):
             hi = min(C, lo + 256)
             if design in ("tree", "serial"):
-                par, _, root = all_parents(view, ck[lo:hi], k=p.k, rack_fanout=p.rack_fanout, rotations=rots)
+                par, _, root, st = all_parents_standins(view, ck[lo:hi], k=p.k, rack_fanout=p.rack_fanout,
+                                                        rotations=rots)
                 for i in range(hi - lo):
                     succ = [int(x) for x in root[i, 1:3] if x >= 0]
                     ready = start if ready_c is None else np.where(np.isfinite(start), ready_c[lo + i], start)
-                    have = sim.transfer(par[i], p.chunk_bytes, ready, succ, cap=p.serve_cap)
+                    have = sim.transfer(par[i], p.chunk_bytes, ready, succ, cap=p.serve_cap, standin=st[i])
                     sim.done = np.maximum(sim.done, have)
             else:
                 for parent, fallback in _today_parents(view, ck[lo:hi], chunk_ids[lo:hi], homes_today, rack_of):

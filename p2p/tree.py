@@ -26,12 +26,20 @@ For one chunk (key ``ck``, index ``i`` in the manifest's chunk table):
 - **Successors**: ranks 1.. ``successors`` of the root rack. When the global home is
   dead, the first live successor reads the origin; every other node lists the
   successors after its ancestors, so the herd re-roots on them.
+- **Stand-ins**: a node whose parent is dead asks the parent's stand-in next (a
+  rack-mate of the parent, :func:`standin_rank`, picked by the chunk's key among the
+  rack home's children), then the ancestors above. A dead rack home's children (its
+  rack-mates and up to k child-rack homes) thus move to its rack-mates, spread over
+  its chunks, instead of all to the next rack's home (which would then be asked by
+  ~2x its serving cap and answer 503s).
 
 Invariants
 ----------
 - The "waits on" relation is acyclic: a node waits (``?wait_ms=``) only on its
-  ancestors in the tree and on successors; successor ``s_j`` waits only on the global
-  home and ``s_1 .. s_{j-1}``; a successor's ancestors are the global home alone.
+  ancestors in the tree, its parent's stand-in and successors; successor ``s_j`` waits
+  only on the global home and ``s_1 .. s_{j-1}``; a successor's ancestors are the
+  global home alone; a stand-in is a child of the rack home (waiting on it and up
+  only) or ranks below the asker.
 - Fan-in per chunk is bounded: a node is asked (with wait) by at most ``k`` child-rack
   homes plus ``m`` rack-mates, whatever the gang size; the data plane caps how many of
   them it serves at once (503 + Retry-After beyond that).
@@ -376,8 +384,12 @@ def depth_bound(n_racks: int, k: int) -> int:
 class NodePlan:
     """One node's sources for every chunk of a manifest (rows into ``view``).
 
-    ``chain[c]``: rows to ask with wait, nearest first (in-rack ancestors, the rack
-    homes of the ancestor racks up to the global home, then successors); -1 padded.
+    ``chain[c]``: rows to ask with wait, nearest first (the parent, its stand-in, the
+    other in-rack ancestors, the rack homes of the ancestor racks up to the global home,
+    then successors); -1 padded. ``standin[c]``: a rack-mate of the parent
+    (:func:`standin_rank`; not this node), -1 when none: asked when the parent is dead,
+    so a dead rack home's children move to a rack-mate of it, not all to the next rack
+    up (which would be over its serving cap).
     ``siblings[c]``: rack-mates under the same parent, asked without waiting after a
     busy or missing parent. ``origin_rank[c]``: 0 for the global home, j for successor
     j, -1 for everyone else (the origin only once the tree above is exhausted)."""
@@ -388,6 +400,7 @@ class NodePlan:
     chain: np.ndarray
     siblings: np.ndarray
     origin_rank: np.ndarray
+    standin: np.ndarray
 
     def is_home(self, c: int) -> bool:
         return bool(self.origin_rank[c] == 0)
@@ -405,9 +418,12 @@ class NodePlan:
         cooling: list[Source] = []
         dead_above = 0
         first = True
+        asked: set[int] = set()
         for row in self.chain[c]:
             if row < 0:
                 break
+            if row in asked:                   # the stand-in was a sibling already
+                continue
             n = v.node_ids[row]
             until = pen.get(n, 0.0)
             if until > now:
@@ -423,6 +439,7 @@ class NodePlan:
                         break
                     sn = v.node_ids[srow]
                     if pen.get(sn, 0.0) <= now:
+                        asked.add(int(srow))
                         out.append(Source(kind="peer", node_id=sn, url=v.urls[srow], wait=False))
         tail = cooling + [ORIGIN] if (not out or last_round) else []
         return out + tail
@@ -444,10 +461,10 @@ class Planner:
         self.k, self.m, self.successors, self.siblings = k, max(1, rack_fanout), successors, siblings
         self.D = depth_bound(R, k)
         self.Din = depth_bound(view.grid.shape[1], self.m) - 1          # in-rack ancestors at most
-        self.L = self.D + self.Din + 1 + successors
+        self.L = self.D + self.Din + 2 + successors
         self.plan = NodePlan(view, me, np.full(C, -1, np.int64), np.full(C, -1, np.int64),
                              np.full((C, self.L), -1, np.int64), np.full((C, max(siblings, 1)), -1, np.int64),
-                             np.full(C, -1, np.int64))
+                             np.full(C, -1, np.int64), np.full(C, -1, np.int64))
         self.rots = Rotations(view, k)
         self.done = 0
 
@@ -521,7 +538,20 @@ class Planner:
         succ = root[:, 1:1 + S]
         if succ.shape[1] < S:
             succ = np.concatenate([succ, np.full((n, S - succ.shape[1]), -1, np.int64)], axis=1)
-        above = np.concatenate([inrack, homes[:, 1:]], axis=1)   # in-rack, then ancestor racks' homes
+        W = mine.shape[1]
+        # the stand-in (see standin_rank): of my parent in my rack (not me); a rack
+        # home's parent is the parent rack's home: its stand-in is in that rack
+        sr = standin_rank(ck, (jrank - 1) // m, view.sizes[my_rack], m)
+        standin = np.where((jrank > 0) & (sr > 0) & (sr != jrank), mine[rows_n, np.clip(sr, 0, W - 1)], -1)
+        if D > 1:
+            prack = anc_racks[:, 1]
+            psz = view.sizes[prack]
+            q = standin_rank(ck, np.zeros(n, np.int64), psz, m)
+            other = view.grid[prack, (rot[:, 1] + q) % np.maximum(psz, 1)]
+            standin = np.where(jrank == 0, np.where((anc[:, 1] >= 0) & (q > 0), other, -1), standin)
+        above = _compact(np.concatenate([inrack, homes[:, 1:]], axis=1))   # in-rack, then ancestor racks' homes
+        above = np.concatenate([above[:, :1], np.where(above[:, :1] >= 0, standin[:, None], -1), above[:, 1:]],
+                               axis=1)
         dup = (succ[:, :, None] == above[:, None, :]).any(axis=2)
         chain = np.concatenate([above, np.where(dup, -1, succ)], axis=1)
         # a successor waits on the home and the successors before it, nothing else
@@ -534,12 +564,12 @@ class Planner:
         chain = np.where((g == me)[:, None], -1, chain)
         chain = _compact(chain)[:, :self.L]
         pl = self.plan
+        pl.standin[lo:hi] = np.where((srank >= 0) | (g == me), -1, standin)
         pl.home[lo:hi] = g
         pl.chain[lo:hi, :chain.shape[1]] = chain
         pl.parent[lo:hi] = chain[:, 0] if chain.shape[1] else -1
         pl.origin_rank[lo:hi] = np.where(g == me, 0, np.where(srank >= 0, srank + 1, -1))
         if self.siblings > 0:
-            W = mine.shape[1]
             par = (jrank - 1) // m
             cands = jrank[:, None] + np.array([-1, 1, -2, 2])[None, :]
             cc = np.clip(cands, 0, W - 1)
@@ -547,6 +577,22 @@ class Planner:
             ok = (jrank[:, None] > 0) & (cands > 0) & (cands < W) & (vals >= 0) & ((cands - 1) // m == par[:, None])
             sib = _compact(np.where(ok, vals, -1))[:, :self.siblings]
             pl.siblings[lo:hi, :sib.shape[1]] = sib
+
+
+def standin_rank(ckeys: np.ndarray, parent_rank: np.ndarray, size: np.ndarray | int, m: int) -> np.ndarray:
+    """The rank (in its rack's order for the chunk) of the stand-in of a parent ranked
+    ``parent_rank``, 0 for none. A rack home's (rank 0): one of its in-rack children,
+    ranks 1 .. min(size - 1, m), chosen by the chunk's key, so the chunks of a dead node
+    are taken over by all its rack-mates, not all by one (whose uplink would then carry
+    two nodes' share); a deeper parent's (rank r, racks over m + 1 nodes): rank r + 1.
+    Waits stay acyclic: the stand-in of rank 0's children is one of them, itself
+    waiting on rank 0 and up; a deeper one ranks below the asker."""
+    size = np.asarray(size, np.int64)
+    kids = np.minimum(size - 1, m)
+    pick = 1 + (ckeys % np.maximum(kids, 1).astype(np.uint64)).astype(np.int64)
+    deeper = parent_rank + 1
+    out = np.where(parent_rank == 0, np.where(kids >= 1, pick, 0), np.where(deeper < size, deeper, 0))
+    return np.where(parent_rank < 0, 0, out)
 
 
 def _top_order(nsc: np.ndarray, top_n: int) -> np.ndarray:
@@ -590,11 +636,20 @@ def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fa
 
 def all_parents(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
                 rotations: Rotations | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`all_parents_standins` without the stand-ins."""
+    parent, home, root, _ = all_parents_standins(view, ckeys, k=k, rack_fanout=rack_fanout, rotations=rotations)
+    return parent, home, root
+
+
+def all_parents_standins(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
+                         rotations: Rotations | None = None
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every node's tree parent for every chunk, vectorised over chunks and nodes:
     (parent [C, N] rows, -1 for the global home; home [C]; the root rack's member order
-    [C, W] (successors = columns 1..)). ``ckeys``: the manifest's whole chunk table, or
-    successive blocks of it sharing one ``rotations``. The same rules as
-    :func:`plan_node`'s ``parent`` (the simulator uses this; a test checks agreement)."""
+    [C, W] (successors = columns 1..); stand-in [C, N], -1 for none: :func:`standin_rank`). ``ckeys``: the
+    manifest's whole chunk table, or successive blocks of it sharing one ``rotations``.
+    The same rules as :func:`plan_node`'s ``parent`` and ``standin`` (the simulator uses
+    this; a test checks agreement)."""
     C, N, R = len(ckeys), len(view), len(view.racks)
     m = max(1, rack_fanout)
     order, pos = rack_positions(view, ckeys)
@@ -618,4 +673,20 @@ def all_parents(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: i
     parent[c2, rhome] = par_of_home
     home = rhome[np.arange(C), order[:, 0]]
     root = members[np.arange(C), order[:, 0]]
-    return parent, home, root
+    # stand-ins (standin_rank): in-rack, of each node's parent (not the node itself); a
+    # rack home's: of its parent rack's home
+    standin = np.full((C, N), -1, np.int64)
+    jj = np.broadcast_to(np.arange(W)[None, None, :], members.shape)
+    sizes = np.broadcast_to(view.sizes[None, :, None], members.shape)
+    keys = np.broadcast_to(ckeys[:, None, None], members.shape)
+    sr = standin_rank(keys, np.where(jj > 0, (jj - 1) // m, -1), sizes, m)        # [C, R, W]
+    st_vals = np.take_along_axis(members, np.clip(sr, 0, W - 1), axis=2)
+    ok = valid & (sr > 0) & (sr != jj)
+    standin[cc[ok], members[ok]] = st_vals[ok]
+    # a rack home: the stand-in of its parent rack's home
+    q = standin_rank(np.broadcast_to(ckeys[:, None], (C, R)), np.zeros((C, R), np.int64), view.sizes[None, :], m)
+    other = np.take_along_axis(members, np.clip(q, 0, W - 1)[:, :, None], axis=2)[:, :, 0]   # [C, R]
+    other_p = np.take_along_axis(other, prack, axis=1)
+    okh = (pos > 0) & (np.take_along_axis(q, prack, axis=1) > 0) & (other_p >= 0)
+    standin[c2[okh], rhome[okh]] = other_p[okh]
+    return parent, home, root, standin
