@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -373,6 +374,7 @@ def _plan_times(view: PeerView, ck: np.ndarray, p: Params) -> np.ndarray:
 
 def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGNS) -> dict[str, Any]:
     t_wall = time.perf_counter()
+    load0 = os.getloadavg()[0]
     n, C = p.nodes, p.chunks
     ids = [f"node-{i:05d}" for i in range(n)]
     rack, die, cap = _scenario(p, case, seed)
@@ -487,6 +489,9 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
         }
     out["ideal_s"] = round(size / min(p.link, p.cores * GIB / p.recv_cpu, p.cores * GIB / p.send_cpu), 3)
     out["sim_s"] = round(time.perf_counter() - t_wall, 1)
+    # the machine's 1-minute load average before and after the row (planning is measured
+    # in CPU-s of this process, which load still inflates)
+    out["load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
     return out
 
 
@@ -592,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
             for case in cases:
                 row = run_row(p, case, designs=designs)
                 rows.append(row)
-                print(f"  {n} nodes racks of {rs} {case}: {row['sim_s']}s", file=sys.stderr, flush=True)
+                print(f"  {n} nodes racks of {rs} {case}: {row['sim_s']}s, load {row['load']}", file=sys.stderr,
+                      flush=True)
     out = {"model": "chunk-level store-and-forward, FIFO resources, real tree/home functions",
            "designs": designs,
            "link_gbit": a.link_gbit, "origin_gbit": a.origin_gbit, "oversub": a.oversub, "k": a.k,
@@ -604,11 +610,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"herd sim: {a.size_mb:g} MiB in {a.chunk_mb:g} MiB chunks (big rows fewer), {a.link_gbit:g} Gbit/s "
           f"links, origin {a.origin_gbit:g} Gbit/s, spine {a.oversub:g}:1, k={a.k}, cap {a.serve_cap}, "
           f"CPU {a.recv_cpu:g}/{a.send_cpu:g} s/GiB on {a.cores:g} core(s)")
-    head = f"{'nodes':>6} {'rack':>4} {'case':>8} {'chunks':>6}"
+    head = f"{'nodes':>6} {'rack':>4} {'case':>8} {'chunks':>6} {'load':>11}"
     cols = f" | {{:>{8}}} {'T/ideal':>7} {'egress/S':>8} {'xrack/S':>7} {'503s':>7} {'plan s':>7} {'wait s':>6} {'mfst s':>6}"
     print(head + "".join(cols.format(d) for d in designs))
     for r in rows:
-        line = f"{r['nodes']:>6} {r['rack_size']:>4} {r['case']:>8} {r['chunks']:>6}"
+        line = f"{r['nodes']:>6} {r['rack_size']:>4} {r['case']:>8} {r['chunks']:>6} {r['load'][0]:>5.1f}-{r['load'][1]:<5.1f}"
         for d in designs:
             t = r[d]
             line += (f" | {'':>8} {t['completion_over_ideal']:>7.3f} {t['origin_egress_over_size']:>8.3f} "
