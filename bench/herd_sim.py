@@ -19,18 +19,21 @@ level by level down each chunk's tree:
   are answered 503 and come back after Retry-After (counted, their start delayed to the
   next retry); today's design: a chunk's global home takes at most 256 waiting requests
   (``max_waiting``), the rest are 503 and go to the origin, as its plan says;
-- failures, from the fetcher's own rules: a dead parent is skipped for the next live
-  source up the chain (1 ms to learn it: connection refused), a dead global home hands
+- failures, from the fetcher's own rules: a dead parent is skipped for its stand-in
+  (``p2p.tree``: the rack-mate ranked after it), then the next live source up the
+  chain (1 ms to learn it: connection refused), a dead global home hands
   the origin read to its first live successor; a transfer cut by a death is re-asked of
   the fallback at the moment of death (its partial bytes counted as wasted);
 - the manifest travels like a chunk (its own tree; today: every cold node reads it from
-  the origin), except that a source without it yet answers 404 and is asked again on
-  the fetcher's schedule (``p2p.herd.manifest_polls``, without jitter); have-probes
+  the origin), asked with the data plane's capped ``?wait_ms=`` (2 s): sent when the
+  source has it, and after each wait that ran out one pause of the fetcher's schedule
+  (``p2p.herd.manifest_polls``, without jitter); have-probes
   counted (today: 256 peers each, tree: the rack, or everyone up to 64 nodes);
 - CPU: receive and send CPU-s per GiB from the efficiency issue's loopback figures
   (6 and 0.9 on one core) bound each node's rates. Planning is measured in this run on
   this machine, in CPU-s of the planning thread, the way the fetcher does it: the peer
-  view (node keys uncached), the manifest's tree, then ``p2p.tree.Planner`` stepped
+  view from the gang's ``PeerTable`` (``p2p.herd.peer_view``, node keys uncached), the
+  manifest's tree, then ``p2p.tree.Planner`` stepped
   with the fetcher's block sizes. Design ``tree``: a node asks for the manifest after
   its view and the manifest's tree, and for chunk c once c's block is planned (with 2+
   cores: the planner has a core of its own); ``serial``: the same trees, every chunk
@@ -48,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -57,10 +61,10 @@ from typing import Any
 import blake3
 import numpy as np
 
-from p2p.herd import HerdConfig, manifest_polls
+from p2p.herd import HerdConfig, manifest_polls, peer_view
 from p2p.rendezvous import assign_homes, node_key, plan_sources, scores_np
-from p2p.tree import PeerView, Planner, Rotations, all_parents, chunk_keys, plan_node
-from scheduler_link.messages import Peer
+from p2p.tree import PeerView, Planner, Rotations, all_parents, all_parents_standins, chunk_keys, plan_node
+from scheduler_link.messages import Peer, PeerTable
 
 GIB = 1 << 30
 
@@ -139,13 +143,20 @@ class Sim:
 
     def transfer(self, parent: np.ndarray, size: float, ready: np.ndarray, succ: Sequence[int],
                  origin_fallback: np.ndarray | None = None, cap: int = 0,
-                 poll: np.ndarray | None = None) -> np.ndarray:
+                 poll: np.ndarray | None = None, wait_s: float = 0.0,
+                 standin: np.ndarray | None = None) -> np.ndarray:
         """Move one object down ``parent`` (-1 = reads the origin). Returns each node's
         arrival time (inf: never, dead). ``succ``: the root's successors (re-rooting).
         ``origin_fallback``: nodes told 503 that read the origin instead (today).
         ``poll``: when a source without the object (404) is asked again, seconds after
-        the first ask, ascending (the manifest: ``p2p.herd.manifest_polls``; chunks are
-        waited for with ``?wait_ms=``)."""
+        the first ask, ascending (the manifest: ``p2p.herd.manifest_polls``), and
+        ``wait_s``: how long one ask waits at the source first (the manifest: the data
+        plane's ``?wait_ms=`` cap, 2 s): an object that comes within the wait is sent when
+        it comes, a later one costs the wait and a poll pause per wait that ran out.
+        ``poll`` None: waited for without a cap (chunks, ``?wait_ms=`` of 60 s).
+        ``standin``: each node's stand-in (``p2p.tree``: asked, 1 ms later, when the
+        parent is dead when the node asks; when it is dead too, the chain above as
+        usual)."""
         p = self.p
         n = p.nodes
         die = self.die
@@ -155,6 +166,14 @@ class Sim:
         par = parent.copy()
         if origin_fallback is not None:
             par[origin_fallback] = -1
+        if standin is not None:            # the parent known dead when asked: its stand-in
+            x = np.flatnonzero((par >= 0) & (standin >= 0))
+            x = x[(die[par[x]] <= ready[x]) & (die[standin[x]] > ready[x])]
+            if len(x):
+                par[x] = standin[x]
+                ready = ready.copy()
+                ready[x] += 0.001          # connection refused: the parent is gone
+                self.dead_probes += len(x)
         # levels (depth from the origin readers)
         depth = np.zeros(n, np.int64)
         cur = par.copy()
@@ -199,7 +218,7 @@ class Sim:
                     break
                 pending, t_ask = self._peer_round(pending, src, size, tau,
                                                   np.maximum.reduce([ready[pending], t_known, t_ask]), have, cap,
-                                                  poll)
+                                                  poll, wait_s)
         # a node that died before it got the object never has it
         have[have > die] = np.inf
         return have
@@ -245,14 +264,18 @@ class Sim:
         have[xs] = np.where(cut, np.inf, ends)
 
     def _peer_round(self, xs: np.ndarray, src: np.ndarray, size: float, tau: float, ready: np.ndarray,
-                    have: np.ndarray, cap: int, poll: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+                    have: np.ndarray, cap: int, poll: np.ndarray | None = None,
+                    wait_s: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
         """One round of peer transfers src -> xs; returns the nodes whose transfer was cut
         (their sender died) to be re-asked, and when. Each resource is work-conserving: a transfer
         ends no earlier than its sender's copies of this chunk before it (one chunk time
         each), the sender's uplink work so far, the receiver's downlink work so far, and
         the spine work of the racks it crosses."""
         r = np.maximum(ready, have[src])
-        if poll is not None:               # asked at ready + poll[i] until the source has it
+        if poll is not None and wait_s > 0:    # each ask waits up to wait_s, then a pause
+            late = np.maximum(have[src] - ready, 0.0)
+            r = ready + late + np.floor(late / wait_s) * poll[1]
+        elif poll is not None:             # asked at ready + poll[i] until the source has it
             late = np.maximum(have[src] - ready, 0.0)
             i = np.minimum(np.searchsorted(poll, late), len(poll) - 1)
             r = np.where(late > 0, ready + np.maximum(poll[i], late), ready)
@@ -351,6 +374,7 @@ def _plan_times(view: PeerView, ck: np.ndarray, p: Params) -> np.ndarray:
 
 def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGNS) -> dict[str, Any]:
     t_wall = time.perf_counter()
+    load0 = os.getloadavg()[0]
     n, C = p.nodes, p.chunks
     ids = [f"node-{i:05d}" for i in range(n)]
     rack, die, cap = _scenario(p, case, seed)
@@ -366,8 +390,13 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
     # manifest's tree, then the chunks' trees block by block (p2p.tree.Planner, the same
     # block sizes as p2p.herd): plan_at[c] = when chunk c's tree is known, after the
     # manifest arrived
+    # the view from the gang's PeerTable (what a fetcher in a gang is given), by the
+    # fetcher's own function, node keys uncached
+    table = PeerTable(node_ids=ids, data_urls=ids, rack_of=rack.tolist(),
+                      racks=[f"z/b/r{r:05d}" for r in range(int(rack[-1]) + 1)],
+                      rack_start=np.searchsorted(rack, np.arange(int(rack[-1]) + 1)).tolist())
     t = time.thread_time()
-    PeerView.build(ids, ids, labels)
+    peer_view(table, ids[0])
     t_view = time.thread_time() - t
     t = time.thread_time()
     plan_node(view, 0, chunk_keys([manifest_id]), k=p.k, rack_fanout=p.rack_fanout)
@@ -385,7 +414,8 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
     cpu_today += time.thread_time() - t
 
     # a global home dying mid-transfer: the node that is home for the most chunks
-    tree_par_m, _, root_m = all_parents(view, chunk_keys([manifest_id]), k=p.k, rack_fanout=p.rack_fanout)
+    tree_par_m, _, root_m, st_m = all_parents_standins(view, chunk_keys([manifest_id]), k=p.k,
+                                                       rack_fanout=p.rack_fanout)
     _, tree_home, _ = all_parents(view, ck[: min(C, 256)], k=p.k, rack_fanout=p.rack_fanout)
     victim = -1
     if case == "home" and n > 1:
@@ -405,7 +435,8 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
             succ = [int(x) for x in root_m[0, 1:3] if x >= 0]
             # every node builds its view and plans the manifest's tree before asking
             have_m = sim.transfer(tree_par_m[0], p.manifest_bytes, t0 + t_view + t_mplan, succ, cap=p.serve_cap,
-                                  poll=_poll_times())
+                                  poll=_poll_times(), wait_s=HerdConfig().manifest_wait_ms / 1000,
+                                  standin=st_m[0])
             probes = n * (n - 1 if n <= PROBE_ALL_BELOW else p.rack_size - 1)
             # overlapped: chunk c once its block is planned (the planner has a core of its
             # own only with 2 or more); serial: every chunk after the whole plan
@@ -426,11 +457,12 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
         for lo in range(0, C, 256):
             hi = min(C, lo + 256)
             if design in ("tree", "serial"):
-                par, _, root = all_parents(view, ck[lo:hi], k=p.k, rack_fanout=p.rack_fanout, rotations=rots)
+                par, _, root, st = all_parents_standins(view, ck[lo:hi], k=p.k, rack_fanout=p.rack_fanout,
+                                                        rotations=rots)
                 for i in range(hi - lo):
                     succ = [int(x) for x in root[i, 1:3] if x >= 0]
                     ready = start if ready_c is None else np.where(np.isfinite(start), ready_c[lo + i], start)
-                    have = sim.transfer(par[i], p.chunk_bytes, ready, succ, cap=p.serve_cap)
+                    have = sim.transfer(par[i], p.chunk_bytes, ready, succ, cap=p.serve_cap, standin=st[i])
                     sim.done = np.maximum(sim.done, have)
             else:
                 for parent, fallback in _today_parents(view, ck[lo:hi], chunk_ids[lo:hi], homes_today, rack_of):
@@ -457,6 +489,9 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
         }
     out["ideal_s"] = round(size / min(p.link, p.cores * GIB / p.recv_cpu, p.cores * GIB / p.send_cpu), 3)
     out["sim_s"] = round(time.perf_counter() - t_wall, 1)
+    # the machine's 1-minute load average before and after the row (planning is measured
+    # in CPU-s of this process, which load still inflates)
+    out["load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
     return out
 
 
@@ -562,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
             for case in cases:
                 row = run_row(p, case, designs=designs)
                 rows.append(row)
-                print(f"  {n} nodes racks of {rs} {case}: {row['sim_s']}s", file=sys.stderr, flush=True)
+                print(f"  {n} nodes racks of {rs} {case}: {row['sim_s']}s, load {row['load']}", file=sys.stderr,
+                      flush=True)
     out = {"model": "chunk-level store-and-forward, FIFO resources, real tree/home functions",
            "designs": designs,
            "link_gbit": a.link_gbit, "origin_gbit": a.origin_gbit, "oversub": a.oversub, "k": a.k,
@@ -574,11 +610,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"herd sim: {a.size_mb:g} MiB in {a.chunk_mb:g} MiB chunks (big rows fewer), {a.link_gbit:g} Gbit/s "
           f"links, origin {a.origin_gbit:g} Gbit/s, spine {a.oversub:g}:1, k={a.k}, cap {a.serve_cap}, "
           f"CPU {a.recv_cpu:g}/{a.send_cpu:g} s/GiB on {a.cores:g} core(s)")
-    head = f"{'nodes':>6} {'rack':>4} {'case':>8} {'chunks':>6}"
+    head = f"{'nodes':>6} {'rack':>4} {'case':>8} {'chunks':>6} {'load':>11}"
     cols = f" | {{:>{8}}} {'T/ideal':>7} {'egress/S':>8} {'xrack/S':>7} {'503s':>7} {'plan s':>7} {'wait s':>6} {'mfst s':>6}"
     print(head + "".join(cols.format(d) for d in designs))
     for r in rows:
-        line = f"{r['nodes']:>6} {r['rack_size']:>4} {r['case']:>8} {r['chunks']:>6}"
+        line = f"{r['nodes']:>6} {r['rack_size']:>4} {r['case']:>8} {r['chunks']:>6} {r['load'][0]:>5.1f}-{r['load'][1]:<5.1f}"
         for d in designs:
             t = r[d]
             line += (f" | {'':>8} {t['completion_over_ideal']:>7.3f} {t['origin_egress_over_size']:>8.3f} "

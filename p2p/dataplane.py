@@ -7,7 +7,11 @@ Routes (all need the cluster token as a bearer token; 401 otherwise):
   chunk to be present here, whether or not this node has started fetching it (a home
   may get its placement after its peers ask). 404 when absent after the wait.
 - ``HEAD /v1/chunks/{id}`` 200 + Content-Length when present, else 404.
-- ``GET /v1/manifests/{id}`` the manifest's canonical bytes (peers verify them by id).
+- ``GET /v1/manifests/{id}[?wait_ms=N]`` the manifest's canonical bytes (peers verify
+  them by id). With ``wait_ms`` the request waits for the manifest to be stored here, at
+  most ``max_manifest_wait_ms`` (2 s: a tree parent gets it within milliseconds or is
+  not fetching it), at most ``max_manifest_waiting`` (64) such waits at once (503 +
+  Retry-After beyond), holding no serving slot; 404 when absent after the wait.
 - ``GET /v1/have/{manifest}`` a bitmap over the manifest's chunk table: bit i (MSB
   first in byte i // 8) is set when chunk i is here. Headers ``x-herd-chunks`` and
   ``x-herd-have`` carry the counts.
@@ -99,6 +103,11 @@ class DataPlaneConfig:
     # 503 with Retry-After (and x-herd-retry-ms, finer) and asks the next source in its tree.
     max_serving_per_chunk: int = 0
     busy_retry_ms: int = 50
+    # ?wait_ms= on manifests: a cap on the wait, and on how many wait at once (all clients
+    # / per address), apart from the chunks' wait budget; over either: 503 + Retry-After
+    max_manifest_wait_ms: int = 2_000
+    max_manifest_waiting: int = 64
+    max_manifest_waiting_per_client: int = 16
 
 
 class _Stats(msgspec.Struct, kw_only=True):
@@ -122,6 +131,9 @@ class _Stats(msgspec.Struct, kw_only=True):
     sendfile_fallbacks: int = 0
     tls_errors: int = 0                # TLS handshakes that failed or timed out
     rejected_chunk_busy: int = 0       # 503: the chunk was being sent to max_serving_per_chunk peers
+    manifest_waits: int = 0            # manifest requests that waited (?wait_ms=)
+    manifest_waits_satisfied: int = 0
+    rejected_manifest_waits: int = 0   # 503: max_manifest_waiting were waiting already
     serving_per_chunk_max: int = 0     # the most copies of one chunk ever sent at once
 
 
@@ -181,6 +193,8 @@ class DataPlane:
         self._conns = ConnectionGate(c.max_connections or 4 * c.max_concurrent,
                             c.max_connections_per_client or 2 * c.max_per_client)
         self._waiters: dict[str, list[Any]] = {}  # chunk id -> [Event, waiter count]
+        self._mwaits = ConnectionGate(c.max_manifest_waiting, c.max_manifest_waiting_per_client)
+        self._manifest_events: dict[str, list[Any]] = {}   # manifest id -> [Event, waiter count]
         self._serving: dict[str, int] = {}         # chunk id -> copies being sent now
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._hook: Callable[[str], None] | None = None
@@ -231,11 +245,27 @@ class DataPlane:
 
         self._hook = hook
         hooks.append(hook)
+        self.store.on_manifest_added.append(self._manifest_hook)
 
     def _remove_hook(self) -> None:
         hooks = self.store.on_chunk_added
         if self._hook in hooks:
             hooks.remove(self._hook)
+        if self._manifest_hook in self.store.on_manifest_added:
+            self.store.on_manifest_added.remove(self._manifest_hook)
+
+    def _manifest_hook(self, manifest_id: str) -> None:
+        token = self._trio_token
+        if token is not None:
+            try:
+                token.run_sync_soon(self._wake_manifest, manifest_id)
+            except trio.RunFinishedError:
+                pass
+
+    def _wake_manifest(self, manifest_id: str) -> None:
+        w = self._manifest_events.get(manifest_id)
+        if w is not None:
+            w[0].set()
 
     def _wake(self, chunk_id: str) -> None:
         w = self._waiters.get(chunk_id)
@@ -428,6 +458,15 @@ class DataPlane:
                 if isinstance(waited, _Reply):
                     return waited, False
                 query = ""
+        if query and method in ("GET", "HEAD") and path.startswith("/v1/manifests/"):
+            ident = path[len("/v1/manifests/"):]
+            if _HEX64.match(ident):
+                waited = await self._maybe_wait_manifest(ident, query, client, stream, conn)
+                if waited is _GONE:
+                    return None, False
+                if isinstance(waited, _Reply):
+                    return waited, False
+                query = ""
         if not self._active.enter(client):
             self._stats.rejected_busy += 1
             return _json(503, "busy", "too many concurrent requests", headers=[(b"retry-after", b"1")]), False
@@ -474,6 +513,65 @@ class DataPlane:
             self._stats.not_found += 1
             return _json(404, "chunk not here", chunk_id)
         return None
+
+    async def _maybe_wait_manifest(self, manifest_id: str, query: str, client: str, stream: trio.abc.Stream,
+                                   conn: h11.Connection) -> _Reply | object | None:
+        """``?wait_ms=`` for a manifest not stored here yet: wait (at most
+        ``max_manifest_wait_ms``, under the ``max_manifest_waiting`` budget) until the
+        store has it. A reply to send now (400, 503, 404 after the wait), ``_GONE`` when the
+        client left while waiting, or None: serve it."""
+        qs = parse_qs(query, keep_blank_values=True)
+        if "wait_ms" not in qs:
+            return None
+        raw = qs["wait_ms"][-1]
+        if not raw.isdigit() or len(raw) > 12:
+            self._stats.bad_requests += 1
+            return _json(400, "bad wait_ms", "a non-negative integer of milliseconds")
+        wait_ms = min(int(raw), self.config.max_manifest_wait_ms)
+        if wait_ms <= 0 or self.store.has_manifest(manifest_id):
+            return None
+        if not self._mwaits.enter(client):
+            self._stats.rejected_manifest_waits += 1
+            ms = self.config.busy_retry_ms
+            return _json(503, "busy", "too many waiting manifest requests",
+                         headers=[(b"retry-after", b"1"), (b"x-herd-retry-ms", str(ms).encode())])
+        self._stats.manifest_waits += 1
+        try:
+            with trio.CancelScope() as gone:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._watch_client, stream, conn, gone)
+                    await self._wait_for_manifest(manifest_id, wait_ms)
+                    nursery.cancel_scope.cancel()
+        finally:
+            self._mwaits.leave(client)
+        if gone.cancelled_caught:
+            self._stats.waits_abandoned += 1
+            return _GONE
+        if not self.store.has_manifest(manifest_id):
+            self._stats.not_found += 1
+            return _json(404, "manifest not here", manifest_id)
+        self._stats.manifest_waits_satisfied += 1
+        return None
+
+    async def _wait_for_manifest(self, manifest_id: str, wait_ms: int) -> None:
+        """Until the manifest is stored here (woken by the store's hook; the disk is
+        re-checked every ``poll_s``, another process may write it) or ``wait_ms`` passed."""
+        w = self._manifest_events.get(manifest_id)
+        if w is None or w[0].is_set():
+            w = self._manifest_events[manifest_id] = [trio.Event(), 0]
+        w[1] += 1
+        try:
+            with trio.move_on_after(wait_ms / 1000):
+                while not self.store.has_manifest(manifest_id):
+                    if w[0].is_set():               # stored and gone again: only the disk re-check
+                        await trio.sleep(self.config.poll_s)
+                        continue
+                    with trio.move_on_after(self.config.poll_s):
+                        await w[0].wait()
+        finally:
+            w[1] -= 1
+            if w[1] == 0 and self._manifest_events.get(manifest_id) is w:
+                del self._manifest_events[manifest_id]
 
     async def _watch_client(self, stream: trio.abc.Stream, conn: h11.Connection,
                             gone: trio.CancelScope) -> None:

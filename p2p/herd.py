@@ -108,9 +108,12 @@ class HerdConfig:
     rack_fanout: int = 32
     busy_rounds: int = 600             # rounds where every source was only busy (503) or missing
     origin_verify_tries: int = 3       # origin answers that fail verification before OriginCorruptError
-    # A tree source without the manifest yet: ask it again after manifest_poll_s, each
-    # pause manifest_poll_growth times the last, at most manifest_poll_max_s (the data
-    # plane has no wait for manifests: each level of the tree costs about one pause)
+    # A tree source is asked for the manifest with ?wait_ms=manifest_wait_ms (the data
+    # plane caps it at 2 s): it answers as soon as it has stored it. After a 404 (the wait
+    # ran out, or a data plane without manifest waits) or a 503: ask again after
+    # manifest_poll_s, each pause manifest_poll_growth times the last, at most
+    # manifest_poll_max_s.
+    manifest_wait_ms: int = 2_000
     manifest_poll_s: float = 0.002
     manifest_poll_growth: float = 1.25
     manifest_poll_max_s: float = 0.25
@@ -208,18 +211,7 @@ class Herd:
         return view, me
 
     def _build_view(self, peers: PeersArg) -> tuple[PeerView, int]:
-        if isinstance(peers, PeerTable):
-            ids, urls = list(peers.node_ids), list(peers.data_urls)
-            labels = [peers.racks[r] for r in peers.rack_of]
-            if self.node_id not in ids:
-                ids.append(self.node_id)
-                urls.append("")
-                labels.append("//")
-            view = PeerView.build(ids, urls, labels)
-        else:
-            me = next((p for p in peers if p.node_id == self.node_id), None)
-            view = PeerView.from_peers(list(peers), self.node_id, rack_label(me) if me is not None else None)
-        return view, view.index[self.node_id]
+        return peer_view(peers, self.node_id)
 
     def plan(self, view: PeerView, me: int, ids: Sequence[str]) -> NodePlan:
         """This node's tree plan for ``ids`` (pure; seconds of numpy at 25,000 peers)."""
@@ -229,7 +221,7 @@ class Herd:
 
     async def fetch_manifest_bytes(self, manifest_id: str, origin: Origin, peers: PeersArg) -> bytes:
         """The manifest's bytes. Tree mode: like a chunk, from its tree parent (asked
-        again every ``manifest_poll_s`` until it has it, up to ``wait_ms``), the next
+        with ``?wait_ms=``, again after a 404 or 503, up to ``wait_ms`` in all), the next
         live source when a parent is dead, the origin only at its global home (or when
         every source above is dead, or the wait ran out). Verified by id; the caller
         verifies origin bytes on decode."""
@@ -262,9 +254,10 @@ class Herd:
             src = next(s for s in plan.sources(0, pen, now) if s.kind == "origin" or s.node_id not in pen)
             if src.kind == "origin" or now >= deadline:
                 return await self._origin_call(origin.get_manifest, manifest_id, what=f"manifest {manifest_id}")
+            wait_ms = max(0, min(self.config.manifest_wait_ms, int((deadline - now) * 1000)))
             try:
-                with trio.fail_after(self.config.head_grace_s + self.config.stall_s):
-                    data = await self.client.get_manifest(src.url, manifest_id)
+                with trio.fail_after(wait_ms / 1000 + self.config.head_grace_s + self.config.stall_s):
+                    data = await self.client.get_manifest(src.url, manifest_id, wait_ms=wait_ms)
             except (PeerMissing, PeerBusy) as e:
                 self.health.missing(src.node_id)
                 pause = e.retry_after_s if isinstance(e, PeerBusy) and e.retry_after_s else 0.0
@@ -739,6 +732,18 @@ async def _first(*waits: Callable[[], Any]) -> int:
                 nursery.cancel_scope.cancel()
             nursery.start_soon(one)
     return done[0]
+
+
+def peer_view(peers: PeersArg, node_id: str) -> tuple[PeerView, int]:
+    """The columnar view a fetcher plans over (``node_id`` included: appended in no rack
+    when the peers lack it) and its row. Pure; ``bench.herd_sim`` times this very call.
+    A gang's ``PeerTable`` is taken column by column (no label per row)."""
+    if isinstance(peers, PeerTable):
+        view = PeerView.from_table(peers, node_id, "//")
+    else:
+        me = next((p for p in peers if p.node_id == node_id), None)
+        view = PeerView.from_peers(list(peers), node_id, rack_label(me) if me is not None else None)
+    return view, view.row_of(node_id)
 
 
 def manifest_polls(cfg: HerdConfig) -> Iterator[float]:

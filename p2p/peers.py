@@ -193,9 +193,13 @@ class PeerClient:
             raise PeerCorrupt(f"{base_url}: chunk {chunk_id[:16]} does not match its hash", len(data))
         return data
 
-    async def get_manifest(self, base_url: str, manifest_id: str, *, limit: int = 64 << 20) -> bytes:
-        return await self._get(base_url, f"/v1/manifests/{manifest_id}", limit=limit,
-                               head_s=self.config.head_grace_s, exact=False)
+    async def get_manifest(self, base_url: str, manifest_id: str, *, limit: int = 64 << 20,
+                           wait_ms: int = 0) -> bytes:
+        """The manifest's bytes (unverified). ``wait_ms``: the peer waits that long (its
+        cap: 2 s) for the manifest to arrive before answering 404."""
+        path = f"/v1/manifests/{manifest_id}" + (f"?wait_ms={int(wait_ms)}" if wait_ms > 0 else "")
+        return await self._get(base_url, path, limit=limit,
+                               head_s=wait_ms / 1000 + self.config.head_grace_s, exact=False)
 
     async def get_have(self, base_url: str, manifest_id: str, nchunks: int) -> bytes:
         """The peer's have-bitmap over the manifest's chunk table (``nchunks`` bits)."""

@@ -199,6 +199,7 @@ class ChunkStore:
         self.high_watermark = high_watermark
         self.low_watermark = low_watermark
         self.on_chunk_added: list[Callable[[str], None]] = []
+        self.on_manifest_added: list[Callable[[str], None]] = []   # after put_manifest (any thread)
         # Owned by the trio thread of async fetchers: chunk id -> in-flight marker
         # (single-flight across concurrent fetches into this store).
         self.inflight: dict[str, Any] = {}
@@ -519,6 +520,11 @@ class ChunkStore:
             _atomic_write(path, data, self.tmp_dir, what=f"manifest {manifest_id[:16]}")
         with self._lock:
             self._manifests[manifest_id] = manifest
+        for hook in list(self.on_manifest_added):
+            try:
+                hook(manifest_id)
+            except Exception:
+                log.exception("on_manifest_added hook failed manifest=%s", manifest_id)
         return manifest
 
     def manifest_bytes(self, manifest_id: str) -> bytes:

@@ -26,12 +26,20 @@ For one chunk (key ``ck``, index ``i`` in the manifest's chunk table):
 - **Successors**: ranks 1.. ``successors`` of the root rack. When the global home is
   dead, the first live successor reads the origin; every other node lists the
   successors after its ancestors, so the herd re-roots on them.
+- **Stand-ins**: a node whose parent is dead asks the parent's stand-in next (a
+  rack-mate of the parent, :func:`standin_rank`, picked by the chunk's key among the
+  rack home's children), then the ancestors above. A dead rack home's children (its
+  rack-mates and up to k child-rack homes) thus move to its rack-mates, spread over
+  its chunks, instead of all to the next rack's home (which would then be asked by
+  ~2x its serving cap and answer 503s).
 
 Invariants
 ----------
 - The "waits on" relation is acyclic: a node waits (``?wait_ms=``) only on its
-  ancestors in the tree and on successors; successor ``s_j`` waits only on the global
-  home and ``s_1 .. s_{j-1}``; a successor's ancestors are the global home alone.
+  ancestors in the tree, its parent's stand-in and successors; successor ``s_j`` waits
+  only on the global home and ``s_1 .. s_{j-1}``; a successor's ancestors are the
+  global home alone; a stand-in is a child of the rack home (waiting on it and up
+  only) or ranks below the asker.
 - Fan-in per chunk is bounded: a node is asked (with wait) by at most ``k`` child-rack
   homes plus ``m`` rack-mates, whatever the gang size; the data plane caps how many of
   them it serves at once (503 + Retry-After beyond that).
@@ -47,7 +55,7 @@ built from the same primitives as :func:`plan_node`); a test checks they agree.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import blake3
@@ -62,11 +70,23 @@ _U = np.uint64
 
 def _mix(x: np.ndarray) -> np.ndarray:
     """splitmix64 over a uint64 array (the same function as rendezvous.score)."""
+    return _mix_inplace(x + _U(0))
+
+
+def _mix_inplace(x: np.ndarray) -> np.ndarray:
+    """:func:`_mix` computed in ``x`` itself (uint64, overwritten, returned): one
+    temporary instead of six, which matters at [chunks x racks]."""
     with np.errstate(over="ignore"):
-        x = x + _U(0x9E3779B97F4A7C15)
-        x = (x ^ (x >> _U(30))) * _U(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> _U(27))) * _U(0x94D049BB133111EB)
-        return x ^ (x >> _U(31))
+        x += _U(0x9E3779B97F4A7C15)
+        t = x >> _U(30)
+        x ^= t
+        x *= _U(0xBF58476D1CE4E5B9)
+        np.right_shift(x, _U(27), out=t)
+        x ^= t
+        x *= _U(0x94D049BB133111EB)
+        np.right_shift(x, _U(31), out=t)
+        x ^= t
+    return x
 
 
 def id_keys(ids: Sequence[str]) -> np.ndarray:
@@ -76,6 +96,13 @@ def id_keys(ids: Sequence[str]) -> np.ndarray:
     anything can be planned); any function every node computes alike will do here."""
     if not ids:
         return np.zeros(0, np.uint64)
+    fast = _ascii_words(ids)
+    if fast is not None:
+        lens, w = fast
+        h = _mix(lens ^ _U(0x6E6F64652D6B6579))
+        for j in range(w.shape[1]):
+            h = _mix_inplace(h ^ w[:, j])
+        return h
     raw = [s.encode() for s in ids]
     lens = np.fromiter((len(b) for b in raw), np.uint64, len(raw))
     arr = np.array(raw, dtype=bytes)
@@ -87,6 +114,32 @@ def id_keys(ids: Sequence[str]) -> np.ndarray:
     for j in range(w.shape[1]):
         h = _mix(h ^ w[:, j])
     return h
+
+
+def _ascii_words(ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray] | None:
+    """ASCII ids as (lengths [N] uint64, little-endian words [N, W/8] of their bytes,
+    zero-padded to W, a multiple of 8): what :func:`id_keys` folds, without a Python
+    object per id. Ids of one length (the usual gang) are one join and a reshape; others
+    are padded with ``ljust``. None: some id is not ASCII (the caller's general path)."""
+    n = len(ids)
+    first = len(ids[0])
+    joined = "\0".join(ids)
+    if len(joined) == n * (first + 1) - 1:             # maybe all of one length
+        raw = joined.encode()
+        if len(raw) != len(joined):
+            return None
+        buf = np.frombuffer(raw + b"\0", np.uint8).reshape(n, first + 1)
+        if not buf[:, first].any() and int(np.count_nonzero(buf[:, :first])) == n * first:
+            width = -(-max(first, 1) // 8) * 8
+            words = np.zeros((n, width), np.uint8)
+            words[:, :first] = buf[:, :first]
+            return np.full(n, first, np.uint64), words.view("<u8")
+    lens = np.fromiter(map(len, ids), np.uint64, n)
+    width = -(-max(int(lens.max()), 1) // 8) * 8
+    raw = "".join([s.ljust(width, "\0") for s in ids]).encode()
+    if len(raw) != n * width:
+        return None
+    return lens, np.frombuffer(raw, np.uint8).reshape(n, width).view("<u8")
 
 
 def rack_key(label: str) -> int:
@@ -116,21 +169,26 @@ class PeerView:
     def build(cls, node_ids: Sequence[str], urls: Sequence[str], rack_labels: Sequence[str]) -> PeerView:
         if not len(node_ids) == len(urls) == len(rack_labels):
             raise ValueError("PeerView.build: node_ids, urls and rack_labels differ in length")
-        seen: dict[str, int] = dict(zip(node_ids, range(len(node_ids)), strict=True))
         ids, us, labels = list(node_ids), list(urls), list(rack_labels)
-        if len(seen) < len(ids):            # repeated ids: the first row of each counts
-            seen = {}
+        if len(set(ids)) < len(ids):            # repeated ids: the first row of each counts
+            seen: set[str] = set()
             ids, us, labels = [], [], []
             for n, u, r in zip(node_ids, urls, rack_labels, strict=True):
                 if n in seen:
                     continue
-                seen[n] = len(ids)
+                seen.add(n)
                 ids.append(n)
                 us.append(u)
                 labels.append(r)
         racks = sorted(set(labels))
         rpos = {r: i for i, r in enumerate(racks)}
         rack_of = np.array([rpos[r] for r in labels], dtype=np.int64)
+        return cls._columns(ids, us, rack_of, racks)
+
+    @classmethod
+    def _columns(cls, ids: list[str], us: list[str], rack_of: np.ndarray, racks: list[str]) -> PeerView:
+        """The view of unique ``ids`` whose racks are ``racks[rack_of]`` (``racks`` sorted,
+        each used): what :meth:`build` and :meth:`from_table` share."""
         counts = np.bincount(rack_of, minlength=len(racks)) if ids else np.zeros(0, np.int64)
         width = int(counts.max()) if len(counts) else 0
         grid = np.full((len(racks), max(width, 1)), -1, dtype=np.int64)
@@ -143,8 +201,13 @@ class PeerView:
         gk = np.where(grid >= 0, nkeys[np.maximum(grid, 0)], np.uint64(np.iinfo(np.uint64).max))
         grid = np.take_along_axis(grid, np.argsort(gk, axis=1, kind="stable"), axis=1)
         rkeys = np.array([rack_key(r) for r in racks], dtype=np.uint64)
-        return cls(ids, us, rack_of, racks, nkeys, rkeys, grid, seen,
+        return cls(ids, us, rack_of, racks, nkeys, rkeys, grid, _RowIndex(ids),
                    counts.astype(np.int64), (rkeys % np.maximum(counts, 1).astype(np.uint64)).astype(np.int64))
+
+    def row_of(self, node_id: str) -> int:
+        """``node_id``'s row (KeyError when absent), without building the id -> row map
+        of every peer for one lookup."""
+        return self.index.row(node_id) if isinstance(self.index, _RowIndex) else self.index[node_id]
 
     @classmethod
     def from_peers(cls, peers: Sequence[Peer], self_id: str | None = None,
@@ -159,8 +222,67 @@ class PeerView:
         return cls.build(ids, urls, labels)
 
     @classmethod
-    def from_table(cls, table: PeerTable) -> PeerView:
-        return cls.build(table.node_ids, table.data_urls, [table.racks[r] for r in table.rack_of])
+    def from_table(cls, table: PeerTable, self_id: str | None = None, self_rack: str = "//") -> PeerView:
+        """The view of a gang's ``PeerTable`` (``self_id`` appended in ``self_rack`` when the
+        table lacks it): the same view as :meth:`build` over its rows and rack labels,
+        without a label per row (the table's racks are already indexes)."""
+        ids, urls, labels = list(table.node_ids), list(table.data_urls), list(table.racks)
+        n = len(ids)
+        if not len(urls) == len(table.rack_of) == n:
+            raise ValueError("PeerTable: node_ids, data_urls and rack_of differ in length")
+        rack_of = np.fromiter(table.rack_of, np.int64, n)
+        if n and (int(rack_of.min()) < 0 or int(rack_of.max()) >= len(labels)):
+            raise ValueError(f"PeerTable: rack_of must index its {len(labels)} racks")
+        if self_id is not None and self_id not in ids:
+            ids.append(self_id)
+            urls.append("")
+            if self_rack in labels:
+                rack_of = np.append(rack_of, labels.index(self_rack))
+            else:
+                rack_of = np.append(rack_of, len(labels))
+                labels.append(self_rack)
+        if len(set(ids)) < len(ids) or len(set(labels)) < len(labels):   # what build() merges
+            return cls.build(ids, urls, [labels[r] for r in rack_of])
+        used = np.flatnonzero(np.bincount(rack_of, minlength=len(labels)))
+        by_label = sorted(used.tolist(), key=labels.__getitem__)
+        remap = np.full(len(labels), -1, np.int64)
+        remap[by_label] = np.arange(len(by_label))
+        return cls._columns(ids, urls, remap[rack_of], [labels[i] for i in by_label])
+
+
+class _RowIndex(Mapping[str, int]):
+    """node id -> row, built on first use (a dict of 50,000 ids costs ~5 ms, and the
+    planner needs only this node's own row)."""
+    __slots__ = ("_ids", "_map")
+
+    def __init__(self, ids: list[str]) -> None:
+        self._ids = ids
+        self._map: dict[str, int] | None = None
+
+    def _m(self) -> dict[str, int]:
+        if self._map is None:
+            self._map = dict(zip(self._ids, range(len(self._ids)), strict=True))
+        return self._map
+
+    def row(self, node_id: str) -> int:
+        if self._map is not None:
+            return self._map[node_id]
+        try:
+            return self._ids.index(node_id)
+        except ValueError:
+            raise KeyError(node_id) from None
+
+    def __getitem__(self, node_id: str) -> int:
+        return self._m()[node_id]
+
+    def __contains__(self, node_id: object) -> bool:
+        return node_id in self._m()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._m())
+
+    def __len__(self) -> int:
+        return len(self._ids)
 
 
 def chunk_keys(chunk_ids: Sequence[str]) -> np.ndarray:
@@ -262,8 +384,12 @@ def depth_bound(n_racks: int, k: int) -> int:
 class NodePlan:
     """One node's sources for every chunk of a manifest (rows into ``view``).
 
-    ``chain[c]``: rows to ask with wait, nearest first (in-rack ancestors, the rack
-    homes of the ancestor racks up to the global home, then successors); -1 padded.
+    ``chain[c]``: rows to ask with wait, nearest first (the parent, its stand-in, the
+    other in-rack ancestors, the rack homes of the ancestor racks up to the global home,
+    then successors); -1 padded. ``standin[c]``: a rack-mate of the parent
+    (:func:`standin_rank`; not this node), -1 when none: asked when the parent is dead,
+    so a dead rack home's children move to a rack-mate of it, not all to the next rack
+    up (which would be over its serving cap).
     ``siblings[c]``: rack-mates under the same parent, asked without waiting after a
     busy or missing parent. ``origin_rank[c]``: 0 for the global home, j for successor
     j, -1 for everyone else (the origin only once the tree above is exhausted)."""
@@ -274,6 +400,7 @@ class NodePlan:
     chain: np.ndarray
     siblings: np.ndarray
     origin_rank: np.ndarray
+    standin: np.ndarray
 
     def is_home(self, c: int) -> bool:
         return bool(self.origin_rank[c] == 0)
@@ -291,9 +418,12 @@ class NodePlan:
         cooling: list[Source] = []
         dead_above = 0
         first = True
+        asked: set[int] = set()
         for row in self.chain[c]:
             if row < 0:
                 break
+            if row in asked:                   # the stand-in was a sibling already
+                continue
             n = v.node_ids[row]
             until = pen.get(n, 0.0)
             if until > now:
@@ -309,6 +439,7 @@ class NodePlan:
                         break
                     sn = v.node_ids[srow]
                     if pen.get(sn, 0.0) <= now:
+                        asked.add(int(srow))
                         out.append(Source(kind="peer", node_id=sn, url=v.urls[srow], wait=False))
         tail = cooling + [ORIGIN] if (not out or last_round) else []
         return out + tail
@@ -320,6 +451,8 @@ class Planner:
     from block to block, so the blocks' sizes do not change the result). ``done``:
     chunks planned so far (rows ``< done`` of the plan are final)."""
 
+    CACHE_CELLS = 1 << 18          # chunks x racks scored at once (2 MiB of uint64)
+
     def __init__(self, view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
                  successors: int = 2, siblings: int = 2) -> None:
         C = len(ckeys)
@@ -328,10 +461,10 @@ class Planner:
         self.k, self.m, self.successors, self.siblings = k, max(1, rack_fanout), successors, siblings
         self.D = depth_bound(R, k)
         self.Din = depth_bound(view.grid.shape[1], self.m) - 1          # in-rack ancestors at most
-        self.L = self.D + self.Din + 1 + successors
+        self.L = self.D + self.Din + 2 + successors
         self.plan = NodePlan(view, me, np.full(C, -1, np.int64), np.full(C, -1, np.int64),
                              np.full((C, self.L), -1, np.int64), np.full((C, max(siblings, 1)), -1, np.int64),
-                             np.full(C, -1, np.int64))
+                             np.full(C, -1, np.int64), np.full(C, -1, np.int64))
         self.rots = Rotations(view, k)
         self.done = 0
 
@@ -346,9 +479,14 @@ class Planner:
         """Plan the next ``n`` chunks (fewer at the end); returns ``done``."""
         lo = self.done
         hi = min(len(self.ckeys), lo + max(1, n))
-        if lo < hi:
-            self._block(lo, hi)
-            self.done = hi
+        # in sub-blocks whose [chunks x racks] scores fit in a core's cache (the same
+        # result: the rotation counts carry over; ~2x faster at 2,800 racks than one
+        # [1024 x R] pass through memory)
+        sub = max(8, self.CACHE_CELLS // max(len(self.view.racks), 1))
+        while lo < hi:
+            top = min(hi, lo + sub)
+            self._block(lo, top)
+            self.done = lo = top
         return self.done
 
     def run(self, block: int = 1024) -> NodePlan:
@@ -364,20 +502,18 @@ class Planner:
         rows_n = np.arange(n)
         # Only the racks at the top of each chunk's order are needed in order (every
         # ancestor position is < F, the feeding positions): a partition, not a sort.
-        nsc = ~_mix(ck[:, None] ^ view.rkeys[None, :])          # ascending = best first
+        nsc = _mix_inplace(ck[:, None] ^ view.rkeys[None, :])
+        np.invert(nsc, out=nsc)                                 # ascending = best first
         feed_n = -(-(R - 1) // k) if R > 1 else 0
         top_n = max(feed_n, 1)
-        top = (np.argpartition(nsc, top_n - 1, axis=1)[:, :top_n] if top_n < R
-               else np.broadcast_to(np.arange(R), (n, R)).copy())
-        order = np.take_along_axis(top, np.argsort(np.take_along_axis(nsc, top, axis=1), axis=1, kind="stable"),
-                                   axis=1)                     # [n, top_n]: racks at positions 0..
+        my_rack = int(view.rack_of[me])
+        p = (nsc < nsc[:, my_rack:my_rack + 1]).sum(axis=1)     # my rack's position
+        order = _top_order(nsc, top_n)                          # [n, top_n]: racks at positions 0..
         feeding = np.zeros((n, R), dtype=bool)
         if feed_n:
             np.put_along_axis(feeding, order[:, :feed_n], True, axis=1)
-        my_rack = int(view.rack_of[me])
         # ancestor positions of my rack: p, (p-1)//k, ... 0 (padded with -1)
         anc = np.full((n, D), -1, np.int64)
-        p = (nsc < nsc[:, my_rack:my_rack + 1]).sum(axis=1)
         for d in range(D):
             anc[:, d] = p
             p = np.where(p > 0, (p - 1) // k, -1)
@@ -402,7 +538,20 @@ class Planner:
         succ = root[:, 1:1 + S]
         if succ.shape[1] < S:
             succ = np.concatenate([succ, np.full((n, S - succ.shape[1]), -1, np.int64)], axis=1)
-        above = np.concatenate([inrack, homes[:, 1:]], axis=1)   # in-rack, then ancestor racks' homes
+        W = mine.shape[1]
+        # the stand-in (see standin_rank): of my parent in my rack (not me); a rack
+        # home's parent is the parent rack's home: its stand-in is in that rack
+        sr = standin_rank(ck, (jrank - 1) // m, view.sizes[my_rack], m)
+        standin = np.where((jrank > 0) & (sr > 0) & (sr != jrank), mine[rows_n, np.clip(sr, 0, W - 1)], -1)
+        if D > 1:
+            prack = anc_racks[:, 1]
+            psz = view.sizes[prack]
+            q = standin_rank(ck, np.zeros(n, np.int64), psz, m)
+            other = view.grid[prack, (rot[:, 1] + q) % np.maximum(psz, 1)]
+            standin = np.where(jrank == 0, np.where((anc[:, 1] >= 0) & (q > 0), other, -1), standin)
+        above = _compact(np.concatenate([inrack, homes[:, 1:]], axis=1))   # in-rack, then ancestor racks' homes
+        above = np.concatenate([above[:, :1], np.where(above[:, :1] >= 0, standin[:, None], -1), above[:, 1:]],
+                               axis=1)
         dup = (succ[:, :, None] == above[:, None, :]).any(axis=2)
         chain = np.concatenate([above, np.where(dup, -1, succ)], axis=1)
         # a successor waits on the home and the successors before it, nothing else
@@ -415,12 +564,12 @@ class Planner:
         chain = np.where((g == me)[:, None], -1, chain)
         chain = _compact(chain)[:, :self.L]
         pl = self.plan
+        pl.standin[lo:hi] = np.where((srank >= 0) | (g == me), -1, standin)
         pl.home[lo:hi] = g
         pl.chain[lo:hi, :chain.shape[1]] = chain
         pl.parent[lo:hi] = chain[:, 0] if chain.shape[1] else -1
         pl.origin_rank[lo:hi] = np.where(g == me, 0, np.where(srank >= 0, srank + 1, -1))
         if self.siblings > 0:
-            W = mine.shape[1]
             par = (jrank - 1) // m
             cands = jrank[:, None] + np.array([-1, 1, -2, 2])[None, :]
             cc = np.clip(cands, 0, W - 1)
@@ -428,6 +577,47 @@ class Planner:
             ok = (jrank[:, None] > 0) & (cands > 0) & (cands < W) & (vals >= 0) & ((cands - 1) // m == par[:, None])
             sib = _compact(np.where(ok, vals, -1))[:, :self.siblings]
             pl.siblings[lo:hi, :sib.shape[1]] = sib
+
+
+def standin_rank(ckeys: np.ndarray, parent_rank: np.ndarray, size: np.ndarray | int, m: int) -> np.ndarray:
+    """The rank (in its rack's order for the chunk) of the stand-in of a parent ranked
+    ``parent_rank``, 0 for none. A rack home's (rank 0): one of its in-rack children,
+    ranks 1 .. min(size - 1, m), chosen by the chunk's key, so the chunks of a dead node
+    are taken over by all its rack-mates, not all by one (whose uplink would then carry
+    two nodes' share); a deeper parent's (rank r, racks over m + 1 nodes): rank r + 1.
+    Waits stay acyclic: the stand-in of rank 0's children is one of them, itself
+    waiting on rank 0 and up; a deeper one ranks below the asker."""
+    size = np.asarray(size, np.int64)
+    kids = np.minimum(size - 1, m)
+    pick = 1 + (ckeys % np.maximum(kids, 1).astype(np.uint64)).astype(np.int64)
+    deeper = parent_rank + 1
+    out = np.where(parent_rank == 0, np.where(kids >= 1, pick, 0), np.where(deeper < size, deeper, 0))
+    return np.where(parent_rank < 0, 0, out)
+
+
+def _top_order(nsc: np.ndarray, top_n: int) -> np.ndarray:
+    """The columns of each row's ``top_n`` smallest values, ascending, ties by column:
+    exactly ``np.argsort(nsc, axis=1, kind="stable")[:, :top_n]``, faster. Each score
+    keeps its high bits and carries its column in the low ones, so a partition and a
+    plain sort of values (no argsort) order them; a row where two of its top_n + 1
+    smallest scores share those high bits (odds ~ top_n x 2^-(64 - bits)) is ordered
+    the exact way instead."""
+    n, R = nsc.shape
+    if top_n >= R:
+        return np.argsort(nsc, axis=1, kind="stable")[:, :top_n]
+    bits = max(int(R - 1).bit_length(), 1)
+    low = _U((1 << bits) - 1)
+    packed = nsc & ~low
+    packed |= np.arange(R, dtype=np.uint64)[None, :]
+    part = np.partition(packed, top_n, axis=1)           # [:, :top_n] the smallest, [:, top_n] the next
+    top = np.sort(part[:, :top_n], axis=1)
+    hi = top >> _U(bits)
+    tie = (hi[:, 1:] == hi[:, :-1]).any(axis=1) if top_n > 1 else np.zeros(n, bool)
+    tie |= hi[:, -1] == (part[:, top_n] >> _U(bits))
+    order = (top & low).astype(np.int64)
+    for r in np.flatnonzero(tie):
+        order[r] = np.argsort(nsc[r], kind="stable")[:top_n]
+    return order
 
 
 def _compact(x: np.ndarray) -> np.ndarray:
@@ -446,11 +636,20 @@ def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fa
 
 def all_parents(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
                 rotations: Rotations | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`all_parents_standins` without the stand-ins."""
+    parent, home, root, _ = all_parents_standins(view, ckeys, k=k, rack_fanout=rack_fanout, rotations=rotations)
+    return parent, home, root
+
+
+def all_parents_standins(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
+                         rotations: Rotations | None = None
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every node's tree parent for every chunk, vectorised over chunks and nodes:
     (parent [C, N] rows, -1 for the global home; home [C]; the root rack's member order
-    [C, W] (successors = columns 1..)). ``ckeys``: the manifest's whole chunk table, or
-    successive blocks of it sharing one ``rotations``. The same rules as
-    :func:`plan_node`'s ``parent`` (the simulator uses this; a test checks agreement)."""
+    [C, W] (successors = columns 1..); stand-in [C, N], -1 for none: :func:`standin_rank`). ``ckeys``: the
+    manifest's whole chunk table, or successive blocks of it sharing one ``rotations``.
+    The same rules as :func:`plan_node`'s ``parent`` and ``standin`` (the simulator uses
+    this; a test checks agreement)."""
     C, N, R = len(ckeys), len(view), len(view.racks)
     m = max(1, rack_fanout)
     order, pos = rack_positions(view, ckeys)
@@ -474,4 +673,20 @@ def all_parents(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: i
     parent[c2, rhome] = par_of_home
     home = rhome[np.arange(C), order[:, 0]]
     root = members[np.arange(C), order[:, 0]]
-    return parent, home, root
+    # stand-ins (standin_rank): in-rack, of each node's parent (not the node itself); a
+    # rack home's: of its parent rack's home
+    standin = np.full((C, N), -1, np.int64)
+    jj = np.broadcast_to(np.arange(W)[None, None, :], members.shape)
+    sizes = np.broadcast_to(view.sizes[None, :, None], members.shape)
+    keys = np.broadcast_to(ckeys[:, None, None], members.shape)
+    sr = standin_rank(keys, np.where(jj > 0, (jj - 1) // m, -1), sizes, m)        # [C, R, W]
+    st_vals = np.take_along_axis(members, np.clip(sr, 0, W - 1), axis=2)
+    ok = valid & (sr > 0) & (sr != jj)
+    standin[cc[ok], members[ok]] = st_vals[ok]
+    # a rack home: the stand-in of its parent rack's home
+    q = standin_rank(np.broadcast_to(ckeys[:, None], (C, R)), np.zeros((C, R), np.int64), view.sizes[None, :], m)
+    other = np.take_along_axis(members, np.clip(q, 0, W - 1)[:, :, None], axis=2)[:, :, 0]   # [C, R]
+    other_p = np.take_along_axis(other, prack, axis=1)
+    okh = (pos > 0) & (np.take_along_axis(q, prack, axis=1) > 0) & (other_p >= 0)
+    standin[c2[okh], rhome[okh]] = other_p[okh]
+    return parent, home, root, standin

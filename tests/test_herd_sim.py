@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from bench.herd_sim import Params, run_row, tree_of
-from p2p.tree import PeerView, chunk_keys, plan_node
+from p2p.tree import PeerView, all_parents, chunk_keys, plan_node
 from scheduler_link.messages import Peer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,3 +110,48 @@ def test_manifest_polls_cost_each_level_one_pause() -> None:
     assert have[0] < 1e-6
     assert abs(have[1] - 0.002) < 1e-6 and abs(have[2] - 0.006) < 1e-6
     assert _poll_times()[0] == 0.0 and np.all(np.diff(_poll_times()) > 0)
+
+
+def test_manifest_waits_cost_no_pause_within_the_cap() -> None:
+    from bench.herd_sim import Sim, _poll_times
+
+    p = _params(3, 3, chunks=1)
+    p.origin = p.link = 1e12
+    p.recv_cpu = p.send_cpu = 1e-9
+    polls = _poll_times()
+    for wait_s in (2.0, 0.001):
+        sim = Sim(p, np.zeros(3, np.int64), np.full(3, np.inf), np.full(1, 1e12))
+        sim.w_origin = 0.005                  # the origin busy for 5 ms: the root has it then
+        have = sim.transfer(np.array([-1, 0, 1]), 1000.0, np.zeros(3), [], poll=polls, wait_s=wait_s)
+        assert have[0] == pytest.approx(0.005, abs=1e-6)
+        if wait_s == 2.0:    # within the wait: sent when the source has it, level after level
+            assert have[1] == pytest.approx(0.005, abs=1e-6) and have[2] == pytest.approx(0.005, abs=1e-6)
+        else:                # each expired 1 ms wait costs a poll pause more
+            assert have[1] == pytest.approx(0.005 + 5 * polls[1], abs=1e-6)
+
+
+def test_stand_ins_agree_with_the_fetchers_and_spread_a_dead_home() -> None:
+    from p2p.tree import all_parents_standins
+
+    ids = [f"n{i:03d}" for i in range(150)]
+    peers = [Peer(node_id=i, data_url=f"http://{i}", rack=f"r{j % 9}") for j, i in enumerate(ids)]
+    cids = [blake3.blake3(str(i).encode()).hexdigest() for i in range(120)]
+    view = PeerView.from_peers(peers)
+    ck = chunk_keys(cids)
+    for m in (3, 32):              # racks of ~17: an in-rack tree, and everyone under the rack home
+        _, _, _, standin = all_parents_standins(view, ck, k=2, rack_fanout=m)
+        for me in range(len(ids)):
+            plan = plan_node(view, me, ck, k=2, rack_fanout=m)
+            want = np.where(plan.origin_rank >= 0, -1, standin[:, me])
+            assert (plan.standin == want).all()
+            # asked right after the parent, when the parent is dead
+            for c in np.flatnonzero(plan.standin >= 0)[:10]:
+                srcs = plan.sources(int(c), {view.node_ids[int(plan.parent[c])]: float("inf")})
+                assert srcs[0].node_id == view.node_ids[int(plan.standin[c])] and srcs[0].wait
+    # a node's chunks as rack home are taken over by several rack-mates, not one
+    _, _, _, standin = all_parents_standins(view, ck, k=2, rack_fanout=32)
+    par, _, _ = all_parents(view, ck, k=2, rack_fanout=32)
+    d = 0
+    kids = [(c, x) for c in range(len(cids)) for x in np.flatnonzero(par[c] == d)
+            if view.rack_of[x] == view.rack_of[d]]
+    assert len({int(standin[c, x]) for c, x in kids}) >= 3
