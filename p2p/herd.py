@@ -766,7 +766,9 @@ class Herd:
             tries = max(1, self.config.origin_verify_tries)
             for _ in range(tries):
                 data = await self._origin_call(partial(origin.get_chunk, size=size), cid)   # bounded by the manifest
-                if len(data) == size and blake3.blake3(data).hexdigest() == cid:
+                # hashed in a worker thread: BLAKE3 releases the GIL, and the event loop
+                # goes on meanwhile (on the trio thread it stalled every other chunk)
+                if len(data) == size and await trio.to_thread.run_sync(_hex, data) == cid:
                     return data
                 self.counters.integrity_failures += 1
                 self.counters.origin_bad_answers += 1
@@ -850,6 +852,10 @@ def manifest_polls(cfg: HerdConfig) -> Iterator[float]:
     while True:
         yield d
         d = min(d * max(cfg.manifest_poll_growth, 1.0), max(cfg.manifest_poll_max_s, cfg.manifest_poll_s))
+
+
+def _hex(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
 
 
 def _in_trio() -> bool:
