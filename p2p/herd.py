@@ -36,6 +36,7 @@ the penalty book are only touched from it.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import ssl
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -119,6 +120,9 @@ class HerdConfig:
     batch_chunks: int = 16
     batch_bytes: int = 32 << 20
     batch_redo: int = 4                # chunks of a failed batch re-fetched at once, one by one
+    # multi-chunk requests to one peer at once; 0: half this host's cores, 2 to 8 (each
+    # stream's thread receives, hashes and writes: about a core at full speed)
+    batch_streams: int = 0
 
 
 class HerdCounters(msgspec.Struct, kw_only=True):
@@ -179,6 +183,7 @@ class Herd:
         self._origin_limit = trio.CapacityLimiter(cfg.origin_concurrency)
         self._origin_bucket = AsyncBucket(cfg.origin_rate_bps)
         self._peer_limits: dict[str, trio.CapacityLimiter] = {}
+        self._batch_limits: dict[str, trio.CapacityLimiter] = {}   # multi-chunk requests a peer
         # Peer bodies flowing in at once. While this node still has chunks to pull from
         # the origin as their home, fewer (see fetch_chunks): its origin streams
         # are everyone's critical path and must not starve on its own downlink.
@@ -593,9 +598,9 @@ class Herd:
     async def _batch_from(self, src: Source, items: list[tuple[str, int]], run: HerdCounters) -> list[tuple[str, int]]:
         """One multi-chunk request; counts and penalties as :meth:`_try` keeps them for one
         chunk. Returns the chunks it did not store."""
-        limiter = self._peer_limits.get(src.node_id)
+        limiter = self._batch_limits.get(src.node_id)
         if limiter is None:
-            limiter = self._peer_limits[src.node_id] = trio.CapacityLimiter(self.config.per_peer)
+            limiter = self._batch_limits[src.node_id] = trio.CapacityLimiter(batch_streams(self.config))
         store = self.store
 
         def keep(cid: str, body: bytearray) -> None:   # in the receiving thread: verified there
@@ -852,6 +857,13 @@ def manifest_polls(cfg: HerdConfig) -> Iterator[float]:
     while True:
         yield d
         d = min(d * max(cfg.manifest_poll_growth, 1.0), max(cfg.manifest_poll_max_s, cfg.manifest_poll_s))
+
+
+def batch_streams(cfg: HerdConfig) -> int:
+    """Multi-chunk requests to one peer at once (``HerdConfig.batch_streams``; 0: auto)."""
+    if cfg.batch_streams > 0:
+        return cfg.batch_streams
+    return min(8, max(2, (os.cpu_count() or 2) // 2))
 
 
 def _hex(data: bytes) -> str:
