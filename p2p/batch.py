@@ -33,6 +33,7 @@ import os
 import re
 import select
 import socket
+import ssl
 import struct
 import threading
 import time
@@ -284,6 +285,80 @@ class FrameReader:
                 pass
         self.sock.close()
         self.sock = None
+
+
+class TLSFrameReader(FrameReader):
+    """:class:`FrameReader` through an established TLS session: the encrypted bytes
+    read from the socket (``fd``, a duplicate this reader closes) into the session's
+    incoming memory BIO, the plaintext decrypted by ``SSLObject.read`` straight into the
+    chunk's buffer (OpenSSL releases the GIL), anything the session must answer (a key
+    update) written back from the outgoing BIO. The session's objects are borrowed from
+    a ``trio.SSLStream`` whose owner does not touch it meanwhile (see
+    ``PeerClient._frames_in_thread``); afterwards it goes on from where this left it."""
+
+    def __init__(self, fd: int, session: tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO],
+                 prefix: bytes | bytearray | memoryview, stall_s: float, stop: threading.Event,
+                 read_size: int = 256 * 1024) -> None:
+        super().__init__(fd, prefix, stall_s, stop)
+        self.ssl_obj, self.incoming, self.outgoing = session
+        self.read_size = read_size
+
+    def _flush(self) -> None:
+        assert self.sock is not None
+        data = memoryview(self.outgoing.read())
+        deadline = time.monotonic() + self.stall_s
+        while data:
+            try:
+                data = data[self.sock.send(data):]
+            except BlockingIOError:
+                if time.monotonic() >= deadline or self.stop.is_set():
+                    raise _Cut("stall", "could not answer the TLS session") from None
+                select.select([], [self.sock], [], POLL_S)
+
+    def fill(self, view: memoryview, n: int, hasher: blake3.blake3 | None = None) -> None:
+        got = 0
+        if self.prefix:
+            k = min(len(self.prefix), n)
+            view[:k] = self.prefix[:k]
+            self.prefix = self.prefix[k:]
+            got = k
+            if hasher is not None and k:
+                hasher.update(view[:k])
+        assert self.sock is not None
+        fd = self.sock.fileno()
+        last = time.monotonic()
+        while got < n:
+            if self.stop.is_set():
+                raise _Cut("stopped", "stopped")
+            try:
+                k = int(self.ssl_obj.read(n - got, view[got:n]))  # type: ignore[arg-type, call-overload]
+            except ssl.SSLWantReadError:
+                try:
+                    if self.outgoing.pending:
+                        self._flush()
+                    if not self.poller.poll(POLL_S * 1000):
+                        if time.monotonic() - last >= self.stall_s:
+                            raise _Cut("stall", f"stalled after {got} of {n} bytes") from None
+                        continue
+                    data = os.read(fd, self.read_size)
+                except BlockingIOError:
+                    continue
+                except OSError as e:
+                    raise _Cut("reset", e.strerror or str(e)) from None
+                if not data:
+                    raise _Cut("closed", f"closed after {got} of {n} bytes") from None
+                self.incoming.write(data)
+                last = time.monotonic()
+                continue
+            except (ssl.SSLError, OSError) as e:
+                raise _Cut("reset", f"TLS: {e}") from None
+            if k == 0:
+                raise _Cut("closed", f"closed after {got} of {n} bytes")
+            if hasher is not None:
+                hasher.update(view[got:got + k])
+            got += k
+        if self.outgoing.pending:
+            self._flush()
 
 
 def receive_frames(reader: FrameReader, items: Sequence[tuple[str, int]], length: int,

@@ -45,7 +45,7 @@ import trio
 from scheduler_link.errors import ProtocolError
 from scheduler_link.h1 import parse_response_head
 
-from .batch import FRAME, FrameReader, Handoff, Received, query_of, receive_frames
+from .batch import FRAME, FrameReader, Handoff, Received, TLSFrameReader, query_of, receive_frames
 from .errors import PeerError
 from .ratelimit import AsyncBucket
 
@@ -256,7 +256,7 @@ class PeerClient:
             if gate is not None:
                 await gate.acquire()
             try:
-                if conn.tls is None and self.config.rate_bps is None:
+                if self.config.rate_bps is None and (conn.tls is None or _session(conn.tls) is not None):
                     got_ = await self._frames_in_thread(conn, rest, items, length, store)
                 else:
                     got_ = await self._frames_in_loop(conn, rest, items, length, store, where)
@@ -272,9 +272,19 @@ class PeerClient:
     async def _frames_in_thread(self, conn: _Conn, rest: bytes, items: Sequence[tuple[str, int]], length: int,
                                 store: Callable[[str, bytearray], object]) -> Received:
         """The frames received, verified and stored by a worker thread (its own duplicate
-        of the socket; abandoned on cancel: it stops within ``POLL_S``)."""
+        of the socket; abandoned on cancel: it stops within ``POLL_S``). Under TLS the
+        thread decrypts too, with the connection's own session (borrowed from its
+        ``trio.SSLStream``, which nothing else uses meanwhile: this task holds the
+        connection; a cut or cancelled batch closes it, so the session is never used
+        by two threads)."""
         stop = threading.Event()
-        reader = FrameReader(os.dup(conn.sock.fileno()), rest, self.config.stall_s, stop, self.RCVLOWAT)
+        fd = os.dup(conn.sock.fileno())
+        session = _session(conn.tls) if conn.tls is not None else None
+        reader: FrameReader
+        if session is not None:
+            reader = TLSFrameReader(fd, session, rest, self.config.stall_s, stop)
+        else:
+            reader = FrameReader(fd, rest, self.config.stall_s, stop, self.RCVLOWAT)
         hand = Handoff()
         job = partial(hand.run, partial(receive_frames, reader, items, length, store))
         try:
@@ -583,6 +593,16 @@ def _receive_and_hash(fd: int, body: bytearray, got: int, length: int, stall_s: 
                 setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             except OSError:
                 pass
+
+
+def _session(tls: trio.SSLStream[Any]) -> tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO] | None:
+    """The TLS session objects inside a ``trio.SSLStream`` (its SSLObject and memory
+    BIOs; private attributes of trio 0.2x), or None where they are not found as expected
+    (another trio: the batch is then received on the trio thread, through the stream)."""
+    obj, inc, out = (getattr(tls, a, None) for a in ("_ssl_object", "_incoming", "_outgoing"))
+    if isinstance(obj, ssl.SSLObject) and isinstance(inc, ssl.MemoryBIO) and isinstance(out, ssl.MemoryBIO):
+        return obj, inc, out
+    return None
 
 
 def _raise_for(status: int, where: str, head: bytes) -> None:

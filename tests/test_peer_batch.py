@@ -6,9 +6,12 @@ the peer dies mid-batch, and let go at once when cancelled."""
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
+import ssl
 import struct
+import tempfile
 from pathlib import Path
 
 import blake3
@@ -21,7 +24,20 @@ from p2p.peers import PeerBusy, PeerClient, PeerClientConfig, PeerError, PeerMis
 from p2p.store import ChunkStore
 
 TOKEN = "cluster-secret"
-PATHS = pytest.mark.parametrize("path", ["thread", "loop"])
+# thread: plain, the worker thread; loop: plain through the trio thread (a rate cap
+# takes that path); tls: TLS, decrypted by the worker thread with the connection's session
+PATHS = pytest.mark.parametrize("path", ["thread", "loop", "tls"])
+
+
+@functools.lru_cache(maxsize=1)
+def _tls() -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server, client) contexts of one throwaway cluster CA, made once per run."""
+    from scheduler_link.pki import throwaway
+    from scheduler_link.tls import client_context, server_context
+
+    pki = throwaway(Path(tempfile.mkdtemp(prefix="peer-batch-pki-")), nodes=["a", "b"])
+    return (server_context(pki.files("node:a"), client_cert="required"),
+            client_context(pki.ca, pki.files("node:b")))
 
 
 def _chunk(n: int) -> tuple[str, bytes]:
@@ -30,10 +46,15 @@ def _chunk(n: int) -> tuple[str, bytes]:
 
 
 def _client(path: str, **cfg) -> PeerClient:
-    # a rate cap sends plain connections through the trio-thread path (as TLS does)
+    # a rate cap sends plain connections through the trio-thread path
     if path == "loop":
         cfg.setdefault("rate_bps", 1e12)
-    return PeerClient(token=TOKEN, config=PeerClientConfig(**cfg))
+    return PeerClient(token=TOKEN, config=PeerClientConfig(**cfg),
+                      ssl_context=_tls()[1] if path == "tls" else None)
+
+
+def _tls_kw(path: str) -> dict:
+    return {"ssl_context": _tls()[0]} if path == "tls" else {}
 
 
 def _chunks(sizes: list[int]) -> list[tuple[str, bytes]]:
@@ -68,7 +89,7 @@ async def test_batch_byte_exact_into_the_store_and_keepalive(tmp_path: Path, pat
     dst = ChunkStore(tmp_path / "d")
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
-            url, plane = await _serve(nursery, src)
+            url, plane = await _serve(nursery, src, **_tls_kw(path))
             client = _client(path)
             items = [(cid, len(d)) for cid, d in chunks]
             got = await client.get_chunks(url, items, store=lambda c, b: dst.put_chunk(c, b, verified=True))
@@ -79,7 +100,7 @@ async def test_batch_byte_exact_into_the_store_and_keepalive(tmp_path: Path, pat
             sink = _Sink()
             got = await client.get_chunks(url, items[:2], store=sink)
             assert got.outcomes == ["ok", "ok"] and sink.got == dict(chunks[:2])
-            assert len(client._idle[("127.0.0.1", int(url.rsplit(":", 1)[1]))]) == 1
+            assert len(client._idle[("127.0.0.1", int(url.rsplit(":", 1)[1]))]) == 1   # kept alive
             assert bytes(await client.get_chunk_verified(url, *items[2])) == chunks[2][1]
             s = plane.statistics()
             assert s["batches"] == 2 and s["chunks_served"] == len(chunks) + 3 and s["connections"] == 1
@@ -95,7 +116,7 @@ async def test_missing_chunks_are_framed_and_all_missing_is_404(tmp_path: Path, 
     src.put_chunk(c, dc)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
-            url, _ = await _serve(nursery, src)
+            url, _ = await _serve(nursery, src, **_tls_kw(path))
             client = _client(path)
             sink = _Sink()
             got = await client.get_chunks(url, [(a, 5000), (b, 6000), (c, 7000)], store=sink)
@@ -205,17 +226,23 @@ class _Hostile:
     frame announces another size), overlong (Content-Length past what the frames can
     take), short (Content-Length ending inside the last chunk)."""
 
-    def __init__(self, chunks: list[tuple[str, bytes]], mode: str) -> None:
+    def __init__(self, chunks: list[tuple[str, bytes]], mode: str, tls: bool = False) -> None:
         self.chunks = chunks
         self.mode = mode
+        self.tls = tls
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         async with trio.open_nursery() as n:
             await n.start(trio.serve_listeners, self._one, listeners)
-            task_status.started(f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+            scheme = "https" if self.tls else "http"
+            task_status.started(f"{scheme}://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
 
-    async def _one(self, stream: trio.SocketStream) -> None:
+    async def _one(self, raw: trio.SocketStream) -> None:
+        stream: trio.abc.Stream = raw
+        if self.tls:
+            stream = trio.SSLStream(raw, _tls()[0], server_side=True)
+            await stream.do_handshake()
         buf = b""
         while b"\r\n\r\n" not in buf:
             piece = await stream.receive_some(4096)
@@ -240,10 +267,10 @@ class _Hostile:
         if self.mode == "stall":
             await trio.sleep(30)
         elif self.mode == "reset":
-            stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-            stream.socket.close()
-        else:
-            await stream.aclose()
+            raw.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            raw.socket.close()
+        else:   # a FIN (under TLS without close_notify: the peer died)
+            raw.socket.close()
 
 
 async def _against(mode: str, path: str, sizes: list[int] | None = None, **cfg):
@@ -251,7 +278,7 @@ async def _against(mode: str, path: str, sizes: list[int] | None = None, **cfg):
     client = _client(path, **cfg)
     sink = _Sink()
     async with trio.open_nursery() as nursery:
-        url = await nursery.start(_Hostile(chunks, mode).run)
+        url = await nursery.start(_Hostile(chunks, mode, tls=path == "tls").run)
         try:
             got = await client.get_chunks(url, [(c, len(d)) for c, d in chunks], store=sink)
         except PeerError as e:
@@ -306,12 +333,12 @@ async def test_cancel_mid_batch_lets_go_and_the_client_works_after(tmp_path: Pat
         src.put_chunk(cid, data)
     with trio.fail_after(20):
         async with trio.open_nursery() as nursery:
-            bad = await nursery.start(_Hostile(chunks, "stall").run)
+            bad = await nursery.start(_Hostile(chunks, "stall", tls=path == "tls").run)
             t0 = trio.current_time()
             with trio.move_on_after(0.5) as cs:
                 await client.get_chunks(bad, [(c, len(d)) for c, d in chunks], store=sink)
             assert cs.cancelled_caught and trio.current_time() - t0 < 2
-            good, _ = await _serve(nursery, src)
+            good, _ = await _serve(nursery, src, **_tls_kw(path))
             sink2 = _Sink()
             got = await client.get_chunks(good, [(c, len(d)) for c, d in chunks], store=sink2)
             assert got.outcomes == ["ok"] * 3 and sink2.got == dict(chunks)
