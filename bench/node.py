@@ -283,6 +283,7 @@ def phase(kind: str, work: Path, mid: str, ids_file: Path, tls: Path | None) -> 
         s1 = _proc_cpu(server.pid)
         if client.returncode != 0:
             raise SystemExit(f"bench.node: the {kind} client failed (exit {client.returncode})")
+        plane = _plane_stats(addr, tls) if kind == "herd" else {}
     finally:
         if server.stdin is not None:
             server.stdin.close()
@@ -293,8 +294,23 @@ def phase(kind: str, work: Path, mid: str, ids_file: Path, tls: Path | None) -> 
             server.wait()
     r = json.loads(got.strip().splitlines()[-1])
     gib = r["bytes"] / GiB
-    return {"mb_s": r["bytes"] / r["wall_s"] / 1e6, "client_cpu_s_per_gib": r["cpu_s"] / gib,
-            "server_cpu_s_per_gib": (s1 - s0) / gib, "bytes": r["bytes"]}
+    row: dict[str, float] = {"mb_s": r["bytes"] / r["wall_s"] / 1e6, "client_cpu_s_per_gib": r["cpu_s"] / gib,
+                             "server_cpu_s_per_gib": (s1 - s0) / gib, "bytes": r["bytes"]}
+    if plane:   # how the herd asked: requests, multi-chunk requests (batches), chunks sent
+        row.update(requests=plane["requests"], batches=plane.get("batches", 0), chunks_served=plane["chunks_served"])
+    return row
+
+
+def _plane_stats(url: str, tls: Path | None) -> dict[str, Any]:
+    """The herd server's /v1/stats (read after the phase's CPU was taken)."""
+    import urllib.request
+
+    req = urllib.request.Request(url + "/v1/stats", headers={"Authorization": f"Bearer {TOKEN}"})
+    ctx = client_context(tls) if tls else None
+    if ctx is not None:
+        ctx.check_hostname = False
+    with urllib.request.urlopen(req, timeout=10, context=ctx) as f:
+        return dict(json.loads(f.read()))
 
 
 def _median_rows(rows: list[dict[str, float]]) -> dict[str, float]:

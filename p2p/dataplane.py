@@ -7,6 +7,11 @@ Routes (all need the cluster token as a bearer token; 401 otherwise):
   chunk to be present here, whether or not this node has started fetching it (a home
   may get its placement after its peers ask). 404 when absent after the wait.
 - ``HEAD /v1/chunks/{id}`` 200 + Content-Length when present, else 404.
+- ``GET /v1/chunks?ids=a,b,...`` several chunks in one answer, a frame each
+  (:mod:`p2p.batch`): at most ``max_batch_chunks`` ids and ``max_batch_bytes`` of
+  chunks. One serving slot for the batch; each chunk counts against
+  ``max_serving_per_chunk`` (a chunk over it is framed busy, the rest sent). On plain
+  connections a worker thread sends the frames (header with MSG_MORE, then sendfile).
 - ``GET /v1/manifests/{id}[?wait_ms=N]`` the manifest's canonical bytes (peers verify
   them by id). With ``wait_ms`` the request waits for the manifest to be stored here, at
   most ``max_manifest_wait_ms`` (2 s: a tree parent gets it within milliseconds or is
@@ -63,8 +68,10 @@ import os
 import re
 import socket
 import ssl
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -75,6 +82,8 @@ import trio
 
 from scheduler_link.gate import ConnectionGate, turn_away
 
+from .batch import BUSY, MISSING, OK, BatchQueryError, Handoff, Outgoing, frame, parse_ids, send_frames
+from .batch import CONTENT_TYPE as BATCH_TYPE
 from .errors import StoreError
 from .store import ChunkStore
 
@@ -108,6 +117,10 @@ class DataPlaneConfig:
     max_manifest_wait_ms: int = 2_000
     max_manifest_waiting: int = 64
     max_manifest_waiting_per_client: int = 16
+    # GET /v1/chunks?ids=...: ids per request, and bytes of chunks one answer may carry
+    max_batch_chunks: int = 64
+    max_batch_bytes: int = 128 << 20
+    send_threads: int = 16             # batch answers being sent by worker threads at once
 
 
 class _Stats(msgspec.Struct, kw_only=True):
@@ -135,6 +148,9 @@ class _Stats(msgspec.Struct, kw_only=True):
     manifest_waits_satisfied: int = 0
     rejected_manifest_waits: int = 0   # 503: max_manifest_waiting were waiting already
     serving_per_chunk_max: int = 0     # the most copies of one chunk ever sent at once
+    batches: int = 0                   # GET /v1/chunks?ids= answered with frames
+    batch_chunks_busy: int = 0         # chunks of batches framed busy (per-chunk cap)
+    batch_chunks_missing: int = 0      # ... framed missing
 
 
 @dataclass(slots=True)
@@ -145,6 +161,8 @@ class _Reply:
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     file: Path | None = None          # send this file's bytes with sendfile instead of body
     serving: str = ""                 # chunk id whose per-chunk serving count this reply holds
+    frames: list[Outgoing] | None = None   # a batch: these frames (their fds are this reply's)
+    serving_many: list[str] = field(default_factory=list)   # a batch's chunk ids counted as being sent
 
 
 class _Len:
@@ -198,6 +216,7 @@ class DataPlane:
         self._serving: dict[str, int] = {}         # chunk id -> copies being sent now
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._hook: Callable[[str], None] | None = None
+        self._send_threads = trio.CapacityLimiter(max(1, self.config.send_threads))
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -595,6 +614,10 @@ class DataPlane:
         self._stats.active = self._active.open
 
     async def _route(self, method: str, path: str, query: str) -> _Reply:
+        if path == "/v1/chunks":
+            if method != "GET":
+                return _json(405, "method not allowed", method, headers=[(b"allow", b"GET")])
+            return self._batch(query)
         parts = path.strip("/").split("/")
         if len(parts) != 3 or parts[0] != "v1":
             if path == "/v1/stats" and method in ("GET", "HEAD"):
@@ -635,6 +658,72 @@ class DataPlane:
         self._stats.serving_per_chunk_max = max(self._stats.serving_per_chunk_max, now + 1)
         return _Reply(200, content_type="application/octet-stream", file=path, serving=chunk_id)
 
+    def _batch(self, query: str) -> _Reply:
+        """A multi-chunk answer (:mod:`p2p.batch`): every file opened now (a chunk evicted
+        after this is still sent whole; one absent now is framed missing)."""
+        c = self.config
+        try:
+            ids = parse_ids(query, c.max_batch_chunks)
+        except BatchQueryError as e:
+            self._stats.bad_requests += 1
+            return _json(e.status, e.error, e.detail)
+        cap = c.max_serving_per_chunk
+        frames: list[Outgoing] = []
+        total = 0
+        ok = busy = 0
+        try:
+            for cid in ids:
+                if not self.store.has_chunk(cid):
+                    frames.append(Outgoing(frame(MISSING, 0)))
+                    continue
+                if cap > 0 and self._serving.get(cid, 0) >= cap:
+                    self._stats.rejected_chunk_busy += 1
+                    frames.append(Outgoing(frame(BUSY, 0)))
+                    busy += 1
+                    continue
+                try:
+                    fd = os.open(self.store.chunk_path(cid), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except FileNotFoundError:
+                    frames.append(Outgoing(frame(MISSING, 0)))
+                    continue
+                f = Outgoing(b"", fd)
+                frames.append(f)
+                f.size = os.fstat(fd).st_size
+                f.header = frame(OK, f.size)
+                total += f.size
+                ok += 1
+                if total > c.max_batch_bytes:
+                    self._stats.bad_requests += 1
+                    raise BatchQueryError(413, "batch too large",
+                                          f"the chunks named add up to over {c.max_batch_bytes} bytes")
+        except BaseException as e:
+            for f in frames:
+                if f.fd >= 0:
+                    os.close(f.fd)
+            if isinstance(e, BatchQueryError):
+                return _json(e.status, e.error, e.detail)
+            raise
+        missing = len(ids) - ok - busy
+        self._stats.batch_chunks_busy += busy
+        self._stats.batch_chunks_missing += missing
+        if not ok:
+            self._stats.not_found += missing
+            if busy:
+                ms = c.busy_retry_ms
+                return _json(503, "busy", "every chunk named is being sent to enough peers",
+                             headers=[(b"retry-after", str(max(1, -(-ms // 1000))).encode()),
+                                      (b"x-herd-retry-ms", str(ms).encode())])
+            return _json(404, "no chunk named is here", f"{len(ids)} ids")
+        served = [cid for cid, f in zip(ids, frames, strict=True) if f.fd >= 0]
+        for cid in served:
+            self.store.touch(cid)
+            now = self._serving[cid] = self._serving.get(cid, 0) + 1
+            self._stats.serving_per_chunk_max = max(self._stats.serving_per_chunk_max, now)
+        headers = [(b"x-herd-chunks", str(len(ids)).encode()), (b"x-herd-sent", str(ok).encode())]
+        if busy:
+            headers.append((b"x-herd-retry-ms", str(c.busy_retry_ms).encode()))
+        return _Reply(200, content_type=BATCH_TYPE, headers=headers, frames=frames, serving_many=served)
+
     def _manifest_bytes(self, manifest_id: str) -> bytes | None:
         try:
             return bytes(self.store.manifest_bytes(manifest_id))
@@ -673,6 +762,8 @@ class DataPlane:
         fd = -1
         size = len(reply.body)
         serving = reply.serving
+        if reply.frames is not None:
+            return await self._send_batch(stream, conn, head, reply)
         if reply.file is not None:
             try:
                 fd = os.open(reply.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -722,6 +813,66 @@ class DataPlane:
                     self._serving[serving] = left
                 else:
                     self._serving.pop(serving, None)
+
+    async def _send_batch(self, stream: trio.abc.Stream, conn: h11.Connection, head: bool,
+                          reply: _Reply) -> bool:
+        """Send a batch's frames. Plain: in a worker thread that owns the files' (and a
+        duplicate of the socket's) descriptors from then on. TLS: here, through the TLS
+        layer. The per-chunk serving counts are held until the answer is sent."""
+        frames = reply.frames or []
+        handed = False
+        try:
+            size = sum(len(f.header) + f.size for f in frames)
+            headers = [(b"content-type", reply.content_type.encode()),
+                       (b"content-length", str(size).encode()), (b"server", _SERVER)] + reply.headers
+            out = conn.send(h11.Response(status_code=reply.status, headers=headers)) or b""
+            if head:   # (the route answers HEAD with 405; kept for safety)
+                await self._send_all(stream, out + (conn.send(h11.EndOfMessage()) or b""))
+                return True
+            conn.send_with_data_passthrough(h11.Data(data=_Len(size)))  # type: ignore[arg-type]
+            if isinstance(stream, trio.SocketStream):
+                await self._send_head_more(stream, out)
+                stop = threading.Event()
+                hand = Handoff()
+                dup = os.dup(stream.socket.fileno())
+                job = partial(hand.run, partial(send_frames, dup, frames, self.config.send_stall_s, stop))
+                try:
+                    why = await trio.to_thread.run_sync(job, abandon_on_cancel=True, limiter=self._send_threads)
+                except BaseException:
+                    stop.set()
+                    raise
+                finally:
+                    # the thread owns the descriptors once it started; else they are ours
+                    handed = not hand.keep()
+                    if not handed:
+                        os.close(dup)
+                if why:
+                    raise trio.BrokenResourceError(f"batch send: {why}")
+            else:
+                await self._send_all(stream, out)
+                for f in frames:
+                    await self._send_all(stream, f.header)
+                    if f.fd >= 0:
+                        await self._send_plain(stream, f.fd, 0, f.size, fallback=False)
+            tail = conn.send(h11.EndOfMessage()) or b""
+            if tail:
+                await self._send_all(stream, tail)
+            sent = [f for f in frames if f.fd >= 0]
+            self._stats.batches += 1
+            self._stats.chunks_served += len(sent)
+            self._stats.bytes_served += sum(f.size for f in sent)
+            return True
+        finally:
+            if not handed:
+                for f in frames:
+                    if f.fd >= 0:
+                        os.close(f.fd)
+            for cid in reply.serving_many:
+                left = self._serving.get(cid, 1) - 1
+                if left > 0:
+                    self._serving[cid] = left
+                else:
+                    self._serving.pop(cid, None)
 
     async def _send_all(self, stream: trio.abc.Stream, data: bytes) -> None:
         with trio.fail_after(self.config.send_stall_s):

@@ -14,7 +14,7 @@ queues are taken.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 import trio
@@ -108,6 +108,24 @@ class FetchRun:
         if q == OWN:
             self.own_active += 1
         return item
+
+    def take_more(self, q: int, fits: Callable[[str], bool], max_n: int, max_bytes: int) -> list[Item]:
+        """Up to ``max_n`` more chunks of queue ``q`` for the batch just taken: the next
+        ones in order while ``fits(id)`` and their sizes stay within ``max_bytes`` (each
+        counted as outstanding, like :meth:`take`)."""
+        queue = self.queues[q]
+        out: list[Item] = []
+        while len(out) < max_n and self.taken[q] < len(queue):
+            item = queue[self.taken[q]]
+            if item[1] > max_bytes or not fits(item[0]):
+                break
+            max_bytes -= item[1]
+            out.append(item)
+            self.taken[q] += 1
+            self.outstanding += 1
+            if q == OWN:
+                self.own_active += 1
+        return out
 
     def exhausted(self, q: int) -> bool:
         """Queue ``q`` is taken and nothing more will come: its worker may stop."""

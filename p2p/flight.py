@@ -30,6 +30,22 @@ class SingleFlight:
     def __len__(self) -> int:
         return len(self._table)
 
+    def claim(self, key: str) -> bool:
+        """Take ``key`` as in flight now, without waiting: False when it already is (the
+        caller leaves it to :meth:`run`, which waits for that download). A claim must be
+        given back with :meth:`release` (a batch of downloads claims each of its keys).
+        The caller checks it is not done yet first."""
+        if key in self._table:
+            return False
+        self._table[key] = trio.Event()
+        return True
+
+    def release(self, key: str) -> None:
+        """The claimed download of ``key`` is over (done or failed): wake its waiters."""
+        ev = self._table.pop(key, None)
+        if ev is not None:
+            ev.set()
+
     async def run(self, key: str, done: Callable[[], bool], fetch: Callable[[], Awaitable[T]]) -> T | None:
         """Until ``done()``: when ``key`` is in flight, wait for it and look again; else
         run ``fetch()`` as the one download of ``key`` and return what it returned.

@@ -40,6 +40,7 @@ the penalty book are only touched from it.
 from __future__ import annotations
 
 import logging
+import os
 import random
 import ssl
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -60,6 +61,7 @@ from .fetchrun import OWN, REST, FetchRun
 from .flight import SingleFlight
 from .origins import Origin, check_hex_id
 from .peers import PeerBusy, PeerClient, PeerClientConfig, PeerCorrupt, PeerHealth, PeerMissing
+from .pool import run_pool
 from .ratelimit import AsyncBucket
 from .rendezvous import Source, assign_homes, assign_rack_homes, order, plan_sources, rack_label
 from .store import ChunkStore
@@ -122,6 +124,15 @@ class HerdConfig:
     # planned (and the have-probes answered); the rest is planned while chunks move.
     plan_first: int = 32
     plan_block: int = 1024
+    # Multi-chunk requests (GET /v1/chunks?ids=, p2p.batch): chunks a rack-mate is known
+    # to hold (its have-bitmap) are asked of it up to batch_chunks / batch_bytes at a time,
+    # received, verified and stored by one worker thread (1 = one request per chunk).
+    batch_chunks: int = 16
+    batch_bytes: int = 32 << 20
+    batch_redo: int = 4                # chunks of a failed batch re-fetched at once, one by one
+    # multi-chunk requests to one peer at once; 0: half this host's cores, 2 to 8 (each
+    # stream's thread receives, hashes and writes: about a core at full speed)
+    batch_streams: int = 0
 
 
 class HerdCounters(msgspec.Struct, kw_only=True):
@@ -182,6 +193,7 @@ class Herd:
         self._origin_limit = trio.CapacityLimiter(cfg.origin_concurrency)
         self._origin_bucket = AsyncBucket(cfg.origin_rate_bps)
         self._peer_limits: dict[str, trio.CapacityLimiter] = {}
+        self._batch_limits: dict[str, trio.CapacityLimiter] = {}   # multi-chunk requests a peer
         # Peer bodies flowing in at once. While this node still has chunks to pull from
         # the origin as their home, fewer (see fetch_chunks): its origin streams
         # are everyone's critical path and must not starve on its own downlink.
@@ -451,23 +463,39 @@ class Herd:
                     await fr.changed()
                     continue
                 cid, size = item
+                items = [item]
+                src = None
+                if tplan is not None and self.config.batch_chunks > 1 and not fr.in_endgame():
+                    src = self._batch_source(cid, holders, tplan)
+                if src is not None and tplan is not None:
+                    def fits(c: str, node: str = src.node_id,
+                             tp: tuple[NodePlan, dict[str, int]] = tplan) -> bool:
+                        s = self._batch_source(c, holders, tp)
+                        return s is not None and s.node_id == node
+
+                    items += fr.take_more(q, fits, self.config.batch_chunks - 1, self.config.batch_bytes - size)
                 try:
-                    await self.get_chunk(cid, size, origin, peers, endgame=endgame, run=run,
-                                         holders=holders.get(cid, ()), home=homes.get(cid),
-                                         rack_home=rhomes.get(cid), tplan=tplan)
+                    if src is not None and tplan is not None:
+                        await self._get_batch(src, items, origin, endgame, run, holders, tplan)
+                    else:
+                        await self.get_chunk(cid, size, origin, peers, endgame=endgame, run=run,
+                                             holders=holders.get(cid, ()), home=homes.get(cid),
+                                             rack_home=rhomes.get(cid), tplan=tplan)
                 except Exception as e:  # the first failure ends the fetch, as one clear error
                     failed(e)
                     return
                 finally:
-                    fr.finished(q)
+                    for _ in items:
+                        fr.finished(q)
                     if q == OWN:
                         set_gate()
-                if progress is not None:
-                    progress(size)
-                if fr.stored(size):
-                    # fsync in batches while fetching, so little is left for the final
-                    # sync before mark_complete (never one fsync per chunk)
-                    nursery.start_soon(background_sync)
+                for _, sz in items:
+                    if progress is not None:
+                        progress(sz)
+                    if fr.stored(sz):
+                        # fsync in batches while fetching, so little is left for the final
+                        # sync before mark_complete (never one fsync per chunk)
+                        nursery.start_soon(background_sync)
                 if fr.in_endgame():
                     endgame.set()
 
@@ -513,6 +541,110 @@ class Herd:
                 self.counters.chunks_in_flight -= 1
 
         await self.flight.run(cid, partial(self.store.has_chunk, cid), acquire)
+
+    def _batch_source(self, cid: str, holders: Mapping[str, Sequence[str]],
+                      tplan: tuple[NodePlan, dict[str, int]]) -> Source | None:
+        """The peer to ask for ``cid`` in a batch: the first holder (have-bitmap) that
+        :meth:`_acquire_tree` would ask first without waiting — a rack-mate, or for a
+        chunk this node is home for any holder — and is not penalised now. None: the
+        chunk goes the one-by-one way (its tree, waits, races)."""
+        known = holders.get(cid)
+        if not known:
+            return None
+        plan, cindex = tplan
+        ci = cindex.get(cid)
+        if ci is None:
+            return None
+        v = plan.view
+        my_rack = v.rack_of[plan.me]
+        now = trio.current_time()
+        pen = self.health.until
+        for n in known:
+            row = v.index.get(n)
+            if row is None or pen.get(n, 0.0) > now:
+                continue
+            if v.rack_of[row] == my_rack or plan.is_home(ci):
+                return Source(kind="peer", node_id=n, url=v.urls[row], wait=False)
+        return None
+
+    async def _get_batch(self, src: Source, items: list[tuple[str, int]], origin: Origin, endgame: trio.Event,
+                         run: HerdCounters, holders: Mapping[str, Sequence[str]],
+                         tplan: tuple[NodePlan, dict[str, int]]) -> None:
+        """``items`` into the store through one multi-chunk request to ``src`` (single
+        flight claimed for each; one already in flight elsewhere is left to that
+        download). What the batch did not bring — refused as corrupt (the peer is then
+        banned), missing, busy, or cut off by the peer dying — goes the one-by-one way
+        (:meth:`get_chunk`: its tree, other sources, the origin), ``batch_redo`` at once."""
+        claimed: list[tuple[str, int]] = []
+        later: list[tuple[str, int]] = []
+        for cid, size in items:
+            if self.store.has_chunk(cid):
+                continue
+            (claimed if self.flight.claim(cid) else later).append((cid, size))
+        redo: list[tuple[str, int]] = []
+        self.counters.chunks_in_flight += len(claimed)
+        try:
+            if claimed:
+                redo = await self._batch_from(src, claimed, run)
+        finally:
+            self.counters.chunks_in_flight -= len(claimed)
+            for cid, _ in claimed:
+                self.flight.release(cid)
+
+        async def one(item: tuple[str, int]) -> None:
+            await self.get_chunk(item[0], item[1], origin, [], endgame=endgame, run=run,
+                                 holders=holders.get(item[0], ()), tplan=tplan)
+
+        await run_pool(redo + later, one, max(1, self.config.batch_redo))
+
+    async def _batch_from(self, src: Source, items: list[tuple[str, int]], run: HerdCounters) -> list[tuple[str, int]]:
+        """One multi-chunk request; counts and penalties as :meth:`_try` keeps them for one
+        chunk. Returns the chunks it did not store."""
+        limiter = self._batch_limits.get(src.node_id)
+        if limiter is None:
+            limiter = self._batch_limits[src.node_id] = trio.CapacityLimiter(batch_streams(self.config))
+        store = self.store
+
+        def keep(cid: str, body: bytearray) -> None:   # in the receiving thread: verified there
+            store.put_chunk(cid, body, verified=True)
+
+        try:
+            async with limiter:
+                got = await self.client.get_chunks(src.url, items, store=keep, gate=self._gate)
+        except PeerBusy:
+            self.counters.busy_answers += 1
+            self.health.missing(src.node_id)
+            return items
+        except PeerMissing:
+            self.health.missing(src.node_id)
+            return items
+        except PeerError as e:
+            self.health.failed(src.node_id, e, trio.current_time())
+            return items
+        redo: list[tuple[str, int]] = []
+        for i, (cid, size) in enumerate(items):
+            outcome = got.outcomes[i] if i < len(got.outcomes) else ""
+            if outcome == "ok":
+                self.health.ok(src.node_id, size)
+                for c in (self.counters, run):
+                    c.bytes_from_peers += size
+                    c.chunks_from_peers += 1
+                continue
+            redo.append((cid, size))
+            if outcome == "corrupt":
+                self.counters.integrity_failures += 1
+                self.counters.wasted_bytes += size
+                self.health.bad_bytes(src.node_id, f"chunk {cid[:16]} does not match its hash (in a batch)")
+            elif outcome == "busy":
+                self.counters.busy_answers += 1
+                self.health.missing(src.node_id)
+            elif outcome == "missing":
+                self.health.missing(src.node_id)
+        if got.store_error is not None:
+            raise got.store_error      # a full store or a broken disk: the fetch's error
+        if got.kind:
+            self.health.failed(src.node_id, PeerError(got.error), trio.current_time())
+        return redo
 
     async def _acquire_tree(self, cid: str, size: int, origin: Origin, plan: NodePlan, ci: int,
                             endgame: trio.Event, run: HerdCounters, holders: Sequence[str]) -> None:
@@ -754,6 +886,17 @@ def manifest_polls(cfg: HerdConfig) -> Iterator[float]:
     while True:
         yield d
         d = min(d * max(cfg.manifest_poll_growth, 1.0), max(cfg.manifest_poll_max_s, cfg.manifest_poll_s))
+
+
+def batch_streams(cfg: HerdConfig) -> int:
+    """Multi-chunk requests to one peer at once (``HerdConfig.batch_streams``; 0: auto)."""
+    if cfg.batch_streams > 0:
+        return cfg.batch_streams
+    return min(8, max(2, (os.cpu_count() or 2) // 2))
+
+
+def _hex(data: bytes) -> str:
+    return blake3.blake3(data).hexdigest()
 
 
 def _in_trio() -> bool:

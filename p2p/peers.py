@@ -32,7 +32,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -45,6 +45,7 @@ import trio
 from scheduler_link.errors import ProtocolError
 from scheduler_link.h1 import parse_response_head
 
+from .batch import FRAME, FrameReader, Handoff, Received, TLSFrameReader, query_of, receive_frames
 from .errors import PeerError
 from .ratelimit import AsyncBucket
 
@@ -193,6 +194,129 @@ class PeerClient:
             raise PeerCorrupt(f"{base_url}: chunk {chunk_id[:16]} does not match its hash", len(data))
         return data
 
+    async def get_chunks(self, base_url: str, items: Sequence[tuple[str, int]], *,
+                         store: Callable[[str, bytearray], object],
+                         gate: trio.CapacityLimiter | None = None) -> Received:
+        """Several chunks in one request (``GET /v1/chunks?ids=``, :mod:`p2p.batch`), each
+        verified (BLAKE3 as its bytes land) and handed to ``store(id, bytes)`` as soon as
+        it is complete: in the receiving worker thread on plain connections (``store``
+        must be thread-safe; ``ChunkStore.put_chunk`` is), in a worker thread after the
+        answer under TLS or a rate cap. ``items``: (id, size) as the manifest says.
+
+        Returns a :class:`p2p.batch.Received`: per chunk "ok" (stored), "missing",
+        "busy", "corrupt" (refused: ban the peer); an answer cut short (the peer died,
+        reset, stalled, broke the framing, or ``store`` raised: ``store_error``) keeps
+        what came before the cut, and ``error``/``kind`` say why the rest did not come.
+        Raises (nothing stored) :class:`PeerMissing` (none is there), :class:`PeerBusy`
+        (503), :class:`PeerTimeout` / :class:`PeerUnavailable` / :class:`PeerError` when
+        no answer came. ``gate``: held while the body flows in, like :meth:`get_chunk`."""
+        if not items:
+            return Received()
+        key = self._hostport(base_url)
+        path = "/v1/chunks?" + query_of([cid for cid, _ in items])
+        for attempt in (0, 1):
+            conn = await self._connect(key)
+            reused = conn.used
+            keep = False
+            try:
+                got, keep = await self._exchange_batch(conn, key, path, items, store, gate)
+                return got
+            except _StaleConnection:
+                if reused and attempt == 0:
+                    continue
+                raise PeerUnavailable(f"{base_url}/v1/chunks: connection closed before an answer") from None
+            finally:
+                if keep:
+                    self._release(key, conn)
+                else:
+                    conn.close()
+        raise PeerUnavailable(f"{base_url}/v1/chunks: no connection")  # pragma: no cover
+
+    async def _exchange_batch(self, conn: _Conn, key: tuple[str, int], path: str,
+                              items: Sequence[tuple[str, int]], store: Callable[[str, bytearray], object],
+                              gate: trio.CapacityLimiter | None) -> tuple[Received, bool]:
+        cfg = self.config
+        where = f"http://{key[0]}:{key[1]}/v1/chunks ({len(items)} chunks)"
+        most = sum(FRAME.size + size for _, size in items)
+        try:
+            status, length, keep, head, rest = await self._head(conn, key, path, cfg.head_grace_s, where)
+            if status != 200:
+                if length > 64 * 1024:
+                    raise PeerError(f"{where}: HTTP {status} with a {length}-byte body")
+                small = bytearray(length)
+                got = min(len(rest), length)
+                small[:got] = rest[:got]
+                with memoryview(small) as v:
+                    await self._body_in_loop(conn, v, got, length, where)
+                _raise_for(status, where, head)
+            if not FRAME.size * len(items) <= length <= most:
+                raise PeerError(f"{where}: announces {length} bytes, not between {FRAME.size * len(items)} and {most}")
+            if len(rest) > length:
+                raise PeerError(f"{where}: sent more than announced")
+            if gate is not None:
+                await gate.acquire()
+            try:
+                if self.config.rate_bps is None and (conn.tls is None or _session(conn.tls) is not None):
+                    got_ = await self._frames_in_thread(conn, rest, items, length, store)
+                else:
+                    got_ = await self._frames_in_loop(conn, rest, items, length, store, where)
+            finally:
+                if gate is not None:
+                    gate.release()
+        except OSError as e:
+            raise PeerUnavailable(f"{where}: {e.strerror or e}") from None
+        if got_.kind:
+            got_.error = f"{where}: {got_.error}"
+        return got_, keep and not got_.kind
+
+    async def _frames_in_thread(self, conn: _Conn, rest: bytes, items: Sequence[tuple[str, int]], length: int,
+                                store: Callable[[str, bytearray], object]) -> Received:
+        """The frames received, verified and stored by a worker thread (its own duplicate
+        of the socket; abandoned on cancel: it stops within ``POLL_S``). Under TLS the
+        thread decrypts too, with the connection's own session (borrowed from its
+        ``trio.SSLStream``, which nothing else uses meanwhile: this task holds the
+        connection; a cut or cancelled batch closes it, so the session is never used
+        by two threads)."""
+        stop = threading.Event()
+        fd = os.dup(conn.sock.fileno())
+        session = _session(conn.tls) if conn.tls is not None else None
+        reader: FrameReader
+        if session is not None:
+            reader = TLSFrameReader(fd, session, rest, self.config.stall_s, stop)
+        else:
+            reader = FrameReader(fd, rest, self.config.stall_s, stop, self.RCVLOWAT)
+        hand = Handoff()
+        job = partial(hand.run, partial(receive_frames, reader, items, length, store))
+        try:
+            got = await trio.to_thread.run_sync(job, abandon_on_cancel=True, limiter=self._threads)
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            if hand.keep():
+                reader.close()
+        assert isinstance(got, Received)
+        return got
+
+    async def _frames_in_loop(self, conn: _Conn, rest: bytes, items: Sequence[tuple[str, int]], length: int,
+                              store: Callable[[str, bytearray], object], where: str) -> Received:
+        """TLS or a rate cap: the answer received here (at most ``max_batch_bytes``), then
+        its frames verified and stored in a worker thread. A cut answer: the frames
+        complete before the cut are kept."""
+        body = bytearray(length)
+        got = min(len(rest), length)
+        body[:got] = rest[:got]
+        end = ("closed", "")
+        seen = [got]
+        try:
+            with memoryview(body) as v:
+                await self._body_in_loop(conn, v, got, length, where, seen)
+        except PeerError as e:
+            end = ("stall" if isinstance(e, PeerTimeout) else "closed", str(e))
+            body = body[:seen[0]]
+        reader = FrameReader(-1, body, end=end)
+        return await trio.to_thread.run_sync(partial(receive_frames, reader, items, length, store))
+
     async def get_manifest(self, base_url: str, manifest_id: str, *, limit: int = 64 << 20,
                            wait_ms: int = 0) -> bytes:
         """The manifest's bytes (unverified). ``wait_ms``: the peer waits that long (its
@@ -281,41 +405,10 @@ class PeerClient:
                         hashed: bool = False) -> tuple[bytes, bool, str | None]:
         """(body, keep-alive, BLAKE3 hex of the body when ``hashed`` or when it was
         received by a worker thread, which hashes as it receives; else None)."""
-        cfg = self.config
         digest: str | None = None
         where = f"http://{key[0]}:{key[1]}{path}"
-        req = (f"GET {path} HTTP/1.1\r\nHost: {key[0]}:{key[1]}\r\n").encode() + self._auth + b"\r\n"
         try:
-            with trio.move_on_after(cfg.stall_s) as cs:
-                try:
-                    await conn.send(req)
-                except OSError:  # e.g. EPIPE on a keep-alive connection the peer closed
-                    raise _StaleConnection() from None
-            if cs.cancelled_caught:
-                raise PeerTimeout(f"{where}: could not send the request")
-            buf = conn.buf
-            with trio.move_on_after(head_s + cfg.connect_s) as cs:
-                while b"\r\n\r\n" not in buf:
-                    if len(buf) > self.MAX_HEAD:
-                        raise PeerError(f"{where}: answer head over {self.MAX_HEAD} bytes")
-                    try:
-                        piece = await conn.recv(65536)
-                    except ConnectionResetError:
-                        if not buf:
-                            raise _StaleConnection() from None
-                        raise
-                    if not piece:
-                        if not buf:
-                            raise _StaleConnection()
-                        raise PeerUnavailable(f"{where}: closed mid-head")
-                    buf += piece
-            if cs.cancelled_caught:
-                raise PeerTimeout(f"no answer from {where} within {head_s + cfg.connect_s:.1f}s")
-            head, _, rest = bytes(buf).partition(b"\r\n\r\n")
-            conn.buf = bytearray()
-            status, length, keep = _parse_head(head, where)
-            if length is None:
-                raise PeerError(f"{where}: answer without Content-Length")
+            status, length, keep, head, rest = await self._head(conn, key, path, head_s, where)
             if status == 200 and (length > limit or (exact and length != limit)):
                 raise PeerError(f"{where}: announces {length} bytes, expected {limit}")
             if status != 200 and length > 64 * 1024:
@@ -344,16 +437,52 @@ class PeerClient:
             view.release()
         except OSError as e:
             raise PeerUnavailable(f"{where}: {e.strerror or e}") from None
-        if status == 404:
-            raise PeerMissing(f"{where}: not there")
-        if status == 503:
-            raise PeerBusy(f"{where}: busy", _retry_after_s(head))
-        if status != 200:
-            raise PeerError(f"{where}: HTTP {status}")
+        _raise_for(status, where, head)
         return body, keep, digest  # type: ignore[return-value]  # a bytearray: no copy; hashed and stored as is
 
-    async def _body_in_loop(self, conn: _Conn, view: memoryview, got: int, length: int, where: str) -> None:
-        """Receive the rest of a body in the trio thread (TLS, small bodies, a rate cap)."""
+    async def _head(self, conn: _Conn, key: tuple[str, int], path: str, head_s: float,
+                    where: str) -> tuple[int, int, bool, bytes, bytes]:
+        """Send the GET and read the answer's head: (status, Content-Length, keep-alive,
+        the head, the bytes that came after it)."""
+        cfg = self.config
+        req = (f"GET {path} HTTP/1.1\r\nHost: {key[0]}:{key[1]}\r\n").encode() + self._auth + b"\r\n"
+        with trio.move_on_after(cfg.stall_s) as cs:
+            try:
+                await conn.send(req)
+            except OSError:  # e.g. EPIPE on a keep-alive connection the peer closed
+                raise _StaleConnection() from None
+        if cs.cancelled_caught:
+            raise PeerTimeout(f"{where}: could not send the request")
+        buf = conn.buf
+        with trio.move_on_after(head_s + cfg.connect_s) as cs:
+            while b"\r\n\r\n" not in buf:
+                if len(buf) > self.MAX_HEAD:
+                    raise PeerError(f"{where}: answer head over {self.MAX_HEAD} bytes")
+                try:
+                    piece = await conn.recv(65536)
+                except ConnectionResetError:
+                    if not buf:
+                        raise _StaleConnection() from None
+                    raise
+                if not piece:
+                    if not buf:
+                        raise _StaleConnection()
+                    raise PeerUnavailable(f"{where}: closed mid-head")
+                buf += piece
+        if cs.cancelled_caught:
+            raise PeerTimeout(f"no answer from {where} within {head_s + cfg.connect_s:.1f}s")
+        head, _, rest = bytes(buf).partition(b"\r\n\r\n")
+        conn.buf = bytearray()
+        status, length, keep = _parse_head(head, where)
+        if length is None:
+            raise PeerError(f"{where}: answer without Content-Length")
+        return status, length, keep, head, rest
+
+    async def _body_in_loop(self, conn: _Conn, view: memoryview, got: int, length: int, where: str,
+                            seen: list[int] | None = None) -> None:
+        """Receive the rest of a body in the trio thread (TLS, small bodies, a rate cap).
+        ``seen[0]``: how many bytes are in (kept up to date, for a caller that keeps a
+        cut body's complete part)."""
         sock = conn.sock
         # SO_RCVLOWAT: be woken when a good piece has arrived, not per packet. On a
         # paced link packets trickle in, and a wakeup per 1.4 kB costs more CPU than
@@ -375,6 +504,8 @@ class PeerClient:
                 if n == 0:
                     raise PeerUnavailable(f"{where}: closed after {got} of {length} bytes")
                 got += n
+                if seen is not None:
+                    seen[0] = got
                 await self._bucket.consume(n)
         finally:
             if lowat != 1:
@@ -466,6 +597,25 @@ def _receive_and_hash(fd: int, body: bytearray, got: int, length: int, stall_s: 
                 setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             except OSError:
                 pass
+
+
+def _session(tls: trio.SSLStream[Any]) -> tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO] | None:
+    """The TLS session objects inside a ``trio.SSLStream`` (its SSLObject and memory
+    BIOs; private attributes of trio 0.2x), or None where they are not found as expected
+    (another trio: the batch is then received on the trio thread, through the stream)."""
+    obj, inc, out = (getattr(tls, a, None) for a in ("_ssl_object", "_incoming", "_outgoing"))
+    if isinstance(obj, ssl.SSLObject) and isinstance(inc, ssl.MemoryBIO) and isinstance(out, ssl.MemoryBIO):
+        return obj, inc, out
+    return None
+
+
+def _raise_for(status: int, where: str, head: bytes) -> None:
+    if status == 404:
+        raise PeerMissing(f"{where}: not there")
+    if status == 503:
+        raise PeerBusy(f"{where}: busy", _retry_after_s(head))
+    if status != 200:
+        raise PeerError(f"{where}: HTTP {status}")
 
 
 def _retry_after_s(head: bytes) -> float:

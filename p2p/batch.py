@@ -1,0 +1,420 @@
+"""Multi-chunk requests on the data plane: one request names up to N chunks, the answer
+streams them back to back, each behind a small frame header.
+
+    GET /v1/chunks?ids=<64-hex>,<64-hex>,...
+
+The answer (200, ``application/x-herd-chunks``, Content-Length framed) is one frame per
+requested id, in the request's order: a 16-byte header (:data:`FRAME`: magic ``HCK1``,
+a status byte, three zero bytes, the body's size as a big-endian u64) followed by the
+body when the status is :data:`OK`. :data:`MISSING` (the chunk is not here) and
+:data:`BUSY` (the chunk is being sent to ``max_serving_per_chunk`` peers already) carry
+no body: the asker fetches those elsewhere, the rest of the batch is kept. A batch where
+no chunk is here is a 404; one where none can be sent and some are busy a 503 with
+Retry-After, as for one chunk. Hostile requests (no ids, more than the server's
+``max_batch_chunks``, a malformed or repeated id, a batch over ``max_batch_bytes``) get a
+4xx naming why and cost nothing else.
+
+Why a frame per chunk rather than one answer per request: the per-request cost of
+HTTP (a head each way, a wakeup, a serving slot, a task switch per chunk on both ends)
+was most of the herd's CPU per GiB beyond the minimal loop (``python -m bench.node``).
+
+This module holds what both ends share: the frame, the query's parsing, and the two
+blocking loops that run in worker threads on plain connections (:func:`send_frames`:
+header with ``MSG_MORE`` then ``sendfile``, per chunk; :func:`receive_frames`:
+``readv`` straight into each chunk's buffer, BLAKE3 as the bytes land, the verified chunk
+stored by the same thread). Both work on their own duplicate of the socket's descriptor
+and own the file descriptors handed to them, so a cancelled caller can abandon them:
+they notice ``stop`` within ``POLL_S`` and close what they hold.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import blake3
+
+FRAME = struct.Struct(">4sB3xQ")
+MAGIC = b"HCK1"
+OK, MISSING, BUSY = 0, 1, 2
+CONTENT_TYPE = "application/x-herd-chunks"
+POLL_S = 0.05
+
+T = TypeVar("T")
+
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+class BatchQueryError(ValueError):
+    """A batch request the server refuses: ``status`` (400 or 413) and why."""
+
+    def __init__(self, status: int, error: str, detail: str) -> None:
+        super().__init__(f"{error}: {detail}")
+        self.status = status
+        self.error = error
+        self.detail = detail
+
+
+def parse_ids(query: str, max_chunks: int) -> list[str]:
+    """The ids of ``ids=a,b,c`` (the whole query), or :class:`BatchQueryError`.
+    Work is bounded by ``max_chunks`` before any id is looked at."""
+    key, eq, value = query.partition("=")
+    if key != "ids" or not eq or "&" in value:
+        raise BatchQueryError(400, "bad batch", "the query must be ids=<id>,<id>,... and nothing else")
+    if not value:
+        raise BatchQueryError(400, "bad batch", "no ids")
+    ids = value.split(",", max_chunks)
+    if len(ids) > max_chunks:
+        raise BatchQueryError(413, "too many chunks", f"at most {max_chunks} ids a request")
+    seen: set[str] = set()
+    for i, cid in enumerate(ids):
+        if not _HEX64.match(cid):
+            raise BatchQueryError(400, "bad id", f"id #{i}: ids are 64 lower-case hex characters")
+        if cid in seen:
+            raise BatchQueryError(400, "duplicate id", f"id #{i} ({cid[:16]}) is named twice")
+        seen.add(cid)
+    return ids
+
+
+def query_of(ids: Sequence[str]) -> str:
+    return "ids=" + ",".join(ids)
+
+
+def frame(status: int, size: int) -> bytes:
+    return FRAME.pack(MAGIC, status, size)
+
+
+class Handoff:
+    """Who owns the descriptors given to a worker-thread job: the job once it started
+    (it closes them, even when its caller was cancelled and abandoned it), the caller
+    when it never started (cancelled while waiting for a thread). :meth:`keep` (the
+    caller, after the job returned or was abandoned): True when they are still the
+    caller's to close; the job will then never start."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner = "caller"
+
+    def run(self, job: Callable[[], T]) -> T | str:
+        with self._lock:
+            if self._owner != "caller":
+                return "stopped"
+            self._owner = "job"
+        return job()
+
+    def keep(self) -> bool:
+        with self._lock:
+            if self._owner == "caller":
+                self._owner = "gone"
+                return True
+            return False
+
+
+# ------------------------------------------------------------------------------ sending (server)
+
+@dataclass(slots=True)
+class Outgoing:
+    """One frame to send: the header, and the chunk file's descriptor and size (-1 and 0
+    for a frame without a body)."""
+    header: bytes
+    fd: int = -1
+    size: int = 0
+
+
+def send_frames(sock_fd: int, frames: list[Outgoing], stall_s: float, stop: threading.Event) -> str:
+    """Worker thread: send every frame on the non-blocking socket ``sock_fd`` (a
+    duplicate this function closes, with every frame's file descriptor): the header
+    with ``MSG_MORE``, the body by ``sendfile`` (pread + send where the file system
+    cannot). Returns "" when all was sent, else why not ("stall", "stopped", an error's
+    text): the connection must then be dropped, its framing is broken."""
+    sock = socket.socket(fileno=sock_fd)
+    poller = select.poll()
+    poller.register(sock_fd, select.POLLOUT)
+
+    def wait() -> str:
+        deadline = time.monotonic() + stall_s
+        while True:
+            if stop.is_set():
+                return "stopped"
+            if poller.poll(POLL_S * 1000):
+                return ""
+            if time.monotonic() >= deadline:
+                return "stall"
+
+    try:
+        for f in frames:
+            view = memoryview(f.header)
+            while view:
+                try:
+                    view = view[sock.send(view, socket.MSG_MORE if f.size else 0):]
+                except BlockingIOError:
+                    if why := wait():
+                        return why
+            off = 0
+            while off < f.size:
+                try:
+                    n = os.sendfile(sock_fd, f.fd, off, f.size - off)
+                except BlockingIOError:
+                    if why := wait():
+                        return why
+                    continue
+                except OSError as e:
+                    if e.errno not in (22, 38, 95):   # EINVAL, ENOSYS, EOPNOTSUPP: no sendfile here
+                        raise
+                    data = os.pread(f.fd, min(1 << 20, f.size - off), off)
+                    if not data:
+                        return "chunk file truncated while sending"
+                    rest = memoryview(data)
+                    while rest:
+                        try:
+                            rest = rest[sock.send(rest):]
+                        except BlockingIOError:
+                            if why := wait():
+                                return why
+                    n = len(data)
+                if n == 0:
+                    return "chunk file truncated while sending"
+                off += n
+        return ""
+    except OSError as e:
+        return e.strerror or str(e)
+    finally:
+        for f in frames:
+            if f.fd >= 0:
+                os.close(f.fd)
+        sock.close()
+
+
+# ------------------------------------------------------------------------------ receiving (client)
+
+@dataclass(slots=True)
+class Received:
+    """What a batch's receive came to: per requested chunk, in order, "ok" (verified and
+    stored), "missing", "busy", "corrupt" (bytes did not hash to the id: refused), or
+    absent from ``outcomes`` (not received: ``error`` says why). ``nbytes``: body bytes
+    received; ``consumed``: body-stream bytes read (frames included)."""
+    outcomes: list[str] = field(default_factory=list)
+    error: str = ""
+    kind: str = ""           # "stall", "closed", "reset", "protocol", "stopped", "store"
+    store_error: BaseException | None = None
+    nbytes: int = 0
+    consumed: int = 0
+
+
+class _Cut(Exception):
+    def __init__(self, kind: str, why: str) -> None:
+        super().__init__(why)
+        self.kind = kind
+
+
+class FrameReader:
+    """Blocking reads of exact lengths: ``prefix`` bytes first (what arrived with the
+    answer's head, or a whole answer received elsewhere), then from the non-blocking
+    socket ``fd`` (poll + ``readv``; a duplicate this reader closes). ``fd`` < 0: the
+    prefix is all there is; reading past it is a cut of kind ``end[0]`` (why: ``end[1]``)."""
+
+    def __init__(self, fd: int, prefix: bytes | bytearray | memoryview, stall_s: float = 0.0,
+                 stop: threading.Event | None = None, lowat_max: int = 128 * 1024,
+                 end: tuple[str, str] = ("closed", "the answer ended")) -> None:
+        self.prefix = memoryview(prefix)
+        self.stall_s = stall_s
+        self.stop = stop or threading.Event()
+        self.lowat_max = lowat_max
+        self.lowat = 1
+        self.end = end
+        self.sock: socket.socket | None = None
+        if fd >= 0:
+            self.sock = socket.socket(fileno=fd)
+            self.poller = select.poll()
+            self.poller.register(fd, select.POLLIN | select.POLLPRI)
+
+    def fill(self, view: memoryview, n: int, hasher: blake3.blake3 | None = None) -> None:
+        got = 0
+        if self.prefix:
+            k = min(len(self.prefix), n)
+            view[:k] = self.prefix[:k]
+            self.prefix = self.prefix[k:]
+            got = k
+            if hasher is not None and k:
+                hasher.update(view[:k])
+        if got < n and self.sock is None:
+            raise _Cut(*self.end)
+        last = time.monotonic()
+        fd = self.sock.fileno() if self.sock is not None else -1
+        while got < n:
+            if self.stop.is_set():
+                raise _Cut("stopped", "stopped")
+            want = min(n - got, self.lowat_max)
+            try:
+                if want != self.lowat:
+                    assert self.sock is not None
+                    self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                    self.lowat = want
+                if not self.poller.poll(POLL_S * 1000):
+                    if time.monotonic() - last >= self.stall_s:
+                        raise _Cut("stall", f"stalled after {got} of {n} bytes")
+                    continue
+                k = os.readv(fd, [view[got:n]])
+            except BlockingIOError:
+                continue
+            except OSError as e:
+                raise _Cut("reset", e.strerror or str(e)) from None
+            if k == 0:
+                raise _Cut("closed", f"closed after {got} of {n} bytes")
+            if hasher is not None:
+                hasher.update(view[got:got + k])
+            got += k
+            last = time.monotonic()
+
+    def close(self) -> None:
+        if self.sock is None:
+            return
+        if self.lowat != 1:
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            except OSError:
+                pass
+        self.sock.close()
+        self.sock = None
+
+
+class TLSFrameReader(FrameReader):
+    """:class:`FrameReader` through an established TLS session: the encrypted bytes
+    read from the socket (``fd``, a duplicate this reader closes) into the session's
+    incoming memory BIO, the plaintext decrypted by ``SSLObject.read`` straight into the
+    chunk's buffer (OpenSSL releases the GIL), anything the session must answer (a key
+    update) written back from the outgoing BIO. The session's objects are borrowed from
+    a ``trio.SSLStream`` whose owner does not touch it meanwhile (see
+    ``PeerClient._frames_in_thread``); afterwards it goes on from where this left it."""
+
+    def __init__(self, fd: int, session: tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO],
+                 prefix: bytes | bytearray | memoryview, stall_s: float, stop: threading.Event,
+                 read_size: int = 256 * 1024) -> None:
+        super().__init__(fd, prefix, stall_s, stop)
+        self.ssl_obj, self.incoming, self.outgoing = session
+        self.read_size = read_size
+
+    def _flush(self) -> None:
+        assert self.sock is not None
+        data = memoryview(self.outgoing.read())
+        deadline = time.monotonic() + self.stall_s
+        while data:
+            try:
+                data = data[self.sock.send(data):]
+            except BlockingIOError:
+                if time.monotonic() >= deadline or self.stop.is_set():
+                    raise _Cut("stall", "could not answer the TLS session") from None
+                select.select([], [self.sock], [], POLL_S)
+
+    def fill(self, view: memoryview, n: int, hasher: blake3.blake3 | None = None) -> None:
+        got = 0
+        if self.prefix:
+            k = min(len(self.prefix), n)
+            view[:k] = self.prefix[:k]
+            self.prefix = self.prefix[k:]
+            got = k
+            if hasher is not None and k:
+                hasher.update(view[:k])
+        assert self.sock is not None
+        fd = self.sock.fileno()
+        last = time.monotonic()
+        while got < n:
+            if self.stop.is_set():
+                raise _Cut("stopped", "stopped")
+            try:
+                k = int(self.ssl_obj.read(n - got, view[got:n]))  # type: ignore[arg-type, call-overload]
+            except ssl.SSLWantReadError:
+                try:
+                    if self.outgoing.pending:
+                        self._flush()
+                    if not self.poller.poll(POLL_S * 1000):
+                        if time.monotonic() - last >= self.stall_s:
+                            raise _Cut("stall", f"stalled after {got} of {n} bytes") from None
+                        continue
+                    data = os.read(fd, self.read_size)
+                except BlockingIOError:
+                    continue
+                except OSError as e:
+                    raise _Cut("reset", e.strerror or str(e)) from None
+                if not data:
+                    raise _Cut("closed", f"closed after {got} of {n} bytes") from None
+                self.incoming.write(data)
+                last = time.monotonic()
+                continue
+            except (ssl.SSLError, OSError) as e:
+                raise _Cut("reset", f"TLS: {e}") from None
+            if k == 0:
+                raise _Cut("closed", f"closed after {got} of {n} bytes")
+            if hasher is not None:
+                hasher.update(view[got:got + k])
+            got += k
+        if self.outgoing.pending:
+            self._flush()
+
+
+def receive_frames(reader: FrameReader, items: Sequence[tuple[str, int]], length: int,
+                   store: Callable[[str, bytearray], object]) -> Received:
+    """Receive the frames of a ``length``-byte batch answer for ``items`` ((id, size), in
+    the request's order): each body straight into its own buffer, hashed as it lands,
+    ``store(id, body)`` called (in this thread) only when it hashes to its id. A frame
+    that is malformed, or announces another size than the manifest's, ends the receive
+    (``kind`` "protocol"): its framing cannot be trusted. Runs in a worker thread (plain
+    connections) or, through the same reader interface, anywhere."""
+    out = Received()
+    hdr = bytearray(FRAME.size)
+    hview = memoryview(hdr)
+    try:
+        for cid, size in items:
+            if out.consumed + FRAME.size > length:
+                raise _Cut("protocol", f"answer of {length} bytes ends before chunk {cid[:16]}'s frame")
+            reader.fill(hview, FRAME.size)
+            out.consumed += FRAME.size
+            magic, status, n = FRAME.unpack(hdr)
+            if magic != MAGIC:
+                raise _Cut("protocol", f"bad frame magic {bytes(magic)!r} for chunk {cid[:16]}")
+            if status == OK:
+                if n != size:
+                    raise _Cut("protocol", f"frame announces {n} bytes for chunk {cid[:16]}, expected {size}")
+                if out.consumed + n > length:
+                    raise _Cut("protocol", f"frame for chunk {cid[:16]} runs past the answer's end")
+                body = bytearray(n)
+                view = memoryview(body)
+                hasher = blake3.blake3()
+                try:
+                    reader.fill(view, n, hasher)
+                finally:
+                    view.release()
+                out.consumed += n
+                out.nbytes += n
+                if hasher.hexdigest() != cid:
+                    out.outcomes.append("corrupt")
+                    continue
+                try:
+                    store(cid, body)
+                except Exception as e:   # a full store, a broken disk: the caller raises it
+                    out.store_error = e
+                    raise _Cut("store", str(e)) from None
+                out.outcomes.append("ok")
+            elif status in (MISSING, BUSY):
+                if n != 0:
+                    raise _Cut("protocol", f"a {'missing' if status == MISSING else 'busy'} frame with a body")
+                out.outcomes.append("missing" if status == MISSING else "busy")
+            else:
+                raise _Cut("protocol", f"unknown frame status {status} for chunk {cid[:16]}")
+        if out.consumed != length:
+            raise _Cut("protocol", f"answer announced {length} bytes, frames took {out.consumed}")
+    except _Cut as c:
+        out.error = str(c)
+        out.kind = c.kind
+    finally:
+        reader.close()
+    return out

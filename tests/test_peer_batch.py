@@ -1,0 +1,408 @@
+"""Multi-chunk requests (``GET /v1/chunks?ids=``, p2p.batch) over real loopback sockets:
+the real DataPlane and PeerClient, and a hostile server for what the real one never does.
+Both receive paths (the worker thread on plain connections; the trio thread under TLS or
+a rate cap) must be byte-exact, keep every good chunk of a batch when one is corrupt or
+the peer dies mid-batch, and let go at once when cancelled."""
+
+from __future__ import annotations
+
+import functools
+import os
+import socket
+import ssl
+import struct
+import tempfile
+from pathlib import Path
+
+import blake3
+import pytest
+import trio
+
+from p2p.batch import BUSY, FRAME, MISSING, OK, frame
+from p2p.dataplane import DataPlane, DataPlaneConfig
+from p2p.peers import PeerBusy, PeerClient, PeerClientConfig, PeerError, PeerMissing, PeerUnavailable
+from p2p.store import ChunkStore
+
+TOKEN = "cluster-secret"
+# thread: plain, the worker thread; loop: plain through the trio thread (a rate cap
+# takes that path); tls: TLS, decrypted by the worker thread with the connection's session
+PATHS = pytest.mark.parametrize("path", ["thread", "loop", "tls"])
+
+
+@functools.lru_cache(maxsize=1)
+def _tls() -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    """(server, client) contexts of one throwaway cluster CA, made once per run."""
+    from scheduler_link.pki import throwaway
+    from scheduler_link.tls import client_context, server_context
+
+    pki = throwaway(Path(tempfile.mkdtemp(prefix="peer-batch-pki-")), nodes=["a", "b"])
+    return (server_context(pki.files("node:a"), client_cert="required"),
+            client_context(pki.ca, pki.files("node:b")))
+
+
+def _chunk(n: int) -> tuple[str, bytes]:
+    data = os.urandom(n)
+    return blake3.blake3(data).hexdigest(), data
+
+
+def _client(path: str, **cfg) -> PeerClient:
+    # a rate cap sends plain connections through the trio-thread path
+    if path == "loop":
+        cfg.setdefault("rate_bps", 1e12)
+    return PeerClient(token=TOKEN, config=PeerClientConfig(**cfg),
+                      ssl_context=_tls()[1] if path == "tls" else None)
+
+
+def _tls_kw(path: str) -> dict:
+    return {"ssl_context": _tls()[0]} if path == "tls" else {}
+
+
+def _chunks(sizes: list[int]) -> list[tuple[str, bytes]]:
+    return [_chunk(n) for n in sizes]
+
+
+SIZES = [1 << 20, 300_000, 17, 2 * (1 << 20) + 5]
+
+
+async def _serve(nursery: trio.Nursery, store: ChunkStore, **kw) -> tuple[str, DataPlane]:
+    plane = DataPlane(store, token=TOKEN, listen="127.0.0.1:0", **kw)
+    return await nursery.start(plane.run), plane
+
+
+class _Sink:
+    """A store callback that keeps what it was given (the thread-safe ChunkStore is what
+    the herd passes; this checks exactly what came)."""
+
+    def __init__(self) -> None:
+        self.got: dict[str, bytes] = {}
+
+    def __call__(self, cid: str, body: bytearray) -> None:
+        self.got[cid] = bytes(body)
+
+
+@PATHS
+async def test_batch_byte_exact_into_the_store_and_keepalive(tmp_path: Path, path: str) -> None:
+    src = ChunkStore(tmp_path / "s")
+    chunks = _chunks(SIZES)
+    for cid, data in chunks:
+        src.put_chunk(cid, data)
+    dst = ChunkStore(tmp_path / "d")
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            url, plane = await _serve(nursery, src, **_tls_kw(path))
+            client = _client(path)
+            items = [(cid, len(d)) for cid, d in chunks]
+            got = await client.get_chunks(url, items, store=lambda c, b: dst.put_chunk(c, b, verified=True))
+            assert got.outcomes == ["ok"] * len(chunks) and not got.error
+            for cid, data in chunks:
+                assert dst.read_chunk(cid) == data
+            # the same connection again (kept alive), and a single-chunk GET on it
+            sink = _Sink()
+            got = await client.get_chunks(url, items[:2], store=sink)
+            assert got.outcomes == ["ok", "ok"] and sink.got == dict(chunks[:2])
+            assert len(client._idle[("127.0.0.1", int(url.rsplit(":", 1)[1]))]) == 1   # kept alive
+            assert bytes(await client.get_chunk_verified(url, *items[2])) == chunks[2][1]
+            s = plane.statistics()
+            assert s["batches"] == 2 and s["chunks_served"] == len(chunks) + 3 and s["connections"] == 1
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
+@PATHS
+async def test_missing_chunks_are_framed_and_all_missing_is_404(tmp_path: Path, path: str) -> None:
+    src = ChunkStore(tmp_path / "s")
+    (a, da), (b, db), (c, dc) = _chunks([5000, 6000, 7000])
+    src.put_chunk(a, da)
+    src.put_chunk(c, dc)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            url, _ = await _serve(nursery, src, **_tls_kw(path))
+            client = _client(path)
+            sink = _Sink()
+            got = await client.get_chunks(url, [(a, 5000), (b, 6000), (c, 7000)], store=sink)
+            assert got.outcomes == ["ok", "missing", "ok"] and sink.got == {a: da, c: dc}
+            with pytest.raises(PeerMissing):
+                await client.get_chunks(url, [(b, 6000)], store=sink)
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_batch_counts_as_its_chunks_against_the_per_chunk_cap(tmp_path: Path) -> None:
+    """max_serving_per_chunk = 1: while chunk A is being sent (a slow reader holds it),
+    a batch naming A and B gets B and A framed busy; a batch of only A gets 503 with the
+    retry hint; once A's send is done, A is served again."""
+    src = ChunkStore(tmp_path / "s")
+    (a, da), (b, db) = _chunks([8 << 20, 4000])
+    src.put_chunk(a, da)
+    src.put_chunk(b, db)
+    cfg = DataPlaneConfig(max_serving_per_chunk=1, busy_retry_ms=70)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            url, plane = await _serve(nursery, src, config=cfg)
+            port = int(url.rsplit(":", 1)[1])
+            # a reader that asks for A and reads nothing: A is being sent (socket buffers full)
+            slow = await trio.open_tcp_stream("127.0.0.1", port)
+            slow.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await slow.send_all(f"GET /v1/chunks?ids={a} HTTP/1.1\r\nHost: x\r\n"
+                                f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+            while plane.statistics()["serving_per_chunk_max"] < 1:
+                await trio.sleep(0.01)
+            client = _client("thread")
+            sink = _Sink()
+            got = await client.get_chunks(url, [(a, len(da)), (b, len(db))], store=sink)
+            assert got.outcomes == ["busy", "ok"] and sink.got == {b: db}
+            with pytest.raises(PeerBusy) as e:
+                await client.get_chunks(url, [(a, len(da))], store=sink)
+            assert e.value.retry_after_s == pytest.approx(0.07)
+            await slow.aclose()
+            for _ in range(200):
+                if not plane._serving:
+                    break
+                await trio.sleep(0.02)
+            got = await client.get_chunks(url, [(a, len(da))], store=sink)
+            assert got.outcomes == ["ok"] and sink.got[a] == da
+            assert plane.statistics()["batch_chunks_busy"] == 2
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def _raw(port: int, target: str, method: str = "GET") -> tuple[int, bytes]:
+    s = await trio.open_tcp_stream("127.0.0.1", port)
+    await s.send_all(f"{method} {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n"
+                     f"Connection: close\r\n\r\n".encode())
+    buf = b""
+    while True:
+        piece = await s.receive_some(65536)
+        if not piece:
+            break
+        buf += piece
+    await s.aclose()
+    head, _, body = buf.partition(b"\r\n\r\n")
+    return int(head.split()[1]), body
+
+
+async def test_hostile_batch_requests_get_a_clear_4xx_and_lose_nothing(tmp_path: Path) -> None:
+    src = ChunkStore(tmp_path / "s")
+    chunks = _chunks([3000, 4000, 5000])
+    for cid, data in chunks:
+        src.put_chunk(cid, data)
+    ids = [c for c, _ in chunks]
+    cfg = DataPlaneConfig(max_batch_chunks=4, max_batch_bytes=8000)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            url, plane = await _serve(nursery, src, config=cfg)
+            port = int(url.rsplit(":", 1)[1])
+            fake = [blake3.blake3(str(i).encode()).hexdigest() for i in range(5)]
+            cases = {
+                "too many": (f"/v1/chunks?ids={','.join(fake)}", 413, b"too many chunks"),
+                "malformed": (f"/v1/chunks?ids={ids[0]},{ids[1][:63]}Z", 400, b"bad id"),
+                "upper case": (f"/v1/chunks?ids={ids[0].upper()}", 400, b"bad id"),
+                "duplicate": (f"/v1/chunks?ids={ids[0]},{ids[1]},{ids[0]}", 400, b"duplicate id"),
+                "empty": ("/v1/chunks?ids=", 400, b"no ids"),
+                "no query": ("/v1/chunks", 400, b"bad batch"),
+                "other params": (f"/v1/chunks?ids={ids[0]}&wait_ms=5", 400, b"bad batch"),
+                "over bytes": (f"/v1/chunks?ids={ids[1]},{ids[2]}", 413, b"batch too large"),
+                "unknown": (f"/v1/chunks?ids={fake[0]},{fake[1]}", 404, b"no chunk named is here"),
+            }
+            for name, (target, status, why) in cases.items():
+                got, body = await _raw(port, target)
+                assert (got, why in body) == (status, True), (name, got, body)
+            assert (await _raw(port, f"/v1/chunks?ids={ids[0]}", "HEAD"))[0] == 405
+            # nothing was lost or left open: the store is intact and a good batch is served
+            assert src.verify().ok
+            sink = _Sink()
+            got = await _client("thread").get_chunks(url, [(ids[0], 3000), (ids[1], 4000)], store=sink)
+            assert got.outcomes == ["ok", "ok"] and sink.got == dict(chunks[:2])
+            assert not plane._serving and plane.statistics()["active"] == 0
+            nursery.cancel_scope.cancel()
+
+
+# ------------------------------------------------------------------------------ a hostile server
+
+class _Hostile:
+    """Answers a batch request for ``chunks`` with well-formed frames, then misbehaves
+    as ``mode`` says: corrupt (chunk 1's bytes flipped, the rest fine), die (FIN in the
+    middle of chunk 2), reset (RST there), stall (silence there), badsize (chunk 1's
+    frame announces another size), overlong (Content-Length past what the frames can
+    take), short (Content-Length ending inside the last chunk)."""
+
+    def __init__(self, chunks: list[tuple[str, bytes]], mode: str, tls: bool = False) -> None:
+        self.chunks = chunks
+        self.mode = mode
+        self.tls = tls
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        async with trio.open_nursery() as n:
+            await n.start(trio.serve_listeners, self._one, listeners)
+            scheme = "https" if self.tls else "http"
+            task_status.started(f"{scheme}://127.0.0.1:{listeners[0].socket.getsockname()[1]}")
+
+    async def _one(self, raw: trio.SocketStream) -> None:
+        stream: trio.abc.Stream = raw
+        if self.tls:
+            stream = trio.SSLStream(raw, _tls()[0], server_side=True)
+            await stream.do_handshake()
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            piece = await stream.receive_some(4096)
+            if not piece:
+                return
+            buf += piece
+        body = b""
+        for i, (_, data) in enumerate(self.chunks):
+            d = bytearray(data)
+            if self.mode == "corrupt" and i == 1:
+                d[len(d) // 2] ^= 0x01
+            size = len(d) + 1 if self.mode == "badsize" and i == 1 else len(d)
+            body += frame(OK, size) + bytes(d)
+        length = len(body) + {"overlong": FRAME.size, "short": -10}.get(self.mode, 0)
+        head = f"HTTP/1.1 200 OK\r\ncontent-length: {length}\r\n\r\n".encode()
+        if self.mode in ("corrupt", "badsize", "overlong", "short"):
+            await stream.send_all(head + body + (frame(MISSING, 0) if self.mode == "overlong" else b""))
+            await trio.sleep(5)
+            return
+        cut = sum(FRAME.size + len(d) for _, d in self.chunks[:2]) + len(self.chunks[2][1]) // 2
+        await stream.send_all(head + body[:cut])
+        if self.mode == "stall":
+            await trio.sleep(30)
+        elif self.mode == "reset":
+            raw.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            raw.socket.close()
+        else:   # a FIN (under TLS without close_notify: the peer died)
+            raw.socket.close()
+
+
+async def _against(mode: str, path: str, sizes: list[int] | None = None, **cfg):
+    chunks = _chunks(sizes or [1 << 20, 600_000, 1 << 20, 5000])
+    client = _client(path, **cfg)
+    sink = _Sink()
+    async with trio.open_nursery() as nursery:
+        url = await nursery.start(_Hostile(chunks, mode, tls=path == "tls").run)
+        try:
+            got = await client.get_chunks(url, [(c, len(d)) for c, d in chunks], store=sink)
+        except PeerError as e:
+            got = e
+        nursery.cancel_scope.cancel()
+    await client.aclose()
+    return got, sink, chunks
+
+
+@PATHS
+async def test_a_corrupt_chunk_in_a_batch_is_refused_the_rest_kept(path: str) -> None:
+    with trio.fail_after(20):
+        got, sink, chunks = await _against("corrupt", path)
+    assert got.outcomes == ["ok", "corrupt", "ok", "ok"] and not got.error
+    assert sink.got == {c: d for i, (c, d) in enumerate(chunks) if i != 1}
+
+
+@PATHS
+@pytest.mark.parametrize("mode", ["die", "reset", "stall"])
+async def test_peer_death_mid_batch_keeps_what_came(path: str, mode: str) -> None:
+    with trio.fail_after(20):
+        got, sink, chunks = await _against(mode, path, stall_s=0.5)
+    assert got.outcomes == ["ok", "ok"], got
+    assert got.kind in ({"stall"} if mode == "stall" else {"closed", "reset"}) and got.error
+    assert sink.got == dict(chunks[:2])
+
+
+@PATHS
+@pytest.mark.parametrize("mode", ["badsize", "short"])
+async def test_broken_framing_ends_the_batch(path: str, mode: str) -> None:
+    with trio.fail_after(20):
+        got, sink, chunks = await _against(mode, path)
+    assert got.kind == "protocol", got
+    keep = 1 if mode == "badsize" else 3
+    assert got.outcomes == ["ok"] * keep and sink.got == dict(chunks[:keep])
+
+
+@PATHS
+async def test_an_answer_longer_than_its_frames_can_be_is_refused(path: str) -> None:
+    with trio.fail_after(20):
+        got, sink, _ = await _against("overlong", path)
+    assert isinstance(got, PeerError) and "announces" in str(got) and not sink.got
+
+
+@PATHS
+async def test_cancel_mid_batch_lets_go_and_the_client_works_after(tmp_path: Path, path: str) -> None:
+    chunks = _chunks([1 << 20, 1 << 20, 1 << 20])
+    client = _client(path)
+    sink = _Sink()
+    src = ChunkStore(tmp_path / "s")
+    for cid, data in chunks:
+        src.put_chunk(cid, data)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            bad = await nursery.start(_Hostile(chunks, "stall", tls=path == "tls").run)
+            t0 = trio.current_time()
+            with trio.move_on_after(0.5) as cs:
+                await client.get_chunks(bad, [(c, len(d)) for c, d in chunks], store=sink)
+            assert cs.cancelled_caught and trio.current_time() - t0 < 2
+            good, _ = await _serve(nursery, src, **_tls_kw(path))
+            sink2 = _Sink()
+            got = await client.get_chunks(good, [(c, len(d)) for c, d in chunks], store=sink2)
+            assert got.outcomes == ["ok"] * 3 and sink2.got == dict(chunks)
+            nursery.cancel_scope.cancel()
+    await client.aclose()
+
+
+async def test_a_store_failure_mid_batch_is_reported(tmp_path: Path) -> None:
+    src = ChunkStore(tmp_path / "s")
+    chunks = _chunks([4000, 5000, 6000])
+    for cid, data in chunks:
+        src.put_chunk(cid, data)
+    calls: list[str] = []
+
+    def store(cid: str, body: bytearray) -> None:
+        calls.append(cid)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            url, _ = await _serve(nursery, src)
+            got = await _client("thread").get_chunks(url, [(c, len(d)) for c, d in chunks], store=store)
+            nursery.cancel_scope.cancel()
+    assert got.outcomes == ["ok"] and got.kind == "store" and isinstance(got.store_error, OSError)
+
+
+# ------------------------------------------------------------------------------ TLS
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory):
+    from scheduler_link.pki import throwaway
+    return throwaway(tmp_path_factory.mktemp("pki"), nodes=["a", "b"])
+
+
+async def test_tls_batch_byte_exact_keepalive_and_busy(tmp_path: Path, pki) -> None:
+    from scheduler_link.tls import client_context, server_context
+
+    src = ChunkStore(tmp_path / "s")
+    chunks = _chunks(SIZES)
+    for cid, data in chunks:
+        src.put_chunk(cid, data)
+    missing = _chunk(100)[0]
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            url, plane = await _serve(nursery, src, ssl_context=server_context(pki.files("node:a"),
+                                                                              client_cert="required"))
+            client = PeerClient(token=TOKEN, ssl_context=client_context(pki.ca, pki.files("node:b")))
+            for _ in range(2):
+                sink = _Sink()
+                items = [(c, len(d)) for c, d in chunks] + [(missing, 100)]
+                got = await client.get_chunks(url, items, store=sink)
+                assert got.outcomes == ["ok"] * len(chunks) + ["missing"] and sink.got == dict(chunks)
+            assert plane.statistics()["connections"] == 1
+            with pytest.raises(PeerError):   # a plain client gets nothing from a TLS plane
+                await PeerClient(token=TOKEN).get_chunks(url.replace("https", "http"), items, store=sink)
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
+def test_frame_layout_is_fixed() -> None:
+    assert FRAME.size == 16 and frame(BUSY, 0)[:5] == b"HCK1\x02" and frame(OK, 7)[-8:] == (7).to_bytes(8, "big")
+
+
+async def test_unreachable_peer_is_unavailable() -> None:
+    with pytest.raises(PeerUnavailable):
+        await _client("thread", connect_s=1).get_chunks("http://127.0.0.1:9", [("a" * 64, 1)], store=_Sink())
