@@ -46,6 +46,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import random
 import ssl
 import sys
@@ -388,6 +389,12 @@ class EmulatedRelay:
         self._verifier: BundleVerifier | None = None
         self.bad_bundles = 0
         self.verified_bundles = 0
+        # diagnostics (GET /stats): connections made and lost, registrations again, events lost
+        self.connects = 0
+        self.drops = 0
+        self.reregistrations = 0
+        self.events_dropped = 0     # pending while their member was not registered
+        self.events_unsent = 0      # in a reports call that failed
 
     async def run(self) -> None:
         f = self.fleet
@@ -411,6 +418,7 @@ class EmulatedRelay:
                 continue
             backoff = 0.05
             self.channel = ch
+            self.connects += 1
             try:
                 async with trio.open_nursery() as n:
                     n.start_soon(self._serve, ch, n.cancel_scope)
@@ -420,6 +428,8 @@ class EmulatedRelay:
                     n.start_soon(self._events)
             finally:
                 self.channel = None
+                self.drops += 1
+                log.debug("relay connection lost rack=%s relay=%s", self.rack, self.members[0].slot.node_id)
                 for m in self.members:
                     m.boot_id = ""
                     m.registered = False
@@ -545,6 +555,8 @@ class EmulatedRelay:
     async def _register(self, m: EmulatedNode) -> None:
         """The relay's own node registers over its frames connection (its own); a member over
         the fleet's direct framed connections: its MAC key comes only that way."""
+        if m.registered:
+            self.reregistrations += 1
         m.registered = False
         own = m is self.members[0]
         while self.channel is not None:
@@ -595,6 +607,10 @@ class EmulatedRelay:
             await trio.sleep(0.005)
             pending, self._pending = self._pending, {}
             batch = [(self.by_id[nid], evs) for nid, evs in pending.items() if self.by_id[nid].registered]
+            dropped = sum(len(evs) for nid, evs in pending.items() if not self.by_id[nid].registered)
+            if dropped:
+                self.events_dropped += dropped
+                log.debug("events dropped rack=%s count=%d (members not registered)", self.rack, dropped)
             if batch:
                 self.fleet.spawn(self._send_events, batch)
 
@@ -607,8 +623,10 @@ class EmulatedRelay:
             try:
                 f = await ch.call("reports", RackReports(rack=self.rack, reports=reps),
                                   timeout_s=self.fleet.cfg.request_timeout_s)
-            except (FrameError, CallFailed, trio.TooSlowError):
+            except (FrameError, CallFailed, trio.TooSlowError) as e:
                 self.failures += 1
+                self.events_unsent += sum(len(evs) for _, evs in batch)
+                log.debug("events report failed rack=%s members=%d err=%r", self.rack, len(batch), e)
                 return
         self.reports += len(reps)
         for (m, _), wr in zip(batch, decode_payload(f, list[WireReply]), strict=False):
@@ -961,10 +979,19 @@ class Fleet:
                 "part_bytes_max": max((r.part_bytes_max for r in rs), default=0),
                 "bundles_verified": sum(r.verified_bundles for r in rs), "bundles_refused": sum(r.bad_bundles for r in rs),
                 "relay_failures": sum(r.failures for r in rs), "blob_fetches": dict(self.blob_fetches),
+                "relay_connects": sum(r.connects for r in rs), "relay_drops": sum(r.drops for r in rs),
+                "reregistrations": sum(r.reregistrations for r in rs),
+                "events_dropped": sum(r.events_dropped for r in rs), "events_unsent": sum(r.events_unsent for r in rs),
                 "blobs": len(self.blobs)})
         if job is not None:
             j = st.jobs.get(job)
-            out["job"] = {"job_id": job, "events": j.count if j else 0, "first_at": j.first_at if j else 0.0,
+            states: dict[str, int] = {}
+            for node in self.nodes.values():
+                for w in node.workloads.values():
+                    if w.job_id == job:
+                        states[w.state] = states.get(w.state, 0) + 1
+            out["job"] = {"job_id": job, "states": states,
+                          "events": j.count if j else 0, "first_at": j.first_at if j else 0.0,
                           "last_at": j.last_at if j else 0.0}
         return out
 
@@ -1082,7 +1109,6 @@ def _source(k: int, sources: int) -> str | None:
 
 
 def _open_fds() -> int:
-    import os
     try:
         return len(os.listdir("/proc/self/fd"))
     except OSError:
@@ -1121,7 +1147,6 @@ async def _main(cfg: FleetConfig, tokens: TokenSet, go_now: bool, seconds: float
 
 
 def _pid() -> int:
-    import os
     return os.getpid()
 
 
@@ -1151,6 +1176,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a PKI dir with ca.key: every node reports over its own mutual-TLS connection")
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.ERROR, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if os.environ.get("HERD_FLEET_DEBUG"):  # diagnosis: this module's debug lines (connections, lost events)
+        log.setLevel(logging.DEBUG)
     tokens = TokenSet.load(a.token_dir)
     cfg = FleetConfig(
         placer_url=a.placer, nodes=a.nodes, offset=a.offset, fleet=a.fleet, wire_url=a.wire_url, mux=a.mux,
