@@ -190,7 +190,7 @@ class EmulatedNode:
     """One node: the hooks its AgentLink calls, and a fake supervisor for placements."""
 
     __slots__ = ("fleet", "slot", "control_url", "refuse", "workloads", "link", "relay", "boot_id", "seq", "registered",
-                 "mac_key",
+                 "registering", "mac_key",
                  "_snap", "_uuids", "_uuid_list", "_inventory")
 
     def __init__(self, fleet: Fleet, slot: NodeSlot, control_url: str, refuse: str | None) -> None:
@@ -204,6 +204,7 @@ class EmulatedNode:
         self.boot_id = ""
         self.seq = 0
         self.registered = False
+        self.registering = False                  # relay mode: a full report of it is under way
         self.mac_key = b""                        # relay mode: from its direct registration (msgauth)
         self._snap: GpuSnapshot | None = None
         self._uuids: frozenset[str] = frozenset()
@@ -393,8 +394,8 @@ class EmulatedRelay:
         self.connects = 0
         self.drops = 0
         self.reregistrations = 0
-        self.events_dropped = 0     # pending while their member was not registered
-        self.events_unsent = 0      # in a reports call that failed
+        self.events_superseded = 0  # pending when their member's full report was built (it says them)
+        self.events_unsent = 0      # in a reports call that failed (a full report follows)
 
     async def run(self) -> None:
         f = self.fleet
@@ -529,6 +530,9 @@ class EmulatedRelay:
     def _report(self, m: EmulatedNode, *, full: bool, events: list[WorkloadEvent] | None = None) -> NodeReport:
         m.seq += 1
         if full:
+            # as AgentLink: a full report supersedes the events queued before it (its workload
+            # list says them); the ones after it wait until it is answered
+            self.events_superseded += len(self._pending.pop(m.slot.node_id, ()))
             base = m.full_report()
             if not m.boot_id:
                 m.boot_id = f"emu-{time.monotonic_ns():x}-{m.slot.node_id}"
@@ -555,21 +559,29 @@ class EmulatedRelay:
     async def _register(self, m: EmulatedNode) -> None:
         """The relay's own node registers over its frames connection (its own); a member over
         the fleet's direct framed connections: its MAC key comes only that way."""
+        if m.registering:
+            return   # one full report at a time (a later one would say nothing newer)
         if m.registered:
             self.reregistrations += 1
         m.registered = False
+        m.registering = True
         own = m is self.members[0]
-        while self.channel is not None:
-            wr = await self._exchange(m, full=True) if own else await self._register_direct(m)
-            if wr is not None and wr.status == 200:
-                self.registered += 1
-                m.registered = True
-                m.mac_key = wr.reply.mac_key or m.mac_key
-                if own and wr.reply.placer_key:
-                    self.placer_key = wr.reply.placer_key
-                self._after(m, wr.reply)
-                return
-            await trio.sleep(0.5)
+        try:
+            while self.channel is not None:
+                wr = await self._exchange(m, full=True) if own else await self._register_direct(m)
+                if wr is not None and wr.status == 200:
+                    self.registered += 1
+                    m.registered = True
+                    if m.slot.node_id in self._pending:
+                        self._flush.set()   # what happened while it registered goes up now
+                    m.mac_key = wr.reply.mac_key or m.mac_key
+                    if own and wr.reply.placer_key:
+                        self.placer_key = wr.reply.placer_key
+                    self._after(m, wr.reply)
+                    return
+                await trio.sleep(0.5)
+        finally:
+            m.registering = False
 
     async def _register_direct(self, m: EmulatedNode) -> WireReply | None:
         async with self.fleet.limiter:
@@ -606,11 +618,13 @@ class EmulatedRelay:
             self._flush = trio.Event()
             await trio.sleep(0.005)
             pending, self._pending = self._pending, {}
-            batch = [(self.by_id[nid], evs) for nid, evs in pending.items() if self.by_id[nid].registered]
-            dropped = sum(len(evs) for nid, evs in pending.items() if not self.by_id[nid].registered)
-            if dropped:
-                self.events_dropped += dropped
-                log.debug("events dropped rack=%s count=%d (members not registered)", self.rack, dropped)
+            batch = []
+            for nid, evs in pending.items():
+                m = self.by_id[nid]
+                if m.registered:
+                    batch.append((m, evs))
+                else:  # registering: its events wait for the answer (never dropped, as AgentLink's)
+                    self._pending[nid] = evs
             if batch:
                 self.fleet.spawn(self._send_events, batch)
 
@@ -627,12 +641,15 @@ class EmulatedRelay:
                 self.failures += 1
                 self.events_unsent += sum(len(evs) for _, evs in batch)
                 log.debug("events report failed rack=%s members=%d err=%r", self.rack, len(batch), e)
+                if not ch.closed.is_set():  # (a closed connection re-registers everyone: run())
+                    for m, _ in batch:      # any doubt about what the placer saw: a full report
+                        self.fleet.spawn(self._register, m)
                 return
         self.reports += len(reps)
         for (m, _), wr in zip(batch, decode_payload(f, list[WireReply]), strict=False):
-            if wr.status == 409:
+            if wr.status != 200:   # 409 (sequence), 401 (MAC): a full report, as AgentLink
                 self.fleet.spawn(self._register, m)
-            elif wr.status == 200:  # relayed: its stops count only with the placer's MAC (as an agent checks)
+            else:  # relayed: its stops count only with the placer's MAC (as an agent checks)
                 stop, _ = verified_stops(m.mac_key or None, m.slot.node_id, m.boot_id, list(wr.reply.stop))
                 self._after(m, msgspec.structs.replace(wr.reply, stop=stop))
 
@@ -981,7 +998,8 @@ class Fleet:
                 "relay_failures": sum(r.failures for r in rs), "blob_fetches": dict(self.blob_fetches),
                 "relay_connects": sum(r.connects for r in rs), "relay_drops": sum(r.drops for r in rs),
                 "reregistrations": sum(r.reregistrations for r in rs),
-                "events_dropped": sum(r.events_dropped for r in rs), "events_unsent": sum(r.events_unsent for r in rs),
+                "events_superseded": sum(r.events_superseded for r in rs),
+                "events_unsent": sum(r.events_unsent for r in rs),
                 "blobs": len(self.blobs)})
         if job is not None:
             j = st.jobs.get(job)
