@@ -103,8 +103,14 @@ async def _fleet(stack: AsyncExitStack, tmp: Path, td: Path, a: Args, n: int, *,
     c = await stack.enter_async_context(httpx.AsyncClient(timeout=120, headers=_viewer(td)))
     procs = max(1, math.ceil(n / a.per_proc))
     emus = []
+    # Whole racks per process: a rack split over two processes would have two relays, each
+    # reaching only its own members (no real relay is like that), and every round would push
+    # the rest of that rack directly (28 trays a round at gb200 131,072, measured).
+    from placer.sim import fleet_shape
+    npr = fleet_shape(a.fleet).nodes_per_rack
+    racks = math.ceil(n / npr)
     for k in range(procs):
-        lo, hi = k * n // procs, (k + 1) * n // procs
+        lo, hi = min(n, k * racks // procs * npr), min(n, (k + 1) * racks // procs * npr)
         extra = ["--fetch-delay", "0.2", "--run-delay", "0.3"] + (["--relays"] if relays else [])
         emus.append(await stack.enter_async_context(EmulatorProc(
             placer, td, nodes=hi - lo, offset=lo, fleet=a.fleet, mux=8, log_path=tmp / f"emu{k}.log", extra=extra)))
@@ -132,8 +138,15 @@ async def _register(row: dict[str, Any], key: str, placer: PlacerProc, emus: lis
     return True
 
 
-async def _stats(c: httpx.AsyncClient, emus: list[EmulatorProc]) -> dict[str, Any]:
-    ss = [await e.stats(c) for e in emus]
+DIAG = ("relay_connects", "relay_drops", "reregistrations", "events_superseded", "events_unsent")
+
+
+async def _stats(c: httpx.AsyncClient, emus: list[EmulatorProc], job: str | None = None) -> dict[str, Any]:
+    ss = [await e.stats(c, job) for e in emus]
+    states: dict[str, int] = {}
+    for s in ss:
+        for k, v in (s.get("job") or {}).get("states", {}).items():
+            states[k] = states.get(k, 0) + v
     acks: dict[str, int] = {}
     for s in ss:
         for k, v in s["acks"].items():
@@ -143,7 +156,8 @@ async def _stats(c: httpx.AsyncClient, emus: list[EmulatorProc]) -> dict[str, An
             "placement_bytes_max": max(s["placement_bytes_max"] for s in ss),
             "victims_told": sum(s["victims_told"] for s in ss),
             "last_victim_at": max(s["last_victim_at"] for s in ss),
-            "blob_fetches": [s.get("blob_fetches") for s in ss]}
+            "blob_fetches": [s.get("blob_fetches") for s in ss],
+            "diag": {k: sum(s.get(k, 0) for s in ss) for k in DIAG}, "job_states": states}
 
 
 async def _relay_stats(c: httpx.AsyncClient, url: str) -> dict[str, Any]:
@@ -190,7 +204,7 @@ async def _deliver(c: httpx.AsyncClient, placer: PlacerProc, emus: list[Emulator
     for spy in spies:
         await trio.to_thread.run_sync(spy.wait)
     t = run.get("timings", {}) or job.get("timings", {})
-    s1 = await _stats(c, emus)
+    s1 = await _stats(c, emus, spec["job_id"])
     r1 = await _relay_stats(c, placer.url)
     rel0, rel1 = r0["relays"], r1["relays"]
     out: dict[str, Any] = {
@@ -207,6 +221,10 @@ async def _deliver(c: httpx.AsyncClient, placer: PlacerProc, emus: list[Emulator
         "acks": _sub(s1["acks"], s0["acks"]), "http_placements": s1["placements"] - s0["placements"],
         "parts": s1["parts"] - s0["parts"], "part_bytes_max": s1["part_bytes_max"],
         "victims_told": s1["victims_told"] - s0["victims_told"],
+        # what the placer holds of the job's pods against what the emulated members hold (a
+        # difference is events the placer never got), and the emulators' connection diagnostics
+        "pod_counts": run.get("pod_counts"), "member_states": s1["job_states"],
+        "emulator_diag": _sub(s1["diag"], s0["diag"]),
     }
     if out["victims_told"] and "submitted" in t:
         out["submit_to_last_victim_told_ms"] = (s1["last_victim_at"] - t["submitted"]) * 1000
@@ -317,11 +335,15 @@ async def baseline_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
 
 async def run_all(nodes: list[int], a: Args) -> dict[str, Any]:
     rows, base = [], []
+    keep = os.environ.get("HERD_BENCH_KEEP")  # a directory: the rows' logs stay there (diagnosis)
     for n in nodes:
-        with tempfile.TemporaryDirectory(prefix="herd-bench-delivery-") as d:
+        with tempfile.TemporaryDirectory(prefix="herd-bench-delivery-", dir=keep) as d:
             if a.baseline:
                 base.append(await baseline_row(n, a, Path(d) / "b"))
             rows.append(await relay_row(n, a, Path(d) / "r"))
+            if keep:
+                os.rename(d, Path(keep) / f"{a.fleet}-{n}-{time.strftime('%H%M%S')}")
+                os.mkdir(d)  # (the context removes its directory)
     return {"fleet": a.fleet, "rows": rows, "baseline": base, "cores": os.cpu_count(),
             "note": "relay -> member hop emulated in-process; placer <-> relays over the real framed channel"}
 

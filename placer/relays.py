@@ -34,6 +34,7 @@ import gc
 import hashlib
 import logging
 import math
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("herd.placer.relays")
 
 TREE_FANOUT = 8
+DRAIN_SLICE_S = 0.02      # the deferred frames are applied in slices of this much CPU, then others run
 STOPS_CAP_S = 10.0        # a round of stops only: relays' time at most, and without progress
 STOPS_PATIENCE_S = 2.0
 
@@ -105,7 +107,8 @@ class RelayHub:
         self._active: dict[str, RelayConn] = {}             # rack -> chosen (cache)
         self.stats = RelayStats()
         self._delivering = 0                                 # deliveries in flight
-        self._deferred: collections.deque[tuple[FrameChannel, Frame]] = collections.deque()
+        # (channel, frame, when it arrived by the placer's clock): what relays sent during a delivery
+        self._deferred: collections.deque[tuple[FrameChannel, Frame, float]] = collections.deque()
         self._drained = 0
         self._draining = False
 
@@ -182,9 +185,16 @@ class RelayHub:
         if (self._delivering or self._deferred) and f.type in ("beat", "report", "reports"):
             # acks first: what relays report while a delivery is out waits until it is in, in
             # arrival order (per connection too), then is applied and answered
-            self._deferred.append((ch, f))
+            self._deferred.append((ch, f, self.svc.clock()))
             return None
         return self._apply(ch, f)
+
+    def heard_until(self) -> float | None:
+        """When the oldest frame still waiting here arrived (None: nothing waits). Heartbeats
+        that came before then have all been applied; later ones may still be in the queue, so
+        a node is judged silent only up to this instant (the lost check's clock, service._tick):
+        beats the placer itself held back never make a node lost."""
+        return self._deferred[0][2] if self._deferred else None
 
     async def _drain_deferred(self) -> None:
         """Apply the frames that waited for a delivery, in order, yielding now and then."""
@@ -197,12 +207,17 @@ class RelayHub:
             self._draining = False
 
     async def _drain(self) -> None:
+        # In slices of DRAIN_SLICE_S, not of a fixed count: on a busy loop each checkpoint waits
+        # for every other runnable task, and 64 frames a turn drained ~1,300 frames/s at 131,072
+        # nodes under load, slower than 7,000 relays' beats arrive (the backlog never emptied,
+        # and its beats came too late: the whole fleet was marked lost, measured).
+        slice_end = time.perf_counter() + DRAIN_SLICE_S
         while self._deferred and not self._delivering:
-            ch, f = self._deferred.popleft()
+            ch, f, at = self._deferred.popleft()
             if ch.closed.is_set():
                 continue
             try:
-                out = self._apply(ch, f)
+                out = self._apply(ch, f, at)
             except Exception:
                 log.exception("deferred frame failed type=%s", f.type)
                 out = ("error", {"error": f"internal error handling a {f.type} frame"})
@@ -212,10 +227,12 @@ class RelayHub:
                 except FrameError:
                     pass
             self._drained += 1
-            if self._drained % 64 == 0:
+            if time.perf_counter() >= slice_end:
                 await trio.lowlevel.checkpoint()
+                slice_end = time.perf_counter() + DRAIN_SLICE_S
 
-    def _apply(self, ch: FrameChannel, f: Frame) -> tuple[str, Any] | None:
+    def _apply(self, ch: FrameChannel, f: Frame, at: float | None = None) -> tuple[str, Any] | None:
+        """One frame from a relay; ``at``: when it arrived, if it waited (a beat counts then)."""
         t = f.type
         conn: RelayConn | None = ch.info
         via = conn.node_id if conn is not None else ch.name
@@ -223,7 +240,7 @@ class RelayHub:
             b = decode_payload(f, RackBeat)
             self.stats.beats += 1
             self.stats.beat_entries += len(b.node_ids)
-            beat_reply, pushes = self.svc.state.beat(b, self.svc.clock(), via=via)
+            beat_reply, pushes = self.svc.state.beat(b, self.svc.clock() if at is None else at, via=via)
             self.svc._carry_out(pushes)
             return "beat_reply", beat_reply
         if t == "report":

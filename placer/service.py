@@ -181,7 +181,7 @@ class PlacerService:
                 await self._kick.wait()
             self._kick = trio.Event()
             now = self.clock()
-            self._carry_out(self.state.tick(now))
+            self._tick(now)
             rebuilds = self.state.counters["rebuilds"]
             # A pass makes long-lived records (a 25,000-pod gang's); collecting while it runs
             # would walk them again and again for nothing: collect later, and freeze them.
@@ -209,6 +209,14 @@ class PlacerService:
                 self._maybe_freeze()
             self._after_change()
             await trio.lowlevel.checkpoint()  # let reports in between passes
+
+    def _tick(self, now: float) -> None:
+        """Timers (lost nodes, fencing, retries) as of ``now``, but never past what the placer
+        has heard: while relays' frames wait in its own queue (a delivery's acks first, then
+        the backlog), their beats count from when they arrived, and no node is judged silent
+        beyond the oldest of them (RelayHub.heard_until)."""
+        heard = self.relays.heard_until()
+        self._carry_out(self.state.tick(now if heard is None else min(now, heard)))
 
     def _maybe_freeze(self) -> None:
         """After a pass that rebuilt the model or decided (the records it made live long),

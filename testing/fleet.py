@@ -114,7 +114,6 @@ log = logging.getLogger("herd.testing.fleet")
 
 _placement_dec = msgspec.json.Decoder(Placement)
 _enc = msgspec.json.Encoder()
-_mp_enc = msgspec.msgpack.Encoder()
 _part_dec = msgspec.msgpack.Decoder(NodePart)
 VERIFY_EVERY = 8     # relay mode: bundles whose placer signature the emulator checks (see EmulatedRelay)
 
@@ -191,7 +190,7 @@ class EmulatedNode:
     """One node: the hooks its AgentLink calls, and a fake supervisor for placements."""
 
     __slots__ = ("fleet", "slot", "control_url", "refuse", "workloads", "link", "relay", "boot_id", "seq", "registered",
-                 "mac_key",
+                 "registering", "mac_key",
                  "_snap", "_uuids", "_uuid_list", "_inventory")
 
     def __init__(self, fleet: Fleet, slot: NodeSlot, control_url: str, refuse: str | None) -> None:
@@ -205,6 +204,7 @@ class EmulatedNode:
         self.boot_id = ""
         self.seq = 0
         self.registered = False
+        self.registering = False                  # relay mode: a full report of it is under way
         self.mac_key = b""                        # relay mode: from its direct registration (msgauth)
         self._snap: GpuSnapshot | None = None
         self._uuids: frozenset[str] = frozenset()
@@ -390,6 +390,12 @@ class EmulatedRelay:
         self._verifier: BundleVerifier | None = None
         self.bad_bundles = 0
         self.verified_bundles = 0
+        # diagnostics (GET /stats): connections made and lost, registrations again, events lost
+        self.connects = 0
+        self.drops = 0
+        self.reregistrations = 0
+        self.events_superseded = 0  # pending when their member's full report was built (it says them)
+        self.events_unsent = 0      # in a reports call that failed (a full report follows)
 
     async def run(self) -> None:
         f = self.fleet
@@ -415,6 +421,7 @@ class EmulatedRelay:
                 continue
             backoff = 0.05
             self.channel = ch
+            self.connects += 1
             try:
                 async with trio.open_nursery() as n:
                     n.start_soon(self._serve, ch, n.cancel_scope)
@@ -424,6 +431,8 @@ class EmulatedRelay:
                     n.start_soon(self._events)
             finally:
                 self.channel = None
+                self.drops += 1
+                log.debug("relay connection lost rack=%s relay=%s", self.rack, self.members[0].slot.node_id)
                 for m in self.members:
                     m.boot_id = ""
                     m.registered = False
@@ -461,6 +470,11 @@ class EmulatedRelay:
             self.bad_bundles += 1
             return "error", {"error": f"bundle refused: {e}"}
         self.bundles += 1
+        # what a member receives of it: its part as signed (the bytes in the bundle; re-encoding
+        # every decoded part to measure it cost ~7 % of the emulator's CPU in a delivery)
+        size = max(map(len, rb.parts), default=0)
+        if size > self.part_bytes_max:
+            self.part_bytes_max = size
         if self.hung:
             return None  # taken, never answered
         if rb.blob is not None and rb.blob_id:
@@ -489,11 +503,6 @@ class EmulatedRelay:
         """After the acks went out: victims stopped, then the rack's new pods fetch and run
         (one task per bundle, not per node; no "accepted" event: the ack said it)."""
         await trio.lowlevel.checkpoint()  # the acks frame is queued first
-        enc = _mp_enc.encode
-        for part in parts:
-            size = len(enc(part))  # what the member would receive (the in-process hop's frame)
-            if size > self.part_bytes_max:
-                self.part_bytes_max = size
         starts: list[tuple[EmulatedNode, list[str]]] = []
         blob_id = ""
         for m, fresh, part in later:
@@ -523,6 +532,9 @@ class EmulatedRelay:
     def _report(self, m: EmulatedNode, *, full: bool, events: list[WorkloadEvent] | None = None) -> NodeReport:
         m.seq += 1
         if full:
+            # as AgentLink: a full report supersedes the events queued before it (its workload
+            # list says them); the ones after it wait until it is answered
+            self.events_superseded += len(self._pending.pop(m.slot.node_id, ()))
             base = m.full_report()
             if not m.boot_id:
                 m.boot_id = f"emu-{time.monotonic_ns():x}-{m.slot.node_id}"
@@ -549,19 +561,29 @@ class EmulatedRelay:
     async def _register(self, m: EmulatedNode) -> None:
         """The relay's own node registers over its frames connection (its own); a member over
         the fleet's direct framed connections: its MAC key comes only that way."""
+        if m.registering:
+            return   # one full report at a time (a later one would say nothing newer)
+        if m.registered:
+            self.reregistrations += 1
         m.registered = False
+        m.registering = True
         own = m is self.members[0]
-        while self.channel is not None:
-            wr = await self._exchange(m, full=True) if own else await self._register_direct(m)
-            if wr is not None and wr.status == 200:
-                self.registered += 1
-                m.registered = True
-                m.mac_key = wr.reply.mac_key or m.mac_key
-                if own and wr.reply.placer_key:
-                    self.placer_key = wr.reply.placer_key
-                self._after(m, wr.reply)
-                return
-            await trio.sleep(0.5)
+        try:
+            while self.channel is not None:
+                wr = await self._exchange(m, full=True) if own else await self._register_direct(m)
+                if wr is not None and wr.status == 200:
+                    self.registered += 1
+                    m.registered = True
+                    if m.slot.node_id in self._pending:
+                        self._flush.set()   # what happened while it registered goes up now
+                    m.mac_key = wr.reply.mac_key or m.mac_key
+                    if own and wr.reply.placer_key:
+                        self.placer_key = wr.reply.placer_key
+                    self._after(m, wr.reply)
+                    return
+                await trio.sleep(0.5)
+        finally:
+            m.registering = False
 
     async def _register_direct(self, m: EmulatedNode) -> WireReply | None:
         if self.fleet.node_tls is not None:
@@ -624,7 +646,13 @@ class EmulatedRelay:
             self._flush = trio.Event()
             await trio.sleep(0.005)
             pending, self._pending = self._pending, {}
-            batch = [(self.by_id[nid], evs) for nid, evs in pending.items() if self.by_id[nid].registered]
+            batch = []
+            for nid, evs in pending.items():
+                m = self.by_id[nid]
+                if m.registered:
+                    batch.append((m, evs))
+                else:  # registering: its events wait for the answer (never dropped, as AgentLink's)
+                    self._pending[nid] = evs
             if batch:
                 self.fleet.spawn(self._send_events, batch)
 
@@ -637,14 +665,19 @@ class EmulatedRelay:
             try:
                 f = await ch.call("reports", RackReports(rack=self.rack, reports=reps),
                                   timeout_s=self.fleet.cfg.request_timeout_s)
-            except (FrameError, CallFailed, trio.TooSlowError):
+            except (FrameError, CallFailed, trio.TooSlowError) as e:
                 self.failures += 1
+                self.events_unsent += sum(len(evs) for _, evs in batch)
+                log.debug("events report failed rack=%s members=%d err=%r", self.rack, len(batch), e)
+                if not ch.closed.is_set():  # (a closed connection re-registers everyone: run())
+                    for m, _ in batch:      # any doubt about what the placer saw: a full report
+                        self.fleet.spawn(self._register, m)
                 return
         self.reports += len(reps)
         for (m, _), wr in zip(batch, decode_payload(f, list[WireReply]), strict=False):
-            if wr.status == 409:
+            if wr.status != 200:   # 409 (sequence), 401 (MAC): a full report, as AgentLink
                 self.fleet.spawn(self._register, m)
-            elif wr.status == 200:  # relayed: its stops count only with the placer's MAC (as an agent checks)
+            else:  # relayed: its stops count only with the placer's MAC (as an agent checks)
                 stop, _ = verified_stops(m.mac_key or None, m.slot.node_id, m.boot_id, list(wr.reply.stop))
                 self._after(m, msgspec.structs.replace(wr.reply, stop=stop))
 
@@ -999,10 +1032,20 @@ class Fleet:
                 "part_bytes_max": max((r.part_bytes_max for r in rs), default=0),
                 "bundles_verified": sum(r.verified_bundles for r in rs), "bundles_refused": sum(r.bad_bundles for r in rs),
                 "relay_failures": sum(r.failures for r in rs), "blob_fetches": dict(self.blob_fetches),
+                "relay_connects": sum(r.connects for r in rs), "relay_drops": sum(r.drops for r in rs),
+                "reregistrations": sum(r.reregistrations for r in rs),
+                "events_superseded": sum(r.events_superseded for r in rs),
+                "events_unsent": sum(r.events_unsent for r in rs),
                 "blobs": len(self.blobs)})
         if job is not None:
             j = st.jobs.get(job)
-            out["job"] = {"job_id": job, "events": j.count if j else 0, "first_at": j.first_at if j else 0.0,
+            states: dict[str, int] = {}
+            for node in self.nodes.values():
+                for w in node.workloads.values():
+                    if w.job_id == job:
+                        states[w.state] = states.get(w.state, 0) + 1
+            out["job"] = {"job_id": job, "states": states,
+                          "events": j.count if j else 0, "first_at": j.first_at if j else 0.0,
                           "last_at": j.last_at if j else 0.0}
         return out
 
@@ -1123,7 +1166,6 @@ def _source(k: int, sources: int) -> str | None:
 
 
 def _open_fds() -> int:
-    import os
     try:
         return len(os.listdir("/proc/self/fd"))
     except OSError:
@@ -1162,7 +1204,6 @@ async def _main(cfg: FleetConfig, tokens: TokenSet, go_now: bool, seconds: float
 
 
 def _pid() -> int:
-    import os
     return os.getpid()
 
 
@@ -1194,6 +1235,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the emulator's log level (default ERROR; env HERD_EMU_LOG)")
     a = ap.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    if os.environ.get("HERD_FLEET_DEBUG"):  # diagnosis: this module's debug lines (connections, lost events)
+        log.setLevel(logging.DEBUG)
     tokens = TokenSet.load(a.token_dir)
     cfg = FleetConfig(
         placer_url=a.placer, nodes=a.nodes, offset=a.offset, fleet=a.fleet, wire_url=a.wire_url, mux=a.mux,

@@ -1,0 +1,98 @@
+"""The fleet emulator's relay mode keeps its members' workload events as AgentLink does
+(issue 12, the jobs acked but stuck in "starting" at 131,072 nodes): an event that happens while
+its member is registering again is not dropped but waits for the answer; a full report
+supersedes the events queued before it (its workload list says them), never the ones after; a
+reports call that fails, or is answered with anything but 200, is followed by a full report.
+In process, on trio's virtual clock, with a fake frames connection that records what goes up."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import trio
+import trio.testing
+
+from scheduler_link.auth import TokenSet
+from scheduler_link.frames import CallFailed, encode_frame
+from scheduler_link.heartbeat_wire import WireReply
+from scheduler_link.messages import Frame, RackReports, ReportReply, WorkloadStatus
+from testing.fleet import EmulatedNode, EmulatedRelay, Fleet, FleetConfig, fleet_nodes
+
+
+class FakeChannel:
+    """A relay's frames connection to the placer: ``reports`` calls answered with ``status``
+    per report (or failing when ``fail``), each recorded."""
+
+    def __init__(self) -> None:
+        self.closed = trio.Event()
+        self.calls: list[RackReports] = []
+        self.status = 200
+        self.fail = False
+
+    async def call(self, type_: str, payload: Any, *, timeout_s: float | None = None) -> Frame:
+        assert type_ == "reports"
+        self.calls.append(payload)
+        if self.fail:
+            raise CallFailed("the placer said no")
+        body = [WireReply(status=self.status, reply=ReportReply(ok=self.status == 200)) for _ in payload.reports]
+        return msgspec.msgpack.decode(encode_frame("replies", body)[4:], type=Frame)
+
+
+def _relay() -> tuple[Fleet, EmulatedRelay]:
+    fleet = Fleet(FleetConfig(placer_url="http://127.0.0.1:9", nodes=2, relays=True), TokenSet())
+    members = [EmulatedNode(fleet, s, f"http://127.0.0.1:9/n/{s.node_id}", None) for s in fleet_nodes("h100", 0, 2)]
+    relay = EmulatedRelay(fleet, "hz00/b000/r00", members, None)
+    for m in members:
+        m.relay = relay
+        m.registered, m.boot_id, m.seq = True, f"boot-{m.slot.node_id}", 1
+        m.workloads["j.1.0"] = WorkloadStatus(workload_id="j.1.0", job_id="j", state="accepted", gpus=[])
+    return fleet, relay
+
+
+def _events(ch: FakeChannel) -> list[tuple[str, int, list[str]]]:
+    return [(r.node_id, r.seq, [e.state for e in r.events]) for c in ch.calls for r in c.reports]
+
+
+async def test_events_while_a_member_registers_wait_and_a_full_report_supersedes_only_older_ones(autojump_clock):
+    fleet, relay = _relay()
+    ch = FakeChannel()
+    relay.channel = ch  # type: ignore[assignment]
+    m, other = relay.members
+    registered: list[int] = []
+
+    async def register_direct(node: Any, **kw: Any) -> WireReply:   # its own connection (or the relay's)
+        relay._report(node, full=True)
+        registered.append(node.seq)
+        await trio.sleep(1.0)
+        return WireReply(status=200, reply=ReportReply(ok=True))
+
+    relay._register_direct = register_direct  # type: ignore[method-assign,assignment]
+    relay._exchange = register_direct  # type: ignore[method-assign,assignment]
+    async with trio.open_nursery() as n:
+        fleet._nursery = n
+        n.start_soon(relay._events)
+        m._event("j.1.0", "fetching")          # registered: goes up within a few ms
+        await trio.sleep(0.1)
+        assert _events(ch) == [(m.slot.node_id, 2, ["fetching"])]
+        m._event("j.1.0", "running")           # queued before the full report: superseded by it
+        n.start_soon(relay._register, m)
+        await trio.testing.wait_all_tasks_blocked()
+        assert registered == [3] and relay.events_superseded == 1 and not m.registered
+        m._event("j.1.0", "exited", exit_code=0)   # after the full report was built: waits for the answer
+        other._event("j.1.0", "fetching")          # another member's still goes at once
+        await trio.sleep(0.1)
+        assert _events(ch)[1:] == [(other.slot.node_id, 2, ["fetching"])]
+        await trio.sleep(1.0)                  # registered again: the waiting event goes up, after it
+        assert m.registered and _events(ch)[2:] == [(m.slot.node_id, 4, ["exited"])]
+        # a failed call, then a 409: each followed by a full report of the members in it
+        ch.fail = True
+        other._event("j.1.0", "running")
+        await trio.sleep(0.1)
+        assert registered == [3, 4] and relay.events_unsent == 1
+        await trio.sleep(1.5)
+        ch.fail, ch.status = False, 409
+        other._event("j.1.0", "exited", exit_code=0)
+        await trio.sleep(0.1)
+        assert registered == [3, 4, 6] and relay.reregistrations == 3
+        n.cancel_scope.cancel()
