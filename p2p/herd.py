@@ -85,7 +85,7 @@ class HerdConfig:
     penalty_s: float = 30.0
     endgame: int = 4                   # duplicate the last N outstanding chunks to a 2nd peer
     # Requests for one chunk (or manifest) to an origin that is down or says "later"
-    # (OriginUnavailable), the first included: with the backoff below, ~1.5-2 min of outage.
+    # (OriginUnavailable), the first included: with the backoff below, 1-2 min of outage.
     # The only retry layer of a fetch: origins are opened with retries=0.
     origin_tries: int = 30
     backoff_min_s: float = 0.1
