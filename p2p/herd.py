@@ -87,7 +87,7 @@ class HerdConfig:
     penalty_s: float = 30.0
     endgame: int = 4                   # duplicate the last N outstanding chunks to a 2nd peer
     # Requests for one chunk (or manifest) to an origin that is down or says "later"
-    # (OriginUnavailable), the first included: with the backoff below, ~1.5-2 min of outage.
+    # (OriginUnavailable), the first included: with the backoff below, 1-2 min of outage.
     # The only retry layer of a fetch: origins are opened with retries=0.
     origin_tries: int = 30
     backoff_min_s: float = 0.1
@@ -809,8 +809,8 @@ class Herd:
         bounded concurrency and jittered exponential backoff between them.
 
         Asked again: ``OriginUnavailable`` (down, or 408/429/5xx), and an answer ``verify``
-        refuses (bad bytes in transit) up to ``origin_verify_tries`` times -- the same bad
-        bytes that often are corrupt at rest: ``OriginCorruptError``. Not asked again:
+        refuses (bad bytes in transit) -- ``origin_verify_tries`` such answers mean corrupt
+        at rest: ``OriginCorruptError``. Not asked again:
         ``NotFoundError`` and every other ``OriginError`` (401/403, a bad request, a body
         over its bound): the answer will not change, so it fails at once. Every error
         names ``what`` (the chunk or manifest) and the origin's last answer."""
@@ -836,7 +836,7 @@ class Herd:
                 continue
             except OriginError as e:
                 self.counters.origin_errors += 1
-                raise OriginError(f"{what}: {e} (an answer that will not change: not retried)") from None
+                raise type(e)(f"{what}: {e} (an answer that will not change: not retried)") from None
             await self._origin_bucket.consume(len(data))
             if verify is None or verify(data):
                 return bytes(data)
