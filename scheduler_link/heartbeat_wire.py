@@ -227,8 +227,13 @@ class HeartbeatServer:
 
     async def _tls_accept(self, stream: trio.SocketStream) -> trio.SSLStream[trio.SocketStream] | None:
         assert self.ssl_context is not None
-        why = "no handshake slot in time"
-        with trio.move_on_after(self.handshake_queue_s):
+        why = "no ClientHello in time"
+        with trio.move_on_after(self.hello_timeout_s):
+            # a connection takes a slot only once its client has said something: connected
+            # and silent, it holds none (only a socket, under max_connections)
+            await trio.lowlevel.wait_readable(stream.socket)
+            why = "no handshake slot in time"
+        with trio.move_on_after(self.handshake_queue_s if why.startswith("no handshake") else 0):
             async with self._handshakes:
                 if tls.peer_hung_up(stream):
                     self.tls_refusals["gone"] = self.tls_refusals.get("gone", 0) + 1
@@ -240,7 +245,8 @@ class HeartbeatServer:
                 if s is not None:
                     return s
         self.tls_refused += 1
-        cause = ("queue" if why.startswith("no handshake slot") else "timeout" if why.startswith("handshake timed")
+        cause = ("queue" if why.startswith("no handshake slot") else
+                 "timeout" if why.startswith(("handshake timed", "no ClientHello"))
                  else "plain" if "does not speak TLS" in why else "peer" if "closed the connection" in why
                  else "certificate" if "certificate" in why else "other")
         self.tls_refusals[cause] = self.tls_refusals.get(cause, 0) + 1
