@@ -194,6 +194,69 @@ def send_frames(sock_fd: int, frames: list[Outgoing], stall_s: float, stop: thre
         sock.close()
 
 
+Session = tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]
+
+
+def tls_session(stream: object) -> Session | None:
+    """The TLS session objects inside a ``trio.SSLStream`` (its SSLObject and memory
+    BIOs: private attributes of trio), for a worker thread to encrypt or decrypt with
+    while the stream's owner leaves the stream alone; None where they are not found as
+    expected (another trio: the caller then goes through the stream on the trio thread)."""
+    obj, inc, out = (getattr(stream, a, None) for a in ("_ssl_object", "_incoming", "_outgoing"))
+    if isinstance(obj, ssl.SSLObject) and isinstance(inc, ssl.MemoryBIO) and isinstance(out, ssl.MemoryBIO):
+        return obj, inc, out
+    return None
+
+
+def send_frames_tls(sock_fd: int, session: Session, frames: list[Outgoing], stall_s: float,
+                    stop: threading.Event, piece: int = 256 * 1024) -> str:
+    """:func:`send_frames` through an established TLS session (see :func:`tls_session`):
+    each frame's header and body (pread in ``piece``-sized reads) encrypted into the
+    session's outgoing BIO and sent from there. Owns ``sock_fd`` (a duplicate) and the
+    frames' descriptors, like :func:`send_frames`."""
+    sock = socket.socket(fileno=sock_fd)
+    obj, _, out = session
+    poller = select.poll()
+    poller.register(sock_fd, select.POLLOUT)
+
+    def push(data: bytes | memoryview) -> str:
+        obj.write(data)
+        wire = memoryview(out.read())
+        deadline = time.monotonic() + stall_s
+        while wire:
+            try:
+                wire = wire[sock.send(wire):]
+                deadline = time.monotonic() + stall_s
+            except BlockingIOError:
+                while not poller.poll(POLL_S * 1000):
+                    if stop.is_set():
+                        return "stopped"
+                    if time.monotonic() >= deadline:
+                        return "stall"
+        return ""
+
+    try:
+        for f in frames:
+            if why := push(f.header):
+                return why
+            off = 0
+            while off < f.size:
+                data = os.pread(f.fd, min(piece, f.size - off), off)
+                if not data:
+                    return "chunk file truncated while sending"
+                if why := push(data):
+                    return why
+                off += len(data)
+        return ""
+    except (OSError, ssl.SSLError) as e:
+        return getattr(e, "strerror", None) or str(e)
+    finally:
+        for f in frames:
+            if f.fd >= 0:
+                os.close(f.fd)
+        sock.close()
+
+
 # ------------------------------------------------------------------------------ receiving (client)
 
 @dataclass(slots=True)

@@ -78,6 +78,7 @@ import trio
 
 from scheduler_link.gate import ConnectionGate, turn_away
 
+from . import batch as _b
 from .batch import BUSY, MISSING, OK, BatchQueryError, Handoff, Outgoing, frame, parse_ids, send_frames
 from .batch import CONTENT_TYPE as BATCH_TYPE
 from .errors import StoreError
@@ -745,6 +746,28 @@ class DataPlane:
                     raise
                 finally:
                     # the thread owns the descriptors once it started; else they are ours
+                    handed = not hand.keep()
+                    if not handed:
+                        os.close(dup)
+                if why:
+                    raise trio.BrokenResourceError(f"batch send: {why}")
+            elif (session := _b.tls_session(stream)) is not None and isinstance(stream, trio.SSLStream):
+                # TLS: the head through the stream, the frames encrypted and sent by a
+                # worker thread with the connection's own session (this task holds it)
+                await self._send_all(stream, out)
+                raw = stream.transport_stream
+                assert isinstance(raw, trio.SocketStream)
+                stop = threading.Event()
+                hand = Handoff()
+                dup = os.dup(raw.socket.fileno())
+                job = partial(hand.run, partial(_b.send_frames_tls, dup, session, frames,
+                                                self.config.send_stall_s, stop))
+                try:
+                    why = await trio.to_thread.run_sync(job, abandon_on_cancel=True, limiter=self._send_threads)
+                except BaseException:
+                    stop.set()
+                    raise
+                finally:
                     handed = not hand.keep()
                     if not handed:
                         os.close(dup)

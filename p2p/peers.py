@@ -46,6 +46,7 @@ from scheduler_link.errors import ProtocolError
 from scheduler_link.h1 import parse_response_head
 
 from .batch import FRAME, FrameReader, Handoff, Received, TLSFrameReader, query_of, receive_frames
+from .batch import tls_session as _session
 from .errors import PeerError
 from .ratelimit import AsyncBucket
 
@@ -593,16 +594,6 @@ def _receive_and_hash(fd: int, body: bytearray, got: int, length: int, stall_s: 
                 setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             except OSError:
                 pass
-
-
-def _session(tls: trio.SSLStream[Any]) -> tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO] | None:
-    """The TLS session objects inside a ``trio.SSLStream`` (its SSLObject and memory
-    BIOs; private attributes of trio 0.2x), or None where they are not found as expected
-    (another trio: the batch is then received on the trio thread, through the stream)."""
-    obj, inc, out = (getattr(tls, a, None) for a in ("_ssl_object", "_incoming", "_outgoing"))
-    if isinstance(obj, ssl.SSLObject) and isinstance(inc, ssl.MemoryBIO) and isinstance(out, ssl.MemoryBIO):
-        return obj, inc, out
-    return None
 
 
 def _raise_for(status: int, where: str, head: bytes) -> None:

@@ -406,3 +406,44 @@ def test_frame_layout_is_fixed() -> None:
 async def test_unreachable_peer_is_unavailable() -> None:
     with pytest.raises(PeerUnavailable):
         await _client("thread", connect_s=1).get_chunks("http://127.0.0.1:9", [("a" * 64, 1)], store=_Sink())
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_a_client_leaving_mid_batch_frees_the_server(tmp_path: Path, tls: bool) -> None:
+    """The asker stops reading, then goes away in the middle of a large batch: the
+    server's sending thread notices (within send_stall_s at worst), the connection,
+    its serving slot and the per-chunk counts are freed, and the next batch is served."""
+    src = ChunkStore(tmp_path / "s")
+    chunks = _chunks([4 << 20] * 4)
+    for cid, data in chunks:
+        src.put_chunk(cid, data)
+    ids = ",".join(c for c, _ in chunks)
+    cfg = DataPlaneConfig(send_stall_s=2.0)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            url, plane = await _serve(nursery, src, config=cfg, **_tls_kw("tls" if tls else "thread"))
+            port = int(url.rsplit(":", 1)[1])
+            raw = await trio.open_tcp_stream("127.0.0.1", port)
+            raw.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            stream: trio.abc.Stream = raw
+            if tls:
+                stream = trio.SSLStream(raw, _tls()[1], server_hostname="127.0.0.1")
+            await stream.send_all(f"GET /v1/chunks?ids={ids} HTTP/1.1\r\nHost: x\r\n"
+                                  f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+            await stream.receive_some(65536)                  # the head and a little
+            while not plane._serving:
+                await trio.sleep(0.01)
+            raw.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            raw.socket.close()                                 # gone, mid-batch
+            for _ in range(300):
+                s = plane.statistics()
+                if not plane._serving and s["active"] == 0 and s["open_connections"] == 0:
+                    break
+                await trio.sleep(0.02)
+            assert not plane._serving and s["active"] == 0 and s["open_connections"] == 0
+            assert s["batches"] == 0                           # that answer was never complete
+            sink = _Sink()
+            got = await _client("tls" if tls else "thread").get_chunks(
+                url, [(c, len(d)) for c, d in chunks], store=sink)
+            assert got.outcomes == ["ok"] * 4 and sink.got == dict(chunks)
+            nursery.cancel_scope.cancel()
