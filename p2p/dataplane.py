@@ -27,7 +27,9 @@ the page cache to the socket with ``os.sendfile`` on the non-blocking socket
 TLS (``ssl_context``, a server context from :mod:`scheduler_link.tls`; the URL is then
 https://): each connection's handshake must finish within ``head_timeout_s``; bodies go
 through the TLS layer (pread + send: no sendfile without kernel TLS), so TLS costs CPU on
-both ends (``python -m bench.node`` measures how much).
+both ends (``python -m bench.node`` measures how much). A batch answer's frames are
+encrypted and sent by a worker thread with the connection's own TLS session
+(:func:`p2p.batch.send_frames_tls`), so encryption runs off the event loop.
 
 Hostile input costs the sender, never this daemon. Bounds (``DataPlaneConfig``), in the
 order a request meets them:
@@ -47,6 +49,10 @@ order a request meets them:
   ``max_per_client`` (32) per address (503 + Retry-After when over); a slot is held
   until the answer has been sent, and ``send_stall_s`` (30 s) without send progress
   drops the connection. ``/v1/stats`` takes no slot: it is always answered.
+- **Batches** (``GET /v1/chunks?ids=``): at most ``max_batch_chunks`` (64) ids, all
+  well-formed and distinct, naming at most ``max_batch_bytes`` (128 MiB) of chunks here
+  (400 / 413 otherwise, before anything is sent); one serving slot per batch, and every
+  chunk in it counts against ``max_serving_per_chunk`` until the answer is sent.
 - **Waits** (``?wait_ms=``) have their own budget: ``max_waiting`` (256) waiting at
   once and ``max_waiting_per_client`` (64) per address (503 when over), and hold no
   serving slot while they wait, so a wait flood cannot starve serving; ``wait_ms`` is

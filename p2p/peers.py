@@ -196,7 +196,7 @@ class PeerClient:
         return data
 
     async def get_chunks(self, base_url: str, items: Sequence[tuple[str, int]], *,
-                         store: Callable[[str, bytearray], object],
+                         store: Callable[[str, memoryview], object],
                          gate: trio.CapacityLimiter | None = None) -> Received:
         """Several chunks in one request (``GET /v1/chunks?ids=``, :mod:`p2p.batch`), each
         verified (BLAKE3 as its bytes land) and handed to ``store(id, bytes)`` as soon as
@@ -234,7 +234,7 @@ class PeerClient:
         raise PeerUnavailable(f"{base_url}/v1/chunks: no connection")  # pragma: no cover
 
     async def _exchange_batch(self, conn: _Conn, key: tuple[str, int], path: str,
-                              items: Sequence[tuple[str, int]], store: Callable[[str, bytearray], object],
+                              items: Sequence[tuple[str, int]], store: Callable[[str, memoryview], object],
                               gate: trio.CapacityLimiter | None) -> tuple[Received, bool]:
         cfg = self.config
         where = f"http://{key[0]}:{key[1]}/v1/chunks ({len(items)} chunks)"
@@ -271,7 +271,7 @@ class PeerClient:
         return got_, keep and not got_.kind
 
     async def _frames_in_thread(self, conn: _Conn, rest: bytes, items: Sequence[tuple[str, int]], length: int,
-                                store: Callable[[str, bytearray], object]) -> Received:
+                                store: Callable[[str, memoryview], object]) -> Received:
         """The frames received, verified and stored by a worker thread (its own duplicate
         of the socket; abandoned on cancel: it stops within ``POLL_S``). Under TLS the
         thread decrypts too, with the connection's own session (borrowed from its
@@ -300,7 +300,7 @@ class PeerClient:
         return got
 
     async def _frames_in_loop(self, conn: _Conn, rest: bytes, items: Sequence[tuple[str, int]], length: int,
-                              store: Callable[[str, bytearray], object], where: str) -> Received:
+                              store: Callable[[str, memoryview], object], where: str) -> Received:
         """TLS or a rate cap: the answer received here (at most ``max_batch_bytes``), then
         its frames verified and stored in a worker thread. A cut answer: the frames
         complete before the cut are kept."""
