@@ -123,16 +123,36 @@ class Handoff:
 
 @dataclass(slots=True)
 class Outgoing:
-    """One frame to send: the header, and the chunk file's descriptor and size (-1 and 0
-    for a frame without a body)."""
+    """One frame to send: the header, and the chunk file's path and size ("" and 0 for a
+    frame without a body). The file is opened only while its frame is being sent (``fd``),
+    so a batch holds one chunk file open at a time however many it names."""
     header: bytes
-    fd: int = -1
+    path: str = ""
     size: int = 0
+    fd: int = -1
+
+    def open(self) -> str:
+        """Open the chunk file for sending: "" or why not (the frame cannot be sent: the
+        answer's framing is then broken, the connection must be dropped)."""
+        if not self.path or self.fd >= 0:
+            return ""
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return "chunk evicted while its batch was being sent"
+        if os.fstat(self.fd).st_size != self.size:
+            return "chunk file changed size while its batch was being sent"
+        return ""
+
+    def done(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def send_frames(sock_fd: int, frames: list[Outgoing], stall_s: float, stop: threading.Event) -> str:
     """Worker thread: send every frame on the non-blocking socket ``sock_fd`` (a
-    duplicate this function closes, with every frame's file descriptor): the header
+    duplicate this function closes; each frame's file is opened while it is sent): the header
     with ``MSG_MORE``, the body by ``sendfile`` (pread + send where the file system
     cannot). Returns "" when all was sent, else why not ("stall", "stopped", an error's
     text): the connection must then be dropped, its framing is broken."""
@@ -152,6 +172,8 @@ def send_frames(sock_fd: int, frames: list[Outgoing], stall_s: float, stop: thre
 
     try:
         for f in frames:
+            if why := f.open():
+                return why
             view = memoryview(f.header)
             while view:
                 try:
@@ -184,13 +206,13 @@ def send_frames(sock_fd: int, frames: list[Outgoing], stall_s: float, stop: thre
                 if n == 0:
                     return "chunk file truncated while sending"
                 off += n
+            f.done()
         return ""
     except OSError as e:
         return e.strerror or str(e)
     finally:
         for f in frames:
-            if f.fd >= 0:
-                os.close(f.fd)
+            f.done()
         sock.close()
 
 
@@ -212,8 +234,8 @@ def send_frames_tls(sock_fd: int, session: Session, frames: list[Outgoing], stal
                     stop: threading.Event, piece: int = 256 * 1024) -> str:
     """:func:`send_frames` through an established TLS session (see :func:`tls_session`):
     each frame's header and body (pread in ``piece``-sized reads) encrypted into the
-    session's outgoing BIO and sent from there. Owns ``sock_fd`` (a duplicate) and the
-    frames' descriptors, like :func:`send_frames`."""
+    session's outgoing BIO and sent from there. Owns ``sock_fd`` (a duplicate), like
+    :func:`send_frames`."""
     sock = socket.socket(fileno=sock_fd)
     obj, _, out = session
     poller = select.poll()
@@ -237,7 +259,7 @@ def send_frames_tls(sock_fd: int, session: Session, frames: list[Outgoing], stal
 
     try:
         for f in frames:
-            if why := push(f.header):
+            if (why := f.open()) or (why := push(f.header)):
                 return why
             off = 0
             while off < f.size:
@@ -247,13 +269,13 @@ def send_frames_tls(sock_fd: int, session: Session, frames: list[Outgoing], stal
                 if why := push(data):
                     return why
                 off += len(data)
+            f.done()
         return ""
     except (OSError, ssl.SSLError) as e:
         return getattr(e, "strerror", None) or str(e)
     finally:
         for f in frames:
-            if f.fd >= 0:
-                os.close(f.fd)
+            f.done()
         sock.close()
 
 

@@ -568,8 +568,10 @@ class DataPlane:
         return _Reply(200, content_type="application/octet-stream", file=path, serving=chunk_id)
 
     def _batch(self, query: str) -> _Reply:
-        """A multi-chunk answer (:mod:`p2p.batch`): every file opened now (a chunk evicted
-        after this is still sent whole; one absent now is framed missing)."""
+        """A multi-chunk answer (:mod:`p2p.batch`): sizes from the store's index (one
+        absent now is framed missing); each file is opened only while its frame is sent,
+        so a batch holds one chunk file open, not one per id (a chunk evicted before its
+        turn drops the connection: the asker keeps the frames before it)."""
         c = self.config
         try:
             ids = parse_ids(query, c.max_batch_chunks)
@@ -580,38 +582,22 @@ class DataPlane:
         frames: list[Outgoing] = []
         total = 0
         ok = busy = 0
-        try:
-            for cid in ids:
-                if not self.store.has_chunk(cid):
-                    frames.append(Outgoing(frame(MISSING, 0)))
-                    continue
-                if cap > 0 and self._serving.get(cid, 0) >= cap:
-                    self._stats.rejected_chunk_busy += 1
-                    frames.append(Outgoing(frame(BUSY, 0)))
-                    busy += 1
-                    continue
-                try:
-                    fd = os.open(self.store.chunk_path(cid), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                except FileNotFoundError:
-                    frames.append(Outgoing(frame(MISSING, 0)))
-                    continue
-                f = Outgoing(b"", fd)
-                frames.append(f)
-                f.size = os.fstat(fd).st_size
-                f.header = frame(OK, f.size)
-                total += f.size
-                ok += 1
-                if total > c.max_batch_bytes:
-                    self._stats.bad_requests += 1
-                    raise BatchQueryError(413, "batch too large",
-                                          f"the chunks named add up to over {c.max_batch_bytes} bytes")
-        except BaseException as e:
-            for f in frames:
-                if f.fd >= 0:
-                    os.close(f.fd)
-            if isinstance(e, BatchQueryError):
-                return _json(e.status, e.error, e.detail)
-            raise
+        for cid in ids:
+            size = self.store.chunk_size(cid)
+            if size is None:
+                frames.append(Outgoing(frame(MISSING, 0)))
+                continue
+            if cap > 0 and self._serving.get(cid, 0) >= cap:
+                self._stats.rejected_chunk_busy += 1
+                frames.append(Outgoing(frame(BUSY, 0)))
+                busy += 1
+                continue
+            frames.append(Outgoing(frame(OK, size), str(self.store.chunk_path(cid)), size))
+            total += size
+            ok += 1
+            if total > c.max_batch_bytes:
+                self._stats.bad_requests += 1
+                return _json(413, "batch too large", f"the chunks named add up to over {c.max_batch_bytes} bytes")
         missing = len(ids) - ok - busy
         self._stats.batch_chunks_busy += busy
         self._stats.batch_chunks_missing += missing
@@ -623,7 +609,7 @@ class DataPlane:
                              headers=[(b"retry-after", str(max(1, -(-ms // 1000))).encode()),
                                       (b"x-herd-retry-ms", str(ms).encode())])
             return _json(404, "no chunk named is here", f"{len(ids)} ids")
-        served = [cid for cid, f in zip(ids, frames, strict=True) if f.fd >= 0]
+        served = [cid for cid, f in zip(ids, frames, strict=True) if f.path]
         for cid in served:
             self.store.touch(cid)
             now = self._serving[cid] = self._serving.get(cid, 0) + 1
@@ -725,9 +711,10 @@ class DataPlane:
 
     async def _send_batch(self, stream: trio.abc.Stream, conn: h11.Connection, head: bool,
                           reply: _Reply) -> bool:
-        """Send a batch's frames. Plain: in a worker thread that owns the files' (and a
-        duplicate of the socket's) descriptors from then on. TLS: here, through the TLS
-        layer. The per-chunk serving counts are held until the answer is sent."""
+        """Send a batch's frames: by a worker thread (plain: sendfile; TLS: with the
+        connection's session) that owns a duplicate of the socket's descriptor and each
+        chunk file's while it sends it; through the stream here where the TLS session is
+        not at hand. The per-chunk serving counts are held until the answer is sent."""
         frames = reply.frames or []
         handed = False
         try:
@@ -751,7 +738,7 @@ class DataPlane:
                     stop.set()
                     raise
                 finally:
-                    # the thread owns the descriptors once it started; else they are ours
+                    # the thread owns its descriptors once it started; else the dup is ours
                     handed = not hand.keep()
                     if not handed:
                         os.close(dup)
@@ -782,22 +769,26 @@ class DataPlane:
             else:
                 await self._send_all(stream, out)
                 for f in frames:
-                    await self._send_all(stream, f.header)
-                    if f.fd >= 0:
-                        await self._send_plain(stream, f.fd, 0, f.size, fallback=False)
+                    if why := f.open():
+                        raise trio.BrokenResourceError(f"batch send: {why}")
+                    try:
+                        await self._send_all(stream, f.header)
+                        if f.fd >= 0:
+                            await self._send_plain(stream, f.fd, 0, f.size, fallback=False)
+                    finally:
+                        f.done()
             tail = conn.send(h11.EndOfMessage()) or b""
             if tail:
                 await self._send_all(stream, tail)
-            sent = [f for f in frames if f.fd >= 0]
+            sent = [f for f in frames if f.path]
             self._stats.batches += 1
             self._stats.chunks_served += len(sent)
             self._stats.bytes_served += sum(f.size for f in sent)
             return True
         finally:
-            if not handed:
+            if not handed:   # (a file the thread opened is its own to close)
                 for f in frames:
-                    if f.fd >= 0:
-                        os.close(f.fd)
+                    f.done()
             for cid in reply.serving_many:
                 left = self._serving.get(cid, 1) - 1
                 if left > 0:

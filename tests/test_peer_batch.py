@@ -451,3 +451,60 @@ async def test_a_client_leaving_mid_batch_frees_the_server(tmp_path: Path, tls: 
                 url, [(c, len(d)) for c, d in chunks], store=sink)
             assert got.outcomes == ["ok"] * 4 and sink.got == dict(chunks)
             nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_a_batch_holds_one_chunk_file_open_and_an_evicted_one_cuts_it(tmp_path: Path, tls: bool) -> None:
+    """However many chunks a batch names, the server has one of their files open at a
+    time (a flood of batches cannot run it out of descriptors); a chunk that vanishes
+    before its turn ends the answer there: the frames before it arrive whole, then the
+    connection closes (the asker fetches the rest elsewhere)."""
+    src = ChunkStore(tmp_path / "s")
+    # large enough that the server blocks inside chunk 0 while this reads nothing
+    # (socket buffers on loopback take a few MB)
+    chunks = _chunks([16 << 20, 16 << 20, 16 << 20, 5000])
+    for cid, data in chunks:
+        src.put_chunk(cid, data)
+    chunk_dir = str(src.chunks_dir)
+
+    def open_chunk_files() -> int:
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += os.readlink(f"/proc/self/fd/{fd}").startswith(chunk_dir)
+            except OSError:
+                pass
+        return n
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            url, plane = await _serve(nursery, src, **_tls_kw("tls" if tls else "thread"))
+            raw = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+            stream: trio.abc.Stream = raw
+            if tls:
+                # (a cut answer ends without close_notify: read that as the end)
+                stream = trio.SSLStream(raw, _tls()[1], server_hostname="127.0.0.1", https_compatible=True)
+            await stream.send_all(f"GET /v1/chunks?ids={','.join(c for c, _ in chunks)} HTTP/1.1\r\nHost: x\r\n"
+                                  f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+            got = bytearray(await stream.receive_some(65536))
+            while not plane._serving:
+                await trio.sleep(0.01)
+            await trio.sleep(0.2)                          # the server is blocked sending chunk 0
+            assert open_chunk_files() == 1
+            os.unlink(src.chunk_path(chunks[2][0]))        # gone before its turn
+            while True:
+                piece = await stream.receive_some(1 << 20)
+                if not piece:
+                    break
+                got += piece
+            head, _, body = bytes(got).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200")
+            want = b"".join(frame(OK, len(d)) + d for _, d in chunks[:2])
+            assert body == want                            # two whole frames, then the cut
+            for _ in range(100):
+                if plane.statistics()["open_connections"] == 0:
+                    break
+                await trio.sleep(0.02)
+            assert open_chunk_files() == 0 and not plane._serving
+            assert plane.statistics()["batches"] == 0 and plane.statistics()["open_connections"] == 0
+            nursery.cancel_scope.cancel()
