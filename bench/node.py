@@ -13,6 +13,8 @@ the writer) and an empty client directory:
   (default config) fetching the manifest's chunks from it as its one peer
   (``fetch_with_peers``: receive, verify, store, batched fsync, mark complete). The
   origin holds only the manifest, so every chunk byte comes from the peer (checked).
+  The herd asks in multi-chunk requests (``GET /v1/chunks?ids=``, :mod:`p2p.batch`): the
+  herd rows record the server's ``requests``, ``batches`` and ``chunks_served``.
 - ``loop``: the baseline, the least work that does the same job: one connection, every
   request pipelined up front, the server ``sendfile``s each chunk file, the client
   ``recv_into`` one preallocated buffer (MSG_WAITALL), BLAKE3, writes a new file per

@@ -123,16 +123,36 @@ class Handoff:
 
 @dataclass(slots=True)
 class Outgoing:
-    """One frame to send: the header, and the chunk file's descriptor and size (-1 and 0
-    for a frame without a body)."""
+    """One frame to send: the header, and the chunk file's path and size ("" and 0 for a
+    frame without a body). The file is opened only while its frame is being sent (``fd``),
+    so a batch holds one chunk file open at a time however many it names."""
     header: bytes
-    fd: int = -1
+    path: str = ""
     size: int = 0
+    fd: int = -1
+
+    def open(self) -> str:
+        """Open the chunk file for sending: "" or why not (the frame cannot be sent: the
+        answer's framing is then broken, the connection must be dropped)."""
+        if not self.path or self.fd >= 0:
+            return ""
+        try:
+            self.fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return "chunk evicted while its batch was being sent"
+        if os.fstat(self.fd).st_size != self.size:
+            return "chunk file changed size while its batch was being sent"
+        return ""
+
+    def done(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def send_frames(sock_fd: int, frames: list[Outgoing], stall_s: float, stop: threading.Event) -> str:
     """Worker thread: send every frame on the non-blocking socket ``sock_fd`` (a
-    duplicate this function closes, with every frame's file descriptor): the header
+    duplicate this function closes; each frame's file is opened while it is sent): the header
     with ``MSG_MORE``, the body by ``sendfile`` (pread + send where the file system
     cannot). Returns "" when all was sent, else why not ("stall", "stopped", an error's
     text): the connection must then be dropped, its framing is broken."""
@@ -152,6 +172,8 @@ def send_frames(sock_fd: int, frames: list[Outgoing], stall_s: float, stop: thre
 
     try:
         for f in frames:
+            if why := f.open():
+                return why
             view = memoryview(f.header)
             while view:
                 try:
@@ -184,13 +206,76 @@ def send_frames(sock_fd: int, frames: list[Outgoing], stall_s: float, stop: thre
                 if n == 0:
                     return "chunk file truncated while sending"
                 off += n
+            f.done()
         return ""
     except OSError as e:
         return e.strerror or str(e)
     finally:
         for f in frames:
-            if f.fd >= 0:
-                os.close(f.fd)
+            f.done()
+        sock.close()
+
+
+Session = tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO]
+
+
+def tls_session(stream: object) -> Session | None:
+    """The TLS session objects inside a ``trio.SSLStream`` (its SSLObject and memory
+    BIOs: private attributes of trio), for a worker thread to encrypt or decrypt with
+    while the stream's owner leaves the stream alone; None where they are not found as
+    expected (another trio: the caller then goes through the stream on the trio thread)."""
+    obj, inc, out = (getattr(stream, a, None) for a in ("_ssl_object", "_incoming", "_outgoing"))
+    if isinstance(obj, ssl.SSLObject) and isinstance(inc, ssl.MemoryBIO) and isinstance(out, ssl.MemoryBIO):
+        return obj, inc, out
+    return None
+
+
+def send_frames_tls(sock_fd: int, session: Session, frames: list[Outgoing], stall_s: float,
+                    stop: threading.Event, piece: int = 256 * 1024) -> str:
+    """:func:`send_frames` through an established TLS session (see :func:`tls_session`):
+    each frame's header and body (pread in ``piece``-sized reads) encrypted into the
+    session's outgoing BIO and sent from there. Owns ``sock_fd`` (a duplicate), like
+    :func:`send_frames`."""
+    sock = socket.socket(fileno=sock_fd)
+    obj, _, out = session
+    poller = select.poll()
+    poller.register(sock_fd, select.POLLOUT)
+
+    def push(data: bytes | memoryview) -> str:
+        obj.write(data)
+        wire = memoryview(out.read())
+        deadline = time.monotonic() + stall_s
+        while wire:
+            try:
+                wire = wire[sock.send(wire):]
+                deadline = time.monotonic() + stall_s
+            except BlockingIOError:
+                while not poller.poll(POLL_S * 1000):
+                    if stop.is_set():
+                        return "stopped"
+                    if time.monotonic() >= deadline:
+                        return "stall"
+        return ""
+
+    try:
+        for f in frames:
+            if (why := f.open()) or (why := push(f.header)):
+                return why
+            off = 0
+            while off < f.size:
+                data = os.pread(f.fd, min(piece, f.size - off), off)
+                if not data:
+                    return "chunk file truncated while sending"
+                if why := push(data):
+                    return why
+                off += len(data)
+            f.done()
+        return ""
+    except (OSError, ssl.SSLError) as e:
+        return getattr(e, "strerror", None) or str(e)
+    finally:
+        for f in frames:
+            f.done()
         sock.close()
 
 
@@ -361,11 +446,26 @@ class TLSFrameReader(FrameReader):
             self._flush()
 
 
+_local = threading.local()
+
+
+def _scratch(n: int) -> bytearray:
+    """This thread's receive buffer, at least ``n`` bytes: one per thread, reused for
+    every chunk it receives (a fresh 1 MiB bytearray a chunk costs its zeroing and page
+    faults: ~50 us a chunk here)."""
+    buf: bytearray | None = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _local.buf = bytearray(n)
+    return buf
+
+
 def receive_frames(reader: FrameReader, items: Sequence[tuple[str, int]], length: int,
-                   store: Callable[[str, bytearray], object]) -> Received:
+                   store: Callable[[str, memoryview], object]) -> Received:
     """Receive the frames of a ``length``-byte batch answer for ``items`` ((id, size), in
-    the request's order): each body straight into its own buffer, hashed as it lands,
-    ``store(id, body)`` called (in this thread) only when it hashes to its id. A frame
+    the request's order): each body straight into this thread's buffer, hashed as it
+    lands, ``store(id, body)`` called (in this thread) only when it hashes to its id;
+    ``body`` is a view of a buffer reused for the next chunk: ``store`` must be done with
+    it when it returns (``ChunkStore.put_chunk`` is: it writes it out). A frame
     that is malformed, or announces another size than the manifest's, ends the receive
     (``kind`` "protocol"): its framing cannot be trusted. Runs in a worker thread (plain
     connections) or, through the same reader interface, anywhere."""
@@ -386,23 +486,22 @@ def receive_frames(reader: FrameReader, items: Sequence[tuple[str, int]], length
                     raise _Cut("protocol", f"frame announces {n} bytes for chunk {cid[:16]}, expected {size}")
                 if out.consumed + n > length:
                     raise _Cut("protocol", f"frame for chunk {cid[:16]} runs past the answer's end")
-                body = bytearray(n)
-                view = memoryview(body)
-                hasher = blake3.blake3()
+                view = memoryview(_scratch(n))[:n]
                 try:
+                    hasher = blake3.blake3()
                     reader.fill(view, n, hasher)
+                    out.consumed += n
+                    out.nbytes += n
+                    if hasher.hexdigest() != cid:
+                        out.outcomes.append("corrupt")
+                        continue
+                    try:
+                        store(cid, view)
+                    except Exception as e:   # a full store, a broken disk: the caller raises it
+                        out.store_error = e
+                        raise _Cut("store", str(e)) from None
                 finally:
                     view.release()
-                out.consumed += n
-                out.nbytes += n
-                if hasher.hexdigest() != cid:
-                    out.outcomes.append("corrupt")
-                    continue
-                try:
-                    store(cid, body)
-                except Exception as e:   # a full store, a broken disk: the caller raises it
-                    out.store_error = e
-                    raise _Cut("store", str(e)) from None
                 out.outcomes.append("ok")
             elif status in (MISSING, BUSY):
                 if n != 0:

@@ -31,7 +31,9 @@ the page cache to the socket with ``os.sendfile`` on the non-blocking socket
 TLS (``ssl_context``, a server context from :mod:`scheduler_link.tls`; the URL is then
 https://): each connection's handshake must finish within ``head_timeout_s``; bodies go
 through the TLS layer (pread + send: no sendfile without kernel TLS), so TLS costs CPU on
-both ends (``python -m bench.node`` measures how much).
+both ends (``python -m bench.node`` measures how much). A batch answer's frames are
+encrypted and sent by a worker thread with the connection's own TLS session
+(:func:`p2p.batch.send_frames_tls`), so encryption runs off the event loop.
 
 Hostile input costs the sender, never this daemon. Bounds (``DataPlaneConfig``), in the
 order a request meets them:
@@ -51,6 +53,10 @@ order a request meets them:
   ``max_per_client`` (32) per address (503 + Retry-After when over); a slot is held
   until the answer has been sent, and ``send_stall_s`` (30 s) without send progress
   drops the connection. ``/v1/stats`` takes no slot: it is always answered.
+- **Batches** (``GET /v1/chunks?ids=``): at most ``max_batch_chunks`` (64) ids, all
+  well-formed and distinct, naming at most ``max_batch_bytes`` (128 MiB) of chunks here
+  (400 / 413 otherwise, before anything is sent); one serving slot per batch, and every
+  chunk in it counts against ``max_serving_per_chunk`` until the answer is sent.
 - **Waits** (``?wait_ms=``) have their own budget: ``max_waiting`` (256) waiting at
   once and ``max_waiting_per_client`` (64) per address (503 when over), and hold no
   serving slot while they wait, so a wait flood cannot starve serving; ``wait_ms`` is
@@ -82,6 +88,7 @@ import trio
 
 from scheduler_link.gate import ConnectionGate, turn_away
 
+from . import batch as _b
 from .batch import BUSY, MISSING, OK, BatchQueryError, Handoff, Outgoing, frame, parse_ids, send_frames
 from .batch import CONTENT_TYPE as BATCH_TYPE
 from .errors import StoreError
@@ -659,8 +666,10 @@ class DataPlane:
         return _Reply(200, content_type="application/octet-stream", file=path, serving=chunk_id)
 
     def _batch(self, query: str) -> _Reply:
-        """A multi-chunk answer (:mod:`p2p.batch`): every file opened now (a chunk evicted
-        after this is still sent whole; one absent now is framed missing)."""
+        """A multi-chunk answer (:mod:`p2p.batch`): sizes from the store's index (one
+        absent now is framed missing); each file is opened only while its frame is sent,
+        so a batch holds one chunk file open, not one per id (a chunk evicted before its
+        turn drops the connection: the asker keeps the frames before it)."""
         c = self.config
         try:
             ids = parse_ids(query, c.max_batch_chunks)
@@ -671,38 +680,22 @@ class DataPlane:
         frames: list[Outgoing] = []
         total = 0
         ok = busy = 0
-        try:
-            for cid in ids:
-                if not self.store.has_chunk(cid):
-                    frames.append(Outgoing(frame(MISSING, 0)))
-                    continue
-                if cap > 0 and self._serving.get(cid, 0) >= cap:
-                    self._stats.rejected_chunk_busy += 1
-                    frames.append(Outgoing(frame(BUSY, 0)))
-                    busy += 1
-                    continue
-                try:
-                    fd = os.open(self.store.chunk_path(cid), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                except FileNotFoundError:
-                    frames.append(Outgoing(frame(MISSING, 0)))
-                    continue
-                f = Outgoing(b"", fd)
-                frames.append(f)
-                f.size = os.fstat(fd).st_size
-                f.header = frame(OK, f.size)
-                total += f.size
-                ok += 1
-                if total > c.max_batch_bytes:
-                    self._stats.bad_requests += 1
-                    raise BatchQueryError(413, "batch too large",
-                                          f"the chunks named add up to over {c.max_batch_bytes} bytes")
-        except BaseException as e:
-            for f in frames:
-                if f.fd >= 0:
-                    os.close(f.fd)
-            if isinstance(e, BatchQueryError):
-                return _json(e.status, e.error, e.detail)
-            raise
+        for cid in ids:
+            size = self.store.chunk_size(cid)
+            if size is None:
+                frames.append(Outgoing(frame(MISSING, 0)))
+                continue
+            if cap > 0 and self._serving.get(cid, 0) >= cap:
+                self._stats.rejected_chunk_busy += 1
+                frames.append(Outgoing(frame(BUSY, 0)))
+                busy += 1
+                continue
+            frames.append(Outgoing(frame(OK, size), str(self.store.chunk_path(cid)), size))
+            total += size
+            ok += 1
+            if total > c.max_batch_bytes:
+                self._stats.bad_requests += 1
+                return _json(413, "batch too large", f"the chunks named add up to over {c.max_batch_bytes} bytes")
         missing = len(ids) - ok - busy
         self._stats.batch_chunks_busy += busy
         self._stats.batch_chunks_missing += missing
@@ -714,7 +707,7 @@ class DataPlane:
                              headers=[(b"retry-after", str(max(1, -(-ms // 1000))).encode()),
                                       (b"x-herd-retry-ms", str(ms).encode())])
             return _json(404, "no chunk named is here", f"{len(ids)} ids")
-        served = [cid for cid, f in zip(ids, frames, strict=True) if f.fd >= 0]
+        served = [cid for cid, f in zip(ids, frames, strict=True) if f.path]
         for cid in served:
             self.store.touch(cid)
             now = self._serving[cid] = self._serving.get(cid, 0) + 1
@@ -816,9 +809,10 @@ class DataPlane:
 
     async def _send_batch(self, stream: trio.abc.Stream, conn: h11.Connection, head: bool,
                           reply: _Reply) -> bool:
-        """Send a batch's frames. Plain: in a worker thread that owns the files' (and a
-        duplicate of the socket's) descriptors from then on. TLS: here, through the TLS
-        layer. The per-chunk serving counts are held until the answer is sent."""
+        """Send a batch's frames: by a worker thread (plain: sendfile; TLS: with the
+        connection's session) that owns a duplicate of the socket's descriptor and each
+        chunk file's while it sends it; through the stream here where the TLS session is
+        not at hand. The per-chunk serving counts are held until the answer is sent."""
         frames = reply.frames or []
         handed = False
         try:
@@ -842,7 +836,29 @@ class DataPlane:
                     stop.set()
                     raise
                 finally:
-                    # the thread owns the descriptors once it started; else they are ours
+                    # the thread owns its descriptors once it started; else the dup is ours
+                    handed = not hand.keep()
+                    if not handed:
+                        os.close(dup)
+                if why:
+                    raise trio.BrokenResourceError(f"batch send: {why}")
+            elif (session := _b.tls_session(stream)) is not None and isinstance(stream, trio.SSLStream):
+                # TLS: the head through the stream, the frames encrypted and sent by a
+                # worker thread with the connection's own session (this task holds it)
+                await self._send_all(stream, out)
+                raw = stream.transport_stream
+                assert isinstance(raw, trio.SocketStream)
+                stop = threading.Event()
+                hand = Handoff()
+                dup = os.dup(raw.socket.fileno())
+                job = partial(hand.run, partial(_b.send_frames_tls, dup, session, frames,
+                                                self.config.send_stall_s, stop))
+                try:
+                    why = await trio.to_thread.run_sync(job, abandon_on_cancel=True, limiter=self._send_threads)
+                except BaseException:
+                    stop.set()
+                    raise
+                finally:
                     handed = not hand.keep()
                     if not handed:
                         os.close(dup)
@@ -851,22 +867,26 @@ class DataPlane:
             else:
                 await self._send_all(stream, out)
                 for f in frames:
-                    await self._send_all(stream, f.header)
-                    if f.fd >= 0:
-                        await self._send_plain(stream, f.fd, 0, f.size, fallback=False)
+                    if why := f.open():
+                        raise trio.BrokenResourceError(f"batch send: {why}")
+                    try:
+                        await self._send_all(stream, f.header)
+                        if f.fd >= 0:
+                            await self._send_plain(stream, f.fd, 0, f.size, fallback=False)
+                    finally:
+                        f.done()
             tail = conn.send(h11.EndOfMessage()) or b""
             if tail:
                 await self._send_all(stream, tail)
-            sent = [f for f in frames if f.fd >= 0]
+            sent = [f for f in frames if f.path]
             self._stats.batches += 1
             self._stats.chunks_served += len(sent)
             self._stats.bytes_served += sum(f.size for f in sent)
             return True
         finally:
-            if not handed:
+            if not handed:   # (a file the thread opened is its own to close)
                 for f in frames:
-                    if f.fd >= 0:
-                        os.close(f.fd)
+                    f.done()
             for cid in reply.serving_many:
                 left = self._serving.get(cid, 1) - 1
                 if left > 0:

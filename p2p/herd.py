@@ -610,7 +610,7 @@ class Herd:
             limiter = self._batch_limits[src.node_id] = trio.CapacityLimiter(batch_streams(self.config))
         store = self.store
 
-        def keep(cid: str, body: bytearray) -> None:   # in the receiving thread: verified there
+        def keep(cid: str, body: memoryview) -> None:   # in the receiving thread: verified there
             store.put_chunk(cid, body, verified=True)
 
         try:

@@ -46,6 +46,7 @@ from scheduler_link.errors import ProtocolError
 from scheduler_link.h1 import parse_response_head
 
 from .batch import FRAME, FrameReader, Handoff, Received, TLSFrameReader, query_of, receive_frames
+from .batch import tls_session as _session
 from .errors import PeerError
 from .ratelimit import AsyncBucket
 
@@ -195,7 +196,7 @@ class PeerClient:
         return data
 
     async def get_chunks(self, base_url: str, items: Sequence[tuple[str, int]], *,
-                         store: Callable[[str, bytearray], object],
+                         store: Callable[[str, memoryview], object],
                          gate: trio.CapacityLimiter | None = None) -> Received:
         """Several chunks in one request (``GET /v1/chunks?ids=``, :mod:`p2p.batch`), each
         verified (BLAKE3 as its bytes land) and handed to ``store(id, bytes)`` as soon as
@@ -233,7 +234,7 @@ class PeerClient:
         raise PeerUnavailable(f"{base_url}/v1/chunks: no connection")  # pragma: no cover
 
     async def _exchange_batch(self, conn: _Conn, key: tuple[str, int], path: str,
-                              items: Sequence[tuple[str, int]], store: Callable[[str, bytearray], object],
+                              items: Sequence[tuple[str, int]], store: Callable[[str, memoryview], object],
                               gate: trio.CapacityLimiter | None) -> tuple[Received, bool]:
         cfg = self.config
         where = f"http://{key[0]}:{key[1]}/v1/chunks ({len(items)} chunks)"
@@ -270,7 +271,7 @@ class PeerClient:
         return got_, keep and not got_.kind
 
     async def _frames_in_thread(self, conn: _Conn, rest: bytes, items: Sequence[tuple[str, int]], length: int,
-                                store: Callable[[str, bytearray], object]) -> Received:
+                                store: Callable[[str, memoryview], object]) -> Received:
         """The frames received, verified and stored by a worker thread (its own duplicate
         of the socket; abandoned on cancel: it stops within ``POLL_S``). Under TLS the
         thread decrypts too, with the connection's own session (borrowed from its
@@ -299,7 +300,7 @@ class PeerClient:
         return got
 
     async def _frames_in_loop(self, conn: _Conn, rest: bytes, items: Sequence[tuple[str, int]], length: int,
-                              store: Callable[[str, bytearray], object], where: str) -> Received:
+                              store: Callable[[str, memoryview], object], where: str) -> Received:
         """TLS or a rate cap: the answer received here (at most ``max_batch_bytes``), then
         its frames verified and stored in a worker thread. A cut answer: the frames
         complete before the cut are kept."""
@@ -597,16 +598,6 @@ def _receive_and_hash(fd: int, body: bytearray, got: int, length: int, stall_s: 
                 setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             except OSError:
                 pass
-
-
-def _session(tls: trio.SSLStream[Any]) -> tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO] | None:
-    """The TLS session objects inside a ``trio.SSLStream`` (its SSLObject and memory
-    BIOs; private attributes of trio 0.2x), or None where they are not found as expected
-    (another trio: the batch is then received on the trio thread, through the stream)."""
-    obj, inc, out = (getattr(tls, a, None) for a in ("_ssl_object", "_incoming", "_outgoing"))
-    if isinstance(obj, ssl.SSLObject) and isinstance(inc, ssl.MemoryBIO) and isinstance(out, ssl.MemoryBIO):
-        return obj, inc, out
-    return None
 
 
 def _raise_for(status: int, where: str, head: bytes) -> None:

@@ -173,8 +173,19 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
             closed = False
             while not closed:
                 # gather CHECK_BATCH ids (or CHECK_WAIT_S' worth) per existence check: a
-                # backend that lists in bulk (gs://) then lists rather than asks one by one
-                with trio.move_on_after(CHECK_WAIT_S if pending else math.inf):
+                # backend that lists in bulk (gs://) then lists rather than asks one by one.
+                # The window opens with the first new chunk: waiting for a whole batch
+                # first held every upload until the scan had found CHECK_BATCH new chunks
+                # (for a tree of fewer, until it was done: no pipeline at all)
+                if not pending:
+                    try:
+                        batch = await batches_out.receive()
+                    except trio.EndOfChannel:
+                        break
+                    pending.extend((cid, src) for cid, src in batch if cid not in known)
+                    if not pending:
+                        continue
+                with trio.move_on_after(CHECK_WAIT_S):
                     while len(pending) < CHECK_BATCH:
                         try:
                             batch = await batches_out.receive()
@@ -182,8 +193,6 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
                             closed = True
                             break
                         pending.extend((cid, src) for cid, src in batch if cid not in known)
-                if not pending:
-                    continue
                 ask, pending = pending, []
                 unknown.extend(cid for cid, _ in ask)
                 missing = await origin.missing([cid for cid, _ in ask])

@@ -76,7 +76,7 @@ class _Sink:
     def __init__(self) -> None:
         self.got: dict[str, bytes] = {}
 
-    def __call__(self, cid: str, body: bytearray) -> None:
+    def __call__(self, cid: str, body: memoryview) -> None:
         self.got[cid] = bytes(body)
 
 
@@ -102,7 +102,11 @@ async def test_batch_byte_exact_into_the_store_and_keepalive(tmp_path: Path, pat
             assert got.outcomes == ["ok", "ok"] and sink.got == dict(chunks[:2])
             assert len(client._idle[("127.0.0.1", int(url.rsplit(":", 1)[1]))]) == 1   # kept alive
             assert bytes(await client.get_chunk_verified(url, *items[2])) == chunks[2][1]
-            s = plane.statistics()
+            for _ in range(100):   # the server counts an answer once it is sent: just after the client has it
+                s = plane.statistics()
+                if s["chunks_served"] == len(chunks) + 3:
+                    break
+                await trio.sleep(0.01)
             assert s["batches"] == 2 and s["chunks_served"] == len(chunks) + 3 and s["connections"] == 1
             await client.aclose()
             nursery.cancel_scope.cancel()
@@ -353,7 +357,7 @@ async def test_a_store_failure_mid_batch_is_reported(tmp_path: Path) -> None:
         src.put_chunk(cid, data)
     calls: list[str] = []
 
-    def store(cid: str, body: bytearray) -> None:
+    def store(cid: str, body: memoryview) -> None:
         calls.append(cid)
         if len(calls) == 2:
             raise OSError(28, "No space left on device")
@@ -406,3 +410,101 @@ def test_frame_layout_is_fixed() -> None:
 async def test_unreachable_peer_is_unavailable() -> None:
     with pytest.raises(PeerUnavailable):
         await _client("thread", connect_s=1).get_chunks("http://127.0.0.1:9", [("a" * 64, 1)], store=_Sink())
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_a_client_leaving_mid_batch_frees_the_server(tmp_path: Path, tls: bool) -> None:
+    """The asker stops reading, then goes away in the middle of a large batch: the
+    server's sending thread notices (within send_stall_s at worst), the connection,
+    its serving slot and the per-chunk counts are freed, and the next batch is served."""
+    src = ChunkStore(tmp_path / "s")
+    chunks = _chunks([4 << 20] * 4)
+    for cid, data in chunks:
+        src.put_chunk(cid, data)
+    ids = ",".join(c for c, _ in chunks)
+    cfg = DataPlaneConfig(send_stall_s=2.0)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            url, plane = await _serve(nursery, src, config=cfg, **_tls_kw("tls" if tls else "thread"))
+            port = int(url.rsplit(":", 1)[1])
+            raw = await trio.open_tcp_stream("127.0.0.1", port)
+            raw.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            stream: trio.abc.Stream = raw
+            if tls:
+                stream = trio.SSLStream(raw, _tls()[1], server_hostname="127.0.0.1")
+            await stream.send_all(f"GET /v1/chunks?ids={ids} HTTP/1.1\r\nHost: x\r\n"
+                                  f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+            await stream.receive_some(65536)                  # the head and a little
+            while not plane._serving:
+                await trio.sleep(0.01)
+            raw.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            raw.socket.close()                                 # gone, mid-batch
+            for _ in range(300):
+                s = plane.statistics()
+                if not plane._serving and s["active"] == 0 and s["open_connections"] == 0:
+                    break
+                await trio.sleep(0.02)
+            assert not plane._serving and s["active"] == 0 and s["open_connections"] == 0
+            assert s["batches"] == 0                           # that answer was never complete
+            sink = _Sink()
+            got = await _client("tls" if tls else "thread").get_chunks(
+                url, [(c, len(d)) for c, d in chunks], store=sink)
+            assert got.outcomes == ["ok"] * 4 and sink.got == dict(chunks)
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_a_batch_holds_one_chunk_file_open_and_an_evicted_one_cuts_it(tmp_path: Path, tls: bool) -> None:
+    """However many chunks a batch names, the server has one of their files open at a
+    time (a flood of batches cannot run it out of descriptors); a chunk that vanishes
+    before its turn ends the answer there: the frames before it arrive whole, then the
+    connection closes (the asker fetches the rest elsewhere)."""
+    src = ChunkStore(tmp_path / "s")
+    # large enough that the server blocks inside chunk 0 while this reads nothing
+    # (socket buffers on loopback take a few MB)
+    chunks = _chunks([16 << 20, 16 << 20, 16 << 20, 5000])
+    for cid, data in chunks:
+        src.put_chunk(cid, data)
+    chunk_dir = str(src.chunks_dir)
+
+    def open_chunk_files() -> int:
+        n = 0
+        for fd in os.listdir("/proc/self/fd"):
+            try:
+                n += os.readlink(f"/proc/self/fd/{fd}").startswith(chunk_dir)
+            except OSError:
+                pass
+        return n
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            url, plane = await _serve(nursery, src, **_tls_kw("tls" if tls else "thread"))
+            raw = await trio.open_tcp_stream("127.0.0.1", int(url.rsplit(":", 1)[1]))
+            stream: trio.abc.Stream = raw
+            if tls:
+                # (a cut answer ends without close_notify: read that as the end)
+                stream = trio.SSLStream(raw, _tls()[1], server_hostname="127.0.0.1", https_compatible=True)
+            await stream.send_all(f"GET /v1/chunks?ids={','.join(c for c, _ in chunks)} HTTP/1.1\r\nHost: x\r\n"
+                                  f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+            got = bytearray(await stream.receive_some(65536))
+            while not plane._serving:
+                await trio.sleep(0.01)
+            await trio.sleep(0.2)                          # the server is blocked sending chunk 0
+            assert open_chunk_files() == 1
+            os.unlink(src.chunk_path(chunks[2][0]))        # gone before its turn
+            while True:
+                piece = await stream.receive_some(1 << 20)
+                if not piece:
+                    break
+                got += piece
+            head, _, body = bytes(got).partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200")
+            want = b"".join(frame(OK, len(d)) + d for _, d in chunks[:2])
+            assert body == want                            # two whole frames, then the cut
+            for _ in range(100):
+                if plane.statistics()["open_connections"] == 0:
+                    break
+                await trio.sleep(0.02)
+            assert open_chunk_files() == 0 and not plane._serving
+            assert plane.statistics()["batches"] == 0 and plane.statistics()["open_connections"] == 0
+            nursery.cancel_scope.cancel()
