@@ -322,15 +322,19 @@ class FrameReader:
             self.poller = select.poll()
             self.poller.register(fd, select.POLLIN | select.POLLPRI)
 
+    def _from_prefix(self, view: memoryview, n: int, hasher: blake3.blake3 | None) -> int:
+        """Fill the start of ``view`` (at most ``n``) from the bytes already here; how many."""
+        if not self.prefix:
+            return 0
+        k = min(len(self.prefix), n)
+        view[:k] = self.prefix[:k]
+        self.prefix = self.prefix[k:]
+        if hasher is not None and k:
+            hasher.update(view[:k])
+        return k
+
     def fill(self, view: memoryview, n: int, hasher: blake3.blake3 | None = None) -> None:
-        got = 0
-        if self.prefix:
-            k = min(len(self.prefix), n)
-            view[:k] = self.prefix[:k]
-            self.prefix = self.prefix[k:]
-            got = k
-            if hasher is not None and k:
-                hasher.update(view[:k])
+        got = self._from_prefix(view, n, hasher)
         if got < n and self.sock is None:
             raise _Cut(*self.end)
         last = time.monotonic()
@@ -401,14 +405,7 @@ class TLSFrameReader(FrameReader):
                 select.select([], [self.sock], [], POLL_S)
 
     def fill(self, view: memoryview, n: int, hasher: blake3.blake3 | None = None) -> None:
-        got = 0
-        if self.prefix:
-            k = min(len(self.prefix), n)
-            view[:k] = self.prefix[:k]
-            self.prefix = self.prefix[k:]
-            got = k
-            if hasher is not None and k:
-                hasher.update(view[:k])
+        got = self._from_prefix(view, n, hasher)
         assert self.sock is not None
         fd = self.sock.fileno()
         last = time.monotonic()

@@ -75,11 +75,11 @@ import re
 import socket
 import ssl
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import parse_qs, urlsplit
 
 import h11
@@ -93,6 +93,8 @@ from .batch import BUSY, MISSING, OK, BatchQueryError, Handoff, Outgoing, frame,
 from .batch import CONTENT_TYPE as BATCH_TYPE
 from .errors import StoreError
 from .store import ChunkStore
+
+T = TypeVar("T")
 
 log = logging.getLogger("herd.p2p.dataplane")
 
@@ -506,33 +508,64 @@ class DataPlane:
             self._leave(client)
             raise
 
+    async def _send_in_thread(self, sock: trio.socket.SocketType, send: Callable[..., str]) -> None:
+        """A batch answer's frames sent by a worker thread: ``send(dup_fd, stop=event)`` on
+        a duplicate of ``sock`` that the thread owns (closes) once it has started."""
+        stop = threading.Event()
+        hand = Handoff()
+        dup = os.dup(sock.fileno())
+        job = partial(hand.run, partial(send, dup, stop=stop))
+        try:
+            why = await trio.to_thread.run_sync(job, abandon_on_cancel=True, limiter=self._send_threads)
+        except BaseException:
+            stop.set()
+            raise
+        finally:
+            if hand.keep():   # the thread never started: the duplicate is still ours
+                os.close(dup)
+        if why:
+            raise trio.BrokenResourceError(f"batch send: {why}")
+
+    def _wait_ms(self, query: str, cap: int) -> int | _Reply:
+        """A query's ``?wait_ms=``, capped (0: none asked), or the 400 to answer."""
+        qs = parse_qs(query, keep_blank_values=True)
+        if "wait_ms" not in qs:
+            return 0
+        raw = qs["wait_ms"][-1]
+        if not raw.isdigit() or len(raw) > 12:
+            self._stats.bad_requests += 1
+            return _json(400, "bad wait_ms", "a non-negative integer of milliseconds")
+        return min(int(raw), cap)
+
+    async def _watched(self, stream: trio.abc.Stream, conn: h11.Connection,
+                       wait: Callable[[], Awaitable[T]]) -> tuple[bool, T | None]:
+        """``wait()`` while watching the client: (it left meanwhile, what ``wait`` returned)."""
+        out: T | None = None
+        with trio.CancelScope() as gone:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._watch_client, stream, conn, gone)
+                out = await wait()
+                nursery.cancel_scope.cancel()
+        return gone.cancelled_caught, out
+
     async def _maybe_wait(self, chunk_id: str, query: str, client: str, stream: trio.abc.Stream,
                           conn: h11.Connection) -> _Reply | object | None:
         """Carry out ``?wait_ms=`` for an absent chunk under the wait budget. A reply to
         send now (400, 503, 404 after the wait), ``_GONE`` when the client left while
         waiting, or None: the chunk is here, serve it."""
-        qs = parse_qs(query, keep_blank_values=True)
-        if "wait_ms" not in qs:
-            return None
-        raw = qs["wait_ms"][-1]
-        if not raw.isdigit() or len(raw) > 12:
-            self._stats.bad_requests += 1
-            return _json(400, "bad wait_ms", "a non-negative integer of milliseconds")
-        wait_ms = min(int(raw), self.config.max_wait_ms)
+        wait_ms = self._wait_ms(query, self.config.max_wait_ms)
+        if not isinstance(wait_ms, int):
+            return wait_ms
         if wait_ms <= 0 or self.store.has_chunk(chunk_id):
             return None
         if not self._waits.enter(client):
             self._stats.rejected_waits += 1
             return _json(503, "busy", "too many waiting requests", headers=[(b"retry-after", b"1")])
         try:
-            with trio.CancelScope() as gone:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._watch_client, stream, conn, gone)
-                    present = await self._wait_for_chunk(chunk_id, wait_ms)
-                    nursery.cancel_scope.cancel()
+            gone, present = await self._watched(stream, conn, partial(self._wait_for_chunk, chunk_id, wait_ms))
         finally:
             self._waits.leave(client)
-        if gone.cancelled_caught:
+        if gone:
             self._stats.waits_abandoned += 1
             return _GONE
         if not present:
@@ -546,14 +579,9 @@ class DataPlane:
         ``max_manifest_wait_ms``, under the ``max_manifest_waiting`` budget) until the
         store has it. A reply to send now (400, 503, 404 after the wait), ``_GONE`` when the
         client left while waiting, or None: serve it."""
-        qs = parse_qs(query, keep_blank_values=True)
-        if "wait_ms" not in qs:
-            return None
-        raw = qs["wait_ms"][-1]
-        if not raw.isdigit() or len(raw) > 12:
-            self._stats.bad_requests += 1
-            return _json(400, "bad wait_ms", "a non-negative integer of milliseconds")
-        wait_ms = min(int(raw), self.config.max_manifest_wait_ms)
+        wait_ms = self._wait_ms(query, self.config.max_manifest_wait_ms)
+        if not isinstance(wait_ms, int):
+            return wait_ms
         if wait_ms <= 0 or self.store.has_manifest(manifest_id):
             return None
         if not self._mwaits.enter(client):
@@ -563,14 +591,10 @@ class DataPlane:
                          headers=[(b"retry-after", b"1"), (b"x-herd-retry-ms", str(ms).encode())])
         self._stats.manifest_waits += 1
         try:
-            with trio.CancelScope() as gone:
-                async with trio.open_nursery() as nursery:
-                    nursery.start_soon(self._watch_client, stream, conn, gone)
-                    await self._wait_for_manifest(manifest_id, wait_ms)
-                    nursery.cancel_scope.cancel()
+            gone, _ = await self._watched(stream, conn, partial(self._wait_for_manifest, manifest_id, wait_ms))
         finally:
             self._mwaits.leave(client)
-        if gone.cancelled_caught:
+        if gone:
             self._stats.waits_abandoned += 1
             return _GONE
         if not self.store.has_manifest(manifest_id):
@@ -826,44 +850,16 @@ class DataPlane:
             conn.send_with_data_passthrough(h11.Data(data=_Len(size)))  # type: ignore[arg-type]
             if isinstance(stream, trio.SocketStream):
                 await self._send_head_more(stream, out)
-                stop = threading.Event()
-                hand = Handoff()
-                dup = os.dup(stream.socket.fileno())
-                job = partial(hand.run, partial(send_frames, dup, frames, self.config.send_stall_s, stop))
-                try:
-                    why = await trio.to_thread.run_sync(job, abandon_on_cancel=True, limiter=self._send_threads)
-                except BaseException:
-                    stop.set()
-                    raise
-                finally:
-                    # the thread owns its descriptors once it started; else the dup is ours
-                    handed = not hand.keep()
-                    if not handed:
-                        os.close(dup)
-                if why:
-                    raise trio.BrokenResourceError(f"batch send: {why}")
+                await self._send_in_thread(stream.socket, partial(send_frames, frames=frames,
+                                                                  stall_s=self.config.send_stall_s))
             elif (session := _b.tls_session(stream)) is not None and isinstance(stream, trio.SSLStream):
                 # TLS: the head through the stream, the frames encrypted and sent by a
                 # worker thread with the connection's own session (this task holds it)
                 await self._send_all(stream, out)
                 raw = stream.transport_stream
                 assert isinstance(raw, trio.SocketStream)
-                stop = threading.Event()
-                hand = Handoff()
-                dup = os.dup(raw.socket.fileno())
-                job = partial(hand.run, partial(_b.send_frames_tls, dup, session, frames,
-                                                self.config.send_stall_s, stop))
-                try:
-                    why = await trio.to_thread.run_sync(job, abandon_on_cancel=True, limiter=self._send_threads)
-                except BaseException:
-                    stop.set()
-                    raise
-                finally:
-                    handed = not hand.keep()
-                    if not handed:
-                        os.close(dup)
-                if why:
-                    raise trio.BrokenResourceError(f"batch send: {why}")
+                await self._send_in_thread(raw.socket, partial(_b.send_frames_tls, session=session, frames=frames,
+                                                               stall_s=self.config.send_stall_s))
             else:
                 await self._send_all(stream, out)
                 for f in frames:
