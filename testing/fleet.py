@@ -406,13 +406,13 @@ class EmulatedRelay:
                                        local_address=self.source, timeout_s=f.cfg.request_timeout_s)
             except (OSError, trio.TooSlowError, msgspec.DecodeError) as e:
                 self.failures += 1
-                log.debug("relay connect failed rack=%s err=%s", self.rack, e)
+                log.debug("relay connect failed rack=%s err=%r", self.rack, e)
                 await trio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
                 continue
             except Exception as e:  # WireError (refused): back off
                 self.failures += 1
-                log.debug("relay refused rack=%s err=%s", self.rack, e)
+                log.debug("relay refused rack=%s err=%r", self.rack, e)
                 await trio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
                 continue
