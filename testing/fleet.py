@@ -409,13 +409,13 @@ class EmulatedRelay:
                                        ssl_context=own_ctx, expect="placer" if own_ctx else None)
             except (OSError, trio.TooSlowError, msgspec.DecodeError) as e:
                 self.failures += 1
-                log.debug("relay connect failed rack=%s err=%s", self.rack, e)
+                log.debug("relay connect failed rack=%s err=%r", self.rack, e)
                 await trio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
                 continue
             except Exception as e:  # WireError (refused): back off
                 self.failures += 1
-                log.debug("relay refused rack=%s err=%s", self.rack, e)
+                log.debug("relay refused rack=%s err=%r", self.rack, e)
                 await trio.sleep(backoff)
                 backoff = min(2.0, backoff * 2)
                 continue
@@ -640,7 +640,12 @@ class EmulatedRelay:
 
     async def _events(self) -> None:
         """Members' events go up within a few ms, the rack's together: one ``reports`` frame
-        (each member's report in it, in order)."""
+        (each member's report in it, in order), one call at a time. A member sends its reports
+        one after the other (AgentLink), so this relay does too: with a task per batch, two
+        batches waiting for the fleet's limiter were woken together and trio may run them in
+        either order, so a member's later event took the lower sequence number and the placer
+        applied the earlier one last (pods left "accepted" or "fetching" while they ran: seen at
+        131,072 trays, where the limiter filled while the placer held its answers)."""
         while True:
             await self._flush.wait()
             self._flush = trio.Event()
@@ -654,7 +659,7 @@ class EmulatedRelay:
                 else:  # registering: its events wait for the answer (never dropped, as AgentLink's)
                     self._pending[nid] = evs
             if batch:
-                self.fleet.spawn(self._send_events, batch)
+                await self._send_events(batch)   # (what comes meanwhile waits: the next batch)
 
     async def _send_events(self, batch: list[tuple[EmulatedNode, list[WorkloadEvent]]]) -> None:
         async with self.fleet.limiter:

@@ -96,3 +96,47 @@ async def test_events_while_a_member_registers_wait_and_a_full_report_supersedes
         await trio.sleep(0.1)
         assert registered == [3, 4, 6] and relay.reregistrations == 3
         n.cancel_scope.cancel()
+
+
+class HeldChannel(FakeChannel):
+    """Its first ``hold`` calls wait until ``release`` is set (the placer holding its answers)."""
+
+    def __init__(self, hold: int) -> None:
+        super().__init__()
+        self.hold = hold
+        self.release = trio.Event()
+
+    async def call(self, type_: str, payload: Any, *, timeout_s: float | None = None) -> Frame:
+        if self.hold > 0:
+            self.hold -= 1
+            await self.release.wait()
+        return await super().call(type_, payload, timeout_s=timeout_s)
+
+
+async def test_a_members_reports_leave_in_its_events_order_when_the_limiter_is_full(autojump_clock):
+    """The fleet's limiter full of calls the placer has not answered yet: a member's next events
+    must still get their sequence numbers in the order they happened (repeated: trio may run
+    tasks woken together in either order, which is what broke it)."""
+    for _ in range(24):
+        fleet, relay = _relay()
+        fleet.limiter = trio.CapacityLimiter(2)
+        ch = HeldChannel(hold=2)
+        relay.channel = ch  # type: ignore[assignment]
+        m, other = relay.members
+        async with trio.open_nursery() as n:
+            fleet._nursery = n
+            n.start_soon(relay._events)
+            for state in ("fetching", "running"):   # two calls the placer holds: the limiter is full
+                other._event("j.1.0", state)
+                await trio.sleep(0.05)
+            m._event("j.1.0", "fetching")
+            await trio.sleep(0.05)
+            m._event("j.1.0", "running")
+            await trio.sleep(0.05)
+            ch.release.set()
+            await trio.sleep(1.0)
+            n.cancel_scope.cancel()
+        mine = [(seq, states) for node, seq, states in _events(ch) if node == m.slot.node_id]
+        assert [st for _, st in sorted(mine)] in ([["fetching"], ["running"]], [["fetching", "running"]]), mine
+        theirs = [(seq, states) for node, seq, states in _events(ch) if node == other.slot.node_id]
+        assert [e for _, st in sorted(theirs) for e in st] == ["fetching", "running"], theirs
