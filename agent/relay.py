@@ -43,6 +43,7 @@ is the trio code around it.
 from __future__ import annotations
 
 import logging
+import random
 import ssl
 import time
 from collections import OrderedDict
@@ -99,7 +100,8 @@ class Relay:
                  advertise: str | None = None, heartbeat_s: float = 5.0, backoff_min_s: float = 0.05,
                  backoff_max_s: float = 2.0, request_timeout_s: float = 10.0, max_connections: int = 512,
                  keys: Keys, on_bad_bundle: Callable[[], None] | None = None,
-                 clock: Callable[[], float] = time.time, security: Security | None = None) -> None:
+                 clock: Callable[[], float] = time.time, security: Security | None = None,
+                 connect_timeout_s: float = 60.0) -> None:
         """``security``: the agent's TLS set-up (None or insecure: plain TCP). With it the members
         listener takes mutual TLS only (a member's certificate names the member), the upstream
         connection must reach the placer's certificate, and blobs come from other relays over
@@ -121,6 +123,10 @@ class Relay:
         self.backoff_min_s = backoff_min_s
         self.backoff_max_s = backoff_max_s
         self.request_timeout_s = request_timeout_s
+        # the upstream hello is waited for longer than a request: a placer in a registration
+        # storm (every node and relay reconnecting) answers late, and a relay that gave up and
+        # dialled again would only add to the storm (AgentLink.wire_connect_timeout_s likewise)
+        self.connect_timeout_s = max(request_timeout_s, connect_timeout_s)
         self._clock = clock
         self.book = BeatBook(rack, heartbeat_s)
         # a rack is small (<= 72 trays an NVL72) plus the few relays come for a blob: not the
@@ -188,12 +194,12 @@ class Relay:
                 backoff = min(self.backoff_max_s, backoff * 2)
                 continue
             try:
-                ch = await open_frames(url, self.token, self.node_id, timeout_s=self.request_timeout_s,
+                ch = await open_frames(url, self.token, self.node_id, timeout_s=self.connect_timeout_s,
                                        relay=RelayHello(racks=[self.rack], listen_url=self.listen_url),
                                        ssl_context=self._client_ssl, expect="placer" if self._client_ssl else None)
             except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError) as e:
-                log.debug("relay upstream connect failed url=%s err=%s", url, e)
-                await trio.sleep(backoff * 2)
+                log.info("relay upstream connect failed url=%s err=%r", url, e)
+                await trio.sleep(backoff * 2 * random.uniform(0.5, 1.0))  # jittered: relays do not retry in step
                 backoff = min(self.backoff_max_s, backoff * 2)
                 continue
             backoff = self.backoff_min_s

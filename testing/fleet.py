@@ -405,12 +405,13 @@ class EmulatedRelay:
             try:
                 ch = await open_frames(f.cfg.wire_url or "", f.tokens.cluster or "", self.members[0].slot.node_id,
                                        relay=RelayHello(racks=[self.rack], listen_url=f.frames_url),
-                                       local_address=self.source, timeout_s=f.cfg.request_timeout_s,
+                                       local_address=self.source, timeout_s=max(WIRE_CONNECT_S,
+                                                                                 f.cfg.request_timeout_s),
                                        ssl_context=own_ctx, expect="placer" if own_ctx else None)
             except (OSError, trio.TooSlowError, msgspec.DecodeError) as e:
                 self.failures += 1
                 log.debug("relay connect failed rack=%s err=%r", self.rack, e)
-                await trio.sleep(backoff)
+                await trio.sleep(backoff * random.uniform(0.5, 1.0))   # jittered, as agent/relay.py
                 backoff = min(2.0, backoff * 2)
                 continue
             except Exception as e:  # WireError (refused): back off

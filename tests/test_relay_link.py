@@ -392,3 +392,27 @@ async def test_a_member_that_cannot_take_a_relayed_part_registers_directly_then_
             assert link.relay_failures >= 1
             await placer.until(lambda: link.statistics()["relay_url"] == relay.listen_url, "back through r1")
             n.cancel_scope.cancel()
+
+
+async def test_a_relay_waits_for_a_placer_that_answers_its_hello_late(token_dir: Path):
+    """A placer in a registration storm answers a relay's hello after more than a request's
+    timeout: the relay waits (connect_timeout_s) instead of giving up and dialling again."""
+    from tests.test_wire_channel import _StallThenForward
+
+    tokens = TokenSet.load(token_dir)
+    placer = FakePlacer(tokens)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            placer.url = await n.start(placer.server.run, "127.0.0.1:0")
+            front = _StallThenForward(placer.url, 0, delay_s=1.0)
+            front_url = await n.start(front.run)
+            relay = Relay(node_id="r1", rack=RACK, tokens=tokens, listen="127.0.0.1:0", wire_url=lambda: front_url,
+                          own_part=_accepting("r1", [], placer.signer.public), blobs=BlobCache(), heartbeat_s=0.2,
+                          request_timeout_s=0.3, connect_timeout_s=5.0, keys=lambda: (None, placer.signer.public))
+            await n.start(relay.run)
+            await placer.until(lambda: "r1" in placer.relays, "relay up")
+            with trio.fail_after(5):
+                while relay.connects == 0:   # (its hello answered: open_frames returns)
+                    await trio.sleep(0.02)
+            assert front.accepted == 1 and relay.connects == 1
+            n.cancel_scope.cancel()

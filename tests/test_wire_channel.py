@@ -348,10 +348,11 @@ class _StallThenForward:
     accepted and never answered (a placer whose handshake queue is full), later ones are
     forwarded byte for byte to ``target``."""
 
-    def __init__(self, target: str, stall: int) -> None:
+    def __init__(self, target: str, stall: int, delay_s: float = 0.0) -> None:
         self.host, _, port = target.removeprefix("tcp://").rpartition(":")
         self.port = int(port)
         self.stall = stall
+        self.delay_s = delay_s   # before each forwarded connection starts (a placer answering late)
         self.accepted = 0
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -363,6 +364,7 @@ class _StallThenForward:
         self.accepted += 1
         if self.accepted <= self.stall:
             await trio.sleep_forever()
+        await trio.sleep(self.delay_s)
         async with client, await trio.open_tcp_stream(self.host, self.port) as up:
             async def pump(a: trio.SocketStream, b: trio.SocketStream) -> None:
                 while data := await a.receive_some(1 << 16):
