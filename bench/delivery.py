@@ -41,16 +41,15 @@ Every wait is bounded; every loop is bounded in count and time; traffic stays on
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +59,16 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.fleet import _jobs_mix, _ms, _note, _submit_all, _viewer, _wait_fill, _wait_job  # noqa: E402
+from bench.fleet import (  # noqa: E402
+    _jobs_mix,
+    _ms,
+    _note,
+    _submit_all,
+    _viewer,
+    _wait_fill,
+    _wait_job,
+    run_printed,
+)
 from scheduler_link.auth import TokenSet, generate_token_dir  # noqa: E402
 from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, wait_nodes_up, wait_recovered  # noqa: E402
 
@@ -414,15 +422,7 @@ def main(argv: list[str] | None = None) -> int:
              steady_s=ns.steady_s, fill=ns.fill, fill_max_jobs=ns.fill_max_jobs, limit_s=ns.limit,
              baseline=not ns.no_baseline, baseline_limit_s=ns.baseline_limit, hung_fraction=ns.hung,
              preempt=not ns.no_preempt, seed=ns.seed)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
-    t0 = time.perf_counter()
-    out = trio.run(run_all, nodes, a)
-    out["wall_s"] = time.perf_counter() - t0
-    if ns.json:
-        print(json.dumps(out))
-    else:
-        print_table(out)
-    return 0
+    return run_printed(partial(run_all, nodes, a), json_out=ns.json, table=print_table)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -463,15 +464,22 @@ def main(argv: list[str] | None = None) -> int:
              baseline=not ns.no_baseline, baseline_limit_s=ns.baseline_limit, seed=ns.seed,
              placer_root=Path(ns.placer_root), fetch_delay_s=ns.fetch_delay, run_delay_s=ns.run_delay,
              jobs=not ns.no_jobs, probe=ns.probe)
-    # SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the placer and emulators are stopped
+    return run_printed(partial(run_all, nodes, a), json_out=ns.json, table=print_table)
+
+
+def run_printed(run: Callable[[], Awaitable[dict[str, Any]]], *, json_out: bool,
+                table: Callable[[dict[str, Any]], None]) -> int:
+    """A fleet bench's main: ``run`` under trio, its wall time added, then one JSON object or
+    the table. SIGTERM (e.g. from `timeout`) unwinds like Ctrl-C, so the placer and the
+    emulators are stopped."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     t0 = time.perf_counter()
-    out = trio.run(run_all, nodes, a)
+    out = trio.run(run)
     out["wall_s"] = time.perf_counter() - t0
-    if ns.json:
+    if json_out:
         print(json.dumps(out))
     else:
-        print_table(out)
+        table(out)
     return 0
 
 
