@@ -348,11 +348,12 @@ class _StallThenForward:
     accepted and never answered (a placer whose handshake queue is full), later ones are
     forwarded byte for byte to ``target``."""
 
-    def __init__(self, target: str, stall: int, delay_s: float = 0.0) -> None:
+    def __init__(self, target: str, stall: int, delay_s: float = 0.0, reply_delay_s: float = 0.0) -> None:
         self.host, _, port = target.removeprefix("tcp://").rpartition(":")
         self.port = int(port)
         self.stall = stall
         self.delay_s = delay_s   # before each forwarded connection starts (a placer answering late)
+        self.reply_delay_s = reply_delay_s   # before each piece of the server's answers (a busy placer)
         self.accepted = 0
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -366,14 +367,15 @@ class _StallThenForward:
             await trio.sleep_forever()
         await trio.sleep(self.delay_s)
         async with client, await trio.open_tcp_stream(self.host, self.port) as up:
-            async def pump(a: trio.SocketStream, b: trio.SocketStream) -> None:
+            async def pump(a: trio.SocketStream, b: trio.SocketStream, delay_s: float) -> None:
                 while data := await a.receive_some(1 << 16):
+                    await trio.sleep(delay_s)
                     await b.send_all(data)
                 await b.send_eof()
 
             async with trio.open_nursery() as n:
-                n.start_soon(pump, client, up)
-                n.start_soon(pump, up, client)
+                n.start_soon(pump, client, up, 0.0)
+                n.start_soon(pump, up, client, self.reply_delay_s)
 
 
 @pytest.mark.parametrize("stall", [2, 10])
@@ -409,4 +411,30 @@ async def test_agent_link_waits_out_a_busy_framed_channel_before_falling_back_to
                 assert link.wire_busy == WIRE_BUSY_TRIES - 1 and front.accepted == WIRE_BUSY_TRIES
                 assert "127.0.0.1:1" in (link.last_error or "") or "onnect" in (link.last_error or "")
                 assert fp.seen == []
+            n.cancel_scope.cancel()
+
+
+async def test_a_registration_is_waited_for_longer_than_a_heartbeat():
+    """A busy placer answers each report 0.6 s late; the request timeout is 0.3 s. The full
+    report that registers is waited for (wire_connect_timeout_s): registered at the first
+    try, no report given up on and sent again (a storm's retries were what collapsed 131,072
+    emulated nodes). The heartbeats after it keep the short deadline: they fail."""
+    fp = FakePlacer()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            _, url = await _server(n, fp)
+            front = _StallThenForward(url, 0, reply_delay_s=0.6)
+            front_url = await n.start(front.run)
+            link = AgentLink("http://127.0.0.1:1", "c", "solo", _Hooks("solo"), heartbeat_s=0.05,
+                             wire_url=front_url, request_timeout_s=0.3, wire_connect_timeout_s=5.0,
+                             backoff_max_s=0.05)
+            await n.start(link.run)
+            with trio.fail_after(10):
+                while not link.registered:
+                    await trio.sleep(0.02)
+            assert link.full_reports_sent == link.wire_full_reports == 1 and link.failures == 0
+            with trio.fail_after(10):
+                while link.failures == 0:   # a heartbeat answered 0.6 s late: over its 0.3 s
+                    await trio.sleep(0.02)
+            assert "TooSlowError" in (link.last_error or "")
             n.cancel_scope.cancel()
