@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -175,3 +176,38 @@ async def start_rack_nodes(nursery: trio.Nursery, root: Path, n: int, token: str
         nodes.append(Node(nid, store, plane, url, Herd(store, node_id=nid, token=token, config=cfg),
                           rack=f"rack{i // rack_size}", scope=cs))
     return nodes
+
+
+# path, how many times it was asked before -> (status line, body); None: serve the file
+Rule = Callable[[str, int], tuple[bytes, bytes] | None]
+
+
+async def mirror_origin(nursery: trio.Nursery, root: Path, seen: Counter[str], rule: Rule) -> str:
+    """A static mirror of ``root`` over HTTP/1.1 on loopback (one request a connection), each
+    request path counted in ``seen``; ``rule`` may answer a request instead of the file."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+
+    async def handle(stream: trio.SocketStream) -> None:
+        async with stream:
+            head = b""
+            while b"\r\n\r\n" not in head:
+                got = await stream.receive_some(65536)
+                if not got:
+                    return
+                head += got
+            path = head.split(b" ", 2)[1].decode()
+            n = seen[path]
+            seen[path] += 1
+            f = root / path.lstrip("/")
+            answer = rule(path, n)
+            if answer is not None:
+                status, body = answer
+            elif f.is_file():
+                status, body = b"200 OK", f.read_bytes()
+            else:
+                status, body = b"404 Not Found", b"no such object"
+            await stream.send_all(b"HTTP/1.1 " + status + b"\r\ncontent-length: " + str(len(body)).encode()
+                                  + b"\r\nconnection: close\r\n\r\n" + body)
+
+    nursery.start_soon(trio.serve_listeners, handle, listeners)
+    return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"

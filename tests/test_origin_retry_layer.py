@@ -15,7 +15,7 @@ import json
 import socket
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,44 +26,9 @@ from p2p.fetch import fetch_artifact
 from p2p.herd import Herd, OriginCorruptError
 from p2p.origins import open_origin
 from p2p.store import ChunkStore
-from tests.herd_cluster import FAST, Artifact, make_artifact, open_file_origin
+from tests.herd_cluster import FAST, Artifact, Rule, make_artifact, mirror_origin, open_file_origin
 
 HERD = [sys.executable, "-m", "cli.main"]
-# path, how many times it was asked before -> (status line, body); None: serve the file
-Rule = Callable[[str, int], tuple[bytes, bytes] | None]
-
-
-async def _origin(nursery: trio.Nursery, root: Path, seen: Counter[str], rule: Rule) -> str:
-    """A static mirror of ``root`` over HTTP/1.1 (one request a connection); ``rule``
-    may answer a request instead of the file."""
-    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-
-    async def handle(stream: trio.SocketStream) -> None:
-        async with stream:
-            head = b""
-            while b"\r\n\r\n" not in head:
-                got = await stream.receive_some(65536)
-                if not got:
-                    return
-                head += got
-            path = head.split(b" ", 2)[1].decode()
-            n = seen[path]
-            seen[path] += 1
-            f = root / path.lstrip("/")
-            answer = rule(path, n)
-            if answer is not None:
-                status, body = answer
-            elif f.is_file():
-                status, body = b"200 OK", f.read_bytes()
-            else:
-                status, body = b"404 Not Found", b"no such object"
-            await stream.send_all(b"HTTP/1.1 " + status + b"\r\ncontent-length: " + str(len(body)).encode()
-                                  + b"\r\nconnection: close\r\n\r\n" + body)
-
-    nursery.start_soon(trio.serve_listeners, handle, listeners)
-    return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
-
-
 def _chunk_gets(seen: Counter[str]) -> dict[str, int]:
     return {p.removeprefix("/chunks/"): c for p, c in seen.items() if p.startswith("/chunks/")}
 
@@ -89,7 +54,7 @@ async def _herd_fetch_via_http(tmp_path: Path, art: Artifact, rule: Rule, **cfg:
     err: BaseException | None = None
     with trio.fail_after(30):
         async with trio.open_nursery() as nursery:
-            url = await _origin(nursery, art.origin_dir, seen, rule)
+            url = await mirror_origin(nursery, art.origin_dir, seen, rule)
             origin = open_origin(url, retries=0)
             t0 = trio.current_time()
             try:
@@ -196,7 +161,7 @@ async def test_cli_fetch_asks_a_chunk_retries_plus_one_times(tmp_path: Path, tok
 
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            url = await _origin(nursery, art.origin_dir, seen, rule)
+            url = await mirror_origin(nursery, art.origin_dir, seen, rule)
             peer = ["--peer", dead_peer, "--token-dir", str(token_dir)] if with_peer else []
             res = await trio.run_process(
                 [*HERD, "artifact", "fetch", art.manifest_id, "--origin", url, "--retries", "2",
@@ -219,7 +184,7 @@ async def test_cli_fetch_succeeds_after_503s_within_its_retries(tmp_path: Path, 
     seen: Counter[str] = Counter()
     with trio.fail_after(60):
         async with trio.open_nursery() as nursery:
-            url = await _origin(nursery, art.origin_dir, seen, lambda p, n: (b"503 Service Unavailable", b"x")
+            url = await mirror_origin(nursery, art.origin_dir, seen, lambda p, n: (b"503 Service Unavailable", b"x")
                                 if p.startswith("/chunks/") and n < 2 else None)
             res = await trio.run_process(
                 [*HERD, "artifact", "fetch", art.manifest_id, "--origin", url, "--retries", "2",
