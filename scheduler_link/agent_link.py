@@ -567,12 +567,12 @@ class AgentLink:
         # and 13,567 nodes registered in 200 s. Waited for as long as a busy channel, it is
         # worked through once.
         registering = report.full and not self.registered and self._relay is None
-        slow_ok = self.wire_connect_timeout_s if registering else self.request_timeout_s
+        limit = max(self.request_timeout_s, self.wire_connect_timeout_s) if registering else self.request_timeout_s
         if self._wire is not None:
             # through a relay: an empty heartbeat is answered by the relay at once, so a relay
             # that is silent for two intervals is dead to us (before the placer thinks us lost)
-            limit = max(slow_ok, self.request_timeout_s) if self._relay is None else \
-                min(self.request_timeout_s, max(2.0, 2 * self.heartbeat_s))
+            if self._relay is not None:
+                limit = min(self.request_timeout_s, max(2.0, 2 * self.heartbeat_s))
             with trio.fail_after(limit):
                 wr = await self._wire.exchange(report)
             self.reports_sent += 1
@@ -588,14 +588,15 @@ class AgentLink:
         body = msgspec.json.encode(report)
         if client is None:
             assert self._http_pool is not None
-            with trio.fail_after(max(slow_ok, self.request_timeout_s)):
+            with trio.fail_after(limit):
                 res = await self._http_pool.post(self.placer_url, f"/v1/nodes/{self.node_id}/report", body,
                                                  token=self.token, key=self.node_id, expect="placer")
             if res.status is None:
                 raise _PlacerError(f"placer unreachable: {res.error}")
             status, content = res.status, res.body
         else:
-            r = await client.post(url, content=body, headers=headers or None)
+            r = await client.post(url, content=body, headers=headers or None,
+                                  timeout=limit if registering else httpx.USE_CLIENT_DEFAULT)
             try:
                 check_peer(r, "placer")   # over TLS the answer must be the placer's certificate's
             except ClientError as e:
