@@ -47,7 +47,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from .tls import TLSFiles, parse_principal
+from .tls import TLSFiles, parse_principal, send_leaf_only
 
 NODE_DAYS = 365
 CA_DAYS = 3650
@@ -467,6 +467,7 @@ class NodeContexts:
             ctx.load_cert_chain(str(p))
         finally:
             p.unlink(missing_ok=True)
+        send_leaf_only(ctx)
         return ctx
 
     def close(self) -> None:

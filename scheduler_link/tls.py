@@ -28,6 +28,7 @@ holds its slot no longer than a peer that stalls its request head.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import socket
@@ -132,6 +133,73 @@ class TLSFiles:
                                "looks: /etc/herd/tls)")
 
 
+# ---------------------------------------------------------------- the leaf only, no chain
+# A context given its certificate without a chain (ours: the cluster CA signs every leaf) has
+# OpenSSL build the chain it sends from the context's verify store (SSL_MODE_NO_AUTO_CHAIN
+# unset): every handshake, on each side, it verifies its own certificate against the CA once
+# more and sends the CA's certificate along, which the peer decodes (OpenSSL 3.0's decoder
+# set-up, ~1.5 M instructions a certificate) only to find it is its own trust anchor (RFC 8446
+# 4.4.2 lets the root be left out). That is ~30 % of a mutual handshake's instructions, both
+# sides together (callgrind, bench/tls_handshake.py --callgrind). Python's ssl has no switch
+# for the mode, so it is set with libssl's SSL_CTX_ctrl on the context's SSL_CTX: CPython keeps
+# that pointer as the first field after the object header, and it is used only after
+# SSL_CTX_get_options on it returns the options Python reports for the context, from the one
+# libssl in this process whose version is the one the ssl module was built with.
+
+_SSL_CTRL_MODE = 33
+_SSL_MODE_NO_AUTO_CHAIN = 0x8
+_libssl: Any = None
+_libssl_checked = False
+
+
+def _find_libssl() -> Any:
+    global _libssl, _libssl_checked
+    if _libssl_checked:
+        return _libssl
+    _libssl_checked = True
+    try:
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "/libssl.so" in line}
+        if len(paths) != 1:
+            return None
+        lib = ctypes.CDLL(paths.pop())
+        lib.OpenSSL_version_num.restype = ctypes.c_ulong
+        if lib.OpenSSL_version_num() != ssl.OPENSSL_VERSION_NUMBER:
+            return None
+        lib.SSL_CTX_get_options.restype = ctypes.c_uint64
+        lib.SSL_CTX_get_options.argtypes = [ctypes.c_void_p]
+        lib.SSL_CTX_ctrl.restype = ctypes.c_long
+        lib.SSL_CTX_ctrl.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_long, ctypes.c_void_p]
+    except (OSError, AttributeError, IndexError):
+        return None
+    _libssl = lib
+    return lib
+
+
+def send_leaf_only(ctx: ssl.SSLContext) -> bool:
+    """Have ``ctx`` send its own certificate without the chain OpenSSL would build (see above);
+    False where that cannot be done safely here (then OpenSSL's default stands)."""
+    lib = _find_libssl()
+    if lib is None or not isinstance(ctx, ssl.SSLContext):
+        return False
+    ptr = ctypes.c_void_p.from_address(id(ctx) + object.__basicsize__).value
+    if not ptr or lib.SSL_CTX_get_options(ptr) != int(ctx.options):
+        return False
+    mode = lib.SSL_CTX_ctrl(ptr, _SSL_CTRL_MODE, _SSL_MODE_NO_AUTO_CHAIN, None)
+    return bool(mode & _SSL_MODE_NO_AUTO_CHAIN)
+
+
+def sends_leaf_only(ctx: ssl.SSLContext) -> bool:
+    """Whether :func:`send_leaf_only` took on ``ctx`` (its SSL_CTX's mode)."""
+    lib = _find_libssl()
+    if lib is None:
+        return False
+    ptr = ctypes.c_void_p.from_address(id(ctx) + object.__basicsize__).value
+    if not ptr or lib.SSL_CTX_get_options(ptr) != int(ctx.options):
+        return False
+    return bool(lib.SSL_CTX_ctrl(ptr, _SSL_CTRL_MODE, 0, None) & _SSL_MODE_NO_AUTO_CHAIN)
+
+
 def _base(purpose: ssl.Purpose, ca: Path | None) -> ssl.SSLContext:
     ctx = ssl.create_default_context(purpose)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_3
@@ -157,6 +225,7 @@ def server_context(files: TLSFiles, *, client_cert: ClientCert = "required") -> 
     except (ssl.SSLError, OSError) as e:
         raise TLSError(f"cannot load the CA certificate {files.ca}: {e}") from None
     _load_chain(ctx, files)
+    send_leaf_only(ctx)
     ctx.verify_mode = {"required": ssl.CERT_REQUIRED, "optional": ssl.CERT_OPTIONAL,
                        "none": ssl.CERT_NONE}[client_cert]
     # No TLS 1.3 session tickets: no client of ours resumes (trio's SSLStream is given no
@@ -181,6 +250,7 @@ def client_context(ca: str | os.PathLike[str], files: TLSFiles | None = None, *,
     if files is not None:
         files.check()
         _load_chain(ctx, files)
+        send_leaf_only(ctx)
     return ctx
 
 
@@ -219,14 +289,76 @@ async def handshake(stream: trio.SSLStream[Any]) -> None:
         raise TLSError(describe_ssl_error(cause)) from None
 
 
+# The crypto of a handshake off the event loop: OpenSSL releases the GIL in SSL_do_handshake,
+# so a placer host's cores share a registration storm's handshakes (~1 ms of crypto each) while
+# the event loop goes on with the exchanges. trio's SSLStream runs its handshake on the loop's
+# thread, calling the SSLObject over its memory BIOs; here the same calls and the same BIOs,
+# with each do_handshake that has peer bytes to work on made in a worker thread (the loop does
+# the socket I/O). It needs trio's private ``_ssl_object``/``_incoming``/``_outgoing`` and the
+# once-only ``_handshook`` whose function it replaces; where they are not as expected the
+# stream handshakes as trio does.
+_HANDSHAKE_READ = 16 << 10
+
+
+def _threadable(s: trio.SSLStream[Any]) -> bool:
+    once = getattr(s, "_handshook", None)
+    return (all(hasattr(s, a) for a in ("_ssl_object", "_incoming", "_outgoing", "_state"))
+            and once is not None and hasattr(once, "_afn") and hasattr(once, "_args")
+            and getattr(once, "started", True) is False)
+
+
+async def _handshake_in_threads(s: trio.SSLStream[Any], threads: trio.CapacityLimiter) -> None:
+    obj: ssl.SSLObject = s._ssl_object
+    incoming: ssl.MemoryBIO = s._incoming
+    outgoing: ssl.MemoryBIO = s._outgoing
+    transport = s.transport_stream
+    try:
+        while True:
+            done = False
+            try:
+                if incoming.pending:
+                    await trio.to_thread.run_sync(obj.do_handshake, limiter=threads)
+                else:
+                    obj.do_handshake()   # nothing to work on yet: returns at once
+                done = True
+            except ssl.SSLWantReadError:
+                pass
+            except ssl.SSLError as e:
+                alert = outgoing.read()   # tell the peer why, as trio does
+                if alert:
+                    with trio.move_on_after(0.5):
+                        try:
+                            await transport.send_all(alert)
+                        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                            pass
+                raise trio.BrokenResourceError from e
+            data = outgoing.read()
+            if data:
+                await transport.send_all(data)
+            if done:
+                return
+            chunk = await transport.receive_some(_HANDSHAKE_READ)
+            if not chunk:
+                raise trio.BrokenResourceError from ssl.SSLEOFError("EOF occurred in violation of protocol")
+            incoming.write(chunk)
+    except BaseException:
+        s._state = type(s._state)["BROKEN"]
+        raise
+
+
 async def server_handshake(stream: trio.SocketStream, ctx: ssl.SSLContext, deadline_s: float, *,
-                           slots: trio.CapacityLimiter | None = None
+                           slots: trio.CapacityLimiter | None = None,
+                           threads: trio.CapacityLimiter | None = None
                            ) -> tuple[trio.SSLStream[trio.SocketStream] | None, str]:
     """An accepted connection's handshake within ``deadline_s``: (the TLS stream, "") or
     (None, why it failed). Both listeners (the HTTP layer, the framed channel) use it.
     ``slots`` bounds the handshakes in progress (their crypto); a connection takes one only
-    once its client has sent something, so idle connections (connected, silent) hold none."""
+    once its client has sent something, so idle connections (connected, silent) hold none.
+    ``threads``: the handshake's crypto runs in worker threads bounded by it (see above)."""
     s = trio.SSLStream(stream, ctx, server_side=True)
+    if threads is not None and _threadable(s):
+        once: Any = s._handshook  # (trio private: checked by _threadable)
+        once._afn, once._args = _handshake_in_threads, (s, threads)
     with trio.move_on_after(deadline_s):
         try:
             if slots is None:

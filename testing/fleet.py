@@ -48,6 +48,7 @@ import logging
 import math
 import os
 import random
+import socket
 import ssl
 import sys
 import time
@@ -74,6 +75,8 @@ from scheduler_link.heartbeat_wire import (
     SharedWire,
     WireError,
     WireReply,
+    frame,
+    parse_wire_url,
 )
 from scheduler_link.messages import (
     AckBundle,
@@ -608,21 +611,19 @@ class EmulatedRelay:
     async def _register_own_tls(self, m: EmulatedNode) -> WireReply | None:
         """Over mutual TLS a member registers as a real agent does: its own connection to the
         placer's framed channel with its own certificate (a handshake, the full report, its
-        MAC key in the answer), closed once it moves to its relay (here, in-process)."""
+        MAC key in the answer), closed once it moves to its relay (here, in-process). The
+        connection is driven by :func:`_register_blocking` in a worker thread (see there)."""
         f = self.fleet
         ctx = f.node_context(m.slot.node_id)
+        assert ctx is not None
         rep = self._report(m, full=True)
+        host, port = parse_wire_url(f.cfg.wire_url or "")
+        hello = frame(Hello(token="", node_id=m.slot.node_id))
         async with f._tls_connects:   # (the emulator's queue: see Fleet; the node's deadline starts after it)
             try:
-                with trio.fail_after(WIRE_CONNECT_S):
-                    c = await HeartbeatClient.connect(f.cfg.wire_url or "", "", m.slot.node_id, ssl_context=ctx,
-                                                      local_address=self.source)
-                    try:
-                        wr = await c.exchange(rep)
-                    finally:
-                        await c.aclose()
-            except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
-                    tls.TLSError) as e:
+                wr = await trio.to_thread.run_sync(_register_blocking, host, port, ctx, self.source, hello,
+                                                   frame(rep), WIRE_CONNECT_S, limiter=f._tls_threads)
+            except (OSError, WireError, msgspec.DecodeError, tls.TLSError) as e:
                 self.failures += 1
                 log.debug("member registration failed node=%s err=%s", m.slot.node_id, e)
                 return None
@@ -823,6 +824,7 @@ class Fleet:
         # connect deadline (WIRE_CONNECT_S, as a real agent's wire_connect_timeout_s) starts
         # with its turn.
         self._tls_connects = trio.CapacityLimiter(128)
+        self._tls_threads = trio.CapacityLimiter(32)   # members' blocking registrations (_register_blocking)
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._nursery is not None
@@ -1163,6 +1165,68 @@ class _BlobHost:
 
 
 WIRE_CONNECT_S = 60.0   # an emulated node's framed-channel connect deadline (AgentLink's default)
+
+_wire_reply = msgspec.json.Decoder(WireReply)
+
+
+def _read_reply(s: ssl.SSLSocket, buf: bytearray, deadline: float) -> WireReply:
+    while True:
+        if len(buf) >= 4:
+            ln = int.from_bytes(buf[:4], "big")
+            if ln > 1 << 20:
+                raise WireError(f"reply frame of {ln} bytes")
+            if len(buf) - 4 >= ln:
+                body = bytes(buf[4:4 + ln])
+                del buf[:4 + ln]
+                return _wire_reply.decode(body)
+        s.settimeout(max(0.001, deadline - time.monotonic()))
+        data = s.recv(1 << 16)
+        if not data:
+            raise WireError("placer closed the heartbeat channel")
+        buf += data
+
+
+def _register_blocking(host: str, port: int, ctx: ssl.SSLContext, source: str | None, hello: bytes,
+                       report: bytes, timeout_s: float) -> WireReply:
+    """One member's registration over its own mutual-TLS connection, in a worker thread: the
+    real wire (TCP, a TLS 1.3 handshake with the member's certificate, the hello, its full
+    report, the answer with its MAC key, close_notify), driven with blocking stdlib ``ssl``
+    sockets, whose handshake and record loops run in C. A real agent drives the same exchange
+    from trio (AgentLink: ``SSLStream``) on its own host's CPU; here thousands of members share
+    two cores with the placer, and trio's userspace TLS loop cost the emulator ~2.5 ms a member
+    on top of OpenSSL's own work (py-spy, 4,096 members), which the placer does not see."""
+    deadline = time.monotonic() + timeout_s
+    raw = socket.create_connection((host, port), timeout=timeout_s,
+                                   source_address=(source, 0) if source else None)
+    try:
+        s = ctx.wrap_socket(raw, server_side=False, do_handshake_on_connect=False)
+    except BaseException:
+        raw.close()
+        raise
+    with s:
+        try:
+            s.do_handshake()   # (the GIL released in OpenSSL)
+        except ssl.SSLError as e:
+            raise tls.TLSError(tls.describe_ssl_error(e)) from None
+        p = tls.principal_of(s.getpeercert())
+        if p is None or p.name != "placer":
+            raise tls.TLSError(f"the peer is {p.name if p else 'no herd principal'}, not placer")
+        buf = bytearray()
+        try:
+            s.sendall(hello)
+            r = _read_reply(s, buf, deadline)
+            if r.status != 200:
+                raise WireError(f"placer refused the heartbeat channel: {r.status} {r.error}", status=r.status)
+            s.sendall(report)
+            wr = _read_reply(s, buf, deadline)
+        except ssl.SSLError as e:
+            raise WireError(f"the framed channel closed: {tls.describe_ssl_error(e)}", status=503) from None
+        try:
+            s.settimeout(max(0.001, min(1.0, deadline - time.monotonic())))
+            s.unwrap()   # our close_notify, and the placer's
+        except (OSError, ValueError):
+            pass
+        return wr
 
 
 def _source(k: int, sources: int) -> str | None:
