@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import ssl
 import struct
 from collections.abc import Awaitable, Callable
@@ -146,8 +145,7 @@ class HeartbeatServer:
     def __init__(self, tokens: TokenSet, ingest: Ingest, *, hello_timeout_s: float = 10.0,
                  max_connections: int | None = None, frames: FramesHost | None = None,
                  ssl_context: ssl.SSLContext | None = None, require_certs: bool = False,
-                 token_use: Any = None, handshakes: int = 256, handshake_queue_s: float = 45.0,
-                 handshake_threads: int | None = None) -> None:
+                 token_use: Any = None, handshakes: int = 256, handshake_queue_s: float = 45.0) -> None:
         self.tokens = tokens
         # Handshakes cost the placer's one thread ~1.5-3 ms of CPU each. A registration storm
         # (every agent reconnecting at once) run all at once would finish them all late, past
@@ -159,8 +157,6 @@ class HeartbeatServer:
         # still in the socket: the handshake's crypto would be spent on nobody).
         self._handshakes = trio.CapacityLimiter(max(1, handshakes))
         self.handshake_queue_s = handshake_queue_s
-        # ... and their crypto in worker threads, one per core by default (tls.server_handshake)
-        self._handshake_threads = trio.CapacityLimiter(max(1, handshake_threads or os.cpu_count() or 1))
         self.ssl_context = ssl_context
         self.require_certs = require_certs
         self.token_use = token_use      # scheduler_link.authz.TokenUse (accept_tokens), or None
@@ -245,8 +241,7 @@ class HeartbeatServer:
                     await trio.aclose_forcefully(stream)
                     return None
                 why = "handshake timed out"   # (also when the queue's bound ends the handshake)
-                s, why = await tls.server_handshake(stream, self.ssl_context, self.hello_timeout_s,
-                                                    threads=self._handshake_threads)
+                s, why = await tls.server_handshake(stream, self.ssl_context, self.hello_timeout_s)
                 if s is not None:
                     return s
         self.tls_refused += 1

@@ -140,7 +140,7 @@ class TLSFiles:
 # more and sends the CA's certificate along, which the peer decodes (OpenSSL 3.0's decoder
 # set-up, ~1.5 M instructions a certificate) only to find it is its own trust anchor (RFC 8446
 # 4.4.2 lets the root be left out). That is ~30 % of a mutual handshake's instructions, both
-# sides together (callgrind, bench/tls_handshake.py --callgrind). Python's ssl has no switch
+# sides together (callgrind over bench/tls_handshake.py --memory-only). Python's ssl has no switch
 # for the mode, so it is set with libssl's SSL_CTX_ctrl on the context's SSL_CTX: CPython keeps
 # that pointer as the first field after the object header, and it is used only after
 # SSL_CTX_get_options on it returns the options Python reports for the context, from the one
@@ -289,76 +289,14 @@ async def handshake(stream: trio.SSLStream[Any]) -> None:
         raise TLSError(describe_ssl_error(cause)) from None
 
 
-# The crypto of a handshake off the event loop: OpenSSL releases the GIL in SSL_do_handshake,
-# so a placer host's cores share a registration storm's handshakes (~1 ms of crypto each) while
-# the event loop goes on with the exchanges. trio's SSLStream runs its handshake on the loop's
-# thread, calling the SSLObject over its memory BIOs; here the same calls and the same BIOs,
-# with each do_handshake that has peer bytes to work on made in a worker thread (the loop does
-# the socket I/O). It needs trio's private ``_ssl_object``/``_incoming``/``_outgoing`` and the
-# once-only ``_handshook`` whose function it replaces; where they are not as expected the
-# stream handshakes as trio does.
-_HANDSHAKE_READ = 16 << 10
-
-
-def _threadable(s: trio.SSLStream[Any]) -> bool:
-    once = getattr(s, "_handshook", None)
-    return (all(hasattr(s, a) for a in ("_ssl_object", "_incoming", "_outgoing", "_state"))
-            and once is not None and hasattr(once, "_afn") and hasattr(once, "_args")
-            and getattr(once, "started", True) is False)
-
-
-async def _handshake_in_threads(s: trio.SSLStream[Any], threads: trio.CapacityLimiter) -> None:
-    obj: ssl.SSLObject = s._ssl_object
-    incoming: ssl.MemoryBIO = s._incoming
-    outgoing: ssl.MemoryBIO = s._outgoing
-    transport = s.transport_stream
-    try:
-        while True:
-            done = False
-            try:
-                if incoming.pending:
-                    await trio.to_thread.run_sync(obj.do_handshake, limiter=threads)
-                else:
-                    obj.do_handshake()   # nothing to work on yet: returns at once
-                done = True
-            except ssl.SSLWantReadError:
-                pass
-            except ssl.SSLError as e:
-                alert = outgoing.read()   # tell the peer why, as trio does
-                if alert:
-                    with trio.move_on_after(0.5):
-                        try:
-                            await transport.send_all(alert)
-                        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-                            pass
-                raise trio.BrokenResourceError from e
-            data = outgoing.read()
-            if data:
-                await transport.send_all(data)
-            if done:
-                return
-            chunk = await transport.receive_some(_HANDSHAKE_READ)
-            if not chunk:
-                raise trio.BrokenResourceError from ssl.SSLEOFError("EOF occurred in violation of protocol")
-            incoming.write(chunk)
-    except BaseException:
-        s._state = type(s._state)["BROKEN"]
-        raise
-
-
 async def server_handshake(stream: trio.SocketStream, ctx: ssl.SSLContext, deadline_s: float, *,
-                           slots: trio.CapacityLimiter | None = None,
-                           threads: trio.CapacityLimiter | None = None
+                           slots: trio.CapacityLimiter | None = None
                            ) -> tuple[trio.SSLStream[trio.SocketStream] | None, str]:
     """An accepted connection's handshake within ``deadline_s``: (the TLS stream, "") or
     (None, why it failed). Both listeners (the HTTP layer, the framed channel) use it.
     ``slots`` bounds the handshakes in progress (their crypto); a connection takes one only
-    once its client has sent something, so idle connections (connected, silent) hold none.
-    ``threads``: the handshake's crypto runs in worker threads bounded by it (see above)."""
+    once its client has sent something, so idle connections (connected, silent) hold none."""
     s = trio.SSLStream(stream, ctx, server_side=True)
-    if threads is not None and _threadable(s):
-        once: Any = s._handshook  # (trio private: checked by _threadable)
-        once._afn, once._args = _handshake_in_threads, (s, threads)
     with trio.move_on_after(deadline_s):
         try:
             if slots is None:
