@@ -473,9 +473,9 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
 
     # a global home dying mid-transfer: the node that is home for the most chunks (the
     # homes do not depend on the in-rack fan-out)
-    _, tree_home, _ = all_parents(view, ck[: min(C, 256)], k=p.k, rack_fanout=p.rack_fanout)
     victim = -1
     if case == "home" and n > 1:
+        _, tree_home, _ = all_parents(view, ck[: min(C, 256)], k=p.k, rack_fanout=p.rack_fanout)
         victim = int(np.argmax(np.bincount(tree_home, minlength=n)))
     out: dict[str, Any] = {"nodes": n, "rack_size": p.rack_size, "racks": int(rack[-1]) + 1, "case": case,
                            "chunks": C, "size_mib": round(size / (1 << 20), 1)}

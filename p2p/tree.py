@@ -664,43 +664,54 @@ def all_parents_standins(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_
     [C, W] (successors = columns 1..); stand-in [C, N], -1 for none: :func:`standin_rank`). ``ckeys``: the
     manifest's whole chunk table, or successive blocks of it sharing one ``rotations``.
     The same rules as :func:`plan_node`'s ``parent`` and ``standin`` (the simulator uses
-    this; a test checks agreement)."""
+    this; a test checks agreement).
+
+    Computed over the members that are not rack homes only ([C, N - R], never
+    [C, R, W]): which (rack, rank) slots exist does not depend on the chunk, a member at
+    rank j of a rack rotated by ``rot`` is ``grid[r, (rot + j) mod size]`` (a doubled
+    grid row: no modulo per member), and every rank-dependent rule (parent rank
+    ``(j - 1) // m``, the deeper stand-in) is a table over slots."""
     C, N, R = len(ckeys), len(view), len(view.racks)
     m = max(1, rack_fanout)
     order, pos = rack_positions(view, ckeys)
     rot = (rotations or Rotations(view, k)).block(pos)
-    members = member_order(view, rot, np.broadcast_to(np.arange(R), (C, R)))   # [C, R, W]
-    rhome = members[:, :, 0]                                                    # [C, R]
+    sizes = view.sizes
+    W = view.grid.shape[1]
+    # the doubled grid: row r = its members, then its members again ([R, 2W], -1 padded)
+    j2 = np.arange(2 * W)
+    g2 = view.grid[np.arange(R)[:, None], j2[None, :] % np.maximum(sizes, 1)[:, None]]
+    g2 = np.where(j2[None, :] < 2 * sizes[:, None], g2, -1).ravel()
+    base = np.arange(R, dtype=np.int64) * (2 * W) + rot % np.maximum(sizes, 1)[None, :]     # [C, R]
+    rhome = g2[base]                                                                          # [C, R]
+    # slots (rack r, rank j >= 1) that exist
+    jr = np.arange(W)
+    slot = (jr[None, :] >= 1) & (jr[None, :] < sizes[:, None])
+    rv, jv = np.nonzero(slot)
+    prank = (jv - 1) // m
+    mem = g2[base[:, rv] + jv[None, :]]                                                       # [C, S]
+    ci = np.arange(C)[:, None]
     parent = np.full((C, N), -1, np.int64)
-    ci = np.arange(C)[:, None, None]
-    W = members.shape[2]
-    j = np.arange(W)[None, None, :]
-    inrack_par = np.take_along_axis(members, np.broadcast_to(np.maximum(j - 1, 0) // m, members.shape), axis=2)
-    valid = (members >= 0) & (j > 0)
-    cc = np.broadcast_to(ci, members.shape)
-    parent[cc[valid], members[valid]] = inrack_par[valid]
+    parent[ci, mem] = g2[base[:, rv] + prank[None, :]]
     # rack homes: parent = home of the parent rack
     ppos = np.where(pos > 0, (pos - 1) // k, 0)
     prack = np.take_along_axis(order, ppos, axis=1)                               # [C, R]
     phome = np.take_along_axis(rhome, prack, axis=1)
-    par_of_home = np.where(pos > 0, phome, -1)
-    c2 = np.broadcast_to(np.arange(C)[:, None], (C, R))
-    parent[c2, rhome] = par_of_home
-    home = rhome[np.arange(C), order[:, 0]]
-    root = members[np.arange(C), order[:, 0]]
+    c2 = np.broadcast_to(ci, (C, R))
+    parent[c2, rhome] = np.where(pos > 0, phome, -1)
+    o0 = order[:, 0]
+    home = rhome[np.arange(C), o0]
+    root = np.where(jr[None, :] < sizes[o0][:, None], g2[base[np.arange(C), o0][:, None] + jr[None, :]], -1)
     # stand-ins (standin_rank): in-rack, of each node's parent (not the node itself); a
     # rack home's: of its parent rack's home
+    q = standin_rank(np.broadcast_to(ckeys[:, None], (C, R)), np.zeros((C, R), np.int64), sizes[None, :], m)
+    deeper = standin_rank(np.zeros(len(jv), np.uint64), prank, sizes[rv], m)     # 0 where prank == 0
+    sr = np.where((prank == 0)[None, :], q[:, rv], deeper[None, :])               # [C, S]
+    ok = (sr > 0) & (sr != jv[None, :])
+    st = g2[base[:, rv] + sr]
     standin = np.full((C, N), -1, np.int64)
-    jj = np.broadcast_to(np.arange(W)[None, None, :], members.shape)
-    sizes = np.broadcast_to(view.sizes[None, :, None], members.shape)
-    keys = np.broadcast_to(ckeys[:, None, None], members.shape)
-    sr = standin_rank(keys, np.where(jj > 0, (jj - 1) // m, -1), sizes, m)        # [C, R, W]
-    st_vals = np.take_along_axis(members, np.clip(sr, 0, W - 1), axis=2)
-    ok = valid & (sr > 0) & (sr != jj)
-    standin[cc[ok], members[ok]] = st_vals[ok]
-    # a rack home: the stand-in of its parent rack's home
-    q = standin_rank(np.broadcast_to(ckeys[:, None], (C, R)), np.zeros((C, R), np.int64), view.sizes[None, :], m)
-    other = np.take_along_axis(members, np.clip(q, 0, W - 1)[:, :, None], axis=2)[:, :, 0]   # [C, R]
+    cc = np.broadcast_to(ci, ok.shape)
+    standin[cc[ok], mem[ok]] = st[ok]
+    other = g2[base + q]                                                          # [C, R]: member at rank q
     other_p = np.take_along_axis(other, prack, axis=1)
     okh = (pos > 0) & (np.take_along_axis(q, prack, axis=1) > 0) & (other_p >= 0)
     standin[c2[okh], rhome[okh]] = other_p[okh]
