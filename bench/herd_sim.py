@@ -3,6 +3,11 @@
     python -m bench.herd_sim [--nodes 8,64,1024,10000,25000,50000] [--rack-size 18,32]
                              [--size-mb 2048] [--chunk-mb 1] [--cases none,dead,home,slowrack]
                              [--cores 1] [--designs tree,serial,today] [--json]
+                             [--k 8] [--rack-fanout 8] [--serve-cap 0]
+
+``--designs tree@M,tree@N`` compares in-rack fan-outs (serving cap k + M each) in one
+run, beside or instead of the default ``tree``: every other input the same, planning
+measured for each in turn.
 
 What runs. For each chunk, the tree every fetcher computes (``p2p.tree.all_parents``: the
 same primitives as ``plan_node``, which ``p2p.herd`` calls; a test checks they agree) and
@@ -618,8 +623,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link-gbit", type=float, default=100)
     ap.add_argument("--origin-gbit", type=float, default=100)
     ap.add_argument("--oversub", type=float, default=2)
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--rack-fanout", type=int, default=32)
+    ap.add_argument("--k", type=int, default=HerdConfig().tree_k, help="child racks per rack (the fetcher's)")
+    ap.add_argument("--rack-fanout", type=int, default=HerdConfig().rack_fanout,
+                    help="rack-mates under one member (the fetcher's; designs tree@M compare others)")
     ap.add_argument("--serve-cap", type=int, default=0,
                     help="copies of one chunk a node sends at once (0: k + rack fan-out)")
     ap.add_argument("--retry-ms", type=float, default=50)
@@ -667,8 +673,10 @@ def main(argv: list[str] | None = None) -> int:
             for case in cases:
                 row = run_row(p, case, designs=designs)
                 rows.append(row)
-                print(f"  {n} nodes racks of {rs} {case}: {row['sim_s']}s, load {row['load']}", file=sys.stderr,
-                      flush=True)
+                figs = " ".join(f"{d} {row[d]['completion_over_ideal']}/{row[d]['origin_egress_over_size']}"
+                                for d in designs)
+                print(f"  {n} nodes racks of {rs} {case}: {row['sim_s']}s, load {row['load']}, T/ideal/egress "
+                      f"{figs}", file=sys.stderr, flush=True)
     out = {"model": "chunk-level store-and-forward, FIFO resources, real tree/home functions",
            "designs": designs,
            "link_gbit": a.link_gbit, "origin_gbit": a.origin_gbit, "oversub": a.oversub, "k": a.k,

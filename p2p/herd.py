@@ -65,7 +65,7 @@ from .pool import run_pool
 from .ratelimit import AsyncBucket
 from .rendezvous import Source, assign_homes, assign_rack_homes, order, plan_sources, rack_label
 from .store import ChunkStore
-from .tree import NodePlan, PeerView, Planner, chunk_keys, plan_node
+from .tree import RACK_FANOUT, TREE_K, NodePlan, PeerView, Planner, chunk_keys, plan_node
 
 log = logging.getLogger("herd.p2p.herd")
 
@@ -106,8 +106,8 @@ class HerdConfig:
     # over racks -> rack members (an m-ary tree inside a rack). False: the flat ranking
     # of p2p.rendezvous (the design before; kept as the benchmarks' baseline).
     tree: bool = True
-    tree_k: int = 8
-    rack_fanout: int = 32
+    tree_k: int = TREE_K
+    rack_fanout: int = RACK_FANOUT     # m = k: see p2p.tree's module doc
     busy_rounds: int = 600             # rounds where every source was only busy (503) or missing
     origin_verify_tries: int = 3       # origin answers that fail verification before OriginCorruptError
     # A tree source is asked for the manifest with ?wait_ms=manifest_wait_ms (the data

@@ -20,7 +20,14 @@ For one chunk (key ``ck``, index ``i`` in the manifest's chunk table):
   nodes with ~1.7x the mean at 256 chunks). Member rank ``j > 0`` has in-rack parent
   rank ``(j - 1) // m`` (``m`` =
   ``rack_fanout``: with racks of at most ``m + 1`` nodes every member hangs off the rack
-  home; bigger racks get a second small tree).
+  home; bigger racks get a second small tree). The default is ``m = k``
+  (:data:`RACK_FANOUT` = :data:`TREE_K`): a rack home sends a chunk to as many
+  rack-mates as child racks, at most 2k copies in all (the data plane's serving cap),
+  and racks of more than k + 1 nodes get the in-rack tree. Why: a node sends its
+  children their copies one after another (store and forward), so the last of them
+  waits its parent's whole fan-out; with m = 32 a rack home of a 32-node rack sent
+  31 + 8 copies per chunk, the herd's tail at 50,000 nodes (``bench.herd_sim``, in the
+  commit that set it: every row compared, m = 32 against m = 8).
 - The root rack's home is the chunk's **global home**: the only node that reads the
   chunk from the origin. A rack home's parent is the home of its parent rack.
 - **Successors**: ranks 1.. ``successors`` of the root rack. When the global home is
@@ -139,6 +146,10 @@ def _ascii_words(ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray] | None:
     if len(raw) != n * width:
         return None
     return lens, np.frombuffer(raw, np.uint8).reshape(n, width).view("<u8")
+
+
+TREE_K = 8            # child racks per rack in a chunk's rack tree
+RACK_FANOUT = TREE_K  # rack-mates under one member (see the module doc: m = k)
 
 
 def rack_key(label: str) -> int:
@@ -468,7 +479,7 @@ class Planner:
 
     CACHE_CELLS = 1 << 18          # chunks x racks scored at once (2 MiB of uint64)
 
-    def __init__(self, view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
+    def __init__(self, view: PeerView, me: int, ckeys: np.ndarray, *, k: int = TREE_K, rack_fanout: int = RACK_FANOUT,
                  successors: int = 2, siblings: int = 2) -> None:
         C = len(ckeys)
         R = len(view.racks)
@@ -556,7 +567,7 @@ class Planner:
         W = mine.shape[1]
         # the stand-in (see standin_rank): of my parent in my rack (not me); a rack
         # home's parent is the parent rack's home: its stand-in is in that rack
-        sr = standin_rank(ck, (jrank - 1) // m, view.sizes[my_rack], m)
+        sr = standin_rank(ck, (jrank - 1) // m, view.sizes[my_rack], m, rank=jrank)
         standin = np.where((jrank > 0) & (sr > 0) & (sr != jrank), mine[rows_n, np.clip(sr, 0, W - 1)], -1)
         if D > 1:
             prack = anc_racks[:, 1]
@@ -594,20 +605,35 @@ class Planner:
             pl.siblings[lo:hi, :sib.shape[1]] = sib
 
 
-def standin_rank(ckeys: np.ndarray, parent_rank: np.ndarray, size: np.ndarray | int, m: int) -> np.ndarray:
+def standin_rank(ckeys: np.ndarray, parent_rank: np.ndarray, size: np.ndarray | int, m: int,
+                 rank: np.ndarray | None = None) -> np.ndarray:
     """The rank (in its rack's order for the chunk) of the stand-in of a parent ranked
-    ``parent_rank``, 0 for none. A rack home's (rank 0): one of its in-rack children,
-    ranks 1 .. min(size - 1, m), chosen by the chunk's key, so the chunks of a dead node
-    are taken over by all its rack-mates, not all by one (whose uplink would then carry
-    two nodes' share); a deeper parent's (rank r, racks over m + 1 nodes): rank r + 1.
-    Waits stay acyclic: the stand-in of rank 0's children is one of them, itself
-    waiting on rank 0 and up; a deeper one ranks below the asker."""
+    ``parent_rank`` (r), 0 for none: a rank in 1 .. min(size - 1, m * max(r, 1)) chosen
+    by the chunk's key (the next one when that is r itself). A rack home's (r = 0): one
+    of its in-rack children; a deeper parent's: any rack-mate ranked below its children.
+    A deeper parent's children (``rank``: theirs) each pick their own, so its copies
+    too are spread: the dead node's upload falls on many rack-mates, not on one
+    (a rack home's children share one stand-in, one of them, which keeps waits acyclic).
+    So the chunks of a dead node are taken over by many rack-mates, not all by one
+    (whose uplink would then carry two nodes' share: with rank r + 1 as a deeper
+    parent's stand-in, a dead node's successor in the rotation took its inner duty for
+    every chunk, 1.75x the mean upload at 64 nodes in racks of 32, m = 8).
+    Waits stay acyclic: a rack home's children's stand-in is one of them, waiting on the
+    rack home and up only; a deeper parent's stand-in ranks below the asker, and in-rack
+    waits of nodes ranked above m go to lower ranks only."""
     size = np.asarray(size, np.int64)
-    kids = np.minimum(size - 1, m)
-    pick = 1 + (ckeys % np.maximum(kids, 1).astype(np.uint64)).astype(np.int64)
-    deeper = parent_rank + 1
-    out = np.where(parent_rank == 0, np.where(kids >= 1, pick, 0), np.where(deeper < size, deeper, 0))
-    return np.where(parent_rank < 0, 0, out)
+    parent_rank = np.asarray(parent_rank, np.int64)
+    span = np.maximum(np.minimum(size - 1, m * np.maximum(parent_rank, 1)), 0)
+    # a key's high 32 bits scaled to [0, span): no 64-bit modulo per entry
+    key = np.asarray(ckeys, np.uint64)
+    if rank is not None:
+        rank = np.asarray(rank, np.int64)
+        span = np.where(parent_rank >= 1, np.minimum(size - 1, rank - 1), span)
+        key = np.where(parent_rank >= 1, _mix(key ^ rank.astype(np.uint64)), key)
+    pick = 1 + ((key >> _U(32)) * span.astype(np.uint64) >> _U(32)).astype(np.int64)
+    pick = np.where(pick == parent_rank, pick % np.maximum(span, 1) + 1, pick)
+    ok = (span >= 1) & (parent_rank >= 0) & (pick != parent_rank)
+    return np.where(ok, pick, 0)
 
 
 def _top_order(nsc: np.ndarray, top_n: int) -> np.ndarray:
@@ -640,7 +666,7 @@ def _compact(x: np.ndarray) -> np.ndarray:
     return np.take_along_axis(x, np.argsort(x < 0, axis=1, kind="stable"), axis=1)
 
 
-def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
+def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = TREE_K, rack_fanout: int = RACK_FANOUT,
               successors: int = 2, siblings: int = 2, block: int = 1024) -> NodePlan:
     """Row ``me``'s plan for every chunk in ``ckeys``: the manifest's whole chunk table,
     in its order (the index is part of the tree; see the module doc). The same as a
@@ -649,14 +675,14 @@ def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fa
                    siblings=siblings).run(block)
 
 
-def all_parents(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
+def all_parents(view: PeerView, ckeys: np.ndarray, *, k: int = TREE_K, rack_fanout: int = RACK_FANOUT,
                 rotations: Rotations | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`all_parents_standins` without the stand-ins."""
     parent, home, root, _ = all_parents_standins(view, ckeys, k=k, rack_fanout=rack_fanout, rotations=rotations)
     return parent, home, root
 
 
-def all_parents_standins(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
+def all_parents_standins(view: PeerView, ckeys: np.ndarray, *, k: int = TREE_K, rack_fanout: int = RACK_FANOUT,
                          rotations: Rotations | None = None
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every node's tree parent for every chunk, vectorised over chunks and nodes:
@@ -704,8 +730,7 @@ def all_parents_standins(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_
     # stand-ins (standin_rank): in-rack, of each node's parent (not the node itself); a
     # rack home's: of its parent rack's home
     q = standin_rank(np.broadcast_to(ckeys[:, None], (C, R)), np.zeros((C, R), np.int64), sizes[None, :], m)
-    deeper = standin_rank(np.zeros(len(jv), np.uint64), prank, sizes[rv], m)     # 0 where prank == 0
-    sr = np.where((prank == 0)[None, :], q[:, rv], deeper[None, :])               # [C, S]
+    sr = standin_rank(ckeys[:, None], prank[None, :], sizes[rv][None, :], m, rank=jv[None, :])   # [C, S]
     ok = (sr > 0) & (sr != jv[None, :])
     st = g2[base[:, rv] + sr]
     standin = np.full((C, N), -1, np.int64)

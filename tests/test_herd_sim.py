@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from bench.herd_sim import Params, run_row, tree_of
+from p2p.herd import HerdConfig
 from p2p.tree import PeerView, all_parents, chunk_keys, plan_node
 from scheduler_link.messages import Peer
 
@@ -88,9 +89,49 @@ def test_cli_json_and_refusals() -> None:
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["rows"]
     assert [(x["nodes"], x["case"]) for x in rows] == [(8, "none"), (8, "dead"), (40, "none"), (40, "dead")]
+    # the simulator's tree is the fetcher's by default
+    cfg = HerdConfig()
+    assert (json.loads(out.stdout)["k"], json.loads(out.stdout)["rack_fanout"]) == (cfg.tree_k, cfg.rack_fanout)
     bad = subprocess.run([sys.executable, "-m", "bench.herd_sim", "--nodes", "0"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "--nodes" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "bench.herd_sim", "--nodes", "8", "--designs", "tree@0"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "tree@M" in bad.stderr
+
+
+def test_fan_out_variants_run_side_by_side() -> None:
+    r = run_row(_params(64, 16, chunks=32), "none", designs=("tree", "tree@15", "tree@2"))
+    # tree = the params' own fan-out (4); each variant's serving cap follows it (k + M)
+    assert (r["tree"]["rack_fanout"], r["tree@15"]["rack_fanout"], r["tree@2"]["rack_fanout"]) == (4, 15, 2)
+    assert r["tree@15"]["serve_cap"] == 17 and r["tree@2"]["serve_cap"] == 4
+    for d in ("tree", "tree@15", "tree@2"):
+        assert r[d]["nodes_incomplete"] == 0
+        assert r[d]["origin_egress_over_size"] == pytest.approx(1.0, abs=1e-3)
+    # a flat rack of 16 (15 rack-mates under the rack home) is not the in-rack tree
+    assert r["tree@15"]["completion_over_ideal"] != r["tree@2"]["completion_over_ideal"]
+    with pytest.raises(ValueError, match="tree@M"):
+        run_row(_params(8, 4), "none", designs=("today@3",))
+
+
+def test_default_trees_put_an_in_rack_tree_in_racks_of_32() -> None:
+    # m = k: a rack home sends a chunk to at most k rack-mates (plus k child racks' homes),
+    # the rack's other members hang below them
+    cfg = HerdConfig()
+    assert cfg.rack_fanout == cfg.tree_k == 8
+    ids = [f"n{i:04d}" for i in range(32 * 20)]
+    view = PeerView.build(ids, ids, [f"r{i // 32:02d}" for i in range(len(ids))])
+    ck = chunk_keys([blake3.blake3(str(i).encode()).hexdigest() for i in range(16)])
+    parent, home, _ = all_parents(view, ck)                 # the defaults
+    for c in range(len(ck)):
+        kids = np.flatnonzero(parent[c] >= 0)
+        par = parent[c][kids]
+        same = view.rack_of[kids] == view.rack_of[par]
+        assert np.bincount(par[same], minlength=len(ids)).max() == cfg.rack_fanout
+        assert np.bincount(par, minlength=len(ids)).max() <= cfg.tree_k + cfg.rack_fanout
+    for me in (0, 100, 639):                                 # the fetcher's defaults agree
+        plan = plan_node(view, me, ck)
+        assert (plan.home == home).all() and (plan.parent == parent[:, me]).all()
 
 
 def test_manifest_polls_cost_each_level_one_pause() -> None:
