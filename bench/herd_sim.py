@@ -5,7 +5,8 @@
                              [--cores 1] [--designs tree,serial,today] [--json]
                              [--k 8] [--rack-fanout 8] [--serve-cap 0]
 
-``--designs tree@M,tree@N`` compares in-rack fan-outs (serving cap k + M each) in one
+``--designs tree@M,tree@N:C`` compares in-rack fan-outs (serving cap C, else
+``p2p.tree.serving_cap``: k + 2M) in one
 run, beside or instead of the default ``tree``: every other input the same, planning
 measured for each in turn.
 
@@ -68,7 +69,16 @@ import numpy as np
 
 from p2p.herd import HerdConfig, manifest_polls, peer_view
 from p2p.rendezvous import assign_homes, node_key, plan_sources, scores_np
-from p2p.tree import PeerView, Planner, Rotations, all_parents, all_parents_standins, chunk_keys, plan_node
+from p2p.tree import (
+    PeerView,
+    Planner,
+    Rotations,
+    all_parents,
+    all_parents_standins,
+    chunk_keys,
+    plan_node,
+    serving_cap,
+)
 from scheduler_link.messages import Peer, PeerTable
 
 GIB = 1 << 30
@@ -101,10 +111,11 @@ class Params:
     cores: float
     fixed_cap: bool = False  # serve_cap as given for every fan-out variant (else k + its fan-out)
 
-    def with_fanout(self, m: int) -> Params:
-        """These parameters with in-rack fan-out ``m`` (the serving cap follows: k + m,
-        as the agent sets the data plane's, unless fixed)."""
-        return replace(self, rack_fanout=m, serve_cap=self.serve_cap if self.fixed_cap else self.k + m)
+    def with_fanout(self, m: int, cap: int = 0) -> Params:
+        """These parameters with in-rack fan-out ``m``; the serving cap ``cap``, else as
+        the agent sets the data plane's (``p2p.tree.serving_cap``) unless fixed."""
+        return replace(self, rack_fanout=m,
+                       serve_cap=cap or (self.serve_cap if self.fixed_cap else serving_cap(self.k, m)))
 
 
 def _grouped_fifo(group: np.ndarray, ready: np.ndarray, service: np.ndarray | float) -> np.ndarray:
@@ -426,12 +437,15 @@ def _measure(view: PeerView, table: PeerTable, me_id: str, mkeys: np.ndarray, ck
 
 
 def design_fanout(design: str, p: Params) -> tuple[str, Params]:
-    """``tree`` / ``serial`` / ``today``, or ``tree@M`` / ``serial@M``: the design with
-    in-rack fan-out M (its serving cap k + M unless fixed). Returns (base design, params)."""
-    base, _, m = design.partition("@")
-    if base not in DESIGNS or (m and (base == "today" or not m.isdigit() or int(m) < 1)):
-        raise ValueError(f"design {design!r}: tree, serial, today, or tree@M / serial@M (M >= 1)")
-    return base, (p.with_fanout(int(m)) if m else p)
+    """``tree`` / ``serial`` / ``today``, or ``tree@M`` / ``serial@M`` (``@M:C``): the
+    design with in-rack fan-out M (and serving cap C; else ``p2p.tree.serving_cap`` unless
+    fixed). Returns (base design, params)."""
+    base, _, spec = design.partition("@")
+    m, _, c = spec.partition(":")
+    if base not in DESIGNS or (spec and (base == "today" or not m.isdigit() or int(m) < 1
+                                         or (c and (not c.isdigit() or int(c) < 1)))):
+        raise ValueError(f"design {design!r}: tree, serial, today, or tree@M / serial@M[:C] (M, C >= 1)")
+    return base, (p.with_fanout(int(m), int(c or 0)) if spec else p)
 
 
 def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGNS) -> dict[str, Any]:
@@ -627,7 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rack-fanout", type=int, default=HerdConfig().rack_fanout,
                     help="rack-mates under one member (the fetcher's; designs tree@M compare others)")
     ap.add_argument("--serve-cap", type=int, default=0,
-                    help="copies of one chunk a node sends at once (0: k + rack fan-out)")
+                    help="copies of one chunk a node sends at once (0: p2p.tree.serving_cap, k + 2 x fan-out)")
     ap.add_argument("--retry-ms", type=float, default=50)
     ap.add_argument("--recv-cpu", type=float, default=6.0, help="CPU-s per GiB received (loopback figure)")
     ap.add_argument("--send-cpu", type=float, default=0.9, help="CPU-s per GiB sent (loopback figure)")
@@ -668,7 +682,7 @@ def main(argv: list[str] | None = None) -> int:
             p = Params(nodes=n, rack_size=min(rs, n), chunks=chunks, chunk_bytes=a.chunk_mb * (1 << 20),
                        manifest_bytes=a.manifest_bytes_per_chunk * chunks, link=a.link_gbit * 1e9 / 8,
                        origin=a.origin_gbit * 1e9 / 8, oversub=a.oversub, k=a.k, rack_fanout=a.rack_fanout,
-                       serve_cap=a.serve_cap or a.k + a.rack_fanout, fixed_cap=a.serve_cap > 0, retry_s=a.retry_ms / 1000, recv_cpu=a.recv_cpu,
+                       serve_cap=a.serve_cap or serving_cap(a.k, a.rack_fanout), fixed_cap=a.serve_cap > 0, retry_s=a.retry_ms / 1000, recv_cpu=a.recv_cpu,
                        send_cpu=a.send_cpu, cores=a.cores)
             for case in cases:
                 row = run_row(p, case, designs=designs)

@@ -152,6 +152,16 @@ TREE_K = 8            # child racks per rack in a chunk's rack tree
 RACK_FANOUT = TREE_K  # rack-mates under one member (see the module doc: m = k)
 
 
+def serving_cap(k: int, m: int) -> int:
+    """Copies of one chunk a node serves at once (the data plane's
+    ``max_serving_per_chunk``): its tree children (k child racks' homes, m rack-mates)
+    and, when it stands in for a dead rack home, that home's other m - 1 rack-mates
+    (the rack-mates and the child racks share one stand-in per chunk:
+    :func:`standin_rank`): k + 2m. With k + m the stand-in answered 503 to ~m askers,
+    each back after Retry-After (50 ms, half the whole transfer at 50,000 nodes)."""
+    return k + 2 * max(1, m)
+
+
 def rack_key(label: str) -> int:
     """A rack's 64-bit rendezvous key: :func:`rack_keys` of one label."""
     return int(rack_keys([label])[0])

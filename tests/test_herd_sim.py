@@ -101,10 +101,10 @@ def test_cli_json_and_refusals() -> None:
 
 
 def test_fan_out_variants_run_side_by_side() -> None:
-    r = run_row(_params(64, 16, chunks=32), "none", designs=("tree", "tree@15", "tree@2"))
-    # tree = the params' own fan-out (4); each variant's serving cap follows it (k + M)
+    r = run_row(_params(64, 16, chunks=32), "none", designs=("tree", "tree@15", "tree@2", "tree@2:3"))
+    # tree = the params' own fan-out (4); each variant's serving cap follows it (k + 2M) or is given
     assert (r["tree"]["rack_fanout"], r["tree@15"]["rack_fanout"], r["tree@2"]["rack_fanout"]) == (4, 15, 2)
-    assert r["tree@15"]["serve_cap"] == 17 and r["tree@2"]["serve_cap"] == 4
+    assert r["tree@15"]["serve_cap"] == 32 and r["tree@2"]["serve_cap"] == 6 and r["tree@2:3"]["serve_cap"] == 3
     for d in ("tree", "tree@15", "tree@2"):
         assert r[d]["nodes_incomplete"] == 0
         assert r[d]["origin_egress_over_size"] == pytest.approx(1.0, abs=1e-3)
