@@ -196,3 +196,18 @@ def test_stand_ins_agree_with_the_fetchers_and_spread_a_dead_home() -> None:
     kids = [(c, x) for c in range(len(cids)) for x in np.flatnonzero(par[c] == d)
             if view.rack_of[x] == view.rack_of[d]]
     assert len({int(standin[c, x]) for c, x in kids}) >= 3
+
+
+def test_the_serving_cap_leaves_room_for_a_stand_in() -> None:
+    # a dead node's chunks as rack home go to one stand-in per chunk (its in-rack children
+    # and the child racks' homes alike), on top of the stand-in's own children: with a cap
+    # of k + m it answers 503s, with p2p.tree.serving_cap (k + 2m) none
+    from p2p.tree import serving_cap
+
+    p = _params(96, 24, chunks=48)
+    p.rack_fanout = 6
+    tight = run_row(p.with_fanout(6, p.k + 6), "dead", designs=("tree",))["tree"]
+    roomy = run_row(p.with_fanout(6), "dead", designs=("tree",))["tree"]
+    assert p.with_fanout(6).serve_cap == serving_cap(p.k, 6) == p.k + 12
+    assert tight["busy_503"] > 0 and roomy["busy_503"] == 0
+    assert roomy["completion_over_ideal"] < tight["completion_over_ideal"]
