@@ -37,7 +37,9 @@ level by level down each chunk's tree:
   counted (today: 256 peers each, tree: the rack, or everyone up to 64 nodes);
 - CPU: receive and send CPU-s per GiB from the efficiency issue's loopback figures
   (6 and 0.9 on one core) bound each node's rates. Planning is measured in this run on
-  this machine, in CPU-s of the planning thread, the way the fetcher does it: the peer
+  this machine, in CPU-s of the planning thread (``time.thread_time``: other processes
+  count only through shared caches and cores; the least of PLAN_REPS = 3 runs, the
+  variants alternating), the way the fetcher does it: the peer
   view from the gang's ``PeerTable`` (``p2p.herd.peer_view``, node keys uncached), the
   manifest's tree, then ``p2p.tree.Planner`` stepped
   with the fetcher's block sizes. Design ``tree``: a node asks for the manifest after
