@@ -34,11 +34,14 @@ For one chunk (key ``ck``, index ``i`` in the manifest's chunk table):
   dead, the first live successor reads the origin; every other node lists the
   successors after its ancestors, so the herd re-roots on them.
 - **Stand-ins**: a node whose parent is dead asks the parent's stand-in next (a
-  rack-mate of the parent, :func:`standin_rank`, picked by the chunk's key among the
-  rack home's children), then the ancestors above. A dead rack home's children (its
+  rack-mate of the parent, :func:`standin_rank`: for a rack home, one of its in-rack
+  children picked by the chunk's key, shared by all its children; for a deeper
+  parent, a rack-mate ranked below the asker picked by the chunk's key and the
+  asker's rank), then the ancestors above. A dead rack home's children (its
   rack-mates and up to k child-rack homes) thus move to its rack-mates, spread over
   its chunks, instead of all to the next rack's home (which would then be asked by
-  ~2x its serving cap and answer 503s).
+  ~2x its serving cap and answer 503s); the cap leaves room for that
+  (:func:`serving_cap`: k + 2m).
 
 Invariants
 ----------
