@@ -76,6 +76,7 @@ def worker_main(argv: list[str]) -> int:
             say({"ready": url})
             line = await trio.to_thread.run_sync(sys.stdin.readline)
             go = json.loads(line)
+            ru0 = resource.getrusage(resource.RUSAGE_SELF)   # start-up (imports, the store) excluded below
             peers = [Peer(node_id=x["node_id"], data_url=x["data_url"]) for x in go["peers"]]
             origin = open_origin(a.origin, max_concurrency=16)
             herd = None
@@ -102,6 +103,9 @@ def worker_main(argv: list[str]) -> int:
                 ru = resource.getrusage(resource.RUSAGE_SELF)
                 res["cpu_s"] = round(ru.ru_utime + ru.ru_stime, 3)
                 res["cpu_user_s"] = round(ru.ru_utime, 3)
+                res["cpu_start_s"] = round(ru0.ru_utime + ru0.ru_stime, 3)
+                res["cpu_fetch_s"] = round(ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime, 3)
+                res["cpu_fetch_sys_s"] = round(ru.ru_stime - ru0.ru_stime, 3)
                 if herd is not None:
                     hs = herd.statistics()
                     res["endgame_duplicates"] = hs["endgame_duplicates"]
@@ -255,6 +259,10 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
         "node_cpu_s_max": round(max(r.get("cpu_s", 0.0) for r in results), 3),
         "node_cpu_s": {r["node"]: r.get("cpu_s", 0.0) for r in sorted(results, key=lambda r: int(r["node"][1:]))},
         "node_cpu_user_s_p50": round(_pctl([r.get("cpu_user_s", 0.0) for r in results], 0.5), 3),
+        # from "go" to this node's completion: the start-up (imports, the store) left out
+        "node_cpu_start_s_p50": round(_pctl([r.get("cpu_start_s", 0.0) for r in results], 0.5), 3),
+        "node_cpu_fetch_s_p50": round(_pctl([r.get("cpu_fetch_s", 0.0) for r in results], 0.5), 3),
+        "node_cpu_fetch_sys_s_p50": round(_pctl([r.get("cpu_fetch_sys_s", 0.0) for r in results], 0.5), 3),
     }
 
 
