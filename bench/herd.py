@@ -24,6 +24,7 @@ is missing. Bounded: each mode has a deadline derived from the ideal time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -81,10 +82,11 @@ def worker_main(argv: list[str]) -> int:
             origin = open_origin(a.origin, max_concurrency=16)
             herd = None
             if go["mode"] == "herd":
-                herd = Herd(store, node_id=a.node_id, token=TOKEN,
-                            config=HerdConfig(wait_ms=120_000, workers=go["workers"], per_peer=8,
-                                              origin_concurrency=8, home_concurrency=go["home"],
-                                              tree=bool(go.get("tree", True))))
+                cfg = HerdConfig(wait_ms=120_000, workers=go["workers"], per_peer=8, origin_concurrency=8,
+                                 home_concurrency=go["home"], tree=bool(go.get("tree", True)))
+                if go.get("batch_wait") is not None:
+                    cfg = dataclasses.replace(cfg, batch_wait_chunks=int(go["batch_wait"]))
+                herd = Herd(store, node_id=a.node_id, token=TOKEN, config=cfg)
             t0 = time.time()
             curve: list[tuple[float, int, int]] = []
 
@@ -106,6 +108,9 @@ def worker_main(argv: list[str]) -> int:
                 res["cpu_start_s"] = round(ru0.ru_utime + ru0.ru_stime, 3)
                 res["cpu_fetch_s"] = round(ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime, 3)
                 res["cpu_fetch_sys_s"] = round(ru.ru_stime - ru0.ru_stime, 3)
+                ps = plane.statistics()
+                res["plane_requests"] = ps["requests"]
+                res["plane_wait_batches"] = ps["wait_batches"]
                 if herd is not None:
                     hs = herd.statistics()
                     res["endgame_duplicates"] = hs["endgame_duplicates"]
@@ -207,10 +212,12 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
         ready = _read_lines(procs, time.monotonic() + 60, "start")
         peers = [{"node_id": f"n{h.index}", "data_url": r["ready"]} for h, r in zip(hosts, ready, strict=True)]
         tx0 = origin_host.tx_bytes()
-        herd = mode in ("herd", "flat")
+        herd = mode in ("herd", "flat", "perchunk")
         go = json.dumps({"mode": "herd" if herd else "origin", "peers": peers if herd else [],
                          "workers": tuning["workers"], "home": tuning["home"],
-                         "tree": bool(tuning.get("tree", True)) and mode != "flat"}) + "\n"
+                         "tree": bool(tuning.get("tree", True)) and mode != "flat",
+                         # perchunk: the trees with one waiting request per chunk (before batches could wait)
+                         "batch_wait": 1 if mode == "perchunk" else tuning.get("batch_wait")}) + "\n"
         t_go = time.time()
         for p in procs:
             assert p.stdin is not None
@@ -255,6 +262,10 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
         "bytes_from_peers": sum(r["bytes_from_peers"] for r in results),
         "endgame_duplicates": sum(r.get("endgame_duplicates", 0) for r in results),
         "peer_errors": sum(r.get("peer_errors", 0) for r in results),
+        # data-plane requests answered by all nodes up to their own completion, and how
+        # many of them were batches that could wait
+        "plane_requests": sum(r.get("plane_requests", 0) for r in results),
+        "plane_wait_batches": sum(r.get("plane_wait_batches", 0) for r in results),
         "node_cpu_s_p50": round(_pctl([r.get("cpu_s", 0.0) for r in results], 0.5), 3),
         "node_cpu_s_max": round(max(r.get("cpu_s", 0.0) for r in results), 3),
         "node_cpu_s": {r["node"]: r.get("cpu_s", 0.0) for r in sorted(results, key=lambda r: int(r["node"][1:]))},
@@ -315,7 +326,7 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
             for mode in modes:
                 res = run_mode(lab, hosts, origin_host, mode, mid, size, work, ideal,
                                tuning or {"workers": 16, "home": 2})
-                key = {"origin": "origin_only", "herd": "herd", "flat": "flat"}[mode]
+                key = {"origin": "origin_only", "herd": "herd", "flat": "flat", "perchunk": "perchunk"}[mode]
                 for k, v in res.items():
                     out[f"{key}_{k}"] = v
         out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
@@ -350,7 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-mb", type=float, default=64.0)
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--modes", default="origin,herd",
-                   help="comma list of origin (no peers), herd (trees), flat (the design before the trees)")
+                   help="comma list of origin (no peers), herd (trees), flat (the design before the trees), "
+                        "perchunk (the trees, one waiting request per chunk: before batches could wait)")
     p.add_argument("--workers", type=int, default=16, help="herd: chunks in flight per node")
     p.add_argument("--flat", action="store_true", help="herd: the flat design before the trees (HerdConfig.tree=False)")
     p.add_argument("--home-concurrency", type=int, default=2, help="herd: origin streams per home")
@@ -364,8 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < a.size_mb <= 4096:
         p.error("--size-mb must be in (0, 4096]")
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("origin", "herd", "flat") for m in modes):
-        p.error("--modes: origin, herd and/or flat")
+    if not modes or any(m not in ("origin", "herd", "flat", "perchunk") for m in modes):
+        p.error("--modes: origin, herd, flat and/or perchunk")
     from bench.netns import NetnsUnavailable
 
     try:
@@ -383,12 +395,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"herd bench: {a.nodes} nodes, {a.size_mb:g} MiB, {a.rate} links; ideal {out['ideal_s']:.2f}s")
     print(f"{'mode':<12} {'last done':>10} {'/ideal':>8} {'p50':>8} {'p99':>8} {'origin/S':>9} {'wire/S':>8}")
-    for key, name in (("origin_only", "origin only"), ("herd", "herd"), ("flat", "herd, flat")):
+    for key, name in (("origin_only", "origin only"), ("herd", "herd"), ("perchunk", "per chunk"),
+                      ("flat", "herd, flat")):
         if f"{key}_completion_s" in out:
             print(f"{name:<12} {out[f'{key}_completion_s']:>9.2f}s {out[f'{key}_completion_over_ideal']:>8.2f} "
                   f"{out[f'{key}_node_p50_s']:>7.2f}s {out[f'{key}_node_p99_s']:>7.2f}s "
                   f"{out[f'{key}_origin_egress_over_size']:>9.3f} {out[f'{key}_origin_wire_egress_over_size']:>8.3f}"
-                  f"  CPU-s per node: {' '.join(f'{v:.1f}' for v in out[f'{key}_node_cpu_s'].values())}")
+                  f"  CPU-s per node: {' '.join(f'{v:.1f}' for v in out[f'{key}_node_cpu_s'].values())}"
+                  f" (fetch p50 {out[f'{key}_node_cpu_fetch_s_p50']:.2f})")
     if "herd_speedup" in out:
         print(f"herd speedup over origin-only (same run): {out['herd_speedup']:.2f}x")
     print(f"load average before {out['loadavg_before']} after {out['loadavg_after']}")

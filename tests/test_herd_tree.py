@@ -150,6 +150,8 @@ async def test_global_home_killed_mid_herd(tmp_path: Path) -> None:
             for n in nodes:
                 if n is not vnode:
                     assert_bit_exact(n, art)
+            # children asked their parents in batches that wait: the kill cut some of them
+            assert sum(n.plane.statistics()["wait_batches"] for n in nodes) > 0
             for n in nodes:
                 await n.herd.aclose()
             nursery.cancel_scope.cancel()
