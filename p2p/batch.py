@@ -18,9 +18,9 @@ A batch that can wait (``GET /v1/chunks?ids=a,b&sizes=Na,Nb&wait_ms=W``, what a 
 child asks its parent: the next chunks the parent is itself fetching) names each chunk's
 size, as the asker's manifest says (the server may not hold them yet, and the answer is
 Content-Length framed): every frame is then :data:`OK` with that many bytes, sent in
-order as each chunk arrives at the server, within ``W`` ms of the request. A chunk still
-absent at the deadline, of another size, or over the server's per-chunk cap ends the
-answer early (the connection is closed after the frames sent): the asker keeps what came
+order as each chunk arrives at the server (and, over the server's per-chunk cap, once a
+copy of it finished), within ``W`` ms of the request. A chunk still absent at the
+deadline, or of another size, ends the answer early (the connection is closed after the frames sent): the asker keeps what came
 and fetches the rest elsewhere, as for a peer that died mid-batch. The first chunk absent
 after the whole wait: 404, like one chunk.
 

@@ -15,9 +15,10 @@ Routes (all need the cluster token as a bearer token; 401 otherwise):
 - ``GET /v1/chunks?ids=a,b&sizes=Na,Nb&wait_ms=W`` a batch that can wait (a tree child
   asking its parent for the next chunks the parent is fetching itself): each chunk is
   sent, in order, as soon as it is here, within W ms; the head goes once the first one
-  is here (404 if it is not after the whole wait). A chunk still absent at the deadline,
-  of another size than named, or over ``max_serving_per_chunk`` ends the answer there
-  (the connection is closed after the frames sent; the asker keeps them). It takes a
+  is here (404 if it is not after the whole wait). A chunk being sent to
+  ``max_serving_per_chunk`` peers already waits for a copy to finish. A chunk still
+  absent (or still busy) at the deadline, or of another size than named, ends the
+  answer there (the connection is closed after the frames sent; the asker keeps them). It takes a
   place in the wait budget (``max_waiting``), not a serving slot, for its whole life.
 - ``GET /v1/manifests/{id}[?wait_ms=N]`` the manifest's canonical bytes (peers verify
   them by id). With ``wait_ms`` the request waits for the manifest to be stored here, at
@@ -950,6 +951,8 @@ class DataPlane:
         i = 0
         head_sent = False
         try:
+            delayed = ""
+            still_busy = False
             while i < len(ids):
                 if not self.store.has_chunk(ids[i]):
                     left = int((deadline - trio.current_time()) * 1000)
@@ -962,18 +965,26 @@ class DataPlane:
                         present = bool(got)
                     if not present:
                         break
+                if self._over_cap(ids[i]):
+                    # sent to max_serving_per_chunk peers now: wait for a copy to finish (the
+                    # cap bounds copies at once; this asker already waits), up to the deadline
+                    if delayed != ids[i]:
+                        delayed = ids[i]
+                        self._stats.rejected_chunk_busy += 1
+                    if trio.current_time() >= deadline:
+                        still_busy = True
+                        break
+                    await trio.sleep(c.busy_retry_ms / 1000)
+                    continue
                 frames: list[Outgoing] = []
                 served: list[str] = []
                 cut = False
                 while i < len(ids):
                     cid = ids[i]
                     size = self.store.chunk_size(cid)
-                    if size is None:
+                    if size is None or self._over_cap(cid):
                         break
-                    busy = c.max_serving_per_chunk > 0 and self._serving.get(cid, 0) >= c.max_serving_per_chunk
-                    if size != sizes[i] or busy:
-                        if busy:
-                            self._stats.rejected_chunk_busy += 1
+                    if size != sizes[i]:
                         cut = True
                         break
                     self.store.touch(cid)
@@ -1005,11 +1016,18 @@ class DataPlane:
                 self._stats.bytes_served += sum(f.size for f in frames)
                 if cut:
                     break
-            if not head_sent:   # the first chunk is not here after the whole wait (or differs)
-                self._stats.not_found += 1
-                why = "chunk not here" if not self.store.has_chunk(ids[0]) else "chunk not as named"
-                status = 404 if why == "chunk not here" else 409
-                return await self._send_reply(stream, conn, req, _json(status, why, ids[0]))
+            if not head_sent:   # the first chunk is not here after the whole wait, still busy, or differs
+                if still_busy:
+                    ms = c.busy_retry_ms
+                    return await self._send_reply(stream, conn, req, _json(
+                        503, "busy", "this chunk is being sent to enough peers",
+                        headers=[(b"retry-after", str(max(1, -(-ms // 1000))).encode()),
+                                 (b"x-herd-retry-ms", str(ms).encode())]))
+                if not self.store.has_chunk(ids[0]):
+                    self._stats.not_found += 1
+                    return await self._send_reply(stream, conn, req, _json(404, "chunk not here", ids[0]))
+                self._stats.bad_requests += 1
+                return await self._send_reply(stream, conn, req, _json(409, "chunk not as named", ids[0]))
             self._stats.batches += 1
             self._stats.wait_batches += 1
             if i < len(ids):
@@ -1021,6 +1039,10 @@ class DataPlane:
             return True
         finally:
             self._waits.leave(client)
+
+    def _over_cap(self, chunk_id: str) -> bool:
+        cap = self.config.max_serving_per_chunk
+        return cap > 0 and self._serving.get(chunk_id, 0) >= cap
 
     async def _send_frames(self, stream: trio.abc.Stream, frames: list[Outgoing], head: bytes = b"") -> None:
         """``head`` (bytes of the answer's head, may be empty) and ``frames``, sent as

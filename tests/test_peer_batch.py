@@ -580,7 +580,7 @@ async def test_a_waiting_batch_cut_at_its_deadline_keeps_what_came(tmp_path: Pat
             nursery.cancel_scope.cancel()
 
 
-async def test_a_waiting_batch_ends_at_a_chunk_of_another_size_or_over_the_cap(tmp_path: Path) -> None:
+async def test_a_waiting_batch_ends_at_a_chunk_of_another_size(tmp_path: Path) -> None:
     """Sizes are the asker's word for framing only: a chunk whose size differs from the
     one named ends the answer before it (nothing wrong is framed); the first one: 409."""
     src = ChunkStore(tmp_path / "s")
@@ -596,6 +596,49 @@ async def test_a_waiting_batch_ends_at_a_chunk_of_another_size_or_over_the_cap(t
             assert got.outcomes == ["ok"] and got.kind and sink.got == {a: da}
             with pytest.raises(PeerError, match="409"):
                 await client.get_chunks(url, [(b, 5999)], store=sink, wait_ms=1000)
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_waiting_batch_waits_for_a_copy_of_a_chunk_over_the_cap_to_finish(tmp_path: Path) -> None:
+    """max_serving_per_chunk = 1 and chunk A being sent to a slow reader: a waiting batch
+    [B, A] gets B at once and A once that copy is done (never two copies of A at once);
+    a waiting batch of only A whose wait runs out first: 503 with the retry hint."""
+    src = ChunkStore(tmp_path / "s")
+    (a, da), (b, db) = _chunks([8 << 20, 4000])
+    src.put_chunk(a, da)
+    src.put_chunk(b, db)
+    cfg = DataPlaneConfig(max_serving_per_chunk=1, busy_retry_ms=20)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            url, plane = await _serve(nursery, src, config=cfg)
+            port = int(url.rsplit(":", 1)[1])
+            slow = await trio.open_tcp_stream("127.0.0.1", port)
+            slow.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await slow.send_all(f"GET /v1/chunks?ids={a} HTTP/1.1\r\nHost: x\r\n"
+                                f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+            while plane.statistics()["serving_per_chunk_max"] < 1:
+                await trio.sleep(0.01)
+            client = _client("thread")
+            with pytest.raises(PeerBusy) as e:
+                await client.get_chunks(url, [(a, len(da))], store=_Sink(), wait_ms=200)
+            assert e.value.retry_after_s == pytest.approx(0.02)
+            sink = _Sink()
+            got: list = []
+
+            async def ask() -> None:
+                got.append(await client.get_chunks(url, [(b, len(db)), (a, len(da))], store=sink, wait_ms=10_000))
+
+            nursery.start_soon(ask)
+            while b not in sink.got:
+                await trio.sleep(0.01)
+            await trio.sleep(0.2)
+            assert a not in sink.got and not got          # A waits for the slow copy
+            await slow.aclose()
+            while not got:
+                await trio.sleep(0.01)
+            assert got[0].outcomes == ["ok", "ok"] and sink.got == {a: da, b: db}
+            assert plane.statistics()["serving_per_chunk_max"] == 1
             await client.aclose()
             nursery.cancel_scope.cancel()
 
