@@ -42,6 +42,7 @@ from p2p.herd import Herd, HerdConfig
 from p2p.herd import render_metrics as render_p2p_metrics
 from p2p.origins import open_origin
 from p2p.store import ChunkStore
+from p2p.tree import serving_cap
 from scheduler_link.agent_link import AgentLink
 from scheduler_link.auth import ROLES, TokenSet, token_dir_from_env
 from scheduler_link.errors import single_cause
@@ -215,9 +216,11 @@ class Agent:
                     self.herd.client.use_tls(sec.client)
                 if self.config.data_listen:
                     hc = HerdConfig()
-                    # no node serves one chunk to more than its tree children at once (k racks + its rack)
+                    # no node serves one chunk to more than its tree children at once (k racks, m
+                    # rack-mates, and a dead rack home's m - 1 when it stands in: p2p.tree.serving_cap)
+                    cap = serving_cap(hc.tree_k, hc.rack_fanout)
                     self.dataplane = DataPlane(store, token=self.tokens.cluster, listen=self.config.data_listen,
-                                               config=DataPlaneConfig(max_serving_per_chunk=hc.tree_k + hc.rack_fanout),
+                                               config=DataPlaneConfig(max_serving_per_chunk=cap),
                                                ssl_context=sec.channel if dp_tls else None)
                     self.data_url = await n.start(self.dataplane.run)
                 self.control_url = await n.start(partial(serve, ssl_context=sec.api), build_app(self),

@@ -24,6 +24,7 @@ is missing. Bounded: each mode has a deadline derived from the ideal time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -76,14 +77,18 @@ def worker_main(argv: list[str]) -> int:
             say({"ready": url})
             line = await trio.to_thread.run_sync(sys.stdin.readline)
             go = json.loads(line)
+            ru0 = resource.getrusage(resource.RUSAGE_SELF)   # start-up (imports, the store) excluded below
             peers = [Peer(node_id=x["node_id"], data_url=x["data_url"]) for x in go["peers"]]
             origin = open_origin(a.origin, max_concurrency=16)
             herd = None
             if go["mode"] == "herd":
-                herd = Herd(store, node_id=a.node_id, token=TOKEN,
-                            config=HerdConfig(wait_ms=120_000, workers=go["workers"], per_peer=8,
-                                              origin_concurrency=8, home_concurrency=go["home"],
-                                              tree=bool(go.get("tree", True))))
+                cfg = HerdConfig(wait_ms=120_000, workers=go["workers"], per_peer=8, origin_concurrency=8,
+                                 home_concurrency=go["home"], tree=bool(go.get("tree", True)))
+                if go.get("batch_wait") is not None:
+                    cfg = dataclasses.replace(cfg, batch_wait_chunks=int(go["batch_wait"]))
+                if go.get("set"):
+                    cfg = dataclasses.replace(cfg, **go["set"])
+                herd = Herd(store, node_id=a.node_id, token=TOKEN, config=cfg)
             t0 = time.time()
             curve: list[tuple[float, int, int]] = []
 
@@ -102,6 +107,12 @@ def worker_main(argv: list[str]) -> int:
                 ru = resource.getrusage(resource.RUSAGE_SELF)
                 res["cpu_s"] = round(ru.ru_utime + ru.ru_stime, 3)
                 res["cpu_user_s"] = round(ru.ru_utime, 3)
+                res["cpu_start_s"] = round(ru0.ru_utime + ru0.ru_stime, 3)
+                res["cpu_fetch_s"] = round(ru.ru_utime + ru.ru_stime - ru0.ru_utime - ru0.ru_stime, 3)
+                res["cpu_fetch_sys_s"] = round(ru.ru_stime - ru0.ru_stime, 3)
+                ps = plane.statistics()
+                res["plane_requests"] = ps["requests"]
+                res["plane_wait_batches"] = ps["wait_batches"]
                 if herd is not None:
                     hs = herd.statistics()
                     res["endgame_duplicates"] = hs["endgame_duplicates"]
@@ -155,23 +166,39 @@ def _read_lines(procs: list[subprocess.Popen[str]], deadline: float, what: str) 
 
 
 class _Sampler:
-    """Debug aid (HERD_BENCH_CURVES=1): the origin's tx rate every 0.5 s."""
+    """Debug aid (HERD_BENCH_CURVES=1): the origin's tx rate every 0.5 s, and every host
+    link's download and upload (MB/s, the hub side of each veth)."""
 
-    def __init__(self, host: Any) -> None:
+    def __init__(self, host: Any, hub: str = "") -> None:
         import threading
 
         self.host = host
+        self.hub = hub
         self.rates: list[float] = []
+        self.links: list[list[tuple[float, float]]] = []
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
         self._t.start()
 
+    def _links(self) -> list[tuple[int, int]]:
+        if not self.hub:
+            return []
+        r = subprocess.run(["ip", "netns", "exec", self.hub, "sh", "-c",
+                            "for d in /sys/class/net/vh*; do echo $(cat $d/statistics/tx_bytes) "
+                            "$(cat $d/statistics/rx_bytes); done"], capture_output=True, text=True, timeout=5)
+        return [(int(a), int(b)) for a, b in (ln.split() for ln in r.stdout.split("\n") if ln.strip())]
+
     def _run(self) -> None:
         last = self.host.tx_bytes()
+        llast = self._links()
         while not self._stop.wait(0.5):
             now = self.host.tx_bytes()
             self.rates.append(round((now - last) / 0.5 / 1e6, 1))
             last = now
+            lnow = self._links()
+            self.links.append([(round((a - a0) / 0.5e6, 1), round((b - b0) / 0.5e6, 1))
+                               for (a, b), (a0, b0) in zip(lnow, llast, strict=False)])
+            llast = lnow
 
     def stop(self) -> list[float]:
         self._stop.set()
@@ -188,35 +215,46 @@ def _pctl(xs: list[float], q: float) -> float:
 
 
 def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_id: str,
-             size: int, work: Path, ideal: float, tuning: dict[str, int]) -> dict[str, Any]:
+             size: int, work: Path, ideal: float, tuning: dict[str, int], baseline: Path | None = None) -> dict[str, Any]:
     procs: list[subprocess.Popen[str]] = []
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HERD_LOG_LEVEL="WARNING")
+    name = mode
+    root = ROOT
+    if mode == "baseline":   # the herd mode of another checkout's code (--baseline-root), same lab, same run
+        assert baseline is not None
+        root, mode = baseline, "herd"
+    env = dict(os.environ, PYTHONPATH=str(root), HERD_LOG_LEVEL="WARNING")
+    mode, _, over = mode.partition("@")   # herd@rack_fanout=3: HerdConfig fields set for this mode
+    sets = {k: int(v) for k, _, v in (kv.partition("=") for kv in over.split(",") if kv)}
     budget = ideal * (len(hosts) if mode == "origin" else 1) * 3 + 60
     try:
         for h in hosts:
-            store = work / f"{mode}-{h.index}"
+            store = work / f"{name}-{h.index}"
             argv = h.exec_argv([sys.executable, "-m", "bench.herd", "--worker", "--node-id", f"n{h.index}",
                                 "--listen", f"{h.ip}:{DATA_PORT}", "--store", str(store),
                                 "--origin", f"http://{origin_host.ip}:{ORIGIN_PORT}", "--manifest", manifest_id])
             procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env))
+                                          stderr=subprocess.DEVNULL, text=True, cwd=root, env=env))
         ready = _read_lines(procs, time.monotonic() + 60, "start")
         peers = [{"node_id": f"n{h.index}", "data_url": r["ready"]} for h, r in zip(hosts, ready, strict=True)]
         tx0 = origin_host.tx_bytes()
-        herd = mode in ("herd", "flat")
+        herd = mode in ("herd", "flat", "perchunk")
         go = json.dumps({"mode": "herd" if herd else "origin", "peers": peers if herd else [],
                          "workers": tuning["workers"], "home": tuning["home"],
-                         "tree": bool(tuning.get("tree", True)) and mode != "flat"}) + "\n"
+                         "tree": bool(tuning.get("tree", True)) and mode != "flat",
+                         # perchunk: the trees with one waiting request per chunk (before batches could wait)
+                         "batch_wait": 1 if mode == "perchunk" else tuning.get("batch_wait"), "set": sets}) + "\n"
         t_go = time.time()
         for p in procs:
             assert p.stdin is not None
             p.stdin.write(go)
             p.stdin.flush()
-        sampler = _Sampler(origin_host) if os.environ.get("HERD_BENCH_CURVES") else None
+        sampler = _Sampler(origin_host, lab.hub) if os.environ.get("HERD_BENCH_CURVES") else None
         results = _read_lines(procs, time.monotonic() + budget, f"{mode} fetch")
         tx1 = origin_host.tx_bytes()
         if sampler is not None:
             print("origin MB/s per 0.5s:", sampler.stop(), file=sys.stderr)
+            for t, row in enumerate(sampler.links):   # vh0 is the origin's link
+                print(f"t={t / 2:5.1f} down/up MB/s:", " ".join(f"{d:4.1f}/{u:4.1f}" for d, u in row), file=sys.stderr)
     finally:
         for p in procs:
             try:
@@ -231,7 +269,7 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
                 p.kill()
                 p.wait()
         for h in hosts:
-            shutil.rmtree(work / f"{mode}-{h.index}", ignore_errors=True)
+            shutil.rmtree(work / f"{name}-{h.index}", ignore_errors=True)
     if os.environ.get("HERD_BENCH_CURVES"):
         for r in results:
             print(r["node"], " ".join(f"{c[0]}:{c[1] >> 20}/{c[2] >> 20}" for c in r.get("curve", [])),
@@ -251,10 +289,18 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
         "bytes_from_peers": sum(r["bytes_from_peers"] for r in results),
         "endgame_duplicates": sum(r.get("endgame_duplicates", 0) for r in results),
         "peer_errors": sum(r.get("peer_errors", 0) for r in results),
+        # data-plane requests answered by all nodes up to their own completion, and how
+        # many of them were batches that could wait
+        "plane_requests": sum(r.get("plane_requests", 0) for r in results),
+        "plane_wait_batches": sum(r.get("plane_wait_batches", 0) for r in results),
         "node_cpu_s_p50": round(_pctl([r.get("cpu_s", 0.0) for r in results], 0.5), 3),
         "node_cpu_s_max": round(max(r.get("cpu_s", 0.0) for r in results), 3),
         "node_cpu_s": {r["node"]: r.get("cpu_s", 0.0) for r in sorted(results, key=lambda r: int(r["node"][1:]))},
         "node_cpu_user_s_p50": round(_pctl([r.get("cpu_user_s", 0.0) for r in results], 0.5), 3),
+        # from "go" to this node's completion: the start-up (imports, the store) left out
+        "node_cpu_start_s_p50": round(_pctl([r.get("cpu_start_s", 0.0) for r in results], 0.5), 3),
+        "node_cpu_fetch_s_p50": round(_pctl([r.get("cpu_fetch_s", 0.0) for r in results], 0.5), 3),
+        "node_cpu_fetch_sys_s_p50": round(_pctl([r.get("cpu_fetch_sys_s", 0.0) for r in results], 0.5), 3),
     }
 
 
@@ -283,7 +329,7 @@ def publish_artifact(src_dir: Path, origin_dir: Path, size_mb: float) -> tuple[s
 
 def run(nodes: int, size_mb: float, rate: str, modes: list[str],
         tuning: dict[str, int] | None = None, burst: str = "64kb", latency: str = "400ms",
-        mtu: int = 1500) -> dict[str, Any]:
+        mtu: int = 1500, baseline: Path | None = None) -> dict[str, Any]:
     from bench.netns import NetLab, check, rate_bits
 
     check()
@@ -306,8 +352,10 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
             out["loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
             for mode in modes:
                 res = run_mode(lab, hosts, origin_host, mode, mid, size, work, ideal,
-                               tuning or {"workers": 16, "home": 2})
-                key = {"origin": "origin_only", "herd": "herd", "flat": "flat"}[mode]
+                               tuning or {"workers": 16, "home": 2}, baseline)
+                key = {"origin": "origin_only", "herd": "herd", "flat": "flat", "perchunk": "perchunk",
+                       "baseline": "baseline"}.get(
+                    mode, mode.replace("@", "_").replace("=", "").replace(",", "_"))
                 for k, v in res.items():
                     out[f"{key}_{k}"] = v
         out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
@@ -342,13 +390,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--size-mb", type=float, default=64.0)
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--modes", default="origin,herd",
-                   help="comma list of origin (no peers), herd (trees), flat (the design before the trees)")
+                   help="comma list of origin (no peers), herd (trees), flat (the design before the trees), "
+                        "perchunk (the trees, one waiting request per chunk: before batches could wait)")
     p.add_argument("--workers", type=int, default=16, help="herd: chunks in flight per node")
     p.add_argument("--flat", action="store_true", help="herd: the flat design before the trees (HerdConfig.tree=False)")
     p.add_argument("--home-concurrency", type=int, default=2, help="herd: origin streams per home")
     p.add_argument("--tbf-burst", default="64kb", help="tbf burst (default 64kb)")
     p.add_argument("--tbf-latency", default="400ms", help="tbf queue as latency (default 400ms)")
     p.add_argument("--mtu", type=int, default=1500, help="MTU of every host link (9000: jumbo frames)")
+    p.add_argument("--baseline-root", type=Path, default=None,
+                   help="mode 'baseline': the herd mode run from this checkout's code (e.g. the main branch)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if not 1 <= a.nodes <= 64:
@@ -356,13 +407,15 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < a.size_mb <= 4096:
         p.error("--size-mb must be in (0, 4096]")
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if not modes or any(m not in ("origin", "herd", "flat") for m in modes):
-        p.error("--modes: origin, herd and/or flat")
+    if not modes or any(m.partition("@")[0] not in ("origin", "herd", "flat", "perchunk", "baseline") for m in modes):
+        p.error("--modes: origin, herd, flat, perchunk and/or baseline")
+    if "baseline" in modes and (a.baseline_root is None or not (a.baseline_root / "bench" / "herd.py").is_file()):
+        p.error("--modes baseline needs --baseline-root DIR holding bench/herd.py")
     from bench.netns import NetnsUnavailable
 
     try:
         out = run(a.nodes, a.size_mb, a.rate, modes, {"workers": a.workers, "home": a.home_concurrency, "tree": not a.flat},
-                  burst=a.tbf_burst, latency=a.tbf_latency, mtu=a.mtu)
+                  burst=a.tbf_burst, latency=a.tbf_latency, mtu=a.mtu, baseline=a.baseline_root)
     except NetnsUnavailable as e:
         msg = f"bench.herd skipped: {e}"
         if a.json:
@@ -375,12 +428,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"herd bench: {a.nodes} nodes, {a.size_mb:g} MiB, {a.rate} links; ideal {out['ideal_s']:.2f}s")
     print(f"{'mode':<12} {'last done':>10} {'/ideal':>8} {'p50':>8} {'p99':>8} {'origin/S':>9} {'wire/S':>8}")
-    for key, name in (("origin_only", "origin only"), ("herd", "herd"), ("flat", "herd, flat")):
+    for key, name in (("origin_only", "origin only"), ("herd", "herd"), ("perchunk", "per chunk"),
+                      ("flat", "herd, flat"), ("baseline", "baseline")):
         if f"{key}_completion_s" in out:
             print(f"{name:<12} {out[f'{key}_completion_s']:>9.2f}s {out[f'{key}_completion_over_ideal']:>8.2f} "
                   f"{out[f'{key}_node_p50_s']:>7.2f}s {out[f'{key}_node_p99_s']:>7.2f}s "
                   f"{out[f'{key}_origin_egress_over_size']:>9.3f} {out[f'{key}_origin_wire_egress_over_size']:>8.3f}"
-                  f"  CPU-s per node: {' '.join(f'{v:.1f}' for v in out[f'{key}_node_cpu_s'].values())}")
+                  f"  CPU-s per node: {' '.join(f'{v:.1f}' for v in out[f'{key}_node_cpu_s'].values())}"
+                  f" (fetch p50 {out[f'{key}_node_cpu_fetch_s_p50']:.2f}; 0: not reported)")
     if "herd_speedup" in out:
         print(f"herd speedup over origin-only (same run): {out['herd_speedup']:.2f}x")
     print(f"load average before {out['loadavg_before']} after {out['loadavg_after']}")

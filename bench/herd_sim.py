@@ -3,6 +3,12 @@
     python -m bench.herd_sim [--nodes 8,64,1024,10000,25000,50000] [--rack-size 18,32]
                              [--size-mb 2048] [--chunk-mb 1] [--cases none,dead,home,slowrack]
                              [--cores 1] [--designs tree,serial,today] [--json]
+                             [--k 8] [--rack-fanout 8] [--serve-cap 0]
+
+``--designs tree@M,tree@N:C`` compares in-rack fan-outs (serving cap C, else
+``p2p.tree.serving_cap``: k + 2M) in one
+run, beside or instead of the default ``tree``: every other input the same, planning
+measured for each in turn.
 
 What runs. For each chunk, the tree every fetcher computes (``p2p.tree.all_parents``: the
 same primitives as ``plan_node``, which ``p2p.herd`` calls; a test checks they agree) and
@@ -31,7 +37,9 @@ level by level down each chunk's tree:
   counted (today: 256 peers each, tree: the rack, or everyone up to 64 nodes);
 - CPU: receive and send CPU-s per GiB from the efficiency issue's loopback figures
   (6 and 0.9 on one core) bound each node's rates. Planning is measured in this run on
-  this machine, in CPU-s of the planning thread, the way the fetcher does it: the peer
+  this machine, in CPU-s of the planning thread (``time.thread_time``: other processes
+  count only through shared caches and cores; the least of PLAN_REPS = 3 runs, the
+  variants alternating), the way the fetcher does it: the peer
   view from the gang's ``PeerTable`` (``p2p.herd.peer_view``, node keys uncached), the
   manifest's tree, then ``p2p.tree.Planner`` stepped
   with the fetcher's block sizes. Design ``tree``: a node asks for the manifest after
@@ -55,7 +63,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import blake3
@@ -63,7 +71,16 @@ import numpy as np
 
 from p2p.herd import HerdConfig, manifest_polls, peer_view
 from p2p.rendezvous import assign_homes, node_key, plan_sources, scores_np
-from p2p.tree import PeerView, Planner, Rotations, all_parents, all_parents_standins, chunk_keys, plan_node
+from p2p.tree import (
+    PeerView,
+    Planner,
+    Rotations,
+    all_parents,
+    all_parents_standins,
+    chunk_keys,
+    plan_node,
+    serving_cap,
+)
 from scheduler_link.messages import Peer, PeerTable
 
 GIB = 1 << 30
@@ -94,6 +111,13 @@ class Params:
     recv_cpu: float         # CPU-s per GiB received
     send_cpu: float
     cores: float
+    fixed_cap: bool = False  # serve_cap as given for every fan-out variant (else k + its fan-out)
+
+    def with_fanout(self, m: int, cap: int = 0) -> Params:
+        """These parameters with in-rack fan-out ``m``; the serving cap ``cap``, else as
+        the agent sets the data plane's (``p2p.tree.serving_cap``) unless fixed."""
+        return replace(self, rack_fanout=m,
+                       serve_cap=cap or (self.serve_cap if self.fixed_cap else serving_cap(self.k, m)))
 
 
 def _grouped_fifo(group: np.ndarray, ready: np.ndarray, service: np.ndarray | float) -> np.ndarray:
@@ -356,7 +380,9 @@ def _poll_times() -> np.ndarray:
 
 def _plan_times(view: PeerView, ck: np.ndarray, p: Params) -> np.ndarray:
     """[C] seconds after the manifest arrived at which each chunk's tree is planned, by
-    one node (row 0) stepping the real planner with the fetcher's block sizes."""
+    one node (row 0) stepping the real planner with the fetcher's block sizes, in CPU-s
+    of this thread (``time.thread_time``: other processes' load is not counted, though
+    it still slows a thread through shared caches; see :func:`_measure`)."""
     cfg = HerdConfig()
     pl = Planner(view, 0, ck, k=p.k, rack_fanout=p.rack_fanout)
     at = np.zeros(len(ck))
@@ -372,10 +398,63 @@ def _plan_times(view: PeerView, ck: np.ndarray, p: Params) -> np.ndarray:
     return at
 
 
+PLAN_REPS = 3          # planning measured this many times, alternating variants; the least kept
+
+
+@dataclass
+class _Planned:
+    """One fan-out variant's planning costs (thread CPU-s, least of PLAN_REPS) and trees."""
+    t_mplan: float
+    plan_at: np.ndarray
+    par_m: np.ndarray
+    root_m: np.ndarray
+    st_m: np.ndarray
+
+
+def _measure(view: PeerView, table: PeerTable, me_id: str, mkeys: np.ndarray, ck: np.ndarray,
+             ps: Sequence[Params]) -> tuple[float, list[_Planned]]:
+    """The view's CPU-s and each variant's planning (the manifest's tree, then the chunks'
+    blocks), measured PLAN_REPS times in turn (variants alternating, so load falls on all
+    alike), the least of each kept: CPU-s of this thread, which other processes' load
+    inflates only through shared caches and cores; the least of a few runs is the code's
+    own cost on this machine."""
+    t_view = math.inf
+    best: list[tuple[float, float, np.ndarray]] = [(math.inf, 0.0, np.zeros(0))] * len(ps)
+    for _ in range(PLAN_REPS):
+        t = time.thread_time()
+        peer_view(table, me_id)
+        t_view = min(t_view, time.thread_time() - t)
+        for i, q in enumerate(ps):
+            t = time.thread_time()
+            plan_node(view, 0, mkeys, k=q.k, rack_fanout=q.rack_fanout)
+            t_m = time.thread_time() - t
+            at = _plan_times(view, ck, q)
+            if t_m + float(at[-1]) < best[i][0]:
+                best[i] = (t_m + float(at[-1]), t_m, at)
+    out = []
+    for q, (_, t_m, at) in zip(ps, best, strict=True):
+        par_m, _, root_m, st_m = all_parents_standins(view, mkeys, k=q.k, rack_fanout=q.rack_fanout)
+        out.append(_Planned(t_m, at, par_m, root_m, st_m))
+    return t_view, out
+
+
+def design_fanout(design: str, p: Params) -> tuple[str, Params]:
+    """``tree`` / ``serial`` / ``today``, or ``tree@M`` / ``serial@M`` (``@M:C``): the
+    design with in-rack fan-out M (and serving cap C; else ``p2p.tree.serving_cap`` unless
+    fixed). Returns (base design, params)."""
+    base, _, spec = design.partition("@")
+    m, _, c = spec.partition(":")
+    if base not in DESIGNS or (spec and (base == "today" or not m.isdigit() or int(m) < 1
+                                         or (c and (not c.isdigit() or int(c) < 1)))):
+        raise ValueError(f"design {design!r}: tree, serial, today, or tree@M / serial@M[:C] (M, C >= 1)")
+    return base, (p.with_fanout(int(m), int(c or 0)) if spec else p)
+
+
 def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGNS) -> dict[str, Any]:
     t_wall = time.perf_counter()
     load0 = os.getloadavg()[0]
     n, C = p.nodes, p.chunks
+    variants = [design_fanout(d, p) for d in designs]
     ids = [f"node-{i:05d}" for i in range(n)]
     rack, die, cap = _scenario(p, case, seed)
     labels = [f"z/b/r{int(r):05d}" for r in rack]
@@ -384,6 +463,7 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
     chunk_ids = [blake3.blake3(f"{seed}:{i}".encode()).hexdigest() for i in range(C)]
     manifest_id = blake3.blake3(f"{seed}:manifest".encode()).hexdigest()
     ck = chunk_keys(chunk_ids)
+    mkeys = chunk_keys([manifest_id])
     size = C * p.chunk_bytes
 
     # ---- planning CPU, measured here, the way the fetcher plans: the view once, the
@@ -395,57 +475,60 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
     table = PeerTable(node_ids=ids, data_urls=ids, rack_of=rack.tolist(),
                       racks=[f"z/b/r{r:05d}" for r in range(int(rack[-1]) + 1)],
                       rack_start=np.searchsorted(rack, np.arange(int(rack[-1]) + 1)).tolist())
-    t = time.thread_time()
-    peer_view(table, ids[0])
-    t_view = time.thread_time() - t
-    t = time.thread_time()
-    plan_node(view, 0, chunk_keys([manifest_id]), k=p.k, rack_fanout=p.rack_fanout)
-    t_mplan = time.thread_time() - t
-    plan_at = _plan_times(view, ck, p)
-    cpu_tree = float(plan_at[-1])
-    peers = [Peer(node_id=i, data_url=i, zone="z", block="b", rack=lab.split("/")[2]) for i, lab in zip(ids, labels, strict=True)]
-    sample = chunk_ids[: 2 if n > 5000 else 8]
-    t = time.thread_time()
-    for cid in sample:
-        plan_sources(cid, ids[0], peers)
-    cpu_today = (time.thread_time() - t) / len(sample) * C
-    t = time.thread_time()
-    homes_today = assign_homes([(c, int(p.chunk_bytes)) for c in chunk_ids], ids)
-    cpu_today += time.thread_time() - t
+    tree_ps = {q.rack_fanout: q for b, q in variants if b != "today"}
+    t_view, planned_l = _measure(view, table, ids[0], mkeys, ck, list(tree_ps.values()))
+    planned = dict(zip(tree_ps, planned_l, strict=True))
+    cpu_today = 0.0
+    homes_today: dict[str, str] = {}
+    if any(b == "today" for b, _ in variants):
+        peers = [Peer(node_id=i, data_url=i, zone="z", block="b", rack=lab.split("/")[2])
+                 for i, lab in zip(ids, labels, strict=True)]
+        sample = chunk_ids[: 2 if n > 5000 else 8]
+        t = time.thread_time()
+        for cid in sample:
+            plan_sources(cid, ids[0], peers)
+        cpu_today = (time.thread_time() - t) / len(sample) * C
+        t = time.thread_time()
+        homes_today = assign_homes([(c, int(p.chunk_bytes)) for c in chunk_ids], ids)
+        cpu_today += time.thread_time() - t
 
-    # a global home dying mid-transfer: the node that is home for the most chunks
-    tree_par_m, _, root_m, st_m = all_parents_standins(view, chunk_keys([manifest_id]), k=p.k,
-                                                       rack_fanout=p.rack_fanout)
-    _, tree_home, _ = all_parents(view, ck[: min(C, 256)], k=p.k, rack_fanout=p.rack_fanout)
+    # a global home dying mid-transfer: the node that is home for the most chunks (the
+    # homes do not depend on the in-rack fan-out)
     victim = -1
     if case == "home" and n > 1:
+        _, tree_home, _ = all_parents(view, ck[: min(C, 256)], k=p.k, rack_fanout=p.rack_fanout)
         victim = int(np.argmax(np.bincount(tree_home, minlength=n)))
     out: dict[str, Any] = {"nodes": n, "rack_size": p.rack_size, "racks": int(rack[-1]) + 1, "case": case,
                            "chunks": C, "size_mib": round(size / (1 << 20), 1)}
-    for design in designs:
+    for design, (base, q) in zip(designs, variants, strict=True):
         s_die = die.copy()
-        sim = Sim(p, rack, s_die, cap)
+        sim = Sim(q, rack, s_die, cap)
         ideal = size / sim.rate
         if victim >= 0:
             s_die[victim] = 0.5 * ideal
         t0 = np.zeros(n)
         # ---- the manifest
         ready_c: np.ndarray | None = None       # [C, N] when each node may ask for each chunk
-        if design in ("tree", "serial"):
-            succ = [int(x) for x in root_m[0, 1:3] if x >= 0]
+        cpu_tree = t_mplan = 0.0
+        plan_at = np.zeros(C)
+        if base in ("tree", "serial"):
+            pq = planned[q.rack_fanout]
+            t_mplan, plan_at = pq.t_mplan, pq.plan_at
+            cpu_tree = float(plan_at[-1])
+            succ = [int(x) for x in pq.root_m[0, 1:3] if x >= 0]
             # every node builds its view and plans the manifest's tree before asking
-            have_m = sim.transfer(tree_par_m[0], p.manifest_bytes, t0 + t_view + t_mplan, succ, cap=p.serve_cap,
+            have_m = sim.transfer(pq.par_m[0], q.manifest_bytes, t0 + t_view + t_mplan, succ, cap=q.serve_cap,
                                   poll=_poll_times(), wait_s=HerdConfig().manifest_wait_ms / 1000,
-                                  standin=st_m[0])
-            probes = n * (n - 1 if n <= PROBE_ALL_BELOW else p.rack_size - 1)
+                                  standin=pq.st_m[0])
+            probes = n * (n - 1 if n <= PROBE_ALL_BELOW else q.rack_size - 1)
             # overlapped: chunk c once its block is planned (the planner has a core of its
             # own only with 2 or more); serial: every chunk after the whole plan
-            overlap = design == "tree" and p.cores >= 2
+            overlap = base == "tree" and q.cores >= 2
             start = have_m + (plan_at[0] if overlap else cpu_tree)
             if overlap:
                 ready_c = have_m[None, :] + plan_at[:, None]
         else:
-            have_m = sim.transfer(np.full(n, -1), p.manifest_bytes, t0, [])
+            have_m = sim.transfer(np.full(n, -1), q.manifest_bytes, t0, [])
             probes = n * min(256, n - 1)
             start = have_m + cpu_today
         manifest_origin = sim.origin_bytes
@@ -453,20 +536,20 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
         sim.w_down[:] = 0.0
         sim.w_up[:] = 0.0
         rack_of = rack
-        rots = Rotations(view, p.k)
+        rots = Rotations(view, q.k)
         for lo in range(0, C, 256):
             hi = min(C, lo + 256)
-            if design in ("tree", "serial"):
-                par, _, root, st = all_parents_standins(view, ck[lo:hi], k=p.k, rack_fanout=p.rack_fanout,
+            if base in ("tree", "serial"):
+                par, _, root, st = all_parents_standins(view, ck[lo:hi], k=q.k, rack_fanout=q.rack_fanout,
                                                         rotations=rots)
                 for i in range(hi - lo):
                     succ = [int(x) for x in root[i, 1:3] if x >= 0]
                     ready = start if ready_c is None else np.where(np.isfinite(start), ready_c[lo + i], start)
-                    have = sim.transfer(par[i], p.chunk_bytes, ready, succ, cap=p.serve_cap, standin=st[i])
+                    have = sim.transfer(par[i], q.chunk_bytes, ready, succ, cap=q.serve_cap, standin=st[i])
                     sim.done = np.maximum(sim.done, have)
             else:
                 for parent, fallback in _today_parents(view, ck[lo:hi], chunk_ids[lo:hi], homes_today, rack_of):
-                    have = sim.transfer(parent, p.chunk_bytes, start, [], origin_fallback=fallback)
+                    have = sim.transfer(parent, q.chunk_bytes, start, [], origin_fallback=fallback)
                     sim.busy_503 += len(fallback)
                     sim.done = np.maximum(sim.done, have)
         alive = s_die == np.inf
@@ -475,22 +558,25 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
         out[design] = {
             "completion_over_ideal": round(completion / ideal, 3),
             "origin_egress_over_size": round(sim.origin_bytes / size, 4),
-            "manifest_origin_copies": round(manifest_origin / p.manifest_bytes, 2),
+            "manifest_origin_copies": round(manifest_origin / q.manifest_bytes, 2),
             "cross_rack_in_per_rack_over_size": round(sim.cross_bytes / max(n_racks, 1) / size, 3),
             "wasted_over_size": round(sim.wasted / size, 4),
             "busy_503": sim.busy_503,
             "have_probes": probes,
-            "plan_cpu_s_per_node": round(cpu_tree if design != "today" else cpu_today, 4),
-            "plan_before_first_chunk_s": round(t_view + t_mplan + float(plan_at[0]) if design == "tree" and
-                                               p.cores >= 2 else (t_view + t_mplan + cpu_tree
-                                                                  if design != "today" else cpu_today), 4),
+            "rack_fanout": q.rack_fanout if base != "today" else None,
+            "serve_cap": q.serve_cap if base != "today" else None,
+            "view_cpu_s": round(t_view, 4) if base != "today" else None,
+            "plan_cpu_s_per_node": round(cpu_tree if base != "today" else cpu_today, 4),
+            "plan_before_first_chunk_s": round(t_view + t_mplan + float(plan_at[0]) if base == "tree" and
+                                               q.cores >= 2 else (t_view + t_mplan + cpu_tree
+                                                                  if base != "today" else cpu_today), 4),
             "nodes_incomplete": int((~np.isfinite(sim.done[alive])).sum()),
             "manifest_last_s": round(float(have_m[alive & np.isfinite(have_m)].max()) if alive.any() else 0.0, 4),
         }
     out["ideal_s"] = round(size / min(p.link, p.cores * GIB / p.recv_cpu, p.cores * GIB / p.send_cpu), 3)
     out["sim_s"] = round(time.perf_counter() - t_wall, 1)
     # the machine's 1-minute load average before and after the row (planning is measured
-    # in CPU-s of this process, which load still inflates)
+    # in CPU-s of this thread, the least of PLAN_REPS runs, which load still inflates)
     out["load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
     return out
 
@@ -553,10 +639,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link-gbit", type=float, default=100)
     ap.add_argument("--origin-gbit", type=float, default=100)
     ap.add_argument("--oversub", type=float, default=2)
-    ap.add_argument("--k", type=int, default=8)
-    ap.add_argument("--rack-fanout", type=int, default=32)
+    ap.add_argument("--k", type=int, default=HerdConfig().tree_k, help="child racks per rack (the fetcher's)")
+    ap.add_argument("--rack-fanout", type=int, default=HerdConfig().rack_fanout,
+                    help="rack-mates under one member (the fetcher's; designs tree@M compare others)")
     ap.add_argument("--serve-cap", type=int, default=0,
-                    help="copies of one chunk a node sends at once (0: k + rack fan-out)")
+                    help="copies of one chunk a node sends at once (0: p2p.tree.serving_cap, k + 2 x fan-out)")
     ap.add_argument("--retry-ms", type=float, default=50)
     ap.add_argument("--recv-cpu", type=float, default=6.0, help="CPU-s per GiB received (loopback figure)")
     ap.add_argument("--send-cpu", type=float, default=0.9, help="CPU-s per GiB sent (loopback figure)")
@@ -580,8 +667,13 @@ def main(argv: list[str] | None = None) -> int:
     if any(c not in ("none", "dead", "home", "slowrack") for c in cases):
         ap.error("--cases: none, dead, home, slowrack")
     designs = [d for d in a.designs.split(",") if d]
-    if not designs or any(d not in DESIGNS for d in designs):
-        ap.error("--designs: tree, serial, today")
+    if not designs:
+        ap.error("--designs: tree, serial, today, tree@M, serial@M")
+    for d in designs:
+        try:
+            design_fanout(d, Params(1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1))
+        except ValueError as e:
+            ap.error(f"--designs: {e}")
     if a.size_mb <= 0 or a.chunk_mb <= 0 or a.k < 1 or a.rack_fanout < 1:
         ap.error("--size-mb, --chunk-mb, --k, --rack-fanout must be positive")
     t0 = time.perf_counter()
@@ -592,13 +684,15 @@ def main(argv: list[str] | None = None) -> int:
             p = Params(nodes=n, rack_size=min(rs, n), chunks=chunks, chunk_bytes=a.chunk_mb * (1 << 20),
                        manifest_bytes=a.manifest_bytes_per_chunk * chunks, link=a.link_gbit * 1e9 / 8,
                        origin=a.origin_gbit * 1e9 / 8, oversub=a.oversub, k=a.k, rack_fanout=a.rack_fanout,
-                       serve_cap=a.serve_cap or a.k + a.rack_fanout, retry_s=a.retry_ms / 1000, recv_cpu=a.recv_cpu,
+                       serve_cap=a.serve_cap or serving_cap(a.k, a.rack_fanout), fixed_cap=a.serve_cap > 0, retry_s=a.retry_ms / 1000, recv_cpu=a.recv_cpu,
                        send_cpu=a.send_cpu, cores=a.cores)
             for case in cases:
                 row = run_row(p, case, designs=designs)
                 rows.append(row)
-                print(f"  {n} nodes racks of {rs} {case}: {row['sim_s']}s, load {row['load']}", file=sys.stderr,
-                      flush=True)
+                figs = " ".join(f"{d} {row[d]['completion_over_ideal']}/{row[d]['origin_egress_over_size']}"
+                                for d in designs)
+                print(f"  {n} nodes racks of {rs} {case}: {row['sim_s']}s, load {row['load']}, T/ideal/egress "
+                      f"{figs}", file=sys.stderr, flush=True)
     out = {"model": "chunk-level store-and-forward, FIFO resources, real tree/home functions",
            "designs": designs,
            "link_gbit": a.link_gbit, "origin_gbit": a.origin_gbit, "oversub": a.oversub, "k": a.k,

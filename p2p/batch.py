@@ -14,6 +14,16 @@ Retry-After, as for one chunk. Hostile requests (no ids, more than the server's
 ``max_batch_chunks``, a malformed or repeated id, a batch over ``max_batch_bytes``) get a
 4xx naming why and cost nothing else.
 
+A batch that can wait (``GET /v1/chunks?ids=a,b&sizes=Na,Nb&wait_ms=W``, what a tree
+child asks its parent: the next chunks the parent is itself fetching) names each chunk's
+size, as the asker's manifest says (the server may not hold them yet, and the answer is
+Content-Length framed): every frame is then :data:`OK` with that many bytes, sent in
+order as each chunk arrives at the server (and, over the server's per-chunk cap, once a
+copy of it finished), within ``W`` ms of the request. A chunk still absent at the
+deadline, or of another size, ends the answer early (the connection is closed after the frames sent): the asker keeps what came
+and fetches the rest elsewhere, as for a peer that died mid-batch. The first chunk absent
+after the whole wait: 404, like one chunk.
+
 Why a frame per chunk rather than one answer per request: the per-request cost of
 HTTP (a head each way, a wakeup, a serving slot, a task switch per chunk on both ends)
 was most of the herd's CPU per GiB beyond the minimal loop (``python -m bench.node``).
@@ -85,8 +95,39 @@ def parse_ids(query: str, max_chunks: int) -> list[str]:
     return ids
 
 
-def query_of(ids: Sequence[str]) -> str:
-    return "ids=" + ",".join(ids)
+def query_of(ids: Sequence[str], sizes: Sequence[int] | None = None, wait_ms: int = 0) -> str:
+    """The query of a batch; with ``wait_ms`` > 0 a batch that can wait (``sizes`` required)."""
+    q = "ids=" + ",".join(ids)
+    if wait_ms > 0:
+        assert sizes is not None and len(sizes) == len(ids)
+        q += "&sizes=" + ",".join(str(int(n)) for n in sizes) + f"&wait_ms={int(wait_ms)}"
+    return q
+
+
+@dataclass(frozen=True, slots=True)
+class BatchQuery:
+    ids: list[str]
+    sizes: list[int] | None = None     # a batch that can wait: each chunk's size (the asker's manifest)
+    wait_ms: int = 0
+
+
+def parse_batch(query: str, max_chunks: int, max_wait_ms: int) -> BatchQuery:
+    """``ids=...`` (:func:`parse_ids`), or ``ids=...&sizes=...&wait_ms=N`` (a batch that can
+    wait: as many sizes as ids, each a decimal byte count; ``wait_ms`` capped at
+    ``max_wait_ms``), or :class:`BatchQueryError`. Nothing else is accepted."""
+    if "&" not in query:
+        return BatchQuery(parse_ids(query, max_chunks))
+    parts = query.split("&", 3)
+    if len(parts) != 3 or not parts[1].startswith("sizes=") or not parts[2].startswith("wait_ms="):
+        raise BatchQueryError(400, "bad batch", "the query must be ids=<id>,... or ids=...&sizes=<n>,...&wait_ms=<ms>")
+    ids = parse_ids(parts[0], max_chunks)
+    raw = parts[1][len("sizes="):].split(",", len(ids))
+    if len(raw) != len(ids) or not all(x.isdigit() and len(x) <= 12 for x in raw):
+        raise BatchQueryError(400, "bad sizes", f"one decimal byte count per id ({len(ids)})")
+    wait = parts[2][len("wait_ms="):]
+    if not wait.isdigit() or len(wait) > 12:
+        raise BatchQueryError(400, "bad wait_ms", "a non-negative integer of milliseconds")
+    return BatchQuery(ids, [int(x) for x in raw], min(int(wait), max_wait_ms))
 
 
 def frame(status: int, size: int) -> bytes:
@@ -309,9 +350,12 @@ class FrameReader:
 
     def __init__(self, fd: int, prefix: bytes | bytearray | memoryview, stall_s: float = 0.0,
                  stop: threading.Event | None = None, lowat_max: int = 128 * 1024,
-                 end: tuple[str, str] = ("closed", "the answer ended")) -> None:
+                 end: tuple[str, str] = ("closed", "the answer ended"), gap_s: float = 0.0) -> None:
         self.prefix = memoryview(prefix)
         self.stall_s = stall_s
+        # a batch that can wait: how long a frame's header may take to start coming (the
+        # server sends each chunk when it has it); within a frame, stall_s
+        self.gap_s = max(gap_s, stall_s)
         self.stop = stop or threading.Event()
         self.lowat_max = lowat_max
         self.lowat = 1
@@ -333,7 +377,8 @@ class FrameReader:
             hasher.update(view[:k])
         return k
 
-    def fill(self, view: memoryview, n: int, hasher: blake3.blake3 | None = None) -> None:
+    def fill(self, view: memoryview, n: int, hasher: blake3.blake3 | None = None, *, gap: bool = False) -> None:
+        """Exactly ``n`` bytes into ``view``. ``gap``: a frame's start (it may wait ``gap_s``)."""
         got = self._from_prefix(view, n, hasher)
         if got < n and self.sock is None:
             raise _Cut(*self.end)
@@ -349,7 +394,7 @@ class FrameReader:
                     self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                     self.lowat = want
                 if not self.poller.poll(POLL_S * 1000):
-                    if time.monotonic() - last >= self.stall_s:
+                    if time.monotonic() - last >= (self.gap_s if gap and got == 0 else self.stall_s):
                         raise _Cut("stall", f"stalled after {got} of {n} bytes")
                     continue
                 k = os.readv(fd, [view[got:n]])
@@ -387,8 +432,8 @@ class TLSFrameReader(FrameReader):
 
     def __init__(self, fd: int, session: tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO],
                  prefix: bytes | bytearray | memoryview, stall_s: float, stop: threading.Event,
-                 read_size: int = 256 * 1024) -> None:
-        super().__init__(fd, prefix, stall_s, stop)
+                 read_size: int = 256 * 1024, gap_s: float = 0.0) -> None:
+        super().__init__(fd, prefix, stall_s, stop, gap_s=gap_s)
         self.ssl_obj, self.incoming, self.outgoing = session
         self.read_size = read_size
 
@@ -404,7 +449,7 @@ class TLSFrameReader(FrameReader):
                     raise _Cut("stall", "could not answer the TLS session") from None
                 select.select([], [self.sock], [], POLL_S)
 
-    def fill(self, view: memoryview, n: int, hasher: blake3.blake3 | None = None) -> None:
+    def fill(self, view: memoryview, n: int, hasher: blake3.blake3 | None = None, *, gap: bool = False) -> None:
         got = self._from_prefix(view, n, hasher)
         assert self.sock is not None
         fd = self.sock.fileno()
@@ -419,7 +464,7 @@ class TLSFrameReader(FrameReader):
                     if self.outgoing.pending:
                         self._flush()
                     if not self.poller.poll(POLL_S * 1000):
-                        if time.monotonic() - last >= self.stall_s:
+                        if time.monotonic() - last >= (self.gap_s if gap and got == 0 else self.stall_s):
                             raise _Cut("stall", f"stalled after {got} of {n} bytes") from None
                         continue
                     data = os.read(fd, self.read_size)
@@ -473,7 +518,7 @@ def receive_frames(reader: FrameReader, items: Sequence[tuple[str, int]], length
         for cid, size in items:
             if out.consumed + FRAME.size > length:
                 raise _Cut("protocol", f"answer of {length} bytes ends before chunk {cid[:16]}'s frame")
-            reader.fill(hview, FRAME.size)
+            reader.fill(hview, FRAME.size, gap=True)
             out.consumed += FRAME.size
             magic, status, n = FRAME.unpack(hdr)
             if magic != MAGIC:

@@ -12,6 +12,14 @@ Routes (all need the cluster token as a bearer token; 401 otherwise):
   chunks. One serving slot for the batch; each chunk counts against
   ``max_serving_per_chunk`` (a chunk over it is framed busy, the rest sent). On plain
   connections a worker thread sends the frames (header with MSG_MORE, then sendfile).
+- ``GET /v1/chunks?ids=a,b&sizes=Na,Nb&wait_ms=W`` a batch that can wait (a tree child
+  asking its parent for the next chunks the parent is fetching itself): each chunk is
+  sent, in order, as soon as it is here, within W ms; the head goes once the first one
+  is here (404 if it is not after the whole wait). A chunk being sent to
+  ``max_serving_per_chunk`` peers already waits for a copy to finish. A chunk still
+  absent (or still busy) at the deadline, or of another size than named, ends the
+  answer there (the connection is closed after the frames sent; the asker keeps them). It takes a
+  place in the wait budget (``max_waiting``), not a serving slot, for its whole life.
 - ``GET /v1/manifests/{id}[?wait_ms=N]`` the manifest's canonical bytes (peers verify
   them by id). With ``wait_ms`` the request waits for the manifest to be stored here, at
   most ``max_manifest_wait_ms`` (2 s: a tree parent gets it within milliseconds or is
@@ -89,7 +97,20 @@ import trio
 from scheduler_link.gate import ConnectionGate, turn_away
 
 from . import batch as _b
-from .batch import BUSY, MISSING, OK, BatchQueryError, Handoff, Outgoing, frame, parse_ids, send_frames
+from .batch import (
+    BUSY,
+    FRAME,
+    MISSING,
+    OK,
+    BatchQuery,
+    BatchQueryError,
+    Handoff,
+    Outgoing,
+    frame,
+    parse_batch,
+    parse_ids,
+    send_frames,
+)
 from .batch import CONTENT_TYPE as BATCH_TYPE
 from .errors import StoreError
 from .store import ChunkStore
@@ -160,6 +181,8 @@ class _Stats(msgspec.Struct, kw_only=True):
     batches: int = 0                   # GET /v1/chunks?ids= answered with frames
     batch_chunks_busy: int = 0         # chunks of batches framed busy (per-chunk cap)
     batch_chunks_missing: int = 0      # ... framed missing
+    wait_batches: int = 0              # batches that could wait (?ids=&sizes=&wait_ms=) answered
+    wait_batches_cut: int = 0          # ... ended early (a chunk absent at the deadline, resized, busy)
 
 
 @dataclass(slots=True)
@@ -172,6 +195,8 @@ class _Reply:
     serving: str = ""                 # chunk id whose per-chunk serving count this reply holds
     frames: list[Outgoing] | None = None   # a batch: these frames (their fds are this reply's)
     serving_many: list[str] = field(default_factory=list)   # a batch's chunk ids counted as being sent
+    wait_batch: BatchQuery | None = None   # a batch that can wait: sent by _send_wait_batch
+    client: str = ""
 
 
 class _Len:
@@ -495,6 +520,20 @@ class DataPlane:
                 if isinstance(waited, _Reply):
                     return waited, False
                 query = ""
+        if path == "/v1/chunks" and method == "GET" and "&" in query:
+            # a batch that can wait: no serving slot (its waits count in the wait budget)
+            try:
+                bq = parse_batch(query, self.config.max_batch_chunks, self.config.max_wait_ms)
+            except BatchQueryError as e:
+                self._stats.bad_requests += 1
+                return _json(e.status, e.error, e.detail), False
+            if bq.sizes is not None and bq.wait_ms > 0:
+                if sum(bq.sizes) > self.config.max_batch_bytes:
+                    self._stats.bad_requests += 1
+                    return _json(413, "batch too large",
+                                 f"the chunks named add up to over {self.config.max_batch_bytes} bytes"), False
+                return _Reply(200, content_type=BATCH_TYPE, wait_batch=bq, client=client), False
+            query = "ids=" + ",".join(bq.ids)   # wait_ms=0: an ordinary batch
         if not self._active.enter(client):
             self._stats.rejected_busy += 1
             return _json(503, "busy", "too many concurrent requests", headers=[(b"retry-after", b"1")]), False
@@ -781,6 +820,8 @@ class DataPlane:
         serving = reply.serving
         if reply.frames is not None:
             return await self._send_batch(stream, conn, head, reply)
+        if reply.wait_batch is not None:
+            return await self._send_wait_batch(stream, conn, req, reply.wait_batch, reply.client)
         if reply.file is not None:
             try:
                 fd = os.open(reply.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -889,6 +930,148 @@ class DataPlane:
                     self._serving[cid] = left
                 else:
                     self._serving.pop(cid, None)
+
+    async def _send_wait_batch(self, stream: trio.abc.Stream, conn: h11.Connection, req: h11.Request,
+                               bq: BatchQuery, client: str) -> bool:
+        """A batch that can wait: the head once the first chunk is here, then each run of
+        chunks here now sent by a worker thread (:meth:`_send_frames`), a wait for the next
+        (woken by the store, watching the client) between runs. False (close the
+        connection) when the answer was cut short or the client left."""
+        assert bq.sizes is not None
+        c = self.config
+        if not self._waits.enter(client):
+            self._stats.rejected_waits += 1
+            ms = c.busy_retry_ms
+            return await self._send_reply(stream, conn, req, _json(
+                503, "busy", "too many waiting requests",
+                headers=[(b"retry-after", b"1"), (b"x-herd-retry-ms", str(ms).encode())]))
+        ids, sizes = bq.ids, bq.sizes
+        deadline = trio.current_time() + bq.wait_ms / 1000
+        total = sum(FRAME.size + n for n in sizes)
+        i = 0
+        head_sent = False
+        try:
+            delayed = ""
+            still_busy = False
+            while i < len(ids):
+                if not self.store.has_chunk(ids[i]):
+                    left = int((deadline - trio.current_time()) * 1000)
+                    present = False
+                    if left > 0:
+                        gone, got = await self._watched(stream, conn, partial(self._wait_for_chunk, ids[i], left))
+                        if gone:
+                            self._stats.waits_abandoned += 1
+                            return False
+                        present = bool(got)
+                    if not present:
+                        break
+                if self._over_cap(ids[i]):
+                    # sent to max_serving_per_chunk peers now: wait for a copy to finish (the
+                    # cap bounds copies at once; this asker already waits), up to the deadline
+                    if delayed != ids[i]:
+                        delayed = ids[i]
+                        self._stats.rejected_chunk_busy += 1
+                    if trio.current_time() >= deadline:
+                        still_busy = True
+                        break
+                    await trio.sleep(c.busy_retry_ms / 1000)
+                    continue
+                frames: list[Outgoing] = []
+                served: list[str] = []
+                cut = False
+                while i < len(ids):
+                    cid = ids[i]
+                    size = self.store.chunk_size(cid)
+                    if size is None or self._over_cap(cid):
+                        break
+                    if size != sizes[i]:
+                        cut = True
+                        break
+                    self.store.touch(cid)
+                    now = self._serving[cid] = self._serving.get(cid, 0) + 1
+                    self._stats.serving_per_chunk_max = max(self._stats.serving_per_chunk_max, now)
+                    served.append(cid)
+                    frames.append(Outgoing(frame(OK, size), str(self.store.chunk_path(cid)), size))
+                    i += 1
+                try:
+                    if frames and not head_sent:
+                        headers = [(b"content-type", BATCH_TYPE.encode()), (b"content-length", str(total).encode()),
+                                   (b"server", _SERVER), (b"x-herd-chunks", str(len(ids)).encode())]
+                        out = conn.send(h11.Response(status_code=200, headers=headers)) or b""
+                        conn.send_with_data_passthrough(h11.Data(data=_Len(total)))  # type: ignore[arg-type]
+                        await self._send_frames(stream, frames, head=out)
+                        head_sent = True
+                    elif frames:
+                        await self._send_frames(stream, frames)
+                finally:
+                    for f in frames:
+                        f.done()
+                    for cid in served:
+                        left_ = self._serving.get(cid, 1) - 1
+                        if left_ > 0:
+                            self._serving[cid] = left_
+                        else:
+                            self._serving.pop(cid, None)
+                self._stats.chunks_served += len(frames)
+                self._stats.bytes_served += sum(f.size for f in frames)
+                if cut:
+                    break
+            if not head_sent:   # the first chunk is not here after the whole wait, still busy, or differs
+                if still_busy:
+                    ms = c.busy_retry_ms
+                    return await self._send_reply(stream, conn, req, _json(
+                        503, "busy", "this chunk is being sent to enough peers",
+                        headers=[(b"retry-after", str(max(1, -(-ms // 1000))).encode()),
+                                 (b"x-herd-retry-ms", str(ms).encode())]))
+                if not self.store.has_chunk(ids[0]):
+                    self._stats.not_found += 1
+                    return await self._send_reply(stream, conn, req, _json(404, "chunk not here", ids[0]))
+                self._stats.bad_requests += 1
+                return await self._send_reply(stream, conn, req, _json(409, "chunk not as named", ids[0]))
+            self._stats.batches += 1
+            self._stats.wait_batches += 1
+            if i < len(ids):
+                self._stats.wait_batches_cut += 1
+                return False
+            tail = conn.send(h11.EndOfMessage()) or b""
+            if tail:
+                await self._send_all(stream, tail)
+            return True
+        finally:
+            self._waits.leave(client)
+
+    def _over_cap(self, chunk_id: str) -> bool:
+        cap = self.config.max_serving_per_chunk
+        return cap > 0 and self._serving.get(chunk_id, 0) >= cap
+
+    async def _send_frames(self, stream: trio.abc.Stream, frames: list[Outgoing], head: bytes = b"") -> None:
+        """``head`` (bytes of the answer's head, may be empty) and ``frames``, sent as
+        :meth:`_send_batch` sends a batch's (plain: a worker thread's sendfile; TLS: the
+        thread encrypts with the connection's session; else through the stream)."""
+        if isinstance(stream, trio.SocketStream):
+            if head:
+                await self._send_head_more(stream, head)
+            await self._send_in_thread(stream.socket, partial(send_frames, frames=frames,
+                                                              stall_s=self.config.send_stall_s))
+        elif (session := _b.tls_session(stream)) is not None and isinstance(stream, trio.SSLStream):
+            if head:
+                await self._send_all(stream, head)
+            raw = stream.transport_stream
+            assert isinstance(raw, trio.SocketStream)
+            await self._send_in_thread(raw.socket, partial(_b.send_frames_tls, session=session, frames=frames,
+                                                           stall_s=self.config.send_stall_s))
+        else:
+            if head:
+                await self._send_all(stream, head)
+            for f in frames:
+                if why := f.open():
+                    raise trio.BrokenResourceError(f"batch send: {why}")
+                try:
+                    await self._send_all(stream, f.header)
+                    if f.fd >= 0:
+                        await self._send_plain(stream, f.fd, 0, f.size, fallback=False)
+                finally:
+                    f.done()
 
     async def _send_all(self, stream: trio.abc.Stream, data: bytes) -> None:
         with trio.fail_after(self.config.send_stall_s):

@@ -7,9 +7,11 @@ Two queues, in manifest order: ``own`` (chunks this node is home for: they go to
 origin, through their own small pool so the origin link stays busy while the other pool
 waits on peers' in-flight downloads) and ``rest``. The tree planner fills them block by
 block (:meth:`FetchRun.add_planned`), then closes the run; a closed run takes nothing
-new. Invariants: ``taken[q] <= len(queue q)``; ``outstanding`` = taken and not yet
-finished (never negative); the endgame is never before the run is closed and both
-queues are taken.
+new. A batch may take chunks out of order (:meth:`FetchRun.take_more` with ``scan``):
+those past the queue's pointer are marked ``picked`` and skipped when the pointer
+reaches them. Invariants: ``taken[q] <= len(queue q)``; every picked index is past
+``taken[q]``; ``outstanding`` = taken and not yet finished (never negative); the endgame
+is never before the run is closed and both queues are taken.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class FetchRun:
         self.queues: tuple[list[Item], list[Item]] = (own if own is not None else [],
                                                       rest if rest is not None else [])
         self.taken = [0, 0]
+        self.picked: tuple[set[int], set[int]] = (set(), set())   # taken out of order, past taken[q]
         self.closed = False
         self.outstanding = 0
         self.own_active = 0
@@ -96,25 +99,41 @@ class FetchRun:
             return own_workers, self.workers
         return min(own_workers, len(self.own)), min(self.workers, len(self.rest))
 
+    def _skip(self, q: int) -> None:
+        """Move queue ``q``'s pointer past the chunks a batch took out of order."""
+        picked = self.picked[q]
+        while picked and self.taken[q] in picked:
+            picked.discard(self.taken[q])
+            self.taken[q] += 1
+
+    def _count(self, q: int) -> None:
+        self.outstanding += 1
+        if q == OWN:
+            self.own_active += 1
+
     def take(self, q: int) -> Item | None:
         """The next chunk of queue ``q`` (counted as outstanding), or None when there is
         none now (see :meth:`exhausted`)."""
         queue = self.queues[q]
+        self._skip(q)
         if self.taken[q] >= len(queue):
             return None
         item = queue[self.taken[q]]
         self.taken[q] += 1
-        self.outstanding += 1
-        if q == OWN:
-            self.own_active += 1
+        self._skip(q)
+        self._count(q)
         return item
 
-    def take_more(self, q: int, fits: Callable[[str], bool], max_n: int, max_bytes: int) -> list[Item]:
+    def take_more(self, q: int, fits: Callable[[str], bool], max_n: int, max_bytes: int,
+                  scan: int = 0) -> list[Item]:
         """Up to ``max_n`` more chunks of queue ``q`` for the batch just taken: the next
-        ones in order while ``fits(id)`` and their sizes stay within ``max_bytes`` (each
-        counted as outstanding, like :meth:`take`)."""
+        ones in order while ``fits(id)`` and their sizes stay within ``max_bytes``; with
+        ``scan``, then also those that fit among the next ``scan`` not taken yet, out of
+        order (a tree child's next chunks from one parent, whose chunks interleave with
+        other parents' in the manifest). Each counted as outstanding, like :meth:`take`."""
         queue = self.queues[q]
         out: list[Item] = []
+        self._skip(q)
         while len(out) < max_n and self.taken[q] < len(queue):
             item = queue[self.taken[q]]
             if item[1] > max_bytes or not fits(item[0]):
@@ -122,13 +141,26 @@ class FetchRun:
             max_bytes -= item[1]
             out.append(item)
             self.taken[q] += 1
-            self.outstanding += 1
-            if q == OWN:
-                self.own_active += 1
+            self._skip(q)
+            self._count(q)
+        picked = self.picked[q]
+        j = self.taken[q]
+        end = min(len(queue), j + max(scan, 0))
+        while len(out) < max_n and j < end:
+            if j not in picked:
+                item = queue[j]
+                if item[1] <= max_bytes and fits(item[0]):
+                    max_bytes -= item[1]
+                    out.append(item)
+                    picked.add(j)
+                    self._count(q)
+            j += 1
+        self._skip(q)
         return out
 
     def exhausted(self, q: int) -> bool:
         """Queue ``q`` is taken and nothing more will come: its worker may stop."""
+        self._skip(q)
         return self.closed and self.taken[q] >= len(self.queues[q])
 
     def finished(self, q: int) -> None:
@@ -141,12 +173,15 @@ class FetchRun:
         """Peer bodies flowing in at once: while this node may still have chunks to read
         from the origin as their home, ``home_gate`` (its origin streams are everyone's
         critical path and must keep their share of its downlink); then ``workers``."""
+        self._skip(OWN)
         busy_home = not self.closed or self.taken[OWN] < len(self.own) or self.own_active > 0
         return self.home_gate if busy_home else self.workers
 
     def in_endgame(self) -> bool:
         """Both queues taken, the run closed, at most ``endgame`` chunks outstanding: the
         last chunks may be asked of a second peer at once."""
+        self._skip(OWN)
+        self._skip(REST)
         return (self.closed and self.taken[OWN] >= len(self.own) and self.taken[REST] >= len(self.rest)
                 and self.outstanding <= self.endgame_at)
 

@@ -65,7 +65,7 @@ from .pool import run_pool
 from .ratelimit import AsyncBucket
 from .rendezvous import Source, assign_homes, assign_rack_homes, order, plan_sources, rack_label
 from .store import ChunkStore
-from .tree import NodePlan, PeerView, Planner, chunk_keys, plan_node
+from .tree import RACK_FANOUT, TREE_K, NodePlan, PeerView, Planner, chunk_keys, plan_node
 
 log = logging.getLogger("herd.p2p.herd")
 
@@ -106,8 +106,8 @@ class HerdConfig:
     # over racks -> rack members (an m-ary tree inside a rack). False: the flat ranking
     # of p2p.rendezvous (the design before; kept as the benchmarks' baseline).
     tree: bool = True
-    tree_k: int = 8
-    rack_fanout: int = 32
+    tree_k: int = TREE_K
+    rack_fanout: int = RACK_FANOUT     # m = k: see p2p.tree's module doc
     busy_rounds: int = 600             # rounds where every source was only busy (503) or missing
     origin_verify_tries: int = 3       # origin answers that fail verification before OriginCorruptError
     # A tree source is asked for the manifest with ?wait_ms=manifest_wait_ms (the data
@@ -130,6 +130,13 @@ class HerdConfig:
     batch_chunks: int = 16
     batch_bytes: int = 32 << 20
     batch_redo: int = 4                # chunks of a failed batch re-fetched at once, one by one
+    # Batches that can wait (GET /v1/chunks?ids=&sizes=&wait_ms=): a tree child asks its
+    # parent for its next batch_wait_chunks chunks from that parent at once (found among
+    # the next batch_scan queued chunks), each sent as soon as the parent has it -- one
+    # request, one receiving thread and no per-chunk round trip on either end for what
+    # would be that many waiting requests. 0: one waiting request per chunk (as before).
+    batch_wait_chunks: int = 8
+    batch_scan: int = 256
     # multi-chunk requests to one peer at once; 0: half this host's cores, 2 to 8 (each
     # stream's thread receives, hashes and writes: about a core at full speed)
     batch_streams: int = 0
@@ -193,7 +200,7 @@ class Herd:
         self._origin_limit = trio.CapacityLimiter(cfg.origin_concurrency)
         self._origin_bucket = AsyncBucket(cfg.origin_rate_bps)
         self._peer_limits: dict[str, trio.CapacityLimiter] = {}
-        self._batch_limits: dict[str, trio.CapacityLimiter] = {}   # multi-chunk requests a peer
+        self._batch_limits: dict[tuple[str, bool], trio.CapacityLimiter] = {}   # multi-chunk requests a peer
         # Peer bodies flowing in at once. While this node still has chunks to pull from
         # the origin as their home, fewer (see fetch_chunks): its origin streams
         # are everyone's critical path and must not starve on its own downlink.
@@ -473,12 +480,15 @@ class Herd:
                 if tplan is not None and self.config.batch_chunks > 1 and not fr.in_endgame():
                     src = self._batch_source(cid, holders, tplan)
                 if src is not None and tplan is not None:
-                    def fits(c: str, node: str = src.node_id,
+                    def fits(c: str, node: str = src.node_id, wait: bool = src.wait,
                              tp: tuple[NodePlan, dict[str, int]] = tplan) -> bool:
                         s = self._batch_source(c, holders, tp)
-                        return s is not None and s.node_id == node
+                        return s is not None and s.node_id == node and s.wait == wait
 
-                    items += fr.take_more(q, fits, self.config.batch_chunks - 1, self.config.batch_bytes - size)
+                    cfg = self.config
+                    most = cfg.batch_wait_chunks if src.wait else cfg.batch_chunks
+                    items += fr.take_more(q, fits, most - 1, cfg.batch_bytes - size,
+                                          scan=cfg.batch_scan if src.wait else 0)
                 try:
                     if src is not None and tplan is not None:
                         await self._get_batch(src, items, origin, endgame, run, holders, tplan)
@@ -551,26 +561,34 @@ class Herd:
                       tplan: tuple[NodePlan, dict[str, int]]) -> Source | None:
         """The peer to ask for ``cid`` in a batch: the first holder (have-bitmap) that
         :meth:`_acquire_tree` would ask first without waiting — a rack-mate, or for a
-        chunk this node is home for any holder — and is not penalised now. None: the
-        chunk goes the one-by-one way (its tree, waits, races)."""
-        known = holders.get(cid)
-        if not known:
-            return None
+        chunk this node is home for any holder — and is not penalised now; else (with
+        ``batch_wait_chunks`` > 1) the chunk's tree parent, asked with wait, when it is
+        not penalised. None: the chunk goes the one-by-one way (its tree, waits, races)."""
         plan, cindex = tplan
         ci = cindex.get(cid)
         if ci is None:
             return None
         v = plan.view
-        my_rack = v.rack_of[plan.me]
         now = trio.current_time()
         pen = self.health.until
-        for n in known:
-            row = v.index.get(n)
-            if row is None or pen.get(n, 0.0) > now:
-                continue
-            if v.rack_of[row] == my_rack or plan.is_home(ci):
-                return Source(kind="peer", node_id=n, url=v.urls[row], wait=False)
-        return None
+        known = holders.get(cid)
+        if known:
+            my_rack = v.rack_of[plan.me]
+            for n in known:
+                row = v.index.get(n)
+                if row is None or pen.get(n, 0.0) > now:
+                    continue
+                if v.rack_of[row] == my_rack or plan.is_home(ci):
+                    return Source(kind="peer", node_id=n, url=v.urls[row], wait=False)
+        if self.config.batch_wait_chunks <= 1 or plan.origin_rank[ci] == 0:
+            return None
+        parent = int(plan.chain[ci][0])
+        if parent < 0 or not v.urls[parent]:
+            return None
+        n = v.node_ids[parent]
+        if pen.get(n, 0.0) > now:
+            return None
+        return Source(kind="peer", node_id=n, url=v.urls[parent], wait=True)
 
     async def _get_batch(self, src: Source, items: list[tuple[str, int]], origin: Origin, endgame: trio.Event,
                          run: HerdCounters, holders: Mapping[str, Sequence[str]],
@@ -603,11 +621,13 @@ class Herd:
         await run_pool(redo + later, one, max(1, self.config.batch_redo))
 
     async def _batch_from(self, src: Source, items: list[tuple[str, int]], run: HerdCounters) -> list[tuple[str, int]]:
-        """One multi-chunk request; counts and penalties as :meth:`_try` keeps them for one
-        chunk. Returns the chunks it did not store."""
-        limiter = self._batch_limits.get(src.node_id)
+        """One multi-chunk request (with wait when ``src.wait``: the parent sends each chunk
+        when it has it); counts and penalties as :meth:`_try` keeps them for one chunk.
+        Returns the chunks it did not store."""
+        key = (src.node_id, src.wait)
+        limiter = self._batch_limits.get(key)
         if limiter is None:
-            limiter = self._batch_limits[src.node_id] = trio.CapacityLimiter(batch_streams(self.config))
+            limiter = self._batch_limits[key] = trio.CapacityLimiter(batch_streams(self.config))
         store = self.store
 
         def keep(cid: str, body: memoryview) -> None:   # in the receiving thread: verified there
@@ -615,7 +635,10 @@ class Herd:
 
         try:
             async with limiter:
-                got = await self.client.get_chunks(src.url, items, store=keep, gate=self._gate)
+                # a waiting batch's body comes at its parent's pace, over its whole wait:
+                # holding a gate token through it would idle the others (and stall the sender)
+                got = await self.client.get_chunks(src.url, items, store=keep, gate=None if src.wait else self._gate,
+                                                   wait_ms=self.config.wait_ms if src.wait else 0)
         except PeerBusy:
             self.counters.busy_answers += 1
             self.health.missing(src.node_id)

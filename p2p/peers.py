@@ -197,7 +197,7 @@ class PeerClient:
 
     async def get_chunks(self, base_url: str, items: Sequence[tuple[str, int]], *,
                          store: Callable[[str, memoryview], object],
-                         gate: trio.CapacityLimiter | None = None) -> Received:
+                         gate: trio.CapacityLimiter | None = None, wait_ms: int = 0) -> Received:
         """Several chunks in one request (``GET /v1/chunks?ids=``, :mod:`p2p.batch`), each
         verified (BLAKE3 as its bytes land) and handed to ``store(id, bytes)`` as soon as
         it is complete: in the receiving worker thread on plain connections (``store``
@@ -210,17 +210,22 @@ class PeerClient:
         what came before the cut, and ``error``/``kind`` say why the rest did not come.
         Raises (nothing stored) :class:`PeerMissing` (none is there), :class:`PeerBusy`
         (503), :class:`PeerTimeout` / :class:`PeerUnavailable` / :class:`PeerError` when
-        no answer came. ``gate``: held while the body flows in, like :meth:`get_chunk`."""
+        no answer came. ``gate``: held while the body flows in, like :meth:`get_chunk`.
+
+        ``wait_ms`` > 0: a batch that can wait (the peer is fetching these chunks itself):
+        the answer's head may take ``wait_ms`` (+ ``head_grace_s``), each frame up to
+        ``wait_ms`` + ``stall_s`` to start; a 404 means the first chunk did not come in time,
+        an answer cut short keeps the frames before the cut."""
         if not items:
             return Received()
         key = self._hostport(base_url)
-        path = "/v1/chunks?" + query_of([cid for cid, _ in items])
+        path = "/v1/chunks?" + query_of([cid for cid, _ in items], [n for _, n in items], wait_ms)
         for attempt in (0, 1):
             conn = await self._connect(key)
             reused = conn.used
             keep = False
             try:
-                got, keep = await self._exchange_batch(conn, key, path, items, store, gate)
+                got, keep = await self._exchange_batch(conn, key, path, items, store, gate, wait_ms)
                 return got
             except _StaleConnection:
                 if reused and attempt == 0:
@@ -235,12 +240,14 @@ class PeerClient:
 
     async def _exchange_batch(self, conn: _Conn, key: tuple[str, int], path: str,
                               items: Sequence[tuple[str, int]], store: Callable[[str, memoryview], object],
-                              gate: trio.CapacityLimiter | None) -> tuple[Received, bool]:
+                              gate: trio.CapacityLimiter | None, wait_ms: int = 0) -> tuple[Received, bool]:
         cfg = self.config
-        where = f"http://{key[0]}:{key[1]}/v1/chunks ({len(items)} chunks)"
+        where = f"http://{key[0]}:{key[1]}/v1/chunks ({len(items)} chunks{', waiting' if wait_ms else ''})"
         most = sum(FRAME.size + size for _, size in items)
+        gap_s = wait_ms / 1000 + cfg.stall_s if wait_ms > 0 else 0.0
         try:
-            status, length, keep, head, rest = await self._head(conn, key, path, cfg.head_grace_s, where)
+            status, length, keep, head, rest = await self._head(conn, key, path, wait_ms / 1000 + cfg.head_grace_s,
+                                                                where)
             if status != 200:
                 if length > 64 * 1024:
                     raise PeerError(f"{where}: HTTP {status} with a {length}-byte body")
@@ -258,9 +265,9 @@ class PeerClient:
                 await gate.acquire()
             try:
                 if self.config.rate_bps is None and (conn.tls is None or _session(conn.tls) is not None):
-                    got_ = await self._frames_in_thread(conn, rest, items, length, store)
+                    got_ = await self._frames_in_thread(conn, rest, items, length, store, gap_s)
                 else:
-                    got_ = await self._frames_in_loop(conn, rest, items, length, store, where)
+                    got_ = await self._frames_in_loop(conn, rest, items, length, store, where, gap_s)
             finally:
                 if gate is not None:
                     gate.release()
@@ -271,7 +278,7 @@ class PeerClient:
         return got_, keep and not got_.kind
 
     async def _frames_in_thread(self, conn: _Conn, rest: bytes, items: Sequence[tuple[str, int]], length: int,
-                                store: Callable[[str, memoryview], object]) -> Received:
+                                store: Callable[[str, memoryview], object], gap_s: float = 0.0) -> Received:
         """The frames received, verified and stored by a worker thread (its own duplicate
         of the socket; abandoned on cancel: it stops within ``POLL_S``). Under TLS the
         thread decrypts too, with the connection's own session (borrowed from its
@@ -283,9 +290,9 @@ class PeerClient:
         session = _session(conn.tls) if conn.tls is not None else None
         reader: FrameReader
         if session is not None:
-            reader = TLSFrameReader(fd, session, rest, self.config.stall_s, stop)
+            reader = TLSFrameReader(fd, session, rest, self.config.stall_s, stop, gap_s=gap_s)
         else:
-            reader = FrameReader(fd, rest, self.config.stall_s, stop, self.RCVLOWAT)
+            reader = FrameReader(fd, rest, self.config.stall_s, stop, self.RCVLOWAT, gap_s=gap_s)
         hand = Handoff()
         job = partial(hand.run, partial(receive_frames, reader, items, length, store))
         try:
@@ -300,7 +307,7 @@ class PeerClient:
         return got
 
     async def _frames_in_loop(self, conn: _Conn, rest: bytes, items: Sequence[tuple[str, int]], length: int,
-                              store: Callable[[str, memoryview], object], where: str) -> Received:
+                              store: Callable[[str, memoryview], object], where: str, gap_s: float = 0.0) -> Received:
         """TLS or a rate cap: the answer received here (at most ``max_batch_bytes``), then
         its frames verified and stored in a worker thread. A cut answer: the frames
         complete before the cut are kept."""
@@ -311,7 +318,8 @@ class PeerClient:
         seen = [got]
         try:
             with memoryview(body) as v:
-                await self._body_in_loop(conn, v, got, length, where, seen)
+                # a batch that can wait: here the gap allowance covers the whole body
+                await self._body_in_loop(conn, v, got, length, where, seen, stall_s=gap_s or None)
         except PeerError as e:
             end = ("stall" if isinstance(e, PeerTimeout) else "closed", str(e))
             body = body[:seen[0]]
@@ -480,7 +488,7 @@ class PeerClient:
         return status, length, keep, head, rest
 
     async def _body_in_loop(self, conn: _Conn, view: memoryview, got: int, length: int, where: str,
-                            seen: list[int] | None = None) -> None:
+                            seen: list[int] | None = None, stall_s: float | None = None) -> None:
         """Receive the rest of a body in the trio thread (TLS, small bodies, a rate cap).
         ``seen[0]``: how many bytes are in (kept up to date, for a caller that keeps a
         cut body's complete part)."""
@@ -495,7 +503,7 @@ class PeerClient:
                 if want != lowat and conn.tls is None:
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                     lowat = want
-                with trio.move_on_after(self.config.stall_s) as cs:
+                with trio.move_on_after(stall_s or self.config.stall_s) as cs:
                     try:
                         n = await conn.recv_into(view[got:], length - got)
                     except OSError as e:

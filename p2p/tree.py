@@ -20,18 +20,31 @@ For one chunk (key ``ck``, index ``i`` in the manifest's chunk table):
   nodes with ~1.7x the mean at 256 chunks). Member rank ``j > 0`` has in-rack parent
   rank ``(j - 1) // m`` (``m`` =
   ``rack_fanout``: with racks of at most ``m + 1`` nodes every member hangs off the rack
-  home; bigger racks get a second small tree).
+  home; bigger racks get a second small tree). The default is ``m = k``
+  (:data:`RACK_FANOUT` = :data:`TREE_K`): a rack home sends a chunk to as many
+  rack-mates as child racks, at most 2k copies in all (the data plane's serving cap),
+  and racks of more than k + 1 nodes get the in-rack tree. Why: a node sends its
+  children their copies one after another (store and forward), so the last of them
+  waits its parent's whole fan-out; with m = 32 a rack home of a 32-node rack sent
+  31 + 8 copies per chunk, the herd's tail at 50,000 nodes. ``bench.herd_sim``, every
+  row, m = 32 (cap 40) against m = 8 (cap 24) in one run: 50,000 nodes in racks of 32
+  1.305 -> 1.205 x ideal, every row without failures as good or better (<= 1.21);
+  with failures racks of 32 within +-0.08, racks of 18 0.1-0.2 worse (a dead node's
+  inner duty falls on fewer rack-mates; worst 1.466 at 50,000, 1 % dead), all <= 1.6.
 - The root rack's home is the chunk's **global home**: the only node that reads the
   chunk from the origin. A rack home's parent is the home of its parent rack.
 - **Successors**: ranks 1.. ``successors`` of the root rack. When the global home is
   dead, the first live successor reads the origin; every other node lists the
   successors after its ancestors, so the herd re-roots on them.
 - **Stand-ins**: a node whose parent is dead asks the parent's stand-in next (a
-  rack-mate of the parent, :func:`standin_rank`, picked by the chunk's key among the
-  rack home's children), then the ancestors above. A dead rack home's children (its
+  rack-mate of the parent, :func:`standin_rank`: for a rack home, one of its in-rack
+  children picked by the chunk's key, shared by all its children; for a deeper
+  parent, a rack-mate ranked below the asker picked by the chunk's key and the
+  asker's rank), then the ancestors above. A dead rack home's children (its
   rack-mates and up to k child-rack homes) thus move to its rack-mates, spread over
   its chunks, instead of all to the next rack's home (which would then be asked by
-  ~2x its serving cap and answer 503s).
+  ~2x its serving cap and answer 503s); the cap leaves room for that
+  (:func:`serving_cap`: k + 2m).
 
 Invariants
 ----------
@@ -58,7 +71,6 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-import blake3
 import numpy as np
 
 from scheduler_link.messages import Peer, PeerTable
@@ -142,8 +154,30 @@ def _ascii_words(ids: Sequence[str]) -> tuple[np.ndarray, np.ndarray] | None:
     return lens, np.frombuffer(raw, np.uint8).reshape(n, width).view("<u8")
 
 
+TREE_K = 8            # child racks per rack in a chunk's rack tree
+RACK_FANOUT = TREE_K  # rack-mates under one member (see the module doc: m = k)
+
+
+def serving_cap(k: int, m: int) -> int:
+    """Copies of one chunk a node serves at once (the data plane's
+    ``max_serving_per_chunk``): its tree children (k child racks' homes, m rack-mates)
+    and, when it stands in for a dead rack home, that home's other m - 1 rack-mates
+    (the rack-mates and the child racks share one stand-in per chunk:
+    :func:`standin_rank`): k + 2m. With k + m the stand-in answered 503 to ~m askers,
+    each back after Retry-After (50 ms, half the whole transfer at 50,000 nodes)."""
+    return k + 2 * max(1, m)
+
+
 def rack_key(label: str) -> int:
-    return int.from_bytes(blake3.blake3(b"rack:" + label.encode()).digest(8), "big")
+    """A rack's 64-bit rendezvous key: :func:`rack_keys` of one label."""
+    return int(rack_keys([label])[0])
+
+
+def rack_keys(labels: Sequence[str]) -> np.ndarray:
+    """The racks' 64-bit rendezvous keys: :func:`id_keys` of ``"rack:" + label``,
+    vectorised (BLAKE3 per label cost 2 ms at 1,563 racks, before the manifest could be
+    asked for; any function every node computes alike will do)."""
+    return id_keys(["rack:" + r for r in labels])
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,9 +220,11 @@ class PeerView:
         return cls._columns(ids, us, rack_of, racks)
 
     @classmethod
-    def _columns(cls, ids: list[str], us: list[str], rack_of: np.ndarray, racks: list[str]) -> PeerView:
+    def _columns(cls, ids: list[str], us: list[str], rack_of: np.ndarray, racks: list[str],
+                 nkeys: np.ndarray | None = None) -> PeerView:
         """The view of unique ``ids`` whose racks are ``racks[rack_of]`` (``racks`` sorted,
-        each used): what :meth:`build` and :meth:`from_table` share."""
+        each used; ``nkeys``: :func:`id_keys` of ``ids`` when known): what :meth:`build` and
+        :meth:`from_table` share."""
         counts = np.bincount(rack_of, minlength=len(racks)) if ids else np.zeros(0, np.int64)
         width = int(counts.max()) if len(counts) else 0
         grid = np.full((len(racks), max(width, 1)), -1, dtype=np.int64)
@@ -196,11 +232,12 @@ class PeerView:
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]) if len(counts) else counts
         col = np.arange(len(ids)) - starts[rack_of[order]] if ids else np.zeros(0, np.int64)
         grid[rack_of[order], col] = order
-        nkeys = id_keys(ids)
+        if nkeys is None:
+            nkeys = id_keys(ids)
         # each rack's members by node key (row order must not matter)
         gk = np.where(grid >= 0, nkeys[np.maximum(grid, 0)], np.uint64(np.iinfo(np.uint64).max))
         grid = np.take_along_axis(grid, np.argsort(gk, axis=1, kind="stable"), axis=1)
-        rkeys = np.array([rack_key(r) for r in racks], dtype=np.uint64)
+        rkeys = rack_keys(racks)
         return cls(ids, us, rack_of, racks, nkeys, rkeys, grid, _RowIndex(ids),
                    counts.astype(np.int64), (rkeys % np.maximum(counts, 1).astype(np.uint64)).astype(np.int64))
 
@@ -241,13 +278,18 @@ class PeerView:
             else:
                 rack_of = np.append(rack_of, len(labels))
                 labels.append(self_rack)
-        if len(set(ids)) < len(ids) or len(set(labels)) < len(labels):   # what build() merges
+        # repeated ids or labels: what build() merges. Ids are checked by their keys first
+        # (a sort of n uint64: 0.4 ms at 50,000, a set of the strings 2.6 ms); equal keys
+        # only may be equal ids
+        nkeys = id_keys(ids)
+        sk = np.sort(nkeys)
+        if ((sk[1:] == sk[:-1]).any() and len(set(ids)) < len(ids)) or len(set(labels)) < len(labels):
             return cls.build(ids, urls, [labels[r] for r in rack_of])
         used = np.flatnonzero(np.bincount(rack_of, minlength=len(labels)))
         by_label = sorted(used.tolist(), key=labels.__getitem__)
         remap = np.full(len(labels), -1, np.int64)
         remap[by_label] = np.arange(len(by_label))
-        return cls._columns(ids, urls, remap[rack_of], [labels[i] for i in by_label])
+        return cls._columns(ids, urls, remap[rack_of], [labels[i] for i in by_label], nkeys)
 
 
 class _RowIndex(Mapping[str, int]):
@@ -453,7 +495,7 @@ class Planner:
 
     CACHE_CELLS = 1 << 18          # chunks x racks scored at once (2 MiB of uint64)
 
-    def __init__(self, view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
+    def __init__(self, view: PeerView, me: int, ckeys: np.ndarray, *, k: int = TREE_K, rack_fanout: int = RACK_FANOUT,
                  successors: int = 2, siblings: int = 2) -> None:
         C = len(ckeys)
         R = len(view.racks)
@@ -541,7 +583,7 @@ class Planner:
         W = mine.shape[1]
         # the stand-in (see standin_rank): of my parent in my rack (not me); a rack
         # home's parent is the parent rack's home: its stand-in is in that rack
-        sr = standin_rank(ck, (jrank - 1) // m, view.sizes[my_rack], m)
+        sr = standin_rank(ck, (jrank - 1) // m, view.sizes[my_rack], m, rank=jrank)
         standin = np.where((jrank > 0) & (sr > 0) & (sr != jrank), mine[rows_n, np.clip(sr, 0, W - 1)], -1)
         if D > 1:
             prack = anc_racks[:, 1]
@@ -579,20 +621,35 @@ class Planner:
             pl.siblings[lo:hi, :sib.shape[1]] = sib
 
 
-def standin_rank(ckeys: np.ndarray, parent_rank: np.ndarray, size: np.ndarray | int, m: int) -> np.ndarray:
+def standin_rank(ckeys: np.ndarray, parent_rank: np.ndarray, size: np.ndarray | int, m: int,
+                 rank: np.ndarray | None = None) -> np.ndarray:
     """The rank (in its rack's order for the chunk) of the stand-in of a parent ranked
-    ``parent_rank``, 0 for none. A rack home's (rank 0): one of its in-rack children,
-    ranks 1 .. min(size - 1, m), chosen by the chunk's key, so the chunks of a dead node
-    are taken over by all its rack-mates, not all by one (whose uplink would then carry
-    two nodes' share); a deeper parent's (rank r, racks over m + 1 nodes): rank r + 1.
-    Waits stay acyclic: the stand-in of rank 0's children is one of them, itself
-    waiting on rank 0 and up; a deeper one ranks below the asker."""
+    ``parent_rank`` (r), 0 for none: a rank in 1 .. min(size - 1, m * max(r, 1)) chosen
+    by the chunk's key (the next one when that is r itself). A rack home's (r = 0): one
+    of its in-rack children; a deeper parent's: any rack-mate ranked below its children.
+    A deeper parent's children (``rank``: theirs) each pick their own, so its copies
+    too are spread: the dead node's upload falls on many rack-mates, not on one
+    (a rack home's children share one stand-in, one of them, which keeps waits acyclic).
+    So the chunks of a dead node are taken over by many rack-mates, not all by one
+    (whose uplink would then carry two nodes' share: with rank r + 1 as a deeper
+    parent's stand-in, a dead node's successor in the rotation took its inner duty for
+    every chunk, 1.75x the mean upload at 64 nodes in racks of 32, m = 8).
+    Waits stay acyclic: a rack home's children's stand-in is one of them, waiting on the
+    rack home and up only; a deeper parent's stand-in ranks below the asker, and in-rack
+    waits of nodes ranked above m go to lower ranks only."""
     size = np.asarray(size, np.int64)
-    kids = np.minimum(size - 1, m)
-    pick = 1 + (ckeys % np.maximum(kids, 1).astype(np.uint64)).astype(np.int64)
-    deeper = parent_rank + 1
-    out = np.where(parent_rank == 0, np.where(kids >= 1, pick, 0), np.where(deeper < size, deeper, 0))
-    return np.where(parent_rank < 0, 0, out)
+    parent_rank = np.asarray(parent_rank, np.int64)
+    span = np.maximum(np.minimum(size - 1, m * np.maximum(parent_rank, 1)), 0)
+    # a key's high 32 bits scaled to [0, span): no 64-bit modulo per entry
+    key = np.asarray(ckeys, np.uint64)
+    if rank is not None:
+        rank = np.asarray(rank, np.int64)
+        span = np.where(parent_rank >= 1, np.minimum(size - 1, rank - 1), span)
+        key = np.where(parent_rank >= 1, _mix(key ^ rank.astype(np.uint64)), key)
+    pick = 1 + ((key >> _U(32)) * span.astype(np.uint64) >> _U(32)).astype(np.int64)
+    pick = np.where(pick == parent_rank, pick % np.maximum(span, 1) + 1, pick)
+    ok = (span >= 1) & (parent_rank >= 0) & (pick != parent_rank)
+    return np.where(ok, pick, 0)
 
 
 def _top_order(nsc: np.ndarray, top_n: int) -> np.ndarray:
@@ -625,7 +682,7 @@ def _compact(x: np.ndarray) -> np.ndarray:
     return np.take_along_axis(x, np.argsort(x < 0, axis=1, kind="stable"), axis=1)
 
 
-def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
+def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = TREE_K, rack_fanout: int = RACK_FANOUT,
               successors: int = 2, siblings: int = 2, block: int = 1024) -> NodePlan:
     """Row ``me``'s plan for every chunk in ``ckeys``: the manifest's whole chunk table,
     in its order (the index is part of the tree; see the module doc). The same as a
@@ -634,14 +691,14 @@ def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = 8, rack_fa
                    siblings=siblings).run(block)
 
 
-def all_parents(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
+def all_parents(view: PeerView, ckeys: np.ndarray, *, k: int = TREE_K, rack_fanout: int = RACK_FANOUT,
                 rotations: Rotations | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`all_parents_standins` without the stand-ins."""
     parent, home, root, _ = all_parents_standins(view, ckeys, k=k, rack_fanout=rack_fanout, rotations=rotations)
     return parent, home, root
 
 
-def all_parents_standins(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_fanout: int = 32,
+def all_parents_standins(view: PeerView, ckeys: np.ndarray, *, k: int = TREE_K, rack_fanout: int = RACK_FANOUT,
                          rotations: Rotations | None = None
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every node's tree parent for every chunk, vectorised over chunks and nodes:
@@ -649,43 +706,53 @@ def all_parents_standins(view: PeerView, ckeys: np.ndarray, *, k: int = 8, rack_
     [C, W] (successors = columns 1..); stand-in [C, N], -1 for none: :func:`standin_rank`). ``ckeys``: the
     manifest's whole chunk table, or successive blocks of it sharing one ``rotations``.
     The same rules as :func:`plan_node`'s ``parent`` and ``standin`` (the simulator uses
-    this; a test checks agreement)."""
+    this; a test checks agreement).
+
+    Computed over the members that are not rack homes only ([C, N - R], never
+    [C, R, W]): which (rack, rank) slots exist does not depend on the chunk, a member at
+    rank j of a rack rotated by ``rot`` is ``grid[r, (rot + j) mod size]`` (a doubled
+    grid row: no modulo per member), and every rank-dependent rule (parent rank
+    ``(j - 1) // m``, the deeper stand-in) is a table over slots."""
     C, N, R = len(ckeys), len(view), len(view.racks)
     m = max(1, rack_fanout)
     order, pos = rack_positions(view, ckeys)
     rot = (rotations or Rotations(view, k)).block(pos)
-    members = member_order(view, rot, np.broadcast_to(np.arange(R), (C, R)))   # [C, R, W]
-    rhome = members[:, :, 0]                                                    # [C, R]
+    sizes = view.sizes
+    W = view.grid.shape[1]
+    # the doubled grid: row r = its members, then its members again ([R, 2W], -1 padded)
+    j2 = np.arange(2 * W)
+    g2 = view.grid[np.arange(R)[:, None], j2[None, :] % np.maximum(sizes, 1)[:, None]]
+    g2 = np.where(j2[None, :] < 2 * sizes[:, None], g2, -1).ravel()
+    base = np.arange(R, dtype=np.int64) * (2 * W) + rot % np.maximum(sizes, 1)[None, :]     # [C, R]
+    rhome = g2[base]                                                                          # [C, R]
+    # slots (rack r, rank j >= 1) that exist
+    jr = np.arange(W)
+    slot = (jr[None, :] >= 1) & (jr[None, :] < sizes[:, None])
+    rv, jv = np.nonzero(slot)
+    prank = (jv - 1) // m
+    mem = g2[base[:, rv] + jv[None, :]]                                                       # [C, S]
+    ci = np.arange(C)[:, None]
     parent = np.full((C, N), -1, np.int64)
-    ci = np.arange(C)[:, None, None]
-    W = members.shape[2]
-    j = np.arange(W)[None, None, :]
-    inrack_par = np.take_along_axis(members, np.broadcast_to(np.maximum(j - 1, 0) // m, members.shape), axis=2)
-    valid = (members >= 0) & (j > 0)
-    cc = np.broadcast_to(ci, members.shape)
-    parent[cc[valid], members[valid]] = inrack_par[valid]
+    parent[ci, mem] = g2[base[:, rv] + prank[None, :]]
     # rack homes: parent = home of the parent rack
     ppos = np.where(pos > 0, (pos - 1) // k, 0)
     prack = np.take_along_axis(order, ppos, axis=1)                               # [C, R]
     phome = np.take_along_axis(rhome, prack, axis=1)
-    par_of_home = np.where(pos > 0, phome, -1)
-    c2 = np.broadcast_to(np.arange(C)[:, None], (C, R))
-    parent[c2, rhome] = par_of_home
-    home = rhome[np.arange(C), order[:, 0]]
-    root = members[np.arange(C), order[:, 0]]
+    c2 = np.broadcast_to(ci, (C, R))
+    parent[c2, rhome] = np.where(pos > 0, phome, -1)
+    o0 = order[:, 0]
+    home = rhome[np.arange(C), o0]
+    root = np.where(jr[None, :] < sizes[o0][:, None], g2[base[np.arange(C), o0][:, None] + jr[None, :]], -1)
     # stand-ins (standin_rank): in-rack, of each node's parent (not the node itself); a
     # rack home's: of its parent rack's home
+    q = standin_rank(np.broadcast_to(ckeys[:, None], (C, R)), np.zeros((C, R), np.int64), sizes[None, :], m)
+    sr = standin_rank(ckeys[:, None], prank[None, :], sizes[rv][None, :], m, rank=jv[None, :])   # [C, S]
+    ok = (sr > 0) & (sr != jv[None, :])
+    st = g2[base[:, rv] + sr]
     standin = np.full((C, N), -1, np.int64)
-    jj = np.broadcast_to(np.arange(W)[None, None, :], members.shape)
-    sizes = np.broadcast_to(view.sizes[None, :, None], members.shape)
-    keys = np.broadcast_to(ckeys[:, None, None], members.shape)
-    sr = standin_rank(keys, np.where(jj > 0, (jj - 1) // m, -1), sizes, m)        # [C, R, W]
-    st_vals = np.take_along_axis(members, np.clip(sr, 0, W - 1), axis=2)
-    ok = valid & (sr > 0) & (sr != jj)
-    standin[cc[ok], members[ok]] = st_vals[ok]
-    # a rack home: the stand-in of its parent rack's home
-    q = standin_rank(np.broadcast_to(ckeys[:, None], (C, R)), np.zeros((C, R), np.int64), view.sizes[None, :], m)
-    other = np.take_along_axis(members, np.clip(q, 0, W - 1)[:, :, None], axis=2)[:, :, 0]   # [C, R]
+    cc = np.broadcast_to(ci, ok.shape)
+    standin[cc[ok], mem[ok]] = st[ok]
+    other = g2[base + q]                                                          # [C, R]: member at rank q
     other_p = np.take_along_axis(other, prack, axis=1)
     okh = (pos > 0) & (np.take_along_axis(q, prack, axis=1) > 0) & (other_p >= 0)
     standin[c2[okh], rhome[okh]] = other_p[okh]

@@ -100,3 +100,27 @@ def test_windows_are_at_least_one(bad: int) -> None:
     fr = _run(workers=bad, home_gate=bad)
     fr.close()
     assert fr.gate_tokens() == 1
+
+
+def test_take_more_scans_ahead_out_of_order_and_the_pointer_skips_what_it_took() -> None:
+    """A waiting batch takes one parent's next chunks from among the queued ones (they
+    interleave with other parents'); take() and the endgame then skip those."""
+    q = [(f"c{i}", 10) for i in range(8)]
+    fr = _run(rest=list(q), endgame=0)
+    fr.close()
+    first = fr.take(REST)
+    assert first == ("c0", 10)
+    even = fr.take_more(REST, lambda c: int(c[1:]) % 2 == 0, 10, 1000, scan=5)
+    assert even == [("c2", 10), ("c4", 10)]              # c1 does not fit; c6 is past the scan
+    assert fr.outstanding == 3 and fr.picked[REST] == {2, 4}
+    assert fr.take_more(REST, lambda c: True, 2, 15, scan=8) == [("c1", 10)]   # the bytes bound
+    assert fr.take(REST) == ("c3", 10)                    # c2 was taken: skipped
+    assert fr.take(REST) == ("c5", 10)                    # and c4
+    assert not fr.in_endgame()
+    assert fr.take_more(REST, lambda c: c == "c7", 3, 100, scan=0) == []        # in order only: c6 first
+    assert fr.take_more(REST, lambda c: c == "c7", 3, 100, scan=4) == [("c7", 10)]
+    assert fr.take(REST) == ("c6", 10) and fr.take(REST) is None and fr.exhausted(REST)
+    assert fr.taken[REST] == len(q) and not fr.picked[REST] and fr.outstanding == 8
+    for _ in range(8):
+        fr.finished(REST)
+    assert fr.in_endgame()

@@ -197,3 +197,34 @@ async def test_a_fetch_cancelled_mid_batch_leaves_nothing_in_flight(tmp_path: Pa
             for h in (warm.herd, cold.herd, again):
                 await h.aclose()
             nursery.cancel_scope.cancel()
+
+
+async def test_cold_tree_children_ask_their_parents_in_batches_that_wait(tmp_path: Path) -> None:
+    """Four cold nodes at once (one rack: every node's parent for a chunk is its home):
+    each asks a parent for its next chunks from that parent in one request that waits
+    (HerdConfig.batch_wait_chunks); the parent sends each as it gets it from the (slow)
+    origin. Byte-exact everywhere, each chunk read from the origin once, and far fewer
+    requests than chunk copies."""
+    art = make_artifact(tmp_path, 6 * 1024 * 1024, chunk_size=CHUNK, seed=25)
+    origin = open_file_origin(art)
+    cfg = dataclasses.replace(FAST, origin_rate_bps=40e6 * 8, batch_wait_chunks=8)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_nodes(nursery, tmp_path, 4, TOKEN, config=cfg)
+            peers = [n.peer for n in nodes]
+            async with trio.open_nursery() as fetches:
+                for n in nodes:
+                    fetches.start_soon(herd_fetch, n.herd, art.manifest_id, origin, peers)
+            n_chunks = len(set(art.chunks))
+            for n in nodes:
+                assert_bit_exact(n, art)
+                assert len(n.herd.flight) == 0
+            assert sum(origin.chunk_reads.values()) == n_chunks
+            stats = [n.plane.statistics() for n in nodes]
+            copies = sum(s["chunks_served"] for s in stats)
+            assert copies >= 3 * n_chunks - 4      # (a chunk or so may come twice: the endgame)
+            assert sum(s["wait_batches"] for s in stats) >= 4
+            assert sum(s["requests"] for s in stats) < copies / 2, stats
+            for n in nodes:
+                await n.herd.aclose()
+            nursery.cancel_scope.cancel()

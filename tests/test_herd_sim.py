@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from bench.herd_sim import Params, run_row, tree_of
+from p2p.herd import HerdConfig
 from p2p.tree import PeerView, all_parents, chunk_keys, plan_node
 from scheduler_link.messages import Peer
 
@@ -88,9 +89,49 @@ def test_cli_json_and_refusals() -> None:
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["rows"]
     assert [(x["nodes"], x["case"]) for x in rows] == [(8, "none"), (8, "dead"), (40, "none"), (40, "dead")]
+    # the simulator's tree is the fetcher's by default
+    cfg = HerdConfig()
+    assert (json.loads(out.stdout)["k"], json.loads(out.stdout)["rack_fanout"]) == (cfg.tree_k, cfg.rack_fanout)
     bad = subprocess.run([sys.executable, "-m", "bench.herd_sim", "--nodes", "0"], capture_output=True,
                          text=True, timeout=60, cwd=ROOT)
     assert bad.returncode == 2 and "--nodes" in bad.stderr
+    bad = subprocess.run([sys.executable, "-m", "bench.herd_sim", "--nodes", "8", "--designs", "tree@0"],
+                         capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert bad.returncode == 2 and "tree@M" in bad.stderr
+
+
+def test_fan_out_variants_run_side_by_side() -> None:
+    r = run_row(_params(64, 16, chunks=32), "none", designs=("tree", "tree@15", "tree@2", "tree@2:3"))
+    # tree = the params' own fan-out (4); each variant's serving cap follows it (k + 2M) or is given
+    assert (r["tree"]["rack_fanout"], r["tree@15"]["rack_fanout"], r["tree@2"]["rack_fanout"]) == (4, 15, 2)
+    assert r["tree@15"]["serve_cap"] == 32 and r["tree@2"]["serve_cap"] == 6 and r["tree@2:3"]["serve_cap"] == 3
+    for d in ("tree", "tree@15", "tree@2"):
+        assert r[d]["nodes_incomplete"] == 0
+        assert r[d]["origin_egress_over_size"] == pytest.approx(1.0, abs=1e-3)
+    # a flat rack of 16 (15 rack-mates under the rack home) is not the in-rack tree
+    assert r["tree@15"]["completion_over_ideal"] != r["tree@2"]["completion_over_ideal"]
+    with pytest.raises(ValueError, match="tree@M"):
+        run_row(_params(8, 4), "none", designs=("today@3",))
+
+
+def test_default_trees_put_an_in_rack_tree_in_racks_of_32() -> None:
+    # m = k: a rack home sends a chunk to at most k rack-mates (plus k child racks' homes),
+    # the rack's other members hang below them
+    cfg = HerdConfig()
+    assert cfg.rack_fanout == cfg.tree_k == 8
+    ids = [f"n{i:04d}" for i in range(32 * 20)]
+    view = PeerView.build(ids, ids, [f"r{i // 32:02d}" for i in range(len(ids))])
+    ck = chunk_keys([blake3.blake3(str(i).encode()).hexdigest() for i in range(16)])
+    parent, home, _ = all_parents(view, ck)                 # the defaults
+    for c in range(len(ck)):
+        kids = np.flatnonzero(parent[c] >= 0)
+        par = parent[c][kids]
+        same = view.rack_of[kids] == view.rack_of[par]
+        assert np.bincount(par[same], minlength=len(ids)).max() == cfg.rack_fanout
+        assert np.bincount(par, minlength=len(ids)).max() <= cfg.tree_k + cfg.rack_fanout
+    for me in (0, 100, 639):                                 # the fetcher's defaults agree
+        plan = plan_node(view, me, ck)
+        assert (plan.home == home).all() and (plan.parent == parent[:, me]).all()
 
 
 def test_manifest_polls_cost_each_level_one_pause() -> None:
@@ -155,3 +196,18 @@ def test_stand_ins_agree_with_the_fetchers_and_spread_a_dead_home() -> None:
     kids = [(c, x) for c in range(len(cids)) for x in np.flatnonzero(par[c] == d)
             if view.rack_of[x] == view.rack_of[d]]
     assert len({int(standin[c, x]) for c, x in kids}) >= 3
+
+
+def test_the_serving_cap_leaves_room_for_a_stand_in() -> None:
+    # a dead node's chunks as rack home go to one stand-in per chunk (its in-rack children
+    # and the child racks' homes alike), on top of the stand-in's own children: with a cap
+    # of k + m it answers 503s, with p2p.tree.serving_cap (k + 2m) none
+    from p2p.tree import serving_cap
+
+    p = _params(96, 24, chunks=48)
+    p.rack_fanout = 6
+    tight = run_row(p.with_fanout(6, p.k + 6), "dead", designs=("tree",))["tree"]
+    roomy = run_row(p.with_fanout(6), "dead", designs=("tree",))["tree"]
+    assert p.with_fanout(6).serve_cap == serving_cap(p.k, 6) == p.k + 12
+    assert tight["busy_503"] > 0 and roomy["busy_503"] == 0
+    assert roomy["completion_over_ideal"] < tight["completion_over_ideal"]

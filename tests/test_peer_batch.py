@@ -508,3 +508,167 @@ async def test_a_batch_holds_one_chunk_file_open_and_an_evicted_one_cuts_it(tmp_
             assert open_chunk_files() == 0 and not plane._serving
             assert plane.statistics()["batches"] == 0 and plane.statistics()["open_connections"] == 0
             nursery.cancel_scope.cancel()
+
+
+# ------------------------------------------------------------------ batches that can wait
+
+@PATHS
+async def test_a_waiting_batch_streams_each_chunk_as_it_arrives(tmp_path: Path, path: str) -> None:
+    """?ids=&sizes=&wait_ms=: the server holds none of the chunks when asked; each frame
+    comes once its chunk is stored there, in order, byte-exact, in one answer (one
+    request), and the connection is kept alive after it."""
+    src = ChunkStore(tmp_path / "s")
+    chunks = _chunks(SIZES)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            url, plane = await _serve(nursery, src, **_tls_kw(path))
+            client = _client(path)
+            sink = _Sink()
+            items = [(cid, len(d)) for cid, d in chunks]
+            got: list = []
+
+            async def ask() -> None:
+                got.append(await client.get_chunks(url, items, store=sink, wait_ms=10_000))
+
+            nursery.start_soon(ask)
+            for cid, data in chunks:      # they arrive one by one, after the request
+                await trio.sleep(0.05)
+                assert cid not in sink.got
+                src.put_chunk(cid, data)
+            while not got:
+                await trio.sleep(0.01)
+            assert got[0].outcomes == ["ok"] * len(chunks) and not got[0].error
+            assert sink.got == dict(chunks)
+            s = plane.statistics()
+            for _ in range(100):
+                s = plane.statistics()
+                if s["waiting_requests"] == 0 and s["wait_batches"] == 1:
+                    break
+                await trio.sleep(0.01)
+            assert s["wait_batches"] == 1 and s["wait_batches_cut"] == 0 and s["requests"] == 1
+            assert s["chunks_served"] == len(chunks) and s["waiting_requests"] == 0
+            assert len(client._idle[("127.0.0.1", int(url.rsplit(":", 1)[1]))]) == 1   # kept alive
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
+@PATHS
+async def test_a_waiting_batch_cut_at_its_deadline_keeps_what_came(tmp_path: Path, path: str) -> None:
+    """The third chunk never arrives: the answer ends after the first two (kept, stored),
+    the connection is closed; a batch whose first chunk never comes is a 404."""
+    src = ChunkStore(tmp_path / "s")
+    chunks = _chunks([300_000, 5000, 7000, 9000])
+    for cid, data in chunks[:2]:
+        src.put_chunk(cid, data)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            url, plane = await _serve(nursery, src, **_tls_kw(path))
+            client = _client(path)
+            sink = _Sink()
+            got = await client.get_chunks(url, [(c, len(d)) for c, d in chunks], store=sink, wait_ms=300)
+            assert got.outcomes == ["ok", "ok"] and got.kind in ("closed", "reset")
+            assert sink.got == dict(chunks[:2])
+            with pytest.raises(PeerMissing):
+                await client.get_chunks(url, [(c, len(d)) for c, d in chunks[2:]], store=sink, wait_ms=200)
+            for _ in range(100):   # the server leaves the wait budget just after its answer went
+                s = plane.statistics()
+                if s["waiting_requests"] == 0:
+                    break
+                await trio.sleep(0.01)
+            assert s["wait_batches_cut"] == 1 and s["waiting_requests"] == 0 and not plane._serving
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_waiting_batch_ends_at_a_chunk_of_another_size(tmp_path: Path) -> None:
+    """Sizes are the asker's word for framing only: a chunk whose size differs from the
+    one named ends the answer before it (nothing wrong is framed); the first one: 409."""
+    src = ChunkStore(tmp_path / "s")
+    (a, da), (b, db) = _chunks([4000, 6000])
+    src.put_chunk(a, da)
+    src.put_chunk(b, db)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            url, plane = await _serve(nursery, src)
+            client = _client("thread")
+            sink = _Sink()
+            got = await client.get_chunks(url, [(a, 4000), (b, 6001)], store=sink, wait_ms=1000)
+            assert got.outcomes == ["ok"] and got.kind and sink.got == {a: da}
+            with pytest.raises(PeerError, match="409"):
+                await client.get_chunks(url, [(b, 5999)], store=sink, wait_ms=1000)
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_waiting_batch_waits_for_a_copy_of_a_chunk_over_the_cap_to_finish(tmp_path: Path) -> None:
+    """max_serving_per_chunk = 1 and chunk A being sent to a slow reader: a waiting batch
+    [B, A] gets B at once and A once that copy is done (never two copies of A at once);
+    a waiting batch of only A whose wait runs out first: 503 with the retry hint."""
+    src = ChunkStore(tmp_path / "s")
+    (a, da), (b, db) = _chunks([8 << 20, 4000])
+    src.put_chunk(a, da)
+    src.put_chunk(b, db)
+    cfg = DataPlaneConfig(max_serving_per_chunk=1, busy_retry_ms=20)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            url, plane = await _serve(nursery, src, config=cfg)
+            port = int(url.rsplit(":", 1)[1])
+            slow = await trio.open_tcp_stream("127.0.0.1", port)
+            slow.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            await slow.send_all(f"GET /v1/chunks?ids={a} HTTP/1.1\r\nHost: x\r\n"
+                                f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
+            while plane.statistics()["serving_per_chunk_max"] < 1:
+                await trio.sleep(0.01)
+            client = _client("thread")
+            with pytest.raises(PeerBusy) as e:
+                await client.get_chunks(url, [(a, len(da))], store=_Sink(), wait_ms=200)
+            assert e.value.retry_after_s == pytest.approx(0.02)
+            sink = _Sink()
+            got: list = []
+
+            async def ask() -> None:
+                got.append(await client.get_chunks(url, [(b, len(db)), (a, len(da))], store=sink, wait_ms=10_000))
+
+            nursery.start_soon(ask)
+            while b not in sink.got:
+                await trio.sleep(0.01)
+            await trio.sleep(0.2)
+            assert a not in sink.got and not got          # A waits for the slow copy
+            await slow.aclose()
+            while not got:
+                await trio.sleep(0.01)
+            assert got[0].outcomes == ["ok", "ok"] and sink.got == {a: da, b: db}
+            assert plane.statistics()["serving_per_chunk_max"] == 1
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+
+
+async def test_hostile_waiting_batches_get_a_clear_4xx(tmp_path: Path) -> None:
+    src = ChunkStore(tmp_path / "s")
+    (a, da), (b, db) = _chunks([3000, 4000])
+    src.put_chunk(a, da)
+    cfg = DataPlaneConfig(max_batch_chunks=4, max_batch_bytes=8000)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as nursery:
+            url, plane = await _serve(nursery, src, config=cfg)
+            port = int(url.rsplit(":", 1)[1])
+            cases = {
+                f"/v1/chunks?ids={a},{b}&sizes=3000&wait_ms=10": (400, b"bad sizes"),
+                f"/v1/chunks?ids={a}&sizes=-1&wait_ms=10": (400, b"bad sizes"),
+                f"/v1/chunks?ids={a}&sizes=3000&wait_ms=x": (400, b"bad wait_ms"),
+                f"/v1/chunks?ids={a}&wait_ms=10&sizes=3000": (400, b"bad batch"),
+                f"/v1/chunks?ids={a}&sizes=3000&wait_ms=10&x=1": (400, b"bad batch"),
+                f"/v1/chunks?ids={a},{b}&sizes=3000,9000&wait_ms=10": (413, b"batch too large"),
+                f"/v1/chunks?ids={b}&sizes=4000&wait_ms=10": (404, b"chunk not here"),
+            }
+            for target, (status, why) in cases.items():
+                got, body = await _raw(port, target)
+                assert (got, why in body) == (status, True), (target, got, body)
+            got, body = await _raw(port, f"/v1/chunks?ids={a}&sizes=3000&wait_ms=0")   # an ordinary batch
+            assert got == 200 and body.endswith(da)
+            for _ in range(100):
+                if plane.statistics()["waiting_requests"] == 0:
+                    break
+                await trio.sleep(0.01)
+            assert plane.statistics()["waiting_requests"] == 0
+            nursery.cancel_scope.cancel()

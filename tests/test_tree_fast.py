@@ -117,3 +117,18 @@ def test_a_plan_in_cache_sized_sub_blocks_equals_the_whole(monkeypatch: pytest.M
         got = pl.run(333)
         for f in ("home", "parent", "chain", "siblings", "origin_rank"):
             assert (getattr(got, f) == getattr(ref, f)).all(), f
+
+
+def test_repeated_ids_are_found_even_when_distinct_ids_share_a_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the table's ids are checked for repeats by their 64-bit keys first; equal keys
+    # (forced here) fall back to comparing the ids themselves
+    def same_key(ids: list[str]) -> np.ndarray:
+        return np.zeros(len(ids), np.uint64)
+
+    monkeypatch.setattr(tree, "id_keys", same_key)
+    distinct = PeerView.from_table(PeerTable(node_ids=["a", "b", "c"], data_urls=["1", "2", "3"],
+                                             rack_of=[0, 0, 0], racks=["z/b/r"]))
+    assert distinct.node_ids == ["a", "b", "c"] and distinct.urls == ["1", "2", "3"]
+    repeated = PeerView.from_table(PeerTable(node_ids=["a", "b", "a"], data_urls=["1", "2", "3"],
+                                             rack_of=[0, 0, 0], racks=["z/b/r"]))
+    assert repeated.node_ids == ["a", "b"] and repeated.urls == ["1", "2"]
