@@ -88,6 +88,7 @@ class Args:
     hung_fraction: float
     preempt: bool
     seed: int
+    root: Path = ROOT                # the tree whose placer and emulators run (--placer-root: A/B)
 
 
 def _gang(fleet: str, gpus_total: int, want: int | None) -> dict[str, Any]:
@@ -107,7 +108,7 @@ async def _fleet(stack: AsyncExitStack, tmp: Path, td: Path, a: Args, n: int, *,
     hb = a.heartbeat_s if relays else max(a.heartbeat_s, 30.0)
     opts = PlacerOptions(heartbeat_s=hb, fence_after_s=600.0, ack_timeout_s=30.0, recover_s=2.0,
                          relays=relays)
-    placer = await stack.enter_async_context(PlacerProc(tmp, td, opts))
+    placer = await stack.enter_async_context(PlacerProc(tmp, td, opts, root=a.root))
     c = await stack.enter_async_context(httpx.AsyncClient(timeout=120, headers=_viewer(td)))
     procs = max(1, math.ceil(n / a.per_proc))
     emus = []
@@ -121,7 +122,8 @@ async def _fleet(stack: AsyncExitStack, tmp: Path, td: Path, a: Args, n: int, *,
         lo, hi = min(n, k * racks // procs * npr), min(n, (k + 1) * racks // procs * npr)
         extra = ["--fetch-delay", "0.2", "--run-delay", "0.3"] + (["--relays"] if relays else [])
         emus.append(await stack.enter_async_context(EmulatorProc(
-            placer, td, nodes=hi - lo, offset=lo, fleet=a.fleet, mux=8, log_path=tmp / f"emu{k}.log", extra=extra)))
+            placer, td, nodes=hi - lo, offset=lo, fleet=a.fleet, mux=8, log_path=tmp / f"emu{k}.log", extra=extra,
+            root=a.root)))
     return placer, emus, c
 
 
@@ -146,7 +148,8 @@ async def _register(row: dict[str, Any], key: str, placer: PlacerProc, emus: lis
     return True
 
 
-DIAG = ("relay_connects", "relay_drops", "reregistrations", "events_superseded", "events_unsent")
+DIAG = ("relay_connects", "relay_drops", "reregistrations", "events_superseded", "events_unsent", "gc_s",
+        "gc_collections")
 
 
 async def _stats(c: httpx.AsyncClient, emus: list[EmulatorProc], job: str | None = None) -> dict[str, Any]:
@@ -413,6 +416,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--baseline-limit", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--placer-root", default=str(ROOT),
+                    help="the tree whose placer and emulators run (default: this one; a same-run A/B)")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ns = ap.parse_args(argv)
     nodes = [int(x) for x in ns.nodes.split(",") if x.strip()]
@@ -421,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
     a = Args(fleet=ns.fleet, gang_gpus=ns.gang_gpus, per_proc=ns.per_proc, heartbeat_s=ns.heartbeat,
              steady_s=ns.steady_s, fill=ns.fill, fill_max_jobs=ns.fill_max_jobs, limit_s=ns.limit,
              baseline=not ns.no_baseline, baseline_limit_s=ns.baseline_limit, hung_fraction=ns.hung,
-             preempt=not ns.no_preempt, seed=ns.seed)
+             preempt=not ns.no_preempt, seed=ns.seed, root=Path(ns.placer_root))
     return run_printed(partial(run_all, nodes, a), json_out=ns.json, table=print_table)
 
 
