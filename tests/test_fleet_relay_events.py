@@ -189,3 +189,25 @@ def test_place_part_checks_slots_and_names_the_gpus_it_was_given():
     assert m.place_part(part("e", [0], inventory="other"), 1e9, later).outcome == "expired"
     assert m.place_part(part("a", list(range(len(uu)))), 1e9, later).outcome == "accepted"  # idempotent
     assert [w for _, fresh, _ in later for w in fresh] == ["a.w", "b.w"]
+
+
+async def test_the_collector_is_off_while_bundles_come_and_back_once_they_stop(autojump_clock):
+    import gc
+
+    from testing.fleet import GC_HOLD_S
+
+    fleet, _ = _relay()
+    assert gc.isenabled()
+    try:
+        async with trio.open_nursery() as n:
+            fleet._nursery = n
+            fleet.hold_gc()
+            assert not gc.isenabled()
+            await trio.sleep(GC_HOLD_S * 0.75)
+            fleet.hold_gc()                      # another bundle: the hold starts again
+            await trio.sleep(GC_HOLD_S * 0.75)
+            assert not gc.isenabled()
+            await trio.sleep(GC_HOLD_S * 0.5)
+            assert gc.isenabled()
+    finally:
+        gc.enable()
