@@ -40,9 +40,12 @@ MACs). The hello's token counts only without a certificate, and not at all under
 from __future__ import annotations
 
 import collections
+import fcntl
 import logging
 import ssl
 import struct
+import termios
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -145,8 +148,14 @@ class HeartbeatServer:
     def __init__(self, tokens: TokenSet, ingest: Ingest, *, hello_timeout_s: float = 10.0,
                  max_connections: int | None = None, frames: FramesHost | None = None,
                  ssl_context: ssl.SSLContext | None = None, require_certs: bool = False,
-                 token_use: Any = None, handshakes: int = 256, handshake_queue_s: float = 45.0) -> None:
+                 token_use: Any = None, handshakes: int = 256, handshake_queue_s: float = 45.0,
+                 clock: Callable[[], float] = time.time) -> None:
         self.tokens = tokens
+        self.clock = clock
+        # multi-node connections that have more to read than the last read took: since when each
+        # was last caught up (heard_until)
+        self._behind: dict[int, float] = {}
+        self._serial = 0
         # Handshakes cost the placer's one thread ~1.5-3 ms of CPU each. A registration storm
         # (every agent reconnecting at once) run all at once would finish them all late, past
         # the deadline, and their retries would feed the storm: a few at a time, in arrival
@@ -325,6 +334,10 @@ class HeartbeatServer:
         relay = hello.relay
         node_id = hello.node_id
         only = principal.node_id if principal is not None else None  # node restriction, per report
+        self._serial += 1
+        key = self._serial
+        caught_up = self.clock()
+        fd = _fileno(stream) if relay else -1
         if relay:
             self.relay_connections += 1
         try:
@@ -335,14 +348,33 @@ class HeartbeatServer:
                     out = bytearray()
                     for f in frames:
                         out += self._apply(f, node_id, relay, only)
+                if relay:
+                    # Nothing more in the socket once these are applied: everything that had
+                    # arrived is applied now. More waiting (a registration storm queues the beats
+                    # of registered nodes behind thousands of full reports, maybe for long): the
+                    # nodes of this connection are heard only up to when it was last caught up.
+                    if _unread(fd):
+                        self._behind.setdefault(key, caught_up)
+                    else:
+                        caught_up = self.clock()
+                        self._behind.pop(key, None)
+                if frames:
                     await stream.send_all(bytes(out))
-                data = await stream.receive_some(1 << 18)
+                data = await stream.receive_some(READ_MAX)
                 if not data:
                     return node_id
                 buf += data
         finally:
+            self._behind.pop(key, None)
             if relay:
                 self.relay_connections -= 1
+
+    def heard_until(self) -> float | None:
+        """When the multi-node connection that is furthest behind was last caught up (None:
+        none is behind). Beats that arrived before then have been applied; later ones may wait
+        in a socket, unread, so the placer judges a node silent only up to this instant (as
+        with relays' held frames, placer.relays.RelayHub.heard_until)."""
+        return min(self._behind.values()) if self._behind else None
 
     def _apply(self, f: bytes, node_id: str, relay: bool, only: str | None = None) -> bytes:
         self.frames += 1
@@ -367,6 +399,25 @@ class HeartbeatServer:
             self.ingest_errors += 1
             log.exception("ingest failed node=%s seq=%d full=%s", target, rep.seq, rep.full)
             return frame(_INTERNAL)
+
+
+READ_MAX = 1 << 18   # bytes a multi-node connection's read takes at most
+
+
+def _fileno(stream: trio.abc.Stream) -> int:
+    """The socket under a plain or TLS stream (-1: none known)."""
+    s = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+    return s.socket.fileno() if isinstance(s, trio.SocketStream) else -1
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in the socket's receive queue, unread (FIONREAD; 0 when unknown)."""
+    if fd < 0:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    except OSError:
+        return 0
 
 
 def parse_wire_url(url: str) -> tuple[str, int]:
