@@ -89,6 +89,7 @@ class Args:
     preempt: bool
     seed: int
     root: Path = ROOT                # the tree whose placer and emulators run (--placer-root: A/B)
+    relays: bool = True              # False (--no-relays): the baseline rows only
 
 
 def _gang(fleet: str, gpus_total: int, want: int | None) -> dict[str, Any]:
@@ -134,7 +135,12 @@ async def _register(row: dict[str, Any], key: str, placer: PlacerProc, emus: lis
         await e.go()
     up, s = await wait_nodes_up(c, placer.url, n, limit_s=300)
     row[key] = {"up": up, "s": s, "placer_cpu_s": placer.cpu_s() - cpu0}
-    _note(f"{key}", up=up, s=s)
+    try:  # nodes the placer took for lost meanwhile (a registration storm that starves beats)
+        row[key]["nodes_lost"] = (await c.get(f"{placer.url}/v1/cluster", params={"detail": "0"})
+                                  ).json()["placer"].get("nodes_lost")
+    except (httpx.HTTPError, ValueError, KeyError):
+        pass
+    _note(f"{key}", up=up, s=s, nodes_lost=row[key].get("nodes_lost"))
     if up < n:
         return False
     await wait_recovered(c, placer.url)
@@ -351,7 +357,8 @@ async def run_all(nodes: list[int], a: Args) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="herd-bench-delivery-", dir=keep) as d:
             if a.baseline:
                 base.append(await baseline_row(n, a, Path(d) / "b"))
-            rows.append(await relay_row(n, a, Path(d) / "r"))
+            if a.relays:
+                rows.append(await relay_row(n, a, Path(d) / "r"))
             if keep:
                 os.rename(d, Path(keep) / f"{a.fleet}-{n}-{time.strftime('%H%M%S')}")
                 os.mkdir(d)  # (the context removes its directory)
@@ -414,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hung", type=float, default=0.01, help="fraction of relays hung in the failure phase")
     ap.add_argument("--no-preempt", action="store_true")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--no-relays", action="store_true", help="the same-run baseline rows only")
     ap.add_argument("--baseline-limit", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--placer-root", default=str(ROOT),
@@ -426,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     a = Args(fleet=ns.fleet, gang_gpus=ns.gang_gpus, per_proc=ns.per_proc, heartbeat_s=ns.heartbeat,
              steady_s=ns.steady_s, fill=ns.fill, fill_max_jobs=ns.fill_max_jobs, limit_s=ns.limit,
              baseline=not ns.no_baseline, baseline_limit_s=ns.baseline_limit, hung_fraction=ns.hung,
-             preempt=not ns.no_preempt, seed=ns.seed, root=Path(ns.placer_root))
+             preempt=not ns.no_preempt, seed=ns.seed, root=Path(ns.placer_root), relays=not ns.no_relays)
     return run_printed(partial(run_all, nodes, a), json_out=ns.json, table=print_table)
 
 
