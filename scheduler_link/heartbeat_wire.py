@@ -40,11 +40,9 @@ MACs). The hello's token counts only without a certificate, and not at all under
 from __future__ import annotations
 
 import collections
-import fcntl
 import logging
 import ssl
 import struct
-import termios
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -54,7 +52,7 @@ import trio
 
 from . import tls
 from .auth import TokenSet
-from .frames import FrameChannel, Handler, WriteQueue
+from .frames import FrameChannel, Handler, ReadBacklog, WriteQueue
 from .messages import NodeReport, ReportReply
 
 log = logging.getLogger("herd.link.wire")
@@ -151,11 +149,8 @@ class HeartbeatServer:
                  token_use: Any = None, handshakes: int = 256, handshake_queue_s: float = 45.0,
                  clock: Callable[[], float] = time.time) -> None:
         self.tokens = tokens
-        self.clock = clock
-        # multi-node connections that have more to read than the last read took: since when each
-        # was last caught up (heard_until)
-        self._behind: dict[int, float] = {}
-        self._serial = 0
+        # multi-node and frames connections with bytes unread once a batch is applied (heard_until)
+        self.backlog = ReadBacklog(clock)
         # Handshakes cost the placer's one thread ~1.5-3 ms of CPU each. A registration storm
         # (every agent reconnecting at once) run all at once would finish them all late, past
         # the deadline, and their retries would feed the storm: a few at a time, in arrival
@@ -322,7 +317,7 @@ class HeartbeatServer:
                 await stream.send_all(frame(WireReply(status=400, error="this listener serves no frames connections")))
                 return hello.node_id
             await stream.send_all(frame(WireReply(status=200)))
-            ch = FrameChannel(stream, name=hello.node_id, buf=bytes(buf))
+            ch = FrameChannel(stream, name=hello.node_id, buf=bytes(buf), backlog=self.backlog.track(stream))
             handler = self.frames_host.opened(hello, ch)
             self.frames_connections += 1
             try:
@@ -334,10 +329,7 @@ class HeartbeatServer:
         relay = hello.relay
         node_id = hello.node_id
         only = principal.node_id if principal is not None else None  # node restriction, per report
-        self._serial += 1
-        key = self._serial
-        caught_up = self.clock()
-        fd = _fileno(stream) if relay else -1
+        mark = self.backlog.track(stream) if relay else None
         if relay:
             self.relay_connections += 1
         try:
@@ -348,16 +340,8 @@ class HeartbeatServer:
                     out = bytearray()
                     for f in frames:
                         out += self._apply(f, node_id, relay, only)
-                if relay:
-                    # Nothing more in the socket once these are applied: everything that had
-                    # arrived is applied now. More waiting (a registration storm queues the beats
-                    # of registered nodes behind thousands of full reports, maybe for long): the
-                    # nodes of this connection are heard only up to when it was last caught up.
-                    if _unread(fd):
-                        self._behind.setdefault(key, caught_up)
-                    else:
-                        caught_up = self.clock()
-                        self._behind.pop(key, None)
+                if mark is not None:
+                    mark.applied()
                 if frames:
                     await stream.send_all(bytes(out))
                 data = await stream.receive_some(READ_MAX)
@@ -365,16 +349,17 @@ class HeartbeatServer:
                     return node_id
                 buf += data
         finally:
-            self._behind.pop(key, None)
+            if mark is not None:
+                mark.close()
             if relay:
                 self.relay_connections -= 1
 
     def heard_until(self) -> float | None:
-        """When the multi-node connection that is furthest behind was last caught up (None:
-        none is behind). Beats that arrived before then have been applied; later ones may wait
-        in a socket, unread, so the placer judges a node silent only up to this instant (as
-        with relays' held frames, placer.relays.RelayHub.heard_until)."""
-        return min(self._behind.values()) if self._behind else None
+        """When the multi-node or frames connection that is furthest behind was last caught up
+        (None: none is behind). Beats that arrived before then have been applied; later ones
+        may wait in a socket, unread, so the placer judges a node silent only up to this
+        instant (as with relays' held frames, placer.relays.RelayHub.heard_until)."""
+        return self.backlog.heard_until()
 
     def _apply(self, f: bytes, node_id: str, relay: bool, only: str | None = None) -> bytes:
         self.frames += 1
@@ -402,22 +387,6 @@ class HeartbeatServer:
 
 
 READ_MAX = 1 << 18   # bytes a multi-node connection's read takes at most
-
-
-def _fileno(stream: trio.abc.Stream) -> int:
-    """The socket under a plain or TLS stream (-1: none known)."""
-    s = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
-    return s.socket.fileno() if isinstance(s, trio.SocketStream) else -1
-
-
-def _unread(fd: int) -> int:
-    """Bytes waiting in the socket's receive queue, unread (FIONREAD; 0 when unknown)."""
-    if fd < 0:
-        return 0
-    try:
-        return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
-    except OSError:
-        return 0
 
 
 def parse_wire_url(url: str) -> tuple[str, int]:

@@ -16,52 +16,84 @@ import socket
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
+import msgspec
+import pytest
 import trio
+import trio.testing
 
 from placer.config import PlacerConfig
 from placer.service import WIRE_HOLD_LOST_AFTERS, PlacerService
 from scheduler_link.auth import TokenSet
+from scheduler_link.frames import FrameChannel, encode_frame
 from scheduler_link.heartbeat_wire import (
-    READ_MAX,
     HeartbeatServer,
     Hello,
     frame,
     parse_wire_url,
     split_frames,
 )
-from scheduler_link.messages import GpuInfo, GpuSnapshot, NodeReport, ReportReply, TopologyPath
+from scheduler_link.messages import Frame, GpuInfo, GpuSnapshot, NodeReport, ReportReply, TopologyPath
 
 
-async def test_a_shared_connection_with_unread_reports_is_behind_until_they_are_read(token_dir: Path) -> None:
-    """The client (a plain blocking socket in a thread: the placer's ingest holds the event
-    loop, as a busy placer does) sends one report, and while the placer is busy with it a
+class SlowFrames:
+    """A FramesHost whose handler is slow for the frame named ``slow`` (as a busy placer)."""
+
+    def __init__(self, on_frame: Any) -> None:
+        self.on_frame = on_frame
+
+    def opened(self, hello: Hello, channel: FrameChannel) -> Any:
+        def handle(ch: FrameChannel, f: Frame) -> tuple[str, Any]:
+            self.on_frame(msgspec.msgpack.decode(f.payload)["n"])
+            return "ok", None
+        return handle
+
+    def closed(self, channel: FrameChannel) -> None:
+        return None
+
+
+@pytest.mark.parametrize("kind", ["shared", "frames"])
+async def test_a_connection_with_unread_bytes_is_behind_until_they_are_read(token_dir: Path, kind: str) -> None:
+    """The client (a plain blocking socket in a thread: the placer's handling holds the event
+    loop, as a busy placer does) sends one message, and while the placer is busy with it a
     burst of several reads' worth: until the burst has been read, the connection is behind
-    since the read that took the first report, before the burst was sent."""
+    since the read that took the first message, before the burst was sent. Both kinds: a
+    shared report connection (the one-POST baseline's nodes) and a relay's frames connection."""
     tokens = TokenSet.load(token_dir)
     seen: list[float | None] = []
     in_slow = threading.Event()
 
-    def ingest(node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:
+    def on(name: str) -> None:
         seen.append(server.heard_until())
-        if node_id == "slow":
+        if name == "slow":
             in_slow.set()
             end = time.perf_counter() + 0.5   # busy: meanwhile the burst fills the socket
             while time.perf_counter() < end:
                 pass
+
+    def ingest(node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:
+        on(rep.node_id)
         return 200, ReportReply(ok=True)
-    server = HeartbeatServer(tokens, ingest)
+    server = HeartbeatServer(tokens, ingest, frames=SlowFrames(on))
     pad = "x" * 2000
-    burst = b"".join(frame(NodeReport(node_id=f"n{i}", boot_id="b", seq=1, full=False, control_url=pad))
-                     for i in range(600))
-    assert len(burst) > 3 * READ_MAX
+    if kind == "shared":
+        hello = Hello(token=tokens.cluster or "", node_id="emu", relay=True)
+        one = frame(NodeReport(node_id="slow", boot_id="b", seq=1, full=False))
+        burst = b"".join(frame(NodeReport(node_id=f"n{i}", boot_id="b", seq=1, full=False, control_url=pad))
+                         for i in range(600))
+    else:
+        hello = Hello(token=tokens.cluster or "", node_id="relay0", frames=True, racks=["z/b/r"])
+        one = encode_frame("beat", {"n": "slow"}, id=1)
+        burst = b"".join(encode_frame("beat", {"n": f"n{i}", "pad": pad}, id=2 + i) for i in range(600))
+    assert len(burst) > 3 * (1 << 18)
     marks: dict[str, float] = {}
 
     def client(host: str, port: int) -> int:
         with socket.create_connection((host, port)) as s:
-            s.sendall(frame(Hello(token=tokens.cluster or "", node_id="emu", relay=True)))
+            s.sendall(frame(hello))
             got = _replies(s, 1)
-            s.sendall(frame(NodeReport(node_id="slow", boot_id="b", seq=1, full=False)))
+            s.sendall(one)
             assert in_slow.wait(10)
             marks["before"] = time.time()
             s.sendall(burst)
@@ -74,6 +106,7 @@ async def test_a_shared_connection_with_unread_reports_is_behind_until_they_are_
             behind = [h for h in seen if h is not None]
             assert len(behind) > 100, "never behind during a burst of three reads' worth"
             assert max(behind) <= marks["before"]   # caught up last before the burst was sent
+            await trio.testing.wait_all_tasks_blocked()
             assert server.heard_until() is None     # all read and answered
             n.cancel_scope.cancel()
 
@@ -104,7 +137,7 @@ def test_the_lost_check_waits_for_a_connection_that_is_behind_for_a_bounded_time
                         TokenSet(), clock=lambda: now[0])
     assert svc._ingest("n1", _full("n1"))[0] == 200
     svc.wire = HeartbeatServer(TokenSet(), svc._ingest, clock=lambda: now[0])
-    svc.wire._behind[1] = 100.5     # a shared connection behind since 100.5 (its beats unread)
+    svc.wire.backlog._behind[1] = 100.5   # a connection behind since 100.5 (its beats unread)
     hold = WIRE_HOLD_LOST_AFTERS * 3.0
     for t in (104.0, 110.0, 100.0 + 3.0 + hold - 0.5):
         now[0] = t
