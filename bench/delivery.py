@@ -90,6 +90,7 @@ class Args:
     seed: int
     root: Path = ROOT                # the tree whose placer and emulators run (--placer-root: A/B)
     relays: bool = True              # False (--no-relays): the baseline rows only
+    register_limit_s: float = 300.0  # bound on the registration wait (--register-limit)
 
 
 def _gang(fleet: str, gpus_total: int, want: int | None) -> dict[str, Any]:
@@ -129,11 +130,11 @@ async def _fleet(stack: AsyncExitStack, tmp: Path, td: Path, a: Args, n: int, *,
 
 
 async def _register(row: dict[str, Any], key: str, placer: PlacerProc, emus: list[EmulatorProc],
-                    c: httpx.AsyncClient, n: int, op: dict[str, str]) -> bool:
+                    c: httpx.AsyncClient, n: int, op: dict[str, str], limit_s: float = 300.0) -> bool:
     cpu0 = placer.cpu_s()
     for e in emus:
         await e.go()
-    up, s = await wait_nodes_up(c, placer.url, n, limit_s=300)
+    up, s = await wait_nodes_up(c, placer.url, n, limit_s=limit_s)
     row[key] = {"up": up, "s": s, "placer_cpu_s": placer.cpu_s() - cpu0}
     try:  # nodes the placer took for lost meanwhile (a registration storm that starves beats)
         row[key]["nodes_lost"] = (await c.get(f"{placer.url}/v1/cluster", params={"detail": "0"})
@@ -268,7 +269,7 @@ async def relay_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
     async with AsyncExitStack() as stack:
         placer, emus, c = await _fleet(stack, tmp, td, a, n, relays=True)
         row["emulator_procs"] = len(emus)
-        if not await _register(row, "register", placer, emus, c, n, op):
+        if not await _register(row, "register", placer, emus, c, n, op, a.register_limit_s):
             return row
         row["empty"] = await _deliver(c, placer, emus, op, {**gang, "job_id": "big1"}, a.limit_s)
         _note("empty fleet", **{k: row["empty"].get(k) for k in ("state", "submit_to_acked_ms", "bundle_bytes")})
@@ -327,7 +328,7 @@ async def baseline_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
     gang = _gang(a.fleet, gpus, a.gang_gpus)
     async with AsyncExitStack() as stack:
         placer, emus, c = await _fleet(stack, tmp, td, a, n, relays=False)
-        if not await _register(row, "register", placer, emus, c, n, op):
+        if not await _register(row, "register", placer, emus, c, n, op, a.register_limit_s):
             return row
         small = {**gang, "pods": min(2000, gang["pods"]), "job_id": "base-small"}
         row["small"] = await _deliver(c, placer, emus, op, small, 120.0)
@@ -422,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-preempt", action="store_true")
     ap.add_argument("--no-baseline", action="store_true")
     ap.add_argument("--no-relays", action="store_true", help="the same-run baseline rows only")
+    ap.add_argument("--register-limit", type=float, default=300.0, help="bound on the registration wait (s)")
     ap.add_argument("--baseline-limit", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--placer-root", default=str(ROOT),
@@ -434,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     a = Args(fleet=ns.fleet, gang_gpus=ns.gang_gpus, per_proc=ns.per_proc, heartbeat_s=ns.heartbeat,
              steady_s=ns.steady_s, fill=ns.fill, fill_max_jobs=ns.fill_max_jobs, limit_s=ns.limit,
              baseline=not ns.no_baseline, baseline_limit_s=ns.baseline_limit, hung_fraction=ns.hung,
-             preempt=not ns.no_preempt, seed=ns.seed, root=Path(ns.placer_root), relays=not ns.no_relays)
+             preempt=not ns.no_preempt, seed=ns.seed, root=Path(ns.placer_root), relays=not ns.no_relays,
+             register_limit_s=ns.register_limit)
     return run_printed(partial(run_all, nodes, a), json_out=ns.json, table=print_table)
 
 
