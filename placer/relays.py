@@ -301,11 +301,8 @@ class RelayHub:
         """Carry out a decision's pushes through the relays (directly where a rack has none or
         its relay fails). Returns the start pushes' outcomes by node.
 
-        With ``ready`` (the journal's sync) nothing leaves until it says yes: the bundles are
-        built (and encoded) meanwhile, so the build overlaps the fsync, and once it has said yes
-        each slice of bundles leaves as soon as it is built, so the first relays work while the
-        placer builds the rest (the build was ~0.2 s of a 131,072-node delivery's critical path,
-        every relay idle meanwhile). None when it says no."""
+        The round's bundles are built (and encoded) first; with ``ready`` (the journal's sync),
+        nothing leaves until it says yes, so the build overlaps the fsync. None when it says no."""
         cfg = self.svc.cfg
         t0 = trio.current_time()
         direct, by_rack = self.split(pushes)
@@ -318,7 +315,7 @@ class RelayHub:
         seeds = max(1, cfg.blob_seeds)
         seed_urls = [u for u in urls[:seeds] if u]
         bytes0 = self.stats.bytes_out
-        marks = {"built": 0.0, "first_sent": 0.0, "sent": 0.0, "first_ack": math.inf, "last_ack": 0.0}
+        marks = {"built": 0.0, "sent": 0.0, "first_ack": math.inf, "last_ack": 0.0}
         fallbacks0 = self.stats.fallback_nodes
 
         async def one(p: Push) -> None:
@@ -384,16 +381,12 @@ class RelayHub:
                 return n_new
 
             async def ask() -> None:
-                # a late answer is still worth having (its bound is set once the round is out)
-                acs = trio.CancelScope(deadline=cap[0] + STOPS_CAP_S)
-                asks.add(acs)
                 try:
-                    with acs:
+                    with trio.move_on_at(cap[0] + STOPS_CAP_S):  # a late answer is still worth having
                         answer.append(await conn.channel.call_prepared(rid, data))
                 except (FrameError, CallFailed) as e:
                     answer.append(e)
                 finally:
-                    asks.discard(acs)
                     answered.set()
 
             async def direct(p: Push) -> None:
@@ -457,7 +450,6 @@ class RelayHub:
         deadline = [math.inf]
         cap = [math.inf]
         pending: set[trio.CancelScope] = set()
-        asks: set[trio.CancelScope] = set()
 
         waits_left = [len(racks)]
         idle = trio.Event()
@@ -501,41 +493,24 @@ class RelayHub:
         # built would walk the whole fleet's records for nothing (as during a pass).
         gc_was = gc.isenabled()
         gc.disable()
-        durable = trio.Event()
-        refused = [False]
-
-        async def wait_ready() -> None:
-            try:
-                refused[0] = ready is not None and not await ready()
-            finally:
-                durable.set()
         try:
+            built: list[tuple[str, RelayConn, list[Push], int, bytes]] = []
+            for i, (path, (conn, ps)) in enumerate(racks):
+                rid, data = build(i, path, conn, ps)
+                built.append((path, conn, ps, rid, data))
+                if i % 32 == 31:
+                    await trio.lowlevel.checkpoint()  # reports and acks of other rounds keep flowing meanwhile
+            marks["built"] = trio.current_time() - t0
+            if gc_was:
+                gc.enable()
+            if ready is not None and not await ready():
+                return None
             async with trio.open_nursery() as n:
-                n.start_soon(wait_ready)
-                built: list[tuple[str, RelayConn, list[Push], int, bytes]] = []
-
-                def send_built() -> None:
-                    if built and not marks["first_sent"]:
-                        marks["first_sent"] = trio.current_time() - t0
-                    for path, conn, ps, rid, data in built:
-                        n.start_soon(rack, path, conn, ps, rid, data)
-                    built.clear()
-                for i, (path, (conn, ps)) in enumerate(racks):
-                    rid, data = build(i, path, conn, ps)
-                    built.append((path, conn, ps, rid, data))
-                    if i % 32 == 31:
-                        if durable.is_set() and not refused[0]:
-                            send_built()   # durable already: this slice leaves while the rest is built
-                        await trio.lowlevel.checkpoint()  # reports and acks of other rounds keep flowing meanwhile
-                marks["built"] = trio.current_time() - t0
-                if gc_was:
-                    gc.enable()
-                await durable.wait()
-                if refused[0]:
-                    return None
-                send_built()
+                for path, conn, ps, rid, data in built:
+                    n.start_soon(rack, path, conn, ps, rid, data)
                 for p in direct:
                     n.start_soon(one, p)
+                del built
                 await trio.lowlevel.checkpoint()
                 sent_at = trio.current_time()
                 deadline[0] = sent_at + patience
@@ -544,8 +519,6 @@ class RelayHub:
                 cap[0] = sent_at + (4 * cfg.relay_timeout_s if job_id else max(4 * cfg.relay_timeout_s, STOPS_CAP_S))
                 for cs in pending:
                     cs.deadline = cap[0]
-                for cs in asks:
-                    cs.deadline = cap[0] + STOPS_CAP_S
                 marks["sent"] = sent_at - t0
                 if racks:
                     n.start_soon(watchdog)
@@ -559,7 +532,6 @@ class RelayHub:
             self.stats.last_delivery = {
                 "job_id": job_id, "nodes": len(pushes), "racks": len(racks), "direct": len(direct),
                 "fallback_nodes": self.stats.fallback_nodes - fallbacks0, "bundle_bytes": self.stats.bytes_out - bytes0,
-                "seconds": trio.current_time() - t0, "built_s": marks["built"], "first_bundle_sent_s": marks["first_sent"],
-                "last_bundle_sent_s": marks["sent"],
+                "seconds": trio.current_time() - t0, "built_s": marks["built"], "last_bundle_sent_s": marks["sent"],
                 "first_ack_s": marks["first_ack"] if racks else 0.0, "last_ack_s": marks["last_ack"]}
         return acks
