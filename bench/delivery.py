@@ -88,6 +88,9 @@ class Args:
     hung_fraction: float
     preempt: bool
     seed: int
+    root: Path = ROOT                # the tree whose placer and emulators run (--placer-root: A/B)
+    relays: bool = True              # False (--no-relays): the baseline rows only
+    register_limit_s: float = 300.0  # bound on the registration wait (--register-limit)
 
 
 def _gang(fleet: str, gpus_total: int, want: int | None) -> dict[str, Any]:
@@ -107,7 +110,7 @@ async def _fleet(stack: AsyncExitStack, tmp: Path, td: Path, a: Args, n: int, *,
     hb = a.heartbeat_s if relays else max(a.heartbeat_s, 30.0)
     opts = PlacerOptions(heartbeat_s=hb, fence_after_s=600.0, ack_timeout_s=30.0, recover_s=2.0,
                          relays=relays)
-    placer = await stack.enter_async_context(PlacerProc(tmp, td, opts))
+    placer = await stack.enter_async_context(PlacerProc(tmp, td, opts, root=a.root))
     c = await stack.enter_async_context(httpx.AsyncClient(timeout=120, headers=_viewer(td)))
     procs = max(1, math.ceil(n / a.per_proc))
     emus = []
@@ -121,18 +124,24 @@ async def _fleet(stack: AsyncExitStack, tmp: Path, td: Path, a: Args, n: int, *,
         lo, hi = min(n, k * racks // procs * npr), min(n, (k + 1) * racks // procs * npr)
         extra = ["--fetch-delay", "0.2", "--run-delay", "0.3"] + (["--relays"] if relays else [])
         emus.append(await stack.enter_async_context(EmulatorProc(
-            placer, td, nodes=hi - lo, offset=lo, fleet=a.fleet, mux=8, log_path=tmp / f"emu{k}.log", extra=extra)))
+            placer, td, nodes=hi - lo, offset=lo, fleet=a.fleet, mux=8, log_path=tmp / f"emu{k}.log", extra=extra,
+            root=a.root)))
     return placer, emus, c
 
 
 async def _register(row: dict[str, Any], key: str, placer: PlacerProc, emus: list[EmulatorProc],
-                    c: httpx.AsyncClient, n: int, op: dict[str, str]) -> bool:
+                    c: httpx.AsyncClient, n: int, op: dict[str, str], limit_s: float = 300.0) -> bool:
     cpu0 = placer.cpu_s()
     for e in emus:
         await e.go()
-    up, s = await wait_nodes_up(c, placer.url, n, limit_s=300)
+    up, s = await wait_nodes_up(c, placer.url, n, limit_s=limit_s)
     row[key] = {"up": up, "s": s, "placer_cpu_s": placer.cpu_s() - cpu0}
-    _note(f"{key}", up=up, s=s)
+    try:  # nodes the placer took for lost meanwhile (a registration storm that starves beats)
+        row[key]["nodes_lost"] = (await c.get(f"{placer.url}/v1/cluster", params={"detail": "0"})
+                                  ).json()["placer"].get("nodes_lost")
+    except (httpx.HTTPError, ValueError, KeyError):
+        pass
+    _note(f"{key}", up=up, s=s, nodes_lost=row[key].get("nodes_lost"))
     if up < n:
         return False
     await wait_recovered(c, placer.url)
@@ -146,7 +155,8 @@ async def _register(row: dict[str, Any], key: str, placer: PlacerProc, emus: lis
     return True
 
 
-DIAG = ("relay_connects", "relay_drops", "reregistrations", "events_superseded", "events_unsent")
+DIAG = ("relay_connects", "relay_drops", "reregistrations", "events_superseded", "events_unsent", "gc_s",
+        "gc_collections")
 
 
 async def _stats(c: httpx.AsyncClient, emus: list[EmulatorProc], job: str | None = None) -> dict[str, Any]:
@@ -259,7 +269,7 @@ async def relay_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
     async with AsyncExitStack() as stack:
         placer, emus, c = await _fleet(stack, tmp, td, a, n, relays=True)
         row["emulator_procs"] = len(emus)
-        if not await _register(row, "register", placer, emus, c, n, op):
+        if not await _register(row, "register", placer, emus, c, n, op, a.register_limit_s):
             return row
         row["empty"] = await _deliver(c, placer, emus, op, {**gang, "job_id": "big1"}, a.limit_s)
         _note("empty fleet", **{k: row["empty"].get(k) for k in ("state", "submit_to_acked_ms", "bundle_bytes")})
@@ -318,7 +328,7 @@ async def baseline_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
     gang = _gang(a.fleet, gpus, a.gang_gpus)
     async with AsyncExitStack() as stack:
         placer, emus, c = await _fleet(stack, tmp, td, a, n, relays=False)
-        if not await _register(row, "register", placer, emus, c, n, op):
+        if not await _register(row, "register", placer, emus, c, n, op, a.register_limit_s):
             return row
         small = {**gang, "pods": min(2000, gang["pods"]), "job_id": "base-small"}
         row["small"] = await _deliver(c, placer, emus, op, small, 120.0)
@@ -348,7 +358,8 @@ async def run_all(nodes: list[int], a: Args) -> dict[str, Any]:
         with tempfile.TemporaryDirectory(prefix="herd-bench-delivery-", dir=keep) as d:
             if a.baseline:
                 base.append(await baseline_row(n, a, Path(d) / "b"))
-            rows.append(await relay_row(n, a, Path(d) / "r"))
+            if a.relays:
+                rows.append(await relay_row(n, a, Path(d) / "r"))
             if keep:
                 os.rename(d, Path(keep) / f"{a.fleet}-{n}-{time.strftime('%H%M%S')}")
                 os.mkdir(d)  # (the context removes its directory)
@@ -411,8 +422,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hung", type=float, default=0.01, help="fraction of relays hung in the failure phase")
     ap.add_argument("--no-preempt", action="store_true")
     ap.add_argument("--no-baseline", action="store_true")
+    ap.add_argument("--no-relays", action="store_true", help="the same-run baseline rows only")
+    ap.add_argument("--register-limit", type=float, default=300.0, help="bound on the registration wait (s)")
     ap.add_argument("--baseline-limit", type=float, default=60.0)
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--placer-root", default=str(ROOT),
+                    help="the tree whose placer and emulators run (default: this one; a same-run A/B)")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ns = ap.parse_args(argv)
     nodes = [int(x) for x in ns.nodes.split(",") if x.strip()]
@@ -421,7 +436,8 @@ def main(argv: list[str] | None = None) -> int:
     a = Args(fleet=ns.fleet, gang_gpus=ns.gang_gpus, per_proc=ns.per_proc, heartbeat_s=ns.heartbeat,
              steady_s=ns.steady_s, fill=ns.fill, fill_max_jobs=ns.fill_max_jobs, limit_s=ns.limit,
              baseline=not ns.no_baseline, baseline_limit_s=ns.baseline_limit, hung_fraction=ns.hung,
-             preempt=not ns.no_preempt, seed=ns.seed)
+             preempt=not ns.no_preempt, seed=ns.seed, root=Path(ns.placer_root), relays=not ns.no_relays,
+             register_limit_s=ns.register_limit)
     return run_printed(partial(run_all, nodes, a), json_out=ns.json, table=print_table)
 
 

@@ -196,7 +196,7 @@ class JobRec:
     def set_pods(self, pods: list[PodRec]) -> None:
         self.pods = pods
         self.counts = Counter(p.state for p in pods)
-        self.ok_exits = sum(1 for p in pods if p.state == "exited" and p.exit_code == 0)
+        self.ok_exits = sum(1 for p in pods if p.state == "exited" and p.exit_code == 0) if self.counts["exited"] else 0
 
     def add_pod(self, pod: PodRec) -> None:
         self.pods.append(pod)

@@ -240,7 +240,9 @@ class RelayHub:
             b = decode_payload(f, RackBeat)
             self.stats.beats += 1
             self.stats.beat_entries += len(b.node_ids)
-            beat_reply, pushes = self.svc.state.beat(b, self.svc.clock() if at is None else at, via=via)
+            now = self.svc.clock()
+            beat_reply, pushes = self.svc.state.beat(b, now if at is None else at, via=via,
+                                                     answered=None if at is None else now)
             self.svc._carry_out(pushes)
             return "beat_reply", beat_reply
         if t == "report":

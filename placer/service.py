@@ -80,6 +80,7 @@ FREEZE_EVERY_S = 2.0
 # decision and the first bundle. It runs after the round's acks are recorded instead, and the
 # survivors are frozen; never later than this after the decision.
 GC_HOLD_MAX_S = 5.0
+WIRE_HOLD_LOST_AFTERS = 4  # a shared connection's read backlog holds the lost check back this many lost_after_s at most
 RELAYED_STOPS_FROM = 32  # this many stops at once (a gang's rollback, a cancel) go through the relays
 
 
@@ -148,7 +149,7 @@ class PlacerService:
                 self._nursery = n
                 self.url = await n.start(partial(serve, ssl_context=self.security.api), self.app, self.cfg.listen)
                 if self.cfg.wire_listen:
-                    self.wire = HeartbeatServer(self.tokens, self._ingest, frames=self.relays,
+                    self.wire = HeartbeatServer(self.tokens, self._ingest, frames=self.relays, clock=self.clock,
                                                 ssl_context=self.security.channel,
                                                 require_certs=self.security.require_certs, token_use=self.token_use)
                     self.wire_url = await n.start(self.wire.run, self.cfg.wire_listen)
@@ -214,9 +215,17 @@ class PlacerService:
         """Timers (lost nodes, fencing, retries) as of ``now``, but never past what the placer
         has heard: while relays' frames wait in its own queue (a delivery's acks first, then
         the backlog), their beats count from when they arrived, and no node is judged silent
-        beyond the oldest of them (RelayHub.heard_until)."""
-        heard = self.relays.heard_until()
-        self._carry_out(self.state.tick(now if heard is None else min(now, heard)))
+        beyond the oldest of them (RelayHub.heard_until); while a multi-node connection has
+        more to read than the placer has read (a registration storm over shared connections),
+        no node is judged silent beyond when it was last caught up (HeartbeatServer.heard_until)."""
+        until = now
+        relayed = self.relays.heard_until()
+        if relayed is not None:
+            until = min(until, relayed)
+        direct = self.wire.heard_until() if self.wire is not None else None
+        if direct is not None:  # (a connection that is always behind holds the check back so long at most)
+            until = min(until, max(direct, now - WIRE_HOLD_LOST_AFTERS * self.cfg.lost_after_s))
+        self._carry_out(self.state.tick(until))
 
     def _maybe_freeze(self) -> None:
         """After a pass that rebuilt the model or decided (the records it made live long),

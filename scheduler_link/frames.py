@@ -20,10 +20,12 @@ sides speak frames. :func:`open_frames` does that; servers hand the stream to
 
 from __future__ import annotations
 
+import fcntl
 import inspect
 import logging
 import ssl
 import struct
+import termios
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -101,13 +103,73 @@ class WriteQueue:
             del data  # not held while idle (a burst is megabytes)
 
 
+class ReadBacklog:
+    """Connections with bytes still unread in their socket once what was read is applied
+    (``FIONREAD``), and since when each was last caught up. A registration storm queues beats
+    behind thousands of full reports, maybe for long: the placer judges a node silent only up
+    to :meth:`heard_until` (its beats may be in a socket it has not read yet)."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._behind: dict[int, float] = {}
+        self._serial = 0
+
+    def track(self, stream: trio.abc.Stream) -> BacklogMark:
+        self._serial += 1
+        return BacklogMark(self, self._serial, _fileno(stream))
+
+    def heard_until(self) -> float | None:
+        return min(self._behind.values()) if self._behind else None
+
+    def behind(self) -> int:
+        return len(self._behind)
+
+
+class BacklogMark:
+    """One connection's part of a :class:`ReadBacklog`; :meth:`applied` after each batch."""
+
+    __slots__ = ("_owner", "_key", "_fd", "_caught_up")
+
+    def __init__(self, owner: ReadBacklog, key: int, fd: int) -> None:
+        self._owner, self._key, self._fd = owner, key, fd
+        self._caught_up = owner.clock()
+
+    def applied(self) -> None:
+        """What was read so far is applied: caught up now, unless more waits in the socket."""
+        if _unread(self._fd):
+            self._owner._behind.setdefault(self._key, self._caught_up)
+        else:
+            self._caught_up = self._owner.clock()
+            self._owner._behind.pop(self._key, None)
+
+    def close(self) -> None:
+        self._owner._behind.pop(self._key, None)
+
+
+def _fileno(stream: trio.abc.Stream) -> int:
+    """The socket under a plain or TLS stream (-1: none known)."""
+    s = stream.transport_stream if isinstance(stream, trio.SSLStream) else stream
+    return s.socket.fileno() if isinstance(s, trio.SocketStream) else -1
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in a socket's receive queue, unread (0 when unknown)."""
+    if fd < 0:
+        return 0
+    try:
+        return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0])
+    except OSError:
+        return 0
+
+
 class FrameChannel:
     """One frames connection (either side). ``await channel.run(handler)`` serves it until
     it closes; :meth:`call` and :meth:`send` may be used from any task meanwhile."""
 
     def __init__(self, stream: trio.abc.Stream, *, name: str = "", buf: bytes = b"",
-                 max_frame: int = MAX_FRAME) -> None:
+                 max_frame: int = MAX_FRAME, backlog: BacklogMark | None = None) -> None:
         self.stream = stream
+        self._backlog = backlog     # the listener's read backlog (ReadBacklog), or None
         # the peer's verified certificate (scheduler_link.tls.Principal), None on a plain channel
         self.principal: Any = tls.stream_principal(stream)
         self.name = name
@@ -186,6 +248,8 @@ class FrameChannel:
             log.debug("frames connection %s broke: %s", self.name, e)
         finally:
             self.closed.set()
+            if self._backlog is not None:
+                self._backlog.close()
             for w in list(self._waiters.values()):
                 w.done.set()
             self._q.clear()
@@ -219,6 +283,8 @@ class FrameChannel:
                 pos += 4 + ln
                 self._dispatch(body, handler, nursery)
             del buf[:pos]
+            if self._backlog is not None:
+                self._backlog.applied()
             try:
                 data = await self.stream.receive_some(1 << 18)
             except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):

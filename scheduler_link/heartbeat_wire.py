@@ -43,6 +43,7 @@ import collections
 import logging
 import ssl
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -51,7 +52,7 @@ import trio
 
 from . import tls
 from .auth import TokenSet
-from .frames import FrameChannel, Handler, WriteQueue
+from .frames import FrameChannel, Handler, ReadBacklog, WriteQueue
 from .messages import NodeReport, ReportReply
 
 log = logging.getLogger("herd.link.wire")
@@ -145,8 +146,11 @@ class HeartbeatServer:
     def __init__(self, tokens: TokenSet, ingest: Ingest, *, hello_timeout_s: float = 10.0,
                  max_connections: int | None = None, frames: FramesHost | None = None,
                  ssl_context: ssl.SSLContext | None = None, require_certs: bool = False,
-                 token_use: Any = None, handshakes: int = 256, handshake_queue_s: float = 45.0) -> None:
+                 token_use: Any = None, handshakes: int = 256, handshake_queue_s: float = 45.0,
+                 clock: Callable[[], float] = time.time) -> None:
         self.tokens = tokens
+        # multi-node and frames connections with bytes unread once a batch is applied (heard_until)
+        self.backlog = ReadBacklog(clock)
         # Handshakes cost the placer's one thread ~1.5-3 ms of CPU each. A registration storm
         # (every agent reconnecting at once) run all at once would finish them all late, past
         # the deadline, and their retries would feed the storm: a few at a time, in arrival
@@ -313,7 +317,7 @@ class HeartbeatServer:
                 await stream.send_all(frame(WireReply(status=400, error="this listener serves no frames connections")))
                 return hello.node_id
             await stream.send_all(frame(WireReply(status=200)))
-            ch = FrameChannel(stream, name=hello.node_id, buf=bytes(buf))
+            ch = FrameChannel(stream, name=hello.node_id, buf=bytes(buf), backlog=self.backlog.track(stream))
             handler = self.frames_host.opened(hello, ch)
             self.frames_connections += 1
             try:
@@ -325,6 +329,7 @@ class HeartbeatServer:
         relay = hello.relay
         node_id = hello.node_id
         only = principal.node_id if principal is not None else None  # node restriction, per report
+        mark = self.backlog.track(stream) if relay else None
         if relay:
             self.relay_connections += 1
         try:
@@ -335,14 +340,26 @@ class HeartbeatServer:
                     out = bytearray()
                     for f in frames:
                         out += self._apply(f, node_id, relay, only)
+                if mark is not None:
+                    mark.applied()
+                if frames:
                     await stream.send_all(bytes(out))
-                data = await stream.receive_some(1 << 18)
+                data = await stream.receive_some(READ_MAX)
                 if not data:
                     return node_id
                 buf += data
         finally:
+            if mark is not None:
+                mark.close()
             if relay:
                 self.relay_connections -= 1
+
+    def heard_until(self) -> float | None:
+        """When the multi-node or frames connection that is furthest behind was last caught up
+        (None: none is behind). Beats that arrived before then have been applied; later ones
+        may wait in a socket, unread, so the placer judges a node silent only up to this
+        instant (as with relays' held frames, placer.relays.RelayHub.heard_until)."""
+        return self.backlog.heard_until()
 
     def _apply(self, f: bytes, node_id: str, relay: bool, only: str | None = None) -> bytes:
         self.frames += 1
@@ -367,6 +384,9 @@ class HeartbeatServer:
             self.ingest_errors += 1
             log.exception("ingest failed node=%s seq=%d full=%s", target, rep.seq, rep.full)
             return frame(_INTERNAL)
+
+
+READ_MAX = 1 << 18   # bytes a multi-node connection's read takes at most
 
 
 def parse_wire_url(url: str) -> tuple[str, int]:

@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+import blake3
 import h11
 import msgspec
 import trio
@@ -103,13 +104,13 @@ from scheduler_link.messages import (
     inventory_hash,
 )
 from scheduler_link.msgauth import (
+    MAC_LEN,
     AuthError,
     BundleVerifier,
     BundleView,
     beat_mac,
     verified_stops,
     with_outcome_mac,
-    with_report_mac,
 )
 from scheduler_link.pki import NodeContexts
 
@@ -118,6 +119,7 @@ log = logging.getLogger("herd.testing.fleet")
 _placement_dec = msgspec.json.Decoder(Placement)
 _enc = msgspec.json.Encoder()
 _part_dec = msgspec.msgpack.Decoder(NodePart)
+_canon = msgspec.msgpack.Encoder(order="deterministic")   # msgauth's canonical encoding
 VERIFY_EVERY = 8     # relay mode: bundles whose placer signature the emulator checks (see EmulatedRelay)
 
 
@@ -194,7 +196,7 @@ class EmulatedNode:
 
     __slots__ = ("fleet", "slot", "control_url", "refuse", "workloads", "link", "relay", "boot_id", "seq", "registered",
                  "registering", "mac_key",
-                 "_snap", "_uuids", "_uuid_list", "_inventory")
+                 "counted", "_snap", "_uuids", "_uuid_list", "_inventory", "_all_slots")
 
     def __init__(self, fleet: Fleet, slot: NodeSlot, control_url: str, refuse: str | None) -> None:
         self.fleet = fleet
@@ -209,10 +211,12 @@ class EmulatedNode:
         self.registered = False
         self.registering = False                  # relay mode: a full report of it is under way
         self.mac_key = b""                        # relay mode: from its direct registration (msgauth)
+        self.counted = False                      # relay mode: its first registration counted (Fleet)
         self._snap: GpuSnapshot | None = None
         self._uuids: frozenset[str] = frozenset()
         self._uuid_list: list[str] = []
         self._inventory = ""
+        self._all_slots: list[int] = []
 
     # ---- LinkHooks
 
@@ -223,6 +227,7 @@ class EmulatedNode:
             self._uuid_list = [g.uuid for g in sorted(self._snap.gpus, key=lambda g: g.index)]
             self._uuids = frozenset(self._uuid_list)
             self._inventory = inventory_hash(self._uuid_list)
+            self._all_slots = list(range(len(self._uuid_list)))
         return self._snap
 
     def full_report(self) -> NodeReport:
@@ -278,39 +283,43 @@ class EmulatedNode:
         """A NodePart as the real agent checks it (binding, expiry, inventory hash, slots),
         then the fake supervisor's acceptance."""
         nid = self.slot.node_id
-        self.gpu_snapshot()
-
-        def out(o: str, detail: str | None = None, gpus: list[str] | None = None) -> NodeOutcome:
-            return NodeOutcome(node_id=nid, placement_id=part.placement_id, outcome=o,  # type: ignore[arg-type]
-                               refused_gpus=gpus or [], detail=detail)
+        if self._snap is None:
+            self.gpu_snapshot()
         if part.node_id != nid:
-            return out("refused_spec", "addressed to another node")
+            return _outcome(nid, part, "refused_spec", "addressed to another node")
         if part.expires_at and now > part.expires_at:
-            return out("expired", "arrived after its expiry")
-        if part.pods and part.inventory != self._inventory:
-            return out("expired", "inventory changed")
+            return _outcome(nid, part, "expired", "arrived after its expiry")
+        pods = part.pods
+        if pods and part.inventory != self._inventory:
+            return _outcome(nid, part, "expired", "inventory changed")
         uu = self._uuid_list
         n = len(uu)
-        for pod in part.pods:
-            for s in pod.gpu_indices:
-                if not 0 <= s < n:
-                    return out("refused_spec", f"GPU slot out of range for {pod.workload_id}")
+        for pod in pods:
+            ix = pod.gpu_indices
+            if ix and (min(ix) < 0 or max(ix) >= n):
+                return _outcome(nid, part, "refused_spec", f"GPU slot out of range for {pod.workload_id}")
         if self.refuse == "refused_spec":
-            return out("refused_spec", "emulated: refusing the spec")
-        if self.refuse == "refused_gpus" and part.pods:
-            return out("refused_gpus", "emulated: GPUs refused", [uu[part.pods[0].gpu_indices[0]]])
+            return _outcome(nid, part, "refused_spec", "emulated: refusing the spec")
+        if self.refuse == "refused_gpus" and pods:
+            return NodeOutcome(node_id=nid, placement_id=part.placement_id, outcome="refused_gpus",
+                               refused_gpus=[uu[pods[0].gpu_indices[0]]], detail="emulated: GPUs refused")
         fresh = []
-        for pod in part.pods:
-            if pod.workload_id in self.workloads:
+        wl = self.workloads
+        for pod in pods:
+            wid = pod.workload_id
+            if wid in wl:
                 continue  # idempotent (the same part again, or its HTTP fallback first)
-            self.workloads[pod.workload_id] = WorkloadStatus(
-                workload_id=pod.workload_id, job_id=part.job_id, placement_id=part.placement_id, rank=pod.rank,
-                gpus=[uu[s] for s in pod.gpu_indices], state="accepted", created_at=now, updated_at=now)
-            fresh.append(pod.workload_id)
-        self.fleet.stats.told(len(part.victims), now)
+            ix = pod.gpu_indices
+            # a whole node's pod (the big gangs' shape) shares the node's UUID list (never mutated)
+            gpus = uu if len(ix) == n and ix == self._all_slots else [uu[s] for s in ix]
+            wl[wid] = WorkloadStatus(workload_id=wid, job_id=part.job_id, placement_id=part.placement_id,
+                                     rank=pod.rank, gpus=gpus, state="accepted", created_at=now, updated_at=now)
+            fresh.append(wid)
+        if part.victims:
+            self.fleet.stats.told(len(part.victims), now)
         if fresh or part.victims:
             later.append((self, fresh, part))
-        return out("accepted")
+        return NodeOutcome(node_id=nid, placement_id=part.placement_id, outcome="accepted")
 
     def _event(self, wid: str, state: str, **kw: Any) -> None:
         w = self.workloads.get(wid)
@@ -348,6 +357,21 @@ class EmulatedNode:
         await trio.sleep(min(v.grace_s, self.fleet.timing.stop_s))
         final = "preempted" if v.reason.startswith("preempt") else "exited"  # as agent/supervisor.py
         self._event(v.workload_id, final, exit_code=None if final == "preempted" else 0, reason=v.reason)
+
+
+def _outcome(nid: str, part: NodePart, o: str, detail: str) -> NodeOutcome:
+    return NodeOutcome(node_id=nid, placement_id=part.placement_id, outcome=o, detail=detail)  # type: ignore[arg-type]
+
+
+def _with_mac(key: bytes, rep: NodeReport) -> NodeReport:
+    """``rep`` (not empty, ``mac`` unset) with its MAC as msgauth.report_mac computes it: one
+    canonical encoding, where ``msgauth.with_report_mac`` first round-trips the report to
+    normalise number types (an int in a float field). The emulator builds its reports with
+    exact types (times from ``time.time()``), so the round trip changes nothing here; it was
+    ~2/3 of the cost of a member's event report, the largest per-member cost of a delivery in
+    the emulator (tests/test_fleet_relay_events.py checks that the placer's check accepts these)."""
+    return msgspec.structs.replace(
+        rep, mac=blake3.blake3(b"report\0" + _canon.encode(rep), key=key).digest(MAC_LEN))
 
 
 # ---------------------------------------------------------------- one emulated rack relay
@@ -461,6 +485,7 @@ class EmulatedRelay:
         if self._verifier is None or self._verifier.public != self.placer_key:
             self._verifier = BundleVerifier(self.placer_key)
         self.fleet.bundles_seen += 1
+        self.fleet.hold_gc()
         try:
             if self.fleet.bundles_seen % VERIFY_EVERY == 1:  # (the first, then one in VERIFY_EVERY: see above)
                 rb, parts, _ = self._verifier.bundle(fr.payload)
@@ -545,7 +570,7 @@ class EmulatedRelay:
             return msgspec.structs.replace(base, boot_id=m.boot_id, seq=m.seq)
         rep = NodeReport(node_id=m.slot.node_id, boot_id=m.boot_id, seq=m.seq, full=False,
                          events=events or [], sent_at=time.time())
-        return with_report_mac(m.mac_key, rep) if m.mac_key else rep
+        return _with_mac(m.mac_key, rep) if m.mac_key else rep
 
     async def _exchange(self, m: EmulatedNode, *, full: bool, events: list[WorkloadEvent] | None = None
                         ) -> WireReply | None:
@@ -576,6 +601,9 @@ class EmulatedRelay:
             while self.channel is not None:
                 wr = await self._exchange(m, full=True) if own else await self._register_direct(m)
                 if wr is not None and wr.status == 200:
+                    if not m.counted:
+                        m.counted = True
+                        self.fleet.member_registered()
                     self.registered += 1
                     m.registered = True
                     if m.slot.node_id in self._pending:
@@ -766,6 +794,23 @@ class FleetStats:
         j.last_at = at
 
 
+class GcClock:
+    """Seconds this process spent in the cyclic collector, for /stats (the process's main
+    appends :meth:`callback` to ``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.collections = 0
+        self._t0 = 0.0
+
+    def callback(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+            self.collections += 1
+
+
 # ---------------------------------------------------------------- the fleet
 
 @dataclass(frozen=True, slots=True)
@@ -825,6 +870,37 @@ class Fleet:
         # with its turn.
         self._tls_connects = trio.CapacityLimiter(128)
         self._tls_threads = trio.CapacityLimiter(32)   # members' blocking registrations (_register_blocking)
+        self.registered_once = 0                       # relay mode: members registered (first time each)
+        self.gc = GcClock()
+        self.gc_held_until = 0.0                       # relay mode: the collector is off until then
+
+    def member_registered(self) -> None:
+        """Once every member has registered, its long-lived state (reports' answers, keys,
+        links) is moved out of the cyclic collector's sight, as the snapshots were at start:
+        otherwise the collections a delivery's burst of objects sets off walk it all again
+        (the emulator's cost, not the placer's)."""
+        self.registered_once += 1
+        if self.registered_once == len(self.nodes):
+            gc.collect(1)
+            gc.freeze()
+
+    def hold_gc(self) -> None:
+        """A bundle came: the collector stays off while this process's relays are busy with a
+        delivery (its burst of young objects would set off collections that walk them all,
+        ~25-40 % of the emulator's CPU in a 16,384-node delivery's window, measured with
+        /stats' gc_s) and runs once they are quiet (:meth:`_gc_when_idle`). The placer does the
+        same during its deliveries; the emulator's CPU stands in for thousands of hosts'."""
+        if gc.isenabled():
+            gc.disable()
+            self.spawn(self._gc_when_idle)
+        self.gc_held_until = trio.current_time() + GC_HOLD_S
+
+    async def _gc_when_idle(self) -> None:
+        try:
+            while trio.current_time() < self.gc_held_until:
+                await trio.sleep_until(self.gc_held_until)
+        finally:
+            gc.enable()
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._nursery is not None
@@ -1029,7 +1105,7 @@ class Fleet:
             "first_event_at": st.first_event_at, "last_event_at": st.last_event_at,
             "shared_wires": [{"connects": s.connects, "breaks": s.breaks, "exchanges": s.exchanges}
                              for s in self.shared],
-            "open_fds": _open_fds(),
+            "open_fds": _open_fds(), "gc_s": self.gc.seconds, "gc_collections": self.gc.collections,
         }
         if self.relays:
             rs = self.relays
@@ -1165,6 +1241,7 @@ class _BlobHost:
 
 
 WIRE_CONNECT_S = 60.0   # an emulated node's framed-channel connect deadline (AgentLink's default)
+GC_HOLD_S = 2.0         # relay mode: the collector stays off this long after the last bundle (Fleet.hold_gc)
 
 _wire_reply = msgspec.json.Decoder(WireReply)
 
@@ -1253,6 +1330,7 @@ async def _main(cfg: FleetConfig, tokens: TokenSet, go_now: bool, seconds: float
         gc.collect()
         gc.freeze()
         gc.set_threshold(50_000, 20, 100)
+        gc.callbacks.append(fleet.gc.callback)
         sys.stdout.write(json.dumps({"ready": True, "control": control, "nodes": cfg.nodes,
                                      "offset": cfg.offset, "pid": _pid()}) + "\n")
         sys.stdout.flush()

@@ -140,3 +140,74 @@ async def test_a_members_reports_leave_in_its_events_order_when_the_limiter_is_f
         assert [st for _, st in sorted(mine)] in ([["fetching"], ["running"]], [["fetching", "running"]]), mine
         theirs = [(seq, states) for node, seq, states in _events(ch) if node == other.slot.node_id]
         assert [e for _, st in sorted(theirs) for e in st] == ["fetching", "running"], theirs
+
+
+def test_event_reports_carry_the_mac_the_placer_checks():
+    """The emulator MACs its members' event reports with one canonical encoding (no
+    normalising round trip): the placer's check (msgauth.report_ok, after the frame's decode)
+    accepts every kind of event it sends, and refuses one changed after its MAC."""
+    from scheduler_link.messages import NodeReport, WorkloadEvent
+    from scheduler_link.msgauth import node_key, report_ok
+    from testing.fleet import _with_mac
+
+    key = node_key(b"m" * 32, "hz00-b000-r00-n00", "boot-1")
+    evs = [WorkloadEvent(workload_id="j.1.0", job_id="j", state="fetching", at=1_700_000_000.25, gpus=["GPU-a"],
+                         placement_id="start:j:1:hz00-b000-r00-n00"),
+           WorkloadEvent(workload_id="j.1.0", job_id="j", state="exited", at=1_700_000_001.5, exit_code=0,
+                         reason="preempted by big", gpus=[])]
+    for events in ([evs[0]], evs):
+        rep = _with_mac(key, NodeReport(node_id="hz00-b000-r00-n00", boot_id="boot-1", seq=7, full=False,
+                                        events=events, sent_at=1_700_000_002.0))
+        wire = msgspec.msgpack.decode(msgspec.msgpack.encode(RackReports(rack="r", reports=[rep])), type=RackReports)
+        assert report_ok(key, wire.reports[0])
+        forged = msgspec.structs.replace(wire.reports[0], seq=8)
+        assert not report_ok(key, forged)
+
+
+def test_place_part_checks_slots_and_names_the_gpus_it_was_given():
+    """A whole node's part and a part of two slots: the workloads hold exactly the UUIDs of
+    their slots; a slot out of range and a stale inventory are refused, nothing recorded."""
+    from scheduler_link.messages import NodePart, PartPod
+
+    fleet, relay = _relay()
+    m = relay.members[0]
+    m.workloads.clear()
+    m.gpu_snapshot()
+    uu = m._uuid_list
+
+    def part(pid: str, slots: list[int], inventory: str | None = None) -> NodePart:
+        return NodePart(placement_id=pid, node_id=m.slot.node_id, job_id="g", attempt=1,
+                        pods=[PartPod(workload_id=f"{pid}.w", rank=0, gpu_indices=slots)],
+                        expires_at=2e9, inventory=m._inventory if inventory is None else inventory)
+    later: list[Any] = []
+    assert m.place_part(part("a", list(range(len(uu)))), 1e9, later).outcome == "accepted"
+    assert m.place_part(part("b", [5, 2]), 1e9, later).outcome == "accepted"
+    assert m.workloads["a.w"].gpus == uu and m.workloads["b.w"].gpus == [uu[5], uu[2]]
+    bad = m.place_part(part("c", [0, len(uu)]), 1e9, later)
+    assert (bad.outcome, "c.w" in m.workloads) == ("refused_spec", False)
+    assert m.place_part(part("d", [-1]), 1e9, later).outcome == "refused_spec"
+    assert m.place_part(part("e", [0], inventory="other"), 1e9, later).outcome == "expired"
+    assert m.place_part(part("a", list(range(len(uu)))), 1e9, later).outcome == "accepted"  # idempotent
+    assert [w for _, fresh, _ in later for w in fresh] == ["a.w", "b.w"]
+
+
+async def test_the_collector_is_off_while_bundles_come_and_back_once_they_stop(autojump_clock):
+    import gc
+
+    from testing.fleet import GC_HOLD_S
+
+    fleet, _ = _relay()
+    assert gc.isenabled()
+    try:
+        async with trio.open_nursery() as n:
+            fleet._nursery = n
+            fleet.hold_gc()
+            assert not gc.isenabled()
+            await trio.sleep(GC_HOLD_S * 0.75)
+            fleet.hold_gc()                      # another bundle: the hold starts again
+            await trio.sleep(GC_HOLD_S * 0.75)
+            assert not gc.isenabled()
+            await trio.sleep(GC_HOLD_S * 0.5)
+            assert gc.isenabled()
+    finally:
+        gc.enable()

@@ -102,3 +102,37 @@ async def test_beats_held_back_during_a_delivery_never_make_a_node_lost(tmp_path
     # and silence is still silence: nothing heard after 104.9, 3 s later they are lost
     svc._tick(108.0)
     assert {n: svc.state.nodes[n].state for n in keys} == {n: "lost" for n in keys}
+
+
+async def test_a_beat_answered_late_counts_its_deadline_from_the_answer(tmp_path) -> None:
+    """A relay sends its next beat an interval after the answer to its last (agent/relay.py
+    awaits it): a beat the placer held back and answered 5 s after it arrived must not make
+    its nodes lost before the next one can come (at 131,072 nodes under load, beats held
+    ~10 s made 479,786 'node lost' lines right after the delivery). Its nodes were seen when
+    it arrived; their deadline runs from the answer."""
+    now = [100.0]
+    svc = PlacerService(PlacerConfig(state_dir=str(tmp_path), heartbeat_s=1.0, lost_after_missed=3),
+                        TokenSet(), clock=lambda: now[0])
+    keys = {}
+    for node in ("relay0", "n1"):
+        st, reply = svc._ingest(node, _full(node, f"boot-{node}"))
+        assert st == 200 and reply.mac_key
+        keys[node] = reply.mac_key
+    ch = FakeChannel("relay0")
+    ch.info = RelayConn("relay0", ("/".join(RACK),), None, ch)  # type: ignore[arg-type]
+    hub = svc.relays
+    hub._delivering = 1
+    now[0] = 100.9
+    ids = list(keys)
+    b = RackBeat(rack="/".join(RACK), node_ids=ids, boot_ids=[f"boot-{n}" for n in ids], seqs=[2, 2],
+                 sent_at=now[0], macs=[beat_mac(keys[n], n, f"boot-{n}", 2) for n in ids])
+    assert hub._handle(ch, _frame("beat", b, 1)) is None  # type: ignore[arg-type]  # held back
+    now[0] = 106.0        # the delivery is in: the beat is applied and answered 5.1 s after it came
+    hub._delivering = 0
+    await hub._drain_deferred()
+    assert [(t, re) for t, _, re in ch.sent] == [("beat_reply", 1)]
+    assert all(svc.state.nodes[n].last_seen == 100.9 for n in ids)   # seen when it arrived
+    svc._tick(108.5)      # 7.6 s after it arrived, 2.5 s after its answer: the next may still come
+    assert {n: svc.state.nodes[n].state for n in ids} == {n: "up" for n in ids}
+    svc._tick(109.5)      # lost_after (3 s) after the answer, nothing since: lost
+    assert {n: svc.state.nodes[n].state for n in ids} == {n: "lost" for n in ids}

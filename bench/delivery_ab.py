@@ -1,0 +1,96 @@
+"""Same-run A/B of bench.delivery: the relay rows of two trees, alternating.
+
+    python -m bench.delivery_ab --base-root /path/to/baseline/tree [--nodes 16384] [--reps 3] [--json]
+
+Each rep runs ``python -m bench.delivery --nodes N --no-baseline --no-preempt --json`` (this
+tree's bench driver) once with ``--placer-root`` = the baseline tree and once with this tree,
+in alternating order (base, new, new, base, ...), so both see the same machine. Per phase
+(``empty``, ``hung``) it reports the medians of submit -> acked, decide, bookkeeping, delivery
+and the placer's and the emulators' CPU-s to acked, with the 1-minute load before each run.
+Every run is bounded (``--limit-s``); traffic stays on loopback (bench.delivery's rules).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+KEYS = ("submit_to_acked_ms", "decide_ms", "bookkeeping_ms", "delivery_ms", "placer_cpu_to_acked_s",
+        "emulator_cpu_to_acked_s")
+PHASES = ("empty", "hung")
+
+
+def one(root: Path, a: argparse.Namespace) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "bench.delivery", "--nodes", str(a.nodes), "--fleet", a.fleet, "--no-baseline",
+           "--no-preempt", "--steady-s", str(a.steady_s), "--json", "--placer-root", str(root)]
+    load = os.getloadavg()[0]
+    p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
+                       text=True, timeout=a.limit_s)
+    if p.returncode != 0:
+        return {"error": p.stderr[-2000:], "load": load}
+    out = json.loads(p.stdout)
+    row = out["rows"][0]
+    res: dict[str, Any] = {"load": load, "load_after": os.getloadavg()[0]}
+    for ph in PHASES:
+        d = row.get(ph) or {}
+        res[ph] = {k: d.get(k) for k in KEYS}
+        res[ph]["fallback_nodes"] = d.get("fallback_nodes")
+        res[ph]["last_delivery"] = d.get("last_delivery")
+        res[ph]["emulator_diag"] = d.get("emulator_diag")
+    res["steady_placer_cpu_frac"] = (row.get("steady") or {}).get("placer_cpu_frac")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.delivery_ab", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--base-root", required=True, help="the baseline tree (e.g. a `git archive` of main)")
+    ap.add_argument("--new-root", default=str(ROOT), help="the tree measured against it (default: this one)")
+    ap.add_argument("--nodes", type=int, default=16384)
+    ap.add_argument("--fleet", choices=["h100", "gb200"], default="h100")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steady-s", type=float, default=3.0)
+    ap.add_argument("--limit-s", type=float, default=900.0, help="bound on each run (s)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    runs: dict[str, list[dict[str, Any]]] = {"base": [], "new": []}
+    order: list[str] = []
+    for r in range(max(1, a.reps)):
+        order += [("base", "new"), ("new", "base")][r % 2]
+    for who in order:
+        res = one(Path(a.base_root) if who == "base" else Path(a.new_root), a)
+        runs[who].append(res)
+        e = res.get("empty", {})
+        print(f"[bench.delivery_ab] {who} load={res['load']:.2f} acked_ms={e.get('submit_to_acked_ms')} "
+              f"placer_cpu={e.get('placer_cpu_to_acked_s')} emu_cpu={e.get('emulator_cpu_to_acked_s')}",
+              file=sys.stderr, flush=True)
+    med: dict[str, Any] = {}
+    for who, rs in runs.items():
+        ok = [r for r in rs if "error" not in r]
+        med[who] = {ph: {k: statistics.median(v) if (v := [r[ph][k] for r in ok if r[ph].get(k) is not None]) else None
+                         for k in KEYS} for ph in PHASES}
+        med[who]["loads"] = [round(r["load"], 2) for r in rs]
+    out = {"nodes": a.nodes, "fleet": a.fleet, "reps": a.reps, "base_root": a.base_root, "new_root": a.new_root,
+           "medians": med, "runs": runs}
+    if a.json:
+        print(json.dumps(out))
+    else:
+        print(f"bench.delivery A/B, {a.fleet} {a.nodes:,} nodes, medians of {a.reps} (alternating; loads per run)")
+        for ph in PHASES:
+            print(f"  {ph}:")
+            for who in ("base", "new"):
+                m = med[who][ph]
+                print(f"    {who:4s} " + " ".join(f"{k}={m[k]:.2f}" if m[k] is not None else f"{k}=-" for k in KEYS))
+        for who in ("base", "new"):
+            print(f"  {who} loads: {med[who]['loads']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
