@@ -18,7 +18,7 @@ import importlib.util
 import mmap
 import os
 import stat
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -26,6 +26,7 @@ import blake3
 
 from .errors import ChunkerUnavailable, ManifestError
 from .model import CHUNKER_NAME, CHUNKER_VERSION, ChunkerParams
+from .window import Window, WindowPool
 
 WINDOW = 256 * 1024 * 1024
 """Bytes of a file mapped at once (must exceed the largest max_size)."""
@@ -162,6 +163,52 @@ def chunk_fd(fd: int, size: int, params: ChunkerParams) -> list[ChunkRef]:
             raise ManifestError("chunker made no progress")
         pos = nxt
     return out
+
+
+def chunk_windows(fd: int, size: int, params: ChunkerParams, pool: WindowPool,
+                  name: str = "file") -> Iterator[tuple[Window, memoryview, list[ChunkRef]]]:
+    """Chunk the first ``size`` bytes of an open regular file, reading it into windows of
+    ``pool``: yields ``(window, view, refs)`` per window, ``view`` holding the file's bytes
+    from ``refs[0].offset`` on (``view[c.offset - refs[0].offset:][:c.size]`` is chunk
+    ``c``), as soon as the window is chunked. The generator holds one hold on the window
+    until it is resumed; a caller handing chunks on takes a hold per chunk first
+    (:meth:`Window.hold`). Cut points equal :func:`chunk_fd`'s (a window restarts at the
+    last chunk the window before may have cut short, whose bytes are carried over).
+    Raises ManifestError if the file shrinks while being read.
+    """
+    if size == 0:
+        return
+    step = pool.window_bytes
+    if step < 4 * params.max_size:
+        raise ValueError(f"windows of {step} bytes are too small for max_size {params.max_size}")
+    pos = 0
+    carry = b""
+    while pos < size:
+        n = min(size - pos, step)
+        win = pool.acquire(n)
+        try:
+            with memoryview(win.buf) as whole:
+                view = whole[:n]
+                filled = len(carry)
+                view[:filled] = carry
+                carry = b""
+                while filled < n:
+                    got = os.preadv(fd, [view[filled:]], pos + filled)
+                    if got <= 0:
+                        raise ManifestError(f"{name!r} shrank while it was being read ({pos + filled} of {size} bytes)")
+                    filled += got
+                final = pos + n >= size
+                refs: list[ChunkRef] = []
+                nxt = _chunk_view(view, params, pos, refs, final)
+                if nxt <= pos:  # cannot happen with windows > max_size; guards an endless loop
+                    raise ManifestError("chunker made no progress")
+                if not final:
+                    carry = bytes(view[nxt - pos:])
+                yield win, view, refs
+                view.release()
+        finally:
+            win.release()
+        pos = nxt
 
 
 def chunk_file(path: str | os.PathLike[str], params: ChunkerParams | None = None) -> list[ChunkRef]:

@@ -149,3 +149,72 @@ def test_pure_python_fallback_is_refused_with_one_line(tmp_path: Path) -> None:
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("REFUSED:"), out.stdout
     assert "compiled kernel" in lines[0]
+
+
+def test_read_windows_cut_where_one_pass_does_and_hold_the_hashed_bytes(tmp_path: Path) -> None:
+    """chunk_windows (the scan's path) reads the file into pooled windows of 4 * max_size:
+    the cut points equal one pass over the whole buffer, each view holds exactly the bytes
+    its chunks were hashed from, and every window goes back to the pool once released."""
+    from manifests.window import WindowPool
+
+    data = _data(5 << 20, seed=7)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    pool = WindowPool(window_bytes=4 * SMALL.max_size, budget_bytes=128 * SMALL.max_size)  # room for all
+    refs: list[ChunkRef] = []
+    held = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for win, view, got in chunking.chunk_windows(fd, len(data), SMALL, pool, str(path)):
+            assert got and view.nbytes >= sum(r.size for r in got)
+            win.hold(len(got))
+            for r in got:
+                held.append((r, view[r.offset - got[0].offset:][:r.size], win))
+            refs.extend(got)
+    finally:
+        os.close(fd)
+    assert refs == chunk_buffer(data, SMALL)
+    assert pool.used_bytes > 0            # the views still hold their windows
+    for r, v, win in held:
+        assert blake3.blake3(v).hexdigest() == r.id
+        v.release()
+        win.release()
+    assert pool.used_bytes == 0
+
+
+def test_window_pool_blocks_until_released_and_close_frees_a_waiter() -> None:
+    """acquire waits while the budget is spent (calling on_wait once), returns once a
+    window is released, and raises WindowPoolClosed when the pool is closed meanwhile."""
+    import threading
+
+    from manifests.window import WindowPool, WindowPoolClosed
+
+    told: list[int] = []
+    pool = WindowPool(window_bytes=1 << 20, budget_bytes=2 << 20, on_wait=lambda: told.append(1), wait_s=0.01)
+    a = pool.acquire(1 << 20)
+    b = pool.acquire(1 << 20)
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(pool.acquire(1 << 20)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and told == [1]   # blocked, and said so once
+    a.release()
+    t.join(5)
+    assert not t.is_alive() and len(got) == 1
+    errors: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            pool.acquire(1 << 20)
+        except WindowPoolClosed as e:
+            errors.append(e)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    t.join(0.1)
+    pool.close()
+    t.join(5)
+    assert not t.is_alive() and len(errors) == 1
+    b.release()
+    with pytest.raises(ValueError):
+        pool.acquire(2 << 20)
