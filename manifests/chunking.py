@@ -19,6 +19,7 @@ import mmap
 import os
 import stat
 from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -165,8 +166,28 @@ def chunk_fd(fd: int, size: int, params: ChunkerParams) -> list[ChunkRef]:
     return out
 
 
+def _cut_view(view: memoryview, params: ChunkerParams, base: int, final: bool) -> tuple[list[tuple[int, int]], int]:
+    """Cut points only (no hashing) of ``view``: ``([(file offset, size)], next start)``,
+    as :func:`_chunk_view` (the last, possibly short, chunk left out unless ``final``)."""
+    gen = _kernel()(view, params.min_size, params.avg_size, params.max_size, False, None)
+    try:
+        cuts = [(base + c.offset, c.length) for c in gen]
+    finally:
+        gen.close()
+        del gen
+    if final or not cuts:
+        return cuts, base + len(view)
+    return cuts[:-1], cuts[-1][0]
+
+
+def _hash_cuts(view: memoryview, base: int, cuts: list[tuple[int, int]]) -> list[ChunkRef]:
+    # BLAKE3 releases the GIL for each chunk: the scan thread cuts the next window meanwhile
+    return [ChunkRef(blake3.blake3(view[off - base:off - base + n]).hexdigest(), off, n) for off, n in cuts]
+
+
 def chunk_windows(fd: int, size: int, params: ChunkerParams, pool: WindowPool,
-                  name: str = "file") -> Iterator[tuple[Window, memoryview, list[ChunkRef]]]:
+                  name: str = "file", hasher: Executor | None = None,
+                  ) -> Iterator[tuple[Window, memoryview, list[ChunkRef]]]:
     """Chunk the first ``size`` bytes of an open regular file, reading it into windows of
     ``pool``: yields ``(window, view, refs)`` per window, ``view`` holding the file's bytes
     from ``refs[0].offset`` on (``view[c.offset - refs[0].offset:][:c.size]`` is chunk
@@ -174,21 +195,27 @@ def chunk_windows(fd: int, size: int, params: ChunkerParams, pool: WindowPool,
     until it is resumed; a caller handing chunks on takes a hold per chunk first
     (:meth:`Window.hold`). Cut points equal :func:`chunk_fd`'s (a window restarts at the
     last chunk the window before may have cut short, whose bytes are carried over).
-    Raises ManifestError if the file shrinks while being read.
+
+    ``hasher``: an executor (one thread) that hashes a window's chunks while this thread
+    reads and cuts the next one (the cut holds the GIL, BLAKE3 does not); windows are then
+    yielded one behind. Raises ManifestError if the file shrinks while being read.
     """
     if size == 0:
         return
     step = pool.window_bytes
+    if size <= step:
+        hasher = None   # one window: nothing to overlap the hash with
     if step < 4 * params.max_size:
         raise ValueError(f"windows of {step} bytes are too small for max_size {params.max_size}")
     pos = 0
     carry = b""
-    while pos < size:
-        n = min(size - pos, step)
-        win = pool.acquire(n)
-        try:
-            with memoryview(win.buf) as whole:
-                view = whole[:n]
+    prev: tuple[Window, memoryview, Future[list[ChunkRef]]] | None = None
+    try:
+        while pos < size:
+            n = min(size - pos, step)
+            win = pool.acquire(n)
+            try:
+                view = memoryview(win.buf)[:n]
                 filled = len(carry)
                 view[:filled] = carry
                 carry = b""
@@ -198,17 +225,46 @@ def chunk_windows(fd: int, size: int, params: ChunkerParams, pool: WindowPool,
                         raise ManifestError(f"{name!r} shrank while it was being read ({pos + filled} of {size} bytes)")
                     filled += got
                 final = pos + n >= size
-                refs: list[ChunkRef] = []
-                nxt = _chunk_view(view, params, pos, refs, final)
+                cuts, nxt = _cut_view(view, params, pos, final)
                 if nxt <= pos:  # cannot happen with windows > max_size; guards an endless loop
                     raise ManifestError("chunker made no progress")
                 if not final:
                     carry = bytes(view[nxt - pos:])
-                yield win, view, refs
-                view.release()
-        finally:
-            win.release()
-        pos = nxt
+            except BaseException:
+                win.release()
+                raise
+            if hasher is None:
+                refs = _hash_cuts(view, pos, cuts)
+                try:
+                    yield win, view, refs
+                finally:
+                    win.release()
+            else:
+                fut = hasher.submit(_hash_cuts, view, pos, cuts)
+                if prev is not None:
+                    pw, pv, pf = prev
+                    prev = None
+                    try:
+                        yield pw, pv, pf.result()
+                    finally:
+                        pw.release()
+                prev = (win, view, fut)
+            pos = nxt
+        if prev is not None:
+            pw, pv, pf = prev
+            prev = None
+            try:
+                yield pw, pv, pf.result()
+            finally:
+                pw.release()
+    finally:
+        if prev is not None:   # an error or an abandoned generator: wait for the hash, drop the hold
+            prev[2].cancel()
+            try:
+                prev[2].result()
+            except BaseException:  # noqa: S110 - the error that got us here is the one raised
+                pass
+            prev[0].release()
 
 
 def chunk_file(path: str | os.PathLike[str], params: ChunkerParams | None = None) -> list[ChunkRef]:

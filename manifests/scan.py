@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -110,48 +111,53 @@ def scan_tree(root: Path, params: ChunkerParams | None = None, *,
     others: list[tuple[str, str, str]] = []  # (path, kind, target)
     stack: list[tuple[str, str]] = [(os.fspath(root), "")]
     count = 0
-    while stack:
-        dir_os, dir_rel = stack.pop()
-        try:
-            with os.scandir(dir_os) as it:
-                children = list(it)
-        except OSError as exc:
-            raise ManifestError(f"cannot list {dir_os!r}: {exc.strerror}") from None
-        for de in children:
-            name = de.name
+    # hashes one window's chunks while this thread reads and cuts the next
+    hasher = ThreadPoolExecutor(1, thread_name_prefix="herd-scan-hash")
+    try:
+        while stack:
+            dir_os, dir_rel = stack.pop()
             try:
-                name.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ManifestError(
-                    f"{os.path.join(dir_os, name)!r}: file name is not valid UTF-8"
-                ) from None
-            rel = f"{dir_rel}/{name}" if dir_rel else name
-            count += 1
-            if count > MAX_ENTRIES:
-                raise ManifestError(f"{str(root)!r} holds more than {MAX_ENTRIES} entries")
-            try:
-                st = de.stat(follow_symlinks=False)
+                with os.scandir(dir_os) as it:
+                    children = list(it)
             except OSError as exc:
-                raise ManifestError(f"cannot stat {de.path!r}: {exc.strerror}") from None
-            mode = st.st_mode
-            if stat.S_ISREG(mode):
-                refs = _chunk_path(de.path, st, params, pool, sources, on_chunks)
-                files.append((rel, normalise_file_mode(mode), [(r.id, r.size) for r in refs]))
-            elif stat.S_ISDIR(mode):
-                others.append((rel, "dir", ""))
-                stack.append((de.path, rel))
-            elif stat.S_ISLNK(mode):
+                raise ManifestError(f"cannot list {dir_os!r}: {exc.strerror}") from None
+            for de in children:
+                name = de.name
                 try:
-                    target = os.readlink(de.path)
-                except OSError as exc:
-                    raise ManifestError(f"cannot read symlink {de.path!r}: {exc.strerror}") from None
-                if os.path.isabs(target):
+                    name.encode("utf-8")
+                except UnicodeEncodeError:
                     raise ManifestError(
-                        f"{de.path!r}: absolute symlink target {target!r} (only relative targets inside the tree are kept)"
-                    )
-                others.append((rel, "symlink", target))
-            else:
-                raise ManifestError(f"{de.path!r}: {_kind_name(mode)} not supported in an artifact")
+                        f"{os.path.join(dir_os, name)!r}: file name is not valid UTF-8"
+                    ) from None
+                rel = f"{dir_rel}/{name}" if dir_rel else name
+                count += 1
+                if count > MAX_ENTRIES:
+                    raise ManifestError(f"{str(root)!r} holds more than {MAX_ENTRIES} entries")
+                try:
+                    st = de.stat(follow_symlinks=False)
+                except OSError as exc:
+                    raise ManifestError(f"cannot stat {de.path!r}: {exc.strerror}") from None
+                mode = st.st_mode
+                if stat.S_ISREG(mode):
+                    refs = _chunk_path(de.path, st, params, pool, sources, on_chunks, hasher)
+                    files.append((rel, normalise_file_mode(mode), [(r.id, r.size) for r in refs]))
+                elif stat.S_ISDIR(mode):
+                    others.append((rel, "dir", ""))
+                    stack.append((de.path, rel))
+                elif stat.S_ISLNK(mode):
+                    try:
+                        target = os.readlink(de.path)
+                    except OSError as exc:
+                        raise ManifestError(f"cannot read symlink {de.path!r}: {exc.strerror}") from None
+                    if os.path.isabs(target):
+                        raise ManifestError(
+                            f"{de.path!r}: absolute symlink target {target!r} (only relative targets inside the tree are kept)"
+                        )
+                    others.append((rel, "symlink", target))
+                else:
+                    raise ManifestError(f"{de.path!r}: {_kind_name(mode)} not supported in an artifact")
+    finally:
+        hasher.shutdown(wait=True)
 
     builder = ManifestBuilder(params)
     for path, mode, chunks in files:
@@ -168,7 +174,7 @@ def scan_tree(root: Path, params: ChunkerParams | None = None, *,
 
 def _chunk_path(path: str, st: os.stat_result, params: ChunkerParams, pool: WindowPool,
                 sources: dict[str, ChunkSource],
-                on_chunks: Callable[[list[ScannedChunk]], None] | None) -> list[ChunkRef]:
+                on_chunks: Callable[[list[ScannedChunk]], None] | None, hasher: Executor) -> list[ChunkRef]:
     """Chunk one file window by window, recording each chunk first seen in ``sources``
     and handing those on (with the window's bytes) as each window is chunked."""
     try:
@@ -181,7 +187,7 @@ def _chunk_path(path: str, st: os.stat_result, params: ChunkerParams, pool: Wind
         before = os.fstat(fd)
         if not stat.S_ISREG(before.st_mode) or before.st_ino != st.st_ino:
             raise ManifestError(f"{path!r} changed while the tree was being scanned")
-        for win, view, got in chunk_windows(fd, before.st_size, params, pool, path):
+        for win, view, got in chunk_windows(fd, before.st_size, params, pool, path, hasher):
             refs.extend(got)
             fresh: list[ScannedChunk] = []
             base = got[0].offset if got else 0

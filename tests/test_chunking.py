@@ -151,11 +151,17 @@ def test_pure_python_fallback_is_refused_with_one_line(tmp_path: Path) -> None:
     assert "compiled kernel" in lines[0]
 
 
-def test_read_windows_cut_where_one_pass_does_and_hold_the_hashed_bytes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("hashing", ["inline", "thread"])
+def test_read_windows_cut_where_one_pass_does_and_hold_the_hashed_bytes(tmp_path: Path, hashing: str) -> None:
     """chunk_windows (the scan's path) reads the file into pooled windows of 4 * max_size:
     the cut points equal one pass over the whole buffer, each view holds exactly the bytes
-    its chunks were hashed from, and every window goes back to the pool once released."""
+    its chunks were hashed from, and every window goes back to the pool once released;
+    likewise with the hashes computed on a thread while the next window is cut."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from manifests.window import WindowPool
+
+    hasher = ThreadPoolExecutor(1) if hashing == "thread" else None
 
     data = _data(5 << 20, seed=7)
     path = tmp_path / "f"
@@ -165,7 +171,7 @@ def test_read_windows_cut_where_one_pass_does_and_hold_the_hashed_bytes(tmp_path
     held = []
     fd = os.open(path, os.O_RDONLY)
     try:
-        for win, view, got in chunking.chunk_windows(fd, len(data), SMALL, pool, str(path)):
+        for win, view, got in chunking.chunk_windows(fd, len(data), SMALL, pool, str(path), hasher):
             assert got and view.nbytes >= sum(r.size for r in got)
             win.hold(len(got))
             for r in got:
@@ -173,6 +179,8 @@ def test_read_windows_cut_where_one_pass_does_and_hold_the_hashed_bytes(tmp_path
             refs.extend(got)
     finally:
         os.close(fd)
+        if hasher is not None:
+            hasher.shutdown()
     assert refs == chunk_buffer(data, SMALL)
     assert pool.used_bytes > 0            # the views still hold their windows
     for r, v, win in held:
