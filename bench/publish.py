@@ -16,6 +16,8 @@ removed, then ``sync``):
   must write the bytes twice (store and tree).
 - ``write_1x`` / ``write_2x``: the baseline, a durable sequential write of those bytes in
   8 MiB blocks to one new file, then one fsync (the disk's best case).
+- ``publish_inproc`` (``--ab``): publish with the scan's cut in its own process (the
+  baseline before the cut worker, :mod:`manifests.cutworker`), alternated with ``publish``.
 - ``casync``: ``casync make`` of the same tree into a new chunk store, where casync is
   installed (skipped, and said so, where not).
 
@@ -44,6 +46,7 @@ from typing import Any
 import numpy as np
 import trio
 
+import manifests.scan as scan_mod
 from bench.artifacts import _force_rm, generate_v1
 from p2p.fetch import fetch_artifact
 from p2p.origins import FileOrigin
@@ -88,7 +91,8 @@ def _settle(*paths: Path) -> None:
     os.sync()
 
 
-def run(size_mb: int, repeat: int, workdir: Path, log: Any, casync_ok: bool = True) -> dict[str, Any]:
+def run(size_mb: int, repeat: int, workdir: Path, log: Any, casync_ok: bool = True,
+        ab: bool = False) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-publish-", dir=workdir))
     try:
         tree = work / "tree"
@@ -101,6 +105,9 @@ def run(size_mb: int, repeat: int, workdir: Path, log: Any, casync_ok: bool = Tr
         if casync:
             times["casync"] = []
             cpus["casync"] = []
+        if ab:   # the same-run baseline: the scan cutting in its own process (the GIL's)
+            times["publish_inproc"] = []
+            cpus["publish_inproc"] = []
         origin_dir = work / "origin"
         manifest = ""
 
@@ -123,9 +130,15 @@ def run(size_mb: int, repeat: int, workdir: Path, log: Any, casync_ok: bool = Tr
             return time.perf_counter() - t
 
         def phase(name: str) -> float:
-            if name == "publish":
+            if name in ("publish", "publish_inproc"):
                 _settle(origin_dir)
-                return trio.run(do_publish)
+                saved = scan_mod.CUT_WORKER_MIN_BYTES
+                if name == "publish_inproc":
+                    scan_mod.CUT_WORKER_MIN_BYTES = None
+                try:
+                    return trio.run(do_publish)
+                finally:
+                    scan_mod.CUT_WORKER_MIN_BYTES = saved
             if name == "fetch":
                 if not manifest:
                     _settle(origin_dir)
@@ -175,6 +188,9 @@ def run(size_mb: int, repeat: int, workdir: Path, log: Any, casync_ok: bool = Tr
             "seconds": {k: round(v, 3) for k, v in med.items()},
             "cpu_seconds": {k: round(statistics.median(v), 3) for k, v in cpus.items()},
         }
+        if ab:
+            out["publish_inproc_mb_s"] = round(mb / med["publish_inproc"], 1)
+            out["publish_vs_inproc"] = round(med["publish_inproc"] / med["publish"], 3)
         if casync:
             out["casync_mb_s"] = round(mb / med["casync"], 1)
             out["publish_vs_casync"] = round(med["casync"] / med["publish"], 3)
@@ -197,6 +213,8 @@ def _table(r: dict[str, Any]) -> str:
              f"  -> {r['publish_vs_write']:.2f} (target >= 0.8)",
              f"  fetch    {r['fetch_mb_s']:8.1f} MB/s  (writes 2x) vs durable write 2x {r['write_2x_mb_s']:8.1f} MB/s"
              f"  -> {r['fetch_vs_write']:.2f} (target >= 0.8)",
+             *([f"  publish with the cut in-process (same-run A/B): {r['publish_inproc_mb_s']:8.1f} MB/s"
+                f" -> cut worker is {r['publish_vs_inproc']:.2f}x"] if "publish_inproc_mb_s" in r else []),
              "  CPU-s (medians): " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_seconds"].items())]
     if r.get("casync_mb_s") is not None:
         lines.append(f"  casync make {r['casync_mb_s']:8.1f} MB/s -> publish is {r['publish_vs_casync']:.2f}x (goal >= 3)")
@@ -212,12 +230,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--no-casync", action="store_true", help="skip the casync phase (A/B runs)")
+    ap.add_argument("--ab", action="store_true",
+                    help="also publish with the cut in-process (the baseline before the cut worker)")
     a = ap.parse_args(argv)
 
     def log(msg: str) -> None:
         print(f"[bench.publish] {msg}", file=sys.stderr, flush=True)
 
-    r = run(a.size_mb, a.repeat, Path(a.workdir or tempfile.gettempdir()), log, casync_ok=not a.no_casync)
+    r = run(a.size_mb, a.repeat, Path(a.workdir or tempfile.gettempdir()), log, casync_ok=not a.no_casync, ab=a.ab)
     print(json.dumps(r) if a.json else _table(r))  # (one line: bench.quick reads the last line)
     return 0
 

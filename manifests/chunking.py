@@ -18,16 +18,20 @@ import importlib.util
 import mmap
 import os
 import stat
+from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import Executor, Future
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import blake3
 
 from .errors import ChunkerUnavailable, ManifestError
 from .model import CHUNKER_NAME, CHUNKER_VERSION, ChunkerParams
 from .window import Window, WindowPool
+
+if TYPE_CHECKING:
+    from .cutworker import BatchIter
 
 WINDOW = 256 * 1024 * 1024
 """Bytes of a file mapped at once (must exceed the largest max_size)."""
@@ -185,8 +189,35 @@ def _hash_cuts(view: memoryview, base: int, cuts: list[tuple[int, int]]) -> list
     return [ChunkRef(blake3.blake3(view[off - base:off - base + n]).hexdigest(), off, n) for off, n in cuts]
 
 
+def _take_cuts(cuts: BatchIter, ends: deque[int], pos: int, n: int, final: bool, size: int,
+               params: ChunkerParams, name: str) -> tuple[list[tuple[int, int]], int]:
+    """:func:`_cut_view`'s answer for the window ``[pos, pos + n)`` from a cut worker's
+    chunk ends (``ends``: those read but not used yet), checked: contiguous from ``pos``,
+    each chunk ``1..max_size`` bytes, the last ending exactly at ``size``."""
+    limit = pos + n
+    while not cuts.done and (not ends or ends[-1] < limit):
+        ends.extend(cuts.next())
+    out: list[tuple[int, int]] = []
+    start = pos
+    ma = params.max_size
+    while ends and ends[0] <= limit:
+        e = ends.popleft()
+        if not 0 < e - start <= ma:
+            raise ManifestError(f"{name!r} changed while it was being chunked (bad cut at {e})")
+        out.append((start, e - start))
+        start = e
+    if final:
+        if start != size or ends or not cuts.done:
+            raise ManifestError(f"{name!r} changed while it was being chunked (cuts end at {start}, size {size})")
+        return out, size
+    if not out:
+        raise ManifestError(f"{name!r} changed while it was being chunked (no cut in a window)")
+    return out, start
+
+
 def chunk_windows(fd: int, size: int, params: ChunkerParams, pool: WindowPool,
                   name: str = "file", hasher: Executor | None = None,
+                  cuts: BatchIter | None = None,
                   ) -> Iterator[tuple[Window, memoryview, list[ChunkRef]]]:
     """Chunk the first ``size`` bytes of an open regular file, reading it into windows of
     ``pool``: yields ``(window, view, refs)`` per window, ``view`` holding the file's bytes
@@ -198,7 +229,10 @@ def chunk_windows(fd: int, size: int, params: ChunkerParams, pool: WindowPool,
 
     ``hasher``: an executor (one thread) that hashes a window's chunks while this thread
     reads and cuts the next one (the cut holds the GIL, BLAKE3 does not); windows are then
-    yielded one behind. Raises ManifestError if the file shrinks while being read.
+    yielded one behind. ``cuts``: the file's chunk ends from a :class:`CutWorker` (this
+    thread then only reads and hashes; the cut runs in the worker's process, off this
+    process's GIL), checked against the bytes read. Raises ManifestError if the file
+    shrinks while being read, or the cuts do not fit it.
     """
     if size == 0:
         return
@@ -209,6 +243,7 @@ def chunk_windows(fd: int, size: int, params: ChunkerParams, pool: WindowPool,
         raise ValueError(f"windows of {step} bytes are too small for max_size {params.max_size}")
     pos = 0
     carry = b""
+    ends: deque[int] = deque()
     prev: tuple[Window, memoryview, Future[list[ChunkRef]]] | None = None
     try:
         while pos < size:
@@ -225,7 +260,10 @@ def chunk_windows(fd: int, size: int, params: ChunkerParams, pool: WindowPool,
                         raise ManifestError(f"{name!r} shrank while it was being read ({pos + filled} of {size} bytes)")
                     filled += got
                 final = pos + n >= size
-                cuts, nxt = _cut_view(view, params, pos, final)
+                if cuts is None:
+                    cut, nxt = _cut_view(view, params, pos, final)
+                else:
+                    cut, nxt = _take_cuts(cuts, ends, pos, n, final, size, params, name)
                 if nxt <= pos:  # cannot happen with windows > max_size; guards an endless loop
                     raise ManifestError("chunker made no progress")
                 if not final:
@@ -234,13 +272,13 @@ def chunk_windows(fd: int, size: int, params: ChunkerParams, pool: WindowPool,
                 win.release()
                 raise
             if hasher is None:
-                refs = _hash_cuts(view, pos, cuts)
+                refs = _hash_cuts(view, pos, cut)
                 try:
                     yield win, view, refs
                 finally:
                     win.release()
             else:
-                fut = hasher.submit(_hash_cuts, view, pos, cuts)
+                fut = hasher.submit(_hash_cuts, view, pos, cut)
                 if prev is not None:
                     pw, pv, pf = prev
                     prev = None

@@ -17,9 +17,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .chunking import ChunkRef, check_chunker, chunk_windows
+from .cutworker import BatchIter, CutWorker
 from .errors import ManifestError
 from .model import MAX_ENTRIES, ChunkerParams, Manifest, ManifestBuilder, normalise_file_mode
 from .window import WINDOW_BYTES, Window, WindowPool
+
+CUT_WORKER_MIN_BYTES: int | None = 64 * 1024 * 1024
+"""A scan of at least this many file bytes cuts them in a :class:`CutWorker` process
+(None: never; 0: always, where there is more than one CPU)."""
+
+_ASK_AHEAD = 8
+"""Files asked of the cut worker ahead of the one being read (bounds both pipes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +119,8 @@ def scan_tree(root: Path, params: ChunkerParams | None = None, *,
     others: list[tuple[str, str, str]] = []  # (path, kind, target)
     stack: list[tuple[str, str]] = [(os.fspath(root), "")]
     count = 0
+    regs: list[tuple[str, os.stat_result]] = []   # regular files, in walk order (files[i] is regs[i])
+    worker: CutWorker | None = None
     # hashes one window's chunks while this thread reads and cuts the next
     hasher = ThreadPoolExecutor(1, thread_name_prefix="herd-scan-hash")
     try:
@@ -139,8 +149,8 @@ def scan_tree(root: Path, params: ChunkerParams | None = None, *,
                     raise ManifestError(f"cannot stat {de.path!r}: {exc.strerror}") from None
                 mode = st.st_mode
                 if stat.S_ISREG(mode):
-                    refs = _chunk_path(de.path, st, params, pool, sources, on_chunks, hasher)
-                    files.append((rel, normalise_file_mode(mode), [(r.id, r.size) for r in refs]))
+                    regs.append((de.path, st))
+                    files.append((rel, normalise_file_mode(mode), []))
                 elif stat.S_ISDIR(mode):
                     others.append((rel, "dir", ""))
                     stack.append((de.path, rel))
@@ -156,7 +166,27 @@ def scan_tree(root: Path, params: ChunkerParams | None = None, *,
                     others.append((rel, "symlink", target))
                 else:
                     raise ManifestError(f"{de.path!r}: {_kind_name(mode)} not supported in an artifact")
+        # the cut holds the GIL: over enough bytes, cut in a helper process (off this
+        # process's GIL) while this thread reads, hashes and hands chunks on
+        total = sum(st.st_size for _, st in regs)
+        if CUT_WORKER_MIN_BYTES is not None and total >= CUT_WORKER_MIN_BYTES and (os.cpu_count() or 1) > 1:
+            worker = CutWorker(params)
+        asked = 0
+        for i, (path, st) in enumerate(regs):
+            cuts = None
+            if worker is not None:
+                while asked < len(regs) and worker.pending < _ASK_AHEAD:
+                    worker.ask(regs[asked][0])
+                    asked += 1
+                cuts = worker.batches(path)
+            refs = _chunk_path(path, st, params, pool, sources, on_chunks, hasher, cuts)
+            files[i][2].extend((r.id, r.size) for r in refs)
+        if worker is not None:
+            worker.close()
+            worker = None
     finally:
+        if worker is not None:   # an error: the worker may be mid-reply, stop it
+            worker.kill()
         hasher.shutdown(wait=True)
 
     builder = ManifestBuilder(params)
@@ -174,7 +204,8 @@ def scan_tree(root: Path, params: ChunkerParams | None = None, *,
 
 def _chunk_path(path: str, st: os.stat_result, params: ChunkerParams, pool: WindowPool,
                 sources: dict[str, ChunkSource],
-                on_chunks: Callable[[list[ScannedChunk]], None] | None, hasher: Executor) -> list[ChunkRef]:
+                on_chunks: Callable[[list[ScannedChunk]], None] | None, hasher: Executor,
+                cuts: BatchIter | None = None) -> list[ChunkRef]:
     """Chunk one file window by window, recording each chunk first seen in ``sources``
     and handing those on (with the window's bytes) as each window is chunked."""
     try:
@@ -187,7 +218,7 @@ def _chunk_path(path: str, st: os.stat_result, params: ChunkerParams, pool: Wind
         before = os.fstat(fd)
         if not stat.S_ISREG(before.st_mode) or before.st_ino != st.st_ino:
             raise ManifestError(f"{path!r} changed while the tree was being scanned")
-        for win, view, got in chunk_windows(fd, before.st_size, params, pool, path, hasher):
+        for win, view, got in chunk_windows(fd, before.st_size, params, pool, path, hasher, cuts):
             refs.extend(got)
             fresh: list[ScannedChunk] = []
             base = got[0].offset if got else 0
@@ -200,6 +231,8 @@ def _chunk_path(path: str, st: os.stat_result, params: ChunkerParams, pool: Wind
                 win.hold(len(fresh))
                 assert on_chunks is not None
                 on_chunks(fresh)
+        if cuts is not None:
+            cuts.finish()
         after = os.fstat(fd)
     except OSError as exc:
         raise ManifestError(f"cannot read {path!r}: {exc.strerror}") from None

@@ -226,3 +226,71 @@ def test_window_pool_blocks_until_released_and_close_frees_a_waiter() -> None:
     b.release()
     with pytest.raises(ValueError):
         pool.acquire(2 << 20)
+
+
+def test_cut_worker_cuts_where_one_pass_does(tmp_path: Path) -> None:
+    """Cuts from the worker process (its read steps of 5 * max_size, the scan's windows of
+    4 * max_size: the two never line up) give exactly the in-process chunks, file after
+    file, an empty file included; the hashes are the scan's own."""
+    from manifests.cutworker import CutWorker
+    from manifests.window import WindowPool
+
+    datas = [_data(3 << 20, seed=11), b"", _data(1000, seed=12), _data(700_000, seed=13)]
+    paths = []
+    for i, d in enumerate(datas):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(d)
+    pool = WindowPool(window_bytes=4 * SMALL.max_size, budget_bytes=64 * SMALL.max_size)
+    worker = CutWorker(SMALL, step_bytes=5 * SMALL.max_size)
+    try:
+        for p in paths:
+            worker.ask(str(p))
+        for p, d in zip(paths, datas, strict=True):
+            cuts = worker.batches(str(p))
+            refs: list[ChunkRef] = []
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                for _win, _view, got in chunking.chunk_windows(fd, len(d), SMALL, pool, str(p), None, cuts):
+                    refs.extend(got)
+            finally:
+                os.close(fd)
+            cuts.finish()
+            assert refs == (chunk_buffer(d, SMALL) if d else [])
+            _check_cover(refs, d, SMALL)
+    finally:
+        worker.close()
+    assert pool.used_bytes == 0
+
+
+def test_cut_worker_errors_are_clear(tmp_path: Path) -> None:
+    """A file the worker cannot open, or whose cuts do not fit the bytes the scan read (it
+    changed between the two reads), fails with a ManifestError naming it."""
+    from manifests.cutworker import CutWorker
+    from manifests.window import WindowPool
+
+    pool = WindowPool(window_bytes=4 * SMALL.max_size, budget_bytes=64 * SMALL.max_size)
+    worker = CutWorker(SMALL)
+    try:
+        worker.ask(str(tmp_path / "missing"))
+        with pytest.raises(ManifestError, match="cannot chunk .*missing.*No such file"):
+            worker.batches(str(tmp_path / "missing")).next()
+    finally:
+        worker.close()
+    short, long = tmp_path / "short", tmp_path / "long"
+    short.write_bytes(_data(300_000, seed=3))
+    long.write_bytes(_data(600_000, seed=3))
+    for cut, read, size in ((short, long, 600_000), (long, short, 300_000)):
+        worker = CutWorker(SMALL)
+        try:
+            worker.ask(str(cut))      # the worker cuts one size; the scan reads the other
+            cuts = worker.batches(str(read))
+            fd = os.open(read, os.O_RDONLY)
+            try:
+                with pytest.raises(ManifestError, match=f"{read.name}.*changed while it was being chunked"):
+                    for _ in chunking.chunk_windows(fd, size, SMALL, pool, str(read), None, cuts):
+                        pass
+            finally:
+                os.close(fd)
+        finally:
+            worker.kill()
+    assert pool.used_bytes == 0
