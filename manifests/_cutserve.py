@@ -4,12 +4,14 @@ fastcdc's compiled kernel only, so it starts without importing herd.
     python _cutserve.py MIN_SIZE AVG_SIZE MAX_SIZE [STEP_BYTES]
 
 Reads requests from stdin, writes each file's chunk ends to stdout (wire format: see
-:mod:`manifests.cutworker`). A file is read with ``preadv`` into one reused buffer in
-``WINDOW``-byte steps, each step's ends sent at once (the scan waits for the first).
+:mod:`manifests.cutworker`). A file is mapped read-only in ``WINDOW``-byte steps (measured:
+~0.2 CPU-s/GB less than ``preadv`` into a buffer), each step's ends sent at once (the scan
+waits for the first).
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 import sys
@@ -20,6 +22,7 @@ REQ = struct.Struct("=II")
 REP = struct.Struct("=IBI")
 MORE, LAST, ERROR = 0, 1, 2
 WINDOW = 16 * 1024 * 1024
+ALIGN = mmap.ALLOCATIONGRANULARITY
 
 
 def read_exact(f: BinaryIO, n: int) -> bytes:
@@ -37,8 +40,6 @@ def serve(mi: int, av: int, ma: int, window: int = WINDOW) -> None:  # pragma: n
 
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     window = max(window, 4 * ma)
-    buf = bytearray(window)
-    whole = memoryview(buf)
 
     def send(idx: int, kind: int, ends: array) -> None:  # type: ignore[type-arg]
         out.write(REP.pack(idx, kind, len(ends)) + ends.tobytes())
@@ -57,32 +58,25 @@ def serve(mi: int, av: int, ma: int, window: int = WINDOW) -> None:  # pragma: n
             try:
                 size = os.fstat(fd).st_size
                 pos = 0
-                carry = 0       # bytes at the start of buf carried over from the step before
                 if size == 0:
                     send(idx, LAST, array("Q"))
                 while pos < size:
-                    n = min(size - pos, window)
-                    filled = carry
-                    while filled < n:
-                        got = os.preadv(fd, [whole[filled:n]], pos + filled)
-                        if got <= 0:
-                            raise OSError(f"file shrank while it was being cut ({pos + filled} of {size} bytes)")
-                        filled += got
-                    final = pos + n >= size
-                    view = whole[:n]
-                    gen = kernel(view, mi, av, ma, False, None)
-                    ends = array("Q", [pos + c.offset + c.length for c in gen])
-                    gen.close()
-                    del gen
-                    view.release()
+                    start = pos - pos % ALIGN
+                    length = min(size - start, window)
+                    final = start + length >= size
+                    mm = mmap.mmap(fd, length, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE,
+                                   prot=mmap.PROT_READ, offset=start)
+                    with memoryview(mm) as whole, whole[pos - start:] as view:
+                        gen = kernel(view, mi, av, ma, False, None)
+                        ends = array("Q", [pos + c.offset + c.length for c in gen])
+                        gen.close()
+                        del gen
+                    mm.close()
                     if not final:
                         ends.pop()      # the last chunk may be cut short by the step's end
                         if not ends:
                             raise OSError("chunker made no progress")
-                        nxt = ends[-1]
-                        carry = pos + n - nxt
-                        buf[:carry] = buf[nxt - pos:n]
-                        pos = nxt
+                        pos = ends[-1]
                     else:
                         pos = size
                     send(idx, LAST if final else MORE, ends)

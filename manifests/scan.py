@@ -121,6 +121,10 @@ def scan_tree(root: Path, params: ChunkerParams | None = None, *,
     count = 0
     regs: list[tuple[str, os.stat_result]] = []   # regular files, in walk order (files[i] is regs[i])
     worker: CutWorker | None = None
+    # the cut holds the GIL: over enough bytes, cut in a helper process (off this
+    # process's GIL) while this thread reads, hashes and hands chunks on
+    use_worker = CUT_WORKER_MIN_BYTES is not None and (os.cpu_count() or 1) > 1
+    total = asked = 0
     # hashes one window's chunks while this thread reads and cuts the next
     hasher = ThreadPoolExecutor(1, thread_name_prefix="herd-scan-hash")
     try:
@@ -150,6 +154,12 @@ def scan_tree(root: Path, params: ChunkerParams | None = None, *,
                 mode = st.st_mode
                 if stat.S_ISREG(mode):
                     regs.append((de.path, st))
+                    total += st.st_size
+                    if worker is None and use_worker and total >= CUT_WORKER_MIN_BYTES:  # type: ignore[operator]
+                        worker = CutWorker(params)   # it starts (~50 ms) while the walk goes on
+                    while worker is not None and asked < len(regs) and worker.pending < _ASK_AHEAD:
+                        worker.ask(regs[asked][0])
+                        asked += 1
                     files.append((rel, normalise_file_mode(mode), []))
                 elif stat.S_ISDIR(mode):
                     others.append((rel, "dir", ""))
@@ -166,12 +176,6 @@ def scan_tree(root: Path, params: ChunkerParams | None = None, *,
                     others.append((rel, "symlink", target))
                 else:
                     raise ManifestError(f"{de.path!r}: {_kind_name(mode)} not supported in an artifact")
-        # the cut holds the GIL: over enough bytes, cut in a helper process (off this
-        # process's GIL) while this thread reads, hashes and hands chunks on
-        total = sum(st.st_size for _, st in regs)
-        if CUT_WORKER_MIN_BYTES is not None and total >= CUT_WORKER_MIN_BYTES and (os.cpu_count() or 1) > 1:
-            worker = CutWorker(params)
-        asked = 0
         for i, (path, st) in enumerate(regs):
             cuts = None
             if worker is not None:
@@ -204,7 +208,7 @@ def scan_tree(root: Path, params: ChunkerParams | None = None, *,
 
 def _chunk_path(path: str, st: os.stat_result, params: ChunkerParams, pool: WindowPool,
                 sources: dict[str, ChunkSource],
-                on_chunks: Callable[[list[ScannedChunk]], None] | None, hasher: Executor,
+                on_chunks: Callable[[list[ScannedChunk]], None] | None, hasher: Executor | None,
                 cuts: BatchIter | None = None) -> list[ChunkRef]:
     """Chunk one file window by window, recording each chunk first seen in ``sources``
     and handing those on (with the window's bytes) as each window is chunked."""
