@@ -17,7 +17,8 @@ removed, then ``sync``):
 - ``write_1x`` / ``write_2x``: the baseline, a durable sequential write of those bytes in
   8 MiB blocks to one new file, then one fsync (the disk's best case).
 - ``publish_inproc`` (``--ab``): publish with the scan's cut in its own process (the
-  baseline before the cut worker, :mod:`manifests.cutworker`), alternated with ``publish``.
+  baseline before the cut worker, :mod:`manifests.cutworker`), right before or after
+  ``publish`` (alternating by round).
 - ``casync``: ``casync make`` of the same tree into a new chunk store, where casync is
   installed (skipped, and said so, where not).
 
@@ -170,6 +171,9 @@ def run(size_mb: int, repeat: int, workdir: Path, log: Any, casync_ok: bool = Tr
         for r in range(repeat):
             seq = order if r % 2 == 0 else ["publish", "fetch"] + [k for k in order[::-1] if k not in
                                                                    ("publish", "fetch")]
+            if ab:   # the A/B pair back to back, the first of the two alternating by round
+                seq = [k for k in seq if k != "publish_inproc"]
+                seq.insert(seq.index("publish") + (r % 2 == 0), "publish_inproc")
             for name in seq:
                 times[name].append(phase(name))
                 # (for publish/fetch/casync the CPU of the final _settle is left out, for the
