@@ -16,10 +16,14 @@ removed, then ``sync``):
   must write the bytes twice (store and tree).
 - ``write_1x`` / ``write_2x``: the baseline, a durable sequential write of those bytes in
   8 MiB blocks to one new file, then one fsync (the disk's best case).
+- ``publish_inproc`` (``--ab``): publish with the scan's cut in its own process (the
+  baseline before the cut worker, :mod:`manifests.cutworker`), right before or after
+  ``publish`` (alternating by round).
 - ``casync``: ``casync make`` of the same tree into a new chunk store, where casync is
   installed (skipped, and said so, where not).
 
-Figures (medians): ``publish_mb_s`` (tree bytes / s), ``fetch_mb_s`` (tree bytes / s),
+Figures (medians): ``cpu_seconds`` per phase (this process's threads and children),
+``publish_mb_s`` (tree bytes / s), ``fetch_mb_s`` (tree bytes / s),
 ``write_mb_s`` (bytes written / s), ``publish_vs_write`` = publish MB/s / write_1x MB/s
 and ``fetch_vs_write`` = fetch's written bytes (2x) per second / write_2x MB/s (targets
 >= 0.8), ``publish_vs_casync`` (goal >= 3).
@@ -30,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -42,6 +47,7 @@ from typing import Any
 import numpy as np
 import trio
 
+import manifests.scan as scan_mod
 from bench.artifacts import _force_rm, generate_v1
 from p2p.fetch import fetch_artifact
 from p2p.origins import FileOrigin
@@ -71,6 +77,12 @@ def durable_write(path: Path, nbytes: int) -> float:
     return time.perf_counter() - t
 
 
+def _cpu() -> float:
+    """CPU-seconds of this process (every thread) and its waited-for children."""
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
 def _settle(*paths: Path) -> None:
     for p in paths:
         if p.is_file():
@@ -80,23 +92,32 @@ def _settle(*paths: Path) -> None:
     os.sync()
 
 
-def run(size_mb: int, repeat: int, workdir: Path, log: Any) -> dict[str, Any]:
+def run(size_mb: int, repeat: int, workdir: Path, log: Any, casync_ok: bool = True,
+        ab: bool = False) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-publish-", dir=workdir))
     try:
         tree = work / "tree"
         files = generate_v1(tree, size_mb * MiB, np.random.default_rng(14))
         nbytes = sum(p.stat().st_size for p in files)
         log(f"tree: {len(files)} files, {nbytes / MiB:.0f} MiB")
-        casync = shutil.which("casync")
+        casync = shutil.which("casync") if casync_ok else None
         times: dict[str, list[float]] = {"publish": [], "fetch": [], "write_1x": [], "write_2x": []}
+        cpus: dict[str, list[float]] = {k: [] for k in times}
         if casync:
             times["casync"] = []
+            cpus["casync"] = []
+        if ab:   # the same-run baseline: the scan cutting in its own process (the GIL's)
+            times["publish_inproc"] = []
+            cpus["publish_inproc"] = []
         origin_dir = work / "origin"
         manifest = ""
+
+        cpu_mark: list[float] = [0.0]   # CPU-s at the start of the timed part of a phase
 
         async def do_publish() -> float:
             nonlocal manifest
             t = time.perf_counter()
+            cpu_mark[0] = _cpu()
             st = await publish(tree, FileOrigin(origin_dir), "bench:v1")
             manifest = st.manifest
             return time.perf_counter() - t
@@ -104,14 +125,21 @@ def run(size_mb: int, repeat: int, workdir: Path, log: Any) -> dict[str, Any]:
         async def do_fetch() -> float:
             store = ChunkStore(work / "store")
             t = time.perf_counter()
+            cpu_mark[0] = _cpu()
             await fetch_artifact(store, manifest, FileOrigin(origin_dir))
             await trio.to_thread.run_sync(store.materialise, manifest)
             return time.perf_counter() - t
 
         def phase(name: str) -> float:
-            if name == "publish":
+            if name in ("publish", "publish_inproc"):
                 _settle(origin_dir)
-                return trio.run(do_publish)
+                saved = scan_mod.CUT_WORKER_MIN_BYTES
+                if name == "publish_inproc":
+                    scan_mod.CUT_WORKER_MIN_BYTES = None
+                try:
+                    return trio.run(do_publish)
+                finally:
+                    scan_mod.CUT_WORKER_MIN_BYTES = saved
             if name == "fetch":
                 if not manifest:
                     _settle(origin_dir)
@@ -123,11 +151,13 @@ def run(size_mb: int, repeat: int, workdir: Path, log: Any) -> dict[str, Any]:
             if name.startswith("write_"):
                 n = nbytes * int(name[-2])
                 _settle(work / "w.bin")
+                cpu_mark[0] = _cpu()
                 s = durable_write(work / "w.bin", n)
                 _settle(work / "w.bin")
                 return s
             _settle(work / "casync")
             (work / "casync").mkdir()
+            cpu_mark[0] = _cpu()
             t = time.perf_counter()
             subprocess.run([str(casync), "make", f"--store={work / 'casync' / 'store'}",
                             str(work / "casync" / "index.caidx"), str(tree)],
@@ -141,9 +171,16 @@ def run(size_mb: int, repeat: int, workdir: Path, log: Any) -> dict[str, Any]:
         for r in range(repeat):
             seq = order if r % 2 == 0 else ["publish", "fetch"] + [k for k in order[::-1] if k not in
                                                                    ("publish", "fetch")]
+            if ab:   # the A/B pair back to back, the first of the two alternating by round
+                seq = [k for k in seq if k != "publish_inproc"]
+                seq.insert(seq.index("publish") + (r % 2 == 0), "publish_inproc")
             for name in seq:
                 times[name].append(phase(name))
-                log(f"round {r} {name:9s} {times[name][-1]:7.2f}s")
+                # (for publish/fetch/casync the CPU of the final _settle is left out, for the
+                # writes the unlink's: small next to the phase)
+                cpus[name].append(_cpu() - cpu_mark[0])
+                log(f"round {r} {name:9s} {times[name][-1]:7.2f}s {cpus[name][-1]:6.2f} CPU-s "
+                    f"load {os.getloadavg()[0]:.1f}")
         med = {k: statistics.median(v) for k, v in times.items()}
         mb = nbytes / 1e6
         out: dict[str, Any] = {
@@ -153,13 +190,18 @@ def run(size_mb: int, repeat: int, workdir: Path, log: Any) -> dict[str, Any]:
             "publish_vs_write": round(med["write_1x"] / med["publish"], 3),
             "fetch_vs_write": round(med["write_2x"] / med["fetch"], 3),
             "seconds": {k: round(v, 3) for k, v in med.items()},
+            "cpu_seconds": {k: round(statistics.median(v), 3) for k, v in cpus.items()},
         }
+        if ab:
+            out["publish_inproc_mb_s"] = round(mb / med["publish_inproc"], 1)
+            out["publish_vs_inproc"] = round(med["publish_inproc"] / med["publish"], 3)
         if casync:
             out["casync_mb_s"] = round(mb / med["casync"], 1)
             out["publish_vs_casync"] = round(med["casync"] / med["publish"], 3)
         else:   # the keys stay (null): the README's rows name them
             out["casync_mb_s"] = out["publish_vs_casync"] = None
-            out["casync_skipped"] = "casync is not installed (Debian package casync)"
+            out["casync_skipped"] = ("--no-casync" if casync_ok is False and shutil.which("casync")
+                                     else "casync is not installed (Debian package casync)")
         out["targets_met"] = {k: (out[k] >= v if op == ">=" else out[k] <= v)
                               for k, (op, v) in TARGETS.items() if out.get(k) is not None}
         out["load_avg"] = [round(x, 2) for x in os.getloadavg()]
@@ -174,7 +216,10 @@ def _table(r: dict[str, Any]) -> str:
              f"  publish  {r['publish_mb_s']:8.1f} MB/s  vs durable write 1x {r['write_1x_mb_s']:8.1f} MB/s"
              f"  -> {r['publish_vs_write']:.2f} (target >= 0.8)",
              f"  fetch    {r['fetch_mb_s']:8.1f} MB/s  (writes 2x) vs durable write 2x {r['write_2x_mb_s']:8.1f} MB/s"
-             f"  -> {r['fetch_vs_write']:.2f} (target >= 0.8)"]
+             f"  -> {r['fetch_vs_write']:.2f} (target >= 0.8)",
+             *([f"  publish with the cut in-process (same-run A/B): {r['publish_inproc_mb_s']:8.1f} MB/s"
+                f" -> cut worker is {r['publish_vs_inproc']:.2f}x"] if "publish_inproc_mb_s" in r else []),
+             "  CPU-s (medians): " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_seconds"].items())]
     if r.get("casync_mb_s") is not None:
         lines.append(f"  casync make {r['casync_mb_s']:8.1f} MB/s -> publish is {r['publish_vs_casync']:.2f}x (goal >= 3)")
     else:
@@ -188,12 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--no-casync", action="store_true", help="skip the casync phase (A/B runs)")
+    ap.add_argument("--ab", action="store_true",
+                    help="also publish with the cut in-process (the baseline before the cut worker)")
     a = ap.parse_args(argv)
 
     def log(msg: str) -> None:
         print(f"[bench.publish] {msg}", file=sys.stderr, flush=True)
 
-    r = run(a.size_mb, a.repeat, Path(a.workdir or tempfile.gettempdir()), log)
+    r = run(a.size_mb, a.repeat, Path(a.workdir or tempfile.gettempdir()), log, casync_ok=not a.no_casync, ab=a.ab)
     print(json.dumps(r) if a.json else _table(r))  # (one line: bench.quick reads the last line)
     return 0
 

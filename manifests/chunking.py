@@ -18,14 +18,20 @@ import importlib.util
 import mmap
 import os
 import stat
-from collections.abc import Callable, Generator
+from collections import deque
+from collections.abc import Callable, Generator, Iterator
+from concurrent.futures import Executor, Future
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import blake3
 
 from .errors import ChunkerUnavailable, ManifestError
 from .model import CHUNKER_NAME, CHUNKER_VERSION, ChunkerParams
+from .window import Window, WindowPool
+
+if TYPE_CHECKING:
+    from .cutworker import BatchIter
 
 WINDOW = 256 * 1024 * 1024
 """Bytes of a file mapped at once (must exceed the largest max_size)."""
@@ -162,6 +168,141 @@ def chunk_fd(fd: int, size: int, params: ChunkerParams) -> list[ChunkRef]:
             raise ManifestError("chunker made no progress")
         pos = nxt
     return out
+
+
+def _cut_view(view: memoryview, params: ChunkerParams, base: int, final: bool) -> tuple[list[tuple[int, int]], int]:
+    """Cut points only (no hashing) of ``view``: ``([(file offset, size)], next start)``,
+    as :func:`_chunk_view` (the last, possibly short, chunk left out unless ``final``)."""
+    gen = _kernel()(view, params.min_size, params.avg_size, params.max_size, False, None)
+    try:
+        cuts = [(base + c.offset, c.length) for c in gen]
+    finally:
+        gen.close()
+        del gen
+    if final or not cuts:
+        return cuts, base + len(view)
+    return cuts[:-1], cuts[-1][0]
+
+
+def _hash_cuts(view: memoryview, base: int, cuts: list[tuple[int, int]]) -> list[ChunkRef]:
+    # BLAKE3 releases the GIL for each chunk: the scan thread cuts the next window meanwhile
+    return [ChunkRef(blake3.blake3(view[off - base:off - base + n]).hexdigest(), off, n) for off, n in cuts]
+
+
+def _take_cuts(cuts: BatchIter, ends: deque[int], pos: int, n: int, final: bool, size: int,
+               params: ChunkerParams, name: str) -> tuple[list[tuple[int, int]], int]:
+    """:func:`_cut_view`'s answer for the window ``[pos, pos + n)`` from a cut worker's
+    chunk ends (``ends``: those read but not used yet), checked: contiguous from ``pos``,
+    each chunk ``1..max_size`` bytes, the last ending exactly at ``size``."""
+    limit = pos + n
+    while not cuts.done and (not ends or ends[-1] < limit):
+        ends.extend(cuts.next())
+    out: list[tuple[int, int]] = []
+    start = pos
+    ma = params.max_size
+    while ends and ends[0] <= limit:
+        e = ends.popleft()
+        if not 0 < e - start <= ma:
+            raise ManifestError(f"{name!r} changed while it was being chunked (bad cut at {e})")
+        out.append((start, e - start))
+        start = e
+    if final:
+        if start != size or ends or not cuts.done:
+            raise ManifestError(f"{name!r} changed while it was being chunked (cuts end at {start}, size {size})")
+        return out, size
+    if not out:
+        raise ManifestError(f"{name!r} changed while it was being chunked (no cut in a window)")
+    return out, start
+
+
+def chunk_windows(fd: int, size: int, params: ChunkerParams, pool: WindowPool,
+                  name: str = "file", hasher: Executor | None = None,
+                  cuts: BatchIter | None = None,
+                  ) -> Iterator[tuple[Window, memoryview, list[ChunkRef]]]:
+    """Chunk the first ``size`` bytes of an open regular file, reading it into windows of
+    ``pool``: yields ``(window, view, refs)`` per window, ``view`` holding the file's bytes
+    from ``refs[0].offset`` on (``view[c.offset - refs[0].offset:][:c.size]`` is chunk
+    ``c``), as soon as the window is chunked. The generator holds one hold on the window
+    until it is resumed; a caller handing chunks on takes a hold per chunk first
+    (:meth:`Window.hold`). Cut points equal :func:`chunk_fd`'s (a window restarts at the
+    last chunk the window before may have cut short, whose bytes are carried over).
+
+    ``hasher``: an executor (one thread) that hashes a window's chunks while this thread
+    reads and cuts the next one (the cut holds the GIL, BLAKE3 does not); windows are then
+    yielded one behind. ``cuts``: the file's chunk ends from a :class:`CutWorker` (this
+    thread then only reads and hashes; the cut runs in the worker's process, off this
+    process's GIL), checked against the bytes read. Raises ManifestError if the file
+    shrinks while being read, or the cuts do not fit it.
+    """
+    if size == 0:
+        return
+    step = pool.window_bytes
+    if size <= step:
+        hasher = None   # one window: nothing to overlap the hash with
+    if step < 4 * params.max_size:
+        raise ValueError(f"windows of {step} bytes are too small for max_size {params.max_size}")
+    pos = 0
+    carry = b""
+    ends: deque[int] = deque()
+    prev: tuple[Window, memoryview, Future[list[ChunkRef]]] | None = None
+    try:
+        while pos < size:
+            n = min(size - pos, step)
+            win = pool.acquire(n)
+            try:
+                view = memoryview(win.buf)[:n]
+                filled = len(carry)
+                view[:filled] = carry
+                carry = b""
+                while filled < n:
+                    got = os.preadv(fd, [view[filled:]], pos + filled)
+                    if got <= 0:
+                        raise ManifestError(f"{name!r} shrank while it was being read ({pos + filled} of {size} bytes)")
+                    filled += got
+                final = pos + n >= size
+                if cuts is None:
+                    cut, nxt = _cut_view(view, params, pos, final)
+                else:
+                    cut, nxt = _take_cuts(cuts, ends, pos, n, final, size, params, name)
+                if nxt <= pos:  # cannot happen with windows > max_size; guards an endless loop
+                    raise ManifestError("chunker made no progress")
+                if not final:
+                    carry = bytes(view[nxt - pos:])
+            except BaseException:
+                win.release()
+                raise
+            if hasher is None:
+                refs = _hash_cuts(view, pos, cut)
+                try:
+                    yield win, view, refs
+                finally:
+                    win.release()
+            else:
+                fut = hasher.submit(_hash_cuts, view, pos, cut)
+                if prev is not None:
+                    pw, pv, pf = prev
+                    prev = None
+                    try:
+                        yield pw, pv, pf.result()
+                    finally:
+                        pw.release()
+                prev = (win, view, fut)
+            pos = nxt
+        if prev is not None:
+            pw, pv, pf = prev
+            prev = None
+            try:
+                yield pw, pv, pf.result()
+            finally:
+                pw.release()
+    finally:
+        if prev is not None:   # an error or an abandoned generator: wait for the hash, drop the hold
+            prev[2].cancel()
+            try:
+                prev[2].result()
+            except BaseException:  # noqa: S110 - the error that got us here is the one raised
+                pass
+            prev[0].release()
 
 
 def chunk_file(path: str | os.PathLike[str], params: ChunkerParams | None = None) -> list[ChunkRef]:

@@ -34,7 +34,8 @@ import trio
 from blake3 import blake3
 
 from manifests import Chunk, ChunkerParams, ChunkSource, decode_manifest, encode_manifest, scan_tree
-from manifests.scan import ScanResult
+from manifests.scan import ScannedChunk, ScanResult
+from manifests.window import WINDOW_BYTES, WindowPool
 
 from .errors import IntegrityError, ManifestError, NotFoundError, P2PError, ReadOnlyOriginError
 from .origins import Origin, check_ref_name, is_manifest_id
@@ -72,6 +73,8 @@ class RecentRefs(msgspec.Struct, frozen=True, kw_only=True):
 READ_CONCURRENCY = 8
 CHECK_BATCH = 1024       # chunk ids per existence check while the scan runs ...
 CHECK_WAIT_S = 0.25      # ... or what came within this long (so uploads start early)
+CHECK_BYTES = 64 << 20   # ... or this many bytes of them (they hold the scan's windows)
+WINDOW_BUDGET = 256 << 20   # bytes of read windows the scan may be ahead of the uploads
 
 
 async def recent_refs(origin: Origin, name: str, n: int) -> RecentRefs:
@@ -142,67 +145,106 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
         raise P2PError(f"not a directory: {root}")
     t0 = time.perf_counter()
     # A pipeline, so the disk and the origin work while the tree is still being scanned:
-    # the scan (a worker thread) hands each file's new chunks over a channel; one task
-    # (once the recent refs are known) asks the origin about those no recent manifest
-    # names, in batches of whatever has queued up; uploaders put the missing ones.
+    # the scan (a worker thread) hands each read window's new chunks over a channel, with
+    # the bytes it hashed (manifests.window); one task (once the recent refs are known)
+    # asks the origin about those no recent manifest names, in batches of whatever has
+    # queued up; uploaders put the missing ones straight from the scan's windows (no
+    # second read or hash of the file) and release them, which lets the scan read on.
     found: list[RecentRefs] = []
     scanned: list[ScanResult] = []
     learned = trio.Event()
-    batches_in, batches_out = trio.open_memory_channel[list[tuple[str, ChunkSource]]](64)
-    uploads_in, uploads_out = trio.open_memory_channel[tuple[str, ChunkSource]](math.inf)
+    batches_in, batches_out = trio.open_memory_channel[list[ScannedChunk]](64)
+    uploads_in, uploads_out = trio.open_memory_channel[ScannedChunk](math.inf)
     unknown: list[str] = []
     uploaded: dict[str, int] = {}
     done = {"bytes": 0, "total": 0}
+    params = params if params is not None else ChunkerParams()
 
-    def on_chunks(batch: list[tuple[str, ChunkSource]]) -> None:   # the scanning thread
+    def on_chunks(batch: list[ScannedChunk]) -> None:   # the scanning thread
         trio.from_thread.run(batches_in.send, batch)
+
+    def ask_now() -> None:   # the scanning thread, out of windows: the check must not wait
+        trio.from_thread.run(batches_in.send, [])
+
+    pool = WindowPool(window_bytes=max(WINDOW_BYTES, 4 * params.max_size),
+                      budget_bytes=max(WINDOW_BUDGET, 8 * params.max_size),
+                      on_wait=ask_now, check=trio.from_thread.check_cancelled)
 
     async def scan_it() -> None:
         with batches_in:
-            scanned.append(await trio.to_thread.run_sync(partial(scan_tree, root, params, on_chunks=on_chunks)))
+            scanned.append(await trio.to_thread.run_sync(
+                partial(scan_tree, root, params, on_chunks=on_chunks, pool=pool)))
 
     async def learn() -> None:
         found.append(await recent_refs(origin, name, dedup_refs))
         learned.set()
 
     async def check() -> None:
-        with batches_out, uploads_in:   # closing batches_out frees a scan blocked on a full channel
-            await learned.wait()
-            known = found[0].chunks
-            pending: list[tuple[str, ChunkSource]] = []
-            closed = False
-            while not closed:
-                # gather CHECK_BATCH ids (or CHECK_WAIT_S' worth) per existence check: a
-                # backend that lists in bulk (gs://) then lists rather than asks one by one.
-                # The window opens with the first new chunk: waiting for a whole batch
-                # first held every upload until the scan had found CHECK_BATCH new chunks
-                # (for a tree of fewer, until it was done: no pipeline at all)
-                if not pending:
-                    try:
-                        batch = await batches_out.receive()
-                    except trio.EndOfChannel:
-                        break
-                    pending.extend((cid, src) for cid, src in batch if cid not in known)
-                    if not pending:
-                        continue
-                with trio.move_on_after(CHECK_WAIT_S):
-                    while len(pending) < CHECK_BATCH:
-                        try:
-                            batch = await batches_out.receive()
-                        except trio.EndOfChannel:
-                            closed = True
-                            break
-                        pending.extend((cid, src) for cid, src in batch if cid not in known)
-                ask, pending = pending, []
-                unknown.extend(cid for cid, _ in ask)
-                missing = await origin.missing([cid for cid, _ in ask])
-                for cid, src in ask:
-                    if cid in missing:
-                        done["total"] += src.size
-                        uploads_in.send_nowait((cid, src))
+        # closing batches_out frees a scan blocked on a full channel, closing the pool one
+        # blocked on the windows
+        with batches_out, uploads_in:
+            try:
+                await check_loop()
+            finally:
+                pool.close()
 
-    async def put(cid: str, src: ChunkSource, *, again: bool = False) -> None:
-        data = await trio.to_thread.run_sync(read_source, cid, src)
+    async def check_loop() -> None:
+        await learned.wait()
+        known = found[0].chunks
+        pending: list[ScannedChunk] = []
+        pending_bytes = 0
+
+        def take(batch: list[ScannedChunk]) -> bool:
+            """Queue the chunks no recent manifest names; False for the scan's 'ask now'."""
+            nonlocal pending_bytes
+            for c in batch:
+                if c.id in known:
+                    c.release()
+                else:
+                    pending.append(c)
+                    pending_bytes += c.source.size
+            return bool(batch)
+
+        closed = False
+        while not closed:
+            # gather CHECK_BATCH ids (or CHECK_BYTES of them, or CHECK_WAIT_S' worth, or
+            # until the scan runs out of windows) per existence check: a backend that
+            # lists in bulk (gs://) then lists rather than asks one by one. The window
+            # opens with the first new chunk: waiting for a whole batch first held every
+            # upload until the scan had found CHECK_BATCH new chunks
+            if not pending:
+                try:
+                    take(await batches_out.receive())
+                except trio.EndOfChannel:
+                    break
+                if not pending:
+                    continue
+            with trio.move_on_after(CHECK_WAIT_S):
+                while len(pending) < CHECK_BATCH and pending_bytes < CHECK_BYTES:
+                    try:
+                        if not take(await batches_out.receive()):
+                            break
+                    except trio.EndOfChannel:
+                        closed = True
+                        break
+            ask, pending, pending_bytes = pending, [], 0
+            unknown.extend(c.id for c in ask)
+            try:
+                missing = await origin.missing([c.id for c in ask])
+            except BaseException:
+                for c in ask:
+                    c.release()
+                raise
+            for c in ask:
+                if c.id in missing:
+                    done["total"] += c.source.size
+                    uploads_in.send_nowait(c)
+                else:
+                    c.release()
+
+    async def put(cid: str, src: ChunkSource, data: memoryview | None = None, *, again: bool = False) -> None:
+        if data is None:
+            data = memoryview(await trio.to_thread.run_sync(read_source, cid, src))
         await origin.put_chunk(cid, data)
         if again:   # put back after the ref (see the module's header): not counted as new
             return
@@ -212,8 +254,11 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
             progress(done["bytes"], done["total"])
 
     async def uploader() -> None:
-        async for cid, src in uploads_out:
-            await put(cid, src)
+        async for c in uploads_out:
+            try:
+                await put(c.id, c.source, c.data)
+            finally:
+                c.release()
 
     # the first failure is raised as itself (and cancels the rest: a blocked scan is freed)
     await run_pool([scan_it, learn, check] + [uploader] * max(1, concurrency), lambda job: job(),

@@ -149,3 +149,148 @@ def test_pure_python_fallback_is_refused_with_one_line(tmp_path: Path) -> None:
     lines = out.stdout.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("REFUSED:"), out.stdout
     assert "compiled kernel" in lines[0]
+
+
+@pytest.mark.parametrize("hashing", ["inline", "thread"])
+def test_read_windows_cut_where_one_pass_does_and_hold_the_hashed_bytes(tmp_path: Path, hashing: str) -> None:
+    """chunk_windows (the scan's path) reads the file into pooled windows of 4 * max_size:
+    the cut points equal one pass over the whole buffer, each view holds exactly the bytes
+    its chunks were hashed from, and every window goes back to the pool once released;
+    likewise with the hashes computed on a thread while the next window is cut."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from manifests.window import WindowPool
+
+    hasher = ThreadPoolExecutor(1) if hashing == "thread" else None
+
+    data = _data(5 << 20, seed=7)
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    pool = WindowPool(window_bytes=4 * SMALL.max_size, budget_bytes=128 * SMALL.max_size)  # room for all
+    refs: list[ChunkRef] = []
+    held = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for win, view, got in chunking.chunk_windows(fd, len(data), SMALL, pool, str(path), hasher):
+            assert got and view.nbytes >= sum(r.size for r in got)
+            win.hold(len(got))
+            for r in got:
+                held.append((r, view[r.offset - got[0].offset:][:r.size], win))
+            refs.extend(got)
+    finally:
+        os.close(fd)
+        if hasher is not None:
+            hasher.shutdown()
+    assert refs == chunk_buffer(data, SMALL)
+    assert pool.used_bytes > 0            # the views still hold their windows
+    for r, v, win in held:
+        assert blake3.blake3(v).hexdigest() == r.id
+        v.release()
+        win.release()
+    assert pool.used_bytes == 0
+
+
+def test_window_pool_blocks_until_released_and_close_frees_a_waiter() -> None:
+    """acquire waits while the budget is spent (calling on_wait once), returns once a
+    window is released, and raises WindowPoolClosed when the pool is closed meanwhile."""
+    import threading
+
+    from manifests.window import WindowPool, WindowPoolClosed
+
+    told: list[int] = []
+    pool = WindowPool(window_bytes=1 << 20, budget_bytes=2 << 20, on_wait=lambda: told.append(1), wait_s=0.01)
+    a = pool.acquire(1 << 20)
+    b = pool.acquire(1 << 20)
+    got: list[object] = []
+    t = threading.Thread(target=lambda: got.append(pool.acquire(1 << 20)))
+    t.start()
+    t.join(0.2)
+    assert t.is_alive() and told == [1]   # blocked, and said so once
+    a.release()
+    t.join(5)
+    assert not t.is_alive() and len(got) == 1
+    errors: list[BaseException] = []
+
+    def blocked() -> None:
+        try:
+            pool.acquire(1 << 20)
+        except WindowPoolClosed as e:
+            errors.append(e)
+
+    t = threading.Thread(target=blocked)
+    t.start()
+    t.join(0.1)
+    pool.close()
+    t.join(5)
+    assert not t.is_alive() and len(errors) == 1
+    b.release()
+    with pytest.raises(ValueError):
+        pool.acquire(2 << 20)
+
+
+def test_cut_worker_cuts_where_one_pass_does(tmp_path: Path) -> None:
+    """Cuts from the worker process (its read steps of 5 * max_size, the scan's windows of
+    4 * max_size: the two never line up) give exactly the in-process chunks, file after
+    file, an empty file included; the hashes are the scan's own."""
+    from manifests.cutworker import CutWorker
+    from manifests.window import WindowPool
+
+    datas = [_data(3 << 20, seed=11), b"", _data(1000, seed=12), _data(700_000, seed=13)]
+    paths = []
+    for i, d in enumerate(datas):
+        paths.append(tmp_path / f"f{i}")
+        paths[-1].write_bytes(d)
+    pool = WindowPool(window_bytes=4 * SMALL.max_size, budget_bytes=64 * SMALL.max_size)
+    worker = CutWorker(SMALL, step_bytes=5 * SMALL.max_size)
+    try:
+        for p in paths:
+            worker.ask(str(p))
+        for p, d in zip(paths, datas, strict=True):
+            cuts = worker.batches(str(p))
+            refs: list[ChunkRef] = []
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                for _win, _view, got in chunking.chunk_windows(fd, len(d), SMALL, pool, str(p), None, cuts):
+                    refs.extend(got)
+            finally:
+                os.close(fd)
+            cuts.finish()
+            assert refs == (chunk_buffer(d, SMALL) if d else [])
+            _check_cover(refs, d, SMALL)
+    finally:
+        worker.close()
+    assert pool.used_bytes == 0
+
+
+def test_cut_worker_errors_are_clear(tmp_path: Path) -> None:
+    """A file the worker cannot open, or whose cuts do not fit the bytes the scan read (it
+    changed between the two reads), fails with a ManifestError naming it."""
+    from manifests.cutworker import CutWorker
+    from manifests.window import WindowPool
+
+    pool = WindowPool(window_bytes=4 * SMALL.max_size, budget_bytes=64 * SMALL.max_size)
+    worker = CutWorker(SMALL)
+    try:
+        worker.ask(str(tmp_path / "missing"))
+        with pytest.raises(ManifestError, match="cannot chunk .*missing.*No such file"):
+            worker.batches(str(tmp_path / "missing")).next()
+    finally:
+        worker.close()
+    short, long = tmp_path / "short", tmp_path / "long"
+    short.write_bytes(_data(300_000, seed=3))
+    long.write_bytes(_data(600_000, seed=3))
+    for cut, read, size in ((short, long, 600_000), (long, short, 300_000)):
+        worker = CutWorker(SMALL)
+        try:
+            worker.ask(str(cut))      # the worker cuts one size; the scan reads the other
+            cuts = worker.batches(str(read))
+            fd = os.open(read, os.O_RDONLY)
+            try:
+                with pytest.raises(ManifestError, match=f"{read.name}.*changed while it was being chunked"):
+                    for _ in chunking.chunk_windows(fd, size, SMALL, pool, str(read), None, cuts):
+                        pass
+            finally:
+                os.close(fd)
+        finally:
+            worker.kill()
+    assert pool.used_bytes == 0

@@ -136,3 +136,21 @@ def test_unreadable_file_refused(tmp_path: Path) -> None:
     os.chmod(tmp_path / "secret", 0)
     with pytest.raises(ManifestError, match="cannot open"):
         scan_tree(tmp_path, SMALL)
+
+
+@pytest.mark.parametrize("params", [SMALL, ChunkerParams()])
+def test_scan_with_the_cut_worker_equals_the_in_process_cut(tmp_path: Path, monkeypatch, params) -> None:
+    """Cutting in the worker process (CUT_WORKER_MIN_BYTES=0: always) gives the same
+    manifest and chunk sources as the in-process cut, byte for byte."""
+    import manifests.scan as scan_mod
+
+    make_tree(tmp_path / "t")
+    (tmp_path / "t" / "data" / "large").write_bytes(os.urandom(5_000_000))
+    monkeypatch.setattr(scan_mod, "CUT_WORKER_MIN_BYTES", None)
+    a = scan_tree(tmp_path / "t", params)
+    monkeypatch.setattr(scan_mod, "CUT_WORKER_MIN_BYTES", 0)
+    monkeypatch.setattr(scan_mod.os, "cpu_count", lambda: 2)
+    b = scan_tree(tmp_path / "t", params)
+    assert encode_manifest(a.manifest) == encode_manifest(b.manifest)
+    assert a.sources == b.sources
+    assert len(a.manifest.chunks) > 3

@@ -243,20 +243,23 @@ async def test_an_origin_failing_mid_upload_stops_the_scan_too(tmp_path: Path) -
     assert not (root / "refs").exists() or not os.listdir(root / "refs")
 
 
-async def test_a_file_changed_while_publishing_is_refused(tmp_path: Path) -> None:
-    """read_source re-hashes what it uploads: a file rewritten between the scan and its
-    upload stops the publish with the IntegrityError (as itself), no ref moved."""
-    from p2p.errors import IntegrityError
+async def test_a_file_rewritten_after_its_scan_publishes_the_scanned_bytes(tmp_path: Path) -> None:
+    """Uploads come from the scan's read windows (the bytes that were hashed), not from a
+    second read of the file: a file rewritten between its scan and the upload of its
+    chunks cannot put bytes at the origin that do not match their id. Every chunk file
+    hashes to its name and a fetch gives back the tree as it was scanned."""
+    from blake3 import blake3
 
     src = tmp_path / "src"
     _many_files(src, 30, 3000, seed=22)
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
     root = tmp_path / "origin"
 
     class Rewriting(FileOrigin):
-        """Before the first chunk write, a file of the tree is rewritten (same size)."""
+        """Before the first chunk write, every file of the tree is rewritten (same size)."""
         done = False
 
-        async def _put(self, key: str, data: bytes) -> None:
+        async def _put(self, key: str, data: bytes | memoryview) -> None:
             if not self.done:
                 self.done = True
                 for p in src.iterdir():
@@ -264,6 +267,62 @@ async def test_a_file_changed_while_publishing_is_refused(tmp_path: Path) -> Non
             await super()._put(key, data)
 
     with trio.fail_after(30):
-        with pytest.raises(IntegrityError, match="changed while it was being published"):
-            await publish(src, Rewriting(root), "app:v1", TINY, concurrency=1)
-    assert not (root / "refs").exists() or not os.listdir(root / "refs")
+        st = await publish(src, Rewriting(root), "app:v1", TINY, concurrency=1)
+    for f in (root / "chunks").iterdir():
+        assert blake3(f.read_bytes()).hexdigest() == f.name
+    store = ChunkStore(tmp_path / "store")
+    with trio.fail_after(30):
+        await fetch_artifact(store, st.manifest, FileOrigin(root))
+    tree = store.materialise(st.manifest)
+    assert {p.name: p.read_bytes() for p in tree.iterdir()} == before
+
+
+def test_read_source_refuses_a_changed_file(tmp_path: Path) -> None:
+    """The put-back path (after the ref) reads chunks from the tree again: it re-hashes
+    them, so a file changed since the scan is refused rather than uploaded."""
+    from blake3 import blake3
+
+    from manifests import ChunkSource
+    from p2p.errors import IntegrityError
+    from p2p.publish import read_source
+
+    f = tmp_path / "f"
+    f.write_bytes(b"a" * 1000)
+    cid = blake3(b"a" * 500).hexdigest()
+    assert read_source(cid, ChunkSource(f, 500, 500)) == b"a" * 500
+    f.write_bytes(b"b" * 1000)
+    with pytest.raises(IntegrityError, match="changed while it was being published"):
+        read_source(cid, ChunkSource(f, 500, 500))
+
+
+async def test_publish_through_a_tiny_window_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With room for only a few read windows the scan waits for the uploads to release
+    them (backpressure, and the check is told to ask at once rather than wait for a full
+    batch); what is published is still byte-exact."""
+    import p2p.publish as pub
+    from manifests.window import WindowPool
+
+    pools: list[WindowPool] = []
+
+    class Counting(WindowPool):
+        def __init__(self, **kw: object) -> None:
+            super().__init__(**kw)  # type: ignore[arg-type]
+            pools.append(self)
+
+    monkeypatch.setattr(pub, "WindowPool", Counting)
+    monkeypatch.setattr(pub, "WINDOW_BYTES", 4 * TINY.max_size)
+    monkeypatch.setattr(pub, "WINDOW_BUDGET", 3 * 4 * TINY.max_size)
+    src = tmp_path / "src"
+    _tree(src, 400_000, seed=31)
+    _many_files(src / "many", 40, 20_000, seed=32)
+    root = tmp_path / "origin"
+    with trio.fail_after(60):
+        st = await publish(src, FileOrigin(root), "app:v1", TINY, concurrency=2)
+    assert pools and pools[0].waits > 0 and pools[0].used_bytes == 0
+    store = ChunkStore(tmp_path / "store")
+    with trio.fail_after(60):
+        await fetch_artifact(store, st.manifest, FileOrigin(root))
+    tree = store.materialise(st.manifest)
+    assert (tree / "weights.bin").read_bytes() == (src / "weights.bin").read_bytes()
+    for p in (src / "many").iterdir():
+        assert (tree / "many" / p.name).read_bytes() == p.read_bytes()

@@ -124,8 +124,9 @@ class Origin(ABC):
         if it holds more than ``limit`` bytes (never read past ``limit`` + 1)."""
 
     @abstractmethod
-    async def _put(self, key: str, data: bytes) -> None:
-        """Store an object (replacing it); atomic where the backend allows."""
+    async def _put(self, key: str, data: bytes | memoryview) -> None:
+        """Store an object (replacing it); atomic where the backend allows. ``data`` may be
+        a view of a buffer its caller reuses once this returns: keep no reference to it."""
 
     @abstractmethod
     async def _exists_many(self, prefix: str, names: set[str]) -> set[str]:
@@ -213,7 +214,7 @@ class Origin(ABC):
 
     # ----------------------------------------------------------- writes
 
-    async def put_chunk(self, chunk_id: str, data: bytes) -> None:
+    async def put_chunk(self, chunk_id: str, data: bytes | memoryview) -> None:
         check_hex_id(chunk_id)
         await self._put(f"chunks/{chunk_id}", data)
         self.puts += 1

@@ -49,6 +49,7 @@ class FileOrigin(Origin):
         super().__init__(url or f"file://{self.root}")
         self._pending: list[Path] = []
         self._pending_bytes = 0
+        self._dirs: set[str] = set()   # folders known to exist (made by this origin object)
 
     def _path(self, key: str) -> Path:
         return self.root / key
@@ -84,25 +85,37 @@ class FileOrigin(Origin):
         except OSError as e:
             raise self._oserror(e, key, "read") from None
 
-    def _write(self, key: str, data: bytes, durable: bool) -> Path:
+    def _write(self, key: str, data: bytes | memoryview, durable: bool) -> Path:
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
+        parent = str(path.parent)
+        if parent not in self._dirs:   # one mkdir per folder and origin, not per chunk
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._dirs.add(parent)
         tmp = path.parent / f".{path.name[:64]}.tmp-{uuid.uuid4().hex[:12]}"
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                with memoryview(data) as view:
+                    done = 0
+                    while done < len(view):   # straight from the caller's buffer: no copy
+                        done += os.write(fd, view[done:])
                 if durable:
-                    f.flush()
-                    os.fsync(f.fileno())
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             os.rename(tmp, path)
             if durable:
                 _fsync_path(path.parent, directory=True)
+        except FileNotFoundError:
+            self._dirs.discard(parent)   # the folder went (a gc?): made again next time
+            tmp.unlink(missing_ok=True)
+            raise
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         return path
 
-    async def _put(self, key: str, data: bytes) -> None:
+    async def _put(self, key: str, data: bytes | memoryview) -> None:
         durable = not key.startswith("chunks/")
         try:
             path = await trio.to_thread.run_sync(self._write, key, data, durable)

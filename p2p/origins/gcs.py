@@ -133,15 +133,15 @@ class GCSOrigin(Origin):
             raise NotFoundError(f"{key} not found at origin {self.url}")
         raise self._refused(resp, "get", key)
 
-    async def _put(self, key: str, data: bytes) -> None:
-        mid = data.decode("ascii", "replace").strip() if key.startswith("refs/") else None
+    async def _put(self, key: str, data: bytes | memoryview) -> None:
+        mid = bytes(data).decode("ascii", "replace").strip() if key.startswith("refs/") else None
         await self._upload(key, data, object_resource(key, manifest_id=mid))
 
     async def _put_manifest(self, key: str, data: bytes, ref: str | None) -> None:
         summary = await trio.to_thread.run_sync(summarise_manifest, data, key.removeprefix("manifests/"))
         await self._upload(key, data, object_resource(key, ref=ref, summary=summary))
 
-    async def _upload(self, key: str, data: bytes, resource: dict[str, object]) -> None:
+    async def _upload(self, key: str, data: bytes | memoryview, resource: dict[str, object]) -> None:
         """One multipart upload: the object's metadata (content type, Cache-Control, herd-*)
         and its bytes together, so no object is ever seen without its metadata."""
         url = f"{self.base}/upload/storage/v1/b/{quote(self.bucket, safe='')}/o"

@@ -65,7 +65,7 @@ def object_resource(key: str, *, ref: str | None = None, summary: ManifestSummar
     return {"contentType": CHUNK_CONTENT_TYPE}
 
 
-def multipart_body(name: str, resource: dict[str, Any], data: bytes, boundary: str) -> tuple[bytes, str]:
+def multipart_body(name: str, resource: dict[str, Any], data: bytes | memoryview, boundary: str) -> tuple[bytes, str]:
     """A ``uploadType=multipart`` body (metadata and media in one request) and its content type."""
     meta = json.dumps({**resource, "name": name}, separators=(",", ":")).encode()
     ctype = str(resource.get("contentType", CHUNK_CONTENT_TYPE))

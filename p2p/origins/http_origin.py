@@ -21,7 +21,7 @@ class HttpOrigin(Origin):
         self.retries = self.http.retried
         return get_body(resp, self.url, key)
 
-    async def _put(self, key: str, data: bytes) -> None:
+    async def _put(self, key: str, data: bytes | memoryview) -> None:
         raise ReadOnlyOriginError(f"origin {self.url} is read-only (http/https); publish to file:// or gs://")
 
     async def _exists_many(self, prefix: str, names: set[str]) -> set[str]:
