@@ -159,7 +159,8 @@ class EmulatorProc:
     def __init__(self, placer: PlacerProc, token_dir: Path, *, nodes: int, offset: int = 0, fleet: str = "h100",
                  mux: int = 8, known_wire: bool = True, http_only: bool = False, extra: list[str] | None = None,
                  seconds: float = 3600.0, root: Path = ROOT, python: str = sys.executable,
-                 log_path: Path | None = None, tls_dir: str | os.PathLike[str] | None = None) -> None:
+                 log_path: Path | None = None, tls_dir: str | os.PathLike[str] | None = None,
+                 nice: int = 0) -> None:
         self.argv = [python, "-m", "testing.fleet", "--placer", placer.url, "--token-dir", str(token_dir),
                      "--nodes", str(nodes), "--offset", str(offset), "--fleet", fleet, "--mux", str(mux),
                      "--seconds", str(seconds), "--heartbeat", str(placer.opts.heartbeat_s)]
@@ -173,6 +174,7 @@ class EmulatorProc:
         self.root = root
         self.log_path = log_path
         self.nodes = nodes
+        self.nice = nice   # added to the emulator's niceness (os.nice): it yields the CPU to the placer
         self.proc: trio.Process | None = None
         self.control = ""
         self.pid = 0
@@ -180,8 +182,10 @@ class EmulatorProc:
     async def __aenter__(self) -> EmulatorProc:
         log = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: ASYNC230
         env = {**os.environ, "PYTHONPATH": str(self.root)}
+        nice = self.nice
         self.proc = await trio.lowlevel.open_process(self.argv, cwd=str(self.root), env=env, stdin=subprocess.PIPE,
-                                                     stdout=subprocess.PIPE, stderr=log)
+                                                     stdout=subprocess.PIPE, stderr=log,
+                                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
         if log is not subprocess.DEVNULL:
             log.close()  # type: ignore[union-attr]
         self.pid = self.proc.pid
