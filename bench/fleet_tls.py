@@ -73,11 +73,14 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
         c = await stack.enter_async_context(httpx.AsyncClient(timeout=120, headers=viewer, verify=verify(pki_dir)))
         emus = []
         t_setup = time.perf_counter()
-        for k in range(math.ceil(n_nodes / per_proc)):
+        procs = math.ceil(n_nodes / per_proc)
+        # ~32 members registering at once over all the emulators (testing.fleet: tls_threads)
+        tls_threads = ["--tls-threads", str(max(8, 32 // procs))] if mode == "tls" and relays else []
+        for k in range(procs):
             cnt = min(per_proc, n_nodes - k * per_proc)
             emus.append(await stack.enter_async_context(EmulatorProc(
                 placer, td, nodes=cnt, offset=k * per_proc, mux=8 if relays else 0, known_wire=True, root=root,
-                tls_dir=pki_dir, log_path=tmp / f"emu-{mode}-{k}.log", extra=["--relays"] if relays else None,
+                tls_dir=pki_dir, log_path=tmp / f"emu-{mode}-{k}.log", extra=(["--relays", *tls_threads] if relays else None),
                 nice=EMULATOR_NICE)))
         row["emulator_setup_s"] = round(time.perf_counter() - t_setup, 2)
         cpu0 = placer.cpu_s()

@@ -833,6 +833,7 @@ class FleetConfig:
     relays: bool = False               # one relay per rack: frames connections, aggregated beats
     hung_relays: frozenset[str] = frozenset()   # racks whose relay takes bundles and never answers
     tls_dir: str | None = None         # a PKI dir with ca.key: each node reports over its own mutual TLS
+    tls_threads: int = 8               # relay mode over TLS: members' blocking registrations in flight
 
 
 class Fleet:
@@ -869,10 +870,12 @@ class Fleet:
         # connect deadline (WIRE_CONNECT_S, as a real agent's wire_connect_timeout_s) starts
         # with its turn.
         self._tls_connects = trio.CapacityLimiter(128)
-        # members' blocking registrations in flight (_register_blocking): more only queue at the
-        # placer and cost it CPU (16,384 members, 4 processes, emulators at +10 nice, consecutive
-        # runs: 32 a process 65.2 s, placer 59.3 CPU-s; 8 a process 58.0 s, 55.7 CPU-s)
-        self._tls_threads = trio.CapacityLimiter(8)
+        # members' blocking registrations in flight (_register_blocking): ~32 over the emulators
+        # keep the placer busy; more only queue at the placer and cost it CPU (16,384 members, 4
+        # processes, emulators at +10 nice, consecutive runs: 32 a process 65.2 s, placer 59.3
+        # CPU-s; 8 a process 58.0 s, 55.7 CPU-s), fewer leave it idle (4,096 in one process at 8:
+        # 25.9 s, the placer 60 % busy)
+        self._tls_threads = trio.CapacityLimiter(max(1, cfg.tls_threads))
         self.registered_once = 0                       # relay mode: members registered (first time each)
         self.gc = GcClock()
         self.gc_held_until = 0.0                       # relay mode: the collector is off until then
@@ -1382,6 +1385,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=3600.0, help="exit after this long (bound)")
     ap.add_argument("--tls-dir", default=None,
                     help="a PKI dir with ca.key: every node reports over its own mutual-TLS connection")
+    ap.add_argument("--tls-threads", type=int, default=8,
+                    help="relay mode over TLS: members' registrations in flight in this process")
     ap.add_argument("--log-level", default=os.environ.get("HERD_EMU_LOG", "ERROR"),
                     help="the emulator's log level (default ERROR; env HERD_EMU_LOG)")
     a = ap.parse_args(argv)
@@ -1395,7 +1400,8 @@ def main(argv: list[str] | None = None) -> int:
         refuse_gpus=frozenset(x for x in a.refuse_gpus.split(",") if x),
         refuse_spec=frozenset(x for x in a.refuse_spec.split(",") if x),
         timing=Timing(fetch_s=a.fetch_delay, run_s=a.run_delay, stop_s=a.stop_delay), relays=a.relays,
-        hung_relays=frozenset(x for x in a.hung_relays.split(",") if x), tls_dir=a.tls_dir)
+        hung_relays=frozenset(x for x in a.hung_relays.split(",") if x), tls_dir=a.tls_dir,
+        tls_threads=a.tls_threads)
     try:
         trio.run(_main, cfg, tokens, a.go, min(a.seconds, math.inf))
     except KeyboardInterrupt:
