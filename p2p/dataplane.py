@@ -889,29 +889,9 @@ class DataPlane:
                 await self._send_all(stream, out + (conn.send(h11.EndOfMessage()) or b""))
                 return True
             conn.send_with_data_passthrough(h11.Data(data=_Len(size)))  # type: ignore[arg-type]
-            if isinstance(stream, trio.SocketStream):
-                await self._send_head_more(stream, out)
-                await self._send_in_thread(stream.socket, partial(send_frames, frames=frames,
-                                                                  stall_s=self.config.send_stall_s))
-            elif (session := _b.tls_session(stream)) is not None and isinstance(stream, trio.SSLStream):
-                # TLS: the head through the stream, the frames encrypted and sent by a
-                # worker thread with the connection's own session (this task holds it)
-                await self._send_all(stream, out)
-                raw = stream.transport_stream
-                assert isinstance(raw, trio.SocketStream)
-                await self._send_in_thread(raw.socket, partial(_b.send_frames_tls, session=session, frames=frames,
-                                                               stall_s=self.config.send_stall_s))
-            else:
-                await self._send_all(stream, out)
-                for f in frames:
-                    if why := f.open():
-                        raise trio.BrokenResourceError(f"batch send: {why}")
-                    try:
-                        await self._send_all(stream, f.header)
-                        if f.fd >= 0:
-                            await self._send_plain(stream, f.fd, 0, f.size, fallback=False)
-                    finally:
-                        f.done()
+            # plain: a worker thread's sendfile; TLS: the thread encrypts with the connection's
+            # own session (this task holds it); else through the stream
+            await self._send_frames(stream, frames, head=out)
             tail = conn.send(h11.EndOfMessage()) or b""
             if tail:
                 await self._send_all(stream, tail)
@@ -1045,9 +1025,9 @@ class DataPlane:
         return cap > 0 and self._serving.get(chunk_id, 0) >= cap
 
     async def _send_frames(self, stream: trio.abc.Stream, frames: list[Outgoing], head: bytes = b"") -> None:
-        """``head`` (bytes of the answer's head, may be empty) and ``frames``, sent as
-        :meth:`_send_batch` sends a batch's (plain: a worker thread's sendfile; TLS: the
-        thread encrypts with the connection's session; else through the stream)."""
+        """``head`` (bytes of the answer's head, may be empty) and ``frames``, for every batch
+        answer (plain: a worker thread's sendfile; TLS: the thread encrypts with the
+        connection's session; else through the stream)."""
         if isinstance(stream, trio.SocketStream):
             if head:
                 await self._send_head_more(stream, head)
