@@ -251,6 +251,7 @@ class DataPlane:
         self._trio_token: trio.lowlevel.TrioToken | None = None
         self._hook: Callable[[str], None] | None = None
         self._send_threads = trio.CapacityLimiter(max(1, self.config.send_threads))
+        self._sending = 0   # chunk-body bytes handed to a send and not sent yet (send_backlog)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -274,8 +275,16 @@ class DataPlane:
         finally:
             self._remove_hook()
 
+    def send_backlog(self) -> int:
+        """Chunk-body bytes this node has committed to send and not sent yet (answers
+        being sent now: a batch's frames, one chunk's sendfile). What a home's uplink still
+        owes its tree children: ``p2p.herd.Herd`` reads it (``uplink_backlog``) to read
+        the origin no faster than it can pass the chunks on."""
+        return self._sending
+
     def statistics(self) -> dict[str, Any]:
         s = msgspec.structs.asdict(self._stats)
+        s["send_backlog"] = self._sending
         s["waiting"] = len(self._waiters)
         s["waiting_requests"] = self._waits.open
         s["url"] = self.url
@@ -852,10 +861,14 @@ class DataPlane:
                 await self._send_all(stream, out)
             # h11 frames the body from len() only; the bytes go by sendfile.
             conn.send_with_data_passthrough(h11.Data(data=_Len(size)))  # type: ignore[arg-type]
-            if isinstance(stream, trio.SocketStream):
-                await self._sendfile(stream, fd, size)
-            else:   # TLS: the bytes must pass through the TLS layer
-                await self._send_plain(stream, fd, 0, size, fallback=False)
+            self._sending += size
+            try:
+                if isinstance(stream, trio.SocketStream):
+                    await self._sendfile(stream, fd, size)
+                else:   # TLS: the bytes must pass through the TLS layer
+                    await self._send_plain(stream, fd, 0, size, fallback=False)
+            finally:
+                self._sending -= size
             tail = conn.send(h11.EndOfMessage()) or b""
             if tail:
                 await self._send_all(stream, tail)
@@ -1027,7 +1040,16 @@ class DataPlane:
     async def _send_frames(self, stream: trio.abc.Stream, frames: list[Outgoing], head: bytes = b"") -> None:
         """``head`` (bytes of the answer's head, may be empty) and ``frames``, for every batch
         answer (plain: a worker thread's sendfile; TLS: the thread encrypts with the
-        connection's session; else through the stream)."""
+        connection's session; else through the stream). Their bodies count in
+        :meth:`send_backlog` until the call returns."""
+        owed = sum(f.size for f in frames)
+        self._sending += owed
+        try:
+            await self._send_frames_now(stream, frames, head)
+        finally:
+            self._sending -= owed
+
+    async def _send_frames_now(self, stream: trio.abc.Stream, frames: list[Outgoing], head: bytes) -> None:
         if isinstance(stream, trio.SocketStream):
             if head:
                 await self._send_head_more(stream, head)

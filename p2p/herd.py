@@ -140,6 +140,15 @@ class HerdConfig:
     # multi-chunk requests to one peer at once; 0: half this host's cores, 2 to 8 (each
     # stream's thread receives, hashes and writes: about a core at full speed)
     batch_streams: int = 0
+    # Origin reads paced by the uplink: while this node's data plane still owes its tree
+    # children more than home_backlog_bytes of chunks it has (Herd.uplink_backlog, e.g.
+    # DataPlane.send_backlog), it reads no more from the origin (polling every
+    # home_backlog_poll_s, at most home_backlog_max_pause_s per read). A home the origin
+    # feeds faster than it can pass chunks on otherwise piles up a backlog its uplink
+    # drains only after the origin is done: the herd's tail. 0: no pacing.
+    home_backlog_bytes: int = 24 << 20
+    home_backlog_poll_s: float = 0.02
+    home_backlog_max_pause_s: float = 10.0
 
 
 class HerdCounters(msgspec.Struct, kw_only=True):
@@ -158,6 +167,8 @@ class HerdCounters(msgspec.Struct, kw_only=True):
     busy_answers: int = 0             # 503s from peers (their per-chunk or request caps)
     busy_backoff_s: float = 0.0       # time spent backing off after busy rounds
     origin_bad_answers: int = 0       # origin bytes refused (did not match the chunk id)
+    origin_paced: int = 0             # origin reads held back while the uplink owed children a backlog
+    origin_paced_s: float = 0.0       # ... and how long they waited in all
 
 
 class HerdError(PeerError):
@@ -187,9 +198,14 @@ class Herd:
     """A node's herd fetcher. Long-lived (the agent keeps one) or per fetch."""
 
     def __init__(self, store: ChunkStore, *, node_id: str, token: str | None,
-                 config: HerdConfig | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
-        """``ssl_context``: mutual TLS to peers' data planes (their URLs are then https://)."""
+                 config: HerdConfig | None = None, ssl_context: ssl.SSLContext | None = None,
+                 uplink_backlog: Callable[[], int] | None = None) -> None:
+        """``ssl_context``: mutual TLS to peers' data planes (their URLs are then https://).
+        ``uplink_backlog``: bytes this node's data plane has yet to send its askers
+        (``DataPlane.send_backlog``; settable later, as the attribute of that name): origin
+        reads wait while it is over ``HerdConfig.home_backlog_bytes``."""
         self.store = store
+        self.uplink_backlog = uplink_backlog
         self.node_id = node_id
         self.config = cfg = config or HerdConfig()
         self.client = PeerClient(token=token, config=PeerClientConfig(
@@ -798,6 +814,7 @@ class Herd:
 
     async def _try(self, src: Source, cid: str, size: int, origin: Origin) -> bytes:
         if src.kind == "origin":
+            await self._pace_origin()
             # Origin bytes are verified like a peer's (bounded by the manifest's size)
             return await self._origin_call(partial(origin.get_chunk, size=size), cid, what=f"chunk {cid}",
                                            verify=lambda data: len(data) == size
@@ -829,6 +846,22 @@ class Herd:
             raise
         self.health.ok(src.node_id, len(data))
         return data
+
+    async def _pace_origin(self) -> None:
+        """Hold a chunk's origin read while the uplink owes more than
+        ``home_backlog_bytes`` (:func:`origin_paused`), at most ``home_backlog_max_pause_s``:
+        a home then takes the origin no faster than its children take the chunks from it,
+        and the origin's link goes to the homes that can pass chunks on."""
+        cfg = self.config
+        backlog = self.uplink_backlog
+        if backlog is None or not origin_paused(backlog(), cfg.home_backlog_bytes):
+            return
+        t0 = trio.current_time()
+        self.counters.origin_paced += 1
+        with trio.move_on_after(cfg.home_backlog_max_pause_s):
+            while origin_paused(backlog(), cfg.home_backlog_bytes):
+                await trio.sleep(cfg.home_backlog_poll_s)
+        self.counters.origin_paced_s += trio.current_time() - t0
 
     async def _origin_call(self, fn: Callable[[str], Awaitable[bytes]], ident: str, *, what: str,
                            verify: Callable[[bytes], bool] | None = None) -> bytes:
@@ -904,6 +937,11 @@ def peer_view(peers: PeersArg, node_id: str) -> tuple[PeerView, int]:
         me = next((p for p in peers if p.node_id == node_id), None)
         view = PeerView.from_peers(list(peers), node_id, rack_label(me) if me is not None else None)
     return view, view.row_of(node_id)
+
+
+def origin_paused(backlog: int, limit: int) -> bool:
+    """Whether an origin read waits: the uplink owes more than ``limit`` bytes (0: never)."""
+    return limit > 0 and backlog > limit
 
 
 def manifest_polls(cfg: HerdConfig) -> Iterator[float]:

@@ -138,8 +138,8 @@ async def start_nodes(nursery: trio.Nursery, root: Path, n: int, token: str, *,
                           config=plane_config or DataPlaneConfig(max_per_client=1024, max_concurrent=2048))
         url = await nursery.start(plane.run)
         nid = f"node{i}"
-        nodes.append(Node(nid, store, plane, url, Herd(store, node_id=nid, token=token, config=config),
-                          rack=f"rack{i % racks}" if racks else ""))
+        herd = Herd(store, node_id=nid, token=token, config=config, uplink_backlog=plane.send_backlog)
+        nodes.append(Node(nid, store, plane, url, herd, rack=f"rack{i % racks}" if racks else ""))
     return nodes
 
 
@@ -173,8 +173,8 @@ async def start_rack_nodes(nursery: trio.Nursery, root: Path, n: int, token: str
         url, cs = await nursery.start(_hosted, plane)
         nid = f"node{i}"
         cfg = (configs or {}).get(i, config)
-        nodes.append(Node(nid, store, plane, url, Herd(store, node_id=nid, token=token, config=cfg),
-                          rack=f"rack{i // rack_size}", scope=cs))
+        herd = Herd(store, node_id=nid, token=token, config=cfg, uplink_backlog=plane.send_backlog)
+        nodes.append(Node(nid, store, plane, url, herd, rack=f"rack{i // rack_size}", scope=cs))
     return nodes
 
 
