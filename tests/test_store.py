@@ -12,7 +12,7 @@ from blake3 import blake3
 from manifests.codec import encode_manifest
 from manifests.model import ManifestBuilder
 from p2p.errors import IntegrityError, StoreError, StoreFullError
-from p2p.store import ChunkStore
+from p2p.store import SYNC_THREADS, ChunkStore
 from tests.conftest import is_root
 
 
@@ -297,3 +297,31 @@ def test_materialise_on_full_disk(tiny_tmpfs: Path) -> None:
     assert os.listdir(tiny_tmpfs / "s" / "tmp") == []
     assert not s.is_materialised(mid)
     assert s.verify().ok
+
+
+def test_sync_keeps_its_fsync_threads_for_the_stores_life(tmp_path: Path) -> None:
+    """sync() fsyncs on threads the store keeps (a pool per sync started SYNC_THREADS
+    threads every batch): the second sync runs on the first one's threads."""
+    import threading
+
+    s = ChunkStore(tmp_path / "store")
+
+    def fsync_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name.startswith("herd-fsync")}
+
+    def put(n: int, salt: bytes) -> None:
+        for i in range(n):
+            data = salt + i.to_bytes(4, "big")
+            s.put_chunk(blake3(data).hexdigest(), data)
+
+    before = fsync_threads()
+    put(40, b"one")
+    assert s.sync() == 40
+    first = fsync_threads() - before
+    assert first                     # still there after the sync returned
+    for salt in (b"two", b"three"):
+        put(40, salt)
+        assert s.sync() == 40
+    assert all(t.is_alive() for t in first)
+    assert len(fsync_threads() - before) <= SYNC_THREADS
+    assert s.statistics().pending_sync == 0
