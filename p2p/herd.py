@@ -56,6 +56,7 @@ from prometheus_client.metrics_core import Metric
 from scheduler_link.messages import Peer, PeerTable
 from scheduler_link.metrics import family, text_of
 
+from .balance import balanced_order
 from .errors import IntegrityError, NotFoundError, OriginError, OriginUnavailable, PeerError
 from .fetchrun import OWN, REST, FetchRun
 from .flight import SingleFlight
@@ -100,7 +101,7 @@ class HerdConfig:
     have_probe_s: float = 1.0          # ... and how long the start of a fetch waits for them
     have_probe_max: int = 256         # peers asked for their have-bitmap at the start of a fetch
     sync_every_bytes: int = 64 << 20   # fsync stored chunks in batches of this much while fetching
-    balance_homes: bool = True         # rendezvous with two choices over the manifest (assign_homes)
+    balance_homes: bool = True         # homes balanced by bytes: trees p2p.balance, flat assign_homes
     max_rounds: int = 4                # replans of one chunk after every source failed
     # Bounded fan-in trees (p2p.tree): origin -> global home -> rack homes in a k-ary tree
     # over racks -> rack members (an m-ary tree inside a rack). False: the flat ranking
@@ -382,8 +383,12 @@ class Herd:
         if not todo:
             return run
         view, me = self.view(peers)
-        # the manifest's whole chunk table, in its order: the trees depend on it
-        ids = list(dict.fromkeys(cid for cid, _ in chunks))
+        # the manifest's whole chunk table, dealt in an order that balances the homes'
+        # bytes (p2p.balance, for racks of the view's largest size): the trees depend on it
+        table = dict(chunks)
+        ids = list(table)
+        if self.config.balance_homes and len(view):
+            ids = [ids[i] for i in balanced_order([table[c] for c in ids], int(view.sizes.max()))]
         cfg = self.config
         planner = Planner(view, me, chunk_keys(ids), k=cfg.tree_k, rack_fanout=cfg.rack_fanout)
         cindex = {cid: i for i, cid in enumerate(ids)}
