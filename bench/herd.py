@@ -191,16 +191,18 @@ class _Sampler:
         return [(int(a), int(b)) for a, b in (ln.split() for ln in r.stdout.split("\n") if ln.strip())]
 
     def _run(self) -> None:
-        last = self.host.tx_bytes()
-        llast = self._links()
+        # rates over the time that really passed (under load a sample takes longer than 0.5 s)
+        last, t_last = self.host.tx_bytes(), time.monotonic()
+        llast, tl_last = self._links(), time.monotonic()
         while not self._stop.wait(0.5):
-            now = self.host.tx_bytes()
-            self.rates.append(round((now - last) / 0.5 / 1e6, 1))
-            last = now
-            lnow = self._links()
-            self.links.append([(round((a - a0) / 0.5e6, 1), round((b - b0) / 0.5e6, 1))
+            now, t = self.host.tx_bytes(), time.monotonic()
+            self.rates.append(round((now - last) / max(t - t_last, 1e-3) / 1e6, 1))
+            last, t_last = now, t
+            lnow, tl = self._links(), time.monotonic()
+            dt = max(tl - tl_last, 1e-3)
+            self.links.append([(round((a - a0) / dt / 1e6, 1), round((b - b0) / dt / 1e6, 1))
                                for (a, b), (a0, b0) in zip(lnow, llast, strict=False)])
-            llast = lnow
+            llast, tl_last = lnow, tl
 
     def stop(self) -> list[float]:
         self._stop.set()
@@ -225,8 +227,10 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
         assert baseline is not None
         root, mode = baseline, "herd"
     env = dict(os.environ, PYTHONPATH=str(root), HERD_LOG_LEVEL="WARNING")
-    mode, _, over = mode.partition("@")   # herd@rack_fanout=3: HerdConfig fields set for this mode
-    sets = {k: int(v) for k, _, v in (kv.partition("=") for kv in over.split(",") if kv)}
+    # herd@rack_fanout=3: HerdConfig fields set for this mode (several joined by '+':
+    # herd@balance_homes=0+home_backlog_bytes=0)
+    mode, _, over = mode.partition("@")
+    sets = {k: int(v) for k, _, v in (kv.partition("=") for kv in over.replace("+", ",").split(",") if kv)}
     budget = ideal * (len(hosts) if mode == "origin" else 1) * 3 + 60
     try:
         for h in hosts:
@@ -360,7 +364,7 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
                                tuning or {"workers": 16, "home": 2}, baseline)
                 key = {"origin": "origin_only", "herd": "herd", "flat": "flat", "perchunk": "perchunk",
                        "baseline": "baseline"}.get(
-                    mode, mode.replace("@", "_").replace("=", "").replace(",", "_"))
+                    mode, mode.replace("@", "_").replace("=", "").replace(",", "_").replace("+", "_"))
                 for k, v in res.items():
                     out[f"{key}_{k}"] = v
         out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]

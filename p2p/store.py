@@ -30,6 +30,7 @@ thread that stored the chunk, after the chunk is visible.
 from __future__ import annotations
 
 import errno
+import itertools
 import logging
 import os
 import re
@@ -49,7 +50,7 @@ from blake3 import blake3
 
 from manifests import Manifest, decode_manifest
 from manifests.materialise import materialise as materialise_tree
-from scheduler_link.durable import atomic_write, fsync_dir
+from scheduler_link.durable import atomic_write, fsync_dir, write_all
 
 from .errors import IntegrityError, ManifestError, StoreError, StoreFullError
 
@@ -223,6 +224,9 @@ class ChunkStore:
         # sync()'s fsync threads, kept for the store's life: a pool made per sync started
         # SYNC_THREADS threads every 64 MiB a fetch stored (~0.05 CPU-s per GiB here)
         self._sync_pool: ThreadPoolExecutor | None = None
+        self._chunks_s = str(self.chunks_dir)
+        self._tmp_s = str(self.tmp_dir)
+        self._tmp_seq = itertools.count(int.from_bytes(os.urandom(4), "big") << 16)
         self._open()
 
     # ----------------------------------------------------------------- open
@@ -349,10 +353,9 @@ class ChunkStore:
             raise IntegrityError(f"chunk {chunk_id} does not match its hash ({len(data)} bytes received)")
         size = len(data)
         self._reserve(size)
-        final = self.chunks_dir / chunk_id[:2] / chunk_id
         try:
             # no fsync here: chunks are synced in batches (sync()) before a manifest is marked complete
-            atomic_write(final, data, 0o444, tmp_dir=self.tmp_dir, sync=False)
+            final = self._write_chunk_file(chunk_id, data)
         except OSError as e:
             with self._lock:
                 self._reserved -= size
@@ -367,14 +370,44 @@ class ChunkStore:
             self._bytes += size
             self._chunks_added += 1
             self._bytes_added += size
-            self._pending_files.append(str(final))
-            self._pending_dirs.add(str(final.parent))
+            self._pending_files.append(final)
+            self._pending_dirs.add(final[: -len(chunk_id) - 1])
         for hook in list(self.on_chunk_added):
             try:
                 hook(chunk_id)
             except Exception:
                 log.exception("on_chunk_added hook failed chunk=%s", chunk_id)
         return True
+
+    def _write_chunk_file(self, chunk_id: str, data: bytes | bytearray | memoryview) -> str:
+        """:func:`scheduler_link.durable.atomic_write` of a chunk (read-only, through the
+        temp dir, no fsync), on string paths: pathlib and a random name per chunk were
+        ~35 us of the ~45 a 4 KiB put took (cProfile). The temp name has the same shape
+        (``.<id>.p<pid>.<12 hex>``: a per-store counter for the random part, the next one
+        where a leftover holds it). Returns the chunk file's path."""
+        final = f"{self._chunks_s}/{chunk_id[:2]}/{chunk_id}"
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        while True:
+            tmp = f"{self._tmp_s}/.{chunk_id[:48]}.p{os.getpid()}.{next(self._tmp_seq):012x}"
+            try:
+                fd = os.open(tmp, flags, 0o600)
+                break
+            except FileExistsError:
+                continue
+        try:
+            try:
+                os.fchmod(fd, 0o444)
+                write_all(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(tmp, final)
+        except BaseException:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise
+        return final
 
     def sync(self) -> int:
         """fsync every chunk written since the last sync, then their directories.

@@ -325,3 +325,20 @@ def test_sync_keeps_its_fsync_threads_for_the_stores_life(tmp_path: Path) -> Non
     assert all(t.is_alive() for t in first)
     assert len(fsync_threads() - before) <= SYNC_THREADS
     assert s.statistics().pending_sync == 0
+
+
+def test_a_chunk_write_steps_over_a_temp_name_already_taken(tmp_path: Path) -> None:
+    """A chunk's temp file is named like every store temp (``.<id>.p<pid>.<hex>``); where a
+    leftover holds the next name, the write takes the one after and leaves it alone."""
+    s = ChunkStore(tmp_path / "store")
+    data = b"temp names " * 100
+    cid = blake3(data).hexdigest()
+    n = next(s._tmp_seq)
+    taken = [s.tmp_dir / f".{cid[:48]}.p{os.getpid()}.{n + i:012x}" for i in (1, 2)]
+    for t in taken:
+        t.write_bytes(b"leftover")
+    assert s.put_chunk(cid, data)
+    assert s.read_chunk(cid) == data
+    assert oct(os.stat(s.chunk_path(cid)).st_mode & 0o777) == oct(0o444)
+    assert all(t.read_bytes() == b"leftover" for t in taken)
+    assert sorted(p.name for p in s.tmp_dir.iterdir()) == sorted(t.name for t in taken)
