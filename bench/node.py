@@ -112,7 +112,7 @@ def serve_herd(store_dir: str, tls: str | None) -> None:
 def fetch_herd(store_dir: str, origin_dir: str, manifest_id: str, url: str, tls: str | None) -> None:
     import trio
 
-    from p2p.herd import Herd, fetch_with_peers
+    from p2p.herd import Herd, HerdConfig, fetch_with_peers
     from p2p.origins import FileOrigin
     from p2p.peers import PeerClient
     from p2p.store import ChunkStore
@@ -120,7 +120,9 @@ def fetch_herd(store_dir: str, origin_dir: str, manifest_id: str, url: str, tls:
 
     async def main() -> dict[str, Any]:
         store = ChunkStore(store_dir)
-        herd = Herd(store, node_id="client", token=TOKEN)
+        # HerdConfig fields for this phase (--herd-set: a same-run variant, phase herd_set)
+        sets = json.loads(os.environ.get("BENCH_NODE_HERD_SET", "{}"))
+        herd = Herd(store, node_id="client", token=TOKEN, config=HerdConfig(**sets))
         if tls:
             herd.client = PeerClient(token=TOKEN, config=herd.client.config,
                                      ssl_context=client_context(Path(tls)))
@@ -217,8 +219,8 @@ def _proc_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _role(*args: str, stdin: Any = subprocess.DEVNULL) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+def _role(*args: str, stdin: Any = subprocess.DEVNULL, sets: dict[str, int] | None = None) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "BENCH_NODE_HERD_SET": json.dumps(sets or {})}
     return subprocess.Popen([sys.executable, "-m", "bench.node", "--role", *args], stdin=stdin,
                             stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT)
 
@@ -257,7 +259,8 @@ def prepare(work: Path, mib: int) -> tuple[str, list[tuple[str, int]]]:
     return m.id, [(c.id, c.size) for c in m.chunks]
 
 
-def phase(kind: str, work: Path, mid: str, ids_file: Path, tls: Path | None) -> dict[str, float]:
+def phase(kind: str, work: Path, mid: str, ids_file: Path, tls: Path | None,
+          sets: dict[str, int] | None = None) -> dict[str, float]:
     """One transfer: fresh client dir, sync, start the server, fetch, read both CPUs."""
     out = work / "client"
     shutil.rmtree(out, ignore_errors=True)
@@ -278,7 +281,7 @@ def phase(kind: str, work: Path, mid: str, ids_file: Path, tls: Path | None) -> 
             addr = addr.replace("http://", "https://")
         s0 = _proc_cpu(server.pid)
         if kind == "herd":
-            client = _role("fetch-herd", str(out / "store"), str(work / "origin"), mid, addr, *tls_args)
+            client = _role("fetch-herd", str(out / "store"), str(work / "origin"), mid, addr, *tls_args, sets=sets)
         else:
             client = _role("fetch-loop", addr, str(ids_file), str(out), *tls_args)
         got, _ = client.communicate(timeout=600)
@@ -319,7 +322,8 @@ def _median_rows(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
 
 
-def run(mib: int, repeat: int, tls: bool, workdir: Path, log: Any) -> dict[str, Any]:
+def run(mib: int, repeat: int, tls: bool, workdir: Path, log: Any,
+        herd_set: dict[str, int] | None = None) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-node-", dir=workdir))
     try:
         t0 = time.perf_counter()
@@ -329,11 +333,13 @@ def run(mib: int, repeat: int, tls: bool, workdir: Path, log: Any) -> dict[str, 
         log(f"prepared {mib} MiB, {len(chunks)} chunks in {time.perf_counter() - t0:.1f}s")
         cert = make_tls(work) if tls else None
         kinds = [("herd", None), ("loop", None)] + ([("herd_tls", cert), ("loop_tls", cert)] if tls else [])
+        if herd_set:
+            kinds.append(("herd_set", None))
         runs: dict[str, list[dict[str, float]]] = {k: [] for k, _ in kinds}
         for rep in range(repeat):
             order = kinds if rep % 2 == 0 else kinds[::-1]   # alternate who goes first
             for name, c in order:
-                r = phase(name.split("_")[0], work, mid, ids_file, c)
+                r = phase(name.split("_")[0], work, mid, ids_file, c, herd_set if name == "herd_set" else None)
                 runs[name].append(r)
                 log(f"rep {rep} {name:9s} {r['mb_s']:8.1f} MB/s  client {r['client_cpu_s_per_gib']:.2f}"
                     f"  server {r['server_cpu_s_per_gib']:.2f} CPU-s/GiB")
@@ -351,6 +357,8 @@ def run(mib: int, repeat: int, tls: bool, workdir: Path, log: Any) -> dict[str, 
                     "cores_for_100gbit": round(12.5 * hc / (GiB / 1e9), 1)}
 
         out["plain"] = ratios("herd", "loop")
+        if herd_set:
+            out["herd_set"] = {**med["herd_set"], "fields": herd_set, **ratios("herd_set", "loop")}
         if tls:
             out["tls"] = ratios("herd_tls", "loop_tls")
             out["tls_cost"] = round((med["herd_tls"]["client_cpu_s_per_gib"] + med["herd_tls"]["server_cpu_s_per_gib"])
@@ -365,11 +373,11 @@ def _table(r: dict[str, Any]) -> str:
     lines = [f"one node fetching {r['mib']} MiB ({r['chunks']} chunks) from one peer on loopback, "
              f"medians of {r['repeat']}; load {r['load_avg']}",
              f"{'phase':10s} {'MB/s':>9s} {'client CPU-s/GiB':>17s} {'server CPU-s/GiB':>17s}"]
-    for k in ("herd", "loop", "herd_tls", "loop_tls"):
+    for k in ("herd", "loop", "herd_tls", "loop_tls", "herd_set"):
         if k in r:
             v = r[k]
             lines.append(f"{k:10s} {v['mb_s']:9.1f} {v['client_cpu_s_per_gib']:17.2f} {v['server_cpu_s_per_gib']:17.2f}")
-    for k in ("plain", "tls"):
+    for k in ("plain", "tls", "herd_set"):
         if k in r:
             v = r[k]
             ok_c = "ok" if v["cpu_ratio"] <= TARGETS["cpu_ratio"][1] else "MISSED"
@@ -386,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=1024)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--no-tls", action="store_true")
+    p.add_argument("--herd-set", default="", help="a=1,b=2: HerdConfig fields for an extra phase herd_set, "
+                   "alternated with the others (a same-run variant)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", action="store_true")
     a, rest = p.parse_known_args(argv)
@@ -405,7 +415,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[bench.node] {msg}", file=sys.stderr, flush=True)
 
-    r = run(a.mib, a.repeat, not a.no_tls, Path(a.workdir or tempfile.gettempdir()), log)
+    sets = {k: int(v) for k, _, v in (kv.partition("=") for kv in a.herd_set.split(",") if kv)}
+    r = run(a.mib, a.repeat, not a.no_tls, Path(a.workdir or tempfile.gettempdir()), log, sets)
     print(json.dumps(r) if a.json else _table(r))  # (one line: bench.quick reads the last line)
     return 0
 

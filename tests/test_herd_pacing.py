@@ -134,3 +134,40 @@ async def test_a_herd_with_its_uplink_wired_is_byte_exact(tmp_path: Path) -> Non
                 await n.herd.aclose()
             assert sum(origin.chunk_reads.values()) <= 1.05 * len(set(art.chunks))
             nursery.cancel_scope.cancel()
+
+
+def test_a_home_is_ahead_past_the_first_missing_chunk_plus_its_lead(tmp_path: Path) -> None:
+    from p2p.herd import HerdConfig, _Lead, home_lead
+
+    store = ChunkStore(tmp_path / "store")
+    pieces = [os.urandom(100) + bytes([i]) for i in range(10)]
+    ids = [blake3.blake3(p).hexdigest() for p in pieces]
+    lead = _Lead(store, ids, 2)
+    assert not lead.ahead(ids[2]) and lead.ahead(ids[3])
+    for p, cid in zip(pieces[:3], ids[:3], strict=True):
+        store.put_chunk(cid, p)
+    assert not lead.ahead(ids[5]) and lead.ahead(ids[6])
+    assert lead.low == 3
+    assert home_lead(HerdConfig(), 8) == 24 and home_lead(HerdConfig(), 1) == 0
+    assert home_lead(HerdConfig(home_lead_chunks=0), 8) == 0
+
+
+async def test_a_home_ahead_of_the_herd_waits_then_goes_on(tmp_path: Path) -> None:
+    """Two nodes, one fetching (the other serves but fetches nothing): the fetching node's
+    own chunks past its lead wait for the other's chunks before them (bounded), and the
+    fetch completes byte-exact with one origin read a chunk."""
+    art = make_artifact(tmp_path, 24 * CHUNK, chunk_size=CHUNK, seed=45)
+    origin = open_file_origin(art)
+    cfg = dataclasses.replace(FAST, wait_ms=200, home_lead_chunks=2, home_lead_max_pause_s=0.05)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            a, b = await start_nodes(nursery, tmp_path, 2, TOKEN, config=cfg)
+            await herd_fetch(a.herd, art.manifest_id, origin, [a.peer, b.peer])
+            assert_bit_exact(a, art)
+            assert a.herd.counters.origin_paced >= 1
+            assert a.herd.counters.origin_paced_s > 0
+            assert sum(origin.chunk_reads.values()) == len(set(art.chunks))
+            assert not a.herd._leads          # the run's step is gone with it
+            for n in (a, b):
+                await n.herd.aclose()
+            nursery.cancel_scope.cancel()
