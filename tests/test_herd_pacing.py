@@ -148,7 +148,7 @@ def test_a_home_is_ahead_past_the_first_missing_chunk_plus_its_lead(tmp_path: Pa
         store.put_chunk(cid, p)
     assert not lead.ahead(ids[5]) and lead.ahead(ids[6])
     assert lead.low == 3
-    assert home_lead(HerdConfig(), 8) == 24 and home_lead(HerdConfig(), 1) == 0
+    assert home_lead(HerdConfig(home_lead_chunks=-1), 8) == 24 and home_lead(HerdConfig(home_lead_chunks=-1), 1) == 0
     assert home_lead(HerdConfig(home_lead_chunks=0), 8) == 0
 
 
