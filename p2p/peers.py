@@ -551,7 +551,7 @@ class _StaleConnection(Exception):
     pass
 
 
-_POLL_S = 0.05   # how often a receiving worker thread looks whether it was abandoned
+_POLL_S = 0.2    # how often a receiving worker thread looks whether it was abandoned (p2p.batch.POLL_S)
 
 
 def _receive_and_hash(fd: int, body: bytearray, got: int, length: int, stall_s: float, stop: threading.Event,
