@@ -91,6 +91,7 @@ class Args:
     root: Path = ROOT                # the tree whose placer and emulators run (--placer-root: A/B)
     relays: bool = True              # False (--no-relays): the baseline rows only
     register_limit_s: float = 300.0  # bound on the registration wait (--register-limit)
+    hold_events: bool = True         # False (--no-hold-events): members report events while bundles come
 
 
 def _gang(fleet: str, gpus_total: int, want: int | None) -> dict[str, Any]:
@@ -123,6 +124,8 @@ async def _fleet(stack: AsyncExitStack, tmp: Path, td: Path, a: Args, n: int, *,
     for k in range(procs):
         lo, hi = min(n, k * racks // procs * npr), min(n, (k + 1) * racks // procs * npr)
         extra = ["--fetch-delay", "0.2", "--run-delay", "0.3"] + (["--relays"] if relays else [])
+        if relays and not a.hold_events:
+            extra.append("--no-hold-events")
         emus.append(await stack.enter_async_context(EmulatorProc(
             placer, td, nodes=hi - lo, offset=lo, fleet=a.fleet, mux=8, log_path=tmp / f"emu{k}.log", extra=extra,
             root=a.root)))
@@ -425,6 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-relays", action="store_true", help="the same-run baseline rows only")
     ap.add_argument("--register-limit", type=float, default=300.0, help="bound on the registration wait (s)")
     ap.add_argument("--baseline-limit", type=float, default=60.0)
+    ap.add_argument("--no-hold-events", action="store_true",
+                    help="the emulated members report their pods' events at once, even while their process's "
+                         "relays are still handling the round's bundles (testing.fleet's bundles_quiet)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--placer-root", default=str(ROOT),
                     help="the tree whose placer and emulators run (default: this one; a same-run A/B)")
@@ -437,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
              steady_s=ns.steady_s, fill=ns.fill, fill_max_jobs=ns.fill_max_jobs, limit_s=ns.limit,
              baseline=not ns.no_baseline, baseline_limit_s=ns.baseline_limit, hung_fraction=ns.hung,
              preempt=not ns.no_preempt, seed=ns.seed, root=Path(ns.placer_root), relays=not ns.no_relays,
-             register_limit_s=ns.register_limit)
+             register_limit_s=ns.register_limit, hold_events=not ns.no_hold_events)
     return run_printed(partial(run_all, nodes, a), json_out=ns.json, table=print_table)
 
 

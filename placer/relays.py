@@ -330,11 +330,11 @@ class RelayHub:
                 parent = urls[(i - seeds) // TREE_FANOUT] if i - seeds >= 0 else None
                 sources = [u for u in [parent, *seed_urls] if u and u != conn.listen_url]
             starts = any(p.kind == "start" for p in ps)
-            rb = self.svc.signer.bundle(rack=path, blob_id=(blob_id or "") if starts else "",
-                                        parts=[p.part(expires) for p in ps],
-                                        deliver_by=self.svc.clock() + cfg.relay_timeout_s * 0.8,
-                                        blob=raw if carry and starts else None,
-                                        blob_sources=sources if starts else [])
+            rb = self.svc.signer.bundle_raw(rack=path, blob_id=(blob_id or "") if starts else "",
+                                            raws=[p.part_bytes(expires) for p in ps],
+                                            deliver_by=self.svc.clock() + cfg.relay_timeout_s * 0.8,
+                                            blob=raw if carry and starts else None,
+                                            blob_sources=sources if starts else [])
             if carry and starts:
                 self.stats.blob_seeds += 1
             return conn.channel.prepare("bundle", rb)
