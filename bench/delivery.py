@@ -144,7 +144,18 @@ async def _register(row: dict[str, Any], key: str, placer: PlacerProc, emus: lis
                                   ).json()["placer"].get("nodes_lost")
     except (httpx.HTTPError, ValueError, KeyError):
         pass
-    _note(f"{key}", up=up, s=s, nodes_lost=row[key].get("nodes_lost"))
+    try:  # relays' connections made and lost meanwhile, and why they ended (testing.fleet's /stats)
+        ss = [await e.stats(c) for e in emus]
+        reasons: dict[str, int] = {}
+        for st in ss:
+            for k, v in (st.get("relay_drop_reasons") or {}).items():
+                reasons[k] = reasons.get(k, 0) + v
+        row[key].update(relay_connects=sum(st.get("relay_connects", 0) for st in ss),
+                        relay_drops=sum(st.get("relay_drops", 0) for st in ss), relay_drop_reasons=reasons)
+    except (httpx.HTTPError, ValueError, KeyError):
+        pass
+    _note(f"{key}", up=up, s=s, nodes_lost=row[key].get("nodes_lost"), relay_connects=row[key].get("relay_connects"),
+          relay_drops=row[key].get("relay_drops"), why=row[key].get("relay_drop_reasons"))
     if up < n:
         return False
     await wait_recovered(c, placer.url)

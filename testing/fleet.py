@@ -460,7 +460,9 @@ class EmulatedRelay:
             finally:
                 self.channel = None
                 self.drops += 1
-                log.debug("relay connection lost rack=%s relay=%s", self.rack, self.members[0].slot.node_id)
+                why = ch.close_reason or "ended here"
+                f.drop_reasons[why] = f.drop_reasons.get(why, 0) + 1
+                log.debug("relay connection lost rack=%s relay=%s why=%s", self.rack, self.members[0].slot.node_id, why)
                 for m in self.members:
                     m.boot_id = ""
                     m.registered = False
@@ -522,18 +524,16 @@ class EmulatedRelay:
             m = self.by_id.get(part.node_id)
             if m is None:
                 continue  # not ours: the placer pushes it directly
-            if not part.blob_id and rb.blob_id and part.pods:  # the bundle's blob (as a relay fills it in)
-                part = msgspec.structs.replace(part, blob_id=rb.blob_id)
-            o = m.place_part(part, now, later)
+            o = m.place_part(part, now, later)   # (its blob: the part's, else the bundle's: _after_bundle)
             outcomes.append(with_outcome_mac(m.mac_key, o) if m.mac_key else o)
         st = self.fleet.stats
         for o in outcomes:
             st.acks[o.outcome] = st.acks.get(o.outcome, 0) + 1
         st.parts += len(outcomes)
-        self.fleet.spawn(self._after_bundle, parts, later)
+        self.fleet.spawn(self._after_bundle, parts, later, rb.blob_id)
         return "acks", AckBundle(rack=rb.rack, blob_id=rb.blob_id, outcomes=outcomes)
 
-    async def _after_bundle(self, parts: list[NodePart], later: list[Any]) -> None:
+    async def _after_bundle(self, parts: list[NodePart], later: list[Any], bundle_blob: str = "") -> None:
         """After the acks went out: victims stopped, then the rack's new pods fetch and run
         (one task per bundle, not per node; no "accepted" event: the ack said it)."""
         await trio.lowlevel.checkpoint()  # the acks frame is queued first
@@ -544,7 +544,7 @@ class EmulatedRelay:
                 self.fleet.spawn(m._stop, v)
             if fresh:
                 starts.append((m, fresh))
-                blob_id = blob_id or part.blob_id
+                blob_id = blob_id or part.blob_id or bundle_blob   # (a relay fills the bundle's in)
         if not starts:
             return
         t = self.fleet.timing
@@ -870,6 +870,7 @@ class Fleet:
         self.bundle_turn = trio.Lock()   # the emulated relays take turns handling bundles (Relay._in_turn)
         self.bundles_seen = 0                          # relay mode: bundles this process took
         self._verifiers: dict[bytes, BundleVerifier] = {}   # by placer key (Fleet.verifier)
+        self.drop_reasons: dict[str, int] = {}         # relay mode: why relays' connections ended (GET /stats)
         self.limiter = trio.CapacityLimiter(512)       # reports in flight (bounds a registration storm)
         # mutual TLS: one certificate and client context per emulated node, made before it registers
         self.node_tls = NodeContexts(cfg.tls_dir) if cfg.tls_dir else None
@@ -1181,6 +1182,7 @@ class Fleet:
                 "bundles_verified": sum(r.verified_bundles for r in rs), "bundles_refused": sum(r.bad_bundles for r in rs),
                 "relay_failures": sum(r.failures for r in rs), "blob_fetches": dict(self.blob_fetches),
                 "relay_connects": sum(r.connects for r in rs), "relay_drops": sum(r.drops for r in rs),
+                "relay_drop_reasons": dict(self.drop_reasons),
                 "reregistrations": sum(r.reregistrations for r in rs),
                 "events_superseded": sum(r.events_superseded for r in rs),
                 "events_unsent": sum(r.events_unsent for r in rs),
