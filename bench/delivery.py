@@ -9,6 +9,10 @@ event reports and one aggregated beat per heartbeat interval, and answering the 
 RackBundles. **The relay -> member hop is emulated in-process** (a method call per
 NodePart, with the real checks: binding, expiry, inventory hash, slots): what is measured
 is the placer and the real wire to the relays, with the emulators on the same 2 cores.
+The members' reports of their pods fetching and running (real reports, each with its MAC)
+wait while their emulator process still has bundles of the round to handle (testing.fleet's
+``bundles_quiet``: on a fleet they are other hosts' work); ``--no-hold-events`` sends them
+at once, competing with the acks for the same cores.
 
 Phases, in one run:
 1. ``empty``: the big gang (``--gang-gpus``, default min(200,000, 60 % of the fleet's GPUs),
