@@ -10,6 +10,7 @@ import struct
 import msgspec
 import pytest
 import trio
+import trio.testing
 
 from scheduler_link.agent_link import AgentLink
 from scheduler_link.auth import TokenSet
@@ -438,3 +439,21 @@ async def test_a_registration_is_waited_for_longer_than_a_heartbeat():
                     await trio.sleep(0.02)
             assert "TooSlowError" in (link.last_error or "")
             n.cancel_scope.cancel()
+
+
+async def test_a_frames_connection_says_why_it_closed():
+    """FrameChannel.close_reason (the placer's "relay disconnected" log, the emulator's drop
+    reasons): the side that closes says so, the other side that its peer did."""
+    from scheduler_link.frames import FrameChannel
+
+    with trio.fail_after(10):
+        a_sock, b_sock = trio.socket.socketpair()
+        a, b = FrameChannel(trio.SocketStream(a_sock), name="a"), FrameChannel(trio.SocketStream(b_sock), name="b")
+        assert a.close_reason == b.close_reason == ""
+        async with trio.open_nursery() as n:
+            n.start_soon(a.run, lambda ch, f: None)
+            n.start_soon(b.run, lambda ch, f: None)
+            await trio.testing.wait_all_tasks_blocked()
+            await a.aclose()
+            await b.closed.wait()
+        assert a.close_reason == "closed here" and b.close_reason == "closed by the peer"
