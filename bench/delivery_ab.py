@@ -46,6 +46,7 @@ def one(root: Path, a: argparse.Namespace) -> dict[str, Any]:
         res[ph]["last_delivery"] = d.get("last_delivery")
         res[ph]["emulator_diag"] = d.get("emulator_diag")
     res["steady_placer_cpu_frac"] = (row.get("steady") or {}).get("placer_cpu_frac")
+    res["register"] = row.get("register")   # (its time, and relays' connections made and lost)
     return res
 
 
