@@ -9,6 +9,10 @@ event reports and one aggregated beat per heartbeat interval, and answering the 
 RackBundles. **The relay -> member hop is emulated in-process** (a method call per
 NodePart, with the real checks: binding, expiry, inventory hash, slots): what is measured
 is the placer and the real wire to the relays, with the emulators on the same 2 cores.
+The members' reports of their pods fetching and running (real reports, each with its MAC)
+wait while their emulator process still has bundles of the round to handle (testing.fleet's
+``bundles_quiet``: on a fleet they are other hosts' work); ``--no-hold-events`` sends them
+at once, competing with the acks for the same cores.
 
 Phases, in one run:
 1. ``empty``: the big gang (``--gang-gpus``, default min(200,000, 60 % of the fleet's GPUs),
@@ -91,6 +95,7 @@ class Args:
     root: Path = ROOT                # the tree whose placer and emulators run (--placer-root: A/B)
     relays: bool = True              # False (--no-relays): the baseline rows only
     register_limit_s: float = 300.0  # bound on the registration wait (--register-limit)
+    hold_events: bool = True         # False (--no-hold-events): members report events while bundles come
 
 
 def _gang(fleet: str, gpus_total: int, want: int | None) -> dict[str, Any]:
@@ -123,6 +128,8 @@ async def _fleet(stack: AsyncExitStack, tmp: Path, td: Path, a: Args, n: int, *,
     for k in range(procs):
         lo, hi = min(n, k * racks // procs * npr), min(n, (k + 1) * racks // procs * npr)
         extra = ["--fetch-delay", "0.2", "--run-delay", "0.3"] + (["--relays"] if relays else [])
+        if relays and not a.hold_events:
+            extra.append("--no-hold-events")
         emus.append(await stack.enter_async_context(EmulatorProc(
             placer, td, nodes=hi - lo, offset=lo, fleet=a.fleet, mux=8, log_path=tmp / f"emu{k}.log", extra=extra,
             root=a.root)))
@@ -141,7 +148,18 @@ async def _register(row: dict[str, Any], key: str, placer: PlacerProc, emus: lis
                                   ).json()["placer"].get("nodes_lost")
     except (httpx.HTTPError, ValueError, KeyError):
         pass
-    _note(f"{key}", up=up, s=s, nodes_lost=row[key].get("nodes_lost"))
+    try:  # relays' connections made and lost meanwhile, and why they ended (testing.fleet's /stats)
+        ss = [await e.stats(c) for e in emus]
+        reasons: dict[str, int] = {}
+        for st in ss:
+            for k, v in (st.get("relay_drop_reasons") or {}).items():
+                reasons[k] = reasons.get(k, 0) + v
+        row[key].update(relay_connects=sum(st.get("relay_connects", 0) for st in ss),
+                        relay_drops=sum(st.get("relay_drops", 0) for st in ss), relay_drop_reasons=reasons)
+    except (httpx.HTTPError, ValueError, KeyError):
+        pass
+    _note(f"{key}", up=up, s=s, nodes_lost=row[key].get("nodes_lost"), relay_connects=row[key].get("relay_connects"),
+          relay_drops=row[key].get("relay_drops"), why=row[key].get("relay_drop_reasons"))
     if up < n:
         return False
     await wait_recovered(c, placer.url)
@@ -425,6 +443,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-relays", action="store_true", help="the same-run baseline rows only")
     ap.add_argument("--register-limit", type=float, default=300.0, help="bound on the registration wait (s)")
     ap.add_argument("--baseline-limit", type=float, default=60.0)
+    ap.add_argument("--no-hold-events", action="store_true",
+                    help="the emulated members report their pods' events at once, even while their process's "
+                         "relays are still handling the round's bundles (testing.fleet's bundles_quiet)")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--placer-root", default=str(ROOT),
                     help="the tree whose placer and emulators run (default: this one; a same-run A/B)")
@@ -437,7 +458,7 @@ def main(argv: list[str] | None = None) -> int:
              steady_s=ns.steady_s, fill=ns.fill, fill_max_jobs=ns.fill_max_jobs, limit_s=ns.limit,
              baseline=not ns.no_baseline, baseline_limit_s=ns.baseline_limit, hung_fraction=ns.hung,
              preempt=not ns.no_preempt, seed=ns.seed, root=Path(ns.placer_root), relays=not ns.no_relays,
-             register_limit_s=ns.register_limit)
+             register_limit_s=ns.register_limit, hold_events=not ns.no_hold_events)
     return run_printed(partial(run_all, nodes, a), json_out=ns.json, table=print_table)
 
 

@@ -137,7 +137,8 @@ class RelayHub:
                     del self._cands[rack]
             self._active.pop(rack, None)
         if conn.racks:
-            log.warning("relay disconnected node=%s racks=%s", conn.node_id, ",".join(conn.racks[:4]))
+            log.warning("relay disconnected node=%s racks=%s after=%.1fs why=%s", conn.node_id, ",".join(conn.racks[:4]),
+                        time.monotonic() - channel.opened_at, channel.close_reason or "?")
 
     def relay_for(self, rack: str) -> RelayConn | None:
         hit = self._active.get(rack)
@@ -279,12 +280,16 @@ class RelayHub:
         direct: list[Push] = []
         by_rack: dict[str, tuple[RelayConn, list[Push]]] = {}
         nodes = self.svc.state.nodes
+        last_rack, last_hit = None, None   # a gang's pushes come in topology order: racks in runs
         for p in pushes:
             node = nodes.get(p.node_id)
             if node is None:
                 direct.append(p)
                 continue
             rack = node.rack_path
+            if rack == last_rack and last_hit is not None:
+                last_hit[1].append(p)
+                continue
             hit = by_rack.get(rack)
             if hit is None:
                 conn = self.relay_for(rack)
@@ -293,6 +298,7 @@ class RelayHub:
                     continue
                 hit = by_rack[rack] = (conn, [])
             hit[1].append(p)
+            last_rack, last_hit = rack, hit
         return direct, by_rack
 
     async def deliver(self, job_id: str, blob_id: str | None, pushes: list[Push],
@@ -330,11 +336,11 @@ class RelayHub:
                 parent = urls[(i - seeds) // TREE_FANOUT] if i - seeds >= 0 else None
                 sources = [u for u in [parent, *seed_urls] if u and u != conn.listen_url]
             starts = any(p.kind == "start" for p in ps)
-            rb = self.svc.signer.bundle(rack=path, blob_id=(blob_id or "") if starts else "",
-                                        parts=[p.part(expires) for p in ps],
-                                        deliver_by=self.svc.clock() + cfg.relay_timeout_s * 0.8,
-                                        blob=raw if carry and starts else None,
-                                        blob_sources=sources if starts else [])
+            rb = self.svc.signer.bundle_raw(rack=path, blob_id=(blob_id or "") if starts else "",
+                                            raws=[p.part_bytes(expires) for p in ps],
+                                            deliver_by=self.svc.clock() + cfg.relay_timeout_s * 0.8,
+                                            blob=raw if carry and starts else None,
+                                            blob_sources=sources if starts else [])
             if carry and starts:
                 self.stats.blob_seeds += 1
             return conn.channel.prepare("bundle", rb)

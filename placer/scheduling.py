@@ -270,15 +270,14 @@ class Scheduling(StateBase):
         racks: list[str] = []
         rack_start: list[int] = []
         rack_of: list[int] = []
-        members: dict[str, list[Peer]] = {}
+        last = None
         for i, n in enumerate(order):
             path = n.rack_path
-            if not racks or racks[-1] != path:
+            if path != last:
                 racks.append(path)
                 rack_start.append(i)
-                members[path] = []
+                last = path
             rack_of.append(len(racks) - 1)
-            members[path].append(n.peer())
         table = PeerTable(node_ids=[n.node_id for n in order], data_urls=[n.data_url for n in order],
                           rack_of=rack_of, racks=racks, rack_start=rack_start)
         blob = GangBlob(job_id=job.job_id, attempt=job.attempt, argv=list(s.argv), env=dict(s.env),
@@ -294,22 +293,28 @@ class Scheduling(StateBase):
         if len(gang) <= FULL_PEERS_UP_TO:
             everyone = [n.peer() for n in order] + extra
             return blob_id, lambda node: everyone
-        # each rack's list, computed once: its members, then one member of each of the racks
-        # at distance 1, 2, 4, 8 in rack order (so any two racks are a few hops apart)
+        # each rack's list, computed once and only if asked (a direct push's Placement; the
+        # relays' NodeParts carry none): its members, then one member of each of the racks at
+        # distance 1, 2, 4, 8 in rack order (so any two racks are a few hops apart)
         R = len(racks)
         per_rack: dict[str, list[Peer]] = {}
-        for r, path in enumerate(racks):
-            own = members[path]
-            contacts = []
-            for k in range(CONTACTS):
-                r2 = (r + (1 << k)) % R
-                if r2 == r:
-                    break
-                other = members[racks[r2]]
-                contacts.append(other[r % len(other)])
-            per_rack[path] = own + contacts + extra
+
+        def build() -> None:
+            bounds = rack_start + [len(order)]
+            members = {path: [n.peer() for n in order[bounds[r]:bounds[r + 1]]] for r, path in enumerate(racks)}
+            for r, path in enumerate(racks):
+                contacts = []
+                for k in range(CONTACTS):
+                    r2 = (r + (1 << k)) % R
+                    if r2 == r:
+                        break
+                    other = members[racks[r2]]
+                    contacts.append(other[r % len(other)])
+                per_rack[path] = members[path] + contacts + extra
 
         def peers_of(node: NodeRec) -> list[Peer]:
+            if not per_rack:
+                build()
             return per_rack[node.rack_path]
         return blob_id, peers_of
 

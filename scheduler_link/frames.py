@@ -26,6 +26,7 @@ import logging
 import ssl
 import struct
 import termios
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -184,6 +185,8 @@ class FrameChannel:
         self.bytes_out = 0
         self.handler_errors = 0
         self.info: Any = None      # what the owner wants to keep with the connection
+        self.opened_at = time.monotonic()
+        self.close_reason = ""     # why it closed, once it has: for the logs of whoever held it
 
     # ------------------------------------------------------------ sending
 
@@ -246,7 +249,9 @@ class FrameChannel:
                 n.cancel_scope.cancel()
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             log.debug("frames connection %s broke: %s", self.name, e)
+            self.close_reason = self.close_reason or f"broke: {e!r}"[:200]
         finally:
+            self.close_reason = self.close_reason or "closed here"
             self.closed.set()
             if self._backlog is not None:
                 self._backlog.close()
@@ -257,6 +262,7 @@ class FrameChannel:
                 await self.stream.aclose()
 
     async def aclose(self) -> None:
+        self.close_reason = self.close_reason or "closed here"
         self.closed.set()
         with trio.CancelScope(shield=True):
             await self.stream.aclose()
@@ -266,6 +272,7 @@ class FrameChannel:
             await self._q.write_to(self.stream)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
             log.debug("frames connection %s: write failed: %s", self.name, e)
+            self.close_reason = self.close_reason or f"write failed: {e!r}"[:200]
             scope.cancel()
 
     async def _reader(self, handler: Handler, nursery: trio.Nursery) -> None:
@@ -287,9 +294,11 @@ class FrameChannel:
                 self._backlog.applied()
             try:
                 data = await self.stream.receive_some(1 << 18)
-            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
+                self.close_reason = self.close_reason or f"read failed: {e!r}"[:200]
                 return
             if not data:
+                self.close_reason = self.close_reason or "closed by the peer"
                 return
             buf += data
 

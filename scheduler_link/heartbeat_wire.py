@@ -40,7 +40,10 @@ MACs). The hello's token counts only without a certificate, and not at all under
 from __future__ import annotations
 
 import collections
+import errno
 import logging
+import os
+import socket
 import ssl
 import struct
 import time
@@ -58,6 +61,10 @@ from .messages import NodeReport, ReportReply
 log = logging.getLogger("herd.link.wire")
 
 MAX_FRAME = 4 << 20
+ACCEPT_BATCH = 512   # connections taken from the listen backlog per wake-up (HeartbeatServer._accept_loop)
+_ACCEPT_RETRY = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.ENETDOWN, errno.ENOPROTOOPT,
+                           errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP, errno.ENETUNREACH})
+_ACCEPT_FULL = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 MAX_HELLO = 16 << 10
 _LEN = struct.Struct(">I")
 
@@ -198,7 +205,45 @@ class HeartbeatServer:
         sock = listeners[0].socket
         h, p = sock.getsockname()[:2]
         task_status.started(f"{'tls' if self.ssl_context else 'tcp'}://{h}:{p}")
-        await trio.serve_listeners(self._handle, listeners)
+        try:
+            async with trio.open_nursery() as n:
+                for lst in listeners:
+                    n.start_soon(self._accept_loop, lst, n)
+        finally:
+            for lst in listeners:
+                lst.socket.close()
+
+    async def _accept_loop(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        """Take every connection the kernel has queued at each wake-up (up to ACCEPT_BATCH),
+        not one per scheduler pass as ``trio.serve_listeners`` does (each of its accepts
+        yields): in a registration storm a pass of the placer's loop is tens of ms, so 4,096
+        relays connecting at once waited over a minute in the listen backlog, past their
+        connect deadline (60 s); the placer then took each from the backlog, answered its
+        hello to a client that had gone, and logged it connected and at once disconnected
+        (63-222 such in slow 131,072-node registrations), while the relay dialled again."""
+        std = socket.socket(fileno=os.dup(listener.socket.fileno()))   # the same listening queue
+        std.setblocking(False)
+        try:
+            while True:
+                await trio.lowlevel.wait_readable(std)
+                for _ in range(ACCEPT_BATCH):
+                    try:
+                        conn, _ = std.accept()
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    except OSError as e:
+                        if e.errno in _ACCEPT_RETRY:     # the client went before we took it
+                            continue
+                        if e.errno in _ACCEPT_FULL:      # out of descriptors or memory: wait a little
+                            log.error("framed channel: accept failed: %s", e)
+                            await trio.sleep(0.1)
+                            break
+                        raise
+                    conn.setblocking(False)
+                    nursery.start_soon(self._handle, trio.SocketStream(trio.socket.from_stdlib_socket(conn)))
+                await trio.lowlevel.checkpoint()
+        finally:
+            std.close()
 
     async def _handle(self, stream: trio.SocketStream) -> None:
         self.connections += 1

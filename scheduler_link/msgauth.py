@@ -174,7 +174,12 @@ class BundleSigner:
     def bundle(self, *, rack: str, blob_id: str, parts: list[NodePart], deliver_by: float,
                **kw: object) -> RackBundle:
         """A signed RackBundle (its parts carried as the exact bytes the signature covers)."""
-        raws = [part_bytes(p) for p in parts]
+        return self.bundle_raw(rack=rack, blob_id=blob_id, raws=[part_bytes(p) for p in parts],
+                               deliver_by=deliver_by, **kw)
+
+    def bundle_raw(self, *, rack: str, blob_id: str, raws: list[bytes], deliver_by: float,
+                   **kw: object) -> RackBundle:
+        """As :meth:`bundle`, the parts given as their bytes (:func:`part_bytes` of each)."""
         deliver_by = float(deliver_by)
         sig = self.sign_parts(rack, blob_id, deliver_by, raws)
         return RackBundle(rack=rack, blob_id=blob_id, parts=[msgspec.Raw(r) for r in raws],  # type: ignore[misc]

@@ -329,7 +329,7 @@ class EmulatedNode:
         self.workloads[wid] = msgspec.structs.replace(
             w, state=state, updated_at=now, started_at=now if state == "running" else w.started_at, **kw)
         ev = WorkloadEvent(workload_id=wid, job_id=w.job_id, state=state, at=now,  # type: ignore[arg-type]
-                           gpus=list(w.gpus), placement_id=w.placement_id, **kw)
+                           gpus=w.gpus, placement_id=w.placement_id, **kw)  # (never mutated: shared)
         self.fleet.stats.event(w.job_id, now)
         if self.link is not None:
             self.link.notify(ev)
@@ -460,7 +460,9 @@ class EmulatedRelay:
             finally:
                 self.channel = None
                 self.drops += 1
-                log.debug("relay connection lost rack=%s relay=%s", self.rack, self.members[0].slot.node_id)
+                why = ch.close_reason or "ended here"
+                f.drop_reasons[why] = f.drop_reasons.get(why, 0) + 1
+                log.debug("relay connection lost rack=%s relay=%s why=%s", self.rack, self.members[0].slot.node_id, why)
                 for m in self.members:
                     m.boot_id = ""
                     m.registered = False
@@ -474,8 +476,13 @@ class EmulatedRelay:
         answers as soon as its own bundle is handled, in arrival order, instead of every answer
         waiting in its queue until the process has handled all the bundles that came with it
         (which the placer rightly reads as relays making no progress)."""
-        async with self.fleet.bundle_turn:
-            return self._handle(ch, fr)
+        f = self.fleet
+        f.bundle_came()
+        try:
+            async with f.bundle_turn:
+                return self._handle(ch, fr)
+        finally:
+            f.bundle_done()
 
     def _handle(self, ch: FrameChannel, fr: Frame) -> tuple[str, Any] | None:
         if fr.type != "bundle":
@@ -483,7 +490,7 @@ class EmulatedRelay:
         if self.placer_key is None:
             return "error", {"error": "bundle refused: no placer signing key yet"}
         if self._verifier is None or self._verifier.public != self.placer_key:
-            self._verifier = BundleVerifier(self.placer_key)
+            self._verifier = self.fleet.verifier(self.placer_key)
         self.fleet.bundles_seen += 1
         self.fleet.hold_gc()
         try:
@@ -517,18 +524,16 @@ class EmulatedRelay:
             m = self.by_id.get(part.node_id)
             if m is None:
                 continue  # not ours: the placer pushes it directly
-            if not part.blob_id and rb.blob_id and part.pods:  # the bundle's blob (as a relay fills it in)
-                part = msgspec.structs.replace(part, blob_id=rb.blob_id)
-            o = m.place_part(part, now, later)
+            o = m.place_part(part, now, later)   # (its blob: the part's, else the bundle's: _after_bundle)
             outcomes.append(with_outcome_mac(m.mac_key, o) if m.mac_key else o)
         st = self.fleet.stats
         for o in outcomes:
             st.acks[o.outcome] = st.acks.get(o.outcome, 0) + 1
         st.parts += len(outcomes)
-        self.fleet.spawn(self._after_bundle, parts, later)
+        self.fleet.spawn(self._after_bundle, parts, later, rb.blob_id)
         return "acks", AckBundle(rack=rb.rack, blob_id=rb.blob_id, outcomes=outcomes)
 
-    async def _after_bundle(self, parts: list[NodePart], later: list[Any]) -> None:
+    async def _after_bundle(self, parts: list[NodePart], later: list[Any], bundle_blob: str = "") -> None:
         """After the acks went out: victims stopped, then the rack's new pods fetch and run
         (one task per bundle, not per node; no "accepted" event: the ack said it)."""
         await trio.lowlevel.checkpoint()  # the acks frame is queued first
@@ -539,7 +544,7 @@ class EmulatedRelay:
                 self.fleet.spawn(m._stop, v)
             if fresh:
                 starts.append((m, fresh))
-                blob_id = blob_id or part.blob_id
+                blob_id = blob_id or part.blob_id or bundle_blob   # (a relay fills the bundle's in)
         if not starts:
             return
         t = self.fleet.timing
@@ -680,6 +685,7 @@ class EmulatedRelay:
             await self._flush.wait()
             self._flush = trio.Event()
             await trio.sleep(0.005)
+            await self.fleet.bundles_quiet()   # bundles first (see there)
             pending, self._pending = self._pending, {}
             batch = []
             for nid, evs in pending.items():
@@ -712,6 +718,8 @@ class EmulatedRelay:
         for (m, _), wr in zip(batch, decode_payload(f, list[WireReply]), strict=False):
             if wr.status != 200:   # 409 (sequence), 401 (MAC): a full report, as AgentLink
                 self.fleet.spawn(self._register, m)
+            elif not wr.reply.stop and not wr.reply.need_full:
+                continue           # nothing to act on (most answers)
             else:  # relayed: its stops count only with the placer's MAC (as an agent checks)
                 stop, _ = verified_stops(m.mac_key or None, m.slot.node_id, m.boot_id, list(wr.reply.stop))
                 self._after(m, msgspec.structs.replace(wr.reply, stop=stop))
@@ -834,6 +842,7 @@ class FleetConfig:
     hung_relays: frozenset[str] = frozenset()   # racks whose relay takes bundles and never answers
     tls_dir: str | None = None         # a PKI dir with ca.key: each node reports over its own mutual TLS
     tls_threads: int = 8               # relay mode over TLS: members' blocking registrations in flight
+    hold_events: bool = True           # relay mode: members' event reports wait while bundles come (Fleet.bundles_quiet)
 
 
 class Fleet:
@@ -860,6 +869,8 @@ class Fleet:
         self.blob_fetches = {"from_relays": 0, "from_placer": 0, "failed": 0, "served": 0}
         self.bundle_turn = trio.Lock()   # the emulated relays take turns handling bundles (Relay._in_turn)
         self.bundles_seen = 0                          # relay mode: bundles this process took
+        self._verifiers: dict[bytes, BundleVerifier] = {}   # by placer key (Fleet.verifier)
+        self.drop_reasons: dict[str, int] = {}         # relay mode: why relays' connections ended (GET /stats)
         self.limiter = trio.CapacityLimiter(512)       # reports in flight (bounds a registration storm)
         # mutual TLS: one certificate and client context per emulated node, made before it registers
         self.node_tls = NodeContexts(cfg.tls_dir) if cfg.tls_dir else None
@@ -879,6 +890,19 @@ class Fleet:
         self.registered_once = 0                       # relay mode: members registered (first time each)
         self.gc = GcClock()
         self.gc_held_until = 0.0                       # relay mode: the collector is off until then
+        self.bundles_until = 0.0                       # relay mode: members' events wait until then (bundles_quiet)
+        self.bundles_waiting = 0                       # ... and while bundles wait for their turn
+        self._quiet = trio.Event()                     # set: no bundle for EVENTS_HOLD_S (bundle_came)
+        self._quiet.set()
+
+    def verifier(self, public: bytes) -> BundleVerifier:
+        """One verifier per placer key for the whole process: each relay host would load the
+        key once; hundreds of emulated relays loading it again cost the emulator ~4 % of a
+        16,384-node delivery's window (py-spy), for nothing a real host spends per bundle."""
+        v = self._verifiers.get(public)
+        if v is None:
+            v = self._verifiers[public] = BundleVerifier(public)
+        return v
 
     def member_registered(self) -> None:
         """Once every member has registered, its long-lived state (reports' answers, keys,
@@ -900,6 +924,41 @@ class Fleet:
             gc.disable()
             self.spawn(self._gc_when_idle)
         self.gc_held_until = trio.current_time() + GC_HOLD_S
+
+    async def bundles_quiet(self) -> None:
+        """Bundles first: return once no bundle has come for EVENTS_HOLD_S (at most
+        EVENTS_HOLD_MAX_S from now). On a fleet each rack's relay and members are their own
+        hosts: rack A's members reporting their pods fetching and running takes nothing from
+        rack B's relay answering its bundle. Here one process plays hundreds of racks on the
+        placer's 2 cores, and those reports (two per member: ~35 % of the emulator's CPU in a
+        delivery's window, py-spy) would delay the acks of the racks still waiting their turn,
+        a contention no fleet has. So a process's members hold their event reports while its
+        relays are handling a round's bundles and send them, in order and all of them, once it
+        is quiet (the placer itself holds relayed reports while a delivery is out: acks first).
+        ``hold_events = False`` (``--no-hold-events``) reports at once, as before."""
+        if not self.cfg.hold_events:
+            return
+        with trio.move_on_after(EVENTS_HOLD_MAX_S):
+            await self._quiet.wait()
+
+    def bundle_came(self) -> None:
+        """A bundle arrived: members' events wait (:meth:`bundles_quiet`) until one task here
+        (not each relay's) sees the process quiet again."""
+        self.bundles_waiting += 1
+        if self._quiet.is_set():
+            self._quiet = trio.Event()
+            self.spawn(self._quiet_when_idle, self._quiet)
+
+    def bundle_done(self) -> None:
+        self.bundles_waiting -= 1
+        self.bundles_until = trio.current_time() + EVENTS_HOLD_S
+
+    async def _quiet_when_idle(self, ev: trio.Event) -> None:
+        try:
+            while self.bundles_waiting or trio.current_time() < self.bundles_until:
+                await trio.sleep_until(max(self.bundles_until, trio.current_time() + 0.01))
+        finally:
+            ev.set()
 
     async def _gc_when_idle(self) -> None:
         try:
@@ -1123,6 +1182,7 @@ class Fleet:
                 "bundles_verified": sum(r.verified_bundles for r in rs), "bundles_refused": sum(r.bad_bundles for r in rs),
                 "relay_failures": sum(r.failures for r in rs), "blob_fetches": dict(self.blob_fetches),
                 "relay_connects": sum(r.connects for r in rs), "relay_drops": sum(r.drops for r in rs),
+                "relay_drop_reasons": dict(self.drop_reasons),
                 "reregistrations": sum(r.reregistrations for r in rs),
                 "events_superseded": sum(r.events_superseded for r in rs),
                 "events_unsent": sum(r.events_unsent for r in rs),
@@ -1248,6 +1308,8 @@ class _BlobHost:
 
 WIRE_CONNECT_S = 60.0   # an emulated node's framed-channel connect deadline (AgentLink's default)
 GC_HOLD_S = 2.0         # relay mode: the collector stays off this long after the last bundle (Fleet.hold_gc)
+EVENTS_HOLD_S = 0.05    # relay mode: members' event reports wait until no bundle came for this long ...
+EVENTS_HOLD_MAX_S = 2.0  # ... but never longer than this (a steady stream of small rounds)
 
 _wire_reply = msgspec.json.Decoder(WireReply)
 
@@ -1381,6 +1443,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--relays", action="store_true",
                     help="relay mode: one relay per rack (frames connection, aggregated beats, bundles)")
     ap.add_argument("--hung-relays", default="", help="comma-separated racks whose relay never answers bundles")
+    ap.add_argument("--no-hold-events", action="store_true",
+                    help="relay mode: members report events at once, even while bundles are being handled")
     ap.add_argument("--go", action="store_true", help="start at once instead of waiting for 'go' on stdin")
     ap.add_argument("--seconds", type=float, default=3600.0, help="exit after this long (bound)")
     ap.add_argument("--tls-dir", default=None,
@@ -1401,7 +1465,7 @@ def main(argv: list[str] | None = None) -> int:
         refuse_spec=frozenset(x for x in a.refuse_spec.split(",") if x),
         timing=Timing(fetch_s=a.fetch_delay, run_s=a.run_delay, stop_s=a.stop_delay), relays=a.relays,
         hung_relays=frozenset(x for x in a.hung_relays.split(",") if x), tls_dir=a.tls_dir,
-        tls_threads=a.tls_threads)
+        tls_threads=a.tls_threads, hold_events=not a.no_hold_events)
     try:
         trio.run(_main, cfg, tokens, a.go, min(a.seconds, math.inf))
     except KeyboardInterrupt:

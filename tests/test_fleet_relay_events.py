@@ -211,3 +211,48 @@ async def test_the_collector_is_off_while_bundles_come_and_back_once_they_stop(a
             assert gc.isenabled()
     finally:
         gc.enable()
+
+
+async def test_members_events_wait_while_their_process_handles_a_rounds_bundles(autojump_clock):
+    """Bundles first (Fleet.bundles_quiet): a member's event report waits while a bundle is
+    being handled or waits its turn, and goes up EVENTS_HOLD_S after the last one; never later
+    than EVENTS_HOLD_MAX_S; at once with hold_events off."""
+    from testing.fleet import EVENTS_HOLD_MAX_S, EVENTS_HOLD_S
+
+    fleet, relay = _relay()
+    ch = FakeChannel()
+    relay.channel = ch  # type: ignore[assignment]
+    m = relay.members[0]
+    async with trio.open_nursery() as n:
+        fleet._nursery = n
+        n.start_soon(relay._events)
+        fleet.bundle_came()                    # a round's bundle arrives: the process is busy
+        m._event("j.1.0", "fetching")
+        await trio.sleep(1.0)
+        assert _events(ch) == []               # held while the bundle waits its turn
+        fleet.bundle_done()
+        await trio.sleep(EVENTS_HOLD_S / 2)
+        assert _events(ch) == []               # ... and a little after the last one
+        await trio.sleep(EVENTS_HOLD_S)
+        assert _events(ch) == [(m.slot.node_id, 2, ["fetching"])]
+        fleet.bundle_came()                    # a bundle that never ends: held at most so long
+        t0 = trio.current_time()
+        m._event("j.1.0", "running")
+        while len(ch.calls) < 2:
+            await trio.sleep(0.05)
+        assert EVENTS_HOLD_MAX_S <= trio.current_time() - t0 <= EVENTS_HOLD_MAX_S + 0.1
+        fleet.bundle_done()
+        n.cancel_scope.cancel()
+    fleet, relay = _relay()
+    fleet = relay.fleet = Fleet(FleetConfig(placer_url="http://127.0.0.1:9", nodes=2, relays=True,
+                                            hold_events=False), TokenSet())
+    ch = FakeChannel()
+    relay.channel = ch  # type: ignore[assignment]
+    async with trio.open_nursery() as n:
+        fleet._nursery = n
+        n.start_soon(relay._events)
+        fleet.bundle_came()
+        relay.members[0]._event("j.1.0", "fetching")
+        await trio.sleep(0.1)
+        assert len(ch.calls) == 1              # not held
+        n.cancel_scope.cancel()

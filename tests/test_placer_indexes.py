@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -400,3 +401,29 @@ def test_a_pod_stopped_on_its_agent_ends_its_job():
                                                                     state=state, exit_code=code, at=0.3)]), 0.3)
     assert job.state == "failed" and "code 143" in (job.reason or "")
     assert st_.model.statistics()["allocated"] == 8  # the other pod's GPUs, held until it is gone
+
+
+def test_a_start_push_encodes_its_part_byte_for_byte_without_making_it():
+    """Push.part_bytes (the relays' bundles) is msgauth.part_bytes of Push.part: whole-node
+    and several-pods-a-node gangs, victims and contacts, and a stop push."""
+    from placer.records import GangStart, Push
+    from scheduler_link.messages import NodePart, Peer, Victim
+    from scheduler_link.msgauth import part_bytes
+
+    st_, job, pushes = _big_gang(40)
+    assert all(p.part_bytes(9.0) == part_bytes(p.part(9.0)) for p in pushes)
+    st_ = new_state()
+    for i in range(4):
+        st_.ingest(f"m{i}", full(f"m{i}", rack="r0"), 0.0)
+    st_.submit(JobSpec(job_id="small", pods=8, gpus_per_pod=3, argv=["x"]), 0.1)
+    (job, pushes), = st_.schedule(0.1)
+    assert all(p.part_bytes(9.0) == part_bytes(p.part(9.0)) for p in pushes)
+    node = st_.nodes["m0"]
+    gs = GangStart(job.spec, 2, blob_id="b" * 64, peers_of=lambda n: [], n_gang=4, now=1, expires=31.5,
+                   contacts=[Peer(node_id="m9", data_url="http://m9:1", zone="z", block="b", rack="r9")])
+    victims = [Victim(workload_id="old.1.0", grace_s=2, reason="preempted by small")]
+    p = Push.start(gs, node, [pp for pp in job.pods if pp.node_id == "m0"], victims)
+    assert p.part_bytes(9.0) == part_bytes(p.part(9.0))
+    assert msgspec.msgpack.decode(p.part_bytes(9.0), type=NodePart) == p.part(9.0)
+    stop = [q for q in st_.cancel("small", 0.2) if q.kind == "stop"]
+    assert stop and all(q.part_bytes(9.0) == part_bytes(q.part(9.0)) for q in stop)

@@ -10,6 +10,7 @@ import struct
 import msgspec
 import pytest
 import trio
+import trio.testing
 
 from scheduler_link.agent_link import AgentLink
 from scheduler_link.auth import TokenSet
@@ -437,4 +438,63 @@ async def test_a_registration_is_waited_for_longer_than_a_heartbeat():
                 while link.failures == 0:   # a heartbeat answered 0.6 s late: over its 0.3 s
                     await trio.sleep(0.02)
             assert "TooSlowError" in (link.last_error or "")
+            n.cancel_scope.cancel()
+
+
+async def test_a_frames_connection_says_why_it_closed():
+    """FrameChannel.close_reason (the placer's "relay disconnected" log, the emulator's drop
+    reasons): the side that closes says so, the other side that its peer did."""
+    from scheduler_link.frames import FrameChannel
+
+    with trio.fail_after(10):
+        a_sock, b_sock = trio.socket.socketpair()
+        a, b = FrameChannel(trio.SocketStream(a_sock), name="a"), FrameChannel(trio.SocketStream(b_sock), name="b")
+        assert a.close_reason == b.close_reason == ""
+        async with trio.open_nursery() as n:
+            n.start_soon(a.run, lambda ch, f: None)
+            n.start_soon(b.run, lambda ch, f: None)
+            await trio.testing.wait_all_tasks_blocked()
+            await a.aclose()
+            await b.closed.wait()
+        assert a.close_reason == "closed here" and b.close_reason == "closed by the peer"
+
+
+async def test_a_backlog_of_connections_is_taken_in_a_few_scheduler_passes():
+    """HeartbeatServer takes every connection queued in the listen backlog at each wake-up,
+    not one per pass of trio's loop (in a registration storm a pass is tens of ms, and 4,096
+    relays connecting at once waited past their connect deadline). 300 clients dial and say
+    hello at once: all answered within far fewer passes than there are connections."""
+    import socket
+
+    fp = FakePlacer()
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            _, url = await _server(n, fp)
+            host, port = url.removeprefix("tcp://").rsplit(":", 1)
+            clients = []
+            for i in range(300):   # queued in the kernel's backlog: the loop is not running meanwhile
+                s = socket.create_connection((host, int(port)))
+                s.sendall(frame(Hello(token="c", node_id=f"n{i}")))
+                clients.append(s)
+            passes = [0]
+
+            async def count() -> None:
+                while True:
+                    await trio.lowlevel.checkpoint()
+                    passes[0] += 1
+
+            n.start_soon(count)
+
+            def answers() -> int:
+                got = 0
+                for s in clients:
+                    s.settimeout(15)
+                    (ln,) = struct.unpack(">I", s.recv(4, socket.MSG_WAITALL))
+                    got += msgspec.json.decode(s.recv(ln, socket.MSG_WAITALL))["status"] == 200
+                return got
+
+            assert await trio.to_thread.run_sync(answers) == 300
+            assert passes[0] < 100, passes[0]
+            for s in clients:
+                s.close()
             n.cancel_scope.cancel()
