@@ -231,7 +231,7 @@ class Sim:
     def transfer(self, parent: np.ndarray, size: float, ready: np.ndarray, succ: Sequence[int],
                  origin_fallback: np.ndarray | None = None, cap: int = 0,
                  poll: np.ndarray | None = None, wait_s: float = 0.0,
-                 standin: np.ndarray | None = None, levels: Levels | None = None) -> np.ndarray:
+                 standin: np.ndarray | None = None, levels: dict[bytes, Levels] | None = None) -> np.ndarray:
         """Move one object down ``parent`` (-1 = reads the origin). Returns each node's
         arrival time (inf: never, dead). ``succ``: the root's successors (re-rooting).
         ``origin_fallback``: nodes told 503 that read the origin instead (today).
@@ -243,34 +243,40 @@ class Sim:
         ``poll`` None: waited for without a cap (chunks, ``?wait_ms=`` of 60 s).
         ``standin``: each node's stand-in (``p2p.tree``: asked, 1 ms later, when the
         parent is dead when the node asks; when it is dead too, the chain above as
-        usual). ``levels``: :func:`levels` of ``parent`` with this simulation's
-        ``die > 0`` (computed here when None, or when a stand-in or fallback changed
-        the tree; designs with the same trees share them)."""
+        usual). ``levels``: the :func:`_levels` of ``parent`` (key ``b""``) and of the
+        trees stand-ins or fallbacks made of it (keyed by what changed), with this
+        simulation's ``die > 0``: designs with the same trees and deaths share them
+        (computed here when missing, and added)."""
         p = self.p
         n = p.nodes
         die = self.die
         have = np.full(n, np.inf)
         tau = size / self.rate
         par = parent
+        key = b""                          # how par differs from parent (levels[key]: its levels)
         if origin_fallback is not None and len(origin_fallback):
             par = par.copy()
             par[origin_fallback] = -1
-            levels = None
+            key = b"f" + origin_fallback.tobytes()
         if standin is not None:            # the parent known dead when asked: its stand-in
             mortal = np.isfinite(die)      # only a parent that dies can be dead when asked
             if mortal.any():
                 x = np.flatnonzero(mortal[par] & (par >= 0) & (standin >= 0))
                 x = x[(die[par[x]] <= ready[x]) & (die[standin[x]] > ready[x])]
                 if len(x):
-                    par = par.copy()
+                    if par is parent:
+                        par = par.copy()
                     par[x] = standin[x]
                     ready = ready.copy()
                     ready[x] += 0.001      # connection refused: the parent is gone
                     self.dead_probes += len(x)
-                    levels = None
-        if levels is None:
-            levels = _levels(par, die > 0)
-        order, bnd, maxd = levels
+                    key += b"s" + x.tobytes()
+        lv = levels.get(key) if levels is not None else None
+        if lv is None:
+            lv = _levels(par, die > 0)
+            if levels is not None:
+                levels[key] = lv
+        order, bnd, maxd = lv
         # level 0: origin reads, FIFO at the origin, in ready order; a dead root hands
         # the read to its first live successor at the moment it is known dead
         roots = order[bnd[0]:bnd[1]]
@@ -426,6 +432,7 @@ def _scenario(p: Params, case: str, seed: int) -> tuple[np.ndarray, np.ndarray, 
 
 
 PROBE_ALL_BELOW = HerdConfig().probe_all_below
+TREE_BLOCK = 64        # chunks per all_parents_standins call (any size gives the same trees)
 DESIGNS = ("tree", "serial", "today")
 
 
@@ -638,24 +645,31 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
     today_keys = (np.array([node_key(nid) for nid in view.node_ids], dtype=np.uint64)
                   if any(run.base == "today" for run in runs) else np.zeros(0, np.uint64))
     today_runs = [run for run in runs if run.base == "today"]
+    # stand-ins matter only where a parent can die
+    need_st = not bool(np.isinf(runs[0].s_die).all()) if runs else False
     for lo in range(0, C, 256):
         hi = min(C, lo + 256)
         for (k, m), group in groups.items():
-            par, _, root, st = all_parents_standins(view, ck[lo:hi], k=k, rack_fanout=m, rotations=rots[(k, m)])
-            for i in range(hi - lo):
-                succ = [int(x) for x in root[i, 1:3] if x >= 0]
-                lv = _levels(par[i], alive0)
-                for run in group:
-                    ready = run.start
-                    if run.overlap:
-                        ready = np.where(run.finite, run.have_m + run.plan_at[lo + i], run.start)
-                    have = run.sim.transfer(par[i], run.q.chunk_bytes, ready, succ, cap=run.q.serve_cap,
-                                            standin=st[i], levels=lv)
-                    np.maximum(run.sim.done, have, out=run.sim.done)
+            # the trees in sub-blocks whose [chunks x nodes] arrays stay in cache (the same
+            # trees: the rotations carry over)
+            for slo in range(lo, hi, TREE_BLOCK):
+                shi = min(hi, slo + TREE_BLOCK)
+                par, _, root, st = all_parents_standins(view, ck[slo:shi], k=k, rack_fanout=m,
+                                                        rotations=rots[(k, m)], standins=need_st)
+                for i in range(shi - slo):
+                    succ = [int(x) for x in root[i, 1:3] if x >= 0]
+                    shared: dict[bytes, Levels] = {b"": _levels(par[i], alive0)}
+                    for run in group:
+                        ready = run.start
+                        if run.overlap:
+                            ready = np.where(run.finite, run.have_m + run.plan_at[slo + i], run.start)
+                        have = run.sim.transfer(par[i], run.q.chunk_bytes, ready, succ, cap=run.q.serve_cap,
+                                                standin=st[i] if need_st else None, levels=shared)
+                        np.maximum(run.sim.done, have, out=run.sim.done)
         if today_runs:
             for parent, fallback in _today_parents(view, ck[lo:hi], chunk_ids[lo:hi], homes_today, rack, today_keys):
                 parent[fallback] = -1                  # told 503: they read the origin instead
-                lv = _levels(parent, alive0)
+                lv = {b"": _levels(parent, alive0)}
                 for run in today_runs:
                     have = run.sim.transfer(parent, run.q.chunk_bytes, run.start, [], levels=lv)
                     run.sim.busy_503 += len(fallback)
