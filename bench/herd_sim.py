@@ -134,7 +134,8 @@ def _grouped_fifo(group: np.ndarray, ready: np.ndarray, service: np.ndarray | fl
     idx = np.arange(n) - starts[gid]
     v = ready - idx * s
     span = float(v.max() - v.min()) + 1.0
-    acc = np.maximum.accumulate(v + gid * span) - gid * span
+    gs = gid * span
+    acc = np.maximum.accumulate(v + gs) - gs
     return (idx + 1) * s + acc
 
 
@@ -145,7 +146,8 @@ def _fifo_in_groups(gid: np.ndarray, idx: np.ndarray, ready: np.ndarray, s: floa
         return ready
     v = ready - idx * s
     span = float(v.max() - v.min()) + 1.0
-    acc = np.maximum.accumulate(v + gid * span) - gid * span
+    gs = gid * span
+    acc = np.maximum.accumulate(v + gs) - gs
     return (idx + 1) * s + acc
 
 
@@ -225,6 +227,7 @@ class Sim:
         self.wasted = 0.0
         self.busy_503 = 0
         self.dead_probes = 0
+        self._mortal = True                # some node dies (set by each transfer)
 
     # ---------------------------------------------------------------- one object
 
@@ -258,9 +261,10 @@ class Sim:
             par = par.copy()
             par[origin_fallback] = -1
             key = b"f" + origin_fallback.tobytes()
+        mortal = np.isfinite(die)          # (die may change between transfers: a victim)
+        self._mortal = bool(mortal.any())
         if standin is not None:            # the parent known dead when asked: its stand-in
-            mortal = np.isfinite(die)      # only a parent that dies can be dead when asked
-            if mortal.any():
+            if self._mortal:               # only a parent that dies can be dead when asked
                 x = np.flatnonzero(mortal[par] & (par >= 0) & (standin >= 0))
                 x = x[(die[par[x]] <= ready[x]) & (die[standin[x]] > ready[x])]
                 if len(x):
@@ -311,8 +315,8 @@ class Sim:
                 if len(pending) == 0:
                     break
                 pending, t_ask = self._peer_round(pending, src, size, tau,
-                                                  np.maximum.reduce([ready[pending], t_known, t_ask]), have, cap,
-                                                  poll, wait_s)
+                                                  np.maximum(np.maximum(ready[pending], t_known), t_ask), have,
+                                                  cap, poll, wait_s)
         # a node that died before it got the object never has it
         have[have > die] = np.inf
         return have
@@ -327,7 +331,8 @@ class Sim:
         t = np.zeros(len(xs))
         for _ in range(64):
             s0 = np.maximum(src, 0)
-            bad = (src >= 0) & (~(have[s0] < die[s0]) | (die[s0] <= np.maximum(t_ask, t)))
+            d = die[s0]
+            bad = (src >= 0) & (~(have[s0] < d) | (d <= np.maximum(t_ask, t)))
             if not bad.any():
                 break
             t[bad] = np.maximum(t[bad], np.minimum(die[src[bad]], 1e18)) + 0.001
@@ -380,8 +385,8 @@ class Sim:
         gid = np.cumsum(grp_start) - 1
         idx = np.arange(len(xs)) - starts[gid]
         ends = _fifo_in_groups(gid, idx, r, tau)
-        ends = np.maximum.reduce([ends, self.t0[src] + self.w_up[src] + (idx + 1) * tau,
-                                  self.t0[xs] + self.w_down[xs] + tau])
+        ends = np.maximum(np.maximum(ends, self.t0[src] + self.w_up[src] + (idx + 1) * tau),
+                          self.t0[xs] + self.w_down[xs] + tau)
         # the per-chunk serving cap: askers beyond it were told 503 and came back after
         # Retry-After (their start moves to the retry that found a free slot)
         if cap > 0:
@@ -406,6 +411,11 @@ class Sim:
                 ends[jj] = np.maximum(ends[jj], work[kk] + (k_idx + 1) * size / self.rack_cap[kk])
                 last = np.r_[kk[1:] != kk[:-1], True]
                 work[kk[last]] += (k_idx[last] + 1) * size / self.rack_cap[kk[last]]
+        if not self._mortal:               # nobody dies: no transfer is cut
+            have[xs] = ends
+            self.peer_bytes += size * float(len(xs))
+            self.cross_bytes += size * float(cross.sum())
+            return xs[:0], ends[:0]
         cut = ends > self.die[src]
         good = ~cut
         have[xs[good]] = ends[good]
@@ -714,7 +724,6 @@ def _today_parents(view: PeerView, ck: np.ndarray, cids: Sequence[str], homes: d
     origin) -> that rack's members. ``rkeys``: every row's rendezvous key
     (``p2p.rendezvous.node_key``, BLAKE3 of the id, as p2p.rendezvous ranks; the tree's
     member keys differ). Returns (parent, the rack homes told 503) per chunk."""
-    n = len(view)
     R = len(view.racks)
     # today's rack homes: each rack's top node by rendezvous score (p2p.rendezvous.score:
     # splitmix64 of chunk key ^ node key, p2p.tree._mix), all chunks of the block at once
@@ -722,22 +731,19 @@ def _today_parents(view: PeerView, ck: np.ndarray, cids: Sequence[str], homes: d
     valid = grid >= 0
     sc = _mix_inplace(ck[:, None, None] ^ rkeys[np.maximum(grid, 0)][None, :, :])
     sc[:, ~valid] = 0
-    members = grid[np.arange(R)[None, :, None], np.argsort(~sc, axis=2, kind="stable")]     # [B, R, W]
-    rh_all = members[:, :, 0]                                                             # [B, R]
-    # every member's parent: its rack's top node (rows in rack-major order of the grid)
-    rv, cv = np.nonzero(valid)
+    # the top node (the first of the highest scores: a stable sort of ~score, first)
+    rh_all = grid[np.arange(R)[None, :], np.argmax(sc, axis=2)]                           # [B, R]
+    rack_of = view.rack_of
     out = []
     rng = np.random.default_rng(int(ck[0] & np.uint64(0xFFFF)) if len(ck) else 0)
     for i, cid in enumerate(cids):
         g = view.index[homes[cid]]
         gr = int(rack[g])
-        rh = rh_all[i].copy()
-        par = np.full(n, -1, np.int64)
-        mem = members[i]
-        par[mem[rv, cv]] = rh[rv]
-        # the home's rack -> the home; the other racks' top nodes -> the home
-        rows_g = mem[gr][mem[gr] >= 0]
-        par[rows_g] = g
+        rh = rh_all[i]
+        # every member -> its rack's top node; the home's rack -> the home; the other
+        # racks' top nodes -> the home
+        par = rh[rack_of]
+        par[grid[gr][grid[gr] >= 0]] = g
         others = np.concatenate((rh[:gr], rh[gr + 1:]))
         par[others] = g
         par[g] = -1
