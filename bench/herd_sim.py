@@ -405,11 +405,11 @@ class Sim:
             for key, work in ((self.rack[src[ci]], self.w_rout), (self.rack[xs[ci]], self.w_rin)):
                 oo = np.lexsort((ends[ci], key))
                 kk, jj = key[oo], ci[oo]
-                first = np.r_[True, kk[1:] != kk[:-1]]
+                first = np.concatenate(([True], kk[1:] != kk[:-1]))
                 g2 = np.cumsum(first) - 1
                 k_idx = np.arange(len(kk)) - np.flatnonzero(first)[g2]
                 ends[jj] = np.maximum(ends[jj], work[kk] + (k_idx + 1) * size / self.rack_cap[kk])
-                last = np.r_[kk[1:] != kk[:-1], True]
+                last = np.concatenate((first[1:], [True]))
                 work[kk[last]] += (k_idx[last] + 1) * size / self.rack_cap[kk[last]]
         if not self._mortal:               # nobody dies: no transfer is cut
             have[xs] = ends
@@ -668,7 +668,7 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
                                                         rotations=rots[(k, m)], standins=need_st)
                 for i in range(shi - slo):
                     succ = [int(x) for x in root[i, 1:3] if x >= 0]
-                    shared: dict[bytes, Levels] = {b"": _levels(par[i], alive0)}
+                    shared: dict[bytes, Levels] = {}       # filled by the first design to need them
                     for run in group:
                         ready = run.start
                         if run.overlap:
@@ -679,7 +679,7 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
         if today_runs:
             for parent, fallback in _today_parents(view, ck[lo:hi], chunk_ids[lo:hi], homes_today, rack, today_keys):
                 parent[fallback] = -1                  # told 503: they read the origin instead
-                lv = {b"": _levels(parent, alive0)}
+                lv: dict[bytes, Levels] = {}
                 for run in today_runs:
                     have = run.sim.transfer(parent, run.q.chunk_bytes, run.start, [], levels=lv)
                     run.sim.busy_503 += len(fallback)
