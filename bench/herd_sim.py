@@ -121,27 +121,11 @@ class Params:
                        serve_cap=cap or (self.serve_cap if self.fixed_cap else serving_cap(self.k, m)))
 
 
-def _grouped_fifo(group: np.ndarray, ready: np.ndarray, service: np.ndarray | float) -> np.ndarray:
-    """FIFO servers, one per group: jobs served in the given order (sorted by group);
-    returns each job's end time. e_i = max(r_i, e_{i-1}) + s, exact, as
-    e_i = (i+1) s + cummax(r_j - j s) within the group (s constant per group)."""
-    n = len(group)
-    if n == 0:
-        return ready
-    s = np.broadcast_to(np.asarray(service, dtype=np.float64), (n,))
-    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
-    gid = np.cumsum(np.r_[True, group[1:] != group[:-1]]) - 1
-    idx = np.arange(n) - starts[gid]
-    v = ready - idx * s
-    span = float(v.max() - v.min()) + 1.0
-    gs = gid * span
-    acc = np.maximum.accumulate(v + gs) - gs
-    return (idx + 1) * s + acc
-
-
 def _fifo_in_groups(gid: np.ndarray, idx: np.ndarray, ready: np.ndarray, s: float) -> np.ndarray:
-    """:func:`_grouped_fifo` given each job's group number ``gid`` (0, 1, ... in order)
-    and its index within the group ``idx`` (the same arithmetic, the groups found once)."""
+    """FIFO servers, one per group (jobs sorted by group, served in the given order):
+    each job's end time e_i = max(r_i, e_{i-1}) + s, exact, as
+    e_i = (i+1) s + cummax(r_j - j s) within the group. ``gid``: each job's group number
+    (0, 1, ... in order), ``idx``: its index within the group."""
     if len(gid) == 0:
         return ready
     v = ready - idx * s
