@@ -70,11 +70,12 @@ import blake3
 import numpy as np
 
 from p2p.herd import HerdConfig, manifest_polls, peer_view
-from p2p.rendezvous import assign_homes, node_key, plan_sources, scores_np
+from p2p.rendezvous import assign_homes, node_key, plan_sources
 from p2p.tree import (
     PeerView,
     Planner,
     Rotations,
+    _mix_inplace,
     all_parents,
     all_parents_standins,
     chunk_keys,
@@ -120,21 +121,69 @@ class Params:
                        serve_cap=cap or (self.serve_cap if self.fixed_cap else serving_cap(self.k, m)))
 
 
-def _grouped_fifo(group: np.ndarray, ready: np.ndarray, service: np.ndarray | float) -> np.ndarray:
-    """FIFO servers, one per group: jobs served in the given order (sorted by group);
-    returns each job's end time. e_i = max(r_i, e_{i-1}) + s, exact, as
-    e_i = (i+1) s + cummax(r_j - j s) within the group (s constant per group)."""
-    n = len(group)
-    if n == 0:
+def _fifo_in_groups(gid: np.ndarray, idx: np.ndarray, ready: np.ndarray, s: float) -> np.ndarray:
+    """FIFO servers, one per group (jobs sorted by group, served in the given order):
+    each job's end time e_i = max(r_i, e_{i-1}) + s, exact, as
+    e_i = (i+1) s + cummax(r_j - j s) within the group. ``gid``: each job's group number
+    (0, 1, ... in order), ``idx``: its index within the group."""
+    if len(gid) == 0:
         return ready
-    s = np.broadcast_to(np.asarray(service, dtype=np.float64), (n,))
-    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]])
-    gid = np.cumsum(np.r_[True, group[1:] != group[:-1]]) - 1
-    idx = np.arange(n) - starts[gid]
     v = ready - idx * s
     span = float(v.max() - v.min()) + 1.0
-    acc = np.maximum.accumulate(v + gid * span) - gid * span
+    gs = gid * span
+    acc = np.maximum.accumulate(v + gs) - gs
     return (idx + 1) * s + acc
+
+
+def _by_source(src: np.ndarray, r: np.ndarray, n: int) -> np.ndarray:
+    """``np.lexsort((r, src))`` (by source, then ready time, then position), for sources
+    in [0, n): a radix sort of 16-bit sources, kept when the ready times already
+    ascend within each source's askers (the usual case: they wait on the source), else
+    the sort of the groups out of order by (source, ready) alone."""
+    if n > 1 << 16 or len(src) < 2:
+        return np.lexsort((r, src))
+    o = np.argsort(src.astype(np.uint16), kind="stable")
+    ss, rs = src[o], r[o]
+    same = ss[1:] == ss[:-1]
+    bad = same & ~(rs[1:] >= rs[:-1])
+    if not bad.any():
+        return o
+    # the groups with an inversion, sorted by (source, ready) among themselves, in place
+    g = np.cumsum(np.concatenate(([True], ~same))) - 1
+    sel = np.flatnonzero(np.isin(g, g[1:][bad]))
+    sub = o[sel]
+    o[sel] = sub[np.lexsort((rs[sel], ss[sel]))]
+    return o
+
+
+Levels = tuple[np.ndarray, np.ndarray, int]
+
+
+def _levels(par: np.ndarray, alive: np.ndarray) -> Levels:
+    """A tree's nodes by depth (the number of ancestors up to an origin reader, -1 in
+    ``par``), live ones (``alive``) before dead ones at each depth, ascending within:
+    (order, bounds, max depth); depth d's live nodes are ``order[bounds[2d]:bounds[2d + 1]]``,
+    its dead ones ``order[bounds[2d + 1]:bounds[2d + 2]]``. One gather per level and a
+    radix sort of 16-bit keys, not a masked pass over every node per level."""
+    n = len(par)
+    up = np.empty(n + 1, np.int64)               # parent, n for none (n: its own parent)
+    np.copyto(up[:n], par)
+    up[:n][par < 0] = n
+    up[n] = n
+    depth = np.zeros(n, np.int16)
+    cur = up[:n]
+    while True:
+        has = cur != n
+        if not has.any():
+            break
+        depth += has
+        cur = up[cur]
+    key = depth * np.int16(2) + ~alive
+    order = np.argsort(key, kind="stable")
+    maxd = int(depth.max()) if n else 0
+    bounds = np.zeros(2 * maxd + 3, np.int64)
+    np.cumsum(np.bincount(key, minlength=2 * maxd + 2), out=bounds[1:])
+    return order, bounds, maxd
 
 
 class Sim:
@@ -162,13 +211,14 @@ class Sim:
         self.wasted = 0.0
         self.busy_503 = 0
         self.dead_probes = 0
+        self._mortal = True                # some node dies (set by each transfer)
 
     # ---------------------------------------------------------------- one object
 
     def transfer(self, parent: np.ndarray, size: float, ready: np.ndarray, succ: Sequence[int],
                  origin_fallback: np.ndarray | None = None, cap: int = 0,
                  poll: np.ndarray | None = None, wait_s: float = 0.0,
-                 standin: np.ndarray | None = None) -> np.ndarray:
+                 standin: np.ndarray | None = None, levels: dict[bytes, Levels] | None = None) -> np.ndarray:
         """Move one object down ``parent`` (-1 = reads the origin). Returns each node's
         arrival time (inf: never, dead). ``succ``: the root's successors (re-rooting).
         ``origin_fallback``: nodes told 503 that read the origin instead (today).
@@ -180,51 +230,59 @@ class Sim:
         ``poll`` None: waited for without a cap (chunks, ``?wait_ms=`` of 60 s).
         ``standin``: each node's stand-in (``p2p.tree``: asked, 1 ms later, when the
         parent is dead when the node asks; when it is dead too, the chain above as
-        usual)."""
+        usual). ``levels``: the :func:`_levels` of ``parent`` (key ``b""``) and of the
+        trees stand-ins or fallbacks made of it (keyed by what changed), with this
+        simulation's ``die > 0``: designs with the same trees and deaths share them
+        (computed here when missing, and added)."""
         p = self.p
         n = p.nodes
         die = self.die
         have = np.full(n, np.inf)
         tau = size / self.rate
-        alive0 = die > 0
-        par = parent.copy()
-        if origin_fallback is not None:
+        par = parent
+        key = b""                          # how par differs from parent (levels[key]: its levels)
+        if origin_fallback is not None and len(origin_fallback):
+            par = par.copy()
             par[origin_fallback] = -1
+            key = b"f" + origin_fallback.tobytes()
+        mortal = np.isfinite(die)          # (die may change between transfers: a victim)
+        self._mortal = bool(mortal.any())
         if standin is not None:            # the parent known dead when asked: its stand-in
-            x = np.flatnonzero((par >= 0) & (standin >= 0))
-            x = x[(die[par[x]] <= ready[x]) & (die[standin[x]] > ready[x])]
-            if len(x):
-                par[x] = standin[x]
-                ready = ready.copy()
-                ready[x] += 0.001          # connection refused: the parent is gone
-                self.dead_probes += len(x)
-        # levels (depth from the origin readers)
-        depth = np.zeros(n, np.int64)
-        cur = par.copy()
-        while True:
-            m = cur >= 0
-            if not m.any():
-                break
-            depth[m] += 1
-            cur[m] = par[cur[m]]
+            if self._mortal:               # only a parent that dies can be dead when asked
+                x = np.flatnonzero(mortal[par] & (par >= 0) & (standin >= 0))
+                x = x[(die[par[x]] <= ready[x]) & (die[standin[x]] > ready[x])]
+                if len(x):
+                    if par is parent:
+                        par = par.copy()
+                    par[x] = standin[x]
+                    ready = ready.copy()
+                    ready[x] += 0.001      # connection refused: the parent is gone
+                    self.dead_probes += len(x)
+                    key += b"s" + x.tobytes()
+        lv = levels.get(key) if levels is not None else None
+        if lv is None:
+            lv = _levels(par, die > 0)
+            if levels is not None:
+                levels[key] = lv
+        order, bnd, maxd = lv
         # level 0: origin reads, FIFO at the origin, in ready order; a dead root hands
         # the read to its first live successor at the moment it is known dead
-        roots = np.flatnonzero((par < 0) & alive0)
-        order = roots[np.argsort(ready[roots], kind="stable")]
-        self._origin_reads(order, size, ready, have)
-        dead_roots = np.flatnonzero((par < 0) & ~alive0)
-        failed_root = [int(r) for r in np.flatnonzero(par < 0) if have[r] > die[r]]
-        if failed_root or len(dead_roots):
+        roots = order[bnd[0]:bnd[1]]
+        self._origin_reads(roots[np.argsort(ready[roots], kind="stable")], size, ready, have)
+        all_roots = order[bnd[0]:bnd[2]]   # the live roots, then the dead ones
+        if (have[all_roots] > die[all_roots]).any():
             for s in succ:
                 if die[s] > 0 and not math.isfinite(have[s]):
-                    t = min((float(min(die[r], have[r])) for r in np.flatnonzero(par < 0)), default=0.0)
+                    t = float(np.minimum(die[all_roots], have[all_roots]).min()) if len(all_roots) else 0.0
                     self.dead_probes += 1
                     self._origin_reads(np.array([s]), size, np.maximum(ready, t + 0.001), have)
                     if have[s] <= die[s]:
                         break
-        maxd = int(depth.max()) if n else 0
         for lvl in range(1, maxd + 1):
-            xs = np.flatnonzero((depth == lvl) & alive0 & ~np.isfinite(have))
+            xs = order[bnd[2 * lvl]:bnd[2 * lvl + 1]]      # live, ascending
+            if len(xs) == 0:
+                continue
+            xs = xs[~np.isfinite(have[xs])]    # (a successor may have it from the origin)
             pending = xs
             t_ask = ready[xs]
             for _ in range(64):
@@ -233,16 +291,16 @@ class Sim:
                 src, t_known = self._sources(pending, par, have, succ, t_ask)
                 ok = src >= 0
                 # no live source above: read the origin (the tree above is dead)
-                if (~ok).any():
+                if not ok.all():
                     r2 = ready.copy()
                     r2[pending[~ok]] = np.maximum(ready[pending[~ok]], t_known[~ok])
                     self._origin_reads(pending[~ok], size, r2, have)
-                pending, src, t_known, t_ask = pending[ok], src[ok], t_known[ok], t_ask[ok]
+                    pending, src, t_known, t_ask = pending[ok], src[ok], t_known[ok], t_ask[ok]
                 if len(pending) == 0:
                     break
                 pending, t_ask = self._peer_round(pending, src, size, tau,
-                                                  np.maximum.reduce([ready[pending], t_known, t_ask]), have, cap,
-                                                  poll, wait_s)
+                                                  np.maximum(np.maximum(ready[pending], t_known), t_ask), have,
+                                                  cap, poll, wait_s)
         # a node that died before it got the object never has it
         have[have > die] = np.inf
         return have
@@ -257,7 +315,8 @@ class Sim:
         t = np.zeros(len(xs))
         for _ in range(64):
             s0 = np.maximum(src, 0)
-            bad = (src >= 0) & (~(have[s0] < die[s0]) | (die[s0] <= np.maximum(t_ask, t)))
+            d = die[s0]
+            bad = (src >= 0) & (~(have[s0] < d) | (d <= np.maximum(t_ask, t)))
             if not bad.any():
                 break
             t[bad] = np.maximum(t[bad], np.minimum(die[src[bad]], 1e18)) + 0.001
@@ -303,15 +362,15 @@ class Sim:
             late = np.maximum(have[src] - ready, 0.0)
             i = np.minimum(np.searchsorted(poll, late), len(poll) - 1)
             r = np.where(late > 0, ready + np.maximum(poll[i], late), ready)
-        o = np.lexsort((r, src))
+        o = _by_source(src, r, self.p.nodes)
         xs, src, r = xs[o], src[o], r[o]
-        grp_start = np.r_[True, src[1:] != src[:-1]]
-        ends = _grouped_fifo(src, r, tau)
+        grp_start = np.concatenate(([True], src[1:] != src[:-1]))
         starts = np.flatnonzero(grp_start)
         gid = np.cumsum(grp_start) - 1
         idx = np.arange(len(xs)) - starts[gid]
-        ends = np.maximum.reduce([ends, self.t0[src] + self.w_up[src] + (idx + 1) * tau,
-                                  self.t0[xs] + self.w_down[xs] + tau])
+        ends = _fifo_in_groups(gid, idx, r, tau)
+        ends = np.maximum(np.maximum(ends, self.t0[src] + self.w_up[src] + (idx + 1) * tau),
+                          self.t0[xs] + self.w_down[xs] + tau)
         # the per-chunk serving cap: askers beyond it were told 503 and came back after
         # Retry-After (their start moves to the retry that found a free slot)
         if cap > 0:
@@ -320,7 +379,7 @@ class Sim:
             tries = np.ceil(waited[over] / self.p.retry_s)
             self.busy_503 += int(tries.sum())
             ends[over] = r[over] + tries * self.p.retry_s + tau
-        gl = np.r_[src[1:] != src[:-1], True]
+        gl = np.concatenate((grp_start[1:], [True]))
         self.w_up[src[gl]] += (idx[gl] + 1) * tau
         self.w_down[xs] += tau
         # spine: cross-rack transfers add work to the sender rack's uplink out and the receiver's in
@@ -330,12 +389,17 @@ class Sim:
             for key, work in ((self.rack[src[ci]], self.w_rout), (self.rack[xs[ci]], self.w_rin)):
                 oo = np.lexsort((ends[ci], key))
                 kk, jj = key[oo], ci[oo]
-                first = np.r_[True, kk[1:] != kk[:-1]]
+                first = np.concatenate(([True], kk[1:] != kk[:-1]))
                 g2 = np.cumsum(first) - 1
                 k_idx = np.arange(len(kk)) - np.flatnonzero(first)[g2]
                 ends[jj] = np.maximum(ends[jj], work[kk] + (k_idx + 1) * size / self.rack_cap[kk])
-                last = np.r_[kk[1:] != kk[:-1], True]
+                last = np.concatenate((first[1:], [True]))
                 work[kk[last]] += (k_idx[last] + 1) * size / self.rack_cap[kk[last]]
+        if not self._mortal:               # nobody dies: no transfer is cut
+            have[xs] = ends
+            self.peer_bytes += size * float(len(xs))
+            self.cross_bytes += size * float(cross.sum())
+            return xs[:0], ends[:0]
         cut = ends > self.die[src]
         good = ~cut
         have[xs[good]] = ends[good]
@@ -362,6 +426,7 @@ def _scenario(p: Params, case: str, seed: int) -> tuple[np.ndarray, np.ndarray, 
 
 
 PROBE_ALL_BELOW = HerdConfig().probe_all_below
+TREE_BLOCK = 64        # chunks per all_parents_standins call (any size gives the same trees)
 DESIGNS = ("tree", "serial", "today")
 
 
@@ -438,6 +503,27 @@ def _measure(view: PeerView, table: PeerTable, me_id: str, mkeys: np.ndarray, ck
     return t_view, out
 
 
+@dataclass
+class _Run:
+    """One design's simulation in a row, between its manifest and its results."""
+    design: str
+    base: str
+    q: Params
+    sim: Sim
+    s_die: np.ndarray
+    ideal: float
+    have_m: np.ndarray
+    start: np.ndarray
+    overlap: bool
+    plan_at: np.ndarray
+    cpu_tree: float
+    t_mplan: float
+    probes: int
+    manifest_origin: float
+
+    finite: np.ndarray       # isfinite(start)
+
+
 def design_fanout(design: str, p: Params) -> tuple[str, Params]:
     """``tree`` / ``serial`` / ``today``, or ``tree@M`` / ``serial@M`` (``@M:C``): the
     design with in-rack fan-out M (and serving cap C; else ``p2p.tree.serving_cap`` unless
@@ -500,6 +586,11 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
         victim = int(np.argmax(np.bincount(tree_home, minlength=n)))
     out: dict[str, Any] = {"nodes": n, "rack_size": p.rack_size, "racks": int(rack[-1]) + 1, "case": case,
                            "chunks": C, "size_mib": round(size / (1 << 20), 1)}
+    # each design's manifest first, then the chunks block by block, every design in
+    # turn (their states are disjoint: the same results as one design after another),
+    # so designs with the same trees (tree and serial) share each block's trees and
+    # each chunk's levels
+    runs: list[_Run] = []
     for design, (base, q) in zip(designs, variants, strict=True):
         s_die = die.copy()
         sim = Sim(q, rack, s_die, cap)
@@ -508,9 +599,9 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
             s_die[victim] = 0.5 * ideal
         t0 = np.zeros(n)
         # ---- the manifest
-        ready_c: np.ndarray | None = None       # [C, N] when each node may ask for each chunk
         cpu_tree = t_mplan = 0.0
         plan_at = np.zeros(C)
+        overlap = False
         if base in ("tree", "serial"):
             pq = planned[q.rack_fanout]
             t_mplan, plan_at = pq.t_mplan, pq.plan_at
@@ -525,8 +616,6 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
             # own only with 2 or more); serial: every chunk after the whole plan
             overlap = base == "tree" and q.cores >= 2
             start = have_m + (plan_at[0] if overlap else cpu_tree)
-            if overlap:
-                ready_c = have_m[None, :] + plan_at[:, None]
         else:
             have_m = sim.transfer(np.full(n, -1), q.manifest_bytes, t0, [])
             probes = n * min(256, n - 1)
@@ -535,23 +624,54 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
         sim.t0 = np.where(np.isfinite(start), start, 0.0)
         sim.w_down[:] = 0.0
         sim.w_up[:] = 0.0
-        rack_of = rack
-        rots = Rotations(view, q.k)
-        for lo in range(0, C, 256):
-            hi = min(C, lo + 256)
-            if base in ("tree", "serial"):
-                par, _, root, st = all_parents_standins(view, ck[lo:hi], k=q.k, rack_fanout=q.rack_fanout,
-                                                        rotations=rots)
-                for i in range(hi - lo):
+        runs.append(_Run(design, base, q, sim, s_die, ideal, have_m, start, overlap, plan_at, cpu_tree, t_mplan,
+                         probes, manifest_origin, np.isfinite(start)))
+    # designs with the same trees: (k, in-rack fan-out) -> their runs
+    groups: dict[tuple[int, int], list[_Run]] = {}
+    for run in runs:
+        if run.base != "today":
+            groups.setdefault((run.q.k, run.q.rack_fanout), []).append(run)
+    rots = {key: Rotations(view, key[0]) for key in groups}
+    # alive at the start: the same in every design (a victim dies later), which share levels
+    alive0 = runs[0].s_die > 0
+    if any(((run.s_die > 0) != alive0).any() for run in runs):
+        raise AssertionError("designs of one row differ in who is alive at the start")
+    today_keys = (np.array([node_key(nid) for nid in view.node_ids], dtype=np.uint64)
+                  if any(run.base == "today" for run in runs) else np.zeros(0, np.uint64))
+    today_runs = [run for run in runs if run.base == "today"]
+    # stand-ins matter only where a parent can die
+    need_st = not bool(np.isinf(runs[0].s_die).all()) if runs else False
+    for lo in range(0, C, 256):
+        hi = min(C, lo + 256)
+        for (k, m), group in groups.items():
+            # the trees in sub-blocks whose [chunks x nodes] arrays stay in cache (the same
+            # trees: the rotations carry over)
+            for slo in range(lo, hi, TREE_BLOCK):
+                shi = min(hi, slo + TREE_BLOCK)
+                par, _, root, st = all_parents_standins(view, ck[slo:shi], k=k, rack_fanout=m,
+                                                        rotations=rots[(k, m)], standins=need_st)
+                for i in range(shi - slo):
                     succ = [int(x) for x in root[i, 1:3] if x >= 0]
-                    ready = start if ready_c is None else np.where(np.isfinite(start), ready_c[lo + i], start)
-                    have = sim.transfer(par[i], q.chunk_bytes, ready, succ, cap=q.serve_cap, standin=st[i])
-                    sim.done = np.maximum(sim.done, have)
-            else:
-                for parent, fallback in _today_parents(view, ck[lo:hi], chunk_ids[lo:hi], homes_today, rack_of):
-                    have = sim.transfer(parent, q.chunk_bytes, start, [], origin_fallback=fallback)
-                    sim.busy_503 += len(fallback)
-                    sim.done = np.maximum(sim.done, have)
+                    shared: dict[bytes, Levels] = {}       # filled by the first design to need them
+                    for run in group:
+                        ready = run.start
+                        if run.overlap:
+                            ready = np.where(run.finite, run.have_m + run.plan_at[slo + i], run.start)
+                        have = run.sim.transfer(par[i], run.q.chunk_bytes, ready, succ, cap=run.q.serve_cap,
+                                                standin=st[i] if need_st else None, levels=shared)
+                        np.maximum(run.sim.done, have, out=run.sim.done)
+        if today_runs:
+            for parent, fallback in _today_parents(view, ck[lo:hi], chunk_ids[lo:hi], homes_today, rack, today_keys):
+                parent[fallback] = -1                  # told 503: they read the origin instead
+                lv: dict[bytes, Levels] = {}
+                for run in today_runs:
+                    have = run.sim.transfer(parent, run.q.chunk_bytes, run.start, [], levels=lv)
+                    run.sim.busy_503 += len(fallback)
+                    np.maximum(run.sim.done, have, out=run.sim.done)
+    for run in runs:
+        design, base, q, sim, s_die, ideal = run.design, run.base, run.q, run.sim, run.s_die, run.ideal
+        have_m, cpu_tree, t_mplan, plan_at = run.have_m, run.cpu_tree, run.t_mplan, run.plan_at
+        probes, manifest_origin = run.probes, run.manifest_origin
         alive = s_die == np.inf
         completion = float(sim.done[alive].max()) if alive.any() else 0.0
         n_racks = int(rack[-1]) + 1
@@ -582,34 +702,33 @@ def run_row(p: Params, case: str, seed: int = 0, designs: Sequence[str] = DESIGN
 
 
 def _today_parents(view: PeerView, ck: np.ndarray, cids: Sequence[str], homes: dict[str, str],
-                   rack: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+                   rack: np.ndarray, rkeys: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """Today's design: global home (assign_homes) -> every other rack's top node (waits
     on it; beyond 256 waiting the home answers 503 and the plan's next source is the
-    origin) -> that rack's members."""
-    n = len(view)
+    origin) -> that rack's members. ``rkeys``: every row's rendezvous key
+    (``p2p.rendezvous.node_key``, BLAKE3 of the id, as p2p.rendezvous ranks; the tree's
+    member keys differ). Returns (parent, the rack homes told 503) per chunk."""
     R = len(view.racks)
-    # today's rack homes: each rack's top node by rendezvous score (p2p.rendezvous.score)
-    rows_all = view.grid[np.broadcast_to(np.arange(R), (len(ck), R))]
-    valid_all = rows_all >= 0
-    # rendezvous keys (BLAKE3 of the id), as p2p.rendezvous ranks; the tree's member keys differ
-    rkeys = np.array([node_key(nid) for nid in view.node_ids], dtype=np.uint64)
-    sc = _mix_scores(ck, rkeys, rows_all, valid_all)
-    members = np.take_along_axis(rows_all, np.argsort(~sc, axis=2, kind="stable"), axis=2)
+    # today's rack homes: each rack's top node by rendezvous score (p2p.rendezvous.score:
+    # splitmix64 of chunk key ^ node key, p2p.tree._mix), all chunks of the block at once
+    grid = view.grid
+    valid = grid >= 0
+    sc = _mix_inplace(ck[:, None, None] ^ rkeys[np.maximum(grid, 0)][None, :, :])
+    sc[:, ~valid] = 0
+    # the top node (the first of the highest scores: a stable sort of ~score, first)
+    rh_all = grid[np.arange(R)[None, :], np.argmax(sc, axis=2)]                           # [B, R]
+    rack_of = view.rack_of
     out = []
     rng = np.random.default_rng(int(ck[0] & np.uint64(0xFFFF)) if len(ck) else 0)
     for i, cid in enumerate(cids):
         g = view.index[homes[cid]]
         gr = int(rack[g])
-        rh = members[i, :, 0].copy()
-        par = np.full(n, -1, np.int64)
-        # members -> their rack's top node; the home's rack -> the home
-        rows = members[i]
-        valid = rows >= 0
-        par[rows[valid]] = np.repeat(rh, valid.sum(axis=1))
-        rh[gr] = g
-        rows_g = rows[gr][rows[gr] >= 0]
-        par[rows_g] = g
-        others = np.delete(rh, gr)
+        rh = rh_all[i]
+        # every member -> its rack's top node; the home's rack -> the home; the other
+        # racks' top nodes -> the home
+        par = rh[rack_of]
+        par[grid[gr][grid[gr] >= 0]] = g
+        others = np.concatenate((rh[:gr], rh[gr + 1:]))
         par[others] = g
         par[g] = -1
         # the home's wait budget: 256 waiters; the rest 503 -> origin
@@ -617,13 +736,6 @@ def _today_parents(view: PeerView, ck: np.ndarray, cids: Sequence[str], homes: d
         if len(others) > 256:
             fallback = rng.permutation(others)[256:]
         out.append((par, fallback))
-    return out
-
-
-def _mix_scores(ck: np.ndarray, nkeys: np.ndarray, rows: np.ndarray, valid: np.ndarray) -> np.ndarray:
-    out = np.zeros(rows.shape, np.uint64)
-    for i in range(len(ck)):
-        out[i] = np.where(valid[i], scores_np(int(ck[i]), nkeys[np.maximum(rows[i], 0)]), np.uint64(0))
     return out
 
 

@@ -694,16 +694,18 @@ def plan_node(view: PeerView, me: int, ckeys: np.ndarray, *, k: int = TREE_K, ra
 def all_parents(view: PeerView, ckeys: np.ndarray, *, k: int = TREE_K, rack_fanout: int = RACK_FANOUT,
                 rotations: Rotations | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`all_parents_standins` without the stand-ins."""
-    parent, home, root, _ = all_parents_standins(view, ckeys, k=k, rack_fanout=rack_fanout, rotations=rotations)
+    parent, home, root, _ = all_parents_standins(view, ckeys, k=k, rack_fanout=rack_fanout, rotations=rotations,
+                                                 standins=False)
     return parent, home, root
 
 
 def all_parents_standins(view: PeerView, ckeys: np.ndarray, *, k: int = TREE_K, rack_fanout: int = RACK_FANOUT,
-                         rotations: Rotations | None = None
+                         rotations: Rotations | None = None, standins: bool = True
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Every node's tree parent for every chunk, vectorised over chunks and nodes:
     (parent [C, N] rows, -1 for the global home; home [C]; the root rack's member order
-    [C, W] (successors = columns 1..); stand-in [C, N], -1 for none: :func:`standin_rank`). ``ckeys``: the
+    [C, W] (successors = columns 1..); stand-in [C, N], -1 for none: :func:`standin_rank`;
+    ``standins`` False: [C, 0], not computed). ``ckeys``: the
     manifest's whole chunk table, or successive blocks of it sharing one ``rotations``.
     The same rules as :func:`plan_node`'s ``parent`` and ``standin`` (the simulator uses
     this; a test checks agreement).
@@ -730,10 +732,12 @@ def all_parents_standins(view: PeerView, ckeys: np.ndarray, *, k: int = TREE_K, 
     slot = (jr[None, :] >= 1) & (jr[None, :] < sizes[:, None])
     rv, jv = np.nonzero(slot)
     prank = (jv - 1) // m
-    mem = g2[base[:, rv] + jv[None, :]]                                                       # [C, S]
+    brv = base[:, rv]                                                                         # [C, S]
+    mem = g2[brv + jv[None, :]]                                                               # [C, S]
     ci = np.arange(C)[:, None]
+    flat = (ci * N + mem).ravel()                   # each chunk's members that are not rack homes
     parent = np.full((C, N), -1, np.int64)
-    parent[ci, mem] = g2[base[:, rv] + prank[None, :]]
+    parent.ravel()[flat] = g2[brv + prank[None, :]].ravel()
     # rack homes: parent = home of the parent rack
     ppos = np.where(pos > 0, (pos - 1) // k, 0)
     prack = np.take_along_axis(order, ppos, axis=1)                               # [C, R]
@@ -743,15 +747,19 @@ def all_parents_standins(view: PeerView, ckeys: np.ndarray, *, k: int = TREE_K, 
     o0 = order[:, 0]
     home = rhome[np.arange(C), o0]
     root = np.where(jr[None, :] < sizes[o0][:, None], g2[base[np.arange(C), o0][:, None] + jr[None, :]], -1)
+    if not standins:
+        return parent, home, root, np.zeros((C, 0), np.int64)
     # stand-ins (standin_rank): in-rack, of each node's parent (not the node itself); a
     # rack home's: of its parent rack's home
     q = standin_rank(np.broadcast_to(ckeys[:, None], (C, R)), np.zeros((C, R), np.int64), sizes[None, :], m)
-    sr = standin_rank(ckeys[:, None], prank[None, :], sizes[rv][None, :], m, rank=jv[None, :])   # [C, S]
+    # a slot's stand-in rank depends on the chunk, its rank and its rack's size only:
+    # computed once per distinct (rank, size), then gathered to the slots
+    pair, inv = np.unique(jv * (W + 1) + sizes[rv], return_inverse=True)
+    uj, us = pair // (W + 1), pair % (W + 1)
+    sr = standin_rank(ckeys[:, None], ((uj - 1) // m)[None, :], us[None, :], m, rank=uj[None, :])[:, inv]   # [C, S]
     ok = (sr > 0) & (sr != jv[None, :])
-    st = g2[base[:, rv] + sr]
     standin = np.full((C, N), -1, np.int64)
-    cc = np.broadcast_to(ci, ok.shape)
-    standin[cc[ok], mem[ok]] = st[ok]
+    standin.ravel()[flat] = np.where(ok, g2[brv + sr], -1).ravel()
     other = g2[base + q]                                                          # [C, R]: member at rank q
     other_p = np.take_along_axis(other, prack, axis=1)
     okh = (pos > 0) & (np.take_along_axis(q, prack, axis=1) > 0) & (other_p >= 0)

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import blake3
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 
 from bench.herd_sim import Params, run_row, tree_of
 from p2p.herd import HerdConfig
-from p2p.tree import PeerView, all_parents, chunk_keys, plan_node
+from p2p.tree import PeerView, all_parents, all_parents_standins, chunk_keys, plan_node
 from scheduler_link.messages import Peer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -215,3 +216,250 @@ def test_the_serving_cap_leaves_room_for_a_stand_in() -> None:
     assert tight["busy_503"] > 0 and roomy["busy_503"] == 0
     # the 503s' retries cost time (equal is possible at these link rates, later is not)
     assert roomy["completion_over_ideal"] <= tight["completion_over_ideal"]
+
+
+# ---------------------------------------------------------------- the fast paths
+
+def _lexsort_ref(src: np.ndarray, r: np.ndarray) -> np.ndarray:
+    return np.lexsort((r, src))
+
+
+def test_grouping_by_source_equals_lexsort_with_ties_nan_and_inversions() -> None:
+    from bench.herd_sim import _by_source
+
+    rng = np.random.default_rng(3)
+    for trial in range(300):
+        m = int(rng.integers(0, 400))
+        n = int(rng.choice([50, 5000, 70000]))          # 70,000: past 16-bit sources
+        src = rng.integers(0, min(n, int(rng.integers(1, 60))), m)
+        r = np.round(rng.random(m) * 4, int(rng.integers(0, 3)))   # many ties
+        if trial % 3 == 0:                               # ascending within sources: the fast path
+            r = np.sort(r)
+        if trial % 7 == 0 and m:
+            r[rng.integers(0, m, 3)] = np.inf
+        if trial % 11 == 0 and m:
+            r[rng.integers(0, m, 2)] = np.nan
+        got = _by_source(src, r, n)
+        assert (got == _lexsort_ref(src, r)).all(), trial
+
+
+def _depth_ref(par: np.ndarray) -> np.ndarray:
+    depth = np.zeros(len(par), np.int64)
+    for i in range(len(par)):
+        j = par[i]
+        while j >= 0:
+            depth[i] += 1
+            j = par[j]
+    return depth
+
+
+def test_levels_are_depths_live_first_ascending() -> None:
+    from bench.herd_sim import _levels
+
+    view = PeerView.build([f"n{i}" for i in range(300)], [""] * 300, [f"r{i % 23}" for i in range(300)])
+    par, _, _ = all_parents(view, chunk_keys([str(i) for i in range(6)]), k=2, rack_fanout=3)
+    rng = np.random.default_rng(1)
+    for row in par:
+        alive = rng.random(len(row)) > 0.1
+        order, bounds, maxd = _levels(row, alive)
+        depth = _depth_ref(row)
+        assert maxd == depth.max()
+        for d in range(maxd + 1):
+            assert (order[bounds[2 * d]:bounds[2 * d + 1]] == np.flatnonzero((depth == d) & alive)).all()
+            assert (order[bounds[2 * d + 1]:bounds[2 * d + 2]] == np.flatnonzero((depth == d) & ~alive)).all()
+
+
+class _PlainSim:
+    """The simulator's transfer as it was before the fast paths (a masked pass over every
+    node per tree level, lexsort per round), kept as the reference: the fast one must
+    give the same floats, bit for bit."""
+
+    @staticmethod
+    def make(p: Any, rack: np.ndarray, die: np.ndarray, cap: np.ndarray) -> Any:
+        from bench.herd_sim import Sim
+
+        class Plain(Sim):
+            def transfer(self, parent, size, ready, succ, origin_fallback=None, cap=0, poll=None,  # type: ignore[no-untyped-def]
+                         wait_s=0.0, standin=None, levels=None):
+                import math
+                p = self.p
+                n = p.nodes
+                die = self.die
+                have = np.full(n, np.inf)
+                tau = size / self.rate
+                alive0 = die > 0
+                par = parent.copy()
+                self._mortal = True
+                if origin_fallback is not None:
+                    par[origin_fallback] = -1
+                if standin is not None:
+                    x = np.flatnonzero((par >= 0) & (standin >= 0))
+                    x = x[(die[par[x]] <= ready[x]) & (die[standin[x]] > ready[x])]
+                    if len(x):
+                        par[x] = standin[x]
+                        ready = ready.copy()
+                        ready[x] += 0.001
+                        self.dead_probes += len(x)
+                depth = np.zeros(n, np.int64)
+                cur = par.copy()
+                while True:
+                    m = cur >= 0
+                    if not m.any():
+                        break
+                    depth[m] += 1
+                    cur[m] = par[cur[m]]
+                roots = np.flatnonzero((par < 0) & alive0)
+                order = roots[np.argsort(ready[roots], kind="stable")]
+                self._origin_reads(order, size, ready, have)
+                dead_roots = np.flatnonzero((par < 0) & ~alive0)
+                failed_root = [int(r) for r in np.flatnonzero(par < 0) if have[r] > die[r]]
+                if failed_root or len(dead_roots):
+                    for s in succ:
+                        if die[s] > 0 and not math.isfinite(have[s]):
+                            t = min((float(min(die[r], have[r])) for r in np.flatnonzero(par < 0)), default=0.0)
+                            self.dead_probes += 1
+                            self._origin_reads(np.array([s]), size, np.maximum(ready, t + 0.001), have)
+                            if have[s] <= die[s]:
+                                break
+                maxd = int(depth.max()) if n else 0
+                for lvl in range(1, maxd + 1):
+                    xs = np.flatnonzero((depth == lvl) & alive0 & ~np.isfinite(have))
+                    pending = xs
+                    t_ask = ready[xs]
+                    for _ in range(64):
+                        if len(pending) == 0:
+                            break
+                        src, t_known = self._sources(pending, par, have, succ, t_ask)
+                        ok = src >= 0
+                        if (~ok).any():
+                            r2 = ready.copy()
+                            r2[pending[~ok]] = np.maximum(ready[pending[~ok]], t_known[~ok])
+                            self._origin_reads(pending[~ok], size, r2, have)
+                        pending, src, t_known, t_ask = pending[ok], src[ok], t_known[ok], t_ask[ok]
+                        if len(pending) == 0:
+                            break
+                        pending, t_ask = self._peer_round(pending, src, size, tau,
+                                                          np.maximum.reduce([ready[pending], t_known, t_ask]), have,
+                                                          cap, poll, wait_s)
+                have[have > die] = np.inf
+                return have
+
+            def _peer_round(self, xs, src, size, tau, ready, have, cap, poll=None, wait_s=0.0):  # type: ignore[no-untyped-def]
+                r = np.maximum(ready, have[src])
+                if poll is not None and wait_s > 0:
+                    late = np.maximum(have[src] - ready, 0.0)
+                    r = ready + late + np.floor(late / wait_s) * poll[1]
+                elif poll is not None:
+                    late = np.maximum(have[src] - ready, 0.0)
+                    i = np.minimum(np.searchsorted(poll, late), len(poll) - 1)
+                    r = np.where(late > 0, ready + np.maximum(poll[i], late), ready)
+                o = np.lexsort((r, src))
+                xs, src, r = xs[o], src[o], r[o]
+                grp_start = np.r_[True, src[1:] != src[:-1]]
+                # _grouped_fifo as it was
+                s = np.broadcast_to(np.asarray(tau, dtype=np.float64), (len(src),))
+                gid = np.cumsum(grp_start) - 1
+                starts = np.flatnonzero(grp_start)
+                idx = np.arange(len(xs)) - starts[gid]
+                v = r - idx * s
+                span = float(v.max() - v.min()) + 1.0
+                ends = (idx + 1) * s + (np.maximum.accumulate(v + gid * span) - gid * span)
+                ends = np.maximum.reduce([ends, self.t0[src] + self.w_up[src] + (idx + 1) * tau,
+                                          self.t0[xs] + self.w_down[xs] + tau])
+                if cap > 0:
+                    waited = np.maximum(ends - tau - r, 0.0)
+                    over = (idx >= cap) & (waited > 0)
+                    tries = np.ceil(waited[over] / self.p.retry_s)
+                    self.busy_503 += int(tries.sum())
+                    ends[over] = r[over] + tries * self.p.retry_s + tau
+                gl = np.r_[src[1:] != src[:-1], True]
+                self.w_up[src[gl]] += (idx[gl] + 1) * tau
+                self.w_down[xs] += tau
+                cross = self.rack[src] != self.rack[xs]
+                if cross.any():
+                    ci = np.flatnonzero(cross)
+                    for key, work in ((self.rack[src[ci]], self.w_rout), (self.rack[xs[ci]], self.w_rin)):
+                        oo = np.lexsort((ends[ci], key))
+                        kk, jj = key[oo], ci[oo]
+                        first = np.r_[True, kk[1:] != kk[:-1]]
+                        g2 = np.cumsum(first) - 1
+                        k_idx = np.arange(len(kk)) - np.flatnonzero(first)[g2]
+                        ends[jj] = np.maximum(ends[jj], work[kk] + (k_idx + 1) * size / self.rack_cap[kk])
+                        last = np.r_[kk[1:] != kk[:-1], True]
+                        work[kk[last]] += (k_idx[last] + 1) * size / self.rack_cap[kk[last]]
+                cut = ends > self.die[src]
+                good = ~cut
+                have[xs[good]] = ends[good]
+                self.peer_bytes += size * float(good.sum())
+                self.cross_bytes += size * float((good & cross).sum())
+                if cut.any():
+                    self.wasted += float(np.clip((self.die[src[cut]] - (ends[cut] - tau)) * self.rate, 0, size).sum())
+                return xs[cut], self.die[src[cut]] + 0.001
+
+        return Plain(p, rack, die, cap)
+
+
+_STATE = ("w_down", "w_up", "w_rin", "w_rout", "w_origin", "done", "origin_bytes", "cross_bytes", "peer_bytes",
+          "wasted", "busy_503", "dead_probes")
+
+
+@pytest.mark.parametrize("case", ["none", "dead", "home", "slowrack"])
+def test_the_fast_transfer_equals_the_plain_one_bit_for_bit(case: str) -> None:
+    """Chunks down real trees (racks of 7, k = 2, m = 2: depth >= 4) with a serving cap
+    of 3 (503s), dead nodes, a home dying mid-way and a slow rack, two designs sharing
+    the levels as run_row does; a manifest with polls and waits; today's fallbacks."""
+    from bench.herd_sim import Sim, _poll_times, _scenario
+
+    p = _params(150, 7, chunks=48)
+    p.rack_fanout, p.serve_cap = 2, 3
+    rack, die, cap = _scenario(p, case, 0)
+    view = PeerView.build([f"n{i:03d}" for i in range(150)], [""] * 150, [f"r{int(r):03d}" for r in rack])
+    ck = chunk_keys([blake3.blake3(f"c{i}".encode()).hexdigest() for i in range(48)])
+    par, _, root, st = all_parents_standins(view, ck, k=2, rack_fanout=2)
+    if case == "home":          # the busiest home, and a node under it, die while sending
+        die[int(np.argmax(np.bincount(root[:, 0], minlength=150)))] = 0.25
+        die[int(par[5][par[5] >= 0][7])] = 0.33
+    rng = np.random.default_rng(5)
+    starts = [rng.random(150) * 0.002, np.full(150, 0.001)]
+    fast = [Sim(p, rack, die.copy(), cap.copy()) for _ in starts]
+    plain = [_PlainSim.make(p, rack, die.copy(), cap.copy()) for _ in starts]
+    busy = 0
+    for i in range(len(ck)):
+        succ = [int(x) for x in root[i, 1:3] if x >= 0]
+        shared: dict = {}
+        for f, q, ready in zip(fast, plain, starts, strict=True):
+            a = f.transfer(par[i], p.chunk_bytes, ready + i * 1e-4, succ, cap=p.serve_cap, standin=st[i],
+                           levels=shared)
+            b = q.transfer(par[i], p.chunk_bytes, ready + i * 1e-4, succ, cap=p.serve_cap, standin=st[i])
+            np.testing.assert_array_equal(a, b)
+            np.maximum(f.done, a, out=f.done)
+            np.maximum(q.done, b, out=q.done)
+        busy += fast[0].busy_503
+    for f, q in zip(fast, plain, strict=True):
+        for name in _STATE:
+            np.testing.assert_array_equal(getattr(f, name), getattr(q, name), err_msg=name)
+    assert busy > 0 and fast[0].cross_bytes > 0                  # the cap and the spine were exercised
+    if case in ("dead", "home"):
+        assert fast[0].dead_probes > 0
+    if case == "home":
+        assert fast[0].wasted > 0                                 # transfers cut by a death
+    # the manifest: polls and the capped wait
+    for wait_s in (2.0, 0.0005):
+        f, q = Sim(p, rack, die.copy(), cap.copy()), _PlainSim.make(p, rack, die.copy(), cap.copy())
+        f.w_origin = q.w_origin = 0.003
+        args = (par[0], 7000.0, starts[0], [int(x) for x in root[0, 1:3] if x >= 0])
+        kw = dict(cap=p.serve_cap, poll=_poll_times(), wait_s=wait_s, standin=st[0])
+        np.testing.assert_array_equal(f.transfer(*args, **kw), q.transfer(*args, **kw))
+    # today's design: everyone under the home's rack, some rack homes told 503
+    f, q = Sim(p, rack, die.copy(), cap.copy()), _PlainSim.make(p, rack, die.copy(), cap.copy())
+    flat = np.where(np.arange(150) % 7 == 0, 0, (np.arange(150) // 7) * 7)
+    flat[0] = -1
+    fb = np.arange(14, 150, 21)
+    fb_par = flat.copy()
+    fb_par[fb] = -1
+    np.testing.assert_array_equal(f.transfer(fb_par, p.chunk_bytes, starts[0], []),
+                                  q.transfer(flat, p.chunk_bytes, starts[0], [], origin_fallback=fb))
+    np.testing.assert_array_equal(f.transfer(flat, p.chunk_bytes, starts[0], [], origin_fallback=fb),
+                                  q.transfer(flat, p.chunk_bytes, starts[0], [], origin_fallback=fb))
+    for name in _STATE:
+        np.testing.assert_array_equal(getattr(f, name), getattr(q, name), err_msg=name)
