@@ -50,7 +50,7 @@ from blake3 import blake3
 
 from manifests import Manifest, decode_manifest
 from manifests.materialise import materialise as materialise_tree
-from scheduler_link.durable import atomic_write, fsync_dir, write_all
+from scheduler_link.durable import atomic_write, fill_and_replace, fsync_dir
 
 from .errors import IntegrityError, ManifestError, StoreError, StoreFullError
 
@@ -394,19 +394,7 @@ class ChunkStore:
                 break
             except FileExistsError:
                 continue
-        try:
-            try:
-                os.fchmod(fd, 0o444)
-                write_all(fd, data)
-            finally:
-                os.close(fd)
-            os.replace(tmp, final)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        fill_and_replace(fd, tmp, final, data, 0o444, sync=False)
         return final
 
     def sync(self) -> int:

@@ -63,6 +63,18 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | bytearray | memoryv
             raise
         where.mkdir(parents=True, exist_ok=True)
         fd = os.open(tmp, flags, 0o600)
+    fill_and_replace(fd, tmp, path, data, mode, sync=sync)
+    if sync:
+        fsync_dir(path.parent)
+
+
+def fill_and_replace(fd: int, tmp: str | os.PathLike[str], path: str | os.PathLike[str],
+                     data: bytes | bytearray | memoryview, mode: int, *, sync: bool) -> None:
+    """The steps of :func:`atomic_write` after its temp file ``tmp`` was opened as ``fd``
+    (which this closes): mode, every byte, the file's fsync if ``sync``, the rename over
+    ``path``; on any failure the temp file is removed and the error raised. For a caller
+    that names its temp files itself (the chunk store's hot path); the directory's fsync
+    is the caller's."""
     try:
         try:
             os.fchmod(fd, mode)
@@ -78,8 +90,6 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | bytearray | memoryv
         except OSError:
             pass
         raise
-    if sync:
-        fsync_dir(path.parent)
 
 
-__all__ = ["atomic_write", "fsync_dir", "write_all"]
+__all__ = ["atomic_write", "fill_and_replace", "fsync_dir", "write_all"]
