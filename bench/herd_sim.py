@@ -69,6 +69,7 @@ from typing import Any
 import blake3
 import numpy as np
 
+from p2p.balance import balanced_order
 from p2p.herd import HerdConfig, manifest_polls, peer_view
 from p2p.rendezvous import assign_homes, node_key, plan_sources
 from p2p.tree import (
@@ -88,10 +89,18 @@ GIB = 1 << 30
 
 
 def tree_of(node_ids: Sequence[str], peers: Sequence[Peer], chunk_ids: Sequence[str], *, k: int,
-            rack_fanout: int) -> tuple[np.ndarray, np.ndarray, PeerView]:
-    """The simulator's trees for these inputs: (parent [C, N] rows, home [C], view)."""
+            rack_fanout: int, sizes: Sequence[int] | None = None) -> tuple[np.ndarray, np.ndarray, PeerView]:
+    """The simulator's trees for these inputs: (parent [C, N] rows, home [C], view), rows
+    in ``chunk_ids``' order. ``sizes`` (the chunks' sizes): planned as the fetcher plans
+    (``HerdConfig.balance_homes``), in :func:`p2p.balance.balanced_order` for racks of the
+    view's largest size; the simulator's own chunks are all one size, where that order is
+    the manifest's."""
     view = PeerView.from_peers(peers)
-    parent, home, _ = all_parents(view, chunk_keys(chunk_ids), k=k, rack_fanout=rack_fanout)
+    order = (balanced_order(sizes, int(view.sizes.max())) if sizes is not None and len(view)
+             else np.arange(len(chunk_ids)))
+    par_p, home_p, _ = all_parents(view, chunk_keys([chunk_ids[int(i)] for i in order]), k=k, rack_fanout=rack_fanout)
+    parent, home = np.empty_like(par_p), np.empty_like(home_p)
+    parent[order], home[order] = par_p, home_p
     return parent, home, view
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,15 +43,22 @@ class Artifact:
     size: int
 
 
-def make_artifact(tmp: Path, nbytes: int, chunk_size: int = 256 * 1024, seed: int = 1) -> Artifact:
-    """A one-file artifact of random bytes cut into fixed-size chunks, published to a
+def make_artifact(tmp: Path, nbytes: int, chunk_size: int = 256 * 1024, seed: int = 1,
+                  chunk_sizes: Sequence[int] = ()) -> Artifact:
+    """A one-file artifact of random bytes cut into fixed-size chunks (or chunks of
+    ``chunk_sizes``' sizes in turn, as content-defined chunks vary), published to a
     file:// origin directory laid out as the origins expect."""
     rnd = os.urandom if seed < 0 else None
     data = rnd(nbytes) if rnd else _det_bytes(nbytes, seed)
     chunks: dict[str, bytes] = {}
     refs: list[tuple[str, int]] = []
-    for off in range(0, nbytes, chunk_size):
-        piece = data[off:off + chunk_size]
+    cuts, off, i = [], 0, 0
+    while off < nbytes:
+        cuts.append(off)
+        off += chunk_sizes[i % len(chunk_sizes)] if chunk_sizes else chunk_size
+        i += 1
+    for off, end in zip(cuts, cuts[1:] + [nbytes], strict=True):
+        piece = data[off:end]
         cid = blake3.blake3(piece).hexdigest()
         chunks[cid] = piece
         refs.append((cid, len(piece)))

@@ -183,3 +183,39 @@ async def test_a_rack_whose_every_member_is_slow(tmp_path: Path) -> None:
 
 def test_tree_config_is_the_default() -> None:
     assert HerdConfig().tree
+
+
+async def test_simulated_tree_follows_the_fetchers_byte_balanced_order(tmp_path: Path) -> None:
+    # chunks of varying sizes (as content-defined chunks are): the fetcher plans its table
+    # in p2p.balance's order, and the simulator's tree_of, given the sizes, plans the same
+    sizes = [16 << 10, 96 << 10, 40 << 10, 128 << 10, 24 << 10, 72 << 10, 8 << 10]
+    art = make_artifact(tmp_path, 2 << 20, seed=23, chunk_sizes=sizes)
+    origin = open_file_origin(art)
+    n_nodes = 12
+    with trio.fail_after(90):
+        async with trio.open_nursery() as nursery:
+            nodes = await start_rack_nodes(nursery, tmp_path, n_nodes, TOKEN, rack_size=RACK, config=CFG,
+                                           plane_config=PLANE)
+            errors = await _fetch(nodes, art, origin)
+            assert not errors, errors
+            for n in nodes:
+                assert_bit_exact(n, art)
+            chunks = nodes[0].store.get_manifest(art.manifest_id).chunks
+            cids, csizes = [c.id for c in chunks], [c.size for c in chunks]
+            ids = [n.node_id for n in nodes]
+            parent, home, view = tree_of(ids, [n.peer for n in nodes], cids, k=K, rack_fanout=K, sizes=csizes)
+            plain_parent, _, _ = tree_of(ids, [n.peer for n in nodes], cids, k=K, rack_fanout=K)
+            assert not np.array_equal(parent, plain_parent)    # the order matters for these sizes
+            for n in nodes:
+                assert n.herd.last_plan is not None
+                plan, cindex = n.herd.last_plan
+                me = view.index[n.node_id]
+                for c, cid in enumerate(cids):
+                    ci = cindex[cid]
+                    want = parent[c, me]
+                    assert (view.node_ids[want] if want >= 0 else None) == \
+                        (plan.view.node_ids[plan.parent[ci]] if plan.parent[ci] >= 0 else None)
+                    assert view.node_ids[home[c]] == plan.view.node_ids[plan.home[ci]]
+            for n in nodes:
+                await n.herd.aclose()
+            nursery.cancel_scope.cancel()
