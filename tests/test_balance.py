@@ -39,36 +39,16 @@ async def test_a_herd_reads_the_origin_in_even_bytes_per_home(tmp_path) -> None:
     from the origin, and those come to within one chunk of the same bytes (by count they
     differ by several), byte-exact everywhere, one origin copy."""
     import dataclasses
-    import os
 
-    import blake3
     import trio
 
-    from manifests import encode_manifest
-    from manifests.model import ManifestBuilder
     from p2p.herd import herd_fetch
-    from tests.herd_cluster import FAST, Artifact, assert_bit_exact, open_file_origin, start_nodes
+    from tests.herd_cluster import FAST, assert_bit_exact, make_artifact, open_file_origin, start_nodes
 
     rng = np.random.default_rng(11)
     sizes = rng.integers(8 << 10, 256 << 10, 96)
-    chunks: dict[str, bytes] = {}
-    refs = []
-    for n in sizes:
-        piece = os.urandom(int(n))
-        cid = blake3.blake3(piece).hexdigest()
-        chunks[cid] = piece
-        refs.append((cid, len(piece)))
-    b = ManifestBuilder()
-    b.add_file("blob.bin", 0o644, refs)
-    m = b.build()
-    raw = encode_manifest(m)
-    origin_dir = tmp_path / "origin"
-    (origin_dir / "chunks").mkdir(parents=True)
-    (origin_dir / "manifests").mkdir(parents=True)
-    for cid, piece in chunks.items():
-        (origin_dir / "chunks" / cid).write_bytes(piece)
-    (origin_dir / "manifests" / m.id).write_bytes(raw)
-    art = Artifact(m.id, raw, chunks, origin_dir, int(sizes.sum()))
+    art = make_artifact(tmp_path, int(sizes.sum()), seed=-1, chunk_sizes=[int(x) for x in sizes])
+    chunks = art.chunks
     origin = open_file_origin(art)
     cfg = dataclasses.replace(FAST, workers=4)
     with trio.fail_after(60):

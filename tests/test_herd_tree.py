@@ -46,6 +46,22 @@ async def _fetch(nodes: list[Node], art, origin, *, skip: frozenset[str] = froze
     return errors
 
 
+def _assert_plans_are(nodes: list[Node], chunk_ids: list[str], parent: np.ndarray, home: np.ndarray,
+                      view) -> None:
+    """Every node's last tree plan has the simulator's parent and home for every chunk
+    (``parent``/``home`` rows in ``chunk_ids``' order, ``view``: tree_of's)."""
+    for n in nodes:
+        assert n.herd.last_plan is not None
+        plan, cindex = n.herd.last_plan
+        me = view.index[n.node_id]
+        for c, cid in enumerate(chunk_ids):
+            ci = cindex[cid]
+            want, got = parent[c, me], plan.parent[ci]
+            assert (view.node_ids[want] if want >= 0 else None) == \
+                (plan.view.node_ids[got] if got >= 0 else None)
+            assert view.node_ids[home[c]] == plan.view.node_ids[plan.home[ci]]
+
+
 def _serving_max(nodes: list[Node]) -> int:
     return max(n.plane.statistics()["serving_per_chunk_max"] for n in nodes)
 
@@ -65,18 +81,8 @@ async def test_forty_nodes_racks_of_four_k2(tmp_path: Path) -> None:
             ids = [n.node_id for n in nodes]
             chunk_ids = [c.id for c in nodes[0].store.get_manifest(art.manifest_id).chunks]
             parent, home, view = tree_of(ids, [n.peer for n in nodes], chunk_ids, k=K, rack_fanout=K)
+            _assert_plans_are(nodes, chunk_ids, parent, home, view)
             depth = 0
-            for n in nodes:
-                assert n.herd.last_plan is not None
-                plan, cindex = n.herd.last_plan
-                me = view.index[n.node_id]
-                for cid in chunk_ids:
-                    c, ci = chunk_ids.index(cid), cindex[cid]
-                    want = parent[c, me]
-                    got = plan.parent[ci]
-                    assert (view.node_ids[want] if want >= 0 else None) == \
-                        (plan.view.node_ids[got] if got >= 0 else None)
-                    assert view.node_ids[home[c]] == plan.view.node_ids[plan.home[ci]]
             for c in range(len(chunk_ids)):
                 d, x = 0, parent[c]
                 for row in range(N):
@@ -206,16 +212,7 @@ async def test_simulated_tree_follows_the_fetchers_byte_balanced_order(tmp_path:
             parent, home, view = tree_of(ids, [n.peer for n in nodes], cids, k=K, rack_fanout=K, sizes=csizes)
             plain_parent, _, _ = tree_of(ids, [n.peer for n in nodes], cids, k=K, rack_fanout=K)
             assert not np.array_equal(parent, plain_parent)    # the order matters for these sizes
-            for n in nodes:
-                assert n.herd.last_plan is not None
-                plan, cindex = n.herd.last_plan
-                me = view.index[n.node_id]
-                for c, cid in enumerate(cids):
-                    ci = cindex[cid]
-                    want = parent[c, me]
-                    assert (view.node_ids[want] if want >= 0 else None) == \
-                        (plan.view.node_ids[plan.parent[ci]] if plan.parent[ci] >= 0 else None)
-                    assert view.node_ids[home[c]] == plan.view.node_ids[plan.home[ci]]
+            _assert_plans_are(nodes, cids, parent, home, view)
             for n in nodes:
                 await n.herd.aclose()
             nursery.cancel_scope.cancel()
