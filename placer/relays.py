@@ -68,6 +68,7 @@ TREE_FANOUT = 8
 DRAIN_SLICE_S = 0.02      # the deferred frames are applied in slices of this much CPU, then others run
 STOPS_CAP_S = 10.0        # a round of stops only: relays' time at most, and without progress
 STOPS_PATIENCE_S = 2.0
+FALLBACK_HOLD_S = 1.0     # a start round's fallback pushes: reports stay held this much longer, at most
 
 
 @dataclass(slots=True)
@@ -321,7 +322,8 @@ class RelayHub:
         seeds = max(1, cfg.blob_seeds)
         seed_urls = [u for u in urls[:seeds] if u]
         bytes0 = self.stats.bytes_out
-        marks = {"built": 0.0, "sent": 0.0, "first_ack": math.inf, "last_ack": 0.0}
+        marks = {"built": 0.0, "sent": 0.0, "first_ack": math.inf, "last_ack": 0.0,
+                 "fallback_first": math.inf, "fallback_last": 0.0, "fallback_push_max": 0.0}
         fallbacks0 = self.stats.fallback_nodes
 
         async def one(p: Push) -> None:
@@ -400,7 +402,12 @@ class RelayHub:
                     if p.node_id in done:
                         return  # the relay's late answer came first
                     self.stats.fallback_nodes += 1
+                    f0 = trio.current_time()
+                    marks["fallback_first"] = min(marks["fallback_first"], f0 - t0)
                     o = await push_direct(p)
+                    f1 = trio.current_time()
+                    marks["fallback_last"] = max(marks["fallback_last"], f1 - t0)
+                    marks["fallback_push_max"] = max(marks["fallback_push_max"], f1 - f0)
                 record(p, o)
 
             async with trio.open_nursery() as rn:
@@ -445,6 +452,9 @@ class RelayHub:
                         rn.start_soon(late)
                     await all_done.wait()
                 rn.cancel_scope.cancel()
+            racks_left[0] -= 1
+            if racks_left[0] <= 0:
+                racks_done.set()
 
         # A relay has failed when it has not answered relay_timeout_s after the round last made
         # progress: after the last bundle left, or after the latest ack any relay of the round
@@ -459,6 +469,8 @@ class RelayHub:
 
         waits_left = [len(racks)]
         idle = trio.Event()
+        racks_left = [len(racks)]
+        racks_done = trio.Event()
 
         def waited(cs: trio.CancelScope) -> None:
             pending.discard(cs)
@@ -488,6 +500,12 @@ class RelayHub:
                     if trio.current_time() >= deadline[0]:
                         for cs in list(pending):
                             cs.cancel()
+                        if deferring[0]:
+                            # the failed racks' members are now pushed directly: the reports
+                            # held back wait a little longer, so the pushes do not queue behind
+                            # their application (bounded: a long fallback must not starve them)
+                            with trio.move_on_after(FALLBACK_HOLD_S):
+                                await racks_done.wait()
                         return
             finally:
                 stop_deferring()
@@ -539,5 +557,9 @@ class RelayHub:
                 "job_id": job_id, "nodes": len(pushes), "racks": len(racks), "direct": len(direct),
                 "fallback_nodes": self.stats.fallback_nodes - fallbacks0, "bundle_bytes": self.stats.bytes_out - bytes0,
                 "seconds": trio.current_time() - t0, "built_s": marks["built"], "last_bundle_sent_s": marks["sent"],
-                "first_ack_s": marks["first_ack"] if racks else 0.0, "last_ack_s": marks["last_ack"]}
+                "first_ack_s": marks["first_ack"] if racks else 0.0, "last_ack_s": marks["last_ack"],
+                # the direct pushes to the members of racks whose relay did not deliver: when the
+                # first began and the last ended, and the slowest one
+                "fallback_first_s": marks["fallback_first"] if math.isfinite(marks["fallback_first"]) else None,
+                "fallback_last_s": marks["fallback_last"] or None, "fallback_push_max_s": marks["fallback_push_max"] or None}
         return acks
