@@ -90,7 +90,7 @@ def worker_main(argv: list[str]) -> int:
                     cfg = dataclasses.replace(cfg, batch_wait_chunks=int(go["batch_wait"]))
                 if go.get("set"):
                     cfg = dataclasses.replace(cfg, **go["set"])
-                herd = Herd(store, node_id=a.node_id, token=TOKEN, config=cfg, uplink_backlog=plane.send_backlog)
+                herd = Herd(store, node_id=a.node_id, token=TOKEN, config=cfg)
             t0 = time.time()
             curve: list[tuple[float, int, int]] = []
 
@@ -119,8 +119,6 @@ def worker_main(argv: list[str]) -> int:
                     hs = herd.statistics()
                     res["endgame_duplicates"] = hs["endgame_duplicates"]
                     res["peer_errors"] = sum(v["errors"] for v in hs["peers"].values())
-                    res["origin_paced"] = hs["origin_paced"]
-                    res["origin_paced_s"] = round(hs["origin_paced_s"], 3)
             except Exception as e:
                 res = {"node": a.node_id, "error": f"{type(e).__name__}: {e}"}
             say(res)
@@ -230,7 +228,7 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
         root, mode = baseline, "herd"
     env = dict(os.environ, PYTHONPATH=str(root), HERD_LOG_LEVEL="WARNING")
     # herd@rack_fanout=3: HerdConfig fields set for this mode (several joined by '+':
-    # herd@balance_homes=0+home_backlog_bytes=0)
+    # herd@balance_homes=0+batch_wait_chunks=0)
     mode, _, over = mode.partition("@")
     sets = {k: int(v) for k, _, v in (kv.partition("=") for kv in over.replace("+", ",").split(",") if kv)}
     budget = ideal * (len(hosts) if mode == "origin" else 1) * 3 + 60
@@ -297,9 +295,6 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
         "bytes_from_peers": sum(r["bytes_from_peers"] for r in results),
         "endgame_duplicates": sum(r.get("endgame_duplicates", 0) for r in results),
         "peer_errors": sum(r.get("peer_errors", 0) for r in results),
-        # origin reads a home held back while its uplink owed its children a backlog
-        "origin_paced": sum(r.get("origin_paced", 0) for r in results),
-        "origin_paced_s": round(sum(r.get("origin_paced_s", 0.0) for r in results), 3),
         # data-plane requests answered by all nodes up to their own completion, and how
         # many of them were batches that could wait
         "plane_requests": sum(r.get("plane_requests", 0) for r in results),

@@ -277,9 +277,8 @@ class DataPlane:
 
     def send_backlog(self) -> int:
         """Chunk-body bytes this node has committed to send and not sent yet (answers
-        being sent now: a batch's frames, one chunk's sendfile). What a home's uplink still
-        owes its tree children: ``p2p.herd.Herd`` reads it (``uplink_backlog``) to read
-        the origin no faster than it can pass the chunks on."""
+        being sent now: a batch's frames, one chunk's sendfile): what this node's uplink
+        still owes its askers (also ``statistics()["send_backlog"]``)."""
         return self._sending
 
     def statistics(self) -> dict[str, Any]:
