@@ -872,7 +872,7 @@ class Herd:
                 raise type(e)(f"{what}: {e} (an answer that will not change: not retried)") from None
             await self._origin_bucket.consume(len(data))
             if verify is None or verify(data):
-                return bytes(data)
+                return data   # bytes, or a bytearray no one else holds (p2p.origins.lean): no copy
             bad += 1
             self.counters.integrity_failures += 1
             self.counters.origin_bad_answers += 1
