@@ -725,3 +725,54 @@ def test_frames_received_into_reused_buffers_are_byte_exact() -> None:
         assert r.outcomes == ["ok", "ok", "corrupt", "ok"] and pool.allocated == 1   # and the next
     finally:
         batch.BUFFERS = old
+
+
+def test_a_stop_wakes_a_poll_that_would_sleep_until_its_deadline() -> None:
+    """A worker thread polls its socket and its Stop together, sleeping until its
+    deadline (no look every POLL_S); setting the Stop from another thread wakes it."""
+    import select
+    import threading
+
+    from p2p.batch import POLL_S, Stop, poll_ms, watch
+
+    assert poll_ms(True, 60.0) == 60_001 and poll_ms(False, 60.0) == int(POLL_S * 1000) + 1
+    assert poll_ms(True, -1.0) == 1
+    a, b = socket.socketpair()
+    try:
+        stop = Stop()
+        poller = select.poll()
+        poller.register(a.fileno(), select.POLLIN)
+        assert watch(poller, stop) and not watch(select.poll(), threading.Event())
+        threading.Timer(0.05, stop.set).start()
+        events = poller.poll(poll_ms(True, 60.0))     # returns on the set, not after 60 s
+        assert [fd for fd, _ in events] == [stop.fileno()] and stop.is_set()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_receiver_waiting_for_its_next_frame_stops_when_told() -> None:
+    """A batch that can wait: the receiving thread is in a 60 s gap wait for a frame that
+    never comes; a Stop ends it with kind "stopped", nothing stored."""
+    import threading
+
+    from p2p.batch import FrameReader, Stop, receive_frames
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    stop = Stop()
+    reader = FrameReader(os.dup(a.fileno()), b"", stall_s=60.0, stop=stop, gap_s=60.0)
+    stored: list[str] = []
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(receive_frames(reader, [("a" * 64, 10)], FRAME.size + 10,
+                                                                  lambda c, v: stored.append(c))))
+    try:
+        t.start()
+        stop.set()
+        t.join(10)
+        assert not t.is_alive()
+        (got,) = out
+        assert got.kind == "stopped" and got.outcomes == [] and not stored   # type: ignore[attr-defined]
+    finally:
+        a.close()
+        b.close()
