@@ -222,8 +222,6 @@ class Agent:
                     self.dataplane = DataPlane(store, token=self.tokens.cluster, listen=self.config.data_listen,
                                                config=DataPlaneConfig(max_serving_per_chunk=cap),
                                                ssl_context=sec.channel if dp_tls else None)
-                    if self.herd is not None:   # origin reads paced by what the uplink still owes peers
-                        self.herd.uplink_backlog = self.dataplane.send_backlog
                     self.data_url = await n.start(self.dataplane.run)
                 self.control_url = await n.start(partial(serve, ssl_context=sec.api), build_app(self),
                                                  self.config.listen)

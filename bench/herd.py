@@ -90,7 +90,7 @@ def worker_main(argv: list[str]) -> int:
                     cfg = dataclasses.replace(cfg, batch_wait_chunks=int(go["batch_wait"]))
                 if go.get("set"):
                     cfg = dataclasses.replace(cfg, **go["set"])
-                herd = Herd(store, node_id=a.node_id, token=TOKEN, config=cfg, uplink_backlog=plane.send_backlog)
+                herd = Herd(store, node_id=a.node_id, token=TOKEN, config=cfg)
             t0 = time.time()
             curve: list[tuple[float, int, int]] = []
 
@@ -119,8 +119,6 @@ def worker_main(argv: list[str]) -> int:
                     hs = herd.statistics()
                     res["endgame_duplicates"] = hs["endgame_duplicates"]
                     res["peer_errors"] = sum(v["errors"] for v in hs["peers"].values())
-                    res["origin_paced"] = hs["origin_paced"]
-                    res["origin_paced_s"] = round(hs["origin_paced_s"], 3)
             except Exception as e:
                 res = {"node": a.node_id, "error": f"{type(e).__name__}: {e}"}
             say(res)
@@ -230,7 +228,7 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
         root, mode = baseline, "herd"
     env = dict(os.environ, PYTHONPATH=str(root), HERD_LOG_LEVEL="WARNING")
     # herd@rack_fanout=3: HerdConfig fields set for this mode (several joined by '+':
-    # herd@balance_homes=0+home_backlog_bytes=0)
+    # herd@balance_homes=0+batch_wait_chunks=0)
     mode, _, over = mode.partition("@")
     sets = {k: int(v) for k, _, v in (kv.partition("=") for kv in over.replace("+", ",").split(",") if kv)}
     budget = ideal * (len(hosts) if mode == "origin" else 1) * 3 + 60
@@ -297,9 +295,6 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
         "bytes_from_peers": sum(r["bytes_from_peers"] for r in results),
         "endgame_duplicates": sum(r.get("endgame_duplicates", 0) for r in results),
         "peer_errors": sum(r.get("peer_errors", 0) for r in results),
-        # origin reads a home held back while its uplink owed its children a backlog
-        "origin_paced": sum(r.get("origin_paced", 0) for r in results),
-        "origin_paced_s": round(sum(r.get("origin_paced_s", 0.0) for r in results), 3),
         # data-plane requests answered by all nodes up to their own completion, and how
         # many of them were batches that could wait
         "plane_requests": sum(r.get("plane_requests", 0) for r in results),
@@ -340,7 +335,7 @@ def publish_artifact(src_dir: Path, origin_dir: Path, size_mb: float) -> tuple[s
 
 def run(nodes: int, size_mb: float, rate: str, modes: list[str],
         tuning: dict[str, int] | None = None, burst: str = "64kb", latency: str = "400ms",
-        mtu: int = 1500, baseline: Path | None = None) -> dict[str, Any]:
+        mtu: int = 1500, baseline: Path | None = None, bridge_nf: bool = False) -> dict[str, Any]:
     from bench.netns import NetLab, check, rate_bits
 
     check()
@@ -351,8 +346,8 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
         shutil.rmtree(work / "src")
         ideal = size * 8 / rate_bits(rate)
         out: dict[str, Any] = {"nodes": nodes, "size_mb": size_mb, "rate": rate, "ideal_s": round(ideal, 3),
-                               "bytes": size, "mtu": mtu}
-        with NetLab(rate=rate, burst=burst, latency=latency, mtu=mtu) as lab:
+                               "bytes": size, "mtu": mtu, "bridge_nf": bridge_nf}
+        with NetLab(rate=rate, burst=burst, latency=latency, mtu=mtu, bridge_nf=bridge_nf) as lab:
             origin_host = lab.add_host(octet=2)
             hosts = [lab.add_host(octet=10 + i) for i in range(nodes)]
             origin_proc = subprocess.Popen(
@@ -409,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tbf-burst", default="64kb", help="tbf burst (default 64kb)")
     p.add_argument("--tbf-latency", default="400ms", help="tbf queue as latency (default 400ms)")
     p.add_argument("--mtu", type=int, default=1500, help="MTU of every host link (9000: jumbo frames)")
+    p.add_argument("--bridge-nf", action="store_true",
+                   help="run bridged frames through iptables in the hub (br_netfilter; off by default, see bench.netns)")
     p.add_argument("--baseline-root", type=Path, default=None,
                    help="mode 'baseline': the herd mode run from this checkout's code (e.g. the main branch)")
     p.add_argument("--json", action="store_true")
@@ -426,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         out = run(a.nodes, a.size_mb, a.rate, modes, {"workers": a.workers, "home": a.home_concurrency, "tree": not a.flat},
-                  burst=a.tbf_burst, latency=a.tbf_latency, mtu=a.mtu, baseline=a.baseline_root)
+                  burst=a.tbf_burst, latency=a.tbf_latency, mtu=a.mtu, baseline=a.baseline_root,
+                  bridge_nf=a.bridge_nf)
     except NetnsUnavailable as e:
         msg = f"bench.herd skipped: {e}"
         if a.json:

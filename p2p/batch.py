@@ -34,7 +34,7 @@ header with ``MSG_MORE`` then ``sendfile``, per chunk; :func:`receive_frames`:
 ``readv`` straight into each chunk's buffer, BLAKE3 as the bytes land, the verified chunk
 stored by the same thread). Both work on their own duplicate of the socket's descriptor
 and own the file descriptors handed to them, so a cancelled caller can abandon them:
-they notice ``stop`` within ``POLL_S`` and close what they hold.
+they notice ``stop`` (a :class:`Stop`: at once) and close what they hold.
 """
 
 from __future__ import annotations
@@ -65,6 +65,59 @@ CONTENT_TYPE = "application/x-herd-chunks"
 POLL_S = 0.2
 
 T = TypeVar("T")
+
+
+class Stop:
+    """What a worker thread is told to stop by: a ``threading.Event`` (``set``,
+    ``is_set``) that is also a descriptor (an eventfd) the thread polls beside its
+    socket, so a thread waiting for bytes wakes when they come, when its deadline
+    passes or when it is stopped -- never just to look (with a bare Event it looks
+    every ``POLL_S``: at 16 nodes in the namespace bench ~60 idle waiting-batch threads a
+    node, ~4,800 wakeups a second on two cores, each taking the GIL). The descriptor
+    is closed when the last holder lets go of this object."""
+    __slots__ = ("_event", "_fd")
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+
+    def set(self) -> None:
+        self._event.set()
+        try:
+            os.eventfd_write(self._fd, 1)
+        except OSError:   # pragma: no cover  (the counter cannot overflow at one write per set)
+            pass
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def __del__(self) -> None:
+        try:
+            os.close(self._fd)
+        except (OSError, AttributeError):   # pragma: no cover
+            pass
+
+
+StopLike = threading.Event | Stop
+
+
+def watch(poller: select.poll, stop: StopLike) -> bool:
+    """Register ``stop``'s descriptor with ``poller`` (a :class:`Stop`): True; a bare
+    Event has none: False (the caller then looks every ``POLL_S``)."""
+    if isinstance(stop, Stop):
+        poller.register(stop.fileno(), select.POLLIN)
+        return True
+    return False
+
+
+def poll_ms(watched: bool, left_s: float) -> int:
+    """How long one poll may sleep: until the deadline ``left_s`` away when the stop is
+    watched, else at most ``POLL_S``."""
+    left = max(left_s, 0.0) if watched else min(max(left_s, 0.0), POLL_S)
+    return max(1, min(int(left * 1000) + 1, 600_000))
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
@@ -196,7 +249,7 @@ class Outgoing:
             self.fd = -1
 
 
-def send_frames(sock_fd: int, frames: list[Outgoing], stall_s: float, stop: threading.Event) -> str:
+def send_frames(sock_fd: int, frames: list[Outgoing], stall_s: float, stop: StopLike) -> str:
     """Worker thread: send every frame on the non-blocking socket ``sock_fd`` (a
     duplicate this function closes; each frame's file is opened while it is sent): the header
     with ``MSG_MORE``, the body by ``sendfile`` (pread + send where the file system
@@ -205,14 +258,15 @@ def send_frames(sock_fd: int, frames: list[Outgoing], stall_s: float, stop: thre
     sock = socket.socket(fileno=sock_fd)
     poller = select.poll()
     poller.register(sock_fd, select.POLLOUT)
+    watched = watch(poller, stop)
 
     def wait() -> str:
         deadline = time.monotonic() + stall_s
         while True:
             if stop.is_set():
                 return "stopped"
-            if poller.poll(POLL_S * 1000):
-                return ""
+            if poller.poll(poll_ms(watched, deadline - time.monotonic())):
+                return "stopped" if stop.is_set() else ""
             if time.monotonic() >= deadline:
                 return "stall"
 
@@ -277,7 +331,7 @@ def tls_session(stream: object) -> Session | None:
 
 
 def send_frames_tls(sock_fd: int, session: Session, frames: list[Outgoing], stall_s: float,
-                    stop: threading.Event, piece: int = 256 * 1024) -> str:
+                    stop: StopLike, piece: int = 256 * 1024) -> str:
     """:func:`send_frames` through an established TLS session (see :func:`tls_session`):
     each frame's header and body (pread in ``piece``-sized reads) encrypted into the
     session's outgoing BIO and sent from there. Owns ``sock_fd`` (a duplicate), like
@@ -286,6 +340,7 @@ def send_frames_tls(sock_fd: int, session: Session, frames: list[Outgoing], stal
     obj, _, out = session
     poller = select.poll()
     poller.register(sock_fd, select.POLLOUT)
+    watched = watch(poller, stop)
 
     def push(data: bytes | memoryview) -> str:
         obj.write(data)
@@ -296,11 +351,13 @@ def send_frames_tls(sock_fd: int, session: Session, frames: list[Outgoing], stal
                 wire = wire[sock.send(wire):]
                 deadline = time.monotonic() + stall_s
             except BlockingIOError:
-                while not poller.poll(POLL_S * 1000):
+                while not poller.poll(poll_ms(watched, deadline - time.monotonic())):
                     if stop.is_set():
                         return "stopped"
                     if time.monotonic() >= deadline:
                         return "stall"
+                if stop.is_set():
+                    return "stopped"
         return ""
 
     try:
@@ -354,7 +411,7 @@ class FrameReader:
     prefix is all there is; reading past it is a cut of kind ``end[0]`` (why: ``end[1]``)."""
 
     def __init__(self, fd: int, prefix: bytes | bytearray | memoryview, stall_s: float = 0.0,
-                 stop: threading.Event | None = None, lowat_max: int = 128 * 1024,
+                 stop: StopLike | None = None, lowat_max: int = 128 * 1024,
                  end: tuple[str, str] = ("closed", "the answer ended"), gap_s: float = 0.0) -> None:
         self.prefix = memoryview(prefix)
         self.stall_s = stall_s
@@ -366,10 +423,12 @@ class FrameReader:
         self.lowat = 1
         self.end = end
         self.sock: socket.socket | None = None
+        self.watched = False
         if fd >= 0:
             self.sock = socket.socket(fileno=fd)
             self.poller = select.poll()
             self.poller.register(fd, select.POLLIN | select.POLLPRI)
+            self.watched = watch(self.poller, self.stop)
 
     def _from_prefix(self, view: memoryview, n: int, hasher: blake3.blake3 | None) -> int:
         """Fill the start of ``view`` (at most ``n``) from the bytes already here; how many."""
@@ -398,8 +457,9 @@ class FrameReader:
                     assert self.sock is not None
                     self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                     self.lowat = want
-                if not self.poller.poll(POLL_S * 1000):
-                    if time.monotonic() - last >= (self.gap_s if gap and got == 0 else self.stall_s):
+                limit = self.gap_s if gap and got == 0 else self.stall_s
+                if not self.poller.poll(poll_ms(self.watched, limit - (time.monotonic() - last))):
+                    if time.monotonic() - last >= limit:
                         raise _Cut("stall", f"stalled after {got} of {n} bytes")
                     continue
                 k = os.readv(fd, [view[got:n]])
@@ -436,7 +496,7 @@ class TLSFrameReader(FrameReader):
     ``PeerClient._frames_in_thread``); afterwards it goes on from where this left it."""
 
     def __init__(self, fd: int, session: tuple[ssl.SSLObject, ssl.MemoryBIO, ssl.MemoryBIO],
-                 prefix: bytes | bytearray | memoryview, stall_s: float, stop: threading.Event,
+                 prefix: bytes | bytearray | memoryview, stall_s: float, stop: StopLike,
                  read_size: int = 256 * 1024, gap_s: float = 0.0) -> None:
         super().__init__(fd, prefix, stall_s, stop, gap_s=gap_s)
         self.ssl_obj, self.incoming, self.outgoing = session
@@ -468,8 +528,9 @@ class TLSFrameReader(FrameReader):
                 try:
                     if self.outgoing.pending:
                         self._flush()
-                    if not self.poller.poll(POLL_S * 1000):
-                        if time.monotonic() - last >= (self.gap_s if gap and got == 0 else self.stall_s):
+                    limit = self.gap_s if gap and got == 0 else self.stall_s
+                    if not self.poller.poll(poll_ms(self.watched, limit - (time.monotonic() - last))):
+                        if time.monotonic() - last >= limit:
                             raise _Cut("stall", f"stalled after {got} of {n} bytes") from None
                         continue
                     data = os.read(fd, self.read_size)
@@ -493,17 +554,38 @@ class TLSFrameReader(FrameReader):
             self._flush()
 
 
-_local = threading.local()
+class BufferPool:
+    """Receive buffers shared by every receiving thread of the process: taken for one
+    chunk, given back after it is stored. A fresh buffer costs its zeroing and a page
+    fault per 4 KiB (in the namespace bench ~5 % of all CPU went to ``memset`` page
+    faults of per-thread buffers: worker threads come and go, and each grew its own as
+    larger chunks came). Sizes are rounded up to a power of two (at least ``floor``)
+    so a buffer fits the next chunks too; at most ``keep`` free buffers are held."""
+
+    def __init__(self, floor: int = 1 << 20, keep: int = 8) -> None:
+        self._lock = threading.Lock()
+        self._free: list[bytearray] = []
+        self.floor, self.keep = floor, keep
+        self.allocated = 0          # buffers made (for tests and statistics)
+
+    def take(self, n: int) -> bytearray:
+        with self._lock:
+            for i in range(len(self._free) - 1, -1, -1):
+                if len(self._free[i]) >= n:
+                    return self._free.pop(i)
+            self.allocated += 1
+        return bytearray(max(self.floor, 1 << max(n - 1, 1).bit_length()))
+
+    def give(self, buf: bytearray) -> None:
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buf)
+            elif self._free and len(buf) > min(len(b) for b in self._free):
+                self._free.remove(min(self._free, key=len))   # keep the larger ones
+                self._free.append(buf)
 
 
-def _scratch(n: int) -> bytearray:
-    """This thread's receive buffer, at least ``n`` bytes: one per thread, reused for
-    every chunk it receives (a fresh 1 MiB bytearray a chunk costs its zeroing and page
-    faults: ~50 us a chunk here)."""
-    buf: bytearray | None = getattr(_local, "buf", None)
-    if buf is None or len(buf) < n:
-        buf = _local.buf = bytearray(n)
-    return buf
+BUFFERS = BufferPool()
 
 
 def receive_frames(reader: FrameReader, items: Sequence[tuple[str, int]], length: int,
@@ -533,7 +615,8 @@ def receive_frames(reader: FrameReader, items: Sequence[tuple[str, int]], length
                     raise _Cut("protocol", f"frame announces {n} bytes for chunk {cid[:16]}, expected {size}")
                 if out.consumed + n > length:
                     raise _Cut("protocol", f"frame for chunk {cid[:16]} runs past the answer's end")
-                view = memoryview(_scratch(n))[:n]
+                buf = BUFFERS.take(n)
+                view = memoryview(buf)[:n]
                 try:
                     hasher = blake3.blake3()
                     reader.fill(view, n, hasher)
@@ -549,6 +632,7 @@ def receive_frames(reader: FrameReader, items: Sequence[tuple[str, int]], length
                         raise _Cut("store", str(e)) from None
                 finally:
                     view.release()
+                    BUFFERS.give(buf)
                 out.outcomes.append("ok")
             elif status in (MISSING, BUSY):
                 if n != 0:

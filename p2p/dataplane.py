@@ -82,7 +82,6 @@ import os
 import re
 import socket
 import ssl
-import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -106,6 +105,7 @@ from .batch import (
     BatchQueryError,
     Handoff,
     Outgoing,
+    Stop,
     frame,
     parse_batch,
     parse_ids,
@@ -277,9 +277,8 @@ class DataPlane:
 
     def send_backlog(self) -> int:
         """Chunk-body bytes this node has committed to send and not sent yet (answers
-        being sent now: a batch's frames, one chunk's sendfile). What a home's uplink still
-        owes its tree children: ``p2p.herd.Herd`` reads it (``uplink_backlog``) to read
-        the origin no faster than it can pass the chunks on."""
+        being sent now: a batch's frames, one chunk's sendfile): what this node's uplink
+        still owes its askers (also ``statistics()["send_backlog"]``)."""
         return self._sending
 
     def statistics(self) -> dict[str, Any]:
@@ -559,7 +558,7 @@ class DataPlane:
     async def _send_in_thread(self, sock: trio.socket.SocketType, send: Callable[..., str]) -> None:
         """A batch answer's frames sent by a worker thread: ``send(dup_fd, stop=event)`` on
         a duplicate of ``sock`` that the thread owns (closes) once it has started."""
-        stop = threading.Event()
+        stop = Stop()
         hand = Handoff()
         dup = os.dup(sock.fileno())
         job = partial(hand.run, partial(send, dup, stop=stop))

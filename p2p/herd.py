@@ -141,31 +141,6 @@ class HerdConfig:
     # multi-chunk requests to one peer at once; 0: half this host's cores, 2 to 8 (each
     # stream's thread receives, hashes and writes: about a core at full speed)
     batch_streams: int = 0
-    # Origin reads paced by the uplink: while this node's data plane still owes its tree
-    # children more than home_backlog_bytes of chunks it has (Herd.uplink_backlog, e.g.
-    # DataPlane.send_backlog), it reads no more from the origin (polling every
-    # home_backlog_poll_s, at most home_backlog_max_pause_s per read). A home the origin
-    # feeds faster than it can pass chunks on otherwise piles up a backlog its uplink
-    # drains only after the origin is done: the herd's tail. 0: no pacing.
-    # Off by default: in the namespace bench (N = 8, 256 MiB, same run) 24 MiB paused
-    # 38 reads for 79 s in all and took completion from 1.331 to 1.477 x ideal (the
-    # children's downlinks, not the home's uplink, were what held the sends).
-    home_backlog_bytes: int = 0
-    home_backlog_poll_s: float = 0.02
-    home_backlog_max_pause_s: float = 10.0
-    # Homes in step (tree mode): a home reads its chunk at manifest position i from the
-    # origin only once every chunk before i - home_lead_chunks is stored here (-1: twice
-    # the gang's size plus 8; 0: off), waiting at most home_lead_max_pause_s. Nothing
-    # else keeps the homes together: one whose origin streams got less of its downlink
-    # (shared with every parent's flows) falls behind, and at the end the last homes
-    # pull their remaining chunks with two streams each while the origin idles -- the
-    # herd's tail. A home ahead that waits leaves the origin's link, and the laggards'
-    # downlinks, to the homes behind. Off by default: the namespace bench (N = 8, same
-    # run, load 1.5-12) went from 1.450 to 1.576 x ideal with the auto lead (169 reads
-    # held, 222 s in all): a child gets each parent's chunks in that parent's batches of
-    # 8, so the first missing chunk trails the front by more than 2 x gang + 8.
-    home_lead_chunks: int = 0
-    home_lead_max_pause_s: float = 5.0
 
 
 class HerdCounters(msgspec.Struct, kw_only=True):
@@ -184,8 +159,6 @@ class HerdCounters(msgspec.Struct, kw_only=True):
     busy_answers: int = 0             # 503s from peers (their per-chunk or request caps)
     busy_backoff_s: float = 0.0       # time spent backing off after busy rounds
     origin_bad_answers: int = 0       # origin bytes refused (did not match the chunk id)
-    origin_paced: int = 0             # origin reads held back while the uplink owed children a backlog
-    origin_paced_s: float = 0.0       # ... and how long they waited in all
 
 
 class HerdError(PeerError):
@@ -215,14 +188,9 @@ class Herd:
     """A node's herd fetcher. Long-lived (the agent keeps one) or per fetch."""
 
     def __init__(self, store: ChunkStore, *, node_id: str, token: str | None,
-                 config: HerdConfig | None = None, ssl_context: ssl.SSLContext | None = None,
-                 uplink_backlog: Callable[[], int] | None = None) -> None:
-        """``ssl_context``: mutual TLS to peers' data planes (their URLs are then https://).
-        ``uplink_backlog``: bytes this node's data plane has yet to send its askers
-        (``DataPlane.send_backlog``; settable later, as the attribute of that name): origin
-        reads wait while it is over ``HerdConfig.home_backlog_bytes``."""
+                 config: HerdConfig | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
+        """``ssl_context``: mutual TLS to peers' data planes (their URLs are then https://)."""
         self.store = store
-        self.uplink_backlog = uplink_backlog
         self.node_id = node_id
         self.config = cfg = config or HerdConfig()
         self.client = PeerClient(token=token, config=PeerClientConfig(
@@ -242,7 +210,6 @@ class Herd:
         # per chunk per node, whichever path asked for it.
         self.flight = SingleFlight(store.inflight)
         self.last_plan: tuple[NodePlan, dict[str, int]] | None = None   # the last fetch's tree plan
-        self._leads: dict[int, _Lead] = {}     # id(a running tree fetch's plan) -> its homes' step
         self._view: tuple[PeersArg, PeerView, int] | None = None        # the last peers' view
 
     async def aclose(self) -> None:
@@ -438,14 +405,8 @@ class Herd:
                 fr.add_planned(planner, todo, cindex)
             fr.close()
 
-        lead = home_lead(cfg, len(view))
-        if lead > 0:
-            self._leads[id(planner.plan)] = _Lead(self.store, list(table), lead)
-        try:
-            return await self._pools(fr, origin, [], holders, {}, {}, progress, run,
-                                     tplan=(planner.plan, cindex), alone=len(view) <= 1, background=plan_rest)
-        finally:
-            self._leads.pop(id(planner.plan), None)
+        return await self._pools(fr, origin, [], holders, {}, {}, progress, run,
+                                 tplan=(planner.plan, cindex), alone=len(view) <= 1, background=plan_rest)
 
     def _run_of(self, *, others: int, own: list[tuple[str, int]] | None = None,
                 rest: list[tuple[str, int]] | None = None) -> FetchRun:
@@ -739,9 +700,6 @@ class Herd:
         if plan.is_home(ci):
             pre += [Source(kind="peer", node_id=n, url=v.urls[v.index[n]], wait=False)
                     for n in known if v.rack_of[v.index[n]] != my_rack]
-            lead = self._leads.get(id(plan))
-            if lead is not None and not pre:
-                await self._in_step(lead, cid)
         while True:
             now = trio.current_time()
             pen = self.health.penalties(now)
@@ -845,7 +803,6 @@ class Herd:
 
     async def _try(self, src: Source, cid: str, size: int, origin: Origin) -> bytes:
         if src.kind == "origin":
-            await self._pace_origin()
             # Origin bytes are verified like a peer's (bounded by the manifest's size)
             return await self._origin_call(partial(origin.get_chunk, size=size), cid, what=f"chunk {cid}",
                                            verify=lambda data: len(data) == size
@@ -877,36 +834,6 @@ class Herd:
             raise
         self.health.ok(src.node_id, len(data))
         return data
-
-    async def _in_step(self, lead: _Lead, cid: str) -> None:
-        """Hold a home's origin read of ``cid`` while it is further ahead of the chunks
-        still missing here than the lead allows (:meth:`_Lead.ahead`), at most
-        ``home_lead_max_pause_s``; counted in ``origin_paced``."""
-        if not lead.ahead(cid):
-            return
-        cfg = self.config
-        t0 = trio.current_time()
-        self.counters.origin_paced += 1
-        with trio.move_on_after(cfg.home_lead_max_pause_s):
-            while lead.ahead(cid):
-                await trio.sleep(max(cfg.home_backlog_poll_s, 0.001))
-        self.counters.origin_paced_s += trio.current_time() - t0
-
-    async def _pace_origin(self) -> None:
-        """Hold a chunk's origin read while the uplink owes more than
-        ``home_backlog_bytes`` (:func:`origin_paused`), at most ``home_backlog_max_pause_s``:
-        a home then takes the origin no faster than its children take the chunks from it,
-        and the origin's link goes to the homes that can pass chunks on."""
-        cfg = self.config
-        backlog = self.uplink_backlog
-        if backlog is None or not origin_paused(backlog(), cfg.home_backlog_bytes):
-            return
-        t0 = trio.current_time()
-        self.counters.origin_paced += 1
-        with trio.move_on_after(cfg.home_backlog_max_pause_s):
-            while origin_paused(backlog(), cfg.home_backlog_bytes):
-                await trio.sleep(cfg.home_backlog_poll_s)
-        self.counters.origin_paced_s += trio.current_time() - t0
 
     async def _origin_call(self, fn: Callable[[str], Awaitable[bytes]], ident: str, *, what: str,
                            verify: Callable[[bytes], bool] | None = None) -> bytes:
@@ -945,7 +872,7 @@ class Herd:
                 raise type(e)(f"{what}: {e} (an answer that will not change: not retried)") from None
             await self._origin_bucket.consume(len(data))
             if verify is None or verify(data):
-                return bytes(data)
+                return data   # bytes, or a bytearray no one else holds (p2p.origins.lean): no copy
             bad += 1
             self.counters.integrity_failures += 1
             self.counters.origin_bad_answers += 1
@@ -982,37 +909,6 @@ def peer_view(peers: PeersArg, node_id: str) -> tuple[PeerView, int]:
         me = next((p for p in peers if p.node_id == node_id), None)
         view = PeerView.from_peers(list(peers), node_id, rack_label(me) if me is not None else None)
     return view, view.row_of(node_id)
-
-
-class _Lead:
-    """How far a home is ahead of the herd (one tree fetch's, one owner: the trio thread):
-    ``low`` is the manifest position of the first chunk not stored here yet (it only
-    moves forward, so the checks cost O(chunks) in all)."""
-    __slots__ = ("store", "order", "pos", "lead", "low")
-
-    def __init__(self, store: ChunkStore, order: list[str], lead: int) -> None:
-        self.store, self.order, self.lead = store, order, lead
-        self.pos = {cid: i for i, cid in enumerate(order)}
-        self.low = 0
-
-    def ahead(self, cid: str) -> bool:
-        """``cid`` lies more than ``lead`` positions past the first chunk missing here."""
-        o, has = self.order, self.store.has_chunk
-        while self.low < len(o) and has(o[self.low]):
-            self.low += 1
-        return self.pos.get(cid, 0) - self.low > self.lead
-
-
-def home_lead(cfg: HerdConfig, gang: int) -> int:
-    """``HerdConfig.home_lead_chunks`` for a gang of ``gang`` nodes (-1: 2 x gang + 8)."""
-    if cfg.home_lead_chunks < 0:
-        return 2 * gang + 8 if gang > 1 else 0
-    return cfg.home_lead_chunks
-
-
-def origin_paused(backlog: int, limit: int) -> bool:
-    """Whether an origin read waits: the uplink owes more than ``limit`` bytes (0: never)."""
-    return limit > 0 and backlog > limit
 
 
 def manifest_polls(cfg: HerdConfig) -> Iterator[float]:

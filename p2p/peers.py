@@ -30,7 +30,6 @@ import os
 import select
 import socket
 import ssl
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,8 +44,20 @@ import trio
 from scheduler_link.errors import ProtocolError
 from scheduler_link.h1 import parse_response_head
 
-from .batch import FRAME, FrameReader, Handoff, Received, TLSFrameReader, query_of, receive_frames
+from .batch import (
+    FRAME,
+    FrameReader,
+    Handoff,
+    Received,
+    Stop,
+    StopLike,
+    TLSFrameReader,
+    poll_ms,
+    query_of,
+    receive_frames,
+)
 from .batch import tls_session as _session
+from .batch import watch as _watch
 from .errors import PeerError
 from .ratelimit import AsyncBucket
 
@@ -280,12 +291,12 @@ class PeerClient:
     async def _frames_in_thread(self, conn: _Conn, rest: bytes, items: Sequence[tuple[str, int]], length: int,
                                 store: Callable[[str, memoryview], object], gap_s: float = 0.0) -> Received:
         """The frames received, verified and stored by a worker thread (its own duplicate
-        of the socket; abandoned on cancel: it stops within ``POLL_S``). Under TLS the
+        of the socket; abandoned on cancel: it stops at once, a ``Stop``). Under TLS the
         thread decrypts too, with the connection's own session (borrowed from its
         ``trio.SSLStream``, which nothing else uses meanwhile: this task holds the
         connection; a cut or cancelled batch closes it, so the session is never used
         by two threads)."""
-        stop = threading.Event()
+        stop = Stop()
         fd = os.dup(conn.sock.fileno())
         session = _session(conn.tls) if conn.tls is not None else None
         reader: FrameReader
@@ -527,9 +538,9 @@ class PeerClient:
         other chunks run on other cores: all three release the GIL).
 
         The thread works on its own duplicate of the socket's descriptor. If this task is
-        cancelled (a race lost), the thread is abandoned: it notices within ``_POLL_S``,
+        cancelled (a race lost), the thread is abandoned: it notices at once (a ``Stop``),
         stops reading and closes its duplicate; the connection is closed here as usual."""
-        stop = threading.Event()
+        stop = Stop()
         tfd = os.dup(conn.sock.fileno())
         job = partial(_receive_and_hash, tfd, body, got, length, self.config.stall_s, stop,
                       conn.sock.setsockopt, self.RCVLOWAT, hashed)
@@ -551,10 +562,9 @@ class _StaleConnection(Exception):
     pass
 
 
-_POLL_S = 0.2    # how often a receiving worker thread looks whether it was abandoned (p2p.batch.POLL_S)
 
 
-def _receive_and_hash(fd: int, body: bytearray, got: int, length: int, stall_s: float, stop: threading.Event,
+def _receive_and_hash(fd: int, body: bytearray, got: int, length: int, stall_s: float, stop: StopLike,
                       setsockopt: Callable[[int, int, int], None], lowat_max: int,
                       hashed: bool) -> tuple[str, int, str]:
     """Worker thread: receive ``body[got:length]`` from the non-blocking socket ``fd``
@@ -570,6 +580,7 @@ def _receive_and_hash(fd: int, body: bytearray, got: int, length: int, stall_s: 
         hasher.update(view[:got])
     poller = select.poll()
     poller.register(fd, select.POLLIN | select.POLLPRI)
+    watched = _watch(poller, stop)
     last = time.monotonic()
     lowat = 1
     try:
@@ -580,7 +591,7 @@ def _receive_and_hash(fd: int, body: bytearray, got: int, length: int, stall_s: 
             if want != lowat:
                 setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
                 lowat = want
-            if not poller.poll(_POLL_S * 1000):
+            if not poller.poll(poll_ms(watched, stall_s - (time.monotonic() - last))):
                 if time.monotonic() - last >= stall_s:
                     return "stall", got, ""
                 continue

@@ -145,7 +145,7 @@ async def start_nodes(nursery: trio.Nursery, root: Path, n: int, token: str, *,
                           config=plane_config or DataPlaneConfig(max_per_client=1024, max_concurrent=2048))
         url = await nursery.start(plane.run)
         nid = f"node{i}"
-        herd = Herd(store, node_id=nid, token=token, config=config, uplink_backlog=plane.send_backlog)
+        herd = Herd(store, node_id=nid, token=token, config=config)
         nodes.append(Node(nid, store, plane, url, herd, rack=f"rack{i % racks}" if racks else ""))
     return nodes
 
@@ -180,7 +180,7 @@ async def start_rack_nodes(nursery: trio.Nursery, root: Path, n: int, token: str
         url, cs = await nursery.start(_hosted, plane)
         nid = f"node{i}"
         cfg = (configs or {}).get(i, config)
-        herd = Herd(store, node_id=nid, token=token, config=cfg, uplink_backlog=plane.send_backlog)
+        herd = Herd(store, node_id=nid, token=token, config=cfg)
         nodes.append(Node(nid, store, plane, url, herd, rack=f"rack{i // rack_size}", scope=cs))
     return nodes
 

@@ -241,3 +241,44 @@ async def test_peer_client_survives_a_closed_keepalive_and_reports_errors(tmp_pa
             await client.aclose()
             await bad.aclose()
             nursery.cancel_scope.cancel()
+
+
+async def _wait_until(cond, what: str) -> None:   # what: for the reader of a timeout
+    with trio.fail_after(10):
+        while not cond():
+            await trio.sleep(0.005)
+
+
+async def test_the_data_plane_counts_what_it_owes_a_slow_reader(tmp_path: Path) -> None:
+    """A batch answer sent to a client that does not read (more than the sockets' buffers
+    hold): its chunk bytes are owed (send_backlog) while it is being sent, nothing once
+    the client has read it all."""
+    import socket
+
+    big = 4 << 20
+    store = ChunkStore(tmp_path / "warm")
+    ids = []
+    for _ in range(3):
+        cid, piece = _chunk(big)
+        store.put_chunk(cid, piece)
+        ids.append(cid)
+    plane = DataPlane(store, token=TOKEN)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(plane.run)
+            host, _, port = url.removeprefix("http://").rpartition(":")
+            assert plane.send_backlog() == 0
+            sock = trio.socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+            await sock.connect((host, int(port)))
+            await sock.send(f"GET /v1/chunks?ids={','.join(ids)} HTTP/1.1\r\nHost: x\r\n"
+                            f"Authorization: Bearer {TOKEN}\r\nConnection: close\r\n\r\n".encode())
+            await _wait_until(lambda: plane.send_backlog() == 3 * big, "owed")
+            assert plane.statistics()["send_backlog"] == 3 * big
+            got = 0
+            while data := await sock.recv(1 << 20):
+                got += len(data)
+            assert got > 3 * big
+            sock.close()
+            await _wait_until(lambda: plane.send_backlog() == 0, "paid")
+            nursery.cancel_scope.cancel()

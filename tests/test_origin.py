@@ -119,6 +119,7 @@ async def test_http_origin_reads_retries_and_is_read_only(tmp_path: Path) -> Non
             assert await o.get_chunk(chunks[0][0]) == chunks[0][1]  # after a 429 and a 503
             assert o.statistics().retries == 2
             o.http.client.timeout = httpx.Timeout(0.5)  # type: ignore[attr-defined]
+            o.http.lean.timeout = 0.5  # type: ignore[attr-defined]  # plain http:// GETs: p2p.origins.lean
             assert await o.get_chunk(chunks[1][0]) == chunks[1][1]  # after a timeout
             assert o.statistics().retries == 3
             assert await o.resolve("app:v1") == mid

@@ -20,8 +20,7 @@ def _chunk(n: int) -> tuple[str, bytes]:
 
 
 def _client_sockets(origin: object) -> list[socket.socket]:
-    pool = origin.http.client._transport._pool            # type: ignore[attr-defined]
-    return [c._connection._network_stream.get_extra_info("socket") for c in pool.connections]
+    return origin.http.lean.sockets()      # type: ignore[attr-defined]  # plain http:// GETs: p2p.origins.lean
 
 
 async def test_plain_http_origin_body_lowat_and_keepalive_reset() -> None:

@@ -676,3 +676,103 @@ async def test_hostile_waiting_batches_get_a_clear_4xx(tmp_path: Path) -> None:
                 await trio.sleep(0.01)
             assert plane.statistics()["waiting_requests"] == 0
             nursery.cancel_scope.cancel()
+
+
+def test_the_receive_buffer_pool_reuses_and_rounds() -> None:
+    from p2p.batch import BufferPool
+
+    pool = BufferPool(floor=1 << 16, keep=2)
+    a = pool.take(100_000)
+    assert len(a) == 1 << 17 and pool.allocated == 1        # rounded up to a power of two
+    pool.give(a)
+    assert pool.take(70_000) is a and pool.allocated == 1    # fits: reused, not made
+    b, c = pool.take(10), pool.take(1 << 18)
+    assert len(b) == 1 << 16 and len(c) == 1 << 18 and pool.allocated == 3
+    for buf in (a, b, c):
+        pool.give(buf)
+    # two kept, the smallest dropped
+    assert pool.take(1 << 18) is c and pool.take(1 << 17) is a and pool.allocated == 3
+
+
+def test_frames_received_into_reused_buffers_are_byte_exact() -> None:
+    """One pooled buffer serves a whole batch (a large chunk, then smaller ones, a
+    corrupt one in between, and one cut short): each stored chunk is exactly its bytes,
+    no stale byte of an earlier chunk leaks into a later one, and the cut one is not
+    stored."""
+    import p2p.batch as batch
+    from p2p.batch import BufferPool, FrameReader, receive_frames
+
+    pool = BufferPool(floor=1 << 16)
+    old, batch.BUFFERS = batch.BUFFERS, pool
+    try:
+        big, small, tiny = os.urandom(1 << 20), os.urandom(300_000), os.urandom(5000)
+        bad = bytearray(os.urandom(400_000))
+        bad_id = blake3.blake3(bytes(bad)).hexdigest()
+        bad[123] ^= 1
+        cut = os.urandom(900_000)
+        items = [(blake3.blake3(big).hexdigest(), len(big)), (blake3.blake3(small).hexdigest(), len(small)),
+                 (bad_id, len(bad)), (blake3.blake3(tiny).hexdigest(), len(tiny)),
+                 (blake3.blake3(cut).hexdigest(), len(cut))]
+        body = b"".join(frame(OK, len(d)) + bytes(d) for d in (big, small, bad, tiny))
+        body += frame(OK, len(cut)) + cut[:len(cut) // 2]
+        length = len(body) + len(cut) - len(cut) // 2
+        got: dict[str, bytes] = {}
+        r = receive_frames(FrameReader(-1, body), items, length, lambda cid, v: got.__setitem__(cid, bytes(v)))
+        assert r.outcomes == ["ok", "ok", "corrupt", "ok"] and r.kind == "closed"
+        assert got == {items[0][0]: big, items[1][0]: small, items[3][0]: tiny}
+        assert pool.allocated == 1                      # one buffer for the whole batch
+        r = receive_frames(FrameReader(-1, body), items, length, lambda cid, v: None)
+        assert r.outcomes == ["ok", "ok", "corrupt", "ok"] and pool.allocated == 1   # and the next
+    finally:
+        batch.BUFFERS = old
+
+
+def test_a_stop_wakes_a_poll_that_would_sleep_until_its_deadline() -> None:
+    """A worker thread polls its socket and its Stop together, sleeping until its
+    deadline (no look every POLL_S); setting the Stop from another thread wakes it."""
+    import select
+    import threading
+
+    from p2p.batch import POLL_S, Stop, poll_ms, watch
+
+    assert poll_ms(True, 60.0) == 60_001 and poll_ms(False, 60.0) == int(POLL_S * 1000) + 1
+    assert poll_ms(True, -1.0) == 1
+    a, b = socket.socketpair()
+    try:
+        stop = Stop()
+        poller = select.poll()
+        poller.register(a.fileno(), select.POLLIN)
+        assert watch(poller, stop) and not watch(select.poll(), threading.Event())
+        threading.Timer(0.05, stop.set).start()
+        events = poller.poll(poll_ms(True, 60.0))     # returns on the set, not after 60 s
+        assert [fd for fd, _ in events] == [stop.fileno()] and stop.is_set()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_receiver_waiting_for_its_next_frame_stops_when_told() -> None:
+    """A batch that can wait: the receiving thread is in a 60 s gap wait for a frame that
+    never comes; a Stop ends it with kind "stopped", nothing stored."""
+    import threading
+
+    from p2p.batch import FrameReader, Stop, receive_frames
+
+    a, b = socket.socketpair()
+    a.setblocking(False)
+    stop = Stop()
+    reader = FrameReader(os.dup(a.fileno()), b"", stall_s=60.0, stop=stop, gap_s=60.0)
+    stored: list[str] = []
+    out: list[object] = []
+    t = threading.Thread(target=lambda: out.append(receive_frames(reader, [("a" * 64, 10)], FRAME.size + 10,
+                                                                  lambda c, v: stored.append(c))))
+    try:
+        t.start()
+        stop.set()
+        t.join(10)
+        assert not t.is_alive()
+        (got,) = out
+        assert got.kind == "stopped" and got.outcomes == [] and not stored   # type: ignore[attr-defined]
+    finally:
+        a.close()
+        b.close()

@@ -14,10 +14,12 @@ class HttpOrigin(Origin):
     def __init__(self, url: str, *, max_concurrency: int = 32, retries: int = 5) -> None:
         super().__init__(url)
         self.base = url.rstrip("/")
-        self.http = RetryingClient(what=f"origin {url}", max_concurrency=max_concurrency, retries=retries)
+        # plain http:// GETs (chunks, manifests, refs) on raw sockets: p2p.origins.lean
+        self.http = RetryingClient(what=f"origin {url}", max_concurrency=max_concurrency, retries=retries,
+                                   lean=url.startswith("http://"))
 
     async def _get(self, key: str, limit: int) -> bytes:
-        resp = await self.http.request("GET", f"{self.base}/{key}", limit=limit)
+        resp = await self.http.get(f"{self.base}/{key}", limit=limit)
         self.retries = self.http.retried
         return get_body(resp, self.url, key)
 

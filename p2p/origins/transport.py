@@ -25,6 +25,7 @@ import httpx
 import trio
 
 from ..errors import NotFoundError, OriginError, OriginUnavailable
+from .lean import LeanHttp, LeanResponse, LeanUnavailable
 
 log = logging.getLogger("herd.p2p.origin")
 
@@ -38,9 +39,11 @@ class RetryingClient:
                  backoff_base: float = 0.2, backoff_cap: float = 8.0,
                  timeout: float = 60.0, connect_timeout: float = 10.0,
                  auth_headers: Callable[[bool], Awaitable[dict[str, str]]] | None = None,
-                 describe: Callable[[httpx.Response], str] | None = None) -> None:
+                 describe: Callable[[httpx.Response], str] | None = None, lean: bool = False) -> None:
         """``describe``: one line for a retryable answer that was still failing after the
-        last attempt (GCS names a quota or rate limit there); default ``HTTP <status>``."""
+        last attempt (GCS names a quota or rate limit there); default ``HTTP <status>``.
+        ``lean``: :meth:`get` of plain ``http://`` URLs through :class:`p2p.origins.lean.LeanHttp`
+        (raw sockets, the body received into one buffer), httpx for what it does not take."""
         self.what = what
         self.retries = max(0, retries)
         self.backoff_base = backoff_base
@@ -55,6 +58,8 @@ class RetryingClient:
         self._describe = describe
         self.retried = 0
         self.requests = 0    # HTTP requests sent (retries included)
+        self.lean = LeanHttp(max_idle=max(1, max_concurrency), timeout=timeout,
+                             connect_timeout=connect_timeout) if lean else None
 
     def backoff(self, attempt: int) -> float:
         """Full-jitter-ish backoff: a random share (50-100 %) of min(cap, base * 2**attempt)."""
@@ -66,10 +71,42 @@ class RetryingClient:
         (callers interpret 404 etc.). Raises OriginError when attempts run out, or when
         the body is over ``limit`` bytes (None: unbounded; for small control answers).
         Attempts running out on a retryable failure raise ``OriginUnavailable``."""
+        base_headers = dict(kwargs.pop("headers", None) or {})
+
+        async def once(headers: dict[str, str]) -> httpx.Response:
+            if limit is None:
+                return await self.client.request(method, url, headers=headers, **kwargs)
+            return await self._bounded(method, url, headers, limit, **kwargs)
+
+        resp = await self._retrying(method, url, base_headers, once)
+        assert isinstance(resp, httpx.Response)
+        return resp
+
+    async def get(self, url: str, *, limit: int) -> httpx.Response | LeanResponse:
+        """:meth:`request` of a GET with a body of at most ``limit`` bytes (the same
+        retries, bounds and errors), through the lean client where it takes the answer."""
+        lean = self.lean
+        if lean is None or self._auth_headers is not None or not LeanHttp.takes("GET", url):
+            return await self.request("GET", url, limit=limit)
+
+        async def once(headers: dict[str, str]) -> httpx.Response | LeanResponse:
+            try:
+                resp = await lean.get(url, limit, MAX_ERROR_BODY)
+            except OriginError as e:
+                raise OriginError(f"{self.what}: GET {_short(url)} {e}") from None
+            if resp is None:   # a redirect, a chunked or coded answer: httpx follows or decodes it
+                return await self._bounded("GET", url, headers, limit)
+            return resp
+
+        return await self._retrying("GET", url, {}, once)
+
+    async def _retrying(self, method: str, url: str, base_headers: dict[str, str],
+                        once: Callable[[dict[str, str]], Awaitable[httpx.Response | LeanResponse]],
+                        ) -> httpx.Response | LeanResponse:
+        """``once(headers)`` with this client's retries and backoff (the one loop of both)."""
         last = ""
         refreshed = False
         attempt = 0
-        base_headers = dict(kwargs.pop("headers", None) or {})
         while True:
             try:
                 async with self.limiter:
@@ -77,16 +114,15 @@ class RetryingClient:
                     if self._auth_headers is not None:
                         headers.update(await self._auth_headers(False))
                     self.requests += 1
-                    if limit is None:
-                        resp = await self.client.request(method, url, headers=headers, **kwargs)
-                    else:
-                        resp = await self._bounded(method, url, headers, limit, **kwargs)
+                    resp = await once(headers)
             except httpx.TimeoutException as e:
                 last = f"timed out ({type(e).__name__})"
             except (httpx.UnsupportedProtocol, httpx.InvalidURL) as e:
                 raise OriginError(f"{self.what}: bad URL {_short(url)}: {e}") from None
             except httpx.TransportError as e:
                 last = f"unreachable ({type(e).__name__}: {e})"
+            except LeanUnavailable as e:
+                last = str(e)
             else:
                 if resp.status_code == 401 and self._auth_headers is not None and not refreshed:
                     refreshed = True
@@ -94,7 +130,8 @@ class RetryingClient:
                     continue
                 if resp.status_code not in RETRY_STATUSES:
                     return resp
-                last = self._describe(resp) if self._describe is not None else f"HTTP {resp.status_code}"
+                last = (self._describe(resp) if self._describe is not None and isinstance(resp, httpx.Response)
+                        else f"HTTP {resp.status_code}")
             if attempt >= self.retries:
                 raise OriginUnavailable(f"{self.what}: {method} {_short(url)} failed after {attempt + 1} "
                                         f"attempt{'s' if attempt else ''}: {last}")
@@ -134,6 +171,8 @@ class RetryingClient:
         return httpx.Response(resp.status_code, headers=kept, content=bytes(buf), request=req)
 
     async def aclose(self) -> None:
+        if self.lean is not None:
+            self.lean.close()
         await self.client.aclose()
 
 
@@ -184,12 +223,12 @@ def _short(url: str) -> str:
     return url.split("?", 1)[0][:160]
 
 
-def describe_status(resp: httpx.Response) -> str:
+def describe_status(resp: httpx.Response | LeanResponse) -> str:
     text = resp.text[:200].replace("\n", " ") if resp.content else ""
     return f"HTTP {resp.status_code}{': ' + text if text else ''}"
 
 
-def get_body(resp: httpx.Response, origin_url: str, key: str) -> bytes:
+def get_body(resp: httpx.Response | LeanResponse, origin_url: str, key: str) -> bytes:
     """The body of a GET of ``key``: NotFoundError on 404, OriginError on any other non-200."""
     if resp.status_code == 404:
         raise NotFoundError(f"{key} not found at origin {origin_url}")
