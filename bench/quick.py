@@ -32,6 +32,7 @@ QUICK: dict[str, list[str]] = {
     "bench.artifacts": ["--size-mb", "16", "--repeat", "1"],
     "bench.node": ["--mib", "32", "--repeat", "1"],
     "bench.publish": ["--size-mb", "16", "--repeat", "1"],
+    "bench.origin_read": ["--mib", "16", "--repeat", "1"],
     "bench.gpus": ["--polls", "30", "--seconds", "1"],
     "bench.agent": ["--quick"],
     "bench.placer": ["--gpus", "4096", "--reps", "3", "--naive-jobs", "10"],
