@@ -10,9 +10,10 @@ present), and the scan releases its own hold after the last chunk. A window whos
 are all released goes back to the pool and is reused (reusing spares the page faults of
 fresh memory, which cost more than the read itself). Windows for small files are reused
 too: a request is rounded up to a size class (a power of two, at least ``MIN_CLASS``) and
-served from that class's free list. (A fresh buffer is zeroed and faulted in under the
-GIL: with only full windows reused, the ~200 MiB of small files in the 1 GB bench tree
-had the scan thread holding the GIL ~0.4 s of a ~2.3 s publish allocating them.)
+served from that class's free list. A fresh buffer is an anonymous map, whose pages are
+faulted in by the first read into it (off the GIL), not zeroed by Python holding it.
+(With ``bytearray`` buffers, and only full windows reused, py-spy had the scan thread
+holding the GIL ~0.4 s of a ~2.3 s publish of the 1 GB bench tree allocating them.)
 
 Invariants: the bytes a pool holds never exceed ``budget_bytes`` (one window more when a
 single window is larger: progress is always possible), counting the free buffers it keeps
@@ -25,6 +26,7 @@ the pool is closed (the consumer stopped: the scan must stop too).
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Callable
 
@@ -40,6 +42,9 @@ MIN_CLASS = 64 << 10
 """The smallest window kept for reuse: smaller requests are rounded up to it."""
 
 
+_EMPTY = mmap.mmap(-1, 1, access=mmap.ACCESS_READ)   # what a released window holds
+
+
 class WindowPoolClosed(ManifestError):
     """The pool was closed (its consumer gave up) while the scan waited for a window."""
 
@@ -49,7 +54,7 @@ class Window:
 
     __slots__ = ("_pool", "buf", "size", "_holds")
 
-    def __init__(self, pool: WindowPool, buf: bytearray, size: int) -> None:
+    def __init__(self, pool: WindowPool, buf: mmap.mmap, size: int) -> None:
         self._pool = pool
         self.buf = buf
         self.size = size            # bytes charged to the pool's budget (len(buf), its size class)
@@ -81,7 +86,7 @@ class WindowPool:
         self._wait_s = wait_s
         self._cond = threading.Condition()
         self._used = 0
-        self._free: dict[int, list[bytearray]] = {}   # size class -> buffers to reuse
+        self._free: dict[int, list[mmap.mmap]] = {}   # size class -> buffers to reuse
         self._free_bytes = 0
         self._closed = False
         self.waits = 0              # times acquire had to wait (statistics, tests)
@@ -124,7 +129,7 @@ class WindowPool:
                     bufs.pop()
                     self._free_bytes -= cls
         if buf is None:
-            buf = bytearray(size)
+            buf = mmap.mmap(-1, size)
         return Window(self, buf, size)
 
     def size_class(self, n: int) -> int:
@@ -144,7 +149,7 @@ class WindowPool:
             if not self._closed and self._free_bytes + w.size <= self.budget_bytes:
                 self._free.setdefault(w.size, []).append(w.buf)
                 self._free_bytes += w.size
-            w.buf = bytearray()
+            w.buf = _EMPTY   # (a map dropped here is unmapped once no view of it is left)
             self._cond.notify_all()
 
     def close(self) -> None:
