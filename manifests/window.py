@@ -129,7 +129,7 @@ class WindowPool:
                     bufs.pop()
                     self._free_bytes -= cls
         if buf is None:
-            buf = mmap.mmap(-1, size)
+            buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE)   # (a shared map is shmem: dearer faults)
         return Window(self, buf, size)
 
     def size_class(self, n: int) -> int:
