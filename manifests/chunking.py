@@ -225,7 +225,8 @@ def chunk_windows(fd: int, size: int, params: ChunkerParams, pool: WindowPool,
     ``c``), as soon as the window is chunked. The generator holds one hold on the window
     until it is resumed; a caller handing chunks on takes a hold per chunk first
     (:meth:`Window.hold`). Cut points equal :func:`chunk_fd`'s (a window restarts at the
-    last chunk the window before may have cut short, whose bytes are carried over).
+    last chunk the window before may have cut short, whose bytes are read again: each
+    chunk is hashed from the one read it was cut in).
 
     ``hasher``: an executor (one thread) that hashes a window's chunks while this thread
     reads and cuts the next one (the cut holds the GIL, BLAKE3 does not); windows are then
@@ -242,7 +243,6 @@ def chunk_windows(fd: int, size: int, params: ChunkerParams, pool: WindowPool,
     if step < 4 * params.max_size:
         raise ValueError(f"windows of {step} bytes are too small for max_size {params.max_size}")
     pos = 0
-    carry = b""
     ends: deque[int] = deque()
     prev: tuple[Window, memoryview, Future[list[ChunkRef]]] | None = None
     try:
@@ -251,9 +251,10 @@ def chunk_windows(fd: int, size: int, params: ChunkerParams, pool: WindowPool,
             win = pool.acquire(n)
             try:
                 view = memoryview(win.buf)[:n]
-                filled = len(carry)
-                view[:filled] = carry
-                carry = b""
+                # the whole window from the file, the bytes of the chunk the window before
+                # cut short included: read again (into a reused buffer, off the GIL), not
+                # copied over (a fresh bytes object and a copy, both holding the GIL)
+                filled = 0
                 while filled < n:
                     got = os.preadv(fd, [view[filled:]], pos + filled)
                     if got <= 0:
@@ -266,8 +267,6 @@ def chunk_windows(fd: int, size: int, params: ChunkerParams, pool: WindowPool,
                     cut, nxt = _take_cuts(cuts, ends, pos, n, final, size, params, name)
                 if nxt <= pos:  # cannot happen with windows > max_size; guards an endless loop
                     raise ManifestError("chunker made no progress")
-                if not final:
-                    carry = bytes(view[nxt - pos:])
             except BaseException:
                 win.release()
                 raise

@@ -218,6 +218,7 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
             return bool(batch)
 
         closed = False
+        first = True
         while not closed:
             # gather CHECK_BATCH ids (or CHECK_BYTES of them, or CHECK_WAIT_S' worth, or
             # until the scan runs out of windows) per existence check: a backend that
@@ -231,7 +232,10 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
                     break
                 if not pending:
                     continue
-            with trio.move_on_after(CHECK_WAIT_S):
+            # ... except the first: nothing is being uploaded yet, so waiting only delays
+            # the first upload (it started ~0.28 s into a ~2.3 s publish of the 1 GB bench
+            # tree, small files first, ~0.12 s asking at once)
+            with trio.move_on_after(0 if first else CHECK_WAIT_S):
                 while len(pending) < CHECK_BATCH and pending_bytes < CHECK_BYTES:
                     try:
                         if not take(await batches_out.receive()):
@@ -239,6 +243,7 @@ async def publish(root: str | os.PathLike[str], origin: Origin, name: str,
                     except trio.EndOfChannel:
                         closed = True
                         break
+            first = False
             ask, pending, pending_bytes = pending, [], 0
             unknown.extend(c.id for c in ask)
             try:

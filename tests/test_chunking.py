@@ -190,6 +190,37 @@ def test_read_windows_cut_where_one_pass_does_and_hold_the_hashed_bytes(tmp_path
     assert pool.used_bytes == 0
 
 
+def test_window_pool_reuses_small_windows_by_size_class_within_its_budget() -> None:
+    """A small request is rounded up to a power-of-two class (at least MIN_CLASS), charged
+    that, and a released window is handed out again for the same class (not allocated
+    afresh); the free buffers count against the budget: a fresh window of another class
+    drops them rather than let the pool's memory grow past it."""
+    from manifests.window import MIN_CLASS, WindowPool
+
+    pool = WindowPool(window_bytes=16 << 20, budget_bytes=8 << 20)
+    assert pool.size_class(1) == MIN_CLASS
+    assert pool.size_class((1 << 20) + 1) == 2 << 20
+    assert pool.size_class(4 << 20) == 4 << 20
+    assert pool.size_class((4 << 20) + 1) == 16 << 20   # over a quarter window: a whole one
+    a = pool.acquire(700 << 10)
+    assert a.size == 1 << 20 and len(a.buf) == 1 << 20 and pool.used_bytes == 1 << 20
+    buf = a.buf
+    a.release()
+    assert pool.used_bytes == 0
+    b = pool.acquire(1 << 20)
+    assert b.buf is buf                      # the same buffer, reused
+    b.release()
+    big = [pool.acquire(4 << 20), pool.acquire(3 << 20)]   # 8 MiB in use: the 1 MiB free one is dropped
+    assert sum(w.size for w in big) == 8 << 20
+    assert pool._free_bytes == 0
+    for w in big:
+        w.release()
+    assert pool.used_bytes == 0 and pool._free_bytes == 8 << 20
+    c = pool.acquire(1 << 20)                # no 1 MiB buffer free: a fresh one, after dropping a 4 MiB one
+    assert c.buf is not buf and pool.used_bytes + pool._free_bytes <= 8 << 20
+    c.release()
+
+
 def test_window_pool_blocks_until_released_and_close_frees_a_waiter() -> None:
     """acquire waits while the budget is spent (calling on_wait once), returns once a
     window is released, and raises WindowPoolClosed when the pool is closed meanwhile."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -243,7 +244,8 @@ async def test_an_origin_failing_mid_upload_stops_the_scan_too(tmp_path: Path) -
     assert not (root / "refs").exists() or not os.listdir(root / "refs")
 
 
-async def test_a_file_rewritten_after_its_scan_publishes_the_scanned_bytes(tmp_path: Path) -> None:
+async def test_a_file_rewritten_after_its_scan_publishes_the_scanned_bytes(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """Uploads come from the scan's read windows (the bytes that were hashed), not from a
     second read of the file: a file rewritten between its scan and the upload of its
     chunks cannot put bytes at the origin that do not match their id. Every chunk file
@@ -255,13 +257,30 @@ async def test_a_file_rewritten_after_its_scan_publishes_the_scanned_bytes(tmp_p
     before = {p.name: p.read_bytes() for p in src.iterdir()}
     root = tmp_path / "origin"
 
+    import threading
+
+    import p2p.publish as publish_mod
+
+    scanned = threading.Event()
+    real_scan = publish_mod.scan_tree
+
+    def scan_tree(*args: Any, **kwargs: Any) -> Any:   # the scan, then say it is done
+        try:
+            return real_scan(*args, **kwargs)
+        finally:
+            scanned.set()
+
+    monkeypatch.setattr(publish_mod, "scan_tree", scan_tree)
+
     class Rewriting(FileOrigin):
-        """Before the first chunk write, every file of the tree is rewritten (same size)."""
+        """Before the first chunk write, once the scan is over (uploads may start while it
+        runs; the tree fits its window budget), every file is rewritten (same size)."""
         done = False
 
         async def _put(self, key: str, data: bytes | memoryview) -> None:
             if not self.done:
                 self.done = True
+                await trio.to_thread.run_sync(scanned.wait)
                 for p in src.iterdir():
                     p.write_bytes(b"\0" * p.stat().st_size)
             await super()._put(key, data)
