@@ -335,7 +335,8 @@ def publish_artifact(src_dir: Path, origin_dir: Path, size_mb: float) -> tuple[s
 
 def run(nodes: int, size_mb: float, rate: str, modes: list[str],
         tuning: dict[str, int] | None = None, burst: str = "64kb", latency: str = "400ms",
-        mtu: int = 1500, baseline: Path | None = None, bridge_nf: bool = False) -> dict[str, Any]:
+        mtu: int = 1500, baseline: Path | None = None, bridge_nf: bool = False,
+        sysctls: dict[str, str] | None = None) -> dict[str, Any]:
     from bench.netns import NetLab, check, rate_bits
 
     check()
@@ -346,8 +347,8 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
         shutil.rmtree(work / "src")
         ideal = size * 8 / rate_bits(rate)
         out: dict[str, Any] = {"nodes": nodes, "size_mb": size_mb, "rate": rate, "ideal_s": round(ideal, 3),
-                               "bytes": size, "mtu": mtu, "bridge_nf": bridge_nf}
-        with NetLab(rate=rate, burst=burst, latency=latency, mtu=mtu, bridge_nf=bridge_nf) as lab:
+                               "bytes": size, "mtu": mtu, "bridge_nf": bridge_nf, "sysctls": dict(sysctls or {})}
+        with NetLab(rate=rate, burst=burst, latency=latency, mtu=mtu, bridge_nf=bridge_nf, sysctls=sysctls or {}) as lab:
             origin_host = lab.add_host(octet=2)
             hosts = [lab.add_host(octet=10 + i) for i in range(nodes)]
             origin_proc = subprocess.Popen(
@@ -406,6 +407,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mtu", type=int, default=1500, help="MTU of every host link (9000: jumbo frames)")
     p.add_argument("--bridge-nf", action="store_true",
                    help="run bridged frames through iptables in the hub (br_netfilter; off by default, see bench.netns)")
+    p.add_argument("--sysctl", action="append", default=[], metavar="KEY=VALUE",
+                   help="set in every host namespace (repeatable), e.g. net.ipv4.tcp_slow_start_after_idle=0")
     p.add_argument("--baseline-root", type=Path, default=None,
                    help="mode 'baseline': the herd mode run from this checkout's code (e.g. the main branch)")
     p.add_argument("--json", action="store_true")
@@ -419,12 +422,15 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--modes: origin, herd, flat, perchunk and/or baseline")
     if "baseline" in modes and (a.baseline_root is None or not (a.baseline_root / "bench" / "herd.py").is_file()):
         p.error("--modes baseline needs --baseline-root DIR holding bench/herd.py")
+    sysctls = dict(kv.split("=", 1) for kv in a.sysctl if "=" in kv)
+    if len(sysctls) != len(a.sysctl):
+        p.error("--sysctl takes KEY=VALUE")
     from bench.netns import NetnsUnavailable
 
     try:
         out = run(a.nodes, a.size_mb, a.rate, modes, {"workers": a.workers, "home": a.home_concurrency, "tree": not a.flat},
                   burst=a.tbf_burst, latency=a.tbf_latency, mtu=a.mtu, baseline=a.baseline_root,
-                  bridge_nf=a.bridge_nf)
+                  bridge_nf=a.bridge_nf, sysctls=sysctls)
     except NetnsUnavailable as e:
         msg = f"bench.herd skipped: {e}"
         if a.json:

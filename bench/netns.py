@@ -94,6 +94,9 @@ class NetLab:
     # run its peers' frames through netfilter a second time, and here that work (~8 % of
     # the namespace bench's CPU at 16 nodes, perf) is charged to the node processes.
     bridge_nf: bool = False
+    # sysctls set in every host namespace (each starts from the kernel's defaults), e.g.
+    # {"net.ipv4.tcp_slow_start_after_idle": "0"}: the TCP tuning a fleet's hosts would carry
+    sysctls: dict[str, str] = field(default_factory=dict)
     hosts: list[Host] = field(default_factory=list)
     _namespaces: list[str] = field(default_factory=list)
     _old_handlers: dict[int, Any] = field(default_factory=dict)
@@ -147,6 +150,8 @@ class NetLab:
         _run(["ip", "-n", name, "addr", "add", f"{ip}/24", "dev", "eth0"])
         _run(["ip", "-n", name, "link", "set", "eth0", "mtu", str(self.mtu), "up"])
         _run(["ip", "-n", name, "link", "set", "lo", "up"])
+        for key, value in self.sysctls.items():
+            _run(["ip", "netns", "exec", name, "sysctl", "-q", "-w", f"{key}={value}"])
         tbf = ["tbf", "rate", self.rate, "burst", self.burst, "latency", self.latency]
         _run(["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "eth0", "root", *tbf])
         _run(["ip", "netns", "exec", self.hub, "tc", "qdisc", "add", "dev", hub_end, "root", *tbf])
