@@ -166,13 +166,17 @@ async def test_a_2000_node_gang_spanning_emulated_and_real_agents(tmp_path):
                 extra=["--refuse-spec", _node_name(EMULATED + 1)]))
             await spec_bad.go()
             up, _ = await wait_nodes_up(c, placer.url, n_nodes + 1, limit_s=60)
+            # (step 2's refusing node may have gone lost before a full report of its cleared the
+            # mark on its one GPU: what must hold here is that the refused spec adds none)
+            marked_before = (await c.get(f"{placer.url}/v1/cluster")).json()["model"]["unhealthy_gpus"]
+            assert marked_before <= 1
             spec3 = {**spec, "job_id": "g3", "pods": n_nodes + 1}  # every node that is up
             assert (await c.post(f"{placer.url}/v1/jobs", json=spec3, headers=op)).status_code == 201
             job = await _job(c, placer.url, "g3", "failed", limit_s=180)
             cl = (await c.get(f"{placer.url}/v1/cluster")).json()
             assert job["state"] == "failed" and "placement refused" in (job["reason"] or ""), (job, cl)
             cl = (await c.get(f"{placer.url}/v1/cluster")).json()
-            assert cl["model"]["unhealthy_gpus"] == 0  # a refused spec says nothing about any GPU
+            assert cl["model"]["unhealthy_gpus"] == marked_before  # a refused spec says nothing about any GPU
             node = await _node(c, placer.url, _node_name(EMULATED + 1))
             assert node["unhealthy_gpus"] == []
 
