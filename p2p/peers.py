@@ -644,9 +644,10 @@ def _retry_after_s(head: bytes) -> float:
 
 def _parse_head(head: bytes, where: str) -> tuple[int, int | None, bool]:
     try:
-        return parse_response_head(head)
+        h = parse_response_head(head)
     except ProtocolError as e:
         raise PeerError(f"{where}: {e}") from None
+    return h.status, h.length, h.keep_alive
 
 
 class PeerStats(msgspec.Struct, kw_only=True):

@@ -99,7 +99,7 @@ class _Conn:
         head = bytes(self.buf[:end])
         del self.buf[:end + 4]
         try:
-            status, length, keep = parse_response_head(head)
+            status, length, keep = parse_response_head(head)[:3]
         except ProtocolError as e:
             raise PushError(str(e)) from None
         if not keep:

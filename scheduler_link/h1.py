@@ -1,8 +1,10 @@
-"""HTTP/1.1 response heads, parsed in one place for our two lean clients: the placer's
-push pool (:mod:`scheduler_link.fanout`) and the herd's peer client (:mod:`p2p.peers`).
+"""HTTP/1.1 response heads, parsed in one place for our lean clients: the placer's push
+pool (:mod:`scheduler_link.fanout`), the herd's peer client (:mod:`p2p.peers`) and its
+plain-http origin client (:mod:`p2p.origins.lean`).
 
 Strict and small on purpose: a status line, headers, a ``content-length`` body; a chunked
-answer is a protocol error (neither of our servers sends one). Pure: bytes in, a
+answer is a protocol error (neither of our servers sends one) unless the caller takes
+``chunked_ok`` (the origin client hands such an answer to httpx). Pure: bytes in, a
 :class:`ResponseHead` out, or :class:`~scheduler_link.errors.ProtocolError` naming what is
 wrong; the callers add where it came from and map it to their own error.
 """
@@ -20,9 +22,11 @@ class ResponseHead(NamedTuple):
     status: int
     length: int | None      # content-length; None when absent
     keep_alive: bool        # the connection may carry the next request
+    chunked: bool = False   # a transfer-encoding was named (only with chunked_ok)
+    coding: bytes = b""     # the content-encoding named, lowercased (b"": none)
 
 
-def parse_response_head(head: bytes) -> ResponseHead:
+def parse_response_head(head: bytes, *, chunked_ok: bool = False) -> ResponseHead:
     """Parse ``head`` (everything before the blank line)."""
     lines = head.split(b"\r\n")
     parts = lines[0].split(b" ", 2)
@@ -31,6 +35,8 @@ def parse_response_head(head: bytes) -> ResponseHead:
     status = int(parts[1])
     length: int | None = None
     keep = parts[0] == b"HTTP/1.1"
+    chunked = False
+    coding = b""
     for line in lines[1:]:
         name, sep, value = line.partition(b":")
         if not sep:
@@ -44,5 +50,9 @@ def parse_response_head(head: bytes) -> ResponseHead:
         elif name == b"connection":
             keep = value.lower() == b"keep-alive" or (keep and value.lower() != b"close")
         elif name == b"transfer-encoding":
-            raise ProtocolError("chunked (transfer-encoding) answers are not supported")
-    return ResponseHead(status, length, keep)
+            if not chunked_ok:
+                raise ProtocolError("chunked (transfer-encoding) answers are not supported")
+            chunked = True
+        elif name == b"content-encoding":
+            coding = value.lower()
+    return ResponseHead(status, length, keep, chunked, coding)

@@ -175,12 +175,10 @@ class LeanHttp:
         head, rest = bytes(buf[:end]), buf[end + 4:]
         conn.buf = bytearray()
         try:
-            h = parse_response_head(head)
+            h = parse_response_head(head, chunked_ok=True)
         except ProtocolError as e:
-            if "chunked" in str(e):
-                return None, False
             raise LeanUnavailable(f"unreachable (RemoteProtocolError: {e})") from None
-        if h.status in REDIRECTS or h.length is None or _coded(head):
+        if h.status in REDIRECTS or h.length is None or h.chunked or h.coding not in (b"", b"identity"):
             return None, False
         cap = limit if h.status == 200 else cap_error
         if h.length > cap:
@@ -230,12 +228,3 @@ class LeanHttp:
 class _Stale(Exception):
     pass
 
-
-def _coded(head: bytes) -> bool:
-    """A content coding other than identity is named in the head."""
-    low = head.lower()
-    i = low.find(b"\r\ncontent-encoding:")
-    if i < 0:
-        return False
-    value = low[i + len(b"\r\ncontent-encoding:"):].split(b"\r\n", 1)[0].strip()
-    return value not in (b"", b"identity")
