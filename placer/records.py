@@ -32,7 +32,9 @@ from scheduler_link.messages import (
     TopologyPath,
     Victim,
     inventory_hash,
+    start_placement_id,
 )
+from scheduler_link.messages import workload_id as workload_id  # re-exported (the contract's naming)
 
 from .errors import JobError as JobError  # re-exported (defined in errors.py)
 
@@ -41,10 +43,6 @@ _EMPTY: list[str] = []                  # (encoded only, never mutated)
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 TERMINAL_JOB_STATES = frozenset({"succeeded", "failed", "cancelled", "preempted"})
 STALE_PRIORITY = 1 << 30
-
-
-def workload_id(job_id: str, attempt: int, rank: int) -> str:
-    return f"{job_id}.{attempt}.{rank}"
 
 
 def parse_workload_id(wid: str) -> tuple[str, int, int] | None:
@@ -135,7 +133,7 @@ class GangStart:
         self.spec = spec
         self.job_id = spec.job_id
         self.attempt = attempt
-        self.prefix = f"start:{spec.job_id}:{attempt}:"
+        self.prefix = start_placement_id(spec.job_id, attempt, "")
         self.blob_id = blob_id
         self.peers_of = peers_of
         self.contacts = contacts
@@ -146,10 +144,11 @@ class GangStart:
         self.env = dict(spec.env)
 
     def part(self, placement_id: str, node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> NodePart:
-        # blob_id left empty: the bundle's (scheduler_link.messages.NodePart)
-        return NodePart(placement_id=placement_id, node_id=node.node_id, job_id=self.job_id, attempt=self.attempt,
-                        pods=[PartPod(workload_id=p.workload_id, rank=p.rank, gpu_indices=list(p.slots))
-                              for p in pods],
+        # blob_id, the placement id and the workload ids left empty: the bundle's blob, and
+        # derived from the job, attempt, node and ranks (scheduler_link.messages.expand_part)
+        return NodePart(placement_id="" if pods else placement_id, node_id=node.node_id, job_id=self.job_id,
+                        attempt=self.attempt,
+                        pods=[PartPod(workload_id="", rank=p.rank, gpu_indices=list(p.slots)) for p in pods],
                         victims=victims, issued_at=self.now, expires_at=self.expires, inventory=node.inventory,
                         gang_nodes=self.n_gang, contacts=self.contacts)
 
@@ -160,8 +159,8 @@ class GangStart:
         structs (the PartPods, the NodePart, then encoding them), ~a fifth of the placer's
         CPU in building the round's bundles (tests/test_relay_parts.py checks the bytes)."""
         return _part_enc.encode([
-            placement_id, node.node_id, self.job_id, self.attempt, "", WIRE_VERSION,
-            [[p.workload_id, p.rank, p.slots, _EMPTY] for p in pods],
+            "" if pods else placement_id, node.node_id, self.job_id, self.attempt, "", WIRE_VERSION,
+            [["", p.rank, p.slots, _EMPTY] for p in pods],
             victims, self.now, self.expires, node.inventory, self.n_gang, _EMPTY, self.contacts, b"", None])
 
     def placement(self, placement_id: str, node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> Placement:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import zlib
 from typing import Literal
 
 import msgspec
@@ -489,8 +490,10 @@ class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
 # control plane II implements the relays on them, the data plane reads the peer table.
 #
 # - A gang's shared part is a GangBlob, encoded once in canonical msgpack (struct fields
-#   in declaration order, map keys sorted: ``encode_gang_blob``). Its id is the BLAKE3 of
-#   those bytes (hex), so any holder can serve it and any receiver verifies it like a chunk.
+#   in declaration order, map keys sorted: ``encode_gang_blob``), zlib-compressed behind a
+#   marker when that is larger than 4 KiB (a 50,000-peer table: ~3 MB -> ~0.3 MB). Its id is
+#   the BLAKE3 of the bytes as carried (hex), so any holder can serve it and any receiver
+#   verifies it like a chunk; a receiver also checks the decompressed bytes are canonical.
 # - Its peer table is columnar and in topology order (zone, block, rack, node): rack r's
 #   members are the contiguous rows ``rack_start[r] : rack_start[r+1]``; one row per node of
 #   the gang. Column storage keeps a 25,000-node table a few hundred kB and cheap to decode.
@@ -548,7 +551,9 @@ class GangBlob(msgspec.Struct, frozen=True, kw_only=True):
 
 class PartPod(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
     """One pod of a NodePart: its rank and GPU slots (UUIDs only where a part has no
-    ``inventory``). Positional on the wire: a 25,000-node gang's parts are 25,000 of these."""
+    ``inventory``). Positional on the wire: a 25,000-node gang's parts are 25,000 of these.
+    ``workload_id`` empty in a bundle: it is :func:`workload_id` of the part's job, attempt
+    and this rank (:func:`expand_part` fills it in once the part's signature is checked)."""
     workload_id: str
     rank: int
     gpu_indices: list[int] = []              # slots: positions in the node's inventory, index order
@@ -566,6 +571,10 @@ class NodePart(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_
     GPU the placer did not see. Slots keep a 25,000-node gang's parts under 6 MB where
     UUIDs would take ~15 MB. A part with no pods only stops its victims. Inside a RackBundle a
     part's ``blob_id`` is left empty: it is the bundle's (the relay fills it in for its members).
+    A start part (one with pods) may leave ``placement_id`` and its pods' ``workload_id`` empty
+    too: they are :func:`start_placement_id` and :func:`workload_id` of its job, attempt, node
+    and ranks, fixed by the fields the signature covers (:func:`expand_part`, applied by the
+    verifier; ~50 bytes a part, ~2.5 MB of a 50,000-node gang's bundles).
     Positional on the wire (``array_like``): fields are only ever added at the end, with defaults.
     """
     placement_id: str
@@ -599,6 +608,32 @@ class PartProof(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     digests: list[bytes]
     sig: bytes
     raw: bytes = b""                         # this part's bytes exactly as the bundle carried them
+
+
+def workload_id(job_id: str, attempt: int, rank: int) -> str:
+    """The id of rank ``rank``'s pod of a job's attempt (the placer's naming, parsed back by
+    ``placer.records.parse_workload_id``)."""
+    return f"{job_id}.{attempt}.{rank}"
+
+
+def start_placement_id(job_id: str, attempt: int, node_id: str) -> str:
+    """The placement id of a node's start push of a job's attempt."""
+    return f"start:{job_id}:{attempt}:{node_id}"
+
+
+def expand_part(part: NodePart) -> NodePart:
+    """``part`` with the ids a bundle leaves out filled in (a start part's ``placement_id``,
+    its pods' ``workload_id``), as a receiver acts on it. Call after checking the signature
+    over the part's bytes as carried. A part with no pods must name its placement
+    (``msgspec.ValidationError``: nothing in it may be acted on)."""
+    if part.placement_id and all(p.workload_id for p in part.pods):
+        return part
+    if not part.pods:
+        raise msgspec.ValidationError("a part without pods must name its placement")
+    pods = [p if p.workload_id else msgspec.structs.replace(p, workload_id=workload_id(part.job_id, part.attempt, p.rank))
+            for p in part.pods]
+    return msgspec.structs.replace(part, placement_id=part.placement_id or start_placement_id(
+        part.job_id, part.attempt, part.node_id), pods=pods)
 
 
 def inventory_hash(uuids: list[str]) -> str:
@@ -715,25 +750,49 @@ _blob_encoder = msgspec.msgpack.Encoder(order="deterministic")
 _blob_decoder = msgspec.msgpack.Decoder(GangBlob)
 
 
+BLOB_ZLIB_MAGIC = b"\x00herd-blob-zlib\x00"  # (a canonical msgpack GangBlob, a map, never starts with 0x00)
+BLOB_COMPRESS_MIN = 4096                    # smaller blobs travel as plain canonical msgpack
+MAX_BLOB_BYTES = 256 << 20                  # a decompressed blob's bound (a 1M-GPU gang's is ~25 MB)
+
+
 def encode_gang_blob(blob: GangBlob) -> tuple[str, bytes]:
-    """(id, canonical bytes): the id is the BLAKE3 hex of exactly these bytes."""
+    """(id, bytes): the canonical msgpack, zlib-compressed (level 1: ~3 ms a MB here, once per
+    gang; ~8x on a peer table's regular names and addresses) behind ``BLOB_ZLIB_MAGIC`` when
+    it is at least ``BLOB_COMPRESS_MIN`` bytes. The id is the BLAKE3 hex of exactly these bytes."""
     import blake3
 
     raw = _blob_encoder.encode(blob)
+    if len(raw) >= BLOB_COMPRESS_MIN:
+        raw = BLOB_ZLIB_MAGIC + zlib.compress(raw, 1)
     return blake3.blake3(raw).hexdigest(), raw
 
 
 def decode_gang_blob(raw: bytes, blob_id: str | None = None) -> GangBlob:
-    """Decode a gang blob; with ``blob_id``, refuse bytes that do not hash to it and bytes
-    that are not canonical (re-encoding must give them back exactly)."""
+    """Decode a gang blob; with ``blob_id``, refuse bytes that do not hash to it and blobs
+    that are not canonical (re-encoding the msgpack, decompressed first where it is
+    compressed, must give it back exactly). A compressed blob that inflates past
+    ``MAX_BLOB_BYTES`` or has bytes after its zlib stream is refused before it is decoded."""
     import blake3
 
     if blob_id is not None and blake3.blake3(raw).hexdigest() != blob_id:
         raise ValueError(f"gang blob does not match its id {blob_id[:16]}")
-    blob = _blob_decoder.decode(raw)
+    body = raw
+    if raw[:1] == b"\x00":
+        if not raw.startswith(BLOB_ZLIB_MAGIC):
+            raise ValueError("gang blob has an unknown encoding marker")
+        z = zlib.decompressobj()
+        try:
+            body = z.decompress(memoryview(raw)[len(BLOB_ZLIB_MAGIC):], MAX_BLOB_BYTES)
+        except zlib.error as e:
+            raise ValueError(f"gang blob does not decompress: {e}") from None
+        if z.unconsumed_tail:
+            raise ValueError(f"gang blob inflates past {MAX_BLOB_BYTES} bytes")
+        if not z.eof or z.unused_data:
+            raise ValueError("gang blob's zlib stream is truncated or has trailing bytes")
+    blob = _blob_decoder.decode(body)
     if blob.version != GANG_BLOB_VERSION:
         raise ValueError(f"unsupported gang blob version {blob.version}")
-    if _blob_encoder.encode(blob) != raw:
+    if _blob_encoder.encode(blob) != body:
         raise ValueError("gang blob is not in canonical form")
     return blob
 

@@ -49,7 +49,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from .errors import AuthError as AuthError  # (defined with the package's other errors)
-from .messages import NodeOutcome, NodePart, NodeReport, PartProof, RackBundle, Victim
+from .messages import NodeOutcome, NodePart, NodeReport, PartProof, RackBundle, Victim, expand_part
 
 log = logging.getLogger("herd.link.msgauth")
 
@@ -227,7 +227,7 @@ class BundleVerifier:
         raws = [bytes(r) for r in view.parts]
         digests = [digest(r) for r in raws]
         self._check(header_bytes(view.rack, view.blob_id, view.deliver_by, digests), view.sig)
-        parts = [_part_dec.decode(r) for r in raws]
+        parts = [expand_part(_part_dec.decode(r)) for r in raws]
         proofs = [PartProof(rack=view.rack, blob_id=view.blob_id, deliver_by=view.deliver_by, digests=digests,
                             sig=view.sig, raw=r) for r in raws]
         return view, parts, proofs
@@ -250,7 +250,7 @@ class BundleVerifier:
                 seen[pr.sig] = True
                 while len(seen) > 64:
                     seen.pop(next(iter(seen)))
-        signed = _part_dec.decode(pr.raw)
+        signed = expand_part(_part_dec.decode(pr.raw))
         if signed.blob_id and signed.blob_id != pr.blob_id:
             self.refused += 1
             raise AuthError("the part names another gang blob than its signed bundle")

@@ -101,6 +101,7 @@ from scheduler_link.messages import (
     WorkloadEvent,
     WorkloadStatus,
     decode_gang_blob,
+    expand_part,
     inventory_hash,
 )
 from scheduler_link.msgauth import (
@@ -501,7 +502,7 @@ class EmulatedRelay:
                 view = msgspec.msgpack.decode(fr.payload, type=BundleView)
                 if not view.sig:
                     raise AuthError("the bundle is not signed")
-                rb, parts = view, [_part_dec.decode(r) for r in view.parts]
+                rb, parts = view, [expand_part(_part_dec.decode(r)) for r in view.parts]
         except AuthError as e:
             self.bad_bundles += 1
             return "error", {"error": f"bundle refused: {e}"}

@@ -3,16 +3,22 @@ structured placement outcomes the agent answers with."""
 
 from __future__ import annotations
 
+import zlib
+
+import blake3
 import msgspec
 import pytest
 
 from agent.placement import check_placement
 from scheduler_link.messages import (
+    BLOB_ZLIB_MAGIC,
+    MAX_BLOB_BYTES,
     AckBundle,
     Frame,
     GangBlob,
     NodeOutcome,
     NodePart,
+    PartPod,
     PeerTable,
     Placement,
     PlacementAck,
@@ -20,6 +26,7 @@ from scheduler_link.messages import (
     RackBundle,
     decode_gang_blob,
     encode_gang_blob,
+    expand_part,
 )
 
 
@@ -62,6 +69,52 @@ def test_tampered_or_noncanonical_blob_is_refused():
     assert noncanon != raw
     with pytest.raises(ValueError, match="canonical"):
         decode_gang_blob(noncanon)
+
+
+def test_big_blob_travels_compressed_and_decodes_back():
+    t = _table(2_000, 18)   # 36,000 peers
+    blob = GangBlob(job_id="j", attempt=1, peers=t, world_size=len(t))
+    bid, raw = encode_gang_blob(blob)
+    plain = msgspec.msgpack.Encoder(order="deterministic").encode(blob)
+    assert raw.startswith(BLOB_ZLIB_MAGIC) and len(raw) * 4 < len(plain)
+    assert decode_gang_blob(raw, bid) == blob
+    small = GangBlob(job_id="j", attempt=1, argv=["true"])
+    sid, sraw = encode_gang_blob(small)
+    assert sraw == msgspec.msgpack.Encoder(order="deterministic").encode(small)  # under 4 KiB: plain
+    assert decode_gang_blob(sraw, sid) == small
+
+
+def test_hostile_compressed_blobs_are_refused():
+    canon = msgspec.msgpack.Encoder(order="deterministic").encode(GangBlob(job_id="j", attempt=1, peers=_table(300, 4)))
+
+    def refused(raw: bytes, match: str) -> None:
+        with pytest.raises(ValueError, match=match):
+            decode_gang_blob(raw, blake3.blake3(raw).hexdigest())   # the id matches: the content is refused
+
+    # a bomb: 300 MiB of zeros compress to ~300 kB; refused at MAX_BLOB_BYTES, never inflated whole
+    z = zlib.compressobj(1)
+    bomb = BLOB_ZLIB_MAGIC + b"".join(z.compress(bytes(1 << 20)) for _ in range((MAX_BLOB_BYTES >> 20) + 44)) + z.flush()
+    refused(bomb, "inflates past")
+    refused(BLOB_ZLIB_MAGIC + zlib.compress(canon)[:-9], "truncated")
+    refused(BLOB_ZLIB_MAGIC + zlib.compress(canon) + b"junk", "trailing")
+    refused(BLOB_ZLIB_MAGIC + b"not zlib at all", "does not decompress")
+    refused(b"\x00other-marker\x00" + zlib.compress(canon), "unknown encoding")
+    # valid zlib of non-canonical msgpack (keys out of order)
+    noncanon = msgspec.msgpack.encode(GangBlob(job_id="j", attempt=1, env={"B": "2", "A": "1"}))
+    refused(BLOB_ZLIB_MAGIC + zlib.compress(noncanon), "canonical")
+
+
+def test_start_part_ids_are_derived_from_its_signed_fields():
+    compact = NodePart(placement_id="", node_id="n7", job_id="big", attempt=3,
+                       pods=[PartPod(workload_id="", rank=40, gpu_indices=[0, 1]), PartPod(workload_id="", rank=41)])
+    full = expand_part(compact)
+    assert full.placement_id == "start:big:3:n7"
+    assert [p.workload_id for p in full.pods] == ["big.3.40", "big.3.41"]
+    assert expand_part(full) is full                       # named ids are kept as they are
+    named = msgspec.structs.replace(compact, placement_id="p-1")
+    assert expand_part(named).placement_id == "p-1"
+    with pytest.raises(msgspec.ValidationError, match="must name its placement"):
+        expand_part(NodePart(placement_id="", node_id="n7", job_id="big", attempt=3))   # stops only
 
 
 def test_node_part_does_not_grow_with_the_gang():
