@@ -207,7 +207,8 @@ def _sub(a: dict[str, Any], b: dict[str, Any]) -> dict[str, int]:
 
 def _pyspy(pids: dict[str, int], name: str) -> list[subprocess.Popen[bytes]]:
     """``HERD_BENCH_PYSPY=DIR``: sample the placer (and, with ``HERD_BENCH_PYSPY_EMU=1``, the
-    first emulator) with py-spy, idle frames included, 250 Hz, for ``HERD_BENCH_PYSPY_S`` (3)
+    first emulator; ``=all``, every emulator) with py-spy, idle frames included, at
+    ``HERD_BENCH_PYSPY_RATE`` Hz (250), for ``HERD_BENCH_PYSPY_S`` (3)
     seconds from just before the submit, into ``DIR/<job>-<who>.txt`` (``HERD_BENCH_PYSPY_FORMAT``:
     raw or speedscope). A profiling aid: rows measured so carry py-spy's cost, not figures."""
     d = os.environ.get("HERD_BENCH_PYSPY")
@@ -215,10 +216,12 @@ def _pyspy(pids: dict[str, int], name: str) -> list[subprocess.Popen[bytes]]:
         return []
     spy = Path(sys.executable).with_name("py-spy")
     Path(d).mkdir(parents=True, exist_ok=True)
-    if not os.environ.get("HERD_BENCH_PYSPY_EMU"):
-        pids = {k: v for k, v in pids.items() if k == "placer"}
+    emu = os.environ.get("HERD_BENCH_PYSPY_EMU")
+    if emu != "all":
+        pids = {k: v for k, v in pids.items() if k == "placer" or (emu and k == "emu0")}
     return [subprocess.Popen(
-        [str(spy), "record", "--pid", str(pid), "-r", "250", "--idle", "--nonblocking",
+        [str(spy), "record", "--pid", str(pid), "-r", os.environ.get("HERD_BENCH_PYSPY_RATE", "250"), "--idle",
+         "--nonblocking",
          "--format", os.environ.get("HERD_BENCH_PYSPY_FORMAT", "raw"),
          "--duration", os.environ.get("HERD_BENCH_PYSPY_S", "3"), "-o", str(Path(d) / f"{name}-{who}.txt")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for who, pid in pids.items()]
@@ -230,7 +233,7 @@ async def _deliver(c: httpx.AsyncClient, placer: PlacerProc, emus: list[Emulator
     s0 = await _stats(c, emus)
     r0 = await _relay_stats(c, placer.url)
     cpu0, ecpu0 = placer.cpu_s(), sum(e.cpu_s() for e in emus)
-    spies = _pyspy({"placer": placer.pid, "emu0": emus[0].pid}, spec["job_id"])
+    spies = _pyspy({"placer": placer.pid, **{f"emu{i}": e.pid for i, e in enumerate(emus)}}, spec["job_id"])
     r = await c.post(f"{placer.url}/v1/jobs", json=spec, headers=op)
     if r.status_code != 201:
         return {"error": r.text[:300]}

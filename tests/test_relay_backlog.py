@@ -18,14 +18,16 @@ import trio
 from placer.attempts import ACCEPTED, Outcome
 from placer.config import PlacerConfig
 from placer.records import Push
-from placer.relays import FALLBACK_HOLD_S, RelayConn
+from placer.relays import BUILD_BATCH, FALLBACK_HOLD_S, RelayConn
 from placer.service import PlacerService
 from scheduler_link.auth import TokenSet
 from scheduler_link.frames import encode_frame
 from scheduler_link.messages import (
+    AckBundle,
     Frame,
     GpuInfo,
     GpuSnapshot,
+    NodeOutcome,
     NodeReport,
     Placement,
     RackBeat,
@@ -219,3 +221,76 @@ async def test_a_long_fallback_does_not_hold_reports_past_the_bound(tmp_path, au
     seen, beats_ch, _ = await _fallback_round(tmp_path, push_s=FALLBACK_HOLD_S + 2.0)
     assert sorted(n for n, _, _ in seen) == ["n1", "n2"]
     assert all(held == 0 and answered == 1 for _, held, answered in seen), seen
+
+
+class CountingChannel(FakeChannel):
+    """A relay (its own rack's only member) that answers at once, recording how many bundles of
+    the round had been built (prepared) when its own left."""
+
+    built = 0
+
+    def __init__(self, name: str, log: list[tuple[str, int]]) -> None:
+        super().__init__(name)
+        self.log = log
+
+    def prepare(self, type_: str, payload: Any) -> tuple[int, bytes]:
+        CountingChannel.built += 1
+        return 1, encode_frame(type_, payload, id=1)
+
+    async def call_prepared(self, rid: int, data: bytes) -> Frame:
+        self.log.append((self.name, CountingChannel.built))
+        ack = AckBundle(rack=self.info.racks[0], blob_id="", outcomes=[
+            NodeOutcome(node_id=self.name, placement_id=f"start:j:1:{self.name}", outcome="accepted")])
+        return _frame("acks", ack, 1)
+
+
+async def _streamed_round(tmp_path, ready_says: bool) -> tuple[Any, list[tuple[str, int]], list[int]]:
+    n_racks = 3 * BUILD_BATCH + 5
+    svc = PlacerService(PlacerConfig(state_dir=str(tmp_path), heartbeat_s=1.0, relay_timeout_s=0.5), TokenSet())
+    hub = svc.relays
+    log: list[tuple[str, int]] = []
+    CountingChannel.built = 0
+    pushes = []
+    for i in range(n_racks):
+        node = f"n{i:03d}"
+        rep = _full(node, f"boot-{node}")
+        rep = msgspec.structs.replace(rep, topology=TopologyPath(zone="z1", block="b1", rack=f"r{i:03d}"))
+        assert svc._ingest(node, rep)[0] == 200
+        ch = CountingChannel(node, log)
+        conn = RelayConn(node, (f"z1/b1/r{i:03d}",), None, ch)  # type: ignore[arg-type]
+        ch.info = conn
+        hub._cands[f"z1/b1/r{i:03d}"] = {node: conn}
+        pushes.append(Push(node, f"http://127.0.0.1:9/{node}", Placement(placement_id=f"start:j:1:{node}", job_id="j"),
+                           "j", 1, "start"))
+    ready_at: list[int] = []
+
+    async def ready() -> bool:
+        ready_at.append(len(log))          # bundles already sent when the journal is asked
+        await trio.lowlevel.checkpoint()
+        return ready_says
+
+    async def push_direct(p: Push) -> Outcome:
+        raise AssertionError(f"{p.node_id} pushed directly: its relay answered")
+
+    async with trio.open_nursery() as nursery:
+        svc._nursery = nursery
+        acks = await hub.deliver("j", None, pushes, push_direct, ready=ready)
+        nursery.cancel_scope.cancel()
+    return acks, log, ready_at
+
+
+async def test_bundles_leave_as_they_are_built_once_the_journal_says_yes(tmp_path) -> None:
+    """A round's bundles go out in batches while the rest is built (relays are other hosts:
+    they work meanwhile), never before the journal's sync says yes."""
+    acks, log, ready_at = await _streamed_round(tmp_path, True)
+    n = 3 * BUILD_BATCH + 5
+    assert acks is not None and len(acks) == n and set(acks.values()) == {ACCEPTED}
+    assert ready_at == [0]                                  # asked once, before anything left
+    assert len(log) == n
+    # the first batch left before the rest was built (trio may run the builder once more first)
+    assert BUILD_BATCH <= log[0][1] <= 2 * BUILD_BATCH < n
+
+
+async def test_nothing_leaves_when_the_journal_says_no(tmp_path) -> None:
+    acks, log, ready_at = await _streamed_round(tmp_path, False)
+    assert acks is None and log == [] and ready_at == [0]
