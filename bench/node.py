@@ -15,7 +15,9 @@ again, charged to the writer as system time in the copy into the page cache (per
 ``copy_folio_from_iter_atomic``). Writing 1 GiB into just-freed pages costs ~0.7-1.1 CPU-s,
 into given-back ones ~1.3-2.4 (same run, alternating): without a fixed settle a phase's CPU
 depended on how long after the previous phase's files were deleted it began, which is why
-later repeats cost about twice the first. After the settle both phases pay it alike.
+later repeats cost about twice the first. The settle narrows this but does not remove it
+(the kernel reports free memory a fraction at a time, so 5 s may leave part of it still
+backed): the phases alternate and the per-repeat ratios are the figure to read.
 
 - ``herd``: the real thing. The server is a :class:`p2p.dataplane.DataPlane` over a
   :class:`p2p.store.ChunkStore` holding the artifact; the client a :class:`p2p.herd.Herd`

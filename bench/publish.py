@@ -14,7 +14,9 @@ more than ~2 s goes back to the host, and writing into it again faults it back i
 to the writer. A 1 GiB durable write took 0.74-1.53 s right after deleting one 1 GiB file,
 1.95-2.34 s right after deleting 1,024 files of 1 MiB, and 2.46-2.95 s after either plus
 4 s (same run, alternating): the baseline's speed depended on what the phase before it
-deleted and how long ago, and publish always followed a delete of ~1,000 files.
+deleted and how long ago, and publish always followed a delete of ~1,000 files. The settle
+does not make it deterministic (3 rounds, 5 s: write_1x still 0.91-3.30 s, its CPU
+0.50-2.81 s, i.e. the spread is page-fault cost, not the disk): read the per-round ratios.
 
 - ``publish``: :func:`p2p.publish.publish` of the tree to a new, empty file:// origin
   (what ``herd artifact publish`` runs: scan, upload what is missing, batched fsyncs, then
