@@ -4,9 +4,20 @@
 
 Two processes per phase, a server and a client, each timed by its own CPU (user + system,
 every thread; the server's from /proc/<pid>/stat over the phase, the client's from
-``getrusage`` around the transfer). Phases, alternated ``--repeat`` times, each starting
-with ``sync`` (no dirty pages left by the one before: writeback throttling is charged to
-the writer) and an empty client directory:
+``getrusage`` around the transfer). Phases, alternated ``--repeat`` times (herd, loop, loop,
+herd, ...), each starting from the same settled state: the client directory the phase
+before wrote removed, ``sync`` (no dirty pages left: writeback throttling is charged to the
+writer), then ``--settle-s`` seconds of quiet (default 5) before the server starts.
+
+Why the settle: this VM (Firecracker) has virtio-balloon free page reporting, so a page
+freed for more than ~2 s goes back to the host, and the next write into it faults it in
+again, charged to the writer as system time in the copy into the page cache (perf:
+``copy_folio_from_iter_atomic``). Writing 1 GiB into just-freed pages costs ~0.7-1.1 CPU-s,
+into given-back ones ~1.3-2.4 (same run, alternating): without a fixed settle a phase's CPU
+depended on how long after the previous phase's files were deleted it began, which is why
+later repeats cost about twice the first. The settle narrows this but does not remove it
+(the kernel reports free memory a fraction at a time, so 5 s may leave part of it still
+backed): the phases alternate and the per-repeat ratios are the figure to read.
 
 - ``herd``: the real thing. The server is a :class:`p2p.dataplane.DataPlane` over a
   :class:`p2p.store.ChunkStore` holding the artifact; the client a :class:`p2p.herd.Herd`
@@ -25,7 +36,8 @@ the writer) and an empty client directory:
   from :mod:`scheduler_link.tls`; the loop uses blocking ``ssl`` sockets, whose
   ``sendfile`` falls back to read + send).
 
-Figures (medians over the repeats): ``mb_s`` (client wall), ``client_cpu_s_per_gib``,
+Figures (medians over the repeats; ``reps`` lists each repeat's herd / loop ratios, whose
+medians are ``cpu_ratio_rep_median`` and ``speed_ratio_rep_median``): ``mb_s`` (client wall), ``client_cpu_s_per_gib``,
 ``server_cpu_s_per_gib``, and ratios herd / loop: ``cpu_ratio`` (client + server CPU per
 GiB; target <= 1.2) and ``speed_ratio`` (MB/s; target >= 1.5: the herd spreads receive,
 hash and write over cores and streams, the loop cannot). ``cores_per_gb_s``: the CPU
@@ -91,6 +103,10 @@ def _cpu() -> float:
     return r.ru_utime + r.ru_stime
 
 
+def _sys() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_stime
+
+
 def serve_herd(store_dir: str, tls: str | None) -> None:
     import trio
 
@@ -126,14 +142,14 @@ def fetch_herd(store_dir: str, origin_dir: str, manifest_id: str, url: str, tls:
         if tls:
             herd.client = PeerClient(token=TOKEN, config=herd.client.config,
                                      ssl_context=client_context(Path(tls)))
-        c0, t0 = _cpu(), time.perf_counter()
+        c0, s0, t0 = _cpu(), _sys(), time.perf_counter()
         stats = await fetch_with_peers(store, manifest_id, FileOrigin(origin_dir),
                                        peers=[Peer(node_id="server", data_url=url)], herd=herd)
         wall, cpu = time.perf_counter() - t0, _cpu() - c0
         await herd.aclose()
         if stats.bytes_from_peers != stats.bytes:
             raise SystemExit(f"bench.node: {stats.bytes_from_origin} bytes came from the origin, not the peer")
-        return {"bytes": stats.bytes, "wall_s": wall, "cpu_s": cpu}
+        return {"bytes": stats.bytes, "wall_s": wall, "cpu_s": cpu, "sys_s": _sys() - s0}
 
     print(json.dumps(trio.run(main)), flush=True)
 
@@ -163,7 +179,7 @@ def fetch_loop(addr: str, ids_file: str, out_dir: str, tls: str | None) -> None:
 
     host, _, port = addr.rpartition(":")
     ids = [(cid, int(sz)) for cid, sz in (ln.split() for ln in Path(ids_file).read_text().splitlines())]
-    c0, t0 = _cpu(), time.perf_counter()
+    c0, s0, t0 = _cpu(), _sys(), time.perf_counter()
     sock = socket.create_connection((host, int(port)))
     if tls:
         sock = client_context(Path(tls)).wrap_socket(sock, server_hostname=host)
@@ -209,7 +225,7 @@ def fetch_loop(addr: str, ids_file: str, out_dir: str, tls: str | None) -> None:
     os.close(dfd)
     sock.close()
     wall, cpu = time.perf_counter() - t0, _cpu() - c0
-    print(json.dumps({"bytes": total, "wall_s": wall, "cpu_s": cpu}), flush=True)
+    print(json.dumps({"bytes": total, "wall_s": wall, "cpu_s": cpu, "sys_s": _sys() - s0}), flush=True)
 
 
 # ------------------------------------------------------------------------------ the parent
@@ -259,13 +275,22 @@ def prepare(work: Path, mib: int) -> tuple[str, list[tuple[str, int]]]:
     return m.id, [(c.id, c.size) for c in m.chunks]
 
 
-def phase(kind: str, work: Path, mid: str, ids_file: Path, tls: Path | None,
-          sets: dict[str, int] | None = None) -> dict[str, float]:
-    """One transfer: fresh client dir, sync, start the server, fetch, read both CPUs."""
-    out = work / "client"
+def settle(out: Path, settle_s: float) -> None:
+    """The state every phase starts from: ``out`` new and empty (what the phase before
+    wrote is removed), no dirty pages, and ``settle_s`` of quiet so the pages that removal
+    freed have gone back to the VM's host like all other free memory (see the module doc)."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
     os.sync()
+    time.sleep(settle_s)
+
+
+def phase(kind: str, work: Path, mid: str, ids_file: Path, tls: Path | None,
+          sets: dict[str, int] | None = None, settle_s: float = 5.0) -> dict[str, float]:
+    """One transfer: settle (fresh client dir, sync, quiet), start the server, fetch, read
+    both CPUs."""
+    out = work / "client"
+    settle(out, settle_s)
     t = [str(tls)] if tls else []
     tls_args = ["--tls", *t] if tls else []
     if kind == "herd":
@@ -300,6 +325,7 @@ def phase(kind: str, work: Path, mid: str, ids_file: Path, tls: Path | None,
     r = json.loads(got.strip().splitlines()[-1])
     gib = r["bytes"] / GiB
     row: dict[str, float] = {"mb_s": r["bytes"] / r["wall_s"] / 1e6, "client_cpu_s_per_gib": r["cpu_s"] / gib,
+                             "client_sys_s_per_gib": r["sys_s"] / gib,
                              "server_cpu_s_per_gib": (s1 - s0) / gib, "bytes": r["bytes"]}
     if plane:   # how the herd asked: requests, multi-chunk requests (batches), chunks sent
         row.update(requests=plane["requests"], batches=plane.get("batches", 0), chunks_served=plane["chunks_served"])
@@ -322,8 +348,15 @@ def _median_rows(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(r[k] for r in rows), 3) for k in rows[0]}
 
 
+def _pair(h: dict[str, float], lp: dict[str, float]) -> dict[str, float]:
+    """One repeat's herd / loop ratios (client + server CPU per GiB; MB/s)."""
+    return {"cpu_ratio": round((h["client_cpu_s_per_gib"] + h["server_cpu_s_per_gib"])
+                               / (lp["client_cpu_s_per_gib"] + lp["server_cpu_s_per_gib"]), 3),
+            "speed_ratio": round(h["mb_s"] / lp["mb_s"], 3)}
+
+
 def run(mib: int, repeat: int, tls: bool, workdir: Path, log: Any,
-        herd_set: dict[str, int] | None = None) -> dict[str, Any]:
+        herd_set: dict[str, int] | None = None, settle_s: float = 5.0) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-node-", dir=workdir))
     try:
         t0 = time.perf_counter()
@@ -339,17 +372,23 @@ def run(mib: int, repeat: int, tls: bool, workdir: Path, log: Any,
         for rep in range(repeat):
             order = kinds if rep % 2 == 0 else kinds[::-1]   # alternate who goes first
             for name, c in order:
-                r = phase(name.split("_")[0], work, mid, ids_file, c, herd_set if name == "herd_set" else None)
+                r = phase(name.split("_")[0], work, mid, ids_file, c, herd_set if name == "herd_set" else None,
+                          settle_s)
                 runs[name].append(r)
                 log(f"rep {rep} {name:9s} {r['mb_s']:8.1f} MB/s  client {r['client_cpu_s_per_gib']:.2f}"
-                    f"  server {r['server_cpu_s_per_gib']:.2f} CPU-s/GiB")
+                    f" (sys {r['client_sys_s_per_gib']:.2f})  server {r['server_cpu_s_per_gib']:.2f} CPU-s/GiB"
+                    f"  load {os.getloadavg()[0]:.1f}")
         med = {k: _median_rows(v) for k, v in runs.items()}
-        out: dict[str, Any] = {"mib": mib, "chunks": len(chunks), "repeat": repeat, **med}
+        out: dict[str, Any] = {"mib": mib, "chunks": len(chunks), "repeat": repeat, "settle_s": settle_s, **med}
 
-        def ratios(h: str, lp: str) -> dict[str, float]:
+        def ratios(h: str, lp: str) -> dict[str, Any]:
             hc = med[h]["client_cpu_s_per_gib"] + med[h]["server_cpu_s_per_gib"]
             lc = med[lp]["client_cpu_s_per_gib"] + med[lp]["server_cpu_s_per_gib"]
-            return {"cpu_ratio": round(hc / lc, 3), "client_cpu_ratio":
+            reps = [_pair(a, b) for a, b in zip(runs[h], runs[lp], strict=True)]
+            return {"cpu_ratio": round(hc / lc, 3), "reps": reps,  # type: ignore[dict-item]
+                    "cpu_ratio_rep_median": round(statistics.median(r["cpu_ratio"] for r in reps), 3),
+                    "speed_ratio_rep_median": round(statistics.median(r["speed_ratio"] for r in reps), 3),
+                    "client_cpu_ratio":
                     round(med[h]["client_cpu_s_per_gib"] / med[lp]["client_cpu_s_per_gib"], 3),
                     "speed_ratio": round(med[h]["mb_s"] / med[lp]["mb_s"], 3),
                     # CPU-s per GB moved, both ends = cores kept busy per GB/s
@@ -385,6 +424,10 @@ def _table(r: dict[str, Any]) -> str:
             lines.append(f"{k}: herd/loop CPU {v['cpu_ratio']:.2f} (target <= 1.2, {ok_c}); "
                          f"MB/s {v['speed_ratio']:.2f} (target >= 1.5, {ok_s}); {v['cores_per_gb_s']:.2f} cores "
                          f"per GB/s -> {v['cores_for_100gbit']} cores for 100 Gbit/s (extrapolated)")
+            lines.append("  per repeat (herd / loop): CPU " + " ".join(f"{p['cpu_ratio']:.2f}" for p in v["reps"])
+                         + f" (median {v['cpu_ratio_rep_median']:.2f}); MB/s "
+                         + " ".join(f"{p['speed_ratio']:.2f}" for p in v["reps"])
+                         + f" (median {v['speed_ratio_rep_median']:.2f})")
     return "\n".join(lines)
 
 
@@ -396,6 +439,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-tls", action="store_true")
     p.add_argument("--herd-set", default="", help="a=1,b=2: HerdConfig fields for an extra phase herd_set, "
                    "alternated with the others (a same-run variant)")
+    p.add_argument("--settle-s", type=float, default=5.0,
+                   help="quiet seconds after each phase's cleanup and sync, before it starts (see the module doc)")
     p.add_argument("--workdir", default=None)
     p.add_argument("--json", action="store_true")
     a, rest = p.parse_known_args(argv)
@@ -416,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[bench.node] {msg}", file=sys.stderr, flush=True)
 
     sets = {k: int(v) for k, _, v in (kv.partition("=") for kv in a.herd_set.split(",") if kv)}
-    r = run(a.mib, a.repeat, not a.no_tls, Path(a.workdir or tempfile.gettempdir()), log, sets)
+    r = run(a.mib, a.repeat, not a.no_tls, Path(a.workdir or tempfile.gettempdir()), log, sets, a.settle_s)
     print(json.dumps(r) if a.json else _table(r))  # (one line: bench.quick reads the last line)
     return 0
 

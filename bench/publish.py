@@ -3,9 +3,20 @@
     python -m bench.publish [--size-mb 1024] [--repeat 3] [--json]
 
 The tree is ``bench.artifacts.generate_v1`` (2 large files, 10 medium, 1 MiB files, 100
-small ones). Phases, alternated over ``--repeat`` rounds (each round reverses the order of
-the one before), each starting from a settled disk (what the phase before wrote is
-removed, then ``sync``):
+small ones). Each round runs two pairs, a phase and its baseline, the order within each
+pair alternating by round (publish, write_1x, fetch, write_2x; then write_1x, publish,
+write_2x, fetch; ...). Every phase, baselines included, starts from the same settled
+state: what the phases before wrote is removed (all but the origin, which fetch reads;
+publish removes that too), ``sync`` (the ext4 here is mounted ``discard``: the deletes'
+discards go out with that journal commit, not in the phase's fsyncs), then ``--settle-s``
+quiet seconds (default 5). The quiet is for this VM's free page reporting: a page free for
+more than ~2 s goes back to the host, and writing into it again faults it back in, charged
+to the writer. A 1 GiB durable write took 0.74-1.53 s right after deleting one 1 GiB file,
+1.95-2.34 s right after deleting 1,024 files of 1 MiB, and 2.46-2.95 s after either plus
+4 s (same run, alternating): the baseline's speed depended on what the phase before it
+deleted and how long ago, and publish always followed a delete of ~1,000 files. The settle
+does not make it deterministic (3 rounds, 5 s: write_1x still 0.91-3.30 s, its CPU
+0.50-2.81 s, i.e. the spread is page-fault cost, not the disk): read the per-round ratios.
 
 - ``publish``: :func:`p2p.publish.publish` of the tree to a new, empty file:// origin
   (what ``herd artifact publish`` runs: scan, upload what is missing, batched fsyncs, then
@@ -22,7 +33,8 @@ removed, then ``sync``):
 - ``casync``: ``casync make`` of the same tree into a new chunk store, where casync is
   installed (skipped, and said so, where not).
 
-Figures (medians): ``cpu_seconds`` per phase (this process's threads and children),
+Figures (medians; ``rounds`` holds each round's two ratios, whose medians are
+``publish_vs_write_round_median`` and ``fetch_vs_write_round_median``): ``cpu_seconds`` per phase (this process's threads and children),
 ``publish_mb_s`` (tree bytes / s), ``fetch_mb_s`` (tree bytes / s),
 ``write_mb_s`` (bytes written / s), ``publish_vs_write`` = publish MB/s / write_1x MB/s
 and ``fetch_vs_write`` = fetch's written bytes (2x) per second / write_2x MB/s (targets
@@ -83,17 +95,19 @@ def _cpu() -> float:
     return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
 
 
-def _settle(*paths: Path) -> None:
+def _settle(*paths: Path, settle_s: float = 0.0) -> None:
+    """Remove ``paths`` (those there), ``sync``, then ``settle_s`` of quiet (the module doc)."""
     for p in paths:
         if p.is_file():
             p.unlink()
-        else:
+        elif p.exists():
             _force_rm(p)
     os.sync()
+    time.sleep(settle_s)
 
 
 def run(size_mb: int, repeat: int, workdir: Path, log: Any, casync_ok: bool = True,
-        ab: bool = False) -> dict[str, Any]:
+        ab: bool = False, settle_s: float = 5.0) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix="bench-publish-", dir=workdir))
     try:
         tree = work / "tree"
@@ -130,9 +144,14 @@ def run(size_mb: int, repeat: int, workdir: Path, log: Any, casync_ok: bool = Tr
             await trio.to_thread.run_sync(store.materialise, manifest)
             return time.perf_counter() - t
 
+        def start(*also: Path) -> None:
+            """The state each phase starts from: every earlier phase's output gone (the
+            origin only when ``also`` names it), synced, settled."""
+            _settle(work / "store", work / "w.bin", work / "casync", *also, settle_s=settle_s)
+
         def phase(name: str) -> float:
             if name in ("publish", "publish_inproc"):
-                _settle(origin_dir)
+                start(origin_dir)
                 saved = scan_mod.CUT_WORKER_MIN_BYTES
                 if name == "publish_inproc":
                     scan_mod.CUT_WORKER_MIN_BYTES = None
@@ -142,45 +161,41 @@ def run(size_mb: int, repeat: int, workdir: Path, log: Any, casync_ok: bool = Tr
                     scan_mod.CUT_WORKER_MIN_BYTES = saved
             if name == "fetch":
                 if not manifest:
-                    _settle(origin_dir)
+                    start(origin_dir)
                     trio.run(do_publish)
-                _settle(work / "store")
-                s = trio.run(do_fetch)
-                _settle(work / "store")
-                return s
+                start()
+                return trio.run(do_fetch)
             if name.startswith("write_"):
                 n = nbytes * int(name[-2])
-                _settle(work / "w.bin")
+                start()
                 cpu_mark[0] = _cpu()
-                s = durable_write(work / "w.bin", n)
-                _settle(work / "w.bin")
-                return s
-            _settle(work / "casync")
+                return durable_write(work / "w.bin", n)
+            start()
             (work / "casync").mkdir()
             cpu_mark[0] = _cpu()
             t = time.perf_counter()
             subprocess.run([str(casync), "make", f"--store={work / 'casync' / 'store'}",
                             str(work / "casync" / "index.caidx"), str(tree)],
                            check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            s = time.perf_counter() - t
-            _settle(work / "casync")
-            return s
+            return time.perf_counter() - t
 
-        # publish runs before fetch in each round (fetch reads the origin publish made)
-        order = [k for k in times]
+        # a phase and its baseline back to back, which goes first alternating by round;
+        # publish before fetch in each round (fetch reads the origin publish made)
         for r in range(repeat):
-            seq = order if r % 2 == 0 else ["publish", "fetch"] + [k for k in order[::-1] if k not in
-                                                                   ("publish", "fetch")]
+            pairs = [["publish", "write_1x"], ["fetch", "write_2x"]]
+            seq = [k for pair in pairs for k in (pair if r % 2 == 0 else pair[::-1])]
             if ab:   # the A/B pair back to back, the first of the two alternating by round
-                seq = [k for k in seq if k != "publish_inproc"]
                 seq.insert(seq.index("publish") + (r % 2 == 0), "publish_inproc")
+            if casync:
+                seq.append("casync")
             for name in seq:
                 times[name].append(phase(name))
-                # (for publish/fetch/casync the CPU of the final _settle is left out, for the
-                # writes the unlink's: small next to the phase)
                 cpus[name].append(_cpu() - cpu_mark[0])
                 log(f"round {r} {name:9s} {times[name][-1]:7.2f}s {cpus[name][-1]:6.2f} CPU-s "
                     f"load {os.getloadavg()[0]:.1f}")
+            log(f"round {r}: publish_vs_write {times['write_1x'][-1] / times['publish'][-1]:.2f}, "
+                f"fetch_vs_write {times['write_2x'][-1] / times['fetch'][-1]:.2f}")
+        _settle(work / "store", work / "w.bin", work / "casync")
         med = {k: statistics.median(v) for k, v in times.items()}
         mb = nbytes / 1e6
         out: dict[str, Any] = {
@@ -189,9 +204,15 @@ def run(size_mb: int, repeat: int, workdir: Path, log: Any, casync_ok: bool = Tr
             "write_1x_mb_s": round(mb / med["write_1x"], 1), "write_2x_mb_s": round(2 * mb / med["write_2x"], 1),
             "publish_vs_write": round(med["write_1x"] / med["publish"], 3),
             "fetch_vs_write": round(med["write_2x"] / med["fetch"], 3),
+            "rounds": [{"publish_vs_write": round(w1 / p, 3), "fetch_vs_write": round(w2 / f, 3)}
+                       for p, w1, f, w2 in zip(times["publish"], times["write_1x"], times["fetch"],
+                                               times["write_2x"], strict=True)],
+            "settle_s": settle_s,
             "seconds": {k: round(v, 3) for k, v in med.items()},
             "cpu_seconds": {k: round(statistics.median(v), 3) for k, v in cpus.items()},
         }
+        for k in ("publish_vs_write", "fetch_vs_write"):
+            out[f"{k}_round_median"] = round(statistics.median(x[k] for x in out["rounds"]), 3)
         if ab:
             out["publish_inproc_mb_s"] = round(mb / med["publish_inproc"], 1)
             out["publish_vs_inproc"] = round(med["publish_inproc"] / med["publish"], 3)
@@ -217,6 +238,10 @@ def _table(r: dict[str, Any]) -> str:
              f"  -> {r['publish_vs_write']:.2f} (target >= 0.8)",
              f"  fetch    {r['fetch_mb_s']:8.1f} MB/s  (writes 2x) vs durable write 2x {r['write_2x_mb_s']:8.1f} MB/s"
              f"  -> {r['fetch_vs_write']:.2f} (target >= 0.8)",
+             "  per round: publish " + " ".join(f"{x['publish_vs_write']:.2f}" for x in r["rounds"])
+             + f" (median {r['publish_vs_write_round_median']:.2f}); fetch "
+             + " ".join(f"{x['fetch_vs_write']:.2f}" for x in r["rounds"])
+             + f" (median {r['fetch_vs_write_round_median']:.2f})",
              *([f"  publish with the cut in-process (same-run A/B): {r['publish_inproc_mb_s']:8.1f} MB/s"
                 f" -> cut worker is {r['publish_vs_inproc']:.2f}x"] if "publish_inproc_mb_s" in r else []),
              "  CPU-s (medians): " + ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_seconds"].items())]
@@ -233,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--settle-s", type=float, default=5.0,
+                    help="quiet seconds after each phase's cleanup and sync, before it starts (see above)")
     ap.add_argument("--no-casync", action="store_true", help="skip the casync phase (A/B runs)")
     ap.add_argument("--ab", action="store_true",
                     help="also publish with the cut in-process (the baseline before the cut worker)")
@@ -241,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(f"[bench.publish] {msg}", file=sys.stderr, flush=True)
 
-    r = run(a.size_mb, a.repeat, Path(a.workdir or tempfile.gettempdir()), log, casync_ok=not a.no_casync, ab=a.ab)
+    r = run(a.size_mb, a.repeat, Path(a.workdir or tempfile.gettempdir()), log, casync_ok=not a.no_casync, ab=a.ab,
+            settle_s=a.settle_s)
     print(json.dumps(r) if a.json else _table(r))  # (one line: bench.quick reads the last line)
     return 0
 
