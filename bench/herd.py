@@ -132,6 +132,225 @@ def worker_main(argv: list[str]) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------- plain TCP
+
+TCP_PORT = 7071
+_TCP_BUF = 1 << 20
+
+
+def tcp_worker_main(argv: list[str]) -> int:
+    """The plain-TCP baseline's two ends, inside a namespace (no herd code at all).
+
+    ``--recv IP:PORT --conns K``: accept K connections, read each to EOF, report bytes and
+    the time the last byte came. ``--send --to IP:PORT,... --bytes B --streams S``: after
+    "go" on stdin, S connections to each target, B bytes to each target split over them.
+    ``--relay IP:PORT,...`` (with ``--recv``; the sender with ``--tag``): on "go", one
+    connection to each of those peers; every byte that comes on a connection the origin
+    tagged is forwarded to each of them as it comes (the herd's pattern -- each host
+    gets 1/N from the origin and passes it on -- with nothing but sockets). Every socket
+    and queue wait has a timeout, so every loop ends."""
+    import queue
+    import socket
+    import threading
+
+    p = argparse.ArgumentParser()
+    p.add_argument("--recv", default="")
+    p.add_argument("--conns", type=int, default=1)
+    p.add_argument("--send", action="store_true")
+    p.add_argument("--to", default="")
+    p.add_argument("--bytes", type=int, default=0)
+    p.add_argument("--streams", type=int, default=1)
+    p.add_argument("--relay", default="")
+    p.add_argument("--tag", action="store_true")
+    a = p.parse_args(argv)
+
+    def say(obj: dict[str, Any]) -> None:
+        sys.stdout.write(json.dumps(obj) + "\n")
+        sys.stdout.flush()
+
+    errors: list[str] = []
+    if a.recv:
+        host, _, port = a.recv.rpartition(":")
+        ls = socket.create_server((host, int(port)), backlog=64)
+        ls.settimeout(120)
+        say({"ready": a.recv})
+        got = [0] * a.conns
+        ends = [0.0] * a.conns
+        relay = [x for x in a.relay.split(",") if x]
+        # one bounded queue per peer: a slow peer holds the origin's connections back
+        # (as a full socket would), never this process's memory
+        outq: list[queue.Queue[bytes | None]] = [queue.Queue(maxsize=64) for _ in relay]
+        origin_open = [0]
+        lock = threading.Lock()
+
+        def forwarder(target: str, q: queue.Queue[bytes | None]) -> None:
+            host, _, port = target.rpartition(":")
+            try:
+                with socket.create_connection((host, int(port)), timeout=60) as c:
+                    c.sendall(b"P")
+                    while (data := q.get(timeout=120)) is not None:
+                        c.sendall(data)
+            except (OSError, queue.Empty) as e:
+                errors.append(f"forward {type(e).__name__}: {e}")
+
+        def reader(i: int, c: socket.socket) -> None:
+            buf = bytearray(_TCP_BUF)
+            try:
+                with c:
+                    c.settimeout(60)
+                    tag = c.recv(1) if relay else b""
+                    if tag == b"O":
+                        with lock:
+                            origin_open[0] += 1
+                        while data := c.recv(_TCP_BUF):
+                            got[i] += len(data)
+                            for q in outq:
+                                q.put(data, timeout=120)
+                        with lock:
+                            origin_open[0] -= 1
+                            last = origin_open[0] == 0
+                        if last:
+                            for q in outq:
+                                q.put(None, timeout=120)
+                    else:
+                        while n := c.recv_into(buf):
+                            got[i] += n
+                    ends[i] = time.time()
+            except (OSError, queue.Full) as e:
+                errors.append(f"{type(e).__name__}: {e}")
+
+        threads = []
+        if relay:
+            sys.stdin.readline()
+            for target, q in zip(relay, outq, strict=True):
+                t = threading.Thread(target=forwarder, args=(target, q), daemon=True)
+                t.start()
+                threads.append(t)
+        try:
+            for i in range(a.conns):
+                c, _ = ls.accept()
+                t = threading.Thread(target=reader, args=(i, c), daemon=True)
+                t.start()
+                threads.append(t)
+            for t in threads:
+                t.join(300)
+        except OSError as e:
+            errors.append(f"{type(e).__name__}: {e}")
+        res: dict[str, Any] = {"bytes": sum(got), "t_end": max(ends)}
+    else:
+        targets = [x for x in a.to.split(",") if x]
+        say({"ready": "sender"})
+        sys.stdin.readline()
+        payload = memoryview(os.urandom(_TCP_BUF))
+        t0 = time.time()
+
+        def writer(target: str, n: int) -> None:
+            host, _, port = target.rpartition(":")
+            try:
+                with socket.create_connection((host, int(port)), timeout=60) as c:
+                    if a.tag:
+                        c.sendall(b"O")
+                    while n > 0:
+                        k = min(n, _TCP_BUF)
+                        c.sendall(payload[:k])
+                        n -= k
+            except OSError as e:
+                errors.append(f"{type(e).__name__}: {e}")
+
+        threads = []
+        for tg in targets:
+            for s in range(a.streams):
+                share = a.bytes // a.streams + (1 if s < a.bytes % a.streams else 0)
+                threads.append(threading.Thread(target=writer, args=(tg, share), daemon=True))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        res = {"bytes": a.bytes * len(targets), "t_start": t0, "t_end": time.time()}
+    if errors:
+        res["error"] = errors[0]
+    say(res)
+    return 0
+
+
+def run_tcp_mode(hosts: list[Any], origin_host: Any, size: int, ideal: float, streams: int,
+                 relay: bool = False) -> dict[str, Any]:
+    """The same-run plain-TCP baselines, through the same tbf links, no herd code.
+
+    ``tcp``: the origin's namespace sends ``size`` bytes split evenly over the hosts,
+    ``streams`` TCP connections to each (as many as the herd's homes open to the origin):
+    what the lab lets one origin uplink do with plain sockets.
+    ``relay`` (the herd's traffic pattern): the same, and each host forwards what the
+    origin sends it to every other host as it comes, so every host ends with ``size``
+    bytes, every link carrying what the herd's would; completion is the last host's."""
+    procs: list[subprocess.Popen[str]] = []
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    each = [size // len(hosts) + (1 if i < size % len(hosts) else 0) for i in range(len(hosts))]
+    try:
+        for h in hosts:
+            extra = []
+            if relay:
+                extra = ["--relay", ",".join(f"{o.ip}:{TCP_PORT}" for o in hosts if o is not h),
+                         "--conns", str(streams + len(hosts) - 1)]
+            else:
+                extra = ["--conns", str(streams)]
+            argv = h.exec_argv([sys.executable, "-m", "bench.herd", "--tcp-worker", "--recv",
+                                f"{h.ip}:{TCP_PORT}", *extra])
+            procs.append(subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env))
+        # one sender per target size (they differ by at most one byte): one process, same share
+        argv = origin_host.exec_argv([sys.executable, "-m", "bench.herd", "--tcp-worker", "--send",
+                                      "--to", ",".join(f"{h.ip}:{TCP_PORT}" for h in hosts),
+                                      "--bytes", str(each[0]), "--streams", str(streams),
+                                      *(["--tag"] if relay else [])])
+        sender = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                  stderr=subprocess.DEVNULL, text=True, cwd=ROOT, env=env)
+        procs.append(sender)
+        _read_lines(procs, time.monotonic() + 60, "tcp start")
+        tx0 = origin_host.tx_bytes()
+        t_go = time.time()
+        for p in procs if relay else [sender]:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        results = _read_lines(procs, time.monotonic() + ideal * 3 + 60, "tcp transfer")
+        tx1 = origin_host.tx_bytes()
+    finally:
+        for p in procs:
+            try:
+                if p.stdin:
+                    p.stdin.close()
+            except OSError:
+                pass
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+    errors = [r["error"] for r in results if "error" in r]
+    if errors:
+        raise RuntimeError(f"tcp: {len(errors)} ends failed: {errors[0]}")
+    recv = results[:-1]
+    sent = each[0] * len(hosts)
+    want = sent * len(hosts) if relay else sent
+    if sum(r["bytes"] for r in recv) != want:
+        raise RuntimeError(f"tcp: {sum(r['bytes'] for r in recv)} bytes received of {want}")
+    ends = [r["t_end"] - t_go for r in recv]
+    completion = max(ends)
+    return {
+        "completion_s": round(completion, 3),
+        "completion_over_ideal": round(completion / ideal, 3),
+        "node_p50_s": round(_pctl(ends, 0.5), 3),
+        "node_p99_s": round(_pctl(ends, 0.99), 3),
+        "origin_egress_over_size": round(sent / size, 4),
+        "origin_wire_egress_over_size": round((tx1 - tx0) / size, 4),
+        "streams_per_host": streams,
+        "node_cpu_s": {},
+        "node_cpu_fetch_s_p50": 0.0,
+    }
+
+
 # ---------------------------------------------------------------------------------- coordinator
 
 def _read_lines(procs: list[subprocess.Popen[str]], deadline: float, what: str) -> list[dict[str, Any]]:
@@ -336,7 +555,7 @@ def publish_artifact(src_dir: Path, origin_dir: Path, size_mb: float) -> tuple[s
 def run(nodes: int, size_mb: float, rate: str, modes: list[str],
         tuning: dict[str, int] | None = None, burst: str = "64kb", latency: str = "400ms",
         mtu: int = 1500, baseline: Path | None = None, bridge_nf: bool = False,
-        sysctls: dict[str, str] | None = None) -> dict[str, Any]:
+        sysctls: dict[str, str] | None = None, origin_http: str = "1.0") -> dict[str, Any]:
     from bench.netns import NetLab, check, rate_bits
 
     check()
@@ -347,20 +566,24 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
         shutil.rmtree(work / "src")
         ideal = size * 8 / rate_bits(rate)
         out: dict[str, Any] = {"nodes": nodes, "size_mb": size_mb, "rate": rate, "ideal_s": round(ideal, 3),
-                               "bytes": size, "mtu": mtu, "bridge_nf": bridge_nf, "sysctls": dict(sysctls or {})}
+                               "bytes": size, "mtu": mtu, "origin_http": origin_http,
+                               "tbf_burst": burst, "tbf_latency": latency, "bridge_nf": bridge_nf, "sysctls": dict(sysctls or {})}
         with NetLab(rate=rate, burst=burst, latency=latency, mtu=mtu, bridge_nf=bridge_nf, sysctls=sysctls or {}) as lab:
             origin_host = lab.add_host(octet=2)
             hosts = [lab.add_host(octet=10 + i) for i in range(nodes)]
             origin_proc = subprocess.Popen(
-                origin_host.exec_argv([sys.executable, "-m", "http.server", str(ORIGIN_PORT), "--bind",
-                                       origin_host.ip, "--directory", str(work / "origin")]),
+                origin_host.exec_argv([sys.executable, "-m", "bench.herd", "--origin-server", origin_host.ip,
+                                       str(ORIGIN_PORT), str(work / "origin"), origin_http]),
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             _wait_port(origin_host, ORIGIN_PORT)
             out["loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
             for mode in modes:
-                res = run_mode(lab, hosts, origin_host, mode, mid, size, work, ideal,
-                               tuning or {"workers": 16, "home": 2}, baseline)
-                key = {"origin": "origin_only", "herd": "herd", "flat": "flat", "perchunk": "perchunk",
+                tun = tuning or {"workers": 16, "home": 2}
+                if mode in ("tcp", "relay"):
+                    res = run_tcp_mode(hosts, origin_host, size, ideal, tun["home"], relay=mode == "relay")
+                else:
+                    res = run_mode(lab, hosts, origin_host, mode, mid, size, work, ideal, tun, baseline)
+                key = {"origin": "origin_only", "tcp": "tcp", "relay": "relay", "herd": "herd", "flat": "flat", "perchunk": "perchunk",
                        "baseline": "baseline"}.get(
                     mode, mode.replace("@", "_").replace("=", "").replace(",", "_").replace("+", "_"))
                 for k, v in res.items():
@@ -379,6 +602,27 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
         shutil.rmtree(work, ignore_errors=True)
 
 
+def origin_server_main(bind: str, port: str, directory: str, http: str = "1.1") -> int:
+    """The bench's origin: the stdlib's read-only static file server over ``directory``
+    (the bucket layout), threaded. ``http`` "1.1" keeps connections alive, as GCS and
+    any production object store do (the herd's origin client reuses them); "1.0" is
+    ``python -m http.server`` as it comes: one TCP connection per chunk, each starting
+    in slow start."""
+    import functools
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Handler(SimpleHTTPRequestHandler):
+        protocol_version = f"HTTP/{http}"
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    ThreadingHTTPServer.daemon_threads = True
+    with ThreadingHTTPServer((bind, int(port)), functools.partial(Handler, directory=directory)) as srv:
+        srv.serve_forever()
+    return 0
+
+
 def _wait_port(host: Any, port: int) -> None:
     probe = f"import socket,sys; socket.create_connection(('{host.ip}', {port}), timeout=1)"
     for _ in range(100):
@@ -392,13 +636,20 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "--worker":
         return worker_main(argv[1:])
+    if argv and argv[0] == "--origin-server":
+        return origin_server_main(*argv[1:])
+    if argv and argv[0] == "--tcp-worker":
+        return tcp_worker_main(argv[1:])
     p = argparse.ArgumentParser(prog="python -m bench.herd", description=__doc__.split("\n\n")[0])
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--size-mb", type=float, default=64.0)
     p.add_argument("--rate", default="100mbit")
     p.add_argument("--modes", default="origin,herd",
                    help="comma list of origin (no peers), herd (trees), flat (the design before the trees), "
-                        "perchunk (the trees, one waiting request per chunk: before batches could wait)")
+                        "perchunk (the trees, one waiting request per chunk: before batches could wait), "
+                        "tcp (plain TCP, no herd: the origin sends the size split over the hosts, "
+                        "--home-concurrency connections to each), relay (plain TCP in the herd's pattern: "
+                        "that, and each host forwards what it gets to every other host)")
     p.add_argument("--workers", type=int, default=16, help="herd: chunks in flight per node")
     p.add_argument("--flat", action="store_true", help="herd: the flat design before the trees (HerdConfig.tree=False)")
     p.add_argument("--home-concurrency", type=int, default=2, help="herd: origin streams per home")
@@ -411,6 +662,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="set in every host namespace (repeatable), e.g. net.ipv4.tcp_slow_start_after_idle=0")
     p.add_argument("--baseline-root", type=Path, default=None,
                    help="mode 'baseline': the herd mode run from this checkout's code (e.g. the main branch)")
+    p.add_argument("--origin-http", choices=("1.0", "1.1"), default="1.0",
+                   help="the origin's HTTP version: 1.1 keeps connections alive, "
+                        "1.0 (default) opens one per chunk (python -m http.server as it comes)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if not 1 <= a.nodes <= 64:
@@ -418,8 +672,9 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < a.size_mb <= 4096:
         p.error("--size-mb must be in (0, 4096]")
     modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if not modes or any(m.partition("@")[0] not in ("origin", "herd", "flat", "perchunk", "baseline") for m in modes):
-        p.error("--modes: origin, herd, flat, perchunk and/or baseline")
+    if not modes or any(m.partition("@")[0] not in ("origin", "herd", "flat", "perchunk", "baseline", "tcp", "relay")
+                        for m in modes):
+        p.error("--modes: origin, herd, flat, perchunk, baseline, tcp and/or relay")
     if "baseline" in modes and (a.baseline_root is None or not (a.baseline_root / "bench" / "herd.py").is_file()):
         p.error("--modes baseline needs --baseline-root DIR holding bench/herd.py")
     sysctls = dict(kv.split("=", 1) for kv in a.sysctl if "=" in kv)
@@ -430,7 +685,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = run(a.nodes, a.size_mb, a.rate, modes, {"workers": a.workers, "home": a.home_concurrency, "tree": not a.flat},
                   burst=a.tbf_burst, latency=a.tbf_latency, mtu=a.mtu, baseline=a.baseline_root,
-                  bridge_nf=a.bridge_nf, sysctls=sysctls)
+                  bridge_nf=a.bridge_nf, sysctls=sysctls, origin_http=a.origin_http)
     except NetnsUnavailable as e:
         msg = f"bench.herd skipped: {e}"
         if a.json:
@@ -443,7 +698,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"herd bench: {a.nodes} nodes, {a.size_mb:g} MiB, {a.rate} links; ideal {out['ideal_s']:.2f}s")
     print(f"{'mode':<12} {'last done':>10} {'/ideal':>8} {'p50':>8} {'p99':>8} {'origin/S':>9} {'wire/S':>8}")
-    for key, name in (("origin_only", "origin only"), ("herd", "herd"), ("perchunk", "per chunk"),
+    for key, name in (("tcp", "plain TCP"), ("relay", "TCP relay"), ("origin_only", "origin only"), ("herd", "herd"), ("perchunk", "per chunk"),
                       ("flat", "herd, flat"), ("baseline", "baseline")):
         if f"{key}_completion_s" in out:
             print(f"{name:<12} {out[f'{key}_completion_s']:>9.2f}s {out[f'{key}_completion_over_ideal']:>8.2f} "
