@@ -30,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 QUICK: dict[str, list[str]] = {
     "bench.artifacts": ["--size-mb", "16", "--repeat", "1"],
-    "bench.node": ["--mib", "32", "--repeat", "1"],
-    "bench.publish": ["--size-mb", "16", "--repeat", "1"],
+    "bench.node": ["--mib", "32", "--repeat", "1", "--settle-s", "0.5"],
+    "bench.publish": ["--size-mb", "16", "--repeat", "1", "--settle-s", "0.5"],
     "bench.origin_read": ["--mib", "16", "--repeat", "1"],
     "bench.gpus": ["--polls", "30", "--seconds", "1"],
     "bench.agent": ["--quick"],
