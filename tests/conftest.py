@@ -62,3 +62,15 @@ def _workload_user_can_reach_tmp(request: pytest.FixtureRequest) -> None:
     tmp = request.getfixturevalue("tmp_path")
     for d in (tmp.parent, tmp):
         os.chmod(d, 0o711)
+
+
+@pytest.fixture(autouse=True)
+def _virtual_time_fsyncs_inline(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under trio's autojump clock a worker thread is invisible: while the placer journal's
+    fsync runs in one, the clock jumps from deadline to deadline and a slow disk turns into
+    virtual-time HTTP timeouts. Virtual-time tests fsync on the event loop instead (the same
+    real fsync; the loop just waits for it)."""
+    if "autojump_clock" not in request.fixturenames:
+        return
+    from placer.journal import Journal
+    monkeypatch.setattr(Journal, "sync_in_thread", False)
