@@ -108,6 +108,7 @@ def _settle(*paths: Path, settle_s: float = 0.0) -> None:
 
 def run(size_mb: int, repeat: int, workdir: Path, log: Any, casync_ok: bool = True,
         ab: bool = False, settle_s: float = 5.0) -> dict[str, Any]:
+    workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-publish-", dir=workdir))
     try:
         tree = work / "tree"
