@@ -341,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             print(msg, file=sys.stderr, flush=True)
 
     parent = Path(args.workdir) if args.workdir else None
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="herd-bench-", dir=parent))
     try:
         result = run(args.size_mb, args.repeat, args.avg_chunk, tmp, log)

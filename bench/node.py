@@ -357,6 +357,7 @@ def _pair(h: dict[str, float], lp: dict[str, float]) -> dict[str, float]:
 
 def run(mib: int, repeat: int, tls: bool, workdir: Path, log: Any,
         herd_set: dict[str, int] | None = None, settle_s: float = 5.0) -> dict[str, Any]:
+    workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-node-", dir=workdir))
     try:
         t0 = time.perf_counter()

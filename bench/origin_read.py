@@ -70,6 +70,7 @@ def read_all(url: str, names: list[str], lean: bool, concurrency: int) -> dict[s
 
 
 def run(mib: int, repeat: int, concurrency: int, workdir: Path) -> dict[str, Any]:
+    workdir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bench-origin-read-", dir=workdir))
     server: subprocess.Popen[bytes] | None = None
     try:
