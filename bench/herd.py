@@ -557,13 +557,13 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
         mtu: int = 1500, baseline: Path | None = None, bridge_nf: bool = False,
         sysctls: dict[str, str] | None = None, origin_http: str = "1.0",
         shapings: list[str] | None = None, queue: str = "20ms") -> dict[str, Any]:
-    """``shapings`` (bench.netns.SHAPINGS; default htb): with several, every mode runs
+    """``shapings`` (entries of :func:`shaping_of`; default htb): with several, every mode runs
     under each in turn in the same lab (the links reshaped between), and its keys carry
     the shaping (``herd_tbf_completion_s``); with one, the keys are the mode's alone."""
-    from bench.netns import NetLab, Shaping, check, rate_bits
+    from bench.netns import NetLab, check, rate_bits
 
     kinds = shapings or ["htb"]
-    shapes = {k: Shaping(kind=k, rate=rate, burst=burst, latency=latency, queue=queue) for k in kinds}
+    shapes = {k: shaping_of(k, rate=rate, burst=burst, latency=latency, queue=queue) for k in kinds}
     for sh in shapes.values():
         check(shaping=sh)
     work = Path(tempfile.mkdtemp(prefix="herd-bench-"))
@@ -599,7 +599,7 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
                            "perchunk": "perchunk", "baseline": "baseline"}.get(
                         mode, mode.replace("@", "_").replace("=", "").replace(",", "_").replace("+", "_"))
                     if len(kinds) > 1:
-                        key = f"{key}_{kind}"
+                        key = f"{key}_{kind.replace(':', '')}"
                     for k, v in res.items():
                         out[f"{key}_{k}"] = v
         out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
@@ -614,6 +614,20 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
             except subprocess.TimeoutExpired:
                 origin_proc.kill()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def shaping_of(spec: str, *, rate: str, burst: str, latency: str, queue: str) -> Any:
+    """``--shaping`` entry -> bench.netns.Shaping: ``tbf``, ``htb``, or a kind with its
+    queue (``tbf:50ms``: tbf's latency; ``htb:100ms``: htb's bulk FIFO), so one run can
+    compare queue sizes too. Raises ValueError on a bad one."""
+    from bench.netns import Shaping
+
+    kind, _, q = spec.partition(":")
+    if q and kind == "tbf":
+        latency = q
+    elif q:
+        queue = q
+    return Shaping(kind=kind, rate=rate, burst=burst, latency=latency, queue=queue)
 
 
 def origin_server_main(bind: str, port: str, directory: str, http: str = "1.1") -> int:
@@ -671,7 +685,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="how every host link is shaped, both directions (bench.netns): htb (default: the link "
                         "rate, small TCP packets such as ACKs ahead of a short bulk FIFO, as a NIC and a switch "
                         "port behave), tbf (one token bucket and a --tbf-latency FIFO: the lab before session 28); "
-                        "a comma list (tbf,htb) runs every mode under each in the same run")
+                        "a comma list (tbf,htb) runs every mode under each in the same run; kind:QUEUE sets "
+                        "that one's queue (tbf:50ms, htb:100ms)")
     p.add_argument("--tbf-burst", default="64kb", help="the token bucket of either shaping (default 64kb)")
     p.add_argument("--tbf-latency", default="400ms", help="tbf: its queue, as latency at the rate (default 400ms)")
     p.add_argument("--queue", default="20ms", help="htb: the bulk FIFO, as time at the rate (default 20ms)")
@@ -697,15 +712,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--modes: origin, herd, flat, perchunk, baseline, tcp and/or relay")
     if "baseline" in modes and (a.baseline_root is None or not (a.baseline_root / "bench" / "herd.py").is_file()):
         p.error("--modes baseline needs --baseline-root DIR holding bench/herd.py")
-    from bench.netns import SHAPINGS, duration_s
-
     shapings = [k.strip() for k in a.shaping.split(",") if k.strip()]
-    if not shapings or any(k not in SHAPINGS for k in shapings) or len(set(shapings)) != len(shapings):
-        p.error(f"--shaping: a comma list of distinct {', '.join(SHAPINGS)}")
-    try:
-        duration_s(a.queue)
-    except ValueError as e:
-        p.error(f"--queue: {e}")
+    if not shapings or len(set(shapings)) != len(shapings):
+        p.error("--shaping: a comma list of distinct shapings")
+    for k in shapings:
+        try:
+            shaping_of(k, rate=a.rate, burst=a.tbf_burst, latency=a.tbf_latency, queue=a.queue)
+        except ValueError as e:
+            p.error(f"--shaping {k}: {e}")
     sysctls = dict(kv.split("=", 1) for kv in a.sysctl if "=" in kv)
     if len(sysctls) != len(a.sysctl):
         p.error("--sysctl takes KEY=VALUE")

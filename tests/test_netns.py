@@ -159,3 +159,14 @@ def test_htb_lab_puts_a_downloads_acks_first_and_reshapes() -> None:
                                capture_output=True, text=True, timeout=30, check=True).stdout
             assert q.startswith("qdisc tbf ") and "htb" not in q, q
         assert lab.shaping.kind == "tbf"
+
+
+def test_shaping_entries_set_their_own_queue() -> None:
+    from bench.herd import shaping_of
+
+    kw = {"rate": "100mbit", "burst": "64kb", "latency": "400ms", "queue": "20ms"}
+    assert shaping_of("htb", **kw) == Shaping(kind="htb", queue="20ms")
+    assert shaping_of("htb:100ms", **kw) == Shaping(kind="htb", queue="100ms")
+    assert shaping_of("tbf:50ms", **kw) == Shaping(kind="tbf", latency="50ms", queue="20ms")
+    with pytest.raises(ValueError, match="duration"):
+        shaping_of("htb:100", **kw)
