@@ -274,7 +274,7 @@ def tcp_worker_main(argv: list[str]) -> int:
 
 
 def run_tcp_mode(hosts: list[Any], origin_host: Any, size: int, ideal: float, streams: int,
-                 relay: bool = False) -> dict[str, Any]:
+                 relay: bool = False, hub: str = "") -> dict[str, Any]:
     """The same-run plain-TCP baselines, through the same shaped links, no herd code.
 
     ``tcp``: the origin's namespace sends ``size`` bytes split evenly over the hosts,
@@ -313,8 +313,11 @@ def run_tcp_mode(hosts: list[Any], origin_host: Any, size: int, ideal: float, st
             assert p.stdin is not None
             p.stdin.write("go\n")
             p.stdin.flush()
+        sampler = _Sampler(origin_host, hub) if os.environ.get("HERD_BENCH_CURVES") else None
         results = _read_lines(procs, time.monotonic() + ideal * 3 + 60, "tcp transfer")
         tx1 = origin_host.tx_bytes()
+        if sampler is not None:
+            sampler.report()
     finally:
         for p in procs:
             try:
@@ -428,6 +431,11 @@ class _Sampler:
         self._t.join()
         return self.rates
 
+    def report(self) -> None:
+        print("origin MB/s per 0.5s:", self.stop(), file=sys.stderr)
+        for t, row in enumerate(self.links):   # vh0 is the origin's link
+            print(f"t={t / 2:5.1f} down/up MB/s:", " ".join(f"{d:4.1f}/{u:4.1f}" for d, u in row), file=sys.stderr)
+
 
 def _pctl(xs: list[float], q: float) -> float:
     xs = sorted(xs)
@@ -477,9 +485,7 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
         results = _read_lines(procs, time.monotonic() + budget, f"{mode} fetch")
         tx1 = origin_host.tx_bytes()
         if sampler is not None:
-            print("origin MB/s per 0.5s:", sampler.stop(), file=sys.stderr)
-            for t, row in enumerate(sampler.links):   # vh0 is the origin's link
-                print(f"t={t / 2:5.1f} down/up MB/s:", " ".join(f"{d:4.1f}/{u:4.1f}" for d, u in row), file=sys.stderr)
+            sampler.report()
     finally:
         for p in procs:
             try:
@@ -556,7 +562,7 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
         tuning: dict[str, int] | None = None, burst: str = "64kb", latency: str = "400ms",
         mtu: int = 1500, baseline: Path | None = None, bridge_nf: bool = False,
         sysctls: dict[str, str] | None = None, origin_http: str = "1.0",
-        shapings: list[str] | None = None, queue: str = "20ms") -> dict[str, Any]:
+        shapings: list[str] | None = None, queue: str = "100ms") -> dict[str, Any]:
     """``shapings`` (entries of :func:`shaping_of`; default htb): with several, every mode runs
     under each in turn in the same lab (the links reshaped between), and its keys carry
     the shaping (``herd_tbf_completion_s``); with one, the keys are the mode's alone."""
@@ -592,7 +598,8 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
                         lab.reshape(shapes[kind])
                     tun = tuning or {"workers": 16, "home": 2}
                     if mode in ("tcp", "relay"):
-                        res = run_tcp_mode(hosts, origin_host, size, ideal, tun["home"], relay=mode == "relay")
+                        res = run_tcp_mode(hosts, origin_host, size, ideal, tun["home"], relay=mode == "relay",
+                                           hub=lab.hub)
                     else:
                         res = run_mode(lab, hosts, origin_host, mode, mid, size, work, ideal, tun, baseline)
                     key = {"origin": "origin_only", "tcp": "tcp", "relay": "relay", "herd": "herd", "flat": "flat",
@@ -683,13 +690,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--home-concurrency", type=int, default=2, help="herd: origin streams per home")
     p.add_argument("--shaping", default="htb",
                    help="how every host link is shaped, both directions (bench.netns): htb (default: the link "
-                        "rate, small TCP packets such as ACKs ahead of a short bulk FIFO, as a NIC and a switch "
+                        "rate, small TCP packets such as ACKs ahead of a --queue bulk FIFO, as a NIC and a switch "
                         "port behave), tbf (one token bucket and a --tbf-latency FIFO: the lab before session 28); "
                         "a comma list (tbf,htb) runs every mode under each in the same run; kind:QUEUE sets "
                         "that one's queue (tbf:50ms, htb:100ms)")
     p.add_argument("--tbf-burst", default="64kb", help="the token bucket of either shaping (default 64kb)")
     p.add_argument("--tbf-latency", default="400ms", help="tbf: its queue, as latency at the rate (default 400ms)")
-    p.add_argument("--queue", default="20ms", help="htb: the bulk FIFO, as time at the rate (default 20ms)")
+    p.add_argument("--queue", default="100ms", help="htb: the bulk FIFO, as time at the rate (default 100ms)")
     p.add_argument("--mtu", type=int, default=1500, help="MTU of every host link (9000: jumbo frames)")
     p.add_argument("--bridge-nf", action="store_true",
                    help="run bridged frames through iptables in the hub (br_netfilter; off by default, see bench.netns)")

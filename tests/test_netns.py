@@ -81,6 +81,7 @@ def test_htb_classes_share_the_link_rate_and_the_bulk_queue_is_short() -> None:
     (bulk,) = [a for a in sh.tc_argvs("eth0") if a[1] == "qdisc" and "1:20" in a]
     assert bulk[bulk.index("bfifo") + 2] == "250000"          # 20 ms at 100 mbit
     assert Shaping(kind="htb", rate="1mbit", queue="1ms").queue_bytes() == 16 * 1514   # never under 16 frames
+    assert Shaping(kind="htb").queue_bytes() == 1_250_000     # the default: 100 ms at 100 mbit
 
 
 def test_describe_names_the_parameters_and_lines() -> None:
