@@ -4,7 +4,8 @@
 
 Builds N host namespaces plus an origin namespace on a private bridge (bench/netns.py:
 made here, removed at the end, even on error or Ctrl-C), every host link shaped with
-``tc`` in both directions (``--shaping``: htb by default, tbf as before; see bench/netns.py). The origin serves a published artifact over plain
+``tc`` in both directions (``--shaping``: htb by default, tbf as before session 28; the
+run's JSON names the exact tc lines). The origin serves a published artifact over plain
 HTTP (``python -m http.server``, read-only, the bucket layout) from its namespace; each
 host runs one data plane + fetcher process (``ip netns exec``). All nodes fetch the
 same artifact at once, twice, on cold stores:
