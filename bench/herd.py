@@ -4,7 +4,8 @@
 
 Builds N host namespaces plus an origin namespace on a private bridge (bench/netns.py:
 made here, removed at the end, even on error or Ctrl-C), every host link shaped with
-``tc ... tbf`` in both directions. The origin serves a published artifact over plain
+``tc`` in both directions (``--shaping``: htb by default, tbf as before session 28; the
+run's JSON names the exact tc lines). The origin serves a published artifact over plain
 HTTP (``python -m http.server``, read-only, the bucket layout) from its namespace; each
 host runs one data plane + fetcher process (``ip netns exec``). All nodes fetch the
 same artifact at once, twice, on cold stores:
@@ -17,7 +18,7 @@ per-node completion p50/p99, and origin egress / S — app-level (bytes the node
 from the origin) and on the wire (the origin eth0's tx bytes, L2 headers included).
 Mode (a) is the same-run baseline: ``herd_speedup`` = (a) / (b).
 
-Needs root, iproute2 and a working tbf; says why and exits 0 without results where any
+Needs root, iproute2 and the shaping's qdiscs; says why and exits 0 without results where any
 is missing. Bounded: each mode has a deadline derived from the ideal time.
 """
 
@@ -274,8 +275,8 @@ def tcp_worker_main(argv: list[str]) -> int:
 
 
 def run_tcp_mode(hosts: list[Any], origin_host: Any, size: int, ideal: float, streams: int,
-                 relay: bool = False) -> dict[str, Any]:
-    """The same-run plain-TCP baselines, through the same tbf links, no herd code.
+                 relay: bool = False, hub: str = "") -> dict[str, Any]:
+    """The same-run plain-TCP baselines, through the same shaped links, no herd code.
 
     ``tcp``: the origin's namespace sends ``size`` bytes split evenly over the hosts,
     ``streams`` TCP connections to each (as many as the herd's homes open to the origin):
@@ -313,8 +314,11 @@ def run_tcp_mode(hosts: list[Any], origin_host: Any, size: int, ideal: float, st
             assert p.stdin is not None
             p.stdin.write("go\n")
             p.stdin.flush()
+        sampler = _Sampler(origin_host, hub) if os.environ.get("HERD_BENCH_CURVES") else None
         results = _read_lines(procs, time.monotonic() + ideal * 3 + 60, "tcp transfer")
         tx1 = origin_host.tx_bytes()
+        if sampler is not None:
+            sampler.report()
     finally:
         for p in procs:
             try:
@@ -428,6 +432,11 @@ class _Sampler:
         self._t.join()
         return self.rates
 
+    def report(self) -> None:
+        print("origin MB/s per 0.5s:", self.stop(), file=sys.stderr)
+        for t, row in enumerate(self.links):   # vh0 is the origin's link
+            print(f"t={t / 2:5.1f} down/up MB/s:", " ".join(f"{d:4.1f}/{u:4.1f}" for d, u in row), file=sys.stderr)
+
 
 def _pctl(xs: list[float], q: float) -> float:
     xs = sorted(xs)
@@ -477,9 +486,7 @@ def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_i
         results = _read_lines(procs, time.monotonic() + budget, f"{mode} fetch")
         tx1 = origin_host.tx_bytes()
         if sampler is not None:
-            print("origin MB/s per 0.5s:", sampler.stop(), file=sys.stderr)
-            for t, row in enumerate(sampler.links):   # vh0 is the origin's link
-                print(f"t={t / 2:5.1f} down/up MB/s:", " ".join(f"{d:4.1f}/{u:4.1f}" for d, u in row), file=sys.stderr)
+            sampler.report()
     finally:
         for p in procs:
             try:
@@ -555,10 +562,17 @@ def publish_artifact(src_dir: Path, origin_dir: Path, size_mb: float) -> tuple[s
 def run(nodes: int, size_mb: float, rate: str, modes: list[str],
         tuning: dict[str, int] | None = None, burst: str = "64kb", latency: str = "400ms",
         mtu: int = 1500, baseline: Path | None = None, bridge_nf: bool = False,
-        sysctls: dict[str, str] | None = None, origin_http: str = "1.0") -> dict[str, Any]:
+        sysctls: dict[str, str] | None = None, origin_http: str = "1.0",
+        shapings: list[str] | None = None, queue: str = "100ms") -> dict[str, Any]:
+    """``shapings`` (entries of :func:`shaping_of`; default htb): with several, every mode runs
+    under each in turn in the same lab (the links reshaped between), and its keys carry
+    the shaping (``herd_tbf_completion_s``); with one, the keys are the mode's alone."""
     from bench.netns import NetLab, check, rate_bits
 
-    check()
+    kinds = shapings or ["htb"]
+    shapes = {k: shaping_of(k, rate=rate, burst=burst, latency=latency, queue=queue) for k in kinds}
+    for sh in shapes.values():
+        check(shaping=sh)
     work = Path(tempfile.mkdtemp(prefix="herd-bench-"))
     origin_proc: subprocess.Popen[bytes] | None = None
     try:
@@ -567,8 +581,9 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
         ideal = size * 8 / rate_bits(rate)
         out: dict[str, Any] = {"nodes": nodes, "size_mb": size_mb, "rate": rate, "ideal_s": round(ideal, 3),
                                "bytes": size, "mtu": mtu, "origin_http": origin_http,
-                               "tbf_burst": burst, "tbf_latency": latency, "bridge_nf": bridge_nf, "sysctls": dict(sysctls or {})}
-        with NetLab(rate=rate, burst=burst, latency=latency, mtu=mtu, bridge_nf=bridge_nf, sysctls=sysctls or {}) as lab:
+                               "tbf_burst": burst, "tbf_latency": latency, "bridge_nf": bridge_nf, "sysctls": dict(sysctls or {}),
+                               "shapings": {k: sh.describe() for k, sh in shapes.items()}}
+        with NetLab(shapes[kinds[0]], mtu=mtu, bridge_nf=bridge_nf, sysctls=sysctls or {}) as lab:
             origin_host = lab.add_host(octet=2)
             hosts = [lab.add_host(octet=10 + i) for i in range(nodes)]
             origin_proc = subprocess.Popen(
@@ -577,17 +592,24 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             _wait_port(origin_host, ORIGIN_PORT)
             out["loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
+            # modes outer, shapings inner: each pair of one mode's runs back to back
             for mode in modes:
-                tun = tuning or {"workers": 16, "home": 2}
-                if mode in ("tcp", "relay"):
-                    res = run_tcp_mode(hosts, origin_host, size, ideal, tun["home"], relay=mode == "relay")
-                else:
-                    res = run_mode(lab, hosts, origin_host, mode, mid, size, work, ideal, tun, baseline)
-                key = {"origin": "origin_only", "tcp": "tcp", "relay": "relay", "herd": "herd", "flat": "flat", "perchunk": "perchunk",
-                       "baseline": "baseline"}.get(
-                    mode, mode.replace("@", "_").replace("=", "").replace(",", "_").replace("+", "_"))
-                for k, v in res.items():
-                    out[f"{key}_{k}"] = v
+                for kind in kinds:
+                    if lab.shaping != shapes[kind]:
+                        lab.reshape(shapes[kind])
+                    tun = tuning or {"workers": 16, "home": 2}
+                    if mode in ("tcp", "relay"):
+                        res = run_tcp_mode(hosts, origin_host, size, ideal, tun["home"], relay=mode == "relay",
+                                           hub=lab.hub)
+                    else:
+                        res = run_mode(lab, hosts, origin_host, mode, mid, size, work, ideal, tun, baseline)
+                    key = {"origin": "origin_only", "tcp": "tcp", "relay": "relay", "herd": "herd", "flat": "flat",
+                           "perchunk": "perchunk", "baseline": "baseline"}.get(
+                        mode, mode.replace("@", "_").replace("=", "").replace(",", "_").replace("+", "_"))
+                    if len(kinds) > 1:
+                        key = f"{key}_{kind.replace(':', '')}"
+                    for k, v in res.items():
+                        out[f"{key}_{k}"] = v
         out["loadavg_after"] = [round(x, 2) for x in os.getloadavg()]
         if "origin_only_completion_s" in out and "herd_completion_s" in out:
             out["herd_speedup"] = round(out["origin_only_completion_s"] / out["herd_completion_s"], 2)
@@ -600,6 +622,20 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
             except subprocess.TimeoutExpired:
                 origin_proc.kill()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def shaping_of(spec: str, *, rate: str, burst: str, latency: str, queue: str) -> Any:
+    """``--shaping`` entry -> bench.netns.Shaping: ``tbf``, ``htb``, or a kind with its
+    queue (``tbf:50ms``: tbf's latency; ``htb:100ms``: htb's bulk FIFO), so one run can
+    compare queue sizes too. Raises ValueError on a bad one."""
+    from bench.netns import Shaping
+
+    kind, _, q = spec.partition(":")
+    if q and kind == "tbf":
+        latency = q
+    elif q:
+        queue = q
+    return Shaping(kind=kind, rate=rate, burst=burst, latency=latency, queue=queue)
 
 
 def origin_server_main(bind: str, port: str, directory: str, http: str = "1.1") -> int:
@@ -653,8 +689,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=16, help="herd: chunks in flight per node")
     p.add_argument("--flat", action="store_true", help="herd: the flat design before the trees (HerdConfig.tree=False)")
     p.add_argument("--home-concurrency", type=int, default=2, help="herd: origin streams per home")
-    p.add_argument("--tbf-burst", default="64kb", help="tbf burst (default 64kb)")
-    p.add_argument("--tbf-latency", default="400ms", help="tbf queue as latency (default 400ms)")
+    p.add_argument("--shaping", default="htb",
+                   help="how every host link is shaped, both directions (bench.netns): htb (default: the link "
+                        "rate, small TCP packets such as ACKs ahead of a --queue bulk FIFO, as a NIC and a switch "
+                        "port behave), tbf (one token bucket and a --tbf-latency FIFO: the lab before session 28); "
+                        "a comma list (tbf,htb) runs every mode under each in the same run; kind:QUEUE sets "
+                        "that one's queue (tbf:50ms, htb:100ms)")
+    p.add_argument("--tbf-burst", default="64kb", help="the token bucket of either shaping (default 64kb)")
+    p.add_argument("--tbf-latency", default="400ms", help="tbf: its queue, as latency at the rate (default 400ms)")
+    p.add_argument("--queue", default="100ms", help="htb: the bulk FIFO, as time at the rate (default 100ms)")
     p.add_argument("--mtu", type=int, default=1500, help="MTU of every host link (9000: jumbo frames)")
     p.add_argument("--bridge-nf", action="store_true",
                    help="run bridged frames through iptables in the hub (br_netfilter; off by default, see bench.netns)")
@@ -677,6 +720,14 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--modes: origin, herd, flat, perchunk, baseline, tcp and/or relay")
     if "baseline" in modes and (a.baseline_root is None or not (a.baseline_root / "bench" / "herd.py").is_file()):
         p.error("--modes baseline needs --baseline-root DIR holding bench/herd.py")
+    shapings = [k.strip() for k in a.shaping.split(",") if k.strip()]
+    if not shapings or len(set(shapings)) != len(shapings):
+        p.error("--shaping: a comma list of distinct shapings")
+    for k in shapings:
+        try:
+            shaping_of(k, rate=a.rate, burst=a.tbf_burst, latency=a.tbf_latency, queue=a.queue)
+        except ValueError as e:
+            p.error(f"--shaping {k}: {e}")
     sysctls = dict(kv.split("=", 1) for kv in a.sysctl if "=" in kv)
     if len(sysctls) != len(a.sysctl):
         p.error("--sysctl takes KEY=VALUE")
@@ -685,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = run(a.nodes, a.size_mb, a.rate, modes, {"workers": a.workers, "home": a.home_concurrency, "tree": not a.flat},
                   burst=a.tbf_burst, latency=a.tbf_latency, mtu=a.mtu, baseline=a.baseline_root,
-                  bridge_nf=a.bridge_nf, sysctls=sysctls, origin_http=a.origin_http)
+                  bridge_nf=a.bridge_nf, sysctls=sysctls, origin_http=a.origin_http, shapings=shapings, queue=a.queue)
     except NetnsUnavailable as e:
         msg = f"bench.herd skipped: {e}"
         if a.json:
@@ -697,11 +748,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
         return 0
     print(f"herd bench: {a.nodes} nodes, {a.size_mb:g} MiB, {a.rate} links; ideal {out['ideal_s']:.2f}s")
-    print(f"{'mode':<12} {'last done':>10} {'/ideal':>8} {'p50':>8} {'p99':>8} {'origin/S':>9} {'wire/S':>8}")
-    for key, name in (("tcp", "plain TCP"), ("relay", "TCP relay"), ("origin_only", "origin only"), ("herd", "herd"), ("perchunk", "per chunk"),
-                      ("flat", "herd, flat"), ("baseline", "baseline")):
+    print(f"{'mode':<16} {'last done':>10} {'/ideal':>8} {'p50':>8} {'p99':>8} {'origin/S':>9} {'wire/S':>8}")
+    rows: tuple[tuple[str, str], ...] = (("tcp", "plain TCP"), ("relay", "TCP relay"), ("origin_only", "origin only"), ("herd", "herd"), ("perchunk", "per chunk"),
+            ("flat", "herd, flat"), ("baseline", "baseline"))
+    if len(shapings) > 1:
+        rows = tuple((f"{key}_{k}", f"{name} {k}") for key, name in rows for k in shapings)
+    print(f"shaping: {'; '.join(' | '.join(d['tc']) for d in out['shapings'].values())}")
+    for key, name in rows:
         if f"{key}_completion_s" in out:
-            print(f"{name:<12} {out[f'{key}_completion_s']:>9.2f}s {out[f'{key}_completion_over_ideal']:>8.2f} "
+            print(f"{name:<16} {out[f'{key}_completion_s']:>9.2f}s {out[f'{key}_completion_over_ideal']:>8.2f} "
                   f"{out[f'{key}_node_p50_s']:>7.2f}s {out[f'{key}_node_p99_s']:>7.2f}s "
                   f"{out[f'{key}_origin_egress_over_size']:>9.3f} {out[f'{key}_origin_wire_egress_over_size']:>8.3f}"
                   f"  CPU-s per node: {' '.join(f'{v:.1f}' for v in out[f'{key}_node_cpu_s'].values())}"
