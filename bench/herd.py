@@ -447,7 +447,7 @@ def _pctl(xs: list[float], q: float) -> float:
 
 
 def run_mode(lab: Any, hosts: list[Any], origin_host: Any, mode: str, manifest_id: str,
-             size: int, work: Path, ideal: float, tuning: dict[str, int], baseline: Path | None = None) -> dict[str, Any]:
+             size: int, work: Path, ideal: float, tuning: dict[str, Any], baseline: Path | None = None) -> dict[str, Any]:
     procs: list[subprocess.Popen[str]] = []
     name = mode
     root = ROOT
@@ -560,7 +560,7 @@ def publish_artifact(src_dir: Path, origin_dir: Path, size_mb: float) -> tuple[s
 
 
 def run(nodes: int, size_mb: float, rate: str, modes: list[str],
-        tuning: dict[str, int] | None = None, burst: str = "64kb", latency: str = "400ms",
+        tuning: dict[str, Any] | None = None, burst: str = "64kb", latency: str = "400ms",
         mtu: int = 1500, baseline: Path | None = None, bridge_nf: bool = False,
         sysctls: dict[str, str] | None = None, origin_http: str = "1.0",
         shapings: list[str] | None = None, queue: str = "100ms") -> dict[str, Any]:
@@ -597,9 +597,12 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
                 for kind in kinds:
                     if lab.shaping != shapes[kind]:
                         lab.reshape(shapes[kind])
-                    tun = tuning or {"workers": 16, "home": 2}
+                    tun = tuning or {"workers": 16, "home": None}
                     if mode in ("tcp", "relay"):
-                        res = run_tcp_mode(hosts, origin_host, size, ideal, tun["home"], relay=mode == "relay",
+                        # as many streams to the origin as the herd's homes open
+                        from p2p.herd import HerdConfig, home_streams
+                        streams = tun["home"] or home_streams(HerdConfig(), homes=len(hosts))
+                        res = run_tcp_mode(hosts, origin_host, size, ideal, streams, relay=mode == "relay",
                                            hub=lab.hub)
                     else:
                         res = run_mode(lab, hosts, origin_host, mode, mid, size, work, ideal, tun, baseline)
@@ -688,7 +691,8 @@ def main(argv: list[str] | None = None) -> int:
                         "that, and each host forwards what it gets to every other host)")
     p.add_argument("--workers", type=int, default=16, help="herd: chunks in flight per node")
     p.add_argument("--flat", action="store_true", help="herd: the flat design before the trees (HerdConfig.tree=False)")
-    p.add_argument("--home-concurrency", type=int, default=2, help="herd: origin streams per home")
+    p.add_argument("--home-concurrency", type=int, default=None,
+                   help="herd: origin streams per home (default: HerdConfig's, derived from the number of homes)")
     p.add_argument("--shaping", default="htb",
                    help="how every host link is shaped, both directions (bench.netns): htb (default: the link "
                         "rate, small TCP packets such as ACKs ahead of a --queue bulk FIFO, as a NIC and a switch "

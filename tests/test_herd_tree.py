@@ -216,3 +216,16 @@ async def test_simulated_tree_follows_the_fetchers_byte_balanced_order(tmp_path:
             for n in nodes:
                 await n.herd.aclose()
             nursery.cancel_scope.cancel()
+
+
+def test_origin_streams_per_home_follow_the_number_of_homes() -> None:
+    """Unset, a home's origin streams are the herd's ``origin_streams`` spread over its homes
+    (at least one each, at most ``origin_concurrency``); set, exactly what was asked."""
+    from p2p.herd import home_streams
+
+    cfg = HerdConfig()
+    assert cfg.home_concurrency is None and cfg.origin_streams == 4
+    assert [home_streams(cfg, homes=n) for n in (1, 2, 3, 4, 8, 25_000)] == [4, 2, 2, 1, 1, 1]
+    assert home_streams(HerdConfig(origin_streams=64, origin_concurrency=8), homes=2) == 8
+    assert home_streams(HerdConfig(home_concurrency=3), homes=8) == 3
+    assert home_streams(cfg, homes=0) == 4
