@@ -43,7 +43,6 @@ from __future__ import annotations
 import argparse
 import gc
 import hashlib
-import heapq
 import json
 import logging
 import math
@@ -411,8 +410,6 @@ class EmulatedRelay:
         self.bundles = 0
         self.part_bytes_max = 0
         self.beats = 0
-        self.beat_gen = 0                        # BeatClock: beats of an older connection are void
-        self.beat_hb = fleet.cfg.heartbeat_s     # the interval (the placer's answers say it)
         self.reports = 0
         self.failures = 0
         self._pending: dict[str, list[WorkloadEvent]] = {}
@@ -459,11 +456,10 @@ class EmulatedRelay:
                     n.start_soon(self._serve, ch, n.cancel_scope)
                     for m in self.members:
                         n.start_soon(self._register, m)
-                    f.beat_clock.start(self)
+                    n.start_soon(self._beats)
                     n.start_soon(self._events)
             finally:
                 self.channel = None
-                self.beat_gen += 1   # (its beats stop: the next connection starts them again)
                 self.drops += 1
                 why = ch.close_reason or "ended here"
                 f.drop_reasons[why] = f.drop_reasons.get(why, 0) + 1
@@ -729,105 +725,38 @@ class EmulatedRelay:
                 stop, _ = verified_stops(m.mac_key or None, m.slot.node_id, m.boot_id, list(wr.reply.stop))
                 self._after(m, msgspec.structs.replace(wr.reply, stop=stop))
 
-    def beat_frame(self) -> tuple[FrameChannel, int, bytes] | None:
-        """This relay's RackBeat for its registered members (each entry's seq moved on, with
-        its MAC), prepared on its connection; None when there is nothing to send."""
-        ch = self.channel
-        live = [m for m in self.members if m.registered]
-        if ch is None or not live:
-            return None
-        macs = []
-        for m in live:
-            m.seq += 1
-            macs.append(beat_mac(m.mac_key, m.slot.node_id, m.boot_id, m.seq) if m.mac_key else b"")
-        b = RackBeat(rack=self.rack, node_ids=[m.slot.node_id for m in live], boot_ids=[m.boot_id for m in live],
-                     seqs=[m.seq for m in live], sent_at=time.time(), macs=macs)
-        rid, data = ch.prepare("beat", b)
-        return ch, rid, data
-
-    def beat_answered(self, f: Frame) -> None:
-        """The placer's answer to this relay's beat: members to register again, verified stops."""
-        if f.type == "error":
-            self.failures += 1
-            return
-        self.beats += 1
-        r = decode_payload(f, RackBeatReply)
-        for nid in r.need_full:
-            again = self.by_id.get(nid)
-            if again is not None:
-                self.fleet.spawn(self._register, again)
-        for ns in r.stop:
-            told = self.by_id.get(ns.node_id)
-            if told is not None:
-                stop, _ = verified_stops(told.mac_key or None, told.slot.node_id, told.boot_id, list(ns.stop))
-                self.fleet.spawn(told.stop_workloads, stop)
-        if r.heartbeat_interval_s:
-            self.beat_hb = r.heartbeat_interval_s
-
-
-class BeatClock:
-    """Every relay's aggregated beat of this process, from one task: a relay sends its next
-    beat one interval after the answer to its last (or after ``request_timeout_s`` without
-    one), as agent/relay.py does, each on its own frames connection. One process plays
-    hundreds of relay hosts: a sleeping task, a deadline and a waiting call per relay per beat
-    were ~45 % of the emulator's busy CPU at 131,072 trays (py-spy, 8 processes), a cost no
-    relay host pays for anyone else. What goes on the wire is unchanged: the same RackBeat
-    frames, one per relay per interval, each entry with its member's MAC."""
-
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
-        self._heap: list[tuple[float, int, EmulatedRelay, int, int]] = []   # (due, tiebreak, relay, gen, rid)
-        self._n = 0
-        self._wake = trio.Event()
-
-    def start(self, r: EmulatedRelay) -> None:
-        """``r`` has a new connection: its beats begin within one interval (spread)."""
-        self._at(trio.current_time() + random.uniform(0, r.beat_hb), r, 0)
-
-    def _at(self, due: float, r: EmulatedRelay, rid: int) -> None:
-        self._n += 1
-        heapq.heappush(self._heap, (due, self._n, r, r.beat_gen, rid))
-        if self._heap[0][1] == self._n:
-            self._wake.set()
-
-    async def run(self) -> None:
-        while True:
-            now = trio.current_time()
-            while self._heap and self._heap[0][0] <= now:
-                _, _, r, gen, rid = heapq.heappop(self._heap)
-                if gen != r.beat_gen:
-                    continue          # its connection ended: the next one started its own beats
-                if rid:               # a beat unanswered for request_timeout_s: given up, the next one later
-                    ch = r.channel
-                    if ch is not None:
-                        ch.forget(rid)
-                    r.failures += 1
-                    self._at(now + r.beat_hb, r, 0)
-                    continue
-                self._send(r, gen, now)
-            self._wake = trio.Event()
-            with trio.move_on_at(self._heap[0][0] if self._heap else math.inf):
-                await self._wake.wait()
-
-    def _send(self, r: EmulatedRelay, gen: int, now: float) -> None:
-        out = r.beat_frame()
-        if out is None:
-            self._at(now + r.beat_hb, r, 0)   # no member registered yet: look again an interval later
-            return
-        ch, rid, data = out
-
-        def answered(f: Frame | None) -> None:
-            if f is None or gen != r.beat_gen:
-                return        # the connection closed: its successor beats on its own
-            r.beat_answered(f)
-            r.beat_gen += 1   # (the timeout entry below is void now)
-            self._at(trio.current_time() + r.beat_hb, r, 0)
-
-        try:
-            ch.call_cb(rid, data, answered)
-        except FrameError:
-            return            # closed: run()'s next connection starts its beats again
-        self._at(now + self.fleet.cfg.request_timeout_s, r, rid)
+    async def _beats(self) -> None:
+        hb = self.fleet.cfg.heartbeat_s
+        await trio.sleep(random.uniform(0, hb))  # relays' beats spread over the interval
+        while self.channel is not None:
+            live = [m for m in self.members if m.registered]
+            if live:
+                for m in live:
+                    m.seq += 1
+                b = RackBeat(rack=self.rack, node_ids=[m.slot.node_id for m in live],
+                             boot_ids=[m.boot_id for m in live], seqs=[m.seq for m in live], sent_at=time.time(),
+                             macs=[beat_mac(m.mac_key, m.slot.node_id, m.boot_id, m.seq) if m.mac_key else b""
+                                   for m in live])
+                ch = self.channel
+                try:
+                    f = await ch.call("beat", b, timeout_s=self.fleet.cfg.request_timeout_s)
+                    self.beats += 1
+                    r = decode_payload(f, RackBeatReply)
+                    for nid in r.need_full:
+                        again = self.by_id.get(nid)
+                        if again is not None:
+                            self.fleet.spawn(self._register, again)
+                    for ns in r.stop:
+                        told = self.by_id.get(ns.node_id)
+                        if told is not None:
+                            stop, _ = verified_stops(told.mac_key or None, told.slot.node_id, told.boot_id,
+                                                     list(ns.stop))
+                            self.fleet.spawn(told.stop_workloads, stop)
+                    if r.heartbeat_interval_s:
+                        hb = r.heartbeat_interval_s
+                except (FrameError, CallFailed, trio.TooSlowError):
+                    self.failures += 1
+            await trio.sleep(hb)
 
 
 # ---------------------------------------------------------------- statistics
@@ -935,7 +864,6 @@ class Fleet:
         self._go = trio.Event()
         # relay mode
         self.relays: list[EmulatedRelay] = []
-        self.beat_clock = BeatClock(self)              # every relay's beats, from one task
         self.frames_url: str | None = None            # this process's frames listener (blob_get)
         self.blobs: dict[str, bytes] = {}              # gang blobs this process holds (shared in-process)
         self._blob_ready: dict[str, trio.Event] = {}
@@ -1088,7 +1016,6 @@ class Fleet:
                                     local_address=_source(k, cfg.sources))
                     self.shared.append(sw)
                     n.start_soon(sw.run)
-                n.start_soon(self.beat_clock.run)
                 for r in self.relays:
                     n.start_soon(r.run)
                 return
