@@ -37,6 +37,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -44,7 +45,7 @@ import trio
 import trio.lowlevel
 
 from scheduler_link import msgauth
-from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload
+from scheduler_link.frames import FrameChannel, FrameError, decode_payload
 from scheduler_link.heartbeat_wire import Hello, WireReply
 from scheduler_link.messages import (
     AckBundle,
@@ -94,6 +95,17 @@ class RelayStats:
     reports: int = 0
     bytes_out: int = 0             # bundle bytes written
     last_delivery: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True, eq=False)
+class _RackCall:
+    """One rack's bundle in a delivery round, waiting for its relay's answer."""
+    path: str
+    conn: RelayConn
+    ps: list[Push]
+    rid: int
+    settled: bool = False     # its wait is over: answered, failed, or given up on
+    fell_back: bool = False   # its members not reached were pushed directly
 
 
 def _rank(rack: str, node_id: str) -> bytes:
@@ -312,7 +324,15 @@ class RelayHub:
         The round's bundles are built (and encoded) in batches of ``BUILD_BATCH``, each sent as
         soon as it is built; with ``ready`` (the journal's sync), nothing leaves until it says
         yes (awaited once the first batch is built, so that build overlaps the fsync). None
-        when it says no."""
+        when it says no.
+
+        No task waits per rack: each bundle's answer is handled by a callback in its relay
+        connection's reader (:meth:`FrameChannel.call_cb`), and this one task watches the
+        round's deadline (a nursery and two tasks per rack cost ~0.1 ms of placer CPU each,
+        ~0.3 s of a 2,778-rack round's, measured). A rack's members that its relay did not
+        reach (no answer by the deadline, a broken connection, left out, a MAC that does not
+        verify) are pushed directly, while a late answer from the relay still counts (each
+        node's first outcome is kept, and a member answered either way is not pushed again)."""
         cfg = self.svc.cfg
         t0 = trio.current_time()
         direct, by_rack = self.split(pushes)
@@ -328,6 +348,27 @@ class RelayHub:
         marks = {"built": 0.0, "sent": 0.0, "first_ack": math.inf, "last_ack": 0.0,
                  "fallback_first": math.inf, "fallback_last": 0.0, "fallback_push_max": 0.0}
         fallbacks0 = self.stats.fallback_nodes
+
+        # A relay has failed when it has not answered relay_timeout_s after the round last made
+        # progress: after the last bundle left, or after the latest ack any relay of the round
+        # gave (so relays slowed by a busy host are not taken for dead while their peers answer),
+        # and never later than 4x relay_timeout_s after the last bundle left (STOPS_CAP_S for a
+        # round of stops only).
+        patience = cfg.relay_timeout_s if job_id else max(cfg.relay_timeout_s, STOPS_PATIENCE_S)
+        fallback_slots = trio.CapacityLimiter(max(1, cfg.push_concurrency))
+        deadline = [math.inf]
+        cap = [math.inf]
+        done: set[str] = set()                    # rack members with an outcome (the first is kept)
+        members_left = [len({p.node_id for _, (_, ps) in racks for p in ps})]
+        all_done = trio.Event()                   # every rack member has an outcome
+        waits_left = [len(racks)]
+        idle = trio.Event()                       # every rack's wait is over (answered or failed)
+        if not members_left[0]:
+            all_done.set()
+        if not racks:
+            idle.set()
+        calls: list[_RackCall] = []
+        fb: list[trio.Nursery] = []               # the round's fallback pushes
 
         async def one(p: Push) -> None:
             o = await push_direct(p)
@@ -350,136 +391,112 @@ class RelayHub:
                 self.stats.blob_seeds += 1
             return conn.channel.prepare("bundle", rb)
 
-        async def rack(path: str, conn: RelayConn, ps: list[Push], rid: int, data: bytes) -> None:
-            """One rack: its bundle to its relay; past the deadline its members are pushed directly,
-            while a late answer from the relay still counts (each node's first outcome is kept,
-            and a member answered by either way is not pushed again)."""
-            self.stats.bundles += 1
-            self.stats.bytes_out += len(data)
-            done: set[str] = set()
-            all_done = trio.Event()
-            answer: list[Frame | Exception] = []
-            answered = trio.Event()
+        def record(p: Push, o: Outcome) -> None:
+            if p.node_id in done:
+                return
+            done.add(p.node_id)
+            if p.kind == "start":
+                acks.setdefault(p.node_id, o)
+            members_left[0] -= 1
+            if members_left[0] <= 0:
+                all_done.set()
 
-            def record(p: Push, o: Outcome) -> None:
+        def from_relay(rc: _RackCall, f: Frame) -> int:
+            ab = decode_payload(f, AckBundle)
+            got = {o.node_id: o for o in ab.outcomes}
+            n_new = 0
+            state = self.svc.state
+            nodes = state.nodes
+            relay_id = rc.conn.node_id
+            for p in rc.ps:
+                nid = p.node_id
+                o = got.get(nid)
+                if o is None:
+                    continue
+                if nid != relay_id:  # a member's: only with its MAC
+                    node = nodes.get(nid)
+                    if node is None or not msgauth.outcome_ok(state.mac_key(nid, node.boot_id), o):
+                        state.counters["bad_macs"] += 1
+                        log.warning("relay's ack refused: MAC does not verify node=%s relay=%s rack=%s",
+                                    nid, relay_id, rc.path)
+                        continue   # as if left out: pushed directly
+                if o.placement_id == p.placement_id and nid not in done:
+                    n_new += 1
+                    record(p, ACCEPTED if o.outcome == "accepted" and not o.refused_gpus and o.detail is None
+                           else Outcome(o.outcome, tuple(o.refused_gpus), o.detail))  # (one shared, mostly)
+            self.stats.relayed_nodes += n_new
+            return n_new
+
+        async def push_fallback(p: Push) -> None:
+            async with fallback_slots:  # (queued here, not in the pool: a late answer can still save the push)
                 if p.node_id in done:
-                    return
-                done.add(p.node_id)
-                if p.kind == "start":
-                    acks.setdefault(p.node_id, o)
-                if len(done) >= len(ps):
-                    all_done.set()
+                    return  # the relay's late answer came first
+                self.stats.fallback_nodes += 1
+                f0 = trio.current_time()
+                marks["fallback_first"] = min(marks["fallback_first"], f0 - t0)
+                o = await push_direct(p)
+                f1 = trio.current_time()
+                marks["fallback_last"] = max(marks["fallback_last"], f1 - t0)
+                marks["fallback_push_max"] = max(marks["fallback_push_max"], f1 - f0)
+            record(p, o)
 
-            def from_relay(f: Frame) -> int:
-                ab = decode_payload(f, AckBundle)
-                got = {o.node_id: o for o in ab.outcomes}
-                n_new = 0
-                nodes = self.svc.state.nodes
-                for p in ps:
-                    o = got.get(p.node_id)
-                    if o is not None and p.node_id != conn.node_id:  # a member's: only with its MAC
-                        node = nodes.get(p.node_id)
-                        if node is None or not msgauth.outcome_ok(self.svc.state.mac_key(p.node_id, node.boot_id), o):
-                            self.svc.state.counters["bad_macs"] += 1
-                            log.warning("relay's ack refused: MAC does not verify node=%s relay=%s rack=%s",
-                                        p.node_id, conn.node_id, path)
-                            o = None   # as if left out: pushed directly
-                    if o is not None and o.placement_id == p.placement_id and p.node_id not in done:
-                        n_new += 1
-                        record(p, ACCEPTED if o.outcome == "accepted" and not o.refused_gpus and o.detail is None
-                               else Outcome(o.outcome, tuple(o.refused_gpus), o.detail))  # (one shared, mostly)
-                self.stats.relayed_nodes += n_new
-                return n_new
-
-            async def ask() -> None:
-                try:
-                    with trio.move_on_at(cap[0] + STOPS_CAP_S):  # a late answer is still worth having
-                        answer.append(await conn.channel.call_prepared(rid, data))
-                except (FrameError, CallFailed) as e:
-                    answer.append(e)
-                finally:
-                    answered.set()
-
-            async def direct(p: Push) -> None:
-                async with fallback_slots:  # (queued here, not in the pool: a late answer can still save the push)
-                    if p.node_id in done:
-                        return  # the relay's late answer came first
-                    self.stats.fallback_nodes += 1
-                    f0 = trio.current_time()
-                    marks["fallback_first"] = min(marks["fallback_first"], f0 - t0)
-                    o = await push_direct(p)
-                    f1 = trio.current_time()
-                    marks["fallback_last"] = max(marks["fallback_last"], f1 - t0)
-                    marks["fallback_push_max"] = max(marks["fallback_push_max"], f1 - f0)
-                record(p, o)
-
-            async with trio.open_nursery() as rn:
-                rn.start_soon(ask)
-                cs = trio.CancelScope(deadline=cap[0])   # the absolute bound, whatever the watchdog does
-                pending.add(cs)
-                try:
-                    with cs:
-                        await answered.wait()
-                finally:
-                    waited(cs)
-                f = answer[0] if answer else None
-                if isinstance(f, Frame):
-                    now_t = trio.current_time()
-                    deadline[0] = max(deadline[0], min(cap[0], now_t + patience))  # the round progresses
-                    a = now_t - t0
-                    marks["first_ack"] = min(marks["first_ack"], a)
-                    marks["last_ack"] = max(marks["last_ack"], a)
-                    try:
-                        from_relay(f)
-                    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                        log.warning("relay answered a malformed ack bundle rack=%s relay=%s err=%s", path,
-                                    conn.node_id, e)
-                else:
-                    self.stats.bundle_failures += 1
-                    self.forget_choice(path)
-                    log.warning("relay did not deliver rack=%s relay=%s parts=%d err=%s; pushing directly",
-                                path, conn.node_id, len(ps), type(f).__name__ if f else "TooSlowError")
-                if len(done) < len(ps):
-                    for p in ps:
-                        if p.node_id not in done:
-                            rn.start_soon(direct, p)
-                    if not answered.is_set():
-                        async def late() -> None:
-                            await answered.wait()
-                            g = answer[0] if answer else None
-                            if isinstance(g, Frame):
-                                try:
-                                    self.stats.late_nodes += from_relay(g)
-                                except (msgspec.DecodeError, msgspec.ValidationError):
-                                    pass
-                        rn.start_soon(late)
-                    await all_done.wait()
-                rn.cancel_scope.cancel()
-            racks_left[0] -= 1
-            if racks_left[0] <= 0:
-                racks_done.set()
-
-        # A relay has failed when it has not answered relay_timeout_s after the round last made
-        # progress: after the last bundle left, or after the latest ack any relay of the round
-        # gave (so relays slowed by a busy host are not taken for dead while their peers answer),
-        # and never later than 4x relay_timeout_s after the last bundle left (STOPS_CAP_S for a
-        # round of stops only).
-        patience = cfg.relay_timeout_s if job_id else max(cfg.relay_timeout_s, STOPS_PATIENCE_S)
-        fallback_slots = trio.CapacityLimiter(max(1, cfg.push_concurrency))
-        deadline = [math.inf]
-        cap = [math.inf]
-        pending: set[trio.CancelScope] = set()
-
-        waits_left = [len(racks)]
-        idle = trio.Event()
-        racks_left = [len(racks)]
-        racks_done = trio.Event()
-
-        def waited(cs: trio.CancelScope) -> None:
-            pending.discard(cs)
+        def settle(rc: _RackCall) -> None:
+            rc.settled = True
             waits_left[0] -= 1
             if waits_left[0] <= 0:
                 idle.set()
+
+        def fall_back(rc: _RackCall) -> None:
+            """The rack's members without an outcome: pushed directly (once per rack)."""
+            if rc.fell_back:
+                return
+            rc.fell_back = True
+            for p in rc.ps:
+                if p.node_id not in done:
+                    fb[0].start_soon(push_fallback, p)
+
+        def fail(rc: _RackCall, why: str) -> None:
+            self.stats.bundle_failures += 1
+            self.forget_choice(rc.path)
+            log.warning("relay did not deliver rack=%s relay=%s parts=%d err=%s; pushing directly",
+                        rc.path, rc.conn.node_id, len(rc.ps), why)
+            settle(rc)
+            fall_back(rc)
+
+        def answered(rc: _RackCall, f: Frame | None) -> None:
+            """The relay's answer (None: its connection closed first), in its reader task."""
+            if f is None or f.type == "error":
+                if not rc.settled:
+                    fail(rc, "FrameError" if f is None else "CallFailed")
+                return
+            if rc.settled:  # late: its members are being pushed directly; what it says still counts
+                try:
+                    self.stats.late_nodes += from_relay(rc, f)
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    pass
+                return
+            now_t = trio.current_time()
+            deadline[0] = max(deadline[0], min(cap[0], now_t + patience))  # the round progresses
+            a = now_t - t0
+            marks["first_ack"] = min(marks["first_ack"], a)
+            marks["last_ack"] = max(marks["last_ack"], a)
+            try:
+                from_relay(rc, f)
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.warning("relay answered a malformed ack bundle rack=%s relay=%s err=%s", rc.path,
+                            rc.conn.node_id, e)
+            settle(rc)
+            if any(p.node_id not in done for p in rc.ps):
+                fall_back(rc)
+
+        def send(rc: _RackCall, data: bytes) -> None:
+            self.stats.bundles += 1
+            self.stats.bytes_out += len(data)
+            calls.append(rc)
+            try:
+                rc.conn.channel.call_cb(rc.rid, data, partial(answered, rc))
+            except FrameError:
+                fail(rc, "FrameError")
 
         # What relays report waits while a start round's acks are awaited (acks first), and no
         # longer: once every relay answered or the deadline passed, the fallback pushes run
@@ -494,22 +511,25 @@ class RelayHub:
                 if not self._delivering and self._deferred and self.svc._nursery is not None:
                     self.svc._nursery.start_soon(self._drain_deferred)
 
-        async def watchdog() -> None:
+        async def watch() -> None:
+            """Until every rack answered, or the deadline: the racks still waiting then fail."""
             try:
-                while True:
-                    with trio.move_on_at(deadline[0]):
+                while not idle.is_set():
+                    with trio.move_on_at(min(deadline[0], cap[0])):
                         await idle.wait()
-                        return
-                    if trio.current_time() >= deadline[0]:
-                        for cs in list(pending):
-                            cs.cancel()
-                        if deferring[0]:
-                            # the failed racks' members are now pushed directly: the reports
-                            # held back wait a little longer, so the pushes do not queue behind
-                            # their application (bounded: a long fallback must not starve them)
-                            with trio.move_on_after(FALLBACK_HOLD_S):
-                                await racks_done.wait()
-                        return
+                    t = trio.current_time()
+                    if idle.is_set() or t < min(deadline[0], cap[0]):
+                        continue   # (the deadline moved: the round made progress)
+                    for rc in calls:
+                        if not rc.settled:
+                            fail(rc, "TooSlowError")
+                    if deferring[0]:
+                        # the failed racks' members are now pushed directly: the reports
+                        # held back wait a little longer, so the pushes do not queue behind
+                        # their application (bounded: a long fallback must not starve them)
+                        with trio.move_on_after(FALLBACK_HOLD_S):
+                            await all_done.wait()
+                    return
             finally:
                 stop_deferring()
 
@@ -522,47 +542,51 @@ class RelayHub:
         gc.disable()
         try:
             async with trio.open_nursery() as n:
-                # Bundles leave in batches as they are built (the first batch once ``ready``
-                # says yes), so the relays work while the rest of the round is encoded: a
-                # 2,778-rack round takes ~0.5 s to build here, and relays are other hosts.
-                batch: list[tuple[str, RelayConn, list[Push], int, bytes]] = []
-                durable = ready is None
-                for i, (path, (conn, ps)) in enumerate(racks):
-                    rid, data = build(i, path, conn, ps)
-                    batch.append((path, conn, ps, rid, data))
-                    if i % BUILD_BATCH == BUILD_BATCH - 1 or i == len(racks) - 1:
-                        if not durable:
-                            assert ready is not None
-                            if not await ready():
-                                return None
-                            durable = True
-                        for args in batch:
-                            n.start_soon(rack, *args)
-                        batch = []
-                        await trio.lowlevel.checkpoint()  # the batch goes out; acks and reports flow meanwhile
-                marks["built"] = trio.current_time() - t0
-                if gc_was:
-                    gc.enable()
-                if not durable:
-                    assert ready is not None
-                    if not await ready():
-                        return None
-                for p in direct:
-                    n.start_soon(one, p)
-                await trio.lowlevel.checkpoint()
-                sent_at = trio.current_time()
-                deadline[0] = sent_at + patience
-                # a round of stops only is not waited on by anyone: slow relays get longer before
-                # their racks are pushed one by one (a storm of direct stops helps nobody)
-                cap[0] = sent_at + (4 * cfg.relay_timeout_s if job_id else max(4 * cfg.relay_timeout_s, STOPS_CAP_S))
-                for cs in pending:
-                    cs.deadline = cap[0]
-                marks["sent"] = sent_at - t0
-                if racks:
-                    n.start_soon(watchdog)
-                else:
-                    stop_deferring()
+                async with trio.open_nursery() as fbn:
+                    fb.append(fbn)
+                    # Bundles leave in batches as they are built (the first batch once ``ready``
+                    # says yes), so the relays work while the rest of the round is encoded: a
+                    # 2,778-rack round takes ~0.5 s to build here, and relays are other hosts.
+                    batch: list[tuple[_RackCall, bytes]] = []
+                    durable = ready is None
+                    for i, (path, (conn, ps)) in enumerate(racks):
+                        rid, data = build(i, path, conn, ps)
+                        batch.append((_RackCall(path, conn, ps, rid), data))
+                        if i % BUILD_BATCH == BUILD_BATCH - 1 or i == len(racks) - 1:
+                            if not durable:
+                                assert ready is not None
+                                if not await ready():
+                                    return None
+                                durable = True
+                            for rc, data in batch:
+                                send(rc, data)
+                            batch = []
+                            await trio.lowlevel.checkpoint()  # the batch goes out; acks and reports flow meanwhile
+                    marks["built"] = trio.current_time() - t0
+                    if gc_was:
+                        gc.enable()
+                    if not durable:
+                        assert ready is not None
+                        if not await ready():
+                            return None
+                    for p in direct:
+                        n.start_soon(one, p)
+                    await trio.lowlevel.checkpoint()
+                    sent_at = trio.current_time()
+                    deadline[0] = sent_at + patience
+                    # a round of stops only is not waited on by anyone: slow relays get longer before
+                    # their racks are pushed one by one (a storm of direct stops helps nobody)
+                    cap[0] = sent_at + (4 * cfg.relay_timeout_s if job_id else max(4 * cfg.relay_timeout_s, STOPS_CAP_S))
+                    marks["sent"] = sent_at - t0
+                    if racks:
+                        await watch()
+                    else:
+                        stop_deferring()
+                    await all_done.wait()
+                    fbn.cancel_scope.cancel()   # (pushes a late answer made needless)
         finally:
+            for rc in calls:   # answers that come now are no one's
+                rc.conn.channel.forget(rc.rid)
             if gc_was:
                 gc.enable()
             stop_deferring()

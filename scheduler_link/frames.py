@@ -73,6 +73,24 @@ class _Waiter:
         self.done = trio.Event()
         self.frame: Frame | None = None
 
+    def resolve(self, f: Frame | None) -> None:
+        self.frame = f
+        self.done.set()
+
+
+class _Callback:
+    """A call answered by a function instead of a waiting task (:meth:`FrameChannel.call_cb`)."""
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[Frame | None], None]) -> None:
+        self.fn = fn
+
+    def resolve(self, f: Frame | None) -> None:
+        try:
+            self.fn(f)
+        except Exception:  # the caller's bug: contained, never the connection's end
+            log.exception("frames answer callback failed")
+
 
 class WriteQueue:
     """Bytes queued by any task without blocking, written by one writer task: everything queued
@@ -177,7 +195,7 @@ class FrameChannel:
         self.max_frame = max_frame
         self._in = bytearray(buf)
         self._q = WriteQueue()
-        self._waiters: dict[int, _Waiter] = {}
+        self._waiters: dict[int, _Waiter | _Callback] = {}
         self._next_id = 0
         self.closed = trio.Event()
         self.frames_in = 0
@@ -230,6 +248,23 @@ class FrameChannel:
             raise CallFailed(_error_text(w.frame))
         return w.frame
 
+    def call_cb(self, rid: int, data: bytes, fn: Callable[[Frame | None], None]) -> None:
+        """Send a :meth:`prepare` d request; ``fn`` gets its answer (an ``error`` frame
+        included) in the reader task, synchronously, or None once the connection closed
+        first. No task waits for it: a round of thousands of calls costs one waiting task,
+        not one each. Raises FrameError if the connection is closed already (``fn`` is then
+        never called); :meth:`forget` gives up on the answer."""
+        self._waiters[rid] = _Callback(fn)
+        try:
+            self.send_raw(data)
+        except FrameError:
+            del self._waiters[rid]
+            raise
+
+    def forget(self, rid: int) -> None:
+        """Stop waiting for ``rid`` 's answer (a callback is then never called)."""
+        self._waiters.pop(rid, None)
+
     async def call(self, type_: str, payload: Any, *, timeout_s: float | None = None) -> Frame:
         """Send a request and wait for its answer (an ``error`` answer raises CallFailed)."""
         rid, data = self.prepare(type_, payload)
@@ -255,8 +290,10 @@ class FrameChannel:
             self.closed.set()
             if self._backlog is not None:
                 self._backlog.close()
-            for w in list(self._waiters.values()):
-                w.done.set()
+            waiters = list(self._waiters.values())
+            self._waiters.clear()
+            for w in waiters:
+                w.resolve(None)
             self._q.clear()
             with trio.CancelScope(shield=True):
                 await self.stream.aclose()
@@ -311,10 +348,9 @@ class FrameChannel:
             self._answer_error(0, f"malformed frame: {e}")
             return
         if f.re:
-            w = self._waiters.get(f.re)
+            w = self._waiters.pop(f.re, None)
             if w is not None:
-                w.frame = f
-                w.done.set()
+                w.resolve(f)
             return  # an answer nobody waits for any more (timed out): dropped
         try:
             out = handler(self, f)

@@ -59,6 +59,7 @@ async def test_a_fleet_wide_gang_through_rack_relays(tmp_path):
             await trio.sleep(3.5)
             rel = await _relays(c, placer.url)
             assert rel["beats"] - b0 >= 2 * racks and rel["beat_entries"] >= 2 * NODES
+            assert rel["beats"] - b0 <= 5 * racks        # ... and no more (one per interval after each answer)
             cl = (await c.get(f"{placer.url}/v1/cluster", params={"detail": "0"})).json()
             assert cl["nodes"]["up"] == NODES and cl["nodes"]["lost"] == 0
             assert cl["framed_channel"]["frames_connections"] == racks

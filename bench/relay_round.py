@@ -1,0 +1,204 @@
+"""The placer's CPU for one relayed delivery round (RelayHub.deliver), in process.
+
+    python -m bench.relay_round [--nodes 56000] [--gang-gpus 200000] [--repeat 3] [--json]
+
+``--nodes`` gb200 trays registered in a real PlacerService, a ``--gang-gpus`` gang decided by
+the real state; its round delivered to fake relay channels (one per rack) whose answers (the
+real AckBundles, each outcome with its member's MAC, made before the clock starts: the relays'
+work, not the placer's) come from one answerer task in batches of 32, as connections' readers
+would. What is timed is the round's own work: splitting by rack, building, signing and
+encoding every bundle, waiting for the answers, checking every member's MAC. No sockets, no
+reads or writes (bench.delivery measures those end to end). A same-run A/B is two trees' runs
+back to back (``cd TREE && python -m bench.relay_round``): the fakes speak both the waiting
+call (``call_prepared``) and the callback one (``call_cb``). Every loop is bounded in count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import trio
+import trio.lowlevel
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from placer.config import PlacerConfig  # noqa: E402
+from placer.records import Push  # noqa: E402
+from placer.relays import RelayConn  # noqa: E402
+from placer.service import PlacerService  # noqa: E402
+from scheduler_link.auth import TokenSet  # noqa: E402
+from scheduler_link.frames import encode_frame  # noqa: E402
+from scheduler_link.messages import AckBundle, Frame, JobSpec, NodeOutcome, NodeReport, TopologyPath  # noqa: E402
+from scheduler_link.msgauth import with_outcome_mac  # noqa: E402
+from testing.fleet import SnapshotFactory, fleet_nodes  # noqa: E402
+
+Answer = Callable[[Frame | None], None]
+
+
+class Answerer:
+    """Hands out the relays' answers in batches of 32 per scheduler pass."""
+
+    def __init__(self) -> None:
+        self.pending: list[tuple[Answer, Frame]] = []
+        self.wake = trio.Event()
+
+    def put(self, fn: Answer, f: Frame) -> None:
+        self.pending.append((fn, f))
+        self.wake.set()
+
+    async def run(self) -> None:
+        while True:
+            await self.wake.wait()
+            self.wake = trio.Event()
+            while self.pending:
+                batch, self.pending = self.pending[:32], self.pending[32:]
+                for fn, f in batch:
+                    fn(f)
+                await trio.lowlevel.checkpoint()
+
+
+class FakeRelay:
+    """A relay's frames connection as RelayHub uses it, answering with a prepared AckBundle."""
+
+    def __init__(self, name: str, answerer: Answerer) -> None:
+        self.name = name
+        self.info: Any = None
+        self.closed = trio.Event()
+        self.answer: Frame | None = None
+        self._a = answerer
+
+    def prepare(self, type_: str, payload: Any) -> tuple[int, bytes]:
+        return 1, encode_frame(type_, payload, id=1)
+
+    def call_cb(self, rid: int, data: bytes, fn: Answer) -> None:
+        assert self.answer is not None
+        self._a.put(fn, self.answer)
+
+    async def call_prepared(self, rid: int, data: bytes) -> Frame:
+        assert self.answer is not None
+        done = trio.Event()
+        box: list[Frame] = []
+
+        def got(f: Frame | None) -> None:
+            assert f is not None
+            box.append(f)
+            done.set()
+        self._a.put(got, self.answer)
+        await done.wait()
+        return box[0]
+
+    def forget(self, rid: int) -> None:
+        pass
+
+    def send(self, *a: Any, **kw: Any) -> None:
+        pass
+
+
+def _fleet(n: int, state_dir: str) -> tuple[PlacerService, dict[str, bytes]]:
+    svc = PlacerService(PlacerConfig(state_dir=state_dir, heartbeat_s=5.0, lost_after_missed=1000, insecure=True),
+                        TokenSet())
+    sf = SnapshotFactory("gb200-nvl72")
+    now = time.time()
+    keys = {}
+    for s in fleet_nodes("gb200", 0, n):
+        snap = sf.snapshot(s.node_id, f"{s.zone}/{s.block}/{s.rack}")
+        rep = NodeReport(node_id=s.node_id, boot_id="b1", seq=1, full=True, control_url=f"http://127.0.0.1:9/n/{s.node_id}",
+                         data_url=f"http://127.0.0.1:9/{s.node_id}",
+                         topology=TopologyPath(zone=s.zone, block=s.block, rack=s.rack),
+                         nvlink_domain=snap.nvlink_domain, snapshot=snap, workloads=[], manifests=[], sent_at=now)
+        st, reply = svc._ingest(s.node_id, rep)
+        assert st == 200 and reply.mac_key, st
+        keys[s.node_id] = reply.mac_key
+    svc.state.recover_until = 0
+    return svc, keys
+
+
+async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpus: int) -> dict[str, float]:
+    answerer = Answerer()
+    hub = svc.relays
+    by_rack: dict[str, list[str]] = {}
+    for nid, node in svc.state.nodes.items():
+        by_rack.setdefault(node.rack_path, []).append(nid)
+    chans: dict[str, FakeRelay] = {}
+    for rack, ids in by_rack.items():
+        ch = chans[rack] = FakeRelay(ids[0], answerer)
+        conn = RelayConn(ids[0], (rack,), "tcp://127.0.0.1:9", ch)  # type: ignore[arg-type]
+        ch.info = conn
+        hub._cands[rack] = {ids[0]: conn}
+        hub._active.pop(rack, None)
+    now = time.time()
+    async with trio.open_nursery() as n:
+        svc._nursery = n
+        n.start_soon(answerer.run)
+        svc.state.schedule(now)   # (the model's rebuild, untimed)
+        spec = JobSpec(job_id=f"big{k}", pods=gang_gpus // 4, gpus_per_pod=4, whole_nodes=True, priority=2,
+                       preemptible=False, argv=["/bin/sleep", "3600"], grace_s=1)
+        svc.state.submit(spec, now)
+        decided = svc.state.schedule(now)
+        assert decided, "the gang did not fit"
+        job, pushes = decided[0]
+        racks: dict[str, list[Push]] = {}
+        for p in pushes:
+            racks.setdefault(svc.state.nodes[p.node_id].rack_path, []).append(p)
+        for rack, ps in racks.items():
+            outs = [with_outcome_mac(keys[p.node_id], NodeOutcome(node_id=p.node_id, placement_id=p.placement_id,
+                                                                  outcome="accepted")) for p in ps]
+            raw = encode_frame("acks", AckBundle(rack=rack, blob_id=job.blob_id or "", outcomes=outs), re=1)
+            chans[rack].answer = msgspec.msgpack.decode(raw[4:], type=Frame)
+        gc.collect()
+        gc.freeze()
+        bad0, fb0 = svc.state.counters["bad_macs"], hub.stats.fallback_nodes
+
+        async def push_direct(p: Push) -> Any:
+            raise AssertionError(f"{p.node_id} pushed directly: its relay answered")
+        c0, w0 = time.process_time(), time.perf_counter()
+        acks = await hub.deliver(job.job_id, job.blob_id, pushes, push_direct)
+        c1, w1 = time.process_time(), time.perf_counter()
+        assert acks is not None and len(acks) == len(pushes), "not every node acked"
+        assert svc.state.counters["bad_macs"] == bad0 and hub.stats.fallback_nodes == fb0
+        svc.state.cancel(job.job_id, time.time())
+        for pod in job.pods:   # the pods are gone (as their nodes would report): the next round fits
+            if not pod.terminal:
+                job.set_pod_state(pod, "exited", 0)
+            svc.state._release_quiet(f"stale:{pod.workload_id}")   # (held until then)
+        svc.state._release_quiet(job.job_id)
+        n.cancel_scope.cancel()
+    return {"cpu_s": c1 - c0, "wall_s": w1 - w0, "racks": len(racks), "nodes": len(pushes)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.relay_round", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=56000)
+    ap.add_argument("--gang-gpus", type=int, default=200_000)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="herd-bench-round-") as d:
+        svc, keys = _fleet(a.nodes, d)
+        rows = [trio.run(one_round, svc, keys, k, a.gang_gpus) for k in range(max(1, a.repeat))]
+    out = {"tree": str(ROOT), "rows": rows, "cpu_s_median": statistics.median(r["cpu_s"] for r in rows),
+           "wall_s_median": statistics.median(r["wall_s"] for r in rows)}
+    if a.json:
+        print(json.dumps(out))
+    else:
+        r = rows[0]
+        each = ", ".join(f"{x['cpu_s']:.3f}" for x in rows)
+        print(f"{ROOT}: one round of {r['nodes']:,} nodes in {r['racks']:,} racks: placer CPU median "
+              f"{out['cpu_s_median']:.3f} s, wall {out['wall_s_median']:.3f} s over {len(rows)} "
+              f"({each})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
