@@ -161,17 +161,23 @@ class HungChannel(FakeChannel):
         self.bundles += 1   # (never answered)
 
 
+def _register_rack(svc: PlacerService) -> dict[str, bytes]:
+    """relay0, n1 and n2 registered with full reports: each node's MAC key."""
+    keys = {}
+    for node in ("relay0", "n1", "n2"):
+        st, reply = svc._ingest(node, _full(node, f"boot-{node}"))
+        assert st == 200 and reply.mac_key
+        keys[node] = reply.mac_key
+    return keys
+
+
 async def _fallback_round(tmp_path, push_s: float) -> tuple[list[tuple[str, int, int]], FakeChannel, PlacerService]:
     """A start round over a rack whose relay hangs, while the rack's beat arrives and is held:
     what each direct push saw when it ended (node, frames still held, answers sent)."""
     now = [100.0]
     svc = PlacerService(PlacerConfig(state_dir=str(tmp_path), heartbeat_s=1.0, lost_after_missed=30,
                                      relay_timeout_s=0.5), TokenSet(), clock=lambda: now[0])
-    keys = {}
-    for node in ("relay0", "n1", "n2"):
-        st, reply = svc._ingest(node, _full(node, f"boot-{node}"))
-        assert st == 200 and reply.mac_key
-        keys[node] = reply.mac_key
+    keys = _register_rack(svc)
     hub = svc.relays
     relay_ch = HungChannel("relay0")
     conn = RelayConn("relay0", ("/".join(RACK),), None, relay_ch)  # type: ignore[arg-type]
@@ -328,11 +334,7 @@ async def test_a_late_relay_answer_saves_the_direct_pushes_still_under_way(tmp_p
     kept, the pushes it made needless are cancelled, and nothing waits for the answer after."""
     svc = PlacerService(PlacerConfig(state_dir=str(tmp_path), heartbeat_s=1.0, lost_after_missed=30,
                                      relay_timeout_s=0.5), TokenSet())
-    keys = {}
-    for node in ("relay0", "n1", "n2"):
-        st, reply = svc._ingest(node, _full(node, f"boot-{node}"))
-        assert st == 200 and reply.mac_key
-        keys[node] = reply.mac_key
+    keys = _register_rack(svc)
     hub = svc.relays
     started: list[str] = []
     finished: list[str] = []
