@@ -40,9 +40,10 @@ QUICK: dict[str, list[str]] = {
     "bench.fleet": ["--nodes", "256", "--steady-s", "2", "--no-baseline"],
     "bench.delivery": ["--nodes", "256", "--steady-s", "2", "--baseline-limit", "20", "--limit", "30"],
     "bench.delivery_ab": ["--base-root", ".", "--nodes", "256", "--reps", "1", "--steady-s", "1", "--limit-s", "120"],
-    "bench.herd": ["--nodes", "2", "--size-mb", "8", "--modes", "origin,herd,flat"],
+    "bench.herd": ["--nodes", "2", "--size-mb", "8", "--modes", "origin,herd,flat,relay,tcp"],
     "bench.herd_sim": ["--nodes", "8,40", "--rack-size", "4", "--size-mb", "16", "--cases", "none,dead"],
     "bench.msgauth": ["--nodes", "512", "--repeat", "1"],
+    "bench.relay_round": ["--nodes", "2048", "--repeat", "1"],
     "bench.tls_handshake": ["--n", "20", "--rounds", "1"],
 }
 TIMEOUT_S = 150.0

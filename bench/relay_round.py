@@ -180,13 +180,14 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.relay_round", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=56000)
-    ap.add_argument("--gang-gpus", type=int, default=200_000)
+    ap.add_argument("--gang-gpus", type=int, default=None, help="default: min(200,000, 60%% of the fleet's GPUs)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
+    gang = a.gang_gpus if a.gang_gpus is not None else min(200_000, int(a.nodes * 0.6) * 4)
     with tempfile.TemporaryDirectory(prefix="herd-bench-round-") as d:
         svc, keys = _fleet(a.nodes, d)
-        rows = [trio.run(one_round, svc, keys, k, a.gang_gpus) for k in range(max(1, a.repeat))]
+        rows = [trio.run(one_round, svc, keys, k, gang) for k in range(max(1, a.repeat))]
     out = {"tree": str(ROOT), "rows": rows, "cpu_s_median": statistics.median(r["cpu_s"] for r in rows),
            "wall_s_median": statistics.median(r["wall_s"] for r in rows)}
     if a.json:
