@@ -592,16 +592,16 @@ def run(nodes: int, size_mb: float, rate: str, modes: list[str],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             _wait_port(origin_host, ORIGIN_PORT)
             out["loadavg_before"] = [round(x, 2) for x in os.getloadavg()]
+            tun = tuning or {"workers": 16, "home": None}
+            # the plain-TCP modes open as many streams to the origin as the herd's homes do
+            from p2p.herd import HerdConfig, home_streams
+            streams = tun["home"] or home_streams(HerdConfig(), homes=len(hosts))
             # modes outer, shapings inner: each pair of one mode's runs back to back
             for mode in modes:
                 for kind in kinds:
                     if lab.shaping != shapes[kind]:
                         lab.reshape(shapes[kind])
-                    tun = tuning or {"workers": 16, "home": None}
                     if mode in ("tcp", "relay"):
-                        # as many streams to the origin as the herd's homes open
-                        from p2p.herd import HerdConfig, home_streams
-                        streams = tun["home"] or home_streams(HerdConfig(), homes=len(hosts))
                         res = run_tcp_mode(hosts, origin_host, size, ideal, streams, relay=mode == "relay",
                                            hub=lab.hub)
                     else:

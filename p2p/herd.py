@@ -420,8 +420,7 @@ class Herd:
             fr.close()
 
         return await self._pools(fr, origin, [], holders, {}, {}, progress, run,
-                                 tplan=(planner.plan, cindex), alone=len(view) <= 1, n_homes=len(view),
-                                 background=plan_rest)
+                                 tplan=(planner.plan, cindex), n_homes=len(view), background=plan_rest)
 
     def _run_of(self, *, others: int, own: list[tuple[str, int]] | None = None,
                 rest: list[tuple[str, int]] | None = None) -> FetchRun:
@@ -459,13 +458,12 @@ class Herd:
         fr = self._run_of(others=len({p.node_id for p in peers if p.node_id != self.node_id}), own=own, rest=rest)
         fr.close()
         return await self._pools(fr, origin, peers, holders, homes, rhomes, progress, run,
-                                 tplan=None, alone=not any(p.node_id != self.node_id for p in peers),
-                                 n_homes=len(ids))
+                                 tplan=None, n_homes=len(set(ids)))
 
     async def _pools(self, fr: FetchRun, origin: Origin,
                      peers: list[Peer], holders: dict[str, list[str]], homes: dict[str, str],
                      rhomes: dict[str, str], progress: Callable[[int], None] | None, run: HerdCounters, *,
-                     tplan: tuple[NodePlan, dict[str, int]] | None, alone: bool, n_homes: int,
+                     tplan: tuple[NodePlan, dict[str, int]] | None, n_homes: int,
                      background: Callable[[], Awaitable[None]] | None = None) -> HerdCounters:
         """Carry out a :class:`FetchRun`: a pool of workers per queue, batched syncs in the
         background, the planner's remaining blocks (``background``). The first failure
@@ -545,7 +543,8 @@ class Herd:
 
         async with trio.open_nursery() as nursery:
             set_gate()
-            n_own, n_rest = fr.pool_sizes(own_workers=self.config.origin_concurrency if alone
+            # (alone, no peers: every chunk is this node's and only the origin has it)
+            n_own, n_rest = fr.pool_sizes(own_workers=self.config.origin_concurrency if n_homes <= 1
                                           else home_streams(self.config, homes=n_homes))
             for _ in range(n_own):
                 nursery.start_soon(worker, OWN)
