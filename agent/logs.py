@@ -131,6 +131,13 @@ async def follow(wdir: Path, stream: str, tail: int, keep: int, done: Callable[[
                 yield data
                 continue
             if fd is not None and dfd is not None and _rotated(dfd, name, fd):
+                # the old file may have grown between the read above and the check: read it
+                # to its end once more (nothing is written to it after the rotation) first
+                data = await trio.to_thread.run_sync(os.pread, fd, block, offset)
+                if data:
+                    offset += len(data)
+                    yield data
+                    continue
                 os.close(fd)
                 fd, offset = _open_log(dfd, name), 0
                 continue

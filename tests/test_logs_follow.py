@@ -48,6 +48,47 @@ async def test_follow_tail_appends_rotation_and_end(tmp_path: Path):
     assert b"".join(got) == (b"old 2\nold 3\nnew 1\nlast of the old file\nfirst of the new file\n")
 
 
+async def test_follow_reads_what_the_old_file_got_after_its_last_read(tmp_path: Path, monkeypatch):
+    """A line written to the old file between the reader's last (empty) read and its check
+    for a rotation is still sent, before the new file's lines (a race seen on a slow CI VM;
+    here the hook makes it happen every time)."""
+    import agent.logs as logs
+
+    wdir = tmp_path / "w"
+    wdir.mkdir()
+    log = wdir / "stdout.log"
+    log.write_bytes(b"a\n")
+    real = logs._rotated
+    late = {"written": False}
+
+    def rotated_after_a_late_write(dfd: int, name: str, fd: int) -> bool:
+        if real(dfd, name, fd) and not late["written"]:
+            late["written"] = True
+            _append(wdir / "stdout.log.1", b"late line\n")  # lands after the empty read
+        return real(dfd, name, fd)
+
+    monkeypatch.setattr(logs, "_rotated", rotated_after_a_late_write)
+    done = False
+    got: list[bytes] = []
+
+    async def reader() -> None:
+        async for piece in follow(wdir, "stdout", 5, 1, lambda: done, poll_s=0.01):
+            got.append(piece)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as n:
+            n.start_soon(reader)
+            while b"".join(got) != b"a\n":
+                await trio.sleep(0.01)
+            os.replace(log, wdir / "stdout.log.1")
+            log.write_bytes(b"new\n")
+            while not b"".join(got).endswith(b"new\n"):
+                await trio.sleep(0.01)
+            done = True
+    assert late["written"]
+    assert b"".join(got) == b"a\nlate line\nnew\n"
+
+
 async def test_follow_waits_for_a_log_that_does_not_exist_yet(tmp_path: Path):
     wdir = tmp_path / "w"
     done = False
