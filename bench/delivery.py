@@ -17,8 +17,10 @@ at once, competing with the acks for the same cores.
 Phases, in one run:
 1. ``empty``: the big gang (``--gang-gpus``, default min(200,000, 60 % of the fleet's GPUs),
    whole nodes) on the empty fleet: submit -> decided -> pushed -> every node acked, from
-   the job's own timings (one clock: the placer's); the placer's and the emulators' CPU over
-   that window (``/proc``); bytes the placer wrote in bundles for the gang; the largest
+   the job's own timings (one clock: the placer's); the placer's CPU over that window (from
+   ``/proc`` before the submit to the placer's own stamp when its round ended: exact), the
+   emulators' (to their stamps when each last answered a bundle: a lower bound; to when the
+   bench's poll saw the job starting: an upper bound); bytes the placer wrote in bundles for the gang; the largest
    NodePart a member would receive (``part_bytes_max``, re-encoded by the emulated relay);
    racks, direct pushes, fallbacks; then running.
 2. ``hung``: 1 % of the relays take bundles and never answer (``POST /relays/hang``); the same
@@ -193,6 +195,7 @@ async def _stats(c: httpx.AsyncClient, emus: list[EmulatorProc], job: str | None
             "victims_told": sum(s["victims_told"] for s in ss),
             "last_victim_at": max(s["last_victim_at"] for s in ss),
             "blob_fetches": [s.get("blob_fetches") for s in ss],
+            "cpu_s": [s.get("cpu_s") for s in ss], "cpu_at_last_answer_s": [s.get("cpu_at_last_answer_s") for s in ss],
             "diag": {k: sum(s.get(k, 0) for s in ss) for k in DIAG}, "job_states": states}
 
 
@@ -246,12 +249,24 @@ async def _deliver(c: httpx.AsyncClient, placer: PlacerProc, emus: list[Emulator
     s1 = await _stats(c, emus, spec["job_id"])
     r1 = await _relay_stats(c, placer.url)
     rel0, rel1 = r0["relays"], r1["relays"]
+    # Exact where the processes stamped it: the placer's CPU-s when its round ended (every node
+    # acked), the emulators' when each last answered a bundle of this round (a lower bound of
+    # theirs to acked: what they did after their last answer and before the last ack is left
+    # out); the polled readings above (when the poll saw "starting") are upper bounds.
+    ld = rel1.get("last_delivery") or {}
+    exact = ld.get("process_cpu_at_end_s") if ld.get("job_id") == spec["job_id"] else None
+    cpu_exact = exact - cpu0 if exact is not None else None
+    e_low = None
+    if all(isinstance(x, float) for x in s0["cpu_s"] + s1["cpu_at_last_answer_s"]):
+        e_low = sum(max(0.0, b - a) for a, b in zip(s0["cpu_s"], s1["cpu_at_last_answer_s"], strict=True))
     out: dict[str, Any] = {
         "state": run.get("state"), "pods": spec["pods"],
         "submit_to_acked_ms": _ms(t, "submitted", "acked"), "decide_ms": _ms(t, "submitted", "decided"),
         "bookkeeping_ms": _ms(t, "decided", "pushed"), "delivery_ms": _ms(t, "pushed", "acked"),
         "submit_to_running_ms": _ms(t, "submitted", "running"),
-        "placer_cpu_to_acked_s": cpu_acked, "emulator_cpu_to_acked_s": ecpu_acked,
+        "placer_cpu_to_acked_s": cpu_exact if cpu_exact is not None else cpu_acked,
+        "placer_cpu_to_acked_exact": cpu_exact is not None, "placer_cpu_to_poll_s": cpu_acked,
+        "emulator_cpu_to_acked_s": ecpu_acked, "emulator_cpu_to_last_answer_s": e_low,
         "bundle_bytes": rel1["bytes_out"] - rel0["bytes_out"], "bundles": rel1["bundles"] - rel0["bundles"],
         "bundle_failures": rel1["bundle_failures"] - rel0["bundle_failures"],
         "fallback_nodes": rel1["fallback_nodes"] - rel0["fallback_nodes"],
@@ -398,7 +413,7 @@ def print_table(out: dict[str, Any]) -> None:
     print(f"fleet {out['fleet']} — a big gang through rack relays: real placer process, real wire to the relays, "
           f"relay->member hop in-process; {out['cores']} cores shared with the emulators")
     hdr = (f"  {'nodes':>7} {'gang gpus':>9} {'phase':>7} {'acked ms':>8} {'decide':>7} {'bookk.':>7} {'deliv.':>7} "
-           f"{'cpu s':>6} {'emu cpu':>7} {'MB out':>7} {'part B':>6} {'fallbk':>6} {'victims':>7} {'vict. ms':>8}")
+           f"{'cpu s':>6} {'emu cpu lo/hi':>13} {'MB out':>7} {'part B':>6} {'fallbk':>6} {'victims':>7} {'vict. ms':>8}")
     print(hdr)
     for r in out["rows"]:
         for ph in ("empty", "hung", "again", "preempt"):
@@ -407,7 +422,8 @@ def print_table(out: dict[str, Any]) -> None:
                 continue
             print(f"  {r['nodes']:>7,} {r['gang_gpus']:>9,} {ph:>7} {_f(d.get('submit_to_acked_ms')):>8} "
                   f"{_f(d.get('decide_ms')):>7} {_f(d.get('bookkeeping_ms')):>7} {_f(d.get('delivery_ms')):>7} "
-                  f"{_f(d.get('placer_cpu_to_acked_s'), '.2f'):>6} {_f(d.get('emulator_cpu_to_acked_s'), '.2f'):>7} "
+                  f"{_f(d.get('placer_cpu_to_acked_s'), '.2f'):>6} "
+                  f"{_f(d.get('emulator_cpu_to_last_answer_s'), '.2f') + '/' + _f(d.get('emulator_cpu_to_acked_s'), '.2f'):>13} "
                   f"{_f(d.get('bundle_bytes', 0) / 1e6, '.2f'):>7} {_f(d.get('part_bytes_max')):>6} "
                   f"{_f(d.get('fallback_nodes')):>6} {_f(d.get('victims_told')):>7} "
                   f"{_f(d.get('submit_to_last_victim_told_ms')):>8}")

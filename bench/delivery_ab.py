@@ -23,7 +23,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = ("submit_to_acked_ms", "decide_ms", "bookkeeping_ms", "delivery_ms", "placer_cpu_to_acked_s",
-        "emulator_cpu_to_acked_s")
+        "emulator_cpu_to_acked_s", "emulator_cpu_to_last_answer_s")
 PHASES = ("empty", "hung")
 
 

@@ -583,6 +583,7 @@ class RelayHub:
                     else:
                         stop_deferring()
                     await all_done.wait()
+                    marks["cpu_acked"] = time.process_time()
                     fbn.cancel_scope.cancel()   # (pushes a late answer made needless)
         finally:
             for rc in calls:   # answers that come now are no one's
@@ -599,5 +600,9 @@ class RelayHub:
                 # the direct pushes to the members of racks whose relay did not deliver: when the
                 # first began and the last ended, and the slowest one
                 "fallback_first_s": marks["fallback_first"] if math.isfinite(marks["fallback_first"]) else None,
-                "fallback_last_s": marks["fallback_last"] or None, "fallback_push_max_s": marks["fallback_push_max"] or None}
+                "fallback_last_s": marks["fallback_last"] or None, "fallback_push_max_s": marks["fallback_push_max"] or None,
+                # the placer's process CPU-s (time.process_time) when every rack member had an
+                # outcome, and when the round (direct pushes included) ended: the bench's exact
+                # "placer CPU to acked" against its reading before the submit
+                "process_cpu_at_members_acked_s": marks.get("cpu_acked"), "process_cpu_at_end_s": time.process_time()}
         return acks

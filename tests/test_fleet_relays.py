@@ -78,6 +78,9 @@ async def test_a_fleet_wide_gang_through_rack_relays(tmp_path):
             assert es["parts"] == NODES and es["placements"] == 0      # no HTTP push at all
             assert es["acks"].get("accepted") == NODES
             assert es["blobs"] == 1 and es["part_bytes_max"] < 64 << 10
+            # the CPU stamps bench.delivery reads (the placer's at acked, the emulator's at its last answer)
+            assert 0 < d["process_cpu_at_members_acked_s"] <= d["process_cpu_at_end_s"]
+            assert 0 < es["cpu_at_last_answer_s"] <= es["cpu_s"]
             assert (await c.delete(f"{placer.url}/v1/jobs/r1")).status_code == 200
             assert (await _job(c, placer.url, "r1", "cancelled"))["state"] == "cancelled"
             await _freed(c, placer.url, NODES * 8)
