@@ -26,6 +26,11 @@ Phases, in one run:
 2. ``hung``: 1 % of the relays take bundles and never answer (``POST /relays/hang``); the same
    gang again: every node still acked (the hung racks pushed directly after
    ``relay_timeout_s``); the added time against phase 1.
+   ``again`` instead, with ``--hung 0``: the same gang a second time, nothing hung.
+   ``nice_ab`` (``--nice-ab K``): K more deliveries of the gang on the same fleet, the emulator
+   processes at niceness 0 and ``--emulator-nice`` (10) in turn, the placer at 0 throughout:
+   how much of submit -> acked is the emulated hosts taking the placer's 2 cores (on a fleet
+   they are other machines); medians per niceness.
 3. ``steady``: the phase-2 gang running, heartbeats through the relays every
    ``--heartbeat`` s: the placer's CPU fraction over ``--steady-s``, its open descriptors
    and frames connections.
@@ -47,8 +52,10 @@ Every wait is bounded; every loop is bounded in count and time; traffic stays on
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -98,6 +105,8 @@ class Args:
     relays: bool = True              # False (--no-relays): the baseline rows only
     register_limit_s: float = 300.0  # bound on the registration wait (--register-limit)
     hold_events: bool = True         # False (--no-hold-events): members report events while bundles come
+    nice_ab: int = 0                 # --nice-ab K: K more deliveries, alternating the emulators' niceness
+    emulator_nice: int = 10          # --emulator-nice: the niceness of the odd ones
 
 
 def _gang(fleet: str, gpus_total: int, want: int | None) -> dict[str, Any]:
@@ -325,6 +334,14 @@ async def relay_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
             row["again"] = await _deliver(c, placer, emus, op, {**gang, "job_id": "big2"}, a.limit_s)
             held = "big2"
 
+        if a.nice_ab:   # (before the steady phase, which wants the big2 gang running: cancelled first)
+            await _cancel(c, placer.url, op, held, gpus)
+            row["nice_ab"] = await _nice_ab(c, placer, emus, op, gang, gpus, a)
+            held = "big2b"
+            r = await c.post(f"{placer.url}/v1/jobs", json={**gang, "job_id": held}, headers=op)
+            if r.status_code == 201:
+                await _wait_job(c, placer.url, held, "running", a.limit_s)
+
         # steady state with the gang running
         await trio.sleep(min(a.heartbeat_s, 5.0))
         cpu0, ecpu0, w0 = placer.cpu_s(), sum(e.cpu_s() for e in emus), trio.current_time()
@@ -352,6 +369,59 @@ async def relay_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
             _note("preempting gang", **{k: row["preempt"].get(k) for k in
                                         ("state", "submit_to_acked_ms", "victims_told", "submit_to_last_victim_told_ms")})
     return row
+
+
+def _renice(pid: int, nice: int) -> bool:
+    """Every thread of ``pid`` at niceness ``nice`` (Linux's setpriority is per thread). False
+    when not allowed (lowering it again needs CAP_SYS_NICE)."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    try:
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except PermissionError:
+        return False
+    return True
+
+
+AB_KEYS = ("submit_to_acked_ms", "decide_ms", "bookkeeping_ms", "delivery_ms", "placer_cpu_to_acked_s",
+           "emulator_cpu_to_last_answer_s", "emulator_cpu_to_acked_s", "state", "fallback_nodes")
+
+
+async def _nice_ab(c: httpx.AsyncClient, placer: PlacerProc, emus: list[EmulatorProc], op: dict[str, str],
+                   gang: dict[str, Any], gpus: int, a: Args) -> dict[str, Any]:
+    """``a.nice_ab`` deliveries of the gang on the same fleet, the emulators at niceness 0 and
+    ``a.emulator_nice`` in turn (the placer stays at 0): how much of submit -> acked is the
+    emulated hosts taking the placer's cores (on a fleet they are other machines). Each
+    delivery is cancelled before the next; the emulators end at niceness 0 where allowed."""
+    samples: list[dict[str, Any]] = []
+    try:
+        for k in range(a.nice_ab):
+            nice = 0 if k % 2 == 0 else a.emulator_nice
+            if not all(_renice(e.pid, nice) for e in emus):
+                samples.append({"nice": nice, "error": "renice not allowed"})
+                break
+            job = f"ab{k}"
+            d = await _deliver(c, placer, emus, op, {**gang, "job_id": job}, a.limit_s)
+            samples.append({"nice": nice, **{key: d.get(key) for key in AB_KEYS}})
+            _note("nice a/b", nice=nice, state=d.get("state"), submit_to_acked_ms=d.get("submit_to_acked_ms"),
+                  placer_cpu_to_acked_s=d.get("placer_cpu_to_acked_s"))
+            await _cancel(c, placer.url, op, job, gpus)
+    finally:
+        for e in emus:
+            _renice(e.pid, 0)
+    out: dict[str, Any] = {"emulator_nice": a.emulator_nice, "samples": samples}
+    for nice in sorted({s["nice"] for s in samples}):
+        ms = [s["submit_to_acked_ms"] for s in samples if s["nice"] == nice and s.get("state") == "running"
+              and s.get("submit_to_acked_ms") is not None]
+        cpu = [s["placer_cpu_to_acked_s"] for s in samples if s["nice"] == nice
+               and s.get("placer_cpu_to_acked_s") is not None]
+        out[f"nice{nice}"] = {"n": len(ms), "submit_to_acked_ms_median": statistics.median(ms) if ms else None,
+                              "placer_cpu_to_acked_s_median": statistics.median(cpu) if cpu else None}
+    return out
 
 
 async def baseline_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
@@ -427,6 +497,13 @@ def print_table(out: dict[str, Any]) -> None:
                   f"{_f(d.get('bundle_bytes', 0) / 1e6, '.2f'):>7} {_f(d.get('part_bytes_max')):>6} "
                   f"{_f(d.get('fallback_nodes')):>6} {_f(d.get('victims_told')):>7} "
                   f"{_f(d.get('submit_to_last_victim_told_ms')):>8}")
+        ab = r.get("nice_ab")
+        if ab:
+            each = ", ".join(f"{_f(x.get('submit_to_acked_ms'))} (nice {x['nice']})" for x in ab["samples"])
+            meds = "; ".join(f"emulators at nice {k[4:]}: median {_f(v['submit_to_acked_ms_median'])} ms over {v['n']}, "
+                             f"placer CPU {_f(v['placer_cpu_to_acked_s_median'], '.2f')} s"
+                             for k, v in ab.items() if k.startswith("nice") and isinstance(v, dict))
+            print(f"  {r['nodes']:>7,} nice a/b: {each}; {meds}")
         st = r.get("steady")
         if st:
             print(f"  {r['nodes']:>7,} steady: placer {st['placer_cpu_frac']:.3f} of a core, emulators "
@@ -465,6 +542,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hold-events", action="store_true",
                     help="the emulated members report their pods' events at once, even while their process's "
                          "relays are still handling the round's bundles (testing.fleet's bundles_quiet)")
+    ap.add_argument("--nice-ab", type=int, default=0, metavar="K",
+                    help="K more deliveries of the gang after the first two, the emulators at niceness 0 and "
+                         "--emulator-nice in turn (the placer at 0): a same-run A/B of the shared cores")
+    ap.add_argument("--emulator-nice", type=int, default=10)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--placer-root", default=str(ROOT),
                     help="the tree whose placer and emulators run (default: this one; a same-run A/B)")
@@ -477,7 +558,8 @@ def main(argv: list[str] | None = None) -> int:
              steady_s=ns.steady_s, fill=ns.fill, fill_max_jobs=ns.fill_max_jobs, limit_s=ns.limit,
              baseline=not ns.no_baseline, baseline_limit_s=ns.baseline_limit, hung_fraction=ns.hung,
              preempt=not ns.no_preempt, seed=ns.seed, root=Path(ns.placer_root), relays=not ns.no_relays,
-             register_limit_s=ns.register_limit, hold_events=not ns.no_hold_events)
+             register_limit_s=ns.register_limit, hold_events=not ns.no_hold_events, nice_ab=max(0, ns.nice_ab),
+             emulator_nice=ns.emulator_nice)
     return run_printed(partial(run_all, nodes, a), json_out=ns.json, table=print_table)
 
 
