@@ -233,7 +233,7 @@ class PartAcceptor:
         self._clock = clock
         self._keys = keys
         self._verifier: BundleVerifier | None = None
-        self._seen_sigs: dict[bytes, bool] = {}
+        self._seen_sigs: dict[bytes, bytes] = {}
         self._store = PartStore(state_dir)
         self._send, self._recv = trio.open_memory_channel[_Accept | _Done | _Stops](math.inf)
         self._recs: dict[str, PartRecord] = {}            # accepted parts (pending and done), by placement id

@@ -20,7 +20,8 @@ Theory of operation (DESIGN.md, "Fleet scale"; issue 12):
 - Relays also carry their members' reports up: content reports as ``report`` frames,
   empty heartbeats aggregated into one ``beat`` per interval (:meth:`Reports.beat`).
 - A relay can delay or drop, never forge (scheduler_link.msgauth): every bundle is signed
-  (Ed25519, once per bundle, over its parts' exact bytes); every outcome, report and beat
+  (Ed25519 over its parts' exact bytes: one signature per BUILD_BATCH bundles, over a Merkle
+  root of their headers; each bundle carries its path); every outcome, report and beat
   entry a relay forwards for another node must carry that node's MAC, else it is dropped,
   counted (``bad_macs``) and the node is reached directly as if the relay had left it out.
 
@@ -69,7 +70,7 @@ TREE_FANOUT = 8
 DRAIN_SLICE_S = 0.02      # the deferred frames are applied in slices of this much CPU, then others run
 STOPS_CAP_S = 10.0        # a round of stops only: relays' time at most, and without progress
 STOPS_PATIENCE_S = 2.0
-BUILD_BATCH = 32          # bundles built between checkpoints (and sent together)
+BUILD_BATCH = 32          # bundles built between checkpoints, signed and sent together
 FALLBACK_HOLD_S = 1.0     # a start round's fallback pushes: reports stay held this much longer, at most
 
 
@@ -375,21 +376,29 @@ class RelayHub:
             if p.kind == "start":
                 acks.setdefault(p.node_id, o)
 
-        def build(i: int, path: str, conn: RelayConn, ps: list[Push]) -> tuple[int, bytes]:
+        def spec(i: int, path: str, conn: RelayConn, ps: list[Push], deliver_by: float) -> dict[str, Any]:
+            """One rack's bundle, but for its signature (signed with its batch's)."""
             carry = raw is not None and i < seeds
             sources: list[str] = []
             if raw is not None and not carry:
                 parent = urls[(i - seeds) // TREE_FANOUT] if i - seeds >= 0 else None
                 sources = [u for u in [parent, *seed_urls] if u and u != conn.listen_url]
             starts = any(p.kind == "start" for p in ps)
-            rb = self.svc.signer.bundle_raw(rack=path, blob_id=(blob_id or "") if starts else "",
-                                            raws=[p.part_bytes(expires) for p in ps],
-                                            deliver_by=self.svc.clock() + cfg.relay_timeout_s * 0.8,
-                                            blob=raw if carry and starts else None,
-                                            blob_sources=sources if starts else [])
             if carry and starts:
                 self.stats.blob_seeds += 1
-            return conn.channel.prepare("bundle", rb)
+            return {"rack": path, "blob_id": (blob_id or "") if starts else "",
+                    "raws": [p.part_bytes(expires) for p in ps], "deliver_by": deliver_by,
+                    "blob": raw if carry and starts else None, "blob_sources": sources if starts else []}
+
+        def build(batch: list[tuple[int, str, RelayConn, list[Push]]]) -> list[tuple[_RackCall, bytes]]:
+            """A batch of racks' bundles, under one signature (a Merkle root over their headers)."""
+            deliver_by = self.svc.clock() + cfg.relay_timeout_s * 0.8
+            rbs = self.svc.signer.bundles_raw([spec(i, path, conn, ps, deliver_by) for i, path, conn, ps in batch])
+            out = []
+            for (_, path, conn, ps), rb in zip(batch, rbs, strict=True):
+                rid, data = conn.channel.prepare("bundle", rb)
+                out.append((_RackCall(path, conn, ps, rid), data))
+            return out
 
         def record(p: Push, o: Outcome) -> None:
             if p.node_id in done:
@@ -402,28 +411,39 @@ class RelayHub:
                 all_done.set()
 
         def from_relay(rc: _RackCall, f: Frame) -> int:
+            """A relay's AckBundle: each member's outcome that verifies, recorded (as
+            :func:`record`, inlined: this runs once per member of the round)."""
             ab = decode_payload(f, AckBundle)
             got = {o.node_id: o for o in ab.outcomes}
             n_new = 0
             state = self.svc.state
             nodes = state.nodes
+            mac_key = state.mac_key
+            ok = msgauth.outcome_ok
             relay_id = rc.conn.node_id
             for p in rc.ps:
                 nid = p.node_id
                 o = got.get(nid)
-                if o is None:
+                if o is None or nid in done:
                     continue
                 if nid != relay_id:  # a member's: only with its MAC
                     node = nodes.get(nid)
-                    if node is None or not msgauth.outcome_ok(state.mac_key(nid, node.boot_id), o):
+                    if node is None or not ok(mac_key(nid, node.boot_id), o):
                         state.counters["bad_macs"] += 1
                         log.warning("relay's ack refused: MAC does not verify node=%s relay=%s rack=%s",
                                     nid, relay_id, rc.path)
                         continue   # as if left out: pushed directly
-                if o.placement_id == p.placement_id and nid not in done:
+                if o.placement_id == p.placement_id:
                     n_new += 1
-                    record(p, ACCEPTED if o.outcome == "accepted" and not o.refused_gpus and o.detail is None
-                           else Outcome(o.outcome, tuple(o.refused_gpus), o.detail))  # (one shared, mostly)
+                    done.add(nid)
+                    if p.kind == "start":
+                        acks.setdefault(nid, ACCEPTED if o.outcome == "accepted" and not o.refused_gpus
+                                        and o.detail is None  # (one shared, mostly)
+                                        else Outcome(o.outcome, tuple(o.refused_gpus), o.detail))
+            if n_new:
+                members_left[0] -= n_new
+                if members_left[0] <= 0:
+                    all_done.set()
             self.stats.relayed_nodes += n_new
             return n_new
 
@@ -547,21 +567,18 @@ class RelayHub:
                     # Bundles leave in batches as they are built (the first batch once ``ready``
                     # says yes), so the relays work while the rest of the round is encoded: a
                     # 2,778-rack round takes ~0.5 s to build here, and relays are other hosts.
-                    batch: list[tuple[_RackCall, bytes]] = []
                     durable = ready is None
-                    for i, (path, (conn, ps)) in enumerate(racks):
-                        rid, data = build(i, path, conn, ps)
-                        batch.append((_RackCall(path, conn, ps, rid), data))
-                        if i % BUILD_BATCH == BUILD_BATCH - 1 or i == len(racks) - 1:
-                            if not durable:
-                                assert ready is not None
-                                if not await ready():
-                                    return None
-                                durable = True
-                            for rc, data in batch:
-                                send(rc, data)
-                            batch = []
-                            await trio.lowlevel.checkpoint()  # the batch goes out; acks and reports flow meanwhile
+                    for b0 in range(0, len(racks), BUILD_BATCH):
+                        built = build([(i, path, conn, ps) for i, (path, (conn, ps))
+                                       in enumerate(racks[b0:b0 + BUILD_BATCH], b0)])
+                        if not durable:
+                            assert ready is not None
+                            if not await ready():
+                                return None
+                            durable = True
+                        for rc, data in built:
+                            send(rc, data)
+                        await trio.lowlevel.checkpoint()  # the batch goes out; acks and reports flow meanwhile
                     marks["built"] = trio.current_time() - t0
                     if gc_was:
                         gc.enable()

@@ -598,16 +598,21 @@ class NodePart(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_
 
 
 class PartProof(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """A rack bundle's signed header: the placer signs (Ed25519) the canonical bytes of
+    """A rack bundle's signed header: the bundle's header is the canonical bytes of
     (rack, blob_id, deliver_by, digests), ``digests`` being the BLAKE3 of each part's canonical
-    bytes as it sits in the bundle. A member checks its part's digest is listed and the
-    signature holds: one verification per bundle, bytes bounded by the rack."""
+    bytes as it sits in the bundle; the placer signs (Ed25519) the root of a Merkle tree over
+    the headers of the bundles it built together (``sig_path``: the header's sibling hashes,
+    leaf first; ``sig_index``: its leaf's position). A member checks its part's digest is
+    listed, the path leads to a root and the signature over that root holds: one
+    verification per batch of bundles, bytes bounded by the rack (scheduler_link.msgauth)."""
     rack: str
     blob_id: str
     deliver_by: float
     digests: list[bytes]
     sig: bytes
     raw: bytes = b""                         # this part's bytes exactly as the bundle carried them
+    sig_path: list[bytes] = []
+    sig_index: int = 0
 
 
 def workload_id(job_id: str, attempt: int, rank: int) -> str:
@@ -658,6 +663,8 @@ class RackBundle(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     parts: list[NodePart] = []
     deliver_by: float = 0.0
     sig: bytes = b""                         # the placer's Ed25519 signature (scheduler_link.msgauth)
+    sig_path: list[bytes] = []               # this bundle's header's Merkle path to the signed root
+    sig_index: int = 0                       # and its leaf's position in that tree
 
 
 class NodeOutcome(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -89,7 +89,7 @@ def test_signed_bundle_verifies_at_the_relay_and_at_each_member() -> None:
     view, parts, proofs = ver.bundle(payload)
     assert [p.node_id for p in parts] == ["n0", "n1", "n2"]
     assert parts[0].victims[0].grace_s == 5.0
-    seen: dict[bytes, bool] = {}
+    seen: dict[bytes, bytes] = {}
     for p, pr in zip(parts, proofs, strict=True):
         # the relay hands the member its part (blob id filled in) with the proof, over msgpack
         sent = msgspec.structs.replace(p, blob_id=view.blob_id, proof=pr)
@@ -97,6 +97,71 @@ def test_signed_bundle_verifies_at_the_relay_and_at_each_member() -> None:
         ok = ver.part(got, seen=seen)
         assert ok.node_id == p.node_id and ok.blob_id == view.blob_id and ok.proof is None
     assert ver.verified == 2   # the relay once, the members once per bundle (seen)
+
+
+def _batch(signer: BundleSigner, n: int) -> list[RackBundle]:
+    """``n`` racks' bundles signed together (one signature, a Merkle path each), as the placer
+    builds a round's batch."""
+    return signer.bundles_raw([{"rack": f"z/b/r{k}", "blob_id": "ab" * 32, "deliver_by": 100,
+                                "raws": [msgspec.msgpack.encode(msgspec.structs.replace(p, node_id=f"r{k}-{p.node_id}"))
+                                         for p in _parts()]} for k in range(n)])
+
+
+def test_a_batch_of_bundles_shares_one_signature_and_each_verifies_alone() -> None:
+    signer = BundleSigner.generate()
+    rbs = _batch(signer, 5)   # (not a power of two: the tree is padded)
+    assert signer.signed == 1 and len({rb.sig for rb in rbs}) == 1
+    assert [rb.sig_index for rb in rbs] == [0, 1, 2, 3, 4] and all(len(rb.sig_path) == 3 for rb in rbs)
+    seen: dict[bytes, bytes] = {}
+    member = BundleVerifier(signer.public)
+    for rb in rbs:
+        relay = BundleVerifier(signer.public)   # each rack's relay: its own bundle only
+        view, parts, proofs = relay.bundle(msgspec.msgpack.encode(rb))
+        assert relay.verified == 1 and parts[0].node_id == f"{view.rack[-2:]}-n0"
+        for p, pr in zip(parts, proofs, strict=True):
+            sent = msgspec.msgpack.decode(msgspec.msgpack.encode(msgspec.structs.replace(p, proof=pr)), type=NodePart)
+            assert member.part(sent, seen=seen).node_id == p.node_id
+    assert member.verified == 1   # one receiver of several bundles of a batch: one verification
+
+
+def test_a_batch_signature_does_not_carry_over_to_another_header() -> None:
+    """A relay holding a batch's signature cannot make it cover a bundle of its own: not by
+    changing the bundle, moving its position, borrowing another's path, or a long path; and a
+    receiver that already verified the batch (its cache) still refuses the altered one."""
+    signer = BundleSigner.generate()
+    rbs = _batch(signer, 5)
+    decoded = [msgspec.msgpack.decode(msgspec.msgpack.encode(rb), type=RackBundle) for rb in rbs]
+    ver = BundleVerifier(signer.public)
+    seen: dict[bytes, bytes] = {}
+    b1 = decoded[1]
+    bad_bundles = [
+        msgspec.structs.replace(b1, sig_index=2),                                  # another position
+        msgspec.structs.replace(b1, sig_path=decoded[2].sig_path),                  # another's path
+        msgspec.structs.replace(b1, sig_path=list(reversed(b1.sig_path))),
+        msgspec.structs.replace(b1, sig_path=b1.sig_path[:-1]),                     # a shorter tree
+        msgspec.structs.replace(b1, sig_path=[*b1.sig_path, b"\0" * 32]),          # a deeper one
+        msgspec.structs.replace(b1, sig_path=[b"\0" * 32] * 17, sig_index=1),      # past the bound
+        msgspec.structs.replace(b1, sig_index=-1),
+        msgspec.structs.replace(b1, sig_index=8),
+        msgspec.structs.replace(b1, rack="z/b/r0"),                                 # its header changed
+        msgspec.structs.replace(b1, parts=decoded[0].parts),
+    ]
+    for bad in bad_bundles:
+        with pytest.raises(AuthError):
+            BundleVerifier(signer.public).bundle(msgspec.msgpack.encode(bad))
+    # a member that verified bundle 1's batch already: the same signature over a changed header
+    _, parts1, proofs1 = ver.bundle(msgspec.msgpack.encode(rbs[1]))
+    pr = proofs1[0]
+    assert ver.part(msgspec.structs.replace(parts1[0], proof=pr), seen=seen).node_id == parts1[0].node_id
+    checks = ver.verified
+    forged_raw = msgspec.msgpack.encode(msgspec.structs.replace(parts1[0], node_id="r1-n9"))
+    from scheduler_link.msgauth import digest
+    for bad_pr in (msgspec.structs.replace(pr, raw=forged_raw, digests=[digest(forged_raw), *pr.digests[1:]]),
+                   msgspec.structs.replace(pr, sig_index=3),
+                   msgspec.structs.replace(pr, deliver_by=1e12)):
+        with pytest.raises(AuthError):
+            ver.part(msgspec.structs.replace(parts1[0], proof=bad_pr), seen=seen)
+    assert ver.verified == checks   # (refused, not cached)
 
 
 def test_a_relay_cannot_alter_a_bundle_or_a_part() -> None:
