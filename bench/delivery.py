@@ -149,6 +149,8 @@ async def _fleet(stack: AsyncExitStack, tmp: Path, td: Path, a: Args, n: int, *,
 
 async def _register(row: dict[str, Any], key: str, placer: PlacerProc, emus: list[EmulatorProc],
                     c: httpx.AsyncClient, n: int, op: dict[str, str], limit_s: float = 300.0) -> bool:
+    from placer.sim import fleet_shape
+
     cpu0 = placer.cpu_s()
     for e in emus:
         await e.go()
@@ -180,7 +182,9 @@ async def _register(row: dict[str, Any], key: str, placer: PlacerProc, emus: lis
                                                      "argv": ["/bin/true"], "grace_s": 0}, headers=op)
     if r.status_code == 201:
         await _wait_job(c, placer.url, "warm", "running", 30.0)
-        await c.delete(f"{placer.url}/v1/jobs/warm", headers=op)
+        # its stop reaches its node before the measured submit (it was counted as the first
+        # delivery's victim, told before that delivery began), and its GPU is free again
+        await _cancel(c, placer.url, op, "warm", n * fleet_shape(row["fleet"]).gpus_per_node)
     return True
 
 
