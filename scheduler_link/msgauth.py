@@ -303,13 +303,23 @@ class BundleVerifier:
         try:
             self._key.verify(sig, _ROOT + root)
         except InvalidSignature:
-            self.refused += 1
-            raise AuthError("the placer's signature does not verify") from None
+            if path or index or not self._legacy_ok(sig, header):
+                self.refused += 1
+                raise AuthError("the placer's signature does not verify") from None
         self.verified += 1
         if seen is not None:
             seen[sig] = root
             while len(seen) > 64:
                 seen.pop(next(iter(seen)))
+
+    def _legacy_ok(self, sig: bytes, header: bytes) -> bool:
+        """A bundle signed alone the way placers before batched signatures did (over its header
+        itself, no path): still good, so agents can be upgraded before their placer."""
+        try:
+            self._key.verify(sig, header)
+        except InvalidSignature:
+            return False
+        return True
 
     def bundle(self, raw_payload: bytes) -> tuple[BundleView, list[NodePart], list[PartProof]]:
         """Decode and verify a bundle frame's payload: (the bundle, its parts, each part's proof

@@ -60,8 +60,17 @@ def _workload_user_can_reach_tmp(request: pytest.FixtureRequest) -> None:
     if not is_root() or "tmp_path" not in request.fixturenames:
         return
     tmp = request.getfixturevalue("tmp_path")
-    for d in (tmp.parent, tmp):
+    base = Path(request.config._tmp_path_factory.getbasetemp())  # type: ignore[attr-defined]
+    d = tmp
+    # every dir from the test's up to this session's base (under pytest-xdist there is one more:
+    # the base's popen-gwN, and the base itself was made 0700 by the controller)
+    while True:
         os.chmod(d, 0o711)
+        if d == base or d.parent == d or base not in d.parents:
+            break
+        d = d.parent
+    if base.name.startswith("popen-gw"):
+        os.chmod(base.parent, 0o711)
 
 
 @pytest.fixture(autouse=True)

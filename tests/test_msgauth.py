@@ -164,6 +164,23 @@ def test_a_batch_signature_does_not_carry_over_to_another_header() -> None:
     assert ver.verified == checks   # (refused, not cached)
 
 
+def test_a_bundle_signed_the_way_older_placers_did_still_verifies() -> None:
+    """Before batched signatures a placer signed each bundle's header itself: agents upgraded
+    first still take its bundles (and nothing else signed that way: a path, or other bytes)."""
+    from scheduler_link.msgauth import digest, header_bytes
+    signer = BundleSigner.generate()
+    raws = [msgspec.msgpack.encode(p) for p in _parts()]
+    old_sig = signer._key.sign(header_bytes("z/b/r", "ab" * 32, 100.0, [digest(r) for r in raws]))
+    rb = RackBundle(rack="z/b/r", blob_id="ab" * 32, parts=[msgspec.Raw(r) for r in raws],  # type: ignore[misc]
+                    deliver_by=100.0, sig=old_sig)
+    ver = BundleVerifier(signer.public)
+    view, parts, proofs = ver.bundle(msgspec.msgpack.encode(rb))
+    assert ver.part(msgspec.structs.replace(parts[1], proof=proofs[1])).node_id == "n1"
+    for bad in (msgspec.structs.replace(rb, sig_path=[b"\0" * 32]), msgspec.structs.replace(rb, deliver_by=101.0)):
+        with pytest.raises(AuthError):
+            ver.bundle(msgspec.msgpack.encode(bad))
+
+
 def test_a_relay_cannot_alter_a_bundle_or_a_part() -> None:
     signer = BundleSigner.generate()
     ver = BundleVerifier(signer.public)
