@@ -14,6 +14,10 @@ wait while their emulator process still has bundles of the round to handle (test
 ``bundles_quiet``: on a fleet they are other hosts' work); ``--no-hold-events`` sends them
 at once, competing with the acks for the same cores.
 
+Every measured delivery is submitted once the fleet has settled: the placer's and the
+emulators' CPU no longer falling from one second to the next (at most 20 s; ``settle_s``,
+and ``cores_busy_at_submit``: the cores they were using then, their heartbeats).
+
 Phases, in one run:
 1. ``empty``: the big gang (``--gang-gpus``, default min(200,000, 60 % of the fleet's GPUs),
    whole nodes) on the empty fleet: submit -> decided -> pushed -> every node acked, from
@@ -243,9 +247,36 @@ def _pyspy(pids: dict[str, int], name: str) -> list[subprocess.Popen[bytes]]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for who, pid in pids.items()]
 
 
+SETTLE_WINDOW_S = 1.0
+SETTLE_MAX_S = 20.0
+
+
+async def _settle(placer: PlacerProc, emus: list[EmulatorProc]) -> dict[str, Any]:
+    """Wait (at most SETTLE_MAX_S) until the placer's and the emulators' CPU, in windows of
+    SETTLE_WINDOW_S, stops falling: the last two windows each within 15 % of the lowest seen,
+    after at least three. So a delivery lands on a settled fleet (its heartbeats only), not on
+    what a registration storm, the previous phase's pods or the baseline's processes left
+    behind; what the machine was doing then is reported beside the figure (cores in use)."""
+    rates: list[float] = []
+    t0 = time.monotonic()
+    prev = placer.cpu_s() + sum(e.cpu_s() for e in emus)
+    while time.monotonic() - t0 < SETTLE_MAX_S:
+        await trio.sleep(SETTLE_WINDOW_S)
+        now = placer.cpu_s() + sum(e.cpu_s() for e in emus)
+        rates.append((now - prev) / SETTLE_WINDOW_S)
+        prev = now
+        low = min(rates)
+        if len(rates) >= 3 and all(r <= 1.15 * low + 0.02 for r in rates[-2:]):
+            break
+    return {"settle_s": time.monotonic() - t0, "cores_busy_at_submit": rates[-1] if rates else None,
+            "load_at_submit": os.getloadavg()[0]}
+
+
 async def _deliver(c: httpx.AsyncClient, placer: PlacerProc, emus: list[EmulatorProc], op: dict[str, str],
                    spec: dict[str, Any], limit_s: float) -> dict[str, Any]:
-    """Submit ``spec``; wait until every node acked (then running), bounded; the figures."""
+    """Submit ``spec`` once the fleet settled (:func:`_settle`); wait until every node acked
+    (then running), bounded; the figures."""
+    settled = await _settle(placer, emus)
     s0 = await _stats(c, emus)
     r0 = await _relay_stats(c, placer.url)
     cpu0, ecpu0 = placer.cpu_s(), sum(e.cpu_s() for e in emus)
@@ -292,6 +323,7 @@ async def _deliver(c: httpx.AsyncClient, placer: PlacerProc, emus: list[Emulator
         # difference is events the placer never got), and the emulators' connection diagnostics
         "pod_counts": run.get("pod_counts"), "member_states": s1["job_states"],
         "emulator_diag": _sub(s1["diag"], s0["diag"]),
+        **settled,
     }
     if out["victims_told"] and "submitted" in t:
         out["submit_to_last_victim_told_ms"] = (s1["last_victim_at"] - t["submitted"]) * 1000
