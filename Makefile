@@ -19,8 +19,10 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/mypy manifests p2p scheduler_link agent placer cli testing bench
 
+# the suite in PYTEST_WORKERS processes (pytest-xdist; 1: serially, in this process)
+PYTEST_WORKERS ?= 2
 pytest: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q $(if $(filter 1,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS))
 
 test: lint pytest
 
