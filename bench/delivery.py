@@ -152,9 +152,7 @@ async def _fleet(stack: AsyncExitStack, tmp: Path, td: Path, a: Args, n: int, *,
 
 
 async def _register(row: dict[str, Any], key: str, placer: PlacerProc, emus: list[EmulatorProc],
-                    c: httpx.AsyncClient, n: int, op: dict[str, str], limit_s: float = 300.0) -> bool:
-    from placer.sim import fleet_shape
-
+                    c: httpx.AsyncClient, n: int, gpus: int, op: dict[str, str], limit_s: float = 300.0) -> bool:
     cpu0 = placer.cpu_s()
     for e in emus:
         await e.go()
@@ -188,7 +186,7 @@ async def _register(row: dict[str, Any], key: str, placer: PlacerProc, emus: lis
         await _wait_job(c, placer.url, "warm", "running", 30.0)
         # its stop reaches its node before the measured submit (it was counted as the first
         # delivery's victim, told before that delivery began), and its GPU is free again
-        await _cancel(c, placer.url, op, "warm", n * fleet_shape(row["fleet"]).gpus_per_node)
+        await _cancel(c, placer.url, op, "warm", gpus)
     return True
 
 
@@ -350,7 +348,7 @@ async def relay_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
     async with AsyncExitStack() as stack:
         placer, emus, c = await _fleet(stack, tmp, td, a, n, relays=True)
         row["emulator_procs"] = len(emus)
-        if not await _register(row, "register", placer, emus, c, n, op, a.register_limit_s):
+        if not await _register(row, "register", placer, emus, c, n, gpus, op, a.register_limit_s):
             return row
         row["empty"] = await _deliver(c, placer, emus, op, {**gang, "job_id": "big1"}, a.limit_s)
         _note("empty fleet", **{k: row["empty"].get(k) for k in ("state", "submit_to_acked_ms", "bundle_bytes")})
@@ -470,7 +468,7 @@ async def baseline_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
     gang = _gang(a.fleet, gpus, a.gang_gpus)
     async with AsyncExitStack() as stack:
         placer, emus, c = await _fleet(stack, tmp, td, a, n, relays=False)
-        if not await _register(row, "register", placer, emus, c, n, op, a.register_limit_s):
+        if not await _register(row, "register", placer, emus, c, n, gpus, op, a.register_limit_s):
             return row
         small = {**gang, "pods": min(2000, gang["pods"]), "job_id": "base-small"}
         row["small"] = await _deliver(c, placer, emus, op, small, 120.0)

@@ -64,6 +64,7 @@ from scheduler_link.messages import (  # noqa: E402
 )
 from scheduler_link.msgauth import (  # noqa: E402
     BundleSigner,
+    BundleSpec,
     BundleVerifier,
     beat_mac,
     node_key,
@@ -202,9 +203,8 @@ def bench_sign(ids: list[str], rack: int, repeat: int) -> tuple[dict[str, Any], 
     def batched() -> list[bytes]:  # as the placer builds a round: BUILD_BATCH bundles under one signature
         out = []
         for b0 in range(0, len(racks), BUILD_BATCH):
-            specs: list[dict[str, object]] = [
-                {"rack": f"z/b/r{k}", "blob_id": "ab" * 32, "deliver_by": deliver_by,
-                 "raws": [part_bytes(p) for p in ps]} for k, ps in enumerate(racks[b0:b0 + BUILD_BATCH], b0)]
+            specs = [BundleSpec(f"z/b/r{k}", "ab" * 32, [part_bytes(p) for p in ps], deliver_by)
+                     for k, ps in enumerate(racks[b0:b0 + BUILD_BATCH], b0)]
             out += [_enc.encode(rb) for rb in signer.bundles_raw(specs)]
         return out
     u, s, b = _median(unsigned, repeat), _median(signed, repeat), _median(batched, repeat)

@@ -376,7 +376,7 @@ class RelayHub:
             if p.kind == "start":
                 acks.setdefault(p.node_id, o)
 
-        def spec(i: int, path: str, conn: RelayConn, ps: list[Push], deliver_by: float) -> dict[str, Any]:
+        def spec(i: int, path: str, conn: RelayConn, ps: list[Push], deliver_by: float) -> msgauth.BundleSpec:
             """One rack's bundle, but for its signature (signed with its batch's)."""
             carry = raw is not None and i < seeds
             sources: list[str] = []
@@ -386,9 +386,8 @@ class RelayHub:
             starts = any(p.kind == "start" for p in ps)
             if carry and starts:
                 self.stats.blob_seeds += 1
-            return {"rack": path, "blob_id": (blob_id or "") if starts else "",
-                    "raws": [p.part_bytes(expires) for p in ps], "deliver_by": deliver_by,
-                    "blob": raw if carry and starts else None, "blob_sources": sources if starts else []}
+            return msgauth.BundleSpec(path, (blob_id or "") if starts else "", [p.part_bytes(expires) for p in ps],
+                                      deliver_by, raw if carry and starts else None, sources if starts else [])
 
         def build(batch: list[tuple[int, str, RelayConn, list[Push]]]) -> list[tuple[_RackCall, bytes]]:
             """A batch of racks' bundles, under one signature (a Merkle root over their headers)."""
@@ -411,8 +410,8 @@ class RelayHub:
                 all_done.set()
 
         def from_relay(rc: _RackCall, f: Frame) -> int:
-            """A relay's AckBundle: each member's outcome that verifies, recorded (as
-            :func:`record`, inlined: this runs once per member of the round)."""
+            """A relay's AckBundle: each member's outcome that verifies, recorded (a member that
+            already has one is not checked again)."""
             ab = decode_payload(f, AckBundle)
             got = {o.node_id: o for o in ab.outcomes}
             n_new = 0
@@ -435,15 +434,8 @@ class RelayHub:
                         continue   # as if left out: pushed directly
                 if o.placement_id == p.placement_id:
                     n_new += 1
-                    done.add(nid)
-                    if p.kind == "start":
-                        acks.setdefault(nid, ACCEPTED if o.outcome == "accepted" and not o.refused_gpus
-                                        and o.detail is None  # (one shared, mostly)
-                                        else Outcome(o.outcome, tuple(o.refused_gpus), o.detail))
-            if n_new:
-                members_left[0] -= n_new
-                if members_left[0] <= 0:
-                    all_done.set()
+                    record(p, ACCEPTED if o.outcome == "accepted" and not o.refused_gpus and o.detail is None
+                           else Outcome(o.outcome, tuple(o.refused_gpus), o.detail))  # (one shared, mostly)
             self.stats.relayed_nodes += n_new
             return n_new
 

@@ -44,6 +44,7 @@ import hmac
 import logging
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import blake3
 import msgspec
@@ -113,25 +114,17 @@ def report_ok(key: bytes, rep: NodeReport) -> bool:
     return bool(rep.mac) and hmac.compare_digest(rep.mac, report_mac(key, rep))
 
 
-_ACK = b"ack\0"
-
-
 def outcome_mac(key: bytes, o: NodeOutcome) -> bytes:
     """Over every field but the MAC (a msgpack array: unambiguous, and cheaper than the struct)."""
-    return _mac(key, _ACK + _canon.encode((o.node_id, o.placement_id, o.outcome, o.refused_gpus, o.detail)))
+    return _mac(key, b"ack\0" + _canon.encode((o.node_id, o.placement_id, o.outcome, o.refused_gpus, o.detail)))
 
 
 def with_outcome_mac(key: bytes, o: NodeOutcome) -> NodeOutcome:
     return msgspec.structs.replace(o, mac=outcome_mac(key, o))
 
 
-def outcome_ok(key: bytes, o: NodeOutcome, _b3: type = blake3.blake3, _enc: object = _canon.encode,
-               _eq: object = hmac.compare_digest) -> bool:
-    """:func:`outcome_mac` checked, inlined: the placer checks every member's outcome of a
-    round (50,000 in a gb200 gang's), so the two calls it saves each time count."""
-    m = o.mac
-    return bool(m) and _eq(m, _b3(_ACK + _enc((o.node_id, o.placement_id, o.outcome,  # type: ignore[operator]
-                                               o.refused_gpus, o.detail)), key=key).digest(MAC_LEN))
+def outcome_ok(key: bytes, o: NodeOutcome) -> bool:
+    return bool(o.mac) and hmac.compare_digest(o.mac, outcome_mac(key, o))
 
 
 def stop_mac(key: bytes, node_id: str, boot_id: str, v: Victim) -> bytes:
@@ -210,6 +203,17 @@ def merkle_root(leaf: bytes, path: list[bytes], index: int) -> bytes:
     return h
 
 
+class BundleSpec(NamedTuple):
+    """A RackBundle to be signed with others (:meth:`BundleSigner.bundles_raw`): its parts as
+    the bytes the bundle carries (:func:`part_bytes` of each)."""
+    rack: str
+    blob_id: str
+    raws: list[bytes]
+    deliver_by: float
+    blob: bytes | None = None
+    blob_sources: list[str] = []
+
+
 class BundleSigner:
     """The placer's Ed25519 key: signs rack bundles."""
 
@@ -235,32 +239,25 @@ class BundleSigner:
         self.signed += 1
         return self._key.sign(_ROOT + root), paths
 
-    def bundles_raw(self, specs: list[dict[str, object]]) -> list[RackBundle]:
-        """Several signed RackBundles, one signature for all: each spec the keywords of
-        :meth:`bundle_raw` (``rack``, ``blob_id``, ``raws``, ``deliver_by``, and the rest)."""
-        heads = []
-        for sp in specs:
-            sp["deliver_by"] = float(sp["deliver_by"])  # type: ignore[arg-type]
-            heads.append(header_bytes(sp["rack"], sp["blob_id"], sp["deliver_by"],  # type: ignore[arg-type]
-                                      [digest(r) for r in sp["raws"]]))  # type: ignore[attr-defined]
-        sig, paths = self.sign_headers(heads)
-        out = []
-        for i, sp in enumerate(specs):
-            raws = sp.pop("raws")
-            out.append(RackBundle(parts=[msgspec.Raw(r) for r in raws], sig=sig, sig_path=paths[i],  # type: ignore[misc, attr-defined]
-                                  sig_index=i, **sp))  # type: ignore[arg-type]
-        return out
+    def bundles_raw(self, specs: list[BundleSpec]) -> list[RackBundle]:
+        """Several signed RackBundles, one signature for all (a Merkle root over their headers)."""
+        sig, paths = self.sign_headers([header_bytes(sp.rack, sp.blob_id, sp.deliver_by, [digest(r) for r in sp.raws])
+                                        for sp in specs])
+        return [RackBundle(rack=sp.rack, blob_id=sp.blob_id, parts=[msgspec.Raw(r) for r in sp.raws],  # type: ignore[misc]
+                           deliver_by=sp.deliver_by, blob=sp.blob, blob_sources=sp.blob_sources,
+                           sig=sig, sig_path=path, sig_index=i)
+                for i, (sp, path) in enumerate(zip(specs, paths, strict=True))]
 
     def bundle(self, *, rack: str, blob_id: str, parts: list[NodePart], deliver_by: float,
-               **kw: object) -> RackBundle:
+               blob: bytes | None = None, blob_sources: list[str] | None = None) -> RackBundle:
         """A signed RackBundle (its parts carried as the exact bytes the signature covers)."""
         return self.bundle_raw(rack=rack, blob_id=blob_id, raws=[part_bytes(p) for p in parts],
-                               deliver_by=deliver_by, **kw)
+                               deliver_by=deliver_by, blob=blob, blob_sources=blob_sources)
 
     def bundle_raw(self, *, rack: str, blob_id: str, raws: list[bytes], deliver_by: float,
-                   **kw: object) -> RackBundle:
+                   blob: bytes | None = None, blob_sources: list[str] | None = None) -> RackBundle:
         """As :meth:`bundle`, the parts given as their bytes (:func:`part_bytes` of each)."""
-        return self.bundles_raw([dict(rack=rack, blob_id=blob_id, raws=raws, deliver_by=deliver_by, **kw)])[0]
+        return self.bundles_raw([BundleSpec(rack, blob_id, raws, float(deliver_by), blob, blob_sources or [])])[0]
 
 
 class BundleView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

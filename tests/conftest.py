@@ -61,16 +61,13 @@ def _workload_user_can_reach_tmp(request: pytest.FixtureRequest) -> None:
         return
     tmp = request.getfixturevalue("tmp_path")
     base = Path(request.config._tmp_path_factory.getbasetemp())  # type: ignore[attr-defined]
-    d = tmp
-    # every dir from the test's up to this session's base (under pytest-xdist there is one more:
-    # the base's popen-gwN, and the base itself was made 0700 by the controller)
-    while True:
-        os.chmod(d, 0o711)
-        if d == base or d.parent == d or base not in d.parents:
+    # every dir from the test's up to this session's temp root (under pytest-xdist a worker's
+    # base is the root's popen-gwN, and the controller made the root 0700)
+    root = base.parent if base.name.startswith("popen-gw") else base
+    for d in (tmp, *tmp.parents):
+        if d != root and root not in d.parents:
             break
-        d = d.parent
-    if base.name.startswith("popen-gw"):
-        os.chmod(base.parent, 0o711)
+        os.chmod(d, 0o711)
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,7 @@ from scheduler_link.messages import (
 from scheduler_link.msgauth import (
     AuthError,
     BundleSigner,
+    BundleSpec,
     BundleVerifier,
     beat_mac,
     load_placer_keys,
@@ -102,9 +103,9 @@ def test_signed_bundle_verifies_at_the_relay_and_at_each_member() -> None:
 def _batch(signer: BundleSigner, n: int) -> list[RackBundle]:
     """``n`` racks' bundles signed together (one signature, a Merkle path each), as the placer
     builds a round's batch."""
-    return signer.bundles_raw([{"rack": f"z/b/r{k}", "blob_id": "ab" * 32, "deliver_by": 100,
-                                "raws": [msgspec.msgpack.encode(msgspec.structs.replace(p, node_id=f"r{k}-{p.node_id}"))
-                                         for p in _parts()]} for k in range(n)])
+    return signer.bundles_raw([BundleSpec(f"z/b/r{k}", "ab" * 32,
+                                          [msgspec.msgpack.encode(msgspec.structs.replace(p, node_id=f"r{k}-{p.node_id}"))
+                                           for p in _parts()], 100.0) for k in range(n)])
 
 
 def test_a_batch_of_bundles_shares_one_signature_and_each_verifies_alone() -> None:
