@@ -257,7 +257,7 @@ class BundleSigner:
     def bundle_raw(self, *, rack: str, blob_id: str, raws: list[bytes], deliver_by: float,
                    blob: bytes | None = None, blob_sources: list[str] | None = None) -> RackBundle:
         """As :meth:`bundle`, the parts given as their bytes (:func:`part_bytes` of each)."""
-        return self.bundles_raw([BundleSpec(rack, blob_id, raws, float(deliver_by), blob, blob_sources or [])])[0]
+        return self.bundles_raw([BundleSpec(rack, blob_id, raws, deliver_by, blob, blob_sources or [])])[0]
 
 
 class BundleView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
