@@ -17,7 +17,8 @@ demo: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/mypy manifests p2p scheduler_link agent placer cli testing bench
+	$(BIN)/lint-imports
+	$(BIN)/mypy infra manifests p2p scheduler_link agent placer cli testing bench
 
 # the suite in PYTEST_WORKERS processes (pytest-xdist; 1: serially, in this process)
 PYTEST_WORKERS ?= 2

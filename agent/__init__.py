@@ -13,7 +13,7 @@ What others may use (import from the modules; this package init stays import-fre
     agent.relay.Relay(...).run(task_status)                        # rack relay; started(members listener URL)
     agent.beats.BeatBook                                           # members' heartbeats -> rack beats (pure)
     agent.blobs.BlobCache                                          # verified gang blobs, bounded, single flight
-    agent.api.build_app(agent) -> scheduler_link.http.App
+    agent.api.build_app(agent) -> infra.http.App
     agent.isolation: Identities (who workloads run as), Isolation / detect (cgroup | subreaper)
     agent.sdnotify.Notifier                                        # sd_notify socket protocol
     agent.errors: AgentError, ConfigError, UnknownWorkload, ShimError (refusals are PlacementAck.reason)

@@ -1,4 +1,4 @@
-"""The agent's operator/control HTTP API (scheduler_link.http.App served by hypercorn).
+"""The agent's operator/control HTTP API (infra.http.App served by hypercorn).
 
 Auth: every route and the role it needs are declared in :mod:`scheduler_link.authz`
 (``AGENT_ROUTES``) and installed from there. Reads need the viewer token (or the
@@ -30,13 +30,8 @@ from typing import TYPE_CHECKING
 import msgspec
 import trio
 
-from p2p.errors import StoreError
-from p2p.origins.allow import origin_refusal
-from p2p.store import ChunkStore, EvictReport, HeldManifest, check_id
-from scheduler_link import authz
-from scheduler_link.apidocs import AGENT_DOCS
-from scheduler_link.auth import bearer
-from scheduler_link.http import (
+from infra.auth import bearer
+from infra.http import (
     App,
     HTTPError,
     Param,
@@ -46,9 +41,14 @@ from scheduler_link.http import (
     json_response,
     text_response,
 )
+from infra.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from infra.version import PACKAGE_VERSION as _VERSION
+from p2p.errors import StoreError
+from p2p.origins.allow import origin_refusal
+from p2p.store import ChunkStore, EvictReport, HeldManifest, check_id
+from scheduler_link import authz
+from scheduler_link.apidocs import AGENT_DOCS
 from scheduler_link.messages import TERMINAL_STATES, WIRE_VERSION, Placement, PlacementAck, PrefetchRequest
-from scheduler_link.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from scheduler_link.version import PACKAGE_VERSION as _VERSION
 
 from .errors import AgentError, UnknownWorkload
 from .gpus.faults import Fault, decode_fault

@@ -22,9 +22,8 @@ import httpx
 import msgspec
 import trio
 
-from scheduler_link import pki
-from scheduler_link.pki_api import CertReply, CSRRequest
-from scheduler_link.tls import (
+from infra import pki
+from infra.tls import (
     DEFAULT_TLS_DIR,
     Security,
     TLSError,
@@ -34,6 +33,7 @@ from scheduler_link.tls import (
     describe_ssl_error,
     insecure_from_env,
 )
+from scheduler_link.pki_api import CertReply, CSRRequest
 
 from .config import AgentConfig
 from .errors import AgentError

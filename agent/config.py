@@ -19,9 +19,9 @@ from typing import Any
 
 import msgspec
 
+from infra.tomlconfig import read_toml
 from p2p.origins.allow import origin_refusal
 from scheduler_link.messages import TopologyPath
-from scheduler_link.tomlconfig import read_toml
 
 from .errors import ConfigError
 from .supervisor import SupervisorConfig

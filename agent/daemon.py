@@ -36,6 +36,10 @@ from typing import Any
 import msgspec
 import trio
 
+from infra.auth import ROLES, TokenSet, token_dir_from_env
+from infra.errors import single_cause
+from infra.http import serve
+from infra.tls import Security
 from p2p.dataplane import DataPlane, DataPlaneConfig
 from p2p.fetch import fetch_artifact
 from p2p.herd import Herd, HerdConfig
@@ -44,9 +48,6 @@ from p2p.origins import open_origin
 from p2p.store import ChunkStore
 from p2p.tree import serving_cap
 from scheduler_link.agent_link import AgentLink
-from scheduler_link.auth import ROLES, TokenSet, token_dir_from_env
-from scheduler_link.errors import single_cause
-from scheduler_link.http import serve
 from scheduler_link.messages import (
     GangBlob,
     GpuSnapshot,
@@ -58,7 +59,6 @@ from scheduler_link.messages import (
     Victim,
     WorkloadEvent,
 )
-from scheduler_link.tls import Security
 
 from . import certs, procs
 from .api import build_app

@@ -19,8 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client.metrics_core import Metric
 
-from scheduler_link.messages import WIRE_VERSION, WorkloadState
-from scheduler_link.metrics import (
+from infra.metrics import (
     FamiliesCollector,
     LatencyHistogram,
     build_info,
@@ -30,7 +29,8 @@ from scheduler_link.metrics import (
     new_registry,
     text_of,
 )
-from scheduler_link.version import PACKAGE_VERSION as VERSION
+from infra.version import PACKAGE_VERSION as VERSION
+from scheduler_link.messages import WIRE_VERSION, WorkloadState
 
 from .errors import UnknownWorkload
 

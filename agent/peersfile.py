@@ -19,7 +19,7 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
-from scheduler_link.durable import atomic_write
+from infra.durable import atomic_write
 from scheduler_link.messages import GangBlob, Peer, PeerTable, decode_gang_blob
 
 log = logging.getLogger("herd.agent.peers")

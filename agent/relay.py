@@ -53,7 +53,8 @@ from typing import Any
 import msgspec
 import trio
 
-from scheduler_link.auth import TokenSet
+from infra.auth import TokenSet
+from infra.tls import Security
 from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
 from scheduler_link.heartbeat_wire import HeartbeatServer, Hello, WireError, WireReply
 from scheduler_link.messages import (
@@ -72,7 +73,6 @@ from scheduler_link.messages import (
     ReportReply,
 )
 from scheduler_link.msgauth import AuthError, BundleVerifier
-from scheduler_link.tls import Security
 
 from .beats import BeatBook, is_empty
 from .blobs import BlobCache, BlobSource

@@ -71,7 +71,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 def _atomic_write(path: str, obj: dict, *, sync: bool = True) -> None:
     """temp + rename (never torn); with ``sync`` also fsync the file and its directory.
 
-    The steps of :func:`scheduler_link.durable.atomic_write`, kept here because the shim is
+    The steps of :func:`infra.durable.atomic_write`, kept here because the shim is
     started with ``python -I -S`` and imports nothing of ours."""
     tmp = f"{path}.tmp.{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)

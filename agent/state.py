@@ -1,7 +1,7 @@
 """The agent's persisted state: every workload record and the acks of accepted placements.
 
 One file, ``<state-dir>/state.json`` (0600: it holds every workload's env), rewritten atomically (temp file, fsync, rename,
-fsync of the directory: :func:`scheduler_link.durable.atomic_write`) by the supervisor's owner task after each batch of events.
+fsync of the directory: :func:`infra.durable.atomic_write`) by the supervisor's owner task after each batch of events.
 Small by construction: terminal records beyond ``keep_terminal`` are pruned oldest
 first. A file that does not decode is moved aside (``state.json.bad-<time>``) and
 the agent starts empty rather than trusting half of it.
@@ -17,7 +17,7 @@ from pathlib import Path
 import msgspec
 
 # re-exported: the agent's callers import it from here
-from scheduler_link.durable import atomic_write as atomic_write
+from infra.durable import atomic_write as atomic_write
 from scheduler_link.messages import TERMINAL_STATES, Peer, PlacementAck, RestartPolicy, WorkloadStatus
 
 log = logging.getLogger("herd.agent.state")

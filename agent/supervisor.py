@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 import trio
 
+from infra.metrics import LatencyHistogram
 from scheduler_link.messages import (
     TERMINAL_STATES,
     PeerTable,
@@ -44,7 +45,6 @@ from scheduler_link.messages import (
     WorkloadEvent,
     WorkloadStatus,
 )
-from scheduler_link.metrics import LatencyHistogram
 
 from . import environment, procs
 from .errors import AgentError, ConfigError, ShimError, UnknownWorkload

@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     stamps.chmod(0o1777)
     proc = None
     try:
-        from scheduler_link.auth import TokenSet, auth_header, generate_token_dir
+        from infra.auth import TokenSet, auth_header, generate_token_dir
         toks = TokenSet.load(generate_token_dir(tmp / "tokens"))
         op = {**auth_header(toks.operator), "content-type": "application/json"}
         prog, prog_kind = stamp_program(tmp)

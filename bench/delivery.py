@@ -86,7 +86,7 @@ from bench.fleet import (  # noqa: E402
     _wait_job,
     run_printed,
 )
-from scheduler_link.auth import TokenSet, generate_token_dir  # noqa: E402
+from infra.auth import TokenSet, generate_token_dir  # noqa: E402
 from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, wait_nodes_up, wait_recovered  # noqa: E402
 
 

@@ -58,7 +58,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler_link.auth import TokenSet, generate_token_dir  # noqa: E402
+from infra.auth import TokenSet, generate_token_dir  # noqa: E402
 from testing.harness import (  # noqa: E402
     EmulatorProc,
     PlacerOptions,

@@ -41,8 +41,8 @@ from typing import Any
 
 import httpx
 
-from scheduler_link.auth import generate_token_dir
-from scheduler_link.pki import throwaway
+from infra.auth import generate_token_dir
+from infra.pki import throwaway
 from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, verify, wait_nodes_up
 
 # The emulators run 10 nicer than the placer, in both modes: on a fleet they are other machines,

@@ -55,7 +55,7 @@ def bench_e2e(n_jobs: int, gap_s: float = 0.0) -> dict[str, Any]:
 
     sys.path.insert(0, str(ROOT))
     from cli.localcluster import LocalCluster
-    from scheduler_link.auth import TokenSet, generate_token_dir
+    from infra.auth import TokenSet, generate_token_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         td = generate_token_dir(Path(tmp) / "tokens")
@@ -395,9 +395,9 @@ async def _load_main(mode: str, url: str, token: str, n_conn: int, seconds: floa
 
 
 async def bench_heartbeats(seconds: float = 3.0, n_conn: int = 64) -> dict[str, Any]:
+    from infra.auth import TokenSet, generate_token_dir
     from placer.config import PlacerConfig
     from placer.service import PlacerService
-    from scheduler_link.auth import TokenSet, generate_token_dir
 
     with tempfile.TemporaryDirectory() as tmp:
         td = generate_token_dir(Path(tmp) / "tokens")

@@ -32,8 +32,8 @@ backed): the phases alternate and the per-repeat ratios are the figure to read.
   chunk and fsyncs them in 64 MiB batches as the store does (durability is part of the
   job). One stream, one thread on each side.
 - ``herd_tls`` / ``loop_tls``: the same with mutual TLS 1.3 on the data plane (a
-  throwaway cluster CA and node certificates from :mod:`scheduler_link.pki`, contexts
-  from :mod:`scheduler_link.tls`; the loop uses blocking ``ssl`` sockets, whose
+  throwaway cluster CA and node certificates from :mod:`infra.pki`, contexts
+  from :mod:`infra.tls`; the loop uses blocking ``ssl`` sockets, whose
   ``sendfile`` falls back to read + send).
 
 Figures (medians over the repeats; ``reps`` lists each repeat's herd / loop ratios, whose
@@ -75,22 +75,22 @@ SYNC_BATCH = 64 * MiB
 
 def make_tls(workdir: Path) -> Path:
     """A throwaway cluster CA with node certificates for "server" and "client"
-    (:func:`scheduler_link.pki.throwaway`), as production uses them: mutual TLS."""
-    from scheduler_link.pki import throwaway
+    (:func:`infra.pki.throwaway`), as production uses them: mutual TLS."""
+    from infra.pki import throwaway
 
     return throwaway(workdir / "tls", nodes=["server", "client"]).dir
 
 
 def server_context(tls: Path) -> ssl.SSLContext:
-    from scheduler_link.pki import ThrowawayPKI
-    from scheduler_link.tls import server_context as make
+    from infra.pki import ThrowawayPKI
+    from infra.tls import server_context as make
 
     return make(ThrowawayPKI(tls).files("node:server"), client_cert="required")
 
 
 def client_context(tls: Path) -> ssl.SSLContext:
-    from scheduler_link.pki import ThrowawayPKI
-    from scheduler_link.tls import client_context as make
+    from infra.pki import ThrowawayPKI
+    from infra.tls import client_context as make
 
     pki = ThrowawayPKI(tls)
     return make(pki.ca, pki.files("node:client"))

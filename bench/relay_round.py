@@ -33,11 +33,11 @@ import trio.lowlevel
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from infra.auth import TokenSet  # noqa: E402
 from placer.config import PlacerConfig  # noqa: E402
 from placer.records import Push  # noqa: E402
 from placer.relays import RelayConn  # noqa: E402
 from placer.service import PlacerService  # noqa: E402
-from scheduler_link.auth import TokenSet  # noqa: E402
 from scheduler_link.frames import encode_frame  # noqa: E402
 from scheduler_link.messages import AckBundle, Frame, JobSpec, NodeOutcome, NodeReport, TopologyPath  # noqa: E402
 from scheduler_link.msgauth import with_outcome_mac  # noqa: E402

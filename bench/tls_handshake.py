@@ -3,7 +3,7 @@
     python -m bench.tls_handshake [--n 300] [--json]
 
 One trio process, a loopback listener: ``--n`` sequential connections, each a full TLS 1.3
-handshake with client certificates (ECDSA P-256, the cluster CA of scheduler_link.pki), then
+handshake with client certificates (ECDSA P-256, the cluster CA of infra.pki), then
 closed. Both ends run in this one thread, so the CPU time around a client's connect counts the
 server's handshake work too (it runs while the client awaits): the figure is client + server.
 The same-run baseline is the same connections without TLS (TCP connect + accept + close).
@@ -35,7 +35,7 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scheduler_link import pki, tls  # noqa: E402
+from infra import pki, tls  # noqa: E402
 
 
 async def _round(n: int, use_tls: bool, ca: pki.ThrowawayPKI) -> dict[str, float]:

@@ -12,7 +12,7 @@ import msgspec
 
 from cli.main import CliError
 from cli.output import emit_json, human_bytes, table
-from scheduler_link.auth import TokenSet, auth_header
+from infra.auth import TokenSet, auth_header
 from scheduler_link.client import not_herd_line
 from scheduler_link.daemon_client import DaemonClient
 from scheduler_link.messages import Placement, PlacementAck, PodAssignment, RestartPolicy, WorkloadStatus

@@ -262,7 +262,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 def _cluster_token(args: argparse.Namespace) -> str | None:
     if not args.peer:
         return None
-    from scheduler_link.auth import TokenSet, token_dir_from_env
+    from infra.auth import TokenSet, token_dir_from_env
 
     tok = TokenSet.load(args.token_dir).cluster
     if tok is None:
@@ -271,7 +271,7 @@ def _cluster_token(args: argparse.Namespace) -> str | None:
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
-    from scheduler_link.auth import TokenSet
+    from infra.auth import TokenSet
     from scheduler_link.client import PlacerClient, placer_url_from_env
     from scheduler_link.messages import PrefetchFanout
 

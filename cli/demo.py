@@ -128,7 +128,7 @@ class Demo:
         self.say(f"origin: {self.origin_kind} at {self.origin_url}")
 
     def start_cluster(self) -> None:
-        from scheduler_link.auth import generate_token_dir
+        from infra.auth import generate_token_dir
 
         from .localcluster import LocalCluster
 
@@ -152,7 +152,7 @@ class Demo:
             time.sleep(0.05)
 
     def _client(self) -> Any:
-        from scheduler_link.auth import TokenSet
+        from infra.auth import TokenSet
         from scheduler_link.client import PlacerClient
 
         return PlacerClient(self.cluster.placer.url, TokenSet.load(self.cluster.token_dir).operator,

@@ -142,7 +142,7 @@ def fault_from_args(args: argparse.Namespace) -> msgspec.Struct:
 
 
 def cmd_inject(args: argparse.Namespace) -> int:
-    from scheduler_link.auth import TokenSet, auth_header
+    from infra.auth import TokenSet, auth_header
     from scheduler_link.daemon_client import DaemonClient
 
     if not args.agent:

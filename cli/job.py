@@ -12,7 +12,7 @@ import msgspec
 
 from cli.main import CliError
 from cli.output import emit_json, table
-from scheduler_link.auth import TokenSet
+from infra.auth import TokenSet
 from scheduler_link.client import PlacerClient, placer_url_from_env
 from scheduler_link.messages import JobSpec, JobState, JobView, NodeView, RestartPolicy, Within
 

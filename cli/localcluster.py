@@ -7,7 +7,7 @@ agent and its workloads together (``kill_host``); ``pause``/``resume`` (SIGSTOP/
 make a partition. Endpoints come from each process's ``endpoints.json``.
 
 ``tls=True`` (``herd demo``'s default): a throwaway cluster CA under ``root/pki``
-(:func:`scheduler_link.pki.throwaway`), the placer over TLS with its certificate, each agent
+(:func:`infra.pki.throwaway`), the placer over TLS with its certificate, each agent
 with its own node certificate (``HERD_TLS_DIR`` per process); :attr:`LocalCluster.verify` is
 the ``verify=`` for httpx clients of the cluster. ``tls=False``: every process is started
 explicitly insecure (``insecure = true`` / ``HERD_INSECURE=1``), as the tests that use it were
@@ -89,7 +89,7 @@ class LocalCluster:
         self.recover_s = max(3 * heartbeat_s, 0.5) if recover_s is None else recover_s
         self.origins = tuple(origins)
         self.tls = tls
-        self.pki: Any = None                 # scheduler_link.pki.ThrowawayPKI when tls
+        self.pki: Any = None                 # infra.pki.ThrowawayPKI when tls
         self.placer: Proc | None = None
         self.agents: dict[str, Proc] = {}
 
@@ -100,7 +100,7 @@ class LocalCluster:
         """httpx's ``verify=`` for this cluster's placer and agents (the CA, or True)."""
         if self.pki is None:
             return True
-        from scheduler_link.tls import client_context
+        from infra.tls import client_context
         return client_context(self.pki.ca)
 
     def _spawn(self, name: str, args: list[str], state_dir: Path, tls_dir: Path | None = None) -> Proc:
@@ -126,7 +126,7 @@ class LocalCluster:
         (sd / "endpoints.json").unlink(missing_ok=True)
         conf = self.root / "placer.toml"
         if self.tls and self.pki is None:
-            from scheduler_link.pki import throwaway
+            from infra.pki import throwaway
             self.pki = throwaway(self.root / "pki")
         conf.write_text(
             "[placer]\n"
@@ -202,7 +202,7 @@ class LocalCluster:
 
     def read_headers(self) -> dict[str, str]:
         """Reads on agents need the viewer role (scheduler_link/authz.py)."""
-        from scheduler_link.auth import TokenSet, auth_header
+        from infra.auth import TokenSet, auth_header
         t = TokenSet.load(self.token_dir)
         return auth_header(t.viewer or t.operator)
 

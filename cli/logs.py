@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from cli.main import CliError
-from scheduler_link.auth import TokenSet, auth_header
+from infra.auth import TokenSet, auth_header
 from scheduler_link.client import ClientError, PlacerClient, placer_url_from_env
 from scheduler_link.daemon_client import DaemonClient
 

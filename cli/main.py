@@ -18,7 +18,7 @@ from typing import NoReturn
 
 _GROUPS = ("artifact", "gpus", "agent", "store", "placer", "job", "node", "logs", "demo", "pki", "version",
            "completion")
-_OUR_PACKAGES = ("manifests", "p2p", "scheduler_link", "agent", "placer", "cli")
+_OUR_PACKAGES = ("infra", "manifests", "p2p", "scheduler_link", "agent", "placer", "cli")
 
 
 class CliError(Exception):

@@ -1,4 +1,4 @@
-"""`herd pki init|issue|bootstrap-token|status`: the cluster's certificates (scheduler_link.pki)."""
+"""`herd pki init|issue|bootstrap-token|status`: the cluster's certificates (infra.pki)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 from cli.main import CliError
 from cli.output import emit_json, table
-from scheduler_link import pki
+from infra import pki
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -106,7 +106,7 @@ def cmd_status(args: argparse.Namespace) -> int:
              "state": "used" if t["used_by"] else "expired" if float(t["expires"]) <= now else "unused",  # type: ignore[arg-type]
              "used_by": t["used_by"]} for t in tokens]
     if args.placer:
-        from scheduler_link.auth import TokenSet
+        from infra.auth import TokenSet
         from scheduler_link.client import PlacerClient
         toks = TokenSet.load(args.token_dir)
         with PlacerClient(args.placer, toks.viewer or toks.operator, tls_dir=args.tls_dir) as c:

@@ -9,7 +9,7 @@ import trio
 
 from cli.main import CliError
 from cli.output import emit_json, table
-from scheduler_link.auth import TokenSet
+from infra.auth import TokenSet
 from scheduler_link.client import PlacerClient, placer_url_from_env
 
 
@@ -37,11 +37,11 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from infra.errors import LinkError, single_cause
+    from infra.tls import TLSError
     from placer.config import PlacerConfigError, load_config
     from placer.errors import PlacerError
     from placer.service import run_placer
-    from scheduler_link.errors import LinkError, single_cause
-    from scheduler_link.tls import TLSError
     try:
         cfg = load_config(args.config, listen=args.listen, token_dir=args.token_dir, state_dir=args.state_dir,
                           heartbeat_s=args.heartbeat, fence_after_s=args.fence_after)

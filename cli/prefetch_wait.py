@@ -18,9 +18,9 @@ import httpx
 import trio
 
 from cli.output import human_bytes
+from infra.errors import ClientError
 from scheduler_link.client import verify_for
 from scheduler_link.daemon_client import get_json
-from scheduler_link.errors import ClientError
 
 POLL_S = 0.5
 CONCURRENCY = 64

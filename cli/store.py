@@ -14,7 +14,7 @@ import msgspec
 from cli.agent import _common, _read_headers, _request, _tokens
 from cli.main import CliError
 from cli.output import emit_json, human_age, human_bytes, table
-from scheduler_link.auth import auth_header
+from infra.auth import auth_header
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

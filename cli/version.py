@@ -12,10 +12,10 @@ import sys
 from typing import Any
 
 from cli.output import emit_json
+from infra.version import package_version as _package_version
 from scheduler_link.client import ClientError
 from scheduler_link.daemon_client import DaemonClient
 from scheduler_link.messages import WIRE_VERSION
-from scheduler_link.version import package_version as _package_version
 
 
 def package_version() -> str:

@@ -36,7 +36,7 @@ server is a lean h11 loop on trio sockets: headers go through h11, the body goes
 the page cache to the socket with ``os.sendfile`` on the non-blocking socket
 (``wait_writable`` + ``sendfile`` until done), never through Python buffers.
 
-TLS (``ssl_context``, a server context from :mod:`scheduler_link.tls`; the URL is then
+TLS (``ssl_context``, a server context from :mod:`infra.tls`; the URL is then
 https://): each connection's handshake must finish within ``head_timeout_s``; bodies go
 through the TLS layer (pread + send: no sendfile without kernel TLS), so TLS costs CPU on
 both ends (``python -m bench.node`` measures how much). A batch answer's frames are
@@ -93,7 +93,7 @@ import h11
 import msgspec
 import trio
 
-from scheduler_link.gate import ConnectionGate, turn_away
+from infra.gate import ConnectionGate, turn_away
 
 from . import batch as _b
 from .batch import (

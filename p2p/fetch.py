@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from scheduler_link.messages import PeerTable
+from infra.peers import PeerTable
 
 from .origins import Origin
 from .store import ChunkStore

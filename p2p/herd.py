@@ -53,8 +53,8 @@ import msgspec
 import trio
 from prometheus_client.metrics_core import Metric
 
-from scheduler_link.messages import Peer, PeerTable
-from scheduler_link.metrics import family, text_of
+from infra.metrics import family, text_of
+from infra.peers import Peer, PeerTable
 
 from .balance import balanced_order
 from .errors import IntegrityError, NotFoundError, OriginError, OriginUnavailable, PeerError
@@ -1031,7 +1031,7 @@ async def fetch_with_peers(store: ChunkStore, manifest_id: str, origin: Origin, 
 
 def metric_families(node_id: str, herd: Mapping[str, Any] | None,
                     plane: Mapping[str, Any] | None = None) -> Iterator[Metric]:
-    """Prometheus families (``scheduler_link.metrics``) for the herd (``Herd.statistics()``)
+    """Prometheus families (``infra.metrics``) for the herd (``Herd.statistics()``)
     and the data plane (``DataPlane.statistics()``), for the agent's ``/metrics``. Pure."""
     n = {"node": node_id}
 

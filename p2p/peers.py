@@ -41,8 +41,8 @@ import blake3
 import msgspec
 import trio
 
-from scheduler_link.errors import ProtocolError
-from scheduler_link.h1 import parse_response_head
+from infra.errors import ProtocolError
+from infra.h1 import parse_response_head
 
 from .batch import (
     FRAME,

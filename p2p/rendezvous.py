@@ -42,7 +42,7 @@ from typing import Literal
 import blake3
 import numpy as np
 
-from scheduler_link.messages import Peer
+from infra.peers import Peer
 
 _MASK = (1 << 64) - 1
 

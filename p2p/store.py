@@ -48,9 +48,9 @@ from typing import Any
 import msgspec
 from blake3 import blake3
 
+from infra.durable import atomic_write, fill_and_replace, fsync_dir
 from manifests import Manifest, decode_manifest
 from manifests.materialise import materialise as materialise_tree
-from scheduler_link.durable import atomic_write, fill_and_replace, fsync_dir
 
 from .errors import IntegrityError, ManifestError, StoreError, StoreFullError
 
@@ -380,7 +380,7 @@ class ChunkStore:
         return True
 
     def _write_chunk_file(self, chunk_id: str, data: bytes | bytearray | memoryview) -> str:
-        """:func:`scheduler_link.durable.atomic_write` of a chunk (read-only, through the
+        """:func:`infra.durable.atomic_write` of a chunk (read-only, through the
         temp dir, no fsync), on string paths: pathlib and a random name per chunk were
         ~35 us of the ~45 a 4 KiB put took (cProfile). The temp name has the same shape
         (``.<id>.p<pid>.<12 hex>``: a per-store counter for the random part, the next one
@@ -873,7 +873,7 @@ def fsync_tree(root: Path) -> None:
 
 
 def _atomic_write(path: Path, data: bytes, tmp_dir: Path, *, what: str) -> None:
-    """:func:`scheduler_link.durable.atomic_write` (read-only, via the store's temp dir), a
+    """:func:`infra.durable.atomic_write` (read-only, via the store's temp dir), a
     full disk mapped to :class:`StoreFullError` naming ``what``."""
     try:
         atomic_write(path, data, 0o444, tmp_dir=tmp_dir)

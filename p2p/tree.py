@@ -73,7 +73,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler_link.messages import Peer, PeerTable
+from infra.peers import Peer, PeerTable
 
 from .rendezvous import ORIGIN, Source, chunk_key, rack_label
 

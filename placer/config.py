@@ -8,7 +8,7 @@ from typing import Any
 
 import msgspec
 
-from scheduler_link.tomlconfig import read_toml
+from infra.tomlconfig import read_toml
 
 from .errors import PlacerConfigError
 
@@ -38,7 +38,7 @@ class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     relay_timeout_s: float = 0.5      # a relay that has not answered its bundle by then: push directly
     blob_seeds: int = 1               # bundles of a gang that carry the blob's bytes (the rest fetch it)
     placement_ttl_s: float = 30.0     # a NodePart is refused as expired this long after it was issued
-    # TLS (scheduler_link.tls, docs/security.md): ca.crt, placer.crt, placer.key in tls_dir
+    # TLS (infra.tls, docs/security.md): ca.crt, placer.crt, placer.key in tls_dir
     # (default $HERD_TLS_DIR or /etc/herd/tls); insecure = true keeps plain HTTP/TCP (warned;
     # unset: $HERD_INSECURE=1 says it); accept_tokens lets agents still use cluster.token.
     tls_dir: str | None = None

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from scheduler_link.durable import atomic_write
+from infra.durable import atomic_write
 from scheduler_link.messages import JobSpec
 
 from .errors import JournalError

@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client.metrics_core import Metric
 
-from scheduler_link.http import Response
-from scheduler_link.messages import WIRE_VERSION
-from scheduler_link.metrics import (
+from infra.http import Response
+from infra.metrics import (
     CONTENT_TYPE,
     FamiliesCollector,
     LatencyHistogram,
@@ -39,7 +38,8 @@ from scheduler_link.metrics import (
     histogram,
     new_registry,
 )
-from scheduler_link.version import PACKAGE_VERSION as VERSION
+from infra.version import PACKAGE_VERSION as VERSION
+from scheduler_link.messages import WIRE_VERSION
 
 if TYPE_CHECKING:
     from .service import PlacerService

@@ -28,11 +28,8 @@ import msgspec
 import trio
 import trio.lowlevel
 
-from scheduler_link import authz, msgauth
-from scheduler_link.auth import TokenSet
-from scheduler_link.fanout import PushPool
-from scheduler_link.heartbeat_wire import HeartbeatServer
-from scheduler_link.http import (
+from infra.auth import TokenSet
+from infra.http import (
     LARGE_BODY,
     App,
     HTTPError,
@@ -41,6 +38,11 @@ from scheduler_link.http import (
     json_response,
     serve,
 )
+from infra.tls import Security, daemon_security
+from infra.version import PACKAGE_VERSION as _VERSION
+from scheduler_link import authz, msgauth
+from scheduler_link.fanout import PushPool
+from scheduler_link.heartbeat_wire import HeartbeatServer
 from scheduler_link.messages import (
     WIRE_VERSION,
     ArtifactUpdate,
@@ -54,8 +56,6 @@ from scheduler_link.messages import (
     ReportReply,
 )
 from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
-from scheduler_link.tls import Security, daemon_security
-from scheduler_link.version import PACKAGE_VERSION as _VERSION
 
 from .config import PlacerConfig
 from .frag import fragmentation, largest_placeable, plan_defrag
@@ -92,7 +92,7 @@ class PlacerService:
         self.cfg = config
         self.tokens = tokens if tokens is not None else TokenSet.load(config.token_dir)
         self.clock = clock
-        # TLS (scheduler_link.tls): the API, the framed channel and the pushes; or insecure
+        # TLS (infra.tls): the API, the framed channel and the pushes; or insecure
         self.security = security or daemon_security(config.tls_dir, "placer", insecure=config.insecure,
                                                     accept_tokens=config.accept_tokens, what="placer")
         self.token_use = authz.TokenUse() if self.security.accept_tokens else None

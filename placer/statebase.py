@@ -12,8 +12,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from infra.metrics import LatencyHistogram
 from scheduler_link.messages import JobSpec, RackBeatReply, ReportReply, WorkloadEvent
-from scheduler_link.metrics import LatencyHistogram
 
 from .config import PlacerConfig
 from .errors import Conflict, InvalidSpec, UnknownJob, UnknownNode

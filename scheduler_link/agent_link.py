@@ -70,8 +70,9 @@ import httpx
 import msgspec
 import trio
 
-from . import tls
-from .auth import auth_header
+from infra import tls
+from infra.auth import auth_header
+
 from .client import ClientError, check_peer
 from .fanout import PushPool
 from .frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames

@@ -1,5 +1,5 @@
 """What each route of the two APIs takes and answers, for ``/openapi.json``: one
-:class:`~scheduler_link.http.RouteDoc` per route of :mod:`scheduler_link.authz`'s tables,
+:class:`~infra.http.RouteDoc` per route of :mod:`scheduler_link.authz`'s tables,
 keyed like them. Bodies are the msgspec Structs the handlers decode and encode (their JSON
 Schemas become the document's components); answers a handler builds as a dict are
 described by a small JSON Schema here, whose values may be types too (``list[NodeView]``). A daemon adds the docs of routes whose types live
@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from .http import Param, RouteDoc, Text
+from infra.http import Param, RouteDoc, Text
+
 from .messages import (
     ArtifactUpdate,
     DefragRequest,

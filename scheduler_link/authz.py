@@ -28,8 +28,8 @@ Invariants
 Certificates (issue 17)
 -----------------------
 A request over TLS carries the verified client certificate's principal
-(``Request.principal``, :mod:`scheduler_link.tls`): ``placer``, ``node:ID``, ``operator``,
-``viewer``, ``metrics``, with the roles :data:`scheduler_link.tls.ROLES_OF_KIND` gives it. A
+(``Request.principal``, :mod:`infra.tls`): ``placer``, ``node:ID``, ``operator``,
+``viewer``, ``metrics``, with the roles :data:`infra.tls.ROLES_OF_KIND` gives it. A
 certificate and a bearer token both count; the roles held are the union.
 
 * ``require_certs`` (flag; a TLS daemon sets it unless ``accept_tokens``): the ``placer`` and
@@ -49,9 +49,9 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from .auth import TokenSet, bearer
-from .http import App, AuthPolicy, Handler, HTTPError, Request, RouteDoc
-from .tls import Principal
+from infra.auth import TokenSet, bearer
+from infra.http import App, AuthPolicy, Handler, HTTPError, Request, RouteDoc
+from infra.tls import Principal
 
 log = logging.getLogger("herd.authz")
 CERT_ONLY = frozenset({"placer", "node"})   # under require_certs, only a certificate proves these

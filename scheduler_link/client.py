@@ -4,7 +4,7 @@ Every failure becomes :class:`ClientError` with one clear line: the placer's own
 ``{"error", "detail"}`` when it answered, the transport's reason when it did not.
 
 TLS: an ``https://`` URL is verified against the cluster CA only (``verify=`` an
-:func:`scheduler_link.tls.client_context`), with the operator's (or viewer's) client
+:func:`infra.tls.client_context`), with the operator's (or viewer's) client
 certificate when the TLS dir holds one; the TLS dir is ``tls_dir=``, else ``$HERD_TLS_DIR``,
 else ``/etc/herd/tls``. The answer must come from a certificate whose principal is
 ``placer`` (:func:`check_peer`): a node certificate that happens to carry the placer host's
@@ -21,9 +21,10 @@ from typing import Any
 import httpx
 import msgspec
 
-from . import tls
-from .auth import auth_header
-from .errors import ClientError as ClientError  # re-exported: callers import it from here
+from infra import tls
+from infra.auth import auth_header
+from infra.errors import ClientError as ClientError  # re-exported: callers import it from here
+
 from .messages import ArtifactUpdate, DefragRequest, JobSpec, JobView, NodeOp, NodeView, PrefetchFanout
 
 

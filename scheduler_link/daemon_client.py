@@ -4,7 +4,7 @@ health check) that fails in our errors, not httpx's.
 httpx's exceptions enter here and leave as :class:`ClientError` with one line that names
 the daemon and its URL: no answer in time, no connection, a stream that broke, an error
 answer (the daemon's ``{"error", "detail"}``), or an answer that is not a herd daemon's.
-The CLI catches ``ClientError`` (it is a :class:`~scheduler_link.errors.LinkError`) and
+The CLI catches ``ClientError`` (it is a :class:`~infra.errors.LinkError`) and
 prints the line; it never sees an httpx exception. :class:`~scheduler_link.client.PlacerClient`
 is the placer's typed client over the same rules.
 """
@@ -19,8 +19,9 @@ from typing import Any
 import httpx
 import msgspec
 
+from infra.errors import ClientError
+
 from .client import error_line, not_herd_line, transport_error, verify_for
-from .errors import ClientError
 
 _any = msgspec.json.Decoder()
 

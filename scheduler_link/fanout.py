@@ -4,7 +4,7 @@ Why not httpx here: a decision for a large gang goes to hundreds or thousands of
 agents at once, and httpx's per-request cost under trio (~0.5 ms of CPU, far more
 with a thousand connections open) would alone eat the fan-out budget. This is a lean
 HTTP/1.1 client over trio streams: the request head is formatted directly and the
-answer parsed by the strict parser the peer client shares (:mod:`scheduler_link.h1`:
+answer parsed by the strict parser the peer client shares (:mod:`infra.h1`:
 status line, headers, ``content-length`` body; anything else, e.g. chunked bodies, is a
 protocol error). Connections belong to
 the *endpoint* (``host:port``), never to the node key: many nodes may sit behind one
@@ -46,12 +46,12 @@ from urllib.parse import urlsplit
 import msgspec
 import trio
 
-from . import tls
-from .auth import auth_header
-from .errors import ProtocolError
-from .errors import PushError as PushError  # re-exported: callers import it from here
-from .h1 import parse_response_head
-from .metrics import LatencyHistogram
+from infra import tls
+from infra.auth import auth_header
+from infra.errors import ProtocolError
+from infra.errors import PushError as PushError  # re-exported: callers import it from here
+from infra.h1 import parse_response_head
+from infra.metrics import LatencyHistogram
 
 log = logging.getLogger("herd.link.fanout")
 

@@ -33,7 +33,8 @@ from typing import Any
 import msgspec
 import trio
 
-from . import tls
+from infra import tls
+
 from .messages import Frame, RelayHello
 
 log = logging.getLogger("herd.link.frames")
@@ -189,7 +190,7 @@ class FrameChannel:
                  max_frame: int = MAX_FRAME, backlog: BacklogMark | None = None) -> None:
         self.stream = stream
         self._backlog = backlog     # the listener's read backlog (ReadBacklog), or None
-        # the peer's verified certificate (scheduler_link.tls.Principal), None on a plain channel
+        # the peer's verified certificate (infra.tls.Principal), None on a plain channel
         self.principal: Any = tls.stream_principal(stream)
         self.name = name
         self.max_frame = max_frame

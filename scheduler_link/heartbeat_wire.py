@@ -28,7 +28,7 @@ Bad input costs the sender, never the placer (DESIGN.md, Security model):
 - an exception raised by ``ingest`` for one frame is logged and answered with a 500
   :class:`WireReply` on that connection; it never escapes into the server's nursery.
 
-TLS (``ssl_context=``, mutual; :mod:`scheduler_link.tls`): the handshake runs inside the hello
+TLS (``ssl_context=``, mutual; :mod:`infra.tls`): the handshake runs inside the hello
 deadline; a plain client gets one plain :class:`WireReply` 400 saying the listener speaks TLS.
 A client certificate then *is* the authentication: ``node:X`` may open a connection only for
 hello node X, and on a multi-node (``relay=True``) connection each report must still be X's
@@ -53,8 +53,9 @@ from typing import Any, Protocol
 import msgspec
 import trio
 
-from . import tls
-from .auth import TokenSet
+from infra import tls
+from infra.auth import TokenSet
+
 from .frames import FrameChannel, Handler, ReadBacklog, WriteQueue
 from .messages import NodeReport, ReportReply
 

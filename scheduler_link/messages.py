@@ -13,7 +13,8 @@ Conventions:
   the framed channel's envelope; a placement's outcome is a ``PlacementOutcome``, never
   words in a reason.
 
-This module imports nothing of ours (blake3 is loaded where a blob is hashed).
+It imports nothing of ours but :mod:`infra.peers` (how nodes are named and reached, which the
+data plane shares); blake3 is loaded where a blob is hashed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ import zlib
 from typing import Literal
 
 import msgspec
+
+from infra.peers import Peer as Peer
+from infra.peers import PeerTable as PeerTable
+from infra.peers import TopologyPath as TopologyPath
 
 WIRE_VERSION = 1
 
@@ -39,22 +44,6 @@ Within = Literal["any", "zone", "block", "rack", "node", "nvlink"]
 
 
 # ---------------------------------------------------------------- topology / peers
-
-class TopologyPath(msgspec.Struct, frozen=True, kw_only=True):
-    """Where a node sits: zone > block > rack > node. Declared in the agent config."""
-    zone: str = "zone-a"
-    block: str = "block-a"
-    rack: str = "rack-a"
-
-
-class Peer(msgspec.Struct, frozen=True, kw_only=True):
-    """A data-plane peer; every member of a gang gets the same list."""
-    node_id: str
-    data_url: str
-    zone: str = ""
-    block: str = ""
-    rack: str = ""
-
 
 # ---------------------------------------------------------------- GPUs and health
 
@@ -509,26 +498,6 @@ class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
 
 GANG_BLOB_VERSION = 1
 FRAME_VERSION = 1
-
-
-class PeerTable(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """A gang's peers, column by column, in topology order; row i is one node."""
-    node_ids: list[str] = []
-    data_urls: list[str] = []
-    rack_of: list[int] = []                  # row -> index into ``racks``
-    racks: list[str] = []                    # "zone/block/rack" path of each rack, in order
-    rack_start: list[int] = []               # racks[r]'s rows are rack_start[r]:rack_start[r+1]
-
-    def __len__(self) -> int:
-        return len(self.node_ids)
-
-    def peer(self, row: int) -> Peer:
-        zone, block, rack = (self.racks[self.rack_of[row]].split("/", 2) + ["", "", ""])[:3]
-        return Peer(node_id=self.node_ids[row], data_url=self.data_urls[row], zone=zone, block=block, rack=rack)
-
-    def rack_rows(self, r: int) -> range:
-        end = self.rack_start[r + 1] if r + 1 < len(self.rack_start) else len(self.node_ids)
-        return range(self.rack_start[r], end)
 
 
 class GangBlob(msgspec.Struct, frozen=True, kw_only=True):

@@ -2,7 +2,7 @@
 
 Theory of operation (DESIGN.md, Security model; issue 17 §1)
 ------------------------------------------------------------
-TLS (scheduler_link.tls) authenticates each *connection*; a relay sits between the placer
+TLS (infra.tls) authenticates each *connection*; a relay sits between the placer
 and its rack's members, so what crosses it is authenticated here, per message:
 
 - **Up (member -> relay -> placer): keyed BLAKE3 MACs.** Node X holds a 32-byte key K_X it
@@ -52,7 +52,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from .errors import AuthError as AuthError  # (defined with the package's other errors)
+from infra.errors import AuthError as AuthError  # (defined with the package's other errors)
+
 from .messages import NodeOutcome, NodePart, NodeReport, PartProof, RackBundle, Victim, expand_part
 
 log = logging.getLogger("herd.link.msgauth")

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import msgspec
 
-from . import pki
-from .auth import bearer
-from .http import HTTPError, Request, Response, RouteDoc, json_response
+from infra import pki
+from infra.auth import bearer
+from infra.http import HTTPError, Request, Response, RouteDoc, json_response
 
 log = logging.getLogger("herd.pki")
 

@@ -167,7 +167,7 @@ if [ -n "$TOKENS_FROM" ]; then
     echo "herd: tokens copied from $TOKENS_FROM"
 else
     # generated once: existing tokens are never overwritten
-    "$PREFIX/venv/bin/python" -c 'import sys; from scheduler_link.auth import generate_token_dir; generate_token_dir(sys.argv[1])' "$ETC/tokens"
+    "$PREFIX/venv/bin/python" -c 'import sys; from infra.auth import generate_token_dir; generate_token_dir(sys.argv[1])' "$ETC/tokens"
     echo "herd: tokens in $ETC/tokens (copy this dir to every host of the cluster)"
 fi
 chown root:root "$ETC"/tokens/*.token
@@ -190,7 +190,7 @@ if [ -n "$TLS_FROM" ]; then
 elif [ "$PLACER" = 1 ]; then
     # a cluster CA made once and kept (its key stays in /etc/herd/pki, root's, 0700)
     if [ ! -e "$ETC/pki/ca.key" ]; then
-        "$PREFIX/venv/bin/python" -c 'import sys; from scheduler_link.pki import init; init(sys.argv[1])' "$ETC/pki"
+        "$PREFIX/venv/bin/python" -c 'import sys; from infra.pki import init; init(sys.argv[1])' "$ETC/pki"
         echo "herd: made a cluster CA in $ETC/pki (issue node certificates: herd pki issue --node ID $ETC/pki)"
     fi
     install -m 0644 "$ETC/pki/ca.crt" "$ETC/tls/ca.crt"
@@ -198,7 +198,7 @@ elif [ "$PLACER" = 1 ]; then
                                       install -m 0600 "$ETC/pki/placer.key" "$ETC/tls/placer.key"; }
     if [ "$AGENT" = 1 ] && [ ! -s "$ETC/tls/node.crt" ]; then
         node=$(hostname)
-        "$PREFIX/venv/bin/python" -c 'import sys; from scheduler_link.pki import issue_node; issue_node(sys.argv[1], sys.argv[2])' "$ETC/pki" "$node"
+        "$PREFIX/venv/bin/python" -c 'import sys; from infra.pki import issue_node; issue_node(sys.argv[1], sys.argv[2])' "$ETC/pki" "$node"
         install -m 0644 "$ETC/pki/nodes/$node/node.crt" "$ETC/tls/node.crt"
         install -m 0600 "$ETC/pki/nodes/$node/node.key" "$ETC/tls/node.key"
         echo "herd: issued node:$node a certificate for this host's agent"

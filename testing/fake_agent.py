@@ -12,9 +12,9 @@ from typing import Any
 import msgspec
 import trio
 
+from infra.auth import TokenSet
+from infra.http import App, HTTPError, Request, Response, json_response, require_role, serve
 from scheduler_link.agent_link import AgentLink
-from scheduler_link.auth import TokenSet
-from scheduler_link.http import App, HTTPError, Request, Response, json_response, require_role, serve
 from scheduler_link.messages import (
     TERMINAL_STATES,
     GpuInfo,

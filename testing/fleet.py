@@ -64,9 +64,10 @@ import trio
 import trio.lowlevel
 
 from agent.gpus.simulated import PROFILES, SimulatedBackend
-from scheduler_link import tls
+from infra import tls
+from infra.auth import TokenSet, bearer
+from infra.pki import NodeContexts
 from scheduler_link.agent_link import AgentLink, ReportChannel
-from scheduler_link.auth import TokenSet, bearer
 from scheduler_link.fanout import PushPool
 from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
 from scheduler_link.heartbeat_wire import (
@@ -113,7 +114,6 @@ from scheduler_link.msgauth import (
     verified_stops,
     with_outcome_mac,
 )
-from scheduler_link.pki import NodeContexts
 
 log = logging.getLogger("herd.testing.fleet")
 

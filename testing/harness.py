@@ -7,7 +7,7 @@ for a slice of the fleet, reads its ready line and starts it with ``go``. Both a
 async context managers; leaving one stops its process (stdin closed, then SIGTERM, then
 SIGKILL, each bounded). Traffic stays on 127.0.0.0/8.
 
-TLS: ``PlacerOptions(tls_dir=DIR)`` (a PKI dir, e.g. :func:`scheduler_link.pki.throwaway`'s)
+TLS: ``PlacerOptions(tls_dir=DIR)`` (a PKI dir, e.g. :func:`infra.pki.throwaway`'s)
 runs the placer over TLS (``insecure = false``); without one the placer is started with
 ``insecure = true`` written in its config. ``EmulatorProc(tls_dir=DIR)`` makes every emulated
 node report over its own mutual-TLS connection with a certificate of that CA.
@@ -224,7 +224,7 @@ def verify(tls_dir: str | os.PathLike[str] | None) -> ssl.SSLContext | bool:
     callers send a viewer or operator token), or True for an insecure one."""
     if tls_dir is None:
         return True
-    from scheduler_link.tls import client_context
+    from infra.tls import client_context
     return client_context(Path(tls_dir) / "ca.crt")
 
 

@@ -14,20 +14,20 @@ if str(ROOT) not in sys.path:
 
 # The existing fixtures run placers and agents plain (insecure = true by the environment,
 # which subprocesses inherit; each daemon logs its warning). Tests of TLS set up a throwaway
-# CA (``tls_pki`` below, scheduler_link.pki.throwaway) and say ``insecure = false`` explicitly.
+# CA (``tls_pki`` below, infra.pki.throwaway) and say ``insecure = false`` explicitly.
 os.environ.setdefault("HERD_INSECURE", "1")
 
 
 @pytest.fixture
 def token_dir(tmp_path: Path) -> Path:
-    from scheduler_link.auth import generate_token_dir
+    from infra.auth import generate_token_dir
     return generate_token_dir(tmp_path / "tokens")
 
 
 @pytest.fixture
-def tls_pki(tmp_path: Path):  # -> scheduler_link.pki.ThrowawayPKI
+def tls_pki(tmp_path: Path):  # -> infra.pki.ThrowawayPKI
     """A throwaway cluster CA with placer and operator certificates (nodes on demand)."""
-    from scheduler_link.pki import throwaway
+    from infra.pki import throwaway
     return throwaway(tmp_path / "pki")
 
 

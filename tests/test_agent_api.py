@@ -12,7 +12,7 @@ import trio
 from agent.config import AgentConfig
 from agent.daemon import Agent
 from agent.supervisor import SupervisorConfig
-from scheduler_link.auth import TokenSet, auth_header
+from infra.auth import TokenSet, auth_header
 from scheduler_link.messages import Placement, PlacementAck, PodAssignment, Victim
 from tests.prom import value
 

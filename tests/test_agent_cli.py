@@ -15,7 +15,7 @@ import trio
 from agent.config import AgentConfig, StoreConfig
 from agent.daemon import Agent
 from agent.supervisor import SupervisorConfig
-from scheduler_link.auth import TokenSet, auth_header
+from infra.auth import TokenSet, auth_header
 from scheduler_link.messages import Placement, PodAssignment
 from testing.waiting import Changes, until
 
@@ -146,7 +146,7 @@ async def test_artifact_placement_runs_in_read_only_tree(tmp_path, token_dir):
 async def test_scheduler_link_reports_and_fencing_stops(tmp_path, token_dir):
     """With --placer the agent registers (full report), reports events at once, and
     stops the workloads a placer reply names (fencing)."""
-    from scheduler_link.http import App, json_response, serve
+    from infra.http import App, json_response, serve
     from scheduler_link.messages import NodeReport, ReportReply, TopologyPath, Victim
 
     reports: list[NodeReport] = []

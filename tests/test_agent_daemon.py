@@ -15,7 +15,7 @@ import msgspec
 import trio
 
 from agent import procs
-from scheduler_link.auth import TokenSet, auth_header
+from infra.auth import TokenSet, auth_header
 from scheduler_link.messages import Placement, PodAssignment
 from testing.waiting import Changes
 

@@ -18,9 +18,9 @@ from agent.config import AgentConfig, DataPlaneSection
 from agent.daemon import Agent
 from agent.errors import AgentError
 from agent.supervisor import SupervisorConfig
+from infra import pki, tls
+from infra.auth import TokenSet
 from p2p.peers import PeerClient, PeerError
-from scheduler_link import pki, tls
-from scheduler_link.auth import TokenSet
 
 
 def _agent(tmp: Path, token_dir: Path, node: str, *, tls_dir: Path | None, **kw) -> Agent:

@@ -10,9 +10,9 @@ import os
 
 import pytest
 
+from infra.auth import TokenSet, auth_header
+from infra.http import HTTPError, Request
 from scheduler_link import authz
-from scheduler_link.auth import TokenSet, auth_header
-from scheduler_link.http import HTTPError, Request
 
 CREDS = ("none", "wrong", "placer", "node", "operator", "viewer", "metrics")
 EVERYONE = frozenset(CREDS)
@@ -118,7 +118,7 @@ def test_a_missing_token_file_authenticates_nothing():
 
 
 def test_install_refuses_undeclared_and_unserved_routes():
-    from scheduler_link.http import App
+    from infra.http import App
 
     async def h(req):  # pragma: no cover - never called
         raise AssertionError
@@ -168,7 +168,7 @@ def test_served_routes_match_the_table(tmp_path, token_dir):
 # a route: the handshake refuses them (tests/test_tls.py, tests/test_tls_cluster.py), so a
 # request that got here without a verified certificate is "no certificate" -- covered by the
 # token and none kinds below.
-from scheduler_link.tls import Principal  # noqa: E402
+from infra.tls import Principal  # noqa: E402
 
 CERT_KINDS = ("cert:placer", "cert:node", "cert:node-other", "cert:operator", "cert:viewer", "cert:metrics",
               "token:placer", "token:node", "token:operator", "token:viewer", "token:metrics", "none")

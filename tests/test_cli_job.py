@@ -12,7 +12,7 @@ from pathlib import Path
 
 import trio
 
-from scheduler_link.auth import TokenSet
+from infra.auth import TokenSet
 from tests.prom import value
 
 from .test_placer_service import start_cluster, wait_for

@@ -7,7 +7,7 @@ import json
 
 import trio
 
-from scheduler_link.auth import TokenSet
+from infra.auth import TokenSet
 
 from .test_cli_job import herd, one_line
 from .test_placer_service import start_cluster

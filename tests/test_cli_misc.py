@@ -13,7 +13,7 @@ import pytest
 import trio
 
 from cli.main import build_parser
-from scheduler_link.auth import TokenSet
+from infra.auth import TokenSet
 from scheduler_link.messages import WIRE_VERSION
 
 from .test_cli_job import herd, one_line

@@ -9,8 +9,8 @@ import httpx
 import pytest
 import trio
 
+from infra.errors import ClientError, LinkError
 from scheduler_link.daemon_client import DaemonClient, get_json
-from scheduler_link.errors import ClientError, LinkError
 
 HTML = b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: 13\r\nconnection: close\r\n\r\n<html></html>"
 REFUSED = (b"HTTP/1.1 409 Conflict\r\ncontent-type: application/json\r\ncontent-length: 38\r\nconnection: close\r\n"

@@ -1,4 +1,4 @@
-"""scheduler_link.durable.atomic_write: the one whole-file rewrite (looping writes, fsync of
+"""infra.durable.atomic_write: the one whole-file rewrite (looping writes, fsync of
 file and directory, temp removed on failure)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_link import durable
-from scheduler_link.durable import atomic_write
+from infra import durable
+from infra.durable import atomic_write
 
 
 def test_short_writes_are_looped_and_both_fsyncs_happen(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

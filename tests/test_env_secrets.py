@@ -17,9 +17,9 @@ from agent.config import AgentConfig
 from agent.daemon import Agent
 from agent.launcher import EnvFileError, read_env_files
 from agent.supervisor import SupervisorConfig
+from infra.auth import TokenSet, auth_header
 from placer.service import PlacerService
 from placer.views import REDACTED
-from scheduler_link.auth import TokenSet, auth_header
 from scheduler_link.messages import JobSpec, Placement, PlacementAck, PodAssignment
 from tests.test_placer_service import cfg, wait_for
 

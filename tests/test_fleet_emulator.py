@@ -15,7 +15,7 @@ import os
 import httpx
 import trio
 
-from scheduler_link.auth import TokenSet, generate_token_dir
+from infra.auth import TokenSet, generate_token_dir
 from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, wait_nodes_up
 
 N = int(os.environ.get("HERD_TEST_FLEET_NODES", "4096"))

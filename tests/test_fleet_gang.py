@@ -17,7 +17,7 @@ import httpx
 import pytest
 import trio
 
-from scheduler_link.auth import TokenSet, generate_token_dir
+from infra.auth import TokenSet, generate_token_dir
 from testing.fleet import fleet_nodes
 from testing.harness import ROOT, EmulatorProc, PlacerOptions, PlacerProc, wait_nodes_up
 

@@ -13,7 +13,7 @@ import msgspec
 import trio
 import trio.testing
 
-from scheduler_link.auth import TokenSet
+from infra.auth import TokenSet
 from scheduler_link.frames import CallFailed, encode_frame
 from scheduler_link.heartbeat_wire import WireReply
 from scheduler_link.messages import Frame, RackReports, ReportReply, WorkloadStatus

@@ -15,7 +15,7 @@ import httpx
 import pytest
 import trio
 
-from scheduler_link.auth import TokenSet, generate_token_dir
+from infra.auth import TokenSet, generate_token_dir
 from testing.fleet import fleet_nodes
 from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, wait_nodes_up
 from tests.test_fleet_gang import RealAgent, _job

@@ -8,8 +8,8 @@ import httpx
 import pytest
 import trio
 
-from scheduler_link import pki, tls
-from scheduler_link.auth import TokenSet, generate_token_dir
+from infra import pki, tls
+from infra.auth import TokenSet, generate_token_dir
 from scheduler_link.heartbeat_wire import HeartbeatClient, WireError
 from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, verify, wait_nodes_up
 

@@ -23,10 +23,10 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from infra.auth import TokenSet, generate_token_dir
+from infra.http import App, Request, Response, json_response, serve
 from placer.config import PlacerConfig
 from placer.service import PlacerService
-from scheduler_link.auth import TokenSet, generate_token_dir
-from scheduler_link.http import App, Request, Response, json_response, serve
 from scheduler_link.messages import Placement, PlacementAck
 
 EXAMPLES = 60

@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from agent.config import AgentConfig
 from agent.daemon import Agent
 from agent.supervisor import SupervisorConfig
-from scheduler_link.auth import TokenSet, generate_token_dir
+from infra.auth import TokenSet, generate_token_dir
 
 EXAMPLES = 60
 READ_S = 0.4

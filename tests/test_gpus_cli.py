@@ -14,8 +14,8 @@ import pytest
 import trio
 
 from agent.gpus import Fault, FaultError, GpuMonitor, open_backend
-from scheduler_link.auth import TokenSet
-from scheduler_link.http import App, HTTPError, json_response, require_role, serve
+from infra.auth import TokenSet
+from infra.http import App, HTTPError, json_response, require_role, serve
 from scheduler_link.messages import GpuSnapshot
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,7 +92,7 @@ async def test_herd_gpus_inject_over_http(token_dir, capsys, monkeypatch):
             assert [x.code for x in snap.gpus[3].reasons] == ["xid:48"]
             # refused (in-process, in a worker thread, to keep the suite fast): unknown GPU, wrong
             # token, no token, no fault, a bad combination, no agent
-            from scheduler_link.auth import generate_token_dir
+            from infra.auth import generate_token_dir
             bad = generate_token_dir(token_dir.parent / "other")
             for argv, expect in [
                 (["--gpu", "GPU-sim-nope", "--lost", "--token-dir", str(token_dir)], "agent answered 404: bad fault: no GPU"),

@@ -1,12 +1,12 @@
-"""scheduler_link.h1: the one HTTP/1.1 response-head parser (the push pool's and the peer
+"""infra.h1: the one HTTP/1.1 response-head parser (the push pool's and the peer
 client's)."""
 
 from __future__ import annotations
 
 import pytest
 
-from scheduler_link.errors import ProtocolError
-from scheduler_link.h1 import ResponseHead, parse_response_head
+from infra.errors import ProtocolError
+from infra.h1 import ResponseHead, parse_response_head
 
 
 @pytest.mark.parametrize(("head", "want"), [

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import trio
 
+from infra.auth import TokenSet
 from p2p.dataplane import DataPlane
 from p2p.herd import Herd, herd_fetch
 from p2p.store import ChunkStore
-from scheduler_link.auth import TokenSet
 from tests.herd_cluster import make_artifact, open_file_origin
 
 HERD = [sys.executable, "-m", "cli.main"]

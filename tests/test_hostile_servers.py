@@ -14,10 +14,10 @@ import blake3
 import httpx
 import trio
 
+from infra.auth import TokenSet, auth_header
+from infra.http import App, Request, Response, ServerLimits, json_response, require_role, serve
 from p2p.dataplane import DataPlane, DataPlaneConfig
 from p2p.store import ChunkStore
-from scheduler_link.auth import TokenSet, auth_header
-from scheduler_link.http import App, Request, Response, ServerLimits, json_response, require_role, serve
 
 TOKEN = "cluster-secret"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -89,7 +89,7 @@ def _control_app(tokens: TokenSet, seen: list[int], *, body_timeout_s: float = 3
     return app
 
 
-# ------------------------------------------------------------------ control API (scheduler_link.http)
+# ------------------------------------------------------------------ control API (infra.http)
 
 async def test_http_slowloris_head_is_cut_at_an_absolute_deadline(token_dir: Path) -> None:
     tokens = TokenSet.load(token_dir)

@@ -10,8 +10,8 @@ import httpx
 import trio
 import trio.testing
 
-from scheduler_link import tls
-from scheduler_link.http import App, ServerLimits, json_response, serve
+from infra import tls
+from infra.http import App, ServerLimits, json_response, serve
 
 N = 3   # handshake slots
 

@@ -6,8 +6,8 @@ import httpx
 import msgspec
 import trio
 
-from scheduler_link.auth import TokenSet, auth_header
-from scheduler_link.http import App, HTTPError, json_response, require_role, serve
+from infra.auth import TokenSet, auth_header
+from infra.http import App, HTTPError, json_response, require_role, serve
 from scheduler_link.messages import Placement
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import trio
 
-from scheduler_link.http import App, Request, Response, ServerLimits, json_response, serve
+from infra.http import App, Request, Response, ServerLimits, json_response, serve
 
 
 def test_closed_connections_release_their_slot() -> None:

@@ -8,7 +8,7 @@ from collections.abc import AsyncGenerator
 import httpx
 import trio
 
-from scheduler_link.http import App, Request, Response, serve
+from infra.http import App, Request, Response, serve
 
 
 async def test_stream_pieces_arrive_in_order_and_a_leaving_client_closes_the_generator():

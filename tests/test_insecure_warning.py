@@ -12,7 +12,7 @@ import pytest
 
 from agent import certs
 from agent.config import AgentConfig
-from scheduler_link.tls import daemon_security
+from infra.tls import daemon_security
 
 
 def _insecure_records(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:

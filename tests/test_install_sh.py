@@ -197,7 +197,7 @@ def test_tls_material_made_once_or_copied(host: Host, tmp_path: Path) -> None:
     an agent install copies a node's `herd pki issue` dir; keys are 0600 in 0700 dirs."""
     import stat
 
-    from scheduler_link import pki
+    from infra import pki
     host.fake_venv("/opt/herd")
     _ok(host.run("--placer", "--no-start"))
     ca_key = host.etc("herd/pki/ca.key")

@@ -18,7 +18,7 @@ from agent.config import AgentConfig
 from agent.daemon import Agent
 from agent.state import AgentState, WorkloadRecord
 from agent.supervisor import Supervisor, SupervisorConfig
-from scheduler_link.auth import TokenSet, auth_header
+from infra.auth import TokenSet, auth_header
 from scheduler_link.messages import Placement, PodAssignment
 from testing.waiting import until as changed
 

@@ -13,8 +13,8 @@ import msgspec
 import pytest
 import trio
 
+from infra.auth import TokenSet
 from placer.service import PlacerService
-from scheduler_link.auth import TokenSet
 from scheduler_link.heartbeat_wire import HeartbeatClient, WireError, WireReply, frame, split_frames
 from scheduler_link.messages import NodeReport, WorkloadEvent
 

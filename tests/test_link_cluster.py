@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from cli.localcluster import LocalCluster
-from scheduler_link.auth import TokenSet, auth_header
+from infra.auth import TokenSet, auth_header
 
 pytestmark = pytest.mark.slow
 

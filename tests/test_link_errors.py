@@ -1,11 +1,12 @@
-"""scheduler_link.errors: one base for the package's errors; the modules that raise them
+"""infra.errors: one base for the package's errors; the modules that raise them
 re-export the same classes."""
 
 from __future__ import annotations
 
 import inspect
 
-from scheduler_link import client, errors, fanout, http
+from infra import errors, http
+from scheduler_link import client, fanout
 
 
 def test_every_error_is_a_link_error_and_the_modules_share_the_classes() -> None:

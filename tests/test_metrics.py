@@ -19,11 +19,11 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.config import replace
+from infra.auth import TokenSet, auth_header
+from infra.metrics import LATENCY_BUCKETS, LatencyHistogram, histogram, text_of
 from p2p.herd import render_metrics as render_p2p
 from placer.service import PlacerService
-from scheduler_link.auth import TokenSet, auth_header
 from scheduler_link.messages import JobSpec
-from scheduler_link.metrics import LATENCY_BUCKETS, LatencyHistogram, histogram, text_of
 from tests.prom import samples, types, value
 
 from .test_agent_api import make_agent, wait_state
@@ -151,7 +151,7 @@ def test_counters_round_trip_exactly_up_to_2_pow_53():
         text = render_p2p("n", {"bytes_from_origin": n, "bytes_from_peers": n - 1 if n else 0})
         got = value(text, "herd_p2p_bytes_total", node="n", source="origin")
         assert got == n and int(got) == n, (n, got)
-    # beyond 2**53 a float (what prometheus_client writes) rounds: said in scheduler_link/metrics.py
+    # beyond 2**53 a float (what prometheus_client writes) rounds: said in infra/metrics.py
     text = render_p2p("n", {"bytes_from_origin": 2**53 + 1})
     assert value(text, "herd_p2p_bytes_total", source="origin") == 2**53
 

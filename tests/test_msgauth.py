@@ -239,9 +239,9 @@ def test_the_placer_gives_keys_only_over_the_nodes_own_connection_and_macs_its_r
     node's key and the signing key; a relayed one is refused without the node's MAC and, with it,
     gets no keys; fencing stops for a relayed node (in a report's answer and in a beat reply)
     carry MACs in that node's key, which the member checks (msgauth.verified_stops)."""
+    from infra.auth import TokenSet
     from placer.config import PlacerConfig
     from placer.service import PlacerService
-    from scheduler_link.auth import TokenSet
     from scheduler_link.messages import RackBeat
     from scheduler_link.msgauth import verified_stops
 

@@ -13,9 +13,9 @@ import trio
 from openapi_spec_validator import validate
 
 from agent.api import build_app
+from infra.auth import TokenSet, auth_header
+from infra.http import App, Text
 from placer.service import PlacerService
-from scheduler_link.auth import TokenSet, auth_header
-from scheduler_link.http import App, Text
 
 from .test_agent_api import make_agent
 from .test_placer_service import cfg as placer_cfg

@@ -13,9 +13,9 @@ from blake3 import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from infra.http import App, Request, Response, serve
 from p2p.errors import NotFoundError, OriginError, ReadOnlyOriginError, RefError
 from p2p.origins import FileOrigin, GCSOrigin, HttpOrigin, check_ref_name, open_origin
-from scheduler_link.http import App, Request, Response, serve
 
 
 def chunk(seed: int, size: int = 1000) -> tuple[str, bytes]:

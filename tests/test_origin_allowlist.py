@@ -13,8 +13,8 @@ import trio
 from agent.config import AgentConfig, ConfigError, load_config
 from agent.daemon import Agent
 from agent.supervisor import SupervisorConfig
+from infra.auth import TokenSet, auth_header
 from p2p.origins import origin_refusal
-from scheduler_link.auth import TokenSet, auth_header
 from scheduler_link.messages import Placement, PlacementAck, PodAssignment, PrefetchRequest
 
 MID = "ab" * 32

@@ -10,9 +10,9 @@ import blake3
 import pytest
 import trio
 
+from infra.http import App, Request, Response, serve
 from p2p.errors import OriginError
 from p2p.origins import open_origin
-from scheduler_link.http import App, Request, Response, serve
 
 
 def _chunk(n: int) -> tuple[str, bytes]:

@@ -17,9 +17,9 @@ import trio
 from blake3 import blake3
 from google.auth.compute_engine import _metadata
 
+from infra.http import App, Request, Response, json_response, serve
 from p2p.errors import OriginError, OriginUnavailable
 from p2p.origins.gcs import GCSOrigin
-from scheduler_link.http import App, Request, Response, json_response, serve
 
 MID = blake3(b"some manifest").hexdigest()
 MDS_HEADERS = [("Metadata-Flavor", "Google")]

@@ -15,12 +15,12 @@ import pytest
 import trio
 from blake3 import blake3
 
+from infra.http import App, Request, Response, json_response, serve
 from manifests import ChunkerParams, decode_manifest
 from p2p.errors import NotFoundError, OriginError
 from p2p.origins import open_origin
 from p2p.origins.gcs import GCSOrigin
 from p2p.publish import publish
-from scheduler_link.http import App, Request, Response, json_response, serve
 from tests.gcs_emulator import gcs_emulator
 
 BUCKET = "herd-interop"

@@ -13,7 +13,7 @@ from pathlib import Path
 import setuptools
 
 REPO = Path(__file__).resolve().parent.parent
-RUNTIME = {"agent", "p2p", "scheduler_link", "manifests", "placer", "cli"}
+RUNTIME = {"agent", "infra", "p2p", "scheduler_link", "manifests", "placer", "cli"}
 NOT_INSTALLED = {"bench", "tests", "testing"}
 
 

@@ -32,8 +32,8 @@ PATHS = pytest.mark.parametrize("path", ["thread", "loop", "tls"])
 @functools.lru_cache(maxsize=1)
 def _tls() -> tuple[ssl.SSLContext, ssl.SSLContext]:
     """(server, client) contexts of one throwaway cluster CA, made once per run."""
-    from scheduler_link.pki import throwaway
-    from scheduler_link.tls import client_context, server_context
+    from infra.pki import throwaway
+    from infra.tls import client_context, server_context
 
     pki = throwaway(Path(tempfile.mkdtemp(prefix="peer-batch-pki-")), nodes=["a", "b"])
     return (server_context(pki.files("node:a"), client_cert="required"),
@@ -378,12 +378,12 @@ async def test_a_store_failure_mid_batch_is_reported(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory):
-    from scheduler_link.pki import throwaway
+    from infra.pki import throwaway
     return throwaway(tmp_path_factory.mktemp("pki"), nodes=["a", "b"])
 
 
 async def test_tls_batch_byte_exact_keepalive_and_busy(tmp_path: Path, pki) -> None:
-    from scheduler_link.tls import client_context, server_context
+    from infra.tls import client_context, server_context
 
     src = ChunkStore(tmp_path / "s")
     chunks = _chunks(SIZES)

@@ -191,12 +191,12 @@ async def test_cancelled_receive_lets_go(size: int) -> None:
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory):
-    from scheduler_link.pki import throwaway
+    from infra.pki import throwaway
     return throwaway(tmp_path_factory.mktemp("pki"), nodes=["a", "b"])
 
 
 def _contexts(pki):
-    from scheduler_link.tls import client_context, server_context
+    from infra.tls import client_context, server_context
     return (server_context(pki.files("node:a"), client_cert="required"),
             client_context(pki.ca, pki.files("node:b")))
 

@@ -13,7 +13,7 @@ import trio
 
 from agent.placement import attempt_of, check_binding, replayed
 from agent.state import WorkloadRecord
-from scheduler_link.auth import TokenSet, auth_header
+from infra.auth import TokenSet, auth_header
 from scheduler_link.messages import Placement, PlacementAck, PodAssignment, Victim
 from tests.test_agent_api import make_agent
 

@@ -18,10 +18,10 @@ import msgspec
 import pytest
 import trio
 
+from infra.auth import TokenSet, auth_header
 from placer.config import PlacerConfig, PlacerConfigError, load_config
 from placer.journal import Journal, JournalError
 from placer.service import PlacerService
-from scheduler_link.auth import TokenSet, auth_header
 from scheduler_link.messages import (
     TERMINAL_STATES,
     JobSpec,

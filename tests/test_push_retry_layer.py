@@ -11,8 +11,8 @@ from typing import Any
 import msgspec
 import trio
 
+from infra.auth import TokenSet
 from placer.service import PlacerService
-from scheduler_link.auth import TokenSet
 from scheduler_link.fanout import PushPool
 from scheduler_link.messages import NodeReport
 from testing.fake_agent import FakeAgent

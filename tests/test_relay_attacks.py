@@ -6,7 +6,7 @@ going down -- is refused: by the placer (counted in ``bad_macs``; nothing change
 for B; a forged ack costs only a direct push to B) and by B (a part without the placer's
 signature is not acted on; a stop without the placer's MAC is not applied). B's own reports,
 which it forwards untouched, still count. Placements it replays to B are refused by B (bound
-to another node, expired). With TLS (scheduler_link.tls) it could not push B a placement at
+to another node, expired). With TLS (infra.tls) it could not push B a placement at
 all: a node certificate is not the placer's role; here the cluster runs insecure (shared
 tokens), so the checks shown are the message-level ones."""
 
@@ -20,7 +20,7 @@ import msgspec
 import pytest
 import trio
 
-from scheduler_link.auth import TokenSet, auth_header
+from infra.auth import TokenSet, auth_header
 from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
 from scheduler_link.heartbeat_wire import HeartbeatClient, HeartbeatServer, Hello, WireReply
 from scheduler_link.messages import (

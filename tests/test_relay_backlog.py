@@ -16,12 +16,12 @@ from typing import Any
 import msgspec
 import trio
 
+from infra.auth import TokenSet
 from placer.attempts import ACCEPTED, Outcome
 from placer.config import PlacerConfig
 from placer.records import Push
 from placer.relays import BUILD_BATCH, FALLBACK_HOLD_S, RelayConn
 from placer.service import PlacerService
-from scheduler_link.auth import TokenSet
 from scheduler_link.frames import encode_frame
 from scheduler_link.messages import (
     AckBundle,

@@ -14,8 +14,8 @@ import trio
 
 from agent.blobs import BlobCache
 from agent.relay import Relay
+from infra.auth import TokenSet
 from scheduler_link.agent_link import AgentLink
-from scheduler_link.auth import TokenSet
 from scheduler_link.frames import CallFailed, FrameChannel, decode_payload
 from scheduler_link.heartbeat_wire import HeartbeatServer, Hello, WireReply
 from scheduler_link.messages import (

@@ -34,7 +34,7 @@ import trio
 
 from agent import procs
 from cli.localcluster import LocalCluster
-from scheduler_link.auth import TokenSet, auth_header
+from infra.auth import TokenSet, auth_header
 from tests.gcs_emulator import gcs_emulator
 
 pytestmark = pytest.mark.slow

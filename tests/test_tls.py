@@ -1,4 +1,4 @@
-"""scheduler_link.tls and .pki: contexts, handshakes over real loopback sockets, principals,
+"""infra.tls and .pki: contexts, handshakes over real loopback sockets, principals,
 refusals (plain client, another CA, expired certificate), CSRs and bootstrap tokens."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import trio
 
-from scheduler_link import pki, tls
-from scheduler_link.tls import Principal, TLSError, TLSFiles
+from infra import pki, tls
+from infra.tls import Principal, TLSError, TLSFiles
 
 
 @pytest.fixture
@@ -184,7 +184,7 @@ async def test_framed_channel_skips_the_handshake_of_a_client_that_hung_up_while
     served."""
     import socket
 
-    from scheduler_link.auth import TokenSet
+    from infra.auth import TokenSet
     from scheduler_link.heartbeat_wire import HeartbeatClient, HeartbeatServer
     from scheduler_link.messages import ReportReply
 
@@ -223,7 +223,7 @@ async def test_https_over_its_connection_cap_closes_instead_of_answering_in_plai
     """Past the cap a plain listener answers a canned 503; a TLS listener only closes (a
     plain-text answer reached TLS clients as "the peer does not speak TLS"): the client
     learns the server closed during its handshake, which agents treat as busy."""
-    from scheduler_link.http import App, ServerLimits, serve
+    from infra.http import App, ServerLimits, serve
 
     app = App()
     with trio.fail_after(15):

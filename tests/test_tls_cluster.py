@@ -20,14 +20,15 @@ import trio
 from agent.config import AgentConfig
 from agent.daemon import Agent
 from agent.supervisor import SupervisorConfig
+from infra import pki, tls
+from infra.auth import TokenSet, auth_header
+from infra.http import serve
 from placer.service import PlacerService
-from scheduler_link import authz, pki, tls
+from scheduler_link import authz
 from scheduler_link.agent_link import AgentLink
-from scheduler_link.auth import TokenSet, auth_header
 from scheduler_link.client import ClientError, PlacerClient
 from scheduler_link.fanout import PushPool
 from scheduler_link.heartbeat_wire import HeartbeatClient, WireError
-from scheduler_link.http import serve
 from scheduler_link.messages import JobSpec, NodeReport
 from tests.test_placer_service import FakeAgent, cfg, wait_for
 
@@ -202,9 +203,9 @@ async def test_a_push_to_the_wrong_certificate_is_not_sent(tls_pki):
 
     async def place(req):
         got.append(req.body)
-        from scheduler_link.http import json_response
+        from infra.http import json_response
         return json_response({"ok": True})
-    from scheduler_link.http import App
+    from infra.http import App
     app = App()
     app.add("POST", "/v1/placements", place)
     with trio.fail_after(10):
@@ -338,7 +339,7 @@ def test_client_contexts_check_only_our_ca(tls_pki):
 async def test_the_cli_refuses_a_node_posing_as_the_placer(tls_pki):
     """A node's certificate is signed by the same CA and may carry the placer host's address:
     the CLI checks the principal, not only the chain and the name."""
-    from scheduler_link.http import App, json_response
+    from infra.http import App, json_response
 
     async def jobs(req):
         return json_response({"jobs": [], "total": 0, "offset": 0})

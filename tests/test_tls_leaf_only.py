@@ -2,7 +2,7 @@
 
 OpenSSL's default (SSL_MODE_NO_AUTO_CHAIN unset) builds the chain from the context's verify
 store on every handshake and sends the cluster CA's certificate along; the peer decodes it and
-finds its own trust anchor (scheduler_link.tls, "the leaf only"). Counted here with the
+finds its own trust anchor (infra.tls, "the leaf only"). Counted here with the
 ``openssl s_client`` CLI against a real loopback listener: one certificate from our server
 context, two from a context made without :func:`tls.send_leaf_only` (the check can tell).
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_link import pki, tls
+from infra import pki, tls
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 

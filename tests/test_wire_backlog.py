@@ -23,9 +23,9 @@ import pytest
 import trio
 import trio.testing
 
+from infra.auth import TokenSet
 from placer.config import PlacerConfig
 from placer.service import WIRE_HOLD_LOST_AFTERS, PlacerService
-from scheduler_link.auth import TokenSet
 from scheduler_link.frames import FrameChannel, encode_frame
 from scheduler_link.heartbeat_wire import (
     HeartbeatServer,

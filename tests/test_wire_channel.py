@@ -12,8 +12,8 @@ import pytest
 import trio
 import trio.testing
 
+from infra.auth import TokenSet
 from scheduler_link.agent_link import AgentLink
-from scheduler_link.auth import TokenSet
 from scheduler_link.fanout import PushPool
 from scheduler_link.heartbeat_wire import (
     MAX_HELLO,

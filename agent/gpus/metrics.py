@@ -1,5 +1,5 @@
 """Prometheus families for GPU and host health (through ``prometheus_client``:
-:mod:`scheduler_link.metrics`).
+:mod:`infra.metrics`).
 
 ``DCGM_*`` series reuse dcgm-exporter's names and labels (``gpu``, ``UUID``, ``pci_bus_id``,
 ``device``, ``modelName``, ``Hostname``) so existing dashboards work, plus ``node`` (as on
@@ -11,7 +11,7 @@ says it), so ``promtool check metrics`` has nothing to say about them; the two j
 ``herd_gpu_simulated`` says it once more, so a simulated GPU is never mistaken for a real
 one. A value the backend did not read is no series at all, never a made-up 0. dcgm-exporter's
 counters keep their exact names and are exposed untyped (the module docstring of
-:mod:`scheduler_link.metrics` says why). Our own series are ``herd_gpu_*`` and ``herd_host_*``.
+:mod:`infra.metrics` says why). Our own series are ``herd_gpu_*`` and ``herd_host_*``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client.metrics_core import Metric
 
+from infra.metrics import dcgm_counter, family, text_of
 from scheduler_link.messages import GpuInfo, GpuSnapshot, GpuTelemetry
-from scheduler_link.metrics import dcgm_counter, family, text_of
 
 _STATES = ("healthy", "degraded", "fatal")
 

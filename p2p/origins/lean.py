@@ -5,7 +5,7 @@ iteration (h11 events, httpcore's 64 KiB reads, a bytearray grown piece by piece
 copied into bytes, a Response built around it) was about half of a home node's Python
 time under the GIL while it read its chunks from the origin (py-spy ``--gil``). This
 client sends one GET on a kept-alive connection, parses the answer's head with the
-project's HTTP/1 head parser (:func:`scheduler_link.h1.parse_response_head`), and
+project's HTTP/1 head parser (:func:`infra.h1.parse_response_head`), and
 receives a Content-Length body with ``recv_into`` straight into one preallocated buffer,
 woken per ``PIECE`` bytes (``SO_RCVLOWAT``), not per packet.
 
@@ -26,8 +26,8 @@ from urllib.parse import urlsplit
 
 import trio
 
-from scheduler_link.errors import ProtocolError
-from scheduler_link.h1 import parse_response_head
+from infra.errors import ProtocolError
+from infra.h1 import parse_response_head
 
 from ..errors import OriginError
 

@@ -1,7 +1,7 @@
 """TLS for every control-plane connection: contexts, the handshake, and who the peer is.
 
 Why stdlib ``ssl`` (through ``trio.SSLStream``): it is OpenSSL, already in every Python;
-the certificates themselves are made by :mod:`scheduler_link.pki` (``cryptography``).
+the certificates themselves are made by :mod:`infra.pki` (``cryptography``).
 
 Contexts
 --------

@@ -16,7 +16,7 @@ Layout of a PKI dir (``herd pki init DIR``)::
 
 Keys are written 0600 (dirs 0700), via a temp file renamed into place. A certificate's subject
 common name is its principal (``placer``, ``node:<id>``, ``operator``, ``viewer``, ``metrics``;
-:mod:`scheduler_link.tls`); a node's also has a SAN URI ``herd:node:<id>`` and SANs for its
+:mod:`infra.tls`); a node's also has a SAN URI ``herd:node:<id>`` and SANs for its
 addresses.
 
 Bootstrap (kubelet TLS bootstrap): ``herd pki bootstrap-token`` stores the hash of a fresh

@@ -40,7 +40,7 @@ in the order a request meets them:
 Every refusal before the handler ran carries ``connection: close``, so a refused
 sender's remaining bytes are never read.
 
-TLS (``serve(..., ssl_context=)``, :mod:`scheduler_link.tls`): the accepted stream is wrapped
+TLS (``serve(..., ssl_context=)``, :mod:`infra.tls`): the accepted stream is wrapped
 in ``trio.SSLStream`` and handshaken *before* hypercorn sees a byte, inside the same
 ``head_timeout_s`` deadline (and after the connection gate: a slow handshake holds one slot
 no longer than a slow head; at most ``max_handshakes`` at once, taken once the client has
@@ -454,7 +454,7 @@ async def serve(app: App, listen: str, *, limits: ServerLimits | None = None,
                 ssl_context: ssl.SSLContext | None = None) -> None:
     """Serve ``app`` on ``listen`` ("host:port", port 0 allowed) until cancelled (or until
     ``shutdown_trigger`` returns: open connections then get ``graceful_timeout_s``).
-    With ``ssl_context`` (:func:`scheduler_link.tls.server_context`) every connection is TLS.
+    With ``ssl_context`` (:func:`infra.tls.server_context`) every connection is TLS.
 
     ``task_status.started(url)`` reports the bound base URL, e.g. ``http://127.0.0.1:41234``
     (``https://`` with TLS).

@@ -5,7 +5,7 @@ plain-http origin client (:mod:`p2p.origins.lean`).
 Strict and small on purpose: a status line, headers, a ``content-length`` body; a chunked
 answer is a protocol error (neither of our servers sends one) unless the caller takes
 ``chunked_ok`` (the origin client hands such an answer to httpx). Pure: bytes in, a
-:class:`ResponseHead` out, or :class:`~scheduler_link.errors.ProtocolError` naming what is
+:class:`ResponseHead` out, or :class:`~infra.errors.ProtocolError` naming what is
 wrong; the callers add where it came from and map it to their own error.
 """
 
