@@ -52,6 +52,7 @@ class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     etcd: list[str] = []
     etcd_prefix: str = "/herd/placer/"  # every key of this cluster's placers lives under it
     etcd_lease_ttl_s: int = 3          # a dead leader is replaced this long after its last renewal
+    etcd_advertise: str | None = None  # the URL other placers redirect to (default: the listen URL)
     etcd_ca: str | None = None         # client TLS to etcd (https:// endpoints): the CA that signed
     etcd_cert: str | None = None       # etcd's certificates, and our client certificate and key
     etcd_key: str | None = None        # when etcd asks for one (--client-cert-auth)
@@ -90,5 +91,7 @@ def _check_etcd(cfg: PlacerConfig) -> None:
         raise PlacerConfigError("etcd_lease_ttl_s must be within 1..60 seconds")
     if not cfg.etcd_prefix.startswith("/") or not cfg.etcd_prefix.endswith("/"):
         raise PlacerConfigError(f"etcd_prefix {cfg.etcd_prefix!r} must start and end with '/'")
+    if cfg.etcd_advertise is not None and not cfg.etcd_advertise.startswith(("http://", "https://")):
+        raise PlacerConfigError(f"bad etcd_advertise {cfg.etcd_advertise!r}: want http(s)://HOST:PORT")
     if (cfg.etcd_cert is None) != (cfg.etcd_key is None):
         raise PlacerConfigError("etcd_cert and etcd_key go together")

@@ -80,3 +80,8 @@ class LeaseNotFound(EtcdError):
 class Deposed(JournalError):
     """This placer no longer leads: etcd refused its write because the leader key it was elected
     with is gone (its lease ran out or was revoked), so nothing of the write landed."""
+
+
+class LeadershipLost(PlacerError):
+    """This placer led and no longer does (its etcd lease ran out or was revoked); it stops so
+    that, restarted, it joins as a follower with a fresh state."""

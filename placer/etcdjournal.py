@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("herd.placer.etcdjournal")
 
 JOURNAL_VERSION = 1
-MAX_TXN_BYTES = 1024 * 1024   # etcd refuses requests over 1.5 MiB (--max-request-bytes)
+MAX_TXN_BYTES = 1280 * 1024   # etcd refuses requests over 1.5 MiB (--max-request-bytes); a margin kept
 LOAD_PAGE = 1000              # keys per range when loading
 RETRY_S = 0.5                 # the writer's pause after a failed commit
 
