@@ -4,6 +4,8 @@ revoked) stops with LeadershipLost, and the other leads with the jobs from etcd.
 
 from __future__ import annotations
 
+import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +22,7 @@ from placer.service import PlacerService
 from scheduler_link.messages import JobSpec
 from testing.etcd import EtcdCluster, etcd_running
 from testing.fake_agent import FakeAgent
+from testing.harness import PlacerOptions, PlacerProc
 
 TTL = 2
 
@@ -114,3 +117,47 @@ async def test_one_leads_the_other_redirects_then_takes_over(etcd_cluster: EtcdC
 async def _role(c: httpx.AsyncClient, url: str, role: str) -> dict | None:
     h = await health(c, url)
     return h if h["role"] == role else None
+
+
+def ha_opts(endpoints: list[str]) -> PlacerOptions:
+    return PlacerOptions(heartbeat_s=0.5, tick_s=0.05, recover_s=0.5,
+                         extra_toml=f"etcd = {json.dumps(endpoints)}\netcd_lease_ttl_s = {TTL}\n")
+
+
+async def test_processes_leader_killed_then_paused(etcd_cluster: EtcdCluster, tmp_path: Path,
+                                                   token_dir: Path) -> None:
+    """``herd placer run`` x3: the leader SIGKILLed, the next leads within TTL + margin with the
+    job from etcd; that one SIGSTOPped past its TTL, the third leads, and the paused one,
+    continued, stops (exit 1, one line) instead of acting as a leader."""
+    tokens = TokenSet.load(token_dir)
+    opts = ha_opts(etcd_cluster.endpoints)
+    ops = httpx.AsyncClient(headers=auth_header(tokens.operator), timeout=10, follow_redirects=False)
+    with trio.fail_after(120):
+        async with ops, PlacerProc(tmp_path / "a", token_dir, opts) as a:
+            ha = await until(lambda: _role(ops, a.url, "leader"))
+            async with PlacerProc(tmp_path / "b", token_dir, opts) as b:
+                await until(lambda: _role(ops, b.url, "follower"))
+                r = await ops.post(a.url + "/v1/jobs", content=msgspec.json.encode(
+                    JobSpec(job_id="j1", pods=1, gpus_per_pod=8, argv=["x"])))
+                assert r.status_code == 201, r.text
+                assert a.proc is not None and b.proc is not None
+                a.proc.kill()
+                killed_at = trio.current_time()
+                with trio.fail_after(TTL + 4):
+                    hb = await until(lambda: _role(ops, b.url, "leader"))
+                took_s = trio.current_time() - killed_at
+                assert hb["epoch"] > ha["epoch"] and took_s <= TTL + 4
+                r = await ops.get(b.url + "/v1/jobs/j1")
+                assert r.status_code == 200 and r.json()["spec"]["job_id"] == "j1"
+                async with PlacerProc(tmp_path / "c", token_dir, opts) as c:
+                    await until(lambda: _role(ops, c.url, "follower"))
+                    b.proc.send_signal(signal.SIGSTOP)
+                    with trio.fail_after(TTL + 6):
+                        hc = await until(lambda: _role(ops, c.url, "leader"))
+                    assert hc["epoch"] > hb["epoch"]
+                    b.proc.send_signal(signal.SIGCONT)
+                    with trio.fail_after(10):
+                        rc = await b.proc.wait()
+                    assert rc == 1
+                    assert "lost the leadership" in (tmp_path / "b" / "placer.log").read_text()
+                    assert (await health(ops, c.url))["role"] == "leader"
