@@ -152,3 +152,25 @@ async def test_leader_process_killed_the_other_leads_within_ttl(etcd_cluster: Et
             await proc.wait()
         if proc.stdout is not None:
             await proc.stdout.aclose()
+
+
+@pytest.fixture
+def etcd3_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    yield from etcd_running(tmp_path / "etcd", 3)
+
+
+async def test_an_etcd_member_killed_under_the_leader(etcd3_cluster: EtcdCluster) -> None:
+    """The member the leader talks to dies: it fails over to another and keeps its epoch."""
+    with trio.fail_after(60):
+        async with EtcdClient(etcd3_cluster.endpoints, attempt_timeout_s=1.0) as c, trio.open_nursery() as n:
+            a = Election(c, PREFIX, "http://a", ttl_s=3)
+            await n.start(a.run)
+            va = await a.wait_leading()
+            used = str(c.statistics()["endpoint"])
+            etcd3_cluster.kill_member(etcd3_cluster.endpoints.index(used))
+            with trio.fail_after(15):
+                while c.statistics()["endpoint"] == used:   # the next renewal goes elsewhere
+                    await trio.sleep(0.1)
+            await trio.sleep(2 * 3)    # two TTLs on the surviving members
+            assert a.leading() and a.view == va   # the same key, the same epoch
+            n.cancel_scope.cancel()

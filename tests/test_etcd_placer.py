@@ -19,7 +19,7 @@ from placer.config import PlacerConfig
 from placer.errors import LeadershipLost
 from placer.etcd import EtcdClient
 from placer.service import PlacerService
-from scheduler_link.messages import JobSpec
+from scheduler_link.messages import JobSpec, NodeReport
 from testing.etcd import EtcdCluster, etcd_running
 from testing.fake_agent import FakeAgent
 from testing.harness import PlacerOptions, PlacerProc
@@ -101,6 +101,9 @@ async def test_one_leads_the_other_redirects_then_takes_over(etcd_cluster: EtcdC
             assert r.json()["leader"] == url_a
             assert (await ops.get(url_b + "/v1/jobs/j1")).status_code == 307
             assert b.svc.state.jobs == {} and b.svc.journal is None
+            # a report reaching a follower another way (the framed channel) is refused, not applied
+            status, reply = b.svc._ingest("n7", NodeReport(node_id="n7", boot_id="b", seq=1))
+            assert status == 503 and not reply.ok and "n7" not in b.svc.state.nodes
             # the leader's lease revoked behind its back: it stops, b leads with j1 from etcd
             await etcd.revoke(a.svc.ha.election.core.lease_id)   # type: ignore[union-attr]
             with trio.fail_after(TTL + 4):
