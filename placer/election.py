@@ -314,16 +314,22 @@ class Election:
 
     async def _wait_turn(self) -> None:
         """Until no key under the prefix is older than ours: watch the predecessor's deletion,
-        and look again every TTL/3 (who leads may change ahead of the predecessor)."""
+        and look again every TTL/3 (who leads may change ahead of the predecessor). etcd not
+        answering costs nothing here: the lease decides (the keepalive ends the round)."""
         while True:
-            turn, rev = await self._rank()
-            if not turn.predecessor:
-                return
-            with trio.move_on_after(self.core.keepalive_every()):
-                async with self.client.watch(turn.predecessor, start_revision=rev + 1) as batches:
-                    async for b in batches:
-                        if any(e.type == "DELETE" for e in b.events):
-                            break
+            try:
+                turn, rev = await self._rank()
+                if not turn.predecessor:
+                    return
+                with trio.move_on_after(self.core.keepalive_every()):
+                    async with self.client.watch(turn.predecessor, start_revision=rev + 1) as batches:
+                        async for b in batches:
+                            if any(e.type == "DELETE" for e in b.events):
+                                break
+            except EtcdError as e:   # (not _LeaseLost: our key gone ends the round)
+                self.errors += 1
+                log.warning("election: waiting for our turn: %s", e)
+                await trio.sleep(self.retry_s)
 
     async def _keepalive(self) -> None:
         """Renew every TTL/3 (sooner after a failure). A lost lease, or none renewed for a

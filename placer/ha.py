@@ -39,7 +39,9 @@ class HighAvailability:
 
     def __init__(self, cfg: PlacerConfig) -> None:
         self.cfg = cfg
-        self.client = EtcdClient(cfg.etcd, ssl_context=tls_context(cfg.etcd_ca, cfg.etcd_cert, cfg.etcd_key))
+        # one try of one member well inside a TTL, so that a hung member leaves time for the next
+        self.client = EtcdClient(cfg.etcd, ssl_context=tls_context(cfg.etcd_ca, cfg.etcd_cert, cfg.etcd_key),
+                                 attempt_timeout_s=max(1.0, cfg.etcd_lease_ttl_s / 2))
         self.prefix = cfg.etcd_prefix.encode()
         self.election: Election | None = None
         self.journal: EtcdJournal | None = None
@@ -62,14 +64,15 @@ class HighAvailability:
     async def run(self, url: str, on_promoted: Callable[[EtcdJournal], None], *,
                   task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Campaign; on promotion load the journal, hand it to ``on_promoted`` and keep it
-        written; raise :class:`LeadershipLost` when the lease goes. ``started()`` once in line."""
+        written; raise :class:`LeadershipLost` when the lease goes. ``started()`` at once: the
+        placer serves (as a candidate) while etcd is out of reach."""
         self.url = self.cfg.etcd_advertise or url
         self.election = Election(self.client, self.prefix + b"election/", self.url,
                                  ttl_s=self.cfg.etcd_lease_ttl_s)
         try:
             async with trio.open_nursery() as n:
-                await n.start(self.election.run)
-                log.info("campaigning url=%s leader=%s", self.url, self.election.view.leader or "-")
+                n.start_soon(self.election.run)
+                log.info("campaigning url=%s etcd=%s", self.url, ",".join(self.cfg.etcd))
                 task_status.started()
                 view = await self.election.wait_leading()
                 journal = await EtcdJournal.load(self.client, self.prefix, Fence(self.election.leader_key, view.epoch))
