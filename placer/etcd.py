@@ -352,7 +352,7 @@ class EtcdClient:
         if err.code in _FAILOVER_CODES or r.status_code == 503:
             raise _Failover(msg)
         self.errors += 1
-        if err.code == _NOT_FOUND and "lease" in msg:
+        if err.code == _NOT_FOUND:   # the one NotFound the KV and lease calls answer: a lease's
             raise LeaseNotFound(f"etcd {url}: {msg}")
         if err.code in (_INVALID_ARGUMENT, _EXHAUSTED, _OUT_OF_RANGE, _FAILED_PRECONDITION):
             raise EtcdRefused(f"etcd {url} refused the request: {msg}")

@@ -56,8 +56,8 @@ class HighAvailability:
         if e is None:
             return {"role": "starting", "leader": None, "epoch": 0}
         v = e.view
-        role = "leader" if v.role is Role.LEADER and self.leading() else \
-            "follower" if v.role is Role.WAITING else "candidate"
+        role = ("follower" if v.role is Role.WAITING else "candidate" if v.role is Role.IDLE
+                else "leader" if self.leading() else "promoting")   # promoting: loading the journal
         return {"role": role, "leader": v.leader or None, "epoch": v.leader_epoch,
                 "etcd": self.client.statistics(), "election": e.statistics()}
 
