@@ -146,10 +146,6 @@ class ElectionCore:
                           self.leader_value.decode(errors="replace"), self.leader_epoch)
 
 
-class _LeaseLost(Exception):
-    """The round's key is gone (its lease expired or was revoked)."""
-
-
 class Election:
     """Campaign for leadership under ``prefix`` with ``value`` (what followers learn of the
     leader: its URL). ``await nursery.start(election.run)`` campaigns until cancelled or
@@ -297,18 +293,20 @@ class Election:
                 await trio.sleep(self.core.keepalive_every())
                 try:
                     await self._rank()
+                except LeaseNotFound:
+                    raise      # our key is gone: the round ends
                 except EtcdError as e:
                     self.errors += 1
                     log.warning("election: cannot read the candidates: %s", e)
-        except (EtcdError, _LeaseLost) as e:
-            self.errors += isinstance(e, EtcdError)
+        except EtcdError as e:
+            self.errors += not isinstance(e, LeaseNotFound)
             self._end_round(str(e))
 
     async def _rank(self) -> tuple[Turn, int]:
         r = await self.client.range(self.prefix, prefix_end(self.prefix))
         turn = self.core.rank(r.kvs)
         if turn.lost:
-            raise _LeaseLost("our election key is gone")
+            raise LeaseNotFound("our election key is gone (its lease expired or was revoked)")
         self._publish()
         return turn, r.revision
 
@@ -326,7 +324,9 @@ class Election:
                         async for b in batches:
                             if any(e.type == "DELETE" for e in b.events):
                                 break
-            except EtcdError as e:   # (not _LeaseLost: our key gone ends the round)
+            except LeaseNotFound:
+                raise      # our key is gone: the round ends
+            except EtcdError as e:
                 self.errors += 1
                 log.warning("election: waiting for our turn: %s", e)
                 await trio.sleep(self.retry_s)

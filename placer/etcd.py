@@ -261,8 +261,9 @@ _watch_dec = msgspec.json.Decoder(_WatchLine, strict=False)
 _err_dec = msgspec.json.Decoder(_ErrorBody)
 
 
-class _Failover(Exception):
-    """An endpoint did not answer usefully: try the next one."""
+class _Miss(msgspec.Struct, frozen=True):
+    """An endpoint did not answer usefully (why): try the next one."""
+    cause: str
 
 
 class EtcdClient:
@@ -310,10 +311,9 @@ class EtcdClient:
         for i in range(n):
             idx = (self._current + i) % n
             url = self.endpoints[idx]
-            try:
-                out = await self._attempt(url, path, body, dec)
-            except _Failover as e:
-                causes.append(f"{url}: {e}")
+            out = await self._attempt(url, path, body, dec)
+            if isinstance(out, _Miss):
+                causes.append(f"{url}: {out.cause}")
                 self.failovers += 1
                 continue
             if idx != self._current:
@@ -323,34 +323,36 @@ class EtcdClient:
         self.errors += 1
         raise EtcdUnavailable("etcd unavailable (" + "; ".join(causes) + ")")
 
-    async def _attempt(self, url: str, path: str, body: bytes, dec: msgspec.json.Decoder[_T]) -> _T:
+    async def _attempt(self, url: str, path: str, body: bytes, dec: msgspec.json.Decoder[_T]) -> _T | _Miss:
         self.requests += 1
-        with trio.move_on_after(self.attempt_timeout_s) as scope:
+        r: httpx.Response | None = None
+        with trio.move_on_after(self.attempt_timeout_s):
             try:
                 r = await self._http.post(url + path, content=body,
                                           headers={"content-type": "application/json"})
             except httpx.HTTPError as e:
-                raise _Failover(_describe(e)) from None
-        if scope.cancelled_caught:
-            raise _Failover(f"no answer in {self.attempt_timeout_s:g}s")
+                return _Miss(_describe(e))
+        if r is None:
+            return _Miss(f"no answer in {self.attempt_timeout_s:g}s")
         if r.status_code >= 400:
-            self._raise_answer(url, r)
+            return self._answer_error(url, r)
         try:
             return dec.decode(r.content)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            raise _Failover(f"not an etcd answer ({e})") from None
+            return _Miss(f"not an etcd answer ({e})")
 
-    def _raise_answer(self, url: str, r: httpx.Response) -> None:
+    def _answer_error(self, url: str, r: httpx.Response) -> _Miss:
+        """An error answer: a miss when another member may do better, else raised as ours."""
         try:
             err = _err_dec.decode(r.content)
         except (msgspec.DecodeError, msgspec.ValidationError):
             if r.status_code in (502, 503, 504):
-                raise _Failover(f"HTTP {r.status_code}") from None
+                return _Miss(f"HTTP {r.status_code}")
             self.errors += 1
             raise EtcdError(f"etcd {url}: HTTP {r.status_code}: {r.text[:200]!r}") from None
         msg = err.message or err.error or f"HTTP {r.status_code}"
         if err.code in _FAILOVER_CODES or r.status_code == 503:
-            raise _Failover(msg)
+            return _Miss(msg)
         self.errors += 1
         if err.code == _NOT_FOUND:   # the one NotFound the KV and lease calls answer: a lease's
             raise LeaseNotFound(f"etcd {url}: {msg}")
@@ -440,11 +442,8 @@ class EtcdClient:
             try:
                 if resp.status_code >= 400:
                     await resp.aread()
-                    try:
-                        self._raise_answer(url, resp)
-                    except _Failover as e:
-                        causes.append(f"{url}: {e}")
-                        continue
+                    causes.append(f"{url}: {self._answer_error(url, resp).cause}")
+                    continue
                 self._current = idx
                 yield self._batches(url, resp)
                 return

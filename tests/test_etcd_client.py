@@ -110,7 +110,9 @@ async def test_watch_sees_puts_and_deletes(etcd_cluster: EtcdCluster) -> None:
 async def test_failover_to_a_live_endpoint(etcd3_cluster: EtcdCluster) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     with trio.fail_after(BOUND_S):
-        async with EtcdClient([dead, *etcd3_cluster.endpoints], attempt_timeout_s=1.0) as c:
+        # (an attempt's deadline past etcd's election timeout: the paused member may be the raft
+        # leader, and the others answer once they have elected another)
+        async with EtcdClient([dead, *etcd3_cluster.endpoints], attempt_timeout_s=4.0) as c:
             await c.put(b"/f/a", b"1")        # the dead endpoint refuses: the next one answers
             assert c.failovers >= 1 and c.statistics()["endpoint"] != dead
             # the member in use hangs (SIGSTOP): after one attempt's deadline, another answers
