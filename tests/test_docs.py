@@ -118,9 +118,10 @@ def printable_names(src: str) -> list[re.Pattern[str]]:
             if len(node.value) >= 4 and node.value.isidentifier():
                 out.append(r"\w+_" + re.escape(node.value))
         elif isinstance(node, ast.JoinedStr):
-            parts = [re.escape(v.value) if isinstance(v, ast.Constant) else r"\w+" for v in node.values]
-            if sum(len(v.value) for v in node.values if isinstance(v, ast.Constant)) >= 3:
-                out.append("".join(parts))
+            texts = [v.value if isinstance(v, ast.Constant) and isinstance(v.value, str) else None
+                     for v in node.values]
+            if sum(len(t) for t in texts if t is not None) >= 3:
+                out.append("".join(r"\w+" if t is None else re.escape(t) for t in texts))
         elif isinstance(node, ast.keyword) and node.arg:
             out.append(re.escape(node.arg))
     return [re.compile(p) for p in out]
