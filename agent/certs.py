@@ -109,7 +109,7 @@ async def bootstrap(placer: str, node_id: str, token: str, *, configured_dir: st
     if not _present(ca):
         raise AgentError(f"bootstrap needs the cluster CA certificate at {ca} (copy ca.crt from the PKI dir)")
     try:
-        ctx = client_context(ca)
+        ctx = client_context(ca, expect="placer")   # the token leaves only for the placer
     except TLSError as e:
         raise AgentError(str(e)) from None
     key, csr = pki.make_csr(node_id)
