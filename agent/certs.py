@@ -32,6 +32,7 @@ from infra.tls import (
     daemon_security,
     describe_ssl_error,
     insecure_from_env,
+    ssl_cause,
 )
 from scheduler_link.pki_api import CertReply, CSRRequest
 
@@ -91,8 +92,9 @@ async def _post_csr(placer: str, path: str, body: CSRRequest, *, verify: object,
         async with httpx.AsyncClient(verify=verify, timeout=10.0) as c:  # type: ignore[arg-type]
             r = await c.post(f"{placer.rstrip('/')}{path}", content=msgspec.json.encode(body), headers=headers)
     except httpx.HTTPError as e:
+        cause = ssl_cause(e)
         raise AgentError(f"certificate request to the placer at {placer} failed: "
-                         f"{describe_ssl_error(e) if 'SSL' in str(e) else e}") from None
+                         f"{describe_ssl_error(cause or e) if cause or 'SSL' in str(e) else e}") from None
     if r.status_code != 200:
         raise AgentError(f"the placer refused the certificate request ({r.status_code}): {r.text[:300]}")
     try:

@@ -404,6 +404,19 @@ def describe_ssl_error(e: BaseException) -> str:
     return s or type(e).__name__
 
 
+def ssl_cause(e: BaseException) -> ssl.SSLError | None:
+    """The TLS failure under a transport's exception (httpx and trio wrap it: an async
+    client's error may say nothing itself), or None."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, ssl.SSLError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
+
+
 async def handshake(stream: trio.SSLStream[Any]) -> None:
     """Run the handshake (under the caller's deadline); a failure is a :class:`TLSError`."""
     try:

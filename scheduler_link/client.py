@@ -140,8 +140,9 @@ def check_peer(r: httpx.Response, want: str) -> None:
 def transport_line(e: httpx.HTTPError, who: str, url: str) -> str:
     """One line for a request that got no answer; TLS failures named for what they are."""
     text = str(e) or type(e).__name__
-    if "SSL" in text or "certificate" in text.lower():
-        return f"TLS to the {who} at {url} failed: {tls.describe_ssl_error(e)}"
+    cause = tls.ssl_cause(e)
+    if cause is not None or "SSL" in text or "certificate" in text.lower():
+        return f"TLS to the {who} at {url} failed: {tls.describe_ssl_error(cause or e)}"
     return f"cannot reach the {who} at {url}: {text}"
 
 
