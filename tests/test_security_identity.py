@@ -289,6 +289,8 @@ async def test_a_revoked_node_is_refused_everywhere_and_fenced(tmp_path, token_d
             third = tls.client_context(tls_pki.ca, tls_pki.files("node:n2"))
             bad_ctx = tls.client_context(tls_pki.ca, bad.files)
             assert not await _refused(bad_ctx, good.data_url)              # before: a peer like any other
+            kept = httpx.AsyncClient(verify=bad_ctx, headers=auth_header(DATA_TOKEN), timeout=10)
+            assert (await kept.get(f"{good.data_url}/v1/stats")).status_code == 200   # a connection kept open
 
             t0 = time.monotonic()
             assert pki.Revocations(tls_pki.dir).revoke(bad.node_id, now=time.time())   # herd pki revoke
@@ -307,6 +309,10 @@ async def test_a_revoked_node_is_refused_everywhere_and_fenced(tmp_path, token_d
             assert await _refused(bad_ctx, good.data_url)
             assert not await _refused(third, good.data_url)
             assert await _refused(good.sec.client, bad.data_url)
+            with pytest.raises(httpx.HTTPError):       # the open connection: closed at its next request
+                await kept.get(f"{good.data_url}/v1/stats")
+            assert good.plane.statistics()["revoked_closed"] == 1
+            await kept.aclose()
             # bootstrap (even with a token bound to it) and renewal give it nothing
             tok = pki.BootstrapTokens(tls_pki.dir / "bootstrap-tokens.json").create(
                 ttl_s=600, node_id=bad.node_id, now=time.time())
