@@ -192,13 +192,15 @@ def _check_handshake(obj: ssl.SSLObject | ssl.SSLSocket) -> None:
     ctx = obj.context
     if not isinstance(ctx, HerdContext):
         return
+    deny = ctx.revoked if ctx.revoked is not None and (ctx.revoked.nodes or ctx.revoked.serials) else None
+    want = None if obj.server_side else ctx.expect
+    if deny is None and want is None:
+        return      # (an empty deny-list costs a handshake nothing: the certificate is not decoded)
     cert = obj.getpeercert()
-    if ctx.revoked is not None and (why := ctx.revoked.refuses(cert)) is not None:
+    if deny is not None and (why := deny.refuses(cert)) is not None:
         raise PeerRefused(why)
-    if ctx.expect is not None and not obj.server_side:
-        why = principal_mismatch(principal_of(cert), ctx.expect)
-        if why is not None:
-            raise PeerRefused(why)
+    if want is not None and (why := principal_mismatch(principal_of(cert), want)) is not None:
+        raise PeerRefused(why)
 
 
 class _CheckedObject(ssl.SSLObject):
