@@ -140,6 +140,8 @@ def cmd_status(args: argparse.Namespace) -> int:
             {"id": t["id"], "node": t["node_id"], "expires": _when(float(t["expires"])),  # type: ignore[arg-type]
              "state": "used" if t["used_by"] else "expired" if float(t["expires"]) <= now else "unused",  # type: ignore[arg-type]
              "used_by": t["used_by"]} for t in tokens]
+        nodes, serials = pki.Revocations(args.dir).load()
+        out["revoked"] = {"nodes": sorted(nodes), "serials": sorted(serials)}
     if args.placer:
         from infra.auth import TokenSet
         from scheduler_link.client import PlacerClient
@@ -159,6 +161,10 @@ def cmd_status(args: argparse.Namespace) -> int:
             print(table(["TOKEN", "STATE", "NODE", "EXPIRES", "USED BY"],
                         [[t["id"], t["state"], t["node"] or "any", t["expires"], t["used_by"] or "-"]  # type: ignore[index]
                          for t in toks_out]))  # type: ignore[attr-defined]
+        rev = out["revoked"]
+        assert isinstance(rev, dict)
+        if rev["nodes"] or rev["serials"]:
+            print(f"\nrevoked: nodes {', '.join(rev['nodes']) or '-'}; {len(rev['serials'])} certificate serials")
     if "placer" in out:
         st = out["placer"]
         assert isinstance(st, dict)

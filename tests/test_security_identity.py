@@ -331,6 +331,10 @@ def test_revoke_cli_denies_the_node_and_its_serials(tmp_path, tls_pki, capsys):
     assert main(["pki", "revoke", str(tls_pki.dir), "gpu-1", "--undo"]) == 0
     nodes, serials = pki.Revocations(tls_pki.dir).load()
     assert nodes == frozenset() and pki.serial_hex(cert) in serials   # that certificate stays dead
+    assert main(["pki", "revoke", str(tls_pki.dir), "gpu-1"]) == 0
+    capsys.readouterr()
+    assert main(["pki", "status", str(tls_pki.dir)]) == 0
+    assert "revoked: nodes gpu-1" in capsys.readouterr().out
     deny = tls.Revoked()
     deny.replace(nodes, serials)
     # getpeercert() writes whole bytes (a leading zero is possible): the same serial either way
