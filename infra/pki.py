@@ -227,6 +227,8 @@ def init(d: str | os.PathLike[str], *, ca_days: int = CA_DAYS, days: int = NODE_
                        "and every certificate it signed stops verifying)")
     p.mkdir(parents=True, exist_ok=True)
     os.chmod(p, 0o700)
+    for stale in ("issued.json", "revoked.json"):   # about the certificates of the CA replaced
+        (p / stale).unlink(missing_ok=True)
     ca_key, ca_cert = make_ca(days=ca_days)
     write_pair(p, "ca", ca_key, ca_cert)
     ca = CA(ca_key, ca_cert)
