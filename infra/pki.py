@@ -441,8 +441,13 @@ class Issued:
     def __init__(self, d: str | os.PathLike[str]) -> None:
         self.file = _LockedJSON(Path(d) / "issued.json")
 
-    def record(self, node_id: str, cert: x509.Certificate, *, now: float) -> None:
+    def record(self, node_id: str, cert: x509.Certificate, *, now: float,
+               unless_live: tuple[frozenset[str], frozenset[str]] | None = None) -> list[str]:
+        """Record ``cert`` as issued to ``node_id``. With ``unless_live`` (the deny-list), only
+        when the node holds no live certificate, checked under the same lock (two bootstraps
+        of one node at once: one wins): the live serials found instead, nothing recorded."""
         entry = {"serial": serial_hex(cert), "not_after": cert.not_valid_after_utc.timestamp()}
+        found: list[str] = []
 
         def change(data: dict[str, object]) -> None:
             nodes = data.setdefault("nodes", {})
@@ -451,8 +456,14 @@ class Issued:
                 nodes[nid] = [e for e in nodes[nid] if float(e["not_after"]) > now]
                 if not nodes[nid]:
                     del nodes[nid]
+            if unless_live is not None and node_id not in unless_live[0]:
+                found.extend(str(e["serial"]) for e in nodes.get(node_id, [])
+                             if str(e["serial"]) not in unless_live[1])
+                if found:
+                    return
             nodes.setdefault(node_id, []).append(entry)
         self.file.update(change)
+        return found
 
     def of(self, node_id: str, *, now: float) -> list[tuple[str, float]]:
         """(serial, not_after) of the node's certificates that have not expired."""

@@ -118,9 +118,14 @@ class PKIRoutes:
             return _Refusal(503, "the placer cannot sign", str(e))
         try:
             cert = pki.sign_csr(ca, csr, node_id, days=self.days, names=names)
+            # a bootstrap is recorded only if no live certificate of the node was meanwhile
+            denied = self.revocations.load() if token is not None and self.revocations is not None else None
+            live = pki.Issued(self.ca_dir).record(node_id, cert, now=now, unless_live=denied)
         except pki.PKIError as e:
             return _Refusal(400, "certificate request refused", str(e))
-        pki.Issued(self.ca_dir).record(node_id, cert, now=now)
+        if live:
+            return _Refusal(409, "node holds a live certificate", f"node {node_id[:200]} holds a live certificate "
+                                                                  f"(serial {live[0]}), issued meanwhile")
         return ca, cert
 
     async def _sign(self, req: Request, node_id: str, body: CSRRequest, how: str, token: str | None = None

@@ -339,3 +339,20 @@ def test_revoke_cli_denies_the_node_and_its_serials(tmp_path, tls_pki, capsys):
     deny.replace(nodes, serials)
     # getpeercert() writes whole bytes (a leading zero is possible): the same serial either way
     assert deny.refuses({"serialNumber": "0" + pki.serial_hex(cert)}) is not None
+
+
+def test_two_bootstraps_of_one_node_at_once_record_one_certificate(tls_pki):
+    """The live-certificate check and the record are one step under the store's lock: of two
+    bootstraps of a node that passed the first check together, the second is not recorded
+    (and its certificate is never returned)."""
+    ca = pki.CA.load(tls_pki.dir)
+    issued = pki.Issued(tls_pki.dir)
+    none_denied = (frozenset(), frozenset())
+    _, first = ca.issue("node:racer")
+    _, second = ca.issue("node:racer")
+    assert issued.record("racer", first, now=time.time(), unless_live=none_denied) == []
+    assert issued.record("racer", second, now=time.time(), unless_live=none_denied) == [pki.serial_hex(first)]
+    assert [s for s, _ in issued.of("racer", now=time.time())] == [pki.serial_hex(first)]
+    # once that certificate is revoked, the node may be bootstrapped again
+    revoked = (frozenset(), frozenset({pki.serial_hex(first)}))
+    assert issued.record("racer", second, now=time.time(), unless_live=revoked) == []
