@@ -79,6 +79,24 @@ class Listener:
 
 # ------------------------------------------------------------------ finding 4
 
+async def test_the_peer_client_sends_the_cluster_token_to_nodes_only(tls_pki):
+    """A data-plane 'peer' at a node's data URL holding a certificate of this CA that is not a
+    node's (here the viewer's): the herd's peer client sends it no request and no token."""
+    from p2p.errors import PeerError
+    from p2p.peers import PeerClient
+    hostile = Listener(tls.server_context(tls_pki.files("viewer"), client_cert="optional"))
+    client = PeerClient(token=DATA_TOKEN, ssl_context=tls.client_context(tls_pki.ca, tls_pki.files("node:n1")))
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            url = await n.start(hostile.run)
+            with pytest.raises(PeerError, match="viewer, not node"):
+                await client.get_chunk(url, "ab" * 32, 10)
+            await _until(lambda: len(hostile.received) == 1)
+            await client.aclose()
+            n.cancel_scope.cancel()
+    assert hostile.received == [b""]
+
+
 async def test_clients_send_nothing_to_a_certificate_of_the_wrong_principal(tmp_path, tls_pki):
     """A host with a node certificate at the placer's (or another node's) address: the CLI's
     placer client, the daemon client and the agent's bootstrap send no request, no token and
