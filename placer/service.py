@@ -101,6 +101,7 @@ class PlacerService:
         self.token_use = authz.TokenUse() if self.security.accept_tokens else None
         self.pki = PKIRoutes(config.ca_dir, days=config.node_cert_days, clock=clock)
         self.state = PlacerState(config, started_at=clock())
+        self._refresh_revoked(clock())   # the deny-list (herd pki revoke) before any handshake
         self.pool = PushPool(concurrency=config.push_concurrency, attempt_timeout_s=config.ack_timeout_s,
                              retries=config.push_retries, ssl_context=self.security.client)
         self.journal: JobJournal | None = None
@@ -240,7 +241,15 @@ class PlacerService:
         direct = self.wire.heard_until() if self.wire is not None else None
         if direct is not None:  # (a connection that is always behind holds the check back so long at most)
             until = min(until, max(direct, now - WIRE_HOLD_LOST_AFTERS * self.cfg.lost_after_s))
+        self._refresh_revoked(now)
         self._carry_out(self.state.tick(until))
+
+    def _refresh_revoked(self, now: float) -> None:
+        """The deny-list into every handshake (infra.tls.Revoked) and the heartbeat answers;
+        newly revoked nodes are fenced like lost ones."""
+        newly = self.pki.refresh(self.security.revoked)
+        if newly is not None:
+            self.state.set_revoked(self.pki.denied, newly, now)
 
     def _maybe_freeze(self) -> None:
         """After a pass that rebuilt the model or decided (the records it made live long),
@@ -450,6 +459,10 @@ class PlacerService:
         if self.ha is not None and not self.ha.leading():  # a follower fences nothing
             return 503, ReportReply(ok=False, error="this placer does not lead"), False
         relayed = via is not None and via != rep.node_id
+        if rep.node_id in self.pki.denied[0] or (via is not None and via in self.pki.denied[0]):
+            # revoked (herd pki revoke): its handshakes are refused; a connection opened before is
+            # answered this until the node goes away (it is fenced like a lost one meanwhile)
+            return 403, ReportReply(ok=False, error="this node is revoked"), False
         if relayed and not msgauth.report_ok(self.state.mac_key(rep.node_id, rep.boot_id), rep):
             self.state.counters["bad_macs"] += 1
             log.warning("relayed report refused: MAC does not verify node=%s relay=%s", rep.node_id, via)
