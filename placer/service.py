@@ -428,7 +428,8 @@ class PlacerService:
                               "token_agents": dict(sorted(tu.nodes.items())[:1000]) if tu else {},
                               "token_agents_total": len(tu.nodes) if tu else 0,
                               "certificates_issued": self.pki.issued,
-                              "you": str(req.principal) if req.principal else None})
+                              "you": str(req.principal) if req.principal else None,
+                              **({"ha": self.ha.health()} if self.ha is not None else {})})
 
     async def h_openapi(self, req: Request) -> Response:
         """This API's OpenAPI description, generated from the route table."""

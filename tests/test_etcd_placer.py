@@ -86,6 +86,8 @@ async def test_one_leads_the_other_redirects_then_takes_over(etcd_cluster: EtcdC
             url_b = await n.start(b.run)
             hb = await until(lambda: _role(ops, url_b, "follower"))
             assert hb["leader"] == url_a and hb["epoch"] == ha["epoch"]
+            st = (await ops.get(url_b + "/v1/status")).json()["ha"]
+            assert (st["role"], st["leader"]) == ("follower", url_a)
             # the leader places: two agents report to it, a job runs
             for i in range(2):
                 await n.start(FakeAgent(f"n{i}", tokens, rack="r0").run, url_a)
