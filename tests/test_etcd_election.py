@@ -5,6 +5,7 @@ TTL + a margin, epochs strictly increase, resign hands over at once."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from placer.election import Election, ElectionCore, Leadership, Role
 from placer.etcd import EtcdClient, KeyValue
@@ -63,6 +66,27 @@ def test_core_does_not_lead_on_an_expired_lease() -> None:
     c.granted(1, 2, sent_at=0.0)
     c.joined(b"k", 9)
     assert not c.lead(2.5) and c.role is Role.WAITING
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.floats(0, 100), st.integers(1, 5)), max_size=20), st.floats(0, 120),
+       st.lists(st.integers(1, 10_000), min_size=1, max_size=8, unique=True), st.randoms())
+def test_core_properties(replies: list[tuple[float, int]], now: float, revs: list[int], rnd: random.Random) -> None:
+    """Renewals answered in any order: the belief ends at the latest send + TTL, never later;
+    the ranking does not depend on the order etcd lists the keys in."""
+    c = ElectionCore(3)
+    c.granted(1, 3, sent_at=0.0)
+    c.joined(b"k%d" % revs[0], revs[0])
+    for sent, ttl in replies:
+        assert c.renewed(ttl, sent)
+    until = max([3.0] + [sent + ttl for sent, ttl in replies])
+    assert c.valid_until == until and c.expired(now) == (now >= until)
+    kvs = [kv(b"k%d" % r, r) for r in revs]
+    rnd.shuffle(kvs)
+    turn = c.rank(kvs)
+    assert turn.leader is not None and turn.leader.create_revision == min(revs)
+    older = [r for r in revs if r < revs[0]]
+    assert turn.predecessor == (b"k%d" % max(older) if older else b"")
 
 
 # ------------------------------------------------------------------ real etcd
