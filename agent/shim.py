@@ -28,7 +28,7 @@ Protocol (one JSON object per line)
 shim -> agent on stdout: ``{"ready": true, "shim_pid": P}`` once imported.
 agent -> shim on stdin: ``{"dir", "argv", "env", "cwd", "log_max_bytes", "log_keep", "record",
 "user": {"uid", "gid", "groups"} | null, "cgroup": path | null, "umask", "rlimit_core",
-"oom_score_adj", "grace_s"}``.
+"oom_score_adj", "grace_s", "view": {"hidepid", "dev_dir", "gpu_minors"} | null}``.
 shim -> agent: ``{"ok": true, "pid", "start_time", "boot_id"}`` or
 ``{"ok": false, "error"}``; then the shim detaches from both pipes.
 Files in ``dir``: ``run.json`` (identity of the workload process and a copy of the agent's
@@ -38,7 +38,9 @@ Files in ``dir``: ``run.json`` (identity of the workload process and a copy of t
 
 Isolation (see :mod:`agent.isolation`): the shim is a child subreaper, so every
 descendant of the workload stays below it; the workload's child joins its cgroup (when
-one is given), then drops to the workload's user (which clears every capability), sets
+one is given), enters its own mount namespace (when a ``view`` is given: a /proc that hides
+other uids, a /dev without the GPU nodes of other workloads; agent.tenants), then drops to
+the workload's user (which clears every capability), sets
 ``no_new_privs``, umask, ``RLIMIT_CORE`` and ``oom_score_adj``, and only then ``exec``s.
 When the leader exits, the shim SIGTERMs what is left of the workload, SIGKILLs it after
 ``grace_s`` and writes ``exit.json`` (the leader's code) only once the workload is empty:
@@ -67,7 +69,7 @@ PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 PR_CAPBSET_DROP = 24
 CLONE_NEWNS = 0x00020000
-MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_PRIVATE = 2, 4, 8, 4096, 16384, 1 << 18
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_SLAVE = 2, 4, 8, 4096, 16384, 1 << 19
 NVIDIA_MAJOR, NVIDIA_FIRST_CONTROL_MINOR = 195, 254
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -241,12 +243,13 @@ def _dev_view(dev_dir: str, minors: set[int]) -> None:
 
 
 def _enter_view(view: dict[str, Any]) -> None:
-    """The workload's own mount namespace (agent.launcher.WorkloadView): nothing mounted here
-    reaches the host (private propagation first)."""
+    """The workload's own mount namespace (agent.launcher.WorkloadView). Slave propagation
+    first: the host's later mounts still reach the workload, nothing mounted here reaches
+    the host."""
     if _libc.unshare(CLONE_NEWNS) != 0:
         e = ctypes.get_errno()
         raise OSError(e, f"unshare(CLONE_NEWNS): {os.strerror(e)}")
-    _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
+    _mount(None, "/", None, MS_REC | MS_SLAVE, None)
     if view.get("dev_dir"):
         _dev_view(view["dev_dir"], {int(m) for m in view.get("gpu_minors") or ()})
     if view.get("hidepid"):
@@ -259,7 +262,7 @@ def probe_namespace() -> int:
     try:
         if _libc.unshare(CLONE_NEWNS) != 0:
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS): " + os.strerror(ctypes.get_errno()))
-        _mount(None, "/", None, MS_REC | MS_PRIVATE, None)
+        _mount(None, "/", None, MS_REC | MS_SLAVE, None)
         for opt in ("invisible", "2"):    # names since Linux 5.8, numbers before
             try:
                 _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"hidepid={opt}")

@@ -380,7 +380,7 @@ class Tenancy:
                 continue
             before = pool.take(wid, uid)
             try:
-                _own(scratch, uid, before)
+                _own(scratch, uid, before, pool.uids)
             except OSError as e:
                 pool.release(wid)
                 raise ShimError(f"cannot give scratch dir {scratch} to uid {uid}: {e.strerror or e}") from e
@@ -453,9 +453,12 @@ class Tenancy:
                 "device_filter_failures": self.bpf_failures}
 
 
-def _own(scratch: Path, uid: int, before: int | None) -> None:
+def _own(scratch: Path, uid: int, before: int | None, uids: range) -> None:
     """Give the scratch dir to ``uid`` (0700). A workload that held another uid before (a
-    restart after its uid went elsewhere) gets its old files too."""
+    restart after its uid went elsewhere, or after an agent restart) gets its old files too."""
+    top = os.lstat(scratch).st_uid
+    if before is None and top != uid and top in uids:
+        before = top            # never released (the agent restarted meanwhile): still its old uid's
     if before is not None:
         for root, dirs, files in os.walk(scratch):
             for n in dirs + files:

@@ -154,15 +154,15 @@ def test_an_unprivileged_agent_keeps_todays_behaviour_and_says_so():
 
 
 @pytest.fixture(autouse=True)
-def _no_tenant_left() -> Iterator[None]:
+def _no_tenant_left(tmp_path: Path) -> Iterator[None]:
     """Workloads outlive a cancelled supervisor (by design): a failing test must not leave one
-    holding a uid of the ranges below to the next test."""
+    of its workloads holding a uid to the next test (found by the scratch dir in its env)."""
     yield
-    if is_root():
-        for name in os.listdir("/proc"):
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                if name.isdigit() and 3100000 <= _uids_of(int(name))[0] < 3101000:
-                    os.kill(int(name), 9)
+    mark = f"HERD_SCRATCH={tmp_path}/".encode()
+    for name in os.listdir("/proc") if is_root() else ():
+        with contextlib.suppress(OSError):
+            if name.isdigit() and mark in Path(f"/proc/{name}/environ").read_bytes():
+                os.kill(int(name), 9)
 
 
 def _sup(tmp: Path, iso: Isolation) -> Supervisor:
@@ -306,6 +306,25 @@ async def test_a_uid_is_reused_only_after_its_processes_are_gone(tmp_path):
 
 
 @root_only
+def test_a_restarted_workload_gets_its_files_under_its_new_uid(tmp_path):
+    from agent.tenants import _own
+    s = tmp_path / "scratch"
+    (s / "sub").mkdir(parents=True)
+    (s / "sub" / "f").write_text("x")
+    (s / "mine").symlink_to("/etc/shadow")
+    for p in (s, s / "sub", s / "sub" / "f"):
+        os.chown(p, 3100010, 3100010)
+    os.chown(s / "mine", 3100010, 3100010, follow_symlinks=False)
+    _own(s, 3100011, None, range(3100000, 3100100))     # never sealed (an agent restart): its owner says
+    owners = {p.name: p.lstat().st_uid for p in (s, s / "sub", s / "sub" / "f", s / "mine")}
+    assert owners == {"scratch": 3100011, "sub": 3100011, "f": 3100011, "mine": 3100011}
+    assert Path("/etc/shadow").stat().st_uid == 0                    # the link, not its target
+    os.chown(s, 0, 0)                                               # sealed at release
+    _own(s, 3100012, 3100011, range(3100000, 3100100))              # the pool remembers the uid before
+    assert {p.lstat().st_uid for p in (s, s / "sub", s / "sub" / "f")} == {3100012}
+
+
+@root_only
 def test_the_agent_starts_with_live_uids_as_suspect(tmp_path):
     with _stray(3100200):
         assert 3100200 in live_uids(range(3100200, 3100202))
@@ -410,3 +429,35 @@ def test_status_says_what_holds_here():
     off = Tenancy(IsolationSection(uid_range="off", hide_proc="off", gpu_devices="off"))
     assert off.pool is None and off.proc.startswith("none: off") and off.gpus.startswith("none: off")
     assert procs.boot_id()
+
+
+@root_only
+async def test_the_agent_runs_each_workload_as_its_own_uid_by_default(tmp_path, token_dir):
+    """The daemon's wiring with the default [isolation] (simulated GPUs): status says what holds,
+    two workloads get two uids of 200000-265535."""
+    from agent.config import AgentConfig
+    from agent.daemon import Agent
+
+    cfg = AgentConfig(node_id="n1", gpus="simulated:dgx-h100", state_dir=str(tmp_path / "state"),
+                      listen="127.0.0.1:0", data_listen=None, token_dir=str(token_dir),
+                      workloads=SupervisorConfig(shim_pool=1))
+    agent = Agent(cfg, env={"PATH": "/usr/bin:/bin"}, handle_signals=False)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            await n.start(agent.run)
+            st = json.loads(agent.status_json())["tenants"]
+            assert st["uids"] == "per workload from 200000-265535" and st["uid_pool"]["held"] == 0, st
+            assert st["proc"].startswith(("namespace: ", "host: ")) and "eBPF" in st["gpu_devices"], st
+            uuids = [g.uuid for g in agent.gpu_snapshot().gpus]
+            sup = agent.supervisor
+            for i, w in enumerate(("x", "y")):
+                p = Placement(placement_id=f"p{w}", job_id=f"j{w}", argv=["sh", "-c", LINGER],
+                              pods=[PodAssignment(workload_id=w, rank=0, gpus=[uuids[i]])])
+                assert (await sup.place(p)).accepted
+            ux, uy = _uids_of(await _up(sup, "x"))[0], _uids_of(await _up(sup, "y"))[0]
+            assert ux != uy and {ux, uy} <= set(range(200000, 265536))
+            assert json.loads(agent.status_json())["tenants"]["uid_pool"]["held"] == 2
+            for w in ("x", "y"):
+                await sup.stop(w, grace_s=0)
+                await sup.wait_terminal(w)
+            n.cancel_scope.cancel()
