@@ -217,6 +217,7 @@ def _dev_view(dev_dir: str, minors: set[int]) -> None:
         if not _hidden_gpu(name, st, minors):
             entries.append((name, st))
     fd = os.open(dev_dir, os.O_PATH | os.O_DIRECTORY)
+    umask = os.umask(0)                  # nodes made with their own mode bits, no chmod after
     try:
         _mount("tmpfs", dev_dir, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755")
         for name, st in entries:
@@ -233,12 +234,14 @@ def _dev_view(dev_dir: str, minors: set[int]) -> None:
             else:
                 os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0))
                 _mount(src, p, None, MS_BIND, None)
-            if not stat.S_ISDIR(mode):
+            if (st.st_uid or st.st_gid) and not stat.S_ISDIR(mode):
                 os.chown(p, st.st_uid, st.st_gid)
-                os.chmod(p, stat.S_IMODE(mode))
+                if mode & (stat.S_ISUID | stat.S_ISGID):
+                    os.chmod(p, stat.S_IMODE(mode))      # chown cleared them
         os.chown(dev_dir, top.st_uid, top.st_gid)
         os.chmod(dev_dir, stat.S_IMODE(top.st_mode))
     finally:
+        os.umask(umask)
         os.close(fd)
 
 
