@@ -424,4 +424,4 @@ class Isolation:
     def statistics(self) -> dict[str, object]:
         return {"isolation": self.mode, "reason": self.reason,
                 "cgroup_parent": str(self.tree.parent) if self.tree is not None else None,
-                "tenants": self.tenancy.statistics() if self.tenancy is not None else None}
+                "tenants": self.tenancy.statistics(cgroups=self.tree is not None) if self.tenancy is not None else None}

@@ -51,6 +51,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -302,10 +303,60 @@ def _read(path: str) -> str:
         return ""
 
 
+class Modes(msgspec.Struct, frozen=True, kw_only=True):
+    """What keeps tenants apart on this host, decided once at start (:func:`decide`)."""
+    uids: Literal["per-workload", "shared"]
+    proc: Literal["host", "namespace", "none"]
+    hidepid: str | None = None       # the option each workload's own /proc is mounted with
+    gpu_filter: bool = False         # an eBPF device filter for workloads with a cgroup
+    gpu_namespace: bool = False      # a /dev of their own for the others
+    notes: tuple[str, ...] = ()      # what does not hold here, and why (log and status)
+
+    def gpu_devices(self, cgroups: bool) -> Literal["filter", "namespace", "none"]:
+        """How GPU device access is limited for workloads with (``cgroups``) or without a cgroup."""
+        if cgroups and self.gpu_filter:
+            return "filter"
+        return "namespace" if self.gpu_namespace else "none"
+
+
+def decide(section: IsolationSection, *, privileged: bool, ns: tuple[bool, str], host_hidepid: str | None,
+           bpf: tuple[bool, str]) -> Modes:
+    """The modes from the settings and what the host allows (pure): ``ns`` = (a workload may have
+    a mount namespace with a hidepid /proc, that hidepid value or why not), ``bpf`` = (a device
+    program loads, why not)."""
+    notes: list[str] = []
+    shared = parse_uid_range(section.uid_range) is None or not privileged
+    if parse_uid_range(section.uid_range) is None:
+        notes.append("uids: every workload runs as [workloads] user ([isolation] uid_range = off)")
+    elif not privileged:
+        notes.append("uids: the agent is not root; every workload runs as its own user")
+    proc: Literal["host", "namespace", "none"] = "none"
+    hidepid = None
+    if section.hide_proc == "off":
+        notes.append("proc: other workloads' processes are visible ([isolation] hide_proc = off)")
+    elif host_hidepid is not None:
+        proc = "host"
+    elif ns[0]:
+        proc, hidepid = "namespace", ns[1]
+    else:
+        notes.append(f"proc: other workloads' processes are visible (no mount namespace: {ns[1]})")
+    gpu_filter = section.gpu_devices != "off" and privileged and bpf[0]
+    gpu_ns = section.gpu_devices != "off" and ns[0]
+    if section.gpu_devices == "off":
+        notes.append("gpu_devices: CUDA_VISIBLE_DEVICES only ([isolation] gpu_devices = off)")
+    else:
+        if not gpu_filter:
+            notes.append(f"gpu_devices: no eBPF device filter ({bpf[1] if privileged else 'the agent is not root'})")
+        if not gpu_ns:
+            notes.append(f"gpu_devices: no device namespace ({ns[1]}): without a filter, CUDA_VISIBLE_DEVICES only")
+    return Modes(uids="shared" if shared else "per-workload", proc=proc, hidepid=hidepid, gpu_filter=gpu_filter,
+                 gpu_namespace=gpu_ns, notes=tuple(notes))
+
+
 class Tenancy:
     """What keeps workloads apart from each other on one host: the uid pool, the /proc and
-    /dev each workload sees, the device filter. Decided once at start; said in
-    :meth:`statistics` and the log."""
+    /dev each workload sees, the device filter. Decided once at start (:func:`decide`); said
+    in :meth:`statistics` and the log."""
 
     def __init__(self, section: IsolationSection = IsolationSection(), *,
                  gpu_minors: Callable[[], Mapping[str, int]] = dict,
@@ -319,52 +370,30 @@ class Tenancy:
         self.bpf_failures = 0
         uids = parse_uid_range(section.uid_range)
         self.pool: UidPool | None = None
-        if uids is None:
-            self.uids = "off: workloads run as [workloads] user, all alike (by configuration)"
-        elif not self.privileged:
-            self.uids = "off: the agent is not root; workloads run as its own user"
-        else:
+        if uids is not None and self.privileged:
             bad = range_conflicts(uids, {f: _read(f"{etc}/{f}") for f in ("passwd", "group", "subuid", "subgid")})
             if bad:
                 raise ConfigError(f"[isolation] uid_range {section.uid_range} overlaps ids in use on this host "
                                   f"({'; '.join(bad[:3])}{'; ...' if len(bad) > 3 else ''}): pick a free range")
             self.pool = UidPool(uids)
             self.pool.suspect(live_uids(uids, proc))
-            self.uids = f"per workload from {uids.start}-{uids.stop - 1}"
-        ns_ok, ns_why = (probe_namespace() if self.privileged and
-                         (section.hide_proc != "off" or section.gpu_devices != "off") else
-                         (False, "the agent is not root" if not self.privileged else "off"))
-        host = host_hidepid(_read(f"{proc}/self/mounts"))
-        self.hidepid: str | None = None       # the option the shim mounts /proc with (None: none mounted)
-        if section.hide_proc == "off":
-            self.proc = "none: off by configuration"
-        elif host is not None:
-            self.proc = f"host: the host's /proc has hidepid={host}"
-        elif ns_ok:
-            self.hidepid = ns_why
-            self.proc = f"namespace: each workload's own /proc with hidepid={ns_why}"
-        else:
-            self.proc = f"none: other workloads' processes are visible in /proc ({ns_why})"
-        self._dev_ns = ns_ok and section.gpu_devices != "off"
-        self.bpf_ok, bpf_why = False, "off"
+        wanted = self.privileged and (section.hide_proc != "off" or section.gpu_devices != "off")
+        ns = probe_namespace() if wanted else (False, "the agent is not root" if not self.privileged else "off")
+        bpf = (False, "off")
         if section.gpu_devices != "off" and self.privileged:
             try:
                 os.close(load_device_program([]))
-                self.bpf_ok, bpf_why = True, ""
+                bpf = (True, "")
             except OSError as e:
-                bpf_why = e.strerror or str(e)
-        if section.gpu_devices == "off":
-            self.gpus = "none: off by configuration; CUDA_VISIBLE_DEVICES only"
-        elif not self.privileged:
-            self.gpus = "none: the agent is not root; CUDA_VISIBLE_DEVICES only"
-        else:
-            parts = []
-            parts.append("cgroup eBPF device filter in cgroup mode" if self.bpf_ok
-                         else f"no eBPF device filter ({bpf_why})")
-            parts.append(f"a /dev of the assigned GPU nodes only ({section.dev_dir}) otherwise" if self._dev_ns
-                         else f"no device namespace ({ns_why}): CUDA_VISIBLE_DEVICES only otherwise")
-            self.gpus = "; ".join(parts)
-        log.info("tenants uids=%s proc=%s gpu_devices=%s", self.uids, self.proc, self.gpus)
+                bpf = (False, e.strerror or str(e))
+        self.modes = decide(section, privileged=self.privileged, ns=ns,
+                            host_hidepid=host_hidepid(_read(f"{proc}/self/mounts")), bpf=bpf)
+        m = self.modes
+        log.info("tenants uids=%s uid_range=%s proc=%s gpu_devices=%s (cgroup mode: %s)", m.uids,
+                 section.uid_range if self.pool is not None else None, m.proc, m.gpu_devices(False),
+                 m.gpu_devices(True))
+        for note in m.notes:
+            log.warning("tenants: %s", note)
 
     # ------------------------------------------------------------ per launch
 
@@ -417,19 +446,20 @@ class Tenancy:
 
     def view(self, rec: WorkloadRecord, cgroup: str | None) -> tuple[str | None, list[int] | None]:
         """(hidepid for the workload's /proc, GPU minors its /dev keeps, None: the host's /dev)."""
-        if self.section.gpu_devices == "off":
-            return self.hidepid, None
+        m = self.modes
+        if not (m.gpu_filter or m.gpu_namespace):
+            return m.hidepid, None
         minors = self._minors(rec)
-        if cgroup is not None and self.bpf_ok:
+        if cgroup is not None and m.gpu_filter:
             try:
                 attach_device_filter(cgroup, minors)
-                return self.hidepid, None
+                return m.hidepid, None
             except OSError as e:
                 self.bpf_failures += 1
                 log.warning("device filter not attached, using a device namespace cgroup=%s err=%s", cgroup, e)
-        if self._dev_ns and self._hidden_nodes(minors):
-            return self.hidepid, minors
-        return self.hidepid, None
+        if m.gpu_namespace and self._hidden_nodes(minors):
+            return m.hidepid, minors
+        return m.hidepid, None
 
     def for_launch(self, cmd: LaunchCommand) -> LaunchCommand:
         """``cmd`` as this host runs it: the workload's own uid (when it names no user), and
@@ -447,9 +477,12 @@ class Tenancy:
                                            gpu_minors=minors or [])
         return msgspec.structs.replace(cmd, **changes) if changes else cmd
 
-    def statistics(self) -> dict[str, object]:
-        return {"uids": self.uids, "proc": self.proc, "gpu_devices": self.gpus,
-                "uid_pool": self.pool.statistics() if self.pool is not None else None,
+    def statistics(self, *, cgroups: bool) -> dict[str, object]:
+        """For the status API: the modes (``gpu_devices`` for workloads of this agent's isolation
+        mode, with or without ``cgroups``), what does not hold here, the uid pool's counts."""
+        m = self.modes
+        return {"uids": m.uids, "proc": m.proc, "hidepid": m.hidepid, "gpu_devices": m.gpu_devices(cgroups),
+                "notes": list(m.notes), "uid_pool": self.pool.statistics() if self.pool is not None else None,
                 "device_filter_failures": self.bpf_failures}
 
 

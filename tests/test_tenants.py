@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import trio
 
-from agent import procs
 from agent.config import load_config
 from agent.errors import ConfigError
 from agent.isolation import CgroupTree, Isolation, detect
@@ -29,6 +28,7 @@ from agent.tenants import (
     IsolationSection,
     Tenancy,
     UidPool,
+    decide,
     device_program,
     host_hidepid,
     live_uids,
@@ -143,11 +143,39 @@ def test_device_program_shape():
 
 def test_an_unprivileged_agent_keeps_todays_behaviour_and_says_so():
     t = Tenancy(IsolationSection(), privileged=False)
-    assert t.pool is None and t.uids.startswith("off: the agent is not root")
-    assert t.hidepid is None and t.gpus == "none: the agent is not root; CUDA_VISIBLE_DEVICES only"
-    assert t.proc.startswith(("host: ", "none: ")) and t.for_launch is not None
+    assert t.pool is None
+    assert t.modes.uids == "shared" and t.modes.hidepid is None and t.modes.proc in ("host", "none")
     st = Isolation(None, "test", tenancy=t).statistics()["tenants"]
-    assert isinstance(st, dict) and st["uid_pool"] is None and "not root" in str(st["uids"])
+    assert isinstance(st, dict) and st["uid_pool"] is None and st["gpu_devices"] == "none"
+    assert "uids: the agent is not root; every workload runs as its own user" in st["notes"]  # type: ignore[operator]
+
+
+NS_OK, BPF_OK = (True, "invisible"), (True, "")
+
+
+def test_modes_fall_back_where_the_host_does_not_allow_and_say_so():
+    on = IsolationSection()
+    m = decide(on, privileged=True, ns=NS_OK, host_hidepid=None, bpf=BPF_OK)
+    assert (m.uids, m.proc, m.hidepid, m.notes) == ("per-workload", "namespace", "invisible", ())
+    assert (m.gpu_devices(True), m.gpu_devices(False)) == ("filter", "namespace")
+    m = decide(on, privileged=True, ns=NS_OK, host_hidepid="2", bpf=BPF_OK)
+    assert (m.proc, m.hidepid) == ("host", None)                  # the host hides already: no /proc mounted
+    m = decide(on, privileged=True, ns=(False, "unshare(CLONE_NEWNS): Operation not permitted"), host_hidepid=None,
+               bpf=(False, "Operation not permitted"))
+    assert (m.uids, m.proc, m.gpu_devices(True), m.gpu_devices(False)) == ("per-workload", "none", "none", "none")
+    assert m.notes == ("proc: other workloads' processes are visible (no mount namespace: unshare(CLONE_NEWNS): "
+                       "Operation not permitted)",
+                       "gpu_devices: no eBPF device filter (Operation not permitted)",
+                       "gpu_devices: no device namespace (unshare(CLONE_NEWNS): Operation not permitted): "
+                       "without a filter, CUDA_VISIBLE_DEVICES only")
+    m = decide(on, privileged=True, ns=NS_OK, host_hidepid=None, bpf=(False, "Invalid argument"))
+    assert (m.gpu_devices(True), m.gpu_devices(False)) == ("namespace", "namespace")
+    m = decide(on, privileged=False, ns=(False, "the agent is not root"), host_hidepid=None, bpf=(False, "off"))
+    assert (m.uids, m.proc, m.gpu_devices(True)) == ("shared", "none", "none") and len(m.notes) == 4
+    off = IsolationSection(uid_range="off", hide_proc="off", gpu_devices="off")
+    m = decide(off, privileged=True, ns=NS_OK, host_hidepid=None, bpf=BPF_OK)
+    assert (m.uids, m.proc, m.gpu_devices(True), m.hidepid) == ("shared", "none", "none", None)
+    assert [n.split(":")[0] for n in m.notes] == ["uids", "proc", "gpu_devices"]
 
 
 # ---------------------------------------------------------------- real workloads (root)
@@ -226,7 +254,7 @@ VICTIM = 'echo hidden > "$HERD_SCRATCH/file-b"; echo up > "$HERD_SCRATCH/up"; ex
 @root_only
 async def test_a_workload_cannot_read_signal_or_list_another(tmp_path):
     t = _tenancy("3100000-3100063")
-    assert t.proc.startswith(("namespace", "host")), t.proc
+    assert t.modes.proc in ("namespace", "host"), t.modes
     sup = _sup(tmp_path, Isolation(None, "test", tenancy=t))
     with trio.fail_after(40):
         async with trio.open_nursery() as n:
@@ -379,7 +407,7 @@ async def _devices_seen(tmp: Path, iso: Isolation, dev: Path) -> dict:
 async def test_a_workload_sees_only_its_gpu_nodes_without_cgroups(tmp_path):
     dev = _sim_dev(tmp_path / "dev")
     t = _tenancy("3100300-3100301", dev_dir=str(dev))
-    assert "a /dev of the assigned GPU nodes only" in t.gpus, t.gpus
+    assert t.modes.gpu_namespace, t.modes
     out = await _devices_seen(tmp_path, Isolation(None, "test", tenancy=t), dev)
     assert out["names"] == ["null", "nvidia1", "nvidiactl", "shm", "stdout"], out
     assert out["open"] == {"nvidia0": "ENOENT", "nvidia1": "ENXIO", "nvidia2": "ENOENT", "nvidia3": "ENOENT",
@@ -409,8 +437,8 @@ def cgroup_dir() -> Iterator[Path]:
 async def test_a_workload_opens_only_its_gpu_nodes_under_the_device_filter(tmp_path, cgroup_dir):
     dev = _sim_dev(tmp_path / "dev")
     t = _tenancy("3100400-3100401", dev_dir=str(dev))
-    if not t.bpf_ok:
-        pytest.skip(f"no eBPF device filter here: {t.gpus}")
+    if not t.modes.gpu_filter:
+        pytest.skip(f"no eBPF device filter here: {t.modes.notes}")
     tree, _ = detect(str(cgroup_dir))
     assert tree is not None
     out = await _devices_seen(tmp_path, Isolation(tree, "test", tenancy=t), dev)
@@ -424,11 +452,11 @@ async def test_a_workload_opens_only_its_gpu_nodes_under_the_device_filter(tmp_p
 def test_status_says_what_holds_here():
     t = _tenancy("3100500-3100999")
     st = Isolation(None, "test", tenancy=t).statistics()["tenants"]
-    assert isinstance(st, dict) and str(st["uids"]).startswith("per workload from ")
-    assert str(st["proc"]).startswith(("namespace: ", "host: ")) and "hidepid=" in str(st["proc"])
+    assert isinstance(st, dict) and st["uids"] == "per-workload" and st["proc"] in ("namespace", "host")
+    assert st["uid_pool"] == {"range": "3100500-3100999", "held": 0, "free": 500, "suspect": 0}
+    assert st["gpu_devices"] == "namespace" and st["notes"] == []     # subreaper mode: a /dev of its own
     off = Tenancy(IsolationSection(uid_range="off", hide_proc="off", gpu_devices="off"))
-    assert off.pool is None and off.proc.startswith("none: off") and off.gpus.startswith("none: off")
-    assert procs.boot_id()
+    assert off.pool is None and off.modes.proc == "none" and off.modes.gpu_devices(True) == "none"
 
 
 @root_only
@@ -446,8 +474,9 @@ async def test_the_agent_runs_each_workload_as_its_own_uid_by_default(tmp_path, 
         async with trio.open_nursery() as n:
             await n.start(agent.run)
             st = json.loads(agent.status_json())["tenants"]
-            assert st["uids"] == "per workload from 200000-265535" and st["uid_pool"]["held"] == 0, st
-            assert st["proc"].startswith(("namespace: ", "host: ")) and "eBPF" in st["gpu_devices"], st
+            assert st["uids"] == "per-workload" and st["uid_pool"]["range"] == "200000-265535", st
+            assert st["uid_pool"]["held"] == 0 and st["proc"] in ("namespace", "host"), st
+            assert st["gpu_devices"] == ("filter" if agent.supervisor.isolation.mode == "cgroup" else "namespace"), st
             uuids = [g.uuid for g in agent.gpu_snapshot().gpus]
             sup = agent.supervisor
             for i, w in enumerate(("x", "y")):
