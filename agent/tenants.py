@@ -112,8 +112,7 @@ def range_conflicts(uids: range, files: Mapping[str, str]) -> list[str]:
 
 class UidPool:
     """Which uid each live workload holds, and which free uids must be checked before reuse.
-    Pure: the caller scans /proc when :meth:`needs_scan` says so and hands the result to
-    :meth:`scanned`."""
+    No I/O: :meth:`lease` is handed the /proc scan to call when it must."""
 
     def __init__(self, uids: range) -> None:
         self.uids = uids
@@ -168,6 +167,22 @@ class UidPool:
         self._last[uid] = wid
         self._prev[wid] = uid
         return before if before != uid else None
+
+    def lease(self, wid: str, scan: Callable[[], set[int]]) -> tuple[int, int | None] | None:
+        """Give ``wid`` a uid: (the uid, the one it held before this lease if another), or None
+        when every free uid has a live process. ``scan()`` returns the range's uids that live
+        processes have; it is called at most once, and only when the uid to hand out is suspect."""
+        uid = self.next_uid(wid)
+        if uid is None:
+            return None
+        if self.needs_scan(uid):
+            live = scan()
+            self.scanned(live)
+            prev = self._prev.get(wid)
+            uid = prev if prev in self._free and prev not in live else next(iter(self._free), None)
+            if uid is None or uid in self._suspect:
+                return None
+        return uid, self.take(wid, uid)
 
     def release(self, wid: str) -> int | None:
         uid = self._held.pop(wid, None)
@@ -400,23 +415,18 @@ class Tenancy:
     def _lease(self, wid: str, scratch: Path) -> int:
         pool = self.pool
         assert pool is not None
-        for _ in range(2):
-            uid = pool.next_uid(wid)
-            if uid is None:
-                break
-            if pool.needs_scan(uid):
-                pool.scanned(live_uids(pool.uids, self._proc))
-                continue
-            before = pool.take(wid, uid)
-            try:
-                _own(scratch, uid, before, pool.uids)
-            except OSError as e:
-                pool.release(wid)
-                raise ShimError(f"cannot give scratch dir {scratch} to uid {uid}: {e.strerror or e}") from e
-            self._scratch[wid] = scratch
-            return uid
-        st = pool.statistics()
-        raise ShimError(f"no free workload uid in {st['range']} ({st['held']} held, the rest with live processes)")
+        got = pool.lease(wid, lambda: live_uids(pool.uids, self._proc))
+        if got is None:
+            st = pool.statistics()
+            raise ShimError(f"no free workload uid in {st['range']} ({st['held']} held, the rest with live processes)")
+        uid, before = got
+        try:
+            _own(scratch, uid, before, pool.uids)
+        except OSError as e:
+            pool.release(wid)
+            raise ShimError(f"cannot give scratch dir {scratch} to uid {uid}: {e.strerror or e}") from e
+        self._scratch[wid] = scratch
+        return uid
 
     def release(self, wid: str) -> None:
         """The workload's processes are gone: its uid may go to another workload (after a scan)."""

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 import trio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent.config import load_config
 from agent.errors import ConfigError
@@ -126,6 +128,58 @@ def test_pool_restart_after_the_uid_went_elsewhere():
     pool.scanned(set())
     assert pool.next_uid("a") == 11                      # not its old 10's affinity any more: the queue
     assert pool.take("a", 11) is None                    # a's "before" was forgotten when x took 10
+
+
+def test_pool_lease_scans_only_for_a_suspect_uid_and_skips_live_ones():
+    pool = UidPool(range(10, 13))
+    scans: list[int] = []
+
+    def scan(live: set[int]):
+        return lambda: scans.append(1) or live
+    assert pool.lease("a", scan(set())) == (10, None) and scans == []      # fresh: no scan
+    assert pool.lease("a", scan(set())) == (10, None)                       # held: the same
+    pool.release("a")
+    assert pool.lease("b", scan(set())) == (11, None) and scans == []
+    pool.release("b")
+    pool.lease("c", scan(set()))                                             # 12
+    assert pool.lease("a", scan({10})) == (11, 10) and scans == [1]        # its old 10 lives on: another
+    pool.release("a")
+    pool.release("c")
+    assert pool.lease("d", scan({10, 11, 12})) is None                      # every free uid lives on
+    assert pool.lease("d", scan({10, 12})) == (11, None)
+    assert pool.lease("c", scan(set())) == (12, None)                       # its own, once clear
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["lease", "release", "leave", "die"]), st.integers(0, 5),
+                          st.integers(20, 23)), max_size=60), st.frozensets(st.integers(20, 23)))
+def test_pool_never_shares_nor_hands_out_a_live_uid(ops, strays):
+    """Invariants under any sequence: two workloads never hold one uid; a uid handed out has no
+    live process at that moment; a lease fails only when every free uid has one."""
+    pool = UidPool(range(20, 24))
+    world = set(strays)              # uids with live processes (what a /proc scan would find)
+    pool.suspect(world)              # the agent's scan at start
+    for op, w, u in ops:
+        wid = f"w{w}"
+        if op == "lease":
+            free_before = {x for x in range(20, 24) if x not in {pool.held(f"w{i}") for i in range(6)}}
+            held_before = pool.held(wid)
+            got = pool.lease(wid, lambda: set(world))
+            if got is None:
+                assert held_before is None and pool.held(wid) is None and free_before <= world
+            else:
+                assert got[0] == pool.held(wid)
+                assert held_before is not None or got[0] not in world
+                world.add(got[0])            # the workload's processes
+        elif op == "release" and (uid := pool.held(wid)) is not None:
+            world.discard(uid)               # its processes are gone ...
+            pool.release(wid)
+        elif op == "leave" and (uid := pool.held(wid)) is not None:
+            pool.release(wid)                # ... or one escaped and lives on
+        elif op == "die" and u not in {pool.held(f"w{i}") for i in range(6)}:
+            world.discard(u)
+        held = [h for h in (pool.held(f"w{i}") for i in range(6)) if h is not None]
+        assert len(held) == len(set(held))
 
 
 def test_host_hidepid_is_read_from_mounts():
