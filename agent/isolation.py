@@ -7,7 +7,11 @@ Theory of operation
 user``, default ``herd-workload``; ``nobody`` when that user does not exist, said once);
 a placement may name another user only if it is in ``allowed_users``; uid 0 is refused
 unless ``allow_root``. An unprivileged agent (a laptop, ``herd demo`` as a normal user)
-runs workloads as itself: it cannot do otherwise. The shim applies the identity in the
+runs workloads as itself: it cannot do otherwise. With ``[isolation] uid_range`` (the
+default) a root agent runs each workload that names no user as a uid of its own instead,
+in a mount namespace of its own (:mod:`agent.tenants`, applied through
+:meth:`Isolation.for_launch`, the shim pool's ``prepare`` hook, and released by
+:meth:`Isolation.remove`). The shim applies the identity in the
 child before ``exec`` (:mod:`agent.shim`): setgroups/setgid/setuid, which drops every
 capability, then ``no_new_privs``, umask 077, ``RLIMIT_CORE``, ``oom_score_adj`` 0.
 
