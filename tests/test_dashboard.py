@@ -1,0 +1,141 @@
+"""The dashboard's routes on a real placer service with in-process fake agents (real
+loopback sockets): the map against the fleet's states, the roles, "why pending?", the
+node and job answers, the cache, and no env value anywhere the page reads."""
+
+from __future__ import annotations
+
+import httpx
+import trio
+
+from infra.auth import TokenSet, auth_header
+from placer import clustermap as cm
+from scheduler_link.messages import GpuInfo, GpuSnapshot, HealthReason
+from testing.fake_agent import FakeAgent
+
+from .test_placer_service import Cluster, cfg, wait_for
+
+SECRET = "hunter2-do-not-show"
+
+
+class DegradedAgent(FakeAgent):
+    """A fake agent whose GPU 5 the backend reports degraded (with a reason code)."""
+
+    def gpu_snapshot(self) -> GpuSnapshot:
+        snap = super().gpu_snapshot()
+        gpus = [GpuInfo(index=g.index, uuid=g.uuid, name=g.name, memory_total_mib=1, pci_bus_id=g.pci_bus_id,
+                        simulated=True, health="degraded",
+                        reasons=[HealthReason(code="ecc_sbe_rate", severity="degraded", gpu=g.uuid)])
+                if g.index == 5 else g for g in snap.gpus]
+        return GpuSnapshot(backend=snap.backend, simulated=True, gpus=gpus)
+
+
+async def _true(v):
+    return v
+
+
+async def test_map_node_job_and_roles(tmp_path, token_dir):
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            from placer.service import PlacerService
+            svc = PlacerService(cfg(tmp_path), tokens)
+            url = await n.start(svc.run)
+            agents = [(DegradedAgent if i == 1 else FakeAgent)(f"n{i}", tokens, rack=f"r{i // 2}") for i in range(8)]
+            for a in agents:
+                await n.start(a.run, url)
+            cl = Cluster(tokens, url, agents)
+            await wait_for(lambda: cl.nodes_up(8))
+            view = httpx.AsyncClient(base_url=url, headers=auth_header(tokens.viewer), timeout=10)
+            await cl.submit(job_id="train", pods=2, gpus_per_pod=8, within="rack", env={"TOKEN": SECRET},
+                            argv=["python", SECRET])
+            await cl.job("train", wait="running")
+            await cl.submit(job_id="small", pods=1, gpus_per_pod=3, priority=1)
+            await cl.job("small", wait="running")
+            await cl.submit(job_id="huge", pods=64, gpus_per_pod=8, env={"K": SECRET})   # more than the fleet
+            await cl.submit(job_id="racky", pods=3, gpus_per_pod=8, within="rack")      # no rack holds 3 nodes
+            # a fatal GPU, a cordon, a lost node
+            cl.agents["n6"].fatal.add("GPU-n6-2")
+            await wait_for(lambda: _true(2 in svc.state.nodes["n6"].fatal))
+            assert (await cl.c.post("/v1/nodes/n7/cordon", json={"reason": "bad fan"})).status_code == 200
+            cl.agents["n5"].cancel.cancel()
+            await wait_for(lambda: _true(svc.state.nodes["n5"].state == "lost"))
+            await wait_for(lambda: _true(svc.state.queue.get("racky") is not None
+                                         and svc.state.queue.get("racky").waiting.code != "not_tried"))
+
+            r = await view.get("/v1/cluster/map")
+            assert r.status_code == 200 and r.headers["content-type"] == "application/vnd.herd.cluster-map"
+            assert float(r.headers["x-herd-now"]) > 0
+            mp = cm.decode(r.content)
+            ids = svc.state.model.node_ids
+            states = {ids[i]: cm.STATES[s] for i, s in enumerate(mp.state.tolist())}
+            train_nodes = {p["node_id"] for p in (await cl.job("train"))["pods"]}
+            small_node = (await cl.job("small"))["pods"][0]["node_id"]
+            assert states["n5"] == "lost" and states["n7"] == "cordoned" and states["n6"] == "fatal"
+            assert states["n1"] == "degraded" or "n1" in train_nodes | {small_node}
+            for nid in train_nodes - {"n1", "n5", "n6", "n7"}:
+                assert states[nid] == "full"
+            if small_node not in {"n1", "n5", "n6", "n7"}:
+                assert states[small_node] == "partial"
+            table = mp.job_ids
+            for i, nid in enumerate(ids):
+                j = int(mp.job[i])
+                want = "train" if nid in train_nodes else "small" if nid == small_node else None
+                assert (table[j] if j != mp.none_job else None) == want, nid
+            # the counts GET /v1/cluster reports are the map's
+            c = (await view.get("/v1/cluster")).json()
+            assert c["nodes"]["by_state"] == mp.counts()
+            assert mp.counts()["lost"] == c["nodes"]["lost"] == 1
+            assert sum(mp.counts().values()) == c["nodes"]["total"] == 8
+            # why pending: structured, from where the queue decided
+            cols = mp.header["jobs"]
+            why = {jid: w for jid, w in zip(cols["id"], cols["waiting"], strict=True)}
+            assert why["huge"]["code"] == "too_few_free" and why["huge"]["free_gpus"] < 64 * 8
+            assert why["racky"]["code"] == "no_domain"
+            assert why["train"] is None
+            row = table.index("train")
+            assert cols["state"][row] == "running" and cols["gpus"][row] == 16 and cols["nodes"][row] == 2
+            t = cols["timings"][row]
+            assert 0 <= t["decided"] <= t["pushed"] <= t["acked"] and "running" in t
+            # one job, one node
+            j = (await view.get("/v1/cluster/map/job/train")).json()
+            assert j["state"] == "running" and j["pod_counts"] == {"running": 2} and set(j["fetch"]) == {
+                "origin", "peers", "local"}
+            assert (await view.get("/v1/cluster/map/job/nope")).status_code == 404
+            row1 = ids.index("n1")
+            d = (await view.get(f"/v1/cluster/map/node/{row1}?epoch={mp.header['model_epoch']}")).json()
+            assert d["node_id"] == "n1" and d["rack"] == "z1/b1/r0" and len(d["gpus"]) == 8
+            assert d["degraded_gpus"] == [5] and "gpu5:ecc_sbe_rate" in d["health_reasons"]
+            d7 = (await view.get(f"/v1/cluster/map/node/{ids.index('n7')}")).json()
+            assert d7["cordon_reason"] == "bad fan"
+            assert (await view.get(f"/v1/cluster/map/node/{row1}?epoch=99999")).status_code == 409
+            assert (await view.get("/v1/cluster/map/node/8")).status_code == 404
+            # no env value (nor argv) in anything the page reads
+            for path in ("/v1/cluster/map", "/v1/cluster/map/job/train", "/v1/cluster/map/job/huge",
+                         *(f"/v1/cluster/map/node/{i}" for i in range(8))):
+                body = (await view.get(path)).content
+                assert SECRET.encode() not in body, path
+            # the page and its assets are public; the data needs the viewer role
+            async with httpx.AsyncClient(base_url=url, timeout=10) as anon:
+                page = await anon.get("/")
+                assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+                assert "default-src 'self'" in page.headers["content-security-policy"]
+                assert b"/dashboard/app.js" in page.content
+                for asset, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
+                    a = await anon.get(f"/dashboard/{asset}")
+                    assert a.status_code == 200 and a.headers["content-type"].startswith(kind) and a.content
+                assert (await anon.get("/dashboard/..%2Fservice.py")).status_code == 404
+                assert (await anon.get("/v1/cluster/map")).status_code == 401
+                r = await anon.get("/v1/cluster/map", headers=auth_header(tokens.metrics))
+                assert r.status_code == 403
+                assert (await anon.get("/v1/cluster/map/job/train")).status_code == 401
+            # cached: nothing changed, nothing rebuilt; a change, one build
+            b0 = svc.dashboard.builds
+            await view.get("/v1/cluster/map")
+            await view.get("/v1/cluster/map")
+            assert svc.dashboard.builds == b0 and svc.dashboard.hits >= 2
+            await cl.c.delete("/v1/jobs/small")
+            await wait_for(lambda: _true(svc.state.model.jobs.get("small") is None))
+            mp2 = cm.decode((await view.get("/v1/cluster/map")).content)
+            assert svc.dashboard.builds == b0 + 1 and mp2.header["generation"] != mp.header["generation"]
+            await view.aclose()
+            n.cancel_scope.cancel()
