@@ -154,7 +154,8 @@
     const px = S.pixels, W = L.width, cell = L.cell, pos = L.pos;
     px.fill(rgba(BG));
     const { byState, dimState } = colours(m);
-    const sel = S.selected === null ? -1 : m.header.jobs.id.indexOf(S.selected);
+    let sel = S.selected === null ? -1 : m.header.jobs.id.indexOf(S.selected);
+    if (sel >= 0 && !m.header.jobs.nodes[sel]) sel = -1;       // (a pending job lights nothing)
     const lit = rgba(LIT), byJob = S.colour === "job";
     const N = m.header.nodes, st = m.state, jb = m.job, none = m.none;
     let litCount = 0;
@@ -464,15 +465,22 @@
   }
 
   // ------------------------------------------------------------------ wiring
-  function init() {
+  // A token in the URL fragment (never sent to a server) is kept for this tab and taken out
+  // of the address bar; without one, the tab's stored token, else the login form.
+  function tokenFromFragment() {
     const frag = new URLSearchParams(location.hash.slice(1));
-    if (frag.get("token")) {
-      S.token = frag.get("token");
-      try { sessionStorage.setItem("herd-token", S.token); } catch (e) { /* storage off: keep it in memory */ }
-      history.replaceState(null, "", location.pathname + location.search);   // out of the address bar
-    } else {
+    if (!frag.get("token")) return false;
+    S.token = frag.get("token");
+    try { sessionStorage.setItem("herd-token", S.token); } catch (e) { /* storage off: keep it in memory */ }
+    history.replaceState(null, "", location.pathname + location.search);
+    return true;
+  }
+
+  function init() {
+    if (!tokenFromFragment()) {
       try { S.token = sessionStorage.getItem("herd-token"); } catch (e) { S.token = null; }
     }
+    window.addEventListener("hashchange", () => { if (tokenFromFragment()) { $("login").hidden = true; loop(); } });
     $("login").addEventListener("submit", (ev) => {
       ev.preventDefault();
       S.token = $("token").value.trim();

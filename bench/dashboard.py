@@ -1,0 +1,264 @@
+"""The fleet dashboard at fleet scale: the real placer process, an emulated fleet, a real browser.
+
+    python -m bench.dashboard --nodes 16384 [--fleet h100] [--json] [--screenshot docs/dashboard.png]
+
+One row: a fresh ``herd placer run`` subprocess and ``ceil(N / --per-proc)`` emulator processes
+(``python -m testing.fleet``), every node registered, ~``--fill`` of the GPUs asked for by jobs
+of placer/sim.py's mix (bounded in jobs and time), one job that cannot fit (pending), a few
+nodes cordoned. Then:
+
+- ``map_bytes``: ``GET /v1/cluster/map`` (placer/clustermap.py's binary map);
+- ``build_cpu_ms_p50`` / ``_max``: placer CPU (the serving thread's ``thread_time``, the
+  ``x-herd-map-build-cpu-ms`` answer header) per map build, over ``--builds`` builds, each
+  after a change (a small job submitted or cancelled) so none is a cache hit;
+  ``cached_get_ms_p50``: wall time of a ``GET`` when nothing changed (a cache hit, loopback);
+- in headless Chromium (skipped where Chromium or selenium are missing): ``first_draw_ms``
+  (``performance.now()`` at the end of the first full draw: since navigation, so page load,
+  script, fetch, decode, layout and draw), ``first_cycle_ms`` (fetch + decode + draw of the
+  first map), ``refresh_ms_p50`` / ``_max`` (each 2 s refresh: fetch + decode + draw, with a
+  change between refreshes so each one fetches a new build), ``draw_ms_p50`` (the draw alone);
+- the baseline in the same run: the fleet as the JSON table the CLI reads (``GET /v1/nodes``
+  pages of 1,000), ``--baseline-pages`` pages at most: ``nodes_table_bytes_per_node`` and
+  ``nodes_table_ms_per_1000`` as measured, and ``nodes_table_ratio_bytes`` (the table's bytes
+  for the pages read over the map's bytes for the same share of the fleet).
+
+Every wait and loop is bounded; traffic stays on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from contextlib import AsyncExitStack
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.fleet import _jobs_mix, _submit_all, _wait_fill  # noqa: E402
+from infra.auth import TokenSet, generate_token_dir  # noqa: E402
+from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, wait_nodes_up  # noqa: E402
+
+
+def _note(msg: str, **kw: Any) -> None:
+    fields = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items())
+    print(f"[bench.dashboard {time.strftime('%H:%M:%S')}] {msg} {fields}", file=sys.stderr, flush=True)
+
+
+def _p50(xs: list[float]) -> float:
+    return round(statistics.median(xs), 2) if xs else float("nan")
+
+
+def _browser() -> Any | None:
+    """Headless Chromium through selenium, or None where either is missing."""
+    try:
+        from selenium import webdriver
+        from selenium.webdriver.chrome.service import Service
+    except ImportError:
+        return None
+    binary = next((p for p in (shutil.which(n) for n in ("chromium", "chromium-browser", "google-chrome")) if p), None)
+    driver = shutil.which("chromedriver")
+    if not binary or not driver:
+        return None
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    for a in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+              "--window-size=1600,1000", "--force-device-scale-factor=1"):
+        opts.add_argument(a)
+    return webdriver.Chrome(service=Service(executable_path=driver), options=opts)
+
+
+def _js(drv: Any, expr: str, limit_s: float = 60.0) -> Any:
+    deadline = time.monotonic() + limit_s
+    while True:
+        v = drv.execute_script("return " + expr)
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"page never satisfied: {expr}")
+        time.sleep(0.05)
+
+
+def _page(drv: Any, url: str, token: str, refreshes: int) -> dict[str, Any]:
+    drv.get(f"{url}/#token={token}")
+    _js(drv, "window.herdDash && window.herdDash.ready()")
+    _js(drv, f"window.herdDash.timings().refreshes.length >= {refreshes}", limit_s=4.0 * refreshes + 30)
+    return dict(drv.execute_script("return window.herdDash.timings()"))
+
+
+def _shoot(drv: Any, path: Path) -> None:
+    """The picture for the README: jobs coloured, a pending job's "why pending?", a node hovered."""
+    from selenium.webdriver.common.action_chains import ActionChains
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    Select(drv.find_element(By.ID, "colour")).select_by_value("job")
+    drv.find_element(By.CSS_SELECTOR, 'tr[data-job="waiting-big"]').click()
+    _js(drv, "document.getElementById('why') !== null")
+    overlay = drv.find_element(By.ID, "overlay")
+    size = overlay.size
+    ActionChains(drv).move_to_element_with_offset(overlay, -size["width"] // 2 + 30, -size["height"] // 2 + 30).perform()
+    time.sleep(1.0)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    drv.save_screenshot(str(path))
+
+
+async def run(ns: argparse.Namespace) -> dict[str, Any]:
+    N = ns.nodes
+    out: dict[str, Any] = {"nodes": N, "fleet": ns.fleet}
+    with tempfile.TemporaryDirectory(prefix="bench-dashboard-") as tmp:
+        work = Path(tmp)
+        td = generate_token_dir(work / "tokens")
+        tok = TokenSet.load(td)
+        op = {"authorization": f"Bearer {tok.operator}"}
+        viewer = tok.viewer or ""
+        view = {"authorization": f"Bearer {viewer}"}
+        async with AsyncExitStack() as stack:
+            placer = await stack.enter_async_context(
+                PlacerProc(work, td, PlacerOptions(heartbeat_s=ns.heartbeat, fence_after_s=600)))
+            procs = math.ceil(N / ns.per_proc)
+            emus = []
+            for k in range(procs):
+                n = min(ns.per_proc, N - k * ns.per_proc)
+                emus.append(await stack.enter_async_context(EmulatorProc(
+                    placer, td, nodes=n, offset=k * ns.per_proc, fleet=ns.fleet, mux=8,
+                    log_path=work / f"emu{k}.log", extra=["--fetch-delay", "0.05", "--run-delay", "0.05"])))
+            c = await stack.enter_async_context(httpx.AsyncClient(timeout=120, headers=op))
+            for e in emus:
+                await e.go()
+            up, reg_s = await wait_nodes_up(c, placer.url, N, limit_s=ns.register_limit)
+            _note("registered", up=up, seconds=reg_s)
+            out["nodes_up"] = up
+            gpus = int((await c.get(f"{placer.url}/v1/cluster")).json()["model"]["gpus"])
+            specs = _jobs_mix(ns.fleet, gpus, ns.fill, ns.seed, ns.max_jobs)
+            await _submit_all(c, placer.url, op, specs, limit_s=120)
+            counts = await _wait_fill(c, placer.url, len(specs), limit_s=ns.fill_limit)
+            out["jobs_running"] = counts.get("running", 0)
+            _note("filled", jobs=len(specs), running=out["jobs_running"])
+            await c.post(f"{placer.url}/v1/jobs", json={"job_id": "waiting-big", "pods": N, "gpus_per_pod": 8,
+                                                        "argv": ["x"], "priority": 1})
+            page = (await c.get(f"{placer.url}/v1/nodes", params={"page": "0:1000"})).json()["nodes"]
+            for nd in page[-8:]:
+                await c.post(f"{placer.url}/v1/nodes/{nd['node_id']}/cordon", json={"reason": "bench"})
+
+            # map builds, each after a change; then cache hits
+            builds: list[float] = []
+            sizes: list[int] = []
+            for i in range(ns.builds):
+                if i % 2 == 0:
+                    await c.post(f"{placer.url}/v1/jobs", json={"job_id": f"probe-{i}", "pods": 1, "gpus_per_pod": 1,
+                                                                "argv": ["p"], "priority": 3})
+                else:
+                    await c.delete(f"{placer.url}/v1/jobs/probe-{i - 1}")
+                await trio.sleep(0.5)
+                r = await c.get(f"{placer.url}/v1/cluster/map", headers=view)
+                r.raise_for_status()
+                builds.append(float(r.headers["x-herd-map-build-cpu-ms"]))
+                sizes.append(len(r.content))
+            hits: list[float] = []
+            for _ in range(ns.builds):
+                t0 = time.perf_counter()
+                r = await c.get(f"{placer.url}/v1/cluster/map", headers=view)
+                hits.append((time.perf_counter() - t0) * 1000)
+            out.update(map_bytes=sizes[-1] if sizes else 0, build_cpu_ms_p50=_p50(builds),
+                       build_cpu_ms_max=round(max(builds), 2) if builds else None, cached_get_ms_p50=_p50(hits))
+            _note("map", bytes=out["map_bytes"], build_cpu_ms=out["build_cpu_ms_p50"])
+
+            # the baseline: the fleet as the JSON table of GET /v1/nodes
+            got = tbytes = 0
+            t0 = time.perf_counter()
+            for p in range(min(ns.baseline_pages, math.ceil(N / 1000))):
+                r = await c.get(f"{placer.url}/v1/nodes", params={"page": f"{p * 1000}:1000"}, headers=view)
+                got += len(r.json()["nodes"])
+                tbytes += len(r.content)
+            dt = time.perf_counter() - t0
+            out.update(nodes_table_nodes_read=got, nodes_table_bytes_per_node=round(tbytes / max(got, 1), 1),
+                       nodes_table_ms_per_1000=round(dt * 1000 / max(got, 1) * 1000, 1),
+                       nodes_table_ratio_bytes=round(tbytes / max(1.0, out["map_bytes"] * got / N), 1))
+
+            # the page in a real browser
+            drv = await trio.to_thread.run_sync(_browser)
+            if drv is None:
+                out["browser"] = "skipped: chromium, chromedriver or selenium missing"
+            else:
+                try:
+                    async with trio.open_nursery() as n:
+                        async def churn() -> None:     # a change every ~2 s: each refresh fetches a new build
+                            for i in range(4 * ns.refreshes + 20):
+                                jid = f"churn-{i // 2}"
+                                if i % 2 == 0:
+                                    await c.post(f"{placer.url}/v1/jobs", json={
+                                        "job_id": jid, "pods": 1, "gpus_per_pod": 1, "argv": ["c"], "priority": 3})
+                                else:
+                                    await c.delete(f"{placer.url}/v1/jobs/{jid}")
+                                await trio.sleep(1.0)
+                        n.start_soon(churn)
+                        t = await trio.to_thread.run_sync(_page, drv, placer.url, viewer, ns.refreshes)
+                        if ns.screenshot:
+                            await trio.to_thread.run_sync(_shoot, drv, Path(ns.screenshot))
+                        n.cancel_scope.cancel()
+                finally:
+                    await trio.to_thread.run_sync(drv.quit)
+                refreshes = [r["total"] for r in t["refreshes"]]
+                out.update(first_draw_ms=round(t["firstDraw"], 1), first_cycle_ms=round(t["firstCycle"]["total"], 1),
+                           first_draw_only_ms=round(t["firstCycle"]["draw"], 1),
+                           refresh_ms_p50=_p50(refreshes), refresh_ms_max=round(max(refreshes), 1),
+                           draw_ms_p50=_p50([r["draw"] for r in t["refreshes"]]),
+                           decode_ms_p50=_p50([r["decode"] for r in t["refreshes"]]),
+                           refreshes=len(refreshes))
+    return out
+
+
+def print_table(out: dict[str, Any]) -> None:
+    rows = [("nodes", out["nodes"]), ("map bytes", out.get("map_bytes")),
+            ("placer CPU per map build, p50 / max (ms)", f"{out.get('build_cpu_ms_p50')} / {out.get('build_cpu_ms_max')}"),
+            ("cached GET, p50 (ms)", out.get("cached_get_ms_p50")),
+            ("page: first full draw since navigation (ms)", out.get("first_draw_ms", out.get("browser"))),
+            ("page: first fetch+decode+draw (ms)", out.get("first_cycle_ms")),
+            ("page: refresh p50 / max (ms)", f"{out.get('refresh_ms_p50')} / {out.get('refresh_ms_max')}"),
+            ("page: draw alone p50 (ms)", out.get("draw_ms_p50")),
+            ("baseline /v1/nodes: bytes per node", out.get("nodes_table_bytes_per_node")),
+            ("baseline /v1/nodes: ms per 1000 nodes", out.get("nodes_table_ms_per_1000")),
+            ("baseline bytes / map bytes (same nodes)", out.get("nodes_table_ratio_bytes"))]
+    w = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{w}}  {v}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.dashboard", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=16384)
+    ap.add_argument("--fleet", choices=["h100", "gb200"], default="h100")
+    ap.add_argument("--per-proc", type=int, default=16384)
+    ap.add_argument("--heartbeat", type=float, default=5.0)
+    ap.add_argument("--register-limit", type=float, default=300.0)
+    ap.add_argument("--fill", type=float, default=0.6)
+    ap.add_argument("--max-jobs", type=int, default=1500)
+    ap.add_argument("--fill-limit", type=float, default=120.0)
+    ap.add_argument("--builds", type=int, default=8)
+    ap.add_argument("--refreshes", type=int, default=5)
+    ap.add_argument("--baseline-pages", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--screenshot", default=None, help="save a PNG of the page here")
+    ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    ns = ap.parse_args(argv)
+    out = trio.run(run, ns)
+    if ns.json:
+        print(json.dumps(out))
+    else:
+        print_table(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
