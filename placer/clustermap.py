@@ -189,18 +189,26 @@ def encode(model: ClusterModel, rows: Sequence[JobRow], *, lost_rows: Iterable[i
     N = model.n_gpus.size
     state = node_states(model, lost_rows=lost_rows, degraded_rows=degraded_rows)
     main = node_jobs(model.owner)
-    # the job table: the caller's rows, then every other holder the model knows
+    # the job table: the caller's rows, then every other holder the model knows; the
+    # ``stale:<job>.<attempt>.<rank>`` holders of a stopping gang (one per pod: 25,000 after a
+    # big preemption) share one row per job, ``stale:<job>``
     table = list(rows)
     by_id = {r.job_id: i for i, r in enumerate(table)}
-    model_jobs = model.jobs
     lut = np.full(max(int(model.job_active.size), 1), -1, np.int64)
-    for jid, rec in model_jobs.items():
+    extra_rows: dict[str, list[int]] = {}           # holder row id -> [table index, priority, GPUs]
+    for jid, rec in model.jobs.items():
         i = by_id.get(jid)
         if i is None:
-            i = by_id[jid] = len(table)
-            table.append(JobRow(job_id=jid, state="stopping" if jid.startswith("stale:") else "holding",
-                                priority=rec.priority, gpus=rec.n_gpus))
+            key = "stale:" + jid[6:].split(".", 1)[0] if jid.startswith("stale:") else jid
+            acc = extra_rows.get(key)
+            if acc is None:
+                acc = extra_rows[key] = [len(table) + len(extra_rows), rec.priority, 0]
+            acc[2] += rec.n_gpus
+            i = acc[0]
         lut[rec.index] = i
+    for key, (_, prio, gpus) in extra_rows.items():
+        table.append(JobRow(job_id=key, state="stopping" if key.startswith("stale:") else "holding",
+                            priority=prio, gpus=gpus))
     jt = np.uint16 if len(table) < 0xFFFF else np.uint32
     none_job = int(np.iinfo(jt).max)
     job = np.full(N, none_job, jt)

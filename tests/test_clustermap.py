@@ -99,6 +99,23 @@ def test_round_trip_and_ordering_against_the_model():
     assert all(off % 4 == 0 for _, _, off in mp.header["arrays"].values())
 
 
+def test_stopping_pods_of_one_gang_share_one_row():
+    """A preempted gang's pods each hold their GPUs as ``stale:<workload>`` until they are
+    gone: one row per gang in the table, whatever the gang's size."""
+    m = ClusterModel.build(build_fleet("h100", 64 * 8))
+    ids = m.node_ids
+    for r in range(40):
+        m.assign(f"stale:gang.1.{r}", ids[r], list(range(8)), 1 << 30, False)
+    m.assign("stale:other.2.0", ids[40], [0, 1], 1 << 30, False)
+    m.assign("live", ids[41], [0], 0, True)
+    mp = cm.decode(cm.encode(m, [cm.JobRow(job_id="live", state="running")]))
+    assert mp.job_ids == ["live", "stale:gang", "stale:other"]
+    cols = mp.header["jobs"]
+    assert cols["state"][1:] == ["stopping", "stopping"] and cols["gpus"][1:] == [320, 2]
+    assert cols["nodes"] == [1, 40, 1]
+    assert [mp.job_ids[j] for j in mp.job[:42].tolist()] == ["stale:gang"] * 40 + ["stale:other", "live"]
+
+
 def test_node_jobs_matches_the_reference_for_any_shape():
     rng = np.random.default_rng(7)
     for G in (1, 4, 8, 9, 64):

@@ -38,8 +38,14 @@ def chromium() -> tuple[str, str] | None:
     return (browser, driver) if browser and driver else None
 
 
+PATHS = chromium()
+pytestmark = pytest.mark.skipif(PATHS is None, reason="chromium and chromedriver are not installed "
+                                                     "(apt-get install chromium chromium-driver)")
+pytest.importorskip("selenium", reason="selenium is not installed (the test extras)")
+
+
 def open_browser(paths: tuple[str, str]) -> Any:
-    webdriver = pytest.importorskip("selenium.webdriver")
+    from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     opts = webdriver.ChromeOptions()
     opts.binary_location = paths[0]
@@ -68,10 +74,8 @@ def artifacts(tmp_path: Path) -> Path:
 
 
 async def test_dashboard_in_a_real_browser(tmp_path):
-    paths = chromium()
-    if paths is None:
-        pytest.skip("chromium and chromedriver are not installed (apt-get install chromium chromium-driver)")
-    pytest.importorskip("selenium")
+    paths = PATHS
+    assert paths is not None
     td = generate_token_dir(tmp_path / "tokens")
     tok = TokenSet.load(td)
     op = {"authorization": f"Bearer {tok.operator}"}
