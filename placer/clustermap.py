@@ -221,10 +221,11 @@ def encode(model: ClusterModel, rows: Sequence[JobRow], *, lost_rows: Iterable[i
             cols[c].append(v)
     cols["nodes"] = held_nodes.tolist()           # nodes where the job holds most GPUs
     header: dict[str, Any] = {
+        **(extra or {}),                              # (never over the map's own fields)
         "version": VERSION, "generation": generation, "model_epoch": model.epoch, "nodes": N,
         "gpus": int(model.n_gpus.sum()), "gpus_per_node": int(model.n_gpus.max()) if N else 0,
         "states": list(STATES), "counts": np.bincount(state, minlength=len(STATES)).tolist(),
-        "jobs": cols, "levels": {}, "arrays": {}, **(extra or {}),
+        "jobs": cols, "levels": {}, "arrays": {},
     }
     arrays: list[tuple[str, np.ndarray]] = [("state", state), ("job", job)]
     for li, lv in enumerate(MAP_LEVELS):

@@ -63,11 +63,12 @@ def test_round_trip_and_ordering_against_the_model():
                       submitted=1000.0, timings={"decided": 3, "pushed": 5, "acked": 9, "running": 40}),
             cm.JobRow(job_id="queued", state="pending", gpus=4096, pods=512, within="any",
                       waiting={"code": "too_few_free", "may_preempt": False})]
-    raw = cm.encode(m, rows, lost_rows=lost, degraded_rows=degraded, extra={"placer": {"epoch": 7}},
-                    generation="g1")
+    raw = cm.encode(m, rows, lost_rows=lost, degraded_rows=degraded,
+                    extra={"placer": {"epoch": 7}, "version": "0.1.0"}, generation="g1")
     mp = cm.decode(raw)
     N = m.n_nodes
     assert mp.header["nodes"] == N and mp.header["generation"] == "g1" and mp.header["placer"] == {"epoch": 7}
+    assert mp.header["version"] == cm.VERSION          # extra fields never replace the map's own
     # every node, in the model's (topology) order
     want = [_reference_state(m, i, lost, degraded) for i in range(N)]
     assert [cm.STATES[s] for s in mp.state.tolist()] == want

@@ -139,3 +139,21 @@ async def test_map_node_job_and_roles(tmp_path, token_dir):
             assert svc.dashboard.builds == b0 + 1 and mp2.header["generation"] != mp.header["generation"]
             await view.aclose()
             n.cancel_scope.cancel()
+
+
+def test_the_static_files_are_package_data():
+    """Every file the page needs ships in the wheel (pyproject's package-data), and the
+    dashboard serves exactly those."""
+    import fnmatch
+    import tomllib
+    from pathlib import Path
+
+    from placer.dashboard import ASSETS
+
+    root = Path(__file__).resolve().parent.parent
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"][
+        "placer.dashboard"]
+    static = sorted(p.name for p in (root / "placer" / "dashboard" / "static").iterdir())
+    assert static == sorted(["index.html", *ASSETS])
+    for name in static:
+        assert any(fnmatch.fnmatch(f"static/{name}", g) for g in globs), name

@@ -173,7 +173,7 @@ class Dashboard:
             return self._map, False
         t0 = time.thread_time()
         m = st.model
-        extra = {"service": "herd-placer", "version": PACKAGE_VERSION,
+        extra = {"service": "herd-placer", "placer_version": PACKAGE_VERSION,
                  "fragmentation": {k: round(float(v), 4) for k, v in fragmentation(m).items()},
                  "largest_placeable": {k: int(v) for k, v in largest_placeable(m).items()},
                  "queue": {"pending": len(st.queue)}}
