@@ -140,10 +140,11 @@ async def test_map_node_job_and_roles(tmp_path, token_dir):
                 r = await anon.get("/v1/cluster/map", headers=auth_header(tokens.metrics))
                 assert r.status_code == 403
                 assert (await anon.get("/v1/cluster/map/job/train")).status_code == 401
-            # cached: nothing changed, nothing rebuilt; a change, one build
+            # cached: nothing changed, nothing rebuilt (and the page's If-None-Match: 304); a change, one build
             b0 = svc.dashboard.builds
-            await view.get("/v1/cluster/map")
-            await view.get("/v1/cluster/map")
+            r1 = await view.get("/v1/cluster/map")
+            r2 = await view.get("/v1/cluster/map", headers={"if-none-match": r1.headers["etag"]})
+            assert r2.status_code == 304 and r2.content == b"" and r2.headers["etag"] == r1.headers["etag"]
             assert svc.dashboard.builds == b0 and svc.dashboard.hits >= 2
             await cl.c.delete("/v1/jobs/small")
             await wait_for(lambda: _true(svc.state.model.jobs.get("small") is None))

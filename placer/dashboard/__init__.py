@@ -60,7 +60,7 @@ DASHBOARD_DOCS: Mapping[tuple[str, str], RouteDoc] = {
     ("GET", "/v1/cluster/map"): RouteDoc(
         summary="The fleet map: a state byte and a job index per node in topology order, the job table, "
                 "zone/block/rack boundaries (binary, placer.clustermap)",
-        responses={200: Text(MAP_TYPE)}),
+        responses={200: Text(MAP_TYPE), 304: None}),
     ("GET", "/v1/cluster/map/node/{row}"): RouteDoc(
         summary="One node of the map by row: GPUs and holders, health, workloads",
         responses={200: {"type": "object"}}, query=(Param("epoch", int, "the map's model_epoch"),),
@@ -170,7 +170,8 @@ class Dashboard:
             return self._map, True
         rows = self.job_rows()
         lost, degraded = self._lost_rows(), self._degraded_rows()
-        key = clustermap.fingerprint(st.model, rows, lost_rows=lost, degraded_rows=degraded)
+        key = clustermap.fingerprint(st.model, rows, lost_rows=lost, degraded_rows=degraded,
+                                     extra={"pending": len(st.queue)})
         if key == self._key:
             self.hits += 1
             return self._map, False
@@ -205,12 +206,16 @@ class Dashboard:
         return dict(self._map_counts)
 
     async def h_map(self, req: Request) -> Response:
-        """The fleet map (placer.clustermap's binary format)."""
+        """The fleet map (placer.clustermap's binary format). ``If-None-Match`` with the
+        ETag of the map the caller holds: 304 without a body while it is still the map."""
         raw, stale = self.current()
-        headers = [*_NO_STORE, ("x-herd-now", f"{self.svc.clock():.3f}"),
+        etag = f'"{self._key}"'
+        headers = [*_NO_STORE, ("etag", etag), ("x-herd-now", f"{self.svc.clock():.3f}"),
                    ("x-herd-map-build-cpu-ms", f"{self.last_build_cpu_ms:.2f}")]
         if stale:
             headers.append(("x-herd-map-stale", "1"))
+        if req.headers.get("if-none-match") == etag:
+            return Response(status=304, body=b"", content_type=MAP_TYPE, headers=headers)
         return Response(body=raw, content_type=MAP_TYPE, headers=headers)
 
     # ------------------------------------------------------------ one node, one job

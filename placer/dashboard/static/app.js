@@ -391,13 +391,17 @@
     const ctl = new AbortController();
     const timer = setTimeout(() => ctl.abort(), FETCH_TIMEOUT_MS);
     try {
-      const r = await fetch(path, { headers: S.token ? { authorization: "Bearer " + S.token } : {}, signal: ctl.signal, cache: "no-store" });
+      const headers = S.token ? { authorization: "Bearer " + S.token } : {};
+      if (kind === "bin" && S.map) headers["if-none-match"] = `"${S.map.header.generation}"`;
+      const r = await fetch(path, { headers, signal: ctl.signal, cache: "no-store" });
       if (r.status === 401 || r.status === 403) { const e = new Error("auth"); e.auth = r.status; throw e; }
-      if (!r.ok) throw new Error(`HTTP ${r.status}`);
+      if (!r.ok && r.status !== 304) throw new Error(`HTTP ${r.status}`);
       if (kind === "json") return await r.json();
       const now = parseFloat(r.headers.get("x-herd-now"));
       if (!isNaN(now)) S.serverSkew = now - Date.now() / 1000;
-      return { buf: await r.arrayBuffer(), stale: r.headers.get("x-herd-map-stale") === "1" };
+      const stale = r.headers.get("x-herd-map-stale") === "1";
+      if (r.status === 304) return { buf: null, stale };     // the map we hold is still the map
+      return { buf: await r.arrayBuffer(), stale };
     } finally { clearTimeout(timer); }
   }
 
@@ -412,6 +416,12 @@
       return true;
     }
     const t1 = performance.now();
+    if (res.buf === null) {            // unchanged: nothing to draw; ages in the table move on
+      renderJobs();
+      S.timings.unchanged = (S.timings.unchanged || 0) + 1;
+      up(res.stale);
+      return true;
+    }
     const m = decode(res.buf);
     const t2 = performance.now();
     S.map = m;
