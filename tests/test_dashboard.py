@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import httpx
+import pytest
 import trio
 
 from infra.auth import TokenSet, auth_header
@@ -87,6 +88,7 @@ async def test_map_node_job_and_roles(tmp_path, token_dir):
             c = (await view.get("/v1/cluster")).json()
             assert c["nodes"]["by_state"] == mp.counts()
             assert mp.counts()["lost"] == c["nodes"]["lost"] == 1
+            assert mp.header["ha"] is None                  # one placer: no leader to name
             assert sum(mp.counts().values()) == c["nodes"]["total"] == 8
             # why pending: structured, from where the queue decided
             cols = mp.header["jobs"]
@@ -170,3 +172,35 @@ def test_the_static_files_are_package_data():
     assert static == sorted(["index.html", *ASSETS])
     for name in static:
         assert any(fnmatch.fnmatch(f"static/{name}", g) for g in globs), name
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path):
+    from testing.etcd import etcd_running
+    yield from etcd_running(tmp_path / "etcd", 1)
+
+
+async def test_the_map_names_the_leader_and_its_epoch(tmp_path, token_dir, etcd_cluster):
+    """With several placers on etcd (skipped where etcd is absent): the leader's map carries
+    its role, its URL and its epoch (the page's status line shows them)."""
+    from placer.service import PlacerService
+
+    from .test_etcd_placer import Placer, health, until
+    from .test_etcd_placer import cfg as ha_cfg
+
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n, httpx.AsyncClient(headers=auth_header(tokens.viewer), timeout=10) as c:
+            p = Placer(PlacerService(ha_cfg(tmp_path, "a", etcd_cluster.endpoints), tokens))
+            url = await n.start(p.run)
+            await until(lambda: _lead(c, url))
+            mp = cm.decode((await c.get(url + "/v1/cluster/map")).content)
+            ha = mp.header["ha"]
+            assert ha["role"] == "leader" and ha["leader"] == url and ha["epoch"] >= 1
+            assert ha["epoch"] == (await health(c, url))["epoch"]
+            n.cancel_scope.cancel()
+
+
+async def _lead(c: httpx.AsyncClient, url: str) -> bool:
+    from .test_etcd_placer import health
+    return (await health(c, url))["role"] == "leader"

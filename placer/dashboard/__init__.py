@@ -171,20 +171,28 @@ class Dashboard:
         rows = self.job_rows()
         lost, degraded = self._lost_rows(), self._degraded_rows()
         key = clustermap.fingerprint(st.model, rows, lost_rows=lost, degraded_rows=degraded,
-                                     extra={"pending": len(st.queue)})
+                                     extra={"pending": len(st.queue), "ha": self._ha()})
         if key == self._key:
             self.hits += 1
             return self._map, False
         t0 = time.thread_time()
         m = st.model
         extra = {"service": "herd-placer", "placer_version": PACKAGE_VERSION, **self._frag(),
-                 "queue": {"pending": len(st.queue)}}
+                 "queue": {"pending": len(st.queue)}, "ha": self._ha()}
         raw = clustermap.encode(m, rows, lost_rows=lost, degraded_rows=degraded, extra=extra, generation=key)
         self.last_build_cpu_ms = (time.thread_time() - t0) * 1000
         self.builds += 1
         self._key, self._map = key, raw
         self._map_counts = clustermap.decode(raw).counts()
         return raw, False
+
+    def _ha(self) -> dict[str, Any] | None:
+        """With several placers (placer.ha): this one's role, the leader and its epoch."""
+        ha = self.svc.ha
+        if ha is None:
+            return None
+        h = ha.health()
+        return {"role": h["role"], "leader": h["leader"], "epoch": h["epoch"]}
 
     def _frag(self) -> dict[str, Any]:
         """Fragmentation and the largest placeable job per level: a pass over the model

@@ -447,7 +447,9 @@
     S.failing = false;
     const s = $("status");
     s.className = "status ok";
-    s.textContent = `placer answering · ${new Date().toLocaleTimeString()}` + (stale ? " · map held during a rebuild" : "");
+    const ha = S.map && S.map.header.ha;
+    s.textContent = `placer answering · ${new Date().toLocaleTimeString()}` + (stale ? " · map held during a rebuild" : "") +
+      (ha ? ` · ${ha.role}${ha.leader ? `, leader ${ha.leader}` : ""}, epoch ${ha.epoch}` : "");
     $("banner").hidden = true;
     canvas.style.opacity = "1";
   }
