@@ -130,7 +130,7 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
     N = ns.nodes
     out: dict[str, Any] = {"nodes": N, "fleet": ns.fleet}
     with tempfile.TemporaryDirectory(prefix="bench-dashboard-") as tmp:
-        work = Path(tmp)
+        work = Path(ns.workdir or tmp)          # --workdir: kept, with the placer's and emulators' logs
         td = generate_token_dir(work / "tokens")
         tok = TokenSet.load(td)
         op = {"authorization": f"Bearer {tok.operator}"}
@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=16384)
     ap.add_argument("--fleet", choices=["h100", "gb200"], default="h100")
     ap.add_argument("--per-proc", type=int, default=16384)
-    ap.add_argument("--heartbeat", type=float, default=5.0)
+    ap.add_argument("--heartbeat", type=float, default=10.0,
+                    help="the emulated agents' heartbeat (long: a starved emulator on a shared machine is not a lost fleet)")
     ap.add_argument("--register-limit", type=float, default=300.0)
     ap.add_argument("--fill", type=float, default=0.6)
     ap.add_argument("--max-jobs", type=int, default=1500)
@@ -347,8 +348,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--screenshot", default=None, help="save a PNG of the page here")
     ap.add_argument("--synthetic", action="store_true",
                     help="no emulated agents: an in-process placer whose model placer/sim.py fills")
+    ap.add_argument("--workdir", default=None, help="keep state and logs here (default: a temp dir, removed)")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ns = ap.parse_args(argv)
+    if ns.workdir:
+        Path(ns.workdir).mkdir(parents=True, exist_ok=True)
     out = trio.run(run_synthetic if ns.synthetic else run, ns)
     if ns.json:
         print(json.dumps(out))
