@@ -204,3 +204,33 @@ async def test_the_map_names_the_leader_and_its_epoch(tmp_path, token_dir, etcd_
 async def _lead(c: httpx.AsyncClient, url: str) -> bool:
     from .test_etcd_placer import health
     return (await health(c, url))["role"] == "leader"
+
+
+def test_why_pending_is_decided_by_the_queue():
+    """The queue records, per pending job, why the last round left it (placer.queue.Waiting):
+    what the page's "why pending?" says, as codes, never parsed from text."""
+    from placer.model import ClusterModel, NodeSpec
+    from placer.place import JobRequest
+    from placer.queue import WAIT_NO_DOMAIN, WAIT_NOT_TRIED, WAIT_TOO_FEW_FREE, JobQueue
+
+    m = ClusterModel.build([NodeSpec(f"n{i}", "z", "b", f"r{i // 2}", 8) for i in range(8)])   # racks of 2
+    q = JobQueue(reserve_after_rounds=1)
+    q.submit(JobRequest(job_id="low", pods=4, gpus_per_pod=8, priority=0, preemptible=True), 0.0)
+    assert q.get("low").waiting.code == WAIT_NOT_TRIED
+    assert [d.job_id for d in q.schedule(m, 0.0)] == ["low"]
+    q.submit(JobRequest(job_id="wide", pods=3, gpus_per_pod=8, within="rack", priority=5), 1.0)
+    q.submit(JobRequest(job_id="huge", pods=9, gpus_per_pod=8, priority=0), 1.0)
+    q.submit(JobRequest(job_id="after", pods=1, gpus_per_pod=8, within="rack", priority=-1), 1.0)
+    q.schedule(m, 1.0)
+    wide, huge = q.get("wide").waiting, q.get("huge").waiting
+    # no rack holds 3 nodes, even preempting "low" (which "wide" may: lower priority, preemptible)
+    assert wide.code == WAIT_NO_DOMAIN and wide.may_preempt and wide.free_gpus == 32
+    assert not wide.behind_reservation and q.get("wide").reserved
+    # more GPUs than free, and nothing of lower priority to preempt
+    assert huge.code == WAIT_TOO_FEW_FREE and not huge.may_preempt
+    # "after" fits a free rack, but the reservations taken above hold every node with room
+    assert q.get("after").waiting.behind_reservation and q.get("after").waiting.code == WAIT_NO_DOMAIN
+    off = JobQueue(allow_preemption=False)
+    off.submit(JobRequest(job_id="wide", pods=3, gpus_per_pod=8, within="rack", priority=5), 0.0)
+    off.schedule(m, 0.0)
+    assert off.get("wide").waiting.code == WAIT_NO_DOMAIN and not off.get("wide").waiting.may_preempt
