@@ -516,7 +516,8 @@
       if (row !== S.hover) {
         S.hover = row;
         drawOverlay();
-        if (S.pinned < 0 && row >= 0) renderNode(row);
+        clearTimeout(S.hoverTimer);          // ask for the node's details once the pointer rests
+        if (S.pinned < 0 && row >= 0) S.hoverTimer = setTimeout(() => { if (S.hover === row) renderNode(row); }, 120);
       }
       showTip(row, ev);
     });
