@@ -170,6 +170,7 @@ class PlacerService:
                 if self.ha is not None:  # campaign; on promotion the journal comes from etcd
                     await n.start(self.ha.run, self.url, self._recover)
                 n.start_soon(self._loop)
+                n.start_soon(self.dashboard.warm)   # while the dashboard is watched, its next map is ready
                 log.info("placer serving url=%s", self.url)
                 task_status.started(self.url)
         finally:

@@ -151,7 +151,15 @@ async def test_map_node_job_and_roles(tmp_path, token_dir):
             await cl.c.delete("/v1/jobs/small")
             await wait_for(lambda: _true(svc.state.model.jobs.get("small") is None))
             mp2 = cm.decode((await view.get("/v1/cluster/map")).content)
-            assert svc.dashboard.builds == b0 + 1 and mp2.header["generation"] != mp.header["generation"]
+            assert svc.dashboard.builds > b0 and mp2.header["generation"] != mp.header["generation"]
+            assert mp2.job_ids.count("small") == 0 or mp2.header["jobs"]["state"][mp2.job_ids.index("small")] \
+                == "cancelled"
+            # watched: after a change the next map is built ahead, before anyone asks
+            b1 = svc.dashboard.builds
+            await cl.submit(job_id="tiny", pods=1, gpus_per_pod=1)
+            await wait_for(lambda: _true(svc.dashboard.builds > b1))
+            r = await view.get("/v1/cluster/map")
+            assert "tiny" in cm.decode(r.content).job_ids
             await view.aclose()
             n.cancel_scope.cancel()
 

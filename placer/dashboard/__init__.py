@@ -6,7 +6,8 @@
   browsers never send to a server, or a login form) and sends it as a bearer header.
 - ``GET /v1/cluster/map``: the fleet map (:mod:`placer.clustermap`, binary), built from the
   model's arrays and the job table, cached by a digest of everything it reads: a page
-  polling every 2 s costs one build per change, not one per poll. While the model waits for
+  polling every 2 s costs one build per change, not one per poll; while the map is watched,
+  the next one is built within a second of a change, so a poll finds it ready. While the model waits for
   a deferred rebuild (a registration storm), the last map is served (``x-herd-map-stale``)
   rather than forcing the rebuild early.
 - ``GET /v1/cluster/map/node/{row}``: one node of the map (by its row, checked against the
@@ -25,6 +26,8 @@ from collections.abc import Mapping
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
+import trio
+
 from infra.http import HTTPError, Param, Request, Response, RouteDoc, Text, json_response
 from infra.version import PACKAGE_VERSION
 
@@ -41,6 +44,8 @@ log = logging.getLogger("herd.placer.dashboard")
 
 MAP_TYPE = "application/vnd.herd.cluster-map"
 ASSETS: Mapping[str, str] = {"app.js": "text/javascript; charset=utf-8", "style.css": "text/css; charset=utf-8"}
+WARM_EVERY_S = 1.0          # while watched, the next map is built at most this often after a change
+WATCHED_FOR_S = 10.0        # "watched": a map was asked for this recently
 FRAG_EVERY_S = 5.0          # fragmentation per level is recomputed at most this often
 ENDED_SHOWN = 20            # jobs that ended, newest first, kept in the table
 PENDING_SHOWN = 2000        # live jobs that hold nothing (pending), at most this many in the table
@@ -89,6 +94,7 @@ class Dashboard:
         self.hits = 0
         self.last_build_cpu_ms = 0.0
         self._frag_cache: dict[str, Any] | None = None
+        self._asked_at = -WATCHED_FOR_S
         self._frag_at = 0.0
 
     def handlers(self) -> dict[tuple[str, str], Any]:
@@ -213,9 +219,19 @@ class Dashboard:
         self.current()
         return dict(self._map_counts)
 
+    async def warm(self) -> None:
+        """While someone watches (a map asked for in the last ``WATCHED_FOR_S``), build the
+        map after a change, at most every ``WARM_EVERY_S``: the page's next poll is then a
+        cache hit instead of waiting for a build. Nobody watching: nothing is built."""
+        while True:
+            await trio.sleep(WARM_EVERY_S)
+            if time.monotonic() - self._asked_at < WATCHED_FOR_S:
+                self.current()
+
     async def h_map(self, req: Request) -> Response:
         """The fleet map (placer.clustermap's binary format). ``If-None-Match`` with the
         ETag of the map the caller holds: 304 without a body while it is still the map."""
+        self._asked_at = time.monotonic()
         raw, stale = self.current()
         etag = f'"{self._key}"'
         headers = [*_NO_STORE, ("etag", etag), ("x-herd-now", f"{self.svc.clock():.3f}"),
