@@ -81,7 +81,7 @@ async def test_dashboard_in_a_real_browser(tmp_path):
     op = {"authorization": f"Bearer {tok.operator}"}
     out = artifacts(tmp_path)
     with trio.fail_after(300):
-        async with PlacerProc(tmp_path, td, PlacerOptions(heartbeat_s=1.0, recover_s=0.5)) as placer, \
+        async with PlacerProc(tmp_path, td, PlacerOptions(heartbeat_s=5.0, recover_s=0.5)) as placer, \
                 EmulatorProc(placer, td, nodes=N, mux=4, log_path=tmp_path / "emu.log",
                              extra=["--fetch-delay", "0.02", "--run-delay", "0.02"]) as emu, \
                 httpx.AsyncClient(timeout=60, headers=op) as c:
