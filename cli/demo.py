@@ -342,6 +342,12 @@ def run_demo(args: argparse.Namespace) -> int:
             demo.final_table(out)
         if args.keep:
             keep = True
+            from infra.auth import TokenSet
+            viewer = TokenSet.load(demo.cluster.token_dir).viewer
+            # the token rides in the URL fragment: browsers never send it to the server
+            print(f"\ndashboard: {demo.cluster.placer.url}/#token={viewer}"
+                  + (f"  (the browser must trust {demo.cluster.pki.ca})" if demo.cluster.tls else ""),
+                  file=sys.stderr)
             print(f"\ncluster left running (state under {demo.root}):\n"
                   f"  export HERD_TOKEN_DIR={demo.root / 'tokens'} HERD_PLACER={demo.cluster.placer.url}\n"
                   + (f"  export HERD_TLS_DIR={demo.cluster.pki.dir} SSL_CERT_FILE={demo.cluster.pki.ca}\n"

@@ -264,6 +264,8 @@ class NodeRec:
     fatal: set[int] = field(default_factory=set)      # slots the agent reports fatal
     refused: set[int] = field(default_factory=set)    # slots marked unhealthy after a refusal
     host_fatal: bool = False
+    degraded: frozenset[int] = frozenset()            # slots the agent reports degraded (the dashboard)
+    health_reasons: tuple[str, ...] = ()              # the last snapshot's reason codes (the dashboard)
     simulated: bool = False
     state: str = "up"                                 # up | lost
     cordoned: bool = False                            # taken out of service (placer.nodeops)

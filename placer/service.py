@@ -59,6 +59,7 @@ from scheduler_link.messages import (
 from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
 
 from .config import PlacerConfig
+from .dashboard import DASHBOARD_DOCS, Dashboard
 from .etcdjournal import JobJournal
 from .frag import fragmentation, largest_placeable, plan_defrag
 from .ha import HighAvailability
@@ -112,6 +113,7 @@ class PlacerService:
         self._nursery: trio.Nursery | None = None
         self._kick = trio.Event()
         self._changed = trio.Event()
+        self.dashboard = Dashboard(self)
         self.app = self._build_app()
         self.relays = RelayHub(self)
         # message-level identity (scheduler_link.msgauth): ephemeral until run() loads the state
@@ -168,6 +170,7 @@ class PlacerService:
                 if self.ha is not None:  # campaign; on promotion the journal comes from etcd
                     await n.start(self.ha.run, self.url, self._recover)
                 n.start_soon(self._loop)
+                n.start_soon(self.dashboard.warm)   # while the dashboard is watched, its next map is ready
                 log.info("placer serving url=%s", self.url)
                 task_status.started(self.url)
         finally:
@@ -400,10 +403,12 @@ class PlacerService:
             ("POST", "/v1/nodes/{node_id}/drain"): self.h_drain,
             ("GET", "/v1/status"): self.h_status,
             ("POST", "/v1/pki/bootstrap"): self.pki.h_bootstrap, ("POST", "/v1/pki/renew"): self.pki.h_renew,
+            **self.dashboard.handlers(),
         }
         if self.ha is not None:  # a follower answers health and status; the rest goes to the leader
             handlers = self.ha.guard(handlers)
-        authz.install(app, authz.PLACER_ROUTES, handlers, self.tokens, token_use=self.token_use, docs=PLACER_DOCS,
+        authz.install(app, authz.PLACER_ROUTES, handlers, self.tokens, token_use=self.token_use,
+                      docs={**PLACER_DOCS, **DASHBOARD_DOCS},
                       flags={"open_reads": self.cfg.open_reads, "open_metrics": self.cfg.open_metrics,
                              **self.security.flags()},
                       max_body={("POST", "/v1/nodes/{node_id}/report"): LARGE_BODY,
@@ -684,6 +689,8 @@ class PlacerService:
             out["largest_placeable"] = {k: int(v) for k, v in largest_placeable(st.model).items()}
         out["nodes"] = {"up": st.node_states["up"], "lost": st.node_states["lost"], "total": len(st.nodes),
                         "simulated": sum(n.simulated for n in st.nodes.values())}
+        if req.query.get("detail") != "0":  # nodes by the dashboard map's states (its cached build)
+            out["nodes"]["by_state"] = self.dashboard.counts()
         out["jobs"] = st.job_counts()
         out["queue"] = st.queue.statistics()
         out["placer"] = {**{k: v for k, v in st.counters.items()}, "model_rebuilds": st.model.rebuilds,

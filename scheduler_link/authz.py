@@ -118,6 +118,12 @@ PLACER_ROUTES: tuple[Rule, ...] = (
     Rule("POST", "/v1/nodes/{node_id}/uncordon", _OPS),
     Rule("POST", "/v1/nodes/{node_id}/drain", _OPS),
     Rule("GET", "/v1/cluster", _VIEW, open_flag="open_reads"),
+    # the dashboard (placer/dashboard): the page and its assets hold no data; the map does
+    Rule("GET", "/", (PUBLIC,)),
+    Rule("GET", "/dashboard/{asset}", (PUBLIC,)),
+    Rule("GET", "/v1/cluster/map", _VIEW, open_flag="open_reads"),
+    Rule("GET", "/v1/cluster/map/node/{row}", _VIEW, open_flag="open_reads"),
+    Rule("GET", "/v1/cluster/map/job/{job_id}", _VIEW, open_flag="open_reads"),
     Rule("GET", "/v1/gangs/{blob_id}", ("node",)),
     Rule("POST", "/v1/jobs", _OPS),
     Rule("GET", "/v1/jobs", _VIEW, open_flag="open_reads"),
