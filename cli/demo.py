@@ -49,11 +49,12 @@ def register(sub: Any) -> None:
 def _write_tree(root: Path, version: str, seed: int = 7) -> None:
     """A small trainer tree: code, a config and deterministic pseudo-random 'weights'.
     v2 changes the code and ~3% of the weights in place (a delta, not a new tree)."""
-    from .demo_trainer import trainer_source
+    from .demo_trainer import durable_source, trainer_source
 
     root.mkdir(parents=True, exist_ok=True)
     (root / "train.py").write_text(trainer_source(version))
     os.chmod(root / "train.py", 0o755)
+    (root / "durable.py").write_text(durable_source())
     (root / "config.json").write_text(json.dumps({"model": "demo", "version": version, "lr": 3e-4}, indent=1))
     rng = random.Random(seed)
     data = bytearray(rng.randbytes(WEIGHTS_MB << 20))

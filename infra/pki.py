@@ -47,6 +47,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from .durable import atomic_write
 from .tls import TLSFiles, parse_principal, send_leaf_only
 
 NODE_DAYS = 365
@@ -140,22 +141,6 @@ def sign(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, public_k
 
 # ---------------------------------------------------------------- files
 
-def _write(path: Path, data: bytes, mode: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                              serialization.NoEncryption())
@@ -166,8 +151,8 @@ def cert_pem(cert: x509.Certificate) -> bytes:
 
 
 def write_pair(d: Path, name: str, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
-    _write(d / f"{name}.key", key_pem(key), 0o600)
-    _write(d / f"{name}.crt", cert_pem(cert), 0o644)
+    atomic_write(d / f"{name}.key", key_pem(key), 0o600)
+    atomic_write(d / f"{name}.crt", cert_pem(cert), 0o644)
 
 
 def load_cert(path: str | os.PathLike[str]) -> x509.Certificate:
@@ -241,7 +226,7 @@ def issue_node(d: str | os.PathLike[str], node_id: str, *, days: int = NODE_DAYS
     os.chmod(out, 0o700)
     k, c = ca.issue(f"node:{node_id}", days=days, names=[*names, *default_names()])
     write_pair(out, "node", k, c)
-    _write(out / "ca.crt", cert_pem(ca.cert), 0o644)
+    atomic_write(out / "ca.crt", cert_pem(ca.cert), 0o644)
     return out
 
 
@@ -321,7 +306,7 @@ class BootstrapTokens:
         return data["tokens"]
 
     def _save(self, tokens: dict[str, dict[str, object]]) -> None:
-        _write(self.path, json.dumps({"version": 1, "tokens": tokens}, sort_keys=True).encode(), 0o600)
+        atomic_write(self.path, json.dumps({"version": 1, "tokens": tokens}, sort_keys=True).encode(), 0o600)
 
     def create(self, *, ttl_s: float = TOKEN_TTL_S, node_id: str | None = None, now: float) -> str:
         """A fresh token valid ``ttl_s`` (for ``node_id`` only, when given)."""
