@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 import trio
 
+from infra.backoff import Backoff
 from infra.metrics import LatencyHistogram
 from scheduler_link.messages import (
     TERMINAL_STATES,
@@ -98,9 +99,13 @@ def on_trio_clock(wall_deadline: float, wall_now: float, trio_now: float) -> flo
     return trio_now + max(0.0, wall_deadline - wall_now)
 
 
+RESTART_BACKOFF_CAP_S = 300.0   # the longest wait between restarts of an on-failure policy
+
+
 def restart_delay_s(policy: RestartPolicy, attempt: int) -> float:
-    """The wait before restart ``attempt`` (1, 2, ...) of an on-failure policy: doubling. Pure."""
-    return policy.backoff_s * (2 ** (attempt - 1))
+    """The wait before restart ``attempt`` (1, 2, ...) of an on-failure policy: doubling up
+    to :data:`RESTART_BACKOFF_CAP_S`, no jitter (one process on one node, exact times). Pure."""
+    return Backoff(policy.backoff_s, RESTART_BACKOFF_CAP_S, jitter=0.0).window(attempt)
 
 
 async def kill_after_deadline(deadline: float, gone: trio.Event, kill: Callable[[], Awaitable[None]], *,

@@ -36,6 +36,7 @@ another's: a placement and its env never reach a host that is not its node.
 from __future__ import annotations
 
 import logging
+import random
 import ssl
 import time
 from collections import defaultdict
@@ -48,6 +49,7 @@ import trio
 
 from infra import tls
 from infra.auth import auth_header
+from infra.backoff import Backoff
 from infra.errors import ProtocolError
 from infra.errors import PushError as PushError  # re-exported: callers import it from here
 from infra.h1 import parse_response_head
@@ -72,6 +74,7 @@ class PushResult:
 
 MAX_HEAD = 64 << 10
 MAX_BODY = 8 << 20
+RETRY_BACKOFF_CAP_S = 5.0   # the longest pause between the retries of one push
 
 
 class WrongPeer(Exception):
@@ -135,6 +138,8 @@ class PushPool:
         self.attempt_timeout_s = attempt_timeout_s
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
+        self._backoff = Backoff(retry_backoff_s, RETRY_BACKOFF_CAP_S)
+        self._rng = random.Random()
         self.max_per_host = max(1, max_per_host)
         idle = self.max_per_host if max_idle_per_host is None else max(max_idle_per_host, 0)
         self.max_idle_per_host = min(idle, self.max_per_host)
@@ -202,7 +207,7 @@ class PushPool:
                 self.failures += 1
                 res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 if attempt < self.retries:
-                    await trio.sleep(self.retry_backoff_s * (2 ** attempt))
+                    await trio.sleep(self._backoff.pause(attempt + 1, self._rng))
         res.elapsed_s = time.perf_counter() - t0
         hist = self.latency.get(req_path)
         if hist is None:

@@ -55,6 +55,7 @@ import trio
 
 from infra import tls
 from infra.auth import TokenSet
+from infra.backoff import Backoff, Retry
 
 from .frames import FrameChannel, Handler, ReadBacklog, WriteQueue
 from .messages import NodeReport, ReportReply
@@ -556,7 +557,7 @@ class SharedWire:
         return self._client is not None
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        backoff = self.backoff_min_s
+        retry = Retry(Backoff(self.backoff_min_s, self.backoff_max_s))
         started = False
         while True:
             try:
@@ -565,10 +566,9 @@ class SharedWire:
                                                        ssl_context=self.ssl_context)
             except (OSError, WireError, trio.BrokenResourceError, msgspec.DecodeError, tls.TLSError) as e:
                 log.debug("shared wire connect failed name=%s err=%s", self.name, e)
-                await trio.sleep(backoff)
-                backoff = min(self.backoff_max_s, backoff * 2)
+                await trio.sleep(retry.failed(trio.current_time()))
                 continue
-            backoff = self.backoff_min_s
+            retry.succeeded()
             self.connects += 1
             self._client = client
             self._up.set()
