@@ -60,6 +60,7 @@ class WorkloadRecord(msgspec.Struct, frozen=True, kw_only=True):
     restarts: int = 0
     # graceful stop, persisted so a restarted agent resumes the countdown
     stop_reason: str | None = None
+    stop_preempted: bool = False         # the stop is a preemption: it ends "preempted", else "exited"
     stop_deadline: float | None = None
     term_sent: bool = False
     fetch: dict[str, int] = {}           # this workload's artifact fetch: bytes by source

@@ -123,8 +123,9 @@ async def kill_after_deadline(deadline: float, gone: trio.Event, kill: Callable[
     return kills
 
 
-def _final_state(stop_reason: str | None) -> str:
-    return "preempted" if stop_reason and stop_reason.startswith("preempt") else "exited"
+def _final_state(rec: WorkloadRecord) -> str:
+    """How a stopped workload ends: by what the stop was (a preemption or not), not by its words."""
+    return "preempted" if rec.stop_preempted else "exited"
 
 
 class Supervisor:
@@ -189,10 +190,12 @@ class Supervisor:
         await self._send.send(Place(placement, direct, send))
         return await recv.receive()
 
-    async def stop(self, workload_id: str, *, reason: str = "stopped", grace_s: float | None = None) -> WorkloadStatus:
-        """Begin a graceful stop; returns the workload's status right after (terminating)."""
+    async def stop(self, workload_id: str, *, reason: str = "stopped", grace_s: float | None = None,
+                   preempted: bool = False) -> WorkloadStatus:
+        """Begin a graceful stop; returns the workload's status right after (terminating).
+        ``preempted``: the workload ends ``preempted``, else ``exited``."""
         send, recv = trio.open_memory_channel[Any](1)
-        await self._send.send(Stop(workload_id, reason, grace_s, send))
+        await self._send.send(Stop(workload_id, reason, grace_s, send, preempted))
         res = await recv.receive()
         if isinstance(res, Exception):
             raise res
@@ -477,7 +480,7 @@ class Supervisor:
         self._acks[p.placement_id] = ack
         self._dirty = True
         for v in live_victims:
-            self._begin_stop(v.workload_id, v.reason, v.grace_s, after)
+            self._begin_stop(v.workload_id, v.reason, v.grace_s, after, preempted=v.preempted)
         after.durable.append(lambda: msg.reply.send_nowait(ack))
 
     def _on_stop(self, msg: Stop, after: Batch) -> None:
@@ -486,12 +489,13 @@ class Supervisor:
             if msg.reply is not None:
                 after.now.append(lambda: msg.reply.send_nowait(err))  # type: ignore[union-attr]
             return
-        self._begin_stop(msg.workload_id, msg.reason, msg.grace_s, after)
+        self._begin_stop(msg.workload_id, msg.reason, msg.grace_s, after, preempted=msg.preempted)
         if msg.reply is not None:
             status = self._records[msg.workload_id].status()
             after.durable.append(lambda: msg.reply.send_nowait(status))  # type: ignore[union-attr]
 
-    def _begin_stop(self, wid: str, reason: str, grace_s: float | None, after: Batch) -> None:
+    def _begin_stop(self, wid: str, reason: str, grace_s: float | None, after: Batch, *,
+                    preempted: bool) -> None:
         rec = self._records[wid]
         rt = self._rt.setdefault(wid, Runtime())
         if rec.terminal or rec.state == "terminating":
@@ -500,10 +504,11 @@ class Supervisor:
         rt.stop.set()
         if rec.pid is None:
             # not started (or a launch is in flight): the life-cycle task finishes it
-            self._update(wid, after, stop_reason=reason, stop_deadline=self._clock() + grace)
+            self._update(wid, after, stop_reason=reason, stop_preempted=preempted,
+                         stop_deadline=self._clock() + grace)
             rt.pre_start.cancel()
             return
-        self._update(wid, after, state="terminating", stop_reason=reason,
+        self._update(wid, after, state="terminating", stop_reason=reason, stop_preempted=preempted,
                      stop_deadline=self._clock() + grace, reason=reason)
         self._start_killer(wid, after)
 
@@ -581,7 +586,7 @@ class Supervisor:
                     continue
                 else:
                     if rec.stop_reason is not None:
-                        self._update(wid, after, state=_final_state(rec.stop_reason), reason=rec.stop_reason)
+                        self._update(wid, after, state=_final_state(rec), reason=rec.stop_reason)
                     else:
                         log.info("resuming workload id=%s from state=%s", wid, rec.state)
                         after.now.append(self._spawn(self._lifecycle, wid))
@@ -601,7 +606,7 @@ class Supervisor:
                 continue
             ex = _read_json(wdir / "exit.json")
             if ex is not None and ex.get("pid") == rec.pid:
-                state = _final_state(rec.stop_reason) if rec.stop_reason else "exited"
+                state = _final_state(rec) if rec.stop_reason else "exited"
                 self._update(wid, after, state=state, exit_code=ex.get("code"),
                              reason=rec.stop_reason or _exit_reason(ex))
             else:
@@ -652,7 +657,7 @@ class Supervisor:
         while True:
             rec = self._records[wid]
             if rec.stop_reason is not None:
-                await self._change(wid, state=_final_state(rec.stop_reason), reason=f"{rec.stop_reason} before start")
+                await self._change(wid, state=_final_state(rec), reason=f"{rec.stop_reason} before start")
                 return
             rec = await self._change(wid, fetch=fetch, state="starting", pid=None, exit_code=None)
             fetch = None
@@ -719,7 +724,7 @@ class Supervisor:
     async def _finish(self, wid: str, code: int | None, reason: str | None) -> None:
         rec = self._records[wid]
         if rec.stop_reason is not None:
-            await self._change(wid, state=_final_state(rec.stop_reason), exit_code=code, reason=rec.stop_reason)
+            await self._change(wid, state=_final_state(rec), exit_code=code, reason=rec.stop_reason)
         else:
             await self._change(wid, state="exited", exit_code=code, reason=reason)
 

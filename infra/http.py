@@ -439,12 +439,12 @@ async def _tls_accept(app: App, stream: trio.SocketStream, ctx: ssl.SSLContext,
                       deadline_s: float, slots: trio.CapacityLimiter) -> trio.SSLStream[trio.SocketStream] | None:
     """The handshake of one accepted connection within ``deadline_s`` (one of ``slots``);
     None (the connection closed, a plain-HTTP client told so in plain text) when it fails."""
-    s, why = await tls.server_handshake(stream, ctx, deadline_s, slots=slots)
-    if s is not None:
+    s = await tls.server_handshake(stream, ctx, deadline_s, slots=slots)
+    if not isinstance(s, tls.HandshakeFailed):
         return s
     app.tls_refused += 1
-    log.info("TLS handshake refused client=%s: %s", tls.peer_address(stream), why)
-    await tls.refuse(stream, why, PLAIN_TO_TLS)
+    log.info("TLS handshake refused client=%s: %s", tls.peer_address(stream), s.why)
+    await tls.refuse(stream, s, PLAIN_TO_TLS)
     return None
 
 

@@ -637,7 +637,7 @@ def _busy(e: BaseException) -> bool:
         return True
     if isinstance(e, WireError):
         return e.status == 503
-    return isinstance(e, tls.TLSError) and "closed the connection during the handshake" in str(e)
+    return isinstance(e, tls.TLSError) and e.refusal is tls.Refusal.PEER
 
 
 class _Conflict(Exception):

@@ -132,7 +132,7 @@ async def test_api_end_to_end(tmp_path, token_dir):
                 assert (await c.post("/v1/placements", content=msgspec.json.encode(p4), headers=pl)).status_code == 200
                 await wait_state(c, "w4", "running")
                 p5 = Placement(placement_id="p5", job_id="j5", argv=["sleep", "30"],
-                               victims=[Victim(workload_id="w4", grace_s=0.5)],
+                               victims=[Victim(workload_id="w4", grace_s=0.5, preempted=True)],
                                pods=[PodAssignment(workload_id="w5", rank=0, gpus=[uuids[0]])])
                 r = await c.post("/v1/placements", content=msgspec.json.encode(p5), headers=pl)
                 assert r.status_code == 200 and r.json()["accepted"]

@@ -107,7 +107,7 @@ async def test_sigkill_restart_readopts_and_learns_exit_codes(tmp_path, token_di
                     w = await wait_wl(c, "w", "running")
                     await wait_wl(c, "t", "running")
                     # t: a stop with a 4 s grace period; the agent dies during it
-                    r = await c.post("/v1/workloads/t/stop", content=b'{"grace_s": 4, "reason": "preempted"}',
+                    r = await c.post("/v1/workloads/t/stop", content=b'{"grace_s": 4, "reason": "preempted", "preempted": true}',
                                      headers=op)
                     deadline = trio.current_time() + 4
                     scr_t = agent.state / "workloads" / "t" / "scratch"

@@ -260,7 +260,7 @@ async def _escaper_is_killed_after_grace(tmp: Path, isolation: Isolation) -> Non
             gc = int((scratch / "gc.pid").read_text())
             assert os.getsid(gc) != sup.record("w1").pid          # it left the group and session
             t0 = trio.current_time()
-            await sup.stop("w1", reason="preempted", grace_s=grace)
+            await sup.stop("w1", reason="preempted", grace_s=grace, preempted=True)
             # the leader exits at once; the grandchild lives on: the GPU stays held
             await trio.sleep(grace / 2)
             assert not procs.same_process(sup.record("w1").pid, sup.record("w1").start_time,

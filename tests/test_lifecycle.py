@@ -86,6 +86,7 @@ async def test_a_recycled_pid_is_never_adopted_nor_signalled(tmp_path, wrong, st
         rec = WorkloadRecord(workload_id="w", job_id="j", state=state, gpus=["GPU-0000"], pid=other.pid,
                              start_time=start, boot_id=boot, shim_pid=other.pid, shim_start_time=start,
                              stop_reason="preempted" if state == "terminating" else None,
+                             stop_preempted=state == "terminating",
                              stop_deadline=time.time() - 1 if state == "terminating" else None)
         (tmp_path / "state").mkdir()
         (tmp_path / "state" / "state.json").write_bytes(msgspec.json.encode(AgentState(records=[rec])))
@@ -115,7 +116,7 @@ async def test_restart_resumes_the_grace_countdown(tmp_path):
             await sup.place(place("w", [], {"IGNORE": "1"}))
             scratch = sup.wl_dir / "w" / "scratch"
             await until(lambda: (scratch / "started").exists())
-            await sup.stop("w", reason="preempted", grace_s=grace)
+            await sup.stop("w", reason="preempted", grace_s=grace, preempted=True)
             await changed(sup.next_change, lambda: sup.record("w").term_sent)
             await changed(sup.next_saved, sup.saved)  # and on disk, where the next agent reads it
             deadline = sup.record("w").stop_deadline

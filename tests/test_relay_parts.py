@@ -365,7 +365,7 @@ async def test_a_victims_only_part_stops_them_and_is_acked(tmp_path):
                                             pods=[PodAssignment(workload_id="o.1.0", rank=0, gpus=["GPU-0003"])]))
             assert ack.accepted
             stop = NodePart(placement_id="stop1", node_id="n1", job_id="new", attempt=1,
-                            victims=[Victim(workload_id="o.1.0", grace_s=0.5)])
+                            victims=[Victim(workload_id="o.1.0", grace_s=0.5, preempted=True)])
             out = await acc.handle(stop)
             assert out.outcome == "accepted"
             st = await sup.wait_terminal("o.1.0")
@@ -463,7 +463,7 @@ async def test_a_rollback_that_overtakes_the_blob_never_lets_the_pod_start(tmp_p
             await n.start(sup.run)
             await n.start(acc.run)
             assert (await acc.handle(part)).outcome == "accepted"
-            victim = Victim(workload_id=wid, grace_s=1.0, reason="preempted: rollback")
+            victim = Victim(workload_id=wid, grace_s=1.0, reason="preempted: rollback", preempted=True)
             if via == "part":
                 stop = NodePart(placement_id="stop:job:1:n1:1", node_id="n1", job_id="job", attempt=1,
                                 victims=[victim])

@@ -119,7 +119,7 @@ async def test_sigkill_after_grace_and_victims_free_gpus(tmp_path):
             assert not ack.accepted and "in use by workload old" in (ack.reason or "")
             # the same GPU freed by this placement's victim: accepted; starts after the victim is gone
             ack = await sup.place(placement("p3", wid="new", gpus=["GPU-0000"],
-                                            victims=[Victim(workload_id="old", grace_s=0.3)]))
+                                            victims=[Victim(workload_id="old", grace_s=0.3, preempted=True)]))
             assert ack.accepted
             old = await sup.wait_terminal("old")
             assert sup.record("new").state in ("accepted", "starting", "running")
@@ -141,7 +141,7 @@ async def test_stop_before_start_runs_nothing(tmp_path):
             await sup.place(placement("p1", wid="old", gpus=["GPU-0000"], env={"IGNORE": "1"}))
             await wait_state(sup, "old", "running")
             await sup.place(placement("p2", wid="new", gpus=["GPU-0000"], argv=["sh", "-c", "touch ran"],
-                                      victims=[Victim(workload_id="old", grace_s=0.5)]))
+                                      victims=[Victim(workload_id="old", grace_s=0.5, preempted=True)]))
             st = await sup.stop("new", reason="cancelled")
             assert st.state == "accepted"  # waiting for its victim; it never starts now
             new = await sup.wait_terminal("new")
@@ -246,7 +246,7 @@ async def test_countdown_resumes_after_restart(tmp_path):
             await sup.place(placement("p", wid="w", gpus=[], env={"IGNORE": "1"}))
             await wait_state(sup, "w", "running")
             await wait_file(scratch(sup, "w") / "started")
-            await sup.stop("w", reason="preempted", grace_s=2.5)
+            await sup.stop("w", reason="preempted", grace_s=2.5, preempted=True)
             await wait_file(scratch(sup, "w") / "terms")
             await wait_state(sup, "w", "terminating")
             await until(sup.next_change, lambda: sup.record("w").term_sent, timeout=5)
