@@ -214,7 +214,7 @@ def build_app(agent: Agent) -> App:
     def _store() -> ChunkStore:
         if agent.store is None:
             raise HTTPError(503, "no store", "this agent has no artifact store")
-        return agent.store  # type: ignore[no-any-return]
+        return agent.store
 
     async def store_ls(req: Request) -> Response:
         """Manifests held: sizes, bytes present, complete, materialised, pinned, last used;

@@ -116,13 +116,13 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     if "certificates" in out:
         print(table(["SUBJECT", "EXPIRES", "DAYS LEFT", "PATH"],
-                    [[c["subject"], c["not_after"][:19], c["days_left"], c["path"]]  # type: ignore[index]
+                    [[c["subject"], c["not_after"][:19], c["days_left"], c["path"]]
                      for c in out["certificates"]]))  # type: ignore[attr-defined]
         toks_out = out["bootstrap_tokens"]
         if toks_out:
             print()
             print(table(["TOKEN", "STATE", "NODE", "EXPIRES", "USED BY"],
-                        [[t["id"], t["state"], t["node"] or "any", t["expires"], t["used_by"] or "-"]  # type: ignore[index]
+                        [[t["id"], t["state"], t["node"] or "any", t["expires"], t["used_by"] or "-"]
                          for t in toks_out]))  # type: ignore[attr-defined]
     if "placer" in out:
         st = out["placer"]

@@ -70,7 +70,7 @@ class CutWorker:
             raise RuntimeError("no file asked for")
         return BatchIter(self, self._asked.popleft(), path)
 
-    def _reply(self, idx: int, path: str) -> tuple[int, array]:  # type: ignore[type-arg]
+    def _reply(self, idx: int, path: str) -> tuple[int, array]:
         try:
             got, kind, n = REP.unpack(read_exact(self._out, REP.size))
             body = read_exact(self._out, n * 8 if kind != ERROR else n)
@@ -116,7 +116,7 @@ class BatchIter:
         self._w, self._idx, self._path = worker, idx, path
         self.done = False
 
-    def next(self) -> array:  # type: ignore[type-arg]
+    def next(self) -> array:
         if self.done:
             raise ManifestError(f"{self._path!r} changed while it was being chunked (cuts end early)")
         kind, ends = self._w._reply(self._idx, self._path)

@@ -160,7 +160,7 @@ class RelayChannel:
     async def exchange(self, report: NodeReport) -> WireReply:
         try:
             f = await self.channel.call("report", report)
-            return decode_payload(f, WireReply)  # type: ignore[no-any-return]
+            return decode_payload(f, WireReply)
         except (FrameError, CallFailed, msgspec.ValidationError) as e:
             raise WireError(f"relay {self.url}: {e}") from None
 
