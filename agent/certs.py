@@ -89,7 +89,7 @@ async def _post_csr(placer: str, path: str, body: CSRRequest, *, verify: object,
     if token:
         headers["authorization"] = f"Bearer {token}"
     try:
-        async with httpx.AsyncClient(verify=verify, timeout=10.0) as c:  # type: ignore[arg-type]
+        async with httpx.AsyncClient(verify=verify, timeout=10.0) as c:  # type: ignore[arg-type]  # verify is an SSLContext or a CA path from tls.client_verify, typed object there
             r = await c.post(f"{placer.rstrip('/')}{path}", content=msgspec.json.encode(body), headers=headers)
     except httpx.HTTPError as e:
         raise AgentError(f"certificate request to the placer at {placer} failed: "

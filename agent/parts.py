@@ -65,6 +65,7 @@ from scheduler_link.messages import (
     PodAssignment,
     Victim,
     WorkloadEvent,
+    WorkloadState,
     inventory_hash,
 )
 from scheduler_link.msgauth import AuthError, BundleVerifier, with_outcome_mac
@@ -492,9 +493,9 @@ class PartAcceptor:
         if why is None:
             for wid, v in self._stopped(r).items():
                 if wid in early:  # not placed: its end is ours to report (as the supervisor would)
-                    state = "preempted" if v.preempted else "exited"
+                    state: WorkloadState = "preempted" if v.preempted else "exited"
                     pod = next(p for p in r.pods if p.workload_id == wid)
-                    self._notify(WorkloadEvent(workload_id=wid, job_id=part.job_id, state=state, at=now,  # type: ignore[arg-type]
+                    self._notify(WorkloadEvent(workload_id=wid, job_id=part.job_id, state=state, at=now,
                                                reason=f"{v.reason} before start", gpus=list(pod.gpus),
                                                placement_id=part.placement_id))
                     continue

@@ -424,7 +424,7 @@ class Supervisor:
         log.info("workload state id=%s job=%s state=%s exit_code=%s reason=%s", new.workload_id, new.job_id,
                  new.state, new.exit_code, new.reason)
         fetch = fetch or {}
-        ev = WorkloadEvent(workload_id=new.workload_id, job_id=new.job_id, state=new.state,  # type: ignore[arg-type]
+        ev = WorkloadEvent(workload_id=new.workload_id, job_id=new.job_id, state=new.state,  # type: ignore[arg-type]  # the record's state is a str on disk; every value written is a WorkloadState
                            at=now, exit_code=new.exit_code, reason=new.reason, gpus=list(new.gpus),
                            placement_id=new.placement_id, bytes_from_origin=fetch.get("bytes_from_origin"),
                            bytes_from_peers=fetch.get("bytes_from_peers"), bytes_local=fetch.get("bytes_local"))
@@ -487,12 +487,11 @@ class Supervisor:
         if msg.workload_id not in self._records:
             err = UnknownWorkload(f"no workload {msg.workload_id!r} on this node")
             if msg.reply is not None:
-                after.now.append(lambda: msg.reply.send_nowait(err))  # type: ignore[union-attr]
+                after.now.append(functools.partial(msg.reply.send_nowait, err))
             return
         self._begin_stop(msg.workload_id, msg.reason, msg.grace_s, after, preempted=msg.preempted)
         if msg.reply is not None:
-            status = self._records[msg.workload_id].status()
-            after.durable.append(lambda: msg.reply.send_nowait(status))  # type: ignore[union-attr]
+            after.durable.append(functools.partial(msg.reply.send_nowait, self._records[msg.workload_id].status()))
 
     def _begin_stop(self, wid: str, reason: str, grace_s: float | None, after: Batch, *,
                     preempted: bool) -> None:

@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             tls = args[i + 1]
             args = args[:i] + args[i + 2:]
         {"serve-herd": serve_herd, "fetch-herd": fetch_herd, "serve-loop": serve_loop,
-         "fetch-loop": fetch_loop}[role](*args, tls)  # type: ignore[operator]
+         "fetch-loop": fetch_loop}[role](*args, tls)  # type: ignore[operator]  # the role table maps names to functions of different signatures
         return 0
     if rest:
         p.error(f"unrecognised arguments: {' '.join(rest)}")

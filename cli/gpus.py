@@ -159,5 +159,5 @@ def cmd_inject(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(body)
     else:
-        sys.stdout.write(f"injected into {args.gpu}: {fault.describe()}\n")  # type: ignore[attr-defined]
+        sys.stdout.write(f"injected into {args.gpu}: {fault.describe()}\n")  # type: ignore[attr-defined]  # fault is one of the fault Structs, each of which has describe()
     return 0

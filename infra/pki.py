@@ -131,7 +131,7 @@ def sign(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, public_k
                                       encipher_only=False, decipher_only=False), critical=True)
          .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),  # type: ignore[arg-type]
+         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),  # type: ignore[arg-type]  # public_key() is typed as every key kind; a CA of ours is always EC, which it takes
                         critical=False))
     sans = _sans(principal, names)
     if sans:
@@ -315,7 +315,7 @@ class BootstrapTokens:
         try:
             tokens = self._read()
             # forget tokens long dead (used or expired more than a day ago)
-            tokens = {k: v for k, v in tokens.items() if float(v["expires"]) > now - 86400}  # type: ignore[arg-type]
+            tokens = {k: v for k, v in tokens.items() if float(v["expires"]) > now - 86400}  # type: ignore[arg-type]  # the token file's values are JSON (typed object); expires is a number we wrote
             tokens[_digest(token)] = {"expires": now + ttl_s, "node_id": node_id, "used_by": None,
                                       "used_at": None, "created": now}
             self._save(tokens)
@@ -335,7 +335,7 @@ class BootstrapTokens:
                 raise PKIError("unknown bootstrap token")
             if entry["used_by"] is not None:
                 raise PKIError(f"bootstrap token already used (by node {entry['used_by']})")
-            if float(entry["expires"]) <= now:  # type: ignore[arg-type]
+            if float(entry["expires"]) <= now:  # type: ignore[arg-type]  # the token file's values are JSON (typed object); expires is a number we wrote
                 raise PKIError("bootstrap token expired")
             if entry["node_id"] is not None and entry["node_id"] != node_id:
                 raise PKIError(f"bootstrap token is for node {entry['node_id']}, not {node_id}")

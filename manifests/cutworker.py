@@ -44,8 +44,8 @@ class CutWorker:
              *([str(step_bytes)] if step_bytes is not None else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         assert self._proc.stdin is not None and self._proc.stdout is not None
-        self._in: BinaryIO = self._proc.stdin  # type: ignore[assignment]
-        self._out: BinaryIO = self._proc.stdout  # type: ignore[assignment]
+        self._in: BinaryIO = self._proc.stdin  # type: ignore[assignment]  # Popen types stdin as optional; it was opened with PIPE, so it is there
+        self._out: BinaryIO = self._proc.stdout  # type: ignore[assignment]  # Popen types stdout as optional; it was opened with PIPE, so it is there
         self._next = 0
         self._asked: deque[int] = deque()
 

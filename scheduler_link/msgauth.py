@@ -245,7 +245,7 @@ class BundleSigner:
         """Several signed RackBundles, one signature for all (a Merkle root over their headers)."""
         sig, paths = self.sign_headers([header_bytes(sp.rack, sp.blob_id, sp.deliver_by, [digest(r) for r in sp.raws])
                                         for sp in specs])
-        return [RackBundle(rack=sp.rack, blob_id=sp.blob_id, parts=[msgspec.Raw(r) for r in sp.raws],  # type: ignore[misc]
+        return [RackBundle(rack=sp.rack, blob_id=sp.blob_id, parts=[msgspec.Raw(r) for r in sp.raws],  # type: ignore[misc]  # parts are signed raw bytes (msgspec.Raw) that encode as NodeParts without a re-encode
                            deliver_by=sp.deliver_by, blob=sp.blob, blob_sources=sp.blob_sources,
                            sig=sig, sig_path=path, sig_index=i)
                 for i, (sp, path) in enumerate(zip(specs, paths, strict=True))]
