@@ -41,6 +41,7 @@ import ssl
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -52,7 +53,7 @@ from infra.auth import auth_header
 from infra.backoff import Backoff
 from infra.errors import ProtocolError
 from infra.errors import PushError as PushError  # re-exported: callers import it from here
-from infra.h1 import parse_response_head
+from infra.h1 import ClosedBeforeAnswer, parse_response_head, receive_head
 from infra.metrics import LatencyHistogram
 
 log = logging.getLogger("herd.link.fanout")
@@ -92,17 +93,12 @@ class _Conn:
 
     async def read_response(self) -> tuple[int, bytes]:
         """One HTTP/1.1 response with a content-length body."""
-        while True:
-            end = self.buf.find(b"\r\n\r\n")
-            if end >= 0:
-                break
-            if len(self.buf) > MAX_HEAD:
-                raise PushError("response head too large")
-            await self._fill()
-        head = bytes(self.buf[:end])
-        del self.buf[:end + 4]
         try:
+            head, self.buf = await receive_head(partial(self.stream.receive_some, 65536), self.buf,
+                                                max_head=MAX_HEAD)
             status, length, keep = parse_response_head(head)[:3]
+        except ClosedBeforeAnswer:
+            raise PushError("connection closed by peer") from None
         except ProtocolError as e:
             raise PushError(str(e)) from None
         if not keep:
