@@ -20,6 +20,7 @@ from agent.state import AgentState, WorkloadRecord
 from agent.supervisor import Supervisor, SupervisorConfig
 from infra.auth import TokenSet, auth_header
 from scheduler_link.messages import Placement, PodAssignment
+from testing.waiting import poll
 from testing.waiting import until as changed
 
 GPUS = {f"GPU-{i:04d}": "healthy" for i in range(4)}
@@ -43,10 +44,9 @@ def place(wid: str, gpus: list[str], env: dict[str, str] | None = None, grace: f
                      grace_s=grace, pods=[PodAssignment(workload_id=wid, rank=0, gpus=gpus)])
 
 
-async def until(pred, timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
-        while not pred():
-            await trio.sleep(0.02)
+async def until(pred) -> None:
+    """``pred`` polled: it reads a real process's state; the caller bounds it."""
+    await poll(pred, 0.02)
 
 
 async def test_exit_while_the_agent_is_down_is_reported_with_its_code(tmp_path):
