@@ -41,6 +41,7 @@ import blake3
 import msgspec
 import trio
 
+from infra.backoff import Backoff
 from infra.errors import ProtocolError
 from infra.h1 import ClosedBeforeAnswer, ClosedMidHead, HeadTooLarge, parse_response_head, receive_head
 
@@ -692,7 +693,8 @@ class PeerHealth:
         s.last_error = str(err)[:200]
         n = self.strikes[node_id] = self.strikes.get(node_id, 0) + 1
         if self.until.get(node_id) != math.inf:
-            self.until[node_id] = now + self.penalty_s * (2 ** min(n - 1, 6))
+            # doubling with each strike up to 64x; no jitter: it orders sources, nobody retries on it
+            self.until[node_id] = now + Backoff(self.penalty_s, self.penalty_s * 64, jitter=0.0).window(n)
         log.info("peer failed node=%s strikes=%d err=%s", node_id, n, err)
 
     def penalties(self, now: float) -> dict[str, float]:

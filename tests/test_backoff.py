@@ -47,3 +47,14 @@ def test_a_retry_counts_failures_in_a_row_and_its_deadline_ends_it() -> None:
     assert r.expired(110.0)
     r.succeeded()
     assert not r.expired(500.0) and r.failed(500.0) == 1.0   # a new streak, a new deadline
+
+
+def test_a_failing_peers_penalty_doubles_per_strike_up_to_64_times() -> None:
+    from p2p.peers import PeerError, PeerHealth
+
+    h = PeerHealth(penalty_s=1.0)
+    ends = []
+    for _ in range(9):
+        h.failed("p", PeerError("x"), 100.0)
+        ends.append(h.until["p"] - 100.0)
+    assert ends == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 64.0, 64.0]
