@@ -98,13 +98,19 @@ def _rewriters(d: Path) -> dict[str, Callable[[], object]]:
 @pytest.mark.parametrize("name", ["pki", "tokens", "placer keys", "file origin"])
 def test_every_whole_file_writer_goes_through_atomic_write(name: str, tmp_path: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    synced: list[Path] = []
-    real = durable.fsync_dir
-    monkeypatch.setattr(durable, "fsync_dir", lambda p: (synced.append(Path(p)), real(p)))
+    replaced: set[Path] = set()
+    real = durable.fill_and_replace
+
+    def recording(fd: int, tmp: str | os.PathLike[str], path: str | os.PathLike[str],
+                  data: bytes | bytearray | memoryview, mode: int, *, sync: bool) -> None:
+        replaced.add(Path(path))
+        real(fd, tmp, path, data, mode, sync=sync)
+
+    monkeypatch.setattr(durable, "fill_and_replace", recording)
     _rewriters(tmp_path)[name]()
-    assert synced and all(p.is_relative_to(tmp_path) for p in synced)
-    left = [p for p in tmp_path.rglob("*") if durable.is_temp_name(p.name)]
-    assert left == []
+    files = {p for p in tmp_path.rglob("*") if p.is_file()}
+    assert files and files <= replaced, files - replaced   # every file there came by atomic_write
+    assert not any(durable.is_temp_name(p.name) for p in files)
 
 
 def test_the_demo_trainer_checkpoints_through_a_copy_of_this_module(tmp_path: Path) -> None:
