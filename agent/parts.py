@@ -7,7 +7,8 @@ expiry, its inventory hash and GPUs, and wrote it durably; the gang blob (argv, 
 user, peers, ...) comes after. So acceptance is two steps:
 
 1. :func:`check_part` (pure) decides: bound to this node, a version we speak, not expired
-   (the sender's clock), ``inventory`` equal to the hash of our GPU UUIDs in index order
+   (the sender's clock; a stop-only part ``STOP_LATE_S`` later, and its own job's victims
+   must be of its attempt), ``inventory`` equal to the hash of our GPU UUIDs in index order
    (else ``expired``: the placer's view of us is stale; it says nothing about a GPU),
    slots that exist, then exactly what :func:`agent.placement.check_placement` says of a
    provisional Placement made of the part's pods (UUIDs from the slots) and victims: GPU
@@ -72,13 +73,17 @@ from scheduler_link.msgauth import AuthError, BundleVerifier, with_outcome_mac
 
 from .errors import AgentError
 from .partstore import PartRecord, PartState, PartStore
-from .placement import Refusal, check_placement, replayed
+from .placement import Refusal, attempt_of, check_placement, replayed
 from .state import WorkloadRecord
 
 log = logging.getLogger("herd.agent.parts")
 
 KEEP_DONE = 512          # handed-over parts remembered on disk (idempotency across restarts)
 KEEP_REFUSED = 2048      # refusals remembered in memory
+# A stop-only part is still applied this long after it expired (a stop that comes late is still
+# right); after that it is refused as expired, so a replayed stop, once its outcome is no longer
+# remembered, cannot reach a pod started since (heartbeat answers fence stale work instead).
+STOP_LATE_S = 600.0
 
 
 # ---------------------------------------------------------------- deciding (pure)
@@ -109,8 +114,14 @@ def check_part(part: NodePart, *, node_id: str, now: float, inventory: Sequence[
     if part.version != WIRE_VERSION:
         return _no(part, node_id, Refusal("refused_spec", f"unsupported part version {part.version} "
                                                           f"(this agent speaks {WIRE_VERSION})"))
-    if part.expires_at and now > part.expires_at and part.pods:  # (stops only: late is still right)
+    late = STOP_LATE_S if not part.pods else 0.0   # a stop may come late (still right), not for ever
+    if part.expires_at and now > part.expires_at + late:
         return _no(part, node_id, Refusal("expired", f"part expired {now - part.expires_at:.3f}s ago"))
+    if not part.pods and (stray := next((v.workload_id for v in part.victims
+                                         if attempt_of(v.workload_id, part.job_id) not in (None, part.attempt)),
+                                        None)) is not None:
+        # a stop of its own job's pods is bound to its attempt: a replay cannot reach a later one
+        return _no(part, node_id, Refusal("refused_spec", f"a stop of attempt {part.attempt} names {stray}"))
     if part.pods and not part.blob_id:
         return _no(part, node_id, Refusal("refused_spec", "a part that starts pods needs a gang blob"))
     if part.pods and (why := replayed(part.job_id, part.attempt, part.placement_id, records)) is not None:

@@ -149,11 +149,13 @@ def cmd_inject(args: argparse.Namespace) -> int:
         raise CliError("no agent URL: give --agent URL or set HERD_AGENT")
     fault = fault_from_args(args)
     tokens = TokenSet.load(args.token_dir)
-    if not tokens.operator:
+    tls_agent = args.agent.startswith("https://")   # the operator's certificate, never the token
+    if not tokens.operator and not tls_agent:
         raise CliError("no operator token: put operator.token in --token-dir or $HERD_TOKEN_DIR")
     from urllib.parse import quote
-    with DaemonClient(args.agent, "agent", timeout=args.timeout,
-                      headers={**auth_header(tokens.operator), "content-type": "application/json"}) as c:
+    with DaemonClient(args.agent, "agent", timeout=args.timeout, expect="node",
+                      headers={**({} if tls_agent else auth_header(tokens.operator)),
+                               "content-type": "application/json"}) as c:
         # an error answer is "agent answered 4xx: error: detail"; a page that is not herd's says so
         body = c.json("POST", f"/v1/gpus/{quote(args.gpu, safe='')}/inject", content=msgspec.json.encode(fault))
     if args.json:

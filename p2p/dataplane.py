@@ -94,6 +94,7 @@ import msgspec
 import trio
 
 from infra.gate import ConnectionGate, turn_away
+from infra.tls import HerdContext
 
 from . import batch as _b
 from .batch import (
@@ -173,6 +174,7 @@ class _Stats(msgspec.Struct, kw_only=True):
     connection_errors: int = 0
     sendfile_fallbacks: int = 0
     tls_errors: int = 0                # TLS handshakes that failed or timed out
+    revoked_closed: int = 0            # open connections closed: their peer was revoked since
     rejected_chunk_busy: int = 0       # 503: the chunk was being sent to max_serving_per_chunk peers
     manifest_waits: int = 0            # manifest requests that waited (?wait_ms=)
     manifest_waits_satisfied: int = 0
@@ -385,10 +387,21 @@ class DataPlane:
                     log.info("data plane TLS handshake failed client=%s err=%s", client,
                              e.__cause__ or e or "timed out")
                     return
+            # the deny-list (herd pki revoke) refused revoked peers in the handshake; one revoked
+            # after it is caught at its next request (an int compared while the list is unchanged)
+            deny = self._ssl.revoked if isinstance(self._ssl, HerdContext) else None
+            seen = deny.generation if deny is not None else 0
             while True:
                 req = await self._read_request(stream, conn)
                 if req is None:
                     return
+                if deny is not None and deny.generation != seen:
+                    seen = deny.generation
+                    assert isinstance(stream, trio.SSLStream)
+                    if (why := deny.refuses(stream.getpeercert())) is not None:
+                        self._stats.revoked_closed += 1
+                        log.warning("data plane connection closed client=%s: %s", client, why)
+                        return
                 # the request's slot (503 when over the limits) is held until its
                 # answer has been sent: a sendfile in progress counts as busy
                 admitted = False

@@ -44,6 +44,7 @@ import trio
 from infra.backoff import Backoff
 from infra.errors import ProtocolError
 from infra.h1 import ClosedBeforeAnswer, ClosedMidHead, HeadTooLarge, parse_response_head, receive_head
+from infra.tls import TLSError, expect_peer
 
 from .batch import (
     FRAME,
@@ -377,9 +378,14 @@ class PeerClient:
             tls = trio.SSLStream(stream, self._ssl, server_hostname=host, https_compatible=True)
             try:
                 await tls.do_handshake()
+                # the cluster token goes to nodes only (the context refused revoked ones already)
+                expect_peer(tls, "node")
             except trio.BrokenResourceError as e:
                 stream.socket.close()
                 raise PeerUnavailable(f"{host}:{port}: TLS handshake failed: {e.__cause__ or e}") from None
+            except TLSError as e:
+                stream.socket.close()
+                raise PeerError(f"{host}:{port}: {e}") from None
             return _Conn(stream, tls)
         if stream is not None:
             stream.socket.close()

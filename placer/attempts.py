@@ -19,9 +19,9 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from scheduler_link.messages import Placement, PlacementOutcome, Victim
+from scheduler_link.messages import Placement, PlacementOutcome, ReportReply, Victim
 
-from .records import TERMINAL_JOB_STATES, JobError, JobRec, PodRec, Push
+from .records import TERMINAL_JOB_STATES, JobError, JobRec, NodeRec, PodRec, Push
 from .statebase import StateBase
 
 log = logging.getLogger("herd.placer.state")
@@ -236,6 +236,33 @@ class Attempts(StateBase):
             late.append(Push(push.node_id, node.control_url, pl, job_id, attempt, "stop"))
         return late
 
+    # ------------------------------------------------------------ revocation
+
+    def set_revoked(self, denied: tuple[frozenset[str], frozenset[str]], newly: list[str], now: float) -> None:
+        """The deny-list (node ids, serials) goes out in every heartbeat answer; the nodes
+        ``newly`` denied are fenced like lost ones, at once: lost now, fenced at the next tick."""
+        nodes, serials = sorted(denied[0]), sorted(denied[1])
+        # None until a list was ever held (an empty list after that: a lifted node is heard of)
+        known = bool(nodes or serials) or self._ok_reply.revoked_nodes is not None
+        self._ok_reply = ReportReply(ok=True, heartbeat_interval_s=self.cfg.heartbeat_s,
+                                     revoked_nodes=nodes if known else None,
+                                     revoked_serials=serials if known else None)
+        for nid in newly:
+            node = self.nodes.get(nid)
+            if node is None:
+                continue
+            if node.state == "up":
+                self._lose(node, now)
+            self.fence_timer.set(nid, now)
+
+    def _lose(self, node: NodeRec, now: float) -> None:
+        self._set_node_state(node, "lost")
+        node.lost_since = now
+        self.dirty = True
+        self.counters["nodes_lost"] += 1
+        self.model.set_node_state(node.node_id, healthy=False, draining=node.cordoned)
+        self.fence_timer.set(node.node_id, now + self.cfg.fence_after_s)
+
     # ------------------------------------------------------------ time
 
     def tick(self, now: float) -> list[Push]:
@@ -255,12 +282,7 @@ class Attempts(StateBase):
             if now - node.last_seen < self.cfg.lost_after_s:  # (a clock step): file it again
                 self.lost_timer.set(nid, node.last_seen + self.cfg.lost_after_s)
                 continue
-            self._set_node_state(node, "lost")
-            node.lost_since = now
-            self.dirty = True
-            self.counters["nodes_lost"] += 1
-            self.model.set_node_state(nid, healthy=False, draining=node.cordoned)
-            self.fence_timer.set(nid, now + self.cfg.fence_after_s)
+            self._lose(node, now)
             log.warning("node lost node=%s silent=%.1fs", nid, now - node.last_seen)
         for nid in self.fence_timer.pop_due(now):
             node = self.nodes.get(nid)

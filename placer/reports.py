@@ -156,7 +156,8 @@ class Reports(StateBase):
                     for w in sorted(node.tell) if w in node.stale and node.workloads.get(w) not in TERMINAL_STATES]
             node.tell.clear()
         return ReportReply(ok=True, need_full=need_full or bool(node.refused), stop=stop,
-                           heartbeat_interval_s=self.cfg.heartbeat_s)
+                           heartbeat_interval_s=self.cfg.heartbeat_s, revoked_nodes=self._ok_reply.revoked_nodes,
+                           revoked_serials=self._ok_reply.revoked_serials)
 
     def _grace_of(self, wid: str) -> float:
         parsed = parse_workload_id(wid)

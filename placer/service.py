@@ -33,6 +33,7 @@ from infra.durable import atomic_write
 from infra.http import (
     LARGE_BODY,
     App,
+    Handler,
     HTTPError,
     Request,
     Response,
@@ -59,7 +60,9 @@ from scheduler_link.messages import (
 from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
 
 from .config import PlacerConfig
+from .etcdjournal import JobJournal
 from .frag import fragmentation, largest_placeable, plan_defrag
+from .ha import HighAvailability
 from .journal import Journal, JournalError
 from .relays import RelayHub
 from .state import ACCEPTED, TERMINAL_JOB_STATES, JobError, JobRec, Outcome, PlacerState, Push
@@ -99,9 +102,11 @@ class PlacerService:
         self.token_use = authz.TokenUse() if self.security.accept_tokens else None
         self.pki = PKIRoutes(config.ca_dir, days=config.node_cert_days, clock=clock)
         self.state = PlacerState(config, started_at=clock())
+        self._refresh_revoked(clock())   # the deny-list (herd pki revoke) before any handshake
         self.pool = PushPool(concurrency=config.push_concurrency, attempt_timeout_s=config.ack_timeout_s,
                              retries=config.push_retries, ssl_context=self.security.client)
-        self.journal: Journal | None = None
+        self.journal: JobJournal | None = None
+        self.ha = HighAvailability(config) if config.etcd else None   # several placers, one leads (placer.ha)
         self.url: str | None = None
         self.wire: HeartbeatServer | None = None
         self.wire_url: str | None = None
@@ -126,10 +131,9 @@ class PlacerService:
 
     # ------------------------------------------------------------ life cycle
 
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        self.journal = Journal.open(self.cfg.state_dir)
-        self.mac_master, self.signer = msgauth.load_placer_keys(self.cfg.state_dir)
-        self.state.set_mac_master(self.mac_master)
+    def _recover(self, journal: JobJournal) -> None:
+        """Take the journal's jobs and cordons (at start, or on promotion to leader)."""
+        self.journal = journal
         now = self.clock()
         recovered = self.journal.jobs()
         for spec in recovered:
@@ -145,6 +149,13 @@ class PlacerService:
         if recovered:
             log.info("recovered jobs from the journal count=%d; waiting %.1fs for reports",
                      len(recovered), self.cfg.recover_window_s)
+        self.kick()
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.mac_master, self.signer = msgauth.load_placer_keys(self.cfg.state_dir)
+        self.state.set_mac_master(self.mac_master)
+        if self.ha is None:
+            self._recover(Journal.open(self.cfg.state_dir))
         try:
             async with trio.open_nursery() as n:
                 self._nursery = n
@@ -155,13 +166,16 @@ class PlacerService:
                                                 require_certs=self.security.require_certs, token_use=self.token_use)
                     self.wire_url = await n.start(self.wire.run, self.cfg.wire_listen)
                 self._write_endpoints()
+                if self.ha is not None:  # campaign; on promotion the journal comes from etcd
+                    await n.start(self.ha.run, self.url, self._recover)
                 n.start_soon(self._loop)
                 log.info("placer serving url=%s", self.url)
                 task_status.started(self.url)
         finally:
             with trio.CancelScope(shield=True):
                 await self.pool.aclose()
-            self.journal.close()
+            if self.journal is not None:
+                self.journal.close()
 
     def _write_endpoints(self) -> None:
         atomic_write(Path(self.cfg.state_dir) / "endpoints.json", json.dumps(
@@ -180,6 +194,8 @@ class PlacerService:
             with trio.move_on_after(self.cfg.tick_s):
                 await self._kick.wait()
             self._kick = trio.Event()
+            if self.ha is not None and not self.ha.leading():
+                continue  # a follower places nothing
             now = self.clock()
             self._tick(now)
             rebuilds = self.state.counters["rebuilds"]
@@ -224,7 +240,15 @@ class PlacerService:
         direct = self.wire.heard_until() if self.wire is not None else None
         if direct is not None:  # (a connection that is always behind holds the check back so long at most)
             until = min(until, max(direct, now - WIRE_HOLD_LOST_AFTERS * self.cfg.lost_after_s))
+        self._refresh_revoked(now)
         self._carry_out(self.state.tick(until))
+
+    def _refresh_revoked(self, now: float) -> None:
+        """The deny-list into every handshake (infra.tls.Revoked) and the heartbeat answers;
+        newly revoked nodes are fenced like lost ones."""
+        newly = self.pki.refresh(self.security.revoked)
+        if newly is not None:
+            self.state.set_revoked(self.pki.denied, newly, now)
 
     def _maybe_freeze(self) -> None:
         """After a pass that rebuilt the model or decided (the records it made live long),
@@ -361,7 +385,7 @@ class PlacerService:
         """Routes, their roles (scheduler_link.authz, the one table) and their body bounds:
         reports as large as a full report gets at fleet scale, everything else small."""
         app = App(name="herd-placer", max_body=4096)
-        handlers = {
+        handlers: dict[tuple[str, str], Handler] = {
             ("GET", "/healthz"): self.h_healthz, ("GET", "/metrics"): self.h_metrics,
             ("GET", "/openapi.json"): self.h_openapi, ("POST", "/v1/nodes/{node_id}/report"): self.h_report,
             ("GET", "/v1/nodes"): self.h_nodes, ("GET", "/v1/cluster"): self.h_cluster,
@@ -376,6 +400,8 @@ class PlacerService:
             ("GET", "/v1/status"): self.h_status,
             ("POST", "/v1/pki/bootstrap"): self.pki.h_bootstrap, ("POST", "/v1/pki/renew"): self.pki.h_renew,
         }
+        if self.ha is not None:  # a follower answers health and status; the rest goes to the leader
+            handlers = self.ha.guard(handlers)
         authz.install(app, authz.PLACER_ROUTES, handlers, self.tokens, token_use=self.token_use, docs=PLACER_DOCS,
                       flags={"open_reads": self.cfg.open_reads, "open_metrics": self.cfg.open_metrics,
                              **self.security.flags()},
@@ -390,7 +416,8 @@ class PlacerService:
     async def h_healthz(self, req: Request) -> Response:
         """Liveness: 200 while the service runs; the package and wire versions."""
         return json_response({"ok": True, "recovering": self.clock() < self.state.recover_until,
-                              "service": "herd-placer", "version": _VERSION, "wire_version": WIRE_VERSION})
+                              "service": "herd-placer", "version": _VERSION, "wire_version": WIRE_VERSION,
+                              **({"ha": self.ha.health()} if self.ha is not None else {})})
 
     async def h_status(self, req: Request) -> Response:
         """Transport security (TLS or insecure, token-authenticated agents under accept_tokens),
@@ -400,7 +427,8 @@ class PlacerService:
                               "token_agents": dict(sorted(tu.nodes.items())[:1000]) if tu else {},
                               "token_agents_total": len(tu.nodes) if tu else 0,
                               "certificates_issued": self.pki.issued,
-                              "you": str(req.principal) if req.principal else None})
+                              "you": str(req.principal) if req.principal else None,
+                              **({"ha": self.ha.health()} if self.ha is not None else {})})
 
     async def h_openapi(self, req: Request) -> Response:
         """This API's OpenAPI description, generated from the route table."""
@@ -428,7 +456,13 @@ class PlacerService:
         forwards for another node is applied only if it carries that node's MAC (401 otherwise,
         counted in ``bad_macs``: the member then registers directly); the answer to a full report
         over the node's own connection carries its MAC key and the placer's signing key."""
+        if self.ha is not None and not self.ha.leading():  # a follower fences nothing
+            return 503, ReportReply(ok=False, error="this placer does not lead"), False
         relayed = via is not None and via != rep.node_id
+        if rep.node_id in self.pki.denied[0] or (via is not None and via in self.pki.denied[0]):
+            # revoked (herd pki revoke): its handshakes are refused; a connection opened before is
+            # answered this until the node goes away (it is fenced like a lost one meanwhile)
+            return 403, ReportReply(ok=False, error="this node is revoked"), False
         if relayed and not msgauth.report_ok(self.state.mac_key(rep.node_id, rep.boot_id), rep):
             self.state.counters["bad_macs"] += 1
             log.warning("relayed report refused: MAC does not verify node=%s relay=%s", rep.node_id, via)

@@ -218,6 +218,8 @@ class AgentLink:
                  wire_busy_backoff_s: float = 1.0) -> None:
         self.placer_url = placer_url.rstrip("/")
         self.ssl_context = ssl_context       # mutual TLS (this node's certificate) on every connection
+        # the deny-list this node's handshakes consult (shared by its contexts): the placer's answers fill it
+        self.revoked = ssl_context.revoked if isinstance(ssl_context, tls.HerdContext) else None
         self.token = token
         self.node_id = node_id
         self.hooks = hooks
@@ -399,6 +401,8 @@ class AgentLink:
                 if not relayed:  # keys only from our own connection: a relay's answer could be anything
                     self.mac_key = reply.mac_key or self.mac_key
                     self.placer_key = reply.placer_key or self.placer_key
+            if reply.revoked_nodes is not None and not relayed and self.revoked is not None:
+                self.revoked.replace(reply.revoked_nodes, reply.revoked_serials or [])
             if reply.heartbeat_interval_s:
                 self.heartbeat_s = max(0.01, reply.heartbeat_interval_s)
             if reply.need_full:

@@ -107,7 +107,7 @@ AGENT_ROUTES: tuple[Rule, ...] = (
 )
 
 # The placer's API (placer/service.py ``_build_app``). Its reads need the viewer role
-# like the agent's; the lead wires the placer to this table with :func:`install`.
+# like the agent's; the placer is wired to this table with :func:`install`.
 PLACER_ROUTES: tuple[Rule, ...] = (
     Rule("GET", "/healthz", (PUBLIC,)),
     Rule("GET", "/metrics", ("metrics",), open_flag="open_metrics"),

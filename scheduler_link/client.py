@@ -6,9 +6,11 @@ Every failure becomes :class:`ClientError` with one clear line: the placer's own
 TLS: an ``https://`` URL is verified against the cluster CA only (``verify=`` an
 :func:`infra.tls.client_context`), with the operator's (or viewer's) client
 certificate when the TLS dir holds one; the TLS dir is ``tls_dir=``, else ``$HERD_TLS_DIR``,
-else ``/etc/herd/tls``. The answer must come from a certificate whose principal is
-``placer`` (:func:`check_peer`): a node certificate that happens to carry the placer host's
-address is not the placer.
+else ``/etc/herd/tls``. The peer must hold a certificate whose principal is ``placer``: the
+context checks it inside the TLS handshake (``expect="placer"``, :class:`infra.tls.HerdContext`),
+so no request, bearer token or job env leaves for anyone else -- a node certificate that happens
+to carry the placer host's address is not the placer. A context the caller passes in is checked
+after the answer instead (:func:`check_peer`), unless it expects ``placer`` itself.
 """
 
 from __future__ import annotations
@@ -98,9 +100,10 @@ def tls_dir_from_env(explicit: str | os.PathLike[str] | None = None) -> Path:
 
 
 def operator_context(tls_dir: str | os.PathLike[str] | None = None, *,
-                     cert: str | None = None) -> ssl.SSLContext:
+                     cert: str | None = None, expect: str | None = None) -> ssl.SSLContext:
     """The CLI's TLS context: the cluster CA of the TLS dir, with ``cert`` (or the first of
-    :data:`CLIENT_CERTS` the dir holds) as the client certificate, none when it holds none."""
+    :data:`CLIENT_CERTS` the dir holds) as the client certificate, none when it holds none;
+    the peer must be ``expect`` (``placer``, ``node:X``, ``node``), checked in the handshake."""
     d = tls_dir_from_env(tls_dir)
     ca = d / "ca.crt"
     if not ca.is_file():
@@ -110,14 +113,16 @@ def operator_context(tls_dir: str | os.PathLike[str] | None = None, *,
     files = next((f for f in (tls.TLSFiles.in_dir(d, n) for n in names) if f.cert.is_file() and f.key.is_file()),
                  None)
     try:
-        return tls.client_context(ca, files)
+        return tls.client_context(ca, files, expect=expect)
     except tls.TLSError as e:
         raise ClientError(str(e)) from None
 
 
-def verify_for(url: str, tls_dir: str | os.PathLike[str] | None = None) -> ssl.SSLContext | bool:
-    """httpx's ``verify=`` for ``url``: the CLI's TLS context for https, True (unused) for http."""
-    return operator_context(tls_dir) if url.startswith("https://") else True
+def verify_for(url: str, tls_dir: str | os.PathLike[str] | None = None, *,
+               expect: str | None = None) -> ssl.SSLContext | bool:
+    """httpx's ``verify=`` for ``url``: the CLI's TLS context for https (the peer must be
+    ``expect``), True (unused) for http."""
+    return operator_context(tls_dir, expect=expect) if url.startswith("https://") else True
 
 
 def check_peer(r: httpx.Response, want: str) -> None:
@@ -135,8 +140,9 @@ def check_peer(r: httpx.Response, want: str) -> None:
 def transport_line(e: httpx.HTTPError, who: str, url: str) -> str:
     """One line for a request that got no answer; TLS failures named for what they are."""
     text = str(e) or type(e).__name__
-    if "SSL" in text or "certificate" in text.lower():
-        return f"TLS to the {who} at {url} failed: {tls.describe_ssl_error(e)}"
+    cause = tls.ssl_cause(e)
+    if cause is not None or "SSL" in text or "certificate" in text.lower():
+        return f"TLS to the {who} at {url} failed: {tls.describe_ssl_error(cause or e)}"
     return f"cannot reach the {who} at {url}: {text}"
 
 
@@ -155,7 +161,7 @@ class PlacerClient:
                  ssl_context: ssl.SSLContext | None = None, tls_dir: str | os.PathLike[str] | None = None) -> None:
         self.url = url.rstrip("/")
         self.request_timeout = timeout
-        verify = ssl_context if ssl_context is not None else verify_for(self.url, tls_dir)
+        verify = ssl_context if ssl_context is not None else verify_for(self.url, tls_dir, expect="placer")
         self._c = httpx.Client(base_url=self.url, headers=auth_header(token), timeout=timeout, verify=verify)
 
     def __enter__(self) -> PlacerClient:

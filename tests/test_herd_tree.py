@@ -25,7 +25,7 @@ RACK = 4
 # connect_s 3 s (FAST's 0.5 s): 40 nodes in one process on a loaded 2-core machine can take
 # longer than 0.5 s to accept, and a node whose parents "time out" rightly asks the origin,
 # which the origin-reads-once assertions would then count against the tree
-CFG = dataclasses.replace(FAST, tree_k=K, rack_fanout=K, wait_ms=5000, stall_s=2.0, endgame=0, connect_s=3.0)
+CFG = dataclasses.replace(FAST, tree_k=K, rack_fanout=K, wait_ms=5000, stall_s=6.0, endgame=0, connect_s=3.0)
 PLANE = DataPlaneConfig(max_per_client=1024, max_concurrent=2048, max_waiting=2048,
                         max_waiting_per_client=2048, max_serving_per_chunk=K, busy_retry_ms=20)
 

@@ -10,9 +10,9 @@ receives a Content-Length body with ``recv_into`` straight into one preallocated
 woken per ``PIECE`` bytes (``SO_RCVLOWAT``), not per packet.
 
 It takes only what it can take exactly: a Content-Length answer in the identity coding.
-A redirect, a chunked or close-delimited answer, or a content coding returns None, and
-:class:`p2p.origins.transport.RetryingClient` asks httpx for that request instead (so
-redirects are still followed and codings decoded). Failures to connect or to receive
+A chunked or close-delimited answer, or a content coding returns None, and
+:class:`p2p.origins.transport.RetryingClient` asks httpx for that request instead (codings
+decoded). A redirect is an answer like any other error: never followed. Failures to connect or to receive
 (refused, reset, closed early, a stall of ``timeout`` seconds, a malformed head) raise
 :class:`LeanUnavailable`, which the caller retries like httpx's transport errors and
 timeouts; a body over its bound is an ``OriginError`` (not retried), as there.
@@ -33,7 +33,6 @@ from infra.h1 import ClosedBeforeAnswer, parse_response_head, receive_head
 from ..errors import OriginError
 
 MAX_HEAD = 64 << 10
-REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 
 class LeanUnavailable(Exception):
@@ -174,7 +173,7 @@ class LeanHttp:
             raise
         except ProtocolError as e:
             raise LeanUnavailable(f"unreachable (RemoteProtocolError: {e})") from None
-        if h.status in REDIRECTS or h.length is None or h.chunked or h.coding not in (b"", b"identity"):
+        if h.length is None or h.chunked or h.coding not in (b"", b"identity"):
             return None, False
         cap = limit if h.status == 200 else cap_error
         if h.length > cap:

@@ -7,6 +7,9 @@ after the last attempt they become ``OriginUnavailable`` (an ``OriginError`` wor
 asking again later) with one readable line. ``retries=0``: one attempt, for callers
 that retry themselves (the herd's origin call, the one retry layer of a fetch).
 
+Redirects are not followed: an allowed origin's 3xx is an error (its status and category),
+never a request to wherever it points (a metadata server, the agent's own APIs).
+
 Bodies are bounded: ``request(..., limit=N)`` streams the answer and refuses (OriginError,
 not retried: the origin misbehaves) one that announces or sends more than N bytes after
 decoding, or more than 64 KiB for a non-200 answer. The origins pass the size the
@@ -57,7 +60,7 @@ class RetryingClient:
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
             limits=httpx.Limits(max_connections=max(1, max_concurrency),
                                 max_keepalive_connections=max(1, max_concurrency)),
-            follow_redirects=True)
+            follow_redirects=False)
         self._auth_headers = auth_headers
         self._describe = describe
         self.retried = 0
@@ -227,9 +230,27 @@ def _short(url: str) -> str:
     return url.split("?", 1)[0][:160]
 
 
+def status_category(status: int) -> str:
+    """What an error status means, in a word or two (a pod's reason says this, not the body)."""
+    if 300 <= status < 400:
+        return "redirect, not followed"
+    if status in (401, 403):
+        return "access denied"
+    if status == 404:
+        return "not found"
+    if status in (408, 429):
+        return "rate limited or timed out"
+    if 400 <= status < 500:
+        return "request refused"
+    if status >= 500:
+        return "origin error"
+    return "unexpected answer"
+
+
 def describe_status(resp: httpx.Response | LeanResponse) -> str:
-    text = resp.text[:200].replace("\n", " ") if resp.content else ""
-    return f"HTTP {resp.status_code}{': ' + text if text else ''}"
+    """``HTTP <status> (<category>)``: an error answer's body is the origin's (or whatever
+    answers at its address) and never travels on into logs or a pod's reason."""
+    return f"HTTP {resp.status_code} ({status_category(resp.status_code)})"
 
 
 def get_body(resp: httpx.Response | LeanResponse, origin_url: str, key: str) -> bytes:
