@@ -253,9 +253,9 @@ async def test_grafana_dashboard_names_only_served_metrics(scrapes):
 
 
 def readme_metric_names() -> set[str]:
-    """The metric names README.md's ``### Metrics`` section lists: `A`/`B` shares A's prefix
+    """The metric names docs/operations.md's ``## Metrics`` section lists: `A`/`B` shares A's prefix
     (`DCGM_FI_DEV_FB_USED`/`FB_FREE`), `X_{A,B}_Y` is X_A_Y and X_B_Y, `{labels}` are labels."""
-    sec = (REPO / "README.md").read_text().split("\n### Metrics\n", 1)[1].split("\n### ", 1)[0]
+    sec = (REPO / "docs" / "operations.md").read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
     names: set[str] = set()
     prev = ""
     for m in re.finditer(r"(/?)`([^`]+)`", sec):
@@ -275,9 +275,9 @@ async def test_readme_lists_exactly_what_is_served(scrapes):
     served: set[str] = set()
     for text in (scrapes["agent"], scrapes["placer"]):
         for fam in text_string_to_metric_families(text):
-            if not fam.name.startswith("process_"):       # the README says `process_*`
+            if not fam.name.startswith("process_"):       # the docs say `process_*`
                 served.add(fam.name + ("_total" if fam.type == "counter" else ""))
     listed = readme_metric_names()
     assert "DCGM_FI_DEV_FB_FREE" in listed and "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL" in listed
-    assert served - listed == set(), "served, not in README: " + ", ".join(sorted(served - listed))
-    assert listed - served == set(), "in README, not served: " + ", ".join(sorted(listed - served))
+    assert served - listed == set(), "served, not in docs/operations.md: " + ", ".join(sorted(served - listed))
+    assert listed - served == set(), "in docs/operations.md, not served: " + ", ".join(sorted(listed - served))
