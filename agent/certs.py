@@ -23,6 +23,7 @@ import msgspec
 import trio
 
 from infra import pki
+from infra.durable import atomic_write
 from infra.tls import (
     DEFAULT_TLS_DIR,
     Security,
@@ -78,8 +79,8 @@ def _save(state_dir: str | os.PathLike[str], key_pem: bytes, reply: CertReply) -
     d = Path(state_dir) / "tls"
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)
-    pki._write(d / "node.key", key_pem, 0o600)
-    pki._write(d / "node.crt", reply.cert.encode(), 0o644)
+    atomic_write(d / "node.key", key_pem, 0o600)
+    atomic_write(d / "node.crt", reply.cert.encode(), 0o644)
     return TLSFiles(d / "ca.crt", d / "node.crt", d / "node.key")
 
 
@@ -89,7 +90,7 @@ async def _post_csr(placer: str, path: str, body: CSRRequest, *, verify: object,
     if token:
         headers["authorization"] = f"Bearer {token}"
     try:
-        async with httpx.AsyncClient(verify=verify, timeout=10.0) as c:  # type: ignore[arg-type]
+        async with httpx.AsyncClient(verify=verify, timeout=10.0) as c:  # type: ignore[arg-type]  # verify is an SSLContext or a CA path from tls.client_verify, typed object there
             r = await c.post(f"{placer.rstrip('/')}{path}", content=msgspec.json.encode(body), headers=headers)
     except httpx.HTTPError as e:
         cause = ssl_cause(e)

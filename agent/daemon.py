@@ -397,7 +397,7 @@ class Agent:
     async def stop_workloads(self, victims: list[Victim]) -> None:
         for v in victims:
             try:
-                await self.supervisor.stop(v.workload_id, reason=v.reason, grace_s=v.grace_s)
+                await self.supervisor.stop(v.workload_id, reason=v.reason, grace_s=v.grace_s, preempted=v.preempted)
             except UnknownWorkload:
                 log.info("asked to stop unknown workload id=%s (already gone)", v.workload_id)
 

@@ -295,12 +295,14 @@ class ShimPool:
                 for s in idle:
                     await s.close()
                     self._children.discard(s.pid)
-                    await wait_exit(s.pid, timeout=2)
+                    with trio.move_on_after(2):
+                        await wait_exit(s.pid)
                 if self._zygote is not None:
                     self._zygote.close()  # EOF: the zygote exits
                     self._zygote = None
                 if self._zygote_pid is not None:
-                    await wait_exit(self._zygote_pid, timeout=2)
+                    with trio.move_on_after(2):
+                        await wait_exit(self._zygote_pid)
                     self._children.discard(self._zygote_pid)
 
     async def launch(self, cmd: LaunchCommand) -> Launched:
@@ -319,7 +321,8 @@ class ShimPool:
             await shim.close()
         self._children.discard(shim.pid)
         if not reply.get("ok"):
-            await wait_exit(shim.pid, timeout=5)
+            with trio.move_on_after(5):
+                await wait_exit(shim.pid)
             raise ShimError(str(reply.get("error", "shim refused the command")))
         return msgspec.convert({k: reply.get(k) for k in Launched.__struct_fields__}, Launched)
 
@@ -327,24 +330,19 @@ class ShimPool:
         return {"idle": len(self._idle), "size": self.size, "spawned": self.spawned}
 
 
-async def wait_exit(pid: int, *, timeout: float | None = None) -> bool:
-    """Wait for ``pid`` to exit (child or not); reap it if it is our child.
-
-    Returns False on timeout. Works across agent restarts through ``pidfd_open``.
+async def wait_exit(pid: int) -> None:
+    """Wait for ``pid`` to exit (child or not); reap it if it is our child. The caller
+    bounds the wait with its cancel scope. Works across agent restarts through ``pidfd_open``.
     """
     fd = procs.open_pidfd(pid)
     if fd is None:
         procs.reap(pid)
-        return True
+        return
     try:
-        with trio.move_on_after(timeout if timeout is not None else float("inf")) as cs:
-            await trio.lowlevel.wait_readable(fd)
+        await trio.lowlevel.wait_readable(fd)
     finally:
         os.close(fd)
-    if cs.cancelled_caught:
-        return False
     procs.reap(pid)
-    return True
 
 
 async def wait_identity(pid: int | None, start_time: int | None, boot: str | None) -> bool:

@@ -66,6 +66,7 @@ from scheduler_link.messages import (
     PodAssignment,
     Victim,
     WorkloadEvent,
+    WorkloadState,
     inventory_hash,
 )
 from scheduler_link.msgauth import AuthError, BundleVerifier, with_outcome_mac
@@ -182,7 +183,8 @@ class PartNotAuthentic(AgentError):
 class PartSupervisor(Protocol):
     async def place(self, placement: Placement, *, direct: bool = False) -> PlacementAck: ...
 
-    async def stop(self, workload_id: str, *, reason: str = ..., grace_s: float | None = ...) -> Any: ...
+    async def stop(self, workload_id: str, *, reason: str = ..., grace_s: float | None = ...,
+                   preempted: bool = ...) -> Any: ...
 
     def records_view(self) -> Mapping[str, WorkloadRecord]: ...
 
@@ -478,7 +480,7 @@ class PartAcceptor:
         part = r.part
         for v in part.victims:  # victims go now, not after the blob: the stops and the parts go out together
             try:
-                await self.supervisor.stop(v.workload_id, reason=v.reason, grace_s=v.grace_s)
+                await self.supervisor.stop(v.workload_id, reason=v.reason, grace_s=v.grace_s, preempted=v.preempted)
             except Exception as e:  # already gone (UnknownWorkload): nothing to stop
                 log.debug("victim not stopped workload=%s err=%s", v.workload_id, e)
         why: str | None = None
@@ -502,14 +504,14 @@ class PartAcceptor:
         if why is None:
             for wid, v in self._stopped(r).items():
                 if wid in early:  # not placed: its end is ours to report (as the supervisor would)
-                    state = "preempted" if v.reason.startswith("preempt") else "exited"
+                    state: WorkloadState = "preempted" if v.preempted else "exited"
                     pod = next(p for p in r.pods if p.workload_id == wid)
-                    self._notify(WorkloadEvent(workload_id=wid, job_id=part.job_id, state=state, at=now,  # type: ignore[arg-type]
+                    self._notify(WorkloadEvent(workload_id=wid, job_id=part.job_id, state=state, at=now,
                                                reason=f"{v.reason} before start", gpus=list(pod.gpus),
                                                placement_id=part.placement_id))
                     continue
                 try:  # came while the placement was being handed over
-                    await self.supervisor.stop(wid, reason=v.reason, grace_s=v.grace_s)
+                    await self.supervisor.stop(wid, reason=v.reason, grace_s=v.grace_s, preempted=v.preempted)
                 except Exception as e:
                     log.debug("early stop not applied workload=%s err=%s", wid, e)
             self.counters.placed += 1

@@ -133,7 +133,7 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
     chans: dict[str, FakeRelay] = {}
     for rack, ids in by_rack.items():
         ch = chans[rack] = FakeRelay(ids[0], answerer)
-        conn = RelayConn(ids[0], (rack,), "tcp://127.0.0.1:9", ch)  # type: ignore[arg-type]
+        conn = RelayConn(ids[0], (rack,), "tcp://127.0.0.1:9", ch)  # type: ignore[arg-type]  # FakeRelay has the FrameChannel methods the hub uses
         ch.info = conn
         hub._cands[rack] = {ids[0]: conn}
         hub._active.pop(rack, None)

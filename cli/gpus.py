@@ -17,7 +17,7 @@ _FAULT_FLAGS = ("xid", "ecc_dbe", "ecc_sbe", "temperature_c", "throttle", "lost"
                 "fabric_health", "clear")
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gpus", help="show GPUs, topology and health; inject faults into simulated GPUs",
                        description="Discover this host's GPUs (NVML or a simulated profile) and print a table, "
                                    "the topology matrix (as `nvidia-smi topo -m`) and health with reasons.")
@@ -161,5 +161,5 @@ def cmd_inject(args: argparse.Namespace) -> int:
     if args.json:
         emit_json(body)
     else:
-        sys.stdout.write(f"injected into {args.gpu}: {fault.describe()}\n")  # type: ignore[attr-defined]
+        sys.stdout.write(f"injected into {args.gpu}: {fault.describe()}\n")  # type: ignore[attr-defined]  # fault is one of the fault Structs, each of which has describe()
     return 0

@@ -121,7 +121,7 @@ def _log_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stderr", action="store_true", help="the workload's stderr instead of its stdout")
 
 
-def add_job_logs(js: argparse._SubParsersAction,  # type: ignore[type-arg]
+def add_job_logs(js: argparse._SubParsersAction,
                  common: Callable[[argparse.ArgumentParser], None]) -> None:
     lg = js.add_parser("logs", help="a job's pod logs, read from the node that runs the rank")
     lg.add_argument("job_id", help="job id, or a unique prefix of one")
@@ -131,7 +131,7 @@ def add_job_logs(js: argparse._SubParsersAction,  # type: ignore[type-arg]
     lg.set_defaults(func=cmd_job_logs)
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     lg = sub.add_parser("logs", help="a workload's logs from an agent")
     lg.add_argument("workload", help="workload id, or a unique prefix of one")
     lg.add_argument("--agent", default=None, help="agent control URL (default $HERD_AGENT)")

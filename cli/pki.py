@@ -137,8 +137,8 @@ def cmd_status(args: argparse.Namespace) -> int:
                                 "days_left": round(c.days_left(), 1)} for c in certs]
         tokens = pki.BootstrapTokens(Path(args.dir) / "bootstrap-tokens.json").list()
         out["bootstrap_tokens"] = [
-            {"id": t["id"], "node": t["node_id"], "expires": _when(float(t["expires"])),  # type: ignore[arg-type]
-             "state": "used" if t["used_by"] else "expired" if float(t["expires"]) <= now else "unused",  # type: ignore[arg-type]
+            {"id": t["id"], "node": t["node_id"], "expires": _when(float(t["expires"])),  # type: ignore[arg-type]  # the token listing's values are JSON (typed object); expires is a number
+             "state": "used" if t["used_by"] else "expired" if float(t["expires"]) <= now else "unused",  # type: ignore[arg-type]  # the token listing's values are JSON (typed object); expires is a number
              "used_by": t["used_by"]} for t in tokens]
         nodes, serials = pki.Revocations(args.dir).load()
         out["revoked"] = {"nodes": sorted(nodes), "serials": sorted(serials)}
@@ -153,14 +153,14 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     if "certificates" in out:
         print(table(["SUBJECT", "EXPIRES", "DAYS LEFT", "PATH"],
-                    [[c["subject"], c["not_after"][:19], c["days_left"], c["path"]]  # type: ignore[index]
-                     for c in out["certificates"]]))  # type: ignore[attr-defined]
+                    [[c["subject"], c["not_after"][:19], c["days_left"], c["path"]]
+                     for c in out["certificates"]]))  # type: ignore[attr-defined]  # out is a dict of JSON-ready values (typed object); this key holds a list
         toks_out = out["bootstrap_tokens"]
         if toks_out:
             print()
             print(table(["TOKEN", "STATE", "NODE", "EXPIRES", "USED BY"],
-                        [[t["id"], t["state"], t["node"] or "any", t["expires"], t["used_by"] or "-"]  # type: ignore[index]
-                         for t in toks_out]))  # type: ignore[attr-defined]
+                        [[t["id"], t["state"], t["node"] or "any", t["expires"], t["used_by"] or "-"]
+                         for t in toks_out]))  # type: ignore[attr-defined]  # out is a dict of JSON-ready values (typed object); this key holds a list
         rev = out["revoked"]
         assert isinstance(rev, dict)
         if rev["nodes"] or rev["serials"]:

@@ -54,6 +54,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from .durable import atomic_write
 from .tls import TLSFiles, norm_serial, parse_principal, send_leaf_only
 
 NODE_DAYS = 365
@@ -137,7 +138,7 @@ def sign(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, public_k
                                       encipher_only=False, decipher_only=False), critical=True)
          .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),  # type: ignore[arg-type]
+         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),  # type: ignore[arg-type]  # public_key() is typed as every key kind; a CA of ours is always EC, which it takes
                         critical=False))
     sans = _sans(principal, names)
     if sans:
@@ -146,22 +147,6 @@ def sign(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, public_k
 
 
 # ---------------------------------------------------------------- files
-
-def _write(path: Path, data: bytes, mode: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
 
 def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
@@ -173,8 +158,8 @@ def cert_pem(cert: x509.Certificate) -> bytes:
 
 
 def write_pair(d: Path, name: str, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
-    _write(d / f"{name}.key", key_pem(key), 0o600)
-    _write(d / f"{name}.crt", cert_pem(cert), 0o644)
+    atomic_write(d / f"{name}.key", key_pem(key), 0o600)
+    atomic_write(d / f"{name}.crt", cert_pem(cert), 0o644)
 
 
 def load_cert(path: str | os.PathLike[str]) -> x509.Certificate:
@@ -251,7 +236,7 @@ def issue_node(d: str | os.PathLike[str], node_id: str, *, days: int = NODE_DAYS
     k, c = ca.issue(f"node:{node_id}", days=days, names=[*names, *default_names()])
     Issued(Path(d)).record(node_id, c, now=_now().timestamp())
     write_pair(out, "node", k, c)
-    _write(out / "ca.crt", cert_pem(ca.cert), 0o644)
+    atomic_write(out / "ca.crt", cert_pem(ca.cert), 0o644)
     return out
 
 
@@ -331,7 +316,7 @@ class BootstrapTokens:
         return data["tokens"]
 
     def _save(self, tokens: dict[str, dict[str, object]]) -> None:
-        _write(self.path, json.dumps({"version": 1, "tokens": tokens}, sort_keys=True).encode(), 0o600)
+        atomic_write(self.path, json.dumps({"version": 1, "tokens": tokens}, sort_keys=True).encode(), 0o600)
 
     def create(self, *, ttl_s: float = TOKEN_TTL_S, node_id: str | None = None, now: float) -> str:
         """A fresh token valid ``ttl_s`` (for ``node_id`` only, when given)."""
@@ -340,7 +325,7 @@ class BootstrapTokens:
         try:
             tokens = self._read()
             # forget tokens long dead (used or expired more than a day ago)
-            tokens = {k: v for k, v in tokens.items() if float(v["expires"]) > now - 86400}  # type: ignore[arg-type]
+            tokens = {k: v for k, v in tokens.items() if float(v["expires"]) > now - 86400}  # type: ignore[arg-type]  # the token file's values are JSON (typed object); expires is a number we wrote
             tokens[_digest(token)] = {"expires": now + ttl_s, "node_id": node_id, "used_by": None,
                                       "used_at": None, "created": now}
             self._save(tokens)
@@ -357,7 +342,7 @@ class BootstrapTokens:
             return None, "unknown bootstrap token"
         if entry["used_by"] is not None:
             return entry, f"bootstrap token already used (by node {entry['used_by']})"
-        if float(entry["expires"]) <= now:  # type: ignore[arg-type]
+        if float(entry["expires"]) <= now:  # type: ignore[arg-type]  # the token file's values are JSON (typed object); expires is a number we wrote
             return entry, "bootstrap token expired"
         if entry["node_id"] is not None and entry["node_id"] != node_id:
             return entry, f"bootstrap token is for node {entry['node_id']}, not {node_id}"
@@ -426,7 +411,7 @@ class _LockedJSON:
             fcntl.flock(fd, fcntl.LOCK_EX)
             data = self.read()
             change(data)
-            _write(self.path, json.dumps(data, sort_keys=True).encode(), 0o600)
+            atomic_write(self.path, json.dumps(data, sort_keys=True).encode(), 0o600)
             return data
         finally:
             os.close(fd)

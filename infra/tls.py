@@ -43,6 +43,7 @@ certificate the moment the handshake completes, before the handshake's last flig
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import os
 import socket
@@ -68,8 +69,32 @@ ROLES_OF_KIND: dict[str, frozenset[str]] = {
 ClientCert = Literal["required", "optional", "none"]
 
 
+class Refusal(enum.StrEnum):
+    """Why a TLS handshake failed, as a kind: what callers decide on (a plain-text client is
+    answered in plain text; a peer that closed mid-handshake is busy, and asked again
+    later) and the label of the refusal counters. Named once, where ``ssl``'s error enters."""
+    PLAIN = "plain"              # the peer does not speak TLS
+    PEER = "peer"                # the peer closed the connection during the handshake
+    CERTIFICATE = "certificate"  # a certificate was refused, by either side
+    TIMEOUT = "timeout"          # no ClientHello, or no finished handshake, in time
+    QUEUE = "queue"              # no handshake slot in time (the listener is busy)
+    OTHER = "other"
+
+
 class TLSError(Exception):
-    """TLS material that cannot be used, or a peer that is not who it must be."""
+    """TLS material that cannot be used, or a peer that is not who it must be; ``refusal``
+    says why a handshake failed."""
+
+    def __init__(self, message: str, refusal: Refusal = Refusal.OTHER) -> None:
+        super().__init__(message)
+        self.refusal = refusal
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeFailed:
+    """An accepted connection's failed handshake: the kind and the one line for the log."""
+    refusal: Refusal
+    why: str
 
 
 class PeerRefused(ssl.SSLError):
@@ -223,8 +248,8 @@ class HerdContext(ssl.SSLContext):
     """An :class:`ssl.SSLContext` whose handshakes check the peer (see the module docstring):
     ``expect`` the principal a client must reach, ``revoked`` the deny-list."""
 
-    sslobject_class = _CheckedObject   # type: ignore[assignment]
-    sslsocket_class = _CheckedSocket   # type: ignore[assignment]
+    sslobject_class = _CheckedObject
+    sslsocket_class = _CheckedSocket
     expect: str | None = None
     revoked: Revoked | None = None
 
@@ -385,25 +410,31 @@ def reload(ctx: ssl.SSLContext, files: TLSFiles) -> None:
     _load_chain(ctx, files)
 
 
-def describe_ssl_error(e: BaseException) -> str:
-    """One line for a failed handshake, naming the likely cause."""
+def classify_ssl_error(e: BaseException) -> tuple[Refusal, str]:
+    """A failed handshake's kind and one line naming the likely cause. The one place that
+    reads ``ssl``'s error (OpenSSL's reason codes and messages): the rest decides on the kind."""
     s = str(e)
     if "CERTIFICATE_VERIFY_FAILED" in s or "certificate verify failed" in s:
         if "expired" in s:
-            return f"the peer's certificate has expired ({s})"
-        return f"the peer's certificate is not signed by this cluster's CA ({s})"
+            return Refusal.CERTIFICATE, f"the peer's certificate has expired ({s})"
+        return Refusal.CERTIFICATE, f"the peer's certificate is not signed by this cluster's CA ({s})"
     if "WRONG_VERSION_NUMBER" in s or "wrong version number" in s or "http request" in s.lower():
-        return f"the peer does not speak TLS (a plain-HTTP/TCP peer or an insecure set-up?) ({s})"
+        return Refusal.PLAIN, f"the peer does not speak TLS (a plain-HTTP/TCP peer or an insecure set-up?) ({s})"
     if "certificate required" in s.lower() or "CERTIFICATE_REQUIRED" in s:
-        return f"the peer requires a client certificate ({s})"
+        return Refusal.CERTIFICATE, f"the peer requires a client certificate ({s})"
     if "UNEXPECTED_EOF" in s or "EOF occurred" in s or isinstance(e, (ConnectionResetError, BrokenPipeError)):
-        return (f"the peer closed the connection during the handshake: it is busy, gave up, or refused our "
-                f"certificate ({s or type(e).__name__})")
+        return Refusal.PEER, ("the peer closed the connection during the handshake: it is busy, gave up, or "
+                              f"refused our certificate ({s or type(e).__name__})")
     if "unknown ca" in s.lower() or "UNKNOWN_CA" in s:
-        return f"the peer refused our certificate: another CA's? ({s})"
+        return Refusal.CERTIFICATE, f"the peer refused our certificate: another CA's? ({s})"
     if "CERTIFICATE_EXPIRED" in s or "certificate expired" in s.lower():
-        return f"the peer found our certificate expired ({s})"
-    return s or type(e).__name__
+        return Refusal.CERTIFICATE, f"the peer found our certificate expired ({s})"
+    return Refusal.OTHER, s or type(e).__name__
+
+
+def describe_ssl_error(e: BaseException) -> str:
+    """One line for a failed handshake, naming the likely cause."""
+    return classify_ssl_error(e)[1]
 
 
 def ssl_cause(e: BaseException) -> ssl.SSLError | None:
@@ -420,19 +451,20 @@ def ssl_cause(e: BaseException) -> ssl.SSLError | None:
 
 
 async def handshake(stream: trio.SSLStream[Any]) -> None:
-    """Run the handshake (under the caller's deadline); a failure is a :class:`TLSError`."""
+    """Run the handshake (under the caller's deadline); a failure is a :class:`TLSError`
+    carrying its :class:`Refusal`."""
     try:
         await stream.do_handshake()
     except trio.BrokenResourceError as e:
-        cause = e.__cause__ or e
-        raise TLSError(describe_ssl_error(cause)) from None
+        refusal, why = classify_ssl_error(e.__cause__ or e)
+        raise TLSError(why, refusal) from None
 
 
 async def server_handshake(stream: trio.SocketStream, ctx: ssl.SSLContext, deadline_s: float, *,
                            slots: trio.CapacityLimiter | None = None
-                           ) -> tuple[trio.SSLStream[trio.SocketStream] | None, str]:
-    """An accepted connection's handshake within ``deadline_s``: (the TLS stream, "") or
-    (None, why it failed). Both listeners (the HTTP layer, the framed channel) use it.
+                           ) -> trio.SSLStream[trio.SocketStream] | HandshakeFailed:
+    """An accepted connection's handshake within ``deadline_s``: the TLS stream, or why it
+    failed. Both listeners (the HTTP layer, the framed channel) use it.
     ``slots`` bounds the handshakes in progress (their crypto); a connection takes one only
     once its client has sent something, so idle connections (connected, silent) hold none."""
     s = trio.SSLStream(stream, ctx, server_side=True)
@@ -444,16 +476,16 @@ async def server_handshake(stream: trio.SocketStream, ctx: ssl.SSLContext, deadl
                 await trio.lowlevel.wait_readable(stream.socket)
                 async with slots:
                     await handshake(s)
-            return s, ""
+            return s
         except TLSError as e:
-            return None, str(e)
-    return None, "handshake timed out"
+            return HandshakeFailed(e.refusal, str(e))
+    return HandshakeFailed(Refusal.TIMEOUT, "handshake timed out")
 
 
-async def refuse(stream: trio.SocketStream, why: str, plain_answer: bytes) -> None:
-    """Close a connection whose handshake failed; a client that spoke plain text (``why`` from
-    :func:`server_handshake`) is first told so in its own protocol (``plain_answer``)."""
-    if "does not speak TLS" in why:
+async def refuse(stream: trio.SocketStream, failed: HandshakeFailed, plain_answer: bytes) -> None:
+    """Close a connection whose handshake failed; a client that spoke plain text is first
+    told so in its own protocol (``plain_answer``)."""
+    if failed.refusal is Refusal.PLAIN:
         with trio.move_on_after(0.5):
             try:
                 await stream.send_all(plain_answer)

@@ -872,7 +872,7 @@ class DataPlane:
             else:
                 await self._send_all(stream, out)
             # h11 frames the body from len() only; the bytes go by sendfile.
-            conn.send_with_data_passthrough(h11.Data(data=_Len(size)))  # type: ignore[arg-type]
+            conn.send_with_data_passthrough(h11.Data(data=_Len(size)))  # type: ignore[arg-type]  # h11 wants bytes; _Len stands for a body sent by sendfile (passthrough reads only len())
             self._sending += size
             try:
                 if isinstance(stream, trio.SocketStream):
@@ -913,7 +913,7 @@ class DataPlane:
             if head:   # (the route answers HEAD with 405; kept for safety)
                 await self._send_all(stream, out + (conn.send(h11.EndOfMessage()) or b""))
                 return True
-            conn.send_with_data_passthrough(h11.Data(data=_Len(size)))  # type: ignore[arg-type]
+            conn.send_with_data_passthrough(h11.Data(data=_Len(size)))  # type: ignore[arg-type]  # h11 wants bytes; _Len stands for a body sent by sendfile (passthrough reads only len())
             # plain: a worker thread's sendfile; TLS: the thread encrypts with the connection's
             # own session (this task holds it); else through the stream
             await self._send_frames(stream, frames, head=out)
@@ -1003,7 +1003,7 @@ class DataPlane:
                         headers = [(b"content-type", BATCH_TYPE.encode()), (b"content-length", str(total).encode()),
                                    (b"server", _SERVER), (b"x-herd-chunks", str(len(ids)).encode())]
                         out = conn.send(h11.Response(status_code=200, headers=headers)) or b""
-                        conn.send_with_data_passthrough(h11.Data(data=_Len(total)))  # type: ignore[arg-type]
+                        conn.send_with_data_passthrough(h11.Data(data=_Len(total)))  # type: ignore[arg-type]  # h11 wants bytes; _Len stands for a body sent by sendfile (passthrough reads only len())
                         await self._send_frames(stream, frames, head=out)
                         head_sent = True
                     elif frames:

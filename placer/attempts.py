@@ -82,7 +82,8 @@ class Attempts(StateBase):
         self.dirty = True
         self._dequeue(job)
         live = job.live_pods()
-        pushes = self._stop_pods(job, live, reason=cause if cause != "lost" else "gang broken: node lost")
+        pushes = self._stop_pods(job, live, reason=cause if cause != "lost" else "gang broken: node lost",
+                                 preempted=cause == "preempted")
         self._release_quiet(job.job_id)
         if hold:
             self._hold(live)
@@ -118,14 +119,14 @@ class Attempts(StateBase):
         if job.job_id in self.queue:
             self.queue.cancel(job.job_id)
 
-    def _stop_pods(self, job: JobRec, pods: Iterable[PodRec], *, reason: str) -> list[Push]:
+    def _stop_pods(self, job: JobRec, pods: Iterable[PodRec], *, reason: str, preempted: bool = False) -> list[Push]:
         by_node: dict[str, list[Victim]] = {}
         for p in pods:
             self._mark_stale(p)
             p.stop_sent = True
             job.set_pod_state(p, "terminating" if p.state != "placing" else "cancelled", p.exit_code)
             by_node.setdefault(p.node_id, []).append(
-                Victim(workload_id=p.workload_id, grace_s=job.spec.grace_s, reason=reason))
+                Victim(workload_id=p.workload_id, grace_s=job.spec.grace_s, reason=reason, preempted=preempted))
         out = []
         for node_id, victims in by_node.items():
             node = self.nodes.get(node_id)

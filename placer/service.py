@@ -29,6 +29,7 @@ import trio
 import trio.lowlevel
 
 from infra.auth import TokenSet
+from infra.durable import atomic_write
 from infra.http import (
     LARGE_BODY,
     App,
@@ -180,11 +181,9 @@ class PlacerService:
                 self.journal.close()
 
     def _write_endpoints(self) -> None:
-        d = Path(self.cfg.state_dir)
-        tmp = d / "endpoints.json.tmp"
-        tmp.write_text(json.dumps({"control_url": self.url, "placer_url": self.url, "wire_url": self.wire_url,
-                                   "pid": os.getpid()}))
-        os.replace(tmp, d / "endpoints.json")
+        atomic_write(Path(self.cfg.state_dir) / "endpoints.json", json.dumps(
+            {"control_url": self.url, "placer_url": self.url, "wire_url": self.wire_url, "pid": os.getpid()}).encode(),
+            0o644)
 
     def kick(self) -> None:
         self._kick.set()

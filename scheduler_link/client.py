@@ -192,7 +192,7 @@ class PlacerClient:
         return out
 
     def submit(self, spec: JobSpec) -> JobView:
-        return self._get(_job, "POST", "/v1/jobs", content=msgspec.json.encode(spec))  # type: ignore[no-any-return]
+        return self._get(_job, "POST", "/v1/jobs", content=msgspec.json.encode(spec))
 
     def jobs(self, state: str | None = None, page: str | None = None) -> list[JobView]:
         """Jobs without pods (counts by pod state instead); one page (default the first 1000)."""
@@ -200,7 +200,7 @@ class PlacerClient:
 
     def jobs_page(self, state: str | None = None, page: str | None = None) -> JobPage:
         params = {k: v for k, v in (("state", state), ("page", page)) if v}
-        return self._get(_jobs, "GET", "/v1/jobs", params=params or None)  # type: ignore[no-any-return]
+        return self._get(_jobs, "GET", "/v1/jobs", params=params or None)
 
     def job(self, job_id: str, *, wait: str | None = None, timeout_ms: int = 10000,
             pods: str | None = None) -> JobView:
@@ -208,7 +208,7 @@ class PlacerClient:
         params = {"wait": wait, "timeout_ms": str(timeout_ms)} if wait else {}
         if pods:
             params["pods"] = pods
-        return self._get(_job, "GET", f"/v1/jobs/{job_id}", params=params or None)  # type: ignore[no-any-return]
+        return self._get(_job, "GET", f"/v1/jobs/{job_id}", params=params or None)
 
     def resolve_job(self, given: str, *, max_jobs: int = 100_000) -> str:
         """A job id as given, or the one job whose id starts with it (ids as the CLI prints
@@ -235,11 +235,11 @@ class PlacerClient:
         return found[0]
 
     def cancel(self, job_id: str) -> JobView:
-        return self._get(_job, "DELETE", f"/v1/jobs/{job_id}")  # type: ignore[no-any-return]
+        return self._get(_job, "DELETE", f"/v1/jobs/{job_id}")
 
     def update_artifact(self, job_id: str, manifest_id: str, origin: str | None = None) -> JobView:
         body = msgspec.json.encode(ArtifactUpdate(manifest_id=manifest_id, origin=origin))
-        return self._get(_job, "POST", f"/v1/jobs/{job_id}/artifact", content=body)  # type: ignore[no-any-return]
+        return self._get(_job, "POST", f"/v1/jobs/{job_id}/artifact", content=body)
 
     def nodes(self, page: str | None = None) -> list[NodeView]:
         """One page of nodes in id order (default the first 1000); see :meth:`nodes_page`."""
@@ -247,7 +247,7 @@ class PlacerClient:
 
     def nodes_page(self, page: str | None = None, state: str | None = None) -> NodePage:
         params = {k: v for k, v in (("state", state), ("page", page)) if v}
-        return self._get(_nodes, "GET", "/v1/nodes", params=params or None)  # type: ignore[no-any-return]
+        return self._get(_nodes, "GET", "/v1/nodes", params=params or None)
 
     def node(self, node_id: str) -> NodeView | None:
         """One node's view, found by bisecting the id-ordered pages (one node a request,
@@ -269,18 +269,18 @@ class PlacerClient:
     def node_op(self, node_id: str, op: str, body: NodeOp | None = None) -> dict[str, Any]:
         """``op`` in cordon | uncordon | drain: the node's view and, for a drain, what it did."""
         enc = msgspec.json.encode(body or NodeOp())
-        return self._get(_any, "POST", f"/v1/nodes/{node_id}/{op}", content=enc)  # type: ignore[no-any-return]
+        return self._get(_any, "POST", f"/v1/nodes/{node_id}/{op}", content=enc)
 
     def status(self) -> dict[str, Any]:
         """Transport security: TLS or insecure, accept_tokens, token-authenticated agents."""
-        return self._get(_any, "GET", "/v1/status")  # type: ignore[no-any-return]
+        return self._get(_any, "GET", "/v1/status")
 
     def cluster(self) -> dict[str, Any]:
-        return self._get(_any, "GET", "/v1/cluster")  # type: ignore[no-any-return]
+        return self._get(_any, "GET", "/v1/cluster")
 
     def defrag(self, max_moves: int = 8, apply: bool = False) -> dict[str, Any]:
         body = msgspec.json.encode(DefragRequest(max_moves=max_moves, apply=apply))
-        return self._get(_any, "POST", "/v1/defrag", content=body)  # type: ignore[no-any-return]
+        return self._get(_any, "POST", "/v1/defrag", content=body)
 
     def prefetch(self, req: PrefetchFanout) -> dict[str, Any]:
-        return self._get(_any, "POST", "/v1/prefetch", content=msgspec.json.encode(req))  # type: ignore[no-any-return]
+        return self._get(_any, "POST", "/v1/prefetch", content=msgspec.json.encode(req))

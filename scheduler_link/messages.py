@@ -199,6 +199,7 @@ class Victim(msgspec.Struct, frozen=True, kw_only=True):
     workload_id: str
     grace_s: float = 30.0
     reason: str = "preempted"
+    preempted: bool = False   # a preemption: the workload ends "preempted" (else "exited"); reason is for people
     # a fencing stop that reaches a node through its relay carries the placer's MAC with that
     # node's key (scheduler_link.msgauth.stop_mac): a relay cannot make one up
     mac: bytes = b""

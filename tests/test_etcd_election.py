@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from placer.election import Election, ElectionCore, Leadership, Role
 from placer.etcd import EtcdClient, KeyValue
 from testing.etcd import EtcdCluster, etcd_running
+from testing.waiting import poll
 
 TTL = 2
 MARGIN_S = 4.0     # etcd's lease checker, a watch, a loaded machine
@@ -193,8 +194,7 @@ async def test_an_etcd_member_killed_under_the_leader(etcd3_cluster: EtcdCluster
             used = str(c.statistics()["endpoint"])
             etcd3_cluster.kill_member(etcd3_cluster.endpoints.index(used))
             with trio.fail_after(15):
-                while c.statistics()["endpoint"] == used:   # the next renewal goes elsewhere
-                    await trio.sleep(0.1)
+                await poll(lambda: c.statistics()["endpoint"] != used, 0.1)   # the next renewal goes elsewhere
             await trio.sleep(2 * 3)    # two TTLs on the surviving members
             assert a.leading() and a.view == va   # the same key, the same epoch
             n.cancel_scope.cancel()

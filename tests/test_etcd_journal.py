@@ -19,6 +19,7 @@ from placer.etcdjournal import MAX_TXN_BYTES, EtcdJournal, Fence, JobJournal, pl
 from placer.journal import Journal
 from scheduler_link.messages import JobSpec
 from testing.etcd import EtcdCluster, etcd_running
+from testing.waiting import poll
 
 PREFIX = b"/herd/test/"
 BOUND_S = 30
@@ -174,7 +175,9 @@ async def test_writer_commits_without_a_flush(etcd_cluster: EtcdCluster) -> None
             await n.start(j.run)
             j.submitted(spec(1), 1.0)
             j.attempt("job-00001", 3, 2.0)
-            while (await c.get(PREFIX + b"jobs/job-00001")) is None or j.synced < j.appends:
-                await trio.sleep(0.05)
+            async def synced() -> bool:
+                return (await c.get(PREFIX + b"jobs/job-00001")) is not None and j.synced >= j.appends
+
+            await poll(synced, 0.05)
             assert (await EtcdJournal.load(c, PREFIX, fence)).attempts == {"job-00001": 3}
             n.cancel_scope.cancel()

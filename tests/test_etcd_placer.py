@@ -23,6 +23,7 @@ from scheduler_link.messages import JobSpec, NodeReport
 from testing.etcd import EtcdCluster, etcd_running
 from testing.fake_agent import FakeAgent
 from testing.harness import PlacerOptions, PlacerProc
+from testing.waiting import poll
 
 TTL = 2
 
@@ -44,9 +45,7 @@ async def health(c: httpx.AsyncClient, url: str) -> dict:
 
 
 async def until(pred, step: float = 0.05):  # noqa: ANN001, ANN201
-    while not (v := await pred()):
-        await trio.sleep(step)
-    return v
+    return await poll(pred, step)
 
 
 class Placer:

@@ -15,6 +15,7 @@ import trio
 from bench.herd_sim import tree_of
 from p2p.dataplane import DataPlaneConfig
 from p2p.herd import HerdConfig, herd_fetch
+from testing.waiting import poll
 from tests.herd_cluster import FAST, Node, assert_bit_exact, make_artifact, open_file_origin, start_rack_nodes
 
 TOKEN = "tree-token"
@@ -138,8 +139,7 @@ async def test_global_home_killed_mid_herd(tmp_path: Path) -> None:
             fetch_scope = trio.CancelScope()
 
             async def kill_when_half() -> None:
-                while vnode.herd.counters.chunks_from_origin < max(1, homes[victim] // 3):
-                    await trio.sleep(0.01)
+                await poll(lambda: vnode.herd.counters.chunks_from_origin >= max(1, homes[victim] // 3), 0.01)
                 assert vnode.scope is not None
                 vnode.scope.cancel()
                 fetch_scope.cancel()

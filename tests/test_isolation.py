@@ -19,6 +19,7 @@ from agent.launcher import ShimPool
 from agent.supervisor import Supervisor, SupervisorConfig
 from agent.tenants import IsolationSection, Tenancy
 from scheduler_link.messages import Placement, PodAssignment
+from testing.waiting import poll
 from tests.conftest import is_root
 
 GPUS = {f"GPU-{i:04d}": "healthy" for i in range(4)}
@@ -257,12 +258,11 @@ async def _escaper_is_killed_after_grace(tmp: Path, isolation: Isolation) -> Non
                           pods=[PodAssignment(workload_id="w1", rank=0, gpus=["GPU-0001"])])
             assert (await sup.place(p)).accepted
             scratch = sup.wl_dir / "w1" / "scratch"
-            while not (scratch / "up").exists():
-                await trio.sleep(0.02)
+            await poll(lambda: (scratch / "up").exists(), 0.02)
             gc = int((scratch / "gc.pid").read_text())
             assert os.getsid(gc) != sup.record("w1").pid          # it left the group and session
             t0 = trio.current_time()
-            await sup.stop("w1", reason="preempted", grace_s=grace)
+            await sup.stop("w1", reason="preempted", grace_s=grace, preempted=True)
             # the leader exits at once; the grandchild lives on: the GPU stays held
             await trio.sleep(grace / 2)
             assert not procs.same_process(sup.record("w1").pid, sup.record("w1").start_time,
@@ -424,8 +424,7 @@ async def test_workload_cannot_touch_the_host(tmp_path, token_dir, mode, request
             other = Placement(placement_id="p0", job_id="j0", argv=["sh", "-c", "echo secret > \"$HERD_SCRATCH/s\"; sleep 30"],
                               user="65533", pods=[PodAssignment(workload_id="other", rank=0, gpus=["GPU-0000"])])
             assert (await sup.place(other)).accepted
-            while not (sup.wl_dir / "other" / "scratch" / "s").exists():
-                await trio.sleep(0.02)
+            await poll(lambda: (sup.wl_dir / "other" / "scratch" / "s").exists(), 0.02)
             env = {"TOKENS": str(token_dir), "STATE": str(sup.state_dir), "OTHER": str(sup.wl_dir / "other" / "scratch"),
                    "STORE": str(store.root)}
             p = Placement(placement_id="p1", job_id="j1", argv=["sh", "-c", PROBE], env=env, manifest_id=pub.manifest,

@@ -24,6 +24,7 @@ from infra.metrics import LATENCY_BUCKETS, LatencyHistogram, histogram, text_of
 from p2p.herd import render_metrics as render_p2p
 from placer.service import PlacerService
 from scheduler_link.messages import JobSpec
+from testing.waiting import poll
 from tests.prom import samples, types, value
 
 from .test_agent_api import make_agent, wait_state
@@ -46,10 +47,12 @@ async def cluster_scrapes(tmp_path: Path, token_dir: Path) -> dict[str, str]:
             aurl = await n.start(agent.run)
             async with httpx.AsyncClient(base_url=purl, headers=auth_header(tokens.operator)) as pc, \
                     httpx.AsyncClient(base_url=aurl, headers=auth_header(tokens.viewer)) as ac:
+                async def n1_up() -> bool:
+                    return any(x["node_id"] == "n1" and x["state"] == "up"
+                               for x in (await pc.get("/v1/nodes")).json()["nodes"])
+
                 with trio.fail_after(10):
-                    while not any(x["node_id"] == "n1" and x["state"] == "up"
-                                  for x in (await pc.get("/v1/nodes")).json()["nodes"]):
-                        await trio.sleep(0.05)
+                    await poll(n1_up, 0.05)
                 r = await pc.post("/v1/jobs", content=msgspec.json.encode(
                     JobSpec(job_id="job-a", pods=1, gpus_per_pod=2, argv=["sleep", "30"], grace_s=0.5)))
                 assert r.status_code in (200, 201, 202), r.text

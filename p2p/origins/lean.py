@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
+from functools import partial
 from urllib.parse import urlsplit
 
 import trio
 
 from infra.errors import ProtocolError
-from infra.h1 import parse_response_head
+from infra.h1 import ClosedBeforeAnswer, parse_response_head, receive_head
 
 from ..errors import OriginError
 
@@ -148,6 +149,11 @@ class LeanHttp:
                 raise LeanUnavailable(f"unreachable (ReadError: {e.strerror or e} {what})") from None
         raise LeanUnavailable(f"timed out (ReadTimeout {what})", timed_out=True)
 
+    async def _recv_head(self, conn: _Conn) -> bytes:
+        piece = await self._recv(conn, None, 65536, "in the answer's head")
+        assert isinstance(piece, bytes)
+        return piece
+
     async def _exchange(self, conn: _Conn, req: bytes, limit: int, cap_error: int) -> tuple[LeanResponse | None, bool]:
         try:
             sent = 0
@@ -155,26 +161,16 @@ class LeanHttp:
                 sent += await conn.sock.send(req[sent:])
         except OSError:
             raise _Stale() from None
-        buf = conn.buf
-        while (end := buf.find(b"\r\n\r\n")) < 0:
-            if len(buf) > MAX_HEAD:
-                raise LeanUnavailable(f"unreachable (RemoteProtocolError: answer head over {MAX_HEAD} bytes)")
-            try:
-                piece = await self._recv(conn, None, 65536, "in the answer's head")
-            except LeanUnavailable as e:
-                if not buf and not e.timed_out:
-                    raise _Stale() from None
-                raise
-            assert isinstance(piece, bytes)
-            if not piece:
-                if not buf:
-                    raise _Stale()
-                raise LeanUnavailable("unreachable (RemoteProtocolError: closed mid-head)")
-            buf += piece
-        head, rest = bytes(buf[:end]), buf[end + 4:]
-        conn.buf = bytearray()
         try:
+            head, rest = await receive_head(partial(self._recv_head, conn), conn.buf, max_head=MAX_HEAD)
+            conn.buf = bytearray()
             h = parse_response_head(head, chunked_ok=True)
+        except ClosedBeforeAnswer:
+            raise _Stale() from None
+        except LeanUnavailable as e:
+            if not conn.buf and not e.timed_out:   # a kept-alive connection the server had closed
+                raise _Stale() from None
+            raise
         except ProtocolError as e:
             raise LeanUnavailable(f"unreachable (RemoteProtocolError: {e})") from None
         if h.length is None or h.chunked or h.coding not in (b"", b"identity"):

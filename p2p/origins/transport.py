@@ -27,6 +27,8 @@ from typing import Any
 import httpx
 import trio
 
+from infra.backoff import Backoff
+
 from ..errors import NotFoundError, OriginError, OriginUnavailable
 from .lean import LeanHttp, LeanResponse, LeanUnavailable
 
@@ -51,6 +53,8 @@ class RetryingClient:
         self.retries = max(0, retries)
         self.backoff_base = backoff_base
         self.backoff_cap = backoff_cap
+        self._backoff = Backoff(backoff_base, backoff_cap)
+        self._rng = random.Random()
         self.limiter = trio.CapacityLimiter(max(1, max_concurrency))
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
@@ -65,8 +69,8 @@ class RetryingClient:
                              connect_timeout=connect_timeout) if lean else None
 
     def backoff(self, attempt: int) -> float:
-        """Full-jitter-ish backoff: a random share (50-100 %) of min(cap, base * 2**attempt)."""
-        return min(self.backoff_cap, self.backoff_base * (2 ** attempt)) * random.uniform(0.5, 1.0)
+        """The pause before retry ``attempt + 1``: full jitter over min(cap, base * 2**attempt)."""
+        return self._backoff.pause(attempt + 1, self._rng)
 
     async def request(self, method: str, url: str, *, ok_statuses: tuple[int, ...] = (),
                       limit: int | None = None, **kwargs: Any) -> httpx.Response:
