@@ -26,6 +26,7 @@ import trio
 
 from infra.auth import TokenSet, generate_token_dir
 from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, wait_nodes_up
+from testing.waiting import poll
 
 N = int(os.environ.get("HERD_TEST_DASHBOARD_NODES", "1024"))
 GANG = 32                                   # whole 8-GPU nodes, within one block
@@ -102,9 +103,12 @@ async def test_dashboard_in_a_real_browser(tmp_path):
             nodes = (await c.get(f"{placer.url}/v1/nodes", params={"page": f"0:{GANG + 1}"})).json()["nodes"]
             spare = next(n["node_id"] for n in nodes if n["node_id"] not in train_nodes)
             assert (await c.post(f"{placer.url}/v1/nodes/{spare}/cordon", json={"reason": "fan"})).status_code == 200
-            with trio.fail_after(30):       # until the queue has looked at "huge"
-                while (await c.get(f"{placer.url}/v1/cluster/map/job/huge")).json()["waiting"]["code"] == "not_tried":
-                    await trio.sleep(0.1)
+            async def looked_at() -> bool:     # the queue has looked at "huge" (another process)
+                r = await c.get(f"{placer.url}/v1/cluster/map/job/huge")
+                return bool(r.json()["waiting"]["code"] != "not_tried")
+
+            with trio.fail_after(30):
+                await poll(looked_at, 0.1)
             cluster = (await c.get(f"{placer.url}/v1/cluster")).json()
             by_state = cluster["nodes"]["by_state"]
             assert by_state["full"] == GANG and by_state["cordoned"] == 1
