@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,8 @@ from scheduler_link.messages import (
     PlacementAck,
     PrefetchFanout,
     PrefetchRequest,
+    RackBeat,
+    RackBeatReply,
     ReportReply,
 )
 from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
@@ -61,7 +63,7 @@ from .config import PlacerConfig
 from .frag import fragmentation, largest_placeable, plan_defrag
 from .journal import Journal, JournalError
 from .relays import RelayHub
-from .state import ACCEPTED, TERMINAL_JOB_STATES, JobError, JobRec, Outcome, PlacerState, Push
+from .state import ACCEPTED, TERMINAL_JOB_STATES, JobError, JobRec, NodeRec, Outcome, PlacerState, Push
 from .views import DEFAULT_PODS, parse_page
 
 log = logging.getLogger("herd.placer.service")
@@ -246,6 +248,38 @@ class PlacerService:
             if ended:
                 self.journal.ended_many(ended)
         self._changed_now()
+
+    # ------------------------------------------------------------ what the relay hub uses (relays.RelayHost)
+
+    def node(self, node_id: str) -> NodeRec | None:
+        return self.state.nodes.get(node_id)
+
+    def gang_blob(self, blob_id: str) -> bytes | None:
+        return self.state.blobs.get(blob_id)
+
+    def node_mac_key(self, node_id: str) -> bytes | None:
+        n = self.state.nodes.get(node_id)
+        return None if n is None else self.state.mac_key(node_id, n.boot_id)
+
+    def count_bad_macs(self, n: int) -> None:
+        self.state.counters["bad_macs"] += n
+
+    def apply_beat(self, beat: RackBeat, at: float, *, via: str, answered: float | None) -> RackBeatReply:
+        reply, pushes = self.state.beat(beat, at, via=via, answered=answered)
+        self._carry_out(pushes)
+        return reply
+
+    def ingest_relayed(self, rep: NodeReport, via: str) -> tuple[int, ReportReply]:
+        return self._ingest(rep.node_id, rep, via)
+
+    def ingest_relayed_many(self, reps: list[NodeReport], via: str) -> list[tuple[int, ReportReply]]:
+        return self._ingest_many(reps, via)
+
+    def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(fn)
+
+    # ------------------------------------------------------------ carrying out
 
     def _carry_out(self, pushes: list[Push]) -> None:
         """Stops (and late stops) the state asks for: through the rack relays when there are
