@@ -2,9 +2,10 @@
 
 Theory of operation (DESIGN.md, "Fleet scale"; placer.relays is the trio driver):
 - A round delivers one decision's pushes (a gang's start parts and its victims' stops, or a
-  round of stops) to ``n`` nodes, numbered 0..n-1 in the order the caller gave them. Nodes
-  of a rack with a relay are grouped (``order[bounds[r]:bounds[r+1]]`` is rack ``r``'s
-  members); every other node (``direct``) is pushed directly once the round may send.
+  round of stops) to ``n`` nodes, numbered 0..n-1 in rack order: rack ``r``'s members are
+  the slice ``bounds[r]:bounds[r+1]`` (its bundle is that slice of the round's parts), and
+  the nodes from ``bounds[-1]`` on have no relay: they are pushed directly once the round
+  may send.
 - Events: a rack's bundle was built (:meth:`built`), the journal said the job is durable or
   not (:meth:`journal`), every bundle was built (:meth:`all_built`), a relay's ack bundle
   arrived, its outcomes already checked (:meth:`acked`; MACs that did not verify come as
@@ -34,12 +35,12 @@ small table (0: accepted), so recording a rack's accepted members is one array w
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from .attempts import ACCEPTED, Outcome
+from .records import ACCEPTED, Outcome, Push
 
 # how a node's outcome came (``via``)
 VIA_NONE, VIA_RELAY, VIA_LATE, VIA_DIRECT = 0, 1, 2, 3
@@ -88,21 +89,22 @@ class DeliveryRound:
     (a gang's start pushes; None: every node); ``durable``: whether the round may send at
     once (else :meth:`journal` says when)."""
 
-    def __init__(self, n: int, order: np.ndarray, bounds: np.ndarray, direct: np.ndarray, *,
-                 patience_s: float, cap_s: float, counted: np.ndarray | None = None, durable: bool = True) -> None:
+    def __init__(self, n: int, bounds: np.ndarray | Sequence[int], *, patience_s: float, cap_s: float,
+                 counted: np.ndarray | None = None, durable: bool = True) -> None:
         self.n = n
-        self.order = np.asarray(order, dtype=np.int64)
         self.bounds = np.asarray(bounds, dtype=np.int64)
-        self.direct = np.asarray(direct, dtype=np.int64)
         self.n_racks = len(self.bounds) - 1
-        if len(self.order) + len(self.direct) != n or self.n_racks < 0:
-            raise ValueError("every node is either a rack member or direct, once")
+        if self.n_racks < 0 or self.bounds[0] != 0 or self.bounds[-1] > n or (np.diff(self.bounds) < 0).any():
+            raise ValueError("racks are consecutive slices of the nodes, from 0")
+        self._lo = self.bounds[:-1].tolist()
+        self._hi = self.bounds[1:].tolist()
+        self.direct = np.arange(int(self.bounds[-1]), n, dtype=np.int64)
         self.patience_s = patience_s
         self.cap_s = cap_s
         self.counted = np.ones(n, dtype=bool) if counted is None else np.asarray(counted, dtype=bool)
         self.rack_of = np.full(n, -1, dtype=np.int64)
         if self.n_racks:
-            self.rack_of[self.order] = np.repeat(np.arange(self.n_racks), np.diff(self.bounds))
+            self.rack_of[:self.bounds[-1]] = np.repeat(np.arange(self.n_racks), np.diff(self.bounds))
         # per node
         self.code = np.full(n, NO_OUTCOME, dtype=np.int32)      # index into ``table``; -1: none yet
         self.via = np.zeros(n, dtype=np.uint8)
@@ -113,6 +115,7 @@ class DeliveryRound:
         self.phase = np.zeros(self.n_racks, dtype=np.uint8)
         self.failed = np.zeros(self.n_racks, dtype=bool)
         self.fell_back = np.zeros(self.n_racks, dtype=bool)
+        self.rack_left = np.diff(self.bounds).tolist()          # members without an outcome, per rack
         # counts and time
         self.left = n                      # nodes without an outcome
         self.waiting = self.n_racks        # racks whose wait is not over
@@ -139,13 +142,17 @@ class DeliveryRound:
         """When :meth:`tick` next has something to do (inf: nothing)."""
         return min(self.deadline, self.cap) if self.waiting and self.sending else math.inf
 
+    def rack_slice(self, r: int) -> tuple[int, int]:
+        """Rack ``r``'s members: nodes ``lo`` .. ``hi - 1``."""
+        return self._lo[r], self._hi[r]
+
     def members(self, r: int) -> np.ndarray:
-        return self.order[self.bounds[r]:self.bounds[r + 1]]
+        return np.arange(self._lo[r], self._hi[r], dtype=np.int64)
 
     def pending(self, r: int) -> np.ndarray:
         """Rack ``r``'s members with no outcome yet (the ones an ack bundle is checked for)."""
-        m = self.members(r)
-        return m[self.code[m] == NO_OUTCOME]
+        lo = self._lo[r]
+        return np.flatnonzero(self.code[lo:self._hi[r]] == NO_OUTCOME) + lo
 
     def outcome(self, i: int) -> Outcome | None:
         c = int(self.code[i])
@@ -212,13 +219,9 @@ class DeliveryRound:
         """Rack ``r``'s relay answered: ``idx`` its members whose outcome checked (``outs`` in
         the same order; None: all accepted), ``bad`` those whose MAC did not verify (left
         out: they are pushed directly). Members not named are left out too."""
-        idx = np.asarray(idx, dtype=np.int64)
-        nbad = len(bad)
-        self.bad_macs += nbad
-        if len(idx) and (self.rack_of[idx] != r).any():
-            raise ValueError(f"an ack of rack {r} names a node of another rack")
+        self.bad_macs += len(bad)
         late = self.phase[r] == RACK_SETTLED
-        n_new = self._record(idx, outs, VIA_LATE if late else VIA_RELAY)
+        n_new = self._record_rack(r, idx, outs, VIA_LATE if late else VIA_RELAY)
         self.relayed_nodes += n_new
         out: list[Action] = []
         if late:
@@ -263,7 +266,13 @@ class DeliveryRound:
         return True
 
     def direct_answered(self, i: int, outcome: Outcome) -> list[Action]:
-        self._record(np.array([i], dtype=np.int64), [outcome], VIA_DIRECT)
+        if self.code[i] == NO_OUTCOME:
+            self.code[i] = 0 if outcome is ACCEPTED else self._code(outcome)
+            self.via[i] = VIA_DIRECT
+            self.left -= 1
+            r = int(self.rack_of[i])
+            if r >= 0:
+                self.rack_left[r] -= 1
         return self._maybe_done()
 
     # ------------------------------------------------------------ inside
@@ -275,23 +284,48 @@ class DeliveryRound:
             self.table.append(o)
         return c
 
-    def _record(self, idx: np.ndarray, outs: Sequence[Outcome] | None, via: int) -> int:
-        """The first outcome of each node in ``idx`` kept (later ones, and repeats, ignored)."""
+    def _record_rack(self, r: int, idx: np.ndarray | Sequence[int], outs: Sequence[Outcome] | None,
+                     via: int) -> int:
+        """Rack ``r``'s members ``idx`` answered: the first outcome of each node kept (later
+        ones, and repeats, ignored). Array writes over the rack's slice, whatever its size."""
         if not len(idx):
             return 0
-        _, first = np.unique(idx, return_index=True)
-        first.sort()
-        fresh = first[self.code[idx[first]] == NO_OUTCOME]
-        if not len(fresh):
-            return 0
-        nodes = idx[fresh]
-        if outs is None:
-            self.code[nodes] = 0
+        lo, hi = self._lo[r], self._hi[r]
+        size = hi - lo
+        if outs is None and len(idx) == size == self.rack_left[r] and not isinstance(idx, np.ndarray):
+            # every member answered at once, accepted (the common answer): two slice writes
+            if min(idx) == lo and max(idx) == hi - 1 and len(set(idx)) == size:
+                self.code[lo:hi] = 0
+                self.via[lo:hi] = via
+                self.left -= size
+                self.rack_left[r] = 0
+                return size
+        pos = np.asarray(idx, dtype=np.int64) - lo
+        if pos.min() < 0:
+            raise ValueError(f"an ack of rack {r} names a node of another rack")
+        seg = self.code[lo:hi]
+        if outs is None:   # all accepted (the common answer)
+            got = np.zeros(hi - lo, dtype=bool)
+            try:
+                got[pos] = True
+            except IndexError:
+                raise ValueError(f"an ack of rack {r} names a node of another rack") from None
+            fresh = got & (seg == NO_OUTCOME)
+            seg[fresh] = 0
         else:
-            self.code[nodes] = [0 if outs[k] is ACCEPTED else self._code(outs[k]) for k in fresh.tolist()]
-        self.via[nodes] = via
-        self.left -= len(nodes)
-        return len(nodes)
+            if pos.max() >= hi - lo:
+                raise ValueError(f"an ack of rack {r} names a node of another rack")
+            new = np.full(hi - lo, NO_OUTCOME, dtype=np.int32)
+            for k, o in zip(pos.tolist(), outs, strict=True):   # (in order: a repeat's first is kept)
+                if new[k] == NO_OUTCOME:
+                    new[k] = 0 if o is ACCEPTED else self._code(o)
+            fresh = (new != NO_OUTCOME) & (seg == NO_OUTCOME)
+            seg[fresh] = new[fresh]
+        n_new = int(np.count_nonzero(fresh))
+        self.via[lo:hi][fresh] = via
+        self.left -= n_new
+        self.rack_left[r] -= n_new
+        return n_new
 
     def _settle(self, r: int) -> list[Action]:
         self.phase[r] = RACK_SETTLED
@@ -309,6 +343,8 @@ class DeliveryRound:
         if self.fell_back[r]:
             return []
         self.fell_back[r] = True
+        if not self.rack_left[r]:
+            return []
         left = self.pending(r)
         return [PushDirect(left, fallback=True)] if len(left) else []
 
@@ -325,3 +361,50 @@ class DeliveryRound:
             return []
         self.done = True
         return [Done(rollback=bool((self.counted & (self.code != 0)).any()))]
+
+
+class RoundOutcomes(Mapping[str, Outcome]):
+    """A finished round's counted nodes' outcomes, by node id: a view over the round's arrays.
+    No dict of the whole gang is made unless a node is looked up; :meth:`refused` costs
+    O(refusals)."""
+
+    __slots__ = ("_ids", "_code", "_table", "_counted", "_rows", "_index")
+    _ids: _NodeIds
+
+    def __init__(self, pushes: Sequence[Push], round_: DeliveryRound) -> None:
+        self._ids = _NodeIds(pushes)
+        self._code = round_.code
+        self._table = round_.table
+        self._counted = round_.counted
+        self._rows = np.flatnonzero(round_.counted & (round_.code != NO_OUTCOME))
+        self._index: dict[str, int] | None = None
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __iter__(self) -> Iterator[str]:
+        ids = self._ids
+        return (ids[i] for i in self._rows.tolist())
+
+    def __getitem__(self, node_id: str) -> Outcome:
+        if self._index is None:
+            ids = self._ids
+            self._index = {ids[i]: i for i in self._rows.tolist()}
+        return self._table[int(self._code[self._index[node_id]])]
+
+    def refused(self) -> dict[str, Outcome]:
+        """The counted nodes whose outcome is not "accepted"."""
+        bad = self._rows[self._code[self._rows] != 0]
+        return {self._ids[i]: self._table[int(self._code[i])] for i in bad.tolist()}
+
+
+class _NodeIds:
+    """The node ids of a round's pushes, read when asked (no list of the gang's ids is made)."""
+
+    __slots__ = ("_pushes",)
+
+    def __init__(self, pushes: Sequence[Push]) -> None:
+        self._pushes = pushes
+
+    def __getitem__(self, i: int) -> str:
+        return self._pushes[i].node_id

@@ -28,6 +28,7 @@ from scheduler_link.messages import (
     PartPod,
     Peer,
     Placement,
+    PlacementOutcome,
     PodAssignment,
     TopologyPath,
     Victim,
@@ -50,6 +51,21 @@ def parse_workload_id(wid: str) -> tuple[str, int, int] | None:
     if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
         return None
     return parts[0], int(parts[1]), int(parts[2])
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One node's answer to its start placement."""
+    outcome: PlacementOutcome
+    refused_gpus: tuple[str, ...] = ()
+    detail: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "accepted"
+
+
+ACCEPTED = Outcome("accepted")
 
 
 class Push:

@@ -39,7 +39,7 @@ import hashlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -57,6 +57,7 @@ from scheduler_link.messages import (
     BlobReply,
     BlobRequest,
     Frame,
+    NodeOutcome,
     NodeReport,
     RackBeat,
     RackBeatReply,
@@ -67,6 +68,7 @@ from scheduler_link.messages import (
 from .attempts import ACCEPTED, Outcome
 from .config import PlacerConfig
 from .delivery import (
+    NO_OUTCOME,
     RACK_SETTLED,
     Action,
     DeliveryRound,
@@ -74,6 +76,7 @@ from .delivery import (
     PushDirect,
     RackFailed,
     RacksSettled,
+    RoundOutcomes,
     SendBundle,
 )
 from .records import NodeRec, Push
@@ -96,14 +99,15 @@ class RelayHost(Protocol):
     signer: msgauth.BundleSigner
     clock: Callable[[], float]
 
-    def node(self, node_id: str) -> NodeRec | None:
-        """A registered node's record (read only)."""
+    @property
+    def nodes(self) -> Mapping[str, NodeRec]:
+        """The registered nodes' records, by id (read only)."""
 
     def gang_blob(self, blob_id: str) -> bytes | None:
         """A live gang blob's bytes."""
 
-    def node_mac_key(self, node_id: str) -> bytes | None:
-        """A registered node's MAC key for its current boot (None: not registered)."""
+    def node_mac_keys(self, node_ids: list[str]) -> list[bytes | None]:
+        """Registered nodes' MAC keys for their current boots (None: not registered)."""
 
     def count_bad_macs(self, n: int) -> None:
         """``n`` messages a relay forwarded did not verify."""
@@ -195,14 +199,14 @@ class RelayHub:
     def relay_for(self, rack: str) -> RelayConn | None:
         hit = self._active.get(rack)
         if hit is not None:
-            n = self.host.node(hit.node_id)
+            n = self.host.nodes.get(hit.node_id)
             if n is not None and n.state == "up" and not hit.channel.closed.is_set():
                 return hit
         best: RelayConn | None = None
         best_rank = b""
-        node = self.host.node
+        nodes = self.host.nodes
         for nid, conn in self._cands.get(rack, {}).items():
-            n = node(nid)
+            n = nodes.get(nid)
             if n is None or n.state != "up" or conn.channel.closed.is_set():
                 continue
             r = _rank(rack, nid)
@@ -331,10 +335,10 @@ class RelayHub:
         direct: list[int] = []
         racks: list[tuple[str, RelayConn, list[int]]] = []
         where: dict[str, list[int] | None] = {}   # rack -> its members' list (None: no relay)
-        node = self.host.node
+        nodes = self.host.nodes
         last_rack, last_hit = None, None   # a gang's pushes come in topology order: racks in runs
         for i, p in enumerate(pushes):
-            rec = node(p.node_id)
+            rec = nodes.get(p.node_id)
             if rec is None:
                 direct.append(i)
                 continue
@@ -358,7 +362,7 @@ class RelayHub:
 
     async def deliver(self, job_id: str, blob_id: str | None, pushes: list[Push],
                       push_direct: Callable[[Push], Awaitable[Outcome]],
-                      ready: Callable[[], Awaitable[bool]] | None = None) -> dict[str, Outcome] | None:
+                      ready: Callable[[], Awaitable[bool]] | None = None) -> RoundOutcomes | None:
         """Carry out a decision's pushes through the relays (directly where a rack has none or
         its relay fails). Returns the start pushes' outcomes by node.
 
@@ -378,37 +382,51 @@ class RelayHub:
             self.host.spawn(self._drain_deferred)
 
 
-def check_acks(ab: AckBundle, pending: np.ndarray, pushes: list[Push], relay_id: str,
-               key_of: Callable[[str], bytes | None]) -> tuple[list[int], list[Outcome], list[int]]:
-    """A relay's AckBundle against its rack's members still waiting (``pending``, indices into
-    ``pushes``): (the members whose outcome answers their placement and verifies, their
-    outcomes, the members whose MAC did not verify). A member's outcome needs that member's MAC (the
-    relay's own does not: it is the connection's owner); a member left out, or whose MAC
-    fails, is left to the direct push."""
-    if not len(pending):
-        return [], [], []
-    got = {o.node_id: o for o in ab.outcomes}
+def check_acks(ab: AckBundle, core: DeliveryRound, r: int, pushes: list[Push], relay_id: str,
+               keys_of: Callable[[list[str]], list[bytes | None]]
+               ) -> tuple[list[int], list[Outcome] | None, list[int]]:
+    """A relay's AckBundle for rack ``r`` of ``core``'s round (``pushes`` in the round's order):
+    (the members still waiting whose outcome answers their placement and verifies, their
+    outcomes (None: all accepted), the members whose MAC did not verify). A member's outcome
+    needs that member's MAC (the relay's own does not: it is the connection's owner); a member
+    left out, or whose MAC fails, is left to the direct push. Outcomes in the parts' order
+    are matched by position, others through a map of the rack's members; the members' keys
+    are asked for in one batch."""
+    lo, hi = core.rack_slice(r)
+    waiting = core.code[lo:hi].tolist()     # (one conversion, not a numpy read per member)
+    size = hi - lo
+    cand: list[tuple[int, NodeOutcome]] = []
+    where: dict[str, int] | None = None
+    for k, o in enumerate(ab.outcomes):
+        nid = o.node_id
+        if k >= size or pushes[lo + k].node_id != nid:
+            if where is None:
+                where = {p.node_id: j for j, p in enumerate(pushes[lo:hi])}
+            k = where.get(nid, -1)
+            if k < 0:
+                continue
+        if waiting[k] == NO_OUTCOME:
+            waiting[k] = 0                  # (a repeat: its first is the one checked)
+            cand.append((k + lo, o))
+    keys = keys_of([o.node_id for _, o in cand])
     ok = msgauth.outcome_ok
     idx: list[int] = []
     outs: list[Outcome] = []
+    plain = True
     bad: list[int] = []
-    for i in pending.tolist():
-        p = pushes[i]
-        nid = p.node_id
-        o = got.get(nid)
-        if o is None:
+    for (i, o), key in zip(cand, keys, strict=True):
+        if o.node_id != relay_id and (key is None or not ok(key, o)):
+            bad.append(i)
             continue
-        if nid != relay_id:
-            key = key_of(nid)
-            if key is None or not ok(key, o):
-                bad.append(i)
-                continue
-        if o.placement_id != p.placement_id:
+        if o.placement_id != pushes[i].placement_id:
             continue
         idx.append(i)
-        outs.append(ACCEPTED if o.outcome == "accepted" and not o.refused_gpus and o.detail is None
-                    else Outcome(o.outcome, tuple(o.refused_gpus), o.detail))
-    return idx, outs, bad
+        if o.outcome == "accepted" and not o.refused_gpus and o.detail is None:
+            outs.append(ACCEPTED)
+        else:
+            plain = False
+            outs.append(Outcome(o.outcome, tuple(o.refused_gpus), o.detail))
+    return idx, None if plain else outs, bad
 
 
 class _RoundDriver:
@@ -425,29 +443,37 @@ class _RoundDriver:
         self.cfg = cfg = host.cfg
         self.job_id = job_id
         self.blob_id = blob_id
-        self.pushes = pushes
         self.push_direct = push_direct
         self.ready = ready
         direct, racks = hub.split(pushes)
-        self.racks = racks
+        # the round's nodes in rack order (each rack's bundle a slice), then those pushed directly
+        # (a gang's pushes mostly come so already: then they are taken as they are)
+        nxt = 0
+        for _, _, ms in racks:
+            if ms[0] != nxt or ms[-1] != nxt + len(ms) - 1:
+                break
+            nxt += len(ms)
+        else:
+            if direct == list(range(nxt, len(pushes))):
+                nxt = -1
+        self.pushes = pushes if nxt == -1 else [pushes[i] for _, _, ms in racks for i in ms] + [pushes[i] for i in direct]
+        self.racks = [(path, conn) for path, conn, _ in racks]
         self.raw = host.gang_blob(blob_id) if blob_id else None
         self.expires = host.clock() + cfg.placement_ttl_s
-        self.urls = [conn.listen_url for _, conn, _ in racks]
+        self.urls = [conn.listen_url for _, conn in self.racks]
         self.seeds = max(1, cfg.blob_seeds)
         self.seed_urls = [u for u in self.urls[:self.seeds] if u]
-        sizes = [len(ms) for _, _, ms in racks]
-        order = np.fromiter((i for _, _, ms in racks for i in ms), dtype=np.int64, count=sum(sizes))
         bounds = np.zeros(len(racks) + 1, dtype=np.int64)
-        np.cumsum(sizes, out=bounds[1:])
+        np.cumsum([len(ms) for _, _, ms in racks], out=bounds[1:])
         # A relay has failed when it has not answered relay_timeout_s after the round last made
         # progress, and never later than 4x relay_timeout_s after the last bundle left; a round
         # of stops only is not waited on by anyone: slow relays get longer before their racks are
         # pushed one by one (a storm of direct stops helps nobody).
         patience = cfg.relay_timeout_s if job_id else max(cfg.relay_timeout_s, STOPS_PATIENCE_S)
         cap = 4 * cfg.relay_timeout_s if job_id else max(4 * cfg.relay_timeout_s, STOPS_CAP_S)
-        counted = np.fromiter((p.kind == "start" for p in pushes), dtype=bool, count=len(pushes))
-        self.core = DeliveryRound(len(pushes), order, bounds, np.asarray(direct, dtype=np.int64),
-                                  patience_s=patience, cap_s=cap, counted=counted, durable=ready is None)
+        counted = np.fromiter((p.kind == "start" for p in self.pushes), dtype=bool, count=len(pushes))
+        self.core = DeliveryRound(len(pushes), bounds, patience_s=patience, cap_s=cap, counted=counted,
+                                  durable=ready is None)
         self.rids: dict[int, int] = {}            # rack -> its bundle's request id (while sent)
         self.frames: dict[int, bytes] = {}        # rack -> its bundle's frame, built, not yet sent
         self.fallback_slots = trio.CapacityLimiter(max(1, cfg.push_concurrency))
@@ -474,10 +500,11 @@ class _RoundDriver:
                     self.nursery.start_soon(self._push, i, a.fallback)
             elif isinstance(a, RackFailed):
                 hub.stats.bundle_failures += 1
-                path, conn, ms = self.racks[a.rack]
+                path, conn = self.racks[a.rack]
                 hub.forget_choice(path)
+                lo, hi = self.core.rack_slice(a.rack)
                 log.warning("relay did not deliver rack=%s relay=%s parts=%d err=%s; pushing directly",
-                            path, conn.node_id, len(ms), a.why)
+                            path, conn.node_id, hi - lo, a.why)
             elif isinstance(a, RacksSettled):
                 if not a.timed_out:
                     self._stop_deferring()
@@ -488,7 +515,7 @@ class _RoundDriver:
                 self.changed.set()
 
     def _send(self, r: int) -> None:
-        path, conn, ms = self.racks[r]
+        conn = self.racks[r][1]
         data = self.frames.pop(r)
         stats = self.hub.stats
         stats.bundles += 1
@@ -505,7 +532,7 @@ class _RoundDriver:
             self.apply(core.closed(r, "FrameError" if f is None else "CallFailed"))
             return
         late = core.phase[r] == RACK_SETTLED
-        path, conn, _ = self.racks[r]
+        path, conn = self.racks[r]
         try:
             ab = decode_payload(f, AckBundle)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -513,7 +540,7 @@ class _RoundDriver:
                 log.warning("relay answered a malformed ack bundle rack=%s relay=%s err=%s", path, conn.node_id, e)
                 self.apply(core.acked(r, trio.current_time(), ()))
             return
-        idx, outs, bad = check_acks(ab, core.pending(r), self.pushes, conn.node_id, self.hub.host.node_mac_key)
+        idx, outs, bad = check_acks(ab, core, r, self.pushes, conn.node_id, self.hub.host.node_mac_keys)
         if bad:
             self.hub.host.count_bad_macs(len(bad))
             log.warning("relay's ack refused: MAC does not verify nodes=%d first=%s relay=%s rack=%s", len(bad),
@@ -553,15 +580,16 @@ class _RoundDriver:
 
     def _spec(self, r: int, deliver_by: float) -> msgauth.BundleSpec:
         """One rack's bundle, but for its signature (signed with its batch's)."""
-        path, conn, ms = self.racks[r]
+        path, conn = self.racks[r]
         raw, seeds = self.raw, self.seeds
         carry = raw is not None and r < seeds
         sources: list[str] = []
         if raw is not None and not carry:
             parent = self.urls[(r - seeds) // TREE_FANOUT] if r - seeds >= 0 else None
             sources = [u for u in [parent, *self.seed_urls] if u and u != conn.listen_url]
-        pushes, expires = self.pushes, self.expires
-        ps = [pushes[i] for i in ms]
+        lo, hi = self.core.rack_slice(r)
+        expires = self.expires
+        ps = self.pushes[lo:hi]
         starts = any(p.kind == "start" for p in ps)
         if carry and starts:
             self.hub.stats.blob_seeds += 1
@@ -580,7 +608,7 @@ class _RoundDriver:
 
     # ------------------------------------------------------------ the round
 
-    async def run(self) -> dict[str, Outcome] | None:
+    async def run(self) -> RoundOutcomes | None:
         hub, core = self.hub, self.core
         bytes0, fallbacks0 = hub.stats.bytes_out, hub.stats.fallback_nodes
         if self.job_id:
@@ -621,8 +649,7 @@ class _RoundDriver:
             self._stop_deferring()
         if self.job_id:  # (a round of stops only is not a delivery to report)
             self._report(bytes0, fallbacks0, built_at, sent_at)
-        return {self.pushes[i].node_id: core.table[c]
-                for i, c in enumerate(core.code.tolist()) if self.pushes[i].kind == "start"}
+        return RoundOutcomes(self.pushes, core)
 
     async def _journal(self) -> bool:
         """Once: whether the journal's sync says the job is durable (the bundles held go out)."""

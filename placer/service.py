@@ -19,7 +19,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -251,15 +251,20 @@ class PlacerService:
 
     # ------------------------------------------------------------ what the relay hub uses (relays.RelayHost)
 
-    def node(self, node_id: str) -> NodeRec | None:
-        return self.state.nodes.get(node_id)
+    @property
+    def nodes(self) -> Mapping[str, NodeRec]:
+        return self.state.nodes
 
     def gang_blob(self, blob_id: str) -> bytes | None:
         return self.state.blobs.get(blob_id)
 
-    def node_mac_key(self, node_id: str) -> bytes | None:
-        n = self.state.nodes.get(node_id)
-        return None if n is None else self.state.mac_key(node_id, n.boot_id)
+    def node_mac_keys(self, node_ids: list[str]) -> list[bytes | None]:
+        nodes, key = self.state.nodes, self.state.mac_key
+        out: list[bytes | None] = []
+        for nid in node_ids:
+            n = nodes.get(nid)
+            out.append(None if n is None else key(nid, n.boot_id))
+        return out
 
     def count_bad_macs(self, n: int) -> None:
         self.state.counters["bad_macs"] += n
@@ -341,7 +346,7 @@ class PlacerService:
                 self._maybe_freeze()   # the round's records survive: collect once and freeze them
 
     async def _deliver(self, job_id: str, attempt: int, pushes: list[Push]) -> None:
-        acks: dict[str, Outcome] | None = {}
+        acks: Mapping[str, Outcome] | None = {}
         # A job's placements leave only once the job (and this attempt) is durable; the relays'
         # bundles are built while the journal syncs.
         synced = trio.Event()

@@ -141,12 +141,9 @@ class Sim:
 
 def _round(rack_sizes: list[int], n_direct: int, counted_bits: list[bool], durable: bool) -> DeliveryRound:
     n = sum(rack_sizes) + n_direct
-    perm = np.random.default_rng(len(rack_sizes) * 31 + n).permutation(n)  # members in any order
-    order = perm[:sum(rack_sizes)]
-    direct = perm[sum(rack_sizes):]
     bounds = np.concatenate([[0], np.cumsum(rack_sizes)]).astype(np.int64)
     counted = np.array([counted_bits[i % len(counted_bits)] for i in range(n)], dtype=bool)
-    return DeliveryRound(n, order, bounds, direct, patience_s=PATIENCE, cap_s=CAP, counted=counted, durable=durable)
+    return DeliveryRound(n, bounds, patience_s=PATIENCE, cap_s=CAP, counted=counted, durable=durable)
 
 
 def _check_end(sim: Sim) -> None:
@@ -316,3 +313,26 @@ def test_a_mac_failure_is_pushed_directly_and_counted() -> None:
     sim.answer_push(0, REFUSED)
     _check_end(sim)
     assert sim.dones[0].rollback
+
+
+def test_round_outcomes_name_the_counted_nodes_and_their_refusals() -> None:
+    """What the driver hands the state: the counted (start) nodes' outcomes by id, a view over
+    the round's arrays; its refusals without a pass over the gang."""
+    from placer.delivery import RoundOutcomes
+    from placer.records import Push
+    from scheduler_link.messages import Placement
+
+    core = _round([2, 2], 1, [True, True, False], True)   # node 2 (and 5) is a stop, not counted
+    sim = Sim(core)
+    sim.build_next()
+    sim.build_next()
+    sim.ack(0, [(0, ACCEPTED, True), (1, REFUSED, True)])
+    sim.ack(1, [(2, UNREACHABLE, True), (3, ACCEPTED, True)])
+    while sim.queued:
+        sim.start_push(0)
+    sim.answer_push(0, ACCEPTED)
+    _check_end(sim)
+    pushes = [Push(f"n{i}", "", Placement(placement_id=f"p{i}", job_id="j"), "j", 1, "start") for i in range(5)]
+    outs = RoundOutcomes(pushes, core)
+    assert dict(outs) == {"n0": ACCEPTED, "n1": REFUSED, "n3": ACCEPTED, "n4": ACCEPTED}
+    assert outs.refused() == {"n1": REFUSED} and "n2" not in outs and outs["n4"] is ACCEPTED
