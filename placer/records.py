@@ -137,6 +137,33 @@ class Push:
         return f"Push({self.kind} {self.job_id}#{self.attempt} -> {self.node_id})"
 
 
+def parts_bytes(pushes: list[Push], expires_at: float) -> list[bytes]:
+    """``[p.part_bytes(expires_at) for p in pushes]``, byte for byte, with what a gang's start
+    pushes share read once (a rack's bundle is a slice of a round's pushes; its parts are
+    encoded in one pass over it, one small encode each: cutting them from one encoding of
+    the slice, through ``list[msgspec.Raw]``, measured slower, 0.79 against 0.47 us a part)."""
+    enc = _part_enc.encode
+    out: list[bytes] = []
+    gang: GangStart | None = None
+    job_id, attempt, now, expires, n_gang = "", 0, 0.0, 0.0, 0
+    contacts: list[Peer] = []
+    for p in pushes:
+        g = p._gang
+        node = p._node
+        if g is None or node is None:
+            out.append(p.part_bytes(expires_at))
+            continue
+        if g is not gang:
+            gang = g
+            job_id, attempt, now, expires, n_gang, contacts = g.job_id, g.attempt, g.now, g.expires, g.n_gang, g.contacts
+        pods = p._pods
+        out.append(enc([
+            "" if pods else p._pid, node.node_id, job_id, attempt, "", WIRE_VERSION,
+            [["", q.rank, q.slots, _EMPTY] for q in pods],
+            p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None]))
+    return out
+
+
 class GangStart:
     """What every start push of one decision shares (one object, not two closures a node):
     a node's NodePart (rack relays) or Placement (direct push) is made from it on demand."""

@@ -57,7 +57,6 @@ from scheduler_link.messages import (
     BlobReply,
     BlobRequest,
     Frame,
-    NodeOutcome,
     NodeReport,
     RackBeat,
     RackBeatReply,
@@ -79,7 +78,7 @@ from .delivery import (
     RoundOutcomes,
     SendBundle,
 )
-from .records import NodeRec, Push
+from .records import NodeRec, Push, parts_bytes
 
 log = logging.getLogger("herd.placer.relays")
 
@@ -106,8 +105,8 @@ class RelayHost(Protocol):
     def gang_blob(self, blob_id: str) -> bytes | None:
         """A live gang blob's bytes."""
 
-    def node_mac_keys(self, node_ids: list[str]) -> list[bytes | None]:
-        """Registered nodes' MAC keys for their current boots (None: not registered)."""
+    def mac_key(self, node_id: str, boot_id: str) -> bytes:
+        """A node's MAC key for one of its boots."""
 
     def count_bad_macs(self, n: int) -> None:
         """``n`` messages a relay forwarded did not verify."""
@@ -383,19 +382,22 @@ class RelayHub:
 
 
 def check_acks(ab: AckBundle, core: DeliveryRound, r: int, pushes: list[Push], relay_id: str,
-               keys_of: Callable[[list[str]], list[bytes | None]]
+               nodes: Mapping[str, NodeRec], mac_key: Callable[[str, str], bytes]
                ) -> tuple[list[int], list[Outcome] | None, list[int]]:
     """A relay's AckBundle for rack ``r`` of ``core``'s round (``pushes`` in the round's order):
     (the members still waiting whose outcome answers their placement and verifies, their
     outcomes (None: all accepted), the members whose MAC did not verify). A member's outcome
     needs that member's MAC (the relay's own does not: it is the connection's owner); a member
     left out, or whose MAC fails, is left to the direct push. Outcomes in the parts' order
-    are matched by position, others through a map of the rack's members; the members' keys
-    are asked for in one batch."""
+    are matched by position, others through a map of the rack's members. One pass: the MAC
+    check is the only work a member costs that its identity does not need."""
     lo, hi = core.rack_slice(r)
     waiting = core.code[lo:hi].tolist()     # (one conversion, not a numpy read per member)
     size = hi - lo
-    cand: list[tuple[int, NodeOutcome]] = []
+    ok = msgauth.outcome_ok
+    idx: list[int] = []
+    odd: list[tuple[int, Outcome]] = []     # (position in idx, outcome) of those not plainly accepted
+    bad: list[int] = []
     where: dict[str, int] | None = None
     for k, o in enumerate(ab.outcomes):
         nid = o.node_id
@@ -405,28 +407,26 @@ def check_acks(ab: AckBundle, core: DeliveryRound, r: int, pushes: list[Push], r
             k = where.get(nid, -1)
             if k < 0:
                 continue
-        if waiting[k] == NO_OUTCOME:
-            waiting[k] = 0                  # (a repeat: its first is the one checked)
-            cand.append((k + lo, o))
-    keys = keys_of([o.node_id for _, o in cand])
-    ok = msgauth.outcome_ok
-    idx: list[int] = []
-    outs: list[Outcome] = []
-    plain = True
-    bad: list[int] = []
-    for (i, o), key in zip(cand, keys, strict=True):
-        if o.node_id != relay_id and (key is None or not ok(key, o)):
-            bad.append(i)
+        if waiting[k] != NO_OUTCOME:
             continue
+        waiting[k] = 0                      # (a repeat: its first is the one checked)
+        i = lo + k
+        if nid != relay_id:
+            node = nodes.get(nid)
+            if node is None or not ok(mac_key(nid, node.boot_id), o):
+                bad.append(i)
+                continue
         if o.placement_id != pushes[i].placement_id:
             continue
+        if o.outcome != "accepted" or o.refused_gpus or o.detail is not None:
+            odd.append((len(idx), Outcome(o.outcome, tuple(o.refused_gpus), o.detail)))
         idx.append(i)
-        if o.outcome == "accepted" and not o.refused_gpus and o.detail is None:
-            outs.append(ACCEPTED)
-        else:
-            plain = False
-            outs.append(Outcome(o.outcome, tuple(o.refused_gpus), o.detail))
-    return idx, None if plain else outs, bad
+    if not odd:
+        return idx, None, bad
+    outs = [ACCEPTED] * len(idx)
+    for j, out in odd:
+        outs[j] = out
+    return idx, outs, bad
 
 
 class _RoundDriver:
@@ -540,7 +540,8 @@ class _RoundDriver:
                 log.warning("relay answered a malformed ack bundle rack=%s relay=%s err=%s", path, conn.node_id, e)
                 self.apply(core.acked(r, trio.current_time(), ()))
             return
-        idx, outs, bad = check_acks(ab, core, r, self.pushes, conn.node_id, self.hub.host.node_mac_keys)
+        host = self.hub.host
+        idx, outs, bad = check_acks(ab, core, r, self.pushes, conn.node_id, host.nodes, host.mac_key)
         if bad:
             self.hub.host.count_bad_macs(len(bad))
             log.warning("relay's ack refused: MAC does not verify nodes=%d first=%s relay=%s rack=%s", len(bad),
@@ -593,7 +594,7 @@ class _RoundDriver:
         starts = any(p.kind == "start" for p in ps)
         if carry and starts:
             self.hub.stats.blob_seeds += 1
-        return msgauth.BundleSpec(path, (self.blob_id or "") if starts else "", [p.part_bytes(expires) for p in ps],
+        return msgauth.BundleSpec(path, (self.blob_id or "") if starts else "", parts_bytes(ps, expires),
                                   deliver_by, raw if carry and starts else None, sources if starts else [])
 
     def _build(self, lo: int, hi: int) -> list[Action]:

@@ -100,6 +100,7 @@ class PlacerService:
         self.token_use = authz.TokenUse() if self.security.accept_tokens else None
         self.pki = PKIRoutes(config.ca_dir, days=config.node_cert_days, clock=clock)
         self.state = PlacerState(config, started_at=clock())
+        self.mac_key: Callable[[str, str], bytes] = self.state.mac_key   # (relays.RelayHost: the state's own)
         self.pool = PushPool(concurrency=config.push_concurrency, attempt_timeout_s=config.ack_timeout_s,
                              retries=config.push_retries, ssl_context=self.security.client)
         self.journal: Journal | None = None
@@ -257,14 +258,6 @@ class PlacerService:
 
     def gang_blob(self, blob_id: str) -> bytes | None:
         return self.state.blobs.get(blob_id)
-
-    def node_mac_keys(self, node_ids: list[str]) -> list[bytes | None]:
-        nodes, key = self.state.nodes, self.state.mac_key
-        out: list[bytes | None] = []
-        for nid in node_ids:
-            n = nodes.get(nid)
-            out.append(None if n is None else key(nid, n.boot_id))
-        return out
 
     def count_bad_macs(self, n: int) -> None:
         self.state.counters["bad_macs"] += n

@@ -60,8 +60,8 @@ class Host:
     def gang_blob(self, blob_id: str) -> bytes | None:
         return None
 
-    def node_mac_keys(self, node_ids: list[str]) -> list[bytes | None]:
-        return [self.key(n) if n in self._nodes else None for n in node_ids]
+    def mac_key(self, node_id: str, boot_id: str) -> bytes:
+        return msgauth.node_key(self.master, node_id, boot_id)
 
     def count_bad_macs(self, n: int) -> None:
         self.bad_macs += n
