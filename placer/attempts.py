@@ -148,9 +148,7 @@ class Attempts(StateBase):
         if not refused:
             if job.state == "placing":
                 job.state = "starting"
-            for p in job.pods:
-                if p.state == "placing":
-                    job.set_pod_state(p, "accepted")
+            job.move_pods("placing", "accepted")
             self._maybe_running(job, now)
             return []
         self.counters["rollbacks"] += 1

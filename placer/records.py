@@ -279,6 +279,21 @@ class JobRec:
         if state == "exited" and exit_code == 0:
             self.ok_exits += 1
 
+    def move_pods(self, old: str, new: str) -> int:
+        """Every current pod in state ``old`` goes to ``new`` (neither "exited"): one pass, the
+        counts moved once. Returns how many moved."""
+        if old == "exited" or new == "exited":
+            raise ValueError("exits carry a code: set_pod_state")
+        n = 0
+        for p in self.pods:
+            if p.state == old:
+                p.state = new
+                n += 1
+        if n:
+            self.counts[old] -= n
+            self.counts[new] += n
+        return n
+
     @property
     def all_running(self) -> bool:
         return bool(self.pods) and len(self.pods) == self.spec.pods and self.counts["running"] == len(self.pods)

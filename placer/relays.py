@@ -38,6 +38,7 @@ import gc
 import hashlib
 import logging
 import math
+import operator
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -82,6 +83,7 @@ from .records import NodeRec, Push, parts_bytes
 
 log = logging.getLogger("herd.placer.relays")
 
+_kind = operator.attrgetter("kind")
 TREE_FANOUT = 8
 DRAIN_SLICE_S = 0.02      # the deferred frames are applied in slices of this much CPU, then others run
 STOPS_CAP_S = 10.0        # a round of stops only: relays' time at most, and without progress
@@ -471,7 +473,9 @@ class _RoundDriver:
         # pushed one by one (a storm of direct stops helps nobody).
         patience = cfg.relay_timeout_s if job_id else max(cfg.relay_timeout_s, STOPS_PATIENCE_S)
         cap = 4 * cfg.relay_timeout_s if job_id else max(4 * cfg.relay_timeout_s, STOPS_CAP_S)
-        counted = np.fromiter((p.kind == "start" for p in self.pushes), dtype=bool, count=len(pushes))
+        kinds = list(map(_kind, self.pushes))
+        counted = (np.ones(len(kinds), dtype=bool) if kinds.count("start") == len(kinds)
+                   else np.array(kinds) == "start")   # (a gang's pushes: all starts, mostly)
         self.core = DeliveryRound(len(pushes), bounds, patience_s=patience, cap_s=cap, counted=counted,
                                   durable=ready is None)
         self.rids: dict[int, int] = {}            # rack -> its bundle's request id (while sent)
