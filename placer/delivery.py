@@ -112,9 +112,10 @@ class DeliveryRound:
         self.table: list[Outcome] = [ACCEPTED]
         self._codes: dict[Outcome, int] = {ACCEPTED: 0}
         # per rack
-        self.phase = np.zeros(self.n_racks, dtype=np.uint8)
-        self.failed = np.zeros(self.n_racks, dtype=bool)
-        self.fell_back = np.zeros(self.n_racks, dtype=bool)
+        # per rack, read and written one rack at a time: bytes (np.frombuffer views them whole)
+        self.phase = bytearray(self.n_racks)
+        self.failed = bytearray(self.n_racks)
+        self.fell_back = bytearray(self.n_racks)
         self.rack_left = np.diff(self.bounds).tolist()          # members without an outcome, per rack
         # counts and time
         self.left = n                      # nodes without an outcome
@@ -186,9 +187,10 @@ class DeliveryRound:
             self.aborted = True
             return [Abort()]
         self.durable = True
-        held = np.flatnonzero(self.phase == RACK_HELD)
-        self.phase[held] = RACK_SENT
-        out: list[Action] = [SendBundle(int(r)) for r in held]
+        phase = np.frombuffer(self.phase, dtype=np.uint8)
+        held = np.flatnonzero(phase == RACK_HELD)
+        phase[held] = RACK_SENT
+        out: list[Action] = [SendBundle(r) for r in held.tolist()]
         if self.sending:
             out += self._start_sending(now)
         return out
@@ -196,7 +198,7 @@ class DeliveryRound:
     def all_built(self, now: float) -> list[Action]:
         """Every rack's bundle was built (and, once durable, sent): direct pushes begin and
         the relays' deadline starts."""
-        if (self.phase == RACK_NEW).any():
+        if RACK_NEW in self.phase:
             raise ValueError("all_built before every rack was built")
         self.sending = True
         if not self.durable or self.aborted:
@@ -251,7 +253,7 @@ class DeliveryRound:
             return []
         out: list[Action] = []
         self.timed_out = True
-        for r in np.flatnonzero(self.phase == RACK_SENT).tolist():
+        for r in np.flatnonzero(np.frombuffer(self.phase, dtype=np.uint8) == RACK_SENT).tolist():
             out += self._fail(r, "TooSlowError")
         return out + self._maybe_done()
 
@@ -342,14 +344,14 @@ class DeliveryRound:
         """Rack ``r``'s members without an outcome: pushed directly (once per rack)."""
         if self.fell_back[r]:
             return []
-        self.fell_back[r] = True
+        self.fell_back[r] = 1
         if not self.rack_left[r]:
             return []
         left = self.pending(r)
         return [PushDirect(left, fallback=True)] if len(left) else []
 
     def _fail(self, r: int, why: str) -> list[Action]:
-        self.failed[r] = True
+        self.failed[r] = 1
         out: list[Action] = [RackFailed(r, why)]
         # (fallback first, then the settle: a driver that lets reports flow on RacksSettled
         # has the fallback pushes queued already)
