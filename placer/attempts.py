@@ -22,7 +22,8 @@ from scheduler_link.messages import Placement, Victim
 
 from .delivery import RoundOutcomes
 from .records import ACCEPTED as ACCEPTED  # re-exported (defined with the records)
-from .records import TERMINAL_JOB_STATES, JobError, JobRec, Outcome, PodRec, Push
+from .records import TERMINAL_JOB_STATES, JobError, JobRec, PodRec, Push
+from .records import Outcome as Outcome  # re-exported
 from .statebase import StateBase
 
 log = logging.getLogger("herd.placer.state")

@@ -28,8 +28,10 @@ Invariants (tests/test_delivery_core.py checks them over any interleaving of eve
   progress (the last bundle left, or any relay of the round answered), and never later than
   ``cap_s`` after the last bundle left.
 
-State is plain attributes and numpy arrays over nodes and racks; outcomes are codes into a
-small table (0: accepted), so recording a rack's accepted members is one array write.
+State is plain attributes: numpy arrays over nodes, bytearrays over racks (read and written
+one rack at a time); outcomes are codes into a small table (0: accepted), so recording a
+rack's accepted members is a slice write. A finished round's result is :class:`RoundOutcomes`,
+a mapping view over those arrays that names its refusals without a pass over the gang.
 """
 
 from __future__ import annotations

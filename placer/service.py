@@ -9,6 +9,9 @@ per-attempt deadlines, retries).
 
 A decided job's start placements go out together; when every ack is in, the state
 decides what follows (all accepted: starting; a refusal: roll back and place again).
+Through the rack relays, :class:`placer.relays.RelayHub` drives the round
+(:mod:`placer.delivery` decides it); the hub sees this service only as a
+:class:`placer.relays.RelayHost` (the methods under "what the relay hub uses").
 """
 
 from __future__ import annotations
