@@ -37,6 +37,7 @@ from scheduler_link.messages import (
 )
 from scheduler_link.messages import workload_id as workload_id  # re-exported (the contract's naming)
 
+from .errors import ContractError
 from .errors import JobError as JobError  # re-exported (defined in errors.py)
 
 _part_enc = msgspec.msgpack.Encoder()   # the frames' (and msgauth.part_bytes') settings
@@ -283,7 +284,7 @@ class JobRec:
         """Every current pod in state ``old`` goes to ``new`` (neither "exited"): one pass, the
         counts moved once. Returns how many moved."""
         if old == "exited" or new == "exited":
-            raise ValueError("exits carry a code: set_pod_state")
+            raise ContractError("exits carry a code: set_pod_state")
         n = 0
         for p in self.pods:
             if p.state == old:
