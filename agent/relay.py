@@ -165,8 +165,13 @@ class Relay:
         self._batches = True          # the placer takes ``reports`` frames (else one ``report`` each)
         self._nursery: trio.Nursery | None = None
         self.upstream_ready = trio.Event()    # set while connected up (a fresh one after each loss)
+        # fault injection (tests, the fleet emulator's hung relays): bundles are read and never
+        # answered, as by a relay whose host froze (the placer's relay_timeout_s and fallback act)
+        self.stalled = False
         # statistics (the core's decisions: self.core's counters)
         self.connects = 0
+        self.drops = 0
+        self.drop_reasons: dict[str, int] = {}   # why the connection up ended, by reason
         self.beats = 0
         self.beat_entries = 0
         self.report_frames = 0
@@ -181,7 +186,7 @@ class Relay:
         c = self.core
         return {"listen_url": self.listen_url, "rack": self.rack, "upstream": self._up is not None,
                 "members": len(self._members) if self._hop is None else len(c.members),
-                "connects": self.connects, "bundles": c.bundles,
+                "connects": self.connects, "drops": self.drops, "bundles": c.bundles,
                 "parts_delivered": c.parts_delivered, "parts_missed": c.parts_missed, "beats": self.beats,
                 "beat_entries": self.beat_entries, "reports_forwarded": c.reports_forwarded,
                 "report_frames": self.report_frames, "late_answers": c.late_answers,
@@ -241,6 +246,9 @@ class Relay:
                     await ch.run(self._upstream_frame)
                     n.cancel_scope.cancel()
             finally:
+                why = ch.close_reason or "ended here"
+                self.drops += 1
+                self.drop_reasons[why] = self.drop_reasons.get(why, 0) + 1
                 if self._up is ch:
                     self._up = None
                     self.upstream_ready = trio.Event()
@@ -271,7 +279,7 @@ class Relay:
 
     def _upstream_frame(self, ch: FrameChannel, f: Frame) -> Any:
         if f.type == "bundle":
-            return self._bundle(f.payload)
+            return None if self.stalled else self._bundle(f.payload)
         if f.type == "part":
             return self._own(decode_payload(f, NodePart))
         if f.type == "ping":
@@ -496,20 +504,27 @@ class Relay:
             self.failures += 1
             return [WireReply(status=503, error=f"the relay could not forward the report: {e}")] * len(reps)
 
+    async def member_blob(self, blob_id: str) -> BlobReply:
+        """What a member's ``blob_get`` is answered: from the cache, fetched first if needed."""
+        return await self._blob_reply(blob_id, from_relay=False)
+
     async def _serve_blob(self, req: BlobRequest, *, from_relay: bool) -> tuple[str, BlobReply]:
+        return "blob", await self._blob_reply(req.blob_id, from_relay=from_relay)
+
+    async def _blob_reply(self, blob_id: str, *, from_relay: bool) -> BlobReply:
         got: tuple[bytes, Any] | None = None
         with trio.move_on_after(self.request_timeout_s):
             if self.core.may_fetch(from_relay):
                 try:
-                    got = await self.blobs.get(req.blob_id, self._all_sources(req.blob_id))
+                    got = await self.blobs.get(blob_id, self._all_sources(blob_id))
                 except Exception as e:
-                    return "blob", BlobReply(blob_id=req.blob_id, error=str(e))
+                    return BlobReply(blob_id=blob_id, error=str(e))
             else:
-                got = await self.blobs.wait_cached(req.blob_id, PEER_BLOB_WAIT_S)
+                got = await self.blobs.wait_cached(blob_id, PEER_BLOB_WAIT_S)
         if got is None:
-            return "blob", BlobReply(blob_id=req.blob_id, error="not here")
+            return BlobReply(blob_id=blob_id, error="not here")
         self.blob_serves += 1
-        return "blob", BlobReply(blob_id=req.blob_id, data=got[0])
+        return BlobReply(blob_id=blob_id, data=got[0])
 
 
 def _blob_data(r: BlobReply) -> bytes | None:

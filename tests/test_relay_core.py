@@ -3,10 +3,14 @@
 A property test over any interleaving of members' answers (accepted, refused, none, an
 answer to another part), members leaving, deadlines passing and bundles whose signature
 does not verify: every part of a taken bundle ends exactly once -- in its round's one ack
-bundle or left out -- and nothing is added after the acks were made."""
+bundle or left out -- and nothing is added after the acks were made. Then the emulator guard:
+the fleet emulator drives the shipped relay (agent.relay.Relay) and holds no relay logic of
+its own."""
 
 from __future__ import annotations
 
+import ast
+import inspect
 from dataclasses import dataclass
 
 import msgspec
@@ -207,3 +211,32 @@ def test_every_part_ends_exactly_once_in_exactly_one_ack_bundle(joined, script):
         keys = [(o.node_id, o.placement_id) for o in a.acks.outcomes]
         assert len(keys) == len(set(keys))           # one outcome per part
         assert all(pid.startswith(f"p{a.round_id}-") for _, pid in keys)
+
+
+# ---------------------------------------------------------------- the emulator drives the shipped relay
+
+FRAME_TYPES = {"bundle", "acks", "beat", "beat_reply", "reports", "report", "part", "blob_get", "blob"}
+
+
+def test_the_fleet_emulator_runs_the_shipped_relay_and_has_no_relay_logic_of_its_own():
+    from agent.relay import Relay
+    from infra.auth import TokenSet
+    from testing import fleet
+
+    assert fleet.Fleet.relay_type is Relay
+    fl = fleet.Fleet(fleet.FleetConfig(placer_url="http://127.0.0.1:9", nodes=1, relays=True), TokenSet())
+    node = fleet.EmulatedNode(fl, fleet.fleet_nodes("h100", 0, 1)[0], "http://127.0.0.1:9/n/x", None)
+    assert type(fleet.EmulatedRack(fl, "z/b/r", [node], None).relay) is Relay
+    tree = ast.parse(inspect.getsource(fleet))
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        handles = [n for n in ast.walk(cls) if isinstance(n, ast.Compare)
+                   and any(isinstance(c, ast.Constant) and c.value in FRAME_TYPES
+                           for c in [*n.comparators, n.left])
+                   and any(isinstance(x, ast.Attribute) and x.attr == "type" for x in ast.walk(n))]
+        assert not handles, f"testing/fleet.py's {cls.name} handles frame types itself"
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) for a in n.names}
+    for name in ("RackBeat", "RackBeatReply", "AckBundle", "RackBundle", "BundleView", "RackReports", "Frame",
+                 "expand_part"):
+        assert name not in imported, f"testing/fleet.py handles {name} itself: that is the relay's (agent.relaycore)"
+    calls = {n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    assert "BundleVerifier" not in calls, "testing/fleet.py checks bundle signatures itself: RelayCore does"
