@@ -15,7 +15,8 @@ clock) and ``wall`` (unix seconds, the placer's ``deliver_by`` clock) are argume
   blob is kept (:class:`KeepBlob`) or wanted (:class:`WantBlob`: the driver fetches it unless
   cached), and each part goes to its node (:class:`Hand`: this relay's own node, or a member
   with a connection here, with the signed proof the member checks itself); a part for a node
-  that is neither is left out at once (the placer pushes it directly).
+  that is neither, or of a bundle already past its ``deliver_by``, is left out at once (the
+  placer pushes it directly).
 - **Outcomes.** :meth:`answered` records a member's outcome for one handed part (None: not
   answered, e.g. its connection failed); :meth:`member_closed` leaves out every part of that
   member still waiting; :meth:`due` (or :meth:`expire`) closes rounds whose deadline passed
@@ -214,8 +215,10 @@ class RelayCore:
         r = self._rounds[rid] = _Round(rack=view.rack, blob_id=view.blob_id, until=until, waiting={})
         for slot, (p, pr) in enumerate(zip(parts, proofs, strict=True)):
             own = p.node_id == self.node_id
-            if not own and p.node_id not in self.members:
-                r.missed += 1   # not one of ours (yet): the placer reaches it directly
+            if until <= now or (not own and p.node_id not in self.members):
+                # past its deliver_by (the placer has given up on this relay for it), or not one
+                # of ours (yet): the placer reaches it directly
+                r.missed += 1
                 continue
             if p.pods and not p.blob_id:   # inside a bundle a part's blob is the bundle's
                 p = msgspec.structs.replace(p, blob_id=view.blob_id, proof=pr)

@@ -78,6 +78,15 @@ def test_deliver_by_bounds_the_round_and_a_carried_blob_is_kept():
     assert isinstance(got2.actions[1], Acks) and got2.actions[1].acks.outcomes == []   # n9 is not ours
 
 
+def test_a_bundle_past_its_deliver_by_is_handed_to_nobody():
+    """The placer has given up on this relay for it (and pushes its nodes directly)."""
+    core = _core(["n1", "n2"])
+    got = core.bundle(_payloads(1, deliver_by=999.0)[0], SIGNER.public, now=5.0, wall=1000.0)
+    assert isinstance(got, Taken)
+    assert [type(a) for a in got.actions] == [WantBlob, Acks]
+    assert got.actions[1].acks.outcomes == [] and (core.parts_missed, core.open_rounds) == (6, 0)
+
+
 def test_bad_signatures_and_missing_keys_are_refused_and_nothing_is_acted_on():
     core = _core(["n1"])
     assert isinstance(core.bundle(_payloads(1)[0], None, now=0, wall=0), Refuse)
