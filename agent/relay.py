@@ -113,15 +113,14 @@ class Relay:
                  max_connections: int = 512, keys: Keys, on_bad_bundle: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.time, security: Security | None = None,
                  connect_timeout_s: float = 60.0, hop: MemberHop | None = None, local_address: str | None = None,
-                 seen: dict[bytes, bytes] | None = None, verifiers: dict[bytes, BundleVerifier] | None = None,
-                 beat_offset_s: float = 0.0) -> None:
+                 verifiers: dict[bytes, tuple[BundleVerifier, dict[bytes, bytes]]] | None = None, beat_offset_s: float = 0.0) -> None:
         """``security``: the agent's TLS set-up (None or insecure: plain TCP). With it the members
         listener takes mutual TLS only (a member's certificate names the member), the upstream
         connection must reach the placer's certificate, and blobs come from other relays over
         mutual TLS too. ``listen`` None: no members listener (``advertise`` is the URL other
         relays fetch blobs from; the fleet emulator's shared one). ``hop``: how parts reach the
-        members (default: their frames connections here). ``seen``/``verifiers``: signature
-        caches several relays of one host may share (RelayCore). ``beat_offset_s``: the first
+        members (default: their frames connections here). ``verifiers``: the signature
+        cache several relays of one host may share (RelayCore). ``beat_offset_s``: the first
         beat's delay into the interval (relays of one host spread over it)."""
         self.node_id = node_id
         self._client_ssl = security.client if security is not None else None   # (insecure: none)
@@ -147,7 +146,7 @@ class Relay:
         self.connect_timeout_s = max(request_timeout_s, connect_timeout_s)
         self._beat_offset_s = beat_offset_s
         self._clock = clock
-        self.core = RelayCore(node_id=node_id, rack=rack, heartbeat_s=heartbeat_s, seen=seen, verifiers=verifiers)
+        self.core = RelayCore(node_id=node_id, rack=rack, heartbeat_s=heartbeat_s, verifiers=verifiers)
         self.book = self.core.book
         # a rack is small (<= 72 trays an NVL72) plus the few relays come for a blob: not the
         # descriptor-derived default, which may be 64 under a low ulimit

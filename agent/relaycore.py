@@ -131,17 +131,16 @@ class RelayCore:
     """One rack relay's state and decisions (see the module docstring)."""
 
     def __init__(self, *, node_id: str, rack: str, heartbeat_s: float = 5.0, ack_window_s: float = ACK_WINDOW_S,
-                 seen: dict[bytes, bytes] | None = None, verifiers: dict[bytes, BundleVerifier] | None = None
-                 ) -> None:
-        """``seen`` (signature -> verified root) and ``verifiers`` (by public key): caches a
-        host's relays may share (the fleet emulator's relays of one process do)."""
+                 verifiers: dict[bytes, tuple[BundleVerifier, dict[bytes, bytes]]] | None = None) -> None:
+        """``verifiers``: by the placer's public key, its verifier and the batch signatures it
+        verified (signature -> root): a cache a host's relays may share (the fleet emulator's
+        relays of one process do)."""
         self.node_id = node_id
         self.rack = rack
         self.ack_window_s = ack_window_s
         self.book = BeatBook(rack, heartbeat_s)
         self.members: set[str] = set()
-        self._seen: dict[bytes, bytes] = {} if seen is None else seen
-        self._verifiers: dict[bytes, BundleVerifier] = {} if verifiers is None else verifiers
+        self._verifiers: dict[bytes, tuple[BundleVerifier, dict[bytes, bytes]]] = {} if verifiers is None else verifiers
         self._sources: OrderedDict[str, list[str]] = OrderedDict()
         self._rounds: dict[int, _Round] = {}
         self._next_round = 0
@@ -188,10 +187,10 @@ class RelayCore:
             self.bad_bundles += 1
             return Refuse("bundle refused: no placer signing key yet (this relay has not registered directly)")
         try:
-            v = self._verifiers.get(placer_key)
-            if v is None:
-                v = self._verifiers[placer_key] = BundleVerifier(placer_key)
-            view, parts, proofs = v.bundle(payload, seen=self._seen)
+            vs = self._verifiers.get(placer_key)
+            if vs is None:
+                vs = self._verifiers[placer_key] = (BundleVerifier(placer_key), {})
+            view, parts, proofs = vs[0].bundle(payload, seen=vs[1])
         except (AuthError, msgspec.DecodeError, msgspec.ValidationError) as e:
             self.bad_bundles += 1
             log.warning("bundle refused rack=%s: %s", self.rack, e)

@@ -467,7 +467,7 @@ class EmulatedRack:
             node_id=members[0].slot.node_id, rack=rack, tokens=fleet.tokens, listen=None, wire_url=self._wire_url,
             blobs=fleet.blob_cache, heartbeat_s=fleet.cfg.heartbeat_s, request_timeout_s=fleet.cfg.request_timeout_s,
             keys=self.keys, security=Security(insecure=ctx is None, client=ctx), connect_timeout_s=WIRE_CONNECT_S,
-            hop=InProcessHop(self), local_address=source, seen=fleet.seen, verifiers=fleet.verifiers,
+            hop=InProcessHop(self), local_address=source, verifiers=fleet.verifiers,
             beat_offset_s=random.uniform(0, fleet.cfg.heartbeat_s))   # relays' beats spread over the interval
         self.relay.stalled = hung
         self.registered = 0
@@ -774,8 +774,7 @@ class Fleet:
         # same check of the same bytes each relay host would make on its own CPU)
         self.blob_cache = BlobCache()
         self.blob_failures = 0                         # members whose relay could not give the gang blob
-        self.seen: dict[bytes, bytes] = {}
-        self.verifiers: dict[bytes, BundleVerifier] = {}
+        self.verifiers: dict[bytes, tuple[BundleVerifier, dict[bytes, bytes]]] = {}
         self.cpu_at_last_answer = 0.0                  # relay mode: process CPU-s when it last handed a part
         self.drop_reasons: dict[str, int] = {}         # relay mode: why relays' connections ended (GET /stats)
         self.limiter = trio.CapacityLimiter(512)       # reports in flight (bounds a registration storm)
@@ -1015,7 +1014,7 @@ class Fleet:
                 "reports_sent": sum(k.reports for k in ks), "beats": sum(r.beats for r in rs),
                 "bundles": sum(c.bundles for c in cs), "parts": st.parts,
                 "part_bytes_max": max((c.part_bytes_max for c in cs), default=0),
-                "bundles_verified": sum(v.verified for v in self.verifiers.values()),
+                "bundles_verified": sum(v.verified for v, _ in self.verifiers.values()),
                 "bundles_refused": sum(c.bad_bundles for c in cs),
                 "parts_missed": sum(c.parts_missed for c in cs), "late_answers": sum(c.late_answers for c in cs),
                 "relay_failures": sum(r.failures for r in rs) + sum(k.failures for k in ks),

@@ -96,11 +96,15 @@ def test_bad_signatures_and_missing_keys_are_refused_and_nothing_is_acted_on():
 
 
 def test_a_batch_signature_is_verified_once():
-    seen: dict[bytes, bytes] = {}
-    core = RelayCore(node_id="n0", rack=RACK, seen=seen)
-    for p in _payloads(3):
-        assert isinstance(core.bundle(p, SIGNER.public, now=0, wall=0), Taken)
-    assert len(seen) == 1 and next(iter(core._verifiers.values())).verified == 1
+    shared: dict = {}
+    cores = [RelayCore(node_id="n0", rack=RACK, verifiers=shared) for _ in range(2)]   # one host's relays
+    for k, p in enumerate(_payloads(3)):
+        assert isinstance(cores[k % 2].bundle(p, SIGNER.public, now=0, wall=0), Taken)
+    ((v, seen),) = shared.values()
+    assert len(seen) == 1 and v.verified == 1
+    other = RelayCore(node_id="n0", rack=RACK, verifiers=shared)   # another key: its own cache
+    assert isinstance(other.bundle(_payloads(1, signer=OTHER)[0], OTHER.public, now=0, wall=0), Taken)
+    assert len(shared) == 2 and v.verified == 1
 
 
 def test_reports_empty_answered_content_batched_with_the_beat_first_and_stops_carried():
