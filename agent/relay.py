@@ -160,6 +160,7 @@ class Relay:
         self._tickets: dict[int, trio.MemorySendChannel[WireReply]] = {}
         self._sending: Batch | None = None    # the batch out now (answered 503 if the connection goes)
         self._finished: dict[int, Acks] = {}   # rounds over before their _round looked (answers, a member left)
+        self._waiting: dict[int, trio.CancelScope] = {}   # rounds whose hand-outs are still out
         self._out_wake = trio.Event()
         self._batches = True          # the placer takes ``reports`` frames (else one ``report`` each)
         self._nursery: trio.Nursery | None = None
@@ -329,10 +330,14 @@ class Relay:
 
     async def _round(self, rid: int, until: float, later: list[tuple[Hand, Awaitable[NodeOutcome | None]]]
                      ) -> tuple[str, Any]:
-        with trio.move_on_at(until):
-            async with trio.open_nursery() as n:
-                for a, aw in later:
-                    n.start_soon(self._answer_later, a, aw)
+        with trio.move_on_at(until) as scope:
+            self._waiting[rid] = scope   # cancelled when the round ends before its last answer
+            try:
+                async with trio.open_nursery() as n:
+                    for a, aw in later:
+                        n.start_soon(self._answer_later, a, aw)
+            finally:
+                del self._waiting[rid]
         acks = self._finished.pop(rid, None) or self.core.expire(rid)
         if acks is None:
             raise FrameError("the round ended without its acks")   # (cannot: every close is kept)
@@ -394,6 +399,9 @@ class Relay:
     def member_left(self, node_id: str) -> None:
         for a in self.core.member_closed(node_id):   # rounds its leaving ended: their _round answers them
             self._finished[a.round_id] = a
+            scope = self._waiting.get(a.round_id)
+            if scope is not None:
+                scope.cancel()
 
     def opened(self, hello: Hello, channel: FrameChannel) -> Any:
         if hello.racks:  # another relay, come for a blob

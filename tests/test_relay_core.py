@@ -12,14 +12,17 @@ from __future__ import annotations
 import ast
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
+import pytest
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.relaycore import Acks, Hand, KeepBlob, Refuse, RelayCore, Taken, WantBlob
 from scheduler_link.heartbeat_wire import WireReply
-from scheduler_link.messages import NodeOutcome, NodePart, NodeReport, RackBeatReply, ReportReply
+from scheduler_link.messages import Frame, NodeOutcome, NodePart, NodeReport, RackBeatReply, ReportReply
 from scheduler_link.msgauth import BundleSigner, BundleSpec, beat_mac, part_bytes
 
 RACK = "z/b/r"
@@ -224,6 +227,76 @@ def test_every_part_ends_exactly_once_in_exactly_one_ack_bundle(joined, script):
         keys = [(o.node_id, o.placement_id) for o in a.acks.outcomes]
         assert len(keys) == len(set(keys))           # one outcome per part
         assert all(pid.startswith(f"p{a.round_id}-") for _, pid in keys)
+
+
+# ---------------------------------------------------------------- the trio driver, on virtual time
+
+class SlowHop:
+    """Members answering after ``delays[node]`` seconds (None: never answering; absent: no
+    connection, answered None at once); the relay's own node at once."""
+
+    def __init__(self, delays: dict[str, float | None]) -> None:
+        self.delays = delays
+
+    def hand(self, part: NodePart, own: bool) -> Any:
+        out = NodeOutcome(node_id=part.node_id, placement_id=part.placement_id, outcome="accepted")
+        if own:
+            return out
+        if part.node_id not in self.delays:
+            return None
+        return self._later(out, self.delays[part.node_id])
+
+    async def _later(self, out: NodeOutcome, delay: float | None) -> NodeOutcome | None:
+        if delay is None:
+            await trio.sleep_forever()
+        await trio.sleep(delay)
+        return out
+
+
+def _relay(delays: dict[str, float | None]) -> Any:
+    from agent.blobs import BlobCache
+    from agent.relay import Relay
+    from infra.auth import TokenSet
+
+    relay = Relay(node_id="n0", rack=RACK, tokens=TokenSet(), listen=None, wire_url=lambda: None,
+                  blobs=BlobCache(), keys=lambda: (None, SIGNER.public), hop=SlowHop(delays),
+                  clock=lambda: 1000.0)
+    for n in NODES[1:]:
+        relay.member_joined(n)
+    return relay
+
+
+async def test_the_driver_answers_at_the_last_answer_or_the_ack_window(autojump_clock):
+    relay = _relay({"n1": 0.1, "n2": 0.25, "n3": 2.0, "n4": None})   # n5: no connection
+    t0 = trio.current_time()
+    kind, acks = await relay._bundle(_payloads(1)[0])
+    assert kind == "acks" and trio.current_time() - t0 == pytest.approx(0.4)   # the ack window
+    assert [o.node_id for o in acks.outcomes] == ["n0", "n1", "n2"]
+    assert (relay.core.parts_delivered, relay.core.parts_missed, relay.core.open_rounds) == (3, 3, 0)
+
+    relay = _relay({"n1": 0.1, "n2": 0.05, "n3": 0.2, "n4": 0.15, "n5": 0.01})
+    t0 = trio.current_time()
+    kind, acks = await relay._bundle(_payloads(1)[0])
+    assert trio.current_time() - t0 == pytest.approx(0.2)                      # the last answer
+    assert sorted(o.node_id for o in acks.outcomes) == NODES
+
+    relay = _relay({n: None for n in NODES[1:]})      # every member connected, none answers ...
+    async with trio.open_nursery() as n:
+        async def leave() -> None:
+            await trio.sleep(0.1)
+            for m in NODES[1:]:
+                relay.member_left(m)                  # ... and all leave: the round is over then
+        n.start_soon(leave)
+        t0 = trio.current_time()
+        kind, acks = await relay._bundle(_payloads(1)[0])
+    assert [o.node_id for o in acks.outcomes] == ["n0"] and relay.core.parts_missed == 5
+    assert trio.current_time() - t0 == pytest.approx(0.1)
+
+    relay = _relay({})                                # nothing to wait for: answered at once
+    kind, acks = relay._bundle(_payloads(1)[0])
+    assert kind == "acks" and [o.node_id for o in acks.outcomes] == ["n0"]
+    relay.stalled = True                              # a frozen host: the bundle is never answered
+    assert relay._upstream_frame(None, Frame(type="bundle", payload=_payloads(1)[0])) is None
 
 
 # ---------------------------------------------------------------- the emulator drives the shipped relay
