@@ -195,7 +195,7 @@ class Timing:
 class EmulatedNode:
     """One node: the hooks its AgentLink calls, and a fake supervisor for placements."""
 
-    __slots__ = ("fleet", "slot", "control_url", "refuse", "workloads", "link", "relay", "boot_id", "seq", "registered",
+    __slots__ = ("fleet", "slot", "control_url", "refuse", "workloads", "link", "rack", "boot_id", "seq", "registered",
                  "registering", "mac_key",
                  "counted", "_snap", "_uuids", "_uuid_list", "_inventory", "_all_slots")
 
@@ -206,7 +206,7 @@ class EmulatedNode:
         self.refuse = refuse                      # None | "refused_gpus" | "refused_spec"
         self.workloads: dict[str, WorkloadStatus] = {}
         self.link: AgentLink | None = None
-        self.relay: EmulatedRack | None = None    # relay mode: reports go through the rack's relay
+        self.rack: EmulatedRack | None = None     # relay mode: reports go through the rack's relay
         self.boot_id = ""
         self.seq = 0
         self.registered = False
@@ -334,8 +334,8 @@ class EmulatedNode:
         self.fleet.stats.event(w.job_id, now)
         if self.link is not None:
             self.link.notify(ev)
-        elif self.relay is not None:
-            self.relay.event(self, ev)
+        elif self.rack is not None:
+            self.rack.event(self, ev)
 
     async def _start(self, wids: list[str]) -> None:
         t = self.fleet.timing
@@ -894,7 +894,7 @@ class Fleet:
                 for k, (rack, members) in enumerate(by_rack.items()):
                     r = EmulatedRack(self, rack, members, _source(k, cfg.sources), hung=rack in cfg.hung_relays)
                     for m in members:
-                        m.relay = r
+                        m.rack = r
                     self.racks.append(r)
                 if self.racks:
                     # one frames listener for the process's relays: another relay's blob_get is

@@ -56,7 +56,7 @@ def _relay() -> tuple[Fleet, EmulatedRack]:
     members = [EmulatedNode(fleet, s, f"http://127.0.0.1:9/n/{s.node_id}", None) for s in fleet_nodes("h100", 0, 2)]
     rack = EmulatedRack(fleet, "hz00/b000/r00", members, None)
     for m in members:
-        m.relay = rack
+        m.rack = rack
         m.registered, m.boot_id, m.seq = True, f"boot-{m.slot.node_id}", 1
         rack.relay.member_joined(m.slot.node_id)
         m.workloads["j.1.0"] = WorkloadStatus(workload_id="j.1.0", job_id="j", state="accepted", gpus=[])
