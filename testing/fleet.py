@@ -616,10 +616,13 @@ class EmulatedRack:
                 for m in self.members:
                     if m.registered and m.slot.node_id not in self._sending:
                         wr = relay.member_report(m.slot.node_id, self._report(m, full=False))
-                        if isinstance(wr, WireReply):   # (an empty heartbeat is answered at once)
+                        if not isinstance(wr, WireReply):   # (an empty heartbeat is answered at once)
+                            continue
+                        r = wr.reply
+                        if wr.status != 200 or r.stop or r.need_full:
                             self._answered(m, wr)
-                            if wr.reply.heartbeat_interval_s:
-                                hb = wr.reply.heartbeat_interval_s
+                        if r.heartbeat_interval_s:
+                            hb = r.heartbeat_interval_s
             await trio.sleep(hb)
 
     async def _events(self) -> None:

@@ -133,6 +133,23 @@ def test_reports_empty_answered_content_batched_with_the_beat_first_and_stops_ca
     assert core.upstream_lost() == [t2]
 
 
+def test_plain_heartbeat_answers_are_shared_and_follow_the_interval():
+    from agent.beats import BeatBook
+    from scheduler_link.messages import NodeStop, Victim
+
+    book = BeatBook(RACK, 5.0)
+    hb = [NodeReport(node_id=n, boot_id="b", seq=1, full=False) for n in ("n1", "n2")]
+    a, b = book.empty(hb[0]), book.empty(hb[1])
+    assert a is b and a.heartbeat_interval_s == 5.0 and not a.need_full and a.stop == []
+    book.apply(RackBeatReply(heartbeat_interval_s=2.0, need_full=["n1"],
+                             stop=[NodeStop(node_id="n2", stop=[Victim(workload_id="w")])]))
+    a, b = book.empty(hb[0]), book.empty(hb[1])
+    assert a.need_full and not b.need_full and [v.workload_id for v in b.stop] == ["w"]
+    assert a.heartbeat_interval_s == b.heartbeat_interval_s == 2.0
+    c = book.empty(hb[1])                     # the stop was told once
+    assert c.stop == [] and c.heartbeat_interval_s == 2.0 and c is book.empty(hb[1])
+
+
 # ---------------------------------------------------------------- the property
 
 @dataclass
