@@ -39,11 +39,17 @@ bench: $(STAMP)
 	$(BIN)/python -m bench.agent
 	$(BIN)/python -m bench.placer
 	$(BIN)/python -m bench.link
+	$(BIN)/python -m bench.origin_read
+	$(BIN)/python -m bench.tls_handshake
+	$(BIN)/python -m bench.msgauth
+	$(BIN)/python -m bench.relay_round
+	$(BIN)/python -m bench.fleet --nodes 4096
+	$(BIN)/python -m bench.delivery --nodes 4096
 	$(BIN)/python -m bench.herd
 	$(BIN)/python -m bench.herd_sim
 
-# every bench once at small sizes (< 5 min), checking the README's performance table names
-# only JSON keys the benches print; not part of make test
+# every bench once at small sizes (< 5 min), checking that docs/performance.md names only
+# JSON keys the benches print; not part of make test
 .PHONY: bench-quick
 bench-quick: $(STAMP)
 	$(BIN)/python -m bench.quick

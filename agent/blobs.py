@@ -19,9 +19,11 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 
 import trio
 
+from p2p.flight import SingleFlight
 from scheduler_link.messages import GangBlob, decode_gang_blob
 
 log = logging.getLogger("herd.agent.blobs")
@@ -39,7 +41,7 @@ class BlobCache:
     def __init__(self, keep: int = 8) -> None:
         self.keep = keep
         self._blobs: OrderedDict[str, tuple[bytes, GangBlob]] = OrderedDict()
-        self._inflight: dict[str, trio.Event] = {}
+        self._flight = SingleFlight()    # one fetch per id at a time
         self._news = trio.Event()        # set whenever a blob is kept or a fetch begins
         self.hits = 0
         self.fetches = 0
@@ -87,9 +89,7 @@ class BlobCache:
                 got = self.cached(blob_id)
                 if got is not None:
                     return got
-                ev = self._inflight.get(blob_id)
-                if ev is not None:
-                    await ev.wait()
+                if await self._flight.wait(blob_id):
                     return self.cached(blob_id)
                 if timeout_s <= 0:
                     return None
@@ -103,19 +103,14 @@ class BlobCache:
             if got is not None:
                 self.hits += 1
                 return got
-            ev = self._inflight.get(blob_id)
-            if ev is None:
-                break
-            await ev.wait()  # then the cache again; if that fetch failed, the first waiter tries itself
-        ev = self._inflight[blob_id] = trio.Event()
-        self._wake()
-        try:
-            return await self._fetch(blob_id, sources)
-        finally:
-            del self._inflight[blob_id]
-            ev.set()
+            # waits for a fetch in flight, then the cache again; if that fetch failed, one waiter tries itself
+            fetched = await self._flight.run(blob_id, lambda: blob_id in self._blobs,
+                                             partial(self._fetch, blob_id, sources))
+            if fetched is not None:
+                return fetched
 
     async def _fetch(self, blob_id: str, sources: Sequence[BlobSource]) -> tuple[bytes, GangBlob]:
+        self._wake()   # a fetch begins: wait_cached's waiters now wait for it
         self.fetches += 1
         why = "no source"
         for src in sources:

@@ -23,6 +23,7 @@ import msgspec
 import trio
 
 from infra import pki
+from infra.durable import atomic_write
 from infra.tls import (
     DEFAULT_TLS_DIR,
     Security,
@@ -32,6 +33,7 @@ from infra.tls import (
     daemon_security,
     describe_ssl_error,
     insecure_from_env,
+    ssl_cause,
 )
 from scheduler_link.pki_api import CertReply, CSRRequest
 
@@ -77,8 +79,8 @@ def _save(state_dir: str | os.PathLike[str], key_pem: bytes, reply: CertReply) -
     d = Path(state_dir) / "tls"
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)
-    pki._write(d / "node.key", key_pem, 0o600)
-    pki._write(d / "node.crt", reply.cert.encode(), 0o644)
+    atomic_write(d / "node.key", key_pem, 0o600)
+    atomic_write(d / "node.crt", reply.cert.encode(), 0o644)
     return TLSFiles(d / "ca.crt", d / "node.crt", d / "node.key")
 
 
@@ -88,11 +90,12 @@ async def _post_csr(placer: str, path: str, body: CSRRequest, *, verify: object,
     if token:
         headers["authorization"] = f"Bearer {token}"
     try:
-        async with httpx.AsyncClient(verify=verify, timeout=10.0) as c:  # type: ignore[arg-type]
+        async with httpx.AsyncClient(verify=verify, timeout=10.0) as c:  # type: ignore[arg-type]  # verify is an SSLContext or a CA path from tls.client_verify, typed object there
             r = await c.post(f"{placer.rstrip('/')}{path}", content=msgspec.json.encode(body), headers=headers)
     except httpx.HTTPError as e:
+        cause = ssl_cause(e)
         raise AgentError(f"certificate request to the placer at {placer} failed: "
-                         f"{describe_ssl_error(e) if 'SSL' in str(e) else e}") from None
+                         f"{describe_ssl_error(cause or e) if cause or 'SSL' in str(e) else e}") from None
     if r.status_code != 200:
         raise AgentError(f"the placer refused the certificate request ({r.status_code}): {r.text[:300]}")
     try:
@@ -109,7 +112,7 @@ async def bootstrap(placer: str, node_id: str, token: str, *, configured_dir: st
     if not _present(ca):
         raise AgentError(f"bootstrap needs the cluster CA certificate at {ca} (copy ca.crt from the PKI dir)")
     try:
-        ctx = client_context(ca)
+        ctx = client_context(ca, expect="placer")   # the token leaves only for the placer
     except TLSError as e:
         raise AgentError(str(e)) from None
     key, csr = pki.make_csr(node_id)

@@ -25,6 +25,7 @@ from scheduler_link.messages import TopologyPath
 
 from .errors import ConfigError
 from .supervisor import SupervisorConfig
+from .tenants import IsolationSection, parse_uid_range
 
 DEFAULT_LISTEN = "127.0.0.1:8470"
 
@@ -73,6 +74,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     workloads: SupervisorConfig = SupervisorConfig()
     relay: RelayConfig = RelayConfig()
     dataplane: DataPlaneSection = DataPlaneSection()
+    isolation: IsolationSection = IsolationSection()
     # TLS (agent.certs, docs/security.md): ca.crt + node.crt/node.key in tls_dir (default
     # $HERD_TLS_DIR or /etc/herd/tls); insecure = true keeps plain HTTP/TCP (warned; unset:
     # $HERD_INSECURE=1); tls_bootstrap_token: a file with a single-use token for the first certificate
@@ -201,6 +203,12 @@ def validate(cfg: AgentConfig) -> None:
             or not 1 <= w.env_file_max_bytes <= 16 << 20:
         raise ConfigError("workloads.env_files_prefixes must be absolute directories (not /), "
                           "env_file_max_bytes within 1..16777216")
+    iso = cfg.isolation
+    parse_uid_range(iso.uid_range)   # raises ConfigError when malformed
+    if iso.hide_proc not in ("auto", "off") or iso.gpu_devices not in ("auto", "off"):
+        raise ConfigError("[isolation] hide_proc and gpu_devices must be auto or off")
+    if not iso.dev_dir.startswith("/"):
+        raise ConfigError(f"[isolation] dev_dir must be an absolute directory, not {iso.dev_dir!r}")
     if cfg.store.quota_bytes is not None and cfg.store.quota_bytes <= 0:
         raise ConfigError("store.quota_bytes must be > 0")
     if cfg.store.keep_trees < 0:

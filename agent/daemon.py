@@ -67,12 +67,15 @@ from .config import AgentConfig
 from .errors import AgentError, UnknownWorkload
 from .gpus import GpuMonitor, open_backend
 from .gpus import render_metrics as render_gpu_metrics
+from .isolation import Isolation, detect
+from .launcher import ShimPool
 from .metrics import render_agent_metrics
 from .parts import PartAcceptor
 from .relay import Relay
 from .sdnotify import Notifier
 from .state import atomic_write
 from .supervisor import Supervisor, trees_to_remove
+from .tenants import Tenancy
 
 MAX_BLOB_BYTES = 64 << 20   # a 200,000-node gang's peer table is ~10 MB
 
@@ -107,9 +110,12 @@ class Agent:
         self._prefetching: set[str] = set()
         self.relay: Relay | None = None
         self.blobs = BlobCache()
+        # tenants apart (agent.tenants): a uid per workload, its own /proc and GPU device nodes
+        iso = Isolation(*detect(config.workloads.cgroup), tenancy=Tenancy(config.isolation, gpu_minors=self._gpu_minors))
         self.supervisor = Supervisor(self.state_dir, node_id=self.node_id, gpu_health=self._gpu_health,
                                      config=config.workloads, fetcher=self._fetch, base_env=env,
-                                     blob_fetcher=self._blob_bytes if config.placer else None)
+                                     blob_fetcher=self._blob_bytes if config.placer else None, isolation=iso,
+                                     pool=ShimPool(config.workloads.shim_pool, prepare=iso.for_launch))
         self.parts = PartAcceptor(self.state_dir, node_id=self.node_id, supervisor=self.supervisor,
                                   inventory=self._inventory, blob=self._gang_blob, notify=self._notify,
                                   keys=self._msg_keys, allowed_origins=config.allowed_origins,
@@ -317,6 +323,10 @@ class Agent:
     def gpu_snapshot(self) -> GpuSnapshot:
         return self.monitor.snapshot() if self.monitor is not None else GpuSnapshot()
 
+    def _gpu_minors(self) -> dict[str, int]:
+        """GPU UUID -> the minor number of its /dev/nvidiaN node."""
+        return {g.uuid: g.index if g.minor_number is None else g.minor_number for g in self.gpu_snapshot().gpus}
+
     def _gpu_health(self) -> dict[str, str] | None:
         snap = self.gpu_snapshot()
         if not snap.gpus and self.monitor is None:
@@ -344,6 +354,7 @@ class Agent:
             "data_url": self.data_url or None, "topology": self.config.topology,
             "nvlink_domain": snap.nvlink_domain, "backend": snap.backend, "simulated": snap.simulated,
             "isolation": self.supervisor.isolation.mode, "workload_user": self.supervisor.identities.default.name,
+            "tenants": self.supervisor.isolation.statistics()["tenants"],
             "gpus": snap, "gpu_holders": self.supervisor.gpu_holders(),
             "workloads": self.supervisor.workloads(), "supervisor": self.supervisor.statistics(),
             "store": self.store_statistics(),
@@ -386,7 +397,7 @@ class Agent:
     async def stop_workloads(self, victims: list[Victim]) -> None:
         for v in victims:
             try:
-                await self.supervisor.stop(v.workload_id, reason=v.reason, grace_s=v.grace_s)
+                await self.supervisor.stop(v.workload_id, reason=v.reason, grace_s=v.grace_s, preempted=v.preempted)
             except UnknownWorkload:
                 log.info("asked to stop unknown workload id=%s (already gone)", v.workload_id)
 

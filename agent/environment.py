@@ -9,7 +9,7 @@ HERD_RANK, HERD_WORLD_SIZE, HERD_SCRATCH, HERD_PREEMPT_NOTICE, HERD_PEERS_FILE (
 per peer, see agent.peersfile) and, for gangs of at most 64 peers, HERD_PEERS
 (``node=url,...``). A workload that runs as another user
 than the agent (agent.isolation) also gets HOME and TMPDIR = its scratch dir, USER and
-LOGNAME = that user.
+LOGNAME = that user (``herd-UID`` for a uid of its own, agent.tenants).
 """
 
 from __future__ import annotations

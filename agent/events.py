@@ -25,6 +25,7 @@ class Stop:
     reason: str
     grace_s: float | None
     reply: trio.MemorySendChannel[Any] | None
+    preempted: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,7 +7,11 @@ Theory of operation
 user``, default ``herd-workload``; ``nobody`` when that user does not exist, said once);
 a placement may name another user only if it is in ``allowed_users``; uid 0 is refused
 unless ``allow_root``. An unprivileged agent (a laptop, ``herd demo`` as a normal user)
-runs workloads as itself: it cannot do otherwise. The shim applies the identity in the
+runs workloads as itself: it cannot do otherwise. With ``[isolation] uid_range`` (the
+default) a root agent runs each workload that names no user as a uid of its own instead,
+in a mount namespace of its own (:mod:`agent.tenants`, applied through
+:meth:`Isolation.for_launch`, the shim pool's ``prepare`` hook, and released by
+:meth:`Isolation.remove`). The shim applies the identity in the
 child before ``exec`` (:mod:`agent.shim`): setgroups/setgid/setuid, which drops every
 capability, then ``no_new_privs``, umask 077, ``RLIMIT_CORE``, ``oom_score_adj`` 0.
 
@@ -49,7 +53,9 @@ from typing import Literal
 
 from . import procs
 from .errors import ConfigError
+from .launcher import LaunchCommand
 from .shim import descendants
+from .tenants import Tenancy
 
 log = logging.getLogger("herd.agent.isolation")
 
@@ -358,9 +364,14 @@ class Isolation:
     """What the supervisor calls: the mode, a cgroup per workload, the members of a
     workload, signalling them all, killing them all."""
 
-    def __init__(self, tree: CgroupTree | None, reason: str = "") -> None:
+    def __init__(self, tree: CgroupTree | None, reason: str = "", *, tenancy: Tenancy | None = None) -> None:
         self.tree = tree
         self.reason = reason
+        self.tenancy = tenancy   # tenants apart from each other (agent.tenants); None: one shared user
+
+    def for_launch(self, cmd: LaunchCommand) -> LaunchCommand:
+        """The ShimPool's ``prepare`` hook: the workload's own uid, /proc and /dev."""
+        return cmd if self.tenancy is None else self.tenancy.for_launch(cmd)
 
     @property
     def mode(self) -> Mode:
@@ -406,9 +417,15 @@ class Isolation:
         return self.tree is not None and self.tree.path(wid).is_dir()
 
     def remove(self, wid: str) -> None:
+        """The workload's processes are gone (or it never started): remove its cgroup, and
+        release its uid (only once the cgroup is gone: a populated one still runs as it)."""
         if self.tree is not None and not self.tree.remove(wid):
             log.warning("workload cgroup not removed (still populated?) id=%s", wid)
+            return
+        if self.tenancy is not None:
+            self.tenancy.release(wid)
 
     def statistics(self) -> dict[str, object]:
         return {"isolation": self.mode, "reason": self.reason,
-                "cgroup_parent": str(self.tree.parent) if self.tree is not None else None}
+                "cgroup_parent": str(self.tree.parent) if self.tree is not None else None,
+                "tenants": self.tenancy.statistics(cgroups=self.tree is not None) if self.tenancy is not None else None}

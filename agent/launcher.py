@@ -27,6 +27,7 @@ import logging
 import os
 import stat
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,16 @@ def _shim_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k not in drop}
 
 
+class WorkloadView(msgspec.Struct, frozen=True, kw_only=True):
+    """What the workload sees of the host (agent.tenants), made by the shim in the child: a
+    mount namespace of its own with a /proc mounted ``hidepid`` (None: the host's), and
+    ``dev_dir`` as a tmpfs holding its entries except the GPU nodes whose minors are not in
+    ``gpu_minors`` (None: the host's dir)."""
+    hidepid: str | None = None
+    dev_dir: str | None = None
+    gpu_minors: list[int] = []
+
+
 class LaunchCommand(msgspec.Struct, frozen=True, kw_only=True):
     dir: str
     argv: list[str]
@@ -109,6 +120,7 @@ class LaunchCommand(msgspec.Struct, frozen=True, kw_only=True):
     rlimit_core: int = 0
     oom_score_adj: int | None = 0
     grace_s: float = 10.0                # for what is left of the workload once its leader exits
+    view: WorkloadView | None = None     # None: the host's mount namespace as it is
 
 
 class Launched(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,8 +158,12 @@ class _Shim:
 
 class ShimPool:
     def __init__(self, size: int = 2, *, python: str | None = None, refill_delay_s: float = 0.05,
-                 use_zygote: bool = True) -> None:
+                 use_zygote: bool = True,
+                 prepare: Callable[[LaunchCommand], LaunchCommand] | None = None) -> None:
         self.size = max(0, size)
+        # the last step before a command leaves for a shim: who the workload runs as and what
+        # it sees of the host (agent.isolation.Isolation.for_launch); raises ShimError to refuse
+        self.prepare = prepare
         self.refill_delay_s = refill_delay_s
         self.python = python or sys.executable
         self._idle: list[_Shim] = []
@@ -279,16 +295,20 @@ class ShimPool:
                 for s in idle:
                     await s.close()
                     self._children.discard(s.pid)
-                    await wait_exit(s.pid, timeout=2)
+                    with trio.move_on_after(2):
+                        await wait_exit(s.pid)
                 if self._zygote is not None:
                     self._zygote.close()  # EOF: the zygote exits
                     self._zygote = None
                 if self._zygote_pid is not None:
-                    await wait_exit(self._zygote_pid, timeout=2)
+                    with trio.move_on_after(2):
+                        await wait_exit(self._zygote_pid)
                     self._children.discard(self._zygote_pid)
 
     async def launch(self, cmd: LaunchCommand) -> Launched:
         """Start ``cmd`` under an idle shim and return the workload's identity."""
+        if self.prepare is not None:
+            cmd = self.prepare(cmd)
         shim = self._idle.pop() if self._idle else await self._spawn_ready()
         self._want.set()
         try:
@@ -301,7 +321,8 @@ class ShimPool:
             await shim.close()
         self._children.discard(shim.pid)
         if not reply.get("ok"):
-            await wait_exit(shim.pid, timeout=5)
+            with trio.move_on_after(5):
+                await wait_exit(shim.pid)
             raise ShimError(str(reply.get("error", "shim refused the command")))
         return msgspec.convert({k: reply.get(k) for k in Launched.__struct_fields__}, Launched)
 
@@ -309,24 +330,19 @@ class ShimPool:
         return {"idle": len(self._idle), "size": self.size, "spawned": self.spawned}
 
 
-async def wait_exit(pid: int, *, timeout: float | None = None) -> bool:
-    """Wait for ``pid`` to exit (child or not); reap it if it is our child.
-
-    Returns False on timeout. Works across agent restarts through ``pidfd_open``.
+async def wait_exit(pid: int) -> None:
+    """Wait for ``pid`` to exit (child or not); reap it if it is our child. The caller
+    bounds the wait with its cancel scope. Works across agent restarts through ``pidfd_open``.
     """
     fd = procs.open_pidfd(pid)
     if fd is None:
         procs.reap(pid)
-        return True
+        return
     try:
-        with trio.move_on_after(timeout if timeout is not None else float("inf")) as cs:
-            await trio.lowlevel.wait_readable(fd)
+        await trio.lowlevel.wait_readable(fd)
     finally:
         os.close(fd)
-    if cs.cancelled_caught:
-        return False
     procs.reap(pid)
-    return True
 
 
 async def wait_identity(pid: int | None, start_time: int | None, boot: str | None) -> bool:

@@ -37,7 +37,7 @@ from .errors import UnknownWorkload
 if TYPE_CHECKING:
     from .daemon import Agent
 
-STATES: tuple[str, ...] = WorkloadState.__args__  # type: ignore[attr-defined]
+STATES: tuple[str, ...] = WorkloadState.__args__  # type: ignore[attr-defined]  # a Literal's members are read from __args__, which typing does not declare
 
 
 Rows = list[tuple[dict[str, str], float]]

@@ -7,7 +7,8 @@ expiry, its inventory hash and GPUs, and wrote it durably; the gang blob (argv, 
 user, peers, ...) comes after. So acceptance is two steps:
 
 1. :func:`check_part` (pure) decides: bound to this node, a version we speak, not expired
-   (the sender's clock), ``inventory`` equal to the hash of our GPU UUIDs in index order
+   (the sender's clock; a stop-only part ``STOP_LATE_S`` later, and its own job's victims
+   must be of its attempt), ``inventory`` equal to the hash of our GPU UUIDs in index order
    (else ``expired``: the placer's view of us is stale; it says nothing about a GPU),
    slots that exist, then exactly what :func:`agent.placement.check_placement` says of a
    provisional Placement made of the part's pods (UUIDs from the slots) and victims: GPU
@@ -65,19 +66,24 @@ from scheduler_link.messages import (
     PodAssignment,
     Victim,
     WorkloadEvent,
+    WorkloadState,
     inventory_hash,
 )
 from scheduler_link.msgauth import AuthError, BundleVerifier, with_outcome_mac
 
 from .errors import AgentError
 from .partstore import PartRecord, PartState, PartStore
-from .placement import Refusal, check_placement, replayed
+from .placement import Refusal, attempt_of, check_placement, replayed
 from .state import WorkloadRecord
 
 log = logging.getLogger("herd.agent.parts")
 
 KEEP_DONE = 512          # handed-over parts remembered on disk (idempotency across restarts)
 KEEP_REFUSED = 2048      # refusals remembered in memory
+# A stop-only part is still applied this long after it expired (a stop that comes late is still
+# right); after that it is refused as expired, so a replayed stop, once its outcome is no longer
+# remembered, cannot reach a pod started since (heartbeat answers fence stale work instead).
+STOP_LATE_S = 600.0
 
 
 # ---------------------------------------------------------------- deciding (pure)
@@ -108,8 +114,14 @@ def check_part(part: NodePart, *, node_id: str, now: float, inventory: Sequence[
     if part.version != WIRE_VERSION:
         return _no(part, node_id, Refusal("refused_spec", f"unsupported part version {part.version} "
                                                           f"(this agent speaks {WIRE_VERSION})"))
-    if part.expires_at and now > part.expires_at and part.pods:  # (stops only: late is still right)
+    late = STOP_LATE_S if not part.pods else 0.0   # a stop may come late (still right), not for ever
+    if part.expires_at and now > part.expires_at + late:
         return _no(part, node_id, Refusal("expired", f"part expired {now - part.expires_at:.3f}s ago"))
+    if not part.pods and (stray := next((v.workload_id for v in part.victims
+                                         if attempt_of(v.workload_id, part.job_id) not in (None, part.attempt)),
+                                        None)) is not None:
+        # a stop of its own job's pods is bound to its attempt: a replay cannot reach a later one
+        return _no(part, node_id, Refusal("refused_spec", f"a stop of attempt {part.attempt} names {stray}"))
     if part.pods and not part.blob_id:
         return _no(part, node_id, Refusal("refused_spec", "a part that starts pods needs a gang blob"))
     if part.pods and (why := replayed(part.job_id, part.attempt, part.placement_id, records)) is not None:
@@ -171,7 +183,8 @@ class PartNotAuthentic(AgentError):
 class PartSupervisor(Protocol):
     async def place(self, placement: Placement, *, direct: bool = False) -> PlacementAck: ...
 
-    async def stop(self, workload_id: str, *, reason: str = ..., grace_s: float | None = ...) -> Any: ...
+    async def stop(self, workload_id: str, *, reason: str = ..., grace_s: float | None = ...,
+                   preempted: bool = ...) -> Any: ...
 
     def records_view(self) -> Mapping[str, WorkloadRecord]: ...
 
@@ -467,7 +480,7 @@ class PartAcceptor:
         part = r.part
         for v in part.victims:  # victims go now, not after the blob: the stops and the parts go out together
             try:
-                await self.supervisor.stop(v.workload_id, reason=v.reason, grace_s=v.grace_s)
+                await self.supervisor.stop(v.workload_id, reason=v.reason, grace_s=v.grace_s, preempted=v.preempted)
             except Exception as e:  # already gone (UnknownWorkload): nothing to stop
                 log.debug("victim not stopped workload=%s err=%s", v.workload_id, e)
         why: str | None = None
@@ -491,14 +504,14 @@ class PartAcceptor:
         if why is None:
             for wid, v in self._stopped(r).items():
                 if wid in early:  # not placed: its end is ours to report (as the supervisor would)
-                    state = "preempted" if v.reason.startswith("preempt") else "exited"
+                    state: WorkloadState = "preempted" if v.preempted else "exited"
                     pod = next(p for p in r.pods if p.workload_id == wid)
-                    self._notify(WorkloadEvent(workload_id=wid, job_id=part.job_id, state=state, at=now,  # type: ignore[arg-type]
+                    self._notify(WorkloadEvent(workload_id=wid, job_id=part.job_id, state=state, at=now,
                                                reason=f"{v.reason} before start", gpus=list(pod.gpus),
                                                placement_id=part.placement_id))
                     continue
                 try:  # came while the placement was being handed over
-                    await self.supervisor.stop(wid, reason=v.reason, grace_s=v.grace_s)
+                    await self.supervisor.stop(wid, reason=v.reason, grace_s=v.grace_s, preempted=v.preempted)
                 except Exception as e:
                     log.debug("early stop not applied workload=%s err=%s", wid, e)
             self.counters.placed += 1

@@ -28,7 +28,7 @@ Protocol (one JSON object per line)
 shim -> agent on stdout: ``{"ready": true, "shim_pid": P}`` once imported.
 agent -> shim on stdin: ``{"dir", "argv", "env", "cwd", "log_max_bytes", "log_keep", "record",
 "user": {"uid", "gid", "groups"} | null, "cgroup": path | null, "umask", "rlimit_core",
-"oom_score_adj", "grace_s"}``.
+"oom_score_adj", "grace_s", "view": {"hidepid", "dev_dir", "gpu_minors"} | null}``.
 shim -> agent: ``{"ok": true, "pid", "start_time", "boot_id"}`` or
 ``{"ok": false, "error"}``; then the shim detaches from both pipes.
 Files in ``dir``: ``run.json`` (identity of the workload process and a copy of the agent's
@@ -38,7 +38,9 @@ Files in ``dir``: ``run.json`` (identity of the workload process and a copy of t
 
 Isolation (see :mod:`agent.isolation`): the shim is a child subreaper, so every
 descendant of the workload stays below it; the workload's child joins its cgroup (when
-one is given), then drops to the workload's user (which clears every capability), sets
+one is given), enters its own mount namespace (when a ``view`` is given: a /proc that hides
+other uids, a /dev without the GPU nodes of other workloads; agent.tenants), then drops to
+the workload's user (which clears every capability), sets
 ``no_new_privs``, umask, ``RLIMIT_CORE`` and ``oom_score_adj``, and only then ``exec``s.
 When the leader exits, the shim SIGTERMs what is left of the workload, SIGKILLs it after
 ``grace_s`` and writes ``exit.json`` (the leader's code) only once the workload is empty:
@@ -56,6 +58,7 @@ import os
 import resource
 import selectors
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -65,6 +68,9 @@ from typing import Any
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
 PR_CAPBSET_DROP = 24
+CLONE_NEWNS = 0x00020000
+MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_SLAVE = 2, 4, 8, 4096, 16384, 1 << 19
+NVIDIA_MAJOR, NVIDIA_FIRST_CONTROL_MINOR = 195, 254
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -183,6 +189,96 @@ def _drop_all_caps() -> None:
         raise OSError(e, f"capset: {os.strerror(e)}")
 
 
+def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str | None) -> None:
+    def b(x: str | None) -> bytes | None:
+        return x.encode() if x is not None else None
+    if _libc.mount(b(src), b(target), b(fstype), ctypes.c_ulong(flags), b(data)) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mount {fstype or src} on {target}: {os.strerror(e)}")
+
+
+def _hidden_gpu(name: str, st: os.stat_result, minors: set[int]) -> bool:
+    """A GPU node the workload was not given: a char device 195:N (N < 254), or a name nvidiaN."""
+    if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == NVIDIA_MAJOR:
+        m = os.minor(st.st_rdev)
+        return m < NVIDIA_FIRST_CONTROL_MINOR and m not in minors
+    return name.startswith("nvidia") and name[6:].isdigit() and not stat.S_ISDIR(st.st_mode) \
+        and int(name[6:]) not in minors
+
+
+def _dev_view(dev_dir: str, minors: set[int]) -> None:
+    """Cover ``dev_dir`` with a tmpfs holding the same entries but the hidden GPU nodes: device
+    nodes made again (same numbers, owner, mode), symlinks copied, the rest bind-mounted from
+    the covered dir (reached through an O_PATH descriptor opened before covering it)."""
+    top = os.stat(dev_dir)
+    entries = []
+    for name in os.listdir(dev_dir):
+        st = os.lstat(os.path.join(dev_dir, name))
+        if not _hidden_gpu(name, st, minors):
+            entries.append((name, st))
+    fd = os.open(dev_dir, os.O_PATH | os.O_DIRECTORY)
+    umask = os.umask(0)                  # nodes made with their own mode bits, no chmod after
+    try:
+        _mount("tmpfs", dev_dir, "tmpfs", MS_NOSUID | MS_NOEXEC, "mode=755")
+        for name, st in entries:
+            p, src = os.path.join(dev_dir, name), f"/proc/self/fd/{fd}/{name}"
+            mode = st.st_mode
+            if stat.S_ISLNK(mode):
+                os.symlink(os.readlink(src), p)
+                continue
+            if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+                os.mknod(p, mode, st.st_rdev)
+            elif stat.S_ISDIR(mode):
+                os.mkdir(p)
+                _mount(src, p, None, MS_BIND | MS_REC, None)
+            else:
+                os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0))
+                _mount(src, p, None, MS_BIND, None)
+            if (st.st_uid or st.st_gid) and not stat.S_ISDIR(mode):
+                os.chown(p, st.st_uid, st.st_gid)
+                if mode & (stat.S_ISUID | stat.S_ISGID):
+                    os.chmod(p, stat.S_IMODE(mode))      # chown cleared them
+        os.chown(dev_dir, top.st_uid, top.st_gid)
+        os.chmod(dev_dir, stat.S_IMODE(top.st_mode))
+    finally:
+        os.umask(umask)
+        os.close(fd)
+
+
+def _enter_view(view: dict[str, Any]) -> None:
+    """The workload's own mount namespace (agent.launcher.WorkloadView). Slave propagation
+    first: the host's later mounts still reach the workload, nothing mounted here reaches
+    the host."""
+    if _libc.unshare(CLONE_NEWNS) != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"unshare(CLONE_NEWNS): {os.strerror(e)}")
+    _mount(None, "/", None, MS_REC | MS_SLAVE, None)
+    if view.get("dev_dir"):
+        _dev_view(view["dev_dir"], {int(m) for m in view.get("gpu_minors") or ()})
+    if view.get("hidepid"):
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"hidepid={view['hidepid']}")
+
+
+def probe_namespace() -> int:
+    """``shim.py --probe-ns`` (run by the agent once at start, as a throwaway process): can a
+    workload get a mount namespace and a /proc that hides other uids? Prints the answer."""
+    try:
+        if _libc.unshare(CLONE_NEWNS) != 0:
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS): " + os.strerror(ctypes.get_errno()))
+        _mount(None, "/", None, MS_REC | MS_SLAVE, None)
+        for opt in ("invisible", "2"):    # names since Linux 5.8, numbers before
+            try:
+                _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, f"hidepid={opt}")
+            except OSError:
+                continue
+            print(json.dumps({"ok": True, "hidepid": opt}))
+            return 0
+        raise OSError(0, "mounting /proc with hidepid failed")
+    except OSError as e:
+        print(json.dumps({"ok": False, "error": str(e.strerror or e)}))
+        return 0
+
+
 def _child_setup(cmd: dict[str, Any]) -> Callable[[], None]:
     """What the workload's child does after fork, before exec (runs as root when the
     agent is): join the cgroup, reset oom_score_adj and limits, drop to the user."""
@@ -191,6 +287,7 @@ def _child_setup(cmd: dict[str, Any]) -> Callable[[], None]:
     umask = int(cmd.get("umask", 0o077))
     core = int(cmd.get("rlimit_core", 0))
     adj = cmd.get("oom_score_adj", 0)
+    view = cmd.get("view")
 
     def setup() -> None:
         if cgroup:
@@ -212,6 +309,8 @@ def _child_setup(cmd: dict[str, Any]) -> Callable[[], None]:
         limit = core if hard == resource.RLIM_INFINITY else min(core, hard)
         resource.setrlimit(resource.RLIMIT_CORE, (limit, limit))
         os.umask(umask)
+        if view:
+            _enter_view(view)   # as root still: mounts need it; before the uid drops
         if user is not None and os.geteuid() == 0:
             uid, gid = int(user["uid"]), int(user["gid"])
             if uid == 0:
@@ -447,4 +546,5 @@ def zygote() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(zygote() if sys.argv[1:] == ["--zygote"] else main())
+    sys.exit(zygote() if sys.argv[1:] == ["--zygote"] else probe_namespace() if sys.argv[1:] == ["--probe-ns"]
+             else main())

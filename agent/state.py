@@ -60,6 +60,7 @@ class WorkloadRecord(msgspec.Struct, frozen=True, kw_only=True):
     restarts: int = 0
     # graceful stop, persisted so a restarted agent resumes the countdown
     stop_reason: str | None = None
+    stop_preempted: bool = False         # the stop is a preemption: it ends "preempted", else "exited"
     stop_deadline: float | None = None
     term_sent: bool = False
     fetch: dict[str, int] = {}           # this workload's artifact fetch: bytes by source
@@ -75,7 +76,7 @@ class WorkloadRecord(msgspec.Struct, frozen=True, kw_only=True):
     def status(self) -> WorkloadStatus:
         return WorkloadStatus(
             workload_id=self.workload_id, job_id=self.job_id, placement_id=self.placement_id,
-            rank=self.rank, world_size=self.world_size, gpus=list(self.gpus), state=self.state,  # type: ignore[arg-type]
+            rank=self.rank, world_size=self.world_size, gpus=list(self.gpus), state=self.state,  # type: ignore[arg-type]  # the record's state is a str on disk; every value written is a WorkloadState
             exit_code=self.exit_code, reason=self.reason, manifest_id=self.manifest_id,
             pid=self.pid if not self.terminal else None, created_at=self.created_at,
             started_at=self.started_at, updated_at=self.updated_at, fetch=dict(self.fetch))

@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 import trio
 
+from infra.backoff import Backoff
 from infra.metrics import LatencyHistogram
 from scheduler_link.messages import (
     TERMINAL_STATES,
@@ -98,9 +99,13 @@ def on_trio_clock(wall_deadline: float, wall_now: float, trio_now: float) -> flo
     return trio_now + max(0.0, wall_deadline - wall_now)
 
 
+RESTART_BACKOFF_CAP_S = 300.0   # the longest wait between restarts of an on-failure policy
+
+
 def restart_delay_s(policy: RestartPolicy, attempt: int) -> float:
-    """The wait before restart ``attempt`` (1, 2, ...) of an on-failure policy: doubling. Pure."""
-    return policy.backoff_s * (2 ** (attempt - 1))
+    """The wait before restart ``attempt`` (1, 2, ...) of an on-failure policy: doubling up
+    to :data:`RESTART_BACKOFF_CAP_S`, no jitter (one process on one node, exact times). Pure."""
+    return Backoff(policy.backoff_s, RESTART_BACKOFF_CAP_S, jitter=0.0).window(attempt)
 
 
 async def kill_after_deadline(deadline: float, gone: trio.Event, kill: Callable[[], Awaitable[None]], *,
@@ -118,8 +123,9 @@ async def kill_after_deadline(deadline: float, gone: trio.Event, kill: Callable[
     return kills
 
 
-def _final_state(stop_reason: str | None) -> str:
-    return "preempted" if stop_reason and stop_reason.startswith("preempt") else "exited"
+def _final_state(rec: WorkloadRecord) -> str:
+    """How a stopped workload ends: by what the stop was (a preemption or not), not by its words."""
+    return "preempted" if rec.stop_preempted else "exited"
 
 
 class Supervisor:
@@ -184,10 +190,12 @@ class Supervisor:
         await self._send.send(Place(placement, direct, send))
         return await recv.receive()
 
-    async def stop(self, workload_id: str, *, reason: str = "stopped", grace_s: float | None = None) -> WorkloadStatus:
-        """Begin a graceful stop; returns the workload's status right after (terminating)."""
+    async def stop(self, workload_id: str, *, reason: str = "stopped", grace_s: float | None = None,
+                   preempted: bool = False) -> WorkloadStatus:
+        """Begin a graceful stop; returns the workload's status right after (terminating).
+        ``preempted``: the workload ends ``preempted``, else ``exited``."""
         send, recv = trio.open_memory_channel[Any](1)
-        await self._send.send(Stop(workload_id, reason, grace_s, send))
+        await self._send.send(Stop(workload_id, reason, grace_s, send, preempted))
         res = await recv.receive()
         if isinstance(res, Exception):
             raise res
@@ -416,7 +424,7 @@ class Supervisor:
         log.info("workload state id=%s job=%s state=%s exit_code=%s reason=%s", new.workload_id, new.job_id,
                  new.state, new.exit_code, new.reason)
         fetch = fetch or {}
-        ev = WorkloadEvent(workload_id=new.workload_id, job_id=new.job_id, state=new.state,  # type: ignore[arg-type]
+        ev = WorkloadEvent(workload_id=new.workload_id, job_id=new.job_id, state=new.state,  # type: ignore[arg-type]  # the record's state is a str on disk; every value written is a WorkloadState
                            at=now, exit_code=new.exit_code, reason=new.reason, gpus=list(new.gpus),
                            placement_id=new.placement_id, bytes_from_origin=fetch.get("bytes_from_origin"),
                            bytes_from_peers=fetch.get("bytes_from_peers"), bytes_local=fetch.get("bytes_local"))
@@ -472,21 +480,21 @@ class Supervisor:
         self._acks[p.placement_id] = ack
         self._dirty = True
         for v in live_victims:
-            self._begin_stop(v.workload_id, v.reason, v.grace_s, after)
+            self._begin_stop(v.workload_id, v.reason, v.grace_s, after, preempted=v.preempted)
         after.durable.append(lambda: msg.reply.send_nowait(ack))
 
     def _on_stop(self, msg: Stop, after: Batch) -> None:
         if msg.workload_id not in self._records:
             err = UnknownWorkload(f"no workload {msg.workload_id!r} on this node")
             if msg.reply is not None:
-                after.now.append(lambda: msg.reply.send_nowait(err))  # type: ignore[union-attr]
+                after.now.append(functools.partial(msg.reply.send_nowait, err))
             return
-        self._begin_stop(msg.workload_id, msg.reason, msg.grace_s, after)
+        self._begin_stop(msg.workload_id, msg.reason, msg.grace_s, after, preempted=msg.preempted)
         if msg.reply is not None:
-            status = self._records[msg.workload_id].status()
-            after.durable.append(lambda: msg.reply.send_nowait(status))  # type: ignore[union-attr]
+            after.durable.append(functools.partial(msg.reply.send_nowait, self._records[msg.workload_id].status()))
 
-    def _begin_stop(self, wid: str, reason: str, grace_s: float | None, after: Batch) -> None:
+    def _begin_stop(self, wid: str, reason: str, grace_s: float | None, after: Batch, *,
+                    preempted: bool) -> None:
         rec = self._records[wid]
         rt = self._rt.setdefault(wid, Runtime())
         if rec.terminal or rec.state == "terminating":
@@ -495,10 +503,11 @@ class Supervisor:
         rt.stop.set()
         if rec.pid is None:
             # not started (or a launch is in flight): the life-cycle task finishes it
-            self._update(wid, after, stop_reason=reason, stop_deadline=self._clock() + grace)
+            self._update(wid, after, stop_reason=reason, stop_preempted=preempted,
+                         stop_deadline=self._clock() + grace)
             rt.pre_start.cancel()
             return
-        self._update(wid, after, state="terminating", stop_reason=reason,
+        self._update(wid, after, state="terminating", stop_reason=reason, stop_preempted=preempted,
                      stop_deadline=self._clock() + grace, reason=reason)
         self._start_killer(wid, after)
 
@@ -576,7 +585,7 @@ class Supervisor:
                     continue
                 else:
                     if rec.stop_reason is not None:
-                        self._update(wid, after, state=_final_state(rec.stop_reason), reason=rec.stop_reason)
+                        self._update(wid, after, state=_final_state(rec), reason=rec.stop_reason)
                     else:
                         log.info("resuming workload id=%s from state=%s", wid, rec.state)
                         after.now.append(self._spawn(self._lifecycle, wid))
@@ -596,7 +605,7 @@ class Supervisor:
                 continue
             ex = _read_json(wdir / "exit.json")
             if ex is not None and ex.get("pid") == rec.pid:
-                state = _final_state(rec.stop_reason) if rec.stop_reason else "exited"
+                state = _final_state(rec) if rec.stop_reason else "exited"
                 self._update(wid, after, state=state, exit_code=ex.get("code"),
                              reason=rec.stop_reason or _exit_reason(ex))
             else:
@@ -647,7 +656,7 @@ class Supervisor:
         while True:
             rec = self._records[wid]
             if rec.stop_reason is not None:
-                await self._change(wid, state=_final_state(rec.stop_reason), reason=f"{rec.stop_reason} before start")
+                await self._change(wid, state=_final_state(rec), reason=f"{rec.stop_reason} before start")
                 return
             rec = await self._change(wid, fetch=fetch, state="starting", pid=None, exit_code=None)
             fetch = None
@@ -714,7 +723,7 @@ class Supervisor:
     async def _finish(self, wid: str, code: int | None, reason: str | None) -> None:
         rec = self._records[wid]
         if rec.stop_reason is not None:
-            await self._change(wid, state=_final_state(rec.stop_reason), exit_code=code, reason=rec.stop_reason)
+            await self._change(wid, state=_final_state(rec), exit_code=code, reason=rec.stop_reason)
         else:
             await self._change(wid, state="exited", exit_code=code, reason=reason)
 

@@ -88,6 +88,7 @@ from bench.fleet import (  # noqa: E402
 )
 from infra.auth import TokenSet, generate_token_dir  # noqa: E402
 from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, wait_nodes_up, wait_recovered  # noqa: E402
+from testing.waiting import poll  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,9 +331,12 @@ async def _deliver(c: httpx.AsyncClient, placer: PlacerProc, emus: list[Emulator
 
 async def _cancel(c: httpx.AsyncClient, url: str, op: dict[str, str], job_id: str, gpus: int) -> None:
     await c.delete(f"{url}/v1/jobs/{job_id}", headers=op)
+
+    async def freed() -> bool:   # the placer's state, over HTTP: nothing to wait on but its answers
+        return bool((await c.get(f"{url}/v1/cluster")).json()["model"]["free"] >= gpus)
+
     with trio.move_on_after(120):
-        while (await c.get(f"{url}/v1/cluster")).json()["model"]["free"] < gpus:
-            await trio.sleep(0.5)
+        await poll(freed, 0.5)
 
 
 async def relay_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:

@@ -82,6 +82,7 @@ def bench_monitor(polls: int, seconds: float) -> list[float]:
     import trio
 
     from agent.gpus import GpuMonitor, open_backend
+    from testing.waiting import poll
 
     mon = GpuMonitor(open_backend("simulated:dgx-h100", hostname="bench"), poll_interval_s=0.01,
                      kernel_log=False)
@@ -89,9 +90,8 @@ def bench_monitor(polls: int, seconds: float) -> list[float]:
     async def main() -> None:
         async with trio.open_nursery() as n:
             await n.start(mon.run)
-            deadline = trio.current_time() + seconds
-            while mon.statistics()["polls"] < polls and trio.current_time() < deadline:
-                await trio.sleep(0.05)
+            with trio.move_on_after(seconds):   # the monitor counts its polls; it has no event for them
+                await poll(lambda: mon.statistics()["polls"] >= polls, 0.05)
             n.cancel_scope.cancel()
 
     trio.run(main)

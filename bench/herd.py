@@ -4,7 +4,7 @@
 
 Builds N host namespaces plus an origin namespace on a private bridge (bench/netns.py:
 made here, removed at the end, even on error or Ctrl-C), every host link shaped with
-``tc`` in both directions (``--shaping``: htb by default, tbf as before session 28; the
+``tc`` in both directions (``--shaping``: htb by default, tbf the older token bucket; the
 run's JSON names the exact tc lines). The origin serves a published artifact over plain
 HTTP (``python -m http.server``, read-only, the bucket layout) from its namespace; each
 host runs one data plane + fetcher process (``ip netns exec``). All nodes fetch the
@@ -696,7 +696,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shaping", default="htb",
                    help="how every host link is shaped, both directions (bench.netns): htb (default: the link "
                         "rate, small TCP packets such as ACKs ahead of a --queue bulk FIFO, as a NIC and a switch "
-                        "port behave), tbf (one token bucket and a --tbf-latency FIFO: the lab before session 28); "
+                        "port behave), tbf (one token bucket and a --tbf-latency FIFO: the older lab); "
                         "a comma list (tbf,htb) runs every mode under each in the same run; kind:QUEUE sets "
                         "that one's queue (tbf:50ms, htb:100ms)")
     p.add_argument("--tbf-burst", default="64kb", help="the token bucket of either shaping (default 64kb)")

@@ -250,7 +250,7 @@ def bench_ingest_core(n_nodes: int = 10_000, seconds: float = 2.0, max_reports: 
 def _event(w: tuple[str, str, str, str, list[str]], state: str, at: float) -> Any:
     """The event an agent sends for pod ``w`` (node, workload, job, placement, GPUs)."""
     from scheduler_link.messages import WorkloadEvent
-    return WorkloadEvent(workload_id=w[1], job_id=w[2], state=state, at=at,  # type: ignore[arg-type]
+    return WorkloadEvent(workload_id=w[1], job_id=w[2], state=state, at=at,  # type: ignore[arg-type]  # the state is drawn from WorkloadState's members
                          gpus=w[4], placement_id=w[3], exit_code=0 if state == "exited" else None)
 
 

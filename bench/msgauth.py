@@ -196,7 +196,7 @@ def bench_sign(ids: list[str], rack: int, repeat: int) -> tuple[dict[str, Any], 
         return [_enc.encode(RackBundle(rack=f"z/b/r{k}", blob_id="ab" * 32, parts=ps, deliver_by=deliver_by))
                 for k, ps in enumerate(racks)]
 
-    def signed() -> list[bytes]:   # one signature per bundle (before session 33)
+    def signed() -> list[bytes]:   # one signature per bundle (the baseline)
         return [_enc.encode(signer.bundle(rack=f"z/b/r{k}", blob_id="ab" * 32, parts=ps, deliver_by=deliver_by))
                 for k, ps in enumerate(racks)]
 

@@ -19,7 +19,7 @@ host's eth0 egress (its upload) and the hub-side veth egress (its download). Two
          behind the data) and a switch port (a buffer of its own) do under
          bidirectional load. With 20 ms (250 kB) 16+ flows into one downlink lost
          ~4-5 % of the origin's bytes to retransmits and plain all-to-all TCP took
-         1.18-1.30 x ideal; with 100 ms 0.3 % and 1.13-1.19 (session 28, N = 8).
+         1.18-1.30 x ideal; with 100 ms 0.3 % and 1.13-1.19 (N = 8).
          fq_codel or prio would be the obvious leaves; this lab's kernel has neither
          (htb, tbf, pfifo/bfifo and u32 only), and :func:`check` probes what a kind needs.
 

@@ -386,7 +386,7 @@ def run(mib: int, repeat: int, tls: bool, workdir: Path, log: Any,
             hc = med[h]["client_cpu_s_per_gib"] + med[h]["server_cpu_s_per_gib"]
             lc = med[lp]["client_cpu_s_per_gib"] + med[lp]["server_cpu_s_per_gib"]
             reps = [_pair(a, b) for a, b in zip(runs[h], runs[lp], strict=True)]
-            return {"cpu_ratio": round(hc / lc, 3), "reps": reps,  # type: ignore[dict-item]
+            return {"cpu_ratio": round(hc / lc, 3), "reps": reps,
                     "cpu_ratio_rep_median": round(statistics.median(r["cpu_ratio"] for r in reps), 3),
                     "speed_ratio_rep_median": round(statistics.median(r["speed_ratio"] for r in reps), 3),
                     "client_cpu_ratio":
@@ -453,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
             tls = args[i + 1]
             args = args[:i] + args[i + 2:]
         {"serve-herd": serve_herd, "fetch-herd": fetch_herd, "serve-loop": serve_loop,
-         "fetch-loop": fetch_loop}[role](*args, tls)  # type: ignore[operator]
+         "fetch-loop": fetch_loop}[role](*args, tls)  # type: ignore[operator]  # the role table maps names to functions of different signatures
         return 0
     if rest:
         p.error(f"unrecognised arguments: {' '.join(rest)}")

@@ -1,18 +1,17 @@
-"""Every benchmark once at small sizes, and the README's performance table checked against them.
+"""Every benchmark once at small sizes, and docs/performance.md's tables checked against them.
 
-    python -m bench.quick [--only bench.link,bench.agent] [--readme README.md]
+    python -m bench.quick [--only bench.link,bench.agent] [--doc docs/performance.md]
 
 Runs each bench with ``--json`` at the sizes in ``QUICK`` (one after another, each bounded
 in time; the whole run targets under 5 minutes on 2 cores) and checks that every JSON key
-the README's Performance table names is in that bench's output. A row names its keys in
-its last cell: the first backticked text is the command (``python -m bench.x ...``; "same"
-means the row above's), every later backticked name is a key of that bench's JSON
-(``a.b``: key ``b`` of object ``a``; ``rows[].b``: key ``b`` in every element of list
-``rows``). The figures are not judged here (small sizes say nothing about targets): this
-catches a README row that names what no bench prints any more, and a bench that no
-longer runs. ``bench.herd`` needs root and network namespaces; where it prints
-``{"skipped": ...}`` its keys are reported unchecked. Exit status 1 on any failure.
-``make test`` does not run this; ``make bench-quick`` does.
+the performance tables name is in that bench's output. A row names its keys in its last
+cell: the first backticked text is the command (``python -m bench.x ...``; "same" means the
+row above's), every later backticked name is a key of that bench's JSON (``a.b``: key ``b``
+of object ``a``; ``rows[].b``: key ``b`` in every element of list ``rows``). The figures are
+not judged here (small sizes say nothing about targets): this catches a row that names what
+no bench prints any more, and a bench that no longer runs. ``bench.herd`` needs root and
+network namespaces; where it prints ``{"skipped": ...}`` its keys are reported unchecked.
+Exit status 1 on any failure. ``make test`` does not run this; ``make bench-quick`` does.
 """
 
 from __future__ import annotations
@@ -49,28 +48,28 @@ QUICK: dict[str, list[str]] = {
 TIMEOUT_S = 150.0
 _CMD = re.compile(r"python -m (bench\.\w+)")
 _TICKS = re.compile(r"`([^`]+)`")
+_HEADING = re.compile(r"^#{1,2} Performance\s*$")
 
 
-def table_keys(readme: str) -> dict[str, list[str]]:
-    """Module -> the JSON keys the Performance table's rows name for it (in order, once each)."""
-    lines = readme.splitlines()
-    try:
-        start = lines.index("## Performance")
-    except ValueError:
-        raise SystemExit("bench.quick: the README has no '## Performance' section") from None
+def table_keys(doc: str) -> dict[str, list[str]]:
+    """Module -> the JSON keys the performance tables' rows name for it (in order, once each).
+
+    The tables are every one after the ``# Performance`` (or ``## Performance``) heading, up
+    to the next heading of the same or a higher level."""
+    lines = doc.splitlines()
+    start = next((i for i, line in enumerate(lines) if _HEADING.match(line)), None)
+    if start is None:
+        raise SystemExit("bench.quick: the document has no 'Performance' heading")
+    level = len(lines[start]) - len(lines[start].lstrip("#"))
     out: dict[str, list[str]] = {}
     module: str | None = None
-    in_table = False
     for line in lines[start + 1:]:
-        if line.startswith("## "):
+        if line.startswith("#") and len(line) - len(line.lstrip("#")) <= level:
             break
         if not line.startswith("|"):
-            if in_table:
-                break
             continue
-        in_table = True
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 2 or set(cells[0]) <= {"-", " "} or cells[0] == "what":
+        if len(cells) < 2 or set(cells[0]) <= {"-", " "} or cells[0] in ("what", "claim"):
             continue
         last = cells[-1]
         ticks = _TICKS.findall(last)
@@ -80,7 +79,7 @@ def table_keys(readme: str) -> dict[str, list[str]]:
         elif last.startswith("same") and module is not None:
             keys = ticks
         else:
-            raise SystemExit(f"bench.quick: a Performance row names no bench: {cells[0]!r}")
+            raise SystemExit(f"bench.quick: a performance row names no bench: {cells[0]!r}")
         names = out.setdefault(module, [])
         names += [k for k in keys if k not in names]
     return out
@@ -129,12 +128,12 @@ def run_one(module: str) -> tuple[dict[str, Any] | None, str, float]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.quick", description=__doc__.splitlines()[0])
     ap.add_argument("--only", default="", help="comma list of bench modules (default: all)")
-    ap.add_argument("--readme", default=str(ROOT / "README.md"))
+    ap.add_argument("--doc", default=str(ROOT / "docs" / "performance.md"), help="the performance tables")
     a = ap.parse_args(argv)
-    named = table_keys(Path(a.readme).read_text())
+    named = table_keys(Path(a.doc).read_text())
     unknown = sorted(set(named) - set(QUICK))
     if unknown:
-        print(f"bench.quick: the README names benches QUICK does not run: {', '.join(unknown)}", file=sys.stderr)
+        print(f"bench.quick: the performance tables name benches QUICK does not run: {', '.join(unknown)}", file=sys.stderr)
         return 1
     modules = [m for m in QUICK if not a.only or m in a.only.split(",")]
     failed = 0
@@ -152,9 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         gone = [f"{k}: {why}" for k in keys if (why := missing(out, k))]
         if gone:
             failed += 1
-            print(f"FAIL {module:16} {wall:6.1f} s  the README names what it does not print: {'; '.join(gone)}")
+            print(f"FAIL {module:16} {wall:6.1f} s  docs/performance.md names what it does not print: {'; '.join(gone)}")
         else:
-            print(f"ok   {module:16} {wall:6.1f} s  {len(keys)} README keys present")
+            print(f"ok   {module:16} {wall:6.1f} s  {len(keys)} named keys present")
     print(f"{len(modules) - failed}/{len(modules)} benches ok in {time.monotonic() - t_all:.0f} s")
     return 1 if failed else 0
 

@@ -31,9 +31,24 @@ def _tokens(args: argparse.Namespace) -> TokenSet:
 
 def _read_headers(args: argparse.Namespace) -> dict[str, str]:
     """Reads on the agent need the viewer role (scheduler_link/authz.py); the operator's
-    token holds it too."""
+    token holds it too. Over https no token goes to an agent: the TLS dir's client
+    certificate (operator, viewer or metrics) proves the role instead."""
+    if _agent_url(args).startswith("https://"):
+        return {}
     t = _tokens(args)
     return auth_header(t.viewer or t.operator)
+
+
+def _operator_headers(args: argparse.Namespace) -> dict[str, str]:
+    """Operator actions on an agent. Over https: the operator's certificate (mutual TLS), never
+    the fleet-wide operator token, which a compromised agent could replay against the placer
+    and every other agent; over plain http (an insecure lab set-up) the token."""
+    if _agent_url(args).startswith("https://"):
+        return {}
+    tok = _tokens(args).operator
+    if not tok:
+        raise CliError("no operator token found (use --token-dir or HERD_TOKEN_DIR)")
+    return auth_header(tok)
 
 
 def _check(r: httpx.Response, what: str) -> Any:
@@ -55,7 +70,7 @@ def _check(r: httpx.Response, what: str) -> Any:
 
 
 def _request(args: argparse.Namespace, method: str, path: str, what: str, **kw: Any) -> Any:
-    with DaemonClient(_agent_url(args), "agent", timeout=args.timeout) as c:
+    with DaemonClient(_agent_url(args), "agent", timeout=args.timeout, expect="node") as c:
         return _check(c.send(method, path, check=False, **kw), what)
 
 
@@ -138,10 +153,8 @@ def cmd_place(args: argparse.Namespace) -> int:
     manifest_id = None
     if args.artifact is not None:
         manifest_id = _resolve(args.artifact, args.origin)
-    tok = _tokens(args).operator
-    if not tok:
-        raise CliError("no operator token found (use --token-dir or HERD_TOKEN_DIR)")
-    status = _request(args, "GET", "/v1/status", "reading agent status", headers=auth_header(tok))
+    auth = _operator_headers(args)
+    status = _request(args, "GET", "/v1/status", "reading agent status", headers=auth)
     gpus = _pick_gpus(status, args.gpus, args.gpu_ids)
     wid = args.workload_id or f"w-{uuid.uuid4().hex[:12]}"
     p = Placement(placement_id=f"direct-{uuid.uuid4().hex}", job_id=args.job_id or wid,
@@ -150,11 +163,11 @@ def cmd_place(args: argparse.Namespace) -> int:
                   argv=argv, env=env, manifest_id=manifest_id, origin=args.origin, grace_s=args.grace,
                   restart=restart)
     body = _request(args, "POST", "/v1/placements", "placement", content=msgspec.json.encode(p),
-                    headers={**auth_header(tok), "content-type": "application/json"})
+                    headers={**auth, "content-type": "application/json"})
     ack = msgspec.convert(body, PlacementAck)
     if not ack.accepted:
         raise CliError(f"placement refused: {ack.reason}")
-    st = _request(args, "GET", f"/v1/workloads/{wid}", "reading the workload", headers=auth_header(tok))
+    st = _request(args, "GET", f"/v1/workloads/{wid}", "reading the workload", headers=auth)
     if args.json:
         emit_json({"workload": wid, "gpus": [g["uuid"] for g in gpus], "state": st["state"],
                    "gpu_indices": [g["index"] for g in gpus], "manifest_id": manifest_id})
@@ -181,9 +194,7 @@ def _resolve(ref: str, origin_url: str) -> str:
 # ------------------------------------------------------------------ stop / status
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    tok = _tokens(args).operator
-    if not tok:
-        raise CliError("no operator token found (use --token-dir or HERD_TOKEN_DIR)")
+    auth = _operator_headers(args)
     body: dict[str, Any] = {"reason": args.reason}
     if args.grace is not None:
         body["grace_s"] = args.grace
@@ -194,7 +205,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     finally:
         viewer.close()
     st = _request(args, "POST", f"/v1/workloads/{wid}/stop", "stop",
-                  content=msgspec.json.encode(body), headers=auth_header(tok))
+                  content=msgspec.json.encode(body), headers=auth)
     if args.json:
         emit_json(st)
     else:

@@ -17,7 +17,7 @@ def cmd_completion(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     c = sub.add_parser("completion", help="print a shell completion script",
                        description="Print a completion script for SHELL. bash: "
                                    "`herd completion bash > /etc/bash_completion.d/herd`; zsh: put it in a "

@@ -7,8 +7,9 @@ higher-priority 32-GPU job within the block preempts it (the victim writes its
 final checkpoint on SIGTERM); publish v2 while the first job waits; the first job
 comes back on v2 with a delta fetch. Prints a timeline with measured milliseconds
 and a final status table; ``--json`` prints one JSON object instead (the e2e test
-reads it). Ends by itself and stops every process it started (Ctrl-C too);
-``--keep`` leaves the cluster running.
+reads it). Ends by itself and stops every process it started, workloads and shims
+included (Ctrl-C too); ``--keep`` leaves the cluster running, and ``herd demo stop DIR``
+(:mod:`cli.demo_stop`) stops all of it later from any shell.
 """
 
 from __future__ import annotations
@@ -42,6 +43,16 @@ def register(sub: Any) -> None:
                    help="plain HTTP/TCP and tokens only (default: mutual TLS with a throwaway CA)")
     p.add_argument("--agents", type=int, default=4, help=argparse.SUPPRESS)
     p.set_defaults(func=run_demo)
+    sub_demo = p.add_subparsers(dest="demo_command", metavar="{stop}")
+    s = sub_demo.add_parser("stop", help="stop everything a `herd demo --keep` started, workloads included")
+    s.add_argument("dir", help="the demo's directory (the one --keep printed)")
+    s.set_defaults(func=_stop)
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from .demo_stop import stop_demo
+
+    return stop_demo(args)
 
 
 # ---------------------------------------------------------------- the artifact
@@ -49,11 +60,12 @@ def register(sub: Any) -> None:
 def _write_tree(root: Path, version: str, seed: int = 7) -> None:
     """A small trainer tree: code, a config and deterministic pseudo-random 'weights'.
     v2 changes the code and ~3% of the weights in place (a delta, not a new tree)."""
-    from .demo_trainer import trainer_source
+    from .demo_trainer import durable_source, trainer_source
 
     root.mkdir(parents=True, exist_ok=True)
     (root / "train.py").write_text(trainer_source(version))
     os.chmod(root / "train.py", 0o755)
+    (root / "durable.py").write_text(durable_source())
     (root / "config.json").write_text(json.dumps({"model": "demo", "version": version, "lr": 3e-4}, indent=1))
     rng = random.Random(seed)
     data = bytearray(rng.randbytes(WEIGHTS_MB << 20))
@@ -143,6 +155,7 @@ class Demo:
                  f"{len(self.cluster.agents)} agents with SIMULATED dgx-h100 GPUs (8 each) in 2 racks of block b1")
         self.say("transport: " + (f"mutual TLS, a throwaway cluster CA in {self.cluster.pki.dir}" if self.cluster.tls
                                   else "INSECURE plain HTTP/TCP (--insecure)"))
+        self._record()
         self.placer = self._client()
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
@@ -312,14 +325,20 @@ class Demo:
               f" moved vs {human_bytes(a['fetch']['bytes_from_origin'] + a['fetch']['bytes_from_peers'])} for v1"
               f" (v2 is {human_bytes(out['publish_v2']['bytes'])})")
 
-    def pids(self) -> list[int]:
-        """Every process the demo started (for --keep's stop line)."""
-        out = [p.proc.pid for p in self.cluster.all_procs()] if self.cluster is not None else []
+    def _record(self) -> None:
+        """``root/demo.json``: what `herd demo stop ROOT` stops (cli.demo_stop)."""
+        from .demo_stop import record
+
+        started = [(p.name, p.proc.pid) for p in self.cluster.all_procs()]
         if self.emulator is not None:
-            out.append(self.emulator.proc.pid)
-        return out
+            started.append(("gcs-emulator", self.emulator.proc.pid))
+        record(self.root, started, [p.state_dir for p in self.cluster.agents.values()])
 
     def close(self) -> None:
+        if (self.root / "demo.json").exists():
+            from .demo_stop import stop
+
+            stop(self.root)   # every process, the agents' shims and workloads included
         if self.cluster is not None:
             self.cluster.close()
         if self.emulator is not None:
@@ -342,13 +361,19 @@ def run_demo(args: argparse.Namespace) -> int:
             demo.final_table(out)
         if args.keep:
             keep = True
+            from infra.auth import TokenSet
+            viewer = TokenSet.load(demo.cluster.token_dir).viewer
+            # the token rides in the URL fragment: browsers never send it to the server
+            print(f"\ndashboard: {demo.cluster.placer.url}/#token={viewer}"
+                  + (f"  (the browser must trust {demo.cluster.pki.ca})" if demo.cluster.tls else ""),
+                  file=sys.stderr)
             print(f"\ncluster left running (state under {demo.root}):\n"
                   f"  export HERD_TOKEN_DIR={demo.root / 'tokens'} HERD_PLACER={demo.cluster.placer.url}\n"
                   + (f"  export HERD_TLS_DIR={demo.cluster.pki.dir} SSL_CERT_FILE={demo.cluster.pki.ca}\n"
                      if demo.cluster.tls else "") +
                   f"  herd job list\n  herd nodes\n  herd status --agent {next(iter(demo.cluster.agents.values())).url}\n"
-                  f"stop it with (jobs first: agents leave workloads running by design):\n"
-                  f"  herd job cancel train-a; kill {' '.join(str(p) for p in demo.pids())}",
+                  f"stop everything it started, workloads included, from any shell:\n"
+                  f"  herd demo stop {demo.root}",
                   file=sys.stderr)
         return 0
     finally:

@@ -2,13 +2,17 @@
 into the artifact tree as ``train.py``; it must run with the stdlib alone).
 
 It prints its rank, GPUs and peers, writes a checkpoint every second to its scratch
-dir, and on SIGTERM saves a final checkpoint (reason taken from the preemption
-notice file) and exits 0. With ``--steps N`` it finishes by itself after N steps.
+dir (through ``durable.py``, a copy of :mod:`infra.durable` shipped beside it), and on
+SIGTERM saves a final checkpoint (reason taken from the preemption notice file) and
+exits 0. With ``--steps N`` it finishes by itself after N steps.
 """
 
 TRAINER_SOURCE = r'''#!/usr/bin/env python3
 """herd demo trainer: a stand-in for a training job (simulated GPUs, no CUDA)."""
 import json, os, signal, sys, time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from durable import atomic_write  # herd's infra/durable.py, copied next to this file (stdlib only)
 
 VERSION = "@VERSION@"
 stop = {"sig": None}
@@ -31,12 +35,7 @@ def save(scratch, step, final, reason=None):
     doc = {"step": step, "final": final, "time": time.time(), "version": VERSION,
            "rank": int(os.environ.get("HERD_RANK", "0")), "reason": reason}
     name = "final.json" if final else "ckpt-%04d.json" % step
-    tmp = os.path.join(scratch, "." + name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, os.path.join(scratch, name))
+    atomic_write(os.path.join(scratch, name), json.dumps(doc).encode(), 0o644)
 
 
 def main():
@@ -76,3 +75,14 @@ if __name__ == "__main__":
 
 def trainer_source(version: str) -> str:
     return TRAINER_SOURCE.replace("@VERSION@", version)
+
+
+def durable_source() -> str:
+    """The source of :mod:`infra.durable` (standard library only), shipped beside
+    ``train.py`` as ``durable.py`` so the trainer's checkpoints go through the same
+    atomic write as herd's own files."""
+    import inspect
+
+    from infra import durable
+
+    return inspect.getsource(durable)

@@ -17,7 +17,7 @@ _FAULT_FLAGS = ("xid", "ecc_dbe", "ecc_sbe", "temperature_c", "throttle", "lost"
                 "fabric_health", "clear")
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gpus", help="show GPUs, topology and health; inject faults into simulated GPUs",
                        description="Discover this host's GPUs (NVML or a simulated profile) and print a table, "
                                    "the topology matrix (as `nvidia-smi topo -m`) and health with reasons.")
@@ -149,15 +149,17 @@ def cmd_inject(args: argparse.Namespace) -> int:
         raise CliError("no agent URL: give --agent URL or set HERD_AGENT")
     fault = fault_from_args(args)
     tokens = TokenSet.load(args.token_dir)
-    if not tokens.operator:
+    tls_agent = args.agent.startswith("https://")   # the operator's certificate, never the token
+    if not tokens.operator and not tls_agent:
         raise CliError("no operator token: put operator.token in --token-dir or $HERD_TOKEN_DIR")
     from urllib.parse import quote
-    with DaemonClient(args.agent, "agent", timeout=args.timeout,
-                      headers={**auth_header(tokens.operator), "content-type": "application/json"}) as c:
+    with DaemonClient(args.agent, "agent", timeout=args.timeout, expect="node",
+                      headers={**({} if tls_agent else auth_header(tokens.operator)),
+                               "content-type": "application/json"}) as c:
         # an error answer is "agent answered 4xx: error: detail"; a page that is not herd's says so
         body = c.json("POST", f"/v1/gpus/{quote(args.gpu, safe='')}/inject", content=msgspec.json.encode(fault))
     if args.json:
         emit_json(body)
     else:
-        sys.stdout.write(f"injected into {args.gpu}: {fault.describe()}\n")  # type: ignore[attr-defined]
+        sys.stdout.write(f"injected into {args.gpu}: {fault.describe()}\n")  # type: ignore[attr-defined]  # fault is one of the fault Structs, each of which has describe()
     return 0

@@ -60,7 +60,7 @@ def _wait_timeout(p: argparse.ArgumentParser) -> None:
                    help="how long --wait waits, seconds (default 300)")
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     from cli.logs import add_job_logs
     p = sub.add_parser("job", help="submit, list, show, cancel jobs on the placer and read their logs")
     js = p.add_subparsers(dest="job_cmd", metavar="CMD")

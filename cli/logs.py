@@ -23,12 +23,14 @@ from scheduler_link.daemon_client import DaemonClient
 class AgentViewer:
     """Reads on one agent: its workloads and their logs (the viewer token, or the operator's)."""
 
-    def __init__(self, url: str, token_dir: str | None, timeout: float) -> None:
+    def __init__(self, url: str, token_dir: str | None, timeout: float, *, node_id: str | None = None) -> None:
         if timeout <= 0:
             raise CliError("--timeout must be > 0")
         t = TokenSet.load(token_dir)
         self.url = url.rstrip("/")
-        self._c = DaemonClient(self.url, "agent", headers=auth_header(t.viewer or t.operator), timeout=timeout)
+        # over https the token is not sent (DaemonClient): the TLS dir's client certificate speaks
+        self._c = DaemonClient(self.url, "agent", headers=auth_header(t.viewer or t.operator), timeout=timeout,
+                               expect=f"node:{node_id}" if node_id else "node")
         self._send = self._c.send
 
     def close(self) -> None:
@@ -104,7 +106,7 @@ def cmd_job_logs(args: argparse.Namespace) -> int:
         if node is None or not node.control_url:
             raise CliError(f"rank {args.rank} of job {job_id} is on node {pod.node_id}, which the placer "
                            "no longer knows")
-    a = AgentViewer(node.control_url, args.token_dir, args.timeout)
+    a = AgentViewer(node.control_url, args.token_dir, args.timeout, node_id=node.node_id)
     try:
         a.copy(pod.workload_id, tail=_tail(args.tail), stderr=args.stderr, follow=args.follow, out=sys.stdout)
     finally:
@@ -119,7 +121,7 @@ def _log_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stderr", action="store_true", help="the workload's stderr instead of its stdout")
 
 
-def add_job_logs(js: argparse._SubParsersAction,  # type: ignore[type-arg]
+def add_job_logs(js: argparse._SubParsersAction,
                  common: Callable[[argparse.ArgumentParser], None]) -> None:
     lg = js.add_parser("logs", help="a job's pod logs, read from the node that runs the rank")
     lg.add_argument("job_id", help="job id, or a unique prefix of one")
@@ -129,7 +131,7 @@ def add_job_logs(js: argparse._SubParsersAction,  # type: ignore[type-arg]
     lg.set_defaults(func=cmd_job_logs)
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     lg = sub.add_parser("logs", help="a workload's logs from an agent")
     lg.add_argument("workload", help="workload id, or a unique prefix of one")
     lg.add_argument("--agent", default=None, help="agent control URL (default $HERD_AGENT)")

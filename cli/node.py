@@ -58,7 +58,7 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("node", help="cordon, drain and uncordon nodes on the placer")
     ns = p.add_subparsers(dest="node_cmd", metavar="CMD")
     ns.required = True

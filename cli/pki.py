@@ -1,4 +1,4 @@
-"""`herd pki init|issue|bootstrap-token|status`: the cluster's certificates (infra.pki)."""
+"""`herd pki init|issue|bootstrap-token|revoke|status`: the cluster's certificates (infra.pki)."""
 
 from __future__ import annotations
 
@@ -39,8 +39,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     b.add_argument("dir", help="the PKI dir the placer's ca_dir names")
     b.add_argument("--ttl", type=float, default=pki.TOKEN_TTL_S, metavar="S",
                    help=f"seconds the token is valid (default {pki.TOKEN_TTL_S:g})")
-    b.add_argument("--node", metavar="NODE_ID", default=None, help="only this node may use it")
+    bn = b.add_mutually_exclusive_group(required=True)
+    bn.add_argument("--node", metavar="NODE_ID", default=None, help="the node that may use it")
+    bn.add_argument("--any-node", action="store_true",
+                    help="an unbound token: whoever holds it picks the node id (a node id with a live "
+                         "certificate is still refused)")
     b.set_defaults(func=cmd_token)
+    r = ps.add_parser("revoke", help="deny a node (and every certificate issued to it) at every TLS handshake")
+    r.add_argument("dir", help="the PKI dir the placer's ca_dir names")
+    r.add_argument("node", nargs="?", default=None, metavar="NODE_ID", help="the node to deny")
+    r.add_argument("--serial", action="append", default=[], metavar="HEX",
+                   help="deny one certificate by its serial (repeatable)")
+    r.add_argument("--undo", action="store_true",
+                   help="take NODE_ID off the deny-list (its revoked certificates stay revoked: it needs a new one)")
+    r.set_defaults(func=cmd_revoke)
     t = ps.add_parser("status", help="what expires when; bootstrap tokens; token-authenticated agents")
     t.add_argument("dir", nargs="?", default=None, help="the PKI dir")
     t.add_argument("--placer", default=None, help="also ask this placer (https://...) which agents still use tokens")
@@ -80,8 +92,31 @@ def cmd_token(args: argparse.Namespace) -> int:
     if not (Path(args.dir) / "ca.key").exists():
         raise CliError(f"no CA in {args.dir} (ca.key missing): run `herd pki init {args.dir}` first")
     token = pki.BootstrapTokens(Path(args.dir) / "bootstrap-tokens.json").create(
-        ttl_s=args.ttl, node_id=args.node, now=time.time())
+        ttl_s=args.ttl, node_id=None if args.any_node else args.node, now=time.time())
     print(token)
+    return 0
+
+
+def cmd_revoke(args: argparse.Namespace) -> int:
+    if not (Path(args.dir) / "ca.crt").exists():
+        raise CliError(f"no CA in {args.dir} (ca.crt missing)")
+    rev = pki.Revocations(args.dir)
+    if args.undo:
+        if not args.node or args.serial:
+            raise CliError("--undo takes a NODE_ID only")
+        if not rev.lift(args.node):
+            raise CliError(f"node {args.node} is not revoked")
+        print(f"node {args.node} is no longer denied; its revoked certificates stay revoked "
+              f"(herd pki bootstrap-token --node {args.node} {args.dir} for a new one)")
+        return 0
+    if not args.node and not args.serial:
+        raise CliError("give a NODE_ID, --serial HEX, or both")
+    if args.node is not None and (not args.node or "/" in args.node):
+        raise CliError(f"node id must be non-empty without '/': {args.node!r}")
+    denied = rev.revoke(args.node, serials=args.serial, now=time.time())
+    who = f"node {args.node}" if args.node else "certificates"
+    print(f"revoked {who}: serials {', '.join(denied) or '-'} ({rev.path}); the placer loads it within a tick "
+          "and its agents within a heartbeat")
     return 0
 
 
@@ -102,9 +137,11 @@ def cmd_status(args: argparse.Namespace) -> int:
                                 "days_left": round(c.days_left(), 1)} for c in certs]
         tokens = pki.BootstrapTokens(Path(args.dir) / "bootstrap-tokens.json").list()
         out["bootstrap_tokens"] = [
-            {"id": t["id"], "node": t["node_id"], "expires": _when(float(t["expires"])),  # type: ignore[arg-type]
-             "state": "used" if t["used_by"] else "expired" if float(t["expires"]) <= now else "unused",  # type: ignore[arg-type]
+            {"id": t["id"], "node": t["node_id"], "expires": _when(float(t["expires"])),  # type: ignore[arg-type]  # the token listing's values are JSON (typed object); expires is a number
+             "state": "used" if t["used_by"] else "expired" if float(t["expires"]) <= now else "unused",  # type: ignore[arg-type]  # the token listing's values are JSON (typed object); expires is a number
              "used_by": t["used_by"]} for t in tokens]
+        nodes, serials = pki.Revocations(args.dir).load()
+        out["revoked"] = {"nodes": sorted(nodes), "serials": sorted(serials)}
     if args.placer:
         from infra.auth import TokenSet
         from scheduler_link.client import PlacerClient
@@ -116,14 +153,18 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     if "certificates" in out:
         print(table(["SUBJECT", "EXPIRES", "DAYS LEFT", "PATH"],
-                    [[c["subject"], c["not_after"][:19], c["days_left"], c["path"]]  # type: ignore[index]
-                     for c in out["certificates"]]))  # type: ignore[attr-defined]
+                    [[c["subject"], c["not_after"][:19], c["days_left"], c["path"]]
+                     for c in out["certificates"]]))  # type: ignore[attr-defined]  # out is a dict of JSON-ready values (typed object); this key holds a list
         toks_out = out["bootstrap_tokens"]
         if toks_out:
             print()
             print(table(["TOKEN", "STATE", "NODE", "EXPIRES", "USED BY"],
-                        [[t["id"], t["state"], t["node"] or "any", t["expires"], t["used_by"] or "-"]  # type: ignore[index]
-                         for t in toks_out]))  # type: ignore[attr-defined]
+                        [[t["id"], t["state"], t["node"] or "any", t["expires"], t["used_by"] or "-"]
+                         for t in toks_out]))  # type: ignore[attr-defined]  # out is a dict of JSON-ready values (typed object); this key holds a list
+        rev = out["revoked"]
+        assert isinstance(rev, dict)
+        if rev["nodes"] or rev["serials"]:
+            print(f"\nrevoked: nodes {', '.join(rev['nodes']) or '-'}; {len(rev['serials'])} certificate serials")
     if "placer" in out:
         st = out["placer"]
         assert isinstance(st, dict)

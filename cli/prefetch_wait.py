@@ -57,12 +57,14 @@ async def wait_nodes(nodes: list[NodeWait], manifest: str, total_per_node: int, 
                      request_timeout: float, deadline_s: float,
                      progress: Callable[[list[NodeWait], int], None] | None = None) -> None:
     """Poll until every node finished or ``deadline_s`` passed (then the rest fail)."""
-    headers = {"authorization": f"Bearer {token}"} if token else {}
     limiter = trio.CapacityLimiter(CONCURRENCY)
     t_end = time.monotonic() + deadline_s
-    # https agents are verified against the cluster CA (the TLS dir), as every CLI request is
+    # https agents are verified against the cluster CA (the TLS dir), as every CLI request is,
+    # must hold a node certificate, and get no bearer token (the TLS dir's client certificate
+    # proves the role: a token an agent saw could be replayed against the fleet)
     https = next((n.url for n in nodes if n.url.startswith("https://")), None)
-    verify = verify_for(https) if https else True
+    verify = verify_for(https, expect="node") if https else True
+    headers = {"authorization": f"Bearer {token}"} if token and not https else {}
     async with httpx.AsyncClient(timeout=request_timeout, headers=headers, verify=verify) as c:
         async def poll(n: NodeWait) -> None:
             async with limiter:

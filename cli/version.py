@@ -78,7 +78,7 @@ def cmd_version(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def register(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+def register(sub: argparse._SubParsersAction) -> None:
     v = sub.add_parser("version", help="herd's version, the wire version, Python's, and a placer's/agent's")
     v.add_argument("--placer", default=None, help="also ask this placer (default $HERD_PLACER, if set)")
     v.add_argument("--agent", default=None, help="also ask this agent (default $HERD_AGENT, if set)")

@@ -18,6 +18,8 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
+from .durable import atomic_write
+
 ROLES = ("placer", "cluster", "operator", "viewer", "metrics")
 DEFAULT_TOKEN_DIR = "/etc/herd/tokens"
 
@@ -83,7 +85,5 @@ def generate_token_dir(path: str | os.PathLike[str], *, overwrite: bool = False)
         p = d / f"{role}.token"
         if p.exists() and not overwrite:
             continue
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(secrets.token_urlsafe(32) + "\n")
+        atomic_write(p, (secrets.token_urlsafe(32) + "\n").encode(), 0o600)
     return d

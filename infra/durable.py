@@ -22,8 +22,24 @@ the caller, which maps it to its own error (e.g. the store's ``StoreFullError``)
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from pathlib import Path
+
+# the temp names :func:`atomic_write` (and the chunk store's hot path) make: ``.<name>.p<pid>.<12 hex>``
+_TEMP = re.compile(r"\..*\.p[0-9]+\.[0-9a-f]{12}")
+
+
+def temp_name(name: str, tag: str | None = None) -> str:
+    """The temp file name for an atomic write of ``name``: hidden, unique (the pid and
+    ``tag``, by default 48 random bits), recognised by :func:`is_temp_name`."""
+    return f".{name[:48]}.p{os.getpid()}.{tag if tag is not None else secrets.token_hex(6)}"
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is an atomic write's temp file (one a crash may leave behind: a
+    sweeper removes it, a listing skips it)."""
+    return _TEMP.fullmatch(name) is not None
 
 
 def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
@@ -54,7 +70,7 @@ def atomic_write(path: str | os.PathLike[str], data: bytes | bytearray | memoryv
     """
     path = Path(path)
     where = Path(tmp_dir) if tmp_dir is not None else path.parent
-    tmp = where / f".{path.name[:48]}.p{os.getpid()}.{secrets.token_hex(6)}"
+    tmp = where / temp_name(path.name)
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(tmp, flags, 0o600)
@@ -92,4 +108,4 @@ def fill_and_replace(fd: int, tmp: str | os.PathLike[str], path: str | os.PathLi
         raise
 
 
-__all__ = ["atomic_write", "fill_and_replace", "fsync_dir", "write_all"]
+__all__ = ["atomic_write", "fill_and_replace", "fsync_dir", "is_temp_name", "temp_name", "write_all"]

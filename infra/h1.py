@@ -7,15 +7,62 @@ answer is a protocol error (neither of our servers sends one) unless the caller 
 ``chunked_ok`` (the origin client hands such an answer to httpx). Pure: bytes in, a
 :class:`ResponseHead` out, or :class:`~infra.errors.ProtocolError` naming what is
 wrong; the callers add where it came from and map it to their own error.
+
+The three clients also share the read of a head off a kept-alive connection
+(:func:`receive_head`): each gives it its own ``receive`` (a trio stream, a raw socket
+under a deadline, TLS) and maps its three outcomes: a connection the peer closed before
+answering (:class:`ClosedBeforeAnswer`: a kept-alive connection it had already closed, so
+the request is sent again on a fresh one), a close mid-head (:class:`ClosedMidHead`), a
+head over the bound (:class:`HeadTooLarge`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
 from .errors import ProtocolError
 
-__all__ = ["ResponseHead", "parse_response_head"]
+__all__ = ["ClosedBeforeAnswer", "ClosedMidHead", "HeadTooLarge", "ResponseHead", "parse_response_head",
+           "receive_head"]
+
+END_OF_HEAD = b"\r\n\r\n"
+
+
+class ClosedBeforeAnswer(Exception):
+    """The peer closed the connection (EOF or reset) before a byte of the answer came."""
+
+
+class ClosedMidHead(ProtocolError):
+    """The peer closed the connection in the middle of the answer's head."""
+
+
+class HeadTooLarge(ProtocolError):
+    """The answer's head is longer than the caller's bound."""
+
+
+async def receive_head(receive: Callable[[], Awaitable[bytes | bytearray]], buf: bytearray, *,
+                       max_head: int) -> tuple[bytes, bytearray]:
+    """Receive into ``buf`` (bytes already received may be in it) until the blank line
+    that ends a response head: (the head, the bytes after it: the body's start). ``buf``
+    is the caller's and holds what came in when this raises. The caller bounds the wait."""
+    start = 0
+    while (end := buf.find(END_OF_HEAD, start)) < 0:
+        if len(buf) > max_head:
+            raise HeadTooLarge(f"answer head over {max_head} bytes")
+        start = max(0, len(buf) - 3)   # the blank line may straddle two pieces
+        try:
+            piece = await receive()
+        except ConnectionResetError:
+            if not buf:
+                raise ClosedBeforeAnswer() from None
+            raise
+        if not piece:
+            if not buf:
+                raise ClosedBeforeAnswer()
+            raise ClosedMidHead("closed mid-head")
+        buf += piece
+    return bytes(buf[:end]), buf[end + 4:]
 
 
 class ResponseHead(NamedTuple):

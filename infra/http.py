@@ -439,12 +439,12 @@ async def _tls_accept(app: App, stream: trio.SocketStream, ctx: ssl.SSLContext,
                       deadline_s: float, slots: trio.CapacityLimiter) -> trio.SSLStream[trio.SocketStream] | None:
     """The handshake of one accepted connection within ``deadline_s`` (one of ``slots``);
     None (the connection closed, a plain-HTTP client told so in plain text) when it fails."""
-    s, why = await tls.server_handshake(stream, ctx, deadline_s, slots=slots)
-    if s is not None:
+    s = await tls.server_handshake(stream, ctx, deadline_s, slots=slots)
+    if not isinstance(s, tls.HandshakeFailed):
         return s
     app.tls_refused += 1
-    log.info("TLS handshake refused client=%s: %s", tls.peer_address(stream), why)
-    await tls.refuse(stream, why, PLAIN_TO_TLS)
+    log.info("TLS handshake refused client=%s: %s", tls.peer_address(stream), s.why)
+    await tls.refuse(stream, s, PLAIN_TO_TLS)
     return None
 
 
@@ -477,7 +477,7 @@ async def serve(app: App, listen: str, *, limits: ServerLimits | None = None,
     cfg.h11_max_incomplete_size = MAX_HEAD_BYTES
     cfg.max_app_queue_size = 4         # body pieces buffered ahead of the app, per connection
     context = WorkerContext(None)
-    wrapped = wrap_app(app, cfg.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]
+    wrapped = wrap_app(app, cfg.wsgi_max_body_size, "asgi")  # type: ignore[arg-type]  # hypercorn types the app with its own ASGI event types; ours is a plain ASGI callable
     gate = ConnectionGate(lim.max_connections, lim.max_per_client)
     app.gate = gate
     app.handshakes = handshakes = trio.CapacityLimiter(max(1, lim.max_handshakes))
@@ -507,7 +507,7 @@ async def serve(app: App, listen: str, *, limits: ServerLimits | None = None,
                 conn_state["herd.principal"] = tls.stream_principal(tls_stream)
             with trio.CancelScope() as scope:
                 server = TCPServer(wrapped, cfg, context, ConnectionState(conn_state),
-                                   _GuardedStream(inner, stream.socket, lim.send_stall_s, scope))  # type: ignore[arg-type]
+                                   _GuardedStream(inner, stream.socket, lim.send_stall_s, scope))  # type: ignore[arg-type]  # TCPServer is typed for an SSLStream; _GuardedStream has the stream interface it uses
                 await server.run()
         except Exception:  # contained to this connection: log it, close it, keep serving
             log.exception("connection failed client=%s", client)

@@ -19,10 +19,17 @@ common name is its principal (``placer``, ``node:<id>``, ``operator``, ``viewer`
 :mod:`infra.tls`); a node's also has a SAN URI ``herd:node:<id>`` and SANs for its
 addresses.
 
-Bootstrap (kubelet TLS bootstrap): ``herd pki bootstrap-token`` stores the hash of a fresh
-random token with its expiry; a new agent posts a CSR with the token once; the placer checks and
-*consumes* it under a file lock (the store is rewritten and fsynced before the certificate is
-returned), so a token works once even across placer restarts.
+Bootstrap (kubelet TLS bootstrap): ``herd pki bootstrap-token --node ID`` stores the hash of a
+fresh random token with its expiry and the node it is for (an unbound token takes ``--any-node``);
+a new agent posts a CSR with the token once; the placer checks it without a lock or the CA key
+(:meth:`BootstrapTokens.check`), then *consumes* it under a file lock (the store is rewritten and
+fsynced before the certificate is returned), so a token works once even across placer restarts.
+A node id that holds a live certificate (unexpired, not revoked: :class:`Issued`) is refused a
+bootstrap: renewal over that certificate is the way to a new one.
+
+Revocation (:class:`Revocations`, ``DIR/revoked.json``): ``herd pki revoke NODE`` puts the node id
+and the serials of every certificate issued to it on a deny-list that the placer loads into its
+handshakes (:class:`infra.tls.Revoked`) and hands to the agents in its heartbeat answers.
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ import os
 import secrets
 import socket
 import ssl
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,7 +54,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from .tls import TLSFiles, parse_principal, send_leaf_only
+from .durable import atomic_write
+from .tls import TLSFiles, norm_serial, parse_principal, send_leaf_only
 
 NODE_DAYS = 365
 CA_DAYS = 3650
@@ -130,7 +138,7 @@ def sign(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, public_k
                                       encipher_only=False, decipher_only=False), critical=True)
          .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH,
                                                ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
-         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),  # type: ignore[arg-type]
+         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),  # type: ignore[arg-type]  # public_key() is typed as every key kind; a CA of ours is always EC, which it takes
                         critical=False))
     sans = _sans(principal, names)
     if sans:
@@ -139,22 +147,6 @@ def sign(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, public_k
 
 
 # ---------------------------------------------------------------- files
-
-def _write(path: Path, data: bytes, mode: int) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
 
 def key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
     return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
@@ -166,8 +158,8 @@ def cert_pem(cert: x509.Certificate) -> bytes:
 
 
 def write_pair(d: Path, name: str, key: ec.EllipticCurvePrivateKey, cert: x509.Certificate) -> None:
-    _write(d / f"{name}.key", key_pem(key), 0o600)
-    _write(d / f"{name}.crt", cert_pem(cert), 0o644)
+    atomic_write(d / f"{name}.key", key_pem(key), 0o600)
+    atomic_write(d / f"{name}.crt", cert_pem(cert), 0o644)
 
 
 def load_cert(path: str | os.PathLike[str]) -> x509.Certificate:
@@ -220,6 +212,8 @@ def init(d: str | os.PathLike[str], *, ca_days: int = CA_DAYS, days: int = NODE_
                        "and every certificate it signed stops verifying)")
     p.mkdir(parents=True, exist_ok=True)
     os.chmod(p, 0o700)
+    for stale in ("issued.json", "revoked.json"):   # about the certificates of the CA replaced
+        (p / stale).unlink(missing_ok=True)
     ca_key, ca_cert = make_ca(days=ca_days)
     write_pair(p, "ca", ca_key, ca_cert)
     ca = CA(ca_key, ca_cert)
@@ -240,8 +234,9 @@ def issue_node(d: str | os.PathLike[str], node_id: str, *, days: int = NODE_DAYS
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
     k, c = ca.issue(f"node:{node_id}", days=days, names=[*names, *default_names()])
+    Issued(Path(d)).record(node_id, c, now=_now().timestamp())
     write_pair(out, "node", k, c)
-    _write(out / "ca.crt", cert_pem(ca.cert), 0o644)
+    atomic_write(out / "ca.crt", cert_pem(ca.cert), 0o644)
     return out
 
 
@@ -321,7 +316,7 @@ class BootstrapTokens:
         return data["tokens"]
 
     def _save(self, tokens: dict[str, dict[str, object]]) -> None:
-        _write(self.path, json.dumps({"version": 1, "tokens": tokens}, sort_keys=True).encode(), 0o600)
+        atomic_write(self.path, json.dumps({"version": 1, "tokens": tokens}, sort_keys=True).encode(), 0o600)
 
     def create(self, *, ttl_s: float = TOKEN_TTL_S, node_id: str | None = None, now: float) -> str:
         """A fresh token valid ``ttl_s`` (for ``node_id`` only, when given)."""
@@ -330,7 +325,7 @@ class BootstrapTokens:
         try:
             tokens = self._read()
             # forget tokens long dead (used or expired more than a day ago)
-            tokens = {k: v for k, v in tokens.items() if float(v["expires"]) > now - 86400}  # type: ignore[arg-type]
+            tokens = {k: v for k, v in tokens.items() if float(v["expires"]) > now - 86400}  # type: ignore[arg-type]  # the token file's values are JSON (typed object); expires is a number we wrote
             tokens[_digest(token)] = {"expires": now + ttl_s, "node_id": node_id, "used_by": None,
                                       "used_at": None, "created": now}
             self._save(tokens)
@@ -338,22 +333,38 @@ class BootstrapTokens:
             os.close(fd)
         return token
 
+    @staticmethod
+    def _entry_refusal(tokens: dict[str, dict[str, object]], token: str, node_id: str,
+                       now: float) -> tuple[dict[str, object] | None, str | None]:
+        d = _digest(token)
+        entry = next((v for k, v in tokens.items() if hmac.compare_digest(k, d)), None)
+        if entry is None:
+            return None, "unknown bootstrap token"
+        if entry["used_by"] is not None:
+            return entry, f"bootstrap token already used (by node {entry['used_by']})"
+        if float(entry["expires"]) <= now:  # type: ignore[arg-type]  # the token file's values are JSON (typed object); expires is a number we wrote
+            return entry, "bootstrap token expired"
+        if entry["node_id"] is not None and entry["node_id"] != node_id:
+            return entry, f"bootstrap token is for node {entry['node_id']}, not {node_id}"
+        return entry, None
+
+    def check(self, token: str, node_id: str, *, now: float) -> None:
+        """:meth:`consume`'s checks without its lock or its write: the store is replaced by
+        rename, so a reader sees a whole version. A caller checks first and consumes after,
+        so an unknown token costs neither the lock nor the CA key."""
+        _, why = self._entry_refusal(self._read(), token, node_id, now)
+        if why is not None:
+            raise PKIError(why)
+
     def consume(self, token: str, node_id: str, *, now: float) -> None:
         """Use ``token`` for ``node_id`` (once); :class:`PKIError` when unknown, expired, used,
         or bound to another node. The use is on disk before this returns."""
         fd = self._locked()
         try:
             tokens = self._read()
-            d = _digest(token)
-            entry = next((v for k, v in tokens.items() if hmac.compare_digest(k, d)), None)
-            if entry is None:
-                raise PKIError("unknown bootstrap token")
-            if entry["used_by"] is not None:
-                raise PKIError(f"bootstrap token already used (by node {entry['used_by']})")
-            if float(entry["expires"]) <= now:  # type: ignore[arg-type]
-                raise PKIError("bootstrap token expired")
-            if entry["node_id"] is not None and entry["node_id"] != node_id:
-                raise PKIError(f"bootstrap token is for node {entry['node_id']}, not {node_id}")
+            entry, why = self._entry_refusal(tokens, token, node_id, now)
+            if why is not None or entry is None:
+                raise PKIError(why or "unknown bootstrap token")
             entry["used_by"], entry["used_at"] = node_id, now
             self._save(tokens)
         finally:
@@ -365,6 +376,143 @@ class BootstrapTokens:
             return [dict(v, id=k[:12]) for k, v in sorted(self._read().items())]
         finally:
             os.close(fd)
+
+
+# ---------------------------------------------------------------- issued certificates, revocation
+
+def serial_hex(cert: x509.Certificate) -> str:
+    """A certificate's serial in the deny-list's form (:func:`infra.tls.norm_serial`)."""
+    return format(cert.serial_number, "X")
+
+
+class _LockedJSON:
+    """One small JSON file of the PKI dir, rewritten whole (temp file, fsync, rename) under an
+    exclusive lock file; readers need no lock (they see one whole version)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lock_path = path.with_name(path.name + ".lock")
+
+    def read(self) -> dict[str, object]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {"version": 1}
+        except ValueError as e:
+            raise PKIError(f"{self.path} is corrupt: {e}") from None
+        if not isinstance(data, dict) or data.get("version") != 1:
+            raise PKIError(f"{self.path} has an unknown format")
+        return data
+
+    def update(self, change: Callable[[dict[str, object]], None]) -> dict[str, object]:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            data = self.read()
+            change(data)
+            atomic_write(self.path, json.dumps(data, sort_keys=True).encode(), 0o600)
+            return data
+        finally:
+            os.close(fd)
+
+
+class Issued:
+    """``DIR/issued.json``: per node id, the serials and expiry of the certificates the CA
+    issued to it (``herd pki issue``, bootstrap, renewal), expired ones pruned on each write.
+    Read at bootstrap (a node holding a live certificate is refused) and by ``herd pki revoke``
+    (which serials to deny)."""
+
+    def __init__(self, d: str | os.PathLike[str]) -> None:
+        self.file = _LockedJSON(Path(d) / "issued.json")
+
+    def record(self, node_id: str, cert: x509.Certificate, *, now: float,
+               unless_live: tuple[frozenset[str], frozenset[str]] | None = None) -> list[str]:
+        """Record ``cert`` as issued to ``node_id``. With ``unless_live`` (the deny-list), only
+        when the node holds no live certificate, checked under the same lock (two bootstraps
+        of one node at once: one wins): the live serials found instead, nothing recorded."""
+        entry = {"serial": serial_hex(cert), "not_after": cert.not_valid_after_utc.timestamp()}
+        found: list[str] = []
+
+        def change(data: dict[str, object]) -> None:
+            nodes = data.setdefault("nodes", {})
+            assert isinstance(nodes, dict)
+            for nid in list(nodes):
+                nodes[nid] = [e for e in nodes[nid] if float(e["not_after"]) > now]
+                if not nodes[nid]:
+                    del nodes[nid]
+            if unless_live is not None and node_id not in unless_live[0]:
+                found.extend(str(e["serial"]) for e in nodes.get(node_id, [])
+                             if str(e["serial"]) not in unless_live[1])
+                if found:
+                    return
+            nodes.setdefault(node_id, []).append(entry)
+        self.file.update(change)
+        return found
+
+    def of(self, node_id: str, *, now: float) -> list[tuple[str, float]]:
+        """(serial, not_after) of the node's certificates that have not expired."""
+        nodes = self.file.read().get("nodes", {})
+        assert isinstance(nodes, dict)
+        return [(str(e["serial"]), float(e["not_after"])) for e in nodes.get(node_id, [])
+                if float(e["not_after"]) > now]
+
+    def live(self, node_id: str, revoked: tuple[frozenset[str], frozenset[str]], *, now: float) -> list[str]:
+        """Serials of the node's unexpired certificates that are not revoked (``revoked``:
+        the (nodes, serials) of :meth:`Revocations.load`)."""
+        if node_id in revoked[0]:
+            return []
+        return [s for s, _ in self.of(node_id, now=now) if s not in revoked[1]]
+
+
+class Revocations:
+    """``DIR/revoked.json``: the deny-list, node ids and certificate serials. Durable (temp
+    file, fsync, rename) before :meth:`revoke` returns."""
+
+    def __init__(self, d: str | os.PathLike[str]) -> None:
+        self.dir = Path(d)
+        self.file = _LockedJSON(self.dir / "revoked.json")
+
+    @property
+    def path(self) -> Path:
+        return self.file.path
+
+    def load(self) -> tuple[frozenset[str], frozenset[str]]:
+        data = self.file.read()
+        nodes, serials = data.get("nodes", {}), data.get("serials", {})
+        assert isinstance(nodes, dict) and isinstance(serials, dict)
+        return frozenset(nodes), frozenset(norm_serial(s) for s in serials)
+
+    def revoke(self, node_id: str | None = None, *, serials: Iterable[str] = (), now: float) -> list[str]:
+        """Deny ``node_id`` (and every certificate issued to it that has not expired) and/or
+        the given serials. Returns the serials denied by this call."""
+        denied = [norm_serial(s) for s in serials]
+        if node_id is not None:
+            denied += [s for s, _ in Issued(self.dir).of(node_id, now=now)]
+
+        def change(data: dict[str, object]) -> None:
+            nodes = data.setdefault("nodes", {})
+            sers = data.setdefault("serials", {})
+            assert isinstance(nodes, dict) and isinstance(sers, dict)
+            if node_id is not None:
+                nodes[node_id] = {"at": now}
+            for s in denied:
+                sers.setdefault(s, {"node": node_id, "at": now})
+        self.file.update(change)
+        return denied
+
+    def lift(self, node_id: str) -> bool:
+        """Take ``node_id`` off the deny-list (its revoked serials stay revoked: the node needs
+        a new certificate). False when it was not on it."""
+        if node_id not in self.load()[0]:
+            return False
+
+        def change(data: dict[str, object]) -> None:
+            nodes = data.setdefault("nodes", {})
+            assert isinstance(nodes, dict)
+            nodes.pop(node_id, None)
+        self.file.update(change)
+        return True
 
 
 # ---------------------------------------------------------------- status

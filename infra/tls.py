@@ -24,16 +24,31 @@ sign (refused in the handshake already), is no principal. The roles of the route
 
 Handshakes run under the caller's deadline (:func:`handshake`): a peer that stalls the handshake
 holds its slot no longer than a peer that stalls its request head.
+
+Checks inside the handshake
+---------------------------
+Every context made here is a :class:`HerdContext`, whose TLS objects check the peer's
+certificate the moment the handshake completes, before the handshake's last flight is sent
+(client side) or any byte of the request is read (server side):
+
+* ``expect`` (client contexts): the peer's principal must be ``placer``, ``node:X`` or a kind
+  (``node``: any node). A client therefore sends nothing -- no request, no bearer token, no
+  job env -- to a certificate of the wrong principal, whatever library drives the socket
+  (httpx sync or async, trio's SSLStream).
+* ``revoked`` (every context of a daemon, :class:`Revoked`): a certificate whose node id or
+  serial is on the deny-list is refused, on the listeners (control API, framed channel, data
+  plane, relay members) and when dialling out.
 """
 
 from __future__ import annotations
 
 import ctypes
+import enum
 import logging
 import os
 import socket
 import ssl
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -54,8 +69,44 @@ ROLES_OF_KIND: dict[str, frozenset[str]] = {
 ClientCert = Literal["required", "optional", "none"]
 
 
+class Refusal(enum.StrEnum):
+    """Why a TLS handshake failed, as a kind: what callers decide on (a plain-text client is
+    answered in plain text; a peer that closed mid-handshake is busy, and asked again
+    later) and the label of the refusal counters. Named once, where ``ssl``'s error enters."""
+    PLAIN = "plain"              # the peer does not speak TLS
+    PEER = "peer"                # the peer closed the connection during the handshake
+    CERTIFICATE = "certificate"  # a certificate was refused, by either side
+    TIMEOUT = "timeout"          # no ClientHello, or no finished handshake, in time
+    QUEUE = "queue"              # no handshake slot in time (the listener is busy)
+    OTHER = "other"
+
+
 class TLSError(Exception):
-    """TLS material that cannot be used, or a peer that is not who it must be."""
+    """TLS material that cannot be used, or a peer that is not who it must be; ``refusal``
+    says why a handshake failed."""
+
+    def __init__(self, message: str, refusal: Refusal = Refusal.OTHER) -> None:
+        super().__init__(message)
+        self.refusal = refusal
+
+
+@dataclass(frozen=True, slots=True)
+class HandshakeFailed:
+    """An accepted connection's failed handshake: the kind and the one line for the log."""
+    refusal: Refusal
+    why: str
+
+
+class PeerRefused(ssl.SSLError):
+    """Raised inside the handshake: the peer's verified certificate is not the principal this
+    connection expects, or it is revoked. Its text is the one line that says which."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+
+    def __str__(self) -> str:
+        return self.why
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +160,98 @@ def stream_principal(stream: Any) -> Principal | None:
         return principal_of(stream.getpeercert())
     except (ValueError, ssl.SSLError):
         return None
+
+
+def norm_serial(serial: str) -> str:
+    """A certificate serial as the deny-list holds it: upper-case hex without leading zeros
+    (``getpeercert()`` writes whole bytes, so it may lead with one)."""
+    return serial.strip().upper().lstrip("0") or "0"
+
+
+class Revoked:
+    """The deny-list one daemon's handshakes consult: node ids and certificate serials
+    (:func:`norm_serial`). One owner replaces the sets whole
+    (:meth:`replace`); handshakes only read them."""
+
+    __slots__ = ("nodes", "serials", "generation")
+
+    def __init__(self, nodes: frozenset[str] = frozenset(), serials: frozenset[str] = frozenset()) -> None:
+        self.nodes = nodes
+        self.serials = serials
+        self.generation = 0
+
+    def replace(self, nodes: frozenset[str] | set[str] | list[str],
+                serials: frozenset[str] | set[str] | list[str]) -> bool:
+        """Take a new deny-list; True when it differs from the one held."""
+        n, s = frozenset(nodes), frozenset(norm_serial(x) for x in serials)
+        if n == self.nodes and s == self.serials:
+            return False
+        self.nodes, self.serials = n, s
+        self.generation += 1
+        return True
+
+    def refuses(self, peercert: dict[str, Any] | None) -> str | None:
+        """Why a verified peer certificate is refused, or None."""
+        if not peercert or not (self.nodes or self.serials):
+            return None
+        serial = norm_serial(str(peercert.get("serialNumber", "")))
+        if serial in self.serials:
+            return f"the peer's certificate (serial {serial}) is revoked"
+        p = principal_of(peercert)
+        if p is not None and p.node_id is not None and p.node_id in self.nodes:
+            return f"the peer's certificate is of node:{p.node_id}, which is revoked"
+        return None
+
+
+def principal_mismatch(p: Principal | None, want: str) -> str | None:
+    """Why principal ``p`` is not ``want`` (``placer``, ``node:X``, or a kind: ``node`` for any
+    node), or None when it is."""
+    if p is None:
+        return f"the peer's certificate names no herd principal (wanted {want})"
+    if p.name != want and not (want == p.kind and ":" not in want):
+        return f"the peer is {p.name}, not {want}"
+    return None
+
+
+def _check_handshake(obj: ssl.SSLObject | ssl.SSLSocket) -> None:
+    ctx = obj.context
+    if not isinstance(ctx, HerdContext):
+        return
+    deny = ctx.revoked if ctx.revoked is not None and (ctx.revoked.nodes or ctx.revoked.serials) else None
+    want = None if obj.server_side else ctx.expect
+    if deny is None and want is None:
+        return      # (an empty deny-list costs a handshake nothing: the certificate is not decoded)
+    cert = obj.getpeercert()
+    if deny is not None and (why := deny.refuses(cert)) is not None:
+        raise PeerRefused(why)
+    if want is not None and (why := principal_mismatch(principal_of(cert), want)) is not None:
+        raise PeerRefused(why)
+
+
+class _CheckedObject(ssl.SSLObject):
+    """trio's and anyio's TLS object: the peer checked when the handshake completes."""
+
+    def do_handshake(self) -> None:
+        super().do_handshake()
+        _check_handshake(self)
+
+
+class _CheckedSocket(ssl.SSLSocket):
+    """A blocking TLS socket (httpx's sync transport): the same check."""
+
+    def do_handshake(self, block: bool = False) -> None:
+        super().do_handshake(block)
+        _check_handshake(self)
+
+
+class HerdContext(ssl.SSLContext):
+    """An :class:`ssl.SSLContext` whose handshakes check the peer (see the module docstring):
+    ``expect`` the principal a client must reach, ``revoked`` the deny-list."""
+
+    sslobject_class = _CheckedObject
+    sslsocket_class = _CheckedSocket
+    expect: str | None = None
+    revoked: Revoked | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -215,11 +358,14 @@ def _load_chain(ctx: ssl.SSLContext, files: TLSFiles) -> None:
         raise TLSError(f"cannot load the certificate {files.cert} with key {files.key}: {e}") from None
 
 
-def server_context(files: TLSFiles, *, client_cert: ClientCert = "required") -> ssl.SSLContext:
-    """A server's context: our certificate; client certificates verified against ``files.ca``."""
+def server_context(files: TLSFiles, *, client_cert: ClientCert = "required",
+                   revoked: Revoked | None = None) -> HerdContext:
+    """A server's context: our certificate; client certificates verified against ``files.ca``
+    and refused when ``revoked`` lists them."""
     files.check()
     try:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx = HerdContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.revoked = revoked
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         ctx.load_verify_locations(cafile=str(files.ca))
     except (ssl.SSLError, OSError) as e:
@@ -237,10 +383,15 @@ def server_context(files: TLSFiles, *, client_cert: ClientCert = "required") -> 
 
 
 def client_context(ca: str | os.PathLike[str], files: TLSFiles | None = None, *,
-                   check_hostname: bool = False) -> ssl.SSLContext:
-    """A client's context: the cluster CA only; our certificate when ``files`` (mutual TLS)."""
+                   check_hostname: bool = False, expect: str | None = None,
+                   revoked: Revoked | None = None) -> HerdContext:
+    """A client's context: the cluster CA only; our certificate when ``files`` (mutual TLS);
+    every peer must be ``expect`` (``placer``, ``node:X``, ``node``) when given, and not on
+    ``revoked`` -- checked inside the handshake, before anything is sent."""
     try:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx = HerdContext(ssl.PROTOCOL_TLS_CLIENT)
+        ctx.expect = expect
+        ctx.revoked = revoked
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         ctx.load_verify_locations(cafile=str(ca))
     except (ssl.SSLError, OSError) as e:
@@ -259,41 +410,61 @@ def reload(ctx: ssl.SSLContext, files: TLSFiles) -> None:
     _load_chain(ctx, files)
 
 
-def describe_ssl_error(e: BaseException) -> str:
-    """One line for a failed handshake, naming the likely cause."""
+def classify_ssl_error(e: BaseException) -> tuple[Refusal, str]:
+    """A failed handshake's kind and one line naming the likely cause. The one place that
+    reads ``ssl``'s error (OpenSSL's reason codes and messages): the rest decides on the kind."""
     s = str(e)
     if "CERTIFICATE_VERIFY_FAILED" in s or "certificate verify failed" in s:
         if "expired" in s:
-            return f"the peer's certificate has expired ({s})"
-        return f"the peer's certificate is not signed by this cluster's CA ({s})"
+            return Refusal.CERTIFICATE, f"the peer's certificate has expired ({s})"
+        return Refusal.CERTIFICATE, f"the peer's certificate is not signed by this cluster's CA ({s})"
     if "WRONG_VERSION_NUMBER" in s or "wrong version number" in s or "http request" in s.lower():
-        return f"the peer does not speak TLS (a plain-HTTP/TCP peer or an insecure set-up?) ({s})"
+        return Refusal.PLAIN, f"the peer does not speak TLS (a plain-HTTP/TCP peer or an insecure set-up?) ({s})"
     if "certificate required" in s.lower() or "CERTIFICATE_REQUIRED" in s:
-        return f"the peer requires a client certificate ({s})"
+        return Refusal.CERTIFICATE, f"the peer requires a client certificate ({s})"
     if "UNEXPECTED_EOF" in s or "EOF occurred" in s or isinstance(e, (ConnectionResetError, BrokenPipeError)):
-        return (f"the peer closed the connection during the handshake: it is busy, gave up, or refused our "
-                f"certificate ({s or type(e).__name__})")
+        return Refusal.PEER, ("the peer closed the connection during the handshake: it is busy, gave up, or "
+                              f"refused our certificate ({s or type(e).__name__})")
     if "unknown ca" in s.lower() or "UNKNOWN_CA" in s:
-        return f"the peer refused our certificate: another CA's? ({s})"
+        return Refusal.CERTIFICATE, f"the peer refused our certificate: another CA's? ({s})"
     if "CERTIFICATE_EXPIRED" in s or "certificate expired" in s.lower():
-        return f"the peer found our certificate expired ({s})"
-    return s or type(e).__name__
+        return Refusal.CERTIFICATE, f"the peer found our certificate expired ({s})"
+    return Refusal.OTHER, s or type(e).__name__
+
+
+def describe_ssl_error(e: BaseException) -> str:
+    """One line for a failed handshake, naming the likely cause."""
+    return classify_ssl_error(e)[1]
+
+
+def ssl_cause(e: BaseException) -> ssl.SSLError | None:
+    """The TLS failure under a transport's exception (httpx and trio wrap it: an async
+    client's error may say nothing itself), or None."""
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        if isinstance(cur, ssl.SSLError):
+            return cur
+        seen.add(id(cur))
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 async def handshake(stream: trio.SSLStream[Any]) -> None:
-    """Run the handshake (under the caller's deadline); a failure is a :class:`TLSError`."""
+    """Run the handshake (under the caller's deadline); a failure is a :class:`TLSError`
+    carrying its :class:`Refusal`."""
     try:
         await stream.do_handshake()
     except trio.BrokenResourceError as e:
-        cause = e.__cause__ or e
-        raise TLSError(describe_ssl_error(cause)) from None
+        refusal, why = classify_ssl_error(e.__cause__ or e)
+        raise TLSError(why, refusal) from None
 
 
 async def server_handshake(stream: trio.SocketStream, ctx: ssl.SSLContext, deadline_s: float, *,
                            slots: trio.CapacityLimiter | None = None
-                           ) -> tuple[trio.SSLStream[trio.SocketStream] | None, str]:
-    """An accepted connection's handshake within ``deadline_s``: (the TLS stream, "") or
-    (None, why it failed). Both listeners (the HTTP layer, the framed channel) use it.
+                           ) -> trio.SSLStream[trio.SocketStream] | HandshakeFailed:
+    """An accepted connection's handshake within ``deadline_s``: the TLS stream, or why it
+    failed. Both listeners (the HTTP layer, the framed channel) use it.
     ``slots`` bounds the handshakes in progress (their crypto); a connection takes one only
     once its client has sent something, so idle connections (connected, silent) hold none."""
     s = trio.SSLStream(stream, ctx, server_side=True)
@@ -305,16 +476,16 @@ async def server_handshake(stream: trio.SocketStream, ctx: ssl.SSLContext, deadl
                 await trio.lowlevel.wait_readable(stream.socket)
                 async with slots:
                     await handshake(s)
-            return s, ""
+            return s
         except TLSError as e:
-            return None, str(e)
-    return None, "handshake timed out"
+            return HandshakeFailed(e.refusal, str(e))
+    return HandshakeFailed(Refusal.TIMEOUT, "handshake timed out")
 
 
-async def refuse(stream: trio.SocketStream, why: str, plain_answer: bytes) -> None:
-    """Close a connection whose handshake failed; a client that spoke plain text (``why`` from
-    :func:`server_handshake`) is first told so in its own protocol (``plain_answer``)."""
-    if "does not speak TLS" in why:
+async def refuse(stream: trio.SocketStream, failed: HandshakeFailed, plain_answer: bytes) -> None:
+    """Close a connection whose handshake failed; a client that spoke plain text is first
+    told so in its own protocol (``plain_answer``)."""
+    if failed.refusal is Refusal.PLAIN:
         with trio.move_on_after(0.5):
             try:
                 await stream.send_all(plain_answer)
@@ -327,10 +498,9 @@ def expect_peer(stream: Any, want: str) -> Principal:
     """Check the peer of a handshaken stream is ``want`` (``placer``, ``node:X``, or a kind:
     ``node`` for any node); :class:`TLSError` otherwise."""
     p = stream_principal(stream)
-    if p is None:
-        raise TLSError(f"the peer's certificate names no herd principal (wanted {want})")
-    if p.name != want and not (want == p.kind and ":" not in want):
-        raise TLSError(f"the peer is {p.name}, not {want}")
+    why = principal_mismatch(p, want)
+    if why is not None or p is None:
+        raise TLSError(why or "no principal")
     return p
 
 
@@ -412,6 +582,7 @@ class Security:
     channel: ssl.SSLContext | None = None
     client: ssl.SSLContext | None = None
     accept_tokens: bool = False
+    revoked: Revoked = field(default_factory=Revoked)   # shared by every context above
 
     @property
     def require_certs(self) -> bool:
@@ -461,11 +632,13 @@ def daemon_security(tls_dir: str | os.PathLike[str] | None, name: str, *, insecu
         files.check()
     except TLSError as e:
         raise TLSError(f"{e}; or set insecure = true for plain HTTP (a lab set-up only)") from None
-    sec = Security(insecure=False, files=files, accept_tokens=accept_tokens,
-                   api=server_context(files, client_cert="optional"),
+    revoked = Revoked()
+    sec = Security(insecure=False, files=files, accept_tokens=accept_tokens, revoked=revoked,
+                   api=server_context(files, client_cert="optional", revoked=revoked),
                    # a migration's token-authenticated agents open framed channels without one
-                   channel=server_context(files, client_cert="optional" if accept_tokens else "required"),
-                   client=client_context(files.ca, files))
+                   channel=server_context(files, client_cert="optional" if accept_tokens else "required",
+                                          revoked=revoked),
+                   client=client_context(files.ca, files, revoked=revoked))
     if accept_tokens:
         log.warning("%s accepts token-authenticated agents (accept_tokens = true: a migration set-up); "
                     "each is logged", what)

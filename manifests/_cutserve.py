@@ -41,7 +41,7 @@ def serve(mi: int, av: int, ma: int, window: int = WINDOW) -> None:  # pragma: n
     inp, out = sys.stdin.buffer, sys.stdout.buffer
     window = max(window, 4 * ma)
 
-    def send(idx: int, kind: int, ends: array) -> None:  # type: ignore[type-arg]
+    def send(idx: int, kind: int, ends: array) -> None:
         out.write(REP.pack(idx, kind, len(ends)) + ends.tobytes())
         out.flush()
 

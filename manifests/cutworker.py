@@ -44,8 +44,8 @@ class CutWorker:
              *([str(step_bytes)] if step_bytes is not None else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True)
         assert self._proc.stdin is not None and self._proc.stdout is not None
-        self._in: BinaryIO = self._proc.stdin  # type: ignore[assignment]
-        self._out: BinaryIO = self._proc.stdout  # type: ignore[assignment]
+        self._in: BinaryIO = self._proc.stdin  # type: ignore[assignment]  # Popen types stdin as optional; it was opened with PIPE, so it is there
+        self._out: BinaryIO = self._proc.stdout  # type: ignore[assignment]  # Popen types stdout as optional; it was opened with PIPE, so it is there
         self._next = 0
         self._asked: deque[int] = deque()
 
@@ -70,7 +70,7 @@ class CutWorker:
             raise RuntimeError("no file asked for")
         return BatchIter(self, self._asked.popleft(), path)
 
-    def _reply(self, idx: int, path: str) -> tuple[int, array]:  # type: ignore[type-arg]
+    def _reply(self, idx: int, path: str) -> tuple[int, array]:
         try:
             got, kind, n = REP.unpack(read_exact(self._out, REP.size))
             body = read_exact(self._out, n * 8 if kind != ERROR else n)
@@ -116,7 +116,7 @@ class BatchIter:
         self._w, self._idx, self._path = worker, idx, path
         self.done = False
 
-    def next(self) -> array:  # type: ignore[type-arg]
+    def next(self) -> array:
         if self.done:
             raise ManifestError(f"{self._path!r} changed while it was being chunked (cuts end early)")
         kind, ends = self._w._reply(self._idx, self._path)

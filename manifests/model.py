@@ -216,7 +216,7 @@ class ManifestBuilder:
                     table.append(Chunk(cid, csize))
                 idxs.append(i)
                 size += csize
-            entries.append(Entry(path, kind, mode, size, target, tuple(idxs)))  # type: ignore[arg-type]
+            entries.append(Entry(path, kind, mode, size, target, tuple(idxs)))  # type: ignore[arg-type]  # kind is a str from the encoding; validation checks it is one of the Literal's
         m = Manifest(MANIFEST_VERSION, self.chunker, tuple(entries), tuple(table))
         if validate:
             from .validate import validate_manifest

@@ -155,7 +155,7 @@ def scan_tree(root: Path, params: ChunkerParams | None = None, *,
                 if stat.S_ISREG(mode):
                     regs.append((de.path, st))
                     total += st.st_size
-                    if worker is None and use_worker and total >= CUT_WORKER_MIN_BYTES:  # type: ignore[operator]
+                    if worker is None and use_worker and total >= CUT_WORKER_MIN_BYTES:  # type: ignore[operator]  # mypy cannot see that CUT_WORKER_MIN_BYTES is set whenever use_worker is true
                         worker = CutWorker(params)   # it starts (~50 ms) while the walk goes on
                     while worker is not None and asked < len(regs) and worker.pending < _ASK_AHEAD:
                         worker.ask(regs[asked][0])

@@ -523,7 +523,7 @@ class TLSFrameReader(FrameReader):
             if self.stop.is_set():
                 raise _Cut("stopped", "stopped")
             try:
-                k = int(self.ssl_obj.read(n - got, view[got:n]))  # type: ignore[arg-type, call-overload]
+                k = int(self.ssl_obj.read(n - got, view[got:n]))
             except ssl.SSLWantReadError:
                 try:
                     if self.outgoing.pending:

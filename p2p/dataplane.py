@@ -94,6 +94,7 @@ import msgspec
 import trio
 
 from infra.gate import ConnectionGate, turn_away
+from infra.tls import HerdContext
 
 from . import batch as _b
 from .batch import (
@@ -173,6 +174,7 @@ class _Stats(msgspec.Struct, kw_only=True):
     connection_errors: int = 0
     sendfile_fallbacks: int = 0
     tls_errors: int = 0                # TLS handshakes that failed or timed out
+    revoked_closed: int = 0            # open connections closed: their peer was revoked since
     rejected_chunk_busy: int = 0       # 503: the chunk was being sent to max_serving_per_chunk peers
     manifest_waits: int = 0            # manifest requests that waited (?wait_ms=)
     manifest_waits_satisfied: int = 0
@@ -385,10 +387,21 @@ class DataPlane:
                     log.info("data plane TLS handshake failed client=%s err=%s", client,
                              e.__cause__ or e or "timed out")
                     return
+            # the deny-list (herd pki revoke) refused revoked peers in the handshake; one revoked
+            # after it is caught at its next request (an int compared while the list is unchanged)
+            deny = self._ssl.revoked if isinstance(self._ssl, HerdContext) else None
+            seen = deny.generation if deny is not None else 0
             while True:
                 req = await self._read_request(stream, conn)
                 if req is None:
                     return
+                if deny is not None and deny.generation != seen:
+                    seen = deny.generation
+                    assert isinstance(stream, trio.SSLStream)
+                    if (why := deny.refuses(stream.getpeercert())) is not None:
+                        self._stats.revoked_closed += 1
+                        log.warning("data plane connection closed client=%s: %s", client, why)
+                        return
                 # the request's slot (503 when over the limits) is held until its
                 # answer has been sent: a sendfile in progress counts as busy
                 admitted = False
@@ -859,7 +872,7 @@ class DataPlane:
             else:
                 await self._send_all(stream, out)
             # h11 frames the body from len() only; the bytes go by sendfile.
-            conn.send_with_data_passthrough(h11.Data(data=_Len(size)))  # type: ignore[arg-type]
+            conn.send_with_data_passthrough(h11.Data(data=_Len(size)))  # type: ignore[arg-type]  # h11 wants bytes; _Len stands for a body sent by sendfile (passthrough reads only len())
             self._sending += size
             try:
                 if isinstance(stream, trio.SocketStream):
@@ -900,7 +913,7 @@ class DataPlane:
             if head:   # (the route answers HEAD with 405; kept for safety)
                 await self._send_all(stream, out + (conn.send(h11.EndOfMessage()) or b""))
                 return True
-            conn.send_with_data_passthrough(h11.Data(data=_Len(size)))  # type: ignore[arg-type]
+            conn.send_with_data_passthrough(h11.Data(data=_Len(size)))  # type: ignore[arg-type]  # h11 wants bytes; _Len stands for a body sent by sendfile (passthrough reads only len())
             # plain: a worker thread's sendfile; TLS: the thread encrypts with the connection's
             # own session (this task holds it); else through the stream
             await self._send_frames(stream, frames, head=out)
@@ -990,7 +1003,7 @@ class DataPlane:
                         headers = [(b"content-type", BATCH_TYPE.encode()), (b"content-length", str(total).encode()),
                                    (b"server", _SERVER), (b"x-herd-chunks", str(len(ids)).encode())]
                         out = conn.send(h11.Response(status_code=200, headers=headers)) or b""
-                        conn.send_with_data_passthrough(h11.Data(data=_Len(total)))  # type: ignore[arg-type]
+                        conn.send_with_data_passthrough(h11.Data(data=_Len(total)))  # type: ignore[arg-type]  # h11 wants bytes; _Len stands for a body sent by sendfile (passthrough reads only len())
                         await self._send_frames(stream, frames, head=out)
                         head_sent = True
                     elif frames:

@@ -40,6 +40,14 @@ class SingleFlight:
         self._table[key] = trio.Event()
         return True
 
+    async def wait(self, key: str) -> bool:
+        """Wait for the download of ``key`` in flight, if any, to end; whether there was one."""
+        ev = self._table.get(key)
+        if ev is None:
+            return False
+        await ev.wait()
+        return True
+
     def release(self, key: str) -> None:
         """The claimed download of ``key`` is over (done or failed): wake its waiters."""
         ev = self._table.pop(key, None)

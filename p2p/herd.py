@@ -53,6 +53,7 @@ import msgspec
 import trio
 from prometheus_client.metrics_core import Metric
 
+from infra.backoff import Backoff
 from infra.metrics import family, text_of
 from infra.peers import Peer, PeerTable
 
@@ -212,6 +213,7 @@ class Herd:
             rate_bps=cfg.peer_rate_bps), ssl_context=ssl_context)
         self.health = PeerHealth(penalty_s=cfg.penalty_s)
         self.counters = HerdCounters()
+        self._rng = random.Random()   # the jitter of the origin retries' back-off
         self._origin_limit = trio.CapacityLimiter(cfg.origin_concurrency)
         self._origin_bucket = AsyncBucket(cfg.origin_rate_bps)
         self._peer_limits: dict[str, trio.CapacityLimiter] = {}
@@ -865,7 +867,7 @@ class Herd:
         cfg = self.config
         tries = max(1, cfg.origin_tries)
         bad = 0
-        delay = cfg.backoff_min_s
+        backoff = Backoff(cfg.backoff_min_s, cfg.backoff_max_s)
         for attempt in range(1, tries + 1):
             try:
                 async with self._origin_limit:
@@ -878,9 +880,9 @@ class Herd:
                     raise OriginUnavailable(f"{what}: origin still failing after {tries} "
                                             f"request{'s' if tries > 1 else ''}: {e}") from None
                 self.counters.origin_retries += 1
+                delay = backoff.pause(attempt, self._rng)
                 log.info("origin failed; retrying in %.2fs id=%s err=%s", delay, ident[:16], e)
-                await trio.sleep(delay * random.uniform(0.5, 1.0))
-                delay = min(delay * 2, cfg.backoff_max_s)
+                await trio.sleep(delay)
                 continue
             except OriginError as e:
                 self.counters.origin_errors += 1
@@ -930,10 +932,12 @@ def manifest_polls(cfg: HerdConfig) -> Iterator[float]:
     """The pauses between asks of a tree source that does not have the manifest yet
     (before jitter): ``manifest_poll_s``, growing by ``manifest_poll_growth``, capped at
     ``manifest_poll_max_s``. Pure; ``bench.herd_sim`` uses the same schedule."""
-    d = max(cfg.manifest_poll_s, 1e-4)
+    first = max(cfg.manifest_poll_s, 1e-4)
+    backoff = Backoff(first, max(cfg.manifest_poll_max_s, first), factor=max(cfg.manifest_poll_growth, 1.0))
+    n = 0
     while True:
-        yield d
-        d = min(d * max(cfg.manifest_poll_growth, 1.0), max(cfg.manifest_poll_max_s, cfg.manifest_poll_s))
+        n += 1
+        yield backoff.window(n)
 
 
 def batch_streams(cfg: HerdConfig) -> int:

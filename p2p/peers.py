@@ -41,8 +41,10 @@ import blake3
 import msgspec
 import trio
 
+from infra.backoff import Backoff
 from infra.errors import ProtocolError
-from infra.h1 import parse_response_head
+from infra.h1 import ClosedBeforeAnswer, ClosedMidHead, HeadTooLarge, parse_response_head, receive_head
+from infra.tls import TLSError, expect_peer
 
 from .batch import (
     FRAME,
@@ -376,9 +378,14 @@ class PeerClient:
             tls = trio.SSLStream(stream, self._ssl, server_hostname=host, https_compatible=True)
             try:
                 await tls.do_handshake()
+                # the cluster token goes to nodes only (the context refused revoked ones already)
+                expect_peer(tls, "node")
             except trio.BrokenResourceError as e:
                 stream.socket.close()
                 raise PeerUnavailable(f"{host}:{port}: TLS handshake failed: {e.__cause__ or e}") from None
+            except TLSError as e:
+                stream.socket.close()
+                raise PeerError(f"{host}:{port}: {e}") from None
             return _Conn(stream, tls)
         if stream is not None:
             stream.socket.close()
@@ -473,30 +480,22 @@ class PeerClient:
                 raise _StaleConnection() from None
         if cs.cancelled_caught:
             raise PeerTimeout(f"{where}: could not send the request")
-        buf = conn.buf
         with trio.move_on_after(head_s + cfg.connect_s) as cs:
-            while b"\r\n\r\n" not in buf:
-                if len(buf) > self.MAX_HEAD:
-                    raise PeerError(f"{where}: answer head over {self.MAX_HEAD} bytes")
-                try:
-                    piece = await conn.recv(65536)
-                except ConnectionResetError:
-                    if not buf:
-                        raise _StaleConnection() from None
-                    raise
-                if not piece:
-                    if not buf:
-                        raise _StaleConnection()
-                    raise PeerUnavailable(f"{where}: closed mid-head")
-                buf += piece
+            try:
+                head, rest = await receive_head(partial(conn.recv, 65536), conn.buf, max_head=self.MAX_HEAD)
+            except ClosedBeforeAnswer:
+                raise _StaleConnection() from None
+            except ClosedMidHead:
+                raise PeerUnavailable(f"{where}: closed mid-head") from None
+            except HeadTooLarge as e:
+                raise PeerError(f"{where}: {e}") from None
         if cs.cancelled_caught:
             raise PeerTimeout(f"no answer from {where} within {head_s + cfg.connect_s:.1f}s")
-        head, _, rest = bytes(buf).partition(b"\r\n\r\n")
         conn.buf = bytearray()
         status, length, keep = _parse_head(head, where)
         if length is None:
             raise PeerError(f"{where}: answer without Content-Length")
-        return status, length, keep, head, rest
+        return status, length, keep, head, bytes(rest)
 
     async def _body_in_loop(self, conn: _Conn, view: memoryview, got: int, length: int, where: str,
                             seen: list[int] | None = None, stall_s: float | None = None) -> None:
@@ -700,7 +699,8 @@ class PeerHealth:
         s.last_error = str(err)[:200]
         n = self.strikes[node_id] = self.strikes.get(node_id, 0) + 1
         if self.until.get(node_id) != math.inf:
-            self.until[node_id] = now + self.penalty_s * (2 ** min(n - 1, 6))
+            # doubling with each strike up to 64x; no jitter: it orders sources, nobody retries on it
+            self.until[node_id] = now + Backoff(self.penalty_s, self.penalty_s * 64, jitter=0.0).window(n)
         log.info("peer failed node=%s strikes=%d err=%s", node_id, n, err)
 
     def penalties(self, now: float) -> dict[str, float]:

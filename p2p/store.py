@@ -48,7 +48,7 @@ from typing import Any
 import msgspec
 from blake3 import blake3
 
-from infra.durable import atomic_write, fill_and_replace, fsync_dir
+from infra.durable import atomic_write, fill_and_replace, fsync_dir, temp_name
 from manifests import Manifest, decode_manifest
 from manifests.materialise import materialise as materialise_tree
 
@@ -388,7 +388,7 @@ class ChunkStore:
         final = f"{self._chunks_s}/{chunk_id[:2]}/{chunk_id}"
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         while True:
-            tmp = f"{self._tmp_s}/.{chunk_id[:48]}.p{os.getpid()}.{next(self._tmp_seq):012x}"
+            tmp = f"{self._tmp_s}/{temp_name(chunk_id, f'{next(self._tmp_seq):012x}')}"
             try:
                 fd = os.open(tmp, flags, 0o600)
                 break

@@ -1,5 +1,5 @@
 """herd placer: the numpy cluster model, gang placement, preemption, the job queue,
-fragmentation and defragmentation (pure code), plus the placer service (helper F's).
+fragmentation and defragmentation (pure code), plus the placer service.
 
 Public API of the core (pure: numpy arrays in, decisions out; no sockets, clocks, trio):
 

@@ -16,30 +16,18 @@ costs O(nodes that came due), not O(nodes).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 
-from scheduler_link.messages import Placement, PlacementOutcome, Victim
+from scheduler_link.messages import Placement, ReportReply, Victim
 
-from .records import TERMINAL_JOB_STATES, JobError, JobRec, PodRec, Push
+from .delivery import RoundOutcomes
+from .records import ACCEPTED as ACCEPTED  # re-exported (defined with the records)
+from .records import TERMINAL_JOB_STATES, JobError, JobRec, NodeRec, PodRec, Push
+from .records import Outcome as Outcome  # re-exported
 from .statebase import StateBase
 
 log = logging.getLogger("herd.placer.state")
 
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """One node's answer to its start placement."""
-    outcome: PlacementOutcome
-    refused_gpus: tuple[str, ...] = ()
-    detail: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.outcome == "accepted"
-
-
-ACCEPTED = Outcome("accepted")
 
 ROLLBACK_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -82,7 +70,8 @@ class Attempts(StateBase):
         self.dirty = True
         self._dequeue(job)
         live = job.live_pods()
-        pushes = self._stop_pods(job, live, reason=cause if cause != "lost" else "gang broken: node lost")
+        pushes = self._stop_pods(job, live, reason=cause if cause != "lost" else "gang broken: node lost",
+                                 preempted=cause == "preempted")
         self._release_quiet(job.job_id)
         if hold:
             self._hold(live)
@@ -118,14 +107,14 @@ class Attempts(StateBase):
         if job.job_id in self.queue:
             self.queue.cancel(job.job_id)
 
-    def _stop_pods(self, job: JobRec, pods: Iterable[PodRec], *, reason: str) -> list[Push]:
+    def _stop_pods(self, job: JobRec, pods: Iterable[PodRec], *, reason: str, preempted: bool = False) -> list[Push]:
         by_node: dict[str, list[Victim]] = {}
         for p in pods:
             self._mark_stale(p)
             p.stop_sent = True
             job.set_pod_state(p, "terminating" if p.state != "placing" else "cancelled", p.exit_code)
             by_node.setdefault(p.node_id, []).append(
-                Victim(workload_id=p.workload_id, grace_s=job.spec.grace_s, reason=reason))
+                Victim(workload_id=p.workload_id, grace_s=job.spec.grace_s, reason=reason, preempted=preempted))
         out = []
         for node_id, victims in by_node.items():
             node = self.nodes.get(node_id)
@@ -146,9 +135,10 @@ class Attempts(StateBase):
         if node is not None:
             node.tell.update(v.workload_id for v in victims)
 
-    def on_acks(self, job_id: str, attempt: int, acks: dict[str, Outcome],
+    def on_acks(self, job_id: str, attempt: int, acks: Mapping[str, Outcome],
                 now: float, starts: Iterable[Push] = ()) -> list[Push]:
-        """Outcomes of a job's start pushes, by node. All-or-nothing.
+        """Outcomes of a job's start pushes, by node (a delivery round's :class:`RoundOutcomes`
+        names its refusals without a pass over the gang). All-or-nothing.
         If the attempt ended while its pushes were in flight (cancelled, preempted), the
         nodes that accepted are told again to stop it: a stop that overtook its start
         found nothing to stop."""
@@ -156,13 +146,11 @@ class Attempts(StateBase):
         if job is None or job.attempt != attempt or job.state not in ("placing", "starting", "running"):
             return self._late_stops(job_id, attempt, acks, starts)
         job.timings.setdefault("acked", now)  # (events may have raced ahead of the acks)
-        refused = {n: o for n, o in acks.items() if not o.ok}
+        refused = acks.refused() if isinstance(acks, RoundOutcomes) else {n: o for n, o in acks.items() if not o.ok}
         if not refused:
             if job.state == "placing":
                 job.state = "starting"
-            for p in job.pods:
-                if p.state == "placing":
-                    job.set_pod_state(p, "accepted")
+            job.move_pods("placing", "accepted")
             self._maybe_running(job, now)
             return []
         self.counters["rollbacks"] += 1
@@ -215,7 +203,7 @@ class Attempts(StateBase):
             job.timings.pop(k, None)
         return pushes
 
-    def _late_stops(self, job_id: str, attempt: int, acks: dict[str, Outcome],
+    def _late_stops(self, job_id: str, attempt: int, acks: Mapping[str, Outcome],
                     starts: Iterable[Push]) -> list[Push]:
         late = []
         for push in starts:
@@ -234,6 +222,33 @@ class Attempts(StateBase):
                                     for pod in push.placement.pods])
             late.append(Push(push.node_id, node.control_url, pl, job_id, attempt, "stop"))
         return late
+
+    # ------------------------------------------------------------ revocation
+
+    def set_revoked(self, denied: tuple[frozenset[str], frozenset[str]], newly: list[str], now: float) -> None:
+        """The deny-list (node ids, serials) goes out in every heartbeat answer; the nodes
+        ``newly`` denied are fenced like lost ones, at once: lost now, fenced at the next tick."""
+        nodes, serials = sorted(denied[0]), sorted(denied[1])
+        # None until a list was ever held (an empty list after that: a lifted node is heard of)
+        known = bool(nodes or serials) or self._ok_reply.revoked_nodes is not None
+        self._ok_reply = ReportReply(ok=True, heartbeat_interval_s=self.cfg.heartbeat_s,
+                                     revoked_nodes=nodes if known else None,
+                                     revoked_serials=serials if known else None)
+        for nid in newly:
+            node = self.nodes.get(nid)
+            if node is None:
+                continue
+            if node.state == "up":
+                self._lose(node, now)
+            self.fence_timer.set(nid, now)
+
+    def _lose(self, node: NodeRec, now: float) -> None:
+        self._set_node_state(node, "lost")
+        node.lost_since = now
+        self.dirty = True
+        self.counters["nodes_lost"] += 1
+        self.model.set_node_state(node.node_id, healthy=False, draining=node.cordoned)
+        self.fence_timer.set(node.node_id, now + self.cfg.fence_after_s)
 
     # ------------------------------------------------------------ time
 
@@ -254,12 +269,7 @@ class Attempts(StateBase):
             if now - node.last_seen < self.cfg.lost_after_s:  # (a clock step): file it again
                 self.lost_timer.set(nid, node.last_seen + self.cfg.lost_after_s)
                 continue
-            self._set_node_state(node, "lost")
-            node.lost_since = now
-            self.dirty = True
-            self.counters["nodes_lost"] += 1
-            self.model.set_node_state(nid, healthy=False, draining=node.cordoned)
-            self.fence_timer.set(nid, now + self.cfg.fence_after_s)
+            self._lose(node, now)
             log.warning("node lost node=%s silent=%.1fs", nid, now - node.last_seen)
         for nid in self.fence_timer.pop_due(now):
             node = self.nodes.get(nid)

@@ -46,6 +46,16 @@ class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     accept_tokens: bool = False
     ca_dir: str | None = None         # a PKI dir with ca.key: sign bootstrap CSRs and renewals
     node_cert_days: int = 365         # what bootstrap and renewal issue
+    # High availability (placer.election, placer.etcdjournal): with etcd client URLs, several
+    # placers campaign for leadership on an etcd lease and the jobs journal lives in etcd;
+    # empty (the default): one placer, the file journal in state_dir.
+    etcd: list[str] = []
+    etcd_prefix: str = "/herd/placer/"  # every key of this cluster's placers lives under it
+    etcd_lease_ttl_s: int = 3          # a dead leader is replaced this long after its last renewal
+    etcd_advertise: str | None = None  # the URL other placers redirect to (default: the listen URL)
+    etcd_ca: str | None = None         # client TLS to etcd (https:// endpoints): the CA that signed
+    etcd_cert: str | None = None       # etcd's certificates, and our client certificate and key
+    etcd_key: str | None = None        # when etcd asks for one (--client-cert-auth)
 
     @property
     def lost_after_s(self) -> float:
@@ -69,4 +79,19 @@ def load_config(path: str | Path | None, **overrides: Any) -> PlacerConfig:
         raise PlacerConfigError(f"bad placer config: {e}") from None
     if cfg.heartbeat_s <= 0 or cfg.lost_after_missed < 1 or cfg.fence_after_s < 0 or cfg.ack_timeout_s <= 0:
         raise PlacerConfigError("heartbeat_s and ack_timeout_s must be > 0, lost_after_missed >= 1, fence_after_s >= 0")
+    _check_etcd(cfg)
     return cfg
+
+
+def _check_etcd(cfg: PlacerConfig) -> None:
+    for url in cfg.etcd:
+        if not url.startswith(("http://", "https://")) or len(url.split("://", 1)[1]) == 0:
+            raise PlacerConfigError(f"bad etcd endpoint {url!r}: want http(s)://HOST:PORT")
+    if not 1 <= cfg.etcd_lease_ttl_s <= 60:
+        raise PlacerConfigError("etcd_lease_ttl_s must be within 1..60 seconds")
+    if not cfg.etcd_prefix.startswith("/") or not cfg.etcd_prefix.endswith("/"):
+        raise PlacerConfigError(f"etcd_prefix {cfg.etcd_prefix!r} must start and end with '/'")
+    if cfg.etcd_advertise is not None and not cfg.etcd_advertise.startswith(("http://", "https://")):
+        raise PlacerConfigError(f"bad etcd_advertise {cfg.etcd_advertise!r}: want http(s)://HOST:PORT")
+    if (cfg.etcd_cert is None) != (cfg.etcd_key is None):
+        raise PlacerConfigError("etcd_cert and etcd_key go together")

@@ -4,7 +4,8 @@
 line for a user. Third-party failures are mapped to these where they enter: the journal's
 OSError and msgspec errors become :class:`JournalError`, TOML and msgspec errors of the
 config become :class:`PlacerConfigError`, a KeyError of a lookup becomes
-:class:`UnknownNode`/:class:`UnknownJob`.
+:class:`UnknownNode`/:class:`UnknownJob`, httpx failures and etcd's answers become
+:class:`EtcdError` and its kinds (placer.etcd).
 """
 
 from __future__ import annotations
@@ -57,3 +58,30 @@ class JournalError(PlacerError):
 
 class PlacerConfigError(PlacerError):
     """A config file or flag the placer cannot use."""
+
+
+class EtcdError(PlacerError):
+    """etcd answered with an error, or with something that is not etcd's answer."""
+
+
+class EtcdUnavailable(EtcdError):
+    """No endpoint of the etcd cluster answered (down, cut off from its quorum, no leader): try again later."""
+
+
+class EtcdRefused(EtcdError):
+    """etcd refused the request itself (too large, too many operations, a compacted revision):
+    sending it again cannot help."""
+
+
+class LeaseNotFound(EtcdError):
+    """The lease expired or was revoked."""
+
+
+class Deposed(JournalError):
+    """This placer no longer leads: etcd refused its write because the leader key it was elected
+    with is gone (its lease ran out or was revoked), so nothing of the write landed."""
+
+
+class LeadershipLost(PlacerError):
+    """This placer led and no longer does (its etcd lease ran out or was revoked); it stops so
+    that, restarted, it joins as a follower with a fresh state."""

@@ -304,7 +304,7 @@ class ClusterModel:
         self._node_draining.pop(node_id, None)
         self._gpu_bad.pop(node_id, None)
         self._dirty = True
-        return [self._job_ids[j] for j in owners.tolist() if self._job_ids[j] is not None]  # type: ignore[misc]
+        return [self._job_ids[j] for j in owners.tolist() if self._job_ids[j] is not None]
 
     def set_node_state(self, node_id: str, healthy: bool, draining: bool = False) -> None:
         """Mark a node healthy/unhealthy and draining or not (incremental). Allocations stay;

@@ -45,7 +45,7 @@ class NodeOps(StateBase):
     """Mixin of :class:`placer.state.PlacerState` (first in its bases: it owns ``cordons``)."""
 
     def __init__(self, *args: object, **kw: object) -> None:
-        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        super().__init__(*args, **kw)  # type: ignore[arg-type]  # a mixin passes its bases' arguments through unchanged
         self.cordons: dict[str, str] = {}
 
     def _node(self, node_id: str) -> NodeRec:

@@ -34,6 +34,21 @@ from .model import ClusterModel, level_index, row_count
 from .place import Decision, JobRequest, place, pods_that_fit
 from .preempt import eligible_jobs
 
+# Why a pending job did not fit the last round that looked at it (read by the dashboard's
+# "why pending?"): decided here, where the round skips or fails it, never parsed from text.
+WAIT_NOT_TRIED = "not_tried"        # no round has looked at it yet (or a round's tries ran out first)
+WAIT_TOO_FEW_FREE = "too_few_free"  # it asks more GPUs than are free and may preempt nothing
+WAIT_NO_DOMAIN = "no_domain"        # no domain at its within level can take it (preemption counted if allowed)
+
+
+@dataclass(frozen=True, slots=True)
+class Waiting:
+    """The structured outcome of a round for a job it could not place."""
+    code: str = WAIT_NOT_TRIED
+    may_preempt: bool = False       # lower-priority preemptible GPUs existed (and preemption is on)
+    behind_reservation: bool = False  # nodes held for an earlier job's reservation were out of reach
+    free_gpus: int = 0              # free GPUs in the fleet when it was looked at
+
 
 @dataclass(slots=True)
 class Pending:
@@ -44,6 +59,7 @@ class Pending:
     rounds: int = 0
     reserved: bool = False
     last_attempt_epoch: int = field(default=-1)
+    waiting: Waiting = field(default_factory=Waiting)
 
 
 class JobQueue:
@@ -92,6 +108,10 @@ class JobQueue:
     def __contains__(self, job_id: object) -> bool:
         return job_id in self._jobs
 
+    def get(self, job_id: str) -> Pending | None:
+        """The pending entry of ``job_id`` (its ``waiting`` says why it waits), or None."""
+        return self._jobs.get(job_id)
+
     def pending(self) -> list[Pending]:
         """Pending jobs in scheduling order."""
         return [self._jobs[k[2]] for k in self._order]
@@ -114,7 +134,7 @@ class JobQueue:
         free_total = int(model.free.sum()) if model.n_nodes else 0
         # Within a round capacity only shrinks (allocations, growing reservations) unless a
         # decision preempts, so a shape that failed fails again until then: skip the search.
-        failed: set[tuple[int, int, str, int, bool]] = set()
+        failed: dict[tuple[int, int, str, int, bool], str] = {}
         for key in list(self._order):
             if tries >= self.max_tries:
                 break
@@ -124,11 +144,14 @@ class JobQueue:
             may_preempt = self.allow_preemption and bool(eligible_jobs(model, job.priority).any())
             shape = (job.pods, job.gpus_per_pod, job.within if job.prefer is None else f"{job.within}/{job.prefer}",
                      job.priority, job.whole_nodes)
-            if (gpus > free_total and not may_preempt) or shape in failed:
-                d = None                                  # cannot fit anywhere: skip the search
+            if gpus > free_total and not may_preempt:
+                d, why = None, WAIT_TOO_FEW_FREE          # cannot fit anywhere: skip the search
+            elif shape in failed:
+                d, why = None, failed[shape]
             else:
                 tries += 1
                 d = self.place_fn(model, job, allow_preemption=self.allow_preemption, exclude=exclude)
+                why = WAIT_NO_DOMAIN
             if d is not None:
                 model.allocate(d)
                 out.append(d)
@@ -140,7 +163,8 @@ class JobQueue:
                 self._jobs.pop(job.job_id)
                 self._order.remove(key)
                 continue
-            failed.add(shape)
+            failed[shape] = why
+            p.waiting = Waiting(why, may_preempt, exclude is not None, free_total)
             p.rounds += 1
             if self._due_for_reservation(p, now):
                 p.reserved = True

@@ -156,7 +156,8 @@ class Reports(StateBase):
                     for w in sorted(node.tell) if w in node.stale and node.workloads.get(w) not in TERMINAL_STATES]
             node.tell.clear()
         return ReportReply(ok=True, need_full=need_full or bool(node.refused), stop=stop,
-                           heartbeat_interval_s=self.cfg.heartbeat_s)
+                           heartbeat_interval_s=self.cfg.heartbeat_s, revoked_nodes=self._ok_reply.revoked_nodes,
+                           revoked_serials=self._ok_reply.revoked_serials)
 
     def _grace_of(self, wid: str) -> float:
         parsed = parse_workload_id(wid)
@@ -334,6 +335,10 @@ class Reports(StateBase):
         node.refused.clear()  # the agent has spoken about every GPU again
         node.fatal = {i for i, g in enumerate(gpus) if g.health == "fatal"}
         node.host_fatal = snap.host.state == "fatal"
+        node.degraded = frozenset(i for i, g in enumerate(gpus) if g.health == "degraded")
+        node.health_reasons = tuple(f"gpu{g.index}:{r.code}" for g in gpus for r in g.reasons)[:32] + tuple(
+            f"host:{r.code}" for r in snap.host.reasons)[:8]
+        (self.degraded_nodes.add if node.degraded else self.degraded_nodes.discard)(node.node_id)
         changed = before ^ node.fatal
         for i in sorted(changed):
             if i < len(gpus):

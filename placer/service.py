@@ -9,6 +9,9 @@ per-attempt deadlines, retries).
 
 A decided job's start placements go out together; when every ack is in, the state
 decides what follows (all accepted: starting; a refusal: roll back and place again).
+Through the rack relays, :class:`placer.relays.RelayHub` drives the round
+(:mod:`placer.delivery` decides it); the hub sees this service only as a
+:class:`placer.relays.RelayHost` (the methods under "what the relay hub uses").
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -29,9 +32,11 @@ import trio
 import trio.lowlevel
 
 from infra.auth import TokenSet
+from infra.durable import atomic_write
 from infra.http import (
     LARGE_BODY,
     App,
+    Handler,
     HTTPError,
     Request,
     Response,
@@ -53,15 +58,20 @@ from scheduler_link.messages import (
     PlacementAck,
     PrefetchFanout,
     PrefetchRequest,
+    RackBeat,
+    RackBeatReply,
     ReportReply,
 )
 from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
 
 from .config import PlacerConfig
+from .dashboard import DASHBOARD_DOCS, Dashboard
+from .etcdjournal import JobJournal
 from .frag import fragmentation, largest_placeable, plan_defrag
+from .ha import HighAvailability
 from .journal import Journal, JournalError
 from .relays import RelayHub
-from .state import ACCEPTED, TERMINAL_JOB_STATES, JobError, JobRec, Outcome, PlacerState, Push
+from .state import ACCEPTED, TERMINAL_JOB_STATES, JobError, JobRec, NodeRec, Outcome, PlacerState, Push
 from .views import DEFAULT_PODS, parse_page
 
 log = logging.getLogger("herd.placer.service")
@@ -98,15 +108,19 @@ class PlacerService:
         self.token_use = authz.TokenUse() if self.security.accept_tokens else None
         self.pki = PKIRoutes(config.ca_dir, days=config.node_cert_days, clock=clock)
         self.state = PlacerState(config, started_at=clock())
+        self._refresh_revoked(clock())   # the deny-list (herd pki revoke) before any handshake
+        self.mac_key: Callable[[str, str], bytes] = self.state.mac_key   # (relays.RelayHost: the state's own)
         self.pool = PushPool(concurrency=config.push_concurrency, attempt_timeout_s=config.ack_timeout_s,
                              retries=config.push_retries, ssl_context=self.security.client)
-        self.journal: Journal | None = None
+        self.journal: JobJournal | None = None
+        self.ha = HighAvailability(config) if config.etcd else None   # several placers, one leads (placer.ha)
         self.url: str | None = None
         self.wire: HeartbeatServer | None = None
         self.wire_url: str | None = None
         self._nursery: trio.Nursery | None = None
         self._kick = trio.Event()
         self._changed = trio.Event()
+        self.dashboard = Dashboard(self)
         self.app = self._build_app()
         self.relays = RelayHub(self)
         # message-level identity (scheduler_link.msgauth): ephemeral until run() loads the state
@@ -125,10 +139,9 @@ class PlacerService:
 
     # ------------------------------------------------------------ life cycle
 
-    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        self.journal = Journal.open(self.cfg.state_dir)
-        self.mac_master, self.signer = msgauth.load_placer_keys(self.cfg.state_dir)
-        self.state.set_mac_master(self.mac_master)
+    def _recover(self, journal: JobJournal) -> None:
+        """Take the journal's jobs and cordons (at start, or on promotion to leader)."""
+        self.journal = journal
         now = self.clock()
         recovered = self.journal.jobs()
         for spec in recovered:
@@ -144,6 +157,13 @@ class PlacerService:
         if recovered:
             log.info("recovered jobs from the journal count=%d; waiting %.1fs for reports",
                      len(recovered), self.cfg.recover_window_s)
+        self.kick()
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        self.mac_master, self.signer = msgauth.load_placer_keys(self.cfg.state_dir)
+        self.state.set_mac_master(self.mac_master)
+        if self.ha is None:
+            self._recover(Journal.open(self.cfg.state_dir))
         try:
             async with trio.open_nursery() as n:
                 self._nursery = n
@@ -154,20 +174,22 @@ class PlacerService:
                                                 require_certs=self.security.require_certs, token_use=self.token_use)
                     self.wire_url = await n.start(self.wire.run, self.cfg.wire_listen)
                 self._write_endpoints()
+                if self.ha is not None:  # campaign; on promotion the journal comes from etcd
+                    await n.start(self.ha.run, self.url, self._recover)
                 n.start_soon(self._loop)
+                n.start_soon(self.dashboard.warm)   # while the dashboard is watched, its next map is ready
                 log.info("placer serving url=%s", self.url)
                 task_status.started(self.url)
         finally:
             with trio.CancelScope(shield=True):
                 await self.pool.aclose()
-            self.journal.close()
+            if self.journal is not None:
+                self.journal.close()
 
     def _write_endpoints(self) -> None:
-        d = Path(self.cfg.state_dir)
-        tmp = d / "endpoints.json.tmp"
-        tmp.write_text(json.dumps({"control_url": self.url, "placer_url": self.url, "wire_url": self.wire_url,
-                                   "pid": os.getpid()}))
-        os.replace(tmp, d / "endpoints.json")
+        atomic_write(Path(self.cfg.state_dir) / "endpoints.json", json.dumps(
+            {"control_url": self.url, "placer_url": self.url, "wire_url": self.wire_url, "pid": os.getpid()}).encode(),
+            0o644)
 
     def kick(self) -> None:
         self._kick.set()
@@ -181,6 +203,8 @@ class PlacerService:
             with trio.move_on_after(self.cfg.tick_s):
                 await self._kick.wait()
             self._kick = trio.Event()
+            if self.ha is not None and not self.ha.leading():
+                continue  # a follower places nothing
             now = self.clock()
             self._tick(now)
             rebuilds = self.state.counters["rebuilds"]
@@ -225,7 +249,15 @@ class PlacerService:
         direct = self.wire.heard_until() if self.wire is not None else None
         if direct is not None:  # (a connection that is always behind holds the check back so long at most)
             until = min(until, max(direct, now - WIRE_HOLD_LOST_AFTERS * self.cfg.lost_after_s))
+        self._refresh_revoked(now)
         self._carry_out(self.state.tick(until))
+
+    def _refresh_revoked(self, now: float) -> None:
+        """The deny-list into every handshake (infra.tls.Revoked) and the heartbeat answers;
+        newly revoked nodes are fenced like lost ones."""
+        newly = self.pki.refresh(self.security.revoked)
+        if newly is not None:
+            self.state.set_revoked(self.pki.denied, newly, now)
 
     def _maybe_freeze(self) -> None:
         """After a pass that rebuilt the model or decided (the records it made live long),
@@ -246,6 +278,35 @@ class PlacerService:
             if ended:
                 self.journal.ended_many(ended)
         self._changed_now()
+
+    # ------------------------------------------------------------ what the relay hub uses (relays.RelayHost)
+
+    @property
+    def nodes(self) -> Mapping[str, NodeRec]:
+        return self.state.nodes
+
+    def gang_blob(self, blob_id: str) -> bytes | None:
+        return self.state.blobs.get(blob_id)
+
+    def count_bad_macs(self, n: int) -> None:
+        self.state.counters["bad_macs"] += n
+
+    def apply_beat(self, beat: RackBeat, at: float, *, via: str, answered: float | None) -> RackBeatReply:
+        reply, pushes = self.state.beat(beat, at, via=via, answered=answered)
+        self._carry_out(pushes)
+        return reply
+
+    def ingest_relayed(self, rep: NodeReport, via: str) -> tuple[int, ReportReply]:
+        return self._ingest(rep.node_id, rep, via)
+
+    def ingest_relayed_many(self, reps: list[NodeReport], via: str) -> list[tuple[int, ReportReply]]:
+        return self._ingest_many(reps, via)
+
+    def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(fn)
+
+    # ------------------------------------------------------------ carrying out
 
     def _carry_out(self, pushes: list[Push]) -> None:
         """Stops (and late stops) the state asks for: through the rack relays when there are
@@ -307,7 +368,7 @@ class PlacerService:
                 self._maybe_freeze()   # the round's records survive: collect once and freeze them
 
     async def _deliver(self, job_id: str, attempt: int, pushes: list[Push]) -> None:
-        acks: dict[str, Outcome] | None = {}
+        acks: Mapping[str, Outcome] | None = {}
         # A job's placements leave only once the job (and this attempt) is durable; the relays'
         # bundles are built while the journal syncs.
         synced = trio.Event()
@@ -362,7 +423,7 @@ class PlacerService:
         """Routes, their roles (scheduler_link.authz, the one table) and their body bounds:
         reports as large as a full report gets at fleet scale, everything else small."""
         app = App(name="herd-placer", max_body=4096)
-        handlers = {
+        handlers: dict[tuple[str, str], Handler] = {
             ("GET", "/healthz"): self.h_healthz, ("GET", "/metrics"): self.h_metrics,
             ("GET", "/openapi.json"): self.h_openapi, ("POST", "/v1/nodes/{node_id}/report"): self.h_report,
             ("GET", "/v1/nodes"): self.h_nodes, ("GET", "/v1/cluster"): self.h_cluster,
@@ -376,8 +437,12 @@ class PlacerService:
             ("POST", "/v1/nodes/{node_id}/drain"): self.h_drain,
             ("GET", "/v1/status"): self.h_status,
             ("POST", "/v1/pki/bootstrap"): self.pki.h_bootstrap, ("POST", "/v1/pki/renew"): self.pki.h_renew,
+            **self.dashboard.handlers(),
         }
-        authz.install(app, authz.PLACER_ROUTES, handlers, self.tokens, token_use=self.token_use, docs=PLACER_DOCS,
+        if self.ha is not None:  # a follower answers health and status; the rest goes to the leader
+            handlers = self.ha.guard(handlers)
+        authz.install(app, authz.PLACER_ROUTES, handlers, self.tokens, token_use=self.token_use,
+                      docs={**PLACER_DOCS, **DASHBOARD_DOCS},
                       flags={"open_reads": self.cfg.open_reads, "open_metrics": self.cfg.open_metrics,
                              **self.security.flags()},
                       max_body={("POST", "/v1/nodes/{node_id}/report"): LARGE_BODY,
@@ -391,7 +456,8 @@ class PlacerService:
     async def h_healthz(self, req: Request) -> Response:
         """Liveness: 200 while the service runs; the package and wire versions."""
         return json_response({"ok": True, "recovering": self.clock() < self.state.recover_until,
-                              "service": "herd-placer", "version": _VERSION, "wire_version": WIRE_VERSION})
+                              "service": "herd-placer", "version": _VERSION, "wire_version": WIRE_VERSION,
+                              **({"ha": self.ha.health()} if self.ha is not None else {})})
 
     async def h_status(self, req: Request) -> Response:
         """Transport security (TLS or insecure, token-authenticated agents under accept_tokens),
@@ -401,7 +467,8 @@ class PlacerService:
                               "token_agents": dict(sorted(tu.nodes.items())[:1000]) if tu else {},
                               "token_agents_total": len(tu.nodes) if tu else 0,
                               "certificates_issued": self.pki.issued,
-                              "you": str(req.principal) if req.principal else None})
+                              "you": str(req.principal) if req.principal else None,
+                              **({"ha": self.ha.health()} if self.ha is not None else {})})
 
     async def h_openapi(self, req: Request) -> Response:
         """This API's OpenAPI description, generated from the route table."""
@@ -429,7 +496,13 @@ class PlacerService:
         forwards for another node is applied only if it carries that node's MAC (401 otherwise,
         counted in ``bad_macs``: the member then registers directly); the answer to a full report
         over the node's own connection carries its MAC key and the placer's signing key."""
+        if self.ha is not None and not self.ha.leading():  # a follower fences nothing
+            return 503, ReportReply(ok=False, error="this placer does not lead"), False
         relayed = via is not None and via != rep.node_id
+        if rep.node_id in self.pki.denied[0] or (via is not None and via in self.pki.denied[0]):
+            # revoked (herd pki revoke): its handshakes are refused; a connection opened before is
+            # answered this until the node goes away (it is fenced like a lost one meanwhile)
+            return 403, ReportReply(ok=False, error="this node is revoked"), False
         if relayed and not msgauth.report_ok(self.state.mac_key(rep.node_id, rep.boot_id), rep):
             self.state.counters["bad_macs"] += 1
             log.warning("relayed report refused: MAC does not verify node=%s relay=%s", rep.node_id, via)
@@ -650,6 +723,8 @@ class PlacerService:
             out["largest_placeable"] = {k: int(v) for k, v in largest_placeable(st.model).items()}
         out["nodes"] = {"up": st.node_states["up"], "lost": st.node_states["lost"], "total": len(st.nodes),
                         "simulated": sum(n.simulated for n in st.nodes.values())}
+        if req.query.get("detail") != "0":  # nodes by the dashboard map's states (its cached build)
+            out["nodes"]["by_state"] = self.dashboard.counts()
         out["jobs"] = st.job_counts()
         out["queue"] = st.queue.statistics()
         out["placer"] = {**{k: v for k, v in st.counters.items()}, "model_rebuilds": st.model.rebuilds,

@@ -43,6 +43,7 @@ class StateBase:
         self.node_states: Counter[str] = Counter()          # up / lost
         self.uuid_owner: dict[str, str] = {}                # GPU UUID -> the node reporting it
         self.manifest_holders: dict[str, set[str]] = {}     # manifest id -> up nodes holding it
+        self.degraded_nodes: set[str] = set()               # nodes with a GPU reported degraded
         self.blobs: dict[str, bytes] = {}                   # gang blob id -> canonical bytes
         self.lost_timer: DenseDeadlines[str] = DenseDeadlines()  # every up node, moved by each beat
         self.fence_timer: Deadlines[str] = Deadlines()

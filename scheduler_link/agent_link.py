@@ -72,6 +72,7 @@ import trio
 
 from infra import tls
 from infra.auth import auth_header
+from infra.backoff import Backoff, Retry
 
 from .client import ClientError, check_peer
 from .fanout import PushPool
@@ -159,7 +160,7 @@ class RelayChannel:
     async def exchange(self, report: NodeReport) -> WireReply:
         try:
             f = await self.channel.call("report", report)
-            return decode_payload(f, WireReply)  # type: ignore[no-any-return]
+            return decode_payload(f, WireReply)
         except (FrameError, CallFailed, msgspec.ValidationError) as e:
             raise WireError(f"relay {self.url}: {e}") from None
 
@@ -217,6 +218,8 @@ class AgentLink:
                  wire_busy_backoff_s: float = 1.0) -> None:
         self.placer_url = placer_url.rstrip("/")
         self.ssl_context = ssl_context       # mutual TLS (this node's certificate) on every connection
+        # the deny-list this node's handshakes consult (shared by its contexts): the placer's answers fill it
+        self.revoked = ssl_context.revoked if isinstance(ssl_context, tls.HerdContext) else None
         self.token = token
         self.node_id = node_id
         self.hooks = hooks
@@ -240,6 +243,7 @@ class AgentLink:
         # connection the placer still means to serve is not given up on
         self.wire_connect_timeout_s = wire_connect_timeout_s
         self.wire_busy_backoff_s = wire_busy_backoff_s   # the first busy back-off; it doubles
+        self._rng = random.Random()          # the jitter of every back-off here
         self._wire_busy = 0                  # framed-channel connects in a row that timed out
         self.wire_busy = 0                   # ... all of them, and connects that found it busy
         self._wire_connect: WireConnect = wire_connect or partial(direct_wire, ssl_context=ssl_context)
@@ -343,7 +347,7 @@ class AgentLink:
                     task_status: Any) -> None:
         self._nursery = nursery
         task_status.started()
-        backoff = self.backoff_min_s
+        retry = Retry(self._report_backoff(), self._rng)
         next_beat = trio.current_time()
         while True:
             if not self._need_full:
@@ -368,8 +372,8 @@ class AgentLink:
                 self.conflicts += 1
                 self._need_full = True
                 if report.full:  # a placer that refuses even a full report: back off
-                    await trio.sleep(backoff)
-                    backoff = min(self._backoff_cap(), backoff * 2)
+                    retry.backoff = self._report_backoff()
+                    await trio.sleep(retry.failed(trio.current_time()))
                 continue
             except (httpx.HTTPError, OSError, _PlacerError, msgspec.DecodeError, WireError,
                     trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
@@ -384,11 +388,12 @@ class AgentLink:
                 self.registered = False
                 self.last_error = f"{type(e).__name__}: {e}"
                 self._need_full = True
-                log.warning("report failed node=%s err=%s backoff=%.2fs", self.node_id, self.last_error, backoff)
-                await trio.sleep(backoff * random.uniform(0.5, 1.0))
-                backoff = min(self._backoff_cap(), backoff * 2)
+                retry.backoff = self._report_backoff()
+                pause = retry.failed(trio.current_time())
+                log.warning("report failed node=%s err=%s backoff=%.2fs", self.node_id, self.last_error, pause)
+                await trio.sleep(pause)
                 continue
-            backoff = self.backoff_min_s
+            retry.succeeded()
             self.registered = True
             self.last_ok_at = time.time()
             if report.full:
@@ -396,6 +401,8 @@ class AgentLink:
                 if not relayed:  # keys only from our own connection: a relay's answer could be anything
                     self.mac_key = reply.mac_key or self.mac_key
                     self.placer_key = reply.placer_key or self.placer_key
+            if reply.revoked_nodes is not None and not relayed and self.revoked is not None:
+                self.revoked.replace(reply.revoked_nodes, reply.revoked_serials or [])
             if reply.heartbeat_interval_s:
                 self.heartbeat_s = max(0.01, reply.heartbeat_interval_s)
             if reply.need_full:
@@ -420,8 +427,10 @@ class AgentLink:
                 nursery.start_soon(self._stop, stop)
             next_beat = trio.current_time() + self.heartbeat_s * random.uniform(0.8, 1.0)
 
-    def _backoff_cap(self) -> float:
-        return max(self.backoff_min_s, min(self.backoff_max_s, self.heartbeat_s))
+    def _report_backoff(self) -> Backoff:
+        """Capped at the heartbeat interval (the placer may change it): a failing node
+        never waits longer to report than a healthy one."""
+        return Backoff(self.backoff_min_s, max(self.backoff_min_s, min(self.backoff_max_s, self.heartbeat_s)))
 
     async def _wait_for_events(self) -> None:
         # Anything already queued goes out now; otherwise sleep until notify() or the deadline.
@@ -540,8 +549,7 @@ class AgentLink:
                 self._wire_busy += 1
                 self.wire_busy += 1
                 # full jitter over a doubling window: a storm's retries spread out, not in waves
-                wait = random.uniform(0.5, 1.0) * min(WIRE_BUSY_BACKOFF_MAX_S,
-                                                      self.wire_busy_backoff_s * 2.0 ** (self._wire_busy - 1))
+                wait = Backoff(self.wire_busy_backoff_s, WIRE_BUSY_BACKOFF_MAX_S).pause(self._wire_busy, self._rng)
                 self._wire_retry_at = trio.current_time() + wait
                 log.warning("framed channel busy, trying it again in %.1fs node=%s tries=%d err=%s", wait,
                             self.node_id, self._wire_busy, e or type(e).__name__)
@@ -633,7 +641,7 @@ def _busy(e: BaseException) -> bool:
         return True
     if isinstance(e, WireError):
         return e.status == 503
-    return isinstance(e, tls.TLSError) and "closed the connection during the handshake" in str(e)
+    return isinstance(e, tls.TLSError) and e.refusal is tls.Refusal.PEER
 
 
 class _Conflict(Exception):

@@ -107,7 +107,7 @@ AGENT_ROUTES: tuple[Rule, ...] = (
 )
 
 # The placer's API (placer/service.py ``_build_app``). Its reads need the viewer role
-# like the agent's; the lead wires the placer to this table with :func:`install`.
+# like the agent's; the placer is wired to this table with :func:`install`.
 PLACER_ROUTES: tuple[Rule, ...] = (
     Rule("GET", "/healthz", (PUBLIC,)),
     Rule("GET", "/metrics", ("metrics",), open_flag="open_metrics"),
@@ -118,6 +118,12 @@ PLACER_ROUTES: tuple[Rule, ...] = (
     Rule("POST", "/v1/nodes/{node_id}/uncordon", _OPS),
     Rule("POST", "/v1/nodes/{node_id}/drain", _OPS),
     Rule("GET", "/v1/cluster", _VIEW, open_flag="open_reads"),
+    # the dashboard (placer/dashboard): the page and its assets hold no data; the map does
+    Rule("GET", "/", (PUBLIC,)),
+    Rule("GET", "/dashboard/{asset}", (PUBLIC,)),
+    Rule("GET", "/v1/cluster/map", _VIEW, open_flag="open_reads"),
+    Rule("GET", "/v1/cluster/map/node/{row}", _VIEW, open_flag="open_reads"),
+    Rule("GET", "/v1/cluster/map/job/{job_id}", _VIEW, open_flag="open_reads"),
     Rule("GET", "/v1/gangs/{blob_id}", ("node",)),
     Rule("POST", "/v1/jobs", _OPS),
     Rule("GET", "/v1/jobs", _VIEW, open_flag="open_reads"),

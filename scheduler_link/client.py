@@ -6,9 +6,11 @@ Every failure becomes :class:`ClientError` with one clear line: the placer's own
 TLS: an ``https://`` URL is verified against the cluster CA only (``verify=`` an
 :func:`infra.tls.client_context`), with the operator's (or viewer's) client
 certificate when the TLS dir holds one; the TLS dir is ``tls_dir=``, else ``$HERD_TLS_DIR``,
-else ``/etc/herd/tls``. The answer must come from a certificate whose principal is
-``placer`` (:func:`check_peer`): a node certificate that happens to carry the placer host's
-address is not the placer.
+else ``/etc/herd/tls``. The peer must hold a certificate whose principal is ``placer``: the
+context checks it inside the TLS handshake (``expect="placer"``, :class:`infra.tls.HerdContext`),
+so no request, bearer token or job env leaves for anyone else -- a node certificate that happens
+to carry the placer host's address is not the placer. A context the caller passes in is checked
+after the answer instead (:func:`check_peer`), unless it expects ``placer`` itself.
 """
 
 from __future__ import annotations
@@ -98,9 +100,10 @@ def tls_dir_from_env(explicit: str | os.PathLike[str] | None = None) -> Path:
 
 
 def operator_context(tls_dir: str | os.PathLike[str] | None = None, *,
-                     cert: str | None = None) -> ssl.SSLContext:
+                     cert: str | None = None, expect: str | None = None) -> ssl.SSLContext:
     """The CLI's TLS context: the cluster CA of the TLS dir, with ``cert`` (or the first of
-    :data:`CLIENT_CERTS` the dir holds) as the client certificate, none when it holds none."""
+    :data:`CLIENT_CERTS` the dir holds) as the client certificate, none when it holds none;
+    the peer must be ``expect`` (``placer``, ``node:X``, ``node``), checked in the handshake."""
     d = tls_dir_from_env(tls_dir)
     ca = d / "ca.crt"
     if not ca.is_file():
@@ -110,14 +113,16 @@ def operator_context(tls_dir: str | os.PathLike[str] | None = None, *,
     files = next((f for f in (tls.TLSFiles.in_dir(d, n) for n in names) if f.cert.is_file() and f.key.is_file()),
                  None)
     try:
-        return tls.client_context(ca, files)
+        return tls.client_context(ca, files, expect=expect)
     except tls.TLSError as e:
         raise ClientError(str(e)) from None
 
 
-def verify_for(url: str, tls_dir: str | os.PathLike[str] | None = None) -> ssl.SSLContext | bool:
-    """httpx's ``verify=`` for ``url``: the CLI's TLS context for https, True (unused) for http."""
-    return operator_context(tls_dir) if url.startswith("https://") else True
+def verify_for(url: str, tls_dir: str | os.PathLike[str] | None = None, *,
+               expect: str | None = None) -> ssl.SSLContext | bool:
+    """httpx's ``verify=`` for ``url``: the CLI's TLS context for https (the peer must be
+    ``expect``), True (unused) for http."""
+    return operator_context(tls_dir, expect=expect) if url.startswith("https://") else True
 
 
 def check_peer(r: httpx.Response, want: str) -> None:
@@ -135,8 +140,9 @@ def check_peer(r: httpx.Response, want: str) -> None:
 def transport_line(e: httpx.HTTPError, who: str, url: str) -> str:
     """One line for a request that got no answer; TLS failures named for what they are."""
     text = str(e) or type(e).__name__
-    if "SSL" in text or "certificate" in text.lower():
-        return f"TLS to the {who} at {url} failed: {tls.describe_ssl_error(e)}"
+    cause = tls.ssl_cause(e)
+    if cause is not None or "SSL" in text or "certificate" in text.lower():
+        return f"TLS to the {who} at {url} failed: {tls.describe_ssl_error(cause or e)}"
     return f"cannot reach the {who} at {url}: {text}"
 
 
@@ -155,7 +161,7 @@ class PlacerClient:
                  ssl_context: ssl.SSLContext | None = None, tls_dir: str | os.PathLike[str] | None = None) -> None:
         self.url = url.rstrip("/")
         self.request_timeout = timeout
-        verify = ssl_context if ssl_context is not None else verify_for(self.url, tls_dir)
+        verify = ssl_context if ssl_context is not None else verify_for(self.url, tls_dir, expect="placer")
         self._c = httpx.Client(base_url=self.url, headers=auth_header(token), timeout=timeout, verify=verify)
 
     def __enter__(self) -> PlacerClient:
@@ -186,7 +192,7 @@ class PlacerClient:
         return out
 
     def submit(self, spec: JobSpec) -> JobView:
-        return self._get(_job, "POST", "/v1/jobs", content=msgspec.json.encode(spec))  # type: ignore[no-any-return]
+        return self._get(_job, "POST", "/v1/jobs", content=msgspec.json.encode(spec))
 
     def jobs(self, state: str | None = None, page: str | None = None) -> list[JobView]:
         """Jobs without pods (counts by pod state instead); one page (default the first 1000)."""
@@ -194,7 +200,7 @@ class PlacerClient:
 
     def jobs_page(self, state: str | None = None, page: str | None = None) -> JobPage:
         params = {k: v for k, v in (("state", state), ("page", page)) if v}
-        return self._get(_jobs, "GET", "/v1/jobs", params=params or None)  # type: ignore[no-any-return]
+        return self._get(_jobs, "GET", "/v1/jobs", params=params or None)
 
     def job(self, job_id: str, *, wait: str | None = None, timeout_ms: int = 10000,
             pods: str | None = None) -> JobView:
@@ -202,7 +208,7 @@ class PlacerClient:
         params = {"wait": wait, "timeout_ms": str(timeout_ms)} if wait else {}
         if pods:
             params["pods"] = pods
-        return self._get(_job, "GET", f"/v1/jobs/{job_id}", params=params or None)  # type: ignore[no-any-return]
+        return self._get(_job, "GET", f"/v1/jobs/{job_id}", params=params or None)
 
     def resolve_job(self, given: str, *, max_jobs: int = 100_000) -> str:
         """A job id as given, or the one job whose id starts with it (ids as the CLI prints
@@ -229,11 +235,11 @@ class PlacerClient:
         return found[0]
 
     def cancel(self, job_id: str) -> JobView:
-        return self._get(_job, "DELETE", f"/v1/jobs/{job_id}")  # type: ignore[no-any-return]
+        return self._get(_job, "DELETE", f"/v1/jobs/{job_id}")
 
     def update_artifact(self, job_id: str, manifest_id: str, origin: str | None = None) -> JobView:
         body = msgspec.json.encode(ArtifactUpdate(manifest_id=manifest_id, origin=origin))
-        return self._get(_job, "POST", f"/v1/jobs/{job_id}/artifact", content=body)  # type: ignore[no-any-return]
+        return self._get(_job, "POST", f"/v1/jobs/{job_id}/artifact", content=body)
 
     def nodes(self, page: str | None = None) -> list[NodeView]:
         """One page of nodes in id order (default the first 1000); see :meth:`nodes_page`."""
@@ -241,7 +247,7 @@ class PlacerClient:
 
     def nodes_page(self, page: str | None = None, state: str | None = None) -> NodePage:
         params = {k: v for k, v in (("state", state), ("page", page)) if v}
-        return self._get(_nodes, "GET", "/v1/nodes", params=params or None)  # type: ignore[no-any-return]
+        return self._get(_nodes, "GET", "/v1/nodes", params=params or None)
 
     def node(self, node_id: str) -> NodeView | None:
         """One node's view, found by bisecting the id-ordered pages (one node a request,
@@ -263,18 +269,18 @@ class PlacerClient:
     def node_op(self, node_id: str, op: str, body: NodeOp | None = None) -> dict[str, Any]:
         """``op`` in cordon | uncordon | drain: the node's view and, for a drain, what it did."""
         enc = msgspec.json.encode(body or NodeOp())
-        return self._get(_any, "POST", f"/v1/nodes/{node_id}/{op}", content=enc)  # type: ignore[no-any-return]
+        return self._get(_any, "POST", f"/v1/nodes/{node_id}/{op}", content=enc)
 
     def status(self) -> dict[str, Any]:
         """Transport security: TLS or insecure, accept_tokens, token-authenticated agents."""
-        return self._get(_any, "GET", "/v1/status")  # type: ignore[no-any-return]
+        return self._get(_any, "GET", "/v1/status")
 
     def cluster(self) -> dict[str, Any]:
-        return self._get(_any, "GET", "/v1/cluster")  # type: ignore[no-any-return]
+        return self._get(_any, "GET", "/v1/cluster")
 
     def defrag(self, max_moves: int = 8, apply: bool = False) -> dict[str, Any]:
         body = msgspec.json.encode(DefragRequest(max_moves=max_moves, apply=apply))
-        return self._get(_any, "POST", "/v1/defrag", content=body)  # type: ignore[no-any-return]
+        return self._get(_any, "POST", "/v1/defrag", content=body)
 
     def prefetch(self, req: PrefetchFanout) -> dict[str, Any]:
-        return self._get(_any, "POST", "/v1/prefetch", content=msgspec.json.encode(req))  # type: ignore[no-any-return]
+        return self._get(_any, "POST", "/v1/prefetch", content=msgspec.json.encode(req))

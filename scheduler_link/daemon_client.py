@@ -7,6 +7,12 @@ answer (the daemon's ``{"error", "detail"}``), or an answer that is not a herd d
 The CLI catches ``ClientError`` (it is a :class:`~infra.errors.LinkError`) and
 prints the line; it never sees an httpx exception. :class:`~scheduler_link.client.PlacerClient`
 is the placer's typed client over the same rules.
+
+``expect`` names who must answer (``placer``, ``node``, ``node:X``): over https it is checked
+inside the TLS handshake, before the request leaves. A bearer token never goes to a node over
+https: an agent is a host that may be compromised, so the operator acts on it with the
+operator's certificate (mutual TLS, proof of possession: nothing an agent sees can be replayed
+elsewhere), never with the fleet-wide operator token; the ``authorization`` header is dropped.
 """
 
 from __future__ import annotations
@@ -32,13 +38,18 @@ class DaemonClient:
     client does) unless ``verify`` says otherwise."""
 
     def __init__(self, url: str, who: str, *, timeout: float, headers: Mapping[str, str] | None = None,
-                 verify: ssl.SSLContext | bool | None = None,
+                 verify: ssl.SSLContext | bool | None = None, expect: str | None = None,
                  tls_dir: str | os.PathLike[str] | None = None) -> None:
         self.url = url.rstrip("/")
         self.who = who
         if verify is None:
-            verify = verify_for(self.url, tls_dir)
-        self._c = httpx.Client(base_url=self.url, headers=dict(headers or {}), timeout=timeout, verify=verify)
+            verify = verify_for(self.url, tls_dir, expect=expect)
+        # over TLS, a node gets no bearer token (the operator's certificate speaks instead)
+        self.no_bearer = self.url.startswith("https://") and expect is not None and (expect == "node" or expect.startswith("node:"))
+        self._c = httpx.Client(base_url=self.url, headers=self._allowed(headers), timeout=timeout, verify=verify)
+
+    def _allowed(self, headers: Mapping[str, str] | None) -> dict[str, str]:
+        return {k: v for k, v in (headers or {}).items() if not (self.no_bearer and k.lower() == "authorization")}
 
     def __enter__(self) -> DaemonClient:
         return self
@@ -56,6 +67,8 @@ class DaemonClient:
         bound (a follow; the connect timeout still holds)."""
         if unbounded_read:
             kw["timeout"] = httpx.Timeout(self._c.timeout.connect, read=None)
+        if "headers" in kw:
+            kw["headers"] = self._allowed(kw["headers"])
         try:
             r = self._c.send(self._c.build_request(method, path, **kw), stream=stream)
         except httpx.HTTPError as e:

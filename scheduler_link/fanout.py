@@ -36,10 +36,12 @@ another's: a placement and its env never reach a host that is not its node.
 from __future__ import annotations
 
 import logging
+import random
 import ssl
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -48,9 +50,10 @@ import trio
 
 from infra import tls
 from infra.auth import auth_header
+from infra.backoff import Backoff
 from infra.errors import ProtocolError
 from infra.errors import PushError as PushError  # re-exported: callers import it from here
-from infra.h1 import parse_response_head
+from infra.h1 import ClosedBeforeAnswer, parse_response_head, receive_head
 from infra.metrics import LatencyHistogram
 
 log = logging.getLogger("herd.link.fanout")
@@ -72,6 +75,7 @@ class PushResult:
 
 MAX_HEAD = 64 << 10
 MAX_BODY = 8 << 20
+RETRY_BACKOFF_CAP_S = 5.0   # the longest pause between the retries of one push
 
 
 class WrongPeer(Exception):
@@ -89,17 +93,12 @@ class _Conn:
 
     async def read_response(self) -> tuple[int, bytes]:
         """One HTTP/1.1 response with a content-length body."""
-        while True:
-            end = self.buf.find(b"\r\n\r\n")
-            if end >= 0:
-                break
-            if len(self.buf) > MAX_HEAD:
-                raise PushError("response head too large")
-            await self._fill()
-        head = bytes(self.buf[:end])
-        del self.buf[:end + 4]
         try:
+            head, self.buf = await receive_head(partial(self.stream.receive_some, 65536), self.buf,
+                                                max_head=MAX_HEAD)
             status, length, keep = parse_response_head(head)[:3]
+        except ClosedBeforeAnswer:
+            raise PushError("connection closed by peer") from None
         except ProtocolError as e:
             raise PushError(str(e)) from None
         if not keep:
@@ -135,6 +134,8 @@ class PushPool:
         self.attempt_timeout_s = attempt_timeout_s
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
+        self._backoff = Backoff(retry_backoff_s, RETRY_BACKOFF_CAP_S)
+        self._rng = random.Random()
         self.max_per_host = max(1, max_per_host)
         idle = self.max_per_host if max_idle_per_host is None else max(max_idle_per_host, 0)
         self.max_idle_per_host = min(idle, self.max_per_host)
@@ -202,7 +203,7 @@ class PushPool:
                 self.failures += 1
                 res.error = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
                 if attempt < self.retries:
-                    await trio.sleep(self.retry_backoff_s * (2 ** attempt))
+                    await trio.sleep(self._backoff.pause(attempt + 1, self._rng))
         res.elapsed_s = time.perf_counter() - t0
         hist = self.latency.get(req_path)
         if hist is None:

@@ -58,7 +58,7 @@ class CallFailed(Exception):
 
 
 def encode_frame(type_: str, payload: Any, *, id: int = 0, re: int = 0, term: int = 0) -> bytes:
-    body = _enc.encode(Frame(type=type_, payload=msgspec.Raw(_enc.encode(payload)), id=id, re=re,  # type: ignore[arg-type]
+    body = _enc.encode(Frame(type=type_, payload=msgspec.Raw(_enc.encode(payload)), id=id, re=re,  # type: ignore[arg-type]  # the frame type is checked by the Literal on decode; encoding takes any of ours
                              term=term))
     return _LEN.pack(len(body)) + body
 

@@ -55,6 +55,7 @@ import trio
 
 from infra import tls
 from infra.auth import TokenSet
+from infra.backoff import Backoff, Retry
 
 from .frames import FrameChannel, Handler, ReadBacklog, WriteQueue
 from .messages import NodeReport, ReportReply
@@ -277,32 +278,30 @@ class HeartbeatServer:
 
     async def _tls_accept(self, stream: trio.SocketStream) -> trio.SSLStream[trio.SocketStream] | None:
         assert self.ssl_context is not None
-        why = "no ClientHello in time"
+        failed = tls.HandshakeFailed(tls.Refusal.TIMEOUT, "no ClientHello in time")
         with trio.move_on_after(self.hello_timeout_s):
             # a connection takes a slot only once its client has said something: connected
             # and silent, it holds none (only a socket, under max_connections)
             await trio.lowlevel.wait_readable(stream.socket)
-            why = "no handshake slot in time"
-        with trio.move_on_after(self.handshake_queue_s if why.startswith("no handshake") else 0):
+            failed = tls.HandshakeFailed(tls.Refusal.QUEUE, "no handshake slot in time")
+        with trio.move_on_after(self.handshake_queue_s if failed.refusal is tls.Refusal.QUEUE else 0):
             async with self._handshakes:
                 if tls.peer_hung_up(stream):
                     self.tls_refusals["gone"] = self.tls_refusals.get("gone", 0) + 1
                     self.tls_refused += 1
                     await trio.aclose_forcefully(stream)
                     return None
-                why = "handshake timed out"   # (also when the queue's bound ends the handshake)
-                s, why = await tls.server_handshake(stream, self.ssl_context, self.hello_timeout_s)
-                if s is not None:
+                # (also when the queue's bound ends the handshake)
+                failed = tls.HandshakeFailed(tls.Refusal.TIMEOUT, "handshake timed out")
+                s = await tls.server_handshake(stream, self.ssl_context, self.hello_timeout_s)
+                if not isinstance(s, tls.HandshakeFailed):
                     return s
+                failed = s
         self.tls_refused += 1
-        cause = ("queue" if why.startswith("no handshake slot") else
-                 "timeout" if why.startswith(("handshake timed", "no ClientHello"))
-                 else "plain" if "does not speak TLS" in why else "peer" if "closed the connection" in why
-                 else "certificate" if "certificate" in why else "other")
-        self.tls_refusals[cause] = self.tls_refusals.get(cause, 0) + 1
-        log.info("framed channel: TLS handshake refused client=%s: %s", tls.peer_address(stream), why)
-        await tls.refuse(stream, why, frame(WireReply(status=400, error="this listener speaks TLS only "
-                                                                       "(the placer is not insecure)")))
+        self.tls_refusals[failed.refusal] = self.tls_refusals.get(failed.refusal, 0) + 1
+        log.info("framed channel: TLS handshake refused client=%s: %s", tls.peer_address(stream), failed.why)
+        await tls.refuse(stream, failed, frame(WireReply(status=400, error="this listener speaks TLS only "
+                                                                           "(the placer is not insecure)")))
         return None
 
     def _admit(self, hello: Hello, principal: tls.Principal | None) -> WireReply | None:
@@ -468,10 +467,10 @@ class HeartbeatClient:
                 raise
             # TLS 1.3: a server that refuses our certificate says so after our side finished;
             # one that closes without saying why is past its handshake deadline (busy: 503)
-            why = tls.describe_ssl_error(e.__cause__ or e)
+            refusal, why = tls.classify_ssl_error(e.__cause__ or e)
             raise WireError(f"the framed channel closed during TLS set-up: {why} (is our certificate this "
                             "cluster's, unexpired, and a node's?)",
-                            status=503 if "closed the connection during the handshake" in why else None) from None
+                            status=503 if refusal is tls.Refusal.PEER else None) from None
         except BaseException:
             with trio.CancelScope(shield=True):
                 await c.stream.aclose()
@@ -556,7 +555,7 @@ class SharedWire:
         return self._client is not None
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        backoff = self.backoff_min_s
+        retry = Retry(Backoff(self.backoff_min_s, self.backoff_max_s))
         started = False
         while True:
             try:
@@ -565,10 +564,9 @@ class SharedWire:
                                                        ssl_context=self.ssl_context)
             except (OSError, WireError, trio.BrokenResourceError, msgspec.DecodeError, tls.TLSError) as e:
                 log.debug("shared wire connect failed name=%s err=%s", self.name, e)
-                await trio.sleep(backoff)
-                backoff = min(self.backoff_max_s, backoff * 2)
+                await trio.sleep(retry.failed(trio.current_time()))
                 continue
-            backoff = self.backoff_min_s
+            retry.succeeded()
             self.connects += 1
             self._client = client
             self._up.set()

@@ -199,6 +199,7 @@ class Victim(msgspec.Struct, frozen=True, kw_only=True):
     workload_id: str
     grace_s: float = 30.0
     reason: str = "preempted"
+    preempted: bool = False   # a preemption: the workload ends "preempted" (else "exited"); reason is for people
     # a fencing stop that reaches a node through its relay carries the placer's MAC with that
     # node's key (scheduler_link.msgauth.stop_mac): a relay cannot make one up
     mac: bytes = b""
@@ -352,6 +353,11 @@ class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
     # and the placer's Ed25519 public key (32 raw bytes) that signs rack bundles
     mac_key: bytes | None = None
     placer_key: bytes | None = None
+    # The deny-list (``herd pki revoke``): node ids and certificate serials (upper-case hex)
+    # whose TLS handshakes this node's listeners and clients refuse from now on. None: no
+    # news (the node keeps the list it holds); taken only from the node's own connection.
+    revoked_nodes: list[str] | None = None
+    revoked_serials: list[str] | None = None
 
 
 # ---------------------------------------------------------------- placer API (jobs, nodes, cluster)

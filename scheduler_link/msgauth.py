@@ -52,6 +52,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
+from infra.durable import atomic_write
 from infra.errors import AuthError as AuthError  # (defined with the package's other errors)
 
 from .messages import NodeOutcome, NodePart, NodeReport, PartProof, RackBundle, Victim, expand_part
@@ -244,7 +245,7 @@ class BundleSigner:
         """Several signed RackBundles, one signature for all (a Merkle root over their headers)."""
         sig, paths = self.sign_headers([header_bytes(sp.rack, sp.blob_id, sp.deliver_by, [digest(r) for r in sp.raws])
                                         for sp in specs])
-        return [RackBundle(rack=sp.rack, blob_id=sp.blob_id, parts=[msgspec.Raw(r) for r in sp.raws],  # type: ignore[misc]
+        return [RackBundle(rack=sp.rack, blob_id=sp.blob_id, parts=[msgspec.Raw(r) for r in sp.raws],  # type: ignore[misc]  # parts are signed raw bytes (msgspec.Raw) that encode as NodeParts without a re-encode
                            deliver_by=sp.deliver_by, blob=sp.blob, blob_sources=sp.blob_sources,
                            sig=sig, sig_path=path, sig_index=i)
                 for i, (sp, path) in enumerate(zip(specs, paths, strict=True))]
@@ -368,15 +369,7 @@ def _read_or_make(path: Path, make: bytes) -> bytes:
         return path.read_bytes()
     except FileNotFoundError:
         pass
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.write(fd, make)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    atomic_write(path, make, 0o600)
     log.info("placer key made path=%s", path)
     return path.read_bytes()
 

@@ -4,11 +4,19 @@ the placer's ``ca_dir``; without one they answer 404 (the operator issues certif
 ``herd pki issue`` instead).
 
 * ``POST /v1/pki/bootstrap`` -- body :class:`CSRRequest` (``node_id`` and the CSR), the bootstrap
-  token as the bearer token. The token is consumed (on disk, under the store's lock) before the
+  token as the bearer token. The token is checked first, without the store's lock and before
+  the CA key is loaded (a flood of wrong tokens costs a file read each); then a revoked node id
+  (403) or one that holds a live certificate (409: renewal is the way) is refused; then the
+  token is consumed (on disk, under the store's lock, in a worker thread) before the
   certificate is returned: a token buys one certificate, also across placer restarts; its
   failures are 401 with the reason (unknown, expired, used, bound to another node).
 * ``POST /v1/pki/renew`` -- body :class:`CSRRequest`, over the node's own mutual-TLS connection:
-  the CSR must name the node of the presented certificate (node restriction).
+  the CSR must name the node of the presented certificate (node restriction); a revoked node
+  is refused (its handshake already is, wherever the deny-list was loaded).
+
+Every certificate issued is recorded (:class:`infra.pki.Issued`) before it is returned. The
+deny-list (``<ca_dir>/revoked.json``, ``herd pki revoke``) is re-read when the file changes
+(:meth:`PKIRoutes.refresh`, on the placer's tick) into the placer's handshakes.
 """
 
 from __future__ import annotations
@@ -17,13 +25,17 @@ import logging
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
+import trio
+from cryptography import x509
 
 from infra import pki
 from infra.auth import bearer
 from infra.http import HTTPError, Request, Response, RouteDoc, json_response
+from infra.tls import Revoked
 
 log = logging.getLogger("herd.pki")
 
@@ -39,6 +51,13 @@ class CertReply(msgspec.Struct, frozen=True, kw_only=True):
     not_after: str           # ISO 8601
 
 
+@dataclass(frozen=True, slots=True)
+class _Refusal:
+    status: int
+    error: str
+    detail: str
+
+
 class PKIRoutes:
     """The two handlers; ``ca_dir`` None turns both off (404)."""
 
@@ -48,24 +67,79 @@ class PKIRoutes:
         self.days = days
         self.clock = clock
         self.tokens = pki.BootstrapTokens(self.ca_dir / "bootstrap-tokens.json") if self.ca_dir else None
+        self.revocations = pki.Revocations(self.ca_dir) if self.ca_dir else None
         self.issued = {"bootstrap": 0, "renew": 0, "refused": 0}
+        self.denied: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())
+        self._denied_stamp: tuple[int, int, int] | None = None
 
-    def _ca(self) -> pki.CA:
+    def refresh(self, into: Revoked) -> list[str] | None:
+        """Re-read the deny-list when its file changed and load it into ``into`` (the placer's
+        handshakes): None when it did not change, else the node ids newly denied (to fence).
+        A file that cannot be read keeps the list held (logged)."""
+        if self.revocations is None:
+            return None
+        try:
+            st = os.stat(self.revocations.path)
+            stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+        except FileNotFoundError:
+            stamp = (0, 0, 0)
+        except OSError as e:
+            log.warning("cannot read the deny-list %s: %s", self.revocations.path, e)
+            return None
+        if stamp == self._denied_stamp:
+            return None
+        try:
+            denied = self.revocations.load() if stamp != (0, 0, 0) else (frozenset(), frozenset())
+        except pki.PKIError as e:
+            log.warning("deny-list not loaded (the one held stays): %s", e)
+            return None
+        self._denied_stamp = stamp
+        new = sorted(denied[0] - self.denied[0])
+        self.denied = denied
+        if into.replace(*denied):
+            log.warning("deny-list loaded nodes=%d serials=%d newly_denied=%s", len(denied[0]), len(denied[1]),
+                        ",".join(new[:20]) or "-")
+        return new
+
+    def _issue(self, node_id: str, csr: bytes, names: list[str], token: str | None, now: float
+               ) -> tuple[pki.CA, x509.Certificate] | _Refusal:
+        """The blocking part (a worker thread): consume the bootstrap token (when one), load
+        the CA, sign, record the certificate. A refusal comes back as (status, error, detail)."""
+        if token is not None:
+            assert self.tokens is not None
+            try:
+                self.tokens.consume(token, node_id, now=now)
+            except pki.PKIError as e:
+                return _Refusal(401, "bootstrap token refused", str(e))
+        assert self.ca_dir is not None
+        try:
+            ca = pki.CA.load(self.ca_dir)
+        except pki.PKIError as e:
+            return _Refusal(503, "the placer cannot sign", str(e))
+        try:
+            cert = pki.sign_csr(ca, csr, node_id, days=self.days, names=names)
+            # a bootstrap is recorded only if no live certificate of the node was meanwhile
+            denied = self.revocations.load() if token is not None and self.revocations is not None else None
+            live = pki.Issued(self.ca_dir).record(node_id, cert, now=now, unless_live=denied)
+        except pki.PKIError as e:
+            return _Refusal(400, "certificate request refused", str(e))
+        if live:
+            return _Refusal(409, "node holds a live certificate", f"node {node_id[:200]} holds a live certificate "
+                                                                  f"(serial {live[0]}), issued meanwhile")
+        return ca, cert
+
+    async def _sign(self, req: Request, node_id: str, body: CSRRequest, how: str, token: str | None = None
+                    ) -> Response:
         if self.ca_dir is None:
             raise HTTPError(404, "certificate signing is off", "this placer has no ca_dir")
-        try:
-            return pki.CA.load(self.ca_dir)
-        except pki.PKIError as e:
-            raise HTTPError(503, "the placer cannot sign", str(e)) from None
-
-    def _sign(self, req: Request, node_id: str, body: CSRRequest, how: str) -> Response:
-        ca = self._ca()
-        try:
-            cert = pki.sign_csr(ca, body.csr.encode(), node_id, days=self.days,
-                                names=[req.client] if req.client else ())
-        except pki.PKIError as e:
+        out = await trio.to_thread.run_sync(self._issue, node_id, body.csr.encode(),
+                                            [req.client] if req.client else [], token, self.clock())
+        if isinstance(out, _Refusal):
             self.issued["refused"] += 1
-            raise HTTPError(400, "certificate request refused", str(e)) from None
+            log.warning("certificate refused how=%s node=%s client=%s: %s", how, node_id[:200], req.client,
+                        out.detail)
+            raise HTTPError(out.status, out.error, out.detail)
+        ca, cert = out
         self.issued[how] += 1
         log.info("certificate issued how=%s node=%s not_after=%s", how, node_id, cert.not_valid_after_utc.isoformat())
         return json_response(CertReply(cert=pki.cert_pem(cert).decode(), ca=pki.cert_pem(ca.cert).decode(),
@@ -81,14 +155,38 @@ class PKIRoutes:
             raise HTTPError(401, "unauthorized", "needs a bootstrap token (herd pki bootstrap-token)")
         if not body.node_id or "/" in body.node_id:
             raise HTTPError(400, "bad node id", body.node_id[:200])
-        self._ca()
-        try:
-            self.tokens.consume(token, body.node_id, now=self.clock())
+        now = self.clock()
+        try:  # no lock, no CA key: a wrong token costs one small read
+            self.tokens.check(token, body.node_id, now=now)
         except pki.PKIError as e:
-            self.issued["refused"] += 1
-            log.warning("bootstrap refused node=%s client=%s: %s", body.node_id[:200], req.client, e)
+            self._refused(req, body.node_id, e)
             raise HTTPError(401, "bootstrap token refused", str(e)) from None
-        return self._sign(req, body.node_id, body, "bootstrap")
+        self._check_node(body.node_id, now, "bootstrap")
+        return await self._sign(req, body.node_id, body, "bootstrap", token)
+
+    def _refused(self, req: Request, node_id: str, e: Exception) -> None:
+        self.issued["refused"] += 1
+        log.warning("bootstrap refused node=%s client=%s: %s", node_id[:200], req.client, e)
+
+    def _check_node(self, node_id: str, now: float, how: str) -> None:
+        """A revoked node gets no certificate (403); a bootstrap for a node that holds a live
+        one is refused (409): that node renews over it, or the operator revokes it first."""
+        assert self.ca_dir is not None
+        try:
+            denied = self.revocations.load() if self.revocations is not None else self.denied
+            live = pki.Issued(self.ca_dir).live(node_id, denied, now=now) if how == "bootstrap" else []
+        except pki.PKIError as e:
+            raise HTTPError(503, "the placer cannot sign", str(e)) from None
+        if node_id in denied[0]:
+            self.issued["refused"] += 1
+            log.warning("certificate refused how=%s node=%s: revoked", how, node_id[:200])
+            raise HTTPError(403, "node revoked", f"node {node_id[:200]} is revoked (herd pki revoke)")
+        if live:
+            self.issued["refused"] += 1
+            log.warning("bootstrap refused node=%s: holds a live certificate serial=%s", node_id[:200], live[0])
+            raise HTTPError(409, "node holds a live certificate",
+                            f"node {node_id[:200]} holds a live certificate (serial {live[0]}): it renews over "
+                            "that one; revoke it first (herd pki revoke) to bootstrap it again")
 
     async def h_renew(self, req: Request) -> Response:
         """A node's next certificate, asked over its current one (the CSR must name that node)."""
@@ -99,7 +197,10 @@ class PKIRoutes:
         if body.node_id != p.node_id:
             raise HTTPError(403, "forbidden", f"this certificate is node:{p.node_id}; it may not renew "
                                               f"node {body.node_id[:200]}")
-        return self._sign(req, p.node_id, body, "renew")
+        if self.ca_dir is None:
+            raise HTTPError(404, "certificate signing is off", "this placer has no ca_dir")
+        self._check_node(p.node_id, self.clock(), "renew")
+        return await self._sign(req, p.node_id, body, "renew")
 
 
 # OpenAPI descriptions of the placer's certificate and status routes
@@ -108,11 +209,13 @@ PLACER_DOCS: dict[tuple[str, str], RouteDoc] = {
         summary="A new node's first certificate, for a single-use bootstrap token",
         body=CSRRequest, responses={200: CertReply},
         errors={401: "no, unknown, expired, used or another node's bootstrap token",
+                403: "the node is revoked", 409: "the node holds a live certificate (it renews over it)",
                 404: "certificate signing is off (no ca_dir)"}),
     ("POST", "/v1/pki/renew"): RouteDoc(
         summary="A node's next certificate, asked over its current one",
         body=CSRRequest, responses={200: CertReply},
-        errors={403: "not the node's own certificate", 404: "certificate signing is off (no ca_dir)"}),
+        errors={403: "not the node's own certificate, or the node is revoked",
+                404: "certificate signing is off (no ca_dir)"}),
     ("GET", "/v1/status"): RouteDoc(
         summary="Transport security: TLS or insecure, accept_tokens and the token-authenticated agents",
         responses={200: {"type": "object"}}),

@@ -187,7 +187,7 @@ class EmulatorProc:
                                                      stdout=subprocess.PIPE, stderr=log,
                                                      preexec_fn=(lambda: os.nice(nice)) if nice else None)
         if log is not subprocess.DEVNULL:
-            log.close()  # type: ignore[union-attr]
+            log.close()  # type: ignore[union-attr]  # log is the opened file here, not DEVNULL (checked just above)
         self.pid = self.proc.pid
         assert self.proc.stdout is not None
         buf = b""

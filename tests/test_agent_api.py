@@ -14,6 +14,7 @@ from agent.daemon import Agent
 from agent.supervisor import SupervisorConfig
 from infra.auth import TokenSet, auth_header
 from scheduler_link.messages import Placement, PlacementAck, PodAssignment, Victim
+from testing.waiting import poll
 from tests.prom import value
 
 
@@ -83,9 +84,11 @@ async def test_api_end_to_end(tmp_path, token_dir):
                                pods=[PodAssignment(workload_id="w2", rank=0, gpus=[uuids[1]])])
                 r = await c.post("/v1/placements", content=msgspec.json.encode(p2), headers=op)
                 assert r.status_code == 409 and "in use by workload w1" in r.json()["reason"]
+                async def logged() -> bool:
+                    return "out" in (await c.get("/v1/workloads/w1/logs")).text
+
                 with trio.fail_after(5):
-                    while "out" not in (await c.get("/v1/workloads/w1/logs")).text:
-                        await trio.sleep(0.03)
+                    await poll(logged, 0.03)
                 r = await c.get("/v1/workloads/w1/logs", params={"tail": "1", "stream": "stderr"})
                 assert r.text == "err\n"
                 assert (await c.get("/v1/workloads/w1/logs", params={"tail": "x"})).status_code == 400
@@ -108,9 +111,11 @@ async def test_api_end_to_end(tmp_path, token_dir):
                 assert (await c.post(inj, content=b'{"bogus": 1}', headers=op)).status_code == 400
                 assert (await c.post("/v1/gpus/GPU-nope/inject", content=b'{"xid": 79}', headers=op)).status_code == 404
                 assert (await c.post(inj, content=b'{"xid": 79}', headers=op)).status_code == 200
+                async def fatal() -> bool:
+                    return (await c.get("/v1/gpus")).json()["gpus"][3]["health"] == "fatal"
+
                 with trio.fail_after(5):
-                    while (await c.get("/v1/gpus")).json()["gpus"][3]["health"] != "fatal":
-                        await trio.sleep(0.05)
+                    await poll(fatal, 0.05)
                 p3 = Placement(placement_id="p3", job_id="j3", argv=["true"],
                                pods=[PodAssignment(workload_id="w3", rank=0, gpus=[uuids[3]])])
                 r = await c.post("/v1/placements", content=msgspec.json.encode(p3), headers=pl)
@@ -132,7 +137,7 @@ async def test_api_end_to_end(tmp_path, token_dir):
                 assert (await c.post("/v1/placements", content=msgspec.json.encode(p4), headers=pl)).status_code == 200
                 await wait_state(c, "w4", "running")
                 p5 = Placement(placement_id="p5", job_id="j5", argv=["sleep", "30"],
-                               victims=[Victim(workload_id="w4", grace_s=0.5)],
+                               victims=[Victim(workload_id="w4", grace_s=0.5, preempted=True)],
                                pods=[PodAssignment(workload_id="w5", rank=0, gpus=[uuids[0]])])
                 r = await c.post("/v1/placements", content=msgspec.json.encode(p5), headers=pl)
                 assert r.status_code == 200 and r.json()["accepted"]

@@ -17,7 +17,7 @@ import trio
 from agent import procs
 from infra.auth import TokenSet, auth_header
 from scheduler_link.messages import Placement, PodAssignment
-from testing.waiting import Changes
+from testing.waiting import Changes, poll
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,11 +67,13 @@ async def get_wl(c: httpx.AsyncClient, wid: str) -> dict:
     return r.json()
 
 
-async def wait_wl(c: httpx.AsyncClient, wid: str, *states: str, timeout: float = 15) -> dict:
-    with trio.fail_after(timeout):
-        while (w := await get_wl(c, wid))["state"] not in states:
-            await trio.sleep(0.05)
-    return w
+async def wait_wl(c: httpx.AsyncClient, wid: str, *states: str) -> dict:
+    """The workload's status once in one of ``states``, polled over the agent's API (another
+    process); the caller bounds it."""
+    async def there() -> dict | None:
+        w = await get_wl(c, wid)
+        return w if w["state"] in states else None
+    return await poll(there, 0.05)
 
 
 async def test_sigkill_restart_readopts_and_learns_exit_codes(tmp_path, token_dir):
@@ -107,13 +109,12 @@ async def test_sigkill_restart_readopts_and_learns_exit_codes(tmp_path, token_di
                     w = await wait_wl(c, "w", "running")
                     await wait_wl(c, "t", "running")
                     # t: a stop with a 4 s grace period; the agent dies during it
-                    r = await c.post("/v1/workloads/t/stop", content=b'{"grace_s": 4, "reason": "preempted"}',
+                    r = await c.post("/v1/workloads/t/stop", content=b'{"grace_s": 4, "reason": "preempted", "preempted": true}',
                                      headers=op)
                     deadline = trio.current_time() + 4
                     scr_t = agent.state / "workloads" / "t" / "scratch"
                     with trio.fail_after(5):
-                        while not await trio.Path(scr_t / "terms").exists():
-                            await trio.sleep(0.05)
+                        await poll(trio.Path(scr_t / "terms").exists, 0.05)
                     await trio.sleep(0.2)  # let term_sent be persisted
 
                 assert await agent.signal(signal.SIGKILL) == -signal.SIGKILL
@@ -151,7 +152,8 @@ async def test_sigkill_restart_readopts_and_learns_exit_codes(tmp_path, token_di
                     assert (w3["state"], w3["exit_code"]) == ("exited", 5)
                 got.clear()
                 assert await agent.signal(signal.SIGTERM) == 0
-                await notified.until(lambda: "STOPPING=1" in got, timeout=5)
+                with trio.fail_after(5):
+                    await notified.until(lambda: "STOPPING=1" in got)
                 n.cancel_scope.cancel()
     finally:
         sock.close()

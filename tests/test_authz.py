@@ -47,6 +47,11 @@ PLACER = {
     ("POST", "/v1/nodes/{node_id}/uncordon"): OPS,
     ("POST", "/v1/nodes/{node_id}/drain"): OPS,
     ("GET", "/v1/cluster"): READERS,
+    ("GET", "/"): EVERYONE,                    # the dashboard's page and assets: static, no data
+    ("GET", "/dashboard/{asset}"): EVERYONE,
+    ("GET", "/v1/cluster/map"): READERS,
+    ("GET", "/v1/cluster/map/node/{row}"): READERS,
+    ("GET", "/v1/cluster/map/job/{job_id}"): READERS,
     ("GET", "/v1/gangs/{blob_id}"): frozenset({"node"}),
     ("POST", "/v1/jobs"): OPS,
     ("GET", "/v1/jobs"): READERS,

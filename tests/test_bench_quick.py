@@ -42,8 +42,8 @@ def test_nested_and_per_row_keys() -> None:
     assert missing(out, "empty[].a") == "'empty' is not a non-empty list"
 
 
-def test_the_readme_names_only_benches_quick_runs() -> None:
-    named = table_keys((ROOT / "README.md").read_text())
+def test_the_performance_doc_names_only_benches_quick_runs() -> None:
+    named = table_keys((ROOT / "docs" / "performance.md").read_text())
     assert named and set(named) <= set(QUICK)
     assert set(QUICK) == {f"bench.{p.stem}" for p in (ROOT / "bench").glob("*.py")
                           if p.stem not in ("__init__", "quick", "fleet_helper", "fleet_tls", "netns")}

@@ -10,6 +10,7 @@ import pytest
 import trio
 
 from cli.localcluster import LocalCluster
+from testing.waiting import poll
 
 from .test_cli_job import herd, one_line
 
@@ -18,13 +19,9 @@ pytestmark = pytest.mark.slow
 SCRIPT = 'echo "hello from $HERD_RANK"; echo "oops" >&2; exec sleep 60'
 
 
-async def _until(fn, timeout: float = 20.0, step: float = 0.2):
-    with trio.fail_after(timeout):
-        while True:
-            v = await fn()
-            if v:
-                return v
-            await trio.sleep(step)
+async def _until(fn):
+    """``fn`` (async) polled: the cluster is other processes; the caller bounds it."""
+    return await poll(fn, 0.2)
 
 
 async def test_logs_drain_and_cordon_across_a_placer_restart(tmp_path, token_dir):

@@ -102,10 +102,12 @@ async def test_wait_exits_non_zero_unless_the_state_was_reached(tmp_path, token_
                                        "/bin/false"], env)
             n.start_soon(submit)
             # the job runs; its workload then exits 1 (what /bin/false does on a real agent)
-            v = await wait_for(lambda: _running(svc, "f1"), timeout=30)
+            with trio.fail_after(30):
+                v = await wait_for(lambda: _running(svc, "f1"))
             pod = v.pods[0]
             cl.agents[pod.node_id].exit(pod.workload_id, 1)
-            await wait_for(lambda: _done(got), timeout=30)
+            with trio.fail_after(30):
+                await wait_for(lambda: _done(got))
             rc, out, err = got["r"]
             assert rc == 1, (out, err)
             assert "submitted f1" in out
@@ -166,7 +168,8 @@ async def test_node_cordon_drain_uncordon_and_nodes(tmp_path, token_dir):
             assert value((await cl.c.get("/metrics")).text, "herd_placer_nodes_cordoned") == 2
             rc, out, err = await herd(["node", "uncordon", node], env)
             assert rc == 0 and f"node {node}: schedulable" in out
-            v = await wait_for(lambda: _running(svc, "p"), timeout=30)
+            with trio.fail_after(30):
+                v = await wait_for(lambda: _running(svc, "p"))
             assert v.pods[0].node_id == node
             # unknown node; not an operator
             rc, out, err = await herd(["node", "cordon", "nope"], env)

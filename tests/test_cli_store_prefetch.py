@@ -15,19 +15,16 @@ import pytest
 import trio
 
 from cli.localcluster import LocalCluster
+from testing.waiting import poll
 
 from .test_cli_job import herd, one_line
 
 pytestmark = pytest.mark.slow
 
 
-async def _until(fn, timeout: float = 20.0, step: float = 0.2):  # noqa: ANN001, ANN202
-    with trio.fail_after(timeout):
-        while True:
-            v = await fn()
-            if v:
-                return v
-            await trio.sleep(step)
+async def _until(fn):  # noqa: ANN001, ANN202
+    """``fn`` (async) polled: the cluster is other processes; the caller bounds it."""
+    return await poll(fn, 0.2)
 
 
 async def _publish(src: Path, origin: str, name: str) -> dict:

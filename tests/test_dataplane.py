@@ -14,6 +14,7 @@ from manifests import encode_manifest
 from manifests.model import ManifestBuilder
 from p2p.dataplane import DataPlane, DataPlaneConfig
 from p2p.store import ChunkStore
+from testing.waiting import poll
 
 TOKEN = "cluster-secret"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -191,8 +192,7 @@ async def test_busy_when_over_per_client_limit(tmp_path: Path) -> None:
                 async with trio.open_nursery() as waiters:
                     for i in range(2):  # two requests parked on chunks that will not come
                         waiters.start_soon(c.get, f"{url}/v1/chunks/{i:064x}?wait_ms=1500")
-                    while plane.statistics()["waiting_requests"] < 2:
-                        await trio.sleep(0.01)
+                    await poll(lambda: plane.statistics()["waiting_requests"] >= 2, 0.01)
                     r = await c.get(f"{url}/v1/chunks/{'ee' * 32}?wait_ms=1000")
                     assert r.status_code == 503 and r.headers["retry-after"] == "1"
                     assert plane.statistics()["active"] == 0
@@ -245,8 +245,7 @@ async def test_peer_client_survives_a_closed_keepalive_and_reports_errors(tmp_pa
 
 async def _wait_until(cond, what: str) -> None:   # what: for the reader of a timeout
     with trio.fail_after(10):
-        while not cond():
-            await trio.sleep(0.005)
+        await poll(lambda: cond(), 0.005)
 
 
 async def test_the_data_plane_counts_what_it_owes_a_slow_reader(tmp_path: Path) -> None:

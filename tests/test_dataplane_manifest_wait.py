@@ -18,6 +18,7 @@ from manifests.model import ManifestBuilder
 from p2p.dataplane import DataPlane, DataPlaneConfig
 from p2p.peers import PeerBusy, PeerClient, PeerMissing
 from p2p.store import ChunkStore
+from testing.waiting import poll
 
 TOKEN = "cluster-secret"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -59,8 +60,7 @@ async def test_a_manifest_stored_mid_wait_is_served_at_once(tmp_path: Path) -> N
             async with trio.open_nursery() as asks:
                 asks.start_soon(ask)
                 with trio.fail_after(5):
-                    while plane.statistics()["manifest_waits"] < 1:
-                        await trio.sleep(0.01)
+                    await poll(lambda: plane.statistics()["manifest_waits"] >= 1, 0.01)
                 # stored from a worker thread, as the herd stores it
                 await trio.to_thread.run_sync(store.put_manifest, mid, raw)
                 stored = trio.current_time()
@@ -122,8 +122,7 @@ async def test_a_flood_of_waiters_gets_503_and_the_server_keeps_serving(tmp_path
                     for _ in range(flood):
                         asks.start_soon(ask, c)
                     with trio.fail_after(10):
-                        while len(codes) < flood - limit:
-                            await trio.sleep(0.01)
+                        await poll(lambda: len(codes) >= flood - limit, 0.01)
                     # only `limit` wait; the rest were told 503 with Retry-After, at once
                     assert codes.count(503) == flood - limit and set(retry) == {"1"}
                     st = plane.statistics()
@@ -152,14 +151,12 @@ async def test_a_waiter_that_leaves_frees_its_place(tmp_path: Path) -> None:
             await s.send_all(f"GET /v1/manifests/{mid}?wait_ms=20000 HTTP/1.1\r\nhost: x\r\n"
                              f"authorization: Bearer {TOKEN}\r\n\r\n".encode())
             with trio.fail_after(5):
-                while plane.statistics()["manifest_waits"] < 1:
-                    await trio.sleep(0.01)
+                await poll(lambda: plane.statistics()["manifest_waits"] >= 1, 0.01)
             async with httpx.AsyncClient(headers=AUTH, timeout=30) as c:
                 assert (await c.get(f"{url}/v1/manifests/{mid}?wait_ms=100")).status_code == 503
                 await s.aclose()
                 with trio.fail_after(5):
-                    while plane.statistics()["waits_abandoned"] < 1:
-                        await trio.sleep(0.01)
+                    await poll(lambda: plane.statistics()["waits_abandoned"] >= 1, 0.01)
                 store.put_manifest(mid, raw)
                 r = await c.get(f"{url}/v1/manifests/{mid}?wait_ms=100")
                 assert r.status_code == 200 and r.content == raw
@@ -185,8 +182,7 @@ async def test_peer_client_asks_with_the_wait(tmp_path: Path) -> None:
 
             async def second() -> None:
                 with trio.fail_after(5):
-                    while plane.statistics()["manifest_waits"] < 1:
-                        await trio.sleep(0.01)
+                    await poll(lambda: plane.statistics()["manifest_waits"] >= 1, 0.01)
                 with pytest.raises(PeerBusy) as e:                 # over the waiters' budget
                     await client.get_manifest(url, mid, wait_ms=5_000)
                 assert e.value.retry_after_s == pytest.approx(0.05)

@@ -75,7 +75,8 @@ async def test_env_values_redacted_and_secrets_from_host_files(tmp_path: Path, t
             agent_url = await n.start(agent.run)
             op = httpx.AsyncClient(base_url=url, headers=auth_header(tokens.operator), timeout=10)
             viewer = httpx.AsyncClient(base_url=url, headers=auth_header(tokens.viewer), timeout=10)
-            await wait_for(lambda: _up(op), timeout=20)
+            with trio.fail_after(20):
+                await wait_for(lambda: _up(op))
             spec = JobSpec(job_id="sec", argv=["sh", "-c", check], env={"API_KEY": ENV_VALUE},
                            env_from_files={"DB_PASS": str(tmp_path / "secrets" / "db")})
             r = await op.post("/v1/jobs", content=msgspec.json.encode(spec))

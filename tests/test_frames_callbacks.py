@@ -10,6 +10,7 @@ import trio.testing
 
 from scheduler_link.frames import FrameChannel
 from scheduler_link.messages import Frame
+from testing.waiting import poll
 
 
 def _echo(ch: FrameChannel, f: Frame) -> tuple[str, Any] | None:
@@ -40,13 +41,11 @@ async def test_answers_closes_forgets_and_a_failing_callback() -> None:
             a.call_cb(rid3, data3, boom)
             rid4, data4 = a.prepare("bundle", {})
             a.call_cb(rid4, data4, got["hung"].append)
-            while not (got["one"] and got["boom"]):
-                await trio.sleep(0.01)
+            await poll(lambda: got["one"] and got["boom"], 0.01)
             # the connection survived the callback that raised: a plain call still works
             assert (await a.call("ping", {}, timeout_s=2)).type == "ping"
             await b.aclose()          # the hung call's answer never comes: its callback hears None
-            while not got["hung"]:
-                await trio.sleep(0.01)
+            await poll(lambda: got["hung"], 0.01)
             n.cancel_scope.cancel()
     assert [f.type for f in got["one"]] == ["ping"] and got["one"][0].re == rid
     assert got["forgotten"] == []

@@ -7,6 +7,7 @@ import pytest
 import trio
 
 from agent.gpus import Fault, FaultError, GpuMonitor, HealthConfig, open_backend, render_metrics
+from testing.waiting import poll
 from tests.prom import value
 
 FAST = HealthConfig(throttle_window_s=0.6, throttle_min_samples=2, throttle_fraction=0.5,
@@ -191,24 +192,22 @@ async def test_a_hung_poll_is_abandoned_and_the_monitor_keeps_going():
     hang = threading.Event()
     closed: list[bool] = []
 
-    def poll():
+    def hanging_poll():
         if hang.is_set():
             hang.clear()
             time.sleep(0.4)            # a driver call stuck for a while
         return orig()
 
-    b.poll = poll  # type: ignore[method-assign]
+    b.poll = hanging_poll  # type: ignore[method-assign]
     b.close = lambda: closed.append(not hang.is_set())  # type: ignore[method-assign]
     mon = GpuMonitor(b, poll_interval_s=0.02, poll_timeout_s=0.1, kernel_log=False, event_wait_ms=20)
     with trio.fail_after(10):
         async with trio.open_nursery() as n:
             await n.start(mon.run)
             hang.set()
-            while mon.statistics()["poll_timeouts"] == 0:
-                await trio.sleep(0.02)
+            await poll(lambda: mon.statistics()["poll_timeouts"] != 0, 0.02)
             before = mon.statistics()["polls"]
-            while mon.statistics()["polls"] < before + 3:     # polls resume after the stuck one returns
-                await trio.sleep(0.02)
+            await poll(lambda: mon.statistics()["polls"] >= before + 3, 0.02)  # polls resume after the stuck one returns
             assert mon.snapshot().gpus[0].health == "healthy"
             n.cancel_scope.cancel()
     assert closed == [True]

@@ -15,6 +15,7 @@ import trio
 from p2p.errors import StoreFullError
 from p2p.herd import herd_fetch
 from scheduler_link.messages import Peer
+from testing.waiting import poll
 from tests.conftest import is_root
 from tests.herd_cluster import (
     FAST,
@@ -52,8 +53,7 @@ async def test_peer_killed_mid_transfer(tmp_path: Path) -> None:
                     await herd_fetch(victim.herd, art.manifest_id, origin, peers)
 
             async def killer() -> None:
-                while victim.plane.statistics()["bytes_served"] < 512 * 1024:
-                    await trio.sleep(0.005)
+                await poll(lambda: victim.plane.statistics()["bytes_served"] >= 512 * 1024, 0.005)
                 victim_scope.cancel()
                 victim_fetch_scope.cancel()
 

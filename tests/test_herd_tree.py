@@ -15,6 +15,7 @@ import trio
 from bench.herd_sim import tree_of
 from p2p.dataplane import DataPlaneConfig
 from p2p.herd import HerdConfig, herd_fetch
+from testing.waiting import poll
 from tests.herd_cluster import FAST, Node, assert_bit_exact, make_artifact, open_file_origin, start_rack_nodes
 
 TOKEN = "tree-token"
@@ -24,7 +25,7 @@ RACK = 4
 # connect_s 3 s (FAST's 0.5 s): 40 nodes in one process on a loaded 2-core machine can take
 # longer than 0.5 s to accept, and a node whose parents "time out" rightly asks the origin,
 # which the origin-reads-once assertions would then count against the tree
-CFG = dataclasses.replace(FAST, tree_k=K, rack_fanout=K, wait_ms=5000, stall_s=2.0, endgame=0, connect_s=3.0)
+CFG = dataclasses.replace(FAST, tree_k=K, rack_fanout=K, wait_ms=5000, stall_s=6.0, endgame=0, connect_s=3.0)
 PLANE = DataPlaneConfig(max_per_client=1024, max_concurrent=2048, max_waiting=2048,
                         max_waiting_per_client=2048, max_serving_per_chunk=K, busy_retry_ms=20)
 
@@ -138,8 +139,7 @@ async def test_global_home_killed_mid_herd(tmp_path: Path) -> None:
             fetch_scope = trio.CancelScope()
 
             async def kill_when_half() -> None:
-                while vnode.herd.counters.chunks_from_origin < max(1, homes[victim] // 3):
-                    await trio.sleep(0.01)
+                await poll(lambda: vnode.herd.counters.chunks_from_origin >= max(1, homes[victim] // 3), 0.01)
                 assert vnode.scope is not None
                 vnode.scope.cancel()
                 fetch_scope.cancel()

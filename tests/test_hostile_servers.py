@@ -18,6 +18,7 @@ from infra.auth import TokenSet, auth_header
 from infra.http import App, Request, Response, ServerLimits, json_response, require_role, serve
 from p2p.dataplane import DataPlane, DataPlaneConfig
 from p2p.store import ChunkStore
+from testing.waiting import poll
 
 TOKEN = "cluster-secret"
 AUTH = {"authorization": f"Bearer {TOKEN}"}
@@ -249,8 +250,7 @@ async def test_http_client_that_never_reads_its_answer_is_dropped(token_dir: Pat
             await trio.sleep(0.2)
             assert app.gate is not None and app.gate.open == 1
             with trio.fail_after(3):       # never reading: dropped once sending stalls 0.5 s
-                while app.gate.open:
-                    await trio.sleep(0.05)
+                await poll(lambda: not app.gate.open, 0.05)
             await s.aclose()
             # one that goes away in the middle of its answer: its connection ends at once
             s = await _connect(url)
@@ -259,8 +259,7 @@ async def test_http_client_that_never_reads_its_answer_is_dropped(token_dir: Pat
             s.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             await s.aclose()                # a reset
             with trio.fail_after(0.4):     # well before the send-stall bound
-                while app.gate.open:
-                    await trio.sleep(0.02)
+                await poll(lambda: not app.gate.open, 0.02)
             n.cancel_scope.cancel()
 
 
@@ -375,8 +374,7 @@ async def test_dataplane_wait_flood_does_not_starve_serving(tmp_path: Path) -> N
                         codes.append(r.status_code)
                     for _ in range(40):
                         flood.start_soon(waiter)
-                    while plane.statistics()["waiting_requests"] < 16 or len(codes) < 24:
-                        await trio.sleep(0.01)
+                    await poll(lambda: not (plane.statistics()["waiting_requests"] < 16 or len(codes) < 24), 0.01)
                     with trio.fail_after(1):
                         r = await c.get(f"{url}/v1/chunks/{cid}")
                         assert r.status_code == 200 and r.content == data
@@ -398,13 +396,11 @@ async def test_dataplane_waiter_that_disconnects_frees_its_place(tmp_path: Path)
                 await s.send_all(f"GET /v1/chunks/{i:064x}?wait_ms=60000 HTTP/1.1\r\nhost: a\r\n"
                                  f"authorization: Bearer {TOKEN}\r\n\r\n".encode())
                 streams.append(s)
-            while plane.statistics()["waiting"] < 8:
-                await trio.sleep(0.01)
+            await poll(lambda: plane.statistics()["waiting"] >= 8, 0.01)
             for s in streams:
                 await s.aclose()
             with trio.fail_after(1):   # at once, not after wait_ms
-                while plane.statistics()["waiting"] > 0:
-                    await trio.sleep(0.01)
+                await poll(lambda: plane.statistics()["waiting"] <= 0, 0.01)
             assert plane.statistics()["waits_abandoned"] == 8
             # the budget is whole again: a new wait is admitted (and times out normally)
             async with httpx.AsyncClient(headers=AUTH) as c:

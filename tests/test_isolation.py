@@ -15,8 +15,11 @@ import trio
 from agent import procs
 from agent.errors import AgentError, ConfigError
 from agent.isolation import CgroupTree, Identities, Isolation, descendants, detect, parse_own_cgroup
+from agent.launcher import ShimPool
 from agent.supervisor import Supervisor, SupervisorConfig
+from agent.tenants import IsolationSection, Tenancy
 from scheduler_link.messages import Placement, PodAssignment
+from testing.waiting import poll
 from tests.conftest import is_root
 
 GPUS = {f"GPU-{i:04d}": "healthy" for i in range(4)}
@@ -255,12 +258,11 @@ async def _escaper_is_killed_after_grace(tmp: Path, isolation: Isolation) -> Non
                           pods=[PodAssignment(workload_id="w1", rank=0, gpus=["GPU-0001"])])
             assert (await sup.place(p)).accepted
             scratch = sup.wl_dir / "w1" / "scratch"
-            while not (scratch / "up").exists():
-                await trio.sleep(0.02)
+            await poll(lambda: (scratch / "up").exists(), 0.02)
             gc = int((scratch / "gc.pid").read_text())
             assert os.getsid(gc) != sup.record("w1").pid          # it left the group and session
             t0 = trio.current_time()
-            await sup.stop("w1", reason="preempted", grace_s=grace)
+            await sup.stop("w1", reason="preempted", grace_s=grace, preempted=True)
             # the leader exits at once; the grandchild lives on: the GPU stays held
             await trio.sleep(grace / 2)
             assert not procs.same_process(sup.record("w1").pid, sup.record("w1").start_time,
@@ -383,7 +385,7 @@ try write_scratch "echo ok > '$HERD_SCRATCH/w'"
 
 
 @root_only
-@pytest.mark.parametrize("mode", ["subreaper", "cgroup"])
+@pytest.mark.parametrize("mode", ["subreaper", "cgroup", "tenants"])
 async def test_workload_cannot_touch_the_host(tmp_path, token_dir, mode, request):
     from p2p.fetch import fetch_artifact
     from p2p.origins import open_origin
@@ -394,6 +396,8 @@ async def test_workload_cannot_touch_the_host(tmp_path, token_dir, mode, request
         cg = request.getfixturevalue("real_cgroup")
         tree, _ = detect(str(cg))
         iso = Isolation(tree, "test")
+    elif mode == "tenants":   # a uid of its own (agent.tenants): no more reach than the shared user
+        iso = Isolation(None, "test", tenancy=Tenancy(IsolationSection(uid_range="3100700-3100763")))
     else:
         iso = Isolation(None, "test")
     src = tmp_path / "src"
@@ -411,7 +415,8 @@ async def test_workload_cannot_touch_the_host(tmp_path, token_dir, mode, request
 
     sup = Supervisor(tmp_path / "state", node_id="n1", gpu_health=lambda: GPUS,
                      config=SupervisorConfig(shim_pool=1, user="nobody", allowed_users=("65533",)),
-                     base_env={"PATH": "/usr/bin:/bin"}, isolation=iso, fetcher=fetcher)
+                     base_env={"PATH": "/usr/bin:/bin"}, isolation=iso, fetcher=fetcher,
+                     pool=ShimPool(1, prepare=iso.for_launch))
     assert sup.identities.default.name == "nobody"
     with trio.fail_after(40):
         async with trio.open_nursery() as n:
@@ -419,8 +424,7 @@ async def test_workload_cannot_touch_the_host(tmp_path, token_dir, mode, request
             other = Placement(placement_id="p0", job_id="j0", argv=["sh", "-c", "echo secret > \"$HERD_SCRATCH/s\"; sleep 30"],
                               user="65533", pods=[PodAssignment(workload_id="other", rank=0, gpus=["GPU-0000"])])
             assert (await sup.place(other)).accepted
-            while not (sup.wl_dir / "other" / "scratch" / "s").exists():
-                await trio.sleep(0.02)
+            await poll(lambda: (sup.wl_dir / "other" / "scratch" / "s").exists(), 0.02)
             env = {"TOKENS": str(token_dir), "STATE": str(sup.state_dir), "OTHER": str(sup.wl_dir / "other" / "scratch"),
                    "STORE": str(store.root)}
             p = Placement(placement_id="p1", job_id="j1", argv=["sh", "-c", PROBE], env=env, manifest_id=pub.manifest,
@@ -432,13 +436,15 @@ async def test_workload_cannot_touch_the_host(tmp_path, token_dir, mode, request
             await sup.wait_terminal("other")
             n.cancel_scope.cancel()
     scratch = sup.wl_dir / "w1" / "scratch"
-    assert (scratch.stat().st_uid, scratch.stat().st_mode & 0o777) == (sup.identities.default.uid, 0o700)
+    uid = sup.identities.default.uid if mode != "tenants" else 3100700
+    owner = uid if mode != "tenants" else os.geteuid()     # a released uid's scratch is sealed back
+    assert (scratch.stat().st_uid, scratch.stat().st_mode & 0o777) == (owner, 0o700)
     r = {k: v for k, v in (line.split() for line in (scratch / "probe.access").read_text().splitlines())}
     assert r == {"read_token": "no", "list_tokens": "no", "read_state": "no", "list_state": "no",
                  "read_other_scratch": "no", "read_own_log": "no", "read_run_json": "no", "plant_symlink": "no",
                  "write_tree": "no", "chmod_tree": "no", "write_chunk": "no", "list_chunks": "no",
                  "read_notice": "yes", "write_scratch": "yes"}, r
-    assert int((scratch / "probe.uid").read_text()) == sup.identities.default.uid != 0
+    assert int((scratch / "probe.uid").read_text()) == uid != 0
     status = dict(line.split(":") for line in (scratch / "probe.status").read_text().splitlines())
     assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0 and status["NoNewPrivs"].strip() == "1"
     assert (scratch / "probe.umask").read_text().strip() == "0077"

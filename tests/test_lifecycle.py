@@ -20,6 +20,7 @@ from agent.state import AgentState, WorkloadRecord
 from agent.supervisor import Supervisor, SupervisorConfig
 from infra.auth import TokenSet, auth_header
 from scheduler_link.messages import Placement, PodAssignment
+from testing.waiting import poll
 from testing.waiting import until as changed
 
 GPUS = {f"GPU-{i:04d}": "healthy" for i in range(4)}
@@ -43,10 +44,9 @@ def place(wid: str, gpus: list[str], env: dict[str, str] | None = None, grace: f
                      grace_s=grace, pods=[PodAssignment(workload_id=wid, rank=0, gpus=gpus)])
 
 
-async def until(pred, timeout: float = 10.0) -> None:
-    with trio.fail_after(timeout):
-        while not pred():
-            await trio.sleep(0.02)
+async def until(pred) -> None:
+    """``pred`` polled: it reads a real process's state; the caller bounds it."""
+    await poll(pred, 0.02)
 
 
 async def test_exit_while_the_agent_is_down_is_reported_with_its_code(tmp_path):
@@ -86,6 +86,7 @@ async def test_a_recycled_pid_is_never_adopted_nor_signalled(tmp_path, wrong, st
         rec = WorkloadRecord(workload_id="w", job_id="j", state=state, gpus=["GPU-0000"], pid=other.pid,
                              start_time=start, boot_id=boot, shim_pid=other.pid, shim_start_time=start,
                              stop_reason="preempted" if state == "terminating" else None,
+                             stop_preempted=state == "terminating",
                              stop_deadline=time.time() - 1 if state == "terminating" else None)
         (tmp_path / "state").mkdir()
         (tmp_path / "state" / "state.json").write_bytes(msgspec.json.encode(AgentState(records=[rec])))
@@ -115,7 +116,7 @@ async def test_restart_resumes_the_grace_countdown(tmp_path):
             await sup.place(place("w", [], {"IGNORE": "1"}))
             scratch = sup.wl_dir / "w" / "scratch"
             await until(lambda: (scratch / "started").exists())
-            await sup.stop("w", reason="preempted", grace_s=grace)
+            await sup.stop("w", reason="preempted", grace_s=grace, preempted=True)
             await changed(sup.next_change, lambda: sup.record("w").term_sent)
             await changed(sup.next_saved, sup.saved)  # and on disk, where the next agent reads it
             deadline = sup.record("w").stop_deadline

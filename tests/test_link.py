@@ -62,7 +62,8 @@ async def test_link_backs_off_while_the_placer_is_down_then_registers(tmp_path, 
             link.notify(WorkloadEvent(workload_id="w", job_id="j", state="running", at=0.0))  # never raises
             svc = PlacerService(cfg(tmp_path, listen=f"127.0.0.1:{port}"), tokens)
             await n.start(svc.run)
-            await wait_for(lambda: _true(link.registered and "solo" in svc.state.nodes), timeout=10)
+            with trio.fail_after(10):
+                await wait_for(lambda: _true(link.registered and "solo" in svc.state.nodes))
             n.cancel_scope.cancel()
     link.notify(WorkloadEvent(workload_id="w", job_id="j", state="exited", at=0.0))  # closed link: dropped
 

@@ -15,6 +15,7 @@ import trio
 
 from cli.localcluster import LocalCluster
 from infra.auth import TokenSet, auth_header
+from testing.waiting import poll
 
 pytestmark = pytest.mark.slow
 
@@ -56,13 +57,9 @@ class Api:
         params = {"wait": wait, "timeout_ms": "8000"} if wait else None
         return await self.get(f"/v1/jobs/{job_id}", params=params)
 
-    async def until(self, pred: Any, timeout: float = 15.0, what: str = "") -> Any:
-        with trio.fail_after(timeout):
-            while True:
-                v = await pred()
-                if v:
-                    return v
-                await trio.sleep(0.05)
+    async def until(self, pred: Any, what: str = "") -> Any:
+        """``pred`` polled (the cluster's state is other processes'); the caller bounds it."""
+        return await poll(pred, 0.05)
 
     async def nodes(self) -> dict[str, dict[str, Any]]:
         return {n["node_id"]: n for n in (await self.get("/v1/nodes"))["nodes"]}
@@ -143,7 +140,8 @@ async def test_run_preempt_and_refused_fatal_gpu(tmp_path, token_dir):
             r = await cl.post(f"{c.agents[free_node].url}/v1/gpus/{bad}/inject", json={"xid": 79},
                               headers=auth_header(tokens.operator))
             assert r.status_code == 200, r.text
-        await api.until(lambda: _agent_gpu_fatal(c, free_node, bad), timeout=10)
+        with trio.fail_after(10):
+            await api.until(lambda: _agent_gpu_fatal(c, free_node, bad))
         rollbacks0 = await api.metric("herd_placer_rollbacks_total")
         await api.submit(job_id="f", pods=1, gpus_per_pod=4, argv=["sleep", "60"], grace_s=1.0)
         f = await api.job("f", wait="running")
@@ -179,13 +177,15 @@ async def test_partition_host_failure_and_placer_restart(tmp_path, token_dir):
         # partition: the agent freezes (its workloads keep running)
         c.pause(n1)
         t0 = time.monotonic()
-        v2 = await api.until(lambda: _moved(api, "r", v1["attempt"]), timeout=20)
+        with trio.fail_after(20):
+            v2 = await api.until(lambda: _moved(api, "r", v1["attempt"]))
         assert time.monotonic() - t0 >= 1.0  # lost (3 missed beats) then fenced (1 s)
         assert v2["pods"][0]["node_id"] != n1
         old = v1["pods"][0]["workload_id"]
         assert (await _wl_state(api, n1, old, resume=True)) is not None
         # back: it hears that the old pod's gang lives elsewhere and stops it
-        await api.until(lambda: _wl_terminal(api, n1, old), timeout=15)
+        with trio.fail_after(15):
+            await api.until(lambda: _wl_terminal(api, n1, old))
         await api.until(lambda: all_up(api, 3))
         assert (await api.job("r"))["attempt"] == v2["attempt"]
 
@@ -194,8 +194,10 @@ async def test_partition_host_failure_and_placer_restart(tmp_path, token_dir):
         pids = c.workload_pids(n2)
         assert pids, "the agent lists the workload's pid"
         c.kill_host(n2)
-        await api.until(lambda: _true(not any(_alive(p) for p in pids)), timeout=5)
-        v3 = await api.until(lambda: _moved(api, "r", v2["attempt"]), timeout=20)
+        with trio.fail_after(5):
+            await api.until(lambda: _true(not any(_alive(p) for p in pids)))
+        with trio.fail_after(20):
+            v3 = await api.until(lambda: _moved(api, "r", v2["attempt"]))
         assert v3["pods"][0]["node_id"] not in (n2,)
         assert v3["restarts"] == 2
 
@@ -205,7 +207,8 @@ async def test_partition_host_failure_and_placer_restart(tmp_path, token_dir):
         c.placer.signal_group(signal.SIGKILL)
         c.placer.proc.wait(5)
         c.start_placer()
-        await api.until(lambda: _alive_nodes_up(api, c), timeout=20)
+        with trio.fail_after(20):
+            await api.until(lambda: _alive_nodes_up(api, c))
         v4 = await api.job("r", wait="running")
         assert v4["state"] == "running" and v4["attempt"] == v3["attempt"]
         assert [(p["node_id"], p["gpus"]) for p in v4["pods"]] == [(p["node_id"], p["gpus"]) for p in v3["pods"]]

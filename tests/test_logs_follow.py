@@ -9,6 +9,7 @@ from pathlib import Path
 import trio
 
 from agent.logs import follow
+from testing.waiting import poll
 
 
 def _append(path: Path, data: bytes) -> None:
@@ -35,11 +36,9 @@ async def test_follow_tail_appends_rotation_and_end(tmp_path: Path):
     with trio.fail_after(10):
         async with trio.open_nursery() as n:
             n.start_soon(reader)
-            while b"".join(got) != b"old 2\nold 3\n":
-                await trio.sleep(0.01)
+            await poll(lambda: b"".join(got) == b"old 2\nold 3\n", 0.01)
             _append(log, b"new 1\n")
-            while not b"".join(got).endswith(b"new 1\n"):
-                await trio.sleep(0.01)
+            await poll(lambda: b"".join(got).endswith(b"new 1\n"), 0.01)
             # the shim rotates: stdout.log -> stdout.log.1, a fresh stdout.log
             _append(log, b"last of the old file\n")
             os.replace(log, wdir / "stdout.log.1")
@@ -78,12 +77,10 @@ async def test_follow_reads_what_the_old_file_got_after_its_last_read(tmp_path: 
     with trio.fail_after(10):
         async with trio.open_nursery() as n:
             n.start_soon(reader)
-            while b"".join(got) != b"a\n":
-                await trio.sleep(0.01)
+            await poll(lambda: b"".join(got) == b"a\n", 0.01)
             os.replace(log, wdir / "stdout.log.1")
             log.write_bytes(b"new\n")
-            while not b"".join(got).endswith(b"new\n"):
-                await trio.sleep(0.01)
+            await poll(lambda: b"".join(got).endswith(b"new\n"), 0.01)
             done = True
     assert late["written"]
     assert b"".join(got) == b"a\nlate line\nnew\n"
@@ -104,7 +101,6 @@ async def test_follow_waits_for_a_log_that_does_not_exist_yet(tmp_path: Path):
             await trio.sleep(0.05)
             wdir.mkdir()
             (wdir / "stderr.log").write_bytes(b"hello\n")
-            while b"".join(got) != b"hello\n":
-                await trio.sleep(0.01)
+            await poll(lambda: b"".join(got) == b"hello\n", 0.01)
             done = True
     assert b"".join(got) == b"hello\n"

@@ -24,6 +24,7 @@ from infra.metrics import LATENCY_BUCKETS, LatencyHistogram, histogram, text_of
 from p2p.herd import render_metrics as render_p2p
 from placer.service import PlacerService
 from scheduler_link.messages import JobSpec
+from testing.waiting import poll
 from tests.prom import samples, types, value
 
 from .test_agent_api import make_agent, wait_state
@@ -46,10 +47,12 @@ async def cluster_scrapes(tmp_path: Path, token_dir: Path) -> dict[str, str]:
             aurl = await n.start(agent.run)
             async with httpx.AsyncClient(base_url=purl, headers=auth_header(tokens.operator)) as pc, \
                     httpx.AsyncClient(base_url=aurl, headers=auth_header(tokens.viewer)) as ac:
+                async def n1_up() -> bool:
+                    return any(x["node_id"] == "n1" and x["state"] == "up"
+                               for x in (await pc.get("/v1/nodes")).json()["nodes"])
+
                 with trio.fail_after(10):
-                    while not any(x["node_id"] == "n1" and x["state"] == "up"
-                                  for x in (await pc.get("/v1/nodes")).json()["nodes"]):
-                        await trio.sleep(0.05)
+                    await poll(n1_up, 0.05)
                 r = await pc.post("/v1/jobs", content=msgspec.json.encode(
                     JobSpec(job_id="job-a", pods=1, gpus_per_pod=2, argv=["sleep", "30"], grace_s=0.5)))
                 assert r.status_code in (200, 201, 202), r.text
@@ -250,9 +253,9 @@ async def test_grafana_dashboard_names_only_served_metrics(scrapes):
 
 
 def readme_metric_names() -> set[str]:
-    """The metric names README.md's ``### Metrics`` section lists: `A`/`B` shares A's prefix
+    """The metric names docs/operations.md's ``## Metrics`` section lists: `A`/`B` shares A's prefix
     (`DCGM_FI_DEV_FB_USED`/`FB_FREE`), `X_{A,B}_Y` is X_A_Y and X_B_Y, `{labels}` are labels."""
-    sec = (REPO / "README.md").read_text().split("\n### Metrics\n", 1)[1].split("\n### ", 1)[0]
+    sec = (REPO / "docs" / "operations.md").read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
     names: set[str] = set()
     prev = ""
     for m in re.finditer(r"(/?)`([^`]+)`", sec):
@@ -272,9 +275,9 @@ async def test_readme_lists_exactly_what_is_served(scrapes):
     served: set[str] = set()
     for text in (scrapes["agent"], scrapes["placer"]):
         for fam in text_string_to_metric_families(text):
-            if not fam.name.startswith("process_"):       # the README says `process_*`
+            if not fam.name.startswith("process_"):       # the docs say `process_*`
                 served.add(fam.name + ("_total" if fam.type == "counter" else ""))
     listed = readme_metric_names()
     assert "DCGM_FI_DEV_FB_FREE" in listed and "DCGM_FI_DEV_NVLINK_REPLAY_ERROR_COUNT_TOTAL" in listed
-    assert served - listed == set(), "served, not in README: " + ", ".join(sorted(served - listed))
-    assert listed - served == set(), "in README, not served: " + ", ".join(sorted(listed - served))
+    assert served - listed == set(), "served, not in docs/operations.md: " + ", ".join(sorted(served - listed))
+    assert listed - served == set(), "in docs/operations.md, not served: " + ", ".join(sorted(listed - served))

@@ -109,7 +109,7 @@ flipped). Counts requests a path."""
 
 
 async def _against(bodies: dict[str, bytes], plan: dict[str, list[str]], ask: list[tuple[str, int]],
-                   retries: int = 2, timeout: float | None = None) -> tuple[list[object], _Server]:
+                   retries: int = 2, read_timeout_s: float | None = None) -> tuple[list[object], _Server]:
     srv = _Server(bodies, plan)
     out: list[object] = []
     with trio.fail_after(20):
@@ -117,8 +117,8 @@ async def _against(bodies: dict[str, bytes], plan: dict[str, list[str]], ask: li
             url = await n.start(srv.run)
             async with open_origin(url, retries=retries) as o:
                 o.http.backoff_base = 0.01          # type: ignore[attr-defined]
-                if timeout is not None:
-                    o.http.lean.timeout = timeout   # type: ignore[attr-defined]
+                if read_timeout_s is not None:   # the lean client's bound on each read
+                    o.http.lean.timeout = read_timeout_s   # type: ignore[attr-defined]
                 assert o.http.lean is not None      # type: ignore[attr-defined]
                 for cid, size in ask:
                     try:
@@ -133,7 +133,7 @@ async def _against(bodies: dict[str, bytes], plan: dict[str, list[str]], ask: li
 async def test_a_body_cut_or_stalled_is_asked_again_and_comes_whole(mode: str) -> None:
     cid, data = _chunk(1 << 20)
     (got,), srv = await _against({f"/chunks/{cid}": data}, {f"/chunks/{cid}": [mode, "ok"]}, [(cid, len(data))],
-                                 timeout=0.3)
+                                 read_timeout_s=0.3)
     assert got == data and srv.seen[f"/chunks/{cid}"] == 2
 
 
@@ -141,18 +141,26 @@ async def test_a_body_cut_or_stalled_is_asked_again_and_comes_whole(mode: str) -
 async def test_a_body_cut_with_no_retries_left_is_unavailable(mode: str) -> None:
     cid, data = _chunk(1 << 20)
     (got,), _ = await _against({f"/chunks/{cid}": data}, {f"/chunks/{cid}": [mode]}, [(cid, len(data))],
-                               retries=0, timeout=0.3)
+                               retries=0, read_timeout_s=0.3)
     assert isinstance(got, OriginUnavailable)
     assert "failed after 1 attempt" in str(got)
     assert ("timed out" if mode == "stall" else "unreachable") in str(got)
 
 
-@pytest.mark.parametrize("mode", ["redirect", "chunked", "gzip"])
+@pytest.mark.parametrize("mode", ["chunked", "gzip"])
 async def test_answers_the_lean_client_does_not_take_go_through_httpx(mode: str) -> None:
     data = os.urandom(1000) * 300           # compressible: gzip's length is under the bound too
     cid = blake3.blake3(data).hexdigest()
     (got,), _ = await _against({f"/chunks/{cid}": data}, {f"/chunks/{cid}": [mode]}, [(cid, len(data))])
     assert got == data
+
+
+async def test_a_redirect_is_an_error_never_followed() -> None:
+    data = os.urandom(1000)
+    cid = blake3.blake3(data).hexdigest()
+    (got,), srv = await _against({f"/chunks/{cid}": data}, {f"/chunks/{cid}": ["redirect"]}, [(cid, len(data))])
+    assert isinstance(got, OriginError) and "HTTP 302 (redirect, not followed)" in str(got)
+    assert srv.seen[f"/chunks/{cid}"] == 1
 
 
 async def test_keep_alive_is_reused_and_a_closed_idle_one_is_replaced() -> None:

@@ -12,6 +12,7 @@ import blake3
 import trio
 
 from p2p.origins import open_origin
+from testing.waiting import poll
 
 
 def _chunk(n: int) -> tuple[str, bytes]:
@@ -69,8 +70,7 @@ async def test_plain_http_origin_body_lowat_and_keepalive_reset() -> None:
                     await trio.sleep(0.01)
                 assert socks[0].getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 128 * 1024
                 release.set()
-                while not got:
-                    await trio.sleep(0.01)
+                await poll(lambda: got, 0.01)
                 assert got[0] == data
                 (sock,) = _client_sockets(origin)
                 assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1

@@ -22,6 +22,7 @@ from p2p.batch import BUSY, FRAME, MISSING, OK, frame
 from p2p.dataplane import DataPlane, DataPlaneConfig
 from p2p.peers import PeerBusy, PeerClient, PeerClientConfig, PeerError, PeerMissing, PeerUnavailable
 from p2p.store import ChunkStore
+from testing.waiting import poll
 
 TOKEN = "cluster-secret"
 # thread: plain, the worker thread; loop: plain through the trio thread (a rate cap
@@ -149,8 +150,7 @@ async def test_a_batch_counts_as_its_chunks_against_the_per_chunk_cap(tmp_path: 
             slow.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             await slow.send_all(f"GET /v1/chunks?ids={a} HTTP/1.1\r\nHost: x\r\n"
                                 f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
-            while plane.statistics()["serving_per_chunk_max"] < 1:
-                await trio.sleep(0.01)
+            await poll(lambda: plane.statistics()["serving_per_chunk_max"] >= 1, 0.01)
             client = _client("thread")
             sink = _Sink()
             got = await client.get_chunks(url, [(a, len(da)), (b, len(db))], store=sink)
@@ -219,8 +219,7 @@ async def test_hostile_batch_requests_get_a_clear_4xx_and_lose_nothing(tmp_path:
             assert got.outcomes == ["ok", "ok"] and sink.got == dict(chunks[:2])
             # (the server's sending thread frees its slot just after the client has every byte)
             with trio.move_on_after(5):
-                while plane._serving or plane.statistics()["active"]:
-                    await trio.sleep(0.01)
+                await poll(lambda: not (plane._serving or plane.statistics()["active"]), 0.01)
             assert not plane._serving and plane.statistics()["active"] == 0
             nursery.cancel_scope.cancel()
 
@@ -439,8 +438,7 @@ async def test_a_client_leaving_mid_batch_frees_the_server(tmp_path: Path, tls: 
             await stream.send_all(f"GET /v1/chunks?ids={ids} HTTP/1.1\r\nHost: x\r\n"
                                   f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
             await stream.receive_some(65536)                  # the head and a little
-            while not plane._serving:
-                await trio.sleep(0.01)
+            await poll(lambda: plane._serving, 0.01)
             raw.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             raw.socket.close()                                 # gone, mid-batch
             for _ in range(300):
@@ -491,8 +489,7 @@ async def test_a_batch_holds_one_chunk_file_open_and_an_evicted_one_cuts_it(tmp_
             await stream.send_all(f"GET /v1/chunks?ids={','.join(c for c, _ in chunks)} HTTP/1.1\r\nHost: x\r\n"
                                   f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
             got = bytearray(await stream.receive_some(65536))
-            while not plane._serving:
-                await trio.sleep(0.01)
+            await poll(lambda: plane._serving, 0.01)
             await trio.sleep(0.2)                          # the server is blocked sending chunk 0
             assert open_chunk_files() == 1
             os.unlink(src.chunk_path(chunks[2][0]))        # gone before its turn
@@ -539,8 +536,7 @@ async def test_a_waiting_batch_streams_each_chunk_as_it_arrives(tmp_path: Path, 
                 await trio.sleep(0.05)
                 assert cid not in sink.got
                 src.put_chunk(cid, data)
-            while not got:
-                await trio.sleep(0.01)
+            await poll(lambda: got, 0.01)
             assert got[0].outcomes == ["ok"] * len(chunks) and not got[0].error
             assert sink.got == dict(chunks)
             s = plane.statistics()
@@ -621,8 +617,7 @@ async def test_a_waiting_batch_waits_for_a_copy_of_a_chunk_over_the_cap_to_finis
             slow.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             await slow.send_all(f"GET /v1/chunks?ids={a} HTTP/1.1\r\nHost: x\r\n"
                                 f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
-            while plane.statistics()["serving_per_chunk_max"] < 1:
-                await trio.sleep(0.01)
+            await poll(lambda: plane.statistics()["serving_per_chunk_max"] >= 1, 0.01)
             client = _client("thread")
             with pytest.raises(PeerBusy) as e:
                 await client.get_chunks(url, [(a, len(da))], store=_Sink(), wait_ms=200)
@@ -634,13 +629,11 @@ async def test_a_waiting_batch_waits_for_a_copy_of_a_chunk_over_the_cap_to_finis
                 got.append(await client.get_chunks(url, [(b, len(db)), (a, len(da))], store=sink, wait_ms=10_000))
 
             nursery.start_soon(ask)
-            while b not in sink.got:
-                await trio.sleep(0.01)
+            await poll(lambda: b in sink.got, 0.01)
             await trio.sleep(0.2)
             assert a not in sink.got and not got          # A waits for the slow copy
             await slow.aclose()
-            while not got:
-                await trio.sleep(0.01)
+            await poll(lambda: got, 0.01)
             assert got[0].outcomes == ["ok", "ok"] and sink.got == {a: da, b: db}
             assert plane.statistics()["serving_per_chunk_max"] == 1
             await client.aclose()

@@ -37,7 +37,7 @@ def test_pki_commands(tmp_path: Path) -> None:
     assert r.returncode == 0 and r.stdout.startswith("hb1.")
     token = r.stdout.strip()
     assert token not in (d / "bootstrap-tokens.json").read_text()
-    r = herd("pki", "bootstrap-token", str(d), "--ttl", "0")
+    r = herd("pki", "bootstrap-token", str(d), "--ttl", "0", "--node", "gpu-3")
     assert r.returncode == 1 and "--ttl must be > 0" in r.stderr
     r = herd("pki", "status", str(d), "--json")
     assert r.returncode == 0, r.stderr

@@ -28,6 +28,7 @@ from scheduler_link.messages import (
     NodeReport,
 )
 from testing.fake_agent import FakeAgent
+from testing.waiting import poll
 
 
 def cfg(tmp: Path, **kw) -> PlacerConfig:
@@ -37,13 +38,9 @@ def cfg(tmp: Path, **kw) -> PlacerConfig:
     return PlacerConfig(**base)
 
 
-async def wait_for(pred, timeout: float = 5.0, step: float = 0.02):
-    with trio.fail_after(timeout):
-        while True:
-            v = await pred() if callable(pred) else pred
-            if v:
-                return v
-            await trio.sleep(step)
+async def wait_for(pred):
+    """``pred`` (async) polled: agents and placer answer over HTTP; the caller bounds it."""
+    return await poll(pred, 0.02)
 
 
 class Cluster:
@@ -245,8 +242,7 @@ async def test_restart_rebuilds_from_reports_and_nothing_doubles(tmp_path, token
 
 async def _until(pred, step: float = 0.001) -> float:
     """The virtual instant ``pred()`` (of the service's state) first holds, to ``step``."""
-    while not pred():
-        await trio.sleep(step)
+    await poll(pred, step)
     return trio.current_time()
 
 
@@ -484,7 +480,8 @@ async def test_cancel_while_placing_stops_what_lands_late(tmp_path, token_dir, a
             r = await cl.c.delete("/v1/jobs/late")
             assert r.json()["state"] == "cancelled"
             # the start lands after the stop; the placer tells the agent again once it acks
-            await wait_for(lambda: _wl_is(agent, "late.1.0", "preempted"), timeout=3)
+            with trio.fail_after(3):
+                await wait_for(lambda: _wl_is(agent, "late.1.0", "preempted"))
             await wait_for(lambda: _free_is(cl, 8))
             n.cancel_scope.cancel()
 

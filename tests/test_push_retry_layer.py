@@ -82,7 +82,8 @@ async def test_an_unreachable_node_is_retried_by_re_placement_one_push_each(tmp_
                 return svc.state.counters["rollbacks"] >= 3
 
             # rollback delays 0, 0.5, 1 s: three re-placements within ~2 s
-            await wait_for(three_rollbacks, timeout=20)
+            with trio.fail_after(20):
+                await wait_for(three_rollbacks)
             failed = svc.push_counts["failed"]
             assert failed >= 3
             # one connection per push: the re-placement is the only retry layer

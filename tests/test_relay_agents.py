@@ -16,6 +16,7 @@ import trio
 
 from cli.localcluster import LocalCluster, Proc, _wait_file
 from infra.auth import TokenSet, auth_header
+from testing.waiting import poll
 
 pytestmark = pytest.mark.slow
 
@@ -91,13 +92,9 @@ class Api:
         data = await self.agent(node, "/v1/workloads")
         return data.get("workloads", data) if isinstance(data, dict) else data
 
-    async def until(self, pred: Any, timeout: float = 20.0) -> Any:
-        with trio.fail_after(timeout):
-            while True:
-                v = await pred()
-                if v:
-                    return v
-                await trio.sleep(0.05)
+    async def until(self, pred: Any) -> Any:
+        """``pred`` polled (the cluster's state is other processes'); the caller bounds it."""
+        return await poll(pred, 0.05)
 
 
 async def _start(c: RelayCluster, api: Api, relay: int, members: list[int]) -> None:
@@ -165,7 +162,8 @@ async def test_a_gang_is_delivered_through_the_relay_and_runs(tmp_path, token_di
         relay = (await api.agent("node0", "/v1/status"))["relay"]
         assert relay["members"] == 2 and relay["parts_delivered"] >= 3 and relay["blob_serves"] >= 2, relay
         # the members' heartbeats go up as rack beats
-        await api.until(lambda: _beats(api), timeout=10)
+        with trio.fail_after(10):
+            await api.until(lambda: _beats(api))
 
 
 async def _beats(api: Api) -> bool:
@@ -210,7 +208,8 @@ async def test_the_relay_killed_mid_delivery_every_node_placed_once(tmp_path, to
                     return False
             nodes = await api.nodes()
             return all(nodes[n]["state"] == "up" for n in ("node1", "node2"))
-        await api.until(direct_again, timeout=30)
+        with trio.fail_after(30):
+            await api.until(direct_again)
         ws = await _jobs_workloads(api, "k")
         assert all(len(ws[n]) == 1 and ws[n][0]["state"] == "running" for n in ("node1", "node2")), ws
         job = await api.job("k")
@@ -247,7 +246,8 @@ async def test_one_node_refusing_rolls_the_gang_back_everywhere(tmp_path, token_
             ws = await _jobs_workloads(api, "r")
             return all(w["state"] not in ("accepted", "fetching", "starting", "running", "terminating")
                        for lst in ws.values() for w in lst)
-        await api.until(rolled_back, timeout=30)
+        with trio.fail_after(30):
+            await api.until(rolled_back)
         ws = await _jobs_workloads(api, "r")
         assert ws["node2"] == []  # refused: nothing was ever created there
         job = await api.job("r")
@@ -273,7 +273,8 @@ async def test_parts_reached_acks_lost_nothing_placed_twice(tmp_path, token_dir)
             return (await api.agent("node2", "/v1/status"))["parts"]["accepted"] >= 1
         c.agents["node1"].proc.send_signal(signal.SIGSTOP)
         await api.submit(job_id="a", pods=2, gpus_per_pod=8, argv=["sleep", "60"], grace_s=1.0)
-        await api.until(node2_accepted, timeout=10)
+        with trio.fail_after(10):
+            await api.until(node2_accepted)
         relay = c.agents["node0"]
         relay.signal_group(signal.SIGKILL)
         await trio.to_thread.run_sync(relay.proc.wait, 10)
@@ -315,6 +316,8 @@ async def test_a_node_that_registered_before_its_rack_had_a_relay_moves_to_it(tm
         async def moved() -> bool:
             link = (await api.agent("node1", "/v1/status"))["link"]
             return link["relay_url"] == relay_url and link["registered"]
-        await api.until(moved, timeout=10.0)   # 10 s = 20 beats: well before the 60-beat full report
-        await api.until(lambda: _beats(api), timeout=10)
+        with trio.fail_after(10.0):
+            await api.until(moved)   # 10 s = 20 beats: well before the 60-beat full report
+        with trio.fail_after(10):
+            await api.until(lambda: _beats(api))
         assert (await api.agent("node0", "/v1/status"))["relay"]["members"] == 1

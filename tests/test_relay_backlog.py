@@ -36,6 +36,7 @@ from scheduler_link.messages import (
     TopologyPath,
 )
 from scheduler_link.msgauth import beat_mac, with_outcome_mac
+from testing.waiting import poll
 
 RACK = ("z1", "b1", "r1")
 
@@ -206,8 +207,7 @@ async def _fallback_round(tmp_path, push_s: float) -> tuple[list[tuple[str, int,
         acks = await hub.deliver("j", None, pushes, push_direct)
         assert acks == {"n1": ACCEPTED, "n2": ACCEPTED} and relay_ch.bundles == 1
         with trio.fail_after(5):
-            while hub._deferred or not beats_ch.sent:
-                await trio.sleep(0.01)
+            await poll(lambda: not (hub._deferred or not beats_ch.sent), 0.01)
     return seen, beats_ch, svc
 
 

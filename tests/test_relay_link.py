@@ -38,6 +38,7 @@ from scheduler_link.messages import (
     encode_gang_blob,
 )
 from scheduler_link.msgauth import BundleSigner, BundleVerifier, beat_mac, node_key, report_ok, with_stop_macs
+from testing.waiting import poll
 
 RACK = "z1/b1/r1"
 
@@ -282,8 +283,7 @@ async def test_a_relay_gets_the_blob_from_the_relays_a_bundle_names_then_the_pla
             await placer.relays["rc"].call("bundle", placer.bundle(blob_id=bid, blob_sources=[b_url]),
                                            timeout_s=5)
             with trio.fail_after(5):
-                while b.blobs.cached(bid) is None or c.blobs.cached(bid) is None:
-                    await trio.sleep(0.01)
+                await poll(lambda: not (b.blobs.cached(bid) is None or c.blobs.cached(bid) is None), 0.01)
             assert placer.blob_gets == 0
             # a blob no listed relay has: the placer's blob_get, last
             bid2, raw2 = encode_gang_blob(GangBlob(job_id="j2", attempt=1))
@@ -291,8 +291,7 @@ async def test_a_relay_gets_the_blob_from_the_relays_a_bundle_names_then_the_pla
             await placer.relays["rc"].call("bundle", placer.bundle(blob_id=bid2, blob_sources=[a_url]),
                                            timeout_s=5)
             with trio.fail_after(5):
-                while c.blobs.cached(bid2) is None:
-                    await trio.sleep(0.01)
+                await poll(lambda: c.blobs.cached(bid2) is not None, 0.01)
             assert placer.blob_gets == 1
             n.cancel_scope.cancel()
 
@@ -354,8 +353,7 @@ async def test_a_member_applies_only_the_stops_the_placer_macd_for_it(tmp_path: 
             link.notify(WorkloadEvent(workload_id="w", job_id="j", state="running", at=time.time()))
             await placer.until(lambda: not placer.stops, "answered")
             with trio.fail_after(5):
-                while not hooks.stopped:
-                    await trio.sleep(0.01)
+                await poll(lambda: hooks.stopped, 0.01)
             assert hooks.stopped == ["w-real"]
             assert link.statistics()["stops_refused"] == 2
             n.cancel_scope.cancel()
@@ -412,7 +410,6 @@ async def test_a_relay_waits_for_a_placer_that_answers_its_hello_late(token_dir:
             await n.start(relay.run)
             await placer.until(lambda: "r1" in placer.relays, "relay up")
             with trio.fail_after(5):
-                while relay.connects == 0:   # (its hello answered: open_frames returns)
-                    await trio.sleep(0.02)
+                await poll(lambda: relay.connects != 0, 0.02)  # (its hello answered: open_frames returns)
             assert front.accepted == 1 and relay.connects == 1
             n.cancel_scope.cancel()

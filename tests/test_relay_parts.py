@@ -35,6 +35,7 @@ from scheduler_link.messages import (
     inventory_hash,
 )
 from scheduler_link.msgauth import BundleSigner, digest, node_key, outcome_ok, part_bytes
+from testing.waiting import poll
 
 UUIDS = [f"GPU-{i:04d}" for i in range(8)]
 HEALTH = dict.fromkeys(UUIDS, "healthy")
@@ -280,8 +281,7 @@ async def test_an_accepted_part_is_on_disk_before_its_ack_then_runs_once(tmp_pat
             # the same part again (a relay re-sent it, or the placer pushed it directly)
             assert (await acc.handle(part)).outcome == "accepted"
             wid = part.pods[0].workload_id
-            while wid not in sup.records_view():
-                await trio.sleep(0.01)
+            await poll(lambda: wid in sup.records_view(), 0.01)
             st = await sup.wait_terminal(wid)
             assert (st.state, st.exit_code) == ("exited", 0)
             assert "hello-from-part" in sup.read_log(wid)
@@ -325,8 +325,7 @@ async def test_refused_after_the_ack_or_a_wrong_blob_reports_each_pod_failed(tmp
             assert (await acc.handle(_part("p1", blob_id=good_id, slots=(0,)))).outcome == "accepted"
             assert (await acc.handle(_part("p2", blob_id=bad_id, slots=(1,)))).outcome == "accepted"
             store = PartStore(tmp_path / "state")
-            while len(ev.events) < 2 or any(r.state == "accepted" for r in store.load()):
-                await trio.sleep(0.01)
+            await poll(lambda: not (len(ev.events) < 2 or any(r.state == "accepted" for r in store.load())), 0.01)
             n.cancel_scope.cancel()
     by = {e.placement_id: e for e in ev.events}
     assert by["p1"].state == "failed" and "mallory" in (by["p1"].reason or "")
@@ -348,8 +347,7 @@ async def test_a_restarted_agent_places_the_parts_it_accepted(tmp_path):
             await n.start(sup.run)
             await n.start(acc.run)
             wid = part.pods[0].workload_id
-            while wid not in sup.records_view():
-                await trio.sleep(0.01)
+            await poll(lambda: wid in sup.records_view(), 0.01)
             st = await sup.wait_terminal(wid)
             assert st.state == "exited"
             n.cancel_scope.cancel()
@@ -365,7 +363,7 @@ async def test_a_victims_only_part_stops_them_and_is_acked(tmp_path):
                                             pods=[PodAssignment(workload_id="o.1.0", rank=0, gpus=["GPU-0003"])]))
             assert ack.accepted
             stop = NodePart(placement_id="stop1", node_id="n1", job_id="new", attempt=1,
-                            victims=[Victim(workload_id="o.1.0", grace_s=0.5)])
+                            victims=[Victim(workload_id="o.1.0", grace_s=0.5, preempted=True)])
             out = await acc.handle(stop)
             assert out.outcome == "accepted"
             st = await sup.wait_terminal("o.1.0")
@@ -463,7 +461,7 @@ async def test_a_rollback_that_overtakes_the_blob_never_lets_the_pod_start(tmp_p
             await n.start(sup.run)
             await n.start(acc.run)
             assert (await acc.handle(part)).outcome == "accepted"
-            victim = Victim(workload_id=wid, grace_s=1.0, reason="preempted: rollback")
+            victim = Victim(workload_id=wid, grace_s=1.0, reason="preempted: rollback", preempted=True)
             if via == "part":
                 stop = NodePart(placement_id="stop:job:1:n1:1", node_id="n1", job_id="job", attempt=1,
                                 victims=[victim])
@@ -474,8 +472,7 @@ async def test_a_rollback_that_overtakes_the_blob_never_lets_the_pod_start(tmp_p
                 assert ack.accepted
             assert [v.workload_id for r in PartStore(tmp_path / "state").load() for v in r.stopped] == [wid]
             release.set()
-            while not ev.events:
-                await trio.sleep(0.01)
+            await poll(lambda: ev.events, 0.01)
             await trio.sleep(0.2)
             n.cancel_scope.cancel()
     assert [(e.workload_id, e.state) for e in ev.events] == [(wid, "preempted")], ev.events

@@ -17,7 +17,7 @@ from agent import procs
 from agent.state import AgentState, WorkloadRecord
 from agent.supervisor import Supervisor, SupervisorConfig
 from scheduler_link.messages import Placement, PodAssignment, RestartPolicy, Victim
-from testing.waiting import until
+from testing.waiting import poll, until
 
 GPUS = {f"GPU-{i:04d}": "healthy" for i in range(4)}
 
@@ -43,16 +43,15 @@ def make(tmp: Path, health=GPUS, base_env=None) -> Supervisor:
                       config=SupervisorConfig(shim_pool=1), base_env=env)
 
 
-async def wait_state(sup: Supervisor, wid: str, *states: str, timeout: float = 10):
+async def wait_state(sup: Supervisor, wid: str, *states: str):
     """Woken by the supervisor itself each time it applied changes (never a polling interval)."""
-    await until(sup.next_change, lambda: sup.record(wid).state in states, timeout)
+    await until(sup.next_change, lambda: sup.record(wid).state in states)
     return sup.record(wid)
 
 
-async def wait_file(p: Path, timeout: float = 10) -> None:
-    with trio.fail_after(timeout):
-        while not await trio.Path(p).exists():
-            await trio.sleep(0.02)
+async def wait_file(p: Path) -> None:
+    """A file the workload (another process) writes, polled; the caller bounds it."""
+    await poll(trio.Path(p).exists, 0.02)
 
 
 def scratch(sup: Supervisor, wid: str) -> Path:
@@ -119,7 +118,7 @@ async def test_sigkill_after_grace_and_victims_free_gpus(tmp_path):
             assert not ack.accepted and "in use by workload old" in (ack.reason or "")
             # the same GPU freed by this placement's victim: accepted; starts after the victim is gone
             ack = await sup.place(placement("p3", wid="new", gpus=["GPU-0000"],
-                                            victims=[Victim(workload_id="old", grace_s=0.3)]))
+                                            victims=[Victim(workload_id="old", grace_s=0.3, preempted=True)]))
             assert ack.accepted
             old = await sup.wait_terminal("old")
             assert sup.record("new").state in ("accepted", "starting", "running")
@@ -141,7 +140,7 @@ async def test_stop_before_start_runs_nothing(tmp_path):
             await sup.place(placement("p1", wid="old", gpus=["GPU-0000"], env={"IGNORE": "1"}))
             await wait_state(sup, "old", "running")
             await sup.place(placement("p2", wid="new", gpus=["GPU-0000"], argv=["sh", "-c", "touch ran"],
-                                      victims=[Victim(workload_id="old", grace_s=0.5)]))
+                                      victims=[Victim(workload_id="old", grace_s=0.5, preempted=True)]))
             st = await sup.stop("new", reason="cancelled")
             assert st.state == "accepted"  # waiting for its victim; it never starts now
             new = await sup.wait_terminal("new")
@@ -246,11 +245,12 @@ async def test_countdown_resumes_after_restart(tmp_path):
             await sup.place(placement("p", wid="w", gpus=[], env={"IGNORE": "1"}))
             await wait_state(sup, "w", "running")
             await wait_file(scratch(sup, "w") / "started")
-            await sup.stop("w", reason="preempted", grace_s=2.5)
+            await sup.stop("w", reason="preempted", grace_s=2.5, preempted=True)
             await wait_file(scratch(sup, "w") / "terms")
             await wait_state(sup, "w", "terminating")
-            await until(sup.next_change, lambda: sup.record("w").term_sent, timeout=5)
-            await until(sup.next_saved, sup.saved, timeout=5)  # and on disk, where sup2 reads it
+            with trio.fail_after(5):
+                await until(sup.next_change, lambda: sup.record("w").term_sent)
+                await until(sup.next_saved, sup.saved)  # and on disk, where sup2 reads it
             deadline = sup.record("w").stop_deadline
             n.cancel_scope.cancel()
         await trio.sleep(0.3)
@@ -393,8 +393,7 @@ async def test_old_terminal_workloads_are_forgotten(tmp_path):
             await sup.place(placement("p3", wid="w3", gpus=[], argv=["true"]))
             await sup.wait_terminal("w3")
             with trio.fail_after(5):
-                while any((sup.wl_dir / f"w{i}").exists() for i in range(3)):
-                    await trio.sleep(0.02)
+                await poll(lambda: not any((sup.wl_dir / f"w{i}").exists() for i in range(3)), 0.02)
             n.cancel_scope.cancel()
     assert {w.workload_id for w in sup.workloads()} == {"w3"}
     saved = msgspec.json.decode((tmp_path / "state" / "state.json").read_bytes(), type=AgentState)

@@ -239,3 +239,20 @@ async def test_https_over_its_connection_cap_closes_instead_of_answering_in_plai
             for s in held:
                 await s.aclose()
             n.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("err,refusal", [
+    (ssl.SSLError(1, "[SSL: WRONG_VERSION_NUMBER] wrong version number"), "plain"),
+    (ssl.SSLEOFError(8, "EOF occurred in violation of protocol"), "peer"),
+    (ConnectionResetError(104, "reset"), "peer"),
+    (ssl.SSLError(1, "[SSL: TLSV1_ALERT_UNKNOWN_CA] tlsv1 alert unknown ca"), "certificate"),
+    (ssl.SSLError(1, "[SSL: SOMETHING_ELSE] other"), "other"),
+])
+def test_a_handshake_failure_is_classified_once_and_decided_on_by_kind(err: BaseException, refusal: str) -> None:
+    from scheduler_link.agent_link import _busy
+
+    kind, why = tls.classify_ssl_error(err)
+    assert kind == refusal and why == tls.describe_ssl_error(err)
+    # the agent link's "busy" is the kind, whatever the line says
+    assert _busy(tls.TLSError(why, kind)) is (kind is tls.Refusal.PEER)
+    assert not _busy(tls.TLSError("the peer closed the connection during the handshake"))

@@ -302,7 +302,8 @@ async def test_real_agent_over_mutual_tls(tmp_path, token_dir, tls_pki):
                 async def up() -> bool:
                     r = await op.get("/v1/nodes")
                     return any(x["state"] == "up" for x in r.json()["nodes"])
-                await wait_for(up, timeout=20)
+                with trio.fail_after(20):
+                    await wait_for(up)
                 r = await op.post("/v1/jobs", content=msgspec.json.encode(
                     JobSpec(job_id="t1", pods=1, gpus_per_pod=1, argv=["sleep", "30"])))
                 assert r.status_code == 201, r.text

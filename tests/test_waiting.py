@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import trio
 
-from testing.waiting import Changes, until
+from testing.waiting import SAFETY_S, Changes, poll, until
 
 
 async def test_a_waiter_wakes_exactly_at_the_poke_that_satisfies_it(autojump_clock):
@@ -24,9 +24,25 @@ async def test_a_waiter_wakes_exactly_at_the_poke_that_satisfies_it(autojump_clo
         assert await c.until(lambda: len(box) >= 2 and len(box)) == 2
         assert trio.current_time() - t0 == 2.0
     assert c.pokes == 3
-    with pytest.raises(trio.TooSlowError):
-        await c.until(lambda: len(box) > 3, timeout=5.0)
+    with pytest.raises(trio.TooSlowError), trio.fail_after(5.0):   # the caller's bound
+        await c.until(lambda: len(box) > 3)
     assert trio.current_time() - t0 == 3.0 + 5.0
+    with pytest.raises(trio.TooSlowError):   # none: the safety bound
+        await c.until(lambda: len(box) > 3)
+    assert trio.current_time() - t0 == 3.0 + 5.0 + SAFETY_S
+
+
+async def test_poll_looks_again_on_its_interval_and_takes_async_checks(autojump_clock):
+    seen: list[float] = []
+    t0 = trio.current_time()
+
+    async def check() -> bool:
+        seen.append(trio.current_time() - t0)
+        return len(seen) >= 3
+
+    assert await poll(check, 0.5) is True
+    assert seen == [0.0, 0.5, 1.0]
+    assert await poll(lambda: 7, 1.0) == 7 and trio.current_time() - t0 == 1.0
 
 
 async def test_until_waits_on_the_event_the_code_sets(autojump_clock):

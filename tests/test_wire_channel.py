@@ -26,6 +26,7 @@ from scheduler_link.heartbeat_wire import (
     frame,
 )
 from scheduler_link.messages import GpuSnapshot, NodeReport, ReportReply, Victim
+from testing.waiting import poll
 
 TOKENS = TokenSet(placer="p", cluster="c", operator="o")
 
@@ -144,8 +145,7 @@ async def test_connection_cap():
             assert srv.over_cap == 1 and srv.open_connections == 2
             await a.aclose()
             with trio.fail_after(2):
-                while srv.open_connections > 1:
-                    await trio.sleep(0.01)
+                await poll(lambda: srv.open_connections <= 1, 0.01)
             c = await HeartbeatClient.connect(url, "c", "c")
             assert (await c.exchange(_rep("c"))).status == 200
             await b.aclose()
@@ -231,8 +231,7 @@ async def test_agent_link_registers_over_a_remembered_shared_wire_without_http()
             for link in links:
                 await n.start(link.run)
             with trio.fail_after(5):
-                while not all(link.registered and link.reports_sent >= 3 for link in links):
-                    await trio.sleep(0.02)
+                await poll(lambda: all(link.registered and link.reports_sent >= 3 for link in links), 0.02)
             assert all(link.wire_full_reports >= 1 and link.failures == 0 for link in links)
             assert srv.connections == 1
             full = {nid for nid, r in fp.seen if r.full}
@@ -327,19 +326,16 @@ async def test_agent_link_re_registers_over_the_remembered_framed_channel_after_
                              backoff_max_s=0.1)
             await n.start(link.run)
             with trio.fail_after(5):
-                while not (link.registered and link.statistics()["framed_channel"]):
-                    await trio.sleep(0.02)
+                await poll(lambda: link.registered and link.statistics()["framed_channel"], 0.02)
             assert link.full_reports_sent == 1 and link.wire_full_reports == 0  # over HTTP
             assert link.statistics()["wire_url"] == f"tcp://127.0.0.1:{wire_port}"
             svc_scope.cancel()
             with trio.fail_after(5):
-                while link.failures == 0:
-                    await trio.sleep(0.02)
+                await poll(lambda: link.failures != 0, 0.02)
             svc_scope = trio.CancelScope()
             await n.start(placer)
             with trio.fail_after(10):
-                while not (link.registered and link.wire_full_reports >= 1):
-                    await trio.sleep(0.02)
+                await poll(lambda: link.registered and link.wire_full_reports >= 1, 0.02)
             assert link.full_reports_sent - link.wire_full_reports == 1  # only the very first over HTTP
             n.cancel_scope.cancel()
 
@@ -400,15 +396,13 @@ async def test_agent_link_waits_out_a_busy_framed_channel_before_falling_back_to
             await n.start(link.run)
             if stall < WIRE_BUSY_TRIES:
                 with trio.fail_after(10):
-                    while not (link.registered and link.reports_sent >= 2):
-                        await trio.sleep(0.02)
+                    await poll(lambda: link.registered and link.reports_sent >= 2, 0.02)
                 assert link.wire_busy == stall and front.accepted == stall + 1
                 assert link.failures == 0 and link.full_reports_sent == link.wire_full_reports == 1
                 assert [r.full for nid, r in fp.seen][:1] == [True]
             else:
                 with trio.fail_after(10):
-                    while link.failures == 0:
-                        await trio.sleep(0.02)
+                    await poll(lambda: link.failures != 0, 0.02)
                 assert link.wire_busy == WIRE_BUSY_TRIES - 1 and front.accepted == WIRE_BUSY_TRIES
                 assert "127.0.0.1:1" in (link.last_error or "") or "onnect" in (link.last_error or "")
                 assert fp.seen == []
@@ -431,12 +425,10 @@ async def test_a_registration_is_waited_for_longer_than_a_heartbeat():
                              backoff_max_s=0.05)
             await n.start(link.run)
             with trio.fail_after(10):
-                while not link.registered:
-                    await trio.sleep(0.02)
+                await poll(lambda: link.registered, 0.02)
             assert link.full_reports_sent == link.wire_full_reports == 1 and link.failures == 0
             with trio.fail_after(10):
-                while link.failures == 0:   # a heartbeat answered 0.6 s late: over its 0.3 s
-                    await trio.sleep(0.02)
+                await poll(lambda: link.failures != 0, 0.02)  # a heartbeat answered 0.6 s late: over its 0.3 s
             assert "TooSlowError" in (link.last_error or "")
             n.cancel_scope.cancel()
 

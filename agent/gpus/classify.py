@@ -159,7 +159,7 @@ def classify_gpu(obs: GpuObservation, cfg: HealthConfig, now: float,
     out: list[HealthReason] = []
 
     def add(code: str, severity: str, detail: str = "", since: float | None = None) -> None:
-        out.append(HealthReason(code=code, severity=severity, gpu=uuid,  # type: ignore[arg-type]
+        out.append(HealthReason(code=code, severity=severity, gpu=uuid,  # type: ignore[arg-type]  # severity comes from the classification table, whose values are the Literal's
                                 since=now if since is None else since, detail=detail))
 
     s = obs.sample

@@ -40,7 +40,7 @@ def classify_host(r: HostReadings, cfg: HostHealthConfig, now: float) -> HostHea
     reasons: list[HealthReason] = []
 
     def add(code: str, sev: str, detail: str) -> None:
-        reasons.append(HealthReason(code=code, severity=sev, gpu=None, since=now, detail=detail))  # type: ignore[arg-type]
+        reasons.append(HealthReason(code=code, severity=sev, gpu=None, since=now, detail=detail))  # type: ignore[arg-type]  # code and severity come from the host checks' table, whose values are the Literal's
 
     if r.mem_available_mib is not None:
         if r.mem_available_mib < cfg.mem_available_fatal_mib:

@@ -366,7 +366,7 @@ class GpuMonitor:
                                               temp_shutdown_c=g.info.telemetry.temp_shutdown_c)
             tel = msgspec.structs.replace(tel, last_xid=g.last_xid, xid_counts=dict(g.xid_counts))
             fabric = g.sample.fabric_health if g.sample is not None and g.sample.fabric_health else g.info.fabric_health
-            gpus.append(msgspec.structs.replace(g.info, health=state, reasons=reasons, telemetry=tel,  # type: ignore[arg-type]
+            gpus.append(msgspec.structs.replace(g.info, health=state, reasons=reasons, telemetry=tel,
                                                 fabric_health=fabric, simulated=self.backend.simulated))
         d = self._discovery
         self._snapshot = GpuSnapshot(hostname=self._hostname, backend=d.backend, simulated=d.simulated,

@@ -251,7 +251,7 @@ class NvmlBackend(GpuBackend):
                 if hasattr(n, "nvmlDeviceGetNvLinkRemoteDeviceType") else None
             links.append(NvLink(link=link, active=bool(st),
                                 remote_pci_bus_id=normalize_pci(str(rp.busId)) if rp is not None else None,
-                                remote_type={0: "gpu", 2: "switch"}.get(rt, "unknown")))  # type: ignore[arg-type]
+                                remote_type={0: "gpu", 2: "switch"}.get(rt, "unknown")))  # type: ignore[arg-type]  # NVML's link type is an int or None at run time; the map gives one of the Literal's
         cluster, clique, fhealth = self._fabric(h)
         info = GpuInfo(
             index=i, uuid=uuid, name=name,

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import trio
 
+from infra.durable import atomic_write, is_temp_name
+
 from ..errors import NotFoundError, OriginError, OriginUnavailable
 from ..store import fsync_paths
 from .base import HEX64, ObjectInfo, Origin
@@ -25,7 +27,8 @@ _TRANSIENT = frozenset({errno.EIO, errno.ESTALE, errno.ETIMEDOUT, errno.EMFILE, 
 
 
 def _is_temp(name: str) -> bool:
-    return name.startswith(".") and (".tmp-" in name or ".gc-" in name)
+    """A write's temp file or a deletion's aside (``.tmp-`` is the temp mark of earlier writers)."""
+    return is_temp_name(name) or (name.startswith(".") and (".tmp-" in name or ".gc-" in name))
 
 
 def _version(st: os.stat_result) -> str:
@@ -49,7 +52,6 @@ class FileOrigin(Origin):
         super().__init__(url or f"file://{self.root}")
         self._pending: list[Path] = []
         self._pending_bytes = 0
-        self._dirs: set[str] = set()   # folders known to exist (made by this origin object)
 
     def _path(self, key: str) -> Path:
         return self.root / key
@@ -86,33 +88,11 @@ class FileOrigin(Origin):
             raise self._oserror(e, key, "read") from None
 
     def _write(self, key: str, data: bytes | memoryview, durable: bool) -> Path:
+        """:func:`infra.durable.atomic_write` (0644; the fsyncs only when ``durable``): the
+        bytes straight from the caller's buffer, the folder made when the first write finds
+        it missing (one mkdir per folder, not per chunk)."""
         path = self._path(key)
-        parent = str(path.parent)
-        if parent not in self._dirs:   # one mkdir per folder and origin, not per chunk
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._dirs.add(parent)
-        tmp = path.parent / f".{path.name[:64]}.tmp-{uuid.uuid4().hex[:12]}"
-        try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                with memoryview(data) as view:
-                    done = 0
-                    while done < len(view):   # straight from the caller's buffer: no copy
-                        done += os.write(fd, view[done:])
-                if durable:
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            os.rename(tmp, path)
-            if durable:
-                _fsync_path(path.parent, directory=True)
-        except FileNotFoundError:
-            self._dirs.discard(parent)   # the folder went (a gc?): made again next time
-            tmp.unlink(missing_ok=True)
-            raise
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        atomic_write(path, data, 0o644, sync=durable)
         return path
 
     async def _put(self, key: str, data: bytes | memoryview) -> None:

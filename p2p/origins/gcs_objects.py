@@ -121,8 +121,7 @@ def _error_fields(body: bytes) -> tuple[str, list[str]]:
         reasons = [str(e.get("reason", "")) for e in (err.get("errors") or []) if isinstance(e, dict)] \
             if isinstance(err, dict) else []
     except (ValueError, KeyError, TypeError, AttributeError):
-        text = body[:200].decode("utf-8", "replace").strip()
-        return (text.splitlines()[0] if text else ""), []
+        return "", []    # not GCS's JSON: whatever answered wrote it, and it is not repeated
     return message.strip().splitlines()[0][:300] if message.strip() else "", reasons
 
 

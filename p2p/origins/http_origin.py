@@ -1,11 +1,16 @@
-"""``http(s)://`` origin: a read-only static mirror or CDN of the bucket layout."""
+"""``http(s)://`` origin: a read-only static mirror or CDN of the bucket layout.
+
+Read only at addresses :mod:`p2p.origins.addresses` allows (no link-local, no loopback unless
+the URL names it), redirects not followed; an error answer is reported by its status and
+category, never its body (which the mirror, or whatever answers at its address, wrote)."""
 
 from __future__ import annotations
 
 from ..errors import OriginError, ReadOnlyOriginError
 from ..pool import run_pool
+from .addresses import AddressGuard
 from .base import Origin
-from .transport import RetryingClient, get_body
+from .transport import RetryingClient, describe_status, get_body
 
 
 class HttpOrigin(Origin):
@@ -17,8 +22,10 @@ class HttpOrigin(Origin):
         # plain http:// GETs (chunks, manifests, refs) on raw sockets: p2p.origins.lean
         self.http = RetryingClient(what=f"origin {url}", max_concurrency=max_concurrency, retries=retries,
                                    lean=url.startswith("http://"))
+        self.guard = AddressGuard(url)
 
     async def _get(self, key: str, limit: int) -> bytes:
+        await self.guard.check()
         resp = await self.http.get(f"{self.base}/{key}", limit=limit)
         self.retries = self.http.retried
         return get_body(resp, self.url, key)
@@ -27,6 +34,7 @@ class HttpOrigin(Origin):
         raise ReadOnlyOriginError(f"origin {self.url} is read-only (http/https); publish to file:// or gs://")
 
     async def _exists_many(self, prefix: str, names: set[str]) -> set[str]:
+        await self.guard.check()
         found: set[str] = set()
 
         async def head(name: str) -> None:
@@ -34,7 +42,7 @@ class HttpOrigin(Origin):
             if resp.status_code == 200:
                 found.add(name)
             elif resp.status_code != 404:
-                raise OriginError(f"origin {self.url}: HEAD {prefix}{name}: HTTP {resp.status_code}")
+                raise OriginError(f"origin {self.url}: HEAD {prefix}{name}: {describe_status(resp)}")
 
         await run_pool(sorted(names), head, int(self.http.limiter.total_tokens))
         self.retries = self.http.retried

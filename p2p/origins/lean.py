@@ -10,9 +10,9 @@ receives a Content-Length body with ``recv_into`` straight into one preallocated
 woken per ``PIECE`` bytes (``SO_RCVLOWAT``), not per packet.
 
 It takes only what it can take exactly: a Content-Length answer in the identity coding.
-A redirect, a chunked or close-delimited answer, or a content coding returns None, and
-:class:`p2p.origins.transport.RetryingClient` asks httpx for that request instead (so
-redirects are still followed and codings decoded). Failures to connect or to receive
+A chunked or close-delimited answer, or a content coding returns None, and
+:class:`p2p.origins.transport.RetryingClient` asks httpx for that request instead (codings
+decoded). A redirect is an answer like any other error: never followed. Failures to connect or to receive
 (refused, reset, closed early, a stall of ``timeout`` seconds, a malformed head) raise
 :class:`LeanUnavailable`, which the caller retries like httpx's transport errors and
 timeouts; a body over its bound is an ``OriginError`` (not retried), as there.
@@ -22,17 +22,17 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
+from functools import partial
 from urllib.parse import urlsplit
 
 import trio
 
 from infra.errors import ProtocolError
-from infra.h1 import parse_response_head
+from infra.h1 import ClosedBeforeAnswer, parse_response_head, receive_head
 
 from ..errors import OriginError
 
 MAX_HEAD = 64 << 10
-REDIRECTS = frozenset({301, 302, 303, 307, 308})
 
 
 class LeanUnavailable(Exception):
@@ -149,6 +149,11 @@ class LeanHttp:
                 raise LeanUnavailable(f"unreachable (ReadError: {e.strerror or e} {what})") from None
         raise LeanUnavailable(f"timed out (ReadTimeout {what})", timed_out=True)
 
+    async def _recv_head(self, conn: _Conn) -> bytes:
+        piece = await self._recv(conn, None, 65536, "in the answer's head")
+        assert isinstance(piece, bytes)
+        return piece
+
     async def _exchange(self, conn: _Conn, req: bytes, limit: int, cap_error: int) -> tuple[LeanResponse | None, bool]:
         try:
             sent = 0
@@ -156,29 +161,19 @@ class LeanHttp:
                 sent += await conn.sock.send(req[sent:])
         except OSError:
             raise _Stale() from None
-        buf = conn.buf
-        while (end := buf.find(b"\r\n\r\n")) < 0:
-            if len(buf) > MAX_HEAD:
-                raise LeanUnavailable(f"unreachable (RemoteProtocolError: answer head over {MAX_HEAD} bytes)")
-            try:
-                piece = await self._recv(conn, None, 65536, "in the answer's head")
-            except LeanUnavailable as e:
-                if not buf and not e.timed_out:
-                    raise _Stale() from None
-                raise
-            assert isinstance(piece, bytes)
-            if not piece:
-                if not buf:
-                    raise _Stale()
-                raise LeanUnavailable("unreachable (RemoteProtocolError: closed mid-head)")
-            buf += piece
-        head, rest = bytes(buf[:end]), buf[end + 4:]
-        conn.buf = bytearray()
         try:
+            head, rest = await receive_head(partial(self._recv_head, conn), conn.buf, max_head=MAX_HEAD)
+            conn.buf = bytearray()
             h = parse_response_head(head, chunked_ok=True)
+        except ClosedBeforeAnswer:
+            raise _Stale() from None
+        except LeanUnavailable as e:
+            if not conn.buf and not e.timed_out:   # a kept-alive connection the server had closed
+                raise _Stale() from None
+            raise
         except ProtocolError as e:
             raise LeanUnavailable(f"unreachable (RemoteProtocolError: {e})") from None
-        if h.status in REDIRECTS or h.length is None or h.chunked or h.coding not in (b"", b"identity"):
+        if h.length is None or h.chunked or h.coding not in (b"", b"identity"):
             return None, False
         cap = limit if h.status == 200 else cap_error
         if h.length > cap:

@@ -7,6 +7,9 @@ after the last attempt they become ``OriginUnavailable`` (an ``OriginError`` wor
 asking again later) with one readable line. ``retries=0``: one attempt, for callers
 that retry themselves (the herd's origin call, the one retry layer of a fetch).
 
+Redirects are not followed: an allowed origin's 3xx is an error (its status and category),
+never a request to wherever it points (a metadata server, the agent's own APIs).
+
 Bodies are bounded: ``request(..., limit=N)`` streams the answer and refuses (OriginError,
 not retried: the origin misbehaves) one that announces or sends more than N bytes after
 decoding, or more than 64 KiB for a non-200 answer. The origins pass the size the
@@ -23,6 +26,8 @@ from typing import Any
 
 import httpx
 import trio
+
+from infra.backoff import Backoff
 
 from ..errors import NotFoundError, OriginError, OriginUnavailable
 from .lean import LeanHttp, LeanResponse, LeanUnavailable
@@ -48,12 +53,14 @@ class RetryingClient:
         self.retries = max(0, retries)
         self.backoff_base = backoff_base
         self.backoff_cap = backoff_cap
+        self._backoff = Backoff(backoff_base, backoff_cap)
+        self._rng = random.Random()
         self.limiter = trio.CapacityLimiter(max(1, max_concurrency))
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout, connect=connect_timeout),
             limits=httpx.Limits(max_connections=max(1, max_concurrency),
                                 max_keepalive_connections=max(1, max_concurrency)),
-            follow_redirects=True)
+            follow_redirects=False)
         self._auth_headers = auth_headers
         self._describe = describe
         self.retried = 0
@@ -62,8 +69,8 @@ class RetryingClient:
                              connect_timeout=connect_timeout) if lean else None
 
     def backoff(self, attempt: int) -> float:
-        """Full-jitter-ish backoff: a random share (50-100 %) of min(cap, base * 2**attempt)."""
-        return min(self.backoff_cap, self.backoff_base * (2 ** attempt)) * random.uniform(0.5, 1.0)
+        """The pause before retry ``attempt + 1``: full jitter over min(cap, base * 2**attempt)."""
+        return self._backoff.pause(attempt + 1, self._rng)
 
     async def request(self, method: str, url: str, *, ok_statuses: tuple[int, ...] = (),
                       limit: int | None = None, **kwargs: Any) -> httpx.Response:
@@ -223,9 +230,27 @@ def _short(url: str) -> str:
     return url.split("?", 1)[0][:160]
 
 
+def status_category(status: int) -> str:
+    """What an error status means, in a word or two (a pod's reason says this, not the body)."""
+    if 300 <= status < 400:
+        return "redirect, not followed"
+    if status in (401, 403):
+        return "access denied"
+    if status == 404:
+        return "not found"
+    if status in (408, 429):
+        return "rate limited or timed out"
+    if 400 <= status < 500:
+        return "request refused"
+    if status >= 500:
+        return "origin error"
+    return "unexpected answer"
+
+
 def describe_status(resp: httpx.Response | LeanResponse) -> str:
-    text = resp.text[:200].replace("\n", " ") if resp.content else ""
-    return f"HTTP {resp.status_code}{': ' + text if text else ''}"
+    """``HTTP <status> (<category>)``: an error answer's body is the origin's (or whatever
+    answers at its address) and never travels on into logs or a pod's reason."""
+    return f"HTTP {resp.status_code} ({status_category(resp.status_code)})"
 
 
 def get_body(resp: httpx.Response | LeanResponse, origin_url: str, key: str) -> bytes:

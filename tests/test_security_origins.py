@@ -1,0 +1,162 @@
+"""Issue 42, finding 8, as attacks: an allowed origin that redirects an agent to a metadata
+server, an allowed name whose DNS points at link-local or loopback, an origin whose error
+answer carries a secret into a pod's reason, and a stop part replayed late or against another
+attempt of its job. Origins are real servers on loopback (named by their loopback address,
+the explicit way to allow one); DNS is a fake resolver (trio's resolver hook), since the test
+machine has no hostile DNS of its own."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import time
+
+import blake3
+import pytest
+import trio
+
+from agent.parts import STOP_LATE_S, check_part
+from p2p.errors import OriginError
+from p2p.origins import open_origin
+from p2p.origins.addresses import address_refusal
+from scheduler_link.messages import NodePart, Victim
+
+
+class Server:
+    """A raw HTTP/1.1 server on loopback: answers every request with ``answer`` (status line,
+    headers and body bytes) and records each request's first line."""
+
+    def __init__(self, answer: bytes) -> None:
+        self.answer = answer
+        self.requests: list[bytes] = []
+        self.url = ""
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        task_status.started(self.url)
+        await trio.serve_listeners(self._one, listeners)
+
+    async def _one(self, stream: trio.SocketStream) -> None:
+        buf = b""
+        with trio.move_on_after(5):
+            while b"\r\n\r\n" not in buf:
+                data = await stream.receive_some(4096)
+                if not data:
+                    break
+                buf += data
+        if buf:
+            self.requests.append(buf.split(b"\r\n", 1)[0])
+            try:
+                await stream.send_all(self.answer)
+            except trio.BrokenResourceError:
+                pass
+        await stream.aclose()
+
+
+def _answer(status: str, body: bytes, **headers: str) -> bytes:
+    head = "".join(f"{k.replace('_', '-')}: {v}\r\n" for k, v in headers.items())
+    return f"HTTP/1.1 {status}\r\n{head}content-length: {len(body)}\r\nconnection: close\r\n\r\n".encode() + body
+
+
+async def test_an_allowed_origins_redirect_is_not_followed():
+    """The allowed origin answers 302 to the 'metadata server' (another loopback address here):
+    no request reaches it, and the fetch fails with the status, not what is behind it."""
+    metadata = Server(_answer("200 OK", b"AKIA-CREDENTIALS-OF-THE-NODE"))
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            meta_url = await n.start(metadata.run)
+            origin = Server(_answer("302 Found", b"", location=f"{meta_url}/latest/meta-data/iam"))
+            url = await n.start(origin.run)
+            cid = blake3.blake3(b"x").hexdigest()
+            async with open_origin(url, retries=0) as o:
+                with pytest.raises(OriginError) as e:
+                    await o.get_chunk(cid, 28)
+                with pytest.raises(OriginError):
+                    await o.resolve("trainer:v1")
+            assert "HTTP 302 (redirect, not followed)" in str(e.value)
+            assert "AKIA" not in str(e.value)
+            assert len(origin.requests) == 2 and metadata.requests == []
+            n.cancel_scope.cancel()
+
+
+async def test_an_origins_error_body_is_not_echoed():
+    secret = b"internal-token=s3cr3t <html>stack trace</html>"
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            url = await n.start(Server(_answer("403 Forbidden", secret, content_type="text/html")).run)
+            async with open_origin(url, retries=0) as o:
+                with pytest.raises(OriginError) as e:
+                    await o.get_manifest("ab" * 32)
+            assert "HTTP 403 (access denied)" in str(e.value)
+            assert "s3cr3t" not in str(e.value) and "stack trace" not in str(e.value)
+            n.cancel_scope.cancel()
+
+
+class FakeDNS(trio.abc.HostnameResolver):
+    """Names to addresses, as a hostile or careless DNS would answer."""
+
+    def __init__(self, names: dict[str, str]) -> None:
+        self.names = names
+        self.asked: list[str] = []
+
+    async def getaddrinfo(self, host, port, family=0, type=0, proto=0, flags=0):
+        name = host.decode() if isinstance(host, bytes) else host
+        self.asked.append(name)
+        addr = self.names.get(name)
+        if addr is None:
+            raise socket.gaierror(socket.EAI_NONAME, "no such name")
+        fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+        sa = (addr, port or 80, 0, 0) if fam == socket.AF_INET6 else (addr, port or 80)
+        return [(fam, socket.SOCK_STREAM, 6, "", sa)]
+
+    async def getnameinfo(self, sockaddr, flags):
+        raise NotImplementedError
+
+
+async def test_link_local_and_unnamed_loopback_addresses_are_refused_before_connecting():
+    dns = FakeDNS({"mirror.example": "169.254.169.254", "selfie.example": "127.0.0.1",
+                   "v6.example": "fe80::1", "mapped.example": "::ffff:169.254.169.254"})
+    trio.socket.set_custom_hostname_resolver(dns)
+    with trio.fail_after(20):
+        for url, why in (("http://mirror.example/bucket", "link-local"), ("http://selfie.example:8470", "own address"),
+                         ("https://v6.example/x", "link-local"), ("http://mapped.example/x", "link-local"),
+                         ("http://169.254.169.254/latest", "link-local"), ("http://[fe80::1]:80/x", "link-local"),
+                         ("http://0.0.0.0:8470/x", "own address")):
+            t0 = time.monotonic()
+            async with open_origin(url, retries=0) as o:
+                with pytest.raises(OriginError, match=why):
+                    await o.resolve("trainer:v1")
+            assert time.monotonic() - t0 < 1.0, url      # refused, not tried
+    assert {"mirror.example", "selfie.example"} <= set(dns.asked)
+    # loopback named explicitly (the allow-list had to say it) stays readable
+    assert address_refusal(ipaddress.ip_address("127.0.0.1"), loopback_ok=True) is None
+    assert address_refusal(ipaddress.ip_address("169.254.1.1"), loopback_ok=True) is not None
+    assert address_refusal(ipaddress.ip_address("10.1.2.3"), loopback_ok=False) is None
+
+
+# ------------------------------------------------------------------ stop-only parts
+
+NOW = 1_000_000.0
+
+
+def _stop(*, attempt: int, victims: list[str], expires_at: float) -> NodePart:
+    return NodePart(placement_id=f"stop:j:{attempt}:n1:7", node_id="n1", job_id="j", attempt=attempt,
+                    victims=[Victim(workload_id=w) for w in victims], expires_at=expires_at)
+
+
+def _check(part: NodePart):
+    return check_part(part, node_id="n1", now=NOW, inventory=[], gpu_health={}, records={})
+
+
+def test_stop_parts_expire_and_are_bound_to_their_attempt():
+    # late is still right for a while ...
+    assert _check(_stop(attempt=1, victims=["j.1.0"], expires_at=NOW - 60)).outcome.outcome == "accepted"
+    # ... not for ever: a stop replayed once its outcome is forgotten cannot reach a later pod
+    v = _check(_stop(attempt=1, victims=["j.1.0"], expires_at=NOW - STOP_LATE_S - 1))
+    assert v.outcome.outcome == "expired"
+    # a stop of attempt 1 of job j does not name attempt 2's pods (a signed stop replayed later)
+    v = _check(_stop(attempt=1, victims=["j.2.0"], expires_at=NOW + 10))
+    assert v.outcome.outcome == "refused_spec" and "j.2.0" in (v.outcome.detail or "")
+    # other jobs' pods (preemption victims) are not this job's attempts
+    assert _check(_stop(attempt=1, victims=["other.4.0"], expires_at=NOW + 10)).outcome.outcome == "accepted"
