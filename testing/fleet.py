@@ -354,7 +354,7 @@ class EmulatedNode:
             return
         self._event(v.workload_id, "terminating")
         await trio.sleep(min(v.grace_s, self.fleet.timing.stop_s))
-        final = "preempted" if v.reason.startswith("preempt") else "exited"  # as agent/supervisor.py
+        final = "preempted" if v.preempted else "exited"  # the placer says which (as agent/supervisor.py)
         self._event(v.workload_id, final, exit_code=None if final == "preempted" else 0, reason=v.reason)
 
 
