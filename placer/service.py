@@ -167,12 +167,14 @@ class PlacerService:
         try:
             async with trio.open_nursery() as n:
                 self._nursery = n
-                self.url = await n.start(partial(serve, ssl_context=self.security.api), self.app, self.cfg.listen)
+                # the framed channel listens before the API: an agent that finds the API up after
+                # a restart finds its channel up too, so its full report goes over the channel
                 if self.cfg.wire_listen:
                     self.wire = HeartbeatServer(self.tokens, self._ingest, frames=self.relays, clock=self.clock,
                                                 ssl_context=self.security.channel,
                                                 require_certs=self.security.require_certs, token_use=self.token_use)
                     self.wire_url = await n.start(self.wire.run, self.cfg.wire_listen)
+                self.url = await n.start(partial(serve, ssl_context=self.security.api), self.app, self.cfg.listen)
                 self._write_endpoints()
                 if self.ha is not None:  # campaign; on promotion the journal comes from etcd
                     await n.start(self.ha.run, self.url, self._recover)
