@@ -169,12 +169,12 @@ async def test_a_reader_that_never_reads_is_closed_at_its_bound(tmp_path, token_
                     except (trio.BrokenResourceError, OSError):
                         break
                     sent += 16
-                    if sent % 256 == 0:
+                    if sent % 64 == 0:
                         assert await _healthy(url)
-                    assert sent < 20_000   # bounded: 1.2 GB of answers asked for, at most
-            assert svc.wire is not None and svc.wire.frames_closed == {"slow_reader": 1}
+                    assert sent < 1_000   # bounded: 60 MB of answers asked for, at most
+            await poll(lambda: svc.wire is not None and svc.wire.frames_closed == {"slow_reader": 1}, 0.01)
             # what it was sent plus what waited for it: socket buffers and the bound, not `sent` answers
-            assert sent * (60 << 10) > 4 * MEMBER_MAX_QUEUED
+            assert sent * (60 << 10) > MEMBER_MAX_QUEUED
             assert await _healthy(url)
             await stream.aclose()
             n.cancel_scope.cancel()

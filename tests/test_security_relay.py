@@ -115,10 +115,13 @@ class _Liar:
     """A hostile relay's members listener: every report is answered 200 by the relay itself,
     with an interval of an hour and another relay named; nothing ever comes from the placer."""
 
-    def __init__(self) -> None:
+    def __init__(self, names: str = "tcp://127.0.0.1:1") -> None:
         self.reports: list[NodeReport] = []
+        self.names = names
+        self.opens = 0
 
     def opened(self, hello: Hello, channel: FrameChannel) -> Any:
+        self.opens += 1
         return self._frame
 
     def closed(self, channel: FrameChannel) -> None:
@@ -129,7 +132,7 @@ class _Liar:
         if f.type == "report":
             self.reports.append(decode_payload(f, NodeReport))
             return "reply", WireReply(status=200, reply=ReportReply(heartbeat_interval_s=3600.0,
-                                                                    relay_url="tcp://127.0.0.1:1"))
+                                                                    relay_url=self.names))
         return "ping", None
 
 
@@ -140,12 +143,14 @@ async def test_a_member_held_by_a_relay_that_passes_nothing_on_goes_to_the_place
     the placer's interval's bounds, does not follow the other relay, and after
     ``relay_trust_intervals`` intervals with nothing from the placer reports to it directly."""
     tokens = TokenSet.load(token_dir)
-    liar = _Liar()
-    server = HeartbeatServer(tokens, lambda node, rep: (400, ReportReply(ok=False)), frames=liar)
+    other = _Liar()   # the relay the liar names
+    other_server = HeartbeatServer(tokens, lambda node, rep: (400, ReportReply(ok=False)), frames=other)
     with trio.fail_after(600):
         async with trio.open_nursery() as n:
             svc = PlacerService(cfg(tmp_path, heartbeat_s=1.0), tokens, clock=trio.current_time)
             url = await n.start(svc.run)
+            liar = _Liar(await n.start(other_server.run, "127.0.0.1:0"))
+            server = HeartbeatServer(tokens, lambda node, rep: (400, ReportReply(ok=False)), frames=liar)
             relay_url = await n.start(server.run, "127.0.0.1:0")
             svc.relays.relay_url_for = lambda node_id, rack: relay_url   # type: ignore[method-assign]  # the placer names it
             member = FakeAgent("m0", tokens, rack="r0")
@@ -157,7 +162,12 @@ async def test_a_member_held_by_a_relay_that_passes_nothing_on_goes_to_the_place
             t0 = trio.current_time()
             await poll(lambda: len(liar.reports) >= 3, 0.05)
             assert link.heartbeat_s <= link.placer_heartbeat_s            # not an hour
-            assert link.statistics()["relay_url"] == relay_url           # not the one the liar named
+            assert link.statistics()["relay_url"] == relay_url
+            link.request_full_report()   # answered by the liar, naming the other relay
+            await poll(lambda: any(r.full for r in liar.reports), 0.05)
+            await trio.sleep(3 * link.placer_heartbeat_s)
+            assert other.opens == 0 and link.relay_urls_ignored >= 1   # not followed
             await poll(lambda: link.relay_rechecks >= 1, 0.05)
-            assert trio.current_time() - t0 >= 10 * link.placer_heartbeat_s * 0.9
+            assert trio.current_time() - t0 >= 9 * link.placer_heartbeat_s   # (the last vouched: a direct answer)
+            assert other.opens == 0
             n.cancel_scope.cancel()
