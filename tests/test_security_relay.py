@@ -171,3 +171,37 @@ async def test_a_member_held_by_a_relay_that_passes_nothing_on_goes_to_the_place
             assert trio.current_time() - t0 >= 9 * link.placer_heartbeat_s   # (the last vouched: a direct answer)
             assert other.opens == 0
             n.cancel_scope.cancel()
+
+
+async def test_with_tls_an_agent_with_its_own_certificate_cannot_relay_for_another_rack(tmp_path: Path, token_dir,
+                                                                                      tls_pki):
+    """The reproduction over mutual TLS: every node holds its own certificate; the extra one,
+    registered in rack1, names rack0 in its hello (its certificate matches the hello's node
+    id: that check passes) and is refused for the rack; rack0's members stay with the placer."""
+    from infra import tls
+    from scheduler_link.agent_link import AgentLink
+
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(40):
+        async with trio.open_nursery() as n:
+            svc = PlacerService(cfg(tmp_path, tls_dir=str(tls_pki.dir), insecure=False, ca_dir=str(tls_pki.dir)),
+                                tokens)
+            url = await n.start(svc.run)
+            links = {}
+            for node, rack in [("n0", "r0"), ("n1", "r0"), ("evil", "r1")]:
+                ctx = tls.client_context(tls_pki.ca, tls_pki.files(f"node:{node}"))
+                links[node] = AgentLink(url, None, node, FakeAgent(node, tokens, rack=rack), heartbeat_s=0.1,
+                                        ssl_context=ctx)
+                await n.start(links[node].run)
+            await poll(lambda: all(k in svc.state.nodes for k in links), 0.02)
+            evil_ctx = tls.client_context(tls_pki.ca, tls_pki.files("node:evil"))
+            with pytest.raises(WireError, match="rack_mismatch"):
+                await open_frames(svc.wire_url, "", "evil", relay=RelayHello(racks=[R0], listen_url="tls://127.0.0.1:9"),
+                                  ssl_context=evil_ctx, expect="placer")
+            assert svc.relays.relay_for(R0) is None
+            full0 = {k: links[k].full_reports_sent for k in ("n0", "n1")}
+            for k in full0:
+                links[k].request_full_report()
+            await poll(lambda: all(links[k].full_reports_sent > f for k, f in full0.items()), 0.02)
+            assert [links[k].statistics()["relay_url"] for k in full0] == [None, None]
+            n.cancel_scope.cancel()
