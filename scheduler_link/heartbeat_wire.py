@@ -27,6 +27,12 @@ Bad input costs the sender, never the placer (DESIGN.md, Security model):
   limit less a reserve); one more gets a 503 reply and is closed;
 - an exception raised by ``ingest`` for one frame is logged and answered with a 500
   :class:`WireReply` on that connection; it never escapes into the server's nursery.
+- frames connections (``Hello.frames``) are handed to the frames host only after its
+  ``opened`` accepted them (it may refuse: 403 with ``WireReply.reason``); at most
+  ``max_frames_per_address`` are open per client address (relay candidates the host checked
+  aside); each starts with a member's bounds (``frame_limit``, bounded queues, beats of one
+  entry: :class:`~scheduler_link.frames.FrameChannel`), which only the host raises; refusals
+  and closes by a bound are counted by reason (``frames_refused_*``, ``frames_closed_*``).
 
 TLS (``ssl_context=``, mutual; :mod:`infra.tls`): the handshake runs inside the hello
 deadline; a plain client gets one plain :class:`WireReply` 400 saying the listener speaks TLS.
