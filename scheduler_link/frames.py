@@ -18,7 +18,8 @@ channel takes frames of at most ``MEMBER_MAX_FRAME`` bytes until its owner makes
 active relay (:meth:`FrameChannel.make_relay`: ``MAX_FRAME``, and beats of up to the rack's
 size, :func:`check_entries`); bytes queued for a peer that does not read are bounded
 (``max_queued``: past it the connection is closed, ``slow_reader``), and so are the frames
-its owner holds back for later (:meth:`FrameChannel.hold`, ``deferred_over``). Rejections
+its owner holds back for later (:meth:`FrameChannel.hold`, ``deferred_over``) and the
+requests whose answers are being worked on at once (``max_inflight``, ``inflight_over``). Rejections
 that may come per entry (a MAC that does not verify) are logged once per connection and
 interval, with a count (:meth:`FrameChannel.tally`).
 
@@ -65,6 +66,9 @@ MEMBER_MAX_QUEUED = 1 << 20
 RELAY_MAX_QUEUED = 4 * MAX_FRAME
 # Frames an owner holds back to apply later (the placer during a delivery), per connection.
 MEMBER_MAX_HELD = 1 << 20
+# Requests of one peer whose (asynchronous) answers are being worked on at once: a member has
+# one report out at a time, and a blob_get or two.
+MEMBER_MAX_INFLIGHT = 16
 RELAY_MAX_HELD = 2 * MAX_FRAME
 TALLY_INTERVAL_S = 10.0       # per connection, one log line per reason this often at most
 _LEN = struct.Struct(">I")
@@ -279,8 +283,8 @@ class FrameChannel:
     def __init__(self, stream: trio.abc.Stream, *, name: str = "", buf: bytes = b"",
                  max_frame: int = MAX_FRAME, backlog: BacklogMark | None = None,
                  max_queued: int | None = None, max_held: int | None = None, max_entries: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        """``max_frame``, ``max_queued``, ``max_held``, ``max_entries``: this connection's bounds
+                 max_inflight: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """``max_frame``, ``max_queued``, ``max_held``, ``max_entries``, ``max_inflight``: this connection's bounds
         (None: unbounded; a listener passes the small ones, :meth:`make_relay` raises them)."""
         self.stream = stream
         self._backlog = backlog     # the listener's read backlog (ReadBacklog), or None
@@ -292,6 +296,8 @@ class FrameChannel:
         self.max_entries = max_entries  # per-node entries a beat or reports frame may carry (None: any)
         self.candidate = False          # its owner admitted it as a relay candidate (make_candidate)
         self.held = 0                   # bytes of this peer's frames the owner holds back (hold/release)
+        self.max_inflight = max_inflight
+        self.inflight = 0               # its requests whose answers are being worked on
         self.relay_racks: tuple[str, ...] = ()   # the racks this connection is the active relay of
         self._in = bytearray(buf)
         self._q = WriteQueue(max_queued)
@@ -539,6 +545,12 @@ class FrameChannel:
             self._handler_failed(f, e)
             return
         if inspect.isawaitable(out):
+            if self.max_inflight is not None and self.inflight >= self.max_inflight:
+                if inspect.iscoroutine(out):
+                    out.close()
+                self.refuse(Refused("inflight_over", f"over {self.max_inflight} requests worked on at once"))
+                return
+            self.inflight += 1
             nursery.start_soon(self._finish, f, out)
         elif out is not None and f.id:
             self._answer(f, out)
@@ -553,6 +565,8 @@ class FrameChannel:
         except Exception as e:
             self._handler_failed(f, e)
             return
+        finally:
+            self.inflight -= 1
         if out is not None and f.id and not self.closed.is_set():
             self._answer(f, out)
 

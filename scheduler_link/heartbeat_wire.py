@@ -67,6 +67,7 @@ from infra.gate import ConnectionGate
 from .frames import (
     MEMBER_MAX_FRAME,
     MEMBER_MAX_HELD,
+    MEMBER_MAX_INFLIGHT,
     MEMBER_MAX_QUEUED,
     FrameChannel,
     Handler,
@@ -429,7 +430,7 @@ class HeartbeatServer:
         address = tls.peer_address(stream) or "?"
         ch = FrameChannel(stream, name=hello.node_id, buf=bytes(buf), backlog=self.backlog.track(stream),
                           max_frame=self.frame_limit, max_queued=MEMBER_MAX_QUEUED, max_held=MEMBER_MAX_HELD,
-                          max_entries=1)
+                          max_entries=1, max_inflight=MEMBER_MAX_INFLIGHT)
         try:
             handler = self.frames_host.opened(hello, ch)
         except Refused as e:

@@ -233,6 +233,29 @@ async def test_a_members_listener_caps_connections_per_address_and_member_frames
             n.cancel_scope.cancel()
 
 
+class _Slow(_Host):
+    """A relay whose answers take long (it forwards each report up and waits)."""
+
+    def opened(self, hello: Hello, channel: FrameChannel) -> Any:
+        return self._frame
+
+    async def _frame(self, ch: FrameChannel, f: Frame) -> None:
+        await trio.sleep_forever()
+
+
+async def test_a_member_with_too_many_requests_in_flight_is_closed(token_dir):
+    tokens = TokenSet.load(token_dir)
+    server = HeartbeatServer(tokens, lambda n, r: (400, None), frames=_Slow())   # type: ignore[arg-type, return-value]  # no report streams here
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            url = await n.start(server.run, "127.0.0.1:0")
+            ch = await open_frames(url, tokens.cluster or "", "m0")
+            await ch.stream.send_all(b"".join(encode_frame("ping", None, id=i + 1) for i in range(1000)))
+            await _closed_by_peer(ch.stream)
+            await poll(lambda: server.frames_closed == {"inflight_over": 1}, 0.01)
+            n.cancel_scope.cancel()
+
+
 # ------------------------------------------------------------------ the pieces, over memory streams
 
 
