@@ -30,7 +30,7 @@ Bad input costs the sender, never the placer (DESIGN.md, Security model):
 - frames connections (``Hello.frames``) are handed to the frames host only after its
   ``opened`` accepted them (it may refuse: 403 with ``WireReply.reason``); at most
   ``max_frames_per_address`` are open per client address (relay candidates the host checked
-  aside); each starts with a member's bounds (``frame_limit``, bounded queues, beats of one
+  aside, one per node); each starts with a member's bounds (``frame_limit``, bounded queues, beats of one
   entry: :class:`~scheduler_link.frames.FrameChannel`), which only the host raises; refusals
   and closes by a bound are counted by reason (``frames_refused_*``, ``frames_closed_*``).
 
@@ -188,6 +188,7 @@ class HeartbeatServer:
         self.frames_gate = ConnectionGate(1 << 30, max_frames_per_address)
         self.frames_refused: dict[str, int] = {}   # frames hellos refused, by reason
         self.frames_closed: dict[str, int] = {}    # frames connections a bound ended, by reason
+        self._candidates: dict[str, FrameChannel] = {}   # node id -> its relay candidate connection (one each)
         # multi-node and frames connections with bytes unread once a batch is applied (heard_until)
         self.backlog = ReadBacklog(clock)
         # Handshakes cost the placer's one thread ~1.5-3 ms of CPU each. A registration storm
@@ -436,8 +437,14 @@ class HeartbeatServer:
         except Refused as e:
             await self._refuse_frames(stream, e)
             return
-        # a relay candidate its host checked is not under the address's cap (the cap is for the rest)
+        # a relay candidate its host checked is not under the address's cap (the cap is for the
+        # rest), but a node holds one: a newer connection replaces the one before
         counted = not ch.candidate
+        if ch.candidate:
+            old = self._candidates.get(hello.node_id)
+            if old is not None and old is not ch:
+                old.refuse(Refused("replaced", f"node {hello.node_id[:200]} opened a newer relay connection"))
+            self._candidates[hello.node_id] = ch
         if counted and not self.frames_gate.enter(address):
             self.frames_host.closed(ch)
             await self._refuse_frames(stream, Refused("per_address", f"{address} holds "
@@ -451,6 +458,8 @@ class HeartbeatServer:
             self.frames_connections -= 1
             if counted:
                 self.frames_gate.leave(address)
+            if self._candidates.get(hello.node_id) is ch:
+                del self._candidates[hello.node_id]
             if ch.close_code:
                 self.frames_closed[ch.close_code] = self.frames_closed.get(ch.close_code, 0) + 1
             self.frames_host.closed(ch)

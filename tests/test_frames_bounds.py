@@ -202,6 +202,27 @@ async def test_an_address_holds_at_most_eight_frames_connections_but_relay_candi
             n.cancel_scope.cancel()
 
 
+async def test_a_node_holds_one_relay_candidate_connection(tmp_path, token_dir):
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            svc, url = await _placer(n, tmp_path, tokens)
+            agent = FakeAgent("n2", tokens, rack="r1")
+            await n.start(agent.run, url)
+            await poll(lambda: "n2" in svc.state.nodes, 0.02)
+            hello = RelayHello(racks=[R1], listen_url="tcp://127.0.0.1:9")
+            first = await open_frames(svc.wire_url, tokens.cluster or "", "n2", relay=hello)
+            chans = [await open_frames(svc.wire_url, tokens.cluster or "", "n2", relay=hello) for _ in range(20)]
+            await _closed_by_peer(first.stream)
+            await poll(lambda: svc.wire is not None and svc.wire.frames_connections == 1, 0.01)
+            assert svc.wire is not None and svc.wire.frames_closed == {"replaced": 20}
+            conn = svc.relays.relay_for(R1)
+            assert conn is not None and conn.channel.name == "n2" and not conn.channel.closed.is_set()
+            for ch in [first, *chans]:
+                await ch.aclose()
+            n.cancel_scope.cancel()
+
+
 class _Host:
     """A frames host that serves pings (a relay's members listener, reduced)."""
 
