@@ -14,14 +14,15 @@ answered with an ``error`` frame; it never ends the connection or escapes -- but
 :class:`Refused` (the peer broke a bound) ends it, with a counted reason (``close_code``).
 
 Bounds per connection (bad input costs its sender; DESIGN.md, Security model): a listener's
-channel takes frames of at most ``MEMBER_MAX_FRAME`` bytes until its owner makes it a rack's
-active relay (:meth:`FrameChannel.make_relay`: ``MAX_FRAME``, and beats of up to the rack's
-size, :func:`check_entries`); bytes queued for a peer that does not read are bounded
+channel takes frames of at most ``MEMBER_MAX_FRAME`` bytes and beats of one entry until its
+owner admits it as a relay candidate (:meth:`FrameChannel.make_candidate`: ``CANDIDATE_MAX_FRAME``,
+beats of up to the rack's size, :func:`check_entries`) or makes it a rack's active relay
+(:meth:`FrameChannel.make_relay`: ``MAX_FRAME``); bytes queued for a peer that does not read are bounded
 (``max_queued``: past it the connection is closed, ``slow_reader``), and so are the frames
 its owner holds back for later (:meth:`FrameChannel.hold`, ``deferred_over``) and the
-requests whose answers are being worked on at once (``max_inflight``, ``inflight_over``). Rejections
-that may come per entry (a MAC that does not verify) are logged once per connection and
-interval, with a count (:meth:`FrameChannel.tally`).
+requests whose answers are being worked on at once (``max_inflight``, ``inflight_over``). An
+owner counting rejections that may come per entry (a MAC that does not verify) logs them once
+per connection and interval, with a count (:meth:`FrameChannel.tally`).
 
 Opening one: the client sends the framed channel's JSON ``Hello`` (``frames=True``; see
 :mod:`scheduler_link.heartbeat_wire`), reads its JSON ``WireReply``, and from then on both
