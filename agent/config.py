@@ -42,6 +42,11 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     enabled: bool = False
     listen: str = "127.0.0.1:0"          # the members listener (frames connections)
     advertise: str | None = None         # HOST:PORT members dial (default: the bound address)
+    # As a member: after this many heartbeat intervals with nothing the placer vouched for
+    # (relayed answers carry no placer MAC), report once directly so a relay that answers
+    # every heartbeat itself cannot hold this node for good. 0: never. Each such report is a
+    # handshake with the placer: 120 at 5 s over 131,072 nodes is ~220 a second.
+    trust_intervals: int = 0
 
 
 class DataPlaneSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

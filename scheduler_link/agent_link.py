@@ -59,7 +59,8 @@ Invariants:
   placer gave over the member's own connection (:func:`relayed_interval`); and whether they
   are heard -- a member that has had nothing the placer vouched for (an answer over its own
   connection, a part with the placer's signature, a stop with its MAC) for
-  ``relay_trust_intervals`` intervals sends one full report directly, and the answer says
+  ``relay_trust_intervals`` intervals (``[relay] trust_intervals``; 0, the default, never) sends
+  one full report directly, and the answer says
   which relay to use (a relay that answers every heartbeat itself cannot hold it for good).
 """
 
@@ -107,7 +108,7 @@ _reply_decoder = msgspec.json.Decoder(ReportReply)
 
 # Intervals a member reports through its relay with nothing the placer vouched for, before a
 # full report goes directly (one per member per this many intervals: ~10 minutes at 5 s).
-RELAY_TRUST_INTERVALS = 120
+RELAY_TRUST_INTERVALS = 0   # off unless configured ([relay] trust_intervals): each re-check is a handshake
 RELAYED_INTERVAL_FLOOR = 0.5   # of the placer's own interval: a relayed answer may ask for no more often
 
 
