@@ -167,6 +167,8 @@ class Election:
         self.promotions = 0
         self.losses = 0
         self.errors = 0
+        self.failovers = 0           # the leader this candidate knows replaced by another
+        self._known_leader = 0       # the last leader epoch seen (0: none yet)
 
     # -------------------------------------------------------------- what others read
 
@@ -196,7 +198,8 @@ class Election:
     def statistics(self) -> dict[str, Any]:
         v = self.view
         return {"role": v.role.value, "epoch": v.epoch, "leader": v.leader, "leader_epoch": v.leader_epoch,
-                "promotions": self.promotions, "losses": self.losses, "errors": self.errors}
+                "promotions": self.promotions, "losses": self.losses, "errors": self.errors,
+                "failovers": self.failovers}
 
     def _publish(self) -> None:
         v = self.core.view(trio.current_time())
@@ -207,6 +210,10 @@ class Election:
             elif self.view.leading and not v.leading:
                 self.losses += 1
                 log.warning("no longer leading epoch=%d", self.view.epoch)
+            if v.leader_epoch:
+                if self._known_leader and v.leader_epoch != self._known_leader:
+                    self.failovers += 1
+                self._known_leader = v.leader_epoch
             self.view = v
             self._changed.set()
             self._changed = trio.Event()

@@ -19,7 +19,7 @@ from urllib.parse import urlencode
 import msgspec
 import trio
 
-from infra.http import Handler, HTTPError, Request, Response
+from infra.http import Handler, Request, Response
 
 from .config import PlacerConfig
 from .election import Election, Role
@@ -51,14 +51,23 @@ class HighAvailability:
         """Place now: we lead, our lease holds, and our journal is loaded."""
         return self.journal is not None and self.election is not None and self.election.leading()
 
+    def why_not_placing(self) -> str:
+        if self.election is None or self.election.view.role is Role.IDLE:
+            return "the placers are electing a leader; try again shortly"
+        return "this placer leads but is loading the jobs journal; try again shortly"
+
     def health(self) -> dict[str, Any]:
+        """Who leads and this placer's role, for /healthz, /v1/status, /metrics and
+        ``herd placer status``: ``placing`` is whether it places now."""
         e = self.election
         if e is None:
-            return {"role": "starting", "leader": None, "epoch": 0}
+            return {"role": "starting", "leader": None, "epoch": 0, "placing": False, "url": self.url,
+                    "failovers": 0, "etcd_errors": self.client.errors}
         v = e.view
         role = ("follower" if v.role is Role.WAITING else "candidate" if v.role is Role.IDLE
                 else "leader" if self.leading() else "promoting")   # promoting: loading the journal
-        return {"role": role, "leader": v.leader or None, "epoch": v.leader_epoch,
+        return {"role": role, "leader": v.leader or None, "epoch": v.leader_epoch, "placing": self.leading(),
+                "url": self.url, "failovers": e.failovers, "etcd_errors": self.client.errors,
                 "etcd": self.client.statistics(), "election": e.statistics()}
 
     async def run(self, url: str, on_promoted: Callable[[EtcdJournal], None], *,
@@ -96,8 +105,9 @@ class HighAvailability:
             if self.leading():
                 return await handler(req)
             leader = self.election.view.leader if self.election is not None else ""
-            if not leader or leader == self.url:
-                raise HTTPError(503, "no leader", "the placers are electing one; try again shortly")
+            if not leader or leader == self.url:   # Retry-After: clients ask again (scheduler_link.placers)
+                return Response(status=503, headers=[("retry-after", "1")], body=msgspec.json.encode(
+                    {"error": "no leader", "detail": self.why_not_placing(), "leader": None}))
             where = leader.rstrip("/") + req.path + (f"?{urlencode(req.query)}" if req.query else "")
             return Response(status=307, body=msgspec.json.encode({"error": "not the leader", "leader": leader}),
                             headers=[("location", where)])

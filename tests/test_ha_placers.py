@@ -1,0 +1,58 @@
+"""The placer-address set clients fail over with (scheduler_link.placers): pure, no I/O."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.errors import ClientError
+from scheduler_link.placers import Placers, leader_of, placer_urls, placer_urls_from_env, retry_after_s
+
+
+def test_urls_split_commas_keep_order_and_drop_repeats() -> None:
+    assert placer_urls(["http://a:1/, http://b:2", "http://a:1", "https://c:3"]) == \
+        ["http://a:1", "http://b:2", "https://c:3"]
+    assert placer_urls("http://a:1,,http://b:2/") == ["http://a:1", "http://b:2"]
+    assert placer_urls(None) == []
+    with pytest.raises(ClientError, match="must start with http"):
+        placer_urls("a:1")
+
+
+def test_urls_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HERD_PLACER", "http://a:1,http://b:2")
+    assert placer_urls_from_env(None) == ["http://a:1", "http://b:2"]
+    assert placer_urls_from_env(["http://c:3"]) == ["http://c:3"]
+    monkeypatch.delenv("HERD_PLACER")
+    with pytest.raises(ClientError, match="no placer URL"):
+        placer_urls_from_env(None)
+
+
+def test_failed_moves_round_robin_only_from_the_current() -> None:
+    p = Placers(["http://a", "http://b", "http://c"])
+    assert p.current == "http://a"
+    assert p.failed("http://a") == "http://b"
+    assert p.failed("http://a") == "http://b"        # a late failure of an old request moves nothing
+    assert p.failed("http://b/") == "http://c"
+    assert p.failed("http://c") == "http://a" and p.switches == 3
+    single = Placers(["http://a"])
+    assert single.failed("http://a") == "http://a" and single.switches == 0
+
+
+def test_learned_leader_becomes_current_and_is_kept() -> None:
+    p = Placers(["http://a", "http://b"])
+    assert p.learned("http://b/") == "http://b"
+    assert p.learned("http://d") == "http://d" and p.urls == ["http://a", "http://b", "http://d"]
+    assert p.failed("http://d") == "http://a"
+    with pytest.raises(ValueError):
+        Placers([])
+
+
+def test_answers_naming_the_leader_or_asking_to_wait() -> None:
+    assert leader_of(307, b'{"error": "not the leader", "leader": "http://b:7/"}') == "http://b:7"
+    assert leader_of(307, b'{"leader": null}') is None
+    assert leader_of(307, b"<html>") is None
+    assert leader_of(307, b'{"leader": "ftp://x"}') is None
+    assert leader_of(200, b'{"leader": "http://b:7"}') is None
+    assert retry_after_s(503, "1") == 1.0
+    assert retry_after_s(503, "600") == 5.0            # bounded
+    assert retry_after_s(503, None) is None and retry_after_s(503, "soon") is None
+    assert retry_after_s(500, "1") is None
