@@ -62,7 +62,7 @@ import random
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
@@ -90,6 +90,7 @@ from .messages import (
     WorkloadEvent,
 )
 from .msgauth import verified_stops, with_report_mac
+from .placers import Placers, leader_of
 
 log = logging.getLogger("herd.link.agent")
 
@@ -214,8 +215,9 @@ class AgentLink:
                  on_part: PartHandler | None = None, own_relay_url: str | None = None,
                  relay_connect: RelayConnect | None = None, relay_retry_s: float | None = None,
                  ssl_context: ssl.SSLContext | None = None, wire_connect_timeout_s: float = 60.0,
-                 wire_busy_backoff_s: float = 1.0) -> None:
+                 wire_busy_backoff_s: float = 1.0, placers: Sequence[str] = ()) -> None:
         self.placer_url = placer_url.rstrip("/")
+        self.placers = Placers([self.placer_url, *placers])   # every placer known: failed over (scheduler_link.placers)
         self.ssl_context = ssl_context       # mutual TLS (this node's certificate) on every connection
         # the deny-list this node's handshakes consult (shared by its contexts): the placer's answers fill it
         self.revoked = ssl_context.revoked if isinstance(ssl_context, tls.HerdContext) else None
@@ -292,7 +294,8 @@ class AgentLink:
 
     def statistics(self) -> dict[str, Any]:
         return {
-            "placer_url": self.placer_url, "registered": self.registered, "boot_id": self.boot_id,
+            "placer_url": self.placer_url, "placers": list(self.placers.urls), "placer_switches": self.placers.switches,
+            "registered": self.registered, "boot_id": self.boot_id,
             "seq": self.seq, "reports_sent": self.reports_sent, "full_reports_sent": self.full_reports_sent,
             "failures": self.failures, "conflicts": self.conflicts, "stops_received": self.stops_received,
             "stops_refused": self.stops_refused,
@@ -362,6 +365,8 @@ class AgentLink:
                 if self._wire is None and 0 < self._wire_busy < WIRE_BUSY_TRIES:
                     await trio.sleep_until(self._wire_retry_at)  # the channel again, not HTTP
                     continue
+            at = self.placer_url   # (it changes when this placer does not lead: _placer_answered)
+            url = f"{at}/v1/nodes/{self.node_id}/report"
             report = self._build_report()
             relayed = self._relay is not None
             try:
@@ -381,6 +386,8 @@ class AgentLink:
                     self._relay_ask_at = trio.current_time() + self._relay_retry()
                     log.warning("relay failed, reporting to the placer node=%s relay=%s", self.node_id,
                                 self._relay.url)
+                elif not relayed:
+                    self._placer_answered(None, used=at)
                 await self._close_wire()
                 self.failures += 1
                 self.registered = False
@@ -613,8 +620,20 @@ class AgentLink:
         if status == 409:
             raise _Conflict()
         if status != 200:
+            self._placer_answered(status, content, used=self.placer_url)
             raise _PlacerError(f"placer answered {status}: {content[:200].decode(errors='replace')}")
         return _reply_decoder.decode(content)
+
+    def _placer_answered(self, status: int | None, body: bytes = b"", *, used: str) -> None:
+        """Several placers: a follower's 307 names the leader, which is asked next; no answer
+        or another refusal moves on to the next placer (the new one announces its own framed
+        channel)."""
+        leader = leader_of(status, body) if status is not None else None
+        new = self.placers.learned(leader) if leader else self.placers.failed(used)
+        if new != self.placer_url:
+            log.info("reporting to another placer node=%s placer=%s (was %s)", self.node_id, new, self.placer_url)
+            self.placer_url = new
+            self._wire_url = None
 
     async def _stop(self, victims: list[Victim]) -> None:
         try:

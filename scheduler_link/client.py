@@ -187,24 +187,24 @@ class PlacerClient:
 
     def _resp(self, method: str, path: str, **kw: Any) -> httpx.Response:
         deadline = time.monotonic() + self.failover_s
-        tries = 0
+        misses = 0
         while True:
-            tries += 1
             url = self.placers.current
             try:
                 r = self._c.request(method, url + path, **kw)
             except httpx.ConnectError as e:   # not connected: nothing was sent, another placer may lead
-                if len(self.placers) > 1 and tries < 4 * len(self.placers) and time.monotonic() < deadline:
+                misses += 1
+                if len(self.placers) > 1 and time.monotonic() < deadline:
                     self.placers.failed(url)
-                    if self.placers.current == self.placers.urls[0]:   # a whole round refused: wait a little
-                        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+                    if misses >= len(self.placers):   # (a follower may still name the dead leader)
+                        time.sleep(min(0.5, 0.05 * misses))
                     continue
                 raise transport_error(e, "placer", url) from None
             except httpx.HTTPError as e:
                 raise transport_error(e, "placer", url) from None
             check_peer(r, "placer")
             leader = leader_of(r.status_code, r.content)
-            if leader is not None and leader != url and tries < 4 * len(self.placers) + 4:
+            if leader is not None and leader != url and time.monotonic() < deadline:
                 self.placers.learned(leader)
                 continue
             wait = retry_after_s(r.status_code, r.headers.get("retry-after"))
