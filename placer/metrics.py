@@ -15,7 +15,8 @@ scrape's ``instance`` says which placer). Families:
 - ``herd_build_info`` and ``process_*``;
 - with ``[placer] etcd`` set (several placers, one leading: placer.ha): ``herd_placer_leader``
   (1 while this placer leads and places), ``herd_placer_epoch`` (the epoch of the leader it
-  knows, its own when it leads), ``herd_placer_failovers_total`` (the leader it knew replaced
+  knows, its own when it leads), ``herd_placer_fenced`` (1 while it leads but cannot renew its
+  lease: no etcd quorum), ``herd_placer_failovers_total`` (the leader it knew replaced
   by another) and ``herd_placer_etcd_errors_total`` (etcd calls no member answered, or refused).
 
 Decision latencies: the state observes every decision into its own :class:`LatencyHistogram`
@@ -153,6 +154,8 @@ def ha_families(ha: HighAvailability) -> Iterator[Metric]:
                 "or a leader that cannot reach an etcd quorum)", {}, 1 if h["placing"] else 0)
     yield gauge("herd_placer_epoch", "Epoch of the leader this placer knows (its own when it leads; 0: none)",
                 {}, h["epoch"])
+    yield gauge("herd_placer_fenced", "1 while this placer leads but cannot renew its etcd lease (no etcd quorum, "
+                "or etcd out of reach): it places nothing, stops nothing", {}, 1 if h.get("fenced") else 0)
     yield counter("herd_placer_failovers_total", "Leaders this placer saw replaced by another", {}, h["failovers"])
     yield counter("herd_placer_etcd_errors_total", "etcd calls that failed: no member answered, or etcd refused",
                   {}, h["etcd_errors"])
