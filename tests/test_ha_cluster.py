@@ -126,6 +126,52 @@ def test_leader_killed_agents_follow_and_a_submit_meanwhile_is_answered_once(clu
     assert json.dumps(st).count(nxt.url) >= 1
 
 
+def test_quorum_lost_the_leader_is_fenced_then_places_again(tmp_path: Path, token_dir: Path,
+                                                           etcd3: EtcdCluster) -> None:
+    """Two of three etcd members killed: the leader places nothing and says so (/healthz,
+    /v1/status, /metrics), the running workload is untouched; the members back, the same
+    epoch leads on within a TTL and a new job is placed."""
+    from tests.prom import value
+
+    op = TokenSet.load(token_dir).operator
+    with HACluster(tmp_path / "c", token_dir, etcd3.endpoints, n_placers=2, n_agents=2, heartbeat_s=0.3,
+                   fence_after_s=2.0, recover_s=1.0, lease_ttl_s=TTL, racks=1) as c:
+        lead = c.leader()
+        wait(lambda: nodes_up(c, lead) == set(c.agents), 30, "agents up at the leader")
+        with PlacerClient(c.placer_urls, op, timeout=10, failover_s=30) as pc:
+            pc.submit(JobSpec(job_id="j1", pods=1, gpus_per_pod=8, argv=["sleep", "600"], grace_s=0.5))
+            j1 = pc.job("j1", wait="running", timeout_ms=20000)
+        node1 = j1.pods[0].node_id
+        wl = [w["workload_id"] for w in workloads(c, node1) if w.get("state") == "running"]
+        epoch = get(c, lead, "/healthz")["ha"]["epoch"]
+
+        etcd3.kill_member(1)
+        etcd3.kill_member(2)
+        h = wait(lambda: (x := get(c, lead, "/healthz")["ha"])["role"] == "fenced" and x, TTL + 8, "fenced")
+        assert not h["placing"] and h["why"] and h["epoch"] == epoch
+        assert get(c, lead, "/v1/status")["ha"]["role"] == "fenced"
+        m = httpx.get(lead.url + "/metrics", headers=c.read_headers(), timeout=5).text
+        assert value(m, "herd_placer_leader") == 0 and value(m, "herd_placer_fenced") == 1
+        r = httpx.post(lead.url + "/v1/jobs", headers=auth_header(op), timeout=5,
+                       content=b'{"job_id": "j2", "pods": 1, "gpus_per_pod": 8, "argv": ["x"]}')
+        assert r.status_code == 503 and r.headers["retry-after"] and r.json()["leader"] is None
+        time.sleep(2.0 + 1.0)   # past fence_after_s: a placer that judged the nodes would stop j1 now
+        assert [w["workload_id"] for w in workloads(c, node1) if w.get("state") == "running"] == wl
+
+        etcd3.start_member(1)
+        etcd3.start_member(2)
+        back = time.monotonic()
+        h = wait(lambda: (x := c.health(lead)) is not None and x["placing"] and x, 30, "placing again")
+        resumed_s = time.monotonic() - back
+        assert h["epoch"] == epoch and resumed_s <= 15   # (1.1 s measured: etcd's start and election included)
+        with PlacerClient(c.placer_urls, op, timeout=10, failover_s=30) as pc:
+            pc.submit(JobSpec(job_id="j2", pods=1, gpus_per_pod=8, argv=["sleep", "600"], grace_s=0.5))
+            j2 = pc.job("j2", wait="running", timeout_ms=20000)
+            j1b = pc.job("j1")
+        assert j2.state == "running" and j1b.state == "running" and j1b.pods[0].node_id == node1
+        assert [w["workload_id"] for w in workloads(c, node1) if w.get("state") == "running"] == wl
+
+
 @pytest.mark.skipif(ETCD is None, reason="etcd absent (Debian package etcd-server)")
 def test_demo_ha(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
