@@ -56,3 +56,19 @@ def test_answers_naming_the_leader_or_asking_to_wait() -> None:
     assert retry_after_s(503, "600") == 5.0            # bounded
     assert retry_after_s(503, None) is None and retry_after_s(503, "soon") is None
     assert retry_after_s(500, "1") is None
+
+
+def test_agent_config_takes_a_list_of_placers(tmp_path) -> None:  # noqa: ANN001
+    from agent.config import load_config
+    from agent.errors import ConfigError
+
+    f = tmp_path / "agent.toml"
+    f.write_text('[agent]\nplacer = ["http://p1:7470", "http://p2:7470"]\n')
+    cfg = load_config(f)
+    assert cfg.placer == "http://p1:7470" and cfg.placers == ("http://p1:7470", "http://p2:7470")
+    cfg = load_config(None, {"placer": ["http://a:1", "http://b:2"]})      # --placer repeated
+    assert cfg.placer == "http://a:1" and cfg.placers == ("http://a:1", "http://b:2")
+    assert load_config(None, {"placer": "http://a:1"}).placers == ()
+    f.write_text('[agent]\nplacer = ["http://p1:7470", "p2:7470"]\n')
+    with pytest.raises(ConfigError, match="http"):
+        load_config(f)
