@@ -216,8 +216,9 @@ class AgentLink:
                  relay_connect: RelayConnect | None = None, relay_retry_s: float | None = None,
                  ssl_context: ssl.SSLContext | None = None, wire_connect_timeout_s: float = 60.0,
                  wire_busy_backoff_s: float = 1.0, placers: Sequence[str] = ()) -> None:
-        self.placer_url = placer_url.rstrip("/")
-        self.placers = Placers([self.placer_url, *placers])   # every placer known: failed over (scheduler_link.placers)
+        # every placer known (placer_url may list several, comma-separated): failed over (scheduler_link.placers)
+        self.placers = Placers([*placer_url.split(","), *placers])
+        self.placer_url = self.placers.current
         self.ssl_context = ssl_context       # mutual TLS (this node's certificate) on every connection
         # the deny-list this node's handshakes consult (shared by its contexts): the placer's answers fill it
         self.revoked = ssl_context.revoked if isinstance(ssl_context, tls.HerdContext) else None
