@@ -630,7 +630,8 @@ class AgentLink:
         or another refusal moves on to the next placer (the new one announces its own framed
         channel)."""
         leader = leader_of(status, body) if status is not None else None
-        new = self.placers.learned(leader) if leader else self.placers.failed(used)
+        now = trio.current_time()
+        new = self.placers.learned(leader, now) if leader else self.placers.failed(used, now)
         if new != self.placer_url:
             log.info("reporting to another placer node=%s placer=%s (was %s)", self.node_id, new, self.placer_url)
             self.placer_url = new

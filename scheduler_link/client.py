@@ -195,7 +195,7 @@ class PlacerClient:
             except httpx.ConnectError as e:   # not connected: nothing was sent, another placer may lead
                 misses += 1
                 if len(self.placers) > 1 and time.monotonic() < deadline:
-                    self.placers.failed(url)
+                    self.placers.failed(url, time.monotonic())
                     if misses >= len(self.placers):   # (a follower may still name the dead leader)
                         time.sleep(min(0.5, 0.05 * misses))
                     continue
@@ -205,7 +205,7 @@ class PlacerClient:
             check_peer(r, "placer")
             leader = leader_of(r.status_code, r.content)
             if leader is not None and leader != url and time.monotonic() < deadline:
-                self.placers.learned(leader)
+                self.placers.learned(leader, time.monotonic())
                 continue
             wait = retry_after_s(r.status_code, r.headers.get("retry-after"))
             if wait is not None and time.monotonic() + wait < deadline:

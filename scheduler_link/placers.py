@@ -12,6 +12,7 @@ scheduler_link.agent_link).
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterable, Sequence
 
@@ -31,6 +32,7 @@ _redirect = msgspec.json.Decoder(_Redirect)
 REDIRECT = 307
 NO_LEADER = 503
 RETRY_AFTER_MAX_S = 5.0
+DOWN_HOLD_S = 3.0   # an address that failed is passed over this long (a dead leader, still named by followers)
 
 
 def _norm(url: str) -> str:
@@ -90,11 +92,14 @@ def retry_after_s(status: int, header: str | None) -> float | None:
 
 
 class Placers:
-    """The addresses, in order, and the current one. ``failed(url)`` moves on from ``url``
-    (only if it is still the current one: a late failure of an old request moves nothing);
-    ``learned(url)`` makes ``url`` current, adding it when new."""
+    """The addresses, in order, and the current one. ``failed(url, now)`` moves on from ``url``
+    (only if it is still the current one: a late failure of an old request moves nothing) to
+    the next address not itself failed within ``hold_s``; ``learned(url, now)`` makes ``url``
+    current, adding it when new, unless it failed within ``hold_s``: a follower keeps naming a
+    dead leader until its lease runs out, and following it back and forth would only cost
+    full reports. ``now`` is the caller's clock (None: nothing is held)."""
 
-    def __init__(self, urls: Iterable[str]) -> None:
+    def __init__(self, urls: Iterable[str], *, hold_s: float = DOWN_HOLD_S) -> None:
         self.urls: list[str] = []
         for u in urls:
             u = _norm(u)
@@ -103,6 +108,8 @@ class Placers:
         if not self.urls:
             raise ValueError("no placer address")
         self._i = 0
+        self.hold_s = hold_s
+        self._down: dict[str, float] = {}   # url -> until when it is passed over
         self.switches = 0
 
     def __len__(self) -> int:
@@ -112,14 +119,32 @@ class Placers:
     def current(self) -> str:
         return self.urls[self._i]
 
-    def failed(self, url: str) -> str:
-        if _norm(url) == self.current and len(self.urls) > 1:
-            self._i = (self._i + 1) % len(self.urls)
-            self.switches += 1
+    def _is_down(self, url: str, now: float | None) -> bool:
+        return now is not None and self._down.get(url, -math.inf) > now
+
+    def failed(self, url: str, now: float | None = None) -> str:
+        url = _norm(url)
+        if now is not None:
+            self._down[url] = now + self.hold_s
+        if url == self.current:
+            self._advance(now)
         return self.current
 
-    def learned(self, url: str) -> str:
+    def _advance(self, now: float | None) -> None:
+        """To the next address not held (the next one when all are)."""
+        n = len(self.urls)
+        if n > 1:
+            self._i = next((j for j in ((self._i + k) % n for k in range(1, n)) if not self._is_down(self.urls[j], now)),
+                           (self._i + 1) % n)
+            self.switches += 1
+
+    def learned(self, url: str, now: float | None = None) -> str:
+        """The leader an answer named: current now, unless it failed us a moment ago (then the
+        placer that named it counts as failed: the next is asked)."""
         url = _norm(url)
+        if self._is_down(url, now):
+            self._advance(now)
+            return self.current
         if url not in self.urls:
             self.urls.append(url)
         i = self.urls.index(url)

@@ -72,3 +72,18 @@ def test_agent_config_takes_a_list_of_placers(tmp_path) -> None:  # noqa: ANN001
     f.write_text('[agent]\nplacer = ["http://p1:7470", "p2:7470"]\n')
     with pytest.raises(ConfigError, match="http"):
         load_config(f)
+
+
+def test_a_failed_address_is_passed_over_for_a_while() -> None:
+    p = Placers(["http://a", "http://b", "http://c"], hold_s=3.0)
+    assert p.failed("http://a", now=10.0) == "http://b"
+    # b (a follower) still names a, which failed a moment ago: b counts as failed, c is next
+    assert p.learned("http://a", now=10.5) == "http://c"
+    # c names a too: round robin passes over a (held) and comes to b
+    assert p.learned("http://a", now=11.0) == "http://b"
+    assert p.failed("http://b", now=11.1) == "http://c"
+    # every other one held: the next anyway
+    assert p.failed("http://c", now=11.2) == "http://a"
+    # the hold over, a named leader is followed again
+    assert p.learned("http://b", now=20.0) == "http://b"
+    assert p.learned("http://a", now=20.0) == "http://a"
