@@ -2,7 +2,9 @@
 etcd, three ``herd placer run`` and real agents (``herd agent run``, simulated GPUs) that know
 every placer. The leader SIGKILLed: a follower leads, the agents move to it by themselves, a
 submit made during the failover is answered once (by the new leader), the running job is
-untouched; ``herd demo --ha`` end to end with nothing left running."""
+untouched; a paused leader continued is a follower; etcd's quorum lost, the leader places
+nothing and says so, then places again; ``herd demo --ha`` end to end with nothing left
+running."""
 
 from __future__ import annotations
 
@@ -124,6 +126,52 @@ def test_leader_killed_agents_follow_and_a_submit_meanwhile_is_answered_once(clu
         [wl1[0]["workload_id"]]
     st = httpx.get(c.agents[node1].url + "/v1/status", headers=c.read_headers(), timeout=5).json()
     assert json.dumps(st).count(nxt.url) >= 1
+
+
+def test_paused_leader_replaced_then_continued_is_a_follower(tmp_path: Path, token_dir: Path,
+                                                            etcd3: EtcdCluster) -> None:
+    """The leader SIGSTOPped past its TTL: another leads and the agents move to it; the paused
+    one continued finds its lease gone and serves again, on its address, as a follower of the
+    new leader; the running workload untouched throughout. An agent leaves a silent (paused)
+    placer after its request timeout (10 s): the new leader's recover_s must outlast that, or
+    it places the recovered job a second time before its workload is reported."""
+
+    with HACluster(tmp_path / "c", token_dir, etcd3.endpoints, n_placers=2, n_agents=2, heartbeat_s=0.3,
+                   fence_after_s=30.0, recover_s=12.0, lease_ttl_s=TTL, racks=1) as c:
+        _paused_leader(c, token_dir)
+
+
+def _paused_leader(c: HACluster, token_dir: Path) -> None:
+    import signal
+
+    op = TokenSet.load(token_dir).operator
+    old = c.leader()
+    wait(lambda: nodes_up(c, old) == set(c.agents), 30, "agents up at the leader")
+    with PlacerClient(c.placer_urls, op, timeout=10, failover_s=30) as pc:
+        pc.submit(JobSpec(job_id="j1", pods=1, gpus_per_pod=8, argv=["sleep", "600"], grace_s=0.5))
+        j1 = pc.job("j1", wait="running", timeout_ms=20000)
+    node1 = j1.pods[0].node_id
+    wl = [w["workload_id"] for w in workloads(c, node1) if w.get("state") == "running"]
+    epoch = get(c, old, "/healthz")["ha"]["epoch"]
+    old.proc.send_signal(signal.SIGSTOP)
+    try:
+        nxt = c.leader(timeout_s=TTL + 8, besides=old)
+        # (an agent gives a silent framed channel its request timeout before it moves)
+        wait(lambda: nodes_up(c, nxt) == set(c.agents), 40, "agents up at the new leader")
+    finally:
+        old.proc.send_signal(signal.SIGCONT)
+    h = wait(lambda: (x := c.health(old)) is not None and x["role"] == "follower" and x, TTL + 10,
+             "the old leader a follower")
+    assert h["leader"] == nxt.url and h["epoch"] > epoch and old.alive()
+    assert httpx.get(old.url + "/v1/jobs", headers=c.read_headers(), timeout=5).status_code == 307
+    assert "lost the leadership" in old.log.read_text()
+    with PlacerClient(c.placer_urls, op, timeout=10, failover_s=30) as pc:
+        pc.submit(JobSpec(job_id="j2", pods=1, gpus_per_pod=8, argv=["sleep", "600"], grace_s=0.5))
+        j2 = pc.job("j2", wait="running", timeout_ms=30000)
+        j1b = pc.job("j1", wait="running", timeout_ms=10000)
+        assert pc.url == nxt.url
+    assert j1b.state == "running" and j2.state == "running"
+    assert [w["workload_id"] for w in workloads(c, node1) if w.get("state") == "running"] == wl
 
 
 def test_quorum_lost_the_leader_is_fenced_then_places_again(tmp_path: Path, token_dir: Path,
