@@ -217,6 +217,9 @@ def test_quorum_lost_the_leader_is_fenced_then_places_again(tmp_path: Path, toke
             j2 = pc.job("j2", wait="running", timeout_ms=20000)
             j1b = pc.job("j1")
         assert j2.state == "running" and j1b.state == "running" and j1b.pods[0].node_id == node1
+        m = httpx.get(lead.url + "/metrics", headers=c.read_headers(), timeout=5).text
+        assert value(m, "herd_placer_nodes_lost_total") == 0    # its own deafness judged nobody lost
+        assert value(m, "herd_placer_leader") == 1 and value(m, "herd_placer_fenced") == 0
         assert [w["workload_id"] for w in workloads(c, node1) if w.get("state") == "running"] == wl
 
 
