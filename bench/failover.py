@@ -143,8 +143,12 @@ async def _nodes_up(c: httpx.AsyncClient, url: str) -> int:
 
 
 async def _wait_up(c: httpx.AsyncClient, url: str, n: int, limit_s: float) -> float:
+    t0 = last = time.time()
     with trio.fail_after(limit_s):
-        while await _nodes_up(c, url) < n:
+        while (up := await _nodes_up(c, url)) < n:
+            if time.time() - last >= 2.0:
+                last = time.time()
+                _note("nodes up", up=up, of=n, s=last - t0)
             await trio.sleep(0.05)
     return time.time()
 
@@ -266,12 +270,14 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
     return out
 
 
-async def run_all(n: int, gang_hosts: int, baseline: bool, recover_s: float) -> dict[str, Any]:
+async def run_all(n: int, gang_hosts: int, baseline: bool, recover_s: float, workdir: str | None = None
+                  ) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="herd-failover-") as d:
-        rows.append(await run_once(n, gang_hosts, Path(d) / "ha", ha=True, recover_s=recover_s))
+        root = Path(workdir or d)   # --workdir: the logs stay there
+        rows.append(await run_once(n, gang_hosts, root / "ha", ha=True, recover_s=recover_s))
         if baseline:
-            rows.append(await run_once(n, gang_hosts, Path(d) / "single", ha=False, recover_s=recover_s))
+            rows.append(await run_once(n, gang_hosts, root / "single", ha=False, recover_s=recover_s))
     return {"bench": "failover", "cores": os.cpu_count(), "lease_ttl_s": TTL, "recover_s": recover_s,
             "heartbeat_s": HEARTBEAT_S, "rows": rows}
 
@@ -294,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the placers' recover_s: a new leader waits this long for the fleet's reports before "
                          "placing (shorter than the fleet's re-registration, the recovered gang is placed again)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the single-placer cold restart")
+    ap.add_argument("--workdir", default=None, help="keep the placers', etcd's and the emulator's logs here")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ns = ap.parse_args(argv)
     if not 16 <= ns.nodes <= 131072:
@@ -301,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     gang = ns.gang_hosts or ns.nodes // 2
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     t = time.perf_counter()
-    out = trio.run(run_all, ns.nodes, gang, not ns.no_baseline, ns.recover_s)
+    out = trio.run(run_all, ns.nodes, gang, not ns.no_baseline, ns.recover_s, ns.workdir)
     out["wall_s"] = round(time.perf_counter() - t, 1)
     if ns.json:
         print(json.dumps(out))

@@ -45,6 +45,26 @@ LOCAL_ROUTES = frozenset({("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/op
                           ("GET", "/v1/status"), ("POST", "/v1/pki/bootstrap"), ("POST", "/v1/pki/renew")})
 
 
+class _LeaderValue(msgspec.Struct, frozen=True):
+    url: str
+    wire: str | None = None
+
+
+_leader_dec = msgspec.json.Decoder(_LeaderValue)
+
+
+def leader_of(value: str) -> tuple[str, str]:
+    """(URL, framed channel) of the leader's election value: a JSON ``{"url", "wire"}``, or a
+    plain URL (empty when none)."""
+    if value.startswith("{"):
+        try:
+            v = _leader_dec.decode(value)
+            return v.url, v.wire or ""
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return "", ""
+    return value, ""
+
+
 class HighAvailability:
     """``await nursery.start(ha.run, url, on_promoted)`` once the API listens."""
 
@@ -74,7 +94,7 @@ class HighAvailability:
         if v is None or v.role is Role.IDLE:
             return "the placers are electing a leader; try again shortly"
         if v.role is Role.WAITING:
-            return f"this placer follows {v.leader or 'a leader it has not named yet'}"
+            return f"this placer follows {leader_of(v.leader)[0] or 'a leader it has not named yet'}"
         return "this placer leads but is loading the jobs journal; try again shortly"
 
     def health(self) -> dict[str, Any]:
@@ -88,14 +108,16 @@ class HighAvailability:
         role = ("follower" if v.role is Role.WAITING else "candidate" if v.role is Role.IDLE
                 else "fenced" if v.fenced else "leader" if self.leading() else "promoting")   # promoting: loading the journal
         placing = self.leading()
-        return {"role": role, "leader": v.leader or None, "epoch": v.leader_epoch, "placing": placing,
+        leader, wire = leader_of(v.leader)
+        return {"role": role, "leader": leader or None, "leader_wire": wire or None, "epoch": v.leader_epoch,
+                "placing": placing,
                 "fenced": v.fenced, "etcd_reachable": self.client.reachable, "url": self.url,
                 **({} if placing else {"why": self.why_not_placing()}),
                 "failovers": e.failovers, "etcd_errors": self.client.errors,
                 "etcd": self.client.statistics(), "election": e.statistics()}
 
     async def run(self, url: str, on_promoted: Callable[[EtcdJournal], None],
-                  on_resumed: Callable[[], None] = lambda: None, *,
+                  on_resumed: Callable[[], None] = lambda: None, wire_url: str | None = None, *,
                   task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Campaign; on promotion load the journal, hand it to ``on_promoted`` and keep it
         written; raise :class:`LeadershipLost` when the lease goes. ``started()`` at once: the
@@ -103,7 +125,10 @@ class HighAvailability:
         for a TTL) and then renewed calls ``on_resumed`` before it places again (the nodes'
         silence meanwhile was the placer's deafness: see :func:`forgive_silence`)."""
         self.url = self.cfg.etcd_advertise or url
-        self.election = Election(self.client, self.prefix + b"election/", self.url,
+        # what followers learn of the leader: its URL, and its framed channel (agents that move to
+        # it register over that at once, as they do with a placer restarted on its address)
+        value = msgspec.json.encode(_LeaderValue(self.url, wire_url)).decode() if wire_url else self.url
+        self.election = Election(self.client, self.prefix + b"election/", value,
                                  ttl_s=self.cfg.etcd_lease_ttl_s)
         try:
             async with trio.open_nursery() as n:
@@ -136,12 +161,13 @@ class HighAvailability:
         async def h(req: Request) -> Response:
             if self.leading():
                 return await handler(req)
-            leader = self.election.view.leader if self.election is not None else ""
+            leader, wire = leader_of(self.election.view.leader if self.election is not None else "")
             if not leader or leader == self.url:   # Retry-After: clients ask again (scheduler_link.placers)
                 return Response(status=503, headers=[("retry-after", "1")], body=msgspec.json.encode(
                     {"error": "no leader", "detail": self.why_not_placing(), "leader": None}))
             where = leader.rstrip("/") + req.path + (f"?{urlencode(req.query)}" if req.query else "")
-            return Response(status=307, body=msgspec.json.encode({"error": "not the leader", "leader": leader}),
+            return Response(status=307, body=msgspec.json.encode({"error": "not the leader", "leader": leader,
+                                                                  "leader_wire": wire or None}),
                             headers=[("location", where)])
         return h
 

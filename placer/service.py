@@ -172,7 +172,7 @@ class PlacerService:
                     self.wire_url = await n.start(self.wire.run, self.cfg.wire_listen)
                 self._write_endpoints()
                 if self.ha is not None:  # campaign; on promotion the journal comes from etcd
-                    await n.start(self.ha.run, self.url, self._recover, self._resumed)
+                    await n.start(self.ha.run, self.url, self._recover, self._resumed, self.wire_url)
                 n.start_soon(self._loop)
                 log.info("placer serving url=%s", self.url)
                 task_status.started(self.url)

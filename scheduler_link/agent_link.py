@@ -90,7 +90,7 @@ from .messages import (
     WorkloadEvent,
 )
 from .msgauth import verified_stops, with_report_mac
-from .placers import Placers, leader_of
+from .placers import NO_LEADER, Placers, leader_of, leader_wire_of, not_leading
 
 log = logging.getLogger("herd.link.agent")
 
@@ -387,7 +387,7 @@ class AgentLink:
                     self._relay_ask_at = trio.current_time() + self._relay_retry()
                     log.warning("relay failed, reporting to the placer node=%s relay=%s", self.node_id,
                                 self._relay.url)
-                elif not relayed:
+                elif not relayed and not isinstance(e, _PlacerError):   # no answer: another placer may lead
                     self._placer_answered(None, used=at)
                 await self._close_wire()
                 self.failures += 1
@@ -596,6 +596,8 @@ class AgentLink:
             if wr.status == 409:
                 raise _Conflict()
             if wr.status != 200:
+                if wr.status == NO_LEADER and self._relay is None:   # a placer that does not lead (placer.ha)
+                    self._placer_answered(wr.status, used=self.placer_url)
                 raise _PlacerError(f"placer answered {wr.status} on the framed channel: {wr.error}")
             return wr.reply
         body = msgspec.json.encode(report)
@@ -605,6 +607,7 @@ class AgentLink:
                 res = await self._http_pool.post(self.placer_url, f"/v1/nodes/{self.node_id}/report", body,
                                                  token=self.token, key=self.node_id, expect="placer")
             if res.status is None:
+                self._placer_answered(None, used=self.placer_url)
                 raise _PlacerError(f"placer unreachable: {res.error}")
             status, content = res.status, res.body
         else:
@@ -621,21 +624,26 @@ class AgentLink:
         if status == 409:
             raise _Conflict()
         if status != 200:
-            self._placer_answered(status, content, used=self.placer_url)
+            if not_leading(status, content):
+                self._placer_answered(status, content, used=self.placer_url)
             raise _PlacerError(f"placer answered {status}: {content[:200].decode(errors='replace')}")
         return _reply_decoder.decode(content)
 
     def _placer_answered(self, status: int | None, body: bytes = b"", *, used: str) -> None:
-        """Several placers: a follower's 307 names the leader, which is asked next; no answer
-        or another refusal moves on to the next placer (the new one announces its own framed
-        channel)."""
+        """Several placers: a follower's 307 names the leader, which is asked next; a placer
+        that does not lead and names none moves on to the next; no answer (``status`` None)
+        moves on too, and passes over that placer for a while. The new one announces its own
+        framed channel."""
         leader = leader_of(status, body) if status is not None else None
         now = trio.current_time()
-        new = self.placers.learned(leader, now) if leader else self.placers.failed(used, now)
+        new = (self.placers.learned(leader, now) if leader
+               else self.placers.failed(used, now if status is None else None))
         if new != self.placer_url:
             log.info("reporting to another placer node=%s placer=%s (was %s)", self.node_id, new, self.placer_url)
             self.placer_url = new
-            self._wire_url = None
+            # the leader's framed channel when the follower named it (registered over it at once)
+            self._wire_url = leader_wire_of(status, body) if leader and status is not None else None
+            self._wire_retry_at = 0.0
 
     async def _stop(self, victims: list[Victim]) -> None:
         try:

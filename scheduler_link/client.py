@@ -29,7 +29,7 @@ from infra.auth import auth_header
 from infra.errors import ClientError as ClientError  # re-exported: callers import it from here
 
 from .messages import ArtifactUpdate, DefragRequest, JobSpec, JobView, NodeOp, NodeView, PrefetchFanout
-from .placers import Placers, leader_of, placer_urls, placer_urls_from_env, retry_after_s
+from .placers import Placers, leader_of, not_leading, placer_urls, placer_urls_from_env, retry_after_s
 
 
 class JobPage(msgspec.Struct, frozen=True, kw_only=True):
@@ -210,8 +210,8 @@ class PlacerClient:
             wait = retry_after_s(r.status_code, r.headers.get("retry-after"))
             if wait is not None and time.monotonic() + wait < deadline:
                 time.sleep(wait)
-                if len(self.placers) > 1:   # the leader may be another, and this one may never learn it
-                    self.placers.failed(url)
+                if len(self.placers) > 1 and not_leading(r.status_code, r.content):   # (not a busy leader)
+                    self.placers.failed(url)   # the leader may be another, and this one may not know it yet
                 continue
             _check(r)
             return r

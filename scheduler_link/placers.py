@@ -20,11 +20,12 @@ import msgspec
 
 from infra.errors import ClientError
 
-__all__ = ["Placers", "placer_urls", "placer_urls_from_env", "leader_of", "retry_after_s"]
+__all__ = ["Placers", "placer_urls", "placer_urls_from_env", "leader_of", "leader_wire_of", "not_leading", "retry_after_s"]
 
 
 class _Redirect(msgspec.Struct, frozen=True):
-    leader: str | None = None
+    leader: str | None | msgspec.UnsetType = msgspec.UNSET
+    leader_wire: str | None = None
 
 
 _redirect = msgspec.json.Decoder(_Redirect)
@@ -74,9 +75,34 @@ def leader_of(status: int, body: bytes) -> str | None:
         leader = _redirect.decode(body).leader
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-    if not leader or not leader.startswith(("http://", "https://")):
+    if not isinstance(leader, str) or not leader.startswith(("http://", "https://")):
         return None
     return _norm(leader)
+
+
+def leader_wire_of(status: int, body: bytes) -> str | None:
+    """The leader's framed channel a follower's 307 names (``leader_wire``), else None."""
+    if status != REDIRECT:
+        return None
+    try:
+        wire = _redirect.decode(body).leader_wire
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    return wire if wire and wire.startswith(("tcp://", "tls://")) else None
+
+
+def not_leading(status: int, body: bytes) -> bool:
+    """An answer of a placer that does not lead: a 307, or a 503 whose body says which leader
+    it knows (``"leader": null`` while none is elected). A busy placer's 503 (infra.gate) names
+    none: it leads, and is asked again."""
+    if status == REDIRECT:
+        return True
+    if status != NO_LEADER:
+        return False
+    try:
+        return _redirect.decode(body).leader is not msgspec.UNSET
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return False
 
 
 def retry_after_s(status: int, header: str | None) -> float | None:

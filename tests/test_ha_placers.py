@@ -87,3 +87,28 @@ def test_a_failed_address_is_passed_over_for_a_while() -> None:
     # the hold over, a named leader is followed again
     assert p.learned("http://b", now=20.0) == "http://b"
     assert p.learned("http://a", now=20.0) == "http://a"
+
+
+def test_not_leading_tells_a_follower_from_a_busy_leader() -> None:
+    from infra.gate import BUSY_ANSWER
+    from scheduler_link.placers import not_leading
+
+    busy_body = BUSY_ANSWER.split(b"\r\n\r\n", 1)[1]
+    assert not_leading(307, b'{"leader": "http://b:7"}')
+    assert not_leading(503, b'{"error": "no leader", "leader": null}')
+    assert not not_leading(503, busy_body)            # the connection gate: the leader, busy
+    assert not not_leading(503, b"<html>") and not not_leading(500, b'{"leader": null}')
+
+
+def test_a_redirect_names_the_leaders_framed_channel() -> None:
+    from placer.ha import leader_of as leader_value
+    from scheduler_link.placers import leader_wire_of
+
+    assert leader_wire_of(307, b'{"leader": "http://b:7", "leader_wire": "tcp://b:8"}') == "tcp://b:8"
+    assert leader_wire_of(307, b'{"leader": "http://b:7"}') is None
+    assert leader_wire_of(307, b'{"leader": "http://b:7", "leader_wire": "http://x"}') is None
+    assert leader_wire_of(503, b'{"leader_wire": "tcp://b:8"}') is None
+    # the election value: the leader's URL and framed channel, or a plain URL
+    assert leader_value('{"url": "http://a:1", "wire": "tcp://a:2"}') == ("http://a:1", "tcp://a:2")
+    assert leader_value("http://a:1") == ("http://a:1", "")
+    assert leader_value("{broken") == ("", "") and leader_value("") == ("", "")
