@@ -149,7 +149,7 @@ class HighAvailability:
                         self._fencings = self.election.fencings
                         log.info("etcd answers again: leading epoch=%d", seen.epoch)
                 raise LeadershipLost(f"placer {self.url} lost the leadership (epoch {view.epoch}); "
-                                     "stopping so that a restart joins as a follower")
+                                     "serving again as a follower with a fresh state")
         finally:
             await self.client.aclose()
 
