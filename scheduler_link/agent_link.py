@@ -72,7 +72,7 @@ import random
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
@@ -101,6 +101,7 @@ from .messages import (
     WorkloadEvent,
 )
 from .msgauth import verified_stops, with_report_mac
+from .placers import NO_LEADER, Placers, leader_of, leader_wire_of, not_leading
 
 log = logging.getLogger("herd.link.agent")
 
@@ -240,8 +241,11 @@ class AgentLink:
                  on_part: PartHandler | None = None, own_relay_url: str | None = None,
                  relay_connect: RelayConnect | None = None, relay_retry_s: float | None = None,
                  ssl_context: ssl.SSLContext | None = None, wire_connect_timeout_s: float = 60.0,
-                 wire_busy_backoff_s: float = 1.0, relay_trust_intervals: int = RELAY_TRUST_INTERVALS) -> None:
-        self.placer_url = placer_url.rstrip("/")
+                 wire_busy_backoff_s: float = 1.0, relay_trust_intervals: int = RELAY_TRUST_INTERVALS,
+                 placers: Sequence[str] = ()) -> None:
+        # every placer known (placer_url may list several, comma-separated): failed over (scheduler_link.placers)
+        self.placers = Placers([*placer_url.split(","), *placers])
+        self.placer_url = self.placers.current
         self.ssl_context = ssl_context       # mutual TLS (this node's certificate) on every connection
         # the deny-list this node's handshakes consult (shared by its contexts): the placer's answers fill it
         self.revoked = ssl_context.revoked if isinstance(ssl_context, tls.HerdContext) else None
@@ -326,7 +330,8 @@ class AgentLink:
 
     def statistics(self) -> dict[str, Any]:
         return {
-            "placer_url": self.placer_url, "registered": self.registered, "boot_id": self.boot_id,
+            "placer_url": self.placer_url, "placers": list(self.placers.urls), "placer_switches": self.placers.switches,
+            "registered": self.registered, "boot_id": self.boot_id,
             "seq": self.seq, "reports_sent": self.reports_sent, "full_reports_sent": self.full_reports_sent,
             "failures": self.failures, "conflicts": self.conflicts, "stops_received": self.stops_received,
             "stops_refused": self.stops_refused,
@@ -399,6 +404,8 @@ class AgentLink:
                 if self._wire is None and 0 < self._wire_busy < WIRE_BUSY_TRIES:
                     await trio.sleep_until(self._wire_retry_at)  # the channel again, not HTTP
                     continue
+            at = self.placer_url   # (it changes when this placer does not lead: _placer_answered)
+            url = f"{at}/v1/nodes/{self.node_id}/report"
             report = self._build_report()
             relayed = self._relay is not None
             try:
@@ -418,6 +425,8 @@ class AgentLink:
                     self._relay_ask_at = trio.current_time() + self._relay_retry()
                     log.warning("relay failed, reporting to the placer node=%s relay=%s", self.node_id,
                                 self._relay.url)
+                elif not relayed and not isinstance(e, _PlacerError):   # no answer: another placer may lead
+                    self._placer_answered(None, used=at)
                 await self._close_wire()
                 self.failures += 1
                 self.registered = False
@@ -662,6 +671,8 @@ class AgentLink:
             if wr.status == 409:
                 raise _Conflict()
             if wr.status != 200:
+                if wr.status == NO_LEADER and self._relay is None:   # a placer that does not lead (placer.ha)
+                    self._placer_answered(wr.status, used=self.placer_url)
                 raise _PlacerError(f"placer answered {wr.status} on the framed channel: {wr.error}")
             return wr.reply
         body = msgspec.json.encode(report)
@@ -671,6 +682,7 @@ class AgentLink:
                 res = await self._http_pool.post(self.placer_url, f"/v1/nodes/{self.node_id}/report", body,
                                                  token=self.token, key=self.node_id, expect="placer")
             if res.status is None:
+                self._placer_answered(None, used=self.placer_url)
                 raise _PlacerError(f"placer unreachable: {res.error}")
             status, content = res.status, res.body
         else:
@@ -687,8 +699,26 @@ class AgentLink:
         if status == 409:
             raise _Conflict()
         if status != 200:
+            if not_leading(status, content):
+                self._placer_answered(status, content, used=self.placer_url)
             raise _PlacerError(f"placer answered {status}: {content[:200].decode(errors='replace')}")
         return _reply_decoder.decode(content)
+
+    def _placer_answered(self, status: int | None, body: bytes = b"", *, used: str) -> None:
+        """Several placers: a follower's 307 names the leader, which is asked next; a placer
+        that does not lead and names none moves on to the next; no answer (``status`` None)
+        moves on too, and passes over that placer for a while. The new one announces its own
+        framed channel."""
+        leader = leader_of(status, body) if status is not None else None
+        now = trio.current_time()
+        new = (self.placers.learned(leader, now) if leader
+               else self.placers.failed(used, now if status is None else None))
+        if new != self.placer_url:
+            log.info("reporting to another placer node=%s placer=%s (was %s)", self.node_id, new, self.placer_url)
+            self.placer_url = new
+            # the leader's framed channel when the follower named it (registered over it at once)
+            self._wire_url = leader_wire_of(status, body) if leader and status is not None else None
+            self._wire_retry_at = 0.0
 
     async def _stop(self, victims: list[Victim]) -> None:
         try:
