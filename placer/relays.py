@@ -65,7 +65,7 @@ from scheduler_link.messages import (
     ReportReply,
 )
 
-from . import relaypolicy
+from . import membership, relaypolicy
 from .attempts import ACCEPTED, Outcome
 from .config import PlacerConfig
 from .delivery import (
@@ -329,6 +329,8 @@ class RelayHub:
             raw = self.host.gang_blob(req.blob_id)
             if raw is None:
                 return "blob", BlobReply(blob_id=req.blob_id, error="no such gang blob")
+            if (refused := membership.frames_refusal(self.host, conn, req.blob_id)) is not None:
+                return "blob", refused
             self.stats.blob_serves += 1
             return "blob", BlobReply(blob_id=req.blob_id, data=raw)
         if t == "ping":

@@ -70,6 +70,7 @@ from .etcdjournal import JobJournal
 from .frag import fragmentation, largest_placeable, plan_defrag
 from .ha import HighAvailability
 from .journal import Journal, JournalError
+from .membership import Membership
 from .relays import RelayHub
 from .state import ACCEPTED, TERMINAL_JOB_STATES, JobError, JobRec, NodeRec, Outcome, PlacerState, Push
 from .views import DEFAULT_PODS, parse_page
@@ -123,6 +124,7 @@ class PlacerService:
         self.dashboard = Dashboard(self)
         self.app = self._build_app()
         self.relays = RelayHub(self)
+        self.membership = Membership(self.state.nodes, self.state.blobs, self.state.counters, self.relays)  # (reads by membership)
         # message-level identity (scheduler_link.msgauth): ephemeral until run() loads the state
         # dir's (so a restarted placer keeps verifying what relays forward, and agents' pinned key holds)
         self.mac_master = os.urandom(msgauth.KEY_LEN)
@@ -747,6 +749,7 @@ class PlacerService:
         raw = self.state.blobs.get(req.params["blob_id"])
         if raw is None:
             raise HTTPError(404, "no such gang blob", req.params["blob_id"][:64])
+        self.membership.check_http(req)   # a node reads only its gangs' blobs (a 403 with a reason code)
         self.relays.stats.blob_serves += 1
         return Response(status=200, body=raw, content_type="application/msgpack")
 
