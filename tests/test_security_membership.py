@@ -30,7 +30,7 @@ from scheduler_link.messages import (
 from tests.test_placer_service import cfg, wait_for
 from tests.test_tls_cluster import TLSFakeAgent
 
-RACKS = {"a0": "r0", "a1": "r0", "b0": "r1", "b1": "r1"}
+RACKS = {"a0": "r0", "a1": "r0", "a2": "r0", "b0": "r1", "b1": "r1", "b2": "r1"}
 
 
 def _path(rack: str) -> str:
@@ -123,7 +123,7 @@ async def test_only_the_gangs_nodes_and_their_racks_relay_read_its_blob(tmp_path
             member = job.pods[0].node_id
             rack = RACKS[member]
             outsider = next(x for x, k in RACKS.items() if k != rack)          # another rack's node
-            neighbour = next(x for x, k in RACKS.items() if k == rack and x != member)   # same rack, no pod
+            neighbours = [x for x, k in RACKS.items() if k == rack and x != member]   # same rack, no pod
             other_rack_node = next(x for x, k in RACKS.items() if k != rack and x != outsider)
 
             # GET /v1/gangs/{id}: the member reads it, an outsider gets a 403 with a reason code
@@ -144,12 +144,16 @@ async def test_only_the_gangs_nodes_and_their_racks_relay_read_its_blob(tmp_path
             got = await _blob_get(theirs, blob_id)
             assert got.data is None and got.error == membership.NOT_A_MEMBER
 
-            # a relay: its rack's gangs yes (its own node has no pod), another rack's no
-            near = await _frames(svc, tokens, tls_pki, neighbour, n, relay_for=_path(rack))
-            assert svc.relays.relay_for(_path(rack)) is not None
-            assert svc.relays.relay_for(_path(rack)).node_id == neighbour  # type: ignore[union-attr]
-            got = await _blob_get(near, blob_id)
+            # a relay: its rack's gangs yes (its own node has no pod), another rack's no; a
+            # candidate of the gang's rack that is not the rack's active relay, no
+            cands = {x: await _frames(svc, tokens, tls_pki, x, n, relay_for=_path(rack)) for x in neighbours}
+            active = svc.relays.relay_for(_path(rack))
+            assert active is not None and active.node_id in neighbours
+            got = await _blob_get(cands[active.node_id], blob_id)
             assert got.error is None and got.data == svc.state.blobs[blob_id]
+            loser = next(x for x in neighbours if x != active.node_id)
+            got = await _blob_get(cands[loser], blob_id)
+            assert got.data is None and got.error == membership.NOT_A_MEMBER
             far = await _frames(svc, tokens, tls_pki, other_rack_node, n, relay_for=_path(RACKS[other_rack_node]))
             assert svc.relays.relay_for(_path(RACKS[other_rack_node])) is not None
             got = await _blob_get(far, blob_id)
@@ -157,7 +161,7 @@ async def test_only_the_gangs_nodes_and_their_racks_relay_read_its_blob(tmp_path
 
             # counted, never logged per request above debug
             c = svc.state.counters
-            assert c["blob_refusals"] == 3 and c["blob_refusals_" + membership.NOT_A_MEMBER] == 3
+            assert c["blob_refusals"] == 4 and c["blob_refusals_" + membership.NOT_A_MEMBER] == 4
             assert not [r for r in caplog.records if r.name.startswith("herd.") and r.levelno >= logging.INFO
                         and blob_id[:16] in r.getMessage()]
             await op.aclose()
