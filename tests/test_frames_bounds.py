@@ -36,7 +36,7 @@ from scheduler_link.messages import BlobRequest, Frame, RackBeat, RelayHello
 from testing.fake_agent import FakeAgent
 from testing.waiting import poll
 
-from .test_placer_service import cfg
+from .test_placer_service import Cluster, cfg
 
 R1 = "z1/b1/r1"   # FakeAgent(rack="r1")'s rack path
 
@@ -153,14 +153,17 @@ async def test_a_reader_that_never_reads_is_closed_at_its_bound(tmp_path, token_
     with trio.fail_after(30):
         async with trio.open_nursery() as n:
             svc, url = await _placer(n, tmp_path, tokens)
-            svc.state.blobs["b" * 64] = b"\1" * (60 << 10)   # a gang blob of 60 KiB
+            await n.start(FakeAgent("n0", tokens).run, url)   # a gang's node (it reads only its gangs' blobs)
+            await Cluster(tokens, url, []).submit(job_id="j", pods=1, gpus_per_pod=8)
+            blob = await poll(lambda: svc.state.jobs["j"].blob_id, 0.01)
+            svc.state.blobs[blob] = b"\1" * (60 << 10)   # its gang blob, of 60 KiB
             sock = trio.socket.socket()
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             host, port = svc.wire_url.removeprefix("tcp://").rsplit(":", 1)
             await sock.connect((host, int(port)))
             stream = trio.SocketStream(sock)
             await stream.send_all(frame(Hello(token=tokens.cluster or "", node_id="n0", frames=True)))
-            ask = encode_frame("blob_get", BlobRequest(blob_id="b" * 64), id=1)
+            ask = encode_frame("blob_get", BlobRequest(blob_id=blob), id=1)
             sent = 0
             with trio.move_on_after(20):
                 while svc.wire is None or not svc.wire.frames_closed:
