@@ -285,8 +285,8 @@ class DataPlane:
         return self._sending
 
     def next_change(self) -> trio.Event:
-        """An Event set the next time a request is routed, starts waiting for a chunk,
-        is held back by the per-chunk cap, or is done (sent, cut or abandoned), or a
+        """An Event set the next time a request is routed, starts or stops waiting for
+        a chunk, is held back by the per-chunk cap, or is done (sent, cut or abandoned), or a
         connection is closed: when what :meth:`statistics` counts of them may have
         moved. Wait on it, then look again (``testing.waiting.until``)."""
         return self._changed
@@ -351,11 +351,11 @@ class DataPlane:
         """Wait until the chunk is here (woken by the store's hook; the disk is re-checked
         every ``poll_s`` in case it arrives another way) or ``wait_ms`` passes."""
         self._stats.waits += 1
-        self._poke()
         w = self._waiters.get(chunk_id)
         if w is None or w[0].is_set():
             w = self._waiters[chunk_id] = [trio.Event(), 0]
         w[1] += 1
+        self._poke()
         try:
             with trio.move_on_after(wait_ms / 1000):
                 while not self.store.has_chunk(chunk_id):
@@ -365,6 +365,7 @@ class DataPlane:
             w[1] -= 1
             if w[1] == 0 and self._waiters.get(chunk_id) is w:
                 del self._waiters[chunk_id]
+            self._poke()
         present = bool(self.store.has_chunk(chunk_id))
         if present:
             self._stats.waits_satisfied += 1
