@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 import trio
+import trio.testing
 
 from agent.logs import follow
 from testing.waiting import poll
@@ -98,7 +99,7 @@ async def test_follow_waits_for_a_log_that_does_not_exist_yet(tmp_path: Path):
     with trio.fail_after(10):
         async with trio.open_nursery() as n:
             n.start_soon(reader)
-            await trio.sleep(0.05)
+            await trio.testing.wait_all_tasks_blocked()   # the reader waits for a log not there yet
             wdir.mkdir()
             (wdir / "stderr.log").write_bytes(b"hello\n")
             await poll(lambda: b"".join(got) == b"hello\n", 0.01)
