@@ -307,24 +307,27 @@ def _free_port() -> int:
 
 async def test_agent_link_re_registers_over_the_remembered_framed_channel_after_a_placer_restart(tmp_path, token_dir):
     """First registration over HTTP (the reply names the framed channel); after the placer
-    restarts on the same addresses, the full report goes over the framed channel."""
+    restarts on the same channel address, the full report goes over the framed channel.
+    (The restarted placer's API listens elsewhere: while the channel's port is refused the
+    link uses HTTP for a while, and a placer answering there first would take the report;
+    here only the remembered channel can.)"""
     from placer.service import PlacerService
 
     from .test_placer_service import cfg
 
     tokens = TokenSet.load(token_dir)
     http_port, wire_port = _free_port(), _free_port()
-    conf = cfg(tmp_path, listen=f"127.0.0.1:{http_port}", wire_listen=f"127.0.0.1:{wire_port}")
     hooks = _Hooks("solo")
     with trio.fail_after(20):
         async with trio.open_nursery() as n:
             svc_scope = trio.CancelScope()
 
-            async def placer(task_status=trio.TASK_STATUS_IGNORED):
+            async def placer(http_port: int, task_status=trio.TASK_STATUS_IGNORED):
+                conf = cfg(tmp_path, listen=f"127.0.0.1:{http_port}", wire_listen=f"127.0.0.1:{wire_port}")
                 with svc_scope:
                     await PlacerService(conf, tokens).run(task_status=task_status)
 
-            await n.start(placer)
+            await n.start(placer, http_port)
             link = AgentLink(f"http://127.0.0.1:{http_port}", tokens.cluster, "solo", hooks, heartbeat_s=0.1,
                              backoff_max_s=0.1)
             await n.start(link.run)
@@ -336,7 +339,7 @@ async def test_agent_link_re_registers_over_the_remembered_framed_channel_after_
             with trio.fail_after(5):
                 await poll(lambda: link.failures != 0, 0.02)
             svc_scope = trio.CancelScope()
-            await n.start(placer)
+            await n.start(placer, _free_port())
             with trio.fail_after(10):
                 await poll(lambda: link.registered and link.wire_full_reports >= 1, 0.02)
             assert link.full_reports_sent - link.wire_full_reports == 1  # only the very first over HTTP
