@@ -361,6 +361,18 @@ async def test_log_rotation_and_tail(tmp_path):
     assert sup.read_log("w", tail=0) == ""
 
 
+def _pidfds_on(pid: int) -> int:
+    """Descriptors of this process that are pidfds on ``pid`` (fdinfo's Pid line)."""
+    n = 0
+    for fd in os.listdir("/proc/self/fdinfo"):
+        try:
+            with open(f"/proc/self/fdinfo/{fd}") as f:
+                n += f"Pid:\t{pid}\n" in f.read()
+        except OSError:
+            pass
+    return n
+
+
 async def test_killed_shim_workload_still_holds_its_gpu(tmp_path):
     sup = make(tmp_path)
     with trio.fail_after(20):
@@ -368,8 +380,10 @@ async def test_killed_shim_workload_still_holds_its_gpu(tmp_path):
             await n.start(sup.run)
             await sup.place(placement("p", wid="w", gpus=["GPU-0000"]))
             rec = await wait_state(sup, "w", "running")
+            assert _pidfds_on(rec.pid) == 0
             os.kill(rec.shim_pid, signal.SIGKILL)
-            await trio.sleep(0.3)
+            # the supervisor has reaped its shim and waits on the workload itself (a pidfd on it)
+            await poll(lambda: not os.path.exists(f"/proc/{rec.shim_pid}") and _pidfds_on(rec.pid), 0.01)
             assert sup.record("w").state == "running"  # its process still runs: GPU still booked
             assert not (await sup.place(placement("q", wid="q", gpus=["GPU-0000"]))).accepted
             (scratch(sup, "w") / "go").touch()
