@@ -382,12 +382,15 @@ class _StallThenForward:
 
 
 @pytest.mark.parametrize("stall", [2, 10])
-async def test_agent_link_waits_out_a_busy_framed_channel_before_falling_back_to_http(stall):
+async def test_agent_link_waits_out_a_busy_framed_channel_before_falling_back_to_http(stall, autojump_clock):
     """A framed channel that takes no connection in time (a placer handshaking a storm) is
     tried again after a back-off, not replaced by HTTP (which would cost the busy placer one
     more handshake): two stalled connects, then the third registers over the channel with no
     HTTP request at all; a channel that never answers falls back to HTTP after
-    WIRE_BUSY_TRIES connects (the placer's HTTP URL here refuses, which the link reports)."""
+    WIRE_BUSY_TRIES connects (the placer's HTTP URL here refuses, which the link reports).
+    In virtual time (loopback sockets within this process, no worker thread): a stalled
+    connect lasts exactly its 0.2 s deadline and the forwarded one none, so the counts
+    cannot depend on how loaded the machine is."""
     from scheduler_link.agent_link import WIRE_BUSY_TRIES
 
     fp = FakePlacer()
@@ -415,11 +418,12 @@ async def test_agent_link_waits_out_a_busy_framed_channel_before_falling_back_to
             n.cancel_scope.cancel()
 
 
-async def test_a_registration_is_waited_for_longer_than_a_heartbeat():
+async def test_a_registration_is_waited_for_longer_than_a_heartbeat(autojump_clock):
     """A busy placer answers each report 0.6 s late; the request timeout is 0.3 s. The full
     report that registers is waited for (wire_connect_timeout_s): registered at the first
     try, no report given up on and sent again (a storm's retries were what collapsed 131,072
-    emulated nodes). The heartbeats after it keep the short deadline: they fail."""
+    emulated nodes). The heartbeats after it keep the short deadline: they fail. (Virtual
+    time, as above: 0.6 s against 0.3 s exactly.)"""
     fp = FakePlacer()
     with trio.fail_after(20):
         async with trio.open_nursery() as n:
