@@ -178,11 +178,12 @@ def test_needs_renewal(ca: pki.ThrowawayPKI) -> None:
 
 
 async def test_framed_channel_skips_the_handshake_of_a_client_that_hung_up_while_queued(
-        ca: pki.ThrowawayPKI) -> None:
+        ca: pki.ThrowawayPKI, autojump_clock) -> None:
     """One handshake slot: a silent client holds none; a client holding it with half a
     ClientHello times out; a client that sent its ClientHello and hung up while queued is
     dropped without the handshake's crypto (``gone``); a client queued behind them is then
-    served."""
+    served. In virtual time (server and clients over loopback in this process, no worker
+    thread): the 0.5 s hello deadline is exact, however slow the handshakes' crypto."""
     import socket
 
     from infra.auth import TokenSet
@@ -209,8 +210,10 @@ async def test_framed_channel_skips_the_handshake_of_a_client_that_hung_up_while
             gone.sendall(out.read())
             gone.close()
             await trio.testing.wait_all_tasks_blocked()              # accepted, queued for the slot
+            t0 = trio.current_time()
             with trio.fail_after(5):
                 c = await HeartbeatClient.connect(url, "", "n1", ssl_context=node_ctx)
+            assert trio.current_time() - t0 == pytest.approx(0.5)   # served once the half hello's slot timed out
             await c.aclose()
             await hold.aclose()
             await silent.aclose()
