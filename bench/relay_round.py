@@ -1,6 +1,7 @@
 """The placer's CPU for one relayed delivery round (RelayHub.deliver), in process.
 
     python -m bench.relay_round [--nodes 56000] [--gang-gpus 200000] [--repeat 3] [--json]
+    python -m bench.relay_round --ab BASE_TREE [--pairs 3] ...   # same-run A/B against another tree
 
 ``--nodes`` gb200 trays registered in a real PlacerService, a ``--gang-gpus`` gang decided by
 the real state; its round delivered to fake relay channels (one per rack) whose answers (the
@@ -9,8 +10,11 @@ work, not the placer's) come from one answerer task in batches of 32, as connect
 would. What is timed is the round's own work: splitting by rack, building, signing and
 encoding every bundle, waiting for the answers, checking every member's MAC. No sockets, no
 reads or writes (bench.delivery measures those end to end). A same-run A/B is two trees' runs
-back to back (``cd TREE && python -m bench.relay_round``): the fakes speak both the waiting
-call (``call_prepared``) and the callback one (``call_cb``). Every loop is bounded in count.
+back to back (``cd TREE && python -m bench.relay_round``), or ``--ab TREE``: this tree and
+TREE's runs in alternating order (base, new, new, base, ...), ``--pairs`` of each, each in
+its own process, and the medians of their per-run medians with the ratio. The fakes speak
+both the waiting call (``call_prepared``) and the callback one (``call_cb``). Every loop is
+bounded in count.
 """
 
 from __future__ import annotations
@@ -18,7 +22,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -177,14 +183,44 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
     return {"cpu_s": c1 - c0, "wall_s": w1 - w0, "racks": len(racks), "nodes": len(pushes)}
 
 
+def ab(a: argparse.Namespace, gang: int) -> dict[str, Any]:
+    """Alternating runs of the base tree and this one, each its own process (same machine, same run)."""
+    runs: dict[str, list[float]] = {"base": [], "new": []}
+    roots = {"base": str(Path(a.ab).resolve()), "new": str(ROOT)}
+    for k in range(max(1, a.pairs)):
+        for which in (("base", "new") if k % 2 == 0 else ("new", "base")):
+            cmd = [sys.executable, "-m", "bench.relay_round", "--nodes", str(a.nodes), "--gang-gpus", str(gang),
+                   "--repeat", str(a.repeat), "--json"]
+            p = subprocess.run(cmd, cwd=roots[which], env={**os.environ, "PYTHONPATH": roots[which]},
+                               capture_output=True, text=True, timeout=900)
+            if p.returncode != 0:
+                raise SystemExit(f"{which} run failed: {p.stderr[-2000:]}")
+            runs[which].append(json.loads(p.stdout.strip().splitlines()[-1])["cpu_s_median"])
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {"roots": roots, "runs": runs, "cpu_s_median": med, "new_over_base": med["new"] / med["base"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.relay_round", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=56000)
     ap.add_argument("--gang-gpus", type=int, default=None, help="default: min(200,000, 60%% of the fleet's GPUs)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--ab", metavar="BASE_TREE", help="same-run A/B: alternate runs of BASE_TREE's and this tree's")
+    ap.add_argument("--pairs", type=int, default=3, help="with --ab: runs of each tree")
     a = ap.parse_args(argv)
     gang = a.gang_gpus if a.gang_gpus is not None else min(200_000, int(a.nodes * 0.6) * 4)
+    if a.ab:
+        res = ab(a, gang)
+        if a.json:
+            print(json.dumps(res))
+        else:
+            m = res["cpu_s_median"]
+            print(f"relay round, {a.nodes:,} nodes, placer CPU-s, medians of {a.pairs} runs x {a.repeat} rounds "
+                  f"(alternating): base {m['base']:.4f} ({', '.join(f'{x:.4f}' for x in res['runs']['base'])}), "
+                  f"new {m['new']:.4f} ({', '.join(f'{x:.4f}' for x in res['runs']['new'])}), "
+                  f"new/base {res['new_over_base']:.2f}")
+        return 0
     with tempfile.TemporaryDirectory(prefix="herd-bench-round-") as d:
         svc, keys = _fleet(a.nodes, d)
         rows = [trio.run(one_round, svc, keys, k, gang) for k in range(max(1, a.repeat))]

@@ -16,30 +16,18 @@ costs O(nodes that came due), not O(nodes).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping
 
-from scheduler_link.messages import Placement, PlacementOutcome, ReportReply, Victim
+from scheduler_link.messages import Placement, ReportReply, Victim
 
+from .delivery import RoundOutcomes
+from .records import ACCEPTED as ACCEPTED  # re-exported (defined with the records)
 from .records import TERMINAL_JOB_STATES, JobError, JobRec, NodeRec, PodRec, Push
+from .records import Outcome as Outcome  # re-exported
 from .statebase import StateBase
 
 log = logging.getLogger("herd.placer.state")
 
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """One node's answer to its start placement."""
-    outcome: PlacementOutcome
-    refused_gpus: tuple[str, ...] = ()
-    detail: str | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.outcome == "accepted"
-
-
-ACCEPTED = Outcome("accepted")
 
 ROLLBACK_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
 
@@ -147,9 +135,10 @@ class Attempts(StateBase):
         if node is not None:
             node.tell.update(v.workload_id for v in victims)
 
-    def on_acks(self, job_id: str, attempt: int, acks: dict[str, Outcome],
+    def on_acks(self, job_id: str, attempt: int, acks: Mapping[str, Outcome],
                 now: float, starts: Iterable[Push] = ()) -> list[Push]:
-        """Outcomes of a job's start pushes, by node. All-or-nothing.
+        """Outcomes of a job's start pushes, by node (a delivery round's :class:`RoundOutcomes`
+        names its refusals without a pass over the gang). All-or-nothing.
         If the attempt ended while its pushes were in flight (cancelled, preempted), the
         nodes that accepted are told again to stop it: a stop that overtook its start
         found nothing to stop."""
@@ -157,13 +146,11 @@ class Attempts(StateBase):
         if job is None or job.attempt != attempt or job.state not in ("placing", "starting", "running"):
             return self._late_stops(job_id, attempt, acks, starts)
         job.timings.setdefault("acked", now)  # (events may have raced ahead of the acks)
-        refused = {n: o for n, o in acks.items() if not o.ok}
+        refused = acks.refused() if isinstance(acks, RoundOutcomes) else {n: o for n, o in acks.items() if not o.ok}
         if not refused:
             if job.state == "placing":
                 job.state = "starting"
-            for p in job.pods:
-                if p.state == "placing":
-                    job.set_pod_state(p, "accepted")
+            job.move_pods("placing", "accepted")
             self._maybe_running(job, now)
             return []
         self.counters["rollbacks"] += 1
@@ -216,7 +203,7 @@ class Attempts(StateBase):
             job.timings.pop(k, None)
         return pushes
 
-    def _late_stops(self, job_id: str, attempt: int, acks: dict[str, Outcome],
+    def _late_stops(self, job_id: str, attempt: int, acks: Mapping[str, Outcome],
                     starts: Iterable[Push]) -> list[Push]:
         late = []
         for push in starts:

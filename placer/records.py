@@ -28,6 +28,7 @@ from scheduler_link.messages import (
     PartPod,
     Peer,
     Placement,
+    PlacementOutcome,
     PodAssignment,
     TopologyPath,
     Victim,
@@ -36,6 +37,7 @@ from scheduler_link.messages import (
 )
 from scheduler_link.messages import workload_id as workload_id  # re-exported (the contract's naming)
 
+from .errors import ContractError
 from .errors import JobError as JobError  # re-exported (defined in errors.py)
 
 _part_enc = msgspec.msgpack.Encoder()   # the frames' (and msgauth.part_bytes') settings
@@ -50,6 +52,21 @@ def parse_workload_id(wid: str) -> tuple[str, int, int] | None:
     if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
         return None
     return parts[0], int(parts[1]), int(parts[2])
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """One node's answer to its start placement."""
+    outcome: PlacementOutcome
+    refused_gpus: tuple[str, ...] = ()
+    detail: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "accepted"
+
+
+ACCEPTED = Outcome("accepted")
 
 
 class Push:
@@ -119,6 +136,33 @@ class Push:
 
     def __repr__(self) -> str:
         return f"Push({self.kind} {self.job_id}#{self.attempt} -> {self.node_id})"
+
+
+def parts_bytes(pushes: list[Push], expires_at: float) -> list[bytes]:
+    """``[p.part_bytes(expires_at) for p in pushes]``, byte for byte, with what a gang's start
+    pushes share read once (a rack's bundle is a slice of a round's pushes; its parts are
+    encoded in one pass over it, one small encode each: cutting them from one encoding of
+    the slice, through ``list[msgspec.Raw]``, measured slower, 0.79 against 0.47 us a part)."""
+    enc = _part_enc.encode
+    out: list[bytes] = []
+    gang: GangStart | None = None
+    job_id, attempt, now, expires, n_gang = "", 0, 0.0, 0.0, 0
+    contacts: list[Peer] = []
+    for p in pushes:
+        g = p._gang
+        node = p._node
+        if g is None or node is None:
+            out.append(p.part_bytes(expires_at))
+            continue
+        if g is not gang:
+            gang = g
+            job_id, attempt, now, expires, n_gang, contacts = g.job_id, g.attempt, g.now, g.expires, g.n_gang, g.contacts
+        pods = p._pods
+        out.append(enc([
+            "" if pods else p._pid, node.node_id, job_id, attempt, "", WIRE_VERSION,
+            [["", q.rank, q.slots, _EMPTY] for q in pods],
+            p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None]))
+    return out
 
 
 class GangStart:
@@ -235,6 +279,21 @@ class JobRec:
         self.counts[state] += 1
         if state == "exited" and exit_code == 0:
             self.ok_exits += 1
+
+    def move_pods(self, old: str, new: str) -> int:
+        """Every current pod in state ``old`` goes to ``new`` (neither "exited"): one pass, the
+        counts moved once. Returns how many moved."""
+        if old == "exited" or new == "exited":
+            raise ContractError("exits carry a code: set_pod_state")
+        n = 0
+        for p in self.pods:
+            if p.state == old:
+                p.state = new
+                n += 1
+        if n:
+            self.counts[old] -= n
+            self.counts[new] += n
+        return n
 
     @property
     def all_running(self) -> bool:

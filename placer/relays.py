@@ -25,7 +25,10 @@ Theory of operation (DESIGN.md, "Fleet scale"; issue 12):
   entry a relay forwards for another node must carry that node's MAC, else it is dropped,
   counted (``bad_macs``) and the node is reached directly as if the relay had left it out.
 
-This module does the I/O; what a beat or an outcome means is decided by the state.
+This module does the I/O: what a round decides (which racks failed, who is pushed directly,
+which outcome counts, when the round is done) is :class:`placer.delivery.DeliveryRound`'s,
+and :class:`_RoundDriver` only carries it out; what a beat or an outcome means is decided by
+the state. The hub reaches the service only through :class:`RelayHost`.
 """
 
 from __future__ import annotations
@@ -35,18 +38,20 @@ import gc
 import hashlib
 import logging
 import math
+import operator
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
+import numpy as np
 import trio
 import trio.lowlevel
 
-from scheduler_link import msgauth
-from scheduler_link.frames import FrameChannel, FrameError, decode_payload
+from scheduler_link import frames, msgauth
+from scheduler_link.frames import FrameChannel, FrameError, check_entries, decode_payload
 from scheduler_link.heartbeat_wire import Hello, WireReply
 from scheduler_link.messages import (
     AckBundle,
@@ -55,23 +60,72 @@ from scheduler_link.messages import (
     Frame,
     NodeReport,
     RackBeat,
+    RackBeatReply,
     RackReports,
+    ReportReply,
 )
 
+from . import relaypolicy
 from .attempts import ACCEPTED, Outcome
-from .records import Push
-
-if TYPE_CHECKING:
-    from .service import PlacerService
+from .config import PlacerConfig
+from .delivery import (
+    NO_OUTCOME,
+    RACK_SETTLED,
+    Action,
+    DeliveryRound,
+    Done,
+    PushDirect,
+    RackFailed,
+    RacksSettled,
+    RoundOutcomes,
+    SendBundle,
+)
+from .records import NodeRec, Push, parts_bytes
 
 log = logging.getLogger("herd.placer.relays")
 
+_kind = operator.attrgetter("kind")
 TREE_FANOUT = 8
 DRAIN_SLICE_S = 0.02      # the deferred frames are applied in slices of this much CPU, then others run
 STOPS_CAP_S = 10.0        # a round of stops only: relays' time at most, and without progress
 STOPS_PATIENCE_S = 2.0
 BUILD_BATCH = 32          # bundles built between checkpoints, signed and sent together
 FALLBACK_HOLD_S = 1.0     # a start round's fallback pushes: reports stay held this much longer, at most
+
+
+class RelayHost(Protocol):
+    """What the hub needs of the placer service (PlacerService is one): all it reads of the
+    state and every report it hands in go through these, never through the service's insides."""
+
+    cfg: PlacerConfig
+    signer: msgauth.BundleSigner
+    clock: Callable[[], float]
+
+    @property
+    def nodes(self) -> Mapping[str, NodeRec]:
+        """The registered nodes' records, by id (read only)."""
+
+    def gang_blob(self, blob_id: str) -> bytes | None:
+        """A live gang blob's bytes."""
+
+    def mac_key(self, node_id: str, boot_id: str) -> bytes:
+        """A node's MAC key for one of its boots."""
+
+    def count_bad_macs(self, n: int) -> None:
+        """``n`` messages a relay forwarded did not verify."""
+
+    def apply_beat(self, beat: RackBeat, at: float, *, via: str, answered: float | None) -> RackBeatReply:
+        """A relay's aggregated heartbeats, arrived at ``at`` (answered now, if it waited);
+        the stops they call for are carried out."""
+
+    def ingest_relayed(self, rep: NodeReport, via: str) -> tuple[int, ReportReply]:
+        """One report a relay forwarded."""
+
+    def ingest_relayed_many(self, reps: list[NodeReport], via: str) -> list[tuple[int, ReportReply]]:
+        """Reports a relay sent together, in order."""
+
+    def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
+        """Run ``fn`` in the service's nursery (nothing, if the service is not running)."""
 
 
 @dataclass(slots=True)
@@ -98,17 +152,6 @@ class RelayStats:
     last_delivery: dict[str, Any] = field(default_factory=dict)
 
 
-@dataclass(slots=True, eq=False)
-class _RackCall:
-    """One rack's bundle in a delivery round, waiting for its relay's answer."""
-    path: str
-    conn: RelayConn
-    ps: list[Push]
-    rid: int
-    settled: bool = False     # its wait is over: answered, failed, or given up on
-    fell_back: bool = False   # its members not reached were pushed directly
-
-
 def _rank(rack: str, node_id: str) -> bytes:
     return hashlib.blake2b(f"{rack}|{node_id}".encode(), digest_size=8).digest()
 
@@ -116,8 +159,8 @@ def _rank(rack: str, node_id: str) -> bytes:
 class RelayHub:
     """The placer's FramesHost: relay connections, the rack -> relay choice, delivery."""
 
-    def __init__(self, service: PlacerService) -> None:
-        self.svc = service
+    def __init__(self, host: RelayHost) -> None:
+        self.host = host
         self._cands: dict[str, dict[str, RelayConn]] = {}   # rack -> node id -> connection
         self._active: dict[str, RelayConn] = {}             # rack -> chosen (cache)
         self.stats = RelayStats()
@@ -130,6 +173,7 @@ class RelayHub:
     # ------------------------------------------------------------ connections
 
     def opened(self, hello: Hello, channel: FrameChannel) -> Callable[[FrameChannel, Frame], Any]:
+        relaypolicy.admit(hello, self.host.nodes.get(hello.node_id), channel)   # (raises Refused)
         conn = RelayConn(hello.node_id, tuple(hello.racks), hello.listen_url, channel)
         channel.info = conn
         for rack in conn.racks:
@@ -158,21 +202,22 @@ class RelayHub:
     def relay_for(self, rack: str) -> RelayConn | None:
         hit = self._active.get(rack)
         if hit is not None:
-            n = self.svc.state.nodes.get(hit.node_id)
-            if n is not None and n.state == "up" and not hit.channel.closed.is_set():
+            n = self.host.nodes.get(hit.node_id)
+            if n is not None and n.state == "up" and relaypolicy.may_relay(rack, n) and not hit.channel.closed.is_set():
                 return hit
         best: RelayConn | None = None
         best_rank = b""
-        nodes = self.svc.state.nodes
+        nodes = self.host.nodes
         for nid, conn in self._cands.get(rack, {}).items():
             n = nodes.get(nid)
-            if n is None or n.state != "up" or conn.channel.closed.is_set():
+            if n is None or n.state != "up" or not relaypolicy.may_relay(rack, n) or conn.channel.closed.is_set():
                 continue
             r = _rank(rack, nid)
             if best is None or r > best_rank:
                 best, best_rank = conn, r
         if best is not None:  # (no choice is not remembered: a candidate may register any moment)
             self._active[rack] = best
+            frames.make_relay(best.channel, rack, relaypolicy.RACK_MAX_ENTRIES)
         else:
             self._active.pop(rack, None)
         return best
@@ -201,7 +246,8 @@ class RelayHub:
         if (self._delivering or self._deferred) and f.type in ("beat", "report", "reports"):
             # acks first: what relays report while a delivery is out waits until it is in, in
             # arrival order (per connection too), then is applied and answered
-            self._deferred.append((ch, f, self.svc.clock()))
+            if frames.hold(ch, f):   # (else: over the connection's bound, and it is closed)
+                self._deferred.append((ch, f, self.host.clock()))
             return None
         return self._apply(ch, f)
 
@@ -230,6 +276,7 @@ class RelayHub:
         slice_end = time.perf_counter() + DRAIN_SLICE_S
         while self._deferred and not self._delivering:
             ch, f, at = self._deferred.popleft()
+            frames.release(ch, f)
             if ch.closed.is_set():
                 continue
             try:
@@ -254,32 +301,32 @@ class RelayHub:
         via = conn.node_id if conn is not None else ch.name
         if t == "beat":
             b = decode_payload(f, RackBeat)
+            check_entries(len(b.node_ids), frames.entry_limit(ch))
             self.stats.beats += 1
             self.stats.beat_entries += len(b.node_ids)
-            now = self.svc.clock()
-            beat_reply, pushes = self.svc.state.beat(b, now if at is None else at, via=via,
-                                                     answered=None if at is None else now)
-            self.svc._carry_out(pushes)
-            return "beat_reply", beat_reply
+            now = self.host.clock()
+            return "beat_reply", self.host.apply_beat(b, now if at is None else at, via=via,
+                                                      answered=None if at is None else now)
         if t == "report":
             try:
                 rep = decode_payload(f, NodeReport)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 return "reply", WireReply(status=400, error=f"malformed report: {e}")
             self.stats.reports += 1
-            status, reply = self.svc._ingest(rep.node_id, rep, via)
+            status, reply = self.host.ingest_relayed(rep, via)
             return "reply", WireReply(status=status, reply=reply, error=reply.error if status != 200 else None)
         if t == "reports":
             try:
                 batch = decode_payload(f, RackReports)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 return "error", {"error": f"malformed reports: {e}"}
+            check_entries(len(batch.reports), frames.entry_limit(ch), what="reports batch")
             self.stats.reports += len(batch.reports)
             return "replies", [WireReply(status=st, reply=r, error=r.error if st != 200 else None)
-                               for st, r in self.svc._ingest_many(batch.reports, via)]
+                               for st, r in self.host.ingest_relayed_many(batch.reports, via)]
         if t == "blob_get":
             req = decode_payload(f, BlobRequest)
-            raw = self.svc.state.blobs.get(req.blob_id)
+            raw = self.host.gang_blob(req.blob_id)
             if raw is None:
                 return "blob", BlobReply(blob_id=req.blob_id, error="no such gang blob")
             self.stats.blob_serves += 1
@@ -290,328 +337,368 @@ class RelayHub:
 
     # ------------------------------------------------------------ delivery
 
-    def split(self, pushes: list[Push]) -> tuple[list[Push], dict[str, tuple[RelayConn, list[Push]]]]:
-        """(pushed directly, by rack: its relay and its pushes)."""
-        direct: list[Push] = []
-        by_rack: dict[str, tuple[RelayConn, list[Push]]] = {}
-        nodes = self.svc.state.nodes
+    def split(self, pushes: list[Push]) -> tuple[list[int], list[tuple[str, RelayConn, list[int]]]]:
+        """(the pushes' indices pushed directly, by rack in order of first appearance: its
+        path, its relay and its pushes' indices)."""
+        direct: list[int] = []
+        racks: list[tuple[str, RelayConn, list[int]]] = []
+        where: dict[str, list[int] | None] = {}   # rack -> its members' list (None: no relay)
+        nodes = self.host.nodes
         last_rack, last_hit = None, None   # a gang's pushes come in topology order: racks in runs
-        for p in pushes:
-            node = nodes.get(p.node_id)
-            if node is None:
-                direct.append(p)
+        for i, p in enumerate(pushes):
+            rec = nodes.get(p.node_id)
+            if rec is None:
+                direct.append(i)
                 continue
-            rack = node.rack_path
+            rack = rec.rack_path
             if rack == last_rack and last_hit is not None:
-                last_hit[1].append(p)
+                last_hit.append(i)
                 continue
-            hit = by_rack.get(rack)
-            if hit is None:
+            if rack in where:
+                hit = where[rack]
+            else:
                 conn = self.relay_for(rack)
-                if conn is None:
-                    direct.append(p)
-                    continue
-                hit = by_rack[rack] = (conn, [])
-            hit[1].append(p)
+                hit = where[rack] = None if conn is None else []
+                if conn is not None and hit is not None:
+                    racks.append((rack, conn, hit))
+            if hit is None:
+                direct.append(i)
+                continue
+            hit.append(i)
             last_rack, last_hit = rack, hit
-        return direct, by_rack
+        return direct, racks
 
     async def deliver(self, job_id: str, blob_id: str | None, pushes: list[Push],
                       push_direct: Callable[[Push], Awaitable[Outcome]],
-                      ready: Callable[[], Awaitable[bool]] | None = None) -> dict[str, Outcome] | None:
+                      ready: Callable[[], Awaitable[bool]] | None = None) -> RoundOutcomes | None:
         """Carry out a decision's pushes through the relays (directly where a rack has none or
         its relay fails). Returns the start pushes' outcomes by node.
 
         The round's bundles are built (and encoded) in batches of ``BUILD_BATCH``, each sent as
         soon as it is built; with ``ready`` (the journal's sync), nothing leaves until it says
         yes (awaited once the first batch is built, so that build overlaps the fsync). None
-        when it says no.
+        when it says no. What the round decides is :class:`placer.delivery.DeliveryRound`'s;
+        :class:`_RoundDriver` carries it out."""
+        return await _RoundDriver(self, job_id, blob_id, pushes, push_direct, ready).run()
 
-        No task waits per rack: each bundle's answer is handled by a callback in its relay
-        connection's reader (:meth:`FrameChannel.call_cb`), and this one task watches the
-        round's deadline (a nursery and two tasks per rack cost ~0.1 ms of placer CPU each,
-        ~0.3 s of a 2,778-rack round's, measured). A rack's members that its relay did not
-        reach (no answer by the deadline, a broken connection, left out, a MAC that does not
-        verify) are pushed directly, while a late answer from the relay still counts (each
-        node's first outcome is kept, and a member answered either way is not pushed again)."""
-        cfg = self.svc.cfg
-        t0 = trio.current_time()
-        direct, by_rack = self.split(pushes)
-        acks: dict[str, Outcome] = {}
-        raw = self.svc.state.blobs.get(blob_id) if blob_id else None
-        now = self.svc.clock()
-        expires = now + cfg.placement_ttl_s
-        racks = list(by_rack.items())
-        urls = [conn.listen_url for _, (conn, _) in racks]
-        seeds = max(1, cfg.blob_seeds)
-        seed_urls = [u for u in urls[:seeds] if u]
-        bytes0 = self.stats.bytes_out
-        marks = {"built": 0.0, "sent": 0.0, "first_ack": math.inf, "last_ack": 0.0,
-                 "fallback_first": math.inf, "fallback_last": 0.0, "fallback_push_max": 0.0}
-        fallbacks0 = self.stats.fallback_nodes
+    def _defer_reports(self) -> None:
+        self._delivering += 1
 
+    def _release_reports(self) -> None:
+        self._delivering -= 1
+        if not self._delivering and self._deferred:
+            self.host.spawn(self._drain_deferred)
+
+
+def check_acks(ab: AckBundle, core: DeliveryRound, r: int, pushes: list[Push], relay_id: str,
+               nodes: Mapping[str, NodeRec], mac_key: Callable[[str, str], bytes]
+               ) -> tuple[list[int], list[Outcome] | None, list[int]]:
+    """A relay's AckBundle for rack ``r`` of ``core``'s round (``pushes`` in the round's order):
+    (the members still waiting whose outcome answers their placement and verifies, their
+    outcomes (None: all accepted), the members whose MAC did not verify). A member's outcome
+    needs that member's MAC (the relay's own does not: it is the connection's owner); a member
+    left out, or whose MAC fails, is left to the direct push. Outcomes in the parts' order
+    are matched by position, others through a map of the rack's members. One pass: the MAC
+    check is the only work a member costs that its identity does not need."""
+    lo, hi = core.rack_slice(r)
+    waiting = core.code[lo:hi].tolist()     # (one conversion, not a numpy read per member)
+    size = hi - lo
+    ok = msgauth.outcome_ok
+    idx: list[int] = []
+    odd: list[tuple[int, Outcome]] = []     # (position in idx, outcome) of those not plainly accepted
+    bad: list[int] = []
+    where: dict[str, int] | None = None
+    for k, o in enumerate(ab.outcomes):
+        nid = o.node_id
+        if k >= size or pushes[lo + k].node_id != nid:
+            if where is None:
+                where = {p.node_id: j for j, p in enumerate(pushes[lo:hi])}
+            k = where.get(nid, -1)
+            if k < 0:
+                continue
+        if waiting[k] != NO_OUTCOME:
+            continue
+        waiting[k] = 0                      # (a repeat: its first is the one checked)
+        i = lo + k
+        if nid != relay_id:
+            node = nodes.get(nid)
+            if node is None or not ok(mac_key(nid, node.boot_id), o):
+                bad.append(i)
+                continue
+        if o.placement_id != pushes[i].placement_id:
+            continue
+        if o.outcome != "accepted" or o.refused_gpus or o.detail is not None:
+            odd.append((len(idx), Outcome(o.outcome, tuple(o.refused_gpus), o.detail)))
+        idx.append(i)
+    if not odd:
+        return idx, None, bad
+    outs = [ACCEPTED] * len(idx)
+    for j, out in odd:
+        outs[j] = out
+    return idx, outs, bad
+
+
+class _RoundDriver:
+    """One round's trio side: builds, signs and sends the bundles, carries out what the round's
+    :class:`DeliveryRound` returns, and times the round. No task waits per rack: each bundle's
+    answer comes to a callback in its relay connection's reader (FrameChannel.call_cb), and
+    one task watches the deadline (a nursery and two tasks per rack cost ~0.1 ms of placer CPU
+    each, ~0.3 s of a 2,778-rack round's, measured)."""
+
+    def __init__(self, hub: RelayHub, job_id: str, blob_id: str | None, pushes: list[Push],
+                 push_direct: Callable[[Push], Awaitable[Outcome]], ready: Callable[[], Awaitable[bool]] | None) -> None:
+        self.hub = hub
+        host = hub.host
+        self.cfg = cfg = host.cfg
+        self.job_id = job_id
+        self.blob_id = blob_id
+        self.push_direct = push_direct
+        self.ready = ready
+        direct, racks = hub.split(pushes)
+        # the round's nodes in rack order (each rack's bundle a slice), then those pushed directly
+        # (a gang's pushes mostly come so already: then they are taken as they are)
+        nxt = 0
+        for _, _, ms in racks:
+            if ms[0] != nxt or ms[-1] != nxt + len(ms) - 1:
+                break
+            nxt += len(ms)
+        else:
+            if direct == list(range(nxt, len(pushes))):
+                nxt = -1
+        self.pushes = pushes if nxt == -1 else [pushes[i] for _, _, ms in racks for i in ms] + [pushes[i] for i in direct]
+        self.racks = [(path, conn) for path, conn, _ in racks]
+        self.raw = host.gang_blob(blob_id) if blob_id else None
+        self.expires = host.clock() + cfg.placement_ttl_s
+        self.urls = [conn.listen_url for _, conn in self.racks]
+        self.seeds = max(1, cfg.blob_seeds)
+        self.seed_urls = [u for u in self.urls[:self.seeds] if u]
+        bounds = np.zeros(len(racks) + 1, dtype=np.int64)
+        np.cumsum([len(ms) for _, _, ms in racks], out=bounds[1:])
         # A relay has failed when it has not answered relay_timeout_s after the round last made
-        # progress: after the last bundle left, or after the latest ack any relay of the round
-        # gave (so relays slowed by a busy host are not taken for dead while their peers answer),
-        # and never later than 4x relay_timeout_s after the last bundle left (STOPS_CAP_S for a
-        # round of stops only).
+        # progress, and never later than 4x relay_timeout_s after the last bundle left; a round
+        # of stops only is not waited on by anyone: slow relays get longer before their racks are
+        # pushed one by one (a storm of direct stops helps nobody).
         patience = cfg.relay_timeout_s if job_id else max(cfg.relay_timeout_s, STOPS_PATIENCE_S)
-        fallback_slots = trio.CapacityLimiter(max(1, cfg.push_concurrency))
-        deadline = [math.inf]
-        cap = [math.inf]
-        done: set[str] = set()                    # rack members with an outcome (the first is kept)
-        members_left = [len({p.node_id for _, (_, ps) in racks for p in ps})]
-        all_done = trio.Event()                   # every rack member has an outcome
-        waits_left = [len(racks)]
-        idle = trio.Event()                       # every rack's wait is over (answered or failed)
-        if not members_left[0]:
-            all_done.set()
-        if not racks:
-            idle.set()
-        calls: list[_RackCall] = []
-        fb: list[trio.Nursery] = []               # the round's fallback pushes
+        cap = 4 * cfg.relay_timeout_s if job_id else max(4 * cfg.relay_timeout_s, STOPS_CAP_S)
+        kinds = list(map(_kind, self.pushes))
+        counted = (np.ones(len(kinds), dtype=bool) if kinds.count("start") == len(kinds)
+                   else np.array(kinds) == "start")   # (a gang's pushes: all starts, mostly)
+        self.core = DeliveryRound(len(pushes), bounds, patience_s=patience, cap_s=cap, counted=counted,
+                                  durable=ready is None)
+        self.rids: dict[int, int] = {}            # rack -> its bundle's request id (while sent)
+        self.frames: dict[int, bytes] = {}        # rack -> its bundle's frame, built, not yet sent
+        self.fallback_slots = trio.CapacityLimiter(max(1, cfg.push_concurrency))
+        self.nursery: trio.Nursery | None = None
+        self.changed = trio.Event()               # the racks settled or the round is done
+        self.done = trio.Event()
+        self.deferring = False
+        self.t0 = trio.current_time()
+        self.fb_first = math.inf
+        self.fb_last = 0.0
+        self.fb_max = 0.0
+        self.cpu_acked: float | None = None
 
-        async def one(p: Push) -> None:
-            o = await push_direct(p)
-            if p.kind == "start":
-                acks.setdefault(p.node_id, o)
+    # ------------------------------------------------------------ actions
 
-        def spec(i: int, path: str, conn: RelayConn, ps: list[Push], deliver_by: float) -> msgauth.BundleSpec:
-            """One rack's bundle, but for its signature (signed with its batch's)."""
-            carry = raw is not None and i < seeds
-            sources: list[str] = []
-            if raw is not None and not carry:
-                parent = urls[(i - seeds) // TREE_FANOUT] if i - seeds >= 0 else None
-                sources = [u for u in [parent, *seed_urls] if u and u != conn.listen_url]
-            starts = any(p.kind == "start" for p in ps)
-            if carry and starts:
-                self.stats.blob_seeds += 1
-            return msgauth.BundleSpec(path, (blob_id or "") if starts else "", [p.part_bytes(expires) for p in ps],
-                                      deliver_by, raw if carry and starts else None, sources if starts else [])
+    def apply(self, actions: list[Action]) -> None:
+        hub = self.hub
+        for a in actions:
+            if isinstance(a, SendBundle):
+                self._send(a.rack)
+            elif isinstance(a, PushDirect):
+                assert self.nursery is not None
+                for i in a.nodes.tolist():
+                    self.nursery.start_soon(self._push, i, a.fallback)
+            elif isinstance(a, RackFailed):
+                hub.stats.bundle_failures += 1
+                path, conn = self.racks[a.rack]
+                hub.forget_choice(path)
+                lo, hi = self.core.rack_slice(a.rack)
+                log.warning("relay did not deliver rack=%s relay=%s parts=%d err=%s; pushing directly",
+                            path, conn.node_id, hi - lo, a.why)
+            elif isinstance(a, RacksSettled):
+                if not a.timed_out:
+                    self._stop_deferring()
+                self.changed.set()
+            elif isinstance(a, Done):
+                self.cpu_acked = time.process_time()
+                self.done.set()
+                self.changed.set()
 
-        def build(batch: list[tuple[int, str, RelayConn, list[Push]]]) -> list[tuple[_RackCall, bytes]]:
-            """A batch of racks' bundles, under one signature (a Merkle root over their headers)."""
-            deliver_by = self.svc.clock() + cfg.relay_timeout_s * 0.8
-            rbs = self.svc.signer.bundles_raw([spec(i, path, conn, ps, deliver_by) for i, path, conn, ps in batch])
-            out = []
-            for (_, path, conn, ps), rb in zip(batch, rbs, strict=True):
-                rid, data = conn.channel.prepare("bundle", rb)
-                out.append((_RackCall(path, conn, ps, rid), data))
-            return out
+    def _send(self, r: int) -> None:
+        conn = self.racks[r][1]
+        data = self.frames.pop(r)
+        stats = self.hub.stats
+        stats.bundles += 1
+        stats.bytes_out += len(data)
+        try:
+            conn.channel.call_cb(self.rids[r], data, partial(self._answered, r))
+        except FrameError:
+            self.apply(self.core.closed(r, "FrameError"))
 
-        def record(p: Push, o: Outcome) -> None:
-            if p.node_id in done:
-                return
-            done.add(p.node_id)
-            if p.kind == "start":
-                acks.setdefault(p.node_id, o)
-            members_left[0] -= 1
-            if members_left[0] <= 0:
-                all_done.set()
-
-        def from_relay(rc: _RackCall, f: Frame) -> int:
-            """A relay's AckBundle: each member's outcome that verifies, recorded (a member that
-            already has one is not checked again)."""
+    def _answered(self, r: int, f: Frame | None) -> None:
+        """The relay's answer (None: its connection closed first), in its reader task."""
+        core = self.core
+        if f is None or f.type == "error":
+            self.apply(core.closed(r, "FrameError" if f is None else "CallFailed"))
+            return
+        late = core.phase[r] == RACK_SETTLED
+        path, conn = self.racks[r]
+        try:
             ab = decode_payload(f, AckBundle)
-            got = {o.node_id: o for o in ab.outcomes}
-            n_new = 0
-            state = self.svc.state
-            nodes = state.nodes
-            mac_key = state.mac_key
-            ok = msgauth.outcome_ok
-            relay_id = rc.conn.node_id
-            for p in rc.ps:
-                nid = p.node_id
-                o = got.get(nid)
-                if o is None or nid in done:
-                    continue
-                if nid != relay_id:  # a member's: only with its MAC
-                    node = nodes.get(nid)
-                    if node is None or not ok(mac_key(nid, node.boot_id), o):
-                        state.counters["bad_macs"] += 1
-                        log.warning("relay's ack refused: MAC does not verify node=%s relay=%s rack=%s",
-                                    nid, relay_id, rc.path)
-                        continue   # as if left out: pushed directly
-                if o.placement_id == p.placement_id:
-                    n_new += 1
-                    record(p, ACCEPTED if o.outcome == "accepted" and not o.refused_gpus and o.detail is None
-                           else Outcome(o.outcome, tuple(o.refused_gpus), o.detail))  # (one shared, mostly)
-            self.stats.relayed_nodes += n_new
-            return n_new
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            if not late:
+                log.warning("relay answered a malformed ack bundle rack=%s relay=%s err=%s", path, conn.node_id, e)
+                self.apply(core.acked(r, trio.current_time(), ()))
+            return
+        host = self.hub.host
+        idx, outs, bad = check_acks(ab, core, r, self.pushes, conn.node_id, host.nodes, host.mac_key)
+        if bad:
+            self.hub.host.count_bad_macs(len(bad))
+            log.warning("relay's ack refused: MAC does not verify nodes=%d first=%s relay=%s rack=%s", len(bad),
+                        self.pushes[bad[0]].node_id, conn.node_id, path)
+        relayed0, late0 = core.relayed_nodes, core.late_nodes
+        self.apply(core.acked(r, trio.current_time(), idx, outs, bad))
+        self.hub.stats.relayed_nodes += core.relayed_nodes - relayed0
+        self.hub.stats.late_nodes += core.late_nodes - late0
 
-        async def push_fallback(p: Push) -> None:
-            async with fallback_slots:  # (queued here, not in the pool: a late answer can still save the push)
-                if p.node_id in done:
-                    return  # the relay's late answer came first
-                self.stats.fallback_nodes += 1
-                f0 = trio.current_time()
-                marks["fallback_first"] = min(marks["fallback_first"], f0 - t0)
-                o = await push_direct(p)
-                f1 = trio.current_time()
-                marks["fallback_last"] = max(marks["fallback_last"], f1 - t0)
-                marks["fallback_push_max"] = max(marks["fallback_push_max"], f1 - f0)
-            record(p, o)
+    async def _push(self, i: int, fallback: bool) -> None:
+        p = self.pushes[i]
+        core = self.core
+        if not fallback:
+            core.direct_starting(i)
+            self.apply(core.direct_answered(i, await self.push_direct(p)))
+            return
+        async with self.fallback_slots:  # (queued here, not in the pool: a late answer can still save the push)
+            if not core.direct_starting(i):
+                return  # the relay's late answer came first
+            self.hub.stats.fallback_nodes += 1
+            f0 = trio.current_time()
+            self.fb_first = min(self.fb_first, f0 - self.t0)
+            o = await self.push_direct(p)
+            f1 = trio.current_time()
+            self.fb_last = max(self.fb_last, f1 - self.t0)
+            self.fb_max = max(self.fb_max, f1 - f0)
+        self.apply(core.direct_answered(i, o))
 
-        def settle(rc: _RackCall) -> None:
-            rc.settled = True
-            waits_left[0] -= 1
-            if waits_left[0] <= 0:
-                idle.set()
+    def _stop_deferring(self) -> None:
+        """What relays report waits while a start round's acks are awaited (acks first), and
+        no longer."""
+        if self.deferring:
+            self.deferring = False
+            self.hub._release_reports()
 
-        def fall_back(rc: _RackCall) -> None:
-            """The rack's members without an outcome: pushed directly (once per rack)."""
-            if rc.fell_back:
-                return
-            rc.fell_back = True
-            for p in rc.ps:
-                if p.node_id not in done:
-                    fb[0].start_soon(push_fallback, p)
+    # ------------------------------------------------------------ building
 
-        def fail(rc: _RackCall, why: str) -> None:
-            self.stats.bundle_failures += 1
-            self.forget_choice(rc.path)
-            log.warning("relay did not deliver rack=%s relay=%s parts=%d err=%s; pushing directly",
-                        rc.path, rc.conn.node_id, len(rc.ps), why)
-            settle(rc)
-            fall_back(rc)
+    def _spec(self, r: int, deliver_by: float) -> msgauth.BundleSpec:
+        """One rack's bundle, but for its signature (signed with its batch's)."""
+        path, conn = self.racks[r]
+        raw, seeds = self.raw, self.seeds
+        carry = raw is not None and r < seeds
+        sources: list[str] = []
+        if raw is not None and not carry:
+            parent = self.urls[(r - seeds) // TREE_FANOUT] if r - seeds >= 0 else None
+            sources = [u for u in [parent, *self.seed_urls] if u and u != conn.listen_url]
+        lo, hi = self.core.rack_slice(r)
+        expires = self.expires
+        ps = self.pushes[lo:hi]
+        starts = any(p.kind == "start" for p in ps)
+        if carry and starts:
+            self.hub.stats.blob_seeds += 1
+        return msgauth.BundleSpec(path, (self.blob_id or "") if starts else "", parts_bytes(ps, expires),
+                                  deliver_by, raw if carry and starts else None, sources if starts else [])
 
-        def answered(rc: _RackCall, f: Frame | None) -> None:
-            """The relay's answer (None: its connection closed first), in its reader task."""
-            if f is None or f.type == "error":
-                if not rc.settled:
-                    fail(rc, "FrameError" if f is None else "CallFailed")
-                return
-            if rc.settled:  # late: its members are being pushed directly; what it says still counts
-                try:
-                    self.stats.late_nodes += from_relay(rc, f)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    pass
-                return
-            now_t = trio.current_time()
-            deadline[0] = max(deadline[0], min(cap[0], now_t + patience))  # the round progresses
-            a = now_t - t0
-            marks["first_ack"] = min(marks["first_ack"], a)
-            marks["last_ack"] = max(marks["last_ack"], a)
-            try:
-                from_relay(rc, f)
-            except (msgspec.DecodeError, msgspec.ValidationError) as e:
-                log.warning("relay answered a malformed ack bundle rack=%s relay=%s err=%s", rc.path,
-                            rc.conn.node_id, e)
-            settle(rc)
-            if any(p.node_id not in done for p in rc.ps):
-                fall_back(rc)
+    def _build(self, lo: int, hi: int) -> list[Action]:
+        """Racks lo..hi-1's bundles, under one signature (a Merkle root over their headers)."""
+        deliver_by = self.hub.host.clock() + self.cfg.relay_timeout_s * 0.8
+        rbs = self.hub.host.signer.bundles_raw([self._spec(r, deliver_by) for r in range(lo, hi)])
+        out: list[Action] = []
+        for r, rb in zip(range(lo, hi), rbs, strict=True):
+            self.rids[r], self.frames[r] = self.racks[r][1].channel.prepare("bundle", rb)
+            out += self.core.built(r)
+        return out
 
-        def send(rc: _RackCall, data: bytes) -> None:
-            self.stats.bundles += 1
-            self.stats.bytes_out += len(data)
-            calls.append(rc)
-            try:
-                rc.conn.channel.call_cb(rc.rid, data, partial(answered, rc))
-            except FrameError:
-                fail(rc, "FrameError")
+    # ------------------------------------------------------------ the round
 
-        # What relays report waits while a start round's acks are awaited (acks first), and no
-        # longer: once every relay answered or the deadline passed, the fallback pushes run
-        # while reports flow again (a long fallback must not starve heartbeats). Rounds of stops
-        # only never hold reports back.
-        deferring = [False]
-
-        def stop_deferring() -> None:
-            if deferring[0]:
-                deferring[0] = False
-                self._delivering -= 1
-                if not self._delivering and self._deferred and self.svc._nursery is not None:
-                    self.svc._nursery.start_soon(self._drain_deferred)
-
-        async def watch() -> None:
-            """Until every rack answered, or the deadline: the racks still waiting then fail."""
-            try:
-                while not idle.is_set():
-                    with trio.move_on_at(min(deadline[0], cap[0])):
-                        await idle.wait()
-                    t = trio.current_time()
-                    if idle.is_set() or t < min(deadline[0], cap[0]):
-                        continue   # (the deadline moved: the round made progress)
-                    for rc in calls:
-                        if not rc.settled:
-                            fail(rc, "TooSlowError")
-                    if deferring[0]:
-                        # the failed racks' members are now pushed directly: the reports
-                        # held back wait a little longer, so the pushes do not queue behind
-                        # their application (bounded: a long fallback must not starve them)
-                        with trio.move_on_after(FALLBACK_HOLD_S):
-                            await all_done.wait()
-                    return
-            finally:
-                stop_deferring()
-
-        if job_id:
-            self._delivering += 1
-            deferring[0] = True
+    async def run(self) -> RoundOutcomes | None:
+        hub, core = self.hub, self.core
+        bytes0, fallbacks0 = hub.stats.bytes_out, hub.stats.fallback_nodes
+        if self.job_id:
+            hub._defer_reports()
+            self.deferring = True
         # The bundles are tens of thousands of young objects: a full collection while they are
         # built would walk the whole fleet's records for nothing (as during a pass).
         gc_was = gc.isenabled()
         gc.disable()
+        built_at = sent_at = 0.0
         try:
             async with trio.open_nursery() as n:
-                async with trio.open_nursery() as fbn:
-                    fb.append(fbn)
-                    # Bundles leave in batches as they are built (the first batch once ``ready``
-                    # says yes), so the relays work while the rest of the round is encoded: a
-                    # 2,778-rack round takes ~0.5 s to build here, and relays are other hosts.
-                    durable = ready is None
-                    for b0 in range(0, len(racks), BUILD_BATCH):
-                        built = build([(i, path, conn, ps) for i, (path, (conn, ps))
-                                       in enumerate(racks[b0:b0 + BUILD_BATCH], b0)])
-                        if not durable:
-                            assert ready is not None
-                            if not await ready():
-                                return None
-                            durable = True
-                        for rc, data in built:
-                            send(rc, data)
-                        await trio.lowlevel.checkpoint()  # the batch goes out; acks and reports flow meanwhile
-                    marks["built"] = trio.current_time() - t0
-                    if gc_was:
-                        gc.enable()
-                    if not durable:
-                        assert ready is not None
-                        if not await ready():
-                            return None
-                    for p in direct:
-                        n.start_soon(one, p)
-                    await trio.lowlevel.checkpoint()
-                    sent_at = trio.current_time()
-                    deadline[0] = sent_at + patience
-                    # a round of stops only is not waited on by anyone: slow relays get longer before
-                    # their racks are pushed one by one (a storm of direct stops helps nobody)
-                    cap[0] = sent_at + (4 * cfg.relay_timeout_s if job_id else max(4 * cfg.relay_timeout_s, STOPS_CAP_S))
-                    marks["sent"] = sent_at - t0
-                    if racks:
-                        await watch()
-                    else:
-                        stop_deferring()
-                    await all_done.wait()
-                    marks["cpu_acked"] = time.process_time()
-                    fbn.cancel_scope.cancel()   # (pushes a late answer made needless)
+                self.nursery = n
+                # Bundles leave in batches as they are built (the first batch once ``ready``
+                # says yes), so the relays work while the rest of the round is encoded: a
+                # 2,778-rack round takes ~0.5 s to build here, and relays are other hosts.
+                for b0 in range(0, len(self.racks), BUILD_BATCH):
+                    self.apply(self._build(b0, min(b0 + BUILD_BATCH, len(self.racks))))
+                    if not await self._journal():
+                        return None
+                    await trio.lowlevel.checkpoint()  # the batch goes out; acks and reports flow meanwhile
+                built_at = trio.current_time() - self.t0
+                if gc_was:
+                    gc.enable()
+                if not await self._journal():
+                    return None
+                await trio.lowlevel.checkpoint()
+                sent_at = trio.current_time() - self.t0
+                self.apply(core.all_built(trio.current_time()))
+                await self._watch()
+                await self.done.wait()
+                n.cancel_scope.cancel()   # (pushes a late answer made needless)
         finally:
-            for rc in calls:   # answers that come now are no one's
-                rc.conn.channel.forget(rc.rid)
+            for r, rid in self.rids.items():   # answers that come now are no one's
+                self.racks[r][1].channel.forget(rid)
             if gc_was:
                 gc.enable()
-            stop_deferring()
-        if job_id:  # (a round of stops only is not a delivery to report)
-            self.stats.last_delivery = {
-                "job_id": job_id, "nodes": len(pushes), "racks": len(racks), "direct": len(direct),
-                "fallback_nodes": self.stats.fallback_nodes - fallbacks0, "bundle_bytes": self.stats.bytes_out - bytes0,
-                "seconds": trio.current_time() - t0, "built_s": marks["built"], "last_bundle_sent_s": marks["sent"],
-                "first_ack_s": marks["first_ack"] if racks else 0.0, "last_ack_s": marks["last_ack"],
-                # the direct pushes to the members of racks whose relay did not deliver: when the
-                # first began and the last ended, and the slowest one
-                "fallback_first_s": marks["fallback_first"] if math.isfinite(marks["fallback_first"]) else None,
-                "fallback_last_s": marks["fallback_last"] or None, "fallback_push_max_s": marks["fallback_push_max"] or None,
-                # the placer's process CPU-s (time.process_time) when every rack member had an
-                # outcome, and when the round (direct pushes included) ended: the bench's exact
-                # "placer CPU to acked" against its reading before the submit
-                "process_cpu_at_members_acked_s": marks.get("cpu_acked"), "process_cpu_at_end_s": time.process_time()}
-        return acks
+            self._stop_deferring()
+        if self.job_id:  # (a round of stops only is not a delivery to report)
+            self._report(bytes0, fallbacks0, built_at, sent_at)
+        return RoundOutcomes(self.pushes, core)
+
+    async def _journal(self) -> bool:
+        """Once: whether the journal's sync says the job is durable (the bundles held go out)."""
+        if self.ready is None or self.core.durable:
+            return True
+        ok = await self.ready()
+        self.apply(self.core.journal(ok, trio.current_time()))
+        return ok
+
+    async def _watch(self) -> None:
+        """Until every rack answered or failed (the core fails them at its deadline); then, if
+        some were given up on, the reports held back wait a little longer while the failed
+        racks' members are pushed directly (bounded: a long fallback must not starve them)."""
+        core = self.core
+        while core.waiting and not core.done:
+            with trio.move_on_at(core.wake_at):
+                await self.changed.wait()
+            self.changed = trio.Event()
+            self.apply(core.tick(trio.current_time()))
+        if self.deferring and core.timed_out:
+            with trio.move_on_after(FALLBACK_HOLD_S):
+                await self.done.wait()
+        self._stop_deferring()
+
+    def _report(self, bytes0: int, fallbacks0: int, built_at: float, sent_at: float) -> None:
+        core, stats = self.core, self.hub.stats
+        stats.last_delivery = {
+            "job_id": self.job_id, "nodes": len(self.pushes), "racks": len(self.racks), "direct": len(core.direct),
+            "fallback_nodes": stats.fallback_nodes - fallbacks0, "bundle_bytes": stats.bytes_out - bytes0,
+            "seconds": trio.current_time() - self.t0, "built_s": built_at, "last_bundle_sent_s": sent_at,
+            "first_ack_s": core.first_ack - self.t0 if math.isfinite(core.first_ack) else 0.0,
+            "last_ack_s": max(0.0, core.last_ack - self.t0),
+            # the direct pushes to the members of racks whose relay did not deliver: when the
+            # first began and the last ended, and the slowest one
+            "fallback_first_s": self.fb_first if math.isfinite(self.fb_first) else None,
+            "fallback_last_s": self.fb_last or None, "fallback_push_max_s": self.fb_max or None,
+            # the placer's process CPU-s (time.process_time) when every node had an outcome, and
+            # when the round ended: the bench's exact "placer CPU to acked" against its reading
+            # before the submit
+            "process_cpu_at_members_acked_s": self.cpu_acked, "process_cpu_at_end_s": time.process_time()}

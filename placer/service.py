@@ -9,6 +9,9 @@ per-attempt deadlines, retries).
 
 A decided job's start placements go out together; when every ack is in, the state
 decides what follows (all accepted: starting; a refusal: roll back and place again).
+Through the rack relays, :class:`placer.relays.RelayHub` drives the round
+(:mod:`placer.delivery` decides it); the hub sees this service only as a
+:class:`placer.relays.RelayHost` (the methods under "what the relay hub uses").
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,8 @@ from scheduler_link.messages import (
     PlacementAck,
     PrefetchFanout,
     PrefetchRequest,
+    RackBeat,
+    RackBeatReply,
     ReportReply,
 )
 from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
@@ -66,7 +71,7 @@ from .frag import fragmentation, largest_placeable, plan_defrag
 from .ha import HighAvailability
 from .journal import Journal, JournalError
 from .relays import RelayHub
-from .state import ACCEPTED, TERMINAL_JOB_STATES, JobError, JobRec, Outcome, PlacerState, Push
+from .state import ACCEPTED, TERMINAL_JOB_STATES, JobError, JobRec, NodeRec, Outcome, PlacerState, Push
 from .views import DEFAULT_PODS, parse_page
 
 log = logging.getLogger("herd.placer.service")
@@ -104,6 +109,7 @@ class PlacerService:
         self.pki = PKIRoutes(config.ca_dir, days=config.node_cert_days, clock=clock)
         self.state = PlacerState(config, started_at=clock())
         self._refresh_revoked(clock())   # the deny-list (herd pki revoke) before any handshake
+        self.mac_key: Callable[[str, str], bytes] = self.state.mac_key   # (relays.RelayHost: the state's own)
         self.pool = PushPool(concurrency=config.push_concurrency, attempt_timeout_s=config.ack_timeout_s,
                              retries=config.push_retries, ssl_context=self.security.client)
         self.journal: JobJournal | None = None
@@ -153,6 +159,12 @@ class PlacerService:
                      len(recovered), self.cfg.recover_window_s)
         self.kick()
 
+    def _resumed(self) -> None:
+        """A leader's lease renewed after it was fenced (placer.ha): place again, fairly."""
+        from .ha import forgive_silence
+        forgive_silence(self.state, self.clock(), self.cfg.recover_window_s)
+        self.kick()
+
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.mac_master, self.signer = msgauth.load_placer_keys(self.cfg.state_dir)
         self.state.set_mac_master(self.mac_master)
@@ -161,15 +173,17 @@ class PlacerService:
         try:
             async with trio.open_nursery() as n:
                 self._nursery = n
-                self.url = await n.start(partial(serve, ssl_context=self.security.api), self.app, self.cfg.listen)
+                # the framed channel listens before the API: an agent that finds the API up after
+                # a restart finds its channel up too, so its full report goes over the channel
                 if self.cfg.wire_listen:
                     self.wire = HeartbeatServer(self.tokens, self._ingest, frames=self.relays, clock=self.clock,
                                                 ssl_context=self.security.channel,
                                                 require_certs=self.security.require_certs, token_use=self.token_use)
                     self.wire_url = await n.start(self.wire.run, self.cfg.wire_listen)
+                self.url = await n.start(partial(serve, ssl_context=self.security.api), self.app, self.cfg.listen)
                 self._write_endpoints()
                 if self.ha is not None:  # campaign; on promotion the journal comes from etcd
-                    await n.start(self.ha.run, self.url, self._recover)
+                    await n.start(self.ha.run, self.url, self._recover, self._resumed, self.wire_url)
                 n.start_soon(self._loop)
                 n.start_soon(self.dashboard.warm)   # while the dashboard is watched, its next map is ready
                 log.info("placer serving url=%s", self.url)
@@ -273,6 +287,35 @@ class PlacerService:
                 self.journal.ended_many(ended)
         self._changed_now()
 
+    # ------------------------------------------------------------ what the relay hub uses (relays.RelayHost)
+
+    @property
+    def nodes(self) -> Mapping[str, NodeRec]:
+        return self.state.nodes
+
+    def gang_blob(self, blob_id: str) -> bytes | None:
+        return self.state.blobs.get(blob_id)
+
+    def count_bad_macs(self, n: int) -> None:
+        self.state.counters["bad_macs"] += n
+
+    def apply_beat(self, beat: RackBeat, at: float, *, via: str, answered: float | None) -> RackBeatReply:
+        reply, pushes = self.state.beat(beat, at, via=via, answered=answered)
+        self._carry_out(pushes)
+        return reply
+
+    def ingest_relayed(self, rep: NodeReport, via: str) -> tuple[int, ReportReply]:
+        return self._ingest(rep.node_id, rep, via)
+
+    def ingest_relayed_many(self, reps: list[NodeReport], via: str) -> list[tuple[int, ReportReply]]:
+        return self._ingest_many(reps, via)
+
+    def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
+        if self._nursery is not None:
+            self._nursery.start_soon(fn)
+
+    # ------------------------------------------------------------ carrying out
+
     def _carry_out(self, pushes: list[Push]) -> None:
         """Stops (and late stops) the state asks for: through the rack relays when there are
         many (a 25,000-node gang rolled back), else one push each."""
@@ -333,7 +376,7 @@ class PlacerService:
                 self._maybe_freeze()   # the round's records survive: collect once and freeze them
 
     async def _deliver(self, job_id: str, attempt: int, pushes: list[Push]) -> None:
-        acks: dict[str, Outcome] | None = {}
+        acks: Mapping[str, Outcome] | None = {}
         # A job's placements leave only once the job (and this attempt) is durable; the relays'
         # bundles are built while the journal syncs.
         synced = trio.Event()
@@ -757,7 +800,12 @@ class PlacerService:
         return PlacerMetrics.of(self).response()
 
 async def run_placer(config: PlacerConfig) -> None:
-    """Run a placer until cancelled (the CLI's entry point)."""
+    """Run a placer until cancelled (the CLI's entry point). With ``etcd``: a leader that
+    loses its lease serves again as a follower, fresh (placer.ha.run_rejoining)."""
+    if config.etcd:
+        from .ha import run_rejoining
+        await run_rejoining(config, PlacerService)
+        return
     svc = PlacerService(config)
     async with trio.open_nursery() as n:
         await n.start(svc.run)

@@ -406,7 +406,7 @@ def test_a_pod_stopped_on_its_agent_ends_its_job():
 def test_a_start_push_encodes_its_part_byte_for_byte_without_making_it():
     """Push.part_bytes (the relays' bundles) is msgauth.part_bytes of Push.part: whole-node
     and several-pods-a-node gangs, victims and contacts, and a stop push."""
-    from placer.records import GangStart, Push
+    from placer.records import GangStart, Push, parts_bytes
     from scheduler_link.messages import NodePart, Peer, Victim
     from scheduler_link.msgauth import part_bytes
 
@@ -427,3 +427,6 @@ def test_a_start_push_encodes_its_part_byte_for_byte_without_making_it():
     assert msgspec.msgpack.decode(p.part_bytes(9.0), type=NodePart) == p.part(9.0)
     stop = [q for q in st_.cancel("small", 0.2) if q.kind == "stop"]
     assert stop and all(q.part_bytes(9.0) == part_bytes(q.part(9.0)) for q in stop)
+    # a rack's parts in one pass (placer.records.parts_bytes): the same bytes, whatever the mix
+    mixed = [*pushes, p, *stop, *_big_gang(40)[2]]
+    assert parts_bytes(mixed, 9.0) == [part_bytes(q.part(9.0)) for q in mixed]

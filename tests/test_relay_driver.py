@@ -1,0 +1,176 @@
+"""RelayHub's delivery driven against a small honest host, not the placer service: the hub
+reaches the service only through placer.relays.RelayHost (anything else it touched would be
+an AttributeError here). On a virtual clock: a relay that answers for some members (one
+with a MAC that does not verify, one left out) has those two pushed directly; a hung relay's
+rack is pushed directly exactly relay_timeout_s after the last bundle left; a closed
+connection falls back at once."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+import msgspec
+import trio
+
+from placer.attempts import ACCEPTED, Outcome
+from placer.config import PlacerConfig
+from placer.records import NodeRec, Push
+from placer.relays import RelayConn, RelayHost, RelayHub
+from scheduler_link import msgauth
+from scheduler_link.frames import encode_frame
+from scheduler_link.messages import (
+    AckBundle,
+    Frame,
+    NodeOutcome,
+    NodeReport,
+    Placement,
+    RackBeat,
+    RackBeatReply,
+    ReportReply,
+    TopologyPath,
+)
+
+RACK = "z1/b1/r1"
+MEMBERS = ("relay0", "n1", "n2", "n3")
+
+
+class Host:
+    """What RelayHub may use of a placer: RelayHost's members and nothing else."""
+
+    def __init__(self, tmp: str) -> None:
+        self.cfg = PlacerConfig(state_dir=tmp, relay_timeout_s=0.5)
+        self.signer = msgauth.BundleSigner.generate()
+        self.clock: Callable[[], float] = trio.current_time
+        self.master = os.urandom(msgauth.KEY_LEN)
+        self._nodes = {n: NodeRec(n, "b1", 1, f"http://127.0.0.1:9/{n}", "http://127.0.0.1:9",
+                                  TopologyPath(zone="z1", block="b1", rack="r1"), None, [f"GPU-{n}-0"])
+                       for n in MEMBERS}
+        self.bad_macs = 0
+        self.nursery: trio.Nursery | None = None
+
+    @property
+    def nodes(self) -> Mapping[str, NodeRec]:
+        return self._nodes
+
+    def key(self, node_id: str) -> bytes:
+        return msgauth.node_key(self.master, node_id, "b1")
+
+    def gang_blob(self, blob_id: str) -> bytes | None:
+        return None
+
+    def mac_key(self, node_id: str, boot_id: str) -> bytes:
+        return msgauth.node_key(self.master, node_id, boot_id)
+
+    def count_bad_macs(self, n: int) -> None:
+        self.bad_macs += n
+
+    def apply_beat(self, beat: RackBeat, at: float, *, via: str, answered: float | None) -> RackBeatReply:
+        raise AssertionError("no beats here")
+
+    def ingest_relayed(self, rep: NodeReport, via: str) -> tuple[int, ReportReply]:
+        raise AssertionError("no reports here")
+
+    def ingest_relayed_many(self, reps: list[NodeReport], via: str) -> list[tuple[int, ReportReply]]:
+        raise AssertionError("no reports here")
+
+    def spawn(self, fn: Callable[[], Awaitable[None]]) -> None:
+        assert self.nursery is not None
+        self.nursery.start_soon(fn)
+
+
+class Relay:
+    """A relay's frames connection: answers each bundle with ``answer(part node ids)`` after
+    ``after`` seconds (None: never), or closes at once."""
+
+    def __init__(self, answer: Callable[[list[str]], list[NodeOutcome]] | None, nursery: trio.Nursery,
+                 after: float = 0.01, close: bool = False) -> None:
+        self.name = "relay0"
+        self.info: Any = None
+        self.closed = trio.Event()
+        self.answer, self.after, self.close, self.nursery = answer, after, close, nursery
+        self.bundles: list[bytes] = []
+
+    def prepare(self, type_: str, payload: Any) -> tuple[int, bytes]:
+        return 1, encode_frame(type_, payload, id=1)
+
+    def call_cb(self, rid: int, data: bytes, fn: Callable[[Frame | None], None]) -> None:
+        self.bundles.append(data)
+        if self.close:
+            self.closed.set()
+            fn(None)
+            return
+        answer = self.answer
+        if answer is None:
+            return
+        ids = list(MEMBERS)
+
+        async def later() -> None:
+            await trio.sleep(self.after)
+            raw = encode_frame("acks", AckBundle(rack=RACK, blob_id="", outcomes=answer(ids)), re=rid)
+            fn(msgspec.msgpack.decode(raw[4:], type=Frame))
+        self.nursery.start_soon(later)
+
+    def forget(self, rid: int) -> None:
+        pass
+
+
+def _pushes() -> list[Push]:
+    return [Push(n, f"http://127.0.0.1:9/{n}", Placement(placement_id=f"start:j:1:{n}", job_id="j"), "j", 1, "start")
+            for n in MEMBERS]
+
+
+async def _round(tmp: str, make: Callable[[Host, trio.Nursery], Relay]) -> tuple[Any, list[tuple[str, float]], Host, RelayHub]:
+    host = Host(tmp)
+    host_: RelayHost = host          # (the protocol is all the hub gets)
+    hub = RelayHub(host_)
+    pushed: list[tuple[str, float]] = []
+
+    async def push_direct(p: Push) -> Outcome:
+        pushed.append((p.node_id, trio.current_time()))
+        await trio.sleep(0.05)
+        return ACCEPTED
+
+    async with trio.open_nursery() as n:
+        host.nursery = n
+        ch = make(host, n)
+        conn = RelayConn("relay0", (RACK,), None, ch)  # type: ignore[arg-type]
+        ch.info = conn
+        hub._cands[RACK] = {"relay0": conn}
+        acks = await hub.deliver("j", None, _pushes(), push_direct)
+        n.cancel_scope.cancel()
+    return acks, pushed, host, hub
+
+
+async def test_members_left_out_or_with_a_bad_mac_are_pushed_directly(tmp_path, autojump_clock) -> None:
+    def answer(host: Host) -> Callable[[list[str]], list[NodeOutcome]]:
+        def outs(ids: list[str]) -> list[NodeOutcome]:
+            good = [msgauth.with_outcome_mac(host.key(n), NodeOutcome(node_id=n, placement_id=f"start:j:1:{n}",
+                                                                    outcome="accepted")) for n in ("n1", "relay0")]
+            forged = NodeOutcome(node_id="n2", placement_id="start:j:1:n2", outcome="accepted", mac=b"x" * 16)
+            return [*good, forged]   # (n3 left out)
+        return outs
+
+    acks, pushed, host, hub = await _round(str(tmp_path), lambda h, n: Relay(answer(h), n))
+    assert dict(acks) == {n: ACCEPTED for n in MEMBERS}
+    assert sorted(n for n, _ in pushed) == ["n2", "n3"]
+    assert host.bad_macs == 1 and hub.stats.relayed_nodes == 2 and hub.stats.fallback_nodes == 2
+    assert hub.stats.bundle_failures == 0
+
+
+async def test_a_hung_relays_rack_is_pushed_directly_at_its_deadline(tmp_path, autojump_clock) -> None:
+    t0 = trio.current_time()
+    acks, pushed, _, hub = await _round(str(tmp_path), lambda h, n: Relay(None, n))
+    assert dict(acks) == {n: ACCEPTED for n in MEMBERS}
+    assert sorted(n for n, _ in pushed) == sorted(MEMBERS)
+    assert {round(t - t0, 6) for _, t in pushed} == {0.5}       # relay_timeout_s after the bundle left
+    assert hub.stats.bundle_failures == 1 and hub.stats.last_delivery["fallback_nodes"] == 4
+
+
+async def test_a_closed_connection_falls_back_at_once(tmp_path, autojump_clock) -> None:
+    t0 = trio.current_time()
+    acks, pushed, _, hub = await _round(str(tmp_path), lambda h, n: Relay(None, n, close=True))
+    assert dict(acks) == {n: ACCEPTED for n in MEMBERS}
+    assert {round(t - t0, 6) for _, t in pushed} == {0.0}
+    assert hub.stats.bundle_failures == 1 and RACK not in hub._active
