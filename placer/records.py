@@ -258,8 +258,13 @@ class JobRec:
     def job_id(self) -> str:
         return self.spec.job_id
 
-    def set_pods(self, pods: list[PodRec]) -> None:
+    def set_pods(self, pods: list[PodRec], *, placing: bool = False) -> None:
+        """``placing``: every pod is new, in state "placing" (a decision's: counted at once)."""
         self.pods = pods
+        if placing:
+            self.counts = Counter({"placing": len(pods)}) if pods else Counter()
+            self.ok_exits = 0
+            return
         self.counts = Counter(p.state for p in pods)
         self.ok_exits = sum(1 for p in pods if p.state == "exited" and p.exit_code == 0) if self.counts["exited"] else 0
 

@@ -128,9 +128,10 @@ class StateBase:
             if node is not None and node.pods.get(p.workload_id, (None, None))[1] is p:
                 del node.pods[p.workload_id]
 
-    def _replace_pods(self, job: JobRec, pods: list[PodRec]) -> None:
+    def _replace_pods(self, job: JobRec, pods: list[PodRec], *, fresh: bool = False) -> None:
+        """``fresh``: a decision's new pods, every one "placing" (counted without a pass)."""
         self._unindex_pods(job)
-        job.set_pods(pods)
+        job.set_pods(pods, placing=fresh)
         index, nodes = self.pods, self.nodes   # (_index_pod inlined: 25,000 pods a big gang)
         for p in pods:
             entry = (job, p)
