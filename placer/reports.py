@@ -208,7 +208,7 @@ class Reports(StateBase):
         if old is not None:
             pushes += self._node_back(old, now)
             self._set_manifests(old, set())
-            node.pods = old.pods
+            node.gangs = old.gangs
             self.node_states[old.state] -= 1
             self.fence_timer.cancel(rep.node_id)
             # Forget what we believed about this node's stale holders: the report is the truth.
@@ -435,7 +435,7 @@ class Reports(StateBase):
             if not job.recovering:
                 continue
             job.recovering = False
-            job.pods.sort(key=lambda p: p.rank)
+            job.table.sort_by_rank()
             if job.pods and len(job.pods) == job.spec.pods:  # ranks are unique (indexed by workload id)
                 job.state = "starting"
                 self._maybe_running(job, now)

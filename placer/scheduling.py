@@ -47,6 +47,7 @@ from .records import (
     JobRec,
     NodeRec,
     PodRec,
+    PodTable,
     Push,
 )
 from .statebase import StateBase
@@ -219,58 +220,57 @@ class Scheduling(StateBase):
         node_idx = decision.pod_nodes
         slots_arr = decision.pod_slots
         width = slots_arr.shape[1] if slots_arr.ndim == 2 else 0
+        P = len(node_idx)
         # whole-node pods (slots 0..width-1 of a node with width GPUs) share their node's
         # slot tuple and GPU list: found for the whole gang at once, a row is read only if not
-        whole = (slots_arr == np.arange(width)).all(axis=1).tolist() if width else [False] * len(node_idx)
-        prefix = f"{job.job_id}.{job.attempt}."
+        whole = (slots_arr == np.arange(width)).all(axis=1).tolist() if width else [False] * P
         nodes = self.nodes
         names = [ids[n] for n in node_idx.tolist()]
         recs = [nodes[nid] for nid in names]
-        pods: list[PodRec] = []
-        by_node: dict[str, list[PodRec]] = {}   # (what the pushes group: made in the same pass)
-        add, group = pods.append, by_node.get
-        for rank, (nid, n, w) in enumerate(zip(names, recs, whole, strict=True)):
-            uu = n.uuids
-            if w and len(uu) == width:
-                pod = PodRec(rank, nid, n.all_slots, uu, prefix + str(rank))   # a whole node: shared
-            else:
-                slots = tuple(s for s in slots_arr[rank].tolist() if s >= 0)
-                pod = PodRec(rank, nid, slots, [uu[s] for s in slots], prefix + str(rank))
-            add(pod)
-            lst = group(nid)
-            if lst is None:
-                by_node[nid] = [pod]
-            else:
-                lst.append(pod)
-        self._replace_pods(job, pods, fresh=True)
+        slots: list[tuple[int, ...]] = [n.all_slots if w and len(n.uuids) == width else ()
+                                        for n, w in zip(recs, whole, strict=True)]
+        uuids: list[list[str]] = [n.uuids for n in recs]
+        for r, (n, w) in enumerate(zip(recs, whole, strict=True)):
+            if not (w and len(n.uuids) == width):
+                slots[r] = tuple(s for s in slots_arr[r].tolist() if s >= 0)
+                uuids[r] = [n.uuids[s] for s in slots[r]]
+        table = PodTable.decided(f"{job.job_id}.{job.attempt}.", names, slots, uuids)
+        self._replace_pods(job, table)
+        # the pushes: the gang's nodes in rank order of their first pod, each with its rows
+        uniq, first = np.unique(node_idx, return_index=True)
+        if len(uniq) == P:   # one pod a node (whole-node gangs): row r is node r's
+            gang = recs
+            rows: list[list[int]] = [[r] for r in range(P)]
+        else:
+            groups: dict[str, list[int]] = {}
+            for r, nid in enumerate(names):
+                lst = groups.get(nid)
+                if lst is None:
+                    groups[nid] = [r]
+                else:
+                    lst.append(r)
+            gang = [nodes[nid] for nid in groups]
+            rows = list(groups.values())
         # the model's node indices are in topology order: the gang's, sorted, are too
-        order = [nodes[ids[n]] for n in np.unique(node_idx).tolist()]
-        return self._start_pushes(job, victim_stops, now, order, by_node)
+        order = [nodes[ids[n]] for n in uniq.tolist()]
+        return self._start_pushes(job, victim_stops, now, order, gang, rows)
 
     def _start_pushes(self, job: JobRec, victim_stops: dict[str, list[Victim]], now: float,
-                      order: list[NodeRec] | None = None,
-                      by_node: dict[str, list[PodRec]] | None = None) -> list[Push]:
-        """``order``: the gang's nodes in topology order, ``by_node``: the job's pods by node
-        (in rank order), when the caller knows them."""
+                      order: list[NodeRec], gang: list[NodeRec], rows: list[list[int]]) -> list[Push]:
+        """``order``: the gang's nodes in topology order; ``gang``: the same nodes in the order
+        of their first pod's rank, ``rows[k]`` the table rows of ``gang[k]``'s pods."""
         s = job.spec
-        if by_node is None:
-            by_node = {}
-            for p in job.pods:
-                lst = by_node.get(p.node_id)
-                if lst is None:
-                    by_node[p.node_id] = [p]
-                else:
-                    lst.append(p)
         nodes = self.nodes
-        gang = [nodes[n] for n in by_node]
         blob_id, peers_of = self._gang_blob(job, gang, order)
-        contacts = self._holders(s.manifest_id, set(by_node) if s.manifest_id else set())
+        contacts = self._holders(s.manifest_id, {n.node_id for n in gang} if s.manifest_id else set())
         gs = GangStart(s, job.attempt, blob_id=blob_id, peers_of=peers_of, contacts=contacts, n_gang=len(gang),
                        now=now, expires=now + self.cfg.placement_ttl_s)
-        start = Push.start
-        pop = victim_stops.pop
-        out = [start(gs, node, by_node[node.node_id], pop(node.node_id, _NO_VICTIMS))
-               for node in gang]
+        start, table = Push.start_rows, job.table
+        if victim_stops:
+            pop = victim_stops.pop
+            out = [start(gs, node, table, r, pop(node.node_id, _NO_VICTIMS)) for node, r in zip(gang, rows, strict=True)]
+        else:
+            out = [start(gs, node, table, r, _NO_VICTIMS) for node, r in zip(gang, rows, strict=True)]
         for node_id, victims in victim_stops.items():  # victims on nodes that get no new pod
             vnode = nodes[node_id]
             self._pid += 1
