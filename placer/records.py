@@ -82,7 +82,7 @@ class Push:
     :class:`GangStart` when first read (by the sender, as it goes), so a decision's
     bookkeeping does not build 25,000 messages before the first one can leave."""
 
-    __slots__ = ("node_id", "control_url", "job_id", "attempt", "kind", "_placement", "_pid",
+    __slots__ = ("node_id", "control_url", "job_id", "attempt", "kind", "_placement", "placement_id",
                  "_gang", "_node", "_pods_", "_t", "_rows", "_victims")
 
     def __init__(self, node_id: str, control_url: str, placement: Placement, job_id: str, attempt: int,
@@ -93,7 +93,7 @@ class Push:
         self.attempt = attempt
         self.kind = kind  # "start" (carries the gang's pods) or "stop"
         self._placement: Placement | None = placement
-        self._pid = placement.placement_id
+        self.placement_id = placement.placement_id
         self._gang: GangStart | None = None
         self._node: NodeRec | None = None
         self._pods_: list[PodRec] | None = []
@@ -112,7 +112,7 @@ class Push:
         p.attempt = gang.attempt
         p.kind = "start"
         p._placement = None
-        p._pid = gang.prefix + node.node_id
+        p.placement_id = gang.prefix + node.node_id
         p._gang, p._node, p._pods_, p._victims = gang, node, pods, victims
         p._t, p._rows = None, []
         return p
@@ -129,7 +129,7 @@ class Push:
         p.attempt = gang.attempt
         p.kind = "start"
         p._placement = None
-        p._pid = gang.prefix + node.node_id
+        p.placement_id = gang.prefix + node.node_id
         p._gang, p._node, p._pods_, p._victims = gang, node, None, victims
         p._t, p._rows = table, rows
         return p
@@ -143,15 +143,11 @@ class Push:
             pods = self._pods_ = [t.view(i) for i in self._rows]
         return pods
 
-    @property
-    def placement_id(self) -> str:
-        return self._pid
-
     def part(self, expires_at: float) -> NodePart:
         """This push as a rack relay carries it (a start push names GPU slots and the node's
         inventory hash; a stop push is its victims)."""
         if self._gang is not None and self._node is not None:
-            return self._gang.part(self._pid, self._node, self._pods, self._victims)
+            return self._gang.part(self.placement_id, self._node, self._pods, self._victims)
         pl = self.placement
         return NodePart(placement_id=pl.placement_id, node_id=self.node_id, job_id=self.job_id,
                         attempt=self.attempt, victims=pl.victims, issued_at=pl.issued_at, expires_at=expires_at)
@@ -160,14 +156,14 @@ class Push:
         """``msgauth.part_bytes(self.part(expires_at))``, the bytes a bundle carries, made
         without the NodePart (a start push's, from its gang: see GangStart.part_bytes)."""
         if self._gang is not None and self._node is not None:
-            return self._gang.part_bytes(self._pid, self._node, self._pods, self._victims)
+            return self._gang.part_bytes(self.placement_id, self._node, self._pods, self._victims)
         return _part_enc.encode(self.part(expires_at))
 
     @property
     def placement(self) -> Placement:
         if self._placement is None:
             assert self._gang is not None and self._node is not None
-            self._placement = self._gang.placement(self._pid, self._node, self._pods, self._victims)
+            self._placement = self._gang.placement(self.placement_id, self._node, self._pods, self._victims)
         return self._placement
 
     def __repr__(self) -> str:
@@ -198,13 +194,13 @@ def parts_bytes(pushes: list[Push], expires_at: float) -> list[bytes]:
             rows = p._rows
             ranks, slots = t.ranks, t.slots
             out.append(enc([
-                "" if rows else p._pid, node.node_id, job_id, attempt, "", WIRE_VERSION,
+                "" if rows else p.placement_id, node.node_id, job_id, attempt, "", WIRE_VERSION,
                 [["", ranks[i], slots[i], _EMPTY] for i in rows],
                 p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None]))
             continue
         pods = p._pods
         out.append(enc([
-            "" if pods else p._pid, node.node_id, job_id, attempt, "", WIRE_VERSION,
+            "" if pods else p.placement_id, node.node_id, job_id, attempt, "", WIRE_VERSION,
             [["", q.rank, q.slots, _EMPTY] for q in pods],
             p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None]))
     return out
