@@ -483,12 +483,18 @@ class JobRec:
 
     def set_pod_state(self, pod: PodRec, state: str, exit_code: int | None = None) -> None:
         """The one way a current pod changes state (keeps ``counts`` and ``ok_exits`` true)."""
-        old = pod.state
+        t = pod._t
+        old = _STATE[t.codes[pod._i]] if t is not None else pod._own
         if old == "exited" and pod.exit_code == 0:
             self.ok_exits -= 1
-        self.counts[old] -= 1
-        pod.state, pod.exit_code = state, exit_code
-        self.counts[state] += 1
+        counts = self.counts
+        counts[old] -= 1
+        if t is not None:
+            t.codes[pod._i] = _CODE[state] if state in _CODE else state_code(state)
+        else:
+            pod._own = state
+        pod.exit_code = exit_code
+        counts[state] += 1
         if state == "exited" and exit_code == 0:
             self.ok_exits += 1
 
@@ -535,17 +541,33 @@ class NodePods(Mapping[str, "tuple[JobRec, PodRec]"]):
         self._node = node
 
     def get(self, wid: str, default: Any = None) -> Any:  # (Mapping.get, without a raise and catch)
+        node = self._node
+        job = node.gangs.get(wid.partition(".")[0])
+        if job is not None:   # (a job id has no dot: a decision's rows are found by the prefix)
+            t = job.table
+            prefix = t.prefix
+            if t._pos is None and prefix and wid.startswith(prefix):
+                r = wid[len(prefix):]
+                if not r.isdigit():
+                    return default
+                i = int(r)
+                if i >= len(t.codes) or t.node_ids[i] != node.node_id:
+                    return default
+                v = t.views[i]
+                if v is None:
+                    v = t.view(i)
+                return (job, v) if v.workload_id == wid else default
         parsed = parse_workload_id(wid)
         if parsed is None:
             return default
-        job = self._node.gangs.get(parsed[0])
+        job = node.gangs.get(parsed[0])
         if job is None or job.attempt != parsed[1]:
             return default
         t = job.table
-        i = t.row_of(parsed[2])
-        if i is None or t.node_ids[i] != self._node.node_id:
+        row = t.row_of(parsed[2])
+        if row is None or t.node_ids[row] != node.node_id:
             return default
-        v = t.view(i)
+        v = t.view(row)
         return (job, v) if v.workload_id == wid else default
 
     def __getitem__(self, wid: str) -> tuple[JobRec, PodRec]:
