@@ -33,6 +33,7 @@ class BeatBook:
         self._pending: dict[str, tuple[str, int, bytes]] = {}   # node -> (boot, seq, mac), the latest empty one
         self._need_full: set[str] = set()
         self._stops: dict[str, list[Victim]] = {}
+        self._plain: ReportReply | None = None   # the answer with nothing to say (frozen: shared)
 
     @property
     def pending(self) -> int:
@@ -40,9 +41,15 @@ class BeatBook:
 
     def empty(self, rep: NodeReport) -> ReportReply:
         """Keep an empty heartbeat as the member's pending entry; the answer to give it now."""
-        self._pending[rep.node_id] = (rep.boot_id, rep.seq, rep.mac)
-        need = rep.node_id in self._need_full
-        stop = self._stops.pop(rep.node_id, [])
+        nid = rep.node_id
+        self._pending[nid] = (rep.boot_id, rep.seq, rep.mac)
+        if nid not in self._need_full and nid not in self._stops:   # (most answers: one shared reply)
+            p = self._plain
+            if p is None or p.heartbeat_interval_s != self.heartbeat_s:
+                p = self._plain = ReportReply(ok=True, heartbeat_interval_s=self.heartbeat_s)
+            return p
+        need = nid in self._need_full
+        stop = self._stops.pop(nid, [])
         return ReportReply(ok=True, need_full=need, stop=stop, heartbeat_interval_s=self.heartbeat_s)
 
     def take_one(self, node_id: str, now: float) -> RackBeat | None:

@@ -42,6 +42,11 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     enabled: bool = False
     listen: str = "127.0.0.1:0"          # the members listener (frames connections)
     advertise: str | None = None         # HOST:PORT members dial (default: the bound address)
+    # As a member: after this many heartbeat intervals with nothing the placer vouched for
+    # (relayed answers carry no placer MAC), report once directly so a relay that answers
+    # every heartbeat itself cannot hold this node for good. 0: never. Each such report is a
+    # handshake with the placer: 120 at 5 s over 131,072 nodes is ~220 a second.
+    trust_intervals: int = 0
 
 
 class DataPlaneSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -60,6 +65,7 @@ class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     listen: str = DEFAULT_LISTEN
     data_listen: str | None = "127.0.0.1:0"   # None: no data plane
     placer: str | None = None
+    placers: tuple[str, ...] = ()        # every placer (placer = [...]): the link fails over (scheduler_link.placers)
     token_dir: str | None = None         # default $HERD_TOKEN_DIR or /etc/herd/tokens
     open_reads: bool = False             # viewer routes public (no token); a lab set-up only
     open_metrics: bool = True            # /metrics public (else the metrics, viewer or operator token)
@@ -165,11 +171,21 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Mapping[s
     """
     data = read_toml(path, ConfigError) if path is not None else {}
     try:
-        cfg = msgspec.convert(_layout(data, overrides or {}), AgentConfig)
+        cfg = msgspec.convert(_placer_list(_layout(data, overrides or {})), AgentConfig)
     except msgspec.ValidationError as e:
         raise ConfigError(_explain(e)) from None
     validate(cfg)
     return cfg
+
+
+def _placer_list(out: dict[str, Any]) -> dict[str, Any]:
+    """``placer = [URL, ...]`` (or ``--placer`` repeated): several placers, one leading; the
+    first is ``placer``, every one is in ``placers``."""
+    p = out.get("placer")
+    if isinstance(p, list | tuple):
+        out["placer"] = p[0] if p else None
+        out["placers"] = tuple(p)
+    return out
 
 
 def validate(cfg: AgentConfig) -> None:
@@ -184,8 +200,9 @@ def validate(cfg: AgentConfig) -> None:
         host, sep, port = v.rpartition(":")
         if not sep or not port.isdigit() or int(port) > 65535:
             raise ConfigError(f"{name} must be HOST:PORT, not {v!r}")
-    if cfg.placer is not None and not cfg.placer.startswith(("http://", "https://")):
-        raise ConfigError(f"placer must be an http(s) URL, not {cfg.placer!r}")
+    for url in (cfg.placer, *cfg.placers):
+        if url is not None and not (isinstance(url, str) and url.startswith(("http://", "https://"))):
+            raise ConfigError(f"placer must be an http(s) URL, not {url!r}")
     if cfg.heartbeat_s <= 0 or cfg.gpu_poll_interval_s <= 0:
         raise ConfigError("heartbeat_s and gpu_poll_interval_s must be > 0")
     w = cfg.workloads

@@ -165,7 +165,7 @@ class Agent:
         import httpx
 
         assert self.config.placer is not None
-        url = f"{self.config.placer.rstrip('/')}/v1/gangs/{blob_id}"
+        url = f"{(self.link.placer_url if self.link else self.config.placer).rstrip('/')}/v1/gangs/{blob_id}"
         out = bytearray()
         verify = self.security.client if self.security is not None and self.security.client else True
         async with httpx.AsyncClient(timeout=10.0, verify=verify) as c, c.stream(
@@ -265,8 +265,9 @@ class Agent:
                 log.warning("token path readable or writable by others path=%s mode=%o (want 0700 dir, 0600 files)",
                             p, mode)
     def _start_link(self, placer: str) -> AgentLink:
-        self.link = link = AgentLink(placer, self.tokens.cluster, self.node_id, self,
+        self.link = link = AgentLink(placer, self.tokens.cluster, self.node_id, self, placers=self.config.placers,
                                      heartbeat_s=self.config.heartbeat_s, on_part=self.handle_part,
+                                     relay_trust_intervals=self.config.relay.trust_intervals,
                                      ssl_context=self.security.client if self.security is not None else None)
         self.supervisor.add_listener(link.notify)
         return link

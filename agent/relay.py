@@ -28,6 +28,13 @@ serves whatever comes:
   yet) -- never a new fetch, so relays asking each other cannot wait on one another in a
   cycle.
 
+What a relay decides -- taking a bundle after its signature check, which parts go to whom,
+the ack bundle, beat aggregation, report batches, blob sources -- is
+:class:`~agent.relaycore.RelayCore` (no I/O); :class:`Relay` is the trio driver that carries
+it out. The hop to the members is a seam (:class:`MemberHop`): the shipped one is a ``part``
+call on each member's frames connection; the fleet emulator (testing.fleet) runs this same
+``Relay`` with a hop that calls its emulated members in process.
+
 A relay can delay or drop, never forge (scheduler_link.msgauth): a bundle is acted on only
 once the placer's signature over it verifies (the key came with this node's registration);
 each member gets its part with the signed proof and checks it itself; a member's content
@@ -36,8 +43,6 @@ report and heartbeat carry the member's MAC, which this relay passes on untouche
 Without a connection up, members' reports are answered 503: their links fall back to the
 placer directly (a relay that cannot reach the placer must not keep its rack looking alive).
 
-:class:`~agent.beats.BeatBook` holds the aggregation (pure methods, no I/O); :class:`Relay`
-is the trio code around it.
 """
 
 from __future__ import annotations
@@ -46,9 +51,8 @@ import logging
 import random
 import ssl
 import time
-from collections import OrderedDict
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 import trio
@@ -58,7 +62,6 @@ from infra.tls import Security
 from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
 from scheduler_link.heartbeat_wire import HeartbeatServer, Hello, WireError, WireReply
 from scheduler_link.messages import (
-    AckBundle,
     BlobReply,
     BlobRequest,
     Frame,
@@ -67,24 +70,31 @@ from scheduler_link.messages import (
     NodeReport,
     RackBeat,
     RackBeatReply,
-    RackBundle,
     RackReports,
     RelayHello,
     ReportReply,
 )
-from scheduler_link.msgauth import AuthError, BundleVerifier
+from scheduler_link.msgauth import BundleVerifier
 
-from .beats import BeatBook, is_empty
 from .blobs import BlobCache, BlobSource
+from .relaycore import Acks, Batch, Hand, KeepBlob, Refuse, RelayCore, WantBlob
 
 log = logging.getLogger("herd.agent.relay")
 
 PartHandler = Callable[[NodePart], Awaitable[NodeOutcome]]
 # () -> (this node's MAC key, the placer's signing key), None until registered
 Keys = Callable[[], tuple[bytes | None, bytes | None]]
-ACK_WINDOW_S = 0.4           # a bundle's acks go back at most this long after it came
-KEEP_SOURCES = 16            # blob ids whose sources (from bundles) are remembered
 PEER_BLOB_WAIT_S = 2.0       # a relay asking for a blob whose bundle has not reached us yet waits this long
+# what a hop gives back for a part: the member's outcome (None: no answer), now or later
+HopAnswer = NodeOutcome | None | Awaitable[NodeOutcome | None]
+
+
+class MemberHop(Protocol):
+    """How the relay reaches a node of its rack with its part (``own``: the relay's own node).
+    The shipped hop (:class:`Relay`'s own, when none is given) is a ``part`` call on the
+    member's frames connection; an answer may come at once or later."""
+
+    def hand(self, part: NodePart, own: bool) -> HopAnswer: ...
 
 
 def _frames_only(node_id: str, report: NodeReport) -> tuple[int, ReportReply]:
@@ -92,25 +102,30 @@ def _frames_only(node_id: str, report: NodeReport) -> tuple[int, ReportReply]:
 
 
 class Relay:
-    """This agent's relay role (see the module docstring). ``await n.start(relay.run)``
-    returns the members listener's URL (tcp://host:port)."""
+    """This agent's relay role (see the module docstring): the trio driver of a
+    :class:`~agent.relaycore.RelayCore`. ``await n.start(relay.run)`` returns the members
+    listener's URL (tcp://host:port)."""
 
-    def __init__(self, *, node_id: str, rack: str, tokens: TokenSet, listen: str, wire_url: Callable[[], str | None],
-                 own_part: PartHandler, blobs: BlobCache, placer_blob: BlobSource | None = None,
-                 advertise: str | None = None, heartbeat_s: float = 5.0, backoff_min_s: float = 0.05,
-                 backoff_max_s: float = 2.0, request_timeout_s: float = 10.0, max_connections: int = 512,
-                 keys: Keys, on_bad_bundle: Callable[[], None] | None = None,
+    def __init__(self, *, node_id: str, rack: str, tokens: TokenSet, listen: str | None,
+                 wire_url: Callable[[], str | None], own_part: PartHandler | None = None, blobs: BlobCache,
+                 placer_blob: BlobSource | None = None, advertise: str | None = None, heartbeat_s: float = 5.0,
+                 backoff_min_s: float = 0.05, backoff_max_s: float = 2.0, request_timeout_s: float = 10.0,
+                 max_connections: int = 512, keys: Keys, on_bad_bundle: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.time, security: Security | None = None,
-                 connect_timeout_s: float = 60.0) -> None:
+                 connect_timeout_s: float = 60.0, hop: MemberHop | None = None, local_address: str | None = None,
+                 verifiers: dict[bytes, tuple[BundleVerifier, dict[bytes, bytes]]] | None = None, beat_offset_s: float = 0.0) -> None:
         """``security``: the agent's TLS set-up (None or insecure: plain TCP). With it the members
         listener takes mutual TLS only (a member's certificate names the member), the upstream
         connection must reach the placer's certificate, and blobs come from other relays over
-        mutual TLS too."""
+        mutual TLS too. ``listen`` None: no members listener (``advertise`` is the URL other
+        relays fetch blobs from; the fleet emulator's shared one). ``hop``: how parts reach the
+        members (default: their frames connections here). ``verifiers``: the signature
+        cache several relays of one host may share (RelayCore). ``beat_offset_s``: the first
+        beat's delay into the interval (relays of one host spread over it)."""
         self.node_id = node_id
         self._client_ssl = security.client if security is not None else None   # (insecure: none)
         self._keys = keys
         self._on_bad_bundle = on_bad_bundle   # e.g. the link's request_full_report: a new placer key
-        self._verifier: BundleVerifier | None = None
         self.rack = rack
         self.tokens = tokens
         self.token = tokens.cluster or ""
@@ -118,6 +133,8 @@ class Relay:
         self.advertise = advertise
         self._wire_url = wire_url
         self._own_part = own_part
+        self._hop = hop
+        self._local_address = local_address
         self.blobs = blobs
         self._placer_blob = placer_blob
         self.backoff_min_s = backoff_min_s
@@ -127,50 +144,60 @@ class Relay:
         # storm (every node and relay reconnecting) answers late, and a relay that gave up and
         # dialled again would only add to the storm (AgentLink.wire_connect_timeout_s likewise)
         self.connect_timeout_s = max(request_timeout_s, connect_timeout_s)
+        self._beat_offset_s = beat_offset_s
         self._clock = clock
-        self.book = BeatBook(rack, heartbeat_s)
+        self.core = RelayCore(node_id=node_id, rack=rack, heartbeat_s=heartbeat_s, verifiers=verifiers)
+        self.book = self.core.book
         # a rack is small (<= 72 trays an NVL72) plus the few relays come for a blob: not the
         # descriptor-derived default, which may be 64 under a low ulimit
         self.server = HeartbeatServer(tokens, _frames_only, frames=self, max_connections=max_connections,
                                       ssl_context=security.channel if security is not None else None,
-                                      require_certs=security.require_certs if security is not None else False)
+                                      require_certs=security.require_certs if security is not None else False
+                                      ) if listen is not None else None
         self.listen_url = ""
         self._members: dict[str, FrameChannel] = {}
         self._up: FrameChannel | None = None
-        self._sources: OrderedDict[str, list[str]] = OrderedDict()
-        self._outq: list[tuple[NodeReport, trio.MemorySendChannel[WireReply]]] = []   # content reports to send up
-        self._sending: list[tuple[NodeReport, trio.MemorySendChannel[WireReply]]] = []   # the batch out now
+        self._tickets: dict[int, trio.MemorySendChannel[WireReply]] = {}
+        self._sending: Batch | None = None    # the batch out now (answered 503 if the connection goes)
+        self._finished: dict[int, Acks] = {}   # rounds over before their _round looked (answers, a member left)
+        self._waiting: dict[int, trio.CancelScope] = {}   # rounds whose hand-outs are still out
         self._out_wake = trio.Event()
         self._batches = True          # the placer takes ``reports`` frames (else one ``report`` each)
         self._nursery: trio.Nursery | None = None
-        # statistics
+        self.upstream_ready = trio.Event()    # set while connected up (a fresh one after each loss)
+        # fault injection (tests, the fleet emulator's hung relays): bundles are read and never
+        # answered, as by a relay whose host froze (the placer's relay_timeout_s and fallback act)
+        self.stalled = False
+        # statistics (the core's decisions: self.core's counters)
         self.connects = 0
-        self.bundles = 0
-        self.parts_delivered = 0
-        self.parts_missed = 0
+        self.drops = 0
+        self.drop_reasons: dict[str, int] = {}   # why the connection up ended, by reason
         self.beats = 0
         self.beat_entries = 0
-        self.reports_forwarded = 0
         self.report_frames = 0
-        self.empty_answered = 0
         self.blob_serves = 0
-        self.bad_bundles = 0
+        self.failures = 0
+
+    @property
+    def upstream(self) -> FrameChannel | None:
+        return self._up
 
     def statistics(self) -> dict[str, Any]:
+        c = self.core
         return {"listen_url": self.listen_url, "rack": self.rack, "upstream": self._up is not None,
-                "members": len(self._members), "connects": self.connects, "bundles": self.bundles,
-                "parts_delivered": self.parts_delivered, "parts_missed": self.parts_missed, "beats": self.beats,
-                "beat_entries": self.beat_entries, "reports_forwarded": self.reports_forwarded,
-                "report_frames": self.report_frames,
-                "empty_answered": self.empty_answered, "blob_serves": self.blob_serves,
-                "bad_bundles": self.bad_bundles,
+                "members": len(self._members) if self._hop is None else len(c.members),
+                "connects": self.connects, "drops": self.drops, "bundles": c.bundles,
+                "parts_delivered": c.parts_delivered, "parts_missed": c.parts_missed, "beats": self.beats,
+                "beat_entries": self.beat_entries, "reports_forwarded": c.reports_forwarded,
+                "report_frames": self.report_frames, "late_answers": c.late_answers,
+                "empty_answered": c.empty_answered, "blob_serves": self.blob_serves,
+                "bad_bundles": c.bad_bundles, "part_bytes_max": c.part_bytes_max, "failures": self.failures,
                 "pending_beats": self.book.pending, "blobs": self.blobs.statistics()}
 
     def blob_sources(self, blob_id: str) -> list[BlobSource]:
         """Where this relay gets a blob: the relays a bundle named, in order, then the placer
         over the upstream connection (the daemon adds the placer's HTTP route after)."""
-        out: list[BlobSource] = [self._peer_source(u) for u in self._sources.get(blob_id, [])
-                                 if u != self.listen_url]
+        out: list[BlobSource] = [self._peer_source(u) for u in self.core.blob_sources(blob_id, self.listen_url)]
         out.append(self._upstream_blob)
         return out
 
@@ -179,9 +206,12 @@ class Relay:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as n:
             self._nursery = n
-            url = await n.start(self.server.run, self.listen)
-            self.listen_url = _advertised(url, self.advertise)
-            log.info("relay members listener url=%s rack=%s", self.listen_url, self.rack)
+            if self.server is not None and self.listen is not None:
+                url = await n.start(self.server.run, self.listen)
+                self.listen_url = _advertised(url, self.advertise)
+                log.info("relay members listener url=%s rack=%s", self.listen_url, self.rack)
+            else:
+                self.listen_url = _advertised("", self.advertise)
             task_status.started(self.listen_url)
             await self._upstream_loop()
 
@@ -196,8 +226,10 @@ class Relay:
             try:
                 ch = await open_frames(url, self.token, self.node_id, timeout_s=self.connect_timeout_s,
                                        relay=RelayHello(racks=[self.rack], listen_url=self.listen_url),
+                                       local_address=self._local_address,
                                        ssl_context=self._client_ssl, expect="placer" if self._client_ssl else None)
             except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError) as e:
+                self.failures += 1
                 log.info("relay upstream connect failed url=%s err=%r", url, e)
                 await trio.sleep(backoff * 2 * random.uniform(0.5, 1.0))  # jittered: relays do not retry in step
                 backoff = min(self.backoff_max_s, backoff * 2)
@@ -206,6 +238,7 @@ class Relay:
             self.connects += 1
             log.info("relay connected to the placer url=%s rack=%s", url, self.rack)
             self._up = ch
+            self.upstream_ready.set()
             try:
                 async with trio.open_nursery() as n:
                     n.start_soon(self._beats, ch)
@@ -213,16 +246,22 @@ class Relay:
                     await ch.run(self._upstream_frame)
                     n.cancel_scope.cancel()
             finally:
+                why = ch.close_reason or "ended here"
+                self.drops += 1
+                self.drop_reasons[why] = self.drop_reasons.get(why, 0) + 1
                 if self._up is ch:
                     self._up = None
+                    self.upstream_ready = trio.Event()
                 self._fail_queued("the relay lost its connection to the placer")
             log.warning("relay lost its placer connection rack=%s", self.rack)
             await trio.sleep(backoff)
 
     async def _beats(self, ch: FrameChannel) -> None:
+        if self._beat_offset_s:
+            await trio.sleep(self._beat_offset_s)
         while not ch.closed.is_set():
             await trio.sleep(self.book.heartbeat_s)
-            b = self.book.take_all(self._clock())
+            b = self.core.beat(self._clock())
             if b is not None:
                 await self._send_beat(ch, b)
 
@@ -231,19 +270,16 @@ class Relay:
         self.beat_entries += len(b.node_ids)
         try:
             f = await ch.call("beat", b, timeout_s=self.request_timeout_s)
-            self.book.apply(decode_payload(f, RackBeatReply))
+            self.core.beat_answered(decode_payload(f, RackBeatReply))
         except (FrameError, CallFailed, trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.failures += 1
             log.warning("rack beat failed rack=%s entries=%d err=%s", self.rack, len(b.node_ids), e)
 
     # ------------------------------------------------------------ frames from the placer
 
     def _upstream_frame(self, ch: FrameChannel, f: Frame) -> Any:
         if f.type == "bundle":
-            try:
-                b, parts = self._verified(f)
-            except (AuthError, msgspec.DecodeError, msgspec.ValidationError) as e:
-                return "error", {"error": f"bundle refused: {e}"}
-            return self._bundle(b, parts)
+            return None if self.stalled else self._bundle(f.payload)
         if f.type == "part":
             return self._own(decode_payload(f, NodePart))
         if f.type == "ping":
@@ -251,74 +287,83 @@ class Relay:
         raise ValueError(f"a relay does not take {f.type} frames from the placer")
 
     async def _own(self, part: NodePart) -> tuple[str, NodeOutcome]:
+        if self._own_part is None:
+            raise ValueError("this relay takes no direct parts for its own node")
         return "ack", await self._own_part(part)
 
-    def _verified(self, f: Frame) -> tuple[RackBundle, list[NodePart]]:
-        """The bundle, checked against the placer's signature (raises: nothing of it is acted
-        on, the frame is answered with an error and the placer reaches the rack directly),
-        and its parts each with the proof its member checks."""
-        pub = self._keys()[1]
-        if pub is None:
-            self.bad_bundles += 1
-            raise AuthError("no placer signing key yet (this relay has not registered directly)")
-        if self._verifier is None or self._verifier.public != pub:
-            self._verifier = BundleVerifier(pub)
-        try:
-            view, parts, proofs = self._verifier.bundle(f.payload)
-        except (AuthError, msgspec.DecodeError, msgspec.ValidationError) as e:
-            self.bad_bundles += 1
-            log.warning("bundle refused rack=%s: %s", self.rack, e)
-            if self._on_bad_bundle is not None:  # (it came over our own connection to the placer:
-                self._on_bad_bundle()            # maybe the placer has a new key; our own answer has it)
-            raise
-        b = RackBundle(rack=view.rack, blob_id=view.blob_id, blob=view.blob, blob_sources=list(view.blob_sources),
-                       deliver_by=view.deliver_by, sig=view.sig)
-        return b, [msgspec.structs.replace(p, proof=pr) for p, pr in zip(parts, proofs, strict=True)]
+    def _bundle(self, payload: bytes) -> Any:
+        """Carry out what the core decided of a bundle: an answer now when every part was
+        answered at once (or none was handed), else an awaitable of it."""
+        got = self.core.bundle(payload, self._keys()[1], now=trio.current_time(), wall=self._clock())
+        if isinstance(got, Refuse):
+            if got.new_key and self._on_bad_bundle is not None:  # (it came over our own connection to the
+                self._on_bad_bundle()        # placer: maybe the placer has a new key; our own answer has it)
+            return "error", {"error": got.error}
+        later: list[tuple[Hand, Awaitable[NodeOutcome | None]]] = []
+        for a in got.actions:
+            if isinstance(a, Acks):
+                return "acks", a.acks
+            if isinstance(a, KeepBlob):
+                self.blobs.put(a.blob_id, a.raw)
+            elif isinstance(a, WantBlob):
+                if self.blobs.cached(a.blob_id) is None and self._nursery is not None:
+                    self._nursery.start_soon(self._prefetch, a.blob_id)  # members will ask for it soon
+            elif isinstance(a, Hand):
+                out = self._hand(a)
+                if out is None or isinstance(out, NodeOutcome):
+                    done = self.core.answered(a.round_id, a.slot, out)
+                    if done is not None:
+                        return "acks", done.acks
+                else:
+                    later.append((a, out))
+        return self._round(got.round_id, got.until, later)
 
-    async def _bundle(self, b: RackBundle, parts: list[NodePart]) -> tuple[str, AckBundle]:
-        self.bundles += 1
-        if b.blob_id:
-            self._sources[b.blob_id] = list(b.blob_sources)
-            self._sources.move_to_end(b.blob_id)
-            while len(self._sources) > KEEP_SOURCES:
-                self._sources.popitem(last=False)
-            if b.blob is not None:
-                self.blobs.put(b.blob_id, b.blob)
-            elif self.blobs.cached(b.blob_id) is None and self._nursery is not None:
-                self._nursery.start_soon(self._prefetch, b.blob_id)  # members will ask for it soon
-        now_wall, now = self._clock(), trio.current_time()
-        until = now + ACK_WINDOW_S
-        if b.deliver_by:
-            until = min(until, now + max(0.0, b.deliver_by - now_wall))
-        outcomes: list[NodeOutcome] = []
-        with trio.move_on_at(until):
-            async with trio.open_nursery() as n:
-                for part in parts:
-                    if part.pods and not part.blob_id:  # inside a bundle a part's blob is the bundle's
-                        part = msgspec.structs.replace(part, blob_id=b.blob_id)
-                    n.start_soon(self._deliver, part, outcomes)
-        self.parts_delivered += len(outcomes)
-        self.parts_missed += len(parts) - len(outcomes)
-        return "acks", AckBundle(rack=b.rack, blob_id=b.blob_id, outcomes=outcomes)
-
-    async def _deliver(self, part: NodePart, outcomes: list[NodeOutcome]) -> None:
-        if part.node_id == self.node_id:
-            try:
-                outcomes.append(await self._own_part(part))
-            except Exception as e:  # not accepted durably: left out, the placer pushes it directly
-                log.warning("own part not answered placement=%s err=%s", part.placement_id, e)
-            return
-        ch = self._members.get(part.node_id)
+    def _hand(self, a: Hand) -> HopAnswer:
+        if self._hop is not None:
+            return self._hop.hand(a.part, a.own)
+        if a.own:
+            return self._hand_own(a.part)
+        ch = self._members.get(a.part.node_id)
         if ch is None:
-            return  # not one of ours (yet): the placer reaches it directly
+            return None
+        return self._hand_member(ch, a.part)
+
+    async def _round(self, rid: int, until: float, later: list[tuple[Hand, Awaitable[NodeOutcome | None]]]
+                     ) -> tuple[str, Any]:
+        with trio.move_on_at(until) as scope:
+            self._waiting[rid] = scope   # cancelled when the round ends before its last answer
+            try:
+                async with trio.open_nursery() as n:
+                    for a, aw in later:
+                        n.start_soon(self._answer_later, a, aw)
+            finally:
+                del self._waiting[rid]
+        acks = self._finished.pop(rid, None) or self.core.expire(rid)
+        if acks is None:
+            raise FrameError("the round ended without its acks")   # (cannot: every close is kept)
+        return "acks", acks.acks
+
+    async def _answer_later(self, a: Hand, aw: Awaitable[NodeOutcome | None]) -> None:
+        acks = self.core.answered(a.round_id, a.slot, await aw)
+        if acks is not None:
+            self._finished[acks.round_id] = acks
+
+    async def _hand_own(self, part: NodePart) -> NodeOutcome | None:
+        if self._own_part is None:
+            return None
+        try:
+            return await self._own_part(part)
+        except Exception as e:  # not accepted durably: left out, the placer pushes it directly
+            log.warning("own part not answered placement=%s err=%s", part.placement_id, e)
+            return None
+
+    async def _hand_member(self, ch: FrameChannel, part: NodePart) -> NodeOutcome | None:
         try:
             f = await ch.call("part", part)
-            out = decode_payload(f, NodeOutcome)
+            return decode_payload(f, NodeOutcome)
         except (FrameError, CallFailed, msgspec.DecodeError, msgspec.ValidationError) as e:
             log.info("part not delivered node=%s placement=%s err=%s", part.node_id, part.placement_id, e)
-            return
-        if out.node_id == part.node_id and out.placement_id == part.placement_id:
-            outcomes.append(out)
+            return None
 
     async def _prefetch(self, blob_id: str) -> None:
         try:
@@ -345,13 +390,25 @@ class Relay:
                                          timeout_s=self.request_timeout_s, ssl_context=self._client_ssl)
         return fetch
 
-    # ------------------------------------------------------------ the members listener (FramesHost)
+    # ------------------------------------------------------------ members (the listener: FramesHost)
+
+    def member_joined(self, node_id: str) -> None:
+        """``node_id`` is reachable through this relay's hop (a connection opened here)."""
+        self.core.member_opened(node_id)
+
+    def member_left(self, node_id: str) -> None:
+        for a in self.core.member_closed(node_id):   # rounds its leaving ended: their _round answers them
+            self._finished[a.round_id] = a
+            scope = self._waiting.get(a.round_id)
+            if scope is not None:
+                scope.cancel()
 
     def opened(self, hello: Hello, channel: FrameChannel) -> Any:
         if hello.racks:  # another relay, come for a blob
             return self._peer_frame
         old = self._members.get(hello.node_id)
         self._members[hello.node_id] = channel
+        self.member_joined(hello.node_id)
         if old is not None and old is not channel and self._nursery is not None:
             self._nursery.start_soon(old.aclose)
         return self._member_frame
@@ -359,65 +416,76 @@ class Relay:
     def closed(self, channel: FrameChannel) -> None:
         if self._members.get(channel.name) is channel:
             del self._members[channel.name]
-            self.book.forget(channel.name)
+            self.member_left(channel.name)
 
     def _member_frame(self, ch: FrameChannel, f: Frame) -> Any:
         if f.type == "report":
             return self._member_report(ch, decode_payload(f, NodeReport))
         if f.type == "blob_get":
-            return self._serve_blob(decode_payload(f, BlobRequest), fetch=True)
+            return self._serve_blob(decode_payload(f, BlobRequest), from_relay=False)
         if f.type == "ping":
             return ("ping", {})
         raise ValueError(f"a relay does not take {f.type} frames from a member")
 
     def _peer_frame(self, ch: FrameChannel, f: Frame) -> Any:
         if f.type == "blob_get":
-            return self._serve_blob(decode_payload(f, BlobRequest), fetch=False)
+            return self._serve_blob(decode_payload(f, BlobRequest), from_relay=True)
         raise ValueError(f"a relay takes only blob_get frames from another relay, not {f.type}")
 
-    async def _member_report(self, ch: FrameChannel, rep: NodeReport) -> tuple[str, WireReply]:
-        if rep.node_id != ch.name:
-            return "reply", WireReply(status=403, error=f"this connection reports for {ch.name}, not {rep.node_id}")
-        up = self._up
-        if up is None:
-            return "reply", WireReply(status=503, error="the relay has no connection to the placer")
-        if is_empty(rep):
-            self.empty_answered += 1
-            return "reply", WireReply(status=200, reply=self.book.empty(rep))
+    def _member_report(self, ch: FrameChannel, rep: NodeReport) -> Any:
+        got = self.member_report(ch.name, rep)
+        if isinstance(got, WireReply):
+            return "reply", got
+        return self._reply_later(got)
+
+    async def _reply_later(self, aw: Awaitable[WireReply]) -> tuple[str, WireReply]:
+        return "reply", await aw
+
+    def member_report(self, node_id: str, rep: NodeReport) -> WireReply | Awaitable[WireReply]:
+        """A member's report (``node_id``: whom its connection is of): the answer now, or an
+        awaitable of it once the placer answered the batch it went up in."""
+        got = self.core.report(node_id, rep, upstream=self._up is not None)
+        if isinstance(got, WireReply):
+            return got
         send, recv = trio.open_memory_channel[WireReply](1)
-        self._outq.append((rep, send))
+        self._tickets[got] = send
         self._out_wake.set()
+        return self._await_reply(got, recv)
+
+    async def _await_reply(self, ticket: int, recv: trio.MemoryReceiveChannel[WireReply]) -> WireReply:
         with trio.move_on_after(self.request_timeout_s * 2):
-            return "reply", await recv.receive()
-        return "reply", WireReply(status=503, error="the relay could not forward the report in time")
+            return await recv.receive()
+        self._tickets.pop(ticket, None)
+        return WireReply(status=503, error="the relay could not forward the report in time")
+
+    def _answer(self, ticket: int, wr: WireReply) -> None:
+        send = self._tickets.pop(ticket, None)
+        if send is not None:
+            send.send_nowait(wr)
 
     def _fail_queued(self, why: str) -> None:
-        q, self._outq, self._sending = self._sending + self._outq, [], []
-        for _, send in q:
-            send.send_nowait(WireReply(status=503, error=why))
+        tickets = self.core.upstream_lost()
+        if self._sending is not None:
+            tickets = self._sending.tickets + tickets
+            self._sending = None
+        for t in tickets:
+            self._answer(t, WireReply(status=503, error=why))
 
     async def _forwarder(self, ch: FrameChannel) -> None:
         """The one task that sends members' content reports up, batched (see the docstring)."""
         while True:
-            if not self._outq:
+            batch = self.core.next_batch(self._clock())
+            if batch is None:
                 self._out_wake = trio.Event()
                 await self._out_wake.wait()
                 continue
-            batch, self._outq = self._outq, []
             self._sending = batch  # answered by _fail_queued if the connection goes meanwhile
-            reps = [r for r, _ in batch]
-            beat = self.book.take_some([r.node_id for r in reps], self._clock())
-            if beat is not None:
-                await self._send_beat(ch, beat)
-            for r in reps:
-                self.book.forwarded(r)
-            self.reports_forwarded += len(reps)
-            answers = await self._send_reports(ch, reps)
-            self._sending = []
-            for (r, send), wr in zip(batch, answers, strict=True):
-                if wr.status == 200:
-                    wr = msgspec.structs.replace(wr, reply=self.book.answer(r.node_id, wr.reply))
-                send.send_nowait(wr)
+            if batch.beat is not None:
+                await self._send_beat(ch, batch.beat)
+            answers = await self._send_reports(ch, batch.reports)
+            self._sending = None
+            for t, wr in self.core.batch_answered(batch, answers):
+                self._answer(t, wr)
 
     async def _send_reports(self, ch: FrameChannel, reps: list[NodeReport]) -> list[WireReply]:
         try:
@@ -440,22 +508,30 @@ class Relay:
                                           WireReply))
             return out
         except (FrameError, CallFailed, trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.failures += 1
             return [WireReply(status=503, error=f"the relay could not forward the report: {e}")] * len(reps)
 
-    async def _serve_blob(self, req: BlobRequest, *, fetch: bool) -> tuple[str, BlobReply]:
+    async def member_blob(self, blob_id: str) -> BlobReply:
+        """What a member's ``blob_get`` is answered: from the cache, fetched first if needed."""
+        return await self._blob_reply(blob_id, from_relay=False)
+
+    async def _serve_blob(self, req: BlobRequest, *, from_relay: bool) -> tuple[str, BlobReply]:
+        return "blob", await self._blob_reply(req.blob_id, from_relay=from_relay)
+
+    async def _blob_reply(self, blob_id: str, *, from_relay: bool) -> BlobReply:
         got: tuple[bytes, Any] | None = None
         with trio.move_on_after(self.request_timeout_s):
-            if fetch:
+            if self.core.may_fetch(from_relay):
                 try:
-                    got = await self.blobs.get(req.blob_id, self._all_sources(req.blob_id))
+                    got = await self.blobs.get(blob_id, self._all_sources(blob_id))
                 except Exception as e:
-                    return "blob", BlobReply(blob_id=req.blob_id, error=str(e))
+                    return BlobReply(blob_id=blob_id, error=str(e))
             else:
-                got = await self.blobs.wait_cached(req.blob_id, PEER_BLOB_WAIT_S)
+                got = await self.blobs.wait_cached(blob_id, PEER_BLOB_WAIT_S)
         if got is None:
-            return "blob", BlobReply(blob_id=req.blob_id, error="not here")
+            return BlobReply(blob_id=blob_id, error="not here")
         self.blob_serves += 1
-        return "blob", BlobReply(blob_id=req.blob_id, data=got[0])
+        return BlobReply(blob_id=blob_id, data=got[0])
 
 
 def _blob_data(r: BlobReply) -> bytes | None:

@@ -44,6 +44,7 @@ QUICK: dict[str, list[str]] = {
     "bench.msgauth": ["--nodes", "512", "--repeat", "1"],
     "bench.relay_round": ["--nodes", "2048", "--repeat", "1"],
     "bench.tls_handshake": ["--n", "20", "--rounds", "1"],
+    "bench.dashboard": ["--nodes", "512", "--builds", "3", "--refreshes", "3", "--baseline-pages", "2"],
 }
 TIMEOUT_S = 150.0
 _CMD = re.compile(r"python -m (bench\.\w+)")

@@ -265,7 +265,7 @@ def register(sub: Any) -> None:
     r.add_argument("--listen", help="control API HOST:PORT (port 0 allowed; default 127.0.0.1:8470)")
     r.add_argument("--data-listen", help="data plane HOST:PORT (default 127.0.0.1:0)")
     r.add_argument("--no-data-plane", action="store_true", help="serve no data plane")
-    r.add_argument("--placer", help="placer URL to register with")
+    r.add_argument("--placer", action="append", help="placer URL to register with (repeat for several placers)")
     r.add_argument("--token-dir", help="token dir (default $HERD_TOKEN_DIR or /etc/herd/tokens)")
     r.add_argument("--zone", help="topology: this node's zone")
     r.add_argument("--block", help="topology: this node's block (within the zone)")

@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .demo_ha import FLAG as HA_FLAG
 from .output import emit_json, human_bytes, table
 
 DEMO_BUCKET = "herd-demo"
@@ -42,6 +43,7 @@ def register(sub: Any) -> None:
     p.add_argument("--insecure", action="store_true",
                    help="plain HTTP/TCP and tokens only (default: mutual TLS with a throwaway CA)")
     p.add_argument("--agents", type=int, default=4, help=argparse.SUPPRESS)
+    p.add_argument("--ha", **HA_FLAG)   # a highly available placer: cli.demo_ha
     p.set_defaults(func=run_demo)
     sub_demo = p.add_subparsers(dest="demo_command", metavar="{stop}")
     s = sub_demo.add_parser("stop", help="stop everything a `herd demo --keep` started, workloads included")

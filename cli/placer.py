@@ -1,16 +1,18 @@
-"""`herd placer run|defrag`."""
+"""`herd placer run|status|defrag`."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from typing import Any
 
 import trio
 
 from cli.main import CliError
 from cli.output import emit_json, table
 from infra.auth import TokenSet
-from scheduler_link.client import PlacerClient, placer_url_from_env
+from scheduler_link.client import ClientError, PlacerClient, placer_url_from_env
+from scheduler_link.placers import placer_urls_from_env
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,6 +27,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--heartbeat", type=float, default=None, help="heartbeat interval told to agents (s)")
     r.add_argument("--fence-after", type=float, default=None, help="delay before a lost node's gangs move (s)")
     r.set_defaults(func=cmd_run)
+    st = ps.add_parser("status", help="who leads the placers, the epoch, each placer's role")
+    st.add_argument("--placer", action="append", default=None, metavar="URL",
+                    help="a placer URL (repeat, or comma-separate; default $HERD_PLACER, comma-separated)")
+    st.add_argument("--token-dir", default=None, help="token dir (default $HERD_TOKEN_DIR or /etc/herd/tokens)")
+    st.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                    help="seconds to wait for each placer's answer (default 5)")
+    st.add_argument("--json", action="store_true", help="print one JSON object")
+    st.set_defaults(func=cmd_status)
     d = ps.add_parser("defrag", help="plan defragmentation moves (and apply them with --apply)")
     d.add_argument("--placer", default=None, help="placer URL (default $HERD_PLACER)")
     d.add_argument("--token-dir", default=None, help="token dir (default $HERD_TOKEN_DIR or /etc/herd/tokens)")
@@ -82,3 +92,41 @@ def cmd_defrag(args: argparse.Namespace) -> int:
     if args.apply:
         print(f"applied: {len(out['applied'])} job(s) requeued")
     return 0
+
+
+def placer_status(url: str, token: str | None, timeout: float) -> dict[str, Any]:
+    """One placer's view (its /healthz): role, the leader it knows, the epoch; an error line
+    when it did not answer."""
+    try:
+        with PlacerClient(url, token, timeout=timeout, failover_s=0) as c:
+            h = c.healthz()
+    except ClientError as e:
+        return {"url": url, "role": "unreachable", "leader": None, "epoch": 0, "error": str(e)}
+    ha = h.get("ha")
+    if not isinstance(ha, dict):   # a placer alone (no etcd): it leads itself
+        return {"url": url, "role": "leader", "leader": url, "epoch": h.get("epoch", 0), "ha": False,
+                "recovering": h.get("recovering", False)}
+    return {"url": url, "role": ha.get("role"), "leader": ha.get("leader"), "epoch": ha.get("epoch", 0),
+            "placing": ha.get("placing", False), "ha": True, "recovering": h.get("recovering", False),
+            **({"why": ha["why"]} if ha.get("why") else {})}
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    if args.timeout <= 0:
+        raise CliError("--timeout must be > 0")
+    urls = placer_urls_from_env(args.placer)
+    tokens = TokenSet.load(args.token_dir)
+    token = tokens.viewer or tokens.operator
+    placers = [placer_status(u, token, args.timeout) for u in urls]
+    leaders = {(p["leader"], p["epoch"]) for p in placers if p["leader"]}
+    best = max(leaders, key=lambda le: le[1]) if leaders else None   # the newest epoch any of them knows
+    out = {"leader": best[0] if best else None, "epoch": best[1] if best else 0, "placers": placers}
+    if args.json:
+        emit_json(out)
+    else:
+        print(f"leader: {out['leader'] or 'none known'}  epoch: {out['epoch']}")
+        rows = [(p["url"], p["role"], p["leader"] or "-", p["epoch"],
+                 "yes" if p.get("placing") or (not p.get("ha", True) and p["role"] == "leader") else "no",
+                 p.get("why") or p.get("error") or "") for p in placers]
+        print(table(["PLACER", "ROLE", "LEADER", "EPOCH", "PLACING", "NOTE"], rows))
+    return 0 if best is not None else 1

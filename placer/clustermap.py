@@ -40,6 +40,7 @@ from typing import Any
 import blake3
 import numpy as np
 
+from .errors import ContractError
 from .model import ClusterModel, row_count
 
 __all__ = [
@@ -258,10 +259,10 @@ def encode(model: ClusterModel, rows: Sequence[JobRow], *, lost_rows: Iterable[i
 def decode(raw: bytes) -> ClusterMap:
     """The inverse of :func:`encode` (ValueError on bytes that are not a map)."""
     if len(raw) < _HEAD.size:
-        raise ValueError("not a cluster map: too short")
+        raise ContractError("not a cluster map: too short")
     magic, version, hlen = _HEAD.unpack_from(raw)
     if magic != MAGIC or version != VERSION:
-        raise ValueError(f"not a version {VERSION} cluster map")
+        raise ContractError(f"not a version {VERSION} cluster map")
     header = json.loads(raw[_HEAD.size:_HEAD.size + hlen])
     types = {"u1": np.uint8, "u2": np.uint16, "u4": np.uint32}
     arrays = {}

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .errors import BadRequest
+from .errors import ContractError
 from .records import ACCEPTED, Outcome, Push
 
 # how a node's outcome came (``via``)
@@ -98,7 +98,7 @@ class DeliveryRound:
         self.bounds = np.asarray(bounds, dtype=np.int64)
         self.n_racks = len(self.bounds) - 1
         if self.n_racks < 0 or self.bounds[0] != 0 or self.bounds[-1] > n or (np.diff(self.bounds) < 0).any():
-            raise BadRequest("racks are consecutive slices of the nodes, from 0")
+            raise ContractError("racks are consecutive slices of the nodes, from 0")
         self._lo = self.bounds[:-1].tolist()
         self._hi = self.bounds[1:].tolist()
         self.direct = np.arange(int(self.bounds[-1]), n, dtype=np.int64)
@@ -175,7 +175,7 @@ class DeliveryRound:
     def built(self, r: int) -> list[Action]:
         """Rack ``r``'s bundle is built (encoded and signed)."""
         if self.phase[r] != RACK_NEW:
-            raise BadRequest(f"rack {r} built twice")
+            raise ContractError(f"rack {r} built twice")
         if self.aborted or not self.durable:
             self.phase[r] = RACK_HELD   # (for good, if the journal said no)
             return []
@@ -202,7 +202,7 @@ class DeliveryRound:
         """Every rack's bundle was built (and, once durable, sent): direct pushes begin and
         the relays' deadline starts."""
         if RACK_NEW in self.phase:
-            raise BadRequest("all_built before every rack was built")
+            raise ContractError("all_built before every rack was built")
         self.sending = True
         if not self.durable or self.aborted:
             return []
@@ -233,7 +233,7 @@ class DeliveryRound:
             self.late_nodes += n_new
             return self._maybe_done()
         if self.phase[r] != RACK_SENT:
-            raise BadRequest(f"rack {r} answered before its bundle was sent")
+            raise ContractError(f"rack {r} answered before its bundle was sent")
         if self.sending:  # the round progresses: the relays still waiting get longer
             self.deadline = max(self.deadline, min(self.cap, now + self.patience_s))
         self.first_ack = min(self.first_ack, now)
@@ -307,19 +307,19 @@ class DeliveryRound:
                 return size
         pos = np.asarray(idx, dtype=np.int64) - lo
         if pos.min() < 0:
-            raise BadRequest(f"an ack of rack {r} names a node of another rack")
+            raise ContractError(f"an ack of rack {r} names a node of another rack")
         seg = self.code[lo:hi]
         if outs is None:   # all accepted (the common answer)
             got = np.zeros(hi - lo, dtype=bool)
             try:
                 got[pos] = True
             except IndexError:
-                raise BadRequest(f"an ack of rack {r} names a node of another rack") from None
+                raise ContractError(f"an ack of rack {r} names a node of another rack") from None
             fresh = got & (seg == NO_OUTCOME)
             seg[fresh] = 0
         else:
             if pos.max() >= hi - lo:
-                raise BadRequest(f"an ack of rack {r} names a node of another rack")
+                raise ContractError(f"an ack of rack {r} names a node of another rack")
             new = np.full(hi - lo, NO_OUTCOME, dtype=np.int32)
             for k, o in zip(pos.tolist(), outs, strict=True):   # (in order: a repeat's first is kept)
                 if new[k] == NO_OUTCOME:

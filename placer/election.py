@@ -48,15 +48,19 @@ class Role(enum.Enum):
 
 class Leadership(msgspec.Struct, frozen=True):
     """What a candidate knows: its role, its epoch when it leads, and who leads (that
-    leader's value, e.g. its URL, and epoch; empty/0 when unknown)."""
+    leader's value, e.g. its URL, and epoch; empty/0 when unknown). ``fenced``: a leader
+    whose lease went a whole TTL without a renewal etcd acknowledged (etcd has no quorum, or
+    this placer cannot reach it): it acts on nothing until a renewal lands (it leads again,
+    same epoch) or etcd says the lease is gone (the round ends)."""
     role: Role = Role.IDLE
     epoch: int = 0
     leader: str = ""
     leader_epoch: int = 0
+    fenced: bool = False
 
     @property
     def leading(self) -> bool:
-        return self.role is Role.LEADER
+        return self.role is Role.LEADER and not self.fenced
 
 
 class Turn(msgspec.Struct, frozen=True):
@@ -140,10 +144,9 @@ class ElectionCore:
 
     def view(self, now: float) -> Leadership:
         role = self.role
-        if role is Role.LEADER and self.expired(now):
-            role = Role.IDLE
         return Leadership(role, self.revision if role is Role.LEADER else 0,
-                          self.leader_value.decode(errors="replace"), self.leader_epoch)
+                          self.leader_value.decode(errors="replace"), self.leader_epoch,
+                          fenced=role is Role.LEADER and self.expired(now))
 
 
 class Election:
@@ -167,6 +170,9 @@ class Election:
         self.promotions = 0
         self.losses = 0
         self.errors = 0
+        self.failovers = 0           # the leader this candidate knows replaced by another
+        self.fencings = 0            # times this leader went a TTL without a renewal (fenced)
+        self._known_leader = 0       # the last leader epoch seen (0: none yet)
 
     # -------------------------------------------------------------- what others read
 
@@ -188,6 +194,10 @@ class Election:
             await self._changed.wait()
         return self.view
 
+    def holds(self) -> bool:
+        """Still the leader's round: leading, or fenced while etcd does not answer."""
+        return self.view.role is Role.LEADER
+
     async def wait_leading(self) -> Leadership:
         while not self.view.leading:
             await self._changed.wait()
@@ -196,7 +206,8 @@ class Election:
     def statistics(self) -> dict[str, Any]:
         v = self.view
         return {"role": v.role.value, "epoch": v.epoch, "leader": v.leader, "leader_epoch": v.leader_epoch,
-                "promotions": self.promotions, "losses": self.losses, "errors": self.errors}
+                "promotions": self.promotions, "losses": self.losses, "errors": self.errors,
+                "failovers": self.failovers, "fencings": self.fencings}
 
     def _publish(self) -> None:
         v = self.core.view(trio.current_time())
@@ -207,6 +218,12 @@ class Election:
             elif self.view.leading and not v.leading:
                 self.losses += 1
                 log.warning("no longer leading epoch=%d", self.view.epoch)
+            if v.fenced and not self.view.fenced:
+                self.fencings += 1
+            if v.leader_epoch:
+                if self._known_leader and v.leader_epoch != self._known_leader:
+                    self.failovers += 1
+                self._known_leader = v.leader_epoch
             self.view = v
             self._changed.set()
             self._changed = trio.Event()
@@ -332,18 +349,28 @@ class Election:
                 await trio.sleep(self.retry_s)
 
     async def _keepalive(self) -> None:
-        """Renew every TTL/3 (sooner after a failure). A lost lease, or none renewed for a
-        whole TTL, ends the round."""
+        """Renew every TTL/3 (sooner after a failure). A lease etcd says is gone ends the round.
+        None renewed for a whole TTL: a candidate that was waiting its turn ends the round (it
+        campaigns again); a leader is fenced (it acts on nothing) and keeps asking: etcd keeps a
+        lease while it has no quorum (its leader renews every lease on election), so when the
+        cluster answers again the lease either holds (the same epoch leads again: no other
+        could have been elected meanwhile) or is gone (the round ends)."""
         every = self.core.keepalive_every()
         next_at = trio.current_time() + every
         while True:
-            await trio.sleep_until(min(next_at, self.core.valid_until))
+            expired = self.core.expired(trio.current_time())
+            await trio.sleep_until(next_at if expired else min(next_at, self.core.valid_until))
             now = trio.current_time()
             if self.core.expired(now):
-                self._end_round(f"lease not renewed for {self.core.ttl_s}s; stepping down")
-                return
+                if self.core.role is not Role.LEADER:
+                    self._end_round(f"lease not renewed for {self.core.ttl_s}s; campaigning again")
+                    return
+                if not expired:
+                    log.warning("lease not renewed for %ds: fenced, placing nothing until etcd answers", self.core.ttl_s)
+                    self._publish()
             try:
-                with trio.move_on_after(max(0.05, self.core.valid_until - now)):
+                limit = self.client.attempt_timeout_s if self.core.expired(now) else self.core.valid_until - now
+                with trio.move_on_after(max(0.05, limit)):
                     ttl = await self.client.keepalive(self.core.lease_id)
                     if not self.core.renewed(ttl, now):
                         self._end_round("the lease expired or was revoked")

@@ -43,6 +43,12 @@ class Conflict(PlacerError):
     a stale decision naming GPUs that are no longer free or usable. Nothing was changed."""
 
 
+class ContractError(PlacerError, ValueError):
+    """A core was driven against its contract (events out of order, an answer naming nodes it
+    cannot name, bytes that are not the format asked for): a bug in the caller or a peer's
+    answer that cannot be. Nothing was changed."""
+
+
 class JobError(PlacerError):
     """A job request the placer refuses (bad spec, unknown job, wrong state); ``status`` is the
     HTTP status the service answers with."""

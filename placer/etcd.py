@@ -288,6 +288,7 @@ class EtcdClient:
         self.requests = 0
         self.failovers = 0
         self.errors = 0
+        self.reachable = True       # the last call found a member that answered
 
     async def __aenter__(self) -> EtcdClient:
         return self
@@ -301,7 +302,7 @@ class EtcdClient:
 
     def statistics(self) -> dict[str, int | str]:
         return {"endpoint": self.endpoints[self._current], "requests": self.requests,
-                "failovers": self.failovers, "errors": self.errors}
+                "failovers": self.failovers, "errors": self.errors, "reachable": self.reachable}
 
     # -------------------------------------------------------------- transport
 
@@ -319,8 +320,10 @@ class EtcdClient:
             if idx != self._current:
                 log.info("etcd failover endpoint=%s", url)
                 self._current = idx
+            self.reachable = True
             return out
         self.errors += 1
+        self.reachable = False
         raise EtcdUnavailable("etcd unavailable (" + "; ".join(causes) + ")")
 
     async def _attempt(self, url: str, path: str, body: bytes, dec: msgspec.json.Decoder[_T]) -> _T | _Miss:

@@ -5,8 +5,18 @@ from etcd (placer.etcdjournal, fenced by its epoch), recovers its jobs as a rest
 does, and places; the others place nothing and answer the routes of :data:`LOCAL_ROUTES`
 themselves (health with who leads, status, metrics, certificate bootstrap), redirecting every
 other request to the leader (307 with its URL; 503 while none is known). A leader that loses
-its lease stops (:class:`~placer.errors.LeadershipLost`): restarted, it joins as a follower
-with a fresh state, and meanwhile etcd refuses any journal write it still attempts.
+its lease (etcd says so: it was paused or cut off past its TTL and another may lead) drops
+everything it knew and serves again on the same address as a follower with a fresh state
+(:func:`run_rejoining`; :class:`~placer.errors.LeadershipLost` ends the old service), and
+meanwhile etcd refuses any journal write it still attempts (each compares its epoch).
+
+Quorum loss: a leader whose lease goes a TTL without a renewal etcd acknowledged (no quorum,
+or etcd out of its reach) is *fenced*: it places, pushes and journals nothing, answers reports
+and writes 503 (``Retry-After``), and says so in ``/healthz``, ``/v1/status`` (``role:
+fenced`` with ``why``) and ``/metrics`` (``herd_placer_leader`` 0, ``herd_placer_fenced`` 1).
+It stops nothing: the agents keep their workloads running. When etcd answers again its lease
+either still holds (etcd keeps leases while it has no quorum) and it places again, the same
+epoch, within a keepalive interval, or is gone and it rejoins as a follower.
 """
 
 from __future__ import annotations
@@ -19,19 +29,40 @@ from urllib.parse import urlencode
 import msgspec
 import trio
 
-from infra.http import Handler, HTTPError, Request, Response
+from infra.http import Handler, Request, Response
 
 from .config import PlacerConfig
 from .election import Election, Role
 from .errors import LeadershipLost
 from .etcd import EtcdClient, tls_context
 from .etcdjournal import EtcdJournal, Fence
+from .state import PlacerState
 
 log = logging.getLogger("herd.placer.ha")
 
 # what a follower answers itself; everything else goes to the leader
 LOCAL_ROUTES = frozenset({("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/openapi.json"),
                           ("GET", "/v1/status"), ("POST", "/v1/pki/bootstrap"), ("POST", "/v1/pki/renew")})
+
+
+class _LeaderValue(msgspec.Struct, frozen=True):
+    url: str
+    wire: str | None = None
+
+
+_leader_dec = msgspec.json.Decoder(_LeaderValue)
+
+
+def leader_of(value: str) -> tuple[str, str]:
+    """(URL, framed channel) of the leader's election value: a JSON ``{"url", "wire"}``, or a
+    plain URL (empty when none)."""
+    if value.startswith("{"):
+        try:
+            v = _leader_dec.decode(value)
+            return v.url, v.wire or ""
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return "", ""
+    return value, ""
 
 
 class HighAvailability:
@@ -46,28 +77,58 @@ class HighAvailability:
         self.election: Election | None = None
         self.journal: EtcdJournal | None = None
         self.url = ""
+        self._fencings = 0   # fencings of our lease answered (on_resumed ran): none pending, we may place
 
     def leading(self) -> bool:
         """Place now: we lead, our lease holds, and our journal is loaded."""
-        return self.journal is not None and self.election is not None and self.election.leading()
+        e = self.election
+        return self.journal is not None and e is not None and e.leading() and e.fencings == self._fencings
+
+    def why_not_placing(self) -> str:
+        v = self.election.view if self.election is not None else None
+        if v is not None and v.fenced:
+            return (f"this placer leads (epoch {v.epoch}) but has not renewed its etcd lease for a TTL "
+                    "(no etcd quorum, or etcd out of reach): placing nothing until etcd answers")
+        if not self.client.reachable:
+            return "etcd does not answer (no quorum?): no leader can be elected until it does"
+        if v is None or v.role is Role.IDLE:
+            return "the placers are electing a leader; try again shortly"
+        if v.role is Role.WAITING:
+            return f"this placer follows {leader_of(v.leader)[0] or 'a leader it has not named yet'}"
+        return "this placer leads but is loading the jobs journal; try again shortly"
 
     def health(self) -> dict[str, Any]:
+        """Who leads and this placer's role, for /healthz, /v1/status, /metrics and
+        ``herd placer status``: ``placing`` is whether it places now."""
         e = self.election
         if e is None:
-            return {"role": "starting", "leader": None, "epoch": 0}
+            return {"role": "starting", "leader": None, "epoch": 0, "placing": False, "url": self.url,
+                    "failovers": 0, "etcd_errors": self.client.errors}
         v = e.view
         role = ("follower" if v.role is Role.WAITING else "candidate" if v.role is Role.IDLE
-                else "leader" if self.leading() else "promoting")   # promoting: loading the journal
-        return {"role": role, "leader": v.leader or None, "epoch": v.leader_epoch,
+                else "fenced" if v.fenced else "leader" if self.leading() else "promoting")   # promoting: loading the journal
+        placing = self.leading()
+        leader, wire = leader_of(v.leader)
+        return {"role": role, "leader": leader or None, "leader_wire": wire or None, "epoch": v.leader_epoch,
+                "placing": placing,
+                "fenced": v.fenced, "etcd_reachable": self.client.reachable, "url": self.url,
+                **({} if placing else {"why": self.why_not_placing()}),
+                "failovers": e.failovers, "etcd_errors": self.client.errors,
                 "etcd": self.client.statistics(), "election": e.statistics()}
 
-    async def run(self, url: str, on_promoted: Callable[[EtcdJournal], None], *,
+    async def run(self, url: str, on_promoted: Callable[[EtcdJournal], None],
+                  on_resumed: Callable[[], None] = lambda: None, wire_url: str | None = None, *,
                   task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Campaign; on promotion load the journal, hand it to ``on_promoted`` and keep it
         written; raise :class:`LeadershipLost` when the lease goes. ``started()`` at once: the
-        placer serves (as a candidate) while etcd is out of reach."""
+        placer serves (as a candidate) while etcd is out of reach. A leader fenced (no renewal
+        for a TTL) and then renewed calls ``on_resumed`` before it places again (the nodes'
+        silence meanwhile was the placer's deafness: see :func:`forgive_silence`)."""
         self.url = self.cfg.etcd_advertise or url
-        self.election = Election(self.client, self.prefix + b"election/", self.url,
+        # what followers learn of the leader: its URL, and its framed channel (agents that move to
+        # it register over that at once, as they do with a placer restarted on its address)
+        value = msgspec.json.encode(_LeaderValue(self.url, wire_url)).decode() if wire_url else self.url
+        self.election = Election(self.client, self.prefix + b"election/", value,
                                  ttl_s=self.cfg.etcd_lease_ttl_s)
         try:
             async with trio.open_nursery() as n:
@@ -80,10 +141,15 @@ class HighAvailability:
                 self.journal = journal
                 on_promoted(journal)
                 log.info("leading epoch=%d jobs=%d", view.epoch, len(journal.jobs()))
-                while self.election.view.leading:
-                    await self.election.wait_change(self.election.view)
+                self._fencings = self.election.fencings
+                while self.election.holds():   # leading, or fenced while etcd does not answer
+                    seen = await self.election.wait_change(self.election.view)
+                    if not seen.fenced and seen.leading and self.election.fencings != self._fencings:
+                        on_resumed()
+                        self._fencings = self.election.fencings
+                        log.info("etcd answers again: leading epoch=%d", seen.epoch)
                 raise LeadershipLost(f"placer {self.url} lost the leadership (epoch {view.epoch}); "
-                                     "stopping so that a restart joins as a follower")
+                                     "serving again as a follower with a fresh state")
         finally:
             await self.client.aclose()
 
@@ -95,10 +161,60 @@ class HighAvailability:
         async def h(req: Request) -> Response:
             if self.leading():
                 return await handler(req)
-            leader = self.election.view.leader if self.election is not None else ""
-            if not leader or leader == self.url:
-                raise HTTPError(503, "no leader", "the placers are electing one; try again shortly")
+            leader, wire = leader_of(self.election.view.leader if self.election is not None else "")
+            if not leader or leader == self.url:   # Retry-After: clients ask again (scheduler_link.placers)
+                return Response(status=503, headers=[("retry-after", "1")], body=msgspec.json.encode(
+                    {"error": "no leader", "detail": self.why_not_placing(), "leader": None}))
             where = leader.rstrip("/") + req.path + (f"?{urlencode(req.query)}" if req.query else "")
-            return Response(status=307, body=msgspec.json.encode({"error": "not the leader", "leader": leader}),
+            return Response(status=307, body=msgspec.json.encode({"error": "not the leader", "leader": leader,
+                                                                  "leader_wire": wire or None}),
                             headers=[("location", where)])
         return h
+
+
+async def run_rejoining(config: PlacerConfig, make: Callable[[PlacerConfig], Any]) -> None:
+    """Run ``make(config)``'s service (a :class:`placer.service.PlacerService`) until
+    cancelled; each time it loses the leadership, a fresh one on the same addresses (the
+    port it bound, the URL other placers redirect to), as a follower: nothing of the old
+    model, queue or pushes survives into it."""
+    while True:
+        svc = make(config)
+        try:
+            async with trio.open_nursery() as n:
+                await n.start(svc.run)
+        except BaseExceptionGroup as eg:
+            lost, rest = eg.split(LeadershipLost)
+            if lost is None or rest is not None:
+                raise
+            log.warning("%s", _first(lost))
+        else:
+            return
+        config = msgspec.structs.replace(config, listen=_bound(config.listen, svc.url),
+                                          wire_listen=_bound(config.wire_listen, svc.wire_url),
+                                          etcd_advertise=config.etcd_advertise or (svc.ha.url if svc.ha else None))
+        log.warning("serving again as a follower listen=%s", config.listen)
+
+
+def _first(eg: BaseException) -> BaseException:
+    while isinstance(eg, BaseExceptionGroup):
+        eg = eg.exceptions[0]
+    return eg
+
+
+def _bound(listen: str | None, url: str | None) -> str | None:
+    """``listen`` with the port the service bound (``127.0.0.1:0`` -> ``127.0.0.1:41234``)."""
+    if listen is None or not url:
+        return listen
+    host = listen.rpartition(":")[0]
+    return f"{host}:{url.rstrip('/').rpartition(':')[2]}"
+
+
+def forgive_silence(state: PlacerState, now: float, recover_s: float) -> None:
+    """A leader that was fenced heard no report meanwhile (it answered them 503): its nodes
+    count as heard now, and it waits ``recover_s`` for their reports before placing, as a
+    restarted placer does; nothing is declared lost or fenced for the placer's own deafness."""
+    for nid, node in state.nodes.items():
+        if node.state == "up":
+            node.last_seen = max(node.last_seen, now)
+            state.lost_timer.set(nid, now + state.cfg.lost_after_s)
+    state.recover_until = max(state.recover_until, now + recover_s)

@@ -12,7 +12,12 @@ scrape's ``instance`` says which placer). Families:
   channel's counters;
 - histograms ``herd_placer_decision_seconds`` (one placement decision) and
   ``herd_placement_delivery_seconds`` (one placement push, send -> the agent's answer);
-- ``herd_build_info`` and ``process_*``.
+- ``herd_build_info`` and ``process_*``;
+- with ``[placer] etcd`` set (several placers, one leading: placer.ha): ``herd_placer_leader``
+  (1 while this placer leads and places), ``herd_placer_epoch`` (the epoch of the leader it
+  knows, its own when it leads), ``herd_placer_fenced`` (1 while it leads but cannot renew its
+  lease: no etcd quorum), ``herd_placer_failovers_total`` (the leader it knew replaced
+  by another) and ``herd_placer_etcd_errors_total`` (etcd calls no member answered, or refused).
 
 Decision latencies: the state observes every decision into its own :class:`LatencyHistogram`
 (``decision_hist``), so the histogram is exact however seldom it is scraped.
@@ -42,6 +47,7 @@ from infra.version import PACKAGE_VERSION as VERSION
 from scheduler_link.messages import WIRE_VERSION
 
 if TYPE_CHECKING:
+    from .ha import HighAvailability
     from .service import PlacerService
 
 
@@ -128,6 +134,8 @@ class PlacerMetrics:
                           ("beats", "Aggregated rack heartbeats received"),
                           ("beat_entries", "Node heartbeats inside rack beats")):
             yield counter(f"herd_placer_relay_{key}_total", what, {}, rs[key])
+        if svc.ha is not None:
+            yield from ha_families(svc.ha)
         delivery = svc.pool.latency.get("/v1/placements") or LatencyHistogram()
         yield histogram("herd_placement_delivery_seconds",
                         "One placement push: send -> the agent's answer (retries included)", [({}, delivery)])
@@ -137,3 +145,17 @@ class PlacerMetrics:
 
     def response(self) -> Response:
         return Response(body=self.render(), content_type=CONTENT_TYPE)
+
+
+def ha_families(ha: HighAvailability) -> Iterator[Metric]:
+    """The families of a placer among several (``[placer] etcd``)."""
+    h = ha.health()
+    yield gauge("herd_placer_leader", "1 while this placer leads and places (0: a follower, a candidate, "
+                "or a leader that cannot reach an etcd quorum)", {}, 1 if h["placing"] else 0)
+    yield gauge("herd_placer_epoch", "Epoch of the leader this placer knows (its own when it leads; 0: none)",
+                {}, h["epoch"])
+    yield gauge("herd_placer_fenced", "1 while this placer leads but cannot renew its etcd lease (no etcd quorum, "
+                "or etcd out of reach): it places nothing, stops nothing", {}, 1 if h.get("fenced") else 0)
+    yield counter("herd_placer_failovers_total", "Leaders this placer saw replaced by another", {}, h["failovers"])
+    yield counter("herd_placer_etcd_errors_total", "etcd calls that failed: no member answered, or etcd refused",
+                  {}, h["etcd_errors"])

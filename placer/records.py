@@ -44,7 +44,7 @@ from scheduler_link.messages import (
 )
 from scheduler_link.messages import workload_id as workload_id  # re-exported (the contract's naming)
 
-from .errors import BadRequest, UnknownJob
+from .errors import ContractError, UnknownJob
 from .errors import JobError as JobError  # re-exported (defined in errors.py)
 
 _part_enc = msgspec.msgpack.Encoder()   # the frames' (and msgauth.part_bytes') settings
@@ -272,7 +272,7 @@ def state_code(state: str) -> int:
     c = _CODE.get(state)
     if c is None:
         if len(_STATE) >= 256:
-            raise BadRequest(f"too many pod states ({state!r})")
+            raise ContractError(f"too many pod states ({state!r})")
         c = _CODE[state] = len(_STATE)
         _STATE.append(state)
     return c
@@ -502,7 +502,7 @@ class JobRec:
         """Every current pod in state ``old`` goes to ``new`` (neither "exited"): one replace
         over the state codes, the counts moved once. Returns how many moved."""
         if old == "exited" or new == "exited":
-            raise BadRequest("exits carry a code: set_pod_state")
+            raise ContractError("exits carry a code: set_pod_state")
         t = self.table
         oc, nc = state_code(old), state_code(new)
         n = t.codes.count(oc)

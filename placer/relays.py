@@ -50,8 +50,8 @@ import numpy as np
 import trio
 import trio.lowlevel
 
-from scheduler_link import msgauth
-from scheduler_link.frames import FrameChannel, FrameError, decode_payload
+from scheduler_link import frames, msgauth
+from scheduler_link.frames import FrameChannel, FrameError, check_entries, decode_payload
 from scheduler_link.heartbeat_wire import Hello, WireReply
 from scheduler_link.messages import (
     AckBundle,
@@ -65,6 +65,7 @@ from scheduler_link.messages import (
     ReportReply,
 )
 
+from . import relaypolicy
 from .attempts import ACCEPTED, Outcome
 from .config import PlacerConfig
 from .delivery import (
@@ -172,6 +173,7 @@ class RelayHub:
     # ------------------------------------------------------------ connections
 
     def opened(self, hello: Hello, channel: FrameChannel) -> Callable[[FrameChannel, Frame], Any]:
+        relaypolicy.admit(hello, self.host.nodes.get(hello.node_id), channel)   # (raises Refused)
         conn = RelayConn(hello.node_id, tuple(hello.racks), hello.listen_url, channel)
         channel.info = conn
         for rack in conn.racks:
@@ -201,20 +203,21 @@ class RelayHub:
         hit = self._active.get(rack)
         if hit is not None:
             n = self.host.nodes.get(hit.node_id)
-            if n is not None and n.state == "up" and not hit.channel.closed.is_set():
+            if n is not None and n.state == "up" and relaypolicy.may_relay(rack, n) and not hit.channel.closed.is_set():
                 return hit
         best: RelayConn | None = None
         best_rank = b""
         nodes = self.host.nodes
         for nid, conn in self._cands.get(rack, {}).items():
             n = nodes.get(nid)
-            if n is None or n.state != "up" or conn.channel.closed.is_set():
+            if n is None or n.state != "up" or not relaypolicy.may_relay(rack, n) or conn.channel.closed.is_set():
                 continue
             r = _rank(rack, nid)
             if best is None or r > best_rank:
                 best, best_rank = conn, r
         if best is not None:  # (no choice is not remembered: a candidate may register any moment)
             self._active[rack] = best
+            frames.make_relay(best.channel, rack, relaypolicy.RACK_MAX_ENTRIES)
         else:
             self._active.pop(rack, None)
         return best
@@ -243,7 +246,8 @@ class RelayHub:
         if (self._delivering or self._deferred) and f.type in ("beat", "report", "reports"):
             # acks first: what relays report while a delivery is out waits until it is in, in
             # arrival order (per connection too), then is applied and answered
-            self._deferred.append((ch, f, self.host.clock()))
+            if frames.hold(ch, f):   # (else: over the connection's bound, and it is closed)
+                self._deferred.append((ch, f, self.host.clock()))
             return None
         return self._apply(ch, f)
 
@@ -272,6 +276,7 @@ class RelayHub:
         slice_end = time.perf_counter() + DRAIN_SLICE_S
         while self._deferred and not self._delivering:
             ch, f, at = self._deferred.popleft()
+            frames.release(ch, f)
             if ch.closed.is_set():
                 continue
             try:
@@ -296,6 +301,7 @@ class RelayHub:
         via = conn.node_id if conn is not None else ch.name
         if t == "beat":
             b = decode_payload(f, RackBeat)
+            check_entries(len(b.node_ids), frames.entry_limit(ch))
             self.stats.beats += 1
             self.stats.beat_entries += len(b.node_ids)
             now = self.host.clock()
@@ -314,6 +320,7 @@ class RelayHub:
                 batch = decode_payload(f, RackReports)
             except (msgspec.DecodeError, msgspec.ValidationError) as e:
                 return "error", {"error": f"malformed reports: {e}"}
+            check_entries(len(batch.reports), frames.entry_limit(ch), what="reports batch")
             self.stats.reports += len(batch.reports)
             return "replies", [WireReply(status=st, reply=r, error=r.error if st != 200 else None)
                                for st, r in self.host.ingest_relayed_many(batch.reports, via)]

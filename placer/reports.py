@@ -120,11 +120,12 @@ class Reports(StateBase):
             raise BadRequest("a rack beat's columns differ in length")
         self.counters["reports"] += n
         macs = b.macs if via is not None else [b""] * n
+        bad = 0
         for nid, boot, seq, mac in zip(b.node_ids, b.boot_ids, b.seqs, macs, strict=True):
             if via is not None and nid != via and not (
                     len(mac) == 16 and hmac.compare_digest(mac, beat_mac(self.mac_key(nid, boot), nid, boot, seq))):
                 self.counters["bad_macs"] = self.counters.get("bad_macs", 0) + 1
-                log.warning("rack beat entry refused: MAC does not verify node=%s relay=%s", nid, via)
+                bad += 1   # (logged once for the beat, below: never a line per entry)
                 continue
             node = nodes.get(nid)
             if node is None or node.boot_id != boot or seq <= node.last_seq:
@@ -143,6 +144,8 @@ class Reports(StateBase):
                     stops.append(NodeStop(node_id=nid, stop=stop))
                 if r.need_full:
                     need.append(nid)
+        if bad:
+            log.warning("rack beat entries refused: MAC does not verify count=%d of=%d relay=%s", bad, n, via)
         if not need and not stops:
             return self._ok_beat, pushes
         return RackBeatReply(need_full=need, stop=stops, heartbeat_interval_s=self.cfg.heartbeat_s), pushes

@@ -159,6 +159,12 @@ class PlacerService:
                      len(recovered), self.cfg.recover_window_s)
         self.kick()
 
+    def _resumed(self) -> None:
+        """A leader's lease renewed after it was fenced (placer.ha): place again, fairly."""
+        from .ha import forgive_silence
+        forgive_silence(self.state, self.clock(), self.cfg.recover_window_s)
+        self.kick()
+
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.mac_master, self.signer = msgauth.load_placer_keys(self.cfg.state_dir)
         self.state.set_mac_master(self.mac_master)
@@ -167,15 +173,17 @@ class PlacerService:
         try:
             async with trio.open_nursery() as n:
                 self._nursery = n
-                self.url = await n.start(partial(serve, ssl_context=self.security.api), self.app, self.cfg.listen)
+                # the framed channel listens before the API: an agent that finds the API up after
+                # a restart finds its channel up too, so its full report goes over the channel
                 if self.cfg.wire_listen:
                     self.wire = HeartbeatServer(self.tokens, self._ingest, frames=self.relays, clock=self.clock,
                                                 ssl_context=self.security.channel,
                                                 require_certs=self.security.require_certs, token_use=self.token_use)
                     self.wire_url = await n.start(self.wire.run, self.cfg.wire_listen)
+                self.url = await n.start(partial(serve, ssl_context=self.security.api), self.app, self.cfg.listen)
                 self._write_endpoints()
                 if self.ha is not None:  # campaign; on promotion the journal comes from etcd
-                    await n.start(self.ha.run, self.url, self._recover)
+                    await n.start(self.ha.run, self.url, self._recover, self._resumed, self.wire_url)
                 n.start_soon(self._loop)
                 n.start_soon(self.dashboard.warm)   # while the dashboard is watched, its next map is ready
                 log.info("placer serving url=%s", self.url)
@@ -792,7 +800,12 @@ class PlacerService:
         return PlacerMetrics.of(self).response()
 
 async def run_placer(config: PlacerConfig) -> None:
-    """Run a placer until cancelled (the CLI's entry point)."""
+    """Run a placer until cancelled (the CLI's entry point). With ``etcd``: a leader that
+    loses its lease serves again as a follower, fresh (placer.ha.run_rejoining)."""
+    if config.etcd:
+        from .ha import run_rejoining
+        await run_rejoining(config, PlacerService)
+        return
     svc = PlacerService(config)
     async with trio.open_nursery() as n:
         await n.start(svc.run)

@@ -52,6 +52,16 @@ Invariants:
   answer are applied only with the placer's MAC; a part from the relay that the node does not
   take (not signed with the key it holds: the placer may have a new one) sends its next full
   report directly, and it returns to the relay after ``relay_retry_s``.
+- What a relay may not decide for its members (issue 42): which relay they use -- a member
+  follows ``relay_url`` only from an answer over its own connection (a relayed answer that
+  names no relay, or another, sends it back to the placer, which says again); how often they
+  report -- a relayed ``heartbeat_interval_s`` is clamped to [half, all] of the interval the
+  placer gave over the member's own connection (:func:`relayed_interval`); and whether they
+  are heard -- a member that has had nothing the placer vouched for (an answer over its own
+  connection, a part with the placer's signature, a stop with its MAC) for
+  ``relay_trust_intervals`` intervals (``[relay] trust_intervals``; 0, the default, never) sends
+  one full report directly, and the answer says
+  which relay to use (a relay that answers every heartbeat itself cannot hold it for good).
 """
 
 from __future__ import annotations
@@ -62,7 +72,7 @@ import random
 import ssl
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, Protocol
 
@@ -91,10 +101,23 @@ from .messages import (
     WorkloadEvent,
 )
 from .msgauth import verified_stops, with_report_mac
+from .placers import NO_LEADER, Placers, leader_of, leader_wire_of, not_leading
 
 log = logging.getLogger("herd.link.agent")
 
 _reply_decoder = msgspec.json.Decoder(ReportReply)
+
+# Intervals a member reports through its relay with nothing the placer vouched for, before a
+# full report goes directly (one per member per this many intervals: ~10 minutes at 5 s).
+RELAY_TRUST_INTERVALS = 0   # off unless configured ([relay] trust_intervals): each re-check is a handshake
+RELAYED_INTERVAL_FLOOR = 0.5   # of the placer's own interval: a relayed answer may ask for no more often
+
+
+def relayed_interval(value: float, own: float) -> float:
+    """A relayed answer's ``heartbeat_interval_s``, clamped: at most the interval the placer
+    gave over our own connection (a relay cannot make us fall silent) and at least half of it
+    (nor make us flood)."""
+    return min(own, max(own * RELAYED_INTERVAL_FLOOR, value))
 
 
 class ReportChannel(Protocol):
@@ -132,6 +155,7 @@ class RelayChannel:
         self._on_refused = on_refused
         self.parts = 0
         self.refused = 0
+        self.vouched_at = -math.inf   # trio time of the last part taken (signed by the placer)
 
     async def run(self) -> None:
         await self.channel.run(self._frame)
@@ -147,7 +171,9 @@ class RelayChannel:
         assert self._on_part is not None
         self.parts += 1
         try:
-            return "ack", await self._on_part(part)
+            out = await self._on_part(part)
+            self.vouched_at = trio.current_time()   # taken: it carried the placer's signature
+            return "ack", out
         except Exception:
             # not taken (not signed by the placer we know, or not durable): the relay gets an error
             # and the placer reaches us directly; we re-register directly (a placer with a new
@@ -215,8 +241,11 @@ class AgentLink:
                  on_part: PartHandler | None = None, own_relay_url: str | None = None,
                  relay_connect: RelayConnect | None = None, relay_retry_s: float | None = None,
                  ssl_context: ssl.SSLContext | None = None, wire_connect_timeout_s: float = 60.0,
-                 wire_busy_backoff_s: float = 1.0) -> None:
-        self.placer_url = placer_url.rstrip("/")
+                 wire_busy_backoff_s: float = 1.0, relay_trust_intervals: int = RELAY_TRUST_INTERVALS,
+                 placers: Sequence[str] = ()) -> None:
+        # every placer known (placer_url may list several, comma-separated): failed over (scheduler_link.placers)
+        self.placers = Placers([*placer_url.split(","), *placers])
+        self.placer_url = self.placers.current
         self.ssl_context = ssl_context       # mutual TLS (this node's certificate) on every connection
         # the deny-list this node's handshakes consult (shared by its contexts): the placer's answers fill it
         self.revoked = ssl_context.revoked if isinstance(ssl_context, tls.HerdContext) else None
@@ -266,6 +295,13 @@ class AgentLink:
         self.mac_key: bytes | None = None
         self.placer_key: bytes | None = None
         self._leave_relay: RelayChannel | None = None   # a relay whose part we could not take
+        # what a relay may not decide for us (module docstring): the interval the placer gave
+        # over our own connection, and when the placer last vouched for what we heard
+        self.placer_heartbeat_s = heartbeat_s
+        self.relay_trust_intervals = relay_trust_intervals   # 0: never re-checked directly
+        self._vouched_at = -math.inf
+        self.relay_rechecks = 0              # full reports sent directly after a relay held us too long
+        self.relay_urls_ignored = 0          # relayed answers naming another relay (not followed)
         # statistics
         self.reports_sent = 0
         self.full_reports_sent = 0
@@ -294,7 +330,8 @@ class AgentLink:
 
     def statistics(self) -> dict[str, Any]:
         return {
-            "placer_url": self.placer_url, "registered": self.registered, "boot_id": self.boot_id,
+            "placer_url": self.placer_url, "placers": list(self.placers.urls), "placer_switches": self.placers.switches,
+            "registered": self.registered, "boot_id": self.boot_id,
             "seq": self.seq, "reports_sent": self.reports_sent, "full_reports_sent": self.full_reports_sent,
             "failures": self.failures, "conflicts": self.conflicts, "stops_received": self.stops_received,
             "stops_refused": self.stops_refused,
@@ -303,6 +340,7 @@ class AgentLink:
             "wire_full_reports": self.wire_full_reports, "wire_url": self._wire_url, "wire_busy": self.wire_busy,
             "relay_url": self._relay.url if self._relay is not None else None,
             "relay_switches": self.relay_switches, "relay_failures": self.relay_failures,
+            "relay_rechecks": self.relay_rechecks, "relay_urls_ignored": self.relay_urls_ignored,
             "relay_parts": self._relay.parts if self._relay is not None else 0,
         }
 
@@ -358,12 +396,16 @@ class AgentLink:
             if self._relay_ask_at is not None and trio.current_time() >= self._relay_ask_at:
                 self._relay_ask_at = None
                 self._need_full = True  # where is the rack's relay now?
+            if self._relay is not None and self._relay_untrusted(trio.current_time()):
+                await self._recheck_relay()
             if self._wire is None and self._wire_url and self.use_wire \
                     and trio.current_time() >= self._wire_retry_at:
                 await self._open_wire(self._wire_url)
                 if self._wire is None and 0 < self._wire_busy < WIRE_BUSY_TRIES:
                     await trio.sleep_until(self._wire_retry_at)  # the channel again, not HTTP
                     continue
+            at = self.placer_url   # (it changes when this placer does not lead: _placer_answered)
+            url = f"{at}/v1/nodes/{self.node_id}/report"
             report = self._build_report()
             relayed = self._relay is not None
             try:
@@ -383,6 +425,8 @@ class AgentLink:
                     self._relay_ask_at = trio.current_time() + self._relay_retry()
                     log.warning("relay failed, reporting to the placer node=%s relay=%s", self.node_id,
                                 self._relay.url)
+                elif not relayed and not isinstance(e, _PlacerError):   # no answer: another placer may lead
+                    self._placer_answered(None, used=at)
                 await self._close_wire()
                 self.failures += 1
                 self.registered = False
@@ -403,8 +447,12 @@ class AgentLink:
                     self.placer_key = reply.placer_key or self.placer_key
             if reply.revoked_nodes is not None and not relayed and self.revoked is not None:
                 self.revoked.replace(reply.revoked_nodes, reply.revoked_serials or [])
-            if reply.heartbeat_interval_s:
-                self.heartbeat_s = max(0.01, reply.heartbeat_interval_s)
+            if not relayed:
+                self._vouched_at = trio.current_time()
+            if reply.heartbeat_interval_s and not relayed:
+                self.placer_heartbeat_s = self.heartbeat_s = max(0.01, reply.heartbeat_interval_s)
+            elif reply.heartbeat_interval_s:
+                self.heartbeat_s = relayed_interval(reply.heartbeat_interval_s, self.placer_heartbeat_s)
             if reply.need_full:
                 self._need_full = True
             if reply.wire_url and not relayed:  # (a relay's answer must not move our placer channel)
@@ -412,12 +460,14 @@ class AgentLink:
             if report.full or (reply.relay_url and not relayed and self._relay is None):
                 # (a node that registered before its rack had a relay hears of it in the
                 # answer to a direct heartbeat, and moves over at once)
-                await self._follow_relay(reply.relay_url)
+                await self._follow_relay(self._relay_named(reply.relay_url, relayed))
             if report.full and reply.wire_url and self.use_wire and self._wire is None:
                 await self._open_wire(reply.wire_url)
             stop = list(reply.stop)
             if stop and relayed:  # through a relay: only stops the placer MACed with our key
                 stop, forged = verified_stops(self.mac_key, self.node_id, self.boot_id, stop)
+                if stop:
+                    self._vouched_at = trio.current_time()   # the placer's MAC, in our key
                 if forged:
                     self.stops_refused += forged
                     log.warning("stops from the relay refused (no valid placer MAC) node=%s count=%d",
@@ -473,6 +523,35 @@ class AgentLink:
             log.exception("gpu_snapshot hook failed node=%s", self.node_id)
         return NodeReport(node_id=self.node_id, boot_id=self.boot_id, seq=self.seq, full=False,
                           snapshot=snap, events=events, sent_at=now)
+
+    def _relay_named(self, url: str | None, relayed: bool) -> str | None:
+        """The relay to use after an answer naming ``url``: only the placer names one (an
+        answer over our own connection); a relayed answer may keep us where we are or send
+        us to the placer, never to another relay."""
+        if not relayed:
+            return url
+        cur = self._relay.url if self._relay is not None else None
+        if url is not None and url != cur:
+            self.relay_urls_ignored += 1
+            log.warning("a relayed answer named another relay: asking the placer directly node=%s relay=%s named=%s",
+                        self.node_id, cur, url[:200])
+        return cur if url == cur else None
+
+    def _relay_untrusted(self, now: float) -> bool:
+        """Nothing the placer vouched for has come for ``relay_trust_intervals`` intervals."""
+        if not self.relay_trust_intervals:
+            return False
+        heard = max(self._vouched_at, self._relay.vouched_at if self._relay is not None else -math.inf)
+        return now - heard > self.relay_trust_intervals * self.placer_heartbeat_s
+
+    async def _recheck_relay(self) -> None:
+        """One full report over our own connection: the placer's answer says which relay to use."""
+        self.relay_rechecks += 1
+        log.info("nothing from the placer through the relay for %d intervals: reporting directly node=%s relay=%s",
+                 self.relay_trust_intervals, self.node_id, self._relay.url if self._relay is not None else None)
+        await self._close_wire()
+        self._vouched_at = trio.current_time()   # (not again before the direct answer had its chance)
+        self._need_full = True
 
     def _relay_retry(self) -> float:
         now = trio.current_time()
@@ -592,6 +671,8 @@ class AgentLink:
             if wr.status == 409:
                 raise _Conflict()
             if wr.status != 200:
+                if wr.status == NO_LEADER and self._relay is None:   # a placer that does not lead (placer.ha)
+                    self._placer_answered(wr.status, used=self.placer_url)
                 raise _PlacerError(f"placer answered {wr.status} on the framed channel: {wr.error}")
             return wr.reply
         body = msgspec.json.encode(report)
@@ -601,6 +682,7 @@ class AgentLink:
                 res = await self._http_pool.post(self.placer_url, f"/v1/nodes/{self.node_id}/report", body,
                                                  token=self.token, key=self.node_id, expect="placer")
             if res.status is None:
+                self._placer_answered(None, used=self.placer_url)
                 raise _PlacerError(f"placer unreachable: {res.error}")
             status, content = res.status, res.body
         else:
@@ -617,8 +699,26 @@ class AgentLink:
         if status == 409:
             raise _Conflict()
         if status != 200:
+            if not_leading(status, content):
+                self._placer_answered(status, content, used=self.placer_url)
             raise _PlacerError(f"placer answered {status}: {content[:200].decode(errors='replace')}")
         return _reply_decoder.decode(content)
+
+    def _placer_answered(self, status: int | None, body: bytes = b"", *, used: str) -> None:
+        """Several placers: a follower's 307 names the leader, which is asked next; a placer
+        that does not lead and names none moves on to the next; no answer (``status`` None)
+        moves on too, and passes over that placer for a while. The new one announces its own
+        framed channel."""
+        leader = leader_of(status, body) if status is not None else None
+        now = trio.current_time()
+        new = (self.placers.learned(leader, now) if leader
+               else self.placers.failed(used, now if status is None else None))
+        if new != self.placer_url:
+            log.info("reporting to another placer node=%s placer=%s (was %s)", self.node_id, new, self.placer_url)
+            self.placer_url = new
+            # the leader's framed channel when the follower named it (registered over it at once)
+            self._wire_url = leader_wire_of(status, body) if leader and status is not None else None
+            self._wire_retry_at = 0.0
 
     async def _stop(self, victims: list[Victim]) -> None:
         try:

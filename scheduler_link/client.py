@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import ssl
+import time
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from infra.auth import auth_header
 from infra.errors import ClientError as ClientError  # re-exported: callers import it from here
 
 from .messages import ArtifactUpdate, DefragRequest, JobSpec, JobView, NodeOp, NodeView, PrefetchFanout
+from .placers import Placers, leader_of, not_leading, placer_urls, placer_urls_from_env, retry_after_s
 
 
 class JobPage(msgspec.Struct, frozen=True, kw_only=True):
@@ -48,12 +50,9 @@ _nodes = msgspec.json.Decoder(NodePage)
 
 
 def placer_url_from_env(explicit: str | None = None) -> str:
-    url = explicit or os.environ.get("HERD_PLACER")
-    if not url:
-        raise ClientError("no placer URL: pass --placer URL or set HERD_PLACER")
-    if not url.startswith(("http://", "https://")):
-        raise ClientError(f"placer URL must start with http:// or https://, got {url!r}")
-    return url.rstrip("/")
+    """``--placer`` else ``$HERD_PLACER``: one URL, or several comma-separated (several placers,
+    one leading: :class:`PlacerClient` fails over between them)."""
+    return ",".join(placer_urls_from_env(explicit))
 
 
 def error_line(r: httpx.Response, who: str) -> str:
@@ -155,14 +154,30 @@ def transport_error(e: httpx.HTTPError, who: str, url: str) -> ClientError:
 
 
 class PlacerClient:
-    """Synchronous client (the CLI is synchronous). ``timeout`` bounds each request."""
+    """Synchronous client (the CLI is synchronous). ``timeout`` bounds each request.
 
-    def __init__(self, url: str, token: str | None = None, *, timeout: float = 30.0,
-                 ssl_context: ssl.SSLContext | None = None, tls_dir: str | os.PathLike[str] | None = None) -> None:
-        self.url = url.rstrip("/")
+    ``url``: one placer, or several (a list, or comma-separated: several placers, one leading).
+    A request follows a follower's 307 to the leader it names, moves to the next address when
+    one cannot be connected to (nothing was sent: safe for a submit), and asks again after a
+    503 with ``Retry-After`` (the placers are electing a leader), within ``failover_s``. An
+    answer that was cut off is not sent again (a submit may have landed)."""
+
+    def __init__(self, url: str | list[str], token: str | None = None, *, timeout: float = 30.0,
+                 ssl_context: ssl.SSLContext | None = None, tls_dir: str | os.PathLike[str] | None = None,
+                 failover_s: float = 15.0) -> None:
+        urls = placer_urls(url)
+        if not urls:
+            raise ClientError("no placer URL: pass --placer URL or set HERD_PLACER")
+        self.placers = Placers(urls)
         self.request_timeout = timeout
-        verify = ssl_context if ssl_context is not None else verify_for(self.url, tls_dir, expect="placer")
-        self._c = httpx.Client(base_url=self.url, headers=auth_header(token), timeout=timeout, verify=verify)
+        self.failover_s = failover_s
+        verify = ssl_context if ssl_context is not None else verify_for(urls[0], tls_dir, expect="placer")
+        self._c = httpx.Client(headers=auth_header(token), timeout=timeout, verify=verify)
+
+    @property
+    def url(self) -> str:
+        """The placer this client talks to now (the leader, once one answered)."""
+        return self.placers.current
 
     def __enter__(self) -> PlacerClient:
         return self
@@ -171,13 +186,35 @@ class PlacerClient:
         self._c.close()
 
     def _resp(self, method: str, path: str, **kw: Any) -> httpx.Response:
-        try:
-            r = self._c.request(method, path, **kw)
-        except httpx.HTTPError as e:
-            raise transport_error(e, "placer", self.url) from None
-        check_peer(r, "placer")
-        _check(r)
-        return r
+        deadline = time.monotonic() + self.failover_s
+        misses = 0
+        while True:
+            url = self.placers.current
+            try:
+                r = self._c.request(method, url + path, **kw)
+            except httpx.ConnectError as e:   # not connected: nothing was sent, another placer may lead
+                misses += 1
+                if len(self.placers) > 1 and time.monotonic() < deadline:
+                    self.placers.failed(url, time.monotonic())
+                    if misses >= len(self.placers):   # (a follower may still name the dead leader)
+                        time.sleep(min(0.5, 0.05 * misses))
+                    continue
+                raise transport_error(e, "placer", url) from None
+            except httpx.HTTPError as e:
+                raise transport_error(e, "placer", url) from None
+            check_peer(r, "placer")
+            leader = leader_of(r.status_code, r.content)
+            if leader is not None and leader != url and time.monotonic() < deadline:
+                self.placers.learned(leader, time.monotonic())
+                continue
+            wait = retry_after_s(r.status_code, r.headers.get("retry-after"))
+            if wait is not None and time.monotonic() + wait < deadline:
+                time.sleep(wait)
+                if len(self.placers) > 1 and not_leading(r.status_code, r.content):   # (not a busy leader)
+                    self.placers.failed(url)   # the leader may be another, and this one may not know it yet
+                continue
+            _check(r)
+            return r
 
     def _get(self, dec: msgspec.json.Decoder[Any], method: str, path: str, **kw: Any) -> Any:
         return decode_answer(dec, self._resp(method, path, **kw), "placer")

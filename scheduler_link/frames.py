@@ -10,7 +10,19 @@ its answer carries the same number in ``re``. A frame with ``id == 0`` wants no 
 
 Framing: u32 big-endian length + the msgpack of a Frame; a frame over ``max_frame`` is a
 protocol error and ends the connection. A handler's exception for one frame is logged and
-answered with an ``error`` frame; it never ends the connection or escapes.
+answered with an ``error`` frame; it never ends the connection or escapes -- but a
+:class:`Refused` (the peer broke a bound) ends it, with a counted reason (``close_code``).
+
+Bounds per connection (bad input costs its sender; DESIGN.md, Security model): a listener's
+channel takes frames of at most ``MEMBER_MAX_FRAME`` bytes and beats of one entry until its
+owner admits it as a relay candidate (:meth:`FrameChannel.make_candidate`: ``CANDIDATE_MAX_FRAME``,
+beats of up to the rack's size, :func:`check_entries`) or makes it a rack's active relay
+(:meth:`FrameChannel.make_relay`: ``MAX_FRAME``); bytes queued for a peer that does not read are bounded
+(``max_queued``: past it the connection is closed, ``slow_reader``), and so are the frames
+its owner holds back for later (:meth:`FrameChannel.hold`, ``deferred_over``) and the
+requests whose answers are being worked on at once (``max_inflight``, ``inflight_over``). An
+owner counting rejections that may come per entry (a MAC that does not verify) logs them once
+per connection and interval, with a count (:meth:`FrameChannel.tally`).
 
 Opening one: the client sends the framed channel's JSON ``Hello`` (``frames=True``; see
 :mod:`scheduler_link.heartbeat_wire`), reads its JSON ``WireReply``, and from then on both
@@ -23,6 +35,7 @@ from __future__ import annotations
 import fcntl
 import inspect
 import logging
+import math
 import ssl
 import struct
 import termios
@@ -40,6 +53,25 @@ from .messages import Frame, RelayHello
 log = logging.getLogger("herd.link.frames")
 
 MAX_FRAME = 32 << 20          # a bundle with its blob (an 80,000-node table is ~8 MB)
+# A listener's frames from a peer that is not (yet) a rack's active relay: a member's full
+# report (GPU inventory, workloads, manifests held: a few KiB), a ping, a blob_get.
+MEMBER_MAX_FRAME = 64 << 10
+# A connection its owner admitted as a rack's relay candidate (its hello's rack checked) but
+# has not chosen yet: what any node may send on its own report stream (heartbeat_wire.MAX_FRAME),
+# e.g. the full reports of a rack's members registering through it.
+CANDIDATE_MAX_FRAME = 4 << 20
+# Bytes queued for one peer (not yet taken by its socket): past this, the peer is a reader
+# that does not read and the connection is closed. An active relay's bound holds a
+# delivery's bundles (each at most MAX_FRAME); anyone else's, a few answers.
+MEMBER_MAX_QUEUED = 1 << 20
+RELAY_MAX_QUEUED = 4 * MAX_FRAME
+# Frames an owner holds back to apply later (the placer during a delivery), per connection.
+MEMBER_MAX_HELD = 1 << 20
+# Requests of one peer whose (asynchronous) answers are being worked on at once: a member has
+# one report out at a time, and a blob_get or two.
+MEMBER_MAX_INFLIGHT = 16
+RELAY_MAX_HELD = 2 * MAX_FRAME
+TALLY_INTERVAL_S = 10.0       # per connection, one log line per reason this often at most
 _LEN = struct.Struct(">I")
 _enc = msgspec.msgpack.Encoder()
 _frame_dec = msgspec.msgpack.Decoder(Frame)
@@ -55,6 +87,59 @@ class FrameError(Exception):
 
 class CallFailed(Exception):
     """A request was answered with an ``error`` frame."""
+
+
+class Refused(FrameError):
+    """The peer broke a bound of this connection: raised by a handler (or a check it calls,
+    :func:`check_entries`), it ends the connection with ``code`` as the counted reason; from
+    a hello check (a ``FramesHost.opened``), it refuses the connection with that reason."""
+
+    def __init__(self, code: str, detail: str) -> None:
+        super().__init__(f"{code}: {detail}")
+        self.code = code
+        self.detail = detail
+
+
+def check_entries(n: int, limit: int, *, what: str = "beat") -> None:
+    """A frame carrying ``n`` per-node entries on a connection allowed ``limit``: raises
+    :class:`Refused` (``entries_over``) past it. Pure: checked before any entry is looked at,
+    so an oversized frame costs one refusal, not one check (or log line) per entry."""
+    if n > limit:
+        raise Refused("entries_over", f"a {what} of {n} entries is over this connection's {limit}")
+
+
+class Tally:
+    """Rejections of one kind on one connection, logged at most once per ``interval_s``
+    (the first at once, then a count of those since): per-entry rejections never cost one
+    log line each. Pure bookkeeping over the clock it is given."""
+
+    __slots__ = ("name", "interval_s", "clock", "total", "_pending", "_last", "_logger")
+
+    def __init__(self, name: str, *, interval_s: float = TALLY_INTERVAL_S,
+                 clock: Callable[[], float] = time.monotonic, logger: logging.Logger | None = None) -> None:
+        self.name = name
+        self.interval_s = interval_s
+        self.clock = clock
+        self.total = 0
+        self._pending = 0
+        self._last = -math.inf
+        self._logger = logger or log
+
+    def add(self, reason: str, n: int = 1, detail: str = "") -> None:
+        if n <= 0:
+            return
+        self.total += n
+        self._pending += n
+        now = self.clock()
+        if now - self._last >= self.interval_s:
+            self.flush(reason, detail)
+            self._last = now
+
+    def flush(self, reason: str, detail: str = "") -> None:
+        if self._pending:
+            self._logger.warning("frames connection %s: %s count=%d total=%d%s", self.name, reason, self._pending,
+                                 self.total, f" last={detail[:200]}" if detail else "")
+            self._pending = 0
 
 
 def encode_frame(type_: str, payload: Any, *, id: int = 0, re: int = 0, term: int = 0) -> bytes:
@@ -96,17 +181,27 @@ class _Callback:
 class WriteQueue:
     """Bytes queued by any task without blocking, written by one writer task: everything queued
     since the last write goes in one ``send_all`` (many frames per syscall). Shared by frames
-    connections and the multiplexed report connection (``heartbeat_wire.SharedWire``)."""
+    connections and the multiplexed report connection (``heartbeat_wire.SharedWire``).
 
-    __slots__ = ("_out", "_wake")
+    ``limit``: the bytes that may wait unwritten (None: unbounded); :meth:`put` past it raises
+    :class:`Refused` (``slow_reader``) and queues nothing. One frame is always taken into an
+    empty queue, so a bound smaller than a frame still lets one answer through at a time."""
 
-    def __init__(self) -> None:
+    __slots__ = ("_out", "_wake", "limit")
+
+    def __init__(self, limit: int | None = None) -> None:
         self._out = bytearray()
         self._wake = trio.Event()
+        self.limit = limit
 
     def put(self, data: bytes) -> None:
+        if self.limit is not None and self._out and len(self._out) + len(data) > self.limit:
+            raise Refused("slow_reader", f"{len(self._out)} bytes wait unread, over the {self.limit} bound")
         self._out += data
         self._wake.set()
+
+    def queued(self) -> int:
+        return len(self._out)
 
     def clear(self) -> None:
         self._out.clear()
@@ -187,17 +282,29 @@ class FrameChannel:
     it closes; :meth:`call` and :meth:`send` may be used from any task meanwhile."""
 
     def __init__(self, stream: trio.abc.Stream, *, name: str = "", buf: bytes = b"",
-                 max_frame: int = MAX_FRAME, backlog: BacklogMark | None = None) -> None:
+                 max_frame: int = MAX_FRAME, backlog: BacklogMark | None = None,
+                 max_queued: int | None = None, max_held: int | None = None, max_entries: int | None = None,
+                 max_inflight: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """``max_frame``, ``max_queued``, ``max_held``, ``max_entries``, ``max_inflight``: this connection's bounds
+        (None: unbounded; a listener passes the small ones, :meth:`make_relay` raises them)."""
         self.stream = stream
         self._backlog = backlog     # the listener's read backlog (ReadBacklog), or None
         # the peer's verified certificate (infra.tls.Principal), None on a plain channel
         self.principal: Any = tls.stream_principal(stream)
         self.name = name
         self.max_frame = max_frame
+        self.max_held = max_held
+        self.max_entries = max_entries  # per-node entries a beat or reports frame may carry (None: any)
+        self.candidate = False          # its owner admitted it as a relay candidate (make_candidate)
+        self.held = 0                   # bytes of this peer's frames the owner holds back (hold/release)
+        self.max_inflight = max_inflight
+        self.inflight = 0               # its requests whose answers are being worked on
+        self.relay_racks: tuple[str, ...] = ()   # the racks this connection is the active relay of
         self._in = bytearray(buf)
-        self._q = WriteQueue()
+        self._q = WriteQueue(max_queued)
         self._waiters: dict[int, _Waiter | _Callback] = {}
         self._next_id = 0
+        self._scope: trio.CancelScope | None = None   # run()'s, to end it from a bound's check
         self.closed = trio.Event()
         self.frames_in = 0
         self.frames_out = 0
@@ -206,6 +313,64 @@ class FrameChannel:
         self.info: Any = None      # what the owner wants to keep with the connection
         self.opened_at = time.monotonic()
         self.close_reason = ""     # why it closed, once it has: for the logs of whoever held it
+        self.close_code = ""       # ... when a bound closed it: frame_too_big, slow_reader, deferred_over, ...
+        self.rejections = Tally(name, clock=clock)
+
+    # ------------------------------------------------------------ bounds
+
+    @property
+    def entry_limit(self) -> int:
+        """What :func:`check_entries` holds this connection's beats and report batches to."""
+        return (1 << 62) if self.max_entries is None else self.max_entries
+
+    def make_candidate(self, entries: int) -> None:
+        """Its owner checked the hello's rack (the node is registered there): a candidate for
+        that rack's relay, with frames of a report stream's size and beats of up to
+        ``entries``; rack-sized frames wait for :meth:`make_relay`."""
+        self.candidate = True
+        self.max_frame = max(self.max_frame, CANDIDATE_MAX_FRAME)
+        self.max_entries = entries if self.max_entries is None else max(self.max_entries, entries)
+
+    def make_relay(self, rack: str, entries: int) -> None:
+        """Make this connection ``rack`` 's active relay (its owner chose it): rack-sized
+        frames (``MAX_FRAME``), beats of up to ``entries`` (the rack's size), and the queues
+        of a relay. Never lowered again on this connection (a relay that stops being the
+        active one still carries what its members sent it meanwhile)."""
+        self.candidate = True
+        if rack not in self.relay_racks:
+            self.relay_racks = (*self.relay_racks, rack)
+        self.max_frame = max(self.max_frame, MAX_FRAME)
+        self.max_entries = entries if self.max_entries is None else max(self.max_entries, entries)
+        self.max_held = None if self.max_held is None else max(self.max_held, RELAY_MAX_HELD)
+        if self._q.limit is not None:
+            self._q.limit = max(self._q.limit, RELAY_MAX_QUEUED)
+
+    def hold(self, f: Frame) -> bool:
+        """The owner keeps ``f`` to apply later (:meth:`release` once it has): False, and the
+        connection is closed (``deferred_over``), when that would pass ``max_held``."""
+        n = len(f.payload)
+        if self.max_held is not None and self.held + n > self.max_held:
+            self.refuse(Refused("deferred_over", f"{self.held} bytes held back, over the {self.max_held} bound"))
+            return False
+        self.held += n
+        return True
+
+    def release(self, f: Frame) -> None:
+        self.held = max(0, self.held - len(f.payload))
+
+    def tally(self, reason: str, n: int = 1, detail: str = "") -> None:
+        """Count ``n`` rejections of the peer's entries; logged once per interval, with a count."""
+        self.rejections.add(reason, n, detail)
+
+    def refuse(self, e: Refused) -> None:
+        """End the connection for having broken a bound (``close_code``: the counted reason)."""
+        if not self.close_code:
+            self.close_code = e.code
+            self.close_reason = self.close_reason or str(e)[:200]
+            log.warning("frames connection %s closed: %s", self.name, str(e)[:200])
+        self.closed.set()
+        if self._scope is not None:
+            self._scope.cancel()
 
     # ------------------------------------------------------------ sending
 
@@ -214,7 +379,7 @@ class FrameChannel:
         if self.closed.is_set():
             raise FrameError(f"frames connection {self.name} is closed")
         data = encode_frame(type_, payload, id=id, re=re)
-        self._q.put(data)
+        self._put(data)
         self.frames_out += 1
         self.bytes_out += len(data)
 
@@ -222,9 +387,16 @@ class FrameChannel:
         """Queue frames already encoded (``encode_frame``)."""
         if self.closed.is_set():
             raise FrameError(f"frames connection {self.name} is closed")
-        self._q.put(data)
+        self._put(data)
         self.bytes_out += len(data)
         self.frames_out += 1
+
+    def _put(self, data: bytes) -> None:
+        try:
+            self._q.put(data)
+        except Refused as e:  # a peer that does not read: it is closed, the sender told
+            self.refuse(e)
+            raise
 
     def new_id(self) -> int:
         self._next_id += 1
@@ -280,6 +452,9 @@ class FrameChannel:
         """Read and write until the connection closes (then every pending call fails)."""
         try:
             async with trio.open_nursery() as n:
+                self._scope = n.cancel_scope
+                if self.closed.is_set():   # refused before it ran
+                    n.cancel_scope.cancel()
                 n.start_soon(self._writer, n.cancel_scope)
                 await self._reader(handler, n)
                 n.cancel_scope.cancel()
@@ -289,6 +464,7 @@ class FrameChannel:
         finally:
             self.close_reason = self.close_reason or "closed here"
             self.closed.set()
+            self.rejections.flush("rejected")
             if self._backlog is not None:
                 self._backlog.close()
             waiters = list(self._waiters.values())
@@ -314,6 +490,12 @@ class FrameChannel:
             scope.cancel()
 
     async def _reader(self, handler: Handler, nursery: trio.Nursery) -> None:
+        try:
+            await self._read_loop(handler, nursery)
+        except Refused as e:
+            self.refuse(e)
+
+    async def _read_loop(self, handler: Handler, nursery: trio.Nursery) -> None:
         buf = self._in
         while True:
             pos = 0
@@ -321,7 +503,8 @@ class FrameChannel:
             while size - pos >= 4:
                 (ln,) = _LEN.unpack_from(buf, pos)
                 if ln > self.max_frame:
-                    raise FrameError(f"frame of {ln} bytes is over the {self.max_frame} limit")
+                    raise Refused("frame_too_big", f"a frame of {ln} bytes is over this connection's "
+                                                   f"{self.max_frame} limit")
                 if size - pos - 4 < ln:
                     break
                 body = bytes(buf[pos + 4:pos + 4 + ln])
@@ -355,10 +538,20 @@ class FrameChannel:
             return  # an answer nobody waits for any more (timed out): dropped
         try:
             out = handler(self, f)
+        except Refused as e:   # a bound broken: the connection ends (after its error answer)
+            self._answer_error(f.id, str(e))
+            self.refuse(e)
+            return
         except Exception as e:  # contained to this frame
             self._handler_failed(f, e)
             return
         if inspect.isawaitable(out):
+            if self.max_inflight is not None and self.inflight >= self.max_inflight:
+                if inspect.iscoroutine(out):
+                    out.close()
+                self.refuse(Refused("inflight_over", f"over {self.max_inflight} requests worked on at once"))
+                return
+            self.inflight += 1
             nursery.start_soon(self._finish, f, out)
         elif out is not None and f.id:
             self._answer(f, out)
@@ -366,9 +559,15 @@ class FrameChannel:
     async def _finish(self, f: Frame, aw: Awaitable[Answer]) -> None:
         try:
             out = await aw
+        except Refused as e:
+            self._answer_error(f.id, str(e))
+            self.refuse(e)
+            return
         except Exception as e:
             self._handler_failed(f, e)
             return
+        finally:
+            self.inflight -= 1
         if out is not None and f.id and not self.closed.is_set():
             self._answer(f, out)
 
@@ -390,6 +589,37 @@ class FrameChannel:
             self.send("error", {"error": why}, re=rid)
         except FrameError:
             pass
+
+
+# What an owner (the placer's relay hub) calls on a connection it holds: no-ops on anything
+# that is not a FrameChannel (the hub's tests and benchmarks drive it with small fakes).
+
+def make_candidate(ch: Any, entries: int) -> None:
+    """:meth:`FrameChannel.make_candidate`."""
+    if isinstance(ch, FrameChannel):
+        ch.make_candidate(entries)
+
+
+def make_relay(ch: Any, rack: str, entries: int) -> None:
+    """:meth:`FrameChannel.make_relay`."""
+    if isinstance(ch, FrameChannel):
+        ch.make_relay(rack, entries)
+
+
+def hold(ch: Any, f: Frame) -> bool:
+    """:meth:`FrameChannel.hold` (True: held)."""
+    return ch.hold(f) if isinstance(ch, FrameChannel) else True
+
+
+def release(ch: Any, f: Frame) -> None:
+    """:meth:`FrameChannel.release`."""
+    if isinstance(ch, FrameChannel):
+        ch.release(f)
+
+
+def entry_limit(ch: Any) -> int:
+    """:attr:`FrameChannel.entry_limit` (a fake: any)."""
+    return ch.entry_limit if isinstance(ch, FrameChannel) else 1 << 62
 
 
 def _error_text(f: Frame) -> str:

@@ -27,6 +27,12 @@ Bad input costs the sender, never the placer (DESIGN.md, Security model):
   limit less a reserve); one more gets a 503 reply and is closed;
 - an exception raised by ``ingest`` for one frame is logged and answered with a 500
   :class:`WireReply` on that connection; it never escapes into the server's nursery.
+- frames connections (``Hello.frames``) are handed to the frames host only after its
+  ``opened`` accepted them (it may refuse: 403 with ``WireReply.reason``); at most
+  ``max_frames_per_address`` are open per client address (relay candidates the host checked
+  aside, one per node); each starts with a member's bounds (``frame_limit``, bounded queues, beats of one
+  entry: :class:`~scheduler_link.frames.FrameChannel`), which only the host raises; refusals
+  and closes by a bound are counted by reason (``frames_refused_*``, ``frames_closed_*``).
 
 TLS (``ssl_context=``, mutual; :mod:`infra.tls`): the handshake runs inside the hello
 deadline; a plain client gets one plain :class:`WireReply` 400 saying the listener speaks TLS.
@@ -56,8 +62,19 @@ import trio
 from infra import tls
 from infra.auth import TokenSet
 from infra.backoff import Backoff, Retry
+from infra.gate import ConnectionGate
 
-from .frames import FrameChannel, Handler, ReadBacklog, WriteQueue
+from .frames import (
+    MEMBER_MAX_FRAME,
+    MEMBER_MAX_HELD,
+    MEMBER_MAX_INFLIGHT,
+    MEMBER_MAX_QUEUED,
+    FrameChannel,
+    Handler,
+    ReadBacklog,
+    Refused,
+    WriteQueue,
+)
 from .messages import NodeReport, ReportReply
 
 log = logging.getLogger("herd.link.wire")
@@ -68,6 +85,7 @@ _ACCEPT_RETRY = frozenset({errno.ECONNABORTED, errno.EPROTO, errno.EPERM, errno.
                            errno.EHOSTDOWN, errno.ENONET, errno.EHOSTUNREACH, errno.EOPNOTSUPP, errno.ENETUNREACH})
 _ACCEPT_FULL = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 MAX_HELLO = 16 << 10
+MAX_FRAMES_PER_ADDRESS = 8   # frames connections one address may hold open (relay candidates aside)
 _LEN = struct.Struct(">I")
 
 
@@ -85,6 +103,7 @@ class WireReply(msgspec.Struct, frozen=True, kw_only=True):
     status: int
     reply: ReportReply = ReportReply()
     error: str | None = None
+    reason: str | None = None        # a refused hello: why, as a code (rack_mismatch, per_address, ...)
 
 
 class WireError(Exception):
@@ -129,7 +148,11 @@ Ingest = Callable[[str, NodeReport], tuple[int, ReportReply]]
 
 
 class FramesHost(Protocol):
-    """Who serves frames connections (``Hello.frames``) on a heartbeat listener."""
+    """Who serves frames connections (``Hello.frames``) on a heartbeat listener. ``opened``
+    runs before the hello is answered: raising :class:`~scheduler_link.frames.Refused`
+    refuses the connection (403, ``WireReply.reason`` = its code). A connection it admits as
+    a relay candidate (``channel.make_candidate``) is not counted against the listener's
+    per-address cap (its rack was checked; the cap is for everything else)."""
 
     def opened(self, hello: Hello, channel: FrameChannel) -> Handler: ...
 
@@ -156,8 +179,16 @@ class HeartbeatServer:
                  max_connections: int | None = None, frames: FramesHost | None = None,
                  ssl_context: ssl.SSLContext | None = None, require_certs: bool = False,
                  token_use: Any = None, handshakes: int = 256, handshake_queue_s: float = 45.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, max_frames_per_address: int = MAX_FRAMES_PER_ADDRESS,
+                 frame_limit: int = MEMBER_MAX_FRAME) -> None:
+        """``max_frames_per_address`` and ``frame_limit``: the frames connections' bounds (see
+        :class:`~scheduler_link.frames.FrameChannel`: the owner raises a connection's own)."""
         self.tokens = tokens
+        self.frame_limit = frame_limit
+        self.frames_gate = ConnectionGate(1 << 30, max_frames_per_address)
+        self.frames_refused: dict[str, int] = {}   # frames hellos refused, by reason
+        self.frames_closed: dict[str, int] = {}    # frames connections a bound ended, by reason
+        self._candidates: dict[str, FrameChannel] = {}   # node id -> its relay candidate connection (one each)
         # multi-node and frames connections with bytes unread once a batch is applied (heard_until)
         self.backlog = ReadBacklog(clock)
         # Handshakes cost the placer's one thread ~1.5-3 ms of CPU each. A registration storm
@@ -199,7 +230,9 @@ class HeartbeatServer:
                 "refused": self.refused, "over_cap": self.over_cap,
                 "hello_timeouts": self.hello_timeouts, "ingest_errors": self.ingest_errors,
                 "tls_refused": self.tls_refused, "wrong_node": self.wrong_node,
-                **{f"tls_refused_{k}": v for k, v in sorted(self.tls_refusals.items())}}
+                **{f"tls_refused_{k}": v for k, v in sorted(self.tls_refusals.items())},
+                **{f"frames_refused_{k}": v for k, v in sorted(self.frames_refused.items())},
+                **{f"frames_closed_{k}": v for k, v in sorted(self.frames_closed.items())}}
 
     async def run(self, listen: str, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         host, _, port = listen.rpartition(":")
@@ -361,15 +394,7 @@ class HeartbeatServer:
             if self.frames_host is None:
                 await stream.send_all(frame(WireReply(status=400, error="this listener serves no frames connections")))
                 return hello.node_id
-            await stream.send_all(frame(WireReply(status=200)))
-            ch = FrameChannel(stream, name=hello.node_id, buf=bytes(buf), backlog=self.backlog.track(stream))
-            handler = self.frames_host.opened(hello, ch)
-            self.frames_connections += 1
-            try:
-                await ch.run(handler)
-            finally:
-                self.frames_connections -= 1
-                self.frames_host.closed(ch)
+            await self._frames(stream, hello, buf)
             return hello.node_id
         relay = hello.relay
         node_id = hello.node_id
@@ -398,6 +423,51 @@ class HeartbeatServer:
                 mark.close()
             if relay:
                 self.relay_connections -= 1
+
+    async def _frames(self, stream: trio.abc.Stream, hello: Hello, buf: bytearray) -> None:
+        """A frames connection, once its hello is authenticated: the per-address cap, the
+        host's own checks (``opened``), then served until it closes."""
+        assert self.frames_host is not None
+        address = tls.peer_address(stream) or "?"
+        ch = FrameChannel(stream, name=hello.node_id, buf=bytes(buf), backlog=self.backlog.track(stream),
+                          max_frame=self.frame_limit, max_queued=MEMBER_MAX_QUEUED, max_held=MEMBER_MAX_HELD,
+                          max_entries=1, max_inflight=MEMBER_MAX_INFLIGHT)
+        try:
+            handler = self.frames_host.opened(hello, ch)
+        except Refused as e:
+            await self._refuse_frames(stream, e)
+            return
+        # a relay candidate its host checked is not under the address's cap (the cap is for the
+        # rest), but a node holds one: a newer connection replaces the one before
+        counted = not ch.candidate
+        if ch.candidate:
+            old = self._candidates.get(hello.node_id)
+            if old is not None and old is not ch:
+                old.refuse(Refused("replaced", f"node {hello.node_id[:200]} opened a newer relay connection"))
+            self._candidates[hello.node_id] = ch
+        if counted and not self.frames_gate.enter(address):
+            self.frames_host.closed(ch)
+            await self._refuse_frames(stream, Refused("per_address", f"{address} holds "
+                                                      f"{self.frames_gate.max_per_client} frames connections already"))
+            return
+        self.frames_connections += 1
+        try:
+            await stream.send_all(frame(WireReply(status=200)))
+            await ch.run(handler)
+        finally:
+            self.frames_connections -= 1
+            if counted:
+                self.frames_gate.leave(address)
+            if self._candidates.get(hello.node_id) is ch:
+                del self._candidates[hello.node_id]
+            if ch.close_code:
+                self.frames_closed[ch.close_code] = self.frames_closed.get(ch.close_code, 0) + 1
+            self.frames_host.closed(ch)
+
+    async def _refuse_frames(self, stream: trio.abc.Stream, e: Refused) -> None:
+        self.frames_refused[e.code] = self.frames_refused.get(e.code, 0) + 1
+        log.info("frames connection refused: %s", str(e)[:300])
+        await stream.send_all(frame(WireReply(status=403, error=str(e)[:500], reason=e.code)))
 
     def heard_until(self) -> float | None:
         """When the multi-node or frames connection that is furthest behind was last caught up

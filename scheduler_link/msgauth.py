@@ -320,9 +320,11 @@ class BundleVerifier:
             return False
         return True
 
-    def bundle(self, raw_payload: bytes) -> tuple[BundleView, list[NodePart], list[PartProof]]:
+    def bundle(self, raw_payload: bytes, *, seen: dict[bytes, bytes] | None = None
+               ) -> tuple[BundleView, list[NodePart], list[PartProof]]:
         """Decode and verify a bundle frame's payload: (the bundle, its parts, each part's proof
-        for its member). Raises AuthError (nothing in it may be acted on) or msgspec errors."""
+        for its member). Raises AuthError (nothing in it may be acted on) or msgspec errors.
+        ``seen``: as for :meth:`part` (one verification per batch of bundles)."""
         view = msgspec.msgpack.decode(raw_payload, type=BundleView)
         if not view.sig:
             self.refused += 1
@@ -330,7 +332,7 @@ class BundleVerifier:
         raws = [bytes(r) for r in view.parts]
         digests = [digest(r) for r in raws]
         self._check(header_bytes(view.rack, view.blob_id, view.deliver_by, digests), view.sig,
-                    list(view.sig_path), view.sig_index)
+                    list(view.sig_path), view.sig_index, seen)
         parts = [expand_part(_part_dec.decode(r)) for r in raws]
         proofs = [PartProof(rack=view.rack, blob_id=view.blob_id, deliver_by=view.deliver_by, digests=digests,
                             sig=view.sig, raw=r, sig_path=view.sig_path, sig_index=view.sig_index) for r in raws]

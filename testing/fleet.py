@@ -12,6 +12,18 @@ accepted → fetching → running after configurable delays, and stops victims
 gb200), with the node names and topology of ``placer/sim.py``'s fleet shapes. Nothing of
 the placer is emulated or imported beyond those shapes.
 
+Relay mode (``--relays``): each rack runs the shipped relay, :class:`agent.relay.Relay` with
+its :class:`agent.relaycore.RelayCore`, on the rack's first node: a real frames connection to
+the placer per rack, and every decision a relay makes (taking a bundle after its signature
+check, which parts go to whom, the one ack bundle per bundle, beat aggregation, report
+batches, blob sources and serving) is that code's. **The relay -> member hop is emulated in
+process** (:class:`InProcessHop`: a call per part where a relay host calls ``part`` on the
+member's frames connection; ``Relay.member_report`` / ``member_blob`` the other way); the
+members (:class:`EmulatedRack`) are fakes of hosts, registering directly and reporting to
+their relay as AgentLink does. The relays of one process share what one host's would: the
+gang blob cache and the batch signatures already verified (one Ed25519 check per batch per
+process).
+
 Sockets, because one process holds up to 20,000 descriptors:
 - placements: one HTTP listener per emulator process; a node's ``control_url`` is
   ``http://HOST:PORT/n/<node_id>`` and the listener routes by that prefix (the placer's
@@ -63,13 +75,15 @@ import msgspec
 import trio
 import trio.lowlevel
 
+from agent.blobs import BlobCache
 from agent.gpus.simulated import PROFILES, SimulatedBackend
+from agent.relay import Relay
 from infra import tls
 from infra.auth import TokenSet, bearer
 from infra.pki import NodeContexts
+from infra.tls import Security
 from scheduler_link.agent_link import AgentLink, ReportChannel
 from scheduler_link.fanout import PushPool
-from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
 from scheduler_link.heartbeat_wire import (
     HeartbeatClient,
     HeartbeatServer,
@@ -81,10 +95,6 @@ from scheduler_link.heartbeat_wire import (
     parse_wire_url,
 )
 from scheduler_link.messages import (
-    AckBundle,
-    BlobReply,
-    BlobRequest,
-    Frame,
     GpuInfo,
     GpuSnapshot,
     NodeOutcome,
@@ -92,24 +102,16 @@ from scheduler_link.messages import (
     NodeReport,
     Placement,
     PlacementAck,
-    RackBeat,
-    RackBeatReply,
-    RackReports,
-    RelayHello,
     ReportReply,
     TopologyPath,
     Victim,
     WorkloadEvent,
     WorkloadStatus,
-    decode_gang_blob,
-    expand_part,
     inventory_hash,
 )
 from scheduler_link.msgauth import (
     MAC_LEN,
-    AuthError,
     BundleVerifier,
-    BundleView,
     beat_mac,
     verified_stops,
     with_outcome_mac,
@@ -119,9 +121,7 @@ log = logging.getLogger("herd.testing.fleet")
 
 _placement_dec = msgspec.json.Decoder(Placement)
 _enc = msgspec.json.Encoder()
-_part_dec = msgspec.msgpack.Decoder(NodePart)
 _canon = msgspec.msgpack.Encoder(order="deterministic")   # msgauth's canonical encoding
-VERIFY_EVERY = 8     # relay mode: bundles whose placer signature the emulator checks (see EmulatedRelay)
 
 
 # ---------------------------------------------------------------- fleet shape
@@ -195,7 +195,7 @@ class Timing:
 class EmulatedNode:
     """One node: the hooks its AgentLink calls, and a fake supervisor for placements."""
 
-    __slots__ = ("fleet", "slot", "control_url", "refuse", "workloads", "link", "relay", "boot_id", "seq", "registered",
+    __slots__ = ("fleet", "slot", "control_url", "refuse", "workloads", "link", "rack", "boot_id", "seq", "registered",
                  "registering", "mac_key",
                  "counted", "_snap", "_uuids", "_uuid_list", "_inventory", "_all_slots")
 
@@ -206,7 +206,7 @@ class EmulatedNode:
         self.refuse = refuse                      # None | "refused_gpus" | "refused_spec"
         self.workloads: dict[str, WorkloadStatus] = {}
         self.link: AgentLink | None = None
-        self.relay: EmulatedRelay | None = None   # relay mode: reports go through the rack's relay
+        self.rack: EmulatedRack | None = None     # relay mode: reports go through the rack's relay
         self.boot_id = ""
         self.seq = 0
         self.registered = False
@@ -334,13 +334,11 @@ class EmulatedNode:
         self.fleet.stats.event(w.job_id, now)
         if self.link is not None:
             self.link.notify(ev)
-        elif self.relay is not None:
-            self.relay.event(self, ev)
+        elif self.rack is not None:
+            self.rack.event(self, ev)
 
-    async def _start(self, wids: list[str], blob_id: str = "") -> None:
+    async def _start(self, wids: list[str]) -> None:
         t = self.fleet.timing
-        if blob_id:  # a workload needs its gang's peers before it starts (relay mode)
-            await self.fleet.blob(blob_id)
         await trio.sleep(t.fetch_s)
         live = [w for w in wids if self.workloads.get(w) is not None and self.workloads[w].state == "accepted"]
         for wid in live:
@@ -356,7 +354,7 @@ class EmulatedNode:
             return
         self._event(v.workload_id, "terminating")
         await trio.sleep(min(v.grace_s, self.fleet.timing.stop_s))
-        final = "preempted" if v.reason.startswith("preempt") else "exited"  # as agent/supervisor.py
+        final = "preempted" if v.preempted else "exited"  # the placer says which (as agent/supervisor.py)
         self._event(v.workload_id, final, exit_code=None if final == "preempted" else 0, reason=v.reason)
 
 
@@ -375,184 +373,60 @@ def _with_mac(key: bytes, rep: NodeReport) -> NodeReport:
         rep, mac=blake3.blake3(b"report\0" + _canon.encode(rep), key=key).digest(MAC_LEN))
 
 
-# ---------------------------------------------------------------- one emulated rack relay
+# ---------------------------------------------------------------- one emulated rack (relay mode)
 
-class EmulatedRelay:
-    """A rack's relay in relay mode: one real frames connection to the placer (the real wire),
-    carrying its members' registrations, event reports and one aggregated beat per interval,
-    and answering the placer's bundles. The hop from the relay to its members is emulated
-    in-process (a method call per NodePart, labelled as such in the bench): the members are
-    this process's EmulatedNodes. ``hung``: the relay takes bundles and never answers (the
-    placer's relay_timeout_s and fallback are what is measured then).
+class InProcessHop:
+    """The one emulated hop of relay mode: the shipped relay (agent.relay.Relay, its
+    RelayCore deciding) hands a member its part as a call here, where a relay host calls
+    ``part`` on the member's frames connection. The member is a fake (EmulatedNode.place_part:
+    the real agent's checks of binding, expiry, inventory and slots, then a fake supervisor);
+    it does not check the placer's signature over its part again (the relay checked the
+    bundle's; a member's check is measured in bench/msgauth.py). Its outcome carries the
+    member's own MAC, which the relay passes up untouched."""
 
-    Identity (scheduler_link.msgauth) as the real relay and members do it: each member
-    registers over a direct connection (the fleet's shared framed connections: a relay may not
-    carry a registration) and gets its MAC key there; its event reports, beat entries and
-    outcomes carry its MAC. Bundles: one process here stands in for hundreds of relay hosts,
-    each of which checks one Ed25519 signature per bundle on its own CPU (0.1-0.7 ms here,
-    bench/msgauth.py). Done serially for all of them it is 30-200 ms per round of a 16,384-node
-    fleet's 308 bundles: a large share of the placer's 0.5 s relay deadline on 2 shared cores,
-    spent where no real relay spends it. So the emulator checks the signature of its first
-    bundle and then of one in ``VERIFY_EVERY`` (a placer that does not sign, or signs wrongly,
-    is caught at once) and decodes the rest as they came (refusing any without a signature);
-    the per-member proof check is measured in bench/msgauth.py, not spent here."""
-
-    def __init__(self, fleet: Fleet, rack: str, members: list[EmulatedNode], source: str | None,
-                 hung: bool = False) -> None:
-        self.fleet = fleet
+    def __init__(self, rack: EmulatedRack) -> None:
         self.rack = rack
-        self.members = members
-        self.by_id = {m.slot.node_id: m for m in members}
-        self.source = source
-        self.hung = hung
-        self.channel: FrameChannel | None = None
-        self.registered = 0
-        self.bundles = 0
-        self.part_bytes_max = 0
-        self.beats = 0
-        self.reports = 0
-        self.failures = 0
-        self._pending: dict[str, list[WorkloadEvent]] = {}
-        self._flush = trio.Event()
-        self.placer_key: bytes | None = None     # from the relay node's own registration
-        self._verifier: BundleVerifier | None = None
-        self.bad_bundles = 0
-        self.verified_bundles = 0
-        # diagnostics (GET /stats): connections made and lost, registrations again, events lost
-        self.connects = 0
-        self.drops = 0
-        self.reregistrations = 0
-        self.events_superseded = 0  # pending when their member's full report was built (it says them)
-        self.events_unsent = 0      # in a reports call that failed (a full report follows)
+        self._later: list[Any] = []
+        self._after: bool = False    # a task will start what this bundle's parts accepted
 
-    async def run(self) -> None:
-        f = self.fleet
-        backoff = 0.05
-        while True:
-            own_ctx = f.node_context(self.members[0].slot.node_id)   # over TLS: the relay node's certificate
-            try:
-                ch = await open_frames(f.cfg.wire_url or "", f.tokens.cluster or "", self.members[0].slot.node_id,
-                                       relay=RelayHello(racks=[self.rack], listen_url=f.frames_url),
-                                       local_address=self.source, timeout_s=max(WIRE_CONNECT_S,
-                                                                                 f.cfg.request_timeout_s),
-                                       ssl_context=own_ctx, expect="placer" if own_ctx else None)
-            except (OSError, trio.TooSlowError, msgspec.DecodeError) as e:
-                self.failures += 1
-                log.debug("relay connect failed rack=%s err=%r", self.rack, e)
-                await trio.sleep(backoff * random.uniform(0.5, 1.0))   # jittered, as agent/relay.py
-                backoff = min(2.0, backoff * 2)
-                continue
-            except Exception as e:  # WireError (refused): back off
-                self.failures += 1
-                log.debug("relay refused rack=%s err=%r", self.rack, e)
-                await trio.sleep(backoff)
-                backoff = min(2.0, backoff * 2)
-                continue
-            backoff = 0.05
-            self.channel = ch
-            self.connects += 1
-            try:
-                async with trio.open_nursery() as n:
-                    n.start_soon(self._serve, ch, n.cancel_scope)
-                    for m in self.members:
-                        n.start_soon(self._register, m)
-                    n.start_soon(self._beats)
-                    n.start_soon(self._events)
-            finally:
-                self.channel = None
-                self.drops += 1
-                why = ch.close_reason or "ended here"
-                f.drop_reasons[why] = f.drop_reasons.get(why, 0) + 1
-                log.debug("relay connection lost rack=%s relay=%s why=%s", self.rack, self.members[0].slot.node_id, why)
-                for m in self.members:
-                    m.boot_id = ""
-                    m.registered = False
+    def hand(self, part: NodePart, own: bool) -> NodeOutcome | None:
+        rack = self.rack
+        f = rack.fleet
+        m = rack.by_id.get(part.node_id)
+        if m is None:
+            return None
+        if not self._after:   # the first part of a bundle (a relay hands a bundle's parts in one go)
+            self._after = True
+            f.bundle_seen()
+            f.spawn(self._after_parts)
+        o = m.place_part(part, time.time(), self._later)   # (its blob id filled in by the relay)
+        st = f.stats
+        st.acks[o.outcome] = st.acks.get(o.outcome, 0) + 1
+        st.parts += 1
+        f.cpu_at_last_answer = time.process_time()   # (the bench's lower bound of CPU to acked)
+        return with_outcome_mac(m.mac_key, o) if m.mac_key else o
 
-    async def _serve(self, ch: FrameChannel, scope: trio.CancelScope) -> None:
-        await ch.run(self._in_turn)
-        scope.cancel()  # the connection is gone: everything of it restarts
-
-    async def _in_turn(self, ch: FrameChannel, fr: Frame) -> tuple[str, Any] | None:
-        """One process plays hundreds of relays that are separate hosts on a real fleet: each
-        answers as soon as its own bundle is handled, in arrival order, instead of every answer
-        waiting in its queue until the process has handled all the bundles that came with it
-        (which the placer rightly reads as relays making no progress)."""
-        f = self.fleet
-        f.bundle_came()
-        try:
-            async with f.bundle_turn:
-                return self._handle(ch, fr)
-        finally:
-            f.bundle_done()
-
-    def _handle(self, ch: FrameChannel, fr: Frame) -> tuple[str, Any] | None:
-        if fr.type != "bundle":
-            return "error", {"error": f"unexpected {fr.type}"}
-        if self.placer_key is None:
-            return "error", {"error": "bundle refused: no placer signing key yet"}
-        if self._verifier is None or self._verifier.public != self.placer_key:
-            self._verifier = self.fleet.verifier(self.placer_key)
-        self.fleet.bundles_seen += 1
-        self.fleet.hold_gc()
-        try:
-            if self.fleet.bundles_seen % VERIFY_EVERY == 1:  # (the first, then one in VERIFY_EVERY: see above)
-                rb, parts, _ = self._verifier.bundle(fr.payload)
-                self.verified_bundles += 1
-            else:
-                view = msgspec.msgpack.decode(fr.payload, type=BundleView)
-                if not view.sig:
-                    raise AuthError("the bundle is not signed")
-                rb, parts = view, [expand_part(_part_dec.decode(r)) for r in view.parts]
-        except AuthError as e:
-            self.bad_bundles += 1
-            return "error", {"error": f"bundle refused: {e}"}
-        self.bundles += 1
-        # what a member receives of it: its part as signed (the bytes in the bundle; re-encoding
-        # every decoded part to measure it cost ~7 % of the emulator's CPU in a delivery)
-        size = max(map(len, rb.parts), default=0)
-        if size > self.part_bytes_max:
-            self.part_bytes_max = size
-        if self.hung:
-            return None  # taken, never answered
-        if rb.blob is not None and rb.blob_id:
-            self.fleet.keep_blob(rb.blob_id, rb.blob)
-        elif rb.blob_id:
-            self.fleet.want_blob(rb.blob_id, rb.blob_sources)
-        now = time.time()
-        outcomes = []
-        later: list[Any] = []
-        for part in parts:
-            m = self.by_id.get(part.node_id)
-            if m is None:
-                continue  # not ours: the placer pushes it directly
-            o = m.place_part(part, now, later)   # (its blob: the part's, else the bundle's: _after_bundle)
-            outcomes.append(with_outcome_mac(m.mac_key, o) if m.mac_key else o)
-        st = self.fleet.stats
-        for o in outcomes:
-            st.acks[o.outcome] = st.acks.get(o.outcome, 0) + 1
-        st.parts += len(outcomes)
-        self.fleet.spawn(self._after_bundle, parts, later, rb.blob_id)
-        ab = AckBundle(rack=rb.rack, blob_id=rb.blob_id, outcomes=outcomes)
-        self.fleet.cpu_at_last_answer = time.process_time()  # (the bench's lower bound of CPU to acked)
-        return "acks", ab
-
-    async def _after_bundle(self, parts: list[NodePart], later: list[Any], bundle_blob: str = "") -> None:
-        """After the acks went out: victims stopped, then the rack's new pods fetch and run
-        (one task per bundle, not per node; no "accepted" event: the ack said it)."""
-        await trio.lowlevel.checkpoint()  # the acks frame is queued first
+    async def _after_parts(self) -> None:
+        """After the acks went out: victims stopped, then the rack's new pods fetch (their
+        gang blob from the relay, as a member's ``blob_get``) and run: one task per bundle, not
+        per node; no "accepted" event (the ack said it)."""
+        await trio.lowlevel.checkpoint()  # the bundle's parts all handed, its acks queued
+        later, self._later, self._after = self._later, [], False
+        f = self.rack.fleet
         starts: list[tuple[EmulatedNode, list[str]]] = []
         blob_id = ""
         for m, fresh, part in later:
             for v in part.victims:
-                self.fleet.spawn(m._stop, v)
+                f.spawn(m._stop, v)
             if fresh:
                 starts.append((m, fresh))
-                blob_id = blob_id or part.blob_id or bundle_blob   # (a relay fills the bundle's in)
+                blob_id = blob_id or part.blob_id
         if not starts:
             return
-        t = self.fleet.timing
+        t = f.timing
         if blob_id:  # a workload needs its gang's peers before it starts
-            await self.fleet.blob(blob_id)
+            if (await self.rack.relay.member_blob(blob_id)).data is None:
+                f.blob_failures += 1
         await trio.sleep(t.fetch_s)
         for m, fresh in starts:
             for wid in fresh:
@@ -566,6 +440,60 @@ class EmulatedRelay:
                 if w is not None and w.state == "fetching":
                     m._event(wid, "running")
 
+
+class EmulatedRack:
+    """A rack in relay mode: the shipped relay (:class:`agent.relay.Relay`, on the rack's first
+    node, with its real frames connection to the placer and every decision its RelayCore's:
+    bundles and their signatures, acks, beat aggregation, report batches, blob sources) and
+    its members as AgentLink drives a member behind a relay. Each member registers over a
+    direct connection (the fleet's shared framed connections, or over TLS its own: a relay
+    may not carry a registration, and the MAC key comes only that way), then sends its empty
+    heartbeats (with its beat MAC) and its event reports (with its report MAC) to the relay,
+    one report at a time, and acts on the answers (need_full, 409: a full report; stops only
+    with the placer's MAC). Only the relay -> member hop is in process (:class:`InProcessHop`,
+    and :meth:`Relay.member_report` / :meth:`Relay.member_blob` for the way up).
+    ``hung``: the relay takes bundles and never answers (``Relay.stalled``)."""
+
+    def __init__(self, fleet: Fleet, rack: str, members: list[EmulatedNode], source: str | None,
+                 hung: bool = False) -> None:
+        self.fleet = fleet
+        self.rack = rack
+        self.members = members
+        self.by_id = {m.slot.node_id: m for m in members}
+        self.source = source
+        self.placer_key: bytes | None = None     # from the relay node's own registration
+        ctx = fleet.node_context(members[0].slot.node_id)   # over TLS: the relay node's certificate
+        self.relay = Fleet.relay_type(
+            node_id=members[0].slot.node_id, rack=rack, tokens=fleet.tokens, listen=None, wire_url=self._wire_url,
+            blobs=fleet.blob_cache, heartbeat_s=fleet.cfg.heartbeat_s, request_timeout_s=fleet.cfg.request_timeout_s,
+            keys=self.keys, security=Security(insecure=ctx is None, client=ctx), connect_timeout_s=WIRE_CONNECT_S,
+            hop=InProcessHop(self), local_address=source, verifiers=fleet.verifiers,
+            beat_offset_s=random.uniform(0, fleet.cfg.heartbeat_s))   # relays' beats spread over the interval
+        self.relay.stalled = hung
+        self.registered = 0
+        self.reports = 0
+        self.failures = 0
+        self._pending: dict[str, list[WorkloadEvent]] = {}
+        self._flush = trio.Event()
+        self._sending: set[str] = set()          # members whose event report is out (one at a time)
+        self.reregistrations = 0
+        self.events_superseded = 0  # pending when their member's full report was built (it says them)
+        self.events_unsent = 0      # in reports the relay could not forward (a full report follows)
+
+    def _wire_url(self) -> str | None:
+        return self.fleet.cfg.wire_url
+
+    def keys(self) -> tuple[bytes | None, bytes | None]:
+        return self.members[0].mac_key or None, self.placer_key
+
+    async def run(self) -> None:
+        async with trio.open_nursery() as n:
+            n.start_soon(self.relay.run)
+            for m in self.members:
+                n.start_soon(self._register, m)
+            n.start_soon(self._heartbeats)
+            n.start_soon(self._events)
+
     def _report(self, m: EmulatedNode, *, full: bool, events: list[WorkloadEvent] | None = None) -> NodeReport:
         m.seq += 1
         if full:
@@ -576,28 +504,16 @@ class EmulatedRelay:
             if not m.boot_id:
                 m.boot_id = f"emu-{time.monotonic_ns():x}-{m.slot.node_id}"
             return msgspec.structs.replace(base, boot_id=m.boot_id, seq=m.seq)
+        if not events:   # an empty heartbeat: its MAC is the beat MAC the relay carries up
+            return NodeReport(node_id=m.slot.node_id, boot_id=m.boot_id, seq=m.seq, full=False,
+                              sent_at=time.time(), mac=beat_mac(m.mac_key, m.slot.node_id, m.boot_id, m.seq)
+                              if m.mac_key else b"")
         rep = NodeReport(node_id=m.slot.node_id, boot_id=m.boot_id, seq=m.seq, full=False,
-                         events=events or [], sent_at=time.time())
+                         events=events, sent_at=time.time())
         return _with_mac(m.mac_key, rep) if m.mac_key else rep
 
-    async def _exchange(self, m: EmulatedNode, *, full: bool, events: list[WorkloadEvent] | None = None
-                        ) -> WireReply | None:
-        async with self.fleet.limiter:
-            ch = self.channel
-            if ch is None:
-                return None
-            rep = self._report(m, full=full, events=events)  # its seq taken as it is sent: in order
-            try:
-                f = await ch.call("report", rep, timeout_s=self.fleet.cfg.request_timeout_s)
-            except (FrameError, CallFailed, trio.TooSlowError):
-                self.failures += 1
-                return None
-        self.reports += 1
-        return decode_payload(f, WireReply)
-
     async def _register(self, m: EmulatedNode) -> None:
-        """The relay's own node registers over its frames connection (its own); a member over
-        the fleet's direct framed connections: its MAC key comes only that way."""
+        """A member's (and the relay node's) full report, over its own direct connection."""
         if m.registering:
             return   # one full report at a time (a later one would say nothing newer)
         if m.registered:
@@ -605,20 +521,22 @@ class EmulatedRelay:
         m.registered = False
         m.registering = True
         own = m is self.members[0]
+        self.relay.member_left(m.slot.node_id)   # a full report goes directly, never through a relay
         try:
-            while self.channel is not None:
-                wr = await self._exchange(m, full=True) if own else await self._register_direct(m)
+            while True:
+                wr = await self._register_direct(m)
                 if wr is not None and wr.status == 200:
                     if not m.counted:
                         m.counted = True
                         self.fleet.member_registered()
                     self.registered += 1
                     m.registered = True
-                    if m.slot.node_id in self._pending:
-                        self._flush.set()   # what happened while it registered goes up now
                     m.mac_key = wr.reply.mac_key or m.mac_key
                     if own and wr.reply.placer_key:
                         self.placer_key = wr.reply.placer_key
+                    self.relay.member_joined(m.slot.node_id)   # it reports to its relay from now on
+                    if m.slot.node_id in self._pending:
+                        self._flush.set()   # what happened while it registered goes up now
                     self._after(m, wr.reply)
                     return
                 await trio.sleep(0.5)
@@ -647,8 +565,8 @@ class EmulatedRelay:
     async def _register_own_tls(self, m: EmulatedNode) -> WireReply | None:
         """Over mutual TLS a member registers as a real agent does: its own connection to the
         placer's framed channel with its own certificate (a handshake, the full report, its
-        MAC key in the answer), closed once it moves to its relay (here, in-process). The
-        connection is driven by :func:`_register_blocking` in a worker thread (see there)."""
+        MAC key in the answer), closed once it moves to its relay. The connection is driven by
+        :func:`_register_blocking` in a worker thread (see there)."""
         f = self.fleet
         ctx = f.node_context(m.slot.node_id)
         assert ctx is not None
@@ -666,24 +584,51 @@ class EmulatedRelay:
         self.reports += 1
         return wr
 
-    def _after(self, m: EmulatedNode, r: ReportReply) -> None:
-        if r.stop:
-            self.fleet.spawn(m.stop_workloads, list(r.stop))
+    def _after(self, m: EmulatedNode, r: ReportReply, *, relayed: bool = False) -> None:
+        """What an answer says to a member: stops (relayed: only those with the placer's MAC,
+        as an agent checks), need_full (a full report)."""
+        stop = list(r.stop)
+        if relayed and stop:
+            stop, _ = verified_stops(m.mac_key or None, m.slot.node_id, m.boot_id, stop)
+        if stop:
+            self.fleet.spawn(m.stop_workloads, stop)
         if r.need_full:
+            self.fleet.spawn(self._register, m)
+
+    def _answered(self, m: EmulatedNode, wr: WireReply) -> None:
+        if wr.status == 200:
+            self._after(m, wr.reply, relayed=True)
+        elif wr.status != 503:   # 409 (sequence), 401 (MAC): a full report, as AgentLink
             self.fleet.spawn(self._register, m)
 
     def event(self, m: EmulatedNode, ev: WorkloadEvent) -> None:
         self._pending.setdefault(m.slot.node_id, []).append(ev)
         self._flush.set()
 
+    async def _heartbeats(self) -> None:
+        """Each registered member's empty heartbeat to the relay, once an interval (the relay
+        answers at once and carries them up in its next beat)."""
+        hb = self.fleet.cfg.heartbeat_s
+        await trio.sleep(random.uniform(0, hb))
+        while True:
+            relay = self.relay
+            if relay.upstream is not None:
+                for m in self.members:
+                    if m.registered and m.slot.node_id not in self._sending:
+                        wr = relay.member_report(m.slot.node_id, self._report(m, full=False))
+                        if not isinstance(wr, WireReply):   # (an empty heartbeat is answered at once)
+                            continue
+                        r = wr.reply
+                        if wr.status != 200 or r.stop or r.need_full:
+                            self._answered(m, wr)
+                        if r.heartbeat_interval_s:
+                            hb = r.heartbeat_interval_s
+            await trio.sleep(hb)
+
     async def _events(self) -> None:
-        """Members' events go up within a few ms, the rack's together: one ``reports`` frame
-        (each member's report in it, in order), one call at a time. A member sends its reports
-        one after the other (AgentLink), so this relay does too: with a task per batch, two
-        batches waiting for the fleet's limiter were woken together and trio may run them in
-        either order, so a member's later event took the lower sequence number and the placer
-        applied the earlier one last (pods left "accepted" or "fetching" while they ran: seen at
-        131,072 trays, where the limiter filled while the placer held its answers)."""
+        """Members' events go to the relay within a few ms, the rack's together (the relay
+        sends what is queued as one ``reports`` frame), and the next ones after their answers:
+        a member's reports reach the placer in their sequence order."""
         while True:
             await self._flush.wait()
             self._flush = trio.Event()
@@ -701,64 +646,20 @@ class EmulatedRelay:
                 await self._send_events(batch)   # (what comes meanwhile waits: the next batch)
 
     async def _send_events(self, batch: list[tuple[EmulatedNode, list[WorkloadEvent]]]) -> None:
-        async with self.fleet.limiter:
-            ch = self.channel
-            if ch is None:
-                return
-            reps = [self._report(m, full=False, events=evs) for m, evs in batch]  # seqs in send order
-            try:
-                f = await ch.call("reports", RackReports(rack=self.rack, reports=reps),
-                                  timeout_s=self.fleet.cfg.request_timeout_s)
-            except (FrameError, CallFailed, trio.TooSlowError) as e:
+        relay = self.relay
+        self._sending = {m.slot.node_id for m, _ in batch}   # no heartbeat of theirs meanwhile (order)
+        sent = [(m, evs, relay.member_report(m.slot.node_id, self._report(m, full=False, events=evs)))
+                for m, evs in batch]   # seqs in send order, queued together: one frame up
+        for m, evs, got in sent:
+            wr = got if isinstance(got, WireReply) else await got
+            self.reports += 1
+            if wr.status != 200:
                 self.failures += 1
-                self.events_unsent += sum(len(evs) for _, evs in batch)
-                log.debug("events report failed rack=%s members=%d err=%r", self.rack, len(batch), e)
-                if not ch.closed.is_set():  # (a closed connection re-registers everyone: run())
-                    for m, _ in batch:      # any doubt about what the placer saw: a full report
-                        self.fleet.spawn(self._register, m)
-                return
-        self.reports += len(reps)
-        for (m, _), wr in zip(batch, decode_payload(f, list[WireReply]), strict=False):
-            if wr.status != 200:   # 409 (sequence), 401 (MAC): a full report, as AgentLink
-                self.fleet.spawn(self._register, m)
-            elif not wr.reply.stop and not wr.reply.need_full:
-                continue           # nothing to act on (most answers)
-            else:  # relayed: its stops count only with the placer's MAC (as an agent checks)
-                stop, _ = verified_stops(m.mac_key or None, m.slot.node_id, m.boot_id, list(wr.reply.stop))
-                self._after(m, msgspec.structs.replace(wr.reply, stop=stop))
-
-    async def _beats(self) -> None:
-        hb = self.fleet.cfg.heartbeat_s
-        await trio.sleep(random.uniform(0, hb))  # relays' beats spread over the interval
-        while self.channel is not None:
-            live = [m for m in self.members if m.registered]
-            if live:
-                for m in live:
-                    m.seq += 1
-                b = RackBeat(rack=self.rack, node_ids=[m.slot.node_id for m in live],
-                             boot_ids=[m.boot_id for m in live], seqs=[m.seq for m in live], sent_at=time.time(),
-                             macs=[beat_mac(m.mac_key, m.slot.node_id, m.boot_id, m.seq) if m.mac_key else b""
-                                   for m in live])
-                ch = self.channel
-                try:
-                    f = await ch.call("beat", b, timeout_s=self.fleet.cfg.request_timeout_s)
-                    self.beats += 1
-                    r = decode_payload(f, RackBeatReply)
-                    for nid in r.need_full:
-                        again = self.by_id.get(nid)
-                        if again is not None:
-                            self.fleet.spawn(self._register, again)
-                    for ns in r.stop:
-                        told = self.by_id.get(ns.node_id)
-                        if told is not None:
-                            stop, _ = verified_stops(told.mac_key or None, told.slot.node_id, told.boot_id,
-                                                     list(ns.stop))
-                            self.fleet.spawn(told.stop_workloads, stop)
-                    if r.heartbeat_interval_s:
-                        hb = r.heartbeat_interval_s
-                except (FrameError, CallFailed, trio.TooSlowError):
-                    self.failures += 1
-            await trio.sleep(hb)
+                self.events_unsent += len(evs) if wr.status == 503 else 0
+                if wr.status == 503:   # any doubt about what the placer saw: a full report
+                    self.fleet.spawn(self._register, m)
+            self._answered(m, wr)
+        self._sending = set()
 
 
 # ---------------------------------------------------------------- statistics
@@ -850,7 +751,10 @@ class FleetConfig:
 
 class Fleet:
     """``await nursery.start(fleet.run)`` -> the control base URL once the listener is bound;
-    :meth:`go` starts every node's link at once."""
+    :meth:`go` starts every node's link at once. In relay mode each rack runs ``relay_type``,
+    the shipped relay (tests/test_relay_core.py checks it is)."""
+
+    relay_type = Relay
 
     def __init__(self, cfg: FleetConfig, tokens: TokenSet) -> None:
         self.cfg = cfg
@@ -865,15 +769,16 @@ class Fleet:
         self._nursery: trio.Nursery | None = None
         self._go = trio.Event()
         # relay mode
-        self.relays: list[EmulatedRelay] = []
-        self.frames_url: str | None = None            # this process's frames listener (blob_get)
-        self.blobs: dict[str, bytes] = {}              # gang blobs this process holds (shared in-process)
-        self._blob_ready: dict[str, trio.Event] = {}
-        self.blob_fetches = {"from_relays": 0, "from_placer": 0, "failed": 0, "served": 0}
-        self.bundle_turn = trio.Lock()   # the emulated relays take turns handling bundles (Relay._in_turn)
-        self.bundles_seen = 0                          # relay mode: bundles this process took
-        self.cpu_at_last_answer = 0.0                  # relay mode: process CPU-s when it last answered one
-        self._verifiers: dict[bytes, BundleVerifier] = {}   # by placer key (Fleet.verifier)
+        self.racks: list[EmulatedRack] = []
+        self.frames_url: str | None = None            # this process's frames listener (other relays' blob_get)
+        # What one process's relays share, as one host's would: the gang blobs (one copy per
+        # process, agent.blobs.BlobCache: one fetch per id at a time), the placer's verifier and
+        # the batch signatures already verified (one Ed25519 check per batch per process: the
+        # same check of the same bytes each relay host would make on its own CPU)
+        self.blob_cache = BlobCache()
+        self.blob_failures = 0                         # members whose relay could not give the gang blob
+        self.verifiers: dict[bytes, tuple[BundleVerifier, dict[bytes, bytes]]] = {}
+        self.cpu_at_last_answer = 0.0                  # relay mode: process CPU-s when it last handed a part
         self.drop_reasons: dict[str, int] = {}         # relay mode: why relays' connections ended (GET /stats)
         self.limiter = trio.CapacityLimiter(512)       # reports in flight (bounds a registration storm)
         # mutual TLS: one certificate and client context per emulated node, made before it registers
@@ -895,18 +800,8 @@ class Fleet:
         self.gc = GcClock()
         self.gc_held_until = 0.0                       # relay mode: the collector is off until then
         self.bundles_until = 0.0                       # relay mode: members' events wait until then (bundles_quiet)
-        self.bundles_waiting = 0                       # ... and while bundles wait for their turn
-        self._quiet = trio.Event()                     # set: no bundle for EVENTS_HOLD_S (bundle_came)
+        self._quiet = trio.Event()                     # set: no bundle for EVENTS_HOLD_S (bundle_seen)
         self._quiet.set()
-
-    def verifier(self, public: bytes) -> BundleVerifier:
-        """One verifier per placer key for the whole process: each relay host would load the
-        key once; hundreds of emulated relays loading it again cost the emulator ~4 % of a
-        16,384-node delivery's window (py-spy), for nothing a real host spends per bundle."""
-        v = self._verifiers.get(public)
-        if v is None:
-            v = self._verifiers[public] = BundleVerifier(public)
-        return v
 
     def member_registered(self) -> None:
         """Once every member has registered, its long-lived state (reports' answers, keys,
@@ -945,21 +840,19 @@ class Fleet:
         with trio.move_on_after(EVENTS_HOLD_MAX_S):
             await self._quiet.wait()
 
-    def bundle_came(self) -> None:
-        """A bundle arrived: members' events wait (:meth:`bundles_quiet`) until one task here
+    def bundle_seen(self) -> None:
+        """A relay of this process is handing out a bundle's parts: the collector stays off
+        (:meth:`hold_gc`) and members' events wait (:meth:`bundles_quiet`) until one task here
         (not each relay's) sees the process quiet again."""
-        self.bundles_waiting += 1
+        self.hold_gc()
+        self.bundles_until = trio.current_time() + EVENTS_HOLD_S
         if self._quiet.is_set():
             self._quiet = trio.Event()
             self.spawn(self._quiet_when_idle, self._quiet)
 
-    def bundle_done(self) -> None:
-        self.bundles_waiting -= 1
-        self.bundles_until = trio.current_time() + EVENTS_HOLD_S
-
     async def _quiet_when_idle(self, ev: trio.Event) -> None:
         try:
-            while self.bundles_waiting or trio.current_time() < self.bundles_until:
+            while trio.current_time() < self.bundles_until:
                 await trio.sleep_until(max(self.bundles_until, trio.current_time() + 0.01))
         finally:
             ev.set()
@@ -997,17 +890,22 @@ class Fleet:
             self._nursery = n
             n.start_soon(trio.serve_listeners, self._handle, listeners)
             if cfg.relays:
-                server = HeartbeatServer(self.tokens, _no_reports, frames=_BlobHost(self))
-                self.frames_url = await n.start(server.run, f"{cfg.listen_host}:0")
                 by_rack: dict[str, list[EmulatedNode]] = {}
                 for node in self.nodes.values():
                     sl = node.slot
                     by_rack.setdefault(f"{sl.zone}/{sl.block}/{sl.rack}", []).append(node)
                 for k, (rack, members) in enumerate(by_rack.items()):
-                    r = EmulatedRelay(self, rack, members, _source(k, cfg.sources), hung=rack in cfg.hung_relays)
+                    r = EmulatedRack(self, rack, members, _source(k, cfg.sources), hung=rack in cfg.hung_relays)
                     for m in members:
-                        m.relay = r
-                    self.relays.append(r)
+                        m.rack = r
+                    self.racks.append(r)
+                if self.racks:
+                    # one frames listener for the process's relays: another relay's blob_get is
+                    # served by the shipped relay code (from the shared cache, never a new fetch)
+                    server = HeartbeatServer(self.tokens, _no_reports, frames=self.racks[0].relay)
+                    self.frames_url = await n.start(server.run, f"{cfg.listen_host}:0")
+                    for r in self.racks:
+                        r.relay.advertise = self.frames_url
             task_status.started(self.control)
             await self._go.wait()
             self.started_at = time.time()
@@ -1019,7 +917,7 @@ class Fleet:
                                     local_address=_source(k, cfg.sources))
                     self.shared.append(sw)
                     n.start_soon(sw.run)
-                for r in self.relays:
+                for r in self.racks:
                     n.start_soon(r.run)
                 return
             connect = await self._connector(n)
@@ -1033,77 +931,6 @@ class Fleet:
                                  backoff_max_s=max(cfg.heartbeat_s, 1.0))
                 node.link = link
                 n.start_soon(link.run)
-
-    # ---- gang blobs (relay mode): one copy per process, fetched relay to relay
-
-    def keep_blob(self, blob_id: str, raw: bytes) -> None:
-        if blob_id in self.blobs:
-            return
-        try:
-            decode_gang_blob(raw, blob_id)
-        except ValueError as e:
-            log.warning("gang blob refused blob=%s err=%s", blob_id[:16], e)
-            return
-        self.blobs[blob_id] = raw
-        self._blob_ready.setdefault(blob_id, trio.Event()).set()
-
-    def want_blob(self, blob_id: str, sources: list[str]) -> None:
-        if blob_id in self.blobs or blob_id in self._blob_ready:
-            return
-        self._blob_ready[blob_id] = trio.Event()
-        self.spawn(self._fetch_blob, blob_id, list(sources))
-
-    async def blob(self, blob_id: str) -> bytes | None:
-        ev = self._blob_ready.setdefault(blob_id, trio.Event())
-        with trio.move_on_after(self.cfg.request_timeout_s):
-            await ev.wait()
-        return self.blobs.get(blob_id)
-
-    async def _fetch_blob(self, blob_id: str, sources: list[str]) -> None:
-        token = self.tokens.cluster or ""
-        if sources and all(src == self.frames_url for src in sources):
-            # the seeded bundles come to this process too: wait for them (bounded) before the placer
-            with trio.move_on_after(2.0):
-                await self._blob_ready[blob_id].wait()
-            if blob_id in self.blobs:
-                return
-        for src in sources:
-            if src == self.frames_url:
-                continue
-            try:
-                ch = await open_frames(src, token, f"emu-{self.cfg.offset}", timeout_s=5.0)
-            except Exception as e:
-                log.debug("blob source unreachable src=%s err=%s", src, e)
-                continue
-            try:
-                async with trio.open_nursery() as n:
-                    n.start_soon(ch.run, _refuse_frames)
-                    try:
-                        f = await ch.call("blob_get", BlobRequest(blob_id=blob_id), timeout_s=10.0)
-                        r = decode_payload(f, BlobReply)
-                        if r.data is not None:
-                            self.keep_blob(blob_id, r.data)
-                    except (FrameError, CallFailed, trio.TooSlowError):
-                        pass
-                    n.cancel_scope.cancel()
-            finally:
-                await ch.aclose()
-            if blob_id in self.blobs:
-                self.blob_fetches["from_relays"] += 1
-                return
-        for r in self.relays:  # last: the placer, over a relay's own connection
-            if r.channel is None:
-                continue
-            try:
-                f = await r.channel.call("blob_get", BlobRequest(blob_id=blob_id), timeout_s=10.0)
-                rep = decode_payload(f, BlobReply)
-                if rep.data is not None:
-                    self.keep_blob(blob_id, rep.data)
-                    self.blob_fetches["from_placer"] += 1
-                    return
-            except (FrameError, CallFailed, trio.TooSlowError):
-                continue
-        self.blob_fetches["failed"] += 1
 
     def _http_for(self, node_id: str, shared: PushPool) -> PushPool:
         """The HTTP fallback for a node's reports: the shared pool, or over TLS the node's own
@@ -1176,21 +1003,32 @@ class Fleet:
                              for s in self.shared],
             "open_fds": _open_fds(), "gc_s": self.gc.seconds, "gc_collections": self.gc.collections,
         }
-        if self.relays:
-            rs = self.relays
+        if self.racks:
+            ks = self.racks
+            rs = [k.relay for k in ks]
+            cs = [r.core for r in rs]
+            reasons: dict[str, int] = {}
+            for r in rs:
+                for why, c in r.drop_reasons.items():
+                    reasons[why] = reasons.get(why, 0) + c
             out.update({
-                "relays": len(rs), "registered": sum(r.registered for r in rs),
-                "reports_sent": sum(r.reports for r in rs), "beats": sum(r.beats for r in rs),
-                "bundles": sum(r.bundles for r in rs), "parts": st.parts,
-                "part_bytes_max": max((r.part_bytes_max for r in rs), default=0),
-                "bundles_verified": sum(r.verified_bundles for r in rs), "bundles_refused": sum(r.bad_bundles for r in rs),
-                "relay_failures": sum(r.failures for r in rs), "blob_fetches": dict(self.blob_fetches),
+                "relays": len(rs), "relay": "agent.relay.Relay (the relay -> member hop in process)",
+                "registered": sum(k.registered for k in ks),
+                "reports_sent": sum(k.reports for k in ks), "beats": sum(r.beats for r in rs),
+                "bundles": sum(c.bundles for c in cs), "parts": st.parts,
+                "part_bytes_max": max((c.part_bytes_max for c in cs), default=0),
+                "bundles_verified": sum(v.verified for v, _ in self.verifiers.values()),
+                "bundles_refused": sum(c.bad_bundles for c in cs),
+                "parts_missed": sum(c.parts_missed for c in cs), "late_answers": sum(c.late_answers for c in cs),
+                "relay_failures": sum(r.failures for r in rs) + sum(k.failures for k in ks),
+                "blob_fetches": {**self.blob_cache.statistics(), "served": sum(r.blob_serves for r in rs),
+                                 "failed": self.blob_failures},
                 "relay_connects": sum(r.connects for r in rs), "relay_drops": sum(r.drops for r in rs),
-                "relay_drop_reasons": dict(self.drop_reasons),
-                "reregistrations": sum(r.reregistrations for r in rs),
-                "events_superseded": sum(r.events_superseded for r in rs),
-                "events_unsent": sum(r.events_unsent for r in rs),
-                "blobs": len(self.blobs), "cpu_s": time.process_time(),
+                "relay_drop_reasons": reasons,
+                "reregistrations": sum(k.reregistrations for k in ks),
+                "events_superseded": sum(k.events_superseded for k in ks),
+                "events_unsent": sum(k.events_unsent for k in ks),
+                "blobs": self.blob_cache.statistics()["blobs"], "cpu_s": time.process_time(),
                 "cpu_at_last_answer_s": self.cpu_at_last_answer})
         if job is not None:
             j = st.jobs.get(job)
@@ -1251,9 +1089,9 @@ class Fleet:
         if method == "POST" and u.path == "/relays/hang":  # the bench's failure case (loopback only)
             frac = float(parse_qs(u.query).get("fraction", ["0"])[0])
             every = round(1 / frac) if frac > 0 else 0
-            for i, r in enumerate(self.relays):
-                r.hung = bool(every) and i % every == every // 2
-            return 200, json.dumps({"hung": sum(r.hung for r in self.relays)}).encode()
+            for i, k in enumerate(self.racks):
+                k.relay.stalled = bool(every) and i % every == every // 2
+            return 200, json.dumps({"hung": sum(k.relay.stalled for k in self.racks)}).encode()
         parts = u.path.split("/")  # "", "n", node, "v1", "placements"
         if method != "POST" or len(parts) != 5 or parts[1] != "n" or parts[3:] != ["v1", "placements"]:
             return 404, b'{"error": "not found"}'
@@ -1278,37 +1116,6 @@ class Fleet:
 
 def _no_reports(node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:
     return 400, ReportReply(ok=False, error="an emulator's frames listener takes no reports")
-
-
-def _refuse_frames(ch: FrameChannel, f: Frame) -> tuple[str, Any] | None:
-    return "error", {"error": "nothing is served here"}
-
-
-class _BlobHost:
-    """This process's frames listener: other emulators' relays ``blob_get`` from it (it
-    answers once the blob is here, bounded)."""
-
-    def __init__(self, fleet: Fleet) -> None:
-        self.fleet = fleet
-
-    def opened(self, hello: Hello, channel: FrameChannel) -> Any:
-        return self._handle
-
-    def closed(self, channel: FrameChannel) -> None:
-        return None
-
-    def _handle(self, ch: FrameChannel, f: Frame) -> Any:
-        if f.type != "blob_get":
-            return "error", {"error": f"unexpected {f.type}"}
-        req = decode_payload(f, BlobRequest)
-        return self._serve(req.blob_id)
-
-    async def _serve(self, blob_id: str) -> tuple[str, Any]:
-        raw = await self.fleet.blob(blob_id) if blob_id in self.fleet._blob_ready else self.fleet.blobs.get(blob_id)
-        if raw is None:
-            return "blob", BlobReply(blob_id=blob_id, error="not held here")
-        self.fleet.blob_fetches["served"] += 1
-        return "blob", BlobReply(blob_id=blob_id, data=raw)
 
 
 WIRE_CONNECT_S = 60.0   # an emulated node's framed-channel connect deadline (AgentLink's default)

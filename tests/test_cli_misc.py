@@ -84,7 +84,7 @@ async def test_timeouts_and_servers_that_are_not_herd(tmp_path, token_dir):
                 t0 = time.monotonic()
                 rc, out, err = await herd([*args, "--timeout", "0.5"], env)
                 assert rc == 1 and "did not answer in time" in one_line(err), (args, err)
-                assert time.monotonic() - t0 < 5, args
+                assert time.monotonic() - t0 < 9, args   # well under the 10 s default (a loaded start-up takes seconds)
             # an HTML page: one line saying it is not herd, never the page
             for args in (["job", "list", "--placer", html], ["job", "show", "x", "--placer", html],
                          ["status", "--agent", html], ["logs", "w", "--agent", html],

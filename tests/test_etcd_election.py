@@ -54,9 +54,11 @@ def test_core_belief_ends_a_ttl_after_the_last_renewal_sent() -> None:
     c.joined(b"k", 5)
     assert c.lead(100.0) and c.leading(102.9)
     assert not c.leading(103.0)                 # no renewal: the lease may be gone at etcd
-    assert c.view(103.0).role is Role.IDLE
+    v = c.view(103.0)                           # fenced: acts on nothing, keeps asking etcd
+    assert v.role is Role.LEADER and v.fenced and not v.leading and v.epoch == 5
     assert c.renewed(3, sent_at=102.0)          # sent at 102: good until 105, not reply time + 3
     assert c.leading(104.9) and not c.leading(105.0)
+    assert c.view(104.0) == Leadership(Role.LEADER, 5, "", 5)   # renewed: the same epoch leads again
     assert c.renewed(3, sent_at=101.0) and c.valid_until == 105.0   # a late old reply shortens nothing
     assert not c.renewed(0, sent_at=104.0)      # etcd says the lease is gone
     assert c.role is Role.IDLE and not c.leading(104.0)

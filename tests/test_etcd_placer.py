@@ -118,6 +118,14 @@ async def test_one_leads_the_other_redirects_then_takes_over(etcd_cluster: EtcdC
             n.cancel_scope.cancel()
 
 
+async def _role_or_none(c: httpx.AsyncClient, url: str, role: str) -> dict | None:
+    """As :func:`_role`, None while the placer does not answer (it is starting again)."""
+    try:
+        return await _role(c, url, role)
+    except (httpx.HTTPError, AssertionError):
+        return None
+
+
 async def _role(c: httpx.AsyncClient, url: str, role: str) -> dict | None:
     h = await health(c, url)
     return h if h["role"] == role else None
@@ -132,12 +140,14 @@ async def test_processes_leader_killed_then_paused(etcd_cluster: EtcdCluster, tm
                                                    token_dir: Path) -> None:
     """``herd placer run`` x3: the leader SIGKILLed, the next leads within TTL + margin with the
     job from etcd; that one SIGSTOPped past its TTL, the third leads, and the paused one,
-    continued, stops (exit 1, one line) instead of acting as a leader."""
+    continued, serves again on its address as a follower (a submit it held is redirected, never
+    journaled) instead of acting as a leader."""
     tokens = TokenSet.load(token_dir)
     opts = ha_opts(etcd_cluster.endpoints)
     ops = httpx.AsyncClient(headers=auth_header(tokens.operator), timeout=10, follow_redirects=False)
     with trio.fail_after(120):
-        async with ops, PlacerProc(tmp_path / "a", token_dir, opts) as a:
+        async with ops, trio.open_nursery() as n, EtcdClient(etcd_cluster.endpoints) as etcd, \
+                PlacerProc(tmp_path / "a", token_dir, opts) as a:
             ha = await until(lambda: _role(ops, a.url, "leader"))
             async with PlacerProc(tmp_path / "b", token_dir, opts) as b:
                 await until(lambda: _role(ops, b.url, "follower"))
@@ -159,9 +169,26 @@ async def test_processes_leader_killed_then_paused(etcd_cluster: EtcdCluster, tm
                     with trio.fail_after(TTL + 6):
                         hc = await until(lambda: _role(ops, c.url, "leader"))
                     assert hc["epoch"] > hb["epoch"]
+                    # a submit sent to the paused leader waits in its socket; continued, it no
+                    # longer leads: the submit goes to c (307), nothing of it reaches etcd
+                    late: list[httpx.Response] = []
+                    answered = trio.Event()
+
+                    async def submit_late() -> None:
+                        late.append(await ops.post(b.url + "/v1/jobs", content=msgspec.json.encode(
+                            JobSpec(job_id="late", pods=1, gpus_per_pod=8, argv=["x"]))))
+                        answered.set()
+
+                    n.start_soon(submit_late)
+                    await trio.sleep(0.3)
                     b.proc.send_signal(signal.SIGCONT)
+                    with trio.fail_after(TTL + 8):   # b serves again, on its address, as a follower of c
+                        hb2 = await until(lambda: _role_or_none(ops, b.url, "follower"))
+                    assert hb2["leader"] == c.url and hb2["epoch"] == hc["epoch"] and b.proc.poll() is None
                     with trio.fail_after(10):
-                        rc = await b.proc.wait()
-                    assert rc == 1
-                    assert "lost the leadership" in (tmp_path / "b" / "placer.log").read_text()
+                        await answered.wait()
+                    assert late[0].status_code in (307, 503), late[0].text
+                    assert (await etcd.get(b"/herd/placer/jobs/late")) is None
+                    log_b = (tmp_path / "b" / "placer.log").read_text()
+                    assert "lost the leadership" in log_b and "serving again as a follower" in log_b
                     assert (await health(ops, c.url))["role"] == "leader"

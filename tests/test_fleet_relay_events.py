@@ -2,8 +2,10 @@
 (issue 12, the jobs acked but stuck in "starting" at 131,072 nodes): an event that happens while
 its member is registering again is not dropped but waits for the answer; a full report
 supersedes the events queued before it (its workload list says them), never the ones after; a
-reports call that fails, or is answered with anything but 200, is followed by a full report.
-In process, on trio's virtual clock, with a fake frames connection that records what goes up."""
+report the relay could not forward, or one answered with anything but 200, is followed by a
+full report. The reports go through the shipped relay (agent.relay.Relay, the rack's one
+``reports`` frame), in process, on trio's virtual clock, with a fake frames connection up that
+records what the relay sends."""
 
 from __future__ import annotations
 
@@ -16,38 +18,56 @@ import trio.testing
 from infra.auth import TokenSet
 from scheduler_link.frames import CallFailed, encode_frame
 from scheduler_link.heartbeat_wire import WireReply
-from scheduler_link.messages import Frame, RackReports, ReportReply, WorkloadStatus
-from testing.fleet import EmulatedNode, EmulatedRelay, Fleet, FleetConfig, fleet_nodes
+from scheduler_link.messages import Frame, RackBeatReply, RackReports, ReportReply, WorkloadStatus
+from testing.fleet import EmulatedNode, EmulatedRack, Fleet, FleetConfig, fleet_nodes
 
 
 class FakeChannel:
     """A relay's frames connection to the placer: ``reports`` calls answered with ``status``
-    per report (or failing when ``fail``), each recorded."""
+    per report (or failing when ``fail``), each recorded; beats answered with nothing to say.
+    ``sequence``: (node, seq, "beat"|"report") in the order they went up."""
 
     def __init__(self) -> None:
         self.closed = trio.Event()
         self.calls: list[RackReports] = []
+        self.sequence: list[tuple[str, int, str]] = []
         self.status = 200
         self.fail = False
 
     async def call(self, type_: str, payload: Any, *, timeout_s: float | None = None) -> Frame:
-        assert type_ == "reports"
+        if type_ == "beat":
+            self.sequence += [(nid, seq, "beat") for nid, seq in zip(payload.node_ids, payload.seqs, strict=True)]
+            return msgspec.msgpack.decode(encode_frame("beat_reply", RackBeatReply())[4:], type=Frame)
+        if type_ == "report":   # (one report alone goes in its own frame)
+            payload = RackReports(rack="r", reports=[payload])
+        assert type_ in ("reports", "report"), type_
         self.calls.append(payload)
+        self.sequence += [(r.node_id, r.seq, "report") for r in payload.reports]
         if self.fail:
             raise CallFailed("the placer said no")
         body = [WireReply(status=self.status, reply=ReportReply(ok=self.status == 200)) for _ in payload.reports]
+        if type_ == "report":
+            return msgspec.msgpack.decode(encode_frame("reply", body[0])[4:], type=Frame)
         return msgspec.msgpack.decode(encode_frame("replies", body)[4:], type=Frame)
 
 
-def _relay() -> tuple[Fleet, EmulatedRelay]:
+def _relay() -> tuple[Fleet, EmulatedRack]:
     fleet = Fleet(FleetConfig(placer_url="http://127.0.0.1:9", nodes=2, relays=True), TokenSet())
     members = [EmulatedNode(fleet, s, f"http://127.0.0.1:9/n/{s.node_id}", None) for s in fleet_nodes("h100", 0, 2)]
-    relay = EmulatedRelay(fleet, "hz00/b000/r00", members, None)
+    rack = EmulatedRack(fleet, "hz00/b000/r00", members, None)
     for m in members:
-        m.relay = relay
+        m.rack = rack
         m.registered, m.boot_id, m.seq = True, f"boot-{m.slot.node_id}", 1
+        rack.relay.member_joined(m.slot.node_id)
         m.workloads["j.1.0"] = WorkloadStatus(workload_id="j.1.0", job_id="j", state="accepted", gpus=[])
-    return fleet, relay
+    return fleet, rack
+
+
+def _up(n: trio.Nursery, rack: EmulatedRack, ch: Any) -> None:
+    """The relay's connection up is ``ch``: its forwarder sends the members' reports there."""
+    rack.relay._up = ch
+    n.start_soon(rack.relay._forwarder, ch)
+    n.start_soon(rack._events)
 
 
 def _events(ch: FakeChannel) -> list[tuple[str, int, list[str]]]:
@@ -55,51 +75,49 @@ def _events(ch: FakeChannel) -> list[tuple[str, int, list[str]]]:
 
 
 async def test_events_while_a_member_registers_wait_and_a_full_report_supersedes_only_older_ones(autojump_clock):
-    fleet, relay = _relay()
+    fleet, rack = _relay()
     ch = FakeChannel()
-    relay.channel = ch  # type: ignore[assignment]
-    m, other = relay.members
+    m, other = rack.members
     registered: list[int] = []
 
-    async def register_direct(node: Any, **kw: Any) -> WireReply:   # its own connection (or the relay's)
-        relay._report(node, full=True)
+    async def register_direct(node: Any) -> WireReply:   # its own connection
+        rack._report(node, full=True)
         registered.append(node.seq)
         await trio.sleep(1.0)
         return WireReply(status=200, reply=ReportReply(ok=True))
 
-    relay._register_direct = register_direct  # type: ignore[method-assign,assignment]
-    relay._exchange = register_direct  # type: ignore[method-assign,assignment]
+    rack._register_direct = register_direct  # type: ignore[method-assign]
     async with trio.open_nursery() as n:
         fleet._nursery = n
-        n.start_soon(relay._events)
+        _up(n, rack, ch)
         m._event("j.1.0", "fetching")          # registered: goes up within a few ms
         await trio.sleep(0.1)
         assert _events(ch) == [(m.slot.node_id, 2, ["fetching"])]
         m._event("j.1.0", "running")           # queued before the full report: superseded by it
-        n.start_soon(relay._register, m)
+        n.start_soon(rack._register, m)
         await trio.testing.wait_all_tasks_blocked()
-        assert registered == [3] and relay.events_superseded == 1 and not m.registered
+        assert registered == [3] and rack.events_superseded == 1 and not m.registered
         m._event("j.1.0", "exited", exit_code=0)   # after the full report was built: waits for the answer
         other._event("j.1.0", "fetching")          # another member's still goes at once
         await trio.sleep(0.1)
         assert _events(ch)[1:] == [(other.slot.node_id, 2, ["fetching"])]
         await trio.sleep(1.0)                  # registered again: the waiting event goes up, after it
         assert m.registered and _events(ch)[2:] == [(m.slot.node_id, 4, ["exited"])]
-        # a failed call, then a 409: each followed by a full report of the members in it
+        # the relay could not forward (503), then a 409: each followed by a full report
         ch.fail = True
         other._event("j.1.0", "running")
         await trio.sleep(0.1)
-        assert registered == [3, 4] and relay.events_unsent == 1
+        assert registered == [3, 4] and rack.events_unsent == 1
         await trio.sleep(1.5)
         ch.fail, ch.status = False, 409
         other._event("j.1.0", "exited", exit_code=0)
         await trio.sleep(0.1)
-        assert registered == [3, 4, 6] and relay.reregistrations == 3
+        assert registered == [3, 4, 6] and rack.reregistrations == 3
         n.cancel_scope.cancel()
 
 
 class HeldChannel(FakeChannel):
-    """Its first ``hold`` calls wait until ``release`` is set (the placer holding its answers)."""
+    """Its first ``hold`` report calls wait until ``release`` is set (the placer holding its answers)."""
 
     def __init__(self, hold: int) -> None:
         super().__init__()
@@ -107,39 +125,42 @@ class HeldChannel(FakeChannel):
         self.release = trio.Event()
 
     async def call(self, type_: str, payload: Any, *, timeout_s: float | None = None) -> Frame:
-        if self.hold > 0:
+        if self.hold > 0 and type_ != "beat":
             self.hold -= 1
             await self.release.wait()
         return await super().call(type_, payload, timeout_s=timeout_s)
 
 
-async def test_a_members_reports_leave_in_its_events_order_when_the_limiter_is_full(autojump_clock):
-    """The fleet's limiter full of calls the placer has not answered yet: a member's next events
-    must still get their sequence numbers in the order they happened (repeated: trio may run
-    tasks woken together in either order, which is what broke it)."""
-    for _ in range(24):
-        fleet, relay = _relay()
-        fleet.limiter = trio.CapacityLimiter(2)
-        ch = HeldChannel(hold=2)
-        relay.channel = ch  # type: ignore[assignment]
-        m, other = relay.members
+async def test_a_members_heartbeats_and_reports_reach_the_placer_in_its_sequence_order(autojump_clock):
+    """Heartbeats every interval (the relay's beats) and event reports (its report batches)
+    of the same member, while the placer holds an answer: each goes up with a higher seq than
+    the one before it (the relay sends a member's pending beat entry before its report)."""
+    for _ in range(6):
+        fleet, rack = _relay()
+        ch = HeldChannel(hold=1)
+        m, other = rack.members
         async with trio.open_nursery() as n:
             fleet._nursery = n
-            n.start_soon(relay._events)
-            for state in ("fetching", "running"):   # two calls the placer holds: the limiter is full
-                other._event("j.1.0", state)
-                await trio.sleep(0.05)
-            m._event("j.1.0", "fetching")
+            _up(n, rack, ch)
+            n.start_soon(rack.relay._beats, ch)
+            n.start_soon(rack._heartbeats)
+            other._event("j.1.0", "fetching")      # its report's answer is held
             await trio.sleep(0.05)
+            m._event("j.1.0", "fetching")          # waits for the rack's next batch
+            await trio.sleep(12.0)                 # two intervals of heartbeats meanwhile
             m._event("j.1.0", "running")
-            await trio.sleep(0.05)
             ch.release.set()
-            await trio.sleep(1.0)
+            await trio.sleep(12.0)
+            m._event("j.1.0", "exited", exit_code=0)
+            await trio.sleep(3.0)
             n.cancel_scope.cancel()
-        mine = [(seq, states) for node, seq, states in _events(ch) if node == m.slot.node_id]
-        assert [st for _, st in sorted(mine)] in ([["fetching"], ["running"]], [["fetching", "running"]]), mine
-        theirs = [(seq, states) for node, seq, states in _events(ch) if node == other.slot.node_id]
-        assert [e for _, st in sorted(theirs) for e in st] == ["fetching", "running"], theirs
+        for node in (m, other):
+            mine = [(seq, kind) for nid, seq, kind in ch.sequence if nid == node.slot.node_id]
+            assert [s for s, _ in mine] == sorted({s for s, _ in mine}), mine
+            assert {k for _, k in mine} == {"beat", "report"}, mine
+        states = [st for r in (rr for c in ch.calls for rr in c.reports) if r.node_id == m.slot.node_id
+                  for st in (e.state for e in r.events)]
+        assert states == ["fetching", "running", "exited"]
 
 
 def test_event_reports_carry_the_mac_the_placer_checks():
@@ -169,8 +190,8 @@ def test_place_part_checks_slots_and_names_the_gpus_it_was_given():
     their slots; a slot out of range and a stale inventory are refused, nothing recorded."""
     from scheduler_link.messages import NodePart, PartPod
 
-    fleet, relay = _relay()
-    m = relay.members[0]
+    fleet, rack = _relay()
+    m = rack.members[0]
     m.workloads.clear()
     m.gpu_snapshot()
     uu = m._uuid_list
@@ -213,46 +234,45 @@ async def test_the_collector_is_off_while_bundles_come_and_back_once_they_stop(a
         gc.enable()
 
 
-async def test_members_events_wait_while_their_process_handles_a_rounds_bundles(autojump_clock):
-    """Bundles first (Fleet.bundles_quiet): a member's event report waits while a bundle is
-    being handled or waits its turn, and goes up EVENTS_HOLD_S after the last one; never later
+async def test_members_events_wait_while_their_process_hands_out_a_rounds_bundles(autojump_clock):
+    """Bundles first (Fleet.bundles_quiet): a member's event report waits while this process's
+    relays are handing out bundles, and goes up EVENTS_HOLD_S after the last one; never later
     than EVENTS_HOLD_MAX_S; at once with hold_events off."""
+    import gc
+
     from testing.fleet import EVENTS_HOLD_MAX_S, EVENTS_HOLD_S
 
-    fleet, relay = _relay()
+    fleet, rack = _relay()
     ch = FakeChannel()
-    relay.channel = ch  # type: ignore[assignment]
-    m = relay.members[0]
-    async with trio.open_nursery() as n:
-        fleet._nursery = n
-        n.start_soon(relay._events)
-        fleet.bundle_came()                    # a round's bundle arrives: the process is busy
-        m._event("j.1.0", "fetching")
-        await trio.sleep(1.0)
-        assert _events(ch) == []               # held while the bundle waits its turn
-        fleet.bundle_done()
-        await trio.sleep(EVENTS_HOLD_S / 2)
-        assert _events(ch) == []               # ... and a little after the last one
-        await trio.sleep(EVENTS_HOLD_S)
-        assert _events(ch) == [(m.slot.node_id, 2, ["fetching"])]
-        fleet.bundle_came()                    # a bundle that never ends: held at most so long
-        t0 = trio.current_time()
-        m._event("j.1.0", "running")
-        while len(ch.calls) < 2:
-            await trio.sleep(0.05)
-        assert EVENTS_HOLD_MAX_S <= trio.current_time() - t0 <= EVENTS_HOLD_MAX_S + 0.1
-        fleet.bundle_done()
-        n.cancel_scope.cancel()
-    fleet, relay = _relay()
-    fleet = relay.fleet = Fleet(FleetConfig(placer_url="http://127.0.0.1:9", nodes=2, relays=True,
-                                            hold_events=False), TokenSet())
-    ch = FakeChannel()
-    relay.channel = ch  # type: ignore[assignment]
-    async with trio.open_nursery() as n:
-        fleet._nursery = n
-        n.start_soon(relay._events)
-        fleet.bundle_came()
-        relay.members[0]._event("j.1.0", "fetching")
-        await trio.sleep(0.1)
-        assert len(ch.calls) == 1              # not held
-        n.cancel_scope.cancel()
+    m = rack.members[0]
+    try:
+        async with trio.open_nursery() as n:
+            fleet._nursery = n
+            _up(n, rack, ch)
+            fleet.bundle_seen()                    # a round's bundle is being handed out
+            m._event("j.1.0", "fetching")
+            await trio.sleep(EVENTS_HOLD_S / 2)
+            assert _events(ch) == []               # held while bundles come ...
+            await trio.sleep(EVENTS_HOLD_S)
+            assert _events(ch) == [(m.slot.node_id, 2, ["fetching"])]   # ... and goes once they stopped
+            t0 = trio.current_time()
+            m._event("j.1.0", "running")
+            while len(ch.calls) < 2:               # bundles that never stop: held at most so long
+                fleet.bundle_seen()
+                await trio.sleep(0.01)
+            assert EVENTS_HOLD_MAX_S <= trio.current_time() - t0 <= EVENTS_HOLD_MAX_S + 0.1
+            n.cancel_scope.cancel()
+        fleet, rack = _relay()
+        fleet = rack.fleet = Fleet(FleetConfig(placer_url="http://127.0.0.1:9", nodes=2, relays=True,
+                                                hold_events=False), TokenSet())
+        ch = FakeChannel()
+        async with trio.open_nursery() as n:
+            fleet._nursery = n
+            _up(n, rack, ch)
+            fleet.bundle_seen()
+            rack.members[0]._event("j.1.0", "fetching")
+            await trio.sleep(0.1)
+            assert len(ch.calls) == 1              # not held
+            n.cancel_scope.cancel()
+    finally:
+        gc.enable()

@@ -1,0 +1,341 @@
+"""A rack relay's decisions, with no I/O: events in, actions out (h11's shape).
+
+Theory of operation
+-------------------
+:class:`RelayCore` is everything a rack relay decides; :class:`agent.relay.Relay` (the agent's
+trio driver) and the fleet emulator (``testing.fleet``, which drives that same ``Relay``) carry
+out what it returns. It never touches sockets, clocks or trio: ``now`` (the driver's monotonic
+clock) and ``wall`` (unix seconds, the placer's ``deliver_by`` clock) are arguments.
+
+- **Bundles.** :meth:`RelayCore.bundle` takes a ``bundle`` frame's payload and the placer's
+  public key. Nothing of a bundle is acted on before the placer's signature over it verifies
+  (scheduler_link.msgauth: a Merkle path to a batch root, one Ed25519 verification per batch;
+  the verified roots are kept in ``seen`` so a relay given several bundles of one batch checks
+  the signature once). A refused bundle is :class:`Refuse`. A taken one opens a *round*: the
+  blob is kept (:class:`KeepBlob`) or wanted (:class:`WantBlob`: the driver fetches it unless
+  cached), and each part goes to its node (:class:`Hand`: this relay's own node, or a member
+  with a connection here, with the signed proof the member checks itself); a part for a node
+  that is neither, or of a bundle already past its ``deliver_by``, is left out at once (the
+  placer pushes it directly).
+- **Outcomes.** :meth:`answered` records a member's outcome for one handed part (None: not
+  answered, e.g. its connection failed); :meth:`member_closed` leaves out every part of that
+  member still waiting; :meth:`due` (or :meth:`expire`) closes rounds whose deadline passed
+  (``min(deliver_by, now + ack_window_s)``). A round whose parts are all settled, or whose
+  deadline passed, becomes its one :class:`Acks` (an AckBundle for the placer).
+- **Reports.** :meth:`report` answers an empty heartbeat at once (agent.beats.BeatBook keeps it
+  for the rack's next beat) and queues any other report (a ticket); :meth:`next_batch` takes the
+  queue as one batch (with a beat of those members' pending entries, to go first, so the placer
+  sees each node's sequence in order) and :meth:`batch_answered` hands each answer back to its
+  ticket, with the stops a beat reply left for that member.
+- **Blobs.** Which relays a bundle named as a blob's sources (:meth:`blob_sources`), and whether
+  a blob request may start a fetch (a member's may; another relay's only reads the cache, so
+  relays asking each other never wait on one another in a cycle).
+
+Invariants (tests/test_relay_core.py checks them over any interleaving):
+- every part of a round ends exactly once: in the round's one ack bundle (its member's
+  outcome, as the member made it: MACs pass through untouched) or left out; nothing is added
+  to a round after its ack bundle was made (a late answer is dropped and counted);
+- an outcome counts only for the part it answers (same node, same placement id);
+- a relay can delay or drop, never forge: it makes no outcome, beat MAC or report of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import msgspec
+
+from scheduler_link.heartbeat_wire import WireReply
+from scheduler_link.messages import AckBundle, NodeOutcome, NodePart, NodeReport, RackBeat, RackBeatReply
+from scheduler_link.msgauth import AuthError, BundleVerifier
+
+from .beats import BeatBook, is_empty
+
+log = logging.getLogger("herd.agent.relay")
+
+ACK_WINDOW_S = 0.4           # a bundle's acks go back at most this long after it came
+KEEP_SOURCES = 16            # blob ids whose sources (from bundles) are remembered
+
+
+# ---------------------------------------------------------------- actions
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """The bundle is not acted on: answer the frame with ``error``. ``new_key``: the signature
+    did not verify with the key held (maybe the placer has a new one: report fully)."""
+    error: str
+    new_key: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class KeepBlob:
+    blob_id: str
+    raw: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class WantBlob:
+    """The bundle names a blob it does not carry: fetch it unless cached (members ask soon)."""
+    blob_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Hand:
+    """Give ``part`` to its node (``own``: this relay's own node) and report back with
+    :meth:`RelayCore.answered` ``(round_id, slot, outcome)``."""
+    round_id: int
+    slot: int
+    part: NodePart
+    own: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Acks:
+    """A round is over: send ``acks`` as the answer to its bundle frame."""
+    round_id: int
+    acks: AckBundle
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """A bundle taken: its round, its deadline (driver clock), and what to do now (a
+    KeepBlob/WantBlob, then the Hands; an Acks when nothing waits on a member)."""
+    round_id: int
+    until: float
+    actions: list[KeepBlob | WantBlob | Hand | Acks]
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    """Members' content reports to send up together, after ``beat`` (their pending entries)."""
+    beat: RackBeat | None
+    reports: list[NodeReport]
+    tickets: list[int]
+
+
+@dataclass(slots=True)
+class _Round:
+    rack: str
+    blob_id: str
+    until: float
+    waiting: dict[int, NodePart]                    # slot -> the part handed, not yet settled
+    outcomes: list[NodeOutcome] = field(default_factory=list)
+    missed: int = 0
+
+
+# ---------------------------------------------------------------- the core
+
+class RelayCore:
+    """One rack relay's state and decisions (see the module docstring)."""
+
+    def __init__(self, *, node_id: str, rack: str, heartbeat_s: float = 5.0, ack_window_s: float = ACK_WINDOW_S,
+                 verifiers: dict[bytes, tuple[BundleVerifier, dict[bytes, bytes]]] | None = None) -> None:
+        """``verifiers``: by the placer's public key, its verifier and the batch signatures it
+        verified (signature -> root): a cache a host's relays may share (the fleet emulator's
+        relays of one process do)."""
+        self.node_id = node_id
+        self.rack = rack
+        self.ack_window_s = ack_window_s
+        self.book = BeatBook(rack, heartbeat_s)
+        self.members: set[str] = set()
+        self._verifiers: dict[bytes, tuple[BundleVerifier, dict[bytes, bytes]]] = {} if verifiers is None else verifiers
+        self._sources: OrderedDict[str, list[str]] = OrderedDict()
+        self._rounds: dict[int, _Round] = {}
+        self._next_round = 0
+        self._queue: list[tuple[int, NodeReport]] = []
+        self._next_ticket = 0
+        # statistics
+        self.bundles = 0
+        self.bad_bundles = 0
+        self.parts_delivered = 0
+        self.parts_missed = 0
+        self.late_answers = 0
+        self.foreign_answers = 0
+        self.reports_forwarded = 0
+        self.empty_answered = 0
+        self.part_bytes_max = 0
+
+    @property
+    def open_rounds(self) -> int:
+        return len(self._rounds)
+
+    # ---- members
+
+    def member_opened(self, node_id: str) -> None:
+        self.members.add(node_id)
+
+    def member_closed(self, node_id: str) -> list[Acks]:
+        """A member's connection ended: its parts still waiting are left out."""
+        self.members.discard(node_id)
+        self.book.forget(node_id)
+        out = []
+        for rid, r in list(self._rounds.items()):
+            gone = [s for s, p in r.waiting.items() if p.node_id == node_id]
+            for s in gone:
+                del r.waiting[s]
+                r.missed += 1
+            if gone and not r.waiting:
+                out.append(self._close(rid))
+        return out
+
+    # ---- bundles
+
+    def bundle(self, payload: bytes, placer_key: bytes | None, *, now: float, wall: float) -> Taken | Refuse:
+        if placer_key is None:
+            self.bad_bundles += 1
+            return Refuse("bundle refused: no placer signing key yet (this relay has not registered directly)")
+        try:
+            vs = self._verifiers.get(placer_key)
+            if vs is None:
+                vs = self._verifiers[placer_key] = (BundleVerifier(placer_key), {})
+            view, parts, proofs = vs[0].bundle(payload, seen=vs[1])
+        except (AuthError, msgspec.DecodeError, msgspec.ValidationError) as e:
+            self.bad_bundles += 1
+            log.warning("bundle refused rack=%s: %s", self.rack, e)
+            return Refuse(f"bundle refused: {e}", new_key=True)
+        self.bundles += 1
+        size = max(map(len, view.parts), default=0)   # what a member receives of it: its signed bytes
+        if size > self.part_bytes_max:
+            self.part_bytes_max = size
+        acts: list[KeepBlob | WantBlob | Hand | Acks] = []
+        if view.blob_id:
+            self._sources[view.blob_id] = list(view.blob_sources)
+            self._sources.move_to_end(view.blob_id)
+            while len(self._sources) > KEEP_SOURCES:
+                self._sources.popitem(last=False)
+            acts.append(KeepBlob(view.blob_id, view.blob) if view.blob is not None else WantBlob(view.blob_id))
+        until = now + self.ack_window_s
+        if view.deliver_by:
+            until = min(until, now + max(0.0, view.deliver_by - wall))
+        rid = self._next_round
+        self._next_round += 1
+        r = self._rounds[rid] = _Round(rack=view.rack, blob_id=view.blob_id, until=until, waiting={})
+        for slot, (p, pr) in enumerate(zip(parts, proofs, strict=True)):
+            own = p.node_id == self.node_id
+            if until <= now or (not own and p.node_id not in self.members):
+                # past its deliver_by (the placer has given up on this relay for it), or not one
+                # of ours (yet): the placer reaches it directly
+                r.missed += 1
+                continue
+            if p.pods and not p.blob_id:   # inside a bundle a part's blob is the bundle's
+                p = msgspec.structs.replace(p, blob_id=view.blob_id, proof=pr)
+            else:
+                p = msgspec.structs.replace(p, proof=pr)
+            r.waiting[slot] = p
+            acts.append(Hand(rid, slot, p, own))
+        if not r.waiting:
+            acts.append(self._close(rid))
+        return Taken(rid, until, acts)
+
+    def answered(self, round_id: int, slot: int, outcome: NodeOutcome | None) -> Acks | None:
+        """A handed part's answer (None: none came). The round's Acks once it was the last."""
+        r = self._rounds.get(round_id)
+        p = r.waiting.pop(slot, None) if r is not None else None
+        if r is None or p is None:
+            self.late_answers += 1
+            return None
+        if outcome is None:
+            r.missed += 1
+        elif outcome.node_id != p.node_id or outcome.placement_id != p.placement_id:
+            self.foreign_answers += 1   # not an answer to this part: as if none came
+            r.missed += 1
+        else:
+            r.outcomes.append(outcome)
+        return self._close(round_id) if not r.waiting else None
+
+    def expire(self, round_id: int) -> Acks | None:
+        """The round's deadline passed: its Acks (the parts still waiting left out), or None
+        when it was over already."""
+        r = self._rounds.get(round_id)
+        if r is None:
+            return None
+        r.missed += len(r.waiting)
+        r.waiting.clear()
+        return self._close(round_id)
+
+    def due(self, now: float) -> list[Acks]:
+        """Every round whose deadline is ``now`` or earlier, over."""
+        return [a for rid in [rid for rid, r in self._rounds.items() if r.until <= now]
+                if (a := self.expire(rid)) is not None]
+
+    def next_deadline(self) -> float | None:
+        return min((r.until for r in self._rounds.values()), default=None)
+
+    def _close(self, round_id: int) -> Acks:
+        r = self._rounds.pop(round_id)
+        self.parts_delivered += len(r.outcomes)
+        self.parts_missed += r.missed
+        return Acks(round_id, AckBundle(rack=r.rack, blob_id=r.blob_id, outcomes=r.outcomes))
+
+    # ---- members' reports
+
+    def report(self, node_id: str, rep: NodeReport, *, upstream: bool) -> WireReply | int:
+        """A member's report over its connection (``node_id``: whom the connection is of):
+        the answer now, or a ticket for :meth:`batch_answered`."""
+        if rep.node_id != node_id:
+            return WireReply(status=403, error=f"this connection reports for {node_id}, not {rep.node_id}")
+        if not upstream:
+            return WireReply(status=503, error="the relay has no connection to the placer")
+        if is_empty(rep):
+            self.empty_answered += 1
+            return WireReply(status=200, reply=self.book.empty(rep))
+        t = self._next_ticket
+        self._next_ticket += 1
+        self._queue.append((t, rep))
+        return t
+
+    @property
+    def queued(self) -> int:
+        return len(self._queue)
+
+    def next_batch(self, now: float) -> Batch | None:
+        if not self._queue:
+            return None
+        q, self._queue = self._queue, []
+        reps = [r for _, r in q]
+        beat = self.book.take_some([r.node_id for r in reps], now)
+        for r in reps:
+            self.book.forwarded(r)
+        self.reports_forwarded += len(reps)
+        return Batch(beat, reps, [t for t, _ in q])
+
+    def batch_answered(self, batch: Batch, answers: list[WireReply]) -> list[tuple[int, WireReply]]:
+        """Each ticket's answer (the placer's, plus stops a beat reply left for its member);
+        answers that do not match the batch one to one fail every ticket (503)."""
+        if len(answers) != len(batch.reports):
+            answers = [WireReply(status=503, error=f"{len(answers)} answers to {len(batch.reports)} reports")
+                       ] * len(batch.reports)
+        out = []
+        for t, r, wr in zip(batch.tickets, batch.reports, answers, strict=True):
+            if wr.status == 200:
+                wr = msgspec.structs.replace(wr, reply=self.book.answer(r.node_id, wr.reply))
+            out.append((t, wr))
+        return out
+
+    def upstream_lost(self) -> list[int]:
+        """The connection up is gone: the queued tickets, to be answered 503."""
+        q, self._queue = self._queue, []
+        return [t for t, _ in q]
+
+    # ---- beats
+
+    def beat(self, now: float) -> RackBeat | None:
+        """The interval's beat: every pending empty heartbeat (None when there is none)."""
+        return self.book.take_all(now)
+
+    def beat_answered(self, reply: RackBeatReply) -> None:
+        self.book.apply(reply)
+
+    # ---- blobs
+
+    def blob_sources(self, blob_id: str, own_url: str) -> list[str]:
+        """The relays a bundle named for ``blob_id``, in order, less this one."""
+        return [u for u in self._sources.get(blob_id, []) if u != own_url]
+
+    @staticmethod
+    def may_fetch(from_relay: bool) -> bool:
+        """A member's blob request may start a fetch; another relay's only reads the cache
+        (after the fetch in flight here, if any)."""
+        return not from_relay

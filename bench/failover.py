@@ -1,0 +1,321 @@
+"""Placer failover against an emulated fleet: three ``herd placer run`` on a three-member etcd
+(placer.ha), the leader SIGKILLed with a gang running; and, in the same run, the baseline a
+single placer has: a cold restart of the process on its state dir.
+
+    python -m bench.failover --nodes 1024 [--json]
+
+Per run (N emulated nodes: ``python -m testing.fleet``, real AgentLinks told every placer,
+direct path: each node its own framed connection, no relays):
+
+- a gang of ``--gang-hosts`` (default N/2) hosts x 8 GPUs is placed and running;
+- the leader is killed (SIGKILL) at ``t0``; a probe job (1 x 8 GPUs) is submitted at once to
+  the other placers (following 307s, asking again after 503 Retry-After);
+- ``failover_s``: ``t0`` -> the probe's ``decided`` timing at the new leader (the placer's
+  clock; one machine); ``promoted_s``: ``t0`` -> a follower says it leads and places;
+  ``full_report_s``: ``t0`` -> every node up in the new leader's model;
+  ``reregistrations``: full reports the fleet sent after ``t0`` (a follower holds no model
+  today: every node registers again with the new leader);
+- ``--recover-s`` (5): a new leader (or a restarted placer) waits this long for the fleet's
+  reports before placing; shorter than the fleet takes to report again, it places the
+  recovered gang a second time (``placements_doubled``) and stops the old pods (``stops``);
+- invariants: ``jobs_lost`` (jobs submitted, not in the new leader's list),
+  ``placements_doubled`` (placements the emulators took after ``t0`` beyond the probe's),
+  ``gang_running`` (the gang's pods the emulators still run), ``stops`` (stop orders the
+  fleet got after ``t0``), ``refused_acks`` (placements the emulators refused: a GPU given
+  twice would be one).
+- baseline (``--no-baseline`` to skip): one placer (file journal), the same fleet and gang,
+  killed and started again on the same state dir and ports: ``failover_s`` is ``t0`` -> the
+  probe decided by the restarted process.
+
+Every wait is bounded; traffic stays on 127.0.0.1; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cli.demo_ha import LocalEtcd, free_port  # noqa: E402
+from infra.auth import TokenSet, generate_token_dir  # noqa: E402
+from testing.harness import EmulatorProc, PlacerOptions, PlacerProc  # noqa: E402
+
+TTL = 2
+HEARTBEAT_S = 1.0
+
+
+def _note(msg: str, **kw: Any) -> None:
+    fields = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items())
+    print(f"[bench.failover {time.strftime('%H:%M:%S')}] {msg} {fields}", file=sys.stderr, flush=True)
+
+
+class Placer:
+    """One ``herd placer run`` on fixed ports (so that a restart comes back where the fleet
+    looks for it); ``start()`` / ``kill()`` / ``stop()``."""
+
+    def __init__(self, work: Path, token_dir: Path, etcd: list[str] | None, recover_s: float) -> None:
+        self.work = work
+        self.state = work / "state"
+        self.state.mkdir(parents=True, exist_ok=True)
+        self.port, self.wire_port = free_port(), free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.wire_url = f"tcp://127.0.0.1:{self.wire_port}"
+        self.conf = work / "placer.toml"
+        self.conf.write_text(
+            "[placer]\n"
+            f'listen = "127.0.0.1:{self.port}"\nwire_listen = "127.0.0.1:{self.wire_port}"\n'
+            f'state_dir = "{self.state}"\ntoken_dir = "{token_dir}"\ninsecure = true\n'
+            f"heartbeat_s = {HEARTBEAT_S}\nfence_after_s = 60.0\ntick_s = 0.05\nrelays = false\n"
+            f"recover_s = {recover_s}\npush_concurrency = 256\nack_timeout_s = 10.0\n"
+            + (f"etcd = {json.dumps(etcd)}\netcd_lease_ttl_s = {TTL}\n" if etcd else ""))
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        ep = self.state / "endpoints.json"
+        ep.unlink(missing_ok=True)
+        with open(self.work / "placer.log", "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "placer", "run", "--config", str(self.conf)],
+                                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    async def ready(self, limit_s: float = 60.0) -> None:
+        ep = self.state / "endpoints.json"
+        with trio.fail_after(limit_s):
+            while not ep.exists():
+                assert self.proc is not None and self.proc.poll() is None, f"placer exited: see {self.work}"
+                await trio.sleep(0.02)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def pid(self) -> int:
+        return self.proc.pid if self.proc is not None else 0
+
+
+async def _health(c: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
+    try:
+        r = await c.get(url + "/healthz", timeout=2)
+        return r.json() if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+async def _leader(c: httpx.AsyncClient, placers: list[Placer], limit_s: float) -> Placer:
+    with trio.fail_after(limit_s):
+        while True:
+            for p in placers:
+                if p.proc is not None and p.proc.poll() is None:
+                    h = await _health(c, p.url)
+                    if h is not None and h.get("ha", {}).get("placing"):
+                        return p
+            await trio.sleep(0.02)
+
+
+async def _nodes_up(c: httpx.AsyncClient, url: str) -> int:
+    try:
+        r = await c.get(url + "/v1/cluster", params={"detail": "0"}, timeout=10)
+        return int(r.json()["nodes"]["up"]) if r.status_code == 200 else 0
+    except (httpx.HTTPError, ValueError, KeyError):
+        return 0
+
+
+async def _wait_up(c: httpx.AsyncClient, url: str, n: int, limit_s: float) -> float:
+    t0 = last = time.time()
+    with trio.fail_after(limit_s):
+        while (up := await _nodes_up(c, url)) < n:
+            if time.time() - last >= 2.0:
+                last = time.time()
+                _note("nodes up", up=up, of=n, s=last - t0)
+            await trio.sleep(0.05)
+    return time.time()
+
+
+async def _submit(c: httpx.AsyncClient, urls: list[str], spec: dict[str, Any], limit_s: float) -> str:
+    """POST the job to the placers in turn until one takes it (201): 307 -> the leader named,
+    503 / no connection -> the next; the placer that took it."""
+    i = 0
+    target: str | None = None
+    with trio.fail_after(limit_s):
+        while True:
+            url = target or urls[i % len(urls)]
+            target = None
+            try:
+                r = await c.post(url + "/v1/jobs", json=spec, timeout=10)
+            except httpx.ConnectError:
+                i += 1
+                await trio.sleep(0.02)
+                continue
+            if r.status_code == 201:
+                return url
+            if r.status_code == 307:
+                target = r.json().get("leader")
+                if target:
+                    continue
+            if r.status_code not in (307, 503):
+                raise RuntimeError(f"submit answered {r.status_code}: {r.text[:200]}")
+            i += 1
+            await trio.sleep(0.05)
+
+
+async def _job(c: httpx.AsyncClient, url: str, job_id: str, want: str, limit_s: float) -> dict[str, Any]:
+    with trio.fail_after(limit_s):
+        while True:
+            r = await c.get(f"{url}/v1/jobs/{job_id}", params={"wait": want, "timeout_ms": "5000", "pods": "0:0"},
+                            timeout=15)
+            if r.status_code == 200:
+                j: dict[str, Any] = r.json()
+                if j["state"] == want or j["state"] in ("failed", "cancelled", "succeeded"):
+                    return j
+            await trio.sleep(0.05)
+
+
+async def _emu_stats(c: httpx.AsyncClient, e: EmulatorProc, job: str) -> dict[str, Any]:
+    return await e.stats(c, job)
+
+
+async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: float) -> dict[str, Any]:
+    """One measured kill: three placers on etcd (``ha``), or one placer restarted cold."""
+    token_dir = generate_token_dir(tmp / "tokens")
+    op = {"authorization": f"Bearer {TokenSet.load(token_dir).operator}"}
+    etcd = LocalEtcd(tmp / "etcd", 3) if ha else None
+    placers: list[Placer] = []
+    emu: EmulatorProc | None = None
+    out: dict[str, Any] = {"mode": "ha-3-placers" if ha else "single-placer-restart", "nodes": n,
+                           "gang_hosts": gang_hosts}
+    try:
+        if etcd is not None:
+            etcd.start()
+        placers = [Placer(tmp / f"p{i}", token_dir, etcd.endpoints if etcd else None, recover_s)
+                   for i in range(3 if ha else 1)]
+        for p in placers:
+            p.start()
+        for p in placers:
+            await p.ready()
+        async with httpx.AsyncClient(headers=op) as c:
+            first = await _leader(c, placers, 60) if ha else placers[0]
+            # the emulated fleet, told every placer (the harness's entry point, its --placer widened)
+            proxy = PlacerProc(tmp / "unused", token_dir, PlacerOptions(heartbeat_s=HEARTBEAT_S))
+            proxy.url = ",".join(p.url for p in placers)
+            emu = EmulatorProc(proxy, token_dir, nodes=n, known_wire=False, mux=0, log_path=tmp / "emu.log")
+            await emu.__aenter__()
+            await emu.go()
+            t_reg = time.time()
+            await _wait_up(c, first.url, n, 120)
+            out["register_s"] = round(time.time() - t_reg, 2)
+            _note("fleet up", nodes=n, s=out["register_s"])
+            gang = {"job_id": "gang", "pods": gang_hosts, "gpus_per_pod": 8, "argv": ["train"], "priority": 2,
+                    "preemptible": False, "grace_s": 1.0}
+            await _submit(c, [first.url], gang, 30)
+            g = await _job(c, first.url, "gang", "running", 120)
+            assert g["state"] == "running", g
+            await trio.sleep(2 * HEARTBEAT_S)   # the running events in
+            before = await _emu_stats(c, emu, "gang")
+            # the kill
+            t0 = time.time()
+            first.kill()
+            _note("leader killed", placer=first.url)
+            if not ha:
+                first.start()
+            others = [p.url for p in placers if p is not first] or [first.url]
+            probe = {"job_id": "probe", "pods": 1, "gpus_per_pod": 8, "argv": ["probe"], "grace_s": 1.0}
+            took_by = await _submit(c, others, probe, 120)
+            nxt = await _leader(c, placers, 60) if ha else first
+            out["promoted_s"] = round(time.time() - t0, 2) if ha else None
+            pj = await _job(c, nxt.url, "probe", "running", 120)
+            out["failover_s"] = round(pj["timings"]["decided"] - t0, 3)
+            out["full_report_s"] = round(await _wait_up(c, nxt.url, n, 120) - t0, 2)
+            await trio.sleep(2 * HEARTBEAT_S)
+            after = await _emu_stats(c, emu, "gang")
+            jobs = {j["job_id"] for j in (await c.get(nxt.url + "/v1/jobs", timeout=10)).json()["jobs"]}
+            out.update({
+                "submitted_to": took_by, "placed_by": nxt.url, "probe_state": pj["state"],
+                "reregistrations": after["full_reports"] - before["full_reports"],
+                "jobs_lost": len({"gang", "probe"} - jobs),
+                "placements_doubled": after["placements"] - before["placements"] - 1,
+                "gang_running": after["job"]["states"].get("running", 0),
+                "stops": after["victims_told"] - before["victims_told"],
+                "refused_acks": sum(v for k, v in after["acks"].items() if k != "accepted"),
+            })
+            _note("done", mode=out["mode"], failover_s=out["failover_s"])
+    finally:
+        if emu is not None:
+            await emu.__aexit__(None, None, None)
+        for p in placers:
+            p.stop()
+        if etcd is not None:
+            etcd.stop()
+    return out
+
+
+async def run_all(n: int, gang_hosts: int, baseline: bool, recover_s: float, workdir: str | None = None
+                  ) -> dict[str, Any]:
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="herd-failover-") as d:
+        root = Path(workdir or d)   # --workdir: the logs stay there
+        rows.append(await run_once(n, gang_hosts, root / "ha", ha=True, recover_s=recover_s))
+        if baseline:
+            rows.append(await run_once(n, gang_hosts, root / "single", ha=False, recover_s=recover_s))
+    return {"bench": "failover", "cores": os.cpu_count(), "lease_ttl_s": TTL, "recover_s": recover_s,
+            "heartbeat_s": HEARTBEAT_S, "rows": rows}
+
+
+def print_table(out: dict[str, Any]) -> None:
+    print(f"placer failover, emulated fleet on {out['cores']} cores (lease TTL {out['lease_ttl_s']} s, "
+          f"recover_s {out['recover_s']} s, heartbeat {out['heartbeat_s']} s)")
+    cols = ["mode", "nodes", "gang_hosts", "failover_s", "promoted_s", "full_report_s", "reregistrations",
+            "jobs_lost", "placements_doubled", "gang_running", "stops", "refused_acks"]
+    print("  ".join(f"{h:>18}" for h in cols))
+    for r in out["rows"]:
+        print("  ".join(f"{'-' if r.get(k) is None else r.get(k)!s:>18}" for k in cols))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.failover", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=1024)
+    ap.add_argument("--gang-hosts", type=int, default=None, help="hosts of the running gang (default: half)")
+    ap.add_argument("--recover-s", type=float, default=5.0,
+                    help="the placers' recover_s: a new leader waits this long for the fleet's reports before "
+                         "placing (shorter than the fleet's re-registration, the recovered gang is placed again)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the single-placer cold restart")
+    ap.add_argument("--workdir", default=None, help="keep the placers', etcd's and the emulator's logs here")
+    ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    ns = ap.parse_args(argv)
+    if not 16 <= ns.nodes <= 131072:
+        ap.error("--nodes must be within 16..131072")
+    gang = ns.gang_hosts or ns.nodes // 2
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    t = time.perf_counter()
+    out = trio.run(run_all, ns.nodes, gang, not ns.no_baseline, ns.recover_s, ns.workdir)
+    out["wall_s"] = round(time.perf_counter() - t, 1)
+    if ns.json:
+        print(json.dumps(out))
+    else:
+        print_table(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
