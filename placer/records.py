@@ -633,6 +633,7 @@ class NodeRec:
     all_slots_list: list[int] = field(default_factory=list)
 
     rack_path: str = ""                               # "zone/block/rack", the relays' key
+    mac: bytes = b""                                  # its MAC key for boot_id, once derived (Reports.mac_key)
 
     def __post_init__(self) -> None:
         # Made once at registration (a node's topology and GPUs change only by registering
