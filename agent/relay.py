@@ -189,7 +189,7 @@ class Relay:
                 "connects": self.connects, "drops": self.drops, "bundles": c.bundles,
                 "parts_delivered": c.parts_delivered, "parts_missed": c.parts_missed, "beats": self.beats,
                 "beat_entries": self.beat_entries, "reports_forwarded": c.reports_forwarded,
-                "report_frames": self.report_frames, "late_answers": c.late_answers,
+                "report_frames": self.report_frames, "late_answers": c.late_answers, "late_bundles": c.late_bundles,
                 "empty_answered": c.empty_answered, "blob_serves": self.blob_serves,
                 "bad_bundles": c.bad_bundles, "part_bytes_max": c.part_bytes_max, "failures": self.failures,
                 "pending_beats": self.book.pending, "blobs": self.blobs.statistics()}

@@ -15,12 +15,14 @@ clock) and ``wall`` (unix seconds, the placer's ``deliver_by`` clock) are argume
   blob is kept (:class:`KeepBlob`) or wanted (:class:`WantBlob`: the driver fetches it unless
   cached), and each part goes to its node (:class:`Hand`: this relay's own node, or a member
   with a connection here, with the signed proof the member checks itself); a part for a node
-  that is neither, or of a bundle already past its ``deliver_by``, is left out at once (the
-  placer pushes it directly).
+  that is neither is left out at once (the placer pushes it directly). A bundle that comes past
+  its ``deliver_by`` is handed all the same, with the whole ack window: the placer's fallback
+  for the rack is under way, but a late answer still counts there and spares the pushes not
+  yet made (a relay that drops late bundles turns a slow moment into a storm of direct pushes).
 - **Outcomes.** :meth:`answered` records a member's outcome for one handed part (None: not
   answered, e.g. its connection failed); :meth:`member_closed` leaves out every part of that
   member still waiting; :meth:`due` (or :meth:`expire`) closes rounds whose deadline passed
-  (``min(deliver_by, now + ack_window_s)``). A round whose parts are all settled, or whose
+  (``min(deliver_by, now + ack_window_s)``; ``now + ack_window_s`` for a late bundle). A round whose parts are all settled, or whose
   deadline passed, becomes its one :class:`Acks` (an AckBundle for the placer).
 - **Reports.** :meth:`report` answers an empty heartbeat at once (agent.beats.BeatBook keeps it
   for the rack's next beat) and queues any other report (a ticket); :meth:`next_batch` takes the
@@ -57,6 +59,7 @@ log = logging.getLogger("herd.agent.relay")
 
 ACK_WINDOW_S = 0.4           # a bundle's acks go back at most this long after it came
 KEEP_SOURCES = 16            # blob ids whose sources (from bundles) are remembered
+LATE_MIN_S = 0.05            # a bundle with less of its deliver_by left than this is late
 
 
 # ---------------------------------------------------------------- actions
@@ -152,6 +155,7 @@ class RelayCore:
         self.parts_delivered = 0
         self.parts_missed = 0
         self.late_answers = 0
+        self.late_bundles = 0        # came past (or at) their deliver_by: handed with the whole window
         self.foreign_answers = 0
         self.reports_forwarded = 0
         self.empty_answered = 0
@@ -208,15 +212,22 @@ class RelayCore:
             acts.append(KeepBlob(view.blob_id, view.blob) if view.blob is not None else WantBlob(view.blob_id))
         until = now + self.ack_window_s
         if view.deliver_by:
-            until = min(until, now + max(0.0, view.deliver_by - wall))
+            left = view.deliver_by - wall
+            if left >= LATE_MIN_S:
+                until = min(until, now + left)
+            else:
+                # late: the placer's fallback for this rack is under way. Handed all the same,
+                # with the whole window: a late answer still counts there (a node it brings is
+                # not pushed directly if its push has not started), and a placement is
+                # idempotent by id, so one that reaches a node twice is applied once.
+                self.late_bundles += 1
         rid = self._next_round
         self._next_round += 1
         r = self._rounds[rid] = _Round(rack=view.rack, blob_id=view.blob_id, until=until, waiting={})
         for slot, (p, pr) in enumerate(zip(parts, proofs, strict=True)):
             own = p.node_id == self.node_id
-            if until <= now or (not own and p.node_id not in self.members):
-                # past its deliver_by (the placer has given up on this relay for it), or not one
-                # of ours (yet): the placer reaches it directly
+            if not own and p.node_id not in self.members:
+                # not one of ours (yet): the placer reaches it directly
                 r.missed += 1
                 continue
             if p.pods and not p.blob_id:   # inside a bundle a part's blob is the bundle's

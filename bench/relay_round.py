@@ -1,10 +1,10 @@
 """The placer's CPU for one relayed delivery round (RelayHub.deliver), in process.
 
-    python -m bench.relay_round [--nodes 56000] [--gang-gpus 200000] [--repeat 3] [--json]
+    python -m bench.relay_round [--nodes 56000] [--fleet gb200|h100] [--gang-gpus 200000] [--repeat 3] [--json]
     python -m bench.relay_round --ab BASE_TREE [--pairs 3] ...   # same-run A/B against another tree
 
-``--nodes`` gb200 trays registered in a real PlacerService, a ``--gang-gpus`` gang decided by
-the real state; its round delivered to fake relay channels (one per rack) whose answers (the
+``--nodes`` gb200 trays (or h100 hosts) registered in a real PlacerService, a ``--gang-gpus``
+gang of whole-node pods decided by the real state; its round delivered to fake relay channels (one per rack) whose answers (the
 real AckBundles, each outcome with its member's MAC, made before the clock starts: the relays'
 work, not the placer's) come from one answerer task in batches of 32, as connections' readers
 would. What is timed is the round's own work: splitting by rack, building, signing and
@@ -14,7 +14,9 @@ back to back (``cd TREE && python -m bench.relay_round``), or ``--ab TREE``: thi
 TREE's runs in alternating order (base, new, new, base, ...), ``--pairs`` of each, each in
 its own process, and the medians of their per-run medians with the ratio. The fakes speak
 both the waiting call (``call_prepared``) and the callback one (``call_cb``). Every loop is
-bounded in count.
+bounded in count. Besides the round, each row times the placer's whole path for the gang,
+submit -> every node acked: the submission, the decision and its bookkeeping (pods, pushes,
+the gang blob), the round, and recording the acks (``path_cpu_s``).
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ from placer.config import PlacerConfig  # noqa: E402
 from placer.records import Push  # noqa: E402
 from placer.relays import RelayConn  # noqa: E402
 from placer.service import PlacerService  # noqa: E402
+from placer.sim import fleet_shape  # noqa: E402
 from scheduler_link.frames import encode_frame  # noqa: E402
 from scheduler_link.messages import AckBundle, Frame, JobSpec, NodeOutcome, NodeReport, TopologyPath  # noqa: E402
 from scheduler_link.msgauth import with_outcome_mac  # noqa: E402
-from testing.fleet import SnapshotFactory, fleet_nodes  # noqa: E402
+from testing.fleet import PROFILE_OF, SnapshotFactory, fleet_nodes  # noqa: E402
 
 Answer = Callable[[Frame | None], None]
 
@@ -111,13 +114,13 @@ class FakeRelay:
         pass
 
 
-def _fleet(n: int, state_dir: str) -> tuple[PlacerService, dict[str, bytes]]:
+def _fleet(n: int, state_dir: str, fleet: str = "gb200") -> tuple[PlacerService, dict[str, bytes]]:
     svc = PlacerService(PlacerConfig(state_dir=state_dir, heartbeat_s=5.0, lost_after_missed=1000, insecure=True),
                         TokenSet())
-    sf = SnapshotFactory("gb200-nvl72")
+    sf = SnapshotFactory(PROFILE_OF[fleet])
     now = time.time()
     keys = {}
-    for s in fleet_nodes("gb200", 0, n):
+    for s in fleet_nodes(fleet, 0, n):
         snap = sf.snapshot(s.node_id, f"{s.zone}/{s.block}/{s.rack}")
         rep = NodeReport(node_id=s.node_id, boot_id="b1", seq=1, full=True, control_url=f"http://127.0.0.1:9/n/{s.node_id}",
                          data_url=f"http://127.0.0.1:9/{s.node_id}",
@@ -130,7 +133,8 @@ def _fleet(n: int, state_dir: str) -> tuple[PlacerService, dict[str, bytes]]:
     return svc, keys
 
 
-async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpus: int) -> dict[str, float]:
+async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpus: int,
+                    gpn: int = 4) -> dict[str, float]:
     answerer = Answerer()
     hub = svc.relays
     by_rack: dict[str, list[str]] = {}
@@ -148,10 +152,14 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
         svc._nursery = n
         n.start_soon(answerer.run)
         svc.state.schedule(now)   # (the model's rebuild, untimed)
-        spec = JobSpec(job_id=f"big{k}", pods=gang_gpus // 4, gpus_per_pod=4, whole_nodes=True, priority=2,
+        spec = JobSpec(job_id=f"big{k}", pods=gang_gpus // gpn, gpus_per_pod=gpn, whole_nodes=True, priority=2,
                        preemptible=False, argv=["/bin/sleep", "3600"], grace_s=1)
+        gc.collect()
+        gc.freeze()   # (as the service does after a pass: the fleet's records out of the collector's sight)
+        c_sub = time.process_time()
         svc.state.submit(spec, now)
         decided = svc.state.schedule(now)
+        c_dec = time.process_time()
         assert decided, "the gang did not fit"
         job, pushes = decided[0]
         racks: dict[str, list[Push]] = {}
@@ -172,6 +180,9 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
         acks = await hub.deliver(job.job_id, job.blob_id, pushes, push_direct)
         c1, w1 = time.process_time(), time.perf_counter()
         assert acks is not None and len(acks) == len(pushes), "not every node acked"
+        more = svc.state.on_acks(job.job_id, job.attempt, acks, now, pushes)
+        c2 = time.process_time()
+        assert not more and job.state == "starting", job.state
         assert svc.state.counters["bad_macs"] == bad0 and hub.stats.fallback_nodes == fb0
         svc.state.cancel(job.job_id, time.time())
         for pod in job.pods:   # the pods are gone (as their nodes would report): the next round fits
@@ -180,24 +191,35 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
             svc.state._release_quiet(f"stale:{pod.workload_id}")   # (held until then)
         svc.state._release_quiet(job.job_id)
         n.cancel_scope.cancel()
-    return {"cpu_s": c1 - c0, "wall_s": w1 - w0, "racks": len(racks), "nodes": len(pushes)}
+    book = (c_dec - c_sub) + (c2 - c1)
+    return {"cpu_s": c1 - c0, "wall_s": w1 - w0, "racks": len(racks), "nodes": len(pushes),
+            "submit_decide_cpu_s": c_dec - c_sub, "acks_cpu_s": c2 - c1, "path_cpu_s": book + (c1 - c0)}
 
 
 def ab(a: argparse.Namespace, gang: int) -> dict[str, Any]:
     """Alternating runs of the base tree and this one, each its own process (same machine, same run)."""
     runs: dict[str, list[float]] = {"base": [], "new": []}
+    path: dict[str, list[float]] = {"base": [], "new": []}
     roots = {"base": str(Path(a.ab).resolve()), "new": str(ROOT)}
     for k in range(max(1, a.pairs)):
         for which in (("base", "new") if k % 2 == 0 else ("new", "base")):
             cmd = [sys.executable, "-m", "bench.relay_round", "--nodes", str(a.nodes), "--gang-gpus", str(gang),
+                   "--fleet", a.fleet,
                    "--repeat", str(a.repeat), "--json"]
             p = subprocess.run(cmd, cwd=roots[which], env={**os.environ, "PYTHONPATH": roots[which]},
                                capture_output=True, text=True, timeout=900)
             if p.returncode != 0:
                 raise SystemExit(f"{which} run failed: {p.stderr[-2000:]}")
-            runs[which].append(json.loads(p.stdout.strip().splitlines()[-1])["cpu_s_median"])
+            res = json.loads(p.stdout.strip().splitlines()[-1])
+            runs[which].append(res["cpu_s_median"])
+            if "path_cpu_s_median" in res:   # (a tree from before the path was timed has only the round)
+                path[which].append(res["path_cpu_s_median"])
     med = {k: statistics.median(v) for k, v in runs.items()}
-    return {"roots": roots, "runs": runs, "cpu_s_median": med, "new_over_base": med["new"] / med["base"]}
+    out: dict[str, Any] = {"roots": roots, "runs": runs, "cpu_s_median": med, "new_over_base": med["new"] / med["base"]}
+    if path["base"] and path["new"]:
+        pm = {k: statistics.median(v) for k, v in path.items()}
+        out |= {"path_runs": path, "path_cpu_s_median": pm, "path_new_over_base": pm["new"] / pm["base"]}
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -205,11 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=56000)
     ap.add_argument("--gang-gpus", type=int, default=None, help="default: min(200,000, 60%% of the fleet's GPUs)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--fleet", choices=sorted(PROFILE_OF), default="gb200",
+                    help="gb200 trays (4 GPUs, the default) or h100 hosts (8 GPUs); the gang's pods are whole nodes")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--ab", metavar="BASE_TREE", help="same-run A/B: alternate runs of BASE_TREE's and this tree's")
     ap.add_argument("--pairs", type=int, default=3, help="with --ab: runs of each tree")
     a = ap.parse_args(argv)
-    gang = a.gang_gpus if a.gang_gpus is not None else min(200_000, int(a.nodes * 0.6) * 4)
+    gpn = fleet_shape(a.fleet).gpus_per_node
+    gang = a.gang_gpus if a.gang_gpus is not None else min(200_000, int(a.nodes * 0.6) * gpn)
     if a.ab:
         res = ab(a, gang)
         if a.json:
@@ -220,12 +245,20 @@ def main(argv: list[str] | None = None) -> int:
                   f"(alternating): base {m['base']:.4f} ({', '.join(f'{x:.4f}' for x in res['runs']['base'])}), "
                   f"new {m['new']:.4f} ({', '.join(f'{x:.4f}' for x in res['runs']['new'])}), "
                   f"new/base {res['new_over_base']:.2f}")
+            if "path_cpu_s_median" in res:
+                pm, pr = res["path_cpu_s_median"], res["path_runs"]
+                print(f"submit -> every node acked (submit, decide, bookkeeping, round, acks recorded), placer "
+                      f"CPU-s: base {pm['base']:.4f} ({', '.join(f'{x:.4f}' for x in pr['base'])}), "
+                      f"new {pm['new']:.4f} ({', '.join(f'{x:.4f}' for x in pr['new'])}), "
+                      f"new/base {res['path_new_over_base']:.2f}")
         return 0
     with tempfile.TemporaryDirectory(prefix="herd-bench-round-") as d:
-        svc, keys = _fleet(a.nodes, d)
-        rows = [trio.run(one_round, svc, keys, k, gang) for k in range(max(1, a.repeat))]
+        svc, keys = _fleet(a.nodes, d, a.fleet)
+        rows = [trio.run(one_round, svc, keys, k, gang, gpn) for k in range(max(1, a.repeat))]
     out = {"tree": str(ROOT), "rows": rows, "cpu_s_median": statistics.median(r["cpu_s"] for r in rows),
-           "wall_s_median": statistics.median(r["wall_s"] for r in rows)}
+           "wall_s_median": statistics.median(r["wall_s"] for r in rows),
+           **{k + "_median": statistics.median(r[k] for r in rows)
+              for k in ("submit_decide_cpu_s", "acks_cpu_s", "path_cpu_s")}}
     if a.json:
         print(json.dumps(out))
     else:
@@ -233,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
         each = ", ".join(f"{x['cpu_s']:.3f}" for x in rows)
         print(f"{ROOT}: one round of {r['nodes']:,} nodes in {r['racks']:,} racks: placer CPU median "
               f"{out['cpu_s_median']:.3f} s, wall {out['wall_s_median']:.3f} s over {len(rows)} "
-              f"({each})")
+              f"({each}); submit + decide + bookkeeping {out['submit_decide_cpu_s_median']:.3f} s, acks "
+              f"recorded {out['acks_cpu_s_median']:.3f} s, submit -> every node acked "
+              f"{out['path_cpu_s_median']:.3f} CPU-s")
     return 0
 
 

@@ -254,6 +254,7 @@ class DataPlane:
         self._hook: Callable[[str], None] | None = None
         self._send_threads = trio.CapacityLimiter(max(1, self.config.send_threads))
         self._sending = 0   # chunk-body bytes handed to a send and not sent yet (send_backlog)
+        self._changed = trio.Event()   # set, then replaced, at each change next_change names
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -282,6 +283,17 @@ class DataPlane:
         being sent now: a batch's frames, one chunk's sendfile): what this node's uplink
         still owes its askers (also ``statistics()["send_backlog"]``)."""
         return self._sending
+
+    def next_change(self) -> trio.Event:
+        """An Event set the next time a request is routed, starts or stops waiting for
+        a chunk, is held back by the per-chunk cap, or is done (sent, cut or abandoned), or a
+        connection is closed: when what :meth:`statistics` counts of them may have
+        moved. Wait on it, then look again (``testing.waiting.until``)."""
+        return self._changed
+
+    def _poke(self) -> None:
+        ev, self._changed = self._changed, trio.Event()
+        ev.set()
 
     def statistics(self) -> dict[str, Any]:
         s = msgspec.structs.asdict(self._stats)
@@ -343,6 +355,7 @@ class DataPlane:
         if w is None or w[0].is_set():
             w = self._waiters[chunk_id] = [trio.Event(), 0]
         w[1] += 1
+        self._poke()
         try:
             with trio.move_on_after(wait_ms / 1000):
                 while not self.store.has_chunk(chunk_id):
@@ -352,6 +365,7 @@ class DataPlane:
             w[1] -= 1
             if w[1] == 0 and self._waiters.get(chunk_id) is w:
                 del self._waiters[chunk_id]
+            self._poke()
         present = bool(self.store.has_chunk(chunk_id))
         if present:
             self._stats.waits_satisfied += 1
@@ -409,10 +423,12 @@ class DataPlane:
                     reply, admitted = await self._dispatch(req, client, stream, conn)
                     if reply is None:   # the client went away while its request waited
                         return
+                    self._poke()
                     ok = await self._send_reply(stream, conn, req, reply)
                 finally:
                     if admitted:
                         self._leave(client)
+                    self._poke()
                 if not ok or conn.our_state is h11.MUST_CLOSE or conn.their_state is h11.MUST_CLOSE:
                     return
                 try:
@@ -433,6 +449,7 @@ class DataPlane:
             with trio.move_on_after(1) as cs:
                 cs.shield = True
                 await stream.aclose()
+            self._poke()
 
     async def _read_request(self, stream: trio.abc.Stream, conn: h11.Connection) -> h11.Request | None:
         """The next request head (and its end), or None when the client is done or idle
@@ -976,6 +993,7 @@ class DataPlane:
                     if delayed != ids[i]:
                         delayed = ids[i]
                         self._stats.rejected_chunk_busy += 1
+                        self._poke()
                     if trio.current_time() >= deadline:
                         still_busy = True
                         break

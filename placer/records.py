@@ -5,9 +5,15 @@ them). Workload ids name ``<job>.<attempt>.<rank>``, so any report can be traced
 the attempt it belongs to, after a placer restart too.
 
 Indexes kept here so no input costs a scan of the fleet or the gang:
+- ``JobRec.table``: the current attempt's pods as columns (:class:`PodTable`: state codes
+  in a bytearray, node, slots, GPUs and rank per row); a :class:`PodRec` is a row's view,
+  made only when something asks for that pod (a 25,000-pod gang's decision, pushes and
+  acks make none);
 - ``JobRec.counts``: pods of the current attempt by state, changed only through
-  :meth:`JobRec.set_pod_state` (so "all running" or "all exited 0" is one comparison);
-- ``NodeRec.pods``: the current-attempt pods placed on that node, by workload id (a full
+  :meth:`JobRec.set_pod_state` and :meth:`JobRec.move_pods` (so "all running" or "all
+  exited 0" is one comparison);
+- ``NodeRec.gangs``: the jobs with current-attempt pods on that node (one entry a node, not
+  a pod); ``NodeRec.pods`` reads that node's pods by workload id through them (a full
   report checks only those, fencing a lost node finds its gangs through them).
 """
 
@@ -15,8 +21,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 
@@ -37,7 +44,7 @@ from scheduler_link.messages import (
 )
 from scheduler_link.messages import workload_id as workload_id  # re-exported (the contract's naming)
 
-from .errors import ContractError
+from .errors import ContractError, UnknownJob
 from .errors import JobError as JobError  # re-exported (defined in errors.py)
 
 _part_enc = msgspec.msgpack.Encoder()   # the frames' (and msgauth.part_bytes') settings
@@ -75,8 +82,8 @@ class Push:
     :class:`GangStart` when first read (by the sender, as it goes), so a decision's
     bookkeeping does not build 25,000 messages before the first one can leave."""
 
-    __slots__ = ("node_id", "control_url", "job_id", "attempt", "kind", "_placement", "_pid",
-                 "_gang", "_node", "_pods", "_victims")
+    __slots__ = ("node_id", "control_url", "job_id", "attempt", "kind", "_placement", "placement_id",
+                 "_gang", "_node", "_pods_", "_t", "_rows", "_victims")
 
     def __init__(self, node_id: str, control_url: str, placement: Placement, job_id: str, attempt: int,
                  kind: str) -> None:
@@ -86,10 +93,12 @@ class Push:
         self.attempt = attempt
         self.kind = kind  # "start" (carries the gang's pods) or "stop"
         self._placement: Placement | None = placement
-        self._pid = placement.placement_id
+        self.placement_id = placement.placement_id
         self._gang: GangStart | None = None
         self._node: NodeRec | None = None
-        self._pods: list[PodRec] = []
+        self._pods_: list[PodRec] | None = []
+        self._t: PodTable | None = None
+        self._rows: list[int] = []
         self._victims: list[Victim] = []
 
     @classmethod
@@ -103,19 +112,42 @@ class Push:
         p.attempt = gang.attempt
         p.kind = "start"
         p._placement = None
-        p._pid = gang.prefix + node.node_id
-        p._gang, p._node, p._pods, p._victims = gang, node, pods, victims
+        p.placement_id = gang.prefix + node.node_id
+        p._gang, p._node, p._pods_, p._victims = gang, node, pods, victims
+        p._t, p._rows = None, []
+        return p
+
+    @classmethod
+    def start_rows(cls, gang: GangStart, node: NodeRec, table: PodTable, rows: list[int],
+                   victims: list[Victim]) -> Push:
+        """:meth:`start` with the node's pods named as rows of the job's table (no pod view
+        is made unless the push is read as a Placement)."""
+        p = cls.__new__(cls)
+        p.node_id = node.node_id
+        p.control_url = node.control_url
+        p.job_id = gang.job_id
+        p.attempt = gang.attempt
+        p.kind = "start"
+        p._placement = None
+        p.placement_id = gang.prefix + node.node_id
+        p._gang, p._node, p._pods_, p._victims = gang, node, None, victims
+        p._t, p._rows = table, rows
         return p
 
     @property
-    def placement_id(self) -> str:
-        return self._pid
+    def _pods(self) -> list[PodRec]:
+        pods = self._pods_
+        if pods is None:
+            t = self._t
+            assert t is not None
+            pods = self._pods_ = [t.view(i) for i in self._rows]
+        return pods
 
     def part(self, expires_at: float) -> NodePart:
         """This push as a rack relay carries it (a start push names GPU slots and the node's
         inventory hash; a stop push is its victims)."""
         if self._gang is not None and self._node is not None:
-            return self._gang.part(self._pid, self._node, self._pods, self._victims)
+            return self._gang.part(self.placement_id, self._node, self._pods, self._victims)
         pl = self.placement
         return NodePart(placement_id=pl.placement_id, node_id=self.node_id, job_id=self.job_id,
                         attempt=self.attempt, victims=pl.victims, issued_at=pl.issued_at, expires_at=expires_at)
@@ -124,14 +156,14 @@ class Push:
         """``msgauth.part_bytes(self.part(expires_at))``, the bytes a bundle carries, made
         without the NodePart (a start push's, from its gang: see GangStart.part_bytes)."""
         if self._gang is not None and self._node is not None:
-            return self._gang.part_bytes(self._pid, self._node, self._pods, self._victims)
+            return self._gang.part_bytes(self.placement_id, self._node, self._pods, self._victims)
         return _part_enc.encode(self.part(expires_at))
 
     @property
     def placement(self) -> Placement:
         if self._placement is None:
             assert self._gang is not None and self._node is not None
-            self._placement = self._gang.placement(self._pid, self._node, self._pods, self._victims)
+            self._placement = self._gang.placement(self.placement_id, self._node, self._pods, self._victims)
         return self._placement
 
     def __repr__(self) -> str:
@@ -157,9 +189,18 @@ def parts_bytes(pushes: list[Push], expires_at: float) -> list[bytes]:
         if g is not gang:
             gang = g
             job_id, attempt, now, expires, n_gang, contacts = g.job_id, g.attempt, g.now, g.expires, g.n_gang, g.contacts
+        t = p._t
+        if t is not None:   # (rows of the job's table: no pod view made)
+            rows = p._rows
+            ranks, slots = t.ranks, t.slots
+            out.append(enc([
+                "" if rows else p.placement_id, node.node_id, job_id, attempt, "", WIRE_VERSION,
+                [["", ranks[i], slots[i], _EMPTY] for i in rows],
+                p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None]))
+            continue
         pods = p._pods
         out.append(enc([
-            "" if pods else p._pid, node.node_id, job_id, attempt, "", WIRE_VERSION,
+            "" if pods else p.placement_id, node.node_id, job_id, attempt, "", WIRE_VERSION,
             [["", q.rank, q.slots, _EMPTY] for q in pods],
             p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None]))
     return out
@@ -219,23 +260,172 @@ class GangStart:
             env_from_files=s.env_from_files)
 
 
-@dataclass(slots=True)
+# A pod's state as a code (one byte in its job's table). The codes are fixed: "placing",
+# "cancelled" and the wire's workload states; any other name is given the next code.
+_STATE: list[str] = ["placing", "accepted", "fetching", "starting", "running", "terminating", "exited",
+                     "preempted", "failed", "lost", "cancelled"]
+_CODE: dict[str, int] = {s: i for i, s in enumerate(_STATE)}
+_TERMINAL_CODES = bytes(sorted(_CODE[s] for s in TERMINAL_STATES))
+
+
+def state_code(state: str) -> int:
+    c = _CODE.get(state)
+    if c is None:
+        if len(_STATE) >= 256:
+            raise ContractError(f"too many pod states ({state!r})")
+        c = _CODE[state] = len(_STATE)
+        _STATE.append(state)
+    return c
+
+
 class PodRec:
-    rank: int
-    node_id: str
-    slots: tuple[int, ...]
-    uuids: list[str]            # never mutated: whole-node pods share their node's list
-    workload_id: str
-    state: str = "placing"
-    exit_code: int | None = None
-    reason: str | None = None
-    timings: dict[str, float] | None = None      # made on the first timed event (most pods: few)
-    fetch: dict[str, int] | None = None
-    stop_sent: bool = False                      # the placer told it to stop (its end is then no news)
+    """One pod. A job's current pods live in its :class:`PodTable` (columns, state codes);
+    a PodRec is the table's view of one row, made when first asked for (a gang's decision,
+    pushes, acks and running events make none). A PodRec made by its constructor stands
+    alone until :meth:`JobRec.add_pod` puts it in a table (recovery's adopted pods)."""
+
+    __slots__ = ("rank", "node_id", "slots", "uuids", "workload_id", "exit_code", "reason", "timings", "fetch",
+                 "stop_sent", "_t", "_i", "_own")
+
+    def __init__(self, rank: int, node_id: str, slots: tuple[int, ...], uuids: list[str], workload_id: str,
+                 state: str = "placing", exit_code: int | None = None, reason: str | None = None,
+                 timings: dict[str, float] | None = None, fetch: dict[str, int] | None = None,
+                 stop_sent: bool = False) -> None:
+        self.rank = rank
+        self.node_id = node_id
+        self.slots = slots
+        self.uuids = uuids            # never mutated: whole-node pods share their node's list
+        self.workload_id = workload_id
+        self.exit_code = exit_code
+        self.reason = reason
+        self.timings = timings        # made on the first timed event (most pods: few)
+        self.fetch = fetch
+        self.stop_sent = stop_sent    # the placer told it to stop (its end is then no news)
+        self._t: PodTable | None = None
+        self._i = 0
+        self._own = state
+
+    @property
+    def state(self) -> str:
+        t = self._t
+        return _STATE[t.codes[self._i]] if t is not None else self._own
+
+    @state.setter
+    def state(self, state: str) -> None:
+        t = self._t
+        if t is None:
+            self._own = state
+        else:
+            t.codes[self._i] = state_code(state)
 
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL_STATES
+
+    def __repr__(self) -> str:
+        return f"PodRec({self.workload_id} on {self.node_id} {self.state})"
+
+
+class PodTable:
+    """A job's current pods as columns, one row a pod: node, slots, GPUs, rank, and the state
+    as a code in a bytearray (so a gang's acks move every pod with one replace, and a count is
+    ``bytearray.count``). A decision's table is in rank order (row == rank); recovery's grows
+    as pods are adopted, then is sorted. Rows are read as :class:`PodRec` views on demand."""
+
+    __slots__ = ("prefix", "node_ids", "slots", "uuids", "ranks", "codes", "views", "_pos", "_on_node")
+
+    def __init__(self, prefix: str = "") -> None:
+        self.prefix = prefix                        # "<job>.<attempt>." (a decision's workload ids)
+        self.node_ids: list[str] = []
+        self.slots: list[tuple[int, ...]] = []
+        self.uuids: list[list[str]] = []
+        self.ranks: list[int] = []
+        self.codes = bytearray()
+        self.views: list[PodRec | None] = []
+        self._pos: dict[int, int] | None = {}      # rank -> row (None: row == rank)
+        self._on_node: dict[str, list[int]] | None = None   # node -> rows, made when first asked
+
+    @classmethod
+    def decided(cls, prefix: str, node_ids: list[str], slots: list[tuple[int, ...]],
+                uuids: list[list[str]]) -> PodTable:
+        """A decision's pods, rank r in row r, all "placing": a few list copies, no object a pod."""
+        t = cls(prefix)
+        n = len(node_ids)
+        t.node_ids, t.slots, t.uuids = node_ids, slots, uuids
+        t.ranks = list(range(n))
+        t.codes = bytearray(n)          # (0: "placing")
+        t.views = [None] * n
+        t._pos = None
+        return t
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def view(self, i: int) -> PodRec:
+        v = self.views[i]
+        if v is None:
+            v = PodRec.__new__(PodRec)
+            v.rank, v.node_id, v.slots, v.uuids = self.ranks[i], self.node_ids[i], self.slots[i], self.uuids[i]
+            v.workload_id = self.prefix + str(v.rank)
+            v.exit_code = v.reason = v.timings = v.fetch = None
+            v.stop_sent = False
+            v._t, v._i, v._own = self, i, ""
+            self.views[i] = v
+        return v
+
+    def all_views(self) -> list[PodRec]:
+        views = self.views
+        if None in views:
+            view = self.view
+            return [v if v is not None else view(i) for i, v in enumerate(views)]
+        return views  # type: ignore[return-value]  # (no None left)
+
+    def row_of(self, rank: int) -> int | None:
+        pos = self._pos
+        if pos is None:
+            return rank if 0 <= rank < len(self.codes) else None
+        return pos.get(rank)
+
+    def on_node(self, node_id: str) -> list[int]:
+        """The rows of the pods on ``node_id`` (the index is made once, on the first ask)."""
+        idx = self._on_node
+        if idx is None:
+            idx = self._on_node = {}
+            for i, nid in enumerate(self.node_ids):
+                lst = idx.get(nid)
+                if lst is None:
+                    idx[nid] = [i]
+                else:
+                    lst.append(i)
+        return idx.get(node_id, [])
+
+    def append(self, pod: PodRec) -> None:
+        """A standalone pod becomes this table's next row (recovery's adoption)."""
+        i = len(self.codes)
+        self.node_ids.append(pod.node_id)
+        self.slots.append(pod.slots)
+        self.uuids.append(pod.uuids)
+        self.ranks.append(pod.rank)
+        self.codes.append(state_code(pod._own))
+        self.views.append(pod)
+        if self._pos is None:
+            self._pos = {r: k for k, r in enumerate(self.ranks[:-1])}
+        self._pos[pod.rank] = i
+        self._on_node = None
+        pod._t, pod._i = self, i
+
+    def sort_by_rank(self) -> None:
+        views = sorted(self.all_views(), key=lambda p: p.rank)
+        self.node_ids = [p.node_id for p in views]
+        self.slots = [p.slots for p in views]
+        self.uuids = [p.uuids for p in views]
+        self.ranks = [p.rank for p in views]
+        self.codes = bytearray(self.codes[p._i] for p in views)
+        for i, p in enumerate(views):
+            p._i = i
+        self.views = list(views)
+        self._pos = {r: i for i, r in enumerate(self.ranks)}
+        self._on_node = None
 
 
 @dataclass(slots=True)
@@ -247,7 +437,7 @@ class JobRec:
     restarts: int = 0
     failures: int = 0
     reason: str | None = None
-    pods: list[PodRec] = field(default_factory=list)        # by rank once placed
+    table: PodTable = field(default_factory=PodTable)       # the current attempt's pods
     timings: dict[str, float] = field(default_factory=dict)
     recovering: bool = False
     counts: Counter[str] = field(default_factory=Counter)    # current pods by state
@@ -259,55 +449,156 @@ class JobRec:
     def job_id(self) -> str:
         return self.spec.job_id
 
+    @property
+    def pods(self) -> list[PodRec]:
+        """The current pods (by rank once placed), as views of the table: made on this call
+        if not yet (not on a gang's hot path: it reads the table). Read it, never change it."""
+        return self.table.all_views()
+
+    @property
+    def n_pods(self) -> int:
+        return len(self.table.codes)
+
     def set_pods(self, pods: list[PodRec]) -> None:
-        self.pods = pods
+        """Standalone pods become the job's table (in this order)."""
+        t = PodTable(self.table.prefix)
+        for p in pods:
+            t.append(p)
+        self.table = t
         self.counts = Counter(p.state for p in pods)
         self.ok_exits = sum(1 for p in pods if p.state == "exited" and p.exit_code == 0) if self.counts["exited"] else 0
 
+    def set_table(self, table: PodTable) -> None:
+        """A decision's table: every pod "placing" (counted without a pass)."""
+        self.table = table
+        n = len(table.codes)
+        self.counts = Counter({"placing": n}) if n else Counter()
+        self.ok_exits = 0
+
     def add_pod(self, pod: PodRec) -> None:
-        self.pods.append(pod)
+        self.table.append(pod)
         self.counts[pod.state] += 1
         if pod.state == "exited" and pod.exit_code == 0:
             self.ok_exits += 1
 
     def set_pod_state(self, pod: PodRec, state: str, exit_code: int | None = None) -> None:
         """The one way a current pod changes state (keeps ``counts`` and ``ok_exits`` true)."""
-        if pod.state == "exited" and pod.exit_code == 0:
+        t = pod._t
+        old = _STATE[t.codes[pod._i]] if t is not None else pod._own
+        if old == "exited" and pod.exit_code == 0:
             self.ok_exits -= 1
-        self.counts[pod.state] -= 1
-        pod.state, pod.exit_code = state, exit_code
-        self.counts[state] += 1
+        counts = self.counts
+        counts[old] -= 1
+        if t is not None:
+            t.codes[pod._i] = _CODE[state] if state in _CODE else state_code(state)
+        else:
+            pod._own = state
+        pod.exit_code = exit_code
+        counts[state] += 1
         if state == "exited" and exit_code == 0:
             self.ok_exits += 1
 
     def move_pods(self, old: str, new: str) -> int:
-        """Every current pod in state ``old`` goes to ``new`` (neither "exited"): one pass, the
-        counts moved once. Returns how many moved."""
+        """Every current pod in state ``old`` goes to ``new`` (neither "exited"): one replace
+        over the state codes, the counts moved once. Returns how many moved."""
         if old == "exited" or new == "exited":
             raise ContractError("exits carry a code: set_pod_state")
-        n = 0
-        for p in self.pods:
-            if p.state == old:
-                p.state = new
-                n += 1
+        t = self.table
+        oc, nc = state_code(old), state_code(new)
+        n = t.codes.count(oc)
         if n:
+            t.codes = t.codes.replace(bytes((oc,)), bytes((nc,)))
             self.counts[old] -= n
             self.counts[new] += n
         return n
 
     @property
     def all_running(self) -> bool:
-        return bool(self.pods) and len(self.pods) == self.spec.pods and self.counts["running"] == len(self.pods)
+        n = len(self.table.codes)
+        return n > 0 and n == self.spec.pods and self.counts["running"] == n
 
     @property
     def all_succeeded(self) -> bool:
-        return bool(self.pods) and self.ok_exits == len(self.pods)
+        n = len(self.table.codes)
+        return n > 0 and self.ok_exits == n
 
     def live_pods(self) -> list[PodRec]:
-        return [p for p in self.pods if p.state not in TERMINAL_STATES]
+        t = self.table
+        view, term = t.view, _TERMINAL_CODES
+        return [view(i) for i, c in enumerate(t.codes) if c not in term]
 
     def pod_counts(self) -> dict[str, int]:
         return {k: v for k, v in sorted(self.counts.items()) if v}
+
+
+class NodePods(Mapping[str, "tuple[JobRec, PodRec]"]):
+    """A node's current pods by workload id, read from the tables of the gangs placed on it
+    (``NodeRec.gangs``): no entry a pod is kept."""
+
+    __slots__ = ("_node",)
+
+    def __init__(self, node: NodeRec) -> None:
+        self._node = node
+
+    def get(self, wid: str, default: Any = None) -> Any:  # (Mapping.get, without a raise and catch)
+        node = self._node
+        job = node.gangs.get(wid.partition(".")[0])
+        if job is not None:   # (a job id has no dot: a decision's rows are found by the prefix)
+            t = job.table
+            prefix = t.prefix
+            if t._pos is None and prefix and wid.startswith(prefix):
+                r = wid[len(prefix):]
+                if not r.isdigit():
+                    return default
+                i = int(r)
+                if i >= len(t.codes) or t.node_ids[i] != node.node_id:
+                    return default
+                v = t.views[i]
+                if v is None:
+                    v = t.view(i)
+                return (job, v) if v.workload_id == wid else default
+        parsed = parse_workload_id(wid)
+        if parsed is None:
+            return default
+        job = node.gangs.get(parsed[0])
+        if job is None or job.attempt != parsed[1]:
+            return default
+        t = job.table
+        row = t.row_of(parsed[2])
+        if row is None or t.node_ids[row] != node.node_id:
+            return default
+        v = t.view(row)
+        return (job, v) if v.workload_id == wid else default
+
+    def __getitem__(self, wid: str) -> tuple[JobRec, PodRec]:
+        hit = self.get(wid)
+        if hit is None:
+            raise UnknownJob(f"no current pod {wid} on {self._node.node_id}")
+        return hit
+
+    def __contains__(self, wid: object) -> bool:
+        return isinstance(wid, str) and self.get(wid) is not None
+
+    def _entries(self) -> list[tuple[JobRec, PodRec]]:
+        nid = self._node.node_id
+        out = []
+        for job in self._node.gangs.values():
+            t = job.table
+            out += [(job, t.view(i)) for i in t.on_node(nid)]
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([p.workload_id for _, p in self._entries()])
+
+    def __len__(self) -> int:
+        nid = self._node.node_id
+        return sum(len(job.table.on_node(nid)) for job in self._node.gangs.values())
+
+    def values(self) -> list[tuple[JobRec, PodRec]]:  # type: ignore[override]  # (a list: a snapshot)
+        return self._entries()
+
+    def items(self) -> list[tuple[str, tuple[JobRec, PodRec]]]:  # type: ignore[override]
+        return [(p.workload_id, (job, p)) for job, p in self._entries()]
 
 
 @dataclass(slots=True)
@@ -335,13 +626,14 @@ class NodeRec:
     workloads: dict[str, str] = field(default_factory=dict)   # workload id -> last reported state
     stale: dict[str, tuple[int, ...]] = field(default_factory=dict)  # workload -> slots, to stop
     tell: set[str] = field(default_factory=set)       # stale workloads to name in the next reply
-    pods: dict[str, tuple[JobRec, PodRec]] = field(default_factory=dict)  # current pods placed here
+    gangs: dict[str, JobRec] = field(default_factory=dict)   # jobs with current pods here, by id
     _peer: Peer | None = None
     _inventory: str = ""
     all_slots: tuple[int, ...] = ()                   # (0..n-1), shared by whole-node pods
     all_slots_list: list[int] = field(default_factory=list)
 
     rack_path: str = ""                               # "zone/block/rack", the relays' key
+    mac: bytes = b""                                  # its MAC key for boot_id, once derived (Reports.mac_key)
 
     def __post_init__(self) -> None:
         # Made once at registration (a node's topology and GPUs change only by registering
@@ -352,6 +644,11 @@ class NodeRec:
         self.rack_path = t.zone + "/" + t.block + "/" + t.rack
         self._inventory = inventory_hash(self.uuids)
         self._peer = Peer(node_id=self.node_id, data_url=self.data_url, zone=t.zone, block=t.block, rack=t.rack)
+
+    @property
+    def pods(self) -> NodePods:
+        """The current pods placed on this node, by workload id (through ``gangs``)."""
+        return NodePods(self)
 
     def slot_of(self, uuid: str) -> int | None:
         try:

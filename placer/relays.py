@@ -424,7 +424,7 @@ def check_acks(ab: AckBundle, core: DeliveryRound, r: int, pushes: list[Push], r
         i = lo + k
         if nid != relay_id:
             node = nodes.get(nid)
-            if node is None or not ok(mac_key(nid, node.boot_id), o):
+            if node is None or not ok(node.mac or mac_key(nid, node.boot_id), o):
                 bad.append(i)
                 continue
         if o.placement_id != pushes[i].placement_id:

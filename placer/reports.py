@@ -44,25 +44,22 @@ log = logging.getLogger("herd.placer.state")
 class Reports(StateBase):
     # the secret node MAC keys derive from (scheduler_link.msgauth); the service sets it
     mac_master: bytes = b""
-    _mac_keys: dict[str, tuple[str, bytes]] | None = None
 
     def set_mac_master(self, master: bytes) -> None:
         self.mac_master = master
-        self._mac_keys = None
+        for n in self.nodes.values():
+            n.mac = b""
 
     def mac_key(self, node_id: str, boot_id: str) -> bytes:
-        """Node ``node_id``'s MAC key for ``boot_id``: derived once per (known node, boot) and
-        kept (one entry per registered node; an unknown id is derived each time, never kept)."""
-        keys = self._mac_keys
-        if keys is None:
-            keys = self._mac_keys = {}
-        hit = keys.get(node_id)
-        if hit is not None and hit[0] == boot_id:
-            return hit[1]
-        k = node_key(self.mac_master, node_id, boot_id)
-        if node_id in self.nodes:
-            keys[node_id] = (boot_id, k)
-        return k
+        """Node ``node_id``'s MAC key for ``boot_id``: derived once per node record (its
+        ``mac``, for the record's boot) and kept there; any other is derived each time."""
+        node = self.nodes.get(node_id)
+        if node is not None and node.boot_id == boot_id:
+            k = node.mac
+            if not k:
+                k = node.mac = node_key(self.mac_master, node_id, boot_id)
+            return k
+        return node_key(self.mac_master, node_id, boot_id)
 
     def ingest(self, node_id: str, rep: NodeReport, now: float) -> tuple[int, ReportReply, list[Push]]:
         """Apply one report. Returns (HTTP status, reply, pushes)."""
@@ -211,7 +208,7 @@ class Reports(StateBase):
         if old is not None:
             pushes += self._node_back(old, now)
             self._set_manifests(old, set())
-            node.pods = old.pods
+            node.gangs = old.gangs
             self.node_states[old.state] -= 1
             self.fence_timer.cancel(rep.node_id)
             # Forget what we believed about this node's stale holders: the report is the truth.
@@ -438,7 +435,7 @@ class Reports(StateBase):
             if not job.recovering:
                 continue
             job.recovering = False
-            job.pods.sort(key=lambda p: p.rank)
+            job.table.sort_by_rank()
             if job.pods and len(job.pods) == job.spec.pods:  # ranks are unique (indexed by workload id)
                 job.state = "starting"
                 self._maybe_running(job, now)

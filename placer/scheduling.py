@@ -47,6 +47,7 @@ from .records import (
     JobRec,
     NodeRec,
     PodRec,
+    PodTable,
     Push,
 )
 from .statebase import StateBase
@@ -56,6 +57,7 @@ log = logging.getLogger("herd.placer.state")
 FULL_PEERS_UP_TO = 64      # gangs of at most this many nodes list every member to every node
 CONTACTS = 4               # bigger gangs: this many members of other racks per node
 REBUILD_SPACING = 4.0      # a rebuild waits this many times the previous one's cost
+_NO_VICTIMS: list[Victim] = []   # a start push with no victim's (shared: read, never mutated)
 
 
 class Scheduling(StateBase):
@@ -215,44 +217,60 @@ class Scheduling(StateBase):
         # when the decision was made: the pass's ``now`` plus the time the pass took so far
         job.timings["decided"] = now + (self._clock() - self._pass_t0) if self._clock else now
         ids = decision._node_ids
-        node_names = [ids[n] for n in decision.pod_nodes.tolist()]
-        slot_rows = decision.pod_slots.tolist()
-        ragged = bool((decision.pod_slots < 0).any())
-        prefix = f"{job.job_id}.{job.attempt}."
-        pods: list[PodRec] = []
+        node_idx = decision.pod_nodes
+        slots_arr = decision.pod_slots
+        width = slots_arr.shape[1] if slots_arr.ndim == 2 else 0
+        P = len(node_idx)
+        # whole-node pods (slots 0..width-1 of a node with width GPUs) share their node's
+        # slot tuple and GPU list: found for the whole gang at once, a row is read only if not
+        whole = (slots_arr == np.arange(width)).all(axis=1).tolist() if width else [False] * P
         nodes = self.nodes
-        for rank, (nid, row) in enumerate(zip(node_names, slot_rows, strict=True)):
-            n = nodes[nid]
-            uu = n.uuids
-            if len(row) == len(uu) and (not ragged or row[-1] >= 0) and row == n.all_slots_list:
-                pods.append(PodRec(rank, nid, n.all_slots, uu, prefix + str(rank)))  # a whole node: shared
-                continue
-            slots = tuple(s for s in row if s >= 0) if ragged else tuple(row)
-            pods.append(PodRec(rank, nid, slots, [uu[s] for s in slots], prefix + str(rank)))
-        self._replace_pods(job, pods)
+        names = [ids[n] for n in node_idx.tolist()]
+        recs = [nodes[nid] for nid in names]
+        slots: list[tuple[int, ...]] = [n.all_slots if w and len(n.uuids) == width else ()
+                                        for n, w in zip(recs, whole, strict=True)]
+        uuids: list[list[str]] = [n.uuids for n in recs]
+        for r, (n, w) in enumerate(zip(recs, whole, strict=True)):
+            if not (w and len(n.uuids) == width):
+                slots[r] = tuple(s for s in slots_arr[r].tolist() if s >= 0)
+                uuids[r] = [n.uuids[s] for s in slots[r]]
+        table = PodTable.decided(f"{job.job_id}.{job.attempt}.", names, slots, uuids)
+        self._replace_pods(job, table)
+        # the pushes: the gang's nodes in rank order of their first pod, each with its rows
+        uniq, first = np.unique(node_idx, return_index=True)
+        if len(uniq) == P:   # one pod a node (whole-node gangs): row r is node r's
+            gang = recs
+            rows: list[list[int]] = [[r] for r in range(P)]
+        else:
+            groups: dict[str, list[int]] = {}
+            for r, nid in enumerate(names):
+                lst = groups.get(nid)
+                if lst is None:
+                    groups[nid] = [r]
+                else:
+                    lst.append(r)
+            gang = [nodes[nid] for nid in groups]
+            rows = list(groups.values())
         # the model's node indices are in topology order: the gang's, sorted, are too
-        order = [nodes[ids[n]] for n in np.unique(decision.pod_nodes).tolist()]
-        return self._start_pushes(job, victim_stops, now, order)
+        order = [nodes[ids[n]] for n in uniq.tolist()]
+        return self._start_pushes(job, victim_stops, now, order, gang, rows)
 
     def _start_pushes(self, job: JobRec, victim_stops: dict[str, list[Victim]], now: float,
-                      order: list[NodeRec] | None = None) -> list[Push]:
-        """``order``: the gang's nodes in topology order, when the caller knows it."""
+                      order: list[NodeRec], gang: list[NodeRec], rows: list[list[int]]) -> list[Push]:
+        """``order``: the gang's nodes in topology order; ``gang``: the same nodes in the order
+        of their first pod's rank, ``rows[k]`` the table rows of ``gang[k]``'s pods."""
         s = job.spec
-        by_node: dict[str, list[PodRec]] = {}
-        for p in job.pods:
-            lst = by_node.get(p.node_id)
-            if lst is None:
-                by_node[p.node_id] = [p]
-            else:
-                lst.append(p)
         nodes = self.nodes
-        gang = [nodes[n] for n in by_node]
         blob_id, peers_of = self._gang_blob(job, gang, order)
-        contacts = self._holders(s.manifest_id, set(by_node) if s.manifest_id else set())
+        contacts = self._holders(s.manifest_id, {n.node_id for n in gang} if s.manifest_id else set())
         gs = GangStart(s, job.attempt, blob_id=blob_id, peers_of=peers_of, contacts=contacts, n_gang=len(gang),
                        now=now, expires=now + self.cfg.placement_ttl_s)
-        start = Push.start
-        out = [start(gs, node, by_node[node.node_id], victim_stops.pop(node.node_id, [])) for node in gang]
+        start, table = Push.start_rows, job.table
+        if victim_stops:
+            pop = victim_stops.pop
+            out = [start(gs, node, table, r, pop(node.node_id, _NO_VICTIMS)) for node, r in zip(gang, rows, strict=True)]
+        else:
+            out = [start(gs, node, table, r, _NO_VICTIMS) for node, r in zip(gang, rows, strict=True)]
         for node_id, victims in victim_stops.items():  # victims on nodes that get no new pod
             vnode = nodes[node_id]
             self._pid += 1

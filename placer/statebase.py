@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
@@ -20,12 +21,50 @@ from .errors import Conflict, InvalidSpec, UnknownJob, UnknownNode
 from .model import ClusterModel
 from .place import Decision, JobRequest
 from .queue import JobQueue
-from .records import STALE_PRIORITY, JobRec, NodeRec, PodRec, Push
+from .records import STALE_PRIORITY, JobRec, NodeRec, PodRec, PodTable, Push, parse_workload_id
 from .timers import Deadlines, DenseDeadlines
 
 log = logging.getLogger("herd.placer.state")
 
 MODEL_ERRORS = (KeyError, ValueError, Conflict, InvalidSpec, UnknownJob, UnknownNode)
+
+
+class CurrentPods(Mapping[str, "tuple[JobRec, PodRec]"]):
+    """The current attempts' pods by workload id, read from the jobs' tables (a workload id
+    names its job, attempt and rank): no entry a pod is kept."""
+
+    __slots__ = ("_jobs",)
+
+    def __init__(self, jobs: dict[str, JobRec]) -> None:
+        self._jobs = jobs
+
+    def get(self, wid: str, default: Any = None) -> Any:  # (Mapping.get, without a raise and catch)
+        parsed = parse_workload_id(wid)
+        if parsed is None:
+            return default
+        job = self._jobs.get(parsed[0])
+        if job is None or job.attempt != parsed[1]:
+            return default
+        i = job.table.row_of(parsed[2])
+        if i is None:
+            return default
+        v = job.table.view(i)
+        return (job, v) if v.workload_id == wid else default
+
+    def __getitem__(self, wid: str) -> tuple[JobRec, PodRec]:
+        hit = self.get(wid)
+        if hit is None:
+            raise UnknownJob(f"no current pod {wid}")
+        return hit
+
+    def __contains__(self, wid: object) -> bool:
+        return isinstance(wid, str) and self.get(wid) is not None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([p.workload_id for j in list(self._jobs.values()) for p in j.pods])
+
+    def __len__(self) -> int:
+        return sum(j.n_pods for j in self._jobs.values())
 
 
 class StateBase:
@@ -39,7 +78,7 @@ class StateBase:
         self.queue = JobQueue(place_fn=place_fn or self._timed_place)
         self.nodes: dict[str, NodeRec] = {}
         self.jobs: dict[str, JobRec] = {}
-        self.pods: dict[str, tuple[JobRec, PodRec]] = {}   # current-attempt pods by workload id
+        self.pods = CurrentPods(self.jobs)                  # current-attempt pods by workload id
         self.node_states: Counter[str] = Counter()          # up / lost
         self.uuid_owner: dict[str, str] = {}                # GPU UUID -> the node reporting it
         self.manifest_holders: dict[str, set[str]] = {}     # manifest id -> up nodes holding it
@@ -114,30 +153,30 @@ class StateBase:
             pass
 
     def _index_pod(self, job: JobRec, pod: PodRec) -> None:
-        self.pods[pod.workload_id] = (job, pod)
         node = self.nodes.get(pod.node_id)
         if node is not None:
-            node.pods[pod.workload_id] = (job, pod)
+            node.gangs[job.job_id] = job
 
     def _unindex_pods(self, job: JobRec) -> None:
         """The job's current pods stop being current (a new attempt, or recovery gave up)."""
-        for p in job.pods:
-            if self.pods.get(p.workload_id, (None, None))[1] is p:
-                del self.pods[p.workload_id]
-            node = self.nodes.get(p.node_id)
-            if node is not None and node.pods.get(p.workload_id, (None, None))[1] is p:
-                del node.pods[p.workload_id]
+        jid, nodes = job.job_id, self.nodes
+        for nid in dict.fromkeys(job.table.node_ids):
+            node = nodes.get(nid)
+            if node is not None and node.gangs.get(jid) is job:
+                del node.gangs[jid]
 
-    def _replace_pods(self, job: JobRec, pods: list[PodRec]) -> None:
+    def _replace_pods(self, job: JobRec, pods: list[PodRec] | PodTable) -> None:
+        """The job's current pods become ``pods`` (standalone pods, or a decision's table)."""
         self._unindex_pods(job)
-        job.set_pods(pods)
-        index, nodes = self.pods, self.nodes   # (_index_pod inlined: 25,000 pods a big gang)
-        for p in pods:
-            entry = (job, p)
-            index[p.workload_id] = entry
-            node = nodes.get(p.node_id)
+        if isinstance(pods, PodTable):
+            job.set_table(pods)
+        else:
+            job.set_pods(pods)
+        jid, nodes = job.job_id, self.nodes
+        for nid in dict.fromkeys(job.table.node_ids):   # (one entry a node: 25,000 a big gang)
+            node = nodes.get(nid)
             if node is not None:
-                node.pods[p.workload_id] = entry
+                node.gangs[jid] = job
 
     def _mark_stale(self, p: PodRec) -> None:
         n = self.nodes.get(p.node_id)

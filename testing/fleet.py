@@ -1019,7 +1019,7 @@ class Fleet:
                 "part_bytes_max": max((c.part_bytes_max for c in cs), default=0),
                 "bundles_verified": sum(v.verified for v, _ in self.verifiers.values()),
                 "bundles_refused": sum(c.bad_bundles for c in cs),
-                "parts_missed": sum(c.parts_missed for c in cs), "late_answers": sum(c.late_answers for c in cs),
+                "parts_missed": sum(c.parts_missed for c in cs), "late_answers": sum(c.late_answers for c in cs), "late_bundles": sum(c.late_bundles for c in cs),
                 "relay_failures": sum(r.failures for r in rs) + sum(k.failures for k in ks),
                 "blob_fetches": {**self.blob_cache.statistics(), "served": sum(r.blob_serves for r in rs),
                                  "failed": self.blob_failures},

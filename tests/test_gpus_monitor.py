@@ -25,6 +25,12 @@ def codes(snap, i):
     return [r.code for r in snap.gpus[i].reasons]
 
 
+async def polls_after(mon, n: int = 3) -> None:
+    """Wait until the monitor has polled ``n`` more times (what a poll could change, it has)."""
+    before = mon.statistics()["polls"]
+    await poll(lambda: mon.statistics()["polls"] >= before + n, 0.02)
+
+
 async def test_injected_faults_walk_the_states_and_back(tmp_path):
     mon = GpuMonitor(open_backend("simulated:dgx-h100", hostname="sim-1"), poll_interval_s=0.05,
                      health_config=FAST, state_dir=tmp_path, kernel_log=False, event_wait_ms=50)
@@ -55,8 +61,8 @@ async def test_injected_faults_walk_the_states_and_back(tmp_path):
             mon.inject(u[2], Fault(xid=79))
             snap = await until(mon, rx, lambda s: s.gpus[2].health == "fatal")
             assert codes(snap, 2) == ["xid:79"] and snap.gpus[2].telemetry.last_xid == 79
-            await trio.sleep(0.2)
-            assert mon.snapshot().gpus[2].health == "fatal"
+            await polls_after(mon)
+            assert mon.snapshot().gpus[2].health == "fatal"   # sticky
             mon.inject(u[2], Fault(clear=True))
             snap = await until(mon, rx, lambda s: s.gpus[2].health == "healthy")
             assert snap.gpus[2].telemetry.last_xid is None and snap.gpus[2].reasons == []
@@ -103,7 +109,7 @@ async def test_injected_faults_walk_the_states_and_back(tmp_path):
                 mon.inject(u[1], Fault(nvlink_down=18))
             with pytest.raises(FaultError, match="fabric"):
                 mon.inject(u[1], Fault(fabric_health="unhealthy"))
-            await trio.sleep(0.15)
+            await polls_after(mon)
             assert mon.snapshot().gpus[1].health == "healthy"
 
             st = mon.statistics()
@@ -135,21 +141,25 @@ async def test_nvl72_fabric_health_and_subscriptions_close_at_exit():
 
 
 async def test_slow_discovery_is_bounded():
-    b = open_backend("simulated:l40s-pcie")
-    import time
+    import threading
 
+    b = open_backend("simulated:l40s-pcie")
     orig = b.discover
+    stuck = threading.Event()   # the driver call returns once this is set: after the test
 
     def slow():
-        time.sleep(0.5)
+        stuck.wait(30)
         return orig()
 
     b.discover = slow  # type: ignore[method-assign]
     mon = GpuMonitor(b, discovery_timeout_s=0.1, kernel_log=False)
     from agent.gpus import GpuBackendError
-    with trio.fail_after(5):
-        with pytest.raises(GpuBackendError, match="discovery .* took longer than 0.1s"):
-            await mon.run()
+    try:
+        with trio.fail_after(5):
+            with pytest.raises(GpuBackendError, match="discovery .* took longer than 0.1s"):
+                await mon.run()
+    finally:
+        stuck.set()
 
 
 async def test_kernel_log_back_fill_reaches_the_first_snapshot(monkeypatch):
@@ -185,17 +195,17 @@ def test_the_real_kernel_log_reader_is_bounded_and_best_effort():
 
 async def test_a_hung_poll_is_abandoned_and_the_monitor_keeps_going():
     import threading
-    import time
 
     b = open_backend("simulated:l40s-pcie")
     orig = b.poll
     hang = threading.Event()
+    unstick = threading.Event()
     closed: list[bool] = []
 
     def hanging_poll():
         if hang.is_set():
             hang.clear()
-            time.sleep(0.4)            # a driver call stuck for a while
+            unstick.wait(30)           # a driver call stuck until the test lets it return
         return orig()
 
     b.poll = hanging_poll  # type: ignore[method-assign]
@@ -206,6 +216,7 @@ async def test_a_hung_poll_is_abandoned_and_the_monitor_keeps_going():
             await n.start(mon.run)
             hang.set()
             await poll(lambda: mon.statistics()["poll_timeouts"] != 0, 0.02)
+            unstick.set()
             before = mon.statistics()["polls"]
             await poll(lambda: mon.statistics()["polls"] >= before + 3, 0.02)  # polls resume after the stuck one returns
             assert mon.snapshot().gpus[0].health == "healthy"

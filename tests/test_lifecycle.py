@@ -6,12 +6,14 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import msgspec
 import pytest
 import trio
+import trio.testing
 
 from agent import procs
 from agent.config import AgentConfig
@@ -34,9 +36,9 @@ exit "${CODE:-0}"
 """
 
 
-def make(tmp: Path) -> Supervisor:
+def make(tmp: Path, clock: Callable[[], float] = time.time) -> Supervisor:
     return Supervisor(tmp / "state", node_id="n1", gpu_health=lambda: GPUS,
-                      config=SupervisorConfig(shim_pool=1), base_env={"PATH": "/usr/bin:/bin"})
+                      config=SupervisorConfig(shim_pool=1), base_env={"PATH": "/usr/bin:/bin"}, clock=clock)
 
 
 def place(wid: str, gpus: list[str], env: dict[str, str] | None = None, grace: float = 5.0) -> Placement:
@@ -96,7 +98,7 @@ async def test_a_recycled_pid_is_never_adopted_nor_signalled(tmp_path, wrong, st
                 await n.start(sup.run)
                 assert sup.record("w").state in ("lost", "preempted")
                 assert sup.gpu_holders() == {}
-                await trio.sleep(0.3)
+                await trio.testing.wait_all_tasks_blocked()   # whatever it would do to that process, done
                 n.cancel_scope.cancel()
         assert other.poll() is None, "a process that is not ours was signalled"
     finally:
@@ -105,10 +107,11 @@ async def test_a_recycled_pid_is_never_adopted_nor_signalled(tmp_path, wrong, st
 
 
 async def test_restart_resumes_the_grace_countdown(tmp_path):
-    """The agent dies right after SIGTERM; it restarts 1.5 s later: the SIGKILL comes at the
-    original deadline, not a fresh grace after the restart (deadline + 1.5 s or later).
-    Mutation checked: the killer taking ``now + grace`` as its deadline fails this."""
-    grace = 3.0
+    """The agent dies right after SIGTERM; it restarts ``later`` s later (its wall clock
+    runs that far ahead: nothing sleeps): the SIGKILL comes at the original deadline, not a
+    fresh grace after the restart (deadline + ``later`` or later, on the restarted agent's
+    clock). Mutation checked: the killer taking ``now + grace`` as its deadline fails this."""
+    grace, later = 6.0, 4.5
     sup = make(tmp_path)
     with trio.fail_after(40):
         async with trio.open_nursery() as n:
@@ -122,16 +125,15 @@ async def test_restart_resumes_the_grace_countdown(tmp_path):
             deadline = sup.record("w").stop_deadline
             assert deadline is not None
             n.cancel_scope.cancel()
-        await trio.sleep(1.5)
-        sup2 = make(tmp_path)
+        sup2 = make(tmp_path, clock=lambda: time.time() + later)
         async with trio.open_nursery() as n:
             await n.start(sup2.run)
             assert sup2.record("w").state == "terminating" and sup2.record("w").stop_deadline == deadline
             st = await sup2.wait_terminal("w")
-            ended = time.time()
+            ended = time.time() + later
             n.cancel_scope.cancel()
     assert (st.state, st.exit_code) == ("preempted", 128 + signal.SIGKILL)
-    assert deadline - 0.05 <= ended < deadline + 1.0, (ended - deadline)
+    assert deadline - 0.05 <= ended < deadline + later - 1.5, (ended - deadline)
     assert (scratch / "terms").read_text() == "term\n"  # one SIGTERM, not one per agent life
 
 

@@ -90,15 +90,20 @@ async def test_follow_waits_for_a_log_that_does_not_exist_yet(tmp_path: Path):
     wdir = tmp_path / "w"
     done = False
     got: list[bytes] = []
+    following = trio.Event()   # the reader asked whether the workload ended: it follows now
+
+    def ended() -> bool:
+        following.set()
+        return done
 
     async def reader() -> None:
-        async for piece in follow(wdir, "stderr", 10, 1, lambda: done, poll_s=0.01):
+        async for piece in follow(wdir, "stderr", 10, 1, ended, poll_s=0.01):
             got.append(piece)
 
     with trio.fail_after(10):
         async with trio.open_nursery() as n:
             n.start_soon(reader)
-            await trio.sleep(0.05)
+            await following.wait()   # past the (empty) tail, waiting for a log not there yet
             wdir.mkdir()
             (wdir / "stderr.log").write_bytes(b"hello\n")
             await poll(lambda: b"".join(got) == b"hello\n", 0.01)

@@ -103,7 +103,7 @@ async def test_http_origin_reads_retries_and_is_read_only(tmp_path: Path) -> Non
             return Response(status=429 if flaky["left"] else 503, body=b"busy")
         if flaky["slow"] > 0 and req.params["name"] == chunks[1][0]:
             flaky["slow"] -= 1
-            await trio.sleep(5)  # longer than the client's timeout: a retried timeout
+            await trio.sleep_forever()  # past the client's timeout: a retried timeout
         p = root / req.params["kind"] / req.params["name"]
         if not p.is_file():
             return Response(status=404, body=b"")

@@ -97,7 +97,7 @@ flipped). Counts requests a path."""
             if mode in ("fin", "reset", "stall"):
                 await stream.send_all(wire[:len(wire) // 2])
                 if mode == "stall":
-                    await trio.sleep(30)
+                    await trio.sleep_forever()
                 if mode == "reset":
                     stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
                 stream.socket.close()

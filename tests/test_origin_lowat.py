@@ -10,6 +10,7 @@ import socket
 
 import blake3
 import trio
+import trio.testing
 
 from p2p.origins import open_origin
 from testing.waiting import poll
@@ -42,7 +43,7 @@ async def test_plain_http_origin_body_lowat_and_keepalive_reset() -> None:
                     "Content-Type: application/octet-stream\r\n\r\n").encode()
             if body is data:
                 await stream.send_all(head + body[:1000])      # a first piece with the head
-                await trio.sleep(0.05)
+                await trio.testing.wait_all_tasks_blocked()    # read by the client, which waits for more
                 await stream.send_all(body[1000:100_000])      # less than a wakeup's worth
                 part_sent.set()
                 await release.wait()
@@ -63,11 +64,8 @@ async def test_plain_http_origin_body_lowat_and_keepalive_reset() -> None:
 
                 nursery.start_soon(fetch)
                 await part_sent.wait()
-                for _ in range(200):       # the reader is asleep until a good piece is there
-                    socks = _client_sockets(origin)
-                    if socks and socks[0].getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) > 1:
-                        break
-                    await trio.sleep(0.01)
+                await trio.testing.wait_all_tasks_blocked()
+                socks = _client_sockets(origin)   # the reader is asleep until a good piece is there
                 assert socks[0].getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 128 * 1024
                 release.set()
                 await poll(lambda: got, 0.01)

@@ -22,7 +22,7 @@ from p2p.batch import BUSY, FRAME, MISSING, OK, frame
 from p2p.dataplane import DataPlane, DataPlaneConfig
 from p2p.peers import PeerBusy, PeerClient, PeerClientConfig, PeerError, PeerMissing, PeerUnavailable
 from p2p.store import ChunkStore
-from testing.waiting import poll
+from testing.waiting import Changes, poll, until
 
 TOKEN = "cluster-secret"
 # thread: plain, the worker thread; loop: plain through the trio thread (a rate cap
@@ -72,13 +72,17 @@ async def _serve(nursery: trio.Nursery, store: ChunkStore, **kw) -> tuple[str, D
 
 class _Sink:
     """A store callback that keeps what it was given (the thread-safe ChunkStore is what
-    the herd passes; this checks exactly what came)."""
+    the herd passes; this checks exactly what came). ``changes`` is poked on the event
+    loop after each chunk kept, from whichever thread the client stored it in."""
 
     def __init__(self) -> None:
         self.got: dict[str, bytes] = {}
+        self.changes = Changes()
+        self._token = trio.lowlevel.current_trio_token()
 
     def __call__(self, cid: str, body: memoryview) -> None:
         self.got[cid] = bytes(body)
+        self._token.run_sync_soon(self.changes.poke)
 
 
 @PATHS
@@ -103,11 +107,9 @@ async def test_batch_byte_exact_into_the_store_and_keepalive(tmp_path: Path, pat
             assert got.outcomes == ["ok", "ok"] and sink.got == dict(chunks[:2])
             assert len(client._idle[("127.0.0.1", int(url.rsplit(":", 1)[1]))]) == 1   # kept alive
             assert bytes(await client.get_chunk_verified(url, *items[2])) == chunks[2][1]
-            for _ in range(100):   # the server counts an answer once it is sent: just after the client has it
-                s = plane.statistics()
-                if s["chunks_served"] == len(chunks) + 3:
-                    break
-                await trio.sleep(0.01)
+            # the server counts an answer once it is sent: just after the client has it
+            await until(plane.next_change, lambda: plane.statistics()["chunks_served"] == len(chunks) + 3)
+            s = plane.statistics()
             assert s["batches"] == 2 and s["chunks_served"] == len(chunks) + 3 and s["connections"] == 1
             await client.aclose()
             nursery.cancel_scope.cancel()
@@ -150,7 +152,7 @@ async def test_a_batch_counts_as_its_chunks_against_the_per_chunk_cap(tmp_path: 
             slow.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             await slow.send_all(f"GET /v1/chunks?ids={a} HTTP/1.1\r\nHost: x\r\n"
                                 f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
-            await poll(lambda: plane.statistics()["serving_per_chunk_max"] >= 1, 0.01)
+            await until(plane.next_change, lambda: plane.statistics()["serving_per_chunk_max"] >= 1)
             client = _client("thread")
             sink = _Sink()
             got = await client.get_chunks(url, [(a, len(da)), (b, len(db))], store=sink)
@@ -159,10 +161,7 @@ async def test_a_batch_counts_as_its_chunks_against_the_per_chunk_cap(tmp_path: 
                 await client.get_chunks(url, [(a, len(da))], store=sink)
             assert e.value.retry_after_s == pytest.approx(0.07)
             await slow.aclose()
-            for _ in range(200):
-                if not plane._serving:
-                    break
-                await trio.sleep(0.02)
+            await until(plane.next_change, lambda: not plane._serving)
             got = await client.get_chunks(url, [(a, len(da))], store=sink)
             assert got.outcomes == ["ok"] and sink.got[a] == da
             assert plane.statistics()["batch_chunks_busy"] == 2
@@ -218,9 +217,7 @@ async def test_hostile_batch_requests_get_a_clear_4xx_and_lose_nothing(tmp_path:
             got = await _client("thread").get_chunks(url, [(ids[0], 3000), (ids[1], 4000)], store=sink)
             assert got.outcomes == ["ok", "ok"] and sink.got == dict(chunks[:2])
             # (the server's sending thread frees its slot just after the client has every byte)
-            with trio.move_on_after(5):
-                await poll(lambda: not (plane._serving or plane.statistics()["active"]), 0.01)
-            assert not plane._serving and plane.statistics()["active"] == 0
+            await until(plane.next_change, lambda: not (plane._serving or plane.statistics()["active"]))
             nursery.cancel_scope.cancel()
 
 
@@ -267,12 +264,11 @@ class _Hostile:
         head = f"HTTP/1.1 200 OK\r\ncontent-length: {length}\r\n\r\n".encode()
         if self.mode in ("corrupt", "badsize", "overlong", "short"):
             await stream.send_all(head + body + (frame(MISSING, 0) if self.mode == "overlong" else b""))
-            await trio.sleep(5)
-            return
+            await trio.sleep_forever()   # held open until the test is done
         cut = sum(FRAME.size + len(d) for _, d in self.chunks[:2]) + len(self.chunks[2][1]) // 2
         await stream.send_all(head + body[:cut])
         if self.mode == "stall":
-            await trio.sleep(30)
+            await trio.sleep_forever()
         elif self.mode == "reset":
             raw.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             raw.socket.close()
@@ -438,14 +434,11 @@ async def test_a_client_leaving_mid_batch_frees_the_server(tmp_path: Path, tls: 
             await stream.send_all(f"GET /v1/chunks?ids={ids} HTTP/1.1\r\nHost: x\r\n"
                                   f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
             await stream.receive_some(65536)                  # the head and a little
-            await poll(lambda: plane._serving, 0.01)
+            await until(plane.next_change, lambda: plane._serving)
             raw.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             raw.socket.close()                                 # gone, mid-batch
-            for _ in range(300):
-                s = plane.statistics()
-                if not plane._serving and s["active"] == 0 and s["open_connections"] == 0:
-                    break
-                await trio.sleep(0.02)
+            await until(plane.next_change, lambda: not plane._serving and plane.statistics()["open_connections"] == 0)
+            s = plane.statistics()
             assert not plane._serving and s["active"] == 0 and s["open_connections"] == 0
             assert s["batches"] == 0                           # that answer was never complete
             sink = _Sink()
@@ -489,9 +482,10 @@ async def test_a_batch_holds_one_chunk_file_open_and_an_evicted_one_cuts_it(tmp_
             await stream.send_all(f"GET /v1/chunks?ids={','.join(c for c, _ in chunks)} HTTP/1.1\r\nHost: x\r\n"
                                   f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
             got = bytearray(await stream.receive_some(65536))
-            await poll(lambda: plane._serving, 0.01)
-            await trio.sleep(0.2)                          # the server is blocked sending chunk 0
-            assert open_chunk_files() == 1
+            # the server is sending chunk 0 (blocked: this reads nothing more); a later
+            # chunk's file would be open by now if it opened them ahead of their turn
+            await poll(open_chunk_files, 0.01)             # (descriptors set no event)
+            assert plane._serving and open_chunk_files() == 1
             os.unlink(src.chunk_path(chunks[2][0]))        # gone before its turn
             while True:
                 piece = await stream.receive_some(1 << 20)
@@ -502,10 +496,7 @@ async def test_a_batch_holds_one_chunk_file_open_and_an_evicted_one_cuts_it(tmp_
             assert head.startswith(b"HTTP/1.1 200")
             want = b"".join(frame(OK, len(d)) + d for _, d in chunks[:2])
             assert body == want                            # two whole frames, then the cut
-            for _ in range(100):
-                if plane.statistics()["open_connections"] == 0:
-                    break
-                await trio.sleep(0.02)
+            await until(plane.next_change, lambda: plane.statistics()["open_connections"] == 0)
             assert open_chunk_files() == 0 and not plane._serving
             assert plane.statistics()["batches"] == 0 and plane.statistics()["open_connections"] == 0
             nursery.cancel_scope.cancel()
@@ -527,24 +518,25 @@ async def test_a_waiting_batch_streams_each_chunk_as_it_arrives(tmp_path: Path, 
             sink = _Sink()
             items = [(cid, len(d)) for cid, d in chunks]
             got: list = []
+            done = trio.Event()
 
             async def ask() -> None:
                 got.append(await client.get_chunks(url, items, store=sink, wait_ms=10_000))
+                done.set()
 
             nursery.start_soon(ask)
-            for cid, data in chunks:      # they arrive one by one, after the request
-                await trio.sleep(0.05)
+            for i, (cid, data) in enumerate(chunks):   # they arrive one by one, after the request
+                # the server has sent every chunk before it and waits for chunk i
+                await until(plane.next_change, lambda i=i: plane.statistics()["waits"] == i + 1)
                 assert cid not in sink.got
                 src.put_chunk(cid, data)
-            await poll(lambda: got, 0.01)
+            await sink.changes.until(lambda: len(sink.got) == len(chunks))
+            await until(plane.next_change, lambda: plane.statistics()["wait_batches"] == 1)
+            await done.wait()
             assert got[0].outcomes == ["ok"] * len(chunks) and not got[0].error
             assert sink.got == dict(chunks)
+            await until(plane.next_change, lambda: plane.statistics()["waiting_requests"] == 0)
             s = plane.statistics()
-            for _ in range(100):
-                s = plane.statistics()
-                if s["waiting_requests"] == 0 and s["wait_batches"] == 1:
-                    break
-                await trio.sleep(0.01)
             assert s["wait_batches"] == 1 and s["wait_batches_cut"] == 0 and s["requests"] == 1
             assert s["chunks_served"] == len(chunks) and s["waiting_requests"] == 0
             assert len(client._idle[("127.0.0.1", int(url.rsplit(":", 1)[1]))]) == 1   # kept alive
@@ -570,11 +562,9 @@ async def test_a_waiting_batch_cut_at_its_deadline_keeps_what_came(tmp_path: Pat
             assert sink.got == dict(chunks[:2])
             with pytest.raises(PeerMissing):
                 await client.get_chunks(url, [(c, len(d)) for c, d in chunks[2:]], store=sink, wait_ms=200)
-            for _ in range(100):   # the server leaves the wait budget just after its answer went
-                s = plane.statistics()
-                if s["waiting_requests"] == 0:
-                    break
-                await trio.sleep(0.01)
+            # the server leaves the wait budget just after its answer went
+            await until(plane.next_change, lambda: plane.statistics()["waiting_requests"] == 0)
+            s = plane.statistics()
             assert s["wait_batches_cut"] == 1 and s["waiting_requests"] == 0 and not plane._serving
             await client.aclose()
             nursery.cancel_scope.cancel()
@@ -617,23 +607,26 @@ async def test_a_waiting_batch_waits_for_a_copy_of_a_chunk_over_the_cap_to_finis
             slow.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
             await slow.send_all(f"GET /v1/chunks?ids={a} HTTP/1.1\r\nHost: x\r\n"
                                 f"Authorization: Bearer {TOKEN}\r\n\r\n".encode())
-            await poll(lambda: plane.statistics()["serving_per_chunk_max"] >= 1, 0.01)
+            await until(plane.next_change, lambda: plane.statistics()["serving_per_chunk_max"] >= 1)
             client = _client("thread")
             with pytest.raises(PeerBusy) as e:
                 await client.get_chunks(url, [(a, len(da))], store=_Sink(), wait_ms=200)
             assert e.value.retry_after_s == pytest.approx(0.02)
             sink = _Sink()
             got: list = []
+            done = trio.Event()
 
             async def ask() -> None:
                 got.append(await client.get_chunks(url, [(b, len(db)), (a, len(da))], store=sink, wait_ms=10_000))
+                done.set()
 
             nursery.start_soon(ask)
-            await poll(lambda: b in sink.got, 0.01)
-            await trio.sleep(0.2)
+            await sink.changes.until(lambda: b in sink.got)
+            # B came; the server holds A back for the slow copy (its second delay by the cap)
+            await until(plane.next_change, lambda: plane.statistics()["rejected_chunk_busy"] == 2)
             assert a not in sink.got and not got          # A waits for the slow copy
             await slow.aclose()
-            await poll(lambda: got, 0.01)
+            await done.wait()
             assert got[0].outcomes == ["ok", "ok"] and sink.got == {a: da, b: db}
             assert plane.statistics()["serving_per_chunk_max"] == 1
             await client.aclose()
@@ -663,11 +656,7 @@ async def test_hostile_waiting_batches_get_a_clear_4xx(tmp_path: Path) -> None:
                 assert (got, why in body) == (status, True), (target, got, body)
             got, body = await _raw(port, f"/v1/chunks?ids={a}&sizes=3000&wait_ms=0")   # an ordinary batch
             assert got == 200 and body.endswith(da)
-            for _ in range(100):
-                if plane.statistics()["waiting_requests"] == 0:
-                    break
-                await trio.sleep(0.01)
-            assert plane.statistics()["waiting_requests"] == 0
+            await until(plane.next_change, lambda: plane.statistics()["waiting_requests"] == 0)
             nursery.cancel_scope.cancel()
 
 

@@ -94,11 +94,10 @@ class _Hostile:
         if self.mode == "corrupt":
             data[len(data) * 3 // 4] ^= 0x01
             await stream.send_all(head + bytes(data))
-            await trio.sleep(5)
-            return
+            await trio.sleep_forever()   # held open until the test is done
         await stream.send_all(head + bytes(data[:half]))
         if self.mode == "stall":
-            await trio.sleep(30)
+            await trio.sleep_forever()
         elif self.mode == "reset":
             stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             stream.socket.close()

@@ -200,6 +200,29 @@ def _big_gang(n_nodes: int = 200):
     return st_, job, pushes
 
 
+def test_a_gang_is_a_table_until_a_pod_is_asked_for():
+    """A decision, its pushes' parts and its acks make no pod object (the table's columns and
+    state codes); the pods read through the indexes are the table's rows, the same object
+    each time, and a node's pods are found through the gangs placed on it."""
+    st_, job, pushes = _big_gang(64)
+    t = job.table
+    assert len(t) == 64 and t.views == [None] * 64 and t.codes == bytearray(64)
+    assert [n.node_id for n in st_.nodes.values() if "big" in n.gangs] == [p.node_id for p in pushes]
+    from placer.records import parts_bytes
+    assert len(parts_bytes(pushes, 1.0)) == 64
+    st_.on_acks("big", 1, {p.node_id: ACCEPTED for p in pushes}, 0.2, pushes)
+    assert t.views == [None] * 64 and job.pod_counts() == {"accepted": 64}
+    wid = "big.1.7"
+    hit = st_.pods.get(wid)
+    assert hit is not None and hit[0] is job and hit[1].rank == 7 and hit[1].state == "accepted"
+    node = st_.nodes[hit[1].node_id]
+    assert node.pods.get(wid) == hit and node.pods.get(wid)[1] is hit[1] and list(node.pods) == [wid]
+    assert st_.pods.get("big.1.64") is None and st_.pods.get("big.2.7") is None and st_.pods.get("big.1.07") is None
+    assert sum(v is not None for v in t.views) == 1
+    job.set_pod_state(hit[1], "running")
+    assert t.codes[7] != 1 and job.counts["running"] == 1 and job.counts["accepted"] == 63
+
+
 def test_a_gang_start_is_counted_not_scanned():
     st_, job, pushes = _big_gang(200)
     assert job.counts["placing"] == 200

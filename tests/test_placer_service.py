@@ -17,6 +17,7 @@ import httpx
 import msgspec
 import pytest
 import trio
+import trio.testing
 
 from infra.auth import TokenSet, auth_header
 from placer.config import PlacerConfig, PlacerConfigError, load_config
@@ -505,11 +506,13 @@ async def test_a_job_is_decided_while_its_journal_syncs_but_pushed_only_once_dur
 
     tokens = TokenSet.load(token_dir)
     gate = threading.Event()
+    syncing = threading.Event()   # the journal's fsync has begun (and waits for the gate)
     real_fsync = journal_mod.os.fsync
     slow = {"on": False}
 
     def fsync(fd: int) -> None:
         if slow["on"]:
+            syncing.set()
             gate.wait(10)
         real_fsync(fd)
 
@@ -528,7 +531,9 @@ async def test_a_job_is_decided_while_its_journal_syncs_but_pushed_only_once_dur
 
             n.start_soon(submit)
             await wait_for(lambda: _true("decided" in svc.state.jobs.get("d", _NoJob).timings))
-            await trio.sleep(0.3)
+            await trio.to_thread.run_sync(syncing.wait, 10)
+            # decided, the fsync held: whatever this process would do before it lands, it has done
+            await trio.testing.wait_all_tasks_blocked()
             assert not answered.is_set()                                   # not acknowledged yet
             assert not any(p.job_id == "d" for a in cl.agents.values() for p in a.placements)  # nor pushed
             gate.set()

@@ -81,13 +81,20 @@ def test_deliver_by_bounds_the_round_and_a_carried_blob_is_kept():
     assert isinstance(got2.actions[1], Acks) and got2.actions[1].acks.outcomes == []   # n9 is not ours
 
 
-def test_a_bundle_past_its_deliver_by_is_handed_to_nobody():
-    """The placer has given up on this relay for it (and pushes its nodes directly)."""
+def test_a_bundle_past_its_deliver_by_is_still_handed_with_the_whole_window():
+    """The placer's fallback for the rack is under way, but a late answer still counts there
+    (and spares the direct pushes not yet made): the parts go out, the round gets the whole
+    ack window, and the bundle is counted late."""
     core = _core(["n1", "n2"])
     got = core.bundle(_payloads(1, deliver_by=999.0)[0], SIGNER.public, now=5.0, wall=1000.0)
     assert isinstance(got, Taken)
-    assert [type(a) for a in got.actions] == [WantBlob, Acks]
-    assert got.actions[1].acks.outcomes == [] and (core.parts_missed, core.open_rounds) == (6, 0)
+    assert got.until == 5.0 + core.ack_window_s
+    hands = [a for a in got.actions if isinstance(a, Hand)]
+    assert hands and core.late_bundles == 1 and core.open_rounds == 1
+    acks = None
+    for h in hands:
+        acks = core.answered(h.round_id, h.slot, None) or acks
+    assert acks is not None and core.open_rounds == 0
 
 
 def test_bad_signatures_and_missing_keys_are_refused_and_nothing_is_acted_on():

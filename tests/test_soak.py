@@ -35,6 +35,7 @@ import trio
 from agent import procs
 from cli.localcluster import LocalCluster
 from infra.auth import TokenSet, auth_header
+from testing.waiting import poll
 from tests.gcs_emulator import gcs_emulator
 
 pytestmark = pytest.mark.slow
@@ -78,6 +79,12 @@ class Soak:
         except httpx.HTTPError:
             return None  # the placer is being restarted
 
+    async def _lost(self, node: str) -> bool:
+        """The placer counts ``node`` lost (or fenced already)."""
+        r = await self._placer("GET", "/v1/nodes")
+        return r is not None and r.status_code == 200 and any(
+            n["node_id"] == node and n["state"] != "up" for n in r.json()["nodes"])
+
     async def submit(self) -> None:
         n = self.counts.jobs
         spec = {"job_id": f"s{n}", "pods": self.rng.choice([1, 1, 2]), "gpus_per_pod": self.rng.choice([1, 2, 4, 8]),
@@ -118,7 +125,7 @@ class Soak:
         elif kind == "stop_agent":
             node = self.rng.choice(live)
             self.c.pause(node)               # lost after 3 x 0.2 s, fenced 1 s later
-            await trio.sleep(self.rng.uniform(1.0, 2.0))
+            await poll(lambda: self._lost(node), 0.1)   # frozen past the lost threshold, then back
             self.c.resume(node)
         elif kind == "corrupt_chunk":
             cid = self.rng.choice(self.chunks)
@@ -230,15 +237,15 @@ async def _run_soak(tmp: Path, token_dir: Path, monkeypatch: pytest.MonkeyPatch,
                 # drain: cancel everything, wait until every workload is terminal everywhere
                 for job in list(soak.jobs):
                     await soak._placer("DELETE", f"/v1/jobs/{job}")
+                async def drained() -> bool:
+                    soak.check_gpus_and_uniqueness()
+                    states = []
+                    for node in c.agents:
+                        states += await _agent_workloads(c, node)
+                    return all(w["state"] in TERMINAL for w in states)
+
                 with trio.fail_after(60):
-                    while True:
-                        soak.check_gpus_and_uniqueness()
-                        states = []
-                        for node in c.agents:
-                            states += await _agent_workloads(c, node)
-                        if all(w["state"] in TERMINAL for w in states):
-                            break
-                        await trio.sleep(0.3)
+                    await poll(drained, 0.3)
                 soak.check_gpus_and_uniqueness()
                 runs = {(node, wid) for node, rows in soak.records().items() for wid, _ in rows}
                 for node in c.agents:

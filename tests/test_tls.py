@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from infra import pki, tls
 from infra.tls import Principal, TLSError, TLSFiles
@@ -177,11 +178,12 @@ def test_needs_renewal(ca: pki.ThrowawayPKI) -> None:
 
 
 async def test_framed_channel_skips_the_handshake_of_a_client_that_hung_up_while_queued(
-        ca: pki.ThrowawayPKI) -> None:
+        ca: pki.ThrowawayPKI, autojump_clock) -> None:
     """One handshake slot: a silent client holds none; a client holding it with half a
     ClientHello times out; a client that sent its ClientHello and hung up while queued is
     dropped without the handshake's crypto (``gone``); a client queued behind them is then
-    served."""
+    served. In virtual time (server and clients over loopback in this process, no worker
+    thread): the 0.5 s hello deadline is exact, however slow the handshakes' crypto."""
     import socket
 
     from infra.auth import TokenSet
@@ -199,7 +201,7 @@ async def test_framed_channel_skips_the_handshake_of_a_client_that_hung_up_while
             silent = await trio.open_tcp_stream("127.0.0.1", port)    # says nothing: no slot
             hold = await trio.open_tcp_stream("127.0.0.1", port)      # takes the slot, half a hello
             await hold.send_all(b"\x16\x03\x01")
-            await trio.sleep(0.05)
+            await trio.testing.wait_all_tasks_blocked()              # both accepted, the half hello read
             # a real ClientHello, then gone: its bytes wait in the socket behind the hung-up side
             gone = socket.create_connection(("127.0.0.1", port))
             obj = tls.client_context(ca.ca, ca.files("node:n2")).wrap_bio(ssl.MemoryBIO(), out := ssl.MemoryBIO())
@@ -207,9 +209,11 @@ async def test_framed_channel_skips_the_handshake_of_a_client_that_hung_up_while
                 obj.do_handshake()
             gone.sendall(out.read())
             gone.close()
-            await trio.sleep(0.05)
+            await trio.testing.wait_all_tasks_blocked()              # accepted, queued for the slot
+            t0 = trio.current_time()
             with trio.fail_after(5):
                 c = await HeartbeatClient.connect(url, "", "n1", ssl_context=node_ctx)
+            assert trio.current_time() - t0 == pytest.approx(0.5)   # served once the half hello's slot timed out
             await c.aclose()
             await hold.aclose()
             await silent.aclose()
@@ -233,7 +237,7 @@ async def test_https_over_its_connection_cap_closes_instead_of_answering_in_plai
                 ssl_context=tls.server_context(ca.files("placer"), client_cert="optional")))
             port = int(url.rpartition(":")[2])
             held = [await trio.open_tcp_stream("127.0.0.1", port) for _ in range(2)]
-            await trio.sleep(0.05)
+            await trio.testing.wait_all_tasks_blocked()              # both accepted: the cap is reached
             with pytest.raises(TLSError, match="closed the connection during the handshake"):
                 await tls.connect("127.0.0.1", port, tls.client_context(ca.ca, ca.files("node:n1")))
             for s in held:
