@@ -7,8 +7,8 @@ The two ways in, ``GET /v1/gangs/{blob_id}`` (placer.service) and ``blob_get`` o
 channel (placer.relays), each call one method here; :func:`refusal` decides, over the placer's
 own indexes, without a scan of the cluster:
 
-- a node's own pods: ``NodeRec.pods`` (node -> its current pods, a handful), whose job's
-  ``blob_id`` is the current attempt's blob;
+- a node's own gangs: ``NodeRec.gangs`` (node -> the jobs with current pods on it, a
+  handful), whose ``blob_id`` is the current attempt's blob;
 - a gang's racks: read once per blob from the blob's own peer table (the placer wrote it, for
   exactly the gang's nodes) and kept while the blob lives (:class:`GangRacks`).
 
@@ -31,7 +31,7 @@ from infra.errors import HTTPError
 from infra.http import Request
 from scheduler_link.messages import BLOB_ZLIB_MAGIC, MAX_BLOB_BYTES, BlobReply
 
-from .records import JobRec, NodeRec, PodRec
+from .records import NodeRec
 
 log = logging.getLogger("herd.placer.membership")
 
@@ -41,9 +41,14 @@ NO_IDENTITY = "no_node_identity"   # a frames connection that named no node
 REASONS = (NOT_A_MEMBER, UNKNOWN_NODE, NO_IDENTITY)
 
 
+class _JobView(Protocol):
+    @property
+    def blob_id(self) -> str | None: ...
+
+
 class _NodeView(Protocol):
     @property
-    def pods(self) -> Mapping[str, tuple[JobRec, PodRec]]: ...
+    def gangs(self) -> Mapping[str, _JobView]: ...
 
 
 def refusal(blob_id: str, node: _NodeView | None, relayed_racks: Collection[str],
@@ -51,10 +56,10 @@ def refusal(blob_id: str, node: _NodeView | None, relayed_racks: Collection[str]
     """Pure: why ``node`` (None: not registered) may not read gang blob ``blob_id``, or None
     when it may. ``relayed_racks``: the racks the asking connection is the active relay for
     (empty for a plain member or an HTTP caller); ``gang_racks``: the gang's racks, asked for
-    only when the node's own pods do not settle it."""
+    only when the node's own gangs do not settle it."""
     if node is None:
         return UNKNOWN_NODE
-    for job, _pod in node.pods.values():
+    for job in node.gangs.values():
         if job.blob_id == blob_id:
             return None
     if relayed_racks:

@@ -47,10 +47,10 @@ class _Job:
 
 class _Node:
     def __init__(self, *blob_ids: str) -> None:
-        self.pods = {f"w{i}": (_Job(b), None) for i, b in enumerate(blob_ids)}
+        self.gangs = {f"j{i}": _Job(b) for i, b in enumerate(blob_ids)}
 
 
-def test_the_decision_reads_the_nodes_own_pods_then_the_relayed_racks():
+def test_the_decision_reads_the_nodes_own_gangs_then_the_relayed_racks():
     asked: list[str] = []
 
     def racks() -> frozenset[str]:
@@ -58,11 +58,11 @@ def test_the_decision_reads_the_nodes_own_pods_then_the_relayed_racks():
         return frozenset({"z/b/r0"})
 
     node = _Node("other", "mine")
-    assert membership.refusal("mine", node, (), racks) is None  # type: ignore[arg-type]
-    assert asked == []                                           # its own pods settle it
-    assert membership.refusal("theirs", node, (), racks) == membership.NOT_A_MEMBER  # type: ignore[arg-type]
-    assert membership.refusal("theirs", _Node(), ["z/b/r0"], racks) is None  # type: ignore[arg-type]
-    assert membership.refusal("theirs", _Node(), ["z/b/r1"], racks) == membership.NOT_A_MEMBER  # type: ignore[arg-type]
+    assert membership.refusal("mine", node, (), racks) is None
+    assert asked == []                                           # its own gangs settle it
+    assert membership.refusal("theirs", node, (), racks) == membership.NOT_A_MEMBER
+    assert membership.refusal("theirs", _Node(), ["z/b/r0"], racks) is None
+    assert membership.refusal("theirs", _Node(), ["z/b/r1"], racks) == membership.NOT_A_MEMBER
     assert membership.refusal("mine", None, ["z/b/r0"], racks) == membership.UNKNOWN_NODE
 
 
@@ -160,8 +160,8 @@ async def test_only_the_gangs_nodes_and_their_racks_relay_read_its_blob(tmp_path
             assert got.data is None and got.error == membership.NOT_A_MEMBER
 
             # counted, never logged per request above debug
-            c = svc.state.counters
-            assert c["blob_refusals"] == 4 and c["blob_refusals_" + membership.NOT_A_MEMBER] == 4
+            counts = svc.state.counters
+            assert counts["blob_refusals"] == 4 and counts["blob_refusals_" + membership.NOT_A_MEMBER] == 4
             assert not [r for r in caplog.records if r.name.startswith("herd.") and r.levelno >= logging.INFO
                         and blob_id[:16] in r.getMessage()]
             await op.aclose()
