@@ -75,7 +75,7 @@ def test_leader_killed_agents_follow_and_a_submit_meanwhile_is_answered_once(clu
     op = TokenSet.load(token_dir).operator
     first = c.leader()
     wait(lambda: nodes_up(c, first) == set(c.agents), 30, "agents up at the leader")
-    with PlacerClient(c.placer_urls, op, timeout=10, failover_s=30) as pc:
+    with PlacerClient(c.placer_urls, op, timeout=40, failover_s=30) as pc:
         pc.submit(JobSpec(job_id="j1", pods=1, gpus_per_pod=8, argv=["sleep", "600"], grace_s=0.5))
         j1 = pc.job("j1", wait="running", timeout_ms=20000)
     assert j1.state == "running"
@@ -116,7 +116,7 @@ def test_leader_killed_agents_follow_and_a_submit_meanwhile_is_answered_once(clu
     for p in c.placers:
         if p is not nxt and p.alive():
             assert httpx.get(p.url + "/v1/jobs", headers=c.read_headers(), timeout=5).status_code == 307
-    with PlacerClient(c.placer_urls, op, timeout=10, failover_s=30) as pc:
+    with PlacerClient(c.placer_urls, op, timeout=40, failover_s=30) as pc:
         j2 = pc.job("j2", wait="running", timeout_ms=20000)
         j1b = pc.job("j1")
     assert j2.state == "running" and j2.pods[0].node_id != node1
@@ -147,7 +147,7 @@ def _paused_leader(c: HACluster, token_dir: Path) -> None:
     op = TokenSet.load(token_dir).operator
     old = c.leader()
     wait(lambda: nodes_up(c, old) == set(c.agents), 30, "agents up at the leader")
-    with PlacerClient(c.placer_urls, op, timeout=10, failover_s=30) as pc:
+    with PlacerClient(c.placer_urls, op, timeout=40, failover_s=30) as pc:
         pc.submit(JobSpec(job_id="j1", pods=1, gpus_per_pod=8, argv=["sleep", "600"], grace_s=0.5))
         j1 = pc.job("j1", wait="running", timeout_ms=20000)
     node1 = j1.pods[0].node_id
@@ -165,7 +165,7 @@ def _paused_leader(c: HACluster, token_dir: Path) -> None:
     assert h["leader"] == nxt.url and h["epoch"] > epoch and old.alive()
     assert httpx.get(old.url + "/v1/jobs", headers=c.read_headers(), timeout=5).status_code == 307
     assert "lost the leadership" in old.log.read_text()
-    with PlacerClient(c.placer_urls, op, timeout=10, failover_s=30) as pc:
+    with PlacerClient(c.placer_urls, op, timeout=40, failover_s=30) as pc:
         pc.submit(JobSpec(job_id="j2", pods=1, gpus_per_pod=8, argv=["sleep", "600"], grace_s=0.5))
         j2 = pc.job("j2", wait="running", timeout_ms=30000)
         j1b = pc.job("j1", wait="running", timeout_ms=10000)
@@ -186,7 +186,7 @@ def test_quorum_lost_the_leader_is_fenced_then_places_again(tmp_path: Path, toke
                    fence_after_s=2.0, recover_s=1.0, lease_ttl_s=TTL, racks=1) as c:
         lead = c.leader()
         wait(lambda: nodes_up(c, lead) == set(c.agents), 30, "agents up at the leader")
-        with PlacerClient(c.placer_urls, op, timeout=10, failover_s=30) as pc:
+        with PlacerClient(c.placer_urls, op, timeout=40, failover_s=30) as pc:
             pc.submit(JobSpec(job_id="j1", pods=1, gpus_per_pod=8, argv=["sleep", "600"], grace_s=0.5))
             j1 = pc.job("j1", wait="running", timeout_ms=20000)
         node1 = j1.pods[0].node_id
@@ -212,7 +212,7 @@ def test_quorum_lost_the_leader_is_fenced_then_places_again(tmp_path: Path, toke
         h = wait(lambda: (x := c.health(lead)) is not None and x["placing"] and x, 30, "placing again")
         resumed_s = time.monotonic() - back
         assert h["epoch"] == epoch and resumed_s <= 15   # (1.1 s measured: etcd's start and election included)
-        with PlacerClient(c.placer_urls, op, timeout=10, failover_s=30) as pc:
+        with PlacerClient(c.placer_urls, op, timeout=40, failover_s=30) as pc:
             pc.submit(JobSpec(job_id="j2", pods=1, gpus_per_pod=8, argv=["sleep", "600"], grace_s=0.5))
             j2 = pc.job("j2", wait="running", timeout_ms=20000)
             j1b = pc.job("j1")
