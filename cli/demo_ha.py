@@ -155,23 +155,6 @@ class HACluster(LocalCluster):
     def placer_urls(self) -> list[str]:
         return [p.url for p in self.placers]
 
-    def start_agent(self, i: int, timeout: float = 30.0) -> Proc:
-        node = f"node{i}"
-        sd = self.root / node
-        sd.mkdir(parents=True, exist_ok=True)
-        (sd / "endpoints.json").unlink(missing_ok=True)
-        p = self._spawn(node, ["agent", "run", "--node-id", node, "--gpus", self.profile, "--state-dir", str(sd),
-                               "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
-                               *[a for u in self.placer_urls for a in ("--placer", u)],
-                               "--token-dir", str(self.token_dir),
-                               "--zone", "z1", "--block", "b1", "--rack", f"rack{i % self.racks}",
-                               "--heartbeat-s", str(self.heartbeat_s),
-                               *[a for o in self.origins for a in ("--allowed-origin", o)]], sd)
-        p.info = _wait_file(sd / "endpoints.json", p.proc, timeout, p.log)
-        p.url = p.info["control_url"]
-        self.agents[node] = p
-        return p
-
     def start(self) -> HACluster:
         for _ in range(self.n_placers):
             self.start_placer()

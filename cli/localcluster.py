@@ -143,15 +143,21 @@ class LocalCluster:
         self.placer = p
         return p
 
-    def start_agent(self, i: int, timeout: float = 30.0) -> Proc:
+    @property
+    def placer_urls(self) -> list[str]:
+        """Every placer an agent is told of (one here; several on etcd: cli.demo_ha)."""
         assert self.placer is not None
+        return [self.placer.url]
+
+    def start_agent(self, i: int, timeout: float = 30.0) -> Proc:
         node = f"node{i}"
         sd = self.root / node
         sd.mkdir(parents=True, exist_ok=True)
         (sd / "endpoints.json").unlink(missing_ok=True)
         p = self._spawn(node, ["agent", "run", "--node-id", node, "--gpus", self.profile, "--state-dir", str(sd),
                                "--listen", "127.0.0.1:0", "--data-listen", "127.0.0.1:0",
-                               "--placer", self.placer.url, "--token-dir", str(self.token_dir),
+                               *[a for u in self.placer_urls for a in ("--placer", u)],
+                               "--token-dir", str(self.token_dir),
                                "--zone", "z1", "--block", "b1", "--rack", f"rack{i % self.racks}",
                                "--heartbeat-s", str(self.heartbeat_s),
                                *[a for o in self.origins for a in ("--allowed-origin", o)]], sd,

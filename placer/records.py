@@ -105,16 +105,8 @@ class Push:
     def start(cls, gang: GangStart, node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> Push:
         """One node's start push of a decision: nothing per node is built until it is read
         (its NodePart by the relays, or its Placement by a direct push)."""
-        p = cls.__new__(cls)
-        p.node_id = node.node_id
-        p.control_url = node.control_url
-        p.job_id = gang.job_id
-        p.attempt = gang.attempt
-        p.kind = "start"
-        p._placement = None
-        p.placement_id = gang.prefix + node.node_id
-        p._gang, p._node, p._pods_, p._victims = gang, node, pods, victims
-        p._t, p._rows = None, []
+        p = cls._started(gang, node, victims)
+        p._pods_, p._t, p._rows = pods, None, []
         return p
 
     @classmethod
@@ -122,6 +114,13 @@ class Push:
                    victims: list[Victim]) -> Push:
         """:meth:`start` with the node's pods named as rows of the job's table (no pod view
         is made unless the push is read as a Placement)."""
+        p = cls._started(gang, node, victims)
+        p._pods_, p._t, p._rows = None, table, rows
+        return p
+
+    @classmethod
+    def _started(cls, gang: GangStart, node: NodeRec, victims: list[Victim]) -> Push:
+        """What every start push of a decision shares (built without __init__: a hot path)."""
         p = cls.__new__(cls)
         p.node_id = node.node_id
         p.control_url = node.control_url
@@ -130,8 +129,7 @@ class Push:
         p.kind = "start"
         p._placement = None
         p.placement_id = gang.prefix + node.node_id
-        p._gang, p._node, p._pods_, p._victims = gang, node, None, victims
-        p._t, p._rows = table, rows
+        p._gang, p._node, p._victims = gang, node, victims
         return p
 
     @property
