@@ -304,6 +304,7 @@ class RelayHub:
     def _apply(self, ch: FrameChannel, f: Frame, at: float | None = None) -> tuple[str, Any] | None:
         """One frame from a relay; ``at``: when it arrived, if it waited (a beat counts then)."""
         t = f.type
+        ch.term = self.host.epoch   # (the answer's Frame.term: this placer's epoch now)
         conn: RelayConn | None = ch.info
         via = conn.node_id if conn is not None else ch.name
         if t == "beat":
@@ -627,7 +628,9 @@ class _RoundDriver:
         rbs = self.hub.host.signer.bundles_raw([self._spec(r, deliver_by) for r in range(lo, hi)])
         out: list[Action] = []
         for r, rb in zip(range(lo, hi), rbs, strict=True):
-            self.rids[r], self.frames[r] = self.racks[r][1].channel.prepare("bundle", rb)
+            ch = self.racks[r][1].channel
+            ch.term = self.epoch
+            self.rids[r], self.frames[r] = ch.prepare("bundle", rb)
             out += self.core.built(r)
         return out
 

@@ -97,9 +97,10 @@ class Relay:
         self.closed = trio.Event()
         self.answer, self.after, self.close, self.nursery = answer, after, close, nursery
         self.bundles: list[bytes] = []
+        self.term = 0
 
     def prepare(self, type_: str, payload: Any) -> tuple[int, bytes]:
-        return 1, encode_frame(type_, payload, id=1)
+        return 1, encode_frame(type_, payload, id=1, term=self.term)
 
     def call_cb(self, rid: int, data: bytes, fn: Callable[[Frame | None], None]) -> None:
         self.bundles.append(data)
@@ -201,7 +202,7 @@ async def test_bundles_carry_the_placers_epoch_signed_and_stale_epoch_answers_ar
     assert acks["n1"].outcome == "stale_epoch" and host.stale_epoch == 1 and not pushed
     f = msgspec.msgpack.decode(made[0].bundles[0][4:], type=Frame)
     view = msgspec.msgpack.decode(f.payload, type=msgauth.BundleView)
-    assert view.epoch == host.epoch == 7
+    assert view.epoch == host.epoch == 7 and f.term == 7
     msgauth.BundleVerifier(host.signer.public).bundle(bytes(f.payload))   # signed with it
     forged = msgspec.structs.replace(view, epoch=8)
     with pytest.raises(msgauth.AuthError):
