@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,11 +20,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.relaycore import Refuse, RelayCore, Taken
+from cli.demo_ha import HACluster
 from infra.auth import TokenSet, auth_header
 from scheduler_link.agent_link import AgentLink
+from scheduler_link.client import PlacerClient
 from scheduler_link.epochs import EPOCH_FILE, Check, EpochFile, EpochGate, Epochs
 from scheduler_link.messages import (
     GpuSnapshot,
+    JobSpec,
     NodePart,
     NodeReport,
     Placement,
@@ -31,6 +37,7 @@ from scheduler_link.messages import (
     Victim,
 )
 from scheduler_link.msgauth import BundleSigner, node_key, stop_mac, verified_stops, with_stop_macs
+from testing.etcd import EtcdCluster, etcd_running
 from testing.waiting import poll
 from tests.prom import value
 from tests.test_agent_api import make_agent
@@ -276,3 +283,76 @@ async def _one_start(tmp_path: Path, tokens: TokenSet, job: str) -> int:
             await cl.c.aclose()
             n.cancel_scope.cancel()
     return svc.epoch
+
+
+# ---------------------------------------------------------------- a deposed leader (etcd)
+
+@pytest.fixture
+def etcd1(tmp_path: Path) -> Iterator[EtcdCluster]:
+    yield from etcd_running(tmp_path / "etcd", 1)
+
+
+def test_a_paused_leader_replaced_then_continued_has_every_message_refused(tmp_path: Path, token_dir: Path,
+                                                                          etcd1: EtcdCluster) -> None:
+    """Two ``herd placer run`` on a real etcd (skipped without ``etcd``) and two real agents. The
+    leader is SIGSTOPped past its lease, the other leads (a larger epoch) and the agents move to
+    it, learning its epoch from its answers; the old one is continued (SIGCONT) and serves as a
+    follower with no epoch of its own. What it sent as leader, sent again with its credentials (a
+    placement of its epoch, bound to the node), is refused ``stale_epoch`` and counted; so is
+    anything of epoch 0; the running workload is untouched throughout."""
+    ttl = 2
+    op = TokenSet.load(token_dir).operator
+    placer_token = TokenSet.load(token_dir).placer
+    with HACluster(tmp_path / "c", token_dir, etcd1.endpoints, n_placers=2, n_agents=2, heartbeat_s=0.3,
+                   fence_after_s=30.0, recover_s=12.0, lease_ttl_s=ttl, racks=1) as c:
+        def healthz(url: str) -> dict:
+            return httpx.get(url + "/healthz", timeout=5).json()
+
+        def agent_epoch(name: str) -> dict:
+            return httpx.get(c.agents[name].url + "/v1/status", headers=c.read_headers(),
+                             timeout=5).json()["placer_epoch"]
+
+        def until(pred, timeout_s: float, what: str):  # noqa: ANN001, ANN202
+            deadline = time.monotonic() + timeout_s
+            while not (v := pred()):
+                assert time.monotonic() < deadline, f"{what}: not within {timeout_s}s"
+                time.sleep(0.05)
+            return v
+
+        old = c.leader()
+        old_epoch = healthz(old.url)["epoch"]
+        assert old_epoch > 0 and old_epoch == healthz(old.url)["ha"]["epoch"]
+        until(lambda: all(agent_epoch(a)["epoch"] == old_epoch for a in c.agents), 30, "agents at the leader")
+        with PlacerClient(c.placer_urls, op, timeout=40, failover_s=30) as pc:
+            pc.submit(JobSpec(job_id="j1", pods=1, gpus_per_pod=8, argv=["sleep", "600"], grace_s=0.5))
+            j1 = pc.job("j1", wait="running", timeout_ms=20000)
+        node1 = j1.pods[0].node_id
+        old.proc.send_signal(signal.SIGSTOP)
+        try:
+            nxt = c.leader(timeout_s=ttl + 8, besides=old)
+            new_epoch = healthz(nxt.url)["epoch"]
+            assert new_epoch > old_epoch
+            until(lambda: all(agent_epoch(a)["epoch"] == new_epoch for a in c.agents), 40,
+                  "agents heard the new leader's epoch")
+        finally:
+            old.proc.send_signal(signal.SIGCONT)
+        until(lambda: (h := c.health(old)) is not None and h["role"] == "follower", ttl + 10, "old a follower")
+        assert healthz(old.url)["epoch"] == 0     # a follower sends nothing that acts
+        for name in c.agents:
+            a = c.agents[name]
+            status = httpx.get(a.url + "/v1/status", headers=c.read_headers(), timeout=5).json()
+            free = [g["uuid"] for g in status["gpus"]["gpus"] if g["uuid"] not in status["gpu_holders"]]
+            for ep in (old_epoch, 0):
+                p = Placement(placement_id=f"start:late:{ep}:{name}", job_id="late", node_id=name, attempt=1,
+                              expires_at=time.time() + 30, argv=["sleep", "1"], epoch=ep,
+                              pods=[PodAssignment(workload_id=f"late.1.{ep}", rank=0, gpus=free[:1])])
+                r = httpx.post(a.url + "/v1/placements", content=msgspec.json.encode(p),
+                               headers=auth_header(placer_token), timeout=5)
+                ack = msgspec.convert(r.json(), PlacementAck)
+                assert r.status_code == 409 and ack.outcome == "stale_epoch", (name, ep, r.text)
+            m = httpx.get(a.url + "/metrics", headers=c.read_headers(), timeout=5).text
+            assert value(m, "herd_agent_stale_epoch_total", kind="placement", node=name) == 2
+            assert value(m, "herd_agent_placer_epoch", node=name) == new_epoch
+        with PlacerClient(c.placer_urls, op, timeout=40, failover_s=30) as pc:
+            j1b = pc.job("j1", wait="running", timeout_ms=20000)
+        assert j1b.state == "running" and j1b.pods[0].node_id == node1
