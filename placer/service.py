@@ -182,7 +182,7 @@ class PlacerService:
         if reply is src and out is not None and out.epoch == ep:
             return out  # type: ignore[return-value]  # (kept by type: the same type as reply)
         stamped = msgspec.structs.replace(reply, epoch=ep)
-        if not reply.stop:   # (answers with stops are made per node: not worth keeping)
+        if _common(reply):   # (answers made for one node are not kept: they would push the common one out)
             self._stamps[type(reply)] = (reply, stamped)
         return stamped
 
@@ -885,6 +885,14 @@ class PlacerService:
         """Prometheus text: nodes, jobs, GPUs, counters, latency histograms, process (placer.metrics)."""
         from .metrics import PlacerMetrics
         return PlacerMetrics.of(self).response()
+
+def _common(reply: ReportReply | RackBeatReply) -> bool:
+    """An answer that says nothing of one node (the state's shared "ok")."""
+    if reply.stop or reply.need_full:
+        return False
+    return not isinstance(reply, ReportReply) or (reply.ok and reply.error is None and reply.mac_key is None
+                                                  and reply.relay_url is None and reply.wire_url is None)
+
 
 async def run_placer(config: PlacerConfig) -> None:
     """Run a placer until cancelled (the CLI's entry point). With ``etcd``: a leader that

@@ -356,3 +356,22 @@ def test_a_paused_leader_replaced_then_continued_has_every_message_refused(tmp_p
         with PlacerClient(c.placer_urls, op, timeout=40, failover_s=30) as pc:
             j1b = pc.job("j1", wait="running", timeout_ms=20000)
         assert j1b.state == "running" and j1b.pods[0].node_id == node1
+
+
+def test_the_common_answer_is_stamped_once_per_epoch(tmp_path: Path, token_dir: Path) -> None:
+    """The state's shared "ok" answer is copied with the epoch once, and that copy is answered
+    every time (the framed channel caches an answer's bytes by identity), whatever per-node
+    answers come between; a new epoch makes a new copy."""
+    from placer.service import PlacerService
+    from tests.test_placer_service import cfg
+
+    svc = PlacerService(cfg(tmp_path), TokenSet.load(token_dir))
+    svc.own_epoch = 3
+    ok = ReportReply(ok=True, heartbeat_interval_s=0.1)
+    first = svc._stamped(ok)
+    assert first.epoch == 3 and first is not ok
+    assert svc._stamped(ReportReply(need_full=True)).epoch == 3
+    assert svc._stamped(ReportReply(mac_key=b"k" * 32)).epoch == 3
+    assert svc._stamped(ok) is first
+    svc.own_epoch = 4
+    assert svc._stamped(ok).epoch == 4
