@@ -43,7 +43,8 @@ Invariants (tests/test_relay_core.py checks them over any interleaving):
   to a round after its ack bundle was made (a late answer is dropped and counted);
 - an outcome counts only for the part it answers (same node, same placement id);
 - a relay can delay or drop, never forge: it makes no outcome, beat MAC or report of its own;
-- nothing of a bundle older than the highest placer epoch seen is handed to anyone.
+- nothing of a bundle, a beat answer or a report answer older than the highest placer epoch
+  seen is handed to anyone.
 
 The epoch gate (:class:`scheduler_link.epochs.Epochs`) is the one thing the core calls that may
 write: a newer epoch is made durable before its bundle is acted on (once per placer start).
@@ -345,10 +346,21 @@ class RelayCore:
                        ] * len(batch.reports)
         out = []
         for t, r, wr in zip(batch.tickets, batch.reports, answers, strict=True):
-            if wr.status == 200:
+            if wr.status == 200 and not self._upstream_fresh(wr.reply.epoch, "reply"):
+                # a replaced placer's answer: not passed down (the member reports to the placer itself)
+                wr = WireReply(status=503, error=f"the relay's placer is of a stale epoch ({wr.reply.epoch})")
+            elif wr.status == 200:
                 wr = msgspec.structs.replace(wr, reply=self.book.answer(r.node_id, wr.reply))
             out.append((t, wr))
         return out
+
+    def _upstream_fresh(self, epoch: int, kind: str) -> bool:
+        """An answer over the relay's own connection to the placer (its epoch is the placer's):
+        of no older epoch than seen (a newer one made durable first)."""
+        try:
+            return self.epochs.admit(epoch, kind)
+        except OSError:
+            return False
 
     def upstream_lost(self) -> list[int]:
         """The connection up is gone: the queued tickets, to be answered 503."""
@@ -362,7 +374,9 @@ class RelayCore:
         return self.book.take_all(now)
 
     def beat_answered(self, reply: RackBeatReply) -> None:
-        self.book.apply(reply)
+        """The placer's answer to the rack's beat (a replaced placer's is dropped and counted)."""
+        if self._upstream_fresh(reply.epoch, "reply"):
+            self.book.apply(reply)
 
     # ---- blobs
 

@@ -25,14 +25,17 @@ from infra.auth import TokenSet, auth_header
 from scheduler_link.agent_link import AgentLink
 from scheduler_link.client import PlacerClient
 from scheduler_link.epochs import EPOCH_FILE, Check, EpochFile, EpochGate, Epochs
+from scheduler_link.heartbeat_wire import WireReply
 from scheduler_link.messages import (
     GpuSnapshot,
     JobSpec,
     NodePart,
     NodeReport,
+    NodeStop,
     Placement,
     PlacementAck,
     PodAssignment,
+    RackBeatReply,
     ReportReply,
     Victim,
 )
@@ -150,6 +153,28 @@ def test_a_relay_refuses_a_bundle_of_an_older_epoch_also_replayed_after_it_resta
     view["epoch"] = 9
     got = core.bundle(msgspec.msgpack.encode(view), signer.public, now=0.0, wall=0.0)
     assert isinstance(got, Refuse) and got.reason == "not_authentic" and core.epochs.highest == 5
+
+
+def test_a_relay_passes_down_no_answer_of_a_replaced_placer(tmp_path: Path) -> None:
+    """The placer's answers over the relay's own connection raise its epoch; an older one's
+    beat answer (need_full, stops) is dropped and its report answers go down as 503."""
+    core = RelayCore(node_id="relay0", rack="z/b/r", epochs=Epochs(tmp_path / EPOCH_FILE))
+    core.member_opened("n1")
+    core.beat_answered(RackBeatReply(epoch=3))
+    assert core.epochs.highest == 3 and EpochFile(tmp_path / EPOCH_FILE).load() == 3
+    core.beat_answered(RackBeatReply(epoch=2, need_full=["n1"], stop=[NodeStop(node_id="n1", stop=[
+        Victim(workload_id="w", epoch=2)])]))
+    beat = NodeReport(node_id="n1", boot_id="b", seq=1, full=False)
+    plain = core.report("n1", beat, upstream=True)
+    assert isinstance(plain, WireReply) and not plain.reply.need_full and not plain.reply.stop
+    for ep, status in ((2, 503), (0, 503), (3, 200)):
+        t = core.report("n1", NodeReport(node_id="n1", boot_id="b", seq=2, full=True), upstream=True)
+        batch = core.next_batch(0.0)
+        assert batch is not None and batch.tickets == [t]
+        [(t2, wr)] = core.batch_answered(batch, [WireReply(status=200, reply=ReportReply(epoch=ep, stop=[
+            Victim(workload_id="w", epoch=ep)]))])
+        assert t2 == t and wr.status == status and (status == 503 or wr.reply.stop)
+    assert core.epochs.stale == {"reply": 3}
 
 
 # ---------------------------------------------------------------- an agent's placements
