@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from agent.relaycore import Refuse, RelayCore, Taken
 from cli.demo_ha import HACluster
+from cli.placer import placer_status
 from infra.auth import TokenSet, auth_header
 from scheduler_link.agent_link import AgentLink
 from scheduler_link.client import PlacerClient
@@ -294,6 +295,9 @@ async def _one_start(tmp_path: Path, tokens: TokenSet, job: str) -> int:
             for doc in (h, s):
                 assert doc["epoch"] == svc.epoch and doc["started_at"] == svc.started_at
                 assert doc["nodes_reported"] == 2 and 0 <= doc["recover_s_left"] <= 0.3
+            cli = await trio.to_thread.run_sync(placer_status, cl.url, tokens.viewer, 5.0)   # herd placer status
+            assert cli["epoch"] == svc.epoch and cli["role"] == "leader" and cli["nodes_reported"] == 2
+            assert cli["started_at"] == svc.started_at and 0 <= cli["recover_s_left"] <= 0.3
             m = (await cl.c.get("/metrics")).text
             assert value(m, "herd_placer_epoch") == svc.epoch
             assert value(m, "herd_placer_nodes_reported") == 2
