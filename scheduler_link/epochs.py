@@ -127,6 +127,8 @@ class Epochs:
     nodes), and the stale messages refused by kind (``placement``, ``part``, ``bundle``,
     ``stop``, ``reply``)."""
 
+    __slots__ = ("file", "gate", "raised", "stale")
+
     def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
         self.file = EpochFile(path) if path is not None else None
         self.gate = EpochGate(self.file.load() if self.file is not None else 0)
