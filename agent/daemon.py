@@ -274,7 +274,8 @@ class Agent:
     def _start_link(self, placer: str) -> AgentLink:
         self.link = link = AgentLink(placer, self.tokens.cluster, self.node_id, self, placers=self.config.placers,
                                      heartbeat_s=self.config.heartbeat_s, on_part=self.handle_part,
-                                     relay_trust_intervals=self.config.relay.trust_intervals, epochs=self.epochs,
+                                     relay_trust_intervals=self.config.relay.trust_intervals,
+                                     relay_hold_s=self.config.relay.hold_s, epochs=self.epochs,
                                      ssl_context=self.security.client if self.security is not None else None)
         self.supervisor.add_listener(link.notify)
         return link

@@ -60,7 +60,7 @@ from typing import Literal
 import msgspec
 
 from scheduler_link.epochs import Epochs
-from scheduler_link.heartbeat_wire import WireReply
+from scheduler_link.heartbeat_wire import UPSTREAM_DOWN, WireReply
 from scheduler_link.messages import AckBundle, NodeOutcome, NodePart, NodeReport, RackBeat, RackBeatReply
 from scheduler_link.msgauth import AuthError, BundleVerifier
 
@@ -176,6 +176,7 @@ class RelayCore:
         self.foreign_answers = 0
         self.reports_forwarded = 0
         self.empty_answered = 0
+        self.held_answered = 0          # members' reports answered upstream_down (no connection up)
         self.part_bytes_max = 0
 
     @property
@@ -314,7 +315,8 @@ class RelayCore:
         if rep.node_id != node_id:
             return WireReply(status=403, error=f"this connection reports for {node_id}, not {rep.node_id}")
         if not upstream:
-            return WireReply(status=503, error="the relay has no connection to the placer")
+            self.held_answered += 1
+            return WireReply(status=503, reason=UPSTREAM_DOWN, error="the relay has no connection to the placer")
         if is_empty(rep):
             self.empty_answered += 1
             return WireReply(status=200, reply=self.book.empty(rep))

@@ -67,6 +67,11 @@ Invariants:
   channel and interval not taken; the next placer known is asked); a newer one is made durable
   first. Through a relay each stop's epoch (under the placer's MAC) is checked the same way;
   a relayed answer's own epoch is never taken (a relay could write anything there).
+- A placer restart behind a relay: the relay answers ``upstream_down`` (503) while it has no
+  connection to the placer; the link keeps that relay for up to ``relay_hold_s`` (trying it
+  every second or so, a full report pending) instead of handshaking with the placer itself,
+  so a restarted placer hears the rack's members through their relay (one handshake per
+  relay). Past ``relay_hold_s`` it reports directly as after any relay failure.
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ from .client import ClientError, check_peer
 from .epochs import Epochs
 from .fanout import PushPool
 from .frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
-from .heartbeat_wire import HeartbeatClient, WireError, WireReply
+from .heartbeat_wire import UPSTREAM_DOWN, HeartbeatClient, WireError, WireReply
 from .messages import (
     BlobReply,
     BlobRequest,
@@ -116,6 +121,8 @@ _reply_decoder = msgspec.json.Decoder(ReportReply)
 # Intervals a member reports through its relay with nothing the placer vouched for, before a
 # full report goes directly (one per member per this many intervals: ~10 minutes at 5 s).
 RELAY_TRUST_INTERVALS = 0   # off unless configured ([relay] trust_intervals): each re-check is a handshake
+RELAY_HOLD_S = 30.0         # how long a member keeps a relay that has lost the placer
+RELAY_HOLD_RETRY_S = 1.0       # ... and how often it tries it meanwhile (at most one interval)
 RELAYED_INTERVAL_FLOOR = 0.5   # of the placer's own interval: a relayed answer may ask for no more often
 
 
@@ -248,7 +255,8 @@ class AgentLink:
                  relay_connect: RelayConnect | None = None, relay_retry_s: float | None = None,
                  ssl_context: ssl.SSLContext | None = None, wire_connect_timeout_s: float = 60.0,
                  wire_busy_backoff_s: float = 1.0, relay_trust_intervals: int = RELAY_TRUST_INTERVALS,
-                 placers: Sequence[str] = (), epochs: Epochs | None = None) -> None:
+                 relay_hold_s: float = RELAY_HOLD_S, placers: Sequence[str] = (),
+                 epochs: Epochs | None = None) -> None:
         # every placer known (placer_url may list several, comma-separated): failed over (scheduler_link.placers)
         self.placers = Placers([*placer_url.split(","), *placers])
         self.placer_url = self.placers.current
@@ -309,6 +317,12 @@ class AgentLink:
         self._vouched_at = -math.inf
         self.relay_rechecks = 0              # full reports sent directly after a relay held us too long
         self.relay_urls_ignored = 0          # relayed answers naming another relay (not followed)
+        # a relay with no connection to the placer (upstream_down: the placer restarting) is kept
+        # this long from its first such answer, retried every RELAY_HOLD_RETRY_S (jittered)
+        self.relay_hold_s = relay_hold_s
+        self._relay_down_since: float | None = None
+        self.relay_holds = 0                 # reports answered upstream_down while the relay was kept
+        self.relayed_full_reports = 0        # full reports the placer took through a relay (no handshake)
         # statistics
         self.reports_sent = 0
         self.full_reports_sent = 0
@@ -349,6 +363,7 @@ class AgentLink:
             "relay_switches": self.relay_switches, "relay_failures": self.relay_failures,
             "relay_rechecks": self.relay_rechecks, "relay_urls_ignored": self.relay_urls_ignored,
             "relay_parts": self._relay.parts if self._relay is not None else 0,
+            "relay_holds": self.relay_holds, "relayed_full_reports": self.relayed_full_reports,
         }
 
     @property
@@ -424,6 +439,17 @@ class AgentLink:
                     retry.backoff = self._report_backoff()
                     await trio.sleep(retry.failed(trio.current_time()))
                 continue
+            except _RelayHolding as e:
+                if self._holding(trio.current_time()):
+                    self.relay_holds += 1
+                    self.registered = False
+                    self.last_error = str(e)
+                    self._need_full = True   # what the placer saw is in doubt: a full report, through the relay
+                    await trio.sleep(self._rng.uniform(0.5, 1.0) * min(RELAY_HOLD_RETRY_S, self.heartbeat_s))
+                    continue
+                await self._relay_gave_up(e)
+                await trio.sleep(retry.failed(trio.current_time()))
+                continue
             except (httpx.HTTPError, OSError, _PlacerError, msgspec.DecodeError, WireError,
                     trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
                 if self._relay is not None:  # the relay failed us: the placer directly, for a while
@@ -448,10 +474,13 @@ class AgentLink:
                 await trio.sleep(retry.failed(trio.current_time()))
                 continue
             retry.succeeded()
+            self._relay_down_since = None
             self.registered = True
             self.last_ok_at = time.time()
             if report.full:
-                log.info("registered node=%s boot=%s seq=%d", self.node_id, self.boot_id, report.seq)
+                log.info("registered node=%s boot=%s seq=%d relayed=%s", self.node_id, self.boot_id, report.seq,
+                         relayed)
+                self.relayed_full_reports += relayed
                 if not relayed:  # keys only from our own connection: a relay's answer could be anything
                     self.mac_key = reply.mac_key or self.mac_key
                     self.placer_key = reply.placer_key or self.placer_key
@@ -511,6 +540,31 @@ class AgentLink:
         if not ok:
             self.stops_refused += 1
         return ok
+
+    def _holding(self, now: float) -> bool:
+        """Keep the relay after an ``upstream_down`` answer: yes until ``relay_hold_s`` passed
+        since the first of them in a row."""
+        if self._relay_down_since is None:
+            self._relay_down_since = now
+            log.info("the relay has no connection to the placer: holding on to it for up to %.0fs node=%s",
+                     self.relay_hold_s, self.node_id)
+        return now - self._relay_down_since < self.relay_hold_s
+
+    async def _relay_gave_up(self, e: BaseException) -> None:
+        """The relay had no connection to the placer for ``relay_hold_s``: the placer directly,
+        with a full report, and not that relay again for a while."""
+        self._relay_down_since = None
+        if self._relay is not None:
+            self.relay_failures += 1
+            self._relay_failed[self._relay.url] = trio.current_time() + self._relay_retry()
+            self._relay_ask_at = trio.current_time() + self._relay_retry()
+            log.warning("the relay stayed without the placer for %.0fs: reporting to the placer node=%s relay=%s",
+                        self.relay_hold_s, self.node_id, self._relay.url)
+        await self._close_wire()
+        self.failures += 1
+        self.registered = False
+        self.last_error = f"{type(e).__name__}: {e}"
+        self._need_full = True
 
     def _report_backoff(self) -> Backoff:
         """Capped at the heartbeat interval (the placer may change it): a failing node
@@ -706,6 +760,8 @@ class AgentLink:
             if wr.status == 409:
                 raise _Conflict()
             if wr.status != 200:
+                if wr.status == 503 and wr.reason == UPSTREAM_DOWN and self._relay is not None:
+                    raise _RelayHolding(f"the relay has no connection to the placer: {wr.error}")
                 if wr.status == NO_LEADER and self._relay is None:   # a placer that does not lead (placer.ha)
                     self._placer_answered(wr.status, used=self.placer_url)
                 raise _PlacerError(f"placer answered {wr.status} on the framed channel: {wr.error}")
@@ -785,6 +841,10 @@ class _Conflict(Exception):
 
 class _PlacerError(Exception):
     pass
+
+
+class _RelayHolding(_PlacerError):
+    """The relay answered ``upstream_down``: it has no connection to the placer (yet)."""
 
 
 def wire_endpoint(wire_url: str, placer_url: str) -> str:
