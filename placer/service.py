@@ -664,6 +664,9 @@ class PlacerService:
                                               rep.boot_id, stop)
             reply = msgspec.structs.replace(reply, stop=stop)
         reply = self._stamped(reply)
+        if relayed and reply.epoch:   # the member may take the epoch its relay carried: under its MAC
+            reply = msgspec.structs.replace(reply, epoch_mac=msgauth.epoch_mac(
+                self.state.mac_key(rep.node_id, rep.boot_id), rep.node_id, rep.boot_id, reply.epoch))
         if rep.full and status == 200 and not relayed:
             reply = msgspec.structs.replace(reply, mac_key=self.state.mac_key(rep.node_id, rep.boot_id),
                                             placer_key=self.signer.public)

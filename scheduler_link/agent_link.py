@@ -65,8 +65,9 @@ Invariants:
 - Fencing (scheduler_link.epochs): an answer over this node's own connection older than the
   highest placer epoch seen is not acted on (its stops dropped and counted, its relay, keys,
   channel and interval not taken; the next placer known is asked); a newer one is made durable
-  first. Through a relay each stop's epoch (under the placer's MAC) is checked the same way;
-  a relayed answer's own epoch is never taken (a relay could write anything there).
+  first. Through a relay an answer's epoch is taken and checked the same way only under the
+  placer's MAC in this node's key (``epoch_mac``; a relay could write any epoch), and each
+  stop's epoch (under its MAC) too.
 - A placer restart behind a relay: the relay answers ``upstream_down`` (503) while it has no
   connection to the placer; the link keeps that relay for up to ``relay_hold_s`` (trying it
   every second or so, a full report pending) instead of handshaking with the placer itself,
@@ -111,7 +112,7 @@ from .messages import (
     Victim,
     WorkloadEvent,
 )
-from .msgauth import verified_stops, with_report_mac
+from .msgauth import epoch_ok, verified_stops, with_report_mac
 from .placers import NO_LEADER, Placers, leader_of, leader_wire_of, not_leading
 
 log = logging.getLogger("herd.link.agent")
@@ -470,7 +471,7 @@ class AgentLink:
                 log.warning("report failed node=%s err=%s backoff=%.2fs", self.node_id, self.last_error, pause)
                 await trio.sleep(pause)
                 continue
-            if not relayed and not self._fresh(reply, at):
+            if not (self._fresh_relayed(reply) if relayed else self._fresh(reply, at)):
                 await trio.sleep(retry.failed(trio.current_time()))
                 continue
             retry.succeeded()
@@ -529,6 +530,22 @@ class AgentLink:
         log.warning("answer of a replaced placer ignored node=%s placer=%s epoch=%d highest=%d stops=%d",
                     self.node_id, at, reply.epoch, self.epochs.highest, len(reply.stop))
         self._placer_answered(None, used=at)
+        self._need_full = True
+        return False
+
+    def _fresh_relayed(self, reply: ReportReply) -> bool:
+        """An answer through the relay: its epoch is taken (and checked) only under the placer's
+        MAC in our key (a relay could write any epoch there); one without is left to its stops'."""
+        if not epoch_ok(self.mac_key, self.node_id, self.boot_id, reply.epoch, reply.epoch_mac):
+            return True
+        try:
+            if self.epochs.admit(reply.epoch, "reply"):
+                return True
+        except OSError:
+            return False
+        self.stops_refused += len(reply.stop)
+        log.warning("relayed answer of a replaced placer ignored node=%s epoch=%d highest=%d", self.node_id,
+                    reply.epoch, self.epochs.highest)
         self._need_full = True
         return False
 

@@ -369,6 +369,9 @@ class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
     # the answering placer's epoch (scheduler_link.epochs): an answer older than the highest epoch
     # the node has seen is not acted on (its stops dropped, its relay and keys not taken)
     epoch: int = 0
+    # in an answer through a relay: the placer's MAC over ``epoch`` in the node's key
+    # (scheduler_link.msgauth.epoch_mac), so the member may take the epoch a relay carried
+    epoch_mac: bytes = b""
 
 
 # ---------------------------------------------------------------- placer API (jobs, nodes, cluster)

@@ -139,6 +139,16 @@ def stop_mac(key: bytes, node_id: str, boot_id: str, v: Victim) -> bytes:
     return _mac(key, b"stop\0" + _canon.encode(fields))
 
 
+def epoch_mac(key: bytes, node_id: str, boot_id: str, epoch: int) -> bytes:
+    """The placer's MAC over its epoch in an answer a relay carries to the node (the member then
+    takes the epoch as if the answer had come over its own connection)."""
+    return _mac(key, b"epoch\0%s\0%s\0%d" % (node_id.encode(), boot_id.encode(), epoch))
+
+
+def epoch_ok(key: bytes | None, node_id: str, boot_id: str, epoch: int, mac: bytes) -> bool:
+    return key is not None and bool(mac) and hmac.compare_digest(mac, epoch_mac(key, node_id, boot_id, epoch))
+
+
 def with_stop_macs(key: bytes, node_id: str, boot_id: str, victims: list[Victim]) -> list[Victim]:
     return [msgspec.structs.replace(v, mac=stop_mac(key, node_id, boot_id, v)) for v in victims]
 

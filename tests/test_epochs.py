@@ -40,7 +40,7 @@ from scheduler_link.messages import (
     ReportReply,
     Victim,
 )
-from scheduler_link.msgauth import BundleSigner, node_key, stop_mac, verified_stops, with_stop_macs
+from scheduler_link.msgauth import BundleSigner, epoch_mac, node_key, stop_mac, verified_stops, with_stop_macs
 from testing.etcd import EtcdCluster, etcd_running
 from testing.waiting import poll
 from tests.prom import value
@@ -274,6 +274,26 @@ async def test_an_answer_of_an_older_epoch_is_not_acted_on(tmp_path, autojump_cl
     assert EpochFile(tmp_path / EPOCH_FILE).load() == 3
 
 
+def test_a_member_takes_the_epoch_its_relay_carried_only_under_the_placers_mac(tmp_path: Path) -> None:
+    """A member behind a relay learns a new epoch from the answer to its report (the placer MACs
+    the epoch in the member's key): a relay cannot raise it (no valid MAC: not taken), nor make
+    a replaced placer's answer pass (a valid MAC of an older epoch: not acted on)."""
+    link = AgentLink("http://placer", None, "n1", _Hooks(), use_wire=False,
+                     epochs=Epochs(tmp_path / EPOCH_FILE))
+    link.mac_key = key = node_key(b"m" * 32, "n1", link.boot_id)
+
+    def relayed(ep: int, mac_ep: int | None, k: bytes = key) -> ReportReply:
+        m = b"" if mac_ep is None else epoch_mac(k, "n1", link.boot_id, mac_ep)
+        return ReportReply(epoch=ep, epoch_mac=m, stop=[Victim(workload_id="w", epoch=ep)])
+
+    assert link._fresh_relayed(relayed(4, 4)) and link.epochs.highest == 4 == EpochFile(tmp_path / EPOCH_FILE).load()
+    assert link._fresh_relayed(relayed(9, None)) and link.epochs.highest == 4           # no MAC: not taken
+    assert link._fresh_relayed(relayed(9, 4)) and link.epochs.highest == 4              # the MAC of another epoch
+    assert link._fresh_relayed(relayed(9, 9, b"k" * 32)) and link.epochs.highest == 4   # another key's
+    assert not link._fresh_relayed(relayed(3, 3)) and link.stops_refused == 1            # a replaced placer's
+    assert link.epochs.stale == {"reply": 1}
+
+
 # ---------------------------------------------------------------- a placer restarted
 
 async def test_a_placer_restarted_on_its_state_dir_has_a_larger_epoch_and_says_so(tmp_path, token_dir) -> None:
@@ -404,3 +424,28 @@ def test_the_common_answer_is_stamped_once_per_epoch(tmp_path: Path, token_dir: 
     assert svc._stamped(ok) is first
     svc.own_epoch = 4
     assert svc._stamped(ok).epoch == 4
+
+
+async def test_a_relayed_answer_carries_the_epoch_under_the_members_mac(tmp_path, token_dir) -> None:
+    """The placer's answer to a report a relay forwarded carries its epoch and that epoch's MAC
+    in the member's key (so the member may take it); an answer over the node's own connection
+    needs none."""
+    from scheduler_link.msgauth import epoch_ok, with_report_mac
+
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            svc, cl = await start_cluster(n, tmp_path, tokens, n_agents=2)
+            link = cl.agents["n0"].link
+            assert link is not None
+            key = svc.state.mac_key("n0", link.boot_id)
+            seq = svc.state.nodes["n0"].last_seq + 1   # (the next in the node's sequence: no await before it goes)
+            rep = with_report_mac(key, NodeReport(node_id="n0", boot_id=link.boot_id, seq=seq, full=False,
+                                                  manifests=[]))
+            status, reply = svc.ingest_relayed(rep, via="n1")
+            assert status == 200 and reply.epoch == svc.epoch >= 1
+            assert epoch_ok(key, "n0", link.boot_id, svc.epoch, reply.epoch_mac)
+            status, own = svc._ingest("n0", msgspec.structs.replace(rep, seq=rep.seq + 1, mac=b""))
+            assert status == 200 and own.epoch == svc.epoch and own.epoch_mac == b""
+            await cl.c.aclose()
+            n.cancel_scope.cancel()
