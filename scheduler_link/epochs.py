@@ -16,7 +16,9 @@ seen yet), ``newer`` (higher: the receiver must make it durable before acting on
 ``stale`` (older: refused, with the structured outcome ``stale_epoch``, never by words).
 :class:`Epochs` carries it out for a daemon: a newer epoch is written (temp, fsync, rename,
 fsync dir) before the message is acted on, so a receiver that restarts refuses what it
-refused before it stopped; a stale one is counted by kind.
+refused before it stopped; a stale one is counted by kind. A node's parts, placement API, link
+and relay share its one :class:`Epochs`; every call is synchronous (no await inside), so each
+check-and-write is one step that no other task can interleave with.
 
 Epoch 0 means "a placer without epochs" (an older placer, or a message that has none). It is
 accepted only while the receiver has seen no epoch; once it has seen one, 0 is stale like any
