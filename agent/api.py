@@ -15,8 +15,7 @@ false``, ``reason``) when refused -- also when its ``origin`` is not among
 ``allowed_origins`` (``outcome: refused_spec``), and when the placer's placement carries an
 epoch older than the highest this node has seen (``outcome: stale_epoch``: a replaced placer;
 scheduler_link.epochs; an operator's direct placement is not fenced); a prefetch naming such
-an origin is 403. An
-agent configured with no origins (the default) refuses every one.
+an origin is 403. An agent configured with no origins (the default) refuses every one.
 
 Body bounds per route: placements and prefetches ``max_body_bytes`` (default 4 MiB, a
 fleet-scale placement is a few MB at most), stop 4 KiB, fault injection 16 KiB, every

@@ -15,8 +15,7 @@ clock) and ``wall`` (unix seconds, the placer's ``deliver_by`` clock) are argume
   has seen is refused too (``stale_epoch``, counted; scheduler_link.epochs: the node's one
   durable gate, so a bundle replayed after the relay restarted is refused as well; a newer
   epoch is written before the bundle is acted on). A refused bundle is :class:`Refuse`. A taken
-  one opens a *round*: the
-  blob is kept (:class:`KeepBlob`) or wanted (:class:`WantBlob`: the driver fetches it unless
+  one opens a *round*: the blob is kept (:class:`KeepBlob`) or wanted (:class:`WantBlob`: the driver fetches it unless
   cached), and each part goes to its node (:class:`Hand`: this relay's own node, or a member
   with a connection here, with the signed proof the member checks itself); a part for a node
   that is neither is left out at once (the placer pushes it directly). A bundle that comes past
