@@ -47,8 +47,9 @@ from p2p.herd import render_metrics as render_p2p_metrics
 from p2p.origins import open_origin
 from p2p.store import ChunkStore
 from p2p.tree import serving_cap
-from scheduler_link.agent_link import AgentLink
+from scheduler_link.agent_link import AgentLink, ReportChannel
 from scheduler_link.epochs import Epochs
+from scheduler_link.heartbeat_wire import WireError
 from scheduler_link.messages import (
     GangBlob,
     GpuSnapshot,
@@ -276,9 +277,16 @@ class Agent:
                                      heartbeat_s=self.config.heartbeat_s, on_part=self.handle_part,
                                      relay_trust_intervals=self.config.relay.trust_intervals,
                                      relay_hold_s=self.config.relay.hold_s, epochs=self.epochs,
+                                     wire_connect=self._own_wire if self.config.relay.enabled else None,
                                      ssl_context=self.security.client if self.security is not None else None)
         self.supervisor.add_listener(link.notify)
         return link
+
+    async def _own_wire(self, wire_url: str, token: str, node_id: str) -> ReportChannel:
+        """A relay host reports over its relay's connection up (agent.relay.OwnReports)."""
+        if self.relay is None:
+            raise WireError("the relay has not started yet")
+        return await self.relay.own_channel(wire_url, token, node_id)
 
     async def _start_relay(self, n: trio.Nursery, link: AgentLink) -> None:
         t = self.config.topology

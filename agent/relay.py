@@ -518,6 +518,13 @@ class Relay:
             self.failures += 1
             return [WireReply(status=503, error=f"the relay could not forward the report: {e}")] * len(reps)
 
+    async def own_channel(self, wire_url: str, token: str, node_id: str) -> OwnReports:
+        """This host's own report channel over the relay's connection up (an AgentLink
+        ``wire_connect``): once the relay is connected (the caller's deadline bounds the wait)."""
+        while self._up is None:
+            await self.upstream_ready.wait()
+        return OwnReports(self._up, self.request_timeout_s)
+
     async def member_blob(self, blob_id: str) -> BlobReply:
         """What a member's ``blob_get`` is answered: from the cache, fetched first if needed."""
         return await self._blob_reply(blob_id, from_relay=False)
@@ -539,6 +546,32 @@ class Relay:
             return BlobReply(blob_id=blob_id, error="not here")
         self.blob_serves += 1
         return BlobReply(blob_id=blob_id, data=got[0])
+
+
+class OwnReports:
+    """The relay host's own reports over its relay's connection to the placer (a
+    :class:`~scheduler_link.agent_link.ReportChannel`). The placer takes a report on a relay's
+    connection for the relay's own node as over the node's own connection (the certificate
+    names it: keys and all), so a relay host opens one connection to the placer, not two: a
+    placer restart costs one handshake per relay host, and its own full report goes up as soon
+    as the relay has reconnected. The connection is the relay's: closing this closes nothing."""
+
+    def __init__(self, ch: FrameChannel, timeout_s: float) -> None:
+        self._ch = ch
+        self._timeout_s = timeout_s
+
+    async def exchange(self, report: NodeReport) -> WireReply:
+        if self._ch.closed.is_set():
+            raise WireError("the relay's connection to the placer is gone")
+        try:
+            f = await self._ch.call("report", report, timeout_s=self._timeout_s)
+            wr: WireReply = decode_payload(f, WireReply)
+        except (FrameError, CallFailed, msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise WireError(f"the relay's connection to the placer: {e}") from None
+        return wr
+
+    async def aclose(self) -> None:
+        return None
 
 
 def _blob_data(r: BlobReply) -> bytes | None:
