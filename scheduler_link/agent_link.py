@@ -111,6 +111,7 @@ from .messages import (
     ReportReply,
     Victim,
     WorkloadEvent,
+    for_placer,
 )
 from .msgauth import epoch_ok, verified_stops, with_report_mac
 from .placers import NO_LEADER, Placers, leader_of, leader_wire_of, not_leading
@@ -617,14 +618,15 @@ class AgentLink:
             self._last_health = health_signature(base.snapshot)
             self._need_full = False
             return msgspec.structs.replace(base, node_id=self.node_id, boot_id=self.boot_id, seq=self.seq,
-                                           full=True, sent_at=now)
+                                           full=True, sent_at=now,
+                                           snapshot=for_placer(base.snapshot) if base.snapshot else None)
         events = self._drain_events()
         snap: GpuSnapshot | None = None
         try:
             cur = self.hooks.gpu_snapshot()
             sig = health_signature(cur)
             if sig != self._last_health:
-                snap, self._last_health = cur, sig
+                snap, self._last_health = for_placer(cur), sig
         except Exception:
             log.exception("gpu_snapshot hook failed node=%s", self.node_id)
         return NodeReport(node_id=self.node_id, boot_id=self.boot_id, seq=self.seq, full=False,

@@ -146,6 +146,20 @@ class GpuSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     taken_at: float = 0.0
 
 
+_NO_TELEMETRY = GpuTelemetry()
+
+
+def for_placer(snap: GpuSnapshot) -> GpuSnapshot:
+    """What of a node's snapshot the placer reads: inventory, health, fabric domains. NVLink
+    lists, telemetry and the topology matrix (about half of a DGX H100's full report: 16 KB
+    -> 8 KB) stay on the node (its status API serves them); 131,072 full reports after a placer
+    restart are that much less to read and decode. Idempotent."""
+    if not snap.topology_matrix and all(not g.nvlinks and g.telemetry == _NO_TELEMETRY for g in snap.gpus):
+        return snap
+    gpus = [msgspec.structs.replace(g, nvlinks=[], telemetry=_NO_TELEMETRY) for g in snap.gpus]
+    return msgspec.structs.replace(snap, gpus=gpus, topology_matrix=[])
+
+
 # ---------------------------------------------------------------- workloads
 
 class WorkloadStatus(msgspec.Struct, frozen=True, kw_only=True):

@@ -108,6 +108,7 @@ from scheduler_link.messages import (
     Victim,
     WorkloadEvent,
     WorkloadStatus,
+    for_placer,
     inventory_hash,
 )
 from scheduler_link.msgauth import (
@@ -238,7 +239,7 @@ class EmulatedNode:
         return NodeReport(node_id=s.node_id, boot_id="", seq=0, full=True, control_url=self.control_url,
                           data_url=f"http://127.0.0.1:9/{s.node_id}",  # no data plane here
                           topology=TopologyPath(zone=s.zone, block=s.block, rack=s.rack),
-                          nvlink_domain=snap.nvlink_domain, snapshot=snap,
+                          nvlink_domain=snap.nvlink_domain, snapshot=for_placer(snap),   # (as AgentLink sends it)
                           workloads=list(self.workloads.values()), manifests=[], sent_at=time.time())
 
     async def stop_workloads(self, victims: list[Victim]) -> None:
