@@ -581,6 +581,8 @@ class EmulatedRack:
             await trio.sleep(random.uniform(0.5, 1.0) * RELAY_HOLD_RETRY_S)
 
     async def _register_direct(self, m: EmulatedNode) -> WireReply | None:
+        if m is self.members[0]:   # the relay host: over its relay's connection up, as an agent's link does
+            return await self._register_own(m)
         if self.fleet.node_tls is not None:
             return await self._register_own_tls(m)
         async with self.fleet.limiter:
@@ -596,6 +598,21 @@ class EmulatedRack:
             except (WireError, trio.TooSlowError):
                 self.failures += 1
                 return None
+        self.reports += 1
+        return wr
+
+    async def _register_own(self, m: EmulatedNode) -> WireReply | None:
+        """The relay host's own full report over the relay's frames connection to the placer
+        (agent.relay.OwnReports: what the agent daemon gives a relay host's link), once the relay
+        is connected: no connection, and over TLS no handshake, of its own."""
+        try:
+            with trio.fail_after(WIRE_CONNECT_S):
+                ch = await self.relay.own_channel("", "", m.slot.node_id)
+                wr = await ch.exchange(self._report(m, full=True))
+        except (WireError, trio.TooSlowError) as e:
+            self.failures += 1
+            log.debug("relay host registration failed node=%s err=%s", m.slot.node_id, e)
+            return None
         self.reports += 1
         return wr
 
