@@ -50,17 +50,23 @@ import numpy as np
 import trio
 import trio.lowlevel
 
-from scheduler_link import frames, msgauth
+from infra.pki import PKIError
+from infra.tls import Security
+from scheduler_link import enroll, frames, msgauth
 from scheduler_link.frames import FrameChannel, FrameError, check_entries, decode_payload
 from scheduler_link.heartbeat_wire import Hello, WireReply
 from scheduler_link.messages import (
     AckBundle,
     BlobReply,
     BlobRequest,
+    Enroll,
+    EnrollAnswer,
     Frame,
     NodeReport,
+    PlacerCert,
     RackBeat,
     RackBeatReply,
+    RackEnrolls,
     RackReports,
     ReportReply,
 )
@@ -100,6 +106,7 @@ class RelayHost(Protocol):
     cfg: PlacerConfig
     signer: msgauth.BundleSigner
     clock: Callable[[], float]
+    security: Security        # the placer's TLS files (its enrolment key) and the deny-list
 
     @property
     def nodes(self) -> Mapping[str, NodeRec]:
@@ -169,6 +176,8 @@ class RelayHub:
         self._deferred: collections.deque[tuple[FrameChannel, Frame, float]] = collections.deque()
         self._drained = 0
         self._draining = False
+        self._desk: enroll.EnrollDesk | None = None   # made when the first enrolment frame comes
+        self.enrolled = 0
 
     # ------------------------------------------------------------ connections
 
@@ -238,7 +247,8 @@ class RelayHub:
                 "bundles": s.bundles, "bundle_failures": s.bundle_failures, "fallback_nodes": s.fallback_nodes,
                 "relayed_nodes": s.relayed_nodes, "late_nodes": s.late_nodes, "blob_seeds": s.blob_seeds, "blob_serves": s.blob_serves,
                 "beats": s.beats, "beat_entries": s.beat_entries, "reports": s.reports, "bytes_out": s.bytes_out,
-                "last_delivery": s.last_delivery}
+                "last_delivery": s.last_delivery,
+                "enroll": self._desk.statistics() if self._desk is not None else {"taken": 0, "refused": {}}}
 
     # ------------------------------------------------------------ frames from relays
 
@@ -335,7 +345,61 @@ class RelayHub:
             return "blob", BlobReply(blob_id=req.blob_id, data=raw)
         if t == "ping":
             return "ping", None
+        if t in ("enroll_key", "enrolls"):
+            return self._enroll_frame(ch, f, via)
         return "error", {"error": f"unexpected frame type {t!r} from a relay"}
+
+    # ------------------------------------------------------------ enrolment (scheduler_link.enroll)
+
+    def enroll_desk(self) -> enroll.EnrollDesk | None:
+        """The placer's enrolment desk, from its TLS files (None: insecure, no identities)."""
+        if self._desk is None:
+            files = self.host.security.files
+            if self.host.security.insecure or files is None:
+                return None
+            try:
+                self._desk = enroll.desk_from_files(files)
+            except PKIError as e:
+                log.warning("enrolment through relays unavailable: %s", e)
+                return None
+        return self._desk
+
+    def _enroll_frame(self, ch: FrameChannel, f: Frame, via: str) -> tuple[str, Any]:
+        desk = self.enroll_desk()
+        if f.type == "enroll_key":
+            if desk is None:
+                return "placer_cert", PlacerCert(error="no_tls: this placer runs without TLS")
+            return "placer_cert", PlacerCert(cert=desk.cert)
+        try:
+            batch = decode_payload(f, RackEnrolls)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            return "error", {"error": f"malformed enrolments: {e}"}
+        check_entries(len(batch.enrolls), frames.entry_limit(ch), what="enrolment batch")
+        return "enrolls_reply", [self.enroll_one(e, via) for e in batch.enrolls]
+
+    def enroll_one(self, e: Enroll, via: str) -> EnrollAnswer:
+        """One member's enrolment a relay forwarded: checked (scheduler_link.enroll.EnrollDesk),
+        then its full report registered as if over the member's own connection (the
+        certificate's key proved who sent it, as a handshake would have), and the answer's keys
+        sealed to the member. A refusal is a structured outcome, counted, with nothing ingested."""
+        desk = self.enroll_desk()
+        if desk is None:
+            return EnrollAnswer(node_id=e.node_id[:256], outcome="no_tls", detail="this placer runs without TLS")
+        node = self.host.nodes.get(e.node_id)
+        revoked = self.host.security.revoked
+        try:
+            c = desk.check(e, now=self.host.clock(), denied=(revoked.nodes, revoked.serials),
+                           known=(node.boot_id, node.last_seq) if node is not None else None)
+        except enroll.EnrollRefused as r:
+            log.info("enrolment refused node=%s relay=%s outcome=%s: %s", e.node_id[:200], via, r.outcome, r.detail)
+            return EnrollAnswer(node_id=e.node_id[:256], outcome=r.outcome, detail=r.detail[:300])
+        status, reply = self.host.ingest_relayed(c.report, c.node_id)   # (via itself: its own connection's rules)
+        if status != 200 or reply.mac_key is None:
+            desk.refuse("refused")
+            return EnrollAnswer(node_id=c.node_id, outcome="refused", detail=reply.error or f"status {status}",
+                                reply=msgspec.structs.replace(reply, mac_key=None, placer_key=None))
+        self.enrolled += 1
+        return desk.answer(c, reply, reply.mac_key, reply.placer_key or self.host.signer.public)
 
     # ------------------------------------------------------------ delivery
 

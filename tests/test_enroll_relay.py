@@ -1,0 +1,253 @@
+"""Enrolment through the rack relay, end to end under mutual TLS: the real placer service, the
+real relay (agent.relay.Relay) and members' AgentLinks. A member with no key registers through
+its relay with no handshake at the placer, and its later relayed reports verify; bad
+enrolments are refused with a structured outcome, counted, and nothing of them is ingested."""
+
+from __future__ import annotations
+
+import ssl
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import msgspec
+import pytest
+import trio
+
+from agent.blobs import BlobCache
+from agent.relay import Relay
+from infra import tls
+from infra.auth import TokenSet
+from infra.pki import CA, Revocations, ThrowawayPKI, make_ca
+from placer.service import PlacerService
+from scheduler_link.agent_link import AgentLink
+from scheduler_link.enroll import EnrollClient, client_from_files
+from scheduler_link.frames import FrameChannel, decode_payload, open_frames
+from scheduler_link.messages import Enroll, EnrollAnswer, Frame, NodeReport, RackEnrolls, TopologyPath
+from testing.fake_agent import FakeAgent
+from testing.waiting import poll
+
+from .test_placer_service import cfg
+
+RACK = "z1/b1/r0"
+
+
+@dataclass
+class Rig:
+    svc: PlacerService
+    url: str
+    relay: Relay
+    relay_url: str
+    relay_link: AgentLink
+    pki: ThrowawayPKI
+    tokens: TokenSet
+    nursery: trio.Nursery
+
+    counter: HandshakeCounter
+
+    @property
+    def handshakes(self) -> int:
+        """TLS handshakes the placer completed (its API and its framed channel)."""
+        return self.counter.done
+
+    def refused(self, outcome: str) -> int:
+        desk = self.svc.relays.enroll_desk()
+        assert desk is not None
+        return desk.refused.get(outcome, 0)
+
+    async def member(self, node: str, *, relay_url: str | None = None, kept: list[str] | None = None) -> AgentLink:
+        ctx = tls.client_context(self.pki.ca, self.pki.files(f"node:{node}"))
+        link = AgentLink(self.url, None, node, FakeAgent(node, self.tokens, rack="r0"), heartbeat_s=0.1,
+                         ssl_context=ctx, enroll=client_from_files(self.pki.files(f"node:{node}")),
+                         enroll_relay_url=relay_url or self.relay_url,
+                         on_relay=kept.append if kept is not None else None)
+        await self.nursery.start(link.run)
+        return link
+
+    def client(self, node: str) -> EnrollClient:
+        return client_from_files(self.pki.files(f"node:{node}"))
+
+    async def enrol(self, e: Enroll, *, conn: str | None = None) -> EnrollAnswer:
+        """``e`` through the relay as a member's connection of ``conn`` (default: its node) sends it."""
+        got = self.relay.member_enroll(conn or e.node_id, e)
+        return got if isinstance(got, EnrollAnswer) else await got
+
+    async def placer_cert(self) -> bytes:
+        pc = await self.relay.member_enroll_key()
+        assert pc.cert, pc.error
+        return pc.cert
+
+
+def _report(node: str, boot: str = "b1", seq: int = 1) -> NodeReport:
+    return NodeReport(node_id=node, boot_id=boot, seq=seq, full=True, control_url="http://127.0.0.1:9",
+                      topology=TopologyPath(zone="z1", block="b1", rack="r0"))
+
+
+class HandshakeCounter:
+    """Counts the server handshakes a placer's TLS contexts complete: each context makes its
+    TLS objects of a subclass that counts (the checks of infra.tls run as before)."""
+
+    def __init__(self, *contexts: ssl.SSLContext | None) -> None:
+        self.done = 0
+        counter = self
+
+        class Counted(tls._CheckedObject):
+            def do_handshake(self) -> None:
+                super().do_handshake()
+                counter.done += 1
+
+        for ctx in contexts:
+            assert ctx is not None
+            ctx.sslobject_class = Counted
+
+
+@asynccontextmanager
+async def rig(tmp_path: Path, token_dir: Path, pki: ThrowawayPKI) -> AsyncIterator[Rig]:
+    tokens = TokenSet.load(token_dir)
+    async with trio.open_nursery() as n:
+        svc = PlacerService(cfg(tmp_path, tls_dir=str(pki.dir), insecure=False, ca_dir=str(pki.dir)), tokens)
+        counter = HandshakeCounter(svc.security.api, svc.security.channel)
+        url = await n.start(svc.run)
+        # the relay node registers directly (its own connection: its keys), then relays
+        rctx = tls.client_context(pki.ca, pki.files("node:r0n0"))
+        rlink = AgentLink(url, None, "r0n0", FakeAgent("r0n0", tokens, rack="r0"), heartbeat_s=0.1, ssl_context=rctx)
+        await n.start(rlink.run)
+        await poll(lambda: rlink.mac_key is not None, 0.02)
+        sec = tls.daemon_security(pki.node_dir("r0n0"), "node", insecure=False)
+        relay = Relay(node_id="r0n0", rack=RACK, tokens=tokens, listen="127.0.0.1:0", wire_url=lambda: svc.wire_url,
+                      blobs=BlobCache(), heartbeat_s=0.1, keys=lambda: (rlink.mac_key, rlink.placer_key),
+                      security=sec)
+        relay_url = await n.start(relay.run)
+        await relay.upstream_ready.wait()
+        assert counter.done >= 2      # the relay node's registration, the relay's connection up
+        yield Rig(svc, url, relay, relay_url, rlink, pki, tokens, n, counter)
+        n.cancel_scope.cancel()
+
+
+async def test_a_member_enrols_through_its_relay_without_a_handshake_at_the_placer(tmp_path: Path, token_dir,
+                                                                                    tls_pki):
+    with trio.fail_after(30):
+        async with rig(tmp_path, token_dir, tls_pki) as r:
+            await poll(lambda: r.svc.relays.relay_for(RACK) is not None, 0.02)
+            before = r.handshakes
+            kept: list[str] = []
+            link = await r.member("m1", kept=kept)
+            await poll(lambda: link.registered, 0.02)
+            assert link.enrolled == 1 and link.enroll_failures == 0
+            assert link.mac_key == r.svc.state.mac_key("m1", link.boot_id)      # the key, sealed to it
+            assert link.placer_key == r.svc.signer.public
+            assert "m1" in r.svc.state.nodes and r.svc.state.nodes["m1"].boot_id == link.boot_id
+            assert r.handshakes == before                                          # no handshake for it
+            assert r.relay.statistics()["enrolls_forwarded"] == 1
+            # its later reports go through the relay with its MAC, and verify
+            seq = r.svc.state.nodes["m1"].last_seq
+            link.request_full_report()
+            await poll(lambda: r.svc.state.nodes["m1"].last_seq > seq + 2, 0.02)
+            assert r.svc.state.counters["bad_macs"] == 0
+            assert link.statistics()["relay_url"] == r.relay_url and link.full_reports_sent >= 2
+            assert r.handshakes == before
+            assert kept == [] and link.enrolled == 1   # (the relay it came through is the one remembered)
+
+
+async def test_a_member_remembers_its_relay_and_falls_back_when_enrolment_fails(tmp_path: Path, token_dir,
+                                                                                   tls_pki):
+    with trio.fail_after(30):
+        async with rig(tmp_path, token_dir, tls_pki) as r:
+            await poll(lambda: r.svc.relays.relay_for(RACK) is not None, 0.02)
+            kept: list[str] = []
+            link = await r.member("m2", relay_url="tls://127.0.0.1:1", kept=kept)   # nothing there
+            await poll(lambda: link.registered and link.mac_key is not None, 0.02)
+            assert link.enrolled == 0 and link.enroll_refusals == {"unavailable": 1}
+            await poll(lambda: link.statistics()["relay_url"] == r.relay_url, 0.02)
+            assert kept == [r.relay_url]      # the relay the placer named, for the next boot
+
+
+async def test_bad_enrolments_are_refused_counted_and_not_ingested(tmp_path: Path, token_dir, tls_pki):
+    with trio.fail_after(30):
+        async with rig(tmp_path, token_dir, tls_pki) as r:
+            cert = await r.placer_cert()
+            now = time.time()
+            # a relay makes one up for another node: with its own certificate ...
+            e, _ = r.client("r0n0").make(_report("victim"), cert, now=now)
+            assert (await r.enrol(e, conn="victim")).outcome == "bad_certificate"
+            # ... or with the victim's certificate (it saw it go by) and its own key
+            vic = r.client("victim")
+            forged = EnrollClient(vic.ca, r.client("r0n0")._key, vic.cert)
+            e, _ = forged.make(_report("victim"), cert, now=now)
+            assert (await r.enrol(e)).outcome == "bad_mac"
+            # a real enrolment whose report the relay changed
+            e, _ = vic.make(_report("victim"), cert, now=now)
+            changed = msgspec.structs.replace(e, report=msgspec.Raw(msgspec.msgpack.encode(_report("victim", seq=7))))
+            assert (await r.enrol(changed)).outcome == "bad_mac"
+            # a certificate not from the cluster CA
+            key, rogue = CA(*make_ca()).issue("node:m3")
+            from cryptography.hazmat.primitives import serialization
+            e, _ = EnrollClient(vic.ca, key, rogue.public_bytes(serialization.Encoding.DER)).make(
+                _report("m3"), cert, now=now)
+            assert (await r.enrol(e)).outcome == "not_from_ca"
+            # a revoked node
+            Revocations(r.pki.dir).revoke("m4", now=now)
+            r.svc._refresh_revoked(now)
+            e, _ = r.client("m4").make(_report("m4"), cert, now=now)
+            assert (await r.enrol(e)).outcome == "revoked"
+            # malformed and oversized
+            e, _ = r.client("m5").make(_report("m5"), cert, now=now)
+            assert (await r.enrol(msgspec.structs.replace(e, nonce=b"x"))).outcome == "malformed"
+            assert (await r.enrol(msgspec.structs.replace(e, cert=b"x" * 8000))).outcome == "oversized"
+            # the relay's own check: a member connection enrolling another node
+            assert (await r.enrol(e, conn="m6")).outcome == "wrong_node"
+            for outcome in ("bad_certificate", "bad_mac", "not_from_ca", "revoked", "malformed", "oversized"):
+                assert r.refused(outcome) >= 1, outcome
+            assert r.refused("bad_mac") == 2
+            assert r.relay.statistics()["enrolls_refused"]["wrong_node"] == 1
+            assert not {"victim", "m3", "m4", "m5"} & set(r.svc.state.nodes)   # nothing ingested
+            # a replay: taken once, refused the second time (the nonce), and nothing changes
+            got = await r.enrol(e)
+            assert got.outcome == "enrolled" and r.svc.state.nodes["m5"].boot_id == "b1"
+            assert (await r.enrol(e)).outcome == "replay"
+            assert r.refused("replay") == 1
+            assert r.svc.relays.enrolled == 1
+
+
+async def test_an_oversized_or_malformed_enrolment_frame_costs_its_sender_only(tmp_path: Path, token_dir, tls_pki):
+    with trio.fail_after(30):
+        async with rig(tmp_path, token_dir, tls_pki) as r:
+            ctx = tls.client_context(tls_pki.ca, tls_pki.files("node:m7"))
+            # to the relay: a member's frame over its bound closes that connection, nothing else
+            ch = await open_frames(r.relay_url, "", "m7", ssl_context=ctx, expect="node")
+            async with trio.open_nursery() as n:
+                n.start_soon(ch.run, _none)
+                with pytest.raises(Exception):  # noqa: B017  (the connection is closed under the call)
+                    await ch.call("enroll", {"node_id": "m7", "junk": b"x" * (200 << 10)}, timeout_s=5)
+                n.cancel_scope.cancel()
+            await ch.aclose()
+            # a malformed enrolment is answered with an error; the relay keeps serving
+            ch = await open_frames(r.relay_url, "", "m7", ssl_context=ctx, expect="node")
+            async with trio.open_nursery() as n:
+                n.start_soon(ch.run, _none)
+                with pytest.raises(Exception):  # noqa: B017  (CallFailed: the payload does not decode)
+                    await ch.call("enroll", {"node_id": 7}, timeout_s=5)
+                pc = await ch.call("enroll_key", {}, timeout_s=5)
+                assert pc.type == "placer_cert"
+                n.cancel_scope.cancel()
+            await ch.aclose()
+            # to the placer: a batch over the connection's entry bound ends that connection only
+            up = r.relay.upstream
+            assert up is not None
+            cert = await r.placer_cert()
+            e, _ = r.client("m8").make(_report("m8"), cert, now=time.time())
+            with pytest.raises(Exception):  # noqa: B017
+                await up.call("enrolls", RackEnrolls(rack=RACK, enrolls=[e] * 300), timeout_s=5)
+            assert "m8" not in r.svc.state.nodes
+            await poll(lambda: r.relay.upstream is not None and r.relay.upstream is not up, 0.02)
+            got = await r.enrol(e)            # the relay is back up, the same enrolment is taken
+            assert got.outcome == "enrolled"
+            link_ok = decode_payload(Frame(type="enrolled", payload=msgspec.Raw(msgspec.msgpack.encode(got))),
+                                     EnrollAnswer)
+            assert link_ok.sealed
+
+
+def _none(ch: FrameChannel, f: Frame) -> None:
+    raise ValueError("no requests expected")
