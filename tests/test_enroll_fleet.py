@@ -34,6 +34,8 @@ async def test_relay_mode_members_enrol_through_their_relay_with_no_handshake_at
             fc = cluster["framed_channel"]
             # the relays' connections up and their own nodes' registrations: no member's
             assert fc["connections"] <= 2 * RACKS and fc["wrong_node"] == 0
+            desk = cluster["placer"]["relays"]["enroll"]
+            assert desk["taken"] == N - RACKS and desk["refused"] == {}
             # members' reports go on through their relays with the keys they got sealed
             await trio.sleep(4 * opts.heartbeat_s * opts.lost_after_missed)
             assert await nodes_up(c, placer.url) == N
