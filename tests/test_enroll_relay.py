@@ -57,13 +57,14 @@ class Rig:
         assert desk is not None
         return desk.refused.get(outcome, 0)
 
-    async def member(self, node: str, *, relay_url: str | None = None, kept: list[str] | None = None) -> AgentLink:
+    async def member(self, node: str, *, relay_url: str | None = None, kept: list[str] | None = None,
+                     nursery: trio.Nursery | None = None) -> AgentLink:
         ctx = tls.client_context(self.pki.ca, self.pki.files(f"node:{node}"))
         link = AgentLink(self.url, None, node, FakeAgent(node, self.tokens, rack="r0"), heartbeat_s=0.1,
                          ssl_context=ctx, enroll=client_from_files(self.pki.files(f"node:{node}")),
                          enroll_relay_url=relay_url or self.relay_url,
                          on_relay=kept.append if kept is not None else None)
-        await self.nursery.start(link.run)
+        await (nursery or self.nursery).start(link.run)
         return link
 
     def client(self, node: str) -> EnrollClient:
@@ -251,3 +252,25 @@ async def test_an_oversized_or_malformed_enrolment_frame_costs_its_sender_only(t
 
 def _none(ch: FrameChannel, f: Frame) -> None:
     raise ValueError("no requests expected")
+
+
+async def test_a_restarted_agent_enrols_its_new_boot_through_its_relay(tmp_path: Path, token_dir, tls_pki):
+    """An agent restarted (a new boot, the relay remembered): its new boot registers through
+    the relay with no handshake, replacing the old boot's record; its new key verifies."""
+    with trio.fail_after(30):
+        async with rig(tmp_path, token_dir, tls_pki) as r:
+            await poll(lambda: r.svc.relays.relay_for(RACK) is not None, 0.02)
+            async with trio.open_nursery() as first:     # the agent before its restart
+                old = await r.member("m9", nursery=first)
+                await poll(lambda: old.registered and old.enrolled == 1, 0.02)
+                first.cancel_scope.cancel()
+            old_boot = r.svc.state.nodes["m9"].boot_id
+            before = r.handshakes
+            link = await r.member("m9")
+            await poll(lambda: link.registered and r.svc.state.nodes["m9"].boot_id == link.boot_id, 0.02)
+            assert link.boot_id != old_boot and link.enrolled == 1
+            assert link.mac_key == r.svc.state.mac_key("m9", link.boot_id)
+            seq = r.svc.state.nodes["m9"].last_seq
+            await poll(lambda: r.svc.state.nodes["m9"].last_seq > seq + 2, 0.02)
+            assert r.handshakes == before and r.svc.state.counters["bad_macs"] == 0
+
