@@ -40,6 +40,7 @@ import logging
 import math
 import operator
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -177,6 +178,7 @@ class RelayHub:
         self._drained = 0
         self._draining = False
         self._desk: enroll.EnrollDesk | None = None   # made when the first enrolment frame comes
+        self._budgets: weakref.WeakKeyDictionary[FrameChannel, enroll.EnrollBudget] = weakref.WeakKeyDictionary()
         self.enrolled = 0
 
     # ------------------------------------------------------------ connections
@@ -375,7 +377,19 @@ class RelayHub:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return "error", {"error": f"malformed enrolments: {e}"}
         check_entries(len(batch.enrolls), frames.entry_limit(ch), what="enrolment batch")
-        return "enrolls_reply", [self.enroll_one(e, via) for e in batch.enrolls]
+        now = self.host.clock()
+        budget = self._budgets.get(ch)
+        if budget is None:
+            budget = self._budgets[ch] = enroll.EnrollBudget(now=now)
+        n = budget.take(len(batch.enrolls), now)
+        if n < len(batch.enrolls) and desk is not None:
+            log.warning("enrolments over the connection's budget relay=%s count=%d", via, len(batch.enrolls) - n)
+            for _ in range(len(batch.enrolls) - n):
+                desk.refuse("busy")
+        return "enrolls_reply", [self.enroll_one(e, via) if k < n else
+                                 EnrollAnswer(node_id=e.node_id[:256], outcome="busy", detail="over this connection's "
+                                              "enrolment budget: register directly")
+                                 for k, e in enumerate(batch.enrolls)]
 
     def enroll_one(self, e: Enroll, via: str) -> EnrollAnswer:
         """One member's enrolment a relay forwarded: checked (scheduler_link.enroll.EnrollDesk),

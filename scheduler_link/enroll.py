@@ -88,6 +88,8 @@ MAX_REPORT_BYTES = 60 << 10  # under a member frame's bound (frames.MEMBER_MAX_F
 MAX_ID_LEN = 256
 SEEN_CAP = 1 << 18           # nonces kept (more than a 131,072-node fleet's cold registration)
 CERT_CACHE = 1 << 16         # verified certificates (and their ECDH secret) kept
+BUDGET_BURST = 512.0         # enrolments one connection may send at once (twice the rack entry bound)
+BUDGET_PER_S = 8.0           # ... and then per second
 
 _KDF_CONTEXT = "herd enrol v1 (scheduler_link.enroll)"
 _MAC_PREFIX = b"herd enrol mac v1\0"
@@ -234,6 +236,27 @@ class NonceGuard:
         o = self._order
         while o and o[0][0] < now - self.window_s:
             del self._seen[o.popleft()[1]]
+
+
+class EnrollBudget:
+    """A token bucket: how many enrolments one connection may have checked now. A check
+    costs the placer a CA signature check and an ECDH (~0.15 ms) even when it fails, so a
+    hostile holder of a node certificate may not have it make them without end; a rack's
+    members enrolling at once (a cold start: up to a rack's size) fit in the burst."""
+
+    def __init__(self, *, burst: float = BUDGET_BURST, per_s: float = BUDGET_PER_S, now: float) -> None:
+        self.burst = burst
+        self.per_s = per_s
+        self._tokens = burst
+        self._at = now
+
+    def take(self, n: int, now: float) -> int:
+        """How many of ``n`` may go now (taken from the bucket)."""
+        self._tokens = min(self.burst, self._tokens + max(0.0, now - self._at) * self.per_s)
+        self._at = now
+        got = min(n, int(self._tokens))
+        self._tokens -= got
+        return got
 
 
 # ---------------------------------------------------------------- the placer's desk

@@ -700,6 +700,7 @@ EnrollOutcome = Literal[
     "replay",            # its nonce was seen, it is older than the window, or its report is not newer
     "no_tls",            # the placer runs without TLS: no identities to check (register directly)
     "unavailable",       # no connection up, or the placer did not answer: register directly
+    "busy",              # over the connection's enrolment budget at the placer: register directly
     "refused",           # the placer did not take the report (its answer says why)
 ]
 

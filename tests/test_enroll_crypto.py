@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from infra.pki import CA, make_ca
 from scheduler_link.enroll import (
     MAC_LEN,
+    EnrollBudget,
     EnrollClient,
     EnrollDesk,
     EnrollRefused,
@@ -228,3 +229,10 @@ def test_nonce_guard_is_bounded_and_raises_its_floor() -> None:
     assert not g.take(bytes([8]) * 16, at=100.0, now=105.0)     # no newer than a dropped one
     assert g.take(bytes([0]) * 16, at=120.0, now=120.0)          # the window passed: all expired
     assert len(g) == 1
+
+
+def test_the_enrolment_budget_allows_a_burst_then_its_rate() -> None:
+    b = EnrollBudget(burst=10, per_s=2, now=0.0)
+    assert b.take(8, 0.0) == 8 and b.take(8, 0.0) == 2 and b.take(1, 0.0) == 0
+    assert b.take(5, 1.0) == 2                 # two a second
+    assert b.take(50, 100.0) == 10             # never more than the burst

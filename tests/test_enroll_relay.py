@@ -274,3 +274,21 @@ async def test_a_restarted_agent_enrols_its_new_boot_through_its_relay(tmp_path:
             await poll(lambda: r.svc.state.nodes["m9"].last_seq > seq + 2, 0.02)
             assert r.handshakes == before and r.svc.state.counters["bad_macs"] == 0
 
+
+
+async def test_a_connection_over_its_enrolment_budget_is_answered_busy(tmp_path: Path, token_dir, tls_pki):
+    """Each check costs the placer a CA signature and an ECDH: one connection sending
+    enrolments without end gets ``busy`` past its burst, each counted, none checked."""
+    with trio.fail_after(30):
+        async with rig(tmp_path, token_dir, tls_pki) as r:
+            up = r.relay.upstream
+            assert up is not None
+            e, _ = r.client("m10").make(_report("m10"), await r.placer_cert(), now=time.time())
+            outcomes: list[str] = []
+            for _ in range(3):
+                f = await up.call("enrolls", RackEnrolls(rack=RACK, enrolls=[e] * 256), timeout_s=10)
+                outcomes += [a.outcome for a in decode_payload(f, list[EnrollAnswer])]
+            assert outcomes[0] == "enrolled" and set(outcomes[1:512]) == {"replay"}
+            busy = outcomes.count("busy")
+            assert busy >= 200 and set(outcomes[-busy:]) == {"busy"}
+            assert r.refused("busy") == busy and r.refused("replay") == 511
