@@ -926,9 +926,12 @@ class Fleet:
                       "refused_spec" if slot.node_id in cfg.refuse_spec else None)
             node = self.nodes[slot.node_id] = EmulatedNode(self, slot, f"{self.control}/n/{slot.node_id}", refuse)
             node.gpu_snapshot()  # a real agent has discovered its GPUs before it registers
-            self.node_context(slot.node_id)  # ... and holds its certificate (made here, not timed)
             if cfg.enroll and cfg.relays and self.node_tls is not None:
+                # ... and holds its certificate (made here, not timed): its key for enrolment
+                # (a TLS context only if it falls back to direct registration, or is its rack's relay)
                 node.enroll = self.enroll_client(slot.node_id)
+            else:
+                self.node_context(slot.node_id)  # ... and holds its certificate (made here, not timed)
         # HTTP reports through the lean kept-alive client, bounded per endpoint: an httpx
         # client with thousands of queued requests costs the emulator more than the placer
         http = PushPool(concurrency=cfg.http_connections, max_per_host=cfg.http_connections,
