@@ -413,7 +413,10 @@ class RelayHub:
             return EnrollAnswer(node_id=c.node_id, outcome="refused", detail=reply.error or f"status {status}",
                                 reply=msgspec.structs.replace(reply, mac_key=None, placer_key=None))
         self.enrolled += 1
-        return desk.answer(c, reply, reply.mac_key, reply.placer_key or self.host.signer.public)
+        key = reply.mac_key
+        if reply.stop:   # (fencing stops pass the relay: with the placer's MAC in the member's key)
+            reply = msgspec.structs.replace(reply, stop=msgauth.with_stop_macs(key, c.node_id, c.boot_id, reply.stop))
+        return desk.answer(c, reply, key, reply.placer_key or self.host.signer.public)
 
     # ------------------------------------------------------------ delivery
 

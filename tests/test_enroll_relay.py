@@ -25,7 +25,15 @@ from placer.service import PlacerService
 from scheduler_link.agent_link import AgentLink
 from scheduler_link.enroll import EnrollClient, client_from_files
 from scheduler_link.frames import FrameChannel, decode_payload, open_frames
-from scheduler_link.messages import Enroll, EnrollAnswer, Frame, NodeReport, RackEnrolls, TopologyPath
+from scheduler_link.messages import (
+    Enroll,
+    EnrollAnswer,
+    Frame,
+    NodeReport,
+    RackEnrolls,
+    TopologyPath,
+    WorkloadStatus,
+)
 from testing.fake_agent import FakeAgent
 from testing.waiting import poll
 
@@ -58,12 +66,14 @@ class Rig:
         return desk.refused.get(outcome, 0)
 
     async def member(self, node: str, *, relay_url: str | None = None, kept: list[str] | None = None,
-                     nursery: trio.Nursery | None = None) -> AgentLink:
+                     nursery: trio.Nursery | None = None, agent: FakeAgent | None = None) -> AgentLink:
         ctx = tls.client_context(self.pki.ca, self.pki.files(f"node:{node}"))
-        link = AgentLink(self.url, None, node, FakeAgent(node, self.tokens, rack="r0"), heartbeat_s=0.1,
+        agent = agent or FakeAgent(node, self.tokens, rack="r0")
+        link = AgentLink(self.url, None, node, agent, heartbeat_s=0.1,
                          ssl_context=ctx, enroll=client_from_files(self.pki.files(f"node:{node}")),
                          enroll_relay_url=relay_url or self.relay_url,
                          on_relay=kept.append if kept is not None else None)
+        agent.link = link
         await (nursery or self.nursery).start(link.run)
         return link
 
@@ -292,3 +302,17 @@ async def test_a_connection_over_its_enrolment_budget_is_answered_busy(tmp_path:
             busy = outcomes.count("busy")
             assert busy >= 200 and set(outcomes[-busy:]) == {"busy"}
             assert r.refused("busy") == busy and r.refused("replay") == 511
+
+
+async def test_fencing_stops_in_an_enrolment_answer_carry_the_placers_mac(tmp_path: Path, token_dir, tls_pki):
+    """A restarted agent still running a workload whose gang the placer does not know: the
+    answer to its enrolment tells it to stop it, and the stop passes the relay with the
+    placer's MAC in the member's new key (a stop without one would be refused)."""
+    with trio.fail_after(30):
+        async with rig(tmp_path, token_dir, tls_pki) as r:
+            agent = FakeAgent("m11", r.tokens, rack="r0")
+            agent.workloads["ghost-w"] = WorkloadStatus(workload_id="ghost-w", job_id="ghost", state="running",
+                                                        gpus=[agent.uuids[0]])
+            link = await r.member("m11", agent=agent)
+            await poll(lambda: agent.workloads["ghost-w"].state == "preempted", 0.02)
+            assert link.enrolled == 1 and link.stops_received == 1 and link.stops_refused == 0
