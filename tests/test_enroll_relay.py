@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -175,51 +176,103 @@ async def test_a_member_remembers_its_relay_and_falls_back_when_enrolment_fails(
             assert kept == [r.relay_url]      # the relay the placer named, for the next boot
 
 
-async def test_bad_enrolments_are_refused_counted_and_not_ingested(tmp_path: Path, token_dir, tls_pki):
+def _der(cert: Any) -> bytes:
+    from cryptography.hazmat.primitives import serialization
+    return bytes(cert.public_bytes(serialization.Encoding.DER))
+
+
+def _forged_by_the_relay(r: Rig, cert: bytes) -> tuple[Enroll, str]:
+    """The relay makes one up for another node with its own certificate."""
+    return r.client("r0n0").make(_report("victim"), cert, now=time.time())[0], "victim"
+
+
+def _victims_certificate_relays_key(r: Rig, cert: bytes) -> tuple[Enroll, str]:
+    """... or with the victim's certificate (it saw it go by) and its own key."""
+    vic = r.client("victim")
+    return EnrollClient(vic.ca, r.client("r0n0")._key, vic.cert).make(_report("victim"), cert, now=time.time())[0], \
+        "victim"
+
+
+def _report_changed(r: Rig, cert: bytes) -> tuple[Enroll, str]:
+    """A real enrolment whose report the relay changed: a wrong MAC."""
+    e, _ = r.client("victim").make(_report("victim"), cert, now=time.time())
+    return msgspec.structs.replace(e, report=msgspec.Raw(msgspec.msgpack.encode(_report("victim", seq=7)))), "victim"
+
+
+def _not_from_the_ca(r: Rig, cert: bytes) -> tuple[Enroll, str]:
+    key, rogue = CA(*make_ca()).issue("node:m3")
+    return EnrollClient(r.client("m3").ca, key, _der(rogue)).make(_report("m3"), cert, now=time.time())[0], "m3"
+
+
+def _another_nodes_certificate(r: Rig, cert: bytes) -> tuple[Enroll, str]:
+    """A member's enrolment naming itself, with another node's certificate and key."""
+    return r.client("m4b").make(_report("m4"), cert, now=time.time())[0], "m4"
+
+
+def _revoked(r: Rig, cert: bytes) -> tuple[Enroll, str]:
+    Revocations(r.pki.dir).revoke("m5", now=time.time())
+    r.svc._refresh_revoked(time.time())
+    return r.client("m5").make(_report("m5"), cert, now=time.time())[0], "m5"
+
+
+def _malformed(r: Rig, cert: bytes) -> tuple[Enroll, str]:
+    e, _ = r.client("m6").make(_report("m6"), cert, now=time.time())
+    return msgspec.structs.replace(e, nonce=b"x"), "m6"
+
+
+def _oversized(r: Rig, cert: bytes) -> tuple[Enroll, str]:
+    e, _ = r.client("m6").make(_report("m6"), cert, now=time.time())
+    return msgspec.structs.replace(e, cert=b"x" * 8000), "m6"
+
+
+def _too_old(r: Rig, cert: bytes) -> tuple[Enroll, str]:
+    """Made an hour ago (refused on its time, before anything else is looked at)."""
+    e, _ = r.client("m7").make(_report("m7"), cert, now=time.time())
+    return msgspec.structs.replace(e, at=e.at - 3600), "m7"
+
+
+@pytest.mark.parametrize("bad, outcome", [
+    (_forged_by_the_relay, "bad_certificate"), (_victims_certificate_relays_key, "bad_mac"),
+    (_report_changed, "bad_mac"), (_not_from_the_ca, "not_from_ca"), (_another_nodes_certificate, "bad_certificate"),
+    (_revoked, "revoked"), (_malformed, "malformed"), (_oversized, "oversized"), (_too_old, "replay")],
+    ids=lambda x: getattr(x, "__name__", x).strip("_"))
+async def test_a_bad_enrolment_is_refused_counted_and_not_ingested(tmp_path: Path, token_dir, tls_pki, bad: Any,
+                                                                   outcome: str):
     with trio.fail_after(30):
         async with rig(tmp_path, token_dir, tls_pki) as r:
             cert = await r.placer_cert()
-            now = time.time()
-            # a relay makes one up for another node: with its own certificate ...
-            e, _ = r.client("r0n0").make(_report("victim"), cert, now=now)
-            assert (await r.enrol(e, conn="victim")).outcome == "bad_certificate"
-            # ... or with the victim's certificate (it saw it go by) and its own key
-            vic = r.client("victim")
-            forged = EnrollClient(vic.ca, r.client("r0n0")._key, vic.cert)
-            e, _ = forged.make(_report("victim"), cert, now=now)
-            assert (await r.enrol(e)).outcome == "bad_mac"
-            # a real enrolment whose report the relay changed
-            e, _ = vic.make(_report("victim"), cert, now=now)
-            changed = msgspec.structs.replace(e, report=msgspec.Raw(msgspec.msgpack.encode(_report("victim", seq=7))))
-            assert (await r.enrol(changed)).outcome == "bad_mac"
-            # a certificate not from the cluster CA
-            key, rogue = CA(*make_ca()).issue("node:m3")
-            from cryptography.hazmat.primitives import serialization
-            e, _ = EnrollClient(vic.ca, key, rogue.public_bytes(serialization.Encoding.DER)).make(
-                _report("m3"), cert, now=now)
-            assert (await r.enrol(e)).outcome == "not_from_ca"
-            # a revoked node
-            Revocations(r.pki.dir).revoke("m4", now=now)
-            r.svc._refresh_revoked(now)
-            e, _ = r.client("m4").make(_report("m4"), cert, now=now)
-            assert (await r.enrol(e)).outcome == "revoked"
-            # malformed and oversized
-            e, _ = r.client("m5").make(_report("m5"), cert, now=now)
-            assert (await r.enrol(msgspec.structs.replace(e, nonce=b"x"))).outcome == "malformed"
-            assert (await r.enrol(msgspec.structs.replace(e, cert=b"x" * 8000))).outcome == "oversized"
-            # the relay's own check: a member connection enrolling another node
-            assert (await r.enrol(e, conn="m6")).outcome == "wrong_node"
-            for outcome in ("bad_certificate", "bad_mac", "not_from_ca", "revoked", "malformed", "oversized"):
-                assert r.refused(outcome) >= 1, outcome
-            assert r.refused("bad_mac") == 2
-            assert r.relay.statistics()["enrolls_refused"]["wrong_node"] == 1
-            assert not {"victim", "m3", "m4", "m5"} & set(r.svc.state.nodes)   # nothing ingested
-            # a replay: taken once, refused the second time (the nonce), and nothing changes
-            got = await r.enrol(e)
-            assert got.outcome == "enrolled" and r.svc.state.nodes["m5"].boot_id == "b1"
+            e, node = bad(r, cert)
+            got = await r.enrol(e, conn=node)
+            assert got.outcome == outcome and not got.sealed and got.reply is None
+            assert r.refused(outcome) == 1 and r.svc.relays.enrolled == 0
+            assert node not in r.svc.state.nodes                         # nothing ingested
+            assert r.relay.statistics()["enrolls_refused"] == {outcome: 1}
+            good, _ = r.client("ok").make(_report("ok"), cert, now=time.time())
+            assert (await r.enrol(good)).outcome == "enrolled"         # nothing crashed: the next is taken
+
+
+async def test_a_member_connection_enrolling_another_node_is_refused_by_the_relay(tmp_path: Path, token_dir,
+                                                                                 tls_pki):
+    with trio.fail_after(30):
+        async with rig(tmp_path, token_dir, tls_pki) as r:
+            e, _ = r.client("m8").make(_report("m8"), await r.placer_cert(), now=time.time())
+            assert (await r.enrol(e, conn="m9")).outcome == "wrong_node"
+            assert r.relay.statistics()["enrolls_refused"] == {"wrong_node": 1}
+            assert r.relay.statistics()["enrolls_forwarded"] == 0 and "m8" not in r.svc.state.nodes
+
+
+async def test_a_replayed_enrolment_is_refused_and_changes_nothing(tmp_path: Path, token_dir, tls_pki):
+    with trio.fail_after(30):
+        async with rig(tmp_path, token_dir, tls_pki) as r:
+            e, _ = r.client("m10").make(_report("m10", seq=3), await r.placer_cert(), now=time.time())
+            assert (await r.enrol(e)).outcome == "enrolled"
+            rec = r.svc.state.nodes["m10"]
+            rec.last_seq = 9                     # (the node has reported on since)
             assert (await r.enrol(e)).outcome == "replay"
-            assert r.refused("replay") == 1
-            assert r.svc.relays.enrolled == 1
+            assert r.refused("replay") == 1 and r.svc.state.nodes["m10"] is rec and rec.last_seq == 9
+            e2, _ = r.client("m10").make(_report("m10", seq=3), await r.placer_cert(), now=time.time())
+            assert (await r.enrol(e2)).outcome == "replay"     # a fresh nonce, but not newer than its boot's
+            assert r.refused("replay") == 2 and r.svc.state.nodes["m10"] is rec
 
 
 async def test_an_oversized_or_malformed_enrolment_frame_costs_its_sender_only(tmp_path: Path, token_dir, tls_pki):
