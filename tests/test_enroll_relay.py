@@ -273,6 +273,12 @@ async def test_a_replayed_enrolment_is_refused_and_changes_nothing(tmp_path: Pat
             e2, _ = r.client("m10").make(_report("m10", seq=3), await r.placer_cert(), now=time.time())
             assert (await r.enrol(e2)).outcome == "replay"     # a fresh nonce, but not newer than its boot's
             assert r.refused("replay") == 2 and r.svc.state.nodes["m10"] is rec
+            # the node restarted (a new boot): the old boot's enrolment replayed is refused by its nonce
+            e3, _ = r.client("m10").make(_report("m10", boot="b2"), await r.placer_cert(), now=time.time())
+            assert (await r.enrol(e3)).outcome == "enrolled"
+            rec = r.svc.state.nodes["m10"]
+            assert (await r.enrol(e)).outcome == "replay"
+            assert r.refused("replay") == 3 and r.svc.state.nodes["m10"] is rec and rec.boot_id == "b2"
 
 
 async def test_an_oversized_or_malformed_enrolment_frame_costs_its_sender_only(tmp_path: Path, token_dir, tls_pki):
