@@ -47,6 +47,9 @@ class RelayConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     # every heartbeat itself cannot hold this node for good. 0: never. Each such report is a
     # handshake with the placer: 120 at 5 s over 131,072 nodes is ~220 a second.
     trust_intervals: int = 0
+    # As a member: how long to keep a relay that answers it has no connection to the placer
+    # (the placer restarting) before reporting directly, a handshake with the placer each.
+    hold_s: float = 30.0
 
 
 class DataPlaneSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -205,6 +208,8 @@ def validate(cfg: AgentConfig) -> None:
             raise ConfigError(f"placer must be an http(s) URL, not {url!r}")
     if cfg.heartbeat_s <= 0 or cfg.gpu_poll_interval_s <= 0:
         raise ConfigError("heartbeat_s and gpu_poll_interval_s must be > 0")
+    if cfg.relay.trust_intervals < 0 or not 0 <= cfg.relay.hold_s <= 3600:
+        raise ConfigError("relay.trust_intervals must be >= 0 and relay.hold_s within 0..3600")
     w = cfg.workloads
     if w.shim_pool < 0 or w.shim_pool > 64:
         raise ConfigError("workloads.shim_pool must be within 0..64")

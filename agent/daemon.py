@@ -271,6 +271,7 @@ class Agent:
         self.link = link = AgentLink(placer, self.tokens.cluster, self.node_id, self, placers=self.config.placers,
                                      heartbeat_s=self.config.heartbeat_s, on_part=self.handle_part,
                                      relay_trust_intervals=self.config.relay.trust_intervals,
+                                     relay_hold_s=self.config.relay.hold_s,
                                      ssl_context=self.security.client if self.security is not None else None,
                                      **self._enroll_args())
         self.supervisor.add_listener(link.notify)

@@ -47,8 +47,13 @@ once the placer's signature over it verifies (the key came with this node's regi
 each member gets its part with the signed proof and checks it itself; a member's content
 report and heartbeat carry the member's MAC, which this relay passes on untouched.
 
-Without a connection up, members' reports are answered 503: their links fall back to the
-placer directly (a relay that cannot reach the placer must not keep its rack looking alive).
+Without a connection up, members' reports are answered 503 with the reason ``upstream_down``
+(and so are the reports queued when the connection went): a member's link keeps its relay for
+up to ``hold_s`` of those answers (the placer restarting: this relay reconnects within seconds
+and the members' full reports go up through it, MACed with keys that outlive the placer
+process, so a restart costs the placer one handshake per relay, not one per node), then falls
+back to the placer directly (a relay that cannot reach the placer must not hold its rack for
+longer). The rack does not look alive meanwhile: the placer hears nothing of it.
 
 """
 
@@ -67,7 +72,7 @@ import trio
 from infra.auth import TokenSet
 from infra.tls import Security
 from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
-from scheduler_link.heartbeat_wire import HeartbeatServer, Hello, WireError, WireReply
+from scheduler_link.heartbeat_wire import UPSTREAM_DOWN, HeartbeatServer, Hello, WireError, WireReply
 from scheduler_link.messages import (
     BlobReply,
     BlobRequest,
@@ -494,7 +499,7 @@ class Relay:
             tickets = self._sending.tickets + tickets
             self._sending = None
         for t in tickets:
-            self._answer(t, WireReply(status=503, error=why))
+            self._answer(t, WireReply(status=503, reason=UPSTREAM_DOWN, error=why))
 
     async def _forwarder(self, ch: FrameChannel) -> None:
         """The one task that sends members' content reports up, batched (see the docstring)."""

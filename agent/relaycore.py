@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
-from scheduler_link.heartbeat_wire import WireReply
+from scheduler_link.heartbeat_wire import UPSTREAM_DOWN, WireReply
 from scheduler_link.messages import (
     AckBundle,
     Enroll,
@@ -184,6 +184,7 @@ class RelayCore:
         self.foreign_answers = 0
         self.reports_forwarded = 0
         self.empty_answered = 0
+        self.held_answered = 0          # members' reports answered upstream_down (no connection up)
         self.part_bytes_max = 0
         self._enrolls: list[tuple[int, Enroll]] = []
         self.enrolls_forwarded = 0
@@ -316,7 +317,8 @@ class RelayCore:
         if rep.node_id != node_id:
             return WireReply(status=403, error=f"this connection reports for {node_id}, not {rep.node_id}")
         if not upstream:
-            return WireReply(status=503, error="the relay has no connection to the placer")
+            self.held_answered += 1
+            return WireReply(status=503, reason=UPSTREAM_DOWN, error="the relay has no connection to the placer")
         if is_empty(rep):
             self.empty_answered += 1
             return WireReply(status=200, reply=self.book.empty(rep))

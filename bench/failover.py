@@ -66,19 +66,22 @@ class Placer:
     """One ``herd placer run`` on fixed ports (so that a restart comes back where the fleet
     looks for it); ``start()`` / ``kill()`` / ``stop()``."""
 
-    def __init__(self, work: Path, token_dir: Path, etcd: list[str] | None, recover_s: float) -> None:
+    def __init__(self, work: Path, token_dir: Path, etcd: list[str] | None, recover_s: float, *,
+                 tls_dir: Path | None = None, relays: bool = False, heartbeat_s: float = HEARTBEAT_S) -> None:
         self.work = work
         self.state = work / "state"
         self.state.mkdir(parents=True, exist_ok=True)
         self.port, self.wire_port = free_port(), free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.wire_url = f"tcp://127.0.0.1:{self.wire_port}"
+        self.url = f"{'https' if tls_dir else 'http'}://127.0.0.1:{self.port}"
+        self.wire_url = f"{'tls' if tls_dir else 'tcp'}://127.0.0.1:{self.wire_port}"
         self.conf = work / "placer.toml"
         self.conf.write_text(
             "[placer]\n"
             f'listen = "127.0.0.1:{self.port}"\nwire_listen = "127.0.0.1:{self.wire_port}"\n'
-            f'state_dir = "{self.state}"\ntoken_dir = "{token_dir}"\ninsecure = true\n'
-            f"heartbeat_s = {HEARTBEAT_S}\nfence_after_s = 60.0\ntick_s = 0.05\nrelays = false\n"
+            f'state_dir = "{self.state}"\ntoken_dir = "{token_dir}"\n'
+            + (f'insecure = false\ntls_dir = "{tls_dir}"\n' if tls_dir else "insecure = true\n")
+            + f"heartbeat_s = {heartbeat_s}\nfence_after_s = 60.0\ntick_s = 0.05\n"
+            f"relays = {'true' if relays else 'false'}\n"
             f"recover_s = {recover_s}\npush_concurrency = 256\nack_timeout_s = 10.0\n"
             + (f"etcd = {json.dumps(etcd)}\netcd_lease_ttl_s = {TTL}\n" if etcd else ""))
         self.proc: subprocess.Popen[bytes] | None = None

@@ -85,6 +85,7 @@ class LocalCluster:
         self.profile = profile
         self.racks = racks
         self.placer_port = placer_port
+        self.wire_port = 0
         self.extra = extra_placer_config
         self.recover_s = max(3 * heartbeat_s, 0.5) if recover_s is None else recover_s
         self.origins = tuple(origins)
@@ -133,13 +134,14 @@ class LocalCluster:
             f"heartbeat_s = {self.heartbeat_s}\nfence_after_s = {self.fence_after_s}\n"
             f"recover_s = {self.recover_s}\nack_timeout_s = 2.0\ntick_s = 0.05\n"
             + (f'insecure = false\ntls_dir = "{self.pki.dir}"\n' if self.tls else "insecure = true\n")
-            + 'wire_listen = "127.0.0.1:0"\n' + self.extra)
+            + f'wire_listen = "127.0.0.1:{self.wire_port}"\n' + self.extra)
         p = self._spawn("placer", ["placer", "run", "--listen", f"127.0.0.1:{self.placer_port}",
                                    "--token-dir", str(self.token_dir), "--state-dir", str(sd),
                                    "--config", str(conf)], sd, tls_dir=self.pki.dir if self.tls else None)
         p.info = _wait_file(sd / "endpoints.json", p.proc, timeout, p.log)
         p.url = p.info["control_url"]
-        self.placer_port = int(p.url.rsplit(":", 1)[1])  # a restart comes back on the same port
+        self.placer_port = int(p.url.rsplit(":", 1)[1])  # a restart comes back on the same ports
+        self.wire_port = int(str(p.info.get("wire_url") or ":0").rsplit(":", 1)[1])
         self.placer = p
         return p
 

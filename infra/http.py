@@ -211,6 +211,7 @@ class App:
         self.gate: ConnectionGate | None = None   # set by serve(): open connection counts
         self.tls = False                            # set by serve(): the listener speaks TLS
         self.tls_refused = 0                        # handshakes that failed or ran out of time
+        self.tls_handshakes = 0                     # handshakes completed
         self.handshakes: trio.CapacityLimiter | None = None   # set by serve(): handshakes in progress
 
     def route(self, method: str, template: str, *, auth: AuthPolicy | None = None,
@@ -441,6 +442,7 @@ async def _tls_accept(app: App, stream: trio.SocketStream, ctx: ssl.SSLContext,
     None (the connection closed, a plain-HTTP client told so in plain text) when it fails."""
     s = await tls.server_handshake(stream, ctx, deadline_s, slots=slots)
     if not isinstance(s, tls.HandshakeFailed):
+        app.tls_handshakes += 1
         return s
     app.tls_refused += 1
     log.info("TLS handshake refused client=%s: %s", tls.peer_address(stream), s.why)

@@ -24,6 +24,9 @@ class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     fence_after_s: float = 60.0       # then its gangs are rescheduled after this much more
     recover_s: float | None = None    # after a restart, wait this long for reports before placing
                                       # recovered jobs again (default: lost threshold)
+    # ... and, while a recovered job lacks pods and a node the placer knew before (placer.fleetsnap)
+    # has not reported yet, this long at most
+    recover_max_s: float = 60.0
     ack_timeout_s: float = 2.0        # one push attempt's deadline
     # more attempts of one push on a transport failure: 0, the placer's own re-placement
     # back-off (starts) and the next reply's stop list (stops) are the one retry layer

@@ -121,6 +121,9 @@ class PlacerMetrics:
                         ws["open_connections"])
             yield counter("herd_placer_wire_ingest_errors_total", "Framed-channel frames that failed ingest", {},
                           ws["ingest_errors"])
+        yield family("counter", "herd_placer_tls_handshakes_total", "TLS handshakes completed, by listener",
+                     [({"listener": "wire"}, svc.wire.statistics()["tls_handshakes"] if svc.wire is not None else 0),
+                      ({"listener": "http"}, svc.app.tls_handshakes)])
         yield counter("herd_placer_gc_freezes_total", "Heap freezes after passes that grew it", {}, svc.freezes)
         yield histogram("herd_placer_decision_seconds", "One placement decision (place(), preemption included)",
                         [({}, st.decision_hist)])

@@ -243,6 +243,16 @@ class RelayHub:
             return None
         return conn.listen_url
 
+    def provisional_url(self, rack: str, via: str) -> str | None:
+        """The members listener of ``via``'s connection when it is a candidate of ``rack`` and
+        the rack has no chosen relay: only while ``via``'s node has not registered yet (a
+        registration elsewhere ends it, :func:`relaypolicy.may_relay`)."""
+        conn = self._cands.get(rack, {}).get(via)
+        if conn is None or conn.channel.closed.is_set() or not conn.listen_url:
+            return None
+        n = self.host.nodes.get(via)
+        return conn.listen_url if n is None or relaypolicy.may_relay(rack, n) else None
+
     def statistics(self) -> dict[str, Any]:
         s = self.stats
         return {"candidates": sum(len(c) for c in self._cands.values()), "racks": len(self._cands),

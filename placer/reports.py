@@ -427,6 +427,12 @@ class Reports(StateBase):
             job.state = "running"
             job.timings.setdefault("running", now)
 
+    def recovered_complete(self) -> bool:
+        """Every job still recovering has all its pods reported: placing it again would double
+        it, so a restarted placer may end its recovery (placer.fleetsnap.Recovery)."""
+        return not self._recovering or all(job.n_pods == job.spec.pods for job in self.jobs.values()
+                                           if job.recovering)
+
     def _finish_recovery(self, now: float) -> None:
         # every schedule round comes here: scan the jobs only while some are still recovering
         if not self._recovering:

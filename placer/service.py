@@ -64,6 +64,7 @@ from scheduler_link.messages import (
 )
 from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
 
+from . import fleetsnap
 from .config import PlacerConfig
 from .dashboard import DASHBOARD_DOCS, Dashboard
 from .etcdjournal import JobJournal
@@ -138,6 +139,11 @@ class PlacerService:
         self._gc_holds = 0                 # decisions being delivered with the collector off
         self._gc_hold_until = -math.inf
         self._nodes_at_freeze = 0
+        # whom a restarted placer waits for (placer.fleetsnap): set by _recover, None once over
+        self.recovery: fleetsnap.Recovery | None = None
+        self._snap_at = -math.inf          # monotonic time of the last snapshot check
+        self._snap_fp: tuple[int, int] = (-1, 0)
+        self._snap_writing = False
 
     # ------------------------------------------------------------ life cycle
 
@@ -156,10 +162,52 @@ class PlacerService:
         for node_id, reason in self.journal.cordons.items():  # before any report can register it
             self.state.cordon(node_id, now, reason=reason or None, known=False)
         self.state.recover_until = now + self.cfg.recover_window_s
-        if recovered:
-            log.info("recovered jobs from the journal count=%d; waiting %.1fs for reports",
-                     len(recovered), self.cfg.recover_window_s)
+        # a single placer knows whom it waits for (its own fleet snapshot); a promoted follower's
+        # file is not the fleet's latest, so it waits the window as before
+        snap = fleetsnap.load(self.cfg.state_dir) if self.ha is None else None
+        self.recovery = fleetsnap.Recovery(snap.nodes if snap is not None else None, started=now,
+                                           window_s=self.cfg.recover_window_s, max_s=self.cfg.recover_max_s)
+        if recovered or snap is not None:
+            log.info("recovering: jobs from the journal=%d, nodes of the fleet snapshot=%d; placing once they "
+                     "reported (at least %.1fs, at most %.1fs while a recovered job lacks pods)", len(recovered),
+                     self.recovery.expected, self.cfg.recover_window_s, self.recovery.max_s)
         self.kick()
+
+    def _recovery_gate(self, now: float) -> None:
+        """While recovering: when it ends, as known now (placer.fleetsnap.Recovery)."""
+        r = self.recovery
+        if r is None:
+            return
+        self.state.recover_until = r.until(now, jobs_complete=self.state.recovered_complete())
+        if now >= self.state.recover_until:
+            log.info("recovery over after %.2fs: %d of the %d nodes of the fleet snapshot reported",
+                     now - r.started, r.expected - r.unheard, r.expected)
+            self.recovery = None
+
+    def _maybe_snapshot(self) -> None:
+        """The set of up nodes to the state dir (placer.fleetsnap), when it changed, at most every
+        SNAPSHOT_EVERY_S, never while recovering (the model is partial then), off the event loop."""
+        t = time.monotonic()
+        if self.recovery is not None or self.ha is not None or self._snap_writing \
+                or t - self._snap_at < fleetsnap.SNAPSHOT_EVERY_S or self._nursery is None:
+            return
+        self._snap_at = t
+        ids = [nid for nid, n in self.state.nodes.items() if n.state == "up"]
+        fp = (len(ids), hash(tuple(ids)))
+        if fp == self._snap_fp:
+            return
+        self._snap_fp = fp
+        self._snap_writing = True
+        self._nursery.start_soon(self._write_snapshot, fleetsnap.encode(ids, time.time()))
+
+    async def _write_snapshot(self, data: bytes) -> None:
+        try:
+            await trio.to_thread.run_sync(fleetsnap.write, self.cfg.state_dir, data)
+        except OSError as e:   # a full disk: the next restart waits the window, nothing else is lost
+            log.warning("fleet snapshot not written: %s", e)
+            self._snap_fp = (-1, 0)
+        finally:
+            self._snap_writing = False
 
     def _resumed(self) -> None:
         """A leader's lease renewed after it was fenced (placer.ha): place again, fairly."""
@@ -217,6 +265,8 @@ class PlacerService:
                 continue  # a follower places nothing
             now = self.clock()
             self._tick(now)
+            self._recovery_gate(now)
+            self._maybe_snapshot()
             rebuilds = self.state.counters["rebuilds"]
             # A pass makes long-lived records (a 25,000-pod gang's); collecting while it runs
             # would walk them again and again for nothing: collect later, and freeze them.
@@ -544,8 +594,10 @@ class PlacerService:
             self.state.counters["refused_reports"] += 1
             return 500, ReportReply(ok=False, need_full=True), False
         self._carry_out(pushes)
+        if status == 200 and rep.full and self.recovery is not None:
+            self.recovery.heard(node_id)
         if status == 200 and (rep.full or via is None):   # (a node reporting directly hears of its relay)
-            reply = self._with_relay(node_id, reply)
+            reply = self._with_relay(node_id, reply, via)
         return status, reply, rep.full or bool(rep.events) or rep.snapshot is not None
 
     def _ingest_many(self, reps: list[NodeReport], via: str | None = None) -> list[tuple[int, ReportReply]]:
@@ -562,9 +614,16 @@ class PlacerService:
             self._after_change()
         return out
 
-    def _with_relay(self, node_id: str, reply: ReportReply) -> ReportReply:
+    def _with_relay(self, node_id: str, reply: ReportReply, via: str | None = None) -> ReportReply:
+        """The rack's relay named in ``reply``; for a report a relay forwarded, that relay while
+        the rack has no chosen one yet (a restarted placer hears members through their relay
+        before the relay's own node has registered: they stay where they are)."""
         node = self.state.nodes.get(node_id)
-        url = self.relays.relay_url_for(node_id, node.rack_path) if node is not None else None
+        if node is None:
+            return reply
+        url = self.relays.relay_url_for(node_id, node.rack_path)
+        if url is None and via is not None and via != node_id:
+            url = self.relays.provisional_url(node.rack_path, via)
         return msgspec.structs.replace(reply, relay_url=url) if url else reply
 
     def _ingest(self, node_id: str, rep: NodeReport, via: str | None = None) -> tuple[int, ReportReply]:

@@ -71,6 +71,11 @@ Invariants:
   ``relay_trust_intervals`` intervals (``[relay] trust_intervals``; 0, the default, never) sends
   one full report directly, and the answer says
   which relay to use (a relay that answers every heartbeat itself cannot hold it for good).
+- A placer restart behind a relay: the relay answers ``upstream_down`` (503) while it has no
+  connection to the placer; the link keeps that relay for up to ``relay_hold_s`` (trying it
+  every second or so, a full report pending) instead of handshaking with the placer itself,
+  so a restarted placer hears the rack's members through their relay (one handshake per
+  relay). Past ``relay_hold_s`` it reports directly as after any relay failure.
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ from .client import ClientError, check_peer
 from .enroll import EnrollClient, EnrollRefused
 from .fanout import PushPool
 from .frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
-from .heartbeat_wire import HeartbeatClient, WireError, WireReply
+from .heartbeat_wire import UPSTREAM_DOWN, HeartbeatClient, WireError, WireReply
 from .messages import (
     BlobReply,
     BlobRequest,
@@ -122,6 +127,8 @@ _reply_decoder = msgspec.json.Decoder(ReportReply)
 # Intervals a member reports through its relay with nothing the placer vouched for, before a
 # full report goes directly (one per member per this many intervals: ~10 minutes at 5 s).
 RELAY_TRUST_INTERVALS = 0   # off unless configured ([relay] trust_intervals): each re-check is a handshake
+RELAY_HOLD_S = 30.0         # how long a member keeps a relay that has lost the placer
+RELAY_HOLD_RETRY_S = 1.0       # ... and how often it tries it meanwhile (at most one interval)
 RELAYED_INTERVAL_FLOOR = 0.5   # of the placer's own interval: a relayed answer may ask for no more often
 
 
@@ -254,7 +261,7 @@ class AgentLink:
                  relay_connect: RelayConnect | None = None, relay_retry_s: float | None = None,
                  ssl_context: ssl.SSLContext | None = None, wire_connect_timeout_s: float = 60.0,
                  wire_busy_backoff_s: float = 1.0, relay_trust_intervals: int = RELAY_TRUST_INTERVALS,
-                 placers: Sequence[str] = (), enroll: EnrollClient | None = None,
+                 relay_hold_s: float = RELAY_HOLD_S, placers: Sequence[str] = (), enroll: EnrollClient | None = None,
                  enroll_relay_url: str | None = None, on_relay: Callable[[str], None] | None = None) -> None:
         # every placer known (placer_url may list several, comma-separated): failed over (scheduler_link.placers)
         self.placers = Placers([*placer_url.split(","), *placers])
@@ -324,6 +331,12 @@ class AgentLink:
         self.enrolled = 0
         self.enroll_failures = 0
         self.enroll_refusals: dict[str, int] = {}
+        # a relay with no connection to the placer (upstream_down: the placer restarting) is kept
+        # this long from its first such answer, retried every RELAY_HOLD_RETRY_S (jittered)
+        self.relay_hold_s = relay_hold_s
+        self._relay_down_since: float | None = None
+        self.relay_holds = 0                 # reports answered upstream_down while the relay was kept
+        self.relayed_full_reports = 0        # full reports the placer took through a relay (no handshake)
         # statistics
         self.reports_sent = 0
         self.full_reports_sent = 0
@@ -366,6 +379,7 @@ class AgentLink:
             "relay_parts": self._relay.parts if self._relay is not None else 0,
             "enrolled": self.enrolled, "enroll_failures": self.enroll_failures,
             "enroll_refusals": dict(self.enroll_refusals),
+            "relay_holds": self.relay_holds, "relayed_full_reports": self.relayed_full_reports,
         }
 
     @property
@@ -444,6 +458,17 @@ class AgentLink:
                     retry.backoff = self._report_backoff()
                     await trio.sleep(retry.failed(trio.current_time()))
                 continue
+            except _RelayHolding as e:
+                if self._holding(trio.current_time()):
+                    self.relay_holds += 1
+                    self.registered = False
+                    self.last_error = str(e)
+                    self._need_full = True   # what the placer saw is in doubt: a full report, through the relay
+                    await trio.sleep(self._rng.uniform(0.5, 1.0) * min(RELAY_HOLD_RETRY_S, self.heartbeat_s))
+                    continue
+                await self._relay_gave_up(e)
+                await trio.sleep(retry.failed(trio.current_time()))
+                continue
             except (httpx.HTTPError, OSError, _PlacerError, msgspec.DecodeError, WireError,
                     trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
                 if self._relay is not None:  # the relay failed us: the placer directly, for a while
@@ -465,10 +490,13 @@ class AgentLink:
                 await trio.sleep(pause)
                 continue
             retry.succeeded()
+            self._relay_down_since = None
             self.registered = True
             self.last_ok_at = time.time()
             if report.full:
-                log.info("registered node=%s boot=%s seq=%d", self.node_id, self.boot_id, report.seq)
+                log.info("registered node=%s boot=%s seq=%d relayed=%s", self.node_id, self.boot_id, report.seq,
+                         relayed)
+                self.relayed_full_reports += relayed
                 if not relayed:  # keys only from our own connection: a relay's answer could be anything
                     self.mac_key = reply.mac_key or self.mac_key
                     self.placer_key = reply.placer_key or self.placer_key
@@ -503,6 +531,31 @@ class AgentLink:
                 self.stops_received += len(stop)
                 nursery.start_soon(self._stop, stop)
             next_beat = trio.current_time() + self.heartbeat_s * random.uniform(0.8, 1.0)
+
+    def _holding(self, now: float) -> bool:
+        """Keep the relay after an ``upstream_down`` answer: yes until ``relay_hold_s`` passed
+        since the first of them in a row."""
+        if self._relay_down_since is None:
+            self._relay_down_since = now
+            log.info("the relay has no connection to the placer: holding on to it for up to %.0fs node=%s",
+                     self.relay_hold_s, self.node_id)
+        return now - self._relay_down_since < self.relay_hold_s
+
+    async def _relay_gave_up(self, e: BaseException) -> None:
+        """The relay had no connection to the placer for ``relay_hold_s``: the placer directly,
+        with a full report, and not that relay again for a while."""
+        self._relay_down_since = None
+        if self._relay is not None:
+            self.relay_failures += 1
+            self._relay_failed[self._relay.url] = trio.current_time() + self._relay_retry()
+            self._relay_ask_at = trio.current_time() + self._relay_retry()
+            log.warning("the relay stayed without the placer for %.0fs: reporting to the placer node=%s relay=%s",
+                        self.relay_hold_s, self.node_id, self._relay.url)
+        await self._close_wire()
+        self.failures += 1
+        self.registered = False
+        self.last_error = f"{type(e).__name__}: {e}"
+        self._need_full = True
 
     def _report_backoff(self) -> Backoff:
         """Capped at the heartbeat interval (the placer may change it): a failing node
@@ -780,6 +833,8 @@ class AgentLink:
             if wr.status == 409:
                 raise _Conflict()
             if wr.status != 200:
+                if wr.status == 503 and wr.reason == UPSTREAM_DOWN and self._relay is not None:
+                    raise _RelayHolding(f"the relay has no connection to the placer: {wr.error}")
                 if wr.status == NO_LEADER and self._relay is None:   # a placer that does not lead (placer.ha)
                     self._placer_answered(wr.status, used=self.placer_url)
                 raise _PlacerError(f"placer answered {wr.status} on the framed channel: {wr.error}")
@@ -859,6 +914,10 @@ class _Conflict(Exception):
 
 class _PlacerError(Exception):
     pass
+
+
+class _RelayHolding(_PlacerError):
+    """The relay answered ``upstream_down``: it has no connection to the placer (yet)."""
 
 
 def wire_endpoint(wire_url: str, placer_url: str) -> str:

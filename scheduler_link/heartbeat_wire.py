@@ -99,6 +99,11 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
     listen_url: str | None = None    # frames: where the relay's members reach it
 
 
+# WireReply.reason of a rack relay's 503 while it has no connection to the placer (the placer
+# restarting): its members hold on to it for a while instead of going to the placer directly
+UPSTREAM_DOWN = "upstream_down"
+
+
 class WireReply(msgspec.Struct, frozen=True, kw_only=True):
     status: int
     reply: ReportReply = ReportReply()
@@ -205,6 +210,7 @@ class HeartbeatServer:
         self.require_certs = require_certs
         self.token_use = token_use      # scheduler_link.authz.TokenUse (accept_tokens), or None
         self.tls_refused = 0            # failed or timed-out handshakes
+        self.tls_handshakes = 0         # completed ones (what a registration storm costs)
         self.tls_refusals: dict[str, int] = {}   # ... by cause (queue, timeout, peer, certificate, plain)
         self.wrong_node = 0             # a node certificate speaking for another node
         self.ingest = ingest
@@ -229,7 +235,7 @@ class HeartbeatServer:
                 "relay_connections": self.relay_connections, "frames_connections": self.frames_connections,
                 "refused": self.refused, "over_cap": self.over_cap,
                 "hello_timeouts": self.hello_timeouts, "ingest_errors": self.ingest_errors,
-                "tls_refused": self.tls_refused, "wrong_node": self.wrong_node,
+                "tls_refused": self.tls_refused, "tls_handshakes": self.tls_handshakes, "wrong_node": self.wrong_node,
                 **{f"tls_refused_{k}": v for k, v in sorted(self.tls_refusals.items())},
                 **{f"frames_refused_{k}": v for k, v in sorted(self.frames_refused.items())},
                 **{f"frames_closed_{k}": v for k, v in sorted(self.frames_closed.items())}}
@@ -328,6 +334,7 @@ class HeartbeatServer:
                 failed = tls.HandshakeFailed(tls.Refusal.TIMEOUT, "handshake timed out")
                 s = await tls.server_handshake(stream, self.ssl_context, self.hello_timeout_s)
                 if not isinstance(s, tls.HandshakeFailed):
+                    self.tls_handshakes += 1
                     return s
                 failed = s
         self.tls_refused += 1

@@ -87,10 +87,11 @@ from infra import tls
 from infra.auth import TokenSet, bearer
 from infra.pki import NodeContexts
 from infra.tls import Security
-from scheduler_link.agent_link import AgentLink, ReportChannel
+from scheduler_link.agent_link import RELAY_HOLD_RETRY_S, RELAY_HOLD_S, AgentLink, ReportChannel
 from scheduler_link.enroll import CertOK, EnrollClient, EnrollRefused
 from scheduler_link.fanout import PushPool
 from scheduler_link.heartbeat_wire import (
+    UPSTREAM_DOWN,
     HeartbeatClient,
     HeartbeatServer,
     Hello,
@@ -249,7 +250,7 @@ class EmulatedNode:
                           workloads=list(self.workloads.values()), manifests=[], sent_at=time.time())
 
     async def stop_workloads(self, victims: list[Victim]) -> None:
-        self.fleet.stats.told(len(victims), time.time())
+        self.fleet.stats.told(len(victims), time.time(), "report_answer")
         for v in victims:
             self.fleet.spawn(self._stop, v)
 
@@ -278,7 +279,7 @@ class EmulatedNode:
                 world_size=p.world_size, gpus=list(pod.gpus), state="accepted", manifest_id=p.manifest_id,
                 created_at=now, updated_at=now)
             fresh.append(pod.workload_id)
-        self.fleet.stats.told(len(p.victims), now)
+        self.fleet.stats.told(len(p.victims), now, "placement")
         for v in p.victims:
             self.fleet.spawn(self._stop, v)
         for wid in fresh:
@@ -325,7 +326,7 @@ class EmulatedNode:
                                      rank=pod.rank, gpus=gpus, state="accepted", created_at=now, updated_at=now)
             fresh.append(wid)
         if part.victims:
-            self.fleet.stats.told(len(part.victims), now)
+            self.fleet.stats.told(len(part.victims), now, "part")
         if fresh or part.victims:
             later.append((self, fresh, part))
         return NodeOutcome(node_id=nid, placement_id=part.placement_id, outcome="accepted")
@@ -487,6 +488,7 @@ class EmulatedRack:
         self.reregistrations = 0
         self.enrolled = 0                         # members registered through the relay (--enroll)
         self.enroll_refused: dict[str, int] = {}  # ... and enrolments that were not, by outcome
+        self.relayed_registrations = 0   # full reports of members taken through the relay (no handshake)
         self.events_superseded = 0  # pending when their member's full report was built (it says them)
         self.events_unsent = 0      # in reports the relay could not forward (a full report follows)
 
@@ -523,7 +525,10 @@ class EmulatedRack:
         return _with_mac(m.mac_key, rep) if m.mac_key else rep
 
     async def _register(self, m: EmulatedNode) -> None:
-        """A member's (and the relay node's) full report, over its own direct connection."""
+        """A member's (and the relay node's) full report: a member that holds its MAC key sends
+        it through its relay, keeping the relay while it answers ``upstream_down`` (a placer
+        restart) for up to ``hold_s``, as AgentLink does; otherwise, or when the relay gives
+        up or refuses it, over its own direct connection."""
         if m.registering:
             return   # one full report at a time (a later one would say nothing newer)
         if m.registered:
@@ -531,8 +536,10 @@ class EmulatedRack:
         m.registered = False
         m.registering = True
         own = m is self.members[0]
-        self.relay.member_left(m.slot.node_id)   # a full report goes directly, never through a relay
         try:
+            if not own and m.mac_key and await self._register_relayed(m):
+                return
+            self.relay.member_left(m.slot.node_id)   # a full report directly: not through the relay meanwhile
             enrol = m.enroll is not None and not own and not m.mac_key
             while True:
                 wr = await self._enroll(m) if enrol else None
@@ -585,6 +592,35 @@ class EmulatedRack:
         self.enrolled += 1
         self.reports += 1
         return WireReply(status=200, reply=a.reply or ReportReply())
+
+    async def _register_relayed(self, m: EmulatedNode) -> bool:
+        """A member's full report through its relay, with its MAC (the key outlives a placer
+        restart: msgauth.node_key). While the relay has no connection up it is kept (the
+        member's hold, ``relay_hold_s``); True once the placer took the report."""
+        relay = self.relay
+        nid = m.slot.node_id
+        give_up = trio.current_time() + self.fleet.cfg.relay_hold_s
+        while True:
+            if relay.upstream is None:
+                with trio.move_on_at(give_up):
+                    await relay.upstream_ready.wait()
+                if relay.upstream is None:
+                    return False
+            got = relay.member_report(nid, _with_mac(m.mac_key, self._report(m, full=True)))
+            wr = got if isinstance(got, WireReply) else await got
+            self.reports += 1
+            if wr.status == 200:
+                self.relayed_registrations += 1
+                self.registered += 1
+                m.registered = True
+                if nid in self._pending:
+                    self._flush.set()
+                self._after(m, wr.reply, relayed=True)
+                return True
+            if wr.status != 503 or wr.reason != UPSTREAM_DOWN or trio.current_time() >= give_up:
+                self.failures += 1
+                return False
+            await trio.sleep(random.uniform(0.5, 1.0) * RELAY_HOLD_RETRY_S)
 
     async def _register_direct(self, m: EmulatedNode) -> WireReply | None:
         if self.fleet.node_tls is not None:
@@ -641,7 +677,9 @@ class EmulatedRack:
     def _answered(self, m: EmulatedNode, wr: WireReply) -> None:
         if wr.status == 200:
             self._after(m, wr.reply, relayed=True)
-        elif wr.status != 503:   # 409 (sequence), 401 (MAC): a full report, as AgentLink
+        elif wr.status != 503 or wr.reason == UPSTREAM_DOWN:
+            # 409 (sequence), 401 (MAC): a full report, as AgentLink; upstream_down (the placer
+            # restarting): a full report through the relay once it is connected again
             self.fleet.spawn(self._register, m)
 
     def event(self, m: EmulatedNode, ev: WorkloadEvent) -> None:
@@ -654,18 +692,17 @@ class EmulatedRack:
         hb = self.fleet.cfg.heartbeat_s
         await trio.sleep(random.uniform(0, hb))
         while True:
-            relay = self.relay
-            if relay.upstream is not None:
-                for m in self.members:
-                    if m.registered and m.slot.node_id not in self._sending:
-                        wr = relay.member_report(m.slot.node_id, self._report(m, full=False))
-                        if not isinstance(wr, WireReply):   # (an empty heartbeat is answered at once)
-                            continue
-                        r = wr.reply
-                        if wr.status != 200 or r.stop or r.need_full:
-                            self._answered(m, wr)
-                        if r.heartbeat_interval_s:
-                            hb = r.heartbeat_interval_s
+            relay = self.relay   # (with no connection up it answers upstream_down: the member holds on)
+            for m in self.members:
+                if m.registered and m.slot.node_id not in self._sending:
+                    wr = relay.member_report(m.slot.node_id, self._report(m, full=False))
+                    if not isinstance(wr, WireReply):   # (an empty heartbeat is answered at once)
+                        continue
+                    r = wr.reply
+                    if wr.status != 200 or r.stop or r.need_full:
+                        self._answered(m, wr)
+                    if r.heartbeat_interval_s:
+                        hb = r.heartbeat_interval_s
             await trio.sleep(hb)
 
     async def _events(self) -> None:
@@ -719,12 +756,14 @@ class FleetStats:
     placements: int = 0
     parts: int = 0                      # NodeParts that came through this process's relays
     victims_told: int = 0               # stop orders received (parts, placements, report replies)
+    victims_by: dict[str, int] = field(default_factory=dict)   # ... by what carried them
     first_victim_at: float = 0.0
     last_victim_at: float = 0.0
 
-    def told(self, n: int, at: float) -> None:
+    def told(self, n: int, at: float, by: str) -> None:
         if n <= 0:
             return
+        self.victims_by[by] = self.victims_by.get(by, 0) + n
         self.victims_told += n
         if not self.first_victim_at:
             self.first_victim_at = at
@@ -791,6 +830,7 @@ class FleetConfig:
     tls_threads: int = 8               # relay mode over TLS: members' blocking registrations in flight
     enroll: bool = False               # relay mode over TLS: members register through their relay
     hold_events: bool = True           # relay mode: members' event reports wait while bundles come (Fleet.bundles_quiet)
+    relay_hold_s: float = RELAY_HOLD_S  # relay mode: a member keeps a relay that lost the placer this long
 
 
 class Fleet:
@@ -1054,7 +1094,7 @@ class Fleet:
             "failures": sum(lk.failures for lk in links), "conflicts": sum(lk.conflicts for lk in links),
             "placements": st.placements, "placement_bytes": st.placement_bytes,
             "placement_bytes_max": st.placement_bytes_max, "acks": dict(st.acks), "events": st.events,
-            "victims_told": st.victims_told, "first_victim_at": st.first_victim_at,
+            "victims_told": st.victims_told, "victims_by": dict(st.victims_by), "first_victim_at": st.first_victim_at,
             "last_victim_at": st.last_victim_at,
             "first_event_at": st.first_event_at, "last_event_at": st.last_event_at,
             "shared_wires": [{"connects": s.connects, "breaks": s.breaks, "exchanges": s.exchanges}
@@ -1086,6 +1126,8 @@ class Fleet:
                 "reregistrations": sum(k.reregistrations for k in ks),
                 "enrolled": sum(k.enrolled for k in ks),
                 "enroll_refused": _summed(k.enroll_refused for k in ks),
+                "relayed_registrations": sum(k.relayed_registrations for k in ks),
+                "relay_held": sum(c.held_answered for c in cs),
                 "events_superseded": sum(k.events_superseded for k in ks),
                 "events_unsent": sum(k.events_unsent for k in ks),
                 "blobs": self.blob_cache.statistics()["blobs"], "cpu_s": time.process_time(),
@@ -1325,6 +1367,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hung-relays", default="", help="comma-separated racks whose relay never answers bundles")
     ap.add_argument("--no-hold-events", action="store_true",
                     help="relay mode: members report events at once, even while bundles are being handled")
+    ap.add_argument("--relay-hold", type=float, default=RELAY_HOLD_S,
+                    help="relay mode: seconds a member keeps a relay that lost the placer (0: directly at once)")
     ap.add_argument("--go", action="store_true", help="start at once instead of waiting for 'go' on stdin")
     ap.add_argument("--seconds", type=float, default=3600.0, help="exit after this long (bound)")
     ap.add_argument("--tls-dir", default=None,
@@ -1347,7 +1391,7 @@ def main(argv: list[str] | None = None) -> int:
         refuse_spec=frozenset(x for x in a.refuse_spec.split(",") if x),
         timing=Timing(fetch_s=a.fetch_delay, run_s=a.run_delay, stop_s=a.stop_delay), relays=a.relays,
         hung_relays=frozenset(x for x in a.hung_relays.split(",") if x), tls_dir=a.tls_dir,
-        tls_threads=a.tls_threads, hold_events=not a.no_hold_events, enroll=a.enroll)
+        tls_threads=a.tls_threads, hold_events=not a.no_hold_events, relay_hold_s=a.relay_hold, enroll=a.enroll)
     try:
         trio.run(_main, cfg, tokens, a.go, min(a.seconds, math.inf))
     except KeyboardInterrupt:

@@ -33,7 +33,7 @@ def test_defaults_file_and_overrides(tmp_path):
     ('[agnet]\n', "unknown section [agnet] (known: agent, topology, store, workloads, relay"),
     ('[workloads]\nshim_poool = 2\n', "unknown key [workloads] shim_poool (known: allow_root,"),
     ('[topology]\nzon = "z"\n', "unknown key [topology] zon (known: block, rack, zone)"),
-    ('[relay]\nenable = true\n', "unknown key [relay] enable (known: advertise, enabled, listen, trust_intervals)"),
+    ('[relay]\nenable = true\n', "unknown key [relay] enable (known: advertise, enabled, hold_s, listen, trust_intervals)"),
     ('[agent]\ntopology = { zone = "z" }\n', "[topology] is a section"),
     ('store = 1\n', "[store] must be a table"),
     ('[agent]\nheartbeat_s = "5"\n', "[agent] heartbeat_s has the wrong type: expected `float`, got `str`"),

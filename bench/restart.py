@@ -1,0 +1,227 @@
+"""A placer restart under an emulated fleet with a gang running: ``kill -9``, start again on
+the same state dir and ports, and time how long the new process takes to hold the fleet.
+
+    python -m bench.restart --nodes 16384 [--fleet h100|gb200] [--plain] [--baseline] [--json]
+
+One ``herd placer run`` (mutual TLS unless ``--plain``; rack relays on) and
+``ceil(N / --per-proc)`` emulator processes (``python -m testing.fleet --relays``: each rack
+runs the shipped relay, :class:`agent.relay.Relay`; every node has its own certificate).
+
+- cold: ``go`` -> every node up (``register_s``), with the placer's CPU and the emulators';
+- a gang of ``--gang-hosts`` (default 19 % of the fleet: 25,000 hosts of 131,072) x 8 GPUs
+  placed and running;
+- ``kill -9`` the placer at ``t0``, start it again at once; ``listening``: the new process
+  wrote its endpoints (its listeners are open); from there:
+  ``model_full_s`` (every node up in the new model), ``placer_cpu_s`` to then,
+  ``tls_handshakes`` (the new process's, both listeners: ``herd_placer_tls_handshakes_total``)
+  against ``relays`` + 1 % of the nodes, ``relayed_registrations`` / ``reregistrations``
+  (members' full reports through their relay / all of them, from the emulators);
+- a probe job (``--probe-gpus``, default 1,024 GPUs as 8-GPU pods) submitted once the model
+  is full: ``probe_acked_s`` (submit -> every pod acked, the placer's clock) and
+  ``probe_from_listening_s`` (listening -> acked), against ``recover_s`` + 2 s;
+- invariants, from the emulators' own state: ``stops`` (stop orders after ``t0``),
+  ``placements_doubled`` (placements taken after ``t0`` beyond the probe's pods),
+  ``refused_acks`` (a GPU given twice is refused by the emulated node), ``gang_running``.
+
+``--baseline``: the same run again with the members' relay hold off (``--relay-hold 0``:
+every member reports to the placer directly as soon as its relay loses the placer, as
+before the hold existed), in the same invocation, for the ratio. Every wait is bounded;
+traffic stays on 127.0.0.1; nothing is left running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import trio
+from prometheus_client.parser import text_string_to_metric_families
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.failover import Placer, _job, _submit, _wait_up  # noqa: E402
+from infra.auth import TokenSet, generate_token_dir  # noqa: E402
+from infra.pki import throwaway  # noqa: E402
+from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, proc_cpu_s, verify  # noqa: E402
+
+HEARTBEAT_S = 5.0
+EMULATOR_NICE = 10   # the emulators stand for other machines: they yield the cores to the placer
+
+
+def _note(msg: str, **kw: Any) -> None:
+    fields = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items())
+    print(f"[bench.restart {time.strftime('%H:%M:%S')}] {msg} {fields}", file=sys.stderr, flush=True)
+
+
+async def _sum_stats(c: httpx.AsyncClient, emus: list[EmulatorProc], job: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"placements": 0, "victims_told": 0, "refused_acks": 0, "gang_running": 0,
+                           "relayed_registrations": 0, "reregistrations": 0, "relays": 0, "relay_held": 0,
+                           "victims_by": {}}
+    for e in emus:
+        s = await e.stats(c, job)
+        out["placements"] += s["placements"] + s.get("parts", 0)   # (directly, and parts through relays)
+        out["victims_told"] += s["victims_told"]
+        for k, v in s.get("victims_by", {}).items():
+            out["victims_by"][k] = out["victims_by"].get(k, 0) + v
+        out["refused_acks"] += sum(v for k, v in s["acks"].items() if k != "accepted")
+        out["gang_running"] += s["job"]["states"].get("running", 0)
+        for k in ("relayed_registrations", "reregistrations", "relays", "relay_held"):
+            out[k] += s.get(k, 0)
+    return out
+
+
+async def _handshakes(c: httpx.AsyncClient, url: str) -> int:
+    r = await c.get(url + "/metrics", timeout=30)
+    r.raise_for_status()
+    return int(sum(s.value for fam in text_string_to_metric_families(r.text) for s in fam.samples
+                   if s.name == "herd_placer_tls_handshakes_total"))
+
+
+async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls: bool, relay_hold: float,
+                   per_proc: int, recover_s: float, tmp: Path, limit_s: float) -> dict[str, Any]:
+    token_dir = generate_token_dir(tmp / "tokens")
+    op = {"authorization": f"Bearer {TokenSet.load(token_dir).operator}"}
+    pki = throwaway(tmp / "pki").dir if tls else None
+    placer = Placer(tmp / "placer", token_dir, None, recover_s, tls_dir=pki, relays=True, heartbeat_s=HEARTBEAT_S)
+    row: dict[str, Any] = {"nodes": n, "fleet": fleet, "tls": tls, "relay_hold_s": relay_hold,
+                           "gang_hosts": gang_hosts, "recover_s": recover_s, "load_before": os.getloadavg()[0]}
+    emus: list[EmulatorProc] = []
+    try:
+        placer.start()
+        await placer.ready()
+        # the harness's emulator entry point, pointed at this placer's fixed ports
+        proxy = PlacerProc(tmp / "unused", token_dir, PlacerOptions(heartbeat_s=HEARTBEAT_S))
+        proxy.url, proxy.wire_url = placer.url, placer.wire_url
+        procs = math.ceil(n / per_proc)
+        for k in range(procs):
+            cnt = min(per_proc, n - k * per_proc)
+            e = EmulatorProc(proxy, token_dir, nodes=cnt, offset=k * per_proc, fleet=fleet, mux=8, tls_dir=pki,
+                             log_path=tmp / f"emu-{k}.log", nice=EMULATOR_NICE,
+                             extra=["--relays", "--relay-hold", str(relay_hold),
+                                    *(["--tls-threads", str(max(8, 32 // procs))] if tls else [])])
+            await e.__aenter__()
+            emus.append(e)
+        async with httpx.AsyncClient(headers=op, verify=verify(pki), timeout=60) as c:
+            cpu0, ecpu0 = proc_cpu_s(placer.pid()), sum(e.cpu_s() for e in emus)
+            t = time.time()
+            for e in emus:
+                await e.go()
+            await _wait_up(c, placer.url, n, limit_s)
+            row.update(register_s=round(time.time() - t, 2), register_placer_cpu_s=round(proc_cpu_s(placer.pid()) - cpu0, 2),
+                       register_emulator_cpu_s=round(sum(e.cpu_s() for e in emus) - ecpu0, 2))
+            _note("fleet up", nodes=n, s=row["register_s"])
+            gang = {"job_id": "gang", "pods": gang_hosts, "gpus_per_pod": 8, "argv": ["train"], "priority": 2,
+                    "preemptible": False, "grace_s": 1.0}
+            await _submit(c, [placer.url], gang, 60)
+            g = await _job(c, placer.url, "gang", "running", limit_s)
+            assert g["state"] == "running", g["state"]
+            await trio.sleep(2 * HEARTBEAT_S)   # the running events in
+            before = await _sum_stats(c, emus, "gang")
+            row["relays"] = before["relays"]
+            _note("gang running", hosts=gang_hosts)
+
+            t0 = time.time()
+            placer.kill()
+            placer.start()
+            await placer.ready()
+            t_listen = time.time()
+            cpu1 = proc_cpu_s(placer.pid())
+            row["restart_to_listening_s"] = round(t_listen - t0, 2)
+            await _wait_up(c, placer.url, n, limit_s)
+            t_full = time.time()
+            row["model_full_s"] = round(t_full - t_listen, 2)
+            row["recovery_placer_cpu_s"] = round(proc_cpu_s(placer.pid()) - cpu1, 2)
+            hs = await _handshakes(c, placer.url)
+            row["tls_handshakes"] = hs
+            row["handshake_bound"] = before["relays"] + math.ceil(0.01 * n)
+            _note("model full", s=row["model_full_s"], handshakes=hs)
+
+            probe = {"job_id": "probe", "pods": probe_gpus // 8, "gpus_per_pod": 8, "argv": ["probe"], "grace_s": 1.0}
+            await _submit(c, [placer.url], probe, 60)
+            pj = await _job(c, placer.url, "probe", "running", limit_s)
+            tm = pj["timings"]
+            row["probe_state"] = pj["state"]
+            row["probe_acked_s"] = round(tm["acked"] - tm["submitted"], 3) if "acked" in tm else None
+            row["probe_from_listening_s"] = round(tm["acked"] - t_listen, 2) if "acked" in tm else None
+            row["probe_target_s"] = recover_s + 2.0
+            await trio.sleep(2 * HEARTBEAT_S)
+            after = await _sum_stats(c, emus, "gang")
+            row.update({
+                "stops": after["victims_told"] - before["victims_told"],
+                "stops_by": {k: v - before["victims_by"].get(k, 0) for k, v in after["victims_by"].items()
+                             if v != before["victims_by"].get(k, 0)},
+                "placements_doubled": after["placements"] - before["placements"] - probe_gpus // 8,
+                "refused_acks": after["refused_acks"] - before["refused_acks"],
+                "gang_running": after["gang_running"], "gang_running_before": before["gang_running"],
+                "relayed_registrations": after["relayed_registrations"] - before["relayed_registrations"],
+                "reregistrations": after["reregistrations"] - before["reregistrations"],
+                "relay_held_answers": after["relay_held"] - before["relay_held"],
+                "load_after": os.getloadavg()[0],
+            })
+            _note("done", model_full_s=row["model_full_s"], probe_from_listening_s=row["probe_from_listening_s"])
+    finally:
+        for e in emus:
+            await e.__aexit__(None, None, None)
+        placer.stop()
+    return row
+
+
+async def run_all(ns: argparse.Namespace) -> dict[str, Any]:
+    rows = []
+    gang = ns.gang_hosts or max(1, round(ns.nodes * 25_000 / 131_072))
+    with tempfile.TemporaryDirectory(prefix="herd-restart-") as d:
+        root = Path(ns.workdir or d)
+        holds = [30.0, 0.0] if ns.baseline else [30.0]
+        for hold in holds:
+            rows.append(await run_once(ns.nodes, fleet=ns.fleet, gang_hosts=gang, probe_gpus=ns.probe_gpus,
+                                       tls=not ns.plain, relay_hold=hold, per_proc=ns.per_proc,
+                                       recover_s=ns.recover_s, tmp=root / f"hold{hold:g}", limit_s=ns.limit_s))
+    out: dict[str, Any] = {"bench": "restart", "cores": os.cpu_count(), "heartbeat_s": HEARTBEAT_S, "rows": rows}
+    if len(rows) == 2 and rows[0].get("model_full_s") and rows[1].get("model_full_s"):
+        out["model_full_ratio_hold_over_direct"] = round(rows[0]["model_full_s"] / rows[1]["model_full_s"], 2)
+    return out
+
+
+def print_table(out: dict[str, Any]) -> None:
+    cols = ["nodes", "fleet", "tls", "relay_hold_s", "register_s", "model_full_s", "recovery_placer_cpu_s",
+            "tls_handshakes", "handshake_bound", "relayed_registrations", "probe_acked_s", "probe_from_listening_s",
+            "probe_target_s", "stops", "placements_doubled", "refused_acks", "gang_running"]
+    print(" ".join(f"{c:>12}" for c in cols))
+    for r in out["rows"]:
+        print(" ".join(f"{str(r.get(c, '-')):>12}" for c in cols))
+    if "model_full_ratio_hold_over_direct" in out:
+        print(f"model_full_s, relay hold / members direct: {out['model_full_ratio_hold_over_direct']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.restart", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=4096)
+    ap.add_argument("--fleet", choices=["h100", "gb200"], default="h100")
+    ap.add_argument("--gang-hosts", type=int, default=0, help="default: 19%% of the nodes")
+    ap.add_argument("--probe-gpus", type=int, default=1024)
+    ap.add_argument("--per-proc", type=int, default=16384, help="emulated nodes per emulator process")
+    ap.add_argument("--recover-s", type=float, default=5.0)
+    ap.add_argument("--limit-s", type=float, default=600.0, help="bound on every wait")
+    ap.add_argument("--plain", action="store_true", help="no TLS (the placer insecure)")
+    ap.add_argument("--baseline", action="store_true", help="also the run with the members' relay hold off")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", action="store_true")
+    ns = ap.parse_args(argv)
+    out = trio.run(run_all, ns)
+    print_table(out)
+    if ns.json:
+        print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

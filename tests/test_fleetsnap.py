@@ -1,0 +1,83 @@
+"""placer.fleetsnap: whom a restarted placer waits for, and when its recovery ends (pure), and
+the snapshot file (a damaged one is ignored, never a failed start)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from placer import fleetsnap
+from placer.fleetsnap import Recovery
+
+
+def test_no_snapshot_waits_the_window() -> None:
+    r = Recovery(None, started=100.0, window_s=5.0, max_s=60.0)
+    assert r.until(100.0, jobs_complete=True) == 105.0
+    assert r.until(200.0, jobs_complete=False) == 105.0
+
+
+def test_every_node_heard_and_every_job_whole_ends_at_once() -> None:
+    r = Recovery(["a", "b"], started=100.0, window_s=5.0, max_s=60.0)
+    r.heard("a")
+    assert r.until(101.0, jobs_complete=True) == 105.0      # b unheard: the window
+    assert r.until(101.0, jobs_complete=False) == 160.0     # b may hold a missing pod: up to max
+    r.heard("b")
+    r.heard("c")                                             # (not in the snapshot: nothing changes)
+    assert r.unheard == 0 and r.expected == 2
+    assert r.until(101.0, jobs_complete=True) == 101.0      # now
+    assert r.until(101.0, jobs_complete=False) == 105.0     # truly partial: the window, as before
+
+
+@given(st.lists(st.sampled_from("abcdef"), max_size=12), st.sets(st.sampled_from("abcdef")), st.booleans(),
+       st.floats(0, 100), st.floats(0, 100))
+def test_recovery_never_ends_before_a_possibly_missing_pod_could_report(heard: list[str], expected: set[str],
+                                                                         complete: bool, window: float,
+                                                                         t: float) -> None:
+    """A recovered job that lacks pods is never given up on (placed again: doubled) while a node
+    of the snapshot is unheard, before max_s; nor anything before the window unless every node
+    reported and every job is whole."""
+    r = Recovery(sorted(expected), started=0.0, window_s=window, max_s=60.0)
+    for n in heard:
+        r.heard(n)
+    end = r.until(t, jobs_complete=complete)
+    unheard = expected - set(heard)
+    if not complete and unheard:
+        assert end == max(60.0, window)
+    elif not (complete and not unheard):
+        assert end == window
+    else:
+        assert end == t
+
+
+def test_the_file_round_trips_and_a_damaged_one_is_ignored(tmp_path: Path) -> None:
+    assert fleetsnap.load(tmp_path) is None
+    fleetsnap.write(tmp_path, fleetsnap.encode(["n1", "n2"], 12.5))
+    snap = fleetsnap.load(tmp_path)
+    assert snap is not None and snap.nodes == ["n1", "n2"] and snap.taken_at == 12.5
+    assert (tmp_path / fleetsnap.SNAPSHOT_FILE).stat().st_mode & 0o077 == 0
+    (tmp_path / fleetsnap.SNAPSHOT_FILE).write_bytes(b"\xc1garbage")
+    assert fleetsnap.load(tmp_path) is None
+
+
+def test_recovered_complete_only_once_every_pod_of_a_recovering_job_reported() -> None:
+    """PlacerState.recovered_complete: what Recovery.until is told (a recovered gang whose
+    pods have not all reported is not whole: ending recovery then would place it again)."""
+    from placer.config import PlacerConfig
+    from placer.state import PlacerState
+    from scheduler_link.messages import JobSpec, WorkloadStatus
+    from tests.test_placer_indexes import full
+
+    st_ = PlacerState(PlacerConfig(heartbeat_s=1.0, fence_after_s=5.0, recover_s=5.0), started_at=0.0)
+    st_.recover_until = 5.0
+    assert st_.recovered_complete()                 # nothing recovering
+    st_.submit(JobSpec(job_id="g", pods=3, gpus_per_pod=8, argv=["x"]), 0.0, recovering=True)
+    st_.jobs["g"].attempt = 1
+    for i in range(3):
+        assert not st_.recovered_complete()
+        nid = f"n{i}"
+        w = WorkloadStatus(workload_id=f"g.1.{i}", job_id="g", gpus=[f"{nid}-g{s}" for s in range(8)],
+                           state="running")
+        st_.ingest(nid, full(nid, workloads=[w]), 0.1)
+    assert st_.recovered_complete()
