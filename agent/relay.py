@@ -27,8 +27,9 @@ serves whatever comes:
   (fetched once over the connection up; the member checks it against its CA); an ``enroll``
   for the connection's own node is queued for one enrolment forwarder, which sends what is
   queued as one ``enrolls`` frame and hands each answer back (its keys sealed to the member:
-  this relay learns nothing of them). No connection up, or no answer: ``unavailable``, and
-  the member registers directly.
+  this relay learns nothing of them). No connection up: ``upstream_down`` (the member keeps
+  trying this relay for up to its ``relay_hold_s``, as with its reports); no answer:
+  ``unavailable``, and the member registers directly.
 - ``blob_get`` from a member: from the cache, fetched first if needed (the bundle's
   ``blob_sources`` in order, then the placer). From another relay: from the cache, or once
   the fetch in flight here ended (waiting a little for a bundle naming it that has not come
@@ -561,11 +562,11 @@ class Relay:
         while self._placer_cert is None:
             ch = self._up
             if ch is None:
-                return PlacerCert(error="unavailable: the relay has no connection to the placer")
+                return PlacerCert(error="the relay has no connection to the placer", outcome="upstream_down")
             if self._cert_fetch is not None:
                 await self._cert_fetch.wait()
                 if self._placer_cert is None:
-                    return PlacerCert(error="unavailable: the placer did not hand its certificate")
+                    return PlacerCert(error="the placer did not hand its certificate", outcome="unavailable")
                 break
             done = self._cert_fetch = trio.Event()
             try:
@@ -577,7 +578,7 @@ class Relay:
                 else:
                     return pc
             except (FrameError, CallFailed, trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError) as e:
-                return PlacerCert(error=f"unavailable: {e}")
+                return PlacerCert(error=str(e), outcome="unavailable")
             finally:
                 self._cert_fetch = None
                 done.set()

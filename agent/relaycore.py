@@ -31,7 +31,7 @@ clock) and ``wall`` (unix seconds, the placer's ``deliver_by`` clock) are argume
   ticket, with the stops a beat reply left for that member.
 - **Enrolments** (scheduler_link.enroll). :meth:`enroll` refuses at once an enrolment for
   another node than the member connection's (``wrong_node``) or while there is no connection
-  up (``unavailable``), and queues any other (a ticket); :meth:`next_enrolls` takes the queue
+  up (``upstream_down``: the member keeps trying this relay for a while), and queues any other (a ticket); :meth:`next_enrolls` takes the queue
   as one batch (bounded in entries and bytes) and :meth:`enrolls_answered` hands each answer
   back. The relay reads nothing of them but the node id and cannot alter one unnoticed: the
   member's MAC covers it and the keys in the answer are sealed to the member.
@@ -372,7 +372,7 @@ class RelayCore:
         if e.node_id != node_id:
             return self._enroll_refused(e.node_id, "wrong_node", f"this connection is of {node_id[:200]}")
         if not upstream:
-            return self._enroll_refused(e.node_id, "unavailable", "the relay has no connection to the placer")
+            return self._enroll_refused(e.node_id, "upstream_down", "the relay has no connection to the placer")
         if len(self._enrolls) >= ENROLL_QUEUE:
             return self._enroll_refused(e.node_id, "unavailable", "the relay's enrolment queue is full")
         t = self._next_ticket

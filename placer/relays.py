@@ -380,7 +380,7 @@ class RelayHub:
         desk = self.enroll_desk()
         if f.type == "enroll_key":
             if desk is None:
-                return "placer_cert", PlacerCert(error="no_tls: this placer runs without TLS")
+                return "placer_cert", PlacerCert(error="this placer runs without TLS", outcome="no_tls")
             return "placer_cert", PlacerCert(cert=desk.cert)
         try:
             batch = decode_payload(f, RackEnrolls)

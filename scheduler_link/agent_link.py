@@ -58,9 +58,10 @@ Invariants:
   (``enroll``) registers *through the relay*: the placer's certificate from the relay,
   checked against the CA; an Enroll with the full report, MACed under a key only this node
   and the placer can derive; the keys come back sealed to it. No handshake with the placer.
-  A relay that is unreachable, refuses, or answers anything but a sealed answer that opens:
-  the full report goes directly, as before, and enrolment is tried again after
-  ``relay_retry_s``.
+  A relay with no connection to the placer (``upstream_down``: the placer restarting) is held
+  on to for ``relay_hold_s``, as for reports; a relay that is unreachable, refuses, or answers
+  anything but a sealed answer that opens: the full report goes directly, as before, and
+  enrolment is tried again after ``relay_retry_s``.
 - What a relay may not decide for its members (issue 42): which relay they use -- a member
   follows ``relay_url`` only from an answer over its own connection (a relayed answer that
   names no relay, or another, sends it back to the placer, which says again); how often they
@@ -436,9 +437,14 @@ class AgentLink:
                 self._need_full = True  # where is the rack's relay now?
             if self._relay is not None and self._relay_untrusted(trio.current_time()):
                 await self._recheck_relay()
-            if self._enroll_due() and await self._enroll_through_relay(nursery):
-                next_beat = trio.current_time() + self.heartbeat_s * random.uniform(0.8, 1.0)
-                continue
+            if self._enroll_due():
+                enrolled = await self._enroll_through_relay(nursery)
+                if enrolled is None:   # the relay has no connection to the placer yet: held on to
+                    await trio.sleep(self._rng.uniform(0.5, 1.0) * min(RELAY_HOLD_RETRY_S, self.heartbeat_s))
+                    continue
+                if enrolled:
+                    next_beat = trio.current_time() + self.heartbeat_s * random.uniform(0.8, 1.0)
+                    continue
             if self._wire is None and self._wire_url and self.use_wire \
                     and trio.current_time() >= self._wire_retry_at:
                 await self._open_wire(self._wire_url)
@@ -717,9 +723,11 @@ class AgentLink:
         log.warning("enrolment through the relay failed, registering directly node=%s relay=%s outcome=%s err=%s",
                     self.node_id, self._enroll_url, outcome, why)
 
-    async def _enroll_through_relay(self, nursery: trio.Nursery) -> bool:
+    async def _enroll_through_relay(self, nursery: trio.Nursery) -> bool | None:
         """Register through the remembered relay (module docstring). True when this node is
-        registered and reports through that relay now; False: register directly."""
+        registered and reports through that relay now; False: register directly; None: the
+        relay has no connection to the placer (it may be restarting) and is held on to for
+        ``relay_hold_s`` from the first such answer, as for reports (try again soon)."""
         assert self._enroll is not None and self._enroll_url is not None
         url = self._enroll_url
         try:
@@ -736,13 +744,19 @@ class AgentLink:
             with trio.fail_after(max(self.request_timeout_s, self.wire_connect_timeout_s)):
                 pc = decode_payload(await ch.call("enroll_key", {}), PlacerCert)
                 if not pc.cert:
-                    raise EnrollRefused("unavailable", pc.error or "the relay has no placer certificate")
+                    raise EnrollRefused(pc.outcome or "unavailable", pc.error or "the relay has no placer certificate")
                 report = self._build_report()
                 enrolment, pending = self._enroll.make(report, pc.cert, now=time.time())
                 answer = decode_payload(await ch.call("enroll", enrolment), EnrollAnswer)
             secret = EnrollClient.open(pending, answer)
         except EnrollRefused as err:
             await r.aclose()
+            if err.outcome == "upstream_down" and self._holding(trio.current_time()):
+                self.relay_holds += 1
+                self.enroll_refusals["upstream_down"] = self.enroll_refusals.get("upstream_down", 0) + 1
+                self._need_full = True
+                return None
+            self._relay_down_since = None
             self._enroll_failed(err.outcome, err.detail)
             return False
         except (FrameError, CallFailed, trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError) as err:
@@ -750,6 +764,7 @@ class AgentLink:
             self._enroll_failed("unavailable", err)
             return False
         await self._close_wire()
+        self._relay_down_since = None
         self._relay = self._wire = r
         self.mac_key, self.placer_key = secret.mac_key, secret.placer_key
         self.enrolled += 1

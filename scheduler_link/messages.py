@@ -699,7 +699,8 @@ EnrollOutcome = Literal[
     "bad_mac",           # the MAC does not verify (not made by the holder of the certificate's key)
     "replay",            # its nonce was seen, it is older than the window, or its report is not newer
     "no_tls",            # the placer runs without TLS: no identities to check (register directly)
-    "unavailable",       # no connection up, or the placer did not answer: register directly
+    "upstream_down",     # the relay has no connection to the placer (it may be restarting): try again
+    "unavailable",       # the relay lost its connection meanwhile, or the placer did not answer
     "busy",              # over the connection's enrolment budget at the placer: register directly
     "refused",           # the placer did not take the report (its answer says why)
 ]
@@ -710,6 +711,7 @@ class PlacerCert(msgspec.Struct, frozen=True, kw_only=True):
     placer's static key of the enrolment's ECDH. A relay hands it down; the member checks it."""
     cert: bytes = b""
     error: str | None = None
+    outcome: EnrollOutcome | None = None     # why there is no certificate (``upstream_down``, ``no_tls``)
     version: int = ENROLL_VERSION
 
 

@@ -571,7 +571,7 @@ class EmulatedRack:
         does over the member's frames connection). None: not taken (register directly)."""
         assert m.enroll is not None
         relay = self.relay
-        with trio.move_on_after(WIRE_CONNECT_S):
+        with trio.move_on_after(self.fleet.cfg.relay_hold_s):   # (held on to, as AgentLink does)
             while relay.upstream is None:
                 await relay.upstream_ready.wait()
         pc = await relay.member_enroll_key()

@@ -21,8 +21,8 @@ def test_refused_at_once_for_another_node_or_with_no_connection_up() -> None:
     a = c.enroll("m1", _enroll("m2"), upstream=True)
     assert isinstance(a, EnrollAnswer) and a.outcome == "wrong_node"
     a = c.enroll("m1", _enroll("m1"), upstream=False)
-    assert isinstance(a, EnrollAnswer) and a.outcome == "unavailable"
-    assert c.enrolls_refused == {"wrong_node": 1, "unavailable": 1} and c.enrolls_queued == 0
+    assert isinstance(a, EnrollAnswer) and a.outcome == "upstream_down"
+    assert c.enrolls_refused == {"wrong_node": 1, "upstream_down": 1} and c.enrolls_queued == 0
 
 
 def test_a_batch_is_bounded_in_entries_and_bytes() -> None:
@@ -71,7 +71,7 @@ def test_every_queued_enrolment_is_answered_exactly_once(ops: list[tuple[str, in
                 assert got not in queued
                 queued[got] = node
             else:
-                assert got.outcome == "unavailable" and not flag
+                assert got.outcome == "upstream_down" and not flag
         elif op == "batch":
             b = c.next_enrolls()
             if b is not None:

@@ -375,3 +375,36 @@ async def test_fencing_stops_in_an_enrolment_answer_carry_the_placers_mac(tmp_pa
             link = await r.member("m11", agent=agent)
             await poll(lambda: agent.workloads["ghost-w"].state == "preempted", 0.02)
             assert link.enrolled == 1 and link.stops_received == 1 and link.stops_refused == 0
+
+
+class _Upstream:
+    """Where a relay finds the placer (None: not yet)."""
+
+    def __init__(self) -> None:
+        self.url: str | None = None
+
+    def __call__(self) -> str | None:
+        return self.url
+
+
+async def test_a_member_holds_on_to_a_relay_without_the_placer_then_enrols_through_it(tmp_path: Path, token_dir,
+                                                                                       tls_pki):
+    """The relay it kept has no connection to the placer yet (the placer restarting): the
+    member neither handshakes with the placer nor gives the relay up; once the relay is
+    connected the member enrols through it."""
+    with trio.fail_after(30):
+        async with rig(tmp_path, token_dir, tls_pki) as r:
+            upstream = _Upstream()
+            relay = Relay(node_id="r0n1", rack=RACK, tokens=r.tokens, listen="127.0.0.1:0", wire_url=upstream,
+                          blobs=BlobCache(), heartbeat_s=0.1, keys=lambda: (None, None), backoff_max_s=0.1,
+                          security=tls.daemon_security(tls_pki.node_dir("r0n1"), "node", insecure=False))
+            url = await r.nursery.start(relay.run)
+            before = r.handshakes
+            link = await r.member("m12", relay_url=url)
+            await poll(lambda: link.relay_holds >= 3, 0.02)
+            assert not link.registered and link.enrolled == 0 and r.handshakes == before
+            upstream.url = r.svc.wire_url
+            await poll(lambda: link.registered, 0.02)
+            assert link.enrolled == 1 and link.enroll_refusals["upstream_down"] >= 3
+            assert "unavailable" not in link.enroll_refusals
+            assert r.handshakes == before + 1          # the relay's own connection up, none for the member
