@@ -87,7 +87,7 @@ MAX_CERT_BYTES = 4096        # a node certificate is ~600 bytes DER
 MAX_REPORT_BYTES = 60 << 10  # under a member frame's bound (frames.MEMBER_MAX_FRAME, 64 KiB)
 MAX_ID_LEN = 256
 SEEN_CAP = 1 << 18           # nonces kept (more than a 131,072-node fleet's cold registration)
-CERT_CACHE = 1 << 16         # verified certificates (and their ECDH secret) kept
+CERT_CACHE = 1 << 18         # checked certificates (and their ECDH secret) kept: a fleet's, ~450 B each
 BUDGET_BURST = 512.0         # enrolments one connection may send at once (twice the rack entry bound)
 BUDGET_PER_S = 8.0           # ... and then per second
 
@@ -197,9 +197,20 @@ def check_cert(der: bytes, ca: x509.Certificate) -> CertOK:
                   cert.not_valid_before_utc.timestamp(), cert.not_valid_after_utc.timestamp())
 
 
-def _valid(c: CertOK, now: float) -> None:
+def _valid(c: CertOK | _Known, now: float) -> None:
     if not c.not_before <= now <= c.not_after:
         raise EnrollRefused("expired", f"the certificate of {c.principal} is not valid now")
+
+
+class _Known(NamedTuple):
+    """A member certificate the desk checked, as it keeps it: what its later checks read, and
+    the ECDH secret with it (not its key object)."""
+    principal: str
+    node_id: str
+    serial: str
+    not_before: float
+    not_after: float
+    shared: bytes
 
 
 # ---------------------------------------------------------------- replays
@@ -286,7 +297,7 @@ class EnrollDesk:
         self.window_s = window_s
         self.skew_s = skew_s
         self.guard = NonceGuard(window_s=window_s + skew_s)
-        self._cache: OrderedDict[bytes, tuple[CertOK, bytes]] = OrderedDict()   # cert digest -> (it, ECDH secret)
+        self._cache: OrderedDict[bytes, _Known] = OrderedDict()   # cert digest -> it, with the ECDH secret
         self._cache_cap = cache
         # statistics
         self.taken = 0
@@ -297,21 +308,23 @@ class EnrollDesk:
         """Count a refusal (the desk's own, or one its caller decided)."""
         self.refused[outcome] = self.refused.get(outcome, 0) + 1
 
-    def _member(self, der: bytes) -> tuple[CertOK, bytes, bytes]:
+    def _member(self, der: bytes) -> tuple[_Known, bytes]:
+        """The member certificate ``der`` checked (the CA's signature, a node's), with the
+        ECDH secret, and its digest: from the cache, or checked now and kept."""
         d = digest(der)
         hit = self._cache.get(d)
         if hit is not None:
             self._cache.move_to_end(d)
-            return hit[0], hit[1], d
+            return hit, d
         c = check_cert(der, self.ca)
         self.cert_checks += 1
         if c.node_id is None:
             raise EnrollRefused("bad_certificate", f"the certificate is {c.principal}'s, not a node's")
-        shared = self._key.exchange(ec.ECDH(), c.key)
-        self._cache[d] = (c, shared)
+        k = self._cache[d] = _Known(c.principal, c.node_id, c.serial, c.not_before, c.not_after,
+                                    self._key.exchange(ec.ECDH(), c.key))
         while len(self._cache) > self._cache_cap:
             self._cache.popitem(last=False)
-        return c, shared, d
+        return k, d
 
     def check(self, e: Enroll, *, now: float, denied: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
               known: tuple[str, int] | None = None) -> Checked:
@@ -339,13 +352,13 @@ class EnrollDesk:
             raise EnrollRefused("malformed", "an enrolment names its node and boot")
         if not now - self.window_s <= e.at <= now + self.skew_s:
             raise EnrollRefused("replay", f"made at {e.at:.0f}, outside the window around {now:.0f}")
-        c, shared, cd = self._member(e.cert)
+        c, cd = self._member(e.cert)
         if c.node_id != e.node_id:
             raise EnrollRefused("bad_certificate", f"the certificate is {c.principal}'s, not node:{e.node_id[:200]}'s")
         _valid(c, now)
         if c.node_id in denied[0] or c.serial in denied[1]:
             raise EnrollRefused("revoked", f"{c.principal} or its certificate {c.serial} is revoked")
-        keys = derive(shared, e.node_id, e.boot_id, e.nonce, cd, self._cert_digest)
+        keys = derive(c.shared, e.node_id, e.boot_id, e.nonce, cd, self._cert_digest)
         if len(e.mac) != MAC_LEN or not hmac.compare_digest(e.mac, enroll_mac(keys.mac, e)):
             raise EnrollRefused("bad_mac", "the MAC does not verify with the certificate's key")
         try:
