@@ -34,6 +34,12 @@ class BeatBook:
         self._need_full: set[str] = set()
         self._stops: dict[str, list[Victim]] = {}
         self._plain: ReportReply | None = None   # the answer with nothing to say (frozen: shared)
+        # seqs per member: of the latest entry taken into a beat, and of its latest full report
+        # forwarded: a beat's need_full for an entry older than a full report already gone up is
+        # moot (after a placer restart each member's beat and its full report cross: without
+        # this, every member sent its full report twice)
+        self._taken: dict[str, int] = {}
+        self._full_seq: dict[str, int] = {}
 
     @property
     def pending(self) -> int:
@@ -65,6 +71,7 @@ class BeatBook:
         for nid in node_ids:
             e = self._pending.pop(nid, None)
             if e is not None:
+                self._taken[nid] = e[1]
                 ids.append(nid)
                 boots.append(e[0])
                 seqs.append(e[1])
@@ -77,6 +84,8 @@ class BeatBook:
         if not self._pending:
             return None
         p, self._pending = self._pending, {}
+        for nid, e in p.items():
+            self._taken[nid] = e[1]
         return RackBeat(rack=self.rack, node_ids=list(p), boot_ids=[e[0] for e in p.values()],
                         seqs=[e[1] for e in p.values()], sent_at=now, macs=[e[2] for e in p.values()])
 
@@ -84,6 +93,7 @@ class BeatBook:
         """A content report goes up: a full one answers any need_full."""
         if rep.full:
             self._need_full.discard(rep.node_id)
+            self._full_seq[rep.node_id] = rep.seq
 
     def answer(self, node_id: str, reply: ReportReply) -> ReportReply:
         """The placer's answer to a member's content report, plus stops a beat_reply left for it."""
@@ -97,9 +107,12 @@ class BeatBook:
     def apply(self, r: RackBeatReply) -> None:
         if r.heartbeat_interval_s:
             self.heartbeat_s = r.heartbeat_interval_s
-        self._need_full.update(r.need_full)
+        full, taken = self._full_seq, self._taken
+        self._need_full.update(nid for nid in r.need_full if full.get(nid, -1) < taken.get(nid, 0))
         for s in r.stop:
             self._stops.setdefault(s.node_id, []).extend(s.stop)
 
     def forget(self, node_id: str) -> None:
         self._pending.pop(node_id, None)
+        self._taken.pop(node_id, None)
+        self._full_seq.pop(node_id, None)

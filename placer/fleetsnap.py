@@ -45,6 +45,9 @@ from infra.durable import atomic_write
 log = logging.getLogger("herd.placer.fleetsnap")
 
 SNAPSHOT_FILE = "fleet.snapshot"
+# The write runs in a worker thread; tests in virtual time turn this off (as placer.journal's
+# fsyncs): trio's autojump clock cannot see a worker thread and would jump past deadlines.
+WRITE_IN_THREAD = True
 SNAPSHOT_EVERY_S = 10.0
 VERSION = 1
 

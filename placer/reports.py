@@ -300,7 +300,16 @@ class Reports(StateBase):
                 self._release_quiet(job_id)
                 self._hold(old)
                 job.attempt = attempt
-            if wid in self.pods or rank >= job.spec.pods:
+            if wid in self.pods:
+                # adopted already: this node's earlier full report (a node may send several while
+                # the placer recovers); the same pod, never a stale one to stop
+                hit = node.pods.get(wid)
+                if hit is None or hit[0] is not job:
+                    return False
+                if not hit[1].terminal and hit[1].state != state:
+                    job.set_pod_state(hit[1], state, hit[1].exit_code)
+                return True
+            if rank >= job.spec.pods:
                 return False
             if not self._assign(job_id, node.node_id, slots, job.spec.priority, job.spec.preemptible):
                 return False

@@ -202,7 +202,10 @@ class PlacerService:
 
     async def _write_snapshot(self, data: bytes) -> None:
         try:
-            await trio.to_thread.run_sync(fleetsnap.write, self.cfg.state_dir, data)
+            if fleetsnap.WRITE_IN_THREAD:
+                await trio.to_thread.run_sync(fleetsnap.write, self.cfg.state_dir, data)
+            else:
+                fleetsnap.write(self.cfg.state_dir, data)
         except OSError as e:   # a full disk: the next restart waits the window, nothing else is lost
             log.warning("fleet snapshot not written: %s", e)
             self._snap_fp = (-1, 0)

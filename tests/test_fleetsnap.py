@@ -81,3 +81,29 @@ def test_recovered_complete_only_once_every_pod_of_a_recovering_job_reported() -
                            state="running")
         st_.ingest(nid, full(nid, workloads=[w]), 0.1)
     assert st_.recovered_complete()
+
+
+def test_a_node_reporting_twice_while_the_placer_recovers_keeps_its_pod() -> None:
+    """A second full report of a node during recovery lists the pod its first one had adopted:
+    the same pod (never a stale one told to stop). At 1,024 emulated nodes re-registering
+    through their relays, a rack's pods were stopped this way."""
+    from placer.config import PlacerConfig
+    from placer.state import PlacerState
+    from scheduler_link.messages import JobSpec, WorkloadStatus
+    from tests.test_placer_indexes import full
+
+    st_ = PlacerState(PlacerConfig(heartbeat_s=1.0, fence_after_s=5.0, recover_s=5.0), started_at=0.0)
+    st_.recover_until = 5.0
+    st_.submit(JobSpec(job_id="g", pods=2, gpus_per_pod=8, argv=["x"]), 0.0, recovering=True)
+    st_.jobs["g"].attempt = 1
+    for i in range(2):
+        nid = f"n{i}"
+        w = WorkloadStatus(workload_id=f"g.1.{i}", job_id="g", gpus=[f"{nid}-g{s}" for s in range(8)],
+                           state="running")
+        for seq in (1, 2):   # twice
+            _, reply, _ = st_.ingest(nid, full(nid, seq=seq, workloads=[w]), 0.1 * seq)
+            assert not reply.stop, reply
+        assert not st_.nodes[nid].stale and not st_.nodes[nid].tell
+    assert st_.schedule(6.0) == []
+    job = st_.jobs["g"]
+    assert job.state == "running" and job.counts["running"] == 2, job.counts
