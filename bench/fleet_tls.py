@@ -30,7 +30,7 @@ The emulators run at a lower priority than the placer (``EMULATOR_NICE``), and t
 register with blocking ``ssl`` sockets in worker threads (``testing.fleet._register_blocking``:
 the same wire as an agent's).
 
-Figures: ``handshakes`` (the connections the placer's framed channel accepted or refused),
+Figures: ``handshakes`` (the TLS handshakes the placer's framed channel completed),
 ``register_s`` (``go`` -> the placer's ``GET /v1/cluster`` counts N nodes up),
 ``placer_cpu_s`` and ``emulator_cpu_s`` (CPU time meanwhile, from ``/proc``), and per mode the medians
 over ``--repeat`` runs, with the ratio tls / plain. The machine's load average is recorded with
@@ -111,8 +111,8 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
             except httpx.HTTPError:
                 continue
         row["framed_channel"] = {k: v for k, v in fc.items() if k.startswith("tls_refused") or k in (
-            "connections", "open_connections", "refused", "wrong_node")}
-        row["handshakes"] = int(fc.get("connections", 0)) + int(fc.get("tls_refused", 0)) if pki_dir else 0
+            "connections", "open_connections", "refused", "wrong_node", "tls_handshakes")}
+        row["handshakes"] = int(fc.get("tls_handshakes", 0))
         if mode == "enroll":
             st = [await e.stats(c) for e in emus]
             row["enrolled"] = sum(int(x.get("enrolled", 0)) for x in st)

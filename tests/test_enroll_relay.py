@@ -5,7 +5,6 @@ enrolments are refused with a structured outcome, counted, and nothing of them i
 
 from __future__ import annotations
 
-import ssl
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -54,12 +53,11 @@ class Rig:
     tokens: TokenSet
     nursery: trio.Nursery
 
-    counter: HandshakeCounter
-
     @property
     def handshakes(self) -> int:
         """TLS handshakes the placer completed (its API and its framed channel)."""
-        return self.counter.done
+        assert self.svc.wire is not None
+        return int(self.svc.wire.statistics()["tls_handshakes"]) + self.svc.app.tls_handshakes
 
     def refused(self, outcome: str) -> int:
         desk = self.svc.relays.enroll_desk()
@@ -97,30 +95,11 @@ def _report(node: str, boot: str = "b1", seq: int = 1) -> NodeReport:
                       topology=TopologyPath(zone="z1", block="b1", rack="r0"))
 
 
-class HandshakeCounter:
-    """Counts the server handshakes a placer's TLS contexts complete: each context makes its
-    TLS objects of a subclass that counts (the checks of infra.tls run as before)."""
-
-    def __init__(self, *contexts: ssl.SSLContext | None) -> None:
-        self.done = 0
-        counter = self
-
-        class Counted(tls._CheckedObject):
-            def do_handshake(self) -> None:
-                super().do_handshake()
-                counter.done += 1
-
-        for ctx in contexts:
-            assert ctx is not None
-            ctx.sslobject_class = Counted
-
-
 @asynccontextmanager
 async def rig(tmp_path: Path, token_dir: Path, pki: ThrowawayPKI) -> AsyncIterator[Rig]:
     tokens = TokenSet.load(token_dir)
     async with trio.open_nursery() as n:
         svc = PlacerService(cfg(tmp_path, tls_dir=str(pki.dir), insecure=False, ca_dir=str(pki.dir)), tokens)
-        counter = HandshakeCounter(svc.security.api, svc.security.channel)
         url = await n.start(svc.run)
         # the relay node registers directly (its own connection: its keys), then relays
         rctx = tls.client_context(pki.ca, pki.files("node:r0n0"))
@@ -133,8 +112,9 @@ async def rig(tmp_path: Path, token_dir: Path, pki: ThrowawayPKI) -> AsyncIterat
                       security=sec)
         relay_url = await n.start(relay.run)
         await relay.upstream_ready.wait()
-        assert counter.done >= 2      # the relay node's registration, the relay's connection up
-        yield Rig(svc, url, relay, relay_url, rlink, pki, tokens, n, counter)
+        r = Rig(svc, url, relay, relay_url, rlink, pki, tokens, n)
+        assert r.handshakes >= 2      # the relay node's registration, the relay's connection up
+        yield r
         n.cancel_scope.cancel()
 
 
