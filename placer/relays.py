@@ -387,7 +387,7 @@ class RelayHub:
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             return "error", {"error": f"malformed enrolments: {e}"}
         check_entries(len(batch.enrolls), frames.entry_limit(ch), what="enrolment batch")
-        now = self.host.clock()
+        now = time.monotonic()
         budget = self._budgets.get(ch)
         if budget is None:
             budget = self._budgets[ch] = enroll.EnrollBudget(now=now)
@@ -412,7 +412,9 @@ class RelayHub:
         node = self.host.nodes.get(e.node_id)
         revoked = self.host.security.revoked
         try:
-            c = desk.check(e, now=self.host.clock(), denied=(revoked.nodes, revoked.serials),
+            # (wall-clock time, whatever the placer's clock: certificates' validity and the
+            # members' own times are unix times)
+            c = desk.check(e, now=time.time(), denied=(revoked.nodes, revoked.serials),
                            known=(node.boot_id, node.last_seq) if node is not None else None)
         except enroll.EnrollRefused as r:
             log.info("enrolment refused node=%s relay=%s outcome=%s: %s", e.node_id[:200], via, r.outcome, r.detail)
