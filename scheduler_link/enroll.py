@@ -4,11 +4,11 @@ keys in the answer.
 
 Theory of operation (DESIGN.md, Security model; docs/security.md, "Enrolment through the relay")
 ------------------------------------------------------------------------------------------------
-A node's MAC key K_X (scheduler_link.msgauth) used to reach it only in the answer to a full
-report over its *own* TLS connection to the placer: one mutual handshake per node into one
-placer core (2.5-5.6 ms of placer CPU a node), the bottleneck of a cold registration. Here the
-node's full report goes up through its rack's relay instead, and what the TLS handshake proved
-is proved per message:
+Without it a node's MAC key K_X (scheduler_link.msgauth) reaches it only in the answer to a
+full report over its *own* TLS connection to the placer: one mutual handshake per node into
+one placer core (2.5-5.6 ms of placer CPU a node), the bottleneck of a cold registration. Here
+the node's full report goes up through its rack's relay instead, and what the TLS handshake
+proved is proved per message:
 
 - **The placer's static key** is the key of its TLS certificate (ECDSA P-256, signed by the
   cluster CA, subject ``placer``). The relay hands the certificate down (``enroll_key`` ->
@@ -35,7 +35,7 @@ is proved per message:
 - **Replays**: the placer keeps the nonces it took for ``WINDOW_S`` (+ skew) and refuses an
   enrolment older than the window; a full report of a boot the placer already knows must
   have a newer sequence. What remains: after a placer restart, an enrolment a relay recorded
-  in the last ``WINDOW_S`` can be replayed once; it registers that node's recent full report
+  in the last ``WINDOW_S`` can be replayed once to the new process; it registers that node's recent full report
   of that boot (its later heartbeats move it on, or a 409 asks it for a fresh one), and the
   answer is sealed to the node, so the relay learns nothing.
 
@@ -43,8 +43,10 @@ Cost at the placer per enrolment: one CA signature check and one ECDH, both cach
 certificate (a member that enrols again with the same certificate costs neither), a few
 BLAKE3 calls and one AEAD seal: ~0.2 ms, against a TLS handshake's 2.5-5.6 ms
 (``python -m bench.fleet --tls --relays`` measures the whole path against direct registration).
+A check costs that even when it fails: each connection has an :class:`EnrollBudget`.
 
-Everything here is pure (no sockets, clocks or trio): ``now`` is an argument.
+Nothing here touches sockets, clocks or trio (``now`` is an argument); nonces and AEAD nonces
+are random, and only :func:`desk_from_files` / :func:`client_from_files` read files.
 """
 
 from __future__ import annotations
