@@ -25,9 +25,9 @@ node register *through* their relay instead (scheduler_link.enroll): each makes 
 its own certificate's key (:class:`~scheduler_link.enroll.EnrollClient`, what AgentLink uses),
 hands it to the shipped relay (``Relay.member_enroll_key`` / ``member_enroll``, as the member
 connection's frames do), and opens the sealed answer; a refusal falls back to direct
-registration. Without it (the baseline) each registers over its own TLS connection. The relays of one process share what one host's would: the
-gang blob cache and the batch signatures already verified (one Ed25519 check per batch per
-process).
+registration. Without it (the baseline) each registers over its own TLS connection. The
+relays of one process share what one host's would: the gang blob cache and the batch
+signatures already verified (one Ed25519 check per batch per process).
 
 Sockets, because one process holds up to 20,000 descriptors:
 - placements: one HTTP listener per emulator process; a node's ``control_url`` is
@@ -576,7 +576,8 @@ class EmulatedRack:
                 await relay.upstream_ready.wait()
         pc = await relay.member_enroll_key()
         if not pc.cert:
-            self.enroll_refused["unavailable"] = self.enroll_refused.get("unavailable", 0) + 1
+            why = pc.outcome or "unavailable"
+            self.enroll_refused[why] = self.enroll_refused.get(why, 0) + 1
             return None
         rep = self._report(m, full=True)
         try:
