@@ -76,7 +76,9 @@ ACK_WINDOW_S = 0.4           # a bundle's acks go back at most this long after i
 KEEP_SOURCES = 16            # blob ids whose sources (from bundles) are remembered
 LATE_MIN_S = 0.05            # a bundle with less of its deliver_by left than this is late
 ENROLL_BATCH = 256           # enrolments in one frame up, at most (the placer's rack entry bound)
-ENROLL_BATCH_BYTES = 2 << 20  # ... and their bytes (under a relay candidate's frame bound, 4 MiB)
+# ... and their bytes: under what the placer holds back of a connection during a delivery
+# (frames.MEMBER_MAX_HELD, 1 MiB, for a relay it has not chosen): ~25 full reports of ~20 KB
+ENROLL_BATCH_BYTES = 512 << 10
 ENROLL_QUEUE = 1024          # enrolments waiting here, at most (more are answered unavailable)
 
 

@@ -265,7 +265,7 @@ class RelayHub:
     # ------------------------------------------------------------ frames from relays
 
     def _handle(self, ch: FrameChannel, f: Frame) -> tuple[str, Any] | None:
-        if (self._delivering or self._deferred) and f.type in ("beat", "report", "reports"):
+        if (self._delivering or self._deferred) and f.type in ("beat", "report", "reports", "enrolls"):
             # acks first: what relays report while a delivery is out waits until it is in, in
             # arrival order (per connection too), then is applied and answered
             if frames.hold(ch, f):   # (else: over the connection's bound, and it is closed)

@@ -388,3 +388,27 @@ async def test_a_member_holds_on_to_a_relay_without_the_placer_then_enrols_throu
             assert link.enrolled == 1 and link.enroll_refusals["upstream_down"] >= 3
             assert "unavailable" not in link.enroll_refusals
             assert r.handshakes == before + 1          # the relay's own connection up, none for the member
+
+
+async def test_enrolments_wait_while_a_delivery_is_out_then_are_answered(tmp_path: Path, token_dir, tls_pki):
+    """Acks first: while the placer delivers, a relay's enrolments are held back with its
+    reports and applied, in order, once the delivery is in."""
+    with trio.fail_after(30):
+        async with rig(tmp_path, token_dir, tls_pki) as r:
+            cert = await r.placer_cert()
+            hub = r.svc.relays
+            hub._defer_reports()          # (a delivery out, as _RoundDriver.run marks it)
+            answers: list[EnrollAnswer] = []
+
+            async def enrol(node: str) -> None:
+                e, _ = r.client(node).make(_report(node), cert, now=time.time())
+                answers.append(await r.enrol(e))
+            async with trio.open_nursery() as n:
+                for node in ("m13", "m14"):
+                    n.start_soon(enrol, node)
+                await poll(lambda: len(hub._deferred) >= 1, 0.01)
+                await trio.sleep(0.2)
+                assert answers == [] and not {"m13", "m14"} & set(r.svc.state.nodes)
+                hub._release_reports()        # the delivery is in
+            assert sorted(a.node_id for a in answers) == ["m13", "m14"]
+            assert {a.outcome for a in answers} == {"enrolled"} and {"m13", "m14"} <= set(r.svc.state.nodes)
