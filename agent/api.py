@@ -12,8 +12,10 @@ only); stopping workloads, fault injection and store eviction take the operator 
 ``POST /v1/placements`` answers 200 with the PlacementAck when accepted (or already
 accepted: idempotent by placement id) and 409 with the PlacementAck (``accepted:
 false``, ``reason``) when refused -- also when its ``origin`` is not among
-``allowed_origins`` (``outcome: refused_spec``); a prefetch naming such an origin is 403. An
-agent configured with no origins (the default) refuses every one.
+``allowed_origins`` (``outcome: refused_spec``), and when the placer's placement carries an
+epoch older than the highest this node has seen (``outcome: stale_epoch``: a replaced placer;
+scheduler_link.epochs; an operator's direct placement is not fenced); a prefetch naming such
+an origin is 403. An agent configured with no origins (the default) refuses every one.
 
 Body bounds per route: placements and prefetches ``max_body_bytes`` (default 4 MiB, a
 fleet-scale placement is a few MB at most), stop 4 KiB, fault injection 16 KiB, every
@@ -178,6 +180,20 @@ def build_app(agent: Agent) -> App:
     async def place(req: Request) -> Response:
         """Start pods and/or stop victims; idempotent by placement_id. Returns a PlacementAck."""
         p = req.decode(Placement)
+        direct = (req.principal is not None and req.principal.via == "cert" and req.principal.kind == "operator") or (
+            tokens.check("operator", bearer(req.headers)) and not tokens.check("placer", bearer(req.headers)))
+        if not direct:   # the placer's: fenced by its epoch (an operator's placement carries none)
+            try:
+                fresh = agent.epochs.admit(p.epoch, "placement")
+            except OSError as e:
+                raise HTTPError(503, "placer epoch not durable", str(e)) from None
+            if not fresh:
+                log.warning("placement refused placement=%s job=%s outcome=stale_epoch epoch=%d highest=%d",
+                            p.placement_id, p.job_id, p.epoch, agent.epochs.highest)
+                return json_response(PlacementAck(
+                    placement_id=p.placement_id, node_id=agent.node_id, accepted=False, outcome="stale_epoch",
+                    reason=f"placer epoch {p.epoch} is older than {agent.epochs.highest}: a newer placer leads"),
+                    status=409)
         if agent.supervisor.known_ack(p.placement_id) is None or (p.node_id and p.node_id != agent.node_id):
             # bound to this node, unexpired, not a replay (an accepted id is answered again instead)
             bad = check_binding(p, node_id=agent.node_id, now=time.time(), records=agent.supervisor.records_view())
@@ -190,8 +206,6 @@ def build_app(agent: Agent) -> App:
             log.warning("placement refused placement=%s job=%s reason=%s", p.placement_id, p.job_id, why)
             return json_response(PlacementAck(placement_id=p.placement_id, node_id=agent.node_id, accepted=False,
                                               reason=why, outcome="refused_spec"), status=409)
-        direct = (req.principal is not None and req.principal.via == "cert" and req.principal.kind == "operator") or (
-            tokens.check("operator", bearer(req.headers)) and not tokens.check("placer", bearer(req.headers)))
         if p.victims:  # a rollback's stop may overtake a part not handed over yet
             await agent.parts.hold_stops(p.victims)
         ack = await agent.supervisor.place(p, direct=direct)

@@ -50,6 +50,7 @@ from p2p.store import ChunkStore
 from p2p.tree import serving_cap
 from scheduler_link.agent_link import AgentLink
 from scheduler_link.enroll import client_from_files
+from scheduler_link.epochs import Epochs
 from scheduler_link.messages import (
     GangBlob,
     GpuSnapshot,
@@ -113,6 +114,12 @@ class Agent:
         self._prefetching: set[str] = set()
         self.relay: Relay | None = None
         self.blobs = BlobCache()
+        # the highest placer epoch this node has seen (scheduler_link.epochs), durable next to its
+        # part store: one gate for its parts, the placer's placements, its link and its relay
+        try:
+            self.epochs = Epochs.in_state_dir(self.state_dir)
+        except ValueError as e:
+            raise AgentError(str(e)) from None
         # tenants apart (agent.tenants): a uid per workload, its own /proc and GPU device nodes
         iso = Isolation(*detect(config.workloads.cgroup), tenancy=Tenancy(config.isolation, gpu_minors=self._gpu_minors))
         self.supervisor = Supervisor(self.state_dir, node_id=self.node_id, gpu_health=self._gpu_health,
@@ -122,7 +129,7 @@ class Agent:
         self.parts = PartAcceptor(self.state_dir, node_id=self.node_id, supervisor=self.supervisor,
                                   inventory=self._inventory, blob=self._gang_blob, notify=self._notify,
                                   keys=self._msg_keys, allowed_origins=config.allowed_origins,
-                                  blob_timeout_s=config.workloads.blob_timeout_s)
+                                  blob_timeout_s=config.workloads.blob_timeout_s, epochs=self.epochs)
 
     # ------------------------------------------------------------ wiring
 
@@ -271,7 +278,7 @@ class Agent:
         self.link = link = AgentLink(placer, self.tokens.cluster, self.node_id, self, placers=self.config.placers,
                                      heartbeat_s=self.config.heartbeat_s, on_part=self.handle_part,
                                      relay_trust_intervals=self.config.relay.trust_intervals,
-                                     relay_hold_s=self.config.relay.hold_s,
+                                     relay_hold_s=self.config.relay.hold_s, epochs=self.epochs,
                                      ssl_context=self.security.client if self.security is not None else None,
                                      **self._enroll_args())
         self.supervisor.add_listener(link.notify)
@@ -303,7 +310,7 @@ class Agent:
                            listen=self.config.relay.listen, advertise=self.config.relay.advertise,
                            wire_url=lambda: link.wire_url, own_part=self.handle_part, blobs=self.blobs,
                            placer_blob=self._fetch_blob, heartbeat_s=self.config.heartbeat_s, keys=self._msg_keys,
-                           on_bad_bundle=link.request_full_report, security=self.security)
+                           on_bad_bundle=link.request_full_report, security=self.security, epochs=self.epochs)
         link.own_relay_url = await n.start(self.relay.run)
 
     async def _signals(self, scope: trio.CancelScope, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -389,6 +396,7 @@ class Agent:
             "link": self.link.statistics() if self.link is not None else None,
             "relay": self.relay.statistics() if self.relay is not None else None,
             "parts": self.parts.statistics(), "blobs": self.blobs.statistics(),
+            "placer_epoch": self.epochs.statistics(),
             "security": self.security.status() if self.security is not None else None,
             "gpu_monitor": self.monitor.statistics() if self.monitor is not None else None,
         }

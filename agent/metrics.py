@@ -146,6 +146,12 @@ class AgentMetrics:
         yield from agent_families(node, sup.statistics(), a.store_statistics(), a.ready,
                                   start_hist=sup.start_hist, fetch_hist=sup.fetch_hist,
                                   link=a.link.statistics() if a.link is not None else None)
+        ep = a.epochs   # (scheduler_link.epochs)
+        yield family("counter", "herd_agent_stale_epoch_total", "Messages of a replaced placer refused (older "
+                     "epoch than one seen), by kind", [({"node": node, "kind": k}, ep.stale.get(k, 0))
+                                                       for k in ("bundle", "part", "placement", "reply", "stop")])
+        yield family("gauge", "herd_agent_placer_epoch", "The highest placer epoch this node has seen",
+                     [({"node": node}, ep.highest)])
         if a.herd is not None:
             yield from metric_families(node, a.herd.statistics(),
                                        a.dataplane.statistics() if a.dataplane is not None else None)

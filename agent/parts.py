@@ -27,6 +27,11 @@ this node got at registration); one that does not is neither answered nor kept
 (:class:`PartNotAuthentic`: the relay gets an error, the placer reaches this node directly).
 Every outcome carries this node's MAC, so its relay cannot change it.
 
+Fencing (scheduler_link.epochs): a part's placer epoch is its bundle's, in the signed header
+its proof carries. A part of an epoch older than the highest this node has seen is answered
+``stale_epoch`` and nothing of it is acted on (a replaced placer acts on nothing); a newer
+epoch is written to the node's epoch file before the part is decided on.
+
 Invariants:
 - one placement id, one outcome: a part seen again (over a relay or directly, also after
   the same placement arrived over HTTP) gets the outcome it got the first time; the
@@ -56,6 +61,7 @@ import msgspec
 import trio
 
 from p2p.origins.allow import origin_refusal
+from scheduler_link.epochs import Epochs
 from scheduler_link.messages import (
     WIRE_VERSION,
     GangBlob,
@@ -226,6 +232,7 @@ class _Counters:
     placed: int = 0
     failed: int = 0
     not_authentic: int = 0
+    stale_epoch: int = 0
     by_outcome: dict[str, int] = field(default_factory=dict)
 
 
@@ -235,7 +242,7 @@ class PartAcceptor:
     def __init__(self, state_dir: str | os.PathLike[str], *, node_id: str, supervisor: PartSupervisor,
                  inventory: Inventory, blob: GangBlobGetter, notify: Callable[[WorkloadEvent], None],
                  keys: Keys, allowed_origins: tuple[str, ...] | None = None, blob_timeout_s: float = 10.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, epochs: Epochs | None = None) -> None:
         self.node_id = node_id
         self.supervisor = supervisor
         self._inventory = inventory
@@ -245,6 +252,7 @@ class PartAcceptor:
         self.blob_timeout_s = blob_timeout_s
         self._clock = clock
         self._keys = keys
+        self.epochs = epochs if epochs is not None else Epochs()   # the node's placer-epoch gate
         self._verifier: BundleVerifier | None = None
         self._seen_sigs: dict[bytes, bytes] = {}
         self._store = PartStore(state_dir)
@@ -257,8 +265,8 @@ class PartAcceptor:
     def statistics(self) -> dict[str, Any]:
         c = self.counters
         return {"accepted": c.accepted, "refused": c.refused, "repeated": c.repeated, "placed": c.placed,
-                "failed": c.failed, "not_authentic": c.not_authentic, "pending": sum(r.state == "accepted" for r in self._recs.values()),
-                "writes": self._store.writes}
+                "failed": c.failed, "not_authentic": c.not_authentic, "stale_epoch": c.stale_epoch,
+                "pending": sum(r.state == "accepted" for r in self._recs.values()), "writes": self._store.writes}
 
     async def handle(self, part: NodePart) -> NodeOutcome:
         """Decide on a part and answer once the answer holds (an acceptance is on disk).
@@ -266,7 +274,19 @@ class PartAcceptor:
         the placer's signature does not hold: the sender then says nothing for this node and the
         placer pushes it directly."""
         mac_key, pub = self._keys()
+        epoch = part.proof.epoch if part.proof is not None else 0   # (checked with the proof, next)
         part = self._authentic(part, pub)
+        try:
+            fresh = self.epochs.admit(epoch, "part")
+        except OSError as e:
+            raise PartNotDurable(f"part {part.placement_id}: placer epoch {epoch} not written: {e}") from None
+        if not fresh:
+            self.counters.stale_epoch += 1
+            log.warning("part refused, stale placer epoch placement=%s epoch=%d highest=%d", part.placement_id,
+                        epoch, self.epochs.highest)
+            stale = NodeOutcome(node_id=self.node_id, placement_id=part.placement_id, outcome="stale_epoch",
+                                detail=f"placer epoch {epoch} is older than {self.epochs.highest}")
+            return with_outcome_mac(mac_key, stale) if mac_key else stale
         send, recv = trio.open_memory_channel[NodeOutcome | None](1)
         await self._send.send(_Accept(part, send))
         out = await recv.receive()

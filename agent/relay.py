@@ -72,6 +72,7 @@ import trio
 
 from infra.auth import TokenSet
 from infra.tls import Security
+from scheduler_link.epochs import Epochs
 from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
 from scheduler_link.heartbeat_wire import UPSTREAM_DOWN, HeartbeatServer, Hello, WireError, WireReply
 from scheduler_link.messages import (
@@ -130,7 +131,8 @@ class Relay:
                  max_connections: int = 512, keys: Keys, on_bad_bundle: Callable[[], None] | None = None,
                  clock: Callable[[], float] = time.time, security: Security | None = None,
                  connect_timeout_s: float = 60.0, hop: MemberHop | None = None, local_address: str | None = None,
-                 verifiers: dict[bytes, tuple[BundleVerifier, dict[bytes, bytes]]] | None = None, beat_offset_s: float = 0.0) -> None:
+                 verifiers: dict[bytes, tuple[BundleVerifier, dict[bytes, bytes]]] | None = None, beat_offset_s: float = 0.0,
+                 epochs: Epochs | None = None) -> None:
         """``security``: the agent's TLS set-up (None or insecure: plain TCP). With it the members
         listener takes mutual TLS only (a member's certificate names the member), the upstream
         connection must reach the placer's certificate, and blobs come from other relays over
@@ -163,7 +165,7 @@ class Relay:
         self.connect_timeout_s = max(request_timeout_s, connect_timeout_s)
         self._beat_offset_s = beat_offset_s
         self._clock = clock
-        self.core = RelayCore(node_id=node_id, rack=rack, heartbeat_s=heartbeat_s, verifiers=verifiers)
+        self.core = RelayCore(node_id=node_id, rack=rack, heartbeat_s=heartbeat_s, verifiers=verifiers, epochs=epochs)
         self.book = self.core.book
         # a rack is small (<= 72 trays an NVL72) plus the few relays come for a blob: not the
         # descriptor-derived default, which may be 64 under a low ulimit

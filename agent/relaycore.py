@@ -11,8 +11,11 @@ clock) and ``wall`` (unix seconds, the placer's ``deliver_by`` clock) are argume
   public key. Nothing of a bundle is acted on before the placer's signature over it verifies
   (scheduler_link.msgauth: a Merkle path to a batch root, one Ed25519 verification per batch;
   the verified roots are kept in ``seen`` so a relay given several bundles of one batch checks
-  the signature once). A refused bundle is :class:`Refuse`. A taken one opens a *round*: the
-  blob is kept (:class:`KeepBlob`) or wanted (:class:`WantBlob`: the driver fetches it unless
+  the signature once). A bundle whose signed placer epoch is older than the highest this node
+  has seen is refused too (``stale_epoch``, counted; scheduler_link.epochs: the node's one
+  durable gate, so a bundle replayed after the relay restarted is refused as well; a newer
+  epoch is written before the bundle is acted on). A refused bundle is :class:`Refuse`. A taken
+  one opens a *round*: the blob is kept (:class:`KeepBlob`) or wanted (:class:`WantBlob`: the driver fetches it unless
   cached), and each part goes to its node (:class:`Hand`: this relay's own node, or a member
   with a connection here, with the signed proof the member checks itself); a part for a node
   that is neither is left out at once (the placer pushes it directly). A bundle that comes past
@@ -44,7 +47,12 @@ Invariants (tests/test_relay_core.py checks them over any interleaving):
   outcome, as the member made it: MACs pass through untouched) or left out; nothing is added
   to a round after its ack bundle was made (a late answer is dropped and counted);
 - an outcome counts only for the part it answers (same node, same placement id);
-- a relay can delay or drop, never forge: it makes no outcome, beat MAC or report of its own.
+- a relay can delay or drop, never forge: it makes no outcome, beat MAC or report of its own;
+- nothing of a bundle, a beat answer or a report answer older than the highest placer epoch
+  seen is handed to anyone.
+
+The epoch gate (:class:`scheduler_link.epochs.Epochs`) is the one thing the core calls that may
+write: a newer epoch is made durable before its bundle is acted on (once per placer start).
 """
 
 from __future__ import annotations
@@ -52,9 +60,11 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Literal
 
 import msgspec
 
+from scheduler_link.epochs import Epochs
 from scheduler_link.heartbeat_wire import UPSTREAM_DOWN, WireReply
 from scheduler_link.messages import (
     AckBundle,
@@ -87,9 +97,11 @@ ENROLL_QUEUE = 1024          # enrolments waiting here, at most (more are answer
 @dataclass(frozen=True, slots=True)
 class Refuse:
     """The bundle is not acted on: answer the frame with ``error``. ``new_key``: the signature
-    did not verify with the key held (maybe the placer has a new one: report fully)."""
+    did not verify with the key held (maybe the placer has a new one: report fully). ``reason``
+    says why, for counting and deciding (never ``error``'s words)."""
     error: str
     new_key: bool = False
+    reason: Literal["no_key", "not_authentic", "stale_epoch", "not_durable"] = "not_authentic"
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,10 +173,13 @@ class RelayCore:
     """One rack relay's state and decisions (see the module docstring)."""
 
     def __init__(self, *, node_id: str, rack: str, heartbeat_s: float = 5.0, ack_window_s: float = ACK_WINDOW_S,
-                 verifiers: dict[bytes, tuple[BundleVerifier, dict[bytes, bytes]]] | None = None) -> None:
+                 verifiers: dict[bytes, tuple[BundleVerifier, dict[bytes, bytes]]] | None = None,
+                 epochs: Epochs | None = None) -> None:
         """``verifiers``: by the placer's public key, its verifier and the batch signatures it
         verified (signature -> root): a cache a host's relays may share (the fleet emulator's
-        relays of one process do)."""
+        relays of one process do). ``epochs``: the node's placer-epoch gate (default: one in
+        memory; an agent passes its durable one, shared with its parts and its link)."""
+        self.epochs = epochs if epochs is not None else Epochs()
         self.node_id = node_id
         self.rack = rack
         self.ack_window_s = ack_window_s
@@ -179,6 +194,7 @@ class RelayCore:
         # statistics
         self.bundles = 0
         self.bad_bundles = 0
+        self.stale_bundles = 0       # signed, but of an older placer epoch than one seen (refused)
         self.parts_delivered = 0
         self.parts_missed = 0
         self.late_answers = 0
@@ -220,7 +236,8 @@ class RelayCore:
     def bundle(self, payload: bytes, placer_key: bytes | None, *, now: float, wall: float) -> Taken | Refuse:
         if placer_key is None:
             self.bad_bundles += 1
-            return Refuse("bundle refused: no placer signing key yet (this relay has not registered directly)")
+            return Refuse("bundle refused: no placer signing key yet (this relay has not registered directly)",
+                          reason="no_key")
         try:
             vs = self._verifiers.get(placer_key)
             if vs is None:
@@ -230,6 +247,14 @@ class RelayCore:
             self.bad_bundles += 1
             log.warning("bundle refused rack=%s: %s", self.rack, e)
             return Refuse(f"bundle refused: {e}", new_key=True)
+        try:
+            fresh = self.epochs.admit(view.epoch, "bundle")   # (the epoch is in the signed header)
+        except OSError as e:   # a newer epoch not durable: not acted on (the placer reaches them directly)
+            return Refuse(f"bundle refused: placer epoch {view.epoch} not written: {e}", reason="not_durable")
+        if not fresh:
+            self.stale_bundles += 1
+            return Refuse(f"bundle refused: placer epoch {view.epoch} is older than {self.epochs.highest}",
+                          reason="stale_epoch")
         self.bundles += 1
         size = max(map(len, view.parts), default=0)   # what a member receives of it: its signed bytes
         if size > self.part_bytes_max:
@@ -352,10 +377,21 @@ class RelayCore:
                        ] * len(batch.reports)
         out = []
         for t, r, wr in zip(batch.tickets, batch.reports, answers, strict=True):
-            if wr.status == 200:
+            if wr.status == 200 and not self._upstream_fresh(wr.reply.epoch, "reply"):
+                # a replaced placer's answer: not passed down (the member reports to the placer itself)
+                wr = WireReply(status=503, error=f"the relay's placer is of a stale epoch ({wr.reply.epoch})")
+            elif wr.status == 200:
                 wr = msgspec.structs.replace(wr, reply=self.book.answer(r.node_id, wr.reply))
             out.append((t, wr))
         return out
+
+    def _upstream_fresh(self, epoch: int, kind: str) -> bool:
+        """An answer over the relay's own connection to the placer (its epoch is the placer's):
+        of no older epoch than seen (a newer one made durable first)."""
+        try:
+            return self.epochs.admit(epoch, kind)
+        except OSError:
+            return False
 
     def upstream_lost(self) -> list[int]:
         """The connection up is gone: the queued tickets, to be answered 503."""
@@ -425,7 +461,9 @@ class RelayCore:
         return self.book.take_all(now)
 
     def beat_answered(self, reply: RackBeatReply) -> None:
-        self.book.apply(reply)
+        """The placer's answer to the rack's beat (a replaced placer's is dropped and counted)."""
+        if self._upstream_fresh(reply.epoch, "reply"):
+            self.book.apply(reply)
 
     # ---- blobs
 

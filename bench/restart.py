@@ -87,19 +87,20 @@ async def _handshakes(c: httpx.AsyncClient, url: str) -> int:
 
 
 async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls: bool, relay_hold: float,
-                   per_proc: int, recover_s: float, tmp: Path, limit_s: float) -> dict[str, Any]:
+                   per_proc: int, recover_s: float, tmp: Path, limit_s: float,
+                   heartbeat_s: float = HEARTBEAT_S) -> dict[str, Any]:
     token_dir = generate_token_dir(tmp / "tokens")
     op = {"authorization": f"Bearer {TokenSet.load(token_dir).operator}"}
     pki = throwaway(tmp / "pki").dir if tls else None
-    placer = Placer(tmp / "placer", token_dir, None, recover_s, tls_dir=pki, relays=True, heartbeat_s=HEARTBEAT_S)
-    row: dict[str, Any] = {"nodes": n, "fleet": fleet, "tls": tls, "relay_hold_s": relay_hold,
+    placer = Placer(tmp / "placer", token_dir, None, recover_s, tls_dir=pki, relays=True, heartbeat_s=heartbeat_s)
+    row: dict[str, Any] = {"nodes": n, "fleet": fleet, "tls": tls, "relay_hold_s": relay_hold, "heartbeat_s": heartbeat_s,
                            "gang_hosts": gang_hosts, "recover_s": recover_s, "load_before": os.getloadavg()[0]}
     emus: list[EmulatorProc] = []
     try:
         placer.start()
         await placer.ready()
         # the harness's emulator entry point, pointed at this placer's fixed ports
-        proxy = PlacerProc(tmp / "unused", token_dir, PlacerOptions(heartbeat_s=HEARTBEAT_S))
+        proxy = PlacerProc(tmp / "unused", token_dir, PlacerOptions(heartbeat_s=heartbeat_s))
         proxy.url, proxy.wire_url = placer.url, placer.wire_url
         procs = math.ceil(n / per_proc)
         for k in range(procs):
@@ -124,7 +125,7 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             await _submit(c, [placer.url], gang, 60)
             g = await _job(c, placer.url, "gang", "running", limit_s)
             assert g["state"] == "running", g["state"]
-            await trio.sleep(2 * HEARTBEAT_S)   # the running events in
+            await trio.sleep(2 * heartbeat_s)   # the running events in
             before = await _sum_stats(c, emus, "gang")
             row["relays"] = before["relays"]
             _note("gang running", hosts=gang_hosts)
@@ -153,7 +154,7 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             row["probe_acked_s"] = round(tm["acked"] - tm["submitted"], 3) if "acked" in tm else None
             row["probe_from_listening_s"] = round(tm["acked"] - t_listen, 2) if "acked" in tm else None
             row["probe_target_s"] = recover_s + 2.0
-            await trio.sleep(2 * HEARTBEAT_S)
+            await trio.sleep(2 * heartbeat_s)
             after = await _sum_stats(c, emus, "gang")
             row.update({
                 "stops": after["victims_told"] - before["victims_told"],

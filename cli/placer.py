@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from typing import Any
 
 import trio
@@ -27,7 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--heartbeat", type=float, default=None, help="heartbeat interval told to agents (s)")
     r.add_argument("--fence-after", type=float, default=None, help="delay before a lost node's gangs move (s)")
     r.set_defaults(func=cmd_run)
-    st = ps.add_parser("status", help="who leads the placers, the epoch, each placer's role")
+    st = ps.add_parser("status", help="who leads the placers, the epoch, each placer's role, when it started, recover_s left, nodes heard")
     st.add_argument("--placer", action="append", default=None, metavar="URL",
                     help="a placer URL (repeat, or comma-separate; default $HERD_PLACER, comma-separated)")
     st.add_argument("--token-dir", default=None, help="token dir (default $HERD_TOKEN_DIR or /etc/herd/tokens)")
@@ -95,20 +96,30 @@ def cmd_defrag(args: argparse.Namespace) -> int:
 
 
 def placer_status(url: str, token: str | None, timeout: float) -> dict[str, Any]:
-    """One placer's view (its /healthz): role, the leader it knows, the epoch; an error line
-    when it did not answer."""
+    """One placer's view (its /healthz): role, the leader it knows, the epoch; this start's
+    (``started_at``, ``recover_s_left``, ``nodes_reported``); an error line when it did not answer."""
     try:
         with PlacerClient(url, token, timeout=timeout, failover_s=0) as c:
             h = c.healthz()
     except ClientError as e:
         return {"url": url, "role": "unreachable", "leader": None, "epoch": 0, "error": str(e)}
     ha = h.get("ha")
+    start = {"started_at": h.get("started_at"), "recover_s_left": h.get("recover_s_left", 0.0),
+             "nodes_reported": h.get("nodes_reported", 0)}
     if not isinstance(ha, dict):   # a placer alone (no etcd): it leads itself
         return {"url": url, "role": "leader", "leader": url, "epoch": h.get("epoch", 0), "ha": False,
-                "recovering": h.get("recovering", False)}
+                "recovering": h.get("recovering", False), **start}
     return {"url": url, "role": ha.get("role"), "leader": ha.get("leader"), "epoch": ha.get("epoch", 0),
-            "placing": ha.get("placing", False), "ha": True, "recovering": h.get("recovering", False),
+            "placing": ha.get("placing", False), "ha": True, "recovering": h.get("recovering", False), **start,
             **({"why": ha["why"]} if ha.get("why") else {})}
+
+
+def _since(started_at: float | None) -> str:
+    """How long ago a placer started ("-" when it did not say)."""
+    if not started_at:
+        return "-"
+    s = max(0, int(time.time() - started_at))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -127,6 +138,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"leader: {out['leader'] or 'none known'}  epoch: {out['epoch']}")
         rows = [(p["url"], p["role"], p["leader"] or "-", p["epoch"],
                  "yes" if p.get("placing") or (not p.get("ha", True) and p["role"] == "leader") else "no",
+                 _since(p.get("started_at")), f"{p.get('recover_s_left') or 0:.1f}", p.get("nodes_reported", 0),
                  p.get("why") or p.get("error") or "") for p in placers]
-        print(table(["PLACER", "ROLE", "LEADER", "EPOCH", "PLACING", "NOTE"], rows))
+        print(table(["PLACER", "ROLE", "LEADER", "EPOCH", "PLACING", "UP", "RECOVER_S", "NODES", "NOTE"], rows))
     return 0 if best is not None else 1

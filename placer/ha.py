@@ -84,6 +84,13 @@ class HighAvailability:
         e = self.election
         return self.journal is not None and e is not None and e.leading() and e.fencings == self._fencings
 
+    def epoch(self) -> int:
+        """Our epoch (our leader key's create revision) while we lead (fenced too: what we still
+        send is of that epoch), else 0: a follower or a candidate has no epoch of its own and
+        sends nothing that acts."""
+        e = self.election
+        return e.view.epoch if e is not None else 0
+
     def why_not_placing(self) -> str:
         v = self.election.view if self.election is not None else None
         if v is not None and v.fenced:

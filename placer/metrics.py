@@ -13,6 +13,10 @@ scrape's ``instance`` says which placer). Families:
 - histograms ``herd_placer_decision_seconds`` (one placement decision) and
   ``herd_placement_delivery_seconds`` (one placement push, send -> the agent's answer);
 - ``herd_build_info`` and ``process_*``;
+- this start (scheduler_link.epochs): ``herd_placer_epoch`` (a single placer's own epoch),
+  ``herd_placer_started_timestamp_seconds``, ``herd_placer_recover_seconds_left`` (0 once
+  placing), ``herd_placer_nodes_reported`` (nodes heard since this start) and
+  ``herd_placer_stale_epoch_acks_total`` (nodes that refused this placer's epoch: it was replaced);
 - with ``[placer] etcd`` set (several placers, one leading: placer.ha): ``herd_placer_leader``
   (1 while this placer leads and places), ``herd_placer_epoch`` (the epoch of the leader it
   knows, its own when it leads), ``herd_placer_fenced`` (1 while it leads but cannot renew its
@@ -137,6 +141,18 @@ class PlacerMetrics:
                           ("beats", "Aggregated rack heartbeats received"),
                           ("beat_entries", "Node heartbeats inside rack beats")):
             yield counter(f"herd_placer_relay_{key}_total", what, {}, rs[key])
+        rs_ = svc.restart_status()
+        if svc.ha is None:   # (with etcd: the leader's, below)
+            yield gauge("herd_placer_epoch", "This placer's epoch (greater than every earlier start's)", {},
+                        rs_["epoch"])
+        yield gauge("herd_placer_started_timestamp_seconds", "When this placer started (unix seconds)", {},
+                    rs_["started_at"])
+        yield gauge("herd_placer_recover_seconds_left", "Seconds left before recovered jobs are placed "
+                    "(0 once placing)", {}, rs_["recover_s_left"])
+        yield gauge("herd_placer_nodes_reported", "Nodes heard since this placer started", {},
+                    rs_["nodes_reported"])
+        yield counter("herd_placer_stale_epoch_acks_total", "Nodes that refused this placer's placements as "
+                      "of a stale epoch (a newer placer has spoken to them)", {}, svc.stale_epoch_acks)
         if svc.ha is not None:
             yield from ha_families(svc.ha)
         delivery = svc.pool.latency.get("/v1/placements") or LatencyHistogram()

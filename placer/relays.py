@@ -110,6 +110,10 @@ class RelayHost(Protocol):
     security: Security        # the placer's TLS files (its enrolment key) and the deny-list
 
     @property
+    def epoch(self) -> int:
+        """The placer's epoch (scheduler_link.epochs), signed into every bundle's header."""
+
+    @property
     def nodes(self) -> Mapping[str, NodeRec]:
         """The registered nodes' records, by id (read only)."""
 
@@ -121,6 +125,9 @@ class RelayHost(Protocol):
 
     def count_bad_macs(self, n: int) -> None:
         """``n`` messages a relay forwarded did not verify."""
+
+    def count_stale_epoch(self, n: int) -> None:
+        """``n`` nodes answered ``stale_epoch`` (a newer placer has spoken to them)."""
 
     def apply_beat(self, beat: RackBeat, at: float, *, via: str, answered: float | None) -> RackBeatReply:
         """A relay's aggregated heartbeats, arrived at ``at`` (answered now, if it waited);
@@ -319,6 +326,7 @@ class RelayHub:
     def _apply(self, ch: FrameChannel, f: Frame, at: float | None = None) -> tuple[str, Any] | None:
         """One frame from a relay; ``at``: when it arrived, if it waited (a beat counts then)."""
         t = f.type
+        ch.term = self.host.epoch   # (the answer's Frame.term: this placer's epoch now)
         conn: RelayConn | None = ch.info
         via = conn.node_id if conn is not None else ch.name
         if t == "beat":
@@ -428,6 +436,8 @@ class RelayHub:
         key = reply.mac_key
         if reply.stop:   # (fencing stops pass the relay: with the placer's MAC in the member's key)
             reply = msgspec.structs.replace(reply, stop=msgauth.with_stop_macs(key, c.node_id, c.boot_id, reply.stop))
+        if reply.epoch:  # (and the placer's epoch, which the member takes only under that MAC)
+            reply = msgspec.structs.replace(reply, epoch_mac=msgauth.epoch_mac(key, c.node_id, c.boot_id, reply.epoch))
         return desk.answer(c, reply, key, reply.placer_key or self.host.signer.public)
 
     # ------------------------------------------------------------ delivery
@@ -564,6 +574,7 @@ class _RoundDriver:
         self.racks = [(path, conn) for path, conn, _ in racks]
         self.raw = host.gang_blob(blob_id) if blob_id else None
         self.expires = host.clock() + cfg.placement_ttl_s
+        self.epoch = host.epoch   # the round's bundles are all of the epoch it was decided in
         self.urls = [conn.listen_url for _, conn in self.racks]
         self.seeds = max(1, cfg.blob_seeds)
         self.seed_urls = [u for u in self.urls[:self.seeds] if u]
@@ -648,6 +659,8 @@ class _RoundDriver:
             return
         host = self.hub.host
         idx, outs, bad = check_acks(ab, core, r, self.pushes, conn.node_id, host.nodes, host.mac_key)
+        if outs is not None and (stale := sum(o.outcome == "stale_epoch" for o in outs)):
+            host.count_stale_epoch(stale)
         if bad:
             self.hub.host.count_bad_macs(len(bad))
             log.warning("relay's ack refused: MAC does not verify nodes=%d first=%s relay=%s rack=%s", len(bad),
@@ -701,7 +714,8 @@ class _RoundDriver:
         if carry and starts:
             self.hub.stats.blob_seeds += 1
         return msgauth.BundleSpec(path, (self.blob_id or "") if starts else "", parts_bytes(ps, expires),
-                                  deliver_by, raw if carry and starts else None, sources if starts else [])
+                                  deliver_by, raw if carry and starts else None, sources if starts else [],
+                                  self.epoch)
 
     def _build(self, lo: int, hi: int) -> list[Action]:
         """Racks lo..hi-1's bundles, under one signature (a Merkle root over their headers)."""
@@ -709,7 +723,9 @@ class _RoundDriver:
         rbs = self.hub.host.signer.bundles_raw([self._spec(r, deliver_by) for r in range(lo, hi)])
         out: list[Action] = []
         for r, rb in zip(range(lo, hi), rbs, strict=True):
-            self.rids[r], self.frames[r] = self.racks[r][1].channel.prepare("bundle", rb)
+            ch = self.racks[r][1].channel
+            ch.term = self.epoch
+            self.rids[r], self.frames[r] = ch.prepare("bundle", rb)
             out += self.core.built(r)
         return out
 

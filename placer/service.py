@@ -25,7 +25,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import trio
@@ -46,6 +46,7 @@ from infra.http import (
 from infra.tls import Security, daemon_security
 from infra.version import PACKAGE_VERSION as _VERSION
 from scheduler_link import authz, msgauth
+from scheduler_link.epochs import EPOCH_FILE, EpochFile
 from scheduler_link.fanout import PushPool
 from scheduler_link.heartbeat_wire import HeartbeatServer
 from scheduler_link.messages import (
@@ -55,12 +56,14 @@ from scheduler_link.messages import (
     JobSpec,
     NodeOp,
     NodeReport,
+    NodeStop,
     PlacementAck,
     PrefetchFanout,
     PrefetchRequest,
     RackBeat,
     RackBeatReply,
     ReportReply,
+    Victim,
 )
 from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
 
@@ -94,6 +97,7 @@ FREEZE_EVERY_S = 2.0
 GC_HOLD_MAX_S = 5.0
 WIRE_HOLD_LOST_AFTERS = 4  # a shared connection's read backlog holds the lost check back this many lost_after_s at most
 RELAYED_STOPS_FROM = 32  # this many stops at once (a gang's rollback, a cancel) go through the relays
+_Answer = TypeVar("_Answer", ReportReply, RackBeatReply)
 
 
 class PlacerService:
@@ -139,11 +143,58 @@ class PlacerService:
         self._gc_holds = 0                 # decisions being delivered with the collector off
         self._gc_hold_until = -math.inf
         self._nodes_at_freeze = 0
+        # fencing (scheduler_link.epochs): a single placer's epoch, taken from its state dir in
+        # run() before anything listens; with etcd the leader's is its leader key's revision
+        self.own_epoch = 0
+        self.started_at = clock()
+        self.stale_epoch_acks = 0          # outcomes "stale_epoch": a node has heard from a newer placer
+        # by answer type: the last answer stamped with the epoch, and its stamped copy
+        self._stamps: dict[type, tuple[ReportReply | RackBeatReply, ReportReply | RackBeatReply]] = {}
         # whom a restarted placer waits for (placer.fleetsnap): set by _recover, None once over
         self.recovery: fleetsnap.Recovery | None = None
         self._snap_at = -math.inf          # monotonic time of the last snapshot check
         self._snap_fp: tuple[int, int] = (-1, 0)
         self._snap_writing = False
+
+    # ------------------------------------------------------------ epochs (fencing)
+
+    @property
+    def epoch(self) -> int:
+        """This placer's epoch, on everything it sends that makes a node act (0: it may send
+        nothing that acts: a follower, a candidate, or before ``run``)."""
+        if self.ha is not None:
+            return self.ha.epoch()
+        return self.own_epoch
+
+    def recover_s_left(self, now: float) -> float:
+        """Seconds left before it places recovered jobs (0 once placing)."""
+        if self.ha is not None and not self.ha.leading():
+            return 0.0
+        return max(0.0, self.state.recover_until - now)
+
+    def restart_status(self) -> dict[str, Any]:
+        """This start: its epoch, when it started (unix), ``recover_s`` left, nodes heard since."""
+        now = self.clock()
+        return {"epoch": self.epoch, "started_at": self.started_at,
+                "recover_s_left": round(self.recover_s_left(now), 3), "nodes_reported": len(self.state.nodes)}
+
+    def _stamped(self, reply: _Answer) -> _Answer:
+        """``reply`` with this placer's epoch. The state's shared common answer is copied once
+        per epoch, not per report (the framed channel caches an answer's bytes by identity)."""
+        ep = self.epoch
+        if reply.epoch == ep:
+            return reply
+        src, out = self._stamps.get(type(reply), (None, None))
+        if reply is src and out is not None and out.epoch == ep:
+            return out  # type: ignore[return-value]  # (kept by type: the same type as reply)
+        stamped = msgspec.structs.replace(reply, epoch=ep)
+        if _common(reply):   # (answers made for one node are not kept: they would push the common one out)
+            self._stamps[type(reply)] = (reply, stamped)
+        return stamped
+
+    def _fenced_stops(self, stop: list[Victim]) -> list[Victim]:
+        ep = self.epoch
+        return [v if v.epoch == ep else msgspec.structs.replace(v, epoch=ep) for v in stop]
 
     # ------------------------------------------------------------ life cycle
 
@@ -221,7 +272,11 @@ class PlacerService:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.mac_master, self.signer = msgauth.load_placer_keys(self.cfg.state_dir)
         self.state.set_mac_master(self.mac_master)
+        self.started_at = self.clock()
         if self.ha is None:
+            # greater than any earlier start's, durable before anything listens or is sent
+            self.own_epoch = EpochFile(Path(self.cfg.state_dir) / EPOCH_FILE).next()
+            log.info("placer epoch=%d", self.own_epoch)
             self._recover(Journal.open(self.cfg.state_dir))
         try:
             async with trio.open_nursery() as n:
@@ -354,10 +409,27 @@ class PlacerService:
     def count_bad_macs(self, n: int) -> None:
         self.state.counters["bad_macs"] += n
 
+    def count_stale_epoch(self, n: int) -> None:
+        """``n`` nodes answered ``stale_epoch``: they heard from a placer of a newer epoch, so this
+        one has been replaced. Counted and logged; the gang is rolled back with back-off, as for
+        any refusal, and nothing is pushed to those nodes again because of it."""
+        self.stale_epoch_acks += n
+        log.error("nodes refused this placer's epoch as stale (a newer placer has spoken to them) "
+                  "count=%d epoch=%d", n, self.epoch)
+
     def apply_beat(self, beat: RackBeat, at: float, *, via: str, answered: float | None) -> RackBeatReply:
         reply, pushes = self.state.beat(beat, at, via=via, answered=answered)
         self._carry_out(pushes)
-        return reply
+        if reply.stop:   # each stop carries the epoch, under the member's MAC (a relay cannot change it)
+            reply = msgspec.structs.replace(reply, stop=[self._beat_stops(s, via) for s in reply.stop])
+        return self._stamped(reply)
+
+    def _beat_stops(self, s: NodeStop, via: str) -> NodeStop:
+        stop = self._fenced_stops(s.stop)
+        node = self.state.nodes.get(s.node_id)
+        if s.node_id != via and node is not None:
+            stop = msgauth.with_stop_macs(self.state.mac_key(s.node_id, node.boot_id), s.node_id, node.boot_id, stop)
+        return NodeStop(node_id=s.node_id, stop=stop)
 
     def ingest_relayed(self, rep: NodeReport, via: str) -> tuple[int, ReportReply]:
         return self._ingest(rep.node_id, rep, via)
@@ -391,6 +463,8 @@ class PlacerService:
             # that waited out a long fallback queue must still land)
             pl = msgspec.structs.replace(pl, node_id=p.node_id, attempt=p.attempt,
                                          expires_at=self.clock() + self.cfg.placement_ttl_s if pl.pods else 0.0)
+        if pl.epoch != self.epoch:
+            pl = msgspec.structs.replace(pl, epoch=self.epoch)
         res = await self.pool.post(p.control_url, "/v1/placements", msgspec.json.encode(pl),
                                    token=self.tokens.placer, key=p.node_id, expect=f"node:{p.node_id}")
         if res.status is None:
@@ -409,6 +483,8 @@ class PlacerService:
         if ack is not None and ack.effective_outcome() == "accepted":
             return ACCEPTED
         self.push_counts["refused"] += 1
+        if ack is not None and ack.effective_outcome() == "stale_epoch":
+            self.count_stale_epoch(1)
         if ack is not None:
             out = Outcome(ack.effective_outcome(), tuple(ack.refused_gpus), ack.reason)
         else:  # not an agent's answer (a 413, a proxy's page): says nothing about the GPUs
@@ -517,16 +593,20 @@ class PlacerService:
         return app
 
     async def h_healthz(self, req: Request) -> Response:
-        """Liveness: 200 while the service runs; the package and wire versions."""
+        """Liveness: 200 while the service runs; the package and wire versions; this start's
+        epoch, when it started, ``recover_s`` left and the nodes heard since."""
         return json_response({"ok": True, "recovering": self.clock() < self.state.recover_until,
                               "service": "herd-placer", "version": _VERSION, "wire_version": WIRE_VERSION,
+                              **self.restart_status(),
                               **({"ha": self.ha.health()} if self.ha is not None else {})})
 
     async def h_status(self, req: Request) -> Response:
         """Transport security (TLS or insecure, token-authenticated agents under accept_tokens),
-        certificates issued by bootstrap and renewal, the caller's principal."""
+        certificates issued by bootstrap and renewal, the caller's principal; this start's epoch,
+        when it started, ``recover_s`` left and the nodes heard since."""
         tu = self.token_use
-        return json_response({"service": "herd-placer", "version": _VERSION, **self.security.status(),
+        return json_response({"service": "herd-placer", "version": _VERSION, **self.restart_status(),
+                              **self.security.status(),
                               "token_agents": dict(sorted(tu.nodes.items())[:1000]) if tu else {},
                               "token_agents_total": len(tu.nodes) if tu else 0,
                               "certificates_issued": self.pki.issued,
@@ -580,9 +660,16 @@ class PlacerService:
             return 409, ReportReply(ok=False, need_full=True, error="a relayed report must continue the node's "
                                     "current boot and sequence"), False
         status, reply, news = self._apply_checked(node_id, rep, via)
-        if relayed and reply.stop:  # fencing stops through the relay: the member checks them
-            reply = msgspec.structs.replace(reply, stop=msgauth.with_stop_macs(
-                self.state.mac_key(rep.node_id, rep.boot_id), rep.node_id, rep.boot_id, reply.stop))
+        if reply.stop:  # each stop carries the epoch; through the relay under the member's MAC too
+            stop = self._fenced_stops(reply.stop)
+            if relayed:
+                stop = msgauth.with_stop_macs(self.state.mac_key(rep.node_id, rep.boot_id), rep.node_id,
+                                              rep.boot_id, stop)
+            reply = msgspec.structs.replace(reply, stop=stop)
+        reply = self._stamped(reply)
+        if relayed and reply.epoch:   # the member may take the epoch its relay carried: under its MAC
+            reply = msgspec.structs.replace(reply, epoch_mac=msgauth.epoch_mac(
+                self.state.mac_key(rep.node_id, rep.boot_id), rep.node_id, rep.boot_id, reply.epoch))
         if rep.full and status == 200 and not relayed:
             reply = msgspec.structs.replace(reply, mac_key=self.state.mac_key(rep.node_id, rep.boot_id),
                                             placer_key=self.signer.public)
@@ -863,6 +950,14 @@ class PlacerService:
         """Prometheus text: nodes, jobs, GPUs, counters, latency histograms, process (placer.metrics)."""
         from .metrics import PlacerMetrics
         return PlacerMetrics.of(self).response()
+
+def _common(reply: ReportReply | RackBeatReply) -> bool:
+    """An answer that says nothing of one node (the state's shared "ok")."""
+    if reply.stop or reply.need_full:
+        return False
+    return not isinstance(reply, ReportReply) or (reply.ok and reply.error is None and reply.mac_key is None
+                                                  and reply.relay_url is None and reply.wire_url is None)
+
 
 async def run_placer(config: PlacerConfig) -> None:
     """Run a placer until cancelled (the CLI's entry point). With ``etcd``: a leader that

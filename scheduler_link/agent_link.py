@@ -72,6 +72,12 @@ Invariants:
   ``relay_trust_intervals`` intervals (``[relay] trust_intervals``; 0, the default, never) sends
   one full report directly, and the answer says
   which relay to use (a relay that answers every heartbeat itself cannot hold it for good).
+- Fencing (scheduler_link.epochs): an answer over this node's own connection older than the
+  highest placer epoch seen is not acted on (its stops dropped and counted, its relay, keys,
+  channel and interval not taken; the next placer known is asked); a newer one is made durable
+  first. Through a relay an answer's epoch is taken and checked the same way only under the
+  placer's MAC in this node's key (``epoch_mac``; a relay could write any epoch), and each
+  stop's epoch (under its MAC) too.
 - A placer restart behind a relay: the relay answers ``upstream_down`` (503) while it has no
   connection to the placer; the link keeps that relay for up to ``relay_hold_s`` (trying it
   every second or so, a full report pending) instead of handshaking with the placer itself,
@@ -101,6 +107,7 @@ from infra.backoff import Backoff, Retry
 
 from .client import ClientError, check_peer
 from .enroll import EnrollClient, EnrollRefused
+from .epochs import Epochs
 from .fanout import PushPool
 from .frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
 from .heartbeat_wire import UPSTREAM_DOWN, HeartbeatClient, WireError, WireReply
@@ -118,7 +125,7 @@ from .messages import (
     Victim,
     WorkloadEvent,
 )
-from .msgauth import verified_stops, with_report_mac
+from .msgauth import epoch_ok, verified_stops, with_report_mac
 from .placers import NO_LEADER, Placers, leader_of, leader_wire_of, not_leading
 
 log = logging.getLogger("herd.link.agent")
@@ -262,7 +269,8 @@ class AgentLink:
                  relay_connect: RelayConnect | None = None, relay_retry_s: float | None = None,
                  ssl_context: ssl.SSLContext | None = None, wire_connect_timeout_s: float = 60.0,
                  wire_busy_backoff_s: float = 1.0, relay_trust_intervals: int = RELAY_TRUST_INTERVALS,
-                 relay_hold_s: float = RELAY_HOLD_S, placers: Sequence[str] = (), enroll: EnrollClient | None = None,
+                 relay_hold_s: float = RELAY_HOLD_S, placers: Sequence[str] = (),
+                 epochs: Epochs | None = None, enroll: EnrollClient | None = None,
                  enroll_relay_url: str | None = None, on_relay: Callable[[str], None] | None = None) -> None:
         # every placer known (placer_url may list several, comma-separated): failed over (scheduler_link.placers)
         self.placers = Placers([*placer_url.split(","), *placers])
@@ -273,6 +281,7 @@ class AgentLink:
         self.token = token
         self.node_id = node_id
         self.hooks = hooks
+        self.epochs = epochs if epochs is not None else Epochs()   # the node's placer-epoch gate
         self.heartbeat_s = heartbeat_s
         self.backoff_min_s = backoff_min_s
         self.backoff_max_s = backoff_max_s
@@ -495,6 +504,9 @@ class AgentLink:
                 log.warning("report failed node=%s err=%s backoff=%.2fs", self.node_id, self.last_error, pause)
                 await trio.sleep(pause)
                 continue
+            if not (self._fresh_relayed(reply) if relayed else self._fresh(reply, at)):
+                await trio.sleep(retry.failed(trio.current_time()))
+                continue
             retry.succeeded()
             self._relay_down_since = None
             self.registered = True
@@ -525,8 +537,9 @@ class AgentLink:
             if report.full and reply.wire_url and self.use_wire and self._wire is None:
                 await self._open_wire(reply.wire_url)
             stop = list(reply.stop)
-            if stop and relayed:  # through a relay: only stops the placer MACed with our key
+            if stop and relayed:  # through a relay: only stops the placer MACed with our key, of no older epoch
                 stop, forged = verified_stops(self.mac_key, self.node_id, self.boot_id, stop)
+                stop = [v for v in stop if self._fresh_stop(v)]
                 if stop:
                     self._vouched_at = trio.current_time()   # the placer's MAC, in our key
                 if forged:
@@ -537,6 +550,46 @@ class AgentLink:
                 self.stops_received += len(stop)
                 nursery.start_soon(self._stop, stop)
             next_beat = trio.current_time() + self.heartbeat_s * random.uniform(0.8, 1.0)
+
+    def _fresh(self, reply: ReportReply, at: str) -> bool:
+        """An answer over our own connection of no older placer epoch (a newer one made durable);
+        else nothing in it is acted on, and the next placer known is asked."""
+        try:
+            if self.epochs.admit(reply.epoch, "reply"):
+                return True
+        except OSError:
+            return False   # (not durable: not acted on; the same report goes again)
+        self.stops_refused += len(reply.stop)
+        log.warning("answer of a replaced placer ignored node=%s placer=%s epoch=%d highest=%d stops=%d",
+                    self.node_id, at, reply.epoch, self.epochs.highest, len(reply.stop))
+        self._placer_answered(None, used=at)
+        self._need_full = True
+        return False
+
+    def _fresh_relayed(self, reply: ReportReply) -> bool:
+        """An answer through the relay: its epoch is taken (and checked) only under the placer's
+        MAC in our key (a relay could write any epoch there); one without is left to its stops'."""
+        if not epoch_ok(self.mac_key, self.node_id, self.boot_id, reply.epoch, reply.epoch_mac):
+            return True
+        try:
+            if self.epochs.admit(reply.epoch, "reply"):
+                return True
+        except OSError:
+            return False
+        self.stops_refused += len(reply.stop)
+        log.warning("relayed answer of a replaced placer ignored node=%s epoch=%d highest=%d", self.node_id,
+                    reply.epoch, self.epochs.highest)
+        self._need_full = True
+        return False
+
+    def _fresh_stop(self, v: Victim) -> bool:
+        try:
+            ok = self.epochs.admit(v.epoch, "stop")
+        except OSError:
+            ok = False
+        if not ok:
+            self.stops_refused += 1
+        return ok
 
     def _holding(self, now: float) -> bool:
         """Keep the relay after an ``upstream_down`` answer: yes until ``relay_hold_s`` passed
@@ -763,10 +816,16 @@ class AgentLink:
             await r.aclose()
             self._enroll_failed("unavailable", err)
             return False
+        reply = answer.reply or ReportReply()
+        self.mac_key, self.placer_key = secret.mac_key, secret.placer_key
+        if not self._fresh_relayed(reply):   # (its epoch, under the placer's MAC in the key it sealed)
+            self.mac_key = self.placer_key = None
+            await r.aclose()
+            self._enroll_failed("refused", "the answer of a replaced placer")
+            return False
         await self._close_wire()
         self._relay_down_since = None
         self._relay = self._wire = r
-        self.mac_key, self.placer_key = secret.mac_key, secret.placer_key
         self.enrolled += 1
         self.reports_sent += 1
         self.full_reports_sent += 1
@@ -774,13 +833,13 @@ class AgentLink:
         self.last_ok_at = time.time()
         self._vouched_at = trio.current_time()   # the sealed keys are the placer's word
         log.info("registered through the rack relay node=%s boot=%s relay=%s", self.node_id, self.boot_id, url)
-        reply = answer.reply or ReportReply()
         if reply.heartbeat_interval_s:   # a relayed answer, but for its keys: clamped as one
             self.heartbeat_s = relayed_interval(reply.heartbeat_interval_s, self.placer_heartbeat_s)
         if reply.need_full:
             self._need_full = True
         stop, forged = verified_stops(self.mac_key, self.node_id, self.boot_id, list(reply.stop))
         self.stops_refused += forged
+        stop = [v for v in stop if self._fresh_stop(v)]
         if stop:
             self.stops_received += len(stop)
             nursery.start_soon(self._stop, stop)

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import hmac
 import os
+import warnings
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -60,10 +61,11 @@ from typing import NamedTuple
 import blake3
 import msgspec
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature, InvalidTag
+from cryptography.exceptions import InvalidSignature, InvalidTag, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.ciphers.aead import ChaCha20Poly1305
+from cryptography.utils import CryptographyDeprecationWarning
 from cryptography.x509.oid import NameOID
 
 from infra.errors import AuthError
@@ -100,6 +102,11 @@ _canon = msgspec.msgpack.Encoder(order="deterministic")
 _enc = msgspec.msgpack.Encoder()
 _report_dec = msgspec.msgpack.Decoder(NodeReport)
 _secret_dec = msgspec.msgpack.Decoder(EnrollSecret)
+# what cryptography's certificate parsing raises on bytes it does not take (InvalidVersion is
+# not a ValueError)
+_UNPARSED: tuple[type[Exception], ...] = (ValueError, TypeError, x509.InvalidVersion, UnsupportedAlgorithm,
+                                          CryptographyDeprecationWarning)
+_UNVERIFIED: tuple[type[Exception], ...] = (*_UNPARSED, InvalidSignature)
 
 
 class EnrollRefused(AuthError):
@@ -179,24 +186,36 @@ class CertOK:
 
 def check_cert(der: bytes, ca: x509.Certificate) -> CertOK:
     """Parse ``der`` and check the CA signed it (its validity and the deny-list are the
-    caller's: they change with time; this does not)."""
+    caller's: they change with time; this does not). Whatever the bytes, the answer is a
+    CertOK or EnrollRefused (a parser's own exceptions, and the deprecation warnings it gives
+    for what RFC 5280 forbids, are mapped here)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CryptographyDeprecationWarning)
+        return _check_cert(der, ca)
+
+
+def _check_cert(der: bytes, ca: x509.Certificate) -> CertOK:
     try:
         cert = x509.load_der_x509_certificate(der)
-    except ValueError as e:
+    except _UNPARSED as e:
         raise EnrollRefused("bad_certificate", f"not a DER certificate: {e}") from None
     try:
         cert.verify_directly_issued_by(ca)
-    except (ValueError, TypeError, InvalidSignature):
+    except _UNVERIFIED:
         raise EnrollRefused("not_from_ca", "the certificate is not signed by the cluster CA") from None
-    cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-    p = parse_principal(str(cns[0].value)) if cns else None
+    try:   # (signed by our CA, so well formed; parsed lazily all the same)
+        cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        p = parse_principal(str(cns[0].value)) if cns else None
+        key = cert.public_key()
+        serial = norm_serial(format(cert.serial_number, "X"))
+        valid = (cert.not_valid_before_utc.timestamp(), cert.not_valid_after_utc.timestamp())
+    except _UNPARSED as e:
+        raise EnrollRefused("bad_certificate", f"the certificate does not parse: {e}") from None
     if p is None:
         raise EnrollRefused("bad_certificate", "the certificate names no herd principal")
-    key = cert.public_key()
     if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
         raise EnrollRefused("bad_certificate", "the certificate's key is not ECDSA P-256")
-    return CertOK(p.name, p.node_id, key, norm_serial(format(cert.serial_number, "X")),
-                  cert.not_valid_before_utc.timestamp(), cert.not_valid_after_utc.timestamp())
+    return CertOK(p.name, p.node_id, key, serial, *valid)
 
 
 def _valid(c: CertOK | _Known, now: float) -> None:

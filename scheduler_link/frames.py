@@ -311,6 +311,7 @@ class FrameChannel:
         self.bytes_out = 0
         self.handler_errors = 0
         self.info: Any = None      # what the owner wants to keep with the connection
+        self.term = 0              # Frame.term of what this side sends (the placer's epoch; 0 elsewhere)
         self.opened_at = time.monotonic()
         self.close_reason = ""     # why it closed, once it has: for the logs of whoever held it
         self.close_code = ""       # ... when a bound closed it: frame_too_big, slow_reader, deferred_over, ...
@@ -378,7 +379,7 @@ class FrameChannel:
         """Queue a frame (never blocks; the writer task flushes many frames per syscall)."""
         if self.closed.is_set():
             raise FrameError(f"frames connection {self.name} is closed")
-        data = encode_frame(type_, payload, id=id, re=re)
+        data = encode_frame(type_, payload, id=id, re=re, term=self.term)
         self._put(data)
         self.frames_out += 1
         self.bytes_out += len(data)
@@ -405,7 +406,7 @@ class FrameChannel:
     def prepare(self, type_: str, payload: Any) -> tuple[int, bytes]:
         """A request encoded now, sent later with :meth:`call_prepared` (its id is taken now)."""
         rid = self.new_id()
-        return rid, encode_frame(type_, payload, id=rid)
+        return rid, encode_frame(type_, payload, id=rid, term=self.term)
 
     async def call_prepared(self, rid: int, data: bytes) -> Frame:
         """Send a :meth:`prepare` d request and wait for its answer (callers bound the wait)."""

@@ -203,6 +203,9 @@ class Victim(msgspec.Struct, frozen=True, kw_only=True):
     # a fencing stop that reaches a node through its relay carries the placer's MAC with that
     # node's key (scheduler_link.msgauth.stop_mac): a relay cannot make one up
     mac: bytes = b""
+    # the placer epoch that asked for the stop (scheduler_link.epochs; covered by ``mac``): a
+    # node that has seen a higher one does not act on it. 0: a placer without epochs
+    epoch: int = 0
 
 
 class ResourceLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -275,6 +278,10 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     # names of env variables whose values the agent reads at start from files on the host
     # (JobSpec.env_from_files): {NAME: absolute path}; never sent back by any read API
     env_from_files: dict[str, str] = {}
+    # the sending placer's epoch (scheduler_link.epochs): a placement from the placer older than
+    # the highest epoch the agent has seen is refused ``stale_epoch``. 0: a placer without epochs
+    # (refused too once the agent has seen one); an operator's direct placement is not checked
+    epoch: int = 0
 
 
 # What became of one node's part of a placement. The placer decides on this, never on the
@@ -282,8 +289,9 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
 # ``refused_gpus``); ``refused_spec`` (the placement itself is wrong: version, argv, ids)
 # and ``expired`` (it arrived after ``expires_at``) fail or requeue the job and never touch
 # health; ``unreachable`` (no answer; set by the sender, never by the agent) says nothing
-# about the GPUs either.
-PlacementOutcome = Literal["accepted", "refused_gpus", "refused_spec", "expired", "unreachable"]
+# about the GPUs either; ``stale_epoch`` (it came from a placer older than one the node has
+# heard from: a replaced placer) says nothing about the job, the node or its GPUs.
+PlacementOutcome = Literal["accepted", "refused_gpus", "refused_spec", "expired", "unreachable", "stale_epoch"]
 
 
 class PlacementAck(msgspec.Struct, frozen=True, kw_only=True):
@@ -358,6 +366,12 @@ class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
     # news (the node keeps the list it holds); taken only from the node's own connection.
     revoked_nodes: list[str] | None = None
     revoked_serials: list[str] | None = None
+    # the answering placer's epoch (scheduler_link.epochs): an answer older than the highest epoch
+    # the node has seen is not acted on (its stops dropped, its relay and keys not taken)
+    epoch: int = 0
+    # in an answer through a relay: the placer's MAC over ``epoch`` in the node's key
+    # (scheduler_link.msgauth.epoch_mac), so the member may take the epoch a relay carried
+    epoch_mac: bytes = b""
 
 
 # ---------------------------------------------------------------- placer API (jobs, nodes, cluster)
@@ -499,8 +513,9 @@ class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
 #   when the relay holds it) and answers one AckBundle with every member's outcome; ``sig``
 #   is the placer's Ed25519 signature over the bundle's header (scheduler_link.msgauth).
 # - On the framed channel every message travels in a Frame: ``type`` names the payload,
-#   ``term`` is the sender's leadership term (0 until the placer is HA: a receiver refuses a
-#   frame whose term is older than one it has seen), ``sig`` is empty until identities land.
+#   ``term`` is the sending placer's epoch (scheduler_link.epochs; 0 from anyone else), ``sig``
+#   is empty until identities land. What a receiver acts on is fenced by the authenticated epoch
+#   inside the payload (a bundle's signed header, a stop's MAC), which a relay cannot change.
 
 GANG_BLOB_VERSION = 1
 FRAME_VERSION = 1
@@ -588,6 +603,7 @@ class PartProof(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     raw: bytes = b""                         # this part's bytes exactly as the bundle carried them
     sig_path: list[bytes] = []
     sig_index: int = 0
+    epoch: int = 0                           # the bundle's placer epoch (in the signed header)
 
 
 def workload_id(job_id: str, attempt: int, rank: int) -> str:
@@ -640,6 +656,9 @@ class RackBundle(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     sig: bytes = b""                         # the placer's Ed25519 signature (scheduler_link.msgauth)
     sig_path: list[bytes] = []               # this bundle's header's Merkle path to the signed root
     sig_index: int = 0                       # and its leaf's position in that tree
+    # the placer's epoch, in the signed header: a relay or member that has seen a higher one
+    # refuses the bundle (stale_epoch); every part of it is of this epoch
+    epoch: int = 0
 
 
 class NodeOutcome(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -773,6 +792,7 @@ class RackBeatReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     need_full: list[str] = []
     stop: list[NodeStop] = []
     heartbeat_interval_s: float | None = None
+    epoch: int = 0                           # the answering placer's epoch (scheduler_link.epochs)
 
 
 class BlobRequest(msgspec.Struct, frozen=True, kw_only=True):
@@ -803,7 +823,7 @@ class Frame(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     request's number in ``re``. Either side may send requests."""
     type: FrameType
     payload: msgspec.Raw = msgspec.Raw(b"\xc0")
-    term: int = 0                            # placer leadership term (HA); 0 until then
+    term: int = 0                            # the sending placer's epoch (0: none, or not a placer)
     sig: bytes = b""                         # empty until identities land
     version: int = FRAME_VERSION
     id: int = 0

@@ -19,7 +19,7 @@ and its rack's members, so what crosses it is authenticated here, per message:
   report). Whoever holds the placer's state dir is the placer anyway (its signing key is there).
 - **Down (placer -> relay -> member): one Ed25519 signature per batch of rack bundles.** A
   bundle's *header* is (rack, blob id, deliver_by, the BLAKE3 of each part's bytes exactly as
-  encoded in the bundle); the placer signs the root of a Merkle tree over the headers of the
+  encoded in the bundle, and the placer's epoch: scheduler_link.epochs); the placer signs the root of a Merkle tree over the headers of the
   bundles it builds together (up to 32), and each bundle carries its header's path to that
   root (5 hashes). The relay checks path and signature before acting; it hands each member its part
   with a :class:`~scheduler_link.messages.PartProof` (the header, the signature, the part's own
@@ -29,9 +29,10 @@ and its rack's members, so what crosses it is authenticated here, per message:
   reaches agents in the same registration answer as their MAC key.
 - **Stops a relay passes down** (fencing stops in answers to relayed reports and in beat
   replies) carry the placer's MAC with the member's own key (the placer holds K_X too), one per
-  victim; the member acts only on those that verify. What else a relay could change in an
-  answer (need_full, the interval, relay_url) can only delay or reroute reports, as dropping
-  them could; a relayed answer's keys and ``wire_url`` are never taken.
+  victim, over the placer's epoch too; the member acts only on those that verify. What else a
+  relay could change in an answer (need_full, the interval, relay_url, its epoch) can only
+  delay or reroute reports, as dropping them could; a relayed answer's keys and ``wire_url``
+  are never taken, and its epoch is compared, never taken (scheduler_link.epochs).
 
 Costs: a MAC is one BLAKE3 call over tens to hundreds of bytes (~2 us here); a batch of bundles
 is one signature plus a BLAKE3 per part and per tree node at the placer, one verification per
@@ -131,7 +132,22 @@ def outcome_ok(key: bytes, o: NodeOutcome) -> bool:
 
 
 def stop_mac(key: bytes, node_id: str, boot_id: str, v: Victim) -> bytes:
-    return _mac(key, b"stop\0" + _canon.encode((node_id, boot_id, v.workload_id, float(v.grace_s), v.reason)))
+    """Over the node, its boot, the victim and the placer epoch that asks (a stop of epoch 0,
+    from a placer without epochs, is MACed as before epochs existed)."""
+    fields: tuple[object, ...] = (node_id, boot_id, v.workload_id, float(v.grace_s), v.reason)
+    if v.epoch:
+        fields = (*fields, v.epoch)
+    return _mac(key, b"stop\0" + _canon.encode(fields))
+
+
+def epoch_mac(key: bytes, node_id: str, boot_id: str, epoch: int) -> bytes:
+    """The placer's MAC over its epoch in an answer a relay carries to the node (the member then
+    takes the epoch as if the answer had come over its own connection)."""
+    return _mac(key, b"epoch\0%s\0%s\0%d" % (node_id.encode(), boot_id.encode(), epoch))
+
+
+def epoch_ok(key: bytes | None, node_id: str, boot_id: str, epoch: int, mac: bytes) -> bool:
+    return key is not None and bool(mac) and hmac.compare_digest(mac, epoch_mac(key, node_id, boot_id, epoch))
 
 
 def with_stop_macs(key: bytes, node_id: str, boot_id: str, victims: list[Victim]) -> list[Victim]:
@@ -153,8 +169,14 @@ def part_bytes(part: NodePart) -> bytes:
     return _enc.encode(part)
 
 
-def header_bytes(rack: str, blob_id: str, deliver_by: float, digests: list[bytes]) -> bytes:
-    return _BUNDLE + _canon.encode([rack, blob_id, float(deliver_by), digests])
+def header_bytes(rack: str, blob_id: str, deliver_by: float, digests: list[bytes], epoch: int = 0) -> bytes:
+    """A bundle's signed header. The placer's epoch is its fifth field (absent at epoch 0, so a
+    bundle of a placer without epochs verifies as before; a relay that changes the epoch, to
+    0 or anything else, changes the header and the signature no longer holds)."""
+    fields: list[object] = [rack, blob_id, float(deliver_by), digests]
+    if epoch:
+        fields.append(epoch)
+    return _BUNDLE + _canon.encode(fields)
 
 
 def digest(raw: bytes) -> bytes:
@@ -215,6 +237,7 @@ class BundleSpec(NamedTuple):
     deliver_by: float
     blob: bytes | None = None
     blob_sources: list[str] = []
+    epoch: int = 0                        # the placer's epoch (signed with the header)
 
 
 class BundleSigner:
@@ -229,10 +252,10 @@ class BundleSigner:
     def generate(cls) -> BundleSigner:
         return cls(Ed25519PrivateKey.generate())
 
-    def sign_parts(self, rack: str, blob_id: str, deliver_by: float, raws: list[bytes]) -> bytes:
+    def sign_parts(self, rack: str, blob_id: str, deliver_by: float, raws: list[bytes], epoch: int = 0) -> bytes:
         """The signature over one bundle alone (a tree of one leaf: an empty path) whose parts
         are encoded as ``raws``."""
-        return self.sign_headers([header_bytes(rack, blob_id, deliver_by, [digest(r) for r in raws])])[0]
+        return self.sign_headers([header_bytes(rack, blob_id, deliver_by, [digest(r) for r in raws], epoch)])[0]
 
     def sign_headers(self, headers: list[bytes]) -> tuple[bytes, list[list[bytes]]]:
         """One signature over many bundles' headers: (it, each header's path to the root)."""
@@ -244,23 +267,23 @@ class BundleSigner:
 
     def bundles_raw(self, specs: list[BundleSpec]) -> list[RackBundle]:
         """Several signed RackBundles, one signature for all (a Merkle root over their headers)."""
-        sig, paths = self.sign_headers([header_bytes(sp.rack, sp.blob_id, sp.deliver_by, [digest(r) for r in sp.raws])
-                                        for sp in specs])
+        sig, paths = self.sign_headers([header_bytes(sp.rack, sp.blob_id, sp.deliver_by, [digest(r) for r in sp.raws],
+                                                     sp.epoch) for sp in specs])
         return [RackBundle(rack=sp.rack, blob_id=sp.blob_id, parts=[msgspec.Raw(r) for r in sp.raws],  # type: ignore[misc]  # parts are signed raw bytes (msgspec.Raw) that encode as NodeParts without a re-encode
                            deliver_by=sp.deliver_by, blob=sp.blob, blob_sources=sp.blob_sources,
-                           sig=sig, sig_path=path, sig_index=i)
+                           sig=sig, sig_path=path, sig_index=i, epoch=sp.epoch)
                 for i, (sp, path) in enumerate(zip(specs, paths, strict=True))]
 
     def bundle(self, *, rack: str, blob_id: str, parts: list[NodePart], deliver_by: float,
-               blob: bytes | None = None, blob_sources: list[str] | None = None) -> RackBundle:
+               blob: bytes | None = None, blob_sources: list[str] | None = None, epoch: int = 0) -> RackBundle:
         """A signed RackBundle (its parts carried as the exact bytes the signature covers)."""
         return self.bundle_raw(rack=rack, blob_id=blob_id, raws=[part_bytes(p) for p in parts],
-                               deliver_by=deliver_by, blob=blob, blob_sources=blob_sources)
+                               deliver_by=deliver_by, blob=blob, blob_sources=blob_sources, epoch=epoch)
 
     def bundle_raw(self, *, rack: str, blob_id: str, raws: list[bytes], deliver_by: float,
-                   blob: bytes | None = None, blob_sources: list[str] | None = None) -> RackBundle:
+                   blob: bytes | None = None, blob_sources: list[str] | None = None, epoch: int = 0) -> RackBundle:
         """As :meth:`bundle`, the parts given as their bytes (:func:`part_bytes` of each)."""
-        return self.bundles_raw([BundleSpec(rack, blob_id, raws, deliver_by, blob, blob_sources or [])])[0]
+        return self.bundles_raw([BundleSpec(rack, blob_id, raws, deliver_by, blob, blob_sources or [], epoch)])[0]
 
 
 class BundleView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -275,6 +298,7 @@ class BundleView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     sig: bytes = b""
     sig_path: list[bytes] = []
     sig_index: int = 0
+    epoch: int = 0
 
 
 class BundleVerifier:
@@ -332,11 +356,12 @@ class BundleVerifier:
             raise AuthError("the bundle is not signed")
         raws = [bytes(r) for r in view.parts]
         digests = [digest(r) for r in raws]
-        self._check(header_bytes(view.rack, view.blob_id, view.deliver_by, digests), view.sig,
+        self._check(header_bytes(view.rack, view.blob_id, view.deliver_by, digests, view.epoch), view.sig,
                     list(view.sig_path), view.sig_index, seen)
         parts = [expand_part(_part_dec.decode(r)) for r in raws]
         proofs = [PartProof(rack=view.rack, blob_id=view.blob_id, deliver_by=view.deliver_by, digests=digests,
-                            sig=view.sig, raw=r, sig_path=view.sig_path, sig_index=view.sig_index) for r in raws]
+                            sig=view.sig, raw=r, sig_path=view.sig_path, sig_index=view.sig_index,
+                            epoch=view.epoch) for r in raws]
         return view, parts, proofs
 
     def part(self, part: NodePart, *, seen: dict[bytes, bytes] | None = None) -> NodePart:
@@ -352,7 +377,7 @@ class BundleVerifier:
         if d not in pr.digests:
             self.refused += 1
             raise AuthError("the part is not one of the signed bundle's parts")
-        self._check(header_bytes(pr.rack, pr.blob_id, pr.deliver_by, list(pr.digests)), pr.sig,
+        self._check(header_bytes(pr.rack, pr.blob_id, pr.deliver_by, list(pr.digests), pr.epoch), pr.sig,
                     list(pr.sig_path), pr.sig_index, seen)
         signed = expand_part(_part_dec.decode(pr.raw))
         if signed.blob_id and signed.blob_id != pr.blob_id:

@@ -236,3 +236,20 @@ def test_the_enrolment_budget_allows_a_burst_then_its_rate() -> None:
     assert b.take(8, 0.0) == 8 and b.take(8, 0.0) == 2 and b.take(1, 0.0) == 0
     assert b.take(5, 1.0) == 2                 # two a second
     assert b.take(50, 100.0) == 10             # never more than the burst
+
+
+def test_every_flipped_bit_of_a_certificate_is_a_refusal_never_a_parser_error(cl: Cluster) -> None:
+    """Whatever cryptography's parser makes of the bytes (an invalid version, a negative
+    serial, a key it does not support), the desk answers a structured refusal."""
+    c = cl.client("bits")
+    e, _ = c.make(report("bits"), cl.placer_cert, now=NOW)
+    seen: dict[str, int] = {}
+    for bit in range(len(e.cert) * 8):
+        raw = bytearray(e.cert)
+        raw[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(EnrollRefused) as ei:
+            cl.desk.check(msgspec.structs.replace(e, cert=bytes(raw)), now=NOW)
+        seen[ei.value.outcome] = seen.get(ei.value.outcome, 0) + 1
+    # (a flip the signature does not cover leaves the key as it was: the MAC, over the
+    # certificate's digest, refuses it)
+    assert {"bad_certificate", "not_from_ca"} <= set(seen) <= {"bad_certificate", "not_from_ca", "bad_mac"}

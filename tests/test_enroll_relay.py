@@ -130,6 +130,7 @@ async def test_a_member_enrols_through_its_relay_without_a_handshake_at_the_plac
             assert link.enrolled == 1 and link.enroll_failures == 0
             assert link.mac_key == r.svc.state.mac_key("m1", link.boot_id)      # the key, sealed to it
             assert link.placer_key == r.svc.signer.public
+            assert r.svc.epoch >= 1 and link.epochs.highest == r.svc.epoch   # the epoch, under its MAC
             assert "m1" in r.svc.state.nodes and r.svc.state.nodes["m1"].boot_id == link.boot_id
             assert r.handshakes == before                                          # no handshake for it
             assert r.relay.statistics()["enrolls_forwarded"] == 1

@@ -107,3 +107,29 @@ def test_a_node_reporting_twice_while_the_placer_recovers_keeps_its_pod() -> Non
     assert st_.schedule(6.0) == []
     job = st_.jobs["g"]
     assert job.state == "running" and job.counts["running"] == 2, job.counts
+
+
+def test_a_recovery_adopting_pods_one_report_at_a_time_keeps_the_node_index() -> None:
+    """Each adopted pod is a row appended to its job's table, and each registration reads its
+    node's rows: the per-node index is extended, never rebuilt from the whole table per row."""
+    from placer.config import PlacerConfig
+    from placer.state import PlacerState
+    from scheduler_link.messages import JobSpec, WorkloadStatus
+    from tests.test_placer_indexes import full
+
+    st_ = PlacerState(PlacerConfig(heartbeat_s=1.0, fence_after_s=5.0, recover_s=5.0), started_at=0.0)
+    st_.recover_until = 5.0
+    st_.submit(JobSpec(job_id="g", pods=40, gpus_per_pod=8, argv=["x"]), 0.0, recovering=True)
+    st_.jobs["g"].attempt = 1
+    table = st_.jobs["g"].table
+    idx = None
+    for i in range(40):
+        nid = f"n{i}"
+        w = WorkloadStatus(workload_id=f"g.1.{i}", job_id="g", gpus=[f"{nid}-g{s}" for s in range(8)],
+                           state="running")
+        st_.ingest(nid, full(nid, workloads=[w]), 0.1)
+        if idx is None:
+            idx = table._on_node
+        assert idx is not None and table._on_node is idx     # the same index, extended
+        assert [table.node_ids[r] for r in table.on_node(nid)] == [nid]
+    assert st_.recovered_complete()

@@ -253,14 +253,15 @@ async def test_a_node_with_another_nodes_identity_cannot_report_ack_or_place_for
             atk.forge_stop = None
 
             # 5. placements to B that A could replay or make: bound to A, expired -- refused by B
-            # (a real placer push to B carries node_id=node1 and an expiry; shown accepted above)
+            # (a real placer push to B carries node_id=node1, an expiry and the placer's epoch; shown accepted above)
+            epoch = st["placer_epoch"]["epoch"]
             async with httpx.AsyncClient(base_url=b.url, headers=auth_header(tokens.placer), timeout=10) as cl:
                 for p, outcome in (
                         (Placement(placement_id="start:x:1:node0", job_id="x", argv=["true"], node_id="node0",
-                                   attempt=1, expires_at=time.time() + 30,
+                                   attempt=1, expires_at=time.time() + 30, epoch=epoch,
                                    pods=[PodAssignment(workload_id="x.1.0", rank=0, gpus=uuids[:1])]), "refused_spec"),
                         (Placement(placement_id="start:x:1:node1", job_id="x", argv=["true"], node_id="node1",
-                                   attempt=1, expires_at=time.time() - 60,
+                                   attempt=1, expires_at=time.time() - 60, epoch=epoch,
                                    pods=[PodAssignment(workload_id="x.1.0", rank=0, gpus=uuids[:1])]), "expired")):
                     r = await cl.post("/v1/placements", content=msgspec.json.encode(p))
                     ack = msgspec.convert(r.json(), PlacementAck)

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import msgspec
+import pytest
 import trio
 
 from placer.attempts import ACCEPTED, Outcome
@@ -48,6 +49,8 @@ class Host:
                                   TopologyPath(zone="z1", block="b1", rack="r1"), None, [f"GPU-{n}-0"])
                        for n in MEMBERS}
         self.bad_macs = 0
+        self.stale_epoch = 0
+        self.epoch = 7
         self.nursery: trio.Nursery | None = None
 
     @property
@@ -65,6 +68,9 @@ class Host:
 
     def count_bad_macs(self, n: int) -> None:
         self.bad_macs += n
+
+    def count_stale_epoch(self, n: int) -> None:
+        self.stale_epoch += n
 
     def apply_beat(self, beat: RackBeat, at: float, *, via: str, answered: float | None) -> RackBeatReply:
         raise AssertionError("no beats here")
@@ -91,9 +97,10 @@ class Relay:
         self.closed = trio.Event()
         self.answer, self.after, self.close, self.nursery = answer, after, close, nursery
         self.bundles: list[bytes] = []
+        self.term = 0
 
     def prepare(self, type_: str, payload: Any) -> tuple[int, bytes]:
-        return 1, encode_frame(type_, payload, id=1)
+        return 1, encode_frame(type_, payload, id=1, term=self.term)
 
     def call_cb(self, rid: int, data: bytes, fn: Callable[[Frame | None], None]) -> None:
         self.bundles.append(data)
@@ -174,3 +181,29 @@ async def test_a_closed_connection_falls_back_at_once(tmp_path, autojump_clock) 
     assert dict(acks) == {n: ACCEPTED for n in MEMBERS}
     assert {round(t - t0, 6) for _, t in pushed} == {0.0}
     assert hub.stats.bundle_failures == 1 and RACK not in hub._active
+
+
+async def test_bundles_carry_the_placers_epoch_signed_and_stale_epoch_answers_are_counted(
+        tmp_path, autojump_clock) -> None:
+    def answer(host: Host) -> Callable[[list[str]], list[NodeOutcome]]:
+        def outs(ids: list[str]) -> list[NodeOutcome]:
+            return [msgauth.with_outcome_mac(host.key(n), NodeOutcome(
+                node_id=n, placement_id=f"start:j:1:{n}", outcome="stale_epoch" if n == "n1" else "accepted"))
+                for n in ids]
+        return outs
+
+    made: list[Relay] = []
+
+    def relay(h: Host, n: trio.Nursery) -> Relay:
+        made.append(Relay(answer(h), n))
+        return made[-1]
+
+    acks, pushed, host, _ = await _round(str(tmp_path), relay)
+    assert acks["n1"].outcome == "stale_epoch" and host.stale_epoch == 1 and not pushed
+    f = msgspec.msgpack.decode(made[0].bundles[0][4:], type=Frame)
+    view = msgspec.msgpack.decode(f.payload, type=msgauth.BundleView)
+    assert view.epoch == host.epoch == 7 and f.term == 7
+    msgauth.BundleVerifier(host.signer.public).bundle(bytes(f.payload))   # signed with it
+    forged = msgspec.structs.replace(view, epoch=8)
+    with pytest.raises(msgauth.AuthError):
+        msgauth.BundleVerifier(host.signer.public).bundle(msgspec.msgpack.encode(forged))

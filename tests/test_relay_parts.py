@@ -45,13 +45,14 @@ SIGNER = BundleSigner.generate()
 MAC_KEY = node_key(b"m" * 32, "n1", "boot")
 
 
-def _signed(part: NodePart, signer: BundleSigner = SIGNER) -> NodePart:
-    """``part`` as its relay hands it over: with the proof of the bundle it came in."""
+def _signed(part: NodePart, signer: BundleSigner = SIGNER, epoch: int = 0) -> NodePart:
+    """``part`` as its relay hands it over: with the proof of the bundle it came in (of ``epoch``)."""
     raw = part_bytes(part)
     others = [digest(b"another member's part")]
-    sig = signer.sign_parts("z/b/r", part.blob_id, NOW + 5, [raw, b"another member's part"])
+    sig = signer.sign_parts("z/b/r", part.blob_id, NOW + 5, [raw, b"another member's part"], epoch)
     return msgspec.structs.replace(part, proof=PartProof(rack="z/b/r", blob_id=part.blob_id, deliver_by=NOW + 5,
-                                                         digests=[digest(raw), *others], sig=sig, raw=raw))
+                                                         digests=[digest(raw), *others], sig=sig, raw=raw,
+                                                         epoch=epoch))
 
 
 class _Member:
@@ -544,3 +545,46 @@ def test_a_late_stop_is_still_applied():
     stop = NodePart(placement_id="stop:j:1:n1:1", node_id="n1", job_id="j", attempt=1, expires_at=NOW - 60,
                     victims=[Victim(workload_id="j.1.0")])
     assert _check(stop).outcome.outcome == "accepted"   # a stop is never too late (stopping twice is harmless)
+
+
+async def test_a_part_of_an_older_placer_epoch_is_answered_stale_epoch_and_never_acted_on(tmp_path):
+    """Parts of epoch 3 are taken; then parts of epoch 2 (a replaced placer: a new start, a stop)
+    and of epoch 0 are answered ``stale_epoch`` under this node's MAC, nothing written or started,
+    also after the agent restarted on its state dir; a relay that relabels the epoch breaks the
+    signature."""
+    from scheduler_link.epochs import EPOCH_FILE, Epochs
+
+    bid, raw = _gang(["sleep", "30"])
+    for run in range(2):
+        sup, member, _ = _setup(tmp_path, {bid: raw})
+        acc: PartAcceptor = member.acc
+        acc.epochs = Epochs(tmp_path / "state" / EPOCH_FILE)   # (the daemon passes its durable gate)
+        with trio.fail_after(30):
+            async with trio.open_nursery() as n:
+                await n.start(sup.run)
+                await n.start(acc.run)
+                if run == 0:
+                    out = await acc.handle(_signed(_part("p1", blob_id=bid), epoch=3))
+                    assert out.outcome == "accepted"
+                stale = [_signed(_part("p2", slots=(4,), blob_id=bid), epoch=2),
+                         _signed(_part("p3", slots=(5,), blob_id=bid), epoch=0),
+                         _signed(NodePart(placement_id="stop:p1", node_id="n1", job_id="job", attempt=1,
+                                          victims=[Victim(workload_id="job.1.p1")]), epoch=2)]
+                for part in stale:
+                    out = await acc.handle(part)
+                    assert out.outcome == "stale_epoch" and outcome_ok(MAC_KEY, out), out
+                assert [r.part.placement_id for r in PartStore(tmp_path / "state").load()] == ["p1"]
+                assert acc.counters.stale_epoch == 3 and acc.epochs.stale == {"part": 3}
+                relabelled = stale[0]
+                assert relabelled.proof is not None
+                with pytest.raises(PartNotAuthentic):
+                    await acc.handle(msgspec.structs.replace(relabelled, proof=msgspec.structs.replace(
+                        relabelled.proof, epoch=3)))
+                wid = "job.1.p1"
+                await poll(lambda s=sup: "job.1.p1" in s.records_view(), 0.01)
+                assert set(sup.records_view()) == {wid}
+                if run == 0:
+                    assert sup.record(wid).state not in ("exited", "preempted", "failed")   # the old stop did nothing
+                    await sup.stop(wid, grace_s=0.1, reason="test over")
+                    await sup.wait_terminal(wid)
+                n.cancel_scope.cancel()
