@@ -39,6 +39,7 @@ import trio
 from infra.auth import ROLES, TokenSet, token_dir_from_env
 from infra.errors import single_cause
 from infra.http import serve
+from infra.pki import PKIError
 from infra.tls import Security
 from p2p.dataplane import DataPlane, DataPlaneConfig
 from p2p.fetch import fetch_artifact
@@ -48,6 +49,7 @@ from p2p.origins import open_origin
 from p2p.store import ChunkStore
 from p2p.tree import serving_cap
 from scheduler_link.agent_link import AgentLink, ReportChannel
+from scheduler_link.enroll import client_from_files
 from scheduler_link.epochs import Epochs
 from scheduler_link.heartbeat_wire import WireError
 from scheduler_link.messages import (
@@ -81,6 +83,7 @@ from .tenants import Tenancy
 
 MAX_BLOB_BYTES = 64 << 20   # a 200,000-node gang's peer table is ~10 MB
 
+RELAY_URL_FILE = "relay-url"   # the rack relay this node last reported through (it enrols there after a restart)
 log = logging.getLogger("herd.agent")
 
 
@@ -278,7 +281,8 @@ class Agent:
                                      relay_trust_intervals=self.config.relay.trust_intervals,
                                      relay_hold_s=self.config.relay.hold_s, epochs=self.epochs,
                                      wire_connect=self._own_wire if self.config.relay.enabled else None,
-                                     ssl_context=self.security.client if self.security is not None else None)
+                                     ssl_context=self.security.client if self.security is not None else None,
+                                     **self._enroll_args())
         self.supervisor.add_listener(link.notify)
         return link
 
@@ -287,6 +291,26 @@ class Agent:
         if self.relay is None:
             raise WireError("the relay has not started yet")
         return await self.relay.own_channel(wire_url, token, node_id)
+
+    def _enroll_args(self) -> dict[str, Any]:
+        """Enrolment through the rack relay (scheduler_link.enroll): this node's certificate
+        key, and the relay it last reported through (kept in the state dir across restarts)."""
+        sec = self.security
+        if sec is None or sec.insecure or sec.files is None:
+            return {}
+        try:
+            client = client_from_files(sec.files)
+        except PKIError as e:
+            log.warning("no enrolment through the relay: %s", e)
+            return {}
+        try:
+            url = (self.state_dir / RELAY_URL_FILE).read_text().strip() or None
+        except OSError:
+            url = None
+        return {"enroll": client, "enroll_relay_url": url, "on_relay": self._keep_relay_url}
+
+    def _keep_relay_url(self, url: str) -> None:
+        atomic_write(self.state_dir / RELAY_URL_FILE, url.encode(), 0o644)
 
     async def _start_relay(self, n: trio.Nursery, link: AgentLink) -> None:
         t = self.config.topology

@@ -22,6 +22,14 @@ serves whatever comes:
   load) and hands each answer back -- after a beat with those members' pending entries, so
   the placer sees each node's sequence in order. What a ``beat_reply`` says of a member
   (``need_full``, fencing ``stop``) rides on the next answer to that member.
+- ``enroll_key`` / ``enroll`` from a member (scheduler_link.enroll): a member with no MAC key
+  registers through its relay. ``enroll_key`` is answered with the placer's certificate
+  (fetched once over the connection up; the member checks it against its CA); an ``enroll``
+  for the connection's own node is queued for one enrolment forwarder, which sends what is
+  queued as one ``enrolls`` frame and hands each answer back (its keys sealed to the member:
+  this relay learns nothing of them). No connection up: ``upstream_down`` (the member keeps
+  trying this relay for up to its ``relay_hold_s``, as with its reports); no answer:
+  ``unavailable``, and the member registers directly.
 - ``blob_get`` from a member: from the cache, fetched first if needed (the bundle's
   ``blob_sources`` in order, then the placer). From another relay: from the cache, or once
   the fetch in flight here ended (waiting a little for a bundle naming it that has not come
@@ -70,12 +78,16 @@ from scheduler_link.heartbeat_wire import UPSTREAM_DOWN, HeartbeatServer, Hello,
 from scheduler_link.messages import (
     BlobReply,
     BlobRequest,
+    Enroll,
+    EnrollAnswer,
     Frame,
     NodeOutcome,
     NodePart,
     NodeReport,
+    PlacerCert,
     RackBeat,
     RackBeatReply,
+    RackEnrolls,
     RackReports,
     RelayHello,
     ReportReply,
@@ -83,7 +95,7 @@ from scheduler_link.messages import (
 from scheduler_link.msgauth import BundleVerifier
 
 from .blobs import BlobCache, BlobSource
-from .relaycore import Acks, Batch, Hand, KeepBlob, Refuse, RelayCore, WantBlob
+from .relaycore import Acks, Batch, EnrollBatch, Hand, KeepBlob, Refuse, RelayCore, WantBlob
 
 log = logging.getLogger("herd.agent.relay")
 
@@ -170,6 +182,13 @@ class Relay:
         self._waiting: dict[int, trio.CancelScope] = {}   # rounds whose hand-outs are still out
         self._out_wake = trio.Event()
         self._batches = True          # the placer takes ``reports`` frames (else one ``report`` each)
+        # enrolments (scheduler_link.enroll): the placer's certificate as it handed it over the
+        # connection up (None: not fetched on this connection yet), members' tickets
+        self._placer_cert: bytes | None = None
+        self._cert_fetch: trio.Event | None = None
+        self._enroll_tickets: dict[int, trio.MemorySendChannel[EnrollAnswer]] = {}
+        self._enroll_sending: EnrollBatch | None = None
+        self._enroll_wake = trio.Event()
         self._nursery: trio.Nursery | None = None
         self.upstream_ready = trio.Event()    # set while connected up (a fresh one after each loss)
         # fault injection (tests, the fleet emulator's hung relays): bundles are read and never
@@ -199,6 +218,7 @@ class Relay:
                 "report_frames": self.report_frames, "late_answers": c.late_answers, "late_bundles": c.late_bundles,
                 "empty_answered": c.empty_answered, "blob_serves": self.blob_serves,
                 "bad_bundles": c.bad_bundles, "part_bytes_max": c.part_bytes_max, "failures": self.failures,
+                "enrolls_forwarded": c.enrolls_forwarded, "enrolls_refused": dict(c.enrolls_refused),
                 "pending_beats": self.book.pending, "blobs": self.blobs.statistics()}
 
     def blob_sources(self, blob_id: str) -> list[BlobSource]:
@@ -250,6 +270,7 @@ class Relay:
                 async with trio.open_nursery() as n:
                     n.start_soon(self._beats, ch)
                     n.start_soon(self._forwarder, ch)
+                    n.start_soon(self._enroll_forwarder, ch)
                     await ch.run(self._upstream_frame)
                     n.cancel_scope.cancel()
             finally:
@@ -260,6 +281,7 @@ class Relay:
                     self._up = None
                     self.upstream_ready = trio.Event()
                 self._fail_queued("the relay lost its connection to the placer")
+                self._fail_enrolls()
             log.warning("relay lost its placer connection rack=%s", self.rack)
             await trio.sleep(backoff)
 
@@ -432,6 +454,10 @@ class Relay:
             return self._serve_blob(decode_payload(f, BlobRequest), from_relay=False)
         if f.type == "ping":
             return ("ping", {})
+        if f.type == "enroll_key":
+            return self._member_enroll_key()
+        if f.type == "enroll":
+            return self._member_enroll(ch, decode_payload(f, Enroll))
         raise ValueError(f"a relay does not take {f.type} frames from a member")
 
     def _peer_frame(self, ch: FrameChannel, f: Frame) -> Any:
@@ -524,6 +550,106 @@ class Relay:
         while self._up is None:
             await self.upstream_ready.wait()
         return OwnReports(self._up, self.request_timeout_s)
+
+    # ------------------------------------------------------------ members' enrolments
+
+    async def _member_enroll_key(self) -> tuple[str, PlacerCert]:
+        return "placer_cert", await self.member_enroll_key()
+
+    def _member_enroll(self, ch: FrameChannel, e: Enroll) -> Any:
+        got = self.member_enroll(ch.name, e)
+        if isinstance(got, EnrollAnswer):
+            return "enrolled", got
+        return self._enrolled_later(got)
+
+    async def _enrolled_later(self, aw: Awaitable[EnrollAnswer]) -> tuple[str, EnrollAnswer]:
+        return "enrolled", await aw
+
+    async def member_enroll_key(self) -> PlacerCert:
+        """The placer's certificate for a member's enrolment: asked for once over the
+        connection up (members asking meanwhile wait for that one answer)."""
+        while self._placer_cert is None:
+            ch = self._up
+            if ch is None:
+                return PlacerCert(error="the relay has no connection to the placer", outcome="upstream_down")
+            if self._cert_fetch is not None:
+                await self._cert_fetch.wait()
+                if self._placer_cert is None:
+                    return PlacerCert(error="the placer did not hand its certificate", outcome="unavailable")
+                break
+            done = self._cert_fetch = trio.Event()
+            try:
+                pc = decode_payload(await ch.call("enroll_key", {}, timeout_s=self.request_timeout_s), PlacerCert)
+                if not pc.cert:
+                    return pc
+                if self._up is ch:
+                    self._placer_cert = pc.cert
+                else:
+                    return pc
+            except (FrameError, CallFailed, trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError) as e:
+                return PlacerCert(error=str(e), outcome="unavailable")
+            finally:
+                self._cert_fetch = None
+                done.set()
+        return PlacerCert(cert=self._placer_cert)
+
+    def member_enroll(self, node_id: str, e: Enroll) -> EnrollAnswer | Awaitable[EnrollAnswer]:
+        """A member's enrolment (``node_id``: whom its connection is of): a refusal now, or
+        an awaitable of the placer's answer once the batch it went up in was answered."""
+        got = self.core.enroll(node_id, e, upstream=self._up is not None)
+        if isinstance(got, EnrollAnswer):
+            return got
+        send, recv = trio.open_memory_channel[EnrollAnswer](1)
+        self._enroll_tickets[got] = send
+        self._enroll_wake.set()
+        return self._await_enrolled(got, e.node_id, recv)
+
+    async def _await_enrolled(self, ticket: int, node_id: str, recv: trio.MemoryReceiveChannel[EnrollAnswer]
+                              ) -> EnrollAnswer:
+        with trio.move_on_after(self.connect_timeout_s * 2):
+            return await recv.receive()
+        self._enroll_tickets.pop(ticket, None)
+        return EnrollAnswer(node_id=node_id, outcome="unavailable", detail="the relay could not forward it in time")
+
+    def _enroll_answer(self, ticket: int, a: EnrollAnswer) -> None:
+        send = self._enroll_tickets.pop(ticket, None)
+        if send is not None:
+            send.send_nowait(a)
+
+    def _fail_enrolls(self) -> None:
+        self._placer_cert = None   # (fetched again on the next connection: the placer may have a new one)
+        tickets = self.core.enrolls_lost()
+        if self._enroll_sending is not None:
+            tickets = self._enroll_sending.tickets + tickets
+            self._enroll_sending = None
+        for t in tickets:
+            self._enroll_answer(t, EnrollAnswer(node_id="", outcome="unavailable",
+                                                detail="the relay lost its connection to the placer"))
+
+    async def _enroll_forwarder(self, ch: FrameChannel) -> None:
+        """The one task that sends members' enrolments up, batched (as :meth:`_forwarder`).
+        An enrolment is a registration: the placer may be working through a storm of them, so
+        its answer is waited for as long as a registration is (``connect_timeout_s``)."""
+        while True:
+            batch = self.core.next_enrolls()
+            if batch is None:
+                self._enroll_wake = trio.Event()
+                await self._enroll_wake.wait()
+                continue
+            self._enroll_sending = batch
+            answers: list[EnrollAnswer] | None = None
+            try:
+                f = await ch.call("enrolls", RackEnrolls(rack=self.rack, enrolls=batch.enrolls),
+                                  timeout_s=self.connect_timeout_s)
+                answers = decode_payload(f, list[EnrollAnswer])
+            except (FrameError, CallFailed, trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError) as e:
+                self.failures += 1
+                log.warning("enrolments not forwarded rack=%s count=%d err=%s", self.rack, len(batch.enrolls), e)
+            if self._enroll_sending is not batch:
+                continue   # (the connection went meanwhile: its tickets were answered)
+            self._enroll_sending = None
+            for t, a in self.core.enrolls_answered(batch, answers):
+                self._enroll_answer(t, a)
 
     async def member_blob(self, blob_id: str) -> BlobReply:
         """What a member's ``blob_get`` is answered: from the cache, fetched first if needed."""

@@ -32,6 +32,12 @@ clock) and ``wall`` (unix seconds, the placer's ``deliver_by`` clock) are argume
   queue as one batch (with a beat of those members' pending entries, to go first, so the placer
   sees each node's sequence in order) and :meth:`batch_answered` hands each answer back to its
   ticket, with the stops a beat reply left for that member.
+- **Enrolments** (scheduler_link.enroll). :meth:`enroll` refuses at once an enrolment for
+  another node than the member connection's (``wrong_node``) or while there is no connection
+  up (``upstream_down``: the member keeps trying this relay for a while), and queues any other (a ticket); :meth:`next_enrolls` takes the queue
+  as one batch (bounded in entries and bytes) and :meth:`enrolls_answered` hands each answer
+  back. The relay reads nothing of them but the node id and cannot alter one unnoticed: the
+  member's MAC covers it and the keys in the answer are sealed to the member.
 - **Blobs.** Which relays a bundle named as a blob's sources (:meth:`blob_sources`), and whether
   a blob request may start a fetch (a member's may; another relay's only reads the cache, so
   relays asking each other never wait on one another in a cycle).
@@ -60,7 +66,16 @@ import msgspec
 
 from scheduler_link.epochs import Epochs
 from scheduler_link.heartbeat_wire import UPSTREAM_DOWN, WireReply
-from scheduler_link.messages import AckBundle, NodeOutcome, NodePart, NodeReport, RackBeat, RackBeatReply
+from scheduler_link.messages import (
+    AckBundle,
+    Enroll,
+    EnrollAnswer,
+    NodeOutcome,
+    NodePart,
+    NodeReport,
+    RackBeat,
+    RackBeatReply,
+)
 from scheduler_link.msgauth import AuthError, BundleVerifier
 
 from .beats import BeatBook, is_empty
@@ -70,6 +85,11 @@ log = logging.getLogger("herd.agent.relay")
 ACK_WINDOW_S = 0.4           # a bundle's acks go back at most this long after it came
 KEEP_SOURCES = 16            # blob ids whose sources (from bundles) are remembered
 LATE_MIN_S = 0.05            # a bundle with less of its deliver_by left than this is late
+ENROLL_BATCH = 256           # enrolments in one frame up, at most (the placer's rack entry bound)
+# ... and their bytes: under what the placer holds back of a connection during a delivery
+# (frames.MEMBER_MAX_HELD, 1 MiB, for a relay it has not chosen): ~25 full reports of ~20 KB
+ENROLL_BATCH_BYTES = 512 << 10
+ENROLL_QUEUE = 1024          # enrolments waiting here, at most (more are answered unavailable)
 
 
 # ---------------------------------------------------------------- actions
@@ -130,6 +150,13 @@ class Batch:
     tickets: list[int]
 
 
+@dataclass(frozen=True, slots=True)
+class EnrollBatch:
+    """Members' enrolments to send up together (one ``enrolls`` frame)."""
+    enrolls: list[Enroll]
+    tickets: list[int]
+
+
 @dataclass(slots=True)
 class _Round:
     rack: str
@@ -177,6 +204,9 @@ class RelayCore:
         self.empty_answered = 0
         self.held_answered = 0          # members' reports answered upstream_down (no connection up)
         self.part_bytes_max = 0
+        self._enrolls: list[tuple[int, Enroll]] = []
+        self.enrolls_forwarded = 0
+        self.enrolls_refused: dict[str, int] = {}   # by outcome: this relay's and the placer's
 
     @property
     def open_rounds(self) -> int:
@@ -366,6 +396,62 @@ class RelayCore:
     def upstream_lost(self) -> list[int]:
         """The connection up is gone: the queued tickets, to be answered 503."""
         q, self._queue = self._queue, []
+        return [t for t, _ in q]
+
+    # ---- members' enrolments
+
+    def _enroll_refused(self, node_id: str, outcome: str, detail: str) -> EnrollAnswer:
+        self.enrolls_refused[outcome] = self.enrolls_refused.get(outcome, 0) + 1
+        return EnrollAnswer(node_id=node_id[:256], outcome=outcome, detail=detail)  # type: ignore[arg-type]  # outcome is one of EnrollOutcome's (the callers' literals)
+
+    def enroll(self, node_id: str, e: Enroll, *, upstream: bool) -> EnrollAnswer | int:
+        """A member's enrolment over its connection (``node_id``: whom the connection is of):
+        a refusal now, or a ticket for :meth:`enrolls_answered`."""
+        if e.node_id != node_id:
+            return self._enroll_refused(e.node_id, "wrong_node", f"this connection is of {node_id[:200]}")
+        if not upstream:
+            return self._enroll_refused(e.node_id, "upstream_down", "the relay has no connection to the placer")
+        if len(self._enrolls) >= ENROLL_QUEUE:
+            return self._enroll_refused(e.node_id, "unavailable", "the relay's enrolment queue is full")
+        t = self._next_ticket
+        self._next_ticket += 1
+        self._enrolls.append((t, e))
+        return t
+
+    @property
+    def enrolls_queued(self) -> int:
+        return len(self._enrolls)
+
+    def next_enrolls(self) -> EnrollBatch | None:
+        """The queued enrolments, oldest first, as much as one frame carries."""
+        if not self._enrolls:
+            return None
+        size = n = 0
+        for _, e in self._enrolls:
+            size += len(e.report) + len(e.cert) + 256
+            if n and (n >= ENROLL_BATCH or size > ENROLL_BATCH_BYTES):
+                break
+            n += 1
+        q, self._enrolls = self._enrolls[:n], self._enrolls[n:]
+        self.enrolls_forwarded += n
+        return EnrollBatch([e for _, e in q], [t for t, _ in q])
+
+    def enrolls_answered(self, batch: EnrollBatch, answers: list[EnrollAnswer] | None
+                         ) -> list[tuple[int, EnrollAnswer]]:
+        """Each ticket's answer (None, or answers that do not match the batch one to one:
+        every ticket ``unavailable``, and its member registers directly)."""
+        if answers is None or len(answers) != len(batch.enrolls) or any(
+                a.node_id != e.node_id for a, e in zip(answers, batch.enrolls, strict=True)):
+            answers = [EnrollAnswer(node_id=e.node_id[:256], outcome="unavailable",
+                                    detail="the placer did not answer the enrolment") for e in batch.enrolls]
+        for a in answers:
+            if a.outcome != "enrolled":
+                self.enrolls_refused[a.outcome] = self.enrolls_refused.get(a.outcome, 0) + 1
+        return list(zip(batch.tickets, answers, strict=True))
+
+    def enrolls_lost(self) -> list[int]:
+        """The connection up is gone: the queued enrolments' tickets, to be answered unavailable."""
+        q, self._enrolls = self._enrolls, []
         return [t for t, _ in q]
 
     # ---- beats

@@ -13,9 +13,16 @@ a placer restart; ``go`` starts them all at once.
   throwaway CA before ``go``, not timed), the placer its own; the placer checks the hello's
   node against the certificate.
 
-``--relays``: the placer and the emulator in relay mode, as a fleet at this scale runs: each
-member registers over its own connection (a handshake, the full report, its MAC key), then
-beats through its rack's relay (emulated in-process, one frames connection per rack to the
+``--relays``: the placer and the emulator in relay mode, as a fleet at this scale runs, and a
+third mode in the same run:
+
+- ``tls`` (the baseline): each member registers over its own connection (a handshake, the full
+  report, its MAC key), then beats through its rack's relay;
+- ``enroll``: each member registers *through* its rack's relay (``testing.fleet --enroll``;
+  scheduler_link.enroll: its certificate's key proves it, its keys come back sealed): the
+  placer handshakes with the relays only.
+
+Members beat through their rack's relay (emulated in-process, one frames connection per rack to the
 placer, over TLS with the relay node's certificate); without it every node keeps its own
 connection and beats on it, which costs the placer a TLS record and a report each beat.
 
@@ -23,7 +30,8 @@ The emulators run at a lower priority than the placer (``EMULATOR_NICE``), and t
 register with blocking ``ssl`` sockets in worker threads (``testing.fleet._register_blocking``:
 the same wire as an agent's).
 
-Figures: ``register_s`` (``go`` -> the placer's ``GET /v1/cluster`` counts N nodes up),
+Figures: ``handshakes`` (the TLS handshakes the placer's framed channel completed),
+``register_s`` (``go`` -> the placer's ``GET /v1/cluster`` counts N nodes up),
 ``placer_cpu_s`` and ``emulator_cpu_s`` (CPU time meanwhile, from ``/proc``), and per mode the medians
 over ``--repeat`` runs, with the ratio tls / plain. The machine's load average is recorded with
 every row (a shared machine: read the figures with it).
@@ -60,7 +68,7 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
                         limit_s: float, root: Path, relays: bool = False) -> dict[str, Any]:
     td = generate_token_dir(tmp / "tokens")
     pki_dir = None
-    if mode == "tls":
+    if mode in ("tls", "enroll"):
         pki_dir = tmp / "pki"
         if not (pki_dir / "ca.key").exists():
             throwaway(pki_dir)
@@ -75,7 +83,9 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
         t_setup = time.perf_counter()
         procs = math.ceil(n_nodes / per_proc)
         # ~32 members registering at once over all the emulators (testing.fleet: tls_threads)
-        tls_threads = ["--tls-threads", str(max(8, 32 // procs))] if mode == "tls" and relays else []
+        tls_threads = ["--tls-threads", str(max(8, 32 // procs))] if pki_dir and relays else []
+        if mode == "enroll":
+            tls_threads.append("--enroll")
         for k in range(procs):
             cnt = min(per_proc, n_nodes - k * per_proc)
             emus.append(await stack.enter_async_context(EmulatorProc(
@@ -101,18 +111,28 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
             except httpx.HTTPError:
                 continue
         row["framed_channel"] = {k: v for k, v in fc.items() if k.startswith("tls_refused") or k in (
-            "connections", "open_connections", "refused", "wrong_node")}
+            "connections", "open_connections", "refused", "wrong_node", "tls_handshakes")}
+        row["handshakes"] = int(fc.get("tls_handshakes", 0))
+        if mode == "enroll":
+            st = [await e.stats(c) for e in emus]
+            row["enrolled"] = sum(int(x.get("enrolled", 0)) for x in st)
+            refused: dict[str, int] = {}
+            for x in st:
+                for k, v in x.get("enroll_refused", {}).items():
+                    refused[k] = refused.get(k, 0) + v
+            row["enroll_refused"] = refused
     return row
 
 
 async def run_tls_bench(nodes: list[int], *, per_proc: int, heartbeat_s: float, limit_s: float,
                         repeat: int, root: Path, tmp: Path, relays: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {"bench": "fleet_tls", "relays": relays, "rows": [], "summary": []}
+    modes = ("plain", "tls", "enroll") if relays else ("plain", "tls")
     for n in nodes:
-        runs: dict[str, list[dict[str, Any]]] = {"plain": [], "tls": []}
+        runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for i in range(repeat):
-            # alternate which goes first, so drift in the machine's load hits both
-            order = ("plain", "tls") if i % 2 == 0 else ("tls", "plain")
+            # alternate the order, so drift in the machine's load hits every mode
+            order = modes if i % 2 == 0 else tuple(reversed(modes))
             for mode in order:
                 row = await register_once(n, mode, tmp / f"n{n}-{i}-{mode}", per_proc=per_proc,
                                           heartbeat_s=heartbeat_s, limit_s=limit_s, root=root, relays=relays)
@@ -124,12 +144,18 @@ async def run_tls_bench(nodes: list[int], *, per_proc: int, heartbeat_s: float, 
             summ[f"{mode}_register_s_median"] = statistics.median(r["register_s"] for r in rows)
             summ[f"{mode}_placer_cpu_s_median"] = statistics.median(r["placer_cpu_s"] for r in rows)
             summ[f"{mode}_emulator_cpu_s_median"] = statistics.median(r["emulator_cpu_s"] for r in rows)
+            summ[f"{mode}_handshakes_median"] = statistics.median(r["handshakes"] for r in rows)
             summ[f"{mode}_complete"] = all(r["complete"] for r in rows)
         p, t = summ["plain_register_s_median"], summ["tls_register_s_median"]
         summ["register_ratio_tls_over_plain"] = round(t / p, 2) if p else None
         pc, tc = summ["plain_placer_cpu_s_median"], summ["tls_placer_cpu_s_median"]
         summ["placer_cpu_ratio_tls_over_plain"] = round(tc / pc, 2) if pc else None
         summ["tls_placer_cpu_ms_per_node"] = round(1000 * tc / n, 3)
+        if "enroll" in runs:
+            ec, er = summ["enroll_placer_cpu_s_median"], summ["enroll_register_s_median"]
+            summ["enroll_placer_cpu_ms_per_node"] = round(1000 * ec / n, 3)
+            summ["register_ratio_enroll_over_tls"] = round(er / t, 2) if t else None
+            summ["placer_cpu_ratio_enroll_over_tls"] = round(ec / tc, 2) if tc else None
         out["summary"].append(summ)
     return out
 
@@ -137,11 +163,11 @@ async def run_tls_bench(nodes: list[int], *, per_proc: int, heartbeat_s: float, 
 def print_tls_table(out: dict[str, Any]) -> None:
     print("relays: " + ("on (members register over their own connection, then beat through their relay)"
                         if out.get("relays") else "off (every node beats on its own connection)"))
-    print(f"{'nodes':>7} {'mode':>5} {'rep':>3} {'register_s':>10} {'placer_cpu_s':>12} {'emu_cpu_s':>9} {'up':>7} "
-          f"{'emu_setup_s':>11} load(before->after)")
+    print(f"{'nodes':>7} {'mode':>6} {'rep':>3} {'register_s':>10} {'placer_cpu_s':>12} {'emu_cpu_s':>9} {'up':>7} "
+          f"{'handshakes':>10} {'emu_setup_s':>11} load(before->after)")
     for r in out["rows"]:
-        print(f"{r['nodes']:>7} {r['mode']:>5} {r['repeat']:>3} {r['register_s']:>10} {r['placer_cpu_s']:>12} "
-              f"{r['emulator_cpu_s']:>9} {r['nodes_up']:>7} {r['emulator_setup_s']:>11} "
+        print(f"{r['nodes']:>7} {r['mode']:>6} {r['repeat']:>3} {r['register_s']:>10} {r['placer_cpu_s']:>12} "
+              f"{r['emulator_cpu_s']:>9} {r['nodes_up']:>7} {r['handshakes']:>10} {r['emulator_setup_s']:>11} "
               f"{r['load_before']}->{r['load_after']}")
     print()
     for s in out["summary"]:
@@ -150,3 +176,9 @@ def print_tls_table(out: dict[str, Any]) -> None:
               f"plain {s['plain_placer_cpu_s_median']} s, tls {s['tls_placer_cpu_s_median']} s; emulators "
               f"plain {s['plain_emulator_cpu_s_median']} s, tls {s['tls_emulator_cpu_s_median']} s "
               f"(x{s['placer_cpu_ratio_tls_over_plain']}; {s['tls_placer_cpu_ms_per_node']} ms/node over TLS)")
+        if "enroll_register_s_median" in s:
+            print(f"{'':>7}        enrolment through the relays: register {s['enroll_register_s_median']} s "
+                  f"(x{s['register_ratio_enroll_over_tls']} of tls), placer CPU {s['enroll_placer_cpu_s_median']} s "
+                  f"({s['enroll_placer_cpu_ms_per_node']} ms/node, x{s['placer_cpu_ratio_enroll_over_tls']} of tls), "
+                  f"emulators {s['enroll_emulator_cpu_s_median']} s, placer handshakes "
+                  f"{s['enroll_handshakes_median']} (tls: {s['tls_handshakes_median']})")

@@ -40,6 +40,7 @@ import logging
 import math
 import operator
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from functools import partial
@@ -50,17 +51,23 @@ import numpy as np
 import trio
 import trio.lowlevel
 
-from scheduler_link import frames, msgauth
+from infra.pki import PKIError
+from infra.tls import Security
+from scheduler_link import enroll, frames, msgauth
 from scheduler_link.frames import FrameChannel, FrameError, check_entries, decode_payload
 from scheduler_link.heartbeat_wire import Hello, WireReply
 from scheduler_link.messages import (
     AckBundle,
     BlobReply,
     BlobRequest,
+    Enroll,
+    EnrollAnswer,
     Frame,
     NodeReport,
+    PlacerCert,
     RackBeat,
     RackBeatReply,
+    RackEnrolls,
     RackReports,
     ReportReply,
 )
@@ -100,6 +107,7 @@ class RelayHost(Protocol):
     cfg: PlacerConfig
     signer: msgauth.BundleSigner
     clock: Callable[[], float]
+    security: Security        # the placer's TLS files (its enrolment key) and the deny-list
 
     @property
     def epoch(self) -> int:
@@ -176,6 +184,9 @@ class RelayHub:
         self._deferred: collections.deque[tuple[FrameChannel, Frame, float]] = collections.deque()
         self._drained = 0
         self._draining = False
+        self._desk: enroll.EnrollDesk | None = None   # made when the first enrolment frame comes
+        self._budgets: weakref.WeakKeyDictionary[FrameChannel, enroll.EnrollBudget] = weakref.WeakKeyDictionary()
+        self.enrolled = 0
 
     # ------------------------------------------------------------ connections
 
@@ -255,12 +266,13 @@ class RelayHub:
                 "bundles": s.bundles, "bundle_failures": s.bundle_failures, "fallback_nodes": s.fallback_nodes,
                 "relayed_nodes": s.relayed_nodes, "late_nodes": s.late_nodes, "blob_seeds": s.blob_seeds, "blob_serves": s.blob_serves,
                 "beats": s.beats, "beat_entries": s.beat_entries, "reports": s.reports, "bytes_out": s.bytes_out,
-                "last_delivery": s.last_delivery}
+                "last_delivery": s.last_delivery,
+                "enroll": self._desk.statistics() if self._desk is not None else {"taken": 0, "refused": {}}}
 
     # ------------------------------------------------------------ frames from relays
 
     def _handle(self, ch: FrameChannel, f: Frame) -> tuple[str, Any] | None:
-        if (self._delivering or self._deferred) and f.type in ("beat", "report", "reports"):
+        if (self._delivering or self._deferred) and f.type in ("beat", "report", "reports", "enrolls"):
             # acks first: what relays report while a delivery is out waits until it is in, in
             # arrival order (per connection too), then is applied and answered
             if frames.hold(ch, f):   # (else: over the connection's bound, and it is closed)
@@ -353,7 +365,80 @@ class RelayHub:
             return "blob", BlobReply(blob_id=req.blob_id, data=raw)
         if t == "ping":
             return "ping", None
+        if t in ("enroll_key", "enrolls"):
+            return self._enroll_frame(ch, f, via)
         return "error", {"error": f"unexpected frame type {t!r} from a relay"}
+
+    # ------------------------------------------------------------ enrolment (scheduler_link.enroll)
+
+    def enroll_desk(self) -> enroll.EnrollDesk | None:
+        """The placer's enrolment desk, from its TLS files (None: insecure, no identities)."""
+        if self._desk is None:
+            files = self.host.security.files
+            if self.host.security.insecure or files is None:
+                return None
+            try:
+                self._desk = enroll.desk_from_files(files)
+            except PKIError as e:
+                log.warning("enrolment through relays unavailable: %s", e)
+                return None
+        return self._desk
+
+    def _enroll_frame(self, ch: FrameChannel, f: Frame, via: str) -> tuple[str, Any]:
+        desk = self.enroll_desk()
+        if f.type == "enroll_key":
+            if desk is None:
+                return "placer_cert", PlacerCert(error="this placer runs without TLS", outcome="no_tls")
+            return "placer_cert", PlacerCert(cert=desk.cert)
+        try:
+            batch = decode_payload(f, RackEnrolls)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            return "error", {"error": f"malformed enrolments: {e}"}
+        check_entries(len(batch.enrolls), frames.entry_limit(ch), what="enrolment batch")
+        now = time.monotonic()
+        budget = self._budgets.get(ch)
+        if budget is None:
+            budget = self._budgets[ch] = enroll.EnrollBudget(now=now)
+        n = budget.take(len(batch.enrolls), now)
+        if n < len(batch.enrolls) and desk is not None:
+            log.warning("enrolments over the connection's budget relay=%s count=%d", via, len(batch.enrolls) - n)
+            for _ in range(len(batch.enrolls) - n):
+                desk.refuse("busy")
+        return "enrolls_reply", [self.enroll_one(e, via) if k < n else
+                                 EnrollAnswer(node_id=e.node_id[:256], outcome="busy", detail="over this connection's "
+                                              "enrolment budget: register directly")
+                                 for k, e in enumerate(batch.enrolls)]
+
+    def enroll_one(self, e: Enroll, via: str) -> EnrollAnswer:
+        """One member's enrolment a relay forwarded: checked (scheduler_link.enroll.EnrollDesk),
+        then its full report registered as if over the member's own connection (the
+        certificate's key proved who sent it, as a handshake would have), and the answer's keys
+        sealed to the member. A refusal is a structured outcome, counted, with nothing ingested."""
+        desk = self.enroll_desk()
+        if desk is None:
+            return EnrollAnswer(node_id=e.node_id[:256], outcome="no_tls", detail="this placer runs without TLS")
+        node = self.host.nodes.get(e.node_id)
+        revoked = self.host.security.revoked
+        try:
+            # (wall-clock time, whatever the placer's clock: certificates' validity and the
+            # members' own times are unix times)
+            c = desk.check(e, now=time.time(), denied=(revoked.nodes, revoked.serials),
+                           known=(node.boot_id, node.last_seq) if node is not None else None)
+        except enroll.EnrollRefused as r:
+            log.info("enrolment refused node=%s relay=%s outcome=%s: %s", e.node_id[:200], via, r.outcome, r.detail)
+            return EnrollAnswer(node_id=e.node_id[:256], outcome=r.outcome, detail=r.detail[:300])
+        status, reply = self.host.ingest_relayed(c.report, c.node_id)   # (via itself: its own connection's rules)
+        if status != 200 or reply.mac_key is None:
+            desk.refuse("refused")
+            return EnrollAnswer(node_id=c.node_id, outcome="refused", detail=reply.error or f"status {status}",
+                                reply=msgspec.structs.replace(reply, mac_key=None, placer_key=None))
+        self.enrolled += 1
+        key = reply.mac_key
+        if reply.stop:   # (fencing stops pass the relay: with the placer's MAC in the member's key)
+            reply = msgspec.structs.replace(reply, stop=msgauth.with_stop_macs(key, c.node_id, c.boot_id, reply.stop))
+        if reply.epoch:  # (and the placer's epoch, which the member takes only under that MAC)
+            reply = msgspec.structs.replace(reply, epoch_mac=msgauth.epoch_mac(key, c.node_id, c.boot_id, reply.epoch))
+        return desk.answer(c, reply, key, reply.placer_key or self.host.signer.public)
 
     # ------------------------------------------------------------ delivery
 

@@ -52,6 +52,16 @@ Invariants:
   answer are applied only with the placer's MAC; a part from the relay that the node does not
   take (not signed with the key it holds: the placer may have a new one) sends its next full
   report directly, and it returns to the relay after ``relay_retry_s``.
+- Enrolment through the relay (scheduler_link.enroll): a link with no MAC key yet (a new boot)
+  that knows its rack's relay (``enroll_relay_url``: remembered from its last registration in
+  the agent's state dir, ``on_relay`` keeps it there) and holds its certificate's key
+  (``enroll``) registers *through the relay*: the placer's certificate from the relay,
+  checked against the CA; an Enroll with the full report, MACed under a key only this node
+  and the placer can derive; the keys come back sealed to it. No handshake with the placer.
+  A relay with no connection to the placer (``upstream_down``: the placer restarting) is held
+  on to for ``relay_hold_s``, as for reports; a relay that is unreachable, refuses, or answers
+  anything but a sealed answer that opens: the full report goes directly, as before, and
+  enrolment is tried again after ``relay_retry_s``.
 - What a relay may not decide for its members (issue 42): which relay they use -- a member
   follows ``relay_url`` only from an answer over its own connection (a relayed answer that
   names no relay, or another, sends it back to the placer, which says again); how often they
@@ -96,6 +106,7 @@ from infra.auth import auth_header
 from infra.backoff import Backoff, Retry
 
 from .client import ClientError, check_peer
+from .enroll import EnrollClient, EnrollRefused
 from .epochs import Epochs
 from .fanout import PushPool
 from .frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
@@ -103,11 +114,13 @@ from .heartbeat_wire import UPSTREAM_DOWN, HeartbeatClient, WireError, WireReply
 from .messages import (
     BlobReply,
     BlobRequest,
+    EnrollAnswer,
     Frame,
     GpuSnapshot,
     NodeOutcome,
     NodePart,
     NodeReport,
+    PlacerCert,
     ReportReply,
     Victim,
     WorkloadEvent,
@@ -258,7 +271,8 @@ class AgentLink:
                  ssl_context: ssl.SSLContext | None = None, wire_connect_timeout_s: float = 60.0,
                  wire_busy_backoff_s: float = 1.0, relay_trust_intervals: int = RELAY_TRUST_INTERVALS,
                  relay_hold_s: float = RELAY_HOLD_S, placers: Sequence[str] = (),
-                 epochs: Epochs | None = None) -> None:
+                 epochs: Epochs | None = None, enroll: EnrollClient | None = None,
+                 enroll_relay_url: str | None = None, on_relay: Callable[[str], None] | None = None) -> None:
         # every placer known (placer_url may list several, comma-separated): failed over (scheduler_link.placers)
         self.placers = Placers([*placer_url.split(","), *placers])
         self.placer_url = self.placers.current
@@ -319,6 +333,15 @@ class AgentLink:
         self._vouched_at = -math.inf
         self.relay_rechecks = 0              # full reports sent directly after a relay held us too long
         self.relay_urls_ignored = 0          # relayed answers naming another relay (not followed)
+        # enrolment through the relay (module docstring): this node's certificate key, the relay
+        # it last reported through, and where that is kept
+        self._enroll = enroll
+        self._enroll_url = enroll_relay_url
+        self._on_relay = on_relay
+        self._enroll_retry_at = -math.inf
+        self.enrolled = 0
+        self.enroll_failures = 0
+        self.enroll_refusals: dict[str, int] = {}
         # a relay with no connection to the placer (upstream_down: the placer restarting) is kept
         # this long from its first such answer, retried every RELAY_HOLD_RETRY_S (jittered)
         self.relay_hold_s = relay_hold_s
@@ -365,6 +388,8 @@ class AgentLink:
             "relay_switches": self.relay_switches, "relay_failures": self.relay_failures,
             "relay_rechecks": self.relay_rechecks, "relay_urls_ignored": self.relay_urls_ignored,
             "relay_parts": self._relay.parts if self._relay is not None else 0,
+            "enrolled": self.enrolled, "enroll_failures": self.enroll_failures,
+            "enroll_refusals": dict(self.enroll_refusals),
             "relay_holds": self.relay_holds, "relayed_full_reports": self.relayed_full_reports,
         }
 
@@ -422,6 +447,14 @@ class AgentLink:
                 self._need_full = True  # where is the rack's relay now?
             if self._relay is not None and self._relay_untrusted(trio.current_time()):
                 await self._recheck_relay()
+            if self._enroll_due():
+                enrolled = await self._enroll_through_relay(nursery)
+                if enrolled is None:   # the relay has no connection to the placer yet: held on to
+                    await trio.sleep(self._rng.uniform(0.5, 1.0) * min(RELAY_HOLD_RETRY_S, self.heartbeat_s))
+                    continue
+                if enrolled:
+                    next_beat = trio.current_time() + self.heartbeat_s * random.uniform(0.8, 1.0)
+                    continue
             if self._wire is None and self._wire_url and self.use_wire \
                     and trio.current_time() >= self._wire_retry_at:
                 await self._open_wire(self._wire_url)
@@ -716,6 +749,103 @@ class AgentLink:
         self.relay_switches += 1
         self._relay_failed.pop(url, None)
         log.info("reporting through the rack relay node=%s relay=%s", self.node_id, url)
+        self._remember_relay(url)
+
+    # ------------------------------------------------------------ enrolment through the relay
+
+    def _remember_relay(self, url: str) -> None:
+        """The relay this node reports through: where it enrols after its next restart."""
+        if url == self._enroll_url:
+            return
+        self._enroll_url = url
+        if self._on_relay is not None:
+            try:
+                self._on_relay(url)
+            except OSError as e:
+                log.warning("could not keep the relay's address node=%s err=%s", self.node_id, e)
+
+    def _enroll_due(self) -> bool:
+        """No key yet, a full report due, a relay known, and no enrolment failed lately."""
+        return (self._enroll is not None and self.mac_key is None and self._need_full and self._relay is None
+                and self._enroll_url is not None and self._enroll_url != self.own_relay_url
+                and trio.current_time() >= self._enroll_retry_at)
+
+    def _enroll_failed(self, outcome: str, why: object) -> None:
+        self.enroll_failures += 1
+        self.enroll_refusals[outcome] = self.enroll_refusals.get(outcome, 0) + 1
+        self._enroll_retry_at = trio.current_time() + self._relay_retry()
+        self._need_full = True
+        log.warning("enrolment through the relay failed, registering directly node=%s relay=%s outcome=%s err=%s",
+                    self.node_id, self._enroll_url, outcome, why)
+
+    async def _enroll_through_relay(self, nursery: trio.Nursery) -> bool | None:
+        """Register through the remembered relay (module docstring). True when this node is
+        registered and reports through that relay now; False: register directly; None: the
+        relay has no connection to the placer (it may be restarting) and is held on to for
+        ``relay_hold_s`` from the first such answer, as for reports (try again soon)."""
+        assert self._enroll is not None and self._enroll_url is not None
+        url = self._enroll_url
+        try:
+            with trio.fail_after(self.request_timeout_s):
+                ch = await self._relay_connect(url, self.token or "", self.node_id)
+        except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
+                tls.TLSError) as e:
+            self._enroll_failed("unavailable", e)
+            return False
+        r = RelayChannel(ch, url, self.on_part, self._part_refused)
+        nursery.start_soon(r.run)
+        try:
+            # an enrolment is a registration: the placer may be working through a storm of them
+            with trio.fail_after(max(self.request_timeout_s, self.wire_connect_timeout_s)):
+                pc = decode_payload(await ch.call("enroll_key", {}), PlacerCert)
+                if not pc.cert:
+                    raise EnrollRefused(pc.outcome or "unavailable", pc.error or "the relay has no placer certificate")
+                report = self._build_report()
+                enrolment, pending = self._enroll.make(report, pc.cert, now=time.time())
+                answer = decode_payload(await ch.call("enroll", enrolment), EnrollAnswer)
+            secret = EnrollClient.open(pending, answer)
+        except EnrollRefused as err:
+            await r.aclose()
+            if err.outcome == "upstream_down" and self._holding(trio.current_time()):
+                self.relay_holds += 1
+                self.enroll_refusals["upstream_down"] = self.enroll_refusals.get("upstream_down", 0) + 1
+                self._need_full = True
+                return None
+            self._relay_down_since = None
+            self._enroll_failed(err.outcome, err.detail)
+            return False
+        except (FrameError, CallFailed, trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError) as err:
+            await r.aclose()
+            self._enroll_failed("unavailable", err)
+            return False
+        reply = answer.reply or ReportReply()
+        self.mac_key, self.placer_key = secret.mac_key, secret.placer_key
+        if not self._fresh_relayed(reply):   # (its epoch, under the placer's MAC in the key it sealed)
+            self.mac_key = self.placer_key = None
+            await r.aclose()
+            self._enroll_failed("refused", "the answer of a replaced placer")
+            return False
+        await self._close_wire()
+        self._relay_down_since = None
+        self._relay = self._wire = r
+        self.enrolled += 1
+        self.reports_sent += 1
+        self.full_reports_sent += 1
+        self.registered = True
+        self.last_ok_at = time.time()
+        self._vouched_at = trio.current_time()   # the sealed keys are the placer's word
+        log.info("registered through the rack relay node=%s boot=%s relay=%s", self.node_id, self.boot_id, url)
+        if reply.heartbeat_interval_s:   # a relayed answer, but for its keys: clamped as one
+            self.heartbeat_s = relayed_interval(reply.heartbeat_interval_s, self.placer_heartbeat_s)
+        if reply.need_full:
+            self._need_full = True
+        stop, forged = verified_stops(self.mac_key, self.node_id, self.boot_id, list(reply.stop))
+        self.stops_refused += forged
+        stop = [v for v in stop if self._fresh_stop(v)]
+        if stop:
+            self.stops_received += len(stop)
+            nursery.start_soon(self._stop, stop)
+        return True
 
     async def _open_wire(self, wire_url: str) -> None:
         wire_url = wire_endpoint(wire_url, self.placer_url)

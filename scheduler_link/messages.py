@@ -713,6 +713,87 @@ class RackReports(msgspec.Struct, frozen=True, kw_only=True):
     reports: list[NodeReport] = []
 
 
+# ---------------------------------------------------------------- enrolment through the rack relay
+# (scheduler_link/enroll.py: a member with no MAC key registers through its relay; the relay can
+# neither make one up for another node nor read the keys in the answer)
+
+ENROLL_VERSION = 1
+
+# Why an enrolment was not taken: a structured outcome, counted by the placer and the relay
+EnrollOutcome = Literal[
+    "enrolled",          # registered; the answer's ``sealed`` holds the keys
+    "malformed",         # did not decode, or its fields do not agree (report of another node/boot)
+    "oversized",         # a field over its bound
+    "wrong_node",        # the relay's member connection is of another node
+    "bad_certificate",   # not a certificate, not a node's, or of another node than it enrols
+    "not_from_ca",       # not signed by the cluster CA
+    "expired",           # outside its validity period
+    "revoked",           # the node or the certificate is on the deny-list
+    "bad_mac",           # the MAC does not verify (not made by the holder of the certificate's key)
+    "replay",            # its nonce was seen, it is older than the window, or its report is not newer
+    "no_tls",            # the placer runs without TLS: no identities to check (register directly)
+    "upstream_down",     # the relay has no connection to the placer (it may be restarting): try again
+    "unavailable",       # the relay lost its connection meanwhile, or the placer did not answer
+    "busy",              # over the connection's enrolment budget at the placer: register directly
+    "refused",           # the placer did not take the report (its answer says why)
+]
+
+
+class PlacerCert(msgspec.Struct, frozen=True, kw_only=True):
+    """The placer's TLS certificate (DER), which the cluster CA signed: its public key is the
+    placer's static key of the enrolment's ECDH. A relay hands it down; the member checks it."""
+    cert: bytes = b""
+    error: str | None = None
+    outcome: EnrollOutcome | None = None     # why there is no certificate (``upstream_down``, ``no_tls``)
+    version: int = ENROLL_VERSION
+
+
+class Enroll(msgspec.Struct, frozen=True, kw_only=True):
+    """A member -> its relay -> the placer: register ``node_id`` (boot ``boot_id``) with its
+    full report, authenticated by the holder of ``cert``'s private key (a MAC under a key
+    derived from ECDH with the placer's static key; scheduler_link.enroll). ``report`` is the
+    encoded full report (msgpack) as the member made it: MACed byte for byte, decoded only
+    once the MAC verifies."""
+    node_id: str
+    boot_id: str
+    nonce: bytes
+    at: float                                # the member's unix time when it made it
+    cert: bytes                              # the member's certificate, DER
+    report: msgspec.Raw = msgspec.Raw(b"\xc0")
+    mac: bytes = b""
+    version: int = ENROLL_VERSION
+
+
+class EnrollAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    """The placer -> the relay -> the member. ``sealed``: the member's MAC key and the
+    placer's signing key, sealed (ChaCha20-Poly1305) under a key only the member and the
+    placer can derive; ``reply``: the rest of the registration's answer, without keys (read
+    as a relayed answer: nothing in it is trusted beyond what a relay may change)."""
+    node_id: str
+    outcome: EnrollOutcome = "enrolled"
+    detail: str | None = None
+    sealed: bytes = b""
+    reply: ReportReply | None = None
+    version: int = ENROLL_VERSION
+
+
+class EnrollSecret(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``EnrollAnswer.sealed`` opens to (msgpack inside the AEAD)."""
+    node_id: str
+    boot_id: str
+    mac_key: bytes
+    placer_key: bytes
+    version: int = ENROLL_VERSION
+
+
+class RackEnrolls(msgspec.Struct, frozen=True, kw_only=True):
+    """A relay -> the placer: several members' enrolments in one frame (answered by one
+    ``enrolls_reply`` frame: a list of EnrollAnswer in the same order)."""
+    rack: str
+    enrolls: list[Enroll] = []
+    version: int = ENROLL_VERSION
+
+
 class NodeStop(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str
     stop: list[Victim] = []
@@ -746,7 +827,8 @@ class RelayHello(msgspec.Struct, frozen=True, kw_only=True):
 
 
 FrameType = Literal["hello", "report", "reply", "bundle", "acks", "placement", "ack", "blob", "error",
-                    "beat", "beat_reply", "part", "blob_get", "ping", "reports", "replies"]
+                    "beat", "beat_reply", "part", "blob_get", "ping", "reports", "replies",
+                    "enroll_key", "placer_cert", "enroll", "enrolled", "enrolls", "enrolls_reply"]
 
 
 class Frame(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

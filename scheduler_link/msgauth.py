@@ -6,7 +6,8 @@ TLS (infra.tls) authenticates each *connection*; a relay sits between the placer
 and its rack's members, so what crosses it is authenticated here, per message:
 
 - **Up (member -> relay -> placer): keyed BLAKE3 MACs.** Node X holds a 32-byte key K_X it
-  received in the answer to a full report over its own connection (never through a relay).
+  received in the answer to a full report over its own connection, or sealed to it in the
+  answer to its enrolment through its relay (scheduler_link.enroll: the relay cannot read it).
   Every report, heartbeat and placement outcome a relay forwards for X carries
   ``MAC = BLAKE3(key=K_X, kind || canonical bytes)[:16]``; the placer recomputes and
   compares in constant time, and drops (and counts) what does not verify.

@@ -20,9 +20,14 @@ batches, blob sources and serving) is that code's. **The relay -> member hop is 
 process** (:class:`InProcessHop`: a call per part where a relay host calls ``part`` on the
 member's frames connection; ``Relay.member_report`` / ``member_blob`` the other way); the
 members (:class:`EmulatedRack`) are fakes of hosts, registering directly and reporting to
-their relay as AgentLink does. The relays of one process share what one host's would: the
-gang blob cache and the batch signatures already verified (one Ed25519 check per batch per
-process).
+their relay as AgentLink does. With ``--enroll`` (over TLS) members other than the relay's own
+node register *through* their relay instead (scheduler_link.enroll): each makes its Enroll with
+its own certificate's key (:class:`~scheduler_link.enroll.EnrollClient`, what AgentLink uses),
+hands it to the shipped relay (``Relay.member_enroll_key`` / ``member_enroll``, as the member
+connection's frames do), and opens the sealed answer; a refusal falls back to direct
+registration. Without it (the baseline) each registers over its own TLS connection. The
+relays of one process share what one host's would: the gang blob cache and the batch
+signatures already verified (one Ed25519 check per batch per process).
 
 Sockets, because one process holds up to 20,000 descriptors:
 - placements: one HTTP listener per emulator process; a node's ``control_url`` is
@@ -83,6 +88,7 @@ from infra.auth import TokenSet, bearer
 from infra.pki import NodeContexts
 from infra.tls import Security
 from scheduler_link.agent_link import RELAY_HOLD_RETRY_S, RELAY_HOLD_S, AgentLink, ReportChannel
+from scheduler_link.enroll import CertOK, EnrollClient, EnrollRefused
 from scheduler_link.fanout import PushPool
 from scheduler_link.heartbeat_wire import (
     UPSTREAM_DOWN,
@@ -96,6 +102,7 @@ from scheduler_link.heartbeat_wire import (
     parse_wire_url,
 )
 from scheduler_link.messages import (
+    EnrollAnswer,
     GpuInfo,
     GpuSnapshot,
     NodeOutcome,
@@ -198,7 +205,7 @@ class EmulatedNode:
     """One node: the hooks its AgentLink calls, and a fake supervisor for placements."""
 
     __slots__ = ("fleet", "slot", "control_url", "refuse", "workloads", "link", "rack", "boot_id", "seq", "registered",
-                 "registering", "mac_key",
+                 "registering", "mac_key", "enroll",
                  "counted", "_snap", "_uuids", "_uuid_list", "_inventory", "_all_slots")
 
     def __init__(self, fleet: Fleet, slot: NodeSlot, control_url: str, refuse: str | None) -> None:
@@ -215,6 +222,7 @@ class EmulatedNode:
         self.registering = False                  # relay mode: a full report of it is under way
         self.mac_key = b""                        # relay mode: from its direct registration (msgauth)
         self.counted = False                      # relay mode: its first registration counted (Fleet)
+        self.enroll: EnrollClient | None = None   # relay mode, --enroll: its certificate's key (made before go)
         self._snap: GpuSnapshot | None = None
         self._uuids: frozenset[str] = frozenset()
         self._uuid_list: list[str] = []
@@ -479,6 +487,8 @@ class EmulatedRack:
         self._flush = trio.Event()
         self._sending: set[str] = set()          # members whose event report is out (one at a time)
         self.reregistrations = 0
+        self.enrolled = 0                         # members registered through the relay (--enroll)
+        self.enroll_refused: dict[str, int] = {}  # ... and enrolments that were not, by outcome
         self.relayed_registrations = 0   # full reports of members taken through the relay (no handshake)
         self.events_superseded = 0  # pending when their member's full report was built (it says them)
         self.events_unsent = 0      # in reports the relay could not forward (a full report follows)
@@ -531,8 +541,12 @@ class EmulatedRack:
             if not own and m.mac_key and await self._register_relayed(m):
                 return
             self.relay.member_left(m.slot.node_id)   # a full report directly: not through the relay meanwhile
+            enrol = m.enroll is not None and not own and not m.mac_key
             while True:
-                wr = await self._register_direct(m)
+                wr = await self._enroll(m) if enrol else None
+                enrol = False   # (refused: directly from now on, as AgentLink falls back)
+                if wr is None:
+                    wr = await self._register_direct(m)
                 if wr is not None and wr.status == 200:
                     if not m.counted:
                         m.counted = True
@@ -550,6 +564,36 @@ class EmulatedRack:
                 await trio.sleep(0.5)
         finally:
             m.registering = False
+
+    async def _enroll(self, m: EmulatedNode) -> WireReply | None:
+        """A member's registration through its relay (--enroll): the placer's certificate
+        from the relay, an Enroll made with the member's own certificate key, the shipped
+        relay's member_enroll, the sealed answer opened (as AgentLink._enroll_through_relay
+        does over the member's frames connection). None: not taken (register directly)."""
+        assert m.enroll is not None
+        relay = self.relay
+        with trio.move_on_after(self.fleet.cfg.relay_hold_s):   # (held on to, as AgentLink does)
+            while relay.upstream is None:
+                await relay.upstream_ready.wait()
+        pc = await relay.member_enroll_key()
+        if not pc.cert:
+            why = pc.outcome or "unavailable"
+            self.enroll_refused[why] = self.enroll_refused.get(why, 0) + 1
+            return None
+        rep = self._report(m, full=True)
+        try:
+            e, pending = m.enroll.make(rep, pc.cert, now=time.time())
+            got = relay.member_enroll(m.slot.node_id, e)
+            a = got if isinstance(got, EnrollAnswer) else await got
+            secret = EnrollClient.open(pending, a)
+        except EnrollRefused as err:
+            self.enroll_refused[err.outcome] = self.enroll_refused.get(err.outcome, 0) + 1
+            log.debug("enrolment refused node=%s: %s", m.slot.node_id, err)
+            return None
+        m.mac_key = secret.mac_key
+        self.enrolled += 1
+        self.reports += 1
+        return WireReply(status=200, reply=a.reply or ReportReply())
 
     async def _register_relayed(self, m: EmulatedNode) -> bool:
         """A member's full report through its relay, with its MAC (the key outlives a placer
@@ -803,6 +847,7 @@ class FleetConfig:
     hung_relays: frozenset[str] = frozenset()   # racks whose relay takes bundles and never answers
     tls_dir: str | None = None         # a PKI dir with ca.key: each node reports over its own mutual TLS
     tls_threads: int = 8               # relay mode over TLS: members' blocking registrations in flight
+    enroll: bool = False               # relay mode over TLS: members register through their relay
     hold_events: bool = True           # relay mode: members' event reports wait while bundles come (Fleet.bundles_quiet)
     relay_hold_s: float = RELAY_HOLD_S  # relay mode: a member keeps a relay that lost the placer this long
 
@@ -842,6 +887,7 @@ class Fleet:
         # mutual TLS: one certificate and client context per emulated node, made before it registers
         self.node_tls = NodeContexts(cfg.tls_dir) if cfg.tls_dir else None
         self._node_ctx: dict[str, ssl.SSLContext] = {}
+        self._placer_certs: dict[bytes, CertOK] = {}   # --enroll: the placer's certificate, checked once a process
         # Real agents each handshake on their own CPU; thousands at once in this one thread would
         # each finish late (past their deadline, then retry): some at a time, as hosts starting a
         # little apart would. The wait for a turn here is the emulator's, not the node's: a node's
@@ -939,7 +985,12 @@ class Fleet:
                       "refused_spec" if slot.node_id in cfg.refuse_spec else None)
             node = self.nodes[slot.node_id] = EmulatedNode(self, slot, f"{self.control}/n/{slot.node_id}", refuse)
             node.gpu_snapshot()  # a real agent has discovered its GPUs before it registers
-            self.node_context(slot.node_id)  # ... and holds its certificate (made here, not timed)
+            if cfg.enroll and cfg.relays and self.node_tls is not None:
+                # ... and holds its certificate (made here, not timed): its key for enrolment
+                # (a TLS context only if it falls back to direct registration, or is its rack's relay)
+                node.enroll = self.enroll_client(slot.node_id)
+            else:
+                self.node_context(slot.node_id)  # ... and holds its certificate (made here, not timed)
         # HTTP reports through the lean kept-alive client, bounded per endpoint: an httpx
         # client with thousands of queued requests costs the emulator more than the placer
         http = PushPool(concurrency=cfg.http_connections, max_per_host=cfg.http_connections,
@@ -1006,6 +1057,14 @@ class Fleet:
         if ctx is None:
             ctx = self._node_ctx[node_id] = self.node_tls.context(node_id)
         return ctx
+
+    def enroll_client(self, node_id: str) -> EnrollClient:
+        """A node's enrolment client: a certificate issued by the PKI dir's CA (in memory), its key."""
+        assert self.node_tls is not None
+        from cryptography.hazmat.primitives import serialization
+        key, cert = self.node_tls.ca.issue(f"node:{node_id}", days=self.node_tls.days)
+        return EnrollClient(self.node_tls.ca.cert, key, cert.public_bytes(serialization.Encoding.DER),
+                            placer_certs=self._placer_certs)
 
     async def _connector(self, n: trio.Nursery) -> Any:
         cfg = self.cfg
@@ -1084,6 +1143,8 @@ class Fleet:
                 "relay_connects": sum(r.connects for r in rs), "relay_drops": sum(r.drops for r in rs),
                 "relay_drop_reasons": reasons,
                 "reregistrations": sum(k.reregistrations for k in ks),
+                "enrolled": sum(k.enrolled for k in ks),
+                "enroll_refused": _summed(k.enroll_refused for k in ks),
                 "relayed_registrations": sum(k.relayed_registrations for k in ks),
                 "relay_held": sum(c.held_answered for c in cs),
                 "events_superseded": sum(k.events_superseded for k in ks),
@@ -1291,6 +1352,14 @@ async def _main(cfg: FleetConfig, tokens: TokenSet, go_now: bool, seconds: float
         n.cancel_scope.cancel()
 
 
+def _summed(counts: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for c in counts:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
+
+
 def _pid() -> int:
     return os.getpid()
 
@@ -1325,6 +1394,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a PKI dir with ca.key: every node reports over its own mutual-TLS connection")
     ap.add_argument("--tls-threads", type=int, default=8,
                     help="relay mode over TLS: members' registrations in flight in this process")
+    ap.add_argument("--enroll", action="store_true",
+                    help="relay mode over TLS: members register through their relay (no handshake with the placer)")
     ap.add_argument("--log-level", default=os.environ.get("HERD_EMU_LOG", "ERROR"),
                     help="the emulator's log level (default ERROR; env HERD_EMU_LOG)")
     a = ap.parse_args(argv)
@@ -1339,7 +1410,7 @@ def main(argv: list[str] | None = None) -> int:
         refuse_spec=frozenset(x for x in a.refuse_spec.split(",") if x),
         timing=Timing(fetch_s=a.fetch_delay, run_s=a.run_delay, stop_s=a.stop_delay), relays=a.relays,
         hung_relays=frozenset(x for x in a.hung_relays.split(",") if x), tls_dir=a.tls_dir,
-        tls_threads=a.tls_threads, hold_events=not a.no_hold_events, relay_hold_s=a.relay_hold)
+        tls_threads=a.tls_threads, hold_events=not a.no_hold_events, relay_hold_s=a.relay_hold, enroll=a.enroll)
     try:
         trio.run(_main, cfg, tokens, a.go, min(a.seconds, math.inf))
     except KeyboardInterrupt:
