@@ -5,7 +5,9 @@ the same state dir and ports, and time how long the new process takes to hold th
 
 One ``herd placer run`` (mutual TLS unless ``--plain``; rack relays on) and
 ``ceil(N / --per-proc)`` emulator processes (``python -m testing.fleet --relays``: each rack
-runs the shipped relay, :class:`agent.relay.Relay`; every node has its own certificate).
+runs the shipped relay, :class:`agent.relay.Relay`; every node has its own certificate, and
+over TLS members register by enrolling through their relay, ``--enroll``, as agents that
+kept their relay's address do; ``--no-enroll``: each over its own connection, a handshake each).
 
 - cold: ``go`` -> every node up (``register_s``), with the placer's CPU and the emulators';
 - a gang of ``--gang-hosts`` (default 19 % of the fleet: 25,000 hosts of 131,072) x 8 GPUs
@@ -88,12 +90,14 @@ async def _handshakes(c: httpx.AsyncClient, url: str) -> int:
 
 async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls: bool, relay_hold: float,
                    per_proc: int, recover_s: float, tmp: Path, limit_s: float,
-                   heartbeat_s: float = HEARTBEAT_S) -> dict[str, Any]:
+                   heartbeat_s: float = HEARTBEAT_S, enroll: bool = True) -> dict[str, Any]:
     token_dir = generate_token_dir(tmp / "tokens")
     op = {"authorization": f"Bearer {TokenSet.load(token_dir).operator}"}
     pki = throwaway(tmp / "pki").dir if tls else None
     placer = Placer(tmp / "placer", token_dir, None, recover_s, tls_dir=pki, relays=True, heartbeat_s=heartbeat_s)
-    row: dict[str, Any] = {"nodes": n, "fleet": fleet, "tls": tls, "relay_hold_s": relay_hold, "heartbeat_s": heartbeat_s,
+    enroll = enroll and tls
+    row: dict[str, Any] = {"nodes": n, "fleet": fleet, "tls": tls, "enroll": enroll, "relay_hold_s": relay_hold,
+                           "heartbeat_s": heartbeat_s,
                            "gang_hosts": gang_hosts, "recover_s": recover_s, "load_before": os.getloadavg()[0]}
     emus: list[EmulatorProc] = []
     try:
@@ -107,7 +111,7 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             cnt = min(per_proc, n - k * per_proc)
             e = EmulatorProc(proxy, token_dir, nodes=cnt, offset=k * per_proc, fleet=fleet, mux=8, tls_dir=pki,
                              log_path=tmp / f"emu-{k}.log", nice=EMULATOR_NICE,
-                             extra=["--relays", "--relay-hold", str(relay_hold),
+                             extra=["--relays", "--relay-hold", str(relay_hold), *(["--enroll"] if enroll else []),
                                     *(["--tls-threads", str(max(8, 32 // procs))] if tls else [])])
             await e.__aenter__()
             emus.append(e)
@@ -185,7 +189,8 @@ async def run_all(ns: argparse.Namespace) -> dict[str, Any]:
         for hold in holds:
             rows.append(await run_once(ns.nodes, fleet=ns.fleet, gang_hosts=gang, probe_gpus=ns.probe_gpus,
                                        tls=not ns.plain, relay_hold=hold, per_proc=ns.per_proc,
-                                       recover_s=ns.recover_s, tmp=root / f"hold{hold:g}", limit_s=ns.limit_s))
+                                       recover_s=ns.recover_s, tmp=root / f"hold{hold:g}", limit_s=ns.limit_s,
+                                       enroll=not ns.no_enroll))
     out: dict[str, Any] = {"bench": "restart", "cores": os.cpu_count(), "heartbeat_s": HEARTBEAT_S, "rows": rows}
     if len(rows) == 2 and rows[0].get("model_full_s") and rows[1].get("model_full_s"):
         out["model_full_ratio_hold_over_direct"] = round(rows[0]["model_full_s"] / rows[1]["model_full_s"], 2)
@@ -193,7 +198,8 @@ async def run_all(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_table(out: dict[str, Any]) -> None:
-    cols = ["nodes", "fleet", "tls", "relay_hold_s", "register_s", "model_full_s", "recovery_placer_cpu_s",
+    cols = ["nodes", "fleet", "tls", "enroll", "relay_hold_s", "register_s", "register_placer_cpu_s", "model_full_s",
+            "recovery_placer_cpu_s",
             "tls_handshakes", "handshake_bound", "relayed_registrations", "probe_acked_s", "probe_from_listening_s",
             "probe_target_s", "stops", "placements_doubled", "refused_acks", "gang_running"]
     print(" ".join(f"{c:>12}" for c in cols))
@@ -213,6 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--recover-s", type=float, default=5.0)
     ap.add_argument("--limit-s", type=float, default=600.0, help="bound on every wait")
     ap.add_argument("--plain", action="store_true", help="no TLS (the placer insecure)")
+    ap.add_argument("--no-enroll", action="store_true",
+                    help="TLS: members register over their own connection (a handshake each) instead of enrolling "
+                         "through their relay")
     ap.add_argument("--baseline", action="store_true", help="also the run with the members' relay hold off")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
