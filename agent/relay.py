@@ -71,7 +71,7 @@ import msgspec
 import trio
 
 from infra.auth import TokenSet
-from infra.tls import Security
+from infra.tls import Security, TLSError
 from scheduler_link.epochs import Epochs
 from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
 from scheduler_link.heartbeat_wire import UPSTREAM_DOWN, HeartbeatServer, Hello, WireError, WireReply
@@ -255,7 +255,8 @@ class Relay:
                                        relay=RelayHello(racks=[self.rack], listen_url=self.listen_url),
                                        local_address=self._local_address,
                                        ssl_context=self._client_ssl, expect="placer" if self._client_ssl else None)
-            except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError) as e:
+            except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
+                    TLSError) as e:   # (a busy placer resets handshakes: tried again, never the relay's end)
                 self.failures += 1
                 log.info("relay upstream connect failed url=%s err=%r", url, e)
                 await trio.sleep(backoff * 2 * random.uniform(0.5, 1.0))  # jittered: relays do not retry in step
