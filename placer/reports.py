@@ -224,6 +224,7 @@ class Reports(StateBase):
             self.dirty = True   # new capacity (or moved): worth a scheduling pass
         self.model.upsert_node(spec)
         self.nodes[rep.node_id] = node
+        self.simulated_nodes += node.simulated - (old.simulated if old is not None else False)
         self.lost_timer.set(rep.node_id, now + self.cfg.lost_after_s)
         self._set_manifests(node, set(rep.manifests or ()))
         if snap is not None:

@@ -881,7 +881,7 @@ class PlacerService:
             out["fragmentation"] = {k: float(v) for k, v in fragmentation(st.model).items()}
             out["largest_placeable"] = {k: int(v) for k, v in largest_placeable(st.model).items()}
         out["nodes"] = {"up": st.node_states["up"], "lost": st.node_states["lost"], "total": len(st.nodes),
-                        "simulated": sum(n.simulated for n in st.nodes.values())}
+                        "simulated": st.simulated_nodes}
         if req.query.get("detail") != "0":  # nodes by the dashboard map's states (its cached build)
             out["nodes"]["by_state"] = self.dashboard.counts()
         out["jobs"] = st.job_counts()

@@ -80,6 +80,7 @@ class StateBase:
         self.jobs: dict[str, JobRec] = {}
         self.pods = CurrentPods(self.jobs)                  # current-attempt pods by workload id
         self.node_states: Counter[str] = Counter()          # up / lost
+        self.simulated_nodes = 0                            # of self.nodes, with simulated GPUs (O(1) for /v1/cluster)
         self.uuid_owner: dict[str, str] = {}                # GPU UUID -> the node reporting it
         self.manifest_holders: dict[str, set[str]] = {}     # manifest id -> up nodes holding it
         self.degraded_nodes: set[str] = set()               # nodes with a GPU reported degraded
