@@ -108,6 +108,7 @@ class RelayHost(Protocol):
     signer: msgauth.BundleSigner
     clock: Callable[[], float]
     security: Security        # the placer's TLS files (its enrolment key) and the deny-list
+    rack_pins: relaypolicy.RackPins   # the racks nodes are pinned to (certificates, approvals)
 
     @property
     def epoch(self) -> int:
@@ -191,7 +192,8 @@ class RelayHub:
     # ------------------------------------------------------------ connections
 
     def opened(self, hello: Hello, channel: FrameChannel) -> Callable[[FrameChannel, Frame], Any]:
-        relaypolicy.admit(hello, self.host.nodes.get(hello.node_id), channel)   # (raises Refused)
+        relaypolicy.admit(hello, self.host.nodes.get(hello.node_id), channel, self.host.rack_pins,
+                          require_pinned=self.host.cfg.require_pinned_racks)   # (raises Refused)
         conn = RelayConn(hello.node_id, tuple(hello.racks), hello.listen_url, channel)
         channel.info = conn
         for rack in conn.racks:
