@@ -66,7 +66,7 @@ def cmd_approve(args: argparse.Namespace) -> int:
     if pinned.get("by") == "certificate" and pinned.get("rack") != args.rack:
         print(f"; its certificate pins rack {pinned.get('rack')}, which comes first", end="")
     if out.get("registered_rack"):
-        print(f"; it is registered in rack {out['registered_rack']} now: its next registration there is refused",
+        print(f"; it is registered in rack {out['registered_rack']} now: it relays there no more and its next registration there is refused",
               end="")
     print()
     return 0

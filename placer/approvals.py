@@ -4,7 +4,8 @@
   (operator): pin the node's rack where its certificate pins none. Durable
   (:class:`placer.nodeops.ApprovalFile`, fsynced) before it is acknowledged; the node need not
   have reported yet. The answer names the rack of the node's registration in force when it
-  differs (the approval applies from the node's next registration and relay hello).
+  differs: the node stops being chosen as that rack's relay at once (relaypolicy.may_relay), and
+  its next full report is refused.
 * ``GET /v1/approvals`` (viewer) -- every approval, with the node's registered rack and the
   rack its certificate pins, when the placer has seen one.
 

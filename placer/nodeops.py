@@ -59,12 +59,13 @@ class NodeOps(StateBase):
     def __init__(self, *args: object, **kw: object) -> None:
         super().__init__(*args, **kw)  # type: ignore[arg-type]  # a mixin passes its bases' arguments through unchanged
         self.cordons: dict[str, str] = {}
-        self.rack_pins = RackPins(self.counters)   # the racks nodes may register and relay in
+        # the racks nodes may register and relay in (placer.relaypolicy)
+        self.rack_pins = RackPins(self.counters, require=self.cfg.require_pinned_racks)
 
     def approve_rack(self, node_id: str, rack: str) -> str | None:
         """Pin ``node_id`` to ``rack`` (an operator's approval; a node need not have reported
-        yet). Returns the rack its registration in force names when that differs (the
-        approval applies from its next registration and relay hello), else None."""
+        yet). Returns the rack its registration in force names when that differs (it relays
+        there no more; its next full report is refused), else None."""
         if not node_id or "/" in node_id or len(node_id) > 256:
             raise JobError(f"bad node id {node_id[:200]!r}")
         if parse_rack(rack) is None:

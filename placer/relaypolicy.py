@@ -66,6 +66,9 @@ class Registered(Protocol):
     """What is read of a node's record (placer.records.NodeRec)."""
 
     @property
+    def node_id(self) -> str: ...
+
+    @property
     def rack_path(self) -> str: ...
 
 
@@ -82,14 +85,17 @@ class Pin:
 class RackPins:
     """Per node, the rack it is pinned to (its certificate's, else an operator's approval),
     and the refusals counted by code. One owner (the placer state); plain dicts, no I/O:
-    the service makes approvals durable before it hands them in."""
+    the service makes approvals durable before it hands them in. ``require``: a node with no
+    pin relays for no rack (``[placer] require_pinned_racks``)."""
 
-    __slots__ = ("approved", "certified", "counters")
+    __slots__ = ("approved", "certified", "counters", "require")
 
-    def __init__(self, counters: dict[str, int] | None = None, approved: Mapping[str, str] | None = None) -> None:
+    def __init__(self, counters: dict[str, int] | None = None, approved: Mapping[str, str] | None = None, *,
+                 require: bool = False) -> None:
         self.approved: dict[str, str] = dict(approved or {})   # node id -> rack, by an operator
         self.certified: dict[str, str] = {}                      # node id -> rack, by a certificate seen
         self.counters = counters if counters is not None else {}
+        self.require = require
 
     def saw(self, principal: Principal | None) -> None:
         """A connection's verified principal: a node certificate that pins a rack pins it from
@@ -113,6 +119,11 @@ class RackPins:
         key = "rack_refused_" + refusal.code
         self.counters[key] = self.counters.get(key, 0) + 1
         return refusal
+
+    def relays_for(self, node_id: str, rack: str) -> bool:
+        """Whether the node's pin allows it to relay for ``rack`` (its registration aside)."""
+        pin = self.pin(node_id)
+        return not self.require if pin is None else pin.rack == rack
 
     def registration(self, node_id: str, rack: str) -> Refused | None:
         """:func:`check_registration` against this node's pin, counted when refused."""
@@ -151,13 +162,14 @@ def check_hello(node_id: str, racks: Sequence[str], registered_rack: str | None,
     return None
 
 
-def may_relay(rack: str, node: Registered | None) -> bool:
-    """Whether a candidate connection of ``rack`` may be chosen now: its node is registered there."""
-    return node is not None and node.rack_path == rack
+def may_relay(rack: str, node: Registered | None, pins: RackPins | None = None) -> bool:
+    """Whether a candidate connection of ``rack`` may be chosen now: its node is registered
+    there, and its pin allows that rack now (an approval given after the node was admitted or
+    registered takes effect at once)."""
+    return node is not None and node.rack_path == rack and (pins is None or pins.relays_for(node.node_id, rack))
 
 
-def admit(hello: Hello, node: Registered | None, channel: FrameChannel | Any, pins: RackPins | None = None, *,
-          require_pinned: bool = False) -> None:
+def admit(hello: Hello, node: Registered | None, channel: FrameChannel | Any, pins: RackPins | None = None) -> None:
     """The relay hub's hello check (``RelayHub.opened``): raises Refused, or admits the
     connection (a relay candidate gets a candidate's bounds: ``FrameChannel.make_candidate``).
     The connection's certificate pins its node's rack first (``pins.saw``)."""
@@ -168,7 +180,7 @@ def admit(hello: Hello, node: Registered | None, channel: FrameChannel | Any, pi
             pins.saw(principal)
         pin = pins.pin(hello.node_id)
     refusal = check_hello(hello.node_id, hello.racks, node.rack_path if node is not None else None, pin,
-                          require_pinned=require_pinned)
+                          require_pinned=pins is not None and pins.require)
     if refusal is not None:
         if pins is not None:
             pins.count(refusal)

@@ -192,8 +192,7 @@ class RelayHub:
     # ------------------------------------------------------------ connections
 
     def opened(self, hello: Hello, channel: FrameChannel) -> Callable[[FrameChannel, Frame], Any]:
-        relaypolicy.admit(hello, self.host.nodes.get(hello.node_id), channel, self.host.rack_pins,
-                          require_pinned=self.host.cfg.require_pinned_racks)   # (raises Refused)
+        relaypolicy.admit(hello, self.host.nodes.get(hello.node_id), channel, self.host.rack_pins)  # (raises Refused)
         conn = RelayConn(hello.node_id, tuple(hello.racks), hello.listen_url, channel)
         channel.info = conn
         for rack in conn.racks:
@@ -223,14 +222,16 @@ class RelayHub:
         hit = self._active.get(rack)
         if hit is not None:
             n = self.host.nodes.get(hit.node_id)
-            if n is not None and n.state == "up" and relaypolicy.may_relay(rack, n) and not hit.channel.closed.is_set():
+            if n is not None and n.state == "up" and relaypolicy.may_relay(rack, n, self.host.rack_pins) \
+                    and not hit.channel.closed.is_set():
                 return hit
         best: RelayConn | None = None
         best_rank = b""
         nodes = self.host.nodes
+        pins = self.host.rack_pins
         for nid, conn in self._cands.get(rack, {}).items():
             n = nodes.get(nid)
-            if n is None or n.state != "up" or not relaypolicy.may_relay(rack, n) or conn.channel.closed.is_set():
+            if n is None or n.state != "up" or not relaypolicy.may_relay(rack, n, pins) or conn.channel.closed.is_set():
                 continue
             r = _rank(rack, nid)
             if best is None or r > best_rank:
@@ -260,7 +261,7 @@ class RelayHub:
         if conn is None or conn.channel.closed.is_set() or not conn.listen_url:
             return None
         n = self.host.nodes.get(via)
-        return conn.listen_url if n is None or relaypolicy.may_relay(rack, n) else None
+        return conn.listen_url if n is None or relaypolicy.may_relay(rack, n, self.host.rack_pins) else None
 
     def statistics(self) -> dict[str, Any]:
         s = self.stats

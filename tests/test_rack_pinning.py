@@ -154,6 +154,24 @@ def test_a_hello_is_admitted_only_for_the_pinned_and_registered_rack(rack: str, 
     assert relaypolicy.check_hello("n", [], registered, pin, require_pinned=require) is None
 
 
+class _Rec:
+    def __init__(self, node_id: str, rack: str) -> None:
+        self.node_id = node_id
+        self.rack_path = rack
+
+
+def test_a_candidate_is_chosen_only_within_its_pin() -> None:
+    pins = RackPins()
+    assert relaypolicy.may_relay(R0, _Rec("n", R0), pins)               # no pin, not required
+    pins.require = True
+    assert not relaypolicy.may_relay(R0, _Rec("n", R0), pins)           # no pin, required
+    pins.approve("n", R0)
+    assert relaypolicy.may_relay(R0, _Rec("n", R0), pins)
+    pins.approve("n", R1)                                                # moved after it registered
+    assert not relaypolicy.may_relay(R0, _Rec("n", R0), pins)
+    assert not relaypolicy.may_relay(R1, _Rec("n", R0), pins)            # and not registered in r1
+
+
 def test_the_certificate_pins_before_the_approval_and_an_older_certificate_lifts_nothing() -> None:
     counters: dict[str, int] = {}
     p = RackPins(counters, approved={"n": R1})

@@ -93,7 +93,8 @@ async def test_a_certificate_pins_registration_and_relay_hello(tmp_path: Path, t
 async def test_require_pinned_racks_keeps_unpinned_nodes_from_relaying(tmp_path: Path, token_dir,
                                                                         tls_pki) -> None:
     """``require_pinned_racks``: n3 (a certificate without a rack) registers, but its relay
-    hello is refused (``rack_unpinned``) until an operator approves its rack."""
+    hello is refused (``rack_unpinned``) until an operator approves its rack; an approval of
+    another rack later ends its relaying."""
     tokens = TokenSet.load(token_dir)
     with trio.fail_after(30):
         async with trio.open_nursery() as n:
@@ -112,6 +113,11 @@ async def test_require_pinned_racks_keeps_unpinned_nodes_from_relaying(tmp_path:
                 assert r.status_code == 200 and r.json()["pinned"] == {"rack": R0, "by": "approval"}, r.text
             ch = await open_frames(svc.wire_url or "", "", "n3", ssl_context=ctx, expect="placer", relay=hello)
             assert svc.relays.relay_for(R0) is not None
+            # an approval of another rack stops the choice at once (its registration is in r0 still)
+            async with _client(tls_pki, "operator", url) as op:
+                r = await op.post("/v1/nodes/n3/approve", content=msgspec.json.encode({"rack": R1}))
+                assert r.status_code == 200 and r.json()["registered_rack"] == R0, r.text
+            assert svc.relays.relay_for(R0) is None
             await ch.aclose()
             n.cancel_scope.cancel()
 
