@@ -22,6 +22,7 @@ node register into the rack of its choosing and relay there. A node's rack is th
 1. its certificate: a ``herd:rack:zone/block/rack`` SAN URI (``herd pki issue --rack``, a
    bootstrap token's ``--rack``; renewal keeps it: :mod:`infra.pki`), read from the principal
    of every connection the node makes with it (its reports over HTTP, its frames hello) and
+   from the certificate an enrolment through a relay carries (scheduler_link.enroll), and
    remembered for the paths that carry no certificate (reports its relay forwards);
 2. an operator's approval (``herd node approve NODE --rack zone/block/rack``), durable in the
    placer's state dir (:class:`placer.nodeops.ApprovalFile`).
@@ -37,7 +38,8 @@ What does not hold: with ``require_pinned_racks = false`` (the default, for flee
 certificates pin nothing yet) an unpinned node still registers into the rack it names and may
 relay there. A certificate pin learned in memory is lost with a restart until the node presents
 its certificate again (a relayed re-registration meanwhile is checked against the approval
-only). An old certificate with another pin (or none) stays usable until it expires or is
+only; a full report over the heartbeat wire's plain, non-frames connection notes no certificate
+either). An old certificate with another pin (or none) stays usable until it expires or is
 revoked: revoke its serial when moving a node (``herd pki revoke --serial``).
 """
 
@@ -101,9 +103,14 @@ class RackPins:
         """A connection's verified principal: a node certificate that pins a rack pins it from
         now on (a certificate pinning none changes nothing: an older certificate must not lift
         a newer one's pin)."""
-        if principal is not None and principal.kind == "node" and principal.node_id and principal.rack \
-                and principal.via == "cert":
-            self.certified[principal.node_id] = principal.rack
+        if principal is not None and principal.kind == "node" and principal.node_id and principal.via == "cert":
+            self.certificate(principal.node_id, principal.rack)
+
+    def certificate(self, node_id: str, rack: str | None) -> None:
+        """Node ``node_id`` proved a certificate pinning ``rack`` (a handshake, or an enrolment's
+        certificate): :meth:`saw`'s rule."""
+        if rack is not None:
+            self.certified[node_id] = rack
 
     def approve(self, node_id: str, rack: str) -> None:
         self.approved[node_id] = rack

@@ -430,6 +430,7 @@ class RelayHub:
         except enroll.EnrollRefused as r:
             log.info("enrolment refused node=%s relay=%s outcome=%s: %s", e.node_id[:200], via, r.outcome, r.detail)
             return EnrollAnswer(node_id=e.node_id[:256], outcome=r.outcome, detail=r.detail[:300])
+        self.host.rack_pins.certificate(c.node_id, c.rack)   # (its certificate's rack pins its registration)
         status, reply = self.host.ingest_relayed(c.report, c.node_id)   # (via itself: its own connection's rules)
         if status != 200 or reply.mac_key is None:
             desk.refuse("refused")

@@ -7,6 +7,7 @@ registered; with ``require_pinned_racks`` an unpinned node may register but not 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import httpx
@@ -17,6 +18,7 @@ import trio
 from infra import pki, tls
 from infra.auth import TokenSet, auth_header
 from placer.service import PlacerService
+from scheduler_link import enroll
 from scheduler_link.frames import open_frames
 from scheduler_link.heartbeat_wire import WireError
 from scheduler_link.messages import NodeReport, RelayHello, TopologyPath
@@ -150,3 +152,29 @@ async def test_herd_node_approve_round_trip_and_restart(tmp_path: Path, token_di
                 rc, out, err = await herd(["node", "approve", "--list"], env)
                 assert rc == 0 and out.splitlines()[2].split() == ["n9", R0, R0, "-"], out
                 n.cancel_scope.cancel()
+
+
+def test_an_enrolment_is_pinned_by_the_members_certificate(tmp_path: Path, token_dir, tls_pki) -> None:
+    """A member enrolling through a relay (no handshake of its own with the placer): the
+    certificate its enrolment carries pins its rack, so its full report into another rack is
+    refused (``rack_mismatch``, nothing registered, no key in the answer); into its own, taken."""
+    tokens = TokenSet.load(token_dir)
+    pki.issue_node(tls_pki.dir, "m1", days=30, rack=R0)
+    svc = PlacerService(cfg(tmp_path, tls_dir=str(tls_pki.dir), insecure=False), tokens)
+    desk = svc.relays.enroll_desk()
+    assert desk is not None
+    member = enroll.client_from_files(tls_pki.files("node:m1"))
+    now = time.time()
+
+    def report(rack: str, seq: int) -> NodeReport:
+        z, b, r = rack.split("/")
+        return NodeReport(node_id="m1", boot_id="b", seq=seq, full=True, control_url="https://127.0.0.1:1",
+                          topology=TopologyPath(zone=z, block=b, rack=r))
+    e, _ = member.make(report(R1, 1), desk.cert, now=now)
+    a = svc.relays.enroll_one(e, "relay0")
+    assert (a.outcome, a.detail, a.sealed) == ("refused", "rack_mismatch", b""), a
+    assert "m1" not in svc.state.nodes and svc.state.counters["rack_refused_rack_mismatch"] == 1
+    e, p = member.make(report(R0, 2), desk.cert, now=now)
+    a = svc.relays.enroll_one(e, "relay0")
+    assert a.outcome == "enrolled" and member.open(p, a).node_id == "m1", a
+    assert svc.state.nodes["m1"].rack_path == R0
