@@ -40,7 +40,9 @@ relay there. A certificate pin learned in memory is lost with a restart until th
 its certificate again (a relayed re-registration meanwhile is checked against the approval
 only; a full report over the heartbeat wire's plain, non-frames connection notes no certificate
 either). An old certificate with another pin (or none) stays usable until it expires or is
-revoked: revoke its serial when moving a node (``herd pki revoke --serial``).
+revoked: revoke its serial when moving a node (``herd pki revoke --serial``). Approvals live
+in one placer's state dir, not in etcd: a promoted follower holds its own (certificate pins
+need nothing of the placer's).
 """
 
 from __future__ import annotations
