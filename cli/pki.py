@@ -142,7 +142,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             raise CliError(f"no such PKI dir: {args.dir}")
         certs = pki.status(args.dir)
         out["certificates"] = [{"subject": c.subject, "path": c.path, "not_after": c.not_after.isoformat(),
-                                "days_left": round(c.days_left(), 1)} for c in certs]
+                                "days_left": round(c.days_left(), 1), "rack": c.rack} for c in certs]
         tokens = pki.BootstrapTokens(Path(args.dir) / "bootstrap-tokens.json").list()
         out["bootstrap_tokens"] = [
             {"id": t["id"], "node": t["node_id"], "expires": _when(float(t["expires"])),  # type: ignore[arg-type]  # the token listing's values are JSON (typed object); expires is a number
@@ -160,8 +160,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         emit_json(out)
         return 0
     if "certificates" in out:
-        print(table(["SUBJECT", "EXPIRES", "DAYS LEFT", "PATH"],
-                    [[c["subject"], c["not_after"][:19], c["days_left"], c["path"]]
+        print(table(["SUBJECT", "EXPIRES", "DAYS LEFT", "RACK", "PATH"],
+                    [[c["subject"], c["not_after"][:19], c["days_left"], c["rack"] or "-", c["path"]]
                      for c in out["certificates"]]))  # type: ignore[attr-defined]  # out is a dict of JSON-ready values (typed object); this key holds a list
         toks_out = out["bootstrap_tokens"]
         if toks_out:

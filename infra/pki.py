@@ -571,6 +571,7 @@ class CertInfo:
     subject: str
     not_before: dt.datetime
     not_after: dt.datetime
+    rack: str | None = None          # the rack a node's certificate pins
 
     def days_left(self, now: dt.datetime | None = None) -> float:
         return (self.not_after - (now or _now())).total_seconds() / 86400
@@ -580,7 +581,7 @@ def cert_info(path: Path) -> CertInfo:
     c = load_cert(path)
     cns = c.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     return CertInfo(str(path), str(cns[0].value) if cns else c.subject.rfc4514_string(),
-                    c.not_valid_before_utc, c.not_valid_after_utc)
+                    c.not_valid_before_utc, c.not_valid_after_utc, cert_rack(c))
 
 
 def status(d: str | os.PathLike[str]) -> list[CertInfo]:

@@ -5,6 +5,7 @@ renewal through a placer) and the pure policy (placer.relaypolicy)."""
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -186,3 +187,23 @@ def test_the_certificate_pins_before_the_approval_and_an_older_certificate_lifts
     assert why is not None and why.code == "rack_mismatch"
     assert counters == {"rack_refused_rack_mismatch": 1}
     assert p.pin("other") is None and p.registration("other", R1) is None
+
+
+async def test_herd_pki_issue_rack_and_status(tmp_path: Path) -> None:
+    """`herd pki issue --rack` through the real entry point; `herd pki status` shows the pin."""
+    from .test_cli_job import herd, one_line
+
+    d = tmp_path / "pki"
+    with trio.fail_after(60):
+        rc, out, err = await herd(["pki", "init", str(d)])
+        assert rc == 0, err
+        rc, out, err = await herd(["pki", "issue", str(d), "--node", "n1", "--rack", R0])
+        assert rc == 0 and f"pinned to rack {R0}" in out, (out, err)
+        rc, out, err = await herd(["pki", "issue", str(d), "--role", "viewer", "--rack", R0])
+        assert rc == 1 and "goes with --node" in one_line(err), err
+        rc, out, err = await herd(["pki", "issue", str(d), "--node", "n2", "--rack", "r0"])
+        assert rc == 1 and "not a rack path" in one_line(err), err
+        rc, out, err = await herd(["pki", "status", str(d), "--json"])
+        assert rc == 0, err
+    racks = {c["subject"]: c["rack"] for c in json.loads(out)["certificates"]}
+    assert racks["node:n1"] == R0 and racks["placer"] is None
