@@ -261,7 +261,9 @@ class RelayHub:
         if conn is None or conn.channel.closed.is_set() or not conn.listen_url:
             return None
         n = self.host.nodes.get(via)
-        return conn.listen_url if n is None or relaypolicy.may_relay(rack, n, self.host.rack_pins) else None
+        pins = self.host.rack_pins
+        ok = pins.relays_for(via, rack) if n is None else relaypolicy.may_relay(rack, n, pins)
+        return conn.listen_url if ok else None
 
     def statistics(self) -> dict[str, Any]:
         s = self.stats

@@ -178,3 +178,20 @@ def test_an_enrolment_is_pinned_by_the_members_certificate(tmp_path: Path, token
     a = svc.relays.enroll_one(e, "relay0")
     assert a.outcome == "enrolled" and member.open(p, a).node_id == "m1", a
     assert svc.state.nodes["m1"].rack_path == R0
+
+
+async def test_an_approval_ends_a_provisional_relay_of_another_rack(tmp_path: Path, token_dir) -> None:
+    """A relay admitted before it registered is offered to its rack's members provisionally;
+    an approval of another rack ends that at once."""
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            svc = PlacerService(cfg(tmp_path), tokens)
+            await n.start(svc.run)
+            ch = await open_frames(svc.wire_url or "", tokens.cluster or "", "early",
+                                   relay=RelayHello(racks=[R0], listen_url="tcp://127.0.0.1:9"))
+            assert svc.relays.provisional_url(R0, "early") == "tcp://127.0.0.1:9"
+            assert svc.state.approve_rack("early", R1) is None
+            assert svc.relays.provisional_url(R0, "early") is None
+            await ch.aclose()
+            n.cancel_scope.cancel()
