@@ -207,3 +207,41 @@ async def test_herd_pki_issue_rack_and_status(tmp_path: Path) -> None:
         assert rc == 0, err
     racks = {c["subject"]: c["rack"] for c in json.loads(out)["certificates"]}
     assert racks["node:n1"] == R0 and racks["placer"] is None
+
+
+async def test_the_agent_installs_a_renewal_only_if_it_keeps_the_pin(tmp_path: Path, token_dir, tls_pki) -> None:
+    """agent.certs.renew against the real placer: the renewed certificate pins the same rack and
+    is installed. Against a placer that drops the pin (an older version: a small stand-in that
+    signs the CSR as it comes), the answer is refused and the current certificate stays."""
+    from agent.certs import renew
+    from agent.errors import AgentError
+    from infra.http import App, Request, Response, json_response, serve
+    from scheduler_link.pki_api import CertReply, CSRRequest
+
+    tokens = TokenSet.load(token_dir)
+    pki.issue_node(tls_pki.dir, "n5", days=30, rack=R0)
+    ca = pki.CA.load(tls_pki.dir)
+
+    async def older_renew(req: Request) -> Response:
+        body = req.decode(CSRRequest)
+        cert = pki.sign_csr(ca, body.csr.encode(), body.node_id, days=30)      # (no rack)
+        return json_response(CertReply(cert=pki.cert_pem(cert).decode(), ca=pki.cert_pem(ca.cert).decode(),
+                                       not_after=cert.not_valid_after_utc.isoformat()))
+    older = App(name="older-placer")
+    older.add("POST", "/v1/pki/renew", older_renew)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            svc = PlacerService(cfg(tmp_path, tls_dir=str(tls_pki.dir), insecure=False, ca_dir=str(tls_pki.dir)),
+                                tokens)
+            url = await n.start(svc.run)
+            sec = tls.daemon_security(tls_pki.node_dir("n5"), "node", insecure=False)
+            assert await renew(sec, url, "n5", tmp_path / "state")
+            assert sec.files is not None and pki.cert_rack(pki.load_cert(sec.files.cert)) == R0
+            installed = sec.files
+            old_url = await n.start(lambda **kw: serve(older, "127.0.0.1:0", **kw, ssl_context=tls.server_context(
+                tls_pki.files("placer"), client_cert="optional")))
+            with pytest.raises(AgentError, match="kept the current one"):
+                await renew(sec, old_url, "n5", tmp_path / "state")
+            assert sec.files == installed and pki.cert_rack(pki.load_cert(installed.cert)) == R0
+            n.cancel_scope.cancel()
