@@ -9,7 +9,10 @@ it is the later one: a read-only credentials dir never blocks a renewal.
 
 Renewal: once less than a third of the certificate's lifetime is left, the agent posts a CSR
 for a fresh key to the placer's ``/v1/pki/renew`` over mutual TLS with its current certificate,
-writes the answer and loads it into its live TLS contexts (new connections present it).
+writes the answer and loads it into its live TLS contexts (new connections present it). A
+renewed certificate must pin the rack the current one pins (``herd:rack:``, infra.pki): the
+placer copies it, and one that does not (a placer of an older version) is not installed: the
+node keeps its current certificate, and its pin, and says why.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 import httpx
 import msgspec
 import trio
+from cryptography import x509
 
 from infra import pki
 from infra.durable import atomic_write
@@ -73,6 +77,13 @@ def node_files(configured: str | None, state_dir: str | os.PathLike[str]) -> TLS
     except pki.PKIError:
         return given
     return own if later else given
+
+
+def _parse(pem: str) -> x509.Certificate:
+    try:
+        return x509.load_pem_x509_certificate(pem.encode())
+    except ValueError as e:
+        raise pki.PKIError(f"not a PEM certificate: {e}") from None
 
 
 def _save(state_dir: str | os.PathLike[str], key_pem: bytes, reply: CertReply) -> TLSFiles:
@@ -129,6 +140,13 @@ async def renew(security: Security, placer: str, node_id: str, state_dir: str | 
     key, csr = pki.make_csr(node_id)
     reply = await _post_csr(placer, "/v1/pki/renew", CSRRequest(node_id=node_id, csr=csr.decode()),
                             verify=security.client)
+    try:
+        was, got = pki.cert_rack(pki.load_cert(security.files.cert)), pki.cert_rack(_parse(reply.cert))
+    except pki.PKIError as e:
+        raise AgentError(f"the renewed certificate cannot be read: {e}") from None
+    if was != got:
+        raise AgentError(f"the renewed certificate pins rack {got or '(none)'}, the current one {was or '(none)'}: "
+                         "kept the current one (a renewal keeps the rack; the operator moves it with herd pki issue)")
     files = _save(state_dir, pki.key_pem(key), reply)
     new = TLSFiles(security.files.ca, files.cert, files.key)
     security.files = new

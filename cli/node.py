@@ -1,8 +1,11 @@
-"""`herd node cordon|uncordon|drain NODE`: take a node out of service and back.
+"""`herd node cordon|uncordon|drain NODE`: take a node out of service and back;
+`herd node approve NODE --rack Z/B/R` (or `--list`): pin a node's rack.
 
 cordon: nothing new is placed there. drain: cordon, then the preemptible gangs on it stop
 (gracefully; their restart policy places them elsewhere) and the non-preemptible ones are
 listed and left, unless ``--force``. ``--wait`` waits until no workload is left there.
+approve: the node registers and relays in that rack only, where its certificate pins none
+(placer.relaypolicy; a certificate's rack comes first).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import msgspec
 
 from cli.job import _client, _common
 from cli.main import CliError
-from cli.output import emit_json
+from cli.output import emit_json, table
 from scheduler_link.client import PlacerClient
 from scheduler_link.messages import NodeOp, NodeView
 
@@ -33,6 +36,40 @@ def _wait_empty(c: PlacerClient, node_id: str, timeout_s: float) -> NodeView:
         if time.monotonic() >= deadline:
             raise CliError(f"node {node_id} still has {v.workloads} workload(s) after {timeout_s:g}s")
         time.sleep(0.2)
+
+
+def cmd_approve(args: argparse.Namespace) -> int:
+    if args.list:
+        if args.node or args.rack:
+            raise CliError("--list takes no NODE or --rack")
+        with _client(args) as c:
+            rows = c.approvals()
+        if args.json:
+            emit_json({"approvals": rows})
+            return 0
+        if not rows:
+            print("no rack approvals")
+            return 0
+        print(table(["NODE", "APPROVED RACK", "REGISTERED RACK", "CERTIFICATE RACK"],
+                    [[r["node_id"], r["rack"], r["registered_rack"] or "-", r["certificate_rack"] or "-"]
+                     for r in rows]))
+        return 0
+    if not args.node or not args.rack:
+        raise CliError("give NODE and --rack ZONE/BLOCK/RACK (or --list)")
+    with _client(args) as c:
+        out = c.approve_rack(args.node, args.rack)
+    if args.json:
+        emit_json(out)
+        return 0
+    pinned = out.get("pinned") or {}
+    print(f"node {args.node}: rack {args.rack} approved", end="")
+    if pinned.get("by") == "certificate" and pinned.get("rack") != args.rack:
+        print(f"; its certificate pins rack {pinned.get('rack')}, which comes first", end="")
+    if out.get("registered_rack"):
+        print(f"; it is registered in rack {out['registered_rack']} now: it relays there no more and its next registration there is refused",
+              end="")
+    print()
+    return 0
 
 
 def cmd_node(args: argparse.Namespace) -> int:
@@ -78,3 +115,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                            help="how long --wait waits, seconds (default 300)")
         _common(s)
         s.set_defaults(func=cmd_node)
+    a = ns.add_parser("approve", help="pin NODE's rack (where its certificate pins none): it registers and "
+                                      "relays there only")
+    a.add_argument("node", nargs="?", default=None, help="node id")
+    a.add_argument("--rack", default=None, metavar="ZONE/BLOCK/RACK", help="the rack NODE is in")
+    a.add_argument("--list", action="store_true", help="list the approvals")
+    _common(a)
+    a.set_defaults(func=cmd_approve)

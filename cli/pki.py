@@ -34,6 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--san", action="append", default=[], metavar="NAME",
                    help="the host's DNS names or IPs (repeatable)")
     s.add_argument("--days", type=int, default=pki.NODE_DAYS, help=f"validity (default {pki.NODE_DAYS})")
+    s.add_argument("--rack", default=None, metavar="ZONE/BLOCK/RACK",
+                   help="pin the node's rack in its certificate: the placer lets it register and relay "
+                        "in that rack only (renewal keeps it; issue again to move it)")
     s.set_defaults(func=cmd_issue)
     b = ps.add_parser("bootstrap-token", help="a short-lived single-use token a new agent trades for its certificate")
     b.add_argument("dir", help="the PKI dir the placer's ca_dir names")
@@ -44,6 +47,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     bn.add_argument("--any-node", action="store_true",
                     help="an unbound token: whoever holds it picks the node id (a node id with a live "
                          "certificate is still refused)")
+    b.add_argument("--rack", default=None, metavar="ZONE/BLOCK/RACK",
+                   help="the rack the certificate it buys pins (see herd pki issue --rack)")
     b.set_defaults(func=cmd_token)
     r = ps.add_parser("revoke", help="deny a node (and every certificate issued to it) at every TLS handshake")
     r.add_argument("dir", help="the PKI dir the placer's ca_dir names")
@@ -79,9 +84,12 @@ def cmd_init(args: argparse.Namespace) -> int:
 def cmd_issue(args: argparse.Namespace) -> int:
     _positive(args.days, "--days")
     if args.node:
-        out = pki.issue_node(args.dir, args.node, days=args.days, names=args.san)
-        print(f"{out}/node.crt for node:{args.node} (copy {out}/ to the host's tls_dir, e.g. /etc/herd/tls)")
+        out = pki.issue_node(args.dir, args.node, days=args.days, names=args.san, rack=args.rack)
+        pin = f", pinned to rack {args.rack}" if args.rack else ""
+        print(f"{out}/node.crt for node:{args.node}{pin} (copy {out}/ to the host's tls_dir, e.g. /etc/herd/tls)")
     else:
+        if args.rack:
+            raise CliError("--rack pins a node's rack: it goes with --node")
         crt = pki.issue_role(args.dir, args.role, days=args.days, names=args.san)
         print(f"{crt} for {args.role}")
     return 0
@@ -92,7 +100,7 @@ def cmd_token(args: argparse.Namespace) -> int:
     if not (Path(args.dir) / "ca.key").exists():
         raise CliError(f"no CA in {args.dir} (ca.key missing): run `herd pki init {args.dir}` first")
     token = pki.BootstrapTokens(Path(args.dir) / "bootstrap-tokens.json").create(
-        ttl_s=args.ttl, node_id=None if args.any_node else args.node, now=time.time())
+        ttl_s=args.ttl, node_id=None if args.any_node else args.node, rack=args.rack, now=time.time())
     print(token)
     return 0
 
@@ -134,7 +142,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             raise CliError(f"no such PKI dir: {args.dir}")
         certs = pki.status(args.dir)
         out["certificates"] = [{"subject": c.subject, "path": c.path, "not_after": c.not_after.isoformat(),
-                                "days_left": round(c.days_left(), 1)} for c in certs]
+                                "days_left": round(c.days_left(), 1), "rack": c.rack} for c in certs]
         tokens = pki.BootstrapTokens(Path(args.dir) / "bootstrap-tokens.json").list()
         out["bootstrap_tokens"] = [
             {"id": t["id"], "node": t["node_id"], "expires": _when(float(t["expires"])),  # type: ignore[arg-type]  # the token listing's values are JSON (typed object); expires is a number
@@ -152,8 +160,8 @@ def cmd_status(args: argparse.Namespace) -> int:
         emit_json(out)
         return 0
     if "certificates" in out:
-        print(table(["SUBJECT", "EXPIRES", "DAYS LEFT", "PATH"],
-                    [[c["subject"], c["not_after"][:19], c["days_left"], c["path"]]
+        print(table(["SUBJECT", "EXPIRES", "DAYS LEFT", "RACK", "PATH"],
+                    [[c["subject"], c["not_after"][:19], c["days_left"], c["rack"] or "-", c["path"]]
                      for c in out["certificates"]]))  # type: ignore[attr-defined]  # out is a dict of JSON-ready values (typed object); this key holds a list
         toks_out = out["bootstrap_tokens"]
         if toks_out:

@@ -19,6 +19,16 @@ common name is its principal (``placer``, ``node:<id>``, ``operator``, ``viewer`
 :mod:`infra.tls`); a node's also has a SAN URI ``herd:node:<id>`` and SANs for its
 addresses.
 
+A node's rack (``zone/block/rack``) may be pinned in its certificate: a second SAN URI,
+``herd:rack:<zone>/<block>/<rack>`` (:data:`RACK_URI`; ``herd pki issue --node ID --rack
+Z/B/R``, or a bootstrap token made with ``--rack``). The placer then lets the node register
+and relay in that rack only (placer.relaypolicy). Why a SAN URI and not a private extension:
+the stdlib's ``getpeercert()``, which every handshake of ours already reads for the principal,
+lists SAN URIs but not private extensions, so the rack comes with the principal at no extra
+parse of the certificate (:func:`infra.tls.principal_of`); and ``openssl x509 -text`` shows it
+to an operator as it is. Renewal keeps it (:func:`sign_csr` takes it from the certificate
+presented, never from the request); only the operator changes it, by issuing again.
+
 Bootstrap (kubelet TLS bootstrap): ``herd pki bootstrap-token --node ID`` stores the hash of a
 fresh random token with its expiry and the node it is for (an unbound token takes ``--any-node``);
 a new agent posts a CSR with the token once; the placer checks it without a lock or the CA key
@@ -55,12 +65,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from .durable import atomic_write
-from .tls import TLSFiles, norm_serial, parse_principal, send_leaf_only
+from .tls import TLSFiles, norm_serial, parse_principal, parse_rack, send_leaf_only
 
 NODE_DAYS = 365
 CA_DAYS = 3650
 TOKEN_TTL_S = 3600.0
 _ORG = "herd"
+RACK_URI = "herd:rack:"        # + zone/block/rack: the SAN URI that pins a node's rack
 
 
 class PKIError(Exception):
@@ -97,10 +108,33 @@ def make_ca(*, days: int = CA_DAYS, name: str = "herd cluster CA",
     return key, cert
 
 
-def _sans(principal: str, names: Iterable[str]) -> list[x509.GeneralName]:
+def check_rack(rack: str) -> str:
+    """``rack`` when it is a pinnable ``zone/block/rack`` (:func:`infra.tls.parse_rack`), else PKIError."""
+    if parse_rack(rack) is None:
+        raise PKIError(f"not a rack path: {rack[:200]!r} (want zone/block/rack: three non-empty levels of "
+                       f"printable ASCII without spaces or '/', each at most 128 characters)")
+    return rack
+
+
+def cert_rack(cert: x509.Certificate) -> str | None:
+    """The rack a certificate pins (its ``herd:rack:`` SAN URI), or None."""
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        return None
+    racks = [u[len(RACK_URI):] for u in san.get_values_for_type(x509.UniformResourceIdentifier)
+             if u.startswith(RACK_URI)]
+    return racks[0] if len(racks) == 1 and parse_rack(racks[0]) is not None else None
+
+
+def _sans(principal: str, names: Iterable[str], rack: str | None = None) -> list[x509.GeneralName]:
     out: list[x509.GeneralName] = []
     if principal.startswith("node:"):
         out.append(x509.UniformResourceIdentifier(f"herd:{principal}"))
+        if rack is not None:
+            out.append(x509.UniformResourceIdentifier(RACK_URI + check_rack(rack)))
+    elif rack is not None:
+        raise PKIError(f"only a node's certificate pins a rack, not {principal}'s")
     seen: set[str] = set()
     for n in names:
         if not n or n in seen:
@@ -120,8 +154,9 @@ def default_names() -> list[str]:
 
 def sign(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, public_key: ec.EllipticCurvePublicKey,
          principal: str, *, days: int = NODE_DAYS, names: Iterable[str] = (),
-         not_before: dt.datetime | None = None) -> x509.Certificate:
-    """A certificate for ``principal`` (its subject CN), usable as TLS server and client."""
+         not_before: dt.datetime | None = None, rack: str | None = None) -> x509.Certificate:
+    """A certificate for ``principal`` (its subject CN), usable as TLS server and client;
+    ``rack`` (nodes only): the ``zone/block/rack`` it pins."""
     if parse_principal(principal) is None:
         raise PKIError(f"not a herd principal: {principal!r} (placer, node:<id>, operator, viewer, metrics)")
     if len(principal) > 64:
@@ -140,7 +175,7 @@ def sign(ca_key: ec.EllipticCurvePrivateKey, ca_cert: x509.Certificate, public_k
                                                ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
          .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_cert.public_key()),  # type: ignore[arg-type]  # public_key() is typed as every key kind; a CA of ours is always EC, which it takes
                         critical=False))
-    sans = _sans(principal, names)
+    sans = _sans(principal, names, rack)
     if sans:
         b = b.add_extension(x509.SubjectAlternativeName(sans), critical=False)
     return b.sign(ca_key, hashes.SHA256())
@@ -196,10 +231,11 @@ class CA:
         return cls(load_key(p / "ca.key"), load_cert(p / "ca.crt"))
 
     def issue(self, principal: str, *, days: int = NODE_DAYS, names: Iterable[str] = (),
-              not_before: dt.datetime | None = None) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
+              not_before: dt.datetime | None = None,
+              rack: str | None = None) -> tuple[ec.EllipticCurvePrivateKey, x509.Certificate]:
         key = new_key()
         return key, sign(self.key, self.cert, key.public_key(), principal, days=days, names=names,
-                         not_before=not_before)
+                         not_before=not_before, rack=rack)
 
 
 def init(d: str | os.PathLike[str], *, ca_days: int = CA_DAYS, days: int = NODE_DAYS,
@@ -225,15 +261,18 @@ def init(d: str | os.PathLike[str], *, ca_days: int = CA_DAYS, days: int = NODE_
 
 
 def issue_node(d: str | os.PathLike[str], node_id: str, *, days: int = NODE_DAYS,
-               names: Iterable[str] = ()) -> Path:
-    """``herd pki issue --node ID``: ``DIR/nodes/<id>/`` with ca.crt, node.crt, node.key."""
+               names: Iterable[str] = (), rack: str | None = None) -> Path:
+    """``herd pki issue --node ID [--rack Z/B/R]``: ``DIR/nodes/<id>/`` with ca.crt, node.crt,
+    node.key; ``rack``: the rack the certificate pins (issuing again is how an operator moves it)."""
     ca = CA.load(d)
     if not node_id or "/" in node_id:
         raise PKIError(f"node id must be non-empty without '/': {node_id!r}")
+    if rack is not None:
+        check_rack(rack)
     out = Path(d) / "nodes" / node_id
     out.mkdir(parents=True, exist_ok=True)
     os.chmod(out, 0o700)
-    k, c = ca.issue(f"node:{node_id}", days=days, names=[*names, *default_names()])
+    k, c = ca.issue(f"node:{node_id}", days=days, names=[*names, *default_names()], rack=rack)
     Issued(Path(d)).record(node_id, c, now=_now().timestamp())
     write_pair(out, "node", k, c)
     atomic_write(out / "ca.crt", cert_pem(ca.cert), 0o644)
@@ -261,9 +300,11 @@ def make_csr(node_id: str, key: ec.EllipticCurvePrivateKey | None = None) -> tup
 
 
 def sign_csr(ca: CA, csr_pem: bytes, node_id: str, *, days: int = NODE_DAYS,
-             names: Iterable[str] = ()) -> x509.Certificate:
+             names: Iterable[str] = (), rack: str | None = None) -> x509.Certificate:
     """Sign a node's CSR; it must be self-signed correctly and name ``node:<node_id>`` (the CSR
-    asks, the caller decides which node it may be: the token's node or the renewing cert's)."""
+    asks, the caller decides which node it may be: the token's node or the renewing cert's).
+    ``rack``: the rack the certificate pins, the caller's too (the bootstrap token's, or the
+    renewing certificate's); whatever the CSR carries besides its subject is not copied."""
     try:
         csr = x509.load_pem_x509_csr(csr_pem)
     except ValueError as e:
@@ -281,7 +322,7 @@ def sign_csr(ca: CA, csr_pem: bytes, node_id: str, *, days: int = NODE_DAYS,
     pub = csr.public_key()
     if not isinstance(pub, ec.EllipticCurvePublicKey) or pub.curve.name != "secp256r1":
         raise PKIError("herd node keys are ECDSA P-256")
-    return sign(ca.key, ca.cert, pub, want, days=days, names=names)
+    return sign(ca.key, ca.cert, pub, want, days=days, names=names, rack=rack)
 
 
 # ---------------------------------------------------------------- bootstrap tokens
@@ -318,8 +359,12 @@ class BootstrapTokens:
     def _save(self, tokens: dict[str, dict[str, object]]) -> None:
         atomic_write(self.path, json.dumps({"version": 1, "tokens": tokens}, sort_keys=True).encode(), 0o600)
 
-    def create(self, *, ttl_s: float = TOKEN_TTL_S, node_id: str | None = None, now: float) -> str:
-        """A fresh token valid ``ttl_s`` (for ``node_id`` only, when given)."""
+    def create(self, *, ttl_s: float = TOKEN_TTL_S, node_id: str | None = None, rack: str | None = None,
+               now: float) -> str:
+        """A fresh token valid ``ttl_s`` (for ``node_id`` only, when given); ``rack``: the rack
+        the certificate it buys pins (:data:`RACK_URI`)."""
+        if rack is not None:
+            check_rack(rack)
         token = "hb1." + secrets.token_urlsafe(24)
         fd = self._locked()
         try:
@@ -327,7 +372,7 @@ class BootstrapTokens:
             # forget tokens long dead (used or expired more than a day ago)
             tokens = {k: v for k, v in tokens.items() if float(v["expires"]) > now - 86400}  # type: ignore[arg-type]  # the token file's values are JSON (typed object); expires is a number we wrote
             tokens[_digest(token)] = {"expires": now + ttl_s, "node_id": node_id, "used_by": None,
-                                      "used_at": None, "created": now}
+                                      "used_at": None, "created": now, "rack": rack}
             self._save(tokens)
         finally:
             os.close(fd)
@@ -356,9 +401,10 @@ class BootstrapTokens:
         if why is not None:
             raise PKIError(why)
 
-    def consume(self, token: str, node_id: str, *, now: float) -> None:
+    def consume(self, token: str, node_id: str, *, now: float) -> str | None:
         """Use ``token`` for ``node_id`` (once); :class:`PKIError` when unknown, expired, used,
-        or bound to another node. The use is on disk before this returns."""
+        or bound to another node. The use is on disk before this returns. Returns the rack the
+        token's certificate pins (None: none)."""
         fd = self._locked()
         try:
             tokens = self._read()
@@ -369,6 +415,8 @@ class BootstrapTokens:
             self._save(tokens)
         finally:
             os.close(fd)
+        rack = entry.get("rack")
+        return rack if isinstance(rack, str) else None
 
     def list(self) -> list[dict[str, object]]:
         fd = self._locked()
@@ -523,6 +571,7 @@ class CertInfo:
     subject: str
     not_before: dt.datetime
     not_after: dt.datetime
+    rack: str | None = None          # the rack a node's certificate pins
 
     def days_left(self, now: dt.datetime | None = None) -> float:
         return (self.not_after - (now or _now())).total_seconds() / 86400
@@ -532,7 +581,7 @@ def cert_info(path: Path) -> CertInfo:
     c = load_cert(path)
     cns = c.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
     return CertInfo(str(path), str(cns[0].value) if cns else c.subject.rfc4514_string(),
-                    c.not_valid_before_utc, c.not_valid_after_utc)
+                    c.not_valid_before_utc, c.not_valid_after_utc, cert_rack(c))
 
 
 def status(d: str | os.PathLike[str]) -> list[CertInfo]:

@@ -112,10 +112,13 @@ class PeerRefused(ssl.SSLError):
 @dataclass(frozen=True, slots=True)
 class Principal:
     """Who is on the other end: ``kind`` one of :data:`KINDS`; ``node_id`` for ``node``;
-    ``via`` says what proved it (``cert``, ``token``, or ``none`` on an insecure set-up)."""
+    ``via`` says what proved it (``cert``, ``token``, or ``none`` on an insecure set-up);
+    ``rack``: the ``zone/block/rack`` a node's certificate pins (its ``herd:rack:`` SAN URI,
+    :mod:`infra.pki`), None when it pins none."""
     kind: str
     node_id: str | None = None
     via: str = "cert"
+    rack: str | None = None
 
     @property
     def name(self) -> str:
@@ -141,15 +144,43 @@ def parse_principal(common_name: str) -> Principal | None:
     return Principal(kind)
 
 
+_RACK_URI = "herd:rack:"     # (infra.pki.RACK_URI: the SAN URI that pins a node's rack)
+_RACK_LEVEL_MAX = 128
+
+
+def parse_rack(path: str) -> str | None:
+    """``path`` when it is a ``zone/block/rack`` a certificate or an operator may pin: three
+    non-empty levels of printable ASCII without spaces or ``/``, each at most 128 characters
+    (what a report's topology allows: scheduler_link.validate); else None."""
+    levels = path.split("/")
+    if len(levels) != 3:
+        return None
+    for v in levels:
+        if not 0 < len(v) <= _RACK_LEVEL_MAX or not v.isascii() or not v.isprintable() or " " in v:
+            return None
+    return path
+
+
 def principal_of(peercert: dict[str, Any] | None) -> Principal | None:
     """The principal of a *verified* peer certificate (``SSLObject.getpeercert()``'s dict);
-    None when there is none or its subject names no principal."""
+    None when there is none or its subject names no principal. A node's carries the rack its
+    certificate pins; a certificate naming more than one rack, or a malformed one, names no
+    principal (the CA does not make those)."""
     if not peercert:
         return None
     cns = [v for rdn in peercert.get("subject", ()) for k, v in rdn if k == "commonName"]
     if len(cns) != 1:
         return None
-    return parse_principal(cns[0])
+    p = parse_principal(cns[0])
+    if p is None or p.kind != "node":
+        return p
+    racks = [v[len(_RACK_URI):] for k, v in peercert.get("subjectAltName", ())
+             if k == "URI" and v.startswith(_RACK_URI)]
+    if not racks:
+        return p
+    if len(racks) > 1 or parse_rack(racks[0]) is None:
+        return None
+    return Principal("node", p.node_id, rack=racks[0])
 
 
 def stream_principal(stream: Any) -> Principal | None:

@@ -41,6 +41,9 @@ class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     relay_timeout_s: float = 0.5      # a relay that has not answered its bundle by then: push directly
     blob_seeds: int = 1               # bundles of a gang that carry the blob's bytes (the rest fetch it)
     placement_ttl_s: float = 30.0     # a NodePart is refused as expired this long after it was issued
+    # a node relays only for its pinned rack (its certificate's herd:rack: SAN, or herd node
+    # approve); true: a node with no pinned rack may register and report but not relay
+    require_pinned_racks: bool = False
     # TLS (infra.tls, docs/security.md): ca.crt, placer.crt, placer.key in tls_dir
     # (default $HERD_TLS_DIR or /etc/herd/tls); insecure = true keeps plain HTTP/TCP (warned;
     # unset: $HERD_INSECURE=1 says it); accept_tokens lets agents still use cluster.token.

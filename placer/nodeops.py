@@ -16,16 +16,28 @@ and left running unless ``force``. The stop pushes may carry the drain's own gra
 
 Invariants: an uncordoned node's model bit is whatever health says; a cordon never frees
 or moves a GPU by itself; every method here is synchronous and takes ``now``.
+
+Rack approvals (``herd node approve NODE --rack zone/block/rack``) pin the rack of a node
+whose certificate pins none (placer.relaypolicy): ``rack_pins`` holds them with the
+certificates' pins, and :class:`ApprovalFile` keeps them durable in the state dir (written
+whole, fsynced, renamed, before the approval is acknowledged; read back at start).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 
+from infra.durable import atomic_write
+from infra.tls import parse_rack
+
+from .errors import JournalError
 from .records import JobError, JobRec, NodeRec, Push
+from .relaypolicy import RackPins
 from .statebase import StateBase
 
 log = logging.getLogger("herd.placer.nodeops")
@@ -47,6 +59,22 @@ class NodeOps(StateBase):
     def __init__(self, *args: object, **kw: object) -> None:
         super().__init__(*args, **kw)  # type: ignore[arg-type]  # a mixin passes its bases' arguments through unchanged
         self.cordons: dict[str, str] = {}
+        # the racks nodes may register and relay in (placer.relaypolicy)
+        self.rack_pins = RackPins(self.counters, require=self.cfg.require_pinned_racks)
+
+    def approve_rack(self, node_id: str, rack: str) -> str | None:
+        """Pin ``node_id`` to ``rack`` (an operator's approval; a node need not have reported
+        yet). Returns the rack its registration in force names when that differs (it relays
+        there no more; its next full report is refused), else None."""
+        if not node_id or "/" in node_id or len(node_id) > 256:
+            raise JobError(f"bad node id {node_id[:200]!r}")
+        if parse_rack(rack) is None:
+            raise JobError(f"not a rack path: {rack[:200]!r} (want zone/block/rack)")
+        self.rack_pins.approve(node_id, rack)
+        node = self.nodes.get(node_id)
+        log.info("node rack approved node=%s rack=%s registered=%s", node_id, rack,
+                 node.rack_path if node is not None else "-")
+        return node.rack_path if node is not None and node.rack_path != rack else None
 
     def _node(self, node_id: str) -> NodeRec:
         node = self.nodes.get(node_id)
@@ -124,3 +152,38 @@ def _with_grace(p: Push, grace_s: float) -> Push:
     victims = [msgspec.structs.replace(v, grace_s=grace_s) for v in pl.victims]
     return Push(p.node_id, p.control_url, msgspec.structs.replace(pl, victims=victims), p.job_id, p.attempt,
                 p.kind)
+
+
+class _Approvals(msgspec.Struct, frozen=True, kw_only=True):
+    version: int = 1
+    racks: dict[str, str] = {}          # node id -> zone/block/rack
+
+
+class ApprovalFile:
+    """``<state_dir>/rack-approvals.json``: the operators' rack approvals, one small versioned
+    JSON file rewritten whole (temp file, fsync, rename) on each approval."""
+
+    NAME = "rack-approvals.json"
+
+    def __init__(self, state_dir: str | os.PathLike[str]) -> None:
+        self.path = Path(state_dir) / self.NAME
+
+    def load(self) -> dict[str, str]:
+        try:
+            data = msgspec.json.decode(self.path.read_bytes(), type=_Approvals)
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise JournalError(f"rack approvals {self.path} are unreadable: {e}") from None
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            raise JournalError(f"rack approvals {self.path} are unreadable: {e}") from None
+        if data.version != 1:
+            raise JournalError(f"rack approvals {self.path} have an unknown version {data.version}")
+        return {k: v for k, v in data.racks.items() if parse_rack(v) is not None}
+
+    def save(self, racks: dict[str, str]) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(self.path, msgspec.json.encode(_Approvals(racks=dict(sorted(racks.items())))), 0o600)
+        except OSError as e:
+            raise JournalError(f"rack approvals not stored in {self.path}: {e}") from None

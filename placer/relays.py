@@ -108,6 +108,7 @@ class RelayHost(Protocol):
     signer: msgauth.BundleSigner
     clock: Callable[[], float]
     security: Security        # the placer's TLS files (its enrolment key) and the deny-list
+    rack_pins: relaypolicy.RackPins   # the racks nodes are pinned to (certificates, approvals)
 
     @property
     def epoch(self) -> int:
@@ -191,7 +192,7 @@ class RelayHub:
     # ------------------------------------------------------------ connections
 
     def opened(self, hello: Hello, channel: FrameChannel) -> Callable[[FrameChannel, Frame], Any]:
-        relaypolicy.admit(hello, self.host.nodes.get(hello.node_id), channel)   # (raises Refused)
+        relaypolicy.admit(hello, self.host.nodes.get(hello.node_id), channel, self.host.rack_pins)  # (raises Refused)
         conn = RelayConn(hello.node_id, tuple(hello.racks), hello.listen_url, channel)
         channel.info = conn
         for rack in conn.racks:
@@ -221,14 +222,16 @@ class RelayHub:
         hit = self._active.get(rack)
         if hit is not None:
             n = self.host.nodes.get(hit.node_id)
-            if n is not None and n.state == "up" and relaypolicy.may_relay(rack, n) and not hit.channel.closed.is_set():
+            if n is not None and n.state == "up" and relaypolicy.may_relay(rack, n, self.host.rack_pins) \
+                    and not hit.channel.closed.is_set():
                 return hit
         best: RelayConn | None = None
         best_rank = b""
         nodes = self.host.nodes
+        pins = self.host.rack_pins
         for nid, conn in self._cands.get(rack, {}).items():
             n = nodes.get(nid)
-            if n is None or n.state != "up" or not relaypolicy.may_relay(rack, n) or conn.channel.closed.is_set():
+            if n is None or n.state != "up" or not relaypolicy.may_relay(rack, n, pins) or conn.channel.closed.is_set():
                 continue
             r = _rank(rack, nid)
             if best is None or r > best_rank:
@@ -258,7 +261,9 @@ class RelayHub:
         if conn is None or conn.channel.closed.is_set() or not conn.listen_url:
             return None
         n = self.host.nodes.get(via)
-        return conn.listen_url if n is None or relaypolicy.may_relay(rack, n) else None
+        pins = self.host.rack_pins
+        ok = pins.relays_for(via, rack) if n is None else relaypolicy.may_relay(rack, n, pins)
+        return conn.listen_url if ok else None
 
     def statistics(self) -> dict[str, Any]:
         s = self.stats
@@ -427,6 +432,7 @@ class RelayHub:
         except enroll.EnrollRefused as r:
             log.info("enrolment refused node=%s relay=%s outcome=%s: %s", e.node_id[:200], via, r.outcome, r.detail)
             return EnrollAnswer(node_id=e.node_id[:256], outcome=r.outcome, detail=r.detail[:300])
+        self.host.rack_pins.certificate(c.node_id, c.rack)   # (its certificate's rack pins its registration)
         status, reply = self.host.ingest_relayed(c.report, c.node_id)   # (via itself: its own connection's rules)
         if status != 200 or reply.mac_key is None:
             desk.refuse("refused")

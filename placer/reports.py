@@ -36,6 +36,7 @@ from scheduler_link.validate import validate_report
 from .errors import BadRequest, InvalidSpec
 from .model import NodeSpec
 from .records import STALE_PRIORITY, TERMINAL_JOB_STATES, JobRec, NodeRec, PodRec, Push, parse_workload_id
+from .relaypolicy import RackPins
 from .statebase import StateBase
 
 log = logging.getLogger("herd.placer.state")
@@ -44,6 +45,7 @@ log = logging.getLogger("herd.placer.state")
 class Reports(StateBase):
     # the secret node MAC keys derive from (scheduler_link.msgauth); the service sets it
     mac_master: bytes = b""
+    rack_pins: RackPins          # the racks nodes are pinned to (placer.nodeops.NodeOps owns it)
 
     def set_mac_master(self, master: bytes) -> None:
         self.mac_master = master
@@ -91,6 +93,10 @@ class Reports(StateBase):
             for ev in rep.events:
                 pushes += self._apply_event(node, ev, now)
             return 200, self._reply(node), pushes
+        t = rep.topology   # a registration (whichever path it came by) only into the node's pinned rack
+        if (off := self.rack_pins.registration(node_id, f"{t.zone}/{t.block}/{t.rack}")) is not None:
+            log.warning("registration refused node=%s code=%s: %s", node_id[:200], off.code, off.detail)
+            return 403, ReportReply(ok=False, error=off.code), []
         return self._register(rep, now)
 
     def beat(self, b: RackBeat, now: float, *, via: str | None = None,

@@ -68,6 +68,7 @@ from scheduler_link.messages import (
 from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
 
 from . import fleetsnap
+from .approvals import APPROVAL_DOCS, ApprovalRoutes
 from .config import PlacerConfig
 from .dashboard import DASHBOARD_DOCS, Dashboard
 from .etcdjournal import JobJournal
@@ -75,6 +76,7 @@ from .frag import fragmentation, largest_placeable, plan_defrag
 from .ha import HighAvailability
 from .journal import Journal, JournalError
 from .membership import Membership
+from .nodeops import ApprovalFile
 from .relays import RelayHub
 from .state import ACCEPTED, TERMINAL_JOB_STATES, JobError, JobRec, NodeRec, Outcome, PlacerState, Push
 from .views import DEFAULT_PODS, parse_page
@@ -116,6 +118,9 @@ class PlacerService:
         self.state = PlacerState(config, started_at=clock())
         self._refresh_revoked(clock())   # the deny-list (herd pki revoke) before any handshake
         self.mac_key: Callable[[str, str], bytes] = self.state.mac_key   # (relays.RelayHost: the state's own)
+        self.rack_pins = self.state.rack_pins   # (relays.RelayHost: the racks nodes are pinned to)
+        self.approvals = ApprovalRoutes(self.state, ApprovalFile(config.state_dir))   # herd node approve
+        self.approvals.load()
         self.pool = PushPool(concurrency=config.push_concurrency, attempt_timeout_s=config.ack_timeout_s,
                              retries=config.push_retries, ssl_context=self.security.client)
         self.journal: JobJournal | None = None
@@ -574,6 +579,8 @@ class PlacerService:
             ("POST", "/v1/nodes/{node_id}/cordon"): self.h_cordon,
             ("POST", "/v1/nodes/{node_id}/uncordon"): self.h_uncordon,
             ("POST", "/v1/nodes/{node_id}/drain"): self.h_drain,
+            ("POST", "/v1/nodes/{node_id}/approve"): self.approvals.h_approve,
+            ("GET", "/v1/approvals"): self.approvals.h_list,
             ("GET", "/v1/status"): self.h_status,
             ("POST", "/v1/pki/bootstrap"): self.pki.h_bootstrap, ("POST", "/v1/pki/renew"): self.pki.h_renew,
             **self.dashboard.handlers(),
@@ -581,7 +588,7 @@ class PlacerService:
         if self.ha is not None:  # a follower answers health and status; the rest goes to the leader
             handlers = self.ha.guard(handlers)
         authz.install(app, authz.PLACER_ROUTES, handlers, self.tokens, token_use=self.token_use,
-                      docs={**PLACER_DOCS, **DASHBOARD_DOCS},
+                      docs={**PLACER_DOCS, **DASHBOARD_DOCS, **APPROVAL_DOCS},
                       flags={"open_reads": self.cfg.open_reads, "open_metrics": self.cfg.open_metrics,
                              **self.security.flags()},
                       max_body={("POST", "/v1/nodes/{node_id}/report"): LARGE_BODY,
@@ -589,7 +596,7 @@ class PlacerService:
                                 ("POST", "/v1/defrag"): 4096, ("POST", "/v1/prefetch"): 256 << 10,
                                 ("POST", "/v1/pki/bootstrap"): 16 << 10, ("POST", "/v1/pki/renew"): 16 << 10,
                                 **{("POST", f"/v1/nodes/{{node_id}}/{op}"): 4096
-                                   for op in ("cordon", "uncordon", "drain")}})
+                                   for op in ("cordon", "uncordon", "drain", "approve")}})
         return app
 
     async def h_healthz(self, req: Request) -> Response:
@@ -623,6 +630,7 @@ class PlacerService:
             rep = _report_dec.decode(req.body)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
             raise HTTPError(400, "malformed report", str(e)) from None
+        self.state.rack_pins.saw(req.principal)   # (a certificate's rack pins the node's: placer.relaypolicy)
         status, reply = self._ingest(req.params["node_id"], rep)
         if status == 400:
             raise HTTPError(400, "report refused", reply.error)

@@ -117,6 +117,8 @@ PLACER_ROUTES: tuple[Rule, ...] = (
     Rule("POST", "/v1/nodes/{node_id}/cordon", _OPS),
     Rule("POST", "/v1/nodes/{node_id}/uncordon", _OPS),
     Rule("POST", "/v1/nodes/{node_id}/drain", _OPS),
+    Rule("POST", "/v1/nodes/{node_id}/approve", _OPS),      # herd node approve (placer.approvals)
+    Rule("GET", "/v1/approvals", _VIEW, open_flag="open_reads"),
     Rule("GET", "/v1/cluster", _VIEW, open_flag="open_reads"),
     # the dashboard (placer/dashboard): the page and its assets hold no data; the map does
     Rule("GET", "/", (PUBLIC,)),

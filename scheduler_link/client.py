@@ -28,7 +28,16 @@ from infra import tls
 from infra.auth import auth_header
 from infra.errors import ClientError as ClientError  # re-exported: callers import it from here
 
-from .messages import ArtifactUpdate, DefragRequest, JobSpec, JobView, NodeOp, NodeView, PrefetchFanout
+from .messages import (
+    ArtifactUpdate,
+    DefragRequest,
+    JobSpec,
+    JobView,
+    NodeOp,
+    NodeView,
+    PrefetchFanout,
+    RackApproval,
+)
 from .placers import Placers, leader_of, not_leading, placer_urls, placer_urls_from_env, retry_after_s
 
 
@@ -307,6 +316,15 @@ class PlacerClient:
         """``op`` in cordon | uncordon | drain: the node's view and, for a drain, what it did."""
         enc = msgspec.json.encode(body or NodeOp())
         return self._get(_any, "POST", f"/v1/nodes/{node_id}/{op}", content=enc)
+
+    def approve_rack(self, node_id: str, rack: str) -> dict[str, Any]:
+        """``herd node approve``: pin the node's rack (placer.approvals)."""
+        return self._get(_any, "POST", f"/v1/nodes/{node_id}/approve",
+                         content=msgspec.json.encode(RackApproval(rack=rack)))
+
+    def approvals(self) -> list[dict[str, Any]]:
+        """Every rack approval, with the node's registered and certificate rack."""
+        return list(self._get(_any, "GET", "/v1/approvals")["approvals"])
 
     def status(self) -> dict[str, Any]:
         """Transport security: TLS or insecure, accept_tokens, token-authenticated agents."""

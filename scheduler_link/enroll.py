@@ -69,7 +69,7 @@ from cryptography.utils import CryptographyDeprecationWarning
 from cryptography.x509.oid import NameOID
 
 from infra.errors import AuthError
-from infra.pki import load_cert, load_key
+from infra.pki import cert_rack, load_cert, load_key
 from infra.tls import TLSFiles, norm_serial, parse_principal
 
 from .messages import (
@@ -175,13 +175,15 @@ def open_sealed(key: bytes, sealed: bytes, ad: bytes) -> EnrollSecret:
 
 @dataclass(frozen=True, slots=True)
 class CertOK:
-    """A certificate the CA signed, as checked: its principal, key, serial and validity."""
+    """A certificate the CA signed, as checked: its principal, key, serial and validity, and
+    the rack it pins (infra.pki.cert_rack; None: none)."""
     principal: str
     node_id: str | None
     key: ec.EllipticCurvePublicKey
     serial: str
     not_before: float
     not_after: float
+    rack: str | None = None
 
 
 def check_cert(der: bytes, ca: x509.Certificate) -> CertOK:
@@ -209,13 +211,14 @@ def _check_cert(der: bytes, ca: x509.Certificate) -> CertOK:
         key = cert.public_key()
         serial = norm_serial(format(cert.serial_number, "X"))
         valid = (cert.not_valid_before_utc.timestamp(), cert.not_valid_after_utc.timestamp())
+        rack = cert_rack(cert) if p is not None and p.node_id is not None else None
     except _UNPARSED as e:
         raise EnrollRefused("bad_certificate", f"the certificate does not parse: {e}") from None
     if p is None:
         raise EnrollRefused("bad_certificate", "the certificate names no herd principal")
     if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
         raise EnrollRefused("bad_certificate", "the certificate's key is not ECDSA P-256")
-    return CertOK(p.name, p.node_id, key, serial, *valid)
+    return CertOK(p.name, p.node_id, key, serial, *valid, rack=rack)
 
 
 def _valid(c: CertOK | _Known, now: float) -> None:
@@ -232,6 +235,7 @@ class _Known(NamedTuple):
     not_before: float
     not_after: float
     shared: bytes
+    rack: str | None         # the rack the certificate pins (placer.relaypolicy)
 
 
 # ---------------------------------------------------------------- replays
@@ -301,6 +305,7 @@ class Checked(NamedTuple):
     boot_id: str
     seal_key: bytes
     ad: bytes
+    rack: str | None = None   # the rack the member's certificate pins
 
 
 class EnrollDesk:
@@ -342,7 +347,7 @@ class EnrollDesk:
         if c.node_id is None:
             raise EnrollRefused("bad_certificate", f"the certificate is {c.principal}'s, not a node's")
         k = self._cache[d] = _Known(c.principal, c.node_id, c.serial, c.not_before, c.not_after,
-                                    self._key.exchange(ec.ECDH(), c.key))
+                                    self._key.exchange(ec.ECDH(), c.key), c.rack)
         while len(self._cache) > self._cache_cap:
             self._cache.popitem(last=False)
         return k, d
@@ -392,7 +397,7 @@ class EnrollDesk:
             raise EnrollRefused("replay", f"sequence {rep.seq} is not newer than {known[1]}")
         if not self.guard.take(e.nonce, e.at, now):
             raise EnrollRefused("replay", "this enrolment's nonce was taken before")
-        return Checked(rep, e.node_id, e.boot_id, keys.seal, answer_ad(e.node_id, e.boot_id, e.nonce))
+        return Checked(rep, e.node_id, e.boot_id, keys.seal, answer_ad(e.node_id, e.boot_id, e.nonce), c.rack)
 
     @staticmethod
     def answer(c: Checked, reply: ReportReply, mac_key: bytes, placer_key: bytes) -> EnrollAnswer:

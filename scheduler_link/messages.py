@@ -485,6 +485,13 @@ class NodeOp(msgspec.Struct, frozen=True, kw_only=True):
     version: int = WIRE_VERSION
 
 
+class RackApproval(msgspec.Struct, frozen=True, kw_only=True):
+    """Operator -> placer ``POST /v1/nodes/{id}/approve`` (``herd node approve``): pin the node's
+    rack (``zone/block/rack``) where its certificate pins none (placer.relaypolicy)."""
+    rack: str
+    version: int = WIRE_VERSION
+
+
 class DefragRequest(msgspec.Struct, frozen=True, kw_only=True):
     max_moves: int = 8
     apply: bool = False

@@ -14,6 +14,11 @@ the placer's ``ca_dir``; without one they answer 404 (the operator issues certif
   the CSR must name the node of the presented certificate (node restriction); a revoked node
   is refused (its handshake already is, wherever the deny-list was loaded).
 
+The rack a certificate pins (``herd:rack:`` SAN URI, :mod:`infra.pki`): a bootstrap's comes
+from its token (``herd pki bootstrap-token --rack``), a renewal's from the certificate it is
+asked over -- never from the request, so a node cannot move itself to another rack by renewing
+(nor drop its pin); an operator moves it by issuing (``herd pki issue --node ID --rack``).
+
 Every certificate issued is recorded (:class:`infra.pki.Issued`) before it is returned. The
 deny-list (``<ca_dir>/revoked.json``, ``herd pki revoke``) is re-read when the file changes
 (:meth:`PKIRoutes.refresh`, on the placer's tick) into the placer's handshakes.
@@ -101,14 +106,15 @@ class PKIRoutes:
                         ",".join(new[:20]) or "-")
         return new
 
-    def _issue(self, node_id: str, csr: bytes, names: list[str], token: str | None, now: float
-               ) -> tuple[pki.CA, x509.Certificate] | _Refusal:
+    def _issue(self, node_id: str, csr: bytes, names: list[str], token: str | None, now: float,
+               rack: str | None = None) -> tuple[pki.CA, x509.Certificate] | _Refusal:
         """The blocking part (a worker thread): consume the bootstrap token (when one), load
-        the CA, sign, record the certificate. A refusal comes back as (status, error, detail)."""
+        the CA, sign, record the certificate. A refusal comes back as (status, error, detail).
+        ``rack``: the pinned rack of the certificate renewed (a bootstrap takes its token's)."""
         if token is not None:
             assert self.tokens is not None
             try:
-                self.tokens.consume(token, node_id, now=now)
+                rack = self.tokens.consume(token, node_id, now=now)
             except pki.PKIError as e:
                 return _Refusal(401, "bootstrap token refused", str(e))
         assert self.ca_dir is not None
@@ -117,7 +123,7 @@ class PKIRoutes:
         except pki.PKIError as e:
             return _Refusal(503, "the placer cannot sign", str(e))
         try:
-            cert = pki.sign_csr(ca, csr, node_id, days=self.days, names=names)
+            cert = pki.sign_csr(ca, csr, node_id, days=self.days, names=names, rack=rack)
             # a bootstrap is recorded only if no live certificate of the node was meanwhile
             denied = self.revocations.load() if token is not None and self.revocations is not None else None
             live = pki.Issued(self.ca_dir).record(node_id, cert, now=now, unless_live=denied)
@@ -128,12 +134,12 @@ class PKIRoutes:
                                                                   f"(serial {live[0]}), issued meanwhile")
         return ca, cert
 
-    async def _sign(self, req: Request, node_id: str, body: CSRRequest, how: str, token: str | None = None
-                    ) -> Response:
+    async def _sign(self, req: Request, node_id: str, body: CSRRequest, how: str, token: str | None = None,
+                    rack: str | None = None) -> Response:
         if self.ca_dir is None:
             raise HTTPError(404, "certificate signing is off", "this placer has no ca_dir")
         out = await trio.to_thread.run_sync(self._issue, node_id, body.csr.encode(),
-                                            [req.client] if req.client else [], token, self.clock())
+                                            [req.client] if req.client else [], token, self.clock(), rack)
         if isinstance(out, _Refusal):
             self.issued["refused"] += 1
             log.warning("certificate refused how=%s node=%s client=%s: %s", how, node_id[:200], req.client,
@@ -141,7 +147,8 @@ class PKIRoutes:
             raise HTTPError(out.status, out.error, out.detail)
         ca, cert = out
         self.issued[how] += 1
-        log.info("certificate issued how=%s node=%s not_after=%s", how, node_id, cert.not_valid_after_utc.isoformat())
+        log.info("certificate issued how=%s node=%s not_after=%s rack=%s", how, node_id,
+                 cert.not_valid_after_utc.isoformat(), pki.cert_rack(cert) or "-")
         return json_response(CertReply(cert=pki.cert_pem(cert).decode(), ca=pki.cert_pem(ca.cert).decode(),
                                        not_after=cert.not_valid_after_utc.isoformat()))
 
@@ -200,7 +207,7 @@ class PKIRoutes:
         if self.ca_dir is None:
             raise HTTPError(404, "certificate signing is off", "this placer has no ca_dir")
         self._check_node(p.node_id, self.clock(), "renew")
-        return await self._sign(req, p.node_id, body, "renew")
+        return await self._sign(req, p.node_id, body, "renew", rack=p.rack)   # (the pin goes on unchanged)
 
 
 # OpenAPI descriptions of the placer's certificate and status routes

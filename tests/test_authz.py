@@ -45,6 +45,7 @@ PLACER = {
     ("GET", "/v1/nodes"): READERS,
     ("POST", "/v1/nodes/{node_id}/cordon"): OPS,
     ("POST", "/v1/nodes/{node_id}/uncordon"): OPS,
+    ("POST", "/v1/nodes/{node_id}/approve"): OPS,
     ("POST", "/v1/nodes/{node_id}/drain"): OPS,
     ("GET", "/v1/cluster"): READERS,
     ("GET", "/"): EVERYONE,                    # the dashboard's page and assets: static, no data
@@ -61,6 +62,7 @@ PLACER = {
     ("POST", "/v1/defrag"): OPS,
     ("POST", "/v1/prefetch"): OPS,
     ("GET", "/v1/status"): READERS,
+    ("GET", "/v1/approvals"): READERS,
     ("POST", "/v1/pki/bootstrap"): EVERYONE,   # the handler checks the bootstrap token
     ("POST", "/v1/pki/renew"): frozenset({"node"}),
 }
