@@ -190,8 +190,8 @@ async def run_all(ns: argparse.Namespace) -> dict[str, Any]:
             rows.append(await run_once(ns.nodes, fleet=ns.fleet, gang_hosts=gang, probe_gpus=ns.probe_gpus,
                                        tls=not ns.plain, relay_hold=hold, per_proc=ns.per_proc,
                                        recover_s=ns.recover_s, tmp=root / f"hold{hold:g}", limit_s=ns.limit_s,
-                                       enroll=not ns.no_enroll))
-    out: dict[str, Any] = {"bench": "restart", "cores": os.cpu_count(), "heartbeat_s": HEARTBEAT_S, "rows": rows}
+                                       enroll=not ns.no_enroll, heartbeat_s=ns.heartbeat))
+    out: dict[str, Any] = {"bench": "restart", "cores": os.cpu_count(), "heartbeat_s": ns.heartbeat, "rows": rows}
     if len(rows) == 2 and rows[0].get("model_full_s") and rows[1].get("model_full_s"):
         out["model_full_ratio_hold_over_direct"] = round(rows[0]["model_full_s"] / rows[1]["model_full_s"], 2)
     return out
@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--probe-gpus", type=int, default=1024)
     ap.add_argument("--per-proc", type=int, default=16384, help="emulated nodes per emulator process")
     ap.add_argument("--recover-s", type=float, default=5.0)
+    ap.add_argument("--heartbeat", type=float, default=HEARTBEAT_S, help="the placer's heartbeat interval (s)")
     ap.add_argument("--limit-s", type=float, default=600.0, help="bound on every wait")
     ap.add_argument("--plain", action="store_true", help="no TLS (the placer insecure)")
     ap.add_argument("--no-enroll", action="store_true",
