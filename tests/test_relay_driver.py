@@ -18,6 +18,7 @@ import trio
 from placer.attempts import ACCEPTED, Outcome
 from placer.config import PlacerConfig
 from placer.records import NodeRec, Push
+from placer.relaypolicy import RackPins
 from placer.relays import RelayConn, RelayHost, RelayHub
 from scheduler_link import msgauth
 from scheduler_link.frames import encode_frame
@@ -51,6 +52,7 @@ class Host:
         self.bad_macs = 0
         self.stale_epoch = 0
         self.epoch = 7
+        self.rack_pins = RackPins()     # nothing pinned: the relays' hellos name their own rack
         self.nursery: trio.Nursery | None = None
 
     @property
