@@ -10,15 +10,15 @@ over TLS members register by enrolling through their relay, ``--enroll``, as age
 kept their relay's address do; ``--no-enroll``: each over its own connection, a handshake each).
 
 - cold: ``go`` -> every node up (``register_s``), with the placer's CPU and the emulators';
-- a gang of ``--gang-hosts`` (default 19 % of the fleet: 25,000 hosts of 131,072) x 8 GPUs
-  placed and running;
+- a gang of ``--gang-hosts`` (default: 200,000 GPUs scaled to the fleet: 25,000 h100 hosts x 8 or
+  50,000 gb200 trays x 4 of 131,072) placed and running;
 - ``kill -9`` the placer at ``t0``, start it again at once; ``listening``: the new process
   wrote its endpoints (its listeners are open); from there:
   ``model_full_s`` (every node up in the new model), ``placer_cpu_s`` to then,
   ``tls_handshakes`` (the new process's, both listeners: ``herd_placer_tls_handshakes_total``)
   against ``relays`` + 1 % of the nodes, ``relayed_registrations`` / ``reregistrations``
   (members' full reports through their relay / all of them, from the emulators);
-- a probe job (``--probe-gpus``, default 1,024 GPUs as 8-GPU pods) submitted once the model
+- a probe job (``--probe-gpus``, default 1,024 GPUs, a pod a host) submitted once the model
   is full: ``probe_acked_s`` (submit -> every pod acked, the placer's clock) and
   ``probe_from_listening_s`` (listening -> acked), against ``recover_s`` + 2 s;
 - invariants, from the emulators' own state: ``stops`` (stop orders after ``t0``),
@@ -56,6 +56,7 @@ from infra.pki import throwaway  # noqa: E402
 from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, proc_cpu_s, verify  # noqa: E402
 
 HEARTBEAT_S = 5.0
+GPUS_PER_HOST = {"h100": 8, "gb200": 4}   # a DGX H100; a GB200 NVL72 compute tray
 EMULATOR_NICE = 10   # the emulators stand for other machines: they yield the cores to the placer
 
 
@@ -96,6 +97,7 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
     pki = throwaway(tmp / "pki").dir if tls else None
     placer = Placer(tmp / "placer", token_dir, None, recover_s, tls_dir=pki, relays=True, heartbeat_s=heartbeat_s)
     enroll = enroll and tls
+    per_host = GPUS_PER_HOST[fleet]
     row: dict[str, Any] = {"nodes": n, "fleet": fleet, "tls": tls, "enroll": enroll, "relay_hold_s": relay_hold,
                            "heartbeat_s": heartbeat_s,
                            "gang_hosts": gang_hosts, "recover_s": recover_s, "load_before": os.getloadavg()[0]}
@@ -124,7 +126,7 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             row.update(register_s=round(time.time() - t, 2), register_placer_cpu_s=round(proc_cpu_s(placer.pid()) - cpu0, 2),
                        register_emulator_cpu_s=round(sum(e.cpu_s() for e in emus) - ecpu0, 2))
             _note("fleet up", nodes=n, s=row["register_s"])
-            gang = {"job_id": "gang", "pods": gang_hosts, "gpus_per_pod": 8, "argv": ["train"], "priority": 2,
+            gang = {"job_id": "gang", "pods": gang_hosts, "gpus_per_pod": per_host, "argv": ["train"], "priority": 2,
                     "preemptible": False, "grace_s": 1.0}
             await _submit(c, [placer.url], gang, 60)
             g = await _job(c, placer.url, "gang", "running", limit_s)
@@ -150,7 +152,8 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             row["handshake_bound"] = before["relays"] + math.ceil(0.01 * n)
             _note("model full", s=row["model_full_s"], handshakes=hs)
 
-            probe = {"job_id": "probe", "pods": probe_gpus // 8, "gpus_per_pod": 8, "argv": ["probe"], "grace_s": 1.0}
+            probe = {"job_id": "probe", "pods": probe_gpus // per_host, "gpus_per_pod": per_host, "argv": ["probe"],
+                     "grace_s": 1.0}
             await _submit(c, [placer.url], probe, 60)
             pj = await _job(c, placer.url, "probe", "running", limit_s)
             tm = pj["timings"]
@@ -164,7 +167,7 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
                 "stops": after["victims_told"] - before["victims_told"],
                 "stops_by": {k: v - before["victims_by"].get(k, 0) for k, v in after["victims_by"].items()
                              if v != before["victims_by"].get(k, 0)},
-                "placements_doubled": after["placements"] - before["placements"] - probe_gpus // 8,
+                "placements_doubled": after["placements"] - before["placements"] - probe_gpus // per_host,
                 "refused_acks": after["refused_acks"] - before["refused_acks"],
                 "gang_running": after["gang_running"], "gang_running_before": before["gang_running"],
                 "relayed_registrations": after["relayed_registrations"] - before["relayed_registrations"],
@@ -182,7 +185,8 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
 
 async def run_all(ns: argparse.Namespace) -> dict[str, Any]:
     rows = []
-    gang = ns.gang_hosts or max(1, round(ns.nodes * 25_000 / 131_072))
+    # a 200,000-GPU gang on the 131,072-node fleet: 25,000 h100 hosts, 50,000 gb200 trays (scaled with N)
+    gang = ns.gang_hosts or max(1, round(ns.nodes * (200_000 // GPUS_PER_HOST[ns.fleet]) / 131_072))
     with tempfile.TemporaryDirectory(prefix="herd-restart-") as d:
         root = Path(ns.workdir or d)
         holds = [30.0, 0.0] if ns.baseline else [30.0]
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.restart", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=4096)
     ap.add_argument("--fleet", choices=["h100", "gb200"], default="h100")
-    ap.add_argument("--gang-hosts", type=int, default=0, help="default: 19%% of the nodes")
+    ap.add_argument("--gang-hosts", type=int, default=0, help="default: 200,000 GPUs scaled to the fleet")
     ap.add_argument("--probe-gpus", type=int, default=1024)
     ap.add_argument("--per-proc", type=int, default=16384, help="emulated nodes per emulator process")
     ap.add_argument("--recover-s", type=float, default=5.0)
