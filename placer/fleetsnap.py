@@ -11,8 +11,11 @@ long for a small one.
 
 So the placer keeps a small file in its state dir, ``fleet.snapshot``: the ids of the nodes
 that were up, rewritten (atomically, off the event loop) at most every ``SNAPSHOT_EVERY_S``
-when that set changed -- never in a steady fleet. A restarted placer loads it and
-:class:`Recovery` decides when recovery ends:
+(1 s) after a node was added, lost or came back (the state's ``membership_changes``) -- never
+in a steady fleet. A snapshot that lags the fleet is the danger: a gang placed on nodes it
+lacks would, after a restart, look partial once the nodes it has all reported, and be placed
+again (measured at 4,096 nodes with a 10 s cadence under load); so the lag is one second.
+A restarted placer loads it and :class:`Recovery` decides when recovery ends:
 
 - no snapshot (a new cluster, or one the placer never saw up): ``recover_s`` after the start,
   as before;
@@ -27,8 +30,8 @@ when that set changed -- never in a steady fleet. A restarted placer loads it an
 
 The file says nothing about workloads or GPUs (those come from the agents) and nothing secret;
 a missing, unreadable or foreign file is ignored with a warning (a start is never blocked by it).
-Its cost: ~25 bytes a node (3 MB at 131,072 nodes), one O(nodes) scan every
-``SNAPSHOT_EVERY_S`` (~10 ms at 131,072) and a write only when the set of up nodes changed.
+Its cost: ~25 bytes a node (3 MB at 131,072 nodes), and after membership changed, one O(nodes)
+scan (~10 ms at 131,072) and a write, at most once a second.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ SNAPSHOT_FILE = "fleet.snapshot"
 # The write runs in a worker thread; tests in virtual time turn this off (as placer.journal's
 # fsyncs): trio's autojump clock cannot see a worker thread and would jump past deadlines.
 WRITE_IN_THREAD = True
-SNAPSHOT_EVERY_S = 10.0
+SNAPSHOT_EVERY_S = 1.0     # at most this often, and only after nodes were added, lost or back
 VERSION = 1
 
 

@@ -231,6 +231,8 @@ class Reports(StateBase):
         self.model.upsert_node(spec)
         self.nodes[rep.node_id] = node
         self.simulated_nodes += node.simulated - (old.simulated if old is not None else False)
+        if old is None or old.state != node.state:
+            self.membership_changes += 1
         self.lost_timer.set(rep.node_id, now + self.cfg.lost_after_s)
         self._set_manifests(node, set(rep.manifests or ()))
         if snap is not None:

@@ -157,8 +157,8 @@ class PlacerService:
         self._stamps: dict[type, tuple[ReportReply | RackBeatReply, ReportReply | RackBeatReply]] = {}
         # whom a restarted placer waits for (placer.fleetsnap): set by _recover, None once over
         self.recovery: fleetsnap.Recovery | None = None
-        self._snap_at = -math.inf          # monotonic time of the last snapshot check
-        self._snap_fp: tuple[int, int] = (-1, 0)
+        self._snap_at = -math.inf          # monotonic time of the last snapshot written
+        self._snap_seen = -1               # the state's membership_changes it was written at
         self._snap_writing = False
 
     # ------------------------------------------------------------ epochs (fencing)
@@ -244,15 +244,13 @@ class PlacerService:
         """The set of up nodes to the state dir (placer.fleetsnap), when it changed, at most every
         SNAPSHOT_EVERY_S, never while recovering (the model is partial then), off the event loop."""
         t = time.monotonic()
-        if self.recovery is not None or self.ha is not None or self._snap_writing \
+        changes = self.state.membership_changes
+        if self.recovery is not None or self.ha is not None or self._snap_writing or changes == self._snap_seen \
                 or t - self._snap_at < fleetsnap.SNAPSHOT_EVERY_S or self._nursery is None:
             return
         self._snap_at = t
+        self._snap_seen = changes
         ids = [nid for nid, n in self.state.nodes.items() if n.state == "up"]
-        fp = (len(ids), hash(tuple(ids)))
-        if fp == self._snap_fp:
-            return
-        self._snap_fp = fp
         self._snap_writing = True
         self._nursery.start_soon(self._write_snapshot, fleetsnap.encode(ids, time.time()))
 
@@ -264,7 +262,7 @@ class PlacerService:
                 fleetsnap.write(self.cfg.state_dir, data)
         except OSError as e:   # a full disk: the next restart waits the window, nothing else is lost
             log.warning("fleet snapshot not written: %s", e)
-            self._snap_fp = (-1, 0)
+            self._snap_seen = -1
         finally:
             self._snap_writing = False
 

@@ -80,6 +80,7 @@ class StateBase:
         self.jobs: dict[str, JobRec] = {}
         self.pods = CurrentPods(self.jobs)                  # current-attempt pods by workload id
         self.node_states: Counter[str] = Counter()          # up / lost
+        self.membership_changes = 0                         # nodes added, up <-> lost (placer.fleetsnap's trigger)
         self.simulated_nodes = 0                            # of self.nodes, with simulated GPUs (O(1) for /v1/cluster)
         self.uuid_owner: dict[str, str] = {}                # GPU UUID -> the node reporting it
         self.manifest_holders: dict[str, set[str]] = {}     # manifest id -> up nodes holding it
@@ -202,3 +203,4 @@ class StateBase:
             self.node_states[node.state] -= 1
             self.node_states[state] += 1
             node.state = state
+            self.membership_changes += 1

@@ -8,6 +8,7 @@ link and its relay connection, plus the test's clients). Counts asserted, never 
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -23,7 +24,8 @@ NODES = int(os.environ.get("HERD_TEST_RESTART_NODES", "4096"))   # 128 racks of 
 async def test_a_placer_restart_under_a_tls_fleet_loses_and_doubles_nothing(tmp_path):
     with trio.fail_after(400):
         row = await run_once(NODES, fleet="h100", gang_hosts=NODES // 8, probe_gpus=256, tls=True, relay_hold=30.0,
-                             per_proc=NODES, recover_s=2.0, tmp=tmp_path, limit_s=180.0, heartbeat_s=1.0)
+                             per_proc=NODES, recover_s=2.0, tmp=tmp_path, limit_s=180.0, heartbeat_s=2.0)
+    print(json.dumps(row))   # (the whole row in the report of a failure)
     assert row["gang_running"] == row["gang_running_before"] == NODES // 8, row
     assert row["stops"] == 0 and row["placements_doubled"] == 0 and row["refused_acks"] == 0, row
     assert row["probe_state"] == "running", row

@@ -133,3 +133,22 @@ def test_a_recovery_adopting_pods_one_report_at_a_time_keeps_the_node_index() ->
         assert idx is not None and table._on_node is idx     # the same index, extended
         assert [table.node_ids[r] for r in table.on_node(nid)] == [nid]
     assert st_.recovered_complete()
+
+
+def test_membership_changes_count_what_the_snapshot_must_follow() -> None:
+    """The snapshot is rewritten after membership changed (a node added, lost, back), not after
+    every full report: a steady fleet writes nothing."""
+    from placer.config import PlacerConfig
+    from placer.state import PlacerState
+    from tests.test_placer_indexes import full
+
+    st_ = PlacerState(PlacerConfig(heartbeat_s=1.0, lost_after_missed=3, fence_after_s=60.0), started_at=0.0)
+    st_.recover_until = 0.0
+    st_.ingest("n0", full("n0", seq=1), 0.0)
+    assert st_.membership_changes == 1                 # added
+    st_.ingest("n0", full("n0", seq=2), 0.5)
+    assert st_.membership_changes == 1                 # a full report of a known, up node: nothing
+    st_.tick(10.0)
+    assert st_.nodes["n0"].state == "lost" and st_.membership_changes == 2
+    st_.ingest("n0", full("n0", seq=3), 11.0)
+    assert st_.nodes["n0"].state == "up" and st_.membership_changes >= 3   # back
