@@ -413,3 +413,33 @@ async def test_enrolments_wait_while_a_delivery_is_out_then_are_answered(tmp_pat
                 hub._release_reports()        # the delivery is in
             assert sorted(a.node_id for a in answers) == ["m13", "m14"]
             assert {a.outcome for a in answers} == {"enrolled"} and {"m13", "m14"} <= set(r.svc.state.nodes)
+
+
+async def test_a_relays_other_frames_are_answered_while_its_enrolment_batch_is_worked_on(tmp_path: Path, token_dir,
+                                                                                          tls_pki):
+    """A batch of enrolments is worked on in slices with the event loop let go between them: a
+    ping the relay sends right after a batch of 48 fresh enrolments (a CA check and an ECDH
+    each) is answered before the batch is (the answers' order as the relay reads them).
+    Worked on in one go, the batch held the loop and the relays' beats behind it (nodes marked
+    lost in a 131,072-node storm)."""
+    with trio.fail_after(60):
+        async with rig(tmp_path, token_dir, tls_pki) as r:
+            up = r.relay.upstream
+            assert up is not None
+            cert = await r.placer_cert()
+            batch = [r.client(f"s{i}").make(_report(f"s{i}"), cert, now=time.time())[0] for i in range(48)]
+            order: list[str] = []
+            done = trio.Event()
+
+            def answered(what: str) -> Any:
+                def fn(f: Any) -> None:
+                    order.append(what if f is not None and f.type != "error" else f"{what}:failed")
+                    if len(order) == 2:
+                        done.set()
+                return fn
+            rid, data = up.prepare("enrolls", RackEnrolls(rack=RACK, enrolls=batch))
+            up.call_cb(rid, data, answered("enrolls"))
+            rid, data = up.prepare("ping", {})
+            up.call_cb(rid, data, answered("ping"))
+            await done.wait()
+            assert order == ["ping", "enrolls"], order
