@@ -65,7 +65,7 @@ import random
 import ssl
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 import trio
@@ -98,6 +98,7 @@ from .blobs import BlobCache, BlobSource
 from .relaycore import Acks, Batch, EnrollBatch, Hand, KeepBlob, Refuse, RelayCore, WantBlob
 
 log = logging.getLogger("herd.agent.relay")
+T = TypeVar("T")
 
 PartHandler = Callable[[NodePart], Awaitable[NodeOutcome]]
 # () -> (this node's MAC key, the placer's signing key), None until registered
@@ -176,7 +177,7 @@ class Relay:
         self.listen_url = ""
         self._members: dict[str, FrameChannel] = {}
         self._up: FrameChannel | None = None
-        self._tickets: dict[int, trio.MemorySendChannel[WireReply]] = {}
+        self._tickets: Tickets[WireReply] = Tickets()
         self._sending: Batch | None = None    # the batch out now (answered 503 if the connection goes)
         self._finished: dict[int, Acks] = {}   # rounds over before their _round looked (answers, a member left)
         self._waiting: dict[int, trio.CancelScope] = {}   # rounds whose hand-outs are still out
@@ -186,7 +187,7 @@ class Relay:
         # connection up (None: not fetched on this connection yet), members' tickets
         self._placer_cert: bytes | None = None
         self._cert_fetch: trio.Event | None = None
-        self._enroll_tickets: dict[int, trio.MemorySendChannel[EnrollAnswer]] = {}
+        self._enroll_tickets: Tickets[EnrollAnswer] = Tickets()
         self._enroll_sending: EnrollBatch | None = None
         self._enroll_wake = trio.Event()
         self._nursery: trio.Nursery | None = None
@@ -481,21 +482,9 @@ class Relay:
         got = self.core.report(node_id, rep, upstream=self._up is not None)
         if isinstance(got, WireReply):
             return got
-        send, recv = trio.open_memory_channel[WireReply](1)
-        self._tickets[got] = send
         self._out_wake.set()
-        return self._await_reply(got, recv)
-
-    async def _await_reply(self, ticket: int, recv: trio.MemoryReceiveChannel[WireReply]) -> WireReply:
-        with trio.move_on_after(self.request_timeout_s * 2):
-            return await recv.receive()
-        self._tickets.pop(ticket, None)
-        return WireReply(status=503, error="the relay could not forward the report in time")
-
-    def _answer(self, ticket: int, wr: WireReply) -> None:
-        send = self._tickets.pop(ticket, None)
-        if send is not None:
-            send.send_nowait(wr)
+        return self._tickets.wait(got, self.request_timeout_s * 2, lambda: WireReply(
+            status=503, error="the relay could not forward the report in time"))
 
     def _fail_queued(self, why: str) -> None:
         tickets = self.core.upstream_lost()
@@ -503,7 +492,7 @@ class Relay:
             tickets = self._sending.tickets + tickets
             self._sending = None
         for t in tickets:
-            self._answer(t, WireReply(status=503, reason=UPSTREAM_DOWN, error=why))
+            self._tickets.answer(t, WireReply(status=503, reason=UPSTREAM_DOWN, error=why))
 
     async def _forwarder(self, ch: FrameChannel) -> None:
         """The one task that sends members' content reports up, batched (see the docstring)."""
@@ -519,7 +508,7 @@ class Relay:
             answers = await self._send_reports(ch, batch.reports)
             self._sending = None
             for t, wr in self.core.batch_answered(batch, answers):
-                self._answer(t, wr)
+                self._tickets.answer(t, wr)
 
     async def _send_reports(self, ch: FrameChannel, reps: list[NodeReport]) -> list[WireReply]:
         try:
@@ -600,22 +589,9 @@ class Relay:
         got = self.core.enroll(node_id, e, upstream=self._up is not None)
         if isinstance(got, EnrollAnswer):
             return got
-        send, recv = trio.open_memory_channel[EnrollAnswer](1)
-        self._enroll_tickets[got] = send
         self._enroll_wake.set()
-        return self._await_enrolled(got, e.node_id, recv)
-
-    async def _await_enrolled(self, ticket: int, node_id: str, recv: trio.MemoryReceiveChannel[EnrollAnswer]
-                              ) -> EnrollAnswer:
-        with trio.move_on_after(self.connect_timeout_s * 2):
-            return await recv.receive()
-        self._enroll_tickets.pop(ticket, None)
-        return EnrollAnswer(node_id=node_id, outcome="unavailable", detail="the relay could not forward it in time")
-
-    def _enroll_answer(self, ticket: int, a: EnrollAnswer) -> None:
-        send = self._enroll_tickets.pop(ticket, None)
-        if send is not None:
-            send.send_nowait(a)
+        return self._enroll_tickets.wait(got, self.connect_timeout_s * 2, lambda: EnrollAnswer(
+            node_id=e.node_id, outcome="unavailable", detail="the relay could not forward it in time"))
 
     def _fail_enrolls(self) -> None:
         self._placer_cert = None   # (fetched again on the next connection: the placer may have a new one)
@@ -624,7 +600,7 @@ class Relay:
             tickets = self._enroll_sending.tickets + tickets
             self._enroll_sending = None
         for t in tickets:
-            self._enroll_answer(t, EnrollAnswer(node_id="", outcome="unavailable",
+            self._enroll_tickets.answer(t, EnrollAnswer(node_id="", outcome="unavailable",
                                                 detail="the relay lost its connection to the placer"))
 
     async def _enroll_forwarder(self, ch: FrameChannel) -> None:
@@ -650,7 +626,7 @@ class Relay:
                 continue   # (the connection went meanwhile: its tickets were answered)
             self._enroll_sending = None
             for t, a in self.core.enrolls_answered(batch, answers):
-                self._enroll_answer(t, a)
+                self._enroll_tickets.answer(t, a)
 
     async def member_blob(self, blob_id: str) -> BlobReply:
         """What a member's ``blob_get`` is answered: from the cache, fetched first if needed."""
@@ -673,6 +649,32 @@ class Relay:
             return BlobReply(blob_id=blob_id, error="not here")
         self.blob_serves += 1
         return BlobReply(blob_id=blob_id, data=got[0])
+
+
+class Tickets(Generic[T]):
+    """The answers a relay owes its members, by the core's ticket (a report or an enrolment
+    that went up in a batch): one waiter each, answered once; one not answered within its
+    bound gets ``late()``, and an answer that comes after is dropped."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[int, trio.MemorySendChannel[T]] = {}
+
+    def wait(self, ticket: int, timeout_s: float, late: Callable[[], T]) -> Awaitable[T]:
+        send, recv = trio.open_memory_channel[T](1)
+        self._waiting[ticket] = send
+        return self._wait(ticket, recv, timeout_s, late)
+
+    async def _wait(self, ticket: int, recv: trio.MemoryReceiveChannel[T], timeout_s: float,
+                    late: Callable[[], T]) -> T:
+        with trio.move_on_after(timeout_s):
+            return await recv.receive()
+        self._waiting.pop(ticket, None)
+        return late()
+
+    def answer(self, ticket: int, value: T) -> None:
+        send = self._waiting.pop(ticket, None)
+        if send is not None:
+            send.send_nowait(value)
 
 
 class OwnReports:

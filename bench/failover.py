@@ -58,8 +58,11 @@ HEARTBEAT_S = 1.0
 
 
 def _note(msg: str, **kw: Any) -> None:
+    """A progress line on stderr, named by the bench that runs (bench.restart shares these waits)."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
     fields = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items())
-    print(f"[bench.failover {time.strftime('%H:%M:%S')}] {msg} {fields}", file=sys.stderr, flush=True)
+    print(f"[{spec.name if spec else 'bench.failover'} {time.strftime('%H:%M:%S')}] {msg} {fields}", file=sys.stderr,
+          flush=True)
 
 
 class Placer:

@@ -50,7 +50,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.failover import Placer, _job, _submit, _wait_up  # noqa: E402
+from bench.failover import Placer, _job, _note, _submit, _wait_up  # noqa: E402
 from infra.auth import TokenSet, generate_token_dir  # noqa: E402
 from infra.pki import throwaway  # noqa: E402
 from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, proc_cpu_s, verify  # noqa: E402
@@ -58,11 +58,6 @@ from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, proc_cpu_s,
 HEARTBEAT_S = 5.0
 GPUS_PER_HOST = {"h100": 8, "gb200": 4}   # a DGX H100; a GB200 NVL72 compute tray
 EMULATOR_NICE = 10   # the emulators stand for other machines: they yield the cores to the placer
-
-
-def _note(msg: str, **kw: Any) -> None:
-    fields = " ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in kw.items())
-    print(f"[bench.restart {time.strftime('%H:%M:%S')}] {msg} {fields}", file=sys.stderr, flush=True)
 
 
 async def _sum_stats(c: httpx.AsyncClient, emus: list[EmulatorProc], job: str) -> dict[str, Any]:

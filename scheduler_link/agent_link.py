@@ -474,25 +474,20 @@ class AgentLink:
                     retry.backoff = self._report_backoff()
                     await trio.sleep(retry.failed(trio.current_time()))
                 continue
-            except _RelayHolding as e:
-                if self._holding(trio.current_time()):
+            except (httpx.HTTPError, OSError, _PlacerError, msgspec.DecodeError, WireError,
+                    trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
+                if isinstance(e, _RelayHolding) and self._holding(trio.current_time()):
                     self.relay_holds += 1
                     self.registered = False
                     self.last_error = str(e)
                     self._need_full = True   # what the placer saw is in doubt: a full report, through the relay
                     await trio.sleep(self._rng.uniform(0.5, 1.0) * min(RELAY_HOLD_RETRY_S, self.heartbeat_s))
                     continue
-                await self._relay_gave_up(e)
-                await trio.sleep(retry.failed(trio.current_time()))
-                continue
-            except (httpx.HTTPError, OSError, _PlacerError, msgspec.DecodeError, WireError,
-                    trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                if self._relay is not None:  # the relay failed us: the placer directly, for a while
-                    self.relay_failures += 1
-                    self._relay_failed[self._relay.url] = trio.current_time() + self._relay_retry()
-                    self._relay_ask_at = trio.current_time() + self._relay_retry()
-                    log.warning("relay failed, reporting to the placer node=%s relay=%s", self.node_id,
-                                self._relay.url)
+                if self._relay is not None:  # the relay failed us (or held us past relay_hold_s): the placer directly
+                    self._relay_down_since = None
+                    self._relay_gone(self._relay.url)
+                    log.warning("relay failed, reporting to the placer node=%s relay=%s err=%s", self.node_id,
+                                self._relay.url, e)
                 elif not relayed and not isinstance(e, _PlacerError):   # no answer: another placer may lead
                     self._placer_answered(None, used=at)
                 await self._close_wire()
@@ -601,21 +596,12 @@ class AgentLink:
                      self.relay_hold_s, self.node_id)
         return now - self._relay_down_since < self.relay_hold_s
 
-    async def _relay_gave_up(self, e: BaseException) -> None:
-        """The relay had no connection to the placer for ``relay_hold_s``: the placer directly,
-        with a full report, and not that relay again for a while."""
-        self._relay_down_since = None
-        if self._relay is not None:
-            self.relay_failures += 1
-            self._relay_failed[self._relay.url] = trio.current_time() + self._relay_retry()
-            self._relay_ask_at = trio.current_time() + self._relay_retry()
-            log.warning("the relay stayed without the placer for %.0fs: reporting to the placer node=%s relay=%s",
-                        self.relay_hold_s, self.node_id, self._relay.url)
-        await self._close_wire()
-        self.failures += 1
-        self.registered = False
-        self.last_error = f"{type(e).__name__}: {e}"
-        self._need_full = True
+    def _relay_gone(self, url: str) -> None:
+        """The relay at ``url`` failed us: not tried again for a while, and a full report then
+        asks the placer where the rack's relay is."""
+        self.relay_failures += 1
+        self._relay_failed[url] = trio.current_time() + self._relay_retry()
+        self._relay_ask_at = trio.current_time() + self._relay_retry()
 
     def _report_backoff(self) -> Backoff:
         """Capped at the heartbeat interval (the placer may change it): a failing node
@@ -711,9 +697,7 @@ class AgentLink:
         self._leave_relay = None
         if self._relay is not r:
             return
-        self.relay_failures += 1
-        self._relay_failed[r.url] = trio.current_time() + self._relay_retry()
-        self._relay_ask_at = trio.current_time() + self._relay_retry()
+        self._relay_gone(r.url)
         log.warning("a part from the relay was not taken: registering directly node=%s relay=%s", self.node_id, r.url)
         await self._close_wire()
         self._need_full = True
@@ -736,9 +720,7 @@ class AgentLink:
                 ch = await self._relay_connect(url, self.token or "", self.node_id)
         except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
                 tls.TLSError) as e:
-            self.relay_failures += 1
-            self._relay_failed[url] = trio.current_time() + self._relay_retry()
-            self._relay_ask_at = trio.current_time() + self._relay_retry()
+            self._relay_gone(url)
             log.warning("relay unreachable, reporting to the placer node=%s relay=%s err=%s", self.node_id, url, e)
             return
         await self._close_wire()

@@ -9,7 +9,30 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from placer import fleetsnap
+from placer.config import PlacerConfig
 from placer.fleetsnap import Recovery
+from placer.state import JobRec, PlacerState
+from scheduler_link.messages import JobSpec, WorkloadStatus
+from tests.test_placer_indexes import full
+
+
+def _restarted() -> PlacerState:
+    """A placer's state just after a restart: recovering until t = 5."""
+    st_ = PlacerState(PlacerConfig(heartbeat_s=1.0, fence_after_s=5.0, recover_s=5.0), started_at=0.0)
+    st_.recover_until = 5.0
+    return st_
+
+
+def _recovering(st_: PlacerState, pods: int) -> JobRec:
+    """Job g from the journal (attempt 1, ``pods`` pods of 8 GPUs), waiting for its pods' reports."""
+    st_.submit(JobSpec(job_id="g", pods=pods, gpus_per_pod=8, argv=["x"]), 0.0, recovering=True)
+    st_.jobs["g"].attempt = 1
+    return st_.jobs["g"]
+
+
+def _pod(i: int) -> WorkloadStatus:
+    """Rank ``i`` of g's attempt 1, running on node n<i> (all its 8 GPUs)."""
+    return WorkloadStatus(workload_id=f"g.1.{i}", job_id="g", gpus=[f"n{i}-g{s}" for s in range(8)], state="running")
 
 
 def test_no_snapshot_waits_the_window() -> None:
@@ -64,22 +87,12 @@ def test_the_file_round_trips_and_a_damaged_one_is_ignored(tmp_path: Path) -> No
 def test_recovered_complete_only_once_every_pod_of_a_recovering_job_reported() -> None:
     """PlacerState.recovered_complete: what Recovery.until is told (a recovered gang whose
     pods have not all reported is not whole: ending recovery then would place it again)."""
-    from placer.config import PlacerConfig
-    from placer.state import PlacerState
-    from scheduler_link.messages import JobSpec, WorkloadStatus
-    from tests.test_placer_indexes import full
-
-    st_ = PlacerState(PlacerConfig(heartbeat_s=1.0, fence_after_s=5.0, recover_s=5.0), started_at=0.0)
-    st_.recover_until = 5.0
+    st_ = _restarted()
     assert st_.recovered_complete()                 # nothing recovering
-    st_.submit(JobSpec(job_id="g", pods=3, gpus_per_pod=8, argv=["x"]), 0.0, recovering=True)
-    st_.jobs["g"].attempt = 1
+    _recovering(st_, 3)
     for i in range(3):
         assert not st_.recovered_complete()
-        nid = f"n{i}"
-        w = WorkloadStatus(workload_id=f"g.1.{i}", job_id="g", gpus=[f"{nid}-g{s}" for s in range(8)],
-                           state="running")
-        st_.ingest(nid, full(nid, workloads=[w]), 0.1)
+        st_.ingest(f"n{i}", full(f"n{i}", workloads=[_pod(i)]), 0.1)
     assert st_.recovered_complete()
 
 
@@ -87,21 +100,12 @@ def test_a_node_reporting_twice_while_the_placer_recovers_keeps_its_pod() -> Non
     """A second full report of a node during recovery lists the pod its first one had adopted:
     the same pod (never a stale one told to stop). At 1,024 emulated nodes re-registering
     through their relays, a rack's pods were stopped this way."""
-    from placer.config import PlacerConfig
-    from placer.state import PlacerState
-    from scheduler_link.messages import JobSpec, WorkloadStatus
-    from tests.test_placer_indexes import full
-
-    st_ = PlacerState(PlacerConfig(heartbeat_s=1.0, fence_after_s=5.0, recover_s=5.0), started_at=0.0)
-    st_.recover_until = 5.0
-    st_.submit(JobSpec(job_id="g", pods=2, gpus_per_pod=8, argv=["x"]), 0.0, recovering=True)
-    st_.jobs["g"].attempt = 1
+    st_ = _restarted()
+    _recovering(st_, 2)
     for i in range(2):
         nid = f"n{i}"
-        w = WorkloadStatus(workload_id=f"g.1.{i}", job_id="g", gpus=[f"{nid}-g{s}" for s in range(8)],
-                           state="running")
         for seq in (1, 2):   # twice
-            _, reply, _ = st_.ingest(nid, full(nid, seq=seq, workloads=[w]), 0.1 * seq)
+            _, reply, _ = st_.ingest(nid, full(nid, seq=seq, workloads=[_pod(i)]), 0.1 * seq)
             assert not reply.stop, reply
         assert not st_.nodes[nid].stale and not st_.nodes[nid].tell
     assert st_.schedule(6.0) == []
@@ -112,22 +116,12 @@ def test_a_node_reporting_twice_while_the_placer_recovers_keeps_its_pod() -> Non
 def test_a_recovery_adopting_pods_one_report_at_a_time_keeps_the_node_index() -> None:
     """Each adopted pod is a row appended to its job's table, and each registration reads its
     node's rows: the per-node index is extended, never rebuilt from the whole table per row."""
-    from placer.config import PlacerConfig
-    from placer.state import PlacerState
-    from scheduler_link.messages import JobSpec, WorkloadStatus
-    from tests.test_placer_indexes import full
-
-    st_ = PlacerState(PlacerConfig(heartbeat_s=1.0, fence_after_s=5.0, recover_s=5.0), started_at=0.0)
-    st_.recover_until = 5.0
-    st_.submit(JobSpec(job_id="g", pods=40, gpus_per_pod=8, argv=["x"]), 0.0, recovering=True)
-    st_.jobs["g"].attempt = 1
-    table = st_.jobs["g"].table
+    st_ = _restarted()
+    table = _recovering(st_, 40).table
     idx = None
     for i in range(40):
         nid = f"n{i}"
-        w = WorkloadStatus(workload_id=f"g.1.{i}", job_id="g", gpus=[f"{nid}-g{s}" for s in range(8)],
-                           state="running")
-        st_.ingest(nid, full(nid, workloads=[w]), 0.1)
+        st_.ingest(nid, full(nid, workloads=[_pod(i)]), 0.1)
         if idx is None:
             idx = table._on_node
         assert idx is not None and table._on_node is idx     # the same index, extended
@@ -138,10 +132,6 @@ def test_a_recovery_adopting_pods_one_report_at_a_time_keeps_the_node_index() ->
 def test_membership_changes_count_what_the_snapshot_must_follow() -> None:
     """The snapshot is rewritten after membership changed (a node added, lost, back), not after
     every full report: a steady fleet writes nothing."""
-    from placer.config import PlacerConfig
-    from placer.state import PlacerState
-    from tests.test_placer_indexes import full
-
     st_ = PlacerState(PlacerConfig(heartbeat_s=1.0, lost_after_missed=3, fence_after_s=60.0), started_at=0.0)
     st_.recover_until = 0.0
     st_.ingest("n0", full("n0", seq=1), 0.0)
