@@ -69,6 +69,8 @@ COUNTER_HELP: dict[str, str] = {
     "nodes_lost": "Nodes declared lost (missed heartbeats)",
     "fenced_stops": "Stops sent to a lost node's fenced pods when it came back",
     "refused_reports": "Reports refused as invalid",
+    "compact_registrations": "Registrations that named a stored GPU inventory instead of sending it",
+    "inventory_misses": "Compact registrations answered 409: no such inventory stored (the node sends it)",
     "rebuilds": "Cluster model rebuilds",
     "passes": "Scheduling passes",
     "passes_deferred": "Scheduling passes deferred",

@@ -67,13 +67,14 @@ from scheduler_link.messages import (
 )
 from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
 
-from . import fleetsnap
+from . import fleetsnap, inventories
 from .approvals import APPROVAL_DOCS, ApprovalRoutes
 from .config import PlacerConfig
 from .dashboard import DASHBOARD_DOCS, Dashboard
 from .etcdjournal import JobJournal
 from .frag import fragmentation, largest_placeable, plan_defrag
 from .ha import HighAvailability
+from .inventories import InventoryBook
 from .journal import Journal, JournalError
 from .membership import Membership
 from .nodeops import ApprovalFile
@@ -160,6 +161,8 @@ class PlacerService:
         self._snap_at = -math.inf          # monotonic time of the last snapshot written
         self._snap_seen = -1               # the state's membership_changes it was written at
         self._snap_writing = False
+        self._inv_at = -math.inf           # monotonic time inventories were last written
+        self._inv_writing = False
 
     # ------------------------------------------------------------ epochs (fencing)
 
@@ -266,6 +269,32 @@ class PlacerService:
         finally:
             self._snap_writing = False
 
+    def _maybe_write_inventories(self) -> None:
+        """The GPU inventories registered since the last write, appended to the state dir
+        (placer.inventories) at most every FLUSH_EVERY_S, off the event loop."""
+        book = self.state.inventories
+        t = time.monotonic()
+        if not book.pending or self._inv_writing or t - self._inv_at < inventories.FLUSH_EVERY_S \
+                or self._nursery is None:
+            return
+        self._inv_at = t
+        self._inv_writing = True
+        data, whole = book.take()
+        self._nursery.start_soon(self._write_inventories, data, whole)
+
+    async def _write_inventories(self, data: bytes, whole: bool) -> None:
+        try:
+            if inventories.WRITE_IN_THREAD:
+                await trio.to_thread.run_sync(inventories.write, self.cfg.state_dir, data, whole)
+            else:
+                inventories.write(self.cfg.state_dir, data, whole)
+            log.info("inventories written bytes=%d whole=%s", len(data), whole)
+        except OSError as e:   # a full disk: those nodes send their snapshots after a restart
+            log.warning("inventories not written: %s", e)
+            self.state.inventories.rewrite = True   # the next write replaces the file whole
+        finally:
+            self._inv_writing = False
+
     def _resumed(self) -> None:
         """A leader's lease renewed after it was fenced (placer.ha): place again, fairly."""
         from .ha import forgive_silence
@@ -275,6 +304,9 @@ class PlacerService:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.mac_master, self.signer = msgauth.load_placer_keys(self.cfg.state_dir)
         self.state.set_mac_master(self.mac_master)
+        t0 = time.perf_counter()
+        self.state.inventories = InventoryBook.load(self.cfg.state_dir)
+        log.info("inventories ready nodes=%d in=%.3fs", len(self.state.inventories.by_node), time.perf_counter() - t0)
         self.started_at = self.clock()
         if self.ha is None:
             # greater than any earlier start's, durable before anything listens or is sent
@@ -328,6 +360,7 @@ class PlacerService:
             self._tick(now)
             self._recovery_gate(now)
             self._maybe_snapshot()
+            self._maybe_write_inventories()
             rebuilds = self.state.counters["rebuilds"]
             # A pass makes long-lived records (a 25,000-pod gang's); collecting while it runs
             # would walk them again and again for nothing: collect later, and freeze them.

@@ -124,7 +124,9 @@ from .messages import (
     ReportReply,
     Victim,
     WorkloadEvent,
+    compact_ok,
     for_placer,
+    gpu_inventory,
 )
 from .msgauth import epoch_ok, verified_stops, with_report_mac
 from .placers import NO_LEADER, Placers, leader_of, leader_wire_of, not_leading
@@ -247,6 +249,18 @@ class LinkHooks(Protocol):
     def gpu_snapshot(self) -> GpuSnapshot: ...
 
 
+def registration(base: NodeReport, taken: str) -> NodeReport:
+    """A full report as it goes to the placer: the snapshot as the placer reads it
+    (``for_placer``) and the digest of its GPU inventory; with no snapshot at all (a *compact*
+    registration, placer.inventories) when the placer took that inventory last (``taken``:
+    its digest, "" for none) and nothing about health is to be said."""
+    snap = for_placer(base.snapshot) if base.snapshot else None
+    digest = gpu_inventory(snap)[1] if snap is not None else ""
+    if snap is not None and taken and digest == taken and compact_ok(snap):
+        snap = None
+    return msgspec.structs.replace(base, full=True, snapshot=snap, inventory=digest)
+
+
 def health_signature(snap: GpuSnapshot | None) -> Any:
     """What, in a snapshot, is worth a report when it changes: inventory and health
     (telemetry values move all the time and are not)."""
@@ -348,6 +362,9 @@ class AgentLink:
         self._relay_down_since: float | None = None
         self.relay_holds = 0                 # reports answered upstream_down while the relay was kept
         self.relayed_full_reports = 0        # full reports the placer took through a relay (no handshake)
+        self.compact_registrations = 0       # full reports taken that named the inventory (placer.inventories)
+        self.inventory_misses = 0            # ... answered 409: the placer held none (the snapshot went next)
+        self._inventory_taken = ""           # the digest of the GPU inventory the placer took last
         # statistics
         self.reports_sent = 0
         self.full_reports_sent = 0
@@ -391,6 +408,7 @@ class AgentLink:
             "enrolled": self.enrolled, "enroll_failures": self.enroll_failures,
             "enroll_refusals": dict(self.enroll_refusals),
             "relay_holds": self.relay_holds, "relayed_full_reports": self.relayed_full_reports,
+            "compact_registrations": self.compact_registrations, "inventory_misses": self.inventory_misses,
         }
 
     @property
@@ -470,6 +488,10 @@ class AgentLink:
             except _Conflict:
                 self.conflicts += 1
                 self._need_full = True
+                if report.compact:   # the placer holds no inventory of ours: the snapshot, at once
+                    self._inventory_taken = ""
+                    self.inventory_misses += 1
+                    continue
                 if report.full:  # a placer that refuses even a full report: back off
                     retry.backoff = self._report_backoff()
                     await trio.sleep(retry.failed(trio.current_time()))
@@ -511,6 +533,9 @@ class AgentLink:
                 log.info("registered node=%s boot=%s seq=%d relayed=%s", self.node_id, self.boot_id, report.seq,
                          relayed)
                 self.relayed_full_reports += relayed
+                self.compact_registrations += report.compact
+                if report.snapshot is not None:   # the placer holds this inventory now (placer.inventories)
+                    self._inventory_taken = report.inventory
                 if not relayed:  # keys only from our own connection: a relay's answer could be anything
                     self.mac_key = reply.mac_key or self.mac_key
                     self.placer_key = reply.placer_key or self.placer_key
@@ -624,7 +649,10 @@ class AgentLink:
             except trio.WouldBlock:
                 return out
 
-    def _build_report(self) -> NodeReport:
+    def _build_report(self, *, compact: bool = True) -> NodeReport:
+        """The next report: full when one is due (``compact``: naming the GPU inventory the
+        placer took last instead of sending it, when nothing about health is to be said), else
+        a heartbeat with the events and any health change."""
         self.seq += 1
         now = time.time()
         self._since_full += 1
@@ -636,9 +664,9 @@ class AgentLink:
             base: NodeReport = self.hooks.full_report()
             self._last_health = health_signature(base.snapshot)
             self._need_full = False
-            return msgspec.structs.replace(base, node_id=self.node_id, boot_id=self.boot_id, seq=self.seq,
-                                           full=True, sent_at=now,
-                                           snapshot=for_placer(base.snapshot) if base.snapshot else None)
+            return registration(msgspec.structs.replace(base, node_id=self.node_id, boot_id=self.boot_id,
+                                                        seq=self.seq, sent_at=now),
+                                self._inventory_taken if compact else "")
         events = self._drain_events()
         snap: GpuSnapshot | None = None
         try:
@@ -782,7 +810,7 @@ class AgentLink:
                 pc = decode_payload(await ch.call("enroll_key", {}), PlacerCert)
                 if not pc.cert:
                     raise EnrollRefused(pc.outcome or "unavailable", pc.error or "the relay has no placer certificate")
-                report = self._build_report()
+                report = self._build_report(compact=False)   # (a new key: the placer may hold nothing of ours)
                 enrolment, pending = self._enroll.make(report, pc.cert, now=time.time())
                 answer = decode_payload(await ch.call("enroll", enrolment), EnrollAnswer)
             secret = EnrollClient.open(pending, answer)
@@ -813,6 +841,7 @@ class AgentLink:
         self.enrolled += 1
         self.reports_sent += 1
         self.full_reports_sent += 1
+        self._inventory_taken = report.inventory
         self.registered = True
         self.last_ok_at = time.time()
         self._vouched_at = trio.current_time()   # the sealed keys are the placer's word

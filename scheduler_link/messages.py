@@ -160,6 +160,24 @@ def for_placer(snap: GpuSnapshot) -> GpuSnapshot:
     return msgspec.structs.replace(snap, gpus=gpus, topology_matrix=[])
 
 
+def gpu_inventory(snap: GpuSnapshot) -> tuple[list[str], str]:
+    """A snapshot's GPU inventory as the placer keeps it: the UUIDs in index order, and their
+    digest (BLAKE2b-128, hex) with the NVLink domain and whether they are simulated. Equal
+    digests: the same GPUs, the same way; what a compact registration names
+    (:func:`compact_ok`, ``NodeReport.inventory``)."""
+    uuids = [g.uuid for g in sorted(snap.gpus, key=lambda g: g.index)]
+    text = "\n".join(uuids) + "\0" + (snap.nvlink_domain or "") + "\0" + ("sim" if snap.simulated else "")
+    return uuids, hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def compact_ok(snap: GpuSnapshot) -> bool:
+    """Whether a full report may leave ``snap`` out and name its inventory instead: every GPU
+    and the host healthy with nothing to say (the placer then records them so); anything else
+    travels whole."""
+    h = snap.host
+    return h.state == "healthy" and not h.reasons and all(g.health == "healthy" and not g.reasons for g in snap.gpus)
+
+
 # ---------------------------------------------------------------- workloads
 
 class WorkloadStatus(msgspec.Struct, frozen=True, kw_only=True):
@@ -354,6 +372,15 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
     # the node's keyed-BLAKE3 MAC (scheduler_link.msgauth.report_mac) when a relay forwards it;
     # empty on the node's own connection
     mac: bytes = b""
+    # the digest of the node's GPU inventory (gpu_inventory) on a full report. A full report
+    # with no ``snapshot`` and a digest is a *compact* registration: "the GPUs you stored under
+    # this digest for this boot, all healthy" (placer.inventories); a placer that holds no such
+    # inventory answers 409 and the node sends its snapshot. A few hundred bytes instead of ~8 KB
+    inventory: str = ""
+
+    @property
+    def compact(self) -> bool:
+        return self.full and self.snapshot is None and bool(self.inventory)
 
 
 class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
