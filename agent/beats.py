@@ -112,6 +112,16 @@ class BeatBook:
         for s in r.stop:
             self._stops.setdefault(s.node_id, []).extend(s.stop)
 
+    def reconnected(self) -> int:
+        """The relay's connection up is new: what the placer on the other end holds of the
+        members is unknown (a restarted placer holds nothing), so each member it has heard
+        from is asked for a full report in the answer to its next heartbeat (compact where the
+        placer kept its inventory: placer.inventories) instead of waiting for the placer's
+        answer to the next beat. Returns how many were asked."""
+        members = self._taken.keys() | self._pending.keys()
+        self._need_full.update(members)
+        return len(members)
+
     def forget(self, node_id: str) -> None:
         self._pending.pop(node_id, None)
         self._taken.pop(node_id, None)
