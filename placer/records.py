@@ -622,6 +622,7 @@ class NodeRec:
     health_reasons: tuple[str, ...] = ()              # the last snapshot's reason codes (the dashboard)
     simulated: bool = False
     state: str = "up"                                 # up | lost
+    silent: bool = False                              # up, silent in a mass silence: no new work (Attempts.tick)
     cordoned: bool = False                            # taken out of service (placer.nodeops)
     draining: bool = False                            # cordoned by a drain
     last_seen: float = 0.0

@@ -152,7 +152,7 @@ class Reports(StateBase):
             node.last_seq = seq
             node.last_seen = now
             timer.set(nid, due)
-            if node.state != "up":
+            if node.state != "up" or node.silent:
                 pushes += self._node_back(node, now)
             if node.tell or node.refused:
                 r = self._reply(node)
@@ -397,6 +397,11 @@ class Reports(StateBase):
             self.dirty = True
 
     def _node_back(self, node: NodeRec, now: float) -> list[Push]:
+        if node.silent:   # held silent in a mass silence (placer.attempts): it takes work again
+            node.silent = False
+            self.silent_nodes -= 1
+            self.dirty = True
+            self.model.set_node_state(node.node_id, healthy=not node.host_fatal, draining=node.cordoned)
         if node.state == "lost":
             self.dirty = True
             log.info("node back node=%s after=%.1fs", node.node_id, now - (node.lost_since or now))

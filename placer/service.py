@@ -181,10 +181,13 @@ class PlacerService:
         return max(0.0, self.state.recover_until - now)
 
     def restart_status(self) -> dict[str, Any]:
-        """This start: its epoch, when it started (unix), ``recover_s`` left, nodes heard since."""
+        """This start: its epoch, when it started (unix), ``recover_s`` left, nodes heard since;
+        and nodes held silent in a mass silence (placer.attempts), since when (None: none)."""
         now = self.clock()
+        st = self.state
         return {"epoch": self.epoch, "started_at": self.started_at,
-                "recover_s_left": round(self.recover_s_left(now), 3), "nodes_reported": len(self.state.nodes)}
+                "recover_s_left": round(self.recover_s_left(now), 3), "nodes_reported": len(st.nodes),
+                "nodes_silent": st.silent_nodes, "mass_silence_since": st.mass_silence_since}
 
     def _stamped(self, reply: _Answer) -> _Answer:
         """``reply`` with this placer's epoch. The state's shared common answer is copied once
@@ -288,7 +291,7 @@ class PlacerService:
                 await trio.to_thread.run_sync(inventories.write, self.cfg.state_dir, data, whole)
             else:
                 inventories.write(self.cfg.state_dir, data, whole)
-            log.info("inventories written bytes=%d whole=%s", len(data), whole)
+            log.debug("inventories written bytes=%d whole=%s", len(data), whole)
         except OSError as e:   # a full disk: those nodes send their snapshots after a restart
             log.warning("inventories not written: %s", e)
             self.state.inventories.rewrite = True   # the next write replaces the file whole
