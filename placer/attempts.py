@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
-from scheduler_link.messages import Placement, ReportReply, Victim
+from scheduler_link.messages import Placement, RackBeatReply, ReportReply, RevokedList, Victim
 
 from .delivery import RoundOutcomes
 from .records import ACCEPTED as ACCEPTED  # re-exported (defined with the records)
@@ -228,15 +228,20 @@ class Attempts(StateBase):
 
     # ------------------------------------------------------------ revocation
 
-    def set_revoked(self, denied: tuple[frozenset[str], frozenset[str]], newly: list[str], now: float) -> None:
-        """The deny-list (node ids, serials) goes out in every heartbeat answer; the nodes
-        ``newly`` denied are fenced like lost ones, at once: lost now, fenced at the next tick."""
+    def set_revoked(self, denied: tuple[frozenset[str], frozenset[str]], newly: list[str], now: float,
+                    signed: RevokedList | None = None) -> None:
+        """The deny-list (node ids, serials) goes out in every heartbeat answer, and ``signed``
+        (the same list, signed by the placer) in every answer and rack beat answer too, for the
+        members behind relays; the nodes ``newly`` denied are fenced like lost ones, at once:
+        lost now, fenced at the next tick."""
         nodes, serials = sorted(denied[0]), sorted(denied[1])
         # None until a list was ever held (an empty list after that: a lifted node is heard of)
         known = bool(nodes or serials) or self._ok_reply.revoked_nodes is not None
         self._ok_reply = ReportReply(ok=True, heartbeat_interval_s=self.cfg.heartbeat_s,
                                      revoked_nodes=nodes if known else None,
-                                     revoked_serials=serials if known else None)
+                                     revoked_serials=serials if known else None,
+                                     revoked_signed=signed if known else None)
+        self._ok_beat = RackBeatReply(revoked_signed=signed if known else None)
         for nid in newly:
             node = self.nodes.get(nid)
             if node is None:

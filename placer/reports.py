@@ -165,7 +165,8 @@ class Reports(StateBase):
             log.warning("rack beat entries refused: MAC does not verify count=%d of=%d relay=%s", bad, n, via)
         if not need and not stops:
             return self._ok_beat, pushes
-        return RackBeatReply(need_full=need, stop=stops, heartbeat_interval_s=self.cfg.heartbeat_s), pushes
+        return RackBeatReply(need_full=need, stop=stops, heartbeat_interval_s=self.cfg.heartbeat_s,
+                             revoked_signed=self._ok_beat.revoked_signed), pushes
 
     def _reply(self, node: NodeRec, *, need_full: bool = False) -> ReportReply:
         if not node.tell and not need_full and not node.refused:
@@ -177,7 +178,8 @@ class Reports(StateBase):
             node.tell.clear()
         return ReportReply(ok=True, need_full=need_full or bool(node.refused), stop=stop,
                            heartbeat_interval_s=self.cfg.heartbeat_s, revoked_nodes=self._ok_reply.revoked_nodes,
-                           revoked_serials=self._ok_reply.revoked_serials)
+                           revoked_serials=self._ok_reply.revoked_serials,
+                           revoked_signed=self._ok_reply.revoked_signed)
 
     def _grace_of(self, wid: str) -> float:
         parsed = parse_workload_id(wid)

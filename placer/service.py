@@ -117,6 +117,7 @@ class PlacerService:
         self.token_use = authz.TokenUse() if self.security.accept_tokens else None
         self.pki = PKIRoutes(config.ca_dir, days=config.node_cert_days, clock=clock)
         self.state = PlacerState(config, started_at=clock())
+        self.signer = msgauth.BundleSigner.generate()
         self._refresh_revoked(clock())   # the deny-list (herd pki revoke) before any handshake
         self.mac_key: Callable[[str, str], bytes] = self.state.mac_key   # (relays.RelayHost: the state's own)
         self.rack_pins = self.state.rack_pins   # (relays.RelayHost: the racks nodes are pinned to)
@@ -139,7 +140,6 @@ class PlacerService:
         # message-level identity (scheduler_link.msgauth): ephemeral until run() loads the state
         # dir's (so a restarted placer keeps verifying what relays forward, and agents' pinned key holds)
         self.mac_master = os.urandom(msgauth.KEY_LEN)
-        self.signer = msgauth.BundleSigner.generate()
         self.state.set_mac_master(self.mac_master)
         self.state.counters["bad_macs"] = 0
         self.state.counters["replays"] = 0
@@ -306,6 +306,7 @@ class PlacerService:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.mac_master, self.signer = msgauth.load_placer_keys(self.cfg.state_dir)
+        self._publish_revoked([], self.clock())   # (signed with the key the agents hold)
         self.state.set_mac_master(self.mac_master)
         t0 = time.perf_counter()
         self.state.inventories = InventoryBook.load(self.cfg.state_dir)
@@ -414,7 +415,13 @@ class PlacerService:
         newly revoked nodes are fenced like lost ones."""
         newly = self.pki.refresh(self.security.revoked)
         if newly is not None:
-            self.state.set_revoked(self.pki.denied, newly, now)
+            self._publish_revoked(newly, now)
+
+    def _publish_revoked(self, newly: list[str], now: float) -> None:
+        """The deny-list into the heartbeat answers, signed with the placer's bundle key (members
+        behind a relay take it from there), and ``newly`` denied nodes fenced."""
+        nodes, serials = sorted(self.pki.denied[0]), sorted(self.pki.denied[1])
+        self.state.set_revoked(self.pki.denied, newly, now, signed=self.signer.revoked(time.time(), nodes, serials))
 
     def _maybe_freeze(self) -> None:
         """After a pass that rebuilt the model or decided (the records it made live long),

@@ -128,7 +128,7 @@ from .messages import (
     for_placer,
     gpu_inventory,
 )
-from .msgauth import epoch_ok, verified_stops, with_report_mac
+from .msgauth import BundleVerifier, epoch_ok, verified_stops, with_report_mac
 from .placers import NO_LEADER, Placers, leader_of, leader_wire_of, not_leading
 
 log = logging.getLogger("herd.link.agent")
@@ -365,6 +365,9 @@ class AgentLink:
         self.compact_registrations = 0       # full reports taken that named the inventory (placer.inventories)
         self.inventory_misses = 0            # ... answered 409: the placer held none (the snapshot went next)
         self._inventory_taken = ""           # the digest of the GPU inventory the placer took last
+        self._revoked_at = 0.0               # issued_at of the signed deny-list taken last
+        self._verifier: BundleVerifier | None = None
+        self.revoked_refused = 0             # signed deny-lists that did not verify (a relay's forgery)
         # statistics
         self.reports_sent = 0
         self.full_reports_sent = 0
@@ -409,6 +412,7 @@ class AgentLink:
             "enroll_refusals": dict(self.enroll_refusals),
             "relay_holds": self.relay_holds, "relayed_full_reports": self.relayed_full_reports,
             "compact_registrations": self.compact_registrations, "inventory_misses": self.inventory_misses,
+            "revoked_at": self._revoked_at, "revoked_refused": self.revoked_refused,
         }
 
     @property
@@ -539,8 +543,7 @@ class AgentLink:
                 if not relayed:  # keys only from our own connection: a relay's answer could be anything
                     self.mac_key = reply.mac_key or self.mac_key
                     self.placer_key = reply.placer_key or self.placer_key
-            if reply.revoked_nodes is not None and not relayed and self.revoked is not None:
-                self.revoked.replace(reply.revoked_nodes, reply.revoked_serials or [])
+            self._take_revoked(reply, relayed)
             if not relayed:
                 self._vouched_at = trio.current_time()
             if reply.heartbeat_interval_s and not relayed:
@@ -571,6 +574,28 @@ class AgentLink:
                 self.stops_received += len(stop)
                 nursery.start_soon(self._stop, stop)
             next_beat = trio.current_time() + self.heartbeat_s * random.uniform(0.8, 1.0)
+
+    def _take_revoked(self, reply: ReportReply, relayed: bool) -> None:
+        """The deny-list into this node's handshakes (its data plane refuses revoked peers): the
+        placer-signed list from any answer, a relay's too, when it verifies with the placer's key
+        and is newer than the one taken; an unsigned list only over this node's own connection."""
+        if self.revoked is None:
+            return
+        rl = reply.revoked_signed
+        if rl is not None:
+            if rl.issued_at <= self._revoked_at or not self.placer_key:
+                return
+            if self._verifier is None or self._verifier.public != self.placer_key:
+                self._verifier = BundleVerifier(self.placer_key)
+            if not self._verifier.revoked_ok(rl):
+                self.revoked_refused += 1
+                log.warning("a deny-list that the placer did not sign refused node=%s relayed=%s", self.node_id,
+                            relayed)
+                return
+            self._revoked_at = rl.issued_at
+            self.revoked.replace(rl.nodes, rl.serials)
+        elif reply.revoked_nodes is not None and not relayed:
+            self.revoked.replace(reply.revoked_nodes, reply.revoked_serials or [])
 
     def _fresh(self, reply: ReportReply, at: str) -> bool:
         """An answer over our own connection of no older placer epoch (a newer one made durable);
@@ -846,6 +871,7 @@ class AgentLink:
         self.last_ok_at = time.time()
         self._vouched_at = trio.current_time()   # the sealed keys are the placer's word
         log.info("registered through the rack relay node=%s boot=%s relay=%s", self.node_id, self.boot_id, url)
+        self._take_revoked(reply, True)
         if reply.heartbeat_interval_s:   # a relayed answer, but for its keys: clamped as one
             self.heartbeat_s = relayed_interval(reply.heartbeat_interval_s, self.placer_heartbeat_s)
         if reply.need_full:

@@ -383,6 +383,16 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
         return self.full and self.snapshot is None and bool(self.inventory)
 
 
+class RevokedList(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """The deny-list as the placer signs it (its Ed25519 bundle key, msgauth.revoked_bytes), so
+    that a member behind a relay may take it from its relay: the relay cannot add to it, drop
+    from it or hand down an older one (``issued_at``: a member takes only a newer list)."""
+    issued_at: float
+    nodes: list[str] = []
+    serials: list[str] = []
+    sig: bytes = b""
+
+
 class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
     """Placer -> agent answer to a report. ``stop`` lists workloads the agent must stop
     (fencing: their gang was placed elsewhere while this node was lost)."""
@@ -413,6 +423,9 @@ class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
     # in an answer through a relay: the placer's MAC over ``epoch`` in the node's key
     # (scheduler_link.msgauth.epoch_mac), so the member may take the epoch a relay carried
     epoch_mac: bytes = b""
+    # the deny-list signed (taken from any answer, a relay's too, when it verifies and is newer);
+    # a relay hands down the latest it had from the placer in its answers to members' heartbeats
+    revoked_signed: RevokedList | None = None
 
 
 # ---------------------------------------------------------------- placer API (jobs, nodes, cluster)
@@ -841,6 +854,7 @@ class RackBeatReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     stop: list[NodeStop] = []
     heartbeat_interval_s: float | None = None
     epoch: int = 0                           # the answering placer's epoch (scheduler_link.epochs)
+    revoked_signed: RevokedList | None = None   # the deny-list, for the relay to hand to its members
 
 
 class BlobRequest(msgspec.Struct, frozen=True, kw_only=True):

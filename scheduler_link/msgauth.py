@@ -57,7 +57,16 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from infra.durable import atomic_write
 from infra.errors import AuthError as AuthError  # (defined with the package's other errors)
 
-from .messages import NodeOutcome, NodePart, NodeReport, PartProof, RackBundle, Victim, expand_part
+from .messages import (
+    NodeOutcome,
+    NodePart,
+    NodeReport,
+    PartProof,
+    RackBundle,
+    RevokedList,
+    Victim,
+    expand_part,
+)
 
 log = logging.getLogger("herd.link.msgauth")
 
@@ -65,6 +74,7 @@ MAC_LEN = 16
 KEY_LEN = 32
 _KDF = b"herd node mac v1\0"
 _BUNDLE = b"herd rack bundle v1\0"
+_REVOKED = b"herd deny-list v1\0"
 MASTER_FILE = "node-mac.secret"
 SIGNING_FILE = "placer-signing.key"
 
@@ -274,6 +284,12 @@ class BundleSigner:
                            sig=sig, sig_path=path, sig_index=i, epoch=sp.epoch)
                 for i, (sp, path) in enumerate(zip(specs, paths, strict=True))]
 
+    def revoked(self, issued_at: float, nodes: list[str], serials: list[str]) -> RevokedList:
+        """The deny-list signed, for members to take through their relay."""
+        self.signed += 1
+        return RevokedList(issued_at=issued_at, nodes=nodes, serials=serials,
+                           sig=self._key.sign(revoked_bytes(issued_at, nodes, serials)))
+
     def bundle(self, *, rack: str, blob_id: str, parts: list[NodePart], deliver_by: float,
                blob: bytes | None = None, blob_sources: list[str] | None = None, epoch: int = 0) -> RackBundle:
         """A signed RackBundle (its parts carried as the exact bytes the signature covers)."""
@@ -284,6 +300,11 @@ class BundleSigner:
                    blob: bytes | None = None, blob_sources: list[str] | None = None, epoch: int = 0) -> RackBundle:
         """As :meth:`bundle`, the parts given as their bytes (:func:`part_bytes` of each)."""
         return self.bundles_raw([BundleSpec(rack, blob_id, raws, deliver_by, blob, blob_sources or [], epoch)])[0]
+
+
+def revoked_bytes(issued_at: float, nodes: list[str], serials: list[str]) -> bytes:
+    """What the placer signs of a deny-list (RevokedList)."""
+    return _REVOKED + _canon.encode((issued_at, nodes, serials))
 
 
 class BundleView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -335,6 +356,16 @@ class BundleVerifier:
             seen[sig] = root
             while len(seen) > 64:
                 seen.pop(next(iter(seen)))
+
+    def revoked_ok(self, rl: RevokedList) -> bool:
+        """Whether the placer signed this deny-list."""
+        try:
+            self._key.verify(rl.sig, revoked_bytes(rl.issued_at, rl.nodes, rl.serials))
+        except InvalidSignature:
+            self.refused += 1
+            return False
+        self.verified += 1
+        return True
 
     def _legacy_ok(self, sig: bytes, header: bytes) -> bool:
         """A bundle signed alone the way placers before batched signatures did (over its header
