@@ -365,14 +365,27 @@ def test_an_aggregate_ack_names_exactly_the_members_whose_own_mac_verifies(data)
     relay's own excepted); one whose bit is set but MAC fails is ``bad``; nobody else is named.
     A malformed aggregate names nobody."""
     size = data.draw(st.integers(1, len(_AGG_NODES)))
+    _aggregate_case(size, data.draw(st.sampled_from(_AGG_NODES[:size])), data.draw(st.sets(st.integers(0, size - 1))),
+                    data.draw(st.lists(st.sampled_from(["none", "own", "forged", "replay"]), min_size=size,
+                                       max_size=size)),
+                    data.draw(st.sampled_from(["", "short", "past"])))
+
+
+def test_the_common_aggregate_every_member_its_own_mac() -> None:
+    """(One comparison for the whole rack; then the same with one forged MAC, the relay's own
+    or a member's.)"""
+    for size in (1, 8, 9, 12):
+        _aggregate_case(size, _AGG_NODES[size - 1], set(), ["own"] * size, "")
+        _aggregate_case(size, _AGG_NODES[0], set(), ["own"] * (size - 1) + ["forged"], "")
+        _aggregate_case(size, _AGG_NODES[size - 1], set(), ["own"] * (size - 1) + ["forged"], "")
+
+
+def _aggregate_case(size: int, relay: str, answered: set[int], kinds: list[str], broken: str) -> None:
     ids = _AGG_NODES[:size]
-    relay = data.draw(st.sampled_from(ids))
     pushes = [Push(n, "", Placement(placement_id=f"s:{n}", job_id="j"), "j", 1, "start") for n in ids]
     core = DeliveryRound(size, [0, size], patience_s=PATIENCE, cap_s=CAP)
-    answered = data.draw(st.sets(st.integers(0, size - 1)))
     for k in answered:
         core.code[k] = 0
-    kinds = data.draw(st.lists(st.sampled_from(["none", "own", "forged", "replay"]), min_size=size, max_size=size))
 
     def mac(k: int, pid: str) -> bytes:
         return msgauth.outcome_mac(_AGG_KEYS[ids[k]], NodeOutcome(node_id=ids[k], placement_id=pid, outcome="accepted"))
@@ -383,7 +396,6 @@ def test_an_aggregate_ack_names_exactly_the_members_whose_own_mac_verifies(data)
             continue
         bits[k >> 3] |= 1 << (k & 7)
         macs += {"own": mac(k, f"s:{ids[k]}"), "forged": b"f" * 16, "replay": mac(k, "s:earlier")}[kind]
-    broken = data.draw(st.sampled_from(["", "short", "past"]))
     if broken == "short" and macs:
         macs = macs[:-1]          # MACs that do not match the bits in number
     elif broken == "past":
