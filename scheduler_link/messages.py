@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import re
 import zlib
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -722,6 +723,9 @@ class RackBundle(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     epoch: int = 0
 
 
+MAC_LEN = 16   # bytes of a node's MAC (scheduler_link.msgauth)
+
+
 class NodeOutcome(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     node_id: str
     placement_id: str
@@ -732,11 +736,37 @@ class NodeOutcome(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
 
 
 class AckBundle(msgspec.Struct, frozen=True, kw_only=True):
-    """A relay -> the placer: every member's outcome for one RackBundle."""
+    """A relay -> the placer: every member's outcome for one RackBundle. The common answer,
+    a member that accepted its part as it was (``outcome`` "accepted", no refused GPUs, no
+    detail, a MAC), travels as the rack's aggregate: bit ``k`` of ``accepted`` (byte ``k // 8``,
+    least significant bit first) says the bundle's ``k``-th part was so accepted, and
+    ``macs`` holds those members' MACs (``MAC_LEN`` bytes each, in part order), exactly as
+    each member made it over its own outcome (the placer rebuilds that outcome from its own
+    part: node, placement id). Any other outcome is a :class:`NodeOutcome` in ``outcomes``."""
     rack: str
     blob_id: str
     version: int = WIRE_VERSION
     outcomes: list[NodeOutcome] = []
+    accepted: bytes = b""
+    macs: bytes = b""
+
+    def accepted_slots(self) -> list[int]:
+        """The parts' positions ``accepted`` names, in order."""
+        bits = int.from_bytes(self.accepted, "little")
+        out = []
+        while bits:
+            low = bits & -bits
+            out.append(low.bit_length() - 1)
+            bits ^= low
+        return out
+
+    def expanded(self, parts: Sequence[NodePart]) -> list[NodeOutcome]:
+        """Every outcome this answer carries for a bundle of ``parts``, as NodeOutcomes (the
+        aggregate's first, in part order; positions past the parts are left out)."""
+        macs = self.macs
+        return [NodeOutcome(node_id=parts[k].node_id, placement_id=parts[k].placement_id, outcome="accepted",
+                            mac=macs[j * MAC_LEN:(j + 1) * MAC_LEN])
+                for j, k in enumerate(self.accepted_slots()) if k < len(parts)] + list(self.outcomes)
 
 
 class RackBeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

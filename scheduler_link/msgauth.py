@@ -57,6 +57,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from infra.durable import atomic_write
 from infra.errors import AuthError as AuthError  # (defined with the package's other errors)
 
+from .messages import MAC_LEN as MAC_LEN
 from .messages import (
     NodeOutcome,
     NodePart,
@@ -70,7 +71,6 @@ from .messages import (
 
 log = logging.getLogger("herd.link.msgauth")
 
-MAC_LEN = 16
 KEY_LEN = 32
 _KDF = b"herd node mac v1\0"
 _BUNDLE = b"herd rack bundle v1\0"
@@ -131,6 +131,18 @@ def report_ok(key: bytes, rep: NodeReport) -> bool:
 def outcome_mac(key: bytes, o: NodeOutcome) -> bytes:
     """Over every field but the MAC (a msgpack array: unambiguous, and cheaper than the struct)."""
     return _mac(key, b"ack\0" + _canon.encode((o.node_id, o.placement_id, o.outcome, o.refused_gpus, o.detail)))
+
+
+def accepted_macs(keys: list[bytes], node_ids: list[str], placement_ids: list[str]) -> bytes:
+    """The MACs of plain acceptances (:func:`outcome_mac` of ``NodeOutcome(node_id=...,
+    placement_id=..., outcome="accepted")``), one per node, joined: what a rack's aggregate
+    ack (AckBundle.accepted and .macs) is checked against in one comparison."""
+    enc, b3 = _canon.encode, blake3.blake3
+    return b"".join([b3(b"ack\0" + enc((n, p, "accepted", _NO_GPUS, None)), key=k).digest(MAC_LEN)
+                     for k, n, p in zip(keys, node_ids, placement_ids, strict=True)])
+
+
+_NO_GPUS: tuple[str, ...] = ()
 
 
 def with_outcome_mac(key: bytes, o: NodeOutcome) -> NodeOutcome:
