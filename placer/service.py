@@ -47,7 +47,7 @@ from infra.tls import Security, daemon_security
 from infra.version import PACKAGE_VERSION as _VERSION
 from scheduler_link import authz, msgauth
 from scheduler_link.epochs import EPOCH_FILE, EpochFile
-from scheduler_link.fanout import PushPool
+from scheduler_link.fanout import PushPool, PushResult
 from scheduler_link.heartbeat_wire import HeartbeatServer
 from scheduler_link.messages import (
     WIRE_VERSION,
@@ -468,8 +468,13 @@ class PlacerService:
                                          expires_at=self.clock() + self.cfg.placement_ttl_s if pl.pods else 0.0)
         if pl.epoch != self.epoch:
             pl = msgspec.structs.replace(pl, epoch=self.epoch)
-        res = await self.pool.post(p.control_url, "/v1/placements", msgspec.json.encode(pl),
-                                   token=self.tokens.placer, key=p.node_id, expect=f"node:{p.node_id}")
+        if self.ha is not None and not self.ha.leading():
+            # the lease is not known to hold now (a loop stalled past it learns so here, before
+            # sending): nothing leaves, as if the node were unreachable
+            res = PushResult(p.node_id, None, error="this placer does not lead now (its etcd lease is not known to hold)")
+        else:
+            res = await self.pool.post(p.control_url, "/v1/placements", msgspec.json.encode(pl),
+                                       token=self.tokens.placer, key=p.node_id, expect=f"node:{p.node_id}")
         if res.status is None:
             self.push_counts["failed"] += 1
             log.warning("push failed node=%s placement=%s err=%s", p.node_id, p.placement.placement_id, res.error)
