@@ -266,6 +266,11 @@ class PlacerService:
         finally:
             self._snap_writing = False
 
+    def _set_keys(self, master: bytes, signer: msgauth.BundleSigner) -> None:
+        """The MAC master and signing key every placer of the cluster shares (placer.ha)."""
+        self.mac_master, self.signer = master, signer
+        self.state.set_mac_master(master)
+
     def _resumed(self) -> None:
         """A leader's lease renewed after it was fenced (placer.ha): place again, fairly."""
         from .ha import forgive_silence
@@ -294,7 +299,8 @@ class PlacerService:
                 self.url = await n.start(partial(serve, ssl_context=self.security.api), self.app, self.cfg.listen)
                 self._write_endpoints()
                 if self.ha is not None:  # campaign; on promotion the journal comes from etcd
-                    await n.start(self.ha.run, self.url, self._recover, self._resumed, self.wire_url)
+                    await n.start(partial(self.ha.run, keys=(self.mac_master, self.signer), on_keys=self._set_keys),
+                                  self.url, self._recover, self._resumed, self.wire_url)
                 n.start_soon(self._loop)
                 n.start_soon(self.dashboard.warm)   # while the dashboard is watched, its next map is ready
                 log.info("placer serving url=%s", self.url)
