@@ -47,7 +47,7 @@ from infra.tls import Security, daemon_security
 from infra.version import PACKAGE_VERSION as _VERSION
 from scheduler_link import authz, msgauth
 from scheduler_link.epochs import EPOCH_FILE, EpochFile
-from scheduler_link.fanout import PushPool
+from scheduler_link.fanout import PushPool, PushResult
 from scheduler_link.heartbeat_wire import HeartbeatServer
 from scheduler_link.messages import (
     WIRE_VERSION,
@@ -298,6 +298,12 @@ class PlacerService:
         finally:
             self._inv_writing = False
 
+    def _set_keys(self, master: bytes, signer: msgauth.BundleSigner) -> None:
+        """The MAC master and signing key every placer of the cluster shares (placer.ha)."""
+        self.mac_master, self.signer = master, signer
+        self.state.set_mac_master(master)
+        self._publish_revoked([], self.clock())   # (signed with the shared key)
+
     def _resumed(self) -> None:
         """A leader's lease renewed after it was fenced (placer.ha): place again, fairly."""
         from .ha import forgive_silence
@@ -330,7 +336,8 @@ class PlacerService:
                 self.url = await n.start(partial(serve, ssl_context=self.security.api), self.app, self.cfg.listen)
                 self._write_endpoints()
                 if self.ha is not None:  # campaign; on promotion the journal comes from etcd
-                    await n.start(self.ha.run, self.url, self._recover, self._resumed, self.wire_url)
+                    await n.start(partial(self.ha.run, keys=(self.mac_master, self.signer), on_keys=self._set_keys),
+                                  self.url, self._recover, self._resumed, self.wire_url)
                 n.start_soon(self._loop)
                 n.start_soon(self.dashboard.warm)   # while the dashboard is watched, its next map is ready
                 log.info("placer serving url=%s", self.url)
@@ -511,8 +518,13 @@ class PlacerService:
                                          expires_at=self.clock() + self.cfg.placement_ttl_s if pl.pods else 0.0)
         if pl.epoch != self.epoch:
             pl = msgspec.structs.replace(pl, epoch=self.epoch)
-        res = await self.pool.post(p.control_url, "/v1/placements", msgspec.json.encode(pl),
-                                   token=self.tokens.placer, key=p.node_id, expect=f"node:{p.node_id}")
+        if self.ha is not None and not self.ha.leading():
+            # the lease is not known to hold now (a loop stalled past it learns so here, before
+            # sending): nothing leaves, as if the node were unreachable
+            res = PushResult(p.node_id, None, error="this placer does not lead now (its etcd lease is not known to hold)")
+        else:
+            res = await self.pool.post(p.control_url, "/v1/placements", msgspec.json.encode(pl),
+                                       token=self.tokens.placer, key=p.node_id, expect=f"node:{p.node_id}")
         if res.status is None:
             self.push_counts["failed"] += 1
             log.warning("push failed node=%s placement=%s err=%s", p.node_id, p.placement.placement_id, res.error)

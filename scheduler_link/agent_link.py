@@ -78,6 +78,12 @@ Invariants:
   first. Through a relay an answer's epoch is taken and checked the same way only under the
   placer's MAC in this node's key (``epoch_mac``; a relay could write any epoch), and each
   stop's epoch (under its MAC) too.
+- Several placers, the one asked silent (paused, cut off): a report over this node's own
+  connection unanswered for ``leader_probe_after_s`` (1 s) asks the other placers who leads
+  (scheduler_link.leaderprobe, their ``/healthz``), every second until it is answered; one
+  named with an epoch above the highest seen ends the wait and the link moves to it (a full
+  report follows), instead of waiting out ``request_timeout_s``. A leader named at the epoch
+  already known is only slow, and is waited for.
 - A placer restart behind a relay: the relay answers ``upstream_down`` (503) while it has no
   connection to the placer; the link keeps that relay for up to ``relay_hold_s`` (trying it
   every second or so, a full report pending) instead of handshaking with the placer itself,
@@ -105,6 +111,7 @@ from infra import tls
 from infra.auth import auth_header
 from infra.backoff import Backoff, Retry
 
+from . import leaderprobe
 from .client import ClientError, check_peer
 from .enroll import EnrollClient, EnrollRefused
 from .epochs import Epochs
@@ -301,6 +308,9 @@ class AgentLink:
         self.backoff_min_s = backoff_min_s
         self.backoff_max_s = backoff_max_s
         self.request_timeout_s = request_timeout_s
+        # several placers: a report unanswered this long asks the others who leads (_post_or_move)
+        self.leader_probe_after_s = leaderprobe.PROBE_AFTER_S
+        self.leader_moves = 0
         self.full_every = full_every  # a periodic full report heals any drift (manifests held, ...)
         self._since_full = 0
         self.boot_id = uuid.uuid4().hex
@@ -397,6 +407,7 @@ class AgentLink:
     def statistics(self) -> dict[str, Any]:
         return {
             "placer_url": self.placer_url, "placers": list(self.placers.urls), "placer_switches": self.placers.switches,
+            "leader_moves": self.leader_moves,
             "registered": self.registered, "boot_id": self.boot_id,
             "seq": self.seq, "reports_sent": self.reports_sent, "full_reports_sent": self.full_reports_sent,
             "failures": self.failures, "conflicts": self.conflicts, "stops_received": self.stops_received,
@@ -488,7 +499,7 @@ class AgentLink:
             report = self._build_report()
             relayed = self._relay is not None
             try:
-                reply = await self._post(client, url, report, headers)
+                reply = await self._post_or_move(client, url, report, headers)
             except _Conflict:
                 self.conflicts += 1
                 self._need_full = True
@@ -981,6 +992,51 @@ class AgentLink:
             raise _PlacerError(f"placer answered {status}: {content[:200].decode(errors='replace')}")
         return _reply_decoder.decode(content)
 
+    async def _post_or_move(self, client: httpx.AsyncClient | None, url: str, report: NodeReport,
+                            headers: dict[str, str]) -> ReportReply:
+        """:meth:`_post`; and, with several placers known, over this node's own connection, while
+        it goes unanswered past ``leader_probe_after_s``: who leads, asked of the other placers
+        (scheduler_link.leaderprobe). One named with an epoch above the highest seen ends the
+        wait: the link moves to it (:class:`_PlacerMoved`; a full report follows) instead of
+        waiting out the request timeout on a paused or cut-off leader."""
+        if client is None or self._relay is not None or len(self.placers) < 2:
+            return await self._post(client, url, report, headers)
+        race = _Race(self.placer_url)
+        async with trio.open_nursery() as n:
+            n.start_soon(self._race_report, race, n.cancel_scope, client, url, report, headers)
+            n.start_soon(self._race_probe, race, n.cancel_scope, client)
+        if race.moved_to is not None:
+            now = trio.current_time()
+            self.placers.failed(race.used, now)
+            self._switch(self.placers.learned(race.moved_to.url, now), race.moved_to.wire or None)
+            self.leader_moves += 1
+            raise _PlacerMoved(f"placer {race.used} silent for {self.leader_probe_after_s:g}s and "
+                               f"{race.moved_to.url} leads at a newer epoch ({race.moved_to.epoch})")
+        if race.error is not None:
+            raise race.error
+        assert race.reply is not None
+        return race.reply
+
+    async def _race_report(self, race: _Race, scope: trio.CancelScope, client: httpx.AsyncClient, url: str,
+                           report: NodeReport, headers: dict[str, str]) -> None:
+        try:
+            race.reply = await self._post(client, url, report, headers)
+        except Exception as e:   # (raised again by _post_or_move, outside the nursery)
+            race.error = e
+        scope.cancel()
+
+    async def _race_probe(self, race: _Race, scope: trio.CancelScope, client: httpx.AsyncClient) -> None:
+        await trio.sleep(self.leader_probe_after_s)
+        while True:
+            others = [u for u in self.placers.urls if u != race.used]
+            found = leaderprobe.newer_leader(await leaderprobe.probe(client, others), self.epochs.highest,
+                                             race.used)
+            if found is not None:
+                race.moved_to = found
+                scope.cancel()
+                return
+            await trio.sleep(leaderprobe.PROBE_EVERY_S)
+
     def _placer_answered(self, status: int | None, body: bytes = b"", *, used: str) -> None:
         """Several placers: a follower's 307 names the leader, which is asked next; a placer
         that does not lead and names none moves on to the next; no answer (``status`` None)
@@ -990,11 +1046,14 @@ class AgentLink:
         now = trio.current_time()
         new = (self.placers.learned(leader, now) if leader
                else self.placers.failed(used, now if status is None else None))
+        # the leader's framed channel when the follower named it (registered over it at once)
+        self._switch(new, leader_wire_of(status, body) if leader and status is not None else None)
+
+    def _switch(self, new: str, wire_url: str | None) -> None:
         if new != self.placer_url:
             log.info("reporting to another placer node=%s placer=%s (was %s)", self.node_id, new, self.placer_url)
             self.placer_url = new
-            # the leader's framed channel when the follower named it (registered over it at once)
-            self._wire_url = leader_wire_of(status, body) if leader and status is not None else None
+            self._wire_url = wire_url
             self._wire_retry_at = 0.0
 
     async def _stop(self, victims: list[Victim]) -> None:
@@ -1027,6 +1086,23 @@ class _Conflict(Exception):
 
 class _PlacerError(Exception):
     pass
+
+
+class _PlacerMoved(_PlacerError):
+    """The placer asked did not answer in time and another leads at a newer epoch: the link
+    has moved to it (AgentLink._post_or_move)."""
+
+
+class _Race:
+    """A report to the placer ``used`` against probes of the others: how it ended."""
+
+    __slots__ = ("used", "reply", "error", "moved_to")
+
+    def __init__(self, used: str) -> None:
+        self.used = used
+        self.reply: ReportReply | None = None
+        self.error: Exception | None = None
+        self.moved_to: leaderprobe.Claim | None = None
 
 
 class _RelayHolding(_PlacerError):

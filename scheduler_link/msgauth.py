@@ -274,6 +274,22 @@ class BundleSigner:
     def generate(cls) -> BundleSigner:
         return cls(Ed25519PrivateKey.generate())
 
+    @classmethod
+    def from_pem(cls, pem: bytes, where: str) -> BundleSigner:
+        """A signer from its PKCS#8 PEM (:class:`AuthError` naming ``where`` when it is not an Ed25519 key)."""
+        try:
+            key = serialization.load_pem_private_key(pem, password=None)
+        except ValueError as e:
+            raise AuthError(f"{where} is not a PEM private key: {e}") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise AuthError(f"{where} is not an Ed25519 key")
+        return cls(key)
+
+    def private_pem(self) -> bytes:
+        """The private key, PKCS#8 PEM (to share it with the other placers of an HA cluster)."""
+        return self._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption())
+
     def sign_parts(self, rack: str, blob_id: str, deliver_by: float, raws: list[bytes], epoch: int = 0) -> bytes:
         """The signature over one bundle alone (a tree of one leaf: an empty path) whose parts
         are encoded as ``raws``."""
@@ -449,12 +465,32 @@ def load_placer_keys(state_dir: str | os.PathLike[str]) -> tuple[bytes, BundleSi
     master = _read_or_make(d / MASTER_FILE, os.urandom(KEY_LEN))
     if len(master) != KEY_LEN:
         raise AuthError(f"{d / MASTER_FILE} is {len(master)} bytes, not {KEY_LEN}")
-    pem = _read_or_make(d / SIGNING_FILE, Ed25519PrivateKey.generate().private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    pem = _read_or_make(d / SIGNING_FILE, BundleSigner.generate().private_pem())
+    return master, BundleSigner.from_pem(pem, str(d / SIGNING_FILE))
+
+
+class _PlacerKeys(msgspec.Struct, frozen=True):
+    version: int
+    mac_master: bytes
+    signing_key: bytes      # PKCS#8 PEM
+
+
+PLACER_KEYS_VERSION = 1
+
+
+def encode_placer_keys(master: bytes, signer: BundleSigner) -> bytes:
+    """The MAC master secret and the signing key as one value (several placers share them: placer.ha)."""
+    return msgspec.json.encode(_PlacerKeys(PLACER_KEYS_VERSION, master, signer.private_pem()))
+
+
+def decode_placer_keys(raw: bytes, where: str) -> tuple[bytes, BundleSigner]:
+    """What :func:`encode_placer_keys` made (:class:`AuthError` naming ``where`` otherwise)."""
     try:
-        key = serialization.load_pem_private_key(pem, password=None)
-    except ValueError as e:
-        raise AuthError(f"{d / SIGNING_FILE} is not a PEM private key: {e}") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise AuthError(f"{d / SIGNING_FILE} is not an Ed25519 key")
-    return master, BundleSigner(key)
+        k = msgspec.json.decode(raw, type=_PlacerKeys)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise AuthError(f"{where} does not hold the placer keys: {e}") from None
+    if k.version != PLACER_KEYS_VERSION:
+        raise AuthError(f"{where}: placer keys of version {k.version}, this placer reads {PLACER_KEYS_VERSION}")
+    if len(k.mac_master) != KEY_LEN:
+        raise AuthError(f"{where}: a MAC master of {len(k.mac_master)} bytes, not {KEY_LEN}")
+    return k.mac_master, BundleSigner.from_pem(k.signing_key, where)
