@@ -151,7 +151,7 @@ def _with_grace(p: Push, grace_s: float) -> Push:
         return p
     victims = [msgspec.structs.replace(v, grace_s=grace_s) for v in pl.victims]
     return Push(p.node_id, p.control_url, msgspec.structs.replace(pl, victims=victims), p.job_id, p.attempt,
-                p.kind)
+                p.kind, boot_id=p.boot_id)
 
 
 class _Approvals(msgspec.Struct, frozen=True, kw_only=True):

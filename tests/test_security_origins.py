@@ -1,9 +1,8 @@
 """Issue 42, finding 8, as attacks: an allowed origin that redirects an agent to a metadata
-server, an allowed name whose DNS points at link-local or loopback, an origin whose error
-answer carries a secret into a pod's reason, and a stop part replayed late or against another
-attempt of its job. Origins are real servers on loopback (named by their loopback address,
-the explicit way to allow one); DNS is a fake resolver (trio's resolver hook), since the test
-machine has no hostile DNS of its own."""
+server, an allowed name whose DNS points at link-local or loopback, and an origin whose
+error answer carries a secret into a pod's reason. Origins are real servers on loopback
+(named by their loopback address, the explicit way to allow one); DNS is a fake resolver
+(trio's resolver hook), since the test machine has no hostile DNS of its own."""
 
 from __future__ import annotations
 
@@ -15,11 +14,9 @@ import blake3
 import pytest
 import trio
 
-from agent.parts import STOP_LATE_S, check_part
 from p2p.errors import OriginError
 from p2p.origins import open_origin
 from p2p.origins.addresses import address_refusal
-from scheduler_link.messages import NodePart, Victim
 
 
 class Server:
@@ -133,30 +130,3 @@ async def test_link_local_and_unnamed_loopback_addresses_are_refused_before_conn
     assert address_refusal(ipaddress.ip_address("127.0.0.1"), loopback_ok=True) is None
     assert address_refusal(ipaddress.ip_address("169.254.1.1"), loopback_ok=True) is not None
     assert address_refusal(ipaddress.ip_address("10.1.2.3"), loopback_ok=False) is None
-
-
-# ------------------------------------------------------------------ stop-only parts
-
-NOW = 1_000_000.0
-
-
-def _stop(*, attempt: int, victims: list[str], expires_at: float) -> NodePart:
-    return NodePart(placement_id=f"stop:j:{attempt}:n1:7", node_id="n1", job_id="j", attempt=attempt,
-                    victims=[Victim(workload_id=w) for w in victims], expires_at=expires_at)
-
-
-def _check(part: NodePart):
-    return check_part(part, node_id="n1", now=NOW, inventory=[], gpu_health={}, records={})
-
-
-def test_stop_parts_expire_and_are_bound_to_their_attempt():
-    # late is still right for a while ...
-    assert _check(_stop(attempt=1, victims=["j.1.0"], expires_at=NOW - 60)).outcome.outcome == "accepted"
-    # ... not for ever: a stop replayed once its outcome is forgotten cannot reach a later pod
-    v = _check(_stop(attempt=1, victims=["j.1.0"], expires_at=NOW - STOP_LATE_S - 1))
-    assert v.outcome.outcome == "expired"
-    # a stop of attempt 1 of job j does not name attempt 2's pods (a signed stop replayed later)
-    v = _check(_stop(attempt=1, victims=["j.2.0"], expires_at=NOW + 10))
-    assert v.outcome.outcome == "refused_spec" and "j.2.0" in (v.outcome.detail or "")
-    # other jobs' pods (preemption victims) are not this job's attempts
-    assert _check(_stop(attempt=1, victims=["other.4.0"], expires_at=NOW + 10)).outcome.outcome == "accepted"
