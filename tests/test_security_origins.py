@@ -164,5 +164,11 @@ async def test_a_name_rebound_after_its_check_is_never_connected_to():
                 assert await o.resolve("trainer:v2") == "ab" * 32              # a second connection
             assert metadata.requests == [] and len(origin.requests) == 3
             assert dns.asked.count("localhost") == 1
+            # an answer of several checked addresses: the next one when the first takes no connection
+            trio.socket.set_custom_hostname_resolver(FakeDNS({"localhost": ("127.0.0.3", "127.0.0.1")}))
+            async with open_origin(f"http://localhost:{origin.port}", retries=0) as o:
+                assert await o.resolve("trainer:v1") == "ab" * 32
+                assert await o.missing(["ef" * 32]) == set()
+            assert len(origin.requests) == 5
             n.cancel_scope.cancel()
 

@@ -16,7 +16,7 @@ server-side request forger. So, before a request leaves:
 
 The host is resolved once per origin object and every address of the answer is checked (one
 refused address refuses the origin); connections then go to a checked address
-(:meth:`AddressGuard.address`, used by the lean client and by httpx through
+(:meth:`AddressGuard.addresses`, used by the lean client and by httpx through
 :class:`PinnedBackend`), never through a second lookup, so a DNS answer that changes after the
 check (rebinding) reaches nothing. The request keeps the URL's host name: its ``Host`` header,
 and with https its SNI and the name the certificate is checked against.
@@ -96,16 +96,27 @@ class AddressGuard:
         if self._refusal is not None:
             raise OriginError(f"origin {self.url[:160]} refused: {self._refusal}")
 
-    async def address(self, host: str, port: int) -> str:
-        """The checked address to connect to for ``host``:``port`` (this origin's own: there
-        is no other, redirects are not followed). Raises :class:`OriginError` for a refused
-        origin or another host, ``OSError`` when the name does not resolve now."""
+    async def addresses(self, host: str, port: int) -> list[str]:
+        """The checked addresses to connect to for ``host``:``port`` (this origin's own: there
+        is no other, redirects are not followed), in the resolver's order. Raises
+        :class:`OriginError` for a refused origin or another host, ``OSError`` when the name
+        does not resolve now."""
         if host.strip("[]").lower() != self.host.lower() or port != self.port:
             raise OriginError(f"origin {self.url[:160]}: a connection to {host[:80]}:{port} is not this origin's")
         await self.check()
         if not self._checked:
             raise OSError(f"{self.host[:80]} does not resolve")
-        return self._addresses[0]
+        return list(self._addresses)
+
+    async def connect(self, host: str, port: int) -> trio.SocketStream:
+        """A TCP connection to the first checked address of ``host`` that takes one."""
+        last: OSError | None = None
+        for addr in await self.addresses(host, port):
+            try:
+                return await trio.open_tcp_stream(addr, port)
+            except OSError as e:
+                last = e
+        raise last if last is not None else OSError(f"{host[:80]}: no address")
 
     async def _resolve_and_judge(self) -> tuple[str | None, list[str]]:
         try:
@@ -147,10 +158,16 @@ class PinnedBackend(httpcore.AsyncNetworkBackend):
                           socket_options: typing.Iterable[httpcore.SOCKET_OPTION] | None = None,
                           ) -> httpcore.AsyncNetworkStream:
         try:
-            addr = await self.guard.address(host, port)
+            addrs = await self.guard.addresses(host, port)
         except OSError as e:
             raise httpcore.ConnectError(str(e)) from None
-        return await self._net.connect_tcp(addr, port, timeout=timeout, local_address=local_address,
+        for addr in addrs[:-1]:
+            try:
+                return await self._net.connect_tcp(addr, port, timeout=timeout, local_address=local_address,
+                                                   socket_options=socket_options)
+            except (httpcore.ConnectError, httpcore.ConnectTimeout):
+                continue   # the next checked address
+        return await self._net.connect_tcp(addrs[-1], port, timeout=timeout, local_address=local_address,
                                            socket_options=socket_options)
 
     async def connect_unix_socket(self, path: str, timeout: float | None = None,  # noqa: ASYNC109

@@ -73,11 +73,11 @@ class LeanHttp:
     PIECE = 128 * 1024
 
     def __init__(self, *, max_idle: int = 32, timeout: float = 60.0, connect_timeout: float = 10.0,
-                 address: Callable[[str, int], Awaitable[str]] | None = None) -> None:
+                 connect: Callable[[str, int], Awaitable[trio.SocketStream]] | None = None) -> None:
         self.timeout = timeout                 # no byte for this long: a stall (settable)
-        # (host, port) -> the address to connect to (p2p.origins.addresses: the one checked,
-        # no second lookup); None: the host as it is (resolved by trio)
-        self._address = address
+        # (host, port) -> a connection (p2p.origins.addresses: to an address its check saw, no
+        # second lookup); None: trio.open_tcp_stream (the host resolved by trio)
+        self._open_tcp = connect or trio.open_tcp_stream
         self.connect_timeout = connect_timeout
         self.max_idle = max(1, max_idle)
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
@@ -125,8 +125,7 @@ class LeanHttp:
             return idle.pop()
         with trio.move_on_after(self.connect_timeout):
             try:
-                host = await self._address(*key) if self._address is not None else key[0]
-                stream = await trio.open_tcp_stream(host, key[1])
+                stream = await self._open_tcp(*key)
             except OSError as e:
                 raise LeanUnavailable(f"unreachable (ConnectError: {e.strerror or e})") from None
             self._open.add(stream.socket)

@@ -86,7 +86,7 @@ class RetryingClient:
         self.retried = 0
         self.requests = 0    # HTTP requests sent (retries included)
         self.lean = LeanHttp(max_idle=max(1, max_concurrency), timeout=timeout, connect_timeout=connect_timeout,
-                             address=guard.address if guard is not None else None) if lean else None
+                             connect=guard.connect if guard is not None else None) if lean else None
 
     def backoff(self, attempt: int) -> float:
         """The pause before retry ``attempt + 1``: full jitter over min(cap, base * 2**attempt)."""
