@@ -58,6 +58,14 @@ class DataPlaneSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # unless the agent is insecure; false: plain TCP for fleets that need the last cycle (the
     # whole fleet alike: a TLS node refuses plain peers); true with insecure: an error.
     tls: bool | None = None
+    # With TLS, a manifest's bytes go only to the nodes of gangs here that use it (p2p.readers);
+    # these manifest ids go to any node of the cluster ("*": every manifest, as without TLS).
+    public: list[str] = []
+
+    def __post_init__(self) -> None:
+        for m in self.public:
+            if m != "*" and not (len(m) == 64 and all(c in "0123456789abcdef" for c in m)):
+                raise ValueError(f"[dataplane] public: {m[:80]!r} is neither a manifest id nor \"*\"")
 
 
 class AgentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

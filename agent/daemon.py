@@ -46,6 +46,7 @@ from p2p.fetch import fetch_artifact
 from p2p.herd import Herd, HerdConfig
 from p2p.herd import render_metrics as render_p2p_metrics
 from p2p.origins import open_origin
+from p2p.readers import Readers
 from p2p.store import ChunkStore
 from p2p.tree import serving_cap
 from scheduler_link.agent_link import AgentLink, ReportChannel
@@ -75,6 +76,7 @@ from .isolation import Isolation, detect
 from .launcher import ShimPool
 from .metrics import render_agent_metrics
 from .parts import PartAcceptor
+from .readers import GangReaders
 from .relay import Relay
 from .sdnotify import Notifier
 from .state import atomic_write
@@ -115,6 +117,7 @@ class Agent:
         self._prefetching: set[str] = set()
         self.relay: Relay | None = None
         self.blobs = BlobCache()
+        self.gang_readers: GangReaders | None = None   # reads by membership, with data-plane TLS
         # the highest placer epoch this node has seen (scheduler_link.epochs), durable next to its
         # part store: one gate for its parts, the placer's placements, its link and its relay
         try:
@@ -129,7 +132,7 @@ class Agent:
                                      pool=ShimPool(config.workloads.shim_pool, prepare=iso.for_launch))
         self.parts = PartAcceptor(self.state_dir, node_id=self.node_id, supervisor=self.supervisor,
                                   inventory=self._inventory, blob=self._gang_blob, notify=self._notify,
-                                  keys=self._msg_keys, allowed_origins=config.allowed_origins,
+                                  keys=self._msg_keys, boot=self._boot_id, allowed_origins=config.allowed_origins,
                                   blob_timeout_s=config.workloads.blob_timeout_s, epochs=self.epochs)
 
     # ------------------------------------------------------------ wiring
@@ -147,11 +150,31 @@ class Agent:
         return out
 
     async def _gang_blob(self, blob_id: str) -> GangBlob:
-        return (await self.blobs.get(blob_id, self._blob_sources(blob_id)))[1]
+        got = (await self.blobs.get(blob_id, self._blob_sources(blob_id)))[1]
+        self._readers_changed()
+        return got
 
     async def _blob_bytes(self, blob_id: str) -> bytes:
         """The supervisor's peers-file step: the cached blob (verified again there)."""
-        return (await self.blobs.get(blob_id, self._blob_sources(blob_id)))[0]
+        got = (await self.blobs.get(blob_id, self._blob_sources(blob_id)))[0]
+        self._readers_changed()
+        return got
+
+    def _open_readers(self) -> Readers:
+        """The data plane's read policy, kept equal to this node's gangs (agent.readers)."""
+        readers = Readers(self.config.dataplane.public)
+        self.gang_readers = GangReaders(readers, self.supervisor.records_view, self._cached_blob)
+        self.supervisor.add_listener(self._readers_changed)
+        self.gang_readers.refresh()
+        return readers
+
+    def _cached_blob(self, blob_id: str) -> GangBlob | None:
+        got = self.blobs.cached(blob_id)
+        return got[1] if got is not None else None
+
+    def _readers_changed(self, ev: WorkloadEvent | None = None) -> None:
+        if self.gang_readers is not None:
+            self.gang_readers.refresh()
 
     def _inventory(self) -> tuple[list[str], Mapping[str, str] | None]:
         snap = self.gpu_snapshot()
@@ -165,6 +188,10 @@ class Agent:
         """(this node's MAC key, the placer's signing key): from the link's registration."""
         link = self.link
         return (link.mac_key, link.placer_key) if link is not None else (None, None)
+
+    def _boot_id(self) -> str | None:
+        """This node's boot as the placer knows it (its link's ``boot_id``); stop parts name it."""
+        return self.link.boot_id if self.link is not None else None
 
     async def handle_part(self, part: NodePart) -> NodeOutcome:
         """A NodePart from the rack relay (or, as the relay, this node's own)."""
@@ -236,9 +263,11 @@ class Agent:
                     # no node serves one chunk to more than its tree children at once (k racks, m
                     # rack-mates, and a dead rack home's m - 1 when it stands in: p2p.tree.serving_cap)
                     cap = serving_cap(hc.tree_k, hc.rack_fanout)
+                    # reads by membership (p2p.readers): peers are named by their certificates
+                    readers = self._open_readers() if dp_tls else None
                     self.dataplane = DataPlane(store, token=self.tokens.cluster, listen=self.config.data_listen,
                                                config=DataPlaneConfig(max_serving_per_chunk=cap),
-                                               ssl_context=sec.channel if dp_tls else None)
+                                               ssl_context=sec.channel if dp_tls else None, readers=readers)
                     self.data_url = await n.start(self.dataplane.run)
                 self.control_url = await n.start(partial(serve, ssl_context=sec.api), build_app(self),
                                                  self.config.listen)

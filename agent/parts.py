@@ -7,8 +7,8 @@ expiry, its inventory hash and GPUs, and wrote it durably; the gang blob (argv, 
 user, peers, ...) comes after. So acceptance is two steps:
 
 1. :func:`check_part` (pure) decides: bound to this node, a version we speak, not expired
-   (the sender's clock; a stop-only part ``STOP_LATE_S`` later, and its own job's victims
-   must be of its attempt), ``inventory`` equal to the hash of our GPU UUIDs in index order
+   (the sender's clock), a stop-only part bound as below, ``inventory`` equal to the hash of
+   our GPU UUIDs in index order
    (else ``expired``: the placer's view of us is stale; it says nothing about a GPU),
    slots that exist, then exactly what :func:`agent.placement.check_placement` says of a
    provisional Placement made of the part's pods (UUIDs from the slots) and victims: GPU
@@ -31,6 +31,19 @@ Fencing (scheduler_link.epochs): a part's placer epoch is its bundle's, in the s
 its proof carries. A part of an epoch older than the highest this node has seen is answered
 ``stale_epoch`` and nothing of it is acted on (a replaced placer acts on nothing); a newer
 epoch is written to the node's epoch file before the part is decided on.
+
+Stop-only parts (a relay may hold and replay what the placer signed, never forge it): one
+acts only while all of these hold, else it is refused and nothing is stopped --
+- it carries an expiry and names the node's boot (``boot_id``, the boot id of this node's
+  link): missing, ``refused_spec``; past the expiry, or for another boot, ``expired`` (the
+  placer's view of this node is stale: the new boot's full report shows the placer what runs
+  here, and its answer names what it still wants stopped);
+- every victim of its own job is of its attempt (``refused_spec``): a stop of attempt 1
+  replayed later does not reach attempt 2's pods. Victims of other jobs (the preempted) are
+  named by their own attempt's workload ids.
+The placer's fallback for a relay that is slow with a stop is a direct push (over its mTLS
+connection, no relay to replay it) well inside the part's expiry (placer.relays, stops-only
+rounds), so a refused late part costs nothing.
 
 Invariants:
 - one placement id, one outcome: a part seen again (over a relay or directly, also after
@@ -86,10 +99,6 @@ log = logging.getLogger("herd.agent.parts")
 
 KEEP_DONE = 512          # handed-over parts remembered on disk (idempotency across restarts)
 KEEP_REFUSED = 2048      # refusals remembered in memory
-# A stop-only part is still applied this long after it expired (a stop that comes late is still
-# right); after that it is refused as expired, so a replayed stop, once its outcome is no longer
-# remembered, cannot reach a pod started since (heartbeat answers fence stale work instead).
-STOP_LATE_S = 600.0
 
 
 # ---------------------------------------------------------------- deciding (pure)
@@ -107,12 +116,28 @@ def _no(part: NodePart, node_id: str, r: Refusal) -> Verdict:
                                refused_gpus=list(r.gpus), detail=r.detail))
 
 
+def stop_refusal(part: NodePart) -> Refusal | None:
+    """Why a stop-only part is malformed (None: it is not): no expiry, no boot, or its own
+    job's victims of another attempt. (Its expiry and boot are checked as any part's.)"""
+    if not part.expires_at:
+        return Refusal("refused_spec", "a stop part must carry an expiry")
+    if not part.boot_id:
+        return Refusal("refused_spec", "a stop part must name the node's boot")
+    stray = next((v.workload_id for v in part.victims
+                  if attempt_of(v.workload_id, part.job_id) not in (None, part.attempt)), None)
+    if stray is not None:
+        # a stop of its own job's pods is bound to its attempt: a replay cannot reach a later one
+        return Refusal("refused_spec", f"a stop of attempt {part.attempt} names {stray}")
+    return None
+
+
 def check_part(part: NodePart, *, node_id: str, now: float, inventory: Sequence[str],
                gpu_health: Mapping[str, str] | None, records: Mapping[str, WorkloadRecord],
-               known: NodeOutcome | None = None) -> Verdict:
+               known: NodeOutcome | None = None, boot_id: str | None = None) -> Verdict:
     """Decide on ``part`` (see the module docstring). ``inventory``: this node's GPU UUIDs
     in index order; ``records``: every live workload, those of accepted parts included;
-    ``known``: the outcome this placement id already got (answered again)."""
+    ``known``: the outcome this placement id already got (answered again); ``boot_id``: this
+    node's current boot (a stop-only part must name it)."""
     if part.node_id != node_id:
         return _no(part, node_id, Refusal("refused_spec", f"part is bound to node {part.node_id!r}, not {node_id!r}"))
     if known is not None:
@@ -120,14 +145,13 @@ def check_part(part: NodePart, *, node_id: str, now: float, inventory: Sequence[
     if part.version != WIRE_VERSION:
         return _no(part, node_id, Refusal("refused_spec", f"unsupported part version {part.version} "
                                                           f"(this agent speaks {WIRE_VERSION})"))
-    late = STOP_LATE_S if not part.pods else 0.0   # a stop may come late (still right), not for ever
-    if part.expires_at and now > part.expires_at + late:
+    if not part.pods and (why := stop_refusal(part)) is not None:
+        return _no(part, node_id, why)
+    if part.expires_at and now > part.expires_at:   # (a stop too: no late window, see above)
         return _no(part, node_id, Refusal("expired", f"part expired {now - part.expires_at:.3f}s ago"))
-    if not part.pods and (stray := next((v.workload_id for v in part.victims
-                                         if attempt_of(v.workload_id, part.job_id) not in (None, part.attempt)),
-                                        None)) is not None:
-        # a stop of its own job's pods is bound to its attempt: a replay cannot reach a later one
-        return _no(part, node_id, Refusal("refused_spec", f"a stop of attempt {part.attempt} names {stray}"))
+    if part.boot_id and part.boot_id != boot_id:
+        return _no(part, node_id, Refusal("expired", f"part is for boot {part.boot_id[:16]}, not this node's "
+                                                     f"{(boot_id or 'none')[:16]}"))
     if part.pods and not part.blob_id:
         return _no(part, node_id, Refusal("refused_spec", "a part that starts pods needs a gang blob"))
     if part.pods and (why := replayed(part.job_id, part.attempt, part.placement_id, records)) is not None:
@@ -203,6 +227,8 @@ GangBlobGetter = Callable[[str], Awaitable[GangBlob]]
 Inventory = Callable[[], tuple[list[str], Mapping[str, str] | None]]
 # () -> (this node's MAC key, the placer's signing key), None until registered directly
 Keys = Callable[[], tuple[bytes | None, bytes | None]]
+# () -> this node's current boot id (its link's), None before it has a link
+Boot = Callable[[], str | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,9 +267,11 @@ class PartAcceptor:
 
     def __init__(self, state_dir: str | os.PathLike[str], *, node_id: str, supervisor: PartSupervisor,
                  inventory: Inventory, blob: GangBlobGetter, notify: Callable[[WorkloadEvent], None],
-                 keys: Keys, allowed_origins: tuple[str, ...] | None = None, blob_timeout_s: float = 10.0,
-                 clock: Callable[[], float] = time.time, epochs: Epochs | None = None) -> None:
+                 keys: Keys, boot: Boot, allowed_origins: tuple[str, ...] | None = None,
+                 blob_timeout_s: float = 10.0, clock: Callable[[], float] = time.time,
+                 epochs: Epochs | None = None) -> None:
         self.node_id = node_id
+        self._boot = boot
         self.supervisor = supervisor
         self._inventory = inventory
         self._blob = blob
@@ -365,6 +393,7 @@ class PartAcceptor:
         touched: dict[str, PartRecord] = {}       # pending records that got stops
         records: dict[str, WorkloadRecord] | None = None
         uuids, health = self._inventory()
+        boot = self._boot()
         for msg in batch:
             if isinstance(msg, _Stops):
                 for t in self._pending_of(msg.victims):
@@ -389,7 +418,7 @@ class PartAcceptor:
             if records is None:
                 records = self._held()
             v = check_part(part, node_id=self.node_id, now=now, inventory=uuids, gpu_health=health,
-                           records=records, known=self._known(pid))
+                           records=records, known=self._known(pid), boot_id=boot)
             if v.fresh and not part.pods:
                 # only stops: the supervisor's placement of the victims is durable and idempotent
                 # itself; a victim that is a pod of a part not handed over yet is kept with that part

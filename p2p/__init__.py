@@ -9,6 +9,8 @@ Public API (others may rely on these names):
 - ``fetch_artifact(store, manifest_id, origin, ...) -> FetchStats`` (p2p.fetch).
 - ``DataPlane(store, token=..., listen=...)`` (p2p.dataplane): the peer-facing chunk server
   (h11, ``os.sendfile``, ``wait_ms``), ``await nursery.start(dp.run)`` -> its URL.
+- ``Readers`` (p2p.readers): who may read which manifests from a data plane (reads by
+  membership: ``DataPlane(..., readers=)``, ``set_gangs``); ``chunk_refusal`` / ``manifest_refusal``.
 - ``Herd(store, node_id=..., token=...)`` (p2p.herd): a node's long-lived herd fetcher
   (rendezvous homes, single flight, penalties, endgame); ``render_metrics`` for /metrics.
 - ``plan_sources`` / ``assign_homes`` (p2p.rendezvous): the pure source choice.

@@ -30,6 +30,15 @@ Routes (all need the cluster token as a bearer token; 401 otherwise):
   ``x-herd-have`` carry the counts.
 - ``GET /v1/stats`` this server's statistics() as JSON.
 
+Reads by membership (``readers``, :mod:`p2p.readers`; with TLS, the agent's default): a
+manifest, its have-bitmap and its chunks are served only to a node (the asker's certificate
+names it) of a gang here that uses the manifest, or to anyone when the manifest is public;
+anything else gets 403 with a structured reason (``x-herd-refused`` and the body's
+``reason``: ``not_a_node`` | ``not_a_member``), counted in ``refused_<reason>``. A request
+that waits (``?wait_ms=``) is checked leniently first -- a node whose placement has not come
+here yet, or whose gang's manifest is not here yet, may wait -- and strictly once what it
+waited for is here (a waiting batch: per chunk, the answer cut at the first refused one).
+
 Why not hypercorn (used by the control APIs): an ASGI server must be handed the body as
 bytes, so every chunk would be read into Python and copied again into the socket. This
 server is a lean h11 loop on trio sockets: headers go through h11, the body goes from
@@ -94,7 +103,7 @@ import msgspec
 import trio
 
 from infra.gate import ConnectionGate, turn_away
-from infra.tls import HerdContext
+from infra.tls import HerdContext, stream_principal
 
 from . import batch as _b
 from .batch import (
@@ -114,6 +123,7 @@ from .batch import (
 )
 from .batch import CONTENT_TYPE as BATCH_TYPE
 from .errors import StoreError
+from .readers import Readers, ReadRefusal, chunk_refusal, manifest_refusal
 from .store import ChunkStore
 
 T = TypeVar("T")
@@ -152,6 +162,9 @@ class DataPlaneConfig:
     max_batch_chunks: int = 64
     max_batch_bytes: int = 128 << 20
     send_threads: int = 16             # batch answers being sent by worker threads at once
+    # reads by membership: a request refused "not_a_member" waits this long for this node's
+    # gangs to change (its own placement may come after its peers ask), in the wait budget
+    member_wait_ms: int = 1_000
 
 
 class _Stats(msgspec.Struct, kw_only=True):
@@ -185,6 +198,8 @@ class _Stats(msgspec.Struct, kw_only=True):
     batch_chunks_missing: int = 0      # ... framed missing
     wait_batches: int = 0              # batches that could wait (?ids=&sizes=&wait_ms=) answered
     wait_batches_cut: int = 0          # ... ended early (a chunk absent at the deadline, resized, busy)
+    refused_not_a_node: int = 0        # 403: reads by membership (p2p.readers), by reason
+    refused_not_a_member: int = 0
 
 
 @dataclass(slots=True)
@@ -199,6 +214,7 @@ class _Reply:
     serving_many: list[str] = field(default_factory=list)   # a batch's chunk ids counted as being sent
     wait_batch: BatchQuery | None = None   # a batch that can wait: sent by _send_wait_batch
     client: str = ""
+    reader: str | None = None             # a waiting batch's asker (its node id), checked per chunk
 
 
 class _Len:
@@ -220,18 +236,33 @@ def _json(status: int, error: str, detail: str | None = None,
     return _Reply(status, msgspec.json.encode({"error": error, "detail": detail}), headers=headers or [])
 
 
+def _refused(reason: ReadRefusal, what: str) -> _Reply:
+    return _Reply(403, msgspec.json.encode({"error": "forbidden", "reason": reason, "detail": what}),
+                  headers=[(b"x-herd-refused", reason.encode())])
+
+
+CHUNK_SETS_KEPT = 16   # manifests whose chunk-id sets the membership check keeps (immutable by id)
+
+
 class DataPlane:
     """Serve ``store`` to peers on ``listen`` ("host:port", port 0 allowed).
 
     ``token`` is the cluster token peers must present. ``None`` means no request can be
     authenticated (every request gets 401) unless ``insecure_open=True`` is passed
-    explicitly (local benchmarks only).
+    explicitly (local benchmarks only). ``readers``: reads by membership (see the module
+    docstring; askers are named by their TLS certificates, so without TLS only public
+    manifests are served); None: any authenticated asker reads everything.
     """
 
     def __init__(self, store: ChunkStore, *, token: str | None, listen: str = "127.0.0.1:0",
                  config: DataPlaneConfig | None = None, insecure_open: bool = False,
-                 ssl_context: ssl.SSLContext | None = None) -> None:
+                 ssl_context: ssl.SSLContext | None = None, readers: Readers | None = None) -> None:
         self.store = store
+        self.readers = readers
+        self._chunk_sets: dict[str, frozenset[str]] = {}   # manifest id -> its chunk ids (a few, recent)
+        self._members_changed = trio.Event()
+        if readers is not None:
+            readers.on_change.append(self._gangs_changed)
         self._ssl = ssl_context
         self._token = token.encode() if token else None
         self._open = insecure_open and token is None
@@ -405,6 +436,8 @@ class DataPlane:
             # after it is caught at its next request (an int compared while the list is unchanged)
             deny = self._ssl.revoked if isinstance(self._ssl, HerdContext) else None
             seen = deny.generation if deny is not None else 0
+            # the asker's node id, for reads by membership (its certificate names it)
+            who = p.node_id if (p := stream_principal(stream)) is not None and p.kind == "node" else None
             while True:
                 req = await self._read_request(stream, conn)
                 if req is None:
@@ -420,7 +453,7 @@ class DataPlane:
                 # answer has been sent: a sendfile in progress counts as busy
                 admitted = False
                 try:
-                    reply, admitted = await self._dispatch(req, client, stream, conn)
+                    reply, admitted = await self._dispatch(req, client, stream, conn, who)
                     if reply is None:   # the client went away while its request waited
                         return
                     self._poke()
@@ -521,10 +554,89 @@ class DataPlane:
                     return hmac.compare_digest(tok.strip(), self._token)
         return False
 
+    def _chunks_of(self, manifest_id: str) -> frozenset[str] | None:
+        """The chunk ids ``manifest_id`` lists (None: not held here), kept for a few manifests."""
+        got = self._chunk_sets.get(manifest_id)
+        if got is not None:
+            return got
+        if not self.store.has_manifest(manifest_id):
+            return None
+        try:
+            got = frozenset(c.id for c in self.store.get_manifest(manifest_id).chunks)
+        except StoreError:
+            return None
+        while len(self._chunk_sets) >= CHUNK_SETS_KEPT:
+            del self._chunk_sets[next(iter(self._chunk_sets))]
+        self._chunk_sets[manifest_id] = got
+        return got
+
+    def _gangs_changed(self) -> None:
+        ev, self._members_changed = self._members_changed, trio.Event()
+        ev.set()
+
+    async def _member_wait(self, path: str, query: str, who: str | None, stream: trio.abc.Stream,
+                           conn: h11.Connection, ms: int) -> _Reply | object | None:
+        """The strict read check, waiting up to ``ms`` for this node's gangs to change while
+        the answer is ``not_a_member`` (its placement may be on its way): None (it may read),
+        the 403, or ``_GONE`` (the client left meanwhile). The caller holds a wait place."""
+        refused = self._read_check(path, query, who, strict=True, count=False)
+        if refused is None or who is None or ms <= 0:
+            return self._read_check(path, query, who, strict=True) if refused is not None else None
+        deadline = trio.current_time() + ms / 1000
+
+        async def changed() -> None:
+            while self._read_check(path, query, who, strict=True, count=False) is not None:
+                with trio.move_on_at(deadline):
+                    await self._members_changed.wait()
+                if trio.current_time() >= deadline:
+                    return
+
+        gone, _ = await self._watched(stream, conn, changed)
+        if gone:
+            return _GONE
+        return self._read_check(path, query, who, strict=True)
+
+    def _read_check(self, path: str, query: str, who: str | None, *, strict: bool,
+                    count: bool = True) -> _Reply | None:
+        """The 403 for a read ``who`` may not make here (reads by membership), else None."""
+        readers = self.readers
+        if readers is None:
+            return None
+        why: ReadRefusal | None = None
+        if path.startswith(("/v1/manifests/", "/v1/have/")):
+            ident = path.rsplit("/", 1)[1]
+            if not _HEX64.match(ident):
+                return None   # (the route answers 400)
+            why = manifest_refusal(readers, who, ident)
+            if why == "not_a_member" and not strict and who is not None and not readers.manifests_for(who):
+                why = None    # its placement may not be here yet: it may wait, then it is checked
+        elif path.startswith("/v1/chunks/") or path == "/v1/chunks":
+            if path == "/v1/chunks":
+                ids = [i for i in parse_qs(query).get("ids", [""])[-1].split(",")[:self.config.max_batch_chunks + 1]
+                       if _HEX64.match(i)]
+            else:
+                ids = [path[len("/v1/chunks/"):]]
+            for cid in ids:   # a batch is refused whole at its first chunk refused
+                if (why := chunk_refusal(readers, who, cid, self._chunks_of, strict=strict)) is not None:
+                    break
+        else:
+            return None
+        if why is None:
+            return None
+        if not count:
+            return _refused(why, path[:120])
+        if why == "not_a_node":
+            self._stats.refused_not_a_node += 1
+        else:
+            self._stats.refused_not_a_member += 1
+        log.debug("data plane read refused path=%s asker=%s reason=%s", path[:120], who, why)
+        return _refused(why, path[:120])
+
     async def _dispatch(self, req: h11.Request, client: str, stream: trio.abc.Stream,
-                        conn: h11.Connection) -> tuple[_Reply | None, bool]:
+                        conn: h11.Connection, who: str | None = None) -> tuple[_Reply | None, bool]:
         """The answer (None: the client went away while waiting), and whether a serving
-        slot was taken (the caller leaves it)."""
+        slot was taken (the caller leaves it). ``who``: the asker's node id (TLS), for reads
+        by membership."""
         self._stats.requests += 1
         method = req.method.decode("ascii", "replace").upper()
         target = urlsplit(req.target.decode("latin-1"))
@@ -539,6 +651,8 @@ class DataPlane:
                 return _json(413, "request bodies are not accepted"), False
         if path == "/v1/stats" and method in ("GET", "HEAD"):   # never starved: takes no slot
             return _Reply(200, msgspec.json.encode(self.statistics())), False
+        if (no := self._read_check(path, query, who, strict=False)) is not None:
+            return no, False
         if query and method in ("GET", "HEAD") and path.startswith("/v1/chunks/"):
             # a wait happens here, before (and without) a serving slot
             ident = path[len("/v1/chunks/"):]
@@ -570,8 +684,20 @@ class DataPlane:
                     self._stats.bad_requests += 1
                     return _json(413, "batch too large",
                                  f"the chunks named add up to over {self.config.max_batch_bytes} bytes"), False
-                return _Reply(200, content_type=BATCH_TYPE, wait_batch=bq, client=client), False
+                return _Reply(200, content_type=BATCH_TYPE, wait_batch=bq, client=client, reader=who), False
             query = "ids=" + ",".join(bq.ids)   # wait_ms=0: an ordinary batch
+        if self._read_check(path, query, who, strict=True, count=False) is not None:
+            if not self._waits.enter(client):
+                self._stats.rejected_waits += 1
+                return _json(503, "busy", "too many waiting requests", headers=[(b"retry-after", b"1")]), False
+            try:
+                checked = await self._member_wait(path, query, who, stream, conn, self.config.member_wait_ms)
+            finally:
+                self._waits.leave(client)
+            if checked is _GONE:
+                return None, False
+            if isinstance(checked, _Reply):
+                return checked, False
         if not self._active.enter(client):
             self._stats.rejected_busy += 1
             return _json(503, "busy", "too many concurrent requests", headers=[(b"retry-after", b"1")]), False
@@ -859,7 +985,7 @@ class DataPlane:
         if reply.frames is not None:
             return await self._send_batch(stream, conn, head, reply)
         if reply.wait_batch is not None:
-            return await self._send_wait_batch(stream, conn, req, reply.wait_batch, reply.client)
+            return await self._send_wait_batch(stream, conn, req, reply.wait_batch, reply.client, reply.reader)
         if reply.file is not None:
             try:
                 fd = os.open(reply.file, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
@@ -954,7 +1080,7 @@ class DataPlane:
                     self._serving.pop(cid, None)
 
     async def _send_wait_batch(self, stream: trio.abc.Stream, conn: h11.Connection, req: h11.Request,
-                               bq: BatchQuery, client: str) -> bool:
+                               bq: BatchQuery, client: str, reader: str | None = None) -> bool:
         """A batch that can wait: the head once the first chunk is here, then each run of
         chunks here now sent by a worker thread (:meth:`_send_frames`), a wait for the next
         (woken by the store, watching the client) between runs. False (close the
@@ -972,6 +1098,7 @@ class DataPlane:
         total = sum(FRAME.size + n for n in sizes)
         i = 0
         head_sent = False
+        refused: _Reply | None = None
         try:
             delayed = ""
             still_busy = False
@@ -987,6 +1114,17 @@ class DataPlane:
                         present = bool(got)
                     if not present:
                         break
+                if self._read_check(f"/v1/chunks/{ids[i]}", "", reader, strict=True, count=False) is not None:
+                    left = int((deadline - trio.current_time()) * 1000)
+                    verdict = await self._member_wait(f"/v1/chunks/{ids[i]}", "", reader, stream, conn,
+                                                      min(left, c.member_wait_ms))
+                    if verdict is _GONE:
+                        self._stats.waits_abandoned += 1
+                        return False
+                    if isinstance(verdict, _Reply):
+                        refused = verdict
+                        break
+                checked = i
                 if self._over_cap(ids[i]):
                     # sent to max_serving_per_chunk peers now: wait for a copy to finish (the
                     # cap bounds copies at once; this asker already waits), up to the deadline
@@ -1007,6 +1145,9 @@ class DataPlane:
                     size = self.store.chunk_size(cid)
                     if size is None or self._over_cap(cid):
                         break
+                    if i != checked and self.readers is not None and chunk_refusal(self.readers, reader, cid,
+                                                                                   self._chunks_of) is not None:
+                        break     # (checked, refused and counted at the top of the next round)
                     if size != sizes[i]:
                         cut = True
                         break
@@ -1040,6 +1181,8 @@ class DataPlane:
                 if cut:
                     break
             if not head_sent:   # the first chunk is not here after the whole wait, still busy, or differs
+                if refused is not None:
+                    return await self._send_reply(stream, conn, req, refused)
                 if still_busy:
                     ms = c.busy_retry_ms
                     return await self._send_reply(stream, conn, req, _json(

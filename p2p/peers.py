@@ -74,6 +74,15 @@ class PeerUnavailable(PeerError):
     """The peer could not be reached, refused, or is busy (503)."""
 
 
+class PeerRefused(PeerError):
+    """The peer answered 403: this node may not read that (reads by membership,
+    :mod:`p2p.readers`). ``reason``: the peer's structured reason (``not_a_member``, ...)."""
+
+    def __init__(self, msg: str, reason: str = "") -> None:
+        super().__init__(f"{msg} ({reason})" if reason else msg)
+        self.reason = reason
+
+
 class PeerBusy(PeerUnavailable):
     """The peer answered 503: over its request limits. Not a fault: try the next source.
     ``retry_after_s``: what the peer asked for (x-herd-retry-ms, else Retry-After), or 0."""
@@ -623,8 +632,20 @@ def _raise_for(status: int, where: str, head: bytes) -> None:
         raise PeerMissing(f"{where}: not there")
     if status == 503:
         raise PeerBusy(f"{where}: busy", _retry_after_s(head))
+    if status == 403:
+        raise PeerRefused(f"{where}: refused", _refusal(head))
     if status != 200:
         raise PeerError(f"{where}: HTTP {status}")
+
+
+def _refusal(head: bytes) -> str:
+    """A 403's structured reason (``x-herd-refused``: p2p.readers.ReadRefusal), or ""."""
+    for line in head.split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"x-herd-refused":
+            v = value.strip()[:32].decode("ascii", "replace")
+            return v if v.replace("_", "").isalnum() else ""
+    return ""
 
 
 def _retry_after_s(head: bytes) -> float:

@@ -9,6 +9,14 @@
 * ``GET /v1/approvals`` (viewer) -- every approval, with the node's registered rack and the
   rack its certificate pins, when the placer has seen one.
 
+Where approvals are durable: always this placer's state dir (``rack-approvals.json``, read at
+start), and with ``[placer] etcd`` in etcd too (:class:`EtcdApprovals`: one key per node under
+the placers' prefix, ``approvals/<node>``, written by the leader in a transaction guarded by its
+leader key, like the jobs journal). A placer promoted to leader reads etcd's approvals and takes
+them (over its own file's, which it then rewrites), so an approval outlives the leader that
+took it; an approval answered 200 is in etcd first. Until its promotion a follower knows only
+its own file's (it places nothing).
+
 What a pin does is placer.relaypolicy's.
 """
 
@@ -17,22 +25,82 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+import msgspec
+
 from infra.http import HTTPError, Request, Response, RouteDoc, json_response
+from infra.tls import parse_rack
 from scheduler_link.messages import RackApproval
 
-from .errors import JournalError
-from .nodeops import ApprovalFile, NodeOps
+from .errors import EtcdError, JournalError
+from .etcd import Compare, EtcdClient, Op, prefix_end
+from .etcdjournal import Fence
+from .nodeops import ApprovalFile, NodeOps, approval_problem
 from .records import JobError
 
 log = logging.getLogger("herd.placer.approvals")
 
 
+class _Approval(msgspec.Struct, frozen=True, kw_only=True):
+    v: int = 1
+    rack: str
+
+
+_approval_dec = msgspec.json.Decoder(_Approval)
+LOAD_PAGE = 1000
+
+
+class EtcdApprovals:
+    """The approvals in etcd, under ``prefix + b"approvals/"``: read by a placer promoted to
+    leader, written by the leader only (``fence``: its leader key and epoch, compared in each
+    write's transaction, as the jobs journal's writes are)."""
+
+    def __init__(self, client: EtcdClient, prefix: bytes, fence: Fence) -> None:
+        self.client = client
+        self.prefix = prefix + b"approvals/"
+        self.fence = fence
+
+    async def load(self) -> dict[str, str]:
+        """Every approval in etcd (node id -> rack); :class:`JournalError` when etcd cannot be read."""
+        out: dict[str, str] = {}
+        start, end, revision = self.prefix, prefix_end(self.prefix), 0
+        try:
+            while True:
+                r = await self.client.range(start, end, limit=LOAD_PAGE, revision=revision)
+                revision = revision or r.revision
+                for kv in r.kvs:
+                    try:
+                        rack = _approval_dec.decode(kv.value).rack
+                    except (msgspec.DecodeError, msgspec.ValidationError):
+                        log.warning("rack approval in etcd unreadable key=%s", kv.key[:200])
+                        continue
+                    if parse_rack(rack) is not None:
+                        out[kv.key[len(self.prefix):].decode(errors="replace")] = rack
+                if not r.more or not r.kvs:
+                    return out
+                start = r.kvs[-1].key + b"\0"
+        except EtcdError as e:
+            raise JournalError(f"rack approvals cannot be read from etcd: {e}") from None
+
+    async def save(self, node_id: str, rack: str) -> None:
+        """Write one approval; :class:`JournalError` when etcd refused it (this placer no
+        longer leads) or could not be reached."""
+        op = Op.put(self.prefix + node_id.encode(), msgspec.json.encode(_Approval(rack=rack)))
+        try:
+            r = await self.client.txn([Compare.created(self.fence.key, self.fence.epoch)], [op])
+        except EtcdError as e:
+            raise JournalError(f"rack approval not stored in etcd: {e}") from None
+        if not r.succeeded:
+            raise JournalError(f"rack approval not stored: this placer no longer leads (epoch {self.fence.epoch})")
+
+
 class ApprovalRoutes:
-    """The two handlers, over the state (its ``rack_pins``) and the approvals' file."""
+    """The two handlers, over the state (its ``rack_pins``), the approvals' file and, once this
+    placer leads with ``[placer] etcd``, etcd's approvals (:meth:`promoted`)."""
 
     def __init__(self, state: NodeOps, file: ApprovalFile) -> None:
         self.state = state
         self.file = file
+        self.etcd: EtcdApprovals | None = None
 
     def load(self) -> int:
         """Take the file's approvals into the state (at start); how many."""
@@ -41,12 +109,41 @@ class ApprovalRoutes:
             self.state.rack_pins.approve(node_id, rack)
         return len(racks)
 
+    async def promoted(self, etcd: EtcdApprovals) -> int:
+        """This placer leads with etcd: take etcd's approvals (over the file's: they are the
+        fleet's) and write approvals there from now on; how many were read. One that cannot
+        be read leaves the file's in force and is retried at the next approval's write."""
+        try:
+            racks = await etcd.load()
+        except JournalError as e:
+            log.error("rack approvals not read from etcd (this placer's own stay in force): %s", e)
+            self.etcd = etcd
+            return 0
+        pins = self.state.rack_pins
+        for node_id, rack in racks.items():
+            self.state.approve_rack(node_id, rack)
+        self.etcd = etcd
+        try:
+            self.file.save(pins.approved)
+        except JournalError as e:
+            log.warning("rack approvals from etcd not copied to the state dir: %s", e)
+        log.info("rack approvals read from etcd count=%d epoch=%d", len(racks), etcd.fence.epoch)
+        return len(racks)
+
     async def h_approve(self, req: Request) -> Response:
         """Pin a node's rack (operator); durable before the answer."""
         body = req.decode(RackApproval)
         node_id = req.params["node_id"]
         pins = self.state.rack_pins
         before = pins.approved.get(node_id)
+        if (why := approval_problem(node_id, body.rack)) is not None:
+            raise HTTPError(400, "approval refused", why)
+        if self.etcd is not None:   # the fleet's copy first: an answered approval outlives this placer
+            try:
+                await self.etcd.save(node_id, body.rack)
+            except JournalError as e:
+                log.error("rack approval not stored node=%s: %s", node_id, e)
+                raise HTTPError(503, "approval not stored", str(e)) from None
         try:
             differs = self.state.approve_rack(node_id, body.rack)
         except JobError as e:

@@ -129,7 +129,7 @@ class Attempts(StateBase):
             self._pid += 1
             pl = Placement(placement_id=f"stop:{job.job_id}:{job.attempt}:{node_id}:{self._pid}",
                            job_id=job.job_id, victims=victims, grace_s=job.spec.grace_s)
-            out.append(Push(node_id, node.control_url, pl, job.job_id, job.attempt, "stop"))
+            out.append(Push(node_id, node.control_url, pl, job.job_id, job.attempt, "stop", boot_id=node.boot_id))
         return out
 
     def stop_failed(self, node_id: str, victims: Iterable[Victim]) -> None:
@@ -223,7 +223,7 @@ class Attempts(StateBase):
                            victims=[Victim(workload_id=pod.workload_id, grace_s=push.placement.grace_s,
                                            reason="attempt ended while it was being placed")
                                     for pod in push.placement.pods])
-            late.append(Push(push.node_id, node.control_url, pl, job_id, attempt, "stop"))
+            late.append(Push(push.node_id, node.control_url, pl, job_id, attempt, "stop", boot_id=node.boot_id))
         return late
 
     # ------------------------------------------------------------ revocation

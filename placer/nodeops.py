@@ -66,10 +66,8 @@ class NodeOps(StateBase):
         """Pin ``node_id`` to ``rack`` (an operator's approval; a node need not have reported
         yet). Returns the rack its registration in force names when that differs (it relays
         there no more; its next full report is refused), else None."""
-        if not node_id or "/" in node_id or len(node_id) > 256:
-            raise JobError(f"bad node id {node_id[:200]!r}")
-        if parse_rack(rack) is None:
-            raise JobError(f"not a rack path: {rack[:200]!r} (want zone/block/rack)")
+        if (why := approval_problem(node_id, rack)) is not None:
+            raise JobError(why)
         self.rack_pins.approve(node_id, rack)
         node = self.nodes.get(node_id)
         log.info("node rack approved node=%s rack=%s registered=%s", node_id, rack,
@@ -151,7 +149,16 @@ def _with_grace(p: Push, grace_s: float) -> Push:
         return p
     victims = [msgspec.structs.replace(v, grace_s=grace_s) for v in pl.victims]
     return Push(p.node_id, p.control_url, msgspec.structs.replace(pl, victims=victims), p.job_id, p.attempt,
-                p.kind)
+                p.kind, boot_id=p.boot_id)
+
+
+def approval_problem(node_id: str, rack: str) -> str | None:
+    """Why ``rack`` cannot be approved for ``node_id`` (None: it can). Pure."""
+    if not node_id or "/" in node_id or len(node_id) > 256:
+        return f"bad node id {node_id[:200]!r}"
+    if parse_rack(rack) is None:
+        return f"not a rack path: {rack[:200]!r} (want zone/block/rack)"
+    return None
 
 
 class _Approvals(msgspec.Struct, frozen=True, kw_only=True):

@@ -84,11 +84,12 @@ class Push:
     bookkeeping does not build 25,000 messages before the first one can leave."""
 
     __slots__ = ("node_id", "control_url", "job_id", "attempt", "kind", "_placement", "placement_id",
-                 "_gang", "_node", "_pods_", "_t", "_rows", "_victims")
+                 "_gang", "_node", "_pods_", "_t", "_rows", "_victims", "boot_id")
 
     def __init__(self, node_id: str, control_url: str, placement: Placement, job_id: str, attempt: int,
-                 kind: str) -> None:
+                 kind: str, *, boot_id: str = "") -> None:
         self.node_id = node_id
+        self.boot_id = boot_id    # a stop's: the node's boot it is meant for (its part names it)
         self.control_url = control_url
         self.job_id = job_id
         self.attempt = attempt
@@ -147,6 +148,7 @@ class Push:
         p.job_id = gang.job_id
         p.attempt = gang.attempt
         p.kind = "start"
+        p.boot_id = ""
         p._placement = None
         p.placement_id = gang.prefix + node.node_id
         p._gang, p._node, p._victims = gang, node, victims
@@ -164,12 +166,14 @@ class Push:
 
     def part(self, expires_at: float) -> NodePart:
         """This push as a rack relay carries it (a start push names GPU slots and the node's
-        inventory hash; a stop push is its victims)."""
+        inventory hash; a stop push is its victims, bound to the node's boot, its job's attempt
+        and ``expires_at``)."""
         if self._gang is not None and self._node is not None:
             return self._gang.part(self.placement_id, self._node, self._pods, self._victims)
         pl = self.placement
         return NodePart(placement_id=pl.placement_id, node_id=self.node_id, job_id=self.job_id,
-                        attempt=self.attempt, victims=pl.victims, issued_at=pl.issued_at, expires_at=expires_at)
+                        attempt=self.attempt, victims=pl.victims, issued_at=pl.issued_at, expires_at=expires_at,
+                        boot_id=self.boot_id)
 
     def part_bytes(self, expires_at: float) -> bytes:
         """``msgauth.part_bytes(self.part(expires_at))``, the bytes a bundle carries, made
@@ -221,13 +225,13 @@ def parts_bytes(pushes: list[Push], expires_at: float) -> list[bytes]:
             out.append(enc([
                 "" if rows else p.placement_id, node.node_id, job_id, attempt, "", WIRE_VERSION,
                 [["", ranks[i], slots[i], _EMPTY] for i in rows],   # type: ignore[union-attr]  # (a list here)
-                p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None]))
+                p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None, ""]))
             continue
         pods = p._pods
         out.append(enc([
             "" if pods else p.placement_id, node.node_id, job_id, attempt, "", WIRE_VERSION,
             [["", q.rank, q.slots, _EMPTY] for q in pods],
-            p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None]))
+            p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None, ""]))
     return out
 
 
@@ -271,7 +275,7 @@ class GangStart:
         return _part_enc.encode([
             "" if pods else placement_id, node.node_id, self.job_id, self.attempt, "", WIRE_VERSION,
             [["", p.rank, p.slots, _EMPTY] for p in pods],
-            victims, self.now, self.expires, node.inventory, self.n_gang, _EMPTY, self.contacts, b"", None])
+            victims, self.now, self.expires, node.inventory, self.n_gang, _EMPTY, self.contacts, b"", None, ""])
 
     def placement(self, placement_id: str, node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> Placement:
         s = self.spec

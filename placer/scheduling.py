@@ -278,7 +278,7 @@ class Scheduling(StateBase):
             self._pid += 1
             pl = Placement(placement_id=f"stop:{job.job_id}:{job.attempt}:{node_id}:{self._pid}",
                            job_id=job.job_id, victims=victims, issued_at=now)
-            out.append(Push(node_id, vnode.control_url, pl, job.job_id, job.attempt, "stop"))
+            out.append(Push(node_id, vnode.control_url, pl, job.job_id, job.attempt, "stop", boot_id=vnode.boot_id))
         return out
 
     def _gang_blob(self, job: JobRec, gang: list[NodeRec], order: list[NodeRec] | None = None,

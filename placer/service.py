@@ -68,10 +68,10 @@ from scheduler_link.messages import (
 from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
 
 from . import fleetsnap, inventories
-from .approvals import APPROVAL_DOCS, ApprovalRoutes
+from .approvals import APPROVAL_DOCS, ApprovalRoutes, EtcdApprovals
 from .config import PlacerConfig
 from .dashboard import DASHBOARD_DOCS, Dashboard
-from .etcdjournal import JobJournal
+from .etcdjournal import EtcdJournal, JobJournal
 from .frag import fragmentation, largest_placeable, plan_defrag
 from .ha import HighAvailability
 from .inventories import InventoryBook
@@ -203,6 +203,9 @@ class PlacerService:
             self._stamps[type(reply)] = (reply, stamped)
         return stamped
 
+    async def _approvals_from_etcd(self, etcd: EtcdApprovals) -> None:
+        await self.approvals.promoted(etcd)
+
     def _fenced_stops(self, stop: list[Victim]) -> list[Victim]:
         ep = self.epoch
         return [v if v.epoch == ep else msgspec.structs.replace(v, epoch=ep) for v in stop]
@@ -223,6 +226,8 @@ class PlacerService:
                 self.journal.ended(spec.job_id, "failed", now)
         for node_id, reason in self.journal.cordons.items():  # before any report can register it
             self.state.cordon(node_id, now, reason=reason or None, known=False)
+        if isinstance(journal, EtcdJournal):   # promoted with etcd: the fleet's rack approvals are there
+            self.spawn(partial(self._approvals_from_etcd, EtcdApprovals(journal.client, journal.prefix, journal.fence)))
         self.state.recover_until = now + self.cfg.recover_window_s
         # a single placer knows whom it waits for (its own fleet snapshot); a promoted follower's
         # file is not the fleet's latest, so it waits the window as before

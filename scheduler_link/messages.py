@@ -621,7 +621,9 @@ class NodePart(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_
     The agent refuses a part whose inventory hash is not its own (``expired``: the placer's
     view of the node is stale, nothing about a GPU is implied), so a slot can never mean a
     GPU the placer did not see. Slots keep a 25,000-node gang's parts under 6 MB where
-    UUIDs would take ~15 MB. A part with no pods only stops its victims. Inside a RackBundle a
+    UUIDs would take ~15 MB. A part with no pods only stops its victims: it names the node's
+boot (``boot_id``) and carries an expiry, and the node acts on it only in that boot, before
+then, and only on its own job's pods of its attempt (agent.parts.check_part). Inside a RackBundle a
     part's ``blob_id`` is left empty: it is the bundle's (the relay fills it in for its members).
     A start part (one with pods) may leave ``placement_id`` and its pods' ``workload_id`` empty
     too: they are :func:`start_placement_id` and :func:`workload_id` of its job, attempt, node
@@ -647,6 +649,9 @@ class NodePart(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_
     # set by the relay when it hands the part to a member: what the member needs to check the
     # placer's signature over the bundle the part came in (scheduler_link.msgauth)
     proof: PartProof | None = None
+    # a stop-only part: the boot (its link's boot id) of the node the placer meant; the node
+    # refuses it in any other boot (agent.parts). Empty in start parts (bound by inventory).
+    boot_id: str = ""
 
 
 class PartProof(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

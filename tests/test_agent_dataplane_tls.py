@@ -43,7 +43,10 @@ async def test_chunks_travel_over_mutual_tls_between_agents(tmp_path, token_dir,
     other_ca = pki.throwaway(tmp_path / "other-pki", nodes=["a2"])
     with trio.fail_after(60):
         async with trio.open_nursery() as n:
-            a1 = _agent(tmp_path, token_dir, "a1", tls_dir=tls_pki.node_dir("a1"))
+            # (every manifest public: this is about the transport; reads by membership are
+            # tests/test_security_dataplane.py's)
+            a1 = _agent(tmp_path, token_dir, "a1", tls_dir=tls_pki.node_dir("a1"),
+                        dataplane=DataPlaneSection(public=["*"]))
             a2 = _agent(tmp_path, token_dir, "a2", tls_dir=tls_pki.node_dir("a2"))
             await n.start(a1.run)
             await n.start(a2.run)

@@ -43,6 +43,7 @@ INV = inventory_hash(UUIDS)
 NOW = 1_000_000.0
 SIGNER = BundleSigner.generate()
 MAC_KEY = node_key(b"m" * 32, "n1", "boot")
+BOOT = "boot"   # the node's link boot id: stop parts name it
 
 
 def _signed(part: NodePart, signer: BundleSigner = SIGNER, epoch: int = 0) -> NodePart:
@@ -257,7 +258,7 @@ def _setup(tmp: Path, blobs: dict[str, bytes], *, allowed_users: tuple[str, ...]
     ev = _Events()
     acc = PartAcceptor(tmp / "state", node_id="n1", supervisor=sup, inventory=lambda: (UUIDS, HEALTH),
                        blob=gang_blob, notify=ev, blob_timeout_s=2.0, clock=lambda: NOW,
-                       keys=lambda: (MAC_KEY, SIGNER.public))
+                       keys=lambda: (MAC_KEY, SIGNER.public), boot=lambda: BOOT)
     return sup, _Member(acc), ev
 
 
@@ -363,8 +364,8 @@ async def test_a_victims_only_part_stops_them_and_is_acked(tmp_path):
             ack = await sup.place(Placement(placement_id="old", job_id="o", argv=["sleep", "30"],
                                             pods=[PodAssignment(workload_id="o.1.0", rank=0, gpus=["GPU-0003"])]))
             assert ack.accepted
-            stop = NodePart(placement_id="stop1", node_id="n1", job_id="new", attempt=1,
-                            victims=[Victim(workload_id="o.1.0", grace_s=0.5, preempted=True)])
+            stop = NodePart(placement_id="stop1", node_id="n1", job_id="new", attempt=1, expires_at=NOW + 10,
+                            boot_id=BOOT, victims=[Victim(workload_id="o.1.0", grace_s=0.5, preempted=True)])
             out = await acc.handle(stop)
             assert out.outcome == "accepted"
             st = await sup.wait_terminal("o.1.0")
@@ -454,7 +455,7 @@ async def test_a_rollback_that_overtakes_the_blob_never_lets_the_pod_start(tmp_p
     ev = _Events()
     acc = _Member(PartAcceptor(tmp_path / "state", node_id="n1", supervisor=sup, inventory=lambda: (UUIDS, HEALTH),
                                blob=gang_blob, notify=ev, blob_timeout_s=20.0, clock=lambda: NOW,
-                               keys=lambda: (MAC_KEY, SIGNER.public)))
+                               keys=lambda: (MAC_KEY, SIGNER.public), boot=lambda: BOOT))
     part = _part(blob_id=bid)
     wid = part.pods[0].workload_id
     with trio.fail_after(30):
@@ -465,7 +466,7 @@ async def test_a_rollback_that_overtakes_the_blob_never_lets_the_pod_start(tmp_p
             victim = Victim(workload_id=wid, grace_s=1.0, reason="preempted: rollback", preempted=True)
             if via == "part":
                 stop = NodePart(placement_id="stop:job:1:n1:1", node_id="n1", job_id="job", attempt=1,
-                                victims=[victim])
+                                expires_at=NOW + 10, boot_id=BOOT, victims=[victim])
                 assert (await acc.handle(stop)).outcome == "accepted"
             else:
                 await acc.hold_stops([victim])
@@ -522,7 +523,8 @@ async def test_no_part_is_taken_before_the_placer_key_is_known(tmp_path):
         raise BlobUnavailable("none")
 
     acc = PartAcceptor(tmp_path / "state", node_id="n1", supervisor=sup, inventory=lambda: (UUIDS, HEALTH),
-                       blob=no_blob, notify=_Events(), keys=lambda: (None, None), clock=lambda: NOW)
+                       blob=no_blob, notify=_Events(), keys=lambda: (None, None), boot=lambda: None,
+                       clock=lambda: NOW)
     with trio.fail_after(10):
         async with trio.open_nursery() as n:
             await n.start(sup.run)
@@ -541,10 +543,10 @@ def test_a_part_replaying_a_superseded_attempt_is_expired():
     assert v.outcome.outcome == "expired"
 
 
-def test_a_late_stop_is_still_applied():
-    stop = NodePart(placement_id="stop:j:1:n1:1", node_id="n1", job_id="j", attempt=1, expires_at=NOW - 60,
-                    victims=[Victim(workload_id="j.1.0")])
-    assert _check(stop).outcome.outcome == "accepted"   # a stop is never too late (stopping twice is harmless)
+def test_a_stop_in_time_for_this_boot_is_applied():
+    stop = NodePart(placement_id="stop:j:1:n1:1", node_id="n1", job_id="j", attempt=1, expires_at=NOW + 1,
+                    boot_id=BOOT, victims=[Victim(workload_id="j.1.0")])
+    assert _check(stop, boot_id=BOOT).outcome.outcome == "accepted"
 
 
 async def test_a_part_of_an_older_placer_epoch_is_answered_stale_epoch_and_never_acted_on(tmp_path):
@@ -569,6 +571,7 @@ async def test_a_part_of_an_older_placer_epoch_is_answered_stale_epoch_and_never
                 stale = [_signed(_part("p2", slots=(4,), blob_id=bid), epoch=2),
                          _signed(_part("p3", slots=(5,), blob_id=bid), epoch=0),
                          _signed(NodePart(placement_id="stop:p1", node_id="n1", job_id="job", attempt=1,
+                                          expires_at=NOW + 10, boot_id=BOOT,
                                           victims=[Victim(workload_id="job.1.p1")]), epoch=2)]
                 for part in stale:
                     out = await acc.handle(part)

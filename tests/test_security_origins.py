@@ -1,9 +1,8 @@
 """Issue 42, finding 8, as attacks: an allowed origin that redirects an agent to a metadata
-server, an allowed name whose DNS points at link-local or loopback, an origin whose error
-answer carries a secret into a pod's reason, and a stop part replayed late or against another
-attempt of its job. Origins are real servers on loopback (named by their loopback address,
-the explicit way to allow one); DNS is a fake resolver (trio's resolver hook), since the test
-machine has no hostile DNS of its own."""
+server, an allowed name whose DNS points at link-local or loopback, and an origin whose
+error answer carries a secret into a pod's reason. Origins are real servers on loopback
+(named by their loopback address, the explicit way to allow one); DNS is a fake resolver
+(trio's resolver hook), since the test machine has no hostile DNS of its own."""
 
 from __future__ import annotations
 
@@ -15,25 +14,25 @@ import blake3
 import pytest
 import trio
 
-from agent.parts import STOP_LATE_S, check_part
 from p2p.errors import OriginError
 from p2p.origins import open_origin
 from p2p.origins.addresses import address_refusal
-from scheduler_link.messages import NodePart, Victim
 
 
 class Server:
     """A raw HTTP/1.1 server on loopback: answers every request with ``answer`` (status line,
     headers and body bytes) and records each request's first line."""
 
-    def __init__(self, answer: bytes) -> None:
+    def __init__(self, answer: bytes, host: str = "127.0.0.1", port: int = 0) -> None:
         self.answer = answer
         self.requests: list[bytes] = []
         self.url = ""
+        self.host, self.port = host, port
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
-        self.url = f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+        listeners = await trio.open_tcp_listeners(self.port, host=self.host)
+        self.port = listeners[0].socket.getsockname()[1]
+        self.url = f"http://{self.host}:{self.port}"
         task_status.started(self.url)
         await trio.serve_listeners(self._one, listeners)
 
@@ -94,21 +93,28 @@ async def test_an_origins_error_body_is_not_echoed():
 
 
 class FakeDNS(trio.abc.HostnameResolver):
-    """Names to addresses, as a hostile or careless DNS would answer."""
+    """Names to addresses, as a hostile or careless DNS would answer: an address, several in
+    one answer (a tuple), or one answer per lookup (a list: the last one repeats -- a name
+    rebound after its first lookup)."""
 
-    def __init__(self, names: dict[str, str]) -> None:
+    def __init__(self, names: dict[str, str | tuple[str, ...] | list[str]]) -> None:
         self.names = names
         self.asked: list[str] = []
 
     async def getaddrinfo(self, host, port, family=0, type=0, proto=0, flags=0):
         name = host.decode() if isinstance(host, bytes) else host
         self.asked.append(name)
-        addr = self.names.get(name)
-        if addr is None:
+        got = self.names.get(name)
+        if got is None:
             raise socket.gaierror(socket.EAI_NONAME, "no such name")
-        fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
-        sa = (addr, port or 80, 0, 0) if fam == socket.AF_INET6 else (addr, port or 80)
-        return [(fam, socket.SOCK_STREAM, 6, "", sa)]
+        if isinstance(got, list):
+            got = got[min(self.asked.count(name), len(got)) - 1]
+        out = []
+        for addr in (got,) if isinstance(got, str) else got:
+            fam = socket.AF_INET6 if ":" in addr else socket.AF_INET
+            sa = (addr, port or 80, 0, 0) if fam == socket.AF_INET6 else (addr, port or 80)
+            out.append((fam, socket.SOCK_STREAM, 6, "", sa))
+        return out
 
     async def getnameinfo(self, sockaddr, flags):
         raise NotImplementedError
@@ -116,13 +122,17 @@ class FakeDNS(trio.abc.HostnameResolver):
 
 async def test_link_local_and_unnamed_loopback_addresses_are_refused_before_connecting():
     dns = FakeDNS({"mirror.example": "169.254.169.254", "selfie.example": "127.0.0.1",
-                   "v6.example": "fe80::1", "mapped.example": "::ffff:169.254.169.254"})
+                   "v6.example": "fe80::1", "mapped.example": "::ffff:169.254.169.254",
+                   "imds6.example": "fd00:ec2::254", "ali.example": "100.100.100.200",
+                   "mixed.example": ("10.1.2.3", "169.254.169.254")})
     trio.socket.set_custom_hostname_resolver(dns)
     with trio.fail_after(20):
         for url, why in (("http://mirror.example/bucket", "link-local"), ("http://selfie.example:8470", "own address"),
                          ("https://v6.example/x", "link-local"), ("http://mapped.example/x", "link-local"),
                          ("http://169.254.169.254/latest", "link-local"), ("http://[fe80::1]:80/x", "link-local"),
-                         ("http://0.0.0.0:8470/x", "own address")):
+                         ("http://0.0.0.0:8470/x", "own address"),
+                         ("https://imds6.example/x", "metadata"), ("http://ali.example/x", "metadata"),
+                         ("http://mixed.example/x", "link-local")):
             t0 = time.monotonic()
             async with open_origin(url, retries=0) as o:
                 with pytest.raises(OriginError, match=why):
@@ -135,28 +145,30 @@ async def test_link_local_and_unnamed_loopback_addresses_are_refused_before_conn
     assert address_refusal(ipaddress.ip_address("10.1.2.3"), loopback_ok=False) is None
 
 
-# ------------------------------------------------------------------ stop-only parts
+async def test_a_name_rebound_after_its_check_is_never_connected_to():
+    """DNS answers the origin's address to the check, then (rebound) another address where
+    something else listens (here 127.0.0.2, standing in for a metadata server or the agent's
+    own APIs): every request -- the lean client's GET and httpx's HEAD -- goes to the address
+    the check saw, with the URL's Host, and the name is looked up once."""
+    origin = Server(_answer("200 OK", b"ab" * 32))
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(origin.run)
+            metadata = Server(_answer("200 OK", b"cd" * 32), host="127.0.0.2", port=origin.port)
+            await n.start(metadata.run)
+            dns = FakeDNS({"localhost": ["127.0.0.1", "127.0.0.2"]})
+            trio.socket.set_custom_hostname_resolver(dns)
+            async with open_origin(f"http://localhost:{origin.port}", retries=0) as o:
+                assert await o.resolve("trainer:v1") == "ab" * 32            # GET: the lean client
+                assert await o.missing(["ef" * 32]) == set()                   # HEAD: httpx (200: present)
+                assert await o.resolve("trainer:v2") == "ab" * 32              # a second connection
+            assert metadata.requests == [] and len(origin.requests) == 3
+            assert dns.asked.count("localhost") == 1
+            # an answer of several checked addresses: the next one when the first takes no connection
+            trio.socket.set_custom_hostname_resolver(FakeDNS({"localhost": ("127.0.0.3", "127.0.0.1")}))
+            async with open_origin(f"http://localhost:{origin.port}", retries=0) as o:
+                assert await o.resolve("trainer:v1") == "ab" * 32
+                assert await o.missing(["ef" * 32]) == set()
+            assert len(origin.requests) == 5
+            n.cancel_scope.cancel()
 
-NOW = 1_000_000.0
-
-
-def _stop(*, attempt: int, victims: list[str], expires_at: float) -> NodePart:
-    return NodePart(placement_id=f"stop:j:{attempt}:n1:7", node_id="n1", job_id="j", attempt=attempt,
-                    victims=[Victim(workload_id=w) for w in victims], expires_at=expires_at)
-
-
-def _check(part: NodePart):
-    return check_part(part, node_id="n1", now=NOW, inventory=[], gpu_health={}, records={})
-
-
-def test_stop_parts_expire_and_are_bound_to_their_attempt():
-    # late is still right for a while ...
-    assert _check(_stop(attempt=1, victims=["j.1.0"], expires_at=NOW - 60)).outcome.outcome == "accepted"
-    # ... not for ever: a stop replayed once its outcome is forgotten cannot reach a later pod
-    v = _check(_stop(attempt=1, victims=["j.1.0"], expires_at=NOW - STOP_LATE_S - 1))
-    assert v.outcome.outcome == "expired"
-    # a stop of attempt 1 of job j does not name attempt 2's pods (a signed stop replayed later)
-    v = _check(_stop(attempt=1, victims=["j.2.0"], expires_at=NOW + 10))
-    assert v.outcome.outcome == "refused_spec" and "j.2.0" in (v.outcome.detail or "")
-    # other jobs' pods (preemption victims) are not this job's attempts
-    assert _check(_stop(attempt=1, victims=["other.4.0"], expires_at=NOW + 10)).outcome.outcome == "accepted"

@@ -1,7 +1,8 @@
 """``http(s)://`` origin: a read-only static mirror or CDN of the bucket layout.
 
-Read only at addresses :mod:`p2p.origins.addresses` allows (no link-local, no loopback unless
-the URL names it), redirects not followed; an error answer is reported by its status and
+Read only at addresses :mod:`p2p.origins.addresses` allows (no link-local or metadata address,
+no loopback unless the URL names it), resolved once and connected to as checked (no DNS
+rebinding), redirects not followed; an error answer is reported by its status and
 category, never its body (which the mirror, or whatever answers at its address, wrote)."""
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ class HttpOrigin(Origin):
     def __init__(self, url: str, *, max_concurrency: int = 32, retries: int = 5) -> None:
         super().__init__(url)
         self.base = url.rstrip("/")
-        # plain http:// GETs (chunks, manifests, refs) on raw sockets: p2p.origins.lean
-        self.http = RetryingClient(what=f"origin {url}", max_concurrency=max_concurrency, retries=retries,
-                                   lean=url.startswith("http://"))
         self.guard = AddressGuard(url)
+        # plain http:// GETs (chunks, manifests, refs) on raw sockets: p2p.origins.lean; every
+        # connection to the address the guard checked
+        self.http = RetryingClient(what=f"origin {url}", max_concurrency=max_concurrency, retries=retries,
+                                   lean=url.startswith("http://"), guard=self.guard)
 
     async def _get(self, key: str, limit: int) -> bytes:
         await self.guard.check()

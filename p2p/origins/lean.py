@@ -21,6 +21,7 @@ timeouts; a body over its bound is an ``OriginError`` (not retried), as there.
 from __future__ import annotations
 
 import socket
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
 from urllib.parse import urlsplit
@@ -71,8 +72,12 @@ class LeanHttp:
 
     PIECE = 128 * 1024
 
-    def __init__(self, *, max_idle: int = 32, timeout: float = 60.0, connect_timeout: float = 10.0) -> None:
+    def __init__(self, *, max_idle: int = 32, timeout: float = 60.0, connect_timeout: float = 10.0,
+                 connect: Callable[[str, int], Awaitable[trio.SocketStream]] | None = None) -> None:
         self.timeout = timeout                 # no byte for this long: a stall (settable)
+        # (host, port) -> a connection (p2p.origins.addresses: to an address its check saw, no
+        # second lookup); None: trio.open_tcp_stream (the host resolved by trio)
+        self._open_tcp = connect or trio.open_tcp_stream
         self.connect_timeout = connect_timeout
         self.max_idle = max(1, max_idle)
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
@@ -120,7 +125,7 @@ class LeanHttp:
             return idle.pop()
         with trio.move_on_after(self.connect_timeout):
             try:
-                stream = await trio.open_tcp_stream(*key)
+                stream = await self._open_tcp(*key)
             except OSError as e:
                 raise LeanUnavailable(f"unreachable (ConnectError: {e.strerror or e})") from None
             self._open.add(stream.socket)

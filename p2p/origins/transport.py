@@ -8,7 +8,11 @@ asking again later) with one readable line. ``retries=0``: one attempt, for call
 that retry themselves (the herd's origin call, the one retry layer of a fetch).
 
 Redirects are not followed: an allowed origin's 3xx is an error (its status and category),
-never a request to wherever it points (a metadata server, the agent's own APIs).
+never a request to wherever it points (a metadata server, the agent's own APIs). With a
+``guard`` (http(s) origins) every connection goes to the address the guard checked
+(:mod:`p2p.origins.addresses`), the lean client's and httpx's alike: httpx through a pool on
+:class:`~p2p.origins.addresses.PinnedBackend` (httpx takes no network backend of its own, so
+:class:`_PinnedTransport` gives its transport that pool).
 
 Bodies are bounded: ``request(..., limit=N)`` streams the answer and refuses (OriginError,
 not retried: the origin misbehaves) one that announces or sends more than N bytes after
@@ -24,12 +28,14 @@ import socket
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import httpcore
 import httpx
 import trio
 
 from infra.backoff import Backoff
 
 from ..errors import NotFoundError, OriginError, OriginUnavailable
+from .addresses import AddressGuard, PinnedBackend
 from .lean import LeanHttp, LeanResponse, LeanUnavailable
 
 log = logging.getLogger("herd.p2p.origin")
@@ -39,16 +45,30 @@ MAX_ERROR_BODY = 64 << 10     # a non-200 answer's body
 _FRAMING = frozenset({"content-encoding", "content-length", "transfer-encoding"})
 
 
+class _PinnedTransport(httpx.AsyncHTTPTransport):
+    """httpx's own transport (its request and error mapping) over a connection pool whose
+    connections go to the guard's checked address."""
+
+    def __init__(self, guard: AddressGuard, limits: httpx.Limits) -> None:
+        super().__init__(limits=limits)
+        self._pool = httpcore.AsyncConnectionPool(
+            ssl_context=httpx.create_ssl_context(), max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections, keepalive_expiry=limits.keepalive_expiry,
+            network_backend=PinnedBackend(guard))
+
+
 class RetryingClient:
     def __init__(self, *, what: str, max_concurrency: int = 32, retries: int = 5,
                  backoff_base: float = 0.2, backoff_cap: float = 8.0,
                  timeout: float = 60.0, connect_timeout: float = 10.0,
                  auth_headers: Callable[[bool], Awaitable[dict[str, str]]] | None = None,
-                 describe: Callable[[httpx.Response], str] | None = None, lean: bool = False) -> None:
+                 describe: Callable[[httpx.Response], str] | None = None, lean: bool = False,
+                 guard: AddressGuard | None = None) -> None:
         """``describe``: one line for a retryable answer that was still failing after the
         last attempt (GCS names a quota or rate limit there); default ``HTTP <status>``.
         ``lean``: :meth:`get` of plain ``http://`` URLs through :class:`p2p.origins.lean.LeanHttp`
-        (raw sockets, the body received into one buffer), httpx for what it does not take."""
+        (raw sockets, the body received into one buffer), httpx for what it does not take.
+        ``guard``: connect only to the addresses it checked (no second DNS lookup)."""
         self.what = what
         self.retries = max(0, retries)
         self.backoff_base = backoff_base
@@ -56,17 +76,17 @@ class RetryingClient:
         self._backoff = Backoff(backoff_base, backoff_cap)
         self._rng = random.Random()
         self.limiter = trio.CapacityLimiter(max(1, max_concurrency))
+        limits = httpx.Limits(max_connections=max(1, max_concurrency),
+                              max_keepalive_connections=max(1, max_concurrency))
         self.client = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout, connect=connect_timeout),
-            limits=httpx.Limits(max_connections=max(1, max_concurrency),
-                                max_keepalive_connections=max(1, max_concurrency)),
-            follow_redirects=False)
+            timeout=httpx.Timeout(timeout, connect=connect_timeout), limits=limits, follow_redirects=False,
+            transport=_PinnedTransport(guard, limits) if guard is not None else None)
         self._auth_headers = auth_headers
         self._describe = describe
         self.retried = 0
         self.requests = 0    # HTTP requests sent (retries included)
-        self.lean = LeanHttp(max_idle=max(1, max_concurrency), timeout=timeout,
-                             connect_timeout=connect_timeout) if lean else None
+        self.lean = LeanHttp(max_idle=max(1, max_concurrency), timeout=timeout, connect_timeout=connect_timeout,
+                             connect=guard.connect if guard is not None else None) if lean else None
 
     def backoff(self, attempt: int) -> float:
         """The pause before retry ``attempt + 1``: full jitter over min(cap, base * 2**attempt)."""

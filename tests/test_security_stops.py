@@ -1,0 +1,144 @@
+"""Issue 42, finding 8, as an attack: a relay (or anyone on the path) holds a stop part the
+placer signed and replays it later -- after the node's agent restarted (a new boot), after the
+part's expiry, or naming a later attempt of its job. The stop is built by the placer's own state
+(a job placed and cancelled), signed as a rack bundle is, and handed to a real part acceptor
+over a real supervisor running the pod: the replays are refused with a structured outcome
+(``expired``, ``refused_spec``) and the pod keeps running; the stop as the placer meant it, in
+time and for the node's boot, stops it."""
+
+from __future__ import annotations
+
+import os
+
+import msgspec
+import trio
+
+from agent.blobs import BlobUnavailable
+from agent.parts import PartAcceptor, check_part
+from agent.supervisor import Supervisor, SupervisorConfig
+from placer.config import PlacerConfig
+from placer.state import ACCEPTED, PlacerState
+from scheduler_link.messages import (
+    GangBlob,
+    GpuInfo,
+    GpuSnapshot,
+    JobSpec,
+    NodeOutcome,
+    NodePart,
+    NodeReport,
+    PartProof,
+    Placement,
+    PodAssignment,
+    TopologyPath,
+    Victim,
+)
+from scheduler_link.msgauth import BundleSigner, digest, node_key, outcome_ok, part_bytes
+
+SIGNER = BundleSigner.generate()
+NOW = 1_000_000.0
+UUIDS = [f"a-g{i}" for i in range(8)]
+HEALTH = dict.fromkeys(UUIDS, "healthy")
+MAC_KEY = node_key(b"m" * 32, "a", "boot-a")
+
+
+def _signed(part: NodePart) -> NodePart:
+    """``part`` as a relay hands it over: with the placer's signed proof of its bundle."""
+    raw = part_bytes(part)
+    sig = SIGNER.sign_parts("z/b/r", part.blob_id, NOW + 5, [raw])
+    return msgspec.structs.replace(part, proof=PartProof(rack="z/b/r", blob_id=part.blob_id, deliver_by=NOW + 5,
+                                                         digests=[digest(raw)], sig=sig, raw=raw))
+
+
+def _placer_stop() -> NodePart:
+    """The placer's stop part for job j's pod on node a: placed, acked, then cancelled."""
+    st = PlacerState(PlacerConfig(heartbeat_s=1.0, placement_ttl_s=30.0), started_at=0.0)
+    st.recover_until = 0.0
+    snap = GpuSnapshot(simulated=True, gpus=[GpuInfo(index=i, uuid=u, name="sim", memory_total_mib=1,
+                                                     pci_bus_id=str(i), simulated=True) for i, u in enumerate(UUIDS)])
+    code, _, _ = st.ingest("a", NodeReport(node_id="a", boot_id="boot-a", seq=1, full=True, control_url="http://a",
+                                           topology=TopologyPath(zone="z", block="b", rack="r"), snapshot=snap), NOW)
+    assert code == 200
+    st.submit(JobSpec(job_id="j", pods=1, gpus_per_pod=1, argv=["x"]), NOW)
+    (job, pushes), = st.schedule(NOW)
+    st.on_acks("j", job.attempt, {"a": ACCEPTED}, NOW, pushes)
+    stops = [p for p in st.cancel("j", NOW) if p.kind == "stop"]
+    assert [p.node_id for p in stops] == ["a"]
+    return stops[0].part(NOW + 30.0)
+
+
+class Node:
+    """Node a's clock and its link's boot id, as the acceptor reads them."""
+
+    def __init__(self) -> None:
+        self.now = NOW
+        self.boot = "boot-a"
+
+    def clock(self) -> float:
+        return self.now
+
+    def boot_id(self) -> str | None:
+        return self.boot
+
+
+def test_a_stop_part_acts_only_in_its_boot_before_its_expiry_and_on_its_attempt():
+    stop = _placer_stop()
+    assert (stop.boot_id, stop.attempt, stop.expires_at) == ("boot-a", 1, NOW + 30.0)
+    assert [v.workload_id for v in stop.victims] == ["j.1.0"]
+
+    def outcome(part: NodePart, *, now: float = NOW, boot: str | None = "boot-a") -> NodeOutcome:
+        return check_part(part, node_id="a", now=now, inventory=UUIDS, gpu_health=HEALTH, records={},
+                          boot_id=boot).outcome
+
+    assert outcome(stop).outcome == "accepted"
+    assert outcome(stop, now=NOW + 30.5).outcome == "expired"            # past its expiry: no late window
+    assert outcome(stop, boot="boot-a2").outcome == "expired"            # the node's agent restarted since
+    assert outcome(stop, boot=None).outcome == "expired"                 # no link yet: not this boot
+    for unbound in (msgspec.structs.replace(stop, boot_id=""), msgspec.structs.replace(stop, expires_at=0.0)):
+        assert outcome(unbound).outcome == "refused_spec"
+    later = msgspec.structs.replace(stop, victims=[Victim(workload_id="j.2.0")])
+    assert outcome(later).outcome == "refused_spec"                      # attempt 1's stop names attempt 2
+    preempted = msgspec.structs.replace(stop, victims=[Victim(workload_id="other.4.0")])
+    assert outcome(preempted).outcome == "accepted"                      # another job's pod: its own attempt
+
+
+async def test_a_replayed_stop_does_not_stop_the_pod_and_the_placers_stop_does(tmp_path):
+    """Replayed in the node's boot past the expiry, then to the restarted agent (a new boot, its
+    remembered outcomes gone) inside the expiry: refused both times, each decided afresh."""
+    stop = _signed(_placer_stop())
+    sup = Supervisor(tmp_path / "state", node_id="a", gpu_health=lambda: HEALTH,
+                     config=SupervisorConfig(shim_pool=1), base_env={"PATH": os.environ["PATH"]})
+
+    async def no_blob(blob_id: str) -> GangBlob:
+        raise BlobUnavailable("a stop needs no blob")
+
+    def acceptor(node: Node) -> PartAcceptor:
+        return PartAcceptor(tmp_path / "state", node_id="a", supervisor=sup, inventory=lambda: (UUIDS, HEALTH),
+                            blob=no_blob, notify=lambda ev: None, keys=lambda: (MAC_KEY, SIGNER.public),
+                            boot=node.boot_id, clock=node.clock)
+
+    first, restarted = Node(), Node()
+    restarted.boot = "boot-a2"
+    acc, acc2 = acceptor(first), acceptor(restarted)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            ack = await sup.place(Placement(placement_id="start:j:1:a", job_id="j", argv=["sleep", "30"],
+                                            pods=[PodAssignment(workload_id="j.1.0", rank=0, gpus=["a-g0"])]))
+            assert ack.accepted
+            await n.start(acc.run)
+            first.now = NOW + 31.0
+            out = await acc.handle(stop)
+            assert out.outcome == "expired" and outcome_ok(MAC_KEY, out)
+            await n.start(acc2.run)
+            restarted.now = NOW + 1.0
+            assert (await acc2.handle(stop)).outcome == "expired"
+            await trio.sleep(0.3)
+            assert sup.record("j.1.0").state not in ("terminating", "exited", "preempted", "failed")
+            assert (acc.counters.refused, acc2.counters.refused) == (1, 1)
+            # the placer's stop, in time, for this boot
+            first.now = NOW + 1.0
+            fresh = _signed(msgspec.structs.replace(stop, placement_id="stop:j:1:a:99", proof=None))
+            assert (await acc.handle(fresh)).outcome == "accepted"
+            st = await sup.wait_terminal("j.1.0")
+            assert st.state == "exited"
+            n.cancel_scope.cancel()
