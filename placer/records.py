@@ -219,7 +219,7 @@ def parts_bytes(pushes: list[Push], expires_at: float) -> list[bytes]:
                 out.append(enc([
                     "", node.node_id, job_id, attempt, "", WIRE_VERSION,
                     [["", t.ranks[rows], t.slots[rows], _EMPTY]],
-                    p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None]))
+                    p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None, ""]))
                 continue
             ranks, slots = t.ranks, t.slots
             out.append(enc([
