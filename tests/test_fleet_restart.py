@@ -31,3 +31,5 @@ async def test_a_placer_restart_under_a_tls_fleet_loses_and_doubles_nothing(tmp_
     assert row["probe_state"] == "running", row
     assert row["relayed_registrations"] >= 0.9 * (NODES - row["relays"]), row
     assert row["tls_handshakes"] <= 2 * row["relays"] + 0.01 * NODES, row
+    # they re-registered compactly (the placer kept their GPU inventories: placer.inventories)
+    assert row["compact_registrations"] >= 0.9 * NODES and row["inventory_misses"] <= 0.01 * NODES, row
