@@ -118,6 +118,7 @@ class PlacerService:
         self.pki = PKIRoutes(config.ca_dir, days=config.node_cert_days, clock=clock)
         self.state = PlacerState(config, started_at=clock())
         self.signer = msgauth.BundleSigner.generate()
+        self.wire: HeartbeatServer | None = None
         self._refresh_revoked(clock())   # the deny-list (herd pki revoke) before any handshake
         self.mac_key: Callable[[str, str], bytes] = self.state.mac_key   # (relays.RelayHost: the state's own)
         self.rack_pins = self.state.rack_pins   # (relays.RelayHost: the racks nodes are pinned to)
@@ -128,7 +129,6 @@ class PlacerService:
         self.journal: JobJournal | None = None
         self.ha = HighAvailability(config) if config.etcd else None   # several placers, one leads (placer.ha)
         self.url: str | None = None
-        self.wire: HeartbeatServer | None = None
         self.wire_url: str | None = None
         self._nursery: trio.Nursery | None = None
         self._kick = trio.Event()
@@ -434,6 +434,8 @@ class PlacerService:
         behind a relay take it from there), and ``newly`` denied nodes fenced."""
         nodes, serials = sorted(self.pki.denied[0]), sorted(self.pki.denied[1])
         self.state.set_revoked(self.pki.denied, newly, now, signed=self.signer.revoked(time.time(), nodes, serials))
+        if newly and self.wire is not None:   # their framed connections opened before: closed now
+            self.wire.close_nodes(newly)
 
     def _maybe_freeze(self) -> None:
         """After a pass that rebuilt the model or decided (the records it made live long),

@@ -220,6 +220,8 @@ class HeartbeatServer:
         self.max_connections = default_max_connections() if max_connections is None else max_connections
         self.frames = 0
         self.connections = 0           # accepted since start
+        self.revoked_closed = 0        # open connections closed because their node was revoked
+        self._open_by_node: dict[str, set[trio.CancelScope]] = {}
         self.open_connections = 0
         self.relay_connections = 0     # open multi-node connections
         self.refused = 0               # bad tokens
@@ -397,6 +399,35 @@ class HeartbeatServer:
             self.refused += 1
             await stream.send_all(frame(refusal))
             return hello.node_id
+        # whose connection it is (its certificate's node; else the hello's): closed at once when
+        # that node is revoked (close_nodes), not left open until it goes away by itself
+        who = principal.node_id if principal is not None and principal.node_id else hello.node_id
+        with trio.CancelScope() as cs:
+            self._open_by_node.setdefault(who, set()).add(cs)
+            try:
+                return await self._serve_admitted(stream, hello, buf, principal)
+            finally:
+                scopes = self._open_by_node.get(who)
+                if scopes is not None:
+                    scopes.discard(cs)
+                    if not scopes:
+                        del self._open_by_node[who]
+        if cs.cancelled_caught:
+            log.warning("connection of a revoked node closed node=%s", who[:200])
+        return hello.node_id
+
+    def close_nodes(self, node_ids: list[str]) -> int:
+        """Close every open connection of these nodes (revoked: herd pki revoke); how many."""
+        n = 0
+        for nid in node_ids:
+            for cs in self._open_by_node.get(nid, ()):
+                cs.cancel()
+                n += 1
+        self.revoked_closed += n
+        return n
+
+    async def _serve_admitted(self, stream: trio.abc.Stream, hello: Hello, buf: bytearray,
+                              principal: tls.Principal | None) -> str | None:
         if hello.frames:
             if self.frames_host is None:
                 await stream.send_all(frame(WireReply(status=400, error="this listener serves no frames connections")))

@@ -35,7 +35,7 @@ from scheduler_link.agent_link import AgentLink
 from scheduler_link.client import ClientError, PlacerClient
 from scheduler_link.daemon_client import DaemonClient
 from scheduler_link.heartbeat_wire import HeartbeatClient, WireError
-from scheduler_link.messages import JobSpec, RestartPolicy
+from scheduler_link.messages import JobSpec, NodeReport, RestartPolicy
 from testing.waiting import poll
 from tests.test_placer_service import cfg, wait_for
 from tests.test_tls_cluster import TLSFakeAgent
@@ -310,6 +310,8 @@ async def test_a_revoked_node_is_refused_everywhere_and_fenced(tmp_path, token_d
             assert not await _refused(bad_ctx, good.data_url)              # before: a peer like any other
             kept = httpx.AsyncClient(verify=bad_ctx, headers=auth_header(DATA_TOKEN), timeout=10)
             assert (await kept.get(f"{good.data_url}/v1/stats")).status_code == 200   # a connection kept open
+            assert svc.wire_url is not None   # and a framed connection to the placer, opened before
+            held = await HeartbeatClient.connect(svc.wire_url, "", bad.node_id, ssl_context=bad_ctx)
 
             t0 = time.monotonic()
             assert pki.Revocations(tls_pki.dir).revoke(bad.node_id, now=time.time())   # herd pki revoke
@@ -322,6 +324,11 @@ async def test_a_revoked_node_is_refused_everywhere_and_fenced(tmp_path, token_d
             assert svc.wire_url is not None
             with pytest.raises((WireError, tls.TLSError, OSError)):
                 await HeartbeatClient.connect(svc.wire_url, "", bad.node_id, ssl_context=bad_ctx)
+            # the one it opened before is closed (not left open until it goes away by itself)
+            with pytest.raises((WireError, trio.BrokenResourceError, trio.ClosedResourceError, OSError)):
+                await held.exchange(NodeReport(node_id=bad.node_id, boot_id="b", seq=1, full=False))
+            assert svc.wire is not None and svc.wire.revoked_closed == 2   # (this one and its agent's link)
+            await held.aclose()
             # the other agent hears of it within a heartbeat; its data plane refuses the revoked
             # node both ways, and still serves the others
             with trio.fail_after(2):
