@@ -13,9 +13,10 @@ Where approvals are durable: always this placer's state dir (``rack-approvals.js
 start), and with ``[placer] etcd`` in etcd too (:class:`EtcdApprovals`: one key per node under
 the placers' prefix, ``approvals/<node>``, written by the leader in a transaction guarded by its
 leader key, like the jobs journal). A placer promoted to leader reads etcd's approvals and takes
-them (over its own file's, which it then rewrites), so an approval outlives the leader that
-took it; an approval answered 200 is in etcd first. Until its promotion a follower knows only
-its own file's (it places nothing).
+them (over its own file's, which it then rewrites; its own that etcd lacks, taken before etcd
+was configured, it writes there), so an approval outlives the leader that took it; an
+approval answered 200 is in etcd first. Until its promotion a follower knows only its own
+file's (it applies no report and places nothing).
 
 What a pin does is placer.relaypolicy's.
 """
@@ -120,9 +121,15 @@ class ApprovalRoutes:
             self.etcd = etcd
             return 0
         pins = self.state.rack_pins
+        own = {k: v for k, v in pins.approved.items() if k not in racks}   # (taken before etcd was set)
         for node_id, rack in racks.items():
             self.state.approve_rack(node_id, rack)
         self.etcd = etcd
+        try:
+            for node_id, rack in sorted(own.items()):
+                await etcd.save(node_id, rack)
+        except JournalError as e:
+            log.warning("this placer's own rack approvals not copied to etcd: %s", e)
         try:
             self.file.save(pins.approved)
         except JournalError as e:
