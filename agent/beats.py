@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import msgspec
 
-from scheduler_link.messages import NodeReport, RackBeat, RackBeatReply, ReportReply, Victim
+from scheduler_link.messages import NodeReport, RackBeat, RackBeatReply, ReportReply, RevokedList, Victim
 
 
 def is_empty(rep: NodeReport) -> bool:
@@ -34,6 +34,9 @@ class BeatBook:
         self._need_full: set[str] = set()
         self._stops: dict[str, list[Victim]] = {}
         self._plain: ReportReply | None = None   # the answer with nothing to say (frozen: shared)
+        # the newest deny-list the placer signed (its answers to beats and reports): handed to
+        # every member in the answers to its heartbeats; the members check the signature
+        self.revoked: RevokedList | None = None
         # seqs per member: of the latest entry taken into a beat, and of its latest full report
         # forwarded: a beat's need_full for an entry older than a full report already gone up is
         # moot (after a placer restart each member's beat and its full report cross: without
@@ -51,12 +54,14 @@ class BeatBook:
         self._pending[nid] = (rep.boot_id, rep.seq, rep.mac)
         if nid not in self._need_full and nid not in self._stops:   # (most answers: one shared reply)
             p = self._plain
-            if p is None or p.heartbeat_interval_s != self.heartbeat_s:
-                p = self._plain = ReportReply(ok=True, heartbeat_interval_s=self.heartbeat_s)
+            if p is None or p.heartbeat_interval_s != self.heartbeat_s or p.revoked_signed is not self.revoked:
+                p = self._plain = ReportReply(ok=True, heartbeat_interval_s=self.heartbeat_s,
+                                              revoked_signed=self.revoked)
             return p
         need = nid in self._need_full
         stop = self._stops.pop(nid, [])
-        return ReportReply(ok=True, need_full=need, stop=stop, heartbeat_interval_s=self.heartbeat_s)
+        return ReportReply(ok=True, need_full=need, stop=stop, heartbeat_interval_s=self.heartbeat_s,
+                           revoked_signed=self.revoked)
 
     def take_one(self, node_id: str, now: float) -> RackBeat | None:
         """The member's pending entry as a one-entry beat (to go before its content report)."""
@@ -97,6 +102,7 @@ class BeatBook:
 
     def answer(self, node_id: str, reply: ReportReply) -> ReportReply:
         """The placer's answer to a member's content report, plus stops a beat_reply left for it."""
+        self.took_revoked(reply.revoked_signed)
         if reply.heartbeat_interval_s:
             self.heartbeat_s = reply.heartbeat_interval_s
         stop = self._stops.pop(node_id, None)
@@ -104,13 +110,29 @@ class BeatBook:
             return reply
         return msgspec.structs.replace(reply, stop=[*reply.stop, *stop])
 
+    def took_revoked(self, rl: RevokedList | None) -> None:
+        """A deny-list from the placer's answer: kept when newer (the members check it)."""
+        if rl is not None and (self.revoked is None or rl.issued_at > self.revoked.issued_at):
+            self.revoked = rl
+
     def apply(self, r: RackBeatReply) -> None:
+        self.took_revoked(r.revoked_signed)
         if r.heartbeat_interval_s:
             self.heartbeat_s = r.heartbeat_interval_s
         full, taken = self._full_seq, self._taken
         self._need_full.update(nid for nid in r.need_full if full.get(nid, -1) < taken.get(nid, 0))
         for s in r.stop:
             self._stops.setdefault(s.node_id, []).extend(s.stop)
+
+    def reconnected(self) -> int:
+        """The relay's connection up is new: what the placer on the other end holds of the
+        members is unknown (a restarted placer holds nothing), so each member it has heard
+        from is asked for a full report in the answer to its next heartbeat (compact where the
+        placer kept its inventory: placer.inventories) instead of waiting for the placer's
+        answer to the next beat. Returns how many were asked."""
+        members = self._taken.keys() | self._pending.keys()
+        self._need_full.update(members)
+        return len(members)
 
     def forget(self, node_id: str) -> None:
         self._pending.pop(node_id, None)

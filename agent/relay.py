@@ -54,7 +54,10 @@ up to ``hold_s`` of those answers (the placer restarting: this relay reconnects 
 and the members' full reports go up through it, MACed with keys that outlive the placer
 process, so a restart costs the placer one handshake per relay, not one per node), then falls
 back to the placer directly (a relay that cannot reach the placer must not hold its rack for
-longer). The rack does not look alive meanwhile: the placer hears nothing of it.
+longer). The rack does not look alive meanwhile: the placer hears nothing of it. Once it is
+connected again, every member it knows is asked for a full report in the answer to its next
+heartbeat (:meth:`agent.beats.BeatBook.reconnected`): a restarted placer holds nothing of them,
+and waiting for its answer to the relay's next beat would cost another interval.
 
 """
 
@@ -265,7 +268,8 @@ class Relay:
                 continue
             backoff = self.backoff_min_s
             self.connects += 1
-            log.info("relay connected to the placer url=%s rack=%s", url, self.rack)
+            asked = self.book.reconnected() if self.connects > 1 else 0
+            log.info("relay connected to the placer url=%s rack=%s members_asked_full=%d", url, self.rack, asked)
             self._up = ch
             self.upstream_ready.set()
             try:

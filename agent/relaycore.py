@@ -26,7 +26,9 @@ clock) and ``wall`` (unix seconds, the placer's ``deliver_by`` clock) are argume
   answered, e.g. its connection failed); :meth:`member_closed` leaves out every part of that
   member still waiting; :meth:`due` (or :meth:`expire`) closes rounds whose deadline passed
   (``min(deliver_by, now + ack_window_s)``; ``now + ack_window_s`` for a late bundle). A round whose parts are all settled, or whose
-  deadline passed, becomes its one :class:`Acks` (an AckBundle for the placer).
+  deadline passed, becomes its one :class:`Acks` (an AckBundle for the placer): the members
+  that plainly accepted as the rack's aggregate (a bitmap over the bundle's parts and their
+  MACs, in part order), any other outcome as the member made it.
 - **Reports.** :meth:`report` answers an empty heartbeat at once (agent.beats.BeatBook keeps it
   for the rack's next beat) and queues any other report (a ticket); :meth:`next_batch` takes the
   queue as one batch (with a beat of those members' pending entries, to go first, so the placer
@@ -44,7 +46,8 @@ clock) and ``wall`` (unix seconds, the placer's ``deliver_by`` clock) are argume
 
 Invariants (tests/test_relay_core.py checks them over any interleaving):
 - every part of a round ends exactly once: in the round's one ack bundle (its member's
-  outcome, as the member made it: MACs pass through untouched) or left out; nothing is added
+  outcome, as the member made it, or its bit and MAC in the aggregate: MACs pass through
+  untouched) or left out; nothing is added
   to a round after its ack bundle was made (a late answer is dropped and counted);
 - an outcome counts only for the part it answers (same node, same placement id);
 - a relay can delay or drop, never forge: it makes no outcome, beat MAC or report of its own;
@@ -67,6 +70,7 @@ import msgspec
 from scheduler_link.epochs import Epochs
 from scheduler_link.heartbeat_wire import UPSTREAM_DOWN, WireReply
 from scheduler_link.messages import (
+    MAC_LEN,
     AckBundle,
     Enroll,
     EnrollAnswer,
@@ -163,7 +167,9 @@ class _Round:
     blob_id: str
     until: float
     waiting: dict[int, NodePart]                    # slot -> the part handed, not yet settled
-    outcomes: list[NodeOutcome] = field(default_factory=list)
+    size: int = 0                                   # the bundle's parts
+    outcomes: list[NodeOutcome] = field(default_factory=list)     # those not plainly accepted
+    accepted: dict[int, bytes] = field(default_factory=dict)      # slot -> its member's MAC (plainly accepted)
     missed: int = 0
 
 
@@ -279,7 +285,8 @@ class RelayCore:
                 self.late_bundles += 1
         rid = self._next_round
         self._next_round += 1
-        r = self._rounds[rid] = _Round(rack=view.rack, blob_id=view.blob_id, until=until, waiting={})
+        r = self._rounds[rid] = _Round(rack=view.rack, blob_id=view.blob_id, until=until, waiting={},
+                                       size=len(parts))
         for slot, (p, pr) in enumerate(zip(parts, proofs, strict=True)):
             own = p.node_id == self.node_id
             if not own and p.node_id not in self.members:
@@ -308,6 +315,9 @@ class RelayCore:
         elif outcome.node_id != p.node_id or outcome.placement_id != p.placement_id:
             self.foreign_answers += 1   # not an answer to this part: as if none came
             r.missed += 1
+        elif (outcome.outcome == "accepted" and not outcome.refused_gpus and outcome.detail is None
+              and len(outcome.mac) == MAC_LEN):
+            r.accepted[slot] = outcome.mac    # (the common answer: in the rack's aggregate)
         else:
             r.outcomes.append(outcome)
         return self._close(round_id) if not r.waiting else None
@@ -332,9 +342,14 @@ class RelayCore:
 
     def _close(self, round_id: int) -> Acks:
         r = self._rounds.pop(round_id)
-        self.parts_delivered += len(r.outcomes)
+        self.parts_delivered += len(r.outcomes) + len(r.accepted)
         self.parts_missed += r.missed
-        return Acks(round_id, AckBundle(rack=r.rack, blob_id=r.blob_id, outcomes=r.outcomes))
+        bits = bytearray((r.size + 7) // 8 if r.accepted else 0)
+        slots = sorted(r.accepted)
+        for k in slots:
+            bits[k >> 3] |= 1 << (k & 7)
+        return Acks(round_id, AckBundle(rack=r.rack, blob_id=r.blob_id, outcomes=r.outcomes, accepted=bytes(bits),
+                                        macs=b"".join([r.accepted[k] for k in slots])))
 
     # ---- members' reports
 

@@ -18,6 +18,8 @@ direct path: each node its own framed connection, no relays):
 - ``--recover-s`` (5): a new leader (or a restarted placer) waits this long for the fleet's
   reports before placing; shorter than the fleet takes to report again, it places the
   recovered gang a second time (``placements_doubled``) and stops the old pods (``stops``);
+- ``leader_kept``: the first leader still leads, at the epoch it had before the fleet
+  registered (its lease held through the registration storm and the gang's placement);
 - invariants: ``jobs_lost`` (jobs submitted, not in the new leader's list),
   ``placements_doubled`` (placements the emulators took after ``t0`` beyond the probe's),
   ``gang_running`` (the gang's pods the emulators still run), ``stops`` (stop orders the
@@ -222,6 +224,7 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
             await p.ready()
         async with httpx.AsyncClient(headers=op) as c:
             first = await _leader(c, placers, 60) if ha else placers[0]
+            epoch0 = ((await _health(c, first.url)) or {}).get("ha", {}).get("epoch") if ha else None
             # the emulated fleet, told every placer (the harness's entry point, its --placer widened)
             proxy = PlacerProc(tmp / "unused", token_dir, PlacerOptions(heartbeat_s=HEARTBEAT_S))
             proxy.url = ",".join(p.url for p in placers)
@@ -239,6 +242,9 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
             assert g["state"] == "running", g
             await trio.sleep(2 * HEARTBEAT_S)   # the running events in
             before = await _emu_stats(c, emu, "gang")
+            if ha:   # the first leader led through the fleet's registration and the gang, on one lease
+                h = ((await _health(c, first.url)) or {}).get("ha", {})
+                out["leader_kept"] = bool(h.get("placing")) and h.get("epoch") == epoch0
             # the kill
             t0 = time.time()
             first.kill()
@@ -291,7 +297,7 @@ async def run_all(n: int, gang_hosts: int, baseline: bool, recover_s: float, wor
 def print_table(out: dict[str, Any]) -> None:
     print(f"placer failover, emulated fleet on {out['cores']} cores (lease TTL {out['lease_ttl_s']} s, "
           f"recover_s {out['recover_s']} s, heartbeat {out['heartbeat_s']} s)")
-    cols = ["mode", "nodes", "gang_hosts", "failover_s", "promoted_s", "full_report_s", "reregistrations",
+    cols = ["mode", "nodes", "gang_hosts", "leader_kept", "failover_s", "promoted_s", "full_report_s", "reregistrations",
             "jobs_lost", "placements_doubled", "gang_running", "stops", "refused_acks"]
     print("  ".join(f"{h:>18}" for h in cols))
     for r in out["rows"]:

@@ -166,9 +166,15 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
         for p in pushes:
             racks.setdefault(svc.state.nodes[p.node_id].rack_path, []).append(p)
         for rack, ps in racks.items():
-            outs = [with_outcome_mac(keys[p.node_id], NodeOutcome(node_id=p.node_id, placement_id=p.placement_id,
-                                                                  outcome="accepted")) for p in ps]
-            raw = encode_frame("acks", AckBundle(rack=rack, blob_id=job.blob_id or "", outcomes=outs), re=1)
+            # what the shipped relay answers (agent.relaycore): every member plainly accepted, as
+            # the rack's aggregate (a bitmap over the parts, the members' MACs in part order)
+            macs = [with_outcome_mac(keys[p.node_id], NodeOutcome(node_id=p.node_id, placement_id=p.placement_id,
+                                                                  outcome="accepted")).mac for p in ps]
+            bits = bytearray((len(ps) + 7) // 8)
+            for k in range(len(ps)):
+                bits[k >> 3] |= 1 << (k & 7)
+            raw = encode_frame("acks", AckBundle(rack=rack, blob_id=job.blob_id or "", accepted=bytes(bits),
+                                                 macs=b"".join(macs)), re=1)
             chans[rack].answer = msgspec.msgpack.decode(raw[4:], type=Frame)
         gc.collect()
         gc.freeze()

@@ -25,7 +25,10 @@ kept their relay's address do; ``--no-enroll``: each over its own connection, a 
   ``placements_doubled`` (placements taken after ``t0`` beyond the probe's pods),
   ``refused_acks`` (a GPU given twice is refused by the emulated node), ``gang_running``.
 
-``--baseline``: the same run again with the members' relay hold off (``--relay-hold 0``:
+``compact_registrations`` / ``inventory_misses``: re-registrations that named the GPU inventory
+the placer stored instead of sending it (placer.inventories) / that it did not hold;
+``--baseline-compact``: the same run again with every full report carrying its snapshot, for the
+ratio. ``--baseline``: the same run again with the members' relay hold off (``--relay-hold 0``:
 every member reports to the placer directly as soon as its relay loses the placer, as
 before the hold existed), in the same invocation, for the ratio. Every wait is bounded;
 traffic stays on 127.0.0.1; nothing is left running.
@@ -77,16 +80,26 @@ async def _sum_stats(c: httpx.AsyncClient, emus: list[EmulatorProc], job: str) -
     return out
 
 
-async def _handshakes(c: httpx.AsyncClient, url: str) -> int:
+_COUNTED = {"herd_placer_tls_handshakes_total": "tls_handshakes",
+            "herd_placer_compact_registrations_total": "compact_registrations",
+            "herd_placer_inventory_misses_total": "inventory_misses"}
+
+
+async def _counted(c: httpx.AsyncClient, url: str) -> dict[str, int]:
+    """The new process's TLS handshakes (both listeners) and compact registrations, from /metrics."""
     r = await c.get(url + "/metrics", timeout=30)
     r.raise_for_status()
-    return int(sum(s.value for fam in text_string_to_metric_families(r.text) for s in fam.samples
-                   if s.name == "herd_placer_tls_handshakes_total"))
+    out = dict.fromkeys(_COUNTED.values(), 0)
+    for fam in text_string_to_metric_families(r.text):
+        for s in fam.samples:
+            if s.name in _COUNTED:
+                out[_COUNTED[s.name]] += int(s.value)
+    return out
 
 
 async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls: bool, relay_hold: float,
                    per_proc: int, recover_s: float, tmp: Path, limit_s: float,
-                   heartbeat_s: float = HEARTBEAT_S, enroll: bool = True) -> dict[str, Any]:
+                   heartbeat_s: float = HEARTBEAT_S, enroll: bool = True, compact: bool = True) -> dict[str, Any]:
     token_dir = generate_token_dir(tmp / "tokens")
     op = {"authorization": f"Bearer {TokenSet.load(token_dir).operator}"}
     pki = throwaway(tmp / "pki").dir if tls else None
@@ -94,6 +107,7 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
     enroll = enroll and tls
     per_host = GPUS_PER_HOST[fleet]
     row: dict[str, Any] = {"nodes": n, "fleet": fleet, "tls": tls, "enroll": enroll, "relay_hold_s": relay_hold,
+                           "compact": compact,
                            "heartbeat_s": heartbeat_s,
                            "gang_hosts": gang_hosts, "recover_s": recover_s, "load_before": os.getloadavg()[0]}
     emus: list[EmulatorProc] = []
@@ -109,6 +123,7 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             e = EmulatorProc(proxy, token_dir, nodes=cnt, offset=k * per_proc, fleet=fleet, mux=8, tls_dir=pki,
                              log_path=tmp / f"emu-{k}.log", nice=EMULATOR_NICE,
                              extra=["--relays", "--relay-hold", str(relay_hold), *(["--enroll"] if enroll else []),
+                                    *([] if compact else ["--no-compact"]),
                                     *(["--tls-threads", str(max(8, 32 // procs))] if tls else [])])
             await e.__aenter__()
             emus.append(e)
@@ -136,14 +151,15 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             placer.start()
             await placer.ready()
             t_listen = time.time()
-            cpu1 = proc_cpu_s(placer.pid())
+            cpu1, ecpu1 = proc_cpu_s(placer.pid()), sum(e.cpu_s() for e in emus)
             row["restart_to_listening_s"] = round(t_listen - t0, 2)
             await _wait_up(c, placer.url, n, limit_s)
             t_full = time.time()
             row["model_full_s"] = round(t_full - t_listen, 2)
             row["recovery_placer_cpu_s"] = round(proc_cpu_s(placer.pid()) - cpu1, 2)
-            hs = await _handshakes(c, placer.url)
-            row["tls_handshakes"] = hs
+            row["recovery_emulator_cpu_s"] = round(sum(e.cpu_s() for e in emus) - ecpu1, 2)
+            row.update(await _counted(c, placer.url))
+            hs = row["tls_handshakes"]
             row["handshake_bound"] = before["relays"] + math.ceil(0.01 * n)
             _note("model full", s=row["model_full_s"], handshakes=hs)
 
@@ -184,21 +200,27 @@ async def run_all(ns: argparse.Namespace) -> dict[str, Any]:
     gang = ns.gang_hosts or max(1, round(ns.nodes * (200_000 // GPUS_PER_HOST[ns.fleet]) / 131_072))
     with tempfile.TemporaryDirectory(prefix="herd-restart-") as d:
         root = Path(ns.workdir or d)
-        holds = [30.0, 0.0] if ns.baseline else [30.0]
-        for hold in holds:
+        runs = [(30.0, True)] + ([(0.0, True)] if ns.baseline else []) + ([(30.0, False)] if ns.baseline_compact else [])
+        for hold, compact in runs:
             rows.append(await run_once(ns.nodes, fleet=ns.fleet, gang_hosts=gang, probe_gpus=ns.probe_gpus,
                                        tls=not ns.plain, relay_hold=hold, per_proc=ns.per_proc,
-                                       recover_s=ns.recover_s, tmp=root / f"hold{hold:g}", limit_s=ns.limit_s,
-                                       enroll=not ns.no_enroll, heartbeat_s=ns.heartbeat))
+                                       recover_s=ns.recover_s, tmp=root / f"hold{hold:g}-{int(compact)}",
+                                       limit_s=ns.limit_s, enroll=not ns.no_enroll, heartbeat_s=ns.heartbeat,
+                                       compact=compact))
     out: dict[str, Any] = {"bench": "restart", "cores": os.cpu_count(), "heartbeat_s": ns.heartbeat, "rows": rows}
-    if len(rows) == 2 and rows[0].get("model_full_s") and rows[1].get("model_full_s"):
-        out["model_full_ratio_hold_over_direct"] = round(rows[0]["model_full_s"] / rows[1]["model_full_s"], 2)
+    first = rows[0].get("model_full_s")
+    for other in rows[1:]:
+        if first and other.get("model_full_s"):
+            key = "hold_over_direct" if other["relay_hold_s"] == 0 else "compact_over_snapshots"
+            out[f"model_full_ratio_{key}"] = round(first / other["model_full_s"], 2)
+            out[f"recovery_placer_cpu_ratio_{key}"] = round(rows[0]["recovery_placer_cpu_s"]
+                                                           / max(other["recovery_placer_cpu_s"], 1e-3), 2)
     return out
 
 
 def print_table(out: dict[str, Any]) -> None:
-    cols = ["nodes", "fleet", "tls", "enroll", "relay_hold_s", "register_s", "register_placer_cpu_s", "model_full_s",
-            "recovery_placer_cpu_s",
+    cols = ["nodes", "fleet", "tls", "enroll", "relay_hold_s", "compact", "register_s", "register_placer_cpu_s",
+            "model_full_s", "recovery_placer_cpu_s", "recovery_emulator_cpu_s", "compact_registrations",
             "tls_handshakes", "handshake_bound", "relayed_registrations", "probe_acked_s", "probe_from_listening_s",
             "probe_target_s", "stops", "placements_doubled", "refused_acks", "gang_running"]
     print(" ".join(f"{c:>12}" for c in cols))
@@ -223,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="TLS: members register over their own connection (a handshake each) instead of enrolling "
                          "through their relay")
     ap.add_argument("--baseline", action="store_true", help="also the run with the members' relay hold off")
+    ap.add_argument("--baseline-compact", action="store_true",
+                    help="also the run with compact registration off (every full report carries its GPU snapshot)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 
-from scheduler_link.messages import Placement, ReportReply, Victim
+from scheduler_link.messages import Placement, RackBeatReply, ReportReply, RevokedList, Victim
 
 from .delivery import RoundOutcomes
 from .records import ACCEPTED as ACCEPTED  # re-exported (defined with the records)
@@ -27,6 +27,9 @@ from .records import Outcome as Outcome  # re-exported
 from .statebase import StateBase
 
 log = logging.getLogger("herd.placer.state")
+
+# a mass silence needs at least this many nodes (a rack or a few dying together is a failure)
+MASS_SILENCE_MIN = 64
 
 
 ROLLBACK_BACKOFF_S = (0.0, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0)
@@ -225,15 +228,20 @@ class Attempts(StateBase):
 
     # ------------------------------------------------------------ revocation
 
-    def set_revoked(self, denied: tuple[frozenset[str], frozenset[str]], newly: list[str], now: float) -> None:
-        """The deny-list (node ids, serials) goes out in every heartbeat answer; the nodes
-        ``newly`` denied are fenced like lost ones, at once: lost now, fenced at the next tick."""
+    def set_revoked(self, denied: tuple[frozenset[str], frozenset[str]], newly: list[str], now: float,
+                    signed: RevokedList | None = None) -> None:
+        """The deny-list (node ids, serials) goes out in every heartbeat answer, and ``signed``
+        (the same list, signed by the placer) in every answer and rack beat answer too, for the
+        members behind relays; the nodes ``newly`` denied are fenced like lost ones, at once:
+        lost now, fenced at the next tick."""
         nodes, serials = sorted(denied[0]), sorted(denied[1])
         # None until a list was ever held (an empty list after that: a lifted node is heard of)
         known = bool(nodes or serials) or self._ok_reply.revoked_nodes is not None
         self._ok_reply = ReportReply(ok=True, heartbeat_interval_s=self.cfg.heartbeat_s,
                                      revoked_nodes=nodes if known else None,
-                                     revoked_serials=serials if known else None)
+                                     revoked_serials=serials if known else None,
+                                     revoked_signed=signed if known else None)
+        self._ok_beat = RackBeatReply(revoked_signed=signed if known else None)
         for nid in newly:
             node = self.nodes.get(nid)
             if node is None:
@@ -243,6 +251,9 @@ class Attempts(StateBase):
             self.fence_timer.set(nid, now)
 
     def _lose(self, node: NodeRec, now: float) -> None:
+        if node.silent:
+            node.silent = False
+            self.silent_nodes -= 1
         self._set_node_state(node, "lost")
         node.lost_since = now
         self.dirty = True
@@ -251,6 +262,50 @@ class Attempts(StateBase):
         self.fence_timer.set(node.node_id, now + self.cfg.fence_after_s)
 
     # ------------------------------------------------------------ time
+
+    def _judge_silent(self, due: list[NodeRec], now: float) -> None:
+        """Nodes past their lost deadline: lost -- unless, with the nodes declared lost within
+        the last lost window, they are more than ``lost_mass_fraction`` of the fleet (and at
+        least MASS_SILENCE_MIN). So many hosts do not die at once; an overloaded placer (its
+        reads behind) or a partition silences them (Kubernetes' node lifecycle controller
+        stops evicting in a full zone disruption for the same reason). Then none is declared
+        lost or fenced: each is held *silent* (no new work: unhealthy in the model), judged
+        again a lost window later, and back at its next word; once the silence narrows below
+        the fraction, the ones still silent are declared lost as usual."""
+        window = self.cfg.lost_after_s
+        recent = self._recent_lost
+        while recent and recent[0][0] <= now - window:
+            recent.popleft()
+        lately = sum(n for _, n in recent)
+        fleet = self.node_states["up"] + lately
+        frac = self.cfg.lost_mass_fraction
+        if frac > 0 and len(due) + lately >= MASS_SILENCE_MIN and len(due) + lately > frac * fleet:
+            if self.mass_silence_since is None:
+                self.mass_silence_since = now
+                self.counters["mass_silences"] += 1
+                log.warning("mass silence: %d nodes silent at once (%.0f%% of %d, lost lately %d): taken as the "
+                            "placer's or the network's silence; none declared lost until it narrows below %.0f%%",
+                            len(due), 100 * (len(due) + lately) / max(fleet, 1), fleet, lately, 100 * frac)
+            for node in due:
+                self.lost_timer.set(node.node_id, now + window)
+                if not node.silent:
+                    node.silent = True
+                    self.silent_nodes += 1
+                    self.dirty = True
+                    self.model.set_node_state(node.node_id, healthy=False, draining=node.cordoned)
+            return
+        if self.mass_silence_since is not None:
+            log.warning("mass silence over after %.1fs: %d nodes still silent are declared lost", now -
+                        self.mass_silence_since, len(due))
+            self.mass_silence_since = None
+        for node in due:
+            self._lose(node, now)
+        recent.append((now, len(due)))
+        if len(due) <= 16:
+            for node in due:
+                log.warning("node lost node=%s silent=%.1fs", node.node_id, now - node.last_seen)
+        else:   # (one line for a burst, never one per node)
+            log.warning("nodes lost count=%d first=%s silent>=%.1fs", len(due), due[0].node_id, window)
 
     def tick(self, now: float) -> list[Push]:
         """Lost nodes (missed heartbeats), then fencing: after ``fence_after_s`` more, the
@@ -262,6 +317,7 @@ class Attempts(StateBase):
             if job is not None and job.state == "pending":
                 job.timings.pop("retry_at", None)
                 self._enqueue(job, now)
+        due: list[NodeRec] = []
         for nid in self.lost_timer.pop_due(now):
             node = self.nodes.get(nid)
             if node is None or node.state != "up":
@@ -269,8 +325,12 @@ class Attempts(StateBase):
             if now - node.last_seen < self.cfg.lost_after_s:  # (a clock step): file it again
                 self.lost_timer.set(nid, node.last_seen + self.cfg.lost_after_s)
                 continue
-            self._lose(node, now)
-            log.warning("node lost node=%s silent=%.1fs", nid, now - node.last_seen)
+            due.append(node)
+        if due:
+            self._judge_silent(due, now)
+        elif self.mass_silence_since is not None and not self.silent_nodes:
+            log.warning("mass silence over after %.1fs: every node held silent spoke again", now - self.mass_silence_since)
+            self.mass_silence_since = None
         for nid in self.fence_timer.pop_due(now):
             node = self.nodes.get(nid)
             if node is None or node.state != "lost":

@@ -22,6 +22,10 @@ class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     heartbeat_s: float = 5.0          # told to agents in every report reply
     lost_after_missed: int = 3        # a node is lost after this many missed heartbeats
     fence_after_s: float = 60.0       # then its gangs are rescheduled after this much more
+    # more than this fraction of the up nodes silent within one lost window (and at least
+    # MASS_SILENCE_MIN of them) is the placer's or the network's silence, not the nodes': none is
+    # declared lost (they only take no new work) until it narrows (placer.attempts); 0: off
+    lost_mass_fraction: float = 0.1
     recover_s: float | None = None    # after a restart, wait this long for reports before placing
                                       # recovered jobs again (default: lost threshold)
     # ... and, while a recovered job lacks pods and a node the placer knew before (placer.fleetsnap)
@@ -83,6 +87,8 @@ def load_config(path: str | Path | None, **overrides: Any) -> PlacerConfig:
         cfg = msgspec.convert(data, PlacerConfig)
     except msgspec.ValidationError as e:
         raise PlacerConfigError(f"bad placer config: {e}") from None
+    if not 0 <= cfg.lost_mass_fraction <= 1:
+        raise PlacerConfigError("lost_mass_fraction must be within [0, 1] (0: off)")
     if cfg.heartbeat_s <= 0 or cfg.lost_after_missed < 1 or cfg.fence_after_s < 0 or cfg.ack_timeout_s <= 0:
         raise PlacerConfigError("heartbeat_s and ack_timeout_s must be > 0, lost_after_missed >= 1, fence_after_s >= 0")
     _check_etcd(cfg)

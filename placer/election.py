@@ -14,6 +14,11 @@ Invariants:
   renewal etcd acknowledged: etcd started that TTL on receipt, later, so the candidate's belief
   ends before etcd's lease does (clocks advance at the same rate; no clock is compared across
   machines). Past that it places nothing until a renewal lands.
+- The lease is renewed on an OS thread of its own (placer.renewal), not on the event loop: a
+  loop busy past the TTL keeps its lease. :meth:`Election.leading` reads the renewal thread's
+  known expiry against the monotonic clock at the moment it is asked, so a loop that was
+  stalled past the expiry (the thread could not renew either) learns it on waking, before it
+  acts; what it published before (:attr:`Election.view`) is only for status.
 - Every etcd write of a leader compares its key's create revision with its epoch
   (``placer.etcdjournal``): a deposed leader, whatever it believes, writes nothing.
 
@@ -24,8 +29,8 @@ from __future__ import annotations
 
 import enum
 import logging
-import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
@@ -33,6 +38,7 @@ import trio
 
 from .errors import EtcdError, LeaseNotFound
 from .etcd import Compare, EtcdClient, KeyValue, Op, prefix_end
+from .renewal import LeaseExpiry, Renewer
 
 log = logging.getLogger("herd.placer.election")
 
@@ -71,7 +77,9 @@ class Turn(msgspec.Struct, frozen=True):
 
 
 class ElectionCore:
-    """One candidate's election state, without I/O. ``now`` is the driver's clock (seconds)."""
+    """One candidate's election state, without I/O. ``now`` is the driver's clock (monotonic
+    seconds). The lease's expiry is a :class:`~placer.renewal.LeaseExpiry`, which the renewal
+    thread updates; everything else is the event loop's alone."""
 
     def __init__(self, ttl_s: int) -> None:
         self.ttl_s = ttl_s
@@ -79,30 +87,33 @@ class ElectionCore:
         self.lease_id = 0
         self.key = b""
         self.revision = 0            # our key's create revision: the epoch if we lead
-        self.valid_until = -math.inf
+        self.lease = LeaseExpiry()
         self.leader_value = b""
         self.leader_epoch = 0
 
     # lease
     def granted(self, lease_id: int, ttl: int, sent_at: float) -> None:
         self.lease_id, self.ttl_s = lease_id, ttl
-        self.valid_until = sent_at + ttl
+        self.lease = LeaseExpiry(sent_at + ttl)
 
     def renewed(self, ttl: int, sent_at: float) -> bool:
         """A keepalive sent at ``sent_at`` came back with ``ttl`` (0: the lease is gone).
         False when the lease is lost."""
-        if ttl <= 0:
+        if not self.lease.renewed(ttl, sent_at):
             self.lost()
             return False
-        self.valid_until = max(self.valid_until, sent_at + ttl)
         return True
+
+    @property
+    def valid_until(self) -> float:
+        return self.lease.until
 
     def keepalive_every(self) -> float:
         return self.ttl_s / KEEPALIVES_PER_TTL
 
     def expired(self, now: float) -> bool:
         """No renewal landed for a whole TTL: etcd may have let the lease go."""
-        return now >= self.valid_until
+        return not self.lease.holds(now)
 
     # campaign
     def joined(self, key: bytes, revision: int) -> None:
@@ -136,7 +147,7 @@ class ElectionCore:
     def lost(self) -> None:
         self.role = Role.IDLE
         self.key, self.revision, self.lease_id = b"", 0, 0
-        self.valid_until = -math.inf
+        self.lease = LeaseExpiry()
         self.leader_value, self.leader_epoch = b"", 0
 
     def leading(self, now: float) -> bool:
@@ -153,11 +164,16 @@ class Election:
     """Campaign for leadership under ``prefix`` with ``value`` (what followers learn of the
     leader: its URL). ``await nursery.start(election.run)`` campaigns until cancelled or
     :meth:`resign`; :attr:`view` is the current :class:`Leadership`, :meth:`wait_change` waits
-    for the next one, :meth:`leading` says whether to act now. Times are trio's clock."""
+    for the next one, :meth:`leading` says whether to act now. Times are ``clock``'s (monotonic
+    seconds, read by the renewal thread too). :attr:`renewer` is the current lease's renewal
+    thread (None between leases)."""
 
     def __init__(self, client: EtcdClient, prefix: bytes, value: str, *, ttl_s: int = DEFAULT_TTL_S,
-                 retry_s: float | None = None) -> None:
+                 retry_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.client = client
+        self.clock = clock
+        self.renewer: Renewer | None = None
+        self._lease_news = trio.Event()   # set (from the renewal thread, via the loop) on each answer
         self.prefix = prefix
         self.value = value.encode()
         self.core = ElectionCore(ttl_s)
@@ -181,8 +197,9 @@ class Election:
         return self.view.epoch
 
     def leading(self) -> bool:
-        """Whether to act as the leader now (the lease is known to hold)."""
-        return self.core.leading(trio.current_time())
+        """Whether to act as the leader now: the lease is known to hold at this very moment
+        (the renewal thread's expiry against the clock now, however long the loop was away)."""
+        return self.core.leading(self.clock())
 
     @property
     def leader_key(self) -> bytes:
@@ -207,10 +224,11 @@ class Election:
         v = self.view
         return {"role": v.role.value, "epoch": v.epoch, "leader": v.leader, "leader_epoch": v.leader_epoch,
                 "promotions": self.promotions, "losses": self.losses, "errors": self.errors,
-                "failovers": self.failovers, "fencings": self.fencings}
+                "failovers": self.failovers, "fencings": self.fencings,
+                "renewal_errors": self.renewer.errors if self.renewer is not None else 0}
 
     def _publish(self) -> None:
-        v = self.core.view(trio.current_time())
+        v = self.core.view(self.clock())
         if v != self.view:
             if v.leading and not self.view.leading:
                 self.promotions += 1
@@ -268,7 +286,7 @@ class Election:
         try:
             with trio.CancelScope() as scope:
                 self._round = scope
-                sent = trio.current_time()
+                sent = self.clock()
                 try:
                     lease = await self.client.grant(self.core.ttl_s)
                 except EtcdError as e:
@@ -276,21 +294,44 @@ class Election:
                     self._why = str(e)
                     return
                 self.core.granted(lease.id, lease.ttl, sent)
+                self.renewer = self._renewer(lease.id, self.core.lease)
+                self.renewer.start()
                 async with trio.open_nursery() as n:
-                    n.start_soon(self._keepalive)
+                    n.start_soon(self._watch_lease)
                     n.start_soon(self._contend, ready)
         finally:
             self._round = None
+            renewer, self.renewer = self.renewer, None
+            if renewer is not None:
+                renewer.stop()
             lease_id = self.core.lease_id
             self.core.lost()
             self._publish()
-            if lease_id:
-                with trio.move_on_after(self.client.attempt_timeout_s) as cs:
-                    cs.shield = True
+            with trio.move_on_after(self.client.attempt_timeout_s) as cs:
+                cs.shield = True
+                if lease_id:
                     try:
                         await self.client.revoke(lease_id)   # our key goes now, not after a TTL
                     except EtcdError:
                         pass
+                if renewer is not None:   # its last request ends within one attempt
+                    await trio.to_thread.run_sync(renewer.join, abandon_on_cancel=True)
+
+    def _renewer(self, lease_id: int, expiry: LeaseExpiry) -> Renewer:
+        token = trio.lowlevel.current_trio_token()
+
+        def wake() -> None:   # on the renewal thread: never blocks, whatever the loop is doing
+            try:
+                token.run_sync_soon(self._lease_answered)
+            except trio.RunFinishedError:
+                pass
+
+        return Renewer(self.client.endpoints, lease_id, expiry, self.core.keepalive_every(),
+                       ssl_context=self.client.ssl_context, attempt_timeout_s=self.client.attempt_timeout_s,
+                       wake=wake, clock=self.clock)
+
+    def _lease_answered(self) -> None:
+        self._lease_news.set()
 
     async def _contend(self, ready: trio.Event) -> None:
         try:
@@ -302,7 +343,7 @@ class Election:
             await self._rank()   # who leads, known before started()
             ready.set()
             await self._wait_turn()
-            if not self.core.lead(trio.current_time()):
+            if not self.core.lead(self.clock()):
                 self._end_round("the lease ran out before our turn came")
                 return
             self._publish()
@@ -348,39 +389,35 @@ class Election:
                 log.warning("election: waiting for our turn: %s", e)
                 await trio.sleep(self.retry_s)
 
-    async def _keepalive(self) -> None:
-        """Renew every TTL/3 (sooner after a failure). A lease etcd says is gone ends the round.
-        None renewed for a whole TTL: a candidate that was waiting its turn ends the round (it
-        campaigns again); a leader is fenced (it acts on nothing) and keeps asking: etcd keeps a
-        lease while it has no quorum (its leader renews every lease on election), so when the
-        cluster answers again the lease either holds (the same epoch leads again: no other
-        could have been elected meanwhile) or is gone (the round ends)."""
+    async def _watch_lease(self) -> None:
+        """What the renewal thread learns, told to the loop (it renews; this only publishes).
+        etcd says the lease is gone: the round ends. None renewed for a whole TTL: a candidate
+        that was waiting its turn ends the round (it campaigns again); a leader is fenced (it
+        acts on nothing) while the thread keeps asking: etcd keeps a lease while it has no
+        quorum (its leader renews every lease on election), so when the cluster answers again
+        the lease either holds (the same epoch leads again: no other could have been elected
+        meanwhile) or is gone (the round ends)."""
         every = self.core.keepalive_every()
-        next_at = trio.current_time() + every
+        fenced = False
         while True:
-            expired = self.core.expired(trio.current_time())
-            await trio.sleep_until(next_at if expired else min(next_at, self.core.valid_until))
-            now = trio.current_time()
+            self._lease_news = trio.Event()
+            lease = self.core.lease
+            if lease.is_gone:
+                self._end_round("the lease expired or was revoked")
+                return
+            now = self.clock()
             if self.core.expired(now):
                 if self.core.role is not Role.LEADER:
                     self._end_round(f"lease not renewed for {self.core.ttl_s}s; campaigning again")
                     return
-                if not expired:
-                    log.warning("lease not renewed for %ds: fenced, placing nothing until etcd answers", self.core.ttl_s)
-                    self._publish()
-            try:
-                limit = self.client.attempt_timeout_s if self.core.expired(now) else self.core.valid_until - now
-                with trio.move_on_after(max(0.05, limit)):
-                    ttl = await self.client.keepalive(self.core.lease_id)
-                    if not self.core.renewed(ttl, now):
-                        self._end_round("the lease expired or was revoked")
-                        return
-                next_at = now + every
-            except LeaseNotFound:
-                self._end_round("the lease expired or was revoked")
-                return
-            except EtcdError as e:
-                self.errors += 1
-                log.warning("lease renewal failed: %s", e)
-                next_at = now + every / 2
+                if not fenced:
+                    log.warning("lease not renewed for %ds: fenced, placing nothing until etcd answers",
+                                self.core.ttl_s)
+                fenced = True
+                wait = every
+            else:
+                fenced = False
+                wait = min(every, lease.until - now)
             self._publish()
+            with trio.move_on_after(max(0.01, wait)):
+                await self._lease_news.wait()

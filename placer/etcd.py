@@ -9,7 +9,9 @@ serves it as ``/v3/...`` on the client port, beside gRPC): JSON bodies with base
 values and int64s written as strings (decoded here with msgspec's lax mode), errors as
 ``{"error", "message", "code"}`` with gRPC codes. Watches are newline-delimited JSON
 streams; a lease keepalive is one request per renewal (the gateway answers one
-``{"result": ...}`` and closes).
+``{"result": ...}`` and closes). The leader renews its lease on a thread of its own
+(placer.renewal) with :class:`BlockingLeaseClient`, the same call over a blocking httpx
+client, so that a busy event loop cannot starve the renewal.
 
 Failover: the client keeps the endpoint that answered last and, on a transport failure,
 a timeout or an "unavailable" answer (no leader, member stopping), tries the next, once
@@ -42,7 +44,7 @@ log = logging.getLogger("herd.placer.etcd")
 
 _T = TypeVar("_T")
 
-__all__ = ["EtcdClient", "tls_context", "KeyValue", "Compare", "Op", "RangeResult", "TxnResult", "WatchEvent",
+__all__ = ["EtcdClient", "BlockingLeaseClient", "tls_context", "KeyValue", "Compare", "Op", "RangeResult", "TxnResult", "WatchEvent",
            "WatchBatch", "Lease", "prefix_end", "REQUEST_LIMIT", "TXN_OPS_LIMIT"]
 
 # etcd's defaults (--max-request-bytes, --max-txn-ops): a request over either is refused
@@ -280,6 +282,7 @@ class EtcdClient:
             raise EtcdError("no etcd endpoints configured")
         self.endpoints = [e.rstrip("/") for e in endpoints]
         self.attempt_timeout_s = attempt_timeout_s
+        self.ssl_context = ssl_context
         self._current = 0
         # no httpx timeouts: every attempt runs under a trio cancel scope (attempt_timeout_s)
         self._http = httpx.AsyncClient(verify=ssl_context if ssl_context is not None else True,
@@ -346,22 +349,11 @@ class EtcdClient:
 
     def _answer_error(self, url: str, r: httpx.Response) -> _Miss:
         """An error answer: a miss when another member may do better, else raised as ours."""
-        try:
-            err = _err_dec.decode(r.content)
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            if r.status_code in (502, 503, 504):
-                return _Miss(f"HTTP {r.status_code}")
-            self.errors += 1
-            raise EtcdError(f"etcd {url}: HTTP {r.status_code}: {r.text[:200]!r}") from None
-        msg = err.message or err.error or f"HTTP {r.status_code}"
-        if err.code in _FAILOVER_CODES or r.status_code == 503:
-            return _Miss(msg)
+        out = _classify(url, r)
+        if isinstance(out, _Miss):
+            return out
         self.errors += 1
-        if err.code == _NOT_FOUND:   # the one NotFound the KV and lease calls answer: a lease's
-            raise LeaseNotFound(f"etcd {url}: {msg}")
-        if err.code in (_INVALID_ARGUMENT, _EXHAUSTED, _OUT_OF_RANGE, _FAILED_PRECONDITION):
-            raise EtcdRefused(f"etcd {url} refused the request: {msg}")
-        raise EtcdError(f"etcd {url}: {msg} (code {err.code})")
+        raise out
 
     # -------------------------------------------------------------- KV
 
@@ -477,6 +469,77 @@ class EtcdClient:
         except httpx.HTTPError as e:
             raise EtcdUnavailable(f"etcd {url}: watch broke: {_describe(e)}") from None
         raise EtcdUnavailable(f"etcd {url}: the watch stream ended")
+
+
+def _classify(url: str, r: httpx.Response) -> _Miss | EtcdError:
+    """An error answer of one member: a miss when another member may do better (no leader,
+    stopping, a proxy's 5xx), else the error it is."""
+    try:
+        err = _err_dec.decode(r.content)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        if r.status_code in (502, 503, 504):
+            return _Miss(f"HTTP {r.status_code}")
+        return EtcdError(f"etcd {url}: HTTP {r.status_code}: {r.text[:200]!r}")
+    msg = err.message or err.error or f"HTTP {r.status_code}"
+    if err.code in _FAILOVER_CODES or r.status_code == 503:
+        return _Miss(msg)
+    if err.code == _NOT_FOUND:   # the one NotFound the KV and lease calls answer: a lease's
+        return LeaseNotFound(f"etcd {url}: {msg}")
+    if err.code in (_INVALID_ARGUMENT, _EXHAUSTED, _OUT_OF_RANGE, _FAILED_PRECONDITION):
+        return EtcdRefused(f"etcd {url} refused the request: {msg}")
+    return EtcdError(f"etcd {url}: {msg} (code {err.code})")
+
+
+class BlockingLeaseClient:
+    """Lease renewal without an event loop, for a thread of its own (placer.renewal): a
+    blocking httpx client over the same endpoints, failed over in the same order, with the
+    same answers mapped to the same errors as :class:`EtcdClient`. One request to one member
+    is bounded by ``attempt_timeout_s``."""
+
+    def __init__(self, endpoints: Sequence[str], *, ssl_context: ssl.SSLContext | None = None,
+                 attempt_timeout_s: float = 2.0, transport: httpx.BaseTransport | None = None) -> None:
+        if not endpoints:
+            raise EtcdError("no etcd endpoints configured")
+        self.endpoints = [e.rstrip("/") for e in endpoints]
+        self._current = 0
+        self._http = httpx.Client(verify=ssl_context if ssl_context is not None else True,
+                                  timeout=httpx.Timeout(attempt_timeout_s), transport=transport,
+                                  limits=httpx.Limits(max_connections=2, max_keepalive_connections=2))
+        self.requests = 0
+
+    def close(self) -> None:
+        self._http.close()
+
+    def keepalive(self, lease_id: int) -> int:
+        """Renew a lease once; the TTL it has now, 0 when it has expired or was revoked.
+        :class:`EtcdUnavailable` when no member answered."""
+        body = msgspec.json.encode({"ID": lease_id})
+        causes: list[str] = []
+        n = len(self.endpoints)
+        for i in range(n):
+            idx = (self._current + i) % n
+            url = self.endpoints[idx]
+            self.requests += 1
+            try:
+                r = self._http.post(url + "/v3/lease/keepalive", content=body,
+                                    headers={"content-type": "application/json"})
+            except httpx.HTTPError as e:
+                causes.append(f"{url}: {_describe(e)}")
+                continue
+            if r.status_code >= 400:
+                out = _classify(url, r)
+                if isinstance(out, _Miss):
+                    causes.append(f"{url}: {out.cause}")
+                    continue
+                raise out
+            try:
+                ttl = _keepalive_dec.decode(r.content).result.TTL
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                causes.append(f"{url}: not an etcd answer ({e})")
+                continue
+            self._current = idx
+            return ttl
+        raise EtcdUnavailable("etcd unavailable (" + "; ".join(causes) + ")")
 
 
 def tls_context(ca: str | None, cert: str | None = None, key: str | None = None) -> ssl.SSLContext | None:

@@ -17,6 +17,13 @@ fenced`` with ``why``) and ``/metrics`` (``herd_placer_leader`` 0, ``herd_placer
 It stops nothing: the agents keep their workloads running. When etcd answers again its lease
 either still holds (etcd keeps leases while it has no quorum) and it places again, the same
 epoch, within a keepalive interval, or is gone and it rejoins as a follower.
+
+One identity for all: the MAC master secret (nodes' MAC keys derive from it) and the bundle
+signing key live in etcd under ``<prefix>keys``, so that what one leader handed the nodes
+verifies at the next. The first placer to start stores its own (from its state dir) with a
+create-if-absent transaction; every other, and every later start, loads those. A placer
+campaigns only once it holds them. etcd then holds secrets: reach it over TLS with client
+certificates (docs/operations.md).
 """
 
 from __future__ import annotations
@@ -30,11 +37,12 @@ import msgspec
 import trio
 
 from infra.http import Handler, Request, Response
+from scheduler_link import msgauth
 
 from .config import PlacerConfig
 from .election import Election, Role
-from .errors import LeadershipLost
-from .etcd import EtcdClient, tls_context
+from .errors import EtcdError, LeadershipLost
+from .etcd import Compare, EtcdClient, Op, tls_context
 from .etcdjournal import EtcdJournal, Fence
 from .state import PlacerState
 
@@ -125,12 +133,16 @@ class HighAvailability:
 
     async def run(self, url: str, on_promoted: Callable[[EtcdJournal], None],
                   on_resumed: Callable[[], None] = lambda: None, wire_url: str | None = None, *,
+                  keys: tuple[bytes, msgauth.BundleSigner] | None = None,
+                  on_keys: Callable[[bytes, msgauth.BundleSigner], None] = lambda m, s: None,
                   task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         """Campaign; on promotion load the journal, hand it to ``on_promoted`` and keep it
         written; raise :class:`LeadershipLost` when the lease goes. ``started()`` at once: the
         placer serves (as a candidate) while etcd is out of reach. A leader fenced (no renewal
         for a TTL) and then renewed calls ``on_resumed`` before it places again (the nodes'
-        silence meanwhile was the placer's deafness: see :func:`forgive_silence`)."""
+        silence meanwhile was the placer's deafness: see :func:`forgive_silence`). ``keys``: this
+        placer's own MAC master and signing key; before campaigning, the cluster's (these, if
+        none were stored yet) are handed to ``on_keys`` (:meth:`shared_keys`)."""
         self.url = self.cfg.etcd_advertise or url
         # what followers learn of the leader: its URL, and its framed channel (agents that move to
         # it register over that at once, as they do with a placer restarted on its address)
@@ -139,9 +151,11 @@ class HighAvailability:
                                  ttl_s=self.cfg.etcd_lease_ttl_s)
         try:
             async with trio.open_nursery() as n:
+                task_status.started()
+                if keys is not None:
+                    on_keys(*await self.shared_keys(keys))
                 n.start_soon(self.election.run)
                 log.info("campaigning url=%s etcd=%s", self.url, ",".join(self.cfg.etcd))
-                task_status.started()
                 view = await self.election.wait_leading()
                 journal = await EtcdJournal.load(self.client, self.prefix, Fence(self.election.leader_key, view.epoch))
                 await n.start(journal.run)
@@ -159,6 +173,28 @@ class HighAvailability:
                                      "serving again as a follower with a fresh state")
         finally:
             await self.client.aclose()
+
+    async def shared_keys(self, own: tuple[bytes, msgauth.BundleSigner]) -> tuple[bytes, msgauth.BundleSigner]:
+        """The cluster's MAC master and signing key from etcd; ``own`` stored there first when
+        none are (one transaction: create if absent, else read), so that every placer holds the
+        same. Asked again every retry interval until etcd answers."""
+        key = self.prefix + b"keys"
+        value = msgauth.encode_placer_keys(*own)
+        retry_s = max(0.2, self.cfg.etcd_lease_ttl_s / 3)
+        while True:
+            try:
+                r = await self.client.txn([Compare.created(key, 0)], [Op.put(key, value)], [Op.get(key)])
+            except EtcdError as e:
+                log.warning("cannot read the placers' keys from etcd (retrying in %.1fs): %s", retry_s, e)
+                await trio.sleep(retry_s)
+                continue
+            if r.succeeded or (r.ranges and r.ranges[0] and r.ranges[0][0].value == value):
+                log.info("the placers' MAC master and signing key are this placer's (stored in etcd)")
+                return own
+            stored = r.ranges[0][0].value if r.ranges and r.ranges[0] else b""
+            master, signer = msgauth.decode_placer_keys(stored, f"etcd key {key.decode()}")
+            log.info("the placers' MAC master and signing key loaded from etcd")
+            return master, signer
 
     def guard(self, handlers: Mapping[tuple[str, str], Handler]) -> dict[tuple[str, str], Handler]:
         """The handlers, each but :data:`LOCAL_ROUTES`'s answering only while we lead."""

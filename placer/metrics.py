@@ -67,8 +67,11 @@ COUNTER_HELP: dict[str, str] = {
     "rollbacks": "Gang attempts rolled back after a refusal",
     "requeues": "Jobs put back in the queue",
     "nodes_lost": "Nodes declared lost (missed heartbeats)",
+    "mass_silences": "Times more than lost_mass_fraction of the fleet fell silent at once (held, not declared lost)",
     "fenced_stops": "Stops sent to a lost node's fenced pods when it came back",
     "refused_reports": "Reports refused as invalid",
+    "compact_registrations": "Registrations that named a stored GPU inventory instead of sending it",
+    "inventory_misses": "Compact registrations answered 409: no such inventory stored (the node sends it)",
     "rebuilds": "Cluster model rebuilds",
     "passes": "Scheduling passes",
     "passes_deferred": "Scheduling passes deferred",
@@ -98,6 +101,8 @@ class PlacerMetrics:
         yield family("gauge", "herd_placer_nodes", "Nodes known to the placer, by state",
                      [({"state": s}, st.node_states[s]) for s in NODE_STATES])
         yield gauge("herd_placer_nodes_cordoned", "Nodes cordoned (no new placements)", {}, len(st.cordons))
+        yield gauge("herd_placer_nodes_silent", "Up nodes held silent in a mass silence (no new work, not lost)", {},
+                    st.silent_nodes)
         yield family("gauge", "herd_placer_jobs", "Jobs, by state",
                      [({"state": s}, c) for s, c in sorted(st.job_counts().items())])
         ms = st.model.statistics()

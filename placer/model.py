@@ -376,6 +376,17 @@ class ClusterModel:
         self._ensure()
         return self._idx(node_id)
 
+    def rack_runs(self, idx: np.ndarray) -> tuple[list[str], list[int], list[int]]:
+        """Nodes ``idx`` (indices of this model, ascending: topology order) by rack: (each
+        rack's path "zone/block/rack", in order; the position in ``idx`` where each begins;
+        each node's rack, as an index into the first list). Array passes, no loop a node."""
+        self._ensure()
+        d = self.dom_of_node[LEVELS.index("rack")][idx]
+        new = np.diff(d, prepend=-1) != 0
+        starts = np.flatnonzero(new)
+        names = self.dom_names[LEVELS.index("rack")]
+        return [names[r] for r in d[starts].tolist()], starts.tolist(), (np.cumsum(new) - 1).tolist()
+
     @property
     def node_ids(self) -> list[str]:
         """Node ids in topology order (do not mutate)."""

@@ -49,6 +49,7 @@ from .errors import JobError as JobError  # re-exported (defined in errors.py)
 
 _part_enc = msgspec.msgpack.Encoder()   # the frames' (and msgauth.part_bytes') settings
 _EMPTY: list[str] = []                  # (encoded only, never mutated)
+NO_VICTIMS: list[Victim] = []           # a start push with no victims' (shared: read, never mutated)
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 TERMINAL_JOB_STATES = frozenset({"succeeded", "failed", "cancelled", "preempted"})
 STALE_PRIORITY = 1 << 30
@@ -99,7 +100,7 @@ class Push:
         self._node: NodeRec | None = None
         self._pods_: list[PodRec] | None = []
         self._t: PodTable | None = None
-        self._rows: list[int] = []
+        self._rows: list[int] | int = []     # the node's rows of ``_t`` (an int: its one row)
         self._victims: list[Victim] = []
 
     @classmethod
@@ -111,13 +112,32 @@ class Push:
         return p
 
     @classmethod
-    def start_rows(cls, gang: GangStart, node: NodeRec, table: PodTable, rows: list[int],
-                   victims: list[Victim]) -> Push:
-        """:meth:`start` with the node's pods named as rows of the job's table (no pod view
-        is made unless the push is read as a Placement)."""
-        p = cls._started(gang, node, victims)
-        p._pods_, p._t, p._rows = None, table, rows
-        return p
+    def gang_starts(cls, gang: GangStart, nodes: list[NodeRec], table: PodTable, rows: list[list[int]] | None,
+                    victims_of: Callable[[str], list[Victim]] | None) -> list[Push]:
+        """Every node's start push of a decision, its pods named as rows of the job's table (no
+        pod view is made unless the push is read as a Placement), in one pass (the hot path of
+        a gang's bookkeeping). ``rows``: each node's rows; None: one pod a node,
+        node ``k``'s in row ``k`` (kept as the int, no list a node). ``victims_of``: a node's
+        victims (None: no victim anywhere)."""
+        new = cls.__new__
+        job_id, attempt, prefix = gang.job_id, gang.attempt, gang.prefix
+        out: list[Push] = []
+        append = out.append
+        for k, node in enumerate(nodes):
+            p = new(cls)
+            nid = node.node_id
+            p.node_id = nid
+            p.control_url = node.control_url
+            p.job_id = job_id
+            p.attempt = attempt
+            p.kind = "start"
+            p._placement = None
+            p.placement_id = prefix + nid
+            p._gang, p._node = gang, node
+            p._victims = NO_VICTIMS if victims_of is None else victims_of(nid)
+            p._pods_, p._t, p._rows = None, table, k if rows is None else rows[k]
+            append(p)
+        return out
 
     @classmethod
     def _started(cls, gang: GangStart, node: NodeRec, victims: list[Victim]) -> Push:
@@ -140,7 +160,8 @@ class Push:
         if pods is None:
             t = self._t
             assert t is not None
-            pods = self._pods_ = [t.view(i) for i in self._rows]
+            rows = self._rows
+            pods = self._pods_ = [t.view(rows)] if isinstance(rows, int) else [t.view(i) for i in rows]
         return pods
 
     def part(self, expires_at: float) -> NodePart:
@@ -194,10 +215,16 @@ def parts_bytes(pushes: list[Push], expires_at: float) -> list[bytes]:
         t = p._t
         if t is not None:   # (rows of the job's table: no pod view made)
             rows = p._rows
+            if rows.__class__ is int:   # (one pod on the node)
+                out.append(enc([
+                    "", node.node_id, job_id, attempt, "", WIRE_VERSION,
+                    [["", t.ranks[rows], t.slots[rows], _EMPTY]],
+                    p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None]))
+                continue
             ranks, slots = t.ranks, t.slots
             out.append(enc([
                 "" if rows else p.placement_id, node.node_id, job_id, attempt, "", WIRE_VERSION,
-                [["", ranks[i], slots[i], _EMPTY] for i in rows],
+                [["", ranks[i], slots[i], _EMPTY] for i in rows],   # type: ignore[union-attr]  # (a list here)
                 p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None, ""]))
             continue
         pods = p._pods
@@ -626,6 +653,7 @@ class NodeRec:
     health_reasons: tuple[str, ...] = ()              # the last snapshot's reason codes (the dashboard)
     simulated: bool = False
     state: str = "up"                                 # up | lost
+    silent: bool = False                              # up, silent in a mass silence: no new work (Attempts.tick)
     cordoned: bool = False                            # taken out of service (placer.nodeops)
     draining: bool = False                            # cordoned by a drain
     last_seen: float = 0.0

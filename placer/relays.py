@@ -24,6 +24,9 @@ Theory of operation (DESIGN.md, "Fleet scale"; issue 12):
   root of their headers; each bundle carries its path); every outcome, report and beat
   entry a relay forwards for another node must carry that node's MAC, else it is dropped,
   counted (``bad_macs``) and the node is reached directly as if the relay had left it out.
+  Members that plainly accepted come as the rack's aggregate (AckBundle.accepted, a bitmap
+  over the bundle's parts, and their MACs in part order): the placer makes each one's MAC
+  over its own placement with its own key and compares the whole rack's at once.
 
 This module does the I/O: what a round decides (which racks failed, who is pushed directly,
 which outcome counts, when the round is done) is :class:`placer.delivery.DeliveryRound`'s,
@@ -36,6 +39,7 @@ from __future__ import annotations
 import collections
 import gc
 import hashlib
+import hmac
 import inspect
 import logging
 import math
@@ -58,6 +62,7 @@ from scheduler_link import enroll, frames, msgauth
 from scheduler_link.frames import FrameChannel, FrameError, check_entries, decode_payload
 from scheduler_link.heartbeat_wire import Hello, WireReply
 from scheduler_link.messages import (
+    MAC_LEN,
     AckBundle,
     BlobReply,
     BlobRequest,
@@ -93,6 +98,8 @@ from .records import NodeRec, Push, parts_bytes
 log = logging.getLogger("herd.placer.relays")
 
 _kind = operator.attrgetter("kind")
+_node_id = operator.attrgetter("node_id")
+_placement_id = operator.attrgetter("placement_id")
 TREE_FANOUT = 8
 DRAIN_SLICE_S = 0.02      # the deferred frames are applied in slices of this much CPU, then others run
 ENROLL_SLICE_S = 0.01     # an enrolment batch is worked on in slices of this much CPU, then others run
@@ -557,12 +564,84 @@ def check_acks(ab: AckBundle, core: DeliveryRound, r: int, pushes: list[Push], r
         if o.outcome != "accepted" or o.refused_gpus or o.detail is not None:
             odd.append((len(idx), Outcome(o.outcome, tuple(o.refused_gpus), o.detail)))
         idx.append(i)
+    if ab.accepted:
+        _check_aggregate(ab, lo, size, waiting, pushes, relay_id, nodes, mac_key, idx, bad)
     if not odd:
         return idx, None, bad
     outs = [ACCEPTED] * len(idx)
     for j, out in odd:
         outs[j] = out
     return idx, outs, bad
+
+
+def _check_aggregate(ab: AckBundle, lo: int, size: int, waiting: list[int], pushes: list[Push], relay_id: str,
+                     nodes: Mapping[str, NodeRec], mac_key: Callable[[str, str], bytes],
+                     idx: list[int], bad: list[int]) -> None:
+    """The rack's aggregate of plain acceptances (AckBundle.accepted, .macs): each member it
+    names and that still waits is added to ``idx`` when its MAC is the one its own key makes
+    over its own placement (checked for the whole rack in one comparison; member by member
+    only when that fails), else to ``bad``. The relay's own needs none (its connection's
+    owner). A malformed aggregate (bits past the parts, MACs that do not match the bits in
+    number) names nobody: its members are pushed directly."""
+    named = np.flatnonzero(np.unpackbits(np.frombuffer(ab.accepted, dtype=np.uint8), bitorder="little"))
+    if len(ab.macs) != len(named) * MAC_LEN or (len(named) and int(named[-1]) >= size):
+        log.warning("relay answered a malformed ack aggregate rack=%s relay=%s bits=%d macs=%d parts=%d", ab.rack,
+                    relay_id, len(named), len(ab.macs), size)
+        return
+    if len(named) == size and waiting.count(NO_OUTCOME) == size and _whole_rack(ab, pushes[lo:lo + size], nodes,
+                                                                                   mac_key):
+        for k in range(size):
+            waiting[k] = 0
+        idx += range(lo, lo + size)
+        return
+    keys: list[bytes] = []
+    nids: list[str] = []
+    pids: list[str] = []
+    at: list[int] = []        # their MACs' positions in ab.macs
+    members: list[int] = []   # and their indices in the round
+    for j, k in enumerate(named.tolist()):
+        if waiting[k] != NO_OUTCOME:
+            continue
+        waiting[k] = 0
+        i = lo + k
+        p = pushes[i]
+        nid = p.node_id
+        if nid == relay_id:
+            idx.append(i)
+            continue
+        node = nodes.get(nid)
+        if node is None:
+            bad.append(i)
+            continue
+        keys.append(node.mac or mac_key(nid, node.boot_id))
+        nids.append(nid)
+        pids.append(p.placement_id)
+        at.append(j)
+        members.append(i)
+    if not members:
+        return
+    macs = ab.macs
+    got = macs if len(at) == len(named) else b"".join([macs[j * MAC_LEN:(j + 1) * MAC_LEN] for j in at])
+    want = msgauth.accepted_macs(keys, nids, pids)
+    if hmac.compare_digest(want, got):
+        idx += members
+        return
+    for n, i in enumerate(members):
+        lo_, hi_ = n * MAC_LEN, (n + 1) * MAC_LEN
+        (idx if hmac.compare_digest(want[lo_:hi_], got[lo_:hi_]) else bad).append(i)
+
+
+def _whole_rack(ab: AckBundle, ps: list[Push], nodes: Mapping[str, NodeRec],
+                mac_key: Callable[[str, str], bytes]) -> bool:
+    """The common answer: every member of the rack plainly accepted and each MAC is its own
+    (the relay's own made by its own key too): one comparison over the whole rack's MACs, made
+    in list passes. False: the member-by-member check decides."""
+    nids = list(map(_node_id, ps))
+    recs = [nodes.get(n) for n in nids]
+    if None in recs:
+        return False
+    keys = [n.mac or mac_key(n.node_id, n.boot_id) for n in recs if n is not None]
+    return hmac.compare_digest(msgauth.accepted_macs(keys, nids, list(map(_placement_id, ps))), ab.macs)
 
 
 class _RoundDriver:

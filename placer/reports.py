@@ -29,11 +29,13 @@ from scheduler_link.messages import (
     ReportReply,
     Victim,
     WorkloadEvent,
+    gpu_inventory,
 )
 from scheduler_link.msgauth import beat_mac, node_key, with_stop_macs
 from scheduler_link.validate import validate_report
 
 from .errors import BadRequest, InvalidSpec
+from .inventories import Inventory
 from .model import NodeSpec
 from .records import STALE_PRIORITY, TERMINAL_JOB_STATES, JobRec, NodeRec, PodRec, Push, parse_workload_id
 from .relaypolicy import RackPins
@@ -97,7 +99,19 @@ class Reports(StateBase):
         if (off := self.rack_pins.registration(node_id, f"{t.zone}/{t.block}/{t.rack}")) is not None:
             log.warning("registration refused node=%s code=%s: %s", node_id[:200], off.code, off.detail)
             return 403, ReportReply(ok=False, error=off.code), []
-        return self._register(rep, now)
+        if rep.compact:   # "the GPUs you stored for this boot, all healthy" (placer.inventories)
+            inv = self.inventories.match(node_id, rep.boot_id, rep.inventory)
+            if inv is None:
+                self.counters["inventory_misses"] += 1
+                return 409, ReportReply(ok=False, need_full=True, error="unknown_inventory"), []
+            self.counters["compact_registrations"] += 1
+            return self._register(rep, now, inv)
+        snap = rep.snapshot
+        if snap is None:
+            return self._register(rep, now, None)
+        uuids, digest = gpu_inventory(snap)
+        return self._register(rep, now, Inventory(node_id=node_id, boot_id=rep.boot_id, digest=digest, uuids=uuids,
+                                                  simulated=snap.simulated, nvlink_domain=snap.nvlink_domain))
 
     def beat(self, b: RackBeat, now: float, *, via: str | None = None,
              answered: float | None = None) -> tuple[RackBeatReply, list[Push]]:
@@ -138,7 +152,7 @@ class Reports(StateBase):
             node.last_seq = seq
             node.last_seen = now
             timer.set(nid, due)
-            if node.state != "up":
+            if node.state != "up" or node.silent:
                 pushes += self._node_back(node, now)
             if node.tell or node.refused:
                 r = self._reply(node)
@@ -151,7 +165,8 @@ class Reports(StateBase):
             log.warning("rack beat entries refused: MAC does not verify count=%d of=%d relay=%s", bad, n, via)
         if not need and not stops:
             return self._ok_beat, pushes
-        return RackBeatReply(need_full=need, stop=stops, heartbeat_interval_s=self.cfg.heartbeat_s), pushes
+        return RackBeatReply(need_full=need, stop=stops, heartbeat_interval_s=self.cfg.heartbeat_s,
+                             revoked_signed=self._ok_beat.revoked_signed), pushes
 
     def _reply(self, node: NodeRec, *, need_full: bool = False) -> ReportReply:
         if not node.tell and not need_full and not node.refused:
@@ -163,7 +178,8 @@ class Reports(StateBase):
             node.tell.clear()
         return ReportReply(ok=True, need_full=need_full or bool(node.refused), stop=stop,
                            heartbeat_interval_s=self.cfg.heartbeat_s, revoked_nodes=self._ok_reply.revoked_nodes,
-                           revoked_serials=self._ok_reply.revoked_serials)
+                           revoked_serials=self._ok_reply.revoked_serials,
+                           revoked_signed=self._ok_reply.revoked_signed)
 
     def _grace_of(self, wid: str) -> float:
         parsed = parse_workload_id(wid)
@@ -181,11 +197,12 @@ class Reports(StateBase):
             self.manifest_holders.setdefault(m, set()).add(node.node_id)
         node.manifests = held
 
-    def _register(self, rep: NodeReport, now: float) -> tuple[int, ReportReply, list[Push]]:
+    def _register(self, rep: NodeReport, now: float, inv: Inventory | None) -> tuple[int, ReportReply, list[Push]]:
+        """A full report (``inv``: its GPU inventory; None: it has no GPUs) or a compact one
+        (``inv`` from the stored inventories; no snapshot: every GPU and the host healthy)."""
         snap = rep.snapshot
-        gpus = sorted(snap.gpus, key=lambda g: g.index) if snap else []
-        uuids = [g.uuid for g in gpus]
-        nvd = rep.nvlink_domain or (snap.nvlink_domain if snap else None)
+        uuids = list(inv.uuids) if inv is not None else []
+        nvd = rep.nvlink_domain or (inv.nvlink_domain if inv is not None else None)
         spec = NodeSpec(node_id=rep.node_id, zone=rep.topology.zone, block=rep.topology.block,
                         rack=rep.topology.rack, n_gpus=len(uuids), nvlink_domain=nvd)
         # Refuse what the model cannot hold before anything changes.
@@ -207,7 +224,7 @@ class Reports(StateBase):
         old = self.nodes.get(rep.node_id)
         node = NodeRec(node_id=rep.node_id, boot_id=rep.boot_id, last_seq=rep.seq,
                        control_url=rep.control_url, data_url=rep.data_url, topology=rep.topology,
-                       nvlink_domain=nvd, uuids=uuids, simulated=bool(snap and snap.simulated), last_seen=now)
+                       nvlink_domain=nvd, uuids=uuids, simulated=bool(inv and inv.simulated), last_seen=now)
         node.cordoned = rep.node_id in self.cordons   # a cordon outlives the record (placer.nodeops)
         node.draining = node.cordoned and old is not None and old.draining
         pushes: list[Push] = []
@@ -235,12 +252,17 @@ class Reports(StateBase):
             self.membership_changes += 1
         self.lost_timer.set(rep.node_id, now + self.cfg.lost_after_s)
         self._set_manifests(node, set(rep.manifests or ()))
-        if snap is not None:
+        if inv is not None and snap is not None:
+            self.inventories.note(inv)
+        if inv is not None:
             if old is not None and old.uuids == uuids:
                 prev_bad, prev_fatal = old.fatal | old.refused, old.host_fatal
             else:  # a new node: all healthy in the model
                 prev_bad, prev_fatal = set(), False
-            self._apply_snapshot(node, snap, prev_bad=prev_bad, prev_host_fatal=prev_fatal)
+            if snap is not None:
+                self._apply_snapshot(node, snap, prev_bad=prev_bad, prev_host_fatal=prev_fatal)
+            else:   # compact: every GPU and the host healthy
+                self._apply_health(node, set(), False, frozenset(), (), prev_bad=prev_bad, prev_host_fatal=prev_fatal)
             if old is not None and old.uuids != uuids:  # a changed inventory: say everything
                 for i in range(len(uuids)):
                     self.model.set_gpu_health(rep.node_id, i, i not in node.fatal)
@@ -348,18 +370,27 @@ class Reports(StateBase):
         gpus = sorted(snap.gpus, key=lambda g: g.index)
         if [g.uuid for g in gpus] != node.uuids:
             return  # inventory changed: the next full report rebuilds the node
+        self._apply_health(
+            node, {i for i, g in enumerate(gpus) if g.health == "fatal"}, snap.host.state == "fatal",
+            frozenset(i for i, g in enumerate(gpus) if g.health == "degraded"),
+            tuple(f"gpu{g.index}:{r.code}" for g in gpus for r in g.reasons)[:32] + tuple(
+                f"host:{r.code}" for r in snap.host.reasons)[:8],
+            prev_bad=prev_bad, prev_host_fatal=prev_host_fatal)
+
+    def _apply_health(self, node: NodeRec, fatal: set[int], host_fatal: bool, degraded: frozenset[int],
+                      reasons: tuple[str, ...], *, prev_bad: set[int] | None,
+                      prev_host_fatal: bool | None) -> None:
         before = (node.fatal | node.refused) if prev_bad is None else prev_bad
         was_fatal = node.host_fatal if prev_host_fatal is None else prev_host_fatal
         node.refused.clear()  # the agent has spoken about every GPU again
-        node.fatal = {i for i, g in enumerate(gpus) if g.health == "fatal"}
-        node.host_fatal = snap.host.state == "fatal"
-        node.degraded = frozenset(i for i, g in enumerate(gpus) if g.health == "degraded")
-        node.health_reasons = tuple(f"gpu{g.index}:{r.code}" for g in gpus for r in g.reasons)[:32] + tuple(
-            f"host:{r.code}" for r in snap.host.reasons)[:8]
+        node.fatal = fatal
+        node.host_fatal = host_fatal
+        node.degraded = degraded
+        node.health_reasons = reasons
         (self.degraded_nodes.add if node.degraded else self.degraded_nodes.discard)(node.node_id)
         changed = before ^ node.fatal
         for i in sorted(changed):
-            if i < len(gpus):
+            if i < len(node.uuids):
                 self.model.set_gpu_health(node.node_id, i, i not in node.fatal)
         if node.host_fatal != was_fatal:
             self.model.set_node_state(node.node_id, healthy=node.state == "up" and not node.host_fatal,
@@ -368,6 +399,11 @@ class Reports(StateBase):
             self.dirty = True
 
     def _node_back(self, node: NodeRec, now: float) -> list[Push]:
+        if node.silent:   # held silent in a mass silence (placer.attempts): it takes work again
+            node.silent = False
+            self.silent_nodes -= 1
+            self.dirty = True
+            self.model.set_node_state(node.node_id, healthy=not node.host_fatal, draining=node.cordoned)
         if node.state == "lost":
             self.dirty = True
             log.info("node back node=%s after=%.1fs", node.node_id, now - (node.lost_since or now))

@@ -40,6 +40,7 @@ from .model import ClusterModel
 from .place import Decision, JobRequest, place
 from .records import (
     JOB_ID_RE,
+    NO_VICTIMS,
     STALE_PRIORITY,
     TERMINAL_JOB_STATES,
     GangStart,
@@ -57,7 +58,6 @@ log = logging.getLogger("herd.placer.state")
 FULL_PEERS_UP_TO = 64      # gangs of at most this many nodes list every member to every node
 CONTACTS = 4               # bigger gangs: this many members of other racks per node
 REBUILD_SPACING = 4.0      # a rebuild waits this many times the previous one's cost
-_NO_VICTIMS: list[Victim] = []   # a start push with no victim's (shared: read, never mutated)
 
 
 class Scheduling(StateBase):
@@ -238,9 +238,10 @@ class Scheduling(StateBase):
         self._replace_pods(job, table)
         # the pushes: the gang's nodes in rank order of their first pod, each with its rows
         uniq, first = np.unique(node_idx, return_index=True)
+        rows: list[list[int]] | None
         if len(uniq) == P:   # one pod a node (whole-node gangs): row r is node r's
             gang = recs
-            rows: list[list[int]] = [[r] for r in range(P)]
+            rows = None
         else:
             groups: dict[str, list[int]] = {}
             for r, nid in enumerate(names):
@@ -253,24 +254,25 @@ class Scheduling(StateBase):
             rows = list(groups.values())
         # the model's node indices are in topology order: the gang's, sorted, are too
         order = [nodes[ids[n]] for n in uniq.tolist()]
-        return self._start_pushes(job, victim_stops, now, order, gang, rows)
+        runs = self.model.rack_runs(uniq) if ids is self.model.node_ids else None   # (the decision's model)
+        return self._start_pushes(job, victim_stops, now, order, gang, rows, runs)
 
     def _start_pushes(self, job: JobRec, victim_stops: dict[str, list[Victim]], now: float,
-                      order: list[NodeRec], gang: list[NodeRec], rows: list[list[int]]) -> list[Push]:
+                      order: list[NodeRec], gang: list[NodeRec], rows: list[list[int]] | None,
+                      runs: tuple[list[str], list[int], list[int]] | None = None) -> list[Push]:
         """``order``: the gang's nodes in topology order; ``gang``: the same nodes in the order
-        of their first pod's rank, ``rows[k]`` the table rows of ``gang[k]``'s pods."""
+        of their first pod's rank, ``rows[k]`` the table rows of ``gang[k]``'s pods (None: one
+        pod a node, ``gang[k]``'s in row ``k``); ``runs``: ``order`` by rack, if known
+        (ClusterModel.rack_runs)."""
         s = job.spec
         nodes = self.nodes
-        blob_id, peers_of = self._gang_blob(job, gang, order)
+        blob_id, peers_of = self._gang_blob(job, gang, order, runs)
         contacts = self._holders(s.manifest_id, {n.node_id for n in gang} if s.manifest_id else set())
         gs = GangStart(s, job.attempt, blob_id=blob_id, peers_of=peers_of, contacts=contacts, n_gang=len(gang),
                        now=now, expires=now + self.cfg.placement_ttl_s)
-        start, table = Push.start_rows, job.table
-        if victim_stops:
-            pop = victim_stops.pop
-            out = [start(gs, node, table, r, pop(node.node_id, _NO_VICTIMS)) for node, r in zip(gang, rows, strict=True)]
-        else:
-            out = [start(gs, node, table, r, _NO_VICTIMS) for node, r in zip(gang, rows, strict=True)]
+        # (a node's victims are taken out of victim_stops: what is left is on nodes given no pod)
+        out = Push.gang_starts(gs, gang, job.table, rows,
+                               (lambda nid: victim_stops.pop(nid, NO_VICTIMS)) if victim_stops else None)
         for node_id, victims in victim_stops.items():  # victims on nodes that get no new pod
             vnode = nodes[node_id]
             self._pid += 1
@@ -279,23 +281,26 @@ class Scheduling(StateBase):
             out.append(Push(node_id, vnode.control_url, pl, job.job_id, job.attempt, "stop", boot_id=vnode.boot_id))
         return out
 
-    def _gang_blob(self, job: JobRec, gang: list[NodeRec],
-                   order: list[NodeRec] | None = None) -> tuple[str, Callable[[NodeRec], list[Peer]]]:
-        """Encode the gang's blob once; return its id and each node's bounded peer list."""
+    def _gang_blob(self, job: JobRec, gang: list[NodeRec], order: list[NodeRec] | None = None,
+                   runs: tuple[list[str], list[int], list[int]] | None = None
+                   ) -> tuple[str, Callable[[NodeRec], list[Peer]]]:
+        """Encode the gang's blob once; return its id and each node's bounded peer list.
+        ``runs``: ``order`` by rack (racks, where each begins, each node's rack), if known."""
         s = job.spec
         if order is None:
             order = sorted(gang, key=lambda n: (n.topology.zone, n.topology.block, n.topology.rack, n.node_id))
-        racks: list[str] = []
-        rack_start: list[int] = []
-        rack_of: list[int] = []
-        last = None
-        for i, n in enumerate(order):
-            path = n.rack_path
-            if path != last:
-                racks.append(path)
-                rack_start.append(i)
-                last = path
-            rack_of.append(len(racks) - 1)
+        if runs is not None:
+            racks, rack_start, rack_of = runs
+        else:
+            racks, rack_start, rack_of = [], [], []
+            last = None
+            for i, n in enumerate(order):
+                path = n.rack_path
+                if path != last:
+                    racks.append(path)
+                    rack_start.append(i)
+                    last = path
+                rack_of.append(len(racks) - 1)
         table = PeerTable(node_ids=[n.node_id for n in order], data_urls=[n.data_url for n in order],
                           rack_of=rack_of, racks=racks, rack_start=rack_start)
         blob = GangBlob(job_id=job.job_id, attempt=job.attempt, argv=list(s.argv), env=dict(s.env),

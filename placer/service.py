@@ -47,7 +47,7 @@ from infra.tls import Security, daemon_security
 from infra.version import PACKAGE_VERSION as _VERSION
 from scheduler_link import authz, msgauth
 from scheduler_link.epochs import EPOCH_FILE, EpochFile
-from scheduler_link.fanout import PushPool
+from scheduler_link.fanout import PushPool, PushResult
 from scheduler_link.heartbeat_wire import HeartbeatServer
 from scheduler_link.messages import (
     WIRE_VERSION,
@@ -67,13 +67,14 @@ from scheduler_link.messages import (
 )
 from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
 
-from . import fleetsnap
+from . import fleetsnap, inventories
 from .approvals import APPROVAL_DOCS, ApprovalRoutes, EtcdApprovals
 from .config import PlacerConfig
 from .dashboard import DASHBOARD_DOCS, Dashboard
 from .etcdjournal import EtcdJournal, JobJournal
 from .frag import fragmentation, largest_placeable, plan_defrag
 from .ha import HighAvailability
+from .inventories import InventoryBook
 from .journal import Journal, JournalError
 from .membership import Membership
 from .nodeops import ApprovalFile
@@ -116,6 +117,7 @@ class PlacerService:
         self.token_use = authz.TokenUse() if self.security.accept_tokens else None
         self.pki = PKIRoutes(config.ca_dir, days=config.node_cert_days, clock=clock)
         self.state = PlacerState(config, started_at=clock())
+        self.signer = msgauth.BundleSigner.generate()
         self._refresh_revoked(clock())   # the deny-list (herd pki revoke) before any handshake
         self.mac_key: Callable[[str, str], bytes] = self.state.mac_key   # (relays.RelayHost: the state's own)
         self.rack_pins = self.state.rack_pins   # (relays.RelayHost: the racks nodes are pinned to)
@@ -138,7 +140,6 @@ class PlacerService:
         # message-level identity (scheduler_link.msgauth): ephemeral until run() loads the state
         # dir's (so a restarted placer keeps verifying what relays forward, and agents' pinned key holds)
         self.mac_master = os.urandom(msgauth.KEY_LEN)
-        self.signer = msgauth.BundleSigner.generate()
         self.state.set_mac_master(self.mac_master)
         self.state.counters["bad_macs"] = 0
         self.state.counters["replays"] = 0
@@ -160,6 +161,8 @@ class PlacerService:
         self._snap_at = -math.inf          # monotonic time of the last snapshot written
         self._snap_seen = -1               # the state's membership_changes it was written at
         self._snap_writing = False
+        self._inv_at = -math.inf           # monotonic time inventories were last written
+        self._inv_writing = False
 
     # ------------------------------------------------------------ epochs (fencing)
 
@@ -178,10 +181,13 @@ class PlacerService:
         return max(0.0, self.state.recover_until - now)
 
     def restart_status(self) -> dict[str, Any]:
-        """This start: its epoch, when it started (unix), ``recover_s`` left, nodes heard since."""
+        """This start: its epoch, when it started (unix), ``recover_s`` left, nodes heard since;
+        and nodes held silent in a mass silence (placer.attempts), since when (None: none)."""
         now = self.clock()
+        st = self.state
         return {"epoch": self.epoch, "started_at": self.started_at,
-                "recover_s_left": round(self.recover_s_left(now), 3), "nodes_reported": len(self.state.nodes)}
+                "recover_s_left": round(self.recover_s_left(now), 3), "nodes_reported": len(st.nodes),
+                "nodes_silent": st.silent_nodes, "mass_silence_since": st.mass_silence_since}
 
     def _stamped(self, reply: _Answer) -> _Answer:
         """``reply`` with this placer's epoch. The state's shared common answer is copied once
@@ -271,6 +277,38 @@ class PlacerService:
         finally:
             self._snap_writing = False
 
+    def _maybe_write_inventories(self) -> None:
+        """The GPU inventories registered since the last write, appended to the state dir
+        (placer.inventories) at most every FLUSH_EVERY_S, off the event loop."""
+        book = self.state.inventories
+        t = time.monotonic()
+        if not book.pending or self._inv_writing or t - self._inv_at < inventories.FLUSH_EVERY_S \
+                or self._nursery is None:
+            return
+        self._inv_at = t
+        self._inv_writing = True
+        data, whole = book.take()
+        self._nursery.start_soon(self._write_inventories, data, whole)
+
+    async def _write_inventories(self, data: bytes, whole: bool) -> None:
+        try:
+            if inventories.WRITE_IN_THREAD:
+                await trio.to_thread.run_sync(inventories.write, self.cfg.state_dir, data, whole)
+            else:
+                inventories.write(self.cfg.state_dir, data, whole)
+            log.debug("inventories written bytes=%d whole=%s", len(data), whole)
+        except OSError as e:   # a full disk: those nodes send their snapshots after a restart
+            log.warning("inventories not written: %s", e)
+            self.state.inventories.rewrite = True   # the next write replaces the file whole
+        finally:
+            self._inv_writing = False
+
+    def _set_keys(self, master: bytes, signer: msgauth.BundleSigner) -> None:
+        """The MAC master and signing key every placer of the cluster shares (placer.ha)."""
+        self.mac_master, self.signer = master, signer
+        self.state.set_mac_master(master)
+        self._publish_revoked([], self.clock())   # (signed with the shared key)
+
     def _resumed(self) -> None:
         """A leader's lease renewed after it was fenced (placer.ha): place again, fairly."""
         from .ha import forgive_silence
@@ -279,7 +317,11 @@ class PlacerService:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         self.mac_master, self.signer = msgauth.load_placer_keys(self.cfg.state_dir)
+        self._publish_revoked([], self.clock())   # (signed with the key the agents hold)
         self.state.set_mac_master(self.mac_master)
+        t0 = time.perf_counter()
+        self.state.inventories = InventoryBook.load(self.cfg.state_dir)
+        log.info("inventories ready nodes=%d in=%.3fs", len(self.state.inventories.by_node), time.perf_counter() - t0)
         self.started_at = self.clock()
         if self.ha is None:
             # greater than any earlier start's, durable before anything listens or is sent
@@ -299,7 +341,8 @@ class PlacerService:
                 self.url = await n.start(partial(serve, ssl_context=self.security.api), self.app, self.cfg.listen)
                 self._write_endpoints()
                 if self.ha is not None:  # campaign; on promotion the journal comes from etcd
-                    await n.start(self.ha.run, self.url, self._recover, self._resumed, self.wire_url)
+                    await n.start(partial(self.ha.run, keys=(self.mac_master, self.signer), on_keys=self._set_keys),
+                                  self.url, self._recover, self._resumed, self.wire_url)
                 n.start_soon(self._loop)
                 n.start_soon(self.dashboard.warm)   # while the dashboard is watched, its next map is ready
                 log.info("placer serving url=%s", self.url)
@@ -333,6 +376,7 @@ class PlacerService:
             self._tick(now)
             self._recovery_gate(now)
             self._maybe_snapshot()
+            self._maybe_write_inventories()
             rebuilds = self.state.counters["rebuilds"]
             # A pass makes long-lived records (a 25,000-pod gang's); collecting while it runs
             # would walk them again and again for nothing: collect later, and freeze them.
@@ -383,7 +427,13 @@ class PlacerService:
         newly revoked nodes are fenced like lost ones."""
         newly = self.pki.refresh(self.security.revoked)
         if newly is not None:
-            self.state.set_revoked(self.pki.denied, newly, now)
+            self._publish_revoked(newly, now)
+
+    def _publish_revoked(self, newly: list[str], now: float) -> None:
+        """The deny-list into the heartbeat answers, signed with the placer's bundle key (members
+        behind a relay take it from there), and ``newly`` denied nodes fenced."""
+        nodes, serials = sorted(self.pki.denied[0]), sorted(self.pki.denied[1])
+        self.state.set_revoked(self.pki.denied, newly, now, signed=self.signer.revoked(time.time(), nodes, serials))
 
     def _maybe_freeze(self) -> None:
         """After a pass that rebuilt the model or decided (the records it made live long),
@@ -473,8 +523,13 @@ class PlacerService:
                                          expires_at=self.clock() + self.cfg.placement_ttl_s if pl.pods else 0.0)
         if pl.epoch != self.epoch:
             pl = msgspec.structs.replace(pl, epoch=self.epoch)
-        res = await self.pool.post(p.control_url, "/v1/placements", msgspec.json.encode(pl),
-                                   token=self.tokens.placer, key=p.node_id, expect=f"node:{p.node_id}")
+        if self.ha is not None and not self.ha.leading():
+            # the lease is not known to hold now (a loop stalled past it learns so here, before
+            # sending): nothing leaves, as if the node were unreachable
+            res = PushResult(p.node_id, None, error="this placer does not lead now (its etcd lease is not known to hold)")
+        else:
+            res = await self.pool.post(p.control_url, "/v1/placements", msgspec.json.encode(pl),
+                                       token=self.tokens.placer, key=p.node_id, expect=f"node:{p.node_id}")
         if res.status is None:
             self.push_counts["failed"] += 1
             log.warning("push failed node=%s placement=%s err=%s", p.node_id, p.placement.placement_id, res.error)

@@ -7,7 +7,7 @@ read, and type-checked, alone.
 from __future__ import annotations
 
 import logging
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -18,6 +18,7 @@ from scheduler_link.messages import JobSpec, RackBeatReply, ReportReply, Workloa
 
 from .config import PlacerConfig
 from .errors import Conflict, InvalidSpec, UnknownJob, UnknownNode
+from .inventories import InventoryBook
 from .model import ClusterModel
 from .place import Decision, JobRequest
 from .queue import JobQueue
@@ -80,11 +81,15 @@ class StateBase:
         self.jobs: dict[str, JobRec] = {}
         self.pods = CurrentPods(self.jobs)                  # current-attempt pods by workload id
         self.node_states: Counter[str] = Counter()          # up / lost
+        self.silent_nodes = 0                               # up, held silent in a mass silence (placer.attempts)
+        self.mass_silence_since: float | None = None
+        self._recent_lost: deque[tuple[float, int]] = deque()   # (when, how many) declared lost lately
         self.membership_changes = 0                         # nodes added, up <-> lost (placer.fleetsnap's trigger)
         self.simulated_nodes = 0                            # of self.nodes, with simulated GPUs (O(1) for /v1/cluster)
         self.uuid_owner: dict[str, str] = {}                # GPU UUID -> the node reporting it
         self.manifest_holders: dict[str, set[str]] = {}     # manifest id -> up nodes holding it
         self.degraded_nodes: set[str] = set()               # nodes with a GPU reported degraded
+        self.inventories = InventoryBook()                  # GPU inventories registered (placer.inventories)
         self.blobs: dict[str, bytes] = {}                   # gang blob id -> canonical bytes
         self.lost_timer: DenseDeadlines[str] = DenseDeadlines()  # every up node, moved by each beat
         self.fence_timer: Deadlines[str] = Deadlines()
@@ -96,7 +101,8 @@ class StateBase:
         self.counters: dict[str, int] = {
             "reports": 0, "full_reports": 0, "conflicts": 0, "decisions": 0, "preemptions": 0,
             "rollbacks": 0, "requeues": 0, "nodes_lost": 0, "fenced_stops": 0, "refused_reports": 0,
-            "rebuilds": 0, "passes": 0, "passes_deferred": 0,
+            "rebuilds": 0, "passes": 0, "passes_deferred": 0, "compact_registrations": 0, "inventory_misses": 0,
+            "mass_silences": 0,
         }
         self.decision_s: list[float] = []
         self.decision_hist = LatencyHistogram()             # every decision since start (metrics)

@@ -78,6 +78,12 @@ Invariants:
   first. Through a relay an answer's epoch is taken and checked the same way only under the
   placer's MAC in this node's key (``epoch_mac``; a relay could write any epoch), and each
   stop's epoch (under its MAC) too.
+- Several placers, the one asked silent (paused, cut off): a report over this node's own
+  connection unanswered for ``leader_probe_after_s`` (1 s) asks the other placers who leads
+  (scheduler_link.leaderprobe, their ``/healthz``), every second until it is answered; one
+  named with an epoch above the highest seen ends the wait and the link moves to it (a full
+  report follows), instead of waiting out ``request_timeout_s``. A leader named at the epoch
+  already known is only slow, and is waited for.
 - A placer restart behind a relay: the relay answers ``upstream_down`` (503) while it has no
   connection to the placer; the link keeps that relay for up to ``relay_hold_s`` (trying it
   every second or so, a full report pending) instead of handshaking with the placer itself,
@@ -105,6 +111,7 @@ from infra import tls
 from infra.auth import auth_header
 from infra.backoff import Backoff, Retry
 
+from . import leaderprobe
 from .client import ClientError, check_peer
 from .enroll import EnrollClient, EnrollRefused
 from .epochs import Epochs
@@ -124,9 +131,11 @@ from .messages import (
     ReportReply,
     Victim,
     WorkloadEvent,
+    compact_ok,
     for_placer,
+    gpu_inventory,
 )
-from .msgauth import epoch_ok, verified_stops, with_report_mac
+from .msgauth import BundleVerifier, epoch_ok, verified_stops, with_report_mac
 from .placers import NO_LEADER, Placers, leader_of, leader_wire_of, not_leading
 
 log = logging.getLogger("herd.link.agent")
@@ -247,6 +256,18 @@ class LinkHooks(Protocol):
     def gpu_snapshot(self) -> GpuSnapshot: ...
 
 
+def registration(base: NodeReport, taken: str) -> NodeReport:
+    """A full report as it goes to the placer: the snapshot as the placer reads it
+    (``for_placer``) and the digest of its GPU inventory; with no snapshot at all (a *compact*
+    registration, placer.inventories) when the placer took that inventory last (``taken``:
+    its digest, "" for none) and nothing about health is to be said."""
+    snap = for_placer(base.snapshot) if base.snapshot else None
+    digest = gpu_inventory(snap)[1] if snap is not None else ""
+    if snap is not None and taken and digest == taken and compact_ok(snap):
+        snap = None
+    return msgspec.structs.replace(base, full=True, snapshot=snap, inventory=digest)
+
+
 def health_signature(snap: GpuSnapshot | None) -> Any:
     """What, in a snapshot, is worth a report when it changes: inventory and health
     (telemetry values move all the time and are not)."""
@@ -287,6 +308,9 @@ class AgentLink:
         self.backoff_min_s = backoff_min_s
         self.backoff_max_s = backoff_max_s
         self.request_timeout_s = request_timeout_s
+        # several placers: a report unanswered this long asks the others who leads (_post_or_move)
+        self.leader_probe_after_s = leaderprobe.PROBE_AFTER_S
+        self.leader_moves = 0
         self.full_every = full_every  # a periodic full report heals any drift (manifests held, ...)
         self._since_full = 0
         self.boot_id = uuid.uuid4().hex
@@ -348,6 +372,12 @@ class AgentLink:
         self._relay_down_since: float | None = None
         self.relay_holds = 0                 # reports answered upstream_down while the relay was kept
         self.relayed_full_reports = 0        # full reports the placer took through a relay (no handshake)
+        self.compact_registrations = 0       # full reports taken that named the inventory (placer.inventories)
+        self.inventory_misses = 0            # ... answered 409: the placer held none (the snapshot went next)
+        self._inventory_taken = ""           # the digest of the GPU inventory the placer took last
+        self._revoked_at = 0.0               # issued_at of the signed deny-list taken last
+        self._verifier: BundleVerifier | None = None
+        self.revoked_refused = 0             # signed deny-lists that did not verify (a relay's forgery)
         # statistics
         self.reports_sent = 0
         self.full_reports_sent = 0
@@ -377,6 +407,7 @@ class AgentLink:
     def statistics(self) -> dict[str, Any]:
         return {
             "placer_url": self.placer_url, "placers": list(self.placers.urls), "placer_switches": self.placers.switches,
+            "leader_moves": self.leader_moves,
             "registered": self.registered, "boot_id": self.boot_id,
             "seq": self.seq, "reports_sent": self.reports_sent, "full_reports_sent": self.full_reports_sent,
             "failures": self.failures, "conflicts": self.conflicts, "stops_received": self.stops_received,
@@ -391,6 +422,8 @@ class AgentLink:
             "enrolled": self.enrolled, "enroll_failures": self.enroll_failures,
             "enroll_refusals": dict(self.enroll_refusals),
             "relay_holds": self.relay_holds, "relayed_full_reports": self.relayed_full_reports,
+            "compact_registrations": self.compact_registrations, "inventory_misses": self.inventory_misses,
+            "revoked_at": self._revoked_at, "revoked_refused": self.revoked_refused,
         }
 
     @property
@@ -466,10 +499,14 @@ class AgentLink:
             report = self._build_report()
             relayed = self._relay is not None
             try:
-                reply = await self._post(client, url, report, headers)
+                reply = await self._post_or_move(client, url, report, headers)
             except _Conflict:
                 self.conflicts += 1
                 self._need_full = True
+                if report.compact:   # the placer holds no inventory of ours: the snapshot, at once
+                    self._inventory_taken = ""
+                    self.inventory_misses += 1
+                    continue
                 if report.full:  # a placer that refuses even a full report: back off
                     retry.backoff = self._report_backoff()
                     await trio.sleep(retry.failed(trio.current_time()))
@@ -511,11 +548,13 @@ class AgentLink:
                 log.info("registered node=%s boot=%s seq=%d relayed=%s", self.node_id, self.boot_id, report.seq,
                          relayed)
                 self.relayed_full_reports += relayed
+                self.compact_registrations += report.compact
+                if report.snapshot is not None:   # the placer holds this inventory now (placer.inventories)
+                    self._inventory_taken = report.inventory
                 if not relayed:  # keys only from our own connection: a relay's answer could be anything
                     self.mac_key = reply.mac_key or self.mac_key
                     self.placer_key = reply.placer_key or self.placer_key
-            if reply.revoked_nodes is not None and not relayed and self.revoked is not None:
-                self.revoked.replace(reply.revoked_nodes, reply.revoked_serials or [])
+            self._take_revoked(reply, relayed)
             if not relayed:
                 self._vouched_at = trio.current_time()
             if reply.heartbeat_interval_s and not relayed:
@@ -546,6 +585,28 @@ class AgentLink:
                 self.stops_received += len(stop)
                 nursery.start_soon(self._stop, stop)
             next_beat = trio.current_time() + self.heartbeat_s * random.uniform(0.8, 1.0)
+
+    def _take_revoked(self, reply: ReportReply, relayed: bool) -> None:
+        """The deny-list into this node's handshakes (its data plane refuses revoked peers): the
+        placer-signed list from any answer, a relay's too, when it verifies with the placer's key
+        and is newer than the one taken; an unsigned list only over this node's own connection."""
+        if self.revoked is None:
+            return
+        rl = reply.revoked_signed
+        if rl is not None:
+            if rl.issued_at <= self._revoked_at or not self.placer_key:
+                return
+            if self._verifier is None or self._verifier.public != self.placer_key:
+                self._verifier = BundleVerifier(self.placer_key)
+            if not self._verifier.revoked_ok(rl):
+                self.revoked_refused += 1
+                log.warning("a deny-list that the placer did not sign refused node=%s relayed=%s", self.node_id,
+                            relayed)
+                return
+            self._revoked_at = rl.issued_at
+            self.revoked.replace(rl.nodes, rl.serials)
+        elif reply.revoked_nodes is not None and not relayed:
+            self.revoked.replace(reply.revoked_nodes, reply.revoked_serials or [])
 
     def _fresh(self, reply: ReportReply, at: str) -> bool:
         """An answer over our own connection of no older placer epoch (a newer one made durable);
@@ -624,7 +685,10 @@ class AgentLink:
             except trio.WouldBlock:
                 return out
 
-    def _build_report(self) -> NodeReport:
+    def _build_report(self, *, compact: bool = True) -> NodeReport:
+        """The next report: full when one is due (``compact``: naming the GPU inventory the
+        placer took last instead of sending it, when nothing about health is to be said), else
+        a heartbeat with the events and any health change."""
         self.seq += 1
         now = time.time()
         self._since_full += 1
@@ -636,9 +700,9 @@ class AgentLink:
             base: NodeReport = self.hooks.full_report()
             self._last_health = health_signature(base.snapshot)
             self._need_full = False
-            return msgspec.structs.replace(base, node_id=self.node_id, boot_id=self.boot_id, seq=self.seq,
-                                           full=True, sent_at=now,
-                                           snapshot=for_placer(base.snapshot) if base.snapshot else None)
+            return registration(msgspec.structs.replace(base, node_id=self.node_id, boot_id=self.boot_id,
+                                                        seq=self.seq, sent_at=now),
+                                self._inventory_taken if compact else "")
         events = self._drain_events()
         snap: GpuSnapshot | None = None
         try:
@@ -782,7 +846,7 @@ class AgentLink:
                 pc = decode_payload(await ch.call("enroll_key", {}), PlacerCert)
                 if not pc.cert:
                     raise EnrollRefused(pc.outcome or "unavailable", pc.error or "the relay has no placer certificate")
-                report = self._build_report()
+                report = self._build_report(compact=False)   # (a new key: the placer may hold nothing of ours)
                 enrolment, pending = self._enroll.make(report, pc.cert, now=time.time())
                 answer = decode_payload(await ch.call("enroll", enrolment), EnrollAnswer)
             secret = EnrollClient.open(pending, answer)
@@ -813,10 +877,12 @@ class AgentLink:
         self.enrolled += 1
         self.reports_sent += 1
         self.full_reports_sent += 1
+        self._inventory_taken = report.inventory
         self.registered = True
         self.last_ok_at = time.time()
         self._vouched_at = trio.current_time()   # the sealed keys are the placer's word
         log.info("registered through the rack relay node=%s boot=%s relay=%s", self.node_id, self.boot_id, url)
+        self._take_revoked(reply, True)
         if reply.heartbeat_interval_s:   # a relayed answer, but for its keys: clamped as one
             self.heartbeat_s = relayed_interval(reply.heartbeat_interval_s, self.placer_heartbeat_s)
         if reply.need_full:
@@ -926,6 +992,51 @@ class AgentLink:
             raise _PlacerError(f"placer answered {status}: {content[:200].decode(errors='replace')}")
         return _reply_decoder.decode(content)
 
+    async def _post_or_move(self, client: httpx.AsyncClient | None, url: str, report: NodeReport,
+                            headers: dict[str, str]) -> ReportReply:
+        """:meth:`_post`; and, with several placers known, over this node's own connection, while
+        it goes unanswered past ``leader_probe_after_s``: who leads, asked of the other placers
+        (scheduler_link.leaderprobe). One named with an epoch above the highest seen ends the
+        wait: the link moves to it (:class:`_PlacerMoved`; a full report follows) instead of
+        waiting out the request timeout on a paused or cut-off leader."""
+        if client is None or self._relay is not None or len(self.placers) < 2:
+            return await self._post(client, url, report, headers)
+        race = _Race(self.placer_url)
+        async with trio.open_nursery() as n:
+            n.start_soon(self._race_report, race, n.cancel_scope, client, url, report, headers)
+            n.start_soon(self._race_probe, race, n.cancel_scope, client)
+        if race.moved_to is not None:
+            now = trio.current_time()
+            self.placers.failed(race.used, now)
+            self._switch(self.placers.learned(race.moved_to.url, now), race.moved_to.wire or None)
+            self.leader_moves += 1
+            raise _PlacerMoved(f"placer {race.used} silent for {self.leader_probe_after_s:g}s and "
+                               f"{race.moved_to.url} leads at a newer epoch ({race.moved_to.epoch})")
+        if race.error is not None:
+            raise race.error
+        assert race.reply is not None
+        return race.reply
+
+    async def _race_report(self, race: _Race, scope: trio.CancelScope, client: httpx.AsyncClient, url: str,
+                           report: NodeReport, headers: dict[str, str]) -> None:
+        try:
+            race.reply = await self._post(client, url, report, headers)
+        except Exception as e:   # (raised again by _post_or_move, outside the nursery)
+            race.error = e
+        scope.cancel()
+
+    async def _race_probe(self, race: _Race, scope: trio.CancelScope, client: httpx.AsyncClient) -> None:
+        await trio.sleep(self.leader_probe_after_s)
+        while True:
+            others = [u for u in self.placers.urls if u != race.used]
+            found = leaderprobe.newer_leader(await leaderprobe.probe(client, others), self.epochs.highest,
+                                             race.used)
+            if found is not None:
+                race.moved_to = found
+                scope.cancel()
+                return
+            await trio.sleep(leaderprobe.PROBE_EVERY_S)
+
     def _placer_answered(self, status: int | None, body: bytes = b"", *, used: str) -> None:
         """Several placers: a follower's 307 names the leader, which is asked next; a placer
         that does not lead and names none moves on to the next; no answer (``status`` None)
@@ -935,11 +1046,14 @@ class AgentLink:
         now = trio.current_time()
         new = (self.placers.learned(leader, now) if leader
                else self.placers.failed(used, now if status is None else None))
+        # the leader's framed channel when the follower named it (registered over it at once)
+        self._switch(new, leader_wire_of(status, body) if leader and status is not None else None)
+
+    def _switch(self, new: str, wire_url: str | None) -> None:
         if new != self.placer_url:
             log.info("reporting to another placer node=%s placer=%s (was %s)", self.node_id, new, self.placer_url)
             self.placer_url = new
-            # the leader's framed channel when the follower named it (registered over it at once)
-            self._wire_url = leader_wire_of(status, body) if leader and status is not None else None
+            self._wire_url = wire_url
             self._wire_retry_at = 0.0
 
     async def _stop(self, victims: list[Victim]) -> None:
@@ -972,6 +1086,23 @@ class _Conflict(Exception):
 
 class _PlacerError(Exception):
     pass
+
+
+class _PlacerMoved(_PlacerError):
+    """The placer asked did not answer in time and another leads at a newer epoch: the link
+    has moved to it (AgentLink._post_or_move)."""
+
+
+class _Race:
+    """A report to the placer ``used`` against probes of the others: how it ended."""
+
+    __slots__ = ("used", "reply", "error", "moved_to")
+
+    def __init__(self, used: str) -> None:
+        self.used = used
+        self.reply: ReportReply | None = None
+        self.error: Exception | None = None
+        self.moved_to: leaderprobe.Claim | None = None
 
 
 class _RelayHolding(_PlacerError):

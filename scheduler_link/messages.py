@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import re
 import zlib
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -158,6 +159,24 @@ def for_placer(snap: GpuSnapshot) -> GpuSnapshot:
         return snap
     gpus = [msgspec.structs.replace(g, nvlinks=[], telemetry=_NO_TELEMETRY) for g in snap.gpus]
     return msgspec.structs.replace(snap, gpus=gpus, topology_matrix=[])
+
+
+def gpu_inventory(snap: GpuSnapshot) -> tuple[list[str], str]:
+    """A snapshot's GPU inventory as the placer keeps it: the UUIDs in index order, and their
+    digest (BLAKE2b-128, hex) with the NVLink domain and whether they are simulated. Equal
+    digests: the same GPUs, the same way; what a compact registration names
+    (:func:`compact_ok`, ``NodeReport.inventory``)."""
+    uuids = [g.uuid for g in sorted(snap.gpus, key=lambda g: g.index)]
+    text = "\n".join(uuids) + "\0" + (snap.nvlink_domain or "") + "\0" + ("sim" if snap.simulated else "")
+    return uuids, hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+
+
+def compact_ok(snap: GpuSnapshot) -> bool:
+    """Whether a full report may leave ``snap`` out and name its inventory instead: every GPU
+    and the host healthy with nothing to say (the placer then records them so); anything else
+    travels whole."""
+    h = snap.host
+    return h.state == "healthy" and not h.reasons and all(g.health == "healthy" and not g.reasons for g in snap.gpus)
 
 
 # ---------------------------------------------------------------- workloads
@@ -354,6 +373,25 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
     # the node's keyed-BLAKE3 MAC (scheduler_link.msgauth.report_mac) when a relay forwards it;
     # empty on the node's own connection
     mac: bytes = b""
+    # the digest of the node's GPU inventory (gpu_inventory) on a full report. A full report
+    # with no ``snapshot`` and a digest is a *compact* registration: "the GPUs you stored under
+    # this digest for this boot, all healthy" (placer.inventories); a placer that holds no such
+    # inventory answers 409 and the node sends its snapshot. A few hundred bytes instead of ~8 KB
+    inventory: str = ""
+
+    @property
+    def compact(self) -> bool:
+        return self.full and self.snapshot is None and bool(self.inventory)
+
+
+class RevokedList(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """The deny-list as the placer signs it (its Ed25519 bundle key, msgauth.revoked_bytes), so
+    that a member behind a relay may take it from its relay: the relay cannot add to it, drop
+    from it or hand down an older one (``issued_at``: a member takes only a newer list)."""
+    issued_at: float
+    nodes: list[str] = []
+    serials: list[str] = []
+    sig: bytes = b""
 
 
 class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
@@ -386,6 +424,9 @@ class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
     # in an answer through a relay: the placer's MAC over ``epoch`` in the node's key
     # (scheduler_link.msgauth.epoch_mac), so the member may take the epoch a relay carried
     epoch_mac: bytes = b""
+    # the deny-list signed (taken from any answer, a relay's too, when it verifies and is newer);
+    # a relay hands down the latest it had from the placer in its answers to members' heartbeats
+    revoked_signed: RevokedList | None = None
 
 
 # ---------------------------------------------------------------- placer API (jobs, nodes, cluster)
@@ -687,6 +728,9 @@ class RackBundle(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     epoch: int = 0
 
 
+MAC_LEN = 16   # bytes of a node's MAC (scheduler_link.msgauth)
+
+
 class NodeOutcome(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     node_id: str
     placement_id: str
@@ -697,11 +741,37 @@ class NodeOutcome(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
 
 
 class AckBundle(msgspec.Struct, frozen=True, kw_only=True):
-    """A relay -> the placer: every member's outcome for one RackBundle."""
+    """A relay -> the placer: every member's outcome for one RackBundle. The common answer,
+    a member that accepted its part as it was (``outcome`` "accepted", no refused GPUs, no
+    detail, a MAC), travels as the rack's aggregate: bit ``k`` of ``accepted`` (byte ``k // 8``,
+    least significant bit first) says the bundle's ``k``-th part was so accepted, and
+    ``macs`` holds those members' MACs (``MAC_LEN`` bytes each, in part order), exactly as
+    each member made it over its own outcome (the placer rebuilds that outcome from its own
+    part: node, placement id). Any other outcome is a :class:`NodeOutcome` in ``outcomes``."""
     rack: str
     blob_id: str
     version: int = WIRE_VERSION
     outcomes: list[NodeOutcome] = []
+    accepted: bytes = b""
+    macs: bytes = b""
+
+    def accepted_slots(self) -> list[int]:
+        """The parts' positions ``accepted`` names, in order."""
+        bits = int.from_bytes(self.accepted, "little")
+        out = []
+        while bits:
+            low = bits & -bits
+            out.append(low.bit_length() - 1)
+            bits ^= low
+        return out
+
+    def expanded(self, parts: Sequence[NodePart]) -> list[NodeOutcome]:
+        """Every outcome this answer carries for a bundle of ``parts``, as NodeOutcomes (the
+        aggregate's first, in part order; positions past the parts are left out)."""
+        macs = self.macs
+        return [NodeOutcome(node_id=parts[k].node_id, placement_id=parts[k].placement_id, outcome="accepted",
+                            mac=macs[j * MAC_LEN:(j + 1) * MAC_LEN])
+                for j, k in enumerate(self.accepted_slots()) if k < len(parts)] + list(self.outcomes)
 
 
 class RackBeat(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -819,6 +889,7 @@ class RackBeatReply(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=Tru
     stop: list[NodeStop] = []
     heartbeat_interval_s: float | None = None
     epoch: int = 0                           # the answering placer's epoch (scheduler_link.epochs)
+    revoked_signed: RevokedList | None = None   # the deny-list, for the relay to hand to its members
 
 
 class BlobRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -57,14 +57,24 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 from infra.durable import atomic_write
 from infra.errors import AuthError as AuthError  # (defined with the package's other errors)
 
-from .messages import NodeOutcome, NodePart, NodeReport, PartProof, RackBundle, Victim, expand_part
+from .messages import MAC_LEN as MAC_LEN
+from .messages import (
+    NodeOutcome,
+    NodePart,
+    NodeReport,
+    PartProof,
+    RackBundle,
+    RevokedList,
+    Victim,
+    expand_part,
+)
 
 log = logging.getLogger("herd.link.msgauth")
 
-MAC_LEN = 16
 KEY_LEN = 32
 _KDF = b"herd node mac v1\0"
 _BUNDLE = b"herd rack bundle v1\0"
+_REVOKED = b"herd deny-list v1\0"
 MASTER_FILE = "node-mac.secret"
 SIGNING_FILE = "placer-signing.key"
 
@@ -121,6 +131,18 @@ def report_ok(key: bytes, rep: NodeReport) -> bool:
 def outcome_mac(key: bytes, o: NodeOutcome) -> bytes:
     """Over every field but the MAC (a msgpack array: unambiguous, and cheaper than the struct)."""
     return _mac(key, b"ack\0" + _canon.encode((o.node_id, o.placement_id, o.outcome, o.refused_gpus, o.detail)))
+
+
+def accepted_macs(keys: list[bytes], node_ids: list[str], placement_ids: list[str]) -> bytes:
+    """The MACs of plain acceptances (:func:`outcome_mac` of ``NodeOutcome(node_id=...,
+    placement_id=..., outcome="accepted")``), one per node, joined: what a rack's aggregate
+    ack (AckBundle.accepted and .macs) is checked against in one comparison."""
+    enc, b3 = _canon.encode, blake3.blake3
+    return b"".join([b3(b"ack\0" + enc((n, p, "accepted", _NO_GPUS, None)), key=k).digest(MAC_LEN)
+                     for k, n, p in zip(keys, node_ids, placement_ids, strict=True)])
+
+
+_NO_GPUS: tuple[str, ...] = ()
 
 
 def with_outcome_mac(key: bytes, o: NodeOutcome) -> NodeOutcome:
@@ -252,6 +274,22 @@ class BundleSigner:
     def generate(cls) -> BundleSigner:
         return cls(Ed25519PrivateKey.generate())
 
+    @classmethod
+    def from_pem(cls, pem: bytes, where: str) -> BundleSigner:
+        """A signer from its PKCS#8 PEM (:class:`AuthError` naming ``where`` when it is not an Ed25519 key)."""
+        try:
+            key = serialization.load_pem_private_key(pem, password=None)
+        except ValueError as e:
+            raise AuthError(f"{where} is not a PEM private key: {e}") from None
+        if not isinstance(key, Ed25519PrivateKey):
+            raise AuthError(f"{where} is not an Ed25519 key")
+        return cls(key)
+
+    def private_pem(self) -> bytes:
+        """The private key, PKCS#8 PEM (to share it with the other placers of an HA cluster)."""
+        return self._key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption())
+
     def sign_parts(self, rack: str, blob_id: str, deliver_by: float, raws: list[bytes], epoch: int = 0) -> bytes:
         """The signature over one bundle alone (a tree of one leaf: an empty path) whose parts
         are encoded as ``raws``."""
@@ -274,6 +312,12 @@ class BundleSigner:
                            sig=sig, sig_path=path, sig_index=i, epoch=sp.epoch)
                 for i, (sp, path) in enumerate(zip(specs, paths, strict=True))]
 
+    def revoked(self, issued_at: float, nodes: list[str], serials: list[str]) -> RevokedList:
+        """The deny-list signed, for members to take through their relay."""
+        self.signed += 1
+        return RevokedList(issued_at=issued_at, nodes=nodes, serials=serials,
+                           sig=self._key.sign(revoked_bytes(issued_at, nodes, serials)))
+
     def bundle(self, *, rack: str, blob_id: str, parts: list[NodePart], deliver_by: float,
                blob: bytes | None = None, blob_sources: list[str] | None = None, epoch: int = 0) -> RackBundle:
         """A signed RackBundle (its parts carried as the exact bytes the signature covers)."""
@@ -284,6 +328,11 @@ class BundleSigner:
                    blob: bytes | None = None, blob_sources: list[str] | None = None, epoch: int = 0) -> RackBundle:
         """As :meth:`bundle`, the parts given as their bytes (:func:`part_bytes` of each)."""
         return self.bundles_raw([BundleSpec(rack, blob_id, raws, deliver_by, blob, blob_sources or [], epoch)])[0]
+
+
+def revoked_bytes(issued_at: float, nodes: list[str], serials: list[str]) -> bytes:
+    """What the placer signs of a deny-list (RevokedList)."""
+    return _REVOKED + _canon.encode((issued_at, nodes, serials))
 
 
 class BundleView(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -335,6 +384,16 @@ class BundleVerifier:
             seen[sig] = root
             while len(seen) > 64:
                 seen.pop(next(iter(seen)))
+
+    def revoked_ok(self, rl: RevokedList) -> bool:
+        """Whether the placer signed this deny-list."""
+        try:
+            self._key.verify(rl.sig, revoked_bytes(rl.issued_at, rl.nodes, rl.serials))
+        except InvalidSignature:
+            self.refused += 1
+            return False
+        self.verified += 1
+        return True
 
     def _legacy_ok(self, sig: bytes, header: bytes) -> bool:
         """A bundle signed alone the way placers before batched signatures did (over its header
@@ -406,12 +465,32 @@ def load_placer_keys(state_dir: str | os.PathLike[str]) -> tuple[bytes, BundleSi
     master = _read_or_make(d / MASTER_FILE, os.urandom(KEY_LEN))
     if len(master) != KEY_LEN:
         raise AuthError(f"{d / MASTER_FILE} is {len(master)} bytes, not {KEY_LEN}")
-    pem = _read_or_make(d / SIGNING_FILE, Ed25519PrivateKey.generate().private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    pem = _read_or_make(d / SIGNING_FILE, BundleSigner.generate().private_pem())
+    return master, BundleSigner.from_pem(pem, str(d / SIGNING_FILE))
+
+
+class _PlacerKeys(msgspec.Struct, frozen=True):
+    version: int
+    mac_master: bytes
+    signing_key: bytes      # PKCS#8 PEM
+
+
+PLACER_KEYS_VERSION = 1
+
+
+def encode_placer_keys(master: bytes, signer: BundleSigner) -> bytes:
+    """The MAC master secret and the signing key as one value (several placers share them: placer.ha)."""
+    return msgspec.json.encode(_PlacerKeys(PLACER_KEYS_VERSION, master, signer.private_pem()))
+
+
+def decode_placer_keys(raw: bytes, where: str) -> tuple[bytes, BundleSigner]:
+    """What :func:`encode_placer_keys` made (:class:`AuthError` naming ``where`` otherwise)."""
     try:
-        key = serialization.load_pem_private_key(pem, password=None)
-    except ValueError as e:
-        raise AuthError(f"{d / SIGNING_FILE} is not a PEM private key: {e}") from None
-    if not isinstance(key, Ed25519PrivateKey):
-        raise AuthError(f"{d / SIGNING_FILE} is not an Ed25519 key")
-    return master, BundleSigner(key)
+        k = msgspec.json.decode(raw, type=_PlacerKeys)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        raise AuthError(f"{where} does not hold the placer keys: {e}") from None
+    if k.version != PLACER_KEYS_VERSION:
+        raise AuthError(f"{where}: placer keys of version {k.version}, this placer reads {PLACER_KEYS_VERSION}")
+    if len(k.mac_master) != KEY_LEN:
+        raise AuthError(f"{where}: a MAC master of {len(k.mac_master)} bytes, not {KEY_LEN}")
+    return k.mac_master, BundleSigner.from_pem(k.signing_key, where)

@@ -53,6 +53,7 @@ MAX_NODE_ID_LEN = 253
 MAX_TOPO_LEN = 128
 MAX_UUID_LEN = 128
 MAX_URL_LEN = 2048
+_DIGEST = re.compile(r"[0-9a-f]{32}")
 MAX_TEXT_LEN = 4096             # reasons, details, names
 
 _NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")
@@ -153,6 +154,8 @@ def validate_report(rep: NodeReport) -> str | None:
         return err
     if rep.snapshot is not None and (err := _snapshot(rep.snapshot)):
         return err
+    if rep.inventory and not _DIGEST.fullmatch(rep.inventory):
+        return "inventory must be 32 lower-case hex digits (messages.gpu_inventory)"
     if len(rep.workloads) > MAX_WORKLOADS:
         return f"report lists {len(rep.workloads)} workloads (at most {MAX_WORKLOADS})"
     seen: set[str] = set()

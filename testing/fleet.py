@@ -87,7 +87,7 @@ from infra import tls
 from infra.auth import TokenSet, bearer
 from infra.pki import NodeContexts
 from infra.tls import Security
-from scheduler_link.agent_link import RELAY_HOLD_RETRY_S, RELAY_HOLD_S, AgentLink, ReportChannel
+from scheduler_link.agent_link import RELAY_HOLD_RETRY_S, RELAY_HOLD_S, AgentLink, ReportChannel, registration
 from scheduler_link.enroll import CertOK, EnrollClient, EnrollRefused
 from scheduler_link.fanout import PushPool
 from scheduler_link.heartbeat_wire import (
@@ -205,7 +205,7 @@ class EmulatedNode:
     """One node: the hooks its AgentLink calls, and a fake supervisor for placements."""
 
     __slots__ = ("fleet", "slot", "control_url", "refuse", "workloads", "link", "rack", "boot_id", "seq", "registered",
-                 "registering", "mac_key", "enroll",
+                 "registering", "mac_key", "enroll", "inventory_taken", "sent_inventory",
                  "counted", "_snap", "_uuids", "_uuid_list", "_inventory", "_all_slots")
 
     def __init__(self, fleet: Fleet, slot: NodeSlot, control_url: str, refuse: str | None) -> None:
@@ -223,6 +223,8 @@ class EmulatedNode:
         self.mac_key = b""                        # relay mode: from its direct registration (msgauth)
         self.counted = False                      # relay mode: its first registration counted (Fleet)
         self.enroll: EnrollClient | None = None   # relay mode, --enroll: its certificate's key (made before go)
+        self.inventory_taken = ""                 # relay mode: the inventory the placer took last (AgentLink's)
+        self.sent_inventory = ""                  # ... and the one its last full report sent whole
         self._snap: GpuSnapshot | None = None
         self._uuids: frozenset[str] = frozenset()
         self._uuid_list: list[str] = []
@@ -507,16 +509,19 @@ class EmulatedRack:
             n.start_soon(self._heartbeats)
             n.start_soon(self._events)
 
-    def _report(self, m: EmulatedNode, *, full: bool, events: list[WorkloadEvent] | None = None) -> NodeReport:
+    def _report(self, m: EmulatedNode, *, full: bool, events: list[WorkloadEvent] | None = None,
+                compact: bool = True) -> NodeReport:
         m.seq += 1
         if full:
             # as AgentLink: a full report supersedes the events queued before it (its workload
             # list says them); the ones after it wait until it is answered
             self.events_superseded += len(self._pending.pop(m.slot.node_id, ()))
-            base = m.full_report()
             if not m.boot_id:
                 m.boot_id = f"emu-{time.monotonic_ns():x}-{m.slot.node_id}"
-            return msgspec.structs.replace(base, boot_id=m.boot_id, seq=m.seq)
+            rep = registration(msgspec.structs.replace(m.full_report(), boot_id=m.boot_id, seq=m.seq),
+                               m.inventory_taken if compact and self.fleet.cfg.compact else "")
+            m.sent_inventory = rep.inventory if rep.snapshot is not None else ""
+            return rep
         if not events:   # an empty heartbeat: its MAC is the beat MAC the relay carries up
             return NodeReport(node_id=m.slot.node_id, boot_id=m.boot_id, seq=m.seq, full=False,
                               sent_at=time.time(), mac=beat_mac(m.mac_key, m.slot.node_id, m.boot_id, m.seq)
@@ -547,7 +552,11 @@ class EmulatedRack:
                 enrol = False   # (refused: directly from now on, as AgentLink falls back)
                 if wr is None:
                     wr = await self._register_direct(m)
+                if wr is not None and wr.status == 409 and m.inventory_taken:
+                    m.inventory_taken = ""   # the placer holds no inventory of it: the snapshot, at once
+                    continue
                 if wr is not None and wr.status == 200:
+                    m.inventory_taken = m.sent_inventory or m.inventory_taken
                     if not m.counted:
                         m.counted = True
                         self.fleet.member_registered()
@@ -580,7 +589,7 @@ class EmulatedRack:
             why = pc.outcome or "unavailable"
             self.enroll_refused[why] = self.enroll_refused.get(why, 0) + 1
             return None
-        rep = self._report(m, full=True)
+        rep = self._report(m, full=True, compact=False)
         try:
             e, pending = m.enroll.make(rep, pc.cert, now=time.time())
             got = relay.member_enroll(m.slot.node_id, e)
@@ -611,7 +620,11 @@ class EmulatedRack:
             got = relay.member_report(nid, _with_mac(m.mac_key, self._report(m, full=True)))
             wr = got if isinstance(got, WireReply) else await got
             self.reports += 1
+            if wr.status == 409 and m.inventory_taken:
+                m.inventory_taken = ""   # the placer holds no inventory of it: the snapshot, at once
+                continue
             if wr.status == 200:
+                m.inventory_taken = m.sent_inventory or m.inventory_taken
                 self.relayed_registrations += 1
                 self.registered += 1
                 m.registered = True
@@ -850,6 +863,7 @@ class FleetConfig:
     enroll: bool = False               # relay mode over TLS: members register through their relay
     hold_events: bool = True           # relay mode: members' event reports wait while bundles come (Fleet.bundles_quiet)
     relay_hold_s: float = RELAY_HOLD_S  # relay mode: a member keeps a relay that lost the placer this long
+    compact: bool = True               # relay mode: re-register naming the stored GPU inventory (placer.inventories)
 
 
 class Fleet:
@@ -1388,6 +1402,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="relay mode: members report events at once, even while bundles are being handled")
     ap.add_argument("--relay-hold", type=float, default=RELAY_HOLD_S,
                     help="relay mode: seconds a member keeps a relay that lost the placer (0: directly at once)")
+    ap.add_argument("--no-compact", action="store_true",
+                    help="relay mode: full reports always carry the GPU snapshot (no compact registration)")
     ap.add_argument("--go", action="store_true", help="start at once instead of waiting for 'go' on stdin")
     ap.add_argument("--seconds", type=float, default=3600.0, help="exit after this long (bound)")
     ap.add_argument("--tls-dir", default=None,
@@ -1410,7 +1426,8 @@ def main(argv: list[str] | None = None) -> int:
         refuse_spec=frozenset(x for x in a.refuse_spec.split(",") if x),
         timing=Timing(fetch_s=a.fetch_delay, run_s=a.run_delay, stop_s=a.stop_delay), relays=a.relays,
         hung_relays=frozenset(x for x in a.hung_relays.split(",") if x), tls_dir=a.tls_dir,
-        tls_threads=a.tls_threads, hold_events=not a.no_hold_events, relay_hold_s=a.relay_hold, enroll=a.enroll)
+        tls_threads=a.tls_threads, hold_events=not a.no_hold_events, relay_hold_s=a.relay_hold, enroll=a.enroll,
+        compact=not a.no_compact)
     try:
         trio.run(_main, cfg, tokens, a.go, min(a.seconds, math.inf))
     except KeyboardInterrupt:

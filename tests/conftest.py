@@ -75,10 +75,11 @@ def _virtual_time_fsyncs_inline(request: pytest.FixtureRequest, monkeypatch: pyt
     """Under trio's autojump clock a worker thread is invisible: while the placer journal's
     fsync runs in one, the clock jumps from deadline to deadline and a slow disk turns into
     virtual-time HTTP timeouts. Virtual-time tests fsync on the event loop instead (the same
-    real fsync; the loop just waits for it). So does the placer's fleet snapshot."""
+    real fsync; the loop just waits for it). So do the placer's fleet snapshot and inventories."""
     if "autojump_clock" not in request.fixturenames:
         return
-    from placer import fleetsnap
+    from placer import fleetsnap, inventories
     from placer.journal import Journal
     monkeypatch.setattr(Journal, "sync_in_thread", False)
     monkeypatch.setattr(fleetsnap, "WRITE_IN_THREAD", False)
+    monkeypatch.setattr(inventories, "WRITE_IN_THREAD", False)

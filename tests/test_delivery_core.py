@@ -28,6 +28,10 @@ from placer.delivery import (
     RacksSettled,
     SendBundle,
 )
+from placer.records import Push
+from placer.relays import check_acks
+from scheduler_link import msgauth
+from scheduler_link.messages import AckBundle, NodeOutcome, Placement
 
 REFUSED = Outcome("refused_gpus", ("GPU-x",))
 UNREACHABLE = Outcome("unreachable", detail="no answer")
@@ -336,3 +340,75 @@ def test_round_outcomes_name_the_counted_nodes_and_their_refusals() -> None:
     outs = RoundOutcomes(pushes, core)
     assert dict(outs) == {"n0": ACCEPTED, "n1": REFUSED, "n3": ACCEPTED, "n4": ACCEPTED}
     assert outs.refused() == {"n1": REFUSED} and "n2" not in outs and outs["n4"] is ACCEPTED
+
+
+# ---------------------------------------------------------------- a rack's aggregate ack
+
+_AGG_NODES = [f"m{i}" for i in range(12)]
+_AGG_KEYS = {n: bytes([i + 1]) * 32 for i, n in enumerate(_AGG_NODES)}
+
+
+@dataclass
+class _Node:
+    """What check_acks reads of a node's record: its MAC key (or its boot to derive one)."""
+    mac: bytes
+    boot_id: str = "b"
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data())
+def test_an_aggregate_ack_names_exactly_the_members_whose_own_mac_verifies(data) -> None:
+    """Any aggregate a relay may send for a rack (each part's bit set or not, its MAC the
+    member's own, forged, or one over another placement; members already answered; the
+    relay's own part; a bitmap or MAC string of the wrong size): a member counts accepted only
+    when its bit is set, it still waits and its MAC is its own over its own placement (the
+    relay's own excepted); one whose bit is set but MAC fails is ``bad``; nobody else is named.
+    A malformed aggregate names nobody."""
+    size = data.draw(st.integers(1, len(_AGG_NODES)))
+    _aggregate_case(size, data.draw(st.sampled_from(_AGG_NODES[:size])), data.draw(st.sets(st.integers(0, size - 1))),
+                    data.draw(st.lists(st.sampled_from(["none", "own", "forged", "replay"]), min_size=size,
+                                       max_size=size)),
+                    data.draw(st.sampled_from(["", "short", "past"])))
+
+
+def test_the_common_aggregate_every_member_its_own_mac() -> None:
+    """(One comparison for the whole rack; then the same with one forged MAC, the relay's own
+    or a member's.)"""
+    for size in (1, 8, 9, 12):
+        _aggregate_case(size, _AGG_NODES[size - 1], set(), ["own"] * size, "")
+        _aggregate_case(size, _AGG_NODES[0], set(), ["own"] * (size - 1) + ["forged"], "")
+        _aggregate_case(size, _AGG_NODES[size - 1], set(), ["own"] * (size - 1) + ["forged"], "")
+
+
+def _aggregate_case(size: int, relay: str, answered: set[int], kinds: list[str], broken: str) -> None:
+    ids = _AGG_NODES[:size]
+    pushes = [Push(n, "", Placement(placement_id=f"s:{n}", job_id="j"), "j", 1, "start") for n in ids]
+    core = DeliveryRound(size, [0, size], patience_s=PATIENCE, cap_s=CAP)
+    for k in answered:
+        core.code[k] = 0
+
+    def mac(k: int, pid: str) -> bytes:
+        return msgauth.outcome_mac(_AGG_KEYS[ids[k]], NodeOutcome(node_id=ids[k], placement_id=pid, outcome="accepted"))
+    bits = bytearray((size + 7) // 8)
+    macs = b""
+    for k, kind in enumerate(kinds):
+        if kind == "none":
+            continue
+        bits[k >> 3] |= 1 << (k & 7)
+        macs += {"own": mac(k, f"s:{ids[k]}"), "forged": b"f" * 16, "replay": mac(k, "s:earlier")}[kind]
+    if broken == "short" and macs:
+        macs = macs[:-1]          # MACs that do not match the bits in number
+    elif broken == "past":
+        bits.append(1)            # a bit for a part the bundle did not have
+    malformed = broken == "past" or (broken == "short" and any(k != "none" for k in kinds))
+    ab = AckBundle(rack="r", blob_id="", accepted=bytes(bits), macs=macs)
+    nodes = {n: _Node(_AGG_KEYS[n]) for n in ids}
+    idx, outs, bad = check_acks(ab, core, 0, pushes, relay, nodes,  # type: ignore[arg-type]  # (what it reads of a NodeRec)
+                                lambda n, b: _AGG_KEYS[n])
+    assert outs is None
+    if malformed:
+        assert idx == [] and bad == []
+        return
+    waiting = [k for k in range(size) if k not in answered and kinds[k] != "none"]
+    assert sorted(idx) == [k for k in waiting if kinds[k] == "own" or ids[k] == relay]
+    assert sorted(bad) == [k for k in waiting if kinds[k] != "own" and ids[k] != relay]

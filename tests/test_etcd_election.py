@@ -1,6 +1,8 @@
 """Leader election on etcd: the pure core, then real etcd (skipped where ``etcd`` is absent):
 two campaigners, the leader's lease revoked or its process killed, the other leads within
-TTL + a margin, epochs strictly increase, resign hands over at once."""
+TTL + a margin, epochs strictly increase, resign hands over at once; the lease renewed on its
+own thread holds while the event loop is blocked past the TTL, and a leader whose renewal
+stopped knows it is not leading the moment its loop wakes."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -199,4 +202,60 @@ async def test_an_etcd_member_killed_under_the_leader(etcd3_cluster: EtcdCluster
                 await poll(lambda: c.statistics()["endpoint"] != used, 0.1)   # the next renewal goes elsewhere
             await trio.sleep(2 * 3)    # two TTLs on the surviving members
             assert a.leading() and a.view == va   # the same key, the same epoch
+            n.cancel_scope.cancel()
+
+
+async def _queued_behind(b: Election, leader: str) -> None:
+    with trio.fail_after(TTL + MARGIN_S):
+        while b.view.leader != leader or b.view.role is not Role.WAITING:
+            await b.wait_change(b.view)
+
+
+async def test_a_leader_whose_loop_is_blocked_past_its_ttl_keeps_its_lease(etcd_cluster: EtcdCluster) -> None:
+    """The renewal thread renews while the event loop is stuck (a CPU-bound stretch, a storm):
+    on waking the leader still leads with the same key and epoch, and the other never led."""
+    with trio.fail_after(60):
+        async with EtcdClient(etcd_cluster.endpoints) as c, trio.open_nursery() as n:
+            a = Election(c, PREFIX, "http://a", ttl_s=TTL)
+            b = Election(c, PREFIX, "http://b", ttl_s=TTL)
+            await n.start(a.run)
+            va = await _lead(a)
+            await n.start(b.run)
+            await _queued_behind(b, "http://a")
+            assert a.renewer is not None
+            renewals = a.core.lease.renewals
+            time.sleep(2.5 * TTL)  # noqa: ASYNC251 (the loop blocked on purpose: no task runs, no checkpoint)
+            assert a.leading()                 # decided before any task ran: the thread's expiry holds
+            assert a.core.lease.renewals > renewals
+            kv = await c.get(a.core.key)
+            assert kv is not None and kv.create_revision == va.epoch   # etcd kept the key, so the epoch
+            await trio.sleep(TTL)
+            assert a.leading() and a.view == va and b.promotions == 0 and not b.leading()
+            n.cancel_scope.cancel()
+
+
+async def test_a_leader_whose_renewal_stopped_is_fenced_on_waking(etcd_cluster: EtcdCluster) -> None:
+    """No renewal for a TTL: the leader's very first check after a blocked loop says it does
+    not lead (before any task ran to publish it); then it is fenced, the other leads with a
+    greater epoch, and the old one queues up behind it."""
+    with trio.fail_after(60):
+        async with EtcdClient(etcd_cluster.endpoints) as c, trio.open_nursery() as n:
+            a = Election(c, PREFIX, "http://a", ttl_s=TTL)
+            b = Election(c, PREFIX, "http://b", ttl_s=TTL)
+            await n.start(a.run)
+            va = await _lead(a)
+            await n.start(b.run)
+            await _queued_behind(b, "http://a")
+            assert a.renewer is not None
+            a.renewer.stop()                   # the renewal thread ends: nobody renews a's lease
+            time.sleep(TTL + 0.5)  # noqa: ASYNC251 (the loop blocked on purpose)
+            assert a.view.leading              # what was published before the stall still says so,
+            assert not a.leading()             # the check at the moment of acting does not
+            with trio.fail_after(TTL + MARGIN_S):
+                while not (a.view.fenced or a.view.role is not Role.LEADER):
+                    await a.wait_change(a.view)
+            vb = await _lead(b)
+            assert vb.epoch > va.epoch and not a.leading()
+            await _queued_behind(a, "http://b")
+            assert a.fencings + a.losses >= 1 and a.core.revision > vb.epoch
             n.cancel_scope.cancel()

@@ -31,3 +31,4 @@ def test_failover_bench_small() -> None:
         assert row["jobs_lost"] == 0 and row["placements_doubled"] == 0 and row["stops"] == 0
         assert row["gang_running"] == 32 and row["refused_acks"] == 0
     assert ha["promoted_s"] > 0 and single["promoted_s"] is None
+    assert ha["leader_kept"] is True and "leader_kept" not in single

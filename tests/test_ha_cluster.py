@@ -133,8 +133,9 @@ def test_paused_leader_replaced_then_continued_is_a_follower(tmp_path: Path, tok
     """The leader SIGSTOPped past its TTL: another leads and the agents move to it; the paused
     one continued finds its lease gone and serves again, on its address, as a follower of the
     new leader; the running workload untouched throughout. An agent leaves a silent (paused)
-    placer after its request timeout (10 s): the new leader's recover_s must outlast that, or
-    it places the recovered job a second time before its workload is reported."""
+    placer once another placer names a newer leader (scheduler_link.leaderprobe), at the latest
+    after its request timeout (10 s): the new leader's recover_s outlasts even that, or it would
+    place the recovered job a second time before its workload is reported."""
 
     with HACluster(tmp_path / "c", token_dir, etcd3.endpoints, n_placers=2, n_agents=2, heartbeat_s=0.3,
                    fence_after_s=30.0, recover_s=12.0, lease_ttl_s=TTL, racks=1) as c:
@@ -156,7 +157,6 @@ def _paused_leader(c: HACluster, token_dir: Path) -> None:
     old.proc.send_signal(signal.SIGSTOP)
     try:
         nxt = c.leader(timeout_s=TTL + 8, besides=old)
-        # (an agent gives a silent framed channel its request timeout before it moves)
         wait(lambda: nodes_up(c, nxt) == set(c.agents), 40, "agents up at the new leader")
     finally:
         old.proc.send_signal(signal.SIGCONT)

@@ -404,12 +404,16 @@ def test_fetch_figures_survive_a_full_report_that_superseded_their_event():
     assert st_.job_view(job).pods[0].fetch == {"bytes_from_origin": 5, "bytes_from_peers": 7, "bytes_local": 0}
 
 
-def test_nodes_lost_while_the_fleet_registers_cost_no_rebuild():
-    st_ = PlacerState(PlacerConfig(heartbeat_s=1.0, lost_after_missed=3), started_at=0.0)
+@pytest.mark.parametrize("mass", [0.0, 0.1])
+def test_nodes_lost_while_the_fleet_registers_cost_no_rebuild(mass):
+    st_ = PlacerState(PlacerConfig(heartbeat_s=1.0, lost_after_missed=3, lost_mass_fraction=mass), started_at=0.0)
     for i in range(200):
         st_.ingest(f"n{i:03d}", full(f"n{i:03d}", rack=f"r{i // 20}"), 0.0)
-    st_.tick(10.0)  # nobody heartbeat: every node lost, with the model still waiting for its rebuild
-    assert st_.node_states["lost"] == 200 and st_.model.rebuilds == 1
+    st_.tick(10.0)  # nobody heartbeat: every node lost (or, a mass silence, held), the model still unbuilt
+    if mass:
+        assert st_.silent_nodes == 200 and st_.node_states["lost"] == 0 and st_.model.rebuilds == 1
+    else:
+        assert st_.node_states["lost"] == 200 and st_.model.rebuilds == 1
     assert st_.model.statistics()["usable"] == 0 and st_.model.rebuilds == 2
 
 

@@ -5,7 +5,8 @@ connection up (``upstream_down``), and their full reports reach the new process 
 MACed with keys that outlive the placer process -- no member opens a connection of its own to
 the placer (counted on both sides: the members' links and the placer's TLS handshakes). The
 running workloads are untouched, nothing is placed twice, and a job submitted after the
-restart runs."""
+restart runs. The nodes re-register compactly: they name the GPU inventory the placer stored
+instead of sending their snapshots."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import pytest
 import trio
 
 from infra.auth import TokenSet
+from placer.inventories import InventoryBook
 from tests.prom import value
 from tests.test_relay_agents import Api, RelayCluster, _jobs_workloads, _start
 
@@ -48,6 +50,11 @@ async def test_a_restarted_placer_hears_the_rack_through_its_relay_without_membe
         links0 = await _links(api, members)
 
         assert c.placer is not None
+
+        async def stored() -> bool:   # (written within a second of each registration)
+            return set(InventoryBook.load(c.placer.state_dir).by_node) == {"node0", *members}
+        with trio.fail_after(10):
+            await api.until(stored)
         c.placer.signal_group(signal.SIGKILL)
         c.placer.proc.wait(5)
 
@@ -75,6 +82,12 @@ async def test_a_restarted_placer_hears_the_rack_through_its_relay_without_membe
         # which carries node0's own reports too (agent.relay.OwnReports); the members none
         text = await _metrics(api)
         assert value(text, "herd_placer_tls_handshakes_total", listener="wire") <= 1, text
+        # and every node named the GPU inventory the placer had stored instead of sending its
+        # snapshot (placer.inventories): a compact registration each, none answered 409
+        for n, link in (await _links(api, ["node0", *members])).items():
+            assert link["compact_registrations"] >= 1 and link["inventory_misses"] == 0, (n, link)
+        assert value(text, "herd_placer_compact_registrations_total") >= 3, text
+        assert value(text, "herd_placer_inventory_misses_total") == 0, text
 
         # the gang is the agents' truth: running, the same workloads, nothing placed again
         job = await api.job("g", wait="running")

@@ -61,8 +61,10 @@ def test_a_bundle_is_handed_to_its_nodes_and_acked_once():
                                                           outcome="accepted", mac=b"m" * 16))
            for h in hands if isinstance(h, Hand)]
     assert out[:2] == [None, None] and isinstance(out[2], Acks)
-    assert [o.node_id for o in out[2].acks.outcomes] == ["n0", "n1", "n2"]
-    assert all(o.mac == b"m" * 16 for o in out[2].acks.outcomes)   # passed through untouched
+    acks = out[2].acks   # every one plainly accepted: the rack's aggregate, no outcome of its own
+    assert acks.outcomes == [] and acks.accepted_slots() == [0, 1, 2] and acks.accepted == b"\x07"
+    assert acks.macs == b"m" * 48                                    # passed through untouched
+    assert [o.node_id for o in acks.expanded([h.part for h in hands if isinstance(h, Hand)])] == ["n0", "n1", "n2"]
     assert (core.parts_delivered, core.parts_missed, core.open_rounds) == (3, 3, 0)
 
 
@@ -78,7 +80,8 @@ def test_deliver_by_bounds_the_round_and_a_carried_blob_is_kept():
     got2 = core2.bundle(msgspec.msgpack.encode(SIGNER.bundles_raw(specs)[0]), SIGNER.public, now=0.0, wall=0.0)
     assert isinstance(got2, Taken)
     assert got2.actions[0] == KeepBlob(bid, raw)
-    assert isinstance(got2.actions[1], Acks) and got2.actions[1].acks.outcomes == []   # n9 is not ours
+    assert isinstance(got2.actions[1], Acks)   # n9 is not ours
+    assert got2.actions[1].acks.outcomes == [] and got2.actions[1].acks.accepted == b""
 
 
 def test_a_bundle_past_its_deliver_by_is_still_handed_with_the_whole_window():
@@ -167,7 +170,7 @@ class Op:
 
 
 ops = st.lists(st.one_of(
-    st.builds(Op, st.just("answer"), st.integers(0, 40), st.integers(0, 3)),   # which hand, how
+    st.builds(Op, st.just("answer"), st.integers(0, 40), st.integers(0, 4)),   # which hand, how
     st.builds(Op, st.just("close"), st.integers(1, 5)),
     st.builds(Op, st.just("tick"), st.integers(1, 300)),                       # ms
     st.builds(Op, st.just("bundle"), st.integers(0, 1)),
@@ -186,7 +189,11 @@ def test_every_part_ends_exactly_once_in_exactly_one_ack_bundle(joined, script):
     parts: dict[tuple[int, int], NodePart] = {}
     acks: dict[int, Acks] = {}
     hands: list[Hand] = []
+    macs: dict[tuple[int, int], bytes] = {}     # the MACs members answered with
     used = 0
+
+    def bundle_parts(rid: int) -> list[NodePart]:   # (a bundle's parts, in slot order: one per node)
+        return [NodePart(placement_id=f"p{rid}-{n}", node_id=n, job_id="j", attempt=1) for n in NODES]
 
     def took(a: Acks | None) -> None:
         if a is None:
@@ -194,7 +201,11 @@ def test_every_part_ends_exactly_once_in_exactly_one_ack_bundle(joined, script):
         assert a.round_id not in acks, "a round acked twice"
         acks[a.round_id] = a
         ok = sorted(parts[k].node_id for k, s in state.items() if k[0] == a.round_id and s == "ok")
-        assert sorted(o.node_id for o in a.acks.outcomes) == ok
+        got = a.acks.expanded(bundle_parts(a.round_id))
+        assert sorted(o.node_id for o in got) == ok
+        agg = a.acks.accepted_slots()
+        assert len(a.acks.macs) == 16 * len(agg) and all(state[a.round_id, k] == "ok" for k in agg)
+        assert [o.mac for o in got[:len(agg)]] == [macs[a.round_id, k] for k in agg]   # untouched, in order
         for k, s in state.items():
             if k[0] == a.round_id and s == "waiting":
                 state[k] = "missed"
@@ -220,13 +231,17 @@ def test_every_part_ends_exactly_once_in_exactly_one_ack_bundle(joined, script):
             h = hands[op.a % len(hands)]
             k = (h.round_id, h.slot)
             p = h.part
-            out = (NodeOutcome(node_id=p.node_id, placement_id=p.placement_id, outcome="accepted", mac=b"x"),
+            mac = bytes([op.a]) * 16
+            out = (NodeOutcome(node_id=p.node_id, placement_id=p.placement_id, outcome="accepted", mac=mac),
                    NodeOutcome(node_id=p.node_id, placement_id=p.placement_id, outcome="refused_spec"),
                    None,
-                   NodeOutcome(node_id=p.node_id, placement_id="another", outcome="accepted"))[op.b]
+                   NodeOutcome(node_id=p.node_id, placement_id="another", outcome="accepted"),
+                   NodeOutcome(node_id=p.node_id, placement_id=p.placement_id, outcome="accepted", mac=b"x"),
+                   )[op.b]
             before = state[k]
             if before == "waiting":
-                state[k] = "ok" if op.b in (0, 1) else "missed"
+                state[k] = "ok" if op.b in (0, 1, 4) else "missed"
+                macs[k] = mac
             took(core.answered(h.round_id, h.slot, out))
             if before != "waiting":
                 assert state[k] == before   # a late answer changes nothing
@@ -246,9 +261,9 @@ def test_every_part_ends_exactly_once_in_exactly_one_ack_bundle(joined, script):
         took(core.expire(rid))
     assert set(acks) == set(rounds) and core.open_rounds == 0
     assert core.parts_delivered + core.parts_missed == sum(rounds.values())
-    assert core.parts_delivered == sum(len(a.acks.outcomes) for a in acks.values())
-    for a in acks.values():
-        keys = [(o.node_id, o.placement_id) for o in a.acks.outcomes]
+    assert core.parts_delivered == sum(len(a.acks.expanded(bundle_parts(r))) for r, a in acks.items())
+    for r, a in acks.items():
+        keys = [(o.node_id, o.placement_id) for o in a.acks.expanded(bundle_parts(r))]
         assert len(keys) == len(set(keys))           # one outcome per part
         assert all(pid.startswith(f"p{a.round_id}-") for _, pid in keys)
 
@@ -295,7 +310,7 @@ async def test_the_driver_answers_at_the_last_answer_or_the_ack_window(autojump_
     t0 = trio.current_time()
     kind, acks = await relay._bundle(_payloads(1)[0])
     assert kind == "acks" and trio.current_time() - t0 == pytest.approx(0.4)   # the ack window
-    assert [o.node_id for o in acks.outcomes] == ["n0", "n1", "n2"]
+    assert [o.node_id for o in acks.outcomes] == ["n0", "n1", "n2"]   # (no MACs: not the aggregate)
     assert (relay.core.parts_delivered, relay.core.parts_missed, relay.core.open_rounds) == (3, 3, 0)
 
     relay = _relay({"n1": 0.1, "n2": 0.05, "n3": 0.2, "n4": 0.15, "n5": 0.01})

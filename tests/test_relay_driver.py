@@ -92,7 +92,7 @@ class Relay:
     """A relay's frames connection: answers each bundle with ``answer(part node ids)`` after
     ``after`` seconds (None: never), or closes at once."""
 
-    def __init__(self, answer: Callable[[list[str]], list[NodeOutcome]] | None, nursery: trio.Nursery,
+    def __init__(self, answer: Callable[[list[str]], list[NodeOutcome] | AckBundle] | None, nursery: trio.Nursery,
                  after: float = 0.01, close: bool = False) -> None:
         self.name = "relay0"
         self.info: Any = None
@@ -117,7 +117,9 @@ class Relay:
 
         async def later() -> None:
             await trio.sleep(self.after)
-            raw = encode_frame("acks", AckBundle(rack=RACK, blob_id="", outcomes=answer(ids)), re=rid)
+            got = answer(ids)
+            ab = got if isinstance(got, AckBundle) else AckBundle(rack=RACK, blob_id="", outcomes=got)
+            raw = encode_frame("acks", ab, re=rid)
             fn(msgspec.msgpack.decode(raw[4:], type=Frame))
         self.nursery.start_soon(later)
 
@@ -209,3 +211,61 @@ async def test_bundles_carry_the_placers_epoch_signed_and_stale_epoch_answers_ar
     forged = msgspec.structs.replace(view, epoch=8)
     with pytest.raises(msgauth.AuthError):
         msgauth.BundleVerifier(host.signer.public).bundle(msgspec.msgpack.encode(forged))
+
+
+def _aggregate(macs: dict[int, bytes], outcomes: list[NodeOutcome] | None = None) -> AckBundle:
+    """The shipped relay's answer for the members plainly accepted (agent.relaycore): bit k of
+    ``accepted`` for the bundle's k-th part, the MACs in part order."""
+    bits = bytearray(1)
+    for k in macs:
+        bits[0] |= 1 << k
+    return AckBundle(rack=RACK, blob_id="", outcomes=outcomes or [], accepted=bytes(bits),
+                     macs=b"".join(macs[k] for k in sorted(macs)))
+
+
+def _mac(host: Host, n: str, pid: str | None = None) -> bytes:
+    return msgauth.outcome_mac(host.key(n), NodeOutcome(node_id=n, placement_id=pid or f"start:j:1:{n}",
+                                                        outcome="accepted"))
+
+
+async def test_a_racks_aggregate_ack_is_checked_member_by_member_identity(tmp_path, autojump_clock) -> None:
+    """The aggregate (a bitmap and the members' MACs) counts a member only with its own MAC over
+    its own placement: n2's forged MAC and n3's MAC of another placement (a replay) do not
+    verify, n1's does, the relay's own needs none; those two are pushed directly, as is n3...
+    and nothing of a member whose bit is not set is taken."""
+    def answer(host: Host) -> Callable[[list[str]], AckBundle]:
+        return lambda ids: _aggregate({0: b"r" * 16, 1: _mac(host, "n1"), 2: b"x" * 16,
+                                       3: _mac(host, "n3", "start:j:0:n3")})
+
+    acks, pushed, host, hub = await _round(str(tmp_path), lambda h, n: Relay(answer(h), n))
+    assert dict(acks) == {n: ACCEPTED for n in MEMBERS}
+    assert sorted(n for n, _ in pushed) == ["n2", "n3"]
+    assert host.bad_macs == 2 and hub.stats.relayed_nodes == 2 and hub.stats.fallback_nodes == 2
+
+    def left_out(host: Host) -> Callable[[list[str]], AckBundle]:
+        return lambda ids: _aggregate({1: _mac(host, "n1"), 3: _mac(host, "n3")})
+    acks, pushed, host, hub = await _round(str(tmp_path), lambda h, n: Relay(left_out(h), n))
+    assert sorted(n for n, _ in pushed) == ["n2", "relay0"] and host.bad_macs == 0
+
+
+async def test_an_aggregate_and_outcomes_together_and_a_malformed_aggregate(tmp_path, autojump_clock) -> None:
+    def mixed(host: Host) -> Callable[[list[str]], AckBundle]:
+        stale = msgauth.with_outcome_mac(host.key("n1"), NodeOutcome(node_id="n1", placement_id="start:j:1:n1",
+                                                                     outcome="stale_epoch"))
+        return lambda ids: _aggregate({0: b"r" * 16, 2: _mac(host, "n2"), 3: _mac(host, "n3")}, [stale])
+
+    acks, pushed, host, hub = await _round(str(tmp_path), lambda h, n: Relay(mixed(h), n))
+    assert acks["n1"].outcome == "stale_epoch" and host.stale_epoch == 1 and not pushed
+    assert [n for n in MEMBERS if acks[n] is ACCEPTED] == ["relay0", "n2", "n3"] and hub.stats.relayed_nodes == 4
+
+    def malformed(host: Host) -> Callable[[list[str]], AckBundle]:   # a MAC short: nobody is named
+        return lambda ids: msgspec.structs.replace(_aggregate({1: _mac(host, "n1"), 2: _mac(host, "n2")}),
+                                                   macs=_mac(host, "n1") + b"x")
+    acks, pushed, host, hub = await _round(str(tmp_path), lambda h, n: Relay(malformed(h), n))
+    assert sorted(n for n, _ in pushed) == sorted(MEMBERS) and dict(acks) == {n: ACCEPTED for n in MEMBERS}
+    assert hub.stats.relayed_nodes == 0 and hub.stats.bundle_failures == 0
+
+    def past_the_parts(host: Host) -> Callable[[list[str]], AckBundle]:   # a bit for a part not sent
+        return lambda ids: _aggregate({1: _mac(host, "n1"), 5: b"y" * 16})
+    acks, pushed, host, hub = await _round(str(tmp_path), lambda h, n: Relay(past_the_parts(h), n))
+    assert sorted(n for n, _ in pushed) == sorted(MEMBERS) and hub.stats.relayed_nodes == 0
