@@ -131,6 +131,7 @@ class Push:
             p.job_id = job_id
             p.attempt = attempt
             p.kind = "start"
+            p.boot_id = ""
             p._placement = None
             p.placement_id = prefix + nid
             p._gang, p._node = gang, node
@@ -219,7 +220,7 @@ def parts_bytes(pushes: list[Push], expires_at: float) -> list[bytes]:
                 out.append(enc([
                     "", node.node_id, job_id, attempt, "", WIRE_VERSION,
                     [["", t.ranks[rows], t.slots[rows], _EMPTY]],
-                    p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None]))
+                    p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None, ""]))
                 continue
             ranks, slots = t.ranks, t.slots
             out.append(enc([
