@@ -26,6 +26,7 @@ from agent.supervisor import SupervisorConfig
 from infra import tls
 from infra.auth import TokenSet
 from p2p.fetch import fetch_artifact
+from p2p.herd import render_metrics
 from p2p.origins import open_origin
 from p2p.peers import PeerClient, PeerRefused
 from p2p.publish import publish
@@ -132,6 +133,8 @@ async def test_only_the_gangs_nodes_read_its_artifact_from_a_peer(tmp_path, toke
                 assert e.value.reason == "not_a_member"
             stats = a1.dataplane.statistics()
             assert stats["refused_not_a_member"] == 8
+            assert 'herd_dataplane_rejected_total{node="a1",reason="not_a_member"} 8' in render_metrics(
+                "a1", None, stats)
             assert len(kept) == 2
             # public: anyone of the cluster
             pub = chunks[m_public][0]
