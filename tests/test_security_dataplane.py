@@ -173,3 +173,33 @@ def test_public_names_manifest_ids_or_every_manifest():
     assert DataPlaneSection(public=["*", "ab" * 32]).public == ["*", "ab" * 32]
     with pytest.raises(ValueError, match="neither a manifest id"):
         DataPlaneSection(public=["trainer:v1"])
+
+
+def test_the_agent_takes_its_gangs_from_its_live_workloads():
+    """Each live workload's gang: its blob's nodes, until the blob is here the peers its
+    placement named (and the blob is asked for, once); ended workloads open nothing."""
+    from agent.readers import GangReaders
+    from agent.state import WorkloadRecord
+    from infra.peers import PeerTable
+    from scheduler_link.messages import GangBlob
+
+    m, other = "1" * 64, "2" * 64
+    recs = {
+        "g.1.0": WorkloadRecord(workload_id="g.1.0", job_id="g", placement_id="start:g:1:a1", manifest_id=m,
+                                gang_blob_id="B", peers=[Peer(node_id="a2", data_url="https://a2")], state="running"),
+        "g.1.1": WorkloadRecord(workload_id="g.1.1", job_id="g", placement_id="start:g:1:a1", manifest_id=m,
+                                gang_blob_id="B", state="fetching"),
+        "h.1.0": WorkloadRecord(workload_id="h.1.0", job_id="h", placement_id="start:h:1:a1", manifest_id=other,
+                                peers=[Peer(node_id="a4", data_url="https://a4")], state="exited"),
+    }
+    blobs: dict[str, GangBlob] = {}
+    wanted: list[str] = []
+    readers = Readers()
+    gr = GangReaders(readers, lambda: recs, blobs.get, want=wanted.append)
+    gr.refresh()
+    assert readers.gangs() == {"B": Gang(m, frozenset({"a2"}))} and wanted == ["B"]
+    blobs["B"] = GangBlob(job_id="g", attempt=1, peers=PeerTable(node_ids=["a1", "a2", "a3"]))
+    gr.refresh()
+    gr.refresh()
+    assert readers.gangs() == {"B": Gang(m, frozenset({"a1", "a2", "a3"}))} and wanted == ["B"]
+    assert readers.manifests_for("a3") == [m] and readers.manifests_for("a4") == []
