@@ -158,12 +158,15 @@ class ApprovalRoutes:
         try:
             self.file.save(pins.approved)   # (the store is small: one entry per approved node)
         except JournalError as e:
-            if before is None:
-                pins.approved.pop(node_id, None)
-            else:
-                pins.approve(node_id, before)
-            log.error("rack approval not stored node=%s: %s", node_id, e)
-            raise HTTPError(503, "approval not stored", str(e)) from None
+            if self.etcd is None:
+                if before is None:
+                    pins.approved.pop(node_id, None)
+                else:
+                    pins.approve(node_id, before)
+                log.error("rack approval not stored node=%s: %s", node_id, e)
+                raise HTTPError(503, "approval not stored", str(e)) from None
+            # durable in etcd already: this placer's file is its copy for a restart as follower
+            log.warning("rack approval stored in etcd, not in the state dir node=%s: %s", node_id, e)
         pin = pins.pin(node_id)
         return json_response({"node_id": node_id, "rack": body.rack, "registered_rack": differs,
                               "pinned": {"rack": pin.rack, "by": pin.source} if pin is not None else None})
