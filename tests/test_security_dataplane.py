@@ -87,18 +87,19 @@ async def test_only_the_gangs_nodes_read_its_artifact_from_a_peer(tmp_path, toke
                     tls_pki.ca, tls_pki.files(f"node:{node}")))
 
             member, outsider = client("a2"), client("a3")
-            # a2 asks a1 for gang h's manifest before a1 has h's pod (the pushes race): held, then served
+            # a2 asks a1 for a chunk of gang h's manifest before a1 has h's pod (the pushes race):
+            # held (in the wait budget), then served
             late = [c.id for c in a1.store.get_manifest(m_late).chunks][0]
-            got_late: list[bytes] = []
+            answer_send, answer = trio.open_memory_channel[bytes](1)
 
             async def ask_early() -> None:
-                got_late.append(bytes(await member.get_chunk(a1.data_url, late, a1.store.chunk_size(late) or 0)))
+                await answer_send.send(bytes(await member.get_chunk(a1.data_url, late,
+                                                                    a1.store.chunk_size(late) or 0)))
 
             n.start_soon(ask_early)
-            await poll(lambda: a1.dataplane.statistics()["requests"] >= 1, 0.01)   # type: ignore[union-attr]
+            await poll(lambda: a1.dataplane.statistics()["waiting_requests"] >= 1, 0.01)  # type: ignore[union-attr]
             await push("h", m_late, 1, (a1, control))
-            await poll(lambda: got_late, 0.01)
-            assert got_late == [a1.store.read_chunk(late)]
+            assert await answer.receive() == a1.store.read_chunk(late)
             # the placer pushes gang g's pods to a1 and a2 (peers: a1, a2)
             await push("g", m_gang, 0, (a1, control), (a2, control2))
             assert a2.store is not None
