@@ -163,10 +163,23 @@ class Agent:
     def _open_readers(self) -> Readers:
         """The data plane's read policy, kept equal to this node's gangs (agent.readers)."""
         readers = Readers(self.config.dataplane.public)
-        self.gang_readers = GangReaders(readers, self.supervisor.records_view, self._cached_blob)
+        self.gang_readers = GangReaders(readers, self.supervisor.records_view, self._cached_blob,
+                                        want=self._want_blob)
         self.supervisor.add_listener(self._readers_changed)
         self.gang_readers.refresh()
         return readers
+
+    def _want_blob(self, blob_id: str) -> None:
+        """A live workload's gang blob this agent does not hold (it restarted): fetched in the
+        background, for the data plane's readers (agent.readers)."""
+        if self._nursery is not None:
+            self._nursery.start_soon(self._blob_for_readers, blob_id)
+
+    async def _blob_for_readers(self, blob_id: str) -> None:
+        try:
+            await self._gang_blob(blob_id)
+        except Exception as e:   # (BlobUnavailable, a source's error): the placement's peers stay its readers
+            log.info("gang blob not had for the data plane's readers blob=%s err=%s", blob_id[:16], e)
 
     def _cached_blob(self, blob_id: str) -> GangBlob | None:
         got = self.blobs.cached(blob_id)

@@ -29,20 +29,29 @@ class GangReaders:
     """Keeps ``readers``' gangs equal to the gangs of this node's live workloads."""
 
     def __init__(self, readers: Readers, records: Callable[[], Mapping[str, WorkloadRecord]],
-                 blob: CachedBlob, *, keep: int = 16) -> None:
+                 blob: CachedBlob, *, want: Callable[[str], None] | None = None, keep: int = 16) -> None:
+        """``want(blob_id)``: a live workload's blob is not held (an agent restarted with its
+        workloads running): get it (its arrival calls :meth:`refresh` again); asked once per id."""
         self.readers = readers
         self._records = records
         self._blob = blob
+        self._want = want
         self._keep = keep
         self._nodes: dict[str, frozenset[str]] = {}   # blob id -> its gang's node ids (recent first out)
+        self._asked: set[str] = set()                  # blob ids ``want`` was called for
 
     def _blob_nodes(self, blob_id: str) -> frozenset[str]:
         got = self._nodes.get(blob_id)
         if got is not None:
             return got
         blob = self._blob(blob_id)
-        if blob is None:
-            return frozenset()   # not here yet: refreshed when it comes
+        if blob is None:          # not here yet: refreshed when it comes
+            if self._want is not None and blob_id not in self._asked:
+                if len(self._asked) > 4 * self._keep:
+                    self._asked.clear()
+                self._asked.add(blob_id)
+                self._want(blob_id)
+            return frozenset()
         got = frozenset(blob.peers.node_ids)
         while len(self._nodes) >= self._keep:
             del self._nodes[next(iter(self._nodes))]

@@ -1071,7 +1071,10 @@ def metric_families(node_id: str, herd: Mapping[str, Any] | None,
         yield one("counter", "herd_dataplane_rejected_total", "Requests refused, by reason",
                   [({"reason": "busy"}, plane.get("rejected_busy", 0)),
                    ({"reason": "unauthorized"}, plane.get("unauthorized", 0)),
-                   ({"reason": "bad_request"}, plane.get("bad_requests", 0))])
+                   ({"reason": "bad_request"}, plane.get("bad_requests", 0)),
+                   # reads by membership (p2p.readers): 403s by their reason
+                   ({"reason": "not_a_member"}, plane.get("refused_not_a_member", 0)),
+                   ({"reason": "not_a_node"}, plane.get("refused_not_a_node", 0))])
         yield one("gauge", "herd_dataplane_waiting", "Requests waiting for a chunk (?wait_ms)",
                   [({}, plane.get("waiting", 0))])
 

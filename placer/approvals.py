@@ -13,9 +13,10 @@ Where approvals are durable: always this placer's state dir (``rack-approvals.js
 start), and with ``[placer] etcd`` in etcd too (:class:`EtcdApprovals`: one key per node under
 the placers' prefix, ``approvals/<node>``, written by the leader in a transaction guarded by its
 leader key, like the jobs journal). A placer promoted to leader reads etcd's approvals and takes
-them (over its own file's, which it then rewrites), so an approval outlives the leader that
-took it; an approval answered 200 is in etcd first. Until its promotion a follower knows only
-its own file's (it places nothing).
+them (over its own file's, which it then rewrites; its own that etcd lacks, taken before etcd
+was configured, it writes there), so an approval outlives the leader that took it; an
+approval answered 200 is in etcd first. Until its promotion a follower knows only its own
+file's (it applies no report and places nothing).
 
 What a pin does is placer.relaypolicy's.
 """
@@ -120,9 +121,15 @@ class ApprovalRoutes:
             self.etcd = etcd
             return 0
         pins = self.state.rack_pins
+        own = {k: v for k, v in pins.approved.items() if k not in racks}   # (taken before etcd was set)
         for node_id, rack in racks.items():
             self.state.approve_rack(node_id, rack)
         self.etcd = etcd
+        try:
+            for node_id, rack in sorted(own.items()):
+                await etcd.save(node_id, rack)
+        except JournalError as e:
+            log.warning("this placer's own rack approvals not copied to etcd: %s", e)
         try:
             self.file.save(pins.approved)
         except JournalError as e:
@@ -151,12 +158,15 @@ class ApprovalRoutes:
         try:
             self.file.save(pins.approved)   # (the store is small: one entry per approved node)
         except JournalError as e:
-            if before is None:
-                pins.approved.pop(node_id, None)
-            else:
-                pins.approve(node_id, before)
-            log.error("rack approval not stored node=%s: %s", node_id, e)
-            raise HTTPError(503, "approval not stored", str(e)) from None
+            if self.etcd is None:
+                if before is None:
+                    pins.approved.pop(node_id, None)
+                else:
+                    pins.approve(node_id, before)
+                log.error("rack approval not stored node=%s: %s", node_id, e)
+                raise HTTPError(503, "approval not stored", str(e)) from None
+            # durable in etcd already: this placer's file is its copy for a restart as follower
+            log.warning("rack approval stored in etcd, not in the state dir node=%s: %s", node_id, e)
         pin = pins.pin(node_id)
         return json_response({"node_id": node_id, "rack": body.rack, "registered_rack": differs,
                               "pinned": {"rack": pin.rack, "by": pin.source} if pin is not None else None})

@@ -131,6 +131,7 @@ class Push:
             p.job_id = job_id
             p.attempt = attempt
             p.kind = "start"
+            p.boot_id = ""
             p._placement = None
             p.placement_id = prefix + nid
             p._gang, p._node = gang, node

@@ -302,6 +302,8 @@ class EmulatedNode:
             return _outcome(nid, part, "refused_spec", "addressed to another node")
         if part.expires_at and now > part.expires_at:
             return _outcome(nid, part, "expired", "arrived after its expiry")
+        if part.boot_id and part.boot_id != self.boot_id:
+            return _outcome(nid, part, "expired", "for another boot")
         pods = part.pods
         if pods and part.inventory != self._inventory:
             return _outcome(nid, part, "expired", "inventory changed")

@@ -2,7 +2,8 @@
 it. With ``[placer] etcd`` (skipped where ``etcd`` is absent): two placer services on one etcd,
 the leader takes an approval, then is deposed; the other, with a state dir of its own that
 never saw the approval, leads and enforces it -- a report of that node into another rack is
-refused. A deposed leader's approval write is refused by etcd. (A single placer keeps its
+refused; an approval of b's own state dir (taken before etcd was configured) goes to etcd. A
+deposed leader's approval write is refused by etcd. (A single placer keeps its
 approvals in its state dir: tests/test_rack_pinning_placer.py, across a restart.)"""
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ async def test_an_approval_outlives_the_leader_that_took_it(etcd_cluster: EtcdCl
             a = Placer(PlacerService(cfg(tmp_path, "a", etcd_cluster.endpoints), tokens))
             url_a = await n.start(a.run)
             await until(lambda: _role(ops, url_a, "leader"))
+            # b's own state dir holds an approval taken before etcd was configured
+            ApprovalFile(tmp_path / "b").save({"n7": R0})
             b = Placer(PlacerService(cfg(tmp_path, "b", etcd_cluster.endpoints), tokens))
             url_b = await n.start(b.run)
             await until(lambda: _role(ops, url_b, "follower"))
@@ -50,7 +53,7 @@ async def test_an_approval_outlives_the_leader_that_took_it(etcd_cluster: EtcdCl
             r = await ops.post(url_a + "/v1/nodes/n9/approve", content=msgspec.json.encode({"rack": R1}))
             assert r.status_code == 200, r.text
             assert (await etcd.get(b"/herd/placer/approvals/n9")) is not None    # in etcd before the 200
-            assert ApprovalFile(tmp_path / "b").load() == {}                     # b never saw it
+            assert ApprovalFile(tmp_path / "b").load() == {"n7": R0}             # b never saw it
             r = await ops.post(url_b + "/v1/nodes/n9/approve", content=msgspec.json.encode({"rack": R0}))
             assert r.status_code == 307                                          # a follower takes none
             journal = a.svc.journal
@@ -62,8 +65,9 @@ async def test_an_approval_outlives_the_leader_that_took_it(etcd_cluster: EtcdCl
                 await until(lambda: _role(ops, url_b, "leader"))
                 await until(lambda: b.svc.state.rack_pins.approved.get("n9") == R1)
             r = await ops.get(url_b + "/v1/approvals")
-            assert [(x["node_id"], x["rack"]) for x in r.json()["approvals"]] == [("n9", R1)]
-            assert ApprovalFile(tmp_path / "b").load() == {"n9": R1}            # and in b's state dir
+            assert [(x["node_id"], x["rack"]) for x in r.json()["approvals"]] == [("n7", R0), ("n9", R1)]
+            assert ApprovalFile(tmp_path / "b").load() == {"n7": R0, "n9": R1}   # and in b's state dir
+            await until(lambda: etcd.get(b"/herd/placer/approvals/n7"))         # b's own, now the fleet's
             # it holds: n9 registering into r0 is refused by the new leader
             report = msgspec.structs.replace(FakeAgent("n9", tokens, rack="r0").full_report(), boot_id="b1", seq=1)
             r = await ops.post(url_b + "/v1/nodes/n9/report", content=msgspec.json.encode(report),
@@ -72,7 +76,7 @@ async def test_an_approval_outlives_the_leader_that_took_it(etcd_cluster: EtcdCl
             # the deposed leader's write is refused by etcd, whatever it believes
             with pytest.raises(JournalError, match="no longer leads"):
                 await deposed.save("n9", R0)
-            assert b.svc.state.rack_pins.approved == {"n9": R1}
+            assert b.svc.state.rack_pins.approved == {"n7": R0, "n9": R1}
             r = await ops.post(url_b + "/v1/nodes/n8/approve", content=msgspec.json.encode({"rack": R0}))
             assert r.status_code == 200 and (await etcd.get(b"/herd/placer/approvals/n8")) is not None
             n.cancel_scope.cancel()

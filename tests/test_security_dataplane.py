@@ -26,6 +26,7 @@ from agent.supervisor import SupervisorConfig
 from infra import tls
 from infra.auth import TokenSet
 from p2p.fetch import fetch_artifact
+from p2p.herd import render_metrics
 from p2p.origins import open_origin
 from p2p.peers import PeerClient, PeerRefused
 from p2p.publish import publish
@@ -86,18 +87,19 @@ async def test_only_the_gangs_nodes_read_its_artifact_from_a_peer(tmp_path, toke
                     tls_pki.ca, tls_pki.files(f"node:{node}")))
 
             member, outsider = client("a2"), client("a3")
-            # a2 asks a1 for gang h's manifest before a1 has h's pod (the pushes race): held, then served
+            # a2 asks a1 for a chunk of gang h's manifest before a1 has h's pod (the pushes race):
+            # held (in the wait budget), then served
             late = [c.id for c in a1.store.get_manifest(m_late).chunks][0]
-            got_late: list[bytes] = []
+            answer_send, answer = trio.open_memory_channel[bytes](1)
 
             async def ask_early() -> None:
-                got_late.append(bytes(await member.get_chunk(a1.data_url, late, a1.store.chunk_size(late) or 0)))
+                await answer_send.send(bytes(await member.get_chunk(a1.data_url, late,
+                                                                    a1.store.chunk_size(late) or 0)))
 
             n.start_soon(ask_early)
-            await poll(lambda: a1.dataplane.statistics()["requests"] >= 1, 0.01)   # type: ignore[union-attr]
+            await poll(lambda: a1.dataplane.statistics()["waiting_requests"] >= 1, 0.01)  # type: ignore[union-attr]
             await push("h", m_late, 1, (a1, control))
-            await poll(lambda: got_late, 0.01)
-            assert got_late == [a1.store.read_chunk(late)]
+            assert await answer.receive() == a1.store.read_chunk(late)
             # the placer pushes gang g's pods to a1 and a2 (peers: a1, a2)
             await push("g", m_gang, 0, (a1, control), (a2, control2))
             assert a2.store is not None
@@ -132,6 +134,8 @@ async def test_only_the_gangs_nodes_read_its_artifact_from_a_peer(tmp_path, toke
                 assert e.value.reason == "not_a_member"
             stats = a1.dataplane.statistics()
             assert stats["refused_not_a_member"] == 8
+            assert 'herd_dataplane_rejected_total{node="a1",reason="not_a_member"} 8' in render_metrics(
+                "a1", None, stats)
             assert len(kept) == 2
             # public: anyone of the cluster
             pub = chunks[m_public][0]
@@ -170,3 +174,33 @@ def test_public_names_manifest_ids_or_every_manifest():
     assert DataPlaneSection(public=["*", "ab" * 32]).public == ["*", "ab" * 32]
     with pytest.raises(ValueError, match="neither a manifest id"):
         DataPlaneSection(public=["trainer:v1"])
+
+
+def test_the_agent_takes_its_gangs_from_its_live_workloads():
+    """Each live workload's gang: its blob's nodes, until the blob is here the peers its
+    placement named (and the blob is asked for, once); ended workloads open nothing."""
+    from agent.readers import GangReaders
+    from agent.state import WorkloadRecord
+    from infra.peers import PeerTable
+    from scheduler_link.messages import GangBlob
+
+    m, other = "1" * 64, "2" * 64
+    recs = {
+        "g.1.0": WorkloadRecord(workload_id="g.1.0", job_id="g", placement_id="start:g:1:a1", manifest_id=m,
+                                gang_blob_id="B", peers=[Peer(node_id="a2", data_url="https://a2")], state="running"),
+        "g.1.1": WorkloadRecord(workload_id="g.1.1", job_id="g", placement_id="start:g:1:a1", manifest_id=m,
+                                gang_blob_id="B", state="fetching"),
+        "h.1.0": WorkloadRecord(workload_id="h.1.0", job_id="h", placement_id="start:h:1:a1", manifest_id=other,
+                                peers=[Peer(node_id="a4", data_url="https://a4")], state="exited"),
+    }
+    blobs: dict[str, GangBlob] = {}
+    wanted: list[str] = []
+    readers = Readers()
+    gr = GangReaders(readers, lambda: recs, blobs.get, want=wanted.append)
+    gr.refresh()
+    assert readers.gangs() == {"B": Gang(m, frozenset({"a2"}))} and wanted == ["B"]
+    blobs["B"] = GangBlob(job_id="g", attempt=1, peers=PeerTable(node_ids=["a1", "a2", "a3"]))
+    gr.refresh()
+    gr.refresh()
+    assert readers.gangs() == {"B": Gang(m, frozenset({"a1", "a2", "a3"}))} and wanted == ["B"]
+    assert readers.manifests_for("a3") == [m] and readers.manifests_for("a4") == []

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import ssl
 import time
 
 import blake3
@@ -170,5 +171,51 @@ async def test_a_name_rebound_after_its_check_is_never_connected_to():
                 assert await o.resolve("trainer:v1") == "ab" * 32
                 assert await o.missing(["ef" * 32]) == set()
             assert len(origin.requests) == 5
+            n.cancel_scope.cancel()
+
+
+class TLSServer(Server):
+    """:class:`Server` over TLS with ``ctx``; the SNI names clients sent are kept."""
+
+    def __init__(self, answer: bytes, ctx: ssl.SSLContext, host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__(answer, host, port)
+        self.sni: list[str | None] = []
+        ctx.sni_callback = lambda sock, name, c: self.sni.append(name)  # type: ignore[assignment,misc,return-value]
+        self.ctx = ctx
+
+    async def _one(self, stream: trio.SocketStream) -> None:  # type: ignore[override]
+        tls = trio.SSLStream(stream, self.ctx, server_side=True)
+        try:
+            with trio.move_on_after(5):
+                await tls.do_handshake()
+        except trio.BrokenResourceError:
+            return
+        await Server._one(self, tls)  # type: ignore[arg-type]
+
+
+async def test_an_https_origin_keeps_its_name_for_sni_and_the_certificate(tls_pki, monkeypatch):
+    """https: the connection goes to the checked address, and TLS speaks the URL's name (SNI
+    ``localhost``; the certificate is checked against it), the rebound address never reached."""
+    monkeypatch.setenv("SSL_CERT_FILE", str(tls_pki.ca))
+
+    def ctx() -> ssl.SSLContext:
+        c = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        files = tls_pki.files("placer")          # (its certificate names localhost)
+        c.load_cert_chain(files.cert, files.key)
+        return c
+
+    origin = TLSServer(_answer("200 OK", b"ab" * 32), ctx())
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(origin.run)
+            metadata = TLSServer(_answer("200 OK", b"cd" * 32), ctx(), host="127.0.0.2", port=origin.port)
+            await n.start(metadata.run)
+            dns = FakeDNS({"localhost": ["127.0.0.1", "127.0.0.2"]})
+            trio.socket.set_custom_hostname_resolver(dns)
+            async with open_origin(f"https://localhost:{origin.port}", retries=0) as o:
+                assert await o.resolve("trainer:v1") == "ab" * 32
+                assert await o.missing(["ef" * 32]) == set()
+            assert metadata.requests == [] and len(origin.requests) == 2
+            assert set(origin.sni) == {"localhost"} and dns.asked.count("localhost") == 1
             n.cancel_scope.cancel()
 
