@@ -95,7 +95,9 @@ class StateBase:
         self.fence_timer: Deadlines[str] = Deadlines()
         self.requeue_timer: Deadlines[str] = Deadlines()    # rolled-back gangs, backing off
         self._order = 0
-        self._pid = 0
+        # stop placement ids count on from this start's time (us): a restarted placer never reuses one an
+        # agent remembers as done (it would answer the new stop from memory and not act)
+        self._pid = int(started_at * 1_000_000)
         self.recover_until = started_at
         self._recovering = False                    # some job still waits for _finish_recovery
         self.counters: dict[str, int] = {

@@ -457,3 +457,22 @@ def test_a_start_push_encodes_its_part_byte_for_byte_without_making_it():
     # a rack's parts in one pass (placer.records.parts_bytes): the same bytes, whatever the mix
     mixed = [*pushes, p, *stop, *_big_gang(40)[2]]
     assert parts_bytes(mixed, 9.0) == [part_bytes(q.part(9.0)) for q in mixed]
+
+
+def _stop_ids(started_at: float) -> set[str]:
+    st_ = PlacerState(PlacerConfig(heartbeat_s=1.0, fence_after_s=5.0, recover_s=0.0), started_at=started_at)
+    st_.recover_until = started_at
+    for n in ("a", "b"):
+        st_.ingest(n, full(n), started_at)
+    st_.submit(JobSpec(job_id="j", pods=2, gpus_per_pod=8, argv=["x"]), started_at)
+    (job, pushes), = st_.schedule(started_at)
+    st_.on_acks("j", 1, {p.node_id: ACCEPTED for p in pushes}, started_at, pushes)
+    stops = st_.cancel("j", started_at + 1)
+    assert stops and all(p.placement.placement_id.startswith("stop:") for p in stops)
+    return {p.placement.placement_id for p in stops}
+
+
+def test_a_restarted_placer_never_reuses_a_stop_placement_id():
+    """An agent answers a placement id it has done from memory: a restarted placer's first stop
+    with the id of the last process's first stop would not be acted on."""
+    assert not _stop_ids(1_000.0) & _stop_ids(1_000.5)
