@@ -9,7 +9,9 @@ runs the shipped relay, :class:`agent.relay.Relay`; every node has its own certi
 over TLS members register by enrolling through their relay, ``--enroll``, as agents that
 kept their relay's address do; ``--no-enroll``: each over its own connection, a handshake each).
 
-- cold: ``go`` -> every node up (``register_s``), with the placer's CPU and the emulators';
+- cold: ``go`` -> every node up (``register_s``), with the placer's CPU and the emulators', the
+  nodes it declared lost meanwhile (``register_nodes_lost``) and the mass silences it held
+  (``register_mass_silences``: [placer] lost_mass_fraction) and its TLS handshakes;
 - a gang of ``--gang-hosts`` (default: 200,000 GPUs scaled to the fleet: 25,000 h100 hosts x 8 or
   50,000 gb200 trays x 4 of 131,072) placed and running;
 - ``kill -9`` the placer at ``t0``, start it again at once; ``listening``: the new process
@@ -82,7 +84,8 @@ async def _sum_stats(c: httpx.AsyncClient, emus: list[EmulatorProc], job: str) -
 
 _COUNTED = {"herd_placer_tls_handshakes_total": "tls_handshakes",
             "herd_placer_compact_registrations_total": "compact_registrations",
-            "herd_placer_inventory_misses_total": "inventory_misses"}
+            "herd_placer_inventory_misses_total": "inventory_misses",
+            "herd_placer_nodes_lost_total": "nodes_lost", "herd_placer_mass_silences_total": "mass_silences"}
 
 
 async def _counted(c: httpx.AsyncClient, url: str) -> dict[str, int]:
@@ -135,6 +138,9 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             await _wait_up(c, placer.url, n, limit_s)
             row.update(register_s=round(time.time() - t, 2), register_placer_cpu_s=round(proc_cpu_s(placer.pid()) - cpu0, 2),
                        register_emulator_cpu_s=round(sum(e.cpu_s() for e in emus) - ecpu0, 2))
+            cold = await _counted(c, placer.url)
+            row.update(register_nodes_lost=cold["nodes_lost"], register_mass_silences=cold["mass_silences"],
+                       register_tls_handshakes=cold["tls_handshakes"])
             _note("fleet up", nodes=n, s=row["register_s"])
             gang = {"job_id": "gang", "pods": gang_hosts, "gpus_per_pod": per_host, "argv": ["train"], "priority": 2,
                     "preemptible": False, "grace_s": 1.0}
