@@ -950,6 +950,8 @@ class AgentLink:
         async with trio.open_nursery() as n:
             n.start_soon(self._race_report, race, n.cancel_scope, client, url, report, headers)
             n.start_soon(self._race_probe, race, n.cancel_scope, client)
+        if race.reply is not None:   # answered after all (as the probe found a newer leader): kept
+            return race.reply
         if race.moved_to is not None:
             now = trio.current_time()
             self.placers.failed(race.used, now)
@@ -957,10 +959,8 @@ class AgentLink:
             self.leader_moves += 1
             raise _PlacerMoved(f"placer {race.used} silent for {self.leader_probe_after_s:g}s and "
                                f"{race.moved_to.url} leads at a newer epoch ({race.moved_to.epoch})")
-        if race.error is not None:
-            raise race.error
-        assert race.reply is not None
-        return race.reply
+        assert race.error is not None
+        raise race.error
 
     async def _race_report(self, race: _Race, scope: trio.CancelScope, client: httpx.AsyncClient, url: str,
                            report: NodeReport, headers: dict[str, str]) -> None:
