@@ -78,8 +78,8 @@ Invariants:
   first. Through a relay an answer's epoch is taken and checked the same way only under the
   placer's MAC in this node's key (``epoch_mac``; a relay could write any epoch), and each
   stop's epoch (under its MAC) too.
-- Several placers, the one asked silent (paused, cut off): a report over this node's own
-  connection unanswered for ``leader_probe_after_s`` (1 s) asks the other placers who leads
+- Several placers, the one asked silent (paused, cut off): a registered node's report over its
+  own connection unanswered for ``leader_probe_after_s`` (1 s) asks the other placers who leads
   (scheduler_link.leaderprobe, their ``/healthz``), every second until it is answered; one
   named with an epoch above the highest seen ends the wait and the link moves to it (a full
   report follows), instead of waiting out ``request_timeout_s``. A leader named at the epoch
@@ -939,12 +939,14 @@ class AgentLink:
 
     async def _post_or_move(self, client: httpx.AsyncClient | None, url: str, report: NodeReport,
                             headers: dict[str, str]) -> ReportReply:
-        """:meth:`_post`; and, with several placers known, over this node's own connection, while
-        it goes unanswered past ``leader_probe_after_s``: who leads, asked of the other placers
+        """:meth:`_post`; and, with several placers known, registered, over this node's own
+        connection, while it goes unanswered past ``leader_probe_after_s``: who leads, asked of the other placers
         (scheduler_link.leaderprobe). One named with an epoch above the highest seen ends the
         wait: the link moves to it (:class:`_PlacerMoved`; a full report follows) instead of
         waiting out the request timeout on a paused or cut-off leader."""
-        if client is None or self._relay is not None or len(self.placers) < 2:
+        if client is None or self._relay is not None or len(self.placers) < 2 or not self.registered:
+            # (registering, a slow answer is the placer's storm of registrations, not silence:
+            # probing then would only add a storm of probes to the followers)
             return await self._post(client, url, report, headers)
         race = _Race(self.placer_url)
         async with trio.open_nursery() as n:
