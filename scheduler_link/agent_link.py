@@ -79,7 +79,7 @@ Invariants:
   placer's MAC in this node's key (``epoch_mac``; a relay could write any epoch), and each
   stop's epoch (under its MAC) too.
 - Several placers, the one asked silent (paused, cut off): a registered node's report over its
-  own connection unanswered for ``leader_probe_after_s`` (1 s) asks the other placers who leads
+  own connection unanswered for ``leader_probe_after_s`` (1-1.5 s) asks the other placers who leads
   (scheduler_link.leaderprobe, their ``/healthz``), every second until it is answered; one
   named with an epoch above the highest seen ends the wait and the link moves to it (a full
   report follows), instead of waiting out ``request_timeout_s``. A leader named at the epoch
@@ -959,7 +959,7 @@ class AgentLink:
             self.placers.failed(race.used, now)
             self._switch(self.placers.learned(race.moved_to.url, now), race.moved_to.wire or None)
             self.leader_moves += 1
-            raise _PlacerMoved(f"placer {race.used} silent for {self.leader_probe_after_s:g}s and "
+            raise _PlacerMoved(f"placer {race.used} silent for {self.leader_probe_after_s:g}s or more and "
                                f"{race.moved_to.url} leads at a newer epoch ({race.moved_to.epoch})")
         assert race.error is not None
         raise race.error
@@ -973,7 +973,8 @@ class AgentLink:
         scope.cancel()
 
     async def _race_probe(self, race: _Race, scope: trio.CancelScope, client: httpx.AsyncClient) -> None:
-        await trio.sleep(self.leader_probe_after_s)
+        # jittered: a fleet whose leader went silent at one moment does not probe in step
+        await trio.sleep(self.leader_probe_after_s * self._rng.uniform(1.0, 1.5))
         while True:
             others = [u for u in self.placers.urls if u != race.used]
             found = leaderprobe.newer_leader(await leaderprobe.probe(client, others), self.epochs.highest,
@@ -982,7 +983,7 @@ class AgentLink:
                 race.moved_to = found
                 scope.cancel()
                 return
-            await trio.sleep(leaderprobe.PROBE_EVERY_S)
+            await trio.sleep(leaderprobe.PROBE_EVERY_S * self._rng.uniform(0.75, 1.25))
 
     def _placer_answered(self, status: int | None, body: bytes = b"", *, used: str) -> None:
         """Several placers: a follower's 307 names the leader, which is asked next; a placer
