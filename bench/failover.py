@@ -29,6 +29,13 @@ direct path: each node its own framed connection, no relays):
   killed and started again on the same state dir and ports: ``failover_s`` is ``t0`` -> the
   probe decided by the restarted process.
 
+``--pause-agents K`` measures the other way a leader goes: paused (SIGSTOP), its connections
+open and silent. Three placers on a three-member etcd, K real agents (``herd agent run``,
+simulated GPUs, told every placer, reporting directly): ``promoted_s`` is the pause -> a
+follower leads and places; ``agents_moved_s`` the pause -> every agent registered at the new
+leader; ``leader_moves`` how many agents moved because another placer named a newer leader
+(scheduler_link.leaderprobe) rather than after their report's deadline (10 s).
+
 Every wait is bounded; traffic stays on 127.0.0.1; nothing is left running.
 """
 
@@ -294,7 +301,60 @@ async def run_all(n: int, gang_hosts: int, baseline: bool, recover_s: float, wor
             "heartbeat_s": HEARTBEAT_S, "rows": rows}
 
 
+def _link(c: Any, node: str) -> dict[str, Any]:
+    try:
+        r = httpx.get(c.agents[node].url + "/v1/status", headers=c.read_headers(), timeout=5)
+        return dict(r.json().get("link") or {})
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
+def _all_at(c: Any, url: str, limit_s: float) -> None:
+    deadline = time.monotonic() + limit_s
+    while not all((ln := _link(c, n)).get("placer_url") == url and ln.get("registered") for n in c.agents):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the agents did not all register at {url} within {limit_s:g}s")
+        time.sleep(0.05)
+
+
+def pause_once(n_agents: int, tmp: Path) -> dict[str, Any]:
+    """The leader SIGSTOPped under ``n_agents`` real agents (blocking; see the module doc)."""
+    from cli.demo_ha import HACluster
+
+    token_dir = generate_token_dir(tmp / "tokens")
+    etcd = LocalEtcd(tmp / "etcd", 3)
+    try:
+        etcd.start()
+        c = HACluster(tmp / "c", token_dir, etcd.endpoints, n_placers=3, n_agents=n_agents, heartbeat_s=0.3,
+                      fence_after_s=30.0, recover_s=12.0, lease_ttl_s=TTL, racks=1)
+        with c:
+            old = c.leader()
+            _all_at(c, old.url, 60)
+            old.proc.send_signal(signal.SIGSTOP)
+            t0 = time.monotonic()
+            _note("leader paused", placer=old.url)
+            try:
+                nxt = c.leader(timeout_s=30, besides=old)
+                promoted_s = time.monotonic() - t0
+                _all_at(c, nxt.url, 60)
+                moved_s = time.monotonic() - t0
+            finally:
+                old.proc.send_signal(signal.SIGCONT)
+            moves = sum(int(_link(c, n).get("leader_moves", 0)) for n in c.agents)
+    finally:
+        etcd.stop()
+    return {"mode": "leader-paused", "agents": n_agents, "promoted_s": round(promoted_s, 2),
+            "agents_moved_s": round(moved_s, 2), "leader_moves": moves}
+
+
 def print_table(out: dict[str, Any]) -> None:
+    if out["rows"] and out["rows"][0]["mode"] == "leader-paused":
+        print(f"placer leader paused (SIGSTOP) under real agents on {out['cores']} cores (lease TTL {TTL} s)")
+        cols = ["mode", "agents", "promoted_s", "agents_moved_s", "leader_moves"]
+        print("  ".join(f"{h:>16}" for h in cols))
+        for r in out["rows"]:
+            print("  ".join(f"{r.get(k)!s:>16}" for k in cols))
+        return
     print(f"placer failover, emulated fleet on {out['cores']} cores (lease TTL {out['lease_ttl_s']} s, "
           f"recover_s {out['recover_s']} s, heartbeat {out['heartbeat_s']} s)")
     cols = ["mode", "nodes", "gang_hosts", "leader_kept", "failover_s", "promoted_s", "full_report_s", "reregistrations",
@@ -313,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                          "placing (shorter than the fleet's re-registration, the recovered gang is placed again)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the single-placer cold restart")
     ap.add_argument("--workdir", default=None, help="keep the placers', etcd's and the emulator's logs here")
+    ap.add_argument("--pause-agents", type=int, default=0, metavar="K",
+                    help="instead: pause the leader (SIGSTOP) under K real agents and time their move")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ns = ap.parse_args(argv)
     if not 16 <= ns.nodes <= 131072:
@@ -320,7 +382,14 @@ def main(argv: list[str] | None = None) -> int:
     gang = ns.gang_hosts or ns.nodes // 2
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     t = time.perf_counter()
-    out = trio.run(run_all, ns.nodes, gang, not ns.no_baseline, ns.recover_s, ns.workdir)
+    if ns.pause_agents:
+        if not 1 <= ns.pause_agents <= 32:
+            ap.error("--pause-agents must be within 1..32 (real agent processes)")
+        with tempfile.TemporaryDirectory(prefix="herd-failover-") as d:
+            row = pause_once(ns.pause_agents, Path(ns.workdir or d))
+        out: dict[str, Any] = {"bench": "failover", "cores": os.cpu_count(), "lease_ttl_s": TTL, "rows": [row]}
+    else:
+        out = trio.run(run_all, ns.nodes, gang, not ns.no_baseline, ns.recover_s, ns.workdir)
     out["wall_s"] = round(time.perf_counter() - t, 1)
     if ns.json:
         print(json.dumps(out))

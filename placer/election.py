@@ -173,6 +173,7 @@ class Election:
         self.client = client
         self.clock = clock
         self.renewer: Renewer | None = None
+        self._renewal_errors = 0          # of the renewal threads of rounds that ended
         self._lease_news = trio.Event()   # set (from the renewal thread, via the loop) on each answer
         self.prefix = prefix
         self.value = value.encode()
@@ -225,7 +226,12 @@ class Election:
         return {"role": v.role.value, "epoch": v.epoch, "leader": v.leader, "leader_epoch": v.leader_epoch,
                 "promotions": self.promotions, "losses": self.losses, "errors": self.errors,
                 "failovers": self.failovers, "fencings": self.fencings,
-                "renewal_errors": self.renewer.errors if self.renewer is not None else 0}
+                "renewal_errors": self.renewal_errors}
+
+    @property
+    def renewal_errors(self) -> int:
+        """Lease renewals no etcd member answered (or etcd refused), every round's."""
+        return self._renewal_errors + (self.renewer.errors if self.renewer is not None else 0)
 
     def _publish(self) -> None:
         v = self.core.view(self.clock())
@@ -304,6 +310,7 @@ class Election:
             renewer, self.renewer = self.renewer, None
             if renewer is not None:
                 renewer.stop()
+                self._renewal_errors += renewer.errors
             lease_id = self.core.lease_id
             self.core.lost()
             self._publish()

@@ -128,7 +128,7 @@ class HighAvailability:
                 "placing": placing,
                 "fenced": v.fenced, "etcd_reachable": self.client.reachable, "url": self.url,
                 **({} if placing else {"why": self.why_not_placing()}),
-                "failovers": e.failovers, "etcd_errors": self.client.errors,
+                "failovers": e.failovers, "etcd_errors": self.client.errors + e.renewal_errors,
                 "etcd": self.client.statistics(), "election": e.statistics()}
 
     async def run(self, url: str, on_promoted: Callable[[EtcdJournal], None],

@@ -478,6 +478,8 @@ class PlacerService:
                   "count=%d epoch=%d", n, self.epoch)
 
     def apply_beat(self, beat: RackBeat, at: float, *, via: str, answered: float | None) -> RackBeatReply:
+        if self.ha is not None and not self.ha.leading():   # as for reports: a placer that does not lead
+            return RackBeatReply()                          # (now) applies nothing and asks for nothing
         reply, pushes = self.state.beat(beat, at, via=via, answered=answered)
         self._carry_out(pushes)
         if reply.stop:   # each stop carries the epoch, under the member's MAC (a relay cannot change it)

@@ -78,8 +78,8 @@ Invariants:
   first. Through a relay an answer's epoch is taken and checked the same way only under the
   placer's MAC in this node's key (``epoch_mac``; a relay could write any epoch), and each
   stop's epoch (under its MAC) too.
-- Several placers, the one asked silent (paused, cut off): a report over this node's own
-  connection unanswered for ``leader_probe_after_s`` (1 s) asks the other placers who leads
+- Several placers, the one asked silent (paused, cut off): a registered node's report over its
+  own connection unanswered for ``leader_probe_after_s`` (1-1.5 s) asks the other placers who leads
   (scheduler_link.leaderprobe, their ``/healthz``), every second until it is answered; one
   named with an epoch above the highest seen ends the wait and the link moves to it (a full
   report follows), instead of waiting out ``request_timeout_s``. A leader named at the epoch
@@ -994,28 +994,30 @@ class AgentLink:
 
     async def _post_or_move(self, client: httpx.AsyncClient | None, url: str, report: NodeReport,
                             headers: dict[str, str]) -> ReportReply:
-        """:meth:`_post`; and, with several placers known, over this node's own connection, while
-        it goes unanswered past ``leader_probe_after_s``: who leads, asked of the other placers
+        """:meth:`_post`; and, with several placers known, registered, over this node's own
+        connection, while it goes unanswered past ``leader_probe_after_s``: who leads, asked of the other placers
         (scheduler_link.leaderprobe). One named with an epoch above the highest seen ends the
         wait: the link moves to it (:class:`_PlacerMoved`; a full report follows) instead of
         waiting out the request timeout on a paused or cut-off leader."""
-        if client is None or self._relay is not None or len(self.placers) < 2:
+        if client is None or self._relay is not None or len(self.placers) < 2 or not self.registered:
+            # (registering, a slow answer is the placer's storm of registrations, not silence:
+            # probing then would only add a storm of probes to the followers)
             return await self._post(client, url, report, headers)
         race = _Race(self.placer_url)
         async with trio.open_nursery() as n:
             n.start_soon(self._race_report, race, n.cancel_scope, client, url, report, headers)
             n.start_soon(self._race_probe, race, n.cancel_scope, client)
+        if race.reply is not None:   # answered after all (as the probe found a newer leader): kept
+            return race.reply
         if race.moved_to is not None:
             now = trio.current_time()
             self.placers.failed(race.used, now)
             self._switch(self.placers.learned(race.moved_to.url, now), race.moved_to.wire or None)
             self.leader_moves += 1
-            raise _PlacerMoved(f"placer {race.used} silent for {self.leader_probe_after_s:g}s and "
+            raise _PlacerMoved(f"placer {race.used} silent for {self.leader_probe_after_s:g}s or more and "
                                f"{race.moved_to.url} leads at a newer epoch ({race.moved_to.epoch})")
-        if race.error is not None:
-            raise race.error
-        assert race.reply is not None
-        return race.reply
+        assert race.error is not None
+        raise race.error
 
     async def _race_report(self, race: _Race, scope: trio.CancelScope, client: httpx.AsyncClient, url: str,
                            report: NodeReport, headers: dict[str, str]) -> None:
@@ -1026,7 +1028,8 @@ class AgentLink:
         scope.cancel()
 
     async def _race_probe(self, race: _Race, scope: trio.CancelScope, client: httpx.AsyncClient) -> None:
-        await trio.sleep(self.leader_probe_after_s)
+        # jittered: a fleet whose leader went silent at one moment does not probe in step
+        await trio.sleep(self.leader_probe_after_s * self._rng.uniform(1.0, 1.5))
         while True:
             others = [u for u in self.placers.urls if u != race.used]
             found = leaderprobe.newer_leader(await leaderprobe.probe(client, others), self.epochs.highest,
@@ -1035,7 +1038,7 @@ class AgentLink:
                 race.moved_to = found
                 scope.cancel()
                 return
-            await trio.sleep(leaderprobe.PROBE_EVERY_S)
+            await trio.sleep(leaderprobe.PROBE_EVERY_S * self._rng.uniform(0.75, 1.25))
 
     def _placer_answered(self, status: int | None, body: bytes = b"", *, used: str) -> None:
         """Several placers: a follower's 307 names the leader, which is asked next; a placer

@@ -32,3 +32,14 @@ def test_failover_bench_small() -> None:
         assert row["gang_running"] == 32 and row["refused_acks"] == 0
     assert ha["promoted_s"] > 0 and single["promoted_s"] is None
     assert ha["leader_kept"] is True and "leader_kept" not in single
+
+
+@pytest.mark.skipif(ETCD is None, reason="etcd absent (Debian package etcd-server)")
+def test_failover_bench_paused_leader() -> None:
+    r = subprocess.run([sys.executable, "-m", "bench.failover", "--pause-agents", "2", "--json"],
+                       capture_output=True, text=True, timeout=300, cwd=REPO,
+                       env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    row = json.loads(r.stdout)["rows"][0]
+    assert row["mode"] == "leader-paused" and row["agents"] == 2
+    assert 0 < row["promoted_s"] <= row["agents_moved_s"] and row["leader_moves"] >= 2

@@ -25,6 +25,17 @@ from testing.waiting import poll
 TTL = 2
 
 
+def test_placer_keys_round_trip_and_a_damaged_value_is_one_clear_error() -> None:
+    master, signer = b"\x07" * msgauth.KEY_LEN, msgauth.BundleSigner.generate()
+    m2, s2 = msgauth.decode_placer_keys(msgauth.encode_placer_keys(master, signer), "etcd key k")
+    assert m2 == master and s2.public == signer.public
+    for bad in (b"not json", msgspec.json.encode({"version": 99, "mac_master": b"x" * 32, "signing_key": b""}),
+                msgspec.json.encode({"version": 1, "mac_master": b"short", "signing_key": signer.private_pem()}),
+                msgspec.json.encode({"version": 1, "mac_master": master, "signing_key": b"-----BEGIN nothing"})):
+        with pytest.raises(msgauth.AuthError, match="^etcd key k"):
+            msgauth.decode_placer_keys(bad, "etcd key k")
+
+
 @pytest.fixture
 def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
     yield from etcd_running(tmp_path / "etcd", 1)

@@ -1,0 +1,90 @@
+"""The lease renewal thread (placer.renewal): renews on its own, records each acknowledged
+renewal as sent + TTL, ends by itself when etcd says the lease is gone, and counts the renewals
+no member answered; real etcd where installed (skipped otherwise), a closed port for the rest."""
+
+from __future__ import annotations
+
+import math
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from placer.etcd import EtcdClient
+from placer.renewal import LeaseExpiry, Renewer
+from testing.etcd import EtcdCluster, etcd_running
+
+
+class Wakes:
+    """What the renewal thread tells the loop: a count, and an event per call."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.event = threading.Event()
+
+    def __call__(self) -> None:
+        self.n += 1
+        self.event.set()
+
+
+def _wait(pred, timeout_s: float) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        assert time.monotonic() < deadline, "not in time"
+        time.sleep(0.02)
+
+
+def test_lease_expiry_only_grows_until_gone() -> None:
+    e = LeaseExpiry(10.0)
+    assert e.holds(9.9) and not e.holds(10.0)
+    assert e.renewed(3, sent_at=8.0) and e.until == 11.0
+    assert e.renewed(3, sent_at=7.0) and e.until == 11.0     # an old answer arriving late
+    assert not e.renewed(0, sent_at=9.0) and e.is_gone
+    assert e.until == -math.inf and not e.holds(0.0)
+    assert not e.renewed(3, sent_at=9.5) and not e.holds(9.6)  # gone stays gone
+
+
+def test_a_renewal_nobody_answers_is_counted_and_renews_nothing() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]       # closed once the block ends: connections are refused
+    expiry, wakes = LeaseExpiry(time.monotonic() + 60), Wakes()
+    until = expiry.until
+    r = Renewer([f"http://127.0.0.1:{port}"], 7, expiry, 0.05, attempt_timeout_s=0.5, wake=wakes)
+    r.start()
+    try:
+        _wait(lambda: r.errors >= 2 and wakes.n >= 2, 10)
+        assert expiry.until == until and not expiry.is_gone and r.running
+    finally:
+        r.stop()
+        r.join(5)
+    assert not r.running
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
+    yield from etcd_running(tmp_path / "etcd", 1)
+
+
+async def test_renews_and_ends_when_the_lease_is_revoked(etcd_cluster: EtcdCluster) -> None:
+    with trio.fail_after(30):
+        async with EtcdClient(etcd_cluster.endpoints) as c:
+            sent = time.monotonic()
+            lease = await c.grant(2)
+            expiry, wakes = LeaseExpiry(sent + lease.ttl), Wakes()
+            first = expiry.until
+            r = Renewer(etcd_cluster.endpoints, lease.id, expiry, 0.2, wake=wakes)
+            r.start()
+            try:
+                await trio.to_thread.run_sync(_wait, lambda: expiry.renewals >= 3, 10)
+                assert expiry.until > first and expiry.holds(time.monotonic()) and r.errors == 0
+                await c.revoke(lease.id)
+                await trio.to_thread.run_sync(_wait, lambda: not r.running, 10)   # ended by itself (not stopped)
+                assert expiry.is_gone and not expiry.holds(time.monotonic())
+            finally:
+                r.stop()
+                await trio.to_thread.run_sync(r.join, 5)
