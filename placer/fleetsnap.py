@@ -38,12 +38,18 @@ from __future__ import annotations
 
 import logging
 import os
+import time
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 from infra.durable import atomic_write
+
+from .errors import JournalError
+from .etcd import Compare, EtcdClient, Op, prefix_end
 
 log = logging.getLogger("herd.placer.fleetsnap")
 
@@ -93,19 +99,35 @@ class Recovery:
     """When a restarted placer's recovery ends (pure: the caller brings the clock and the
     facts). ``expected``: the snapshot's nodes (None: no snapshot)."""
 
-    __slots__ = ("started", "window_s", "max_s", "_awaited", "expected", "snapshot")
+    __slots__ = ("started", "window_s", "max_s", "_awaited", "_heard", "expected", "snapshot", "pending")
 
-    def __init__(self, expected: Iterable[str] | None, *, started: float, window_s: float, max_s: float) -> None:
+    def __init__(self, expected: Iterable[str] | None, *, started: float, window_s: float, max_s: float,
+                 pending: bool = False) -> None:
         self.started = started
         self.window_s = window_s
         self.max_s = max(max_s, window_s)
         self.snapshot = expected is not None
         self._awaited = set(expected or ())
+        self._heard: set[str] = set()
         self.expected = len(self._awaited)
+        # the snapshot is still being read (placers on etcd): held as if a node were unheard
+        self.pending = pending
+
+    def expect(self, nodes: Iterable[str] | None) -> None:
+        """The snapshot, read after the start (a placer promoted on etcd); None: there is none."""
+        self.pending = False
+        if nodes is None:
+            return
+        ids = set(nodes)
+        self.snapshot = True
+        self.expected = len(ids)
+        self._awaited = ids - self._heard
 
     def heard(self, node_id: str) -> None:
         """``node_id`` registered (a full report taken) since the start."""
         self._awaited.discard(node_id)
+        if self.pending:
+            self._heard.add(node_id)
 
     @property
     def unheard(self) -> int:
@@ -114,8 +136,87 @@ class Recovery:
     def until(self, now: float, *, jobs_complete: bool) -> float:
         """The time recovery ends, as known at ``now``. ``jobs_complete``: every job recovered
         from the journal has all its pods reported (nothing would be placed again)."""
+        if self.pending:
+            return self.started + (self.window_s if jobs_complete else self.max_s)
         if not self.snapshot:
             return self.started + self.window_s
         if jobs_complete:   # nothing recovered would be placed again: unheard nodes cannot double it
             return now if not self._awaited else self.started + self.window_s
         return self.started + (self.max_s if self._awaited else self.window_s)
+
+
+# ---------------------------------------------------------------- in etcd (placers on etcd)
+
+ETCD_CHUNK_BYTES = 1 << 20    # under etcd's 1.5 MiB request limit, with the fence's compare
+
+
+class EtcdFleetSnapshot:
+    """The fleet snapshot of placers on etcd, under ``prefix + b"fleet/"``: written by the
+    leader (each write's transaction compares its leader key, as the jobs journal's do), read
+    by a placer promoted to leader -- so a promoted follower waits for exactly the nodes the
+    last leader had up, as a restarted single placer does with its file, instead of the bare
+    ``recover_s`` (a gang whose nodes had not all reported within it was placed a second time).
+
+    The snapshot (``encode``, zlib'd: node ids share their prefixes; ~0.4 MB at 131,072 nodes)
+    is cut into chunks of at most ETCD_CHUNK_BYTES under ``fleet/<generation>/<i>/<n>``; a
+    reader takes the newest generation whose chunks are all there (a leader deposed mid-write
+    leaves an incomplete one, never a mixed one), and the writer drops older generations
+    after a complete write."""
+
+    def __init__(self, client: EtcdClient, prefix: bytes, fence: Any, *, chunk_bytes: int = ETCD_CHUNK_BYTES) -> None:
+        self.client = client
+        self.prefix = prefix + b"fleet/"
+        self.fence = fence
+        self.chunk_bytes = chunk_bytes
+        self.generation = int(time.time() * 1000)
+        self.writes = 0
+
+    def _key(self, gen: int, i: int, n: int) -> bytes:
+        return self.prefix + b"%016d/%06d/%06d" % (gen, i, n)
+
+    async def save(self, data: bytes) -> None:
+        """Write one snapshot (``encode``'s bytes); EtcdError or JournalError when it could not."""
+        self.generation = max(self.generation + 1, int(time.time() * 1000))
+        gen = self.generation
+        z = zlib.compress(data, 1)
+        chunks = [z[i:i + self.chunk_bytes] for i in range(0, len(z), self.chunk_bytes)] or [b""]
+        fence = [Compare.created(self.fence.key, self.fence.epoch)]
+        for i, c in enumerate(chunks):
+            r = await self.client.txn(fence, [Op.put(self._key(gen, i, len(chunks)), c)])
+            if not r.succeeded:
+                raise JournalError(f"fleet snapshot not stored: this placer no longer leads (epoch {self.fence.epoch})")
+        await self.client.txn(fence, [Op.delete(self.prefix, self.prefix + b"%016d" % gen)])   # the older ones
+        self.writes += 1
+
+    async def load(self) -> FleetSnapshot | None:
+        """The newest complete snapshot in etcd, or None (none, or unreadable: logged)."""
+        kvs = []
+        start, end, revision = self.prefix, prefix_end(self.prefix), 0
+        while True:
+            r = await self.client.range(start, end, limit=64, revision=revision)
+            revision = revision or r.revision
+            kvs += r.kvs
+            if not r.more or not r.kvs:
+                break
+            start = r.kvs[-1].key + b"\0"
+        gens: dict[int, dict[int, bytes]] = {}
+        counts: dict[int, int] = {}
+        for kv in kvs:
+            try:
+                g, i, n = (int(x) for x in kv.key[len(self.prefix):].split(b"/"))
+            except ValueError:
+                continue
+            gens.setdefault(g, {})[i] = kv.value
+            counts[g] = n
+        for g in sorted(gens, reverse=True):
+            parts = gens[g]
+            if len(parts) != counts[g] or set(parts) != set(range(counts[g])):
+                continue   # (a write cut short: an older one may be whole)
+            try:
+                snap = _dec.decode(zlib.decompress(b"".join(parts[i] for i in range(counts[g]))))
+            except (zlib.error, msgspec.DecodeError, msgspec.ValidationError) as e:
+                log.warning("fleet snapshot in etcd ignored generation=%d err=%s", g, e)
+                continue
+            if snap.version == VERSION:
+                return snap
+        return None

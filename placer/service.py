@@ -71,6 +71,7 @@ from . import fleetsnap, inventories
 from .approvals import APPROVAL_DOCS, ApprovalRoutes, EtcdApprovals
 from .config import PlacerConfig
 from .dashboard import DASHBOARD_DOCS, Dashboard
+from .errors import EtcdError
 from .etcdjournal import EtcdJournal, JobJournal
 from .frag import fragmentation, largest_placeable, plan_defrag
 from .ha import HighAvailability
@@ -161,6 +162,7 @@ class PlacerService:
         self._snap_at = -math.inf          # monotonic time of the last snapshot written
         self._snap_seen = -1               # the state's membership_changes it was written at
         self._snap_writing = False
+        self._etcd_snap: fleetsnap.EtcdFleetSnapshot | None = None   # on etcd, once this placer leads
         self._inv_at = -math.inf           # monotonic time inventories were last written
         self._inv_writing = False
 
@@ -229,15 +231,31 @@ class PlacerService:
         if isinstance(journal, EtcdJournal):   # promoted with etcd: the fleet's rack approvals are there
             self.spawn(partial(self._approvals_from_etcd, EtcdApprovals(journal.client, journal.prefix, journal.fence)))
         self.state.recover_until = now + self.cfg.recover_window_s
-        # a single placer knows whom it waits for (its own fleet snapshot); a promoted follower's
-        # file is not the fleet's latest, so it waits the window as before
+        # whom it waits for: a single placer's fleet snapshot is its own file; a placer promoted
+        # on etcd reads the last leader's from etcd (its own file is not the fleet's latest)
         snap = fleetsnap.load(self.cfg.state_dir) if self.ha is None else None
+        on_etcd = isinstance(journal, EtcdJournal)
         self.recovery = fleetsnap.Recovery(snap.nodes if snap is not None else None, started=now,
-                                           window_s=self.cfg.recover_window_s, max_s=self.cfg.recover_max_s)
+                                           window_s=self.cfg.recover_window_s, max_s=self.cfg.recover_max_s,
+                                           pending=on_etcd)
+        if isinstance(journal, EtcdJournal):
+            self._etcd_snap = fleetsnap.EtcdFleetSnapshot(journal.client, journal.prefix, journal.fence)
+            self.spawn(partial(self._fleet_from_etcd, self._etcd_snap, self.recovery))
         if recovered or snap is not None:
             log.info("recovering: jobs from the journal=%d, nodes of the fleet snapshot=%d; placing once they "
                      "reported (at least %.1fs, at most %.1fs while a recovered job lacks pods)", len(recovered),
                      self.recovery.expected, self.cfg.recover_window_s, self.recovery.max_s)
+        self.kick()
+
+    async def _fleet_from_etcd(self, store: fleetsnap.EtcdFleetSnapshot, recovery: fleetsnap.Recovery) -> None:
+        """The last leader's fleet snapshot, for a placer promoted on etcd: whom it waits for."""
+        try:
+            snap = await store.load()
+        except (EtcdError, JournalError) as e:
+            log.warning("fleet snapshot not read from etcd (waiting recover_s as without one): %s", e)
+            snap = None
+        recovery.expect(snap.nodes if snap is not None else None)
+        log.info("fleet snapshot from etcd: nodes=%d (the last leader's up nodes)", recovery.expected)
         self.kick()
 
     def _recovery_gate(self, now: float) -> None:
@@ -256,9 +274,11 @@ class PlacerService:
         SNAPSHOT_EVERY_S, never while recovering (the model is partial then), off the event loop."""
         t = time.monotonic()
         changes = self.state.membership_changes
-        if self.recovery is not None or self.ha is not None or self._snap_writing or changes == self._snap_seen \
+        if self.recovery is not None or self._snap_writing or changes == self._snap_seen \
                 or t - self._snap_at < fleetsnap.SNAPSHOT_EVERY_S or self._nursery is None:
             return
+        if self.ha is not None and (self._etcd_snap is None or not self.ha.leading()):
+            return   # (on etcd only the leader writes it, there; a follower's model is not the fleet's)
         self._snap_at = t
         self._snap_seen = changes
         ids = [nid for nid, n in self.state.nodes.items() if n.state == "up"]
@@ -267,11 +287,13 @@ class PlacerService:
 
     async def _write_snapshot(self, data: bytes) -> None:
         try:
-            if fleetsnap.WRITE_IN_THREAD:
+            if self.ha is not None and self._etcd_snap is not None:
+                await self._etcd_snap.save(data)
+            elif fleetsnap.WRITE_IN_THREAD:
                 await trio.to_thread.run_sync(fleetsnap.write, self.cfg.state_dir, data)
             else:
                 fleetsnap.write(self.cfg.state_dir, data)
-        except OSError as e:   # a full disk: the next restart waits the window, nothing else is lost
+        except (OSError, EtcdError, JournalError) as e:   # the next restart waits the window, nothing else is lost
             log.warning("fleet snapshot not written: %s", e)
             self._snap_seen = -1
         finally:

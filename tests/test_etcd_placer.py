@@ -18,6 +18,7 @@ from infra.auth import TokenSet, auth_header
 from placer.config import PlacerConfig
 from placer.errors import LeadershipLost
 from placer.etcd import EtcdClient
+from placer.fleetsnap import EtcdFleetSnapshot
 from placer.service import PlacerService
 from scheduler_link.messages import JobSpec, NodeReport
 from testing.etcd import EtcdCluster, etcd_running
@@ -105,6 +106,13 @@ async def test_one_leads_the_other_redirects_then_takes_over(etcd_cluster: EtcdC
             # a report reaching a follower another way (the framed channel) is refused, not applied
             status, reply = b.svc._ingest("n7", NodeReport(node_id="n7", boot_id="b", seq=1))
             assert status == 503 and not reply.ok and "n7" not in b.svc.state.nodes
+            # the leader keeps its up nodes in etcd (placer.fleetsnap.EtcdFleetSnapshot)
+            store = EtcdFleetSnapshot(etcd, b"/herd/placer/", None)
+
+            async def stored() -> bool:
+                snap = await store.load()
+                return snap is not None and sorted(snap.nodes) == ["n0", "n1"]
+            await until(stored)
             # the leader's lease revoked behind its back: it stops, b leads with j1 from etcd
             await etcd.revoke(a.svc.ha.election.core.lease_id)   # type: ignore[union-attr]
             with trio.fail_after(TTL + 4):
@@ -115,6 +123,11 @@ async def test_one_leads_the_other_redirects_then_takes_over(etcd_cluster: EtcdC
             assert hb["epoch"] > ha["epoch"] and hb["leader"] == url_b
             r = await ops.get(url_b + "/v1/jobs/j1")
             assert r.status_code == 200 and r.json()["spec"]["pods"] == 2
+            # and b waits for exactly the nodes a had up (they report to a only here): j1, whose
+            # pods are on them, is not placed a second time meanwhile
+            await until(lambda: b.svc.recovery is not None and not b.svc.recovery.pending)
+            assert b.svc.recovery is not None and (b.svc.recovery.expected, b.svc.recovery.unheard) == (2, 2)
+            assert b.svc.state.jobs["j1"].recovering
             n.cancel_scope.cancel()
 
 
