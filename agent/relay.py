@@ -75,6 +75,7 @@ import trio
 
 from infra.auth import TokenSet
 from infra.tls import Security, TLSError
+from scheduler_link.enroll import ENROLL_WAIT_S
 from scheduler_link.epochs import Epochs
 from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
 from scheduler_link.heartbeat_wire import UPSTREAM_DOWN, HeartbeatServer, Hello, WireError, WireReply
@@ -594,7 +595,7 @@ class Relay:
         if isinstance(got, EnrollAnswer):
             return got
         self._enroll_wake.set()
-        return self._enroll_tickets.wait(got, self.connect_timeout_s * 2, lambda: EnrollAnswer(
+        return self._enroll_tickets.wait(got, ENROLL_WAIT_S + self.connect_timeout_s, lambda: EnrollAnswer(
             node_id=e.node_id, outcome="unavailable", detail="the relay could not forward it in time"))
 
     def _fail_enrolls(self) -> None:
@@ -610,7 +611,7 @@ class Relay:
     async def _enroll_forwarder(self, ch: FrameChannel) -> None:
         """The one task that sends members' enrolments up, batched (as :meth:`_forwarder`).
         An enrolment is a registration: the placer may be working through a storm of them, so
-        its answer is waited for as long as a registration is (``connect_timeout_s``)."""
+        its answer is waited for ENROLL_WAIT_S (the placer answers batches first come first served)."""
         while True:
             batch = self.core.next_enrolls()
             if batch is None:
@@ -621,7 +622,7 @@ class Relay:
             answers: list[EnrollAnswer] | None = None
             try:
                 f = await ch.call("enrolls", RackEnrolls(rack=self.rack, enrolls=batch.enrolls),
-                                  timeout_s=self.connect_timeout_s)
+                                  timeout_s=max(self.connect_timeout_s, ENROLL_WAIT_S))
                 answers = decode_payload(f, list[EnrollAnswer])
             except (FrameError, CallFailed, trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError) as e:
                 self.failures += 1

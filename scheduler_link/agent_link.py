@@ -113,7 +113,7 @@ from infra.backoff import Backoff, Retry
 
 from . import leaderprobe
 from .client import ClientError, check_peer
-from .enroll import EnrollClient, EnrollRefused
+from .enroll import ENROLL_WAIT_S, EnrollClient, EnrollRefused
 from .epochs import Epochs
 from .fanout import PushPool
 from .frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
@@ -842,7 +842,7 @@ class AgentLink:
         nursery.start_soon(r.run)
         try:
             # an enrolment is a registration: the placer may be working through a storm of them
-            with trio.fail_after(max(self.request_timeout_s, self.wire_connect_timeout_s)):
+            with trio.fail_after(max(self.request_timeout_s, self.wire_connect_timeout_s, ENROLL_WAIT_S)):
                 pc = decode_payload(await ch.call("enroll_key", {}), PlacerCert)
                 if not pc.cert:
                     raise EnrollRefused(pc.outcome or "unavailable", pc.error or "the relay has no placer certificate")

@@ -274,6 +274,15 @@ class NonceGuard:
             del self._seen[o.popleft()[1]]
 
 
+# How long an enrolment's answer is waited for, by the relay (its batch) and by the member: the
+# placer works through a storm's enrolment batches one at a time, first come first served
+# (placer.relays), ~0.5 ms a member on one core -- a whole 131,072-node fleet's in about a minute,
+# longer on a loaded host. Given up sooner, the member registers directly: a TLS handshake of its
+# own, ten times the placer's cost of its enrolment, in the middle of the storm (measured: 45,771
+# handshakes in one 131,072-node cold start with a 60 s wait).
+ENROLL_WAIT_S = 300.0
+
+
 class EnrollBudget:
     """A token bucket: how many enrolments one connection may have checked now. A check
     costs the placer a CA signature check and an ECDH (~0.15 ms) even when it fails, so a
