@@ -37,6 +37,7 @@ the state. The hub reaches the service only through :class:`RelayHost`.
 from __future__ import annotations
 
 import collections
+import functools
 import gc
 import hashlib
 import hmac
@@ -591,16 +592,16 @@ def _check_aggregate(ab: AckBundle, lo: int, size: int, waiting: list[int], push
     only when that fails), else to ``bad``. The relay's own needs none (its connection's
     owner). A malformed aggregate (bits past the parts, MACs that do not match the bits in
     number) names nobody: its members are pushed directly."""
+    if (ab.accepted == _all_bits(size) and len(ab.macs) == size * MAC_LEN and waiting.count(NO_OUTCOME) == size
+            and _whole_rack(ab, pushes[lo:lo + size], nodes, mac_key)):
+        for k in range(size):
+            waiting[k] = 0
+        idx += range(lo, lo + size)
+        return
     named = np.flatnonzero(np.unpackbits(np.frombuffer(ab.accepted, dtype=np.uint8), bitorder="little"))
     if len(ab.macs) != len(named) * MAC_LEN or (len(named) and int(named[-1]) >= size):
         log.warning("relay answered a malformed ack aggregate rack=%s relay=%s bits=%d macs=%d parts=%d", ab.rack,
                     relay_id, len(named), len(ab.macs), size)
-        return
-    if len(named) == size and waiting.count(NO_OUTCOME) == size and _whole_rack(ab, pushes[lo:lo + size], nodes,
-                                                                                   mac_key):
-        for k in range(size):
-            waiting[k] = 0
-        idx += range(lo, lo + size)
         return
     keys: list[bytes] = []
     nids: list[str] = []
@@ -637,6 +638,12 @@ def _check_aggregate(ab: AckBundle, lo: int, size: int, waiting: list[int], push
     for n, i in enumerate(members):
         lo_, hi_ = n * MAC_LEN, (n + 1) * MAC_LEN
         (idx if hmac.compare_digest(want[lo_:hi_], got[lo_:hi_]) else bad).append(i)
+
+
+@functools.lru_cache(maxsize=256)
+def _all_bits(size: int) -> bytes:
+    """The aggregate's bitmap naming every one of ``size`` parts."""
+    return ((1 << size) - 1).to_bytes((size + 7) // 8, "little")
 
 
 def _whole_rack(ab: AckBundle, ps: list[Push], nodes: Mapping[str, NodeRec],

@@ -210,8 +210,7 @@ class Scheduling(StateBase):
                                           hold=False):
                 victim_stops.setdefault(push.node_id, []).extend(push.placement.victims)
         self._hold(victim_pods)  # victims' GPUs the new gang does not take stay held until gone
-        self._unindex_pods(job)
-        job.attempt += 1
+        job.attempt += 1   # (its previous attempt's pods stop being current in _replace_pods)
         job.state = "placing"
         job.reason = None
         # when the decision was made: the pass's ``now`` plus the time the pass took so far
@@ -230,10 +229,10 @@ class Scheduling(StateBase):
         slots: list[tuple[int, ...]] = [n.all_slots if w and len(n.uuids) == width else ()
                                         for n, w in zip(recs, whole, strict=True)]
         uuids: list[list[str]] = [n.uuids for n in recs]
-        for r, (n, w) in enumerate(zip(recs, whole, strict=True)):
-            if not (w and len(n.uuids) == width):
-                slots[r] = tuple(s for s in slots_arr[r].tolist() if s >= 0)
-                uuids[r] = [n.uuids[s] for s in slots[r]]
+        for r in [r for r, sl in enumerate(slots) if not sl]:   # (the rows that are not whole nodes)
+            n = recs[r]
+            slots[r] = tuple(s for s in slots_arr[r].tolist() if s >= 0)
+            uuids[r] = [n.uuids[s] for s in slots[r]]
         table = PodTable.decided(f"{job.job_id}.{job.attempt}.", names, slots, uuids)
         self._replace_pods(job, table)
         # the pushes: the gang's nodes in rank order of their first pod, each with its rows
