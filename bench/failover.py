@@ -198,8 +198,11 @@ async def _submit(c: httpx.AsyncClient, urls: list[str], spec: dict[str, Any], l
 async def _job(c: httpx.AsyncClient, url: str, job_id: str, want: str, limit_s: float) -> dict[str, Any]:
     with trio.fail_after(limit_s):
         while True:
-            r = await c.get(f"{url}/v1/jobs/{job_id}", params={"wait": want, "timeout_ms": "5000", "pods": "0:0"},
-                            timeout=15)
+            try:
+                r = await c.get(f"{url}/v1/jobs/{job_id}", params={"wait": want, "timeout_ms": "5000", "pods": "0:0"},
+                                timeout=15)
+            except httpx.TimeoutException:   # a placer busy placing a 50,000-host gang answers late: ask again
+                continue
             if r.status_code == 200:
                 j: dict[str, Any] = r.json()
                 if j["state"] == want or j["state"] in ("failed", "cancelled", "succeeded"):
