@@ -10,7 +10,7 @@ A fixed wait (``recover_s``) is either too short for a large fleet re-registerin
 long for a small one.
 
 So the placer keeps a small file in its state dir, ``fleet.snapshot``: the ids of the nodes
-that were up, rewritten (atomically, off the event loop) at most every ``SNAPSHOT_EVERY_S``
+it knows (up or lost: :func:`snapshot_ids`), rewritten (atomically, off the event loop) at most every ``SNAPSHOT_EVERY_S``
 (1 s) after a node was added, lost or came back (the state's ``membership_changes``) -- never
 in a steady fleet. A snapshot that lags the fleet is the danger: a gang placed on nodes it
 lacks would, after a restart, look partial once the nodes it has all reported, and be placed
@@ -89,6 +89,14 @@ def load(state_dir: str | os.PathLike[str]) -> FleetSnapshot | None:
         log.warning("fleet snapshot ignored path=%s version=%d", p, snap.version)
         return None
     return snap
+
+
+def snapshot_ids(nodes: Iterable[str]) -> list[str]:
+    """Whom a restarted placer waits for: every node it knows, up or lost. A lost node that is
+    not fenced yet may hold pods of a running gang and come back with them; left out of the
+    snapshot (as it was while it was lost: a loaded host's nodes flap), the gang looked partial
+    after a restart once the others had reported, and was placed a second time."""
+    return list(nodes)
 
 
 def write(state_dir: str | os.PathLike[str], data: bytes) -> None:

@@ -281,7 +281,7 @@ class PlacerService:
             return   # (on etcd only the leader writes it, there; a follower's model is not the fleet's)
         self._snap_at = t
         self._snap_seen = changes
-        ids = [nid for nid, n in self.state.nodes.items() if n.state == "up"]
+        ids = fleetsnap.snapshot_ids(self.state.nodes)
         self._snap_writing = True
         self._nursery.start_soon(self._write_snapshot, fleetsnap.encode(ids, time.time()))
 
