@@ -61,6 +61,7 @@ from .state import AgentState, StateDelta, StateFile, WorkloadRecord, atomic_wri
 log = logging.getLogger("herd.agent.supervisor")
 
 _KEEP_ACKS = 2000
+INLINE_WRITE_MAX = 64 << 10   # an unsynced file this small is written on the loop, not in a thread
 _GC_MIN_AGE_S = 60.0
 # (manifest_id, origin, peers) -> (materialised tree, fetch figures by source)
 ArtifactFetcher = Callable[[str, str | None, Any], Awaitable[tuple[Path, dict[str, int]]]]  # peers: list or PeerTable
@@ -682,7 +683,13 @@ class Supervisor:
                                                                self._blob_fetcher)
                     if cs.cancelled_caught:
                         data, source, table = lines_from_peers(rec.peers, partial=True), "partial", None
-                    await trio.to_thread.run_sync(write_peers_file, wdir / PEERS_FILE, data)
+                    # not synced: a small gang's list is written inline, as the dirs above (a worker
+                    # thread's round trip cost each pod 1-3 ms of start latency on a busy host); a
+                    # big gang's (MBs) in a thread, off the loop
+                    if len(data) <= INLINE_WRITE_MAX:
+                        write_peers_file(wdir / PEERS_FILE, data)
+                    else:
+                        await trio.to_thread.run_sync(write_peers_file, wdir / PEERS_FILE, data)
                     self.counters[f"peers_from_{source}"] += 1
                 if rec.manifest_id:
                     await self._change(wid, state="fetching")
