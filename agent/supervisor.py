@@ -579,10 +579,6 @@ class Supervisor:
         if msg.done is not None:
             (after.durable if msg.durable else after.now).append(msg.done.set)
 
-    async def _tell(self, wid: str, fetch: Mapping[str, int] | None = None, **fields: Any) -> None:
-        """Send a change of ``wid``'s record without waiting for the owner to apply it."""
-        await self._send.send(Change(wid, fields, None, fetch, False))
-
     async def _change(self, wid: str, fetch: Mapping[str, int] | None = None, durable: bool = False,
                       **fields: Any) -> WorkloadRecord:
         done = trio.Event()
@@ -720,12 +716,7 @@ class Supervisor:
             if rec.stop_reason is not None:
                 await self._change(wid, state=_final_state(rec), reason=f"{rec.stop_reason} before start")
                 return
-            # Told, not awaited: the owner applies it in its next batch, before this task's
-            # "running" (one FIFO channel), and a stop that lands in between is carried out
-            # when "running" is applied. Waiting for it cost every start an owner round trip
-            # (1-2 ms on a busy host) before the launch.
-            await self._tell(wid, fetch=fetch, state="starting", pid=None, exit_code=None)
-            rec = msgspec.structs.replace(rec, state="starting", pid=None, exit_code=None)
+            rec = await self._change(wid, fetch=fetch, state="starting", pid=None, exit_code=None)
             fetch = None
             for name in ("run.json", "exit.json"):
                 with contextlib.suppress(FileNotFoundError):
