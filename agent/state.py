@@ -1,10 +1,27 @@
 """The agent's persisted state: every workload record and the acks of accepted placements.
 
-One file, ``<state-dir>/state.json`` (0600: it holds every workload's env), rewritten atomically (temp file, fsync, rename,
-fsync of the directory: :func:`infra.durable.atomic_write`) by the supervisor's owner task after each batch of events.
-Small by construction: terminal records beyond ``keep_terminal`` are pruned oldest
-first. A file that does not decode is moved aside (``state.json.bad-<time>``) and
-the agent starts empty rather than trusting half of it.
+Two files under ``<state-dir>`` (both 0600: they hold every workload's env):
+
+- ``state.json``, a snapshot of every record and ack, rewritten atomically (temp file, fsync,
+  rename, fsync of the directory: :func:`infra.durable.atomic_write`);
+- ``state.log``, what changed since that snapshot: one JSON :class:`StateDelta` per line (the
+  records that changed, whole; the acks added; the ids forgotten), appended and
+  ``fdatasync``'d by the supervisor's owner task after each batch of events, before any
+  answer that depends on the batch.
+
+Why a log: a batch touches one or a few records, and a placement's ack waits for its write.
+Rewriting the whole state (up to ``keep_terminal`` records and 2,000 acks) on every batch
+cost milliseconds of encoding and a file plus a directory fsync on that path; appending the
+changed records is one small write and one ``fdatasync``.
+
+Every delta carries a sequence number greater than every earlier one; the snapshot names the
+last one it contains (``AgentState.seq``). Loading reads the snapshot and applies the log's
+deltas with a greater number, in order, so a crash between a snapshot and the log's reset
+(old deltas left behind) replays nothing twice. The log is compacted into a new snapshot when it
+outgrows ``max(COMPACT_MIN_BYTES, COMPACT_RATIO x the last snapshot)`` and at every start.
+A torn last line (a crash mid-append: never acknowledged, its fdatasync had not returned)
+is dropped; a snapshot or a log line elsewhere that does not decode sets both files aside
+(``*.bad-<time>``) and the agent starts empty rather than trusting half of them.
 """
 
 from __future__ import annotations
@@ -18,6 +35,7 @@ import msgspec
 
 # re-exported: the agent's callers import it from here
 from infra.durable import atomic_write as atomic_write
+from infra.durable import write_all
 from scheduler_link.messages import TERMINAL_STATES, Peer, PlacementAck, RestartPolicy, WorkloadStatus
 
 log = logging.getLogger("herd.agent.state")
@@ -87,33 +105,139 @@ class AgentState(msgspec.Struct, frozen=True, kw_only=True):
     node_id: str = ""
     records: list[WorkloadRecord] = []
     acks: list[PlacementAck] = []
+    seq: int = 0                         # the last delta this snapshot contains (state.log)
 
+
+class StateDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One batch's changes, one line of ``state.log``: records whole (the newest wins),
+    acks added, then the workload ids and placement ids forgotten."""
+    seq: int
+    records: list[WorkloadRecord] = []
+    acks: list[PlacementAck] = []
+    forget: list[str] = []
+    forget_acks: list[str] = []
+
+
+COMPACT_MIN_BYTES = 1 << 20   # the log is folded into a new snapshot past this size ...
+COMPACT_RATIO = 4             # ... and past this many times the last snapshot's size
 
 _decoder = msgspec.json.Decoder(AgentState)
+_delta_decoder = msgspec.json.Decoder(StateDelta)
+_encoder = msgspec.json.Encoder()
+
+
+class StateCorrupt(ValueError):
+    """A state file or a log line (not the last) that does not decode."""
+
+
+def apply_delta(records: dict[str, WorkloadRecord], acks: dict[str, PlacementAck], d: StateDelta) -> None:
+    """Apply one delta to the records and acks (in place; insertion order kept for acks, the
+    oldest first, as the supervisor forgets the oldest). Pure but for the two dicts."""
+    for r in d.records:
+        records[r.workload_id] = r
+    for a in d.acks:
+        acks[a.placement_id] = a
+    for wid in d.forget:
+        records.pop(wid, None)
+    for pid in d.forget_acks:
+        acks.pop(pid, None)
+
+
+def read_state(state_dir: str | os.PathLike[str]) -> AgentState:
+    """The state as a restarted agent would find it: the snapshot with the log's later deltas
+    applied. Read-only (nothing set aside; a torn last line ignored); raises
+    :class:`StateCorrupt` when a file does not decode."""
+    d = Path(state_dir)
+    try:
+        data = (d / "state.json").read_bytes()
+    except FileNotFoundError:
+        st = AgentState()
+    else:
+        try:
+            st = _decoder.decode(data)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            raise StateCorrupt(f"state.json: {e}") from None
+        if st.version != STATE_VERSION:
+            raise StateCorrupt(f"state version {st.version} != {STATE_VERSION}")
+    try:
+        raw = (d / "state.log").read_bytes()
+    except FileNotFoundError:
+        return st
+    records = {r.workload_id: r for r in st.records}
+    acks = {a.placement_id: a for a in st.acks}
+    seq = st.seq
+    lines = raw.split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            delta = _delta_decoder.decode(line)
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            if i == len(lines) - 1:   # no newline after it: an append a crash cut short
+                log.warning("state log: dropping a torn last line path=%s", d / "state.log")
+                break
+            raise StateCorrupt(f"state.log line {i + 1}: {e}") from None
+        if delta.seq <= seq:
+            continue   # already in the snapshot (a crash before the log was reset)
+        apply_delta(records, acks, delta)
+        seq = delta.seq
+    return msgspec.structs.replace(st, records=list(records.values()), acks=list(acks.values()), seq=seq)
 
 
 class StateFile:
+    """The snapshot and its log (module docstring). One writer: the supervisor's owner task,
+    from one worker thread at a time."""
+
     def __init__(self, state_dir: str | os.PathLike[str]):
         self.dir = Path(state_dir)
         self.path = self.dir / "state.json"
-        self.writes = 0
+        self.log_path = self.dir / "state.log"
+        self.writes = 0          # snapshots written
+        self.appends = 0         # deltas appended (each fdatasync'd)
+        self.log_bytes = 0       # the log's size since the last snapshot
+        self.snapshot_bytes = 0
+        self._fd: int | None = None
 
     def load(self) -> AgentState:
         try:
-            data = self.path.read_bytes()
-        except FileNotFoundError:
-            return AgentState()
-        try:
-            st = _decoder.decode(data)
-            if st.version != STATE_VERSION:
-                raise msgspec.ValidationError(f"state version {st.version} != {STATE_VERSION}")
-            return st
-        except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            aside = self.path.with_name(f"state.json.bad-{int(time.time())}")
-            os.replace(self.path, aside)
-            log.error("state file unreadable, set aside path=%s err=%s", aside, e)
+            return read_state(self.dir)
+        except StateCorrupt as e:
+            stamp = int(time.time())
+            for p in (self.path, self.log_path):
+                if p.exists():
+                    os.replace(p, p.with_name(f"{p.name}.bad-{stamp}"))
+            log.error("state unreadable, set aside dir=%s err=%s", self.dir, e)
             return AgentState()
 
     def save(self, st: AgentState) -> None:
-        atomic_write(self.path, msgspec.json.encode(st))
+        """A new snapshot (``st.seq``: the last delta it contains), then an empty log."""
+        data = _encoder.encode(st)
+        atomic_write(self.path, data)
         self.writes += 1
+        self.snapshot_bytes = len(data)
+        self.close()
+        atomic_write(self.log_path, b"")   # (a crash before this: the old deltas are <= st.seq)
+        self._fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        self.log_bytes = 0
+
+    def append(self, deltas: list[StateDelta]) -> None:
+        """Append ``deltas`` (one line each) and ``fdatasync``: durable when this returns.
+        Only after :meth:`save` (which opens the log)."""
+        assert self._fd is not None, "save() a snapshot first"
+        buf = bytearray()
+        for d in deltas:
+            buf += _encoder.encode(d)
+            buf += b"\n"
+        write_all(self._fd, buf)
+        os.fdatasync(self._fd)
+        self.appends += len(deltas)
+        self.log_bytes += len(buf)
+
+    def wants_snapshot(self) -> bool:
+        """The log has outgrown its bound (module docstring): fold it into a snapshot next."""
+        return self.log_bytes > max(COMPACT_MIN_BYTES, COMPACT_RATIO * self.snapshot_bytes)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None

@@ -4,9 +4,9 @@ Theory of operation
 -------------------
 One owner task (:meth:`Supervisor.run`) holds every :class:`WorkloadRecord`. Everyone
 else -- HTTP handlers, the scheduler link, the per-workload tasks -- sends it frozen
-events over a memory channel; the owner applies a batch, persists the state file
-once (atomically), and only then answers, sets events and starts tasks. So a reply
-or a started process is never ahead of what is on disk.
+events over a memory channel; the owner applies a batch, appends what it changed to the
+state log (the changed records whole, fdatasync'd: :mod:`agent.state`), and only then
+answers and starts what needs durability. So an ack is never ahead of what is on disk.
 
 Per workload, one life-cycle task (in the owner's nursery) walks
 accepted -> fetching -> starting -> running, then waits for the shim to exit and
@@ -56,11 +56,12 @@ from .logs import read_tail
 from .peersfile import PEERS_FILE, BlobFetcher, gang_peers, lines_from_peers
 from .peersfile import write_file as write_peers_file
 from .placement import check_placement, gpus_in_use
-from .state import AgentState, StateFile, WorkloadRecord, atomic_write
+from .state import AgentState, StateDelta, StateFile, WorkloadRecord, atomic_write
 
 log = logging.getLogger("herd.agent.supervisor")
 
 _KEEP_ACKS = 2000
+INLINE_WRITE_MAX = 64 << 10   # an unsynced file this small is written on the loop, not in a thread
 _GC_MIN_AGE_S = 60.0
 # (manifest_id, origin, peers) -> (materialised tree, fetch figures by source)
 ArtifactFetcher = Callable[[str, str | None, Any], Awaitable[tuple[Path, dict[str, int]]]]  # peers: list or PeerTable
@@ -162,9 +163,15 @@ class Supervisor:
         self._listeners: list[Callable[[WorkloadEvent], None]] = []
         self._nursery: trio.Nursery | None = None
         self._dirty = False
+        # what the batches since the last commit changed (the next StateDelta)
+        self._touched: dict[str, None] = {}      # workload ids, in order
+        self._new_acks: dict[str, None] = {}     # placement ids
+        self._forgot: set[str] = set()
+        self._forgot_acks: set[str] = set()
         self._gen = 0
         self._saved_gen = 0
-        self._latest: AgentState | None = None
+        self._pending: list[StateDelta] = []     # committed, not yet written
+        self._need_snapshot = False              # a failed append: the next write is a snapshot
         self._waiters: list[tuple[int, list[Callable[[], None]]]] = []
         self._applied = trio.Event()   # set, then replaced, after each applied batch (next_change)
         self._wrote = trio.Event()     # the writer's: set, then replaced, after each write (next_saved)
@@ -247,6 +254,7 @@ class Supervisor:
         return {"workloads_by_state": dict(by_state), "starts": self.counters["starts"],
                 "restarts": self.counters["restarts"], "preemptions": self.counters["preemptions"],
                 "refused": self.counters["refused"], "state_writes": self._file.writes,
+                "state_appends": self._file.appends,
                 "start_seconds": _quantiles(self._start_s),
                 "fetch_bytes": dict(self.fetch_bytes), "shim_pool": self.pool.statistics(),
                 "isolation": self.isolation.mode, "isolation_reason": self.isolation.reason,
@@ -274,13 +282,21 @@ class Supervisor:
         st = await trio.to_thread.run_sync(self._file.load)
         self._records = {r.workload_id: r for r in st.records}
         self._acks = {a.placement_id: a for a in st.acks}
+        self._gen = self._saved_gen = st.seq
+        try:
+            await self._serve(task_status)
+        finally:
+            self._file.close()
+
+    async def _serve(self, task_status: Any) -> None:
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
             await nursery.start(self.pool.run)
             batch = Batch()
             self._recover(batch)
+            # a fresh snapshot at every start: the log begins empty (a torn tail is gone)
             await trio.to_thread.run_sync(self._file.save, self._snapshot())
-            self._dirty = False
+            self._clear_changes()
             for fn in batch.now + batch.durable:
                 fn()
             nursery.start_soon(self._writer)
@@ -302,15 +318,39 @@ class Supervisor:
                 self._applied = trio.Event()
 
     # Group commit: the owner never waits for the disk. Each applied batch bumps a
-    # generation and hands an immutable snapshot to the writer task; callbacks that
-    # need durability (acks, the start of a kill countdown) run once a write that
-    # includes their generation has completed. Starting a process does not wait: the
-    # shim writes the workload's record into run.json (atomically) before it answers, so
-    # a restarted agent finds a started workload even if state.json lagged behind.
+    # generation and hands the writer task a delta (the records it changed, frozen, whole);
+    # the writer appends every pending delta at once and fdatasyncs; callbacks that need
+    # durability (acks, the start of a kill countdown) run once a write that includes their
+    # generation has completed. Starting a process does not wait: the shim writes the
+    # workload's record into run.json (atomically) before it answers, so a restarted agent
+    # finds a started workload even if the state log lagged behind.
 
     def _snapshot(self) -> AgentState:
         return AgentState(node_id=self.node_id, records=list(self._records.values()),
-                          acks=list(self._acks.values()))
+                          acks=list(self._acks.values()), seq=self._gen)
+
+    def _touch(self, wid: str) -> None:
+        self._touched[wid] = None
+        self._forgot.discard(wid)
+        self._dirty = True
+
+    def _ack_added(self, placement_id: str) -> None:
+        self._new_acks[placement_id] = None
+        self._forgot_acks.discard(placement_id)
+        self._dirty = True
+
+    def _clear_changes(self) -> None:
+        self._dirty = False
+        self._touched, self._new_acks = {}, {}
+        self._forgot, self._forgot_acks = set(), set()
+
+    def _delta(self) -> StateDelta:
+        """What changed since the last commit, as of now (generation ``self._gen``)."""
+        d = StateDelta(seq=self._gen, records=[self._records[w] for w in self._touched if w in self._records],
+                       acks=[self._acks[a] for a in self._new_acks if a in self._acks],
+                       forget=sorted(self._forgot), forget_acks=sorted(self._forgot_acks))
+        self._clear_changes()
+        return d
 
     def _gc(self, after: list[Callable[[], None]]) -> None:
         """Forget the oldest terminal workloads beyond ``keep_terminal`` (and their dirs,
@@ -326,11 +366,15 @@ class Supervisor:
             for r in sorted(terminal, key=lambda r: r.updated_at)[:excess]:
                 del self._records[r.workload_id]
                 self._rt.pop(r.workload_id, None)
+                self._touched.pop(r.workload_id, None)
+                self._forgot.add(r.workload_id)
                 after.append(functools.partial(self._spawn_thread, shutil.rmtree, self.wl_dir / r.workload_id, True))
             self._dirty = True
         if len(self._acks) > _KEEP_ACKS:
             for k in list(self._acks)[: len(self._acks) - _KEEP_ACKS]:
                 del self._acks[k]
+                self._new_acks.pop(k, None)
+                self._forgot_acks.add(k)
             self._dirty = True
 
     def _spawn_thread(self, fn: Callable[..., Any], *args: Any) -> None:
@@ -346,9 +390,8 @@ class Supervisor:
     def _commit(self, durable: list[Callable[[], None]]) -> None:
         if self._dirty:
             self._gc(durable)
-            self._dirty = False
             self._gen += 1
-            self._latest = self._snapshot()
+            self._pending.append(self._delta())
             self._wake_writer.set()
         if durable:
             if self._saved_gen >= self._gen:
@@ -361,15 +404,23 @@ class Supervisor:
         while True:
             await self._wake_writer.wait()
             self._wake_writer = trio.Event()
-            gen, st = self._gen, self._latest
-            if st is not None and gen > self._saved_gen:
+            gen = self._gen
+            if gen > self._saved_gen:
+                # every delta pending is in this write (the owner runs between our awaits only)
+                deltas, self._pending = self._pending, []
                 try:
-                    await trio.to_thread.run_sync(self._file.save, st)
+                    if self._need_snapshot or self._file.wants_snapshot():
+                        await trio.to_thread.run_sync(self._file.save, self._snapshot())
+                    else:
+                        await trio.to_thread.run_sync(self._file.append, deltas)
                 except OSError as e:  # disk full or gone: keep running, retry on the next change
+                    # the log may end in a partial line now: the retry writes a whole snapshot
                     log.error("state write failed err=%s", e)
+                    self._need_snapshot = True
                     await trio.sleep(1)
                     self._wake_writer.set()
                     continue
+                self._need_snapshot = False
                 self._saved_gen = gen
                 self._wrote.set()
                 self._wrote = trio.Event()
@@ -403,7 +454,7 @@ class Supervisor:
             fields["fetch"] = {k: int(v) for k, v in fetch.items() if v is not None}
         new = msgspec.structs.replace(old, updated_at=now, **fields)
         self._records[wid] = new
-        self._dirty = True
+        self._touch(wid)
         if new.state != old.state:
             self._on_state(old, new, now, fetch)
             if new.terminal:
@@ -471,14 +522,14 @@ class Supervisor:
                 grace_s=p.grace_s, restart=p.restart, direct=msg.direct,
                 wait_for=wait_for, created_at=now, updated_at=now, user=p.user, run_as=user.name)
             self._records[rec.workload_id] = rec
-            self._dirty = True
+            self._touch(rec.workload_id)
             self._rt[rec.workload_id] = Runtime()
             self._on_state(None, rec, now, None)
             after.now.append(self._spawn(self._lifecycle, rec.workload_id))
         ack = PlacementAck(placement_id=p.placement_id, node_id=self.node_id, accepted=True, outcome="accepted",
                            workloads=[pod.workload_id for pod in p.pods])
         self._acks[p.placement_id] = ack
-        self._dirty = True
+        self._ack_added(p.placement_id)
         for v in live_victims:
             self._begin_stop(v.workload_id, v.reason, v.grace_s, after, preempted=v.preempted)
         after.durable.append(lambda: msg.reply.send_nowait(ack))
@@ -559,11 +610,12 @@ class Supervisor:
                 continue
             log.warning("recovered workload from its shim's run.json id=%s", rec.workload_id)
             self._records[rec.workload_id] = msgspec.structs.replace(rec, state="starting", pid=None)
-            self._dirty = True
+            self._touch(rec.workload_id)
             if rec.placement_id and rec.placement_id not in self._acks:
                 self._acks[rec.placement_id] = PlacementAck(
                     placement_id=rec.placement_id, node_id=self.node_id, accepted=True, outcome="accepted",
                     workloads=[r.workload_id for r in self._records.values() if r.placement_id == rec.placement_id])
+                self._ack_added(rec.placement_id)
 
     def _recover(self, after: Batch) -> None:
         self._adopt_orphans()
@@ -631,7 +683,13 @@ class Supervisor:
                                                                self._blob_fetcher)
                     if cs.cancelled_caught:
                         data, source, table = lines_from_peers(rec.peers, partial=True), "partial", None
-                    await trio.to_thread.run_sync(write_peers_file, wdir / PEERS_FILE, data)
+                    # not synced: a small gang's list is written inline, as the dirs above (a worker
+                    # thread's round trip cost each pod 1-3 ms of start latency on a busy host); a
+                    # big gang's (MBs) in a thread, off the loop
+                    if len(data) <= INLINE_WRITE_MAX:
+                        write_peers_file(wdir / PEERS_FILE, data)
+                    else:
+                        await trio.to_thread.run_sync(write_peers_file, wdir / PEERS_FILE, data)
                     self.counters[f"peers_from_{source}"] += 1
                 if rec.manifest_id:
                     await self._change(wid, state="fetching")

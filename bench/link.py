@@ -5,7 +5,9 @@
 - e2e: a local cluster (placer + 4 agent processes, simulated GPUs, no artifact); per job
   the time from submit to every pod's process running, measured by the placer's own
   timings (submitted -> running, one clock); p50/p99 over ``--jobs`` jobs (each cancelled
-  after). Baseline: the same submit's HTTP round trip alone (``submit_rtt``).
+  after). Baseline: the same submit's HTTP round trip alone (``submit_rtt``). Split by
+  the same timings: submitted -> pushed (``e2e_placer_part``), pushed -> acked
+  (``e2e_agent_ack``), acked -> running (``e2e_acked_to_running``).
 - fanout: one decision pushed to ``--fleet`` real HTTP endpoints (bench.fleet_helper in a
   separate process) -> the last answer. herd's PushPool and the httpx baseline run under the
   same conditions: the placer's own concurrency bound (``PlacerConfig.push_concurrency``,
@@ -64,7 +66,7 @@ def bench_e2e(n_jobs: int, gap_s: float = 0.0) -> dict[str, Any]:
             assert c.placer is not None
             h = {"authorization": f"Bearer {tok.operator}"}
             lat, rtt = [], []
-            to_pushed, to_acked = [], []
+            to_pushed, to_acked, to_running = [], [], []
             with httpx.Client(base_url=c.placer.url, headers=h, timeout=30) as cl:
                 deadline = time.monotonic() + 20
                 while time.monotonic() < deadline:
@@ -89,6 +91,7 @@ def bench_e2e(n_jobs: int, gap_s: float = 0.0) -> dict[str, Any]:
                         to_pushed.append(t["pushed"] - t["submitted"])
                         if "acked" in t:
                             to_acked.append(t["acked"] - t["pushed"])
+                            to_running.append(t["running"] - t["acked"])
                     cl.delete(f"/v1/jobs/{jid}")
                     # wait until its GPUs are free again so each job sees an idle cluster
                     w_end = time.monotonic() + 10
@@ -100,9 +103,12 @@ def bench_e2e(n_jobs: int, gap_s: float = 0.0) -> dict[str, Any]:
                     time.sleep(gap_s)
     return {"e2e_jobs": len(lat), "e2e_p50_ms": pct(lat, 0.5) * 1000, "e2e_p99_ms": pct(lat, 0.99) * 1000,
             "submit_rtt_p50_ms": pct(rtt, 0.5) * 1000,
-            # where the time goes: the placer's part (submit -> pushed: journal fsync, decision,
-            # placement encoded) and the agent's answer (pushed -> acked)
+            # where the time goes: the placer's part (submit -> pushed: decision, placement
+            # encoded), the push and the agent's durable acceptance (pushed -> acked: the journal's
+            # group commit, the HTTP push, the agent's state log append) and the processes' start
+            # with the reports that say so (acked -> running; 0 when those reports came first)
             "e2e_placer_part_p50_ms": pct(to_pushed, 0.5) * 1000, "e2e_agent_ack_p50_ms": pct(to_acked, 0.5) * 1000,
+            "e2e_acked_to_running_p50_ms": pct(to_running, 0.5) * 1000,
             "e2e_ratio_to_submit_rtt": pct(lat, 0.5) / pct(rtt, 0.5) if rtt and lat else None}
 
 

@@ -26,11 +26,10 @@ import signal
 from collections.abc import Iterable
 from pathlib import Path
 
-import msgspec
 import psutil
 
 from agent import procs
-from agent.state import AgentState
+from agent.state import StateCorrupt, read_state
 from infra.durable import atomic_write
 
 RECORD = "demo.json"
@@ -63,8 +62,8 @@ def _identities(root: Path) -> tuple[list[tuple[int, int | None, str | None]], l
     for d in dirs:
         for f in d.rglob("state.json"):
             try:
-                st = msgspec.json.decode(f.read_bytes(), type=AgentState)
-            except (OSError, msgspec.DecodeError, msgspec.ValidationError):
+                st = read_state(f.parent)   # the snapshot and its log
+            except (OSError, StateCorrupt):
                 continue
             for r in st.records:
                 out.append((r.pid or 0, r.start_time, r.boot_id))

@@ -451,7 +451,7 @@ async def test_workload_cannot_touch_the_host(tmp_path, token_dir, mode, request
     assert (scratch / "probe.oom").read_text().strip() == "0"
     assert (scratch / "probe.core").read_text().strip() == "0"
     # state files are the agent's alone
-    for f in (sup.state_dir / "state.json", sup.wl_dir / "w1" / "run.json", sup.wl_dir / "w1" / "stdout.log"):
+    for f in (sup.state_dir / "state.json", sup.state_dir / "state.log", sup.wl_dir / "w1" / "run.json", sup.wl_dir / "w1" / "stdout.log"):
         assert f.stat().st_mode & 0o077 == 0, f
     # the log API never follows a symlink, even one planted by someone who could
     (sup.wl_dir / "w1" / "stderr.log").unlink()

@@ -14,7 +14,7 @@ import msgspec
 import trio
 
 from agent import procs
-from agent.state import AgentState, WorkloadRecord
+from agent.state import AgentState, WorkloadRecord, read_state
 from agent.supervisor import Supervisor, SupervisorConfig
 from scheduler_link.messages import Placement, PodAssignment, RestartPolicy, Victim
 from testing.waiting import poll, until
@@ -411,7 +411,7 @@ async def test_old_terminal_workloads_are_forgotten(tmp_path):
                 await poll(lambda: not any((sup.wl_dir / f"w{i}").exists() for i in range(3)), 0.02)
             n.cancel_scope.cancel()
     assert {w.workload_id for w in sup.workloads()} == {"w3"}
-    saved = msgspec.json.decode((tmp_path / "state" / "state.json").read_bytes(), type=AgentState)
+    saved = read_state(tmp_path / "state")   # what a restart reads: the snapshot and its log
     assert {r.workload_id for r in saved.records} == {"w3"}
 
 
