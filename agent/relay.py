@@ -108,7 +108,6 @@ PartHandler = Callable[[NodePart], Awaitable[NodeOutcome]]
 # () -> (this node's MAC key, the placer's signing key), None until registered
 Keys = Callable[[], tuple[bytes | None, bytes | None]]
 PEER_BLOB_WAIT_S = 2.0       # a relay asking for a blob whose bundle has not reached us yet waits this long
-UP_CHECK_MAX_S = 1.0         # how often, at most, the placer wire_url() names is looked at
 # what a hop gives back for a part: the member's outcome (None: no answer), now or later
 HopAnswer = NodeOutcome | None | Awaitable[NodeOutcome | None]
 
@@ -182,10 +181,6 @@ class Relay:
         self.listen_url = ""
         self._members: dict[str, FrameChannel] = {}
         self._up: FrameChannel | None = None
-        self._up_url = ""                      # the placer channel self._up is to
-        self._up_gone = trio.Event()           # set once self._up is over (a fresh one per connection)
-        self._recheck = trio.Event()           # look at once whether the connection up must go
-        self._left: FrameChannel | None = None       # the connection up _leave_when_stale closed
         self._tickets: Tickets[WireReply] = Tickets()
         self._sending: Batch | None = None    # the batch out now (answered 503 if the connection goes)
         self._finished: dict[int, Acks] = {}   # rounds over before their _round looked (answers, a member left)
@@ -208,7 +203,6 @@ class Relay:
         self.connects = 0
         self.drops = 0
         self.drop_reasons: dict[str, int] = {}   # why the connection up ended, by reason
-        self.leaves = 0               # connections up left because wire_url() named another placer
         self.beats = 0
         self.beat_entries = 0
         self.report_frames = 0
@@ -223,7 +217,7 @@ class Relay:
         c = self.core
         return {"listen_url": self.listen_url, "rack": self.rack, "upstream": self._up is not None,
                 "members": len(self._members) if self._hop is None else len(c.members),
-                "connects": self.connects, "drops": self.drops, "leaves": self.leaves, "bundles": c.bundles,
+                "connects": self.connects, "drops": self.drops, "bundles": c.bundles,
                 "parts_delivered": c.parts_delivered, "parts_missed": c.parts_missed, "beats": self.beats,
                 "beat_entries": self.beat_entries, "reports_forwarded": c.reports_forwarded,
                 "report_frames": self.report_frames, "late_answers": c.late_answers, "late_bundles": c.late_bundles,
@@ -254,14 +248,6 @@ class Relay:
             await self._upstream_loop()
 
     async def _upstream_loop(self) -> None:
-        """One connection up at a time, to the placer channel ``wire_url()`` names (the relay
-        host's link: it moves to a newer leader by itself, scheduler_link.leaderprobe). A paused
-        leader keeps the connection open and answers nothing, so the connection is left -- and
-        the next made at once -- when ``wire_url()`` names another channel; a connect still
-        waiting for its hello is given up then too. Not on beats unanswered alone: the channel
-        named is the same one then, and a connect to a paused placer waits for its hello (up to
-        ``connect_timeout_s``) while the relay host's link, failing over meanwhile, waits on
-        that connection (own_channel) instead of finding the new leader."""
         backoff = self.backoff_min_s
         while True:
             url = self._wire_url()
@@ -270,7 +256,10 @@ class Relay:
                 backoff = min(self.backoff_max_s, backoff * 2)
                 continue
             try:
-                ch = await self._connect(url)
+                ch = await open_frames(url, self.token, self.node_id, timeout_s=self.connect_timeout_s,
+                                       relay=RelayHello(racks=[self.rack], listen_url=self.listen_url),
+                                       local_address=self._local_address,
+                                       ssl_context=self._client_ssl, expect="placer" if self._client_ssl else None)
             except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
                     TLSError) as e:   # (a busy placer resets handshakes: tried again, never the relay's end)
                 self.failures += 1
@@ -278,78 +267,30 @@ class Relay:
                 await trio.sleep(backoff * 2 * random.uniform(0.5, 1.0))  # jittered: relays do not retry in step
                 backoff = min(self.backoff_max_s, backoff * 2)
                 continue
-            if ch is None:   # another placer named while connecting: that one now
-                continue
             backoff = self.backoff_min_s
             self.connects += 1
             asked = self.book.reconnected() if self.connects > 1 else 0
             log.info("relay connected to the placer url=%s rack=%s members_asked_full=%d", url, self.rack, asked)
-            self._up, self._up_url, self._up_gone = ch, url, trio.Event()
+            self._up = ch
             self.upstream_ready.set()
             try:
                 async with trio.open_nursery() as n:
                     n.start_soon(self._beats, ch)
                     n.start_soon(self._forwarder, ch)
                     n.start_soon(self._enroll_forwarder, ch)
-                    n.start_soon(self._leave_when_stale, ch, url)
                     await ch.run(self._upstream_frame)
                     n.cancel_scope.cancel()
             finally:
                 why = ch.close_reason or "ended here"
-                left = self._left is ch   # (left on purpose: the next connect at once)
                 self.drops += 1
                 self.drop_reasons[why] = self.drop_reasons.get(why, 0) + 1
                 if self._up is ch:
                     self._up = None
                     self.upstream_ready = trio.Event()
-                self._up_gone.set()
                 self._fail_queued("the relay lost its connection to the placer")
                 self._fail_enrolls()
-            log.warning("relay lost its placer connection rack=%s why=%s", self.rack, why)
-            if not left:
-                await trio.sleep(backoff)
-
-    async def _connect(self, url: str) -> FrameChannel | None:
-        """The frames connection up to ``url``; None when ``wire_url()`` names another channel
-        before its hello is answered (a paused placer accepts and never answers)."""
-        dial = _Dial()
-        async with trio.open_nursery() as n:
-            n.start_soon(self._dial, dial, url, n.cancel_scope)
-            while self._wire_url() == url:
-                await self._check_later()
-            n.cancel_scope.cancel()
-        if dial.error is not None:
-            raise dial.error
-        return dial.channel
-
-    async def _dial(self, dial: _Dial, url: str, scope: trio.CancelScope) -> None:
-        try:
-            dial.channel = await open_frames(url, self.token, self.node_id, timeout_s=self.connect_timeout_s,
-                                             relay=RelayHello(racks=[self.rack], listen_url=self.listen_url),
-                                             local_address=self._local_address, ssl_context=self._client_ssl,
-                                             expect="placer" if self._client_ssl else None)
-        except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
-                TLSError) as e:   # (raised again by _connect, outside the nursery)
-            dial.error = e
-        scope.cancel()
-
-    async def _check_later(self) -> None:
-        """Until the next look at the connection up: half an interval (at most UP_CHECK_MAX_S),
-        or at once when the relay host's link asks for another channel (own_channel)."""
-        with trio.move_on_after(min(UP_CHECK_MAX_S, self.book.heartbeat_s / 2)):
-            await self._recheck.wait()
-        self._recheck = trio.Event()
-
-    async def _leave_when_stale(self, ch: FrameChannel, url: str) -> None:
-        """Close the connection up once ``wire_url()`` names another channel (the relay host's
-        link moved to a newer leader); :meth:`_upstream_loop` then connects to that one."""
-        while self._wire_url() == url:
-            await self._check_later()
-        self.leaves += 1
-        log.warning("relay leaves its placer connection url=%s for=%s rack=%s", url, self._wire_url(), self.rack)
-        ch.close_reason = "left: another placer named"
-        self._left = ch
-        await ch.aclose()
+            log.warning("relay lost its placer connection rack=%s", self.rack)
+            await trio.sleep(backoff)
 
     async def _beats(self, ch: FrameChannel) -> None:
         if self._beat_offset_s:
@@ -600,16 +541,10 @@ class Relay:
 
     async def own_channel(self, wire_url: str, token: str, node_id: str) -> OwnReports:
         """This host's own report channel over the relay's connection up (an AgentLink
-        ``wire_connect``): once the relay is connected to ``wire_url`` (the caller's deadline
-        bounds the wait). A link that has moved to another placer asks for its channel: the
-        connection up to the one before is left at once, not handed out."""
-        while (up := self._up) is None or self._up_url != wire_url:
-            if up is None:
-                await self.upstream_ready.wait()
-                continue
-            self._recheck.set()
-            await self._up_gone.wait()
-        return OwnReports(up, self.request_timeout_s)
+        ``wire_connect``): once the relay is connected (the caller's deadline bounds the wait)."""
+        while self._up is None:
+            await self.upstream_ready.wait()
+        return OwnReports(self._up, self.request_timeout_s)
 
     # ------------------------------------------------------------ members' enrolments
 
@@ -719,16 +654,6 @@ class Relay:
             return BlobReply(blob_id=blob_id, error="not here")
         self.blob_serves += 1
         return BlobReply(blob_id=blob_id, data=got[0])
-
-
-class _Dial:
-    """How one connect up ended (Relay._connect): its channel, or its error, or neither (given up)."""
-
-    __slots__ = ("channel", "error")
-
-    def __init__(self) -> None:
-        self.channel: FrameChannel | None = None
-        self.error: Exception | None = None
 
 
 class Tickets(Generic[T]):
