@@ -124,6 +124,10 @@ class RelayHost(Protocol):
     def epoch(self) -> int:
         """The placer's epoch (scheduler_link.epochs), signed into every bundle's header."""
 
+    def leading(self) -> bool:
+        """Whether this placer may send what makes nodes act now: it leads and its lease is
+        known to hold (always, for a placer without etcd). Asked before each bundle leaves."""
+
     @property
     def nodes(self) -> Mapping[str, NodeRec]:
         """The registered nodes' records, by id (read only)."""
@@ -175,6 +179,7 @@ class RelayStats:
     beat_entries: int = 0
     reports: int = 0
     bytes_out: int = 0             # bundle bytes written
+    bundles_withheld: int = 0      # not sent: the placer did not lead (its lease ran out mid-round)
     last_delivery: dict[str, Any] = field(default_factory=dict)
 
 
@@ -282,6 +287,7 @@ class RelayHub:
                 "bundles": s.bundles, "bundle_failures": s.bundle_failures, "fallback_nodes": s.fallback_nodes,
                 "relayed_nodes": s.relayed_nodes, "late_nodes": s.late_nodes, "blob_seeds": s.blob_seeds, "blob_serves": s.blob_serves,
                 "beats": s.beats, "beat_entries": s.beat_entries, "reports": s.reports, "bytes_out": s.bytes_out,
+                "bundles_withheld": s.bundles_withheld,
                 "last_delivery": s.last_delivery,
                 "enroll": self._desk.statistics() if self._desk is not None else {"taken": 0, "refused": {}}}
 
@@ -709,6 +715,7 @@ class _RoundDriver:
                                   durable=ready is None)
         self.rids: dict[int, int] = {}            # rack -> its bundle's request id (while sent)
         self.frames: dict[int, bytes] = {}        # rack -> its bundle's frame, built, not yet sent
+        self.withheld: set[int] = set()           # racks whose bundle was not sent: the placer did not lead
         self.fallback_slots = trio.CapacityLimiter(max(1, cfg.push_concurrency))
         self.nursery: trio.Nursery | None = None
         self.changed = trio.Event()               # the racks settled or the round is done
@@ -732,6 +739,8 @@ class _RoundDriver:
                 for i in a.nodes.tolist():
                     self.nursery.start_soon(self._push, i, a.fallback)
             elif isinstance(a, RackFailed):
+                if a.rack in self.withheld:   # (the relay did not fail: kept, and its members' direct
+                    continue                  # pushes are refused by push_direct as well)
                 hub.stats.bundle_failures += 1
                 path, conn = self.racks[a.rack]
                 hub.forget_choice(path)
@@ -751,6 +760,17 @@ class _RoundDriver:
         conn = self.racks[r][1]
         data = self.frames.pop(r)
         stats = self.hub.stats
+        if not self.hub.host.leading():
+            # The round took its epoch when it began; the lease is not known to hold now (a
+            # round outlived it, a placer paused mid-round): nothing more leaves. The rack ends
+            # as if its relay were unreachable, and its members' direct pushes are not sent either.
+            stats.bundles_withheld += 1
+            self.withheld.add(r)
+            if len(self.withheld) == 1:
+                log.warning("this placer does not lead now: the round's remaining bundles are not sent job=%s",
+                            self.job_id or "(stops)")
+            self.apply(self.core.closed(r, "NotLeading"))
+            return
         stats.bundles += 1
         stats.bytes_out += len(data)
         try:

@@ -176,6 +176,9 @@ class PlacerService:
             return self.ha.epoch()
         return self.own_epoch
 
+    def leading(self) -> bool:   # (placer.relays.RelayHost: asked before each bundle leaves)
+        return self.ha is None or self.ha.leading()
+
     def recover_s_left(self, now: float) -> float:
         """Seconds left before it places recovered jobs (0 once placing)."""
         if self.ha is not None and not self.ha.leading():

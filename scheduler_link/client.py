@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import ssl
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from infra import tls
 from infra.auth import auth_header
 from infra.errors import ClientError as ClientError  # re-exported: callers import it from here
 
+from . import leaderprobe
 from .messages import (
     ArtifactUpdate,
     DefragRequest,
@@ -162,6 +164,40 @@ def transport_error(e: httpx.HTTPError, who: str, url: str) -> ClientError:
     return ClientError(transport_line(e, who, url))
 
 
+class _Moved(Exception):
+    """The placer asked stayed silent and another leads at a newer epoch (PlacerClient._request)."""
+
+    def __init__(self, claim: leaderprobe.Claim) -> None:
+        super().__init__(claim.url)
+        self.claim = claim
+
+
+class _Call:
+    """One request of a synchronous client in a daemon thread: its answer or its error, once ``done``."""
+
+    def __init__(self, client: httpx.Client, method: str, url: str, kw: dict[str, Any]) -> None:
+        self.done = threading.Event()
+        self._response: httpx.Response | None = None
+        self._error: BaseException | None = None
+        self._args = (client, method, url, kw)
+        threading.Thread(target=self._run, name="herd-placer-request", daemon=True).start()
+
+    def _run(self) -> None:
+        client, method, url, kw = self._args
+        try:
+            self._response = client.request(method, url, **kw)
+        except BaseException as e:   # (raised again in the caller's thread by result())
+            self._error = e
+        finally:
+            self.done.set()
+
+    def result(self) -> httpx.Response:
+        if self._error is not None:
+            raise self._error
+        assert self._response is not None
+        return self._response
+
+
 class PlacerClient:
     """Synchronous client (the CLI is synchronous). ``timeout`` bounds each request.
 
@@ -169,7 +205,14 @@ class PlacerClient:
     A request follows a follower's 307 to the leader it names, moves to the next address when
     one cannot be connected to (nothing was sent: safe for a submit), and asks again after a
     503 with ``Retry-After`` (the placers are electing a leader), within ``failover_s``. An
-    answer that was cut off is not sent again (a submit may have landed)."""
+    answer that was cut off is not sent again (a submit may have landed).
+
+    A placer that is asked and stays silent (a paused leader keeps its connections open and
+    answers nothing): with several placers known, while a request goes unanswered past
+    ``leaderprobe.PROBE_AFTER_S`` the others' ``/healthz`` are asked who leads, every
+    ``PROBE_EVERY_S``; a leader named at an epoch above the one the others give the placer asked
+    (so that placer's lease has lapsed: its etcd writes are refused, the request cannot land
+    there) is asked instead, within ``failover_s``, rather than waiting out ``timeout``."""
 
     def __init__(self, url: str | list[str], token: str | None = None, *, timeout: float = 30.0,
                  ssl_context: ssl.SSLContext | None = None, tls_dir: str | os.PathLike[str] | None = None,
@@ -182,6 +225,9 @@ class PlacerClient:
         self.failover_s = failover_s
         verify = ssl_context if ssl_context is not None else verify_for(urls[0], tls_dir, expect="placer")
         self._c = httpx.Client(headers=auth_header(token), timeout=timeout, verify=verify)
+        # who leads, asked of the other placers while the one asked is silent (/healthz: public)
+        self._probe_c = httpx.Client(timeout=leaderprobe.PROBE_TIMEOUT_S, verify=verify) if len(urls) > 1 else None
+        self.leader_moves = 0
 
     @property
     def url(self) -> str:
@@ -193,6 +239,8 @@ class PlacerClient:
 
     def __exit__(self, *exc: Any) -> None:
         self._c.close()
+        if self._probe_c is not None:
+            self._probe_c.close()
 
     def _resp(self, method: str, path: str, **kw: Any) -> httpx.Response:
         deadline = time.monotonic() + self.failover_s
@@ -200,7 +248,12 @@ class PlacerClient:
         while True:
             url = self.placers.current
             try:
-                r = self._c.request(method, url + path, **kw)
+                r = self._request(method, url, path, deadline, kw)
+            except _Moved as m:
+                self.leader_moves += 1
+                self.placers.failed(url, time.monotonic())
+                self.placers.learned(m.claim.url, time.monotonic())
+                continue
             except httpx.ConnectError as e:   # not connected: nothing was sent, another placer may lead
                 misses += 1
                 if len(self.placers) > 1 and time.monotonic() < deadline:
@@ -224,6 +277,26 @@ class PlacerClient:
                 continue
             _check(r)
             return r
+
+    def _request(self, method: str, url: str, path: str, deadline: float, kw: dict[str, Any]) -> httpx.Response:
+        """One request to ``url``. With several placers known, it runs in a thread of its own
+        while this one asks the others who leads each time it has gone unanswered a while
+        (see the class docstring): :class:`_Moved` when one names a newer leader before
+        ``deadline``. The abandoned request ends by its own timeout (a daemon thread)."""
+        if self._probe_c is None:
+            return self._c.request(method, url + path, **kw)
+        call = _Call(self._c, method, url + path, kw)
+        known = 0
+        wait = leaderprobe.PROBE_AFTER_S
+        while not call.done.wait(wait):
+            others = [u for u in self.placers.urls if u != url]
+            claims = leaderprobe.probe_blocking(self._probe_c, others)
+            known = max(known, leaderprobe.epoch_named(claims, url))
+            found = leaderprobe.newer_leader(claims, known, url)
+            if found is not None and not call.done.is_set() and time.monotonic() < deadline:
+                raise _Moved(found)
+            wait = leaderprobe.PROBE_EVERY_S
+        return call.result()
 
     def _get(self, dec: msgspec.json.Decoder[Any], method: str, path: str, **kw: Any) -> Any:
         return decode_answer(dec, self._resp(method, path, **kw), "placer")

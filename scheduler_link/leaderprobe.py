@@ -13,7 +13,12 @@ that is merely slow is named with the epoch the agent already knows, and is wait
 What ``/healthz`` says is not authenticated as an epoch is (it only chooses whom to ask next):
 the new leader's first answer over its own connection carries the epoch the agent then takes.
 
-:func:`claim_of` and :func:`newer_leader` decide (no I/O); :func:`probe` asks.
+The CLI (scheduler_link.client.PlacerClient) does the same for a request of its own: while it
+goes unanswered, the other placers are asked (:func:`probe_blocking`), and a leader named at an
+epoch above the one the others give the placer asked (:func:`epoch_named`) is asked instead.
+
+:func:`claim_of`, :func:`epoch_named` and :func:`newer_leader` decide (no I/O); :func:`probe`
+and :func:`probe_blocking` ask.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ import trio
 
 log = logging.getLogger("herd.link.leaderprobe")
 
-__all__ = ["Claim", "claim_of", "newer_leader", "probe", "PROBE_AFTER_S", "PROBE_EVERY_S", "PROBE_TIMEOUT_S"]
+__all__ = ["Claim", "claim_of", "epoch_named", "newer_leader", "probe", "probe_blocking", "PROBE_AFTER_S",
+           "PROBE_EVERY_S", "PROBE_TIMEOUT_S"]
 
 PROBE_AFTER_S = 1.0     # a report unanswered this long: ask the other placers who leads
 PROBE_EVERY_S = 1.0     # ... and again this often while it stays unanswered
@@ -81,6 +87,13 @@ def newer_leader(claims: Iterable[Claim | None], known_epoch: int, current: str)
     return best
 
 
+def epoch_named(claims: Iterable[Claim | None], url: str) -> int:
+    """The highest epoch at which any claim names ``url`` the leader (0: none names it): a
+    caller that has seen no epoch of its own (the CLI) takes that as the one known."""
+    url = url.rstrip("/")
+    return max((c.epoch for c in claims if c is not None and c.url == url), default=0)
+
+
 async def probe(client: httpx.AsyncClient, urls: Sequence[str], *,
                 timeout_s: float = PROBE_TIMEOUT_S) -> list[Claim | None]:
     """Every URL's ``/healthz`` at once, each within ``timeout_s``: what each names (None for
@@ -100,4 +113,19 @@ async def probe(client: httpx.AsyncClient, urls: Sequence[str], *,
     async with trio.open_nursery() as n:
         for i, u in enumerate(urls):
             n.start_soon(one, i, u)
+    return out
+
+
+def probe_blocking(client: httpx.Client, urls: Sequence[str]) -> list[Claim | None]:
+    """:func:`probe` for a synchronous caller (the CLI): one URL after another, each bounded
+    by ``client``'s timeout (PROBE_TIMEOUT_S for the CLI's)."""
+    out: list[Claim | None] = []
+    for url in urls:
+        try:
+            r = client.get(url.rstrip("/") + "/healthz")
+        except httpx.HTTPError as e:
+            log.debug("leader probe failed url=%s err=%s", url, e)
+            out.append(None)
+            continue
+        out.append(claim_of(r.content) if r.status_code == 200 else None)
     return out

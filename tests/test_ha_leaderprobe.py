@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from cli.demo_ha import HACluster
-from scheduler_link.leaderprobe import Claim, claim_of, newer_leader
+from scheduler_link.leaderprobe import Claim, claim_of, epoch_named, newer_leader
 from testing.etcd import EtcdCluster, etcd_running
 
 TTL = 2
@@ -42,6 +42,17 @@ def test_newer_leader_moves_only_to_a_higher_epoch_elsewhere() -> None:
     assert newer_leader([Claim(b, 12), Claim(b, 12, "tcp://b")], 10, a) == Claim(b, 12, "tcp://b")
     assert newer_leader([Claim(a, 20)], 10, a + "/") is None
     assert newer_leader([], 0, a) is None
+
+
+def test_epoch_named_is_the_highest_epoch_any_placer_gives_a_leader() -> None:
+    """(A client that has seen no epoch itself, the CLI, takes this as the one known: a leader
+    named above it is newer, a live leader the others still name keeps the request.)"""
+    a, b = "http://a", "http://b"
+    claims = [Claim(a, 10), None, Claim(a, 11), Claim(b, 12)]
+    assert epoch_named(claims, a) == 11 and epoch_named(claims, a + "/") == 11
+    assert epoch_named(claims, "http://c") == 0 and epoch_named([], a) == 0
+    assert newer_leader(claims, epoch_named(claims, a), a) == Claim(b, 12)
+    assert newer_leader([Claim(a, 12), Claim(b, 12)], epoch_named([Claim(a, 12), Claim(b, 12)], a), a) is None
 
 
 @pytest.fixture

@@ -3,7 +3,7 @@ reaches the service only through placer.relays.RelayHost (anything else it touch
 an AttributeError here). On a virtual clock: a relay that answers for some members (one
 with a MAC that does not verify, one left out) has those two pushed directly; a hung relay's
 rack is pushed directly exactly relay_timeout_s after the last bundle left; a closed
-connection falls back at once."""
+connection falls back at once; a placer whose lease ran out mid-round sends no further bundle."""
 
 from __future__ import annotations
 
@@ -52,12 +52,16 @@ class Host:
         self.bad_macs = 0
         self.stale_epoch = 0
         self.epoch = 7
+        self.lease_holds = True         # leading(): False once the lease is not known to hold
         self.rack_pins = RackPins()     # nothing pinned: the relays' hellos name their own rack
         self.nursery: trio.Nursery | None = None
 
     @property
     def nodes(self) -> Mapping[str, NodeRec]:
         return self._nodes
+
+    def leading(self) -> bool:
+        return self.lease_holds
 
     def key(self, node_id: str) -> bytes:
         return msgauth.node_key(self.master, node_id, "b1")
@@ -269,3 +273,59 @@ async def test_an_aggregate_and_outcomes_together_and_a_malformed_aggregate(tmp_
         return lambda ids: _aggregate({1: _mac(host, "n1"), 5: b"y" * 16})
     acks, pushed, host, hub = await _round(str(tmp_path), lambda h, n: Relay(past_the_parts(h), n))
     assert sorted(n for n, _ in pushed) == sorted(MEMBERS) and hub.stats.relayed_nodes == 0
+
+
+class _Silent:
+    """A relay's frames connection that takes bundles and never answers; the ``after``-th
+    bundle sent on any of them ends the host's lease (``Host.leading`` is False from then)."""
+
+    def __init__(self, name: str, host: Host, sent: list[str], after: int) -> None:
+        self.name, self.host, self.sent, self.after = name, host, sent, after
+        self.info: Any = None
+        self.closed = trio.Event()
+        self.term = 0
+
+    def prepare(self, type_: str, payload: Any) -> tuple[int, bytes]:
+        return 1, encode_frame(type_, payload, id=1, term=self.term)
+
+    def call_cb(self, rid: int, data: bytes, fn: Callable[[Frame | None], None]) -> None:
+        self.sent.append(self.name)
+        if len(self.sent) == self.after:
+            self.host.lease_holds = False
+
+    def forget(self, rid: int) -> None:
+        pass
+
+
+async def test_a_placer_whose_lease_ran_out_mid_round_sends_no_further_bundle(tmp_path, autojump_clock) -> None:
+    """40 racks of one node each (two build batches): the lease ends as the 5th bundle leaves;
+    the other 35 racks' bundles are not sent (withheld, their relays not counted as failed),
+    and every node ends with the direct push (which the service refuses to send as well)."""
+    host = Host(str(tmp_path))
+    racks = [f"r{i}" for i in range(40)]
+    host._nodes = {f"relay-{r}": NodeRec(f"relay-{r}", "b1", 1, f"http://127.0.0.1:9/{r}", "http://127.0.0.1:9",
+                                         TopologyPath(zone="z1", block="b1", rack=r), None, [f"GPU-{r}-0"])
+                   for r in racks}
+    hub = RelayHub(host)
+    sent: list[str] = []
+    pushed: list[str] = []
+
+    async def push_direct(p: Push) -> Outcome:
+        pushed.append(p.node_id)
+        return ACCEPTED
+
+    pushes = [Push(n, f"http://127.0.0.1:9/{n}", Placement(placement_id=f"start:j:1:{n}", job_id="j"), "j", 1,
+                   "start") for n in host._nodes]
+    async with trio.open_nursery() as n:
+        host.nursery = n
+        for r in racks:
+            ch = _Silent(f"relay-{r}", host, sent, after=5)
+            conn = RelayConn(ch.name, (f"z1/b1/{r}",), None, ch)  # type: ignore[arg-type]
+            ch.info = conn
+            hub._cands[f"z1/b1/{r}"] = {ch.name: conn}
+        acks = await hub.deliver("j", None, pushes, push_direct)
+        n.cancel_scope.cancel()
+    assert sent == [f"relay-r{i}" for i in range(5)]
+    assert hub.stats.bundles == 5 and hub.stats.bundles_withheld == 35
+    assert hub.stats.bundle_failures == 5          # (the 5 sent, never answered: given up at the deadline)
+    assert sorted(pushed) == sorted(host._nodes) and len(acks) == 40
