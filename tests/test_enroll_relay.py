@@ -467,8 +467,13 @@ async def test_enrolment_batches_are_worked_on_one_at_a_time_first_come_first_se
                 kind, answers = await hub._enroll_batch(batches[b], len(batches[b]), "r0n0")
                 assert kind == "enrolls_reply" and all(a.outcome == "enrolled" for a in answers), answers
                 done.append((b, desk.taken - taken0))
+            assert hub.heard_until() is None
             async with trio.open_nursery() as n:
                 for b in range(3):
                     n.start_soon(one, b)
                     await trio.lowlevel.checkpoint()   # (in this order)
+                # while batches wait, no node is judged silent past the oldest one's arrival
+                first = hub.heard_until()
+                assert first is not None and first <= r.svc.clock()
             assert done == [(0, 64), (1, 128), (2, 192)], done
+            assert hub.heard_until() is None
