@@ -83,3 +83,10 @@ def _virtual_time_fsyncs_inline(request: pytest.FixtureRequest, monkeypatch: pyt
     monkeypatch.setattr(Journal, "sync_in_thread", False)
     monkeypatch.setattr(fleetsnap, "WRITE_IN_THREAD", False)
     monkeypatch.setattr(inventories, "WRITE_IN_THREAD", False)
+
+
+@pytest.fixture
+def etcd_cluster(tmp_path):
+    """A one-member etcd of this test's own (skipped where ``etcd`` is absent: testing.etcd)."""
+    from testing.etcd import etcd_running
+    yield from etcd_running(tmp_path / "etcd", 1)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 
 import httpx
-import pytest
 import trio
 
 from infra.auth import TokenSet, auth_header
@@ -181,11 +180,6 @@ def test_the_static_files_are_package_data():
     for name in static:
         assert any(fnmatch.fnmatch(f"static/{name}", g) for g in globs), name
 
-
-@pytest.fixture
-def etcd_cluster(tmp_path):
-    from testing.etcd import etcd_running
-    yield from etcd_running(tmp_path / "etcd", 1)
 
 
 async def test_the_map_names_the_leader_and_its_epoch(tmp_path, token_dir, etcd_cluster):

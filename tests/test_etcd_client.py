@@ -17,11 +17,6 @@ BOUND_S = 20
 
 
 @pytest.fixture
-def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    yield from etcd_running(tmp_path / "etcd", 1)
-
-
-@pytest.fixture
 def etcd3_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
     yield from etcd_running(tmp_path / "etcd", 3)
 

@@ -14,6 +14,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -96,11 +97,6 @@ def test_core_properties(replies: list[tuple[float, int]], now: float, revs: lis
 
 
 # ------------------------------------------------------------------ real etcd
-
-@pytest.fixture
-def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    yield from etcd_running(tmp_path / "etcd", 1)
-
 
 async def _lead(e: Election) -> Leadership:
     with trio.fail_after(TTL + MARGIN_S):
@@ -211,18 +207,24 @@ async def _queued_behind(b: Election, leader: str) -> None:
             await b.wait_change(b.view)
 
 
+async def _a_leads_b_waits(c: EtcdClient, n: trio.Nursery) -> tuple[Election, Election, Any]:
+    """Elections a and b: a leads (with its renewal thread), b queued behind it."""
+    a = Election(c, PREFIX, "http://a", ttl_s=TTL)
+    b = Election(c, PREFIX, "http://b", ttl_s=TTL)
+    await n.start(a.run)
+    va = await _lead(a)
+    await n.start(b.run)
+    await _queued_behind(b, "http://a")
+    assert a.renewer is not None
+    return a, b, va
+
+
 async def test_a_leader_whose_loop_is_blocked_past_its_ttl_keeps_its_lease(etcd_cluster: EtcdCluster) -> None:
     """The renewal thread renews while the event loop is stuck (a CPU-bound stretch, a storm):
     on waking the leader still leads with the same key and epoch, and the other never led."""
     with trio.fail_after(60):
         async with EtcdClient(etcd_cluster.endpoints) as c, trio.open_nursery() as n:
-            a = Election(c, PREFIX, "http://a", ttl_s=TTL)
-            b = Election(c, PREFIX, "http://b", ttl_s=TTL)
-            await n.start(a.run)
-            va = await _lead(a)
-            await n.start(b.run)
-            await _queued_behind(b, "http://a")
-            assert a.renewer is not None
+            a, b, va = await _a_leads_b_waits(c, n)
             renewals = a.core.lease.renewals
             time.sleep(2.5 * TTL)  # noqa: ASYNC251 (the loop blocked on purpose: no task runs, no checkpoint)
             assert a.leading()                 # decided before any task ran: the thread's expiry holds
@@ -240,13 +242,7 @@ async def test_a_leader_whose_renewal_stopped_is_fenced_on_waking(etcd_cluster: 
     greater epoch, and the old one queues up behind it."""
     with trio.fail_after(60):
         async with EtcdClient(etcd_cluster.endpoints) as c, trio.open_nursery() as n:
-            a = Election(c, PREFIX, "http://a", ttl_s=TTL)
-            b = Election(c, PREFIX, "http://b", ttl_s=TTL)
-            await n.start(a.run)
-            va = await _lead(a)
-            await n.start(b.run)
-            await _queued_behind(b, "http://a")
-            assert a.renewer is not None
+            a, b, va = await _a_leads_b_waits(c, n)
             a.renewer.stop()                   # the renewal thread ends: nobody renews a's lease
             time.sleep(TTL + 0.5)  # noqa: ASYNC251 (the loop blocked on purpose)
             assert a.view.leading              # what was published before the stall still says so,

@@ -5,7 +5,6 @@ big batches split under the 1.5 MiB request limit."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -18,7 +17,7 @@ from placer.etcd import REQUEST_LIMIT, TXN_OPS_LIMIT, EtcdClient
 from placer.etcdjournal import MAX_TXN_BYTES, EtcdJournal, Fence, JobJournal, plan_txns
 from placer.journal import Journal
 from scheduler_link.messages import JobSpec
-from testing.etcd import EtcdCluster, etcd_running
+from testing.etcd import EtcdCluster
 from testing.waiting import poll
 
 PREFIX = b"/herd/test/"
@@ -48,11 +47,6 @@ def test_plan_txns_refuses_a_record_over_the_limit() -> None:
 
 
 # ------------------------------------------------------------------ real etcd
-
-@pytest.fixture
-def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    yield from etcd_running(tmp_path / "etcd", 1)
-
 
 def write_the_same(j: JobJournal) -> None:
     """One history of writes, for either journal."""

@@ -6,12 +6,10 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import msgspec
-import pytest
 import trio
 
 from infra.auth import TokenSet, auth_header
@@ -21,17 +19,12 @@ from placer.etcd import EtcdClient
 from placer.fleetsnap import EtcdFleetSnapshot
 from placer.service import PlacerService
 from scheduler_link.messages import JobSpec, NodeReport
-from testing.etcd import EtcdCluster, etcd_running
+from testing.etcd import EtcdCluster
 from testing.fake_agent import FakeAgent
 from testing.harness import PlacerOptions, PlacerProc
 from testing.waiting import poll
 
 TTL = 2
-
-
-@pytest.fixture
-def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    yield from etcd_running(tmp_path / "etcd", 1)
 
 
 def cfg(tmp: Path, name: str, endpoints: list[str]) -> PlacerConfig:

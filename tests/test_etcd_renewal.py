@@ -8,15 +8,12 @@ import math
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 import trio
 
 from placer.etcd import EtcdClient
 from placer.renewal import LeaseExpiry, Renewer
-from testing.etcd import EtcdCluster, etcd_running
+from testing.etcd import EtcdCluster
 
 
 class Wakes:
@@ -63,11 +60,6 @@ def test_a_renewal_nobody_answers_is_counted_and_renews_nothing() -> None:
         r.stop()
         r.join(5)
     assert not r.running
-
-
-@pytest.fixture
-def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    yield from etcd_running(tmp_path / "etcd", 1)
 
 
 async def test_renews_and_ends_when_the_lease_is_revoked(etcd_cluster: EtcdCluster) -> None:

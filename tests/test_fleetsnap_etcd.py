@@ -7,9 +7,6 @@ recovery whose snapshot is still being read holds a job that lacks pods."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 import trio
 
@@ -18,15 +15,10 @@ from placer.errors import JournalError
 from placer.etcd import EtcdClient, Op, prefix_end
 from placer.etcdjournal import Fence
 from placer.fleetsnap import EtcdFleetSnapshot, Recovery
-from testing.etcd import EtcdCluster, etcd_running
+from testing.etcd import EtcdCluster
 
 PREFIX = b"/herd/test/"
 BOUND_S = 30
-
-
-@pytest.fixture
-def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    yield from etcd_running(tmp_path / "etcd", 1)
 
 
 def _ids(n: int, tag: str = "") -> list[str]:

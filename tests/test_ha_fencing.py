@@ -6,11 +6,9 @@ and applies no relay's beat."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 import trio
 
 from infra.auth import TokenSet, auth_header
@@ -18,16 +16,11 @@ from placer.config import PlacerConfig
 from placer.records import Push
 from placer.service import PlacerService
 from scheduler_link.messages import Placement, RackBeat, RackBeatReply
-from testing.etcd import EtcdCluster, etcd_running
+from testing.etcd import EtcdCluster
 from testing.fake_agent import FakeAgent
 from testing.waiting import poll
 
 TTL = 2
-
-
-@pytest.fixture
-def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    yield from etcd_running(tmp_path / "etcd", 1)
 
 
 def _stop_push(agent: FakeAgent, placement_id: str) -> Push:

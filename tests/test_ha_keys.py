@@ -5,7 +5,6 @@ leader A's key is taken by B after failover, a bundle B signs verifies under A's
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,7 +17,7 @@ from placer.config import PlacerConfig
 from placer.etcd import EtcdClient
 from placer.service import PlacerService
 from scheduler_link import msgauth
-from testing.etcd import EtcdCluster, etcd_running
+from testing.etcd import EtcdCluster
 from testing.fake_agent import FakeAgent
 from testing.waiting import poll
 
@@ -34,11 +33,6 @@ def test_placer_keys_round_trip_and_a_damaged_value_is_one_clear_error() -> None
                 msgspec.json.encode({"version": 1, "mac_master": master, "signing_key": b"-----BEGIN nothing"})):
         with pytest.raises(msgauth.AuthError, match="^etcd key k"):
             msgauth.decode_placer_keys(bad, "etcd key k")
-
-
-@pytest.fixture
-def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    yield from etcd_running(tmp_path / "etcd", 1)
 
 
 def cfg(tmp: Path, name: str, endpoints: list[str]) -> PlacerConfig:

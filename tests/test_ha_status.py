@@ -6,7 +6,6 @@ reaches the leader by itself."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,15 +17,10 @@ from infra.auth import TokenSet, auth_header
 from placer.service import PlacerService
 from scheduler_link.client import PlacerClient
 from scheduler_link.messages import JobSpec
-from testing.etcd import EtcdCluster, etcd_running, free_port
+from testing.etcd import EtcdCluster, free_port
 from tests.prom import value
 
 from .test_etcd_placer import Placer, _role, cfg, until
-
-
-@pytest.fixture
-def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    yield from etcd_running(tmp_path / "etcd", 1)
 
 
 async def test_status_metrics_and_client_failover(etcd_cluster: EtcdCluster, tmp_path: Path, token_dir: Path,

@@ -8,7 +8,6 @@ approvals in its state dir: tests/test_rack_pinning_placer.py, across a restart.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -23,16 +22,11 @@ from placer.etcd import EtcdClient
 from placer.etcdjournal import EtcdJournal
 from placer.nodeops import ApprovalFile
 from placer.service import PlacerService
-from testing.etcd import EtcdCluster, etcd_running
+from testing.etcd import EtcdCluster
 from testing.fake_agent import FakeAgent
 from tests.test_etcd_placer import TTL, Placer, _role, cfg, until
 
 R0, R1 = "z1/b1/r0", "z1/b1/r1"
-
-
-@pytest.fixture
-def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
-    yield from etcd_running(tmp_path / "etcd", 1)
 
 
 async def test_an_approval_outlives_the_leader_that_took_it(etcd_cluster: EtcdCluster, tmp_path: Path,
