@@ -208,6 +208,7 @@ def build_app(agent: Agent) -> App:
                                               reason=why, outcome="refused_spec"), status=409)
         if p.victims:  # a rollback's stop may overtake a part not handed over yet
             await agent.parts.hold_stops(p.victims)
+        agent.take_grant(p)
         ack = await agent.supervisor.place(p, direct=direct)
         return json_response(ack, status=200 if ack.accepted else 409)
 

@@ -119,6 +119,8 @@ class PlacerService:
         self.pki = PKIRoutes(config.ca_dir, days=config.node_cert_days, clock=clock)
         self.state = PlacerState(config, started_at=clock())
         self.signer = msgauth.BundleSigner.generate()
+        # gangs' read grants, signed with whichever bundle key is current (infra.grants)
+        self.state.read_grants = lambda m, ids, until: self.signer.read_grant(m, ids, until)
         self.wire: HeartbeatServer | None = None
         self._refresh_revoked(clock())   # the deny-list (herd pki revoke) before any handshake
         self.mac_key: Callable[[str, str], bytes] = self.state.mac_key   # (relays.RelayHost: the state's own)
