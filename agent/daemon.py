@@ -134,7 +134,7 @@ class Agent:
                                      pool=ShimPool(config.workloads.shim_pool, prepare=iso.for_launch))
         self.parts = PartAcceptor(self.state_dir, node_id=self.node_id, supervisor=self.supervisor,
                                   inventory=self._inventory, blob=self._gang_blob, notify=self._notify,
-                                  keys=self._msg_keys, boot=self._boot_id, allowed_origins=config.allowed_origins,
+                                  keys=self._msg_keys, boot=self.link_boot_id, allowed_origins=config.allowed_origins,
                                   blob_timeout_s=config.workloads.blob_timeout_s, epochs=self.epochs)
 
     # ------------------------------------------------------------ wiring
@@ -231,7 +231,7 @@ class Agent:
         link = self.link
         return (link.mac_key, link.placer_key) if link is not None else (None, None)
 
-    def _boot_id(self) -> str | None:
+    def link_boot_id(self) -> str | None:
         """This node's boot as the placer knows it (its link's ``boot_id``); stop parts name it."""
         return self.link.boot_id if self.link is not None else None
 

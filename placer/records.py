@@ -176,6 +176,19 @@ class Push:
                         attempt=self.attempt, victims=pl.victims, issued_at=pl.issued_at, expires_at=expires_at,
                         boot_id=self.boot_id)
 
+    def direct(self, expires_at: float, epoch: int) -> Placement:
+        """This push as a direct push (``POST /v1/placements``) sends it: bound to its node and
+        its job's attempt, expiring at ``expires_at``, of placer ``epoch``; a stop names the
+        node's boot too (the agent refuses it in another boot or past the expiry, as a stop
+        part: a stop replayed later stops nothing)."""
+        pl = self.placement
+        if not pl.node_id:
+            pl = msgspec.structs.replace(pl, node_id=self.node_id, attempt=self.attempt, expires_at=expires_at,
+                                         boot_id="" if pl.pods else self.boot_id)
+        if pl.epoch != epoch:
+            pl = msgspec.structs.replace(pl, epoch=epoch)
+        return pl
+
     def part_bytes(self, expires_at: float) -> bytes:
         """``msgauth.part_bytes(self.part(expires_at))``, the bytes a bundle carries, made
         without the NodePart (a start push's, from its gang: see GangStart.part_bytes)."""

@@ -318,6 +318,10 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     # the gang's read grant (GangBlob.read_grant), so that a small gang's node, whose peers list
     # every member, can prove its membership to the contacts without the blob
     read_grant: bytes = b""
+    # a stop-only placement from the placer: the boot of the node it is meant for (the boot id of
+    # the node's link). The agent acts on it only in that boot and before ``expires_at``, as on a
+    # stop part (agent.parts.stop_refusal); an operator's direct placement is not checked
+    boot_id: str = ""
 
 
 # What became of one node's part of a placement. The placer decides on this, never on the
