@@ -104,6 +104,11 @@ class Agent:
         self.security: Security | None = certs.security_for(config)
         if config.dataplane.tls and self.security is not None and self.security.insecure:
             raise AgentError("[dataplane] tls = true needs the agent's certificates, and the agent is insecure")
+        if (config.dataplane.tls is False and config.data_listen and not config.dataplane.insecure_reads
+                and "*" not in config.dataplane.public and not (self.security is not None and self.security.insecure)):
+            raise AgentError("[dataplane] tls = false serves every artifact to any holder of cluster.token (no "
+                             "certificate names the asker, so reads by membership cannot hold): say "
+                             "[dataplane] insecure_reads = true to run it so, or public = [\"*\"]")
         self.notifier = Notifier(env)
         self.handle_signals = handle_signals
         self.ready = False
@@ -270,7 +275,8 @@ class Agent:
         if sec.insecure:
             return False
         if self.config.dataplane.tls is False:
-            log.warning("data plane is plain TCP ([dataplane] tls = false): chunks travel in the clear")
+            log.warning("data plane is plain TCP ([dataplane] tls = false): chunks travel in the clear and any "
+                        "holder of cluster.token reads every artifact here")
             return False
         return True
 
