@@ -596,9 +596,9 @@ class DataPlane:
         """The strict read check, waiting up to ``ms`` for this node's gangs to change while
         the answer is ``not_a_member`` (its placement may be on its way): None (it may read),
         the 403, or ``_GONE`` (the client left meanwhile). The caller holds a wait place. An
-        asker that presented a grant is not held (the grant said all there is to say)."""
+        asker whose grants all failed is not held (it relied on them, not on a placement)."""
         refused = self._read_check(path, query, who, strict=True, count=False)
-        if refused is None or who.node_id is None or who.with_grant or ms <= 0:
+        if refused is None or who.node_id is None or who.bad_grant or ms <= 0:
             return self._read_check(path, query, who, strict=True) if refused is not None else None
         deadline = trio.current_time() + ms / 1000
 
@@ -625,7 +625,7 @@ class DataPlane:
             ident = path.rsplit("/", 1)[1]
             if not _HEX64.match(ident):
                 return None   # (the route answers 400)
-            why = manifest_refusal(readers, who.node_id, ident, who.granted, with_grant=who.with_grant)
+            why = manifest_refusal(readers, who.node_id, ident, who.granted, bad_grant=who.bad_grant)
             if (why == "not_a_member" and not strict and who.node_id is not None
                     and not readers.manifests_for(who.node_id)):
                 why = None    # its placement may not be here yet: it may wait, then it is checked
@@ -637,7 +637,7 @@ class DataPlane:
                 ids = [path[len("/v1/chunks/"):]]
             for cid in ids:   # a batch is refused whole at its first chunk refused
                 if (why := chunk_refusal(readers, who.node_id, cid, self._chunks_of, strict=strict,
-                                         granted=who.granted, with_grant=who.with_grant)) is not None:
+                                         granted=who.granted, bad_grant=who.bad_grant)) is not None:
                     break
         else:
             return None
@@ -1170,7 +1170,7 @@ class DataPlane:
                         break
                     if i != checked and self.readers is not None and chunk_refusal(
                             self.readers, reader.node_id, cid, self._chunks_of, granted=reader.granted,
-                            with_grant=reader.with_grant) is not None:
+                            bad_grant=reader.bad_grant) is not None:
                         break     # (checked, refused and counted at the top of the next round)
                     if size != sizes[i]:
                         cut = True

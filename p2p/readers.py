@@ -17,7 +17,8 @@ gang, holding its manifest) learns who may read from the request itself: the ask
 the placer's signed grant for its gang with the proof that its certificate's node id is one
 of the gang's (``x-herd-grant``); :meth:`Readers.granted` checks it with the placer's key
 (:meth:`Readers.set_grant_key`) and the manifests it names count as the asker's here, for
-that request. A request with a grant is never held: the grant says all there is to know.
+that request. A request whose grants all fail is refused at once, never held: the asker
+relied on a grant, not on a placement on its way.
 
 Pure data, no I/O: the data plane passes the chunk table of a manifest (``chunks_of``: the
 set of its chunk ids, None when this node does not hold the manifest).
@@ -25,9 +26,8 @@ set of its chunk ids, None when this node does not hold the manifest).
 Invariants:
 - a refusal is a :data:`ReadRefusal` code, never words: ``not_a_node`` (the certificate
   names no node: an operator, the placer), ``not_a_member`` (no gang here that uses a
-  manifest listing what was asked has the asker in it, and it presented no grant),
-  ``bad_grant`` (nor does the grant it presented hold: forged, expired, not its own,
-  malformed, or for another manifest);
+  manifest listing what was asked has the asker in it, nor a grant it presented),
+  ``bad_grant`` (it presented grants and none holds: forged, expired, not its own, malformed);
 - a chunk is readable by a node only through a manifest it may read that lists the chunk,
   so membership of one gang never opens another gang's chunks;
 - the cost of a decision is O(gangs on this node), never O(gang size): each gang's nodes are
@@ -51,10 +51,11 @@ GRANT_MEMO = 1024   # (asker, grant header) outcomes a data plane remembers
 @dataclass(frozen=True, slots=True)
 class Asker:
     """Who asks, for one request: its certificate's node id (None: no node), what its
-    request's grants open (``granted``) and whether it presented any (``with_grant``)."""
+    request's grants open (``granted``), and ``bad_grant``: it presented grants and none holds
+    (forged, expired, not its own, malformed)."""
     node_id: str | None
     granted: frozenset[str] = NO_GRANTS
-    with_grant: bool = False
+    bad_grant: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +104,7 @@ class Readers:
             self.set_grant_key(key)
         memo = self._grant_memo.get((node_id, header))
         if memo is not None and now <= memo[1]:
-            return Asker(node_id, memo[0], True)
+            return Asker(node_id, memo[0], not memo[0])
         out: set[str] = set()
         until = float("inf")
         for value in header.split(",")[:MAX_PROOFS]:
@@ -119,7 +120,7 @@ class Readers:
             while len(self._grant_memo) >= GRANT_MEMO:
                 del self._grant_memo[next(iter(self._grant_memo))]
             self._grant_memo[(node_id, header)] = (granted, until)
-        return Asker(node_id, granted, True)
+        return Asker(node_id, granted, not granted)
 
     def set_gangs(self, gangs: Mapping[str, Gang]) -> None:
         """Replace the gangs (key: the gang's blob or placement id) with ``gangs``."""
@@ -143,21 +144,21 @@ class Readers:
 
 
 def manifest_refusal(readers: Readers, node_id: str | None, manifest_id: str,
-                     granted: Collection[str] = NO_GRANTS, *, with_grant: bool = False) -> ReadRefusal | None:
+                     granted: Collection[str] = NO_GRANTS, *, bad_grant: bool = False) -> ReadRefusal | None:
     """Why ``node_id`` may not read ``manifest_id`` here (None: it may). ``granted``: the
-    manifests its request's grants open; ``with_grant``: it presented any."""
+    manifests its request's grants open; ``bad_grant``: it presented grants and none holds."""
     if readers.everyone or manifest_id in readers.public:
         return None
     if node_id is None:
         return "not_a_node"
     if manifest_id in readers.manifests_for(node_id, granted):
         return None
-    return "bad_grant" if with_grant else "not_a_member"
+    return "bad_grant" if bad_grant else "not_a_member"
 
 
 def chunk_refusal(readers: Readers, node_id: str | None, chunk_id: str,
                   chunks_of: Callable[[str], Collection[str] | None], *, strict: bool = True,
-                  granted: Collection[str] = NO_GRANTS, with_grant: bool = False) -> ReadRefusal | None:
+                  granted: Collection[str] = NO_GRANTS, bad_grant: bool = False) -> ReadRefusal | None:
     """Why ``node_id`` may not read ``chunk_id`` here (None: it may): it must be listed by a
     manifest the node may read (a public one, one of its gangs here, or one its request's
     grants open: ``granted``). With ``strict`` false (before a wait for a chunk this node
@@ -172,8 +173,9 @@ def chunk_refusal(readers: Readers, node_id: str | None, chunk_id: str,
             return None
     if node_id is None:
         return "not_a_node"
-    mine = readers.manifests_for(node_id, granted)
-    undecided = not mine and not with_grant
+    mine = readers.manifests_for(node_id)
+    undecided = not mine and not bad_grant   # (no gang here yet, and no failed grant to say why)
+    mine += granted
     for m in mine:
         listed = chunks_of(m)
         if listed is None:
@@ -182,4 +184,4 @@ def chunk_refusal(readers: Readers, node_id: str | None, chunk_id: str,
             return None
     if undecided and not strict:
         return None
-    return "bad_grant" if with_grant else "not_a_member"
+    return "bad_grant" if bad_grant else "not_a_member"

@@ -31,7 +31,7 @@ from p2p.herd import render_metrics
 from p2p.origins import open_origin
 from p2p.peers import PeerClient, PeerRefused
 from p2p.publish import publish
-from p2p.readers import Readers, chunk_refusal, manifest_refusal
+from p2p.readers import Asker, Readers, chunk_refusal, manifest_refusal
 from scheduler_link.messages import Peer, Placement, PodAssignment
 from scheduler_link.msgauth import BundleSigner
 from testing.waiting import poll
@@ -97,10 +97,6 @@ async def test_a_contact_serves_the_gangs_nodes_on_the_placers_grant_and_no_one_
                 kept: dict[str, bytes] = {}
                 got = await member.get_chunks(url, chunks[m][:2], store=lambda c, b: kept.update({c: bytes(b)}))
                 assert list(got.outcomes) == ["ok", "ok"] and len(kept) == 2
-                # ... and nothing else the contact holds: the grant names M only
-                with pytest.raises(PeerRefused) as e:
-                    await member.get_manifest(url, m_other)
-                assert e.value.reason == "bad_grant"
             await poll(lambda: m in a2.store.complete_manifests(), 0.02)  # type: ignore[union-attr]
 
             def client(node: str, proof: str | None = None, manifest: str = m) -> PeerClient:
@@ -123,6 +119,10 @@ async def test_a_contact_serves_the_gangs_nodes_on_the_placers_grant_and_no_one_
             with pytest.raises(PeerRefused) as e:
                 await outsider.get_chunk(url, cid, size)
             assert e.value.reason == "not_a_member"
+            # ... and the gang's node reads nothing else the contact holds: the grant names M only
+            with pytest.raises(PeerRefused) as e:
+                await member.get_manifest(url, m_other)
+            assert e.value.reason == "not_a_member"
             a1.dataplane.config = dataclasses.replace(a1.dataplane.config, member_wait_ms=30_000)
             # ... with the gang node's proof (it names a2, the connection a3), or any bad grant:
             # refused at once, never held
@@ -140,11 +140,11 @@ async def test_a_contact_serves_the_gangs_nodes_on_the_placers_grant_and_no_one_
                 await c.aclose()
             await outsider.aclose()
             stats = a1.dataplane.statistics()
-            assert stats["refused_bad_grant"] == 7 and stats["refused_not_a_member"] == 1
+            assert stats["refused_bad_grant"] == 6 and stats["refused_not_a_member"] == 2
             # (each (asker, proof) is checked once: the second a3 request reads the outcome kept)
             assert stats["readers"]["grants_refused"] == {"not_listed": 1, "expired": 1, "forged": 2,
                                                           "malformed": 1}
-            assert 'herd_dataplane_rejected_total{node="a1",reason="bad_grant"} 7' in render_metrics("a1", None, stats)
+            assert 'herd_dataplane_rejected_total{node="a1",reason="bad_grant"} 6' in render_metrics("a1", None, stats)
             n.cancel_scope.cancel()
 
 
@@ -196,23 +196,28 @@ def test_a_proof_does_not_stretch_to_another_leaf_or_root():
     assert checker.check("%%%", "n70", 1.0) == "malformed"
 
 
-def test_the_read_decision_with_grants():
+def test_the_read_decision_bad_grants():
     m1, m2, c1, c2 = "1" * 64, "2" * 64, "c" * 64, "d" * 64
     listed = {m1: frozenset({c1}), m2: frozenset({c2})}
     r = Readers()
-    assert manifest_refusal(r, "a", m1, frozenset({m1}), with_grant=True) is None
-    assert manifest_refusal(r, "a", m2, frozenset({m1}), with_grant=True) == "bad_grant"
-    assert chunk_refusal(r, "a", c1, listed.get, granted=frozenset({m1}), with_grant=True) is None
-    assert chunk_refusal(r, "a", c2, listed.get, granted=frozenset({m1}), with_grant=True) == "bad_grant"
-    # a bad grant is not "undecided": no lenient pass before a wait
-    assert chunk_refusal(r, "a", c1, listed.get, strict=False, with_grant=True) == "bad_grant"
+    assert manifest_refusal(r, "a", m1, frozenset({m1})) is None
+    assert manifest_refusal(r, "a", m2, frozenset({m1})) == "not_a_member"    # a grant opens its manifest only
+    assert manifest_refusal(r, "a", m1, bad_grant=True) == "bad_grant"       # it presented grants, none held
+    assert chunk_refusal(r, "a", c1, listed.get, granted=frozenset({m1})) is None
+    assert chunk_refusal(r, "a", c2, listed.get, granted=frozenset({m1})) == "not_a_member"
+    # no gang here yet: a lenient pass before a wait (its placement may come), unless its grants failed
+    assert chunk_refusal(r, "a", c1, listed.get, strict=False) is None
+    assert chunk_refusal(r, "a", c2, listed.get, strict=False, granted=frozenset({m1})) is None
+    assert chunk_refusal(r, "a", c1, listed.get, strict=False, bad_grant=True) == "bad_grant"
     # without the placer's key no grant holds
     signer = BundleSigner.generate()
     proof = grants.prove(signer.read_grant(m1, ["a"], time.time() + 60), ["a"], "a") or ""
-    assert r.asker("a", proof, time.time()).granted == frozenset()
+    assert r.asker("a", proof, time.time()) == Asker("a", frozenset(), bad_grant=True)
     assert r.statistics()["grants_refused"] == {"no_key": 1}
     r.set_grant_key(signer.public)
-    assert r.asker("a", proof, time.time()).granted == {m1}
+    assert r.asker("a", proof, time.time()) == Asker("a", frozenset({m1}))
+    assert r.asker("b", proof, time.time()) == Asker("b", frozenset(), bad_grant=True)   # a's proof, b's connection
+    assert r.asker("a", None, time.time()) == Asker("a")
 
 
 def test_the_placer_grants_a_gang_its_contacts_and_only_then():
