@@ -264,3 +264,69 @@ def test_the_placer_grants_a_gang_its_contacts_and_only_then():
     job_h, pushes_h = decided["h"]
     assert decode_gang_blob(st_.blobs[job_h.blob_id], job_h.blob_id).read_grant == b""
     assert pushes_h[0].placement.read_grant == b""
+
+
+async def test_a_real_placer_grants_its_gang_and_the_contact_serves_it(tmp_path, token_dir, tls_pki):
+    """End to end, mutual TLS: a real placer and two real agents. a1 runs job fill (8 GPUs,
+    manifest M): it holds M and has no GPU left. Job g (M) goes to a2; the placer names a1 as
+    a contact and signs the gang's grant with its bundle key; a1 checks it with the key from
+    its registration answer and serves a2 M's bytes, refusing none."""
+    from agent.config import DataPlaneSection
+    from infra.auth import TokenSet
+    from placer.service import PlacerService
+    from scheduler_link.messages import JobSpec
+    from tests.test_placer_service import cfg, wait_for
+
+    origin = f"file://{tmp_path / 'origin'}"
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "weights.bin").write_bytes(os.urandom(24 << 20))   # ~24 chunks: some are homed at the contact
+    async with open_origin(origin) as o:
+        m = (await publish(src, o, "w:v1")).manifest
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(90):
+        async with trio.open_nursery() as n:
+            svc = PlacerService(cfg(tmp_path, tls_dir=str(tls_pki.dir), insecure=False), tokens)
+            url = await n.start(svc.run)
+            agents = {}
+            for node in ("a1", "a2"):
+                conf = AgentConfig(node_id=node, gpus="simulated:dgx-h100", state_dir=str(tmp_path / node),
+                                   listen="127.0.0.1:0", data_listen="127.0.0.1:0", token_dir=str(token_dir),
+                                   placer=url, heartbeat_s=0.2, tls_dir=str(tls_pki.node_dir(node)), insecure=False,
+                                   allowed_origins=(origin,), workloads=SupervisorConfig(shim_pool=0),
+                                   dataplane=DataPlaneSection())
+                agents[node] = Agent(conf, env={"PATH": os.environ["PATH"], "NOTIFY_SOCKET": "@nope"},
+                                     handle_signals=False)
+            await n.start(agents["a1"].run)
+            op = httpx.AsyncClient(verify=tls.client_context(tls_pki.ca, tls_pki.files("operator"), expect="placer"),
+                                   base_url=url, timeout=10)
+
+            async def nodes_up(k: int) -> bool:
+                return sum(x["state"] == "up" for x in (await op.get("/v1/nodes")).json()["nodes"]) == k
+
+            async def job_running(job: str) -> None:
+                r = await op.get(f"/v1/jobs/{job}", params={"wait": "running", "timeout_ms": "30000"})
+                assert r.json()["state"] == "running", r.text
+
+            await wait_for(lambda: nodes_up(1))
+            for job in ("fill", "g"):
+                if job == "g":   # a2 joins once a1 is full and the placer knows it holds M
+                    await wait_for(lambda: _holds(svc, "a1", m))
+                    await n.start(agents["a2"].run)
+                    await wait_for(lambda: nodes_up(2))
+                r = await op.post("/v1/jobs", content=msgspec.json.encode(JobSpec(
+                    job_id=job, pods=1, gpus_per_pod=8, argv=["sleep", "30"], manifest_id=m, origin=origin)))
+                assert r.status_code == 201, r.text
+                await job_running(job)
+            a1, a2 = agents["a1"], agents["a2"]
+            assert a1.dataplane is not None and a2.herd is not None
+            served = a1.dataplane.statistics()
+            assert served["bytes_served"] > 0 and served["refused_bad_grant"] == 0
+            assert served["refused_not_a_member"] == 0 and served["readers"]["grants_refused"] == {}
+            assert a2.herd.statistics()["bytes_from_peers"] > 0
+            await op.aclose()
+            n.cancel_scope.cancel()
+
+
+async def _holds(svc, node: str, manifest: str) -> bool:  # noqa: ANN001
+    return node in svc.state.manifest_holders.get(manifest, set())
