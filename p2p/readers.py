@@ -40,6 +40,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
+import blake3
+
 from infra.grants import MAX_PROOFS, GrantChecker, GrantRefusal, ReadGrant
 
 ReadRefusal = Literal["not_a_node", "not_a_member", "bad_grant"]
@@ -80,9 +82,9 @@ class Readers:
         self.on_change: list[Callable[[], None]] = []   # called (synchronously) when the gangs change
         self._checker: GrantChecker | None = None
         self.grants_refused: dict[GrantRefusal | Literal["no_key"], int] = {}
-        # (node id, header) -> (what it opens, until when): a fetcher sends the same header
-        # with every request; a bounded few, the oldest dropped first
-        self._grant_memo: dict[tuple[str, str], tuple[frozenset[str], float]] = {}
+        # BLAKE3(node id, header) -> (what it opens, until when): a fetcher sends the same
+        # header with every request; a bounded few (32 bytes a key), the oldest dropped first
+        self._grant_memo: dict[bytes, tuple[frozenset[str], float]] = {}
 
     def set_grant_key(self, public: bytes | None) -> None:
         """The placer's bundle key (raw Ed25519 public bytes) grants are checked with."""
@@ -102,7 +104,8 @@ class Readers:
             return Asker(node_id)
         if self._grant_key is not None and (key := self._grant_key()) is not None:
             self.set_grant_key(key)
-        memo = self._grant_memo.get((node_id, header))
+        key = blake3.blake3(f"{node_id}\n{header}".encode()).digest()
+        memo = self._grant_memo.get(key)
         if memo is not None and now <= memo[1]:
             return Asker(node_id, memo[0], not memo[0])
         out: set[str] = set()
@@ -119,7 +122,7 @@ class Readers:
         if self._checker is not None:
             while len(self._grant_memo) >= GRANT_MEMO:
                 del self._grant_memo[next(iter(self._grant_memo))]
-            self._grant_memo[(node_id, header)] = (granted, until)
+            self._grant_memo[key] = (granted, until)
         return Asker(node_id, granted, not granted)
 
     def set_gangs(self, gangs: Mapping[str, Gang]) -> None:
