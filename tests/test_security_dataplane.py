@@ -204,3 +204,22 @@ def test_the_agent_takes_its_gangs_from_its_live_workloads():
     gr.refresh()
     assert readers.gangs() == {"B": Gang(m, frozenset({"a1", "a2", "a3"}))} and wanted == ["B"]
     assert readers.manifests_for("a3") == [m] and readers.manifests_for("a4") == []
+
+
+def test_a_data_plane_without_tls_starts_only_when_the_operator_says_reads_are_open(tmp_path, token_dir, tls_pki):
+    """Without data-plane TLS no certificate names the asker, so reads by membership cannot
+    hold: a secure agent with ``[dataplane] tls = false`` refuses to start with one line naming
+    the way out, unless the operator says ``insecure_reads = true`` or makes every artifact
+    public; an insecure agent (plain everything, warned at start) serves it as before."""
+    from agent.errors import AgentError
+
+    origin = f"file://{tmp_path / 'origin'}"
+    with pytest.raises(AgentError, match=r"\[dataplane\] insecure_reads = true") as e:
+        _agent(tmp_path, token_dir, tls_pki, "a5", origin, dataplane=DataPlaneSection(tls=False))
+    assert "\n" not in str(e.value)
+    for ok in (DataPlaneSection(tls=False, insecure_reads=True), DataPlaneSection(tls=False, public=["*"]),
+               DataPlaneSection()):
+        assert _agent(tmp_path, token_dir, tls_pki, "a5", origin, dataplane=ok).config.dataplane == ok
+    insecure = AgentConfig(node_id="a6", gpus="simulated:dgx-h100", state_dir=str(tmp_path / "a6"),
+                           token_dir=str(token_dir), insecure=True, dataplane=DataPlaneSection(tls=False))
+    Agent(insecure, env={"PATH": os.environ["PATH"]}, handle_signals=False)
