@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from pathlib import Path
 
 import httpx
 import msgspec
@@ -35,21 +34,10 @@ from p2p.readers import Asker, Readers, chunk_refusal, manifest_refusal
 from scheduler_link.messages import Peer, Placement, PodAssignment
 from scheduler_link.msgauth import BundleSigner
 from testing.waiting import poll
+from tests.dataplane_agents import publish_random, secure_agent
 
-
-def _agent(tmp: Path, token_dir: Path, tls_pki, node: str, origin: str) -> Agent:
-    conf = AgentConfig(node_id=node, gpus="simulated:dgx-h100", state_dir=str(tmp / node), listen="127.0.0.1:0",
-                       data_listen="127.0.0.1:0", token_dir=str(token_dir), tls_dir=str(tls_pki.node_dir(node)),
-                       insecure=False, allowed_origins=(origin,), workloads=SupervisorConfig(shim_pool=0))
-    return Agent(conf, env={"PATH": os.environ["PATH"], "NOTIFY_SOCKET": "@nope"}, handle_signals=False)
-
-
-async def _publish(tmp: Path, origin: str, name: str) -> str:
-    src = tmp / f"src-{name}"
-    src.mkdir()
-    (src / "weights.bin").write_bytes(os.urandom(3 << 20))
-    async with open_origin(origin) as o:
-        return (await publish(src, o, f"{name}:v1")).manifest
+_agent = secure_agent
+_publish = publish_random
 
 
 async def test_a_contact_serves_the_gangs_nodes_on_the_placers_grant_and_no_one_else(tmp_path, token_dir, tls_pki):
