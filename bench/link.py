@@ -1,6 +1,6 @@
 """Scheduler-link benchmarks: end to end, fan-out, ingest.
 
-    python -m bench.link [--json] [--jobs 100] [--fleet 1000] [--skip-e2e] [--quick]
+    python -m bench.link [--json] [--jobs 100] [--fleet 1000] [--skip-e2e | --e2e-only] [--quick]
 
 - e2e: a local cluster (placer + 4 agent processes, simulated GPUs, no artifact); per job
   the time from submit to every pod's process running, measured by the placer's own
@@ -436,6 +436,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=100)
     ap.add_argument("--fleet", type=int, default=1000)
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--e2e-only", action="store_true", help="only the small-gang end to end rows")
     ap.add_argument("--quick", action="store_true", help="small sizes (make bench-quick); pass --jobs/--fleet too")
     ap.add_argument("--load", choices=["wire", "http"], help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
@@ -451,10 +452,12 @@ def main() -> None:
     logging.disable(logging.WARNING)
     q = a.quick
     res: dict[str, Any] = {}
-    res.update(bench_ingest_core(n_nodes=1000 if q else 10_000, seconds=0.5 if q else 2.0))
-    res.update(bench_ingest_model(n_nodes=256 if q else 2048, seconds=0.5 if q else 2.0, max_rounds=2 if q else 20))
-    res.update(trio.run(partial(bench_heartbeats, seconds=1.0 if q else 3.0)))
-    res.update(trio.run(partial(bench_fanout, a.fleet, rounds=2 if q else 5, limit_s=20 if q else 120)))
+    if not a.e2e_only:
+        res.update(bench_ingest_core(n_nodes=1000 if q else 10_000, seconds=0.5 if q else 2.0))
+        res.update(bench_ingest_model(n_nodes=256 if q else 2048, seconds=0.5 if q else 2.0,
+                                      max_rounds=2 if q else 20))
+        res.update(trio.run(partial(bench_heartbeats, seconds=1.0 if q else 3.0)))
+        res.update(trio.run(partial(bench_fanout, a.fleet, rounds=2 if q else 5, limit_s=20 if q else 120)))
     if not a.skip_e2e:
         res.update(bench_e2e(a.jobs))
         # the same with 300 ms of quiet between jobs: back to back, each job lands while the
