@@ -311,8 +311,16 @@ class ShimPool:
             cmd = self.prepare(cmd)
         shim = self._idle.pop() if self._idle else await self._spawn_ready()
         self._want.set()
+        data = msgspec.json.encode(cmd) + b"\n"
         try:
-            await shim.stdin.send_all(msgspec.json.encode(cmd) + b"\n")
+            # written before this task yields (send_all checkpoints first): the shim starts on
+            # it while the loop prepares the gang's other pods
+            try:
+                sent = os.write(shim.stdin.fileno(), data)
+            except BlockingIOError:
+                sent = 0
+            if sent < len(data):
+                await shim.stdin.send_all(data[sent:])
             with trio.fail_after(30):
                 reply = json.loads(await shim.read_line())
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:

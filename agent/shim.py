@@ -21,7 +21,9 @@ files, and writes ``exit.json`` atomically when the workload ends.
 
 A Python interpreter takes ~20-30 ms to start, so the agent keeps a small pool of
 shims started ahead of time (:mod:`agent.launcher`); each waits on its stdin for one
-command. The hot path is then one pipe write, one fork+exec and one pipe read.
+command, with the workload's own process already forked and waiting on a pipe of its own
+(:class:`_Leader`). The hot path is then one pipe write to the shim, one to its leader, the
+leader's set-up and ``exec``, and one pipe read.
 
 Protocol (one JSON object per line)
 -----------------------------------
@@ -52,6 +54,7 @@ This file imports only the standard library: it is run as a script with
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -59,7 +62,6 @@ import resource
 import selectors
 import signal
 import stat
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -67,6 +69,7 @@ from typing import Any
 
 PR_SET_CHILD_SUBREAPER = 36
 PR_SET_NO_NEW_PRIVS = 38
+PR_GET_NO_NEW_PRIVS = 39
 PR_CAPBSET_DROP = 24
 CLONE_NEWNS = 0x00020000
 MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_BIND, MS_REC, MS_SLAVE = 2, 4, 8, 4096, 16384, 1 << 19
@@ -443,48 +446,156 @@ def _pump(pid: int, logs: dict[int, RotatingLog], members: Members, grace_s: flo
     return rc
 
 
+class _Leader:
+    """The workload's process, forked while the shim is idle: it waits for its command on a
+    pipe, then sets itself up (what ``subprocess.Popen`` with a ``preexec_fn`` did after its
+    fork: stdio, cwd, a new session, :func:`_child_setup`, every other descriptor closed)
+    and ``exec``s. The command reaches a process that is already there: the fork (the
+    shim's page tables copied, the interpreter's after-fork work) and the reads of the
+    leader's identity happen while the shim waits, not between a placement and its process
+    running, and a busy host's scheduler favours a waking sleeper over a new task. Exec
+    failure or a failed set-up comes back on ``err`` (close-on-exec: EOF with no bytes means
+    the exec happened). The pid and the start time survive the exec, so the workload's
+    identity is known before it."""
+
+    def __init__(self) -> None:
+        cmd_r, self.cmd = os.pipe()
+        self.err, err_w = os.pipe()
+        self.out, out_w = os.pipe()
+        self.errout, errout_w = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:
+            code = 127
+            try:
+                for fd in (self.cmd, self.err, self.out, self.errout):
+                    os.close(fd)
+                code = _leader(cmd_r, err_w, out_w, errout_w)
+            finally:
+                os._exit(code)
+        for fd in (cmd_r, err_w, out_w, errout_w):
+            os.close(fd)
+
+    def start(self, line: bytes) -> str | None:
+        """Hand the command over; None once the workload has exec'd, else why it has not
+        (the leader is reaped then)."""
+        try:
+            view = memoryview(line)
+            while view:
+                view = view[os.write(self.cmd, view):]
+        except OSError as e:
+            why: str | None = f"the workload process is gone: {e}"
+        else:
+            why = None
+        os.close(self.cmd)
+        self.cmd = -1
+        got = b""
+        while chunk := os.read(self.err, 4096):
+            got += chunk
+        os.close(self.err)
+        if why is None and not got:
+            return None
+        os.waitpid(self.pid, 0)
+        return why or got.decode(errors="replace")
+
+    def cancel(self) -> None:
+        """No work after all: the leader reads EOF and exits; reap it."""
+        for fd in (self.cmd, self.err, self.out, self.errout):
+            if fd >= 0:
+                os.close(fd)
+        os.waitpid(self.pid, 0)
+
+
+def _leader(cmd_r: int, err_w: int, out_w: int, errout_w: int) -> int:
+    """The forked leader's side of :class:`_Leader` (never returns on success)."""
+    null = os.open(os.devnull, os.O_RDWR)
+    os.dup2(null, 0)        # never the shim's pipes to the agent
+    os.dup2(null, 1)
+    os.close(null)
+    # While waiting: the first writes to this process's copy of the shim's memory (reference
+    # counts of what decoding a command and the set-up touch) fault in now, not after the
+    # command comes.
+    json.loads(json.dumps({"argv": ["x"], "env": {"PATH": "/bin"}, "cwd": "/", "record": {"x": [1, 2.5, None]}}))
+    _libc.prctl(PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0)   # (and libc calls through ctypes: reads a flag)
+    data = b""
+    while chunk := os.read(cmd_r, 1 << 16):
+        data += chunk
+    os.close(cmd_r)
+    if not data:
+        return 0            # the shim got no work
+    argv: list[str] = []
+    try:
+        cmd = json.loads(data)
+        argv = list(cmd["argv"])
+        os.dup2(out_w, 1)
+        os.dup2(errout_w, 2)
+        os.chdir(cmd.get("cwd") or cmd["dir"])
+        for sig in (signal.SIGPIPE, signal.SIGXFSZ):   # as Popen's restore_signals
+            signal.signal(sig, signal.SIG_DFL)
+        os.setsid()
+        _child_setup(cmd)()
+        os.closerange(3, err_w)
+        os.closerange(err_w + 1, 1 << 16)
+        try:
+            os.execvpe(argv[0], argv, cmd["env"])
+        except OSError as e:
+            e.filename = argv[0]   # the program as asked for, not the last PATH entry tried
+            raise
+    except BaseException as e:
+        os.write(err_w, f"{type(e).__name__}: {e}".encode())
+    return 127
+
+
 def main() -> int:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.umask(0o077)
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)
+    leader = _Leader()
+    # the workload's identity is the leader's, known before its exec (which keeps the pid and
+    # the start time): worked out while idle, and run.json written before the hand-over
+    pid = leader.pid
+    ident: dict[str, Any] = {"pid": pid, "start_time": _start_time(pid), "boot_id": _boot_id(),
+             "shim_pid": os.getpid(), "shim_start_time": _start_time(os.getpid())}
     _reply({"ready": True, "shim_pid": os.getpid()})
     line = sys.stdin.buffer.readline()
     if not line:
+        leader.cancel()
         return 0  # the agent went away before giving us work
     try:
         cmd = json.loads(line)
         wdir = cmd["dir"]
         max_bytes = int(cmd.get("log_max_bytes", 16 << 20))
         keep = int(cmd.get("log_keep", 2))
-        _prctl(PR_SET_CHILD_SUBREAPER, 1)
-        out_r, out_w = os.pipe()
-        err_r, err_w = os.pipe()
-        proc = subprocess.Popen(
-            cmd["argv"], env=cmd["env"], cwd=cmd.get("cwd") or wdir,
-            stdin=subprocess.DEVNULL, stdout=out_w, stderr=err_w,
-            start_new_session=True, close_fds=True, preexec_fn=_child_setup(cmd),
-        )
-        os.close(out_w)
-        os.close(err_w)
-    except Exception as e:  # bad command or exec failure: tell the agent, run nothing
+    except Exception as e:  # a bad command: tell the agent, run nothing
+        leader.cancel()
         _reply({"ok": False, "error": f"{type(e).__name__}: {e}"})
         return 1
-    pid = proc.pid
-    ident = {"pid": pid, "start_time": _start_time(pid), "boot_id": _boot_id(),
-             "shim_pid": os.getpid(), "shim_start_time": _start_time(os.getpid()),
-             "started_at": time.time()}
-    # run.json before the reply: once the agent has heard "ok", a restarted agent finds it.
-    # Not fsynced, on purpose: run.json covers the agent process dying before its own state
-    # file names this workload, and the page cache survives that. A host crash kills the
-    # workload with it (and changes the boot id, so nothing would be re-adopted anyway).
-    # An fsync here sat on every start's critical path (5-40 ms when pods start together).
-    _atomic_write(os.path.join(wdir, "run.json"), {**ident, "record": cmd.get("record") or {}}, sync=False)
+    ident["started_at"] = time.time()
+    run_json = os.path.join(wdir, "run.json")
+    try:
+        # run.json before the reply: once the agent has heard "ok", a restarted agent finds it.
+        # Not fsynced, on purpose: run.json covers the agent process dying before its own
+        # state file names this workload, and the page cache survives that. A host crash kills
+        # the workload with it (and changes the boot id, so nothing would be re-adopted
+        # anyway). An fsync here sat on every start's critical path (5-40 ms when pods start
+        # together).
+        _atomic_write(run_json, {**ident, "record": cmd.get("record") or {}}, sync=False)
+    except OSError as e:
+        leader.cancel()
+        _reply({"ok": False, "error": f"{type(e).__name__}: {e}"})
+        return 1
+    why = leader.start(line)
+    if why is not None:  # exec or set-up failure: tell the agent, run nothing
+        with contextlib.suppress(OSError):
+            os.unlink(run_json)   # nothing started: nothing for a restarted agent to adopt
+        _reply({"ok": False, "error": why})
+        return 1
+    out_r, err_r = leader.out, leader.errout
     _reply({"ok": True, **ident})
     _detach_stdio(os.path.join(wdir, "shim.log"))
     logs = {out_r: RotatingLog(os.path.join(wdir, "stdout.log"), max_bytes, keep),
             err_r: RotatingLog(os.path.join(wdir, "stderr.log"), max_bytes, keep)}
     rc = _pump(pid, logs, Members(cmd.get("cgroup")), float(cmd.get("grace_s", 10.0)))
-    proc.returncode = rc  # reaped by _pump's waitpid(-1)
     for fd, lg in logs.items():
         lg.close()
         os.close(fd)

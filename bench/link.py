@@ -1,13 +1,18 @@
 """Scheduler-link benchmarks: end to end, fan-out, ingest.
 
-    python -m bench.link [--json] [--jobs 100] [--fleet 1000] [--skip-e2e] [--quick]
+    python -m bench.link [--json] [--jobs 100] [--fleet 1000] [--skip-e2e | --e2e-only] [--quick]
+                         [--against OTHER_CHECKOUT]
 
 - e2e: a local cluster (placer + 4 agent processes, simulated GPUs, no artifact); per job
   the time from submit to every pod's process running, measured by the placer's own
   timings (submitted -> running, one clock); p50/p99 over ``--jobs`` jobs (each cancelled
   after). Baseline: the same submit's HTTP round trip alone (``submit_rtt``). Split by
   the same timings: submitted -> pushed (``e2e_placer_part``), pushed -> acked
-  (``e2e_agent_ack``), acked -> running (``e2e_acked_to_running``).
+  (``e2e_agent_ack``), acked -> running (``e2e_acked_to_running``). ``--against DIR``: the
+  same-run A/B instead: a cluster of this tree and one of the checkout at DIR (run from its own
+  ``.venv``; give it this bench file) up at once, one job on each in turn, which goes first
+  alternating; ``e2e_base_*`` are DIR's figures and ``e2e_ratio_to_base`` this tree's p50
+  over DIR's.
 - fanout: one decision pushed to ``--fleet`` real HTTP endpoints (bench.fleet_helper in a
   separate process) -> the last answer. herd's PushPool and the httpx baseline run under the
   same conditions: the placer's own concurrency bound (``PlacerConfig.push_concurrency``,
@@ -51,65 +56,148 @@ def pct(xs: list[float], q: float) -> float:
 
 # ------------------------------------------------------------------ e2e
 
-def bench_e2e(n_jobs: int, gap_s: float = 0.0) -> dict[str, Any]:
-    """Submit -> every pod running, ``n_jobs`` times; ``gap_s`` of quiet after each job's GPUs are free."""
-    import httpx
+class _E2E:
+    """One local cluster (placer + 4 agent processes, simulated GPUs) and its operator client:
+    :meth:`job` runs one job from submit to every pod running, then cancels it and waits until
+    its GPUs are free, so each job sees an idle cluster."""
 
-    sys.path.insert(0, str(ROOT))
-    from cli.localcluster import LocalCluster
-    from infra.auth import TokenSet, generate_token_dir
+    def __init__(self, tmp: Path) -> None:
+        import httpx
 
-    with tempfile.TemporaryDirectory() as tmp:
-        td = generate_token_dir(Path(tmp) / "tokens")
+        sys.path.insert(0, str(ROOT))
+        from cli.localcluster import LocalCluster
+        from infra.auth import TokenSet, generate_token_dir
+
+        td = generate_token_dir(tmp / "tokens")
         tok = TokenSet.load(td)
-        with LocalCluster(Path(tmp), td, n_agents=4, heartbeat_s=1.0, fence_after_s=30) as c:
-            assert c.placer is not None
-            h = {"authorization": f"Bearer {tok.operator}"}
-            lat, rtt = [], []
-            to_pushed, to_acked, to_running = [], [], []
-            with httpx.Client(base_url=c.placer.url, headers=h, timeout=30) as cl:
-                deadline = time.monotonic() + 20
-                while time.monotonic() < deadline:
-                    nodes = cl.get("/v1/nodes").json()["nodes"]
-                    if sum(n["state"] == "up" for n in nodes) == 4 and cl.get("/healthz").json()["recovering"] is False:
-                        break
-                    time.sleep(0.1)
-                t_end = time.monotonic() + 120
-                for i in range(n_jobs):
-                    if time.monotonic() > t_end:
-                        break
-                    jid = f"e2e-{i}"
-                    t0 = time.perf_counter()
-                    r = cl.post("/v1/jobs", json={"job_id": jid, "pods": 4, "gpus_per_pod": 2, "within": "any",
-                                                   "argv": ["sleep", "60"], "grace_s": 1.0})
-                    rtt.append(time.perf_counter() - t0)
-                    r.raise_for_status()
-                    v = cl.get(f"/v1/jobs/{jid}", params={"wait": "running", "timeout_ms": "10000"}).json()
-                    if v["state"] == "running":
-                        t = v["timings"]
-                        lat.append(t["running"] - t["submitted"])
-                        to_pushed.append(t["pushed"] - t["submitted"])
-                        if "acked" in t:
-                            to_acked.append(t["acked"] - t["pushed"])
-                            to_running.append(t["running"] - t["acked"])
-                    cl.delete(f"/v1/jobs/{jid}")
-                    # wait until its GPUs are free again so each job sees an idle cluster
-                    w_end = time.monotonic() + 10
-                    while time.monotonic() < w_end:
-                        nodes = cl.get("/v1/nodes").json()["nodes"]
-                        if sum(n["free_gpus"] for n in nodes) == 32:
-                            break
-                        time.sleep(0.01)
-                    time.sleep(gap_s)
-    return {"e2e_jobs": len(lat), "e2e_p50_ms": pct(lat, 0.5) * 1000, "e2e_p99_ms": pct(lat, 0.99) * 1000,
-            "submit_rtt_p50_ms": pct(rtt, 0.5) * 1000,
+        self.cluster = LocalCluster(tmp, td, n_agents=4, heartbeat_s=1.0, fence_after_s=30)
+        self.cluster.__enter__()
+        try:
+            assert self.cluster.placer is not None
+            self.cl = httpx.Client(base_url=self.cluster.placer.url, timeout=30,
+                                   headers={"authorization": f"Bearer {tok.operator}"})
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                nodes = self.cl.get("/v1/nodes").json()["nodes"]
+                if sum(n["state"] == "up" for n in nodes) == 4 and self.cl.get("/healthz").json()["recovering"] is False:
+                    break
+                time.sleep(0.1)
+        except BaseException:
+            self.cluster.__exit__(None, None, None)
+            raise
+
+    def close(self) -> None:
+        self.cl.close()
+        self.cluster.__exit__(None, None, None)
+
+    def job(self, jid: str) -> dict[str, float]:
+        """The job's timings (the placer's own clock) in ms from submit, and ``rtt`` (the
+        submit's HTTP round trip); no ``running`` when it did not run within 10 s."""
+        t0 = time.perf_counter()
+        r = self.cl.post("/v1/jobs", json={"job_id": jid, "pods": 4, "gpus_per_pod": 2, "within": "any",
+                                           "argv": ["sleep", "60"], "grace_s": 1.0})
+        out = {"rtt": (time.perf_counter() - t0) * 1000}
+        r.raise_for_status()
+        v = self.cl.get(f"/v1/jobs/{jid}", params={"wait": "running", "timeout_ms": "10000"}).json()
+        if v["state"] == "running":
+            t = v["timings"]
+            out.update({k: (t[k] - t["submitted"]) * 1000 for k in ("pushed", "acked", "running") if k in t})
+        self.cl.delete(f"/v1/jobs/{jid}")
+        w_end = time.monotonic() + 10
+        while time.monotonic() < w_end:
+            nodes = self.cl.get("/v1/nodes").json()["nodes"]
+            if sum(n["free_gpus"] for n in nodes) == 32:
+                break
+            time.sleep(0.01)
+        return out
+
+
+def _e2e_summary(runs: list[dict[str, float]], prefix: str = "e2e") -> dict[str, Any]:
+    ran = [r for r in runs if "running" in r]
+    lat = [r["running"] for r in ran]
+    acked = [r for r in ran if "acked" in r]
+    rtt = [r["rtt"] for r in runs]
+    return {f"{prefix}_jobs": len(lat), f"{prefix}_p50_ms": pct(lat, 0.5), f"{prefix}_p99_ms": pct(lat, 0.99),
+            f"{prefix}_submit_rtt_p50_ms": pct(rtt, 0.5),
             # where the time goes: the placer's part (submit -> pushed: decision, placement
             # encoded), the push and the agent's durable acceptance (pushed -> acked: the journal's
             # group commit, the HTTP push, the agent's state log append) and the processes' start
             # with the reports that say so (acked -> running; 0 when those reports came first)
-            "e2e_placer_part_p50_ms": pct(to_pushed, 0.5) * 1000, "e2e_agent_ack_p50_ms": pct(to_acked, 0.5) * 1000,
-            "e2e_acked_to_running_p50_ms": pct(to_running, 0.5) * 1000,
-            "e2e_ratio_to_submit_rtt": pct(lat, 0.5) / pct(rtt, 0.5) if rtt and lat else None}
+            f"{prefix}_placer_part_p50_ms": pct([r["pushed"] for r in ran], 0.5),
+            f"{prefix}_agent_ack_p50_ms": pct([r["acked"] - r["pushed"] for r in acked], 0.5),
+            f"{prefix}_acked_to_running_p50_ms": pct([r["running"] - r["acked"] for r in acked], 0.5)}
+
+
+def bench_e2e(n_jobs: int, gap_s: float = 0.0) -> dict[str, Any]:
+    """Submit -> every pod running, ``n_jobs`` times; ``gap_s`` of quiet after each job's GPUs are free."""
+    runs: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        e = _E2E(Path(tmp))
+        try:
+            t_end = time.monotonic() + 120
+            for i in range(n_jobs):
+                if time.monotonic() > t_end:
+                    break
+                runs.append(e.job(f"e2e-{i}"))
+                time.sleep(gap_s)
+        finally:
+            e.close()
+    out = _e2e_summary(runs)
+    out["submit_rtt_p50_ms"] = out.pop("e2e_submit_rtt_p50_ms")
+    out["e2e_ratio_to_submit_rtt"] = (out["e2e_p50_ms"] / out["submit_rtt_p50_ms"]
+                                      if out["e2e_jobs"] else None)
+    return out
+
+
+def _e2e_serve() -> None:
+    """``--e2e-serve``: a cluster of this tree; one job per line read (its id), its timings
+    written back as a JSON line. The other side of :func:`bench_e2e_ab`."""
+    with tempfile.TemporaryDirectory() as tmp:
+        e = _E2E(Path(tmp))
+        try:
+            sys.stdout.write(json.dumps({"ready": True}) + "\n")
+            sys.stdout.flush()
+            for line in sys.stdin:
+                sys.stdout.write(json.dumps(e.job(line.strip())) + "\n")
+                sys.stdout.flush()
+        finally:
+            e.close()
+
+
+def bench_e2e_ab(other: Path, n_jobs: int, gap_s: float) -> dict[str, Any]:
+    """The same jobs on this tree's cluster and on ``other``'s (another checkout with its own
+    ``.venv``), both up at once, one job on each in turn (which goes first alternates), so
+    both see the same load; medians of each and their ratio (this tree / the other)."""
+    trees = {"this": (ROOT, sys.executable), "base": (other, str(other / ".venv" / "bin" / "python"))}
+    procs = {name: subprocess.Popen([py, "-m", "bench.link", "--e2e-serve"], cwd=str(root), stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True)
+             for name, (root, py) in trees.items()}
+    runs: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
+    try:
+        for p in procs.values():
+            assert p.stdout is not None
+            if not json.loads(p.stdout.readline() or "{}").get("ready"):
+                raise RuntimeError("a cluster did not start")
+        t_end = time.monotonic() + 600
+        for i in range(n_jobs):
+            if time.monotonic() > t_end:
+                break
+            for name in (("this", "base") if i % 2 == 0 else ("base", "this")):
+                p = procs[name]
+                assert p.stdin is not None and p.stdout is not None
+                p.stdin.write(f"ab-{i}\n")
+                p.stdin.flush()
+                runs[name].append(json.loads(p.stdout.readline()))
+                time.sleep(gap_s)
+    finally:
+        for p in procs.values():
+            assert p.stdin is not None
+            p.stdin.close()
+        for p in procs.values():
+            p.wait(60)
+    out = {**_e2e_summary(runs["this"]), **_e2e_summary(runs["base"], "e2e_base"), "e2e_base_tree": str(other)}
+    out["e2e_ratio_to_base"] = out["e2e_p50_ms"] / out["e2e_base_p50_ms"] if out["e2e_base_jobs"] else None
+    return out
 
 
 # ------------------------------------------------------------------ fan-out
@@ -436,6 +524,9 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=100)
     ap.add_argument("--fleet", type=int, default=1000)
     ap.add_argument("--skip-e2e", action="store_true")
+    ap.add_argument("--e2e-only", action="store_true", help="only the small-gang end to end rows")
+    ap.add_argument("--against", type=Path, help="e2e against another checkout (with its .venv), job for job")
+    ap.add_argument("--e2e-serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="small sizes (make bench-quick); pass --jobs/--fleet too")
     ap.add_argument("--load", choices=["wire", "http"], help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
@@ -447,21 +538,35 @@ def main() -> None:
     if a.load:
         trio.run(_load_main, a.load, a.url, a.token, a.conns, a.seconds, a.start_node)
         return
+    if a.e2e_serve:
+        import logging
+        logging.disable(logging.WARNING)
+        _e2e_serve()
+        return
     import logging
     logging.disable(logging.WARNING)
     q = a.quick
     res: dict[str, Any] = {}
-    res.update(bench_ingest_core(n_nodes=1000 if q else 10_000, seconds=0.5 if q else 2.0))
-    res.update(bench_ingest_model(n_nodes=256 if q else 2048, seconds=0.5 if q else 2.0, max_rounds=2 if q else 20))
-    res.update(trio.run(partial(bench_heartbeats, seconds=1.0 if q else 3.0)))
-    res.update(trio.run(partial(bench_fanout, a.fleet, rounds=2 if q else 5, limit_s=20 if q else 120)))
-    if not a.skip_e2e:
+    if not a.e2e_only:
+        res.update(bench_ingest_core(n_nodes=1000 if q else 10_000, seconds=0.5 if q else 2.0))
+        res.update(bench_ingest_model(n_nodes=256 if q else 2048, seconds=0.5 if q else 2.0,
+                                      max_rounds=2 if q else 20))
+        res.update(trio.run(partial(bench_heartbeats, seconds=1.0 if q else 3.0)))
+        res.update(trio.run(partial(bench_fanout, a.fleet, rounds=2 if q else 5, limit_s=20 if q else 120)))
+    if a.against is not None:
+        # same-run A/B: back to back and with 300 ms of quiet between jobs
+        res.update(bench_e2e_ab(a.against.resolve(), a.jobs, 0.0))
+        idle = bench_e2e_ab(a.against.resolve(), max(2 if q else 10, a.jobs // 2), 0.3)
+        res.update({"e2e_idle_gap_p50_ms": idle["e2e_p50_ms"], "e2e_idle_gap_p99_ms": idle["e2e_p99_ms"],
+                    "e2e_base_idle_gap_p50_ms": idle["e2e_base_p50_ms"],
+                    "e2e_idle_gap_ratio_to_base": idle["e2e_ratio_to_base"]})
+    elif not a.skip_e2e:
         res.update(bench_e2e(a.jobs))
         # the same with 300 ms of quiet between jobs: back to back, each job lands while the
         # previous one's teardown (exit files, state writes, reports) still runs on 2 cores
         idle = bench_e2e(max(2 if q else 10, a.jobs // 2), gap_s=0.3)
         res.update({"e2e_idle_gap_p50_ms": idle["e2e_p50_ms"], "e2e_idle_gap_p99_ms": idle["e2e_p99_ms"]})
-    res["targets"] = {"e2e_p50_ms": 20, "fanout_1000_ms": 500, "ingest_core_per_s": 100_000,
+    res["targets"] = {"e2e_p50_ms": 15, "e2e_p99_ms": 30, "fanout_1000_ms": 500, "ingest_core_per_s": 100_000,
                       "heartbeats_per_s": 10_000}
     if a.json:
         print(json.dumps(res))

@@ -8,8 +8,12 @@ or ``{"v": 1, "op": "end", "at": T, "job_id": ..., "state": ...}``, or
 ``{"v": 1, "op": "cordon", "node_id": ..., "on": true, "reason": ...}`` (an operator's
 cordon or uncordon, fsynced; the last one per node wins), or
 ``{"v": 1, "op": "attempt", "job_id": ..., "attempt": N}`` — the attempt counter only
-(never where it runs), written without fsync: after a crash it keeps a re-placed job
-from reusing the workload ids of an attempt that may still be running somewhere. A torn last line
+(never where it runs), appended without fsync of its own (the placer flushes the journal
+before an attempt's placements leave): after a crash it keeps a re-placed job from reusing
+the workload ids of an attempt that may still be running somewhere. A submission stands for
+its first attempt too (:data:`FIRST_ATTEMPT`): replayed, a live job's attempt counter is at
+least 1, so attempt 1 needs no record of its own and a job's first placement leaves after
+one fsync, its submission's. A torn last line
 (a crash mid-append) is ignored on load; a corrupt line elsewhere is an error, since it
 means the file was edited or damaged and silently dropping jobs would lose work.
 On open, a journal whose ended jobs dominate is compacted (temp file, fsync, rename).
@@ -32,6 +36,10 @@ from .errors import JournalError
 log = logging.getLogger("herd.placer.journal")
 
 JOURNAL_VERSION = 1
+# The attempt a submission record stands for: a replayed live job never counts below it, so
+# re-placed after a crash it uses attempt 2 or later, never the ids of an attempt 1 that a
+# silent node may still run.
+FIRST_ATTEMPT = 1
 
 
 class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -115,7 +123,7 @@ class Journal:
                         cordons[rec.node_id] = rec.reason
                     else:
                         cordons.pop(rec.node_id, None)
-            attempts = {k: v for k, v in attempts.items() if k in live}
+            attempts = {k: max(attempts.get(k, 0), FIRST_ATTEMPT) for k in live}
             if total > 64 and total > 4 * (len(live) + len(cordons)):
                 cls._compact(path, live, attempts, cordons)  # rewrites the file whole: nothing torn is left
                 torn_at, raw = None, b"\n"
@@ -139,7 +147,7 @@ class Journal:
             out += msgspec.json.encode(Record(op="cordon", at=0.0, node_id=node_id, on=True, reason=reason)) + b"\n"
         for spec in live.values():
             out += msgspec.json.encode(Record(op="submit", at=0.0, spec=spec)) + b"\n"
-            if attempts.get(spec.job_id):
+            if attempts.get(spec.job_id, 0) > FIRST_ATTEMPT:
                 out += msgspec.json.encode(Record(op="attempt", at=0.0, job_id=spec.job_id,
                                                   attempt=attempts[spec.job_id])) + b"\n"
         atomic_write(path, out)   # temp, fsync, rename, fsync of the directory
@@ -166,6 +174,7 @@ class Journal:
         durable, one fsync for every append before it)."""
         self._append(Record(op="submit", at=at, spec=spec), sync=sync)
         self._live[spec.job_id] = spec
+        self.attempts[spec.job_id] = max(self.attempts.get(spec.job_id, 0), FIRST_ATTEMPT)
 
     async def flush(self) -> None:
         """Group commit: make every append so far durable. Concurrent callers share one
@@ -190,7 +199,8 @@ class Journal:
             self.fsyncs += 1
 
     def attempt(self, job_id: str, attempt: int, at: float) -> None:
-        """Record a job's attempt counter (not fsynced; see the module docstring)."""
+        """Record a job's attempt counter (not fsynced; see the module docstring). Attempt 1
+        is its submission's: nothing is appended for it."""
         if job_id in self._live and attempt > self.attempts.get(job_id, 0):
             self._append(Record(op="attempt", at=at, job_id=job_id, attempt=attempt), sync=False)
             self.attempts[job_id] = attempt
