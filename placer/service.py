@@ -826,11 +826,13 @@ class PlacerService:
         if not spec.job_id:
             spec = msgspec.structs.replace(spec, job_id=f"job-{int(time.time() * 1000):x}-{os.urandom(3).hex()}")
         now = self.clock()
+        assert self.journal is not None
+        if (again := await self._resubmitted(spec)) is not None:
+            return again
         try:
             self.state.validate(spec)
         except JobError as e:
             raise HTTPError(e.status, "job refused", str(e)) from None
-        assert self.journal is not None
         # Decide while the journal syncs: the job is in the queue at once, but nothing of it is
         # pushed (_dispatch waits on the same group commit) and the 201 waits until it is durable.
         self.journal.submitted(spec, now, sync=False)
@@ -844,6 +846,25 @@ class PlacerService:
             self._carry_out(self.state.cancel(spec.job_id, self.clock()))
             raise HTTPError(503, "job not stored", str(e)) from None
         job.timings["durable"] = self.clock()  # "submitted" -> "durable" is the journal's fsync
+        return json_response(self.state.job_view(job), status=201)
+
+    async def _resubmitted(self, spec: JobSpec) -> Response | None:
+        """The answer to a submit of a job this placer already holds with this very spec: the
+        original's (201, the job's view) once that job is durable. A client resends a submit
+        whose answer it lost (its placer died or stopped leading after committing it, and the
+        next leader read it from the journal); a different spec under a taken id stays a 409."""
+        job = self.state.jobs.get(spec.job_id)
+        if job is None or job.spec != spec:
+            return None
+        if not job.recovering and "durable" not in job.timings:
+            assert self.journal is not None
+            try:   # the first submit is still syncing: answer once it is durable, as it is
+                await self.journal.flush()
+            except JournalError as e:
+                raise HTTPError(503, "job not stored", str(e)) from None
+            job = self.state.jobs.get(spec.job_id)
+            if job is None or job.spec != spec:
+                return None
         return json_response(self.state.job_view(job), status=201)
 
     def _job(self, job_id: str) -> JobRec:
