@@ -67,7 +67,7 @@ from scheduler_link.messages import (
 )
 from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
 
-from . import fleetsnap, inventories
+from . import fleetsnap, inventories, observe
 from .approvals import APPROVAL_DOCS, ApprovalRoutes, EtcdApprovals
 from .config import PlacerConfig
 from .dashboard import DASHBOARD_DOCS, Dashboard
@@ -231,6 +231,12 @@ class PlacerService:
                 self.journal.ended(spec.job_id, "failed", now)
         for node_id, reason in self.journal.cordons.items():  # before any report can register it
             self.state.cordon(node_id, now, reason=reason or None, known=False)
+        warm: list[str] = []
+        if self.state.nodes:   # a follower promoted: its warm model's workloads go to their jobs (placer.observe)
+            adopted, told = observe.adopt(self.state, now)
+            warm = list(observe.heard_within(self.state, now, self.cfg.recover_window_s))
+            log.info("promoted with a warm model: nodes=%d heard within recover_s=%d workloads adopted=%d "
+                     "left to stop=%d", len(self.state.nodes), len(warm), adopted, told)
         if isinstance(journal, EtcdJournal):   # promoted with etcd: the fleet's rack approvals are there
             self.spawn(partial(self._approvals_from_etcd, EtcdApprovals(journal.client, journal.prefix, journal.fence)))
         self.state.recover_until = now + self.cfg.recover_window_s
@@ -241,6 +247,8 @@ class PlacerService:
         self.recovery = fleetsnap.Recovery(snap.nodes if snap is not None else None, started=now,
                                            window_s=self.cfg.recover_window_s, max_s=self.cfg.recover_max_s,
                                            pending=on_etcd)
+        for node_id in warm:
+            self.recovery.heard(node_id)
         if isinstance(journal, EtcdJournal):
             self._etcd_snap = fleetsnap.EtcdFleetSnapshot(journal.client, journal.prefix, journal.fence)
             self.spawn(partial(self._fleet_from_etcd, self._etcd_snap, self.recovery))
@@ -396,7 +404,10 @@ class PlacerService:
                 await self._kick.wait()
             self._kick = trio.Event()
             if self.ha is not None and not self.ha.leading():
-                continue  # a follower places nothing
+                # a follower places nothing; its warm model's records live long (placer.observe)
+                if len(self.state.nodes) > self._nodes_at_freeze * 1.1 + 100:
+                    self._maybe_freeze()
+                continue
             now = self.clock()
             self._tick(now)
             self._recovery_gate(now)
@@ -503,8 +514,10 @@ class PlacerService:
                   "count=%d epoch=%d", n, self.epoch)
 
     def apply_beat(self, beat: RackBeat, at: float, *, via: str, answered: float | None) -> RackBeatReply:
-        if self.ha is not None and not self.ha.leading():   # as for reports: a placer that does not lead
-            return RackBeatReply()                          # (now) applies nothing and asks for nothing
+        if self.ha is not None and not self.ha.leading():   # as for reports: a follower applies it to its
+            if not self.ha.observing():                     # warm model and asks for nothing but full
+                return RackBeatReply()                      # reports (placer.observe); else nothing
+            return observe.beat_answer(self.state.beat(beat, at, via=via, answered=answered)[0])
         reply, pushes = self.state.beat(beat, at, via=via, answered=answered)
         self._carry_out(pushes)
         if reply.stop:   # each stop carries the epoch, under the member's MAC (a relay cannot change it)
@@ -734,7 +747,8 @@ class PlacerService:
         forwards for another node is applied only if it carries that node's MAC (401 otherwise,
         counted in ``bad_macs``: the member then registers directly); the answer to a full report
         over the node's own connection carries its MAC key and the placer's signing key."""
-        if self.ha is not None and not self.ha.leading():  # a follower fences nothing
+        observing = self.ha is not None and not self.ha.leading()
+        if self.ha is not None and observing and not self.ha.observing():  # (a fenced leader, or keys not loaded yet) applies nothing
             return 503, ReportReply(ok=False, error="this placer does not lead"), False
         relayed = via is not None and via != rep.node_id
         if rep.node_id in self.pki.denied[0] or (via is not None and via in self.pki.denied[0]):
@@ -754,6 +768,9 @@ class PlacerService:
             log.warning("relayed full report refused as a replay node=%s relay=%s seq=%d", rep.node_id, via, rep.seq)
             return 409, ReportReply(ok=False, need_full=True, error="a relayed report must continue the node's "
                                     "current boot and sequence"), False
+        if observing:   # a follower's warm model (placer.observe): applied, acted on never
+            status, reply, _ = self._apply_checked(node_id, rep, via, observe=True)
+            return (*observe.report_answer(status, reply), False)
         status, reply, news = self._apply_checked(node_id, rep, via)
         if reply.stop:  # each stop carries the epoch; through the relay under the member's MAC too
             stop = self._fenced_stops(reply.stop)
@@ -770,7 +787,7 @@ class PlacerService:
                                             placer_key=self.signer.public)
         return status, reply, news
 
-    def _apply_checked(self, node_id: str, rep: NodeReport, via: str | None = None
+    def _apply_checked(self, node_id: str, rep: NodeReport, via: str | None = None, *, observe: bool = False
                        ) -> tuple[int, ReportReply, bool]:
         try:
             status, reply, pushes = self.state.ingest(node_id, rep, self.clock())
@@ -778,6 +795,8 @@ class PlacerService:
             log.exception("report could not be applied node=%s full=%s", node_id, rep.full)
             self.state.counters["refused_reports"] += 1
             return 500, ReportReply(ok=False, need_full=True), False
+        if observe:   # (what the state would have pushed: nothing leaves a follower)
+            return status, reply, False
         self._carry_out(pushes)
         if status == 200 and rep.full and self.recovery is not None:
             self.recovery.heard(node_id)

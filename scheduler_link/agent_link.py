@@ -116,6 +116,7 @@ from .client import ClientError, check_peer
 from .enroll import ENROLL_WAIT_S, EnrollClient, EnrollRefused
 from .epochs import Epochs
 from .fanout import PushPool
+from .follow import OBSERVED
 from .frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
 from .heartbeat_wire import UPSTREAM_DOWN, HeartbeatClient, WireError, WireReply
 from .messages import (
@@ -959,7 +960,7 @@ class AgentLink:
             if wr.status != 200:
                 if wr.status == 503 and wr.reason == UPSTREAM_DOWN and self._relay is not None:
                     raise _RelayHolding(f"the relay has no connection to the placer: {wr.error}")
-                if wr.status == NO_LEADER and self._relay is None:   # a placer that does not lead (placer.ha)
+                if wr.status in (NO_LEADER, OBSERVED) and self._relay is None:   # a placer that does not lead (placer.ha)
                     self._placer_answered(wr.status, used=self.placer_url)
                 raise _PlacerError(f"placer answered {wr.status} on the framed channel: {wr.error}")
             return wr.reply

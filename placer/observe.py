@@ -1,0 +1,93 @@
+"""A follower's warm model (placers on etcd, placer.ha): what the fleet reports, applied, acted on never.
+
+Theory of operation
+-------------------
+Relays and agents send their reports and rack beats to every placer they know
+(scheduler_link.follow, agent.relay). A follower applies them to its own state as a leader
+does -- registrations into the model, beats moving each node's sequence and deadline, events
+moving workloads -- so that on promotion it already holds the fleet. It *observes*:
+
+- it holds no jobs (the jobs journal is the leader's until it leads): every live workload a
+  node reports is kept as that node's *stale* workload (its GPUs held in the model), never
+  adopted, never stopped;
+- nothing it computes leaves: the pushes the state asks for are dropped, and what it answers
+  (:func:`report_answer`, :func:`beat_answer`) says only whether it needs the node's full
+  report (a sequence gap, an unknown boot): no stop, no relay, no keys, no epoch;
+- it runs no timers (no node is judged lost by a placer that places nothing).
+
+On promotion (:func:`adopt`), once the journal's jobs are in (recovering, as after a restart),
+every workload it holds stale is adopted by its job when it is that job's current attempt (the
+agents' workloads are the truth: a gang running on the fleet stays that gang, never placed a
+second time); what no job claims is told to stop in its node's next answer, as a restarted
+placer does. The nodes it heard within ``recover_s`` count as reported (:func:`heard_within`),
+so a promoted follower waits for no re-registration.
+
+Invariants: an observed report or beat changes nothing but this placer's own state; the
+answers carry nothing a node or relay acts on but ``need_full``; after :func:`adopt` no
+workload is both a job's pod and a stale workload.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+from scheduler_link.follow import OBSERVED
+from scheduler_link.messages import TERMINAL_STATES, RackBeatReply, ReportReply
+
+from .records import STALE_PRIORITY, parse_workload_id
+from .state import PlacerState
+
+log = logging.getLogger("herd.placer.observe")
+
+_NEED_FULL = ReportReply(ok=True, need_full=True)
+_TAKEN = ReportReply(ok=True)
+_BEAT_OK = RackBeatReply()
+
+
+def report_answer(status: int, reply: ReportReply) -> tuple[int, ReportReply]:
+    """What a follower answers a report it applied (``status``/``reply``: the state's): 202 with
+    ``need_full`` only when taken (a sequence gap and the like stay 409, a refusal its status)."""
+    if status == 200:
+        return OBSERVED, (_NEED_FULL if reply.need_full else _TAKEN)
+    return status, ReportReply(ok=False, need_full=reply.need_full, error=reply.error)
+
+
+def beat_answer(reply: RackBeatReply) -> RackBeatReply:
+    """What a follower answers a rack beat it applied: the nodes it needs a full report of."""
+    return RackBeatReply(need_full=list(reply.need_full)) if reply.need_full else _BEAT_OK
+
+
+def heard_within(state: PlacerState, now: float, recover_s: float) -> Iterator[str]:
+    """The up nodes heard from within ``recover_s`` before ``now``."""
+    since = now - recover_s
+    return (nid for nid, n in state.nodes.items() if n.state == "up" and n.last_seen >= since)
+
+
+def adopt(state: PlacerState, now: float) -> tuple[int, int]:
+    """Hand the workloads held stale to the jobs just recovered from the journal (see the module
+    docstring). Returns (adopted, left stale: told to stop in their node's next answer)."""
+    adopted = told = 0
+    for node in state.nodes.values():
+        if not node.stale:
+            continue
+        for wid, slots in list(node.stale.items()):
+            st = node.workloads.get(wid)
+            if st is None or st in TERMINAL_STATES:
+                continue
+            parsed = parse_workload_id(wid)
+            job = state.jobs.get(parsed[0]) if parsed is not None else None
+            if job is not None:
+                state._release_quiet(f"stale:{wid}")
+                del node.stale[wid]
+                uuids = [node.uuids[s] for s in slots if s < len(node.uuids)]
+                if state._adopt(node, wid, job.job_id, slots, uuids, st, now):
+                    adopted += 1
+                    continue
+                node.stale[wid] = slots
+                if slots:
+                    state._assign(f"stale:{wid}", node.node_id, slots, STALE_PRIORITY, False)
+            node.tell.add(wid)
+            told += 1
+    state.dirty = True
+    return adopted, told
