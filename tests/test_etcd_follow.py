@@ -13,6 +13,7 @@ import msgspec
 import trio
 
 from infra.auth import TokenSet, auth_header
+from placer.config import PlacerConfig
 from placer.etcd import EtcdClient
 from placer.service import PlacerService
 from scheduler_link.follow import OBSERVED
@@ -87,4 +88,61 @@ async def test_follower_observes_then_adopts_the_running_gang(etcd_cluster: Etcd
             assert pj.state == "pending" and pj.reason is None   # every GPU is the gang's: nothing to take
             assert sum(len(ag.placements) for ag in agents) == placed
             assert full_before == sum(ag.link.full_reports_sent for ag in agents if ag.link is not None)
+            n.cancel_scope.cancel()
+
+
+def wired(tmp: Path, name: str, endpoints: list[str]) -> PlacerConfig:
+    return msgspec.structs.replace(cfg(tmp, name, endpoints), wire_listen="127.0.0.1:0")
+
+
+async def test_agents_copy_their_reports_and_move_without_registering_again(
+        etcd_cluster: EtcdCluster, tmp_path: Path, token_dir: Path) -> None:
+    """Agents told both placers report to the leader and copy every report to the follower over
+    a framed connection of their own; the leader deposed, each moves to the new leader over that
+    connection with its next heartbeat: no full report, the gang adopted, nothing placed twice."""
+    tokens = TokenSet.load(token_dir)
+    ops = httpx.AsyncClient(headers=auth_header(tokens.operator), timeout=10, follow_redirects=False)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as n, ops, EtcdClient(etcd_cluster.endpoints) as etcd:
+            a = Placer(PlacerService(wired(tmp_path, "a", etcd_cluster.endpoints), tokens))
+            url_a = await n.start(a.run)
+            await until(lambda: _role(ops, url_a, "leader"))
+            b = Placer(PlacerService(wired(tmp_path, "b", etcd_cluster.endpoints), tokens))
+            url_b = await n.start(b.run)
+            hb = await until(lambda: _role(ops, url_b, "follower"))
+            assert hb["wire"] == b.svc.wire_url
+            agents = [FakeAgent(f"n{i}", tokens, rack="r0") for i in range(2)]
+            for ag in agents:
+                await n.start(ag.run, f"{url_a},{url_b}")
+            r = await ops.post(url_a + "/v1/jobs", content=msgspec.json.encode(
+                JobSpec(job_id="j1", pods=2, gpus_per_pod=8, argv=["sleep", "100"])))
+            assert r.status_code == 201, r.text
+            r = await ops.get(url_a + "/v1/jobs/j1?wait=running&timeout_ms=10000")
+            assert r.json()["state"] == "running"
+            st = b.svc.state
+
+            async def copied() -> bool:   # the follower's model: both nodes, at the leader's sequence
+                return all(ag.link is not None and ag.node_id in st.nodes and st.nodes[ag.node_id].last_seq
+                           == ag.link.seq and st.nodes[ag.node_id].stale for ag in agents)
+            await until(copied)
+            assert st.jobs == {} and b.svc.journal is None
+            placed = sum(len(ag.placements) for ag in agents)
+            links = [ag.link for ag in agents if ag.link is not None]
+            full_before = sum(lk.full_reports_sent for lk in links)
+            assert all(lk.placer_url == url_a for lk in links)
+            await etcd.revoke(a.svc.ha.election.core.lease_id)   # type: ignore[union-attr]
+            with trio.fail_after(10):
+                await until(lambda: _role(ops, url_b, "leader"))
+            await until(lambda: b.svc.recovery is None)
+            assert st.jobs["j1"].state == "running" and st.jobs["j1"].n_pods == 2
+
+            async def moved() -> bool:
+                return all(lk.placer_url == url_b and lk.registered and st.nodes[lk.node_id].last_seq == lk.seq
+                           for lk in links)
+            await until(moved)
+            assert sum(lk.full_reports_sent for lk in links) == full_before   # nobody registered again
+            stats = [lk.statistics()["follower_copies"] for lk in links]
+            assert all(s is not None and s["handovers"] == 1 for s in stats), stats
+            assert sum(len(ag.placements) for ag in agents) == placed
+            assert all(w.state == "running" for ag in agents for w in ag.workloads.values())
             n.cancel_scope.cancel()
