@@ -32,8 +32,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-from scheduler_link.follow import OBSERVED
-from scheduler_link.messages import TERMINAL_STATES, RackBeatReply, ReportReply
+from scheduler_link.follow import OBSERVED, is_empty
+from scheduler_link.messages import TERMINAL_STATES, NodeReport, RackBeatReply, ReportReply
 
 from .records import STALE_PRIORITY, parse_workload_id
 from .state import PlacerState
@@ -53,6 +53,17 @@ def report_answer(status: int, reply: ReportReply) -> tuple[int, ReportReply]:
     return status, ReportReply(ok=False, need_full=reply.need_full, error=reply.error)
 
 
+def skip_to(state: PlacerState, rep: NodeReport) -> None:
+    """For a follower, and for a follower just promoted until each node reported once: an empty
+    heartbeat past a gap in its node's sequence is taken as a rack beat's entry is -- a node's
+    copies carry the newest empty heartbeat only, each report with news in order, so the
+    heartbeats skipped said nothing. Any other gap stays a 409 (a leader's rule: a gap in what
+    a node sends its leader may have lost news)."""
+    node = state.nodes.get(rep.node_id)
+    if node is not None and is_empty(rep) and node.boot_id == rep.boot_id and rep.seq > node.last_seq + 1:
+        node.last_seq = rep.seq - 1
+
+
 def beat_answer(reply: RackBeatReply) -> RackBeatReply:
     """What a follower answers a rack beat it applied: the nodes it needs a full report of."""
     return RackBeatReply(need_full=list(reply.need_full)) if reply.need_full else _BEAT_OK
@@ -62,6 +73,15 @@ def heard_within(state: PlacerState, now: float, recover_s: float) -> Iterator[s
     """The up nodes heard from within ``recover_s`` before ``now``."""
     since = now - recover_s
     return (nid for nid, n in state.nodes.items() if n.state == "up" and n.last_seen >= since)
+
+
+def heard_now(state: PlacerState, nodes: list[str], now: float) -> None:
+    """The nodes heard within ``recover_s`` get a whole ``lost_after`` from the promotion: their
+    copies came every other interval at most, and their own reports move over to this placer
+    meanwhile (a node is not lost for the time its link takes to find the new leader)."""
+    due = now + state.cfg.lost_after_s
+    for nid in nodes:
+        state.lost_timer.set(nid, due)
 
 
 def adopt(state: PlacerState, now: float) -> tuple[int, int]:

@@ -165,6 +165,9 @@ class PlacerService:
         self._etcd_snap: fleetsnap.EtcdFleetSnapshot | None = None   # on etcd, once this placer leads
         self._inv_at = -math.inf           # monotonic time inventories were last written
         self._inv_writing = False
+        # promoted from a follower: the nodes its warm model held, whose next report may be the
+        # copy of an empty heartbeat past a gap (placer.observe.skip_to), until each reported once
+        self._warm: set[str] = set()
 
     # ------------------------------------------------------------ epochs (fencing)
 
@@ -235,6 +238,8 @@ class PlacerService:
         if self.state.nodes:   # a follower promoted: its warm model's workloads go to their jobs (placer.observe)
             adopted, told = observe.adopt(self.state, now)
             warm = list(observe.heard_within(self.state, now, self.cfg.recover_window_s))
+            observe.heard_now(self.state, warm, now)
+            self._warm = set(warm)
             log.info("promoted with a warm model: nodes=%d heard within recover_s=%d workloads adopted=%d "
                      "left to stop=%d", len(self.state.nodes), len(warm), adopted, told)
         if isinstance(journal, EtcdJournal):   # promoted with etcd: the fleet's rack approvals are there
@@ -768,6 +773,10 @@ class PlacerService:
             log.warning("relayed full report refused as a replay node=%s relay=%s seq=%d", rep.node_id, via, rep.seq)
             return 409, ReportReply(ok=False, need_full=True, error="a relayed report must continue the node's "
                                     "current boot and sequence"), False
+        if not relayed and rep.node_id == node_id and (observing or rep.node_id in self._warm):
+            observe.skip_to(self.state, rep)   # (a node's copies carry the newest empty heartbeat only)
+        if self._warm and not observing:
+            self._warm.discard(rep.node_id)
         if observing:   # a follower's warm model (placer.observe): applied, acted on never
             status, reply, _ = self._apply_checked(node_id, rep, via, observe=True)
             return (*observe.report_answer(status, reply), False)

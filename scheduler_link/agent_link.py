@@ -545,6 +545,9 @@ class AgentLink:
                                 self._relay.url, e)
                 elif not relayed and not isinstance(e, _PlacerError):   # no answer: another placer may lead
                     self._placer_answered(None, used=at)
+                if isinstance(e, _Observed) and self._copies is not None and self._wire is not None:
+                    self._copies.give_back(e.url, self._wire)
+                    self._wire = None
                 await self._close_wire()
                 self.failures += 1
                 self.registered = False
@@ -980,7 +983,10 @@ class AgentLink:
                 if wr.status == 503 and wr.reason == UPSTREAM_DOWN and self._relay is not None:
                     raise _RelayHolding(f"the relay has no connection to the placer: {wr.error}")
                 if wr.status in (NO_LEADER, OBSERVED) and self._relay is None:   # a placer that does not lead (placer.ha)
-                    self._placer_answered(wr.status, used=self.placer_url)
+                    used = self.placer_url
+                    self._placer_answered(wr.status, used=used)
+                    if wr.status == OBSERVED:   # a follower took it: the connection stays its copies'
+                        raise _Observed(used)
                 raise _PlacerError(f"placer answered {wr.status} on the framed channel: {wr.error}")
             return wr.reply
         body = msgspec.json.encode(report)
@@ -1158,6 +1164,14 @@ class _Conflict(Exception):
 
 class _PlacerError(Exception):
     pass
+
+
+class _Observed(_PlacerError):
+    """The placer asked follows: it took the report into its warm model (202, scheduler_link.follow)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(f"placer {url} follows (202): it took the report, another leads")
+        self.url = url
 
 
 class _PlacerMoved(_PlacerError):

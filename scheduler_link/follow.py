@@ -27,6 +27,7 @@ what the node said.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import deque
 from typing import Any, Literal, Protocol
@@ -41,11 +42,18 @@ from .messages import NodeReport
 
 log = logging.getLogger("herd.link.follow")
 
-__all__ = ["OBSERVED", "FULL", "Copies", "CopyHost", "FollowerCopy", "follower_wire_of"]
+__all__ = ["OBSERVED", "FULL", "Copies", "CopyHost", "FollowerCopy", "follower_wire_of", "is_empty"]
 
 OBSERVED = 202   # a follower applied the report (or beat) to its model and acts on nothing
 MAX_QUEUED = 16  # reports waiting for one follower; more, and a full report replaces them
 FULL: Literal["full"] = "full"
+EMPTY_EVERY_BEATS = 2   # an empty heartbeat is copied every this many intervals (the newest; one with news at once)
+
+
+def is_empty(rep: NodeReport) -> bool:
+    """A heartbeat that says only "alive" (no events, no snapshot, no manifests): a placer
+    takes the newest of them past a gap in the sequence (a rack beat's entries are such)."""
+    return not rep.full and not rep.events and rep.snapshot is None and rep.manifests is None
 
 
 class _Redirect(msgspec.Struct, frozen=True):
@@ -69,10 +77,15 @@ def follower_wire_of(status: int, body: bytes) -> str | None:
 class FollowerCopy:
     """What one follower placer has been sent of this node's reports, and what goes next."""
 
-    __slots__ = ("url", "wire", "latest", "taken", "need_full", "queue", "sent", "fulls", "gaps")
+    __slots__ = ("url", "wire", "latest", "taken", "need_full", "queue", "sent", "fulls", "gaps", "empty",
+                 "empty_every_s", "sent_at", "flush")
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, *, empty_every_s: float = 0.0) -> None:
         self.url = url
+        self.empty_every_s = empty_every_s   # an empty heartbeat is copied at most this often
+        self.empty: NodeReport | None = None   # the newest empty heartbeat not copied yet
+        self.sent_at = -math.inf         # when it last took a copy (the caller's clock)
+        self.flush = False               # copy the pending empty heartbeat now (the node moves there)
         self.wire: str | None = None     # its framed channel (None: not learnt yet)
         self.latest = 0                  # the sequence of the newest report the node built
         self.taken = 0                   # the sequence of the newest report it took (0: none)
@@ -83,46 +96,68 @@ class FollowerCopy:
         self.gaps = 0                    # times its copies fell out of step (a full report then)
 
     def offer(self, rep: NodeReport) -> None:
-        """A report the node built for its leader (in sequence order)."""
+        """A report the node built for its leader (in sequence order). An empty heartbeat is
+        kept as the newest only (a placer takes one past a gap, as a rack beat's entry); it goes
+        before the next report that says something, or on its own every ``empty_every_s``."""
         self.latest = max(self.latest, rep.seq)
         if self.need_full:
             return
-        if len(self.queue) >= MAX_QUEUED:
+        if is_empty(rep):
+            self.empty = rep
+            return
+        if len(self.queue) >= MAX_QUEUED - 1:
             self._gap()
             return
+        if self.empty is not None:
+            self.queue.append(self.empty)
+            self.empty = None
         self.queue.append(rep)
 
     def delivered(self, seq: int) -> None:
         """The follower took report ``seq`` another way (the node's own link asked it)."""
         self.taken = max(self.taken, seq)   # (a placer takes a report only in sequence, or a full one)
-        while self.queue and self.queue[0].seq <= self.taken:
-            self.queue.popleft()
+        self._drop_taken()
 
-    def next(self) -> NodeReport | Literal["full"] | None:
-        """What to send next: a report, a full report to be made at :attr:`latest` (FULL), or
-        nothing (in step)."""
+    def next(self, now: float) -> NodeReport | Literal["full"] | None:
+        """What to send at ``now``: a report, a full report to be made at :attr:`latest`
+        (FULL), or nothing yet (:meth:`due` says until when)."""
         if self.need_full:
             return FULL if self.latest else None
-        return self.queue[0] if self.queue else None
+        if self.queue:
+            return self.queue[0]
+        if self.empty is not None and (self.flush or now >= self.sent_at + self.empty_every_s):
+            return self.empty
+        return None
 
-    def answered(self, rep: NodeReport, status: int | None, need_full: bool = False) -> None:
-        """The follower's answer to ``rep`` (None: none came, the connection failed)."""
+    def due(self) -> float | None:
+        """When the pending empty heartbeat is to be copied (None: none is pending)."""
+        return None if self.empty is None or self.need_full else self.sent_at + self.empty_every_s
+
+    def answered(self, rep: NodeReport, status: int | None, need_full: bool = False, now: float = 0.0) -> None:
+        """The follower's answer to ``rep`` at ``now`` (None: none came, the connection failed)."""
         if status is not None and status in (OBSERVED, 200):
             self.sent += 1
             self.fulls += rep.full
+            self.sent_at = now
             self.taken = max(self.taken, rep.seq)
-            while self.queue and self.queue[0].seq <= self.taken:
-                self.queue.popleft()
+            self._drop_taken()
             if need_full:
                 self._gap()
             return
         self._gap()
+
+    def _drop_taken(self) -> None:
+        while self.queue and self.queue[0].seq <= self.taken:
+            self.queue.popleft()
+        if self.empty is not None and self.empty.seq <= self.taken:
+            self.empty = None
 
     def made_full(self) -> int:
         """A full report is being made for it: at :attr:`latest`, superseding what is queued;
         what the node builds meanwhile queues behind it."""
         self.need_full = False
         self.queue.clear()
+        self.empty = None
         return self.latest
 
     def caught_up(self) -> bool:
@@ -133,6 +168,7 @@ class FollowerCopy:
         self.gaps += 1
         self.need_full = True
         self.queue.clear()
+        self.empty = None
 
     def statistics(self) -> dict[str, object]:
         return {"url": self.url, "wire": self.wire, "latest": self.latest, "taken": self.taken,
@@ -174,8 +210,10 @@ class Copies:
     docstring): one :class:`FollowerCopy` and one task each, started by :meth:`offer` for a
     placer not seen yet."""
 
-    def __init__(self, host: CopyHost, nursery: trio.Nursery, rng: random.Random) -> None:
+    def __init__(self, host: CopyHost, nursery: trio.Nursery, rng: random.Random, *,
+                 empty_every_s: float = 0.0) -> None:
         self.host = host
+        self.empty_every_s = empty_every_s
         self._nursery = nursery
         self._rng = rng
         self.copies: dict[str, FollowerCopy] = {}
@@ -192,10 +230,11 @@ class Copies:
                 continue
             f = self.copies.get(url)
             if f is None:
-                f = self.copies[url] = FollowerCopy(url)
+                f = self.copies[url] = FollowerCopy(url, empty_every_s=self.empty_every_s)
                 self._wake[url] = trio.Event()
                 self._progress[url] = trio.Event()
                 self._nursery.start_soon(self._run, f)
+            f.empty_every_s = self.empty_every_s or EMPTY_EVERY_BEATS * self.host.heartbeat_s
             f.offer(rep)
             self._wake[url].set()
 
@@ -211,9 +250,12 @@ class Copies:
         f = self.copies.get(url)
         if f is None or url not in self._channels:
             return None
+        f.flush = True   # its pending empty heartbeat now: then it holds every report built
+        self._wake[url].set()
         with trio.move_on_after(wait_s):
             while not f.caught_up() and url in self._channels:
                 await self._progress[url].wait()
+        f.flush = False
         ch = self._channels.pop(url, None)
         if ch is None or not f.caught_up():
             if ch is not None:
@@ -222,13 +264,27 @@ class Copies:
         self.handovers += 1
         return ch
 
+    def give_back(self, url: str, ch: CopyChannel) -> None:
+        """The node's own connection to ``url``, which answered as a follower (202): its copies'
+        from now on (kept for the next move there, instead of a new handshake)."""
+        f = self.copies.get(url)
+        if f is None or url in self._channels:
+            self._nursery.start_soon(ch.aclose)
+            return
+        self._channels[url] = ch
+        self._wake[url].set()
+
     async def _run(self, f: FollowerCopy) -> None:
         url = f.url
         while True:
-            item = f.next() if url != self.host.placer_url and self.host.copies_on() else None
+            # (flush: the node moves there, and waits for this last copy before it goes on there)
+            active = (url != self.host.placer_url or f.flush) and self.host.copies_on()
+            item = f.next(trio.current_time()) if active else None
             if item is None:
+                due = f.due() if active else None
                 self._wake[url] = trio.Event()
-                await self._wake[url].wait()
+                with trio.move_on_at(due if due is not None else math.inf):
+                    await self._wake[url].wait()
                 continue
             ch = self._channels.get(url)
             if ch is None:
@@ -247,7 +303,7 @@ class Copies:
                 await self._drop(url)
                 await self._pause()
                 continue
-            f.answered(rep, wr.status, wr.reply.need_full)
+            f.answered(rep, wr.status, wr.reply.need_full, trio.current_time())
             self._progress[url].set()
             self._progress[url] = trio.Event()
             if wr.status not in (OBSERVED, 200, 409):

@@ -140,7 +140,7 @@ async def test_agents_copy_their_reports_and_move_without_registering_again(
                 return all(lk.placer_url == url_b and lk.registered and st.nodes[lk.node_id].last_seq == lk.seq
                            for lk in links)
             await until(moved)
-            assert sum(lk.full_reports_sent for lk in links) == full_before   # nobody registered again
+            assert sum(lk.full_reports_sent for lk in links) == full_before, [(lk.full_reports_sent, lk.conflicts, lk.statistics()["follower_copies"]) for lk in links]
             stats = [lk.statistics()["follower_copies"] for lk in links]
             assert all(s is not None and s["handovers"] == 1 for s in stats), stats
             assert sum(len(ag.placements) for ag in agents) == placed
