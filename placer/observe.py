@@ -8,8 +8,9 @@ does -- registrations into the model, beats moving each node's sequence and dead
 moving workloads -- so that on promotion it already holds the fleet. It *observes*:
 
 - it holds no jobs (the jobs journal is the leader's until it leads): every live workload a
-  node reports is kept as that node's *stale* workload (its GPUs held in the model), never
-  adopted, never stopped;
+  node reports -- in a full report's list, or first heard of in an event (:func:`note_events`)
+  -- is kept as that node's *stale* workload (its GPUs held in the model), never adopted,
+  never stopped;
 - nothing it computes leaves: the pushes the state asks for are dropped, and what it answers
   (:func:`report_answer`, :func:`beat_answer`) says only whether it needs the node's full
   report (a sequence gap, an unknown boot): no stop, no relay, no keys, no epoch;
@@ -51,6 +52,24 @@ def report_answer(status: int, reply: ReportReply) -> tuple[int, ReportReply]:
     if status == 200:
         return OBSERVED, (_NEED_FULL if reply.need_full else _TAKEN)
     return status, ReportReply(ok=False, need_full=reply.need_full, error=reply.error)
+
+
+def note_events(state: PlacerState, rep: NodeReport) -> None:
+    """A follower holds no jobs, so an event of a workload it has not heard of (a pod the leader
+    placed since the node's last full report) finds no pod: it is held as the node's stale
+    workload -- its GPUs, named in the event, taken in the model -- as a full report's would be,
+    for :func:`adopt` to hand to its job on promotion."""
+    node = state.nodes.get(rep.node_id)
+    if node is None:
+        return
+    for ev in rep.events:
+        wid = ev.workload_id
+        if ev.state in TERMINAL_STATES or wid in node.stale or wid in node.pods:
+            continue
+        slots = tuple(s for s in (node.slot_of(u) for u in ev.gpus) if s is not None)
+        node.stale[wid] = slots
+        if slots:
+            state._assign(f"stale:{wid}", node.node_id, slots, STALE_PRIORITY, False)
 
 
 def skip_to(state: PlacerState, rep: NodeReport) -> None:

@@ -779,6 +779,8 @@ class PlacerService:
             self._warm.discard(rep.node_id)
         if observing:   # a follower's warm model (placer.observe): applied, acted on never
             status, reply, _ = self._apply_checked(node_id, rep, via, observe=True)
+            if status == 200 and rep.events and not rep.full:
+                observe.note_events(self.state, rep)
             return (*observe.report_answer(status, reply), False)
         status, reply, news = self._apply_checked(node_id, rep, via)
         if reply.stop:  # each stop carries the epoch; through the relay under the member's MAC too

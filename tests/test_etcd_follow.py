@@ -114,17 +114,23 @@ async def test_agents_copy_their_reports_and_move_without_registering_again(
             agents = [FakeAgent(f"n{i}", tokens, rack="r0") for i in range(2)]
             for ag in agents:
                 await n.start(ag.run, f"{url_a},{url_b}")
+                assert ag.link is not None
+                ag.link.full_every = 0   # (no periodic full report: what the follower holds came as events)
+            st = b.svc.state
+            # the follower learns the nodes before the gang exists: its pods come to it as events
+            await until(lambda: all(ag.link is not None and ag.node_id in st.nodes and st.nodes[ag.node_id].last_seq
+                                    == ag.link.seq for ag in agents))
             r = await ops.post(url_a + "/v1/jobs", content=msgspec.json.encode(
                 JobSpec(job_id="j1", pods=2, gpus_per_pod=8, argv=["sleep", "100"])))
             assert r.status_code == 201, r.text
             r = await ops.get(url_a + "/v1/jobs/j1?wait=running&timeout_ms=10000")
             assert r.json()["state"] == "running"
-            st = b.svc.state
 
             async def copied() -> bool:   # the follower's model: both nodes, at the leader's sequence
                 return all(ag.link is not None and ag.node_id in st.nodes and st.nodes[ag.node_id].last_seq
                            == ag.link.seq and st.nodes[ag.node_id].stale for ag in agents)
-            await until(copied)
+            with trio.fail_after(3):
+                await until(copied)
             assert st.jobs == {} and b.svc.journal is None
             placed = sum(len(ag.placements) for ag in agents)
             links = [ag.link for ag in agents if ag.link is not None]
