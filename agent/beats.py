@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import msgspec
 
+from scheduler_link.follow import is_empty
 from scheduler_link.messages import NodeReport, RackBeat, RackBeatReply, ReportReply, RevokedList, Victim
 
-
-def is_empty(rep: NodeReport) -> bool:
-    """A heartbeat that says only "alive": it may wait for the rack's next beat."""
-    return not rep.full and not rep.events and rep.snapshot is None and rep.manifests is None
+__all__ = ["BeatBook", "is_empty"]   # (is_empty: scheduler_link.follow's, one definition for relays and copies)
 
 
 class BeatBook:

@@ -99,6 +99,7 @@ from scheduler_link.messages import (
 from scheduler_link.msgauth import BundleVerifier
 
 from .blobs import BlobCache, BlobSource
+from .relaycopies import RelayCopies
 from .relaycore import Acks, Batch, EnrollBatch, Hand, KeepBlob, Refuse, RelayCore, WantBlob
 
 log = logging.getLogger("herd.agent.relay")
@@ -181,6 +182,11 @@ class Relay:
         self.listen_url = ""
         self._members: dict[str, FrameChannel] = {}
         self._up: FrameChannel | None = None
+        self._up_url: str | None = None       # the placer's channel the connection up is to
+        # copies of what goes up to the placers that follow (agent.relaycopies)
+        self.copies = RelayCopies(open_conn=self._open_copy, handler=self._upstream_frame,
+                                  need_full=self.core.follower_needs, leader_beat=self.core.beat_answered,
+                                  timeout_s=request_timeout_s)
         self._tickets: Tickets[WireReply] = Tickets()
         self._sending: Batch | None = None    # the batch out now (answered 503 if the connection goes)
         self._finished: dict[int, Acks] = {}   # rounds over before their _round looked (answers, a member left)
@@ -224,7 +230,8 @@ class Relay:
                 "empty_answered": c.empty_answered, "blob_serves": self.blob_serves,
                 "bad_bundles": c.bad_bundles, "part_bytes_max": c.part_bytes_max, "failures": self.failures,
                 "enrolls_forwarded": c.enrolls_forwarded, "enrolls_refused": dict(c.enrolls_refused),
-                "pending_beats": self.book.pending, "blobs": self.blobs.statistics()}
+                "pending_beats": self.book.pending, "blobs": self.blobs.statistics(),
+                "copies": self.copies.statistics()}
 
     def blob_sources(self, blob_id: str) -> list[BlobSource]:
         """Where this relay gets a blob: the relays a bundle named, in order, then the placer
@@ -238,6 +245,7 @@ class Relay:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as n:
             self._nursery = n
+            self.copies.start(n)
             if self.server is not None and self.listen is not None:
                 url = await n.start(self.server.run, self.listen)
                 self.listen_url = _advertised(url, self.advertise)
@@ -255,11 +263,9 @@ class Relay:
                 await trio.sleep(backoff)
                 backoff = min(self.backoff_max_s, backoff * 2)
                 continue
+            taken = self.copies.take(url)   # a follower that leads now: its copy connection goes up
             try:
-                ch = await open_frames(url, self.token, self.node_id, timeout_s=self.connect_timeout_s,
-                                       relay=RelayHello(racks=[self.rack], listen_url=self.listen_url),
-                                       local_address=self._local_address,
-                                       ssl_context=self._client_ssl, expect="placer" if self._client_ssl else None)
+                ch = taken.ch if taken is not None else await self._dial(url)
             except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
                     TLSError) as e:   # (a busy placer resets handshakes: tried again, never the relay's end)
                 self.failures += 1
@@ -269,16 +275,23 @@ class Relay:
                 continue
             backoff = self.backoff_min_s
             self.connects += 1
-            asked = self.book.reconnected() if self.connects > 1 else 0
-            log.info("relay connected to the placer url=%s rack=%s members_asked_full=%d", url, self.rack, asked)
+            # (a follower that held every copy holds what the members said: none asked again)
+            in_step = taken is not None and taken.drops == 0 and taken.failures == 0
+            asked = self.book.reconnected() if self.connects > 1 and not in_step else 0
+            log.info("relay connected to the placer url=%s rack=%s members_asked_full=%d copy_taken=%s", url,
+                     self.rack, asked, taken is not None)
             self._up = ch
+            self._up_url = url
             self.upstream_ready.set()
             try:
                 async with trio.open_nursery() as n:
                     n.start_soon(self._beats, ch)
                     n.start_soon(self._forwarder, ch)
                     n.start_soon(self._enroll_forwarder, ch)
-                    await ch.run(self._upstream_frame)
+                    if taken is not None:   # (its frames are served where it was opened: RelayCopies)
+                        await ch.closed.wait()
+                    else:
+                        await ch.run(self._upstream_frame)
                     n.cancel_scope.cancel()
             finally:
                 why = ch.close_reason or "ended here"
@@ -292,6 +305,17 @@ class Relay:
             log.warning("relay lost its placer connection rack=%s", self.rack)
             await trio.sleep(backoff)
 
+    async def _dial(self, url: str) -> FrameChannel:
+        """A frames connection to the placer's channel ``url``, saying hello as the rack's relay."""
+        return await open_frames(url, self.token, self.node_id, timeout_s=self.connect_timeout_s,
+                                 relay=RelayHello(racks=[self.rack], listen_url=self.listen_url),
+                                 local_address=self._local_address,
+                                 ssl_context=self._client_ssl, expect="placer" if self._client_ssl else None)
+
+    async def _open_copy(self, url: str) -> FrameChannel:
+        with trio.fail_after(self.request_timeout_s):
+            return await self._dial(url)
+
     async def _beats(self, ch: FrameChannel) -> None:
         if self._beat_offset_s:
             await trio.sleep(self._beat_offset_s)
@@ -302,6 +326,7 @@ class Relay:
                 await self._send_beat(ch, b)
 
     async def _send_beat(self, ch: FrameChannel, b: RackBeat) -> None:
+        self.copies.copy("beat", b, self._up_url)
         self.beats += 1
         self.beat_entries += len(b.node_ids)
         try:
@@ -516,6 +541,7 @@ class Relay:
                 self._tickets.answer(t, wr)
 
     async def _send_reports(self, ch: FrameChannel, reps: list[NodeReport]) -> list[WireReply]:
+        self.copies.copy("reports", RackReports(rack=self.rack, reports=reps), self._up_url)
         try:
             if self._batches and len(reps) > 1:
                 self.report_frames += 1
@@ -541,7 +567,14 @@ class Relay:
 
     async def own_channel(self, wire_url: str, token: str, node_id: str) -> OwnReports:
         """This host's own report channel over the relay's connection up (an AgentLink
-        ``wire_connect``): once the relay is connected (the caller's deadline bounds the wait)."""
+        ``wire_connect``): once the relay is connected (the caller's deadline bounds the wait).
+        For another placer's channel than the one the relay goes up to (the host's link copies
+        its reports to a follower: scheduler_link.follow), over the relay's copy connection to
+        it, opened now if needed -- and from then on the rack's beats and reports are copied
+        there too (agent.relaycopies)."""
+        up = self._wire_url()
+        if wire_url and up and wire_url.rstrip("/") != up.rstrip("/"):
+            return OwnReports(await self.copies.channel(wire_url), self.request_timeout_s)
         while self._up is None:
             await self.upstream_ready.wait()
         return OwnReports(self._up, self.request_timeout_s)

@@ -475,6 +475,12 @@ class RelayCore:
         """The interval's beat: every pending empty heartbeat (None when there is none)."""
         return self.book.take_all(now)
 
+    def follower_needs(self, node_ids: list[str]) -> None:
+        """A placer that follows lacks these members (its answer to a copy: agent.relaycopies):
+        each is asked for a full report in its next answer, as when the leader asks. Nothing else
+        of a follower's answer is taken (it names no stop and no epoch)."""
+        self.book.apply(RackBeatReply(need_full=list(node_ids)))
+
     def beat_answered(self, reply: RackBeatReply) -> None:
         """The placer's answer to the rack's beat (a replaced placer's is dropped and counted)."""
         if self._upstream_fresh(reply.epoch, "reply"):

@@ -5,16 +5,18 @@ single placer has: a cold restart of the process on its state dir.
     python -m bench.failover --nodes 1024 [--json]
 
 Per run (N emulated nodes: ``python -m testing.fleet``, real AgentLinks told every placer,
-direct path: each node its own framed connection, no relays):
+direct path: each node its own framed connection to the leader and one to each follower for
+its copies (scheduler_link.follow), no relays):
 
 - a gang of ``--gang-hosts`` (default N/2) hosts x 8 GPUs is placed and running;
 - the leader is killed (SIGKILL) at ``t0``; a probe job (1 x 8 GPUs) is submitted at once to
   the other placers (following 307s, asking again after 503 Retry-After);
 - ``failover_s``: ``t0`` -> the probe's ``decided`` timing at the new leader (the placer's
   clock; one machine); ``promoted_s``: ``t0`` -> a follower says it leads and places;
-  ``full_report_s``: ``t0`` -> every node up in the new leader's model;
-  ``reregistrations``: full reports the fleet sent after ``t0`` (a follower holds no model
-  today: every node registers again with the new leader);
+  ``full_report_s``: ``t0`` -> every node up in the new leader's model (a follower's warm
+  model holds the nodes whose copies were in step: placer.observe);
+  ``reregistrations``: full reports the fleet sent after ``t0`` (a node whose copies to the
+  new leader were in step goes on with a heartbeat over its copy connection: none);
 - ``--recover-s`` (5): a new leader (or a restarted placer) waits this long for the fleet's
   reports before placing; shorter than the fleet takes to report again, it places the
   recovered gang a second time (``placements_doubled``) and stops the old pods (``stops``);
@@ -242,7 +244,7 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
             await emu.__aenter__()
             await emu.go()
             t_reg = time.time()
-            await _wait_up(c, first.url, n, 120)
+            await _wait_up(c, first.url, n, 300)   # (a loaded host registers slowly: bounded all the same)
             out["register_s"] = round(time.time() - t_reg, 2)
             _note("fleet up", nodes=n, s=out["register_s"])
             gang = {"job_id": "gang", "pods": gang_hosts, "gpus_per_pod": 8, "argv": ["train"], "priority": 2,

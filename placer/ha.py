@@ -4,7 +4,10 @@ Every placer serves its API and campaigns (placer.election). The leader loads th
 from etcd (placer.etcdjournal, fenced by its epoch), recovers its jobs as a restarted placer
 does, and places; the others place nothing and answer the routes of :data:`LOCAL_ROUTES`
 themselves (health with who leads, status, metrics, certificate bootstrap), redirecting every
-other request to the leader (307 with its URL; 503 while none is known). A leader that loses
+other request to the leader (307 with its URL and the follower's own framed channel; 503 while
+none is known). What reaches a follower's framed channel -- the copies of reports and rack beats
+the fleet sends every placer it knows -- goes into its warm model (placer.observe), which a
+promoted follower places from without waiting for the fleet to register again. A leader that loses
 its lease (etcd says so: it was paused or cut off past its TTL and another may lead) drops
 everything it knew and serves again on the same address as a follower with a fresh state
 (:func:`run_rejoining`; :class:`~placer.errors.LeadershipLost` ends the old service), and
@@ -85,12 +88,24 @@ class HighAvailability:
         self.election: Election | None = None
         self.journal: EtcdJournal | None = None
         self.url = ""
+        self.wire_url = ""   # this placer's own framed channel (where nodes and relays send it copies)
+        self.keys_loaded = False   # the cluster's MAC master and signing key are this placer's now
         self._fencings = 0   # fencings of our lease answered (on_resumed ran): none pending, we may place
 
     def leading(self) -> bool:
         """Place now: we lead, our lease holds, and our journal is loaded."""
         e = self.election
         return self.journal is not None and e is not None and e.leading() and e.fencings == self._fencings
+
+    def observing(self) -> bool:
+        """Apply what the fleet sends to a warm model and act on nothing (placer.observe): a
+        follower or candidate, or a leader still loading the journal, holding the cluster's keys
+        (relayed reports verify with them). A leader whose lease is in doubt (fenced, or stalled
+        past it) hears nothing: it answers 503 (see the module docstring)."""
+        e = self.election
+        if not self.keys_loaded or e is None or e.view.fenced:
+            return False
+        return e.view.role is not Role.LEADER or (self.journal is None and not self.leading())
 
     def epoch(self) -> int:
         """Our epoch (our leader key's create revision) while we lead (fenced too: what we still
@@ -125,7 +140,7 @@ class HighAvailability:
         placing = self.leading()
         leader, wire = leader_of(v.leader)
         return {"role": role, "leader": leader or None, "leader_wire": wire or None, "epoch": v.leader_epoch,
-                "placing": placing,
+                "placing": placing, "observing": self.observing(), "wire": self.wire_url or None,
                 "fenced": v.fenced, "etcd_reachable": self.client.reachable, "url": self.url,
                 **({} if placing else {"why": self.why_not_placing()}),
                 "failovers": e.failovers, "etcd_errors": self.client.errors + e.renewal_errors,
@@ -144,6 +159,7 @@ class HighAvailability:
         placer's own MAC master and signing key; before campaigning, the cluster's (these, if
         none were stored yet) are handed to ``on_keys`` (:meth:`shared_keys`)."""
         self.url = self.cfg.etcd_advertise or url
+        self.wire_url = wire_url or ""
         # what followers learn of the leader: its URL, and its framed channel (agents that move to
         # it register over that at once, as they do with a placer restarted on its address)
         value = msgspec.json.encode(_LeaderValue(self.url, wire_url)).decode() if wire_url else self.url
@@ -154,6 +170,7 @@ class HighAvailability:
                 task_status.started()
                 if keys is not None:
                     on_keys(*await self.shared_keys(keys))
+                self.keys_loaded = True
                 n.start_soon(self.election.run)
                 log.info("campaigning url=%s etcd=%s", self.url, ",".join(self.cfg.etcd))
                 view = await self.election.wait_leading()
@@ -210,7 +227,8 @@ class HighAvailability:
                     {"error": "no leader", "detail": self.why_not_placing(), "leader": None}))
             where = leader.rstrip("/") + req.path + (f"?{urlencode(req.query)}" if req.query else "")
             return Response(status=307, body=msgspec.json.encode({"error": "not the leader", "leader": leader,
-                                                                  "leader_wire": wire or None}),
+                                                                  "leader_wire": wire or None,
+                                                                  "wire": self.wire_url or None}),
                             headers=[("location", where)])
         return h
 

@@ -67,7 +67,7 @@ from scheduler_link.messages import (
 )
 from scheduler_link.pki_api import PLACER_DOCS, PKIRoutes
 
-from . import fleetsnap, inventories
+from . import fleetsnap, inventories, observe
 from .approvals import APPROVAL_DOCS, ApprovalRoutes, EtcdApprovals
 from .config import PlacerConfig
 from .dashboard import DASHBOARD_DOCS, Dashboard
@@ -167,6 +167,9 @@ class PlacerService:
         self._etcd_snap: fleetsnap.EtcdFleetSnapshot | None = None   # on etcd, once this placer leads
         self._inv_at = -math.inf           # monotonic time inventories were last written
         self._inv_writing = False
+        # promoted from a follower: the nodes its warm model held, whose next report may be the
+        # copy of an empty heartbeat past a gap (placer.observe.skip_to), until each reported once
+        self._warm: set[str] = set()
 
     # ------------------------------------------------------------ epochs (fencing)
 
@@ -233,6 +236,14 @@ class PlacerService:
                 self.journal.ended(spec.job_id, "failed", now)
         for node_id, reason in self.journal.cordons.items():  # before any report can register it
             self.state.cordon(node_id, now, reason=reason or None, known=False)
+        warm: list[str] = []
+        if self.state.nodes:   # a follower promoted: its warm model's workloads go to their jobs (placer.observe)
+            adopted, told = observe.adopt(self.state, now)
+            warm = list(observe.heard_within(self.state, now, self.cfg.recover_window_s))
+            observe.heard_now(self.state, warm, now)
+            self._warm = set(warm)
+            log.info("promoted with a warm model: nodes=%d heard within recover_s=%d workloads adopted=%d "
+                     "left to stop=%d", len(self.state.nodes), len(warm), adopted, told)
         if isinstance(journal, EtcdJournal):   # promoted with etcd: the fleet's rack approvals are there
             self.spawn(partial(self._approvals_from_etcd, EtcdApprovals(journal.client, journal.prefix, journal.fence)))
         self.state.recover_until = now + self.cfg.recover_window_s
@@ -243,6 +254,8 @@ class PlacerService:
         self.recovery = fleetsnap.Recovery(snap.nodes if snap is not None else None, started=now,
                                            window_s=self.cfg.recover_window_s, max_s=self.cfg.recover_max_s,
                                            pending=on_etcd)
+        for node_id in warm:
+            self.recovery.heard(node_id)
         if isinstance(journal, EtcdJournal):
             self._etcd_snap = fleetsnap.EtcdFleetSnapshot(journal.client, journal.prefix, journal.fence)
             self.spawn(partial(self._fleet_from_etcd, self._etcd_snap, self.recovery))
@@ -398,7 +411,10 @@ class PlacerService:
                 await self._kick.wait()
             self._kick = trio.Event()
             if self.ha is not None and not self.ha.leading():
-                continue  # a follower places nothing
+                # a follower places nothing; its warm model's records live long (placer.observe)
+                if len(self.state.nodes) > self._nodes_at_freeze * 1.1 + 100:
+                    self._maybe_freeze()
+                continue
             now = self.clock()
             self._tick(now)
             self._recovery_gate(now)
@@ -505,8 +521,10 @@ class PlacerService:
                   "count=%d epoch=%d", n, self.epoch)
 
     def apply_beat(self, beat: RackBeat, at: float, *, via: str, answered: float | None) -> RackBeatReply:
-        if self.ha is not None and not self.ha.leading():   # as for reports: a placer that does not lead
-            return RackBeatReply()                          # (now) applies nothing and asks for nothing
+        if self.ha is not None and not self.ha.leading():   # as for reports: a follower applies it to its
+            if not self.ha.observing():                     # warm model and asks for nothing but full
+                return RackBeatReply()                      # reports (placer.observe); else nothing
+            return observe.beat_answer(self.state.beat(beat, at, via=via, answered=answered)[0])
         reply, pushes = self.state.beat(beat, at, via=via, answered=answered)
         self._carry_out(pushes)
         if reply.stop:   # each stop carries the epoch, under the member's MAC (a relay cannot change it)
@@ -733,7 +751,8 @@ class PlacerService:
         forwards for another node is applied only if it carries that node's MAC (401 otherwise,
         counted in ``bad_macs``: the member then registers directly); the answer to a full report
         over the node's own connection carries its MAC key and the placer's signing key."""
-        if self.ha is not None and not self.ha.leading():  # a follower fences nothing
+        observing = self.ha is not None and not self.ha.leading()
+        if self.ha is not None and observing and not self.ha.observing():  # (a fenced leader, or keys not loaded yet) applies nothing
             return 503, ReportReply(ok=False, error="this placer does not lead"), False
         relayed = via is not None and via != rep.node_id
         if rep.node_id in self.pki.denied[0] or (via is not None and via in self.pki.denied[0]):
@@ -753,6 +772,15 @@ class PlacerService:
             log.warning("relayed full report refused as a replay node=%s relay=%s seq=%d", rep.node_id, via, rep.seq)
             return 409, ReportReply(ok=False, need_full=True, error="a relayed report must continue the node's "
                                     "current boot and sequence"), False
+        if not relayed and rep.node_id == node_id and (observing or rep.node_id in self._warm):
+            observe.skip_to(self.state, rep)   # (a node's copies carry the newest empty heartbeat only)
+        if self._warm and not observing:
+            self._warm.discard(rep.node_id)
+        if observing:   # a follower's warm model (placer.observe): applied, acted on never
+            status, reply, _ = self._apply_checked(node_id, rep, via, observe=True)
+            if status == 200 and rep.events and not rep.full:
+                observe.note_events(self.state, rep)
+            return (*observe.report_answer(status, reply), False)
         status, reply, news = self._apply_checked(node_id, rep, via)
         if reply.stop:  # each stop carries the epoch; through the relay under the member's MAC too
             stop = self._fenced_stops(reply.stop)
@@ -769,7 +797,7 @@ class PlacerService:
                                             placer_key=self.signer.public)
         return status, reply, news
 
-    def _apply_checked(self, node_id: str, rep: NodeReport, via: str | None = None
+    def _apply_checked(self, node_id: str, rep: NodeReport, via: str | None = None, *, observe: bool = False
                        ) -> tuple[int, ReportReply, bool]:
         try:
             status, reply, pushes = self.state.ingest(node_id, rep, self.clock())
@@ -777,6 +805,8 @@ class PlacerService:
             log.exception("report could not be applied node=%s full=%s", node_id, rep.full)
             self.state.counters["refused_reports"] += 1
             return 500, ReportReply(ok=False, need_full=True), False
+        if observe:   # (what the state would have pushed: nothing leaves a follower)
+            return status, reply, False
         self._carry_out(pushes)
         if status == 200 and rep.full and self.recovery is not None:
             self.recovery.heard(node_id)
@@ -825,11 +855,13 @@ class PlacerService:
         if not spec.job_id:
             spec = msgspec.structs.replace(spec, job_id=f"job-{int(time.time() * 1000):x}-{os.urandom(3).hex()}")
         now = self.clock()
+        assert self.journal is not None
+        if (again := await self._resubmitted(spec)) is not None:
+            return again
         try:
             self.state.validate(spec)
         except JobError as e:
             raise HTTPError(e.status, "job refused", str(e)) from None
-        assert self.journal is not None
         # Decide while the journal syncs: the job is in the queue at once, but nothing of it is
         # pushed (_dispatch waits on the same group commit) and the 201 waits until it is durable.
         self.journal.submitted(spec, now, sync=False)
@@ -843,6 +875,25 @@ class PlacerService:
             self._carry_out(self.state.cancel(spec.job_id, self.clock()))
             raise HTTPError(503, "job not stored", str(e)) from None
         job.timings["durable"] = self.clock()  # "submitted" -> "durable" is the journal's fsync
+        return json_response(self.state.job_view(job), status=201)
+
+    async def _resubmitted(self, spec: JobSpec) -> Response | None:
+        """The answer to a submit of a job this placer already holds with this very spec: the
+        original's (201, the job's view) once that job is durable. A client resends a submit
+        whose answer it lost (its placer died or stopped leading after committing it, and the
+        next leader read it from the journal); a different spec under a taken id stays a 409."""
+        job = self.state.jobs.get(spec.job_id)
+        if job is None or job.spec != spec:
+            return None
+        if not job.recovering and "durable" not in job.timings:
+            assert self.journal is not None
+            try:   # the first submit is still syncing: answer once it is durable, as it is
+                await self.journal.flush()
+            except JournalError as e:
+                raise HTTPError(503, "job not stored", str(e)) from None
+            job = self.state.jobs.get(spec.job_id)
+            if job is None or job.spec != spec:
+                return None
         return json_response(self.state.job_view(job), status=201)
 
     def _job(self, job_id: str) -> JobRec:

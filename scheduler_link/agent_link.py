@@ -116,6 +116,7 @@ from .client import ClientError, check_peer
 from .enroll import ENROLL_WAIT_S, EnrollClient, EnrollRefused
 from .epochs import Epochs
 from .fanout import PushPool
+from .follow import OBSERVED, Copies
 from .frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
 from .heartbeat_wire import UPSTREAM_DOWN, HeartbeatClient, WireError, WireReply
 from .messages import (
@@ -293,10 +294,17 @@ class AgentLink:
                  wire_busy_backoff_s: float = 1.0, relay_trust_intervals: int = RELAY_TRUST_INTERVALS,
                  relay_hold_s: float = RELAY_HOLD_S, placers: Sequence[str] = (),
                  epochs: Epochs | None = None, enroll: EnrollClient | None = None,
-                 enroll_relay_url: str | None = None, on_relay: Callable[[str], None] | None = None) -> None:
+                 enroll_relay_url: str | None = None, on_relay: Callable[[str], None] | None = None,
+                 copies: bool = True) -> None:
         # every placer known (placer_url may list several, comma-separated): failed over (scheduler_link.placers)
         self.placers = Placers([*placer_url.split(","), *placers])
         self.placer_url = self.placers.current
+        # copies of every report to the other placers (scheduler_link.follow): their warm models
+        self.copy_to_followers = copies
+        self._copies: Copies | None = None
+        self._moved_to: str | None = None      # the placer moved to, whose copy connection may be taken
+        self._client: httpx.AsyncClient | None = None
+        self._headers: dict[str, str] = {}
         self.ssl_context = ssl_context       # mutual TLS (this node's certificate) on every connection
         # the deny-list this node's handshakes consult (shared by its contexts): the placer's answers fill it
         self.revoked = ssl_context.revoked if isinstance(ssl_context, tls.HerdContext) else None
@@ -424,6 +432,7 @@ class AgentLink:
             "relay_holds": self.relay_holds, "relayed_full_reports": self.relayed_full_reports,
             "compact_registrations": self.compact_registrations, "inventory_misses": self.inventory_misses,
             "revoked_at": self._revoked_at, "revoked_refused": self.revoked_refused,
+            "follower_copies": self._copies.statistics() if self._copies is not None else None,
         }
 
     @property
@@ -452,6 +461,8 @@ class AgentLink:
             await self._run(url, headers, limits, task_status)
         finally:
             await self._close_wire()
+            if self._copies is not None:
+                await self._copies.aclose()
 
     async def _run(self, url: str, headers: dict[str, str], limits: httpx.Limits, task_status: Any) -> None:
         if self._http is not None or self._http_pool is not None:
@@ -466,6 +477,9 @@ class AgentLink:
     async def _loop(self, client: httpx.AsyncClient | None, url: str, headers: dict[str, str], nursery: trio.Nursery,
                     task_status: Any) -> None:
         self._nursery = nursery
+        self._client, self._headers = client, headers
+        if self.copy_to_followers and len(self.placers) > 1:
+            self._copies = Copies(self, nursery, self._rng)
         task_status.started()
         retry = Retry(self._report_backoff(), self._rng)
         next_beat = trio.current_time()
@@ -488,6 +502,8 @@ class AgentLink:
                 if enrolled:
                     next_beat = trio.current_time() + self.heartbeat_s * random.uniform(0.8, 1.0)
                     continue
+            if self._moved_to is not None:
+                await self._take_copy(self._moved_to)
             if self._wire is None and self._wire_url and self.use_wire \
                     and trio.current_time() >= self._wire_retry_at:
                 await self._open_wire(self._wire_url)
@@ -498,6 +514,8 @@ class AgentLink:
             url = f"{at}/v1/nodes/{self.node_id}/report"
             report = self._build_report()
             relayed = self._relay is not None
+            if self._copies is not None and not relayed:
+                self._copies.offer(report, self.placers.urls)
             try:
                 reply = await self._post_or_move(client, url, report, headers)
             except _Conflict:
@@ -527,6 +545,9 @@ class AgentLink:
                                 self._relay.url, e)
                 elif not relayed and not isinstance(e, _PlacerError):   # no answer: another placer may lead
                     self._placer_answered(None, used=at)
+                if isinstance(e, _Observed) and self._copies is not None and self._wire is not None:
+                    self._copies.give_back(e.url, self._wire)
+                    self._wire = None
                 await self._close_wire()
                 self.failures += 1
                 self.registered = False
@@ -949,6 +970,8 @@ class AgentLink:
                 limit = min(self.request_timeout_s, max(2.0, 2 * self.heartbeat_s))
             with trio.fail_after(limit):
                 wr = await self._wire.exchange(report)
+            if self._copies is not None and self._relay is None and wr.status in (200, OBSERVED):
+                self._copies.delivered(self.placer_url, report.seq)
             self.reports_sent += 1
             self.wire_reports += 1
             if report.full:
@@ -959,8 +982,11 @@ class AgentLink:
             if wr.status != 200:
                 if wr.status == 503 and wr.reason == UPSTREAM_DOWN and self._relay is not None:
                     raise _RelayHolding(f"the relay has no connection to the placer: {wr.error}")
-                if wr.status == NO_LEADER and self._relay is None:   # a placer that does not lead (placer.ha)
-                    self._placer_answered(wr.status, used=self.placer_url)
+                if wr.status in (NO_LEADER, OBSERVED) and self._relay is None:   # a placer that does not lead (placer.ha)
+                    used = self.placer_url
+                    self._placer_answered(wr.status, used=used)
+                    if wr.status == OBSERVED:   # a follower took it: the connection stays its copies'
+                        raise _Observed(used)
                 raise _PlacerError(f"placer answered {wr.status} on the framed channel: {wr.error}")
             return wr.reply
         body = msgspec.json.encode(report)
@@ -990,6 +1016,8 @@ class AgentLink:
             if not_leading(status, content):
                 self._placer_answered(status, content, used=self.placer_url)
             raise _PlacerError(f"placer answered {status}: {content[:200].decode(errors='replace')}")
+        if self._copies is not None and self._relay is None:
+            self._copies.delivered(self.placer_url, report.seq)
         return _reply_decoder.decode(content)
 
     async def _post_or_move(self, client: httpx.AsyncClient | None, url: str, report: NodeReport,
@@ -1056,8 +1084,55 @@ class AgentLink:
         if new != self.placer_url:
             log.info("reporting to another placer node=%s placer=%s (was %s)", self.node_id, new, self.placer_url)
             self.placer_url = new
+            self._moved_to = new
             self._wire_url = wire_url
             self._wire_retry_at = 0.0
+
+    # ------------------------------------------------------------ copies to the followers (follow.CopyHost)
+
+    def copies_on(self) -> bool:
+        return self._relay is None and self.last_ok_at is not None
+
+    def full_copy(self, seq: int) -> NodeReport:
+        base: NodeReport = self.hooks.full_report()
+        return registration(msgspec.structs.replace(base, node_id=self.node_id, boot_id=self.boot_id, seq=seq,
+                                                    sent_at=time.time()), "")
+
+    async def ask_redirect(self, url: str) -> tuple[int, bytes] | None:
+        """An empty report posted to ``url``: a follower answers 307 naming its framed channel
+        (a leader 400: it reads the body; the copy is asked for again later)."""
+        path = f"/v1/nodes/{self.node_id}/report"
+        try:
+            with trio.fail_after(self.request_timeout_s):
+                if self._client is not None:
+                    r = await self._client.post(url + path, content=b"{}", headers=self._headers or None)
+                    return r.status_code, r.content
+                assert self._http_pool is not None
+                res = await self._http_pool.post(url, path, b"{}", token=self.token, key=self.node_id,
+                                                 expect="placer")
+        except (httpx.HTTPError, OSError, trio.TooSlowError) as e:
+            log.debug("follower not asked for its channel node=%s placer=%s err=%r", self.node_id, url, e)
+            return None
+        return (res.status, res.body) if res.status is not None else None
+
+    async def connect(self, wire_url: str, placer_url: str) -> ReportChannel:
+        return await self._wire_connect(wire_endpoint(wire_url, placer_url), self.token or "", self.node_id)
+
+    async def _take_copy(self, url: str) -> None:
+        """Moved to the placer at ``url``: when this node's copies there were in step, its next
+        heartbeat goes over the copy's connection (no full report, no handshake)."""
+        self._moved_to = None
+        if self._copies is None or self._relay is not None or url != self.placer_url:
+            return
+        ch = await self._copies.take(url, min(1.0, self.heartbeat_s))
+        if ch is None:
+            return
+        await self._close_wire()
+        self._wire = ch
+        self._wire_url = self._copies.copies[url].wire
+        self._need_full = False
+        log.info("moved to a placer that holds this node's reports: no full report node=%s placer=%s",
+                 self.node_id, url)
 
     async def _stop(self, victims: list[Victim]) -> None:
         try:
@@ -1089,6 +1164,14 @@ class _Conflict(Exception):
 
 class _PlacerError(Exception):
     pass
+
+
+class _Observed(_PlacerError):
+    """The placer asked follows: it took the report into its warm model (202, scheduler_link.follow)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(f"placer {url} follows (202): it took the report, another leads")
+        self.url = url
 
 
 class _PlacerMoved(_PlacerError):

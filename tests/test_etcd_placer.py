@@ -96,9 +96,10 @@ async def test_one_leads_the_other_redirects_then_takes_over(etcd_cluster: EtcdC
             assert r.json()["leader"] == url_a
             assert (await ops.get(url_b + "/v1/jobs/j1")).status_code == 307
             assert b.svc.state.jobs == {} and b.svc.journal is None
-            # a report reaching a follower another way (the framed channel) is refused, not applied
+            # a report reaching a follower another way (the framed channel) goes into its warm
+            # model (placer.observe), answered with nothing to act on
             status, reply = b.svc._ingest("n7", NodeReport(node_id="n7", boot_id="b", seq=1))
-            assert status == 503 and not reply.ok and "n7" not in b.svc.state.nodes
+            assert status == 202 and reply.ok and not reply.stop and "n7" in b.svc.state.nodes
             # the leader keeps its up nodes in etcd (placer.fleetsnap.EtcdFleetSnapshot)
             store = EtcdFleetSnapshot(etcd, b"/herd/placer/", None)
 

@@ -1,0 +1,177 @@
+"""What a rack relay pays to keep the placers that follow warm (agent.relaycopies): its CPU and
+the bytes it sends, with 0, 1 and 2 followers, same run, alternated.
+
+    python -m bench.relay_copies [--relays 32] [--members 32] [--seconds 4] [--pairs 3] [--json]
+
+``--relays`` shipped relays (agent.relay.Relay) in this process, each with ``--members``
+members whose empty heartbeats (one per member and interval, 0.2 s) and a content report each
+interval from one member in eight (an event) come in through :meth:`Relay.member_report`, as
+from members' connections; the relays beat and forward up over real loopback frames connections
+to small fake placers in a child process (a leader and two followers: they answer as a placer
+and a follower do, and do nothing else). For each follower count (0, 1, 2, in alternating
+order, ``--pairs`` runs of each) the relays run ``--seconds``: ``cpu_s_per_s`` is this
+process's CPU per second of it (the relays' work and the members' feeding, which is the same
+for every count), ``copy_bytes_per_s`` the bytes their copy connections carried per second;
+the rows give medians and the added CPU against no follower. Every loop is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from agent.blobs import BlobCache  # noqa: E402
+from agent.relay import Relay  # noqa: E402
+from infra.auth import TokenSet, generate_token_dir  # noqa: E402
+from scheduler_link.follow import OBSERVED  # noqa: E402
+from scheduler_link.frames import FrameChannel, decode_payload  # noqa: E402
+from scheduler_link.heartbeat_wire import HeartbeatServer, Hello, WireReply  # noqa: E402
+from scheduler_link.messages import Frame, NodeReport, RackBeatReply, RackReports, ReportReply, WorkloadEvent  # noqa: E402
+
+HEARTBEAT_S = 0.2
+
+
+class _FakePlacer:
+    """Answers a relay's frames as a placer (``status`` 200) or a follower (202) does."""
+
+    def __init__(self, tokens: TokenSet, status: int) -> None:
+        self.server = HeartbeatServer(tokens, self._report, frames=self)
+        self.status = status
+
+    def _report(self, node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:
+        return self.status, ReportReply()
+
+    def opened(self, hello: Hello, channel: FrameChannel) -> Any:
+        return self._frame
+
+    def closed(self, channel: FrameChannel) -> None:
+        return None
+
+    def _frame(self, ch: FrameChannel, f: Frame) -> Any:
+        if f.type == "beat":
+            return "beat_reply", RackBeatReply()
+        if f.type == "reports":
+            n = len(decode_payload(f, RackReports).reports)
+            return "replies", [WireReply(status=self.status)] * n
+        if f.type == "report":
+            return "reply", WireReply(status=self.status)
+        if f.type == "ping":
+            return "ping", {}
+        raise ValueError(f.type)
+
+
+async def _serve(token_dir: str) -> None:
+    tokens = TokenSet.load(Path(token_dir))
+    async with trio.open_nursery() as n:
+        urls = [await n.start(_FakePlacer(tokens, st).server.run, "127.0.0.1:0") for st in (200, OBSERVED, OBSERVED)]
+        print(json.dumps(urls), flush=True)
+        await trio.sleep_forever()
+
+
+async def _one(tokens: TokenSet, urls: list[str], followers: int, relays: int, members: int,
+               seconds: float) -> dict[str, float]:
+    leader, others = urls[0], urls[1:1 + followers]
+    rs = [Relay(node_id=f"r{i}", rack=f"z/b/r{i}", tokens=tokens, listen=None, wire_url=lambda: leader,
+                blobs=BlobCache(), heartbeat_s=HEARTBEAT_S, request_timeout_s=10.0, keys=lambda: (None, None),
+                beat_offset_s=HEARTBEAT_S * i / relays) for i in range(relays)]
+    async with trio.open_nursery() as n:
+        for r in rs:
+            await n.start(r.run)
+        with trio.fail_after(30):
+            for r in rs:
+                await r.upstream_ready.wait()
+                for u in others:   # (the relay host's link asks for these: scheduler_link.follow)
+                    await r.own_channel(u, tokens.cluster or "", r.node_id)
+        seq = 0
+        t0, c0 = time.perf_counter(), time.process_time()
+        b0 = sum(r.copies.statistics()["bytes"] for r in rs)
+        for _ in range(max(1, round(seconds / HEARTBEAT_S))):   # (bounded: one round a heartbeat)
+            seq += 1
+            for r in rs:
+                for m in range(members):
+                    ev = [WorkloadEvent(workload_id="w", job_id="j", state="running", at=1.0)] if (m + seq) % 8 == 0 \
+                        else []
+                    got = r.member_report(f"{r.node_id}-m{m}", NodeReport(node_id=f"{r.node_id}-m{m}", boot_id="b",
+                                                                          seq=seq, full=False, events=ev))
+                    if not isinstance(got, WireReply):
+                        n.start_soon(_drain, got)
+            await trio.sleep(HEARTBEAT_S)
+        wall = time.perf_counter() - t0
+        cpu = time.process_time() - c0
+        copied = sum(r.copies.statistics()["bytes"] for r in rs) - b0
+        n.cancel_scope.cancel()
+    return {"cpu_s_per_s": cpu / wall, "copy_bytes_per_s": copied / wall}
+
+
+async def _drain(aw: Any) -> None:
+    await aw
+
+
+def run(relays: int, members: int, seconds: float, pairs: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="herd-relay-copies-") as d:
+        td = generate_token_dir(Path(d) / "tokens")
+        server = subprocess.Popen([sys.executable, "-m", "bench.relay_copies", "--serve", str(td)], cwd=ROOT,
+                                  env={**os.environ, "PYTHONPATH": str(ROOT)}, stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout is not None
+            urls = json.loads(server.stdout.readline())
+            tokens = TokenSet.load(td)
+            runs: dict[int, list[dict[str, float]]] = {0: [], 1: [], 2: []}
+            for p in range(pairs):
+                order = (0, 1, 2) if p % 2 == 0 else (2, 1, 0)
+                for k in order:
+                    runs[k].append(trio.run(_one, tokens, urls, k, relays, members, seconds))
+        finally:
+            server.terminate()
+            server.wait(10)
+    base = statistics.median(r["cpu_s_per_s"] for r in runs[0])
+    rows = []
+    for k in (0, 1, 2):
+        cpu = statistics.median(r["cpu_s_per_s"] for r in runs[k])
+        rows.append({"followers": k, "cpu_s_per_s": round(cpu, 4), "added_cpu_s_per_s": round(cpu - base, 4),
+                     "copy_bytes_per_s": round(statistics.median(r["copy_bytes_per_s"] for r in runs[k]))})
+    return {"bench": "relay_copies", "relays": relays, "members": members, "heartbeat_s": HEARTBEAT_S,
+            "seconds": seconds, "pairs": pairs, "load": os.getloadavg()[0], "rows": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.relay_copies", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--relays", type=int, default=32)
+    ap.add_argument("--members", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--json", action="store_true")
+    ns = ap.parse_args(argv)
+    if ns.serve:
+        trio.run(_serve, ns.serve)
+        return 0
+    if not (1 <= ns.relays <= 512 and 1 <= ns.members <= 128 and 0.5 <= ns.seconds <= 60 and 1 <= ns.pairs <= 10):
+        ap.error("--relays 1..512, --members 1..128, --seconds 0.5..60, --pairs 1..10")
+    out = run(ns.relays, ns.members, ns.seconds, ns.pairs)
+    if ns.json:
+        print(json.dumps(out))
+    else:
+        print(f"relay copies to followers: {out['relays']} relays x {out['members']} members, heartbeat "
+              f"{HEARTBEAT_S} s, load {out['load']:.1f}")
+        for r in out["rows"]:
+            print(f"  followers={r['followers']}  cpu_s_per_s={r['cpu_s_per_s']:.4f}  "
+                  f"added={r['added_cpu_s_per_s']:+.4f}  copy_bytes_per_s={r['copy_bytes_per_s']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

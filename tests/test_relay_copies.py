@@ -1,0 +1,106 @@
+"""A rack relay's copies to a placer that follows (agent.relaycopies), on loopback against two
+small fake placers (tests.test_relay_link.FakePlacer): every beat and report batch the relay
+sends its leader goes to the follower too, once the relay host asked for a channel there; the
+follower's ``need_full`` makes that member send a full report (through the relay); and when the
+follower leads, the copy connection becomes the relay's connection up, without a handshake
+and without asking the members for full reports."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import trio
+
+from infra.auth import TokenSet
+from scheduler_link.agent_link import AgentLink
+from scheduler_link.follow import OBSERVED
+from scheduler_link.frames import FrameChannel
+from scheduler_link.heartbeat_wire import Hello, WireReply
+from scheduler_link.messages import NodeReport, RackBeatReply, WorkloadEvent
+from testing.waiting import poll
+
+from .test_relay_link import FakePlacer, Hooks, _relay
+
+
+class FakeFollower(FakePlacer):
+    """Answers as a follower does: reports 202, beats with the members it lacks (``lacks``,
+    once each); counts the relays' hellos."""
+
+    def __init__(self, tokens: TokenSet) -> None:
+        super().__init__(tokens)
+        self.lacks: set[str] = set()
+        self.hellos = 0
+        self.leads = False   # (promoted: it answers as the leader does)
+
+    def opened(self, hello: Hello, channel: FrameChannel):  # noqa: ANN201
+        self.hellos += bool(hello.racks)
+        return super().opened(hello, channel)
+
+    def _relayed(self, ch: FrameChannel, rep: NodeReport) -> WireReply:
+        wr = super()._relayed(ch, rep)
+        return WireReply(status=OBSERVED, reply=wr.reply) if wr.status == 200 and not self.leads else wr
+
+    def _frame(self, ch, f):  # noqa: ANN001, ANN201
+        out = super()._frame(ch, f)
+        if f.type == "beat" and self.lacks:
+            need, self.lacks = sorted(self.lacks), set()
+            return "beat_reply", RackBeatReply(need_full=need)
+        return out
+
+
+async def test_the_relay_copies_to_the_follower_then_goes_up_to_it(tmp_path: Path, token_dir: Path) -> None:
+    tokens = TokenSet.load(token_dir)
+    leader, follower = FakePlacer(tokens), FakeFollower(tokens)
+    up = {"url": ""}
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            leader.url = await n.start(leader.server.run, "127.0.0.1:0")
+            follower.url = await n.start(follower.server.run, "127.0.0.1:0")
+            follower.master = leader.master   # (the placers of one cluster share the MAC master)
+            up["url"] = leader.url
+            relay = _relay(tokens, "r1", leader, [])
+            relay._wire_url = lambda: up["url"]
+            leader.relay_url = follower.relay_url = await n.start(relay.run)
+            await leader.until(lambda: "r1" in leader.relays, "relay up")
+            links = [AgentLink("http://127.0.0.1:9", tokens.cluster, f"m{i}", Hooks(), heartbeat_s=0.2,
+                               wire_url=leader.url, request_timeout_s=2.0) for i in range(3)]
+            for link in links:
+                await n.start(link.run)
+            await leader.until(lambda: all(lk.statistics()["relay_url"] for lk in links), "all through r1")
+            # the relay host's link asks for a channel to the follower (its copies): the rack follows
+            own = await relay.own_channel(follower.url, tokens.cluster or "", "r1")
+            assert (await own.exchange(NodeReport(node_id="r1", boot_id="b", seq=1))).status == OBSERVED
+            assert follower.hellos == 1 and "r1" in follower.relays
+            for link in links:
+                link.notify(WorkloadEvent(workload_id="w", job_id="j", state="running", at=time.time()))
+            await follower.until(lambda: all(any(k == "relayed" for k, _, _ in follower.seen.get(lk.node_id, []))
+                                             and any(k == "beat" for k, _, _ in follower.seen.get(lk.node_id, []))
+                                             for lk in links), "the rack copied")
+            for lk in links:   # the follower sees each member's sequence as the leader does, in order
+                seqs = [s for _, s, _ in follower.seen[lk.node_id]]
+                assert seqs == sorted(seqs)
+            # the follower lacks m0: m0 sends a full report, through the relay, to both
+            fulls = sum(full for _, _, full in leader.seen["m0"])
+            follower.lacks = {"m0"}
+            await follower.until(lambda: any(k == "relayed" and full for k, _, full in follower.seen["m0"]),
+                                 "m0's full report copied")
+            assert sum(full for _, _, full in leader.seen["m0"]) == fulls + 1
+            st = relay.statistics()["copies"]
+            assert st["followers"] == 1 and st["frames"] > 0 and st["bytes"] > 0 and st["drops"] == 0
+            # the follower leads: the relay's connection up becomes the copy connection (no hello)
+            connects, hellos = relay.connects, follower.hellos
+            up["url"] = follower.url
+            follower.leads = True
+            await leader.relays["r1"].aclose()
+            with trio.fail_after(10):
+                await poll(lambda: relay.connects > connects and relay.upstream is not None, 0.05)
+            assert follower.hellos == hellos and relay.statistics()["copies"]["followers"] == 0
+            beats = {lk.node_id: len(follower.seen[lk.node_id]) for lk in links}
+            await follower.until(lambda: all(len(follower.seen[lk.node_id]) > beats[lk.node_id] + 1 for lk in links),
+                                 "the rack goes on at the new leader")
+            # (a member whose heartbeat came while the relay had no connection up sends a full
+            # report through it: never directly, never a handshake)
+            assert all(lk.statistics()["relay_url"] for lk in links) and follower.hellos == hellos
+            assert all(k != "report" for lk in links for k, _, _ in follower.seen[lk.node_id])
+            n.cancel_scope.cancel()
