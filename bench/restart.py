@@ -23,8 +23,10 @@ kept their relay's address do; ``--no-enroll``: each over its own connection, a 
 - a probe job (``--probe-gpus``, default 1,024 GPUs, a pod a host) submitted once the model
   is full: ``probe_acked_s`` (submit -> every pod acked, the placer's clock) and
   ``probe_from_listening_s`` (listening -> acked), against ``recover_s`` + 2 s;
-- invariants, from the emulators' own state: ``stops`` (stop orders after ``t0``),
-  ``placements_doubled`` (placements taken after ``t0`` beyond the probe's pods),
+- invariants, from the emulators' own state, from a settled fleet (``gang_settle_s``: until one gang
+  pod a host runs; nodes lost in a loaded registration may have run an ended attempt on): ``stops`` (stop orders after ``t0``),
+  ``placements_doubled`` (gang workloads the nodes did not have before ``t0``: the gang placed
+  again), ``placements_extra`` (every placement taken after ``t0`` beyond the probe's pods),
   ``refused_acks`` (a GPU given twice is refused by the emulated node), ``gang_running``.
 
 ``compact_registrations`` / ``inventory_misses``: re-registrations that named the GPU inventory
@@ -66,7 +68,7 @@ EMULATOR_NICE = 10   # the emulators stand for other machines: they yield the co
 
 
 async def _sum_stats(c: httpx.AsyncClient, emus: list[EmulatorProc], job: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"placements": 0, "victims_told": 0, "refused_acks": 0, "gang_running": 0,
+    out: dict[str, Any] = {"placements": 0, "victims_told": 0, "refused_acks": 0, "gang_running": 0, "gang_pods": 0,
                            "relayed_registrations": 0, "reregistrations": 0, "relays": 0, "relay_held": 0,
                            "victims_by": {}}
     for e in emus:
@@ -77,6 +79,7 @@ async def _sum_stats(c: httpx.AsyncClient, emus: list[EmulatorProc], job: str) -
             out["victims_by"][k] = out["victims_by"].get(k, 0) + v
         out["refused_acks"] += sum(v for k, v in s["acks"].items() if k != "accepted")
         out["gang_running"] += s["job"]["states"].get("running", 0)
+        out["gang_pods"] += sum(s["job"]["states"].values())   # the gang's workloads the nodes know, any state
         for k in ("relayed_registrations", "reregistrations", "relays", "relay_held"):
             out[k] += s.get(k, 0)
     return out
@@ -148,7 +151,15 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             g = await _job(c, placer.url, "gang", "running", limit_s)
             assert g["state"] == "running", g["state"]
             await trio.sleep(2 * heartbeat_s)   # the running events in
+            # A loaded registration can lose nodes and end the gang's attempt while their pods run on
+            # (told to stop when those nodes speak again): the restart starts from a settled fleet, one
+            # running gang pod a host, so that what is stopped or placed after it is the restart's doing.
+            t_settle = time.time()
             before = await _sum_stats(c, emus, "gang")
+            while before["gang_running"] != gang_hosts and time.time() - t_settle < limit_s:
+                await trio.sleep(heartbeat_s)
+                before = await _sum_stats(c, emus, "gang")
+            row["gang_settle_s"] = round(time.time() - t_settle, 2)
             row["relays"] = before["relays"]
             _note("gang running", hosts=gang_hosts)
 
@@ -184,7 +195,11 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
                 "stops": after["victims_told"] - before["victims_told"],
                 "stops_by": {k: v - before["victims_by"].get(k, 0) for k, v in after["victims_by"].items()
                              if v != before["victims_by"].get(k, 0)},
-                "placements_doubled": after["placements"] - before["placements"] - probe_gpus // per_host,
+                # the gang placed again after the kill: workloads of it the nodes did not have before
+                "placements_doubled": after["gang_pods"] - before["gang_pods"],
+                # every placement the nodes took after the kill beyond the probe's pods (a probe
+                # rolled back and placed again on a loaded host counts here, not as doubled)
+                "placements_extra": after["placements"] - before["placements"] - probe_gpus // per_host,
                 "refused_acks": after["refused_acks"] - before["refused_acks"],
                 "gang_running": after["gang_running"], "gang_running_before": before["gang_running"],
                 "relayed_registrations": after["relayed_registrations"] - before["relayed_registrations"],
