@@ -32,7 +32,7 @@ from scheduler_link import enroll
 
 log = logging.getLogger("herd.placer.enrollpool")
 
-MIN_BATCH = 16        # fewer unchecked certificates than this are checked in the loop (the IPC costs more)
+MIN_BATCH = 4         # fewer unchecked certificates than this are checked in the loop (the IPC costs more)
 MAX_WORKERS = 4
 
 

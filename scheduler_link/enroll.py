@@ -360,6 +360,7 @@ class EnrollDesk:
         self.guard = NonceGuard(window_s=window_s + skew_s)
         self._cache: OrderedDict[bytes, KnownCert] = OrderedDict()   # cert digest -> it, with the ECDH secret
         self._cache_cap = cache
+        self._pool_args: tuple[bytes, bytes] | None = None
         # statistics
         self.taken = 0
         self.refused: dict[str, int] = {}
@@ -415,9 +416,11 @@ class EnrollDesk:
     def pool_args(self) -> tuple[bytes, bytes]:
         """What :func:`check_members` needs besides the certificates: the CA's certificate and
         the placer's key, DER."""
-        return (self.ca.public_bytes(serialization.Encoding.DER),
-                self._key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
-                                        serialization.NoEncryption()))
+        if self._pool_args is None:
+            self._pool_args = (self.ca.public_bytes(serialization.Encoding.DER),
+                               self._key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+        return self._pool_args
 
     def check(self, e: Enroll, *, now: float, denied: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
               known: tuple[str, int] | None = None) -> Checked:

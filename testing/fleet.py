@@ -213,7 +213,7 @@ class EmulatedNode:
 
     __slots__ = ("fleet", "slot", "control_url", "refuse", "workloads", "link", "rack", "boot_id", "seq", "registered",
                  "registering", "mac_key", "enroll", "inventory_taken", "sent_inventory",
-                 "counted", "_snap", "_uuids", "_uuid_list", "_inventory", "_all_slots")
+                 "counted", "_snap", "_placer_snap", "_uuids", "_uuid_list", "_inventory", "_all_slots")
 
     def __init__(self, fleet: Fleet, slot: NodeSlot, control_url: str, refuse: str | None) -> None:
         self.fleet = fleet
@@ -233,6 +233,7 @@ class EmulatedNode:
         self.inventory_taken = ""                 # relay mode: the inventory the placer took last (AgentLink's)
         self.sent_inventory = ""                  # ... and the one its last full report sent whole
         self._snap: GpuSnapshot | None = None
+        self._placer_snap: GpuSnapshot | None = None   # what of it a full report carries (for_placer, once)
         self._uuids: frozenset[str] = frozenset()
         self._uuid_list: list[str] = []
         self._inventory = ""
@@ -256,8 +257,15 @@ class EmulatedNode:
         return NodeReport(node_id=s.node_id, boot_id="", seq=0, full=True, control_url=self.control_url,
                           data_url=f"http://127.0.0.1:9/{s.node_id}",  # no data plane here
                           topology=TopologyPath(zone=s.zone, block=s.block, rack=s.rack),
-                          nvlink_domain=snap.nvlink_domain, snapshot=for_placer(snap),   # (as AgentLink sends it)
+                          nvlink_domain=snap.nvlink_domain, snapshot=self._for_placer(snap),  # (as AgentLink sends it)
                           workloads=list(self.workloads.values()), manifests=[], sent_at=time.time())
+
+    def _for_placer(self, snap: GpuSnapshot) -> GpuSnapshot:
+        """``for_placer(snap)``, kept: an emulated node's GPUs never change (a real agent's
+        snapshot is new each time; the emulator's full reports would rebuild the same one)."""
+        if self._placer_snap is None:
+            self._placer_snap = for_placer(snap)
+        return self._placer_snap
 
     async def stop_workloads(self, victims: list[Victim]) -> None:
         self.fleet.stats.told(len(victims), time.time(), "report_answer")
