@@ -249,6 +249,7 @@ class EmulatedNode:
             self._uuids = frozenset(self._uuid_list)
             self._inventory = inventory_hash(self._uuid_list)
             self._all_slots = list(range(len(self._uuid_list)))
+            self._placer_snap = for_placer(self._snap)
         return self._snap
 
     def full_report(self) -> NodeReport:
@@ -261,8 +262,8 @@ class EmulatedNode:
                           workloads=list(self.workloads.values()), manifests=[], sent_at=time.time())
 
     def _for_placer(self, snap: GpuSnapshot) -> GpuSnapshot:
-        """``for_placer(snap)``, kept: an emulated node's GPUs never change (a real agent's
-        snapshot is new each time; the emulator's full reports would rebuild the same one)."""
+        """``for_placer(snap)``, made with the snapshot (before ``go``, as the snapshot is: a
+        real agent makes it on its own CPU) and kept: an emulated node's GPUs never change."""
         if self._placer_snap is None:
             self._placer_snap = for_placer(snap)
         return self._placer_snap
@@ -598,9 +599,10 @@ class EmulatedRack:
         does over the member's frames connection). None: not taken (register directly)."""
         assert m.enroll is not None
         relay = self.relay
-        with trio.move_on_after(self.fleet.cfg.relay_hold_s):   # (held on to, as AgentLink does)
-            while relay.upstream is None:
-                await relay.upstream_ready.wait()
+        if relay.upstream is None:   # (no deadline to set when it is up: the common case)
+            with trio.move_on_after(self.fleet.cfg.relay_hold_s):   # (held on to, as AgentLink does)
+                while relay.upstream is None:
+                    await relay.upstream_ready.wait()
         pc = await relay.member_enroll_key()
         if not pc.cert:
             why = pc.outcome or "unavailable"
