@@ -453,7 +453,9 @@ class RelayHub:
         here) relays' beats waited behind batches until 8,612 nodes were marked lost in 90 s.
         One batch at a time, in arrival order (trio's Lock is fair): worked on all at once, every
         batch of a storm was answered at its end, each relay's later than it waited (scheduling
-        by turns gives every job the longest latency), and their members registered directly."""
+        by turns gives every job the longest latency), and their members registered directly.
+        ``checking``: its new certificates, handed to a worker process when it came
+        (placer.enrollpool); by its turn they are checked and the desk works from its cache."""
         token = object()
         self._enroll_waiting[token] = self.host.clock()   # (arrival order: the oldest first)
         try:

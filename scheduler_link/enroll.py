@@ -40,8 +40,9 @@ proved is proved per message:
   answer is sealed to the node, so the relay learns nothing.
 
 Cost at the placer per enrolment: one CA signature check and one ECDH, both cached per
-certificate (a member that enrols again with the same certificate costs neither), a few
-BLAKE3 calls and one AEAD seal: ~0.2 ms, against a TLS handshake's 2.5-5.6 ms
+certificate (a member that enrols again with the same certificate costs neither; a batch's
+new certificates are checked ahead in worker processes, :func:`check_members`,
+placer.enrollpool), a few BLAKE3 calls and one AEAD seal: ~0.2 ms, against a TLS handshake's 2.5-5.6 ms
 (``python -m bench.fleet --tls --relays`` measures the whole path against direct registration).
 A check costs that even when it fails: each connection has an :class:`EnrollBudget`.
 
