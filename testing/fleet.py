@@ -1023,7 +1023,7 @@ class Fleet:
                       "refused_spec" if slot.node_id in cfg.refuse_spec else None)
             url = f"{self.control}/n/{slot.node_id}"
             if self.tls_control:
-                lst = await _control_listener(_control_address(cfg.offset + k))
+                lst = _control_listener(_control_address(cfg.offset + k))
                 host, lport = lst.socket.getsockname()[:2]
                 url = f"https://{host}:{lport}/n/{slot.node_id}"
                 own.append((slot.node_id, lst))
@@ -1325,11 +1325,16 @@ def _control_address(i: int) -> str:
     return f"127.{100 + (i >> 16)}.{(i >> 8) & 255}.{i & 255}"
 
 
-async def _control_listener(host: str) -> trio.SocketListener:
-    sock = trio.socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    await sock.bind((host, 0))
-    sock.listen(16)
-    return trio.SocketListener(sock)
+def _control_listener(host: str) -> trio.SocketListener:
+    """A listening socket on ``host`` (a numeric address: bound at once, no resolver)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(16)
+    except OSError:
+        sock.close()
+        raise
+    return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
 
 
 def _descriptors_for(nodes: int) -> bool:
