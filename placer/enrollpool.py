@@ -85,23 +85,35 @@ class EnrollPool:
         self.batches = 0
         self.certificates = 0
 
+    def warm(self, desk: enroll.EnrollDesk) -> None:
+        """Start the workers (a relay asked for the placer's certificate: its members'
+        enrolments follow), so that the first batches do not wait for them to start."""
+        if self._ex is None and self.workers > 0 and not self._broken:
+            self._submit(desk, [])
+
     def submit(self, desk: enroll.EnrollDesk, ders: list[bytes]) -> Checking:
         """``ders`` handed to a worker now (fewer than MIN_BATCH, or no pool: to no one)."""
         if len(ders) < MIN_BATCH or self.workers <= 0 or self._broken:
             return Checking(ders, None)
+        fut = self._submit(desk, ders)
+        if fut is None:
+            return Checking(ders, None)
+        self.batches += 1
+        self.certificates += len(ders)
+        return Checking(ders, fut)
+
+    def _submit(self, desk: enroll.EnrollDesk, ders: list[bytes]
+                ) -> concurrent.futures.Future[list[enroll.KnownCert | None]] | None:
         try:
             if self._ex is None:
                 self._ex = concurrent.futures.ProcessPoolExecutor(
                     self.workers, mp_context=multiprocessing.get_context("spawn"))
             ca, key = desk.pool_args()
-            fut = self._ex.submit(enroll.check_members, ca, key, ders)
+            return self._ex.submit(enroll.check_members, ca, key, ders)
         except (BrokenProcessPool, RuntimeError, OSError) as e:
             log.warning("enrolment worker processes unavailable, checking in the loop: %s", e)
             self._broken = True
-            return Checking(ders, None)
-        self.batches += 1
-        self.certificates += len(ders)
-        return Checking(ders, fut)
+            return None
 
     def close(self) -> None:
         ex, self._ex = self._ex, None
@@ -109,5 +121,5 @@ class EnrollPool:
             ex.shutdown(wait=False, cancel_futures=True)
 
     def statistics(self) -> dict[str, int]:
-        return {"workers": self.workers if not self._broken else 0, "batches": self.batches,
-                "certificates": self.certificates}
+        return {"workers": self.workers if not self._broken else 0, "started": int(self._ex is not None),
+                "batches": self.batches, "certificates": self.certificates}

@@ -423,6 +423,7 @@ class RelayHub:
         if f.type == "enroll_key":
             if desk is None:
                 return "placer_cert", PlacerCert(error="this placer runs without TLS", outcome="no_tls")
+            self.enroll_pool.warm(desk)   # (its members' enrolments follow)
             return "placer_cert", PlacerCert(cert=desk.cert)
         try:
             batch = decode_payload(f, RackEnrolls)

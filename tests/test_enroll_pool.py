@@ -99,6 +99,9 @@ async def test_a_small_batch_or_no_workers_is_checked_by_the_desk(cl: Cluster) -
         checking = pool.submit(desk, ders)
         await checking.wait()
         assert checking.result() is None and pool.statistics()["batches"] == 0
+        assert pool.statistics()["started"] == 0
+        pool.warm(desk)   # (no workers: nothing to start)
+        assert pool.statistics()["started"] == int(pool.workers > 0)
         pool.close()
 
 
@@ -113,7 +116,8 @@ async def test_a_relays_batch_has_its_certificates_checked_by_a_worker(tmp_path,
     with trio.fail_after(90):
         async with rig(tmp_path, token_dir, tls_pki) as r:
             await poll(lambda: r.svc.relays.relay_for(RACK) is not None, 0.02)
-            pc = await r.placer_cert()
+            pc = await r.placer_cert()   # (a relay asked for it: the workers start)
+            assert r.svc.relays.enroll_pool.statistics()["started"] == int(r.svc.relays.enroll_pool.workers > 0)
             es = [r.client(f"m{i}").make(_report(f"m{i}"), pc, now=time.time())[0] for i in range(MIN_BATCH + 4)]
             pending = [r.relay.member_enroll(e.node_id, e) for e in es]   # queued together: one batch up
             answers = [p if isinstance(p, EnrollAnswer) else await p for p in pending]
