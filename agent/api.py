@@ -56,6 +56,7 @@ from .errors import AgentError, UnknownWorkload
 from .gpus.faults import Fault, decode_fault
 from .logs import follow as follow_log
 from .metrics import AgentMetrics
+from .parts import stop_binding
 from .placement import check_binding
 
 if TYPE_CHECKING:
@@ -194,6 +195,12 @@ def build_app(agent: Agent) -> App:
                     placement_id=p.placement_id, node_id=agent.node_id, accepted=False, outcome="stale_epoch",
                     reason=f"placer epoch {p.epoch} is older than {agent.epochs.highest}: a newer placer leads"),
                     status=409)
+        if not direct and not p.pods and (bad := stop_binding(p, now=time.time(), boot_id=agent.link_boot_id())):
+            # the placer's stop pushed directly: bound to this node's boot, expiring (a replay stops nothing)
+            log.warning("stop refused placement=%s job=%s outcome=%s reason=%s", p.placement_id, p.job_id,
+                        bad.outcome, bad.detail)
+            return json_response(PlacementAck(placement_id=p.placement_id, node_id=agent.node_id, accepted=False,
+                                              reason=bad.detail, outcome=bad.outcome), status=409)
         if agent.supervisor.known_ack(p.placement_id) is None or (p.node_id and p.node_id != agent.node_id):
             # bound to this node, unexpired, not a replay (an accepted id is answered again instead)
             bad = check_binding(p, node_id=agent.node_id, now=time.time(), records=agent.supervisor.records_view())
@@ -208,6 +215,7 @@ def build_app(agent: Agent) -> App:
                                               reason=why, outcome="refused_spec"), status=409)
         if p.victims:  # a rollback's stop may overtake a part not handed over yet
             await agent.parts.hold_stops(p.victims)
+        agent.take_grant(p)
         ack = await agent.supervisor.place(p, direct=direct)
         return json_response(ack, status=200 if ack.accepted else 409)
 

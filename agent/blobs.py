@@ -38,8 +38,10 @@ class BlobUnavailable(Exception):
 
 
 class BlobCache:
-    def __init__(self, keep: int = 8) -> None:
+    def __init__(self, keep: int = 8, *, on_blob: Callable[[GangBlob], None] | None = None) -> None:
+        """``on_blob``: called with each blob newly kept (the agent takes its read grant)."""
         self.keep = keep
+        self._on_blob = on_blob
         self._blobs: OrderedDict[str, tuple[bytes, GangBlob]] = OrderedDict()
         self._flight = SingleFlight()    # one fetch per id at a time
         self._news = trio.Event()        # set whenever a blob is kept or a fetch begins
@@ -68,6 +70,8 @@ class BlobCache:
         while len(self._blobs) > self.keep:
             self._blobs.popitem(last=False)
         self._wake()
+        if self._on_blob is not None:
+            self._on_blob(blob)
         return blob
 
     def _wake(self) -> None:

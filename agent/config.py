@@ -61,6 +61,10 @@ class DataPlaneSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     # With TLS, a manifest's bytes go only to the nodes of gangs here that use it (p2p.readers);
     # these manifest ids go to any node of the cluster ("*": every manifest, as without TLS).
     public: list[str] = []
+    # Without TLS no asker has a name to check reads against: every artifact goes to any holder
+    # of cluster.token. tls = false on a secure agent is refused at start unless this is true
+    # (or public = ["*"]); an insecure agent (insecure = true) says so for everything already.
+    insecure_reads: bool = False
 
     def __post_init__(self) -> None:
         for m in self.public:

@@ -38,6 +38,7 @@ import trio
 
 from infra.auth import ROLES, TokenSet, token_dir_from_env
 from infra.errors import single_cause
+from infra.grants import decode_grant, prove
 from infra.http import serve
 from infra.pki import PKIError
 from infra.tls import Security
@@ -60,6 +61,7 @@ from scheduler_link.messages import (
     NodePart,
     NodeReport,
     PeerTable,
+    Placement,
     PrefetchRequest,
     Victim,
     WorkloadEvent,
@@ -102,6 +104,11 @@ class Agent:
         self.security: Security | None = certs.security_for(config)
         if config.dataplane.tls and self.security is not None and self.security.insecure:
             raise AgentError("[dataplane] tls = true needs the agent's certificates, and the agent is insecure")
+        if (config.dataplane.tls is False and config.data_listen and not config.dataplane.insecure_reads
+                and "*" not in config.dataplane.public and not (self.security is not None and self.security.insecure)):
+            raise AgentError("[dataplane] tls = false serves every artifact to any holder of cluster.token (no "
+                             "certificate names the asker, so reads by membership cannot hold): say "
+                             "[dataplane] insecure_reads = true to run it so, or public = [\"*\"]")
         self.notifier = Notifier(env)
         self.handle_signals = handle_signals
         self.ready = False
@@ -116,7 +123,7 @@ class Agent:
         self._nursery: trio.Nursery | None = None
         self._prefetching: set[str] = set()
         self.relay: Relay | None = None
-        self.blobs = BlobCache()
+        self.blobs = BlobCache(on_blob=self._blob_grant)
         self.gang_readers: GangReaders | None = None   # reads by membership, with data-plane TLS
         # the highest placer epoch this node has seen (scheduler_link.epochs), durable next to its
         # part store: one gate for its parts, the placer's placements, its link and its relay
@@ -132,7 +139,7 @@ class Agent:
                                      pool=ShimPool(config.workloads.shim_pool, prepare=iso.for_launch))
         self.parts = PartAcceptor(self.state_dir, node_id=self.node_id, supervisor=self.supervisor,
                                   inventory=self._inventory, blob=self._gang_blob, notify=self._notify,
-                                  keys=self._msg_keys, boot=self._boot_id, allowed_origins=config.allowed_origins,
+                                  keys=self._msg_keys, boot=self.link_boot_id, allowed_origins=config.allowed_origins,
                                   blob_timeout_s=config.workloads.blob_timeout_s, epochs=self.epochs)
 
     # ------------------------------------------------------------ wiring
@@ -162,7 +169,9 @@ class Agent:
 
     def _open_readers(self) -> Readers:
         """The data plane's read policy, kept equal to this node's gangs (agent.readers)."""
-        readers = Readers(self.config.dataplane.public)
+        # read grants (infra.grants) are checked with the placer's bundle key, from registration
+        readers = Readers(self.config.dataplane.public,
+                          grant_key=lambda: self.link.placer_key if self.link is not None else None)
         self.gang_readers = GangReaders(readers, self.supervisor.records_view, self._cached_blob,
                                         want=self._want_blob)
         self.supervisor.add_listener(self._readers_changed)
@@ -180,6 +189,31 @@ class Agent:
             await self._gang_blob(blob_id)
         except Exception as e:   # (BlobUnavailable, a source's error): the placement's peers stay its readers
             log.info("gang blob not had for the data plane's readers blob=%s err=%s", blob_id[:16], e)
+
+    def _blob_grant(self, blob: GangBlob) -> None:
+        if blob.read_grant:
+            self._take_grant(blob.read_grant, blob.peers.node_ids)
+
+    def take_grant(self, p: Placement) -> None:
+        """A placement's read grant (infra.grants): from now on this node's peer requests
+        carry its proof, so the contacts outside its gang serve it the gang's manifest. A
+        small gang's placement lists the members first; a big gang's proof needs the blob
+        (taken when the blob comes: ``_blob_grant``)."""
+        if not p.read_grant:
+            return
+        if 0 < p.gang_nodes <= len(p.peers):
+            self._take_grant(p.read_grant, [q.node_id for q in p.peers[:p.gang_nodes]])
+        elif p.gang_blob_id and (got := self.blobs.cached(p.gang_blob_id)) is not None:
+            self._take_grant(p.read_grant, got[1].peers.node_ids)
+
+    def _take_grant(self, raw: bytes, node_ids: list[str]) -> None:
+        if self.herd is None:
+            return
+        proof = prove(raw, node_ids, self.node_id)
+        if proof is None:   # not for this node (a relay holds its rack's blobs), or not for that table
+            return
+        g = decode_grant(raw)
+        self.herd.client.set_grant(g.manifest_id, proof, g.expires_at)
 
     def _cached_blob(self, blob_id: str) -> GangBlob | None:
         got = self.blobs.cached(blob_id)
@@ -202,7 +236,7 @@ class Agent:
         link = self.link
         return (link.mac_key, link.placer_key) if link is not None else (None, None)
 
-    def _boot_id(self) -> str | None:
+    def link_boot_id(self) -> str | None:
         """This node's boot as the placer knows it (its link's ``boot_id``); stop parts name it."""
         return self.link.boot_id if self.link is not None else None
 
@@ -241,7 +275,8 @@ class Agent:
         if sec.insecure:
             return False
         if self.config.dataplane.tls is False:
-            log.warning("data plane is plain TCP ([dataplane] tls = false): chunks travel in the clear")
+            log.warning("data plane is plain TCP ([dataplane] tls = false): chunks travel in the clear and any "
+                        "holder of cluster.token reads every artifact here")
             return False
         return True
 

@@ -116,18 +116,35 @@ def _no(part: NodePart, node_id: str, r: Refusal) -> Verdict:
                                refused_gpus=list(r.gpus), detail=r.detail))
 
 
-def stop_refusal(part: NodePart) -> Refusal | None:
-    """Why a stop-only part is malformed (None: it is not): no expiry, no boot, or its own
-    job's victims of another attempt. (Its expiry and boot are checked as any part's.)"""
+def stop_refusal(part: NodePart | Placement) -> Refusal | None:
+    """Why a stop-only part, or a stop-only placement the placer pushed directly, is malformed
+    (None: it is not): no expiry, no boot, or its own job's victims of another attempt. (Its
+    expiry and boot are checked as any part's: :func:`stop_binding` for a placement.)"""
     if not part.expires_at:
-        return Refusal("refused_spec", "a stop part must carry an expiry")
+        return Refusal("refused_spec", "a stop must carry an expiry")
     if not part.boot_id:
-        return Refusal("refused_spec", "a stop part must name the node's boot")
+        return Refusal("refused_spec", "a stop must name the node's boot")
     stray = next((v.workload_id for v in part.victims
                   if attempt_of(v.workload_id, part.job_id) not in (None, part.attempt)), None)
     if stray is not None:
         # a stop of its own job's pods is bound to its attempt: a replay cannot reach a later one
         return Refusal("refused_spec", f"a stop of attempt {part.attempt} names {stray}")
+    return None
+
+
+def stop_binding(p: Placement, *, now: float, boot_id: str | None) -> Refusal | None:
+    """Why the placer's stop-only placement ``p`` (pushed directly) may not act here (None: it
+    may): held to a stop part's binding -- an expiry and this node's boot (``boot_id``: its
+    link's) named, not past the expiry (no late window), this boot (else ``expired``), its own
+    job's victims of its attempt only (else ``refused_spec``). So a direct stop replayed to a
+    restarted agent, or after its expiry, stops nothing; the placer names what it still wants
+    stopped in its answer to the node's next report."""
+    if (why := stop_refusal(p)) is not None:
+        return why
+    if now > p.expires_at:
+        return Refusal("expired", f"stop expired {now - p.expires_at:.3f}s ago")
+    if p.boot_id != boot_id:
+        return Refusal("expired", f"stop is for boot {p.boot_id[:16]}, not this node's {(boot_id or 'none')[:16]}")
     return None
 
 

@@ -33,8 +33,10 @@ Routes (all need the cluster token as a bearer token; 401 otherwise):
 Reads by membership (``readers``, :mod:`p2p.readers`; with TLS, the agent's default): a
 manifest, its have-bitmap and its chunks are served only to a node (the asker's certificate
 names it) of a gang here that uses the manifest, or to anyone when the manifest is public;
-anything else gets 403 with a structured reason (``x-herd-refused`` and the body's
-``reason``: ``not_a_node`` | ``not_a_member``), counted in ``refused_<reason>``. A request
+or to a node that presents the placer's read grant for it (``x-herd-grant``: a contact
+serving a gang it is not in, :mod:`infra.grants`); anything else gets 403 with a structured
+reason (``x-herd-refused`` and the body's ``reason``: ``not_a_node`` | ``not_a_member`` |
+``bad_grant``), counted in ``refused_<reason>``. A request
 that waits (``?wait_ms=``) is checked leniently first -- a node whose placement has not come
 here yet, or whose gang's manifest is not here yet, may wait -- and strictly once what it
 waited for is here (a waiting batch: per chunk, the answer cut at the first refused one).
@@ -91,6 +93,7 @@ import os
 import re
 import socket
 import ssl
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -103,6 +106,7 @@ import msgspec
 import trio
 
 from infra.gate import ConnectionGate, turn_away
+from infra.grants import HEADER as GRANT_HEADER
 from infra.tls import HerdContext, stream_principal
 
 from . import batch as _b
@@ -123,7 +127,7 @@ from .batch import (
 )
 from .batch import CONTENT_TYPE as BATCH_TYPE
 from .errors import StoreError
-from .readers import Readers, ReadRefusal, chunk_refusal, manifest_refusal
+from .readers import Asker, Readers, ReadRefusal, chunk_refusal, manifest_refusal
 from .store import ChunkStore
 
 T = TypeVar("T")
@@ -132,6 +136,7 @@ log = logging.getLogger("herd.p2p.dataplane")
 
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _SERVER = b"herd-dataplane/1"
+_GRANT_KEY = GRANT_HEADER.encode()
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +205,7 @@ class _Stats(msgspec.Struct, kw_only=True):
     wait_batches_cut: int = 0          # ... ended early (a chunk absent at the deadline, resized, busy)
     refused_not_a_node: int = 0        # 403: reads by membership (p2p.readers), by reason
     refused_not_a_member: int = 0
+    refused_bad_grant: int = 0
 
 
 @dataclass(slots=True)
@@ -214,7 +220,7 @@ class _Reply:
     serving_many: list[str] = field(default_factory=list)   # a batch's chunk ids counted as being sent
     wait_batch: BatchQuery | None = None   # a batch that can wait: sent by _send_wait_batch
     client: str = ""
-    reader: str | None = None             # a waiting batch's asker (its node id), checked per chunk
+    reader: Asker = Asker(None)           # a waiting batch's asker, checked per chunk
 
 
 class _Len:
@@ -332,6 +338,8 @@ class DataPlane:
         s["waiting"] = len(self._waiters)
         s["waiting_requests"] = self._waits.open
         s["url"] = self.url
+        if self.readers is not None:
+            s["readers"] = self.readers.statistics()
         return s
 
     # ------------------------------------------------------------------ waking waiters
@@ -554,6 +562,15 @@ class DataPlane:
                     return hmac.compare_digest(tok.strip(), self._token)
         return False
 
+    def _asker(self, req: h11.Request, node: str | None) -> Asker:
+        """The request's asker: its certificate's node id and what its read grants open."""
+        if self.readers is None or node is None:
+            return Asker(node)
+        for k, v in req.headers:
+            if k == _GRANT_KEY:
+                return self.readers.asker(node, v.decode("ascii", "replace"), time.time())
+        return Asker(node)
+
     def _chunks_of(self, manifest_id: str) -> frozenset[str] | None:
         """The chunk ids ``manifest_id`` lists (None: not held here), kept for a few manifests."""
         got = self._chunk_sets.get(manifest_id)
@@ -574,13 +591,14 @@ class DataPlane:
         ev, self._members_changed = self._members_changed, trio.Event()
         ev.set()
 
-    async def _member_wait(self, path: str, query: str, who: str | None, stream: trio.abc.Stream,
+    async def _member_wait(self, path: str, query: str, who: Asker, stream: trio.abc.Stream,
                            conn: h11.Connection, ms: int) -> _Reply | object | None:
         """The strict read check, waiting up to ``ms`` for this node's gangs to change while
         the answer is ``not_a_member`` (its placement may be on its way): None (it may read),
-        the 403, or ``_GONE`` (the client left meanwhile). The caller holds a wait place."""
+        the 403, or ``_GONE`` (the client left meanwhile). The caller holds a wait place. An
+        asker whose grants all failed is not held (it relied on them, not on a placement)."""
         refused = self._read_check(path, query, who, strict=True, count=False)
-        if refused is None or who is None or ms <= 0:
+        if refused is None or who.node_id is None or who.bad_grant or ms <= 0:
             return self._read_check(path, query, who, strict=True) if refused is not None else None
         deadline = trio.current_time() + ms / 1000
 
@@ -596,7 +614,7 @@ class DataPlane:
             return _GONE
         return self._read_check(path, query, who, strict=True)
 
-    def _read_check(self, path: str, query: str, who: str | None, *, strict: bool,
+    def _read_check(self, path: str, query: str, who: Asker, *, strict: bool,
                     count: bool = True) -> _Reply | None:
         """The 403 for a read ``who`` may not make here (reads by membership), else None."""
         readers = self.readers
@@ -607,8 +625,9 @@ class DataPlane:
             ident = path.rsplit("/", 1)[1]
             if not _HEX64.match(ident):
                 return None   # (the route answers 400)
-            why = manifest_refusal(readers, who, ident)
-            if why == "not_a_member" and not strict and who is not None and not readers.manifests_for(who):
+            why = manifest_refusal(readers, who.node_id, ident, who.granted, bad_grant=who.bad_grant)
+            if (why == "not_a_member" and not strict and who.node_id is not None
+                    and not readers.manifests_for(who.node_id)):
                 why = None    # its placement may not be here yet: it may wait, then it is checked
         elif path.startswith("/v1/chunks/") or path == "/v1/chunks":
             if path == "/v1/chunks":
@@ -617,7 +636,8 @@ class DataPlane:
             else:
                 ids = [path[len("/v1/chunks/"):]]
             for cid in ids:   # a batch is refused whole at its first chunk refused
-                if (why := chunk_refusal(readers, who, cid, self._chunks_of, strict=strict)) is not None:
+                if (why := chunk_refusal(readers, who.node_id, cid, self._chunks_of, strict=strict,
+                                         granted=who.granted, bad_grant=who.bad_grant)) is not None:
                     break
         else:
             return None
@@ -627,15 +647,17 @@ class DataPlane:
             return _refused(why, path[:120])
         if why == "not_a_node":
             self._stats.refused_not_a_node += 1
+        elif why == "bad_grant":
+            self._stats.refused_bad_grant += 1
         else:
             self._stats.refused_not_a_member += 1
-        log.debug("data plane read refused path=%s asker=%s reason=%s", path[:120], who, why)
+        log.debug("data plane read refused path=%s asker=%s reason=%s", path[:120], who.node_id, why)
         return _refused(why, path[:120])
 
     async def _dispatch(self, req: h11.Request, client: str, stream: trio.abc.Stream,
-                        conn: h11.Connection, who: str | None = None) -> tuple[_Reply | None, bool]:
+                        conn: h11.Connection, node: str | None = None) -> tuple[_Reply | None, bool]:
         """The answer (None: the client went away while waiting), and whether a serving
-        slot was taken (the caller leaves it). ``who``: the asker's node id (TLS), for reads
+        slot was taken (the caller leaves it). ``node``: the asker's node id (TLS), for reads
         by membership."""
         self._stats.requests += 1
         method = req.method.decode("ascii", "replace").upper()
@@ -651,6 +673,7 @@ class DataPlane:
                 return _json(413, "request bodies are not accepted"), False
         if path == "/v1/stats" and method in ("GET", "HEAD"):   # never starved: takes no slot
             return _Reply(200, msgspec.json.encode(self.statistics())), False
+        who = self._asker(req, node)
         if (no := self._read_check(path, query, who, strict=False)) is not None:
             return no, False
         if query and method in ("GET", "HEAD") and path.startswith("/v1/chunks/"):
@@ -1080,7 +1103,7 @@ class DataPlane:
                     self._serving.pop(cid, None)
 
     async def _send_wait_batch(self, stream: trio.abc.Stream, conn: h11.Connection, req: h11.Request,
-                               bq: BatchQuery, client: str, reader: str | None = None) -> bool:
+                               bq: BatchQuery, client: str, reader: Asker = Asker(None)) -> bool:
         """A batch that can wait: the head once the first chunk is here, then each run of
         chunks here now sent by a worker thread (:meth:`_send_frames`), a wait for the next
         (woken by the store, watching the client) between runs. False (close the
@@ -1145,8 +1168,9 @@ class DataPlane:
                     size = self.store.chunk_size(cid)
                     if size is None or self._over_cap(cid):
                         break
-                    if i != checked and self.readers is not None and chunk_refusal(self.readers, reader, cid,
-                                                                                   self._chunks_of) is not None:
+                    if i != checked and self.readers is not None and chunk_refusal(
+                            self.readers, reader.node_id, cid, self._chunks_of, granted=reader.granted,
+                            bad_grant=reader.bad_grant) is not None:
                         break     # (checked, refused and counted at the top of the next round)
                     if size != sizes[i]:
                         cut = True

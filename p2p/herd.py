@@ -1074,7 +1074,8 @@ def metric_families(node_id: str, herd: Mapping[str, Any] | None,
                    ({"reason": "bad_request"}, plane.get("bad_requests", 0)),
                    # reads by membership (p2p.readers): 403s by their reason
                    ({"reason": "not_a_member"}, plane.get("refused_not_a_member", 0)),
-                   ({"reason": "not_a_node"}, plane.get("refused_not_a_node", 0))])
+                   ({"reason": "not_a_node"}, plane.get("refused_not_a_node", 0)),
+                   ({"reason": "bad_grant"}, plane.get("refused_bad_grant", 0))])
         yield one("gauge", "herd_dataplane_waiting", "Requests waiting for a chunk (?wait_ms)",
                   [({}, plane.get("waiting", 0))])
 

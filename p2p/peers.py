@@ -43,6 +43,8 @@ import trio
 
 from infra.backoff import Backoff
 from infra.errors import ProtocolError
+from infra.grants import HEADER as GRANT_HEADER
+from infra.grants import MAX_PROOFS
 from infra.h1 import ClosedBeforeAnswer, ClosedMidHead, HeadTooLarge, parse_response_head, receive_head
 from infra.tls import TLSError, expect_peer
 
@@ -175,6 +177,9 @@ class PeerClient:
         self.config = config or PeerClientConfig()
         self._ssl = ssl_context
         self._auth = f"Authorization: Bearer {token}\r\n".encode() if token else b""
+        self._grants: dict[str, tuple[str, float]] = {}   # manifest id -> (proof, expiry), oldest first
+        self._grant_line = b""                           # the header the grants make
+        self._grant_line_until = math.inf                # ... until the first of them expires
         self._idle: dict[tuple[str, int], list[_Conn]] = {}
         self._bucket = AsyncBucket(self.config.rate_bps)
         self._threads = trio.CapacityLimiter(self.MAX_THREADS)
@@ -188,6 +193,25 @@ class PeerClient:
     @property
     def tls(self) -> bool:
         return self._ssl is not None
+
+    def set_grant(self, manifest_id: str, proof: str, expires_at: float) -> None:
+        """Present ``proof`` (a read grant's, :func:`infra.grants.prove`) with every request over
+        TLS until ``expires_at`` (wall clock): peers outside this node's gang that hold the
+        manifest (the placer's contacts) serve it on the grant's word. The most recent
+        ``MAX_PROOFS`` grants go."""
+        self._grants.pop(manifest_id, None)
+        self._grants[manifest_id] = (proof, expires_at)
+        self._grant_line_until = -math.inf
+
+    def _grants_header(self) -> bytes:
+        now = time.time()
+        if now < self._grant_line_until:
+            return self._grant_line
+        self._grants = {m: g for m, g in self._grants.items() if g[1] >= now}
+        live = list(self._grants.values())[-MAX_PROOFS:]
+        self._grant_line = (f"{GRANT_HEADER}: {','.join(p for p, _ in live)}\r\n".encode() if live else b"")
+        self._grant_line_until = min((e for _, e in live), default=math.inf)
+        return self._grant_line
 
     async def aclose(self) -> None:
         for conns in self._idle.values():
@@ -481,7 +505,10 @@ class PeerClient:
         """Send the GET and read the answer's head: (status, Content-Length, keep-alive,
         the head, the bytes that came after it)."""
         cfg = self.config
-        req = (f"GET {path} HTTP/1.1\r\nHost: {key[0]}:{key[1]}\r\n").encode() + self._auth + b"\r\n"
+        req = (f"GET {path} HTTP/1.1\r\nHost: {key[0]}:{key[1]}\r\n").encode() + self._auth
+        if self._grants and self._ssl is not None:
+            req += self._grants_header()
+        req += b"\r\n"
         with trio.move_on_after(cfg.stall_s) as cs:
             try:
                 await conn.send(req)

@@ -626,6 +626,67 @@ class ClusterModel:
         self._free_job_idx.append(j)
         return int(n)
 
+    def hold_many(self, holders: Sequence[tuple[str, str, Sequence[int]]], priority: int) -> int:
+        """Give each ``(holder id, node id, slots)`` those of its slots that are still free and
+        usable, as a new non-preemptible job of ``priority`` (stopped pods keeping their GPUs
+        until their node reports them gone): what :meth:`free_gpus` then :meth:`assign` do
+        holder by holder, with one vector step over every GPU instead of several a holder.
+        In ``holders`` order, so a GPU named twice goes to the first. Unknown
+        nodes and out-of-range slots are skipped; a holder id that already holds GPUs goes
+        through :meth:`assign`. Returns the GPUs given."""
+        self._ensure()
+        rows: list[int] = []
+        counts: list[int] = []
+        flat: list[int] = []
+        ids: list[str] = []
+        given = 0
+        for hid, node_id, slots in holders:
+            i = self._index.get(node_id)
+            if i is None or not slots:
+                continue
+            if hid in self._jobs:   # (rare: held before) the one-by-one path, idempotent
+                mine = self._jobs[hid].index
+                own = self.owner[i]
+                keep = [s for s in slots if 0 <= s < own.size and self.usable[i, s] and own[s] in (-1, mine)]
+                if keep:
+                    given += sum(1 for s in keep if own[s] == -1)
+                    self.assign(hid, node_id, keep, priority, False)
+                continue
+            ids.append(hid)
+            rows.append(i)
+            counts.append(len(slots))
+            flat.extend(slots)
+        if not ids:
+            return given
+        cnt = np.asarray(counts, np.int64)
+        nodes = np.repeat(np.asarray(rows, np.int64), cnt)
+        sl = np.asarray(flat, np.int64)
+        who = np.repeat(np.arange(len(ids), dtype=np.int64), cnt)
+        ok = (sl >= 0) & (sl < self.n_gpus[nodes])
+        nodes, sl, who = nodes[ok], sl[ok], who[ok]
+        ok = (self.owner[nodes, sl] == -1) & self.usable[nodes, sl]
+        nodes, sl, who = nodes[ok], sl[ok], who[ok]
+        # a GPU named by two holders: the first keeps it
+        _, first = np.unique(nodes * self.owner.shape[1] + sl, return_index=True)
+        if first.size != nodes.size:
+            first.sort()
+            nodes, sl, who = nodes[first], sl[first], who[first]
+        if not nodes.size:
+            return given
+        per = np.bincount(who, minlength=len(ids))
+        ends = np.cumsum(per)
+        index = np.empty(len(ids), np.int64)
+        for k in np.flatnonzero(per).tolist():
+            rec = self._new_job(ids[k], priority, False)
+            hi = int(ends[k])
+            lo = hi - int(per[k])
+            rec.nodes, rec.slots = nodes[lo:hi], sl[lo:hi]
+            self.job_gpus[rec.index] = hi - lo
+            index[k] = rec.index
+        self.owner[nodes, sl] = index[who]
+        self.free -= np.bincount(nodes, minlength=self.free.size).astype(self.free.dtype)
+        return given + int(nodes.size)
+
     # ------------------------------------------------------------------ copies, stats, checks
 
     def copy(self) -> ClusterModel:

@@ -176,6 +176,19 @@ class Push:
                         attempt=self.attempt, victims=pl.victims, issued_at=pl.issued_at, expires_at=expires_at,
                         boot_id=self.boot_id)
 
+    def direct(self, expires_at: float, epoch: int) -> Placement:
+        """This push as a direct push (``POST /v1/placements``) sends it: bound to its node and
+        its job's attempt, expiring at ``expires_at``, of placer ``epoch``; a stop names the
+        node's boot too (the agent refuses it in another boot or past the expiry, as a stop
+        part: a stop replayed later stops nothing)."""
+        pl = self.placement
+        if not pl.node_id:
+            pl = msgspec.structs.replace(pl, node_id=self.node_id, attempt=self.attempt, expires_at=expires_at,
+                                         boot_id="" if pl.pods else self.boot_id)
+        if pl.epoch != epoch:
+            pl = msgspec.structs.replace(pl, epoch=epoch)
+        return pl
+
     def part_bytes(self, expires_at: float) -> bytes:
         """``msgauth.part_bytes(self.part(expires_at))``, the bytes a bundle carries, made
         without the NodePart (a start push's, from its gang: see GangStart.part_bytes)."""
@@ -241,10 +254,10 @@ class GangStart:
     a node's NodePart (rack relays) or Placement (direct push) is made from it on demand."""
 
     __slots__ = ("spec", "job_id", "attempt", "prefix", "blob_id", "peers_of", "contacts", "n_gang", "now",
-                 "expires", "argv", "env")
+                 "expires", "argv", "env", "read_grant")
 
     def __init__(self, spec: JobSpec, attempt: int, *, blob_id: str, peers_of: Callable[[NodeRec], list[Peer]],
-                 contacts: list[Peer], n_gang: int, now: float, expires: float) -> None:
+                 contacts: list[Peer], n_gang: int, now: float, expires: float, read_grant: bytes = b"") -> None:
         self.spec = spec
         self.job_id = spec.job_id
         self.attempt = attempt
@@ -257,6 +270,7 @@ class GangStart:
         self.expires = expires
         self.argv = list(spec.argv)
         self.env = dict(spec.env)
+        self.read_grant = read_grant   # (in the blob too; a direct push carries it for small gangs)
 
     def part(self, placement_id: str, node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> NodePart:
         # blob_id, the placement id and the workload ids left empty: the bundle's blob, and
@@ -287,7 +301,7 @@ class GangStart:
             victims=victims, world_size=s.pods, argv=self.argv, env=self.env, manifest_id=s.manifest_id,
             origin=s.origin, peers=self.peers_of(node), grace_s=s.grace_s, restart=s.restart, issued_at=self.now,
             gang_blob_id=self.blob_id, gang_nodes=self.n_gang, user=s.user, limits=s.limits,
-            env_from_files=s.env_from_files)
+            env_from_files=s.env_from_files, read_grant=self.read_grant)
 
 
 # A pod's state as a code (one byte in its job's table). The codes are fixed: "placing",
@@ -479,6 +493,7 @@ class JobRec:
     counts: Counter[str] = field(default_factory=Counter)    # current pods by state
     ok_exits: int = 0                                         # pods exited with code 0
     blob_id: str | None = None                                # the current attempt's gang blob
+    read_grant: bytes = b""                                   # ... and its read grant (infra.grants)
     rollbacks: int = 0                                        # refused placements so far
 
     @property

@@ -58,12 +58,16 @@ log = logging.getLogger("herd.placer.state")
 FULL_PEERS_UP_TO = 64      # gangs of at most this many nodes list every member to every node
 CONTACTS = 4               # bigger gangs: this many members of other racks per node
 REBUILD_SPACING = 4.0      # a rebuild waits this many times the previous one's cost
+READ_GRANT_TTL_S = 3600.0  # a gang's read grant lets its nodes read from its contacts this long
 
 
 class Scheduling(StateBase):
     rebuild_ok_at: float = 0.0
     last_rebuild_s: float = 0.0
     _pass_t0: float = 0.0
+    # (manifest id, the gang's node ids, expiry) -> a read grant signed with the bundle key
+    # (msgauth.BundleSigner.read_grant), set by the service; None: gangs get no grant
+    read_grants: Callable[[str, list[str], float], bytes] | None = None
 
     # ------------------------------------------------------------ jobs
 
@@ -265,10 +269,10 @@ class Scheduling(StateBase):
         (ClusterModel.rack_runs)."""
         s = job.spec
         nodes = self.nodes
-        blob_id, peers_of = self._gang_blob(job, gang, order, runs)
+        blob_id, peers_of = self._gang_blob(job, gang, order, runs, now)
         contacts = self._holders(s.manifest_id, {n.node_id for n in gang} if s.manifest_id else set())
         gs = GangStart(s, job.attempt, blob_id=blob_id, peers_of=peers_of, contacts=contacts, n_gang=len(gang),
-                       now=now, expires=now + self.cfg.placement_ttl_s)
+                       now=now, expires=now + self.cfg.placement_ttl_s, read_grant=job.read_grant)
         # (a node's victims are taken out of victim_stops: what is left is on nodes given no pod)
         out = Push.gang_starts(gs, gang, job.table, rows,
                                (lambda nid: victim_stops.pop(nid, NO_VICTIMS)) if victim_stops else None)
@@ -281,7 +285,7 @@ class Scheduling(StateBase):
         return out
 
     def _gang_blob(self, job: JobRec, gang: list[NodeRec], order: list[NodeRec] | None = None,
-                   runs: tuple[list[str], list[int], list[int]] | None = None
+                   runs: tuple[list[str], list[int], list[int]] | None = None, now: float = 0.0
                    ) -> tuple[str, Callable[[NodeRec], list[Peer]]]:
         """Encode the gang's blob once; return its id and each node's bounded peer list.
         ``runs``: ``order`` by rack (racks, where each begins, each node's rack), if known."""
@@ -302,16 +306,20 @@ class Scheduling(StateBase):
                 rack_of.append(len(racks) - 1)
         table = PeerTable(node_ids=[n.node_id for n in order], data_urls=[n.data_url for n in order],
                           rack_of=rack_of, racks=racks, rack_start=rack_start)
+        extra = self._holders(s.manifest_id, {n.node_id for n in gang} if s.manifest_id else set())
+        # contacts are in no gang of theirs with these nodes: the grant says who may read
+        grant = (self.read_grants(s.manifest_id, table.node_ids, now + READ_GRANT_TTL_S)
+                 if extra and s.manifest_id and self.read_grants is not None else b"")
         blob = GangBlob(job_id=job.job_id, attempt=job.attempt, argv=list(s.argv), env=dict(s.env),
                         manifest_id=s.manifest_id, origin=s.origin, grace_s=s.grace_s, restart=s.restart,
                         world_size=s.pods, peers=table, user=s.user, limits=s.limits,
-                        env_from_files=dict(s.env_from_files))
+                        env_from_files=dict(s.env_from_files), read_grant=grant)
         blob_id, raw = encode_gang_blob(blob)
         if job.blob_id is not None:
             self.blobs.pop(job.blob_id, None)
         job.blob_id = blob_id
+        job.read_grant = grant
         self.blobs[blob_id] = raw
-        extra = self._holders(s.manifest_id, {n.node_id for n in gang} if s.manifest_id else set())
         if len(gang) <= FULL_PEERS_UP_TO:
             everyone = [n.peer() for n in order] + extra
             return blob_id, lambda node: everyone

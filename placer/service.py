@@ -120,6 +120,8 @@ class PlacerService:
         self.pki = PKIRoutes(config.ca_dir, days=config.node_cert_days, clock=clock)
         self.state = PlacerState(config, started_at=clock())
         self.signer = msgauth.BundleSigner.generate()
+        # gangs' read grants, signed with whichever bundle key is current (infra.grants)
+        self.state.read_grants = lambda m, ids, until: self.signer.read_grant(m, ids, until)
         self.wire: HeartbeatServer | None = None
         self._refresh_revoked(clock())   # the deny-list (herd pki revoke) before any handshake
         self.mac_key: Callable[[str, str], bytes] = self.state.mac_key   # (relays.RelayHost: the state's own)
@@ -546,14 +548,9 @@ class PlacerService:
 
     async def _push_one(self, p: Push) -> Outcome:
         self.push_counts[p.kind] += 1
-        pl = p.placement
-        if not pl.node_id:  # bound to its node and attempt, with an expiry (the agent checks them)
-            # (a stop has none: stopping a workload of a past attempt again is harmless, and a stop
-            # that waited out a long fallback queue must still land)
-            pl = msgspec.structs.replace(pl, node_id=p.node_id, attempt=p.attempt,
-                                         expires_at=self.clock() + self.cfg.placement_ttl_s if pl.pods else 0.0)
-        if pl.epoch != self.epoch:
-            pl = msgspec.structs.replace(pl, epoch=self.epoch)
+        # bound to its node and attempt, expiring (its expiry set as it leaves), a stop to the
+        # node's boot: the agent checks them
+        pl = p.direct(self.clock() + self.cfg.placement_ttl_s, self.epoch)
         if self.ha is not None and not self.ha.leading():
             # the lease is not known to hold now (a loop stalled past it learns so here, before
             # sending): nothing leaves, as if the node were unreachable
@@ -589,6 +586,8 @@ class PlacerService:
             out = Outcome("unreachable", detail=f"HTTP {res.status}: {why}")
         log.warning("placement refused node=%s placement=%s status=%s outcome=%s detail=%s",
                     p.node_id, p.placement.placement_id, res.status, out.outcome, out.detail)
+        if p.kind == "stop":   # (another boot, say): the node's next reply names them
+            self.state.stop_failed(p.node_id, p.placement.victims)
         return out
 
     async def _dispatch(self, job_id: str, attempt: int, pushes: list[Push]) -> None:

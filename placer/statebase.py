@@ -195,16 +195,13 @@ class StateBase:
 
     def _hold(self, pods: Iterable[PodRec]) -> None:
         """Stopped pods keep their GPUs (as ``stale:`` holders) until their node reports them gone."""
-        for p in pods:
-            if p.node_id not in self.nodes or not p.slots:
-                continue
+        nodes = self.nodes
+        holders = [(f"stale:{p.workload_id}", p.node_id, p.slots) for p in pods if p.slots and p.node_id in nodes]
+        if holders:
             try:
-                free = set(self.model.free_gpus(p.node_id))
-            except MODEL_ERRORS:
-                continue
-            slots = [s for s in p.slots if s in free]
-            if slots:
-                self._assign(f"stale:{p.workload_id}", p.node_id, slots, STALE_PRIORITY, False)
+                self.model.hold_many(holders, STALE_PRIORITY)
+            except MODEL_ERRORS as e:
+                log.warning("cannot hold the GPUs of %d stopped pods: %s", len(holders), e)
 
     def _set_node_state(self, node: NodeRec, state: str) -> None:
         if node.state != state:

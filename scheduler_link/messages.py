@@ -315,6 +315,13 @@ class Placement(msgspec.Struct, frozen=True, kw_only=True):
     # the highest epoch the agent has seen is refused ``stale_epoch``. 0: a placer without epochs
     # (refused too once the agent has seen one); an operator's direct placement is not checked
     epoch: int = 0
+    # the gang's read grant (GangBlob.read_grant), so that a small gang's node, whose peers list
+    # every member, can prove its membership to the contacts without the blob
+    read_grant: bytes = b""
+    # a stop-only placement from the placer: the boot of the node it is meant for (the boot id of
+    # the node's link). The agent acts on it only in that boot and before ``expires_at``, as on a
+    # stop part (agent.parts.stop_refusal); an operator's direct placement is not checked
+    boot_id: str = ""
 
 
 # What became of one node's part of a placement. The placer decides on this, never on the
@@ -599,6 +606,10 @@ class GangBlob(msgspec.Struct, frozen=True, kw_only=True):
     user: str | None = None                  # the pods' user (JobSpec.user), checked by each agent
     limits: ResourceLimits = ResourceLimits()  # each pod's cgroup limits (JobSpec.limits)
     env_from_files: dict[str, str] = {}      # JobSpec.env_from_files (names -> host paths)
+    # the placer's read grant for the gang's nodes (infra.grants: manifest, expiry, the root
+    # over peers.node_ids, signed with its bundle key); empty when no node outside the gang
+    # was named to it as a holder of the manifest
+    read_grant: bytes = b""
 
 
 class PartPod(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):

@@ -56,6 +56,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from infra.durable import atomic_write
 from infra.errors import AuthError as AuthError  # (defined with the package's other errors)
+from infra.grants import make_grant
 
 from .messages import MAC_LEN as MAC_LEN
 from .messages import (
@@ -311,6 +312,11 @@ class BundleSigner:
                            deliver_by=sp.deliver_by, blob=sp.blob, blob_sources=sp.blob_sources,
                            sig=sig, sig_path=path, sig_index=i, epoch=sp.epoch)
                 for i, (sp, path) in enumerate(zip(specs, paths, strict=True))]
+
+    def read_grant(self, manifest_id: str, node_ids: list[str], expires_at: float) -> bytes:
+        """A gang's read grant (:mod:`infra.grants`): its nodes may read ``manifest_id`` from
+        nodes outside the gang until ``expires_at``."""
+        return make_grant(self._key.sign, manifest_id, node_ids, expires_at)
 
     def revoked(self, issued_at: float, nodes: list[str], serials: list[str]) -> RevokedList:
         """The deny-list signed, for members to take through their relay."""

@@ -38,12 +38,13 @@ async def herd(*args: str, env: dict[str, str]) -> tuple[int, str, str]:
 
 async def test_cli_place_status_stop(tmp_path, token_dir):
     agent = make_agent(tmp_path, token_dir)
-    with trio.fail_after(60):
+    # the workload outlives every CLI call below (a dozen interpreter starts: ~40 s on a loaded 2-core host)
+    with trio.fail_after(240):
         async with trio.open_nursery() as n:
             url = await n.start(agent.run)
             env = {**os.environ, "HERD_AGENT": url, "HERD_TOKEN_DIR": str(token_dir)}
             rc, out, err = await herd("agent", "place", "--gpus", "2", "--json", "--grace", "5", "--",
-                                      "sh", "-c", "echo $CUDA_VISIBLE_DEVICES; sleep 30", env=env)
+                                      "sh", "-c", "echo $CUDA_VISIBLE_DEVICES; sleep 600", env=env)
             assert rc == 0, err
             placed = json.loads(out)
             assert set(placed) >= {"workload", "gpus", "state"} and len(placed["gpus"]) == 2

@@ -83,7 +83,7 @@ async def test_dataplane_tls_off_is_plain_and_warned(tmp_path, token_dir, tls_pk
     with trio.fail_after(60), caplog.at_level(logging.WARNING):
         async with trio.open_nursery() as n:
             a = _agent(tmp_path, token_dir, "a3", tls_dir=tls_pki.node_dir("a3"),
-                       dataplane=DataPlaneSection(tls=False))
+                       dataplane=DataPlaneSection(tls=False, insecure_reads=True))
             control = await n.start(a.run)
             assert control.startswith("https://")          # the control API stays TLS
             assert a.data_url.startswith("http://") and a.herd is not None and not a.herd.client.tls

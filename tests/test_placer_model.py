@@ -195,3 +195,57 @@ def test_a_decision_naming_a_gpu_twice_is_refused() -> None:
     m.allocate(ok)
     assert m.jobs["ok"].gpus_by_node == {"z0b0r0n0": (0, 1, 2, 3)}
     m.check_invariants()
+
+
+def _hold_one_by_one(m: ClusterModel, holders: list[tuple[str, str, list[int]]], priority: int) -> None:
+    """What the placer did before hold_many: free_gpus, then assign, holder by holder."""
+    for hid, node_id, slots in holders:
+        if node_id not in m.node_ids or not slots:
+            continue
+        free = set(m.free_gpus(node_id))
+        keep = [s for s in slots if s in free]
+        if keep:
+            m.assign(hid, node_id, keep, priority, False)
+
+
+def _holdings(m: ClusterModel) -> dict[str, tuple[int, bool, list[tuple[int, int]]]]:
+    return {j: (r.priority, r.preemptible, sorted(zip(r.nodes.tolist(), r.slots.tolist(), strict=True)))
+            for j, r in m.jobs.items()}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_hold_many_gives_what_free_then_assign_gave(seed: int) -> None:
+    """hold_many in one vector step ends in the same model as one free_gpus + assign a holder:
+    GPUs already taken or unhealthy skipped, a GPU named twice kept by the first holder, holders
+    that exist already, unknown nodes and bad slots."""
+    rng = np.random.default_rng(seed)
+    specs = hgx(racks=3, nodes=4)
+    base = ClusterModel.build(specs)
+    ids = [s.node_id for s in specs]
+    for k in range(int(rng.integers(0, 6))):
+        node = ids[int(rng.integers(len(ids)))]
+        free = base.free_gpus(node)
+        if free:
+            base.assign(f"j{k}", node, rng.choice(free, size=int(rng.integers(1, len(free) + 1)),
+                                                  replace=False).tolist(), 1, True)
+    for _ in range(int(rng.integers(0, 5))):
+        base.set_gpu_health(ids[int(rng.integers(len(ids)))], int(rng.integers(8)), False)
+    holders: list[tuple[str, str, list[int]]] = []
+    for h in range(int(rng.integers(1, 30))):
+        node = ids[int(rng.integers(len(ids)))] if rng.random() > 0.05 else "nowhere"
+        slots = sorted(set(rng.integers(0, 8, size=int(rng.integers(0, 5))).tolist()))
+        if rng.random() < 0.05:
+            slots.append(9)   # out of range: skipped
+        holders.append((f"stale:w{h}", node, slots))
+    if holders and rng.random() < 0.3:   # a holder held before
+        hid, node, slots = holders[0]
+        if node in ids:
+            _hold_one_by_one(base, [(hid, node, slots[:1])], 5)
+    a, b = base.copy(), base.copy()
+    _hold_one_by_one(a, [(h, n, [s for s in sl if s < 8]) for h, n, sl in holders], 5)
+    got = b.hold_many(holders, 5)
+    b.check_invariants()
+    a.check_invariants()
+    assert np.array_equal(a.owner >= 0, b.owner >= 0) and np.array_equal(a.free, b.free)
+    assert _holdings(a) == _holdings(b)
+    assert got == int((b.owner >= 0).sum() - (base.owner >= 0).sum())

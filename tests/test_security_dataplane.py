@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from pathlib import Path
 
 import httpx
 import msgspec
@@ -22,32 +21,19 @@ import trio
 
 from agent.config import AgentConfig, DataPlaneSection
 from agent.daemon import Agent
-from agent.supervisor import SupervisorConfig
 from infra import tls
 from infra.auth import TokenSet
 from p2p.fetch import fetch_artifact
 from p2p.herd import render_metrics
 from p2p.origins import open_origin
 from p2p.peers import PeerClient, PeerRefused
-from p2p.publish import publish
 from p2p.readers import Gang, Readers, chunk_refusal, manifest_refusal
 from scheduler_link.messages import Peer, Placement, PodAssignment
 from testing.waiting import poll
+from tests.dataplane_agents import publish_random, secure_agent
 
-
-def _agent(tmp: Path, token_dir: Path, tls_pki, node: str, origin: str, **kw) -> Agent:
-    conf = AgentConfig(node_id=node, gpus="simulated:dgx-h100", state_dir=str(tmp / node), listen="127.0.0.1:0",
-                       data_listen="127.0.0.1:0", token_dir=str(token_dir), tls_dir=str(tls_pki.node_dir(node)),
-                       insecure=False, allowed_origins=(origin,), workloads=SupervisorConfig(shim_pool=0), **kw)
-    return Agent(conf, env={"PATH": os.environ["PATH"], "NOTIFY_SOCKET": "@nope"}, handle_signals=False)
-
-
-async def _publish(tmp: Path, origin: str, name: str) -> str:
-    src = tmp / f"src-{name}"
-    src.mkdir()
-    (src / "weights.bin").write_bytes(os.urandom(3 << 20))
-    async with open_origin(origin) as o:
-        return (await publish(src, o, f"{name}:v1")).manifest
+_agent = secure_agent
+_publish = publish_random
 
 
 async def test_only_the_gangs_nodes_read_its_artifact_from_a_peer(tmp_path, token_dir, tls_pki):
@@ -204,3 +190,22 @@ def test_the_agent_takes_its_gangs_from_its_live_workloads():
     gr.refresh()
     assert readers.gangs() == {"B": Gang(m, frozenset({"a1", "a2", "a3"}))} and wanted == ["B"]
     assert readers.manifests_for("a3") == [m] and readers.manifests_for("a4") == []
+
+
+def test_a_data_plane_without_tls_starts_only_when_the_operator_says_reads_are_open(tmp_path, token_dir, tls_pki):
+    """Without data-plane TLS no certificate names the asker, so reads by membership cannot
+    hold: a secure agent with ``[dataplane] tls = false`` refuses to start with one line naming
+    the way out, unless the operator says ``insecure_reads = true`` or makes every artifact
+    public; an insecure agent (plain everything, warned at start) serves it as before."""
+    from agent.errors import AgentError
+
+    origin = f"file://{tmp_path / 'origin'}"
+    with pytest.raises(AgentError, match=r"\[dataplane\] insecure_reads = true") as e:
+        _agent(tmp_path, token_dir, tls_pki, "a5", origin, dataplane=DataPlaneSection(tls=False))
+    assert "\n" not in str(e.value)
+    for ok in (DataPlaneSection(tls=False, insecure_reads=True), DataPlaneSection(tls=False, public=["*"]),
+               DataPlaneSection()):
+        assert _agent(tmp_path, token_dir, tls_pki, "a5", origin, dataplane=ok).config.dataplane == ok
+    insecure = AgentConfig(node_id="a6", gpus="simulated:dgx-h100", state_dir=str(tmp_path / "a6"),
+                           token_dir=str(token_dir), insecure=True, dataplane=DataPlaneSection(tls=False))
+    Agent(insecure, env={"PATH": os.environ["PATH"]}, handle_signals=False)

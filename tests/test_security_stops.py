@@ -142,3 +142,75 @@ async def test_a_replayed_stop_does_not_stop_the_pod_and_the_placers_stop_does(t
             st = await sup.wait_terminal("j.1.0")
             assert st.state == "exited"
             n.cancel_scope.cancel()
+
+
+async def test_a_replayed_direct_stop_does_not_stop_the_pod_and_the_placers_stop_does(tmp_path, token_dir, tls_pki):
+    """The placer's stops pushed directly (``POST /v1/placements`` over mutual TLS, no relay) are
+    bound as stop parts are: a real placer and a real agent; stops for the pod's job as the
+    placer sends them (its certificate, its epoch, the node's link boot) but past their expiry,
+    for an earlier boot of the node, with no boot or expiry, or naming a later attempt's pod from
+    an earlier one's stop, are refused with a structured outcome and the pod keeps running; the
+    placer's own stop (the job cancelled) stops it."""
+    import time
+
+    import httpx
+
+    from agent.config import AgentConfig
+    from agent.daemon import Agent
+    from infra import tls
+    from infra.auth import TokenSet
+    from placer.service import PlacerService
+    from tests.test_placer_service import cfg, wait_for
+
+    tokens = TokenSet.load(token_dir)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as n:
+            svc = PlacerService(cfg(tmp_path, tls_dir=str(tls_pki.dir), insecure=False), tokens)
+            url = await n.start(svc.run)
+            agent = Agent(AgentConfig(node_id="a1", gpus="simulated:dgx-h100", state_dir=str(tmp_path / "a1"),
+                                      listen="127.0.0.1:0", data_listen=None, token_dir=str(token_dir),
+                                      placer=url, heartbeat_s=0.2, tls_dir=str(tls_pki.node_dir("a1")),
+                                      insecure=False, workloads=SupervisorConfig(shim_pool=0)),
+                          env={"PATH": os.environ["PATH"], "NOTIFY_SOCKET": "@nope"}, handle_signals=False)
+            control = await n.start(agent.run)
+            op = httpx.AsyncClient(verify=tls.client_context(tls_pki.ca, tls_pki.files("operator"), expect="placer"),
+                                   base_url=url, timeout=10)
+            placer = httpx.AsyncClient(verify=tls.client_context(tls_pki.ca, tls_pki.files("placer")),
+                                       base_url=control, timeout=10)
+
+            async def up() -> bool:
+                return any(x["state"] == "up" for x in (await op.get("/v1/nodes")).json()["nodes"])
+            await wait_for(up)
+            r = await op.post("/v1/jobs", content=msgspec.json.encode(
+                JobSpec(job_id="j", pods=1, gpus_per_pod=1, argv=["sleep", "30"])))
+            assert r.status_code == 201, r.text
+            r = await op.get("/v1/jobs/j", params={"wait": "running", "timeout_ms": "20000"})
+            assert r.json()["state"] == "running", r.text
+            (wid,) = [w for w in agent.supervisor.records_view() if w.startswith("j.")]
+            attempt = int(wid.split(".")[1])
+            boot = agent.link_boot_id()
+            assert boot
+            now = time.time()
+            ok = Placement(placement_id=f"stop:j:{attempt}:a1:1", job_id="j", node_id="a1", attempt=attempt,
+                           victims=[Victim(workload_id=wid, grace_s=0.1)], issued_at=now, expires_at=now + 30,
+                           boot_id=boot, epoch=svc.epoch)
+            replays = {
+                "expired": [msgspec.structs.replace(ok, placement_id="stop:j:1:a1:2", issued_at=now - 60,
+                                                    expires_at=now - 30),
+                            msgspec.structs.replace(ok, placement_id="stop:j:1:a1:3", boot_id="an-earlier-boot")],
+                "refused_spec": [msgspec.structs.replace(ok, placement_id="stop:j:1:a1:4", boot_id="", expires_at=0.0),
+                                 msgspec.structs.replace(ok, placement_id="stop:j:1:a1:5", attempt=attempt - 1)],
+            }
+            for outcome, stops in replays.items():
+                for stop in stops:
+                    r = await placer.post("/v1/placements", content=msgspec.json.encode(stop))
+                    assert r.status_code == 409 and r.json()["outcome"] == outcome, (stop, r.text)
+            assert agent.supervisor.record(wid).state == "running"
+            # the placer's own stop: the job cancelled, pushed directly, for this boot, in time
+            r = await op.delete("/v1/jobs/j")
+            assert r.status_code in (200, 202), r.text
+            st = await agent.supervisor.wait_terminal(wid)
+            assert st.state in ("exited", "preempted")
+            await op.aclose()
+            await placer.aclose()
+            n.cancel_scope.cancel()
