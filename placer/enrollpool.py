@@ -21,9 +21,13 @@ Invariant: the pool never decides; a batch's answers are the desk's, whatever th
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import logging
 import multiprocessing
 import os
+import signal
+import threading
+import time
 from concurrent.futures.process import BrokenProcessPool
 
 import trio
@@ -32,8 +36,28 @@ from scheduler_link import enroll
 
 log = logging.getLogger("herd.placer.enrollpool")
 
+PARENT_POLL_S = 1.0   # a worker whose placer is gone exits within this (where the kernel does not say at once)
 MIN_BATCH = 4         # fewer unchecked certificates than this are checked in the loop (the IPC costs more)
 MAX_WORKERS = 4
+
+
+def _worker_start(parent: int) -> None:
+    """In each worker, first: exit when the placer that started it is gone, however it went
+    (killed, a kill -9 too: a pool's idle workers would wait on their queue for ever). Linux
+    says so at once (PR_SET_PDEATHSIG); a thread checks the parent every PARENT_POLL_S anyway."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))   # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):   # (not Linux)
+        pass
+    if os.getppid() != parent:   # (gone before that took hold)
+        os._exit(0)
+    threading.Thread(target=_watch_parent, args=(parent,), name="herd-enroll-parent", daemon=True).start()
+
+
+def _watch_parent(parent: int) -> None:
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL_S)
+    os._exit(0)
 
 
 def default_workers() -> int:
@@ -107,7 +131,8 @@ class EnrollPool:
         try:
             if self._ex is None:
                 self._ex = concurrent.futures.ProcessPoolExecutor(
-                    self.workers, mp_context=multiprocessing.get_context("spawn"))
+                    self.workers, mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_worker_start, initargs=(os.getpid(),))
             ca, key = desk.pool_args()
             return self._ex.submit(enroll.check_members, ca, key, ders)
         except (BrokenProcessPool, RuntimeError, OSError) as e:

@@ -4,14 +4,18 @@ refusals keep their structured outcome."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import trio
 from cryptography.hazmat.primitives import serialization
 
 from infra.pki import CA, make_ca
-from placer.enrollpool import MIN_BATCH, EnrollPool
+from placer.enrollpool import MIN_BATCH, PARENT_POLL_S, EnrollPool
 from scheduler_link.enroll import (
     EnrollClient,
     EnrollDesk,
@@ -127,3 +131,63 @@ async def test_a_relays_batch_has_its_certificates_checked_by_a_worker(tmp_path,
             assert desk is not None and desk.cert_checks == len(es) and desk.taken == len(es)
             pool = r.svc.relays.enroll_pool.statistics()
             assert pool["certificates"] == (len(es) if pool["workers"] else 0)
+
+
+_CHILD = """
+import sys, time
+from infra.pki import throwaway
+from placer.enrollpool import EnrollPool
+from scheduler_link.enroll import desk_from_files
+desk = desk_from_files(throwaway(sys.argv[1]).files("placer"))
+EnrollPool(1).warm(desk)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+def _workers_of(pid: int) -> list[int]:
+    """The spawned worker processes whose parent is ``pid`` (from /proc)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid and b"spawn_main" in cmd:
+            out.append(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="needs /proc")
+def test_the_workers_exit_when_the_placer_is_killed(tmp_path) -> None:
+    """A kill -9 of the placer (a restart) leaves no worker behind."""
+    child = subprocess.Popen([sys.executable, "-c", _CHILD, str(tmp_path / "pki")], stdout=subprocess.PIPE,
+                             cwd=str(Path(__file__).resolve().parent.parent))
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"ready"
+        deadline = time.monotonic() + 60
+        while not (workers := _workers_of(child.pid)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert workers, "the worker did not start"
+        child.kill()
+        child.wait(10)
+        deadline = time.monotonic() + 10 * PARENT_POLL_S
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(w) for w in workers)
+    finally:
+        child.kill()
+        child.wait(10)
