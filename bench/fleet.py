@@ -442,6 +442,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="registration only, over mutual TLS vs the same without TLS (bench/fleet_tls.py)")
     ap.add_argument("--repeat", type=int, default=1, help="--tls: runs per mode (medians)")
     ap.add_argument("--relays", action="store_true", help="--tls: relay mode (members beat through their relay)")
+    ap.add_argument("--modes", default=None, help="--tls: comma-separated subset of plain,tls,enroll (default all)")
+    ap.add_argument("--baseline-root", default=None,
+                    help="--tls --relays: also the enroll mode run by this tree (another checkout), alternated in the "
+                         "same run (enroll_base; ratios *_enroll_over_base)")
     ns = ap.parse_args(argv)
     nodes = [int(x) for x in ns.nodes.split(",") if x.strip()]
     if ns.tls:
@@ -451,7 +455,9 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             out = trio.run(partial(run_tls_bench, nodes, per_proc=min(ns.per_proc, 4096), heartbeat_s=ns.heartbeat,
                                    limit_s=ns.register_limit, repeat=max(1, ns.repeat),
-                                   root=Path(ns.placer_root), tmp=Path(d), relays=ns.relays))
+                                   root=Path(ns.placer_root), tmp=Path(d), relays=ns.relays,
+                                   modes=tuple(m for m in (ns.modes or "").split(",") if m) or None,
+                                   baseline_root=Path(ns.baseline_root) if ns.baseline_root else None))
             out["wall_s"] = round(time.perf_counter() - t0, 1)
             out["cores"] = os.cpu_count()
         print(json.dumps(out)) if ns.json else print_tls_table(out)

@@ -1,6 +1,7 @@
 """Registration over mutual TLS against the same registration without TLS, same run.
 
     python -m bench.fleet --tls --nodes 4096,16384 [--per-proc 4096] [--repeat 1] [--relays] [--json]
+        [--modes enroll] [--baseline-root DIR]
 
 Per row (N nodes) and per mode, a fresh ``herd placer run`` subprocess (framed channel on) and
 ``ceil(N / --per-proc)`` emulator processes (``python -m testing.fleet``). Every emulated node
@@ -22,6 +23,10 @@ third mode in the same run:
   scheduler_link.enroll: its certificate's key proves it, its keys come back sealed): the
   placer handshakes with the relays only.
 
+``--modes`` runs a subset of the modes; ``--baseline-root DIR`` (relay mode) adds
+``enroll_base``, the enroll mode run by the tree at DIR (another checkout: its placer and its
+emulators), alternated with the others in the same run, for ``*_ratio_enroll_over_base``.
+
 Members beat through their rack's relay (emulated in-process, one frames connection per rack to the
 placer, over TLS with the relay node's certificate); without it every node keeps its own
 connection and beats on it, which costs the placer a TLS record and a report each beat.
@@ -32,7 +37,7 @@ the same wire as an agent's).
 
 Figures: ``handshakes`` (the TLS handshakes the placer's framed channel completed),
 ``register_s`` (``go`` -> the placer's ``GET /v1/cluster`` counts N nodes up),
-``placer_cpu_s`` and ``emulator_cpu_s`` (CPU time meanwhile, from ``/proc``), and per mode the medians
+``placer_cpu_s`` (the placer's with its enrolment workers') and ``emulator_cpu_s`` (CPU time meanwhile, from ``/proc``), and per mode the medians
 over ``--repeat`` runs, with the ratio tls / plain. The machine's load average is recorded with
 every row (a shared machine: read the figures with it).
 """
@@ -51,7 +56,7 @@ import httpx
 
 from infra.auth import generate_token_dir
 from infra.pki import throwaway
-from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, verify, wait_nodes_up
+from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, proc_cpu_s, verify, wait_nodes_up
 
 # The emulators run 10 nicer than the placer, in both modes: on a fleet they are other machines,
 # and here each member's wake-up (its blocking handshake thread, woken by the placer's send)
@@ -60,12 +65,35 @@ from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, verify, wai
 EMULATOR_NICE = 10
 
 
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_s(pid: int) -> float:
+    """utime + stime of ``pid`` and of its live children: the placer's with its enrolment
+    workers (placer.enrollpool), whose CPU is the placer's as much as its loop's."""
+    total = proc_cpu_s(pid)
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == pid:
+            continue
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:   # (gone meanwhile)
+            continue
+        if int(fields[1]) == pid:   # its parent
+            total += (int(fields[11]) + int(fields[12])) / _TICK
+    return total
+
+
 def _load() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
 async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, heartbeat_s: float,
                         limit_s: float, root: Path, relays: bool = False) -> dict[str, Any]:
+    label = mode
+    if mode == "enroll_base":   # the enroll mode, run by the baseline tree (``root`` is that tree)
+        mode = "enroll"
     td = generate_token_dir(tmp / "tokens")
     pki_dir = None
     if mode in ("tls", "enroll"):
@@ -75,7 +103,7 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
     opts = PlacerOptions(heartbeat_s=heartbeat_s, lost_after_missed=1000, relays=relays,
                          tls_dir=str(pki_dir) if pki_dir else None)
     viewer = {"authorization": f"Bearer {(td / 'viewer.token').read_text().strip()}"}
-    row: dict[str, Any] = {"nodes": n_nodes, "mode": mode, "relays": relays, "load_before": _load()}
+    row: dict[str, Any] = {"nodes": n_nodes, "mode": label, "relays": relays, "load_before": _load()}
     async with AsyncExitStack() as stack:
         placer = await stack.enter_async_context(PlacerProc(tmp / f"run-{mode}", td, opts, root=root))
         c = await stack.enter_async_context(httpx.AsyncClient(timeout=120, headers=viewer, verify=verify(pki_dir)))
@@ -93,13 +121,13 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
                 tls_dir=pki_dir, log_path=tmp / f"emu-{mode}-{k}.log", extra=(["--relays", *tls_threads] if relays else None),
                 nice=EMULATOR_NICE)))
         row["emulator_setup_s"] = round(time.perf_counter() - t_setup, 2)
-        cpu0 = placer.cpu_s()
+        cpu0 = tree_cpu_s(placer.pid)
         ecpu0 = sum(e.cpu_s() for e in emus)
         for e in emus:
             await e.go()
         up, secs = await wait_nodes_up(c, placer.url, n_nodes, limit_s=limit_s)
         row.update(register_s=round(secs, 2), nodes_up=up, complete=up >= n_nodes,
-                   placer_cpu_s=round(placer.cpu_s() - cpu0, 2),
+                   placer_cpu_s=round(tree_cpu_s(placer.pid) - cpu0, 2),
                    emulator_cpu_s=round(sum(e.cpu_s() for e in emus) - ecpu0, 2), placer_rss_mib=round(placer.rss_mib(), 1),
                    placer_fds=placer.fds(), load_after=_load())
         fc = {}
@@ -125,9 +153,15 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
 
 
 async def run_tls_bench(nodes: list[int], *, per_proc: int, heartbeat_s: float, limit_s: float,
-                        repeat: int, root: Path, tmp: Path, relays: bool = False) -> dict[str, Any]:
+                        repeat: int, root: Path, tmp: Path, relays: bool = False,
+                        modes: tuple[str, ...] | None = None, baseline_root: Path | None = None) -> dict[str, Any]:
+    """``modes``: a subset of plain, tls, enroll (default all the relay mode has);
+    ``baseline_root``: also ``enroll_base``, the enroll mode run by that tree (another
+    checkout), alternated with the others in the same run."""
     out: dict[str, Any] = {"bench": "fleet_tls", "relays": relays, "rows": [], "summary": []}
-    modes = ("plain", "tls", "enroll") if relays else ("plain", "tls")
+    modes = modes or (("plain", "tls", "enroll") if relays else ("plain", "tls"))
+    if baseline_root is not None:
+        modes = (*modes, "enroll_base")
     for n in nodes:
         runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
         for i in range(repeat):
@@ -135,7 +169,8 @@ async def run_tls_bench(nodes: list[int], *, per_proc: int, heartbeat_s: float, 
             order = modes if i % 2 == 0 else tuple(reversed(modes))
             for mode in order:
                 row = await register_once(n, mode, tmp / f"n{n}-{i}-{mode}", per_proc=per_proc,
-                                          heartbeat_s=heartbeat_s, limit_s=limit_s, root=root, relays=relays)
+                                          heartbeat_s=heartbeat_s, limit_s=limit_s, relays=relays,
+                                          root=baseline_root if mode == "enroll_base" and baseline_root else root)
                 row["repeat"] = i
                 runs[mode].append(row)
                 out["rows"].append(row)
@@ -146,16 +181,27 @@ async def run_tls_bench(nodes: list[int], *, per_proc: int, heartbeat_s: float, 
             summ[f"{mode}_emulator_cpu_s_median"] = statistics.median(r["emulator_cpu_s"] for r in rows)
             summ[f"{mode}_handshakes_median"] = statistics.median(r["handshakes"] for r in rows)
             summ[f"{mode}_complete"] = all(r["complete"] for r in rows)
-        p, t = summ["plain_register_s_median"], summ["tls_register_s_median"]
-        summ["register_ratio_tls_over_plain"] = round(t / p, 2) if p else None
-        pc, tc = summ["plain_placer_cpu_s_median"], summ["tls_placer_cpu_s_median"]
-        summ["placer_cpu_ratio_tls_over_plain"] = round(tc / pc, 2) if pc else None
-        summ["tls_placer_cpu_ms_per_node"] = round(1000 * tc / n, 3)
+        t, tc = summ.get("tls_register_s_median"), summ.get("tls_placer_cpu_s_median")
+        if "plain" in runs and t is not None and tc is not None:
+            p, pc = summ["plain_register_s_median"], summ["plain_placer_cpu_s_median"]
+            summ["register_ratio_tls_over_plain"] = round(t / p, 2) if p else None
+            summ["placer_cpu_ratio_tls_over_plain"] = round(tc / pc, 2) if pc else None
+        if tc is not None:
+            summ["tls_placer_cpu_ms_per_node"] = round(1000 * tc / n, 3)
         if "enroll" in runs:
             ec, er = summ["enroll_placer_cpu_s_median"], summ["enroll_register_s_median"]
             summ["enroll_placer_cpu_ms_per_node"] = round(1000 * ec / n, 3)
-            summ["register_ratio_enroll_over_tls"] = round(er / t, 2) if t else None
-            summ["placer_cpu_ratio_enroll_over_tls"] = round(ec / tc, 2) if tc else None
+            summ["enroll_emulator_cpu_ms_per_node"] = round(1000 * summ["enroll_emulator_cpu_s_median"] / n, 3)
+            if t is not None and tc is not None:
+                summ["register_ratio_enroll_over_tls"] = round(er / t, 2) if t else None
+                summ["placer_cpu_ratio_enroll_over_tls"] = round(ec / tc, 2) if tc else None
+            if "enroll_base" in runs:
+                br, bc = summ["enroll_base_register_s_median"], summ["enroll_base_placer_cpu_s_median"]
+                be = summ["enroll_base_emulator_cpu_s_median"]
+                summ["register_ratio_enroll_over_base"] = round(er / br, 2) if br else None
+                summ["placer_cpu_ratio_enroll_over_base"] = round(ec / bc, 2) if bc else None
+                summ["emulator_cpu_ratio_enroll_over_base"] = round(
+                    summ["enroll_emulator_cpu_s_median"] / be, 2) if be else None
         out["summary"].append(summ)
     return out
 
@@ -171,12 +217,21 @@ def print_tls_table(out: dict[str, Any]) -> None:
               f"{r['load_before']}->{r['load_after']}")
     print()
     for s in out["summary"]:
+        if "register_ratio_enroll_over_base" in s:
+            print(f"{s['nodes']:>7} nodes, enrolment through the relays, this tree / the baseline tree (medians): "
+                  f"register {s['enroll_register_s_median']} / {s['enroll_base_register_s_median']} s "
+                  f"(x{s['register_ratio_enroll_over_base']}), placer CPU {s['enroll_placer_cpu_s_median']} / "
+                  f"{s['enroll_base_placer_cpu_s_median']} s (x{s['placer_cpu_ratio_enroll_over_base']}), emulators "
+                  f"{s['enroll_emulator_cpu_s_median']} / {s['enroll_base_emulator_cpu_s_median']} s "
+                  f"(x{s['emulator_cpu_ratio_enroll_over_base']})")
+        if "register_ratio_tls_over_plain" not in s:
+            continue
         print(f"{s['nodes']:>7} nodes: register median plain {s['plain_register_s_median']} s, "
               f"tls {s['tls_register_s_median']} s (x{s['register_ratio_tls_over_plain']}); placer CPU "
               f"plain {s['plain_placer_cpu_s_median']} s, tls {s['tls_placer_cpu_s_median']} s; emulators "
               f"plain {s['plain_emulator_cpu_s_median']} s, tls {s['tls_emulator_cpu_s_median']} s "
               f"(x{s['placer_cpu_ratio_tls_over_plain']}; {s['tls_placer_cpu_ms_per_node']} ms/node over TLS)")
-        if "enroll_register_s_median" in s:
+        if "register_ratio_enroll_over_tls" in s:
             print(f"{'':>7}        enrolment through the relays: register {s['enroll_register_s_median']} s "
                   f"(x{s['register_ratio_enroll_over_tls']} of tls), placer CPU {s['enroll_placer_cpu_s_median']} s "
                   f"({s['enroll_placer_cpu_ms_per_node']} ms/node, x{s['placer_cpu_ratio_enroll_over_tls']} of tls), "

@@ -58,9 +58,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.failover import Placer, _job, _note, _submit, _wait_up  # noqa: E402
+from bench.fleet_tls import tree_cpu_s  # noqa: E402
 from infra.auth import TokenSet, generate_token_dir  # noqa: E402
 from infra.pki import throwaway  # noqa: E402
-from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, proc_cpu_s, verify  # noqa: E402
+from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, verify  # noqa: E402
 
 HEARTBEAT_S = 5.0
 GPUS_PER_HOST = {"h100": 8, "gb200": 4}   # a DGX H100; a GB200 NVL72 compute tray
@@ -134,12 +135,12 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             await e.__aenter__()
             emus.append(e)
         async with httpx.AsyncClient(headers=op, verify=verify(pki), timeout=60) as c:
-            cpu0, ecpu0 = proc_cpu_s(placer.pid()), sum(e.cpu_s() for e in emus)
+            cpu0, ecpu0 = tree_cpu_s(placer.pid()), sum(e.cpu_s() for e in emus)
             t = time.time()
             for e in emus:
                 await e.go()
             await _wait_up(c, placer.url, n, limit_s)
-            row.update(register_s=round(time.time() - t, 2), register_placer_cpu_s=round(proc_cpu_s(placer.pid()) - cpu0, 2),
+            row.update(register_s=round(time.time() - t, 2), register_placer_cpu_s=round(tree_cpu_s(placer.pid()) - cpu0, 2),
                        register_emulator_cpu_s=round(sum(e.cpu_s() for e in emus) - ecpu0, 2))
             cold = await _counted(c, placer.url)
             row.update(register_nodes_lost=cold["nodes_lost"], register_mass_silences=cold["mass_silences"],
@@ -168,12 +169,12 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             placer.start()
             await placer.ready()
             t_listen = time.time()
-            cpu1, ecpu1 = proc_cpu_s(placer.pid()), sum(e.cpu_s() for e in emus)
+            cpu1, ecpu1 = tree_cpu_s(placer.pid()), sum(e.cpu_s() for e in emus)
             row["restart_to_listening_s"] = round(t_listen - t0, 2)
             await _wait_up(c, placer.url, n, limit_s)
             t_full = time.time()
             row["model_full_s"] = round(t_full - t_listen, 2)
-            row["recovery_placer_cpu_s"] = round(proc_cpu_s(placer.pid()) - cpu1, 2)
+            row["recovery_placer_cpu_s"] = round(tree_cpu_s(placer.pid()) - cpu1, 2)
             row["recovery_emulator_cpu_s"] = round(sum(e.cpu_s() for e in emus) - ecpu1, 2)
             row.update(await _counted(c, placer.url))
             hs = row["tls_handshakes"]

@@ -649,10 +649,21 @@ class NodeContexts:
                                           else None))
 
     def context(self, node_id: str) -> ssl.SSLContext:
-        key, cert = self.ca.issue(f"node:{node_id}", days=self.days)
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         ctx.check_hostname = False
+        return self._with_identity(ctx, node_id)
+
+    def server_context(self, node_id: str) -> ssl.SSLContext:
+        """The node's side of its control API (``https://``, as an agent serves it): its own
+        certificate; the client's (the placer's) required and checked against the CA."""
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+        ctx.num_tickets = 0
+        return self._with_identity(ctx, node_id)
+
+    def _with_identity(self, ctx: ssl.SSLContext, node_id: str) -> ssl.SSLContext:
+        key, cert = self.ca.issue(f"node:{node_id}", days=self.days)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         ctx.load_verify_locations(cadata=self._ca_pem)
         p = self._tmp / f"{os.getpid()}-{secrets.token_hex(4)}.pem"
         fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)

@@ -94,6 +94,7 @@ from .delivery import (
     RoundOutcomes,
     SendBundle,
 )
+from .enrollpool import Checking, EnrollPool
 from .records import NodeRec, Push, parts_bytes
 
 log = logging.getLogger("herd.placer.relays")
@@ -190,7 +191,7 @@ def _rank(rack: str, node_id: str) -> bytes:
 class RelayHub:
     """The placer's FramesHost: relay connections, the rack -> relay choice, delivery."""
 
-    def __init__(self, host: RelayHost) -> None:
+    def __init__(self, host: RelayHost, *, enroll_workers: int = 0) -> None:
         self.host = host
         self._cands: dict[str, dict[str, RelayConn]] = {}   # rack -> node id -> connection
         self._active: dict[str, RelayConn] = {}             # rack -> chosen (cache)
@@ -204,6 +205,7 @@ class RelayHub:
         self._budgets: weakref.WeakKeyDictionary[FrameChannel, enroll.EnrollBudget] = weakref.WeakKeyDictionary()
         self._enroll_turn = trio.Lock()   # enrolment batches one at a time, first come first served
         self._enroll_waiting: dict[object, float] = {}   # batches waiting or being worked on -> arrival
+        self.enroll_pool = EnrollPool(enroll_workers)     # their certificate checks, ahead (placer.enrollpool)
         self.enrolled = 0
 
     # ------------------------------------------------------------ connections
@@ -290,7 +292,8 @@ class RelayHub:
                 "beats": s.beats, "beat_entries": s.beat_entries, "reports": s.reports, "bytes_out": s.bytes_out,
                 "bundles_withheld": s.bundles_withheld,
                 "last_delivery": s.last_delivery,
-                "enroll": self._desk.statistics() if self._desk is not None else {"taken": 0, "refused": {}}}
+                "enroll": self._desk.statistics() if self._desk is not None else {"taken": 0, "refused": {}},
+                "enroll_pool": self.enroll_pool.statistics()}
 
     # ------------------------------------------------------------ frames from relays
 
@@ -420,6 +423,7 @@ class RelayHub:
         if f.type == "enroll_key":
             if desk is None:
                 return "placer_cert", PlacerCert(error="this placer runs without TLS", outcome="no_tls")
+            self.enroll_pool.warm(desk)   # (its members' enrolments follow)
             return "placer_cert", PlacerCert(cert=desk.cert)
         try:
             batch = decode_payload(f, RackEnrolls)
@@ -435,20 +439,34 @@ class RelayHub:
             log.warning("enrolments over the connection's budget relay=%s count=%d", via, len(batch.enrolls) - n)
             for _ in range(len(batch.enrolls) - n):
                 desk.refuse("busy")
-        return self._enroll_batch(batch.enrolls, n, via)
+        checking = self.enroll_pool.submit(desk, desk.unchecked(batch.enrolls[:n])) if desk is not None else None
+        return self._enroll_batch(batch.enrolls, n, via, checking)
 
-    async def _enroll_batch(self, enrolls: list[Enroll], n: int, via: str) -> tuple[str, Any]:
+    def close(self) -> None:
+        """The enrolment worker processes stopped (the service's end)."""
+        self.enroll_pool.close()
+
+    async def _enroll_batch(self, enrolls: list[Enroll], n: int, via: str,
+                            checking: Checking | None = None) -> tuple[str, Any]:
         """A batch of enrolments (~0.9 ms each: a CA check, an ECDH, the report), worked on in
         slices of ENROLL_SLICE_S with the event loop let go between them: a relay's batch of 256
         held the loop ~230 ms, and in a 131,072-node storm (the placer 97 % busy, 78 % of it
         here) relays' beats waited behind batches until 8,612 nodes were marked lost in 90 s.
         One batch at a time, in arrival order (trio's Lock is fair): worked on all at once, every
         batch of a storm was answered at its end, each relay's later than it waited (scheduling
-        by turns gives every job the longest latency), and their members registered directly."""
+        by turns gives every job the longest latency), and their members registered directly.
+        ``checking``: its new certificates, handed to a worker process when it came
+        (placer.enrollpool); by its turn they are checked and the desk works from its cache."""
         token = object()
         self._enroll_waiting[token] = self.host.clock()   # (arrival order: the oldest first)
         try:
             async with self._enroll_turn:
+                if checking is not None:   # (its certificates went to a worker when it came)
+                    await checking.wait()
+                    got = checking.result()
+                    desk = self.enroll_desk()
+                    if got is not None and desk is not None:
+                        desk.learn(checking.ders, got)
                 return await self._enroll_batch_now(enrolls, n, via)
         finally:
             del self._enroll_waiting[token]

@@ -71,6 +71,7 @@ from . import fleetsnap, inventories, observe
 from .approvals import APPROVAL_DOCS, ApprovalRoutes, EtcdApprovals
 from .config import PlacerConfig
 from .dashboard import DASHBOARD_DOCS, Dashboard
+from .enrollpool import default_workers
 from .errors import EtcdError
 from .etcdjournal import EtcdJournal, JobJournal
 from .frag import fragmentation, largest_placeable, plan_defrag
@@ -138,7 +139,7 @@ class PlacerService:
         self._changed = trio.Event()
         self.dashboard = Dashboard(self)
         self.app = self._build_app()
-        self.relays = RelayHub(self)
+        self.relays = RelayHub(self, enroll_workers=default_workers())
         self.membership = Membership(self.state.nodes, self.state.blobs, self.state.counters, self.relays)  # (reads by membership)
         # message-level identity (scheduler_link.msgauth): ephemeral until run() loads the state
         # dir's (so a restarted placer keeps verifying what relays forward, and agents' pinned key holds)
@@ -388,6 +389,7 @@ class PlacerService:
                 log.info("placer serving url=%s", self.url)
                 task_status.started(self.url)
         finally:
+            self.relays.close()
             with trio.CancelScope(shield=True):
                 await self.pool.aclose()
             if self.journal is not None:

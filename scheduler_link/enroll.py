@@ -40,8 +40,9 @@ proved is proved per message:
   answer is sealed to the node, so the relay learns nothing.
 
 Cost at the placer per enrolment: one CA signature check and one ECDH, both cached per
-certificate (a member that enrols again with the same certificate costs neither), a few
-BLAKE3 calls and one AEAD seal: ~0.2 ms, against a TLS handshake's 2.5-5.6 ms
+certificate (a member that enrols again with the same certificate costs neither; a batch's
+new certificates are checked ahead in worker processes, :func:`check_members`,
+placer.enrollpool), a few BLAKE3 calls and one AEAD seal: ~0.2 ms, against a TLS handshake's 2.5-5.6 ms
 (``python -m bench.fleet --tls --relays`` measures the whole path against direct registration).
 A check costs that even when it fails: each connection has an :class:`EnrollBudget`.
 
@@ -221,12 +222,38 @@ def _check_cert(der: bytes, ca: x509.Certificate) -> CertOK:
     return CertOK(p.name, p.node_id, key, serial, *valid, rack=rack)
 
 
-def _valid(c: CertOK | _Known, now: float) -> None:
+def member_known(der: bytes, ca: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> KnownCert:
+    """A member's certificate checked (:func:`check_cert`; a node's) with the ECDH secret of
+    ``key`` (the placer's) and the certificate's key: what the desk keeps of it."""
+    c = check_cert(der, ca)
+    if c.node_id is None:
+        raise EnrollRefused("bad_certificate", f"the certificate is {c.principal}'s, not a node's")
+    return KnownCert(c.principal, c.node_id, c.serial, c.not_before, c.not_after, key.exchange(ec.ECDH(), c.key), c.rack)
+
+
+def check_members(ca_der: bytes, key_der: bytes, ders: list[bytes]) -> list[KnownCert | None]:
+    """:func:`member_known` of each of ``ders`` (None: refused; the desk refuses it again,
+    with its outcome, when its enrolment is checked). Plain data in and out: it runs in a
+    worker process (placer.enrollpool)."""
+    ca = x509.load_der_x509_certificate(ca_der)
+    key = serialization.load_der_private_key(key_der, None)
+    if not isinstance(key, ec.EllipticCurvePrivateKey):
+        raise TypeError("the placer's key is not an EC key")
+    out: list[KnownCert | None] = []
+    for der in ders:
+        try:
+            out.append(member_known(der, ca, key))
+        except EnrollRefused:
+            out.append(None)
+    return out
+
+
+def _valid(c: CertOK | KnownCert, now: float) -> None:
     if not c.not_before <= now <= c.not_after:
         raise EnrollRefused("expired", f"the certificate of {c.principal} is not valid now")
 
 
-class _Known(NamedTuple):
+class KnownCert(NamedTuple):
     """A member certificate the desk checked, as it keeps it: what its later checks read, and
     the ECDH secret with it (not its key object)."""
     principal: str
@@ -332,8 +359,9 @@ class EnrollDesk:
         self.window_s = window_s
         self.skew_s = skew_s
         self.guard = NonceGuard(window_s=window_s + skew_s)
-        self._cache: OrderedDict[bytes, _Known] = OrderedDict()   # cert digest -> it, with the ECDH secret
+        self._cache: OrderedDict[bytes, KnownCert] = OrderedDict()   # cert digest -> it, with the ECDH secret
         self._cache_cap = cache
+        self._pool_args: tuple[bytes, bytes] | None = None
         # statistics
         self.taken = 0
         self.refused: dict[str, int] = {}
@@ -343,7 +371,7 @@ class EnrollDesk:
         """Count a refusal (the desk's own, or one its caller decided)."""
         self.refused[outcome] = self.refused.get(outcome, 0) + 1
 
-    def _member(self, der: bytes) -> tuple[_Known, bytes]:
+    def _member(self, der: bytes) -> tuple[KnownCert, bytes]:
         """The member certificate ``der`` checked (the CA's signature, a node's), with the
         ECDH secret, and its digest: from the cache, or checked now and kept."""
         d = digest(der)
@@ -351,15 +379,49 @@ class EnrollDesk:
         if hit is not None:
             self._cache.move_to_end(d)
             return hit, d
-        c = check_cert(der, self.ca)
+        k = member_known(der, self.ca, self._key)
         self.cert_checks += 1
-        if c.node_id is None:
-            raise EnrollRefused("bad_certificate", f"the certificate is {c.principal}'s, not a node's")
-        k = self._cache[d] = _Known(c.principal, c.node_id, c.serial, c.not_before, c.not_after,
-                                    self._key.exchange(ec.ECDH(), c.key), c.rack)
+        self._keep(d, k)
+        return k, d
+
+    def _keep(self, d: bytes, k: KnownCert) -> None:
+        self._cache[d] = k
         while len(self._cache) > self._cache_cap:
             self._cache.popitem(last=False)
-        return k, d
+
+    # ---- the certificate checks of a batch, done elsewhere first (placer.enrollpool)
+
+    def unchecked(self, enrolls: list[Enroll]) -> list[bytes]:
+        """The member certificates of ``enrolls`` not checked yet (each once, none over its
+        bound): what a batch would check one by one in :meth:`check`."""
+        out: list[bytes] = []
+        seen: set[bytes] = set()
+        for e in enrolls:
+            der = e.cert
+            if len(der) > MAX_CERT_BYTES:
+                continue
+            d = digest(der)
+            if d not in seen and d not in self._cache:
+                seen.add(d)
+                out.append(der)
+        return out
+
+    def learn(self, ders: list[bytes], got: list[KnownCert | None]) -> None:
+        """What :func:`check_members` found for ``ders``, kept as if :meth:`check` had checked
+        them (a None is left to it: it refuses that certificate itself, counted)."""
+        for der, k in zip(ders, got, strict=True):
+            if k is not None:
+                self.cert_checks += 1
+                self._keep(digest(der), k)
+
+    def pool_args(self) -> tuple[bytes, bytes]:
+        """What :func:`check_members` needs besides the certificates: the CA's certificate and
+        the placer's key, DER."""
+        if self._pool_args is None:
+            self._pool_args = (self.ca.public_bytes(serialization.Encoding.DER),
+                               self._key.private_bytes(serialization.Encoding.DER, serialization.PrivateFormat.PKCS8,
+                                                       serialization.NoEncryption()))
+        return self._pool_args
 
     def check(self, e: Enroll, *, now: float, denied: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset()),
               known: tuple[str, int] | None = None) -> Checked:

@@ -32,7 +32,13 @@ signatures already verified (one Ed25519 check per batch per process).
 Sockets, because one process holds up to 20,000 descriptors:
 - placements: one HTTP listener per emulator process; a node's ``control_url`` is
   ``http://HOST:PORT/n/<node_id>`` and the listener routes by that prefix (the placer's
-  PushPool keeps a bounded set of connections per endpoint, not one per node);
+  PushPool keeps a bounded set of connections per endpoint, not one per node). In relay
+  mode over TLS each node has its own ``https://`` endpoint instead, as an agent's API:
+  a listening socket on a loopback address of its own (127.100.0.1 on, so no address runs
+  out of ports), presenting the node's own certificate (made when the placer first
+  connects) and requiring the placer's. The placer pushes there directly when a rack's
+  relay is not connected or does not answer (a listener a node: 16,384 nodes a process
+  fit the 20,000 descriptors);
 - reports: ``--mux K`` shares K relay-mode framed connections
   (:class:`~scheduler_link.heartbeat_wire.SharedWire`) among all the process's nodes;
   ``--mux 0`` gives each node its own framed connection (as real agents have), spread
@@ -65,6 +71,7 @@ import logging
 import math
 import os
 import random
+import resource
 import socket
 import ssl
 import sys
@@ -206,7 +213,7 @@ class EmulatedNode:
 
     __slots__ = ("fleet", "slot", "control_url", "refuse", "workloads", "link", "rack", "boot_id", "seq", "registered",
                  "registering", "mac_key", "enroll", "inventory_taken", "sent_inventory",
-                 "counted", "_snap", "_uuids", "_uuid_list", "_inventory", "_all_slots")
+                 "counted", "_snap", "_placer_snap", "_uuids", "_uuid_list", "_inventory", "_all_slots")
 
     def __init__(self, fleet: Fleet, slot: NodeSlot, control_url: str, refuse: str | None) -> None:
         self.fleet = fleet
@@ -226,6 +233,7 @@ class EmulatedNode:
         self.inventory_taken = ""                 # relay mode: the inventory the placer took last (AgentLink's)
         self.sent_inventory = ""                  # ... and the one its last full report sent whole
         self._snap: GpuSnapshot | None = None
+        self._placer_snap: GpuSnapshot | None = None   # what of it a full report carries (for_placer, once)
         self._uuids: frozenset[str] = frozenset()
         self._uuid_list: list[str] = []
         self._inventory = ""
@@ -241,6 +249,7 @@ class EmulatedNode:
             self._uuids = frozenset(self._uuid_list)
             self._inventory = inventory_hash(self._uuid_list)
             self._all_slots = list(range(len(self._uuid_list)))
+            self._placer_snap = for_placer(self._snap)
         return self._snap
 
     def full_report(self) -> NodeReport:
@@ -249,8 +258,15 @@ class EmulatedNode:
         return NodeReport(node_id=s.node_id, boot_id="", seq=0, full=True, control_url=self.control_url,
                           data_url=f"http://127.0.0.1:9/{s.node_id}",  # no data plane here
                           topology=TopologyPath(zone=s.zone, block=s.block, rack=s.rack),
-                          nvlink_domain=snap.nvlink_domain, snapshot=for_placer(snap),   # (as AgentLink sends it)
+                          nvlink_domain=snap.nvlink_domain, snapshot=self._for_placer(snap),  # (as AgentLink sends it)
                           workloads=list(self.workloads.values()), manifests=[], sent_at=time.time())
+
+    def _for_placer(self, snap: GpuSnapshot) -> GpuSnapshot:
+        """``for_placer(snap)``, made with the snapshot (before ``go``, as the snapshot is: a
+        real agent makes it on its own CPU) and kept: an emulated node's GPUs never change."""
+        if self._placer_snap is None:
+            self._placer_snap = for_placer(snap)
+        return self._placer_snap
 
     async def stop_workloads(self, victims: list[Victim]) -> None:
         self.fleet.stats.told(len(victims), time.time(), "report_answer")
@@ -583,9 +599,10 @@ class EmulatedRack:
         does over the member's frames connection). None: not taken (register directly)."""
         assert m.enroll is not None
         relay = self.relay
-        with trio.move_on_after(self.fleet.cfg.relay_hold_s):   # (held on to, as AgentLink does)
-            while relay.upstream is None:
-                await relay.upstream_ready.wait()
+        if relay.upstream is None:   # (no deadline to set when it is up: the common case)
+            with trio.move_on_after(self.fleet.cfg.relay_hold_s):   # (held on to, as AgentLink does)
+                while relay.upstream is None:
+                    await relay.upstream_ready.wait()
         pc = await relay.member_enroll_key()
         if not pc.cert:
             why = pc.outcome or "unavailable"
@@ -903,6 +920,10 @@ class Fleet:
         # mutual TLS: one certificate and client context per emulated node, made before it registers
         self.node_tls = NodeContexts(cfg.tls_dir) if cfg.tls_dir else None
         self._node_ctx: dict[str, ssl.SSLContext] = {}
+        # relay mode over TLS: each node's own https control endpoint (_serve_control)
+        self.tls_control = self.node_tls is not None and cfg.relays and _descriptors_for(cfg.nodes)
+        self._server_ctx: dict[str, ssl.SSLContext] = {}
+        self.control_handshakes = 0                    # ... TLS connections the placer opened to them
         self._placer_certs: dict[bytes, CertOK] = {}   # --enroll: the placer's certificate, checked once a process
         # Real agents each handshake on their own CPU; thousands at once in this one thread would
         # each finish late (past their deadline, then retry): some at a time, as hosts starting a
@@ -996,10 +1017,17 @@ class Fleet:
         listeners = await trio.open_tcp_listeners(0, host=cfg.listen_host)
         port = listeners[0].socket.getsockname()[1]
         self.control = f"http://{cfg.listen_host}:{port}"
-        for slot in fleet_nodes(cfg.fleet, cfg.offset, cfg.nodes):
+        own: list[tuple[str, trio.SocketListener]] = []
+        for k, slot in enumerate(fleet_nodes(cfg.fleet, cfg.offset, cfg.nodes)):
             refuse = ("refused_gpus" if slot.node_id in cfg.refuse_gpus else
                       "refused_spec" if slot.node_id in cfg.refuse_spec else None)
-            node = self.nodes[slot.node_id] = EmulatedNode(self, slot, f"{self.control}/n/{slot.node_id}", refuse)
+            url = f"{self.control}/n/{slot.node_id}"
+            if self.tls_control:
+                lst = _control_listener(_control_address(cfg.offset + k))
+                host, lport = lst.socket.getsockname()[:2]
+                url = f"https://{host}:{lport}/n/{slot.node_id}"
+                own.append((slot.node_id, lst))
+            node = self.nodes[slot.node_id] = EmulatedNode(self, slot, url, refuse)
             node.gpu_snapshot()  # a real agent has discovered its GPUs before it registers
             if cfg.enroll and cfg.relays and self.node_tls is not None:
                 # ... and holds its certificate (made here, not timed): its key for enrolment
@@ -1014,6 +1042,8 @@ class Fleet:
         async with trio.open_nursery() as n:
             self._nursery = n
             n.start_soon(trio.serve_listeners, self._handle, listeners)
+            for nid, lst in own:
+                n.start_soon(self._serve_control, nid, lst)
             if cfg.relays:
                 by_rack: dict[str, list[EmulatedNode]] = {}
                 for node in self.nodes.values():
@@ -1128,6 +1158,7 @@ class Fleet:
             "wire_reports": sum(lk.wire_reports for lk in links),
             "failures": sum(lk.failures for lk in links), "conflicts": sum(lk.conflicts for lk in links),
             "placements": st.placements, "placement_bytes": st.placement_bytes,
+            "control_handshakes": self.control_handshakes,
             "placement_bytes_max": st.placement_bytes_max, "acks": dict(st.acks), "events": st.events,
             "victims_told": st.victims_told, "victims_by": dict(st.victims_by), "first_victim_at": st.first_victim_at,
             "last_victim_at": st.last_victim_at,
@@ -1181,7 +1212,41 @@ class Fleet:
 
     # ---- the placement listener
 
-    async def _handle(self, stream: trio.SocketStream) -> None:
+    async def _serve_control(self, node_id: str, listener: trio.SocketListener) -> None:
+        """A node's own control endpoint over TLS, as an agent's API serves it: its own
+        certificate (made when the placer first connects), the placer's required. What the
+        placer pushes here directly (a rack whose relay is not connected) is routed as on the
+        shared listener, for this node only."""
+        while True:
+            try:
+                tcp = await listener.accept()
+            except OSError as e:   # (out of descriptors a moment: the placer retries)
+                log.warning("control listener accept failed node=%s err=%s", node_id, e)
+                await trio.sleep(0.1)
+                continue
+            self.spawn(self._handle_tls, node_id, tcp)
+
+    async def _handle_tls(self, node_id: str, tcp: trio.SocketStream) -> None:
+        assert self.node_tls is not None
+        ctx = self._server_ctx.get(node_id)
+        if ctx is None:
+            ctx = self._server_ctx[node_id] = self.node_tls.server_context(node_id)
+        s = trio.SSLStream(tcp, ctx, server_side=True)
+        try:
+            with trio.fail_after(WIRE_CONNECT_S):
+                await s.do_handshake()
+        except (trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            await trio.aclose_forcefully(tcp)
+            return
+        self.control_handshakes += 1
+        p = tls.stream_principal(s)
+        if p is None or p.name != "placer":   # (only the placer places: agent/api.py's rule)
+            await trio.aclose_forcefully(s)
+            return
+        await self._handle(s, only=node_id)
+
+    async def _handle(self, stream: trio.abc.Stream, only: str | None = None) -> None:
+        """One connection's requests; ``only``: a node's own endpoint (its requests only)."""
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=64 << 10)
         body = bytearray()
         req: h11.Request | None = None
@@ -1191,7 +1256,7 @@ class Fleet:
                     ev = conn.next_event()
                     if ev is h11.NEED_DATA:
                         data = await stream.receive_some(1 << 16)
-                        conn.receive_data(data)
+                        conn.receive_data(bytes(data))
                         if not data:
                             return
                         continue
@@ -1202,7 +1267,7 @@ class Fleet:
                         if len(body) > 16 << 20:
                             return
                     elif isinstance(ev, h11.EndOfMessage) and req is not None:
-                        status, payload = self._route(req, bytes(body))
+                        status, payload = self._route(req, bytes(body), only)
                         out = conn.send(h11.Response(status_code=status, headers=[
                             ("content-type", "application/json"), ("content-length", str(len(payload)))]))
                         out += conn.send(h11.Data(data=payload)) + conn.send(h11.EndOfMessage())
@@ -1216,10 +1281,13 @@ class Fleet:
         except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError, OSError):
             return
 
-    def _route(self, req: h11.Request, body: bytes) -> tuple[int, bytes]:
+    def _route(self, req: h11.Request, body: bytes, only: str | None = None) -> tuple[int, bytes]:
         target = req.target.decode("latin-1")
         u = urlsplit(target)
         method = req.method.decode()
+        parts = u.path.split("/")  # "", "n", node, "v1", "placements"
+        if only is not None and (len(parts) < 3 or parts[2] != only):
+            return 404, b'{"error": "not this node"}'
         if method == "GET" and u.path == "/stats":
             job = parse_qs(u.query).get("job", [None])[0]
             return 200, json.dumps(self.statistics(job)).encode()
@@ -1229,7 +1297,6 @@ class Fleet:
             for i, k in enumerate(self.racks):
                 k.relay.stalled = bool(every) and i % every == every // 2
             return 200, json.dumps({"hung": sum(k.relay.stalled for k in self.racks)}).encode()
-        parts = u.path.split("/")  # "", "n", node, "v1", "placements"
         if method != "POST" or len(parts) != 5 or parts[1] != "n" or parts[3:] != ["v1", "placements"]:
             return 404, b'{"error": "not found"}'
         headers = {k.decode().lower(): v.decode("latin-1") for k, v in req.headers}
@@ -1249,6 +1316,45 @@ class Fleet:
         status, ack = node.place(p)
         self.stats.acks[ack.effective_outcome()] = self.stats.acks.get(ack.effective_outcome(), 0) + 1
         return status, _enc.encode(ack)
+
+
+def _control_address(i: int) -> str:
+    """Node ``i``'s loopback address for its own control endpoint: 127.100.0.1 on, one a node,
+    so that no address runs out of ports however many nodes the emulators hold."""
+    i += 1
+    return f"127.{100 + (i >> 16)}.{(i >> 8) & 255}.{i & 255}"
+
+
+def _control_listener(host: str) -> trio.SocketListener:
+    """A listening socket on ``host`` (a numeric address: bound at once, no resolver)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind((host, 0))
+        sock.listen(16)
+    except OSError:
+        sock.close()
+        raise
+    return trio.SocketListener(trio.socket.from_stdlib_socket(sock))
+
+
+def _descriptors_for(nodes: int) -> bool:
+    """Whether this process may hold a listening socket per node (and its other ~2,000
+    descriptors): the soft limit raised to the hard one if need be. False: the nodes keep the
+    shared plain listener (the placer's direct pushes over TLS then do not reach them)."""
+    want = nodes + 2048
+    inf = resource.RLIM_INFINITY
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != inf and soft < want and (hard == inf or hard >= want):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+        except (ValueError, OSError):
+            pass
+    if soft != inf and soft < want:
+        log.warning("no own TLS control endpoint per node: %d nodes need %d descriptors, the limit is %d",
+                    nodes, want, soft)
+        return False
+    return True
 
 
 def _no_reports(node_id: str, rep: NodeReport) -> tuple[int, ReportReply]:
