@@ -5,6 +5,7 @@ enrolments are refused with a structured outcome, counted, and nothing of them i
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,7 +24,7 @@ from infra.auth import TokenSet
 from infra.pki import CA, Revocations, ThrowawayPKI, make_ca
 from placer.service import PlacerService
 from scheduler_link.agent_link import AgentLink
-from scheduler_link.enroll import EnrollClient, client_from_files
+from scheduler_link.enroll import BUDGET_BURST, BUDGET_PER_S, EnrollClient, client_from_files
 from scheduler_link.frames import FrameChannel, decode_payload, open_frames
 from scheduler_link.messages import (
     Enroll,
@@ -335,12 +336,17 @@ async def test_a_connection_over_its_enrolment_budget_is_answered_busy(tmp_path:
             assert up is not None
             e, _ = r.client("m10").make(_report("m10"), await r.placer_cert(), now=time.time())
             outcomes: list[str] = []
+            t0 = time.monotonic()
             for _ in range(3):
                 f = await up.call("enrolls", RackEnrolls(rack=RACK, enrolls=[e] * 256), timeout_s=10)
                 outcomes += [a.outcome for a in decode_payload(f, list[EnrollAnswer])]
+            elapsed = time.monotonic() - t0
             assert outcomes[0] == "enrolled" and set(outcomes[1:512]) == {"replay"}
             busy = outcomes.count("busy")
-            assert busy >= 200 and set(outcomes[-busy:]) == {"busy"}
+            # the bucket holds BUDGET_BURST and refills BUDGET_PER_S a second: on a loaded host the
+            # three batches take seconds, so the bound counts what refilled meanwhile
+            assert busy >= 3 * 256 - BUDGET_BURST - math.ceil(BUDGET_PER_S * elapsed) and busy > 0
+            assert set(outcomes[-busy:]) == {"busy"}
             assert r.refused("busy") == busy and r.refused("replay") == 511
 
 
