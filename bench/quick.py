@@ -46,6 +46,7 @@ QUICK: dict[str, list[str]] = {
     "bench.tls_handshake": ["--n", "20", "--rounds", "1"],
     "bench.dashboard": ["--nodes", "512", "--builds", "3", "--refreshes", "3", "--baseline-pages", "2"],
     "bench.failover": ["--nodes", "64"],
+    "bench.relay_copies": ["--relays", "4", "--members", "8", "--seconds", "1", "--pairs", "1"],
     "bench.restart": ["--nodes", "256", "--gang-hosts", "32", "--probe-gpus", "64", "--recover-s", "1",
                       "--heartbeat", "1", "--limit-s", "100"],
 }
