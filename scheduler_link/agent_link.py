@@ -1133,7 +1133,8 @@ class AgentLink:
         self._moved_to = None
         if self._copies is None or self._relay is not None or url != self.placer_url:
             return
-        ch = await self._copies.take(url, min(1.0, self.heartbeat_s))
+        # (worth a wait: the alternative is a full report, and the placer may be busy taking over)
+        ch = await self._copies.take(url, min(self.request_timeout_s, max(2.0, 2 * self.heartbeat_s)))
         if ch is None:
             return
         await self._close_wire()
