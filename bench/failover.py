@@ -22,6 +22,8 @@ its copies (scheduler_link.follow), no relays):
   recovered gang a second time (``placements_doubled``) and stops the old pods (``stops``);
 - ``leader_kept``: the first leader still leads, at the epoch it had before the fleet
   registered (its lease held through the registration storm and the gang's placement);
+- ``followers_warm_s``: after the gang runs, until both followers' models hold every node (their
+  copies; bounded), before the kill;
 - invariants: ``jobs_lost`` (jobs submitted, not in the new leader's list),
   ``placements_doubled`` (placements the emulators took after ``t0`` beyond the probe's),
   ``gang_running`` (the gang's pods the emulators still run), ``stops`` (stop orders the
@@ -170,6 +172,18 @@ async def _wait_up(c: httpx.AsyncClient, url: str, n: int, limit_s: float) -> fl
     return time.time()
 
 
+async def _followers_warm(c: httpx.AsyncClient, followers: list[Placer], n: int, limit_s: float) -> float:
+    """Seconds until every follower's model holds the ``n`` nodes (``nodes_reported`` in its
+    /healthz), bounded by ``limit_s``."""
+    t0 = time.time()
+    with trio.fail_after(limit_s):
+        while True:
+            held = [int((await _health(c, p.url) or {}).get("nodes_reported", 0)) for p in followers]
+            if min(held) >= n:
+                return time.time() - t0
+            await trio.sleep(0.1)
+
+
 async def _submit(c: httpx.AsyncClient, urls: list[str], spec: dict[str, Any], limit_s: float) -> str:
     """POST the job to the placers in turn until one takes it (201): 307 -> the leader named,
     503 / no connection -> the next; the placer that took it."""
@@ -257,6 +271,9 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
             if ha:   # the first leader led through the fleet's registration and the gang, on one lease
                 h = ((await _health(c, first.url)) or {}).get("ha", {})
                 out["leader_kept"] = bool(h.get("placing")) and h.get("epoch") == epoch0
+                # steady state: the followers' warm models hold the fleet (their copies: placer.observe)
+                out["followers_warm_s"] = round(await _followers_warm(c, [p for p in placers if p is not first], n,
+                                                                      120), 2)
             # the kill
             t0 = time.time()
             first.kill()

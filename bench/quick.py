@@ -47,7 +47,7 @@ QUICK: dict[str, list[str]] = {
     "bench.dashboard": ["--nodes", "512", "--builds", "3", "--refreshes", "3", "--baseline-pages", "2"],
     "bench.failover": ["--nodes", "64"],
     "bench.read_grants": ["--nodes", "256", "--pairs", "2"],
-    "bench.relay_copies": ["--relays", "2", "--members", "8", "--seconds", "1", "--pairs", "1"],
+    "bench.relay_copies": ["--relays", "4", "--members", "8", "--seconds", "1", "--pairs", "1"],
     "bench.restart": ["--nodes", "256", "--gang-hosts", "32", "--probe-gpus", "64", "--recover-s", "1",
                       "--heartbeat", "1", "--limit-s", "100"],
 }

@@ -86,7 +86,9 @@ async def _one(tokens: TokenSet, urls: list[str], followers: int, relays: int, m
     leader, others = urls[0], urls[1:1 + followers]
     rs = [Relay(node_id=f"r{i}", rack=f"z/b/r{i}", tokens=tokens, listen=None, wire_url=lambda: leader,
                 blobs=BlobCache(), heartbeat_s=HEARTBEAT_S, request_timeout_s=10.0, keys=lambda: (None, None),
-                beat_offset_s=HEARTBEAT_S * i / relays) for i in range(relays)]
+                beat_offset_s=HEARTBEAT_S * i / relays,
+                local_address=f"127.1.{i // 200}.{i % 200 + 1}")   # (one source address each, as hosts have)
+          for i in range(relays)]
     async with trio.open_nursery() as n:
         for r in rs:
             await n.start(r.run)

@@ -95,10 +95,10 @@ def heard_within(state: PlacerState, now: float, recover_s: float) -> Iterator[s
 
 
 def heard_now(state: PlacerState, nodes: list[str], now: float) -> None:
-    """The nodes heard within ``recover_s`` get a whole ``lost_after`` from the promotion: their
-    copies came every other interval at most, and their own reports move over to this placer
-    meanwhile (a node is not lost for the time its link takes to find the new leader)."""
-    due = now + state.cfg.lost_after_s
+    """The nodes heard within ``recover_s`` get twice ``lost_after`` from the promotion: their
+    copies came every other interval at most, and their own links find this placer meanwhile,
+    trying the placers they know in turn (a node is not lost for the time that takes)."""
+    due = now + 2 * state.cfg.lost_after_s
     for nid in nodes:
         state.lost_timer.set(nid, due)
 

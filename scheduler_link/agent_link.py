@@ -305,6 +305,7 @@ class AgentLink:
         self._moved_to: str | None = None      # the placer moved to, whose copy connection may be taken
         self._client: httpx.AsyncClient | None = None
         self._headers: dict[str, str] = {}
+        self._copies_from: float | None = None   # trio time the copies begin (after registering, spread)
         self.ssl_context = ssl_context       # mutual TLS (this node's certificate) on every connection
         # the deny-list this node's handshakes consult (shared by its contexts): the placer's answers fill it
         self.revoked = ssl_context.revoked if isinstance(ssl_context, tls.HerdContext) else None
@@ -1091,7 +1092,15 @@ class AgentLink:
     # ------------------------------------------------------------ copies to the followers (follow.CopyHost)
 
     def copies_on(self) -> bool:
-        return self._relay is None and self.last_ok_at is not None
+        """Copies go out once this node has been registered a while: a fleet registering at
+        once (a cold start, a restart) registers with its leader first, and its copies to the
+        followers come after, spread over COPY_SPREAD heartbeat intervals."""
+        if self._relay is not None or self.last_ok_at is None:
+            return False
+        now = trio.current_time()
+        if self._copies_from is None:
+            self._copies_from = now + self._rng.uniform(*COPY_SPREAD) * self.heartbeat_s
+        return now >= self._copies_from
 
     def full_copy(self, seq: int) -> NodeReport:
         base: NodeReport = self.hooks.full_report()
@@ -1124,7 +1133,8 @@ class AgentLink:
         self._moved_to = None
         if self._copies is None or self._relay is not None or url != self.placer_url:
             return
-        ch = await self._copies.take(url, min(1.0, self.heartbeat_s))
+        # (worth a wait: the alternative is a full report, and the placer may be busy taking over)
+        ch = await self._copies.take(url, min(self.request_timeout_s, max(2.0, 2 * self.heartbeat_s)))
         if ch is None:
             return
         await self._close_wire()
@@ -1143,6 +1153,7 @@ class AgentLink:
             log.exception("stop_workloads hook failed node=%s", self.node_id)
 
 
+COPY_SPREAD = (1.0, 4.0)       # copies begin this many intervals after the first registration (uniform)
 WIRE_BUSY_TRIES = 4            # connects that find the framed channel busy before HTTP is tried
 WIRE_BUSY_BACKOFF_MAX_S = 30.0
 

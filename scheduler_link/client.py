@@ -311,6 +311,11 @@ class PlacerClient:
         return out
 
     def submit(self, spec: JobSpec) -> JobView:
+        """Submit a job. A job without an id gets one here, so that a submit resent to the next
+        placer (its answer lost with a leader that had committed it) is the same job, answered
+        as the first was, never a second one."""
+        if not spec.job_id:
+            spec = msgspec.structs.replace(spec, job_id=f"job-{int(time.time() * 1000):x}-{os.urandom(3).hex()}")
         return self._get(_job, "POST", "/v1/jobs", content=msgspec.json.encode(spec))
 
     def jobs(self, state: str | None = None, page: str | None = None) -> list[JobView]:

@@ -278,10 +278,13 @@ class Copies:
         url = f.url
         while True:
             # (flush: the node moves there, and waits for this last copy before it goes on there)
-            active = (url != self.host.placer_url or f.flush) and self.host.copies_on()
+            on = self.host.copies_on()
+            active = (url != self.host.placer_url or f.flush) and on
             item = f.next(trio.current_time()) if active else None
             if item is None:
                 due = f.due() if active else None
+                if not on:   # (not yet: asked again at the node's next report, which wakes us)
+                    due = None
                 self._wake[url] = trio.Event()
                 with trio.move_on_at(due if due is not None else math.inf):
                     await self._wake[url].wait()
