@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import trio
-from cryptography.hazmat.primitives import serialization
 
 from infra.pki import CA, make_ca
 from placer.enrollpool import MIN_BATCH, PARENT_POLL_S, EnrollPool
@@ -24,20 +23,12 @@ from scheduler_link.enroll import (
     member_known,
 )
 from scheduler_link.messages import Enroll, NodeReport, TopologyPath
-
-NOW = time.time()
-
-
-def _der(cert) -> bytes:  # type: ignore[no-untyped-def]
-    return cert.public_bytes(serialization.Encoding.DER)
+from tests.test_enroll_crypto import NOW, _der
+from tests.test_enroll_crypto import Cluster as CryptoCluster
 
 
-class Cluster:
-    def __init__(self) -> None:
-        self.ca = CA(*make_ca())
-        pk, pc = self.ca.issue("placer")
-        self.placer_key, self.placer_cert = pk, _der(pc)
-        self.desk = EnrollDesk(self.ca.cert, pk, self.placer_cert)
+class Cluster(CryptoCluster):
+    """The enrolment tests' CA, placer certificate and desk (and their clock, NOW), making whole enrolments."""
 
     def enrolment(self, node: str, *, ca: CA | None = None, principal: str | None = None) -> Enroll:
         key, cert = (ca or self.ca).issue(principal or f"node:{node}", rack=None if principal else "z/b/r1")
