@@ -62,7 +62,6 @@ log = logging.getLogger("herd.agent.supervisor")
 
 _KEEP_ACKS = 2000
 INLINE_WRITE_MAX = 64 << 10   # an unsynced file this small is written on the loop, not in a thread
-WRITE_COALESCE_S = 0.05       # how long a write nothing waits on waits for the rest of its burst
 _GC_MIN_AGE_S = 60.0
 # (manifest_id, origin, peers) -> (materialised tree, fetch figures by source)
 ArtifactFetcher = Callable[[str, str | None, Any], Awaitable[tuple[Path, dict[str, int]]]]  # peers: list or PeerTable
@@ -177,7 +176,6 @@ class Supervisor:
         self._applied = trio.Event()   # set, then replaced, after each applied batch (next_change)
         self._wrote = trio.Event()     # the writer's: set, then replaced, after each write (next_saved)
         self._wake_writer = trio.Event()
-        self._wanted = trio.Event()    # set when a callback waits on the next write (_commit)
         self.ready = False
         self.counters: Counter[str] = Counter()
         self._start_s: deque[float] = deque(maxlen=1024)
@@ -256,7 +254,7 @@ class Supervisor:
         return {"workloads_by_state": dict(by_state), "starts": self.counters["starts"],
                 "restarts": self.counters["restarts"], "preemptions": self.counters["preemptions"],
                 "refused": self.counters["refused"], "state_writes": self._file.writes,
-                "state_appends": self._file.appends, "state_syncs": self.counters["state_syncs"],
+                "state_appends": self._file.appends,
                 "start_seconds": _quantiles(self._start_s),
                 "fetch_bytes": dict(self.fetch_bytes), "shim_pool": self.pool.statistics(),
                 "isolation": self.isolation.mode, "isolation_reason": self.isolation.reason,
@@ -288,7 +286,6 @@ class Supervisor:
         try:
             await self._serve(task_status)
         finally:
-            self._write_pending()
             self._file.close()
 
     async def _serve(self, task_status: Any) -> None:
@@ -324,12 +321,9 @@ class Supervisor:
     # generation and hands the writer task a delta (the records it changed, frozen, whole);
     # the writer appends every pending delta at once and fdatasyncs; callbacks that need
     # durability (acks, the start of a kill countdown) run once a write that includes their
-    # generation has completed. A write that nothing waits on waits up to WRITE_COALESCE_S
-    # for the rest of its burst (a gang's pods going starting -> running on one node), so a
-    # burst costs one or two fdatasyncs, not one per batch; what is pending at shutdown is
-    # written then. Starting a process does not wait: the shim writes the workload's record
-    # into run.json (atomically) before it answers, so a restarted agent finds a started
-    # workload even if the state log lagged behind.
+    # generation has completed. Starting a process does not wait: the shim writes the
+    # workload's record into run.json (atomically) before it answers, so a restarted agent
+    # finds a started workload even if the state log lagged behind.
 
     def _snapshot(self) -> AgentState:
         return AgentState(node_id=self.node_id, records=list(self._records.values()),
@@ -405,19 +399,11 @@ class Supervisor:
                     fn()
             else:
                 self._waiters.append((self._gen, durable))
-                self._wanted.set()
 
     async def _writer(self) -> None:
         while True:
             await self._wake_writer.wait()
-            if not self._waiters:
-                # nothing waits on this write (state changes a report has said already): the
-                # rest of its burst (a gang's pods starting, stopping) joins it, in one append
-                # and one fdatasync, unless something that waits comes first
-                with trio.move_on_after(WRITE_COALESCE_S):
-                    await self._wanted.wait()
             self._wake_writer = trio.Event()
-            self._wanted = trio.Event()
             gen = self._gen
             if gen > self._saved_gen:
                 # every delta pending is in this write (the owner runs between our awaits only)
@@ -436,7 +422,6 @@ class Supervisor:
                     continue
                 self._need_snapshot = False
                 self._saved_gen = gen
-                self.counters["state_syncs"] += 1
                 self._wrote.set()
                 self._wrote = trio.Event()
             ready = [fns for g, fns in self._waiters if g <= self._saved_gen]
@@ -444,16 +429,6 @@ class Supervisor:
             for fns in ready:
                 for fn in fns:
                     fn()
-
-    def _write_pending(self) -> None:
-        """At shutdown: what the writer had not written yet (a coalescing write cancelled)."""
-        if self._gen <= self._saved_gen:
-            return
-        try:
-            self._file.save(self._snapshot())   # whole: whatever a cancelled write left out
-            self._saved_gen = self._gen
-        except OSError as e:
-            log.error("state write at shutdown failed err=%s", e)
 
     def _spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> Callable[[], None]:
         def go() -> None:
