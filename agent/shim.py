@@ -533,8 +533,8 @@ def _leader(cmd_r: int, err_w: int, out_w: int, errout_w: int) -> int:
             signal.signal(sig, signal.SIG_DFL)
         os.setsid()
         _child_setup(cmd)()
-        os.closerange(3, err_w)
-        os.closerange(err_w + 1, 1 << 16)
+        os.closerange(3, err_w)      # (close_range(2) where the kernel has it)
+        os.closerange(err_w + 1, max(err_w + 1, os.sysconf("SC_OPEN_MAX")))
         try:
             os.execvpe(argv[0], argv, cmd["env"])
         except OSError as e:
