@@ -505,6 +505,22 @@ class _Leader:
         os.waitpid(self.pid, 0)
 
 
+def _close_open_fds(keep: int) -> None:
+    """Close every descriptor above stdio but ``keep``: the ones open, read from /proc (as
+    Popen's close_fds does; a loop to the open-file limit costs a close per number where the
+    kernel has no close_range)."""
+    try:
+        fds = [int(n) for n in os.listdir("/proc/self/fd")]
+    except OSError:
+        os.closerange(3, keep)
+        os.closerange(keep + 1, 1 << 16)
+        return
+    for fd in fds:
+        if fd > 2 and fd != keep:
+            with contextlib.suppress(OSError):   # (the listing's own, closed already)
+                os.close(fd)
+
+
 def _leader(cmd_r: int, err_w: int, out_w: int, errout_w: int) -> int:
     """The forked leader's side of :class:`_Leader` (never returns on success)."""
     null = os.open(os.devnull, os.O_RDWR)
@@ -533,8 +549,7 @@ def _leader(cmd_r: int, err_w: int, out_w: int, errout_w: int) -> int:
             signal.signal(sig, signal.SIG_DFL)
         os.setsid()
         _child_setup(cmd)()
-        os.closerange(3, err_w)
-        os.closerange(err_w + 1, 1 << 16)
+        _close_open_fds(keep=err_w)
         try:
             os.execvpe(argv[0], argv, cmd["env"])
         except OSError as e:

@@ -49,6 +49,7 @@ def _command(p: subprocess.Popen[bytes], cmd: dict[str, Any]) -> dict[str, Any]:
     p.stdin.flush()
     reply: dict[str, Any] = json.loads(p.stdout.readline())
     p.stdin.close()
+    p.stdout.close()
     return reply
 
 
@@ -57,6 +58,8 @@ def test_a_shim_without_work_takes_its_leader_with_it() -> None:
     assert p.stdin is not None
     p.stdin.close()                      # the agent went away
     assert p.wait(10) == 0
+    assert p.stdout is not None
+    p.stdout.close()
     assert _gone(leader)
 
 
@@ -91,3 +94,12 @@ def test_a_command_that_cannot_start_leaves_nothing_behind(tmp_path: Path) -> No
         assert p.wait(10) == 1
         assert _gone(leader)
         assert not (tmp_path / "run.json").exists()   # nothing for a restarted agent to adopt
+
+
+def test_the_workload_gets_stdio_and_no_other_descriptor(tmp_path: Path) -> None:
+    p, leader = _shim()
+    reply = _command(p, {"dir": str(tmp_path), "argv": ["sh", "-c", "ls /proc/$$/fd"],   # the shell's own, into stdout.log
+                         "env": {"PATH": os.environ["PATH"]}, "cwd": str(tmp_path), "grace_s": 1})
+    assert reply["ok"] and reply["pid"] == leader
+    assert p.wait(20) == 0
+    assert sorted((tmp_path / "stdout.log").read_text().split()) == ["0", "1", "2"]
