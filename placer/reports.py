@@ -422,6 +422,10 @@ class Reports(StateBase):
             if hit is not None and not hit[1].terminal:  # a stopped pod of a live record: say it ended
                 self._record_end(hit[0], hit[1], ev)
             return []
+        if ev.workload_id in node.stale and ev.state != "terminating":
+            # told to stop, and it says it lives: its stop was lost, or overtook the start it was
+            # meant to undo and found nothing to stop. The answer to this report names it again.
+            node.tell.add(ev.workload_id)
         if hit is None:
             return []
         job, pod = hit

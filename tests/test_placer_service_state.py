@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from placer.config import PlacerConfig
+from placer.records import Outcome
 from placer.state import ACCEPTED, PlacerState
 from scheduler_link.messages import (
     GpuInfo,
@@ -219,3 +220,38 @@ def test_events_riding_on_a_full_report_keep_their_fetch_figures():
     assert pod.state == "running"  # the list is the state: the older event does not roll it back
     assert pod.fetch == {"bytes_from_origin": 10, "bytes_from_peers": 20, "bytes_local": 30}
     assert pod.timings["starting"] == 0.5
+
+
+def test_a_stopped_pod_that_says_it_lives_is_told_again_in_the_answer():
+    """A rolled-back attempt's stop that never took effect (lost with its relay, or it overtook
+    the start it was meant to undo and found nothing to stop): the pod starts anyway and its
+    events say so. The answer to that report names it again; only a live state does (a pod
+    already terminating is not told twice)."""
+    st = new_state()
+    st.ingest("a", full("a"), 0.0)
+    st.ingest("b", full("b"), 0.0)
+    st.recover_until = 0.0
+    st.submit(JobSpec(job_id="j", pods=2, gpus_per_pod=8, argv=["x"], grace_s=5), 0.1)
+    (job, pushes), = st.schedule(0.2)
+    by_node = {p.node_id: p for p in pushes if p.kind == "start"}
+    assert set(by_node) == {"a", "b"}
+    wid_a = by_node["a"].placement.pods[0].workload_id
+    refused = {"a": ACCEPTED, "b": Outcome("refused_gpus", ("b-g0",))}
+    stops = st.on_acks("j", 1, refused, 0.3, list(by_node.values()))   # b refused: all or nothing
+    assert job.state == "pending" and [p.node_id for p in stops if p.kind == "stop"] == ["a"]
+    # that stop is lost; a's pod goes on to start and reports it
+    code, reply, _ = st.ingest("a", NodeReport(node_id="a", boot_id="boot-a", seq=2, full=False, events=[
+        WorkloadEvent(workload_id=wid_a, job_id="j", state="fetching", at=0.5)]), 0.5)
+    assert code == 200 and [v.workload_id for v in reply.stop] == [wid_a] and reply.stop[0].grace_s == 5
+    _, reply, _ = st.ingest("a", NodeReport(node_id="a", boot_id="boot-a", seq=3, full=False), 0.6)
+    assert reply.stop == []     # told once per report that shows it alive, not on every beat
+    _, reply, _ = st.ingest("a", NodeReport(node_id="a", boot_id="boot-a", seq=4, full=False, events=[
+        WorkloadEvent(workload_id=wid_a, job_id="j", state="running", at=0.7)]), 0.7)
+    assert [v.workload_id for v in reply.stop] == [wid_a]
+    _, reply, _ = st.ingest("a", NodeReport(node_id="a", boot_id="boot-a", seq=5, full=False, events=[
+        WorkloadEvent(workload_id=wid_a, job_id="j", state="terminating", at=0.8)]), 0.8)
+    assert reply.stop == []
+    _, reply, _ = st.ingest("a", NodeReport(node_id="a", boot_id="boot-a", seq=6, full=False, events=[
+        WorkloadEvent(workload_id=wid_a, job_id="j", state="exited", exit_code=0, at=0.9)]), 0.9)
+    assert reply.stop == [] and len(st.model.free_gpus("a")) == 8   # gone: its GPUs come back
+    st.model.check_invariants()
