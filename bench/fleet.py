@@ -23,6 +23,9 @@ a fake supervisor, simulated GPUs; see that module):
   ``running`` timing; one clock, one machine), ``events_per_s`` (the gang's events over
   first event sent -> ``running``; paced by the emulated delays ``--fetch-delay`` and
   ``--run-delay`` when those dominate, so read it with them).
+- ``direct_refusals``: registrations the placer refused past its ``direct_max_nodes`` (every
+  node here reports directly, no rack relays; ``--direct-max-nodes 0`` lifts the limit to
+  measure the direct path past it).
 - ``steady_placer_cpu_frac``: placer CPU over ``--steady-s`` of steady heartbeats (every
   ``--heartbeat`` s), then its RSS and open descriptors.
 
@@ -90,6 +93,7 @@ class Args:
     run_delay_s: float = 0.3
     jobs: bool = True                # False: registration and steady heartbeats only
     probe: int = 50                  # small gangs decided one at a time on the filled fleet
+    direct_max_nodes: int | None = None   # the placer's [placer] direct_max_nodes (None: its default)
 
 
 def _jobs_mix(fleet: str, fleet_gpus: int, target: float, seed: int, max_jobs: int) -> list[dict[str, Any]]:
@@ -211,7 +215,8 @@ async def bench_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
     td = generate_token_dir(tmp / "tokens")
     tok = TokenSet.load(td)
     op = {"authorization": f"Bearer {tok.operator}"}
-    opts = PlacerOptions(heartbeat_s=a.heartbeat_s, fence_after_s=600.0, ack_timeout_s=30.0, recover_s=2.0)
+    opts = PlacerOptions(heartbeat_s=a.heartbeat_s, fence_after_s=600.0, ack_timeout_s=30.0, recover_s=2.0,
+                         extra_toml="" if a.direct_max_nodes is None else f"direct_max_nodes = {a.direct_max_nodes}\n")
     row: dict[str, Any] = {"nodes": n_nodes, "gpus": gpus, "fleet": a.fleet, "load_before": os.getloadavg()[0]}
     procs = max(1, math.ceil(n_nodes / a.per_proc))
     async with AsyncExitStack() as stack:
@@ -238,7 +243,10 @@ async def bench_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
         stats = [await e.stats(c) for e in emus]
         row["wire_full_reports"] = sum(s["wire_full_reports"] for s in stats)
         row["http_full_reports"] = sum(s["full_reports"] - s["wire_full_reports"] for s in stats)
-        _note("registered", up=up, s=reg_s, placer_cpu_s=row["register_placer_cpu_s"])
+        # registrations the placer refused past direct_max_nodes (no relays here: every node direct)
+        row["direct_refusals"] = await _counter(c, placer.url, "herd_placer_direct_refusals_total")
+        _note("registered", up=up, s=reg_s, placer_cpu_s=row["register_placer_cpu_s"],
+              direct_refusals=row["direct_refusals"])
         if up < n_nodes:
             row["placer_rss_mib"] = placer.rss_mib()
             return row
@@ -407,6 +415,11 @@ def print_table(out: dict[str, Any]) -> None:
         print(f"  baseline ({b['path']}): {b['registered']:,}/{b['nodes']:,} nodes up in {b['register_s']:.1f} s "
               f"(limit {b['limit_s']:.0f} s), placer CPU {b['register_placer_cpu_s']:.1f} s, "
               f"{b['nodes_per_s']:,.0f} nodes/s")
+    for r in out["rows"]:
+        if r.get("direct_refusals"):
+            print(f"  {r['nodes']:,} nodes: the placer took {r['registered']:,} and refused "
+                  f"{r['direct_refusals']:,.0f} registrations past its direct_max_nodes (no rack relays in this "
+                  "bench: --direct-max-nodes 0 measures past it)")
     for r, b in zip(out["rows"], out["baseline"], strict=False):
         if r.get("register_complete") and b.get("nodes_per_s"):
             print(f"  {r['nodes']:,} nodes: framed registration {r['nodes'] / r['register_s']:,.0f} nodes/s vs "
@@ -424,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="shared framed connections per emulator process (0: one per node, as real agents)")
     ap.add_argument("--heartbeat", type=float, default=5.0)
     ap.add_argument("--register-limit", type=float, default=180.0)
+    ap.add_argument("--direct-max-nodes", type=int, default=None,
+                    help="the placer's direct_max_nodes (default: its own, 16,384; 0: no limit, to measure past it)")
     ap.add_argument("--fill-max-jobs", type=int, default=5000)
     ap.add_argument("--fill-limit", type=float, default=120.0)
     ap.add_argument("--gang-limit", type=float, default=120.0)
@@ -469,8 +484,16 @@ def main(argv: list[str] | None = None) -> int:
              fill_limit_s=ns.fill_limit, gang_limit_s=ns.gang_limit, steady_s=ns.steady_s,
              baseline=not ns.no_baseline, baseline_limit_s=ns.baseline_limit, seed=ns.seed,
              placer_root=Path(ns.placer_root), fetch_delay_s=ns.fetch_delay, run_delay_s=ns.run_delay,
-             jobs=not ns.no_jobs, probe=ns.probe)
+             jobs=not ns.no_jobs, probe=ns.probe, direct_max_nodes=ns.direct_max_nodes)
     return run_printed(partial(run_all, nodes, a), json_out=ns.json, table=print_table)
+
+
+async def _counter(c: httpx.AsyncClient, placer_url: str, name: str) -> float:
+    """One unlabelled sample of the placer's /metrics (0 when it is not served)."""
+    for line in (await c.get(placer_url + "/metrics")).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    return 0.0
 
 
 def run_printed(run: Callable[[], Awaitable[dict[str, Any]]], *, json_out: bool,

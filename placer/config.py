@@ -43,6 +43,10 @@ class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     open_metrics: bool = True         # /metrics public (else the metrics, viewer or operator token)
     relays: bool = True               # deliver through rack relays where a rack has one connected
     relay_timeout_s: float = 0.5      # a relay that has not answered its bundle by then: push directly
+    # With no rack relay connected (or relays = false) every node keeps its own connection and
+    # report stream to the placer: registrations beyond this many nodes are then refused
+    # (503, counted in direct_refusals) until a relay connects. 0: no limit
+    direct_max_nodes: int = 16384
     blob_seeds: int = 1               # bundles of a gang that carry the blob's bytes (the rest fetch it)
     placement_ttl_s: float = 30.0     # a NodePart is refused as expired this long after it was issued
     # a node relays only for its pinned rack (its certificate's herd:rack: SAN, or herd node

@@ -72,6 +72,7 @@ COUNTER_HELP: dict[str, str] = {
     "refused_reports": "Reports refused as invalid",
     "compact_registrations": "Registrations that named a stored GPU inventory instead of sending it",
     "inventory_misses": "Compact registrations answered 409: no such inventory stored (the node sends it)",
+    "direct_refusals": "Registrations refused: direct_max_nodes registered and no rack relay connected",
     "rebuilds": "Cluster model rebuilds",
     "passes": "Scheduling passes",
     "passes_deferred": "Scheduling passes deferred",

@@ -237,6 +237,10 @@ class RelayHub:
             log.warning("relay disconnected node=%s racks=%s after=%.1fs why=%s", conn.node_id, ",".join(conn.racks[:4]),
                         time.monotonic() - channel.opened_at, channel.close_reason or "?")
 
+    def has_candidates(self) -> bool:
+        """Whether any relay is connected (the placer then serves racks through relays)."""
+        return bool(self._cands)
+
     def relay_for(self, rack: str) -> RelayConn | None:
         hit = self._active.get(rack)
         if hit is not None:

@@ -85,6 +85,7 @@ from .state import ACCEPTED, TERMINAL_JOB_STATES, JobError, JobRec, NodeRec, Out
 from .views import DEFAULT_PODS, parse_page
 
 log = logging.getLogger("herd.placer.service")
+DIRECT_RETRY_S = 30.0   # a node refused past direct_max_nodes tries again after 15-30 s
 
 _report_dec = msgspec.json.Decoder(NodeReport)
 _ack_dec = msgspec.json.Decoder(PlacementAck)
@@ -171,6 +172,7 @@ class PlacerService:
         # promoted from a follower: the nodes its warm model held, whose next report may be the
         # copy of an empty heartbeat past a gap (placer.observe.skip_to), until each reported once
         self._warm: set[str] = set()
+        self._direct_warned = -math.inf   # when direct_limit was last logged
 
     # ------------------------------------------------------------ epochs (fencing)
 
@@ -732,6 +734,8 @@ class PlacerService:
 
     async def h_report(self, req: Request) -> Response:
         """An agent's report (full at registration, then heartbeats with events)."""
+        if (refused := self._direct_limit(req.params["node_id"])) is not None:   # (before its body is decoded)
+            return json_response(refused, status=503)
         try:
             rep = _report_dec.decode(req.body)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
@@ -757,6 +761,8 @@ class PlacerService:
         if self.ha is not None and observing and not self.ha.observing():  # (a fenced leader, or keys not loaded yet) applies nothing
             return 503, ReportReply(ok=False, error="this placer does not lead"), False
         relayed = via is not None and via != rep.node_id
+        if via is None and rep.full and (refused := self._direct_limit(rep.node_id)) is not None:
+            return 503, refused, False
         if rep.node_id in self.pki.denied[0] or (via is not None and via in self.pki.denied[0]):
             # revoked (herd pki revoke): its handshakes are refused; a connection opened before is
             # answered this until the node goes away (it is fenced like a lost one meanwhile)
@@ -798,6 +804,28 @@ class PlacerService:
             reply = msgspec.structs.replace(reply, mac_key=self.state.mac_key(rep.node_id, rep.boot_id),
                                             placer_key=self.signer.public)
         return status, reply, news
+
+    def _direct_limit(self, node_id: str) -> ReportReply | None:
+        """A new node registering over its own connection while no relay is connected (or
+        relays are off), with ``direct_max_nodes`` nodes registered already: refused. One
+        connection and one report stream a node do not hold on one placer at fleet scale
+        (docs/operations.md, "Rack relays"); the node tries again, and is taken once a relay
+        connects."""
+        cap = self.cfg.direct_max_nodes
+        nodes = self.state.nodes
+        if not cap or len(nodes) < cap or node_id in nodes or (self.cfg.relays and self.relays.has_candidates()):
+            return None
+        c = self.state.counters
+        c["direct_refusals"] += 1
+        now = self.clock()
+        if now - self._direct_warned >= 10.0:
+            self._direct_warned = now
+            log.warning("registration refused: %d nodes registered, the most this placer serves without a rack "
+                        "relay ([placer] direct_max_nodes); enable [relay] on one agent a rack "
+                        "(refused so far: %d)", len(nodes), c["direct_refusals"])
+        return ReportReply(ok=False, retry_after_s=DIRECT_RETRY_S,
+                           error=f"direct_limit: this placer serves at most {cap} nodes without rack relays; "
+                                 "enable [relay] on one agent a rack, or raise [placer] direct_max_nodes")
 
     def _apply_checked(self, node_id: str, rep: NodeReport, via: str | None = None, *, observe: bool = False
                        ) -> tuple[int, ReportReply, bool]:

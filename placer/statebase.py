@@ -104,7 +104,7 @@ class StateBase:
             "reports": 0, "full_reports": 0, "conflicts": 0, "decisions": 0, "preemptions": 0,
             "rollbacks": 0, "requeues": 0, "nodes_lost": 0, "fenced_stops": 0, "refused_reports": 0,
             "rebuilds": 0, "passes": 0, "passes_deferred": 0, "compact_registrations": 0, "inventory_misses": 0,
-            "mass_silences": 0,
+            "mass_silences": 0, "direct_refusals": 0,
         }
         self.decision_s: list[float] = []
         self.decision_hist = LatencyHistogram()             # every decision since start (metrics)

@@ -556,6 +556,8 @@ class AgentLink:
                 self._need_full = True
                 retry.backoff = self._report_backoff()
                 pause = retry.failed(trio.current_time())
+                if isinstance(e, _PlacerError) and e.retry_after_s:   # the placer said when: spread out below it
+                    pause = max(pause, self._rng.uniform(0.5, 1.0) * min(e.retry_after_s, RETRY_AFTER_MAX_S))
                 log.warning("report failed node=%s err=%s backoff=%.2fs", self.node_id, self.last_error, pause)
                 await trio.sleep(pause)
                 continue
@@ -988,7 +990,8 @@ class AgentLink:
                     self._placer_answered(wr.status, used=used)
                     if wr.status == OBSERVED:   # a follower took it: the connection stays its copies'
                         raise _Observed(used)
-                raise _PlacerError(f"placer answered {wr.status} on the framed channel: {wr.error}")
+                raise _PlacerError(f"placer answered {wr.status} on the framed channel: {wr.error or wr.reply.error}",
+                                   wr.reply.retry_after_s)
             return wr.reply
         body = msgspec.json.encode(report)
         if client is None:
@@ -1016,7 +1019,8 @@ class AgentLink:
         if status != 200:
             if not_leading(status, content):
                 self._placer_answered(status, content, used=self.placer_url)
-            raise _PlacerError(f"placer answered {status}: {content[:200].decode(errors='replace')}")
+            raise _PlacerError(f"placer answered {status}: {content[:200].decode(errors='replace')}",
+                               _retry_after(content))
         if self._copies is not None and self._relay is None:
             self._copies.delivered(self.placer_url, report.seq)
         return _reply_decoder.decode(content)
@@ -1156,6 +1160,15 @@ class AgentLink:
 COPY_SPREAD = (1.0, 4.0)       # copies begin this many intervals after the first registration (uniform)
 WIRE_BUSY_TRIES = 4            # connects that find the framed channel busy before HTTP is tried
 WIRE_BUSY_BACKOFF_MAX_S = 30.0
+RETRY_AFTER_MAX_S = 300.0      # the longest a placer's retry_after_s holds a node back
+
+
+def _retry_after(content: bytes) -> float | None:
+    """A refusal's ``retry_after_s``, if its body is a ReportReply that says one."""
+    try:
+        return _reply_decoder.decode(content).retry_after_s
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
 
 
 def _busy(e: BaseException) -> bool:
@@ -1174,7 +1187,9 @@ class _Conflict(Exception):
 
 
 class _PlacerError(Exception):
-    pass
+    def __init__(self, msg: str, retry_after_s: float | None = None) -> None:
+        super().__init__(msg)
+        self.retry_after_s = retry_after_s   # the placer's ReportReply.retry_after_s, when it said one
 
 
 class _Observed(_PlacerError):

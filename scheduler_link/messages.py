@@ -412,6 +412,9 @@ class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
     # tcp://host:port of the placer's framed heartbeat channel, when it serves one
     wire_url: str | None = None
     error: str | None = None                 # why a report was refused (with ok=False)
+    # with ok=False: report again no sooner than this (the node waits between half of it and all
+    # of it, so a refused crowd comes back spread out); None: its own back-off
+    retry_after_s: float | None = None
     # tcp://host:port of this node's rack relay (its members' frames listener), in the answer
     # to a full report, when the rack has one and this node is not it; None: report directly
     relay_url: str | None = None
