@@ -49,7 +49,14 @@ sys.path.insert(0, str(ROOT))
 
 from bench.fleet import _jobs_mix, _submit_all, _wait_fill  # noqa: E402
 from infra.auth import TokenSet, generate_token_dir  # noqa: E402
-from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, wait_nodes_up, wait_recovered  # noqa: E402
+from testing.harness import (  # noqa: E402
+    DIRECT_DEFAULT,
+    EmulatorProc,
+    PlacerOptions,
+    PlacerProc,
+    wait_nodes_up,
+    wait_recovered,
+)
 
 
 def _note(msg: str, **kw: Any) -> None:
@@ -138,7 +145,9 @@ async def run(ns: argparse.Namespace) -> dict[str, Any]:
         view = {"authorization": f"Bearer {viewer}"}
         async with AsyncExitStack() as stack:
             placer = await stack.enter_async_context(
-                PlacerProc(work, td, PlacerOptions(heartbeat_s=ns.heartbeat, fence_after_s=600)))
+                PlacerProc(work, td, PlacerOptions(heartbeat_s=ns.heartbeat, fence_after_s=600,
+                                                 # (no rack relays here: the map, not the direct path, is measured)
+                                                 direct_max_nodes=0 if N > DIRECT_DEFAULT else None)))
             procs = math.ceil(N / ns.per_proc)
             emus = []
             for k in range(procs):

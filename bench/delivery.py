@@ -87,7 +87,14 @@ from bench.fleet import (  # noqa: E402
     run_printed,
 )
 from infra.auth import TokenSet, generate_token_dir  # noqa: E402
-from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, wait_nodes_up, wait_recovered  # noqa: E402
+from testing.harness import (  # noqa: E402
+    DIRECT_DEFAULT,
+    EmulatorProc,
+    PlacerOptions,
+    PlacerProc,
+    wait_nodes_up,
+    wait_recovered,
+)
 from testing.waiting import poll  # noqa: E402
 
 
@@ -129,8 +136,9 @@ async def _fleet(stack: AsyncExitStack, tmp: Path, td: Path, a: Args, n: int, *,
     # more than the placer keeps up with (nodes go lost and re-register), so the baseline
     # fleet heartbeats every 30 s (as bench/fleet.py's does): it measures delivery, not beats.
     hb = a.heartbeat_s if relays else max(a.heartbeat_s, 30.0)
+    # (the baseline measures one POST a node on a fleet past the placer's direct_max_nodes: no limit)
     opts = PlacerOptions(heartbeat_s=hb, fence_after_s=600.0, ack_timeout_s=30.0, recover_s=2.0,
-                         relays=relays)
+                         relays=relays, direct_max_nodes=0 if not relays and n > DIRECT_DEFAULT else None)
     placer = await stack.enter_async_context(PlacerProc(tmp, td, opts, root=a.root))
     c = await stack.enter_async_context(httpx.AsyncClient(timeout=120, headers=_viewer(td)))
     procs = max(1, math.ceil(n / a.per_proc))

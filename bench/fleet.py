@@ -216,7 +216,7 @@ async def bench_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
     tok = TokenSet.load(td)
     op = {"authorization": f"Bearer {tok.operator}"}
     opts = PlacerOptions(heartbeat_s=a.heartbeat_s, fence_after_s=600.0, ack_timeout_s=30.0, recover_s=2.0,
-                         extra_toml="" if a.direct_max_nodes is None else f"direct_max_nodes = {a.direct_max_nodes}\n")
+                         direct_max_nodes=a.direct_max_nodes)
     row: dict[str, Any] = {"nodes": n_nodes, "gpus": gpus, "fleet": a.fleet, "load_before": os.getloadavg()[0]}
     procs = max(1, math.ceil(n_nodes / a.per_proc))
     async with AsyncExitStack() as stack:
@@ -359,7 +359,7 @@ async def _decide_probe(row: dict[str, Any], a: Args, c: httpx.AsyncClient, url:
 async def baseline_row(n_nodes: int, a: Args, tmp: Path) -> dict[str, Any]:
     """Registration over one HTTP POST per node (no framed channel known), bounded."""
     td = generate_token_dir(tmp / "tokens")
-    opts = PlacerOptions(heartbeat_s=max(a.heartbeat_s, 30.0), fence_after_s=600.0)
+    opts = PlacerOptions(heartbeat_s=max(a.heartbeat_s, 30.0), fence_after_s=600.0, direct_max_nodes=a.direct_max_nodes)
     procs = max(1, math.ceil(n_nodes / a.per_proc))
     row: dict[str, Any] = {"nodes": n_nodes, "limit_s": a.baseline_limit_s, "path": "HTTP POST per node"}
     async with AsyncExitStack() as stack:

@@ -56,7 +56,15 @@ import httpx
 
 from infra.auth import generate_token_dir
 from infra.pki import throwaway
-from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, proc_cpu_s, verify, wait_nodes_up
+from testing.harness import (
+    DIRECT_DEFAULT,
+    EmulatorProc,
+    PlacerOptions,
+    PlacerProc,
+    proc_cpu_s,
+    verify,
+    wait_nodes_up,
+)
 
 # The emulators run 10 nicer than the placer, in both modes: on a fleet they are other machines,
 # and here each member's wake-up (its blocking handshake thread, woken by the placer's send)
@@ -101,7 +109,9 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
         if not (pki_dir / "ca.key").exists():
             throwaway(pki_dir)
     opts = PlacerOptions(heartbeat_s=heartbeat_s, lost_after_missed=1000, relays=relays,
-                         tls_dir=str(pki_dir) if pki_dir else None)
+                         tls_dir=str(pki_dir) if pki_dir else None,
+                         # (registration without relays is measured past the default: no limit)
+                         direct_max_nodes=0 if not relays and n_nodes > DIRECT_DEFAULT else None)
     viewer = {"authorization": f"Bearer {(td / 'viewer.token').read_text().strip()}"}
     row: dict[str, Any] = {"nodes": n_nodes, "mode": label, "relays": relays, "load_before": _load()}
     async with AsyncExitStack() as stack:

@@ -29,6 +29,8 @@ from typing import Any
 import httpx
 import trio
 
+from placer.config import PlacerConfig
+
 ROOT = Path(__file__).resolve().parent.parent
 _TICK = os.sysconf("SC_CLK_TCK")
 
@@ -70,6 +72,9 @@ async def _stop(proc: trio.Process, *, grace_s: float = 3.0) -> None:
         await proc.wait()
 
 
+DIRECT_DEFAULT = PlacerConfig().direct_max_nodes   # nodes a placer serves without rack relays by default
+
+
 @dataclass(frozen=True, slots=True)
 class PlacerOptions:
     heartbeat_s: float = 5.0
@@ -81,6 +86,9 @@ class PlacerOptions:
     recover_s: float | None = None    # the placer's post-restart wait before placing (None: its default)
     relays: bool = True               # deliver through rack relays where racks have them
     extra_toml: str = ""              # more [placer] lines, as they are
+    # [placer] direct_max_nodes (None: the placer's default). Benches that measure a fleet without
+    # rack relays past the default (16,384) set 0 (no limit) and say so
+    direct_max_nodes: int | None = None
     tls_dir: str | None = None        # a PKI dir (ca.crt, placer.crt/key): TLS; None: insecure = true
 
 
@@ -114,6 +122,7 @@ class PlacerProc:
             f"relays = {'true' if o.relays else 'false'}\n"
             + (f'tls_dir = "{o.tls_dir}"\ninsecure = false\n' if o.tls_dir else "insecure = true\n")
             + o.extra_toml
+            + (f"direct_max_nodes = {o.direct_max_nodes}\n" if o.direct_max_nodes is not None else "")
             + (f"recover_s = {o.recover_s}\n" if o.recover_s is not None else ""))
         endpoints = state / "endpoints.json"
         endpoints.unlink(missing_ok=True)
