@@ -500,7 +500,18 @@ class PlacerService:
             ended = self.state.drain_ended()
             if ended:
                 self.journal.ended_many(ended)
+                if isinstance(self.journal, Journal):   # (its fsync in a worker, off the loop; etcd's writer commits its own)
+                    self.spawn(self._flush_journal)
         self._changed_now()
+
+    async def _flush_journal(self) -> None:
+        """Make the journal's appends so far durable (group commit, off the event loop)."""
+        if self.journal is None:
+            return
+        try:
+            await self.journal.flush()
+        except JournalError as e:
+            log.error("journal sync failed (ended jobs not yet durable): %s", e)
 
     # ------------------------------------------------------------ what the relay hub uses (relays.RelayHost)
 
@@ -945,6 +956,7 @@ class PlacerService:
             raise HTTPError(e.status, "cannot cancel", str(e)) from None
         self._carry_out(pushes)
         self._after_change()
+        await self._flush_journal()   # (answered once its end is durable)
         return json_response(self.state.job_view(self.state.jobs[req.params["job_id"]]))
 
     async def h_update_artifact(self, req: Request) -> Response:
