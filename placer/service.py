@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -619,7 +619,7 @@ class PlacerService:
             self.state.stop_failed(p.node_id, p.placement.victims)
         return out
 
-    async def _dispatch(self, job_id: str, attempt: int, pushes: list[Push]) -> None:
+    async def _dispatch(self, job_id: str, attempt: int, pushes: Sequence[Push]) -> None:
         try:
             await self._deliver(job_id, attempt, pushes)
         finally:
@@ -628,7 +628,7 @@ class PlacerService:
                 gc.enable()
                 self._maybe_freeze()   # the round's records survive: collect once and freeze them
 
-    async def _deliver(self, job_id: str, attempt: int, pushes: list[Push]) -> None:
+    async def _deliver(self, job_id: str, attempt: int, pushes: Sequence[Push]) -> None:
         acks: Mapping[str, Outcome] | None = {}
         # A job's placements leave only once the job (and this attempt) is durable; the relays'
         # bundles are built while the journal syncs.
