@@ -329,6 +329,19 @@ class GangPushes(Sequence[Push]):
         enc = _part_enc.encode
         ranks, slots, rows_of, victims, recs = t.ranks, t.slots, self.rows, self.victims, self.recs
         join = b"".join
+        if rows_of is None and isinstance(idx, range) and idx.step == 1 and idx.stop <= n:
+            # a rack of a gang of one pod a node (the common bundle): one comprehension over its
+            # slice of the columns
+            lo, hi = idx.start, idx.stop
+            c1p = c1 + _ONE_POD
+            if victims is None:
+                c2p = _NO_LIST + _NO_LIST + c2   # (the pod's workload ids, then no victims)
+                return [join((c0, r._mp_id, c1p, enc(k), r._mp_slots if sl is r.all_slots else enc(sl), c2p,
+                              r._mp_inv, c3))
+                        for r, k, sl in zip(recs[lo:hi], ranks[lo:hi], slots[lo:hi], strict=True)]
+            return [join((c0, r._mp_id, c1p, enc(k), r._mp_slots if sl is r.all_slots else enc(sl), _NO_LIST,
+                          enc(v) if v else _NO_LIST, c2, r._mp_inv, c3))
+                    for r, k, sl, v in zip(recs[lo:hi], ranks[lo:hi], slots[lo:hi], victims[lo:hi], strict=True)]
         out: list[bytes] = []
         append = out.append
         for i in idx:

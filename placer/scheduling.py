@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import re
 from collections.abc import Callable
 
@@ -55,6 +56,11 @@ from .records import (
 from .statebase import StateBase
 
 log = logging.getLogger("herd.placer.state")
+
+_all_slots = operator.attrgetter("all_slots")
+_node_id = operator.attrgetter("node_id")
+_data_url = operator.attrgetter("data_url")
+_uuids = operator.attrgetter("uuids")
 
 FULL_PEERS_UP_TO = 64      # gangs of at most this many nodes list every member to every node
 CONTACTS = 4               # bigger gangs: this many members of other racks per node
@@ -227,13 +233,15 @@ class Scheduling(StateBase):
         P = len(node_idx)
         # whole-node pods (slots 0..width-1 of a node with width GPUs) share their node's
         # slot tuple and GPU list: found for the whole gang at once, a row is read only if not
-        whole = (slots_arr == np.arange(width)).all(axis=1).tolist() if width else [False] * P
+        whole_rows = (slots_arr == np.arange(width)).all(axis=1) if width else np.zeros(P, dtype=bool)
         nodes = self.nodes
-        names = [ids[n] for n in node_idx.tolist()]
-        recs = [nodes[nid] for nid in names]
-        slots: list[tuple[int, ...]] = [n.all_slots if w and len(n.uuids) == width else ()
-                                        for n, w in zip(recs, whole, strict=True)]
-        uuids: list[list[str]] = [n.uuids for n in recs]
+        names = list(map(ids.__getitem__, node_idx.tolist()))   # (C-level passes: no Python frame a pod)
+        recs = list(map(nodes.__getitem__, names))
+        slots: list[tuple[int, ...]] = list(map(_all_slots, recs))
+        if not (whole_rows.all() and set(map(len, slots)) == {width}):   # (else: every pod a whole node)
+            whole = whole_rows.tolist()
+            slots = [n.all_slots if w and len(n.uuids) == width else () for n, w in zip(recs, whole, strict=True)]
+        uuids: list[list[str]] = list(map(_uuids, recs))
         for r in [r for r, sl in enumerate(slots) if not sl]:   # (the rows that are not whole nodes)
             n = recs[r]
             slots[r] = tuple(s for s in slots_arr[r].tolist() if s >= 0)
@@ -311,7 +319,7 @@ class Scheduling(StateBase):
                     rack_start.append(i)
                     last = path
                 rack_of.append(len(racks) - 1)
-        table = PeerTable(node_ids=[n.node_id for n in order], data_urls=[n.data_url for n in order],
+        table = PeerTable(node_ids=list(map(_node_id, order)), data_urls=list(map(_data_url, order)),
                           rack_of=rack_of, racks=racks, rack_start=rack_start)
         extra = self._holders(s.manifest_id, {n.node_id for n in gang} if s.manifest_id else set())
         # contacts are in no gang of theirs with these nodes: the grant says who may read

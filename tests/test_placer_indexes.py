@@ -469,6 +469,7 @@ def test_a_start_push_encodes_its_part_byte_for_byte_without_making_it():
     assert len(with_victims) == 40 + len(stop) and with_victims.counted().tolist() == [True] * 40 + [False] * len(stop)
     assert parts_bytes(with_victims, 9.0) == [part_bytes(q.part(9.0)) for q in with_victims]
     assert with_victims.parts_bytes([41, 3, 40], 9.0) == [part_bytes(with_victims[i].part(9.0)) for i in (41, 3, 40)]
+    assert with_victims.parts_bytes(range(5, 17), 9.0) == [part_bytes(with_victims[i].part(9.0)) for i in range(5, 17)]
     assert with_victims.placement_ids(range(2, 5)) == [with_victims[i].placement_id for i in range(2, 5)]
 
 
