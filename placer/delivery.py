@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import ContractError
-from .records import ACCEPTED, Outcome, Push
+from .records import ACCEPTED, Outcome
 
 # how a node's outcome came (``via``)
 VIA_NONE, VIA_RELAY, VIA_LATE, VIA_DIRECT = 0, 1, 2, 3
@@ -374,10 +374,9 @@ class RoundOutcomes(Mapping[str, Outcome]):
     O(refusals)."""
 
     __slots__ = ("_ids", "_code", "_table", "_counted", "_rows", "_index")
-    _ids: _NodeIds
 
-    def __init__(self, pushes: Sequence[Push], round_: DeliveryRound) -> None:
-        self._ids = _NodeIds(pushes)
+    def __init__(self, node_ids: Sequence[str], round_: DeliveryRound) -> None:
+        self._ids = node_ids       # (the round's nodes' ids, in its order)
         self._code = round_.code
         self._table = round_.table
         self._counted = round_.counted
@@ -402,14 +401,3 @@ class RoundOutcomes(Mapping[str, Outcome]):
         bad = self._rows[self._code[self._rows] != 0]
         return {self._ids[i]: self._table[int(self._code[i])] for i in bad.tolist()}
 
-
-class _NodeIds:
-    """The node ids of a round's pushes, read when asked (no list of the gang's ids is made)."""
-
-    __slots__ = ("_pushes",)
-
-    def __init__(self, pushes: Sequence[Push]) -> None:
-        self._pushes = pushes
-
-    def __getitem__(self, i: int) -> str:
-        return self._pushes[i].node_id

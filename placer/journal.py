@@ -4,7 +4,9 @@ It holds jobs (spec, priority, restart policy), never allocations: after a resta
 the allocations come back only from the agents' reports (see ``placer.state``).
 
 Format: one JSON object per line, ``{"v": 1, "op": "submit", "at": T, "spec": {...}}``
-or ``{"v": 1, "op": "end", "at": T, "job_id": ..., "state": ...}``, or
+or ``{"v": 1, "op": "end", "at": T, "job_id": ..., "state": ...}`` (appended without fsync
+of its own and made durable by the next :meth:`Journal.flush`, which the placer starts at
+once, off its event loop), or
 ``{"v": 1, "op": "cordon", "node_id": ..., "on": true, "reason": ...}`` (an operator's
 cordon or uncordon, fsynced; the last one per node wins), or
 ``{"v": 1, "op": "attempt", "job_id": ..., "attempt": N}`` — the attempt counter only
@@ -214,13 +216,20 @@ class Journal:
             self.cordons.pop(node_id, None)
 
     def ended(self, job_id: str, state: str, at: float) -> None:
-        self.ended_many([(job_id, state, at)])
+        """One job's end, fsynced before this returns (recovery's dropped jobs)."""
+        if job_id in self._live:
+            self._append(Record(op="end", at=at, job_id=job_id, state=state))
+            self._live.pop(job_id, None)
 
     def ended_many(self, ends: list[tuple[str, str, float]]) -> None:
-        """Jobs that ended, appended together under one fsync."""
+        """Jobs that ended, appended together without an fsync of their own: the caller makes
+        them durable with :meth:`flush` (group commit, in a worker thread), so a job's end
+        costs the event loop a write, not a disk flush. Until then a crash may replay such a
+        job as live (as the etcd journal's ends wait for its writer): its nodes' reports say
+        its pods are gone, and an operator's cancel answers only after its flush."""
         ends = [e for e in ends if e[0] in self._live]
-        for i, (job_id, state, at) in enumerate(ends):
-            self._append(Record(op="end", at=at, job_id=job_id, state=state), sync=i == len(ends) - 1)
+        for job_id, state, at in ends:
+            self._append(Record(op="end", at=at, job_id=job_id, state=state), sync=False)
             self._live.pop(job_id, None)
 
     def close(self) -> None:

@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, overload
 
 import msgspec
+import numpy as np
 
 from scheduler_link.messages import (
     TERMINAL_STATES,
@@ -50,6 +51,16 @@ from .errors import JobError as JobError  # re-exported (defined in errors.py)
 _part_enc = msgspec.msgpack.Encoder()   # the frames' (and msgauth.part_bytes') settings
 _EMPTY: list[str] = []                  # (encoded only, never mutated)
 NO_VICTIMS: list[Victim] = []           # a start push with no victims' (shared: read, never mutated)
+# pieces of a part's encoding (GangPushes.parts_bytes): a one-pod list and a pod's 4-item
+# array with its empty workload id; an empty list
+_POD_HEAD = _part_enc.encode(["", None, None, None])[:2]
+_ONE_POD = _part_enc.encode([None])[:1] + _POD_HEAD
+_NO_LIST = _part_enc.encode([])
+
+
+def _list_head(n: int) -> bytes:
+    """The msgpack header of an array of ``n`` items."""
+    return _part_enc.encode([None] * n)[:-n] if n else _NO_LIST
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 TERMINAL_JOB_STATES = frozenset({"succeeded", "failed", "cancelled", "preempted"})
 STALE_PRIORITY = 1 << 30
@@ -110,35 +121,6 @@ class Push:
         p = cls._started(gang, node, victims)
         p._pods_, p._t, p._rows = pods, None, []
         return p
-
-    @classmethod
-    def gang_starts(cls, gang: GangStart, nodes: list[NodeRec], table: PodTable, rows: list[list[int]] | None,
-                    victims_of: Callable[[str], list[Victim]] | None) -> list[Push]:
-        """Every node's start push of a decision, its pods named as rows of the job's table (no
-        pod view is made unless the push is read as a Placement), in one pass (the hot path of
-        a gang's bookkeeping). ``rows``: each node's rows; None: one pod a node,
-        node ``k``'s in row ``k`` (kept as the int, no list a node). ``victims_of``: a node's
-        victims (None: no victim anywhere)."""
-        new = cls.__new__
-        job_id, attempt, prefix = gang.job_id, gang.attempt, gang.prefix
-        out: list[Push] = []
-        append = out.append
-        for k, node in enumerate(nodes):
-            p = new(cls)
-            nid = node.node_id
-            p.node_id = nid
-            p.control_url = node.control_url
-            p.job_id = job_id
-            p.attempt = attempt
-            p.kind = "start"
-            p.boot_id = ""
-            p._placement = None
-            p.placement_id = prefix + nid
-            p._gang, p._node = gang, node
-            p._victims = NO_VICTIMS if victims_of is None else victims_of(nid)
-            p._pods_, p._t, p._rows = None, table, k if rows is None else rows[k]
-            append(p)
-        return out
 
     @classmethod
     def _started(cls, gang: GangStart, node: NodeRec, victims: list[Victim]) -> Push:
@@ -207,11 +189,14 @@ class Push:
         return f"Push({self.kind} {self.job_id}#{self.attempt} -> {self.node_id})"
 
 
-def parts_bytes(pushes: list[Push], expires_at: float) -> list[bytes]:
+def parts_bytes(pushes: Sequence[Push], expires_at: float) -> list[bytes]:
     """``[p.part_bytes(expires_at) for p in pushes]``, byte for byte, with what a gang's start
     pushes share read once (a rack's bundle is a slice of a round's pushes; its parts are
     encoded in one pass over it, one small encode each: cutting them from one encoding of
-    the slice, through ``list[msgspec.Raw]``, measured slower, 0.79 against 0.47 us a part)."""
+    the slice, through ``list[msgspec.Raw]``, measured slower, 0.79 against 0.47 us a part).
+    A decision's :class:`GangPushes` encode from their columns (:meth:`GangPushes.parts_bytes`)."""
+    if isinstance(pushes, GangPushes):
+        return pushes.parts_bytes(range(len(pushes)), expires_at)
     enc = _part_enc.encode
     out: list[bytes] = []
     gang: GangStart | None = None
@@ -249,12 +234,139 @@ def parts_bytes(pushes: list[Push], expires_at: float) -> list[bytes]:
     return out
 
 
+class GangPushes(Sequence[Push]):
+    """A decision's pushes as columns: its start pushes first (one a node of the gang: the
+    node records, the job's table and each node's rows, each node's victims), then ``extra``
+    pushes (its victims' stops on nodes given no pod, or any pushes wrapped by :meth:`of`).
+    No Push is made for a column unless it is read by index or iteration (a direct push, a
+    test): the relays read the columns (:meth:`parts_bytes`, ``node_ids``,
+    :meth:`placement_ids`, :meth:`counted`). ``runs``: when the start pushes are in topology
+    order, their racks (each rack's path and the position where it begins), so a round is
+    split by rack without a look at each node. Read only, never changed."""
+
+    __slots__ = ("gang", "recs", "table", "rows", "victims", "extra", "n_cols", "runs", "node_ids", "_made")
+
+    def __init__(self, gang: GangStart | None, recs: list[NodeRec], table: PodTable | None,
+                 rows: list[list[int]] | None, victims: list[list[Victim]] | None, extra: list[Push], *,
+                 node_ids: list[str] | None = None, runs: tuple[list[str], list[int]] | None = None) -> None:
+        self.gang = gang
+        self.recs = recs
+        self.table = table
+        self.rows = rows             # node k's rows of ``table`` (None: one pod a node, node k's in row k)
+        self.victims = victims       # node k's victims (None: no victim anywhere)
+        self.extra = extra
+        self.n_cols = len(recs)
+        self.runs = runs
+        ids = node_ids if node_ids is not None else [n.node_id for n in recs]
+        self.node_ids: list[str] = ids + [q.node_id for q in extra] if extra else ids
+        self._made: dict[int, Push] = {}
+
+    @classmethod
+    def of(cls, pushes: Sequence[Push]) -> GangPushes:
+        """``pushes`` as a GangPushes (a list of Push objects becomes its ``extra``)."""
+        return pushes if isinstance(pushes, GangPushes) else cls(None, [], None, None, None, list(pushes))
+
+    def __len__(self) -> int:
+        return len(self.node_ids)
+
+    @overload
+    def __getitem__(self, i: int) -> Push: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Push]: ...
+
+    def __getitem__(self, i: int | slice) -> Push | list[Push]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if i >= self.n_cols:
+            return self.extra[i - self.n_cols]
+        if i < 0:
+            raise IndexError(i)
+        p = self._made.get(i)
+        if p is None:
+            p = self._made[i] = self._make(i)
+        return p
+
+    def __iter__(self) -> Iterator[Push]:
+        return (self[i] for i in range(len(self)))
+
+    def _make(self, k: int) -> Push:
+        gang = self.gang
+        assert gang is not None
+        node = self.recs[k]
+        p = Push._started(gang, node, NO_VICTIMS if self.victims is None else self.victims[k])
+        p._pods_, p._t, p._rows = None, self.table, k if self.rows is None else self.rows[k]
+        return p
+
+    def kind(self, i: int) -> str:
+        return "start" if i < self.n_cols else self.extra[i - self.n_cols].kind
+
+    def counted(self) -> np.ndarray:
+        """Whether each push is a start push (its outcome decides a round)."""
+        out = np.ones(len(self), dtype=bool)
+        if self.extra:
+            out[self.n_cols:] = [q.kind == "start" for q in self.extra]
+        return out
+
+    def placement_ids(self, idx: Sequence[int]) -> list[str]:
+        n, ids = self.n_cols, self.node_ids
+        if self.gang is not None and isinstance(idx, range) and idx.stop <= n and idx.step == 1:
+            prefix = self.gang.prefix   # (a start push's id is the gang's prefix and its node)
+            return [prefix + nid for nid in ids[idx.start:idx.stop]]
+        return [self[i].placement_id for i in idx]
+
+    def parts_bytes(self, idx: Sequence[int], expires_at: float) -> list[bytes]:
+        """The parts of pushes ``idx`` (a rack's bundle), byte for byte ``parts_bytes`` of those
+        pushes: a start push's is its gang's constant pieces around its node's own (id,
+        inventory and whole-node slots encoded once at registration, NodeRec), its ranks and
+        slots and its victims, joined (no list of 17 fields made and encoded a node)."""
+        n = self.n_cols
+        gang, t = self.gang, self.table
+        if gang is None or t is None:
+            return parts_bytes([self[i] for i in idx], expires_at)
+        c0, c1, c2, c3 = gang.pieces()
+        enc = _part_enc.encode
+        ranks, slots, rows_of, victims, recs = t.ranks, t.slots, self.rows, self.victims, self.recs
+        join = b"".join
+        if rows_of is None and isinstance(idx, range) and idx.step == 1 and idx.stop <= n:
+            # a rack of a gang of one pod a node (the common bundle): one comprehension over its
+            # slice of the columns
+            lo, hi = idx.start, idx.stop
+            c1p = c1 + _ONE_POD
+            if victims is None:
+                c2p = _NO_LIST + _NO_LIST + c2   # (the pod's workload ids, then no victims)
+                return [join((c0, r._mp_id, c1p, enc(k), r._mp_slots if sl is r.all_slots else enc(sl), c2p,
+                              r._mp_inv, c3))
+                        for r, k, sl in zip(recs[lo:hi], ranks[lo:hi], slots[lo:hi], strict=True)]
+            return [join((c0, r._mp_id, c1p, enc(k), r._mp_slots if sl is r.all_slots else enc(sl), _NO_LIST,
+                          enc(v) if v else _NO_LIST, c2, r._mp_inv, c3))
+                    for r, k, sl, v in zip(recs[lo:hi], ranks[lo:hi], slots[lo:hi], victims[lo:hi], strict=True)]
+        out: list[bytes] = []
+        append = out.append
+        for i in idx:
+            if i >= n:
+                append(self.extra[i - n].part_bytes(expires_at))
+                continue
+            node = recs[i]
+            if rows_of is None:
+                sl = slots[i]
+                pods = _ONE_POD + enc(ranks[i]) + (node._mp_slots if sl is node.all_slots else enc(sl)) + _NO_LIST
+            else:
+                rows = rows_of[i]
+                pods = _list_head(len(rows)) + join([_POD_HEAD + enc(ranks[r]) + enc(slots[r]) + _NO_LIST
+                                                     for r in rows])
+            append(join((c0, node._mp_id, c1, pods, _NO_LIST if victims is None else enc(victims[i]), c2,
+                         node._mp_inv, c3)))
+        return out
+
+
 class GangStart:
     """What every start push of one decision shares (one object, not two closures a node):
     a node's NodePart (rack relays) or Placement (direct push) is made from it on demand."""
 
     __slots__ = ("spec", "job_id", "attempt", "prefix", "blob_id", "peers_of", "contacts", "n_gang", "now",
-                 "expires", "argv", "env", "read_grant")
+                 "expires", "argv", "env", "read_grant", "_pieces")
 
     def __init__(self, spec: JobSpec, attempt: int, *, blob_id: str, peers_of: Callable[[NodeRec], list[Peer]],
                  contacts: list[Peer], n_gang: int, now: float, expires: float, read_grant: bytes = b"") -> None:
@@ -271,6 +383,21 @@ class GangStart:
         self.argv = list(spec.argv)
         self.env = dict(spec.env)
         self.read_grant = read_grant   # (in the blob too; a direct push carries it for small gangs)
+        self._pieces: tuple[bytes, bytes, bytes, bytes] | None = None
+
+    def pieces(self) -> tuple[bytes, bytes, bytes, bytes]:
+        """The encoded pieces every start part of this decision shares, around its node's id,
+        its pods and victims, and its inventory (:meth:`part_bytes`' array, cut there): a
+        msgpack array is its header then its items' encodings, one after another."""
+        p = self._pieces
+        if p is None:
+            enc = _part_enc.encode
+            p = self._pieces = (
+                _list_head(17) + enc(""),
+                enc(self.job_id) + enc(self.attempt) + enc("") + enc(WIRE_VERSION),
+                enc(self.now) + enc(self.expires),
+                enc(self.n_gang) + enc(_EMPTY) + enc(self.contacts) + enc(b"") + enc(None) + enc(""))
+        return p
 
     def part(self, placement_id: str, node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> NodePart:
         # blob_id, the placement id and the workload ids left empty: the bundle's blob, and
@@ -686,6 +813,10 @@ class NodeRec:
 
     rack_path: str = ""                               # "zone/block/rack", the relays' key
     mac: bytes = b""                                  # its MAC key for boot_id, once derived (Reports.mac_key)
+    # its id, inventory hash and whole-node slots as a part encodes them (GangPushes.parts_bytes)
+    _mp_id: bytes = b""
+    _mp_inv: bytes = b""
+    _mp_slots: bytes = b""
 
     def __post_init__(self) -> None:
         # Made once at registration (a node's topology and GPUs change only by registering
@@ -695,6 +826,9 @@ class NodeRec:
         t = self.topology
         self.rack_path = t.zone + "/" + t.block + "/" + t.rack
         self._inventory = inventory_hash(self.uuids)
+        self._mp_id = _part_enc.encode(self.node_id)
+        self._mp_inv = _part_enc.encode(self._inventory)
+        self._mp_slots = _slots_bytes(self.all_slots)
         self._peer = Peer(node_id=self.node_id, data_url=self.data_url, zone=t.zone, block=t.block, rack=t.rack)
 
     @property
@@ -716,3 +850,14 @@ class NodeRec:
     def inventory(self) -> str:
         """The hash a NodePart's GPU slots are checked against (``inventory_hash``)."""
         return self._inventory
+
+
+_SLOTS_BYTES: dict[tuple[int, ...], bytes] = {}
+
+
+def _slots_bytes(slots: tuple[int, ...]) -> bytes:
+    """``slots`` encoded, one bytes object per distinct tuple (every 8-GPU node shares one)."""
+    b = _SLOTS_BYTES.get(slots)
+    if b is None:
+        b = _SLOTS_BYTES[slots] = _part_enc.encode(slots)
+    return b

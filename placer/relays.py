@@ -44,10 +44,9 @@ import hmac
 import inspect
 import logging
 import math
-import operator
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
@@ -95,13 +94,10 @@ from .delivery import (
     SendBundle,
 )
 from .enrollpool import Checking, EnrollPool
-from .records import NodeRec, Push, parts_bytes
+from .records import GangPushes, NodeRec, Push
 
 log = logging.getLogger("herd.placer.relays")
 
-_kind = operator.attrgetter("kind")
-_node_id = operator.attrgetter("node_id")
-_placement_id = operator.attrgetter("placement_id")
 TREE_FANOUT = 8
 DRAIN_SLICE_S = 0.02      # the deferred frames are applied in slices of this much CPU, then others run
 ENROLL_SLICE_S = 0.01     # an enrolment batch is worked on in slices of this much CPU, then others run
@@ -521,16 +517,33 @@ class RelayHub:
 
     # ------------------------------------------------------------ delivery
 
-    def split(self, pushes: list[Push]) -> tuple[list[int], list[tuple[str, RelayConn, list[int]]]]:
+    def split(self, pushes: Sequence[Push]) -> tuple[list[int], list[tuple[str, RelayConn, list[int]]]]:
         """(the pushes' indices pushed directly, by rack in order of first appearance: its
-        path, its relay and its pushes' indices)."""
+        path, its relay and its pushes' indices). A decision's :class:`GangPushes` in topology
+        order are split by their rack runs (a look a rack, not a node); its other pushes (stops
+        on nodes given no pod) join their rack's list, or start one."""
         direct: list[int] = []
         racks: list[tuple[str, RelayConn, list[int]]] = []
         where: dict[str, list[int] | None] = {}   # rack -> its members' list (None: no relay)
         nodes = self.host.nodes
+        ids = pushes.node_ids if isinstance(pushes, GangPushes) else [p.node_id for p in pushes]
+        first = 0
+        if isinstance(pushes, GangPushes) and pushes.runs is not None:
+            paths, starts = pushes.runs
+            bounds = [*starts, pushes.n_cols]
+            for r, rack in enumerate(paths):
+                members = list(range(bounds[r], bounds[r + 1]))
+                conn = self.relay_for(rack)   # (each rack once: the runs are in topology order)
+                if conn is None:
+                    where[rack] = None
+                    direct += members
+                else:
+                    where[rack] = members
+                    racks.append((rack, conn, members))
+            first = pushes.n_cols
         last_rack, last_hit = None, None   # a gang's pushes come in topology order: racks in runs
-        for i, p in enumerate(pushes):
-            rec = nodes.get(p.node_id)
+        for i in range(first, len(ids)):
+            rec = nodes.get(ids[i])
             if rec is None:
                 direct.append(i)
                 continue
@@ -552,7 +565,7 @@ class RelayHub:
             last_rack, last_hit = rack, hit
         return direct, racks
 
-    async def deliver(self, job_id: str, blob_id: str | None, pushes: list[Push],
+    async def deliver(self, job_id: str, blob_id: str | None, pushes: Sequence[Push],
                       push_direct: Callable[[Push], Awaitable[Outcome]],
                       ready: Callable[[], Awaitable[bool]] | None = None) -> RoundOutcomes | None:
         """Carry out a decision's pushes through the relays (directly where a rack has none or
@@ -574,10 +587,19 @@ class RelayHub:
             self.host.spawn(self._drain_deferred)
 
 
-def check_acks(ab: AckBundle, core: DeliveryRound, r: int, pushes: list[Push], relay_id: str,
+class RoundIds(Protocol):
+    """A round's nodes in the round's order: their ids, and their placements' ids by rack."""
+
+    ids: list[str]
+
+    def pids(self, lo: int, hi: int) -> list[str]:
+        """The placement ids of the round's nodes ``lo`` .. ``hi - 1``."""
+
+
+def check_acks(ab: AckBundle, core: DeliveryRound, r: int, pushes: RoundIds, relay_id: str,
                nodes: Mapping[str, NodeRec], mac_key: Callable[[str, str], bytes]
                ) -> tuple[list[int], list[Outcome] | None, list[int]]:
-    """A relay's AckBundle for rack ``r`` of ``core``'s round (``pushes`` in the round's order):
+    """A relay's AckBundle for rack ``r`` of ``core``'s round (``pushes``: its nodes in the round's order):
     (the members still waiting whose outcome answers their placement and verifies, their
     outcomes (None: all accepted), the members whose MAC did not verify). A member's outcome
     needs that member's MAC (the relay's own does not: it is the connection's owner); a member
@@ -592,11 +614,13 @@ def check_acks(ab: AckBundle, core: DeliveryRound, r: int, pushes: list[Push], r
     odd: list[tuple[int, Outcome]] = []     # (position in idx, outcome) of those not plainly accepted
     bad: list[int] = []
     where: dict[str, int] | None = None
+    ids = pushes.ids
+    pids: list[str] | None = None
     for k, o in enumerate(ab.outcomes):
         nid = o.node_id
-        if k >= size or pushes[lo + k].node_id != nid:
+        if k >= size or ids[lo + k] != nid:
             if where is None:
-                where = {p.node_id: j for j, p in enumerate(pushes[lo:hi])}
+                where = {n: j for j, n in enumerate(ids[lo:hi])}
             k = where.get(nid, -1)
             if k < 0:
                 continue
@@ -609,7 +633,9 @@ def check_acks(ab: AckBundle, core: DeliveryRound, r: int, pushes: list[Push], r
             if node is None or not ok(node.mac or mac_key(nid, node.boot_id), o):
                 bad.append(i)
                 continue
-        if o.placement_id != pushes[i].placement_id:
+        if pids is None:
+            pids = pushes.pids(lo, hi)
+        if o.placement_id != pids[k]:
             continue
         if o.outcome != "accepted" or o.refused_gpus or o.detail is not None:
             odd.append((len(idx), Outcome(o.outcome, tuple(o.refused_gpus), o.detail)))
@@ -624,7 +650,7 @@ def check_acks(ab: AckBundle, core: DeliveryRound, r: int, pushes: list[Push], r
     return idx, outs, bad
 
 
-def _check_aggregate(ab: AckBundle, lo: int, size: int, waiting: list[int], pushes: list[Push], relay_id: str,
+def _check_aggregate(ab: AckBundle, lo: int, size: int, waiting: list[int], pushes: RoundIds, relay_id: str,
                      nodes: Mapping[str, NodeRec], mac_key: Callable[[str, str], bytes],
                      idx: list[int], bad: list[int]) -> None:
     """The rack's aggregate of plain acceptances (AckBundle.accepted, .macs): each member it
@@ -634,7 +660,7 @@ def _check_aggregate(ab: AckBundle, lo: int, size: int, waiting: list[int], push
     owner). A malformed aggregate (bits past the parts, MACs that do not match the bits in
     number) names nobody: its members are pushed directly."""
     if (ab.accepted == _all_bits(size) and len(ab.macs) == size * MAC_LEN and waiting.count(NO_OUTCOME) == size
-            and _whole_rack(ab, pushes[lo:lo + size], nodes, mac_key)):
+            and _whole_rack(ab, pushes.ids[lo:lo + size], pushes.pids(lo, lo + size), nodes, mac_key)):
         for k in range(size):
             waiting[k] = 0
         idx += range(lo, lo + size)
@@ -649,13 +675,13 @@ def _check_aggregate(ab: AckBundle, lo: int, size: int, waiting: list[int], push
     pids: list[str] = []
     at: list[int] = []        # their MACs' positions in ab.macs
     members: list[int] = []   # and their indices in the round
+    ids, rack_pids = pushes.ids, pushes.pids(lo, lo + size)
     for j, k in enumerate(named.tolist()):
         if waiting[k] != NO_OUTCOME:
             continue
         waiting[k] = 0
         i = lo + k
-        p = pushes[i]
-        nid = p.node_id
+        nid = ids[i]
         if nid == relay_id:
             idx.append(i)
             continue
@@ -665,7 +691,7 @@ def _check_aggregate(ab: AckBundle, lo: int, size: int, waiting: list[int], push
             continue
         keys.append(node.mac or mac_key(nid, node.boot_id))
         nids.append(nid)
-        pids.append(p.placement_id)
+        pids.append(rack_pids[k])
         at.append(j)
         members.append(i)
     if not members:
@@ -687,17 +713,16 @@ def _all_bits(size: int) -> bytes:
     return ((1 << size) - 1).to_bytes((size + 7) // 8, "little")
 
 
-def _whole_rack(ab: AckBundle, ps: list[Push], nodes: Mapping[str, NodeRec],
+def _whole_rack(ab: AckBundle, nids: list[str], pids: list[str], nodes: Mapping[str, NodeRec],
                 mac_key: Callable[[str, str], bytes]) -> bool:
     """The common answer: every member of the rack plainly accepted and each MAC is its own
     (the relay's own made by its own key too): one comparison over the whole rack's MACs, made
     in list passes. False: the member-by-member check decides."""
-    nids = list(map(_node_id, ps))
-    recs = [nodes.get(n) for n in nids]
+    recs = list(map(nodes.get, nids))
     if None in recs:
         return False
     keys = [n.mac or mac_key(n.node_id, n.boot_id) for n in recs if n is not None]
-    return hmac.compare_digest(msgauth.accepted_macs(keys, nids, list(map(_placement_id, ps))), ab.macs)
+    return hmac.compare_digest(msgauth.accepted_macs(keys, nids, pids), ab.macs)
 
 
 class _RoundDriver:
@@ -707,7 +732,7 @@ class _RoundDriver:
     one task watches the deadline (a nursery and two tasks per rack cost ~0.1 ms of placer CPU
     each, ~0.3 s of a 2,778-rack round's, measured)."""
 
-    def __init__(self, hub: RelayHub, job_id: str, blob_id: str | None, pushes: list[Push],
+    def __init__(self, hub: RelayHub, job_id: str, blob_id: str | None, pushes: Sequence[Push],
                  push_direct: Callable[[Push], Awaitable[Outcome]], ready: Callable[[], Awaitable[bool]] | None) -> None:
         self.hub = hub
         host = hub.host
@@ -716,18 +741,21 @@ class _RoundDriver:
         self.blob_id = blob_id
         self.push_direct = push_direct
         self.ready = ready
-        direct, racks = hub.split(pushes)
+        src = self.src = GangPushes.of(pushes)
+        direct, racks = hub.split(src)
         # the round's nodes in rack order (each rack's bundle a slice), then those pushed directly
-        # (a gang's pushes mostly come so already: then they are taken as they are)
+        # (a gang's pushes mostly come so already: then they are taken as they are); ``order``:
+        # the round's position -> the push's index, if they differ
         nxt = 0
         for _, _, ms in racks:
             if ms[0] != nxt or ms[-1] != nxt + len(ms) - 1:
                 break
             nxt += len(ms)
         else:
-            if direct == list(range(nxt, len(pushes))):
+            if direct == list(range(nxt, len(src))):
                 nxt = -1
-        self.pushes = pushes if nxt == -1 else [pushes[i] for _, _, ms in racks for i in ms] + [pushes[i] for i in direct]
+        self.order: list[int] | None = None if nxt == -1 else [i for _, _, ms in racks for i in ms] + direct
+        self.ids = src.node_ids if self.order is None else [src.node_ids[i] for i in self.order]
         self.racks = [(path, conn) for path, conn, _ in racks]
         self.raw = host.gang_blob(blob_id) if blob_id else None
         self.expires = host.clock() + cfg.placement_ttl_s
@@ -743,10 +771,10 @@ class _RoundDriver:
         # pushed one by one (a storm of direct stops helps nobody).
         patience = cfg.relay_timeout_s if job_id else max(cfg.relay_timeout_s, STOPS_PATIENCE_S)
         cap = 4 * cfg.relay_timeout_s if job_id else max(4 * cfg.relay_timeout_s, STOPS_CAP_S)
-        kinds = list(map(_kind, self.pushes))
-        counted = (np.ones(len(kinds), dtype=bool) if kinds.count("start") == len(kinds)
-                   else np.array(kinds) == "start")   # (a gang's pushes: all starts, mostly)
-        self.core = DeliveryRound(len(pushes), bounds, patience_s=patience, cap_s=cap, counted=counted,
+        counted = src.counted()
+        if self.order is not None:
+            counted = counted[np.array(self.order, dtype=np.int64)]
+        self.core = DeliveryRound(len(src), bounds, patience_s=patience, cap_s=cap, counted=counted,
                                   durable=ready is None)
         self.rids: dict[int, int] = {}            # rack -> its bundle's request id (while sent)
         self.frames: dict[int, bytes] = {}        # rack -> its bundle's frame, built, not yet sent
@@ -829,20 +857,28 @@ class _RoundDriver:
                 self.apply(core.acked(r, trio.current_time(), ()))
             return
         host = self.hub.host
-        idx, outs, bad = check_acks(ab, core, r, self.pushes, conn.node_id, host.nodes, host.mac_key)
+        idx, outs, bad = check_acks(ab, core, r, self, conn.node_id, host.nodes, host.mac_key)
         if outs is not None and (stale := sum(o.outcome == "stale_epoch" for o in outs)):
             host.count_stale_epoch(stale)
         if bad:
             self.hub.host.count_bad_macs(len(bad))
             log.warning("relay's ack refused: MAC does not verify nodes=%d first=%s relay=%s rack=%s", len(bad),
-                        self.pushes[bad[0]].node_id, conn.node_id, path)
+                        self.ids[bad[0]], conn.node_id, path)
         relayed0, late0 = core.relayed_nodes, core.late_nodes
         self.apply(core.acked(r, trio.current_time(), idx, outs, bad))
         self.hub.stats.relayed_nodes += core.relayed_nodes - relayed0
         self.hub.stats.late_nodes += core.late_nodes - late0
 
+    def _at(self, lo: int, hi: int) -> Sequence[int]:
+        """The indices of the round's nodes ``lo`` .. ``hi - 1`` among its pushes."""
+        return range(lo, hi) if self.order is None else self.order[lo:hi]
+
+    def pids(self, lo: int, hi: int) -> list[str]:
+        """(RoundIds) the placement ids of the round's nodes ``lo`` .. ``hi - 1``."""
+        return self.src.placement_ids(self._at(lo, hi))
+
     async def _push(self, i: int, fallback: bool) -> None:
-        p = self.pushes[i]
+        p = self.src[i if self.order is None else self.order[i]]
         core = self.core
         if not fallback:
             core.direct_starting(i)
@@ -879,12 +915,12 @@ class _RoundDriver:
             parent = self.urls[(r - seeds) // TREE_FANOUT] if r - seeds >= 0 else None
             sources = [u for u in [parent, *self.seed_urls] if u and u != conn.listen_url]
         lo, hi = self.core.rack_slice(r)
-        expires = self.expires
-        ps = self.pushes[lo:hi]
-        starts = any(p.kind == "start" for p in ps)
+        at = self._at(lo, hi)
+        src = self.src
+        starts = bool(self.core.counted[lo:hi].any())   # (a start push among them: counted)
         if carry and starts:
             self.hub.stats.blob_seeds += 1
-        return msgauth.BundleSpec(path, (self.blob_id or "") if starts else "", parts_bytes(ps, expires),
+        return msgauth.BundleSpec(path, (self.blob_id or "") if starts else "", src.parts_bytes(at, self.expires),
                                   deliver_by, raw if carry and starts else None, sources if starts else [],
                                   self.epoch)
 
@@ -943,7 +979,7 @@ class _RoundDriver:
             self._stop_deferring()
         if self.job_id:  # (a round of stops only is not a delivery to report)
             self._report(bytes0, fallbacks0, built_at, sent_at)
-        return RoundOutcomes(self.pushes, core)
+        return RoundOutcomes(self.ids, core)
 
     async def _journal(self) -> bool:
         """Once: whether the journal's sync says the job is durable (the bundles held go out)."""
@@ -971,7 +1007,7 @@ class _RoundDriver:
     def _report(self, bytes0: int, fallbacks0: int, built_at: float, sent_at: float) -> None:
         core, stats = self.core, self.hub.stats
         stats.last_delivery = {
-            "job_id": self.job_id, "nodes": len(self.pushes), "racks": len(self.racks), "direct": len(core.direct),
+            "job_id": self.job_id, "nodes": len(self.ids), "racks": len(self.racks), "direct": len(core.direct),
             "fallback_nodes": stats.fallback_nodes - fallbacks0, "bundle_bytes": stats.bytes_out - bytes0,
             "seconds": trio.current_time() - self.t0, "built_s": built_at, "last_bundle_sent_s": sent_at,
             "first_ack_s": core.first_ack - self.t0 if math.isfinite(core.first_ack) else 0.0,

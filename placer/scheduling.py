@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import operator
 import re
 from collections.abc import Callable
 
@@ -43,6 +44,7 @@ from .records import (
     NO_VICTIMS,
     STALE_PRIORITY,
     TERMINAL_JOB_STATES,
+    GangPushes,
     GangStart,
     JobError,
     JobRec,
@@ -54,6 +56,11 @@ from .records import (
 from .statebase import StateBase
 
 log = logging.getLogger("herd.placer.state")
+
+_all_slots = operator.attrgetter("all_slots")
+_node_id = operator.attrgetter("node_id")
+_data_url = operator.attrgetter("data_url")
+_uuids = operator.attrgetter("uuids")
 
 FULL_PEERS_UP_TO = 64      # gangs of at most this many nodes list every member to every node
 CONTACTS = 4               # bigger gangs: this many members of other racks per node
@@ -143,7 +150,7 @@ class Scheduling(StateBase):
 
     # ------------------------------------------------------------ deciding
 
-    def schedule(self, now: float, *, clock: Callable[[], float] | None = None) -> list[tuple[JobRec, list[Push]]]:
+    def schedule(self, now: float, *, clock: Callable[[], float] | None = None) -> list[tuple[JobRec, GangPushes]]:
         """Try every pending job (strict priority, FIFO within one; a job that does not fit
         does not block smaller ones). Returns, per decided job, its pushes (victim stops
         folded into the same per-node placement as the new pods). ``clock`` (a monotonic
@@ -198,7 +205,7 @@ class Scheduling(StateBase):
                 self.decision_s.append(dt)
                 del self.decision_s[:-1000]
 
-    def _apply_decision(self, job: JobRec, decision: Decision, now: float) -> list[Push]:
+    def _apply_decision(self, job: JobRec, decision: Decision, now: float) -> GangPushes:
         """A decision the queue already applied to the model (victims released, GPUs given)."""
         self.counters["decisions"] += 1
         # Victims first: their attempts end (never resurrected), their stops ride along.
@@ -226,13 +233,15 @@ class Scheduling(StateBase):
         P = len(node_idx)
         # whole-node pods (slots 0..width-1 of a node with width GPUs) share their node's
         # slot tuple and GPU list: found for the whole gang at once, a row is read only if not
-        whole = (slots_arr == np.arange(width)).all(axis=1).tolist() if width else [False] * P
+        whole_rows = (slots_arr == np.arange(width)).all(axis=1) if width else np.zeros(P, dtype=bool)
         nodes = self.nodes
-        names = [ids[n] for n in node_idx.tolist()]
-        recs = [nodes[nid] for nid in names]
-        slots: list[tuple[int, ...]] = [n.all_slots if w and len(n.uuids) == width else ()
-                                        for n, w in zip(recs, whole, strict=True)]
-        uuids: list[list[str]] = [n.uuids for n in recs]
+        names = list(map(ids.__getitem__, node_idx.tolist()))   # (C-level passes: no Python frame a pod)
+        recs = list(map(nodes.__getitem__, names))
+        slots: list[tuple[int, ...]] = list(map(_all_slots, recs))
+        if not (whole_rows.all() and set(map(len, slots)) == {width}):   # (else: every pod a whole node)
+            whole = whole_rows.tolist()
+            slots = [n.all_slots if w and len(n.uuids) == width else () for n, w in zip(recs, whole, strict=True)]
+        uuids: list[list[str]] = list(map(_uuids, recs))
         for r in [r for r, sl in enumerate(slots) if not sl]:   # (the rows that are not whole nodes)
             n = recs[r]
             slots[r] = tuple(s for s in slots_arr[r].tolist() if s >= 0)
@@ -242,9 +251,11 @@ class Scheduling(StateBase):
         # the pushes: the gang's nodes in rank order of their first pod, each with its rows
         uniq, first = np.unique(node_idx, return_index=True)
         rows: list[list[int]] | None
+        in_order = False     # the pushes' order (the ranks') is the topology's
         if len(uniq) == P:   # one pod a node (whole-node gangs): row r is node r's
             gang = recs
             rows = None
+            in_order = P < 2 or bool((node_idx[1:] > node_idx[:-1]).all())
         else:
             groups: dict[str, list[int]] = {}
             for r, nid in enumerate(names):
@@ -256,17 +267,20 @@ class Scheduling(StateBase):
             gang = [nodes[nid] for nid in groups]
             rows = list(groups.values())
         # the model's node indices are in topology order: the gang's, sorted, are too
-        order = [nodes[ids[n]] for n in uniq.tolist()]
+        order = gang if in_order else [nodes[ids[n]] for n in uniq.tolist()]
         runs = self.model.rack_runs(uniq) if ids is self.model.node_ids else None   # (the decision's model)
-        return self._start_pushes(job, victim_stops, now, order, gang, rows, runs)
+        return self._start_pushes(job, victim_stops, now, order, gang, rows, runs,
+                                  node_ids=names if rows is None else None)
 
     def _start_pushes(self, job: JobRec, victim_stops: dict[str, list[Victim]], now: float,
                       order: list[NodeRec], gang: list[NodeRec], rows: list[list[int]] | None,
-                      runs: tuple[list[str], list[int], list[int]] | None = None) -> list[Push]:
+                      runs: tuple[list[str], list[int], list[int]] | None = None, *,
+                      node_ids: list[str] | None = None) -> GangPushes:
         """``order``: the gang's nodes in topology order; ``gang``: the same nodes in the order
         of their first pod's rank, ``rows[k]`` the table rows of ``gang[k]``'s pods (None: one
         pod a node, ``gang[k]``'s in row ``k``); ``runs``: ``order`` by rack, if known
-        (ClusterModel.rack_runs)."""
+        (ClusterModel.rack_runs); ``node_ids``: ``gang``'s ids, if at hand. The pushes are
+        columns (:class:`GangPushes`), by rack when ``gang is order``."""
         s = job.spec
         nodes = self.nodes
         blob_id, peers_of = self._gang_blob(job, gang, order, runs, now)
@@ -274,15 +288,16 @@ class Scheduling(StateBase):
         gs = GangStart(s, job.attempt, blob_id=blob_id, peers_of=peers_of, contacts=contacts, n_gang=len(gang),
                        now=now, expires=now + self.cfg.placement_ttl_s, read_grant=job.read_grant)
         # (a node's victims are taken out of victim_stops: what is left is on nodes given no pod)
-        out = Push.gang_starts(gs, gang, job.table, rows,
-                               (lambda nid: victim_stops.pop(nid, NO_VICTIMS)) if victim_stops else None)
-        for node_id, victims in victim_stops.items():  # victims on nodes that get no new pod
+        victims = [victim_stops.pop(n.node_id, NO_VICTIMS) for n in gang] if victim_stops else None
+        extra: list[Push] = []
+        for node_id, vs in victim_stops.items():  # victims on nodes that get no new pod
             vnode = nodes[node_id]
             self._pid += 1
             pl = Placement(placement_id=f"stop:{job.job_id}:{job.attempt}:{node_id}:{self._pid}",
-                           job_id=job.job_id, victims=victims, issued_at=now)
-            out.append(Push(node_id, vnode.control_url, pl, job.job_id, job.attempt, "stop", boot_id=vnode.boot_id))
-        return out
+                           job_id=job.job_id, victims=vs, issued_at=now)
+            extra.append(Push(node_id, vnode.control_url, pl, job.job_id, job.attempt, "stop", boot_id=vnode.boot_id))
+        return GangPushes(gs, gang, job.table, rows, victims, extra, node_ids=node_ids,
+                          runs=runs[:2] if runs is not None and gang is order else None)
 
     def _gang_blob(self, job: JobRec, gang: list[NodeRec], order: list[NodeRec] | None = None,
                    runs: tuple[list[str], list[int], list[int]] | None = None, now: float = 0.0
@@ -304,7 +319,7 @@ class Scheduling(StateBase):
                     rack_start.append(i)
                     last = path
                 rack_of.append(len(racks) - 1)
-        table = PeerTable(node_ids=[n.node_id for n in order], data_urls=[n.data_url for n in order],
+        table = PeerTable(node_ids=list(map(_node_id, order)), data_urls=list(map(_data_url, order)),
                           rack_of=rack_of, racks=racks, rack_start=rack_start)
         extra = self._holders(s.manifest_id, {n.node_id for n in gang} if s.manifest_id else set())
         # contacts are in no gang of theirs with these nodes: the grant says who may read

@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -502,7 +502,18 @@ class PlacerService:
             ended = self.state.drain_ended()
             if ended:
                 self.journal.ended_many(ended)
+                if isinstance(self.journal, Journal):   # (its fsync in a worker, off the loop; etcd's writer commits its own)
+                    self.spawn(self._flush_journal)
         self._changed_now()
+
+    async def _flush_journal(self) -> None:
+        """Make the journal's appends so far durable (group commit, off the event loop)."""
+        if self.journal is None:
+            return
+        try:
+            await self.journal.flush()
+        except JournalError as e:
+            log.error("journal sync failed (ended jobs not yet durable): %s", e)
 
     # ------------------------------------------------------------ what the relay hub uses (relays.RelayHost)
 
@@ -610,7 +621,7 @@ class PlacerService:
             self.state.stop_failed(p.node_id, p.placement.victims)
         return out
 
-    async def _dispatch(self, job_id: str, attempt: int, pushes: list[Push]) -> None:
+    async def _dispatch(self, job_id: str, attempt: int, pushes: Sequence[Push]) -> None:
         try:
             await self._deliver(job_id, attempt, pushes)
         finally:
@@ -619,7 +630,7 @@ class PlacerService:
                 gc.enable()
                 self._maybe_freeze()   # the round's records survive: collect once and freeze them
 
-    async def _deliver(self, job_id: str, attempt: int, pushes: list[Push]) -> None:
+    async def _deliver(self, job_id: str, attempt: int, pushes: Sequence[Push]) -> None:
         acks: Mapping[str, Outcome] | None = {}
         # A job's placements leave only once the job (and this attempt) is durable; the relays'
         # bundles are built while the journal syncs.
@@ -973,6 +984,7 @@ class PlacerService:
             raise HTTPError(e.status, "cannot cancel", str(e)) from None
         self._carry_out(pushes)
         self._after_change()
+        await self._flush_journal()   # (answered once its end is durable)
         return json_response(self.state.job_view(self.state.jobs[req.params["job_id"]]))
 
     async def h_update_artifact(self, req: Request) -> Response:

@@ -28,10 +28,9 @@ from placer.delivery import (
     RacksSettled,
     SendBundle,
 )
-from placer.records import Push
 from placer.relays import check_acks
 from scheduler_link import msgauth
-from scheduler_link.messages import AckBundle, NodeOutcome, Placement
+from scheduler_link.messages import AckBundle, NodeOutcome
 
 REFUSED = Outcome("refused_gpus", ("GPU-x",))
 UNREACHABLE = Outcome("unreachable", detail="no answer")
@@ -323,8 +322,6 @@ def test_round_outcomes_name_the_counted_nodes_and_their_refusals() -> None:
     """What the driver hands the state: the counted (start) nodes' outcomes by id, a view over
     the round's arrays; its refusals without a pass over the gang."""
     from placer.delivery import RoundOutcomes
-    from placer.records import Push
-    from scheduler_link.messages import Placement
 
     core = _round([2, 2], 1, [True, True, False], True)   # node 2 (and 5) is a stop, not counted
     sim = Sim(core)
@@ -336,8 +333,7 @@ def test_round_outcomes_name_the_counted_nodes_and_their_refusals() -> None:
         sim.start_push(0)
     sim.answer_push(0, ACCEPTED)
     _check_end(sim)
-    pushes = [Push(f"n{i}", "", Placement(placement_id=f"p{i}", job_id="j"), "j", 1, "start") for i in range(5)]
-    outs = RoundOutcomes(pushes, core)
+    outs = RoundOutcomes([f"n{i}" for i in range(5)], core)   # (the round's node ids, in its order)
     assert dict(outs) == {"n0": ACCEPTED, "n1": REFUSED, "n3": ACCEPTED, "n4": ACCEPTED}
     assert outs.refused() == {"n1": REFUSED} and "n2" not in outs and outs["n4"] is ACCEPTED
 
@@ -346,6 +342,16 @@ def test_round_outcomes_name_the_counted_nodes_and_their_refusals() -> None:
 
 _AGG_NODES = [f"m{i}" for i in range(12)]
 _AGG_KEYS = {n: bytes([i + 1]) * 32 for i, n in enumerate(_AGG_NODES)}
+
+
+@dataclass
+class _Ids:
+    """A round's nodes as check_acks reads them (placer.relays.RoundIds): ids, placement ids."""
+    ids: list[str]
+    placement_ids: list[str]
+
+    def pids(self, lo: int, hi: int) -> list[str]:
+        return self.placement_ids[lo:hi]
 
 
 @dataclass
@@ -382,7 +388,7 @@ def test_the_common_aggregate_every_member_its_own_mac() -> None:
 
 def _aggregate_case(size: int, relay: str, answered: set[int], kinds: list[str], broken: str) -> None:
     ids = _AGG_NODES[:size]
-    pushes = [Push(n, "", Placement(placement_id=f"s:{n}", job_id="j"), "j", 1, "start") for n in ids]
+    pushes = _Ids(ids, [f"s:{n}" for n in ids])
     core = DeliveryRound(size, [0, size], patience_s=PATIENCE, cap_s=CAP)
     for k in answered:
         core.code[k] = 0

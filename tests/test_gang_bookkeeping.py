@@ -1,19 +1,26 @@
 """A decided gang's bookkeeping made in array passes agrees with its definition: the gang
 blob's peer table by rack (placer.model.ClusterModel.rack_runs) and the start pushes made in
-one pass (placer.records.Push.gang_starts), whole-node gangs and several pods a node."""
+one pass as columns (placer.records.GangPushes), whole-node gangs and several pods a node, and a
+preempting gang's round by rack with its victims' stops."""
 
 from __future__ import annotations
 
 import random
 
 import numpy as np
+import trio
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from placer.attempts import ACCEPTED
 from placer.config import PlacerConfig
-from placer.records import parts_bytes
+from placer.records import GangPushes, parts_bytes
+from placer.relaypolicy import RackPins
+from placer.relays import RelayConn, RelayHub, _RoundDriver
 from placer.state import PlacerState
+from scheduler_link import msgauth
 from scheduler_link.messages import GpuInfo, GpuSnapshot, JobSpec, NodeReport, TopologyPath, decode_gang_blob
+from scheduler_link.msgauth import part_bytes
 
 
 def _state(racks: list[int], gpus: int = 8) -> PlacerState:
@@ -76,3 +83,78 @@ def test_a_gangs_blob_and_pushes_whole_nodes_and_several_pods_a_node() -> None:
                 == {p.node_id}
             assert p.placement_id == f"start:g:1:{p.node_id}" and p.kind == "start"
         assert len(parts_bytes(pushes, 1.0)) == len(pushes)
+
+
+class _Chan:
+    """A relay's frames connection as the round's builder touches it (nothing is sent here)."""
+
+    def __init__(self) -> None:
+        self.closed = trio.Event()
+        self.term = 0
+        self.info = None
+
+    def prepare(self, type_: str, payload: object) -> tuple[int, bytes]:
+        return 1, b""
+
+
+class _Host:
+    """What a round's driver reads of the placer while it is built (placer.relays.RelayHost)."""
+
+    def __init__(self, st_: PlacerState) -> None:
+        self.cfg = st_.cfg
+        self.signer = msgauth.BundleSigner.generate()
+        self.clock = trio.current_time
+        self.rack_pins = RackPins()
+        self.epoch = 1
+        self._st = st_
+
+    @property
+    def nodes(self):
+        return self._st.nodes
+
+    def gang_blob(self, blob_id: str) -> bytes | None:
+        return self._st.blobs.get(blob_id)
+
+    def leading(self) -> bool:
+        return True
+
+
+async def test_a_preempting_gangs_round_puts_its_victims_stops_in_their_racks_bundles() -> None:
+    """A gang that preempts: its start pushes are columns in topology order, the stops on the
+    victims' other nodes follow; the round groups them by rack (a stop joins its rack's bundle,
+    wherever it came in the pushes), and each bundle's parts, node ids and placement ids are
+    those of the pushes the round put there, in any order of the stops."""
+    st_ = _state([3, 4, 2, 3])
+    st_.submit(JobSpec(job_id="low", pods=12, gpus_per_pod=7, priority=0, preemptible=True, argv=["x"]), 0.1)
+    (low, lp), = st_.schedule(0.1)
+    st_.on_acks("low", low.attempt, {p.node_id: ACCEPTED for p in lp}, 0.2, lp)
+    st_.submit(JobSpec(job_id="high", pods=7, gpus_per_pod=8, priority=5, argv=["x"]), 0.3)
+    (high, hp), = st_.schedule(0.3)
+    assert isinstance(hp, GangPushes) and hp.runs is not None and hp.n_cols == 7 and len(hp.extra) == 5
+    hub = RelayHub(_Host(st_))  # type: ignore[arg-type]  # (what a round's builder reads)
+    relays = {}
+    for nid, node in st_.nodes.items():
+        if node.rack_path not in relays:
+            ch = _Chan()
+            conn = RelayConn(nid, (node.rack_path,), None, ch)  # type: ignore[arg-type]
+            ch.info = conn  # type: ignore[assignment]
+            relays[node.rack_path] = conn
+            hub._cands[node.rack_path] = {nid: conn}
+    permuted = []
+    for extra in (hp.extra, hp.extra[::-1]):
+        gp = GangPushes(hp.gang, hp.recs, hp.table, hp.rows, hp.victims, list(extra), runs=hp.runs)
+        drv = _RoundDriver(hub, "high", high.blob_id, gp, None, None)  # type: ignore[arg-type]  # (never pushes)
+        permuted.append(drv.order is not None)
+        seen: list[str] = []
+        for r, (path, _) in enumerate(drv.racks):
+            lo, hi = drv.core.rack_slice(r)
+            spec = drv._spec(r, 1.0)
+            pushes = [gp[i] for i in drv._at(lo, hi)]
+            assert {st_.nodes[p.node_id].rack_path for p in pushes} == {path}
+            assert spec.raws == [part_bytes(p.part(drv.expires)) for p in pushes]
+            assert drv.ids[lo:hi] == [p.node_id for p in pushes]
+            assert drv.pids(lo, hi) == [p.placement_id for p in pushes]
+            assert drv.core.counted[lo:hi].tolist() == [p.kind == "start" for p in pushes]
+            seen += drv.ids[lo:hi]
+        assert sorted(seen) == sorted(gp.node_ids) and len(drv.core.direct) == 0
+    assert any(permuted)   # (some stop came in after a later rack's: the round's order is not the pushes')

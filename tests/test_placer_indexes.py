@@ -457,6 +457,20 @@ def test_a_start_push_encodes_its_part_byte_for_byte_without_making_it():
     # a rack's parts in one pass (placer.records.parts_bytes): the same bytes, whatever the mix
     mixed = [*pushes, p, *stop, *_big_gang(40)[2]]
     assert parts_bytes(mixed, 9.0) == [part_bytes(q.part(9.0)) for q in mixed]
+    # a decision's pushes encoded from its columns (GangPushes.parts_bytes): the same bytes, for
+    # several pods a node, whole nodes, and with victims beside and stops after the starts
+    from placer.records import GangPushes
+    big = _big_gang(40)[2]
+    assert isinstance(pushes, GangPushes) and isinstance(big, GangPushes) and big.runs is not None
+    for gp in (pushes, big):
+        assert parts_bytes(gp, 9.0) == [part_bytes(q.part(9.0)) for q in gp]
+    with_victims = GangPushes(big.gang, big.recs, big.table, None, [victims if k % 3 else [] for k in range(40)],
+                              list(stop))
+    assert len(with_victims) == 40 + len(stop) and with_victims.counted().tolist() == [True] * 40 + [False] * len(stop)
+    assert parts_bytes(with_victims, 9.0) == [part_bytes(q.part(9.0)) for q in with_victims]
+    assert with_victims.parts_bytes([41, 3, 40], 9.0) == [part_bytes(with_victims[i].part(9.0)) for i in (41, 3, 40)]
+    assert with_victims.parts_bytes(range(5, 17), 9.0) == [part_bytes(with_victims[i].part(9.0)) for i in range(5, 17)]
+    assert with_victims.placement_ids(range(2, 5)) == [with_victims[i].placement_id for i in range(2, 5)]
 
 
 def _stop_ids(started_at: float) -> set[str]:
