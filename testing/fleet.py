@@ -129,7 +129,7 @@ from scheduler_link.msgauth import (
     MAC_LEN,
     BundleVerifier,
     beat_mac,
-    verified_stops,
+    relayed_stops,
     with_outcome_mac,
 )
 
@@ -718,11 +718,13 @@ class EmulatedRack:
         """What an answer says to a member: stops (relayed: only those with the placer's MAC,
         as an agent checks), need_full (a full report)."""
         stop = list(r.stop)
-        if relayed and stop:
-            stop, _ = verified_stops(m.mac_key or None, m.slot.node_id, m.boot_id, stop)
+        full = r.need_full
+        if relayed and stop:   # (a stop refused for its binding: named in a full report, as an agent does)
+            checked = relayed_stops(m.mac_key or None, m.slot.node_id, m.boot_id, stop, time.time())
+            stop, full = checked.ok, full or bool(checked.refused)
         if stop:
             self.fleet.spawn(m.stop_workloads, stop)
-        if r.need_full:
+        if full:
             self.fleet.spawn(self._register, m)
 
     def _answered(self, m: EmulatedNode, wr: WireReply) -> None:
