@@ -367,6 +367,7 @@ class AgentLink:
         self.relay_rechecks = 0              # full reports sent directly after a relay held us too long
         #                                      (or passed on a stop refused for its binding)
         self._stop_bounced = False           # a relayed stop was refused: the next report directly
+        self._bounce_direct_at = -math.inf   # ... not again before this (trio time)
         self.relay_urls_ignored = 0          # relayed answers naming another relay (not followed)
         # enrolment through the relay (module docstring): this node's certificate key, the relay
         # it last reported through, and where that is kept
@@ -495,7 +496,9 @@ class AgentLink:
             if self._relay_ask_at is not None and trio.current_time() >= self._relay_ask_at:
                 self._relay_ask_at = None
                 self._need_full = True  # where is the rack's relay now?
-            if self._relay is not None and (self._stop_bounced or self._relay_untrusted(trio.current_time())):
+            if self._relay is None:
+                self._stop_bounced = False   # (the next report goes to the placer anyway)
+            elif self._stop_bounced or self._relay_untrusted(trio.current_time()):
                 await self._recheck_relay()
             if self._enroll_due():
                 enrolled = await self._enroll_through_relay(nursery)
@@ -662,9 +665,11 @@ class AgentLink:
     def _relayed_stops(self, stop: list[Victim]) -> list[Victim]:
         """The stops a relay carried that this node acts on: the placer's MAC in our key, bound
         (unexpired, for the attempt their workload names: msgauth.stop_binding), of no older
-        epoch. A stop refused for its binding is named in the next report: a full one over our
-        own connection, which lists the workload, so the placer's answer tells us again, with no
-        relay in the way (as the answer to the next report does when a direct stop is refused)."""
+        epoch. A stop refused for its binding is named in the next report: a full one, which
+        lists the workload, so the placer's answer tells us again; over our own connection, with
+        no relay in the way (as the answer to the next report does when a direct stop is
+        refused), at most once in ``BOUNCE_DIRECT_INTERVALS`` (a relay that keeps replaying
+        stops costs the placer that many handshakes at most), else through the relay."""
         checked = relayed_stops(self.mac_key, self.node_id, self.boot_id, stop, time.time())
         if checked.forged:
             self.stops_refused += checked.forged
@@ -672,7 +677,11 @@ class AgentLink:
                         self.node_id, checked.forged)
         if checked.refused:
             self.stops_refused += len(checked.refused)
-            self._stop_bounced = self._need_full = True
+            self._need_full = True
+            now = trio.current_time()
+            if now >= self._bounce_direct_at:
+                self._stop_bounced = True
+                self._bounce_direct_at = now + BOUNCE_DIRECT_INTERVALS * self.placer_heartbeat_s
             log.warning("stops from the relay refused node=%s count=%d workloads=%s first=%s", self.node_id,
                         len(checked.refused), ",".join(f"{r.workload_id}:{r.outcome}" for r in checked.refused[:20]),
                         checked.refused[0].detail)
@@ -1171,6 +1180,7 @@ class AgentLink:
             log.exception("stop_workloads hook failed node=%s", self.node_id)
 
 
+BOUNCE_DIRECT_INTERVALS = 3   # a relayed stop refused: a direct full report at most once in this many intervals
 COPY_SPREAD = (1.0, 4.0)       # copies begin this many intervals after the first registration (uniform)
 WIRE_BUSY_TRIES = 4            # connects that find the framed channel busy before HTTP is tried
 WIRE_BUSY_BACKOFF_MAX_S = 30.0
