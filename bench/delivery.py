@@ -50,6 +50,11 @@ more than that path holds —, placements one HTTP POST per node): a 2,000-node 
 submit -> acked, and the big gang bounded at ``--baseline-limit`` s (60), reported as how
 many nodes had acked by then.
 
+``--manifest``: the gang names an artifact (``manifest_id``, ``origin``) that one emulated node
+in ``--manifest-every`` (256) reports holding; those outside the gang are its contacts, listed in
+the parts, and the placer signs the gang's read grant (in its blob), as for a real gang whose
+artifact some nodes already hold. Without it the gang names no artifact: no contacts, no grant.
+
 Every wait is bounded; every loop is bounded in count and time; traffic stays on 127.0.0.1.
 """
 
@@ -119,15 +124,27 @@ class Args:
     hold_events: bool = True         # False (--no-hold-events): members report events while bundles come
     nice_ab: int = 0                 # --nice-ab K: K more deliveries, alternating the emulators' niceness
     emulator_nice: int = 10          # --emulator-nice: the niceness of the odd ones
+    manifest: bool = False           # --manifest: the gang names MANIFEST, which some nodes hold (contacts)
+    manifest_every: int = 256        # --manifest-every K: one node in K reports holding it
 
 
-def _gang(fleet: str, gpus_total: int, want: int | None) -> dict[str, Any]:
+# --manifest: the artifact the big gang names; one emulated node in --manifest-every reports
+# holding it (testing.fleet --holds), so the placer lists those outside the gang as contacts and
+# signs the gang's read grant (placer.scheduling: contacts read on the grant), as for a real gang
+MANIFEST = "5e" * 32
+ORIGIN = "gs://bench-artifacts/herd"
+
+
+def _gang(fleet: str, gpus_total: int, want: int | None, manifest: bool = False) -> dict[str, Any]:
     from placer.sim import fleet_shape
 
     gpn = fleet_shape(fleet).gpus_per_node
     g = want or min(200_000, int(gpus_total * 0.6))
-    return {"pods": max(1, g // gpn), "gpus_per_pod": gpn, "whole_nodes": True, "priority": 2,
-            "preemptible": False, "argv": ["/bin/sleep", "3600"], "grace_s": 1}
+    spec: dict[str, Any] = {"pods": max(1, g // gpn), "gpus_per_pod": gpn, "whole_nodes": True, "priority": 2,
+                            "preemptible": False, "argv": ["/bin/sleep", "3600"], "grace_s": 1}
+    if manifest:
+        spec.update(manifest_id=MANIFEST, origin=ORIGIN)
+    return spec
 
 
 async def _fleet(stack: AsyncExitStack, tmp: Path, td: Path, a: Args, n: int, *, relays: bool
@@ -154,6 +171,8 @@ async def _fleet(stack: AsyncExitStack, tmp: Path, td: Path, a: Args, n: int, *,
         extra = ["--fetch-delay", "0.2", "--run-delay", "0.3"] + (["--relays"] if relays else [])
         if relays and not a.hold_events:
             extra.append("--no-hold-events")
+        if a.manifest:
+            extra += ["--holds", MANIFEST, "--holds-every", str(a.manifest_every)]
         emus.append(await stack.enter_async_context(EmulatorProc(
             placer, td, nodes=hi - lo, offset=lo, fleet=a.fleet, mux=8, log_path=tmp / f"emu{k}.log", extra=extra,
             root=a.root)))
@@ -355,8 +374,10 @@ async def relay_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
     op = {"authorization": f"Bearer {TokenSet.load(td).operator}"}
     row: dict[str, Any] = {"nodes": n, "gpus": gpus, "fleet": a.fleet, "path": "rack relays",
                            "load_before": os.getloadavg()[0]}
-    gang = _gang(a.fleet, gpus, a.gang_gpus)
+    gang = _gang(a.fleet, gpus, a.gang_gpus, a.manifest)
     row["gang_gpus"] = gang["pods"] * gang["gpus_per_pod"]
+    if a.manifest:
+        row["manifest"] = {"manifest_id": MANIFEST, "held_by_one_node_in": a.manifest_every}
     async with AsyncExitStack() as stack:
         placer, emus, c = await _fleet(stack, tmp, td, a, n, relays=True)
         row["emulator_procs"] = len(emus)
@@ -477,7 +498,7 @@ async def baseline_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
     td = generate_token_dir(tmp / "tokens")
     op = {"authorization": f"Bearer {TokenSet.load(td).operator}"}
     row: dict[str, Any] = {"nodes": n, "fleet": a.fleet, "path": "one HTTP POST per node (relays = false)"}
-    gang = _gang(a.fleet, gpus, a.gang_gpus)
+    gang = _gang(a.fleet, gpus, a.gang_gpus, a.manifest)
     async with AsyncExitStack() as stack:
         placer, emus, c = await _fleet(stack, tmp, td, a, n, relays=False)
         if not await _register(row, "register", placer, emus, c, n, gpus, op, a.register_limit_s):
@@ -592,6 +613,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="K more deliveries of the gang after the first two, the emulators at niceness 0 and "
                          "--emulator-nice in turn (the placer at 0): a same-run A/B of the shared cores")
     ap.add_argument("--emulator-nice", type=int, default=10)
+    ap.add_argument("--manifest", action="store_true",
+                    help="the gang names an artifact that one emulated node in --manifest-every holds: those "
+                         "outside the gang are its contacts and the placer signs the gang's read grant")
+    ap.add_argument("--manifest-every", type=int, default=256, metavar="K")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--placer-root", default=str(ROOT),
                     help="the tree whose placer and emulators run (default: this one; a same-run A/B)")
@@ -605,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
              baseline=not ns.no_baseline, baseline_limit_s=ns.baseline_limit, hung_fraction=ns.hung,
              preempt=not ns.no_preempt, seed=ns.seed, root=Path(ns.placer_root), relays=not ns.no_relays,
              register_limit_s=ns.register_limit, hold_events=not ns.no_hold_events, nice_ab=max(0, ns.nice_ab),
-             emulator_nice=ns.emulator_nice)
+             emulator_nice=ns.emulator_nice, manifest=ns.manifest, manifest_every=max(1, ns.manifest_every))
     return run_printed(partial(run_all, nodes, a), json_out=ns.json, table=print_table)
 
 

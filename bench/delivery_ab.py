@@ -1,12 +1,16 @@
 """Same-run A/B of bench.delivery: the relay rows of two trees, alternating.
 
-    python -m bench.delivery_ab --base-root /path/to/baseline/tree [--nodes 16384] [--reps 3] [--json]
+    python -m bench.delivery_ab --base-root /path/to/baseline/tree [--nodes 16384] [--reps 3] [--manifest] [--json]
 
 Each rep runs ``python -m bench.delivery --nodes N --no-baseline --no-preempt --json`` (this
 tree's bench driver) once with ``--placer-root`` = the baseline tree and once with this tree,
 in alternating order (base, new, new, base, ...), so both see the same machine. Per phase
 (``empty``, ``hung``) it reports the medians of submit -> acked, decide, bookkeeping, delivery
-and the placer's and the emulators' CPU-s to acked, with the 1-minute load before each run.
+and the placer's and the emulators' CPU-s to acked, with the 1-minute load before each run;
+then the steady phase's placer CPU fraction (the gang running, heartbeats through the relays),
+and new/base ratios of the medians. ``--manifest`` passes bench.delivery's ``--manifest`` to
+both: the gang names an artifact some nodes outside it hold, so the placer lists contacts and
+signs the gang's read grant.
 Every run is bounded (``--limit-s``); traffic stays on loopback (bench.delivery's rules).
 """
 
@@ -31,6 +35,8 @@ def one(root: Path, a: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.delivery", "--nodes", str(a.nodes), "--fleet", a.fleet, "--no-baseline",
            "--no-preempt", "--steady-s", str(a.steady_s), "--json", "--placer-root", str(root),
            "--per-proc", str(a.per_proc)] + (["--no-hold-events"] if a.no_hold_events and root != Path(a.base_root) else [])
+    if a.manifest:
+        cmd += ["--manifest", "--manifest-every", str(a.manifest_every)]
     load = os.getloadavg()[0]
     p = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True,
                        text=True, timeout=a.limit_s)
@@ -50,6 +56,14 @@ def one(root: Path, a: argparse.Namespace) -> dict[str, Any]:
     return res
 
 
+def _ratio(new: float | None, base: float | None) -> float | None:
+    return new / base if new is not None and base else None
+
+
+def _f(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.delivery_ab", description=__doc__.split("\n\n")[0])
     ap.add_argument("--base-root", required=True, help="the baseline tree (e.g. a `git archive` of main)")
@@ -63,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-hold-events", action="store_true",
                     help="the new tree's emulated members report events at once (bench.delivery's flag)")
     ap.add_argument("--steady-s", type=float, default=3.0)
+    ap.add_argument("--manifest", action="store_true",
+                    help="the gang names an artifact that some nodes outside it hold (contacts, a read grant)")
+    ap.add_argument("--manifest-every", type=int, default=256, metavar="K",
+                    help="with --manifest: one emulated node in K holds it")
     ap.add_argument("--limit-s", type=float, default=900.0, help="bound on each run (s)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -83,17 +101,27 @@ def main(argv: list[str] | None = None) -> int:
         med[who] = {ph: {k: statistics.median(v) if (v := [r[ph][k] for r in ok if r[ph].get(k) is not None]) else None
                          for k in KEYS} for ph in PHASES}
         med[who]["loads"] = [round(r["load"], 2) for r in rs]
+        steady = [r["steady_placer_cpu_frac"] for r in ok if r.get("steady_placer_cpu_frac") is not None]
+        med[who]["steady_placer_cpu_frac"] = statistics.median(steady) if steady else None
+    ratios: dict[str, Any] = {ph: {k: _ratio(med["new"][ph][k], med["base"][ph][k]) for k in KEYS} for ph in PHASES}
+    ratios["steady_placer_cpu_frac"] = _ratio(med["new"]["steady_placer_cpu_frac"],
+                                              med["base"]["steady_placer_cpu_frac"])
     out = {"nodes": a.nodes, "fleet": a.fleet, "reps": a.reps, "base_root": a.base_root, "new_root": a.new_root,
-           "medians": med, "runs": runs}
+           "manifest": a.manifest, "medians": med, "ratios_new_over_base": ratios, "runs": runs}
     if a.json:
         print(json.dumps(out))
     else:
-        print(f"bench.delivery A/B, {a.fleet} {a.nodes:,} nodes, medians of {a.reps} (alternating; loads per run)")
+        print(f"bench.delivery A/B, {a.fleet} {a.nodes:,} nodes{', gang with a manifest' if a.manifest else ''}, "
+              f"medians of {a.reps} (alternating; loads per run)")
         for ph in PHASES:
             print(f"  {ph}:")
             for who in ("base", "new"):
                 m = med[who][ph]
                 print(f"    {who:4s} " + " ".join(f"{k}={m[k]:.2f}" if m[k] is not None else f"{k}=-" for k in KEYS))
+            print("    new/base " + " ".join(f"{k}={_f(ratios[ph][k])}" for k in KEYS))
+        print("  steady placer CPU fraction: " + " ".join(
+            f"{who}={_f(med[who]['steady_placer_cpu_frac'])}" for who in ("base", "new"))
+            + f" new/base={_f(ratios['steady_placer_cpu_frac'])}")
         for who in ("base", "new"):
             print(f"  {who} loads: {med[who]['loads']}")
     return 0

@@ -220,8 +220,10 @@ class PlacerService:
         await self.approvals.promoted(etcd)
 
     def _fenced_stops(self, stop: list[Victim]) -> list[Victim]:
-        ep = self.epoch
-        return [v if v.epoch == ep else msgspec.structs.replace(v, epoch=ep) for v in stop]
+        # of this epoch, for the attempt its workload names, expiring: under the member's MAC
+        # when a relay carries it (a replay after the expiry stops nothing)
+        ep, expires = self.epoch, self.clock() + self.cfg.placement_ttl_s
+        return [msgauth.bound_stop(v, ep, expires) for v in stop]
 
     # ------------------------------------------------------------ life cycle
 

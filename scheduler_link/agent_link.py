@@ -136,7 +136,7 @@ from .messages import (
     for_placer,
     gpu_inventory,
 )
-from .msgauth import BundleVerifier, epoch_ok, verified_stops, with_report_mac
+from .msgauth import BundleVerifier, epoch_ok, relayed_stops, with_report_mac
 from .placers import NO_LEADER, Placers, leader_of, leader_wire_of, not_leading
 
 log = logging.getLogger("herd.link.agent")
@@ -365,6 +365,9 @@ class AgentLink:
         self.relay_trust_intervals = relay_trust_intervals   # 0: never re-checked directly
         self._vouched_at = -math.inf
         self.relay_rechecks = 0              # full reports sent directly after a relay held us too long
+        #                                      (or passed on a stop refused for its binding)
+        self._stop_bounced = False           # a relayed stop was refused: the next report directly
+        self._bounce_direct_at = -math.inf   # ... not again before this (trio time)
         self.relay_urls_ignored = 0          # relayed answers naming another relay (not followed)
         # enrolment through the relay (module docstring): this node's certificate key, the relay
         # it last reported through, and where that is kept
@@ -493,7 +496,9 @@ class AgentLink:
             if self._relay_ask_at is not None and trio.current_time() >= self._relay_ask_at:
                 self._relay_ask_at = None
                 self._need_full = True  # where is the rack's relay now?
-            if self._relay is not None and self._relay_untrusted(trio.current_time()):
+            if self._relay is None:
+                self._stop_bounced = False   # (the next report goes to the placer anyway)
+            elif self._stop_bounced or self._relay_untrusted(trio.current_time()):
                 await self._recheck_relay()
             if self._enroll_due():
                 enrolled = await self._enroll_through_relay(nursery)
@@ -596,15 +601,11 @@ class AgentLink:
             if report.full and reply.wire_url and self.use_wire and self._wire is None:
                 await self._open_wire(reply.wire_url)
             stop = list(reply.stop)
-            if stop and relayed:  # through a relay: only stops the placer MACed with our key, of no older epoch
-                stop, forged = verified_stops(self.mac_key, self.node_id, self.boot_id, stop)
-                stop = [v for v in stop if self._fresh_stop(v)]
+            if stop and relayed:  # through a relay: only stops the placer MACed with our key, of no older
+                # epoch, unexpired and for the attempt their workload names
+                stop = self._relayed_stops(stop)
                 if stop:
                     self._vouched_at = trio.current_time()   # the placer's MAC, in our key
-                if forged:
-                    self.stops_refused += forged
-                    log.warning("stops from the relay refused (no valid placer MAC) node=%s count=%d",
-                                self.node_id, forged)
             if stop:
                 self.stops_received += len(stop)
                 nursery.start_soon(self._stop, stop)
@@ -662,6 +663,31 @@ class AgentLink:
                     reply.epoch, self.epochs.highest)
         self._need_full = True
         return False
+
+    def _relayed_stops(self, stop: list[Victim]) -> list[Victim]:
+        """The stops a relay carried that this node acts on: the placer's MAC in our key, bound
+        (unexpired, for the attempt their workload names: msgauth.stop_binding), of no older
+        epoch. A stop refused for its binding is named in the next report: a full one, which
+        lists the workload, so the placer's answer tells us again; over our own connection, with
+        no relay in the way (as the answer to the next report does when a direct stop is
+        refused), at most once in ``BOUNCE_DIRECT_INTERVALS`` (a relay that keeps replaying
+        stops costs the placer that many handshakes at most), else through the relay."""
+        checked = relayed_stops(self.mac_key, self.node_id, self.boot_id, stop, time.time())
+        if checked.forged:
+            self.stops_refused += checked.forged
+            log.warning("stops from the relay refused (no valid placer MAC) node=%s count=%d",
+                        self.node_id, checked.forged)
+        if checked.refused:
+            self.stops_refused += len(checked.refused)
+            self._need_full = True
+            now = trio.current_time()
+            if now >= self._bounce_direct_at:
+                self._stop_bounced = True
+                self._bounce_direct_at = now + BOUNCE_DIRECT_INTERVALS * self.placer_heartbeat_s
+            log.warning("stops from the relay refused node=%s count=%d workloads=%s first=%s", self.node_id,
+                        len(checked.refused), ",".join(f"{r.workload_id}:{r.outcome}" for r in checked.refused[:20]),
+                        checked.refused[0].detail)
+        return [v for v in checked.ok if self._fresh_stop(v)]
 
     def _fresh_stop(self, v: Victim) -> bool:
         try:
@@ -762,8 +788,11 @@ class AgentLink:
     async def _recheck_relay(self) -> None:
         """One full report over our own connection: the placer's answer says which relay to use."""
         self.relay_rechecks += 1
-        log.info("nothing from the placer through the relay for %d intervals: reporting directly node=%s relay=%s",
-                 self.relay_trust_intervals, self.node_id, self._relay.url if self._relay is not None else None)
+        why = "a stop it passed on was refused" if self._stop_bounced else \
+            f"nothing from the placer through the relay for {self.relay_trust_intervals} intervals"
+        self._stop_bounced = False
+        log.info("%s: reporting directly node=%s relay=%s", why, self.node_id,
+                 self._relay.url if self._relay is not None else None)
         await self._close_wire()
         self._vouched_at = trio.current_time()   # (not again before the direct answer had its chance)
         self._need_full = True
@@ -911,9 +940,7 @@ class AgentLink:
             self.heartbeat_s = relayed_interval(reply.heartbeat_interval_s, self.placer_heartbeat_s)
         if reply.need_full:
             self._need_full = True
-        stop, forged = verified_stops(self.mac_key, self.node_id, self.boot_id, list(reply.stop))
-        self.stops_refused += forged
-        stop = [v for v in stop if self._fresh_stop(v)]
+        stop = self._relayed_stops(list(reply.stop))
         if stop:
             self.stops_received += len(stop)
             nursery.start_soon(self._stop, stop)
@@ -1157,6 +1184,7 @@ class AgentLink:
             log.exception("stop_workloads hook failed node=%s", self.node_id)
 
 
+BOUNCE_DIRECT_INTERVALS = 3   # a relayed stop refused: a direct full report at most once in this many intervals
 COPY_SPREAD = (1.0, 4.0)       # copies begin this many intervals after the first registration (uniform)
 WIRE_BUSY_TRIES = 4            # connects that find the framed channel busy before HTTP is tried
 WIRE_BUSY_BACKOFF_MAX_S = 30.0

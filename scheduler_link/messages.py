@@ -239,6 +239,12 @@ class Victim(msgspec.Struct, frozen=True, kw_only=True):
     # the placer epoch that asked for the stop (scheduler_link.epochs; covered by ``mac``): a
     # node that has seen a higher one does not act on it. 0: a placer without epochs
     epoch: int = 0
+    # the attempt of the workload's job that the stop is for (the one its id names) and when
+    # the stop expires (unix seconds), both covered by ``mac``: an epoch-aware placer sets them on
+    # every stop in an answer, and a member refuses a relayed stop past its expiry, for another
+    # attempt or without them (scheduler_link.msgauth.stop_binding). 0: not set
+    attempt: int = 0
+    expires_at: float = 0.0
 
 
 class ResourceLimits(msgspec.Struct, frozen=True, kw_only=True):

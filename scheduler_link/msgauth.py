@@ -29,7 +29,8 @@ and its rack's members, so what crosses it is authenticated here, per message:
   reaches agents in the same registration answer as their MAC key.
 - **Stops a relay passes down** (fencing stops in answers to relayed reports and in beat
   replies) carry the placer's MAC with the member's own key (the placer holds K_X too), one per
-  victim, over the placer's epoch too; the member acts only on those that verify. What else a
+  victim, over the placer's epoch, the attempt its workload id names and an expiry too; the
+  member acts only on those that verify and are unexpired (:func:`stop_binding`). What else a
   relay could change in an answer (need_full, the interval, relay_url, its epoch) can only
   delay or reroute reports, as dropping them could; a relayed answer's keys and ``wire_url``
   are never taken, and its epoch is compared, never taken (scheduler_link.epochs).
@@ -64,6 +65,7 @@ from .messages import (
     NodePart,
     NodeReport,
     PartProof,
+    PlacementOutcome,
     RackBundle,
     RevokedList,
     Victim,
@@ -155,12 +157,56 @@ def outcome_ok(key: bytes, o: NodeOutcome) -> bool:
 
 
 def stop_mac(key: bytes, node_id: str, boot_id: str, v: Victim) -> bytes:
-    """Over the node, its boot, the victim and the placer epoch that asks (a stop of epoch 0,
-    from a placer without epochs, is MACed as before epochs existed)."""
+    """Over the node, its boot, the victim, the placer epoch that asks and the stop's attempt
+    and expiry (a stop of epoch 0, from a placer without epochs, is MACed as before epochs
+    existed; one without an attempt or expiry as before they existed: a relay that strips them
+    changes the MAC)."""
     fields: tuple[object, ...] = (node_id, boot_id, v.workload_id, float(v.grace_s), v.reason)
     if v.epoch:
         fields = (*fields, v.epoch)
+    if v.attempt or v.expires_at:
+        fields = (*fields, v.attempt, float(v.expires_at))
     return _mac(key, b"stop\0" + _canon.encode(fields))
+
+
+def stop_attempt(workload_id: str) -> int:
+    """The attempt a placer-made workload id (``<job>.<attempt>.<rank>``) names; 0 if none."""
+    parts = workload_id.rsplit(".", 2)
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+        return 0
+    return int(parts[1])
+
+
+def bound_stop(v: Victim, epoch: int, expires_at: float) -> Victim:
+    """``v`` as an epoch-aware placer sends it in an answer: of its ``epoch``, for the attempt
+    its workload id names, expiring at ``expires_at`` (unix seconds)."""
+    return msgspec.structs.replace(v, epoch=epoch, attempt=stop_attempt(v.workload_id), expires_at=expires_at)
+
+
+class StopRefusal(NamedTuple):
+    """Why a relayed stop whose MAC verified is not acted on (a structured outcome)."""
+    workload_id: str
+    outcome: PlacementOutcome       # "expired" | "refused_spec"
+    detail: str
+
+
+def stop_binding(v: Victim, now: float) -> StopRefusal | None:
+    """Why a stop that came through a relay (its MAC verified: :func:`verified_stops`) may not
+    act at ``now`` (unix seconds; None: it may). A stop of an epoch-aware placer must carry an
+    expiry and the attempt its workload id names (else ``refused_spec``) and be used before
+    its expiry (else ``expired``, no late window): a relay that held one back can replay it
+    only until then, never to a later attempt's pod. A stop of epoch 0 (a placer without
+    epochs) is bound by its MAC alone: the node, its boot and the workload."""
+    if not v.epoch:
+        return None
+    if not v.expires_at:
+        return StopRefusal(v.workload_id, "refused_spec", "a stop must carry an expiry")
+    named = stop_attempt(v.workload_id)
+    if v.attempt != named:
+        return StopRefusal(v.workload_id, "refused_spec", f"a stop of attempt {v.attempt} names {v.workload_id}")
+    if now > v.expires_at:
+        return StopRefusal(v.workload_id, "expired", f"stop expired {now - v.expires_at:.3f}s ago")
+    return None
 
 
 def epoch_mac(key: bytes, node_id: str, boot_id: str, epoch: int) -> bytes:
@@ -183,6 +229,28 @@ def verified_stops(key: bytes | None, node_id: str, boot_id: str, victims: list[
         return [], len(victims)
     ok = [v for v in victims if v.mac and hmac.compare_digest(v.mac, stop_mac(key, node_id, boot_id, v))]
     return ok, len(victims) - len(ok)
+
+
+class RelayedStops(NamedTuple):
+    """What a member makes of the stops its relay carried: those to act on, how many had no
+    valid placer MAC, and those whose MAC held but whose binding did not (:func:`stop_binding`)."""
+    ok: list[Victim]
+    forged: int
+    refused: list[StopRefusal]
+
+
+def relayed_stops(key: bytes | None, node_id: str, boot_id: str, victims: list[Victim], now: float) -> RelayedStops:
+    """The stops a relay carried to ``node_id`` (in its ``boot_id``), checked: MAC, then binding."""
+    verified, forged = verified_stops(key, node_id, boot_id, victims)
+    ok: list[Victim] = []
+    refused: list[StopRefusal] = []
+    for v in verified:
+        why = stop_binding(v, now)
+        if why is None:
+            ok.append(v)
+        else:
+            refused.append(why)
+    return RelayedStops(ok, forged, refused)
 
 
 # ---------------------------------------------------------------- signatures (down)

@@ -129,7 +129,7 @@ from scheduler_link.msgauth import (
     MAC_LEN,
     BundleVerifier,
     beat_mac,
-    verified_stops,
+    relayed_stops,
     with_outcome_mac,
 )
 
@@ -259,7 +259,8 @@ class EmulatedNode:
                           data_url=f"http://127.0.0.1:9/{s.node_id}",  # no data plane here
                           topology=TopologyPath(zone=s.zone, block=s.block, rack=s.rack),
                           nvlink_domain=snap.nvlink_domain, snapshot=self._for_placer(snap),  # (as AgentLink sends it)
-                          workloads=list(self.workloads.values()), manifests=[], sent_at=time.time())
+                          workloads=list(self.workloads.values()), manifests=self.fleet.held_by(s.node_id),
+                          sent_at=time.time())
 
     def _for_placer(self, snap: GpuSnapshot) -> GpuSnapshot:
         """``for_placer(snap)``, made with the snapshot (before ``go``, as the snapshot is: a
@@ -718,11 +719,13 @@ class EmulatedRack:
         """What an answer says to a member: stops (relayed: only those with the placer's MAC,
         as an agent checks), need_full (a full report)."""
         stop = list(r.stop)
-        if relayed and stop:
-            stop, _ = verified_stops(m.mac_key or None, m.slot.node_id, m.boot_id, stop)
+        full = r.need_full
+        if relayed and stop:   # (a stop refused for its binding: named in a full report, as an agent does)
+            checked = relayed_stops(m.mac_key or None, m.slot.node_id, m.boot_id, stop, time.time())
+            stop, full = checked.ok, full or bool(checked.refused)
         if stop:
             self.fleet.spawn(m.stop_workloads, stop)
-        if r.need_full:
+        if full:
             self.fleet.spawn(self._register, m)
 
     def _answered(self, m: EmulatedNode, wr: WireReply) -> None:
@@ -883,6 +886,8 @@ class FleetConfig:
     hold_events: bool = True           # relay mode: members' event reports wait while bundles come (Fleet.bundles_quiet)
     relay_hold_s: float = RELAY_HOLD_S  # relay mode: a member keeps a relay that lost the placer this long
     compact: bool = True               # relay mode: re-register naming the stored GPU inventory (placer.inventories)
+    holds: str = ""                    # a manifest id that one node in ``holds_every`` reports holding
+    holds_every: int = 0               # (by a hash of its id: contacts a gang of that manifest is given)
 
 
 class Fleet:
@@ -1004,6 +1009,14 @@ class Fleet:
                 await trio.sleep_until(self.gc_held_until)
         finally:
             gc.enable()
+
+    def held_by(self, node_id: str) -> list[str]:
+        """The complete manifests ``node_id`` reports holding: ``cfg.holds`` on one node in
+        ``cfg.holds_every`` (chosen by a hash of its id), else none."""
+        every = self.cfg.holds_every
+        if not every or int.from_bytes(hashlib.blake2b(node_id.encode(), digest_size=4).digest()) % every:
+            return []
+        return [self.cfg.holds]
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:
         assert self._nursery is not None
@@ -1512,6 +1525,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="relay mode: seconds a member keeps a relay that lost the placer (0: directly at once)")
     ap.add_argument("--no-compact", action="store_true",
                     help="relay mode: full reports always carry the GPU snapshot (no compact registration)")
+    ap.add_argument("--holds", default="", metavar="MANIFEST_ID",
+                    help="a manifest id that one node in --holds-every reports holding (contacts for a gang of it)")
+    ap.add_argument("--holds-every", type=int, default=256)
     ap.add_argument("--go", action="store_true", help="start at once instead of waiting for 'go' on stdin")
     ap.add_argument("--seconds", type=float, default=3600.0, help="exit after this long (bound)")
     ap.add_argument("--tls-dir", default=None,
@@ -1535,7 +1551,7 @@ def main(argv: list[str] | None = None) -> int:
         timing=Timing(fetch_s=a.fetch_delay, run_s=a.run_delay, stop_s=a.stop_delay), relays=a.relays,
         hung_relays=frozenset(x for x in a.hung_relays.split(",") if x), tls_dir=a.tls_dir,
         tls_threads=a.tls_threads, hold_events=not a.no_hold_events, relay_hold_s=a.relay_hold, enroll=a.enroll,
-        compact=not a.no_compact)
+        compact=not a.no_compact, holds=a.holds, holds_every=a.holds_every if a.holds else 0)
     try:
         trio.run(_main, cfg, tokens, a.go, min(a.seconds, math.inf))
     except KeyboardInterrupt:

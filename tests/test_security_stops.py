@@ -9,6 +9,8 @@ time and for the node's boot, stops it."""
 from __future__ import annotations
 
 import os
+import time
+from typing import Any
 
 import msgspec
 import trio
@@ -18,7 +20,10 @@ from agent.parts import PartAcceptor, check_part
 from agent.supervisor import Supervisor, SupervisorConfig
 from placer.config import PlacerConfig
 from placer.state import ACCEPTED, PlacerState
+from scheduler_link.frames import FrameChannel, decode_payload
+from scheduler_link.heartbeat_wire import Hello, WireReply
 from scheduler_link.messages import (
+    Frame,
     GangBlob,
     GpuInfo,
     GpuSnapshot,
@@ -29,6 +34,7 @@ from scheduler_link.messages import (
     PartProof,
     Placement,
     PodAssignment,
+    ReportReply,
     TopologyPath,
     Victim,
 )
@@ -151,7 +157,6 @@ async def test_a_replayed_direct_stop_does_not_stop_the_pod_and_the_placers_stop
     for an earlier boot of the node, with no boot or expiry, or naming a later attempt's pod from
     an earlier one's stop, are refused with a structured outcome and the pod keeps running; the
     placer's own stop (the job cancelled) stops it."""
-    import time
 
     import httpx
 
@@ -214,3 +219,162 @@ async def test_a_replayed_direct_stop_does_not_stop_the_pod_and_the_placers_stop
             await op.aclose()
             await placer.aclose()
             n.cancel_scope.cancel()
+
+
+def test_a_relayed_stop_is_bound_to_its_attempt_and_expiry_under_its_mac(tmp_path):
+    """Stops in answers a relay carries: the placer's service (its ingest, no sockets) sets
+    the attempt its workload id names and an expiry on each, under the member's MAC; the
+    member (msgauth.relayed_stops) acts on one only before its expiry, refuses one altered in
+    either (its MAC), one for another attempt or, from an epoch-aware placer, without them;
+    a stop of a placer without epochs acts as before."""
+    from infra.auth import TokenSet
+    from placer.service import PlacerService
+    from scheduler_link.messages import WorkloadEvent, WorkloadStatus
+    from scheduler_link.msgauth import bound_stop, relayed_stops, with_report_mac, with_stop_macs
+
+    svc = PlacerService(PlacerConfig(state_dir=str(tmp_path), placement_ttl_s=30.0), TokenSet(), clock=lambda: NOW)
+    svc.own_epoch = 7   # (as run sets it from its epoch file)
+    snap = GpuSnapshot(gpus=[GpuInfo(index=i, uuid=u, name="x", memory_total_mib=1, pci_bus_id=str(i))
+                             for i, u in enumerate(UUIDS)])
+    full = NodeReport(node_id="a", boot_id="boot-a", seq=1, full=True, topology=TopologyPath(rack="r"),
+                      snapshot=snap, workloads=[WorkloadStatus(workload_id="gone.3.0", job_id="gone",
+                                                               state="running", gpus=[UUIDS[0]])])
+    st, reply = svc._ingest("a", full)            # over its own connection: the key; told to stop gone.3.0
+    assert st == 200 and reply.mac_key
+    key = reply.mac_key
+    svc.state.nodes["a"].tell.add("gone.3.0")     # (told once already; again, through the relay)
+    ev = WorkloadEvent(workload_id="gone.3.0", job_id="gone", state="running", at=1.0)
+    st, r = svc._ingest("a", with_report_mac(key, NodeReport(node_id="a", boot_id="boot-a", seq=2, full=False,
+                                                                      events=[ev])),
+                        via="relay-x")
+    assert st == 200
+    (stop,) = r.stop
+    assert (stop.workload_id, stop.attempt, stop.expires_at, stop.epoch) == ("gone.3.0", 3, NOW + 30.0, 7)
+
+    def check(v: Victim, now: float = NOW + 1.0) -> tuple[list[str], int, list[str]]:
+        c = relayed_stops(key, "a", "boot-a", [v], now)
+        return [x.workload_id for x in c.ok], c.forged, [x.outcome for x in c.refused]
+
+    assert check(stop) == (["gone.3.0"], 0, [])
+    assert check(stop, now=NOW + 30.5) == ([], 0, ["expired"])             # replayed past its expiry
+    for altered in (msgspec.structs.replace(stop, expires_at=NOW + 3600.0),   # a relay moves the expiry on
+                    msgspec.structs.replace(stop, attempt=4),                 # or the attempt
+                    msgspec.structs.replace(stop, attempt=0, expires_at=0.0),  # or strips both
+                    msgspec.structs.replace(stop, workload_id="gone.4.0", attempt=4)):  # or names a later pod
+        assert check(altered) == ([], 1, [])
+    # what the placer's MAC could cover but the binding refuses: another attempt, no expiry
+    other = with_stop_macs(key, "a", "boot-a", [msgspec.structs.replace(stop, workload_id="gone.4.0", mac=b"")])[0]
+    assert check(other) == ([], 0, ["refused_spec"])
+    bare = with_stop_macs(key, "a", "boot-a", [Victim(workload_id="gone.3.0", epoch=7)])[0]
+    assert check(bare) == ([], 0, ["refused_spec"])
+    # a placer without epochs (epoch 0): its MAC over the node, boot and workload binds it
+    old = with_stop_macs(key, "a", "boot-a", [Victim(workload_id="gone.3.0")])[0]
+    assert check(old, now=NOW + 86400.0) == (["gone.3.0"], 0, [])
+    assert bound_stop(Victim(workload_id="w-plain"), 7, NOW).attempt == 0   # an id that names no attempt
+
+
+class _HoldingRelay:
+    """A hostile rack relay (node r0n0, its own certificate, relaying for its own rack): it
+    passes its members' reports to the placer and their answers back, but holds back the first
+    answer that carries stops (passing it on without them), and hands that answer, as the
+    placer made it, to the member in place of a later one once ``replay`` is set."""
+
+    def __init__(self) -> None:
+        self.upstream: FrameChannel | None = None
+        self.held: WireReply | None = None
+        self.replay = False
+        self.replayed = 0
+
+    def opened(self, hello: Hello, channel: FrameChannel) -> Any:
+        return self._member
+
+    def closed(self, channel: FrameChannel) -> None:
+        pass
+
+    def _member(self, ch: FrameChannel, f: Frame) -> Any:
+        if f.type == "report":
+            return self._forward(decode_payload(f, NodeReport))
+        return "error", {"error": "not here"}
+
+    async def _forward(self, rep: NodeReport) -> tuple[str, WireReply]:
+        assert self.upstream is not None
+        wr = decode_payload(await self.upstream.call("report", rep, timeout_s=10), WireReply)
+        if self.replay and self.held is not None and not wr.reply.stop:
+            self.replay = False
+            self.replayed += 1
+            return "reply", self.held
+        if self.held is None and wr.reply.stop:
+            self.held = wr
+            return "reply", msgspec.structs.replace(wr, reply=msgspec.structs.replace(wr.reply, stop=[]))
+        return "reply", wr
+
+
+async def test_a_replayed_relayed_stop_does_not_stop_the_pod_and_the_placers_stop_does(tmp_path, token_dir, tls_pki):
+    """Over mutual TLS: a real placer, a member's real link (its host faked: it runs pod
+    ``ghost.3.0`` of a job the placer does not know), and a hostile relay of its rack. The
+    placer's stop reaches the member only in an answer through the relay, and the relay holds
+    it back until past its expiry, then replays it: the member refuses it (``expired``), the
+    pod keeps running, and the member's next report (a full one, over its own connection)
+    names the pod, so the placer's answer tells it again, and the pod stops."""
+    from infra import tls
+    from infra.auth import TokenSet
+    from placer.service import PlacerService
+    from scheduler_link.agent_link import AgentLink
+    from scheduler_link.frames import open_frames
+    from scheduler_link.heartbeat_wire import HeartbeatServer
+    from scheduler_link.messages import RelayHello, WorkloadStatus
+    from testing.fake_agent import FakeAgent
+    from testing.waiting import poll
+    from tests.test_placer_service import cfg
+
+    rack = "z1/b1/r0"
+    tokens = TokenSet.load(token_dir)
+    hostile = _HoldingRelay()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            svc = PlacerService(cfg(tmp_path, tls_dir=str(tls_pki.dir), insecure=False, ca_dir=str(tls_pki.dir),
+                                    placement_ttl_s=1.0), tokens)
+            url = await n.start(svc.run)
+            # the relay node registers in its rack over its own connection, then offers to relay
+            rlink = AgentLink(url, None, "r0n0", FakeAgent("r0n0", tokens, rack="r0"), heartbeat_s=0.1,
+                              ssl_context=tls.client_context(tls_pki.ca, tls_pki.files("node:r0n0")))
+            await n.start(rlink.run)
+            await poll(lambda: rlink.mac_key is not None, 0.02)
+            rlink_ctx = tls.client_context(tls_pki.ca, tls_pki.files("node:r0n0"))
+            server = HeartbeatServer(tokens, lambda node, rep: (400, ReportReply(ok=False)), frames=hostile,
+                                     ssl_context=tls.server_context(tls_pki.files("node:r0n0")), require_certs=True)
+            listen = await n.start(server.run, "127.0.0.1:0")
+            hostile.upstream = await open_frames(svc.wire_url, "", "r0n0", ssl_context=rlink_ctx,
+                                                 relay=RelayHello(racks=[rack], listen_url=listen), expect="placer")
+            n.start_soon(hostile.upstream.run, _no_frames)
+            await poll(lambda: svc.relays.relay_for(rack) is not None, 0.02)
+            # the member registers directly (its key), and the placer names the relay
+            member = FakeAgent("m1", tokens, rack="r0")
+            link = AgentLink(url, None, "m1", member, heartbeat_s=0.1, full_every=0,   # (no periodic full report)
+                             ssl_context=tls.client_context(tls_pki.ca, tls_pki.files("node:m1")))
+            member.link = link
+            await n.start(link.run)
+            await poll(lambda: link.statistics()["relay_url"] == listen, 0.02)
+            member.workloads["ghost.3.0"] = WorkloadStatus(workload_id="ghost.3.0", job_id="ghost", state="running",
+                                                           gpus=[member.uuids[0]])
+            link.request_full_report()      # through the relay: the answer tells it to stop ghost.3.0
+            await poll(lambda: hostile.held is not None, 0.02)
+            (held,) = hostile.held.reply.stop if hostile.held is not None else ()
+            assert (held.workload_id, held.attempt, held.epoch) == ("ghost.3.0", 3, svc.epoch)
+            assert 0 < held.expires_at - time.time() <= 1.0
+            assert member.workloads["ghost.3.0"].state == "running"
+            await trio.sleep(max(0.0, held.expires_at - time.time()) + 0.2)
+            refused0, full0 = link.stops_refused, link.full_reports_sent
+            hostile.replay = True
+            await poll(lambda: hostile.replayed == 1, 0.02)
+            await poll(lambda: link.stops_refused > refused0, 0.02)
+            assert member.workloads["ghost.3.0"].state == "running"      # the replay stopped nothing
+            # named in the member's next report, a full one over its own connection: the placer's
+            # answer tells it again, with no relay in the way, and that stops it
+            await poll(lambda: member.workloads["ghost.3.0"].state == "preempted", 0.02)
+            assert link.full_reports_sent > full0 and link.relay_rechecks == 1 and link.stops_received == 1
+            n.cancel_scope.cancel()
+
+
+def _no_frames(ch: FrameChannel, f: Frame) -> Any:
+    return "error", {"error": "no"}
