@@ -23,6 +23,7 @@ import hashlib
 import re
 import zlib
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Literal
 
 import msgspec
@@ -166,12 +167,15 @@ def for_placer(snap: GpuSnapshot) -> GpuSnapshot:
     return msgspec.structs.replace(snap, gpus=gpus, topology_matrix=[])
 
 
+_BY_INDEX = attrgetter("index")
+
+
 def gpu_inventory(snap: GpuSnapshot) -> tuple[list[str], str]:
     """A snapshot's GPU inventory as the placer keeps it: the UUIDs in index order, and their
     digest (BLAKE2b-128, hex) with the NVLink domain and whether they are simulated. Equal
     digests: the same GPUs, the same way; what a compact registration names
     (:func:`compact_ok`, ``NodeReport.inventory``)."""
-    uuids = [g.uuid for g in sorted(snap.gpus, key=lambda g: g.index)]
+    uuids = [g.uuid for g in sorted(snap.gpus, key=_BY_INDEX)]
     text = "\n".join(uuids) + "\0" + (snap.nvlink_domain or "") + "\0" + ("sim" if snap.simulated else "")
     return uuids, hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
