@@ -29,6 +29,7 @@ from scheduler_link.messages import (
     ReportReply,
     Victim,
     WorkloadEvent,
+    compact_ok,
     gpu_inventory,
 )
 from scheduler_link.msgauth import beat_mac, node_key, with_stop_macs
@@ -215,7 +216,8 @@ class Reports(StateBase):
         if len(set(uuids)) != len(uuids):
             self.counters["refused_reports"] += 1
             return 400, ReportReply(ok=False, error="a GPU UUID appears twice"), []
-        taken = [u for u in uuids if self.uuid_owner.get(u, rep.node_id) != rep.node_id]
+        owner = self.uuid_owner   # (a new node's GPUs: none known, one set operation in C)
+        taken = [] if owner.keys().isdisjoint(uuids) else [u for u in uuids if owner.get(u, rep.node_id) != rep.node_id]
         if taken:
             self.counters["refused_reports"] += 1
             return 400, ReportReply(ok=False, error=f"GPU {taken[0]} is already reported by node "
@@ -251,7 +253,8 @@ class Reports(StateBase):
         if old is None or old.state != node.state:
             self.membership_changes += 1
         self.lost_timer.set(rep.node_id, now + self.cfg.lost_after_s)
-        self._set_manifests(node, set(rep.manifests or ()))
+        if rep.manifests:   # (a new record holds none)
+            self._set_manifests(node, set(rep.manifests))
         if inv is not None and snap is not None:
             self.inventories.note(inv)
         if inv is not None:
@@ -259,9 +262,9 @@ class Reports(StateBase):
                 prev_bad, prev_fatal = old.fatal | old.refused, old.host_fatal
             else:  # a new node: all healthy in the model
                 prev_bad, prev_fatal = set(), False
-            if snap is not None:
+            if snap is not None and not compact_ok(snap):   # (its UUIDs are ``uuids``: inv is of it)
                 self._apply_snapshot(node, snap, prev_bad=prev_bad, prev_host_fatal=prev_fatal)
-            else:   # compact: every GPU and the host healthy
+            else:   # compact, or a snapshot that says so: every GPU and the host healthy
                 self._apply_health(node, set(), False, frozenset(), (), prev_bad=prev_bad, prev_host_fatal=prev_fatal)
             if old is not None and old.uuids != uuids:  # a changed inventory: say everything
                 for i in range(len(uuids)):
@@ -301,7 +304,7 @@ class Reports(StateBase):
                 exit_code=w.exit_code, reason=w.reason, gpus=list(w.gpus), placement_id=w.placement_id), now)
         # Pods we placed on this node that the agent does not know (lost with its state, or a
         # push that never landed): the gang is broken. Only this node's pods are looked at.
-        for wid, (job, p) in list(node.pods.items()):
+        for wid, (job, p) in list(node.pods.items()) if node.gangs else ():
             if (wid in reported or p.terminal or p.state == "placing" or job.recovering
                     or job.state in TERMINAL_JOB_STATES or now - job.timings.get("acked", now) <= 1.0):
                 continue

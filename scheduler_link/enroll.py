@@ -138,12 +138,14 @@ def derive(shared: bytes, node_id: str, boot_id: str, nonce: bytes, member_cert:
     return Keys(blake3.blake3(b"mac", key=e).digest(KEY_LEN), blake3.blake3(b"seal", key=e).digest(KEY_LEN))
 
 
-def enroll_mac(key: bytes, e: Enroll) -> bytes:
-    """Over every field but the MAC: the header canonically, then the report's bytes as sent."""
-    head = _canon.encode([e.version, e.node_id, e.boot_id, e.nonce, float(e.at), digest(e.cert)])
+def enroll_mac(key: bytes, e: Enroll, cert_digest: bytes | None = None) -> bytes:
+    """Over every field but the MAC: the header canonically, then the report's bytes as sent.
+    ``cert_digest``: :func:`digest` of ``e.cert``, where the caller has it already."""
+    head = _canon.encode([e.version, e.node_id, e.boot_id, e.nonce, float(e.at),
+                          digest(e.cert) if cert_digest is None else cert_digest])
     h = blake3.blake3(_MAC_PREFIX, key=key)
     h.update(len(head).to_bytes(4, "big") + head)
-    h.update(bytes(e.report))
+    h.update(e.report)   # (a Raw is a buffer: hashed where it lies)
     return h.digest(MAC_LEN)
 
 
@@ -456,7 +458,7 @@ class EnrollDesk:
         if c.node_id in denied[0] or c.serial in denied[1]:
             raise EnrollRefused("revoked", f"{c.principal} or its certificate {c.serial} is revoked")
         keys = derive(c.shared, e.node_id, e.boot_id, e.nonce, cd, self._cert_digest)
-        if len(e.mac) != MAC_LEN or not hmac.compare_digest(e.mac, enroll_mac(keys.mac, e)):
+        if len(e.mac) != MAC_LEN or not hmac.compare_digest(e.mac, enroll_mac(keys.mac, e, cd)):
             raise EnrollRefused("bad_mac", "the MAC does not verify with the certificate's key")
         try:
             rep = _report_dec.decode(e.report)
@@ -529,7 +531,7 @@ class EnrollClient:
         keys = derive(shared, report.node_id, report.boot_id, nonce, self._cert_digest, digest(placer_cert))
         e = Enroll(node_id=report.node_id, boot_id=report.boot_id, nonce=nonce, at=float(now), cert=self.cert,
                    report=msgspec.Raw(_enc.encode(report)))
-        e = msgspec.structs.replace(e, mac=enroll_mac(keys.mac, e))
+        e = msgspec.structs.replace(e, mac=enroll_mac(keys.mac, e, self._cert_digest))
         return e, Pending(report.node_id, report.boot_id, keys.seal, answer_ad(report.node_id, report.boot_id, nonce))
 
     @staticmethod

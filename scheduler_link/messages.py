@@ -23,6 +23,7 @@ import hashlib
 import re
 import zlib
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import Literal
 
 import msgspec
@@ -64,8 +65,10 @@ class NvLink(msgspec.Struct, frozen=True, kw_only=True):
     remote_type: Literal["gpu", "switch", "unknown"] = "unknown"
 
 
-class GpuTelemetry(msgspec.Struct, frozen=True, kw_only=True):
-    """Raw counters and gauges as last read (None = not supported / not read)."""
+class GpuTelemetry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Raw counters and gauges as last read (None = not supported / not read). Fields at their
+    default are left off the wire (a decoder fills them in): a full report's snapshot carries
+    none (``for_placer``), and a GPU reads a few of these where it reads any."""
     temperature_c: float | None = None
     temp_slowdown_c: float | None = None
     temp_shutdown_c: float | None = None
@@ -100,6 +103,11 @@ class GpuTelemetry(msgspec.Struct, frozen=True, kw_only=True):
     recovery_action: int | None = None
 
 
+# no telemetry (what a full report carries: ``for_placer``); GpuInfo's default, so that a GPU
+# without any decodes to this very object
+_NO_TELEMETRY = GpuTelemetry()
+
+
 class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     index: int
     uuid: str
@@ -118,7 +126,7 @@ class GpuInfo(msgspec.Struct, frozen=True, kw_only=True):
     fabric_health: str | None = None
     health: HealthState = "healthy"
     reasons: list[HealthReason] = []
-    telemetry: GpuTelemetry = GpuTelemetry()
+    telemetry: GpuTelemetry = _NO_TELEMETRY
     simulated: bool = False
 
 
@@ -147,18 +155,19 @@ class GpuSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     taken_at: float = 0.0
 
 
-_NO_TELEMETRY = GpuTelemetry()
-
-
 def for_placer(snap: GpuSnapshot) -> GpuSnapshot:
     """What of a node's snapshot the placer reads: inventory, health, fabric domains. NVLink
-    lists, telemetry and the topology matrix (about half of a DGX H100's full report: 16 KB
-    -> 8 KB) stay on the node (its status API serves them); 131,072 full reports after a placer
-    restart are that much less to read and decode. Idempotent."""
+    lists, telemetry and the topology matrix stay on the node (its status API serves them): a
+    DGX H100's full report is ~3.4 KB of msgpack where its whole snapshot would be ~12 KB
+    (and telemetry at its defaults is left off the wire: ``GpuTelemetry``); 131,072 full
+    reports after a placer restart are that much less to read, MAC and decode. Idempotent."""
     if not snap.topology_matrix and all(not g.nvlinks and g.telemetry == _NO_TELEMETRY for g in snap.gpus):
         return snap
     gpus = [msgspec.structs.replace(g, nvlinks=[], telemetry=_NO_TELEMETRY) for g in snap.gpus]
     return msgspec.structs.replace(snap, gpus=gpus, topology_matrix=[])
+
+
+_BY_INDEX = attrgetter("index")
 
 
 def gpu_inventory(snap: GpuSnapshot) -> tuple[list[str], str]:
@@ -166,7 +175,7 @@ def gpu_inventory(snap: GpuSnapshot) -> tuple[list[str], str]:
     digest (BLAKE2b-128, hex) with the NVLink domain and whether they are simulated. Equal
     digests: the same GPUs, the same way; what a compact registration names
     (:func:`compact_ok`, ``NodeReport.inventory``)."""
-    uuids = [g.uuid for g in sorted(snap.gpus, key=lambda g: g.index)]
+    uuids = [g.uuid for g in sorted(snap.gpus, key=_BY_INDEX)]
     text = "\n".join(uuids) + "\0" + (snap.nvlink_domain or "") + "\0" + ("sim" if snap.simulated else "")
     return uuids, hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
@@ -389,7 +398,7 @@ class NodeReport(msgspec.Struct, frozen=True, kw_only=True):
     # the digest of the node's GPU inventory (gpu_inventory) on a full report. A full report
     # with no ``snapshot`` and a digest is a *compact* registration: "the GPUs you stored under
     # this digest for this boot, all healthy" (placer.inventories); a placer that holds no such
-    # inventory answers 409 and the node sends its snapshot. A few hundred bytes instead of ~8 KB
+    # inventory answers 409 and the node sends its snapshot. A few hundred bytes instead of ~3.4 KB
     inventory: str = ""
 
     @property

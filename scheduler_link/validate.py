@@ -74,11 +74,22 @@ def _time(value: float, what: str) -> str | None:
 
 
 _BAD_URL_CHAR = re.compile(r"[\s\x00-\x1f\x7f]")
+# The form every agent sends (http(s)://name-or-IPv4[:port][/path], nothing else): a strict
+# subset of what _url_parsed accepts, so a match is accepted without urlsplit (~20 us a URL,
+# two a report); anything else, a refusal included, goes through the full parse.
+_PLAIN_URL = re.compile(r"https?://[A-Za-z0-9][A-Za-z0-9.-]*(?::([0-9]{1,5}))?(?:/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*)?")
 
 
 def _url(value: str, what: str) -> str | None:
     if not value:
         return None
+    if len(value) <= MAX_URL_LEN and (m := _PLAIN_URL.fullmatch(value)) is not None \
+            and (m[1] is None or int(m[1]) <= 65535):
+        return None
+    return _url_parsed(value, what)
+
+
+def _url_parsed(value: str, what: str) -> str | None:
     if len(value) > MAX_URL_LEN or _BAD_URL_CHAR.search(value):
         return f"{what} must be an http(s) URL of at most {MAX_URL_LEN} characters without spaces"
     try:

@@ -158,3 +158,37 @@ def test_validate_report_never_raises_and_accepts_only_what_the_model_can_take(d
         assert all(0 <= g.index < MAX_GPUS_PER_NODE for g in rep.snapshot.gpus)
     if why is None:
         assert math.isfinite(rep.sent_at) and rep.node_id and "/" not in rep.node_id
+
+
+# URLs close to what agents send, and to what must be refused: the fast form's edges
+_url_part = st.text(alphabet="aZ09.-_~[]:@%?#/ \t\x00\u00e9", max_size=12)
+_urls = st.builds(lambda scheme, host, port, path: f"{scheme}{host}{port}{path}",
+                  st.sampled_from(["http://", "https://", "HTTP://", "ftp://", "http:/", "http:", ""]),
+                  st.one_of(st.sampled_from(["10.0.0.1", "n1", "a-b.example", "[::1]", "", "u:p@h", "h..", "-h"]),
+                            _url_part),
+                  st.one_of(st.just(""), st.one_of(st.sampled_from([0, 80, 65535, 65536, 99999, 100_000]), st.integers(-1, 100_000)).map(lambda p: f":{p}"), _url_part.map(":".__add__)),
+                  st.one_of(st.just(""), _url_part, st.sampled_from(["/", "/x/y", "/?q", "/#f", "?", "#"])))
+
+
+@settings(max_examples=1500, deadline=None)
+@given(url=_urls)
+def test_the_fast_url_check_agrees_with_the_full_parse(url: str) -> None:
+    """The common form is taken without urlsplit; every URL gets the full parse's verdict."""
+    from scheduler_link.validate import _url, _url_parsed
+    assert _url(url, "control_url") == (_url_parsed(url, "control_url") if url else None)   # ("": none)
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:8470", "https://n1.example:443/base/", "http://n1",
+                                 "http://127.0.0.1:9/node-000001", "http://h:0", "http://h:65535"])
+def test_agents_urls_are_taken_by_the_fast_form(url: str) -> None:
+    from scheduler_link.validate import _PLAIN_URL, _url_parsed
+    assert _PLAIN_URL.fullmatch(url) and _url_parsed(url, "control_url") is None
+
+
+@pytest.mark.parametrize("url", ["http://h/?q", "http://h/x?", "http://h/#f", "http://h#", "http://u@h", "http://u:p@h:1",
+                                 "http://h:99999", "http://h:65536", "http://h:-1", "http://h:", "http://h:/x",
+                                 "http://[::1]:80", "HTTP://h", "http://h/x y", "http://h/\u00e9", "http://-h",
+                                 "http://h\x00", "tcp://h:1", "http:///x", "http://:80"])
+def test_urls_at_the_fast_forms_edges_get_the_full_parses_verdict(url: str) -> None:
+    from scheduler_link.validate import _url, _url_parsed
+    assert _url(url, "data_url") == _url_parsed(url, "data_url")
