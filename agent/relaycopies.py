@@ -64,7 +64,7 @@ class RelayCopies:
     """The copy connections of one relay (see the module docstring)."""
 
     def __init__(self, *, open_conn: Callable[[str], Awaitable[FrameChannel]], handler: FrameHandler,
-                 need_full: Callable[[list[str]], None], leader_beat: Callable[[RackBeatReply], None],
+                 need_full: Callable[[list[str], list[str]], None], leader_beat: Callable[[RackBeatReply], None],
                  timeout_s: float) -> None:
         self._open = open_conn
         self._handler = handler      # frames a follower sends (a promoted one's bundles: the relay's own)
@@ -124,6 +124,7 @@ class RelayCopies:
         if c is None or c.ch.closed.is_set():
             return None
         del self.conns[url]
+        self.bytes_closed += c.ch.bytes_out   # (what it carried as a copy connection)
         c.promoted = True
         c.queue.clear()
         c.wake.set()
@@ -136,7 +137,8 @@ class RelayCopies:
                 await c.ch.run(self._handler)
                 n.cancel_scope.cancel()
         finally:
-            self.bytes_closed += c.ch.bytes_out
+            if not c.promoted:
+                self.bytes_closed += c.ch.bytes_out
             if self.conns.get(c.url) is c:
                 del self.conns[c.url]
             if not c.promoted:
@@ -161,7 +163,9 @@ class RelayCopies:
                 log.debug("copy to a follower failed url=%s kind=%s err=%s", c.url, kind, e)
 
     def _answered(self, kind: str, payload: Any, f: Frame) -> None:
-        """A follower's answer: the members it needs a full report of, nothing else."""
+        """A follower's answer: the members it needs a full report of (and of those, the ones
+        whose compact registration it refused: it lacks their GPU inventory), nothing else."""
+        inventories: list[str] = []
         if kind == "beat":
             r = decode_payload(f, RackBeatReply)
             if r.epoch:   # the follower leads now: its answer is a leader's, taken as the core takes one
@@ -172,10 +176,12 @@ class RelayCopies:
             answers = decode_payload(f, list[WireReply])
             need = [r.node_id for r, a in zip(payload.reports, answers, strict=False)
                     if a.status == 409 or a.reply.need_full]
+            inventories = [r.node_id for r, a in zip(payload.reports, answers, strict=False)
+                           if a.status == 409 and r.compact]
         else:
             return
         if need:
-            self._need_full(need)
+            self._need_full(need, inventories)
 
     def statistics(self) -> dict[str, Any]:
         return {"followers": len(self.conns), "frames": self.frames, "drops": self.drops,

@@ -3,7 +3,8 @@ small fake placers (tests.test_relay_link.FakePlacer): every beat and report bat
 sends its leader goes to the follower too, once the relay host asked for a channel there; the
 follower's ``need_full`` makes that member send a full report (through the relay); and when the
 follower leads, the copy connection becomes the relay's connection up, without a handshake
-and without asking the members for full reports."""
+and without asking the members for full reports. A follower that lacks a member's GPU
+inventory gets the member's snapshot."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ from pathlib import Path
 
 import trio
 
+from agent.gpus.simulated import SimulatedBackend
+from agent.relaycore import RelayCore
 from infra.auth import TokenSet
 from scheduler_link.agent_link import AgentLink
 from scheduler_link.follow import OBSERVED
 from scheduler_link.frames import FrameChannel
 from scheduler_link.heartbeat_wire import Hello, WireReply
-from scheduler_link.messages import NodeReport, RackBeatReply, WorkloadEvent
+from scheduler_link.messages import NodeReport, RackBeatReply, ReportReply, WorkloadEvent
 from testing.waiting import poll
 
 from .test_relay_link import FakePlacer, Hooks, _relay
@@ -104,3 +107,35 @@ async def test_the_relay_copies_to_the_follower_then_goes_up_to_it(tmp_path: Pat
             assert all(lk.statistics()["relay_url"] for lk in links) and follower.hellos == hellos
             assert all(k != "report" for lk in links for k, _, _ in follower.seen[lk.node_id])
             n.cancel_scope.cancel()
+
+
+def test_a_follower_that_lacks_a_members_inventory_gets_its_snapshot() -> None:
+    """A follower refused a member's compact registration (409: it lacks the GPU inventory the
+    leader holds): the member is asked for a full report with ``send_inventory`` -- whatever went
+    up before -- until a full report carrying its snapshot has gone up; a plain ``need_full``
+    from a follower does not ask for the snapshot."""
+    core = RelayCore(node_id="r", rack="r1", heartbeat_s=1.0)
+    core.member_opened("m")
+    core.member_opened("k")
+
+    def beat(nid: str, seq: int) -> ReportReply:
+        wr = core.report(nid, NodeReport(node_id=nid, boot_id="b", seq=seq, full=False), upstream=True)
+        assert isinstance(wr, WireReply) and wr.status == 200
+        return wr.reply
+
+    assert not beat("m", 1).need_full
+    compact = NodeReport(node_id="m", boot_id="b", seq=2, full=True, inventory="inv")
+    assert compact.compact and isinstance(core.report("m", compact, upstream=True), int)
+    batch = core.next_batch(0.0)
+    assert batch is not None and batch.reports == [compact]
+    core.follower_needs(["m", "k"], ["m"])
+    r = beat("m", 3)
+    assert r.need_full and r.send_inventory
+    r = beat("k", 1)
+    assert r.need_full and not r.send_inventory
+    snap = SimulatedBackend("dgx-h100", hostname="m").discover()
+    full = NodeReport(node_id="m", boot_id="b", seq=4, full=True, snapshot=snap, inventory="inv")
+    assert isinstance(core.report("m", full, upstream=True), int)
+    assert core.next_batch(0.0) is not None
+    r = beat("m", 5)
+    assert not r.need_full and not r.send_inventory
