@@ -516,9 +516,12 @@ class EmulatedRack:
         self.link: AgentLink | None = None
         if fleet.several_placers:
             hb = fleet.cfg.heartbeat_s
+            # (no channel given: it registers over HTTP, is sent to the leader, and takes the
+            # channel the leader names, as a host's link does; the placer it reports to is then
+            # the leader, and its copies go to every other)
             self.link = host.link = AgentLink(
                 fleet.cfg.placer_url, fleet.tokens.cluster, host.slot.node_id, host, heartbeat_s=hb,
-                wire_url=fleet.cfg.wire_url, wire_connect=self.relay.own_channel,
+                wire_connect=self.relay.own_channel,
                 http_pool=fleet.http_for(host.slot.node_id), request_timeout_s=fleet.cfg.request_timeout_s,
                 ssl_context=ctx, epochs=epochs, backoff_max_s=max(hb, 1.0))
         self.relay.stalled = hung

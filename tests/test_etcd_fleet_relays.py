@@ -60,7 +60,8 @@ async def test_a_relayed_fleet_moves_to_the_promoted_follower_with_no_full_repor
             b = Placer(PlacerService(_cfg(tmp_path, "b", etcd_cluster.endpoints), tokens))
             url_b = await n.start(b.run)
             await poll(lambda: _role(ops, url_b, "follower"), 0.05)
-            fleet = Fleet(FleetConfig(placer_url=f"{url_a},{url_b}", nodes=NODES, wire_url=ha["wire"], mux=1,
+            # (the follower listed first: the hosts find the leader as an agent does, by its 307)
+            fleet = Fleet(FleetConfig(placer_url=f"{url_b},{url_a}", nodes=NODES, wire_url=ha["wire"], mux=1,
                                       heartbeat_s=HB, relays=True, request_timeout_s=5.0,
                                       timing=Timing(fetch_s=0.01, run_s=0.01, stop_s=0.01)), tokens)
             await n.start(fleet.run)
