@@ -203,6 +203,7 @@ class Relay:
         # copies of what goes up to the placers that follow (agent.relaycopies)
         self.copies = RelayCopies(open_conn=self._open_copy, handler=self._upstream_frame,
                                   need_full=self.core.follower_needs, leader_beat=self.core.beat_answered,
+                                  leader_reports=self.core.copies_answered,
                                   timeout_s=request_timeout_s)
         self._tickets: Tickets[WireReply] = Tickets()
         self._sending: Batch | None = None    # the batch out now (answered 503 if the connection goes)

@@ -14,7 +14,8 @@ on every beat and report batch the relay sends up is queued for it.
   it lacks are asked for a full report, which goes up through the relay to the leader and to
   every follower); nothing else of a follower's answer is handed to anyone. A beat answered
   with an epoch comes from a follower promoted meanwhile: it is taken as the leader's answer is
-  (RelayCore.beat_answered: its epoch checked, its stops handed on).
+  (RelayCore.beat_answered: its epoch checked, its stops handed on), and so are its answers to a
+  report batch (RelayCore.copies_answered: the stops ride on each member's next answer).
 - Bounded: at most COPY_QUEUE frames wait for one follower; more, and the oldest is dropped
   (counted; the follower's sequence checks then ask for the full reports it lacks).
 - Promotion: when the relay's connection up is to go to a placer it holds a copy connection to
@@ -38,7 +39,7 @@ import trio
 
 from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload
 from scheduler_link.heartbeat_wire import WireReply
-from scheduler_link.messages import Frame, RackBeatReply, RackReports
+from scheduler_link.messages import Frame, NodeReport, RackBeatReply, RackReports
 
 log = logging.getLogger("herd.agent.relay")
 
@@ -65,11 +66,12 @@ class RelayCopies:
 
     def __init__(self, *, open_conn: Callable[[str], Awaitable[FrameChannel]], handler: FrameHandler,
                  need_full: Callable[[list[str], list[str]], None], leader_beat: Callable[[RackBeatReply], None],
-                 timeout_s: float) -> None:
+                 leader_reports: Callable[[list[NodeReport], list[WireReply]], None], timeout_s: float) -> None:
         self._open = open_conn
         self._handler = handler      # frames a follower sends (a promoted one's bundles: the relay's own)
         self._need_full = need_full
         self._leader_beat = leader_beat   # a beat answer of a placer that leads now (its epoch, its stops)
+        self._leader_reports = leader_reports   # ... and its answers to a report batch
         self.timeout_s = timeout_s
         self.conns: dict[str, CopyConn] = {}
         self._opening: dict[str, trio.Event] = {}
@@ -174,6 +176,9 @@ class RelayCopies:
             need = r.need_full
         elif kind == "reports" and isinstance(payload, RackReports):
             answers = decode_payload(f, list[WireReply])
+            if any(a.status == 200 and a.reply.epoch for a in answers):   # (a follower leads now, as above)
+                self._leader_reports(payload.reports, answers)
+                return
             need = [r.node_id for r, a in zip(payload.reports, answers, strict=False)
                     if a.status == 409 or a.reply.need_full]
             inventories = [r.node_id for r, a in zip(payload.reports, answers, strict=False)

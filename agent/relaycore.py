@@ -78,6 +78,7 @@ from scheduler_link.messages import (
     NodeOutcome,
     NodePart,
     NodeReport,
+    NodeStop,
     RackBeat,
     RackBeatReply,
 )
@@ -494,6 +495,17 @@ class RelayCore:
         if inventories:
             self.book.need_full(list(inventories))
             self._send_inventory.update(inventories)
+
+    def copies_answered(self, reports: list[NodeReport], answers: list[WireReply]) -> None:
+        """A placer that follows answered copied reports with its epoch: it leads now (promoted
+        while this relay still goes up to the placer before). What it says of a member is taken
+        as in a beat answer of the connection up: its epoch checked (a replaced placer's answers
+        are dropped), its stops handed on in the member's next answer, its ``need_full`` asked."""
+        taken = [(r, a.reply) for r, a in zip(reports, answers, strict=False) if a.status == 200]
+        epoch = max((rr.epoch for _, rr in taken), default=0)
+        self.beat_answered(RackBeatReply(
+            need_full=[r.node_id for r, rr in taken if rr.need_full],
+            stop=[NodeStop(node_id=r.node_id, stop=list(rr.stop)) for r, rr in taken if rr.stop], epoch=epoch))
 
     def beat_answered(self, reply: RackBeatReply) -> None:
         """The placer's answer to the rack's beat (a replaced placer's is dropped and counted)."""

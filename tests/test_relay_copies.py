@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import msgspec
 import trio
 
 from agent.gpus.simulated import SimulatedBackend
@@ -20,7 +21,8 @@ from scheduler_link.agent_link import AgentLink
 from scheduler_link.follow import OBSERVED
 from scheduler_link.frames import FrameChannel
 from scheduler_link.heartbeat_wire import Hello, WireReply
-from scheduler_link.messages import NodeReport, RackBeatReply, ReportReply, WorkloadEvent
+from scheduler_link.messages import NodeReport, RackBeatReply, ReportReply, Victim, WorkloadEvent
+from scheduler_link.msgauth import node_key, with_stop_macs
 from testing.waiting import poll
 
 from .test_relay_link import FakePlacer, Hooks, _relay
@@ -35,6 +37,7 @@ class FakeFollower(FakePlacer):
         self.lacks: set[str] = set()
         self.hellos = 0
         self.leads = False   # (promoted: it answers as the leader does)
+        self.epoch = 0       # ... with this epoch in its answers
 
     def opened(self, hello: Hello, channel: FrameChannel):  # noqa: ANN201
         self.hellos += bool(hello.racks)
@@ -42,6 +45,8 @@ class FakeFollower(FakePlacer):
 
     def _relayed(self, ch: FrameChannel, rep: NodeReport) -> WireReply:
         wr = super()._relayed(ch, rep)
+        if wr.status == 200 and self.leads and self.epoch:   # (promoted: its answers carry its epoch)
+            return WireReply(status=200, reply=msgspec.structs.replace(wr.reply, epoch=self.epoch))
         return WireReply(status=OBSERVED, reply=wr.reply) if wr.status == 200 and not self.leads else wr
 
     def _frame(self, ch, f):  # noqa: ANN001, ANN201
@@ -139,3 +144,38 @@ def test_a_follower_that_lacks_a_members_inventory_gets_its_snapshot() -> None:
     assert core.next_batch(0.0) is not None
     r = beat("m", 5)
     assert not r.need_full and not r.send_inventory
+
+
+async def test_stops_in_a_promoted_followers_answers_to_copied_reports_reach_the_member(
+        tmp_path: Path, token_dir: Path) -> None:
+    """A follower promoted while the relay still goes up to the placer before answers a copied
+    report batch with its epoch and a stop for a member (a workload no job of its claims): the
+    stop reaches the member in its next answer, as a beat answer's would; a stop the member's key
+    did not MAC is not acted on."""
+    tokens = TokenSet.load(token_dir)
+    leader, follower = FakePlacer(tokens), FakeFollower(tokens)
+    hooks = Hooks()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            leader.url = await n.start(leader.server.run, "127.0.0.1:0")
+            follower.url = await n.start(follower.server.run, "127.0.0.1:0")
+            follower.master = leader.master
+            relay = _relay(tokens, "r1", leader, [])
+            leader.relay_url = follower.relay_url = await n.start(relay.run)
+            await leader.until(lambda: "r1" in leader.relays, "relay up")
+            link = AgentLink("http://127.0.0.1:9", tokens.cluster, "m0", hooks, heartbeat_s=0.2,
+                             wire_url=leader.url, request_timeout_s=2.0)
+            await n.start(link.run)
+            await leader.until(lambda: bool(link.statistics()["relay_url"]), "m0 through r1")
+            await relay.own_channel(follower.url, tokens.cluster or "", "r1")   # the rack copies to it
+            # promoted: its answer to the next copied report names a stop for m0, MACed in m0's key
+            key = node_key(leader.master, "m0", link.boot_id)
+            follower.leads, follower.epoch = True, 7
+            follower.stops = [*with_stop_macs(key, "m0", link.boot_id, [Victim(workload_id="w-orphan")]),
+                              Victim(workload_id="w-forged")]
+            link.notify(WorkloadEvent(workload_id="w", job_id="j", state="running", at=time.time()))
+            with trio.fail_after(10):
+                await poll(lambda: hooks.stopped, 0.02)
+            assert hooks.stopped == ["w-orphan"] and not follower.stops
+            assert relay.core.epochs.highest == 7   # (its epoch taken, as a leader's)
+            n.cancel_scope.cancel()
