@@ -29,8 +29,9 @@ Per run (N emulated nodes: ``python -m testing.fleet``, told every placer), on o
   recovered gang a second time (``placements_doubled``) and stops the old pods (``stops``);
 - ``leader_kept``: the first leader still leads, at the epoch it had before the fleet
   registered (its lease held through the registration storm and the gang's placement);
-- ``followers_warm_s``: after the gang runs, until both followers' models hold every node (their
-  copies; bounded), before the kill;
+- ``followers_warm_s``: once the fleet is up, until both followers' models hold every node (their
+  copies; bounded), before the gang is placed (on the relay path each member's full report goes
+  through its relay to the leader too, once: not while the gang is being placed);
 - steady state, over ``--steady-s`` (10 s) before the kill: each placer's CPU as a fraction of one
   core (``leader_cpu``, ``follower_cpu``), the emulators' (``emu_cpu``), and on the relay path the
   bytes the relays copied to each follower a second (``copy_bytes_per_s``); the baseline row
@@ -323,6 +324,10 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
             await _wait_up(c, first.url, n, 300)   # (a loaded host registers slowly: bounded all the same)
             out["register_s"] = round(time.time() - t_reg, 2)
             _note("fleet up", nodes=n, s=out["register_s"])
+            if ha:   # the followers' warm models hold the fleet (the relay path: each member's full
+                # report once, through its relay, after the copies began) before the gang is placed
+                out["followers_warm_s"] = round(await _followers_warm(c, [p for p in placers if p is not first], n,
+                                                                      300), 2)
             gang = {"job_id": "gang", "pods": gang_hosts, "gpus_per_pod": 8, "argv": ["train"], "priority": 2,
                     "preemptible": False, "grace_s": 1.0}
             await _submit(c, [first.url], gang, 30)
@@ -332,9 +337,8 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
             if ha:   # the first leader led through the fleet's registration and the gang, on one lease
                 h = ((await _health(c, first.url)) or {}).get("ha", {})
                 out["leader_kept"] = bool(h.get("placing")) and h.get("epoch") == epoch0
-                # steady state: the followers' warm models hold the fleet (their copies: placer.observe)
-                out["followers_warm_s"] = round(await _followers_warm(c, [p for p in placers if p is not first], n,
-                                                                      300), 2)
+                # steady state: the followers' warm models still hold the fleet (their copies: placer.observe)
+                await _followers_warm(c, [p for p in placers if p is not first], n, 300)
             out.update(await _steady(c, placers, first, emus, steady_s, len(placers) - 1))
             before = await _emu_stats(c, emus, "gang")
             # the kill
