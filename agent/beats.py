@@ -122,6 +122,11 @@ class BeatBook:
         for s in r.stop:
             self._stops.setdefault(s.node_id, []).extend(s.stop)
 
+    def need_full(self, node_ids: list[str]) -> None:
+        """These members are asked for a full report in the answer to their next heartbeat,
+        whatever went up before (a placer refused the full report itself)."""
+        self._need_full.update(node_ids)
+
     def reconnected(self) -> int:
         """The relay's connection up is new: what the placer on the other end holds of the
         members is unknown (a restarted placer holds nothing), so each member it has heard

@@ -59,6 +59,18 @@ connected again, every member it knows is asked for a full report in the answer 
 heartbeat (:meth:`agent.beats.BeatBook.reconnected`): a restarted placer holds nothing of them,
 and waiting for its answer to the relay's next beat would cost another interval.
 
+Several placers (one leading, the others following: agent.relaycopies): a relay that loses its
+connection up while it holds copy connections to followers expects one of them to lead within a
+failover (one etcd lease TTL and the promotion), so for up to ``failover_hold_s`` it goes on
+taking its members' reports as if connected -- empty heartbeats answered at once and kept for
+the next beat, content reports queued for the next connection up -- instead of answering
+``upstream_down``, which would send every member's full report up once it is connected again.
+The connection up that comes next is a follower's copy connection when it leads now: that
+follower holds what the members said, and the rack goes on there with no full report. Any other
+(a placer that holds nothing of them) asks every member for a full report, as after any
+reconnection. No connection up by the end of the hold: what is queued is answered
+``upstream_down``, and so is every report after.
+
 """
 
 from __future__ import annotations
@@ -109,6 +121,7 @@ PartHandler = Callable[[NodePart], Awaitable[NodeOutcome]]
 # () -> (this node's MAC key, the placer's signing key), None until registered
 Keys = Callable[[], tuple[bytes | None, bytes | None]]
 PEER_BLOB_WAIT_S = 2.0       # a relay asking for a blob whose bundle has not reached us yet waits this long
+FAILOVER_HOLD_S = 10.0       # members' reports taken this long after losing the leader, while followers are held
 # what a hop gives back for a part: the member's outcome (None: no answer), now or later
 HopAnswer = NodeOutcome | None | Awaitable[NodeOutcome | None]
 
@@ -138,7 +151,7 @@ class Relay:
                  clock: Callable[[], float] = time.time, security: Security | None = None,
                  connect_timeout_s: float = 60.0, hop: MemberHop | None = None, local_address: str | None = None,
                  verifiers: dict[bytes, tuple[BundleVerifier, dict[bytes, bytes]]] | None = None, beat_offset_s: float = 0.0,
-                 epochs: Epochs | None = None) -> None:
+                 epochs: Epochs | None = None, failover_hold_s: float = FAILOVER_HOLD_S) -> None:
         """``security``: the agent's TLS set-up (None or insecure: plain TCP). With it the members
         listener takes mutual TLS only (a member's certificate names the member), the upstream
         connection must reach the placer's certificate, and blobs come from other relays over
@@ -146,8 +159,12 @@ class Relay:
         relays fetch blobs from; the fleet emulator's shared one). ``hop``: how parts reach the
         members (default: their frames connections here). ``verifiers``: the signature
         cache several relays of one host may share (RelayCore). ``beat_offset_s``: the first
-        beat's delay into the interval (relays of one host spread over it)."""
+        beat's delay into the interval (relays of one host spread over it). ``failover_hold_s``:
+        how long members' reports are taken while no connection is up but copy connections to
+        followers are (see the module docstring)."""
         self.node_id = node_id
+        self.failover_hold_s = failover_hold_s
+        self._hold_until = 0.0   # trio time members' reports are taken until, with no connection up
         self._client_ssl = security.client if security is not None else None   # (insecure: none)
         self._keys = keys
         self._on_bad_bundle = on_bad_bundle   # e.g. the link's request_full_report: a new placer key
@@ -186,6 +203,7 @@ class Relay:
         # copies of what goes up to the placers that follow (agent.relaycopies)
         self.copies = RelayCopies(open_conn=self._open_copy, handler=self._upstream_frame,
                                   need_full=self.core.follower_needs, leader_beat=self.core.beat_answered,
+                                  leader_reports=self.core.copies_answered,
                                   timeout_s=request_timeout_s)
         self._tickets: Tickets[WireReply] = Tickets()
         self._sending: Batch | None = None    # the batch out now (answered 503 if the connection goes)
@@ -282,6 +300,7 @@ class Relay:
                      self.rack, asked, taken is not None)
             self._up = ch
             self._up_url = url
+            self._hold_until = 0.0
             self.upstream_ready.set()
             try:
                 async with trio.open_nursery() as n:
@@ -302,6 +321,9 @@ class Relay:
                     self.upstream_ready = trio.Event()
                 self._fail_queued("the relay lost its connection to the placer")
                 self._fail_enrolls()
+                if self.copies.conns and self._nursery is not None:   # a follower may lead soon: held
+                    self._hold_until = trio.current_time() + self.failover_hold_s
+                    self._nursery.start_soon(self._hold_ends, self._hold_until)
             log.warning("relay lost its placer connection rack=%s", self.rack)
             await trio.sleep(backoff)
 
@@ -509,12 +531,21 @@ class Relay:
     def member_report(self, node_id: str, rep: NodeReport) -> WireReply | Awaitable[WireReply]:
         """A member's report (``node_id``: whom its connection is of): the answer now, or an
         awaitable of it once the placer answered the batch it went up in."""
-        got = self.core.report(node_id, rep, upstream=self._up is not None)
+        up = self._up is not None or (self._hold_until > 0 and trio.current_time() < self._hold_until)
+        got = self.core.report(node_id, rep, upstream=up)
         if isinstance(got, WireReply):
             return got
         self._out_wake.set()
         return self._tickets.wait(got, self.request_timeout_s * 2, lambda: WireReply(
             status=503, error="the relay could not forward the report in time"))
+
+    async def _hold_ends(self, until: float) -> None:
+        """The failover hold from ``until``: no connection up by then, what is queued is
+        answered ``upstream_down`` (and so is every report after)."""
+        await trio.sleep_until(until)
+        if self._up is None and self._hold_until == until:
+            self._hold_until = 0.0
+            self._fail_queued("no placer took over within the relay's failover hold")
 
     def _fail_queued(self, why: str) -> None:
         tickets = self.core.upstream_lost()

@@ -14,7 +14,8 @@ on every beat and report batch the relay sends up is queued for it.
   it lacks are asked for a full report, which goes up through the relay to the leader and to
   every follower); nothing else of a follower's answer is handed to anyone. A beat answered
   with an epoch comes from a follower promoted meanwhile: it is taken as the leader's answer is
-  (RelayCore.beat_answered: its epoch checked, its stops handed on).
+  (RelayCore.beat_answered: its epoch checked, its stops handed on), and so are its answers to a
+  report batch (RelayCore.copies_answered: the stops ride on each member's next answer).
 - Bounded: at most COPY_QUEUE frames wait for one follower; more, and the oldest is dropped
   (counted; the follower's sequence checks then ask for the full reports it lacks).
 - Promotion: when the relay's connection up is to go to a placer it holds a copy connection to
@@ -38,7 +39,7 @@ import trio
 
 from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload
 from scheduler_link.heartbeat_wire import WireReply
-from scheduler_link.messages import Frame, RackBeatReply, RackReports
+from scheduler_link.messages import Frame, NodeReport, RackBeatReply, RackReports
 
 log = logging.getLogger("herd.agent.relay")
 
@@ -64,12 +65,13 @@ class RelayCopies:
     """The copy connections of one relay (see the module docstring)."""
 
     def __init__(self, *, open_conn: Callable[[str], Awaitable[FrameChannel]], handler: FrameHandler,
-                 need_full: Callable[[list[str]], None], leader_beat: Callable[[RackBeatReply], None],
-                 timeout_s: float) -> None:
+                 need_full: Callable[[list[str], list[str]], None], leader_beat: Callable[[RackBeatReply], None],
+                 leader_reports: Callable[[list[NodeReport], list[WireReply]], None], timeout_s: float) -> None:
         self._open = open_conn
         self._handler = handler      # frames a follower sends (a promoted one's bundles: the relay's own)
         self._need_full = need_full
         self._leader_beat = leader_beat   # a beat answer of a placer that leads now (its epoch, its stops)
+        self._leader_reports = leader_reports   # ... and its answers to a report batch
         self.timeout_s = timeout_s
         self.conns: dict[str, CopyConn] = {}
         self._opening: dict[str, trio.Event] = {}
@@ -124,6 +126,7 @@ class RelayCopies:
         if c is None or c.ch.closed.is_set():
             return None
         del self.conns[url]
+        self.bytes_closed += c.ch.bytes_out   # (what it carried as a copy connection)
         c.promoted = True
         c.queue.clear()
         c.wake.set()
@@ -136,7 +139,8 @@ class RelayCopies:
                 await c.ch.run(self._handler)
                 n.cancel_scope.cancel()
         finally:
-            self.bytes_closed += c.ch.bytes_out
+            if not c.promoted:
+                self.bytes_closed += c.ch.bytes_out
             if self.conns.get(c.url) is c:
                 del self.conns[c.url]
             if not c.promoted:
@@ -161,7 +165,9 @@ class RelayCopies:
                 log.debug("copy to a follower failed url=%s kind=%s err=%s", c.url, kind, e)
 
     def _answered(self, kind: str, payload: Any, f: Frame) -> None:
-        """A follower's answer: the members it needs a full report of, nothing else."""
+        """A follower's answer: the members it needs a full report of (and of those, the ones
+        whose compact registration it refused: it lacks their GPU inventory), nothing else."""
+        inventories: list[str] = []
         if kind == "beat":
             r = decode_payload(f, RackBeatReply)
             if r.epoch:   # the follower leads now: its answer is a leader's, taken as the core takes one
@@ -170,12 +176,17 @@ class RelayCopies:
             need = r.need_full
         elif kind == "reports" and isinstance(payload, RackReports):
             answers = decode_payload(f, list[WireReply])
+            if any(a.status == 200 and a.reply.epoch for a in answers):   # (a follower leads now, as above)
+                self._leader_reports(payload.reports, answers)
+                return
             need = [r.node_id for r, a in zip(payload.reports, answers, strict=False)
                     if a.status == 409 or a.reply.need_full]
+            inventories = [r.node_id for r, a in zip(payload.reports, answers, strict=False)
+                           if a.status == 409 and r.compact]
         else:
             return
         if need:
-            self._need_full(need)
+            self._need_full(need, inventories)
 
     def statistics(self) -> dict[str, Any]:
         return {"followers": len(self.conns), "frames": self.frames, "drops": self.drops,

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -77,6 +78,7 @@ from scheduler_link.messages import (
     NodeOutcome,
     NodePart,
     NodeReport,
+    NodeStop,
     RackBeat,
     RackBeatReply,
 )
@@ -197,6 +199,7 @@ class RelayCore:
         self._next_round = 0
         self._queue: list[tuple[int, NodeReport]] = []
         self._next_ticket = 0
+        self._send_inventory: set[str] = set()   # members a follower asked for their GPU inventory
         # statistics
         self.bundles = 0
         self.bad_bundles = 0
@@ -227,6 +230,7 @@ class RelayCore:
         """A member's connection ended: its parts still waiting are left out."""
         self.members.discard(node_id)
         self.book.forget(node_id)
+        self._send_inventory.discard(node_id)
         out = []
         for rid, r in list(self._rounds.items()):
             gone = [s for s, p in r.waiting.items() if p.node_id == node_id]
@@ -363,7 +367,10 @@ class RelayCore:
             return WireReply(status=503, reason=UPSTREAM_DOWN, error="the relay has no connection to the placer")
         if is_empty(rep):
             self.empty_answered += 1
-            return WireReply(status=200, reply=self.book.empty(rep))
+            reply = self.book.empty(rep)
+            if reply.need_full and node_id in self._send_inventory:
+                reply = msgspec.structs.replace(reply, send_inventory=True)
+            return WireReply(status=200, reply=reply)
         t = self._next_ticket
         self._next_ticket += 1
         self._queue.append((t, rep))
@@ -381,6 +388,8 @@ class RelayCore:
         beat = self.book.take_some([r.node_id for r in reps], now)
         for r in reps:
             self.book.forwarded(r)
+            if r.full and r.snapshot is not None:
+                self._send_inventory.discard(r.node_id)
         self.reports_forwarded += len(reps)
         return Batch(beat, reps, [t for t, _ in q])
 
@@ -475,11 +484,28 @@ class RelayCore:
         """The interval's beat: every pending empty heartbeat (None when there is none)."""
         return self.book.take_all(now)
 
-    def follower_needs(self, node_ids: list[str]) -> None:
+    def follower_needs(self, node_ids: list[str], inventories: Sequence[str] = ()) -> None:
         """A placer that follows lacks these members (its answer to a copy: agent.relaycopies):
-        each is asked for a full report in its next answer, as when the leader asks. Nothing else
-        of a follower's answer is taken (it names no stop and no epoch)."""
+        each is asked for a full report in its next answer, as when the leader asks. Those in
+        ``inventories`` it lacks the GPU inventory of (it refused their compact registration:
+        placer.inventories): they are asked whatever went up before, with ``send_inventory``
+        (their next full report carries the snapshot). Nothing else of a follower's answer is
+        taken (it names no stop and no epoch)."""
         self.book.apply(RackBeatReply(need_full=list(node_ids)))
+        if inventories:
+            self.book.need_full(list(inventories))
+            self._send_inventory.update(inventories)
+
+    def copies_answered(self, reports: list[NodeReport], answers: list[WireReply]) -> None:
+        """A placer that follows answered copied reports with its epoch: it leads now (promoted
+        while this relay still goes up to the placer before). What it says of a member is taken
+        as in a beat answer of the connection up: its epoch checked (a replaced placer's answers
+        are dropped), its stops handed on in the member's next answer, its ``need_full`` asked."""
+        taken = [(r, a.reply) for r, a in zip(reports, answers, strict=False) if a.status == 200]
+        epoch = max((rr.epoch for _, rr in taken), default=0)
+        self.beat_answered(RackBeatReply(
+            need_full=[r.node_id for r, rr in taken if rr.need_full],
+            stop=[NodeStop(node_id=r.node_id, stop=list(rr.stop)) for r, rr in taken if rr.stop], epoch=epoch))
 
     def beat_answered(self, reply: RackBeatReply) -> None:
         """The placer's answer to the rack's beat (a replaced placer's is dropped and counted)."""

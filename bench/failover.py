@@ -3,10 +3,17 @@
 single placer has: a cold restart of the process on its state dir.
 
     python -m bench.failover --nodes 1024 [--json]
+    python -m bench.failover --relays --nodes 16384 [--json]
 
-Per run (N emulated nodes: ``python -m testing.fleet``, real AgentLinks told every placer,
-direct path: each node its own framed connection to the leader and one to each follower for
-its copies (scheduler_link.follow), no relays):
+Per run (N emulated nodes: ``python -m testing.fleet``, told every placer), on one of two paths:
+
+- direct (``--direct``, the default below 4,096 nodes): real AgentLinks, each node its own
+  framed connection to the leader and one to each follower for its copies (scheduler_link.follow);
+- relays (``--relays``, the default from 4,096 nodes): one shipped relay per rack
+  (agent.relay.Relay, 32 nodes a rack) with its real frames connection up, its host's own link
+  the shipped AgentLink; each relay opens one copy connection per follower and copies every rack
+  beat and report batch there (agent.relaycopies), and goes up to the promoted follower over it.
+  The emulator runs in ``--emulators`` processes (default: one per 8,192 nodes).
 
 - a gang of ``--gang-hosts`` (default N/2) hosts x 8 GPUs is placed and running;
 - the leader is killed (SIGKILL) at ``t0``; a probe job (1 x 8 GPUs) is submitted at once to
@@ -22,8 +29,15 @@ its copies (scheduler_link.follow), no relays):
   recovered gang a second time (``placements_doubled``) and stops the old pods (``stops``);
 - ``leader_kept``: the first leader still leads, at the epoch it had before the fleet
   registered (its lease held through the registration storm and the gang's placement);
-- ``followers_warm_s``: after the gang runs, until both followers' models hold every node (their
-  copies; bounded), before the kill;
+- ``followers_warm_s``: once the fleet is up, until both followers' models hold every node (their
+  copies; bounded), before the gang is placed (on the relay path each member's full report goes
+  through its relay to the leader too, once: not while the gang is being placed);
+- steady state, over ``--steady-s`` (10 s) before the kill: each placer's CPU as a fraction of one
+  core (``leader_cpu``, ``follower_cpu``), the emulators' (``emu_cpu``), and on the relay path the
+  bytes the relays copied to each follower a second (``copy_bytes_per_s``); the baseline row
+  measures the same window with one placer, so ``relays_added_cpu`` (the emulators' CPU with two
+  followers less theirs with none, a fraction of a core: the relays' copies and their hosts'
+  links' copies) and ``relays_added_cpu_per_relay`` compare one run's two rows;
 - invariants: ``jobs_lost`` (jobs submitted, not in the new leader's list),
   ``placements_doubled`` (placements the emulators took after ``t0`` beyond the probe's),
   ``gang_running`` (the gang's pods the emulators still run), ``stops`` (stop orders the
@@ -53,6 +67,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,10 +79,13 @@ sys.path.insert(0, str(ROOT))
 
 from cli.demo_ha import LocalEtcd, free_port  # noqa: E402
 from infra.auth import TokenSet, generate_token_dir  # noqa: E402
-from testing.harness import EmulatorProc, PlacerOptions, PlacerProc  # noqa: E402
+from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, proc_cpu_s  # noqa: E402
 
 TTL = 2
 HEARTBEAT_S = 1.0
+RELAYS_FROM = 4096        # the relay path is the default from this many nodes
+NODES_PER_EMULATOR = 8192
+NODES_PER_RACK = 32       # (the h100 fleet shape: testing.fleet)
 
 
 def _note(msg: str, **kw: Any) -> None:
@@ -175,12 +193,15 @@ async def _wait_up(c: httpx.AsyncClient, url: str, n: int, limit_s: float) -> fl
 async def _followers_warm(c: httpx.AsyncClient, followers: list[Placer], n: int, limit_s: float) -> float:
     """Seconds until every follower's model holds the ``n`` nodes (``nodes_reported`` in its
     /healthz), bounded by ``limit_s``."""
-    t0 = time.time()
+    t0 = last = time.time()
     with trio.fail_after(limit_s):
         while True:
             held = [int((await _health(c, p.url) or {}).get("nodes_reported", 0)) for p in followers]
             if min(held) >= n:
                 return time.time() - t0
+            if time.time() - last >= 5.0:
+                last = time.time()
+                _note("followers warming", held=",".join(map(str, held)), of=n, s=last - t0)
             await trio.sleep(0.1)
 
 
@@ -226,23 +247,56 @@ async def _job(c: httpx.AsyncClient, url: str, job_id: str, want: str, limit_s: 
             await trio.sleep(0.05)
 
 
-async def _emu_stats(c: httpx.AsyncClient, e: EmulatorProc, job: str) -> dict[str, Any]:
-    return await e.stats(c, job)
+async def _emu_stats(c: httpx.AsyncClient, emus: list[EmulatorProc], job: str) -> dict[str, Any]:
+    """The emulators' /stats summed (the counters this bench reads)."""
+    got = [await e.stats(c, job) for e in emus]
+    acks: dict[str, int] = {}
+    states: dict[str, int] = {}
+    for g in got:
+        for k, v in g["acks"].items():
+            acks[k] = acks.get(k, 0) + v
+        for k, v in g["job"]["states"].items():
+            states[k] = states.get(k, 0) + v
+    return {"full_reports": sum(g["full_reports"] for g in got), "placements": sum(g["placements"] for g in got),
+            "parts": sum(g.get("parts", 0) for g in got), "victims_told": sum(g["victims_told"] for g in got),
+            "acks": acks, "job": {"states": states},
+            "copy_bytes": sum(g.get("relay_copies", {}).get("bytes", 0) for g in got),
+            "copy_drops": sum(g.get("relay_copies", {}).get("drops", 0) for g in got),
+            "handovers": sum(g.get("handovers", 0) for g in got)}
 
 
-async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: float) -> dict[str, Any]:
+async def _steady(c: httpx.AsyncClient, placers: list[Placer], first: Placer, emus: list[EmulatorProc],
+                  steady_s: float, followers: int) -> dict[str, Any]:
+    """CPU (fractions of a core) of each placer and of the emulators, and the bytes the relays
+    copied to each follower a second, over ``steady_s`` of steady state."""
+    def cpus() -> tuple[dict[int, float], float]:
+        return {p.pid(): proc_cpu_s(p.pid()) for p in placers}, sum(proc_cpu_s(e.pid) for e in emus)
+
+    b0 = (await _emu_stats(c, emus, "gang"))["copy_bytes"]
+    (p0, e0), t0 = cpus(), time.monotonic()
+    await trio.sleep(steady_s)
+    (p1, e1), dt = cpus(), time.monotonic() - t0
+    b1 = (await _emu_stats(c, emus, "gang"))["copy_bytes"]
+    return {"steady_s": round(dt, 1), "leader_cpu": round((p1[first.pid()] - p0[first.pid()]) / dt, 3),
+            "follower_cpu": [round((p1[p.pid()] - p0[p.pid()]) / dt, 3) for p in placers if p is not first],
+            "emu_cpu": round((e1 - e0) / dt, 3),
+            "copy_bytes_per_s": round((b1 - b0) / dt / followers) if followers else None}
+
+
+async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: float, relays: bool = False,
+                   emulators: int = 1, steady_s: float = 10.0) -> dict[str, Any]:
     """One measured kill: three placers on etcd (``ha``), or one placer restarted cold."""
     token_dir = generate_token_dir(tmp / "tokens")
     op = {"authorization": f"Bearer {TokenSet.load(token_dir).operator}"}
     etcd = LocalEtcd(tmp / "etcd", 3) if ha else None
     placers: list[Placer] = []
-    emu: EmulatorProc | None = None
+    emus: list[EmulatorProc] = []
     out: dict[str, Any] = {"mode": "ha-3-placers" if ha else "single-placer-restart", "nodes": n,
-                           "gang_hosts": gang_hosts}
+                           "gang_hosts": gang_hosts, "path": "relays" if relays else "direct"}
     try:
         if etcd is not None:
             etcd.start()
-        placers = [Placer(tmp / f"p{i}", token_dir, etcd.endpoints if etcd else None, recover_s)
+        placers = [Placer(tmp / f"p{i}", token_dir, etcd.endpoints if etcd else None, recover_s, relays=relays)
                    for i in range(3 if ha else 1)]
         for p in placers:
             p.start()
@@ -251,29 +305,42 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
         async with httpx.AsyncClient(headers=op) as c:
             first = await _leader(c, placers, 60) if ha else placers[0]
             epoch0 = ((await _health(c, first.url)) or {}).get("ha", {}).get("epoch") if ha else None
-            # the emulated fleet, told every placer (the harness's entry point, its --placer widened)
+            # the emulated fleet, told every placer (the harness's entry point, its --placer widened);
+            # on the relay path the members register with the first leader's channel, as a fleet
+            # that starts under one leader (the relay hosts' links find any other)
             proxy = PlacerProc(tmp / "unused", token_dir, PlacerOptions(heartbeat_s=HEARTBEAT_S))
             proxy.url = ",".join(p.url for p in placers)
-            emu = EmulatorProc(proxy, token_dir, nodes=n, known_wire=False, mux=0, log_path=tmp / "emu.log")
-            await emu.__aenter__()
-            await emu.go()
+            proxy.wire_url = first.wire_url
+            per = -(-n // emulators // NODES_PER_RACK) * NODES_PER_RACK   # (whole racks a process)
+            for k, off in enumerate(range(0, n, per)):
+                e = EmulatorProc(proxy, token_dir, nodes=min(per, n - off), offset=off, known_wire=relays,
+                                 mux=8 if relays else 0, log_path=tmp / f"emu{k}.log",
+                                 extra=["--relays"] if relays else None)
+                await e.__aenter__()
+                emus.append(e)
+            for e in emus:
+                await e.go()
             t_reg = time.time()
             await _wait_up(c, first.url, n, 300)   # (a loaded host registers slowly: bounded all the same)
             out["register_s"] = round(time.time() - t_reg, 2)
             _note("fleet up", nodes=n, s=out["register_s"])
+            if ha:   # the followers' warm models hold the fleet (the relay path: each member's full
+                # report once, through its relay, after the copies began) before the gang is placed
+                out["followers_warm_s"] = round(await _followers_warm(c, [p for p in placers if p is not first], n,
+                                                                      300), 2)
             gang = {"job_id": "gang", "pods": gang_hosts, "gpus_per_pod": 8, "argv": ["train"], "priority": 2,
                     "preemptible": False, "grace_s": 1.0}
             await _submit(c, [first.url], gang, 30)
             g = await _job(c, first.url, "gang", "running", 120)
             assert g["state"] == "running", g
             await trio.sleep(2 * HEARTBEAT_S)   # the running events in
-            before = await _emu_stats(c, emu, "gang")
             if ha:   # the first leader led through the fleet's registration and the gang, on one lease
                 h = ((await _health(c, first.url)) or {}).get("ha", {})
                 out["leader_kept"] = bool(h.get("placing")) and h.get("epoch") == epoch0
-                # steady state: the followers' warm models hold the fleet (their copies: placer.observe)
-                out["followers_warm_s"] = round(await _followers_warm(c, [p for p in placers if p is not first], n,
-                                                                      120), 2)
+                # steady state: the followers' warm models still hold the fleet (their copies: placer.observe)
+                await _followers_warm(c, [p for p in placers if p is not first], n, 300)
+            out.update(await _steady(c, placers, first, emus, steady_s, len(placers) - 1))
+            before = await _emu_stats(c, emus, "gang")
             # the kill
             t0 = time.time()
             first.kill()
@@ -289,21 +356,23 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
             out["failover_s"] = round(pj["timings"]["decided"] - t0, 3)
             out["full_report_s"] = round(await _wait_up(c, nxt.url, n, 120) - t0, 2)
             await trio.sleep(2 * HEARTBEAT_S)
-            after = await _emu_stats(c, emu, "gang")
+            after = await _emu_stats(c, emus, "gang")
             jobs = {j["job_id"] for j in (await c.get(nxt.url + "/v1/jobs", timeout=10)).json()["jobs"]}
             out.update({
                 "submitted_to": took_by, "placed_by": nxt.url, "probe_state": pj["state"],
                 "reregistrations": after["full_reports"] - before["full_reports"],
                 "jobs_lost": len({"gang", "probe"} - jobs),
-                "placements_doubled": after["placements"] - before["placements"] - 1,
+                # (placements pushed directly, and parts handed by the relays)
+                "placements_doubled": after["placements"] + after["parts"] - before["placements"] - before["parts"] - 1,
                 "gang_running": after["job"]["states"].get("running", 0),
                 "stops": after["victims_told"] - before["victims_told"],
                 "refused_acks": sum(v for k, v in after["acks"].items() if k != "accepted"),
+                "handovers": after["handovers"] - before["handovers"], "copy_drops": after["copy_drops"],
             })
             _note("done", mode=out["mode"], failover_s=out["failover_s"])
     finally:
-        if emu is not None:
-            await emu.__aexit__(None, None, None)
+        for e in emus:
+            await e.__aexit__(None, None, None)
         for p in placers:
             p.stop()
         if etcd is not None:
@@ -311,16 +380,22 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
     return out
 
 
-async def run_all(n: int, gang_hosts: int, baseline: bool, recover_s: float, workdir: str | None = None
-                  ) -> dict[str, Any]:
+async def run_all(n: int, gang_hosts: int, baseline: bool, recover_s: float, workdir: str | None = None, *,
+                  relays: bool = False, emulators: int = 1, steady_s: float = 10.0) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="herd-failover-") as d:
         root = Path(workdir or d)   # --workdir: the logs stay there
-        rows.append(await run_once(n, gang_hosts, root / "ha", ha=True, recover_s=recover_s))
-        if baseline:
-            rows.append(await run_once(n, gang_hosts, root / "single", ha=False, recover_s=recover_s))
-    return {"bench": "failover", "cores": os.cpu_count(), "lease_ttl_s": TTL, "recover_s": recover_s,
-            "heartbeat_s": HEARTBEAT_S, "rows": rows}
+        for name, ha in [("ha", True), ("single", False)][:2 if baseline else 1]:
+            rows.append(await run_once(n, gang_hosts, root / name, ha=ha, recover_s=recover_s, relays=relays,
+                                       emulators=emulators, steady_s=steady_s))
+    out: dict[str, Any] = {"bench": "failover", "cores": os.cpu_count(), "lease_ttl_s": TTL, "recover_s": recover_s,
+                           "heartbeat_s": HEARTBEAT_S, "load_avg": round(os.getloadavg()[0], 2), "rows": rows}
+    if len(rows) == 2:   # the emulators' CPU with two followers less theirs with one placer (same fleet)
+        added = rows[0]["emu_cpu"] - rows[1]["emu_cpu"]
+        out["relays_added_cpu"] = round(added, 3)
+        if relays:
+            out["relays_added_cpu_per_relay"] = round(added / max(1, n // NODES_PER_RACK), 5)
+    return out
 
 
 def _link(c: Any, node: str) -> dict[str, Any]:
@@ -379,11 +454,15 @@ def print_table(out: dict[str, Any]) -> None:
         return
     print(f"placer failover, emulated fleet on {out['cores']} cores (lease TTL {out['lease_ttl_s']} s, "
           f"recover_s {out['recover_s']} s, heartbeat {out['heartbeat_s']} s)")
-    cols = ["mode", "nodes", "gang_hosts", "leader_kept", "failover_s", "promoted_s", "full_report_s", "reregistrations",
-            "jobs_lost", "placements_doubled", "gang_running", "stops", "refused_acks"]
+    cols = ["mode", "path", "nodes", "gang_hosts", "leader_kept", "failover_s", "promoted_s", "full_report_s",
+            "reregistrations", "jobs_lost", "placements_doubled", "gang_running", "stops", "refused_acks",
+            "leader_cpu", "follower_cpu", "emu_cpu", "copy_bytes_per_s"]
     print("  ".join(f"{h:>18}" for h in cols))
     for r in out["rows"]:
         print("  ".join(f"{'-' if r.get(k) is None else r.get(k)!s:>18}" for k in cols))
+    if "relays_added_cpu" in out:
+        print(f"the fleet's added CPU for two followers: {out['relays_added_cpu']} of a core "
+              f"(load average {out['load_avg']})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -397,6 +476,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="keep the placers', etcd's and the emulator's logs here")
     ap.add_argument("--pause-agents", type=int, default=0, metavar="K",
                     help="instead: pause the leader (SIGSTOP) under K real agents and time their move")
+    path = ap.add_mutually_exclusive_group()
+    path.add_argument("--relays", action="store_true", default=None,
+                      help=f"the fleet reports through rack relays (default from {RELAYS_FROM} nodes)")
+    path.add_argument("--direct", dest="relays", action="store_false", help="every node reports directly")
+    ap.add_argument("--emulators", type=int, default=None,
+                    help=f"emulator processes (default: one per {NODES_PER_EMULATOR} nodes)")
+    ap.add_argument("--steady-s", type=float, default=10.0, help="the steady-state window measured before the kill")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ns = ap.parse_args(argv)
     if not 16 <= ns.nodes <= 131072:
@@ -411,7 +497,10 @@ def main(argv: list[str] | None = None) -> int:
             row = pause_once(ns.pause_agents, Path(ns.workdir or d))
         out: dict[str, Any] = {"bench": "failover", "cores": os.cpu_count(), "lease_ttl_s": TTL, "rows": [row]}
     else:
-        out = trio.run(run_all, ns.nodes, gang, not ns.no_baseline, ns.recover_s, ns.workdir)
+        relays = ns.nodes >= RELAYS_FROM if ns.relays is None else ns.relays
+        emulators = ns.emulators or max(1, -(-ns.nodes // NODES_PER_EMULATOR))
+        out = trio.run(partial(run_all, ns.nodes, gang, not ns.no_baseline, ns.recover_s, ns.workdir,
+                               relays=relays, emulators=emulators, steady_s=ns.steady_s))
     out["wall_s"] = round(time.perf_counter() - t, 1)
     if ns.json:
         print(json.dumps(out))

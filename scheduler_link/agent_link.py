@@ -583,6 +583,8 @@ class AgentLink:
                 if not relayed:  # keys only from our own connection: a relay's answer could be anything
                     self.mac_key = reply.mac_key or self.mac_key
                     self.placer_key = reply.placer_key or self.placer_key
+            if reply.need_full and reply.send_inventory:   # (a follower lacks it: agent.relaycopies)
+                self._inventory_taken = ""
             self._take_revoked(reply, relayed)
             if not relayed:
                 self._vouched_at = trio.current_time()

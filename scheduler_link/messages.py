@@ -452,6 +452,9 @@ class ReportReply(msgspec.Struct, frozen=True, kw_only=True):
     # the deny-list signed (taken from any answer, a relay's too, when it verifies and is newer);
     # a relay hands down the latest it had from the placer in its answers to members' heartbeats
     revoked_signed: RevokedList | None = None
+    # with ``need_full``, from a relay: a placer that follows lacks this node's GPU inventory (it
+    # refused a compact registration copied to it), so the next full report carries the snapshot
+    send_inventory: bool = False
 
 
 # ---------------------------------------------------------------- placer API (jobs, nodes, cluster)

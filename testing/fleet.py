@@ -27,7 +27,12 @@ hands it to the shipped relay (``Relay.member_enroll_key`` / ``member_enroll``, 
 connection's frames do), and opens the sealed answer; a refusal falls back to direct
 registration. Without it (the baseline) each registers over its own TLS connection. The
 relays of one process share what one host's would: the gang blob cache and the batch
-signatures already verified (one Ed25519 check per batch per process).
+signatures already verified (one Ed25519 check per batch per process). With several placers
+(``--placer URL,URL,...``: one leading on etcd, the others warm followers) each relay host's own
+link is the shipped AgentLink, wired as the agent daemon wires a relay host's: its reports go
+over its relay's connection up, its copies to the followers over copy connections its relay
+opens (agent.relaycopies: from then on the relay copies every rack beat and report batch
+there), and the relay goes up to whichever placer that link reports to.
 
 Sockets, because one process holds up to 20,000 descriptors:
 - placements: one HTTP listener per emulator process; a node's ``control_url`` is
@@ -96,6 +101,7 @@ from infra.pki import NodeContexts
 from infra.tls import Security
 from scheduler_link.agent_link import RELAY_HOLD_RETRY_S, RELAY_HOLD_S, AgentLink, ReportChannel, registration
 from scheduler_link.enroll import CertOK, EnrollClient, EnrollRefused
+from scheduler_link.epochs import Epochs
 from scheduler_link.fanout import PushPool
 from scheduler_link.heartbeat_wire import (
     UPSTREAM_DOWN,
@@ -493,13 +499,32 @@ class EmulatedRack:
         self.by_id = {m.slot.node_id: m for m in members}
         self.source = source
         self.placer_key: bytes | None = None     # from the relay node's own registration
-        ctx = fleet.node_context(members[0].slot.node_id)   # over TLS: the relay node's certificate
+        host = members[0]
+        ctx = fleet.node_context(host.slot.node_id)   # over TLS: the relay node's certificate
+        epochs = Epochs()   # the host's one gate, its link's and its relay's (as the agent daemon shares it)
         self.relay = Fleet.relay_type(
-            node_id=members[0].slot.node_id, rack=rack, tokens=fleet.tokens, listen=None, wire_url=self._wire_url,
+            node_id=host.slot.node_id, rack=rack, tokens=fleet.tokens, listen=None, wire_url=self._wire_url,
             blobs=fleet.blob_cache, heartbeat_s=fleet.cfg.heartbeat_s, request_timeout_s=fleet.cfg.request_timeout_s,
             keys=self.keys, security=Security(insecure=ctx is None, client=ctx), connect_timeout_s=WIRE_CONNECT_S,
             hop=InProcessHop(self), local_address=source, verifiers=fleet.verifiers,
-            beat_offset_s=random.uniform(0, fleet.cfg.heartbeat_s))   # relays' beats spread over the interval
+            beat_offset_s=random.uniform(0, fleet.cfg.heartbeat_s), epochs=epochs)   # beats spread over the interval
+        # Several placers (one leading: placer.ha): the relay host's own link is the shipped
+        # AgentLink, wired as the agent daemon wires a relay host's -- its reports over the
+        # relay's connection up (Relay.own_channel), its copies to the followers over the relay's
+        # copy connections (which the relay opens for it, and from then on copies every beat and
+        # report batch there: agent.relaycopies) -- and the relay goes up to the placer that link
+        # reports to: which placer leads, and when to move, are that code's decisions.
+        self.link: AgentLink | None = None
+        if fleet.several_placers:
+            hb = fleet.cfg.heartbeat_s
+            # (no channel given: it registers over HTTP, is sent to the leader, and takes the
+            # channel the leader names, as a host's link does; the placer it reports to is then
+            # the leader, and its copies go to every other)
+            self.link = host.link = AgentLink(
+                fleet.cfg.placer_url, fleet.tokens.cluster, host.slot.node_id, host, heartbeat_s=hb,
+                wire_connect=self.relay.own_channel,
+                http_pool=fleet.http_for(host.slot.node_id), request_timeout_s=fleet.cfg.request_timeout_s,
+                ssl_context=ctx, epochs=epochs, backoff_max_s=max(hb, 1.0))
         self.relay.stalled = hung
         self.registered = 0
         self.reports = 0
@@ -508,6 +533,7 @@ class EmulatedRack:
         self._flush = trio.Event()
         self._sending: set[str] = set()          # members whose event report is out (one at a time)
         self.reregistrations = 0
+        self.full_reports = 0                     # full reports the members built (the host's link: its own)
         self.enrolled = 0                         # members registered through the relay (--enroll)
         self.enroll_refused: dict[str, int] = {}  # ... and enrolments that were not, by outcome
         self.relayed_registrations = 0   # full reports of members taken through the relay (no handshake)
@@ -515,16 +541,25 @@ class EmulatedRack:
         self.events_unsent = 0      # in reports the relay could not forward (a full report follows)
 
     def _wire_url(self) -> str | None:
+        if self.link is not None:   # (the agent daemon's: the channel of the placer its link reports to)
+            return self.link.wire_url
         return self.fleet.cfg.wire_url
 
     def keys(self) -> tuple[bytes | None, bytes | None]:
+        if self.link is not None:
+            return self.link.mac_key, self.link.placer_key
         return self.members[0].mac_key or None, self.placer_key
 
     async def run(self) -> None:
         async with trio.open_nursery() as n:
-            n.start_soon(self.relay.run)
+            own = await n.start(self.relay.run)
+            if self.link is not None:
+                self.link.own_relay_url = own   # (the placer names it as the rack's relay: the link stays up)
+                await n.start(self.link.run)
+                self.fleet.member_registered()   # (its link registers it: counted for the collector's freeze)
             for m in self.members:
-                n.start_soon(self._register, m)
+                if m.link is None:
+                    n.start_soon(self._register, m)
             n.start_soon(self._heartbeats)
             n.start_soon(self._events)
 
@@ -532,6 +567,7 @@ class EmulatedRack:
                 compact: bool = True) -> NodeReport:
         m.seq += 1
         if full:
+            self.full_reports += 1
             # as AgentLink: a full report supersedes the events queued before it (its workload
             # list says them); the ones after it wait until it is answered
             self.events_superseded += len(self._pending.pop(m.slot.node_id, ()))
@@ -725,6 +761,8 @@ class EmulatedRack:
             stop, full = checked.ok, full or bool(checked.refused)
         if stop:
             self.fleet.spawn(m.stop_workloads, stop)
+        if r.need_full and r.send_inventory:   # (a follower lacks its inventory: the snapshot, as AgentLink)
+            m.inventory_taken = ""
         if full:
             self.fleet.spawn(self._register, m)
 
@@ -748,7 +786,7 @@ class EmulatedRack:
         while True:
             relay = self.relay   # (with no connection up it answers upstream_down: the member holds on)
             for m in self.members:
-                if m.registered and m.slot.node_id not in self._sending:
+                if m.registered and m.link is None and m.slot.node_id not in self._sending:
                     wr = relay.member_report(m.slot.node_id, self._report(m, full=False))
                     if not isinstance(wr, WireReply):   # (an empty heartbeat is answered at once)
                         continue
@@ -907,6 +945,8 @@ class Fleet:
         self.shared: list[SharedWire] = []
         self.started_at: float | None = None
         self.control: str | None = None
+        self.several_placers = "," in cfg.placer_url   # several placers, one leading (placer.ha)
+        self._http: PushPool | None = None            # HTTP reports: one shared pool (_http_for)
         self._nursery: trio.Nursery | None = None
         self._go = trio.Event()
         # relay mode
@@ -1050,8 +1090,8 @@ class Fleet:
                 self.node_context(slot.node_id)  # ... and holds its certificate (made here, not timed)
         # HTTP reports through the lean kept-alive client, bounded per endpoint: an httpx
         # client with thousands of queued requests costs the emulator more than the placer
-        http = PushPool(concurrency=cfg.http_connections, max_per_host=cfg.http_connections,
-                        attempt_timeout_s=cfg.request_timeout_s, retries=0)
+        http = self._http = PushPool(concurrency=cfg.http_connections, max_per_host=cfg.http_connections,
+                                     attempt_timeout_s=cfg.request_timeout_s, retries=0)
         async with trio.open_nursery() as n:
             self._nursery = n
             n.start_soon(trio.serve_listeners, self._handle, listeners)
@@ -1099,6 +1139,11 @@ class Fleet:
                                  backoff_max_s=max(cfg.heartbeat_s, 1.0))
                 node.link = link
                 n.start_soon(link.run)
+
+    def http_for(self, node_id: str) -> PushPool:
+        """A node's HTTP client for its reports (see :meth:`_http_for`)."""
+        assert self._http is not None
+        return self._http_for(node_id, self._http)
 
     def _http_for(self, node_id: str, shared: PushPool) -> PushPool:
         """The HTTP fallback for a node's reports: the shared pool, or over TLS the node's own
@@ -1188,10 +1233,22 @@ class Fleet:
             for r in rs:
                 for why, c in r.drop_reasons.items():
                     reasons[why] = reasons.get(why, 0) + c
+            copies = [r.copies.statistics() for r in rs]
             out.update({
                 "relays": len(rs), "relay": "agent.relay.Relay (the relay -> member hop in process)",
-                "registered": sum(k.registered for k in ks),
-                "reports_sent": sum(k.reports for k in ks), "beats": sum(r.beats for r in rs),
+                "registered": sum(k.registered for k in ks) + sum(lk.registered for lk in links),
+                # full reports: the members' (through the relay, or directly) and the hosts' links'
+                "full_reports": sum(k.full_reports for k in ks) + sum(lk.full_reports_sent for lk in links),
+                # copies to the placers that follow (agent.relaycopies), the relays' together
+                "relay_copies": {"frames": sum(c["frames"] for c in copies), "bytes": sum(c["bytes"] for c in copies),
+                                 "drops": sum(c["drops"] for c in copies),
+                                 "failures": sum(c["failures"] for c in copies),
+                                 "connections": sum(c["followers"] for c in copies)},
+                # the hosts' links moved onto a copy channel (their copies in step: no full report)
+                "handovers": sum(fc["handovers"] for lk in links
+                                 if (fc := lk.statistics()["follower_copies"]) is not None),
+                "reports_sent": sum(k.reports for k in ks) + sum(lk.reports_sent for lk in links),
+                "beats": sum(r.beats for r in rs),
                 "bundles": sum(c.bundles for c in cs), "parts": st.parts,
                 "part_bytes_max": max((c.part_bytes_max for c in cs), default=0),
                 "bundles_verified": sum(v.verified for v, _ in self.verifiers.values()),
@@ -1202,7 +1259,8 @@ class Fleet:
                                  "failed": self.blob_failures},
                 "relay_connects": sum(r.connects for r in rs), "relay_drops": sum(r.drops for r in rs),
                 "relay_drop_reasons": reasons,
-                "reregistrations": sum(k.reregistrations for k in ks),
+                "reregistrations": sum(k.reregistrations for k in ks) + sum(
+                    max(0, lk.full_reports_sent - 1) for lk in links),
                 "enrolled": sum(k.enrolled for k in ks),
                 "enroll_refused": _summed(k.enroll_refused for k in ks),
                 "relayed_registrations": sum(k.relayed_registrations for k in ks),

@@ -3,21 +3,26 @@ small fake placers (tests.test_relay_link.FakePlacer): every beat and report bat
 sends its leader goes to the follower too, once the relay host asked for a channel there; the
 follower's ``need_full`` makes that member send a full report (through the relay); and when the
 follower leads, the copy connection becomes the relay's connection up, without a handshake
-and without asking the members for full reports."""
+and without asking the members for full reports. A follower that lacks a member's GPU
+inventory gets the member's snapshot."""
 
 from __future__ import annotations
 
 import time
 from pathlib import Path
 
+import msgspec
 import trio
 
+from agent.gpus.simulated import SimulatedBackend
+from agent.relaycore import RelayCore
 from infra.auth import TokenSet
 from scheduler_link.agent_link import AgentLink
 from scheduler_link.follow import OBSERVED
 from scheduler_link.frames import FrameChannel
 from scheduler_link.heartbeat_wire import Hello, WireReply
-from scheduler_link.messages import NodeReport, RackBeatReply, WorkloadEvent
+from scheduler_link.messages import NodeReport, RackBeatReply, ReportReply, Victim, WorkloadEvent
+from scheduler_link.msgauth import node_key, with_stop_macs
 from testing.waiting import poll
 
 from .test_relay_link import FakePlacer, Hooks, _relay
@@ -32,6 +37,7 @@ class FakeFollower(FakePlacer):
         self.lacks: set[str] = set()
         self.hellos = 0
         self.leads = False   # (promoted: it answers as the leader does)
+        self.epoch = 0       # ... with this epoch in its answers
 
     def opened(self, hello: Hello, channel: FrameChannel):  # noqa: ANN201
         self.hellos += bool(hello.racks)
@@ -39,6 +45,8 @@ class FakeFollower(FakePlacer):
 
     def _relayed(self, ch: FrameChannel, rep: NodeReport) -> WireReply:
         wr = super()._relayed(ch, rep)
+        if wr.status == 200 and self.leads and self.epoch:   # (promoted: its answers carry its epoch)
+            return WireReply(status=200, reply=msgspec.structs.replace(wr.reply, epoch=self.epoch))
         return WireReply(status=OBSERVED, reply=wr.reply) if wr.status == 200 and not self.leads else wr
 
     def _frame(self, ch, f):  # noqa: ANN001, ANN201
@@ -103,4 +111,71 @@ async def test_the_relay_copies_to_the_follower_then_goes_up_to_it(tmp_path: Pat
             # report through it: never directly, never a handshake)
             assert all(lk.statistics()["relay_url"] for lk in links) and follower.hellos == hellos
             assert all(k != "report" for lk in links for k, _, _ in follower.seen[lk.node_id])
+            n.cancel_scope.cancel()
+
+
+def test_a_follower_that_lacks_a_members_inventory_gets_its_snapshot() -> None:
+    """A follower refused a member's compact registration (409: it lacks the GPU inventory the
+    leader holds): the member is asked for a full report with ``send_inventory`` -- whatever went
+    up before -- until a full report carrying its snapshot has gone up; a plain ``need_full``
+    from a follower does not ask for the snapshot."""
+    core = RelayCore(node_id="r", rack="r1", heartbeat_s=1.0)
+    core.member_opened("m")
+    core.member_opened("k")
+
+    def beat(nid: str, seq: int) -> ReportReply:
+        wr = core.report(nid, NodeReport(node_id=nid, boot_id="b", seq=seq, full=False), upstream=True)
+        assert isinstance(wr, WireReply) and wr.status == 200
+        return wr.reply
+
+    assert not beat("m", 1).need_full
+    compact = NodeReport(node_id="m", boot_id="b", seq=2, full=True, inventory="inv")
+    assert compact.compact and isinstance(core.report("m", compact, upstream=True), int)
+    batch = core.next_batch(0.0)
+    assert batch is not None and batch.reports == [compact]
+    core.follower_needs(["m", "k"], ["m"])
+    r = beat("m", 3)
+    assert r.need_full and r.send_inventory
+    r = beat("k", 1)
+    assert r.need_full and not r.send_inventory
+    snap = SimulatedBackend("dgx-h100", hostname="m").discover()
+    full = NodeReport(node_id="m", boot_id="b", seq=4, full=True, snapshot=snap, inventory="inv")
+    assert isinstance(core.report("m", full, upstream=True), int)
+    assert core.next_batch(0.0) is not None
+    r = beat("m", 5)
+    assert not r.need_full and not r.send_inventory
+
+
+async def test_stops_in_a_promoted_followers_answers_to_copied_reports_reach_the_member(
+        tmp_path: Path, token_dir: Path) -> None:
+    """A follower promoted while the relay still goes up to the placer before answers a copied
+    report batch with its epoch and a stop for a member (a workload no job of its claims): the
+    stop reaches the member in its next answer, as a beat answer's would; a stop the member's key
+    did not MAC is not acted on."""
+    tokens = TokenSet.load(token_dir)
+    leader, follower = FakePlacer(tokens), FakeFollower(tokens)
+    hooks = Hooks()
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            leader.url = await n.start(leader.server.run, "127.0.0.1:0")
+            follower.url = await n.start(follower.server.run, "127.0.0.1:0")
+            follower.master = leader.master
+            relay = _relay(tokens, "r1", leader, [])
+            leader.relay_url = follower.relay_url = await n.start(relay.run)
+            await leader.until(lambda: "r1" in leader.relays, "relay up")
+            link = AgentLink("http://127.0.0.1:9", tokens.cluster, "m0", hooks, heartbeat_s=0.2,
+                             wire_url=leader.url, request_timeout_s=2.0)
+            await n.start(link.run)
+            await leader.until(lambda: bool(link.statistics()["relay_url"]), "m0 through r1")
+            await relay.own_channel(follower.url, tokens.cluster or "", "r1")   # the rack copies to it
+            # promoted: its answer to the next copied report names a stop for m0, MACed in m0's key
+            key = node_key(leader.master, "m0", link.boot_id)
+            follower.leads, follower.epoch = True, 7
+            follower.stops = [*with_stop_macs(key, "m0", link.boot_id, [Victim(workload_id="w-orphan")]),
+                              Victim(workload_id="w-forged")]
+            link.notify(WorkloadEvent(workload_id="w", job_id="j", state="running", at=time.time()))
+            with trio.fail_after(10):
+                await poll(lambda: hooks.stopped, 0.02)
+            assert hooks.stopped == ["w-orphan"] and not follower.stops
+            assert relay.core.epochs.highest == 7   # (its epoch taken, as a leader's)
             n.cancel_scope.cancel()
