@@ -247,9 +247,9 @@ class Scheduling(StateBase):
             slots[r] = tuple(s for s in slots_arr[r].tolist() if s >= 0)
             uuids[r] = [n.uuids[s] for s in slots[r]]
         table = PodTable.decided(f"{job.job_id}.{job.attempt}.", names, slots, uuids)
-        self._replace_pods(job, table)
         # the pushes: the gang's nodes in rank order of their first pod, each with its rows
         uniq, first = np.unique(node_idx, return_index=True)
+        self._replace_pods(job, table, recs if len(uniq) == P else None)   # (one pod a node: each record once)
         rows: list[list[int]] | None
         in_order = False     # the pushes' order (the ranks') is the topology's
         if len(uniq) == P:   # one pod a node (whole-node gangs): row r is node r's
