@@ -217,9 +217,8 @@ class Scheduling(StateBase):
                 continue
             self.counters["preemptions"] += 1
             victim_pods += vjob.live_pods()
-            for push in self._end_attempt(vjob, "preempted", now, reason=f"preempted by {job.job_id}",
-                                          hold=False):
-                victim_stops.setdefault(push.node_id, []).extend(push.placement.victims)
+            self._end_attempt(vjob, "preempted", now, reason=f"preempted by {job.job_id}", hold=False,
+                              victims_of=victim_stops)   # (no stop push made: they ride in the gang's)
         self._hold(victim_pods)  # victims' GPUs the new gang does not take stay held until gone
         job.attempt += 1   # (its previous attempt's pods stop being current in _replace_pods)
         job.state = "placing"

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from infra.metrics import LatencyHistogram
-from scheduler_link.messages import JobSpec, RackBeatReply, ReportReply, WorkloadEvent
+from scheduler_link.messages import JobSpec, RackBeatReply, ReportReply, Victim, WorkloadEvent
 
 from .config import PlacerConfig
 from .errors import Conflict, InvalidSpec, UnknownJob, UnknownNode
@@ -118,7 +118,7 @@ class StateBase:
     # ------------------------------------------------------------ declared by the parts
 
     def _end_attempt(self, job: JobRec, cause: str, now: float, *, reason: str | None,
-                     hold: bool = True) -> list[Push]:
+                     hold: bool = True, victims_of: dict[str, list[Victim]] | None = None) -> list[Push]:
         raise NotImplementedError
 
     def _apply_event(self, node: NodeRec, ev: WorkloadEvent, now: float) -> list[Push]:
