@@ -12,8 +12,10 @@ gang blob (:class:`scheduler_link.messages.GangBlob`, columnar peer table, id = 
 its canonical bytes) encoded once and held here for the attempt; each node's Placement
 carries its pods and victims, the blob id, and peers bounded by its rack plus a few
 contacts in other racks (small gangs, up to ``FULL_PEERS_UP_TO`` nodes, still list
-every member). The post-decision bookkeeping is O(pods) with small constants: one
-record per pod, one Placement per node, per-rack peer lists shared.
+every member). The post-decision bookkeeping is O(pods) with small constants: the pods
+are a table of columns (placer.records.PodTable) and the pushes columns too
+(placer.records.GangPushes: no Push or Placement a node unless one is read), per-rack peer
+lists shared.
 """
 
 from __future__ import annotations
