@@ -65,16 +65,18 @@ class Attempts(StateBase):
         return pushes
 
     def _end_attempt(self, job: JobRec, cause: str, now: float, *, reason: str | None,
-                     hold: bool = True) -> list[Push]:
+                     hold: bool = True, victims_of: dict[str, list[Victim]] | None = None) -> list[Push]:
         """Stop every live pod of the job's current attempt, free its GPUs, then decide by
         cause and restart policy: requeue (new attempt) or a terminal state. With ``hold``
         the stopped pods keep their GPUs (as stale holders) until their node reports them
-        gone, so nothing new is pushed onto a GPU still in its grace period."""
+        gone, so nothing new is pushed onto a GPU still in its grace period. ``victims_of``:
+        the stops are added there by node, not made into pushes (a preemption's, which ride
+        in the new gang's placements)."""
         self.dirty = True
         self._dequeue(job)
         live = job.live_pods()
         pushes = self._stop_pods(job, live, reason=cause if cause != "lost" else "gang broken: node lost",
-                                 preempted=cause == "preempted")
+                                 preempted=cause == "preempted", into=victims_of)
         self._release_quiet(job.job_id)
         if hold:
             self._hold(live)
@@ -110,7 +112,10 @@ class Attempts(StateBase):
         if job.job_id in self.queue:
             self.queue.cancel(job.job_id)
 
-    def _stop_pods(self, job: JobRec, pods: Iterable[PodRec], *, reason: str, preempted: bool = False) -> list[Push]:
+    def _stop_pods(self, job: JobRec, pods: Iterable[PodRec], *, reason: str, preempted: bool = False,
+                   into: dict[str, list[Victim]] | None = None) -> list[Push]:
+        """The pods told to stop: one stop push a node that is up (``into``: their victims
+        added there by node instead, and no push made); a lost node hears at its next word."""
         by_node: dict[str, list[Victim]] = {}
         for p in pods:
             self._mark_stale(p)
@@ -125,6 +130,9 @@ class Attempts(StateBase):
                 continue
             if node.state != "up":  # a lost node hears about it when it comes back
                 node.tell.update(v.workload_id for v in victims)
+                continue
+            if into is not None:
+                into.setdefault(node_id, []).extend(victims)
                 continue
             self._pid += 1
             pl = Placement(placement_id=f"stop:{job.job_id}:{job.attempt}:{node_id}:{self._pid}",

@@ -774,6 +774,9 @@ class _RoundDriver:
         counted = src.counted()
         if self.order is not None:
             counted = counted[np.array(self.order, dtype=np.int64)]
+        # racks with a start push among their members (their bundle names the gang's blob)
+        self.rack_starts: list[bool] = ((np.add.reduceat(counted[:bounds[-1]], bounds[:-1]) > 0).tolist()
+                                        if len(racks) else [])
         self.core = DeliveryRound(len(src), bounds, patience_s=patience, cap_s=cap, counted=counted,
                                   durable=ready is None)
         self.rids: dict[int, int] = {}            # rack -> its bundle's request id (while sent)
@@ -917,7 +920,7 @@ class _RoundDriver:
         lo, hi = self.core.rack_slice(r)
         at = self._at(lo, hi)
         src = self.src
-        starts = bool(self.core.counted[lo:hi].any())   # (a start push among them: counted)
+        starts = self.rack_starts[r]
         if carry and starts:
             self.hub.stats.blob_seeds += 1
         return msgauth.BundleSpec(path, (self.blob_id or "") if starts else "", src.parts_bytes(at, self.expires),

@@ -12,8 +12,10 @@ gang blob (:class:`scheduler_link.messages.GangBlob`, columnar peer table, id = 
 its canonical bytes) encoded once and held here for the attempt; each node's Placement
 carries its pods and victims, the blob id, and peers bounded by its rack plus a few
 contacts in other racks (small gangs, up to ``FULL_PEERS_UP_TO`` nodes, still list
-every member). The post-decision bookkeeping is O(pods) with small constants: one
-record per pod, one Placement per node, per-rack peer lists shared.
+every member). The post-decision bookkeeping is O(pods) with small constants: the pods
+are a table of columns (placer.records.PodTable) and the pushes columns too
+(placer.records.GangPushes: no Push or Placement a node unless one is read), per-rack peer
+lists shared.
 """
 
 from __future__ import annotations
@@ -217,9 +219,8 @@ class Scheduling(StateBase):
                 continue
             self.counters["preemptions"] += 1
             victim_pods += vjob.live_pods()
-            for push in self._end_attempt(vjob, "preempted", now, reason=f"preempted by {job.job_id}",
-                                          hold=False):
-                victim_stops.setdefault(push.node_id, []).extend(push.placement.victims)
+            self._end_attempt(vjob, "preempted", now, reason=f"preempted by {job.job_id}", hold=False,
+                              victims_of=victim_stops)   # (no stop push made: they ride in the gang's)
         self._hold(victim_pods)  # victims' GPUs the new gang does not take stay held until gone
         job.attempt += 1   # (its previous attempt's pods stop being current in _replace_pods)
         job.state = "placing"
@@ -247,9 +248,9 @@ class Scheduling(StateBase):
             slots[r] = tuple(s for s in slots_arr[r].tolist() if s >= 0)
             uuids[r] = [n.uuids[s] for s in slots[r]]
         table = PodTable.decided(f"{job.job_id}.{job.attempt}.", names, slots, uuids)
-        self._replace_pods(job, table)
         # the pushes: the gang's nodes in rank order of their first pod, each with its rows
         uniq, first = np.unique(node_idx, return_index=True)
+        self._replace_pods(job, table, recs if len(uniq) == P else None)   # (one pod a node: each record once)
         rows: list[list[int]] | None
         in_order = False     # the pushes' order (the ranks') is the topology's
         if len(uniq) == P:   # one pod a node (whole-node gangs): row r is node r's

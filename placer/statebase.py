@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from infra.metrics import LatencyHistogram
-from scheduler_link.messages import JobSpec, RackBeatReply, ReportReply, WorkloadEvent
+from scheduler_link.messages import JobSpec, RackBeatReply, ReportReply, Victim, WorkloadEvent
 
 from .config import PlacerConfig
 from .errors import Conflict, InvalidSpec, UnknownJob, UnknownNode
@@ -118,7 +118,7 @@ class StateBase:
     # ------------------------------------------------------------ declared by the parts
 
     def _end_attempt(self, job: JobRec, cause: str, now: float, *, reason: str | None,
-                     hold: bool = True) -> list[Push]:
+                     hold: bool = True, victims_of: dict[str, list[Victim]] | None = None) -> list[Push]:
         raise NotImplementedError
 
     def _apply_event(self, node: NodeRec, ev: WorkloadEvent, now: float) -> list[Push]:
@@ -175,14 +175,20 @@ class StateBase:
             if node is not None and node.gangs.get(jid) is job:
                 del node.gangs[jid]
 
-    def _replace_pods(self, job: JobRec, pods: list[PodRec] | PodTable) -> None:
-        """The job's current pods become ``pods`` (standalone pods, or a decision's table)."""
+    def _replace_pods(self, job: JobRec, pods: list[PodRec] | PodTable, recs: list[NodeRec] | None = None) -> None:
+        """The job's current pods become ``pods`` (standalone pods, or a decision's table);
+        ``recs``: the records of the nodes they are on, each once, if at hand (a decision's)."""
         self._unindex_pods(job)
         if isinstance(pods, PodTable):
             job.set_table(pods)
         else:
             job.set_pods(pods)
-        jid, nodes = job.job_id, self.nodes
+        jid = job.job_id
+        if recs is not None:
+            for rec in recs:
+                rec.gangs[jid] = job
+            return
+        nodes = self.nodes
         for nid in dict.fromkeys(job.table.node_ids):   # (one entry a node: 25,000 a big gang)
             node = nodes.get(nid)
             if node is not None:

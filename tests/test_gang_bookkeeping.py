@@ -141,6 +141,7 @@ async def test_a_preempting_gangs_round_puts_its_victims_stops_in_their_racks_bu
             relays[node.rack_path] = conn
             hub._cands[node.rack_path] = {nid: conn}
     permuted = []
+    stop_only = 0
     for extra in (hp.extra, hp.extra[::-1]):
         gp = GangPushes(hp.gang, hp.recs, hp.table, hp.rows, hp.victims, list(extra), runs=hp.runs)
         drv = _RoundDriver(hub, "high", high.blob_id, gp, None, None)  # type: ignore[arg-type]  # (never pushes)
@@ -155,6 +156,10 @@ async def test_a_preempting_gangs_round_puts_its_victims_stops_in_their_racks_bu
             assert drv.ids[lo:hi] == [p.node_id for p in pushes]
             assert drv.pids(lo, hi) == [p.placement_id for p in pushes]
             assert drv.core.counted[lo:hi].tolist() == [p.kind == "start" for p in pushes]
+            starts = any(p.kind == "start" for p in pushes)   # (a rack of stops only names no blob)
+            assert spec.blob_id == (high.blob_id if starts else "")
+            stop_only += not starts
             seen += drv.ids[lo:hi]
         assert sorted(seen) == sorted(gp.node_ids) and len(drv.core.direct) == 0
     assert any(permuted)   # (some stop came in after a later rack's: the round's order is not the pushes')
+    assert stop_only       # (and some rack had stops only)
