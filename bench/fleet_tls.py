@@ -37,7 +37,8 @@ the same wire as an agent's).
 
 Figures: ``handshakes`` (the TLS handshakes the placer's framed channel completed),
 ``register_s`` (``go`` -> the placer's ``GET /v1/cluster`` counts N nodes up),
-``placer_cpu_s`` (the placer's with its enrolment workers') and ``emulator_cpu_s`` (CPU time meanwhile, from ``/proc``), and per mode the medians
+``placer_cpu_s`` (the placer's with its enrolment workers'; ``placer_loop_cpu_s`` its own process
+alone, ``placer_workers_cpu_s`` the workers') and ``emulator_cpu_s`` (CPU time meanwhile, from ``/proc``), and per mode the medians
 over ``--repeat`` runs, with the ratio tls / plain. The machine's load average is recorded with
 every row (a shared machine: read the figures with it).
 """
@@ -131,13 +132,13 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
                 tls_dir=pki_dir, log_path=tmp / f"emu-{mode}-{k}.log", extra=(["--relays", *tls_threads] if relays else None),
                 nice=EMULATOR_NICE)))
         row["emulator_setup_s"] = round(time.perf_counter() - t_setup, 2)
-        cpu0 = tree_cpu_s(placer.pid)
+        cpu0, loop0 = tree_cpu_s(placer.pid), proc_cpu_s(placer.pid)
         ecpu0 = sum(e.cpu_s() for e in emus)
         for e in emus:
             await e.go()
         up, secs = await wait_nodes_up(c, placer.url, n_nodes, limit_s=limit_s)
         row.update(register_s=round(secs, 2), nodes_up=up, complete=up >= n_nodes,
-                   placer_cpu_s=round(tree_cpu_s(placer.pid) - cpu0, 2),
+                   placer_cpu_s=round(tree_cpu_s(placer.pid) - cpu0, 2), placer_loop_cpu_s=round(proc_cpu_s(placer.pid) - loop0, 2),
                    emulator_cpu_s=round(sum(e.cpu_s() for e in emus) - ecpu0, 2), placer_rss_mib=round(placer.rss_mib(), 1),
                    placer_fds=placer.fds(), load_after=_load())
         fc = {}
@@ -148,6 +149,7 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
                 break
             except httpx.HTTPError:
                 continue
+        row["placer_workers_cpu_s"] = round(row["placer_cpu_s"] - row["placer_loop_cpu_s"], 2)
         row["framed_channel"] = {k: v for k, v in fc.items() if k.startswith("tls_refused") or k in (
             "connections", "open_connections", "refused", "wrong_node", "tls_handshakes")}
         row["handshakes"] = int(fc.get("tls_handshakes", 0))
@@ -188,6 +190,7 @@ async def run_tls_bench(nodes: list[int], *, per_proc: int, heartbeat_s: float, 
         for mode, rows in runs.items():
             summ[f"{mode}_register_s_median"] = statistics.median(r["register_s"] for r in rows)
             summ[f"{mode}_placer_cpu_s_median"] = statistics.median(r["placer_cpu_s"] for r in rows)
+            summ[f"{mode}_placer_loop_cpu_s_median"] = statistics.median(r["placer_loop_cpu_s"] for r in rows)
             summ[f"{mode}_emulator_cpu_s_median"] = statistics.median(r["emulator_cpu_s"] for r in rows)
             summ[f"{mode}_handshakes_median"] = statistics.median(r["handshakes"] for r in rows)
             summ[f"{mode}_complete"] = all(r["complete"] for r in rows)
@@ -210,6 +213,9 @@ async def run_tls_bench(nodes: list[int], *, per_proc: int, heartbeat_s: float, 
                 be = summ["enroll_base_emulator_cpu_s_median"]
                 summ["register_ratio_enroll_over_base"] = round(er / br, 2) if br else None
                 summ["placer_cpu_ratio_enroll_over_base"] = round(ec / bc, 2) if bc else None
+                bl = summ["enroll_base_placer_loop_cpu_s_median"]
+                summ["placer_loop_cpu_ratio_enroll_over_base"] = round(
+                    summ["enroll_placer_loop_cpu_s_median"] / bl, 2) if bl else None
                 summ["emulator_cpu_ratio_enroll_over_base"] = round(
                     summ["enroll_emulator_cpu_s_median"] / be, 2) if be else None
         out["summary"].append(summ)
@@ -219,10 +225,10 @@ async def run_tls_bench(nodes: list[int], *, per_proc: int, heartbeat_s: float, 
 def print_tls_table(out: dict[str, Any]) -> None:
     print("relays: " + ("on (members register over their own connection, then beat through their relay)"
                         if out.get("relays") else "off (every node beats on its own connection)"))
-    print(f"{'nodes':>7} {'mode':>6} {'rep':>3} {'register_s':>10} {'placer_cpu_s':>12} {'emu_cpu_s':>9} {'up':>7} "
+    print(f"{'nodes':>7} {'mode':>6} {'rep':>3} {'register_s':>10} {'placer_cpu_s':>12} {'loop_cpu_s':>10} {'emu_cpu_s':>9} {'up':>7} "
           f"{'handshakes':>10} {'emu_setup_s':>11} load(before->after)")
     for r in out["rows"]:
-        print(f"{r['nodes']:>7} {r['mode']:>6} {r['repeat']:>3} {r['register_s']:>10} {r['placer_cpu_s']:>12} "
+        print(f"{r['nodes']:>7} {r['mode']:>6} {r['repeat']:>3} {r['register_s']:>10} {r['placer_cpu_s']:>12} {r['placer_loop_cpu_s']:>10} "
               f"{r['emulator_cpu_s']:>9} {r['nodes_up']:>7} {r['handshakes']:>10} {r['emulator_setup_s']:>11} "
               f"{r['load_before']}->{r['load_after']}")
     print()
@@ -231,7 +237,9 @@ def print_tls_table(out: dict[str, Any]) -> None:
             print(f"{s['nodes']:>7} nodes, enrolment through the relays, this tree / the baseline tree (medians): "
                   f"register {s['enroll_register_s_median']} / {s['enroll_base_register_s_median']} s "
                   f"(x{s['register_ratio_enroll_over_base']}), placer CPU {s['enroll_placer_cpu_s_median']} / "
-                  f"{s['enroll_base_placer_cpu_s_median']} s (x{s['placer_cpu_ratio_enroll_over_base']}), emulators "
+                  f"{s['enroll_base_placer_cpu_s_median']} s (x{s['placer_cpu_ratio_enroll_over_base']}; its loop "
+                  f"{s['enroll_placer_loop_cpu_s_median']} / {s['enroll_base_placer_loop_cpu_s_median']} s, "
+                  f"x{s['placer_loop_cpu_ratio_enroll_over_base']}), emulators "
                   f"{s['enroll_emulator_cpu_s_median']} / {s['enroll_base_emulator_cpu_s_median']} s "
                   f"(x{s['emulator_cpu_ratio_enroll_over_base']})")
         if "register_ratio_tls_over_plain" not in s:

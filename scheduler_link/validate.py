@@ -56,13 +56,14 @@ MAX_URL_LEN = 2048
 _DIGEST = re.compile(r"[0-9a-f]{32}")
 MAX_TEXT_LEN = 4096             # reasons, details, names
 
-_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]*$")
-_ID = re.compile(r"^[\x21-\x7e]+$")          # printable ASCII, no spaces
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+# (whole strings: fullmatch, never match with "$", which also takes a trailing newline)
+_NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@-]*")
+_ID = re.compile(r"[\x21-\x7e]+")          # printable ASCII, no spaces
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def _id(value: str, what: str, limit: int = MAX_ID_LEN) -> str | None:
-    if not value or len(value) > limit or not _ID.match(value):
+    if not value or len(value) > limit or not _ID.fullmatch(value):
         return f"{what} must be 1..{limit} printable ASCII characters without spaces, got {value[:80]!r}"
     return None
 
@@ -111,7 +112,7 @@ def _snapshot(snap: GpuSnapshot) -> str | None:
     uuids: set[str] = set()
     indices: set[int] = set()
     for g in snap.gpus:
-        if not g.uuid or len(g.uuid) > MAX_UUID_LEN or not _ID.match(g.uuid):
+        if not g.uuid or len(g.uuid) > MAX_UUID_LEN or not _ID.fullmatch(g.uuid):
             return f"GPU uuid must be 1..{MAX_UUID_LEN} printable characters without spaces, got {g.uuid[:80]!r}"
         if g.uuid in uuids:
             return f"GPU uuid {g.uuid!r} appears twice in the snapshot"
@@ -145,7 +146,7 @@ def validate_report(rep: NodeReport) -> str | None:
     """None when ``rep`` is acceptable to the model, else why not (one line)."""
     if rep.version != WIRE_VERSION:
         return f"report version {rep.version} is not {WIRE_VERSION}"
-    if not rep.node_id or len(rep.node_id) > MAX_NODE_ID_LEN or not _NODE_ID.match(rep.node_id):
+    if not rep.node_id or len(rep.node_id) > MAX_NODE_ID_LEN or not _NODE_ID.fullmatch(rep.node_id):
         return (f"node_id must be 1..{MAX_NODE_ID_LEN} characters of letters, digits and ._:@- "
                 f"(starting with a letter or digit), got {rep.node_id[:80]!r}")
     if rep.boot_id and (err := _id(rep.boot_id, "boot_id")):
@@ -157,7 +158,7 @@ def validate_report(rep: NodeReport) -> str | None:
             return err
     for level in ("zone", "block", "rack"):
         v = getattr(rep.topology, level)
-        if not v or len(v) > MAX_TOPO_LEN or not _ID.match(v):
+        if not v or len(v) > MAX_TOPO_LEN or not _ID.fullmatch(v):
             return f"topology {level} must be 1..{MAX_TOPO_LEN} printable characters without spaces, got {v[:80]!r}"
     if rep.nvlink_domain is not None and not 0 < len(rep.nvlink_domain) <= MAX_TEXT_LEN:
         return f"nvlink_domain must be 1..{MAX_TEXT_LEN} characters"
@@ -208,6 +209,6 @@ def validate_report(rep: NodeReport) -> str | None:
         if len(rep.manifests) > MAX_MANIFESTS:
             return f"report lists {len(rep.manifests)} manifests (at most {MAX_MANIFESTS})"
         for mid in rep.manifests:
-            if not _HEX64.match(mid):
+            if not _HEX64.fullmatch(mid):
                 return f"manifest id {mid[:80]!r} is not 64 lower-case hex characters"
     return None

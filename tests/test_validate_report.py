@@ -192,3 +192,14 @@ def test_agents_urls_are_taken_by_the_fast_form(url: str) -> None:
 def test_urls_at_the_fast_forms_edges_get_the_full_parses_verdict(url: str) -> None:
     from scheduler_link.validate import _url, _url_parsed
     assert _url(url, "data_url") == _url_parsed(url, "data_url")
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(node_id="n1\n"), "node_id"), (dict(boot_id="boot-1\n"), "boot_id"),
+    (dict(topology=TopologyPath(zone="z\n", block="b", rack="r")), "zone"),
+    (dict(snapshot=GpuSnapshot(gpus=[GpuInfo(index=0, uuid="GPU-0\n", name="x", memory_total_mib=1, pci_bus_id="0")]),
+          workloads=[]), "GPU uuid"), (dict(manifests=["ab" * 32 + "\n"]), "manifest id"),
+    (dict(workloads=[WorkloadStatus(workload_id="w1\n", job_id="j1")]), "workload_id"),
+])
+def test_an_id_with_a_trailing_newline_is_refused(change: dict, words: str) -> None:
+    assert words in (validate_report(_report(**change)) or "")
