@@ -206,6 +206,7 @@ class Relay:
         self._up_url: str | None = None       # the placer's channel the connection up is to
         self._up_epoch = 0                    # the highest epoch its answers carried
         self._move_to: str | None = None      # a follower that leads now: the next connection up (_copy_leads)
+        self._moved = trio.Event()            # set when _move_to is (the loop's wait between connections ends)
         # copies of what goes up to the placers that follow (agent.relaycopies)
         self.copies = RelayCopies(open_conn=self._open_copy, handler=self._upstream_frame,
                                   need_full=self.core.follower_needs, leader_beat=self.core.beat_answered,
@@ -284,8 +285,10 @@ class Relay:
         backoff = self.backoff_min_s
         while True:
             url, self._move_to = self._move_to or self._wire_url(), None
+            if self._moved.is_set():
+                self._moved = trio.Event()
             if not url:
-                await trio.sleep(backoff)
+                await self._pause(backoff)
                 backoff = min(self.backoff_max_s, backoff * 2)
                 continue
             taken = self.copies.take(url)   # a follower that leads now: its copy connection goes up
@@ -295,7 +298,7 @@ class Relay:
                     TLSError) as e:   # (a busy placer resets handshakes: tried again, never the relay's end)
                 self.failures += 1
                 log.info("relay upstream connect failed url=%s err=%r", url, e)
-                await trio.sleep(backoff * 2 * random.uniform(0.5, 1.0))  # jittered: relays do not retry in step
+                await self._pause(backoff * 2 * random.uniform(0.5, 1.0))  # jittered: relays do not retry in step
                 backoff = min(self.backoff_max_s, backoff * 2)
                 continue
             backoff = self.backoff_min_s
@@ -312,7 +315,7 @@ class Relay:
             self.upstream_ready.set()
             try:
                 async with trio.open_nursery() as n:
-                    n.start_soon(self._beats, ch)
+                    n.start_soon(self._beats, ch, in_step)
                     n.start_soon(self._forwarder, ch)
                     n.start_soon(self._enroll_forwarder, ch)
                     if taken is not None:   # (its frames are served where it was opened: RelayCopies)
@@ -333,7 +336,12 @@ class Relay:
                     self._hold_until = trio.current_time() + self.failover_hold_s
                     self._nursery.start_soon(self._hold_ends, self._hold_until)
             log.warning("relay lost its placer connection rack=%s", self.rack)
-            await trio.sleep(backoff)
+            await self._pause(backoff)
+
+    async def _pause(self, seconds: float) -> None:
+        """A wait between connections up, ended early by a follower that answered as the leader."""
+        with trio.move_on_after(seconds):
+            await self._moved.wait()
 
     async def _dial(self, url: str) -> FrameChannel:
         """A frames connection to the placer's channel ``url``, saying hello as the rack's relay."""
@@ -346,11 +354,16 @@ class Relay:
         with trio.fail_after(self.request_timeout_s):
             return await self._dial(url)
 
-    async def _beats(self, ch: FrameChannel) -> None:
-        if self._beat_offset_s:
+    async def _beats(self, ch: FrameChannel, at_once: bool = False) -> None:
+        """One beat an interval; ``at_once``: the first now (a follower that leads now, over its
+        copy connection: the members' entries kept through the failover go up before its
+        deadlines for them run out)."""
+        if self._beat_offset_s and not at_once:
             await trio.sleep(self._beat_offset_s)
         while not ch.closed.is_set():
-            await trio.sleep(self.book.heartbeat_s)
+            if not at_once:
+                await trio.sleep(self.book.heartbeat_s)
+            at_once = False
             b = self.core.beat(self._clock())
             if b is not None:
                 await self._send_beat(ch, b)
@@ -626,23 +639,26 @@ class Relay:
 
     def _copy_leads(self, url: str, epoch: int) -> None:
         """The placer at ``url`` answered this host's own report over the relay's copy connection
-        as a leader does, at ``epoch``, newer than any the connection up carried: the placer up
-        there has been replaced (paused, or cut off: its connection can stay open long after its
-        lease ended, its answers never coming). The relay goes up to ``url`` over that copy
-        connection now -- no handshake, the members not asked for full reports when every copy
-        went -- instead of when the old connection ends. What it sent the old placer meanwhile is
+        as a leader does, at ``epoch``, newer than any the connection up carried (or the one lost
+        last): the placer up there has been replaced (killed; paused, or cut off: its connection can
+        stay open long after its lease ended, its answers never coming). The relay goes up to
+        ``url`` over that copy connection now -- no handshake, the members not asked for full
+        reports when every copy went -- instead of when the old connection ends, or after its
+        back-off between connections. What it sent the old placer meanwhile is
         that placer's to refuse (a deposed leader applies nothing), and any answer of its, of an
         older epoch, is dropped here."""
         up = self._up
-        if (up is None or self._up_url is None or url.rstrip("/") == self._up_url.rstrip("/")
+        if ((up is not None and self._up_url is not None and url.rstrip("/") == self._up_url.rstrip("/"))
                 or epoch <= self._up_epoch or url not in self.copies.conns
                 or self.core.epochs.compare(epoch) is Check.STALE or self._nursery is None):
             return
         self._move_to = url
+        self._moved.set()   # (no connection up: the wait for the next one ends now)
         self.leader_moves += 1
         log.warning("relay moves up to the placer that leads now rack=%s from=%s to=%s epoch=%d", self.rack,
                     self._up_url, url, epoch)
-        self._nursery.start_soon(up.aclose)
+        if up is not None:
+            self._nursery.start_soon(up.aclose)
 
     # ------------------------------------------------------------ members' enrolments
 
