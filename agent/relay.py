@@ -62,17 +62,18 @@ and waiting for its answer to the relay's next beat would cost another interval.
 Several placers (one leading, the others following: agent.relaycopies): a relay that loses its
 connection up while it holds copy connections to followers expects one of them to lead within a
 failover (one etcd lease TTL and the promotion), so for up to ``failover_hold_s`` it goes on
-taking its members' reports as if connected -- empty heartbeats answered at once and kept for
-the next beat, content reports queued for the next connection up -- instead of answering
-``upstream_down``, which would send every member's full report up once it is connected again.
+taking its members' reports as if connected -- empty heartbeats answered at once and sent in a
+beat to every follower each interval (their models keep the members heard), content reports
+queued for the next connection up -- instead of answering ``upstream_down``, which would send
+every member's full report up once it is connected again.
 The connection up that comes next is a follower's copy connection when it leads now: that
 follower holds what the members said, and the rack goes on there with no full report. Any other
 (a placer that holds nothing of them) asks every member for a full report, as after any
 reconnection. No connection up by the end of the hold: what is queued is answered
-``upstream_down``, and so is every report after. A leader that stops answering without closing
-its connections (paused, cut off) is left as soon as a follower answers the host's own report
-over its copy connection as the leader, at a newer epoch than the connection up carried (the
-host's link asks there once it learnt who leads): that copy connection goes up at once.
+``upstream_down``, and so is every report after. A follower that answers a copy (or the host's
+own report over its copy connection) as the leader, at a newer epoch than the connection up
+carried, is gone up to at once over that copy connection: after a leader that is gone, and
+after one that stops answering without closing its connections (paused, cut off).
 
 """
 
@@ -210,7 +211,7 @@ class Relay:
         # copies of what goes up to the placers that follow (agent.relaycopies)
         self.copies = RelayCopies(open_conn=self._open_copy, handler=self._upstream_frame,
                                   need_full=self.core.follower_needs, leader_beat=self.core.beat_answered,
-                                  leader_reports=self.core.copies_answered,
+                                  leader_reports=self.core.copies_answered, leads=self._copy_leads,
                                   timeout_s=request_timeout_s)
         self._tickets: Tickets[WireReply] = Tickets()
         self._sending: Batch | None = None    # the batch out now (answered 503 if the connection goes)
@@ -564,9 +565,21 @@ class Relay:
             status=503, error="the relay could not forward the report in time"))
 
     async def _hold_ends(self, until: float) -> None:
-        """The failover hold from ``until``: no connection up by then, what is queued is
-        answered ``upstream_down`` (and so is every report after)."""
-        await trio.sleep_until(until)
+        """The failover hold until ``until``: meanwhile the rack's beat goes to the followers
+        each interval (their models keep the members heard: the one promoted counts them as
+        reported, and its answer, a leader's, moves the relay up there: _copy_leads); no
+        connection up by then, what is queued is answered ``upstream_down`` (and so is every
+        report after)."""
+        while self._up is None and self._hold_until == until:
+            with trio.move_on_at(until):
+                await trio.sleep(self.book.heartbeat_s)
+                b = self.core.beat(self._clock()) if self._up is None else None
+                if b is not None:
+                    self.copies.copy("beat", b, None)
+                    self.beats += 1
+                    self.beat_entries += len(b.node_ids)
+                continue
+            break
         if self._up is None and self._hold_until == until:
             self._hold_until = 0.0
             self._fail_queued("no placer took over within the relay's failover hold")

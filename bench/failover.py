@@ -39,7 +39,7 @@ Per run (N emulated nodes: ``python -m testing.fleet``, told every placer), on o
   followers less theirs with none, a fraction of a core: the relays' copies and their hosts'
   links' copies) and ``relays_added_cpu_per_relay`` compare one run's two rows;
 - invariants: ``jobs_lost`` (jobs submitted, not in the new leader's list),
-  ``placements_doubled`` (placements the emulators took after ``t0`` beyond the probe's),
+  ``placements_doubled`` (workloads the emulators took after ``t0`` beyond the probe's pod),
   ``gang_running`` (the gang's pods the emulators still run), ``stops`` (stop orders the
   fleet got after ``t0``), ``refused_acks`` (placements the emulators refused: a GPU given
   twice would be one).
@@ -259,6 +259,7 @@ async def _emu_stats(c: httpx.AsyncClient, emus: list[EmulatorProc], job: str) -
             states[k] = states.get(k, 0) + v
     return {"full_reports": sum(g["full_reports"] for g in got), "placements": sum(g["placements"] for g in got),
             "parts": sum(g.get("parts", 0) for g in got), "victims_told": sum(g["victims_told"] for g in got),
+            "workloads": sum(g["workloads"] for g in got),
             "acks": acks, "job": {"states": states},
             "copy_bytes": sum(g.get("relay_copies", {}).get("bytes", 0) for g in got),
             "copy_drops": sum(g.get("relay_copies", {}).get("drops", 0) for g in got),
@@ -362,8 +363,9 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
                 "submitted_to": took_by, "placed_by": nxt.url, "probe_state": pj["state"],
                 "reregistrations": after["full_reports"] - before["full_reports"],
                 "jobs_lost": len({"gang", "probe"} - jobs),
-                # (placements pushed directly, and parts handed by the relays)
-                "placements_doubled": after["placements"] + after["parts"] - before["placements"] - before["parts"] - 1,
+                # workloads the fleet took beyond the probe's one (a placement delivered twice by id,
+                # through a relay and directly, is one workload)
+                "placements_doubled": after["workloads"] - before["workloads"] - 1,
                 "gang_running": after["job"]["states"].get("running", 0),
                 "stops": after["victims_told"] - before["victims_told"],
                 "refused_acks": sum(v for k, v in after["acks"].items() if k != "accepted"),
