@@ -238,7 +238,8 @@ async def _job(c: httpx.AsyncClient, url: str, job_id: str, want: str, limit_s: 
             try:
                 r = await c.get(f"{url}/v1/jobs/{job_id}", params={"wait": want, "timeout_ms": "5000", "pods": "0:0"},
                                 timeout=15)
-            except httpx.TimeoutException:   # a placer busy placing a 50,000-host gang answers late: ask again
+            except (httpx.TimeoutException, httpx.TransportError):   # a placer busy placing a 50,000-host gang
+                await trio.sleep(0.05)                                  # answers late (or resets): ask again
                 continue
             if r.status_code == 200:
                 j: dict[str, Any] = r.json()
