@@ -13,7 +13,8 @@ Per run (N emulated nodes: ``python -m testing.fleet``, told every placer), on o
   (agent.relay.Relay, 32 nodes a rack) with its real frames connection up, its host's own link
   the shipped AgentLink; each relay opens one copy connection per follower and copies every rack
   beat and report batch there (agent.relaycopies), and goes up to the promoted follower over it.
-  The emulator runs in ``--emulators`` processes (default: one per 8,192 nodes).
+  The emulator runs in ``--emulators`` processes (default: one per 8,192 nodes), at +10 nice (they
+  stand for other machines: the placers and etcd get the cores first).
 
 - a gang of ``--gang-hosts`` (default N/2) hosts x 8 GPUs is placed and running;
 - the leader is killed (SIGKILL) at ``t0``; a probe job (1 x 8 GPUs) is submitted at once to
@@ -86,6 +87,7 @@ HEARTBEAT_S = 1.0
 RELAYS_FROM = 4096        # the relay path is the default from this many nodes
 NODES_PER_EMULATOR = 8192
 NODES_PER_RACK = 32       # (the h100 fleet shape: testing.fleet)
+EMULATOR_NICE = 10        # the emulators stand for other machines: they yield the cores to the placers and etcd
 
 
 def _note(msg: str, **kw: Any) -> None:
@@ -317,7 +319,7 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
             for k, off in enumerate(range(0, n, per)):
                 e = EmulatorProc(proxy, token_dir, nodes=min(per, n - off), offset=off, known_wire=relays,
                                  mux=8 if relays else 0, log_path=tmp / f"emu{k}.log",
-                                 extra=["--relays"] if relays else None)
+                                 extra=["--relays"] if relays else None, nice=EMULATOR_NICE if relays else 0)
                 await e.__aenter__()
                 emus.append(e)
             for e in emus:
