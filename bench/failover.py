@@ -212,6 +212,7 @@ async def _submit(c: httpx.AsyncClient, urls: list[str], spec: dict[str, Any], l
     503 / no connection -> the next; the placer that took it."""
     i = 0
     target: str | None = None
+    unanswered = False   # a submit went unanswered: it may have been taken (then asked again: 409)
     with trio.fail_after(limit_s):
         while True:
             url = target or urls[i % len(urls)]
@@ -222,7 +223,11 @@ async def _submit(c: httpx.AsyncClient, urls: list[str], spec: dict[str, Any], l
                 i += 1
                 await trio.sleep(0.02)
                 continue
-            if r.status_code == 201:
+            except (httpx.TimeoutException, httpx.TransportError):   # (a placer busy taking over)
+                unanswered = True
+                target = url
+                continue
+            if r.status_code == 201 or (r.status_code == 409 and unanswered):
                 return url
             if r.status_code == 307:
                 target = r.json().get("leader")
