@@ -62,14 +62,18 @@ and waiting for its answer to the relay's next beat would cost another interval.
 Several placers (one leading, the others following: agent.relaycopies): a relay that loses its
 connection up while it holds copy connections to followers expects one of them to lead within a
 failover (one etcd lease TTL and the promotion), so for up to ``failover_hold_s`` it goes on
-taking its members' reports as if connected -- empty heartbeats answered at once and kept for
-the next beat, content reports queued for the next connection up -- instead of answering
-``upstream_down``, which would send every member's full report up once it is connected again.
+taking its members' reports as if connected -- empty heartbeats answered at once and sent in a
+beat to every follower each interval (their models keep the members heard), content reports
+queued for the next connection up -- instead of answering ``upstream_down``, which would send
+every member's full report up once it is connected again.
 The connection up that comes next is a follower's copy connection when it leads now: that
 follower holds what the members said, and the rack goes on there with no full report. Any other
 (a placer that holds nothing of them) asks every member for a full report, as after any
 reconnection. No connection up by the end of the hold: what is queued is answered
-``upstream_down``, and so is every report after.
+``upstream_down``, and so is every report after. A follower that answers a copy (or the host's
+own report over its copy connection) as the leader, at a newer epoch than the connection up
+carried, is gone up to at once over that copy connection: after a leader that is gone, and
+after one that stops answering without closing its connections (paused, cut off).
 
 """
 
@@ -80,6 +84,7 @@ import random
 import ssl
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
@@ -88,7 +93,7 @@ import trio
 from infra.auth import TokenSet
 from infra.tls import Security, TLSError
 from scheduler_link.enroll import ENROLL_WAIT_S
-from scheduler_link.epochs import Epochs
+from scheduler_link.epochs import Check, Epochs
 from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload, open_frames
 from scheduler_link.heartbeat_wire import UPSTREAM_DOWN, HeartbeatServer, Hello, WireError, WireReply
 from scheduler_link.messages import (
@@ -200,10 +205,13 @@ class Relay:
         self._members: dict[str, FrameChannel] = {}
         self._up: FrameChannel | None = None
         self._up_url: str | None = None       # the placer's channel the connection up is to
+        self._up_epoch = 0                    # the highest epoch its answers carried
+        self._move_to: str | None = None      # a follower that leads now: the next connection up (_copy_leads)
+        self._moved = trio.Event()            # set when _move_to is (the loop's wait between connections ends)
         # copies of what goes up to the placers that follow (agent.relaycopies)
         self.copies = RelayCopies(open_conn=self._open_copy, handler=self._upstream_frame,
                                   need_full=self.core.follower_needs, leader_beat=self.core.beat_answered,
-                                  leader_reports=self.core.copies_answered,
+                                  leader_reports=self.core.copies_answered, leads=self._copy_leads,
                                   timeout_s=request_timeout_s)
         self._tickets: Tickets[WireReply] = Tickets()
         self._sending: Batch | None = None    # the batch out now (answered 503 if the connection goes)
@@ -227,6 +235,7 @@ class Relay:
         self.connects = 0
         self.drops = 0
         self.drop_reasons: dict[str, int] = {}   # why the connection up ended, by reason
+        self.leader_moves = 0                    # moves up to a follower that answered as the leader (_copy_leads)
         self.beats = 0
         self.beat_entries = 0
         self.report_frames = 0
@@ -241,7 +250,7 @@ class Relay:
         c = self.core
         return {"listen_url": self.listen_url, "rack": self.rack, "upstream": self._up is not None,
                 "members": len(self._members) if self._hop is None else len(c.members),
-                "connects": self.connects, "drops": self.drops, "bundles": c.bundles,
+                "connects": self.connects, "drops": self.drops, "leader_moves": self.leader_moves, "bundles": c.bundles,
                 "parts_delivered": c.parts_delivered, "parts_missed": c.parts_missed, "beats": self.beats,
                 "beat_entries": self.beat_entries, "reports_forwarded": c.reports_forwarded,
                 "report_frames": self.report_frames, "late_answers": c.late_answers, "late_bundles": c.late_bundles,
@@ -276,9 +285,11 @@ class Relay:
     async def _upstream_loop(self) -> None:
         backoff = self.backoff_min_s
         while True:
-            url = self._wire_url()
+            url, self._move_to = self._move_to or self._wire_url(), None
+            if self._moved.is_set():
+                self._moved = trio.Event()
             if not url:
-                await trio.sleep(backoff)
+                await self._pause(backoff)
                 backoff = min(self.backoff_max_s, backoff * 2)
                 continue
             taken = self.copies.take(url)   # a follower that leads now: its copy connection goes up
@@ -288,7 +299,7 @@ class Relay:
                     TLSError) as e:   # (a busy placer resets handshakes: tried again, never the relay's end)
                 self.failures += 1
                 log.info("relay upstream connect failed url=%s err=%r", url, e)
-                await trio.sleep(backoff * 2 * random.uniform(0.5, 1.0))  # jittered: relays do not retry in step
+                await self._pause(backoff * 2 * random.uniform(0.5, 1.0))  # jittered: relays do not retry in step
                 backoff = min(self.backoff_max_s, backoff * 2)
                 continue
             backoff = self.backoff_min_s
@@ -300,11 +311,12 @@ class Relay:
                      self.rack, asked, taken is not None)
             self._up = ch
             self._up_url = url
+            self._up_epoch = 0
             self._hold_until = 0.0
             self.upstream_ready.set()
             try:
                 async with trio.open_nursery() as n:
-                    n.start_soon(self._beats, ch)
+                    n.start_soon(self._beats, ch, in_step)
                     n.start_soon(self._forwarder, ch)
                     n.start_soon(self._enroll_forwarder, ch)
                     if taken is not None:   # (its frames are served where it was opened: RelayCopies)
@@ -325,7 +337,12 @@ class Relay:
                     self._hold_until = trio.current_time() + self.failover_hold_s
                     self._nursery.start_soon(self._hold_ends, self._hold_until)
             log.warning("relay lost its placer connection rack=%s", self.rack)
-            await trio.sleep(backoff)
+            await self._pause(backoff)
+
+    async def _pause(self, seconds: float) -> None:
+        """A wait between connections up, ended early by a follower that answered as the leader."""
+        with trio.move_on_after(seconds):
+            await self._moved.wait()
 
     async def _dial(self, url: str) -> FrameChannel:
         """A frames connection to the placer's channel ``url``, saying hello as the rack's relay."""
@@ -338,11 +355,16 @@ class Relay:
         with trio.fail_after(self.request_timeout_s):
             return await self._dial(url)
 
-    async def _beats(self, ch: FrameChannel) -> None:
-        if self._beat_offset_s:
+    async def _beats(self, ch: FrameChannel, at_once: bool = False) -> None:
+        """One beat an interval; ``at_once``: the first now (a follower that leads now, over its
+        copy connection: the members' entries kept through the failover go up before its
+        deadlines for them run out)."""
+        if self._beat_offset_s and not at_once:
             await trio.sleep(self._beat_offset_s)
         while not ch.closed.is_set():
-            await trio.sleep(self.book.heartbeat_s)
+            if not at_once:
+                await trio.sleep(self.book.heartbeat_s)
+            at_once = False
             b = self.core.beat(self._clock())
             if b is not None:
                 await self._send_beat(ch, b)
@@ -353,7 +375,10 @@ class Relay:
         self.beat_entries += len(b.node_ids)
         try:
             f = await ch.call("beat", b, timeout_s=self.request_timeout_s)
-            self.core.beat_answered(decode_payload(f, RackBeatReply))
+            r = decode_payload(f, RackBeatReply)
+            self.core.beat_answered(r)
+            if ch is self._up:
+                self._up_epoch = max(self._up_epoch, r.epoch)
         except (FrameError, CallFailed, trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError) as e:
             self.failures += 1
             log.warning("rack beat failed rack=%s entries=%d err=%s", self.rack, len(b.node_ids), e)
@@ -540,9 +565,21 @@ class Relay:
             status=503, error="the relay could not forward the report in time"))
 
     async def _hold_ends(self, until: float) -> None:
-        """The failover hold from ``until``: no connection up by then, what is queued is
-        answered ``upstream_down`` (and so is every report after)."""
-        await trio.sleep_until(until)
+        """The failover hold until ``until``: meanwhile the rack's beat goes to the followers
+        each interval (their models keep the members heard: the one promoted counts them as
+        reported, and its answer, a leader's, moves the relay up there: _copy_leads); no
+        connection up by then, what is queued is answered ``upstream_down`` (and so is every
+        report after)."""
+        while self._up is None and self._hold_until == until:
+            with trio.move_on_at(until):
+                await trio.sleep(self.book.heartbeat_s)
+                b = self.core.beat(self._clock()) if self._up is None else None
+                if b is not None:
+                    self.copies.copy("beat", b, None)
+                    self.beats += 1
+                    self.beat_entries += len(b.node_ids)
+                continue
+            break
         if self._up is None and self._hold_until == until:
             self._hold_until = 0.0
             self._fail_queued("no placer took over within the relay's failover hold")
@@ -567,6 +604,8 @@ class Relay:
             if batch.beat is not None:
                 await self._send_beat(ch, batch.beat)
             answers = await self._send_reports(ch, batch.reports)
+            if ch is self._up:
+                self._up_epoch = max([self._up_epoch, *(a.reply.epoch for a in answers if a.status == 200)])
             self._sending = None
             for t, wr in self.core.batch_answered(batch, answers):
                 self._tickets.answer(t, wr)
@@ -603,12 +642,36 @@ class Relay:
         its reports to a follower: scheduler_link.follow), over the relay's copy connection to
         it, opened now if needed -- and from then on the rack's beats and reports are copied
         there too (agent.relaycopies)."""
-        up = self._wire_url()
+        up = self._up_url or self._wire_url()   # (the link may have moved before the relay: _copy_leads)
         if wire_url and up and wire_url.rstrip("/") != up.rstrip("/"):
-            return OwnReports(await self.copies.channel(wire_url), self.request_timeout_s)
+            return OwnReports(await self.copies.channel(wire_url), self.request_timeout_s,
+                              on_leader=partial(self._copy_leads, wire_url))
         while self._up is None:
             await self.upstream_ready.wait()
         return OwnReports(self._up, self.request_timeout_s)
+
+    def _copy_leads(self, url: str, epoch: int) -> None:
+        """The placer at ``url`` answered this host's own report over the relay's copy connection
+        as a leader does, at ``epoch``, newer than any the connection up carried (or the one lost
+        last): the placer up there has been replaced (killed; paused, or cut off: its connection can
+        stay open long after its lease ended, its answers never coming). The relay goes up to
+        ``url`` over that copy connection now -- no handshake, the members not asked for full
+        reports when every copy went -- instead of when the old connection ends, or after its
+        back-off between connections. What it sent the old placer meanwhile is
+        that placer's to refuse (a deposed leader applies nothing), and any answer of its, of an
+        older epoch, is dropped here."""
+        up = self._up
+        if ((up is not None and self._up_url is not None and url.rstrip("/") == self._up_url.rstrip("/"))
+                or epoch <= self._up_epoch or url not in self.copies.conns
+                or self.core.epochs.compare(epoch) is Check.STALE or self._nursery is None):
+            return
+        self._move_to = url
+        self._moved.set()   # (no connection up: the wait for the next one ends now)
+        self.leader_moves += 1
+        log.warning("relay moves up to the placer that leads now rack=%s from=%s to=%s epoch=%d", self.rack,
+                    self._up_url, url, epoch)
+        if up is not None:
+            self._nursery.start_soon(up.aclose)
 
     # ------------------------------------------------------------ members' enrolments
 
@@ -754,9 +817,10 @@ class OwnReports:
     placer restart costs one handshake per relay host, and its own full report goes up as soon
     as the relay has reconnected. The connection is the relay's: closing this closes nothing."""
 
-    def __init__(self, ch: FrameChannel, timeout_s: float) -> None:
+    def __init__(self, ch: FrameChannel, timeout_s: float, on_leader: Callable[[int], None] | None = None) -> None:
         self._ch = ch
         self._timeout_s = timeout_s
+        self._on_leader = on_leader   # over a copy connection: its placer answered as the leader, at this epoch
 
     async def exchange(self, report: NodeReport) -> WireReply:
         if self._ch.closed.is_set():
@@ -766,6 +830,8 @@ class OwnReports:
             wr: WireReply = decode_payload(f, WireReply)
         except (FrameError, CallFailed, msgspec.DecodeError, msgspec.ValidationError) as e:
             raise WireError(f"the relay's connection to the placer: {e}") from None
+        if self._on_leader is not None and wr.status == 200 and wr.reply.epoch:
+            self._on_leader(wr.reply.epoch)
         return wr
 
     async def aclose(self) -> None:

@@ -66,12 +66,14 @@ class RelayCopies:
 
     def __init__(self, *, open_conn: Callable[[str], Awaitable[FrameChannel]], handler: FrameHandler,
                  need_full: Callable[[list[str], list[str]], None], leader_beat: Callable[[RackBeatReply], None],
-                 leader_reports: Callable[[list[NodeReport], list[WireReply]], None], timeout_s: float) -> None:
+                 leader_reports: Callable[[list[NodeReport], list[WireReply]], None],
+                 leads: Callable[[str, int], None] | None = None, timeout_s: float) -> None:
         self._open = open_conn
         self._handler = handler      # frames a follower sends (a promoted one's bundles: the relay's own)
         self._need_full = need_full
         self._leader_beat = leader_beat   # a beat answer of a placer that leads now (its epoch, its stops)
         self._leader_reports = leader_reports   # ... and its answers to a report batch
+        self._leads = leads   # (follower url, its epoch): a copy answered as a leader answers
         self.timeout_s = timeout_s
         self.conns: dict[str, CopyConn] = {}
         self._opening: dict[str, trio.Event] = {}
@@ -158,13 +160,13 @@ class RelayCopies:
                 f = await c.ch.call(kind, payload, timeout_s=self.timeout_s)
                 c.sent += 1
                 self.frames += 1
-                self._answered(kind, payload, f)
+                self._answered(c, kind, payload, f)
             except (FrameError, CallFailed, trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError) as e:
                 c.failures += 1
                 self.failures += 1
                 log.debug("copy to a follower failed url=%s kind=%s err=%s", c.url, kind, e)
 
-    def _answered(self, kind: str, payload: Any, f: Frame) -> None:
+    def _answered(self, c: CopyConn, kind: str, payload: Any, f: Frame) -> None:
         """A follower's answer: the members it needs a full report of (and of those, the ones
         whose compact registration it refused: it lacks their GPU inventory), nothing else."""
         inventories: list[str] = []
@@ -172,12 +174,16 @@ class RelayCopies:
             r = decode_payload(f, RackBeatReply)
             if r.epoch:   # the follower leads now: its answer is a leader's, taken as the core takes one
                 self._leader_beat(r)
+                if self._leads is not None:
+                    self._leads(c.url, r.epoch)
                 return
             need = r.need_full
         elif kind == "reports" and isinstance(payload, RackReports):
             answers = decode_payload(f, list[WireReply])
             if any(a.status == 200 and a.reply.epoch for a in answers):   # (a follower leads now, as above)
                 self._leader_reports(payload.reports, answers)
+                if self._leads is not None:
+                    self._leads(c.url, max(a.reply.epoch for a in answers if a.status == 200))
                 return
             need = [r.node_id for r, a in zip(payload.reports, answers, strict=False)
                     if a.status == 409 or a.reply.need_full]

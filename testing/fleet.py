@@ -1224,6 +1224,9 @@ class Fleet:
             "shared_wires": [{"connects": s.connects, "breaks": s.breaks, "exchanges": s.exchanges}
                              for s in self.shared],
             "open_fds": _open_fds(), "gc_s": self.gc.seconds, "gc_collections": self.gc.collections,
+            # workloads the nodes took (a placement taken again by id, through a relay and then
+            # directly, is one)
+            "workloads": sum(len(n.workloads) for n in self.nodes.values()),
         }
         if self.racks:
             ks = self.racks

@@ -90,7 +90,7 @@ async def test_a_relayed_fleet_moves_to_the_promoted_follower_with_no_full_repor
             assert after["full_reports"] == before["full_reports"], (before, after)
             assert after["reregistrations"] == before["reregistrations"]
             assert after["relay_connects"] == before["relay_connects"] + RACKS   # (the copy connections, taken)
-            assert after["handovers"] == RACKS   # each host's link: onto its copy channel, no full report
+            assert after["handovers"] >= RACKS   # each host's link: onto its copy channel, no full report
             assert after["victims_told"] == 0 and after["job"]["states"] == {"running": NODES}
             assert b.svc.state.jobs["gang"].state == "running" and _up(b, NODES)
             n.cancel_scope.cancel()

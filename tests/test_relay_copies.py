@@ -51,6 +51,8 @@ class FakeFollower(FakePlacer):
 
     def _frame(self, ch, f):  # noqa: ANN001, ANN201
         out = super()._frame(ch, f)
+        if f.type == "beat" and self.leads and self.epoch:
+            return "beat_reply", RackBeatReply(epoch=self.epoch)
         if f.type == "beat" and self.lacks:
             need, self.lacks = sorted(self.lacks), set()
             return "beat_reply", RackBeatReply(need_full=need)
@@ -178,4 +180,110 @@ async def test_stops_in_a_promoted_followers_answers_to_copied_reports_reach_the
                 await poll(lambda: hooks.stopped, 0.02)
             assert hooks.stopped == ["w-orphan"] and not follower.stops
             assert relay.core.epochs.highest == 7   # (its epoch taken, as a leader's)
+            n.cancel_scope.cancel()
+
+
+class PausedPlacer(FakePlacer):
+    """A leader paused (SIGSTOP): its connections stay open, nothing is answered."""
+
+    def __init__(self, tokens: TokenSet) -> None:
+        super().__init__(tokens)
+        self.paused = False
+
+    def _frame(self, ch, f):  # noqa: ANN001, ANN201
+        if self.paused:
+            return _silent()
+        return super()._frame(ch, f)
+
+
+async def _silent() -> None:
+    await trio.sleep_forever()
+
+
+async def test_the_relay_leaves_a_paused_leader_for_the_follower_that_answers_as_leader(
+        tmp_path: Path, token_dir: Path) -> None:
+    """The leader paused (its connection open, silent), a follower promoted: once the follower
+    answers the host's own report over the copy connection at a newer epoch, the relay goes up
+    there over that connection -- no hello, no member asked for a full report -- rather than
+    staying on the silent connection; the members' heartbeats go on at the new leader."""
+    tokens = TokenSet.load(token_dir)
+    leader, follower = PausedPlacer(tokens), FakeFollower(tokens)
+    up = {"url": ""}
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            leader.url = await n.start(leader.server.run, "127.0.0.1:0")
+            follower.url = await n.start(follower.server.run, "127.0.0.1:0")
+            follower.master = leader.master
+            up["url"] = leader.url
+            relay = _relay(tokens, "r1", leader, [])
+            relay._wire_url = lambda: up["url"]
+            leader.relay_url = follower.relay_url = await n.start(relay.run)
+            await leader.until(lambda: "r1" in leader.relays, "relay up")
+            links = [AgentLink("http://127.0.0.1:9", tokens.cluster, f"m{i}", Hooks(), heartbeat_s=0.2,
+                               wire_url=leader.url, request_timeout_s=2.0) for i in range(2)]
+            for link in links:
+                await n.start(link.run)
+            await leader.until(lambda: all(lk.statistics()["relay_url"] for lk in links), "all through r1")
+            own = await relay.own_channel(follower.url, tokens.cluster or "", "r1")
+            assert (await own.exchange(NodeReport(node_id="r1", boot_id="b", seq=1, full=False))).status == OBSERVED
+            await follower.until(lambda: all(any(k == "beat" for k, _, _ in follower.seen.get(lk.node_id, []))
+                                             for lk in links), "the rack copied")
+            # paused; the follower leads (epoch 9), and the host's link, told so, reports there
+            leader.paused = True
+            follower.leads, follower.epoch = True, 9
+            up["url"] = follower.url
+            hellos, fulls = follower.hellos, {lk.node_id: lk.full_reports_sent for lk in links}
+            assert (await own.exchange(NodeReport(node_id="r1", boot_id="b", seq=2, full=False))).status == 200
+            with trio.fail_after(5):
+                await poll(lambda: relay.upstream is not None and relay._up_url == follower.url, 0.02)
+            assert relay.statistics()["leader_moves"] == 1 and follower.hellos == hellos
+            beats = {lk.node_id: len(follower.seen[lk.node_id]) for lk in links}
+            await follower.until(lambda: all(len(follower.seen[lk.node_id]) > beats[lk.node_id] + 1 for lk in links),
+                                 "the rack goes on at the new leader")
+            assert {lk.node_id: lk.full_reports_sent for lk in links} == fulls
+            n.cancel_scope.cancel()
+
+
+async def test_through_a_failover_the_rack_beats_to_the_followers_and_goes_up_to_the_one_that_leads(
+        tmp_path: Path, token_dir: Path) -> None:
+    """The leader gone and none named yet: the relay keeps taking its members' heartbeats and
+    beats them to the follower each interval (its model keeps them heard); the follower's answer
+    to such a beat at a newer epoch (it leads now) moves the relay up there over the copy
+    connection, with no member sending a full report."""
+    tokens = TokenSet.load(token_dir)
+    leader, follower = FakePlacer(tokens), FakeFollower(tokens)
+    up = {"url": ""}
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            leader.url = await n.start(leader.server.run, "127.0.0.1:0")
+            follower.url = await n.start(follower.server.run, "127.0.0.1:0")
+            follower.master = leader.master
+            up["url"] = leader.url
+            relay = _relay(tokens, "r1", leader, [])
+            relay._wire_url = lambda: up["url"] or None
+            leader.relay_url = follower.relay_url = await n.start(relay.run)
+            await leader.until(lambda: "r1" in leader.relays, "relay up")
+            links = [AgentLink("http://127.0.0.1:9", tokens.cluster, f"m{i}", Hooks(), heartbeat_s=0.2,
+                               wire_url=leader.url, request_timeout_s=2.0) for i in range(2)]
+            for link in links:
+                await n.start(link.run)
+            await leader.until(lambda: all(lk.statistics()["relay_url"] for lk in links), "all through r1")
+            await relay.own_channel(follower.url, tokens.cluster or "", "r1")
+            fulls = {lk.node_id: lk.full_reports_sent for lk in links}
+            # the leader goes; no placer is named yet
+            up["url"] = ""
+            await leader.relays["r1"].aclose()
+            with trio.fail_after(5):
+                await poll(lambda: relay.upstream is None, 0.02)
+            beats = {lk.node_id: len(follower.seen.get(lk.node_id, [])) for lk in links}
+            await follower.until(lambda: all(len(follower.seen.get(lk.node_id, [])) > beats[lk.node_id] + 1
+                                             for lk in links), "the rack beats to the follower meanwhile")
+            assert relay.upstream is None
+            # promoted: its answer to the next beat moves the relay up there
+            hellos = follower.hellos
+            follower.leads, follower.epoch = True, 9
+            with trio.fail_after(5):
+                await poll(lambda: relay.upstream is not None and relay._up_url == follower.url, 0.02)
+            assert relay.statistics()["leader_moves"] == 1 and follower.hellos == hellos
+            assert {lk.node_id: lk.full_reports_sent for lk in links} == fulls
             n.cancel_scope.cancel()
