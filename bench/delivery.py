@@ -51,9 +51,10 @@ submit -> acked, and the big gang bounded at ``--baseline-limit`` s (60), report
 many nodes had acked by then.
 
 ``--manifest``: the gang names an artifact (``manifest_id``, ``origin``) that one emulated node
-in ``--manifest-every`` (256) reports holding; those outside the gang are its contacts, listed in
-the parts, and the placer signs the gang's read grant (in its blob), as for a real gang whose
-artifact some nodes already hold. Without it the gang names no artifact: no contacts, no grant.
+in ``--manifest-every`` (2048) reports holding; those outside the gang are its contacts, listed
+in the parts (up to ``[placer] max_peers``, 64, in every part: each adds ~40 bytes a part), and
+the placer signs the gang's read grant (in its blob), as for a real gang whose artifact some
+nodes already hold. Without it the gang names no artifact: no contacts, no grant.
 
 Every wait is bounded; every loop is bounded in count and time; traffic stays on 127.0.0.1.
 """
@@ -125,7 +126,7 @@ class Args:
     nice_ab: int = 0                 # --nice-ab K: K more deliveries, alternating the emulators' niceness
     emulator_nice: int = 10          # --emulator-nice: the niceness of the odd ones
     manifest: bool = False           # --manifest: the gang names MANIFEST, which some nodes hold (contacts)
-    manifest_every: int = 256        # --manifest-every K: one node in K reports holding it
+    manifest_every: int = 2048       # --manifest-every K: one node in K reports holding it
 
 
 # --manifest: the artifact the big gang names; one emulated node in --manifest-every reports
@@ -616,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--manifest", action="store_true",
                     help="the gang names an artifact that one emulated node in --manifest-every holds: those "
                          "outside the gang are its contacts and the placer signs the gang's read grant")
-    ap.add_argument("--manifest-every", type=int, default=256, metavar="K")
+    ap.add_argument("--manifest-every", type=int, default=2048, metavar="K")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--placer-root", default=str(ROOT),
                     help="the tree whose placer and emulators run (default: this one; a same-run A/B)")

@@ -49,6 +49,7 @@ def one(root: Path, a: argparse.Namespace) -> dict[str, Any]:
         d = row.get(ph) or {}
         res[ph] = {k: d.get(k) for k in KEYS}
         res[ph]["fallback_nodes"] = d.get("fallback_nodes")
+        res[ph]["part_bytes_max"] = d.get("part_bytes_max")   # (with --manifest: its contacts listed)
         res[ph]["last_delivery"] = d.get("last_delivery")
         res[ph]["emulator_diag"] = d.get("emulator_diag")
     res["steady_placer_cpu_frac"] = (row.get("steady") or {}).get("placer_cpu_frac")
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steady-s", type=float, default=3.0)
     ap.add_argument("--manifest", action="store_true",
                     help="the gang names an artifact that some nodes outside it hold (contacts, a read grant)")
-    ap.add_argument("--manifest-every", type=int, default=256, metavar="K",
+    ap.add_argument("--manifest-every", type=int, default=2048, metavar="K",
                     help="with --manifest: one emulated node in K holds it")
     ap.add_argument("--limit-s", type=float, default=900.0, help="bound on each run (s)")
     ap.add_argument("--json", action="store_true")
