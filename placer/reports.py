@@ -43,6 +43,7 @@ from .relaypolicy import RackPins
 from .statebase import StateBase
 
 log = logging.getLogger("herd.placer.state")
+REPORT_AGE_MAX_S = 30.0   # a full report built before its pods were acked is believed this long after the ack
 
 
 class Reports(StateBase):
@@ -303,10 +304,15 @@ class Reports(StateBase):
                 workload_id=w.workload_id, job_id=w.job_id, state=w.state, at=w.updated_at or now,
                 exit_code=w.exit_code, reason=w.reason, gpus=list(w.gpus), placement_id=w.placement_id), now)
         # Pods we placed on this node that the agent does not know (lost with its state, or a
-        # push that never landed): the gang is broken. Only this node's pods are looked at.
+        # push that never landed): the gang is broken. Only this node's pods are looked at. A
+        # report built before its pods were acked cannot list them: within a second of the ack
+        # as it arrives, or (its sent_at, the node's clock) as it was built while it waited in a
+        # loaded placer's queues, up to REPORT_AGE_MAX_S after the ack (clocks a fleet keeps)
         for wid, (job, p) in list(node.pods.items()) if node.gangs else ():
+            acked = job.timings.get("acked", now)
             if (wid in reported or p.terminal or p.state == "placing" or job.recovering
-                    or job.state in TERMINAL_JOB_STATES or now - job.timings.get("acked", now) <= 1.0):
+                    or job.state in TERMINAL_JOB_STATES or now - acked <= 1.0
+                    or (rep.sent_at and rep.sent_at - acked <= 1.0 and now - acked <= REPORT_AGE_MAX_S)):
                 continue
             if self.pods.get(wid, (None, None))[1] is not p:
                 continue

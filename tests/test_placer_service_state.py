@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from placer.config import PlacerConfig
 from placer.records import Outcome
 from placer.state import ACCEPTED, PlacerState
@@ -255,3 +257,25 @@ def test_a_stopped_pod_that_says_it_lives_is_told_again_in_the_answer():
         WorkloadEvent(workload_id=wid_a, job_id="j", state="exited", exit_code=0, at=0.9)]), 0.9)
     assert reply.stop == [] and len(st.model.free_gpus("a")) == 8   # gone: its GPUs come back
     st.model.check_invariants()
+
+
+def test_a_full_report_built_before_the_ack_does_not_make_its_pods_vanished():
+    """A node's full report built before it accepted a placement cannot list the new pods. When
+    a loaded placer reads it more than a second after the ack, the report's own ``sent_at``
+    says it is older than the ack: the pods are not declared vanished. One built after the ack
+    that does not list them is."""
+    st = new_state()
+    st.ingest("a", full("a"), 0.0)
+    st.recover_until = 0.0
+    st.submit(JobSpec(job_id="j", pods=1, gpus_per_pod=8, argv=["x"]), 10.0)
+    (job, pushes), = st.schedule(10.0)
+    _ack_all(st, job, pushes, 10.1)
+    acked = job.timings["acked"]
+    old = NodeReport(node_id="a", boot_id="boot-a", seq=2, full=True, control_url="http://a",
+                     topology=TopologyPath(zone="z", block="b", rack="r"), snapshot=snap("a"), workloads=[],
+                     sent_at=acked - 0.05)
+    code, _, _ = st.ingest("a", old, acked + 4.0)       # read 4 s after the ack: built before it
+    assert code == 200 and job.state in ("starting", "running") and job.pods[0].state != "lost"
+    late = msgspec.structs.replace(old, seq=3, sent_at=acked + 2.0)   # built after the ack, no pod
+    st.ingest("a", late, acked + 4.5)
+    assert job.state == "failed" and "vanished" in (job.reason or "")   # (its policy: no restart)
