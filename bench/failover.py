@@ -103,7 +103,8 @@ class Placer:
     looks for it); ``start()`` / ``kill()`` / ``stop()``."""
 
     def __init__(self, work: Path, token_dir: Path, etcd: list[str] | None, recover_s: float, *,
-                 tls_dir: Path | None = None, relays: bool = False, heartbeat_s: float = HEARTBEAT_S) -> None:
+                 tls_dir: Path | None = None, relays: bool = False, heartbeat_s: float = HEARTBEAT_S,
+                 extra_toml: str = "") -> None:
         self.work = work
         self.state = work / "state"
         self.state.mkdir(parents=True, exist_ok=True)
@@ -119,7 +120,7 @@ class Placer:
             + f"heartbeat_s = {heartbeat_s}\nfence_after_s = 60.0\ntick_s = 0.05\n"
             f"relays = {'true' if relays else 'false'}\n"
             f"recover_s = {recover_s}\npush_concurrency = 256\nack_timeout_s = 10.0\n"
-            + (f"etcd = {json.dumps(etcd)}\netcd_lease_ttl_s = {TTL}\n" if etcd else ""))
+            + (f"etcd = {json.dumps(etcd)}\netcd_lease_ttl_s = {TTL}\n" if etcd else "") + extra_toml)
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:

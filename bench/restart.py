@@ -106,16 +106,18 @@ async def _counted(c: httpx.AsyncClient, url: str) -> dict[str, int]:
 
 async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls: bool, relay_hold: float,
                    per_proc: int, recover_s: float, tmp: Path, limit_s: float,
-                   heartbeat_s: float = HEARTBEAT_S, enroll: bool = True, compact: bool = True) -> dict[str, Any]:
+                   heartbeat_s: float = HEARTBEAT_S, enroll: bool = True, compact: bool = True,
+                   enroll_workers: int | None = None) -> dict[str, Any]:
     token_dir = generate_token_dir(tmp / "tokens")
     op = {"authorization": f"Bearer {TokenSet.load(token_dir).operator}"}
     pki = throwaway(tmp / "pki").dir if tls else None
-    placer = Placer(tmp / "placer", token_dir, None, recover_s, tls_dir=pki, relays=True, heartbeat_s=heartbeat_s)
+    placer = Placer(tmp / "placer", token_dir, None, recover_s, tls_dir=pki, relays=True, heartbeat_s=heartbeat_s,
+                    extra_toml="" if enroll_workers is None else f"enroll_workers = {enroll_workers}\n")
     enroll = enroll and tls
     per_host = GPUS_PER_HOST[fleet]
     row: dict[str, Any] = {"nodes": n, "fleet": fleet, "tls": tls, "enroll": enroll, "relay_hold_s": relay_hold,
                            "compact": compact,
-                           "heartbeat_s": heartbeat_s,
+                           "heartbeat_s": heartbeat_s, "enroll_workers": enroll_workers,
                            "gang_hosts": gang_hosts, "recover_s": recover_s, "load_before": os.getloadavg()[0]}
     emus: list[EmulatorProc] = []
     try:
@@ -228,7 +230,7 @@ async def run_all(ns: argparse.Namespace) -> dict[str, Any]:
                                        tls=not ns.plain, relay_hold=hold, per_proc=ns.per_proc,
                                        recover_s=ns.recover_s, tmp=root / f"hold{hold:g}-{int(compact)}",
                                        limit_s=ns.limit_s, enroll=not ns.no_enroll, heartbeat_s=ns.heartbeat,
-                                       compact=compact))
+                                       compact=compact, enroll_workers=ns.enroll_workers))
     out: dict[str, Any] = {"bench": "restart", "cores": os.cpu_count(), "heartbeat_s": ns.heartbeat, "rows": rows}
     first = rows[0].get("model_full_s")
     for other in rows[1:]:
@@ -270,6 +272,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-compact", action="store_true",
                     help="also the run with compact registration off (every full report carries its GPU snapshot)")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--enroll-workers", type=int, default=None,
+                    help="the placer's enroll_workers (default: its own, one a core but the loop's; 0: in the loop)")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
     out = trio.run(run_all, ns)

@@ -47,6 +47,9 @@ class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # report stream to the placer: registrations beyond this many nodes are then refused
     # (503, counted in direct_refusals) until a relay connects. 0: no limit
     direct_max_nodes: int = 16384
+    # processes that check a relay batch's enrolment certificates and ECDHs ahead of its turn
+    # (placer.enrollpool); None: one a core but the event loop's, at most 4; 0: in the loop
+    enroll_workers: int | None = None
     blob_seeds: int = 1               # bundles of a gang that carry the blob's bytes (the rest fetch it)
     placement_ttl_s: float = 30.0     # a NodePart is refused as expired this long after it was issued
     # a node relays only for its pinned rack (its certificate's herd:rack: SAN, or herd node
@@ -95,6 +98,10 @@ def load_config(path: str | Path | None, **overrides: Any) -> PlacerConfig:
         raise PlacerConfigError("lost_mass_fraction must be within [0, 1] (0: off)")
     if cfg.heartbeat_s <= 0 or cfg.lost_after_missed < 1 or cfg.fence_after_s < 0 or cfg.ack_timeout_s <= 0:
         raise PlacerConfigError("heartbeat_s and ack_timeout_s must be > 0, lost_after_missed >= 1, fence_after_s >= 0")
+    if cfg.enroll_workers is not None and not 0 <= cfg.enroll_workers <= 64:
+        raise PlacerConfigError("enroll_workers must be within 0..64 (0: enrolments checked in the event loop)")
+    if cfg.direct_max_nodes < 0:
+        raise PlacerConfigError("direct_max_nodes must be >= 0 (0: no limit)")
     _check_etcd(cfg)
     return cfg
 

@@ -140,7 +140,8 @@ class PlacerService:
         self._changed = trio.Event()
         self.dashboard = Dashboard(self)
         self.app = self._build_app()
-        self.relays = RelayHub(self, enroll_workers=default_workers())
+        self.relays = RelayHub(self, enroll_workers=default_workers() if config.enroll_workers is None
+                               else config.enroll_workers)
         self.membership = Membership(self.state.nodes, self.state.blobs, self.state.counters, self.relays)  # (reads by membership)
         # message-level identity (scheduler_link.msgauth): ephemeral until run() loads the state
         # dir's (so a restarted placer keeps verifying what relays forward, and agents' pinned key holds)

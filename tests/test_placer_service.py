@@ -381,6 +381,11 @@ def test_config_errors_are_clear(tmp_path):
         load_config(tmp_path / "none.toml")
     with pytest.raises(PlacerConfigError):
         load_config(None, heartbeat_s=0)
+    with pytest.raises(PlacerConfigError, match="enroll_workers must be within 0..64"):
+        load_config(None, enroll_workers=-1)
+    with pytest.raises(PlacerConfigError, match="direct_max_nodes must be >= 0"):
+        load_config(None, direct_max_nodes=-5)
+    assert load_config(None, enroll_workers=0).enroll_workers == 0
 
 
 async def test_peers_prefetch_and_fatal_gpu_reports(tmp_path, token_dir):
