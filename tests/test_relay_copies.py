@@ -15,6 +15,7 @@ import msgspec
 import trio
 
 from agent.gpus.simulated import SimulatedBackend
+from agent.relay import Relay
 from agent.relaycore import RelayCore
 from infra.auth import TokenSet
 from scheduler_link.agent_link import AgentLink
@@ -59,25 +60,40 @@ class FakeFollower(FakePlacer):
         return out
 
 
+class Rack:
+    """A leader and a follower on loopback, rack r1's relay up to the leader, and ``members``
+    AgentLinks reporting through it. ``up``: where the relay host's own link reports (a test
+    moves it: the follower, or "" for no placer named)."""
+
+    def __init__(self, tokens: TokenSet, leader: FakePlacer, follower: FakeFollower) -> None:
+        self.tokens, self.leader, self.follower = tokens, leader, follower
+        self.up = ""
+
+    async def start(self, n: trio.Nursery, members: int) -> tuple[Relay, list[AgentLink]]:
+        leader, follower, tokens = self.leader, self.follower, self.tokens
+        leader.url = await n.start(leader.server.run, "127.0.0.1:0")
+        follower.url = await n.start(follower.server.run, "127.0.0.1:0")
+        follower.master = leader.master   # (the placers of one cluster share the MAC master)
+        self.up = leader.url
+        relay = _relay(tokens, "r1", leader, [])
+        relay._wire_url = lambda: self.up or None
+        leader.relay_url = follower.relay_url = await n.start(relay.run)
+        await leader.until(lambda: "r1" in leader.relays, "relay up")
+        links = [AgentLink("http://127.0.0.1:9", tokens.cluster, f"m{i}", Hooks(), heartbeat_s=0.2,
+                           wire_url=leader.url, request_timeout_s=2.0) for i in range(members)]
+        for link in links:
+            await n.start(link.run)
+        await leader.until(lambda: all(lk.statistics()["relay_url"] for lk in links), "all through r1")
+        return relay, links
+
+
 async def test_the_relay_copies_to_the_follower_then_goes_up_to_it(tmp_path: Path, token_dir: Path) -> None:
     tokens = TokenSet.load(token_dir)
     leader, follower = FakePlacer(tokens), FakeFollower(tokens)
-    up = {"url": ""}
+    rack = Rack(tokens, leader, follower)
     with trio.fail_after(30):
         async with trio.open_nursery() as n:
-            leader.url = await n.start(leader.server.run, "127.0.0.1:0")
-            follower.url = await n.start(follower.server.run, "127.0.0.1:0")
-            follower.master = leader.master   # (the placers of one cluster share the MAC master)
-            up["url"] = leader.url
-            relay = _relay(tokens, "r1", leader, [])
-            relay._wire_url = lambda: up["url"]
-            leader.relay_url = follower.relay_url = await n.start(relay.run)
-            await leader.until(lambda: "r1" in leader.relays, "relay up")
-            links = [AgentLink("http://127.0.0.1:9", tokens.cluster, f"m{i}", Hooks(), heartbeat_s=0.2,
-                               wire_url=leader.url, request_timeout_s=2.0) for i in range(3)]
-            for link in links:
-                await n.start(link.run)
-            await leader.until(lambda: all(lk.statistics()["relay_url"] for lk in links), "all through r1")
+            relay, links = await rack.start(n, 3)
             # the relay host's link asks for a channel to the follower (its copies): the rack follows
             own = await relay.own_channel(follower.url, tokens.cluster or "", "r1")
             assert (await own.exchange(NodeReport(node_id="r1", boot_id="b", seq=1))).status == OBSERVED
@@ -100,7 +116,7 @@ async def test_the_relay_copies_to_the_follower_then_goes_up_to_it(tmp_path: Pat
             assert st["followers"] == 1 and st["frames"] > 0 and st["bytes"] > 0 and st["drops"] == 0
             # the follower leads: the relay's connection up becomes the copy connection (no hello)
             connects, hellos = relay.connects, follower.hellos
-            up["url"] = follower.url
+            rack.up = follower.url
             follower.leads = True
             await leader.relays["r1"].aclose()
             with trio.fail_after(10):
@@ -208,22 +224,10 @@ async def test_the_relay_leaves_a_paused_leader_for_the_follower_that_answers_as
     staying on the silent connection; the members' heartbeats go on at the new leader."""
     tokens = TokenSet.load(token_dir)
     leader, follower = PausedPlacer(tokens), FakeFollower(tokens)
-    up = {"url": ""}
+    rack = Rack(tokens, leader, follower)
     with trio.fail_after(30):
         async with trio.open_nursery() as n:
-            leader.url = await n.start(leader.server.run, "127.0.0.1:0")
-            follower.url = await n.start(follower.server.run, "127.0.0.1:0")
-            follower.master = leader.master
-            up["url"] = leader.url
-            relay = _relay(tokens, "r1", leader, [])
-            relay._wire_url = lambda: up["url"]
-            leader.relay_url = follower.relay_url = await n.start(relay.run)
-            await leader.until(lambda: "r1" in leader.relays, "relay up")
-            links = [AgentLink("http://127.0.0.1:9", tokens.cluster, f"m{i}", Hooks(), heartbeat_s=0.2,
-                               wire_url=leader.url, request_timeout_s=2.0) for i in range(2)]
-            for link in links:
-                await n.start(link.run)
-            await leader.until(lambda: all(lk.statistics()["relay_url"] for lk in links), "all through r1")
+            relay, links = await rack.start(n, 2)
             own = await relay.own_channel(follower.url, tokens.cluster or "", "r1")
             assert (await own.exchange(NodeReport(node_id="r1", boot_id="b", seq=1, full=False))).status == OBSERVED
             await follower.until(lambda: all(any(k == "beat" for k, _, _ in follower.seen.get(lk.node_id, []))
@@ -231,7 +235,7 @@ async def test_the_relay_leaves_a_paused_leader_for_the_follower_that_answers_as
             # paused; the follower leads (epoch 9), and the host's link, told so, reports there
             leader.paused = True
             follower.leads, follower.epoch = True, 9
-            up["url"] = follower.url
+            rack.up = follower.url
             hellos, fulls = follower.hellos, {lk.node_id: lk.full_reports_sent for lk in links}
             assert (await own.exchange(NodeReport(node_id="r1", boot_id="b", seq=2, full=False))).status == 200
             with trio.fail_after(5):
@@ -252,26 +256,14 @@ async def test_through_a_failover_the_rack_beats_to_the_followers_and_goes_up_to
     connection, with no member sending a full report."""
     tokens = TokenSet.load(token_dir)
     leader, follower = FakePlacer(tokens), FakeFollower(tokens)
-    up = {"url": ""}
+    rack = Rack(tokens, leader, follower)
     with trio.fail_after(30):
         async with trio.open_nursery() as n:
-            leader.url = await n.start(leader.server.run, "127.0.0.1:0")
-            follower.url = await n.start(follower.server.run, "127.0.0.1:0")
-            follower.master = leader.master
-            up["url"] = leader.url
-            relay = _relay(tokens, "r1", leader, [])
-            relay._wire_url = lambda: up["url"] or None
-            leader.relay_url = follower.relay_url = await n.start(relay.run)
-            await leader.until(lambda: "r1" in leader.relays, "relay up")
-            links = [AgentLink("http://127.0.0.1:9", tokens.cluster, f"m{i}", Hooks(), heartbeat_s=0.2,
-                               wire_url=leader.url, request_timeout_s=2.0) for i in range(2)]
-            for link in links:
-                await n.start(link.run)
-            await leader.until(lambda: all(lk.statistics()["relay_url"] for lk in links), "all through r1")
+            relay, links = await rack.start(n, 2)
             await relay.own_channel(follower.url, tokens.cluster or "", "r1")
             fulls = {lk.node_id: lk.full_reports_sent for lk in links}
             # the leader goes; no placer is named yet
-            up["url"] = ""
+            rack.up = ""
             await leader.relays["r1"].aclose()
             with trio.fail_after(5):
                 await poll(lambda: relay.upstream is None, 0.02)
