@@ -43,6 +43,7 @@ from scheduler_link.messages import (
     inventory_hash,
     start_placement_id,
 )
+from scheduler_link.messages import parse_workload_id as parse_workload_id  # re-exported (its parse)
 from scheduler_link.messages import workload_id as workload_id  # re-exported (the contract's naming)
 
 from .errors import ContractError, UnknownJob
@@ -64,13 +65,6 @@ def _list_head(n: int) -> bytes:
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,62}$")
 TERMINAL_JOB_STATES = frozenset({"succeeded", "failed", "cancelled", "preempted"})
 STALE_PRIORITY = 1 << 30
-
-
-def parse_workload_id(wid: str) -> tuple[str, int, int] | None:
-    parts = wid.rsplit(".", 2)
-    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
-        return None
-    return parts[0], int(parts[1]), int(parts[2])
 
 
 @dataclass(frozen=True, slots=True)

@@ -707,8 +707,16 @@ class PartProof(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
 
 def workload_id(job_id: str, attempt: int, rank: int) -> str:
     """The id of rank ``rank``'s pod of a job's attempt (the placer's naming, parsed back by
-    ``placer.records.parse_workload_id``)."""
+    :func:`parse_workload_id`)."""
     return f"{job_id}.{attempt}.{rank}"
+
+
+def parse_workload_id(wid: str) -> tuple[str, int, int] | None:
+    """(job id, attempt, rank) of a placer-made workload id; None for any other id."""
+    parts = wid.rsplit(".", 2)
+    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
+        return None
+    return parts[0], int(parts[1]), int(parts[2])
 
 
 def start_placement_id(job_id: str, attempt: int, node_id: str) -> str:

@@ -70,6 +70,7 @@ from .messages import (
     RevokedList,
     Victim,
     expand_part,
+    parse_workload_id,
 )
 
 log = logging.getLogger("herd.link.msgauth")
@@ -171,10 +172,8 @@ def stop_mac(key: bytes, node_id: str, boot_id: str, v: Victim) -> bytes:
 
 def stop_attempt(workload_id: str) -> int:
     """The attempt a placer-made workload id (``<job>.<attempt>.<rank>``) names; 0 if none."""
-    parts = workload_id.rsplit(".", 2)
-    if len(parts) != 3 or not parts[1].isdigit() or not parts[2].isdigit():
-        return 0
-    return int(parts[1])
+    parsed = parse_workload_id(workload_id)
+    return parsed[1] if parsed is not None else 0
 
 
 def bound_stop(v: Victim, epoch: int, expires_at: float) -> Victim:
