@@ -6,6 +6,7 @@ Subprocesses and loopback only; counts asserted, never times."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from contextlib import AsyncExitStack
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 import trio
 
@@ -59,12 +61,21 @@ class RealAgent:
 
     async def __aexit__(self, *exc: object) -> None:
         assert self.proc is not None
+        # Shims and their workloads run in sessions of their own and outlive the agent by
+        # design (a workload survives its agent's restart); a test's agent takes them along.
+        try:
+            left = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            left = []
         self.proc.terminate()
         try:
             await trio.to_thread.run_sync(self.proc.wait, 20)
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, 9)
             self.proc.wait()
+        for p in left:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
 
 
 async def _job(c: httpx.AsyncClient, url: str, job_id: str, want: str, limit_s: float = 120) -> dict:
