@@ -7,8 +7,11 @@
   the time from submit to every pod's process running, measured by the placer's own
   timings (submitted -> running, one clock); p50/p99 over ``--jobs`` jobs (each cancelled
   after). Baseline: the same submit's HTTP round trip alone (``submit_rtt``). Split by
-  the same timings: submitted -> pushed (``e2e_placer_part``), pushed -> acked
-  (``e2e_agent_ack``), acked -> running (``e2e_acked_to_running``). ``--against DIR``: the
+  the same timings: submitted -> pushed (``e2e_placer_part``: the decision, stamped as the
+  placements are made), pushed -> acked (``e2e_agent_ack``), itself split at the job's
+  journal sync, which every placement of a job waits for (``e2e_journal_wait``: pushed ->
+  durable, 0 when the sync came first; ``e2e_push_to_ack``: the rest, the push and the
+  agent's durable acceptance), and acked -> running (``e2e_acked_to_running``). ``--against DIR``: the
   same-run A/B instead: a cluster of this tree and one of the checkout at DIR (run from its own
   ``.venv``; give it this bench file) up at once, one job on each in turn, which goes first
   alternating; ``e2e_base_*`` are DIR's figures and ``e2e_ratio_to_base`` this tree's p50
@@ -106,7 +109,8 @@ class _E2E:
         v = self.cl.get(f"/v1/jobs/{jid}", params={"wait": "running", "timeout_ms": "10000"}).json()
         if v["state"] == "running":
             t = v["timings"]
-            out.update({k: (t[k] - t["submitted"]) * 1000 for k in ("pushed", "acked", "running") if k in t})
+            out.update({k: (t[k] - t["submitted"]) * 1000 for k in ("pushed", "durable", "acked", "running")
+                        if k in t})
         self.cl.delete(f"/v1/jobs/{jid}")
         w_end = time.monotonic() + 10
         while time.monotonic() < w_end:
@@ -130,6 +134,10 @@ def _e2e_summary(runs: list[dict[str, float]], prefix: str = "e2e") -> dict[str,
             # with the reports that say so (acked -> running; 0 when those reports came first)
             f"{prefix}_placer_part_p50_ms": pct([r["pushed"] for r in ran], 0.5),
             f"{prefix}_agent_ack_p50_ms": pct([r["acked"] - r["pushed"] for r in acked], 0.5),
+            f"{prefix}_journal_wait_p50_ms": pct([max(0.0, r["durable"] - r["pushed"]) for r in acked
+                                                  if "durable" in r], 0.5),
+            f"{prefix}_push_to_ack_p50_ms": pct([r["acked"] - max(r["pushed"], r["durable"]) for r in acked
+                                                 if "durable" in r], 0.5),
             f"{prefix}_acked_to_running_p50_ms": pct([r["running"] - r["acked"] for r in acked], 0.5)}
 
 
