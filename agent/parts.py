@@ -14,7 +14,7 @@ user, peers, ...) comes after. So acceptance is two steps:
    provisional Placement made of the part's pods (UUIDs from the slots) and victims: GPU
    health, GPUs free or held by the part's own victims, workload ids new and well formed.
 2. :class:`PartAcceptor` (one owner task) carries it out: an accepted part is written to
-   ``<state>/parts/`` (temp, fsync, rename, fsync dir) *before* the ``accepted`` outcome
+   ``<state>/parts/`` (appended to the part log, one fdatasync: agent.partstore) *before* the ``accepted`` outcome
    goes back; its victims are told to stop at once; a task then gets the blob (bounded),
    builds the full Placement and hands it to the supervisor. A refusal there (a user not
    allowed, an origin not allowed) or no blob within the bound: each pod is reported
@@ -311,7 +311,8 @@ class PartAcceptor:
         c = self.counters
         return {"accepted": c.accepted, "refused": c.refused, "repeated": c.repeated, "placed": c.placed,
                 "failed": c.failed, "not_authentic": c.not_authentic, "stale_epoch": c.stale_epoch,
-                "pending": sum(r.state == "accepted" for r in self._recs.values()), "writes": self._store.writes}
+                "pending": sum(r.state == "accepted" for r in self._recs.values()), "writes": self._store.writes,
+                "syncs": self._store.syncs}
 
     async def handle(self, part: NodePart) -> NodeOutcome:
         """Decide on a part and answer once the answer holds (an acceptance is on disk).
@@ -363,8 +364,14 @@ class PartAcceptor:
         await done.wait()
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        recs = await trio.to_thread.run_sync(self._store.load)
+        recs = await trio.to_thread.run_sync(self._store.recover)
         self._recs = {r.part.placement_id: r for r in recs}
+        try:
+            await self._serve(recs, task_status)
+        finally:
+            self._store.close()
+
+    async def _serve(self, recs: list[PartRecord], task_status: Any) -> None:
         async with trio.open_nursery() as n:
             self._nursery = n
             for r in recs:

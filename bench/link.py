@@ -7,8 +7,11 @@
   the time from submit to every pod's process running, measured by the placer's own
   timings (submitted -> running, one clock); p50/p99 over ``--jobs`` jobs (each cancelled
   after). Baseline: the same submit's HTTP round trip alone (``submit_rtt``). Split by
-  the same timings: submitted -> pushed (``e2e_placer_part``), pushed -> acked
-  (``e2e_agent_ack``), acked -> running (``e2e_acked_to_running``). ``--against DIR``: the
+  the same timings: submitted -> pushed (``e2e_placer_part``: the decision, stamped as the
+  placements are made), pushed -> acked (``e2e_agent_ack``), itself split at the job's
+  journal sync, which every placement of a job waits for (``e2e_journal_wait``: pushed ->
+  durable, 0 when the sync came first; ``e2e_push_to_ack``: the rest, the push and the
+  agent's durable acceptance), and acked -> running (``e2e_acked_to_running``). ``--against DIR``: the
   same-run A/B instead: a cluster of this tree and one of the checkout at DIR (run from its own
   ``.venv``; give it this bench file) up at once, one job on each in turn, which goes first
   alternating; ``e2e_base_*`` are DIR's figures and ``e2e_ratio_to_base`` this tree's p50
@@ -27,6 +30,11 @@
   nodes each sending one report and waiting for its answer as a real agent does, on the
   framed channel (one persistent connection per node); baseline: the same load as HTTP
   requests to the report endpoint, one kept-alive connection per node.
+- part_save_*: an accepted NodePart made durable before its ``accepted`` outcome (the
+  agent's part log, agent.partstore: one append and one fdatasync) by 4 writers at once in
+  one state dir's filesystem, as 4 agents sharing a host's disk; baseline in the same run,
+  rounds alternating: the earlier layout, one file per part written atomically (temp,
+  fsync, rename, fsync of the directory). Medians and p99 of one save.
 Every loop is bounded in count and time.
 """
 
@@ -101,7 +109,8 @@ class _E2E:
         v = self.cl.get(f"/v1/jobs/{jid}", params={"wait": "running", "timeout_ms": "10000"}).json()
         if v["state"] == "running":
             t = v["timings"]
-            out.update({k: (t[k] - t["submitted"]) * 1000 for k in ("pushed", "acked", "running") if k in t})
+            out.update({k: (t[k] - t["submitted"]) * 1000 for k in ("pushed", "durable", "acked", "running")
+                        if k in t})
         self.cl.delete(f"/v1/jobs/{jid}")
         w_end = time.monotonic() + 10
         while time.monotonic() < w_end:
@@ -125,6 +134,10 @@ def _e2e_summary(runs: list[dict[str, float]], prefix: str = "e2e") -> dict[str,
             # with the reports that say so (acked -> running; 0 when those reports came first)
             f"{prefix}_placer_part_p50_ms": pct([r["pushed"] for r in ran], 0.5),
             f"{prefix}_agent_ack_p50_ms": pct([r["acked"] - r["pushed"] for r in acked], 0.5),
+            f"{prefix}_journal_wait_p50_ms": pct([max(0.0, r["durable"] - r["pushed"]) for r in acked
+                                                  if "durable" in r], 0.5),
+            f"{prefix}_push_to_ack_p50_ms": pct([r["acked"] - max(r["pushed"], r["durable"]) for r in acked
+                                                 if "durable" in r], 0.5),
             f"{prefix}_acked_to_running_p50_ms": pct([r["running"] - r["acked"] for r in acked], 0.5)}
 
 
@@ -198,6 +211,64 @@ def bench_e2e_ab(other: Path, n_jobs: int, gap_s: float) -> dict[str, Any]:
     out = {**_e2e_summary(runs["this"]), **_e2e_summary(runs["base"], "e2e_base"), "e2e_base_tree": str(other)}
     out["e2e_ratio_to_base"] = out["e2e_p50_ms"] / out["e2e_base_p50_ms"] if out["e2e_base_jobs"] else None
     return out
+
+
+# ------------------------------------------------------------------ part writes
+
+def bench_part_saves(rounds: int = 60, writers: int = 4) -> dict[str, Any]:
+    """One part record made durable, the part log against one file per part (module docstring)."""
+    import threading
+
+    import blake3
+
+    from agent.partstore import PartRecord, PartStore
+    from infra.durable import atomic_write
+    from scheduler_link.messages import NodePart, PartPod
+
+    enc = msgspec.msgpack.Encoder()
+    times: dict[str, list[float]] = {"log": [], "files": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        stores = [PartStore(Path(tmp) / f"log{w}") for w in range(writers)]
+        dirs = [Path(tmp) / f"files{w}" / "parts" for w in range(writers)]
+        for d in dirs:
+            d.mkdir(parents=True)
+
+        def record(w: int, k: int) -> PartRecord:
+            pid = f"start:job{k}:1:n{w}:1"
+            return PartRecord(part=NodePart(placement_id=pid, node_id=f"n{w}", job_id=f"job{k}", attempt=1,
+                                            blob_id="b" * 64, pods=[PartPod(workload_id=f"job{k}.1.{w}", rank=w,
+                                                                            gpu_indices=[0, 1])]),
+                              accepted_at=time.time())
+
+        def one(mode: str, w: int, k: int, out: list[float]) -> None:
+            r = record(w, k)
+            t0 = time.perf_counter()
+            if mode == "log":
+                stores[w].save([r])
+            else:
+                atomic_write(dirs[w] / (blake3.blake3(r.part.placement_id.encode()).hexdigest(length=16) + ".part"),
+                             enc.encode(r))
+            out.append(time.perf_counter() - t0)
+
+        t_end = time.monotonic() + 60
+        for k in range(rounds):
+            if time.monotonic() > t_end:
+                break
+            for mode in (("log", "files") if k % 2 == 0 else ("files", "log")):
+                got: list[float] = []
+                ts = [threading.Thread(target=one, args=(mode, w, k, got)) for w in range(writers)]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
+                times[mode] += got
+        for st in stores:
+            st.close()
+    log_ms = [x * 1000 for x in times["log"]]
+    files_ms = [x * 1000 for x in times["files"]]
+    return {"part_save_p50_ms": pct(log_ms, 0.5), "part_save_p99_ms": pct(log_ms, 0.99),
+            "part_save_file_per_part_p50_ms": pct(files_ms, 0.5), "part_save_file_per_part_p99_ms": pct(files_ms, 0.99),
+            "part_save_ratio_to_file_per_part": pct(log_ms, 0.5) / pct(files_ms, 0.5), "part_saves": len(log_ms)}
 
 
 # ------------------------------------------------------------------ fan-out
@@ -525,6 +596,7 @@ def main() -> None:
     ap.add_argument("--fleet", type=int, default=1000)
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--e2e-only", action="store_true", help="only the small-gang end to end rows")
+    ap.add_argument("--parts-only", action="store_true", help="only the part-save rows")
     ap.add_argument("--against", type=Path, help="e2e against another checkout (with its .venv), job for job")
     ap.add_argument("--e2e-serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="small sizes (make bench-quick); pass --jobs/--fleet too")
@@ -547,7 +619,12 @@ def main() -> None:
     logging.disable(logging.WARNING)
     q = a.quick
     res: dict[str, Any] = {}
+    if a.parts_only:
+        res.update(bench_part_saves(rounds=10 if q else 60))
+        print(json.dumps(res) if a.json else "\n".join(f"{k:32s} {v}" for k, v in res.items()))
+        return
     if not a.e2e_only:
+        res.update(bench_part_saves(rounds=10 if q else 60))
         res.update(bench_ingest_core(n_nodes=1000 if q else 10_000, seconds=0.5 if q else 2.0))
         res.update(bench_ingest_model(n_nodes=256 if q else 2048, seconds=0.5 if q else 2.0,
                                       max_rounds=2 if q else 20))

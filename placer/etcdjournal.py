@@ -6,6 +6,9 @@ with its reason); never allocations, never heartbeats (soft state: the agents' r
 it). One key per job, ``<prefix>jobs/<job id>``, and per cordoned node,
 ``<prefix>cordons/<node id>``, each a versioned JSON value; a job that ends, or a node
 uncordoned, is deleted. Jobs come back in submission order (their keys' create revisions).
+An ended job's attempt counter stays, as the file journal's does (placer.journal,
+``KEEP_ENDED_ATTEMPTS`` of the most recently ended, ``<prefix>ended/<job id>``): a job submitted
+again under its id continues it, so its workload ids never name an earlier incarnation's.
 
 Writes are queued in memory (the last write of a key wins: a job submitted then ended in one
 batch is one delete) and committed by :meth:`EtcdJournal.flush` (group commit: concurrent
@@ -24,6 +27,7 @@ them; a transaction that failed is queued again unless a newer write of its key 
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -34,6 +38,7 @@ from scheduler_link.messages import JobSpec
 
 from .errors import Deposed, EtcdError, JournalError
 from .etcd import TXN_OPS_LIMIT, Compare, EtcdClient, KeyValue, Op, prefix_end
+from .journal import keep_ended
 
 if TYPE_CHECKING:
     from .journal import Journal
@@ -53,7 +58,7 @@ class JobJournal(Protocol):
     cordons: dict[str, str]
 
     def jobs(self) -> list[JobSpec]: ...
-    def submitted(self, spec: JobSpec, at: float, *, sync: bool = True) -> None: ...
+    def submitted(self, spec: JobSpec, at: float, *, sync: bool = True) -> int: ...
     async def flush(self) -> None: ...
     def attempt(self, job_id: str, attempt: int, at: float) -> None: ...
     def cordon(self, node_id: str, on: bool, at: float, reason: str = "") -> None: ...
@@ -70,6 +75,13 @@ class JobEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     restarts: int = 0
 
 
+class EndedEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """An ended job's last attempt (``<prefix>ended/<job id>``)."""
+    v: int = JOURNAL_VERSION
+    attempt: int = 0
+    at: float = 0.0
+
+
 class CordonEntry(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     v: int = JOURNAL_VERSION
     reason: str = ""
@@ -84,6 +96,7 @@ class Fence(msgspec.Struct, frozen=True):
 
 _job_dec = msgspec.json.Decoder(JobEntry)
 _cordon_dec = msgspec.json.Decoder(CordonEntry)
+_ended_dec = msgspec.json.Decoder(EndedEntry)
 
 
 def plan_txns(writes: Iterable[tuple[bytes, bytes | None]], *, max_bytes: int = MAX_TXN_BYTES,
@@ -123,6 +136,7 @@ class EtcdJournal:
         self._live: dict[str, JobEntry] = {}
         self.attempts: dict[str, int] = {}
         self.restarts: dict[str, int] = {}
+        self.ended_attempts: OrderedDict[str, int] = OrderedDict()   # ended jobs' last attempts, the newest last
         self.cordons: dict[str, str] = {}     # node id -> reason, for the nodes cordoned now
         self._pending: dict[bytes, bytes | None] = {}
         self._lock = trio.Lock()
@@ -143,6 +157,7 @@ class EtcdJournal:
         try:
             jobs, rev = await _read_all(client, prefix + b"jobs/", 0)
             cordons, _ = await _read_all(client, prefix + b"cordons/", rev)
+            ended, _ = await _read_all(client, prefix + b"ended/", rev)
         except EtcdError as e:
             raise JournalError(f"cannot load the journal from etcd: {e}") from None
         j.loaded_revision = rev
@@ -155,6 +170,11 @@ class EtcdJournal:
                 j.restarts[ent.spec.job_id] = ent.restarts
         for kv in cordons:
             j.cordons[kv.key[len(prefix) + len(b"cordons/"):].decode()] = _decode(_cordon_dec, kv).reason
+        for kv in sorted(ended, key=lambda kv: kv.mod_revision):   # the order they ended in
+            jid = kv.key[len(prefix) + len(b"ended/"):].decode()
+            if jid not in j._live:
+                for gone in keep_ended(j.ended_attempts, jid, _decode(_ended_dec, kv).attempt):
+                    j._queue(j._ended_key(gone), None)
         log.info("journal loaded from etcd jobs=%d cordons=%d revision=%d epoch=%d",
                  len(j._live), len(j.cordons), rev, fence.epoch)
         return j
@@ -179,6 +199,9 @@ class EtcdJournal:
     def _job_key(self, job_id: str) -> bytes:
         return self.prefix + b"jobs/" + job_id.encode()
 
+    def _ended_key(self, job_id: str) -> bytes:
+        return self.prefix + b"ended/" + job_id.encode()
+
     def _put_job(self, ent: JobEntry) -> None:
         data = msgspec.json.encode(ent)
         key = self._job_key(ent.spec.job_id)
@@ -186,12 +209,18 @@ class EtcdJournal:
         self._live[ent.spec.job_id] = ent
         self._queue(key, data)
 
-    def submitted(self, spec: JobSpec, at: float, *, sync: bool = True) -> None:
+    def submitted(self, spec: JobSpec, at: float, *, sync: bool = True) -> int:
         """Queue a submission (or a replaced spec); :meth:`flush` returns once it committed.
-        (``sync`` is the file journal's; here every write waits for a flush or the writer.)"""
+        (``sync`` is the file journal's; here every write waits for a flush or the writer.)
+        Returns the attempts its id used before (placer.journal.Journal.submitted)."""
         old = self._live.get(spec.job_id)
-        self._put_job(JobEntry(spec=spec, at=at, attempt=old.attempt if old else 0,
-                               restarts=old.restarts if old else 0))
+        before = old.attempt if old else self.ended_attempts.get(spec.job_id, 0)
+        self._put_job(JobEntry(spec=spec, at=at, attempt=before, restarts=old.restarts if old else 0))
+        if self.ended_attempts.pop(spec.job_id, None) is not None:
+            self._queue(self._ended_key(spec.job_id), None)
+        if before:
+            self.attempts[spec.job_id] = before
+        return before
 
     def attempt(self, job_id: str, attempt: int, at: float, *, restarts: int | None = None) -> None:
         """Record a job's attempt (and restart) counters."""
@@ -219,11 +248,15 @@ class EtcdJournal:
         self.ended_many([(job_id, state, at)])
 
     def ended_many(self, ends: list[tuple[str, str, float]]) -> None:
-        for job_id, _state, _at in ends:
-            if self._live.pop(job_id, None) is not None:
+        for job_id, _state, at in ends:
+            if (old := self._live.pop(job_id, None)) is not None:
                 self.attempts.pop(job_id, None)
                 self.restarts.pop(job_id, None)
                 self._queue(self._job_key(job_id), None)
+                if old.attempt:   # (never placed: no id of it was used)
+                    self._queue(self._ended_key(job_id), msgspec.json.encode(EndedEntry(attempt=old.attempt, at=at)))
+                    for gone in keep_ended(self.ended_attempts, job_id, old.attempt):
+                        self._queue(self._ended_key(gone), None)
 
     def close(self) -> None:
         """Nothing to release (the client belongs to the caller); unflushed writes are dropped."""

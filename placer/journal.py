@@ -15,7 +15,15 @@ before an attempt's placements leave): after a crash it keeps a re-placed job fr
 the workload ids of an attempt that may still be running somewhere. A submission stands for
 its first attempt too (:data:`FIRST_ATTEMPT`): replayed, a live job's attempt counter is at
 least 1, so attempt 1 needs no record of its own and a job's first placement leaves after
-one fsync, its submission's. A torn last line
+one fsync, its submission's.
+
+Attempt counters outlive a job's end (:data:`KEEP_ENDED_ATTEMPTS` of the most recently ended
+jobs): a job submitted again under the same id starts after the attempts the id already used
+(its submission record carries the attempt it stands for, ``"attempt": N`` when N > 1), so
+its workload ids (``job.attempt.rank``) and the stops and placements bound to them never
+name an earlier incarnation's: an agent that ran the earlier one does not refuse the new
+placement as a replay, and a stop bound to an earlier attempt cannot reach the new pods.
+Compaction keeps them as ``attempt`` records of jobs that are not live. A torn last line
 (a crash mid-append) is ignored on load; a corrupt line elsewhere is an error, since it
 means the file was edited or damaged and silently dropping jobs would lose work.
 On open, a journal whose ended jobs dominate is compacted (temp file, fsync, rename).
@@ -25,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,6 +51,21 @@ JOURNAL_VERSION = 1
 # re-placed after a crash it uses attempt 2 or later, never the ids of an attempt 1 that a
 # silent node may still run.
 FIRST_ATTEMPT = 1
+# Ended jobs whose attempt counters are kept (the most recently ended): a resubmission under
+# one of their ids continues the counter. Bounded by count, not time: each is a few dozen
+# bytes, and an agent remembers a job's placements (its acks and terminal records) by count too.
+KEEP_ENDED_ATTEMPTS = 10_000
+
+
+def keep_ended(ended: OrderedDict[str, int], job_id: str, attempt: int) -> list[str]:
+    """Remember that ``job_id`` ended at ``attempt`` (the newest last); returns the ids
+    forgotten to keep at most :data:`KEEP_ENDED_ATTEMPTS` (the oldest). Pure but for ``ended``."""
+    ended.pop(job_id, None)
+    ended[job_id] = attempt
+    gone: list[str] = []
+    while len(ended) > KEEP_ENDED_ATTEMPTS:
+        gone.append(ended.popitem(last=False)[0])
+    return gone
 
 
 class Record(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -69,10 +93,12 @@ class Journal:
     sync_in_thread: bool = True
 
     def __init__(self, path: Path, live: dict[str, JobSpec], fd: int,
-                 attempts: dict[str, int] | None = None, cordons: dict[str, str] | None = None) -> None:
+                 attempts: dict[str, int] | None = None, cordons: dict[str, str] | None = None,
+                 ended: OrderedDict[str, int] | None = None) -> None:
         self.path = path
         self._live = live
         self.attempts = attempts or {}
+        self.ended_attempts: OrderedDict[str, int] = ended if ended is not None else OrderedDict()  # job id -> last attempt
         self.cordons = cordons or {}   # node id -> reason, for the nodes cordoned now
         self._fd = fd
         self.appends = 0
@@ -90,6 +116,7 @@ class Journal:
         path = d / "jobs.journal"
         live: dict[str, JobSpec] = {}
         attempts: dict[str, int] = {}
+        ended: OrderedDict[str, int] = OrderedDict()   # ended jobs' last attempts (bounded)
         cordons: dict[str, str] = {}
         total = 0
         torn_at: int | None = None
@@ -114,20 +141,27 @@ class Journal:
                     raise JournalError(f"journal {path} line {i + 1}: unknown version {rec.v}")
                 total += 1
                 if rec.op == "submit" and rec.spec is not None:
-                    live[rec.spec.job_id] = rec.spec
+                    jid = rec.spec.job_id
+                    live[jid] = rec.spec
+                    ended.pop(jid, None)
+                    attempts[jid] = max(attempts.get(jid, 0), rec.attempt or FIRST_ATTEMPT)
                 elif rec.op == "end":
-                    live.pop(rec.job_id, None)
-                    attempts.pop(rec.job_id, None)
+                    if live.pop(rec.job_id, None) is not None:
+                        keep_ended(ended, rec.job_id, attempts.pop(rec.job_id, FIRST_ATTEMPT))
                 elif rec.op == "attempt":
-                    attempts[rec.job_id] = max(attempts.get(rec.job_id, 0), rec.attempt)
+                    if rec.job_id in live:
+                        attempts[rec.job_id] = max(attempts.get(rec.job_id, 0), rec.attempt)
+                    else:   # an ended job's counter, as compaction keeps it
+                        keep_ended(ended, rec.job_id, max(ended.get(rec.job_id, 0), rec.attempt))
                 elif rec.op == "cordon" and rec.node_id:
                     if rec.on:
                         cordons[rec.node_id] = rec.reason
                     else:
                         cordons.pop(rec.node_id, None)
             attempts = {k: max(attempts.get(k, 0), FIRST_ATTEMPT) for k in live}
-            if total > 64 and total > 4 * (len(live) + len(cordons)):
-                cls._compact(path, live, attempts, cordons)  # rewrites the file whole: nothing torn is left
+            # (an ended job's kept counter is one small line after compaction: counted once)
+            if total > 64 and total > 4 * (len(live) + len(cordons)) + len(ended):
+                cls._compact(path, live, attempts, cordons, ended)  # rewrites the file whole: nothing torn is left
                 torn_at, raw = None, b"\n"
 
         try:
@@ -139,14 +173,16 @@ class Journal:
                 os.write(fd, b"\n")  # a complete last record that lost only its newline
         except OSError as e:
             raise JournalError(f"cannot open journal {path}: {e.strerror}") from None
-        return cls(path, live, fd, attempts, cordons)
+        return cls(path, live, fd, attempts, cordons, ended)
 
     @staticmethod
     def _compact(path: Path, live: dict[str, JobSpec], attempts: dict[str, int],
-                 cordons: dict[str, str] | None = None) -> None:
+                 cordons: dict[str, str] | None = None, ended: OrderedDict[str, int] | None = None) -> None:
         out = bytearray()
         for node_id, reason in sorted((cordons or {}).items()):
             out += msgspec.json.encode(Record(op="cordon", at=0.0, node_id=node_id, on=True, reason=reason)) + b"\n"
+        for job_id, attempt in (ended or {}).items():   # the oldest first, as they ended
+            out += msgspec.json.encode(Record(op="attempt", at=0.0, job_id=job_id, attempt=attempt)) + b"\n"
         for spec in live.values():
             out += msgspec.json.encode(Record(op="submit", at=0.0, spec=spec)) + b"\n"
             if attempts.get(spec.job_id, 0) > FIRST_ATTEMPT:
@@ -171,12 +207,19 @@ class Journal:
             self.synced = self.appends
             self.fsyncs += 1
 
-    def submitted(self, spec: JobSpec, at: float, *, sync: bool = True) -> None:
+    def submitted(self, spec: JobSpec, at: float, *, sync: bool = True) -> int:
         """Append a submission (fsynced unless ``sync=False``: then :meth:`flush` makes it
-        durable, one fsync for every append before it)."""
-        self._append(Record(op="submit", at=at, spec=spec), sync=sync)
-        self._live[spec.job_id] = spec
-        self.attempts[spec.job_id] = max(self.attempts.get(spec.job_id, 0), FIRST_ATTEMPT)
+        durable, one fsync for every append before it). Returns the attempts its id used
+        before (0: a new id; an ended job's kept counter; a live job's own, when its spec is
+        replaced): its first placement is that attempt + 1."""
+        jid = spec.job_id
+        before = self.attempts.get(jid, 0) if jid in self._live else self.ended_attempts.get(jid, 0)
+        stands = 0 if jid in self._live or not before else before + FIRST_ATTEMPT
+        self._append(Record(op="submit", at=at, spec=spec, attempt=stands), sync=sync)
+        self._live[jid] = spec
+        self.ended_attempts.pop(jid, None)
+        self.attempts[jid] = max(self.attempts.get(jid, 0), stands or FIRST_ATTEMPT)
+        return before
 
     async def flush(self) -> None:
         """Group commit: make every append so far durable. Concurrent callers share one
@@ -220,6 +263,7 @@ class Journal:
         if job_id in self._live:
             self._append(Record(op="end", at=at, job_id=job_id, state=state))
             self._live.pop(job_id, None)
+            keep_ended(self.ended_attempts, job_id, self.attempts.pop(job_id, FIRST_ATTEMPT))
 
     def ended_many(self, ends: list[tuple[str, str, float]]) -> None:
         """Jobs that ended, appended together without an fsync of their own: the caller makes
@@ -231,6 +275,7 @@ class Journal:
         for job_id, state, at in ends:
             self._append(Record(op="end", at=at, job_id=job_id, state=state), sync=False)
             self._live.pop(job_id, None)
+            keep_ended(self.ended_attempts, job_id, self.attempts.pop(job_id, FIRST_ATTEMPT))
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -908,8 +908,9 @@ class PlacerService:
             raise HTTPError(e.status, "job refused", str(e)) from None
         # Decide while the journal syncs: the job is in the queue at once, but nothing of it is
         # pushed (_dispatch waits on the same group commit) and the 201 waits until it is durable.
-        self.journal.submitted(spec, now, sync=False)
+        used = self.journal.submitted(spec, now, sync=False)
         job = self.state.submit(spec, now)
+        job.attempt = used   # an id submitted again continues its attempts (placer.journal)
         self.kick()
         self._changed_now()
         try:

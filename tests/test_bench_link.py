@@ -12,3 +12,11 @@ def test_model_ingest_row_runs_and_counts_every_kind() -> None:
     for kind in ("events", "full", "exits"):
         assert out[f"ingest_model_{kind}_per_s"] > 0
         assert out[f"ingest_model_{kind}_decode_only_per_s"] > 0
+
+
+def test_part_save_row_times_both_layouts() -> None:
+    from bench.link import bench_part_saves
+
+    out = bench_part_saves(rounds=2, writers=2)
+    assert out["part_saves"] == 4
+    assert out["part_save_p50_ms"] > 0 and out["part_save_file_per_part_p50_ms"] > 0
