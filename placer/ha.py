@@ -32,6 +32,7 @@ certificates (docs/operations.md).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlencode
@@ -76,6 +77,35 @@ def leader_of(value: str) -> tuple[str, str]:
     return value, ""
 
 
+class PromotionTimeline:
+    """When each step of this placer's latest campaign happened, in unix seconds (so that
+    ``bench.failover`` measures each from the moment it killed the leader, on the same machine):
+    ``joined`` (a new round: the earlier steps are forgotten), ``predecessor_gone`` (the key it
+    waited behind was deleted: the old leader's lease expired), ``elected``, ``journal_read``
+    (the jobs journal loaded from etcd), ``model_adopted`` (its warm model's workloads handed to
+    their jobs: placer.observe), ``placing`` (recovery over: it places) and ``first_decision``.
+    Each step is logged once as it happens; once it places, one line names them all."""
+
+    def __init__(self, wall: Callable[[], float] = time.time) -> None:
+        self.wall = wall
+        self.at: dict[str, float] = {}
+
+    def mark(self, step: str) -> None:
+        if step == "joined":
+            self.at = {}
+        elif step in self.at or (step in ("placing", "first_decision") and "elected" not in self.at):
+            return
+        t = self.at[step] = self.wall()
+        gone = self.at.get("predecessor_gone")
+        log.info("campaign step=%s%s", step, f" after_predecessor_gone={t - gone:.3f}s" if gone is not None else "")
+        if step == "placing" and gone is not None:
+            log.warning("promoted: %s", " ".join(f"{k}=+{v - gone:.3f}s" for k, v in self.at.items()
+                                                 if k not in ("joined", "predecessor_gone")))
+
+    def statistics(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.at.items()}
+
+
 class HighAvailability:
     """``await nursery.start(ha.run, url, on_promoted)`` once the API listens."""
 
@@ -91,6 +121,7 @@ class HighAvailability:
         self.wire_url = ""   # this placer's own framed channel (where nodes and relays send it copies)
         self.keys_loaded = False   # the cluster's MAC master and signing key are this placer's now
         self._fencings = 0   # fencings of our lease answered (on_resumed ran): none pending, we may place
+        self.promotion = PromotionTimeline()
 
     def leading(self) -> bool:
         """Place now: we lead, our lease holds, and our journal is loaded."""
@@ -144,7 +175,8 @@ class HighAvailability:
                 "fenced": v.fenced, "etcd_reachable": self.client.reachable, "url": self.url,
                 **({} if placing else {"why": self.why_not_placing()}),
                 "failovers": e.failovers, "etcd_errors": self.client.errors + e.renewal_errors,
-                "etcd": self.client.statistics(), "election": e.statistics()}
+                "etcd": self.client.statistics(), "election": e.statistics(),
+                "promotion": self.promotion.statistics()}
 
     async def run(self, url: str, on_promoted: Callable[[EtcdJournal], None],
                   on_resumed: Callable[[], None] = lambda: None, wire_url: str | None = None, *,
@@ -164,7 +196,7 @@ class HighAvailability:
         # it register over that at once, as they do with a placer restarted on its address)
         value = msgspec.json.encode(_LeaderValue(self.url, wire_url)).decode() if wire_url else self.url
         self.election = Election(self.client, self.prefix + b"election/", value,
-                                 ttl_s=self.cfg.etcd_lease_ttl_s)
+                                 ttl_s=self.cfg.etcd_lease_ttl_s, on_step=self.promotion.mark)
         try:
             async with trio.open_nursery() as n:
                 task_status.started()
@@ -175,9 +207,11 @@ class HighAvailability:
                 log.info("campaigning url=%s etcd=%s", self.url, ",".join(self.cfg.etcd))
                 view = await self.election.wait_leading()
                 journal = await EtcdJournal.load(self.client, self.prefix, Fence(self.election.leader_key, view.epoch))
+                self.promotion.mark("journal_read")
                 await n.start(journal.run)
                 self.journal = journal
                 on_promoted(journal)
+                self.promotion.mark("model_adopted")
                 log.info("leading epoch=%d jobs=%d", view.epoch, len(journal.jobs()))
                 self._fencings = self.election.fencings
                 while self.election.holds():   # leading, or fenced while etcd does not answer

@@ -292,6 +292,8 @@ class PlacerService:
             log.info("recovery over after %.2fs: %d of the %d nodes of the fleet snapshot reported",
                      now - r.started, r.expected - r.unheard, r.expected)
             self.recovery = None
+            if self.ha is not None:
+                self.ha.promotion.mark("placing")
 
     def _maybe_snapshot(self) -> None:
         """The set of up nodes to the state dir (placer.fleetsnap), when it changed, at most every
@@ -443,6 +445,8 @@ class PlacerService:
                     self._gc_holds = 0
                 if not self._gc_holds:
                     gc.enable()
+            if decided and self.ha is not None:
+                self.ha.promotion.mark("first_decision")
             for job, pushes in decided:
                 if self.journal is not None:
                     self.journal.attempt(job.job_id, job.attempt, now)
