@@ -103,8 +103,8 @@ class Allocation:
         room = self._room
         if room is not None and self.nodes is room[2] and self.slots is room[3] and room[0].size >= n + k:
             bn, bs = room[0], room[1]   # (still the views made last: nothing replaced them)
-        else:
-            cap = max(2 * (n + k), 16)
+        else:   # (room to grow once it grew; a job given its GPUs in one step gets no more than those)
+            cap = 2 * (n + k) if n else k
             bn, bs = np.empty(cap, np.int64), np.empty(cap, np.int64)
             bn[:n], bs[:n] = self.nodes, self.slots
         bn[n:n + k], bs[n:n + k] = nodes, slots
@@ -643,6 +643,28 @@ class ClusterModel:
         self.job_preemptible[j] = False
         self._free_job_idx.append(j)
         return int(n)
+
+    def release_many(self, job_ids: Iterable[str]) -> int:
+        """:meth:`release` of each job, in one vector step over all their GPUs (a promoted
+        follower's stale holders handed to their gang at once). Unknown ids are skipped.
+        Returns the GPUs freed."""
+        self._ensure()
+        recs = [r for r in (self._jobs.pop(j, None) for j in job_ids) if r is not None]
+        if not recs:
+            return 0
+        nodes = np.concatenate([r.nodes for r in recs])
+        sl = np.concatenate([r.slots for r in recs])
+        if nodes.size:
+            self.owner[nodes, sl] = -1
+            np.add.at(self.free, nodes, self.usable[nodes, sl].astype(np.int32))
+        idx = np.fromiter((r.index for r in recs), np.int64, len(recs))
+        for j in idx.tolist():
+            self._job_ids[j] = None
+        self.job_active[idx] = False
+        self.job_gpus[idx] = 0
+        self.job_preemptible[idx] = False
+        self._free_job_idx.extend(idx.tolist())
+        return int(nodes.size)
 
     def hold_many(self, holders: Sequence[tuple[str, str, Sequence[int]]], priority: int) -> int:
         """Give each ``(holder id, node id, slots)`` those of its slots that are still free and

@@ -270,7 +270,7 @@ def test_a_job_given_gpus_node_by_node_grows_in_place() -> None:
         assert rec.nodes.size == 2 + k
         copies += not np.shares_memory(rec.nodes, prev)
         prev = rec.nodes
-    assert copies <= 2   # 38 appends: the room doubled twice, never a copy per append
+    assert copies <= 3   # 38 appends: the room doubled as it filled (6, 14, 30, 62), never a copy per append
     rec = m.job("g")
     assert [ids[i] for i in rec.nodes.tolist()] == [ids[0], ids[0], *ids[1:40]]
     assert rec.slots.tolist() == [0, 1, *[k % 8 for k in range(1, 40)]]
