@@ -207,11 +207,20 @@ async def _leader(c: httpx.AsyncClient, placers: list[Placer], limit_s: float) -
             await trio.sleep(0.02)
 
 
+class LeaderLost(RuntimeError):
+    """The placer whose model a wait reads redirects to another: it lost its etcd lease."""
+
+
 async def _nodes_up(c: httpx.AsyncClient, url: str) -> int:
     try:
         r = await c.get(url + "/v1/cluster", params={"detail": "0"}, timeout=10)
+    except httpx.HTTPError:
+        return 0
+    if r.status_code == 307:   # (a wait that would never end: said at once, in one line)
+        raise LeaderLost(f"the placer at {url} no longer leads (its etcd lease ran out: see its placer.log)")
+    try:
         return int(r.json()["nodes"]["up"]) if r.status_code == 200 else 0
-    except (httpx.HTTPError, ValueError, KeyError):
+    except (ValueError, KeyError):
         return 0
 
 
@@ -551,8 +560,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         relays = ns.nodes >= RELAYS_FROM if ns.relays is None else ns.relays
         emulators = ns.emulators or max(1, -(-ns.nodes // NODES_PER_EMULATOR))
-        out = trio.run(partial(run_all, ns.nodes, gang, not ns.no_baseline, ns.recover_s, ns.workdir,
-                               relays=relays, emulators=emulators, steady_s=ns.steady_s))
+        try:
+            out = trio.run(partial(run_all, ns.nodes, gang, not ns.no_baseline, ns.recover_s, ns.workdir,
+                                   relays=relays, emulators=emulators, steady_s=ns.steady_s))
+        except BaseExceptionGroup as eg:
+            lost, rest = eg.split(LeaderLost)
+            if lost is None or rest is not None:
+                raise
+            cause: BaseException = lost
+            while isinstance(cause, BaseExceptionGroup):
+                cause = cause.exceptions[0]
+            print(f"bench.failover: {cause}", file=sys.stderr)
+            return 1
     out["wall_s"] = round(time.perf_counter() - t, 1)
     if ns.json:
         print(json.dumps(out))

@@ -1,8 +1,9 @@
 """Several placers, one leading: the placer service's side of etcd (``[placer] etcd = [...]``).
 
 Every placer serves its API and campaigns (placer.election). The leader loads the jobs journal
-from etcd (placer.etcdjournal, fenced by its epoch), recovers its jobs as a restarted placer
-does, and places; the others place nothing and answer the routes of :data:`LOCAL_ROUTES`
+from etcd (placer.etcdjournal, fenced by its epoch) and, beside it, the last leader's fleet
+snapshot (whom it waits for: placer.fleetsnap), recovers its jobs as a restarted placer does,
+and places; the others place nothing and answer the routes of :data:`LOCAL_ROUTES`
 themselves (health with who leads, status, metrics, certificate bootstrap), redirecting every
 other request to the leader (307 with its URL and the follower's own framed channel; 503 while
 none is known). What reaches a follower's framed channel -- the copies of reports and rack beats
@@ -45,9 +46,10 @@ from scheduler_link import msgauth
 
 from .config import PlacerConfig
 from .election import Election, Role
-from .errors import EtcdError, LeadershipLost
+from .errors import EtcdError, JournalError, LeadershipLost
 from .etcd import Compare, EtcdClient, Op, tls_context
 from .etcdjournal import EtcdJournal, Fence
+from .fleetsnap import EtcdFleetSnapshot, FleetSnapshot
 from .state import PlacerState
 
 log = logging.getLogger("herd.placer.ha")
@@ -122,6 +124,9 @@ class HighAvailability:
         self.keys_loaded = False   # the cluster's MAC master and signing key are this placer's now
         self._fencings = 0   # fencings of our lease answered (on_resumed ran): none pending, we may place
         self.promotion = PromotionTimeline()
+        # the last leader's fleet snapshot, read beside the journal on promotion (_read_fleet)
+        self.fleet: FleetSnapshot | None = None
+        self.fleet_read = False
 
     def leading(self) -> bool:
         """Place now: we lead, our lease holds, and our journal is loaded."""
@@ -206,12 +211,17 @@ class HighAvailability:
                 n.start_soon(self.election.run)
                 log.info("campaigning url=%s etcd=%s", self.url, ",".join(self.cfg.etcd))
                 view = await self.election.wait_leading()
-                journal = await EtcdJournal.load(self.client, self.prefix, Fence(self.election.leader_key, view.epoch))
+                fence = Fence(self.election.leader_key, view.epoch)
+                async with trio.open_nursery() as reads:   # (the fleet snapshot beside the journal)
+                    reads.start_soon(self._read_fleet, fence)
+                    journal = await EtcdJournal.load(self.client, self.prefix, fence)
                 self.promotion.mark("journal_read")
-                await n.start(journal.run)
+                # taken before the writer starts (what it queues waits for it), with no checkpoint
+                # between the reads and the model: a loaded loop's turn costs tenths of a second
                 self.journal = journal
                 on_promoted(journal)
                 self.promotion.mark("model_adopted")
+                n.start_soon(journal.run)
                 log.info("leading epoch=%d jobs=%d", view.epoch, len(journal.jobs()))
                 self._fencings = self.election.fencings
                 while self.election.holds():   # leading, or fenced while etcd does not answer
@@ -224,6 +234,16 @@ class HighAvailability:
                                      "serving again as a follower with a fresh state")
         finally:
             await self.client.aclose()
+
+    async def _read_fleet(self, fence: Fence) -> None:
+        """The last leader's fleet snapshot (whom a promoted placer waits for: placer.fleetsnap),
+        into :attr:`fleet` with :attr:`fleet_read` set; left unset when etcd did not answer (the
+        service reads it again)."""
+        try:
+            self.fleet = await EtcdFleetSnapshot(self.client, self.prefix, fence).load()
+            self.fleet_read = True
+        except (EtcdError, JournalError) as e:
+            log.warning("fleet snapshot not read from etcd beside the journal: %s", e)
 
     async def shared_keys(self, own: tuple[bytes, msgauth.BundleSigner]) -> tuple[bytes, msgauth.BundleSigner]:
         """The cluster's MAC master and signing key from etcd; ``own`` stored there first when

@@ -20,8 +20,9 @@ On promotion (:func:`adopt`), once the journal's jobs are in (recovering, as aft
 every workload it holds stale is adopted by its job when it is that job's current attempt (the
 agents' workloads are the truth: a gang running on the fleet stays that gang, never placed a
 second time); what no job claims is told to stop in its node's next answer, as a restarted
-placer does. The nodes it heard within ``recover_s`` count as reported (:func:`heard_within`),
-so a promoted follower waits for no re-registration.
+placer does. The nodes it heard within ``recover_s`` count as reported (:func:`promoted`),
+so a promoted follower waits for no re-registration; and no node's silence counts from before
+the promotion.
 
 Invariants: an observed report or beat changes nothing but this placer's own state; the
 answers carry nothing a node or relay acts on but ``need_full``; after :func:`adopt` no
@@ -31,7 +32,6 @@ workload is both a job's pod and a stale workload.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 
 import numpy as np
 
@@ -91,19 +91,27 @@ def beat_answer(reply: RackBeatReply) -> RackBeatReply:
     return RackBeatReply(need_full=list(reply.need_full)) if reply.need_full else _BEAT_OK
 
 
-def heard_within(state: PlacerState, now: float, recover_s: float) -> Iterator[str]:
-    """The up nodes heard from within ``recover_s`` before ``now``."""
+def promoted(state: PlacerState, now: float, recover_s: float) -> list[str]:
+    """On promotion, every up node's lost deadline counts from ``now``: a promoted follower judges
+    a node's silence only from what it reads as the leader, never from what it missed as a
+    follower (a copy dropped, a relay that had not copied to it yet, its own loop away). The
+    nodes heard within ``recover_s`` (returned: they count as reported) get twice ``lost_after``
+    -- their copies came every other interval at most, and their own links find this placer
+    meanwhile, trying the placers they know in turn -- and every other up node ``lost_after``."""
     since = now - recover_s
-    return (nid for nid, n in state.nodes.items() if n.state == "up" and n.last_seen >= since)
-
-
-def heard_now(state: PlacerState, nodes: list[str], now: float) -> None:
-    """The nodes heard within ``recover_s`` get twice ``lost_after`` from the promotion: their
-    copies came every other interval at most, and their own links find this placer meanwhile,
-    trying the placers they know in turn (a node is not lost for the time that takes)."""
-    due = now + 2 * state.cfg.lost_after_s
-    for nid in nodes:
-        state.lost_timer.set(nid, due)
+    lost_after = state.cfg.lost_after_s
+    warm_due, cold_due = now + 2 * lost_after, now + lost_after
+    timer = state.lost_timer
+    warm: list[str] = []
+    for nid, n in state.nodes.items():
+        if n.state != "up":
+            continue
+        if n.last_seen >= since:
+            warm.append(nid)
+            timer.set(nid, warm_due)
+        else:
+            timer.set(nid, cold_due)
+    return warm
 
 
 # (node, workload id, its GPU slots, its state, (job, attempt, rank))

@@ -88,6 +88,7 @@ async def test_follower_observes_then_adopts_the_running_gang(etcd_cluster: Etcd
             assert sorted(steps.values()) == list(steps.values())
             assert (await ops.get(url_b + "/healthz")).json()["ha"]["promotion"]["placing"] == round(steps["placing"], 3)
             assert b.svc.ha.election.view.leader == url_b   # type: ignore[union-attr]
+            assert b.svc.ha.fleet_read   # type: ignore[union-attr]   # (the fleet snapshot read beside the journal)
             r = await ops.post(url_b + "/v1/jobs", content=msgspec.json.encode(
                 JobSpec(job_id="probe", pods=1, gpus_per_pod=8, argv=["x"])))
             assert r.status_code == 201, r.text

@@ -8,7 +8,7 @@ from placer import observe
 from placer.config import PlacerConfig
 from placer.state import PlacerState
 from scheduler_link.messages import JobSpec, WorkloadStatus
-from tests.test_placer_indexes import full
+from tests.test_placer_indexes import beat, full
 
 
 def _w(wid: str, node: str, slots: range, state: str = "running") -> WorkloadStatus:
@@ -83,3 +83,22 @@ def test_a_big_gang_is_given_its_gpus_in_one_step() -> None:
     assert rec.nodes.base is not None and rec.nodes.base.size == rec.n_gpus   # one step: no room grown pod by pod
     assert not any(j.startswith("stale:") for j in st.model.jobs)
     st.model.check_invariants()
+
+
+def test_silence_counts_from_the_promotion() -> None:
+    """Promoted at t=10 (recover_s 5, lost_after 3): the nodes heard since t=5 count as reported
+    and get 6 s, the others 3 s from the promotion -- none is lost for what the follower did not
+    hear before it led; a node still silent then is lost as usual."""
+    st = _follower(4, {})                                  # every node's full report at t=1
+    for nid in ("n0", "n1"):
+        assert st.ingest(nid, beat(nid, 2), 8.0)[0] == 200   # heard at t=8 (copies of its beats)
+    assert observe.promoted(st, 10.0, 5.0) == ["n0", "n1"]
+    st.tick(10.5)
+    st.tick(12.9)
+    assert all(n.state == "up" for n in st.nodes.values())
+    st.tick(13.1)
+    assert [nid for nid, n in st.nodes.items() if n.state != "up"] == ["n2", "n3"]
+    st.tick(15.9)
+    assert st.nodes["n0"].state == st.nodes["n1"].state == "up"
+    st.tick(16.1)
+    assert all(n.state != "up" for n in st.nodes.values())
