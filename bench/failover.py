@@ -39,6 +39,12 @@ Per run (N emulated nodes: ``python -m testing.fleet``, told every placer), on o
   measures the same window with one placer, so ``relays_added_cpu`` (the emulators' CPU with two
   followers less theirs with none, a fraction of a core: the relays' copies and their hosts'
   links' copies) and ``relays_added_cpu_per_relay`` compare one run's two rows;
+- where the seconds go: ``key_deleted_s``, ``t0`` -> etcd deleted the killed leader's election
+  key (its lease expired; heard by a watch of this bench's own), and ``promotion_s``, ``t0`` ->
+  each step of the new leader (its ``/healthz`` ``ha.promotion``, placer.ha.PromotionTimeline):
+  ``predecessor_gone`` (its watch heard the deletion), ``elected``, ``journal_read``,
+  ``model_adopted`` (its warm model's workloads handed to their jobs), ``placing`` (recovery
+  over), ``first_decision``;
 - invariants: ``jobs_lost`` (jobs submitted, not in the new leader's list),
   ``placements_doubled`` (workloads the emulators took after ``t0`` beyond the probe's pod),
   ``gang_running`` (the gang's pods the emulators still run), ``stops`` (stop orders the
@@ -80,6 +86,9 @@ sys.path.insert(0, str(ROOT))
 
 from cli.demo_ha import LocalEtcd, free_port  # noqa: E402
 from infra.auth import TokenSet, generate_token_dir  # noqa: E402
+from placer.config import PlacerConfig  # noqa: E402
+from placer.errors import EtcdError  # noqa: E402
+from placer.etcd import EtcdClient, prefix_end  # noqa: E402
 from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, proc_cpu_s  # noqa: E402
 
 TTL = 2
@@ -155,6 +164,30 @@ class Placer:
         return self.proc.pid if self.proc is not None else 0
 
 
+class KeyDeletion:
+    """When etcd deleted a key under the placers' election prefix, as this bench hears it (its
+    own watch, outside the placers: how long etcd took to expire the killed leader's lease,
+    apart from how long the followers took to hear it). ``await nursery.start(w.run)``."""
+
+    def __init__(self, endpoints: list[str]) -> None:
+        self.endpoints = endpoints
+        self.prefix = PlacerConfig().etcd_prefix.encode() + b"election/"
+        self.at: float | None = None
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        async with EtcdClient(self.endpoints, attempt_timeout_s=2.0) as client:
+            rev = (await client.range(self.prefix, prefix_end(self.prefix))).revision
+            try:
+                async with client.watch(self.prefix, prefix_end(self.prefix), start_revision=rev + 1) as batches:
+                    task_status.started()
+                    async for b in batches:
+                        if any(e.type == "DELETE" for e in b.events):
+                            self.at = time.time()
+                            return
+            except EtcdError as e:
+                _note("etcd watch ended", err=str(e))
+
+
 async def _health(c: httpx.AsyncClient, url: str) -> dict[str, Any] | None:
     try:
         r = await c.get(url + "/healthz", timeout=2)
@@ -174,11 +207,20 @@ async def _leader(c: httpx.AsyncClient, placers: list[Placer], limit_s: float) -
             await trio.sleep(0.02)
 
 
+class LeaderLost(RuntimeError):
+    """The placer whose model a wait reads redirects to another: it lost its etcd lease."""
+
+
 async def _nodes_up(c: httpx.AsyncClient, url: str) -> int:
     try:
         r = await c.get(url + "/v1/cluster", params={"detail": "0"}, timeout=10)
+    except httpx.HTTPError:
+        return 0
+    if r.status_code == 307:   # (a wait that would never end: said at once, in one line)
+        raise LeaderLost(f"the placer at {url} no longer leads (its etcd lease ran out: see its placer.log)")
+    try:
         return int(r.json()["nodes"]["up"]) if r.status_code == 200 else 0
-    except (httpx.HTTPError, ValueError, KeyError):
+    except (ValueError, KeyError):
         return 0
 
 
@@ -312,7 +354,7 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
             p.start()
         for p in placers:
             await p.ready()
-        async with httpx.AsyncClient(headers=op) as c:
+        async with httpx.AsyncClient(headers=op) as c, trio.open_nursery() as watch_nursery:
             first = await _leader(c, placers, 60) if ha else placers[0]
             epoch0 = ((await _health(c, first.url)) or {}).get("ha", {}).get("epoch") if ha else None
             # the emulated fleet, told every placer (the harness's entry point, its --placer widened);
@@ -351,6 +393,9 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
                 await _followers_warm(c, [p for p in placers if p is not first], n, 300)
             out.update(await _steady(c, placers, first, emus, steady_s, len(placers) - 1))
             before = await _emu_stats(c, emus, "gang")
+            deletion = KeyDeletion(etcd.endpoints) if etcd is not None else None
+            if deletion is not None:
+                await watch_nursery.start(deletion.run)
             # the kill
             t0 = time.time()
             first.kill()
@@ -365,6 +410,10 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
             pj = await _job(c, nxt.url, "probe", "running", 120)
             out["failover_s"] = round(pj["timings"]["decided"] - t0, 3)
             out["full_report_s"] = round(await _wait_up(c, nxt.url, n, 120) - t0, 2)
+            if ha:   # where the seconds went: etcd deleting the old leader's key, then the new leader's steps
+                steps = ((await _health(c, nxt.url)) or {}).get("ha", {}).get("promotion", {})
+                out["key_deleted_s"] = round(deletion.at - t0, 3) if deletion is not None and deletion.at else None
+                out["promotion_s"] = {k: round(v - t0, 3) for k, v in steps.items() if k != "joined"}
             await trio.sleep(2 * HEARTBEAT_S)
             after = await _emu_stats(c, emus, "gang")
             jobs = {j["job_id"] for j in (await c.get(nxt.url + "/v1/jobs", timeout=10)).json()["jobs"]}
@@ -381,6 +430,7 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
                 "handovers": after["handovers"] - before["handovers"], "copy_drops": after["copy_drops"],
             })
             _note("done", mode=out["mode"], failover_s=out["failover_s"])
+            watch_nursery.cancel_scope.cancel()
     finally:
         for e in emus:
             await e.__aexit__(None, None, None)
@@ -510,8 +560,18 @@ def main(argv: list[str] | None = None) -> int:
     else:
         relays = ns.nodes >= RELAYS_FROM if ns.relays is None else ns.relays
         emulators = ns.emulators or max(1, -(-ns.nodes // NODES_PER_EMULATOR))
-        out = trio.run(partial(run_all, ns.nodes, gang, not ns.no_baseline, ns.recover_s, ns.workdir,
-                               relays=relays, emulators=emulators, steady_s=ns.steady_s))
+        try:
+            out = trio.run(partial(run_all, ns.nodes, gang, not ns.no_baseline, ns.recover_s, ns.workdir,
+                                   relays=relays, emulators=emulators, steady_s=ns.steady_s))
+        except BaseExceptionGroup as eg:
+            lost, rest = eg.split(LeaderLost)
+            if lost is None or rest is not None:
+                raise
+            cause: BaseException = lost
+            while isinstance(cause, BaseExceptionGroup):
+                cause = cause.exceptions[0]
+            print(f"bench.failover: {cause}", file=sys.stderr)
+            return 1
     out["wall_s"] = round(time.perf_counter() - t, 1)
     if ns.json:
         print(json.dumps(out))

@@ -81,8 +81,9 @@ class ElectionCore:
     seconds). The lease's expiry is a :class:`~placer.renewal.LeaseExpiry`, which the renewal
     thread updates; everything else is the event loop's alone."""
 
-    def __init__(self, ttl_s: int) -> None:
+    def __init__(self, ttl_s: int, value: bytes = b"") -> None:
         self.ttl_s = ttl_s
+        self.value = value           # ours: what the others learn of us when we lead
         self.role = Role.IDLE
         self.lease_id = 0
         self.key = b""
@@ -131,6 +132,15 @@ class ElectionCore:
         before = [kv for kv in order if kv.create_revision < self.revision]
         return Turn(lost=False, predecessor=before[-1].key if before else b"", leader=leader)
 
+    def predecessor_gone(self, turn: Turn) -> bool:
+        """The key ``turn`` had us wait behind was deleted. True when it was the leader's: then
+        no key older than ours is left (a key created later has a greater revision), so we are
+        the lowest without reading the keys again -- and the leader the others learn of is us."""
+        if turn.leader is None or not turn.predecessor or turn.predecessor != turn.leader.key:
+            return False
+        self.leader_value, self.leader_epoch = self.value, self.revision
+        return True
+
     def lead(self, now: float) -> bool:
         """Our key is the lowest: lead, if the lease still holds."""
         if self.expired(now):
@@ -166,18 +176,22 @@ class Election:
     :meth:`resign`; :attr:`view` is the current :class:`Leadership`, :meth:`wait_change` waits
     for the next one, :meth:`leading` says whether to act now. Times are ``clock``'s (monotonic
     seconds, read by the renewal thread too). :attr:`renewer` is the current lease's renewal
-    thread (None between leases)."""
+    thread (None between leases). ``on_step`` is told each step of a campaign as it happens:
+    ``joined`` (our key is in, a new round), ``predecessor_gone`` (the key we waited behind was deleted: its lease expired or was
+    revoked) and ``elected`` (our key is the lowest and our lease holds: we lead)."""
 
     def __init__(self, client: EtcdClient, prefix: bytes, value: str, *, ttl_s: int = DEFAULT_TTL_S,
-                 retry_s: float | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 retry_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 on_step: Callable[[str], None] = lambda step: None) -> None:
         self.client = client
         self.clock = clock
+        self.on_step = on_step       # a campaign's steps as they happen (placer.ha's promotion timeline)
         self.renewer: Renewer | None = None
         self._renewal_errors = 0          # of the renewal threads of rounds that ended
         self._lease_news = trio.Event()   # set (from the renewal thread, via the loop) on each answer
         self.prefix = prefix
         self.value = value.encode()
-        self.core = ElectionCore(ttl_s)
+        self.core = ElectionCore(ttl_s, self.value)
         self.retry_s = retry_s if retry_s is not None else ttl_s / KEEPALIVES_PER_TTL
         self.view = Leadership()
         self._changed = trio.Event()
@@ -347,12 +361,14 @@ class Election:
             r = await self.client.txn([Compare.created(key, 0)],
                                       [Op.put(key, self.value, lease=self.core.lease_id)], [Op.get(key)])
             self.core.joined(key, r.revision if r.succeeded else r.ranges[0][0].create_revision)
+            self.on_step("joined")
             await self._rank()   # who leads, known before started()
             ready.set()
             await self._wait_turn()
             if not self.core.lead(self.clock()):
                 self._end_round("the lease ran out before our turn came")
                 return
+            self.on_step("elected")
             self._publish()
             while True:   # keep the leader's identity fresh for followers' status; check our key
                 await trio.sleep(self.core.keepalive_every())
@@ -377,17 +393,26 @@ class Election:
 
     async def _wait_turn(self) -> None:
         """Until no key under the prefix is older than ours: watch the predecessor's deletion,
-        and look again every TTL/3 (who leads may change ahead of the predecessor). etcd not
-        answering costs nothing here: the lease decides (the keepalive ends the round)."""
+        and look again every TTL/3 (who leads may change ahead of the predecessor). The
+        leader's key deleted while it was our predecessor: we lead at once, without reading
+        the keys again (ElectionCore.predecessor_gone). etcd not answering costs nothing
+        here: the lease decides (the keepalive ends the round)."""
+        waited = False   # behind a predecessor at least once (else we led from the start)
         while True:
             try:
                 turn, rev = await self._rank()
                 if not turn.predecessor:
+                    if waited:
+                        self.on_step("predecessor_gone")
                     return
+                waited = True
                 with trio.move_on_after(self.core.keepalive_every()):
                     async with self.client.watch(turn.predecessor, start_revision=rev + 1) as batches:
                         async for b in batches:
                             if any(e.type == "DELETE" for e in b.events):
+                                self.on_step("predecessor_gone")
+                                if self.core.predecessor_gone(turn):
+                                    return
                                 break
             except LeaseNotFound:
                 raise      # our key is gone: the round ends

@@ -1,8 +1,9 @@
 """Several placers, one leading: the placer service's side of etcd (``[placer] etcd = [...]``).
 
 Every placer serves its API and campaigns (placer.election). The leader loads the jobs journal
-from etcd (placer.etcdjournal, fenced by its epoch), recovers its jobs as a restarted placer
-does, and places; the others place nothing and answer the routes of :data:`LOCAL_ROUTES`
+from etcd (placer.etcdjournal, fenced by its epoch) and, beside it, the last leader's fleet
+snapshot (whom it waits for: placer.fleetsnap), recovers its jobs as a restarted placer does,
+and places; the others place nothing and answer the routes of :data:`LOCAL_ROUTES`
 themselves (health with who leads, status, metrics, certificate bootstrap), redirecting every
 other request to the leader (307 with its URL and the follower's own framed channel; 503 while
 none is known). What reaches a follower's framed channel -- the copies of reports and rack beats
@@ -32,6 +33,7 @@ certificates (docs/operations.md).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import urlencode
@@ -44,9 +46,10 @@ from scheduler_link import msgauth
 
 from .config import PlacerConfig
 from .election import Election, Role
-from .errors import EtcdError, LeadershipLost
+from .errors import EtcdError, JournalError, LeadershipLost
 from .etcd import Compare, EtcdClient, Op, tls_context
 from .etcdjournal import EtcdJournal, Fence
+from .fleetsnap import EtcdFleetSnapshot, FleetSnapshot
 from .state import PlacerState
 
 log = logging.getLogger("herd.placer.ha")
@@ -76,6 +79,35 @@ def leader_of(value: str) -> tuple[str, str]:
     return value, ""
 
 
+class PromotionTimeline:
+    """When each step of this placer's latest campaign happened, in unix seconds (so that
+    ``bench.failover`` measures each from the moment it killed the leader, on the same machine):
+    ``joined`` (a new round: the earlier steps are forgotten), ``predecessor_gone`` (the key it
+    waited behind was deleted: the old leader's lease expired), ``elected``, ``journal_read``
+    (the jobs journal loaded from etcd), ``model_adopted`` (its warm model's workloads handed to
+    their jobs: placer.observe), ``placing`` (recovery over: it places) and ``first_decision``.
+    Each step is logged once as it happens; once it places, one line names them all."""
+
+    def __init__(self, wall: Callable[[], float] = time.time) -> None:
+        self.wall = wall
+        self.at: dict[str, float] = {}
+
+    def mark(self, step: str) -> None:
+        if step == "joined":
+            self.at = {}
+        elif step in self.at or (step in ("placing", "first_decision") and "elected" not in self.at):
+            return
+        t = self.at[step] = self.wall()
+        gone = self.at.get("predecessor_gone")
+        log.info("campaign step=%s%s", step, f" after_predecessor_gone={t - gone:.3f}s" if gone is not None else "")
+        if step == "placing" and gone is not None:
+            log.warning("promoted: %s", " ".join(f"{k}=+{v - gone:.3f}s" for k, v in self.at.items()
+                                                 if k not in ("joined", "predecessor_gone")))
+
+    def statistics(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self.at.items()}
+
+
 class HighAvailability:
     """``await nursery.start(ha.run, url, on_promoted)`` once the API listens."""
 
@@ -91,6 +123,10 @@ class HighAvailability:
         self.wire_url = ""   # this placer's own framed channel (where nodes and relays send it copies)
         self.keys_loaded = False   # the cluster's MAC master and signing key are this placer's now
         self._fencings = 0   # fencings of our lease answered (on_resumed ran): none pending, we may place
+        self.promotion = PromotionTimeline()
+        # the last leader's fleet snapshot, read beside the journal on promotion (_read_fleet)
+        self.fleet: FleetSnapshot | None = None
+        self.fleet_read = False
 
     def leading(self) -> bool:
         """Place now: we lead, our lease holds, and our journal is loaded."""
@@ -144,7 +180,8 @@ class HighAvailability:
                 "fenced": v.fenced, "etcd_reachable": self.client.reachable, "url": self.url,
                 **({} if placing else {"why": self.why_not_placing()}),
                 "failovers": e.failovers, "etcd_errors": self.client.errors + e.renewal_errors,
-                "etcd": self.client.statistics(), "election": e.statistics()}
+                "etcd": self.client.statistics(), "election": e.statistics(),
+                "promotion": self.promotion.statistics()}
 
     async def run(self, url: str, on_promoted: Callable[[EtcdJournal], None],
                   on_resumed: Callable[[], None] = lambda: None, wire_url: str | None = None, *,
@@ -164,7 +201,7 @@ class HighAvailability:
         # it register over that at once, as they do with a placer restarted on its address)
         value = msgspec.json.encode(_LeaderValue(self.url, wire_url)).decode() if wire_url else self.url
         self.election = Election(self.client, self.prefix + b"election/", value,
-                                 ttl_s=self.cfg.etcd_lease_ttl_s)
+                                 ttl_s=self.cfg.etcd_lease_ttl_s, on_step=self.promotion.mark)
         try:
             async with trio.open_nursery() as n:
                 task_status.started()
@@ -174,10 +211,17 @@ class HighAvailability:
                 n.start_soon(self.election.run)
                 log.info("campaigning url=%s etcd=%s", self.url, ",".join(self.cfg.etcd))
                 view = await self.election.wait_leading()
-                journal = await EtcdJournal.load(self.client, self.prefix, Fence(self.election.leader_key, view.epoch))
-                await n.start(journal.run)
+                fence = Fence(self.election.leader_key, view.epoch)
+                async with trio.open_nursery() as reads:   # (the fleet snapshot beside the journal)
+                    reads.start_soon(self._read_fleet, fence)
+                    journal = await EtcdJournal.load(self.client, self.prefix, fence)
+                self.promotion.mark("journal_read")
+                # taken before the writer starts (what it queues waits for it), with no checkpoint
+                # between the reads and the model: a loaded loop's turn costs tenths of a second
                 self.journal = journal
                 on_promoted(journal)
+                self.promotion.mark("model_adopted")
+                n.start_soon(journal.run)
                 log.info("leading epoch=%d jobs=%d", view.epoch, len(journal.jobs()))
                 self._fencings = self.election.fencings
                 while self.election.holds():   # leading, or fenced while etcd does not answer
@@ -190,6 +234,16 @@ class HighAvailability:
                                      "serving again as a follower with a fresh state")
         finally:
             await self.client.aclose()
+
+    async def _read_fleet(self, fence: Fence) -> None:
+        """The last leader's fleet snapshot (whom a promoted placer waits for: placer.fleetsnap),
+        into :attr:`fleet` with :attr:`fleet_read` set; left unset when etcd did not answer (the
+        service reads it again)."""
+        try:
+            self.fleet = await EtcdFleetSnapshot(self.client, self.prefix, fence).load()
+            self.fleet_read = True
+        except (EtcdError, JournalError) as e:
+            log.warning("fleet snapshot not read from etcd beside the journal: %s", e)
 
     async def shared_keys(self, own: tuple[bytes, msgauth.BundleSigner]) -> tuple[bytes, msgauth.BundleSigner]:
         """The cluster's MAC master and signing key from etcd; ``own`` stored there first when

@@ -91,6 +91,25 @@ class Allocation:
     gpus_per_pod: int = 0
     within: str = "any"
     whole_nodes: bool = False
+    # (buffer of nodes, of slots, the views of them last made ``nodes``/``slots``): see :meth:`extend`
+    _room: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = field(default=None, repr=False)
+
+    def extend(self, nodes: np.ndarray, slots: np.ndarray) -> None:
+        """Append GPUs, amortised: ``nodes``/``slots`` become prefix views of buffers with room
+        (doubled when full), so a job given its GPUs node by node (a warm model's gang adopted
+        pod by pod on promotion, a restarted placer's from each report) costs O(GPUs), not
+        O(GPUs^2) of copies. Views handed out earlier keep their length and contents."""
+        n, k = self.nodes.size, nodes.size
+        room = self._room
+        if room is not None and self.nodes is room[2] and self.slots is room[3] and room[0].size >= n + k:
+            bn, bs = room[0], room[1]   # (still the views made last: nothing replaced them)
+        else:   # (room to grow once it grew; a job given its GPUs in one step gets no more than those)
+            cap = 2 * (n + k) if n else k
+            bn, bs = np.empty(cap, np.int64), np.empty(cap, np.int64)
+            bn[:n], bs[:n] = self.nodes, self.slots
+        bn[n:n + k], bs[n:n + k] = nodes, slots
+        self.nodes, self.slots = bn[:n + k], bs[:n + k]
+        self._room = (bn, bs, self.nodes, self.slots)
 
     @property
     def n_gpus(self) -> int:
@@ -529,8 +548,7 @@ class ClusterModel:
 
     def _give(self, rec: Allocation, nodes: np.ndarray, slots: np.ndarray) -> None:
         self.owner[nodes, slots] = rec.index
-        rec.nodes = np.concatenate([rec.nodes, nodes.astype(np.int64)])
-        rec.slots = np.concatenate([rec.slots, slots.astype(np.int64)])
+        rec.extend(nodes, slots)
         self.job_gpus[rec.index] = rec.nodes.size
         np.subtract.at(self.free, nodes, self.usable[nodes, slots].astype(np.int32))
 
@@ -625,6 +643,28 @@ class ClusterModel:
         self.job_preemptible[j] = False
         self._free_job_idx.append(j)
         return int(n)
+
+    def release_many(self, job_ids: Iterable[str]) -> int:
+        """:meth:`release` of each job, in one vector step over all their GPUs (a promoted
+        follower's stale holders handed to their gang at once). Unknown ids are skipped.
+        Returns the GPUs freed."""
+        self._ensure()
+        recs = [r for r in (self._jobs.pop(j, None) for j in job_ids) if r is not None]
+        if not recs:
+            return 0
+        nodes = np.concatenate([r.nodes for r in recs])
+        sl = np.concatenate([r.slots for r in recs])
+        if nodes.size:
+            self.owner[nodes, sl] = -1
+            np.add.at(self.free, nodes, self.usable[nodes, sl].astype(np.int32))
+        idx = np.fromiter((r.index for r in recs), np.int64, len(recs))
+        for j in idx.tolist():
+            self._job_ids[j] = None
+        self.job_active[idx] = False
+        self.job_gpus[idx] = 0
+        self.job_preemptible[idx] = False
+        self._free_job_idx.extend(idx.tolist())
+        return int(nodes.size)
 
     def hold_many(self, holders: Sequence[tuple[str, str, Sequence[int]]], priority: int) -> int:
         """Give each ``(holder id, node id, slots)`` those of its slots that are still free and

@@ -20,8 +20,9 @@ On promotion (:func:`adopt`), once the journal's jobs are in (recovering, as aft
 every workload it holds stale is adopted by its job when it is that job's current attempt (the
 agents' workloads are the truth: a gang running on the fleet stays that gang, never placed a
 second time); what no job claims is told to stop in its node's next answer, as a restarted
-placer does. The nodes it heard within ``recover_s`` count as reported (:func:`heard_within`),
-so a promoted follower waits for no re-registration.
+placer does. The nodes it heard within ``recover_s`` count as reported (:func:`promoted`),
+so a promoted follower waits for no re-registration; and no node's silence counts from before
+the promotion.
 
 Invariants: an observed report or beat changes nothing but this placer's own state; the
 answers carry nothing a node or relay acts on but ``need_full``; after :func:`adopt` no
@@ -31,13 +32,15 @@ workload is both a job's pod and a stale workload.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+
+import numpy as np
 
 from scheduler_link.follow import OBSERVED, is_empty
 from scheduler_link.messages import TERMINAL_STATES, NodeReport, RackBeatReply, ReportReply
 
-from .records import STALE_PRIORITY, parse_workload_id
+from .records import STALE_PRIORITY, TERMINAL_JOB_STATES, JobRec, NodeRec, PodRec, parse_workload_id
 from .state import PlacerState
+from .statebase import MODEL_ERRORS
 
 log = logging.getLogger("herd.placer.observe")
 
@@ -88,45 +91,114 @@ def beat_answer(reply: RackBeatReply) -> RackBeatReply:
     return RackBeatReply(need_full=list(reply.need_full)) if reply.need_full else _BEAT_OK
 
 
-def heard_within(state: PlacerState, now: float, recover_s: float) -> Iterator[str]:
-    """The up nodes heard from within ``recover_s`` before ``now``."""
+def promoted(state: PlacerState, now: float, recover_s: float) -> list[str]:
+    """On promotion, every up node's lost deadline counts from ``now``: a promoted follower judges
+    a node's silence only from what it reads as the leader, never from what it missed as a
+    follower (a copy dropped, a relay that had not copied to it yet, its own loop away). The
+    nodes heard within ``recover_s`` (returned: they count as reported) get twice ``lost_after``
+    -- their copies came every other interval at most, and their own links find this placer
+    meanwhile, trying the placers they know in turn -- and every other up node ``lost_after``."""
     since = now - recover_s
-    return (nid for nid, n in state.nodes.items() if n.state == "up" and n.last_seen >= since)
+    lost_after = state.cfg.lost_after_s
+    warm_due, cold_due = now + 2 * lost_after, now + lost_after
+    timer = state.lost_timer
+    warm: list[str] = []
+    for nid, n in state.nodes.items():
+        if n.state != "up":
+            continue
+        if n.last_seen >= since:
+            warm.append(nid)
+            timer.set(nid, warm_due)
+        else:
+            timer.set(nid, cold_due)
+    return warm
 
 
-def heard_now(state: PlacerState, nodes: list[str], now: float) -> None:
-    """The nodes heard within ``recover_s`` get twice ``lost_after`` from the promotion: their
-    copies came every other interval at most, and their own links find this placer meanwhile,
-    trying the placers they know in turn (a node is not lost for the time that takes)."""
-    due = now + 2 * state.cfg.lost_after_s
-    for nid in nodes:
-        state.lost_timer.set(nid, due)
+# (node, workload id, its GPU slots, its state, (job, attempt, rank))
+_Held = tuple[NodeRec, str, tuple[int, ...], str, tuple[str, int, int]]
 
 
 def adopt(state: PlacerState, now: float) -> tuple[int, int]:
     """Hand the workloads held stale to the jobs just recovered from the journal (see the module
-    docstring). Returns (adopted, left stale: told to stop in their node's next answer)."""
+    docstring). Returns (adopted, left stale: told to stop in their node's next answer).
+
+    A recovered gang takes its pods in one step (:func:`_adopt_gang`: its stale holders' GPUs
+    released and given to it with one vector operation each, not two model calls a pod: 25,000
+    pods one by one held the promotion for seconds); what that step does not take goes one by
+    one (PlacerState._adopt), as a restarted placer adopts each node's reported workloads."""
     adopted = told = 0
+    by_job: dict[str, list[_Held]] = {}
     for node in state.nodes.values():
         if not node.stale:
             continue
-        for wid, slots in list(node.stale.items()):
+        for wid, slots in node.stale.items():
             st = node.workloads.get(wid)
             if st is None or st in TERMINAL_STATES:
                 continue
             parsed = parse_workload_id(wid)
-            job = state.jobs.get(parsed[0]) if parsed is not None else None
-            if job is not None:
-                state._release_quiet(f"stale:{wid}")
-                del node.stale[wid]
-                uuids = [node.uuids[s] for s in slots if s < len(node.uuids)]
-                if state._adopt(node, wid, job.job_id, slots, uuids, st, now):
-                    adopted += 1
-                    continue
-                node.stale[wid] = slots
-                if slots:
-                    state._assign(f"stale:{wid}", node.node_id, slots, STALE_PRIORITY, False)
+            if parsed is not None and parsed[0] in state.jobs:
+                by_job.setdefault(parsed[0], []).append((node, wid, slots, st, parsed))
+            else:
+                node.tell.add(wid)
+                told += 1
+    for job_id, held in by_job.items():
+        job = state.jobs[job_id]
+        took, rest = _adopt_gang(state, job, held)
+        adopted += took
+        for node, wid, slots, st, _ in rest:
+            state._release_quiet(f"stale:{wid}")
+            del node.stale[wid]
+            uuids = [node.uuids[s] for s in slots if s < len(node.uuids)]
+            if state._adopt(node, wid, job_id, slots, uuids, st, now):
+                adopted += 1
+                continue
+            node.stale[wid] = slots
+            if slots:
+                state._assign(f"stale:{wid}", node.node_id, slots, STALE_PRIORITY, False)
             node.tell.add(wid)
             told += 1
     state.dirty = True
     return adopted, told
+
+
+def _adopt_gang(state: PlacerState, job: JobRec, held: list[_Held]) -> tuple[int, list[_Held]]:
+    """The pods of ``job`` (recovering, holding nothing yet) among ``held``: those of its newest
+    attempt reported (not older than the journal's), one a rank within the gang, each with
+    GPUs, adopted at once -- what PlacerState._adopt does a pod, with the GPUs moved from the
+    stale holders to the job in two vector steps. Returns (adopted, the rest: for the one-by-one
+    path, which tells the older attempts and strays to stop)."""
+    model = state.model
+    if not job.recovering or job.n_pods or job.state in TERMINAL_JOB_STATES or job.job_id in model.jobs:
+        return 0, held
+    top = max(h[4][1] for h in held)
+    if top < job.attempt:
+        return 0, held
+    take: list[_Held] = []
+    rest: list[_Held] = []
+    ranks: set[int] = set()
+    for h in held:
+        node, _, slots, _, (_, attempt, rank) = h
+        if attempt == top and rank < job.spec.pods and rank not in ranks and slots and model.has_node(node.node_id):
+            ranks.add(rank)
+            take.append(h)
+        else:
+            rest.append(h)
+    if not take:
+        return 0, held
+    model.release_many([f"stale:{h[1]}" for h in take])   # (each held exactly its pod's GPUs)
+    rows = np.repeat(np.fromiter((model.node_index(h[0].node_id) for h in take), np.int64, len(take)),
+                     [len(h[2]) for h in take])
+    gpus = np.fromiter((s for h in take for s in h[2]), np.int64, rows.size)
+    try:
+        model.assign_arrays(job.job_id, rows, gpus, job.spec.priority, job.spec.preemptible)
+    except MODEL_ERRORS as e:   # (a GPU out of range or held twice: each pod judged alone, as before)
+        log.warning("gang not adopted at once job=%s pods=%d: %s", job.job_id, len(take), e)
+        return 0, held
+    job.attempt = top
+    for node, wid, slots, st, (_, _, rank) in take:
+        del node.stale[wid]
+        pod = PodRec(rank=rank, node_id=node.node_id, slots=slots,
+                     uuids=[node.uuids[s] for s in slots if s < len(node.uuids)], workload_id=wid, state=st)
+        job.add_pod(pod)
+        state._index_pod(job, pod)
+    return len(take), rest

@@ -245,8 +245,7 @@ class PlacerService:
         warm: list[str] = []
         if self.state.nodes:   # a follower promoted: its warm model's workloads go to their jobs (placer.observe)
             adopted, told = observe.adopt(self.state, now)
-            warm = list(observe.heard_within(self.state, now, self.cfg.recover_window_s))
-            observe.heard_now(self.state, warm, now)
+            warm = observe.promoted(self.state, now, self.cfg.recover_window_s)
             self._warm = set(warm)
             log.info("promoted with a warm model: nodes=%d heard within recover_s=%d workloads adopted=%d "
                      "left to stop=%d", len(self.state.nodes), len(warm), adopted, told)
@@ -264,7 +263,10 @@ class PlacerService:
             self.recovery.heard(node_id)
         if isinstance(journal, EtcdJournal):
             self._etcd_snap = fleetsnap.EtcdFleetSnapshot(journal.client, journal.prefix, journal.fence)
-            self.spawn(partial(self._fleet_from_etcd, self._etcd_snap, self.recovery))
+            if self.ha is not None and self.ha.fleet_read:   # (read beside the journal: placer.ha)
+                self._fleet_expected(self.ha.fleet, self.recovery)
+            else:
+                self.spawn(partial(self._fleet_from_etcd, self._etcd_snap, self.recovery))
         if recovered or snap is not None:
             log.info("recovering: jobs from the journal=%d, nodes of the fleet snapshot=%d; placing once they "
                      "reported (at least %.1fs, at most %.1fs while a recovered job lacks pods)", len(recovered),
@@ -278,6 +280,9 @@ class PlacerService:
         except (EtcdError, JournalError) as e:
             log.warning("fleet snapshot not read from etcd (waiting recover_s as without one): %s", e)
             snap = None
+        self._fleet_expected(snap, recovery)
+
+    def _fleet_expected(self, snap: fleetsnap.FleetSnapshot | None, recovery: fleetsnap.Recovery) -> None:
         recovery.expect(snap.nodes if snap is not None else None)
         log.info("fleet snapshot from etcd: nodes=%d (the last leader's up nodes)", recovery.expected)
         self.kick()
@@ -292,6 +297,8 @@ class PlacerService:
             log.info("recovery over after %.2fs: %d of the %d nodes of the fleet snapshot reported",
                      now - r.started, r.expected - r.unheard, r.expected)
             self.recovery = None
+            if self.ha is not None:
+                self.ha.promotion.mark("placing")
 
     def _maybe_snapshot(self) -> None:
         """The set of up nodes to the state dir (placer.fleetsnap), when it changed, at most every
@@ -443,6 +450,8 @@ class PlacerService:
                     self._gc_holds = 0
                 if not self._gc_holds:
                     gc.enable()
+            if decided and self.ha is not None:
+                self.ha.promotion.mark("first_decision")
             for job, pushes in decided:
                 if self.journal is not None:
                     self.journal.attempt(job.job_id, job.attempt, now)

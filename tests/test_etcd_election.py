@@ -52,6 +52,23 @@ def test_core_ranks_by_create_revision() -> None:
     assert c.rank([kv(b"p/d", 40)]).lost       # our key is gone
 
 
+def test_core_leads_when_the_leader_it_waited_behind_is_gone() -> None:
+    """The predecessor's deletion: when it led, no older key is left and we lead without
+    reading the keys again, naming ourselves; when another led, we must look again."""
+    c = ElectionCore(3, b"http://c")
+    c.granted(7, 3, sent_at=100.0)
+    c.joined(b"p/c", 30)
+    behind_leader = c.rank([kv(b"p/b", 20, b"http://b"), kv(b"p/c", 30)])
+    assert c.predecessor_gone(behind_leader) and c.lead(100.5)
+    assert c.view(100.5) == Leadership(Role.LEADER, 30, "http://c", 30)
+    d = ElectionCore(3, b"http://d")
+    d.granted(8, 3, sent_at=100.0)
+    d.joined(b"p/d", 40)
+    behind_other = d.rank([kv(b"p/a", 10, b"http://a"), kv(b"p/b", 20), kv(b"p/d", 40)])
+    assert not d.predecessor_gone(behind_other) and d.view(100.5).leader == "http://a"
+    assert not d.predecessor_gone(d.rank([kv(b"p/d", 40)]))   # (none waited behind)
+
+
 def test_core_belief_ends_a_ttl_after_the_last_renewal_sent() -> None:
     c = ElectionCore(3)
     c.granted(7, 3, sent_at=100.0)

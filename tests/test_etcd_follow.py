@@ -81,6 +81,14 @@ async def test_follower_observes_then_adopts_the_running_gang(etcd_cluster: Etcd
             assert j1.n_pods == 2 and all(not nd.stale for nd in st.nodes.values())
             await until(lambda: b.svc.recovery is None)
             assert j1.state == "running" and not j1.recovering
+            # each step of the promotion stamped once, in order (the leader's key was the one it
+            # waited behind: it leads on the deletion, without reading the keys again)
+            steps = b.svc.ha.promotion.at   # type: ignore[union-attr]
+            assert list(steps) == ["joined", "predecessor_gone", "elected", "journal_read", "model_adopted", "placing"]
+            assert sorted(steps.values()) == list(steps.values())
+            assert (await ops.get(url_b + "/healthz")).json()["ha"]["promotion"]["placing"] == round(steps["placing"], 3)
+            assert b.svc.ha.election.view.leader == url_b   # type: ignore[union-attr]
+            assert b.svc.ha.fleet_read   # type: ignore[union-attr]   # (the fleet snapshot read beside the journal)
             r = await ops.post(url_b + "/v1/jobs", content=msgspec.json.encode(
                 JobSpec(job_id="probe", pods=1, gpus_per_pod=8, argv=["x"])))
             assert r.status_code == 201, r.text

@@ -249,3 +249,36 @@ def test_hold_many_gives_what_free_then_assign_gave(seed: int) -> None:
     assert np.array_equal(a.owner >= 0, b.owner >= 0) and np.array_equal(a.free, b.free)
     assert _holdings(a) == _holdings(b)
     assert got == int((b.owner >= 0).sum() - (base.owner >= 0).sum())
+
+
+def test_a_job_given_gpus_node_by_node_grows_in_place() -> None:
+    """assign() node by node (a promoted follower adopting a gang pod by pod) appends into room
+    kept for it, not a copy of everything held so far per call (quadratic at 25,000 pods); the
+    arrays handed out before keep their length and contents, and a copy of the model is not
+    written through."""
+    m = ClusterModel.build(hgx(blocks=4, racks=4, nodes=8))
+    ids = m.node_ids
+    m.assign("g", ids[0], [0, 1], 5, False)
+    before = m.job("g")
+    kept_nodes, kept_slots = before.nodes, before.slots
+    copied = m.copy()
+    m.assign("g", ids[1], [1], 5, False)
+    prev, copies = m.job("g").nodes, 0
+    for k, nid in enumerate(ids[2:40], start=2):
+        m.assign("g", nid, [k % 8], 5, False)
+        rec = m.job("g")
+        assert rec.nodes.size == 2 + k
+        copies += not np.shares_memory(rec.nodes, prev)
+        prev = rec.nodes
+    assert copies <= 3   # 38 appends: the room doubled as it filled (6, 14, 30, 62), never a copy per append
+    rec = m.job("g")
+    assert [ids[i] for i in rec.nodes.tolist()] == [ids[0], ids[0], *ids[1:40]]
+    assert rec.slots.tolist() == [0, 1, *[k % 8 for k in range(1, 40)]]
+    assert kept_nodes.tolist() == [m.node_index(ids[0])] * 2 and kept_slots.tolist() == [0, 1]
+    assert copied.job("g").n_gpus == 2
+    copied.assign("g", ids[1], [7], 5, False)
+    assert m.job("g").slots[2] == 1 and copied.job("g").slots.tolist() == [0, 1, 7]
+    m.check_invariants()
+    copied.check_invariants()
+    m.release("g")
+    assert m.free_gpus(ids[0]) == list(range(8))
