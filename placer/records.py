@@ -545,6 +545,20 @@ class PodTable:
             return [v if v is not None else view(i) for i, v in enumerate(views)]
         return views  # type: ignore[return-value]  # (no None left)
 
+    def page(self, offset: int, limit: int) -> list[PodRec]:
+        """Rows ``offset`` .. ``offset + limit - 1`` as views (rank order once placed): only
+        those rows' views are made, whatever the gang's size (a job's view, its page of pods)."""
+        view = self.view
+        return [view(i) for i in range(max(0, offset), min(len(self.codes), offset + max(0, limit)))]
+
+    def n_nodes(self) -> int:
+        """How many distinct nodes the pods are on (a pass over the node column, no view made)."""
+        return len(set(self.node_ids))
+
+    def n_gpus(self) -> int:
+        """How many GPUs the pods hold (a pass over the slots column, no view made)."""
+        return sum(map(len, self.slots))
+
     def row_of(self, rank: int) -> int | None:
         pos = self._pos
         if pos is None:

@@ -252,6 +252,22 @@ async def test_a_racks_aggregate_ack_is_checked_member_by_member_identity(tmp_pa
     assert sorted(n for n, _ in pushed) == ["n2", "relay0"] and host.bad_macs == 0
 
 
+async def test_a_whole_racks_aggregate_naming_a_member_no_longer_registered(tmp_path, autojump_clock) -> None:
+    """Every member's bit set and every MAC its own, but n2's record went away before the answer
+    came (deregistered, say): the whole-rack check does not take the rack, n2 counts as a MAC
+    that does not verify and is pushed directly, the others are taken from the aggregate."""
+    def answer(host: Host) -> Callable[[list[str]], AckBundle]:
+        def make(ids: list[str]) -> AckBundle:
+            macs = {k: _mac(host, n) for k, n in enumerate(MEMBERS)}
+            del host._nodes["n2"]
+            return _aggregate(macs)
+        return make
+
+    acks, pushed, host, hub = await _round(str(tmp_path), lambda h, n: Relay(answer(h), n))
+    assert dict(acks) == {n: ACCEPTED for n in MEMBERS}
+    assert [n for n, _ in pushed] == ["n2"] and host.bad_macs == 1 and hub.stats.relayed_nodes == 3
+
+
 async def test_an_aggregate_and_outcomes_together_and_a_malformed_aggregate(tmp_path, autojump_clock) -> None:
     def mixed(host: Host) -> Callable[[list[str]], AckBundle]:
         stale = msgauth.with_outcome_mac(host.key("n1"), NodeOutcome(node_id="n1", placement_id="start:j:1:n1",
