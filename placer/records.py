@@ -304,11 +304,15 @@ class GangPushes(Sequence[Push]):
         return out
 
     def placement_ids(self, idx: Sequence[int]) -> list[str]:
+        """The placement ids of pushes ``idx``, from the columns (no Push is made)."""
         n, ids = self.n_cols, self.node_ids
-        if self.gang is not None and isinstance(idx, range) and idx.stop <= n and idx.step == 1:
-            prefix = self.gang.prefix   # (a start push's id is the gang's prefix and its node)
+        if self.gang is None:
+            return [self[i].placement_id for i in idx]
+        prefix = self.gang.prefix   # (a start push's id is the gang's prefix and its node)
+        if isinstance(idx, range) and idx.stop <= n and idx.step == 1:
             return [prefix + nid for nid in ids[idx.start:idx.stop]]
-        return [self[i].placement_id for i in idx]
+        extra = self.extra
+        return [prefix + ids[i] if i < n else extra[i - n].placement_id for i in idx]
 
     def parts_bytes(self, idx: Sequence[int], expires_at: float) -> list[bytes]:
         """The parts of pushes ``idx`` (a rack's bundle), byte for byte ``parts_bytes`` of those

@@ -874,8 +874,14 @@ class _RoundDriver:
         self.hub.stats.late_nodes += core.late_nodes - late0
 
     def _at(self, lo: int, hi: int) -> Sequence[int]:
-        """The indices of the round's nodes ``lo`` .. ``hi - 1`` among its pushes."""
-        return range(lo, hi) if self.order is None else self.order[lo:hi]
+        """The indices of the round's nodes ``lo`` .. ``hi - 1`` among its pushes (a range
+        where they are consecutive pushes: a rack of the gang with no stop of its own joined)."""
+        if self.order is None:
+            return range(lo, hi)
+        seg = self.order[lo:hi]
+        if seg and seg[-1] - seg[0] == len(seg) - 1 and seg == list(range(seg[0], seg[-1] + 1)):
+            return range(seg[0], seg[-1] + 1)
+        return seg
 
     def pids(self, lo: int, hi: int) -> list[str]:
         """(RoundIds) the placement ids of the round's nodes ``lo`` .. ``hi - 1``."""

@@ -489,6 +489,11 @@ def test_a_start_push_encodes_its_part_byte_for_byte_without_making_it():
     assert with_victims.parts_bytes([41, 3, 40], 9.0) == [part_bytes(with_victims[i].part(9.0)) for i in (41, 3, 40)]
     assert with_victims.parts_bytes(range(5, 17), 9.0) == [part_bytes(with_victims[i].part(9.0)) for i in range(5, 17)]
     assert with_victims.placement_ids(range(2, 5)) == [with_victims[i].placement_id for i in range(2, 5)]
+    # the placement ids of any mix of columns and stops (a rack with a stop joined: the round's
+    # order is a list), from the columns: no Push is made for a column
+    fresh = GangPushes(big.gang, big.recs, big.table, None, with_victims.victims, list(stop))
+    mix = [41, 3, 40, 7, 8]
+    assert fresh.placement_ids(mix) == [with_victims[i].placement_id for i in mix] and fresh._made == {}
 
 
 def _stop_ids(started_at: float) -> set[str]:
