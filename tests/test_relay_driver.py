@@ -136,14 +136,23 @@ def _pushes() -> list[Push]:
             for n in MEMBERS]
 
 
-async def _round(tmp: str, make: Callable[[Host, trio.Nursery], Relay]) -> tuple[Any, list[tuple[str, float]], Host, RelayHub]:
+async def _round(tmp: str, make: Callable[[Host, trio.Nursery], Relay], *, push_concurrency: int | None = None,
+                 tasks: list[int] | None = None) -> tuple[Any, list[tuple[str, float]], Host, RelayHub]:
+    """One round of MEMBERS' pushes; ``tasks``: for each direct push, the tasks then in the
+    round's nursery (the pushes' own)."""
     host = Host(tmp)
+    if push_concurrency is not None:
+        host.cfg = msgspec.structs.replace(host.cfg, push_concurrency=push_concurrency)
     host_: RelayHost = host          # (the protocol is all the hub gets)
     hub = RelayHub(host_)
     pushed: list[tuple[str, float]] = []
 
     async def push_direct(p: Push) -> Outcome:
         pushed.append((p.node_id, trio.current_time()))
+        if tasks is not None:
+            parent = trio.lowlevel.current_task().parent_nursery
+            assert parent is not None
+            tasks.append(len(parent.child_tasks))
         await trio.sleep(0.05)
         return ACCEPTED
 
@@ -181,6 +190,18 @@ async def test_a_hung_relays_rack_is_pushed_directly_at_its_deadline(tmp_path, a
     assert sorted(n for n, _ in pushed) == sorted(MEMBERS)
     assert {round(t - t0, 6) for _, t in pushed} == {0.5}       # relay_timeout_s after the bundle left
     assert hub.stats.bundle_failures == 1 and hub.stats.last_delivery["fallback_nodes"] == 4
+
+
+async def test_a_fallback_is_push_concurrency_workers_not_a_task_a_member(tmp_path, autojump_clock) -> None:
+    """A rack whose relay hung: its members are pushed directly by at most push_concurrency
+    workers (two here) taking them in turn, never a task a member (a round whose every relay
+    ran late would make one for each of its 25,000 nodes)."""
+    t0 = trio.current_time()
+    tasks: list[int] = []
+    acks, pushed, _, hub = await _round(str(tmp_path), lambda h, n: Relay(None, n), push_concurrency=2, tasks=tasks)
+    assert dict(acks) == {n: ACCEPTED for n in MEMBERS} and hub.stats.last_delivery["fallback_nodes"] == 4
+    assert [n for n, _ in pushed] == list(MEMBERS) and max(tasks) == 2
+    assert [round(t - t0, 6) for _, t in pushed] == [0.5, 0.5, 0.55, 0.55]   # two at a time, 0.05 s each
 
 
 async def test_a_closed_connection_falls_back_at_once(tmp_path, autojump_clock) -> None:
