@@ -252,12 +252,13 @@ def _sub(a: dict[str, Any], b: dict[str, Any]) -> dict[str, int]:
     return {k: a.get(k, 0) - b.get(k, 0) for k in a}
 
 
-def _pyspy(pids: dict[str, int], name: str) -> list[subprocess.Popen[bytes]]:
+def _pyspy(pids: dict[str, int], name: str, seconds: float | None = None) -> list[subprocess.Popen[bytes]]:
     """``HERD_BENCH_PYSPY=DIR``: sample the placer (and, with ``HERD_BENCH_PYSPY_EMU=1``, the
     first emulator; ``=all``, every emulator) with py-spy, idle frames included, at
     ``HERD_BENCH_PYSPY_RATE`` Hz (250), for ``HERD_BENCH_PYSPY_S`` (3)
     seconds from just before the submit, into ``DIR/<job>-<who>.txt`` (``HERD_BENCH_PYSPY_FORMAT``:
-    raw or speedscope). A profiling aid: rows measured so carry py-spy's cost, not figures."""
+    raw or speedscope); ``seconds`` instead of that (the steady phase: its whole window). A
+    profiling aid: rows measured so carry py-spy's cost, not figures."""
     d = os.environ.get("HERD_BENCH_PYSPY")
     if not d:
         return []
@@ -270,7 +271,7 @@ def _pyspy(pids: dict[str, int], name: str) -> list[subprocess.Popen[bytes]]:
         [str(spy), "record", "--pid", str(pid), "-r", os.environ.get("HERD_BENCH_PYSPY_RATE", "250"), "--idle",
          "--nonblocking",
          "--format", os.environ.get("HERD_BENCH_PYSPY_FORMAT", "raw"),
-         "--duration", os.environ.get("HERD_BENCH_PYSPY_S", "3"), "-o", str(Path(d) / f"{name}-{who}.txt")],
+         "--duration", str(math.ceil(seconds)) if seconds is not None else os.environ.get("HERD_BENCH_PYSPY_S", "3"), "-o", str(Path(d) / f"{name}-{who}.txt")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for who, pid in pids.items()]
 
 
@@ -413,6 +414,7 @@ async def relay_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
         # steady state with the gang running
         await trio.sleep(min(a.heartbeat_s, 5.0))
         cpu0, ecpu0, w0 = placer.cpu_s(), sum(e.cpu_s() for e in emus), trio.current_time()
+        spies = _pyspy({"placer": placer.pid}, "steady", a.steady_s)
         await trio.sleep(a.steady_s)
         dt = trio.current_time() - w0
         rs = await _relay_stats(c, placer.url)
@@ -422,6 +424,8 @@ async def relay_row(n: int, a: Args, tmp: Path) -> dict[str, Any]:
                          "placer_rss_mib": placer.rss_mib(),
                          "nodes_up": (await c.get(f"{placer.url}/v1/cluster", params={"detail": "0"})).json()["nodes"]["up"]}
         _note("steady", **row["steady"])
+        for spy in spies:
+            await trio.to_thread.run_sync(spy.wait)
         row["load_steady"] = os.getloadavg()[0]
         await _cancel(c, placer.url, op, held, gpus)
 

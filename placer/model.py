@@ -716,13 +716,26 @@ class ClusterModel:
         per = np.bincount(who, minlength=len(ids))
         ends = np.cumsum(per)
         index = np.empty(len(ids), np.int64)
-        for k in np.flatnonzero(per).tolist():
-            rec = self._new_job(ids[k], priority, False)
-            hi = int(ends[k])
-            lo = hi - int(per[k])
-            rec.nodes, rec.slots = nodes[lo:hi], sl[lo:hi]
-            self.job_gpus[rec.index] = hi - lo
-            index[k] = rec.index
+        # the holders' job records, their table rows set in one vector step each (a preemption
+        # holds every victim pod's GPUs: thousands of holders, no scalar store a holder)
+        ks = np.flatnonzero(per)
+        m = len(ks)
+        while len(self._free_job_idx) < m:
+            self._grow_jobs(self._job_cap * 2)
+        free_idx = self._free_job_idx
+        js = free_idx[len(free_idx) - m:][::-1]   # (what m pops would take, in their order)
+        del free_idx[len(free_idx) - m:]
+        ja = np.asarray(js, np.int64)
+        self.job_priority[ja] = int(priority)
+        self.job_preemptible[ja] = False
+        self.job_gpus[ja] = per[ks]
+        self.job_active[ja] = True
+        index[ks] = ja
+        job_ids, jobs, node_ids, prio = self._job_ids, self._jobs, self._node_ids, int(priority)
+        for j, k, hi, cnt in zip(js, ks.tolist(), ends[ks].tolist(), per[ks].tolist(), strict=True):
+            hid = ids[k]
+            job_ids[j] = hid
+            jobs[hid] = Allocation(hid, j, prio, False, nodes[hi - cnt:hi], sl[hi - cnt:hi], node_ids)
         self.owner[nodes, sl] = index[who]
         self.free -= np.bincount(nodes, minlength=self.free.size).astype(self.free.dtype)
         return given + int(nodes.size)

@@ -304,11 +304,15 @@ class GangPushes(Sequence[Push]):
         return out
 
     def placement_ids(self, idx: Sequence[int]) -> list[str]:
+        """The placement ids of pushes ``idx``, from the columns (no Push is made)."""
         n, ids = self.n_cols, self.node_ids
-        if self.gang is not None and isinstance(idx, range) and idx.stop <= n and idx.step == 1:
-            prefix = self.gang.prefix   # (a start push's id is the gang's prefix and its node)
+        if self.gang is None:
+            return [self[i].placement_id for i in idx]
+        prefix = self.gang.prefix   # (a start push's id is the gang's prefix and its node)
+        if isinstance(idx, range) and idx.stop <= n and idx.step == 1:
             return [prefix + nid for nid in ids[idx.start:idx.stop]]
-        return [self[i].placement_id for i in idx]
+        extra = self.extra
+        return [prefix + ids[i] if i < n else extra[i - n].placement_id for i in idx]
 
     def parts_bytes(self, idx: Sequence[int], expires_at: float) -> list[bytes]:
         """The parts of pushes ``idx`` (a rack's bundle), byte for byte ``parts_bytes`` of those
@@ -544,6 +548,20 @@ class PodTable:
             view = self.view
             return [v if v is not None else view(i) for i, v in enumerate(views)]
         return views  # type: ignore[return-value]  # (no None left)
+
+    def page(self, offset: int, limit: int) -> list[PodRec]:
+        """Rows ``offset`` .. ``offset + limit - 1`` as views (rank order once placed): only
+        those rows' views are made, whatever the gang's size (a job's view, its page of pods)."""
+        view = self.view
+        return [view(i) for i in range(max(0, offset), min(len(self.codes), offset + max(0, limit)))]
+
+    def n_nodes(self) -> int:
+        """How many distinct nodes the pods are on (a pass over the node column, no view made)."""
+        return len(set(self.node_ids))
+
+    def n_gpus(self) -> int:
+        """How many GPUs the pods hold (a pass over the slots column, no view made)."""
+        return sum(map(len, self.slots))
 
     def row_of(self, rank: int) -> int | None:
         pos = self._pos

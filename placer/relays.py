@@ -718,10 +718,11 @@ def _whole_rack(ab: AckBundle, nids: list[str], pids: list[str], nodes: Mapping[
     """The common answer: every member of the rack plainly accepted and each MAC is its own
     (the relay's own made by its own key too): one comparison over the whole rack's MACs, made
     in list passes. False: the member-by-member check decides."""
-    recs = list(map(nodes.get, nids))
-    if None in recs:
+    try:   # (no per-member test for a missing record: ``None in recs`` cost a Python __eq__ each)
+        recs = list(map(nodes.__getitem__, nids))
+    except KeyError:
         return False
-    keys = [n.mac or mac_key(n.node_id, n.boot_id) for n in recs if n is not None]
+    keys = [n.mac or mac_key(n.node_id, n.boot_id) for n in recs]
     return hmac.compare_digest(msgauth.accepted_macs(keys, nids, pids), ab.macs)
 
 
@@ -782,7 +783,12 @@ class _RoundDriver:
         self.rids: dict[int, int] = {}            # rack -> its bundle's request id (while sent)
         self.frames: dict[int, bytes] = {}        # rack -> its bundle's frame, built, not yet sent
         self.withheld: set[int] = set()           # racks whose bundle was not sent: the placer did not lead
-        self.fallback_slots = trio.CapacityLimiter(max(1, cfg.push_concurrency))
+        # members of racks whose relay did not deliver, waiting for a direct push: taken by at
+        # most push_concurrency workers, each asking the core before it pushes (a late answer
+        # may have come), so a round whose every relay ran late makes no task a member
+        self.fallback_queue: collections.deque[int] = collections.deque()
+        self.fallback_workers = 0
+        self.fallback_max = max(1, cfg.push_concurrency)
         self.nursery: trio.Nursery | None = None
         self.changed = trio.Event()               # the racks settled or the round is done
         self.done = trio.Event()
@@ -802,8 +808,14 @@ class _RoundDriver:
                 self._send(a.rack)
             elif isinstance(a, PushDirect):
                 assert self.nursery is not None
-                for i in a.nodes.tolist():
-                    self.nursery.start_soon(self._push, i, a.fallback)
+                if a.fallback:
+                    self.fallback_queue.extend(a.nodes.tolist())
+                    while self.fallback_workers < min(self.fallback_max, len(self.fallback_queue)):
+                        self.fallback_workers += 1
+                        self.nursery.start_soon(self._fall_back)
+                else:
+                    for i in a.nodes.tolist():
+                        self.nursery.start_soon(self._push, i)
             elif isinstance(a, RackFailed):
                 if a.rack in self.withheld:   # (the relay did not fail: kept, and its members' direct
                     continue                  # pushes are refused by push_direct as well)
@@ -873,31 +885,44 @@ class _RoundDriver:
         self.hub.stats.late_nodes += core.late_nodes - late0
 
     def _at(self, lo: int, hi: int) -> Sequence[int]:
-        """The indices of the round's nodes ``lo`` .. ``hi - 1`` among its pushes."""
-        return range(lo, hi) if self.order is None else self.order[lo:hi]
+        """The indices of the round's nodes ``lo`` .. ``hi - 1`` among its pushes (a range
+        where they are consecutive pushes: a rack of the gang with no stop of its own joined)."""
+        if self.order is None:
+            return range(lo, hi)
+        seg = self.order[lo:hi]
+        if seg and seg[-1] - seg[0] == len(seg) - 1 and seg == list(range(seg[0], seg[-1] + 1)):
+            return range(seg[0], seg[-1] + 1)
+        return seg
 
     def pids(self, lo: int, hi: int) -> list[str]:
         """(RoundIds) the placement ids of the round's nodes ``lo`` .. ``hi - 1``."""
         return self.src.placement_ids(self._at(lo, hi))
 
-    async def _push(self, i: int, fallback: bool) -> None:
-        p = self.src[i if self.order is None else self.order[i]]
+    async def _push(self, i: int) -> None:
+        """Node ``i`` (no relay for its rack) pushed directly."""
         core = self.core
-        if not fallback:
-            core.direct_starting(i)
-            self.apply(core.direct_answered(i, await self.push_direct(p)))
-            return
-        async with self.fallback_slots:  # (queued here, not in the pool: a late answer can still save the push)
-            if not core.direct_starting(i):
-                return  # the relay's late answer came first
-            self.hub.stats.fallback_nodes += 1
-            f0 = trio.current_time()
-            self.fb_first = min(self.fb_first, f0 - self.t0)
-            o = await self.push_direct(p)
-            f1 = trio.current_time()
-            self.fb_last = max(self.fb_last, f1 - self.t0)
-            self.fb_max = max(self.fb_max, f1 - f0)
-        self.apply(core.direct_answered(i, o))
+        core.direct_starting(i)
+        self.apply(core.direct_answered(i, await self.push_direct(self.src[i if self.order is None else self.order[i]])))
+
+    async def _fall_back(self) -> None:
+        """One worker of the fallback: pushes the queued members directly, one at a time, each
+        only if no outcome came for it meanwhile (a relay's late answer)."""
+        core, queue = self.core, self.fallback_queue
+        try:
+            while queue:
+                i = queue.popleft()
+                if not core.direct_starting(i):
+                    continue  # the relay's late answer came first
+                self.hub.stats.fallback_nodes += 1
+                f0 = trio.current_time()
+                self.fb_first = min(self.fb_first, f0 - self.t0)
+                o = await self.push_direct(self.src[i if self.order is None else self.order[i]])
+                f1 = trio.current_time()
+                self.fb_last = max(self.fb_last, f1 - self.t0)
+                self.fb_max = max(self.fb_max, f1 - f0)
+                self.apply(core.direct_answered(i, o))
+        finally:
+            self.fallback_workers -= 1
 
     def _stop_deferring(self) -> None:
         """What relays report waits while a start round's acks are awaited (acks first), and

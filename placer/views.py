@@ -56,12 +56,13 @@ def pod_view(p: PodRec) -> PodView:
 
 class Views(StateBase):
     def job_view(self, job: JobRec, *, offset: int = 0, limit: int = DEFAULT_PODS) -> JobView:
-        page = job.pods[offset:offset + limit] if limit else []
+        # (from the pod table's columns: views are made for the page only, never for the gang)
+        t = job.table
+        page = t.page(offset, limit) if limit else []
         return JobView(job_id=job.job_id, spec=redacted(job.spec), state=job.state, attempt=job.attempt,
                        restarts=job.restarts, reason=job.reason, timings=dict(job.timings),
-                       pods=[pod_view(p) for p in page], pod_counts=job.pod_counts(), pods_total=len(job.pods),
-                       pods_offset=offset, nodes_total=len({p.node_id for p in job.pods}) if job.pods else 0,
-                       gpus_total=sum(len(p.slots) for p in job.pods))
+                       pods=[pod_view(p) for p in page], pod_counts=job.pod_counts(), pods_total=len(t),
+                       pods_offset=offset, nodes_total=t.n_nodes(), gpus_total=t.n_gpus())
 
     def node_view(self, n: NodeRec) -> NodeView:
         unhealthy = sorted(n.fatal | n.refused)

@@ -141,7 +141,7 @@ async def test_a_preempting_gangs_round_puts_its_victims_stops_in_their_racks_bu
             relays[node.rack_path] = conn
             hub._cands[node.rack_path] = {nid: conn}
     permuted = []
-    stop_only = 0
+    stop_only = ranges = 0
     for extra in (hp.extra, hp.extra[::-1]):
         gp = GangPushes(hp.gang, hp.recs, hp.table, hp.rows, hp.victims, list(extra), runs=hp.runs)
         drv = _RoundDriver(hub, "high", high.blob_id, gp, None, None)  # type: ignore[arg-type]  # (never pushes)
@@ -150,7 +150,12 @@ async def test_a_preempting_gangs_round_puts_its_victims_stops_in_their_racks_bu
         for r, (path, _) in enumerate(drv.racks):
             lo, hi = drv.core.rack_slice(r)
             spec = drv._spec(r, 1.0)
-            pushes = [gp[i] for i in drv._at(lo, hi)]
+            at = drv._at(lo, hi)
+            # consecutive pushes come as a range (a rack's parts, ids and placement ids are then
+            # cut from the columns' slices), others as the list of their indices
+            assert isinstance(at, range) == (list(at) == list(range(at[0], at[-1] + 1)))
+            ranges += isinstance(at, range) and drv.order is not None
+            pushes = [gp[i] for i in at]
             assert {st_.nodes[p.node_id].rack_path for p in pushes} == {path}
             assert spec.raws == [part_bytes(p.part(drv.expires)) for p in pushes]
             assert drv.ids[lo:hi] == [p.node_id for p in pushes]
@@ -163,3 +168,4 @@ async def test_a_preempting_gangs_round_puts_its_victims_stops_in_their_racks_bu
         assert sorted(seen) == sorted(gp.node_ids) and len(drv.core.direct) == 0
     assert any(permuted)   # (some stop came in after a later rack's: the round's order is not the pushes')
     assert stop_only       # (and some rack had stops only)
+    assert ranges          # (and, in a round whose order is not the pushes', some rack was a range)

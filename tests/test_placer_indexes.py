@@ -245,6 +245,24 @@ def test_a_gang_start_is_counted_not_scanned():
     assert job.state == "succeeded" and st_.model.statistics()["allocated"] == 0
 
 
+def test_a_job_view_reads_the_table_and_makes_views_for_its_page_only():
+    """A job's view (the submit's answer, GET /v1/jobs/{id}, each job of GET /v1/jobs) costs its
+    page of pods, not the gang: its totals come from the table's columns."""
+    st_, job, _ = _big_gang(200)
+    t = job.table
+    v = st_.job_view(job, offset=10, limit=5)
+    assert [p.rank for p in v.pods] == [10, 11, 12, 13, 14] and [p.workload_id for p in v.pods][0] == "big.1.10"
+    assert v.pods_total == 200 and v.nodes_total == 200 and v.gpus_total == 1600
+    assert [i for i, x in enumerate(t.views) if x is not None] == [10, 11, 12, 13, 14]
+    listed = st_.job_view(job, limit=0)
+    assert listed.pods == [] and listed.pods_total == 200 and listed.nodes_total == 200
+    assert [p.rank for p in st_.job_view(job, offset=198, limit=100).pods] == [198, 199]
+    assert sum(x is not None for x in t.views) == 7
+    st_.submit(JobSpec(job_id="later", pods=2, gpus_per_pod=8, argv=["x"]), 0.2)
+    empty = st_.job_view(st_.jobs["later"])
+    assert empty.pods == [] and empty.pods_total == empty.nodes_total == empty.gpus_total == 0
+
+
 def test_big_gang_placements_are_bounded_and_the_blob_holds_every_peer():
     st_, job, pushes = _big_gang(200)
     sizes = {len(p.placement.peers) for p in pushes}
@@ -471,6 +489,11 @@ def test_a_start_push_encodes_its_part_byte_for_byte_without_making_it():
     assert with_victims.parts_bytes([41, 3, 40], 9.0) == [part_bytes(with_victims[i].part(9.0)) for i in (41, 3, 40)]
     assert with_victims.parts_bytes(range(5, 17), 9.0) == [part_bytes(with_victims[i].part(9.0)) for i in range(5, 17)]
     assert with_victims.placement_ids(range(2, 5)) == [with_victims[i].placement_id for i in range(2, 5)]
+    # the placement ids of any mix of columns and stops (a rack with a stop joined: the round's
+    # order is a list), from the columns: no Push is made for a column
+    fresh = GangPushes(big.gang, big.recs, big.table, None, with_victims.victims, list(stop))
+    mix = [41, 3, 40, 7, 8]
+    assert fresh.placement_ids(mix) == [with_victims[i].placement_id for i in mix] and fresh._made == {}
 
 
 def _stop_ids(started_at: float) -> set[str]:

@@ -197,6 +197,28 @@ def test_a_decision_naming_a_gpu_twice_is_refused() -> None:
     m.check_invariants()
 
 
+def test_hold_many_past_the_job_tables_capacity_grows_it_and_rows_are_each_holders() -> None:
+    """More holders than the job table has free rows: it grows (in one call), each holder gets
+    a row of its own with its priority and GPU count, and releasing them gives every row back."""
+    specs = hgx(racks=8, nodes=16)
+    m = ClusterModel.build(specs)
+    free_rows = len(m._free_job_idx)
+    holders = [(f"stale:w{k}", s.node_id, list(range(8))) for k, s in enumerate(specs)]
+    holders += [(f"stale:x{k}", s.node_id, [0]) for k, s in enumerate(specs)]   # (taken: nothing given)
+    assert len(specs) > free_rows
+    assert m.hold_many(holders, 7) == 8 * len(specs)
+    m.check_invariants()
+    rows = [m.jobs[f"stale:w{k}"].index for k in range(len(specs))]
+    assert len(set(rows)) == len(specs) and "stale:x0" not in m.jobs
+    assert set(m.job_priority[rows].tolist()) == {7} and set(m.job_gpus[rows].tolist()) == {8}
+    assert m.job_active[rows].all() and not m.job_preemptible[rows].any()
+    assert [m._job_ids[r] for r in rows] == [f"stale:w{k}" for k in range(len(specs))]
+    for k in range(len(specs)):
+        m.release(f"stale:w{k}")
+    m.check_invariants()
+    assert int(m.free.sum()) == 8 * len(specs) and not m.job_active[rows].any()
+
+
 def _hold_one_by_one(m: ClusterModel, holders: list[tuple[str, str, list[int]]], priority: int) -> None:
     """What the placer did before hold_many: free_gpus, then assign, holder by holder."""
     for hid, node_id, slots in holders:

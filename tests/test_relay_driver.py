@@ -136,14 +136,23 @@ def _pushes() -> list[Push]:
             for n in MEMBERS]
 
 
-async def _round(tmp: str, make: Callable[[Host, trio.Nursery], Relay]) -> tuple[Any, list[tuple[str, float]], Host, RelayHub]:
+async def _round(tmp: str, make: Callable[[Host, trio.Nursery], Relay], *, push_concurrency: int | None = None,
+                 tasks: list[int] | None = None) -> tuple[Any, list[tuple[str, float]], Host, RelayHub]:
+    """One round of MEMBERS' pushes; ``tasks``: for each direct push, the tasks then in the
+    round's nursery (the pushes' own)."""
     host = Host(tmp)
+    if push_concurrency is not None:
+        host.cfg = msgspec.structs.replace(host.cfg, push_concurrency=push_concurrency)
     host_: RelayHost = host          # (the protocol is all the hub gets)
     hub = RelayHub(host_)
     pushed: list[tuple[str, float]] = []
 
     async def push_direct(p: Push) -> Outcome:
         pushed.append((p.node_id, trio.current_time()))
+        if tasks is not None:
+            parent = trio.lowlevel.current_task().parent_nursery
+            assert parent is not None
+            tasks.append(len(parent.child_tasks))
         await trio.sleep(0.05)
         return ACCEPTED
 
@@ -181,6 +190,18 @@ async def test_a_hung_relays_rack_is_pushed_directly_at_its_deadline(tmp_path, a
     assert sorted(n for n, _ in pushed) == sorted(MEMBERS)
     assert {round(t - t0, 6) for _, t in pushed} == {0.5}       # relay_timeout_s after the bundle left
     assert hub.stats.bundle_failures == 1 and hub.stats.last_delivery["fallback_nodes"] == 4
+
+
+async def test_a_fallback_is_push_concurrency_workers_not_a_task_a_member(tmp_path, autojump_clock) -> None:
+    """A rack whose relay hung: its members are pushed directly by at most push_concurrency
+    workers (two here) taking them in turn, never a task a member (a round whose every relay
+    ran late would make one for each of its 25,000 nodes)."""
+    t0 = trio.current_time()
+    tasks: list[int] = []
+    acks, pushed, _, hub = await _round(str(tmp_path), lambda h, n: Relay(None, n), push_concurrency=2, tasks=tasks)
+    assert dict(acks) == {n: ACCEPTED for n in MEMBERS} and hub.stats.last_delivery["fallback_nodes"] == 4
+    assert [n for n, _ in pushed] == list(MEMBERS) and max(tasks) == 2
+    assert [round(t - t0, 6) for _, t in pushed] == [0.5, 0.5, 0.55, 0.55]   # two at a time, 0.05 s each
 
 
 async def test_a_closed_connection_falls_back_at_once(tmp_path, autojump_clock) -> None:
@@ -250,6 +271,22 @@ async def test_a_racks_aggregate_ack_is_checked_member_by_member_identity(tmp_pa
         return lambda ids: _aggregate({1: _mac(host, "n1"), 3: _mac(host, "n3")})
     acks, pushed, host, hub = await _round(str(tmp_path), lambda h, n: Relay(left_out(h), n))
     assert sorted(n for n, _ in pushed) == ["n2", "relay0"] and host.bad_macs == 0
+
+
+async def test_a_whole_racks_aggregate_naming_a_member_no_longer_registered(tmp_path, autojump_clock) -> None:
+    """Every member's bit set and every MAC its own, but n2's record went away before the answer
+    came (deregistered, say): the whole-rack check does not take the rack, n2 counts as a MAC
+    that does not verify and is pushed directly, the others are taken from the aggregate."""
+    def answer(host: Host) -> Callable[[list[str]], AckBundle]:
+        def make(ids: list[str]) -> AckBundle:
+            macs = {k: _mac(host, n) for k, n in enumerate(MEMBERS)}
+            del host._nodes["n2"]
+            return _aggregate(macs)
+        return make
+
+    acks, pushed, host, hub = await _round(str(tmp_path), lambda h, n: Relay(answer(h), n))
+    assert dict(acks) == {n: ACCEPTED for n in MEMBERS}
+    assert [n for n, _ in pushed] == ["n2"] and host.bad_macs == 1 and hub.stats.relayed_nodes == 3
 
 
 async def test_an_aggregate_and_outcomes_together_and_a_malformed_aggregate(tmp_path, autojump_clock) -> None:
