@@ -273,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="also the run with compact registration off (every full report carries its GPU snapshot)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--enroll-workers", type=int, default=None,
-                    help="the placer's enroll_workers (default: its own, one a core but the loop's; 0: in the loop)")
+                    help="the placer's enroll_workers (default: its own, one a core but the loop's, none below 4 cores; 0: in the loop)")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
     out = trio.run(run_all, ns)

@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from infra.pki import CA, make_ca
-from placer.enrollpool import MIN_BATCH, PARENT_POLL_S, EnrollPool
+from placer.enrollpool import MAX_WORKERS, MIN_BATCH, MIN_CORES, PARENT_POLL_S, EnrollPool, default_workers
 from scheduler_link.enroll import (
     EnrollClient,
     EnrollDesk,
@@ -182,3 +182,12 @@ def test_the_workers_exit_when_the_placer_is_killed(tmp_path) -> None:
     finally:
         child.kill()
         child.wait(10)
+
+
+def test_default_workers_leave_a_small_host_alone():
+    """Unset, no worker below MIN_CORES (on 2 cores one takes the core everything else runs on);
+    from there one a core but the event loop's, at most MAX_WORKERS."""
+    assert [default_workers(c) for c in (1, 2, MIN_CORES - 1)] == [0, 0, 0]
+    assert default_workers(MIN_CORES) == MIN_CORES - 1
+    assert default_workers(64) == MAX_WORKERS
+    assert default_workers() == default_workers(os.cpu_count() or 1)
