@@ -101,8 +101,8 @@ async def test_a_small_batch_or_no_workers_is_checked_by_the_desk(cl: Cluster) -
 
 
 async def test_a_relays_batch_has_its_certificates_checked_by_a_worker(tmp_path, token_dir, tls_pki) -> None:
-    """Through the real service and relay: a batch of members queued together is one batch up,
-    its certificates go to a worker (where the host has a core to spare), every member enrols."""
+    """Through the real service and relay: a batch of members queued together (enrolling by
+    ECDH: certificates with no enrolment key) is one batch up, its certificates go to a worker (where the host has a core to spare), every member enrols."""
     from scheduler_link.messages import EnrollAnswer
     from testing.waiting import poll
 
@@ -113,7 +113,8 @@ async def test_a_relays_batch_has_its_certificates_checked_by_a_worker(tmp_path,
             await poll(lambda: r.svc.relays.relay_for(RACK) is not None, 0.02)
             pc = await r.placer_cert()   # (a relay asked for it: the workers start)
             assert r.svc.relays.enroll_pool.statistics()["started"] == int(r.svc.relays.enroll_pool.workers > 0)
-            es = [r.client(f"m{i}").make(_report(f"m{i}"), pc, now=time.time())[0] for i in range(MIN_BATCH + 4)]
+            es = [r.client(f"m{i}", keyed=False).make(_report(f"m{i}"), pc, now=time.time())[0]
+                  for i in range(MIN_BATCH + 4)]
             pending = [r.relay.member_enroll(e.node_id, e) for e in es]   # queued together: one batch up
             answers = [p if isinstance(p, EnrollAnswer) else await p for p in pending]
             assert [a.outcome for a in answers] == ["enrolled"] * len(es)

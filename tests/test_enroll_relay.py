@@ -77,8 +77,11 @@ class Rig:
         await (nursery or self.nursery).start(link.run)
         return link
 
-    def client(self, node: str) -> EnrollClient:
-        return client_from_files(self.pki.files(f"node:{node}"))
+    def client(self, node: str, *, keyed: bool = True) -> EnrollClient:
+        """``node``'s client from its files: keyed (its node.enrol), or by ECDH as a node whose
+        certificate came with no enrolment key."""
+        c = client_from_files(self.pki.files(f"node:{node}"))
+        return c if keyed else EnrollClient(c.ca, c._key, c.cert)
 
     async def enrol(self, e: Enroll, *, conn: str | None = None) -> EnrollAnswer:
         """``e`` through the relay as a member's connection of ``conn`` (default: its node) sends it."""
