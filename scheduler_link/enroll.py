@@ -24,10 +24,11 @@ proved is proved per message:
 - **Keyed enrolment** (``version`` ENROLL_KEYED_VERSION): a node whose certificate was issued
   with its enrolment key ``K_N = BLAKE3(key=master, node || serial || validity || rack)``
   (infra.pki.enrol_key; ``node.enrol`` beside its key) uses K_N where the ECDH secret would be
-  (another KDF context): no public-key work at either end. The placer parses the certificate
-  without checking the CA's signature and derives K_N from the master (``enrol.secret`` beside
-  its key) and exactly the fields it then trusts: a certificate with any of them changed gives
-  another key, so its MAC fails. Certificates issued without a key enrol by ECDH.
+  (another KDF context, and the digest of the certificate's fields where the certificate's
+  would be): no public-key work at either end. Such an enrolment carries those fields
+  (serial, validity, rack) instead of the certificate; the placer derives K_N from the master
+  (``enrol.secret`` beside its key) and exactly the fields it then trusts: any of them changed
+  gives another key, so the MAC fails. Certificates issued without a key enrol by ECDH.
 - **The enrolment** (:class:`~scheduler_link.messages.Enroll`: certificate DER, node, boot,
   nonce, the member's time, the full report's msgpack bytes) carries a 32-byte keyed-BLAKE3
   MAC under E's MAC key over all of it. The placer (:class:`EnrollDesk`) checks, cheapest
@@ -145,8 +146,12 @@ def derive(shared: bytes, node_id: str, boot_id: str, nonce: bytes, member_cert:
     """E's MAC and sealing keys from the ECDH secret (``keyed``: the node's enrolment key
     K_N instead) and what binds them to one enrolment (the certificates as their BLAKE3
     digests)."""
+    if keyed:   # (one call: both keys from the derivation's output)
+        both = blake3.blake3(shared + _canon.encode([node_id, boot_id, nonce, member_cert, placer_cert]),
+                             derive_key_context=_KDF_KEYED_CONTEXT).digest(2 * KEY_LEN)
+        return Keys(both[:KEY_LEN], both[KEY_LEN:])
     e = blake3.blake3(shared + _canon.encode([node_id, boot_id, nonce, member_cert, placer_cert]),
-                      derive_key_context=_KDF_KEYED_CONTEXT if keyed else _KDF_CONTEXT).digest(KEY_LEN)
+                      derive_key_context=_KDF_CONTEXT).digest(KEY_LEN)
     return Keys(blake3.blake3(b"mac", key=e).digest(KEY_LEN), blake3.blake3(b"seal", key=e).digest(KEY_LEN))
 
 
@@ -246,14 +251,24 @@ def cert_fields(der: bytes) -> CertOK:
         return _check_cert(der, None)
 
 
-def keyed_known(der: bytes, master: bytes) -> KnownCert:
-    """A member's certificate as a keyed enrolment reads it (:func:`cert_fields`, a node's)
-    with its enrolment key K_N (infra.pki.enrol_key) in place of an ECDH secret."""
+class KeyedFields(NamedTuple):
+    """What a keyed enrolment carries of its certificate: the fields its enrolment key is
+    bound to (infra.pki.enrol_key), besides the node."""
+    serial: str
+    not_before: int
+    not_after: int
+    rack: str | None
+
+    def digest(self) -> bytes:
+        """What the enrolment's key derivation and MAC bind in place of the certificate's digest."""
+        return digest(_canon.encode(["herd keyed certificate v1", self.serial, self.not_before, self.not_after,
+                                     self.rack or ""]))
+
+
+def keyed_fields(der: bytes) -> KeyedFields:
+    """A node's own certificate's fields, as its keyed enrolments carry them."""
     c = cert_fields(der)
-    if c.node_id is None:
-        raise EnrollRefused("bad_certificate", f"the certificate is {c.principal}'s, not a node's")
-    k = enrol_key(master, c.node_id, c.serial, c.not_before, c.not_after, c.rack)
-    return KnownCert(c.principal, c.node_id, c.serial, c.not_before, c.not_after, k, c.rack)
+    return KeyedFields(c.serial, int(c.not_before), int(c.not_after), c.rack)
 
 
 def member_known(der: bytes, ca: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> KnownCert:
@@ -289,7 +304,8 @@ def _valid(c: CertOK | KnownCert, now: float) -> None:
 
 class KnownCert(NamedTuple):
     """A member certificate the desk checked, as it keeps it: what its later checks read, and
-    the ECDH secret with it (not its key object); for a keyed enrolment, the enrolment key."""
+    the ECDH secret with it (not its key object); for a keyed enrolment (never kept), the
+    enrolment key."""
     principal: str
     node_id: str
     serial: str
@@ -392,7 +408,6 @@ class EnrollDesk:
         self.ca = ca
         self._key = key
         self._master = master
-        self._keyed_cache: OrderedDict[bytes, KnownCert] = OrderedDict()   # cert digest -> it, with K_N
         self.cert = cert
         self._cert_digest = digest(cert)
         self.window_s = window_s
@@ -424,25 +439,25 @@ class EnrollDesk:
         self._keep(d, k)
         return k, d
 
-    def _keyed_member(self, der: bytes) -> tuple[KnownCert, bytes]:
-        """The member certificate ``der`` of a keyed enrolment, parsed (not verified: the MAC
-        under the K_N derived from its fields is what vouches for them), with its K_N."""
+    def _keyed_member(self, e: Enroll) -> tuple[KnownCert, bytes]:
+        """The certificate fields a keyed enrolment carries, with the K_N derived from them and
+        the master (one BLAKE3 call: nothing is parsed or kept). Nothing vouches for the fields
+        but the MAC under that key, checked next: a field changed is another key."""
         if self._master is None:
             raise EnrollRefused("no_master", "this placer holds no enrolment master: enrol by ECDH or directly")
-        d = digest(der)
-        hit = self._keyed_cache.get(d)
-        if hit is not None:
-            self._keyed_cache.move_to_end(d)
-            return hit, d
-        k = keyed_known(der, self._master)
-        self._keep(d, k, self._keyed_cache)
-        return k, d
+        if e.cert:
+            raise EnrollRefused("malformed", "a keyed enrolment carries its certificate's fields, not the certificate")
+        if len(e.serial) > 64 or (e.rack is not None and len(e.rack) > MAX_ID_LEN):
+            raise EnrollRefused("oversized", "a field of the enrolment is over its bound")
+        f = KeyedFields(norm_serial(e.serial), e.not_before, e.not_after, e.rack)
+        k = enrol_key(self._master, e.node_id, f.serial, f.not_before, f.not_after, f.rack)
+        return KnownCert(f"node:{e.node_id}", e.node_id, f.serial, float(f.not_before), float(f.not_after), k,
+                         f.rack), f.digest()
 
-    def _keep(self, d: bytes, k: KnownCert, cache: OrderedDict[bytes, KnownCert] | None = None) -> None:
-        c = self._cache if cache is None else cache
-        c[d] = k
-        while len(c) > self._cache_cap:
-            c.popitem(last=False)
+    def _keep(self, d: bytes, k: KnownCert) -> None:
+        self._cache[d] = k
+        while len(self._cache) > self._cache_cap:
+            self._cache.popitem(last=False)
 
     # ---- the certificate checks of a batch, done elsewhere first (placer.enrollpool)
 
@@ -507,7 +522,7 @@ class EnrollDesk:
         if not now - self.window_s <= e.at <= now + self.skew_s:
             raise EnrollRefused("replay", f"made at {e.at:.0f}, outside the window around {now:.0f}")
         keyed = e.version == ENROLL_KEYED_VERSION
-        c, cd = self._keyed_member(e.cert) if keyed else self._member(e.cert)
+        c, cd = self._keyed_member(e) if keyed else self._member(e.cert)
         if c.node_id != e.node_id:
             raise EnrollRefused("bad_certificate", f"the certificate is {c.principal}'s, not node:{e.node_id[:200]}'s")
         _valid(c, now)
@@ -539,7 +554,7 @@ class EnrollDesk:
 
     def statistics(self) -> dict[str, object]:
         return {"taken": self.taken, "keyed": self.keyed, "refused": dict(self.refused),
-                "cert_checks": self.cert_checks, "certs_cached": len(self._cache) + len(self._keyed_cache),
+                "cert_checks": self.cert_checks, "certs_cached": len(self._cache),
                 "nonces": len(self.guard)}
 
 
@@ -564,6 +579,7 @@ class EnrollClient:
         self.ca = ca
         self._key = key
         self._enrol_key = enrol_key
+        self._fields = keyed_fields(cert) if enrol_key is not None else None
         self.cert = cert
         self._cert_digest = digest(cert)
         self._placer_certs: dict[bytes, CertOK] = {} if placer_certs is None else placer_certs
@@ -588,12 +604,21 @@ class EnrollClient:
         """An enrolment of ``report`` (a full report; its node and boot are the enrolment's)."""
         pc = self.placer_public(placer_cert, now)
         nonce = os.urandom(NONCE_LEN)
-        keyed = self._enrol_key is not None
-        shared = self._enrol_key if self._enrol_key is not None else self._key.exchange(ec.ECDH(), pc.key)
-        keys = derive(shared, report.node_id, report.boot_id, nonce, self._cert_digest, digest(placer_cert), keyed=keyed)
-        e = Enroll(node_id=report.node_id, boot_id=report.boot_id, nonce=nonce, at=float(now), cert=self.cert,
-                   report=msgspec.Raw(_enc.encode(report)), version=ENROLL_KEYED_VERSION if keyed else ENROLL_VERSION)
-        e = msgspec.structs.replace(e, mac=enroll_mac(keys.mac, e, self._cert_digest))
+        raw = msgspec.Raw(_enc.encode(report))
+        if self._enrol_key is not None and self._fields is not None:   # keyed: the fields, no ECDH
+            f = self._fields
+            cd = f.digest()
+            keys = derive(self._enrol_key, report.node_id, report.boot_id, nonce, cd, digest(placer_cert), keyed=True)
+            e = Enroll(node_id=report.node_id, boot_id=report.boot_id, nonce=nonce, at=float(now), cert=b"",
+                       report=raw, version=ENROLL_KEYED_VERSION, serial=f.serial, not_before=f.not_before,
+                       not_after=f.not_after, rack=f.rack)
+        else:
+            cd = self._cert_digest
+            shared = self._key.exchange(ec.ECDH(), pc.key)
+            keys = derive(shared, report.node_id, report.boot_id, nonce, cd, digest(placer_cert))
+            e = Enroll(node_id=report.node_id, boot_id=report.boot_id, nonce=nonce, at=float(now), cert=self.cert,
+                       report=raw)
+        e = msgspec.structs.replace(e, mac=enroll_mac(keys.mac, e, cd))
         return e, Pending(report.node_id, report.boot_id, keys.seal, answer_ad(report.node_id, report.boot_id, nonce))
 
     @staticmethod

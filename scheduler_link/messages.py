@@ -876,7 +876,8 @@ class Enroll(msgspec.Struct, frozen=True, kw_only=True):
     """A member -> its relay -> the placer: register ``node_id`` (boot ``boot_id``) with its
     full report, authenticated by the holder of ``cert``'s private key (a MAC under a key
     derived from ECDH with the placer's static key; scheduler_link.enroll) or, ``version``
-    ENROLL_KEYED_VERSION, of the enrolment key issued with ``cert``. ``report`` is the
+    ENROLL_KEYED_VERSION, of the enrolment key issued with the certificate whose fields it
+    carries instead (``serial`` .. ``rack``). ``report`` is the
     encoded full report (msgpack) as the member made it: MACed byte for byte, decoded only
     once the MAC verifies."""
     node_id: str
@@ -887,6 +888,12 @@ class Enroll(msgspec.Struct, frozen=True, kw_only=True):
     report: msgspec.Raw = msgspec.Raw(b"\xc0")
     mac: bytes = b""
     version: int = ENROLL_VERSION
+    # keyed (ENROLL_KEYED_VERSION): no ``cert``, but the fields of it that its enrolment key is
+    # bound to (infra.pki.enrol_key): a relay or the node that changes one changes the key
+    serial: str = ""
+    not_before: int = 0
+    not_after: int = 0
+    rack: str | None = None
 
 
 class EnrollAnswer(msgspec.Struct, frozen=True, kw_only=True):

@@ -12,7 +12,8 @@ import msgspec
 import pytest
 import trio
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from agent import certs
 from infra import pki
@@ -52,7 +53,7 @@ def test_a_keyed_enrolment_costs_no_certificate_check_and_gives_the_member_its_k
     cl = Cluster()
     c = cl.client("n1", rack="z/b/r1")
     e, p = c.make(report("n1"), cl.placer_cert, now=NOW)
-    assert e.version == ENROLL_KEYED_VERSION
+    assert e.version == ENROLL_KEYED_VERSION and e.cert == b"" and e.rack == "z/b/r1"
     assert cl.desk.unchecked([e]) == []                     # nothing for the worker processes
     got = cl.desk.check(e, now=NOW)
     assert got.report.node_id == "n1" and got.rack == "z/b/r1"
@@ -63,17 +64,17 @@ def test_a_keyed_enrolment_costs_no_certificate_check_and_gives_the_member_its_k
     # the same certificate again (a new boot): its key comes from the desk's cache
     e2, _ = c.make(report("n1", boot="b2"), cl.placer_cert, now=NOW)
     cl.desk.check(e2, now=NOW)
-    assert cl.desk.keyed == 2 and cl.desk.statistics()["certs_cached"] == 1
+    assert cl.desk.keyed == 2 and cl.desk.statistics()["certs_cached"] == 0   # (nothing kept per node)
 
 
 def test_a_relay_cannot_enrol_another_node_with_its_own_enrolment_key() -> None:
     cl = Cluster()
     relay = cl.client("relay")
     victim = cl.client("victim")
-    # the relay's certificate naming the victim: the certificate is not the victim's
+    # the relay's own key and fields, naming the victim: the key derived for the victim differs
     e, _ = relay.make(report("victim"), cl.placer_cert, now=NOW)
-    _refused(cl.desk, e, "bad_certificate")
-    # the victim's certificate (seen going by) with the relay's enrolment key: the MAC fails
+    _refused(cl.desk, e, "bad_mac")
+    # the victim's fields (its certificate is public) with the relay's enrolment key: the MAC fails
     forged = EnrollClient(cl.ca.cert, relay._key, victim.cert, enrol_key=relay._enrol_key)
     e, _ = forged.make(report("victim"), cl.placer_cert, now=NOW)
     _refused(cl.desk, e, "bad_mac")
@@ -84,29 +85,23 @@ def test_a_relay_cannot_enrol_another_node_with_its_own_enrolment_key() -> None:
     cl.desk.check(e, now=NOW)   # (and as sent it is taken)
 
 
-def _stretched(cl: Cluster, node: str, *, days: int, rack: str | None) -> bytes:
-    """``node``'s certificate remade by its holder: the same subject and serial, another
-    validity or rack, signed by a key of its own (not the CA's)."""
-    real = cl.certs[node]
-    own = pki.new_key()
-    b = (x509.CertificateBuilder().subject_name(real.subject).issuer_name(real.issuer)
-         .public_key(real.public_key()).serial_number(real.serial_number)   # type: ignore[arg-type]
-         .not_valid_before(real.not_valid_before_utc).not_valid_after(real.not_valid_before_utc + dt.timedelta(days=days)))
-    b = b.add_extension(x509.SubjectAlternativeName(pki._sans(f"node:{node}", [], rack)), critical=False)
-    return _der(b.sign(own, hashes.SHA256()))
-
-
 def test_a_node_cannot_stretch_its_certificate_or_move_it_to_another_rack() -> None:
-    """The desk reads a keyed enrolment's certificate without checking its signature: the key
-    its MAC verifies under is derived from exactly the fields it reads, so a certificate whose
-    fields differ from the issued one's does not verify with the key issued for it."""
+    """A keyed enrolment carries its certificate's fields, and nothing vouches for them but the
+    MAC under the key derived from them: the node itself, MACing changed fields with its real
+    enrolment key (a relay could not even do that), is refused."""
     cl = Cluster()
     c = cl.client("n2", rack="z/b/r1")
-    for days, rack in ((3650, "z/b/r1"), (30, "z/b/r9"), (30, None)):
-        fake = EnrollClient(cl.ca.cert, c._key, _stretched(cl, "n2", days=days, rack=rack), enrol_key=c._enrol_key)
-        e, _ = fake.make(report("n2"), cl.placer_cert, now=NOW)
+    f = c._fields
+    assert f is not None
+    for changed in (f._replace(not_after=f.not_after + 3650 * 86400), f._replace(not_before=f.not_before - 86400),
+                    f._replace(rack="z/b/r9"), f._replace(rack=None), f._replace(serial="ABC123")):
+        c._fields = changed
+        e, _ = c.make(report("n2"), cl.placer_cert, now=NOW)
         _refused(cl.desk, e, "bad_mac")
+    c._fields = f
     e, _ = c.make(report("n2"), cl.placer_cert, now=NOW)
+    _refused(cl.desk, msgspec.structs.replace(e, cert=_der(cl.certs["n2"])), "malformed")   # fields, not a certificate
+    _refused(cl.desk, msgspec.structs.replace(e, serial="A" * 65), "oversized")
     assert cl.desk.check(e, now=NOW).rack == "z/b/r1"
 
 
@@ -119,14 +114,20 @@ def test_revoked_expired_and_downgraded_keyed_enrolments_are_refused() -> None:
     _refused(cl.desk, e, "revoked", denied=(frozenset({"n3"}), frozenset()))
     old = cl.client("n3old", not_before=dt.datetime.now(dt.UTC) - dt.timedelta(days=40), days=30)
     _refused(cl.desk, old.make(report("n3old"), cl.placer_cert, now=NOW)[0], "expired")
-    # the version changed on the way, either way: another key, the MAC fails
-    _refused(cl.desk, msgspec.structs.replace(e, version=ENROLL_VERSION), "bad_mac")
+    # the version changed on the way, either way: refused (no certificate / a certificate where
+    # fields belong); with the certificate put back, the MAC fails (another key)
+    _refused(cl.desk, msgspec.structs.replace(e, version=ENROLL_VERSION), "bad_certificate")
+    _refused(cl.desk, msgspec.structs.replace(e, version=ENROLL_VERSION, cert=_der(cl.certs["n3"])), "bad_mac")
     ecdh = cl.client("n4", keyed=False)
     e4, _ = ecdh.make(report("n4"), cl.placer_cert, now=NOW)
     assert e4.version == ENROLL_VERSION
-    _refused(cl.desk, msgspec.structs.replace(e4, version=ENROLL_KEYED_VERSION), "bad_mac")
+    _refused(cl.desk, msgspec.structs.replace(e4, version=ENROLL_KEYED_VERSION), "malformed")
+    f4 = EnrollClient(cl.ca.cert, ecdh._key, ecdh.cert, enrol_key=b"\0" * 32)._fields
+    assert f4 is not None
+    _refused(cl.desk, msgspec.structs.replace(e4, version=ENROLL_KEYED_VERSION, cert=b"", serial=f4.serial,
+                                               not_before=f4.not_before, not_after=f4.not_after), "bad_mac")
     cl.desk.check(e4, now=NOW)                                   # an ECDH enrolment is taken as before
-    assert (cl.desk.cert_checks, cl.desk.keyed) == (2, 0)   # (n3's downgraded one and n4's: checked by ECDH)
+    assert (cl.desk.cert_checks, cl.desk.keyed) == (2, 0)   # (n3's certificate put back, and n4's: by ECDH)
     # a placer that holds no enrolment master refuses keyed ones with their own outcome
     bare = Cluster(master=None)
     e5, _ = bare.client("n5").make(report("n5"), bare.placer_cert, now=NOW)
@@ -174,3 +175,28 @@ async def test_a_bootstrapped_node_gets_its_enrolment_key_over_the_pki_api(tmp_p
     desk = desk_from_files(tls_pki.files("placer"))
     e, _ = c.make(report("n8"), desk.cert, now=time.time())
     assert desk.check(e, now=time.time()).node_id == "n8" and desk.keyed == 1
+
+
+_FLIP = Cluster()
+_FLIP_CLIENT = _FLIP.client("flip", rack="z/b/r1")
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_any_flipped_bit_of_a_keyed_enrolment_is_refused(data: st.DataObject) -> None:
+    e, _ = _FLIP_CLIENT.make(report("flip"), _FLIP.placer_cert, now=NOW)
+    field = data.draw(st.sampled_from(["mac", "nonce", "report", "serial", "rack", "boot_id", "not_before",
+                                       "not_after"]))
+    val: object
+    if field in ("not_before", "not_after"):
+        val = getattr(e, field) ^ (1 << data.draw(st.integers(0, 40)))
+    else:
+        cur = getattr(e, field)
+        raw = bytearray(cur.encode() if isinstance(cur, str) else bytes(cur))
+        bit = data.draw(st.integers(0, len(raw) * 8 - 1))
+        raw[bit // 8] ^= 1 << (bit % 8)
+        val = bytes(raw).decode(errors="replace") if isinstance(cur, str) else bytes(raw)
+        if field == "report":
+            val = msgspec.Raw(bytes(raw))
+    with pytest.raises(EnrollRefused):
+        _FLIP.desk.check(msgspec.structs.replace(e, **{field: val}), now=NOW)
