@@ -240,11 +240,9 @@ def enrol_key(master: bytes, node_id: str, serial: str, not_before: float, not_a
     """K_N: a node certificate's enrolment key, bound to everything of it the placer reads
     (node, serial, validity, pinned rack), so that its holder cannot make it speak for another
     certificate: the placer derives it from the certificate an enrolment carries."""
-    h = blake3.blake3(_ENROL_KDF, key=master)
-    for f in (node_id, norm_serial(serial), str(int(not_before)), str(int(not_after)), rack or ""):
-        b = f.encode()
-        h.update(len(b).to_bytes(4, "big") + b)
-    return h.digest(ENROL_KEY_LEN)
+    fields = [f.encode() for f in (node_id, norm_serial(serial), str(int(not_before)), str(int(not_after)), rack or "")]
+    return blake3.blake3(_ENROL_KDF + b"".join(len(b).to_bytes(4, "big") + b for b in fields),
+                         key=master).digest(ENROL_KEY_LEN)
 
 
 def enrol_key_of(master: bytes, cert: x509.Certificate) -> bytes:
