@@ -5,7 +5,10 @@ Where: ``tls_dir`` (default ``$HERD_TLS_DIR`` or ``/etc/herd/tls``; under system
 ``LoadCredential=`` directory) holds ``ca.crt`` and, when issued by the operator
 (``herd pki issue``), ``node.crt`` + ``node.key``. A certificate the agent obtained itself
 (bootstrap or renewal) is written to ``<state_dir>/tls/`` (0600, atomic) and preferred while
-it is the later one: a read-only credentials dir never blocks a renewal.
+it is the later one: a read-only credentials dir never blocks a renewal. Beside the key,
+``node.enrol`` holds the certificate's enrolment key (from ``herd pki issue``, or in the
+placer's answer to a bootstrap or renewal): with it the agent enrols through its relay with no
+ECDH (scheduler_link.enroll); it is as secret as the key.
 
 Renewal: once less than a third of the certificate's lifetime is left, the agent posts a CSR
 for a fresh key to the placer's ``/v1/pki/renew`` over mutual TLS with its current certificate,
@@ -91,6 +94,14 @@ def _save(state_dir: str | os.PathLike[str], key_pem: bytes, reply: CertReply) -
     d.mkdir(parents=True, exist_ok=True)
     os.chmod(d, 0o700)
     atomic_write(d / "node.key", key_pem, 0o600)
+    if reply.enrol_key:   # (beside the key it goes with; bound to the certificate's serial)
+        try:
+            key = bytes.fromhex(reply.enrol_key)
+        except ValueError:
+            raise pki.PKIError("the placer's answer holds an enrolment key that is not hex") from None
+        pki.write_enrol_key(d / "node.key", _parse(reply.cert), key)
+    else:                 # (an older placer: the one there is another certificate's)
+        (d / "node.key").with_suffix(pki.ENROL_SUFFIX).unlink(missing_ok=True)
     atomic_write(d / "node.crt", reply.cert.encode(), 0o644)
     return TLSFiles(d / "ca.crt", d / "node.crt", d / "node.key")
 

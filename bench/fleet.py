@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="registration only, over mutual TLS vs the same without TLS (bench/fleet_tls.py)")
     ap.add_argument("--repeat", type=int, default=1, help="--tls: runs per mode (medians)")
     ap.add_argument("--relays", action="store_true", help="--tls: relay mode (members beat through their relay)")
-    ap.add_argument("--modes", default=None, help="--tls: comma-separated subset of plain,tls,enroll (default all)")
+    ap.add_argument("--modes", default=None, help="--tls: comma-separated subset of plain,tls,enroll,enroll_ecdh (default: plain,tls,enroll)")
     ap.add_argument("--baseline-root", default=None,
                     help="--tls --relays: also the enroll mode run by this tree (another checkout), alternated in the "
                          "same run (enroll_base; ratios *_enroll_over_base)")

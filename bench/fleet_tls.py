@@ -20,8 +20,11 @@ third mode in the same run:
 - ``tls`` (the baseline): each member registers over its own connection (a handshake, the full
   report, its MAC key), then beats through its rack's relay;
 - ``enroll``: each member registers *through* its rack's relay (``testing.fleet --enroll``;
-  scheduler_link.enroll: its certificate's key proves it, its keys come back sealed): the
-  placer handshakes with the relays only.
+  scheduler_link.enroll: the enrolment key issued with its certificate proves it, its keys
+  come back sealed): the placer handshakes with the relays only;
+- ``enroll_ecdh`` (only when asked for in ``--modes``): the same with members whose certificates
+  came without an enrolment key (``--enroll-ecdh``): each enrols by ECDH with its certificate's
+  key, and the placer checks each certificate's CA signature and makes an ECDH.
 
 ``--modes`` runs a subset of the modes; ``--baseline-root DIR`` (relay mode) adds
 ``enroll_base``, the enroll mode run by the tree at DIR (another checkout: its placer and its
@@ -101,7 +104,8 @@ def _load() -> list[float]:
 async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, heartbeat_s: float,
                         limit_s: float, root: Path, relays: bool = False) -> dict[str, Any]:
     label = mode
-    if mode == "enroll_base":   # the enroll mode, run by the baseline tree (``root`` is that tree)
+    ecdh = mode == "enroll_ecdh"
+    if mode in ("enroll_base", "enroll_ecdh"):   # the enroll mode, by the baseline tree (``root``) / by ECDH
         mode = "enroll"
     td = generate_token_dir(tmp / "tokens")
     pki_dir = None
@@ -124,7 +128,7 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
         # ~32 members registering at once over all the emulators (testing.fleet: tls_threads)
         tls_threads = ["--tls-threads", str(max(8, 32 // procs))] if pki_dir and relays else []
         if mode == "enroll":
-            tls_threads.append("--enroll")
+            tls_threads += ["--enroll", *(["--enroll-ecdh"] if ecdh else [])]
         for k in range(procs):
             cnt = min(per_proc, n_nodes - k * per_proc)
             emus.append(await stack.enter_async_context(EmulatorProc(
@@ -141,11 +145,12 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
                    placer_cpu_s=round(tree_cpu_s(placer.pid) - cpu0, 2), placer_loop_cpu_s=round(proc_cpu_s(placer.pid) - loop0, 2),
                    emulator_cpu_s=round(sum(e.cpu_s() for e in emus) - ecpu0, 2), placer_rss_mib=round(placer.rss_mib(), 1),
                    placer_fds=placer.fds(), load_after=_load())
-        fc = {}
+        fc, cluster = {}, {}
         for _ in range(3):  # (a kept-alive connection the placer closed while idle: once more)
             try:
                 r = await c.get(f"{placer.url}/v1/cluster", params={"detail": "0"})
-                fc = r.json().get("framed_channel", {})
+                cluster = r.json()
+                fc = cluster.get("framed_channel", {})
                 break
             except httpx.HTTPError:
                 continue
@@ -161,6 +166,7 @@ async def register_once(n_nodes: int, mode: str, tmp: Path, *, per_proc: int, he
                 for k, v in x.get("enroll_refused", {}).items():
                     refused[k] = refused.get(k, 0) + v
             row["enroll_refused"] = refused
+            row["enroll_keyed"] = int(cluster.get("placer", {}).get("relays", {}).get("enroll", {}).get("keyed", 0))
     return row
 
 
@@ -208,6 +214,10 @@ async def run_tls_bench(nodes: list[int], *, per_proc: int, heartbeat_s: float, 
             if t is not None and tc is not None:
                 summ["register_ratio_enroll_over_tls"] = round(er / t, 2) if t else None
                 summ["placer_cpu_ratio_enroll_over_tls"] = round(ec / tc, 2) if tc else None
+            if "enroll_ecdh" in runs:   # keyed (this tree) against ECDH enrolment (this tree), same run
+                for k in ("register_s", "placer_cpu_s", "placer_loop_cpu_s", "emulator_cpu_s"):
+                    b = summ[f"enroll_ecdh_{k}_median"]
+                    summ[f"{k.removesuffix('_s')}_ratio_enroll_over_ecdh"] = round(summ[f"enroll_{k}_median"] / b, 2) if b else None
             if "enroll_base" in runs:
                 br, bc = summ["enroll_base_register_s_median"], summ["enroll_base_placer_cpu_s_median"]
                 be = summ["enroll_base_emulator_cpu_s_median"]
@@ -242,6 +252,13 @@ def print_tls_table(out: dict[str, Any]) -> None:
                   f"x{s['placer_loop_cpu_ratio_enroll_over_base']}), emulators "
                   f"{s['enroll_emulator_cpu_s_median']} / {s['enroll_base_emulator_cpu_s_median']} s "
                   f"(x{s['emulator_cpu_ratio_enroll_over_base']})")
+        if "register_ratio_enroll_over_ecdh" in s:
+            print(f"{s['nodes']:>7} nodes, keyed enrolment / enrolment by ECDH (medians): register "
+                  f"{s['enroll_register_s_median']} / {s['enroll_ecdh_register_s_median']} s "
+                  f"(x{s['register_ratio_enroll_over_ecdh']}), placer CPU {s['enroll_placer_cpu_s_median']} / "
+                  f"{s['enroll_ecdh_placer_cpu_s_median']} s (x{s['placer_cpu_ratio_enroll_over_ecdh']}), emulators "
+                  f"{s['enroll_emulator_cpu_s_median']} / {s['enroll_ecdh_emulator_cpu_s_median']} s "
+                  f"(x{s['emulator_cpu_ratio_enroll_over_ecdh']})")
         if "register_ratio_tls_over_plain" not in s:
             continue
         print(f"{s['nodes']:>7} nodes: register median plain {s['plain_register_s_median']} s, "

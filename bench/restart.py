@@ -7,7 +7,9 @@ One ``herd placer run`` (mutual TLS unless ``--plain``; rack relays on) and
 ``ceil(N / --per-proc)`` emulator processes (``python -m testing.fleet --relays``: each rack
 runs the shipped relay, :class:`agent.relay.Relay`; every node has its own certificate, and
 over TLS members register by enrolling through their relay, ``--enroll``, as agents that
-kept their relay's address do; ``--no-enroll``: each over its own connection, a handshake each).
+kept their relay's address do, with the enrolment key issued with their certificate;
+``--enroll-ecdh``: by ECDH with their certificate's key, as certificates issued without one;
+``--no-enroll``: each over its own connection, a handshake each).
 
 - cold: ``go`` -> every node up (``register_s``), with the placer's CPU and the emulators', the
   nodes it declared lost meanwhile (``register_nodes_lost``) and the mass silences it held
@@ -107,7 +109,7 @@ async def _counted(c: httpx.AsyncClient, url: str) -> dict[str, int]:
 async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls: bool, relay_hold: float,
                    per_proc: int, recover_s: float, tmp: Path, limit_s: float,
                    heartbeat_s: float = HEARTBEAT_S, enroll: bool = True, compact: bool = True,
-                   enroll_workers: int | None = None) -> dict[str, Any]:
+                   enroll_workers: int | None = None, enroll_ecdh: bool = False) -> dict[str, Any]:
     token_dir = generate_token_dir(tmp / "tokens")
     op = {"authorization": f"Bearer {TokenSet.load(token_dir).operator}"}
     pki = throwaway(tmp / "pki").dir if tls else None
@@ -115,7 +117,8 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
                     extra_toml="" if enroll_workers is None else f"enroll_workers = {enroll_workers}\n")
     enroll = enroll and tls
     per_host = GPUS_PER_HOST[fleet]
-    row: dict[str, Any] = {"nodes": n, "fleet": fleet, "tls": tls, "enroll": enroll, "relay_hold_s": relay_hold,
+    row: dict[str, Any] = {"nodes": n, "fleet": fleet, "tls": tls, "enroll": enroll, "enroll_ecdh": enroll and enroll_ecdh,
+                           "relay_hold_s": relay_hold,
                            "compact": compact,
                            "heartbeat_s": heartbeat_s, "enroll_workers": enroll_workers,
                            "gang_hosts": gang_hosts, "recover_s": recover_s, "load_before": os.getloadavg()[0]}
@@ -132,6 +135,7 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             e = EmulatorProc(proxy, token_dir, nodes=cnt, offset=k * per_proc, fleet=fleet, mux=8, tls_dir=pki,
                              log_path=tmp / f"emu-{k}.log", nice=EMULATOR_NICE,
                              extra=["--relays", "--relay-hold", str(relay_hold), *(["--enroll"] if enroll else []),
+                                    *(["--enroll-ecdh"] if enroll and enroll_ecdh else []),
                                     *([] if compact else ["--no-compact"]),
                                     *(["--tls-threads", str(max(8, 32 // procs))] if tls else [])])
             await e.__aenter__()
@@ -230,7 +234,7 @@ async def run_all(ns: argparse.Namespace) -> dict[str, Any]:
                                        tls=not ns.plain, relay_hold=hold, per_proc=ns.per_proc,
                                        recover_s=ns.recover_s, tmp=root / f"hold{hold:g}-{int(compact)}",
                                        limit_s=ns.limit_s, enroll=not ns.no_enroll, heartbeat_s=ns.heartbeat,
-                                       compact=compact, enroll_workers=ns.enroll_workers))
+                                       compact=compact, enroll_workers=ns.enroll_workers, enroll_ecdh=ns.enroll_ecdh))
     out: dict[str, Any] = {"bench": "restart", "cores": os.cpu_count(), "heartbeat_s": ns.heartbeat, "rows": rows}
     first = rows[0].get("model_full_s")
     for other in rows[1:]:
@@ -268,12 +272,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-enroll", action="store_true",
                     help="TLS: members register over their own connection (a handshake each) instead of enrolling "
                          "through their relay")
+    ap.add_argument("--enroll-ecdh", action="store_true",
+                    help="members enrol by ECDH with their certificate's key (certificates issued without an enrolment "
+                         "key) instead of with their enrolment key")
     ap.add_argument("--baseline", action="store_true", help="also the run with the members' relay hold off")
     ap.add_argument("--baseline-compact", action="store_true",
                     help="also the run with compact registration off (every full report carries its GPU snapshot)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--enroll-workers", type=int, default=None,
-                    help="the placer's enroll_workers (default: its own, one a core but the loop's; 0: in the loop)")
+                    help="the placer's enroll_workers (default: its own, one a core but the loop's, none below 4 cores; 0: in the loop)")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
     out = trio.run(run_all, ns)

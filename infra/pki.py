@@ -13,6 +13,10 @@ Layout of a PKI dir (``herd pki init DIR``)::
     DIR/nodes/<id>/{ca.crt,node.crt,node.key}   one node's (``herd pki issue --node ID DIR``),
                                  the directory to copy to that host (its ``tls_dir``)
     DIR/bootstrap-tokens.json   single-use bootstrap tokens (hashes only; see BootstrapTokens)
+    DIR/enrol.secret            the enrolment master (32 random bytes, 0600): whoever issues node
+                                 certificates derives each one's enrolment key from it, and the
+                                 placer checks keyed enrolments with it (copy it with placer.key)
+    DIR/nodes/<id>/node.enrol   that node's enrolment key, bound to its certificate (0600)
 
 Keys are written 0600 (dirs 0700), via a temp file renamed into place. A certificate's subject
 common name is its principal (``placer``, ``node:<id>``, ``operator``, ``viewer``, ``metrics``;
@@ -37,6 +41,13 @@ fsynced before the certificate is returned), so a token works once even across p
 A node id that holds a live certificate (unexpired, not revoked: :class:`Issued`) is refused a
 bootstrap: renewal over that certificate is the way to a new one.
 
+Enrolment keys (scheduler_link.enroll, keyed enrolment): every node certificate issued here (by
+``herd pki issue`` or the placer's bootstrap and renewal routes) comes with
+``K_N = BLAKE3(key=master, "herd node enrol key v1" || node || serial || not_before ||
+not_after || rack)`` (:func:`enrol_key`), kept beside the node's key as ``node.enrol`` with the
+serial it is bound to. With it a node enrols through its relay with no public-key operation at
+either end; the placer derives the same key from the enrolment's certificate fields and the master.
+
 Revocation (:class:`Revocations`, ``DIR/revoked.json``): ``herd pki revoke NODE`` puts the node id
 and the serials of every certificate issued to it on a deny-list that the placer loads into its
 handshakes (:class:`infra.tls.Revoked`) and hands to the agents in its heartbeat answers.
@@ -58,6 +69,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import blake3
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
@@ -197,6 +209,78 @@ def write_pair(d: Path, name: str, key: ec.EllipticCurvePrivateKey, cert: x509.C
     atomic_write(d / f"{name}.crt", cert_pem(cert), 0o644)
 
 
+# ---------------------------------------------------------------- enrolment keys
+
+ENROL_SECRET = "enrol.secret"   # the enrolment master, beside ca.key (and placer.key)
+ENROL_SUFFIX = ".enrol"         # a node's enrolment key: beside <name>.key as <name>.enrol
+ENROL_KEY_LEN = 32
+_ENROL_KDF = b"herd node enrol key v1\0"
+
+
+def enrol_master(d: str | os.PathLike[str], *, create: bool = False) -> bytes | None:
+    """The enrolment master in ``d`` (None: there is none, or the file is empty as systemd
+    passes an absent credential; ``create``: made now, 0600)."""
+    p = Path(d) / ENROL_SECRET
+    try:
+        raw = p.read_bytes()
+    except FileNotFoundError:
+        raw = b""
+    if len(raw) <= 1:
+        if not create:
+            return None
+        raw = secrets.token_bytes(ENROL_KEY_LEN)
+        atomic_write(p, raw, 0o600)
+    if len(raw) != ENROL_KEY_LEN:
+        raise PKIError(f"{p} is not a {ENROL_KEY_LEN}-byte enrolment master")
+    return raw
+
+
+def enrol_key(master: bytes, node_id: str, serial: str, not_before: float, not_after: float,
+              rack: str | None) -> bytes:
+    """K_N: a node certificate's enrolment key, bound to everything of it the placer reads
+    (node, serial, validity, pinned rack), so that its holder cannot make it speak for another
+    certificate: the placer derives it from the certificate an enrolment carries."""
+    fields = [f.encode() for f in (node_id, norm_serial(serial), str(int(not_before)), str(int(not_after)), rack or "")]
+    return blake3.blake3(_ENROL_KDF + b"".join(len(b).to_bytes(4, "big") + b for b in fields),
+                         key=master).digest(ENROL_KEY_LEN)
+
+
+def enrol_key_of(master: bytes, cert: x509.Certificate) -> bytes:
+    """:func:`enrol_key` of a node certificate (as issued)."""
+    cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+    p = parse_principal(str(cns[0].value)) if cns else None
+    if p is None or p.node_id is None:
+        raise PKIError("an enrolment key is a node certificate's")
+    return enrol_key(master, p.node_id, serial_hex(cert), cert.not_valid_before_utc.timestamp(),
+                     cert.not_valid_after_utc.timestamp(), cert_rack(cert))
+
+
+def write_enrol_key(key_path: str | os.PathLike[str], cert: x509.Certificate, key: bytes) -> Path:
+    """``key`` (K_N of ``cert``) beside the node's private key ``key_path`` (0600), with the
+    serial it is bound to."""
+    p = Path(key_path).with_suffix(ENROL_SUFFIX)
+    atomic_write(p, json.dumps({"serial": norm_serial(serial_hex(cert)), "key": key.hex()}).encode(), 0o600)
+    return p
+
+
+def load_enrol_key(key_path: str | os.PathLike[str], cert: x509.Certificate) -> bytes | None:
+    """The enrolment key beside ``key_path`` if it is ``cert``'s (None: none, or one bound to
+    another certificate: the node then enrols with its certificate's key, by ECDH)."""
+    p = Path(key_path).with_suffix(ENROL_SUFFIX)
+    try:
+        raw = p.read_bytes()
+        if len(raw) <= 1:   # (systemd's empty credential for an absent file)
+            return None
+        d = json.loads(raw)
+        key = bytes.fromhex(d["key"])
+        ok = d["serial"] == norm_serial(serial_hex(cert)) and len(key) == ENROL_KEY_LEN
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise PKIError(f"{p} is not an enrolment key: {e}") from None
+    return key if ok else None
+
+
 def load_cert(path: str | os.PathLike[str]) -> x509.Certificate:
     try:
         return x509.load_pem_x509_certificate(Path(path).read_bytes())
@@ -252,6 +336,8 @@ def init(d: str | os.PathLike[str], *, ca_days: int = CA_DAYS, days: int = NODE_
         (p / stale).unlink(missing_ok=True)
     ca_key, ca_cert = make_ca(days=ca_days)
     write_pair(p, "ca", ca_key, ca_cert)
+    (p / ENROL_SECRET).unlink(missing_ok=True)   # (the keys of the CA replaced go with it)
+    enrol_master(p, create=True)
     ca = CA(ca_key, ca_cert)
     all_names = [*names, *default_names()]
     for principal in ("placer", "operator"):
@@ -275,6 +361,9 @@ def issue_node(d: str | os.PathLike[str], node_id: str, *, days: int = NODE_DAYS
     k, c = ca.issue(f"node:{node_id}", days=days, names=[*names, *default_names()], rack=rack)
     Issued(Path(d)).record(node_id, c, now=_now().timestamp())
     write_pair(out, "node", k, c)
+    master = enrol_master(d, create=True)
+    assert master is not None
+    write_enrol_key(out / "node.key", c, enrol_key_of(master, c))
     atomic_write(out / "ca.crt", cert_pem(ca.cert), 0o644)
     return out
 
@@ -644,6 +733,7 @@ class NodeContexts:
 
         self.ca = CA.load(d)
         self.days = days
+        self.enrol_master = enrol_master(d)   # (None: the nodes enrol by ECDH)
         self._ca_pem = cert_pem(self.ca.cert).decode()
         self._tmp = Path(tempfile.mkdtemp(prefix="herd-node-ctx-", dir="/dev/shm" if os.path.isdir("/dev/shm")
                                           else None))

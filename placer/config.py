@@ -48,7 +48,7 @@ class PlacerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     # (503, counted in direct_refusals) until a relay connects. 0: no limit
     direct_max_nodes: int = 16384
     # processes that check a relay batch's enrolment certificates and ECDHs ahead of its turn
-    # (placer.enrollpool); None: one a core but the event loop's, at most 4; 0: in the loop
+    # (placer.enrollpool); None: one a core but the event loop's, at most 4, none below 4 cores; 0: in the loop
     enroll_workers: int | None = None
     blob_seeds: int = 1               # bundles of a gang that carry the blob's bytes (the rest fetch it)
     placement_ttl_s: float = 30.0     # a NodePart is refused as expired this long after it was issued

@@ -21,6 +21,14 @@ proved is proved per message:
   ``E = BLAKE3-derive-key("herd enrol v1", S || node || boot || nonce || H(member cert) ||
   H(placer cert))``, split into a MAC key and a sealing key (keyed BLAKE3 of "mac"/"seal").
   The nonce (16 random bytes) makes E fresh for every enrolment.
+- **Keyed enrolment** (``version`` ENROLL_KEYED_VERSION): a node whose certificate was issued
+  with its enrolment key ``K_N = BLAKE3(key=master, node || serial || validity || rack)``
+  (infra.pki.enrol_key; ``node.enrol`` beside its key) uses K_N where the ECDH secret would be
+  (another KDF context, and the digest of the certificate's fields where the certificate's
+  would be): no public-key work at either end. Such an enrolment carries those fields
+  (serial, validity, rack) instead of the certificate; the placer derives K_N from the master
+  (``enrol.secret`` beside its key) and exactly the fields it then trusts: any of them changed
+  gives another key, so the MAC fails. Certificates issued without a key enrol by ECDH.
 - **The enrolment** (:class:`~scheduler_link.messages.Enroll`: certificate DER, node, boot,
   nonce, the member's time, the full report's msgpack bytes) carries a 32-byte keyed-BLAKE3
   MAC under E's MAC key over all of it. The placer (:class:`EnrollDesk`) checks, cheapest
@@ -39,7 +47,8 @@ proved is proved per message:
   of that boot (its later heartbeats move it on, or a 409 asks it for a fresh one), and the
   answer is sealed to the node, so the relay learns nothing.
 
-Cost at the placer per enrolment: one CA signature check and one ECDH, both cached per
+Cost at the placer per enrolment (by ECDH; a keyed one: a certificate parse and BLAKE3
+instead of the CA check and the ECDH): one CA signature check and one ECDH, both cached per
 certificate (a member that enrols again with the same certificate costs neither; a batch's
 new certificates are checked ahead in worker processes, :func:`check_members`,
 placer.enrollpool), a few BLAKE3 calls and one AEAD seal: ~0.2 ms, against a TLS handshake's 2.5-5.6 ms
@@ -70,10 +79,11 @@ from cryptography.utils import CryptographyDeprecationWarning
 from cryptography.x509.oid import NameOID
 
 from infra.errors import AuthError
-from infra.pki import cert_rack, load_cert, load_key
+from infra.pki import cert_rack, enrol_key, enrol_master, load_cert, load_enrol_key, load_key
 from infra.tls import TLSFiles, norm_serial, parse_principal
 
 from .messages import (
+    ENROLL_KEYED_VERSION,
     ENROLL_VERSION,
     Enroll,
     EnrollAnswer,
@@ -97,6 +107,7 @@ BUDGET_BURST = 512.0         # enrolments one connection may send at once (twice
 BUDGET_PER_S = 8.0           # ... and then per second
 
 _KDF_CONTEXT = "herd enrol v1 (scheduler_link.enroll)"
+_KDF_KEYED_CONTEXT = "herd enrol keyed v1 (scheduler_link.enroll)"
 _MAC_PREFIX = b"herd enrol mac v1\0"
 _AD_PREFIX = b"herd enrol answer v1\0"
 _canon = msgspec.msgpack.Encoder(order="deterministic")
@@ -130,9 +141,15 @@ class Keys(NamedTuple):
     seal: bytes
 
 
-def derive(shared: bytes, node_id: str, boot_id: str, nonce: bytes, member_cert: bytes, placer_cert: bytes) -> Keys:
-    """E's MAC and sealing keys from the ECDH secret and what binds them to one enrolment
-    (the certificates as their BLAKE3 digests)."""
+def derive(shared: bytes, node_id: str, boot_id: str, nonce: bytes, member_cert: bytes, placer_cert: bytes,
+           *, keyed: bool = False) -> Keys:
+    """E's MAC and sealing keys from the ECDH secret (``keyed``: the node's enrolment key
+    K_N instead) and what binds them to one enrolment (the certificates as their BLAKE3
+    digests)."""
+    if keyed:   # (one call: both keys from the derivation's output)
+        both = blake3.blake3(shared + _canon.encode([node_id, boot_id, nonce, member_cert, placer_cert]),
+                             derive_key_context=_KDF_KEYED_CONTEXT).digest(2 * KEY_LEN)
+        return Keys(both[:KEY_LEN], both[KEY_LEN:])
     e = blake3.blake3(shared + _canon.encode([node_id, boot_id, nonce, member_cert, placer_cert]),
                       derive_key_context=_KDF_CONTEXT).digest(KEY_LEN)
     return Keys(blake3.blake3(b"mac", key=e).digest(KEY_LEN), blake3.blake3(b"seal", key=e).digest(KEY_LEN))
@@ -199,16 +216,17 @@ def check_cert(der: bytes, ca: x509.Certificate) -> CertOK:
         return _check_cert(der, ca)
 
 
-def _check_cert(der: bytes, ca: x509.Certificate) -> CertOK:
+def _check_cert(der: bytes, ca: x509.Certificate | None) -> CertOK:
     try:
         cert = x509.load_der_x509_certificate(der)
     except _UNPARSED as e:
         raise EnrollRefused("bad_certificate", f"not a DER certificate: {e}") from None
-    try:
-        cert.verify_directly_issued_by(ca)
-    except _UNVERIFIED:
-        raise EnrollRefused("not_from_ca", "the certificate is not signed by the cluster CA") from None
-    try:   # (signed by our CA, so well formed; parsed lazily all the same)
+    if ca is not None:
+        try:
+            cert.verify_directly_issued_by(ca)
+        except _UNVERIFIED:
+            raise EnrollRefused("not_from_ca", "the certificate is not signed by the cluster CA") from None
+    try:   # (parsed lazily: a field may fail here)
         cns = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
         p = parse_principal(str(cns[0].value)) if cns else None
         key = cert.public_key()
@@ -222,6 +240,35 @@ def _check_cert(der: bytes, ca: x509.Certificate) -> CertOK:
     if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
         raise EnrollRefused("bad_certificate", "the certificate's key is not ECDSA P-256")
     return CertOK(p.name, p.node_id, key, serial, *valid, rack=rack)
+
+
+def cert_fields(der: bytes) -> CertOK:
+    """``der``'s fields, its signature *not* checked: what a keyed enrolment's MAC vouches
+    for (the key it verifies under is derived from exactly these). EnrollRefused as
+    :func:`check_cert` for bytes that do not parse."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CryptographyDeprecationWarning)
+        return _check_cert(der, None)
+
+
+class KeyedFields(NamedTuple):
+    """What a keyed enrolment carries of its certificate: the fields its enrolment key is
+    bound to (infra.pki.enrol_key), besides the node."""
+    serial: str
+    not_before: int
+    not_after: int
+    rack: str | None
+
+    def digest(self) -> bytes:
+        """What the enrolment's key derivation and MAC bind in place of the certificate's digest."""
+        return digest(_canon.encode(["herd keyed certificate v1", self.serial, self.not_before, self.not_after,
+                                     self.rack or ""]))
+
+
+def keyed_fields(der: bytes) -> KeyedFields:
+    """A node's own certificate's fields, as its keyed enrolments carry them."""
+    c = cert_fields(der)
+    return KeyedFields(c.serial, int(c.not_before), int(c.not_after), c.rack)
 
 
 def member_known(der: bytes, ca: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> KnownCert:
@@ -257,7 +304,8 @@ def _valid(c: CertOK | KnownCert, now: float) -> None:
 
 class KnownCert(NamedTuple):
     """A member certificate the desk checked, as it keeps it: what its later checks read, and
-    the ECDH secret with it (not its key object)."""
+    the ECDH secret with it (not its key object); for a keyed enrolment (never kept), the
+    enrolment key."""
     principal: str
     node_id: str
     serial: str
@@ -350,12 +398,16 @@ class EnrollDesk:
     """The placer's side (no I/O): checks enrolments and seals their answers.
 
     ``ca``: the cluster CA's certificate; ``key``/``cert``: the placer's TLS key and
-    certificate (DER), whose key is the static key of the ECDH."""
+    certificate (DER), whose key is the static key of the ECDH; ``master``: the enrolment
+    master (infra.pki.enrol_master) that keyed enrolments' keys derive from (None: those are
+    refused ``no_master``)."""
 
     def __init__(self, ca: x509.Certificate, key: ec.EllipticCurvePrivateKey, cert: bytes, *,
-                 window_s: float = WINDOW_S, skew_s: float = SKEW_S, cache: int = CERT_CACHE) -> None:
+                 window_s: float = WINDOW_S, skew_s: float = SKEW_S, cache: int = CERT_CACHE,
+                 master: bytes | None = None) -> None:
         self.ca = ca
         self._key = key
+        self._master = master
         self.cert = cert
         self._cert_digest = digest(cert)
         self.window_s = window_s
@@ -366,6 +418,7 @@ class EnrollDesk:
         self._pool_args: tuple[bytes, bytes] | None = None
         # statistics
         self.taken = 0
+        self.keyed = 0             # ... of them keyed (no public-key work)
         self.refused: dict[str, int] = {}
         self.cert_checks = 0       # CA signature checks and ECDHs done (the rest were cached)
 
@@ -386,6 +439,21 @@ class EnrollDesk:
         self._keep(d, k)
         return k, d
 
+    def _keyed_member(self, e: Enroll) -> tuple[KnownCert, bytes]:
+        """The certificate fields a keyed enrolment carries, with the K_N derived from them and
+        the master (one BLAKE3 call: nothing is parsed or kept). Nothing vouches for the fields
+        but the MAC under that key, checked next: a field changed is another key."""
+        if self._master is None:
+            raise EnrollRefused("no_master", "this placer holds no enrolment master: enrol by ECDH or directly")
+        if e.cert:
+            raise EnrollRefused("malformed", "a keyed enrolment carries its certificate's fields, not the certificate")
+        if len(e.serial) > 64 or (e.rack is not None and len(e.rack) > MAX_ID_LEN):
+            raise EnrollRefused("oversized", "a field of the enrolment is over its bound")
+        f = KeyedFields(norm_serial(e.serial), e.not_before, e.not_after, e.rack)
+        k = enrol_key(self._master, e.node_id, f.serial, f.not_before, f.not_after, f.rack)
+        return KnownCert(f"node:{e.node_id}", e.node_id, f.serial, float(f.not_before), float(f.not_after), k,
+                         f.rack), f.digest()
+
     def _keep(self, d: bytes, k: KnownCert) -> None:
         self._cache[d] = k
         while len(self._cache) > self._cache_cap:
@@ -400,7 +468,7 @@ class EnrollDesk:
         seen: set[bytes] = set()
         for e in enrolls:
             der = e.cert
-            if len(der) > MAX_CERT_BYTES:
+            if len(der) > MAX_CERT_BYTES or e.version == ENROLL_KEYED_VERSION:   # (a keyed one needs none)
                 continue
             d = digest(der)
             if d not in seen and d not in self._cache:
@@ -436,12 +504,14 @@ class EnrollDesk:
             self.refuse(r.outcome)
             raise
         self.taken += 1
+        self.keyed += e.version == ENROLL_KEYED_VERSION
         return got
 
     def _check(self, e: Enroll, now: float, denied: tuple[frozenset[str], frozenset[str]],
                known: tuple[str, int] | None) -> Checked:
-        if e.version != ENROLL_VERSION:
-            raise EnrollRefused("malformed", f"enrolment version {e.version} is not {ENROLL_VERSION}")
+        if e.version not in (ENROLL_VERSION, ENROLL_KEYED_VERSION):
+            raise EnrollRefused("malformed", f"enrolment version {e.version} is not {ENROLL_VERSION} or "
+                                             f"{ENROLL_KEYED_VERSION}")
         if len(e.nonce) != NONCE_LEN:
             raise EnrollRefused("malformed", f"a nonce is {NONCE_LEN} bytes, not {len(e.nonce)}")
         if len(e.cert) > MAX_CERT_BYTES or len(e.report) > MAX_REPORT_BYTES or len(e.node_id) > MAX_ID_LEN \
@@ -451,15 +521,17 @@ class EnrollDesk:
             raise EnrollRefused("malformed", "an enrolment names its node and boot")
         if not now - self.window_s <= e.at <= now + self.skew_s:
             raise EnrollRefused("replay", f"made at {e.at:.0f}, outside the window around {now:.0f}")
-        c, cd = self._member(e.cert)
+        keyed = e.version == ENROLL_KEYED_VERSION
+        c, cd = self._keyed_member(e) if keyed else self._member(e.cert)
         if c.node_id != e.node_id:
             raise EnrollRefused("bad_certificate", f"the certificate is {c.principal}'s, not node:{e.node_id[:200]}'s")
         _valid(c, now)
         if c.node_id in denied[0] or c.serial in denied[1]:
             raise EnrollRefused("revoked", f"{c.principal} or its certificate {c.serial} is revoked")
-        keys = derive(c.shared, e.node_id, e.boot_id, e.nonce, cd, self._cert_digest)
+        keys = derive(c.shared, e.node_id, e.boot_id, e.nonce, cd, self._cert_digest, keyed=keyed)
         if len(e.mac) != MAC_LEN or not hmac.compare_digest(e.mac, enroll_mac(keys.mac, e, cd)):
-            raise EnrollRefused("bad_mac", "the MAC does not verify with the certificate's key")
+            raise EnrollRefused("bad_mac", "the MAC does not verify with the certificate's key"
+                                + (" (its enrolment key)" if keyed else ""))
         try:
             rep = _report_dec.decode(e.report)
         except (msgspec.DecodeError, msgspec.ValidationError) as err:
@@ -481,8 +553,9 @@ class EnrollDesk:
                             reply=msgspec.structs.replace(reply, mac_key=None, placer_key=None))
 
     def statistics(self) -> dict[str, object]:
-        return {"taken": self.taken, "refused": dict(self.refused), "cert_checks": self.cert_checks,
-                "certs_cached": len(self._cache), "nonces": len(self.guard)}
+        return {"taken": self.taken, "keyed": self.keyed, "refused": dict(self.refused),
+                "cert_checks": self.cert_checks, "certs_cached": len(self._cache),
+                "nonces": len(self.guard)}
 
 
 # ---------------------------------------------------------------- the member's side
@@ -497,12 +570,16 @@ class Pending(NamedTuple):
 
 class EnrollClient:
     """A member's side (no I/O): makes enrolments with its certificate's key and opens their
-    answers. ``placer_certs`` may be shared by the members of one process (checked once)."""
+    answers. ``placer_certs`` may be shared by the members of one process (checked once).
+    ``enrol_key``: the enrolment key issued with ``cert`` (infra.pki.load_enrol_key): its
+    enrolments are keyed, no ECDH (None: by ECDH with the certificate's key)."""
 
     def __init__(self, ca: x509.Certificate, key: ec.EllipticCurvePrivateKey, cert: bytes, *,
-                 placer_certs: dict[bytes, CertOK] | None = None) -> None:
+                 placer_certs: dict[bytes, CertOK] | None = None, enrol_key: bytes | None = None) -> None:
         self.ca = ca
         self._key = key
+        self._enrol_key = enrol_key
+        self._fields = keyed_fields(cert) if enrol_key is not None else None
         self.cert = cert
         self._cert_digest = digest(cert)
         self._placer_certs: dict[bytes, CertOK] = {} if placer_certs is None else placer_certs
@@ -527,11 +604,21 @@ class EnrollClient:
         """An enrolment of ``report`` (a full report; its node and boot are the enrolment's)."""
         pc = self.placer_public(placer_cert, now)
         nonce = os.urandom(NONCE_LEN)
-        shared = self._key.exchange(ec.ECDH(), pc.key)
-        keys = derive(shared, report.node_id, report.boot_id, nonce, self._cert_digest, digest(placer_cert))
-        e = Enroll(node_id=report.node_id, boot_id=report.boot_id, nonce=nonce, at=float(now), cert=self.cert,
-                   report=msgspec.Raw(_enc.encode(report)))
-        e = msgspec.structs.replace(e, mac=enroll_mac(keys.mac, e, self._cert_digest))
+        raw = msgspec.Raw(_enc.encode(report))
+        if self._enrol_key is not None and self._fields is not None:   # keyed: the fields, no ECDH
+            f = self._fields
+            cd = f.digest()
+            keys = derive(self._enrol_key, report.node_id, report.boot_id, nonce, cd, digest(placer_cert), keyed=True)
+            e = Enroll(node_id=report.node_id, boot_id=report.boot_id, nonce=nonce, at=float(now), cert=b"",
+                       report=raw, version=ENROLL_KEYED_VERSION, serial=f.serial, not_before=f.not_before,
+                       not_after=f.not_after, rack=f.rack)
+        else:
+            cd = self._cert_digest
+            shared = self._key.exchange(ec.ECDH(), pc.key)
+            keys = derive(shared, report.node_id, report.boot_id, nonce, cd, digest(placer_cert))
+            e = Enroll(node_id=report.node_id, boot_id=report.boot_id, nonce=nonce, at=float(now), cert=self.cert,
+                       report=raw)
+        e = msgspec.structs.replace(e, mac=enroll_mac(keys.mac, e, cd))
         return e, Pending(report.node_id, report.boot_id, keys.seal, answer_ad(report.node_id, report.boot_id, nonce))
 
     @staticmethod
@@ -553,11 +640,15 @@ def _der(cert: x509.Certificate) -> bytes:
 
 
 def desk_from_files(files: TLSFiles) -> EnrollDesk:
-    """The placer's desk from its TLS files (``placer.crt``/``placer.key`` and the CA)."""
-    return EnrollDesk(load_cert(files.ca), load_key(files.key), _der(load_cert(files.cert)))
+    """The placer's desk from its TLS files (``placer.crt``/``placer.key`` and the CA), and the
+    enrolment master beside its key (``enrol.secret``), if there is one."""
+    return EnrollDesk(load_cert(files.ca), load_key(files.key), _der(load_cert(files.cert)),
+                      master=enrol_master(files.key.parent))
 
 
 def client_from_files(files: TLSFiles, *, placer_certs: dict[bytes, CertOK] | None = None) -> EnrollClient:
-    """A node's client from its TLS files (``node.crt``/``node.key`` and the CA)."""
-    return EnrollClient(load_cert(files.ca), load_key(files.key), _der(load_cert(files.cert)),
-                        placer_certs=placer_certs)
+    """A node's client from its TLS files (``node.crt``/``node.key`` and the CA), keyed when
+    the enrolment key beside its key (``node.enrol``) is its certificate's."""
+    cert = load_cert(files.cert)
+    return EnrollClient(load_cert(files.ca), load_key(files.key), _der(cert), placer_certs=placer_certs,
+                        enrol_key=load_enrol_key(files.key, cert))

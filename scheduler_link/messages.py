@@ -840,6 +840,7 @@ class RackReports(msgspec.Struct, frozen=True, kw_only=True):
 # neither make one up for another node nor read the keys in the answer)
 
 ENROLL_VERSION = 1
+ENROLL_KEYED_VERSION = 2   # an Enroll whose key derives from the node's enrolment key, not an ECDH
 
 # Why an enrolment was not taken: a structured outcome, counted by the placer and the relay
 EnrollOutcome = Literal[
@@ -858,6 +859,7 @@ EnrollOutcome = Literal[
     "unavailable",       # the relay lost its connection meanwhile, or the placer did not answer
     "busy",              # over the connection's enrolment budget at the placer: register directly
     "refused",           # the placer did not take the report (its answer says why)
+    "no_master",         # a keyed enrolment to a placer that holds no enrolment master: register directly
 ]
 
 
@@ -873,7 +875,9 @@ class PlacerCert(msgspec.Struct, frozen=True, kw_only=True):
 class Enroll(msgspec.Struct, frozen=True, kw_only=True):
     """A member -> its relay -> the placer: register ``node_id`` (boot ``boot_id``) with its
     full report, authenticated by the holder of ``cert``'s private key (a MAC under a key
-    derived from ECDH with the placer's static key; scheduler_link.enroll). ``report`` is the
+    derived from ECDH with the placer's static key; scheduler_link.enroll) or, ``version``
+    ENROLL_KEYED_VERSION, of the enrolment key issued with the certificate whose fields it
+    carries instead (``serial`` .. ``rack``). ``report`` is the
     encoded full report (msgpack) as the member made it: MACed byte for byte, decoded only
     once the MAC verifies."""
     node_id: str
@@ -884,6 +888,12 @@ class Enroll(msgspec.Struct, frozen=True, kw_only=True):
     report: msgspec.Raw = msgspec.Raw(b"\xc0")
     mac: bytes = b""
     version: int = ENROLL_VERSION
+    # keyed (ENROLL_KEYED_VERSION): no ``cert``, but the fields of it that its enrolment key is
+    # bound to (infra.pki.enrol_key): a relay or the node that changes one changes the key
+    serial: str = ""
+    not_before: int = 0
+    not_after: int = 0
+    rack: str | None = None
 
 
 class EnrollAnswer(msgspec.Struct, frozen=True, kw_only=True):

@@ -19,6 +19,11 @@ from its token (``herd pki bootstrap-token --rack``), a renewal's from the certi
 asked over -- never from the request, so a node cannot move itself to another rack by renewing
 (nor drop its pin); an operator moves it by issuing (``herd pki issue --node ID --rack``).
 
+Every answer carries the certificate's enrolment key (:func:`infra.pki.enrol_key`, from the
+``enrol.secret`` of ``ca_dir``, made there when missing): the node keeps it beside its key and
+enrols through its relay without an ECDH (scheduler_link.enroll). It is as secret as the
+node's key and travels only over the TLS connection the node verified the placer on.
+
 Every certificate issued is recorded (:class:`infra.pki.Issued`) before it is returned. The
 deny-list (``<ca_dir>/revoked.json``, ``herd pki revoke``) is re-read when the file changes
 (:meth:`PKIRoutes.refresh`, on the placer's tick) into the placer's handshakes.
@@ -54,6 +59,9 @@ class CertReply(msgspec.Struct, frozen=True, kw_only=True):
     cert: str                # PEM, the node's new certificate
     ca: str                  # PEM, the cluster CA
     not_after: str           # ISO 8601
+    # hex: the certificate's enrolment key (infra.pki.enrol_key), secret: kept beside the node's
+    # key as node.enrol; with it the node enrols through its relay with no ECDH (None: an older placer)
+    enrol_key: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,8 +157,10 @@ class PKIRoutes:
         self.issued[how] += 1
         log.info("certificate issued how=%s node=%s not_after=%s rack=%s", how, node_id,
                  cert.not_valid_after_utc.isoformat(), pki.cert_rack(cert) or "-")
+        master = pki.enrol_master(self.ca_dir, create=True)
         return json_response(CertReply(cert=pki.cert_pem(cert).decode(), ca=pki.cert_pem(ca.cert).decode(),
-                                       not_after=cert.not_valid_after_utc.isoformat()))
+                                       not_after=cert.not_valid_after_utc.isoformat(),
+                                       enrol_key=pki.enrol_key_of(master, cert).hex() if master else None))
 
     async def h_bootstrap(self, req: Request) -> Response:
         """A new node's first certificate for a single-use bootstrap token (its bearer token)."""

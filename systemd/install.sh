@@ -186,6 +186,9 @@ if [ -n "$TLS_FROM" ]; then
             install -m 0600 "$TLS_FROM/$name.key" "$ETC/tls/$name.key"
         fi
     done
+    # enrolment keys (docs/security.md): the node's beside node.key, the master for the placer
+    [ -s "$TLS_FROM/node.enrol" ] && install -m 0600 "$TLS_FROM/node.enrol" "$ETC/tls/node.enrol"
+    [ "$PLACER" = 1 ] && [ -s "$TLS_FROM/enrol.secret" ] && install -m 0600 "$TLS_FROM/enrol.secret" "$ETC/tls/enrol.secret"
     echo "herd: TLS material copied from $TLS_FROM"
 elif [ "$PLACER" = 1 ]; then
     # a cluster CA made once and kept (its key stays in /etc/herd/pki, root's, 0700)
@@ -196,11 +199,14 @@ elif [ "$PLACER" = 1 ]; then
     install -m 0644 "$ETC/pki/ca.crt" "$ETC/tls/ca.crt"
     [ -s "$ETC/tls/placer.crt" ] || { install -m 0644 "$ETC/pki/placer.crt" "$ETC/tls/placer.crt"
                                       install -m 0600 "$ETC/pki/placer.key" "$ETC/tls/placer.key"; }
+    [ -s "$ETC/pki/enrol.secret" ] && [ ! -s "$ETC/tls/enrol.secret" ] && \
+        install -m 0600 "$ETC/pki/enrol.secret" "$ETC/tls/enrol.secret"
     if [ "$AGENT" = 1 ] && [ ! -s "$ETC/tls/node.crt" ]; then
         node=$(hostname)
         "$PREFIX/venv/bin/python" -c 'import sys; from infra.pki import issue_node; issue_node(sys.argv[1], sys.argv[2])' "$ETC/pki" "$node"
         install -m 0644 "$ETC/pki/nodes/$node/node.crt" "$ETC/tls/node.crt"
         install -m 0600 "$ETC/pki/nodes/$node/node.key" "$ETC/tls/node.key"
+        install -m 0600 "$ETC/pki/nodes/$node/node.enrol" "$ETC/tls/node.enrol"
         echo "herd: issued node:$node a certificate for this host's agent"
     fi
 elif [ ! -s "$ETC/tls/node.crt" ]; then

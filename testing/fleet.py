@@ -921,6 +921,7 @@ class FleetConfig:
     tls_dir: str | None = None         # a PKI dir with ca.key: each node reports over its own mutual TLS
     tls_threads: int = 8               # relay mode over TLS: members' blocking registrations in flight
     enroll: bool = False               # relay mode over TLS: members register through their relay
+    enroll_ecdh: bool = False          # ... by ECDH with their certificate's key, as nodes with no enrolment key
     hold_events: bool = True           # relay mode: members' event reports wait while bundles come (Fleet.bundles_quiet)
     relay_hold_s: float = RELAY_HOLD_S  # relay mode: a member keeps a relay that lost the placer this long
     compact: bool = True               # relay mode: re-register naming the stored GPU inventory (placer.inventories)
@@ -1163,12 +1164,18 @@ class Fleet:
         return ctx
 
     def enroll_client(self, node_id: str) -> EnrollClient:
-        """A node's enrolment client: a certificate issued by the PKI dir's CA (in memory), its key."""
+        """A node's enrolment client: a certificate issued by the PKI dir's CA (in memory), its
+        key, and its enrolment key as ``herd pki issue`` gives it (none with --enroll-ecdh, or
+        where the PKI dir has no enrolment master: the node enrols by ECDH)."""
         assert self.node_tls is not None
         from cryptography.hazmat.primitives import serialization
+
+        from infra.pki import enrol_key_of
         key, cert = self.node_tls.ca.issue(f"node:{node_id}", days=self.node_tls.days)
+        master = None if self.cfg.enroll_ecdh else self.node_tls.enrol_master
         return EnrollClient(self.node_tls.ca.cert, key, cert.public_bytes(serialization.Encoding.DER),
-                            placer_certs=self._placer_certs)
+                            placer_certs=self._placer_certs,
+                            enrol_key=enrol_key_of(master, cert) if master is not None else None)
 
     async def _connector(self, n: trio.Nursery) -> Any:
         cfg = self.cfg
@@ -1597,6 +1604,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="relay mode over TLS: members' registrations in flight in this process")
     ap.add_argument("--enroll", action="store_true",
                     help="relay mode over TLS: members register through their relay (no handshake with the placer)")
+    ap.add_argument("--enroll-ecdh", action="store_true",
+                    help="--enroll: members hold no enrolment key (certificates issued before them): they enrol by ECDH")
     ap.add_argument("--log-level", default=os.environ.get("HERD_EMU_LOG", "ERROR"),
                     help="the emulator's log level (default ERROR; env HERD_EMU_LOG)")
     a = ap.parse_args(argv)
@@ -1612,6 +1621,7 @@ def main(argv: list[str] | None = None) -> int:
         timing=Timing(fetch_s=a.fetch_delay, run_s=a.run_delay, stop_s=a.stop_delay), relays=a.relays,
         hung_relays=frozenset(x for x in a.hung_relays.split(",") if x), tls_dir=a.tls_dir,
         tls_threads=a.tls_threads, hold_events=not a.no_hold_events, relay_hold_s=a.relay_hold, enroll=a.enroll,
+        enroll_ecdh=a.enroll_ecdh,
         compact=not a.no_compact, holds=a.holds, holds_every=a.holds_every if a.holds else 0)
     try:
         trio.run(_main, cfg, tokens, a.go, min(a.seconds, math.inf))

@@ -40,6 +40,7 @@ async def test_a_restarted_agent_enrols_through_the_relay_it_kept(tmp_path, toke
         assert link["boot_id"] != first["boot_id"] and link["enroll_failures"] == 0
         cluster = await api.get("/v1/cluster")
         assert cluster["placer"]["relays"]["enroll"]["taken"] == 1
+        assert cluster["placer"]["relays"]["enroll"]["keyed"] == 1   # (its node.enrol, from `herd pki issue`)
         assert cluster["framed_channel"]["connections"] == before   # no connection to the placer for it
         nodes = await api.nodes()
         assert nodes["node1"]["state"] == "up"

@@ -144,7 +144,7 @@ def test_malformed_and_oversized_enrolments_are_refused(cl: Cluster) -> None:
     _refused(cl, msgspec.structs.replace(e, cert=b"x" * 5000), "oversized")
     _refused(cl, msgspec.structs.replace(e, report=msgspec.Raw(b"\xc1" * (70 << 10))), "oversized")
     _refused(cl, msgspec.structs.replace(e, node_id=""), "malformed")
-    _refused(cl, msgspec.structs.replace(e, version=2), "malformed")
+    _refused(cl, msgspec.structs.replace(e, version=3), "malformed")
     # a MAC that verifies over a report that does not decode, or is of another boot / not full
     shared = c._key.exchange(ec.ECDH(), cl.placer_key.public_key())
     keys = derive(shared, "n8", "b1", e.nonce, digest(c.cert), digest(cl.placer_cert))

@@ -36,6 +36,8 @@ async def test_relay_mode_members_enrol_through_their_relay_with_no_handshake_at
             assert fc["connections"] <= 2 * RACKS and fc["wrong_node"] == 0
             desk = cluster["placer"]["relays"]["enroll"]
             assert desk["taken"] == N - RACKS and desk["refused"] == {}
+            # their certificates came with enrolment keys (as `herd pki issue` gives them): no ECDH, no CA check
+            assert desk["keyed"] == N - RACKS and desk["cert_checks"] == 0
             # members' reports go on through their relays with the keys they got sealed
             await trio.sleep(4 * opts.heartbeat_s * opts.lost_after_missed)
             assert await nodes_up(c, placer.url) == N

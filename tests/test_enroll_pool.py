@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from infra.pki import CA, make_ca
-from placer.enrollpool import MIN_BATCH, PARENT_POLL_S, EnrollPool
+from placer.enrollpool import MAX_WORKERS, MIN_BATCH, MIN_CORES, PARENT_POLL_S, EnrollPool, default_workers
 from scheduler_link.enroll import (
     EnrollClient,
     EnrollDesk,
@@ -101,8 +101,8 @@ async def test_a_small_batch_or_no_workers_is_checked_by_the_desk(cl: Cluster) -
 
 
 async def test_a_relays_batch_has_its_certificates_checked_by_a_worker(tmp_path, token_dir, tls_pki) -> None:
-    """Through the real service and relay: a batch of members queued together is one batch up,
-    its certificates go to a worker (where the host has a core to spare), every member enrols."""
+    """Through the real service and relay: a batch of members queued together (enrolling by
+    ECDH: certificates with no enrolment key) is one batch up, its certificates go to a worker (where the host has a core to spare), every member enrols."""
     from scheduler_link.messages import EnrollAnswer
     from testing.waiting import poll
 
@@ -113,7 +113,8 @@ async def test_a_relays_batch_has_its_certificates_checked_by_a_worker(tmp_path,
             await poll(lambda: r.svc.relays.relay_for(RACK) is not None, 0.02)
             pc = await r.placer_cert()   # (a relay asked for it: the workers start)
             assert r.svc.relays.enroll_pool.statistics()["started"] == int(r.svc.relays.enroll_pool.workers > 0)
-            es = [r.client(f"m{i}").make(_report(f"m{i}"), pc, now=time.time())[0] for i in range(MIN_BATCH + 4)]
+            es = [r.client(f"m{i}", keyed=False).make(_report(f"m{i}"), pc, now=time.time())[0]
+                  for i in range(MIN_BATCH + 4)]
             pending = [r.relay.member_enroll(e.node_id, e) for e in es]   # queued together: one batch up
             answers = [p if isinstance(p, EnrollAnswer) else await p for p in pending]
             assert [a.outcome for a in answers] == ["enrolled"] * len(es)
@@ -182,3 +183,12 @@ def test_the_workers_exit_when_the_placer_is_killed(tmp_path) -> None:
     finally:
         child.kill()
         child.wait(10)
+
+
+def test_default_workers_leave_a_small_host_alone():
+    """Unset, no worker below MIN_CORES (on 2 cores one takes the core everything else runs on);
+    from there one a core but the event loop's, at most MAX_WORKERS."""
+    assert [default_workers(c) for c in (1, 2, MIN_CORES - 1)] == [0, 0, 0]
+    assert default_workers(MIN_CORES) == MIN_CORES - 1
+    assert default_workers(64) == MAX_WORKERS
+    assert default_workers() == default_workers(os.cpu_count() or 1)

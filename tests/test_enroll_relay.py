@@ -77,8 +77,11 @@ class Rig:
         await (nursery or self.nursery).start(link.run)
         return link
 
-    def client(self, node: str) -> EnrollClient:
-        return client_from_files(self.pki.files(f"node:{node}"))
+    def client(self, node: str, *, keyed: bool = True) -> EnrollClient:
+        """``node``'s client from its files: keyed (its node.enrol), or by ECDH as a node whose
+        certificate came with no enrolment key."""
+        c = client_from_files(self.pki.files(f"node:{node}"))
+        return c if keyed else EnrollClient(c.ca, c._key, c.cert)
 
     async def enrol(self, e: Enroll, *, conn: str | None = None) -> EnrollAnswer:
         """``e`` through the relay as a member's connection of ``conn`` (default: its node) sends it."""
@@ -164,7 +167,12 @@ def _der(cert: Any) -> bytes:
 
 
 def _forged_by_the_relay(r: Rig, cert: bytes) -> tuple[Enroll, str]:
-    """The relay makes one up for another node with its own certificate."""
+    """The relay makes one up for another node with its own certificate (by ECDH)."""
+    return r.client("r0n0", keyed=False).make(_report("victim"), cert, now=time.time())[0], "victim"
+
+
+def _forged_by_the_relay_keyed(r: Rig, cert: bytes) -> tuple[Enroll, str]:
+    """... or keyed, with its own enrolment key and certificate fields."""
     return r.client("r0n0").make(_report("victim"), cert, now=time.time())[0], "victim"
 
 
@@ -187,7 +195,12 @@ def _not_from_the_ca(r: Rig, cert: bytes) -> tuple[Enroll, str]:
 
 
 def _another_nodes_certificate(r: Rig, cert: bytes) -> tuple[Enroll, str]:
-    """A member's enrolment naming itself, with another node's certificate and key."""
+    """A member's enrolment naming itself, with another node's certificate and key (by ECDH)."""
+    return r.client("m4b", keyed=False).make(_report("m4"), cert, now=time.time())[0], "m4"
+
+
+def _another_nodes_enrolment_key(r: Rig, cert: bytes) -> tuple[Enroll, str]:
+    """... or keyed, with another node's enrolment key and certificate fields."""
     return r.client("m4b").make(_report("m4"), cert, now=time.time())[0], "m4"
 
 
@@ -214,7 +227,8 @@ def _too_old(r: Rig, cert: bytes) -> tuple[Enroll, str]:
 
 
 @pytest.mark.parametrize("bad, outcome", [
-    (_forged_by_the_relay, "bad_certificate"), (_victims_certificate_relays_key, "bad_mac"),
+    (_forged_by_the_relay, "bad_certificate"), (_forged_by_the_relay_keyed, "bad_mac"),
+    (_victims_certificate_relays_key, "bad_mac"), (_another_nodes_enrolment_key, "bad_mac"),
     (_report_changed, "bad_mac"), (_not_from_the_ca, "not_from_ca"), (_another_nodes_certificate, "bad_certificate"),
     (_revoked, "revoked"), (_malformed, "malformed"), (_oversized, "oversized"), (_too_old, "replay")],
     ids=lambda x: getattr(x, "__name__", x).strip("_"))
