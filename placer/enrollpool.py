@@ -1,7 +1,8 @@
 """Enrolment certificate checks in worker processes, ahead of the batches that need them.
 
-Why: in a cold registration every member's enrolment costs the placer one CA signature check
-and one ECDH (scheduler_link.enroll: ~0.15-0.2 ms of the ~0.5 ms a member costs it), and
+Why: in a cold registration every member's enrolment by ECDH (a certificate issued without an
+enrolment key; keyed enrolments need neither and never come here) costs the placer one CA
+signature check and one ECDH (scheduler_link.enroll: ~0.15-0.2 ms of the ~0.5 ms a member costs it), and
 cryptography holds the GIL through both, so a thread does not help. Here a relay's batch of
 enrolments hands its unchecked certificates to a process pool as soon as the batch arrives,
 while it still waits for its turn (placer.relays: batches are worked on one at a time, in

@@ -449,7 +449,10 @@ class EnrollDesk:
             raise EnrollRefused("malformed", "a keyed enrolment carries its certificate's fields, not the certificate")
         if len(e.serial) > 64 or (e.rack is not None and len(e.rack) > MAX_ID_LEN):
             raise EnrollRefused("oversized", "a field of the enrolment is over its bound")
-        f = KeyedFields(norm_serial(e.serial), e.not_before, e.not_after, e.rack)
+        if e.serial != norm_serial(e.serial) or e.rack == "":   # (one spelling each: the deny-list's; no rack is None)
+            raise EnrollRefused("malformed", "a keyed enrolment's serial is upper-case hex without leading zeros, "
+                                             "and its rack None or a rack")
+        f = KeyedFields(e.serial, e.not_before, e.not_after, e.rack)
         k = enrol_key(self._master, e.node_id, f.serial, f.not_before, f.not_after, f.rack)
         return KnownCert(f"node:{e.node_id}", e.node_id, f.serial, float(f.not_before), float(f.not_after), k,
                          f.rack), f.digest()

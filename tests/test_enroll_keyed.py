@@ -58,6 +58,7 @@ def test_a_keyed_enrolment_costs_no_certificate_check_and_gives_the_member_its_k
     got = cl.desk.check(e, now=NOW)
     assert got.report.node_id == "n1" and got.rack == "z/b/r1"
     assert (cl.desk.cert_checks, cl.desk.keyed, cl.desk.taken) == (0, 1, 1)
+    _refused(cl.desk, e, "replay")                               # the same enrolment again
     a = EnrollDesk.answer(got, ReportReply(), b"K" * 32, b"P" * 32)
     s = EnrollClient.open(p, msgspec.msgpack.decode(msgspec.msgpack.encode(a), type=EnrollAnswer))
     assert (s.mac_key, s.placer_key) == (b"K" * 32, b"P" * 32)
@@ -102,6 +103,10 @@ def test_a_node_cannot_stretch_its_certificate_or_move_it_to_another_rack() -> N
     e, _ = c.make(report("n2"), cl.placer_cert, now=NOW)
     _refused(cl.desk, msgspec.structs.replace(e, cert=_der(cl.certs["n2"])), "malformed")   # fields, not a certificate
     _refused(cl.desk, msgspec.structs.replace(e, serial="A" * 65), "oversized")
+    _refused(cl.desk, msgspec.structs.replace(e, serial=e.serial.lower()), "malformed")    # one spelling only
+    _refused(cl.desk, msgspec.structs.replace(e, serial="0" + e.serial), "malformed")
+    _refused(cl.desk, msgspec.structs.replace(cl.client("n2b").make(report("n2b"), cl.placer_cert, now=NOW)[0], rack=""),
+             "malformed")                                                       # (no rack is None, not "")
     assert cl.desk.check(e, now=NOW).rack == "z/b/r1"
 
 
@@ -157,6 +162,15 @@ def test_issued_nodes_hold_their_certificates_enrolment_key(tmp_path, tls_pki) -
     assert client_from_files(files)._enrol_key is not None
     files.key.with_suffix(".enrol").write_bytes(old)
     assert client_from_files(files)._enrol_key is None
+    # systemd passes an absent credential as an empty file: no key, no master (by ECDH / refused no_master)
+    files.key.with_suffix(".enrol").write_bytes(b"\n")
+    assert client_from_files(files)._enrol_key is None
+    (tmp_path / "placer-tls").mkdir()
+    (tmp_path / "placer-tls" / pki.ENROL_SECRET).write_bytes(b"\n")
+    assert pki.enrol_master(tmp_path / "placer-tls") is None
+    (tmp_path / "placer-tls" / pki.ENROL_SECRET).write_bytes(b"short")
+    with pytest.raises(pki.PKIError):
+        pki.enrol_master(tmp_path / "placer-tls")
 
 
 async def test_a_bootstrapped_node_gets_its_enrolment_key_over_the_pki_api(tmp_path, token_dir, tls_pki) -> None:
