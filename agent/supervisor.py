@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import shutil
+import stat
 import time
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
@@ -881,14 +882,29 @@ def _limits(config: SupervisorConfig, iso: Isolation) -> tuple[dict[str, str], l
 
 def _workload_dirs(wdir: Path, user: WorkloadUser) -> None:
     """``<wid>/`` root-owned 0711 (the shim's files in it are 0600); ``<wid>/scratch``
-    owned by the workload's user, 0700."""
-    wdir.mkdir(parents=True, exist_ok=True)
-    os.chmod(wdir, 0o711)
+    owned by the workload's user, 0700. Each directory is made with its mode and changed
+    only where it differs (a umask, a directory left by an earlier start): on a host whose
+    disk is busy with fsyncs every metadata change waits on the filesystem's journal, and
+    this runs on the event loop once per pod, before the pod's launch."""
+    _dir_with_mode(wdir, 0o711, follow_symlinks=True)
     scratch = wdir / "scratch"
-    scratch.mkdir(exist_ok=True)
-    if user.uid != os.geteuid():
+    st = _dir_with_mode(scratch, 0o700, follow_symlinks=False)
+    if user.uid != os.geteuid() and (st.st_uid, st.st_gid) != (user.uid, user.gid):
         os.chown(scratch, user.uid, user.gid, follow_symlinks=False)
-    os.chmod(scratch, 0o700, follow_symlinks=False)
+
+
+def _dir_with_mode(path: Path, mode: int, *, follow_symlinks: bool) -> os.stat_result:
+    """``path`` a directory with permission bits ``mode`` (made if missing, its parents too); its stat."""
+    try:
+        os.mkdir(path, mode)
+    except FileExistsError:
+        pass
+    except FileNotFoundError:
+        path.mkdir(mode, parents=True, exist_ok=True)
+    st = os.stat(path, follow_symlinks=follow_symlinks)
+    if stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(path, mode, follow_symlinks=follow_symlinks)
+    return st
 
 
 def _quantiles(xs: deque[float]) -> dict[str, float]:

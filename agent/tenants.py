@@ -46,9 +46,11 @@ import logging
 import os
 import platform
 import re
+import stat
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Literal
@@ -382,6 +384,8 @@ class Tenancy:
         self._proc = proc
         self._agent = (os.geteuid(), os.getegid())
         self._scratch: dict[str, Path] = {}
+        self._dev_key: tuple[int, int, int] | None = None   # the device dir when last listed
+        self._dev_nodes: frozenset[int] = frozenset()
         self.bpf_failures = 0
         uids = parse_uid_range(section.uid_range)
         self.pool: UidPool | None = None
@@ -447,12 +451,29 @@ class Tenancy:
                 out.append(rec.gpu_indices[i])
         return out
 
-    def _hidden_nodes(self, allowed: list[int]) -> bool:
+    def _gpu_nodes(self) -> frozenset[int]:
+        """The numbers N of the ``nvidiaN`` nodes in the device dir. Listed again only when the
+        dir changed (an entry made or removed changes its mtime): one stat a pod, not a listing
+        and a match per entry on the event loop for each pod a placement starts. A listing is
+        kept only once the dir's last change is a second old, so a change within the same
+        timestamp tick as the listing is never missed (git's "racy" rule)."""
         try:
-            names = os.listdir(self.section.dev_dir)
+            st = os.stat(self.section.dev_dir)
         except OSError:
-            return False
-        return any(GPU_NODE.fullmatch(n) and int(n[6:]) not in allowed for n in names)
+            return frozenset()
+        key = (st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+        if self._dev_key != key:
+            try:
+                names = os.listdir(self.section.dev_dir)
+            except OSError:
+                return frozenset()
+            self._dev_nodes = frozenset(int(n[6:]) for n in names if GPU_NODE.fullmatch(n))
+            settled = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > 1_000_000_000
+            self._dev_key = key if settled else None
+        return self._dev_nodes
+
+    def _hidden_nodes(self, allowed: list[int]) -> bool:
+        return not self._gpu_nodes().issubset(allowed)
 
     def view(self, rec: WorkloadRecord, cgroup: str | None) -> tuple[str | None, list[int] | None]:
         """(hidepid for the workload's /proc, GPU minors its /dev keeps, None: the host's /dev)."""
@@ -499,7 +520,8 @@ class Tenancy:
 def _own(scratch: Path, uid: int, before: int | None, uids: range) -> None:
     """Give the scratch dir to ``uid`` (0700). A workload that held another uid before (a
     restart after its uid went elsewhere, or after an agent restart) gets its old files too."""
-    top = os.lstat(scratch).st_uid
+    st = os.lstat(scratch)
+    top = st.st_uid
     if before is None and top != uid and top in uids:
         before = top            # never released (the agent restarted meanwhile): still its old uid's
     if before is not None:
@@ -508,6 +530,9 @@ def _own(scratch: Path, uid: int, before: int | None, uids: range) -> None:
                 p = os.path.join(root, n)
                 if os.lstat(p).st_uid == before:
                     os.chown(p, uid, uid, follow_symlinks=False)
-    os.chown(scratch, uid, uid, follow_symlinks=False)
-    os.chmod(scratch, 0o700, follow_symlinks=False)
+    # only what differs: a metadata change waits on a busy disk's journal (once per pod, before its launch)
+    if (top, st.st_gid) != (uid, uid):
+        os.chown(scratch, uid, uid, follow_symlinks=False)
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(scratch, 0o700, follow_symlinks=False)
 

@@ -11,7 +11,10 @@
   placements are made), pushed -> acked (``e2e_agent_ack``), itself split at the job's
   journal sync, which every placement of a job waits for (``e2e_journal_wait``: pushed ->
   durable, 0 when the sync came first; ``e2e_push_to_ack``: the rest, the push and the
-  agent's durable acceptance), and acked -> running (``e2e_acked_to_running``). ``--against DIR``: the
+  agent's durable acceptance), and acked -> running (``e2e_acked_to_running``); the agents' own
+  stamps of the pods, from submit: the placement applied (``e2e_pod_accepted``), the first and
+  the last pod's process running (``e2e_pod_running_first``, ``e2e_pod_running_last``): the job
+  runs at the later of the last pod and the acks. ``--against DIR``: the
   same-run A/B instead: a cluster of this tree and one of the checkout at DIR (run from its own
   ``.venv``; give it this bench file) up at once, one job on each in turn, which goes first
   alternating; ``e2e_base_*`` are DIR's figures and ``e2e_ratio_to_base`` this tree's p50
@@ -111,6 +114,7 @@ class _E2E:
             t = v["timings"]
             out.update({k: (t[k] - t["submitted"]) * 1000 for k in ("pushed", "durable", "acked", "running")
                         if k in t})
+            out.update(_pod_stamps(v.get("pods") or [], t["submitted"]))
         self.cl.delete(f"/v1/jobs/{jid}")
         w_end = time.monotonic() + 10
         while time.monotonic() < w_end:
@@ -119,6 +123,20 @@ class _E2E:
                 break
             time.sleep(0.01)
         return out
+
+
+def _pod_stamps(pods: list[dict[str, Any]], submitted: float) -> dict[str, float]:
+    """The agents' own stamps of a job's pods (each pod's state events, the host's clock, which
+    the placer's shares here), ms from submit: when the first pod was accepted (the agent
+    applied the placement) and when the first and the last pod were running (their shims
+    answered that the workload had exec'd)."""
+    out: dict[str, float] = {}
+    for state, key, pick in (("accepted", "pod_accepted", min), ("running", "pod_running_first", min),
+                             ("running", "pod_running_last", max)):
+        at = [p["timings"][state] for p in pods if state in (p.get("timings") or {})]
+        if at and len(at) == len(pods):
+            out[key] = (pick(at) - submitted) * 1000
+    return out
 
 
 def _e2e_summary(runs: list[dict[str, float]], prefix: str = "e2e") -> dict[str, Any]:
@@ -138,7 +156,16 @@ def _e2e_summary(runs: list[dict[str, float]], prefix: str = "e2e") -> dict[str,
                                                   if "durable" in r], 0.5),
             f"{prefix}_push_to_ack_p50_ms": pct([r["acked"] - max(r["pushed"], r["durable"]) for r in acked
                                                  if "durable" in r], 0.5),
-            f"{prefix}_acked_to_running_p50_ms": pct([r["running"] - r["acked"] for r in acked], 0.5)}
+            f"{prefix}_acked_to_running_p50_ms": pct([r["running"] - r["acked"] for r in acked], 0.5),
+            # the agents' side (their own stamps): the placement applied, the first and the last
+            # pod's process running (the job runs at the later of the last pod and the acks)
+            f"{prefix}_pod_accepted_p50_ms": pct([r["pod_accepted"] for r in ran if "pod_accepted" in r], 0.5),
+            f"{prefix}_pod_running_first_p50_ms": pct([r["pod_running_first"] for r in ran
+                                                       if "pod_running_first" in r], 0.5),
+            f"{prefix}_pod_running_last_p50_ms": pct([r["pod_running_last"] for r in ran
+                                                      if "pod_running_last" in r], 0.5),
+            f"{prefix}_pod_running_last_p99_ms": pct([r["pod_running_last"] for r in ran
+                                                      if "pod_running_last" in r], 0.99)}
 
 
 def bench_e2e(n_jobs: int, gap_s: float = 0.0) -> dict[str, Any]:

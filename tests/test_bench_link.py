@@ -20,3 +20,14 @@ def test_part_save_row_times_both_layouts() -> None:
     out = bench_part_saves(rounds=2, writers=2)
     assert out["part_saves"] == 4
     assert out["part_save_p50_ms"] > 0 and out["part_save_file_per_part_p50_ms"] > 0
+
+
+def test_e2e_pod_stamps_split_the_agents_side() -> None:
+    from bench.link import _pod_stamps
+
+    pods = [{"timings": {"accepted": 10.004, "running": 10.012}}, {"timings": {"accepted": 10.003, "running": 10.019}}]
+    out = _pod_stamps(pods, 10.0)
+    assert {k: round(v, 3) for k, v in out.items()} == {"pod_accepted": 3.0, "pod_running_first": 12.0,
+                                                       "pod_running_last": 19.0}
+    # a pod whose running stamp is missing: no last-pod figure (it would be the wrong pod's)
+    assert set(_pod_stamps([*pods, {"timings": {"accepted": 10.001}}], 10.0)) == {"pod_accepted"}

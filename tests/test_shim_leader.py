@@ -103,3 +103,22 @@ def test_the_workload_gets_stdio_and_no_other_descriptor(tmp_path: Path) -> None
     assert reply["ok"] and reply["pid"] == leader
     assert p.wait(20) == 0
     assert sorted((tmp_path / "stdout.log").read_text().split()) == ["0", "1", "2"]
+
+
+def test_the_waiting_leader_has_its_own_session_before_any_command() -> None:
+    """setsid() (a new scheduler autogroup: milliseconds on a busy host) happens while the
+    leader waits, so it is not between the command and the exec."""
+    p, leader = _shim()
+    try:
+        for _ in range(250):            # the leader's own step, after the fork: bounded, 5 s
+            if os.getsid(leader) == leader:
+                break
+            subprocess.run(["sleep", "0.02"], check=True)
+        assert os.getsid(leader) == leader and os.getpgid(leader) == leader
+        assert os.getsid(p.pid) == p.pid != leader      # the shim keeps its own
+    finally:
+        assert p.stdin is not None and p.stdout is not None
+        p.stdin.close()
+        assert p.wait(10) == 0
+        p.stdout.close()
+    assert _gone(leader)

@@ -13,6 +13,7 @@ import json
 import os
 import stat
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from agent.config import load_config
 from agent.errors import ConfigError
 from agent.isolation import CgroupTree, Isolation, detect
 from agent.launcher import ShimPool
+from agent.state import WorkloadRecord
 from agent.supervisor import Supervisor, SupervisorConfig
 from agent.tenants import (
     IsolationSection,
@@ -544,3 +546,26 @@ async def test_the_agent_runs_each_workload_as_its_own_uid_by_default(tmp_path, 
                 await sup.stop(w, grace_s=0)
                 await sup.wait_terminal(w)
             n.cancel_scope.cancel()
+
+
+@root_only
+def test_a_gpu_node_made_after_a_listing_is_hidden_from_the_next_pod(tmp_path):
+    """The device dir's listing is kept between pods only while the dir is unchanged: a node
+    that appears (even within the timestamp tick of the last listing) is seen at once."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    os.mknod(dev / "nvidia0", 0o666 | stat.S_IFCHR, os.makedev(195, 0))
+    t = _tenancy("3100500-3100501", dev_dir=str(dev))
+    if not t.modes.gpu_namespace:
+        pytest.skip(f"no device namespace here: {t.modes.notes}")
+    rec = WorkloadRecord(workload_id="w", job_id="j", gpus=["GPU-0000"], gpu_indices=[0])
+    assert t.view(rec, None)[1] is None                    # nothing to hide: the host's /dev
+    before = os.stat(dev)
+    os.mknod(dev / "nvidia1", 0o666 | stat.S_IFCHR, os.makedev(195, 1))
+    os.utime(dev, ns=(before.st_atime_ns, before.st_mtime_ns))   # as if in the same tick
+    assert t.view(rec, None)[1] == [0]                     # a /dev of its own, without nvidia1
+    settled = time.time_ns() - 5_000_000_000
+    os.utime(dev, ns=(settled, settled))
+    assert t.view(rec, None)[1] == [0]
+    os.unlink(dev / "nvidia1")                             # changes the dir: listed again
+    assert t.view(rec, None)[1] is None
