@@ -553,8 +553,13 @@ def _leader(cmd_r: int, err_w: int, out_w: int, errout_w: int) -> int:
         os.dup2(out_w, 1)
         os.dup2(errout_w, 2)
         os.chdir(cmd.get("cwd") or cmd["dir"])
-        for sig in (signal.SIGPIPE, signal.SIGXFSZ):   # as Popen's restore_signals
+        # Every disposition back to its default, as a fresh process has: the shim ignores
+        # SIGHUP and SIGINT (it outlives its agent's terminal and session), and an ignored
+        # signal stays ignored across exec, so a workload would never see ^C or a hang-up;
+        # SIGPIPE and SIGXFSZ as Popen's restore_signals. Nothing is blocked either.
+        for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ):
             signal.signal(sig, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_SETMASK, ())
         _child_setup(cmd)()
         _close_open_fds(keep=err_w)
         try:

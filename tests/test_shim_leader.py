@@ -122,3 +122,20 @@ def test_the_waiting_leader_has_its_own_session_before_any_command() -> None:
         assert p.wait(10) == 0
         p.stdout.close()
     assert _gone(leader)
+
+
+def _status_mask(text: str, field: str) -> int:
+    return int(next(ln.split()[1] for ln in text.splitlines() if ln.startswith(field + ":")), 16)
+
+
+def test_the_workload_starts_with_no_signal_ignored_or_blocked(tmp_path: Path) -> None:
+    """The shim ignores SIGHUP and SIGINT; its workload must not inherit that (an ignored
+    signal survives exec): a Python workload would never get KeyboardInterrupt."""
+    p, leader = _shim()
+    reply = _command(p, {"dir": str(tmp_path), "argv": ["cat", "/proc/self/status"],
+                         "env": {"PATH": os.environ["PATH"]}, "cwd": str(tmp_path), "grace_s": 1})
+    assert reply["ok"] and reply["pid"] == leader
+    assert p.wait(20) == 0
+    status = (tmp_path / "stdout.log").read_text()
+    assert _status_mask(status, "SigIgn") == 0, status
+    assert _status_mask(status, "SigBlk") == 0, status
