@@ -102,6 +102,7 @@ class Renewer:
         self.wake = wake
         self.clock = clock
         self.errors = 0
+        self.slowest_s = 0.0   # the longest from one renewal's sending to the next one's answer
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"herd-lease-{lease_id:x}", daemon=True)
 
@@ -123,6 +124,7 @@ class Renewer:
     def _run(self) -> None:
         client = BlockingLeaseClient(self.endpoints, ssl_context=self.ssl_context,
                                      attempt_timeout_s=self.attempt_timeout_s)
+        last = self.clock()
         try:
             while not self._stop.is_set():
                 wait = self.every_s
@@ -136,6 +138,15 @@ class Renewer:
                     log.warning("lease renewal failed lease=%x: %s", self.lease_id, e)
                     wait = self.every_s / 2
                     ttl = -1
+                # how long the lease went between two answers: what the holder's TTL must cover
+                # (a thread kept from running -- its process descheduled, or another thread
+                # holding the interpreter -- shows here, not as an error)
+                done = self.clock()
+                gap, last = done - last, done
+                self.slowest_s = max(self.slowest_s, gap)
+                if gap > 2 * self.every_s:
+                    log.warning("lease renewal late lease=%x since_last_answer=%.2fs request=%.2fs", self.lease_id,
+                                gap, done - sent)
                 if ttl == 0:
                     self.expiry.gone()
                 if ttl >= 0 and not self.expiry.renewed(ttl, sent):

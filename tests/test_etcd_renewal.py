@@ -80,3 +80,37 @@ async def test_renews_and_ends_when_the_lease_is_revoked(etcd_cluster: EtcdClust
             finally:
                 r.stop()
                 await trio.to_thread.run_sync(r.join, 5)
+
+
+class SteppingClock:
+    """A monotonic clock that moves ``step`` seconds each time it is read (a thread kept from
+    running between its reads)."""
+
+    def __init__(self, step: float) -> None:
+        self.step = step
+        self.t = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            self.t += self.step
+            return self.t
+
+
+def test_a_renewal_thread_kept_from_running_says_how_long_the_lease_went(caplog) -> None:  # noqa: ANN001
+    """Between two answers the thread went 3 s (its clock says so) with renewals due every
+    0.05 s: a warning names the gap, and ``slowest_s`` keeps it -- what the TTL must cover."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    expiry, wakes = LeaseExpiry(60.0), Wakes()
+    r = Renewer([f"http://127.0.0.1:{port}"], 7, expiry, 0.05, attempt_timeout_s=0.5, wake=wakes,
+                clock=SteppingClock(1.5))
+    r.start()
+    try:
+        _wait(lambda: wakes.n >= 2, 10)
+    finally:
+        r.stop()
+        r.join(5)
+    assert r.slowest_s == 3.0   # (two reads a renewal: sent, answered)
+    assert any("lease renewal late" in m and "since_last_answer=3.00s" in m for m in caplog.messages), caplog.messages
