@@ -243,7 +243,9 @@ class Election:
                 "failovers": self.failovers, "fencings": self.fencings,
                 "renewal_errors": self.renewal_errors,
                 "renewal_slowest_s": round(max(self._renewal_slowest_s,
-                                               self.renewer.slowest_s if self.renewer is not None else 0.0), 3)}
+                                               self.renewer.slowest_s if self.renewer is not None else 0.0), 3),
+                "collector_longest_s": round(self.renewer.collector.longest_s, 3) if self.renewer is not None
+                else None}
 
     @property
     def renewal_errors(self) -> int:

@@ -4,6 +4,7 @@ no member answered; real etcd where installed (skipped otherwise), a closed port
 
 from __future__ import annotations
 
+import gc
 import math
 import socket
 import threading
@@ -12,7 +13,7 @@ import time
 import trio
 
 from placer.etcd import EtcdClient
-from placer.renewal import LeaseExpiry, Renewer
+from placer.renewal import CollectorPauses, LeaseExpiry, Renewer
 from testing.etcd import EtcdCluster
 
 
@@ -114,3 +115,20 @@ def test_a_renewal_thread_kept_from_running_says_how_long_the_lease_went(caplog)
         r.join(5)
     assert r.slowest_s == 3.0   # (two reads a renewal: sent, answered)
     assert any("lease renewal late" in m and "since_last_answer=3.00s" in m for m in caplog.messages), caplog.messages
+
+
+def test_collector_pauses_are_timed_by_generation() -> None:
+    """Each collection between its start and stop callbacks, on the clock given (one second a
+    read here); a young collection is counted under its generation, and nothing after removal."""
+    pauses = CollectorPauses(clock=SteppingClock(1.0))
+    pauses.install()
+    try:
+        gc.collect(0)
+        gc.collect(2)
+    finally:
+        pauses.remove()
+    assert pauses.by_gen[0] >= 1 and pauses.by_gen[2] >= 1
+    assert pauses.longest_s == 1.0 and pauses.total_s == sum(pauses.by_gen) * 1.0
+    seen = list(pauses.by_gen)
+    gc.collect(2)
+    assert pauses.by_gen == seen
