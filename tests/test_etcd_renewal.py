@@ -132,3 +132,36 @@ def test_collector_pauses_are_timed_by_generation() -> None:
     seen = list(pauses.by_gen)
     gc.collect(2)
     assert pauses.by_gen == seen
+
+
+class Node:
+    """A record with a cycle (as the placer's are: a node and its GPUs referring back)."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_survivors_of_a_full_collection_are_frozen_when_asked() -> None:
+    """``freeze_full``: what survives a full collection leaves the collector's sight (the next
+    full collection does not walk it again); a young collection freezes nothing; without it,
+    nothing is frozen."""
+    keep = [Node() for _ in range(5000)]
+    plain = CollectorPauses()
+    plain.install()
+    try:
+        gc.collect(2)
+    finally:
+        plain.remove()
+    assert plain.by_gen[2] >= 1 and plain.freezes == 0
+    base = gc.get_freeze_count()
+    pauses = CollectorPauses(freeze_full=True)
+    pauses.install()
+    try:
+        gc.collect(0)
+        assert pauses.freezes == 0
+        gc.collect(2)
+        assert pauses.freezes >= 1 and gc.get_freeze_count() >= base + len(keep)
+    finally:
+        pauses.remove()
+        gc.unfreeze()   # (this test process's objects back under the collector)
+    assert len(keep) == 5000
