@@ -8,6 +8,7 @@ inventory gets the member's snapshot."""
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
@@ -20,9 +21,9 @@ from agent.relay import Relay
 from agent.relaycore import RelayCore
 from infra.auth import TokenSet
 from scheduler_link.agent_link import AgentLink
-from scheduler_link.follow import OBSERVED
+from scheduler_link.follow import OBSERVED, Copies
 from scheduler_link.frames import FrameChannel, decode_payload
-from scheduler_link.heartbeat_wire import Hello, WireReply
+from scheduler_link.heartbeat_wire import Hello, WireError, WireReply
 from scheduler_link.messages import NodeReport, RackBeatReply, ReportReply, Victim, WorkloadEvent
 from scheduler_link.msgauth import node_key, with_stop_macs
 from testing.waiting import poll
@@ -363,4 +364,75 @@ async def test_the_relay_hosts_own_link_moves_to_a_busy_new_leader_with_no_full_
             assert host.statistics()["follower_copies"]["handovers"] == 1
             assert not any(full for _, _, full in follower.seen["r1"][seen:])
             assert {lk.node_id: lk.full_reports_sent for lk in links} == members
+            n.cancel_scope.cancel()
+
+
+class CopyLink:
+    """What follow.Copies needs of a node's link (follow.CopyHost), with no I/O: the follower at
+    ``B`` names its channel in its 307; the channel is ``chan``."""
+
+    def __init__(self, chan: SlowChannel) -> None:
+        self.placer_url = "http://a"
+        self.heartbeat_s = 1.0
+        self.request_timeout_s = 10.0
+        self.chan = chan
+
+    def copies_on(self) -> bool:
+        return True
+
+    def full_copy(self, seq: int) -> NodeReport:
+        return NodeReport(node_id="n", boot_id="b", seq=seq, full=True)
+
+    async def ask_redirect(self, url: str) -> tuple[int, bytes] | None:
+        return 307, b'{"wire": "tcp://127.0.0.1:1"}'
+
+    async def connect(self, wire_url: str, placer_url: str) -> SlowChannel:
+        return self.chan
+
+
+class SlowChannel:
+    """A follower's framed connection: each answer takes ``busy_s`` (its loop busy), or the
+    connection breaks (``broken``) once that time has passed."""
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.broken = False
+        self.seen: list[int] = []
+
+    async def exchange(self, report: NodeReport) -> WireReply:
+        await trio.sleep(self.busy_s)
+        if self.broken:
+            raise WireError("connection reset")
+        self.seen.append(report.seq)
+        return WireReply(status=OBSERVED)
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_a_move_waits_for_the_copy_in_flight_and_no_longer_than_it_lives(autojump_clock) -> None:  # noqa: ANN001
+    """The node moves to the follower its copies went to (it leads now): the move takes the copy
+    connection once the last report built is taken there -- 3 s later when the follower's
+    answer takes that long (well within the wait: a full report would wait for the same busy
+    placer) -- and gives up at once, not at the end of the wait, when that copy fails."""
+    for broken in (False, True):
+        chan = SlowChannel()
+        link = CopyLink(chan)
+        async with trio.open_nursery() as n:
+            copies = Copies(link, n, random.Random(1))
+            copies.offer(NodeReport(node_id="n", boot_id="b", seq=1, full=True), ["http://a", "http://b"])
+            with trio.fail_after(5):
+                await poll(lambda c=chan: c.seen == [1], 0.01)
+            # the node's next report went to the leader, which is gone; the copy of it is slow
+            chan.busy_s, chan.broken = 3.0, broken
+            copies.offer(NodeReport(node_id="n", boot_id="b", seq=2, events=[
+                WorkloadEvent(workload_id="w", job_id="j", state="running", at=0.0)]), ["http://a", "http://b"])
+            link.placer_url = "http://b"
+            t0 = trio.current_time()
+            ch = await copies.take("http://b", link.request_timeout_s)
+            if broken:
+                assert ch is None and trio.current_time() - t0 == 3.0   # (ended by the failure, not the wait)
+            else:
+                assert ch is chan and chan.seen == [1, 2] and trio.current_time() - t0 == 3.0
+                assert copies.handovers == 1
             n.cancel_scope.cancel()
