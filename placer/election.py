@@ -188,6 +188,7 @@ class Election:
         self.on_step = on_step       # a campaign's steps as they happen (placer.ha's promotion timeline)
         self.renewer: Renewer | None = None
         self._renewal_errors = 0          # of the renewal threads of rounds that ended
+        self._renewal_slowest_s = 0.0     # ... and the longest any went between two answers
         self._lease_news = trio.Event()   # set (from the renewal thread, via the loop) on each answer
         self.prefix = prefix
         self.value = value.encode()
@@ -240,7 +241,11 @@ class Election:
         return {"role": v.role.value, "epoch": v.epoch, "leader": v.leader, "leader_epoch": v.leader_epoch,
                 "promotions": self.promotions, "losses": self.losses, "errors": self.errors,
                 "failovers": self.failovers, "fencings": self.fencings,
-                "renewal_errors": self.renewal_errors}
+                "renewal_errors": self.renewal_errors,
+                "renewal_slowest_s": round(max(self._renewal_slowest_s,
+                                               self.renewer.slowest_s if self.renewer is not None else 0.0), 3),
+                "collector_longest_s": round(self.renewer.collector.longest_s, 3) if self.renewer is not None
+                else None}
 
     @property
     def renewal_errors(self) -> int:
@@ -325,6 +330,7 @@ class Election:
             if renewer is not None:
                 renewer.stop()
                 self._renewal_errors += renewer.errors
+                self._renewal_slowest_s = max(self._renewal_slowest_s, renewer.slowest_s)
             lease_id = self.core.lease_id
             self.core.lost()
             self._publish()

@@ -1166,8 +1166,10 @@ class AgentLink:
         self._moved_to = None
         if self._copies is None or self._relay is not None or url != self.placer_url:
             return
-        # (worth a wait: the alternative is a full report, and the placer may be busy taking over)
-        ch = await self._copies.take(url, min(self.request_timeout_s, max(2.0, 2 * self.heartbeat_s)))
+        # Waited for as long as a report is: the copy in flight is answered by the placer that a
+        # full report would wait on, busy taking over (a promotion adopting the fleet holds its
+        # loop for a second or more at 16,384 relayed nodes); a copy that fails ends the wait.
+        ch = await self._copies.take(url, self.request_timeout_s)
         if ch is None:
             return
         await self._close_wire()

@@ -246,7 +246,8 @@ class Copies:
 
     async def take(self, url: str, wait_s: float) -> CopyChannel | None:
         """The copy connection to ``url`` (the node now reports there) when its copies are in
-        step -- waited for up to ``wait_s`` -- else None (a full report is due there)."""
+        step -- waited for up to ``wait_s``, or until a copy to it fails -- else None (a full
+        report is due there)."""
         f = self.copies.get(url)
         if f is None or url not in self._channels:
             return None
@@ -304,13 +305,17 @@ class Copies:
                 log.debug("copy to a follower failed placer=%s err=%r", url, e)
                 f.answered(rep, None)
                 await self._drop(url)
+                self._progressed(url)   # (a move waiting for this copy ends now: take)
                 await self._pause()
                 continue
             f.answered(rep, wr.status, wr.reply.need_full, trio.current_time())
-            self._progress[url].set()
-            self._progress[url] = trio.Event()
+            self._progressed(url)
             if wr.status not in (OBSERVED, 200, 409):
                 await self._pause()
+
+    def _progressed(self, url: str) -> None:
+        self._progress[url].set()
+        self._progress[url] = trio.Event()
 
     async def _connect(self, f: FollowerCopy) -> CopyChannel | None:
         if f.wire is None:

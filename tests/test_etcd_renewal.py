@@ -4,6 +4,7 @@ no member answered; real etcd where installed (skipped otherwise), a closed port
 
 from __future__ import annotations
 
+import gc
 import math
 import socket
 import threading
@@ -12,7 +13,7 @@ import time
 import trio
 
 from placer.etcd import EtcdClient
-from placer.renewal import LeaseExpiry, Renewer
+from placer.renewal import CollectorPauses, LeaseExpiry, Renewer
 from testing.etcd import EtcdCluster
 
 
@@ -80,3 +81,87 @@ async def test_renews_and_ends_when_the_lease_is_revoked(etcd_cluster: EtcdClust
             finally:
                 r.stop()
                 await trio.to_thread.run_sync(r.join, 5)
+
+
+class SteppingClock:
+    """A monotonic clock that moves ``step`` seconds each time it is read (a thread kept from
+    running between its reads)."""
+
+    def __init__(self, step: float) -> None:
+        self.step = step
+        self.t = 0.0
+        self._lock = threading.Lock()
+
+    def __call__(self) -> float:
+        with self._lock:
+            self.t += self.step
+            return self.t
+
+
+def test_a_renewal_thread_kept_from_running_says_how_long_the_lease_went(caplog) -> None:  # noqa: ANN001
+    """Between two answers the thread went 3 s (its clock says so) with renewals due every
+    0.05 s: a warning names the gap, and ``slowest_s`` keeps it -- what the TTL must cover."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    expiry, wakes = LeaseExpiry(60.0), Wakes()
+    r = Renewer([f"http://127.0.0.1:{port}"], 7, expiry, 0.05, attempt_timeout_s=0.5, wake=wakes,
+                clock=SteppingClock(1.5))
+    r.start()
+    try:
+        _wait(lambda: wakes.n >= 2, 10)
+    finally:
+        r.stop()
+        r.join(5)
+    assert r.slowest_s == 3.0   # (two reads a renewal: sent, answered)
+    assert any("lease renewal late" in m and "since_last_answer=3.00s" in m for m in caplog.messages), caplog.messages
+
+
+def test_collector_pauses_are_timed_by_generation() -> None:
+    """Each collection between its start and stop callbacks, on the clock given (one second a
+    read here); a young collection is counted under its generation, and nothing after removal."""
+    pauses = CollectorPauses(clock=SteppingClock(1.0))
+    pauses.install()
+    try:
+        gc.collect(0)
+        gc.collect(2)
+    finally:
+        pauses.remove()
+    assert pauses.by_gen[0] >= 1 and pauses.by_gen[2] >= 1
+    assert pauses.longest_s == 1.0 and pauses.total_s == sum(pauses.by_gen) * 1.0
+    seen = list(pauses.by_gen)
+    gc.collect(2)
+    assert pauses.by_gen == seen
+
+
+class Node:
+    """A record with a cycle (as the placer's are: a node and its GPUs referring back)."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_survivors_of_a_full_collection_are_frozen_when_asked() -> None:
+    """``freeze_full``: what survives a full collection leaves the collector's sight (the next
+    full collection does not walk it again); a young collection freezes nothing; without it,
+    nothing is frozen."""
+    keep = [Node() for _ in range(5000)]
+    plain = CollectorPauses()
+    plain.install()
+    try:
+        gc.collect(2)
+    finally:
+        plain.remove()
+    assert plain.by_gen[2] >= 1 and plain.freezes == 0
+    base = gc.get_freeze_count()
+    pauses = CollectorPauses(freeze_full=True)
+    pauses.install()
+    try:
+        gc.collect(0)
+        assert pauses.freezes == 0
+        gc.collect(2)
+        assert pauses.freezes >= 1 and gc.get_freeze_count() >= base + len(keep)
+    finally:
+        pauses.remove()
+        gc.unfreeze()   # (this test process's objects back under the collector)
+    assert len(keep) == 5000

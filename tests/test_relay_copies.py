@@ -8,9 +8,11 @@ inventory gets the member's snapshot."""
 
 from __future__ import annotations
 
+import random
 import time
 from pathlib import Path
 
+import httpx
 import msgspec
 import trio
 
@@ -19,9 +21,9 @@ from agent.relay import Relay
 from agent.relaycore import RelayCore
 from infra.auth import TokenSet
 from scheduler_link.agent_link import AgentLink
-from scheduler_link.follow import OBSERVED
-from scheduler_link.frames import FrameChannel
-from scheduler_link.heartbeat_wire import Hello, WireReply
+from scheduler_link.follow import OBSERVED, Copies
+from scheduler_link.frames import FrameChannel, decode_payload
+from scheduler_link.heartbeat_wire import Hello, WireError, WireReply
 from scheduler_link.messages import NodeReport, RackBeatReply, ReportReply, Victim, WorkloadEvent
 from scheduler_link.msgauth import node_key, with_stop_macs
 from testing.waiting import poll
@@ -65,8 +67,10 @@ class Rack:
     AgentLinks reporting through it. ``up``: where the relay host's own link reports (a test
     moves it: the follower, or "" for no placer named)."""
 
-    def __init__(self, tokens: TokenSet, leader: FakePlacer, follower: FakeFollower) -> None:
+    def __init__(self, tokens: TokenSet, leader: FakePlacer, follower: FakeFollower, *,
+                 request_timeout_s: float = 2.0) -> None:
         self.tokens, self.leader, self.follower = tokens, leader, follower
+        self.request_timeout_s = request_timeout_s
         self.up = ""
 
     async def start(self, n: trio.Nursery, members: int) -> tuple[Relay, list[AgentLink]]:
@@ -76,6 +80,7 @@ class Rack:
         follower.master = leader.master   # (the placers of one cluster share the MAC master)
         self.up = leader.url
         relay = _relay(tokens, "r1", leader, [])
+        relay.request_timeout_s = relay.copies.timeout_s = self.request_timeout_s
         relay._wire_url = lambda: self.up or None
         leader.relay_url = follower.relay_url = await n.start(relay.run)
         await leader.until(lambda: "r1" in leader.relays, "relay up")
@@ -278,4 +283,156 @@ async def test_through_a_failover_the_rack_beats_to_the_followers_and_goes_up_to
                 await poll(lambda: relay.upstream is not None and relay._up_url == follower.url, 0.02)
             assert relay.statistics()["leader_moves"] == 1 and follower.hellos == hellos
             assert {lk.node_id: lk.full_reports_sent for lk in links} == fulls
+            n.cancel_scope.cancel()
+
+
+class BusyFollower(FakeFollower):
+    """A follower whose first answer to the relay host's own report once it leads comes only
+    after ``busy_s`` (its loop busy taking over: a promotion adopting the fleet)."""
+
+    def __init__(self, tokens: TokenSet) -> None:
+        super().__init__(tokens)
+        self.busy_s = 0.0
+
+    def _frame(self, ch, f):  # noqa: ANN001, ANN201
+        if f.type == "report" and self.leads and self.busy_s and decode_payload(f, NodeReport).node_id == ch.name:
+            busy, self.busy_s = self.busy_s, 0.0
+            return self._later(busy, ch, f)
+        return super()._frame(ch, f)
+
+    async def _later(self, busy: float, ch, f):  # noqa: ANN001, ANN202
+        await trio.sleep(busy)
+        return super()._frame(ch, f)
+
+
+def _placers_http(follower: FakeFollower) -> httpx.MockTransport:
+    """The two placers' HTTP side as the relay host's link sees it: placer-b, a follower, names
+    its framed channel in its 307 (where the link's copies go); no /healthz answers (no probe
+    finds a leader); a report over HTTP is answered as the new leader's (naming its channel)."""
+    def handle(req: httpx.Request) -> httpx.Response:
+        if req.url.path.endswith("/report") and req.content == b"{}":
+            if req.url.host == "placer-b":
+                return httpx.Response(307, json={"error": "not the leader", "leader": "http://placer-a",
+                                                 "wire": follower.url})
+            return httpx.Response(400, json={"error": "malformed report"})
+        if req.url.path.endswith("/report"):
+            return httpx.Response(200, content=msgspec.json.encode(ReportReply(
+                epoch=follower.epoch, heartbeat_interval_s=0.2, wire_url=follower.url)))
+        return httpx.Response(503, json={"error": "no leader"})
+    return httpx.MockTransport(handle)
+
+
+async def test_the_relay_hosts_own_link_moves_to_a_busy_new_leader_with_no_full_report(
+        tmp_path: Path, token_dir: Path) -> None:
+    """The relay host's own link (the shipped AgentLink over Relay.own_channel, its copies to
+    the follower over the relay's copy connection) loses the leader; the follower leads, and
+    its answer to the copy the link flushes before moving takes 3 s (its loop busy taking
+    over, longer than two heartbeat intervals): the link waits for it as for any report and
+    moves over the copy connection -- no full report from the host, none from its members."""
+    tokens = TokenSet.load(token_dir)
+    leader, follower = FakePlacer(tokens), BusyFollower(tokens)
+    rack = Rack(tokens, leader, follower, request_timeout_s=5.0)
+    http = httpx.AsyncClient(transport=_placers_http(follower))
+    with trio.fail_after(40):
+        async with http, trio.open_nursery() as n:
+            relay, links = await rack.start(n, 2)
+            host = AgentLink("http://placer-a,http://placer-b", tokens.cluster, "r1", Hooks(), heartbeat_s=0.2,
+                             wire_url=leader.url, wire_connect=relay.own_channel, http=http,
+                             own_relay_url=relay.listen_url, request_timeout_s=5.0)
+            host.full_every = 0   # (no periodic full report in the window)
+            await n.start(host.run)
+
+            def copied() -> bool:   # the host's copies to placer-b in step, over the relay's copy connection
+                st = host.statistics()["follower_copies"]
+                return (st is not None and bool(st["placers"]) and st["placers"][0]["taken"] >= 3
+                        and st["placers"][0]["wire"] == follower.url)
+            with trio.fail_after(10):
+                await poll(copied, 0.02)
+            assert host.registered and host.placer_url == "http://placer-a" and relay.copies.conns
+            fulls = host.full_reports_sent
+            members = {lk.node_id: lk.full_reports_sent for lk in links}
+            # the leader goes; the follower leads, busy for 3 s before it answers the host's copy
+            follower.leads, follower.epoch, follower.busy_s = True, 9, 3.0
+            rack.up = follower.url
+            await leader.relays["r1"].aclose()
+            with trio.fail_after(15):
+                await poll(lambda: host.placer_url == "http://placer-b" and host.registered
+                           and host.epochs.highest == 9 and relay._up_url == follower.url, 0.02)
+            seen = len(follower.seen["r1"])
+            await follower.until(lambda: len(follower.seen["r1"]) > seen + 2, "the host goes on at the new leader")
+            assert host.full_reports_sent == fulls, host.statistics()
+            assert host.statistics()["follower_copies"]["handovers"] == 1
+            assert not any(full for _, _, full in follower.seen["r1"][seen:])
+            assert {lk.node_id: lk.full_reports_sent for lk in links} == members
+            n.cancel_scope.cancel()
+
+
+class CopyLink:
+    """What follow.Copies needs of a node's link (follow.CopyHost), with no I/O: the follower at
+    ``B`` names its channel in its 307; the channel is ``chan``."""
+
+    def __init__(self, chan: SlowChannel) -> None:
+        self.placer_url = "http://a"
+        self.heartbeat_s = 1.0
+        self.request_timeout_s = 10.0
+        self.chan = chan
+
+    def copies_on(self) -> bool:
+        return True
+
+    def full_copy(self, seq: int) -> NodeReport:
+        return NodeReport(node_id="n", boot_id="b", seq=seq, full=True)
+
+    async def ask_redirect(self, url: str) -> tuple[int, bytes] | None:
+        return 307, b'{"wire": "tcp://127.0.0.1:1"}'
+
+    async def connect(self, wire_url: str, placer_url: str) -> SlowChannel:
+        return self.chan
+
+
+class SlowChannel:
+    """A follower's framed connection: each answer takes ``busy_s`` (its loop busy), or the
+    connection breaks (``broken``) once that time has passed."""
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.broken = False
+        self.seen: list[int] = []
+
+    async def exchange(self, report: NodeReport) -> WireReply:
+        await trio.sleep(self.busy_s)
+        if self.broken:
+            raise WireError("connection reset")
+        self.seen.append(report.seq)
+        return WireReply(status=OBSERVED)
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_a_move_waits_for_the_copy_in_flight_and_no_longer_than_it_lives(autojump_clock) -> None:  # noqa: ANN001
+    """The node moves to the follower its copies went to (it leads now): the move takes the copy
+    connection once the last report built is taken there -- 3 s later when the follower's
+    answer takes that long (well within the wait: a full report would wait for the same busy
+    placer) -- and gives up at once, not at the end of the wait, when that copy fails."""
+    for broken in (False, True):
+        chan = SlowChannel()
+        link = CopyLink(chan)
+        async with trio.open_nursery() as n:
+            copies = Copies(link, n, random.Random(1))
+            copies.offer(NodeReport(node_id="n", boot_id="b", seq=1, full=True), ["http://a", "http://b"])
+            with trio.fail_after(5):
+                await poll(lambda c=chan: c.seen == [1], 0.01)
+            # the node's next report went to the leader, which is gone; the copy of it is slow
+            chan.busy_s, chan.broken = 3.0, broken
+            copies.offer(NodeReport(node_id="n", boot_id="b", seq=2, events=[
+                WorkloadEvent(workload_id="w", job_id="j", state="running", at=0.0)]), ["http://a", "http://b"])
+            link.placer_url = "http://b"
+            t0 = trio.current_time()
+            ch = await copies.take("http://b", link.request_timeout_s)
+            if broken:
+                assert ch is None and trio.current_time() - t0 == 3.0   # (ended by the failure, not the wait)
+            else:
+                assert ch is chan and chan.seen == [1, 2] and trio.current_time() - t0 == 3.0
+                assert copies.handovers == 1
             n.cancel_scope.cancel()
