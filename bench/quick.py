@@ -49,7 +49,7 @@ QUICK: dict[str, list[str]] = {
     "bench.read_grants": ["--nodes", "256", "--pairs", "2"],
     "bench.relay_copies": ["--relays", "4", "--members", "8", "--seconds", "1", "--pairs", "1"],
     "bench.restart": ["--nodes", "256", "--gang-hosts", "32", "--probe-gpus", "64", "--recover-s", "1",
-                      "--heartbeat", "1", "--limit-s", "100"],
+                      "--heartbeat", "1", "--limit-s", "100", "--steady-s", "1"],
 }
 TIMEOUT_S = 150.0
 _CMD = re.compile(r"python -m (bench\.\w+)")

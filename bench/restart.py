@@ -16,6 +16,8 @@ kept their relay's address do, with the enrolment key issued with their certific
   (``register_mass_silences``: [placer] lost_mass_fraction) and its TLS handshakes;
 - a gang of ``--gang-hosts`` (default: 200,000 GPUs scaled to the fleet: 25,000 h100 hosts x 8 or
   50,000 gb200 trays x 4 of 131,072) placed and running;
+- ``--steady-s S``: the fleet left alone S seconds first, the placer's and the emulators' CPU
+  over it (``steady_placer_cores``, ``steady_emulator_cores``);
 - ``kill -9`` the placer at ``t0``, start it again at once; ``listening``: the new process
   wrote its endpoints (its listeners are open); from there:
   ``model_full_s`` (every node up in the new model), ``placer_cpu_s`` to then,
@@ -109,7 +111,8 @@ async def _counted(c: httpx.AsyncClient, url: str) -> dict[str, int]:
 async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls: bool, relay_hold: float,
                    per_proc: int, recover_s: float, tmp: Path, limit_s: float,
                    heartbeat_s: float = HEARTBEAT_S, enroll: bool = True, compact: bool = True,
-                   enroll_workers: int | None = None, enroll_ecdh: bool = False) -> dict[str, Any]:
+                   enroll_workers: int | None = None, enroll_ecdh: bool = False,
+                   steady_s: float = 0.0) -> dict[str, Any]:
     token_dir = generate_token_dir(tmp / "tokens")
     op = {"authorization": f"Bearer {TokenSet.load(token_dir).operator}"}
     pki = throwaway(tmp / "pki").dir if tls else None
@@ -169,6 +172,18 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             row["gang_settle_s"] = round(time.time() - t_settle, 2)
             row["relays"] = before["relays"]
             _note("gang running", hosts=gang_hosts)
+            if steady_s > 0:
+                # A restart in production comes to a fleet in its steady state, not to one still
+                # working off a cold registration's backlog: the fleet left alone this long first,
+                # the placer's and the emulators' CPU over that window reported.
+                pc, ec, ts = tree_cpu_s(placer.pid()), sum(e.cpu_s() for e in emus), time.time()
+                await trio.sleep(steady_s)
+                dt = time.time() - ts
+                row["steady_placer_cores"] = round((tree_cpu_s(placer.pid()) - pc) / dt, 3)
+                row["steady_emulator_cores"] = round((sum(e.cpu_s() for e in emus) - ec) / dt, 3)
+                _note("steady", s=round(dt, 1), placer_cores=row["steady_placer_cores"],
+                      emulator_cores=row["steady_emulator_cores"])
+            row["steady_s"] = steady_s
 
             t0 = time.time()
             placer.kill()
@@ -234,7 +249,8 @@ async def run_all(ns: argparse.Namespace) -> dict[str, Any]:
                                        tls=not ns.plain, relay_hold=hold, per_proc=ns.per_proc,
                                        recover_s=ns.recover_s, tmp=root / f"hold{hold:g}-{int(compact)}",
                                        limit_s=ns.limit_s, enroll=not ns.no_enroll, heartbeat_s=ns.heartbeat,
-                                       compact=compact, enroll_workers=ns.enroll_workers, enroll_ecdh=ns.enroll_ecdh))
+                                       compact=compact, enroll_workers=ns.enroll_workers, enroll_ecdh=ns.enroll_ecdh,
+                                       steady_s=ns.steady_s))
     out: dict[str, Any] = {"bench": "restart", "cores": os.cpu_count(), "heartbeat_s": ns.heartbeat, "rows": rows}
     first = rows[0].get("model_full_s")
     for other in rows[1:]:
@@ -281,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--enroll-workers", type=int, default=None,
                     help="the placer's enroll_workers (default: its own, one a core but the loop's, none below 4 cores; 0: in the loop)")
+    ap.add_argument("--steady-s", type=float, default=0.0,
+                    help="leave the fleet alone this long, the gang running, before the kill (its CPU reported): "
+                         "a restart from a steady fleet rather than right after the cold registration")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
     out = trio.run(run_all, ns)
