@@ -521,6 +521,21 @@ def _close_open_fds(keep: int) -> None:
                 os.close(fd)
 
 
+def _default_signals() -> None:
+    """Every disposition back to its default and nothing blocked, as a fresh process has (as
+    systemd does before it starts a service): an ignored signal stays ignored across exec, and
+    the shim ignores SIGHUP and SIGINT (it outlives its agent's terminal and session), Python
+    ignores SIGPIPE and SIGXFSZ, and whatever started the agent may have ignored more (SIGQUIT
+    under some supervisors) -- a workload would never see ^C, a hang-up or a quit."""
+    for sig in signal.valid_signals():
+        if sig in (signal.SIGKILL, signal.SIGSTOP):
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            if sig in (signal.SIGPIPE, signal.SIGXFSZ) or signal.getsignal(sig) == signal.SIG_IGN:
+                signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, ())
+
+
 def _leader(cmd_r: int, err_w: int, out_w: int, errout_w: int) -> int:
     """The forked leader's side of :class:`_Leader` (never returns on success)."""
     null = os.open(os.devnull, os.O_RDWR)
@@ -553,13 +568,7 @@ def _leader(cmd_r: int, err_w: int, out_w: int, errout_w: int) -> int:
         os.dup2(out_w, 1)
         os.dup2(errout_w, 2)
         os.chdir(cmd.get("cwd") or cmd["dir"])
-        # Every disposition back to its default, as a fresh process has: the shim ignores
-        # SIGHUP and SIGINT (it outlives its agent's terminal and session), and an ignored
-        # signal stays ignored across exec, so a workload would never see ^C or a hang-up;
-        # SIGPIPE and SIGXFSZ as Popen's restore_signals. Nothing is blocked either.
-        for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.pthread_sigmask(signal.SIG_SETMASK, ())
+        _default_signals()
         _child_setup(cmd)()
         _close_open_fds(keep=err_w)
         try:
