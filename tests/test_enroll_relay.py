@@ -494,7 +494,8 @@ async def test_enrolment_batches_are_worked_on_one_at_a_time_first_come_first_se
                     n.start_soon(one, b)
                     await trio.lowlevel.checkpoint()   # (in this order)
                 # while batches wait, no node is judged silent past the oldest one's arrival
+                # (a keyed batch takes no worker: on a loaded host all three may be done already)
                 first = hub.heard_until()
-                assert first is not None and first <= r.svc.clock()
+                assert (first is not None and first <= r.svc.clock()) or len(done) == 3, (first, done)
             assert done == [(0, 64), (1, 128), (2, 192)], done
             assert hub.heard_until() is None
