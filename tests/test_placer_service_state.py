@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from placer.config import PlacerConfig
@@ -131,6 +133,17 @@ def _ack_all(st: PlacerState, job, pushes, now: float) -> None:
     st.on_acks(job.job_id, job.attempt, {p.node_id: ACCEPTED for p in starts}, now, starts)
 
 
+def _one_pod_acked(job_id: str, submit_at: float, schedule_at: float, ack_at: float) -> tuple[PlacerState, Any]:
+    """A placer with node ``a`` (8 GPUs) whose one-pod job ``job_id`` was placed there and acked."""
+    st = new_state()
+    st.ingest("a", full("a"), 0.0)
+    st.recover_until = 0.0
+    st.submit(JobSpec(job_id=job_id, pods=1, gpus_per_pod=8, argv=["x"]), submit_at)
+    (job, pushes), = st.schedule(schedule_at)
+    _ack_all(st, job, pushes, ack_at)
+    return st, job
+
+
 def _events(st: PlacerState, node: str, seq: int, evs: list[WorkloadEvent], now: float) -> None:
     code, _, _ = st.ingest(node, NodeReport(node_id=node, boot_id=f"boot-{node}", seq=seq, full=False,
                                             events=evs), now)
@@ -184,12 +197,7 @@ def test_update_artifact_applies_to_the_next_attempt_and_refuses_bad_input():
 def test_full_report_showing_an_ended_pod_overtakes_its_event():
     """A full report (sent every few beats) can arrive before the event of a pod that just
     exited: the pod ended (here successfully), it did not vanish."""
-    st = new_state()
-    st.ingest("a", full("a"), 0.0)
-    st.recover_until = 0.0
-    st.submit(JobSpec(job_id="done", pods=1, gpus_per_pod=8, argv=["x"]), 0.1)
-    (job, pushes), = st.schedule(0.2)
-    _ack_all(st, job, pushes, 0.3)
+    st, job = _one_pod_acked("done", 0.1, 0.2, 0.3)
     wid = job.pods[0].workload_id
     _events(st, "a", 2, [WorkloadEvent(workload_id=wid, job_id="done", state="running", at=0.4)], 0.4)
     exited = WorkloadStatus(workload_id=wid, job_id="done", gpus=[f"a-g{i}" for i in range(8)], state="exited",
@@ -264,12 +272,7 @@ def test_a_full_report_built_before_the_ack_does_not_make_its_pods_vanished():
     a loaded placer reads it more than a second after the ack, the report's own ``sent_at``
     says it is older than the ack: the pods are not declared vanished. One built after the ack
     that does not list them is."""
-    st = new_state()
-    st.ingest("a", full("a"), 0.0)
-    st.recover_until = 0.0
-    st.submit(JobSpec(job_id="j", pods=1, gpus_per_pod=8, argv=["x"]), 10.0)
-    (job, pushes), = st.schedule(10.0)
-    _ack_all(st, job, pushes, 10.1)
+    st, job = _one_pod_acked("j", 10.0, 10.0, 10.1)
     acked = job.timings["acked"]
     old = NodeReport(node_id="a", boot_id="boot-a", seq=2, full=True, control_url="http://a",
                      topology=TopologyPath(zone="z", block="b", rack="r"), snapshot=snap("a"), workloads=[],
