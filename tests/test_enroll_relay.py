@@ -490,12 +490,16 @@ async def test_enrolment_batches_are_worked_on_one_at_a_time_first_come_first_se
                 done.append((b, desk.taken - taken0))
             assert hub.heard_until() is None
             async with trio.open_nursery() as n:
-                for b in range(3):
-                    n.start_soon(one, b)
-                    await trio.lowlevel.checkpoint()   # (in this order)
-                # while batches wait, no node is judged silent past the oldest one's arrival
-                # (a keyed batch takes no worker: on a loaded host all three may be done already)
-                first = hub.heard_until()
-                assert (first is not None and first <= r.svc.clock()) or len(done) == 3, (first, done)
+                async with hub._enroll_turn:   # (held here: all three come and wait their turn)
+                    before = r.svc.clock()
+                    for b in range(3):
+                        n.start_soon(one, b)
+                        await trio.lowlevel.checkpoint()   # (in this order)
+                    while len(hub._enroll_waiting) < 3:
+                        await trio.sleep(0.005)
+                    # while batches wait, no node is judged silent past the oldest one's arrival
+                    first = hub.heard_until()
+                    assert first is not None and before <= first <= r.svc.clock(), (before, first)
+                    assert done == []
             assert done == [(0, 64), (1, 128), (2, 192)], done
             assert hub.heard_until() is None
