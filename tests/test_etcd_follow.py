@@ -126,19 +126,22 @@ async def test_agents_copy_their_reports_and_move_without_registering_again(
                 ag.link.full_every = 0   # (no periodic full report: what the follower holds came as events)
             st = b.svc.state
             # the follower learns the nodes before the gang exists: its pods come to it as events
-            await until(lambda: all(ag.link is not None and ag.node_id in st.nodes and st.nodes[ag.node_id].last_seq
-                                    == ag.link.seq for ag in agents))
+            # (a node's sequence there trails its own by the heartbeats not copied yet: an empty
+            # one goes every other interval, and under load the next is built before it lands)
+            await until(lambda: all(ag.node_id in st.nodes and st.nodes[ag.node_id].last_seq > 0 for ag in agents))
             r = await ops.post(url_a + "/v1/jobs", content=msgspec.json.encode(
                 JobSpec(job_id="j1", pods=2, gpus_per_pod=8, argv=["sleep", "100"])))
             assert r.status_code == 201, r.text
             r = await ops.get(url_a + "/v1/jobs/j1?wait=running&timeout_ms=10000")
             assert r.json()["state"] == "running"
 
-            async def copied() -> bool:   # the follower's model: both nodes, at the leader's sequence
-                return all(ag.link is not None and ag.node_id in st.nodes and st.nodes[ag.node_id].last_seq
-                           == ag.link.seq and st.nodes[ag.node_id].stale for ag in agents)
+            seen = {ag.node_id: ag.link.seq for ag in agents if ag.link is not None}   # (the pods' events among them)
+
+            async def copied() -> bool:   # the follower's model: both nodes, at least where the gang ran
+                return all(st.nodes[n].last_seq >= seq and st.nodes[n].stale for n, seq in seen.items())
             with trio.fail_after(30):   # (copies start 1-4 intervals after registering; a loaded host is slower)
                 await until(copied)
+            assert len(seen) == 2
             assert st.jobs == {} and b.svc.journal is None
             placed = sum(len(ag.placements) for ag in agents)
             links = [ag.link for ag in agents if ag.link is not None]
@@ -151,9 +154,10 @@ async def test_agents_copy_their_reports_and_move_without_registering_again(
             assert st.jobs["j1"].state == "running" and st.jobs["j1"].n_pods == 2
 
             async def moved() -> bool:
-                return all(lk.placer_url == url_b and lk.registered and st.nodes[lk.node_id].last_seq == lk.seq
-                           for lk in links)
+                return all(lk.placer_url == url_b and lk.registered for lk in links)
             await until(moved)
+            now = {lk.node_id: lk.seq for lk in links}   # (reports from here on go to b alone)
+            await until(lambda: all(st.nodes[n].last_seq >= seq and not st.nodes[n].stale for n, seq in now.items()))
             assert sum(lk.full_reports_sent for lk in links) == full_before, [(lk.full_reports_sent, lk.conflicts, lk.statistics()["follower_copies"]) for lk in links]
             stats = [lk.statistics()["follower_copies"] for lk in links]
             assert all(s is not None and s["handovers"] == 1 for s in stats), stats
