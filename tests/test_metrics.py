@@ -38,7 +38,7 @@ async def cluster_scrapes(tmp_path: Path, token_dir: Path) -> dict[str, str]:
     """The /metrics of a real placer and a real agent (simulated GPUs, data plane, reporting
     to the placer) while a job the placer placed holds two of the agent's GPUs."""
     tokens = TokenSet.load(token_dir)
-    svc = PlacerService(placer_cfg(tmp_path / "p"), tokens)
+    svc = PlacerService(placer_cfg(tmp_path / "p", lost_after_missed=100), tokens)   # (a loaded host: never "lost")
     with trio.fail_after(40):
         async with trio.open_nursery() as n:
             purl = await n.start(svc.run)
