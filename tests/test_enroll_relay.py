@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 import trio
+import trio.testing
 
 from agent.blobs import BlobCache
 from agent.relay import Relay
@@ -495,8 +496,8 @@ async def test_enrolment_batches_are_worked_on_one_at_a_time_first_come_first_se
                     for b in range(3):
                         n.start_soon(one, b)
                         await trio.lowlevel.checkpoint()   # (in this order)
-                    while len(hub._enroll_waiting) < 3:
-                        await trio.sleep(0.005)
+                    await trio.testing.wait_all_tasks_blocked()   # (all three waiting their turn)
+                    assert len(hub._enroll_waiting) == 3
                     # while batches wait, no node is judged silent past the oldest one's arrival
                     first = hub.heard_until()
                     assert first is not None and before <= first <= r.svc.clock(), (before, first)
