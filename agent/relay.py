@@ -293,12 +293,13 @@ class Relay:
                 backoff = min(self.backoff_max_s, backoff * 2)
                 continue
             taken = self.copies.take(url)   # a follower that leads now: its copy connection goes up
+            dial_at = time.monotonic()
             try:
                 ch = taken.ch if taken is not None else await self._dial(url)
             except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
                     TLSError) as e:   # (a busy placer resets handshakes: tried again, never the relay's end)
                 self.failures += 1
-                log.info("relay upstream connect failed url=%s err=%r", url, e)
+                log.info("relay upstream connect failed url=%s after=%.1fs err=%r", url, time.monotonic() - dial_at, e)
                 await self._pause(backoff * 2 * random.uniform(0.5, 1.0))  # jittered: relays do not retry in step
                 backoff = min(self.backoff_max_s, backoff * 2)
                 continue
@@ -307,8 +308,8 @@ class Relay:
             # (a follower that held every copy holds what the members said: none asked again)
             in_step = taken is not None and taken.drops == 0 and taken.failures == 0
             asked = self.book.reconnected() if self.connects > 1 and not in_step else 0
-            log.info("relay connected to the placer url=%s rack=%s members_asked_full=%d copy_taken=%s", url,
-                     self.rack, asked, taken is not None)
+            log.info("relay connected to the placer url=%s rack=%s members_asked_full=%d copy_taken=%s dial_s=%.1f", url,
+                     self.rack, asked, taken is not None, time.monotonic() - dial_at)
             self._up = ch
             self._up_url = url
             self._up_epoch = 0
@@ -336,7 +337,8 @@ class Relay:
                 if self.copies.conns and self._nursery is not None:   # a follower may lead soon: held
                     self._hold_until = trio.current_time() + self.failover_hold_s
                     self._nursery.start_soon(self._hold_ends, self._hold_until)
-            log.warning("relay lost its placer connection rack=%s", self.rack)
+            log.warning("relay lost its placer connection rack=%s after=%.1fs why=%s", self.rack,
+                        time.monotonic() - ch.opened_at, why)
             await self._pause(backoff)
 
     async def _pause(self, seconds: float) -> None:

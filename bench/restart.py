@@ -2,6 +2,7 @@
 the same state dir and ports, and time how long the new process takes to hold the fleet.
 
     python -m bench.restart --nodes 16384 [--fleet h100|gb200] [--plain] [--baseline] [--json]
+        [--baseline-root DIR [--repeat K]]
 
 One ``herd placer run`` (mutual TLS unless ``--plain``; rack relays on) and
 ``ceil(N / --per-proc)`` emulator processes (``python -m testing.fleet --relays``: each rack
@@ -38,7 +39,12 @@ the placer stored instead of sending it (placer.inventories) / that it did not h
 ``--baseline-compact``: the same run again with every full report carrying its snapshot, for the
 ratio. ``--baseline``: the same run again with the members' relay hold off (``--relay-hold 0``:
 every member reports to the placer directly as soon as its relay loses the placer, as
-before the hold existed), in the same invocation, for the ratio. Every wait is bounded;
+before the hold existed), in the same invocation, for the ratio. ``--baseline-root DIR``: the
+same run by another checkout's placer and emulators, alternated with this tree's (``--repeat K``
+each), with the medians and ``*_ratio_over_base``. ``register_closes`` / ``restart_closes``:
+the frames connections ended by then, and why, at both ends (the placer's closes by a bound,
+``frames_closed_*``; the relays' own view of their connection up, ``relay_drop_reasons``),
+also noted every 20 s while the bench waits for the fleet. Every wait is bounded;
 traffic stays on 127.0.0.1; nothing is left running.
 """
 
@@ -48,6 +54,8 @@ import argparse
 import json
 import math
 import os
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -61,7 +69,7 @@ from prometheus_client.parser import text_string_to_metric_families
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.failover import Placer, _job, _note, _submit, _wait_up  # noqa: E402
+from bench.failover import Placer, _job, _nodes_up, _note, _submit  # noqa: E402
 from bench.fleet_tls import tree_cpu_s  # noqa: E402
 from infra.auth import TokenSet, generate_token_dir  # noqa: E402
 from infra.pki import throwaway  # noqa: E402
@@ -70,6 +78,54 @@ from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, verify  # n
 HEARTBEAT_S = 5.0
 GPUS_PER_HOST = {"h100": 8, "gb200": 4}   # a DGX H100; a GB200 NVL72 compute tray
 EMULATOR_NICE = 10   # the emulators stand for other machines: they yield the cores to the placer
+
+
+class TreePlacer(Placer):
+    """bench.failover's Placer, run from ``root``'s code (``--baseline-root``: another checkout)."""
+
+    def __init__(self, *args: Any, root: Path = ROOT, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.root = root
+
+    def start(self) -> None:
+        (self.state / "endpoints.json").unlink(missing_ok=True)
+        with open(self.work / "placer.log", "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "cli.main", "placer", "run", "--config", str(self.conf)],
+                                         cwd=self.root, env={**os.environ, "PYTHONPATH": str(self.root)}, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+async def _closes(c: httpx.AsyncClient, url: str, emus: list[EmulatorProc]) -> dict[str, dict[str, int]]:
+    """Why frames connections ended so far: the placer's closes by a bound (its framed channel's
+    ``frames_closed_*``) and the relays' own view of their connection up (``relay_drop_reasons``)."""
+    placer: dict[str, int] = {}
+    relays: dict[str, int] = {}
+    try:   # (a busy process may not answer in time: what did answer is reported, the bench goes on)
+        r = await c.get(url + "/v1/cluster", params={"detail": "0"}, timeout=30)
+        fc = r.json().get("framed_channel") or {} if r.status_code == 200 else {}
+        placer = {k.removeprefix("frames_closed_"): int(v) for k, v in fc.items()
+                  if k.startswith("frames_closed_") and v}
+        for e in emus:
+            for k, v in (await e.stats(c)).get("relay_drop_reasons", {}).items():
+                relays[k] = relays.get(k, 0) + int(v)
+    except (httpx.HTTPError, ValueError) as e:
+        relays["(not known: " + type(e).__name__ + ")"] = 0
+    return {"placer_closed": placer, "relay_drops": relays}
+
+
+async def _wait_up(c: httpx.AsyncClient, url: str, n: int, limit_s: float, emus: list[EmulatorProc]) -> None:
+    """Until ``n`` nodes are up (bounded by ``limit_s``), noting progress every 2 s and, every
+    20 s, the connections closed so far and why (both ends)."""
+    t0 = last = last_closes = time.time()
+    with trio.fail_after(limit_s):
+        while (up := await _nodes_up(c, url)) < n:
+            if time.time() - last >= 2.0:
+                last = time.time()
+                _note("nodes up", up=up, of=n, s=round(last - t0, 1))
+            if time.time() - last_closes >= 20.0:
+                last_closes = time.time()
+                _note("closes", **{k: json.dumps(v) for k, v in (await _closes(c, url, emus)).items()})
+            await trio.sleep(0.05)
 
 
 async def _sum_stats(c: httpx.AsyncClient, emus: list[EmulatorProc], job: str) -> dict[str, Any]:
@@ -112,15 +168,15 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
                    per_proc: int, recover_s: float, tmp: Path, limit_s: float,
                    heartbeat_s: float = HEARTBEAT_S, enroll: bool = True, compact: bool = True,
                    enroll_workers: int | None = None, enroll_ecdh: bool = False,
-                   steady_s: float = 0.0) -> dict[str, Any]:
+                   steady_s: float = 0.0, root: Path = ROOT) -> dict[str, Any]:
     token_dir = generate_token_dir(tmp / "tokens")
     op = {"authorization": f"Bearer {TokenSet.load(token_dir).operator}"}
     pki = throwaway(tmp / "pki").dir if tls else None
-    placer = Placer(tmp / "placer", token_dir, None, recover_s, tls_dir=pki, relays=True, heartbeat_s=heartbeat_s,
-                    extra_toml="" if enroll_workers is None else f"enroll_workers = {enroll_workers}\n")
+    placer = TreePlacer(tmp / "placer", token_dir, None, recover_s, tls_dir=pki, relays=True, heartbeat_s=heartbeat_s,
+                        extra_toml="" if enroll_workers is None else f"enroll_workers = {enroll_workers}\n", root=root)
     enroll = enroll and tls
     per_host = GPUS_PER_HOST[fleet]
-    row: dict[str, Any] = {"nodes": n, "fleet": fleet, "tls": tls, "enroll": enroll, "enroll_ecdh": enroll and enroll_ecdh,
+    row: dict[str, Any] = {"tree": str(root), "nodes": n, "fleet": fleet, "tls": tls, "enroll": enroll, "enroll_ecdh": enroll and enroll_ecdh,
                            "relay_hold_s": relay_hold,
                            "compact": compact,
                            "heartbeat_s": heartbeat_s, "enroll_workers": enroll_workers,
@@ -136,7 +192,7 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
         for k in range(procs):
             cnt = min(per_proc, n - k * per_proc)
             e = EmulatorProc(proxy, token_dir, nodes=cnt, offset=k * per_proc, fleet=fleet, mux=8, tls_dir=pki,
-                             log_path=tmp / f"emu-{k}.log", nice=EMULATOR_NICE,
+                             log_path=tmp / f"emu-{k}.log", nice=EMULATOR_NICE, root=root,
                              extra=["--relays", "--relay-hold", str(relay_hold), *(["--enroll"] if enroll else []),
                                     *(["--enroll-ecdh"] if enroll and enroll_ecdh else []),
                                     *([] if compact else ["--no-compact"]),
@@ -148,13 +204,14 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             t = time.time()
             for e in emus:
                 await e.go()
-            await _wait_up(c, placer.url, n, limit_s)
+            await _wait_up(c, placer.url, n, limit_s, emus)
             row.update(register_s=round(time.time() - t, 2), register_placer_cpu_s=round(tree_cpu_s(placer.pid()) - cpu0, 2),
                        register_emulator_cpu_s=round(sum(e.cpu_s() for e in emus) - ecpu0, 2))
             cold = await _counted(c, placer.url)
             row.update(register_nodes_lost=cold["nodes_lost"], register_mass_silences=cold["mass_silences"],
                        register_tls_handshakes=cold["tls_handshakes"])
-            _note("fleet up", nodes=n, s=row["register_s"])
+            row["register_closes"] = await _closes(c, placer.url, emus)
+            _note("fleet up", nodes=n, s=row["register_s"], closes=json.dumps(row["register_closes"]))
             gang = {"job_id": "gang", "pods": gang_hosts, "gpus_per_pod": per_host, "argv": ["train"], "priority": 2,
                     "preemptible": False, "grace_s": 1.0}
             await _submit(c, [placer.url], gang, 60)
@@ -192,7 +249,7 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             t_listen = time.time()
             cpu1, ecpu1 = tree_cpu_s(placer.pid()), sum(e.cpu_s() for e in emus)
             row["restart_to_listening_s"] = round(t_listen - t0, 2)
-            await _wait_up(c, placer.url, n, limit_s)
+            await _wait_up(c, placer.url, n, limit_s, emus)
             t_full = time.time()
             row["model_full_s"] = round(t_full - t_listen, 2)
             row["recovery_placer_cpu_s"] = round(tree_cpu_s(placer.pid()) - cpu1, 2)
@@ -200,7 +257,8 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
             row.update(await _counted(c, placer.url))
             hs = row["tls_handshakes"]
             row["handshake_bound"] = before["relays"] + math.ceil(0.01 * n)
-            _note("model full", s=row["model_full_s"], handshakes=hs)
+            row["restart_closes"] = await _closes(c, placer.url, emus)
+            _note("model full", s=row["model_full_s"], handshakes=hs, closes=json.dumps(row["restart_closes"]))
 
             probe = {"job_id": "probe", "pods": probe_gpus // per_host, "gpus_per_pod": per_host, "argv": ["probe"],
                      "grace_s": 1.0}
@@ -241,24 +299,42 @@ async def run_all(ns: argparse.Namespace) -> dict[str, Any]:
     rows = []
     # a 200,000-GPU gang on the 131,072-node fleet: 25,000 h100 hosts, 50,000 gb200 trays (scaled with N)
     gang = ns.gang_hosts or max(1, round(ns.nodes * (200_000 // GPUS_PER_HOST[ns.fleet]) / 131_072))
+    base = ns.baseline_root
     with tempfile.TemporaryDirectory(prefix="herd-restart-") as d:
         root = Path(ns.workdir or d)
         runs = [(30.0, True)] + ([(0.0, True)] if ns.baseline else []) + ([(30.0, False)] if ns.baseline_compact else [])
-        for hold, compact in runs:
-            rows.append(await run_once(ns.nodes, fleet=ns.fleet, gang_hosts=gang, probe_gpus=ns.probe_gpus,
-                                       tls=not ns.plain, relay_hold=hold, per_proc=ns.per_proc,
-                                       recover_s=ns.recover_s, tmp=root / f"hold{hold:g}-{int(compact)}",
-                                       limit_s=ns.limit_s, enroll=not ns.no_enroll, heartbeat_s=ns.heartbeat,
-                                       compact=compact, enroll_workers=ns.enroll_workers, enroll_ecdh=ns.enroll_ecdh,
-                                       steady_s=ns.steady_s))
+        trees = [ROOT] + ([base] if base is not None else [])
+        for i in range(ns.repeat):
+            # alternated (this tree first, then the other, then the other way round): drift in the
+            # machine's load hits both trees alike
+            for tree in trees if i % 2 == 0 else trees[::-1]:
+                for hold, compact in runs:
+                    tag = f"hold{hold:g}-{int(compact)}" + (f"-{i}-{'base' if tree == base else 'this'}"
+                                                           if base is not None or ns.repeat > 1 else "")
+                    rows.append(await run_once(ns.nodes, fleet=ns.fleet, gang_hosts=gang, probe_gpus=ns.probe_gpus,
+                                               tls=not ns.plain, relay_hold=hold, per_proc=ns.per_proc,
+                                               recover_s=ns.recover_s, tmp=root / tag,
+                                               limit_s=ns.limit_s, enroll=not ns.no_enroll, heartbeat_s=ns.heartbeat,
+                                               compact=compact, enroll_workers=ns.enroll_workers,
+                                               enroll_ecdh=ns.enroll_ecdh, steady_s=ns.steady_s, root=tree))
     out: dict[str, Any] = {"bench": "restart", "cores": os.cpu_count(), "heartbeat_s": ns.heartbeat, "rows": rows}
-    first = rows[0].get("model_full_s")
-    for other in rows[1:]:
+    mine = [r for r in rows if r["tree"] == str(ROOT)]
+    first = mine[0].get("model_full_s")
+    for other in mine[1:len(runs)]:
         if first and other.get("model_full_s"):
             key = "hold_over_direct" if other["relay_hold_s"] == 0 else "compact_over_snapshots"
             out[f"model_full_ratio_{key}"] = round(first / other["model_full_s"], 2)
-            out[f"recovery_placer_cpu_ratio_{key}"] = round(rows[0]["recovery_placer_cpu_s"]
+            out[f"recovery_placer_cpu_ratio_{key}"] = round(mine[0]["recovery_placer_cpu_s"]
                                                            / max(other["recovery_placer_cpu_s"], 1e-3), 2)
+    if base is not None:
+        # medians of the default runs (hold on, compact), this tree over the baseline's
+        for k in ("register_s", "register_placer_cpu_s", "register_emulator_cpu_s", "model_full_s",
+                  "recovery_placer_cpu_s", "recovery_emulator_cpu_s"):
+            a = [r[k] for r in mine if r["relay_hold_s"] and r["compact"] and k in r]
+            b = [r[k] for r in rows if r["tree"] == str(base) and r["relay_hold_s"] and r["compact"] and k in r]
+            if a and b:
+                out[f"{k}_median"], out[f"base_{k}_median"] = statistics.median(a), statistics.median(b)
+                out[f"{k}_ratio_over_base"] = round(statistics.median(a) / max(statistics.median(b), 1e-3), 3)
     return out
 
 
@@ -272,6 +348,10 @@ def print_table(out: dict[str, Any]) -> None:
         print(" ".join(f"{str(r.get(c, '-')):>12}" for c in cols))
     if "model_full_ratio_hold_over_direct" in out:
         print(f"model_full_s, relay hold / members direct: {out['model_full_ratio_hold_over_direct']}")
+    for k, v in out.items():
+        if k.endswith("_ratio_over_base"):
+            m = k.removesuffix("_ratio_over_base")
+            print(f"{m}: median {out[m + '_median']} against the baseline's {out['base_' + m + '_median']} (x{v})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,6 +375,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--baseline-compact", action="store_true",
                     help="also the run with compact registration off (every full report carries its GPU snapshot)")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--baseline-root", default=None, metavar="DIR",
+                    help="also the same run by that tree's code (another checkout: its placer and emulators), "
+                         "alternated with this tree's, medians and ratios printed")
+    ap.add_argument("--repeat", type=int, default=1, help="runs of each tree (alternated)")
     ap.add_argument("--enroll-workers", type=int, default=None,
                     help="the placer's enroll_workers (default: its own, one a core but the loop's, none below 4 cores; 0: in the loop)")
     ap.add_argument("--steady-s", type=float, default=0.0,
@@ -302,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
                          "a restart from a steady fleet rather than right after the cold registration")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
+    ns.baseline_root = Path(ns.baseline_root).resolve() if ns.baseline_root else None
     out = trio.run(run_all, ns)
     print_table(out)
     if ns.json:
