@@ -551,7 +551,7 @@ class PlacerService:
         if self.ha is not None and not self.ha.leading():   # as for reports: a follower applies it to its
             if not self.ha.observing():                     # warm model and asks for nothing but full
                 return RackBeatReply()                      # reports (placer.observe); else nothing
-            return observe.beat_answer(self.state.beat(beat, at, via=via, answered=answered)[0])
+            return observe.beat(self.state, beat, at, via)
         reply, pushes = self.state.beat(beat, at, via=via, answered=answered)
         self._carry_out(pushes)
         if reply.stop:   # each stop carries the epoch, under the member's MAC (a relay cannot change it)
