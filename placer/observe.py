@@ -14,6 +14,11 @@ moving workloads -- so that on promotion it already holds the fleet. It *observe
 - nothing it computes leaves: the pushes the state asks for are dropped, and what it answers
   (:func:`report_answer`, :func:`beat_answer`) says only whether it needs the node's full
   report (a sequence gap, an unknown boot): no stop, no relay, no keys, no epoch;
+- its model is rebuilt while it follows (:func:`keep_built`: registrations only mark it dirty,
+  as a leader's, and a follower runs no scheduling pass that would rebuild it), spaced as a
+  leader's passes space theirs: the promotion's adoption finds it built (a model left dirty
+  since the fleet registered was rebuilt inside the adoption, re-applying every held workload
+  one by one: 0.36 s of 16,384 nodes' promotion);
 - it runs no timers (no node is judged lost by a placer that places nothing), so a rack beat
   (:func:`beat`) costs it the entries' MACs, checked in one comparison as a leader's are, and
   a sequence check and a time an entry: no deadline moved, no stop or push looked for.
@@ -34,6 +39,7 @@ workload is both a job's pod and a stale workload.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
@@ -42,6 +48,7 @@ from scheduler_link.messages import TERMINAL_STATES, NodeReport, RackBeat, RackB
 
 from .errors import BadRequest
 from .records import STALE_PRIORITY, TERMINAL_JOB_STATES, JobRec, NodeRec, PodRec, parse_workload_id
+from .scheduling import REBUILD_SPACING
 from .state import PlacerState
 from .statebase import MODEL_ERRORS
 
@@ -118,6 +125,20 @@ def beat(state: PlacerState, b: RackBeat, now: float, via: str) -> RackBeatReply
         return _BEAT_OK
     state.counters["conflicts"] += len(need)
     return RackBeatReply(need_full=need)
+
+
+def keep_built(state: PlacerState, now: float, clock: Callable[[], float]) -> bool:
+    """Rebuild a follower's model if registrations left it dirty, no sooner than
+    REBUILD_SPACING times the last rebuild's cost after it (``clock``: a monotonic seconds
+    clock, timing it), as a leader's scheduling pass does. Whether it rebuilt."""
+    if not state.model.needs_rebuild or now < state.rebuild_ok_at:
+        return False
+    t0 = clock()
+    _ = state.model.n_nodes   # (rebuilt now, timed)
+    state.last_rebuild_s = clock() - t0
+    state.counters["rebuilds"] += 1
+    state.rebuild_ok_at = now + REBUILD_SPACING * state.last_rebuild_s
+    return True
 
 
 def beat_answer(reply: RackBeatReply) -> RackBeatReply:

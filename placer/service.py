@@ -425,7 +425,9 @@ class PlacerService:
                 await self._kick.wait()
             self._kick = trio.Event()
             if self.ha is not None and not self.ha.leading():
-                # a follower places nothing; its warm model's records live long (placer.observe)
+                # a follower places nothing; its warm model's records live long, and its model
+                # is kept built for the promotion (placer.observe)
+                observe.keep_built(self.state, self.clock(), time.perf_counter)
                 if len(self.state.nodes) > self._nodes_at_freeze * 1.1 + 100:
                     self._maybe_freeze()
                 continue

@@ -132,3 +132,23 @@ def test_a_followers_beat_moves_sequences_and_liveness_only_where_the_mac_verifi
     assert not reply.need_full and st.counters["bad_macs"] == bad + 1
     assert (st.nodes["n3"].last_seq, st.nodes["n3"].last_seen) == (1, 1.0) and st.nodes["n1"].last_seq == 3
     assert observe.promoted(st, 10.0, 5.0) == ["n1", "n2"]
+
+
+def test_a_followers_model_is_built_while_it_follows_so_its_adoption_rebuilds_nothing() -> None:
+    """Registrations leave a follower's model dirty and a follower runs no scheduling pass:
+    observe.keep_built rebuilds it meanwhile (spaced 4x its last cost apart, as a leader's
+    passes), so the promotion's adoption of a gang finds it built and rebuilds nothing."""
+    st = _follower(64, {})
+    assert st.model.needs_rebuild
+    ticks = iter([0.0, 0.5, 10.0, 10.25])   # (the monotonic clock that times each rebuild)
+    assert observe.keep_built(st, 2.0, lambda: next(ticks)) and not st.model.needs_rebuild
+    assert st.counters["rebuilds"] == 1 and st.rebuild_ok_at == 4.0
+    assert st.ingest("n64", full("n64", rack="r16", workloads=[_w("g.2.64", "n64", range(8))]), 2.5)[0] == 200
+    assert st.model.needs_rebuild and not observe.keep_built(st, 3.9, lambda: next(ticks))
+    assert observe.keep_built(st, 4.0, lambda: next(ticks)) and not st.model.needs_rebuild
+    assert not observe.keep_built(st, 9.0, lambda: next(ticks))   # (built: nothing to do)
+    st.submit(JobSpec(job_id="g", pods=65, gpus_per_pod=8, argv=["x"]), 9.0, recovering=True)
+    st.jobs["g"].attempt = 2
+    rebuilds = st.model.rebuilds
+    assert observe.adopt(st, 9.0) == (65, 0) and st.model.rebuilds == rebuilds
+    st.model.check_invariants()
