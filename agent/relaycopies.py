@@ -20,10 +20,11 @@ on every beat and report batch the relay sends up is queued for it.
   (it judges no node lost; on promotion a member heard within ``recover_s`` counts as reported:
   placer.observe), so the beats between are merged into the next copy, each member's newest
   entry kept with its own MAC (a beat's entries may skip sequence numbers: the skipped ones said
-  nothing). Half the frames, entries and MACs a follower applies, and the relay copies. A held
-  beat goes before the next report batch (the follower sees each member's sequence in order),
-  and at once while the relay has no connection up (a failover: the follower about to lead
-  holds the rack as fresh as it can, and its answer, a leader's, is heard an interval sooner).
+  nothing). Half the frames, entries and MACs a follower applies, and the relay copies. The held
+  entries of the members in a report batch go before it (the follower sees each member's
+  sequence in order; the others stay held), and a held beat goes at once while the relay has
+  no connection up (a failover: the follower about to lead holds the rack as fresh as it can,
+  and its answer, a leader's, is heard an interval sooner).
 - Bounded: at most COPY_QUEUE frames wait for one follower; more, and the oldest is dropped
   (counted; the follower's sequence checks then ask for the full reports it lacks).
 - Promotion: when the relay's connection up is to go to a placer it holds a copy connection to
@@ -131,13 +132,19 @@ class RelayCopies:
             if kind == "beat":
                 c.beat = payload if c.beat is None else merged_beat(c.beat, payload)
                 c.held += 1
-                if c.held < COPY_BEAT_EVERY and upstream is not None:
-                    continue
-            if c.beat is not None:   # (a held beat goes first: each member's sequence in order)
-                self._queue(c, "beat", c.beat)
-                c.beat, c.held = None, 0
-            if kind != "beat":
-                self._queue(c, kind, payload)
+                if c.held >= COPY_BEAT_EVERY or upstream is None:
+                    self._queue(c, "beat", c.beat)
+                    c.beat, c.held = None, 0
+                continue
+            if c.beat is not None:   # the held entries of its members go first (each one's sequence in order)
+                ids = ({r.node_id for r in payload.reports} if isinstance(payload, RackReports)
+                       else set(c.beat.node_ids))
+                first, c.beat = split_beat(c.beat, ids)
+                if c.beat is None:
+                    c.held = 0
+                if first is not None:
+                    self._queue(c, "beat", first)
+            self._queue(c, kind, payload)
 
     def _queue(self, c: CopyConn, kind: str, payload: Any) -> None:
         if len(c.queue) >= COPY_QUEUE:
@@ -239,3 +246,19 @@ def merged_beat(old: RackBeat, new: RackBeat) -> RackBeat:
     boots, seqs, macs = zip(*ent.values(), strict=True)
     return RackBeat(rack=new.rack, node_ids=list(ent), boot_ids=list(boots), seqs=list(seqs), sent_at=new.sent_at,
                     macs=list(macs))
+
+
+def split_beat(b: RackBeat, ids: set[str]) -> tuple[RackBeat | None, RackBeat | None]:
+    """``b``'s entries of the members in ``ids``, and the others (each None when empty)."""
+    mine = [k for k, nid in enumerate(b.node_ids) if nid in ids]
+    if not mine:
+        return None, b
+    if len(mine) == len(b.node_ids):
+        return b, None
+    rest = [k for k, nid in enumerate(b.node_ids) if nid not in ids]
+    return _entries(b, mine), _entries(b, rest)
+
+
+def _entries(b: RackBeat, ks: list[int]) -> RackBeat:
+    return RackBeat(rack=b.rack, node_ids=[b.node_ids[k] for k in ks], boot_ids=[b.boot_ids[k] for k in ks],
+                    seqs=[b.seqs[k] for k in ks], sent_at=b.sent_at, macs=[b.macs[k] for k in ks])

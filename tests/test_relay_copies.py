@@ -460,8 +460,9 @@ def _entries(b: RackBeat) -> dict[str, tuple[int, bytes]]:
 
 async def test_a_follower_gets_every_other_beat_merged_and_each_at_once_while_no_connection_is_up() -> None:
     """What waits for a follower: one beat copy every COPY_BEAT_EVERY beats, each member's newest
-    entry with its own MAC; a held beat goes before the next report batch (each member's sequence
-    in order there) and at once while the relay has no connection up (a failover)."""
+    entry with its own MAC; the held entries of a report batch's members go before it (each
+    member's sequence in order there), the others stay held; and a beat goes at once while the
+    relay has no connection up (a failover)."""
     assert COPY_BEAT_EVERY == 2
     copies = RelayCopies(open_conn=None, handler=None, need_full=None, leader_beat=None,  # type: ignore[arg-type]
                          leader_reports=None, timeout_s=1.0)
@@ -474,11 +475,14 @@ async def test_a_follower_gets_every_other_beat_merged_and_each_at_once_while_no
     [(kind, b)] = c.queue
     assert kind == "beat" and _entries(b) == {"m0": (2, b"m0@2"), "m1": (1, b"m1@1"), "m2": (1, b"m2@1")}
     c.queue.clear()
-    copies.copy("beat", _rack_beat({"m1": 2}), up)
+    copies.copy("beat", _rack_beat({"m0": 3, "m1": 2}), up)
     batch = RackReports(rack="z/b/r1", reports=[NodeReport(node_id="m1", boot_id="boot-m1", seq=3)])
-    copies.copy("reports", batch, up)
+    copies.copy("reports", batch, up)   # (m1's held entry before its report; m0's stays held)
     assert [(k, _entries(p) if k == "beat" else p) for k, p in c.queue] == [("beat", {"m1": (2, b"m1@2")}),
                                                                            ("reports", batch)]
+    c.queue.clear()
+    copies.copy("beat", _rack_beat({"m1": 4}), up)
+    assert [(k, _entries(p)) for k, p in c.queue] == [("beat", {"m0": (3, b"m0@3"), "m1": (4, b"m1@4")})]
     c.queue.clear()
     copies.copy("beat", _rack_beat({"m0": 3}), None)          # no connection up: at once
     assert [(k, _entries(p)) for k, p in c.queue] == [("beat", {"m0": (3, b"m0@3")})]
