@@ -16,6 +16,15 @@ on every beat and report batch the relay sends up is queued for it.
   with an epoch comes from a follower promoted meanwhile: it is taken as the leader's answer is
   (RelayCore.beat_answered: its epoch checked, its stops handed on), and so are its answers to a
   report batch (RelayCore.copies_answered: the stops ride on each member's next answer).
+- Beats are copied every :data:`COPY_BEAT_EVERY` beats: a follower only keeps its model warm
+  (it judges no node lost; on promotion a member heard within ``recover_s`` counts as reported:
+  placer.observe), so the beats between are merged into the next copy, each member's newest
+  entry kept with its own MAC (a beat's entries may skip sequence numbers: the skipped ones said
+  nothing). Half the frames, entries and MACs a follower applies, and the relay copies. The held
+  entries of the members in a report batch go before it (the follower sees each member's
+  sequence in order; the others stay held), and a held beat goes at once while the relay has
+  no connection up (a failover: the follower about to lead holds the rack as fresh as it can,
+  and its answer, a leader's, is heard an interval sooner).
 - Bounded: at most COPY_QUEUE frames wait for one follower; more, and the oldest is dropped
   (counted; the follower's sequence checks then ask for the full reports it lacks).
 - Promotion: when the relay's connection up is to go to a placer it holds a copy connection to
@@ -37,13 +46,15 @@ from typing import Any
 import msgspec
 import trio
 
+from scheduler_link.follow import EMPTY_EVERY_BEATS
 from scheduler_link.frames import CallFailed, FrameChannel, FrameError, decode_payload
 from scheduler_link.heartbeat_wire import WireReply
-from scheduler_link.messages import Frame, NodeReport, RackBeatReply, RackReports
+from scheduler_link.messages import Frame, NodeReport, RackBeat, RackBeatReply, RackReports
 
 log = logging.getLogger("herd.agent.relay")
 
 COPY_QUEUE = 64   # frames waiting for one follower, at most
+COPY_BEAT_EVERY = EMPTY_EVERY_BEATS   # a follower is sent one beat copy every this many beats (merged)
 
 FrameHandler = Callable[[FrameChannel, Frame], Any]
 
@@ -59,6 +70,8 @@ class CopyConn:
     drops: int = 0
     failures: int = 0
     promoted: bool = False
+    beat: RackBeat | None = None   # the beats not copied yet, merged (each member's newest entry)
+    held: int = 0                  # ... how many
 
 
 class RelayCopies:
@@ -110,16 +123,36 @@ class RelayCopies:
         return ch
 
     def copy(self, kind: str, payload: Any, upstream: str | None) -> None:
-        """A frame sent up (``beat`` or ``reports``): queued for every follower but ``upstream``."""
+        """A frame sent up (``beat`` or ``reports``; ``upstream``: where it went, None while the
+        relay has no connection up): queued for every follower but ``upstream``, a beat every
+        :data:`COPY_BEAT_EVERY` (see the module docstring)."""
         for url, c in self.conns.items():
             if url == upstream or c.promoted:
                 continue
-            if len(c.queue) >= COPY_QUEUE:
-                c.queue.popleft()
-                c.drops += 1
-                self.drops += 1
-            c.queue.append((kind, payload))
-            c.wake.set()
+            if kind == "beat":
+                c.beat = payload if c.beat is None else merged_beat(c.beat, payload)
+                c.held += 1
+                if c.held >= COPY_BEAT_EVERY or upstream is None:
+                    self._queue(c, "beat", c.beat)
+                    c.beat, c.held = None, 0
+                continue
+            if c.beat is not None:   # the held entries of its members go first (each one's sequence in order)
+                ids = ({r.node_id for r in payload.reports} if isinstance(payload, RackReports)
+                       else set(c.beat.node_ids))
+                first, c.beat = split_beat(c.beat, ids)
+                if c.beat is None:
+                    c.held = 0
+                if first is not None:
+                    self._queue(c, "beat", first)
+            self._queue(c, kind, payload)
+
+    def _queue(self, c: CopyConn, kind: str, payload: Any) -> None:
+        if len(c.queue) >= COPY_QUEUE:
+            c.queue.popleft()
+            c.drops += 1
+            self.drops += 1
+        c.queue.append((kind, payload))
+        c.wake.set()
 
     def take(self, url: str) -> CopyConn | None:
         """The copy connection to ``url`` as the relay's connection up (the follower leads now):
@@ -131,6 +164,7 @@ class RelayCopies:
         self.bytes_closed += c.ch.bytes_out   # (what it carried as a copy connection)
         c.promoted = True
         c.queue.clear()
+        c.beat = None
         c.wake.set()
         return c
 
@@ -200,3 +234,31 @@ class RelayCopies:
                 "bytes": self.bytes_closed + sum(c.ch.bytes_out for c in self.conns.values()),
                 "by_follower": {u: {"sent": c.sent, "drops": c.drops, "queued": len(c.queue)}
                                 for u, c in self.conns.items()}}
+
+
+def merged_beat(old: RackBeat, new: RackBeat) -> RackBeat:
+    """``old`` then ``new`` as one beat: each member once, with its newest entry (``new``'s where
+    both have one) and that entry's own MAC."""
+    ent = dict(zip(old.node_ids, zip(old.boot_ids, old.seqs, old.macs, strict=True), strict=True))
+    ent.update(zip(new.node_ids, zip(new.boot_ids, new.seqs, new.macs, strict=True), strict=True))
+    if len(ent) == len(new.node_ids):   # (the common case: the members of the next beat are the same)
+        return new
+    boots, seqs, macs = zip(*ent.values(), strict=True)
+    return RackBeat(rack=new.rack, node_ids=list(ent), boot_ids=list(boots), seqs=list(seqs), sent_at=new.sent_at,
+                    macs=list(macs))
+
+
+def split_beat(b: RackBeat, ids: set[str]) -> tuple[RackBeat | None, RackBeat | None]:
+    """``b``'s entries of the members in ``ids``, and the others (each None when empty)."""
+    mine = [k for k, nid in enumerate(b.node_ids) if nid in ids]
+    if not mine:
+        return None, b
+    if len(mine) == len(b.node_ids):
+        return b, None
+    rest = [k for k, nid in enumerate(b.node_ids) if nid not in ids]
+    return _entries(b, mine), _entries(b, rest)
+
+
+def _entries(b: RackBeat, ks: list[int]) -> RackBeat:
+    return RackBeat(rack=b.rack, node_ids=[b.node_ids[k] for k in ks], boot_ids=[b.boot_ids[k] for k in ks],
+                    seqs=[b.seqs[k] for k in ks], sent_at=b.sent_at, macs=[b.macs[k] for k in ks])

@@ -13,6 +13,15 @@ order, ``--pairs`` runs of each) the relays run ``--seconds``: ``cpu_s_per_s`` i
 process's CPU per second of it (the relays' work and the members' feeding, which is the same
 for every count), ``copy_bytes_per_s`` the bytes their copy connections carried per second;
 the rows give medians and the added CPU against no follower. Every loop is bounded.
+
+    python -m bench.relay_copies --follower-nodes 16384 [--pairs 3] [--json]
+
+What a follower pays for the rack beats of ``--follower-nodes`` nodes (32 a rack, one heartbeat a
+node a second, every entry's MAC valid), in its own state (no frames, no I/O): ``before`` applies
+each relay's every beat the leader's way (PlacerState.beat, its deadlines moved and its answer
+reduced to need_full), ``after`` every other beat, each the merge of two (agent.relaycopies), by
+placer.observe.beat. ``cpu_s_per_s`` is the CPU a second of such beats takes; the two alternate,
+``--pairs`` times each, in one process.
 """
 
 from __future__ import annotations
@@ -149,6 +158,81 @@ def run(relays: int, members: int, seconds: float, pairs: int) -> dict[str, Any]
             "seconds": seconds, "pairs": pairs, "load": os.getloadavg()[0], "rows": rows}
 
 
+RACK = 32
+
+
+def _follower_state(nodes: int) -> Any:
+    from placer.config import PlacerConfig
+    from placer.state import PlacerState
+    from scheduler_link.messages import GpuInfo, GpuSnapshot, TopologyPath
+
+    st = PlacerState(PlacerConfig(heartbeat_s=1.0, fence_after_s=60.0, recover_s=5.0), started_at=0.0)
+    st.set_mac_master(b"\5" * 32)
+    for i in range(nodes):
+        nid = f"n{i}"
+        gpus = [GpuInfo(index=g, uuid=f"{nid}-g{g}", name="sim", memory_total_mib=1, pci_bus_id=str(g), simulated=True)
+                for g in range(8)]
+        rep = NodeReport(node_id=nid, boot_id=f"b-{nid}", seq=1, full=True, control_url=f"http://{nid}",
+                         data_url=f"http://{nid}:1", topology=TopologyPath(zone="z", block="b", rack=f"r{i // RACK}"),
+                         snapshot=GpuSnapshot(simulated=True, gpus=gpus))
+        status, reply, _ = st.ingest(nid, rep, 1.0)
+        assert status == 200, reply
+    return st
+
+
+def _rack_beats(st: Any, nodes: int, seq: int) -> list[tuple[str, Any]]:
+    """Each rack's beat at ``seq`` (entries MACed as members do), with its relay's node id."""
+    from scheduler_link.messages import RackBeat
+    from scheduler_link.msgauth import beat_macs, node_key
+
+    out = []
+    for r0 in range(0, nodes, RACK):
+        ids = [f"n{i}" for i in range(r0, min(nodes, r0 + RACK))]
+        boots = [f"b-{nid}" for nid in ids]
+        keys = [node_key(st.mac_master, nid, b) for nid, b in zip(ids, boots, strict=True)]
+        raw = beat_macs(keys, ids, boots, [seq] * len(ids))
+        out.append((ids[0], RackBeat(rack=f"r{r0 // RACK}", node_ids=ids, boot_ids=boots, seqs=[seq] * len(ids),
+                                     macs=[raw[k * 16:(k + 1) * 16] for k in range(len(ids))])))
+    return out
+
+
+def follower_run(nodes: int, pairs: int) -> dict[str, Any]:
+    from agent.relaycopies import COPY_BEAT_EVERY, merged_beat
+    from placer import observe
+
+    st = _follower_state(nodes)
+    seq = 1
+    runs: dict[str, list[float]] = {"before": [], "after": []}
+    for p in range(pairs):
+        for mode in (("before", "after") if p % 2 == 0 else ("after", "before")):
+            # one second of the fleet's beats: COPY_BEAT_EVERY beats a relay, as each arm gets them
+            seconds = COPY_BEAT_EVERY
+            beats = []
+            for _ in range(seconds):
+                seq += 1
+                beats.append(_rack_beats(st, nodes, seq))
+            if mode == "after":   # (the relay's merge is the relay's CPU: done before the clock starts)
+                frames = [(via, b) for via, b in beats[0]]
+                for k in range(1, seconds):
+                    frames = [(via, merged_beat(b0, b1)) for (via, b0), (_, b1) in zip(frames, beats[k], strict=True)]
+            else:
+                frames = [f for rnd in beats for f in rnd]
+            c0 = time.process_time()
+            for via, b in frames:
+                if mode == "after":
+                    observe.beat(st, b, float(seq), via)
+                else:
+                    observe.beat_answer(st.beat(b, float(seq), via=via)[0])
+            runs[mode].append((time.process_time() - c0) / seconds)
+    assert all(n.last_seq == seq for n in st.nodes.values())
+    before, after = statistics.median(runs["before"]), statistics.median(runs["after"])
+    return {"bench": "relay_copies", "mode": "follower", "nodes": nodes, "rack": RACK, "heartbeat_s": 1.0,
+            "pairs": pairs, "load": os.getloadavg()[0],
+            "rows": [{"path": "before", "cpu_s_per_s": round(before, 4)},
+                     {"path": "after", "cpu_s_per_s": round(after, 4)}],
+            "ratio": round(after / before, 3) if before else None}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.relay_copies", description=__doc__.split("\n\n")[0])
     ap.add_argument("--relays", type=int, default=32)
@@ -156,10 +240,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--serve", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--follower-nodes", type=int, default=0,
+                    help="instead: a follower's CPU for the rack beats of this many nodes (see the module doc)")
     ap.add_argument("--json", action="store_true")
     ns = ap.parse_args(argv)
     if ns.serve:
         trio.run(_serve, ns.serve)
+        return 0
+    if ns.follower_nodes:
+        if not (RACK <= ns.follower_nodes <= 131072 and 1 <= ns.pairs <= 10):
+            ap.error(f"--follower-nodes {RACK}..131072, --pairs 1..10")
+        fo = follower_run(ns.follower_nodes, ns.pairs)
+        if ns.json:
+            print(json.dumps(fo))
+        else:
+            print(f"a follower's rack beats: {fo['nodes']} nodes, {RACK} a rack, 1 s heartbeats, load {fo['load']:.1f}")
+            for r in fo["rows"]:
+                print(f"  {r['path']:>6}  cpu_s_per_s={r['cpu_s_per_s']:.4f}")
+            print(f"  after/before={fo['ratio']}")
         return 0
     if not (1 <= ns.relays <= 512 and 1 <= ns.members <= 128 and 0.5 <= ns.seconds <= 60 and 1 <= ns.pairs <= 10):
         ap.error("--relays 1..512, --members 1..128, --seconds 0.5..60, --pairs 1..10")

@@ -14,7 +14,14 @@ moving workloads -- so that on promotion it already holds the fleet. It *observe
 - nothing it computes leaves: the pushes the state asks for are dropped, and what it answers
   (:func:`report_answer`, :func:`beat_answer`) says only whether it needs the node's full
   report (a sequence gap, an unknown boot): no stop, no relay, no keys, no epoch;
-- it runs no timers (no node is judged lost by a placer that places nothing).
+- its model is rebuilt while it follows (:func:`keep_built`: registrations only mark it dirty,
+  as a leader's, and a follower runs no scheduling pass that would rebuild it), spaced as a
+  leader's passes space theirs: the promotion's adoption finds it built (a model left dirty
+  since the fleet registered was rebuilt inside the adoption, re-applying every held workload
+  one by one: 0.36 s of 16,384 nodes' promotion);
+- it runs no timers (no node is judged lost by a placer that places nothing), so a rack beat
+  (:func:`beat`) costs it the entries' MACs, checked in one comparison as a leader's are, and
+  a sequence check and a time an entry: no deadline moved, no stop or push looked for.
 
 On promotion (:func:`adopt`), once the journal's jobs are in (recovering, as after a restart),
 every workload it holds stale is adopted by its job when it is that job's current attempt (the
@@ -32,13 +39,16 @@ workload is both a job's pod and a stale workload.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
 from scheduler_link.follow import OBSERVED, is_empty
-from scheduler_link.messages import TERMINAL_STATES, NodeReport, RackBeatReply, ReportReply
+from scheduler_link.messages import TERMINAL_STATES, NodeReport, RackBeat, RackBeatReply, ReportReply
 
+from .errors import BadRequest
 from .records import STALE_PRIORITY, TERMINAL_JOB_STATES, JobRec, NodeRec, PodRec, parse_workload_id
+from .scheduling import REBUILD_SPACING
 from .state import PlacerState
 from .statebase import MODEL_ERRORS
 
@@ -84,6 +94,51 @@ def skip_to(state: PlacerState, rep: NodeReport) -> None:
     node = state.nodes.get(rep.node_id)
     if node is not None and is_empty(rep) and node.boot_id == rep.boot_id and rep.seq > node.last_seq + 1:
         node.last_seq = rep.seq - 1
+
+
+def beat(state: PlacerState, b: RackBeat, now: float, via: str) -> RackBeatReply:
+    """A relay's rack beat (its copy to this follower, ``via`` its node) applied to the warm
+    model: each entry whose MAC verifies moves its node's sequence and ``last_seen`` (what
+    :func:`promoted` reads), nothing else -- the lost deadlines are set on promotion, and a
+    follower's answer names no stop. Every entry's MAC is checked in one comparison (as a
+    leader's beat: PlacerState._beat_macs_ok); when that fails, entry by entry
+    (PlacerState.beat: the forged ones dropped and counted in ``bad_macs``), so no relay makes
+    a member look alive here. Answers the nodes it needs a full report of."""
+    ids, boots, seqs = b.node_ids, b.boot_ids, b.seqs
+    n = len(ids)
+    if len(boots) != n or len(seqs) != n or len(b.macs) != n:
+        raise BadRequest("a rack beat's columns differ in length")
+    recs = list(map(state.nodes.get, ids))
+    if not state._beat_macs_ok(b, recs, via):
+        return beat_answer(state.beat(b, now, via=via)[0])
+    state.counters["reports"] += n
+    need: list[str] = []
+    for node, nid, boot, seq in zip(recs, ids, boots, seqs, strict=True):
+        if node is None or node.boot_id != boot or seq <= node.last_seq:
+            need.append(nid)
+            continue
+        node.last_seq = seq
+        node.last_seen = now
+        if node.state != "up" or node.silent:   # (what it would push: nothing leaves a follower)
+            state._node_back(node, now)
+    if not need:
+        return _BEAT_OK
+    state.counters["conflicts"] += len(need)
+    return RackBeatReply(need_full=need)
+
+
+def keep_built(state: PlacerState, now: float, clock: Callable[[], float]) -> bool:
+    """Rebuild a follower's model if registrations left it dirty, no sooner than
+    REBUILD_SPACING times the last rebuild's cost after it (``clock``: a monotonic seconds
+    clock, timing it), as a leader's scheduling pass does. Whether it rebuilt."""
+    if not state.model.needs_rebuild or now < state.rebuild_ok_at:
+        return False
+    t0 = clock()
+    _ = state.model.n_nodes   # (rebuilt now, timed)
+    state.last_rebuild_s = clock() - t0
+    state.counters["rebuilds"] += 1
+    state.rebuild_ok_at = now + REBUILD_SPACING * state.last_rebuild_s
+    return True
 
 
 def beat_answer(reply: RackBeatReply) -> RackBeatReply:

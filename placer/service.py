@@ -425,7 +425,9 @@ class PlacerService:
                 await self._kick.wait()
             self._kick = trio.Event()
             if self.ha is not None and not self.ha.leading():
-                # a follower places nothing; its warm model's records live long (placer.observe)
+                # a follower places nothing; its warm model's records live long, and its model
+                # is kept built for the promotion (placer.observe)
+                observe.keep_built(self.state, self.clock(), time.perf_counter)
                 if len(self.state.nodes) > self._nodes_at_freeze * 1.1 + 100:
                     self._maybe_freeze()
                 continue
@@ -551,7 +553,7 @@ class PlacerService:
         if self.ha is not None and not self.ha.leading():   # as for reports: a follower applies it to its
             if not self.ha.observing():                     # warm model and asks for nothing but full
                 return RackBeatReply()                      # reports (placer.observe); else nothing
-            return observe.beat_answer(self.state.beat(beat, at, via=via, answered=answered)[0])
+            return observe.beat(self.state, beat, at, via)
         reply, pushes = self.state.beat(beat, at, via=via, answered=answered)
         self._carry_out(pushes)
         if reply.stop:   # each stop carries the epoch, under the member's MAC (a relay cannot change it)

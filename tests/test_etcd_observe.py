@@ -7,7 +7,8 @@ from __future__ import annotations
 from placer import observe
 from placer.config import PlacerConfig
 from placer.state import PlacerState
-from scheduler_link.messages import JobSpec, WorkloadStatus
+from scheduler_link.messages import JobSpec, RackBeat, WorkloadStatus
+from scheduler_link.msgauth import beat_mac, node_key
 from tests.test_placer_indexes import beat, full
 
 
@@ -102,3 +103,52 @@ def test_silence_counts_from_the_promotion() -> None:
     assert st.nodes["n0"].state == st.nodes["n1"].state == "up"
     st.tick(16.1)
     assert all(n.state != "up" for n in st.nodes.values())
+
+
+def _signed_beat(st: PlacerState, entries: dict[str, int], forged: frozenset[str] = frozenset()) -> RackBeat:
+    """n0's relay's beat of ``entries`` (node: seq), each MAC in its node's key but ``forged``'s."""
+    macs = [beat_mac(node_key(st.mac_master if m not in forged else b"\1" * 32, m, f"boot-{m}"), m, f"boot-{m}", s)
+            for m, s in entries.items()]
+    return RackBeat(rack="r0", node_ids=list(entries), boot_ids=[f"boot-{m}" for m in entries],
+                    seqs=list(entries.values()), macs=macs)
+
+
+def test_a_followers_beat_moves_sequences_and_liveness_only_where_the_mac_verifies() -> None:
+    """A follower's rack beat (observe.beat): the entries that verify move their node's sequence
+    and liveness and nothing else (the lost deadlines stay as registration set them, until the
+    promotion sets them all); an unknown node or an old sequence asks for a full report; a relay
+    forging a member's entry (a MAC not in its key) makes it look alive nowhere -- not in the
+    model, not among the nodes a promotion counts as reported."""
+    st = _follower(4, {})                                    # every node's full report at t=1 (seq 1)
+    st.set_mac_master(b"\7" * 32)
+    reply = observe.beat(st, _signed_beat(st, {"n1": 2, "n2": 2, "n9": 1}), 8.0, via="n0")
+    assert reply.need_full == ["n9"] and not reply.stop and not reply.epoch
+    assert [(st.nodes[m].last_seq, st.nodes[m].last_seen) for m in ("n1", "n2", "n3")] == [(2, 8.0), (2, 8.0), (1, 1.0)]
+    assert sorted(st.lost_timer.pop_due(4.0)) == ["n0", "n1", "n2", "n3"]   # (no deadline moved: t=1 + 3 s)
+    assert observe.beat(st, _signed_beat(st, {"n1": 2}), 8.5, via="n0").need_full == ["n1"]   # (not newer)
+    # n0's relay forges n3's entry: n3 stays as it was, counted; n1's entry in the same beat is taken
+    bad = st.counters.get("bad_macs", 0)
+    reply = observe.beat(st, _signed_beat(st, {"n1": 3, "n3": 5}, frozenset({"n3"})), 9.0, via="n0")
+    assert not reply.need_full and st.counters["bad_macs"] == bad + 1
+    assert (st.nodes["n3"].last_seq, st.nodes["n3"].last_seen) == (1, 1.0) and st.nodes["n1"].last_seq == 3
+    assert observe.promoted(st, 10.0, 5.0) == ["n1", "n2"]
+
+
+def test_a_followers_model_is_built_while_it_follows_so_its_adoption_rebuilds_nothing() -> None:
+    """Registrations leave a follower's model dirty and a follower runs no scheduling pass:
+    observe.keep_built rebuilds it meanwhile (spaced 4x its last cost apart, as a leader's
+    passes), so the promotion's adoption of a gang finds it built and rebuilds nothing."""
+    st = _follower(64, {})
+    assert st.model.needs_rebuild
+    ticks = iter([0.0, 0.5, 10.0, 10.25])   # (the monotonic clock that times each rebuild)
+    assert observe.keep_built(st, 2.0, lambda: next(ticks)) and not st.model.needs_rebuild
+    assert st.counters["rebuilds"] == 1 and st.rebuild_ok_at == 4.0
+    assert st.ingest("n64", full("n64", rack="r16", workloads=[_w("g.2.64", "n64", range(8))]), 2.5)[0] == 200
+    assert st.model.needs_rebuild and not observe.keep_built(st, 3.9, lambda: next(ticks))
+    assert observe.keep_built(st, 4.0, lambda: next(ticks)) and not st.model.needs_rebuild
+    assert not observe.keep_built(st, 9.0, lambda: next(ticks))   # (built: nothing to do)
+    st.submit(JobSpec(job_id="g", pods=65, gpus_per_pod=8, argv=["x"]), 9.0, recovering=True)
+    st.jobs["g"].attempt = 2
+    rebuilds = st.model.rebuilds
+    assert observe.adopt(st, 9.0) == (65, 0) and st.model.rebuilds == rebuilds
+    st.model.check_invariants()

@@ -15,16 +15,26 @@ from pathlib import Path
 import httpx
 import msgspec
 import trio
+import trio.testing
 
 from agent.gpus.simulated import SimulatedBackend
 from agent.relay import Relay
+from agent.relaycopies import COPY_BEAT_EVERY, CopyConn, RelayCopies
 from agent.relaycore import RelayCore
 from infra.auth import TokenSet
 from scheduler_link.agent_link import AgentLink
 from scheduler_link.follow import OBSERVED, Copies
 from scheduler_link.frames import FrameChannel, decode_payload
 from scheduler_link.heartbeat_wire import Hello, WireError, WireReply
-from scheduler_link.messages import NodeReport, RackBeatReply, ReportReply, Victim, WorkloadEvent
+from scheduler_link.messages import (
+    NodeReport,
+    RackBeat,
+    RackBeatReply,
+    RackReports,
+    ReportReply,
+    Victim,
+    WorkloadEvent,
+)
 from scheduler_link.msgauth import node_key, with_stop_macs
 from testing.waiting import poll
 
@@ -436,3 +446,47 @@ async def test_a_move_waits_for_the_copy_in_flight_and_no_longer_than_it_lives(a
                 assert ch is chan and chan.seen == [1, 2] and trio.current_time() - t0 == 3.0
                 assert copies.handovers == 1
             n.cancel_scope.cancel()
+
+
+def _rack_beat(entries: dict[str, int]) -> RackBeat:
+    return RackBeat(rack="z/b/r1", node_ids=list(entries), boot_ids=[f"boot-{m}" for m in entries],
+                    seqs=list(entries.values()), macs=[f"{m}@{s}".encode() for m, s in entries.items()])
+
+
+def _entries(b: RackBeat) -> dict[str, tuple[int, bytes]]:
+    assert b.boot_ids == [f"boot-{m}" for m in b.node_ids]
+    return dict(zip(b.node_ids, zip(b.seqs, b.macs, strict=True), strict=True))
+
+
+async def test_a_follower_gets_every_other_beat_merged_and_each_at_once_while_no_connection_is_up() -> None:
+    """What waits for a follower: one beat copy every COPY_BEAT_EVERY beats, each member's newest
+    entry with its own MAC; the held entries of a report batch's members go before it (each
+    member's sequence in order there), the others stay held; and a beat goes at once while the
+    relay has no connection up (a failover)."""
+    assert COPY_BEAT_EVERY == 2
+    copies = RelayCopies(open_conn=None, handler=None, need_full=None, leader_beat=None,  # type: ignore[arg-type]
+                         leader_reports=None, timeout_s=1.0)
+    a, _ = trio.testing.memory_stream_pair()
+    c = copies.conns["tcp://f"] = CopyConn("tcp://f", FrameChannel(a))
+    up = "tcp://leader"
+    copies.copy("beat", _rack_beat({"m0": 1, "m1": 1}), up)
+    assert not c.queue                                        # held
+    copies.copy("beat", _rack_beat({"m0": 2, "m2": 1}), up)
+    [(kind, b)] = c.queue
+    assert kind == "beat" and _entries(b) == {"m0": (2, b"m0@2"), "m1": (1, b"m1@1"), "m2": (1, b"m2@1")}
+    c.queue.clear()
+    copies.copy("beat", _rack_beat({"m0": 3, "m1": 2}), up)
+    batch = RackReports(rack="z/b/r1", reports=[NodeReport(node_id="m1", boot_id="boot-m1", seq=3)])
+    copies.copy("reports", batch, up)   # (m1's held entry before its report; m0's stays held)
+    assert [(k, _entries(p) if k == "beat" else p) for k, p in c.queue] == [("beat", {"m1": (2, b"m1@2")}),
+                                                                           ("reports", batch)]
+    c.queue.clear()
+    copies.copy("beat", _rack_beat({"m1": 4}), up)
+    assert [(k, _entries(p)) for k, p in c.queue] == [("beat", {"m0": (3, b"m0@3"), "m1": (4, b"m1@4")})]
+    c.queue.clear()
+    copies.copy("beat", _rack_beat({"m0": 3}), None)          # no connection up: at once
+    assert [(k, _entries(p)) for k, p in c.queue] == [("beat", {"m0": (3, b"m0@3")})]
+    c.queue.clear()
+    copies.copy("beat", _rack_beat({"m0": 4}), "tcp://f")     # (to the placer it went up to: no copy)
+    copies.copy("beat", _rack_beat({"m0": 5}), "tcp://f")
+    assert not c.queue and c.beat is None
