@@ -21,8 +21,8 @@ submit -> every node acked: the submission, the decision and its bookkeeping (po
 the gang blob), the round, and recording the acks (``path_cpu_s``). ``--fill F``: before each
 round the fleet is filled to F with placer/sim.py's job mix (priority 0, preemptible, every pod
 running), so the gang preempts (bench.delivery's preemption phase, in process), and each row
-says when the victims' last stop was handed to its relay, from the submit (``victims_sent_s``:
-the decision and its bookkeeping, then the round's build order).
+says when the victims' last stop was handed to its relay, in the placer's CPU-s from the submit
+(``victims_sent_s``: the decision and its bookkeeping, then the round's build order).
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class FakeRelay:
         self.info: Any = None
         self.closed = trio.Event()
         self.answer: Frame | None = None
-        self.sent_at = 0.0          # when the round handed it its bundle (perf_counter)
+        self.sent_at = 0.0          # when the round handed it its bundle (process_time)
         self._a = answerer
 
     def prepare(self, type_: str, payload: Any) -> tuple[int, bytes]:
@@ -101,7 +101,7 @@ class FakeRelay:
 
     def call_cb(self, rid: int, data: bytes, fn: Answer) -> None:
         assert self.answer is not None
-        self.sent_at = time.perf_counter()
+        self.sent_at = time.process_time()
         self._a.put(fn, self.answer)
 
     async def call_prepared(self, rid: int, data: bytes) -> Frame:
@@ -209,12 +209,11 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
                        preemptible=False, argv=["/bin/sleep", "3600"], grace_s=1)
         gc.collect()
         gc.freeze()   # (as the service does after a pass: the fleet's records out of the collector's sight)
-        c_sub, w_sub = time.process_time(), time.perf_counter()
+        c_sub = time.process_time()
         svc.state.submit(spec, now)
         decided = svc.state.schedule(now)
         c_dec = time.process_time()
         assert decided, "the gang did not fit"
-        w_dec = time.perf_counter()
         job, pushes = decided[0]
         racks: dict[str, list[Push]] = {}
         told: set[str] = set()   # racks with a victim's stop among their parts
@@ -254,8 +253,8 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
         assert not more and job.state == "starting", job.state
         assert svc.state.counters["bad_macs"] == bad0 and hub.stats.fallback_nodes == fb0
         # the victims' last stop handed to its relay: the decision (from the submit) and the
-        # round (from its start) on the wall clock, without the answers' preparation between
-        # them (the relays' work, not the placer's)
+        # round (from its start) in the process's CPU time (the placer's own work, whatever
+        # else the machine runs), without the answers' preparation between them (the relays')
         victims_sent = max((chans[r].sent_at for r in told), default=0.0)
         if fill:
             _clear(svc)
@@ -273,7 +272,7 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
     if fill:
         out |= {"fill_jobs": filled, "victims": victims, "victim_racks": len(told),
                 "stop_nodes": len(pushes.extra) if isinstance(pushes, GangPushes) else None,
-                "victims_sent_s": (w_dec - w_sub) + (victims_sent - w0) if victims_sent else None}
+                "victims_sent_s": (c_dec - c_sub) + (victims_sent - c0) if victims_sent else None}
     return out
 
 
@@ -376,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         if out["victims_sent_s_median"] is not None:
             print(f"  with the fleet filled to {a.fill:.0%}: {r['fill_jobs']:,} jobs, the gang's {r['victims']:,} "
                   f"victims in {r['victim_racks']:,} racks ({r['stop_nodes']:,} nodes of stops only); submit -> the last victim's stop handed to its relay "
-                  f"{out['victims_sent_s_median']:.3f} s (median)")
+                  f"{out['victims_sent_s_median']:.3f} CPU-s (median)")
     return 0
 
 
