@@ -247,7 +247,8 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
         c0, w0 = time.process_time(), time.perf_counter()
         acks = await hub.deliver(job.job_id, job.blob_id, pushes, push_direct)
         c1, w1 = time.process_time(), time.perf_counter()
-        assert acks is not None and len(acks) == len(pushes), "not every node acked"
+        starts = pushes.n_cols if isinstance(pushes, GangPushes) else len(pushes)   # (acks: the start pushes')
+        assert acks is not None and len(acks) == starts, "not every node acked"
         more = svc.state.on_acks(job.job_id, job.attempt, acks, now, pushes)
         c2 = time.process_time()
         assert not more and job.state == "starting", job.state

@@ -46,6 +46,7 @@ import gc
 import hashlib
 import hmac
 import inspect
+import itertools
 import logging
 import math
 import time
@@ -741,8 +742,8 @@ def _rack_kind(src: GangPushes, members: list[int]) -> int:
     n = src.n_cols
     if members[0] >= n:
         return RACK_STOPS
-    vs = src.victims
-    if members[-1] >= n or (vs is not None and any(vs[i] for i in members if i < n)):
+    vs = src.victims   # (members past n are stops joined to the rack: they come last)
+    if members[-1] >= n or (vs is not None and any(map(vs.__getitem__, members))):
         return RACK_VICTIMS
     return RACK_STARTS
 
@@ -778,8 +779,9 @@ class _RoundDriver:
         else:
             if direct == list(range(nxt, len(src))):
                 nxt = -1
-        self.order: list[int] | None = None if nxt == -1 else [i for _, _, ms in racks for i in ms] + direct
-        self.ids = src.node_ids if self.order is None else [src.node_ids[i] for i in self.order]
+        self.order: list[int] | None = (None if nxt == -1 else
+                                        list(itertools.chain.from_iterable(ms for _, _, ms in racks)) + direct)
+        self.ids = src.node_ids if self.order is None else list(map(src.node_ids.__getitem__, self.order))
         self.racks = [(path, conn) for path, conn, _ in racks]
         self.raw = host.gang_blob(blob_id) if blob_id else None
         self.expires = host.clock() + cfg.placement_ttl_s
