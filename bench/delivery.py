@@ -238,6 +238,8 @@ async def _stats(c: httpx.AsyncClient, emus: list[EmulatorProc], job: str | None
             "placement_bytes_max": max(s["placement_bytes_max"] for s in ss),
             "victims_told": sum(s["victims_told"] for s in ss),
             "last_victim_at": max(s["last_victim_at"] for s in ss),
+            "victims_by": {k: sum((s.get("victims_by") or {}).get(k, 0) for s in ss)
+                           for k in {k for s in ss for k in (s.get("victims_by") or {})}},
             "blob_fetches": [s.get("blob_fetches") for s in ss],
             "cpu_s": [s.get("cpu_s") for s in ss], "cpu_at_last_answer_s": [s.get("cpu_at_last_answer_s") for s in ss],
             "diag": {k: sum(s.get(k, 0) for s in ss) for k in DIAG}, "job_states": states}
@@ -355,6 +357,8 @@ async def _deliver(c: httpx.AsyncClient, placer: PlacerProc, emus: list[Emulator
     }
     if out["victims_told"] and "submitted" in t:
         out["submit_to_last_victim_told_ms"] = (s1["last_victim_at"] - t["submitted"]) * 1000
+        # what carried the stops (a part, a direct placement, a report's answer), counted since the submit
+        out["victims_by"] = _sub(s1["victims_by"], s0["victims_by"])
     return out
 
 

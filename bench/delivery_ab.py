@@ -5,7 +5,7 @@
 Each rep runs ``python -m bench.delivery --nodes N --no-baseline --no-preempt --json`` (this
 tree's bench driver) once with ``--placer-root`` = the baseline tree and once with this tree,
 in alternating order (base, new, new, base, ...), so both see the same machine. Per phase
-(``empty``, ``hung``) it reports the medians of submit -> acked, decide, bookkeeping, delivery
+(``empty``, ``hung``; ``preempt`` with ``--preempt``: the last victim told too) it reports the medians of submit -> acked, decide, bookkeeping, delivery
 and the placer's and the emulators' CPU-s to acked, with the 1-minute load before each run;
 then the steady phase's placer CPU fraction (the gang running, heartbeats through the relays),
 and new/base ratios of the medians. ``--manifest`` passes bench.delivery's ``--manifest`` to
@@ -27,14 +27,18 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 KEYS = ("submit_to_acked_ms", "decide_ms", "bookkeeping_ms", "delivery_ms", "placer_cpu_to_acked_s",
-        "emulator_cpu_to_acked_s", "emulator_cpu_to_last_answer_s")
-PHASES = ("empty", "hung")
+        "emulator_cpu_to_acked_s", "emulator_cpu_to_last_answer_s", "submit_to_last_victim_told_ms")
+
+
+def phases(a: argparse.Namespace) -> tuple[str, ...]:
+    return ("empty", "hung", "preempt") if a.preempt else ("empty", "hung")
 
 
 def one(root: Path, a: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "bench.delivery", "--nodes", str(a.nodes), "--fleet", a.fleet, "--no-baseline",
-           "--no-preempt", "--steady-s", str(a.steady_s), "--json", "--placer-root", str(root),
+           "--steady-s", str(a.steady_s), "--json", "--placer-root", str(root),
            "--per-proc", str(a.per_proc)] + (["--no-hold-events"] if a.no_hold_events and root != Path(a.base_root) else [])
+    cmd += [] if a.preempt else ["--no-preempt"]
     if a.manifest:
         cmd += ["--manifest", "--manifest-every", str(a.manifest_every)]
     load = os.getloadavg()[0]
@@ -45,7 +49,7 @@ def one(root: Path, a: argparse.Namespace) -> dict[str, Any]:
     out = json.loads(p.stdout)
     row = out["rows"][0]
     res: dict[str, Any] = {"load": load, "load_after": os.getloadavg()[0]}
-    for ph in PHASES:
+    for ph in phases(a):
         d = row.get(ph) or {}
         res[ph] = {k: d.get(k) for k in KEYS}
         res[ph]["fallback_nodes"] = d.get("fallback_nodes")
@@ -82,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the gang names an artifact that some nodes outside it hold (contacts, a read grant)")
     ap.add_argument("--manifest-every", type=int, default=2048, metavar="K",
                     help="with --manifest: one emulated node in K holds it")
+    ap.add_argument("--preempt", action="store_true",
+                    help="bench.delivery's preemption phase too (the fleet filled, the gang preempting): its "
+                         "submit -> acked and submit -> the last victim told")
     ap.add_argument("--limit-s", type=float, default=900.0, help="bound on each run (s)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -100,11 +107,11 @@ def main(argv: list[str] | None = None) -> int:
     for who, rs in runs.items():
         ok = [r for r in rs if "error" not in r]
         med[who] = {ph: {k: statistics.median(v) if (v := [r[ph][k] for r in ok if r[ph].get(k) is not None]) else None
-                         for k in KEYS} for ph in PHASES}
+                         for k in KEYS} for ph in phases(a)}
         med[who]["loads"] = [round(r["load"], 2) for r in rs]
         steady = [r["steady_placer_cpu_frac"] for r in ok if r.get("steady_placer_cpu_frac") is not None]
         med[who]["steady_placer_cpu_frac"] = statistics.median(steady) if steady else None
-    ratios: dict[str, Any] = {ph: {k: _ratio(med["new"][ph][k], med["base"][ph][k]) for k in KEYS} for ph in PHASES}
+    ratios: dict[str, Any] = {ph: {k: _ratio(med["new"][ph][k], med["base"][ph][k]) for k in KEYS} for ph in phases(a)}
     ratios["steady_placer_cpu_frac"] = _ratio(med["new"]["steady_placer_cpu_frac"],
                                               med["base"]["steady_placer_cpu_frac"])
     out = {"nodes": a.nodes, "fleet": a.fleet, "reps": a.reps, "base_root": a.base_root, "new_root": a.new_root,
@@ -114,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"bench.delivery A/B, {a.fleet} {a.nodes:,} nodes{', gang with a manifest' if a.manifest else ''}, "
               f"medians of {a.reps} (alternating; loads per run)")
-        for ph in PHASES:
+        for ph in phases(a):
             print(f"  {ph}:")
             for who in ("base", "new"):
                 m = med[who][ph]

@@ -2,6 +2,7 @@
 
     python -m bench.relay_round [--nodes 56000] [--fleet gb200|h100] [--gang-gpus 200000] [--repeat 3] [--json]
     python -m bench.relay_round --ab BASE_TREE [--pairs 3] ...   # same-run A/B against another tree
+    python -m bench.relay_round --nodes 32768 --fleet h100 --fill 0.75 [--ab BASE_TREE]   # a preempting gang
 
 ``--nodes`` gb200 trays (or h100 hosts) registered in a real PlacerService, a ``--gang-gpus``
 gang of whole-node pods decided by the real state; its round delivered to fake relay channels (one per rack) whose answers (the
@@ -12,11 +13,16 @@ encoding every bundle, waiting for the answers, checking every member's MAC. No 
 reads or writes (bench.delivery measures those end to end). A same-run A/B is two trees' runs
 back to back (``cd TREE && python -m bench.relay_round``), or ``--ab TREE``: this tree and
 TREE's runs in alternating order (base, new, new, base, ...), ``--pairs`` of each, each in
-its own process, and the medians of their per-run medians with the ratio. The fakes speak
+its own process (this driver over each tree's placer: ``HERD_BENCH_TREE``), and the medians of
+their per-run medians with the ratio. The fakes speak
 both the waiting call (``call_prepared``) and the callback one (``call_cb``). Every loop is
 bounded in count. Besides the round, each row times the placer's whole path for the gang,
 submit -> every node acked: the submission, the decision and its bookkeeping (pods, pushes,
-the gang blob), the round, and recording the acks (``path_cpu_s``).
+the gang blob), the round, and recording the acks (``path_cpu_s``). ``--fill F``: before each
+round the fleet is filled to F with placer/sim.py's job mix (priority 0, preemptible, every pod
+running), so the gang preempts (bench.delivery's preemption phase, in process), and each row
+says when the victims' last stop was handed to its relay, in the placer's CPU-s from the submit
+(``victims_sent_s``: the decision and its bookkeeping, then the round's build order).
 """
 
 from __future__ import annotations
@@ -38,12 +44,14 @@ import msgspec
 import trio
 import trio.lowlevel
 
-ROOT = Path(__file__).resolve().parent.parent
+# the tree whose placer runs (HERD_BENCH_TREE: another tree's, with this driver: a same-run A/B)
+ROOT = Path(os.environ.get("HERD_BENCH_TREE") or Path(__file__).resolve().parent.parent)
 sys.path.insert(0, str(ROOT))
 
 from infra.auth import TokenSet  # noqa: E402
+from placer.attempts import ACCEPTED  # noqa: E402
 from placer.config import PlacerConfig  # noqa: E402
-from placer.records import Push  # noqa: E402
+from placer.records import GangPushes, Push  # noqa: E402
 from placer.relays import RelayConn  # noqa: E402
 from placer.service import PlacerService  # noqa: E402
 from placer.sim import fleet_shape  # noqa: E402
@@ -85,6 +93,7 @@ class FakeRelay:
         self.info: Any = None
         self.closed = trio.Event()
         self.answer: Frame | None = None
+        self.sent_at = 0.0          # when the round handed it its bundle (process_time)
         self._a = answerer
 
     def prepare(self, type_: str, payload: Any) -> tuple[int, bytes]:
@@ -92,6 +101,7 @@ class FakeRelay:
 
     def call_cb(self, rid: int, data: bytes, fn: Answer) -> None:
         assert self.answer is not None
+        self.sent_at = time.process_time()
         self._a.put(fn, self.answer)
 
     async def call_prepared(self, rid: int, data: bytes) -> Frame:
@@ -115,7 +125,9 @@ class FakeRelay:
 
 
 def _fleet(n: int, state_dir: str, fleet: str = "gb200") -> tuple[PlacerService, dict[str, bytes]]:
-    svc = PlacerService(PlacerConfig(state_dir=state_dir, heartbeat_s=5.0, lost_after_missed=1000, insecure=True),
+    # (registered in process, as if directly: no limit on how many)
+    svc = PlacerService(PlacerConfig(state_dir=state_dir, heartbeat_s=5.0, lost_after_missed=1000, insecure=True,
+                                     direct_max_nodes=0),
                         TokenSet())
     sf = SnapshotFactory(PROFILE_OF[fleet])
     now = time.time()
@@ -133,8 +145,48 @@ def _fleet(n: int, state_dir: str, fleet: str = "gb200") -> tuple[PlacerService,
     return svc, keys
 
 
+def _fill(svc: PlacerService, fleet: str, k: int, fill: float) -> int:
+    """The fleet filled to ``fill`` of its GPUs with placer/sim.py's job mix at priority 0,
+    preemptible (bench.delivery's preemption phase), every pod running. Returns the jobs placed."""
+    from bench.fleet import _jobs_mix
+
+    st = svc.state
+    gpus = sum(len(n.uuids) for n in st.nodes.values())
+    now = time.time()
+    for spec in _jobs_mix(fleet, gpus, fill, 7 + k, 4000):
+        st.submit(JobSpec(**{**spec, "job_id": f"r{k}-{spec['job_id']}"}), now)
+    placed = 0
+    for _ in range(50):   # (bounded: a pass places what fits; the queue tries at most max_tries a pass)
+        decided = st.schedule(now)
+        for job, pushes in decided:
+            st.on_acks(job.job_id, job.attempt, {p.node_id: ACCEPTED for p in pushes if p.kind == "start"}, now, pushes)
+            job.move_pods("accepted", "running")
+            job.state = "running"
+            placed += 1
+        if not decided:
+            break
+        st.dirty = True
+    return placed
+
+
+def _clear(svc: PlacerService) -> None:
+    """Every live job cancelled and every stopped pod gone (as their nodes would report):
+    the next round starts on an empty fleet."""
+    st = svc.state
+    now = time.time()
+    for job in list(st.jobs.values()):
+        if job.state not in ("succeeded", "failed", "cancelled", "preempted"):
+            st.cancel(job.job_id, now)
+        st._release_quiet(job.job_id)
+    for hid in [h for h in st.model.jobs if h.startswith("stale:")]:
+        st._release_quiet(hid)
+    for node in st.nodes.values():
+        node.stale.clear()
+        node.tell.clear()
+
+
 async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpus: int,
-                    gpn: int = 4) -> dict[str, float]:
+                    gpn: int = 4, fill: float = 0.0, fleet: str = "gb200") -> dict[str, Any]:
     answerer = Answerer()
     hub = svc.relays
     by_rack: dict[str, list[str]] = {}
@@ -152,6 +204,7 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
         svc._nursery = n
         n.start_soon(answerer.run)
         svc.state.schedule(now)   # (the model's rebuild, untimed)
+        filled = _fill(svc, fleet, k, fill) if fill else 0
         spec = JobSpec(job_id=f"big{k}", pods=gang_gpus // gpn, gpus_per_pod=gpn, whole_nodes=True, priority=2,
                        preemptible=False, argv=["/bin/sleep", "3600"], grace_s=1)
         gc.collect()
@@ -163,8 +216,17 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
         assert decided, "the gang did not fit"
         job, pushes = decided[0]
         racks: dict[str, list[Push]] = {}
-        for p in pushes:
-            racks.setdefault(svc.state.nodes[p.node_id].rack_path, []).append(p)
+        told: set[str] = set()   # racks with a victim's stop among their parts
+        victims = 0
+        cols = pushes.n_cols if isinstance(pushes, GangPushes) else 0
+        for i, p in enumerate(pushes):
+            rack = svc.state.nodes[p.node_id].rack_path
+            racks.setdefault(rack, []).append(p)
+            # (a start push's victims from its columns: its Placement is not made here)
+            vs = (pushes.victims[i] if pushes.victims is not None else []) if i < cols else p.placement.victims
+            if vs:
+                told.add(rack)
+                victims += len(vs)
         for rack, ps in racks.items():
             # what the shipped relay answers (agent.relaycore): every member plainly accepted, as
             # the rack's aggregate (a bitmap over the parts, the members' MACs in part order)
@@ -185,46 +247,70 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
         c0, w0 = time.process_time(), time.perf_counter()
         acks = await hub.deliver(job.job_id, job.blob_id, pushes, push_direct)
         c1, w1 = time.process_time(), time.perf_counter()
-        assert acks is not None and len(acks) == len(pushes), "not every node acked"
+        starts = pushes.n_cols if isinstance(pushes, GangPushes) else len(pushes)   # (acks: the start pushes')
+        assert acks is not None and len(acks) == starts, "not every node acked"
         more = svc.state.on_acks(job.job_id, job.attempt, acks, now, pushes)
         c2 = time.process_time()
         assert not more and job.state == "starting", job.state
         assert svc.state.counters["bad_macs"] == bad0 and hub.stats.fallback_nodes == fb0
-        svc.state.cancel(job.job_id, time.time())
-        for pod in job.pods:   # the pods are gone (as their nodes would report): the next round fits
-            if not pod.terminal:
-                job.set_pod_state(pod, "exited", 0)
-            svc.state._release_quiet(f"stale:{pod.workload_id}")   # (held until then)
-        svc.state._release_quiet(job.job_id)
+        # the victims' last stop handed to its relay: the decision (from the submit) and the
+        # round (from its start) in the process's CPU time (the placer's own work, whatever
+        # else the machine runs), without the answers' preparation between them (the relays')
+        victims_sent = max((chans[r].sent_at for r in told), default=0.0)
+        if fill:
+            _clear(svc)
+        else:
+            svc.state.cancel(job.job_id, time.time())
+            for pod in job.pods:   # the pods are gone (as their nodes would report): the next round fits
+                if not pod.terminal:
+                    job.set_pod_state(pod, "exited", 0)
+                svc.state._release_quiet(f"stale:{pod.workload_id}")   # (held until then)
+            svc.state._release_quiet(job.job_id)
         n.cancel_scope.cancel()
     book = (c_dec - c_sub) + (c2 - c1)
-    return {"cpu_s": c1 - c0, "wall_s": w1 - w0, "racks": len(racks), "nodes": len(pushes),
-            "submit_decide_cpu_s": c_dec - c_sub, "acks_cpu_s": c2 - c1, "path_cpu_s": book + (c1 - c0)}
+    out: dict[str, Any] = {"cpu_s": c1 - c0, "wall_s": w1 - w0, "racks": len(racks), "nodes": len(pushes),
+           "submit_decide_cpu_s": c_dec - c_sub, "acks_cpu_s": c2 - c1, "path_cpu_s": book + (c1 - c0)}
+    if fill:
+        out |= {"fill_jobs": filled, "victims": victims, "victim_racks": len(told),
+                "stop_nodes": len(pushes.extra) if isinstance(pushes, GangPushes) else None,
+                "victims_sent_s": (c_dec - c_sub) + (victims_sent - c0) if victims_sent else None}
+    return out
+
+
+MORE = ("submit_decide_cpu_s", "victims_sent_s")   # (victims_sent_s: with --fill only)
 
 
 def ab(a: argparse.Namespace, gang: int) -> dict[str, Any]:
     """Alternating runs of the base tree and this one, each its own process (same machine, same run)."""
     runs: dict[str, list[float]] = {"base": [], "new": []}
     path: dict[str, list[float]] = {"base": [], "new": []}
+    more: dict[str, dict[str, list[float]]] = {k: {"base": [], "new": []} for k in MORE}
     roots = {"base": str(Path(a.ab).resolve()), "new": str(ROOT)}
     for k in range(max(1, a.pairs)):
         for which in (("base", "new") if k % 2 == 0 else ("new", "base")):
-            cmd = [sys.executable, "-m", "bench.relay_round", "--nodes", str(a.nodes), "--gang-gpus", str(gang),
-                   "--fleet", a.fleet,
-                   "--repeat", str(a.repeat), "--json"]
-            p = subprocess.run(cmd, cwd=roots[which], env={**os.environ, "PYTHONPATH": roots[which]},
+            # this driver in both, over each tree's placer (HERD_BENCH_TREE)
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--nodes", str(a.nodes), "--gang-gpus", str(gang),
+                   "--fleet", a.fleet, "--fill", str(a.fill), "--repeat", str(a.repeat), "--json"]
+            p = subprocess.run(cmd, cwd=roots[which], env={**os.environ, "PYTHONPATH": roots[which],
+                                                           "HERD_BENCH_TREE": roots[which]},
                                capture_output=True, text=True, timeout=900)
             if p.returncode != 0:
                 raise SystemExit(f"{which} run failed: {p.stderr[-2000:]}")
             res = json.loads(p.stdout.strip().splitlines()[-1])
             runs[which].append(res["cpu_s_median"])
-            if "path_cpu_s_median" in res:   # (a tree from before the path was timed has only the round)
-                path[which].append(res["path_cpu_s_median"])
+            path[which].append(res["path_cpu_s_median"])
+            for key in MORE:
+                if res.get(key + "_median") is not None:
+                    more[key][which].append(res[key + "_median"])
     med = {k: statistics.median(v) for k, v in runs.items()}
-    out: dict[str, Any] = {"roots": roots, "runs": runs, "cpu_s_median": med, "new_over_base": med["new"] / med["base"]}
-    if path["base"] and path["new"]:
-        pm = {k: statistics.median(v) for k, v in path.items()}
-        out |= {"path_runs": path, "path_cpu_s_median": pm, "path_new_over_base": pm["new"] / pm["base"]}
+    pm = {k: statistics.median(v) for k, v in path.items()}
+    out: dict[str, Any] = {"roots": roots, "runs": runs, "cpu_s_median": med, "new_over_base": med["new"] / med["base"],
+                           "path_runs": path, "path_cpu_s_median": pm, "path_new_over_base": pm["new"] / pm["base"],
+                           "load": os.getloadavg()[0]}
+    for key, got in more.items():
+        if got["base"] and got["new"]:
+            m = {k: statistics.median(v) for k, v in got.items()}
+            out[key] = {"runs": got, "median": m, "new_over_base": m["new"] / m["base"] if m["base"] else None}
     return out
 
 
@@ -238,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--ab", metavar="BASE_TREE", help="same-run A/B: alternate runs of BASE_TREE's and this tree's")
     ap.add_argument("--pairs", type=int, default=3, help="with --ab: runs of each tree")
+    ap.add_argument("--fill", type=float, default=0.0,
+                    help="fill the fleet to this fraction with placer/sim.py's job mix (priority 0, preemptible) "
+                         "before each round: the gang preempts (bench.delivery's preemption phase), and each row "
+                         "says when its victims' last stop was handed to its relay (victims_sent_s)")
     a = ap.parse_args(argv)
     gpn = fleet_shape(a.fleet).gpus_per_node
     gang = a.gang_gpus if a.gang_gpus is not None else min(200_000, int(a.nodes * 0.6) * gpn)
@@ -251,20 +341,28 @@ def main(argv: list[str] | None = None) -> int:
                   f"(alternating): base {m['base']:.4f} ({', '.join(f'{x:.4f}' for x in res['runs']['base'])}), "
                   f"new {m['new']:.4f} ({', '.join(f'{x:.4f}' for x in res['runs']['new'])}), "
                   f"new/base {res['new_over_base']:.2f}")
-            if "path_cpu_s_median" in res:
-                pm, pr = res["path_cpu_s_median"], res["path_runs"]
-                print(f"submit -> every node acked (submit, decide, bookkeeping, round, acks recorded), placer "
-                      f"CPU-s: base {pm['base']:.4f} ({', '.join(f'{x:.4f}' for x in pr['base'])}), "
-                      f"new {pm['new']:.4f} ({', '.join(f'{x:.4f}' for x in pr['new'])}), "
-                      f"new/base {res['path_new_over_base']:.2f}")
+            pm, pr = res["path_cpu_s_median"], res["path_runs"]
+            print(f"submit -> every node acked (submit, decide, bookkeeping, round, acks recorded), placer "
+                  f"CPU-s: base {pm['base']:.4f} ({', '.join(f'{x:.4f}' for x in pr['base'])}), "
+                  f"new {pm['new']:.4f} ({', '.join(f'{x:.4f}' for x in pr['new'])}), "
+                  f"new/base {res['path_new_over_base']:.2f}")
+            for key in MORE:
+                if key in res:
+                    m, r = res[key]["median"], res[key]["runs"]
+                    print(f"{key}: base {m['base']:.4f} ({', '.join(f'{x:.4f}' for x in r['base'])}), "
+                          f"new {m['new']:.4f} ({', '.join(f'{x:.4f}' for x in r['new'])}), "
+                          f"new/base {res[key]['new_over_base']:.2f}")
+            print(f"load average (1 min) at the end: {res['load']:.2f}")
         return 0
     with tempfile.TemporaryDirectory(prefix="herd-bench-round-") as d:
         svc, keys = _fleet(a.nodes, d, a.fleet)
-        rows = [trio.run(one_round, svc, keys, k, gang, gpn) for k in range(max(1, a.repeat))]
+        rows = [trio.run(one_round, svc, keys, k, gang, gpn, a.fill, a.fleet) for k in range(max(1, a.repeat))]
     out = {"tree": str(ROOT), "rows": rows, "cpu_s_median": statistics.median(r["cpu_s"] for r in rows),
            "wall_s_median": statistics.median(r["wall_s"] for r in rows),
            **{k + "_median": statistics.median(r[k] for r in rows)
-              for k in ("submit_decide_cpu_s", "acks_cpu_s", "path_cpu_s")}}
+              for k in ("submit_decide_cpu_s", "acks_cpu_s", "path_cpu_s")},
+           "victims_sent_s_median": statistics.median(v) if (v := [r["victims_sent_s"] for r in rows
+                                                                  if r.get("victims_sent_s") is not None]) else None}
     if a.json:
         print(json.dumps(out))
     else:
@@ -275,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
               f"({each}); submit + decide + bookkeeping {out['submit_decide_cpu_s_median']:.3f} s, acks "
               f"recorded {out['acks_cpu_s_median']:.3f} s, submit -> every node acked "
               f"{out['path_cpu_s_median']:.3f} CPU-s")
+        if out["victims_sent_s_median"] is not None:
+            print(f"  with the fleet filled to {a.fill:.0%}: {r['fill_jobs']:,} jobs, the gang's {r['victims']:,} "
+                  f"victims in {r['victim_racks']:,} racks ({r['stop_nodes']:,} nodes of stops only); submit -> the last victim's stop handed to its relay "
+                  f"{out['victims_sent_s_median']:.3f} CPU-s (median)")
     return 0
 
 

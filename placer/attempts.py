@@ -65,18 +65,25 @@ class Attempts(StateBase):
         return pushes
 
     def _end_attempt(self, job: JobRec, cause: str, now: float, *, reason: str | None,
-                     hold: bool = True, victims_of: dict[str, list[Victim]] | None = None) -> list[Push]:
+                     hold: bool = True, victims_of: dict[str, list[Victim]] | None = None,
+                     held: list[tuple[str, str, tuple[int, ...]]] | None = None) -> list[Push]:
         """Stop every live pod of the job's current attempt, free its GPUs, then decide by
         cause and restart policy: requeue (new attempt) or a terminal state. With ``hold``
         the stopped pods keep their GPUs (as stale holders) until their node reports them
         gone, so nothing new is pushed onto a GPU still in its grace period. ``victims_of``:
         the stops are added there by node, not made into pushes (a preemption's, which ride
-        in the new gang's placements)."""
+        in the new gang's placements), and the stopped pods' holders are added to ``held``
+        for the caller to hold (:meth:`_hold_many`, once the decision's GPUs are given)."""
         self.dirty = True
         self._dequeue(job)
-        live = job.live_pods()
-        pushes = self._stop_pods(job, live, reason=cause if cause != "lost" else "gang broken: node lost",
-                                 preempted=cause == "preempted", into=victims_of)
+        pushes: list[Push] = []
+        live: list[PodRec] = []
+        if victims_of is not None:   # (a preemption's victims: columns, no pod view made)
+            self._stop_victims(job, cause, victims_of, held if held is not None else [])
+        else:
+            live = job.live_pods()
+            pushes = self._stop_pods(job, live, reason=cause if cause != "lost" else "gang broken: node lost",
+                                     preempted=cause == "preempted")
         self._release_quiet(job.job_id)
         if hold:
             self._hold(live)
@@ -112,10 +119,9 @@ class Attempts(StateBase):
         if job.job_id in self.queue:
             self.queue.cancel(job.job_id)
 
-    def _stop_pods(self, job: JobRec, pods: Iterable[PodRec], *, reason: str, preempted: bool = False,
-                   into: dict[str, list[Victim]] | None = None) -> list[Push]:
-        """The pods told to stop: one stop push a node that is up (``into``: their victims
-        added there by node instead, and no push made); a lost node hears at its next word."""
+    def _stop_pods(self, job: JobRec, pods: Iterable[PodRec], *, reason: str, preempted: bool = False) -> list[Push]:
+        """The pods told to stop: one stop push a node that is up; a lost node hears at its
+        next word (a preemption's victims: :meth:`_stop_victims`)."""
         by_node: dict[str, list[Victim]] = {}
         for p in pods:
             self._mark_stale(p)
@@ -131,14 +137,55 @@ class Attempts(StateBase):
             if node.state != "up":  # a lost node hears about it when it comes back
                 node.tell.update(v.workload_id for v in victims)
                 continue
-            if into is not None:
-                into.setdefault(node_id, []).extend(victims)
-                continue
             self._pid += 1
             pl = Placement(placement_id=f"stop:{job.job_id}:{job.attempt}:{node_id}:{self._pid}",
                            job_id=job.job_id, victims=victims, grace_s=job.spec.grace_s)
             out.append(Push(node_id, node.control_url, pl, job.job_id, job.attempt, "stop", boot_id=node.boot_id))
         return out
+
+    def _stop_victims(self, job: JobRec, reason: str, into: dict[str, list[Victim]],
+                      held: list[tuple[str, str, tuple[int, ...]]]) -> None:
+        """A preempted job's live pods told to stop, read from its table's columns (no pod view
+        made: a preemption over a full fleet stops tens of thousands of pods): each marked stale
+        on its node and moved to "terminating" (:meth:`JobRec.stop_live`), its Victim added to
+        ``into`` by node (up nodes; a lost one hears at its next word), its holder
+        (``stale:<workload>``, node, slots) to ``held``. What :meth:`_stop_pods` does pod by
+        pod, but ``stop_sent``: the job's state says they were told (it is pending or preempted
+        until a new attempt's table replaces this one, which no report of theirs then finds)."""
+        t = job.table
+        rows = job.stop_live()
+        if not rows:
+            return
+        views, prefix, ranks, node_ids, slots = t.views, t.prefix, t.ranks, t.node_ids, t.slots
+        nodes = self.nodes
+        grace = job.spec.grace_s
+        last_id: str | None = None
+        node: NodeRec | None = None
+        told: list[Victim] | None = None   # the node's victims (None: it is not up)
+        for i in rows:
+            v = views[i]
+            wid = v.workload_id if v is not None else prefix + str(ranks[i])
+            if v is not None:
+                v.stop_sent = True
+            nid = node_ids[i]
+            if nid != last_id:   # (a job's pods come by node: one look a node)
+                last_id = nid
+                node = nodes.get(nid)
+                told = None
+                if node is not None and node.state == "up":
+                    told = into.get(nid)
+                    if told is None:
+                        told = into[nid] = []
+            if node is None:
+                continue
+            sl = slots[i]
+            node.stale[wid] = sl
+            if sl:
+                held.append(("stale:" + wid, nid, sl))
+            if told is None:   # a lost node hears about it when it comes back
+                node.tell.add(wid)
+            else:
+                told.append(Victim(workload_id=wid, grace_s=grace, reason=reason, preempted=True))
 
     def stop_failed(self, node_id: str, victims: Iterable[Victim]) -> None:
         """A stop push got no answer: name those workloads in the node's next reply."""

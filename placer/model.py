@@ -521,8 +521,7 @@ class ClusterModel:
                 raise Conflict(f"decision for {decision.job_id!r} is stale: some GPUs are no longer usable")
             if self._named_twice(nodes, slots):
                 raise Conflict(f"decision for {decision.job_id!r} names a GPU twice")
-        for v in victims:
-            self.release(v)
+        self.release_many(victims)   # (one vector step over every victim's GPUs, not one a victim)
         rec = self._new_job(decision.job_id, decision.priority, decision.preemptible)
         rec.pods = len(decision.pod_nodes)
         rec.gpus_per_pod = int(getattr(decision, "gpus_per_pod", 0))

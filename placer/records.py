@@ -228,10 +228,62 @@ def parts_bytes(pushes: Sequence[Push], expires_at: float) -> list[bytes]:
     return out
 
 
+class StopPushes(Sequence[Push]):
+    """A decision's stops on nodes given no pod (its victims elsewhere) as columns: each node's
+    record, victims and stop placement id. No Placement or Push is made for one unless it is
+    read by index or iteration (a direct push); the relays read the columns
+    (:meth:`part_bytes`, ``node_ids``, ``placement_ids``). Read only, never changed."""
+
+    __slots__ = ("job_id", "attempt", "issued_at", "recs", "victims", "node_ids", "placement_ids", "_made")
+
+    def __init__(self, job_id: str, attempt: int, issued_at: float, recs: list[NodeRec],
+                 victims: list[list[Victim]], placement_ids: list[str]) -> None:
+        self.job_id = job_id
+        self.attempt = attempt
+        self.issued_at = issued_at
+        self.recs = recs
+        self.victims = victims
+        self.node_ids = [n.node_id for n in recs]
+        self.placement_ids = placement_ids
+        self._made: dict[int, Push] = {}
+
+    def __len__(self) -> int:
+        return len(self.recs)
+
+    @overload
+    def __getitem__(self, i: int) -> Push: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Push]: ...
+
+    def __getitem__(self, i: int | slice) -> Push | list[Push]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        p = self._made.get(i)
+        if p is None:
+            node = self.recs[i]
+            pl = Placement(placement_id=self.placement_ids[i], job_id=self.job_id, victims=self.victims[i],
+                           issued_at=self.issued_at)
+            p = self._made[i] = Push(node.node_id, node.control_url, pl, self.job_id, self.attempt, "stop",
+                                     boot_id=node.boot_id)
+        return p
+
+    def part_bytes(self, k: int, expires_at: float) -> bytes:
+        """Stop ``k``'s part, byte for byte ``self[k].part_bytes(expires_at)``: a NodePart is
+        ``array_like`` (every field, in order, defaults included), so it is the array of its
+        fields' values."""
+        node = self.recs[k]
+        return _part_enc.encode([self.placement_ids[k], node.node_id, self.job_id, self.attempt, "", WIRE_VERSION,
+                                 _EMPTY, self.victims[k], self.issued_at, expires_at, "", 0, _EMPTY, _EMPTY, b"",
+                                 None, node.boot_id])
+
+
 class GangPushes(Sequence[Push]):
     """A decision's pushes as columns: its start pushes first (one a node of the gang: the
     node records, the job's table and each node's rows, each node's victims), then ``extra``
-    pushes (its victims' stops on nodes given no pod, or any pushes wrapped by :meth:`of`).
+    pushes (its victims' stops on nodes given no pod, as :class:`StopPushes`, or any pushes wrapped
+    by :meth:`of`).
     No Push is made for a column unless it is read by index or iteration (a direct push, a
     test): the relays read the columns (:meth:`parts_bytes`, ``node_ids``,
     :meth:`placement_ids`, :meth:`counted`). ``runs``: when the start pushes are in topology
@@ -241,7 +293,7 @@ class GangPushes(Sequence[Push]):
     __slots__ = ("gang", "recs", "table", "rows", "victims", "extra", "n_cols", "runs", "node_ids", "_made")
 
     def __init__(self, gang: GangStart | None, recs: list[NodeRec], table: PodTable | None,
-                 rows: list[list[int]] | None, victims: list[list[Victim]] | None, extra: list[Push], *,
+                 rows: list[list[int]] | None, victims: list[list[Victim]] | None, extra: Sequence[Push], *,
                  node_ids: list[str] | None = None, runs: tuple[list[str], list[int]] | None = None) -> None:
         self.gang = gang
         self.recs = recs
@@ -252,7 +304,8 @@ class GangPushes(Sequence[Push]):
         self.n_cols = len(recs)
         self.runs = runs
         ids = node_ids if node_ids is not None else [n.node_id for n in recs]
-        self.node_ids: list[str] = ids + [q.node_id for q in extra] if extra else ids
+        self.node_ids: list[str] = (ids + (extra.node_ids if isinstance(extra, StopPushes) else [q.node_id for q in extra])
+                                    if extra else ids)
         self._made: dict[int, Push] = {}
 
     @classmethod
@@ -299,8 +352,11 @@ class GangPushes(Sequence[Push]):
     def counted(self) -> np.ndarray:
         """Whether each push is a start push (its outcome decides a round)."""
         out = np.ones(len(self), dtype=bool)
-        if self.extra:
-            out[self.n_cols:] = [q.kind == "start" for q in self.extra]
+        extra = self.extra
+        if isinstance(extra, StopPushes):
+            out[self.n_cols:] = False
+        elif extra:
+            out[self.n_cols:] = [q.kind == "start" for q in extra]
         return out
 
     def placement_ids(self, idx: Sequence[int]) -> list[str]:
@@ -312,6 +368,9 @@ class GangPushes(Sequence[Push]):
         if isinstance(idx, range) and idx.stop <= n and idx.step == 1:
             return [prefix + nid for nid in ids[idx.start:idx.stop]]
         extra = self.extra
+        if isinstance(extra, StopPushes):
+            stop_ids = extra.placement_ids
+            return [prefix + ids[i] if i < n else stop_ids[i - n] for i in idx]
         return [prefix + ids[i] if i < n else extra[i - n].placement_id for i in idx]
 
     def parts_bytes(self, idx: Sequence[int], expires_at: float) -> list[bytes]:
@@ -342,9 +401,11 @@ class GangPushes(Sequence[Push]):
                     for r, k, sl, v in zip(recs[lo:hi], ranks[lo:hi], slots[lo:hi], victims[lo:hi], strict=True)]
         out: list[bytes] = []
         append = out.append
+        extra = self.extra
+        stop = extra.part_bytes if isinstance(extra, StopPushes) else None
         for i in idx:
             if i >= n:
-                append(self.extra[i - n].part_bytes(expires_at))
+                append(stop(i - n, expires_at) if stop is not None else extra[i - n].part_bytes(expires_at))
                 continue
             node = recs[i]
             if rows_of is None:
@@ -701,6 +762,31 @@ class JobRec:
             self.counts[old] -= n
             self.counts[new] += n
         return n
+
+    def stop_live(self) -> list[int]:
+        """Every live pod of the current attempt (not in a terminal state) moves to
+        "terminating", or "cancelled" if it was still "placing", as :meth:`set_pod_state` would
+        move them one by one: one translate over the state codes, the counts moved once (a
+        preemption over a full fleet stops tens of thousands of pods). Returns their rows."""
+        t = self.table
+        codes = t.codes
+        term = _TERMINAL_CODES
+        rows = [i for i, c in enumerate(codes) if c not in term]
+        if not rows:
+            return rows
+        placing, cancelled, terminating = _CODE["placing"], _CODE["cancelled"], _CODE["terminating"]
+        table = bytearray(range(256))
+        for c in range(len(_STATE)):
+            if c not in term:
+                table[c] = cancelled if c == placing else terminating
+        t.codes = codes.translate(table)
+        counts = self.counts
+        was_placing = counts["placing"]
+        for st in [st for st, n in counts.items() if n and st not in TERMINAL_STATES]:
+            counts[st] = 0
+        counts["cancelled"] += was_placing
+        counts["terminating"] += len(rows) - was_placing
+        return rows
 
     @property
     def all_running(self) -> bool:

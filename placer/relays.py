@@ -13,10 +13,14 @@ Theory of operation (DESIGN.md, "Fleet scale"; issue 12):
   whose connection broke, or that left members out: those members are pushed directly
   (HTTP, the same placement ids, so a member that was reached after all acks the same
   placement again and nothing is placed twice). Every node's first outcome is the one kept.
-- The gang blob's bytes ride in the first ``blob_seeds`` bundles only; every other bundle
-  names where to fetch it (``blob_sources``): its parent in a tree of fan-out 8 over the
-  bundles' order (a relay earlier in that order, itself seeded or fetching), then the
-  seeds. The placer serves ``blob_get`` as a last resort, and counts it.
+- A preempting gang's racks are built and sent victims first: the racks whose members get
+  only stops (victims on nodes given no pod), then the gang's racks with a victim, then the
+  rest, each in topology order (:func:`placer.delivery.victims_first`).
+- The gang blob's bytes ride in the first ``blob_seeds`` bundles that name it only; every
+  other such bundle names where to fetch it (``blob_sources``): its parent in a tree of
+  fan-out 8 over their order (a relay earlier in that order, itself seeded or fetching), then
+  the seeds (:func:`placer.delivery.blob_tree`). The placer serves ``blob_get`` as a last
+  resort, and counts it.
 - Relays also carry their members' reports up: content reports as ``report`` frames,
   empty heartbeats aggregated into one ``beat`` per interval (:meth:`Reports.beat`).
 - A relay can delay or drop, never forge (scheduler_link.msgauth): every bundle is signed
@@ -42,6 +46,7 @@ import gc
 import hashlib
 import hmac
 import inspect
+import itertools
 import logging
 import math
 import time
@@ -84,6 +89,9 @@ from .config import PlacerConfig
 from .delivery import (
     NO_OUTCOME,
     RACK_SETTLED,
+    RACK_STARTS,
+    RACK_STOPS,
+    RACK_VICTIMS,
     Action,
     DeliveryRound,
     Done,
@@ -92,6 +100,8 @@ from .delivery import (
     RacksSettled,
     RoundOutcomes,
     SendBundle,
+    blob_tree,
+    victims_first,
 )
 from .enrollpool import Checking, EnrollPool
 from .records import GangPushes, NodeRec, Push
@@ -726,6 +736,18 @@ def _whole_rack(ab: AckBundle, nids: list[str], pids: list[str], nodes: Mapping[
     return hmac.compare_digest(msgauth.accepted_macs(keys, nids, pids), ab.macs)
 
 
+def _rack_kind(src: GangPushes, members: list[int]) -> int:
+    """What rack's ``members`` (indices into ``src``) get: stops only, a victim's stop among
+    the gang's pods, or the gang's pods only (placer.delivery.victims_first)."""
+    n = src.n_cols
+    if members[0] >= n:
+        return RACK_STOPS
+    vs = src.victims   # (members past n are stops joined to the rack: they come last)
+    if members[-1] >= n or (vs is not None and any(map(vs.__getitem__, members))):
+        return RACK_VICTIMS
+    return RACK_STARTS
+
+
 class _RoundDriver:
     """One round's trio side: builds, signs and sends the bundles, carries out what the round's
     :class:`DeliveryRound` returns, and times the round. No task waits per rack: each bundle's
@@ -744,6 +766,8 @@ class _RoundDriver:
         self.ready = ready
         src = self.src = GangPushes.of(pushes)
         direct, racks = hub.split(src)
+        if len(racks) > 1 and (src.extra or src.victims is not None):   # (the victims' racks first)
+            racks = [racks[r] for r in victims_first([_rack_kind(src, ms) for _, _, ms in racks])]
         # the round's nodes in rack order (each rack's bundle a slice), then those pushed directly
         # (a gang's pushes mostly come so already: then they are taken as they are); ``order``:
         # the round's position -> the push's index, if they differ
@@ -755,15 +779,14 @@ class _RoundDriver:
         else:
             if direct == list(range(nxt, len(src))):
                 nxt = -1
-        self.order: list[int] | None = None if nxt == -1 else [i for _, _, ms in racks for i in ms] + direct
-        self.ids = src.node_ids if self.order is None else [src.node_ids[i] for i in self.order]
+        self.order: list[int] | None = (None if nxt == -1 else
+                                        list(itertools.chain.from_iterable(ms for _, _, ms in racks)) + direct)
+        self.ids = src.node_ids if self.order is None else list(map(src.node_ids.__getitem__, self.order))
         self.racks = [(path, conn) for path, conn, _ in racks]
         self.raw = host.gang_blob(blob_id) if blob_id else None
         self.expires = host.clock() + cfg.placement_ttl_s
         self.epoch = host.epoch   # the round's bundles are all of the epoch it was decided in
         self.urls = [conn.listen_url for _, conn in self.racks]
-        self.seeds = max(1, cfg.blob_seeds)
-        self.seed_urls = [u for u in self.urls[:self.seeds] if u]
         bounds = np.zeros(len(racks) + 1, dtype=np.int64)
         np.cumsum([len(ms) for _, _, ms in racks], out=bounds[1:])
         # A relay has failed when it has not answered relay_timeout_s after the round last made
@@ -778,6 +801,8 @@ class _RoundDriver:
         # racks with a start push among their members (their bundle names the gang's blob)
         self.rack_starts: list[bool] = ((np.add.reduceat(counted[:bounds[-1]], bounds[:-1]) > 0).tolist()
                                         if len(racks) else [])
+        self.carry, self.parent = blob_tree(self.rack_starts, max(1, cfg.blob_seeds), TREE_FANOUT)
+        self.seed_urls = [u for r, u in enumerate(self.urls) if self.carry[r] and u]
         self.core = DeliveryRound(len(src), bounds, patience_s=patience, cap_s=cap, counted=counted,
                                   durable=ready is None)
         self.rids: dict[int, int] = {}            # rack -> its bundle's request id (while sent)
@@ -936,11 +961,11 @@ class _RoundDriver:
     def _spec(self, r: int, deliver_by: float) -> msgauth.BundleSpec:
         """One rack's bundle, but for its signature (signed with its batch's)."""
         path, conn = self.racks[r]
-        raw, seeds = self.raw, self.seeds
-        carry = raw is not None and r < seeds
+        raw = self.raw
+        carry = raw is not None and self.carry[r]
         sources: list[str] = []
         if raw is not None and not carry:
-            parent = self.urls[(r - seeds) // TREE_FANOUT] if r - seeds >= 0 else None
+            parent = self.urls[self.parent[r]] if self.parent[r] >= 0 else None
             sources = [u for u in [parent, *self.seed_urls] if u and u != conn.listen_url]
         lo, hi = self.core.rack_slice(r)
         at = self._at(lo, hi)

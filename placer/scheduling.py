@@ -34,7 +34,6 @@ from scheduler_link.messages import (
     JobSpec,
     Peer,
     PeerTable,
-    Placement,
     Victim,
     encode_gang_blob,
 )
@@ -51,9 +50,8 @@ from .records import (
     JobError,
     JobRec,
     NodeRec,
-    PodRec,
     PodTable,
-    Push,
+    StopPushes,
 )
 from .statebase import StateBase
 
@@ -212,16 +210,15 @@ class Scheduling(StateBase):
         self.counters["decisions"] += 1
         # Victims first: their attempts end (never resurrected), their stops ride along.
         victim_stops: dict[str, list[Victim]] = {}
-        victim_pods: list[PodRec] = []
+        held: list[tuple[str, str, tuple[int, ...]]] = []
         for vid in decision.victims:
             vjob = self.jobs.get(vid)
             if vjob is None:
                 continue
             self.counters["preemptions"] += 1
-            victim_pods += vjob.live_pods()
             self._end_attempt(vjob, "preempted", now, reason=f"preempted by {job.job_id}", hold=False,
-                              victims_of=victim_stops)   # (no stop push made: they ride in the gang's)
-        self._hold(victim_pods)  # victims' GPUs the new gang does not take stay held until gone
+                              victims_of=victim_stops, held=held)   # (no stop push made: they ride in the gang's)
+        self._hold_many(held)  # victims' GPUs the new gang does not take stay held until gone
         job.attempt += 1   # (its previous attempt's pods stop being current in _replace_pods)
         job.state = "placing"
         job.reason = None
@@ -290,13 +287,13 @@ class Scheduling(StateBase):
                        now=now, expires=now + self.cfg.placement_ttl_s, read_grant=job.read_grant)
         # (a node's victims are taken out of victim_stops: what is left is on nodes given no pod)
         victims = [victim_stops.pop(n.node_id, NO_VICTIMS) for n in gang] if victim_stops else None
-        extra: list[Push] = []
-        for node_id, vs in victim_stops.items():  # victims on nodes that get no new pod
-            vnode = nodes[node_id]
-            self._pid += 1
-            pl = Placement(placement_id=f"stop:{job.job_id}:{job.attempt}:{node_id}:{self._pid}",
-                           job_id=job.job_id, victims=vs, issued_at=now)
-            extra.append(Push(node_id, vnode.control_url, pl, job.job_id, job.attempt, "stop", boot_id=vnode.boot_id))
+        # victims on nodes that get no new pod: a stop each, as columns (no Placement made)
+        stop_ids = list(victim_stops)
+        pid0, self._pid = self._pid, self._pid + len(stop_ids)
+        head = f"stop:{job.job_id}:{job.attempt}:"
+        extra = StopPushes(job.job_id, job.attempt, now, list(map(nodes.__getitem__, stop_ids)),
+                           list(victim_stops.values()),
+                           [f"{head}{nid}:{pid0 + k}" for k, nid in enumerate(stop_ids, 1)])
         return GangPushes(gs, gang, job.table, rows, victims, extra, node_ids=node_ids,
                           runs=runs[:2] if runs is not None and gang is order else None)
 

@@ -118,7 +118,8 @@ class StateBase:
     # ------------------------------------------------------------ declared by the parts
 
     def _end_attempt(self, job: JobRec, cause: str, now: float, *, reason: str | None,
-                     hold: bool = True, victims_of: dict[str, list[Victim]] | None = None) -> list[Push]:
+                     hold: bool = True, victims_of: dict[str, list[Victim]] | None = None,
+                     held: list[tuple[str, str, tuple[int, ...]]] | None = None) -> list[Push]:
         raise NotImplementedError
 
     def _apply_event(self, node: NodeRec, ev: WorkloadEvent, now: float) -> list[Push]:
@@ -202,7 +203,10 @@ class StateBase:
     def _hold(self, pods: Iterable[PodRec]) -> None:
         """Stopped pods keep their GPUs (as ``stale:`` holders) until their node reports them gone."""
         nodes = self.nodes
-        holders = [(f"stale:{p.workload_id}", p.node_id, p.slots) for p in pods if p.slots and p.node_id in nodes]
+        self._hold_many([(f"stale:{p.workload_id}", p.node_id, p.slots) for p in pods if p.slots and p.node_id in nodes])
+
+    def _hold_many(self, holders: list[tuple[str, str, tuple[int, ...]]]) -> None:
+        """:meth:`_hold` of holders made already: (``stale:<workload>``, node, slots)."""
         if holders:
             try:
                 self.model.hold_many(holders, STALE_PRIORITY)
