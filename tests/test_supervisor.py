@@ -311,8 +311,16 @@ async def test_corrupt_state_file_set_aside(tmp_path):
 def test_shim_runs_without_the_package():
     # the shim is started with -I -S: it must import only the standard library
     src = Path(__file__).resolve().parent.parent / "agent" / "shim.py"
-    r = subprocess.run([sys.executable, "-I", "-S", str(src)], input=b"", capture_output=True, timeout=10)
-    assert r.returncode == 0 and json.loads(r.stdout)["ready"] is True
+    cmd_r, cmd_w = os.pipe()
+    ans_r, ans_w = os.pipe()
+    os.close(cmd_w)   # no command: the leader and then the shim exit
+    try:
+        r = subprocess.run([sys.executable, "-I", "-S", str(src), "--leader-fds", f"{cmd_r},{ans_w}"],
+                           stdin=subprocess.DEVNULL, capture_output=True, timeout=10, pass_fds=(cmd_r, ans_w))
+    finally:
+        for fd in (cmd_r, ans_r, ans_w):
+            os.close(fd)
+    assert r.returncode == 0 and json.loads(r.stdout)["ready"] is True, r.stderr
 
 
 async def test_workload_recovered_from_run_json_when_state_lagged(tmp_path):
