@@ -168,23 +168,24 @@ class _Shim:
 def write_run_json(cmd: LaunchCommand, ident: Ready, started_at: float) -> None:
     """``run.json`` in the workload's dir: the identity the shim said, when it was started and
     the agent's record, before the command leaves (a restarted agent then finds a workload
-    that started, also when its own state log had not caught up). Temp file and rename, never
-    torn; not synced, on purpose: it covers the agent process dying, and the page cache
-    survives that; a host crash takes the workload with it and changes the boot id, so
-    nothing would be re-adopted anyway (an fsync here sat on every start's path)."""
-    path = os.path.join(cmd.dir, "run.json")
-    tmp = f"{path}.tmp"
+    that started, also when its own state log had not caught up). Written in place, one
+    ``write``, no temp file and rename: every creation and rename on the start path waits for
+    the filesystem's journal while someone's fsync commits it, and a ``run.json`` cut short
+    (the agent killed mid-write) does not decode, which a restarted agent reads as none --
+    true then, since the command leaves only after this returns. Not synced, on purpose: it
+    covers the agent process dying, and the page cache survives that; a host crash takes the
+    workload with it and changes the boot id, so nothing would be re-adopted anyway."""
     said = msgspec.structs.asdict(ident)
     del said["ready"]
     data = msgspec.json.encode({**said, "started_at": started_at, "record": cmd.record})
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    fd = os.open(os.path.join(cmd.dir, "run.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
     try:
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view):]
     finally:
         os.close(fd)
-    os.rename(tmp, path)
 
 
 def _pipes_for_shim() -> tuple[tuple[int, int], tuple[int, int]]:

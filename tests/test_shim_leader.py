@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -69,23 +71,34 @@ def _shim(pre: list[str] | None = None) -> Shim:
     return Shim(p, kids[0], cmd_w, ans_r, hello)
 
 
+def _to_eof(fd: int, timeout: float = 10.0) -> bytes:
+    """Everything read from ``fd`` until EOF (bounded: a missing EOF fails the test); closes it."""
+    got = b""
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            assert ready, f"no EOF within {timeout}s (read {got!r})"
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                return got
+            got += chunk
+    finally:
+        os.close(fd)
+
+
 def _command(s: Shim, cmd: dict[str, Any]) -> str:
     """The command to the leader, as the agent sends it; the leader's answer ("": exec'd)."""
     os.write(s.cmd, json.dumps(cmd).encode())
     os.close(s.cmd)
-    got = b""
-    while chunk := os.read(s.answer, 4096):
-        got += chunk
-    os.close(s.answer)
-    return got.decode()
+    return _to_eof(s.answer).decode()
 
 
 def test_a_shim_without_work_takes_its_leader_with_it() -> None:
     s = _shim()
     os.close(s.cmd)                      # the agent went away
     assert s.wait(10) == 0
-    assert os.read(s.answer, 1) == b""   # (the leader never exec'd: EOF, and nothing said)
-    os.close(s.answer)
+    assert _to_eof(s.answer) == b""      # (the leader never exec'd: EOF, and nothing said)
     assert _gone(s.leader)
 
 
@@ -147,10 +160,7 @@ def test_a_command_that_does_not_decode_is_answered_and_the_shim_leaves(tmp_path
     s = _shim()
     os.write(s.cmd, b"{not json")
     os.close(s.cmd)
-    got = b""
-    while chunk := os.read(s.answer, 4096):
-        got += chunk
-    os.close(s.answer)
+    got = _to_eof(s.answer)
     assert got.startswith(b"JSONDecodeError")
     assert s.wait(10) == 0 and _gone(s.leader)
     assert not list(tmp_path.iterdir())   # the shim wrote nothing

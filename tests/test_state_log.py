@@ -64,16 +64,19 @@ def test_deltas_already_in_the_snapshot_are_not_replayed(tmp_path: Path) -> None
 
 
 def test_a_write_a_crash_cut_short_is_dropped(tmp_path: Path) -> None:
-    """A crash mid-write of a delta (never acknowledged): its frame torn at its end, or only
-    its later part on disk over the zeros (pages written back out of order); either way the
-    log ends at the last whole frame."""
+    """A crash mid-write of a delta (never acknowledged): its frame cut short, or only part of
+    its pages on disk over the zeros (written back out of order); either way the log ends at
+    the last whole frame."""
     f = StateFile(tmp_path)
     f.save(AgentState(seq=0))
     f.append([StateDelta(seq=1, records=[rec("a")])])
     at = f.log_bytes
     f.close()
     whole = frame(KIND_DELTA, msgspec.json.encode(StateDelta(seq=2, records=[rec("b")])))
-    for torn in (whole[: len(whole) // 2], bytes(len(whole) // 2) + whole[len(whole) // 2:]):
+    half = len(whole) // 2
+    # cut at its end; its header and first part on disk, the rest still zeros (its checksum
+    # fails); only its later part on disk (a zero header)
+    for torn in (whole[:half], whole[:half] + bytes(len(whole) - half), bytes(half) + whole[half:]):
         with open(tmp_path / "state.log", "r+b") as out:
             out.seek(at)
             out.write(torn)

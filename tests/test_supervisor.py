@@ -349,6 +349,30 @@ async def test_workload_recovered_from_run_json_when_state_lagged(tmp_path):
     assert (st.state, st.exit_code) == ("exited", 4)
 
 
+async def test_a_run_json_cut_short_is_read_as_no_start(tmp_path):
+    """run.json is written in place before the command leaves: one cut short (the agent killed
+    mid-write) means nothing was started, so a restarted agent neither adopts it nor starts
+    the pod again -- the pod is lost -- and a dir holding only such a file is no orphan."""
+    state = tmp_path / "state"
+    wl = state / "workloads"
+    rec = WorkloadRecord(workload_id="w", job_id="j", placement_id="p", gpus=["GPU-0001"], argv=["true"],
+                         state="starting")
+    whole = json.dumps({"pid": os.getpid(), "start_time": procs.start_time(os.getpid()), "boot_id": procs.boot_id(),
+                        "shim_pid": os.getpid(), "record": msgspec.to_builtins(rec)}).encode()
+    for wid in ("w", "orphan"):
+        (wl / wid).mkdir(parents=True)
+        (wl / wid / "run.json").write_bytes(whole[: len(whole) // 2])
+    (state / "state.json").write_bytes(msgspec.json.encode(AgentState(node_id="n1", records=[rec])))
+    sup = make(tmp_path)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            st = await sup.wait_terminal("w")
+            assert [w.workload_id for w in sup.workloads()] == ["w"]
+            n.cancel_scope.cancel()
+    assert st.state == "lost" and st.pid is None
+
+
 async def test_log_rotation_and_tail(tmp_path):
     sup = Supervisor(tmp_path / "state", node_id="n1", gpu_health=lambda: GPUS, base_env={"PATH": os.environ["PATH"]},
                      config=SupervisorConfig(shim_pool=1, log_max_bytes=1024, log_keep=1))
