@@ -1,16 +1,17 @@
 """A pool of pre-started workload shims (see :mod:`agent.shim` for why a shim).
 
-The pool keeps ``size`` idle shims whose interpreter has already started and which
-wait on their stdin for one command. :meth:`ShimPool.launch` hands one a command and
-reads back the workload's identity: the hot path is a pipe write, the shim's
-fork+exec and a pipe read (~1-3 ms), instead of a ~30 ms interpreter start. A taken
-shim is replaced in the background. When the pool is empty (a burst), a shim is
-started on the spot.
+The pool keeps ``size`` idle shims whose interpreter has already started, each with its
+workload's process (the leader) forked and waiting on a command pipe whose write end the
+pool holds. :meth:`ShimPool.launch` writes ``run.json`` with the identity the shim said,
+hands the leader its command and reads the leader's answer pipe to EOF (the exec): the hot
+path is a file rename, a pipe write, the leader's set-up and exec and a pipe read, with no
+hop through the shim, instead of a ~30 ms interpreter start. A taken shim is replaced in
+the background. When the pool is empty (a burst), a shim is started on the spot.
 
 Shims are started with ``posix_spawn(setsid=True)``: their own session, so neither a
 terminal's SIGINT nor systemd's ``KillMode=process`` stop (which signals only the
-agent) reaches them. Idle shims exit when their stdin reaches EOF, i.e. when the
-agent exits or dies.
+agent) reaches them. An idle shim exits when its leader's command pipe reaches EOF with
+no command, i.e. when the agent exits or dies.
 
 :func:`read_env_files` is the one place a job's ``env_from_files`` are read: by the agent
 (not the workload user), at each start, from paths under the agent's
@@ -22,11 +23,12 @@ nowhere else (not the workload record, not run.json, not any API).
 from __future__ import annotations
 
 import contextlib
-import json
+import fcntl
 import logging
 import os
 import stat
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -132,28 +134,67 @@ class Launched(msgspec.Struct, frozen=True, kw_only=True):
     started_at: float
 
 
+class Ready(msgspec.Struct, frozen=True, kw_only=True):
+    """A shim's greeting: the identity its waiting leader will keep as the workload."""
+    ready: bool
+    pid: int
+    start_time: int | None
+    boot_id: str
+    shim_pid: int
+    shim_start_time: int | None
+
+
+_ready_dec = msgspec.json.Decoder(Ready)
+
+
 @dataclass(slots=True)
 class _Shim:
+    """An idle shim as the agent holds it: the write end of its leader's command pipe and the
+    read end of its answer pipe, and the identity it said."""
     pid: int
-    stdin: trio.lowlevel.FdStream
-    stdout: trio.lowlevel.FdStream
-    buf: bytearray
+    cmd: int
+    answer: int
+    ident: Ready | None = None
 
-    async def read_line(self) -> bytes:
-        while b"\n" not in self.buf:
-            data = await self.stdout.receive_some(4096)
-            if not data:
-                raise ShimError(f"shim pid={self.pid} closed its pipe")
-            self.buf += data
-        line, _, rest = bytes(self.buf).partition(b"\n")
-        self.buf[:] = rest
-        return line
+    def close(self) -> None:
+        """Closing the command pipe unsent is the shim's EOF: its leader exits, then it."""
+        for fd in (self.cmd, self.answer):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.cmd = self.answer = -1
 
-    async def close(self) -> None:
-        with contextlib.suppress(trio.ClosedResourceError, OSError):
-            await self.stdin.aclose()
-        with contextlib.suppress(trio.ClosedResourceError, OSError):
-            await self.stdout.aclose()
+
+def write_run_json(cmd: LaunchCommand, ident: Ready, started_at: float) -> None:
+    """``run.json`` in the workload's dir: the identity the shim said, when it was started and
+    the agent's record, before the command leaves (a restarted agent then finds a workload
+    that started, also when its own state log had not caught up). Written in place, one
+    ``write``, no temp file and rename: every creation and rename on the start path waits for
+    the filesystem's journal while someone's fsync commits it, and a ``run.json`` cut short
+    (the agent killed mid-write) does not decode, which a restarted agent reads as none --
+    true then, since the command leaves only after this returns. Not synced, on purpose: it
+    covers the agent process dying, and the page cache survives that; a host crash takes the
+    workload with it and changes the boot id, so nothing would be re-adopted anyway."""
+    said = msgspec.structs.asdict(ident)
+    del said["ready"]
+    data = msgspec.json.encode({**said, "started_at": started_at, "record": cmd.record})
+    fd = os.open(os.path.join(cmd.dir, "run.json"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def _pipes_for_shim() -> tuple[tuple[int, int], tuple[int, int]]:
+    """The leader's command pipe and answer pipe: (the agent's ends: command write, answer
+    read), (the shim's ends: command read, answer write). All close-on-exec here."""
+    cmd_r, cmd_w = os.pipe()
+    ans_r, ans_w = os.pipe()
+    os.set_blocking(cmd_w, False)   # (a command bigger than the pipe's buffer must not block the loop)
+    return (cmd_w, ans_r), (cmd_r, ans_w)
 
 
 class ShimPool:
@@ -197,19 +238,20 @@ class ShimPool:
         self._zygote = trio.socket.from_stdlib_socket(ours)
         self._zbuf = bytearray()
 
-    async def _fork_shim(self) -> _Shim:
-        """A new shim forked from the zygote (started on first use, restarted if it died)."""
+    async def _fork_shim(self) -> tuple[_Shim, int]:
+        """A new shim forked from the zygote (started on first use, restarted if it died),
+        and the read end of its stdout."""
         import array
         import socket
         async with self._zlock:
             if self._zygote is None:
                 self._start_zygote()
             assert self._zygote is not None
-            in_r, in_w = os.pipe()
             out_r, out_w = os.pipe()
+            (cmd_w, ans_r), theirs = _pipes_for_shim()
             try:
                 await self._zygote.sendmsg([b"s"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS,
-                                                     array.array("i", [in_r, out_w]))])
+                                                     array.array("i", [out_w, *theirs]))])
                 while b"\n" not in self._zbuf:
                     data = await self._zygote.recv(64)
                     if not data:
@@ -221,54 +263,73 @@ class ShimPool:
                 if pid <= 0:
                     raise OSError("the shim zygote refused the request")
             except (OSError, ValueError) as e:
-                for fd in (in_w, out_r):
+                for fd in (out_r, cmd_w, ans_r):
                     os.close(fd)
                 self._zygote.close()
                 self._zygote = None
                 raise ShimError(f"shim zygote failed: {e}") from e
             finally:
-                os.close(in_r)
-                os.close(out_w)
+                for fd in (out_w, *theirs):
+                    os.close(fd)
         self.spawned += 1
-        return _Shim(pid, trio.lowlevel.FdStream(in_w), trio.lowlevel.FdStream(out_r), bytearray())
+        return _Shim(pid, cmd_w, ans_r), out_r
 
-    def _spawn_raw(self) -> _Shim:
-        in_r, in_w = os.pipe()
+    def _spawn_raw(self) -> tuple[_Shim, int]:
         out_r, out_w = os.pipe()
+        (cmd_w, ans_r), (cmd_r, ans_w) = _pipes_for_shim()
+        # the shim's ends at 3 and 4: moved above them first, so no dup2 below overwrites a source
+        high = [fcntl.fcntl(fd, fcntl.F_DUPFD_CLOEXEC, 10) for fd in (out_w, cmd_r, ans_w)]
+        for fd in (out_w, cmd_r, ans_w):
+            os.close(fd)
         try:
             pid = os.posix_spawn(
-                self.python, [self.python, "-I", "-S", SHIM_PATH], _shim_env(),
-                file_actions=[(os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1),
-                              (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)],
+                self.python, [self.python, "-I", "-S", SHIM_PATH, "--leader-fds", "3,4"], _shim_env(),
+                file_actions=[(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                              (os.POSIX_SPAWN_DUP2, high[0], 1),
+                              (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0),
+                              (os.POSIX_SPAWN_DUP2, high[1], 3), (os.POSIX_SPAWN_DUP2, high[2], 4)],
                 setsid=True,
             )
         except OSError as e:
-            for fd in (in_r, in_w, out_r, out_w):
+            for fd in (out_r, cmd_w, ans_r):
                 os.close(fd)
             raise ShimError(f"cannot start shim: {e}") from e
-        os.close(in_r)
-        os.close(out_w)
+        finally:
+            for fd in high:
+                os.close(fd)
         self.spawned += 1
         self._children.add(pid)
-        return _Shim(pid, trio.lowlevel.FdStream(in_w), trio.lowlevel.FdStream(out_r), bytearray())
+        return _Shim(pid, cmd_w, ans_r), out_r
 
     async def _spawn_ready(self) -> _Shim:
-        shim: _Shim | None = None
+        got: tuple[_Shim, int] | None = None
         if self.use_zygote:
             try:
-                shim = await self._fork_shim()
+                got = await self._fork_shim()
             except ShimError as e:
                 log.warning("falling back to a fresh interpreter for a shim err=%s", e)
-        if shim is None:
-            shim = self._spawn_raw()
+        if got is None:
+            got = self._spawn_raw()
+        shim, out_r = got
+        out = trio.lowlevel.FdStream(out_r)
         try:
+            buf = b""
             with trio.fail_after(30):
-                hello = json.loads(await shim.read_line())
-            if not hello.get("ready"):
-                raise ShimError(f"unexpected shim greeting {hello!r}")
+                while b"\n" not in buf:
+                    data = await out.receive_some(4096)
+                    if not data:
+                        raise ShimError(f"shim pid={shim.pid} closed its pipe")
+                    buf += data
+            try:
+                shim.ident = _ready_dec.decode(buf.partition(b"\n")[0])
+            except (msgspec.DecodeError, msgspec.ValidationError) as e:
+                raise ShimError(f"unexpected shim greeting {buf[:200]!r}: {e}") from None
         except BaseException:
-            await shim.close()
+            shim.close()
             raise
+        finally:
+            with contextlib.suppress(trio.ClosedResourceError, OSError):
+                await out.aclose()   # (the shim says nothing more there)
         return shim
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -293,7 +354,7 @@ class ShimPool:
             with trio.CancelScope(shield=True):
                 idle, self._idle = self._idle, []
                 for s in idle:
-                    await s.close()
+                    s.close()
                     self._children.discard(s.pid)
                     with trio.move_on_after(2):
                         await wait_exit(s.pid)
@@ -306,33 +367,53 @@ class ShimPool:
                     self._children.discard(self._zygote_pid)
 
     async def launch(self, cmd: LaunchCommand) -> Launched:
-        """Start ``cmd`` under an idle shim and return the workload's identity."""
+        """Start ``cmd`` under an idle shim and return the workload's identity: ``run.json``
+        written, the command written to the shim's waiting leader, and its answer read (EOF:
+        it exec'd). The shim hears its part from the leader, off this path."""
         if self.prepare is not None:
             cmd = self.prepare(cmd)
         shim = self._idle.pop() if self._idle else await self._spawn_ready()
         self._want.set()
-        data = msgspec.json.encode(cmd) + b"\n"
+        assert shim.ident is not None
+        ident = shim.ident
+        started_at = time.time()
+        why = b""
         try:
-            # written before this task yields (send_all checkpoints first): the shim starts on
-            # it while the loop prepares the gang's other pods
+            write_run_json(cmd, ident, started_at)
+            data = msgspec.json.encode(cmd)
+            # written before this task yields: the leader starts on it while the loop prepares
+            # the gang's other pods
             try:
-                sent = os.write(shim.stdin.fileno(), data)
+                sent = os.write(shim.cmd, data)
             except BlockingIOError:
                 sent = 0
-            if sent < len(data):
-                await shim.stdin.send_all(data[sent:])
-            with trio.fail_after(30):
-                reply = json.loads(await shim.read_line())
+            if sent < len(data):   # bigger than the pipe's buffer: the rest as the leader reads
+                cmd_pipe = trio.lowlevel.FdStream(shim.cmd)
+                shim.cmd = -1
+                async with cmd_pipe:
+                    await cmd_pipe.send_all(data[sent:])
+            else:
+                os.close(shim.cmd)   # EOF: the command is whole
+                shim.cmd = -1
+            answer = trio.lowlevel.FdStream(shim.answer)
+            shim.answer = -1
+            async with answer:
+                with trio.fail_after(30):
+                    while chunk := await answer.receive_some(4096):
+                        why += chunk
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as e:
-            raise ShimError(f"shim pid={shim.pid} failed: {e}") from e
+            why = f"shim pid={shim.pid} failed: {e}".encode()
         finally:
-            await shim.close()
+            shim.close()
         self._children.discard(shim.pid)
-        if not reply.get("ok"):
+        if why:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(cmd.dir, "run.json"))   # nothing started: nothing to adopt
             with trio.move_on_after(5):
                 await wait_exit(shim.pid)
-            raise ShimError(str(reply.get("error", "shim refused the command")))
-        return msgspec.convert({k: reply.get(k) for k in Launched.__struct_fields__}, Launched)
+            raise ShimError(why.decode(errors="replace"))
+        return Launched(pid=ident.pid, start_time=ident.start_time, boot_id=ident.boot_id, shim_pid=ident.shim_pid,
+                        shim_start_time=ident.shim_start_time, started_at=started_at)
 
     def statistics(self) -> dict[str, int]:
         return {"idle": len(self._idle), "size": self.size, "spawned": self.spawned}

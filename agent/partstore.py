@@ -29,9 +29,7 @@ from __future__ import annotations
 
 import logging
 import os
-import struct
 import threading
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
@@ -41,7 +39,7 @@ import msgspec
 from infra.durable import fsync_dir, write_all
 from scheduler_link.messages import NodePart, PodAssignment, Victim
 
-from .state import atomic_write
+from .state import atomic_write, frame, read_frames
 
 log = logging.getLogger("herd.agent.parts")
 
@@ -52,9 +50,7 @@ PartState = Literal["accepted", "placed", "failed"]
 LOG_NAME = "parts.log"
 COMPACT_MIN_BYTES = 256 << 10   # the log is compacted past this size ...
 COMPACT_RATIO = 4               # ... and past this many times its live records' bytes
-MAX_FRAME = 16 << 20            # a length beyond this is a torn or damaged header
 KIND_RECORD, KIND_FORGET = 1, 2
-_HEAD = struct.Struct(">II")
 
 
 class PartRecord(msgspec.Struct, frozen=True, kw_only=True):
@@ -72,31 +68,6 @@ class PartRecord(msgspec.Struct, frozen=True, kw_only=True):
 _rec_dec = msgspec.msgpack.Decoder(PartRecord)
 _ids_dec = msgspec.msgpack.Decoder(list[str])
 _enc = msgspec.msgpack.Encoder()
-
-
-def frame(kind: int, body: bytes) -> bytes:
-    """One log frame (module docstring)."""
-    tail = bytes((kind,)) + body
-    return _HEAD.pack(len(tail), zlib.crc32(tail)) + tail
-
-
-def read_frames(data: bytes) -> tuple[list[tuple[int, bytes]], int]:
-    """The whole frames at the start of ``data`` as (kind, body), and where they end (a torn
-    or damaged frame, and all after it, is left out). Pure."""
-    out: list[tuple[int, bytes]] = []
-    pos, n = 0, len(data)
-    view = memoryview(data)
-    while pos + _HEAD.size <= n:
-        length, crc = _HEAD.unpack_from(data, pos)
-        end = pos + _HEAD.size + length
-        if length < 1 or length > MAX_FRAME or end > n:
-            break
-        tail = view[pos + _HEAD.size:end]
-        if zlib.crc32(tail) != crc:
-            break
-        out.append((tail[0], bytes(tail[1:])))
-        pos = end
-    return out, pos
 
 
 class PartStore:

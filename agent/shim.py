@@ -20,23 +20,32 @@ signal the whole group), copies its stdout/stderr into size-capped rotated log
 files, and writes ``exit.json`` atomically when the workload ends.
 
 A Python interpreter takes ~20-30 ms to start, so the agent keeps a small pool of
-shims started ahead of time (:mod:`agent.launcher`); each waits on its stdin for one
-command, with the workload's own process already forked and waiting on a pipe of its own
-(:class:`_Leader`). The hot path is then one pipe write to the shim, one to its leader, the
-leader's set-up and ``exec``, and one pipe read.
+shims started ahead of time (:mod:`agent.launcher`), each with the workload's own process
+already forked and waiting on a pipe of its own (:class:`_Leader`). The hot path is then one
+pipe write from the agent to that leader, the leader's set-up and ``exec``, and the agent's
+read of the leader's answer pipe: the shim itself is not scheduled between a placement and
+its process running (on a busy host each process woken on that path waited milliseconds for
+a core).
 
-Protocol (one JSON object per line)
------------------------------------
-shim -> agent on stdout: ``{"ready": true, "shim_pid": P}`` once imported.
-agent -> shim on stdin: ``{"dir", "argv", "env", "cwd", "log_max_bytes", "log_keep", "record",
-"user": {"uid", "gid", "groups"} | null, "cgroup": path | null, "umask", "rlimit_core",
-"oom_score_adj", "grace_s", "view": {"hidepid", "dev_dir", "gpu_minors"} | null}``.
-shim -> agent: ``{"ok": true, "pid", "start_time", "boot_id"}`` or
-``{"ok": false, "error"}``; then the shim detaches from both pipes.
-Files in ``dir``: ``run.json`` (identity of the workload process and a copy of the agent's
-``record``, written before the reply), ``exit.json``
+Protocol
+--------
+The agent makes two pipes per shim and hands the shim one end of each (``--leader-fds R,W``,
+or through the zygote): the leader's command pipe (the agent writes) and its answer pipe
+(the agent reads).
+shim -> agent on stdout, once its leader waits: ``{"ready": true, "pid", "start_time",
+"boot_id", "shim_pid", "shim_start_time"}`` (the workload's identity before it exists).
+agent: ``run.json`` in the workload's dir (that identity, ``started_at`` and the agent's
+``record``), then the command to the leader, one JSON object, then EOF: ``{"dir", "argv",
+"env", "cwd", "log_max_bytes", "log_keep", "record", "user": {"uid", "gid", "groups"} |
+null, "cgroup": path | null, "umask", "rlimit_core", "oom_score_adj", "grace_s", "view":
+{"hidepid", "dev_dir", "gpu_minors"} | null}``.
+leader -> shim: its part of the command (dir, log bounds, cgroup, grace), before its set-up.
+leader -> agent on the answer pipe: nothing, then EOF, when it has exec'd; else why not (then
+it exits 127).
+Files in ``dir``: ``run.json`` (the agent's, written before the command leaves), ``exit.json``
 (``code``: exit status, 128+N for signal N; ``signal``; ``at``), ``stdout.log``,
-``stderr.log`` (+ ``.1`` .. ``.keep`` rotations), ``shim.log``.
+``stderr.log`` (+ ``.1`` .. ``.keep`` rotations), ``shim.log``. A shim whose leader got no
+command (the agent went away: EOF) reaps it and exits, writing nothing.
 
 Isolation (see :mod:`agent.isolation`): the shim is a child subreaper, so every
 descendant of the workload stays below it; the workload's child joins its cgroup (when
@@ -448,75 +457,71 @@ def _pump(pid: int, logs: dict[int, RotatingLog], members: Members, grace_s: flo
 
 class _Leader:
     """The workload's process, forked while the shim is idle: it makes its own session and
-    waits for its command on a pipe, then sets itself up (what ``subprocess.Popen`` with a
-    ``preexec_fn`` did after its fork: stdio, cwd, :func:`_child_setup`, every other
-    descriptor closed) and ``exec``s. The command reaches a process that is already there:
-    the fork (the shim's page tables copied, the interpreter's after-fork work), the new
-    session and the reads of the leader's identity happen while the shim waits, not between
-    a placement and its process running, and a busy host's scheduler favours a waking
-    sleeper over a new task. Exec failure or a failed set-up comes back on ``err``
-    (close-on-exec: EOF with no bytes means the exec happened). The pid and the start time
-    survive the exec, so the workload's identity is known before it."""
+    waits for its command on a pipe from the agent, then sets itself up (what
+    ``subprocess.Popen`` with a ``preexec_fn`` did after its fork: stdio, cwd,
+    :func:`_child_setup`, every other descriptor closed) and ``exec``s. The command reaches a
+    process that is already there: the fork (the shim's page tables copied, the interpreter's
+    after-fork work), the new session and the reads of the leader's identity happen while the
+    shim waits, not between a placement and its process running, and a busy host's scheduler
+    favours a waking sleeper over a new task.
 
-    def __init__(self) -> None:
-        cmd_r, self.cmd = os.pipe()
-        self.err, err_w = os.pipe()
+    The agent holds the other ends of ``cmd_r`` (it writes the command, then closes: EOF) and
+    of ``err_w`` (exec failure or a failed set-up comes back there; close-on-exec: EOF with
+    no bytes means the exec happened), so neither the command nor the answer waits for the
+    shim to be scheduled. The leader hands the shim what it needs to look after the workload
+    (``info``: its dir, log bounds, cgroup, grace) before it sets itself up. The pid and the
+    start time survive the exec, so the workload's identity is known before it."""
+
+    def __init__(self, cmd_r: int, err_w: int) -> None:
+        self.info, info_w = os.pipe()
         self.out, out_w = os.pipe()
         self.errout, errout_w = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:
             code = 127
             try:
-                for fd in (self.cmd, self.err, self.out, self.errout):
+                for fd in (self.info, self.out, self.errout):
                     os.close(fd)
-                code = _leader(cmd_r, err_w, out_w, errout_w)
+                code = _leader(cmd_r, err_w, info_w, out_w, errout_w)
             finally:
                 os._exit(code)
-        for fd in (cmd_r, err_w, out_w, errout_w):
+        # only the agent and the leader hold these: the agent's EOFs are the leader's alone
+        for fd in (cmd_r, err_w, info_w, out_w, errout_w):
             os.close(fd)
 
-    def start(self, line: bytes) -> str | None:
-        """Hand the command over; None once the workload has exec'd, else why it has not
-        (the leader is reaped then)."""
-        try:
-            view = memoryview(line)
-            while view:
-                view = view[os.write(self.cmd, view):]
-        except OSError as e:
-            why: str | None = f"the workload process is gone: {e}"
-        else:
-            why = None
-        os.close(self.cmd)
-        self.cmd = -1
+    def handed_over(self) -> dict[str, Any] | None:
+        """What the leader handed over (waits for it); None when it got no command (the agent
+        went away, or sent one that does not decode), and the leader is reaped then."""
         got = b""
-        while chunk := os.read(self.err, 4096):
+        while chunk := os.read(self.info, 4096):
             got += chunk
-        os.close(self.err)
-        if why is None and not got:
-            return None
-        os.waitpid(self.pid, 0)
-        return why or got.decode(errors="replace")
-
-    def cancel(self) -> None:
-        """No work after all: the leader reads EOF and exits; reap it."""
-        for fd in (self.cmd, self.err, self.out, self.errout):
-            if fd >= 0:
+        os.close(self.info)
+        self.info = -1
+        try:
+            info = json.loads(got) if got else None
+        except ValueError:
+            info = None
+        if not isinstance(info, dict):
+            for fd in (self.out, self.errout):
                 os.close(fd)
-        os.waitpid(self.pid, 0)
+            os.waitpid(self.pid, 0)
+            return None
+        return info
 
 
-def _close_open_fds(keep: int) -> None:
+SHIM_KEYS = ("dir", "log_max_bytes", "log_keep", "cgroup", "grace_s")   # what the leader hands the shim
+
+
+def _close_open_fds(keep: tuple[int, ...]) -> None:
     """Close every descriptor above stdio but ``keep``: the ones open, read from /proc (as
     Popen's close_fds does; a loop to the open-file limit costs a close per number where the
     kernel has no close_range)."""
     try:
         fds = [int(n) for n in os.listdir("/proc/self/fd")]
     except OSError:
-        os.closerange(3, keep)
-        os.closerange(keep + 1, 1 << 16)
-        return
+        fds = list(range(3, 1 << 16))
     for fd in fds:
-        if fd > 2 and fd != keep:
+        if fd > 2 and fd not in keep:
             with contextlib.suppress(OSError):   # (the listing's own, closed already)
                 os.close(fd)
 
@@ -536,12 +541,14 @@ def _default_signals() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, ())
 
 
-def _leader(cmd_r: int, err_w: int, out_w: int, errout_w: int) -> int:
+def _leader(cmd_r: int, err_w: int, info_w: int, out_w: int, errout_w: int) -> int:
     """The forked leader's side of :class:`_Leader` (never returns on success)."""
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)        # never the shim's pipes to the agent
     os.dup2(null, 1)
     os.close(null)
+    # the answer's EOF is the exec (descriptors received from the agent may be inheritable)
+    os.set_inheritable(err_w, False)
     # A session (and process group) of its own now, while idle: setsid() makes the kernel a
     # new scheduler autogroup, 2-7 ms on a busy host, which would otherwise sit between the
     # command and the exec. Nothing before the exec depends on the session.
@@ -550,6 +557,7 @@ def _leader(cmd_r: int, err_w: int, out_w: int, errout_w: int) -> int:
     # counts of what decoding a command and the set-up touch) fault in now, not after the
     # command comes.
     json.loads(json.dumps({"argv": ["x"], "env": {"PATH": "/bin"}, "cwd": "/", "record": {"x": [1, 2.5, None]}}))
+    json.dumps({k: None for k in SHIM_KEYS})
     _libc.prctl(PR_GET_NO_NEW_PRIVS, 0, 0, 0, 0)   # (and libc calls through ctypes: reads a flag)
     # and what os.execvpe's PATH search runs before its execve calls (~0.6 ms a start, cold)
     os.path.dirname("x")
@@ -560,17 +568,23 @@ def _leader(cmd_r: int, err_w: int, out_w: int, errout_w: int) -> int:
         data += chunk
     os.close(cmd_r)
     if not data:
-        return 0            # the shim got no work
+        return 0            # no work: the agent went away (the shim hears EOF and exits)
     argv: list[str] = []
     try:
         cmd = json.loads(data)
         argv = list(cmd["argv"])
+        # the shim's part, small (never fills the pipe), before the set-up: it opens the logs
+        # while this process execs
+        info = json.dumps({k: cmd.get(k) for k in SHIM_KEYS}).encode()
+        if os.write(info_w, info) != len(info):
+            raise OSError("the shim took part of its hand-over")
+        os.close(info_w)
         os.dup2(out_w, 1)
         os.dup2(errout_w, 2)
         os.chdir(cmd.get("cwd") or cmd["dir"])
         _default_signals()
         _child_setup(cmd)()
-        _close_open_fds(keep=err_w)
+        _close_open_fds(keep=(err_w,))
         try:
             os.execvpe(argv[0], argv, cmd["env"])
         except OSError as e:
@@ -581,57 +595,32 @@ def _leader(cmd_r: int, err_w: int, out_w: int, errout_w: int) -> int:
     return 127
 
 
-def main() -> int:
+def main(cmd_r: int, err_w: int) -> int:
+    """One shim: its leader forked on the agent's ``cmd_r`` and ``err_w`` (the leader's command
+    in, its answer out), the identity said on stdout, then the workload looked after."""
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.umask(0o077)
     _prctl(PR_SET_CHILD_SUBREAPER, 1)
-    leader = _Leader()
+    leader = _Leader(cmd_r, err_w)
     # the workload's identity is the leader's, known before its exec (which keeps the pid and
-    # the start time): worked out while idle, and run.json written before the hand-over
+    # the start time): worked out while idle; the agent writes run.json with it before the
+    # command goes to the leader
     pid = leader.pid
-    ident: dict[str, Any] = {"pid": pid, "start_time": _start_time(pid), "boot_id": _boot_id(),
-             "shim_pid": os.getpid(), "shim_start_time": _start_time(os.getpid())}
-    _reply({"ready": True, "shim_pid": os.getpid()})
-    line = sys.stdin.buffer.readline()
-    if not line:
-        leader.cancel()
-        return 0  # the agent went away before giving us work
-    try:
-        cmd = json.loads(line)
-        wdir = cmd["dir"]
-        max_bytes = int(cmd.get("log_max_bytes", 16 << 20))
-        keep = int(cmd.get("log_keep", 2))
-    except Exception as e:  # a bad command: tell the agent, run nothing
-        leader.cancel()
-        _reply({"ok": False, "error": f"{type(e).__name__}: {e}"})
-        return 1
-    ident["started_at"] = time.time()
-    run_json = os.path.join(wdir, "run.json")
-    try:
-        # run.json before the reply: once the agent has heard "ok", a restarted agent finds it.
-        # Not fsynced, on purpose: run.json covers the agent process dying before its own
-        # state file names this workload, and the page cache survives that. A host crash kills
-        # the workload with it (and changes the boot id, so nothing would be re-adopted
-        # anyway). An fsync here sat on every start's critical path (5-40 ms when pods start
-        # together).
-        _atomic_write(run_json, {**ident, "record": cmd.get("record") or {}}, sync=False)
-    except OSError as e:
-        leader.cancel()
-        _reply({"ok": False, "error": f"{type(e).__name__}: {e}"})
-        return 1
-    why = leader.start(line)
-    if why is not None:  # exec or set-up failure: tell the agent, run nothing
-        with contextlib.suppress(OSError):
-            os.unlink(run_json)   # nothing started: nothing for a restarted agent to adopt
-        _reply({"ok": False, "error": why})
-        return 1
+    _reply({"ready": True, "pid": pid, "start_time": _start_time(pid), "boot_id": _boot_id(),
+            "shim_pid": os.getpid(), "shim_start_time": _start_time(os.getpid())})
+    info = leader.handed_over()
+    if info is None:
+        return 0  # no work: the agent went away (or sent what does not decode, and heard so)
+    wdir = str(info["dir"])
+    max_bytes = int(info.get("log_max_bytes") or 16 << 20)
+    keep = int(info["log_keep"] if info.get("log_keep") is not None else 2)
     out_r, err_r = leader.out, leader.errout
-    _reply({"ok": True, **ident})
     _detach_stdio(os.path.join(wdir, "shim.log"))
     logs = {out_r: RotatingLog(os.path.join(wdir, "stdout.log"), max_bytes, keep),
             err_r: RotatingLog(os.path.join(wdir, "stderr.log"), max_bytes, keep)}
-    rc = _pump(pid, logs, Members(cmd.get("cgroup")), float(cmd.get("grace_s", 10.0)))
+    grace = info.get("grace_s")
+    rc = _pump(pid, logs, Members(info.get("cgroup")), float(grace if grace is not None else 10.0))
     for fd, lg in logs.items():
         lg.close()
         os.close(fd)
@@ -643,12 +632,13 @@ def main() -> int:
 
 def zygote() -> int:
     """``shim.py --zygote``: a template process that has already paid the interpreter's
-    start-up. Its stdin is a unix socket to the agent; for each request carrying two file
-    descriptors (the new shim's stdin and stdout pipes, SCM_RIGHTS) it forks a shim that
-    runs :func:`main` at once, and answers with the shim's pid. A fork of this small
-    process costs ~1 ms where a fresh interpreter costs ~30 ms of CPU: under a burst of
-    gangs the pool refills without starving the workloads being started. The shims are
-    its children, reaped automatically (SIGCHLD ignored here, restored in each shim)."""
+    start-up. Its stdin is a unix socket to the agent; for each request carrying three file
+    descriptors (the new shim's stdout, its leader's command pipe and answer pipe,
+    SCM_RIGHTS) it forks a shim that runs :func:`main` at once, and answers with the shim's
+    pid. A fork of this small process costs ~1 ms where a fresh interpreter costs ~30 ms of
+    CPU: under a burst of gangs the pool refills without starving the workloads being
+    started. The shims are its children, reaped automatically (SIGCHLD ignored here,
+    restored in each shim)."""
     import socket
 
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
@@ -663,12 +653,12 @@ def zygote() -> int:
         os.close(null)
     while True:
         try:
-            msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 2)
+            msg, fds, _flags, _addr = socket.recv_fds(sock, 16, 3)
         except OSError:
             return 0
         if not msg:
             return 0  # the agent went away
-        if len(fds) != 2:
+        if len(fds) != 3:
             for fd in fds:
                 os.close(fd)
             sock.sendall(b"-1\n")
@@ -680,11 +670,9 @@ def zygote() -> int:
                 sock.close()
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
                 os.setsid()
-                os.dup2(fds[0], 0)
-                os.dup2(fds[1], 1)
-                for fd in fds:
-                    os.close(fd)
-                code = main()
+                os.dup2(fds[0], 1)
+                os.close(fds[0])
+                code = main(fds[1], fds[2])
             finally:
                 os._exit(code)
         for fd in fds:
@@ -692,6 +680,13 @@ def zygote() -> int:
         sock.sendall(f"{pid}\n".encode())
 
 
+def _leader_fds(arg: str) -> tuple[int, int]:
+    r, w = arg.split(",")
+    return int(r), int(w)
+
+
 if __name__ == "__main__":
-    sys.exit(zygote() if sys.argv[1:] == ["--zygote"] else probe_namespace() if sys.argv[1:] == ["--probe-ns"]
-             else main())
+    args = sys.argv[1:]
+    sys.exit(zygote() if args == ["--zygote"] else probe_namespace() if args == ["--probe-ns"]
+             else main(*_leader_fds(args[1])) if len(args) == 2 and args[0] == "--leader-fds"
+             else 2)

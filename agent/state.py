@@ -4,38 +4,54 @@ Two files under ``<state-dir>`` (both 0600: they hold every workload's env):
 
 - ``state.json``, a snapshot of every record and ack, rewritten atomically (temp file, fsync,
   rename, fsync of the directory: :func:`infra.durable.atomic_write`);
-- ``state.log``, what changed since that snapshot: one JSON :class:`StateDelta` per line (the
-  records that changed, whole; the acks added; the ids forgotten), appended and
+- ``state.log``, what changed since that snapshot: one :class:`StateDelta` per frame (the
+  records that changed, whole; the acks added; the ids forgotten), written and
   ``fdatasync``'d by the supervisor's owner task after each batch of events, before any
   answer that depends on the batch.
 
 Why a log: a batch touches one or a few records, and a placement's ack waits for its write.
 Rewriting the whole state (up to ``keep_terminal`` records and 2,000 acks) on every batch
-cost milliseconds of encoding and a file plus a directory fsync on that path; appending the
+cost milliseconds of encoding and a file plus a directory fsync on that path; writing the
 changed records is one small write and one ``fdatasync``.
+
+Why pre-allocated: the log is made as a file of zeros (:data:`PREALLOC_BYTES`, written and
+synced with the snapshot, off the ack path) and deltas are written over the zeros in place.
+An ``fdatasync`` after an append that grows a file must commit the filesystem's journal (the
+file's size changed: on ext4 a journal write and a second device flush, and every other
+fsync on the disk queues behind that commit); over blocks already written it flushes the
+data alone (the mtime it changes is not needed to read the data back). A delta that runs
+past the zeros grows the file by another :data:`PREALLOC_BYTES` of them in the same write.
+
+Format: frames of ``length`` (4 bytes, big-endian, of what follows the header), ``crc32``
+(4 bytes, of the kind byte and the body), a kind byte (1: a delta), the delta's JSON
+(:func:`frame`; the part log's format, agent.partstore). Reading stops at the first frame
+that is short, zero or fails its checksum: the zeros after the last delta, or a write a
+crash cut short (never acknowledged: its fdatasync had not returned, and no later write
+started before it returned, so nothing acknowledged lies beyond it). A log of JSON lines
+(the earlier layout: one delta per line, a torn last line dropped) is still read.
 
 Every delta carries a sequence number greater than every earlier one; the snapshot names the
 last one it contains (``AgentState.seq``). Loading reads the snapshot and applies the log's
 deltas with a greater number, in order, so a crash between a snapshot and the log's reset
-(old deltas left behind) replays nothing twice. The log is compacted into a new snapshot when it
-outgrows ``max(COMPACT_MIN_BYTES, COMPACT_RATIO x the last snapshot)`` and at every start.
-A torn last line (a crash mid-append: never acknowledged, its fdatasync had not returned)
-is dropped; a snapshot or a log line elsewhere that does not decode sets both files aside
-(``*.bad-<time>``) and the agent starts empty rather than trusting half of them.
+(old deltas left behind) replays nothing twice. The log is compacted into a new snapshot when
+its deltas outgrow ``max(COMPACT_MIN_BYTES, COMPACT_RATIO x the last snapshot)`` and at every
+start. A snapshot, or a frame whose checksum holds, that does not decode sets both files
+aside (``*.bad-<time>``) and the agent starts empty rather than trusting half of them.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import struct
 import time
+import zlib
 from pathlib import Path
 
 import msgspec
 
 # re-exported: the agent's callers import it from here
 from infra.durable import atomic_write as atomic_write
-from infra.durable import write_all
 from scheduler_link.messages import TERMINAL_STATES, Peer, PlacementAck, RestartPolicy, WorkloadStatus
 
 log = logging.getLogger("herd.agent.state")
@@ -120,10 +136,47 @@ class StateDelta(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
 
 COMPACT_MIN_BYTES = 1 << 20   # the log is folded into a new snapshot past this size ...
 COMPACT_RATIO = 4             # ... and past this many times the last snapshot's size
+PREALLOC_BYTES = 1 << 20      # zeros the log is made of, and grown by when a delta runs past them
+KIND_DELTA = 1
+MAX_FRAME = 16 << 20          # a length beyond this is a torn or damaged header
+_HEAD = struct.Struct(">II")
+
+
+def frame(kind: int, body: bytes) -> bytes:
+    """One log frame: length, crc32, kind, body (the module docstring; agent.partstore's too)."""
+    tail = bytes((kind,)) + body
+    return _HEAD.pack(len(tail), zlib.crc32(tail)) + tail
+
+
+def read_frames(data: bytes) -> tuple[list[tuple[int, bytes]], int]:
+    """The whole frames at the start of ``data`` as (kind, body), and where they end (a torn,
+    damaged or zero frame, and all after it, is left out). Pure."""
+    out: list[tuple[int, bytes]] = []
+    pos, n = 0, len(data)
+    view = memoryview(data)
+    while pos + _HEAD.size <= n:
+        length, crc = _HEAD.unpack_from(data, pos)
+        end = pos + _HEAD.size + length
+        if length < 1 or length > MAX_FRAME or end > n:
+            break
+        tail = view[pos + _HEAD.size:end]
+        if zlib.crc32(tail) != crc:
+            break
+        out.append((tail[0], bytes(tail[1:])))
+        pos = end
+    return out, pos
 
 _decoder = msgspec.json.Decoder(AgentState)
 _delta_decoder = msgspec.json.Decoder(StateDelta)
 _encoder = msgspec.json.Encoder()
+
+
+def write_all_at(fd: int, data: bytes | bytearray, offset: int) -> None:
+    """``data`` at ``offset`` of ``fd``, all of it (``os.pwrite`` may write less than asked)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 class StateCorrupt(ValueError):
@@ -166,22 +219,47 @@ def read_state(state_dir: str | os.PathLike[str]) -> AgentState:
     records = {r.workload_id: r for r in st.records}
     acks = {a.placement_id: a for a in st.acks}
     seq = st.seq
-    lines = raw.split(b"\n")
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            delta = _delta_decoder.decode(line)
-        except (msgspec.ValidationError, msgspec.DecodeError) as e:
-            if i == len(lines) - 1:   # no newline after it: an append a crash cut short
-                log.warning("state log: dropping a torn last line path=%s", d / "state.log")
-                break
-            raise StateCorrupt(f"state.log line {i + 1}: {e}") from None
+    for delta in _log_deltas(raw, d / "state.log"):
         if delta.seq <= seq:
             continue   # already in the snapshot (a crash before the log was reset)
         apply_delta(records, acks, delta)
         seq = delta.seq
     return msgspec.structs.replace(st, records=list(records.values()), acks=list(acks.values()), seq=seq)
+
+
+def _log_deltas(raw: bytes, path: Path) -> list[StateDelta]:
+    """The log's deltas in order (module docstring); raises :class:`StateCorrupt`."""
+    if raw[:1] == b"{":
+        return _line_deltas(raw, path)
+    frames, end = read_frames(raw)
+    if raw.count(0, end) != len(raw) - end:
+        log.warning("state log: dropping a torn tail path=%s", path)
+    out: list[StateDelta] = []
+    for i, (kind, body) in enumerate(frames):
+        try:
+            if kind != KIND_DELTA:
+                raise msgspec.ValidationError(f"kind {kind}")
+            out.append(_delta_decoder.decode(body))
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:   # its checksum held: not a torn write
+            raise StateCorrupt(f"state.log frame {i + 1}: {e}") from None
+    return out
+
+
+def _line_deltas(raw: bytes, path: Path) -> list[StateDelta]:
+    """The earlier layout: one JSON delta per line, a torn last line dropped."""
+    out: list[StateDelta] = []
+    lines = raw.split(b"\n")
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            out.append(_delta_decoder.decode(line))
+        except (msgspec.ValidationError, msgspec.DecodeError) as e:
+            if i == len(lines) - 1:   # no newline after it: an append a crash cut short
+                log.warning("state log: dropping a torn last line path=%s", path)
+                break
+            raise StateCorrupt(f"state.log line {i + 1}: {e}") from None
+    return out
 
 
 class StateFile:
@@ -196,6 +274,7 @@ class StateFile:
         self.appends = 0         # deltas appended (each fdatasync'd)
         self.log_bytes = 0       # the log's size since the last snapshot
         self.snapshot_bytes = 0
+        self._alloc = 0          # the log's size: its deltas, then zeros
         self._fd: int | None = None
 
     def load(self) -> AgentState:
@@ -210,28 +289,35 @@ class StateFile:
             return AgentState()
 
     def save(self, st: AgentState) -> None:
-        """A new snapshot (``st.seq``: the last delta it contains), then an empty log."""
+        """A new snapshot (``st.seq``: the last delta it contains), then an empty log: a file
+        of zeros, synced, its blocks written (module docstring)."""
         data = _encoder.encode(st)
         atomic_write(self.path, data)
         self.writes += 1
         self.snapshot_bytes = len(data)
         self.close()
-        atomic_write(self.log_path, b"")   # (a crash before this: the old deltas are <= st.seq)
-        self._fd = os.open(self.log_path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        atomic_write(self.log_path, bytes(PREALLOC_BYTES))   # (a crash before this: the old deltas are <= st.seq)
+        self._fd = os.open(self.log_path, os.O_WRONLY | os.O_CLOEXEC)
         self.log_bytes = 0
+        self._alloc = PREALLOC_BYTES
 
     def append(self, deltas: list[StateDelta]) -> None:
-        """Append ``deltas`` (one line each) and ``fdatasync``: durable when this returns.
-        Only after :meth:`save` (which opens the log)."""
+        """Write ``deltas`` (one frame each) over the log's zeros and ``fdatasync``: durable
+        when this returns. Only after :meth:`save` (which makes the log)."""
         assert self._fd is not None, "save() a snapshot first"
         buf = bytearray()
         for d in deltas:
-            buf += _encoder.encode(d)
-            buf += b"\n"
-        write_all(self._fd, buf)
+            buf += frame(KIND_DELTA, _encoder.encode(d))
+        end = self.log_bytes + len(buf)
+        if end > self._alloc:   # past the zeros: more of them after it, in the same write
+            grown = end + PREALLOC_BYTES
+            buf += bytes(grown - end)
+        write_all_at(self._fd, buf, self.log_bytes)
         os.fdatasync(self._fd)
+        if end > self._alloc:
+            self._alloc = self.log_bytes + len(buf)
         self.appends += len(deltas)
-        self.log_bytes += len(buf)
+        self.log_bytes = end
 
     def wants_snapshot(self) -> bool:
         """The log has outgrown its bound (module docstring): fold it into a snapshot next."""

@@ -322,9 +322,9 @@ class Supervisor:
     # generation and hands the writer task a delta (the records it changed, frozen, whole);
     # the writer appends every pending delta at once and fdatasyncs; callbacks that need
     # durability (acks, the start of a kill countdown) run once a write that includes their
-    # generation has completed. Starting a process does not wait: the shim writes the
-    # workload's record into run.json (atomically) before it answers, so a restarted agent
-    # finds a started workload even if the state log lagged behind.
+    # generation has completed. Starting a process does not wait: the launcher writes the
+    # workload's record into run.json (atomically) before the command leaves, so a restarted
+    # agent finds a started workload even if the state log lagged behind.
 
     def _snapshot(self) -> AgentState:
         return AgentState(node_id=self.node_id, records=list(self._records.values()),
@@ -590,7 +590,7 @@ class Supervisor:
     # ------------------------------------------------------------ recovery (owner, before ready)
 
     def _adopt_orphans(self) -> None:
-        """Workloads whose shim wrote run.json while state.json had not caught up yet (the
+        """Workloads whose run.json was written while state.json had not caught up yet (the
         agent died right after a launch): rebuild their records from the copy in run.json."""
         try:
             dirs = list(self.wl_dir.iterdir())
@@ -609,7 +609,7 @@ class Supervisor:
                 continue
             if rec.workload_id != d.name:
                 continue
-            log.warning("recovered workload from its shim's run.json id=%s", rec.workload_id)
+            log.warning("recovered workload from its run.json id=%s", rec.workload_id)
             self._records[rec.workload_id] = msgspec.structs.replace(rec, state="starting", pid=None)
             self._touch(rec.workload_id)
             if rec.placement_id and rec.placement_id not in self._acks:

@@ -38,6 +38,10 @@
   one state dir's filesystem, as 4 agents sharing a host's disk; baseline in the same run,
   rounds alternating: the earlier layout, one file per part written atomically (temp,
   fsync, rename, fsync of the directory). Medians and p99 of one save.
+- state_append_*: a supervisor batch's delta made durable in the agent's state log
+  (agent.state: written over the log's pre-allocated zeros, one fdatasync) by 4 writers at
+  once; baseline in the same run, rounds alternating: the same frames appended to a growing
+  file, as the log was (each fdatasync then commits the filesystem's journal).
 Every loop is bounded in count and time.
 """
 
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -296,6 +301,64 @@ def bench_part_saves(rounds: int = 60, writers: int = 4) -> dict[str, Any]:
     return {"part_save_p50_ms": pct(log_ms, 0.5), "part_save_p99_ms": pct(log_ms, 0.99),
             "part_save_file_per_part_p50_ms": pct(files_ms, 0.5), "part_save_file_per_part_p99_ms": pct(files_ms, 0.99),
             "part_save_ratio_to_file_per_part": pct(log_ms, 0.5) / pct(files_ms, 0.5), "part_saves": len(log_ms)}
+
+
+def bench_state_appends(rounds: int = 60, writers: int = 4) -> dict[str, Any]:
+    """One supervisor batch made durable in the agent's state log (agent.state: a delta written
+    over the log's pre-allocated zeros, one fdatasync) by 4 writers at once in one
+    filesystem, as 4 agents sharing a host's disk; baseline in the same run, rounds
+    alternating: the same frames appended to a file that grows (the earlier layout: each
+    fdatasync commits the filesystem's journal for the new size). Medians and p99 of one write."""
+    import threading
+
+    from agent.state import KIND_DELTA, AgentState, StateDelta, StateFile, WorkloadRecord, frame
+    from infra.durable import write_all
+
+    times: dict[str, list[float]] = {"prealloc": [], "append": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        files = [StateFile(Path(tmp) / f"s{w}") for w in range(writers)]
+        grow: list[int] = []
+        for w, f in enumerate(files):
+            f.dir.mkdir()
+            f.save(AgentState(node_id=f"n{w}"))
+            grow.append(os.open(Path(tmp) / f"grow{w}.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600))
+
+        def delta(w: int, k: int) -> StateDelta:
+            return StateDelta(seq=k + 1, records=[WorkloadRecord(workload_id=f"job{k}.1.{w}", job_id=f"job{k}",
+                                                                 argv=["sleep", "60"], env={"PATH": "/usr/bin:/bin"},
+                                                                 gpus=[f"GPU-{w}-0", f"GPU-{w}-1"])])
+
+        def one(mode: str, w: int, k: int, out: list[float]) -> None:
+            d = delta(w, k)
+            t0 = time.perf_counter()
+            if mode == "prealloc":
+                files[w].append([d])
+            else:
+                write_all(grow[w], frame(KIND_DELTA, msgspec.json.encode(d)))
+                os.fdatasync(grow[w])
+            out.append(time.perf_counter() - t0)
+
+        t_end = time.monotonic() + 60
+        for k in range(rounds):
+            if time.monotonic() > t_end:
+                break
+            for mode in (("prealloc", "append") if k % 2 == 0 else ("append", "prealloc")):
+                got: list[float] = []
+                ts = [threading.Thread(target=one, args=(mode, w, k, got)) for w in range(writers)]
+                for t in ts:
+                    t.start()
+                for t in ts:
+                    t.join()
+                times[mode] += got
+        for f in files:
+            f.close()
+        for fd in grow:
+            os.close(fd)
+    pre = [x * 1000 for x in times["prealloc"]]
+    app = [x * 1000 for x in times["append"]]
+    return {"state_append_p50_ms": pct(pre, 0.5), "state_append_p99_ms": pct(pre, 0.99),
+            "state_append_growing_p50_ms": pct(app, 0.5), "state_append_growing_p99_ms": pct(app, 0.99),
+            "state_append_ratio_to_growing": pct(pre, 0.5) / pct(app, 0.5), "state_appends": len(pre)}
 
 
 # ------------------------------------------------------------------ fan-out
@@ -623,7 +686,7 @@ def main() -> None:
     ap.add_argument("--fleet", type=int, default=1000)
     ap.add_argument("--skip-e2e", action="store_true")
     ap.add_argument("--e2e-only", action="store_true", help="only the small-gang end to end rows")
-    ap.add_argument("--parts-only", action="store_true", help="only the part-save rows")
+    ap.add_argument("--parts-only", action="store_true", help="only the part-save and state-log rows")
     ap.add_argument("--against", type=Path, help="e2e against another checkout (with its .venv), job for job")
     ap.add_argument("--e2e-serve", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="small sizes (make bench-quick); pass --jobs/--fleet too")
@@ -648,10 +711,12 @@ def main() -> None:
     res: dict[str, Any] = {}
     if a.parts_only:
         res.update(bench_part_saves(rounds=10 if q else 60))
+        res.update(bench_state_appends(rounds=10 if q else 60))
         print(json.dumps(res) if a.json else "\n".join(f"{k:32s} {v}" for k, v in res.items()))
         return
     if not a.e2e_only:
         res.update(bench_part_saves(rounds=10 if q else 60))
+        res.update(bench_state_appends(rounds=10 if q else 60))
         res.update(bench_ingest_core(n_nodes=1000 if q else 10_000, seconds=0.5 if q else 2.0))
         res.update(bench_ingest_model(n_nodes=256 if q else 2048, seconds=0.5 if q else 2.0,
                                       max_rounds=2 if q else 20))

@@ -31,3 +31,11 @@ def test_e2e_pod_stamps_split_the_agents_side() -> None:
                                                        "pod_running_last": 19.0}
     # a pod whose running stamp is missing: no last-pod figure (it would be the wrong pod's)
     assert set(_pod_stamps([*pods, {"timings": {"accepted": 10.001}}], 10.0)) == {"pod_accepted"}
+
+
+def test_state_append_row_times_both_layouts() -> None:
+    from bench.link import bench_state_appends
+
+    out = bench_state_appends(rounds=2, writers=2)
+    assert out["state_appends"] == 4
+    assert out["state_append_p50_ms"] > 0 and out["state_append_growing_p50_ms"] > 0

@@ -1,4 +1,4 @@
-"""The agent's state on disk: a snapshot plus an append-only, fdatasync'd log of the changed
+"""The agent's state on disk: a snapshot plus a pre-allocated, fdatasync'd log of the changed
 records (agent.state), and "acked means written durably" across a crash of the agent process."""
 
 from __future__ import annotations
@@ -12,7 +12,16 @@ from pathlib import Path
 
 import msgspec
 
-from agent.state import AgentState, StateDelta, StateFile, WorkloadRecord, read_state
+from agent.state import (
+    KIND_DELTA,
+    PREALLOC_BYTES,
+    AgentState,
+    StateDelta,
+    StateFile,
+    WorkloadRecord,
+    frame,
+    read_state,
+)
 from scheduler_link.messages import PlacementAck
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,22 +63,77 @@ def test_deltas_already_in_the_snapshot_are_not_replayed(tmp_path: Path) -> None
     assert [(r.workload_id, r.state) for r in read_state(tmp_path).records] == [("a", "exited")]
 
 
-def test_a_torn_last_line_is_dropped(tmp_path: Path) -> None:
+def test_a_write_a_crash_cut_short_is_dropped(tmp_path: Path) -> None:
+    """A crash mid-write of a delta (never acknowledged): its frame cut short, or only part of
+    its pages on disk over the zeros (written back out of order); either way the log ends at
+    the last whole frame."""
     f = StateFile(tmp_path)
     f.save(AgentState(seq=0))
     f.append([StateDelta(seq=1, records=[rec("a")])])
+    at = f.log_bytes
     f.close()
-    whole = msgspec.json.encode(StateDelta(seq=2, records=[rec("b")]))
-    with open(tmp_path / "state.log", "ab") as out:
-        out.write(whole[: len(whole) // 2])   # a crash mid-append: never acknowledged
-    st = read_state(tmp_path)
-    assert [r.workload_id for r in st.records] == ["a"] and st.seq == 1
-    # a start folds it into a snapshot and an empty log: later appends never glue onto it
+    whole = frame(KIND_DELTA, msgspec.json.encode(StateDelta(seq=2, records=[rec("b")])))
+    half = len(whole) // 2
+    # cut at its end; its header and first part on disk, the rest still zeros (its checksum
+    # fails); only its later part on disk (a zero header)
+    for torn in (whole[:half], whole[:half] + bytes(len(whole) - half), bytes(half) + whole[half:]):
+        with open(tmp_path / "state.log", "r+b") as out:
+            out.seek(at)
+            out.write(torn)
+        st = read_state(tmp_path)
+        assert [r.workload_id for r in st.records] == ["a"] and st.seq == 1
+    # a start folds it into a snapshot and a fresh log: later writes never glue onto it
     f2 = StateFile(tmp_path)
     f2.save(f2.load())
     f2.append([StateDelta(seq=2, records=[rec("c")])])
     f2.close()
     assert sorted(r.workload_id for r in read_state(tmp_path).records) == ["a", "c"]
+
+
+def test_deltas_are_written_over_preallocated_zeros(tmp_path: Path) -> None:
+    """The log's blocks exist before a delta is written (zeros written, not a sparse file) and
+    its size does not change with a write that fits: what lets fdatasync skip the
+    filesystem's journal commit. A delta past the zeros grows the file by more of them."""
+    f = StateFile(tmp_path)
+    f.save(AgentState(seq=0))
+    log = tmp_path / "state.log"
+    st = log.stat()
+    assert st.st_size == PREALLOC_BYTES and st.st_blocks * 512 >= PREALLOC_BYTES
+    for seq in range(1, 11):
+        f.append([StateDelta(seq=seq, records=[rec(f"w{seq}")])])
+        assert log.stat().st_size == PREALLOC_BYTES
+    big = WorkloadRecord(workload_id="big", job_id="j", env={"X": "y" * PREALLOC_BYTES})
+    f.append([StateDelta(seq=11, records=[big])])
+    grown = log.stat()
+    assert grown.st_size >= f.log_bytes + PREALLOC_BYTES and grown.st_blocks * 512 >= grown.st_size
+    f.append([StateDelta(seq=12, records=[rec("after")])])
+    assert log.stat().st_size == grown.st_size
+    f.close()
+    st2 = read_state(tmp_path)
+    assert st2.seq == 12 and len(st2.records) == 12
+
+
+def test_a_log_of_json_lines_is_still_read(tmp_path: Path) -> None:
+    """The earlier layout (one JSON delta per line; a torn last line dropped), as an agent
+    upgraded in place finds it."""
+    f = StateFile(tmp_path)
+    f.save(AgentState(records=[rec("a")], seq=1))
+    f.close()
+    lines = [msgspec.json.encode(StateDelta(seq=2, records=[rec("b")])),
+             msgspec.json.encode(StateDelta(seq=3, records=[rec("a", "running")]))]
+    (tmp_path / "state.log").write_bytes(b"\n".join(lines) + b"\n" + lines[0][:10])
+    st = StateFile(tmp_path).load()
+    assert {r.workload_id: r.state for r in st.records} == {"a": "running", "b": "accepted"} and st.seq == 3
+
+
+def test_a_whole_frame_that_does_not_decode_sets_both_files_aside(tmp_path: Path) -> None:
+    """Its checksum holds, so it is no torn write: the files are not trusted."""
+    f = StateFile(tmp_path)
+    f.save(AgentState(records=[rec("a")]))
+    f.close()
+    (tmp_path / "state.log").write_bytes(frame(KIND_DELTA, b"{garbage") + bytes(64))
+    assert StateFile(tmp_path).load() == AgentState()
+    assert sorted(p.name.split(".bad-")[0] for p in tmp_path.glob("*.bad-*")) == ["state.json", "state.log"]
 
 
 def test_a_corrupt_line_before_the_last_sets_both_files_aside(tmp_path: Path) -> None:
@@ -93,7 +157,8 @@ def test_the_log_is_compacted_past_its_bound(tmp_path: Path) -> None:
         assert seq < 10_000
     assert f.log_bytes > (1 << 20)
     f.save(AgentState(records=[big], seq=seq))
-    assert (tmp_path / "state.log").stat().st_size == 0 and not f.wants_snapshot()
+    assert f.log_bytes == 0 and not f.wants_snapshot()
+    assert (tmp_path / "state.log").read_bytes() == bytes(PREALLOC_BYTES)
     f.close()
 
 
@@ -128,7 +193,7 @@ def test_every_acked_placement_survives_the_agent_killed_right_after(tmp_path: P
     assert p.returncode == -signal.SIGKILL, p.stderr.decode()[-2000:]
     acked = p.stdout.decode().split()
     assert acked == [f"p{i}" for i in range(5)]
-    assert (state / "state.log").stat().st_size > 0   # from the log: the snapshot is the start's, empty
     st = read_state(state)
+    assert st.seq > 0   # from the log: the snapshot is the start's, empty
     assert {a.placement_id for a in st.acks} >= set(acked)
     assert {r.workload_id for r in st.records} >= {f"w{i}" for i in range(5)}

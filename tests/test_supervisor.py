@@ -311,8 +311,16 @@ async def test_corrupt_state_file_set_aside(tmp_path):
 def test_shim_runs_without_the_package():
     # the shim is started with -I -S: it must import only the standard library
     src = Path(__file__).resolve().parent.parent / "agent" / "shim.py"
-    r = subprocess.run([sys.executable, "-I", "-S", str(src)], input=b"", capture_output=True, timeout=10)
-    assert r.returncode == 0 and json.loads(r.stdout)["ready"] is True
+    cmd_r, cmd_w = os.pipe()
+    ans_r, ans_w = os.pipe()
+    os.close(cmd_w)   # no command: the leader and then the shim exit
+    try:
+        r = subprocess.run([sys.executable, "-I", "-S", str(src), "--leader-fds", f"{cmd_r},{ans_w}"],
+                           stdin=subprocess.DEVNULL, capture_output=True, timeout=10, pass_fds=(cmd_r, ans_w))
+    finally:
+        for fd in (cmd_r, ans_r, ans_w):
+            os.close(fd)
+    assert r.returncode == 0 and json.loads(r.stdout)["ready"] is True, r.stderr
 
 
 async def test_workload_recovered_from_run_json_when_state_lagged(tmp_path):
@@ -339,6 +347,30 @@ async def test_workload_recovered_from_run_json_when_state_lagged(tmp_path):
             st = await sup2.wait_terminal("w")
             n.cancel_scope.cancel()
     assert (st.state, st.exit_code) == ("exited", 4)
+
+
+async def test_a_run_json_cut_short_is_read_as_no_start(tmp_path):
+    """run.json is written in place before the command leaves: one cut short (the agent killed
+    mid-write) means nothing was started, so a restarted agent neither adopts it nor starts
+    the pod again -- the pod is lost -- and a dir holding only such a file is no orphan."""
+    state = tmp_path / "state"
+    wl = state / "workloads"
+    rec = WorkloadRecord(workload_id="w", job_id="j", placement_id="p", gpus=["GPU-0001"], argv=["true"],
+                         state="starting")
+    whole = json.dumps({"pid": os.getpid(), "start_time": procs.start_time(os.getpid()), "boot_id": procs.boot_id(),
+                        "shim_pid": os.getpid(), "record": msgspec.to_builtins(rec)}).encode()
+    for wid in ("w", "orphan"):
+        (wl / wid).mkdir(parents=True)
+        (wl / wid / "run.json").write_bytes(whole[: len(whole) // 2])
+    (state / "state.json").write_bytes(msgspec.json.encode(AgentState(node_id="n1", records=[rec])))
+    sup = make(tmp_path)
+    with trio.fail_after(20):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            st = await sup.wait_terminal("w")
+            assert [w.workload_id for w in sup.workloads()] == ["w"]
+            n.cancel_scope.cancel()
+    assert st.state == "lost" and st.pid is None
 
 
 async def test_log_rotation_and_tail(tmp_path):
