@@ -239,6 +239,8 @@ class RelayCopies:
 def merged_beat(old: RackBeat, new: RackBeat) -> RackBeat:
     """``old`` then ``new`` as one beat: each member once, with its newest entry (``new``'s where
     both have one) and that entry's own MAC."""
+    if not all(len(b.boot_ids) == len(b.seqs) == len(b.macs) == len(b.node_ids) for b in (old, new)):
+        return new   # (columns of unequal length: the placer refuses such a beat; no entry of old is merged in)
     ent = dict(zip(old.node_ids, zip(old.boot_ids, old.seqs, old.macs, strict=True), strict=True))
     ent.update(zip(new.node_ids, zip(new.boot_ids, new.seqs, new.macs, strict=True), strict=True))
     if len(ent) == len(new.node_ids):   # (the common case: the members of the next beat are the same)
@@ -253,7 +255,7 @@ def split_beat(b: RackBeat, ids: set[str]) -> tuple[RackBeat | None, RackBeat | 
     mine = [k for k, nid in enumerate(b.node_ids) if nid in ids]
     if not mine:
         return None, b
-    if len(mine) == len(b.node_ids):
+    if len(mine) == len(b.node_ids) or not len(b.boot_ids) == len(b.seqs) == len(b.macs) == len(b.node_ids):
         return b, None
     rest = [k for k, nid in enumerate(b.node_ids) if nid not in ids]
     return _entries(b, mine), _entries(b, rest)

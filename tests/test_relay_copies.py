@@ -19,7 +19,7 @@ import trio.testing
 
 from agent.gpus.simulated import SimulatedBackend
 from agent.relay import Relay
-from agent.relaycopies import COPY_BEAT_EVERY, CopyConn, RelayCopies
+from agent.relaycopies import COPY_BEAT_EVERY, CopyConn, RelayCopies, merged_beat, split_beat
 from agent.relaycore import RelayCore
 from infra.auth import TokenSet
 from scheduler_link.agent_link import AgentLink
@@ -490,3 +490,7 @@ async def test_a_follower_gets_every_other_beat_merged_and_each_at_once_while_no
     copies.copy("beat", _rack_beat({"m0": 4}), "tcp://f")     # (to the placer it went up to: no copy)
     copies.copy("beat", _rack_beat({"m0": 5}), "tcp://f")
     assert not c.queue and c.beat is None
+    # a beat whose columns differ in length (the placer refuses it) is never merged into: no relay's end
+    bad = RackBeat(rack="z/b/r1", node_ids=["m0", "m1"], boot_ids=["boot-m0"], seqs=[1, 1], macs=[])
+    good = _rack_beat({"m2": 1})
+    assert merged_beat(bad, good) is good and split_beat(bad, {"m0"}) == (bad, None)
