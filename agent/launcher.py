@@ -123,6 +123,10 @@ class LaunchCommand(msgspec.Struct, frozen=True, kw_only=True):
     oom_score_adj: int | None = 0
     grace_s: float = 10.0                # for what is left of the workload once its leader exits
     view: WorkloadView | None = None     # None: the host's mount namespace as it is
+    # written by the leader (as root still) before its set-up, each pod by its own process rather
+    # than one after another on the agent's loop, where each creation waited for the
+    # filesystem's journal while someone's fsync committed it
+    files: dict[str, str] = {}           # name in ``dir`` -> text (0644, replaced atomically)
 
 
 class Launched(msgspec.Struct, frozen=True, kw_only=True):

@@ -38,7 +38,8 @@ agent: ``run.json`` in the workload's dir (that identity, ``started_at`` and the
 ``record``), then the command to the leader, one JSON object, then EOF: ``{"dir", "argv",
 "env", "cwd", "log_max_bytes", "log_keep", "record", "user": {"uid", "gid", "groups"} |
 null, "cgroup": path | null, "umask", "rlimit_core", "oom_score_adj", "grace_s", "view":
-{"hidepid", "dev_dir", "gpu_minors"} | null}``.
+{"hidepid", "dev_dir", "gpu_minors"} | null, "files": {name: text}}`` (``files``: written into
+``dir`` by the leader before its set-up: a small gang's peers file).
 leader -> shim: its part of the command (dir, log bounds, cgroup, grace), before its set-up.
 leader -> agent on the answer pipe: nothing, then EOF, when it has exec'd; else why not (then
 it exits 127).
@@ -541,6 +542,23 @@ def _default_signals() -> None:
     signal.pthread_sigmask(signal.SIG_SETMASK, ())
 
 
+def _prepare(cmd: dict[str, Any]) -> None:
+    """The pod's files (agent.launcher.LaunchCommand), written by its leader as root still:
+    each 0644 under a temp name, then renamed over the last start's."""
+    for name, text in (cmd.get("files") or {}).items():
+        path = os.path.join(cmd["dir"], name)
+        tmp = f"{path}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+        try:
+            os.fchmod(fd, 0o644)   # (the shim's umask is 077)
+            view = memoryview(text.encode())
+            while view:
+                view = view[os.write(fd, view):]
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+
+
 def _leader(cmd_r: int, err_w: int, info_w: int, out_w: int, errout_w: int) -> int:
     """The forked leader's side of :class:`_Leader` (never returns on success)."""
     null = os.open(os.devnull, os.O_RDWR)
@@ -579,6 +597,7 @@ def _leader(cmd_r: int, err_w: int, info_w: int, out_w: int, errout_w: int) -> i
         if os.write(info_w, info) != len(info):
             raise OSError("the shim took part of its hand-over")
         os.close(info_w)
+        _prepare(cmd)
         os.dup2(out_w, 1)
         os.dup2(errout_w, 2)
         os.chdir(cmd.get("cwd") or cmd["dir"])

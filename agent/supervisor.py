@@ -62,7 +62,7 @@ from .state import AgentState, StateDelta, StateFile, WorkloadRecord, atomic_wri
 log = logging.getLogger("herd.agent.supervisor")
 
 _KEEP_ACKS = 2000
-INLINE_WRITE_MAX = 64 << 10   # an unsynced file this small is written on the loop, not in a thread
+INLINE_WRITE_MAX = 64 << 10   # a peers file this small goes with the pod's command (its leader writes it)
 _GC_MIN_AGE_S = 60.0
 # (manifest_id, origin, peers) -> (materialised tree, fetch figures by source)
 ArtifactFetcher = Callable[[str, str | None, Any], Awaitable[tuple[Path, dict[str, int]]]]  # peers: list or PeerTable
@@ -673,6 +673,7 @@ class Supervisor:
         wdir = self.wl_dir / wid
         fetch: dict[str, int] | None = None
         cwd: Path | None = None
+        files: dict[str, str] = {}
         try:
             with rt.pre_start:
                 user = self.identities.resolve(rec.user)
@@ -684,11 +685,11 @@ class Supervisor:
                                                                self._blob_fetcher)
                     if cs.cancelled_caught:
                         data, source, table = lines_from_peers(rec.peers, partial=True), "partial", None
-                    # not synced: a small gang's list is written inline, as the dirs above (a worker
-                    # thread's round trip cost each pod 1-3 ms of start latency on a busy host); a
-                    # big gang's (MBs) in a thread, off the loop
+                    # not synced: a small gang's list comes with the pod's command (its leader
+                    # writes it, each pod in its own process, not one after another on the loop);
+                    # a big gang's (MBs) in a thread, off the loop
                     if len(data) <= INLINE_WRITE_MAX:
-                        write_peers_file(wdir / PEERS_FILE, data)
+                        files[PEERS_FILE] = data.decode()
                     else:
                         await trio.to_thread.run_sync(write_peers_file, wdir / PEERS_FILE, data)
                     self.counters[f"peers_from_{source}"] += 1
@@ -749,7 +750,8 @@ class Supervisor:
                                 cwd=str(cwd or wdir / "scratch"), log_max_bytes=self.config.log_max_bytes,
                                 log_keep=self.config.log_keep, record=msgspec.to_builtins(rec),
                                 user={"uid": user.uid, "gid": user.gid, "groups": list(user.groups)},
-                                cgroup=cgroup, rlimit_core=self.config.rlimit_core, grace_s=rec.grace_s)
+                                cgroup=cgroup, rlimit_core=self.config.rlimit_core, grace_s=rec.grace_s,
+                                files=files)
             try:
                 ln = await self.pool.launch(cmd)
             except ShimError as e:

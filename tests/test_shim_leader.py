@@ -8,6 +8,7 @@ import json
 import os
 import select
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -144,6 +145,22 @@ def test_the_workload_starts_while_its_shim_is_not_scheduled(tmp_path: Path) -> 
     assert s.wait(20) == 0
     assert json.loads((tmp_path / "exit.json").read_text())["code"] == 0
     assert (tmp_path / "stdout.log").read_text() == "to-the-log\n"
+
+
+def test_the_leader_writes_the_pods_files_before_its_exec(tmp_path: Path) -> None:
+    """A small gang's peers file comes with the command: the leader writes it (0644, over the
+    last start's, no temp file left) before the workload runs, which reads it at once."""
+    (tmp_path / "peers").write_text("an earlier start's\n")
+    s = _shim()
+    out = tmp_path / "out"
+    why = _command(s, {"dir": str(tmp_path), "argv": ["sh", "-c", f"cat {tmp_path}/peers > {out}"],
+                       "env": {"PATH": os.environ["PATH"]}, "cwd": str(tmp_path), "grace_s": 1,
+                       "files": {"peers": "node-a http://a\nnode-b http://b\n"}})
+    assert why == ""
+    assert s.wait(20) == 0
+    assert out.read_text() == "node-a http://a\nnode-b http://b\n"
+    assert stat.S_IMODE((tmp_path / "peers").stat().st_mode) == 0o644
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_a_command_that_cannot_start_leaves_nothing_running(tmp_path: Path) -> None:
