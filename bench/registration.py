@@ -1,7 +1,9 @@
 """Per-member registration cost, in process: what an agent (or the fleet emulator, which runs
 the same code) spends building a full report (``scheduler_link.agent_link.registration``), and
 what the placer spends taking one (``PlacerState.ingest``: validation, the inventory match,
-``Reports._register``), compact and whole, after a restart (inventories stored, model empty).
+``Reports._register``), compact and whole, after a restart (inventories stored, model empty);
+``relayed``: as a relay forwards it, with the member's MAC checked before and its key taken
+again for the answer's epoch MAC after (what ``PlacerService`` does around the state).
 
     python -m bench.registration --nodes 4096 --repeat 5
 
@@ -24,6 +26,7 @@ from placer.inventories import InventoryBook
 from placer.state import PlacerState
 from scheduler_link.agent_link import registration
 from scheduler_link.messages import NodeReport, TopologyPath, for_placer, gpu_inventory
+from scheduler_link.msgauth import epoch_mac, report_ok, with_report_mac
 from testing.fleet import SnapshotFactory
 
 
@@ -62,7 +65,11 @@ def main() -> None:
     fulls = [registration(msgspec.structs.replace(b, seq=2), "") for b in bases]
     compacts = [registration(msgspec.structs.replace(b, seq=2), t) for b, t in zip(bases, taken, strict=True)]
     assert all(c.compact for c in compacts)
-    times: dict[str, list[float]] = {"build_compact": [], "build_full": [], "ingest_compact": [], "ingest_full": []}
+    master = bytes(range(32))
+    first.set_mac_master(master)
+    relayed = [with_report_mac(first.mac_key(r.node_id, r.boot_id), r) for r in compacts]
+    times: dict[str, list[float]] = {"build_compact": [], "build_full": [], "ingest_compact": [], "ingest_full": [],
+                                     "ingest_relayed": []}
     gc.disable()
     for _ in range(a.repeat):
         t0 = time.perf_counter()
@@ -82,6 +89,16 @@ def main() -> None:
                 st.ingest(r.node_id, r, 1.0)
             times[kind].append(time.perf_counter() - t0)
             assert len(st.nodes) == a.nodes
+        st = _state()
+        st.inventories = InventoryBook.load(Path(a.state_dir))
+        st.set_mac_master(master)
+        t0 = time.perf_counter()
+        for r in relayed:
+            assert report_ok(st.mac_key(r.node_id, r.boot_id), r)
+            st.ingest(r.node_id, r, 1.0)
+            epoch_mac(st.mac_key(r.node_id, r.boot_id), r.node_id, r.boot_id, 1)
+        times["ingest_relayed"].append(time.perf_counter() - t0)
+        assert len(st.nodes) == a.nodes
         gc.collect()
     gc.enable()
     for k, v in times.items():

@@ -54,19 +54,30 @@ class Reports(StateBase):
 
     def set_mac_master(self, master: bytes) -> None:
         self.mac_master = master
+        self._unrecorded_key = ("", "", b"")
         for n in self.nodes.values():
             n.mac = b""
 
+    # the last key derived for a (node, boot) no record holds: a relayed registration's MAC is
+    # checked with it before the node is registered, and the record made then takes it over
+    # (the answer's epoch MAC and stops use it) instead of deriving it again
+    _unrecorded_key: tuple[str, str, bytes] = ("", "", b"")
+
     def mac_key(self, node_id: str, boot_id: str) -> bytes:
         """Node ``node_id``'s MAC key for ``boot_id``: derived once per node record (its
-        ``mac``, for the record's boot) and kept there; any other is derived each time."""
+        ``mac``, for the record's boot) and kept there; any other is derived each time (the
+        last one kept for the record its registration makes)."""
         node = self.nodes.get(node_id)
         if node is not None and node.boot_id == boot_id:
             k = node.mac
             if not k:
                 k = node.mac = node_key(self.mac_master, node_id, boot_id)
             return k
-        return node_key(self.mac_master, node_id, boot_id)
+        nid, boot, k = self._unrecorded_key
+        if nid != node_id or boot != boot_id or not k:
+            k = node_key(self.mac_master, node_id, boot_id)
+            self._unrecorded_key = (node_id, boot_id, k)
+        return k
 
     def ingest(self, node_id: str, rep: NodeReport, now: float) -> tuple[int, ReportReply, list[Push]]:
         """Apply one report. Returns (HTTP status, reply, pushes)."""
@@ -248,6 +259,10 @@ class Reports(StateBase):
         node = NodeRec(node_id=rep.node_id, boot_id=rep.boot_id, last_seq=rep.seq,
                        control_url=rep.control_url, data_url=rep.data_url, topology=rep.topology,
                        nvlink_domain=nvd, uuids=uuids, simulated=bool(inv and inv.simulated), last_seen=now)
+        nid, boot, key = self._unrecorded_key
+        if nid == rep.node_id and boot == rep.boot_id:   # (derived for this registration's MAC)
+            node.mac = key
+            self._unrecorded_key = ("", "", b"")
         node.cordoned = rep.node_id in self.cordons   # a cordon outlives the record (placer.nodeops)
         node.draining = node.cordoned and old is not None and old.draining
         pushes: list[Push] = []
