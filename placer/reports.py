@@ -300,6 +300,8 @@ class Reports(StateBase):
                 prev_bad, prev_fatal = set(), False
             if snap is not None and not compact_ok(snap):   # (its UUIDs are ``uuids``: inv is of it)
                 self._apply_snapshot(node, snap, prev_bad=prev_bad, prev_host_fatal=prev_fatal)
+            elif old is None:   # a new record says all healthy already, as the model does: nothing changes
+                self.degraded_nodes.discard(rep.node_id)
             else:   # compact, or a snapshot that says so: every GPU and the host healthy
                 self._apply_health(node, set(), False, frozenset(), (), prev_bad=prev_bad, prev_host_fatal=prev_fatal)
             if old is not None and old.uuids != uuids:  # a changed inventory: say everything
