@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -53,15 +54,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=5)
-    ap.add_argument("--state-dir", default="/tmp/bench-registration")
     a = ap.parse_args()
-    bases = _bases(a.nodes)
+    with tempfile.TemporaryDirectory(prefix="herd-registration-") as d:
+        run(a.nodes, a.repeat, Path(d))
+
+
+def run(nodes: int, repeat: int, state_dir: Path) -> None:
+    bases = _bases(nodes)
     taken = [gpu_inventory(b.snapshot)[1] if b.snapshot else "" for b in bases]
     first = _state()
     for b in bases:
         assert first.ingest(b.node_id, registration(b, ""), 0.0)[0] == 200
-    Path(a.state_dir).mkdir(parents=True, exist_ok=True)
-    inventories.write(Path(a.state_dir), *first.inventories.take())
+    inventories.write(state_dir, *first.inventories.take())
     fulls = [registration(msgspec.structs.replace(b, seq=2), "") for b in bases]
     compacts = [registration(msgspec.structs.replace(b, seq=2), t) for b, t in zip(bases, taken, strict=True)]
     assert all(c.compact for c in compacts)
@@ -71,7 +75,7 @@ def main() -> None:
     times: dict[str, list[float]] = {"build_compact": [], "build_full": [], "ingest_compact": [], "ingest_full": [],
                                      "ingest_relayed": []}
     gc.disable()
-    for _ in range(a.repeat):
+    for _ in range(repeat):
         t0 = time.perf_counter()
         for b, t in zip(bases, taken, strict=True):
             registration(b, t)
@@ -83,14 +87,14 @@ def main() -> None:
         times["build_full"].append(t2 - t1)
         for kind, reps in (("ingest_compact", compacts), ("ingest_full", fulls)):
             st = _state()
-            st.inventories = InventoryBook.load(Path(a.state_dir))
+            st.inventories = InventoryBook.load(state_dir)
             t0 = time.perf_counter()
             for r in reps:
                 st.ingest(r.node_id, r, 1.0)
             times[kind].append(time.perf_counter() - t0)
-            assert len(st.nodes) == a.nodes
+            assert len(st.nodes) == nodes
         st = _state()
-        st.inventories = InventoryBook.load(Path(a.state_dir))
+        st.inventories = InventoryBook.load(state_dir)
         st.set_mac_master(master)
         t0 = time.perf_counter()
         for r in relayed:
@@ -98,12 +102,12 @@ def main() -> None:
             st.ingest(r.node_id, r, 1.0)
             epoch_mac(st.mac_key(r.node_id, r.boot_id), r.node_id, r.boot_id, 1)
         times["ingest_relayed"].append(time.perf_counter() - t0)
-        assert len(st.nodes) == a.nodes
+        assert len(st.nodes) == nodes
         gc.collect()
     gc.enable()
     for k, v in times.items():
-        print(f"component {k:15s} median_us_per_member={statistics.median(v) / a.nodes * 1e6:8.2f} "
-              f"rounds={','.join(f'{x / a.nodes * 1e6:.1f}' for x in v)}")
+        print(f"component {k:15s} median_us_per_member={statistics.median(v) / nodes * 1e6:8.2f} "
+              f"rounds={','.join(f'{x / nodes * 1e6:.1f}' for x in v)}")
 
 
 if __name__ == "__main__":
