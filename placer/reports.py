@@ -54,19 +54,30 @@ class Reports(StateBase):
 
     def set_mac_master(self, master: bytes) -> None:
         self.mac_master = master
+        self._unrecorded_key = ("", "", b"")
         for n in self.nodes.values():
             n.mac = b""
 
+    # the last key derived for a (node, boot) no record holds: a relayed registration's MAC is
+    # checked with it before the node is registered, and the record made then takes it over
+    # (the answer's epoch MAC and stops use it) instead of deriving it again
+    _unrecorded_key: tuple[str, str, bytes] = ("", "", b"")
+
     def mac_key(self, node_id: str, boot_id: str) -> bytes:
         """Node ``node_id``'s MAC key for ``boot_id``: derived once per node record (its
-        ``mac``, for the record's boot) and kept there; any other is derived each time."""
+        ``mac``, for the record's boot) and kept there; any other is derived each time (the
+        last one kept for the record its registration makes)."""
         node = self.nodes.get(node_id)
         if node is not None and node.boot_id == boot_id:
             k = node.mac
             if not k:
                 k = node.mac = node_key(self.mac_master, node_id, boot_id)
             return k
-        return node_key(self.mac_master, node_id, boot_id)
+        nid, boot, k = self._unrecorded_key
+        if nid != node_id or boot != boot_id or not k:
+            k = node_key(self.mac_master, node_id, boot_id)
+            self._unrecorded_key = (node_id, boot_id, k)
+        return k
 
     def ingest(self, node_id: str, rep: NodeReport, now: float) -> tuple[int, ReportReply, list[Push]]:
         """Apply one report. Returns (HTTP status, reply, pushes)."""
@@ -248,6 +259,10 @@ class Reports(StateBase):
         node = NodeRec(node_id=rep.node_id, boot_id=rep.boot_id, last_seq=rep.seq,
                        control_url=rep.control_url, data_url=rep.data_url, topology=rep.topology,
                        nvlink_domain=nvd, uuids=uuids, simulated=bool(inv and inv.simulated), last_seen=now)
+        nid, boot, key = self._unrecorded_key
+        if nid == rep.node_id and boot == rep.boot_id:   # (derived for this registration's MAC)
+            node.mac = key
+            self._unrecorded_key = ("", "", b"")
         node.cordoned = rep.node_id in self.cordons   # a cordon outlives the record (placer.nodeops)
         node.draining = node.cordoned and old is not None and old.draining
         pushes: list[Push] = []
@@ -285,6 +300,8 @@ class Reports(StateBase):
                 prev_bad, prev_fatal = set(), False
             if snap is not None and not compact_ok(snap):   # (its UUIDs are ``uuids``: inv is of it)
                 self._apply_snapshot(node, snap, prev_bad=prev_bad, prev_host_fatal=prev_fatal)
+            elif old is None:   # a new record says all healthy already, as the model does: nothing changes
+                self.degraded_nodes.discard(rep.node_id)
             else:   # compact, or a snapshot that says so: every GPU and the host healthy
                 self._apply_health(node, set(), False, frozenset(), (), prev_bad=prev_bad, prev_host_fatal=prev_fatal)
             if old is not None and old.uuids != uuids:  # a changed inventory: say everything

@@ -24,7 +24,7 @@ import re
 import zlib
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import Literal
+from typing import Literal, cast
 
 import msgspec
 
@@ -138,9 +138,14 @@ class HostHealth(msgspec.Struct, frozen=True, kw_only=True):
     load1: float | None = None
 
 
-class GpuSnapshot(msgspec.Struct, frozen=True, kw_only=True):
+class GpuSnapshot(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     """What a node's GPU backend sees: inventory, topology, health. Reported to the
-    placer and served on the agent's status API."""
+    placer and served on the agent's status API.
+
+    A snapshot is a value: never changed once made (a new reading is a new object). What is
+    derived from it for a full report (:func:`for_placer`, :func:`gpu_inventory`,
+    :func:`compact_ok`) is computed once per object and kept on it (``dict=True``: off the
+    wire), so an agent that reports the same snapshot again recomputes none of it."""
     version: int = WIRE_VERSION
     hostname: str = ""
     backend: str = "nvml"                    # "nvml" or "simulated:PROFILE"
@@ -160,11 +165,21 @@ def for_placer(snap: GpuSnapshot) -> GpuSnapshot:
     lists, telemetry and the topology matrix stay on the node (its status API serves them): a
     DGX H100's full report is ~3.4 KB of msgpack where its whole snapshot would be ~12 KB
     (and telemetry at its defaults is left off the wire: ``GpuTelemetry``); 131,072 full
-    reports after a placer restart are that much less to read, MAC and decode. Idempotent."""
-    if not snap.topology_matrix and all(not g.nvlinks and g.telemetry == _NO_TELEMETRY for g in snap.gpus):
-        return snap
-    gpus = [msgspec.structs.replace(g, nvlinks=[], telemetry=_NO_TELEMETRY) for g in snap.gpus]
-    return msgspec.structs.replace(snap, gpus=gpus, topology_matrix=[])
+    reports after a placer restart are that much less to read, MAC and decode. Idempotent;
+    computed once per snapshot object (the same object each time after)."""
+    d = snap.__dict__
+    view = d.get("_for_placer")
+    if view is None:
+        if not snap.topology_matrix and all(not g.nvlinks and g.telemetry == _NO_TELEMETRY for g in snap.gpus):
+            view = d["_for_placer"] = _ITSELF   # (a marker, not the object: no reference cycle)
+        else:
+            gpus = [msgspec.structs.replace(g, nvlinks=[], telemetry=_NO_TELEMETRY) for g in snap.gpus]
+            view = d["_for_placer"] = msgspec.structs.replace(snap, gpus=gpus, topology_matrix=[])
+            view.__dict__["_for_placer"] = _ITSELF
+    return snap if view is _ITSELF else cast(GpuSnapshot, view)
+
+
+_ITSELF = object()
 
 
 _BY_INDEX = attrgetter("index")
@@ -174,18 +189,28 @@ def gpu_inventory(snap: GpuSnapshot) -> tuple[list[str], str]:
     """A snapshot's GPU inventory as the placer keeps it: the UUIDs in index order, and their
     digest (BLAKE2b-128, hex) with the NVLink domain and whether they are simulated. Equal
     digests: the same GPUs, the same way; what a compact registration names
-    (:func:`compact_ok`, ``NodeReport.inventory``)."""
-    uuids = [g.uuid for g in sorted(snap.gpus, key=_BY_INDEX)]
-    text = "\n".join(uuids) + "\0" + (snap.nvlink_domain or "") + "\0" + ("sim" if snap.simulated else "")
-    return uuids, hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
+    (:func:`compact_ok`, ``NodeReport.inventory``). Computed once per snapshot object (the
+    list returned is the caller's own)."""
+    d = snap.__dict__
+    got: tuple[tuple[str, ...], str] | None = d.get("_inventory")
+    if got is None:
+        uuids = tuple(g.uuid for g in sorted(snap.gpus, key=_BY_INDEX))
+        text = "\n".join(uuids) + "\0" + (snap.nvlink_domain or "") + "\0" + ("sim" if snap.simulated else "")
+        got = d["_inventory"] = (uuids, hashlib.blake2b(text.encode(), digest_size=16).hexdigest())
+    return list(got[0]), got[1]
 
 
 def compact_ok(snap: GpuSnapshot) -> bool:
     """Whether a full report may leave ``snap`` out and name its inventory instead: every GPU
     and the host healthy with nothing to say (the placer then records them so); anything else
-    travels whole."""
-    h = snap.host
-    return h.state == "healthy" and not h.reasons and all(g.health == "healthy" and not g.reasons for g in snap.gpus)
+    travels whole. Computed once per snapshot object."""
+    d = snap.__dict__
+    ok: bool | None = d.get("_compact_ok")
+    if ok is None:
+        h = snap.host
+        ok = d["_compact_ok"] = h.state == "healthy" and not h.reasons and all(
+            g.health == "healthy" and not g.reasons for g in snap.gpus)
+    return ok
 
 
 # ---------------------------------------------------------------- workloads

@@ -78,7 +78,16 @@ _BAD_URL_CHAR = re.compile(r"[\s\x00-\x1f\x7f]")
 # The form every agent sends (http(s)://name-or-IPv4[:port][/path], nothing else): a strict
 # subset of what _url_parsed accepts, so a match is accepted without urlsplit (~20 us a URL,
 # two a report); anything else, a refusal included, goes through the full parse.
-_PLAIN_URL = re.compile(r"https?://[A-Za-z0-9][A-Za-z0-9.-]*(?::([0-9]{1,5}))?(?:/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*)?")
+_URL_FORM = r"https?://[A-Za-z0-9][A-Za-z0-9.-]*(?::([0-9]{1,5}))?(?:/[A-Za-z0-9._~!$&'()*+,;=:@%/-]*)?"
+_PLAIN_URL = re.compile(_URL_FORM)
+# A report's head (node id, boot id, zone, block, rack, control and data URL) as every agent
+# sends it, joined by newlines (no field's form admits one) and taken in one match: a strict
+# subset of what the checks field by field accept (each field's own bounds are in the pattern;
+# the ports and URL lengths are checked after), so a match needs none of them. Anything else,
+# a refusal included, goes through them for its one-line reason.
+_PLAIN_HEAD = re.compile(
+    rf"[A-Za-z0-9][A-Za-z0-9._:@-]{{0,{MAX_NODE_ID_LEN - 1}}}\n(?:[\x21-\x7e]{{1,{MAX_ID_LEN}}})?"
+    rf"(?:\n[\x21-\x7e]{{1,{MAX_TOPO_LEN}}}){{3}}\n(?:{_URL_FORM})?\n(?:{_URL_FORM})?")
 
 
 def _url(value: str, what: str) -> str | None:
@@ -142,10 +151,17 @@ def _snapshot(snap: GpuSnapshot) -> str | None:
     return _time(snap.taken_at, "snapshot taken_at")
 
 
-def validate_report(rep: NodeReport) -> str | None:
-    """None when ``rep`` is acceptable to the model, else why not (one line)."""
-    if rep.version != WIRE_VERSION:
-        return f"report version {rep.version} is not {WIRE_VERSION}"
+def _plain_head(rep: NodeReport) -> bool:
+    """Whether ``rep``'s head has the form every agent sends (``_PLAIN_HEAD``): then
+    :func:`_head_error` has nothing to say of it."""
+    t, cu, du = rep.topology, rep.control_url, rep.data_url
+    m = _PLAIN_HEAD.fullmatch(f"{rep.node_id}\n{rep.boot_id}\n{t.zone}\n{t.block}\n{t.rack}\n{cu}\n{du}")
+    return m is not None and len(cu) <= MAX_URL_LEN and len(du) <= MAX_URL_LEN and (
+        m[1] is None or int(m[1]) <= 65535) and (m[2] is None or int(m[2]) <= 65535)
+
+
+def _head_error(rep: NodeReport) -> str | None:
+    """What is wrong with ``rep``'s head (ids, sequence, URLs, topology), field by field."""
     if not rep.node_id or len(rep.node_id) > MAX_NODE_ID_LEN or not _NODE_ID.fullmatch(rep.node_id):
         return (f"node_id must be 1..{MAX_NODE_ID_LEN} characters of letters, digits and ._:@- "
                 f"(starting with a letter or digit), got {rep.node_id[:80]!r}")
@@ -160,6 +176,18 @@ def validate_report(rep: NodeReport) -> str | None:
         v = getattr(rep.topology, level)
         if not v or len(v) > MAX_TOPO_LEN or not _ID.fullmatch(v):
             return f"topology {level} must be 1..{MAX_TOPO_LEN} printable characters without spaces, got {v[:80]!r}"
+    return None
+
+
+def validate_report(rep: NodeReport) -> str | None:
+    """None when ``rep`` is acceptable to the model, else why not (one line)."""
+    if rep.version != WIRE_VERSION:
+        return f"report version {rep.version} is not {WIRE_VERSION}"
+    if _plain_head(rep):
+        if rep.seq < 0:
+            return f"seq must be >= 0, got {rep.seq}"
+    elif err := _head_error(rep):
+        return err
     if rep.nvlink_domain is not None and not 0 < len(rep.nvlink_domain) <= MAX_TEXT_LEN:
         return f"nvlink_domain must be 1..{MAX_TEXT_LEN} characters"
     if err := _time(rep.sent_at, "sent_at"):

@@ -19,10 +19,12 @@ from placer.state import PlacerState
 from scheduler_link.agent_link import registration
 from scheduler_link.messages import (
     GpuSnapshot,
+    GpuTelemetry,
     HealthReason,
     HostHealth,
     NodeReport,
     WorkloadStatus,
+    for_placer,
     gpu_inventory,
 )
 from tests.test_placer_indexes import full, new_state, snap
@@ -185,3 +187,26 @@ def test_anything_to_say_about_health_travels_whole(what: str) -> None:
                                     HostHealth(reasons=why))
     rep = registration(_with(s), gpu_inventory(s)[1])
     assert rep.snapshot is not None and not rep.compact
+
+
+def test_what_a_registration_derives_from_a_snapshot_is_kept_on_that_snapshot_object() -> None:
+    """An agent reporting the same snapshot object again derives nothing again: the view the
+    placer reads, the inventory digest and the health verdict are kept on the object (off
+    the wire); a new snapshot object (a new reading) is derived afresh."""
+    telemetry = GpuTelemetry(power_w=300.0)
+    s = msgspec.structs.replace(snap("n1"), gpus=[msgspec.structs.replace(g, telemetry=telemetry)
+                                                  for g in snap("n1").gpus])
+    wire = msgspec.msgpack.encode(s)
+    base = _with(s)
+    first, again = registration(base, ""), registration(base, "")
+    assert first.snapshot is not None and first.snapshot is again.snapshot   # the same view object
+    assert for_placer(first.snapshot) is first.snapshot                        # ... which is its own view
+    assert msgspec.msgpack.encode(s) == wire                                   # nothing kept went on the wire
+    uuids, digest = gpu_inventory(s)
+    uuids.append("mine")                                                       # the caller's own list
+    assert gpu_inventory(s) == ([f"n1-g{i}" for i in range(8)], digest) == gpu_inventory(snap("n1"))
+    assert registration(base, digest).compact
+    sick = msgspec.structs.replace(s, host=HostHealth(state="fatal"))          # a new reading: derived afresh
+    assert not registration(_with(sick), digest).compact
+    fewer = msgspec.structs.replace(s, gpus=s.gpus[:7])
+    assert gpu_inventory(fewer)[1] != digest

@@ -203,3 +203,38 @@ def test_urls_at_the_fast_forms_edges_get_the_full_parses_verdict(url: str) -> N
 ])
 def test_an_id_with_a_trailing_newline_is_refused(change: dict, words: str) -> None:
     assert words in (validate_report(_report(**change)) or "")
+
+
+# heads close to what agents send, and to what must be refused: newlines (the fast form's
+# separator), spaces, slashes, the length bounds, ports past 65535, URLs with user info
+_field = st.one_of(st.sampled_from(["", "n1", "a" * 128, "a" * 129, "a" * 253, "a" * 254, "a" * 256, "a" * 257,
+                                    "-n", ".n", "n/1", "n 1", "n\n1", "\n", "z\n", "é", "n@1:x"]),
+                   st.text(alphabet="aZ09._:@-/ \n\t\u00e9", max_size=6))
+
+
+_HEAD = dict(node_id="n1", boot_id="boot-1", zone="z", block="b", rack="r", control_url="http://10.0.0.1:8470",
+             data_url="http://10.0.0.1:8471")
+
+
+@settings(max_examples=1500, deadline=None)
+@given(changes=st.lists(st.tuples(st.sampled_from(sorted(_HEAD)), st.one_of(
+    _field, _urls, st.just("http://h/" + "x" * 2048))), min_size=1, max_size=3))
+def test_the_fast_head_check_takes_only_heads_the_field_checks_take(changes):
+    """A head in the agents' form is taken in one match; every other gets the field-by-field
+    checks' verdict, so what is refused, and why, is the same either way."""
+    from scheduler_link.validate import _head_error, _plain_head
+    h = {**_HEAD, **dict(changes)}
+    rep = _report(node_id=h["node_id"], boot_id=h["boot_id"], control_url=h["control_url"], data_url=h["data_url"],
+                  topology=TopologyPath(zone=h["zone"], block=h["block"], rack=h["rack"]))
+    if _plain_head(rep):
+        assert _head_error(rep) is None
+    assert validate_report(rep) == _head_error(rep)
+
+
+def test_agents_heads_are_taken_by_the_fast_form() -> None:
+    from scheduler_link.validate import _plain_head
+    assert _plain_head(_report())
+    assert _plain_head(_report(boot_id="", control_url="", data_url="http://127.0.0.1:9/node-000001",
+                               node_id="a" * 253, topology=TopologyPath(zone="z" * 128, block="b", rack="r")))
+    assert not _plain_head(_report(control_url="http://h:65536"))
+    assert not _plain_head(_report(topology=TopologyPath(zone="z\nz", block="b", rack="r")))
