@@ -43,6 +43,7 @@ QUICK: dict[str, list[str]] = {
     "bench.herd_sim": ["--nodes", "8,40", "--rack-size", "4", "--size-mb", "16", "--cases", "none,dead"],
     "bench.msgauth": ["--nodes", "512", "--repeat", "1"],
     "bench.relay_round": ["--nodes", "2048", "--repeat", "1"],
+    "bench.registration": ["--nodes", "256", "--repeat", "1"],
     "bench.tls_handshake": ["--n", "20", "--rounds", "1"],
     "bench.dashboard": ["--nodes", "512", "--builds", "3", "--refreshes", "3", "--baseline-pages", "2"],
     "bench.failover": ["--nodes", "64"],
