@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
 import tempfile
 import time
@@ -54,12 +55,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="herd-registration-") as d:
-        run(a.nodes, a.repeat, Path(d))
+        times = run(a.nodes, a.repeat, Path(d))
+    out = {"nodes": a.nodes, "repeat": a.repeat, "component": True,
+           "us_per_member": {k: statistics.median(v) / a.nodes * 1e6 for k, v in times.items()},
+           "rounds_us_per_member": {k: [x / a.nodes * 1e6 for x in v] for k, v in times.items()}}
+    if not a.json:
+        for k, v in times.items():
+            print(f"component {k:15s} median_us_per_member={statistics.median(v) / a.nodes * 1e6:8.2f} "
+                  f"rounds={','.join(f'{x / a.nodes * 1e6:.1f}' for x in v)}")
+    print(json.dumps(out))
 
 
-def run(nodes: int, repeat: int, state_dir: Path) -> None:
+def run(nodes: int, repeat: int, state_dir: Path) -> dict[str, list[float]]:
     bases = _bases(nodes)
     taken = [gpu_inventory(b.snapshot)[1] if b.snapshot else "" for b in bases]
     first = _state()
@@ -105,9 +115,7 @@ def run(nodes: int, repeat: int, state_dir: Path) -> None:
         assert len(st.nodes) == nodes
         gc.collect()
     gc.enable()
-    for k, v in times.items():
-        print(f"component {k:15s} median_us_per_member={statistics.median(v) / nodes * 1e6:8.2f} "
-              f"rounds={','.join(f'{x / nodes * 1e6:.1f}' for x in v)}")
+    return times
 
 
 if __name__ == "__main__":
