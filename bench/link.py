@@ -54,7 +54,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -249,8 +251,6 @@ def bench_e2e_ab(other: Path, n_jobs: int, gap_s: float) -> dict[str, Any]:
 
 def bench_part_saves(rounds: int = 60, writers: int = 4) -> dict[str, Any]:
     """One part record made durable, the part log against one file per part (module docstring)."""
-    import threading
-
     import blake3
 
     from agent.partstore import PartRecord, PartStore
@@ -282,18 +282,7 @@ def bench_part_saves(rounds: int = 60, writers: int = 4) -> dict[str, Any]:
                              enc.encode(r))
             out.append(time.perf_counter() - t0)
 
-        t_end = time.monotonic() + 60
-        for k in range(rounds):
-            if time.monotonic() > t_end:
-                break
-            for mode in (("log", "files") if k % 2 == 0 else ("files", "log")):
-                got: list[float] = []
-                ts = [threading.Thread(target=one, args=(mode, w, k, got)) for w in range(writers)]
-                for t in ts:
-                    t.start()
-                for t in ts:
-                    t.join()
-                times[mode] += got
+        _alternate(("log", "files"), rounds, writers, one, times)
         for st in stores:
             st.close()
     log_ms = [x * 1000 for x in times["log"]]
@@ -303,14 +292,31 @@ def bench_part_saves(rounds: int = 60, writers: int = 4) -> dict[str, Any]:
             "part_save_ratio_to_file_per_part": pct(log_ms, 0.5) / pct(files_ms, 0.5), "part_saves": len(log_ms)}
 
 
+def _alternate(modes: tuple[str, str], rounds: int, writers: int,
+               one: Callable[[str, int, int, list[float]], None], times: dict[str, list[float]]) -> None:
+    """``rounds`` rounds (at most 60 s) of ``writers`` threads calling ``one(mode, writer,
+    round, out)`` for each of the two modes, their order alternating round by round; each
+    mode's times added to ``times[mode]``."""
+    t_end = time.monotonic() + 60
+    for k in range(rounds):
+        if time.monotonic() > t_end:
+            break
+        for mode in (modes if k % 2 == 0 else modes[::-1]):
+            got: list[float] = []
+            ts = [threading.Thread(target=one, args=(mode, w, k, got)) for w in range(writers)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            times[mode] += got
+
+
 def bench_state_appends(rounds: int = 60, writers: int = 4) -> dict[str, Any]:
     """One supervisor batch made durable in the agent's state log (agent.state: a delta written
     over the log's pre-allocated zeros, one fdatasync) by 4 writers at once in one
     filesystem, as 4 agents sharing a host's disk; baseline in the same run, rounds
     alternating: the same frames appended to a file that grows (the earlier layout: each
     fdatasync commits the filesystem's journal for the new size). Medians and p99 of one write."""
-    import threading
-
     from agent.state import KIND_DELTA, AgentState, StateDelta, StateFile, WorkloadRecord, frame
     from infra.durable import write_all
 
@@ -338,18 +344,7 @@ def bench_state_appends(rounds: int = 60, writers: int = 4) -> dict[str, Any]:
                 os.fdatasync(grow[w])
             out.append(time.perf_counter() - t0)
 
-        t_end = time.monotonic() + 60
-        for k in range(rounds):
-            if time.monotonic() > t_end:
-                break
-            for mode in (("prealloc", "append") if k % 2 == 0 else ("append", "prealloc")):
-                got: list[float] = []
-                ts = [threading.Thread(target=one, args=(mode, w, k, got)) for w in range(writers)]
-                for t in ts:
-                    t.start()
-                for t in ts:
-                    t.join()
-                times[mode] += got
+        _alternate(("prealloc", "append"), rounds, writers, one, times)
         for f in files:
             f.close()
         for fd in grow:
