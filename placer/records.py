@@ -228,7 +228,32 @@ def parts_bytes(pushes: Sequence[Push], expires_at: float) -> list[bytes]:
     return out
 
 
-class StopPushes(Sequence[Push]):
+class _Pushes(Sequence[Push]):
+    """A read-only sequence of pushes kept as columns: a Push is made (and kept) only for an
+    index that is read (:meth:`_at`, given 0 <= i < len)."""
+
+    __slots__ = ()
+
+    @overload
+    def __getitem__(self, i: int) -> Push: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[Push]: ...
+
+    def __getitem__(self, i: int | slice) -> Push | list[Push]:
+        if isinstance(i, slice):
+            return [self._at(k) for k in range(*i.indices(len(self)))]
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(i)
+        return self._at(i)
+
+    def _at(self, i: int) -> Push:
+        raise NotImplementedError
+
+
+class StopPushes(_Pushes):
     """A decision's stops on nodes given no pod (its victims elsewhere) as columns: each node's
     record, victims and stop placement id. No Placement or Push is made for one unless it is
     read by index or iteration (a direct push); the relays read the columns
@@ -250,16 +275,7 @@ class StopPushes(Sequence[Push]):
     def __len__(self) -> int:
         return len(self.recs)
 
-    @overload
-    def __getitem__(self, i: int) -> Push: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[Push]: ...
-
-    def __getitem__(self, i: int | slice) -> Push | list[Push]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
+    def _at(self, i: int) -> Push:
         p = self._made.get(i)
         if p is None:
             node = self.recs[i]
@@ -279,7 +295,7 @@ class StopPushes(Sequence[Push]):
                                  None, node.boot_id])
 
 
-class GangPushes(Sequence[Push]):
+class GangPushes(_Pushes):
     """A decision's pushes as columns: its start pushes first (one a node of the gang: the
     node records, the job's table and each node's rows, each node's victims), then ``extra``
     pushes (its victims' stops on nodes given no pod, as :class:`StopPushes`, or any pushes wrapped
@@ -316,27 +332,16 @@ class GangPushes(Sequence[Push]):
     def __len__(self) -> int:
         return len(self.node_ids)
 
-    @overload
-    def __getitem__(self, i: int) -> Push: ...
-    @overload
-    def __getitem__(self, i: slice) -> list[Push]: ...
-
-    def __getitem__(self, i: int | slice) -> Push | list[Push]:
-        if isinstance(i, slice):
-            return [self[k] for k in range(*i.indices(len(self)))]
-        if i < 0:
-            i += len(self)
+    def _at(self, i: int) -> Push:
         if i >= self.n_cols:
             return self.extra[i - self.n_cols]
-        if i < 0:
-            raise IndexError(i)
         p = self._made.get(i)
         if p is None:
             p = self._made[i] = self._make(i)
         return p
 
     def __iter__(self) -> Iterator[Push]:
-        return (self[i] for i in range(len(self)))
+        return (self._at(i) for i in range(len(self)))
 
     def _make(self, k: int) -> Push:
         gang = self.gang
