@@ -23,9 +23,10 @@ def secure_agent(tmp: Path, token_dir: Path, tls_pki: Any, node: str, origin: st
 
 
 async def publish_random(tmp: Path, origin: str, name: str) -> str:
-    """A 3 MiB artifact ``name:v1`` of random bytes; its manifest id."""
+    """A 5 MiB artifact ``name:v1`` of random bytes (past the chunker's 4 MiB largest chunk, so
+    at least two chunks whatever the bytes: 3 MiB was now and then one); its manifest id."""
     src = tmp / f"src-{name}"
     src.mkdir()
-    (src / "weights.bin").write_bytes(os.urandom(3 << 20))
+    (src / "weights.bin").write_bytes(os.urandom(5 << 20))
     async with open_origin(origin) as o:
         return (await publish(src, o, f"{name}:v1")).manifest
