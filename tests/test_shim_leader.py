@@ -214,15 +214,20 @@ def _status_mask(text: str, field: str) -> int:
     return int(next(ln.split()[1] for ln in text.splitlines() if ln.startswith(field + ":")), 16)
 
 
-def test_the_workload_starts_with_no_signal_ignored_or_blocked(tmp_path: Path) -> None:
-    """The shim ignores SIGHUP and SIGINT; its workload must not inherit that (an ignored
-    signal survives exec): a Python workload would never get KeyboardInterrupt."""
-    s = _shim()
+def _workload_status(s: Shim, tmp_path: Path) -> str:
+    """The shim's workload ``cat /proc/self/status``, run to its end: what it printed."""
     why = _command(s, {"dir": str(tmp_path), "argv": ["cat", "/proc/self/status"],
                        "env": {"PATH": os.environ["PATH"]}, "cwd": str(tmp_path), "grace_s": 1})
     assert why == ""
     assert s.wait(20) == 0
-    status = (tmp_path / "stdout.log").read_text()
+    return (tmp_path / "stdout.log").read_text()
+
+
+def test_the_workload_starts_with_no_signal_ignored_or_blocked(tmp_path: Path) -> None:
+    """The shim ignores SIGHUP and SIGINT; its workload must not inherit that (an ignored
+    signal survives exec): a Python workload would never get KeyboardInterrupt."""
+    s = _shim()
+    status = _workload_status(s, tmp_path)
     # the standard signals, 1-31 (32 and 33 belong to the C library, which no process can set)
     assert _status_mask(status, "SigIgn") & 0x7FFF_FFFF == 0, status
     assert _status_mask(status, "SigBlk") & 0x7FFF_FFFF == 0, status
@@ -234,11 +239,7 @@ def test_signals_ignored_where_the_agent_started_are_not_the_workloads(tmp_path:
     s = _shim([sys.executable, "-c", (
         "import signal, os, sys; signal.signal(signal.SIGQUIT, signal.SIG_IGN); "
         "signal.signal(signal.SIGUSR1, signal.SIG_IGN); os.execv(sys.executable, sys.argv[1:])")])
-    why = _command(s, {"dir": str(tmp_path), "argv": ["cat", "/proc/self/status"],
-                       "env": {"PATH": os.environ["PATH"]}, "cwd": str(tmp_path), "grace_s": 1})
-    assert why == ""
-    assert s.wait(20) == 0
-    status = (tmp_path / "stdout.log").read_text()
+    status = _workload_status(s, tmp_path)
     assert _status_mask(status, "SigIgn") & 0x7FFF_FFFF == 0, status
     assert _status_mask(status, "SigBlk") & 0x7FFF_FFFF == 0, status
 
