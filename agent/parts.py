@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 "Acked" (DESIGN.md, Fleet scale) means this agent checked the part's binding, version,
 expiry, its inventory hash and GPUs, and wrote it durably; the gang blob (argv, env,
-user, peers, ...) comes after. So acceptance is two steps:
+user, peers, the gang's contacts, ...) comes after. So acceptance is two steps:
 
 1. :func:`check_part` (pure) decides: bound to this node, a version we speak, not expired
    (the sender's clock), a stop-only part bound as below, ``inventory`` equal to the hash of
@@ -198,11 +198,13 @@ def check_part(part: NodePart, *, node_id: str, now: float, inventory: Sequence[
 
 
 def build_placement(part: NodePart, pods: Sequence[PodAssignment], blob: GangBlob) -> Placement:
-    """The full Placement a part and its gang's blob make (what a direct push carries)."""
+    """The full Placement a part and its gang's blob make (what a direct push carries). Its
+    peers: the part's own (none from a placer that lists the gang's contacts in the blob),
+    then the blob's contacts (the part refers to them by its blob id, which the placer signed)."""
     return Placement(placement_id=part.placement_id, job_id=part.job_id, pods=list(pods),
                      victims=list(part.victims), world_size=blob.world_size, argv=list(blob.argv),
                      env=dict(blob.env), manifest_id=blob.manifest_id, origin=blob.origin,
-                     peers=[*part.rack_members, *part.contacts], grace_s=blob.grace_s, restart=blob.restart,
+                     peers=[*part.rack_members, *part.contacts, *blob.contacts], grace_s=blob.grace_s, restart=blob.restart,
                      issued_at=part.issued_at, user=blob.user, gang_blob_id=part.blob_id,
                      gang_nodes=part.gang_nodes or len(blob.peers), limits=blob.limits,
                      env_from_files=dict(blob.env_from_files))

@@ -23,6 +23,9 @@ round the fleet is filled to F with placer/sim.py's job mix (priority 0, preempt
 running), so the gang preempts (bench.delivery's preemption phase, in process), and each row
 says when the victims' last stop was handed to its relay, in the placer's CPU-s from the submit
 (``victims_sent_s``: the decision and its bookkeeping, then the round's build order).
+``--manifest``: the gang names an artifact that one node in ``--manifest-every`` (2048, chosen by
+a hash of its id as testing.fleet's ``--holds-every``) reports holding, so the placer lists those
+outside the gang as the gang's contacts and signs its read grant (bench.delivery's ``--manifest``).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import collections
 import gc
+import hashlib
 import json
 import os
 import statistics
@@ -62,6 +66,10 @@ from scheduler_link.msgauth import with_outcome_mac  # noqa: E402
 from testing.fleet import PROFILE_OF, SnapshotFactory, fleet_nodes  # noqa: E402
 
 Answer = Callable[[Frame | None], None]
+
+# --manifest: the artifact the gang names (bench.delivery's), held by one node in --manifest-every
+MANIFEST = "5e" * 32
+ORIGIN = "gs://bench-artifacts/herd"
 
 
 class Answerer:
@@ -125,7 +133,16 @@ class FakeRelay:
         pass
 
 
-def _fleet(n: int, state_dir: str, fleet: str = "gb200") -> tuple[PlacerService, dict[str, bytes]]:
+def _holds(node_id: str, every: int) -> list[str]:
+    """The manifests ``node_id`` reports holding: MANIFEST on one node in ``every`` (by a hash of
+    its id, as testing.fleet's ``held_by``), else none."""
+    if not every or int.from_bytes(hashlib.blake2b(node_id.encode(), digest_size=4).digest()) % every:
+        return []
+    return [MANIFEST]
+
+
+def _fleet(n: int, state_dir: str, fleet: str = "gb200", holds_every: int = 0
+           ) -> tuple[PlacerService, dict[str, bytes]]:
     # (registered in process, as if directly: no limit on how many)
     svc = PlacerService(PlacerConfig(state_dir=state_dir, heartbeat_s=5.0, lost_after_missed=1000, insecure=True,
                                      direct_max_nodes=0),
@@ -138,7 +155,8 @@ def _fleet(n: int, state_dir: str, fleet: str = "gb200") -> tuple[PlacerService,
         rep = NodeReport(node_id=s.node_id, boot_id="b1", seq=1, full=True, control_url=f"http://127.0.0.1:9/n/{s.node_id}",
                          data_url=f"http://127.0.0.1:9/{s.node_id}",
                          topology=TopologyPath(zone=s.zone, block=s.block, rack=s.rack),
-                         nvlink_domain=snap.nvlink_domain, snapshot=snap, workloads=[], manifests=[], sent_at=now)
+                         nvlink_domain=snap.nvlink_domain, snapshot=snap, workloads=[],
+                         manifests=_holds(s.node_id, holds_every), sent_at=now)
         st, reply = svc._ingest(s.node_id, rep)
         assert st == 200 and reply.mac_key, st
         keys[s.node_id] = reply.mac_key
@@ -194,7 +212,7 @@ def _victims(pushes: GangPushes, i: int) -> list[Any]:
 
 
 async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpus: int,
-                    gpn: int = 4, fill: float = 0.0, fleet: str = "gb200") -> dict[str, Any]:
+                    gpn: int = 4, fill: float = 0.0, fleet: str = "gb200", manifest: bool = False) -> dict[str, Any]:
     answerer = Answerer()
     hub = svc.relays
     by_rack: dict[str, list[str]] = {}
@@ -214,7 +232,8 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
         svc.state.schedule(now)   # (the model's rebuild, untimed)
         filled = _fill(svc, fleet, k, fill) if fill else 0
         spec = JobSpec(job_id=f"big{k}", pods=gang_gpus // gpn, gpus_per_pod=gpn, whole_nodes=True, priority=2,
-                       preemptible=False, argv=["/bin/sleep", "3600"], grace_s=1)
+                       preemptible=False, argv=["/bin/sleep", "3600"], grace_s=1,
+                       manifest_id=MANIFEST if manifest else None, origin=ORIGIN if manifest else None)
         gc.collect()
         gc.freeze()   # (as the service does after a pass: the fleet's records out of the collector's sight)
         c_sub = time.process_time()
@@ -310,6 +329,8 @@ def ab(a: argparse.Namespace, gang: int) -> dict[str, Any]:
             # this driver in both, over each tree's placer (HERD_BENCH_TREE)
             cmd = [sys.executable, str(Path(__file__).resolve()), "--nodes", str(a.nodes), "--gang-gpus", str(gang),
                    "--fleet", a.fleet, "--fill", str(a.fill), "--repeat", str(a.repeat), "--json"]
+            if a.manifest:
+                cmd += ["--manifest", "--manifest-every", str(a.manifest_every)]
             p = subprocess.run(cmd, cwd=roots[which], env={**os.environ, "PYTHONPATH": roots[which],
                                                            "HERD_BENCH_TREE": roots[which]},
                                capture_output=True, text=True, timeout=900)
@@ -347,6 +368,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="fill the fleet to this fraction with placer/sim.py's job mix (priority 0, preemptible) "
                          "before each round: the gang preempts (bench.delivery's preemption phase), and each row "
                          "says when its victims' last stop was handed to its relay (victims_sent_s)")
+    ap.add_argument("--manifest", action="store_true",
+                    help="the gang names an artifact that some nodes outside it hold: the placer lists them as "
+                         "the gang's contacts and signs its read grant")
+    ap.add_argument("--manifest-every", type=int, default=2048,
+                    help="with --manifest: one node in this many reports holding the artifact")
     a = ap.parse_args(argv)
     gpn = fleet_shape(a.fleet).gpus_per_node
     gang = a.gang_gpus if a.gang_gpus is not None else min(200_000, int(a.nodes * 0.6) * gpn)
@@ -374,8 +400,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"load average (1 min) at the end: {res['load']:.2f}")
         return 0
     with tempfile.TemporaryDirectory(prefix="herd-bench-round-") as d:
-        svc, keys = _fleet(a.nodes, d, a.fleet)
-        rows = [trio.run(one_round, svc, keys, k, gang, gpn, a.fill, a.fleet) for k in range(max(1, a.repeat))]
+        svc, keys = _fleet(a.nodes, d, a.fleet, a.manifest_every if a.manifest else 0)
+        rows = [trio.run(one_round, svc, keys, k, gang, gpn, a.fill, a.fleet, a.manifest)
+                for k in range(max(1, a.repeat))]
     out = {"tree": str(ROOT), "rows": rows, "cpu_s_median": statistics.median(r["cpu_s"] for r in rows),
            "wall_s_median": statistics.median(r["wall_s"] for r in rows),
            **{k + "_median": statistics.median(r[k] for r in rows)

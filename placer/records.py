@@ -196,7 +196,6 @@ def parts_bytes(pushes: Sequence[Push], expires_at: float) -> list[bytes]:
     out: list[bytes] = []
     gang: GangStart | None = None
     job_id, attempt, now, expires, n_gang = "", 0, 0.0, 0.0, 0
-    contacts: list[Peer] = []
     for p in pushes:
         g = p._gang
         node = p._node
@@ -205,7 +204,7 @@ def parts_bytes(pushes: Sequence[Push], expires_at: float) -> list[bytes]:
             continue
         if g is not gang:
             gang = g
-            job_id, attempt, now, expires, n_gang, contacts = g.job_id, g.attempt, g.now, g.expires, g.n_gang, g.contacts
+            job_id, attempt, now, expires, n_gang = g.job_id, g.attempt, g.now, g.expires, g.n_gang
         t = p._t
         if t is not None:   # (rows of the job's table: no pod view made)
             rows = p._rows
@@ -213,19 +212,19 @@ def parts_bytes(pushes: Sequence[Push], expires_at: float) -> list[bytes]:
                 out.append(enc([
                     "", node.node_id, job_id, attempt, "", WIRE_VERSION,
                     [["", t.ranks[rows], t.slots[rows], _EMPTY]],
-                    p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None, ""]))
+                    p._victims, now, expires, node._inventory, n_gang, _EMPTY, _EMPTY, b"", None, ""]))
                 continue
             ranks, slots = t.ranks, t.slots
             out.append(enc([
                 "" if rows else p.placement_id, node.node_id, job_id, attempt, "", WIRE_VERSION,
                 [["", ranks[i], slots[i], _EMPTY] for i in rows],   # type: ignore[union-attr]  # (a list here)
-                p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None, ""]))
+                p._victims, now, expires, node._inventory, n_gang, _EMPTY, _EMPTY, b"", None, ""]))
             continue
         pods = p._pods
         out.append(enc([
             "" if pods else p.placement_id, node.node_id, job_id, attempt, "", WIRE_VERSION,
             [["", q.rank, q.slots, _EMPTY] for q in pods],
-            p._victims, now, expires, node._inventory, n_gang, _EMPTY, contacts, b"", None, ""]))
+            p._victims, now, expires, node._inventory, n_gang, _EMPTY, _EMPTY, b"", None, ""]))
     return out
 
 
@@ -459,18 +458,17 @@ class GangStart:
     """What every start push of one decision shares (one object, not two closures a node):
     a node's NodePart (rack relays) or Placement (direct push) is made from it on demand."""
 
-    __slots__ = ("spec", "job_id", "attempt", "prefix", "blob_id", "peers_of", "contacts", "n_gang", "now",
+    __slots__ = ("spec", "job_id", "attempt", "prefix", "blob_id", "peers_of", "n_gang", "now",
                  "expires", "argv", "env", "read_grant", "_pieces")
 
     def __init__(self, spec: JobSpec, attempt: int, *, blob_id: str, peers_of: Callable[[NodeRec], list[Peer]],
-                 contacts: list[Peer], n_gang: int, now: float, expires: float, read_grant: bytes = b"") -> None:
+                 n_gang: int, now: float, expires: float, read_grant: bytes = b"") -> None:
         self.spec = spec
         self.job_id = spec.job_id
         self.attempt = attempt
         self.prefix = start_placement_id(spec.job_id, attempt, "")
         self.blob_id = blob_id
         self.peers_of = peers_of
-        self.contacts = contacts
         self.n_gang = n_gang
         self.now = now
         self.expires = expires
@@ -490,7 +488,7 @@ class GangStart:
                 _list_head(17) + enc(""),
                 enc(self.job_id) + enc(self.attempt) + enc("") + enc(WIRE_VERSION),
                 enc(self.now) + enc(self.expires),
-                enc(self.n_gang) + enc(_EMPTY) + enc(self.contacts) + enc(b"") + enc(None) + enc(""))
+                enc(self.n_gang) + enc(_EMPTY) + enc(_EMPTY) + enc(b"") + enc(None) + enc(""))
         return p
 
     def part(self, placement_id: str, node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> NodePart:
@@ -500,7 +498,7 @@ class GangStart:
                         attempt=self.attempt,
                         pods=[PartPod(workload_id="", rank=p.rank, gpu_indices=list(p.slots)) for p in pods],
                         victims=victims, issued_at=self.now, expires_at=self.expires, inventory=node.inventory,
-                        gang_nodes=self.n_gang, contacts=self.contacts)
+                        gang_nodes=self.n_gang)
 
     def part_bytes(self, placement_id: str, node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> bytes:
         """The encoding of :meth:`part`'s NodePart, byte for byte, without making it: NodePart
@@ -511,7 +509,7 @@ class GangStart:
         return _part_enc.encode([
             "" if pods else placement_id, node.node_id, self.job_id, self.attempt, "", WIRE_VERSION,
             [["", p.rank, p.slots, _EMPTY] for p in pods],
-            victims, self.now, self.expires, node.inventory, self.n_gang, _EMPTY, self.contacts, b"", None, ""])
+            victims, self.now, self.expires, node.inventory, self.n_gang, _EMPTY, _EMPTY, b"", None, ""])
 
     def placement(self, placement_id: str, node: NodeRec, pods: list[PodRec], victims: list[Victim]) -> Placement:
         s = self.spec

@@ -282,8 +282,8 @@ class Scheduling(StateBase):
         s = job.spec
         nodes = self.nodes
         blob_id, peers_of = self._gang_blob(job, gang, order, runs, now)
-        contacts = self._holders(s.manifest_id, {n.node_id for n in gang} if s.manifest_id else set())
-        gs = GangStart(s, job.attempt, blob_id=blob_id, peers_of=peers_of, contacts=contacts, n_gang=len(gang),
+        # (the gang's contacts are in its blob: scheduler_link.messages.GangBlob)
+        gs = GangStart(s, job.attempt, blob_id=blob_id, peers_of=peers_of, n_gang=len(gang),
                        now=now, expires=now + self.cfg.placement_ttl_s, read_grant=job.read_grant)
         # (a node's victims are taken out of victim_stops: what is left is on nodes given no pod)
         victims = [victim_stops.pop(n.node_id, NO_VICTIMS) for n in gang] if victim_stops else None
@@ -326,7 +326,7 @@ class Scheduling(StateBase):
         blob = GangBlob(job_id=job.job_id, attempt=job.attempt, argv=list(s.argv), env=dict(s.env),
                         manifest_id=s.manifest_id, origin=s.origin, grace_s=s.grace_s, restart=s.restart,
                         world_size=s.pods, peers=table, user=s.user, limits=s.limits,
-                        env_from_files=dict(s.env_from_files), read_grant=grant)
+                        env_from_files=dict(s.env_from_files), read_grant=grant, contacts=extra)
         blob_id, raw = encode_gang_blob(blob)
         if job.blob_id is not None:
             self.blobs.pop(job.blob_id, None)

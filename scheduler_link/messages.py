@@ -621,9 +621,11 @@ class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
 # - Its peer table is columnar and in topology order (zone, block, rack, node): rack r's
 #   members are the contiguous rows ``rack_start[r] : rack_start[r+1]``; one row per node of
 #   the gang. Column storage keeps a 25,000-node table a few hundred kB and cheap to decode.
-# - A node gets a NodePart: its own pods and victims, the blob id, an expiry, its rack's
-#   members (bounded by the rack size) and a bounded list of contacts in other racks. A
-#   NodePart never grows with the gang.
+# - A node gets a NodePart: its own pods and victims, the blob id, an expiry. A NodePart never
+#   grows with the gang. The gang's contacts (up nodes outside it that hold its manifest, the
+#   same for every node) are in the blob (version 2), listed once for the whole gang, not in
+#   each part; a part refers to them through its blob id, which the bundle's signed header
+#   covers, so a relay cannot change them (the blob is verified by its id).
 # - A relay receives a RackBundle (the rack's NodeParts, the blob itself or only its id
 #   when the relay holds it) and answers one AckBundle with every member's outcome; ``sig``
 #   is the placer's Ed25519 signature over the bundle's header (scheduler_link.msgauth).
@@ -632,15 +634,21 @@ class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
 #   is empty until identities land. What a receiver acts on is fenced by the authenticated epoch
 #   inside the payload (a bundle's signed header, a stop's MAC), which a relay cannot change.
 
-GANG_BLOB_VERSION = 1
+# Version 2 lists the gang's contacts (GangBlob.contacts); the placer makes a version-1 blob,
+# byte for byte as before, for a gang with none, so agents that read only version 1 run it. An
+# agent refuses a blob of a version it does not read (decode_gang_blob: the part's pods are
+# reported failed, naming the version) rather than run it without its contacts.
+GANG_BLOB_VERSION = 2
+GANG_BLOB_VERSIONS = (1, 2)     # the versions this tree reads
 FRAME_VERSION = 1
 
 
-class GangBlob(msgspec.Struct, frozen=True, kw_only=True):
-    """The gang-wide part of a placement, shared by every node of the gang."""
+class _GangBlobV1(msgspec.Struct, frozen=True, kw_only=True):
+    """A version-1 gang blob's fields (:class:`GangBlob` without its contacts): what such a
+    blob is encoded and checked as."""
     job_id: str
     attempt: int
-    version: int = GANG_BLOB_VERSION
+    version: int = 1
     argv: list[str] = []
     env: dict[str, str] = {}
     manifest_id: str | None = None
@@ -656,6 +664,16 @@ class GangBlob(msgspec.Struct, frozen=True, kw_only=True):
     # over peers.node_ids, signed with its bundle key); empty when no node outside the gang
     # was named to it as a holder of the manifest
     read_grant: bytes = b""
+
+
+class GangBlob(_GangBlobV1, frozen=True, kw_only=True):
+    """The gang-wide part of a placement, shared by every node of the gang. Its ``contacts``
+    (version 2; none in a version-1 blob) are up nodes outside the gang that hold its
+    manifest, bounded by the placer's ``max_peers``: once here for the whole gang, not in each
+    node's part (a node's Placement lists them after its part's own peers:
+    agent.parts.build_placement)."""
+    version: int = GANG_BLOB_VERSION
+    contacts: list[Peer] = []
 
 
 class PartPod(msgspec.Struct, frozen=True, kw_only=True, array_like=True, omit_defaults=True):
@@ -1014,18 +1032,20 @@ MAX_BLOB_BYTES = 256 << 20                  # a decompressed blob's bound (a 1M-
 def encode_gang_blob(blob: GangBlob) -> tuple[str, bytes]:
     """(id, bytes): the canonical msgpack, zlib-compressed (level 1: ~3 ms a MB here, once per
     gang; ~8x on a peer table's regular names and addresses) behind ``BLOB_ZLIB_MAGIC`` when
-    it is at least ``BLOB_COMPRESS_MIN`` bytes. The id is the BLAKE3 hex of exactly these bytes."""
+    it is at least ``BLOB_COMPRESS_MIN`` bytes. The id is the BLAKE3 hex of exactly these bytes.
+    A blob with no contacts is encoded as version 1 (the bytes it had before version 2)."""
     import blake3
 
-    raw = _blob_encoder.encode(blob)
+    raw = _blob_encoder.encode(msgspec.structs.replace(blob, version=GANG_BLOB_VERSION) if blob.contacts
+                               else _as_v1(blob))
     if len(raw) >= BLOB_COMPRESS_MIN:
         raw = BLOB_ZLIB_MAGIC + zlib.compress(raw, 1)
     return blake3.blake3(raw).hexdigest(), raw
 
 
 def decode_gang_blob(raw: bytes, blob_id: str | None = None) -> GangBlob:
-    """Decode a gang blob; with ``blob_id``, refuse bytes that do not hash to it and blobs
-    that are not canonical (re-encoding the msgpack, decompressed first where it is
+    """Decode a gang blob (version 1 or 2, as this version's GangBlob); with ``blob_id``,
+    refuse bytes that do not hash to it and blobs that are not canonical (re-encoding the msgpack, decompressed first where it is
     compressed, must give it back exactly). A compressed blob that inflates past
     ``MAX_BLOB_BYTES`` or has bytes after its zlib stream is refused before it is decoded."""
     import blake3
@@ -1046,11 +1066,26 @@ def decode_gang_blob(raw: bytes, blob_id: str | None = None) -> GangBlob:
         if not z.eof or z.unused_data:
             raise ValueError("gang blob's zlib stream is truncated or has trailing bytes")
     blob = _blob_decoder.decode(body)
-    if blob.version != GANG_BLOB_VERSION:
-        raise ValueError(f"unsupported gang blob version {blob.version}")
-    if _blob_encoder.encode(blob) != body:
+    if blob.version not in GANG_BLOB_VERSIONS:
+        raise ValueError(f"unsupported gang blob version {blob.version} (versions read: "
+                         f"{', '.join(map(str, GANG_BLOB_VERSIONS))})")
+    if blob.version == 1 and blob.contacts:
+        raise ValueError("a version-1 gang blob lists no contacts")
+    if _blob_encoder.encode(_as_v1(blob) if blob.version == 1 else blob) != body:
         raise ValueError("gang blob is not in canonical form")
-    return blob
+    # (a version-1 blob is a version-2 one without contacts: it decodes as that, so a blob
+    # decodes back to what was encoded whichever version its bytes took)
+    return blob if blob.version == GANG_BLOB_VERSION else msgspec.structs.replace(blob, version=GANG_BLOB_VERSION)
+
+
+_V1_FIELDS = _GangBlobV1.__struct_fields__
+
+
+def _as_v1(blob: GangBlob) -> _GangBlobV1:
+    """``blob`` as a version-1 blob (its contacts left out: the caller checks it has none)."""
+    fields = {f: getattr(blob, f) for f in _V1_FIELDS}
+    fields["version"] = 1
+    return _GangBlobV1(**fields)
 
 
 def encode(msg: msgspec.Struct) -> bytes:

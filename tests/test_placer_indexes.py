@@ -450,9 +450,9 @@ def test_a_pod_stopped_on_its_agent_ends_its_job():
 
 def test_a_start_push_encodes_its_part_byte_for_byte_without_making_it():
     """Push.part_bytes (the relays' bundles) is msgauth.part_bytes of Push.part: whole-node
-    and several-pods-a-node gangs, victims and contacts, and a stop push."""
+    and several-pods-a-node gangs, victims, and a stop push."""
     from placer.records import GangStart, Push, parts_bytes
-    from scheduler_link.messages import NodePart, Peer, Victim
+    from scheduler_link.messages import NodePart, Victim
     from scheduler_link.msgauth import part_bytes
 
     st_, job, pushes = _big_gang(40)
@@ -464,8 +464,7 @@ def test_a_start_push_encodes_its_part_byte_for_byte_without_making_it():
     (job, pushes), = st_.schedule(0.1)
     assert all(p.part_bytes(9.0) == part_bytes(p.part(9.0)) for p in pushes)
     node = st_.nodes["m0"]
-    gs = GangStart(job.spec, 2, blob_id="b" * 64, peers_of=lambda n: [], n_gang=4, now=1, expires=31.5,
-                   contacts=[Peer(node_id="m9", data_url="http://m9:1", zone="z", block="b", rack="r9")])
+    gs = GangStart(job.spec, 2, blob_id="b" * 64, peers_of=lambda n: [], n_gang=4, now=1, expires=31.5)
     victims = [Victim(workload_id="old.1.0", grace_s=2, reason="preempted by small")]
     p = Push.start(gs, node, [pp for pp in job.pods if pp.node_id == "m0"], victims)
     assert p.part_bytes(9.0) == part_bytes(p.part(9.0))

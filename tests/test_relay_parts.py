@@ -25,6 +25,7 @@ from scheduler_link.messages import (
     NodeStop,
     PartPod,
     PartProof,
+    Peer,
     PeerTable,
     Placement,
     PodAssignment,
@@ -352,6 +353,25 @@ async def test_a_restarted_agent_places_the_parts_it_accepted(tmp_path):
             await poll(lambda: wid in sup.records_view(), 0.01)
             st = await sup.wait_terminal(wid)
             assert st.state == "exited"
+            n.cancel_scope.cancel()
+
+
+async def test_a_part_runs_with_the_contacts_its_blob_lists(tmp_path):
+    """A part lists no contacts; its gang's blob (version 2) does: the workload's placement
+    names them (the herd's holders outside the gang), as a direct push would."""
+    contacts = [Peer(node_id=f"h{i}", data_url=f"https://h{i}:7471", zone="z", block="b", rack="r9") for i in range(2)]
+    bid, raw = encode_gang_blob(GangBlob(job_id="job", attempt=1, argv=["true"], contacts=contacts))
+    sup, acc, _ = _setup(tmp_path, {bid: raw})
+    part = _part(blob_id=bid)
+    assert part.contacts == []
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            await n.start(acc.run)
+            assert (await acc.handle(part)).outcome == "accepted"
+            wid = part.pods[0].workload_id
+            await poll(lambda: wid in sup.records_view(), 0.01)
+            assert sup.record(wid).peers == contacts and sup.record(wid).gang_blob_id == bid
             n.cancel_scope.cancel()
 
 
