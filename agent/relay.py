@@ -28,8 +28,8 @@ serves whatever comes:
   for the connection's own node is queued for one enrolment forwarder, which sends what is
   queued as one ``enrolls`` frame and hands each answer back (its keys sealed to the member:
   this relay learns nothing of them). No connection up: ``upstream_down`` (the member keeps
-  trying this relay for up to its ``relay_hold_s``, as with its reports); no answer:
-  ``unavailable``, and the member registers directly.
+  trying this relay for a while, as with its reports); no answer: ``unavailable``, and the
+  member registers directly.
 - ``blob_get`` from a member: from the cache, fetched first if needed (the bundle's
   ``blob_sources`` in order, then the placer). From another relay: from the cache, or once
   the fetch in flight here ended (waiting a little for a bundle naming it that has not come
@@ -49,14 +49,17 @@ each member gets its part with the signed proof and checks it itself; a member's
 report and heartbeat carry the member's MAC, which this relay passes on untouched.
 
 Without a connection up, members' reports are answered 503 with the reason ``upstream_down``
-(and so are the reports queued when the connection went): a member's link keeps its relay for
-up to ``hold_s`` of those answers (the placer restarting: this relay reconnects within seconds
-and the members' full reports go up through it, MACed with keys that outlive the placer
-process, so a restart costs the placer one handshake per relay, not one per node), then falls
-back to the placer directly (a relay that cannot reach the placer must not hold its rack for
-longer). The rack does not look alive meanwhile: the placer hears nothing of it. Once it is
-connected again, every member it knows is asked for a full report in the answer to its next
-heartbeat (:meth:`agent.beats.BeatBook.reconnected`): a restarted placer holds nothing of them,
+(and so are the reports queued when the connection went), saying (``dialling``) whether this
+relay has been connected since it started. A member's link keeps its relay for up to ``hold_s``
+of those answers once it lost the placer (a restart: this relay reconnects within seconds and
+the members' full reports go up through it, MACed with keys that outlive the placer process,
+so a restart costs the placer one handshake per relay, not one per node), and
+``DIAL_HOLD_FACTOR`` times that while its first dial is under way (scheduler_link.relayhold: a
+cold start, where every relay of the fleet waits its turn in the placer's handshake queue and
+a member that went directly would only lengthen it); then it falls back to the placer directly
+(a relay that cannot reach the placer must not hold its rack for longer). The rack does not
+look alive meanwhile: the placer hears nothing of it. Once it is connected again, every member
+it knows is asked for a full report in the answer to its next heartbeat (:meth:`agent.beats.BeatBook.reconnected`): a restarted placer holds nothing of them,
 and waiting for its answer to the relay's next beat would cost another interval.
 
 Several placers (one leading, the others following: agent.relaycopies): a relay that loses its
@@ -156,7 +159,8 @@ class Relay:
                  clock: Callable[[], float] = time.time, security: Security | None = None,
                  connect_timeout_s: float = 60.0, hop: MemberHop | None = None, local_address: str | None = None,
                  verifiers: dict[bytes, tuple[BundleVerifier, dict[bytes, bytes]]] | None = None, beat_offset_s: float = 0.0,
-                 epochs: Epochs | None = None, failover_hold_s: float = FAILOVER_HOLD_S) -> None:
+                 epochs: Epochs | None = None, failover_hold_s: float = FAILOVER_HOLD_S,
+                 dial: Callable[[str], Awaitable[FrameChannel]] | None = None) -> None:
         """``security``: the agent's TLS set-up (None or insecure: plain TCP). With it the members
         listener takes mutual TLS only (a member's certificate names the member), the upstream
         connection must reach the placer's certificate, and blobs come from other relays over
@@ -166,9 +170,12 @@ class Relay:
         cache several relays of one host may share (RelayCore). ``beat_offset_s``: the first
         beat's delay into the interval (relays of one host spread over it). ``failover_hold_s``:
         how long members' reports are taken while no connection is up but copy connections to
-        followers are (see the module docstring)."""
+        followers are (see the module docstring). ``dial``: how the connection up is opened to a
+        placer's channel URL (default: a frames connection saying this relay's hello; tests give
+        one over in-memory streams)."""
         self.node_id = node_id
         self.failover_hold_s = failover_hold_s
+        self._dial_with = dial
         self._hold_until = 0.0   # trio time members' reports are taken until, with no connection up
         self._client_ssl = security.client if security is not None else None   # (insecure: none)
         self._keys = keys
@@ -245,6 +252,12 @@ class Relay:
     @property
     def upstream(self) -> FrameChannel | None:
         return self._up
+
+    @property
+    def dialling(self) -> bool:
+        """No connection up, and none since this relay started: its first dial is under way
+        (its members are told so with ``upstream_down``: scheduler_link.relayhold)."""
+        return self._up is None and self.connects == 0
 
     def statistics(self) -> dict[str, Any]:
         c = self.core
@@ -348,6 +361,8 @@ class Relay:
 
     async def _dial(self, url: str) -> FrameChannel:
         """A frames connection to the placer's channel ``url``, saying hello as the rack's relay."""
+        if self._dial_with is not None:
+            return await self._dial_with(url)
         return await open_frames(url, self.token, self.node_id, timeout_s=self.connect_timeout_s,
                                  relay=RelayHello(racks=[self.rack], listen_url=self.listen_url),
                                  local_address=self._local_address,
@@ -559,7 +574,7 @@ class Relay:
         """A member's report (``node_id``: whom its connection is of): the answer now, or an
         awaitable of it once the placer answered the batch it went up in."""
         up = self._up is not None or (self._hold_until > 0 and trio.current_time() < self._hold_until)
-        got = self.core.report(node_id, rep, upstream=up)
+        got = self.core.report(node_id, rep, upstream=up, dialling=self.dialling)
         if isinstance(got, WireReply):
             return got
         self._out_wake.set()
@@ -695,7 +710,8 @@ class Relay:
         while self._placer_cert is None:
             ch = self._up
             if ch is None:
-                return PlacerCert(error="the relay has no connection to the placer", outcome="upstream_down")
+                return PlacerCert(error="the relay has no connection to the placer", outcome="upstream_down",
+                                  dialling=self.dialling)
             if self._cert_fetch is not None:
                 await self._cert_fetch.wait()
                 if self._placer_cert is None:

@@ -357,14 +357,16 @@ class RelayCore:
 
     # ---- members' reports
 
-    def report(self, node_id: str, rep: NodeReport, *, upstream: bool) -> WireReply | int:
+    def report(self, node_id: str, rep: NodeReport, *, upstream: bool, dialling: bool = False) -> WireReply | int:
         """A member's report over its connection (``node_id``: whom the connection is of):
-        the answer now, or a ticket for :meth:`batch_answered`."""
+        the answer now, or a ticket for :meth:`batch_answered`. ``dialling``: with no connection
+        up, the relay's first dial is under way (said in the answer: the member holds on longer)."""
         if rep.node_id != node_id:
             return WireReply(status=403, error=f"this connection reports for {node_id}, not {rep.node_id}")
         if not upstream:
             self.held_answered += 1
-            return WireReply(status=503, reason=UPSTREAM_DOWN, error="the relay has no connection to the placer")
+            return WireReply(status=503, reason=UPSTREAM_DOWN, dialling=dialling,
+                             error="the relay has no connection to the placer")
         if is_empty(rep):
             self.empty_answered += 1
             reply = self.book.empty(rep)

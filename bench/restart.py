@@ -14,7 +14,10 @@ kept their relay's address do, with the enrolment key issued with their certific
 
 - cold: ``go`` -> every node up (``register_s``), with the placer's CPU and the emulators', the
   nodes it declared lost meanwhile (``register_nodes_lost``) and the mass silences it held
-  (``register_mass_silences``: [placer] lost_mass_fraction) and its TLS handshakes;
+  (``register_mass_silences``: [placer] lost_mass_fraction) and its TLS handshakes
+  (``register_tls_handshakes``); the members that enrolled through their relay
+  (``register_enrolled``) and those that registered directly instead (``register_direct``,
+  by outcome ``register_enroll_refused``: ``upstream_down`` past the member's hold);
 - a gang of ``--gang-hosts`` (default: 200,000 GPUs scaled to the fleet: 25,000 h100 hosts x 8 or
   50,000 gb200 trays x 4 of 131,072) placed and running;
 - ``--steady-s S``: the fleet left alone S seconds first, the placer's and the emulators' CPU
@@ -146,6 +149,20 @@ async def _sum_stats(c: httpx.AsyncClient, emus: list[EmulatorProc], job: str) -
     return out
 
 
+async def _enrolments(c: httpx.AsyncClient, emus: list[EmulatorProc]) -> dict[str, Any]:
+    """How the members registered so far, from the emulators: through their relay
+    (``register_enrolled``) or, their enrolment not taken, directly (``register_enroll_refused``,
+    by outcome: ``upstream_down`` is a member whose relay had no connection up past its hold)."""
+    enrolled, refused = 0, dict[str, int]()
+    for e in emus:
+        s = await e.stats(c)
+        enrolled += int(s.get("enrolled", 0))
+        for k, v in s.get("enroll_refused", {}).items():
+            refused[k] = refused.get(k, 0) + int(v)
+    return {"register_enrolled": enrolled, "register_enroll_refused": refused,
+            "register_direct": sum(refused.values())}
+
+
 _COUNTED = {"herd_placer_tls_handshakes_total": "tls_handshakes",
             "herd_placer_compact_registrations_total": "compact_registrations",
             "herd_placer_inventory_misses_total": "inventory_misses",
@@ -209,7 +226,7 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
                        register_emulator_cpu_s=round(sum(e.cpu_s() for e in emus) - ecpu0, 2))
             cold = await _counted(c, placer.url)
             row.update(register_nodes_lost=cold["nodes_lost"], register_mass_silences=cold["mass_silences"],
-                       register_tls_handshakes=cold["tls_handshakes"])
+                       register_tls_handshakes=cold["tls_handshakes"], **await _enrolments(c, emus))
             row["register_closes"] = await _closes(c, placer.url, emus)
             _note("fleet up", nodes=n, s=row["register_s"], closes=json.dumps(row["register_closes"]))
             gang = {"job_id": "gang", "pods": gang_hosts, "gpus_per_pod": per_host, "argv": ["train"], "priority": 2,
@@ -328,8 +345,8 @@ async def run_all(ns: argparse.Namespace) -> dict[str, Any]:
                                                            / max(other["recovery_placer_cpu_s"], 1e-3), 2)
     if base is not None:
         # medians of the default runs (hold on, compact), this tree over the baseline's
-        for k in ("register_s", "register_placer_cpu_s", "register_emulator_cpu_s", "model_full_s",
-                  "recovery_placer_cpu_s", "recovery_emulator_cpu_s"):
+        for k in ("register_s", "register_placer_cpu_s", "register_emulator_cpu_s", "register_tls_handshakes",
+                  "register_direct", "model_full_s", "recovery_placer_cpu_s", "recovery_emulator_cpu_s"):
             a = [r[k] for r in mine if r["relay_hold_s"] and r["compact"] and k in r]
             b = [r[k] for r in rows if r["tree"] == str(base) and r["relay_hold_s"] and r["compact"] and k in r]
             if a and b:
@@ -340,6 +357,7 @@ async def run_all(ns: argparse.Namespace) -> dict[str, Any]:
 
 def print_table(out: dict[str, Any]) -> None:
     cols = ["nodes", "fleet", "tls", "enroll", "relay_hold_s", "compact", "register_s", "register_placer_cpu_s",
+            "register_tls_handshakes", "register_direct",
             "model_full_s", "recovery_placer_cpu_s", "recovery_emulator_cpu_s", "compact_registrations",
             "tls_handshakes", "handshake_bound", "relayed_registrations", "probe_acked_s", "probe_from_listening_s",
             "probe_target_s", "stops", "placements_doubled", "refused_acks", "gang_running"]

@@ -58,10 +58,11 @@ Invariants:
   (``enroll``) registers *through the relay*: the placer's certificate from the relay,
   checked against the CA; an Enroll with the full report, MACed under a key only this node
   and the placer can derive; the keys come back sealed to it. No handshake with the placer.
-  A relay with no connection to the placer (``upstream_down``: the placer restarting) is held
-  on to for ``relay_hold_s``, as for reports; a relay that is unreachable, refuses, or answers
-  anything but a sealed answer that opens: the full report goes directly, as before, and
-  enrolment is tried again after ``relay_retry_s``.
+  A relay with no connection to the placer (``upstream_down``) is held on to as for reports
+  (below), asked again every second or so over the one connection to it the link keeps
+  meanwhile; a relay that is unreachable, refuses, or answers anything but a sealed answer
+  that opens: the full report goes directly, as before, and enrolment is tried again after
+  ``relay_retry_s``.
 - What a relay may not decide for its members (issue 42): which relay they use -- a member
   follows ``relay_url`` only from an answer over its own connection (a relayed answer that
   names no relay, or another, sends it back to the placer, which says again); how often they
@@ -84,11 +85,17 @@ Invariants:
   named with an epoch above the highest seen ends the wait and the link moves to it (a full
   report follows), instead of waiting out ``request_timeout_s``. A leader named at the epoch
   already known is only slow, and is waited for.
-- A placer restart behind a relay: the relay answers ``upstream_down`` (503) while it has no
-  connection to the placer; the link keeps that relay for up to ``relay_hold_s`` (trying it
-  every second or so, a full report pending) instead of handshaking with the placer itself,
-  so a restarted placer hears the rack's members through their relay (one handshake per
-  relay). Past ``relay_hold_s`` it reports directly as after any relay failure.
+- A relay with no connection to the placer (scheduler_link.relayhold): it answers
+  ``upstream_down`` (503; to an enrolment, ``PlacerCert.outcome``) and says, structured
+  (``dialling``), whether it has not been connected since it started (its first dial under way:
+  a cold start, every relay handshaking with the placer at once) or lost the placer (a
+  restart). The link keeps that relay (trying it every second or so, a full report pending)
+  instead of handshaking with the placer itself, so the placer hears the rack's members
+  through their relay (one handshake per relay), for a bound from the first such answer in a
+  row that the link keeps, not the relay: ``relay_hold_s`` once any answer said lost,
+  ``DIAL_HOLD_FACTOR`` (4) times that while every answer said dialling (a relay stuck
+  dialling still lets its members go). Past the bound it reports directly as after any relay
+  failure.
 """
 
 from __future__ import annotations
@@ -138,6 +145,7 @@ from .messages import (
 )
 from .msgauth import BundleVerifier, epoch_ok, relayed_stops, with_report_mac
 from .placers import NO_LEADER, Placers, leader_of, leader_wire_of, not_leading
+from .relayhold import RelayHold
 
 log = logging.getLogger("herd.link.agent")
 
@@ -378,11 +386,14 @@ class AgentLink:
         self.enrolled = 0
         self.enroll_failures = 0
         self.enroll_refusals: dict[str, int] = {}
-        # a relay with no connection to the placer (upstream_down: the placer restarting) is kept
-        # this long from its first such answer, retried every RELAY_HOLD_RETRY_S (jittered)
+        # a relay with no connection to the placer (upstream_down: its first dial under way, or
+        # the placer restarting) is kept for a bounded time from its first such answer
+        # (scheduler_link.relayhold), retried every RELAY_HOLD_RETRY_S (jittered)
         self.relay_hold_s = relay_hold_s
-        self._relay_down_since: float | None = None
-        self.relay_holds = 0                 # reports answered upstream_down while the relay was kept
+        self._hold = RelayHold(relay_hold_s)
+        self.relay_holds = 0                 # answers upstream_down while the relay was kept
+        self.relay_dial_holds = 0            # ... of them, from a relay making its first dial
+        self._enroll_channel: RelayChannel | None = None   # the relay held on to for an enrolment
         self.relayed_full_reports = 0        # full reports the placer took through a relay (no handshake)
         self.compact_registrations = 0       # full reports taken that named the inventory (placer.inventories)
         self.inventory_misses = 0            # ... answered 409: the placer held none (the snapshot went next)
@@ -433,7 +444,8 @@ class AgentLink:
             "relay_parts": self._relay.parts if self._relay is not None else 0,
             "enrolled": self.enrolled, "enroll_failures": self.enroll_failures,
             "enroll_refusals": dict(self.enroll_refusals),
-            "relay_holds": self.relay_holds, "relayed_full_reports": self.relayed_full_reports,
+            "relay_holds": self.relay_holds, "relay_dial_holds": self.relay_dial_holds,
+            "relayed_full_reports": self.relayed_full_reports,
             "compact_registrations": self.compact_registrations, "inventory_misses": self.inventory_misses,
             "revoked_at": self._revoked_at, "revoked_refused": self.revoked_refused,
             "follower_copies": self._copies.statistics() if self._copies is not None else None,
@@ -465,6 +477,9 @@ class AgentLink:
             await self._run(url, headers, limits, task_status)
         finally:
             await self._close_wire()
+            if self._enroll_channel is not None:
+                with trio.CancelScope(shield=True):
+                    await self._enroll_channel.aclose()
             if self._copies is not None:
                 await self._copies.aclose()
 
@@ -537,15 +552,14 @@ class AgentLink:
                 continue
             except (httpx.HTTPError, OSError, _PlacerError, msgspec.DecodeError, WireError,
                     trio.TooSlowError, trio.BrokenResourceError, trio.ClosedResourceError) as e:
-                if isinstance(e, _RelayHolding) and self._holding(trio.current_time()):
-                    self.relay_holds += 1
+                if isinstance(e, _RelayHolding) and self._holding(trio.current_time(), e.dialling):
                     self.registered = False
                     self.last_error = str(e)
                     self._need_full = True   # what the placer saw is in doubt: a full report, through the relay
                     await trio.sleep(self._rng.uniform(0.5, 1.0) * min(RELAY_HOLD_RETRY_S, self.heartbeat_s))
                     continue
-                if self._relay is not None:  # the relay failed us (or held us past relay_hold_s): the placer directly
-                    self._relay_down_since = None
+                if self._relay is not None:  # the relay failed us (or held us past its bound): the placer directly
+                    self._hold.clear()
                     self._relay_gone(self._relay.url)
                     log.warning("relay failed, reporting to the placer node=%s relay=%s err=%s", self.node_id,
                                 self._relay.url, e)
@@ -570,7 +584,7 @@ class AgentLink:
                 await trio.sleep(retry.failed(trio.current_time()))
                 continue
             retry.succeeded()
-            self._relay_down_since = None
+            self._hold.clear()
             self.registered = True
             self.last_ok_at = time.time()
             if report.full:
@@ -700,14 +714,19 @@ class AgentLink:
             self.stops_refused += 1
         return ok
 
-    def _holding(self, now: float) -> bool:
-        """Keep the relay after an ``upstream_down`` answer: yes until ``relay_hold_s`` passed
-        since the first of them in a row."""
-        if self._relay_down_since is None:
-            self._relay_down_since = now
-            log.info("the relay has no connection to the placer: holding on to it for up to %.0fs node=%s",
-                     self.relay_hold_s, self.node_id)
-        return now - self._relay_down_since < self.relay_hold_s
+    def _holding(self, now: float, dialling: bool) -> bool:
+        """Keep the relay after an ``upstream_down`` answer (``dialling``: it said its first dial
+        is under way)? Yes until the hold's bound passed since the first of them in a row
+        (scheduler_link.relayhold: ``relay_hold_s``, longer while the relay is dialling)."""
+        first = not self._hold.holding
+        keep = self._hold.keep(now, dialling=dialling)
+        if first:
+            log.info("the relay has no connection to the placer: holding on to it for up to %.0fs node=%s "
+                     "dialling=%s", self._hold.dialling_s if dialling else self._hold.lost_s, self.node_id, dialling)
+        if keep:
+            self.relay_holds += 1
+            self.relay_dial_holds += dialling
+        return keep
 
     def _relay_gone(self, url: str) -> None:
         """The relay at ``url`` failed us: not tried again for a while, and a full report then
@@ -882,37 +901,47 @@ class AgentLink:
     async def _enroll_through_relay(self, nursery: trio.Nursery) -> bool | None:
         """Register through the remembered relay (module docstring). True when this node is
         registered and reports through that relay now; False: register directly; None: the
-        relay has no connection to the placer (it may be restarting) and is held on to for
-        ``relay_hold_s`` from the first such answer, as for reports (try again soon)."""
+        relay has no connection to the placer (its first dial under way, or the placer
+        restarting) and is held on to (scheduler_link.relayhold: ``relay_hold_s`` from the first
+        such answer, as for reports, longer while it says it is dialling): try again soon, on the
+        same connection to the relay (no new handshake with it per try)."""
         assert self._enroll is not None and self._enroll_url is not None
         url = self._enroll_url
-        try:
-            with trio.fail_after(self.request_timeout_s):
-                ch = await self._relay_connect(url, self.token or "", self.node_id)
-        except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
-                tls.TLSError) as e:
-            self._enroll_failed("unavailable", e)
-            return False
-        r = RelayChannel(ch, url, self.on_part, self._part_refused)
-        nursery.start_soon(r.run)
+        r, self._enroll_channel = self._enroll_channel, None
+        if r is not None and (r.url != url or r.channel.closed.is_set()):
+            await r.aclose()
+            r = None
+        if r is None:
+            try:
+                with trio.fail_after(self.request_timeout_s):
+                    conn = await self._relay_connect(url, self.token or "", self.node_id)
+            except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
+                    tls.TLSError) as e:
+                self._hold.clear()
+                self._enroll_failed("unavailable", e)
+                return False
+            r = RelayChannel(conn, url, self.on_part, self._part_refused)
+            nursery.start_soon(r.run)
+        ch = r.channel
         try:
             # an enrolment is a registration: the placer may be working through a storm of them
             with trio.fail_after(max(self.request_timeout_s, self.wire_connect_timeout_s, ENROLL_WAIT_S)):
                 pc = decode_payload(await ch.call("enroll_key", {}), PlacerCert)
                 if not pc.cert:
-                    raise EnrollRefused(pc.outcome or "unavailable", pc.error or "the relay has no placer certificate")
+                    raise EnrollRefused(pc.outcome or "unavailable", pc.error or "the relay has no placer certificate",
+                                        dialling=pc.dialling)
                 report = self._build_report(compact=False)   # (a new key: the placer may hold nothing of ours)
                 enrolment, pending = self._enroll.make(report, pc.cert, now=time.time())
                 answer = decode_payload(await ch.call("enroll", enrolment), EnrollAnswer)
             secret = EnrollClient.open(pending, answer)
         except EnrollRefused as err:
-            await r.aclose()
-            if err.outcome == "upstream_down" and self._holding(trio.current_time()):
-                self.relay_holds += 1
+            if err.outcome == "upstream_down" and self._holding(trio.current_time(), err.dialling):
                 self.enroll_refusals["upstream_down"] = self.enroll_refusals.get("upstream_down", 0) + 1
                 self._need_full = True
+                self._enroll_channel = r   # (kept: the next try asks on it)
                 return None
-            self._relay_down_since = None
+            await r.aclose()
+            self._hold.clear()
             self._enroll_failed(err.outcome, err.detail)
             return False
         except (FrameError, CallFailed, trio.TooSlowError, msgspec.DecodeError, msgspec.ValidationError) as err:
@@ -927,7 +956,7 @@ class AgentLink:
             self._enroll_failed("refused", "the answer of a replaced placer")
             return False
         await self._close_wire()
-        self._relay_down_since = None
+        self._hold.clear()
         self._relay = self._wire = r
         self.enrolled += 1
         self.reports_sent += 1
@@ -1013,7 +1042,7 @@ class AgentLink:
                 raise _Conflict()
             if wr.status != 200:
                 if wr.status == 503 and wr.reason == UPSTREAM_DOWN and self._relay is not None:
-                    raise _RelayHolding(f"the relay has no connection to the placer: {wr.error}")
+                    raise _RelayHolding(f"the relay has no connection to the placer: {wr.error}", dialling=wr.dialling)
                 if wr.status in (NO_LEADER, OBSERVED) and self._relay is None:   # a placer that does not lead (placer.ha)
                     used = self.placer_url
                     self._placer_answered(wr.status, used=used)
@@ -1250,7 +1279,12 @@ class _Race:
 
 
 class _RelayHolding(_PlacerError):
-    """The relay answered ``upstream_down``: it has no connection to the placer (yet)."""
+    """The relay answered ``upstream_down``: it has no connection to the placer (``dialling``:
+    not yet, its first dial under way)."""
+
+    def __init__(self, msg: str, *, dialling: bool) -> None:
+        super().__init__(msg)
+        self.dialling = dialling
 
 
 def wire_endpoint(wire_url: str, placer_url: str) -> str:

@@ -124,10 +124,11 @@ _UNVERIFIED: tuple[type[Exception], ...] = (*_UNPARSED, InvalidSignature)
 class EnrollRefused(AuthError):
     """An enrolment (or its answer) not taken: ``outcome`` says why, structured (never words)."""
 
-    def __init__(self, outcome: EnrollOutcome, detail: str) -> None:
+    def __init__(self, outcome: EnrollOutcome, detail: str, *, dialling: bool = False) -> None:
         super().__init__(f"{outcome}: {detail}")
         self.outcome: EnrollOutcome = outcome
         self.detail = detail
+        self.dialling = dialling   # upstream_down: the relay said its first dial is under way
 
 
 # ---------------------------------------------------------------- the primitives

@@ -99,8 +99,9 @@ class Hello(msgspec.Struct, frozen=True, kw_only=True):
     listen_url: str | None = None    # frames: where the relay's members reach it
 
 
-# WireReply.reason of a rack relay's 503 while it has no connection to the placer (the placer
-# restarting): its members hold on to it for a while instead of going to the placer directly
+# WireReply.reason of a rack relay's 503 while it has no connection to the placer (its first
+# dial under way, or the placer restarting): its members hold on to it for a while instead of
+# going to the placer directly (scheduler_link.relayhold)
 UPSTREAM_DOWN = "upstream_down"
 
 
@@ -109,6 +110,9 @@ class WireReply(msgspec.Struct, frozen=True, kw_only=True):
     reply: ReportReply = ReportReply()
     error: str | None = None
     reason: str | None = None        # a refused hello: why, as a code (rack_mismatch, per_address, ...)
+    # with ``upstream_down``: the relay has not been connected since it started (its first dial
+    # is under way), rather than having lost the placer; members hold on longer (relayhold)
+    dialling: bool = False
 
 
 class WireError(Exception):

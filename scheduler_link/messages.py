@@ -913,6 +913,7 @@ class PlacerCert(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     outcome: EnrollOutcome | None = None     # why there is no certificate (``upstream_down``, ``no_tls``)
     version: int = ENROLL_VERSION
+    dialling: bool = False                   # upstream_down: the relay's first dial is under way (relayhold)
 
 
 class Enroll(msgspec.Struct, frozen=True, kw_only=True):

@@ -138,6 +138,7 @@ from scheduler_link.msgauth import (
     relayed_stops,
     with_outcome_mac,
 )
+from scheduler_link.relayhold import RelayHold
 
 log = logging.getLogger("herd.testing.fleet")
 
@@ -636,11 +637,15 @@ class EmulatedRack:
         does over the member's frames connection). None: not taken (register directly)."""
         assert m.enroll is not None
         relay = self.relay
-        if relay.upstream is None:   # (no deadline to set when it is up: the common case)
-            with trio.move_on_after(self.fleet.cfg.relay_hold_s):   # (held on to, as AgentLink does)
-                while relay.upstream is None:
-                    await relay.upstream_ready.wait()
         pc = await relay.member_enroll_key()
+        hold = RelayHold(self.fleet.cfg.relay_hold_s)   # (held on to while it says upstream_down, as AgentLink)
+        while not pc.cert and pc.outcome == "upstream_down":
+            until = hold.until(trio.current_time(), dialling=pc.dialling)
+            if until is None:
+                break
+            with trio.move_on_at(until):   # (in process: woken when it is up, not polled)
+                await relay.upstream_ready.wait()
+            pc = await relay.member_enroll_key()
         if not pc.cert:
             why = pc.outcome or "unavailable"
             self.enroll_refused[why] = self.enroll_refused.get(why, 0) + 1
@@ -666,13 +671,15 @@ class EmulatedRack:
         member's hold, ``relay_hold_s``); True once the placer took the report."""
         relay = self.relay
         nid = m.slot.node_id
-        give_up = trio.current_time() + self.fleet.cfg.relay_hold_s
+        hold = RelayHold(self.fleet.cfg.relay_hold_s)
         while True:
             if relay.upstream is None:
-                with trio.move_on_at(give_up):
-                    await relay.upstream_ready.wait()
-                if relay.upstream is None:
+                until = hold.until(trio.current_time(), dialling=relay.dialling)
+                if until is None:
                     return False
+                with trio.move_on_at(until):
+                    await relay.upstream_ready.wait()
+                continue
             got = relay.member_report(nid, _with_mac(m.mac_key, self._report(m, full=True)))
             wr = got if isinstance(got, WireReply) else await got
             self.reports += 1
@@ -688,7 +695,8 @@ class EmulatedRack:
                     self._flush.set()
                 self._after(m, wr.reply, relayed=True)
                 return True
-            if wr.status != 503 or wr.reason != UPSTREAM_DOWN or trio.current_time() >= give_up:
+            if wr.status != 503 or wr.reason != UPSTREAM_DOWN or \
+                    hold.until(trio.current_time(), dialling=wr.dialling) is None:
                 self.failures += 1
                 return False
             await trio.sleep(random.uniform(0.5, 1.0) * RELAY_HOLD_RETRY_S)
