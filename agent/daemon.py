@@ -358,6 +358,8 @@ class Agent:
                                      relay_trust_intervals=self.config.relay.trust_intervals,
                                      relay_hold_s=self.config.relay.hold_s, epochs=self.epochs,
                                      wire_connect=self._own_wire if self.config.relay.enabled else None,
+                                     copy_fold=self._fold_copy if self.config.relay.enabled else None,
+                                     copy_leader=self._copy_leader if self.config.relay.enabled else None,
                                      ssl_context=self.security.client if self.security is not None else None,
                                      **self._enroll_args())
         self.supervisor.add_listener(link.notify)
@@ -368,6 +370,14 @@ class Agent:
         if self.relay is None:
             raise WireError("the relay has not started yet")
         return await self.relay.own_channel(wire_url, token, node_id)
+
+    def _fold_copy(self, wire_url: str, rep: NodeReport) -> bool:
+        """A relay host's empty heartbeat copied to a follower rides in its relay's beat copy there."""
+        return self.relay is not None and self.relay.copies.fold(wire_url, rep)
+
+    async def _copy_leader(self, wait_s: float) -> str | None:
+        """Which placer the relay goes up to, or is about to (agent.relay.Relay.leader_wire)."""
+        return None if self.relay is None else await self.relay.leader_wire(wait_s)
 
     def _enroll_args(self) -> dict[str, Any]:
         """Enrolment through the rack relay (scheduler_link.enroll): this node's certificate

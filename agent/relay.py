@@ -662,10 +662,24 @@ class Relay:
         up = self._up_url or self._wire_url()   # (the link may have moved before the relay: _copy_leads)
         if wire_url and up and wire_url.rstrip("/") != up.rstrip("/"):
             return OwnReports(await self.copies.channel(wire_url), self.request_timeout_s,
-                              on_leader=partial(self._copy_leads, wire_url))
+                              on_leader=partial(self._copy_leads, wire_url),
+                              before=partial(self.copies.flush_own, wire_url))
         while self._up is None:
             await self.upstream_ready.wait()
         return OwnReports(self._up, self.request_timeout_s)
+
+    async def leader_wire(self, wait_s: float) -> str | None:
+        """The framed channel of the placer this relay goes up to, or is about to go up to (a
+        follower answered a copy as the leader: :meth:`_copy_leads`). The relay host's link asks
+        here when its placer goes silent: the relay hears a promoted follower first (its answers
+        to the beat copies carry its epoch). While the relay has no connection up and holds copy
+        connections (a failover), waited for up to ``wait_s``; None when no placer is known."""
+        def up() -> bool:   # (a connection that closed is gone, whether or not its loop has noticed yet)
+            return self._up is not None and not self._up.closed.is_set()
+        with trio.move_on_after(wait_s):
+            while not up() and self._move_to is None and self.copies.conns:
+                await _first(self._moved, self.upstream_ready)
+        return self._up_url if up() else self._move_to
 
     def _copy_leads(self, url: str, epoch: int) -> None:
         """The placer at ``url`` answered this host's own report over the relay's copy connection
@@ -835,14 +849,18 @@ class OwnReports:
     placer restart costs one handshake per relay host, and its own full report goes up as soon
     as the relay has reconnected. The connection is the relay's: closing this closes nothing."""
 
-    def __init__(self, ch: FrameChannel, timeout_s: float, on_leader: Callable[[int], None] | None = None) -> None:
+    def __init__(self, ch: FrameChannel, timeout_s: float, on_leader: Callable[[int], None] | None = None,
+                 before: Callable[[], None] | None = None) -> None:
         self._ch = ch
         self._timeout_s = timeout_s
         self._on_leader = on_leader   # over a copy connection: its placer answered as the leader, at this epoch
+        self._before = before         # ... and what goes before each report there (RelayCopies.flush_own)
 
     async def exchange(self, report: NodeReport) -> WireReply:
         if self._ch.closed.is_set():
             raise WireError("the relay's connection to the placer is gone")
+        if self._before is not None:
+            self._before()
         try:
             f = await self._ch.call("report", report, timeout_s=self._timeout_s)
             wr: WireReply = decode_payload(f, WireReply)
@@ -854,6 +872,18 @@ class OwnReports:
 
     async def aclose(self) -> None:
         return None
+
+
+async def _first(*events: trio.Event) -> None:
+    """Until any of ``events`` is set."""
+    async with trio.open_nursery() as n:
+        for e in events:
+            n.start_soon(_set_then_cancel, e, n.cancel_scope)
+
+
+async def _set_then_cancel(e: trio.Event, scope: trio.CancelScope) -> None:
+    await e.wait()
+    scope.cancel()
 
 
 def _blob_data(r: BlobReply) -> bytes | None:

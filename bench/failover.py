@@ -61,6 +61,11 @@ follower leads and places; ``agents_moved_s`` the pause -> every agent registere
 leader; ``leader_moves`` how many agents moved because another placer named a newer leader
 (scheduler_link.leaderprobe) rather than after their report's deadline (10 s).
 
+``--baseline-root DIR --repeat K`` compares this tree with another (its own ``.venv``, e.g. the
+tree before a change): the same command runs K times in each tree as a subprocess, alternated,
+and the HA row's medians and their ratios (this tree / DIR's) are printed (``ab``): each
+follower's CPU, the failover, the full reports and re-registrations after the kill.
+
 Every wait is bounded; traffic stays on 127.0.0.1; nothing is left running.
 """
 
@@ -526,6 +531,45 @@ def print_table(out: dict[str, Any]) -> None:
               f"(load average {out['load_avg']})")
 
 
+AB_KEYS = ("follower_cpu", "failover_s", "full_report_s", "promoted_s", "reregistrations", "leader_cpu", "emu_cpu")
+
+
+def _median(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+
+def _ha_row(root: Path, args: list[str]) -> dict[str, Any]:
+    """One run of ``root`` 's bench.failover (its own venv, ``--json``): its HA row, with the load."""
+    py = root / ".venv" / "bin" / "python"
+    p = subprocess.run([str(py if py.exists() else sys.executable), "-m", "bench.failover", *args, "--json"],
+                       cwd=root, capture_output=True, text=True, timeout=3600,
+                       env={**os.environ, "PYTHONPATH": str(root)})
+    if p.returncode != 0:
+        raise RuntimeError(f"bench.failover in {root} failed: {p.stderr[-2000:]}")
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    row = dict(out["rows"][0])
+    if isinstance(row.get("follower_cpu"), list):   # (one figure a follower: their mean)
+        row["follower_cpu"] = sum(row["follower_cpu"]) / max(1, len(row["follower_cpu"]))
+    row["load_avg"] = out.get("load_avg")
+    return row
+
+
+def ab(base: Path, args: list[str], repeat: int) -> dict[str, Any]:
+    """This tree and ``base``, ``repeat`` runs each, alternated (see the module docstring)."""
+    runs: dict[str, list[dict[str, Any]]] = {"new": [], "base": []}
+    for k in range(repeat):
+        for side in (("base", "new") if k % 2 == 0 else ("new", "base")):
+            runs[side].append(_ha_row(ROOT if side == "new" else base, args))
+    med = {side: {key: _median([float(r[key]) for r in rows if isinstance(r.get(key), (int, float))])
+                  for key in AB_KEYS} for side, rows in runs.items()}
+    ratio = {key: (round(n / b, 3) if n is not None and b else None)
+             for key in AB_KEYS for n, b in [(med["new"][key], med["base"][key])]}
+    return {"bench": "failover", "ab": True, "base_root": str(base), "repeat": repeat, "args": args,
+            "medians": med, "ratio_new_over_base": ratio,
+            "loads": [r.get("load_avg") for side in ("base", "new") for r in runs[side]], "runs": runs}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.failover", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=1024)
@@ -545,7 +589,32 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"emulator processes (default: one per {NODES_PER_EMULATOR} nodes)")
     ap.add_argument("--steady-s", type=float, default=10.0, help="the steady-state window measured before the kill")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
+    ap.add_argument("--baseline-root", default=None, metavar="DIR",
+                    help="A/B: run the same command in DIR's tree too, alternated, and print medians and ratios")
+    ap.add_argument("--repeat", type=int, default=2, help="with --baseline-root: runs of each tree")
     ns = ap.parse_args(argv)
+    if ns.baseline_root:
+        if not 1 <= ns.repeat <= 5:
+            ap.error("--repeat must be within 1..5")
+        raw = list(sys.argv[1:] if argv is None else argv)
+        args = []
+        skip = False
+        for a in raw:   # (the same command in each tree, without the A/B options)
+            if skip:
+                skip = False
+                continue
+            if a in ("--baseline-root", "--repeat"):
+                skip = True
+                continue
+            if a == "--json" or a.startswith(("--baseline-root=", "--repeat=")):
+                continue
+            args.append(a)
+        res = ab(Path(ns.baseline_root).resolve(), args, ns.repeat)
+        if ns.json:
+            print(json.dumps(res))
+        else:
+            print(json.dumps({k: res[k] for k in ("medians", "ratio_new_over_base", "loads")}, indent=1))
+        return 0
     if not 16 <= ns.nodes <= 131072:
         ap.error("--nodes must be within 16..131072")
     gang = ns.gang_hosts or ns.nodes // 2

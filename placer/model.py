@@ -337,6 +337,8 @@ class ClusterModel:
         i = self._ensure_row(node_id)
         self._node_healthy[node_id] = bool(healthy)
         self._node_draining[node_id] = bool(draining)
+        if self.node_healthy[i] == bool(healthy) and self.node_draining[i] == bool(draining):
+            return   # (unchanged: a node heard again, the common case; its usable GPUs stand)
         self.node_healthy[i] = bool(healthy)
         self.node_draining[i] = bool(draining)
         self._recompute_usable(np.array([i]))

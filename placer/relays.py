@@ -66,6 +66,7 @@ import trio.lowlevel
 from infra.pki import PKIError
 from infra.tls import Security
 from scheduler_link import enroll, frames, msgauth
+from scheduler_link.follow import answer_beat
 from scheduler_link.frames import FrameChannel, FrameError, check_entries, decode_payload
 from scheduler_link.heartbeat_wire import Hello, WireReply
 from scheduler_link.messages import (
@@ -377,8 +378,9 @@ class RelayHub:
             self.stats.beats += 1
             self.stats.beat_entries += len(b.node_ids)
             now = self.host.clock()
-            return "beat_reply", self.host.apply_beat(b, now if at is None else at, via=via,
-                                                      answered=None if at is None else now)
+            # (a relay's copy wants no answer: a follower answers it only when it has something to say)
+            return answer_beat(ch, f, self.host.apply_beat(b, now if at is None else at, via=via,
+                                                            answered=None if at is None else now))
         if t == "report":
             try:
                 rep = decode_payload(f, NodeReport)

@@ -303,12 +303,15 @@ class AgentLink:
                  relay_hold_s: float = RELAY_HOLD_S, placers: Sequence[str] = (),
                  epochs: Epochs | None = None, enroll: EnrollClient | None = None,
                  enroll_relay_url: str | None = None, on_relay: Callable[[str], None] | None = None,
-                 copies: bool = True) -> None:
+                 copies: bool = True, copy_fold: Callable[[str, NodeReport], bool] | None = None,
+                 copy_leader: Callable[[float], Awaitable[str | None]] | None = None) -> None:
         # every placer known (placer_url may list several, comma-separated): failed over (scheduler_link.placers)
         self.placers = Placers([*placer_url.split(","), *placers])
         self.placer_url = self.placers.current
         # copies of every report to the other placers (scheduler_link.follow): their warm models
         self.copy_to_followers = copies
+        self._copy_fold = copy_fold   # a relay host: its empty heartbeats' copies ride in the relay's beat copies
+        self._copy_leader = copy_leader   # ... and its relay names the placer that leads (Relay.leader_wire)
         self._copies: Copies | None = None
         self._moved_to: str | None = None      # the placer moved to, whose copy connection may be taken
         self._client: httpx.AsyncClient | None = None
@@ -563,8 +566,8 @@ class AgentLink:
                     self._relay_gone(self._relay.url)
                     log.warning("relay failed, reporting to the placer node=%s relay=%s err=%s", self.node_id,
                                 self._relay.url, e)
-                elif not relayed and not isinstance(e, _PlacerError):   # no answer: another placer may lead
-                    self._placer_answered(None, used=at)
+                elif not relayed and not isinstance(e, _PlacerError) and not await self._leader_by_relay(at):
+                    self._placer_answered(None, used=at)   # no answer: another placer may lead
                 if isinstance(e, _Observed) and self._copies is not None and self._wire is not None:
                     self._copies.give_back(e.url, self._wire)
                     self._wire = None
@@ -1188,6 +1191,25 @@ class AgentLink:
 
     async def connect(self, wire_url: str, placer_url: str) -> ReportChannel:
         return await self._wire_connect(wire_endpoint(wire_url, placer_url), self.token or "", self.node_id)
+
+    async def _leader_by_relay(self, used: str) -> bool:
+        """A relay host whose placer went silent asks its relay which placer leads (waiting
+        through a failover: the relay hears the promoted follower first) instead of trying the
+        placers it knows in turn; True when the relay named one this node copies to (moved
+        there, or stays)."""
+        if self._copy_leader is None or self._copies is None:
+            return False
+        wire = await self._copy_leader(self.request_timeout_s)
+        url = next((u for u, f in self._copies.copies.items() if f.wire and wire_endpoint(f.wire, u) == wire), None)
+        if url is None:
+            return False
+        if url != used:
+            self.placers.failed(used, trio.current_time())
+        self._switch(self.placers.learned(url, trio.current_time()), None)
+        return True
+
+    def fold_copy(self, wire_url: str, placer_url: str, rep: NodeReport) -> bool:
+        return self._copy_fold is not None and self._copy_fold(wire_endpoint(wire_url, placer_url), rep)
 
     async def _take_copy(self, url: str) -> None:
         """Moved to the placer at ``url``: when this node's copies there were in step, its next

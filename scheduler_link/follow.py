@@ -18,6 +18,12 @@ sequence check holds without the leader's ever seeing a report twice: a copy nev
 sequence number of its own. Its framed channel is learnt from the follower's 307
 (:func:`follower_wire_of`: a follower names its own channel there).
 
+A relay copies its rack's beats to each follower as frames that want no answer
+(agent.relaycopies): a follower answers one only when it has something to say
+(:func:`answer_beat`: the members it lacks; its epoch, once it leads). A relay host's own empty
+heartbeats ride in those beat copies (:meth:`CopyHost.fold_copy`): one frame a relay and copy
+interval reaches a follower, none comes back.
+
 When the leader goes and the node moves to a follower its copies kept in step (every report
 built was taken there: :meth:`FollowerCopy.caught_up`), the node goes on with its next heartbeat
 over the copy's connection: no full report, no handshake -- the promoted follower already holds
@@ -37,17 +43,36 @@ import trio
 
 from infra import tls
 
+from .frames import FrameChannel, FrameError
 from .heartbeat_wire import WireError, WireReply
-from .messages import NodeReport
+from .messages import Frame, NodeReport, RackBeatReply
 
 log = logging.getLogger("herd.link.follow")
 
-__all__ = ["OBSERVED", "FULL", "Copies", "CopyHost", "FollowerCopy", "follower_wire_of", "is_empty"]
+__all__ = ["OBSERVED", "FULL", "Copies", "CopyHost", "FollowerCopy", "answer_beat", "follower_wire_of", "is_empty"]
 
 OBSERVED = 202   # a follower applied the report (or beat) to its model and acts on nothing
 MAX_QUEUED = 16  # reports waiting for one follower; more, and a full report replaces them
 FULL: Literal["full"] = "full"
 EMPTY_EVERY_BEATS = 2   # an empty heartbeat is copied every this many intervals (the newest; one with news at once)
+
+
+_NOTHING = RackBeatReply()
+
+
+def answer_beat(ch: FrameChannel, f: Frame, reply: RackBeatReply) -> tuple[str, RackBeatReply] | None:
+    """The answer ``reply`` to the rack beat ``f``: returned when ``f`` asks for one (its
+    ``id``); a beat copy that asks for none (agent.relaycopies) is answered only when ``reply``
+    says something (members to send full reports, an epoch: the placer leads), in a
+    ``beat_reply`` frame of its own."""
+    if f.id:
+        return "beat_reply", reply
+    if reply != _NOTHING:
+        try:
+            ch.send("beat_reply", reply)
+        except FrameError:
+            pass
+    return None
 
 
 def is_empty(rep: NodeReport) -> bool:
@@ -204,6 +229,11 @@ class CopyHost(Protocol):
     async def connect(self, wire_url: str, placer_url: str) -> CopyChannel:
         """A framed connection to the channel ``wire_url`` of the placer at ``placer_url``."""
 
+    def fold_copy(self, wire_url: str, placer_url: str, rep: NodeReport) -> bool:
+        """The empty heartbeat ``rep``, copied to that placer, handed to the node's relay to ride
+        in its next beat copy there (agent.relaycopies.RelayCopies.fold): True when taken so
+        (the copy counts as taken), False when it is to be sent as a report."""
+
 
 class Copies:
     """The copies of one node's reports to every other placer it knows (see the module
@@ -297,6 +327,10 @@ class Copies:
                     await self._pause()
                     continue
             rep = self.host.full_copy(f.made_full()) if item == FULL else item
+            if isinstance(item, NodeReport) and not f.flush and f.wire and is_empty(rep) and self.host.fold_copy(f.wire, url, rep):
+                f.answered(rep, OBSERVED, False, trio.current_time())   # (it rides in the relay's beat copy)
+                self._progressed(url)
+                continue
             try:
                 with trio.fail_after(self.host.request_timeout_s):
                     wr = await ch.exchange(rep)

@@ -523,7 +523,8 @@ class EmulatedRack:
             # the leader, and its copies go to every other)
             self.link = host.link = AgentLink(
                 fleet.cfg.placer_url, fleet.tokens.cluster, host.slot.node_id, host, heartbeat_s=hb,
-                wire_connect=self.relay.own_channel,
+                wire_connect=self.relay.own_channel, copy_fold=self.relay.copies.fold,
+                copy_leader=self.relay.leader_wire,
                 http_pool=fleet.http_for(host.slot.node_id), request_timeout_s=fleet.cfg.request_timeout_s,
                 ssl_context=ctx, epochs=epochs, backoff_max_s=max(hb, 1.0))
         self.relay.stalled = hung

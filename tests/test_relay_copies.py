@@ -19,14 +19,23 @@ import trio.testing
 
 from agent.gpus.simulated import SimulatedBackend
 from agent.relay import Relay
-from agent.relaycopies import COPY_BEAT_EVERY, CopyConn, RelayCopies, merged_beat, split_beat
+from agent.relaycopies import (
+    COPY_BEAT_EVERY,
+    COPY_QUEUE,
+    COPY_WINDOW,
+    CopyConn,
+    RelayCopies,
+    merged_beat,
+    split_beat,
+)
 from agent.relaycore import RelayCore
 from infra.auth import TokenSet
 from scheduler_link.agent_link import AgentLink
-from scheduler_link.follow import OBSERVED, Copies
+from scheduler_link.follow import OBSERVED, Copies, answer_beat
 from scheduler_link.frames import FrameChannel, decode_payload
 from scheduler_link.heartbeat_wire import Hello, WireError, WireReply
 from scheduler_link.messages import (
+    Frame,
     NodeReport,
     RackBeat,
     RackBeatReply,
@@ -51,6 +60,7 @@ class FakeFollower(FakePlacer):
         self.hellos = 0
         self.leads = False   # (promoted: it answers as the leader does)
         self.epoch = 0       # ... with this epoch in its answers
+        self.beat_replies = 0   # answers it sent to beat copies that asked for none
 
     def opened(self, hello: Hello, channel: FrameChannel):  # noqa: ANN201
         self.hellos += bool(hello.racks)
@@ -63,13 +73,25 @@ class FakeFollower(FakePlacer):
         return WireReply(status=OBSERVED, reply=wr.reply) if wr.status == 200 and not self.leads else wr
 
     def _frame(self, ch, f):  # noqa: ANN001, ANN201
-        out = super()._frame(ch, f)
-        if f.type == "beat" and self.leads and self.epoch:
-            return "beat_reply", RackBeatReply(epoch=self.epoch)
-        if f.type == "beat" and self.lacks:
+        if f.type == "ping":
+            return "ping", None
+        if f.type != "beat":
+            return super()._frame(ch, f)
+        b = decode_payload(f, RackBeat)
+        if ch.name in b.node_ids:   # (the relay's own entry: its connection names it, no MAC)
+            k = b.node_ids.index(ch.name)
+            self._log(ch.name, "beat", b.seqs[k], False)
+            b = split_beat(b, {ch.name})[1] or RackBeat(rack=b.rack)
+            f = msgspec.structs.replace(f, payload=msgspec.Raw(msgspec.msgpack.encode(b)))
+        super()._frame(ch, f)
+        reply = RackBeatReply()
+        if self.leads and self.epoch:
+            reply = RackBeatReply(epoch=self.epoch)
+        elif self.lacks:
             need, self.lacks = sorted(self.lacks), set()
-            return "beat_reply", RackBeatReply(need_full=need)
-        return out
+            reply = RackBeatReply(need_full=need)
+        self.beat_replies += not f.id and reply != RackBeatReply()
+        return answer_beat(ch, f, reply)   # (a copy wanting no answer: one only when it says something)
 
 
 class Rack:
@@ -315,7 +337,7 @@ class BusyFollower(FakeFollower):
         return super()._frame(ch, f)
 
 
-def _placers_http(follower: FakeFollower) -> httpx.MockTransport:
+def _placers_http(follower: FakeFollower, other: FakeFollower | None = None) -> httpx.MockTransport:
     """The two placers' HTTP side as the relay host's link sees it: placer-b, a follower, names
     its framed channel in its 307 (where the link's copies go); no /healthz answers (no probe
     finds a leader); a report over HTTP is answered as the new leader's (naming its channel)."""
@@ -324,10 +346,14 @@ def _placers_http(follower: FakeFollower) -> httpx.MockTransport:
             if req.url.host == "placer-b":
                 return httpx.Response(307, json={"error": "not the leader", "leader": "http://placer-a",
                                                  "wire": follower.url})
+            if req.url.host == "placer-c" and other is not None:
+                return httpx.Response(307, json={"error": "not the leader", "leader": "http://placer-a",
+                                                 "wire": other.url})
             return httpx.Response(400, json={"error": "malformed report"})
-        if req.url.path.endswith("/report"):
+        if req.url.path.endswith("/report"):   # (as the leader after the failover: ``other`` when given)
+            new = other or follower
             return httpx.Response(200, content=msgspec.json.encode(ReportReply(
-                epoch=follower.epoch, heartbeat_interval_s=0.2, wire_url=follower.url)))
+                epoch=new.epoch, heartbeat_interval_s=0.2, wire_url=new.url)))
         return httpx.Response(503, json={"error": "no leader"})
     return httpx.MockTransport(handle)
 
@@ -386,6 +412,8 @@ class CopyLink:
         self.heartbeat_s = 1.0
         self.request_timeout_s = 10.0
         self.chan = chan
+        self.fold = False             # empty heartbeats ride in the relay's beat copies (a relay host)
+        self.folded: list[int] = []
 
     def copies_on(self) -> bool:
         return True
@@ -398,6 +426,11 @@ class CopyLink:
 
     async def connect(self, wire_url: str, placer_url: str) -> SlowChannel:
         return self.chan
+
+    def fold_copy(self, wire_url: str, placer_url: str, rep: NodeReport) -> bool:
+        if self.fold:
+            self.folded.append(rep.seq)
+        return self.fold
 
 
 class SlowChannel:
@@ -494,3 +527,221 @@ async def test_a_follower_gets_every_other_beat_merged_and_each_at_once_while_no
     bad = RackBeat(rack="z/b/r1", node_ids=["m0", "m1"], boot_ids=["boot-m0"], seqs=[1, 1], macs=[])
     good = _rack_beat({"m2": 1})
     assert merged_beat(bad, good) is good and split_beat(bad, {"m0"}) == (bad, None)
+
+
+class FarEnd:
+    """A follower's end of a copy connection, in process: records the frames it gets, answers a
+    ping (unless ``silent``: never), a report batch with 202s, a beat copy with ``reply`` the way
+    a follower does (scheduler_link.follow.answer_beat)."""
+
+    def __init__(self) -> None:
+        self.got: list[tuple[str, int]] = []
+        self.beats: list[RackBeat] = []
+        self.silent = False
+        self.reply = RackBeatReply()
+
+    def handle(self, ch: FrameChannel, f: Frame):  # noqa: ANN201
+        self.got.append((f.type, f.id))
+        if f.type == "ping":
+            return _silent() if self.silent else ("ping", None)
+        if f.type == "reports":
+            return "replies", [WireReply(status=OBSERVED)] * len(decode_payload(f, RackReports).reports)
+        if f.type == "beat":
+            self.beats.append(decode_payload(f, RackBeat))
+        return answer_beat(ch, f, self.reply)
+
+    def count(self, kind: str) -> int:
+        return sum(k == kind for k, _ in self.got)
+
+
+class Heard:
+    """What a relay's copies hand on (RelayCopies' callbacks)."""
+
+    def __init__(self) -> None:
+        self.need: list[str] = []
+        self.leader: list[int] = []
+        self.leads: list[tuple[str, int]] = []
+
+    def copies(self, a: trio.abc.Stream, timeout_s: float = 2.0) -> RelayCopies:
+        async def open_conn(url: str) -> FrameChannel:
+            return FrameChannel(a, name="r")
+        return RelayCopies(open_conn=open_conn, handler=lambda ch, f: None,
+                           need_full=lambda ids, inv: self.need.extend(ids),
+                           leader_beat=lambda r: self.leader.append(r.epoch), leader_reports=lambda reps, ans: None,
+                           leads=lambda url, epoch: self.leads.append((url, epoch)), timeout_s=timeout_s)
+
+
+def _beats(copies: RelayCopies, copies_n: int, seq0: int = 1) -> None:
+    """``copies_n`` beat copies' worth of rack beats (COPY_BEAT_EVERY each), sent up elsewhere."""
+    for s in range(seq0, seq0 + copies_n * COPY_BEAT_EVERY):
+        copies.copy("beat", _rack_beat({"m0": s, "m1": s}), "tcp://leader")
+
+
+async def test_beat_copies_want_no_answer_and_a_follower_answers_only_what_it_must(autojump_clock) -> None:  # noqa: ANN001
+    """Beat copies go as frames that want no answer, COPY_WINDOW at most before a ping asks
+    whether the follower reads: a follower with nothing to say sends back only the pings'
+    answers. What it must say comes in a beat answer of its own: the members it lacks (asked
+    for), its epoch once it leads (taken as a leader's answer)."""
+    a, b = trio.testing.memory_stream_pair()
+    heard, far = Heard(), FarEnd()
+    async with trio.open_nursery() as n:
+        copies = heard.copies(a)
+        copies.start(n)
+        ch = await copies.channel("tcp://f")
+        fch = FrameChannel(b, name="f")
+        n.start_soon(fch.run, far.handle)
+        _beats(copies, 2 * COPY_WINDOW)
+        await trio.testing.wait_all_tasks_blocked()
+        assert far.count("beat") == 2 * COPY_WINDOW and far.count("ping") == 2 == copies.pings
+        assert all(rid == 0 for k, rid in far.got if k == "beat")
+        assert ch.frames_in == 2 and fch.frames_out == 2   # (the pings' answers, nothing else)
+        assert [bt.seqs for bt in far.beats[:2]] == [[2, 2], [4, 4]]
+        far.reply = RackBeatReply(need_full=["m1"])
+        _beats(copies, 1, 100)
+        await trio.testing.wait_all_tasks_blocked()
+        assert heard.need == ["m1"] and not heard.leader
+        far.reply = RackBeatReply(epoch=5)
+        _beats(copies, 1, 200)
+        await trio.testing.wait_all_tasks_blocked()
+        assert heard.leader == [5] and heard.leads == [("tcp://f", 5)] and heard.need == ["m1"]
+        assert copies.stuck == 0 and "tcp://f" in copies.conns
+        n.cancel_scope.cancel()
+
+
+async def test_a_follower_that_reads_nothing_is_closed_after_one_window_and_its_queue_stays_bounded(
+        autojump_clock) -> None:  # noqa: ANN001
+    """A follower that answers no ping (stuck, its connection open): COPY_WINDOW beat copies go,
+    then one ping; what the relay copies meanwhile waits, COPY_QUEUE frames at most (the oldest
+    dropped and counted); the ping unanswered for the relay's request timeout, the connection
+    is closed and counted ``stuck``, and nothing more is copied there."""
+    a, b = trio.testing.memory_stream_pair()
+    heard, far = Heard(), FarEnd()
+    far.silent = True
+    async with trio.open_nursery() as n:
+        copies = heard.copies(a, timeout_s=2.0)
+        copies.start(n)
+        await copies.channel("tcp://f")
+        n.start_soon(FrameChannel(b, name="f").run, far.handle)
+        t0 = trio.current_time()
+        _beats(copies, COPY_WINDOW)
+        await trio.testing.wait_all_tasks_blocked()
+        _beats(copies, COPY_QUEUE + 5, 1000)
+        c = copies.conns["tcp://f"]
+        assert far.count("beat") == COPY_WINDOW and far.count("ping") == 1
+        assert len(c.queue) == COPY_QUEUE and copies.drops == 5
+        await trio.sleep(2.0)
+        await trio.testing.wait_all_tasks_blocked()
+        assert copies.stuck == 1 and "tcp://f" not in copies.conns and trio.current_time() - t0 == 2.0
+        assert c.ch.close_code == "stuck"
+        _beats(copies, 2)
+        await trio.testing.wait_all_tasks_blocked()
+        assert far.count("beat") == COPY_WINDOW
+        n.cancel_scope.cancel()
+
+
+async def test_the_relay_hosts_own_heartbeats_ride_in_its_beat_copies(autojump_clock) -> None:  # noqa: ANN001
+    """The relay host's own empty heartbeat, copied to a follower, rides in the next beat copy
+    there as the relay's own entry (no MAC); one not carried yet goes on its own when the next
+    comes, and before a report of the host's (the follower sees its sequence in order); the
+    follower's asking for the host's full report makes the next heartbeat go as a report."""
+    a, b = trio.testing.memory_stream_pair()
+    heard, far = Heard(), FarEnd()
+    async with trio.open_nursery() as n:
+        copies = heard.copies(a)
+        copies.start(n)
+        await copies.channel("tcp://f")
+        n.start_soon(FrameChannel(b, name="f").run, far.handle)
+
+        def own(seq: int) -> NodeReport:
+            return NodeReport(node_id="r", boot_id="br", seq=seq, full=False)
+        assert not copies.fold("tcp://other", own(1))   # (no copy connection there: the link sends it)
+        assert copies.fold("tcp://f", own(1))
+        _beats(copies, 1)
+        await trio.testing.wait_all_tasks_blocked()
+        [bt] = far.beats
+        assert bt.node_ids == ["m0", "m1", "r"] and bt.seqs == [2, 2, 1] and bt.macs[-1] == b""
+        assert copies.fold("tcp://f", own(2)) and copies.fold("tcp://f", own(3))   # (2 goes at once, alone)
+        copies.flush_own("tcp://f")                                               # (3 before a report)
+        await trio.testing.wait_all_tasks_blocked()
+        assert [(x.node_ids, x.seqs) for x in far.beats[1:]] == [(["r"], [2]), (["r"], [3])]
+        assert far.beats[1].rack == "z/b/r1" and copies.folded == 3
+        far.reply = RackBeatReply(need_full=["m0", "r"])
+        assert copies.fold("tcp://f", own(4))
+        _beats(copies, 1, 10)
+        await trio.testing.wait_all_tasks_blocked()
+        assert heard.need == ["m0"]                       # (the host's own is its link's to send)
+        assert not copies.fold("tcp://f", own(5)) and copies.fold("tcp://f", own(6))
+        n.cancel_scope.cancel()
+
+
+async def test_a_relay_hosts_link_hands_its_empty_heartbeat_copies_to_the_relay(autojump_clock) -> None:  # noqa: ANN001
+    """A node whose relay carries its empty heartbeats to a follower (CopyHost.fold_copy) sends
+    them no report: each counts as taken; a report with news goes as a report; and the last copy
+    before a move there goes as a report (it must be taken there before the node goes on)."""
+    chan = SlowChannel()
+    link = CopyLink(chan)
+    link.fold = True
+    async with trio.open_nursery() as n:
+        copies = Copies(link, n, random.Random(1), empty_every_s=1.0)
+        urls = ["http://a", "http://b"]
+        copies.offer(NodeReport(node_id="n", boot_id="b", seq=1, full=True), urls)
+        await trio.testing.wait_all_tasks_blocked()
+        assert chan.seen == [1]
+        for seq in (2, 3, 4):
+            copies.offer(NodeReport(node_id="n", boot_id="b", seq=seq, full=False), urls)
+            await trio.sleep(1.5)
+        assert chan.seen == [1] and link.folded == [2, 3, 4] and copies.copies["http://b"].taken == 4
+        copies.offer(NodeReport(node_id="n", boot_id="b", seq=5, events=[
+            WorkloadEvent(workload_id="w", job_id="j", state="running", at=0.0)]), urls)
+        await trio.testing.wait_all_tasks_blocked()
+        assert chan.seen == [1, 5]
+        copies.offer(NodeReport(node_id="n", boot_id="b", seq=6, full=False), urls)
+        link.placer_url = "http://b"
+        assert await copies.take("http://b", 5.0) is chan
+        assert chan.seen == [1, 5, 6] and link.folded == [2, 3, 4]
+        n.cancel_scope.cancel()
+
+
+async def test_the_relay_hosts_own_link_asks_its_relay_who_leads_and_moves_once(
+        tmp_path: Path, token_dir: Path) -> None:
+    """Three placers: the leader (placer-a) goes, placer-c is promoted, placer-b still follows.
+    The relay host's own link, its placer gone, asks its relay who leads rather than trying the
+    placers in turn (placer-b next): the relay hears it first (placer-c answers its beat copy
+    with its epoch) and names it, and the link moves there once, over its copy connection -- no
+    handover to placer-b, no full report."""
+    tokens = TokenSet.load(token_dir)
+    leader, fb, fc = FakePlacer(tokens), FakeFollower(tokens), FakeFollower(tokens)
+    rack = Rack(tokens, leader, fb, request_timeout_s=5.0)
+    http = httpx.AsyncClient(transport=_placers_http(fb, fc))
+    with trio.fail_after(40):
+        async with http, trio.open_nursery() as n:
+            fc.url = await n.start(fc.server.run, "127.0.0.1:0")
+            relay, _ = await rack.start(n, 2)
+            fc.master, fc.relay_url = leader.master, relay.listen_url
+            host = AgentLink("http://placer-a,http://placer-b,http://placer-c", tokens.cluster, "r1", Hooks(),
+                             heartbeat_s=0.2, wire_url=leader.url, wire_connect=relay.own_channel, http=http,
+                             own_relay_url=relay.listen_url, request_timeout_s=5.0, copy_fold=relay.copies.fold,
+                             copy_leader=relay.leader_wire)
+            host.full_every = 0
+            await n.start(host.run)
+
+            def copied() -> bool:
+                st = host.statistics()["follower_copies"]
+                return (st is not None and len(st["placers"]) == 2 and all(p["taken"] >= 3 for p in st["placers"])
+                        and relay.copies.folded >= 2)   # (its empty heartbeats ride in the relay's beat copies)
+            with trio.fail_after(10):
+                await poll(copied, 0.02)
+            assert len(relay.copies.conns) == 2
+            fulls = host.full_reports_sent
+            # the leader goes, none named yet; placer-c is promoted
+            fc.leads, fc.epoch = True, 9
+            rack.up = ""
+            await leader.relays["r1"].aclose()
+            with trio.fail_after(15):
+                await poll(lambda: host.placer_url == "http://placer-c" and host.registered
+                           and relay._up_url == fc.url, 0.02)
+            seen = len(fc.seen["r1"])
+            await fc.until(lambda: len(fc.seen["r1"]) > seen + 2, "the host goes on at the new leader")
+            assert host.statistics()["follower_copies"]["handovers"] == 1, host.statistics()
+            assert host.full_reports_sent == fulls
+            n.cancel_scope.cancel()
