@@ -52,6 +52,7 @@ import msgspec
 
 # re-exported: the agent's callers import it from here
 from infra.durable import atomic_write as atomic_write
+from infra.durable import write_all_at as write_all_at
 from scheduler_link.messages import TERMINAL_STATES, Peer, PlacementAck, RestartPolicy, WorkloadStatus
 
 log = logging.getLogger("herd.agent.state")
@@ -169,14 +170,6 @@ def read_frames(data: bytes) -> tuple[list[tuple[int, bytes]], int]:
 _decoder = msgspec.json.Decoder(AgentState)
 _delta_decoder = msgspec.json.Decoder(StateDelta)
 _encoder = msgspec.json.Encoder()
-
-
-def write_all_at(fd: int, data: bytes | bytearray, offset: int) -> None:
-    """``data`` at ``offset`` of ``fd``, all of it (``os.pwrite`` may write less than asked)."""
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 class StateCorrupt(ValueError):

@@ -50,6 +50,14 @@ def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
             view = view[n:]
 
 
+def write_all_at(fd: int, data: bytes | bytearray | memoryview, offset: int) -> None:
+    """Write every byte of ``data`` to ``fd`` at ``offset`` (``os.pwrite`` may write less than asked)."""
+    with memoryview(data) as view:
+        while view:
+            n = os.pwrite(fd, view, offset)
+            view, offset = view[n:], offset + n
+
+
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     """fsync a directory: makes the entries created, renamed or removed in it durable."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)

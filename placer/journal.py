@@ -1,4 +1,4 @@
-"""The placer's job journal: an append-only, fsynced file of job submissions and ends.
+"""The placer's job journal: an append-only, synced file of job submissions and ends.
 
 It holds jobs (spec, priority, restart policy), never allocations: after a restart
 the allocations come back only from the agents' reports (see ``placer.state``).
@@ -8,7 +8,7 @@ or ``{"v": 1, "op": "end", "at": T, "job_id": ..., "state": ...}`` (appended wit
 of its own and made durable by the next :meth:`Journal.flush`, which the placer starts at
 once, off its event loop), or
 ``{"v": 1, "op": "cordon", "node_id": ..., "on": true, "reason": ...}`` (an operator's
-cordon or uncordon, fsynced; the last one per node wins), or
+cordon or uncordon, synced; the last one per node wins), or
 ``{"v": 1, "op": "attempt", "job_id": ..., "attempt": N}`` — the attempt counter only
 (never where it runs), appended without fsync of its own (the placer flushes the journal
 before an attempt's placements leave): after a crash it keeps a re-placed job from reusing
@@ -27,6 +27,19 @@ Compaction keeps them as ``attempt`` records of jobs that are not live. A torn l
 (a crash mid-append) is ignored on load; a corrupt line elsewhere is an error, since it
 means the file was edited or damaged and silently dropping jobs would lose work.
 On open, a journal whose ended jobs dominate is compacted (temp file, fsync, rename).
+
+Pre-allocated, like the agent's state log (agent.state): the records are followed by zeros
+(:data:`PREALLOC_BYTES`, written and synced at open, off the submit path) and each record is
+written over them in place, made durable with ``fdatasync``. A sync after an append that grows
+the file must commit the filesystem's journal (the size changed: on ext4 a journal write and
+a second device flush, with every other fsync on the disk queued behind the commit), and a
+job's placements wait for that sync; over blocks already written it flushes the data alone
+(the mtime it leaves behind is not needed to read the records back). A record that runs past
+the zeros grows the file by another :data:`PREALLOC_BYTES` of them in the same write. Reading
+stops at the first zero byte (JSON text holds none): what lies beyond is zeros or the rest of
+a write a crash cut short, never acknowledged (its sync had not returned, and no later write
+began before it did); open writes zeros over such a rest, so later records never run into
+it. A placer of the earlier layout reads the zeros as a torn last line and drops them.
 """
 
 from __future__ import annotations
@@ -39,7 +52,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from infra.durable import atomic_write
+from infra.durable import atomic_write, write_all_at
 from scheduler_link.messages import JobSpec
 
 from .errors import JournalError
@@ -55,6 +68,8 @@ FIRST_ATTEMPT = 1
 # one of their ids continues the counter. Bounded by count, not time: each is a few dozen
 # bytes, and an agent remembers a job's placements (its acks and terminal records) by count too.
 KEEP_ENDED_ATTEMPTS = 10_000
+# zeros the journal is made of past its records, and grown by when a record runs past them
+PREALLOC_BYTES = 256 << 10
 
 
 def keep_ended(ended: OrderedDict[str, int], job_id: str, attempt: int) -> list[str]:
@@ -94,13 +109,15 @@ class Journal:
 
     def __init__(self, path: Path, live: dict[str, JobSpec], fd: int,
                  attempts: dict[str, int] | None = None, cordons: dict[str, str] | None = None,
-                 ended: OrderedDict[str, int] | None = None) -> None:
+                 ended: OrderedDict[str, int] | None = None, *, end: int = 0, alloc: int = 0) -> None:
         self.path = path
         self._live = live
         self.attempts = attempts or {}
         self.ended_attempts: OrderedDict[str, int] = ended if ended is not None else OrderedDict()  # job id -> last attempt
         self.cordons = cordons or {}   # node id -> reason, for the nodes cordoned now
         self._fd = fd
+        self._end = end       # where the next record goes: the records, then zeros ...
+        self._alloc = alloc   # ... up to here (the file's size)
         self.appends = 0
         self.synced = 0       # appends known durable (group commit)
         self.fsyncs = 0
@@ -119,13 +136,17 @@ class Journal:
         ended: OrderedDict[str, int] = OrderedDict()   # ended jobs' last attempts (bounded)
         cordons: dict[str, str] = {}
         total = 0
-        torn_at: int | None = None
+        raw = b""
+        end = 0   # where the records end (a torn last one left out)
         if path.exists():
             try:
                 raw = path.read_bytes()
             except OSError as e:
                 raise JournalError(f"cannot read journal {path}: {e.strerror}") from None
-            lines = raw.split(b"\n")
+            zero = raw.find(0)
+            body = raw if zero < 0 else raw[:zero]
+            end = len(body)
+            lines = body.split(b"\n")
             for i, line in enumerate(lines):
                 if not line.strip():
                     continue
@@ -134,7 +155,7 @@ class Journal:
                 except (msgspec.DecodeError, msgspec.ValidationError) as e:
                     if i == len(lines) - 1:
                         log.warning("journal: dropping a torn last line path=%s", path)
-                        torn_at = len(raw) - len(line)
+                        end = len(body) - len(line)
                         continue
                     raise JournalError(f"journal {path} line {i + 1} is corrupt: {e}") from None
                 if rec.v != JOURNAL_VERSION:
@@ -161,23 +182,46 @@ class Journal:
             attempts = {k: max(attempts.get(k, 0), FIRST_ATTEMPT) for k in live}
             # (an ended job's kept counter is one small line after compaction: counted once)
             if total > 64 and total > 4 * (len(live) + len(cordons)) + len(ended):
-                cls._compact(path, live, attempts, cordons, ended)  # rewrites the file whole: nothing torn is left
-                torn_at, raw = None, b"\n"
+                # rewritten whole, followed by its zeros: nothing torn is left
+                raw = cls._compact(path, live, attempts, cordons, ended)
+                end = len(raw) - PREALLOC_BYTES
 
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-            if torn_at is not None:  # later appends must not glue onto the torn bytes
-                os.ftruncate(fd, torn_at)
-                os.fsync(fd)
-            elif path.stat().st_size and not raw.endswith(b"\n"):
-                os.write(fd, b"\n")  # a complete last record that lost only its newline
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                end, alloc = cls._prepare_tail(fd, raw, end)
+            except BaseException:
+                os.close(fd)
+                raise
         except OSError as e:
             raise JournalError(f"cannot open journal {path}: {e.strerror}") from None
-        return cls(path, live, fd, attempts, cordons, ended)
+        return cls(path, live, fd, attempts, cordons, ended, end=end, alloc=alloc)
+
+    @staticmethod
+    def _prepare_tail(fd: int, raw: bytes, end: int) -> tuple[int, int]:
+        """Make the file past its records (``raw[:end]``) zeros, written and synced (module
+        docstring): the zeros already there are kept; stale bytes of a torn write are written
+        over; a file with none gets :data:`PREALLOC_BYTES`. Returns (where the next record goes,
+        the file's size). A complete last record that lost only its newline gets it back."""
+        wrote = False
+        if end and raw[end - 1:end] != b"\n":
+            write_all_at(fd, b"\n", end)
+            end += 1
+            wrote = True
+        tail = raw[end:]
+        if tail and tail.count(0) == len(tail):
+            if wrote:
+                os.fdatasync(fd)
+            return end, len(raw)
+        alloc = end + max(len(tail), PREALLOC_BYTES)
+        write_all_at(fd, bytes(alloc - end), end)   # over a torn rest too: nothing stale stays
+        os.fsync(fd)
+        return end, alloc
 
     @staticmethod
     def _compact(path: Path, live: dict[str, JobSpec], attempts: dict[str, int],
-                 cordons: dict[str, str] | None = None, ended: OrderedDict[str, int] | None = None) -> None:
+                 cordons: dict[str, str] | None = None, ended: OrderedDict[str, int] | None = None) -> bytes:
+        """The journal rewritten with only what is live (and its zeros); returns its bytes."""
         out = bytearray()
         for node_id, reason in sorted((cordons or {}).items()):
             out += msgspec.json.encode(Record(op="cordon", at=0.0, node_id=node_id, on=True, reason=reason)) + b"\n"
@@ -188,28 +232,37 @@ class Journal:
             if attempts.get(spec.job_id, 0) > FIRST_ATTEMPT:
                 out += msgspec.json.encode(Record(op="attempt", at=0.0, job_id=spec.job_id,
                                                   attempt=attempts[spec.job_id])) + b"\n"
+        out += bytes(PREALLOC_BYTES)
         atomic_write(path, out)   # temp, fsync, rename, fsync of the directory
         log.info("journal compacted path=%s live=%d", path, len(live))
+        return bytes(out)
 
     def jobs(self) -> list[JobSpec]:
         return list(self._live.values())
 
     def _append(self, rec: Record, *, sync: bool = True) -> None:
+        """One record over the zeros (grown by more of them in the same write when it runs
+        past them), ``fdatasync``'d unless ``sync=False`` (module docstring)."""
         data = msgspec.json.encode(rec) + b"\n"
+        end = self._end + len(data)
+        if end > self._alloc:
+            data += bytes(PREALLOC_BYTES)
         try:
-            os.write(self._fd, data)
+            write_all_at(self._fd, data, self._end)
             if sync:
-                os.fsync(self._fd)
+                os.fdatasync(self._fd)
         except OSError as e:
             raise JournalError(f"cannot append to journal {self.path}: {e.strerror}") from None
+        self._alloc = max(self._alloc, self._end + len(data))
+        self._end = end
         self.appends += 1
         if sync:
             self.synced = self.appends
             self.fsyncs += 1
 
     def submitted(self, spec: JobSpec, at: float, *, sync: bool = True) -> int:
-        """Append a submission (fsynced unless ``sync=False``: then :meth:`flush` makes it
-        durable, one fsync for every append before it). Returns the attempts its id used
+        """Append a submission (synced unless ``sync=False``: then :meth:`flush` makes it
+        durable, one fdatasync for every append before it). Returns the attempts its id used
         before (0: a new id; an ended job's kept counter; a live job's own, when its spec is
         replaced): its first placement is that attempt + 1."""
         jid = spec.job_id
@@ -223,7 +276,7 @@ class Journal:
 
     async def flush(self) -> None:
         """Group commit: make every append so far durable. Concurrent callers share one
-        fsync, run in a worker thread so the event loop keeps serving."""
+        fdatasync, run in a worker thread so the event loop keeps serving."""
         import trio
 
         target = self.appends
@@ -235,9 +288,9 @@ class Journal:
             upto = self.appends
             try:
                 if self.sync_in_thread:
-                    await trio.to_thread.run_sync(os.fsync, self._fd)
+                    await trio.to_thread.run_sync(os.fdatasync, self._fd)
                 else:
-                    os.fsync(self._fd)
+                    os.fdatasync(self._fd)
             except OSError as e:
                 raise JournalError(f"cannot sync journal {self.path}: {e.strerror}") from None
             self.synced = max(self.synced, upto)
@@ -251,7 +304,7 @@ class Journal:
             self.attempts[job_id] = attempt
 
     def cordon(self, node_id: str, on: bool, at: float, reason: str = "") -> None:
-        """Record a cordon (``on``) or an uncordon, fsynced: it must outlive a restart."""
+        """Record a cordon (``on``) or an uncordon, synced: it must outlive a restart."""
         self._append(Record(op="cordon", at=at, node_id=node_id, on=on, reason=reason))
         if on:
             self.cordons[node_id] = reason
@@ -259,7 +312,7 @@ class Journal:
             self.cordons.pop(node_id, None)
 
     def ended(self, job_id: str, state: str, at: float) -> None:
-        """One job's end, fsynced before this returns (recovery's dropped jobs)."""
+        """One job's end, synced before this returns (recovery's dropped jobs)."""
         if job_id in self._live:
             self._append(Record(op="end", at=at, job_id=job_id, state=state))
             self._live.pop(job_id, None)

@@ -39,3 +39,11 @@ def test_state_append_row_times_both_layouts() -> None:
     out = bench_state_appends(rounds=2, writers=2)
     assert out["state_appends"] == 4
     assert out["state_append_p50_ms"] > 0 and out["state_append_growing_p50_ms"] > 0
+
+
+def test_journal_sync_row_times_both_layouts() -> None:
+    from bench.link import bench_journal_syncs
+
+    out = bench_journal_syncs(rounds=2)
+    assert out["journal_syncs"] == 2
+    assert out["journal_sync_p50_ms"] > 0 and out["journal_sync_growing_p50_ms"] > 0

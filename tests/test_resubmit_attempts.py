@@ -58,9 +58,9 @@ async def test_the_file_journal_keeps_an_ended_jobs_attempts_for_its_resubmissio
         j.submitted(spec(f"c{i}"), 11.0, sync=False)
         j.ended_many([(f"c{i}", "succeeded", 12.0)])
     j.close()
-    size = (tmp_path / "jobs.journal").stat().st_size
+    size = len((tmp_path / "jobs.journal").read_bytes().split(b"\0")[0])  # its records (zeros follow)
     j = Journal.open(tmp_path)
-    assert (tmp_path / "jobs.journal").stat().st_size < size   # it was compacted
+    assert len((tmp_path / "jobs.journal").read_bytes().split(b"\0")[0]) < size   # it was compacted
     assert j.ended_attempts["a"] == 4 and j.ended_attempts["b"] == 1 and len(j.ended_attempts) == 42
     assert j.submitted(spec("a"), 13.0) == 4
     j.close()
