@@ -91,13 +91,16 @@ sys.path.insert(0, str(ROOT))
 
 from cli.demo_ha import LocalEtcd, free_port  # noqa: E402
 from infra.auth import TokenSet, generate_token_dir  # noqa: E402
+from infra.pki import throwaway  # noqa: E402
 from placer.config import PlacerConfig  # noqa: E402
 from placer.errors import EtcdError  # noqa: E402
 from placer.etcd import EtcdClient, prefix_end  # noqa: E402
-from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, proc_cpu_s  # noqa: E402
+from testing.harness import EmulatorProc, PlacerOptions, PlacerProc, proc_cpu_s, verify  # noqa: E402
 
 TTL = 2
 HEARTBEAT_S = 1.0
+HEARTBEAT_LARGE_S = 5.0   # the fleet's beat from LARGE_FROM nodes (a production interval: 1 s beats to three
+LARGE_FROM = 65536        # placers from 131,072 nodes are ~400k entries a second on this host's two cores)
 RELAYS_FROM = 4096        # the relay path is the default from this many nodes
 NODES_PER_EMULATOR = 8192
 NODES_PER_RACK = 32       # (the h100 fleet shape: testing.fleet)
@@ -341,38 +344,45 @@ async def _steady(c: httpx.AsyncClient, placers: list[Placer], first: Placer, em
 
 
 async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: float, relays: bool = False,
-                   emulators: int = 1, steady_s: float = 10.0) -> dict[str, Any]:
-    """One measured kill: three placers on etcd (``ha``), or one placer restarted cold."""
+                   emulators: int = 1, steady_s: float = 10.0, heartbeat_s: float = HEARTBEAT_S,
+                   tls: bool = False) -> dict[str, Any]:
+    """One measured kill: three placers on etcd (``ha``), or one placer restarted cold; with
+    ``tls`` every placer, relay and member speaks mutual TLS (a throwaway cluster CA)."""
     token_dir = generate_token_dir(tmp / "tokens")
+    pki = throwaway(tmp / "pki").dir if tls else None
     op = {"authorization": f"Bearer {TokenSet.load(token_dir).operator}"}
     etcd = LocalEtcd(tmp / "etcd", 3) if ha else None
     placers: list[Placer] = []
     emus: list[EmulatorProc] = []
     out: dict[str, Any] = {"mode": "ha-3-placers" if ha else "single-placer-restart", "nodes": n,
-                           "gang_hosts": gang_hosts, "path": "relays" if relays else "direct"}
+                           "gang_hosts": gang_hosts, "path": "relays" if relays else "direct", "tls": tls,
+                           "heartbeat_s": heartbeat_s}
     try:
         if etcd is not None:
             etcd.start()
-        placers = [Placer(tmp / f"p{i}", token_dir, etcd.endpoints if etcd else None, recover_s, relays=relays)
+        placers = [Placer(tmp / f"p{i}", token_dir, etcd.endpoints if etcd else None, recover_s, relays=relays,
+                          tls_dir=pki, heartbeat_s=heartbeat_s)
                    for i in range(3 if ha else 1)]
         for p in placers:
             p.start()
         for p in placers:
             await p.ready()
-        async with httpx.AsyncClient(headers=op) as c, trio.open_nursery() as watch_nursery:
+        async with httpx.AsyncClient(headers=op, verify=verify(pki)) as c, trio.open_nursery() as watch_nursery:
             first = await _leader(c, placers, 60) if ha else placers[0]
             epoch0 = ((await _health(c, first.url)) or {}).get("ha", {}).get("epoch") if ha else None
             # the emulated fleet, told every placer (the harness's entry point, its --placer widened);
             # on the relay path the members register with the first leader's channel, as a fleet
             # that starts under one leader (the relay hosts' links find any other)
-            proxy = PlacerProc(tmp / "unused", token_dir, PlacerOptions(heartbeat_s=HEARTBEAT_S))
+            proxy = PlacerProc(tmp / "unused", token_dir, PlacerOptions(heartbeat_s=heartbeat_s))
             proxy.url = ",".join(p.url for p in placers)
             proxy.wire_url = first.wire_url
             per = -(-n // emulators // NODES_PER_RACK) * NODES_PER_RACK   # (whole racks a process)
             for k, off in enumerate(range(0, n, per)):
                 e = EmulatorProc(proxy, token_dir, nodes=min(per, n - off), offset=off, known_wire=relays,
-                                 mux=8 if relays else 0, log_path=tmp / f"emu{k}.log",
-                                 extra=["--relays"] if relays else None, nice=EMULATOR_NICE if relays else 0)
+                                 mux=8 if relays else 0, log_path=tmp / f"emu{k}.log", tls_dir=pki,
+                                 extra=[*(["--relays"] if relays else []),
+                                        *(["--tls-threads", str(max(8, 32 // emulators))] if tls else [])] or None,
+                                 nice=EMULATOR_NICE if relays else 0)
                 await e.__aenter__()
                 emus.append(e)
             for e in emus:
@@ -390,7 +400,7 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
             await _submit(c, [first.url], gang, 30)
             g = await _job(c, first.url, "gang", "running", 120)
             assert g["state"] == "running", g
-            await trio.sleep(2 * HEARTBEAT_S)   # the running events in
+            await trio.sleep(2 * heartbeat_s)   # the running events in
             if ha:   # the first leader led through the fleet's registration and the gang, on one lease
                 h = ((await _health(c, first.url)) or {}).get("ha", {})
                 out["leader_kept"] = bool(h.get("placing")) and h.get("epoch") == epoch0
@@ -419,7 +429,7 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
                 steps = ((await _health(c, nxt.url)) or {}).get("ha", {}).get("promotion", {})
                 out["key_deleted_s"] = round(deletion.at - t0, 3) if deletion is not None and deletion.at else None
                 out["promotion_s"] = {k: round(v - t0, 3) for k, v in steps.items() if k != "joined"}
-            await trio.sleep(2 * HEARTBEAT_S)
+            await trio.sleep(2 * heartbeat_s)
             after = await _emu_stats(c, emus, "gang")
             jobs = {j["job_id"] for j in (await c.get(nxt.url + "/v1/jobs", timeout=10)).json()["jobs"]}
             out.update({
@@ -447,15 +457,16 @@ async def run_once(n: int, gang_hosts: int, tmp: Path, *, ha: bool, recover_s: f
 
 
 async def run_all(n: int, gang_hosts: int, baseline: bool, recover_s: float, workdir: str | None = None, *,
-                  relays: bool = False, emulators: int = 1, steady_s: float = 10.0) -> dict[str, Any]:
+                  relays: bool = False, emulators: int = 1, steady_s: float = 10.0, heartbeat_s: float = HEARTBEAT_S,
+                  tls: bool = False) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="herd-failover-") as d:
         root = Path(workdir or d)   # --workdir: the logs stay there
         for name, ha in [("ha", True), ("single", False)][:2 if baseline else 1]:
             rows.append(await run_once(n, gang_hosts, root / name, ha=ha, recover_s=recover_s, relays=relays,
-                                       emulators=emulators, steady_s=steady_s))
+                                       emulators=emulators, steady_s=steady_s, heartbeat_s=heartbeat_s, tls=tls))
     out: dict[str, Any] = {"bench": "failover", "cores": os.cpu_count(), "lease_ttl_s": TTL, "recover_s": recover_s,
-                           "heartbeat_s": HEARTBEAT_S, "load_avg": round(os.getloadavg()[0], 2), "rows": rows}
+                           "heartbeat_s": heartbeat_s, "tls": tls, "load_avg": round(os.getloadavg()[0], 2), "rows": rows}
     if len(rows) == 2:   # the emulators' CPU with two followers less theirs with one placer (same fleet)
         added = rows[0]["emu_cpu"] - rows[1]["emu_cpu"]
         out["relays_added_cpu"] = round(added, 3)
@@ -588,6 +599,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--emulators", type=int, default=None,
                     help=f"emulator processes (default: one per {NODES_PER_EMULATOR} nodes)")
     ap.add_argument("--steady-s", type=float, default=10.0, help="the steady-state window measured before the kill")
+    ap.add_argument("--heartbeat", type=float, default=None,
+                    help=f"the fleet's heartbeat interval (s; default {HEARTBEAT_S}, {HEARTBEAT_LARGE_S} from "
+                         f"{LARGE_FROM} nodes)")
+    ap.add_argument("--tls", action="store_true",
+                    help="mutual TLS between every placer, relay and member (a throwaway cluster CA)")
     ap.add_argument("--json", action="store_true", help="print exactly one JSON object")
     ap.add_argument("--baseline-root", default=None, metavar="DIR",
                     help="A/B: run the same command in DIR's tree too, alternated, and print medians and ratios")
@@ -631,7 +647,9 @@ def main(argv: list[str] | None = None) -> int:
         emulators = ns.emulators or max(1, -(-ns.nodes // NODES_PER_EMULATOR))
         try:
             out = trio.run(partial(run_all, ns.nodes, gang, not ns.no_baseline, ns.recover_s, ns.workdir,
-                                   relays=relays, emulators=emulators, steady_s=ns.steady_s))
+                                   relays=relays, emulators=emulators, steady_s=ns.steady_s,
+                                   heartbeat_s=ns.heartbeat or (HEARTBEAT_LARGE_S if ns.nodes >= LARGE_FROM
+                                                                else HEARTBEAT_S), tls=ns.tls))
         except BaseExceptionGroup as eg:
             lost, rest = eg.split(LeaderLost)
             if lost is None or rest is not None:
