@@ -39,6 +39,7 @@ kept their relay's address do, with the enrolment key issued with their certific
 
 ``compact_registrations`` / ``inventory_misses``: re-registrations that named the GPU inventory
 the placer stored instead of sending it (placer.inventories) / that it did not hold;
+``--cold-only``: the cold registration alone (no gang, no restart), for its ``register_*`` figures.
 ``--baseline-compact``: the same run again with every full report carrying its snapshot, for the
 ratio. ``--baseline``: the same run again with the members' relay hold off (``--relay-hold 0``:
 every member reports to the placer directly as soon as its relay loses the placer, as
@@ -185,7 +186,7 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
                    per_proc: int, recover_s: float, tmp: Path, limit_s: float,
                    heartbeat_s: float = HEARTBEAT_S, enroll: bool = True, compact: bool = True,
                    enroll_workers: int | None = None, enroll_ecdh: bool = False,
-                   steady_s: float = 0.0, root: Path = ROOT) -> dict[str, Any]:
+                   steady_s: float = 0.0, root: Path = ROOT, cold_only: bool = False) -> dict[str, Any]:
     token_dir = generate_token_dir(tmp / "tokens")
     op = {"authorization": f"Bearer {TokenSet.load(token_dir).operator}"}
     pki = throwaway(tmp / "pki").dir if tls else None
@@ -229,6 +230,8 @@ async def run_once(n: int, *, fleet: str, gang_hosts: int, probe_gpus: int, tls:
                        register_tls_handshakes=cold["tls_handshakes"], **await _enrolments(c, emus))
             row["register_closes"] = await _closes(c, placer.url, emus)
             _note("fleet up", nodes=n, s=row["register_s"], closes=json.dumps(row["register_closes"]))
+            if cold_only:
+                return row
             gang = {"job_id": "gang", "pods": gang_hosts, "gpus_per_pod": per_host, "argv": ["train"], "priority": 2,
                     "preemptible": False, "grace_s": 1.0}
             await _submit(c, [placer.url], gang, 60)
@@ -333,7 +336,8 @@ async def run_all(ns: argparse.Namespace) -> dict[str, Any]:
                                                recover_s=ns.recover_s, tmp=root / tag,
                                                limit_s=ns.limit_s, enroll=not ns.no_enroll, heartbeat_s=ns.heartbeat,
                                                compact=compact, enroll_workers=ns.enroll_workers,
-                                               enroll_ecdh=ns.enroll_ecdh, steady_s=ns.steady_s, root=tree))
+                                               enroll_ecdh=ns.enroll_ecdh, steady_s=ns.steady_s, root=tree,
+                                               cold_only=ns.cold_only))
     out: dict[str, Any] = {"bench": "restart", "cores": os.cpu_count(), "heartbeat_s": ns.heartbeat, "rows": rows}
     mine = [r for r in rows if r["tree"] == str(ROOT)]
     first = mine[0].get("model_full_s")
@@ -399,6 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="runs of each tree (alternated)")
     ap.add_argument("--enroll-workers", type=int, default=None,
                     help="the placer's enroll_workers (default: its own, one a core but the loop's, none below 4 cores; 0: in the loop)")
+    ap.add_argument("--cold-only", action="store_true",
+                    help="the cold registration only (no gang, no restart): its rows' register_* figures")
     ap.add_argument("--steady-s", type=float, default=0.0,
                     help="leave the fleet alone this long, the gang running, before the kill (its CPU reported): "
                          "a restart from a steady fleet rather than right after the cold registration")
