@@ -90,6 +90,19 @@ MAX_BLOB_BYTES = 64 << 20   # a 200,000-node gang's peer table is ~10 MB
 RELAY_URL_FILE = "relay-url"   # the rack relay this node last reported through (it enrols there after a restart)
 log = logging.getLogger("herd.agent")
 
+# Start steps the placer already knows of, or that a report follows within milliseconds: a
+# pod is "accepted" in the placement's own answer (the ack), and "starting" lasts from its last
+# set-up to its process running (or failing). Their events ride on the next report that goes
+# anyway instead of one report each, so the report that says the gang's pods run is not queued
+# behind them on the link (one report in flight) nor behind them in the placer's loop.
+QUIET_STATES = frozenset({"accepted", "starting"})
+
+
+def reported_at_once(state: str) -> bool:
+    """Whether a workload event in ``state`` makes the link report at once (else it goes with
+    the next report: the next event that does, or the heartbeat). Pure."""
+    return state not in QUIET_STATES
+
 
 class Agent:
     """The daemon. Also the ``hooks`` object the scheduler link calls."""
@@ -229,7 +242,7 @@ class Agent:
 
     def _notify(self, ev: WorkloadEvent) -> None:
         if self.link is not None:
-            self.link.notify(ev)
+            self.link.notify(ev, at_once=reported_at_once(ev.state))
 
     def _msg_keys(self) -> tuple[bytes | None, bytes | None]:
         """(this node's MAC key, the placer's signing key): from the link's registration."""
@@ -362,7 +375,7 @@ class Agent:
                                      copy_leader=self._copy_leader if self.config.relay.enabled else None,
                                      ssl_context=self.security.client if self.security is not None else None,
                                      **self._enroll_args())
-        self.supervisor.add_listener(link.notify)
+        self.supervisor.add_listener(self._notify)
         return link
 
     async def _own_wire(self, wire_url: str, token: str, node_id: str) -> ReportChannel:

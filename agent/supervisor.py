@@ -580,6 +580,20 @@ class Supervisor:
         if msg.done is not None:
             (after.durable if msg.durable else after.now).append(msg.done.set)
 
+    async def _starting(self, wid: str, fetch: Mapping[str, int] | None) -> WorkloadRecord:
+        """Tell the owner the workload is starting, without waiting for it to apply that: the
+        launch goes on at once (the owner applies the change before the launch's outcome, which
+        comes after it on the same channel; a stop applied before it leaves ``stop_reason``, and
+        a launch that races a stop is stopped once running). Returns the record as the owner
+        will make it, for the launch command (its copy in ``run.json``)."""
+        fields: dict[str, Any] = {"state": "starting", "pid": None, "exit_code": None}
+        try:
+            self._send.send_nowait(Change(wid, fields, None, fetch))
+        except trio.WouldBlock:   # (a full channel: wait for room, as any change does)
+            await self._send.send(Change(wid, fields, None, fetch))
+        mine = {**fields, "fetch": {k: int(v) for k, v in fetch.items() if v is not None}} if fetch else fields
+        return msgspec.structs.replace(self._records[wid], updated_at=self._clock(), **mine)
+
     async def _change(self, wid: str, fetch: Mapping[str, int] | None = None, durable: bool = False,
                       **fields: Any) -> WorkloadRecord:
         done = trio.Event()
@@ -718,7 +732,7 @@ class Supervisor:
             if rec.stop_reason is not None:
                 await self._change(wid, state=_final_state(rec), reason=f"{rec.stop_reason} before start")
                 return
-            rec = await self._change(wid, fetch=fetch, state="starting", pid=None, exit_code=None)
+            rec = await self._starting(wid, fetch)
             fetch = None
             for name in ("run.json", "exit.json"):
                 with contextlib.suppress(FileNotFoundError):

@@ -337,6 +337,7 @@ class AgentLink:
         self.seq = 0
         self._events_send, self._events_recv = trio.open_memory_channel[WorkloadEvent](math.inf)
         self._wake = trio.Event()
+        self._urgent = 0   # events queued to be sent at once (notify) since the last report took them
         self._need_full = True
         self._last_health: Any = None
         self.use_wire = use_wire
@@ -417,11 +418,15 @@ class AgentLink:
 
     # ------------------------------------------------------------ daemon-facing API
 
-    def notify(self, event: WorkloadEvent) -> None:
-        """Queue a workload state change for the next report (sent at once). Never blocks, never raises."""
+    def notify(self, event: WorkloadEvent, *, at_once: bool = True) -> None:
+        """Queue a workload state change for the next report: sent at once, or with
+        ``at_once=False`` carried by the next report that goes anyway (the next change sent at
+        once, or the heartbeat). Never blocks, never raises."""
         try:
             self._events_send.send_nowait(event)
-            self._wake.set()
+            if at_once:
+                self._urgent += 1
+                self._wake.set()
         except Exception:  # a closed link drops events; a later full report carries the truth
             log.debug("event dropped node=%s workload=%s", self.node_id, getattr(event, "workload_id", "?"))
 
@@ -746,12 +751,13 @@ class AgentLink:
     async def _wait_for_events(self) -> None:
         # Anything already queued goes out now; otherwise sleep until notify() or the deadline.
         while True:
-            if self._events_recv.statistics().current_buffer_used or self._need_full:
+            if self._urgent or self._need_full:
                 return
             self._wake = trio.Event()
             await self._wake.wait()
 
     def _drain_events(self) -> list[WorkloadEvent]:
+        self._urgent = 0
         out: list[WorkloadEvent] = []
         while True:
             try:

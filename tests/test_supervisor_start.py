@@ -48,3 +48,39 @@ def test_workload_dirs_give_the_scratch_to_the_workload_user(tmp_path: Path) -> 
     w = os.lstat(tmp_path / "w1")
     assert (s.st_uid, s.st_gid, stat.S_IMODE(s.st_mode)) == (3100123, 3100124, 0o700)
     assert (w.st_uid, stat.S_IMODE(w.st_mode)) == (0, 0o711)
+
+
+async def test_a_pod_is_launched_without_waiting_for_the_owner_to_apply_starting(tmp_path: Path) -> None:
+    """The launch follows the pod's set-up at once: the owner applies "starting" after the
+    command left (on the same channel, before "running"), not as a round trip in between; the
+    command's record (run.json's copy) says starting; the events come in order."""
+    import trio
+
+    from agent.launcher import LaunchCommand, ShimPool
+    from agent.supervisor import Supervisor, SupervisorConfig
+    from scheduler_link.messages import Placement, PodAssignment, WorkloadEvent
+
+    seen: list[tuple[str, str]] = []   # (the owner's state of the pod, the command's record's) at launch
+    sup: Supervisor | None = None
+
+    def prepare(cmd: LaunchCommand) -> LaunchCommand:
+        assert sup is not None
+        seen.append((sup.record("w").state, cmd.record["state"]))
+        return cmd
+
+    sup = Supervisor(tmp_path / "state", node_id="n1", gpu_health=lambda: {"GPU-0": "healthy"},
+                     config=SupervisorConfig(shim_pool=1), base_env={"PATH": os.environ["PATH"]},
+                     pool=ShimPool(1, prepare=prepare))
+    events: list[WorkloadEvent] = []
+    sup.add_listener(events.append)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            await n.start(sup.run)
+            p = Placement(placement_id="p1", job_id="j", argv=["true"],
+                          pods=[PodAssignment(workload_id="w", rank=0, gpus=["GPU-0"])])
+            assert (await sup.place(p)).accepted
+            st = await sup.wait_terminal("w")
+            n.cancel_scope.cancel()
+    assert seen == [("accepted", "starting")]
+    assert (st.state, st.exit_code) == ("exited", 0)
+    assert [e.state for e in events] == ["accepted", "starting", "running", "exited"]
