@@ -31,7 +31,6 @@ outside the gang as the gang's contacts and signs its read grant (bench.delivery
 from __future__ import annotations
 
 import argparse
-import collections
 import gc
 import hashlib
 import json
@@ -95,25 +94,26 @@ class Answerer:
 
 
 class FakeRelay:
-    """A relay's frames connection as RelayHub uses it, answering each bundle with its prepared
-    AckBundle (a rack may get two in a round: its victims' stops, then the gang's parts)."""
+    """A relay's frames connection as RelayHub uses it, answering with a prepared AckBundle."""
 
     def __init__(self, name: str, answerer: Answerer) -> None:
         self.name = name
         self.info: Any = None
         self.closed = trio.Event()
-        self.answers: collections.deque[Frame] = collections.deque()   # the next bundles' answers, in order
-        self.sent_at: list[float] = []   # when the round handed it each bundle (process_time)
+        self.answer: Frame | None = None
+        self.sent_at = 0.0          # when the round handed it its bundle (process_time)
         self._a = answerer
 
     def prepare(self, type_: str, payload: Any) -> tuple[int, bytes]:
         return 1, encode_frame(type_, payload, id=1)
 
     def call_cb(self, rid: int, data: bytes, fn: Answer) -> None:
-        self.sent_at.append(time.process_time())
-        self._a.put(fn, self.answers.popleft())
+        assert self.answer is not None
+        self.sent_at = time.process_time()
+        self._a.put(fn, self.answer)
 
     async def call_prepared(self, rid: int, data: bytes) -> Frame:
+        assert self.answer is not None
         done = trio.Event()
         box: list[Frame] = []
 
@@ -121,8 +121,7 @@ class FakeRelay:
             assert f is not None
             box.append(f)
             done.set()
-        self.sent_at.append(time.process_time())
-        self._a.put(got, self.answers.popleft())
+        self._a.put(got, self.answer)
         await done.wait()
         return box[0]
 
@@ -204,13 +203,6 @@ def _clear(svc: PlacerService) -> None:
         node.tell.clear()
 
 
-def _victims(pushes: GangPushes, i: int) -> list[Any]:
-    """Push ``i``'s victims (a start push's from the columns: its Placement is not made here)."""
-    if i < pushes.n_cols:
-        return pushes.victims[i] if pushes.victims is not None else []
-    return pushes[i].placement.victims
-
-
 async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpus: int,
                     gpn: int = 4, fill: float = 0.0, fleet: str = "gb200", manifest: bool = False) -> dict[str, Any]:
     answerer = Answerer()
@@ -242,21 +234,19 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
         c_dec = time.process_time()
         assert decided, "the gang did not fit"
         job, pushes = decided[0]
-        # the round's bundles as the tree's placer makes them (RelayHub.split, over the pushes the
-        # round sends: with a stop of their own for the gang's victims' nodes where the tree does
-        # that), each rack's in the order they leave
-        src = GangPushes.of(pushes)
-        src = src.with_victim_stops() if hasattr(src, "with_victim_stops") else src
-        bundles = hub.split(src)[1]
-        for rack in chans:   # (the relays are chosen in the round, as without this look ahead)
-            hub._active.pop(rack, None)
-        victims = sum(len(_victims(pushes, i)) for i in range(len(pushes)))
-        named: list[tuple[str, int, list[str]]] = []   # (rack, its k-th bundle, nodes it tells of a victim)
-        for rack, _, members in bundles:
-            ps = [src[i] for i in members]
-            vs = [p.node_id for i, p in zip(members, ps, strict=True) if _victims(src, i)]
+        racks: dict[str, list[Push]] = {}
+        told: set[str] = set()   # racks with a victim's stop among their parts
+        victims = 0
+        cols = pushes.n_cols if isinstance(pushes, GangPushes) else 0
+        for i, p in enumerate(pushes):
+            rack = svc.state.nodes[p.node_id].rack_path
+            racks.setdefault(rack, []).append(p)
+            # (a start push's victims from its columns: its Placement is not made here)
+            vs = (pushes.victims[i] if pushes.victims is not None else []) if i < cols else p.placement.victims
             if vs:
-                named.append((rack, len(chans[rack].answers), vs))
+                told.add(rack)
+                victims += len(vs)
+        for rack, ps in racks.items():
             # what the shipped relay answers (agent.relaycore): every member plainly accepted, as
             # the rack's aggregate (a bitmap over the parts, the members' MACs in part order)
             macs = [with_outcome_mac(keys[p.node_id], NodeOutcome(node_id=p.node_id, placement_id=p.placement_id,
@@ -266,7 +256,7 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
                 bits[k >> 3] |= 1 << (k & 7)
             raw = encode_frame("acks", AckBundle(rack=rack, blob_id=job.blob_id or "", accepted=bytes(bits),
                                                  macs=b"".join(macs)), re=1)
-            chans[rack].answers.append(msgspec.msgpack.decode(raw[4:], type=Frame))
+            chans[rack].answer = msgspec.msgpack.decode(raw[4:], type=Frame)
         gc.collect()
         gc.freeze()
         bad0, fb0 = svc.state.counters["bad_macs"], hub.stats.fallback_nodes
@@ -282,17 +272,10 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
         c2 = time.process_time()
         assert not more and job.state == "starting", job.state
         assert svc.state.counters["bad_macs"] == bad0 and hub.stats.fallback_nodes == fb0
-        assert not any(ch.answers for ch in chans.values()), "a bundle prepared for was not sent"
-        # the victims' last stop handed to its relay (each victim's node told by the first
-        # bundle that names its victims): the decision (from the submit) and the round (from
-        # its start) in the process's CPU time (the placer's own work, whatever else the machine
-        # runs), without the answers' preparation between them (the relays')
-        first_told: dict[str, float] = {}
-        for rack, k, vs in named:
-            at = chans[rack].sent_at[k]
-            for nid in vs:
-                first_told[nid] = min(first_told.get(nid, at), at)
-        victims_sent = max(first_told.values(), default=0.0)
+        # the victims' last stop handed to its relay: the decision (from the submit) and the
+        # round (from its start) in the process's CPU time (the placer's own work, whatever
+        # else the machine runs), without the answers' preparation between them (the relays')
+        victims_sent = max((chans[r].sent_at for r in told), default=0.0)
         if fill:
             _clear(svc)
         else:
@@ -304,12 +287,10 @@ async def one_round(svc: PlacerService, keys: dict[str, bytes], k: int, gang_gpu
             svc.state._release_quiet(job.job_id)
         n.cancel_scope.cancel()
     book = (c_dec - c_sub) + (c2 - c1)
-    out: dict[str, Any] = {"cpu_s": c1 - c0, "wall_s": w1 - w0, "racks": len({r for r, _, _ in bundles}),
-                           "bundles": len(bundles),
-                           "nodes": len(pushes),
+    out: dict[str, Any] = {"cpu_s": c1 - c0, "wall_s": w1 - w0, "racks": len(racks), "nodes": len(pushes),
            "submit_decide_cpu_s": c_dec - c_sub, "acks_cpu_s": c2 - c1, "path_cpu_s": book + (c1 - c0)}
     if fill:
-        out |= {"fill_jobs": filled, "victims": victims, "victim_racks": len({r for r, _, _ in named}),
+        out |= {"fill_jobs": filled, "victims": victims, "victim_racks": len(told),
                 "stop_nodes": len(pushes.extra) if isinstance(pushes, GangPushes) else None,
                 "victims_sent_s": (c_dec - c_sub) + (victims_sent - c0) if victims_sent else None}
     return out

@@ -19,7 +19,6 @@ Indexes kept here so no input costs a scan of the fleet or the gang:
 
 from __future__ import annotations
 
-import itertools
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -350,35 +349,6 @@ class GangPushes(_Pushes):
         p = Push._started(gang, node, NO_VICTIMS if self.victims is None else self.victims[k])
         p._pods_, p._t, p._rows = None, self.table, k if self.rows is None else self.rows[k]
         return p
-
-    def with_victim_stops(self) -> GangPushes:
-        """These pushes with a stop of its own for every gang node that has a victim, after the
-        stops on nodes given no pod (``extra``): the round of stops a relayed round sends before
-        the gang's bundles are built (placer.relays) then holds every victim's. The node's start
-        push still names its victims, so a start whose stop was lost or came late is taken as
-        it was before (its GPUs are its own victims'), and a stop told twice stops once (the
-        agent keeps the first grace). The stop's placement id is its job's attempt's and its
-        node's (``stop:<job>:<attempt>:<node>:v``): one a node a decision, none in another's.
-        ``self`` when no gang node has a victim."""
-        vs, gang, extra = self.victims, self.gang, self.extra
-        if vs is None or gang is None:
-            return self
-        ks = list(itertools.compress(range(self.n_cols), vs))   # (a node's victims: a list, empty if none)
-        if not ks:
-            return self
-        recs = self.recs
-        head = f"stop:{gang.job_id}:{gang.attempt}:"
-        at = list(map(recs.__getitem__, ks))
-        more = StopPushes(gang.job_id, gang.attempt, gang.now, at, list(map(vs.__getitem__, ks)),
-                          [head + n.node_id + ":v" for n in at])
-        stops: Sequence[Push]
-        if isinstance(extra, StopPushes):
-            stops = StopPushes(gang.job_id, gang.attempt, extra.issued_at, extra.recs + more.recs,
-                               extra.victims + more.victims, extra.placement_ids + more.placement_ids)
-        else:   # (pushes given as a list: the new stops join it as pushes)
-            stops = [*extra, *more] if extra else more
-        return GangPushes(gang, recs, self.table, self.rows, vs, stops, node_ids=self.node_ids[:self.n_cols],
-                          runs=self.runs)
 
     def kind(self, i: int) -> str:
         return "start" if i < self.n_cols else self.extra[i - self.n_cols].kind

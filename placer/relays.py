@@ -13,11 +13,9 @@ Theory of operation (DESIGN.md, "Fleet scale"; issue 12):
   whose connection broke, or that left members out: those members are pushed directly
   (HTTP, the same placement ids, so a member that was reached after all acks the same
   placement again and nothing is placed twice). Every node's first outcome is the one kept.
-- A preempting gang's round begins with a round of stops: every victim's node gets a stop
-  part of its own (those given a pod of the gang too: their start part still names the
-  victims, :meth:`GangPushes.with_victim_stops`), bundled by rack, signed and sent in the same
-  batches, before any of the gang's bundles is built; the gang's racks follow in topology
-  order (:meth:`RelayHub.split`; the core refuses a gang rack built before every rack of stops).
+- A preempting gang's racks are built and sent victims first: the racks whose members get
+  only stops (victims on nodes given no pod), then the gang's racks with a victim, then the
+  rest, each in topology order (:func:`placer.delivery.victims_first`).
 - The gang blob's bytes ride in the first ``blob_seeds`` bundles that name it only; every
   other such bundle names where to fetch it (``blob_sources``): its parent in a tree of
   fan-out 8 over their order (a relay earlier in that order, itself seeded or fetching), then
@@ -92,6 +90,9 @@ from .config import PlacerConfig
 from .delivery import (
     NO_OUTCOME,
     RACK_SETTLED,
+    RACK_STARTS,
+    RACK_STOPS,
+    RACK_VICTIMS,
     Action,
     DeliveryRound,
     Done,
@@ -101,6 +102,7 @@ from .delivery import (
     RoundOutcomes,
     SendBundle,
     blob_tree,
+    victims_first,
 )
 from .enrollpool import Checking, EnrollPool
 from .records import GangPushes, NodeRec, Push
@@ -527,48 +529,32 @@ class RelayHub:
 
     # ------------------------------------------------------------ delivery
 
-    def split(self, pushes: Sequence[Push]) -> tuple[list[int], list[tuple[str, RelayConn, list[int]]], int]:
-        """(the pushes' indices pushed directly; by rack, the path, relay and pushes' indices of
-        each bundle, in the order a round builds and sends them; how many of those, from the
-        first, are the round of stops). A decision's gang (:class:`GangPushes`' columns) is split
-        by its rack runs when it is in topology order (a look a rack, not a node), else node by
-        node; its other pushes (the victims' stops, ``extra``) are grouped by rack in bundles of
-        their own that come first: a rack with a victim and a pod of the gang gets two, its stops'
-        then the gang's. Pushes that are not a decision's (a rollback's stops) are grouped by rack,
-        whatever their kind, and none counts as the round of stops. The nodes with no relay come
-        in the same order (stops first)."""
-        gp = pushes if isinstance(pushes, GangPushes) else None
-        ids = gp.node_ids if gp is not None else [p.node_id for p in pushes]
-        n = gp.n_cols if gp is not None else 0
+    def split(self, pushes: Sequence[Push]) -> tuple[list[int], list[tuple[str, RelayConn, list[int]]]]:
+        """(the pushes' indices pushed directly, by rack in order of first appearance: its
+        path, its relay and its pushes' indices). A decision's :class:`GangPushes` in topology
+        order are split by their rack runs (a look a rack, not a node); its other pushes (stops
+        on nodes given no pod) join their rack's list, or start one."""
         direct: list[int] = []
-        stops: list[tuple[str, RelayConn, list[int]]] = []
-        self._group(ids, n, len(ids), direct, stops)
-        if gp is None or not n:
-            return direct, stops, 0
         racks: list[tuple[str, RelayConn, list[int]]] = []
-        if gp.runs is not None:
-            paths, starts = gp.runs
-            bounds = [*starts, n]
+        where: dict[str, list[int] | None] = {}   # rack -> its members' list (None: no relay)
+        nodes = self.host.nodes
+        ids = pushes.node_ids if isinstance(pushes, GangPushes) else [p.node_id for p in pushes]
+        first = 0
+        if isinstance(pushes, GangPushes) and pushes.runs is not None:
+            paths, starts = pushes.runs
+            bounds = [*starts, pushes.n_cols]
             for r, rack in enumerate(paths):
                 members = list(range(bounds[r], bounds[r + 1]))
                 conn = self.relay_for(rack)   # (each rack once: the runs are in topology order)
                 if conn is None:
+                    where[rack] = None
                     direct += members
                 else:
+                    where[rack] = members
                     racks.append((rack, conn, members))
-        else:
-            self._group(ids, 0, n, direct, racks)
-        return direct, stops + racks, len(stops)
-
-    def _group(self, ids: list[str], lo: int, hi: int, direct: list[int],
-               racks: list[tuple[str, RelayConn, list[int]]]) -> None:
-        """Pushes ``lo`` .. ``hi - 1`` (of nodes ``ids``) by rack, in order of first appearance:
-        added to ``racks`` (its path, its relay and its pushes' indices) or, with no relay, to
-        ``direct``. Pushes in topology order come in runs: one look a run."""
-        where: dict[str, list[int] | None] = {}   # rack -> its members' list (None: no relay)
-        nodes = self.host.nodes
-        last_rack, last_hit = None, None
-        for i in range(lo, hi):
+            first = pushes.n_cols
+        last_rack, last_hit = None, None   # a gang's pushes come in topology order: racks in runs
+        for i in range(first, len(ids)):
             rec = nodes.get(ids[i])
             if rec is None:
                 direct.append(i)
@@ -589,6 +575,7 @@ class RelayHub:
                 continue
             hit.append(i)
             last_rack, last_hit = rack, hit
+        return direct, racks
 
     async def deliver(self, job_id: str, blob_id: str | None, pushes: Sequence[Push],
                       push_direct: Callable[[Push], Awaitable[Outcome]],
@@ -751,6 +738,18 @@ def _whole_rack(ab: AckBundle, nids: list[str], pids: list[str], nodes: Mapping[
     return hmac.compare_digest(msgauth.accepted_macs(keys, nids, pids), ab.macs)
 
 
+def _rack_kind(src: GangPushes, members: list[int]) -> int:
+    """What rack's ``members`` (indices into ``src``) get: stops only, a victim's stop among
+    the gang's pods, or the gang's pods only (placer.delivery.victims_first)."""
+    n = src.n_cols
+    if members[0] >= n:
+        return RACK_STOPS
+    vs = src.victims   # (members past n are stops joined to the rack: they come last)
+    if members[-1] >= n or (vs is not None and any(map(vs.__getitem__, members))):
+        return RACK_VICTIMS
+    return RACK_STARTS
+
+
 class _RoundDriver:
     """One round's trio side: builds, signs and sends the bundles, carries out what the round's
     :class:`DeliveryRound` returns, and times the round. No task waits per rack: each bundle's
@@ -767,11 +766,10 @@ class _RoundDriver:
         self.blob_id = blob_id
         self.push_direct = push_direct
         self.ready = ready
-        src = GangPushes.of(pushes)
-        if job_id:   # (a gang's round: every victim's node a stop of its own, in the round of stops)
-            src = src.with_victim_stops()
-        self.src = src
-        direct, racks, self.stop_racks = hub.split(src)
+        src = self.src = GangPushes.of(pushes)
+        direct, racks = hub.split(src)
+        if len(racks) > 1 and (src.extra or src.victims is not None):   # (the victims' racks first)
+            racks = [racks[r] for r in victims_first([_rack_kind(src, ms) for _, _, ms in racks])]
         # the round's nodes in rack order (each rack's bundle a slice), then those pushed directly
         # (a gang's pushes mostly come so already: then they are taken as they are); ``order``:
         # the round's position -> the push's index, if they differ
@@ -808,7 +806,7 @@ class _RoundDriver:
         self.carry, self.parent = blob_tree(self.rack_starts, max(1, cfg.blob_seeds), TREE_FANOUT)
         self.seed_urls = [u for r, u in enumerate(self.urls) if self.carry[r] and u]
         self.core = DeliveryRound(len(src), bounds, patience_s=patience, cap_s=cap, counted=counted,
-                                  durable=ready is None, stop_racks=self.stop_racks)
+                                  durable=ready is None)
         self.rids: dict[int, int] = {}            # rack -> its bundle's request id (while sent)
         self.frames: dict[int, bytes] = {}        # rack -> its bundle's frame, built, not yet sent
         self.withheld: set[int] = set()           # racks whose bundle was not sent: the placer did not lead
@@ -827,7 +825,6 @@ class _RoundDriver:
         self.fb_last = 0.0
         self.fb_max = 0.0
         self.cpu_acked: float | None = None
-        self.stops_sent_s: float | None = None    # when the round of stops had left (from the round's start)
 
     # ------------------------------------------------------------ actions
 
@@ -1013,17 +1010,11 @@ class _RoundDriver:
                 # Bundles leave in batches as they are built (the first batch once ``ready``
                 # says yes), so the relays work while the rest of the round is encoded: a
                 # 2,778-rack round takes ~0.5 s to build here, and relays are other hosts.
-                # The round of stops first, in batches of its own: its last batch has left (once
-                # the journal said yes) before the gang's first bundle is built.
-                k, n_racks = self.stop_racks, len(self.racks)
-                for lo, hi in ((0, k), (k, n_racks)):
-                    for b0 in range(lo, hi, BUILD_BATCH):
-                        self.apply(self._build(b0, min(b0 + BUILD_BATCH, hi)))
-                        if not await self._journal():
-                            return None
-                        await trio.lowlevel.checkpoint()  # the batch goes out; acks and reports flow meanwhile
-                    if hi == k and k:
-                        self.stops_sent_s = trio.current_time() - self.t0
+                for b0 in range(0, len(self.racks), BUILD_BATCH):
+                    self.apply(self._build(b0, min(b0 + BUILD_BATCH, len(self.racks))))
+                    if not await self._journal():
+                        return None
+                    await trio.lowlevel.checkpoint()  # the batch goes out; acks and reports flow meanwhile
                 built_at = trio.current_time() - self.t0
                 if gc_was:
                     gc.enable()
@@ -1074,9 +1065,6 @@ class _RoundDriver:
             "job_id": self.job_id, "nodes": len(self.ids), "racks": len(self.racks), "direct": len(core.direct),
             "fallback_nodes": stats.fallback_nodes - fallbacks0, "bundle_bytes": stats.bytes_out - bytes0,
             "seconds": trio.current_time() - self.t0, "built_s": built_at, "last_bundle_sent_s": sent_at,
-            # the round of stops (a preempting gang's victims, before the gang's bundles): its
-            # bundles, and when its last batch had left
-            "stop_racks": self.stop_racks, "stops_sent_s": self.stops_sent_s,
             "first_ack_s": core.first_ack - self.t0 if math.isfinite(core.first_ack) else 0.0,
             "last_ack_s": max(0.0, core.last_ack - self.t0),
             # the direct pushes to the members of racks whose relay did not deliver: when the

@@ -81,7 +81,7 @@ import socket
 import ssl
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -277,7 +277,7 @@ class EmulatedNode:
         return self._placer_snap
 
     async def stop_workloads(self, victims: list[Victim]) -> None:
-        self.fleet.stats.told(victims, time.time(), "report_answer")
+        self.fleet.stats.told(len(victims), time.time(), "report_answer")
         for v in victims:
             self.fleet.spawn(self._stop, v)
 
@@ -306,7 +306,7 @@ class EmulatedNode:
                 world_size=p.world_size, gpus=list(pod.gpus), state="accepted", manifest_id=p.manifest_id,
                 created_at=now, updated_at=now)
             fresh.append(pod.workload_id)
-        self.fleet.stats.told(p.victims, now, "placement")
+        self.fleet.stats.told(len(p.victims), now, "placement")
         for v in p.victims:
             self.fleet.spawn(self._stop, v)
         for wid in fresh:
@@ -355,7 +355,7 @@ class EmulatedNode:
                                      rank=pod.rank, gpus=gpus, state="accepted", created_at=now, updated_at=now)
             fresh.append(wid)
         if part.victims:
-            self.fleet.stats.told(part.victims, now, "part")
+            self.fleet.stats.told(len(part.victims), now, "part")
         if fresh or part.victims:
             later.append((self, fresh, part))
         return NodeOutcome(node_id=nid, placement_id=part.placement_id, outcome="accepted")
@@ -856,19 +856,12 @@ class JobEvents:
 class FleetStats:
     placements: int = 0
     parts: int = 0                      # NodeParts that came through this process's relays
-    victims_told: int = 0               # victims told to stop (parts, placements, report replies), each once
-    victims_by: dict[str, int] = field(default_factory=dict)   # ... by what told them first
+    victims_told: int = 0               # stop orders received (parts, placements, report replies)
+    victims_by: dict[str, int] = field(default_factory=dict)   # ... by what carried them
     first_victim_at: float = 0.0
     last_victim_at: float = 0.0
-    told_ids: set[str] = field(default_factory=set)   # the victims' workload ids told so far
 
-    def told(self, victims: Sequence[Victim], at: float, by: str) -> None:
-        """``victims`` were told to stop: each counts once, when it was first told (a node's
-        stop part and then its start part naming the same victims count it once)."""
-        seen = self.told_ids
-        n = len(seen)
-        seen.update([v.workload_id for v in victims])
-        n = len(seen) - n
+    def told(self, n: int, at: float, by: str) -> None:
         if n <= 0:
             return
         self.victims_by[by] = self.victims_by.get(by, 0) + n

@@ -63,8 +63,6 @@ class Sim:
             if isinstance(a, SendBundle):
                 assert not self.aborted and a.rack not in self.sent
                 assert core.durable
-                if a.rack >= core.stop_racks:   # the round of stops has left before any gang rack
-                    assert self.sent.issuperset(range(core.stop_racks)), (a.rack, self.sent)
                 self.sent.add(a.rack)
             elif isinstance(a, PushDirect):
                 assert not self.aborted
@@ -144,16 +142,11 @@ class Sim:
         assert self.dones, "the round did not end"
 
 
-def _round(rack_sizes: list[int], n_direct: int, counted_bits: list[bool], durable: bool,
-           stop_racks: int = 0) -> DeliveryRound:
-    """A round of these racks and direct nodes; its first ``stop_racks`` racks are the round of
-    stops (their nodes not counted: a gang node with a victim is there and again in the gang's)."""
+def _round(rack_sizes: list[int], n_direct: int, counted_bits: list[bool], durable: bool) -> DeliveryRound:
     n = sum(rack_sizes) + n_direct
     bounds = np.concatenate([[0], np.cumsum(rack_sizes)]).astype(np.int64)
     counted = np.array([counted_bits[i % len(counted_bits)] for i in range(n)], dtype=bool)
-    counted[:bounds[stop_racks]] = False
-    return DeliveryRound(n, bounds, patience_s=PATIENCE, cap_s=CAP, counted=counted, durable=durable,
-                         stop_racks=stop_racks)
+    return DeliveryRound(n, bounds, patience_s=PATIENCE, cap_s=CAP, counted=counted, durable=durable)
 
 
 def _check_end(sim: Sim) -> None:
@@ -179,13 +172,13 @@ def _check_end(sim: Sim) -> None:
 
 
 @st.composite
-def shapes(draw: st.DrawFn) -> tuple[list[int], int, list[bool], bool, int]:
-    racks = draw(st.lists(st.integers(1, 4), max_size=5))
+def shapes(draw: st.DrawFn) -> tuple[list[int], int, list[bool], bool]:
+    racks = draw(st.lists(st.integers(1, 4), max_size=4))
     n_direct = draw(st.integers(0, 3 if racks else 3))
     if not racks and not n_direct:
         n_direct = 1
     counted = draw(st.lists(st.booleans(), min_size=1, max_size=3))
-    return racks, n_direct, counted, draw(st.booleans()), draw(st.integers(0, len(racks)))
+    return racks, n_direct, counted, draw(st.booleans())
 
 
 def _play(data: st.DataObject, sim: Sim, steps: int) -> None:
@@ -231,10 +224,8 @@ def _play(data: st.DataObject, sim: Sim, steps: int) -> None:
 @settings(max_examples=300, deadline=None)
 @given(shape=shapes(), data=st.data())
 def test_any_interleaving_ends_with_one_outcome_per_node_and_a_rollback_reaching_every_node(shape, data) -> None:
-    """(With a round of stops first, of any size: its racks all leave before any of the gang's,
-    whatever the journal and the relays do, and its nodes' outcomes decide nothing.)"""
-    racks, n_direct, counted, durable, stop_racks = shape
-    sim = Sim(_round(racks, n_direct, counted, durable, stop_racks))
+    racks, n_direct, counted, durable = shape
+    sim = Sim(_round(racks, n_direct, counted, durable))
     _play(data, sim, 60)
     sim.finish()
     _check_end(sim)
@@ -310,34 +301,6 @@ def test_nothing_leaves_before_the_journal_and_nothing_at_all_when_it_says_no() 
     assert sim2.sent == {0} and core2.phase[0] == RACK_SENT and not sim2.queued
     sim2.build_next()
     assert sim2.sent == {0, 1} and len(sim2.queued) == 1   # direct pushes once all are out
-
-
-def test_the_round_of_stops_leaves_first_and_its_refusals_roll_nothing_back() -> None:
-    """Two racks of stops, then the gang's two racks: a gang rack cannot be built before every
-    rack of stops is; held for the journal, the stops still leave first. A stop refused (or
-    whose relay failed, then its direct push unanswered) decides nothing: the gang accepted."""
-    from placer.errors import ContractError
-
-    core = _round([2, 1, 2, 2], 0, [True], durable=False, stop_racks=2)
-    with pytest.raises(ContractError):
-        core.built(2)
-    sim = Sim(core)
-    sim.build_next()
-    sim.build_next()
-    assert not sim.sent and list(core.phase[:2]) == [RACK_HELD, RACK_HELD]
-    sim.build_next()
-    sim.apply(core.journal(True, 0.0))   # (the held racks go out in order: the stops' first)
-    assert sim.sent == {0, 1, 2}
-    sim.build_next()
-    sim.ack(0, [(0, REFUSED, True), (1, ACCEPTED, True)])
-    sim.apply(core.closed(1))
-    assert sim.queued == [2]
-    sim.start_push(0)
-    sim.answer_push(0, UNREACHABLE)
-    sim.ack(2, [(3, ACCEPTED, True), (4, ACCEPTED, True)])
-    sim.ack(3, [(5, ACCEPTED, True), (6, ACCEPTED, True)])
-    _check_end(sim)
-    assert not sim.dones[0].rollback and core.rollback_nodes().tolist() == [3, 4, 5, 6]
 
 
 def test_a_mac_failure_is_pushed_directly_and_counted() -> None:

@@ -1,7 +1,7 @@
 """A decided gang's bookkeeping made in array passes agrees with its definition: the gang
 blob's peer table by rack (placer.model.ClusterModel.rack_runs) and the start pushes made in
 one pass as columns (placer.records.GangPushes), whole-node gangs and several pods a node, and a
-preempting gang's round by rack: its victims' stops in bundles of their own, first."""
+preempting gang's round by rack with its victims' stops."""
 
 from __future__ import annotations
 
@@ -127,39 +127,27 @@ class _Host:
         return True
 
 
-def _stops_first(st_: PlacerState, drv: _RoundDriver, gp: GangPushes) -> int:
-    """A preempting gang's round: its racks of stops come first (``drv.stop_racks`` of them),
-    a stop for every node with a victim, each in one of them; then the gang's racks in topology
-    order, each gang node in one of them (its start part still naming its victims). Returns the
-    first rack that names the gang's blob (its seed)."""
+def _victims_first(st_: PlacerState, drv: _RoundDriver, gp: GangPushes) -> int:
+    """A round builds its racks victims first: racks of stops only, then the gang's racks with
+    a victim, then the rest, each group in topology order. Returns the first rack that names
+    the gang's blob (its seed)."""
     topo = list(dict.fromkeys(st_.nodes[nid].rack_path for nid in st_.model.node_ids))
-    src, k = drv.src, drv.stop_racks
     kinds = []
     for r in range(len(drv.racks)):
         lo, hi = drv.core.rack_slice(r)
-        ps = [src[i] for i in drv._at(lo, hi)]
-        assert len({p.kind for p in ps}) == 1   # (a bundle is stops only or the gang's only)
-        kinds.append(ps[0].kind)
-    assert kinds == ["stop"] * k + ["start"] * (len(kinds) - k) and k
-    paths = [drv.racks[r][0] for r in range(k, len(kinds))]
-    assert paths == sorted(paths, key=topo.index)
-    stops = drv.ids[:int(drv.core.bounds[k])]
-    cols = gp.n_cols
-    assert gp.victims is not None
-    told = {gp.node_ids[i] for i in range(cols) if gp.victims[i]} | set(gp.node_ids[cols:])
-    assert sorted(stops) == sorted(told)   # every victim's node once
-    mine = {gp.node_ids[i]: gp.victims[i] for i in range(cols)}
-    for i in drv.order[:len(stops)] if drv.order is not None else ():
-        p = src[i]
-        assert p.placement.victims == (mine.get(p.node_id) or gp[gp.node_ids.index(p.node_id, cols)].placement.victims)
-    assert drv.rack_starts == [r >= k for r in range(len(kinds))]
+        ps = [gp[i] for i in drv._at(lo, hi)]
+        kinds.append(0 if all(p.kind == "stop" for p in ps) else 1 if any(p.placement.victims for p in ps) else 2)
+    assert kinds == sorted(kinds)
+    for k in set(kinds):
+        paths = [drv.racks[r][0] for r in range(len(kinds)) if kinds[r] == k]
+        assert paths == sorted(paths, key=topo.index)
+    assert drv.rack_starts == [k > 0 for k in kinds]
     return drv.rack_starts.index(True)
 
 
 async def test_a_preempting_gangs_round_tells_its_victims_first() -> None:
-    """A gang that preempts some of its nodes' pods: every victim's node gets a stop of its own
-    in a round of stops, built and sent before the gang's racks (and the blob rides in the first
-    of the gang's); the gang's start parts still name their victims."""
+    """A gang that preempts some of its nodes' pods: its racks with a victim are built and sent
+    before its others (and the blob rides in the first of them)."""
     st_ = _state([3, 4, 2, 3, 4])
     st_.submit(JobSpec(job_id="low", pods=3, gpus_per_pod=8, priority=0, preemptible=True, argv=["x"]), 0.1)
     (low, lp), = st_.schedule(0.1)
@@ -175,26 +163,21 @@ async def test_a_preempting_gangs_round_tells_its_victims_first() -> None:
             ch.info = conn  # type: ignore[assignment]
             hub._cands[node.rack_path] = {nid: conn}
     drv = _RoundDriver(hub, "high", high.blob_id, hp, None, None)  # type: ignore[arg-type]  # (never pushes)
-    first = _stops_first(st_, drv, hp)
-    k = drv.stop_racks
+    first = _victims_first(st_, drv, hp)
     racks = [path for path, _ in drv.racks]
     topo = list(dict.fromkeys(st_.nodes[nid].rack_path for nid in hp.node_ids[:hp.n_cols]))
-    assert racks[k:] == topo and first == k
+    assert racks != topo and sorted(racks) == sorted(topo)   # (some rack with a victim came later in topology)
     assert drv.carry == [r == first for r in range(len(racks))]
-    src = drv.src
     for r in range(len(racks)):
         lo, hi = drv.core.rack_slice(r)
-        assert drv._spec(r, 1.0).raws == [part_bytes(src[i].part(drv.expires)) for i in drv._at(lo, hi)]
-    for i in range(hp.n_cols):   # (the start parts name their victims, as without the round of stops)
-        assert src[i].part(drv.expires).victims == hp.victims[i]
+        assert drv._spec(r, 1.0).raws == [part_bytes(hp[i].part(drv.expires)) for i in drv._at(lo, hi)]
 
 
 async def test_a_preempting_gangs_round_puts_its_victims_stops_in_their_racks_bundles() -> None:
     """A gang that preempts: its start pushes are columns in topology order, the stops on the
-    victims' other nodes follow; the round groups the stops by rack in bundles of their own
-    (a stop joins its rack's stops, wherever it came in the pushes), and each bundle's parts,
-    node ids and placement ids are those of the pushes the round put there, in any order of the
-    stops."""
+    victims' other nodes follow; the round groups them by rack (a stop joins its rack's bundle,
+    wherever it came in the pushes), and each bundle's parts, node ids and placement ids are
+    those of the pushes the round put there, in any order of the stops."""
     st_ = _state([3, 4, 2, 3])
     st_.submit(JobSpec(job_id="low", pods=12, gpus_per_pod=7, priority=0, preemptible=True, argv=["x"]), 0.1)
     (low, lp), = st_.schedule(0.1)
@@ -217,7 +200,7 @@ async def test_a_preempting_gangs_round_puts_its_victims_stops_in_their_racks_bu
         gp = GangPushes(hp.gang, hp.recs, hp.table, hp.rows, hp.victims, extra, runs=hp.runs)
         drv = _RoundDriver(hub, "high", high.blob_id, gp, None, None)  # type: ignore[arg-type]  # (never pushes)
         permuted.append(drv.order is not None)
-        first = _stops_first(st_, drv, gp)
+        first = _victims_first(st_, drv, gp)
         assert drv.carry == [r == first for r in range(len(drv.racks))]
         assert all(drv.parent[r] == (first if r > first else -1) for r in range(len(drv.racks)))
         seen: list[str] = []
@@ -229,7 +212,7 @@ async def test_a_preempting_gangs_round_puts_its_victims_stops_in_their_racks_bu
             # cut from the columns' slices), others as the list of their indices
             assert isinstance(at, range) == (list(at) == list(range(at[0], at[-1] + 1)))
             ranges += isinstance(at, range) and drv.order is not None
-            pushes = [drv.src[i] for i in at]
+            pushes = [gp[i] for i in at]
             assert {st_.nodes[p.node_id].rack_path for p in pushes} == {path}
             assert spec.raws == [part_bytes(p.part(drv.expires)) for p in pushes]
             assert drv.ids[lo:hi] == [p.node_id for p in pushes]
@@ -240,7 +223,7 @@ async def test_a_preempting_gangs_round_puts_its_victims_stops_in_their_racks_bu
             assert (spec.blob is not None) == (r == first) and (not spec.blob_sources or starts)
             stop_only += not starts
             seen += drv.ids[lo:hi]
-        assert sorted(seen) == sorted(drv.src.node_ids) and len(drv.core.direct) == 0
+        assert sorted(seen) == sorted(gp.node_ids) and len(drv.core.direct) == 0
     assert any(permuted)   # (some stop came in after a later rack's: the round's order is not the pushes')
     assert stop_only       # (and some rack had stops only)
     assert ranges          # (and, in a round whose order is not the pushes', some rack was a range)

@@ -393,54 +393,6 @@ async def test_a_victims_only_part_stops_them_and_is_acked(tmp_path):
             n.cancel_scope.cancel()
 
 
-async def test_a_victims_stop_in_an_earlier_bundle_then_the_start_naming_it(tmp_path):
-    """A preempting gang's round of stops: the node's stop part comes in a bundle of its own,
-    then its start part (naming the same victim) in the gang's. The stop acts at once; the start
-    is accepted on the victim's GPU (its own victim's, terminating), and its pod starts once the
-    victim is gone. A start whose stop came late (or never) is taken as it always was: it names
-    its victim, which is stopped; the late stop is then accepted and changes nothing. A start on
-    a GPU held by a workload it does not name is refused, whatever stop came before for others."""
-    bid, raw = _gang(["sleep", "30"])
-    bid2, raw2 = encode_gang_blob(GangBlob(job_id="jobb", attempt=1, world_size=1, argv=["sleep", "30"]))
-    sup, acc, _ = _setup(tmp_path, {bid: raw, bid2: raw2})
-    olds = {"o.1.0": "GPU-0003", "o.1.1": "GPU-0004", "o.1.2": "GPU-0005"}
-    v0, v1 = (Victim(workload_id=w, grace_s=5.0, reason="preempted by job", preempted=True) for w in ("o.1.0", "o.1.1"))
-    with trio.fail_after(30):
-        async with trio.open_nursery() as n:
-            await n.start(sup.run)
-            await n.start(acc.run)
-            for k, (wid, gpu) in enumerate(olds.items()):
-                ack = await sup.place(Placement(placement_id=f"old{k}", job_id="o", argv=["sleep", "30"],
-                                                pods=[PodAssignment(workload_id=wid, rank=k, gpus=[gpu])]))
-                assert ack.accepted
-            # the round of stops: the stop in a bundle of its own, acted on at once
-            stop = NodePart(placement_id="stop:job:1:n1:v", node_id="n1", job_id="job", attempt=1,
-                            expires_at=NOW + 10, boot_id=BOOT, victims=[v0])
-            assert (await acc.handle(stop)).outcome == "accepted"
-            await poll(lambda: sup.record("o.1.0").state in ("terminating", "preempted"), 0.01)
-            # then the gang's bundle: the start on the victim's GPU, naming it
-            start = _part("p1", blob_id=bid, slots=(3,), victims=(v0,))
-            assert (await acc.handle(start)).outcome == "accepted"
-            # a start naming no victim on a GPU whose holder was told nothing: refused, as ever
-            other = _part("p9", blob_id=bid2, slots=(5,), job="jobc")
-            out = await acc.handle(other)
-            assert out.outcome == "refused_gpus" and out.refused_gpus == ["GPU-0005"]
-            # a start whose stop is late: taken as before (its victim named), the late stop after it
-            late = _part("p2", blob_id=bid2, slots=(4,), victims=(v1,), job="jobb")
-            assert (await acc.handle(late)).outcome == "accepted"
-            stop_b = NodePart(placement_id="stop:jobb:1:n1:v", node_id="n1", job_id="jobb", attempt=1,
-                              expires_at=NOW + 10, boot_id=BOOT, victims=[v1])
-            assert (await acc.handle(stop_b)).outcome == "accepted"
-            assert (await sup.wait_terminal("o.1.0")).state == "preempted"
-            assert (await sup.wait_terminal("o.1.1")).state == "preempted"
-            for wid in ("job.1.p1", "jobb.1.p2"):
-                await poll(lambda w=wid: w in sup.records_view() and sup.record(w).state == "running", 0.01)
-            assert sup.record("job.1.p1").gpus == ["GPU-0003"] and sup.record("jobb.1.p2").gpus == ["GPU-0004"]
-            assert sup.record("o.1.2").state not in ("terminating", "preempted", "exited")
-            n.cancel_scope.cancel()
-    assert acc.counters.accepted == 2 and acc.counters.refused == 1 and acc.counters.failed == 0
-
-
 async def test_two_parts_never_get_one_gpu(tmp_path):
     bid, raw = _gang(["sleep", "5"])
     sup, acc, _ = _setup(tmp_path, {})  # no blob: both stay accepted-not-placed a while
