@@ -1206,6 +1206,8 @@ class AgentLink:
         if self._copy_leader is None or self._copies is None:
             return False
         wire = await self._copy_leader(self.request_timeout_s)
+        if wire is not None and self._wire_url and wire == wire_endpoint(self._wire_url, used):
+            return True   # (the relay is up again to the placer this node reports to: it stays)
         url = next((u for u, f in self._copies.copies.items() if f.wire and wire_endpoint(f.wire, u) == wire), None)
         if url is None:
             return False

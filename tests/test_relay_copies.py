@@ -745,3 +745,32 @@ async def test_the_relay_hosts_own_link_asks_its_relay_who_leads_and_moves_once(
             assert host.statistics()["follower_copies"]["handovers"] == 1, host.statistics()
             assert host.full_reports_sent == fulls
             n.cancel_scope.cancel()
+
+
+async def test_the_relay_hosts_own_link_stays_when_its_relay_reconnects_to_the_same_leader(
+        tmp_path: Path, token_dir: Path) -> None:
+    """The relay's connection up breaks and comes back to the same leader (no failover): the
+    relay host's own link, whose report over it failed, asks its relay, hears the same placer
+    named and stays with it -- no move to a follower."""
+    tokens = TokenSet.load(token_dir)
+    leader, fb = FakePlacer(tokens), FakeFollower(tokens)
+    rack = Rack(tokens, leader, fb, request_timeout_s=5.0)
+    http = httpx.AsyncClient(transport=_placers_http(fb))
+    with trio.fail_after(40):
+        async with http, trio.open_nursery() as n:
+            relay, _ = await rack.start(n, 1)
+            host = AgentLink("http://placer-a,http://placer-b", tokens.cluster, "r1", Hooks(), heartbeat_s=0.2,
+                             wire_url=leader.url, wire_connect=relay.own_channel, http=http,
+                             own_relay_url=relay.listen_url, request_timeout_s=5.0, copy_fold=relay.copies.fold,
+                             copy_leader=relay.leader_wire)
+            host.full_every = 0
+            await n.start(host.run)
+            with trio.fail_after(10):
+                await poll(lambda: relay.copies.folded >= 2, 0.02)
+            failures, connects = host.failures, relay.connects
+            await leader.relays["r1"].aclose()   # (the leader stays: the relay dials it again)
+            with trio.fail_after(10):
+                await poll(lambda: host.failures > failures and relay.connects > connects and host.registered, 0.02)
+            assert host.placer_url == "http://placer-a"
+            assert host.statistics()["follower_copies"]["handovers"] == 0
+            n.cancel_scope.cancel()
