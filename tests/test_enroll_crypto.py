@@ -29,9 +29,10 @@ from scheduler_link.enroll import (
 )
 from scheduler_link.messages import EnrollAnswer, EnrollSecret, NodeReport, ReportReply, TopologyPath
 
-# the tests' clock: ten minutes on from the import, so every certificate the module's fixture issues
-# later (a loaded xdist worker may run this module minutes after collecting it) is valid at NOW
-NOW = time.time() + 600
+# the tests' clock: an hour on from the import, so every certificate the module's fixture issues
+# later (a loaded xdist worker may run this module many minutes after collecting it: a whole
+# suite on two loaded cores takes ~20) is valid at NOW
+NOW = time.time() + 3600
 
 
 def _der(cert) -> bytes:  # type: ignore[no-untyped-def]

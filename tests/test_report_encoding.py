@@ -8,6 +8,7 @@ come back field for field."""
 
 from __future__ import annotations
 
+import time
 import types
 import typing
 
@@ -29,7 +30,7 @@ from scheduler_link.messages import (
 )
 from scheduler_link.msgauth import node_key, report_ok, with_report_mac
 from scheduler_link.validate import validate_report
-from tests.test_enroll_crypto import NOW, Cluster
+from tests.test_enroll_crypto import Cluster
 
 _frames_enc = msgspec.msgpack.Encoder()     # (the frames channel's settings)
 _rep_dec = msgspec.msgpack.Decoder(NodeReport)
@@ -125,10 +126,11 @@ def test_a_relayed_full_reports_mac_verifies_after_the_relays_round_trip(tel: Gp
 
 def test_an_enrolments_full_report_reaches_the_desk_as_the_member_made_it() -> None:
     cl = Cluster()
+    now = time.time()   # (the certificates are issued now: a clock fixed at the import may be past them)
     snap = _snapshot()
     snap = msgspec.structs.replace(snap, gpus=[*snap.gpus[:7], msgspec.structs.replace(snap.gpus[7], telemetry=every_field())])
-    rep = registration(msgspec.structs.replace(_full(snap), sent_at=NOW), "")
-    e, _ = cl.client("n1").make(rep, cl.placer_cert, now=NOW)
+    rep = registration(msgspec.structs.replace(_full(snap), sent_at=now), "")
+    e, _ = cl.client("n1").make(rep, cl.placer_cert, now=now)
     assert len(e.report) < 4096     # (a DGX H100's: ~3.4 KB)
-    got = cl.desk.check(msgspec.msgpack.decode(_frames_enc.encode(e), type=type(e)), now=NOW)
+    got = cl.desk.check(msgspec.msgpack.decode(_frames_enc.encode(e), type=type(e)), now=now)
     assert got.report == rep and validate_report(got.report) is None
