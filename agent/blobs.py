@@ -56,16 +56,21 @@ class BlobCache:
 
     def put(self, blob_id: str, raw: bytes) -> GangBlob | None:
         """Keep ``raw`` if it is the blob ``blob_id`` (else None: refused, not kept)."""
+        got = self._take(blob_id, raw)
+        return got if isinstance(got, GangBlob) else None
+
+    def _take(self, blob_id: str, raw: bytes) -> GangBlob | str:
+        """:meth:`put`, with why it was refused (a string) instead of None."""
         have = self._blobs.get(blob_id)
         if have is not None:
             self._blobs.move_to_end(blob_id)
             return have[1]
         try:
             blob = decode_gang_blob(raw, blob_id)
-        except Exception as e:  # a wrong id, a corrupt or non-canonical blob
+        except Exception as e:  # a wrong id, a corrupt or non-canonical blob, a version not read here
             self.refused += 1
             log.warning("gang blob refused blob=%s err=%s", blob_id[:16], e)
-            return None
+            return str(e)
         self._blobs[blob_id] = (raw, blob)
         while len(self._blobs) > self.keep:
             self._blobs.popitem(last=False)
@@ -126,9 +131,9 @@ class BlobCache:
                 continue
             if raw is None:
                 continue
-            blob = self.put(blob_id, raw)
-            if blob is not None:
+            blob = self._take(blob_id, raw)
+            if isinstance(blob, GangBlob):
                 return raw, blob
-            why = "a source gave bytes that do not match the id"
+            why = f"a source's blob was refused: {blob}"   # (its version, say: the failed pods name it)
         self.failures += 1
         raise BlobUnavailable(f"gang blob {blob_id[:16]} unavailable ({why})")

@@ -1046,9 +1046,10 @@ def encode_gang_blob(blob: GangBlob) -> tuple[str, bytes]:
 
 def decode_gang_blob(raw: bytes, blob_id: str | None = None) -> GangBlob:
     """Decode a gang blob (version 1 or 2, as this version's GangBlob); with ``blob_id``,
-    refuse bytes that do not hash to it and blobs that are not canonical (re-encoding the msgpack, decompressed first where it is
-    compressed, must give it back exactly). A compressed blob that inflates past
-    ``MAX_BLOB_BYTES`` or has bytes after its zlib stream is refused before it is decoded."""
+    refuse bytes that do not hash to it and blobs that are not canonical (re-encoding the
+    msgpack, decompressed first where it is compressed, must give it back exactly). A
+    compressed blob that inflates past ``MAX_BLOB_BYTES`` or has bytes after its zlib stream
+    is refused before it is decoded."""
     import blake3
 
     if blob_id is not None and blake3.blake3(raw).hexdigest() != blob_id:

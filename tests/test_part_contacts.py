@@ -8,10 +8,12 @@ encoders, the relay core and the blob cache; no sockets."""
 
 from __future__ import annotations
 
+import blake3
 import msgspec
 import pytest
+import trio
 
-from agent.blobs import BlobCache
+from agent.blobs import BlobCache, BlobUnavailable
 from agent.parts import build_placement
 from agent.relaycore import KeepBlob, Refuse, RelayCore, Taken
 from placer.config import PlacerConfig
@@ -159,3 +161,20 @@ def test_blob_versions_are_named_and_never_mixed_silently():
         decode_gang_blob(enc.encode({**fields2, "version": 1}))
     with pytest.raises(ValueError, match="canonical"):   # a version-2 blob must list its contacts field
         decode_gang_blob(enc.encode({**fields, "version": 2}))
+
+
+async def test_a_blob_of_a_version_not_read_here_fails_naming_it():
+    """What an agent that reads only versions 1 and 2 makes of a later blob whose bytes match
+    its id: not kept, and the fetch fails naming the version (the part's pods are then reported
+    failed with that reason: agent.parts)."""
+    _, raw2 = _blob([_peer("h0")])
+    later = msgspec.msgpack.Encoder(order="deterministic").encode({**msgspec.msgpack.decode(raw2), "version": 3})
+    later_id = blake3.blake3(later).hexdigest()
+
+    async def source(b: str) -> bytes | None:
+        return later if b == later_id else None
+
+    cache = BlobCache()
+    with trio.fail_after(5), pytest.raises(BlobUnavailable, match="unsupported gang blob version 3"):
+        await cache.get(later_id, [source])
+    assert cache.refused == 1 and cache.cached(later_id) is None
