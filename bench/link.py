@@ -289,11 +289,16 @@ def bench_part_saves(rounds: int = 60, writers: int = 4) -> dict[str, Any]:
         _alternate(("log", "files"), rounds, writers, one, times)
         for st in stores:
             st.close()
-    log_ms = [x * 1000 for x in times["log"]]
-    files_ms = [x * 1000 for x in times["files"]]
-    return {"part_save_p50_ms": pct(log_ms, 0.5), "part_save_p99_ms": pct(log_ms, 0.99),
-            "part_save_file_per_part_p50_ms": pct(files_ms, 0.5), "part_save_file_per_part_p99_ms": pct(files_ms, 0.99),
-            "part_save_ratio_to_file_per_part": pct(log_ms, 0.5) / pct(files_ms, 0.5), "part_saves": len(log_ms)}
+    return _against("part_save", "file_per_part", "part_saves", times["log"], times["files"])
+
+
+def _against(name: str, other: str, count: str, new_s: list[float], other_s: list[float]) -> dict[str, Any]:
+    """One alternated comparison's rows (seconds in): ``{name}`` p50/p99 ms, ``{name}_{other}``
+    p50/p99 ms, their p50 ratio and how many were timed."""
+    a, b = [x * 1000 for x in new_s], [x * 1000 for x in other_s]
+    return {f"{name}_p50_ms": pct(a, 0.5), f"{name}_p99_ms": pct(a, 0.99),
+            f"{name}_{other}_p50_ms": pct(b, 0.5), f"{name}_{other}_p99_ms": pct(b, 0.99),
+            f"{name}_ratio_to_{other}": pct(a, 0.5) / pct(b, 0.5), count: len(a)}
 
 
 def _alternate(modes: tuple[str, str], rounds: int, writers: int,
@@ -401,11 +406,7 @@ def bench_journal_syncs(rounds: int = 60) -> dict[str, Any]:
         os.close(grow)
         for f in agents:
             f.close()
-    pre = [x * 1000 for x in times["prealloc"]]
-    grown = [x * 1000 for x in times["growing"]]
-    return {"journal_sync_p50_ms": pct(pre, 0.5), "journal_sync_p99_ms": pct(pre, 0.99),
-            "journal_sync_growing_p50_ms": pct(grown, 0.5), "journal_sync_growing_p99_ms": pct(grown, 0.99),
-            "journal_sync_ratio_to_growing": pct(pre, 0.5) / pct(grown, 0.5), "journal_syncs": len(pre)}
+    return _against("journal_sync", "growing", "journal_syncs", times["prealloc"], times["growing"])
 
 
 # ------------------------------------------------------------------ fan-out

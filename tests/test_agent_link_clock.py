@@ -12,20 +12,11 @@ import msgspec
 import trio
 
 from scheduler_link.agent_link import AgentLink
-from scheduler_link.messages import GpuSnapshot, NodeReport, ReportReply, Victim
+from scheduler_link.messages import NodeReport, ReportReply
+from tests.link_hooks import Hooks
 
 HB = 1.0
 
-
-class Hooks:
-    def full_report(self) -> NodeReport:
-        return NodeReport(node_id="n1", boot_id="", seq=0, full=True)
-
-    def gpu_snapshot(self) -> GpuSnapshot:
-        return GpuSnapshot()
-
-    async def stop_workloads(self, victims: list[Victim]) -> None:
-        pass
 
 
 async def test_heartbeats_backoff_through_an_outage_and_full_report_after(autojump_clock):

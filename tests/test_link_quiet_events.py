@@ -11,20 +11,11 @@ import trio
 
 from agent.daemon import reported_at_once
 from scheduler_link.agent_link import AgentLink
-from scheduler_link.messages import GpuSnapshot, NodeReport, ReportReply, Victim, WorkloadEvent
+from scheduler_link.messages import NodeReport, ReportReply, WorkloadEvent
+from tests.link_hooks import Hooks
 
 HB = 10.0
 
-
-class Hooks:
-    def full_report(self) -> NodeReport:
-        return NodeReport(node_id="n1", boot_id="", seq=0, full=True)
-
-    def gpu_snapshot(self) -> GpuSnapshot:
-        return GpuSnapshot()
-
-    async def stop_workloads(self, victims: list[Victim]) -> None:
-        pass
 
 
 def _ev(wid: str, state: str) -> WorkloadEvent:

@@ -124,6 +124,20 @@ class Rack:
         return relay, links
 
 
+
+async def _relay_host(n: trio.Nursery, tokens: TokenSet, relay: Relay, leader: FakePlacer, http: httpx.AsyncClient,
+                      placers: str = "http://placer-a,http://placer-b", *, folded: bool = True) -> AgentLink:
+    """The relay host's own link as the agent daemon wires it (over Relay.own_channel; with
+    ``folded``, its heartbeat copies riding in the relay's beat copies and its relay asked who
+    leads), started, no periodic full report in the test's window."""
+    host = AgentLink(placers, tokens.cluster, "r1", Hooks(), heartbeat_s=0.2, wire_url=leader.url,
+                     wire_connect=relay.own_channel, http=http, own_relay_url=relay.listen_url,
+                     request_timeout_s=5.0, copy_fold=relay.copies.fold if folded else None,
+                     copy_leader=relay.leader_wire if folded else None)
+    host.full_every = 0
+    await n.start(host.run)
+    return host
+
 async def test_the_relay_copies_to_the_follower_then_goes_up_to_it(tmp_path: Path, token_dir: Path) -> None:
     tokens = TokenSet.load(token_dir)
     leader, follower = FakePlacer(tokens), FakeFollower(tokens)
@@ -372,11 +386,7 @@ async def test_the_relay_hosts_own_link_moves_to_a_busy_new_leader_with_no_full_
     with trio.fail_after(40):
         async with http, trio.open_nursery() as n:
             relay, links = await rack.start(n, 2)
-            host = AgentLink("http://placer-a,http://placer-b", tokens.cluster, "r1", Hooks(), heartbeat_s=0.2,
-                             wire_url=leader.url, wire_connect=relay.own_channel, http=http,
-                             own_relay_url=relay.listen_url, request_timeout_s=5.0)
-            host.full_every = 0   # (no periodic full report in the window)
-            await n.start(host.run)
+            host = await _relay_host(n, tokens, relay, leader, http, folded=False)
 
             def copied() -> bool:   # the host's copies to placer-b in step, over the relay's copy connection
                 st = host.statistics()["follower_copies"]
@@ -718,12 +728,8 @@ async def test_the_relay_hosts_own_link_asks_its_relay_who_leads_and_moves_once(
             fc.url = await n.start(fc.server.run, "127.0.0.1:0")
             relay, _ = await rack.start(n, 2)
             fc.master, fc.relay_url = leader.master, relay.listen_url
-            host = AgentLink("http://placer-a,http://placer-b,http://placer-c", tokens.cluster, "r1", Hooks(),
-                             heartbeat_s=0.2, wire_url=leader.url, wire_connect=relay.own_channel, http=http,
-                             own_relay_url=relay.listen_url, request_timeout_s=5.0, copy_fold=relay.copies.fold,
-                             copy_leader=relay.leader_wire)
-            host.full_every = 0
-            await n.start(host.run)
+            host = await _relay_host(n, tokens, relay, leader, http,
+                                     "http://placer-a,http://placer-b,http://placer-c")
 
             def copied() -> bool:
                 st = host.statistics()["follower_copies"]
@@ -759,12 +765,7 @@ async def test_the_relay_hosts_own_link_stays_when_its_relay_reconnects_to_the_s
     with trio.fail_after(40):
         async with http, trio.open_nursery() as n:
             relay, _ = await rack.start(n, 1)
-            host = AgentLink("http://placer-a,http://placer-b", tokens.cluster, "r1", Hooks(), heartbeat_s=0.2,
-                             wire_url=leader.url, wire_connect=relay.own_channel, http=http,
-                             own_relay_url=relay.listen_url, request_timeout_s=5.0, copy_fold=relay.copies.fold,
-                             copy_leader=relay.leader_wire)
-            host.full_every = 0
-            await n.start(host.run)
+            host = await _relay_host(n, tokens, relay, leader, http)
             with trio.fail_after(10):
                 await poll(lambda: relay.copies.folded >= 2, 0.02)
             failures, connects = host.failures, relay.connects

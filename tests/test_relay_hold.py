@@ -22,9 +22,10 @@ from scheduler_link.agent_link import AgentLink
 from scheduler_link.enroll import client_from_files
 from scheduler_link.frames import FrameChannel
 from scheduler_link.heartbeat_wire import UPSTREAM_DOWN, Hello
-from scheduler_link.messages import GpuSnapshot, NodeReport, ReportReply, Victim
+from scheduler_link.messages import NodeReport, ReportReply
 from scheduler_link.relayhold import DIAL_HOLD_FACTOR, RelayHold
 from testing.waiting import poll
+from tests.link_hooks import Hooks
 
 HOLD_S = 30.0
 
@@ -53,16 +54,6 @@ def test_no_hold_configured_holds_nothing_and_a_stated_dial_bound_is_never_below
 
 
 # ---------------------------------------------------------------- a member and the shipped relay
-
-class Hooks:
-    def full_report(self) -> NodeReport:
-        return NodeReport(node_id="m1", boot_id="", seq=0, full=True)
-
-    def gpu_snapshot(self) -> GpuSnapshot:
-        return GpuSnapshot()
-
-    async def stop_workloads(self, victims: list[Victim]) -> None:
-        pass
 
 
 class Placer:
@@ -125,7 +116,7 @@ def _relay(token_dir: Path, upstream: Upstream) -> Relay:
 
 
 def _member(tls_pki, http: httpx.AsyncClient, members: Members) -> AgentLink:  # noqa: ANN001
-    return AgentLink("http://placer", None, "m1", Hooks(), heartbeat_s=1.0, use_wire=False, http=http,
+    return AgentLink("http://placer", None, "m1", Hooks("m1"), heartbeat_s=1.0, use_wire=False, http=http,
                      enroll=client_from_files(tls_pki.files("node:m1")), enroll_relay_url="tcp://relay:1",
                      relay_connect=members.connect, relay_hold_s=HOLD_S)
 
