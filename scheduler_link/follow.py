@@ -360,8 +360,8 @@ class Copies:
         try:
             with trio.fail_after(self.host.request_timeout_s):
                 ch = await self.host.connect(f.wire, f.url)
-        except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
-                tls.TLSError) as e:
+        except (OSError, WireError, FrameError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
+                tls.TLSError) as e:   # (FrameError: closed before its hello was answered)
             log.debug("copy channel to a follower not opened placer=%s err=%r", f.url, e)
             f.wire = None   # (asked again: a follower restarted may listen elsewhere)
             return None

@@ -32,7 +32,7 @@ from agent.relaycore import RelayCore
 from infra.auth import TokenSet
 from scheduler_link.agent_link import AgentLink
 from scheduler_link.follow import OBSERVED, Copies, answer_beat
-from scheduler_link.frames import FrameChannel, decode_payload
+from scheduler_link.frames import FrameChannel, FrameError, decode_payload
 from scheduler_link.heartbeat_wire import Hello, WireError, WireReply
 from scheduler_link.messages import (
     Frame,
@@ -488,6 +488,36 @@ async def test_a_move_waits_for_the_copy_in_flight_and_no_longer_than_it_lives(a
             else:
                 assert ch is chan and chan.seen == [1, 2] and trio.current_time() - t0 == 3.0
                 assert copies.handovers == 1
+            n.cancel_scope.cancel()
+
+
+class RefusingLink(CopyLink):
+    """A link whose first ``closes`` copy connections end during their hello, as a follower (or
+    the relay it dials through) closes a connection it cannot take yet."""
+
+    def __init__(self, chan: SlowChannel, closes: int) -> None:
+        super().__init__(chan)
+        self.closes = closes
+
+    async def connect(self, wire_url: str, placer_url: str) -> SlowChannel:
+        if self.closes:
+            self.closes -= 1
+            raise FrameError("frames connection r1 closed before the answer")
+        return self.chan
+
+
+async def test_a_copy_connection_closed_in_its_hello_is_tried_again(autojump_clock) -> None:  # noqa: ANN001
+    """A follower's copy connection that closes before its hello is answered is a failed
+    connect like any other: tried again after a pause, the copies then go on -- the node's link
+    (whose nursery the copies run in) never ends on it."""
+    chan = SlowChannel()
+    link = RefusingLink(chan, closes=2)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as n:
+            copies = Copies(link, n, random.Random(1))
+            copies.offer(NodeReport(node_id="n", boot_id="b", seq=1, full=True), ["http://a", "http://b"])
+            await poll(lambda: chan.seen == [1], 0.01)
+            assert link.closes == 0 and copies.failures == 2
             n.cancel_scope.cancel()
 
 
