@@ -50,13 +50,14 @@ report and heartbeat carry the member's MAC, which this relay passes on untouche
 
 Without a connection up, members' reports are answered 503 with the reason ``upstream_down``
 (and so are the reports queued when the connection went), saying (``dialling``) whether this
-relay has been connected since it started. A member's link keeps its relay for up to ``hold_s``
-of those answers once it lost the placer (a restart: this relay reconnects within seconds and
-the members' full reports go up through it, MACed with keys that outlive the placer process,
-so a restart costs the placer one handshake per relay, not one per node), and
-``DIAL_HOLD_FACTOR`` times that while its first dial is under way (scheduler_link.relayhold: a
-cold start, where every relay of the fleet waits its turn in the placer's handshake queue and
-a member that went directly would only lengthen it); then it falls back to the placer directly
+relay is getting through: never connected since it started, or a dial to the placer in flight
+now. A member's link keeps its relay for up to ``hold_s`` of those answers (a restart: this
+relay reconnects within seconds and the members' full reports go up through it, MACed with
+keys that outlive the placer process, so a restart costs the placer one handshake per relay,
+not one per node), and up to ``DIAL_HOLD_FACTOR`` times that on answers that say dialling
+(scheduler_link.relayhold: a cold start or a large fleet's restart, where every relay waits
+its turn in the placer's handshake queue and a member that went directly would only lengthen
+it); then it falls back to the placer directly
 (a relay that cannot reach the placer must not hold its rack for longer). The rack does not
 look alive meanwhile: the placer hears nothing of it. Once it is connected again, every member
 it knows is asked for a full report in the answer to its next heartbeat (:meth:`agent.beats.BeatBook.reconnected`): a restarted placer holds nothing of them,
@@ -240,6 +241,7 @@ class Relay:
         self.stalled = False
         # statistics (the core's decisions: self.core's counters)
         self.connects = 0
+        self._dial_in_flight = False   # a dial up (not a copy connection taken) is under way now
         self.drops = 0
         self.drop_reasons: dict[str, int] = {}   # why the connection up ended, by reason
         self.leader_moves = 0                    # moves up to a follower that answered as the leader (_copy_leads)
@@ -255,9 +257,11 @@ class Relay:
 
     @property
     def dialling(self) -> bool:
-        """No connection up, and none since this relay started: its first dial is under way
-        (its members are told so with ``upstream_down``: scheduler_link.relayhold)."""
-        return self._up is None and self.connects == 0
+        """No connection up, and either none since this relay started (its first dial is under
+        way) or a dial to the placer in flight now (a restarted placer's handshake queue: the
+        relay is getting through, not backing off). Its members are told so with
+        ``upstream_down`` (scheduler_link.relayhold)."""
+        return self._up is None and (self.connects == 0 or self._dial_in_flight)
 
     def statistics(self) -> dict[str, Any]:
         c = self.core
@@ -307,15 +311,18 @@ class Relay:
                 continue
             taken = self.copies.take(url)   # a follower that leads now: its copy connection goes up
             dial_at = time.monotonic()
+            self._dial_in_flight = taken is None
             try:
                 ch = taken.ch if taken is not None else await self._dial(url)
             except (OSError, WireError, trio.TooSlowError, trio.BrokenResourceError, msgspec.DecodeError,
                     TLSError) as e:   # (a busy placer resets handshakes: tried again, never the relay's end)
+                self._dial_in_flight = False
                 self.failures += 1
                 log.info("relay upstream connect failed url=%s after=%.1fs err=%r", url, time.monotonic() - dial_at, e)
                 await self._pause(backoff * 2 * random.uniform(0.5, 1.0))  # jittered: relays do not retry in step
                 backoff = min(self.backoff_max_s, backoff * 2)
                 continue
+            self._dial_in_flight = False
             backoff = self.backoff_min_s
             self.connects += 1
             # (a follower that held every copy holds what the members said: none asked again)

@@ -87,15 +87,15 @@ Invariants:
   already known is only slow, and is waited for.
 - A relay with no connection to the placer (scheduler_link.relayhold): it answers
   ``upstream_down`` (503; to an enrolment, ``PlacerCert.outcome``) and says, structured
-  (``dialling``), whether it has not been connected since it started (its first dial under way:
-  a cold start, every relay handshaking with the placer at once) or lost the placer (a
-  restart). The link keeps that relay (trying it every second or so, a full report pending)
-  instead of handshaking with the placer itself, so the placer hears the rack's members
-  through their relay (one handshake per relay), for a bound from the first such answer in a
-  row that the link keeps, not the relay: ``relay_hold_s`` once any answer said lost,
-  ``DIAL_HOLD_FACTOR`` (4) times that while every answer said dialling (a relay stuck
-  dialling still lets its members go). Past the bound it reports directly as after any relay
-  failure.
+  (``dialling``), whether it is getting through (never connected since it started, or a dial
+  to the placer in flight now: a cold start or a large fleet's restart, every relay
+  handshaking with the placer at once) or is between dials (the placer refused or did not
+  answer its last one). The link keeps that relay (trying it every second or so, a full report
+  pending) instead of handshaking with the placer itself, so the placer hears the rack's
+  members through their relay (one handshake per relay), for a bound from the first such
+  answer in a row that the link keeps, not the relay: ``relay_hold_s`` on an answer between
+  dials, ``DIAL_HOLD_FACTOR`` (4) times that on one that says dialling (a relay stuck dialling
+  still lets its members go). Past the bound it reports directly as after any relay failure.
 """
 
 from __future__ import annotations
@@ -390,13 +390,13 @@ class AgentLink:
         self.enrolled = 0
         self.enroll_failures = 0
         self.enroll_refusals: dict[str, int] = {}
-        # a relay with no connection to the placer (upstream_down: its first dial under way, or
-        # the placer restarting) is kept for a bounded time from its first such answer
+        # a relay with no connection to the placer (upstream_down: dialling it, or between dials
+        # while the placer restarts) is kept for a bounded time from its first such answer
         # (scheduler_link.relayhold), retried every RELAY_HOLD_RETRY_S (jittered)
         self.relay_hold_s = relay_hold_s
         self._hold = RelayHold(relay_hold_s)
         self.relay_holds = 0                 # answers upstream_down while the relay was kept
-        self.relay_dial_holds = 0            # ... of them, from a relay making its first dial
+        self.relay_dial_holds = 0            # ... of them, from a relay that said it is dialling
         self._enroll_channel: RelayChannel | None = None   # the relay held on to for an enrolment
         self.relayed_full_reports = 0        # full reports the placer took through a relay (no handshake)
         self.compact_registrations = 0       # full reports taken that named the inventory (placer.inventories)
@@ -723,8 +723,8 @@ class AgentLink:
         return ok
 
     def _holding(self, now: float, dialling: bool) -> bool:
-        """Keep the relay after an ``upstream_down`` answer (``dialling``: it said its first dial
-        is under way)? Yes until the hold's bound passed since the first of them in a row
+        """Keep the relay after an ``upstream_down`` answer (``dialling``: it said it is getting
+        through)? Yes until the hold's bound passed since the first of them in a row
         (scheduler_link.relayhold: ``relay_hold_s``, longer while the relay is dialling)."""
         first = not self._hold.holding
         keep = self._hold.keep(now, dialling=dialling)
@@ -910,8 +910,8 @@ class AgentLink:
     async def _enroll_through_relay(self, nursery: trio.Nursery) -> bool | None:
         """Register through the remembered relay (module docstring). True when this node is
         registered and reports through that relay now; False: register directly; None: the
-        relay has no connection to the placer (its first dial under way, or the placer
-        restarting) and is held on to (scheduler_link.relayhold: ``relay_hold_s`` from the first
+        relay has no connection to the placer (dialling it, or between dials while the placer
+        restarts) and is held on to (scheduler_link.relayhold: ``relay_hold_s`` from the first
         such answer, as for reports, longer while it says it is dialling): try again soon, on the
         same connection to the relay (no new handshake with it per try)."""
         assert self._enroll is not None and self._enroll_url is not None
@@ -1310,7 +1310,7 @@ class _Race:
 
 class _RelayHolding(_PlacerError):
     """The relay answered ``upstream_down``: it has no connection to the placer (``dialling``:
-    not yet, its first dial under way)."""
+    it is getting through -- never connected yet, or a dial in flight now)."""
 
     def __init__(self, msg: str, *, dialling: bool) -> None:
         super().__init__(msg)

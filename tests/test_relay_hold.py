@@ -41,11 +41,18 @@ def test_a_dialling_relay_is_kept_longer_and_a_lost_one_as_long_as_configured() 
     assert h.until(200.0, dialling=False) == 200.0 + HOLD_S and not h.keep(200.0 + HOLD_S, dialling=False)
 
 
-def test_once_a_relay_said_lost_the_hold_is_the_lost_bound_from_its_first_answer() -> None:
+def test_each_answer_is_held_to_its_own_bound_from_the_first_answer() -> None:
+    """A relay that lost the placer and is dialling it again (a large fleet's placer restart:
+    its turn in the handshake queue) is kept to the dialling bound; an answer between its dials
+    to the lost one -- both counted from the hold's first answer, never from a later one."""
     h = RelayHold(HOLD_S)
-    assert h.keep(0.0, dialling=True) and h.keep(20.0, dialling=True)
-    assert h.until(25.0, dialling=False) == HOLD_S       # (measured from the first answer, not this one)
-    assert not h.keep(HOLD_S + 1, dialling=True)         # a later "dialling" does not stretch it again
+    assert h.until(0.0, dialling=False) == HOLD_S         # lost: between dials
+    assert h.until(20.0, dialling=True) == DIAL_HOLD_FACTOR * HOLD_S   # dialling again
+    assert h.keep(HOLD_S + 10, dialling=True)             # past the lost bound, getting through: kept
+    assert not h.keep(HOLD_S + 11, dialling=False)        # between dials past it: go directly
+    h.clear()
+    assert h.until(0.0, dialling=True) == DIAL_HOLD_FACTOR * HOLD_S
+    assert not h.keep(DIAL_HOLD_FACTOR * HOLD_S, dialling=True)   # never past the dialling bound
 
 
 def test_no_hold_configured_holds_nothing_and_a_stated_dial_bound_is_never_below_the_lost_one() -> None:
@@ -76,12 +83,15 @@ class Upstream:
     def __init__(self) -> None:
         self.url: str | None = None
         self.down = False
+        self.queued: trio.Event | None = None   # set: a dial waits for it (the placer's handshake queue)
         self._placer_end: trio.abc.Stream | None = None
 
     def __call__(self) -> str | None:
         return self.url
 
     async def dial(self, url: str) -> FrameChannel:
+        if self.queued is not None:
+            await self.queued.wait()
         if self.down:
             raise OSError("connection refused")
         a, self._placer_end = trio.testing.memory_stream_pair()
@@ -149,4 +159,35 @@ async def test_a_member_keeps_a_dialling_relay_longer_than_one_that_lost_the_pla
         await poll(lambda: link.registered, 0.01)
         assert len(placer.direct) == 1 and bound <= placer.direct[0] - t0 <= bound + 1.0
         assert link.enroll_refusals[UPSTREAM_DOWN] == link.relay_holds + 1 and link.enrolled == 0
+        n.cancel_scope.cancel()
+
+
+async def test_a_relay_dialling_again_after_a_loss_says_so_while_its_dial_is_in_flight(
+        token_dir: Path, tls_pki, autojump_clock) -> None:  # noqa: ANN001
+    """A relay that lost the placer says dialling while a dial to it is in flight (the restarted
+    placer's handshake queue) and lost between dials: its member is kept past ``relay_hold_s``
+    while the relay is getting through, up to the dialling bound, then registers directly."""
+    placer, upstream = Placer(), Upstream()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(placer)) as http, trio.open_nursery() as n:
+        relay = _relay(token_dir, upstream)
+        await n.start(relay.run)
+        upstream.url = "tcp://placer:1"
+        await relay.upstream_ready.wait()
+        await upstream.lose()
+        await poll(lambda: relay.upstream is None, 0.01)
+        await trio.sleep(0.5)   # (refused: between dials)
+        assert not relay.dialling
+        upstream.queued = trio.Event()   # the placer is back; the relay's dial waits its turn
+        await poll(lambda: relay.dialling, 0.01)
+        members = Members(relay, n)
+        link = _member(tls_pki, http, members)
+        t0 = trio.current_time()
+        await n.start(link.run)
+        await trio.sleep(HOLD_S + 10.0)
+        assert placer.direct == [] and not link.registered and members.connects == 1   # past hold_s: kept
+        await poll(lambda: link.registered, 0.01)
+        assert len(placer.direct) == 1
+        assert DIAL_HOLD_FACTOR * HOLD_S <= placer.direct[0] - t0 <= DIAL_HOLD_FACTOR * HOLD_S + 1.0
+        upstream.queued.set()   # its turn: refused (the placer still down in this test): between dials again
+        await poll(lambda: not relay.dialling, 0.01)
         n.cancel_scope.cancel()
