@@ -365,14 +365,23 @@ async def test_a_replayed_relayed_stop_does_not_stop_the_pod_and_the_placers_sto
             assert member.workloads["ghost.3.0"].state == "running"
             await trio.sleep(max(0.0, held.expires_at - time.time()) + 0.2)
             refused0, full0 = link.stops_refused, link.full_reports_sent
+            rechecks_at_stop: list[int] = []   # the member's rechecks when a stop reached its workloads
+            stop_workloads = member.stop_workloads
+
+            async def counted_stop(victims: list[Victim]) -> None:
+                rechecks_at_stop.append(link.relay_rechecks)
+                await stop_workloads(victims)
+
+            member.stop_workloads = counted_stop  # type: ignore[method-assign]
             hostile.replay = True
             await poll(lambda: hostile.replayed == 1, 0.02)
-            await poll(lambda: link.stops_refused > refused0, 0.02)
-            assert member.workloads["ghost.3.0"].state == "running"      # the replay stopped nothing
-            # named in the member's next report, a full one over its own connection: the placer's
-            # answer tells it again, with no relay in the way, and that stops it
+            await poll(lambda: link.stops_refused > refused0, 0.02)     # the replay refused: it stops nothing
+            # named in the member's next report, a full one over its own connection (sent at once on
+            # the refusal: it may be answered within one poll), the placer's answer tells it again,
+            # with no relay in the way, and that stops it: one stop taken, after one recheck
             await poll(lambda: member.workloads["ghost.3.0"].state == "preempted", 0.02)
             assert link.full_reports_sent > full0 and link.relay_rechecks == 1 and link.stops_received == 1
+            assert rechecks_at_stop == [1]   # the stop taken came after the recheck: the replay stopped nothing
             n.cancel_scope.cancel()
 
 
