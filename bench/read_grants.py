@@ -29,7 +29,8 @@ from scheduler_link.msgauth import BundleSigner
 MANIFEST = "ab" * 32
 
 
-def _report(node: str, rack: str, gpus: int, manifests: list[str]) -> NodeReport:
+def sim_report(node: str, rack: str, gpus: int, manifests: list[str]) -> NodeReport:
+    """A node's full report with ``gpus`` simulated GPUs, holding ``manifests`` (benches and tests)."""
     snap = GpuSnapshot(simulated=True, gpus=[GpuInfo(index=i, uuid=f"{node}-g{i}", name="sim", memory_total_mib=1,
                                                      pci_bus_id=str(i), simulated=True) for i in range(gpus)])
     return NodeReport(node_id=node, boot_id=f"boot-{node}", seq=1, full=True, control_url=f"http://{node}",
@@ -42,8 +43,8 @@ def run(nodes: int, pairs: int) -> dict[str, object]:
     st = PlacerState(PlacerConfig(heartbeat_s=5.0, fence_after_s=60.0, recover_s=0.0), started_at=0.0)
     st.recover_until = 0.0
     for i in range(nodes):
-        st.ingest(f"n{i:06d}", _report(f"n{i:06d}", f"r{i // 32}", 8, []), 0.0)
-    st.ingest("holder", _report("holder", "rh", 1, [MANIFEST]), 0.0)   # (too small for a pod: outside)
+        st.ingest(f"n{i:06d}", sim_report(f"n{i:06d}", f"r{i // 32}", 8, []), 0.0)
+    st.ingest("holder", sim_report("holder", "rh", 1, [MANIFEST]), 0.0)   # (too small for a pod: outside)
     st.schedule(0.0)   # (the model built: a pass waits 4x a rebuild's cost after it)
     times: dict[str, list[float]] = {"on": [], "off": []}
     now = 100.0

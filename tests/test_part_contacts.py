@@ -16,21 +16,18 @@ import trio
 from agent.blobs import BlobCache, BlobUnavailable
 from agent.parts import build_placement
 from agent.relaycore import KeepBlob, Refuse, RelayCore, Taken
+from bench.read_grants import sim_report
 from placer.config import PlacerConfig
 from placer.records import parts_bytes
 from placer.state import PlacerState
 from scheduler_link.messages import (
     GANG_BLOB_VERSION,
     GangBlob,
-    GpuInfo,
-    GpuSnapshot,
     JobSpec,
     NodePart,
-    NodeReport,
     PartPod,
     Peer,
     PodAssignment,
-    TopologyPath,
     decode_gang_blob,
     encode_gang_blob,
 )
@@ -38,14 +35,6 @@ from scheduler_link.msgauth import BundleSigner
 
 M = "ab" * 32
 RACK = "z/b/r0"
-
-
-def _report(node: str, rack: str, gpus: int, manifests: list[str]) -> NodeReport:
-    snap = GpuSnapshot(simulated=True, gpus=[GpuInfo(index=i, uuid=f"{node}-g{i}", name="sim", memory_total_mib=1,
-                                                     pci_bus_id=str(i), simulated=True) for i in range(gpus)])
-    return NodeReport(node_id=node, boot_id=f"boot-{node}", seq=1, full=True, control_url=f"http://{node}",
-                      data_url=f"http://{node}:1", topology=TopologyPath(zone="z", block="b", rack=rack),
-                      snapshot=snap, manifests=manifests)
 
 
 def _decide(holders: int) -> tuple[list[Peer], list[bytes], GangBlob]:
@@ -56,9 +45,9 @@ def _decide(holders: int) -> tuple[list[Peer], list[bytes], GangBlob]:
     st_.recover_until = 0.0
     st_.read_grants = BundleSigner.generate().read_grant
     for i in range(40):
-        st_.ingest(f"n{i:02d}", _report(f"n{i:02d}", f"r{i // 20}", 8, []), 0.0)
+        st_.ingest(f"n{i:02d}", sim_report(f"n{i:02d}", f"r{i // 20}", 8, []), 0.0)
     for i in range(holders):
-        st_.ingest(f"h{i}", _report(f"h{i}", "r9", 1, [M]), 0.0)
+        st_.ingest(f"h{i}", sim_report(f"h{i}", "r9", 1, [M]), 0.0)
     st_.submit(JobSpec(job_id="g", pods=40, gpus_per_pod=8, argv=["x"], manifest_id=M, origin="file:///o"), 0.1)
     (job, pushes), = st_.schedule(0.1)
     assert job.blob_id is not None
